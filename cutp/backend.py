@@ -1,0 +1,141 @@
+"""The one place that decides the array module.
+
+cutp runs the same code on NumPy arrays (CPU, MPI) and on CuPy arrays (NVIDIA GPUs, NCCL).
+Every op asks `get_array_module(x)` which module its inputs belong to; a context asks
+`resolve_device(...)` once which backend it runs on. CuPy is imported only when a CuPy
+array or the CUDA backend is actually used, so CPU-only machines never pay for it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import types
+
+import numpy as np
+
+from .errors import BackendError
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def is_cupy_array(x) -> bool:
+    # Compare by module name so that NumPy-only code paths never import cupy.
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def get_array_module(*arrays) -> types.ModuleType:
+    """numpy, or cupy if any argument is a CuPy array."""
+    for a in arrays:
+        if is_cupy_array(a):
+            import cupy
+
+            return cupy
+    return np
+
+
+def to_numpy(x) -> np.ndarray:
+    """A host copy (or the array itself, if it already lives on the host)."""
+    if is_cupy_array(x):
+        return x.get()
+    return np.asarray(x)
+
+
+def cupy_status() -> tuple[bool, str]:
+    """(usable, reason): whether CuPy imports and sees at least one GPU."""
+    try:
+        cupy = importlib.import_module("cupy")
+    except Exception as e:  # ImportError, or a broken CUDA install raising at import
+        return False, f"cupy does not import ({type(e).__name__}: {e}); install cutp[cuda12] or cutp[cuda13]"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"cupy imports but the CUDA runtime sees no usable GPU ({type(e).__name__}: {e})"
+    if n < 1:
+        return False, "cupy imports but the CUDA runtime reports 0 GPUs"
+    return True, f"{n} GPU(s) visible"
+
+
+def cuda_device_count() -> int:
+    """GPUs visible to this process (0 when CUDA is unusable). Tests replace this to simulate nodes."""
+    ok, _ = cupy_status()
+    if not ok:
+        return 0
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+def nccl_status() -> tuple[bool, str]:
+    ok, why = cupy_status()
+    if not ok:
+        return False, why
+    try:
+        from cupy.cuda import nccl
+    except Exception as e:
+        return False, f"cupy.cuda.nccl does not import ({e})"
+    if not getattr(nccl, "available", False):
+        return False, "libnccl.so.2 cannot be loaded; install nvidia-nccl-cu12 (or -cu13)"
+    return True, f"NCCL {nccl_version_string()}"
+
+
+def nccl_version_string() -> str:
+    try:
+        from cupy.cuda import nccl
+
+        v = nccl.get_version()
+        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
+    except Exception as e:
+        return f"unknown ({e})"
+
+
+def resolve_device(device: str = "auto") -> str:
+    """'cpu' or 'cuda'. 'auto' picks cuda when a GPU is usable; 'cuda' without one raises."""
+    if device not in DEVICES:
+        raise BackendError(f"device={device!r} is not one of {DEVICES}")
+    env = os.environ.get("CUTP_DEVICE")
+    if device == "auto" and env in ("cpu", "cuda"):
+        device = env
+    if device == "cpu":
+        return "cpu"
+    count = cuda_device_count()
+    if device == "auto":
+        return "cuda" if count > 0 else "cpu"
+    if count == 0:
+        _, why = cupy_status()
+        raise BackendError(
+            f"device='cuda' was requested but no GPU is usable here: {why}. "
+            "Use device='cpu' (NumPy + MPI) or device='auto', or run on a machine with an NVIDIA GPU."
+        )
+    return "cuda"
+
+
+def array_module_for(device: str) -> types.ModuleType:
+    if device == "cuda":
+        import cupy
+
+        return cupy
+    return np
+
+
+def as_array(xp, a, dtype=None):
+    """`a` as an array of module xp, without a copy where the memory already fits.
+
+    Accepts NumPy and CuPy arrays, objects exporting `__cuda_array_interface__` (Numba, PyTorch
+    CUDA tensors, ...) or DLPack (`__dlpack__`), and anything `asarray` takes. This is how a host
+    code hands its own arrays to cutp; cutp's arrays export both protocols in return.
+    """
+    if xp is np:
+        if is_cupy_array(a):
+            a = a.get()
+        elif not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__"):
+            try:
+                a = np.from_dlpack(a)
+            except (TypeError, RuntimeError, BufferError):
+                pass  # a device array: fall through to asarray, which raises a clear error
+        return np.asarray(a, dtype=dtype)
+    if not is_cupy_array(a) and not isinstance(a, np.ndarray):
+        if hasattr(a, "__cuda_array_interface__"):
+            a = xp.asarray(a)
+        elif hasattr(a, "__dlpack__"):
+            a = xp.from_dlpack(a)
+    return xp.asarray(a, dtype=dtype)

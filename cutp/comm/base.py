@@ -1,0 +1,103 @@
+"""The communicator interface: exactly the collectives the runtime needs.
+
+Semantics shared by every implementation (MPI on NumPy arrays, NCCL on CuPy arrays):
+
+- Arrays must be C-contiguous and of a supported dtype (float32, float64, bfloat16, int32,
+  int64); anything else raises `CommError` before any communication starts.
+- `out=None` allocates the result; `out=x` is in place where the shapes allow it.
+- all_gather concatenates the ranks' arrays along axis 0 (rank order); reduce_scatter splits
+  axis 0 of the input into `size` equal chunks and returns this rank's reduced chunk.
+  Layers that gather along another axis move it to the front themselves (see
+  `cutp.tensor_parallel.mappings`).
+- Reductions: "sum", "max", "avg" (avg = sum / size, in the array's dtype).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+REDUCE_OPS = ("sum", "max", "avg")
+SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "int32", "int64")
+
+
+class CommError(RuntimeError):
+    """A collective was called with arguments it cannot take."""
+
+
+def dtype_name(x) -> str:
+    return np.dtype(x.dtype).name
+
+
+def check_array(x, what: str = "array") -> None:
+    name = dtype_name(x)
+    if name not in SUPPORTED_DTYPES:
+        raise CommError(f"{what} has dtype {name}; collectives take {', '.join(SUPPORTED_DTYPES)}")
+    if not x.flags.c_contiguous:
+        raise CommError(f"{what} is not C-contiguous; pass xp.ascontiguousarray(x)")
+
+
+def check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise CommError(f"reduce op {op!r} is not one of {REDUCE_OPS}")
+
+
+class Communicator:
+    """A group of ranks. Subclasses implement the collectives on one array type."""
+
+    #: "mpi" or "nccl"
+    kind: str = "abstract"
+
+    def __init__(self, rank: int, size: int, name: str = "group"):
+        self.rank = rank
+        self.size = size
+        self.name = name
+
+    # ---- collectives -------------------------------------------------------------------
+    def all_reduce(self, x, op: str = "sum", out=None):
+        raise NotImplementedError
+
+    def all_gather(self, x, out=None):
+        raise NotImplementedError
+
+    def reduce_scatter(self, x, op: str = "sum", out=None):
+        raise NotImplementedError
+
+    def broadcast(self, x, root: int = 0):
+        """In place: every rank's x becomes root's x. Returns x."""
+        raise NotImplementedError
+
+    def send(self, x, dest: int, tag: int = 0) -> None:
+        raise NotImplementedError
+
+    def recv(self, x, source: int, tag: int = 0):
+        """Receives into x (which gives the shape and dtype). Returns x."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    # ---- shape helpers shared by the implementations ------------------------------------
+    def _gather_shape(self, x):
+        return (x.shape[0] * self.size,) + tuple(x.shape[1:]) if x.ndim else (self.size,)
+
+    def _scatter_shape(self, x):
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise CommError(
+                f"reduce_scatter over {self.size} ranks needs axis 0 divisible by {self.size}; got shape {tuple(x.shape)}"
+            )
+        return (x.shape[0] // self.size,) + tuple(x.shape[1:])
+
+    def _check_out(self, out, shape, dtype, what):
+        if out is None:
+            return
+        check_array(out, f"{what} out")
+        if tuple(out.shape) != tuple(shape) or np.dtype(out.dtype) != np.dtype(dtype):
+            raise CommError(
+                f"{what}: out has shape {tuple(out.shape)} and dtype {np.dtype(out.dtype).name}; "
+                f"expected {tuple(shape)} and {np.dtype(dtype).name}"
+            )
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"

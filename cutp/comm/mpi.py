@@ -1,0 +1,114 @@
+"""Collectives on NumPy arrays over mpi4py's buffer interface (upper-case methods, no pickling).
+
+bfloat16 has no MPI datatype. Data movement (gather, broadcast, send/recv) ships its raw 16-bit
+words; reductions convert to float32, reduce, and round back to bfloat16 once. That is at least
+as accurate as NCCL's native bf16 reduction (which rounds after every step of its ring), so a
+bf16 sum can differ from NCCL's in the last bit, never by more.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .base import Communicator, check_array, check_op, dtype_name
+
+_MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "avg": MPI.SUM}
+
+
+def _buf(x):
+    """An mpi4py buffer spec that never guesses the datatype."""
+    name = dtype_name(x)
+    if name == "bfloat16":
+        return [x.view(np.uint16), MPI.UINT16_T]
+    return [x, MPI._typedict[np.dtype(x.dtype).char]]
+
+
+class MpiCommunicator(Communicator):
+    kind = "mpi"
+
+    def __init__(self, mpi_comm: MPI.Comm, name: str = "group", owned: bool = False):
+        super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size(), name)
+        self.mpi_comm = mpi_comm
+        # Only communicators cutp split off itself are freed by close(); the caller's stay.
+        self.owned = owned
+
+    # ---- reductions ------------------------------------------------------------------------
+    def all_reduce(self, x, op="sum", out=None):
+        check_array(x, f"all_reduce on {self.name}")
+        check_op(op)
+        self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
+        if dtype_name(x) == "bfloat16":
+            acc = x.astype(np.float32)
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(acc), op=_MPI_OPS[op])
+            self._finish_avg(acc, op)
+            if out is None:
+                return acc.astype(x.dtype)
+            out[...] = acc
+            return out
+        if out is None:
+            out = np.empty_like(x)
+        if out is x:
+            self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(x), op=_MPI_OPS[op])
+        else:
+            self.mpi_comm.Allreduce(_buf(x), _buf(out), op=_MPI_OPS[op])
+        self._finish_avg(out, op)
+        return out
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        check_array(x, f"reduce_scatter on {self.name}")
+        check_op(op)
+        shape = self._scatter_shape(x)
+        self._check_out(out, shape, x.dtype, f"reduce_scatter on {self.name}")
+        if dtype_name(x) == "bfloat16":
+            acc = np.empty(shape, np.float32)
+            self.mpi_comm.Reduce_scatter_block(_buf(x.astype(np.float32)), _buf(acc), op=_MPI_OPS[op])
+            self._finish_avg(acc, op)
+            if out is None:
+                return acc.astype(x.dtype)
+            out[...] = acc
+            return out
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        self.mpi_comm.Reduce_scatter_block(_buf(x), _buf(out), op=_MPI_OPS[op])
+        self._finish_avg(out, op)
+        return out
+
+    def _finish_avg(self, a, op):
+        if op != "avg" or self.size == 1:
+            return
+        if a.dtype.kind == "f":
+            a /= self.size
+        else:  # integers: truncating division, as NCCL's ncclAvg does
+            np.floor_divide(a, self.size, out=a)
+
+    # ---- data movement -------------------------------------------------------------------
+    def all_gather(self, x, out=None):
+        check_array(x, f"all_gather on {self.name}")
+        shape = self._gather_shape(x)
+        self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
+        if out is None:
+            out = np.empty(shape, x.dtype)
+        self.mpi_comm.Allgather(_buf(x), _buf(out))
+        return out
+
+    def broadcast(self, x, root=0):
+        check_array(x, f"broadcast on {self.name}")
+        self.mpi_comm.Bcast(_buf(x), root=root)
+        return x
+
+    def send(self, x, dest, tag=0):
+        check_array(x, f"send on {self.name}")
+        self.mpi_comm.Send(_buf(x), dest=dest, tag=tag)
+
+    def recv(self, x, source, tag=0):
+        check_array(x, f"recv on {self.name}")
+        self.mpi_comm.Recv(_buf(x), source=source, tag=tag)
+        return x
+
+    def barrier(self):
+        self.mpi_comm.Barrier()
+
+    def close(self):
+        if self.owned and self.mpi_comm != MPI.COMM_NULL:
+            self.mpi_comm.Free()
+            self.owned = False

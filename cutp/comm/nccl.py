@@ -1,0 +1,158 @@
+"""Collectives on CuPy arrays through `cupy.cuda.nccl`.
+
+One NCCL communicator per group (TP group, DP group). Bootstrapping follows ChainerMN and llm.c:
+the group's first rank makes the unique id, MPI broadcasts it as a fixed-size byte buffer, a
+barrier follows (some MPI stacks deadlock if ncclCommInitRank follows the broadcast directly),
+and every rank constructs its communicator on the *current* CUDA device. If making the id fails
+on the first rank, the buffer carries the error text instead, so every rank raises instead of
+waiting in a broadcast that never comes.
+
+All calls run on the caller's current CuPy stream, so a host code's stream ordering holds.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import is_cupy_array
+from .base import CommError, Communicator, check_op, dtype_name
+from .base import check_array as _check_array
+
+# NCCL's enum values by dtype name (CuPy has no dtype-to-NCCL helper).
+_NCCL_DTYPES = {"int32": 2, "int64": 4, "float32": 7, "float64": 8, "bfloat16": 9}
+_NCCL_OPS = {"sum": 0, "max": 2, "avg": 4}
+
+_UID_BYTES = 128
+_MSG_BYTES = 1024  # room for an error message in the bootstrap buffer
+
+
+def check_array(x, what):
+    if not is_cupy_array(x):
+        raise CommError(f"{what}: the NCCL communicator takes CuPy arrays, got {type(x).__module__}.{type(x).__name__}")
+    _check_array(x, what)
+
+
+def _load_nccl():
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", False):
+        raise CommError("NCCL is not available (libnccl.so.2 not found); install nvidia-nccl-cu12 or -cu13")
+    return nccl
+
+
+def broadcast_unique_id(mpi_comm, make_id):
+    """Returns the id made by `make_id()` on rank 0 of mpi_comm, on every rank.
+
+    Raises CommError on every rank if `make_id` raised on rank 0.
+    """
+    from mpi4py import MPI
+
+    buf = np.zeros(1 + _MSG_BYTES, np.uint8)
+    if mpi_comm.Get_rank() == 0:
+        try:
+            uid = bytes(bytearray(v & 0xFF for v in make_id()))
+            if len(uid) != _UID_BYTES:
+                raise CommError(f"NCCL unique id has {len(uid)} bytes, expected {_UID_BYTES}")
+            buf[0] = 1
+            buf[1 : 1 + _UID_BYTES] = np.frombuffer(uid, np.uint8)
+        except Exception as e:  # any failure must reach the other ranks
+            msg = f"{type(e).__name__}: {e}".encode()[:_MSG_BYTES]
+            buf[0] = 2
+            buf[1 : 1 + len(msg)] = np.frombuffer(msg, np.uint8)
+    mpi_comm.Bcast([buf, MPI.UINT8_T], root=0)
+    if buf[0] != 1:
+        text = bytes(buf[1:]).rstrip(b"\0").decode(errors="replace")
+        raise CommError(f"making the NCCL unique id failed on the group's first rank: {text}")
+    return bytes(buf[1 : 1 + _UID_BYTES])
+
+
+class NcclCommunicator(Communicator):
+    kind = "nccl"
+
+    def __init__(self, mpi_comm, name: str = "group", nccl_module=None):
+        super().__init__(mpi_comm.Get_rank(), mpi_comm.Get_size(), name)
+        self.mpi_comm = mpi_comm
+        self._nccl = nccl_module if nccl_module is not None else _load_nccl()
+        uid = broadcast_unique_id(mpi_comm, self._nccl.get_unique_id)
+        mpi_comm.Barrier()
+        self.nccl_comm = self._nccl.NcclCommunicator(self.size, uid, self.rank)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _stream(self):
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+
+    def _dt(self, x):
+        return _NCCL_DTYPES[dtype_name(x)]
+
+    def _empty(self, shape, dtype):
+        import cupy
+
+        return cupy.empty(shape, dtype)
+
+    # ---- collectives ---------------------------------------------------------------------
+    def all_reduce(self, x, op="sum", out=None):
+        check_array(x, f"all_reduce on {self.name}")
+        check_op(op)
+        self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
+        if out is None:
+            out = self._empty(x.shape, x.dtype)
+        self.nccl_comm.allReduce(x.data.ptr, out.data.ptr, x.size, self._dt(x), _NCCL_OPS[op], self._stream())
+        return out
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        check_array(x, f"reduce_scatter on {self.name}")
+        check_op(op)
+        shape = self._scatter_shape(x)
+        self._check_out(out, shape, x.dtype, f"reduce_scatter on {self.name}")
+        if out is None:
+            out = self._empty(shape, x.dtype)
+        self.nccl_comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, self._dt(x), _NCCL_OPS[op], self._stream())
+        return out
+
+    def all_gather(self, x, out=None):
+        check_array(x, f"all_gather on {self.name}")
+        shape = self._gather_shape(x)
+        self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
+        if out is None:
+            out = self._empty(shape, x.dtype)
+        self.nccl_comm.allGather(x.data.ptr, out.data.ptr, x.size, self._dt(x), self._stream())
+        return out
+
+    def broadcast(self, x, root=0):
+        check_array(x, f"broadcast on {self.name}")
+        self.nccl_comm.broadcast(x.data.ptr, x.data.ptr, x.size, self._dt(x), root, self._stream())
+        return x
+
+    def send(self, x, dest, tag=0):
+        check_array(x, f"send on {self.name}")
+        self.nccl_comm.send(x.data.ptr, x.size, self._dt(x), dest, self._stream())
+
+    def recv(self, x, source, tag=0):
+        check_array(x, f"recv on {self.name}")
+        self.nccl_comm.recv(x.data.ptr, x.size, self._dt(x), source, self._stream())
+        return x
+
+    def barrier(self):
+        # NCCL has no barrier: finish this rank's queued work, then meet on the host.
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+        self.mpi_comm.Barrier()
+
+    def abort(self):
+        """Tears the communicator down without waiting for peers (used by the failure path)."""
+        try:
+            self.nccl_comm.abort()
+        except Exception:
+            pass
+
+    def close(self):
+        import cupy
+
+        if self.nccl_comm is None:
+            return
+        cupy.cuda.get_current_stream().synchronize()
+        self.mpi_comm.Barrier()
+        self.nccl_comm.destroy()
+        self.nccl_comm = None
