@@ -1,0 +1,28 @@
+"""1D tensor parallelism (Megatron-LM style) with hand-written forward and backward.
+
+mappings       the communication operators (copy-to-TP, reduce-from-TP, scatter, gather)
+layers         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead,
+               LayerNorm, Dropout
+attention      ParallelAttention (heads split, GQA)
+transformer    ParallelMLP, ParallelTransformerBlock
+cross_entropy  VocabParallelCrossEntropy
+sharding       which slice of each full tensor a rank holds
+grads          finish_grad_sync (GQA + DP), global_grad_norm
+"""
+from .attention import ParallelAttention
+from .cross_entropy import VocabParallelCrossEntropy
+from .grads import finish_grad_sync, global_grad_norm
+from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, RowParallelLinear,
+                     VocabParallelEmbedding, pad_vocab)
+from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
+from .random import REPLICATED, SHARDED, RNGTracker
+from .sharding import Sharding, gather_full, take_shard
+from .transformer import ParallelMLP, ParallelTransformerBlock
+
+__all__ = [
+    "ParallelAttention", "VocabParallelCrossEntropy", "finish_grad_sync", "global_grad_norm",
+    "ColumnParallelLinear", "Dropout", "LayerNorm", "ParallelLMHead", "RowParallelLinear",
+    "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
+    "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",
+    "take_shard", "ParallelMLP", "ParallelTransformerBlock",
+]

@@ -1,0 +1,286 @@
+"""GPT (GPT-2 architecture) built from cutp's tensor-parallel layers; the whole model in one file.
+
+    ctx = cutp.init(tp=2)
+    model = GPT(ctx, GPTConfig.preset("tiny"), seed=0)
+    loss = model.forward(idx, targets)     # idx, targets: [B, T] int, identical on TP ranks
+    model.backward()                       # accumulates into every Parameter.grad
+
+Layouts: token ids and targets are replicated over the TP group; activations between blocks
+are replicated [B, T, n_embd]; the logits stay sharded over the vocabulary (never gathered).
+Parameters use GPT-2's names; `gather_state_dict` returns full, unpadded tensors under them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError
+from .tensor_parallel import (
+    REPLICATED,
+    Dropout,
+    LayerNorm,
+    Module,
+    ParallelLMHead,
+    ParallelTransformerBlock,
+    RNGTracker,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    gather_full,
+    make_parameter,
+    normal_init,
+    pad_vocab,
+    take_shard,
+)
+from .tensor_parallel.validation import check_attention, check_mlp, check_vocab
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+PRESETS = {
+    # trains on a 2-core CPU in minutes (byte-level vocabulary)
+    "tiny": dict(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=128),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # None: n_head (multi-head attention, as GPT-2)
+    n_embd: int = 768
+    mlp_hidden: int | None = None  # None: 4 * n_embd
+    vocab_size: int = 50257
+    block_size: int = 1024
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    ln_eps: float = 1e-5
+    gelu: str = "tanh"
+    vocab_multiple: int = 128  # vocabulary padded to a multiple of this times tp
+    label_smoothing: float = 0.0
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPTConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_hidden or 4 * self.n_embd
+
+    def padded_vocab(self, tp: int) -> int:
+        return pad_vocab(self.vocab_size, tp, self.vocab_multiple)
+
+    def validate(self, tp: int = 1) -> None:
+        """Every shape rule, before any allocation; raises ConfigError naming the fix."""
+        for f in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{f} must be a positive integer, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported for training; use one of {sorted(DTYPES)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.gelu not in ("tanh", "none"):
+            raise ConfigError(f"gelu must be 'tanh' (GPT-2) or 'none' (exact erf), got {self.gelu!r}")
+        check_attention(self.n_embd, self.n_head, self.kv_heads, tp)
+        check_mlp(self.n_embd, self.hidden, tp)
+        check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown GPTConfig fields {sorted(unknown)}")
+        return cls(**d)
+
+    def num_parameters(self) -> int:
+        """Parameters of the full model (unpadded vocabulary, tied head counted once)."""
+        h, L, V = self.n_embd, self.n_layer, self.vocab_size
+        hd = h // self.n_head
+        qkv = (self.n_head + 2 * self.kv_heads) * hd
+        b = 1 if self.bias else 0
+        per_layer = (2 * h * (1 + b)  # two LayerNorms
+                     + h * qkv + b * qkv + h * h + b * h  # attention
+                     + 2 * h * self.hidden + b * (self.hidden + h))  # MLP
+        head = 0 if self.tie_embeddings else V * h
+        return V * h + self.block_size * h + L * per_layer + h * (1 + b) + head
+
+    def __str__(self):
+        return json.dumps(self.to_dict())
+
+
+class PositionEmbedding(Module):
+    """Learned positions, replicated on every TP rank. Input: T. Output: [T, n_embd]."""
+
+    def __init__(self, ctx, block_size, dim, *, name, seed, dtype):
+        self.weight = make_parameter(ctx, f"{name}.weight", (block_size, dim), normal_init(0.02), None, seed=seed,
+                                     dtype=dtype)
+
+    def forward(self, T):
+        self._save("T", T)
+        return self.weight.data[:T]
+
+    def backward(self, dy):
+        T = self._load("T")
+        self.weight.grad[:T] += dy.reshape(-1, T, dy.shape[-1]).sum(axis=0)
+
+
+class GPT(Module):
+    def __init__(self, ctx, config: GPTConfig, seed: int = 0):
+        config.validate(ctx.tp_size)
+        self.ctx = ctx
+        self.config = config
+        self.seed = seed
+        c, dt = config, DTYPES[config.dtype]
+        self.padded_vocab = c.padded_vocab(ctx.tp_size)
+        self.rng = RNGTracker(seed, ctx.tp_rank, ctx.dp_rank)
+        self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
+                                          dtype=dt)
+        self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
+        self.drop = Dropout(c.dropout, self.rng, REPLICATED)
+        self.h = [ParallelTransformerBlock(ctx, c.n_embd, c.n_head, c.kv_heads, c.hidden, name=f"h.{i}",
+                                           rng=self.rng, n_layer=c.n_layer, bias=c.bias, dropout=c.dropout,
+                                           gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt)
+                  for i in range(c.n_layer)]
+        self.ln_f = LayerNorm(ctx, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
+        if c.tie_embeddings:
+            self.lm_head = ParallelLMHead(ctx, self.wte)
+        else:
+            self.lm_head = ParallelLMHead(ctx, vocab_size=c.vocab_size, padded_vocab=self.padded_vocab, dim=c.n_embd,
+                                          name="lm_head", seed=seed, dtype=dt)
+        self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
+                                                 label_smoothing=c.label_smoothing)
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def check_inputs(self, idx, targets=None):
+        """Raises ValueError naming the offending value and the limit (before any collective)."""
+        c = self.config
+        if idx.ndim != 2:
+            raise ValueError(f"token ids must be [batch, seq], got shape {tuple(idx.shape)}")
+        if idx.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {idx.dtype}")
+        if idx.shape[1] > c.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {c.block_size}; "
+                             f"use --seq-len <= {c.block_size} or a model with a larger block_size")
+        if idx.size:
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= c.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {c.vocab_size})")
+        if targets is not None:
+            if tuple(targets.shape) != tuple(idx.shape):
+                raise ValueError(f"targets shape {tuple(targets.shape)} differs from ids shape {tuple(idx.shape)}")
+            ok = (targets >= 0) & (targets < c.vocab_size) | (targets == self.loss_fn.ignore_index)
+            if not bool(ok.all()):
+                bad = int(targets[~ok].reshape(-1)[0])
+                raise ValueError(f"target id {bad} is outside the vocabulary [0, {c.vocab_size}) "
+                                 f"and is not ignore_index ({self.loss_fn.ignore_index})")
+
+    # ---- forward / backward ------------------------------------------------------------------
+    def hidden_states(self, idx):
+        """Final-LayerNorm output [B, T, n_embd], replicated."""
+        T = idx.shape[1]
+        x = self.wte.forward(idx)
+        x += self.wpe.forward(T)
+        x = self.drop.forward(x)
+        for block in self.h:
+            x = block.forward(x)
+        return self.ln_f.forward(x)
+
+    def forward(self, idx, targets=None, check=True):
+        """Sharded logits [B, T, padded_vocab/tp] when targets is None, else the mean loss (float)."""
+        if check:
+            self.check_inputs(idx, targets)
+        logits = self.lm_head.forward(self.hidden_states(idx))
+        if targets is None:
+            return logits
+        return self.loss_fn.forward(logits, targets, inplace_backward=True)
+
+    def backward(self, dloss: float = 1.0):
+        dx = self.lm_head.backward(self.loss_fn.backward(dloss))
+        dx = self.ln_f.backward(dx)
+        for block in reversed(self.h):
+            dx = block.backward(dx)
+        dx = self.drop.backward(dx)
+        self.wpe.backward(dx)
+        self.wte.backward(dx)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int):
+        dt = DTYPES[self.config.dtype]
+        return [b.attn.new_kv_cache(batch, max_len, dt) for b in self.h]
+
+    def forward_cached(self, idx, caches):
+        """Eval-mode logits (sharded) for new tokens idx [B, Tn] after caches' positions."""
+        n0 = caches[0]["len"]
+        T = idx.shape[1]
+        if n0 + T > self.config.block_size:
+            raise ValueError(f"generation reached {n0 + T} positions; block_size is {self.config.block_size}")
+        x = self.wte.forward(idx)
+        x += self.wpe.weight.data[n0:n0 + T]
+        for block, cache in zip(self.h, caches):
+            x = block.forward_cached(x, cache)
+        return self.lm_head.forward(self.ln_f.forward(x))
+
+    # ---- state -------------------------------------------------------------------------------
+    def named_parameters(self) -> dict:
+        return {p.name: p for p in self.parameters()}
+
+    def state_dict(self) -> dict:
+        """This rank's shards, by parameter name (arrays of the backend: NumPy or CuPy)."""
+        return {p.name: p.data for p in self.parameters()}
+
+    def gather_state_dict(self, rank: int | None = 0) -> dict | None:
+        """Full, unsharded tensors under GPT-2's names, vocabulary padding removed.
+
+        Collective over the TP group. Returns host NumPy arrays on TP rank `rank` (None: on every
+        TP rank) and None elsewhere.
+        """
+        out = {}
+        for p in self.parameters():
+            full = gather_full(self.ctx.tp, p.data, p.sharding)
+            if rank is None or self.ctx.tp_rank == rank:
+                full = self.ctx.to_numpy(full)
+                if p.name in ("wte.weight", "lm_head.weight"):
+                    full = full[: self.config.vocab_size]
+                out[p.name] = np.ascontiguousarray(full)
+        return out if (rank is None or self.ctx.tp_rank == rank) else None
+
+    def load_full_state_dict(self, full: dict, strict: bool = True) -> None:
+        """Loads full (unsharded, unpadded) tensors, keeping this rank's shard of each. No communication."""
+        params = self.named_parameters()
+        missing = sorted(set(params) - set(full))
+        unexpected = sorted(set(full) - set(params))
+        if strict and (missing or unexpected):
+            raise ValueError(f"state dict mismatch: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+        for name, p in params.items():
+            if name not in full:
+                continue
+            a = np.asarray(full[name])
+            if name in ("wte.weight", "lm_head.weight") and a.shape[0] == self.config.vocab_size:
+                a = np.concatenate([a, np.zeros((self.padded_vocab - a.shape[0],) + a.shape[1:], a.dtype)])
+            if tuple(a.shape) != tuple(p.full_shape):
+                raise ValueError(f"{name}: expected full shape {tuple(p.full_shape)}, got {tuple(a.shape)}")
+            shard = np.ascontiguousarray(take_shard(a, p.sharding, self.ctx.tp_rank), dtype=p.data.dtype)
+            p.data[...] = self.ctx.asarray(shard)
+
+    def num_parameters_local(self) -> int:
+        return int(sum(p.data.size for p in self.parameters()))

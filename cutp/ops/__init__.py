@@ -1,0 +1,49 @@
+"""Core numerical ops: hand-written forward and backward, array-module generic (NumPy/CuPy).
+
+Convention: ``*_forward(...) -> (out, ctx)``; ``*_backward(dout, ctx) -> grads``. ctx holds
+exactly what the backward needs. float32/float64 compute in their own precision; bfloat16
+(ml_dtypes) computes in float32 and returns bfloat16 outputs (statistics stay float32).
+"""
+from .cross_entropy import (
+    CrossEntropyCtx,
+    ce_shard_backward,
+    ce_shard_max,
+    ce_shard_stats,
+    cross_entropy_backward,
+    cross_entropy_forward,
+)
+from .dropout import (
+    DropoutCtx,
+    dropout_backward,
+    dropout_forward,
+    dropout_mask,
+    keep_threshold,
+    random_bits,
+    splitmix64_reference,
+)
+from .embedding import EmbeddingCtx, embedding_backward, embedding_forward
+from .gelu import (
+    GeluCtx,
+    bias_gelu_backward,
+    bias_gelu_forward,
+    erf,
+    erfc,
+    gelu_backward,
+    gelu_forward,
+)
+from .layernorm import LayerNormCtx, layernorm_backward, layernorm_forward
+from .linear import LinearCtx, linear_backward, linear_forward
+from .softmax import SoftmaxCtx, causal_mask, softmax_backward, softmax_forward
+
+__all__ = [
+    "CrossEntropyCtx", "ce_shard_backward", "ce_shard_max", "ce_shard_stats",
+    "cross_entropy_backward", "cross_entropy_forward",
+    "DropoutCtx", "dropout_backward", "dropout_forward", "dropout_mask", "keep_threshold",
+    "random_bits", "splitmix64_reference",
+    "EmbeddingCtx", "embedding_backward", "embedding_forward",
+    "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "erf", "erfc", "gelu_backward",
+    "gelu_forward",
+    "LayerNormCtx", "layernorm_backward", "layernorm_forward",
+    "LinearCtx", "linear_backward", "linear_forward",
+    "SoftmaxCtx", "causal_mask", "softmax_backward", "softmax_forward",
+]

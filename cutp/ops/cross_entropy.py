@@ -1,0 +1,291 @@
+"""Softmax cross-entropy: the single-device reference and the local pieces of the
+vocab-parallel version (Megatron-style, each rank holding a contiguous column shard).
+
+Vocab-parallel protocol (the caller does the communication):
+
+1. ``m = ce_shard_max(logits, n_valid)`` on every rank, then all-reduce(MAX) ``m``;
+2. ``s, t, z = ce_shard_stats(logits, m, local_targets, n_valid)``, then all-reduce(SUM) of
+   ``s``, ``t`` and ``z`` (``z`` only needed with label smoothing);
+3. ``lse = m + log(s)``; ``loss_i = (1 - eps) * (lse - t) + eps * (lse - z / n_classes)``
+   for non-ignored rows;
+4. ``dlogits = ce_shard_backward(logits, m, s, local_targets, n_valid, row_scale, eps,
+   n_classes, out=...)`` on every rank (no communication).
+
+:func:`cross_entropy_forward` / :func:`cross_entropy_backward` are exactly this with one
+shard, so both paths share the same code.
+
+On NumPy the row loops run in blocks of rows (~64K elements each): no [N, V]-sized
+temporary is ever allocated (the logits of a GPT-2 batch are easily 1-2 GB), and the
+exp/sum passes run in cache.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cutp.backend import get_array_module
+
+from ._common import as_dtype, compute_dtype, row_blocks
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _as_2d(logits):
+    return logits.reshape(-1, logits.shape[-1])
+
+
+def _check_n_valid(n_valid, width):
+    n_valid = int(n_valid)
+    if not 0 <= n_valid <= width:
+        raise ValueError(f"n_valid={n_valid} outside [0, {width}]")
+    return n_valid
+
+
+# ---------------------------------------------------------------------------------------
+# Local pieces of the vocab-parallel cross-entropy
+# ---------------------------------------------------------------------------------------
+def ce_shard_max(logits, n_valid):
+    """Row max over the first ``n_valid`` columns of a logits shard.
+
+    Args:
+        logits: [N, W] (or [..., W], flattened to rows) shard of the logits.
+        n_valid: how many leading columns are real classes (``n_valid < W`` when the shard
+            ends in vocabulary padding).
+
+    Returns [N] in float32 (float32/bfloat16 inputs) or float64; ``-inf`` when
+    ``n_valid == 0``.
+    """
+    xp = get_array_module(logits)
+    cdt = compute_dtype(logits.dtype)
+    L = _as_2d(logits)
+    n_valid = _check_n_valid(n_valid, L.shape[1])
+    if n_valid == 0:
+        return xp.full(L.shape[0], -xp.inf, dtype=cdt)
+    # max is exact in any precision: reduce in the input dtype, then widen
+    return as_dtype(L[:, :n_valid].max(axis=1), cdt)
+
+
+def _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits):
+    xp = get_array_module(logits, row_max, local_targets)
+    cdt = compute_dtype(logits.dtype)
+    L = _as_2d(logits)
+    N = L.shape[0]
+    n_valid = _check_n_valid(n_valid, L.shape[1])
+    row_max = as_dtype(row_max.reshape(-1), cdt)
+    sum_exp = xp.zeros(N, dtype=cdt)
+    sum_logits = xp.zeros(N, dtype=cdt) if need_sum_logits else None
+    if n_valid > 0:
+        for sl in row_blocks(xp, N, n_valid):
+            Lb = L[sl, :n_valid]
+            Lc = as_dtype(Lb, cdt)
+            if need_sum_logits:
+                sum_logits[sl] = Lc.sum(axis=1)
+            if Lc is Lb:
+                e = xp.subtract(Lc, row_max[sl, None])
+            else:  # Lc is already a private float32 copy
+                e = Lc
+                e -= row_max[sl, None]
+            xp.exp(e, out=e)
+            sum_exp[sl] = e.sum(axis=1)
+    t = local_targets.reshape(-1)
+    has = t >= 0
+    tc = xp.where(has, t, 0)
+    if n_valid == 0:
+        target_logit = xp.zeros(N, dtype=cdt)
+    else:
+        target_logit = xp.where(has, as_dtype(L[xp.arange(N), tc], cdt), 0)
+    return sum_exp, target_logit, sum_logits
+
+
+def ce_shard_stats(logits, row_max, local_targets, n_valid):
+    """Per-row statistics of a logits shard, to be summed over the shards.
+
+    Args:
+        logits: [N, W] shard (leading dims flattened).
+        row_max: [N] global row max (after the all-reduce of :func:`ce_shard_max`).
+        local_targets: int [N] column index of row i's target inside this shard
+            (``0 <= local_targets[i] < n_valid``), or -1 when the target is in another shard
+            or the row is ignored.
+        n_valid: number of leading real-class columns of the shard.
+
+    Returns ``(sum_exp, target_logit, sum_logits)``, each [N] in float32 (float32/bfloat16)
+    or float64: ``sum_j exp(logits[i, j] - row_max[i])`` and ``sum_j logits[i, j]`` over
+    the valid columns, and ``logits[i, local_targets[i]]`` (0 where the target is -1).
+    """
+    return _shard_stats(logits, row_max, local_targets, n_valid, True)
+
+
+def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scale,
+                      label_smoothing=0.0, n_classes=None, out=None):
+    """Gradient of the cross-entropy w.r.t. a logits shard.
+
+    For valid columns ``j < n_valid``:
+    ``out[i, j] = row_scale[i] * (exp(logits[i, j] - row_max[i]) / sum_exp[i]
+    - (1 - eps) * [j == local_targets[i]] - eps / n_classes)``; padded columns are 0, and
+    rows with ``row_scale[i] == 0`` (ignored rows) are all 0.
+
+    Args:
+        logits: [N, W] shard (leading dims flattened; ``out`` keeps ``logits``' shape).
+        row_max, sum_exp: [N] global statistics (after the all-reduces).
+        local_targets: int [N] as in :func:`ce_shard_stats`.
+        n_valid: number of leading real-class columns of the shard.
+        row_scale: [N] upstream gradient per row (e.g. ``dloss / n_non_ignored`` for
+            a mean, 0 for ignored rows).
+        label_smoothing: ``eps``.
+        n_classes: the total number of real classes over all shards (needed when
+            ``eps > 0``).
+        out: optional output array shaped like ``logits``; ``out=logits`` overwrites the
+            logits in place (the fused-kernel style; with a bfloat16 ``out`` the values are
+            computed in float32 and rounded once).
+
+    Returns ``out`` (a new array in ``logits``' dtype when not given).
+    """
+    xp = get_array_module(logits, row_max, sum_exp, local_targets, row_scale)
+    cdt = compute_dtype(logits.dtype)
+    eps = float(label_smoothing)
+    if eps != 0.0 and not n_classes:
+        raise ValueError("label smoothing needs n_classes")
+    if out is None:
+        out = xp.empty(logits.shape, dtype=logits.dtype)
+    elif out.shape != logits.shape:
+        raise ValueError(f"out shape {out.shape} != logits shape {logits.shape}")
+    L = _as_2d(logits)
+    O = _as_2d(out)
+    N, W = L.shape
+    n_valid = _check_n_valid(n_valid, W)
+    row_max = as_dtype(row_max.reshape(-1), cdt)
+    sum_exp = as_dtype(sum_exp.reshape(-1), cdt)
+    row_scale = as_dtype(xp.asarray(row_scale).reshape(-1), cdt)
+    if row_scale.shape[0] != N:
+        row_scale = xp.broadcast_to(row_scale, (N,))
+    zero = row_scale == 0
+    coef = row_scale / xp.where(zero, 1.0, sum_exp)
+    smooth = row_scale * (eps / n_classes) if eps != 0.0 else None
+    hit = row_scale * (1.0 - eps)
+    t = local_targets.reshape(-1)
+    if n_valid > 0:
+        direct = O.dtype == cdt
+        for sl in row_blocks(xp, N, n_valid):
+            ob = O[sl, :n_valid]
+            if direct:
+                e = xp.subtract(L[sl, :n_valid], row_max[sl, None], out=ob)
+            else:
+                e = as_dtype(L[sl, :n_valid], cdt)  # a copy: L is not cdt here
+                e -= row_max[sl, None]
+            xp.exp(e, out=e)
+            e *= coef[sl, None]
+            if smooth is not None:
+                e -= smooth[sl, None]
+            tb = t[sl]
+            r = xp.flatnonzero(tb >= 0)
+            e[r, tb[r]] -= hit[sl][r]
+            if not direct:
+                ob[...] = e
+        # exact zeros on rows with row_scale 0, even where such a row holds inf or nan
+        zr = xp.flatnonzero(zero)
+        if zr.size:
+            O[zr, :n_valid] = 0
+    if n_valid < W:
+        O[:, n_valid:] = 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Single-device reference
+# ---------------------------------------------------------------------------------------
+class CrossEntropyCtx:
+    """What :func:`cross_entropy_backward` needs."""
+
+    __slots__ = ("logits", "row_max", "sum_exp", "local_targets", "n_classes",
+                 "label_smoothing", "reduction", "n_rows")
+
+    def __init__(self, logits, row_max, sum_exp, local_targets, n_classes, label_smoothing,
+                 reduction, n_rows):
+        self.logits = logits
+        self.row_max = row_max
+        self.sum_exp = sum_exp
+        self.local_targets = local_targets  # int64 [N], -1 for ignored rows
+        self.n_classes = n_classes
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.n_rows = n_rows  # 0-d count of non-ignored rows
+
+
+def cross_entropy_forward(logits, targets, ignore_index=-100, label_smoothing=0.0,
+                          n_classes=None, reduction="mean"):
+    """Softmax cross-entropy, PyTorch semantics plus vocabulary padding.
+
+    Args:
+        logits: [N, V] or [..., V] (flattened to rows).
+        targets: int array with the leading shape of ``logits``; values in
+            ``[0, n_classes)`` or ``ignore_index`` (checked on NumPy).
+        ignore_index: rows with this target contribute 0 loss and 0 gradient.
+        label_smoothing: ``eps``; ``loss_i = (1 - eps) * (-log p[i, target_i])
+            + eps * mean_c(-log p[i, c])`` over the ``n_classes`` real classes.
+        n_classes: number of leading real-class columns (default V); columns
+            ``>= n_classes`` are vocabulary padding: they never enter the softmax and get a
+            zero gradient.
+        reduction: ``"mean"`` over non-ignored rows (0 when there are none), ``"sum"``, or
+            ``"none"`` (per-row losses shaped like ``targets``, 0 at ignored rows).
+
+    Returns ``(loss, ctx)``; ``loss`` is a 0-d array (``"mean"``/``"sum"``) or an array
+    shaped like ``targets``, in float32 (float32/bfloat16 logits) or float64. ``ctx`` keeps a
+    reference to the logits and the per-row max and sum of exponentials.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    xp = get_array_module(logits, targets)
+    cdt = compute_dtype(logits.dtype)
+    V = logits.shape[-1]
+    nc = V if n_classes is None else int(n_classes)
+    if not 0 < nc <= V:
+        raise ValueError(f"n_classes={nc} outside [1, {V}]")
+    L = _as_2d(logits)
+    t = targets.reshape(-1)
+    if t.shape[0] != L.shape[0]:
+        raise ValueError(f"targets shape {targets.shape} does not match logits {logits.shape}")
+    valid = t != ignore_index
+    if xp is np and bool(np.any(valid & ((t < 0) | (t >= nc)))):
+        bad = t[valid & ((t < 0) | (t >= nc))]
+        raise ValueError(f"targets out of range [0, {nc}): {bad[:8].tolist()}")
+    local_t = xp.where(valid, t, -1).astype(xp.int64)
+    eps = float(label_smoothing)
+    m = ce_shard_max(L, nc)
+    s, tl, z = _shard_stats(L, m, local_t, nc, eps != 0.0)
+    # per-row loss: lse - (1 - eps) * target_logit - eps * mean(logits)
+    loss = xp.log(s)
+    loss += m
+    if eps != 0.0:
+        z *= eps / nc
+        tl *= 1.0 - eps
+        tl += z
+    loss -= tl
+    loss = xp.where(valid, loss, 0)
+    n_rows = valid.sum()
+    if reduction == "none":
+        loss = loss.reshape(targets.shape)
+    elif reduction == "sum":
+        loss = loss.sum()
+    else:
+        loss = loss.sum() / xp.maximum(n_rows, 1)
+    loss = as_dtype(xp.asarray(loss), cdt)
+    return loss, CrossEntropyCtx(logits, m, s, local_t, nc, eps, reduction, n_rows)
+
+
+def cross_entropy_backward(dloss, ctx: CrossEntropyCtx, out=None):
+    """``dlogits`` shaped like the logits (their dtype): for non-ignored rows
+    ``r_i * (softmax_i - (1 - eps) * onehot(target_i) - eps / n_classes)`` over the real
+    classes, 0 on padded columns and ignored rows, with ``r_i = dloss / n_non_ignored``
+    (mean), ``dloss`` (sum) or ``dloss[i]`` (none; ``dloss`` shaped like ``targets``).
+    ``out`` as in :func:`ce_shard_backward` (``out=ctx.logits`` overwrites the logits)."""
+    xp = get_array_module(ctx.logits, dloss)
+    cdt = compute_dtype(ctx.logits.dtype)
+    valid = (ctx.local_targets >= 0).astype(cdt)
+    if ctx.reduction == "none":
+        row_scale = valid * as_dtype(xp.asarray(dloss), cdt).reshape(-1)
+    elif ctx.reduction == "sum":
+        row_scale = valid * as_dtype(xp.asarray(dloss), cdt)
+    else:
+        row_scale = valid * (as_dtype(xp.asarray(dloss), cdt) / xp.maximum(ctx.n_rows, 1))
+    return ce_shard_backward(ctx.logits, ctx.row_max, ctx.sum_exp, ctx.local_targets,
+                             ctx.n_classes, row_scale, ctx.label_smoothing, ctx.n_classes,
+                             out=out)

@@ -1,0 +1,137 @@
+"""Dropout with a counter-based RNG: bit-identical masks on NumPy, CuPy and in CUDA kernels.
+
+The keep-mask of element ``i`` (its flat, C-order index in the tensor) under ``(seed, offset)``:
+
+    c = (offset + i + 1) mod 2**64
+    z = (seed + c * 0x9E3779B97F4A7C15) mod 2**64        # SplitMix64 state after c steps
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) mod 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) mod 2**64
+    z =   z ^ (z >> 31)                                   # SplitMix64 output
+    u = z >> 40                                           # top 24 bits, u / 2**24 in [0, 1)
+    keep = u >= ceil(p * 2**24)                           # i.e. u / 2**24 >= p, exactly
+
+i.e. ``z`` is the ``(offset + i)``-th output (counting from 0) of SplitMix64 seeded with
+``seed``: the same ``(seed, offset)`` always gives the same mask, and a caller that advances
+``offset`` by the number of elements after each call never reuses random numbers. ``seed``
+and ``offset`` are Python ints taken modulo 2**64. The threshold ``ceil(p * 2**24)`` is an
+integer computed on the host (``p * 2**24`` is exact in float64), so a CUDA kernel compares
+integers and never depends on float rounding:
+
+    __device__ bool keep(uint64_t seed, uint64_t offset, uint64_t i, uint32_t thr) {
+        uint64_t z = seed + (offset + i + 1) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        return (uint32_t)(z >> 40) >= thr;
+    }
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cutp.backend import get_array_module
+
+from ._common import compute_dtype
+
+MASK64 = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+
+_U64 = np.uint64
+
+
+def keep_threshold(p: float) -> int:
+    """The integer threshold ``ceil(p * 2**24)``: element kept iff its 24-bit ``u`` >= it."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    return int(math.ceil(float(p) * (1 << 24)))
+
+
+def splitmix64_reference(seed: int, index: int) -> int:
+    """Pure-Python-int reference of the hash: the 64-bit ``z`` for counter ``index`` (=offset+i)."""
+    z = (seed + ((index + 1) & MASK64) * GAMMA) & MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def random_bits(xp, n: int, seed: int, offset: int):
+    """uint64 [n]: the SplitMix64 outputs for counters ``offset .. offset + n - 1``.
+
+    Only uint64 array arithmetic, which wraps silently on NumPy and CuPy (all constants are
+    ``np.uint64`` scalars, so nothing is done on Python ints or warns on overflow)."""
+    z = xp.arange(n, dtype=xp.uint64)
+    z += _U64((offset + 1) & MASK64)
+    z *= _U64(GAMMA)
+    z += _U64(seed & MASK64)
+    t = xp.empty_like(z)
+    xp.right_shift(z, _U64(30), out=t)
+    z ^= t
+    z *= _U64(MIX1)
+    xp.right_shift(z, _U64(27), out=t)
+    z ^= t
+    z *= _U64(MIX2)
+    xp.right_shift(z, _U64(31), out=t)
+    z ^= t
+    return z
+
+
+def dropout_mask(xp, shape, p: float, seed: int, offset: int):
+    """Bool keep-mask of ``shape``: element with flat C-order index i is kept (True) iff
+    ``(splitmix64(seed, offset + i) >> 40) >= ceil(p * 2**24)``, i.e. with probability
+    ``1 - p`` (see the module docstring for the exact function)."""
+    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    n = math.prod(shape)
+    thr = keep_threshold(p)
+    z = random_bits(xp, n, seed, offset)
+    xp.right_shift(z, _U64(40), out=z)
+    return (z >= _U64(thr)).reshape(shape)
+
+
+class DropoutCtx:
+    """The keep-mask (None when nothing was dropped) and the scale ``1 / (1 - p)`` (0 for p == 1)."""
+
+    __slots__ = ("mask", "scale")
+
+    def __init__(self, mask, scale):
+        self.mask = mask
+        self.scale = scale
+
+
+def _apply(x, mask, scale, xp):
+    cdt = compute_dtype(x.dtype)
+    if x.dtype == cdt:
+        y = xp.multiply(x, mask)
+    else:
+        y = x.astype(cdt)
+        y *= mask
+    y *= scale
+    return y if y.dtype == x.dtype else y.astype(x.dtype)
+
+
+def dropout_forward(x, p: float, seed: int, offset: int):
+    """``y = x * mask / (1 - p)`` with ``mask = dropout_mask(xp, x.shape, p, seed, offset)``.
+
+    ``p == 0`` returns ``x`` itself (no copy, no random numbers) and a ctx with ``mask=None``;
+    ``p == 1`` drops everything (``y`` zeros). ``y`` has ``x``'s dtype (bfloat16 is scaled in
+    float32 and rounded once). Returns ``(y, ctx)``; ctx (:class:`DropoutCtx`) saves the bool
+    mask and the scale. The caller advances ``offset`` (e.g. by ``x.size``) between calls.
+    """
+    xp = get_array_module(x)
+    p = float(p)
+    keep_threshold(p)  # validates p
+    if p == 0.0:
+        return x, DropoutCtx(None, 1.0)
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    mask = dropout_mask(xp, x.shape, p, seed, offset)
+    return _apply(x, mask, scale, xp), DropoutCtx(mask, scale)
+
+
+def dropout_backward(dy, ctx: DropoutCtx):
+    """``dx = dy * mask * scale``; with ``ctx.mask is None`` (p == 0) returns ``dy`` itself."""
+    if ctx.mask is None:
+        return dy
+    return _apply(dy, ctx.mask, ctx.scale, get_array_module(dy))

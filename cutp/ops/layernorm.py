@@ -1,0 +1,126 @@
+"""LayerNorm over the last axis, optionally affine."""
+from __future__ import annotations
+
+from cutp.backend import get_array_module
+
+from ._common import as_dtype, col_sum, compute_dtype, row_blocks
+
+
+class LayerNormCtx:
+    """What ``layernorm_backward`` needs: the input ``x`` (a reference), the ``weight`` (None
+    when non-affine), the bias dtype (None: no bias), and the per-row statistics ``mean`` and
+    ``rstd = 1 / sqrt(var + eps)`` (shape ``x.shape[:-1]``, float32 for float32/bfloat16
+    inputs, float64 for float64), exactly what the fused GPU kernel saves."""
+
+    __slots__ = ("x", "weight", "bias_dtype", "mean", "rstd")
+
+    def __init__(self, x, weight, bias_dtype, mean, rstd):
+        self.x = x
+        self.weight = weight
+        self.bias_dtype = bias_dtype
+        self.mean = mean
+        self.rstd = rstd
+
+
+def layernorm_forward(x, weight=None, bias=None, eps: float = 1e-5):
+    """``y = (x - mean) * rstd * weight + bias`` over the last axis of ``x`` [..., C].
+
+    ``mean`` and the biased variance ``var`` are taken over the last axis and
+    ``rstd = 1 / sqrt(var + eps)``; ``weight`` and ``bias`` ([C]) may each be None (no scale /
+    no shift). float32/float64 are computed in their own precision, bfloat16 in float32 with
+    a bfloat16 ``y``.
+
+    Returns ``(y, ctx)``; ``ctx`` (:class:`LayerNormCtx`) exposes ``ctx.mean`` and
+    ``ctx.rstd``.
+    """
+    xp = get_array_module(x, weight, bias)
+    cdt = compute_dtype(x.dtype)
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)
+    N = x2.shape[0]
+    w = None if weight is None else as_dtype(weight, cdt)
+    b = None if bias is None else as_dtype(bias, cdt)
+    y = xp.empty((N, C), dtype=x.dtype)
+    mean = xp.empty(N, dtype=cdt)
+    rstd = xp.empty(N, dtype=cdt)
+    direct = y.dtype == cdt
+    for sl in row_blocks(xp, N, C):
+        xb = as_dtype(x2[sl], cdt)
+        m = xb.mean(axis=1)
+        h = xp.subtract(xb, m[:, None], out=y[sl] if direct else None)
+        var = xp.einsum("ij,ij->i", h, h)
+        var *= 1.0 / C
+        var += eps
+        r = xp.sqrt(var, out=var)
+        xp.divide(1.0, r, out=r)
+        h *= r[:, None]
+        if w is not None:
+            h *= w
+        if b is not None:
+            h += b
+        if not direct:
+            y[sl] = h
+        mean[sl] = m
+        rstd[sl] = r
+    lead = x.shape[:-1]
+    ctx = LayerNormCtx(x, weight, None if bias is None else bias.dtype,
+                       mean.reshape(lead), rstd.reshape(lead))
+    return y.reshape(x.shape), ctx
+
+
+def layernorm_backward(dy, ctx: LayerNormCtx):
+    """Gradients of :func:`layernorm_forward`.
+
+    With ``xhat = (x - mean) * rstd`` and ``g = dy * weight`` (``g = dy`` when non-affine):
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (means over the last axis),
+    ``dweight = sum(dy * xhat)``, ``dbias = sum(dy)``, summed over all leading dimensions.
+
+    Returns ``(dx, dweight, dbias)``: ``dx`` in ``x``'s dtype; ``dweight`` / ``dbias`` in the
+    parameters' dtypes, or None when the forward had no weight / no bias.
+    """
+    x, weight = ctx.x, ctx.weight
+    xp = get_array_module(dy, x)
+    cdt = compute_dtype(x.dtype)
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)
+    dy2 = dy.reshape(-1, C)
+    N = x2.shape[0]
+    mean = ctx.mean.reshape(-1)
+    rstd = ctx.rstd.reshape(-1)
+    w = None if weight is None else as_dtype(weight, cdt)
+    has_bias = ctx.bias_dtype is not None
+    dx = xp.empty((N, C), dtype=x.dtype)
+    dw = xp.zeros(C, dtype=cdt) if w is not None else None
+    db = xp.zeros(C, dtype=cdt) if has_bias else None
+    direct = dx.dtype == cdt
+    inv_c = 1.0 / C
+    for sl in row_blocks(xp, N, C):
+        xb = as_dtype(x2[sl], cdt)
+        dyb = as_dtype(dy2[sl], cdt)
+        r = rstd[sl][:, None]
+        xhat = xp.subtract(xb, mean[sl][:, None])
+        xhat *= r
+        if has_bias:
+            db += col_sum(xp, dyb)
+        if w is not None:
+            dw += xp.einsum("ij,ij->j", dyb, xhat)
+            g = xp.multiply(dyb, w, out=dx[sl] if direct else None)
+        else:
+            g = dyb
+        gm = g.sum(axis=1)
+        gm *= inv_c
+        gx = xp.einsum("ij,ij->i", g, xhat)
+        gx *= inv_c
+        xhat *= gx[:, None]
+        if w is not None:
+            d = g
+            d -= xhat
+        else:
+            d = xp.subtract(g, xhat, out=dx[sl] if direct else xhat)
+        d -= gm[:, None]
+        d *= r
+        if not direct:
+            dx[sl] = d
+    dweight = None if dw is None else as_dtype(dw, weight.dtype)
+    dbias = None if db is None else as_dtype(db, ctx.bias_dtype)
+    return dx.reshape(x.shape), dweight, dbias

@@ -1,0 +1,140 @@
+"""Causal self-attention split by whole heads (Megatron-style), with grouped-query attention.
+
+Input: replicated [B, T, n_embd]. Output: replicated [B, T, n_embd].
+
+The QKV projection is one column-parallel linear whose shard holds this rank's query heads'
+Q columns and the K and V columns of the KV heads they use (`sharding.qkv_columns`); the
+output projection is row-parallel over the same heads. So a block's attention costs one
+all-reduce forward (in c_proj) and one backward (dx of c_attn).
+
+GQA (n_kv_head < n_head): when tp <= n_kv_head the KV heads are split with their queries;
+when tp > n_kv_head each KV head is replicated on the tp / n_kv_head ranks whose queries use
+it. Each copy then gets only its own queries' share of the gradient, so those columns' weight
+and bias gradients are summed over exactly those ranks once per optimizer step
+(`Parameter.grad_sync`, run by `finish_grad_sync`), which keeps the copies identical.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import ops
+from ..backend import get_array_module
+from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
+from .parameter import Module, normal_init
+from .random import SHARDED, RNGTracker
+from .sharding import kv_heads_of_rank, qkv_sharding
+from .validation import check_attention
+
+
+class ParallelAttention(Module):
+    def __init__(self, ctx, n_embd, n_head, n_kv_head=None, *, name, rng: RNGTracker, n_layer=1, bias=True,
+                 attn_dropout=0.0, seed=0, dtype=np.float32):
+        n_kv_head = n_kv_head or n_head
+        tp = ctx.tp_size
+        check_attention(n_embd, n_head, n_kv_head, tp)
+        self.ctx = ctx
+        self.hd = n_embd // n_head
+        self.nq = n_head // tp
+        self.kv_heads = kv_heads_of_rank(n_head, n_kv_head, tp, ctx.tp_rank)
+        self.nkv = len(self.kv_heads)
+        self.group = self.nq // self.nkv  # local query heads per local KV head
+        qkv_out = (n_head + 2 * n_kv_head) * self.hd
+        self.c_attn = ColumnParallelLinear(
+            ctx, n_embd, qkv_out, name=f"{name}.c_attn", bias=bias, seed=seed, dtype=dtype,
+            sharding=qkv_sharding((n_embd, qkv_out), 1, n_head, n_kv_head, self.hd, tp))
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
+        self.c_proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.c_proj", bias=bias, seed=seed,
+                                        dtype=dtype, init=normal_init(0.02 / math.sqrt(2 * n_layer)))
+        self.attn_dropout = Dropout(attn_dropout, rng, SHARDED)
+        if tp > n_kv_head:
+            replicas = ctx.subgroup("tp_kv", color=self.kv_heads[0], key=ctx.tp_rank)
+            kv_from = self.nq * self.hd
+            for p in (self.c_attn.weight, self.c_attn.bias):
+                if p is not None:
+                    p.grad_sync = _sum_columns_over(replicas, kv_from)
+
+    # ---- forward / backward ------------------------------------------------------------------
+    def _split_heads(self, qkv):
+        B, T, _ = qkv.shape
+        nq, nkv, hd, g = self.nq, self.nkv, self.hd, self.group
+        q = qkv[..., : nq * hd].reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
+        k = qkv[..., nq * hd:(nq + nkv) * hd].reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)  # [B, nkv, T, hd]
+        v = qkv[..., (nq + nkv) * hd:].reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def _attend(self, q, k, v):
+        """q [B, nkv, g, Tq, hd], k/v [B, nkv, Tk, hd] -> o [B, Tq, nq*hd] plus softmax/dropout state."""
+        scores = q @ k[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
+        p, sctx = ops.softmax_forward(scores, scale=1.0 / math.sqrt(self.hd), causal=True)
+        pd = self.attn_dropout.forward(p)
+        o = pd @ v[:, :, None]  # [B, nkv, g, Tq, hd]
+        B, _, _, Tq, _ = o.shape
+        o = o.transpose(0, 3, 1, 2, 4).reshape(B, Tq, self.nq * self.hd)
+        return o, sctx, pd
+
+    def forward(self, x):
+        qkv = self.c_attn.forward(x)
+        q, k, v = self._split_heads(qkv)
+        o, sctx, pd = self._attend(q, k, v)
+        self._save("attn", (q, k, v, sctx, pd))
+        return self.c_proj.forward(o)
+
+    def backward(self, dy):
+        q, k, v, sctx, pd = self._load("attn")
+        B, nkv, g, T, hd = q.shape
+        do = self.c_proj.backward(dy)  # [B, T, nq*hd], sharded like the heads
+        do = do.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
+        dv = (pd.swapaxes(-1, -2) @ do).sum(axis=2)  # [B, nkv, T, hd]
+        dp = do @ v[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, T, T]
+        dp = self.attn_dropout.backward(dp)
+        ds = ops.softmax_backward(dp, sctx)  # includes the 1/sqrt(hd) scale
+        dq = ds @ k[:, :, None]  # [B, nkv, g, T, hd]
+        dk = (ds.swapaxes(-1, -2) @ q).sum(axis=2)  # [B, nkv, T, hd]
+        xp = self.ctx.xp
+        dqkv = xp.empty((B, T, (self.nq + 2 * nkv) * hd), dq.dtype)
+        nq = self.nq
+        dqkv[..., : nq * hd] = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nq * hd)
+        dqkv[..., nq * hd:(nq + nkv) * hd] = dk.transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)
+        dqkv[..., (nq + nkv) * hd:] = dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)
+        return self.c_attn.backward(dqkv)
+
+    # ---- incremental decoding (generation) -----------------------------------------------------
+    def new_kv_cache(self, batch, max_len, dtype):
+        xp = self.ctx.xp
+        return {"k": xp.zeros((batch, self.nkv, max_len, self.hd), dtype),
+                "v": xp.zeros((batch, self.nkv, max_len, self.hd), dtype), "len": 0}
+
+    def forward_cached(self, x, cache):
+        """Eval-mode forward of new positions x [B, Tn, n_embd], appending this rank's heads' K/V to `cache`."""
+        if self.training:
+            raise RuntimeError("forward_cached is for generation: call model.eval() first")
+        qkv = self.c_attn.forward(x)
+        q, k, v = self._split_heads(qkv)
+        n0, tn = cache["len"], x.shape[1]
+        if n0 + tn > cache["k"].shape[2]:
+            raise ValueError(f"KV cache holds {cache['k'].shape[2]} positions; {n0 + tn} requested")
+        cache["k"][:, :, n0:n0 + tn] = k
+        cache["v"][:, :, n0:n0 + tn] = v
+        cache["len"] = n0 + tn
+        scores = q @ cache["k"][:, :, None, : n0 + tn].swapaxes(-1, -2)
+        p, _ = ops.softmax_forward(scores, scale=1.0 / math.sqrt(self.hd), causal=True)
+        o = p @ cache["v"][:, :, None, : n0 + tn]
+        B = x.shape[0]
+        o = o.transpose(0, 3, 1, 2, 4).reshape(B, tn, self.nq * self.hd)
+        return self.c_proj.forward(o)
+
+
+def _sum_columns_over(group, first_col):
+    """grad_sync hook: sum the gradient's columns [first_col:] (the replicated K and V) over `group`."""
+
+    def sync(param):
+        if group.size == 1:
+            return
+        g = param.grad
+        part = get_array_module(g).ascontiguousarray(g[..., first_col:])
+        group.all_reduce(part, "sum", out=part)
+        g[..., first_col:] = part
+
+    return sync

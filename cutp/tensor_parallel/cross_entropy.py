@@ -1,0 +1,81 @@
+"""Vocab-parallel softmax cross-entropy: the full logits are never gathered.
+
+Input: sharded logits [..., V_pad/tp] (this rank's contiguous vocabulary range, from
+ParallelLMHead) and replicated targets [...]. Output: the mean loss, identical on every TP rank.
+
+Communication, O(rows) elements: one all-reduce (max) of the row maxima, then ONE all-reduce
+(sum) of three stacked per-row vectors: the sum of exps, the target logit (non-zero only on the
+rank owning the target) and the sum of logits (for label smoothing). Label smoothing is
+computed over the full real vocabulary, so every TP rank gets the same loss (Megatron's
+implementation uses the local shard's mean instead: its issue 737). Columns of padded vocabulary
+are masked: they never win the softmax and get zero gradient.
+
+Backward needs no communication: each rank writes (softmax - one-hot) * scale over its shard.
+"""
+from __future__ import annotations
+
+from .. import ops
+from .parameter import Module
+
+
+class VocabParallelCrossEntropy(Module):
+    def __init__(self, ctx, vocab_size: int, padded_vocab: int, *, ignore_index: int = -100,
+                 label_smoothing: float = 0.0):
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.ignore_index = ignore_index
+        self.label_smoothing = float(label_smoothing)
+        per = padded_vocab // ctx.tp_size
+        self.start = ctx.tp_rank * per
+        self.width = per
+        self.n_valid = max(0, min(vocab_size - self.start, per))
+
+    def forward(self, logits, targets, inplace_backward: bool = False):
+        """Mean loss over non-ignored targets (0.0 if there are none), as a float.
+
+        With inplace_backward the logits buffer is overwritten by its gradient in backward
+        (llm.c's fused classifier): the caller must not use the logits afterwards.
+        """
+        xp = self.ctx.xp
+        tp = self.ctx.tp
+        z = logits.reshape(-1, self.width)
+        t = targets.reshape(-1)
+        valid = t != self.ignore_index
+        local_t = t - self.start
+        mine = valid & (local_t >= 0) & (local_t < self.n_valid)
+        local_t = xp.where(mine, local_t, -1).astype(xp.int64)
+
+        row_max = ops.ce_shard_max(z, self.n_valid)
+        if tp.size > 1:
+            row_max = tp.all_reduce(xp.ascontiguousarray(row_max), "max")
+        sum_exp, target_logit, sum_logits = ops.ce_shard_stats(z, row_max, local_t, self.n_valid)
+        stats = xp.stack([sum_exp, target_logit, sum_logits])
+        if tp.size > 1:
+            tp.all_reduce(stats, "sum", out=stats)
+        sum_exp, target_logit, sum_logits = stats[0], stats[1], stats[2]
+
+        logz = xp.log(sum_exp) + row_max  # log of the partition function per row
+        nll = logz - target_logit
+        eps = self.label_smoothing
+        if eps > 0:
+            smooth = logz - sum_logits / self.vocab_size  # mean over classes of -log p_c
+            per_row = (1.0 - eps) * nll + eps * smooth
+        else:
+            per_row = nll
+        count = int(valid.sum())
+        per_row = xp.where(valid, per_row, 0.0)
+        loss = float(per_row.sum()) / count if count else 0.0
+        self._save("ce", (z, row_max, sum_exp, local_t, valid, count, logits.shape, inplace_backward))
+        return loss
+
+    def backward(self, dloss: float = 1.0):
+        """Gradient of the mean loss w.r.t. this rank's logits shard, shaped like the logits."""
+        z, row_max, sum_exp, local_t, valid, count, shape, inplace = self._load("ce")
+        xp = self.ctx.xp
+        scale = (float(dloss) / count) if count else 0.0
+        row_scale = valid.astype(z.dtype if z.dtype.kind == "f" and z.dtype.itemsize >= 4 else xp.float32) * scale
+        d = ops.ce_shard_backward(z, row_max, sum_exp, local_t, self.n_valid, row_scale, self.label_smoothing,
+                                  self.vocab_size, out=z if inplace else None)
+        return d.reshape(shape)

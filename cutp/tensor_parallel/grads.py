@@ -1,0 +1,64 @@
+"""Once per optimizer step: finish the gradient reduction, then measure the global norm.
+
+finish_grad_sync: run each parameter's grad_sync hook (GQA-replicated KV columns summed over
+the ranks that hold them), then average every gradient over the DP group in a few flat buckets.
+
+global_grad_norm: each full parameter entry counts exactly once (Megatron's rule): shards of
+TP-split parameters are summed over the TP ranks, replicated parameters (LayerNorm, biases of
+row layers, position embeddings) are counted on TP rank 0 only, not tp times, and tied weights
+once. One all-reduce of a single float64 over the TP group.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import get_array_module
+
+BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
+
+
+def finish_grad_sync(params, ctx) -> None:
+    for p in params:
+        if p.grad_sync is not None:
+            p.grad_sync(p)
+    if ctx.dp_size == 1:
+        return
+    for bucket in _buckets(params):
+        xp = get_array_module(bucket[0].grad)
+        flat = xp.concatenate([p.grad.reshape(-1) for p in bucket])
+        ctx.dp.all_reduce(flat, "avg", out=flat)
+        off = 0
+        for p in bucket:
+            n = p.grad.size
+            p.grad[...] = flat[off:off + n].reshape(p.grad.shape)
+            off += n
+
+
+def _buckets(params):
+    by_dtype = {}
+    for p in params:
+        by_dtype.setdefault(np.dtype(p.grad.dtype).name, []).append(p)
+    for group in by_dtype.values():
+        bucket, n = [], 0
+        for p in group:
+            if bucket and n + p.grad.size > BUCKET_ELEMENTS:
+                yield bucket
+                bucket, n = [], 0
+            bucket.append(p)
+            n += p.grad.size
+        if bucket:
+            yield bucket
+
+
+def global_grad_norm(params, ctx) -> float:
+    xp = ctx.xp
+    total = xp.zeros(1, np.float64)
+    for p in params:
+        s = p.grad_sq_sum()
+        if s is not None:
+            total += s
+    if ctx.tp_size > 1:
+        ctx.tp.all_reduce(total, "sum", out=total)
+    return math.sqrt(float(total[0]))

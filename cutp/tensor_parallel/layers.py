@@ -1,0 +1,260 @@
+"""Tensor-parallel linear, embedding, LM-head, LayerNorm and dropout layers.
+
+Each layer names its input and output layout: "replicated" (identical on every TP rank) or
+"sharded" (split along the last dimension, this rank's part). Weights use GPT-2's Conv1D
+layout [in, out]; the LM head shares the token embedding's [vocab, hidden] table.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops
+from .mappings import (
+    copy_to_tp_backward,
+    gather_from_tp_backward,
+    gather_from_tp_forward,
+    reduce_from_tp_forward,
+    scatter_to_tp_backward,
+    scatter_to_tp_forward,
+)
+from .parameter import Module, make_parameter, normal_init, ones_init, zeros_init
+from .random import RNGTracker
+from .sharding import Sharding, contiguous
+
+
+def _bias_sharding(weight_sharding: Sharding) -> Sharding:
+    """The bias of a column-split weight is split like the weight's columns."""
+    return Sharding(0, (weight_sharding.full_shape[1],), weight_sharding.indices)
+
+
+class ColumnParallelLinear(Module):
+    """y = x @ W + b with W [in, out] split by output columns.
+
+    Input: replicated [..., in]. Output: sharded [..., out/tp], or replicated [..., out] with
+    gather_output. Forward needs no communication; backward all-reduces dx over TP (`f`).
+    With skip_bias_add, forward returns (x @ W_shard, b_shard) so the caller can fuse the bias
+    into the next op (bias + GeLU) and hands the bias gradient back via `accumulate_bias_grad`.
+    """
+
+    def __init__(self, ctx, in_features, out_features, *, name, bias=True, gather_output=False,
+                 skip_bias_add=False, init=None, seed=0, dtype=np.float32, sharding=None):
+        self.ctx = ctx
+        self.name = name
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        sharding = sharding or contiguous((in_features, out_features), 1, ctx.tp_size)
+        self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
+                                     sharding, seed=seed, dtype=dtype, weight_decay=True)
+        self.bias = None
+        if bias:
+            self.bias = make_parameter(ctx, f"{name}.bias", (out_features,), zeros_init, _bias_sharding(sharding),
+                                       seed=seed, dtype=dtype)
+
+    def forward(self, x):
+        add_bias = self.bias is not None and not self.skip_bias_add
+        y, lctx = ops.linear_forward(x, self.weight.data, self.bias.data if add_bias else None)
+        self._save("linear", lctx)
+        if self.gather_output:
+            y = gather_from_tp_forward(self.ctx.tp, y)
+        if self.skip_bias_add:
+            return y, (self.bias.data if self.bias is not None else None)
+        return y
+
+    def accumulate_bias_grad(self, db):
+        self.bias.grad += db
+
+    def backward(self, dy, need_dx=True):
+        if self.gather_output:
+            dy = gather_from_tp_backward(self.ctx.tp, dy)
+        dx, dw, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx)
+        self.weight.grad += dw
+        if db is not None:
+            self.bias.grad += db
+        if need_dx:
+            dx = copy_to_tp_backward(self.ctx.tp, dx)
+        return dx
+
+
+class RowParallelLinear(Module):
+    """y = x @ W + b with W [in, out] split by input rows.
+
+    Input: sharded [..., in/tp] (input_is_parallel, the usual case after a column layer) or
+    replicated [..., in] (sliced here). Output: replicated [..., out]. Forward all-reduces the
+    partial products (`g`); the bias is replicated and added once after the reduction.
+    Backward needs no communication (unless the input was replicated: then dx is gathered).
+    """
+
+    def __init__(self, ctx, in_features, out_features, *, name, bias=True, input_is_parallel=True,
+                 init=None, seed=0, dtype=np.float32):
+        self.ctx = ctx
+        self.name = name
+        self.input_is_parallel = input_is_parallel
+        sharding = contiguous((in_features, out_features), 0, ctx.tp_size)
+        self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
+                                     sharding, seed=seed, dtype=dtype, weight_decay=True)
+        self.bias = None
+        if bias:
+            self.bias = make_parameter(ctx, f"{name}.bias", (out_features,), zeros_init, None, seed=seed, dtype=dtype)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tp_forward(self.ctx.tp, x)
+        y, lctx = ops.linear_forward(x, self.weight.data)
+        self._save("linear", lctx)
+        y = reduce_from_tp_forward(self.ctx.tp, y)
+        if self.bias is not None:
+            y += self.bias.data
+        return y
+
+    def backward(self, dy, need_dx=True):
+        if self.bias is not None:
+            self.bias.grad += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+        dx, dw, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx)
+        self.weight.grad += dw
+        if need_dx and not self.input_is_parallel:
+            dx = scatter_to_tp_backward(self.ctx.tp, dx)
+        return dx
+
+
+def pad_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Vocabulary padded to a multiple of multiple*tp (Megatron's make-vocab-size-divisible-by)."""
+    step = max(1, multiple) * tp
+    return -(-vocab_size // step) * step
+
+
+class VocabParallelEmbedding(Module):
+    """Token embedding with the vocabulary split into contiguous ranges over TP.
+
+    Input: replicated token ids [...]. Output: replicated [..., dim]. Ids outside this rank's
+    range produce zeros locally; one all-reduce (b*s*dim elements) sums the ranks' parts. The
+    table has `padded_vocab` rows; rows >= vocab_size are zero and, since no id reaches them and
+    the cross-entropy masks their logits, they never receive gradient.
+    """
+
+    def __init__(self, ctx, vocab_size, padded_vocab, dim, *, name, init=None, seed=0, dtype=np.float32):
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.padded_vocab = padded_vocab
+        sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
+
+        def zero_padding(full):
+            full[vocab_size:] = 0
+            return full
+
+        self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), init or normal_init(0.02), sharding,
+                                     seed=seed, dtype=dtype, transform=zero_padding)
+        per = padded_vocab // ctx.tp_size
+        self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
+        self.n_valid = int(np.clip(vocab_size - self.start, 0, per))  # real (unpadded) rows held here
+
+    def forward(self, ids):
+        xp = self.ctx.xp
+        if self.ctx.tp_size == 1:
+            y, ectx = ops.embedding_forward(ids, self.weight.data)
+        else:
+            mask = (ids >= self.start) & (ids < self.end)
+            local = xp.where(mask, ids - self.start, 0)
+            y, ectx = ops.embedding_forward(local, self.weight.data, mask)
+        self._save("emb", ectx)
+        return reduce_from_tp_forward(self.ctx.tp, y)
+
+    def backward(self, dy):
+        ops.embedding_backward(dy, self._load("emb"), self.weight.grad)
+        return None
+
+
+class ParallelLMHead(Module):
+    """logits = x @ E^T with E the [vocab, dim] table split by vocabulary rows.
+
+    Input: replicated [..., dim]. Output: sharded logits [..., padded_vocab/tp] for this rank's
+    vocabulary range; feed them to VocabParallelCrossEntropy, never gather them. Backward
+    all-reduces dx over TP. With a tied embedding (GPT-2) the table is the embedding's Parameter,
+    so both gradient contributions land in the same buffer.
+    """
+
+    def __init__(self, ctx, embedding: VocabParallelEmbedding | None = None, *, vocab_size=None, padded_vocab=None,
+                 dim=None, name="lm_head", seed=0, dtype=np.float32):
+        self.ctx = ctx
+        if embedding is not None:
+            self._shared_weight = embedding.weight  # tied: counted once, as the embedding's
+            self.vocab_size, self.padded_vocab = embedding.vocab_size, embedding.padded_vocab
+        else:
+            sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
+
+            def zero_padding(full):
+                full[vocab_size:] = 0
+                return full
+
+            self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), normal_init(0.02), sharding,
+                                         seed=seed, dtype=dtype, weight_decay=True, transform=zero_padding)
+            self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
+        per = self.padded_vocab // ctx.tp_size
+        self.start = ctx.tp_rank * per
+        self.n_valid = int(np.clip(self.vocab_size - self.start, 0, per))
+
+    @property
+    def table(self):
+        return self._shared_weight if hasattr(self, "_shared_weight") else self.weight
+
+    def forward(self, x):
+        w = self.table.data
+        x2 = x.reshape(-1, x.shape[-1])
+        logits = x2 @ w.T
+        self._save("x2", x2)
+        return logits.reshape(x.shape[:-1] + (w.shape[0],))
+
+    def backward(self, dlogits):
+        x2 = self._load("x2")
+        w = self.table
+        d2 = dlogits.reshape(-1, dlogits.shape[-1])
+        w.grad += d2.T @ x2
+        dx = d2 @ w.data
+        dx = copy_to_tp_backward(self.ctx.tp, dx)
+        return dx.reshape(dlogits.shape[:-1] + (x2.shape[1],))
+
+
+class LayerNorm(Module):
+    """LayerNorm over the last dimension, replicated: identical inputs, parameters and gradients
+    on every TP rank (no communication; each rank computes the same gradient)."""
+
+    def __init__(self, ctx, dim, *, name, eps=1e-5, bias=True, seed=0, dtype=np.float32):
+        self.ctx = ctx
+        self.eps = eps
+        self.weight = make_parameter(ctx, f"{name}.weight", (dim,), ones_init, None, seed=seed, dtype=dtype)
+        self.bias = make_parameter(ctx, f"{name}.bias", (dim,), zeros_init, None, seed=seed, dtype=dtype) if bias else None
+
+    def forward(self, x):
+        y, lctx = ops.layernorm_forward(x, self.weight.data, self.bias.data if self.bias is not None else None, self.eps)
+        self._save("ln", lctx)
+        return y
+
+    def backward(self, dy):
+        dx, dw, db = ops.layernorm_backward(dy, self._load("ln"))
+        self.weight.grad += dw
+        if self.bias is not None:
+            self.bias.grad += db
+        return dx
+
+
+class Dropout(Module):
+    """Dropout whose mask comes from one stream of an RNGTracker ("replicated" or "sharded")."""
+
+    def __init__(self, p: float, rng: RNGTracker, stream: str):
+        self.p = float(p)
+        self.rng = rng
+        self.stream = stream
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            self._save("ctx", None)
+            return x
+        seed, offset = self.rng.draw(self.stream, x.size)
+        y, dctx = ops.dropout_forward(x, self.p, seed, offset)
+        self._save("ctx", dctx)
+        return y
+
+    def backward(self, dy):
+        dctx = self._load("ctx")
+        if dctx is None:
+            return dy
+        return ops.dropout_backward(dy, dctx)

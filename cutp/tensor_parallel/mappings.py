@@ -1,0 +1,72 @@
+"""Communication operators of 1D tensor parallelism, kept apart from the layers that use them.
+
+Each is a forward/backward pair over the TP group `comm` (Megatron-LM's mappings.py):
+
+    copy_to_tp       forward identity        backward all-reduce      (Megatron's `f`)
+    reduce_from_tp   forward all-reduce      backward identity        (Megatron's `g`)
+    scatter_to_tp    forward keep my slice   backward all-gather      (last dimension)
+    gather_from_tp   forward all-gather      backward keep my slice   (last dimension)
+
+The all-reduces run in place on buffers the caller owns, so they allocate nothing.
+"""
+from __future__ import annotations
+
+from ..backend import get_array_module
+
+
+def copy_to_tp_forward(comm, x):
+    return x
+
+
+def copy_to_tp_backward(comm, dy):
+    """Sums the input gradient over the TP group (in place on dy, which the caller owns)."""
+    if comm.size == 1:
+        return dy
+    dy = _contiguous(dy)
+    return comm.all_reduce(dy, "sum", out=dy)
+
+
+def reduce_from_tp_forward(comm, partial):
+    """Sums partial results over the TP group (in place on `partial`, which the caller owns)."""
+    if comm.size == 1:
+        return partial
+    partial = _contiguous(partial)
+    return comm.all_reduce(partial, "sum", out=partial)
+
+
+def reduce_from_tp_backward(comm, dy):
+    return dy
+
+
+def _last_dim_slice(comm, x):
+    n = x.shape[-1]
+    if n % comm.size:
+        raise ValueError(f"last dimension {n} does not split over {comm.size} TP ranks")
+    k = n // comm.size
+    return x[..., comm.rank * k:(comm.rank + 1) * k]
+
+
+def scatter_to_tp_forward(comm, x):
+    if comm.size == 1:
+        return x
+    return _contiguous(_last_dim_slice(comm, x))
+
+
+def gather_from_tp_forward(comm, x):
+    """All-gathers along the last dimension: [..., k] on each rank -> [..., k * tp]."""
+    if comm.size == 1:
+        return x
+    xp = get_array_module(x)
+    moved = xp.ascontiguousarray(xp.moveaxis(x, -1, 0))  # gather along axis 0
+    g = comm.all_gather(moved)  # [tp*k, ...]
+    return xp.ascontiguousarray(xp.moveaxis(g, 0, -1))
+
+
+scatter_to_tp_backward = gather_from_tp_forward
+gather_from_tp_backward = scatter_to_tp_forward
+
+
+def _contiguous(x):
+    if x.flags.c_contiguous:
+        return x
+    return get_array_module(x).ascontiguousarray(x)

@@ -1,0 +1,189 @@
+"""Parameters (a shard plus its gradient buffer) and the Module base class.
+
+A layer is a Module with a hand-written `forward` (which caches what `backward` needs, unless
+the module is in eval mode) and `backward` (which accumulates into each Parameter's `grad`, so
+several micro-batches can run before an optimizer step, and returns the input gradient).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .sharding import Sharding, take_shard
+
+
+class Parameter:
+    """One rank's shard of a model parameter.
+
+    name         full parameter name (GPT-2's naming, e.g. "h.0.attn.c_attn.weight")
+    data, grad   this rank's shard and its gradient accumulator (same shape and dtype)
+    sharding     how the full tensor is split over TP (None: replicated on every TP rank)
+    weight_decay whether AdamW decays it (not biases, LayerNorm or embeddings)
+    norm_mask    for the global gradient norm, which entries this rank counts, so that each
+                 full entry counts exactly once: all of a partitioned shard, the lowest rank's
+                 copy of a replicated parameter, the first holder of a GQA-replicated KV column.
+                 None = all; False = none; otherwise a bool vector along the shard axis.
+    grad_sync    optional hook run once per optimizer step, before the DP reduction (GQA: sum
+                 the gradient of KV heads replicated over several TP ranks)
+    """
+
+    def __init__(self, name: str, data, sharding: Sharding | None, tp_rank: int, weight_decay: bool):
+        self.name = name
+        self.data = data
+        self.grad = None
+        self.sharding = sharding
+        self.weight_decay = weight_decay
+        self.tp_rank = tp_rank
+        if sharding is None:
+            self.norm_mask = None if tp_rank == 0 else False
+        else:
+            owned = sharding.owned_mask(tp_rank)
+            self.norm_mask = None if owned.all() else owned
+        self.grad_sync: Callable | None = None
+        self.zero_grad()
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def full_shape(self):
+        return self.data.shape if self.sharding is None else self.sharding.full_shape
+
+    def zero_grad(self):
+        if self.grad is None:
+            self.grad = self.data * 0  # same module, dtype and shape as data
+        else:
+            self.grad[...] = 0
+
+    def grad_sq_sum(self):
+        """Sum of squared gradient entries this rank counts toward the global norm (float64 scalar array)."""
+        if self.norm_mask is False:
+            return None
+        g = self.grad
+        if self.norm_mask is not None:
+            from ..backend import get_array_module
+
+            xp = get_array_module(g)
+            g = xp.compress(xp.asarray(self.norm_mask), g, axis=self.sharding.axis)
+        return (g.astype(np.float64) ** 2).sum() if g.dtype != np.float64 else (g * g).sum()
+
+    def __repr__(self):
+        split = "replicated" if self.sharding is None else f"split axis {self.sharding.axis} of {self.sharding.full_shape}"
+        return f"Parameter({self.name}, shard {tuple(self.data.shape)}, {split})"
+
+
+# ---- initialisation independent of TP size ------------------------------------------------
+def param_rng(seed: int, name: str) -> np.random.Generator:
+    """One generator per (seed, parameter name): the full tensor is the same at any TP size."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode())])
+
+
+def normal_init(std: float):
+    def init(rng, shape, dtype):
+        gen_dtype = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        a = rng.standard_normal(shape, dtype=gen_dtype)
+        a *= std
+        return a
+
+    init.describe = f"normal(0, {std})"
+    return init
+
+
+def zeros_init(rng, shape, dtype):
+    return np.zeros(shape, np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+def ones_init(rng, shape, dtype):
+    return np.ones(shape, np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+def make_parameter(ctx, name, full_shape, init, sharding=None, *, seed=0, dtype=np.float32,
+                   weight_decay=False, transform=None) -> Parameter:
+    """Builds the full tensor on the host from its own seeded generator, keeps this rank's shard.
+
+    Only one full tensor exists at a time (it is dropped before the next parameter is made).
+    `transform(full)` may edit the full tensor first (e.g. zero padded vocabulary rows).
+    """
+    full = init(param_rng(seed, name), tuple(full_shape), dtype)
+    if transform is not None:
+        full = transform(full)
+    shard = np.ascontiguousarray(take_shard(full, sharding, ctx.tp_rank), dtype=dtype)
+    del full
+    return Parameter(name, ctx.asarray(shard), sharding, ctx.tp_rank, weight_decay)
+
+
+# ---- modules ---------------------------------------------------------------------------------
+class Module:
+    """Base class: finds child modules and parameters among attributes (and lists of them)."""
+
+    training = True
+
+    def children(self) -> Iterator["Module"]:
+        for v in self.__dict__.values():
+            if isinstance(v, Module):
+                yield v
+            elif isinstance(v, (list, tuple)):
+                for item in v:
+                    if isinstance(item, Module):
+                        yield item
+
+    def own_parameters(self) -> Iterator[Parameter]:
+        for k, v in self.__dict__.items():
+            if isinstance(v, Parameter) and not k.startswith("_shared"):
+                yield v
+
+    def parameters(self) -> list[Parameter]:
+        """Every parameter once, in construction order (tied parameters appear once)."""
+        seen, out = set(), []
+
+        def walk(m):
+            for p in m.own_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+            for c in m.children():
+                walk(c)
+
+        walk(self)
+        return out
+
+    def modules(self) -> Iterator["Module"]:
+        yield self
+        for c in self.children():
+            yield from c.modules()
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.zero_grad()
+
+    def train(self, mode: bool = True):
+        """Training mode: dropout on, forward caches what backward needs. Eval: neither."""
+        for m in self.modules():
+            m.training = mode
+        if not mode:
+            self.free_cache()
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def free_cache(self):
+        """Drops every cached activation (e.g. after an evaluation forward)."""
+        for m in self.modules():
+            for k in list(m.__dict__):
+                if k.startswith("_cache"):
+                    m.__dict__[k] = None
+
+    def _save(self, name: str, value):
+        """Caches `value` for backward only in training mode."""
+        setattr(self, "_cache_" + name, (value,) if self.training else None)
+
+    def _load(self, name: str):
+        v = getattr(self, "_cache_" + name, None)
+        if v is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called without a training-mode forward "
+                               "(its cache is empty: call model.train() and run forward first)")
+        return v[0]

@@ -1,0 +1,108 @@
+"""Which slice of a full tensor each TP rank holds, and how to cut and reassemble it.
+
+Every sharded parameter is described by a `Sharding`: an axis and, for each TP rank, the
+indices along that axis (into the full, unsharded tensor) that the rank holds, in the order
+the rank stores them. That one description covers contiguous column/row splits, the vocabulary
+split, and the attention QKV projection, whose shard is this rank's heads' Q, K and V columns
+(not a contiguous third of a fused [q|k|v] matrix), with KV heads replicated under GQA when
+TP > n_kv_head. Initialisation, gathering, checkpoints and resharding all go through it, so
+TP=1 and TP=N always hold the same model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Sharding:
+    axis: int
+    full_shape: tuple
+    # indices[r] = positions along `axis` of the full tensor held by TP rank r, in storage order
+    indices: tuple
+
+    @property
+    def tp(self) -> int:
+        return len(self.indices)
+
+    def shard_shape(self, rank: int) -> tuple:
+        s = list(self.full_shape)
+        s[self.axis] = len(self.indices[rank])
+        return tuple(s)
+
+    def owned_mask(self, rank: int) -> np.ndarray:
+        """True where this rank is the lowest rank holding that full index (count it once)."""
+        first_owner = {}
+        for r, idx in enumerate(self.indices):
+            for i in idx:
+                first_owner.setdefault(int(i), r)
+        return np.array([first_owner[int(i)] == rank for i in self.indices[rank]], bool)
+
+    def is_partition(self) -> bool:
+        """True if every full index is held by exactly one rank."""
+        allidx = np.concatenate(self.indices)
+        return len(allidx) == self.full_shape[self.axis] and len(np.unique(allidx)) == len(allidx)
+
+
+def contiguous(full_shape, axis: int, tp: int) -> Sharding:
+    n = full_shape[axis]
+    if n % tp:
+        raise ConfigError(f"cannot split a dimension of {n} evenly over tp={tp}")
+    k = n // tp
+    return Sharding(axis, tuple(full_shape), tuple(np.arange(r * k, (r + 1) * k) for r in range(tp)))
+
+
+def kv_heads_of_rank(n_head: int, n_kv_head: int, tp: int, rank: int) -> range:
+    """The KV heads TP rank `rank` needs: its own share, or the one its query heads use."""
+    if tp <= n_kv_head:
+        k = n_kv_head // tp
+        return range(rank * k, (rank + 1) * k)
+    return range(rank // (tp // n_kv_head), rank // (tp // n_kv_head) + 1)
+
+
+def qkv_columns(n_head: int, n_kv_head: int, head_dim: int, tp: int) -> tuple:
+    """Column indices of each rank's QKV shard in the full [q | k | v] projection.
+
+    Full layout: columns [0, n_head*hd) are Q (head-major), then n_kv_head*hd of K, then of V,
+    as in GPT-2's c_attn (where n_kv_head == n_head). Rank r's shard is [q_r | k_r | v_r].
+    """
+    q_per = n_head // tp
+    k_off = n_head * head_dim
+    v_off = k_off + n_kv_head * head_dim
+    out = []
+    for r in range(tp):
+        q = np.arange(r * q_per * head_dim, (r + 1) * q_per * head_dim)
+        kv = kv_heads_of_rank(n_head, n_kv_head, tp, r)
+        kcols = np.concatenate([np.arange(h * head_dim, (h + 1) * head_dim) for h in kv])
+        out.append(np.concatenate([q, k_off + kcols, v_off + kcols]))
+    return tuple(out)
+
+
+def qkv_sharding(full_shape, axis, n_head, n_kv_head, head_dim, tp) -> Sharding:
+    return Sharding(axis, tuple(full_shape), qkv_columns(n_head, n_kv_head, head_dim, tp))
+
+
+def take_shard(full, sharding: Sharding | None, rank: int):
+    """This rank's shard of a full (host) array; the array itself when replicated."""
+    if sharding is None:
+        return full
+    return np.take(full, sharding.indices[rank], axis=sharding.axis)
+
+
+def gather_full(comm, shard, sharding: Sharding | None):
+    """Reassembles the full tensor on every rank of the TP group `comm` (a collective)."""
+    if sharding is None:
+        return shard
+    from ..backend import get_array_module
+
+    xp = get_array_module(shard)
+    moved = xp.ascontiguousarray(xp.moveaxis(shard, sharding.axis, 0))
+    gathered = comm.all_gather(moved)  # [tp * len, ...] in rank order
+    n = moved.shape[0]
+    full_moved = xp.zeros((sharding.full_shape[sharding.axis],) + moved.shape[1:], shard.dtype)
+    for r, idx in enumerate(sharding.indices):
+        full_moved[xp.asarray(idx)] = gathered[r * n:(r + 1) * n]
+    return xp.moveaxis(full_moved, 0, sharding.axis)
