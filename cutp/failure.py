@@ -61,3 +61,27 @@ def install_abort_on_error() -> bool:
     threading.excepthook = thread_excepthook
     _installed = True
     return True
+
+
+def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError) -> None:
+    """Collective: if any rank has an error message, every rank raises `exc_type` with the
+    message of the lowest failing rank (prefixed by that rank). So a problem one rank sees
+    (a corrupt shard it reads, a config that differs) stops every rank at the same point,
+    before any further collective, instead of leaving the others waiting.
+    """
+    import numpy as np
+    from mpi4py import MPI
+
+    me = mpi_comm.Get_rank()
+    flag = np.array([me if error else mpi_comm.Get_size()], np.int64)
+    mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MIN)
+    first = int(flag[0])
+    if first == mpi_comm.Get_size():
+        return
+    buf = np.zeros(4096, np.uint8)
+    if me == first:
+        msg = error.encode()[:4096]
+        buf[: len(msg)] = np.frombuffer(msg, np.uint8)
+    mpi_comm.Bcast([buf, MPI.UINT8_T], root=first)
+    text = bytes(buf).rstrip(b"\0").decode(errors="replace")
+    raise exc_type(text if me == first else f"(reported by rank {first}) {text}")

@@ -40,7 +40,7 @@ DTYPES = {"float32": np.float32, "float64": np.float64}
 
 PRESETS = {
     # trains on a 2-core CPU in minutes (byte-level vocabulary)
-    "tiny": dict(n_layer=4, n_head=4, n_embd=128, vocab_size=256, block_size=128),
+    "tiny": dict(n_layer=4, n_head=8, n_embd=128, vocab_size=256, block_size=128, vocab_multiple=1),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),

@@ -143,11 +143,14 @@ def _gpt_run(ctx, cfg, seed=0):
     loss = model.forward(idx, tgt)
     model.backward()
     grads = full_grads(model, ctx)
+    from cutp.tensor_parallel import global_grad_norm
+
+    norm = global_grad_norm(model.parameters(), ctx)
     for name in ("wte.weight", "lm_head.weight"):
         if name in grads:
             assert not grads[name][cfg.vocab_size:].any(), f"padded rows of {name} received gradient"
             grads[name] = grads[name][: cfg.vocab_size]
-    return {"loss": loss, "logits": logits, "grads": grads}
+    return {"loss": loss, "logits": logits, "grads": grads, "norm": norm}
 
 
 def _worker_gpt_stack(n, cases):
@@ -161,6 +164,8 @@ def _worker_gpt_stack(n, cases):
         assert abs(got["loss"] - ref["loss"]) <= t * abs(ref["loss"]), (got["loss"], ref["loss"], kw)
         assert_close(got["logits"], ref["logits"], t, f"gpt tp={n} {kw} logits")
         assert_close(got["grads"], ref["grads"], t, f"gpt tp={n} {kw} grads")
+        # each parameter counted once: sharded summed over TP, replicated (and GQA copies) once
+        assert abs(got["norm"] - ref["norm"]) <= t * ref["norm"], (got["norm"], ref["norm"], kw)
         ctx.close()
 
 

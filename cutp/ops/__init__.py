@@ -4,6 +4,7 @@ Convention: ``*_forward(...) -> (out, ctx)``; ``*_backward(dout, ctx) -> grads``
 exactly what the backward needs. float32/float64 compute in their own precision; bfloat16
 (ml_dtypes) computes in float32 and returns bfloat16 outputs (statistics stay float32).
 """
+from .adamw import adamw_update
 from .cross_entropy import (
     CrossEntropyCtx,
     ce_shard_backward,
@@ -36,6 +37,7 @@ from .linear import LinearCtx, linear_backward, linear_forward
 from .softmax import SoftmaxCtx, causal_mask, softmax_backward, softmax_forward
 
 __all__ = [
+    "adamw_update",
     "CrossEntropyCtx", "ce_shard_backward", "ce_shard_max", "ce_shard_stats",
     "cross_entropy_backward", "cross_entropy_forward",
     "DropoutCtx", "dropout_backward", "dropout_forward", "dropout_mask", "keep_threshold",

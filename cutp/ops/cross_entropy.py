@@ -166,10 +166,13 @@ def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scal
         direct = O.dtype == cdt
         for sl in row_blocks(xp, N, n_valid):
             ob = O[sl, :n_valid]
-            if direct:
-                e = xp.subtract(L[sl, :n_valid], row_max[sl, None], out=ob)
-            else:
-                e = as_dtype(L[sl, :n_valid], cdt)  # a copy: L is not cdt here
+            Lb = L[sl, :n_valid]
+            if direct:  # straight into out (which may be the logits themselves)
+                e = xp.subtract(Lb, row_max[sl, None], out=ob)
+            elif Lb.dtype == cdt:
+                e = xp.subtract(Lb, row_max[sl, None])
+            else:  # bfloat16: the float32 copy is the block's work buffer
+                e = Lb.astype(cdt)
                 e -= row_max[sl, None]
             xp.exp(e, out=e)
             e *= coef[sl, None]

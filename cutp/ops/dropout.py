@@ -33,7 +33,7 @@ import numpy as np
 
 from cutp.backend import get_array_module
 
-from ._common import compute_dtype
+from ._common import compute_dtype, flat_blocks
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -85,10 +85,14 @@ def dropout_mask(xp, shape, p: float, seed: int, offset: int):
     ``1 - p`` (see the module docstring for the exact function)."""
     shape = tuple(shape) if not isinstance(shape, int) else (shape,)
     n = math.prod(shape)
-    thr = keep_threshold(p)
-    z = random_bits(xp, n, seed, offset)
-    xp.right_shift(z, _U64(40), out=z)
-    return (z >= _U64(thr)).reshape(shape)
+    thr = _U64(keep_threshold(p))
+    keep = xp.empty(n, dtype=bool)
+    # NumPy: blocks of ELEMENTWISE_BLOCK counters keep the uint64 temporaries in cache
+    for sl in flat_blocks(xp, n):
+        z = random_bits(xp, sl.stop - sl.start, seed, offset + sl.start)
+        xp.right_shift(z, _U64(40), out=z)
+        xp.greater_equal(z, thr, out=keep[sl])
+    return keep.reshape(shape)
 
 
 class DropoutCtx:
@@ -113,7 +117,9 @@ def _apply(x, mask, scale, xp):
 
 
 def dropout_forward(x, p: float, seed: int, offset: int):
-    """``y = x * mask / (1 - p)`` with ``mask = dropout_mask(xp, x.shape, p, seed, offset)``.
+    """``y = (x * mask) * scale`` with ``mask = dropout_mask(xp, x.shape, p, seed, offset)``
+    and ``scale = 1 / (1 - p)`` (computed once in float64 and applied as a multiplication in
+    the compute dtype; dropped elements are +-0).
 
     ``p == 0`` returns ``x`` itself (no copy, no random numbers) and a ctx with ``mask=None``;
     ``p == 1`` drops everything (``y`` zeros). ``y`` has ``x``'s dtype (bfloat16 is scaled in
@@ -131,7 +137,8 @@ def dropout_forward(x, p: float, seed: int, offset: int):
 
 
 def dropout_backward(dy, ctx: DropoutCtx):
-    """``dx = dy * mask * scale``; with ``ctx.mask is None`` (p == 0) returns ``dy`` itself."""
+    """``dx = (dy * mask) * scale`` in ``dy``'s dtype; with ``ctx.mask is None`` (p == 0)
+    returns ``dy`` itself."""
     if ctx.mask is None:
         return dy
     return _apply(dy, ctx.mask, ctx.scale, get_array_module(dy))

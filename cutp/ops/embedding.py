@@ -6,7 +6,7 @@ import numpy as np
 
 from cutp.backend import get_array_module
 
-from ._common import as_dtype, compute_dtype
+from ._common import as_dtype, compute_dtype, is_low_precision
 
 
 class EmbeddingCtx:
@@ -65,11 +65,12 @@ def embedding_backward(dy, ctx: EmbeddingCtx, out):
     there is no mask); repeated ids add up. No [V, h] temporary is allocated: only the rows
     that occur are touched.
 
-    NumPy (measured on 8192 ids, h = 768, V = 50257, float32: ``np.add.at`` takes ~55 ms,
-    sorting + ``np.add.reduceat`` ~60 ms since reduceat walks axis 0 column by column, this
-    ~13-22 ms): the ids are stably sorted, the sorted ``dy`` rows are reduced per id with a
-    vectorised pairwise tree (:func:`_segment_sums_sorted`) in the compute dtype (float32 for
-    bfloat16), and each distinct id's row of ``out`` is updated once with a fancy-indexed
+    NumPy (measured on 8192 ids, h = 768, V = 50257, float32, one thread: ``np.add.at``
+    ~55 ms; sorting + ``np.add.reduceat`` ~45-60 ms, as reduceat walks axis 0 column by
+    column; this ~15-28 ms depending on the id distribution): the ids are stably sorted, the
+    sorted ``dy`` rows are reduced per id with a vectorised pairwise tree
+    (:func:`_segment_sums_sorted`) in the compute dtype (float32 for bfloat16), and each
+    distinct id's row of ``out`` is updated once with a fancy-indexed
     add; when all ids are distinct the sort result is used directly. CuPy: ``xp.add.at``
     (atomic adds; the order of the additions, hence the last bits, is not deterministic).
     """
@@ -112,8 +113,8 @@ def embedding_backward(dy, ctx: EmbeddingCtx, out):
         _segment_sums_sorted(g, lens, starts)
         u = s[starts]
         sums = g.take(starts, axis=0)
-    if out.dtype == sums.dtype:
+    if is_low_precision(out.dtype):  # add in float32, round once
+        out[u] = (out[u].astype(np.float32) + sums).astype(out.dtype)
+    else:  # float32/float64 out: NumPy adds in the wider of the two dtypes
         out[u] += sums
-    else:
-        out[u] = (out[u].astype(cdt) + sums).astype(out.dtype)
     return out

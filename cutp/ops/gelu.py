@@ -12,7 +12,7 @@ import numpy as np
 
 from cutp.backend import get_array_module
 
-from ._common import as_dtype, compute_dtype, flat_blocks, row_blocks
+from ._common import as_dtype, col_sum, compute_dtype, flat_blocks, row_blocks
 
 APPROXIMATIONS = ("tanh", "none")
 
@@ -335,7 +335,7 @@ def bias_gelu_backward(dy, ctx: GeluCtx):
     for sl in row_blocks(xp, p2.shape[0], C):
         out = dx[sl] if direct else None
         g = _gelu_grad(as_dtype(p2[sl], cdt), as_dtype(dy2[sl], cdt), ctx.approximate, xp, out)
-        db += g.sum(axis=0)
+        db += col_sum(xp, g)
         if not direct:
             dx[sl] = g
     return dx.reshape(pre.shape), as_dtype(db, pre.dtype)

@@ -19,11 +19,15 @@ from ..backend import get_array_module
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
 
 
-def finish_grad_sync(params, ctx) -> None:
+def finish_grad_sync(params, ctx, flat=None) -> None:
+    """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices."""
     for p in params:
         if p.grad_sync is not None:
             p.grad_sync(p)
     if ctx.dp_size == 1:
+        return
+    if flat is not None:
+        ctx.dp.all_reduce(flat.grad, "avg", out=flat.grad)
         return
     for bucket in _buckets(params):
         xp = get_array_module(bucket[0].grad)

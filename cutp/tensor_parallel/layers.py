@@ -24,7 +24,8 @@ from .sharding import Sharding, contiguous
 
 def _bias_sharding(weight_sharding: Sharding) -> Sharding:
     """The bias of a column-split weight is split like the weight's columns."""
-    return Sharding(0, (weight_sharding.full_shape[1],), weight_sharding.indices)
+    spec = dict(weight_sharding.spec, axis=0) if weight_sharding.spec else None
+    return Sharding(0, (weight_sharding.full_shape[1],), weight_sharding.indices, spec)
 
 
 class ColumnParallelLinear(Module):

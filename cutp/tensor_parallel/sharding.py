@@ -23,6 +23,8 @@ class Sharding:
     full_shape: tuple
     # indices[r] = positions along `axis` of the full tensor held by TP rank r, in storage order
     indices: tuple
+    # how the indices were made (JSON-able), so a checkpoint can rebuild them at its TP size
+    spec: dict | None = None
 
     @property
     def tp(self) -> int:
@@ -52,7 +54,8 @@ def contiguous(full_shape, axis: int, tp: int) -> Sharding:
     if n % tp:
         raise ConfigError(f"cannot split a dimension of {n} evenly over tp={tp}")
     k = n // tp
-    return Sharding(axis, tuple(full_shape), tuple(np.arange(r * k, (r + 1) * k) for r in range(tp)))
+    return Sharding(axis, tuple(full_shape), tuple(np.arange(r * k, (r + 1) * k) for r in range(tp)),
+                    {"kind": "contiguous", "axis": axis, "tp": tp})
 
 
 def kv_heads_of_rank(n_head: int, n_kv_head: int, tp: int, rank: int) -> range:
@@ -82,7 +85,33 @@ def qkv_columns(n_head: int, n_kv_head: int, head_dim: int, tp: int) -> tuple:
 
 
 def qkv_sharding(full_shape, axis, n_head, n_kv_head, head_dim, tp) -> Sharding:
-    return Sharding(axis, tuple(full_shape), qkv_columns(n_head, n_kv_head, head_dim, tp))
+    return Sharding(axis, tuple(full_shape), qkv_columns(n_head, n_kv_head, head_dim, tp),
+                    {"kind": "qkv", "axis": axis, "n_head": n_head, "n_kv_head": n_kv_head, "head_dim": head_dim,
+                     "tp": tp})
+
+
+def sharding_from_spec(spec: dict | None, full_shape) -> Sharding | None:
+    """Rebuilds a Sharding from its spec (as stored in a checkpoint's metadata)."""
+    if spec is None:
+        return None
+    kind = spec.get("kind")
+    if kind == "contiguous":
+        return contiguous(tuple(full_shape), int(spec["axis"]), int(spec["tp"]))
+    if kind == "qkv":
+        return qkv_sharding(tuple(full_shape), int(spec["axis"]), int(spec["n_head"]), int(spec["n_kv_head"]),
+                            int(spec["head_dim"]), int(spec["tp"]))
+    raise ValueError(f"unknown sharding kind {kind!r}")
+
+
+def assemble_full(shards: list, sharding: Sharding | None):
+    """The full host array from every rank's shard (list in rank order). No communication."""
+    if sharding is None:
+        return shards[0]
+    first = np.moveaxis(shards[0], sharding.axis, 0)
+    full = np.zeros((sharding.full_shape[sharding.axis],) + first.shape[1:], first.dtype)
+    for idx, shard in zip(sharding.indices, shards):
+        full[idx] = np.moveaxis(shard, sharding.axis, 0)
+    return np.moveaxis(full, 0, sharding.axis)
 
 
 def take_shard(full, sharding: Sharding | None, rank: int):

@@ -1,0 +1,445 @@
+"""Checkpoints: safetensors shards plus JSON metadata; atomic, checksummed, reshardable.
+
+Layout of a run directory (`--out DIR`):
+
+    DIR/step-00000100/meta.json                     config, step, mesh, data position, RNG
+                                                    offsets, optimizer hyperparameters, a
+                                                    sha256 per file, each parameter's sharding
+    DIR/step-00000100/model-tp00-of-02.safetensors  TP rank 0's parameter shards
+    DIR/step-00000100/optim-tp00-of-02.safetensors  its AdamW moments (exp_avg., exp_avg_sq.)
+    DIR/latest                                      JSON naming the newest complete checkpoint
+
+A checkpoint is written into `DIR/.tmp-step-...` and renamed when complete, so a crash during a
+save leaves the previous checkpoint intact; older ones are removed only after a newer one is
+complete (`keep`). Loading verifies every needed file's size and sha256 before reading any
+tensor, on every rank, and all ranks agree before anything is loaded. Loading at another TP
+size reassembles each full tensor from the saved shards (one tensor at a time) and keeps this
+rank's slice. Only safetensors and JSON are read: loading never executes code.
+
+`python -m cutp.checkpoint export SRC DST` writes a single-shard (TP=1) copy of a checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from .errors import ConfigError
+
+FORMAT = "cutp-checkpoint"
+VERSION = 1
+# GPTConfig fields that change the parameters' shapes or meaning: a checkpoint loads only into
+# a model with the same values (dropout, label smoothing and vocabulary padding may differ).
+ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "block_size", "bias",
+               "tie_embeddings", "ln_eps", "gelu")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; names the file and what is wrong with it."""
+
+
+def _model_file(r, tp):
+    return f"model-tp{r:02d}-of-{tp:02d}.safetensors"
+
+
+def _optim_file(r, tp):
+    return f"optim-tp{r:02d}-of-{tp:02d}.safetensors"
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_safetensors(path, tensors: dict, metadata=None):
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata=metadata)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _write_json_atomic(path, obj):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ---- save ------------------------------------------------------------------------------------
+def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_state=None, data_state=None,
+                    train_args=None, keep: int | None = None) -> str:
+    """Collective over the model's context. Returns the checkpoint directory."""
+    from . import __version__
+
+    ctx = model.ctx
+    world = ctx.world.mpi_comm
+    name = checkpoint_name(step)
+    final = os.path.join(out_root, name)
+    tmp = os.path.join(out_root, f".tmp-{name}")
+    error = None
+    if ctx.rank == 0:
+        try:
+            os.makedirs(out_root, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"cannot create checkpoint directory {tmp}: {e}"
+    from .failure import agree_on_error
+
+    agree_on_error(world, error, CheckpointError)
+
+    digests = np.zeros((2, 64), np.uint8)
+    sizes = np.zeros(2, np.int64)
+    error = None
+    if ctx.dp_rank == 0:  # DP replicas hold identical parameters and optimizer state
+        try:
+            files = [(_model_file(ctx.tp_rank, ctx.tp_size), {p.name: ctx.to_numpy(p.data) for p in model.parameters()})]
+            if optimizer is not None:
+                files.append((_optim_file(ctx.tp_rank, ctx.tp_size),
+                              {k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items()}))
+            for i, (fname, tensors) in enumerate(files):
+                path = os.path.join(tmp, fname)
+                _write_safetensors(path, tensors, {"format": FORMAT})
+                digests[i] = np.frombuffer(sha256_file(path).encode(), np.uint8)
+                sizes[i] = os.path.getsize(path)
+        except OSError as e:
+            error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {e}"
+    agree_on_error(world, error, CheckpointError)
+
+    if ctx.dp_rank == 0:
+        tp_mpi = ctx.tp.mpi_comm
+        all_digests = np.zeros((ctx.tp_size, 2, 64), np.uint8)
+        all_sizes = np.zeros((ctx.tp_size, 2), np.int64)
+        tp_mpi.Allgather(digests, all_digests)
+        tp_mpi.Allgather(sizes, all_sizes)
+
+    error = None
+    if ctx.rank == 0:
+        try:
+            file_info = {}
+            for r in range(ctx.tp_size):
+                names = [_model_file(r, ctx.tp_size)] + ([_optim_file(r, ctx.tp_size)] if optimizer is not None else [])
+                for i, fname in enumerate(names):
+                    file_info[fname] = {"sha256": bytes(all_digests[r, i]).decode(), "bytes": int(all_sizes[r, i])}
+            meta = {
+                "format": FORMAT, "version": VERSION, "cutp_version": __version__, "created": time.time(),
+                "step": int(step), "config": model.config.to_dict(), "seed": model.seed,
+                "mesh": {"tp": ctx.tp_size, "dp": ctx.dp_size},
+                "padded_vocab": model.padded_vocab,
+                "params": {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
+                                    "sharding": p.sharding.spec if p.sharding is not None else None}
+                           for p in model.parameters()},
+                "optimizer": optimizer.hyperparameters() if optimizer is not None else None,
+                "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
+            }
+            _write_json_atomic(os.path.join(tmp, "meta.json"), meta)
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # re-saving a step: move the old one aside first
+                old = os.path.join(out_root, f".old-{name}")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(out_root)
+            _write_json_atomic(os.path.join(out_root, "latest"), {"step": int(step), "path": name})
+            if keep:
+                prune_checkpoints(out_root, keep)
+        except OSError as e:
+            error = f"finishing checkpoint {final} failed: {e}"
+    agree_on_error(world, error, CheckpointError)
+    return final
+
+
+def list_checkpoints(out_root: str) -> list[tuple[int, str]]:
+    """Complete checkpoints (they have meta.json) under a run directory, oldest first."""
+    out = []
+    if not os.path.isdir(out_root):
+        return out
+    for d in os.listdir(out_root):
+        if d.startswith("step-") and os.path.exists(os.path.join(out_root, d, "meta.json")):
+            try:
+                out.append((int(d[5:]), os.path.join(out_root, d)))
+            except ValueError:
+                pass
+    return sorted(out)
+
+
+def prune_checkpoints(out_root: str, keep: int) -> None:
+    for _, path in list_checkpoints(out_root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- load ------------------------------------------------------------------------------------
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory, or a run directory whose `latest` (or newest step-*) is used."""
+    if os.path.exists(os.path.join(path, "meta.json")):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.exists(latest):
+        try:
+            with open(latest) as f:
+                target = os.path.join(path, json.load(f)["path"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{latest} is malformed ({e}); pass a step-* directory explicitly") from None
+        if os.path.exists(os.path.join(target, "meta.json")):
+            return target
+    found = list_checkpoints(path)
+    if found:
+        return found[-1][1]
+    raise CheckpointError(f"no checkpoint in {path}: it has no meta.json, no 'latest' and no complete step-* "
+                          "directory")
+
+
+def read_meta(ckpt: str) -> dict:
+    path = os.path.join(ckpt, "meta.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {ckpt} is not a complete checkpoint") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is malformed JSON ({e}); the checkpoint cannot be used") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not cutp checkpoint metadata (format {meta.get('format') if isinstance(meta, dict) else None!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this cutp reads version {VERSION}")
+    required = {"step": int, "config": dict, "mesh": dict, "params": dict, "files": dict}
+    for key, typ in required.items():
+        if not isinstance(meta.get(key), typ):
+            raise CheckpointError(f"{path} is malformed: field {key!r} is missing or not a {typ.__name__}")
+    for fname, info in meta["files"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("sha256"), str) or not isinstance(info.get("bytes"), int):
+            raise CheckpointError(f"{path} is malformed: entry for file {fname!r} lacks sha256/bytes")
+    return meta
+
+
+def verify_file(ckpt: str, meta: dict, fname: str) -> str | None:
+    """None if the file is intact, else a message naming it and the problem."""
+    info = meta["files"].get(fname)
+    path = os.path.join(ckpt, fname)
+    if info is None:
+        return f"{path}: not listed in meta.json (the checkpoint's mesh does not have this shard)"
+    if not os.path.exists(path):
+        return f"{path} is missing (meta.json lists it); the checkpoint is incomplete"
+    size = os.path.getsize(path)
+    if size != info["bytes"]:
+        return f"{path} is truncated or has the wrong size: {size} bytes, meta.json says {info['bytes']}"
+    digest = sha256_file(path)
+    if digest != info["sha256"]:
+        return f"{path} is corrupted: sha256 {digest[:16]}... differs from meta.json's {info['sha256'][:16]}..."
+    return None
+
+
+def check_config_matches(meta: dict, config) -> None:
+    saved = meta["config"]
+    now = config.to_dict()
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {now.get(k)!r}" for k in ARCH_FIELDS if saved.get(k) != now.get(k)]
+    if diff:
+        raise ConfigError("the checkpoint's model differs from this model: " + "; ".join(diff))
+
+
+class _ShardReader:
+    """Reads tensors from a checkpoint's shard files of one kind ('model' or 'optim')."""
+
+    def __init__(self, ckpt, meta, kind):
+        self.ckpt, self.kind = ckpt, kind
+        self.tp = int(meta["mesh"]["tp"])
+        self._open = {}
+
+    def fname(self, r):
+        return (_model_file if self.kind == "model" else _optim_file)(r, self.tp)
+
+    def get(self, r, key):
+        from safetensors import safe_open
+
+        if r not in self._open:
+            self._open[r] = safe_open(os.path.join(self.ckpt, self.fname(r)), framework="numpy")
+        f = self._open[r]
+        if key not in f.keys():
+            raise CheckpointError(f"{self.fname(r)} has no tensor {key!r}")
+        return f.get_tensor(key)
+
+
+def _full_from_shards(reader, key, info, pad_to=None, vocab_size=None):
+    from .tensor_parallel.sharding import assemble_full, sharding_from_spec
+
+    sharding = sharding_from_spec(info["sharding"], info["full_shape"])
+    if sharding is None:
+        return reader.get(0, key)
+    full = assemble_full([reader.get(r, key) for r in range(reader.tp)], sharding)
+    if pad_to is not None and full.shape[0] != pad_to:  # vocabulary padding differs: re-pad
+        real = full[:vocab_size]
+        full = np.concatenate([real, np.zeros((pad_to - vocab_size,) + real.shape[1:], real.dtype)])
+    return full
+
+
+def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> dict:
+    """Collective over the model's context. Loads parameters (and optimizer state) into the
+    model, resharding when the checkpoint's TP size differs. Returns the metadata."""
+    from .failure import agree_on_error
+    from .tensor_parallel.sharding import take_shard
+
+    ctx = model.ctx
+    world = ctx.world.mpi_comm
+    error, meta = None, None
+    try:
+        ckpt = resolve_checkpoint(ckpt)
+        meta = read_meta(ckpt)
+        if check_config:
+            check_config_matches(meta, model.config)
+        saved_tp = int(meta["mesh"]["tp"])
+        params = model.parameters()
+        missing = [p.name for p in params if p.name not in meta["params"]]
+        if missing:
+            raise CheckpointError(f"{ckpt}/meta.json lacks parameters {missing[:5]}")
+        direct = saved_tp == ctx.tp_size and all(
+            tuple(_shard_shape(meta["params"][p.name], ctx.tp_rank)) == tuple(p.data.shape) for p in params)
+        ranks = [ctx.tp_rank] if direct else list(range(saved_tp))
+        needed = [_model_file(r, saved_tp) for r in ranks]
+        if optimizer is not None:
+            if meta.get("optimizer") is None:
+                raise CheckpointError(f"{ckpt} has no optimizer state; it cannot resume training "
+                                      "(load it for inference or fine-tuning without --resume)")
+            needed += [_optim_file(r, saved_tp) for r in ranks]
+        problems = [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
+        if problems:
+            raise CheckpointError("; ".join(problems) + " -- nothing was loaded")
+    except (CheckpointError, ConfigError) as e:
+        error = f"{type(e).__name__}: {e}"
+    agree_on_error(world, error, CheckpointError)
+
+    # every rank has verified its files: now read
+    readers = {"model": _ShardReader(ckpt, meta, "model")}
+    if optimizer is not None:
+        readers["optim"] = _ShardReader(ckpt, meta, "optim")
+    vocab = model.config.vocab_size
+
+    def fetch(kind, key, name, p):
+        info = meta["params"][name]
+        if direct:
+            return readers[kind].get(ctx.tp_rank, key)
+        pad_to = model.padded_vocab if name in ("wte.weight", "lm_head.weight") else None
+        full = _full_from_shards(readers[kind], key, info, pad_to, vocab)
+        return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
+
+    for p in model.parameters():
+        a = fetch("model", p.name, p.name, p)
+        p.data[...] = ctx.asarray(a.astype(p.data.dtype, copy=False))
+    if optimizer is not None:
+        tensors = {}
+        for p in model.parameters():
+            for prefix in ("exp_avg.", "exp_avg_sq."):
+                tensors[prefix + p.name] = ctx.asarray(fetch("optim", prefix + p.name, p.name, p))
+        optimizer.load_state(tensors, int(meta["optimizer"]["step"]))
+    return meta
+
+
+def _shard_shape(info, rank):
+    from .tensor_parallel.sharding import sharding_from_spec
+
+    s = sharding_from_spec(info["sharding"], info["full_shape"])
+    return tuple(info["full_shape"]) if s is None else s.shard_shape(rank)
+
+
+def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
+    """Builds a GPT from a checkpoint's config at ctx's TP size and loads its weights."""
+    from .model import GPT, GPTConfig
+
+    ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    config = GPTConfig.from_dict({**meta["config"], **config_overrides})
+    model = GPT(ctx, config, seed=meta.get("seed", 0) if seed is None else seed)
+    load_checkpoint(ckpt, model)
+    return model, meta
+
+
+# ---- export (offline, one process) --------------------------------------------------------------
+def export_full(src: str, dst: str) -> str:
+    """Writes a TP=1 copy of checkpoint `src` (model and optimizer state) into directory `dst`."""
+    from .model import GPTConfig
+    from .tensor_parallel.sharding import contiguous, qkv_sharding  # noqa: F401 (spec kinds)
+
+    src = resolve_checkpoint(src)
+    meta = read_meta(src)
+    saved_tp = int(meta["mesh"]["tp"])
+    problems = [m for m in (verify_file(src, meta, f) for f in meta["files"]) if m]
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    config = GPTConfig.from_dict(meta["config"])
+    padded = config.padded_vocab(1)
+    tmp = dst.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    new_params = {}
+    files = {}
+    kinds = ["model"] + (["optim"] if meta.get("optimizer") is not None else [])
+    for kind in kinds:
+        reader = _ShardReader(src, meta, kind)
+        tensors = {}
+        for name, info in meta["params"].items():
+            pad_to = padded if name in ("wte.weight", "lm_head.weight") else None
+            keys = [name] if kind == "model" else ["exp_avg." + name, "exp_avg_sq." + name]
+            for key in keys:
+                tensors[key] = _full_from_shards(reader, key, info, pad_to, config.vocab_size)
+            shape = list(tensors[keys[0]].shape)
+            spec = info["sharding"]
+            new_params[name] = {"full_shape": shape, "dtype": info["dtype"],
+                                "sharding": None if spec is None else dict(spec, tp=1)}
+        fname = (_model_file if kind == "model" else _optim_file)(0, 1)
+        path = os.path.join(tmp, fname)
+        _write_safetensors(path, tensors, {"format": FORMAT})
+        files[fname] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
+    out = dict(meta, mesh={"tp": 1, "dp": 1}, params=new_params, files=files, padded_vocab=padded,
+               exported_from={"path": os.path.abspath(src), "tp": saved_tp})
+    _write_json_atomic(os.path.join(tmp, "meta.json"), out)
+    if os.path.exists(dst):
+        raise CheckpointError(f"{dst} exists; export refuses to overwrite it")
+    os.replace(tmp, dst)
+    return dst
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 3 and argv[0] == "export":
+        print(export_full(argv[1], argv[2]))
+        return 0
+    if len(argv) == 2 and argv[0] == "verify":
+        ckpt = resolve_checkpoint(argv[1])
+        meta = read_meta(ckpt)
+        problems = [m for m in (verify_file(ckpt, meta, f) for f in meta["files"]) if m]
+        for p in problems:
+            print(p)
+        print(f"{ckpt}: {'OK' if not problems else 'DAMAGED'} (step {meta['step']}, tp {meta['mesh']['tp']})")
+        return 1 if problems else 0
+    print("usage: python -m cutp.checkpoint export SRC DST | verify CKPT", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

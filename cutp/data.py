@@ -1,0 +1,141 @@
+"""Training data without downloads, and batches that do not depend on the mesh.
+
+Sources:
+- the embedded default: byte-level tokens (vocabulary 256) of the Python standard library's own
+  source files on this machine, found from the running interpreter; files are split into train
+  and validation deterministically by a hash of their relative path;
+- `--data PATH`: any text file (byte-level tokens), or a nanoGPT-style `.bin` of uint16 GPT-2
+  tokens (a sibling `val.bin` is the validation split if present, else the last 10%).
+
+Batches: the global batch of optimizer step s is a pure function of (seed, s, split): B random
+windows of seq_len+1 tokens. DP rank d takes its contiguous share of those windows, and each
+micro-batch a contiguous part of that share. So the same step reads the same sequences whatever
+tp, dp and the micro-batch size are (the math does not change with the mesh), every TP rank of a
+group reads the same batch, and resuming at step s needs nothing but s.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+_SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+DEFAULT_CORPUS_BYTES = 16 << 20  # cap, so start-up stays fast on any Python
+
+
+@dataclass
+class Dataset:
+    train: np.ndarray  # 1-D integer tokens
+    val: np.ndarray
+    vocab_size: int
+    description: str
+
+    def split(self, name: str) -> np.ndarray:
+        if name not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {name!r}")
+        return self.train if name == "train" else self.val
+
+
+def stdlib_source_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                out.append(os.path.join(dirpath, f))
+    return out
+
+
+def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> Dataset:
+    root = sysconfig.get_paths()["stdlib"]
+    train, val, total = [], [], 0
+    for path in stdlib_source_files():
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rel = os.path.relpath(path, root)
+        (val if zlib.crc32(rel.encode()) % 10 == 0 else train).append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not train or not val:
+        raise RuntimeError(f"the Python standard library at {root} has too few source files for a corpus; "
+                           "pass --data PATH to a text file")
+    tr = np.frombuffer(b"\n".join(train), np.uint8)
+    va = np.frombuffer(b"\n".join(val), np.uint8)
+    return Dataset(tr, va, 256, f"Python {sysconfig.get_python_version()} standard library sources "
+                               f"({len(train) + len(val)} files, {total / 2**20:.1f} MiB, byte-level)")
+
+
+def load_dataset(path: str | None) -> Dataset:
+    if path is None:
+        return default_corpus()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--data {path}: no such file")
+    if path.endswith(".bin"):
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        sibling = os.path.join(os.path.dirname(path), "val.bin")
+        if os.path.basename(path) != "val.bin" and os.path.exists(sibling):
+            val = np.memmap(sibling, dtype=np.uint16, mode="r")
+            train = tokens
+        else:
+            cut = int(len(tokens) * 0.9)
+            train, val = tokens[:cut], tokens[cut:]
+        vocab = max(int(train.max()) + 1, 50257) if len(train) else 50257
+        return Dataset(train, val, vocab, f"{path} (uint16 tokens, {len(tokens):,} tokens)")
+    with open(path, "rb") as f:
+        data = f.read()
+    tokens = np.frombuffer(data, np.uint8)
+    cut = int(len(tokens) * 0.9)
+    return Dataset(tokens[:cut], tokens[cut:], 256, f"{path} (byte-level, {len(tokens):,} bytes)")
+
+
+class BatchSampler:
+    """Deterministic global batches, sliced by DP rank and micro-batch."""
+
+    def __init__(self, dataset: Dataset, seq_len: int, global_batch: int, dp_size: int, dp_rank: int,
+                 micro_batch: int, seed: int = 0):
+        if global_batch % dp_size:
+            raise ValueError(f"--batch-size {global_batch} must be divisible by dp={dp_size} "
+                             f"(each DP rank takes an equal share); use a multiple of {dp_size}")
+        per_rank = global_batch // dp_size
+        if micro_batch < 1 or per_rank % micro_batch:
+            raise ValueError(f"--micro-batch-size {micro_batch} must divide the per-DP-rank batch {per_rank} "
+                             f"(= batch-size {global_batch} / dp {dp_size})")
+        for name in ("train", "val"):
+            n = len(dataset.split(name))
+            if n < seq_len + 2:
+                raise ValueError(f"the {name} split has {n} tokens, fewer than seq_len+2 = {seq_len + 2}; "
+                                 "use a shorter --seq-len or more data")
+        self.dataset = dataset
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.micro_batch = micro_batch
+        self.per_rank = per_rank
+        self.accum_steps = per_rank // micro_batch
+        self.seed = seed
+
+    def global_offsets(self, step: int, split: str = "train") -> np.ndarray:
+        tokens = self.dataset.split(split)
+        rng = np.random.default_rng([self.seed, step, 0 if split == "train" else 1])
+        return rng.integers(0, len(tokens) - self.seq_len - 1, self.global_batch)
+
+    def micro_batches(self, step: int, split: str = "train"):
+        """Yields (x, y) int64 arrays [micro_batch, seq_len] of this DP rank for optimizer step `step`."""
+        tokens = self.dataset.split(split)
+        offs = self.global_offsets(step, split)[self.dp_rank * self.per_rank:(self.dp_rank + 1) * self.per_rank]
+        for k in range(self.accum_steps):
+            chunk = offs[k * self.micro_batch:(k + 1) * self.micro_batch]
+            window = np.stack([np.asarray(tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in chunk])
+            yield window[:, :-1], window[:, 1:]
+
+    def state(self, next_step: int) -> dict:
+        return {"sampler": "random-windows", "seed": self.seed, "next_step": int(next_step),
+                "seq_len": self.seq_len, "global_batch": self.global_batch}

@@ -1,0 +1,373 @@
+"""Hugging Face GPT-2 interop: load a `GPT2LMHeadModel` directory into cutp, write one back.
+
+    from cutp.hf import from_hf_gpt2, save_hf_gpt2
+    model = from_hf_gpt2(ctx, "path/to/gpt2")        # each TP rank keeps its shard
+    save_hf_gpt2(model, None, "out/gpt2")             # collective; TP rank 0 of DP replica 0 writes
+
+A directory holds `config.json` (a GPT2Config) and `model.safetensors`. No torch is needed:
+the tensors are read and written with safetensors' NumPy API.
+
+Names and layouts: cutp uses GPT-2's own parameter names and layouts (Conv1D weights [in, out];
+`h.{i}.attn.c_attn.weight` [n_embd, 3*n_embd] with columns [q | k | v], heads in order), so the
+mapping is the identity apart from the `transformer.` prefix that `GPT2LMHeadModel` adds (a
+`GPT2Model` checkpoint, such as the original `gpt2` upload, has none; both are read), the
+non-parameter buffers that old checkpoints carry (`h.N.attn.bias`, `h.N.attn.masked_bias`:
+skipped), and `lm_head.weight`, which is tied to `wte.weight` in GPT-2: `save_pretrained` leaves
+it out, and so does `save_hf_gpt2` unless the embeddings are untied.
+
+Configuration fields: n_layer, n_head, n_embd, n_positions -> block_size, vocab_size,
+layer_norm_epsilon -> ln_eps, n_inner -> mlp_hidden (None: 4*n_embd), activation_function
+("gelu_new" / "gelu_pytorch_tanh" -> gelu "tanh", "gelu" -> gelu "none", i.e. exact erf) and
+tie_word_embeddings. HF's three dropout probabilities (resid/embd/attn_pdrop) are training
+settings, not part of the function: loading sets cutp's single `dropout` from the `dropout`
+argument (default 0.0), and saving writes cutp's dropout into all three.
+What cutp cannot compute is refused with a ConfigError: scale_attn_by_inverse_layer_idx,
+reorder_and_upcast_attn, scale_attn_weights=False, add_cross_attention, another activation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from .errors import ConfigError
+from .model import DTYPES, GPT, GPTConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+# (field, value cutp computes): anything else in the config cannot be represented
+_REFUSED = (
+    ("scale_attn_by_inverse_layer_idx", False, "cutp scales attention scores by 1/sqrt(head_dim) only"),
+    ("reorder_and_upcast_attn", False, "cutp has no reordered/upcast attention path"),
+    ("scale_attn_weights", True, "cutp always scales attention scores by 1/sqrt(head_dim)"),
+    ("add_cross_attention", False, "cutp's GPT is decoder-only, without cross-attention"),
+)
+_SAVE_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+class HFFormatError(ConfigError):
+    """A Hugging Face directory that cutp cannot read (missing file, wrong shape, unsupported option)."""
+
+
+# ---- configuration ---------------------------------------------------------------------------
+def config_from_hf(hf: dict, dtype: str = "float32", dropout: float = 0.0, where: str = "config.json") -> GPTConfig:
+    """GPTConfig from a GPT2Config dict; raises HFFormatError for what cutp cannot represent."""
+    model_type = hf.get("model_type", "gpt2")
+    if model_type != "gpt2":
+        raise HFFormatError(f"{where}: model_type is {model_type!r}; only 'gpt2' (GPT2LMHeadModel) is supported")
+    for field, ours, why in _REFUSED:
+        if field in hf and hf[field] is not None and bool(hf[field]) != ours:
+            raise HFFormatError(f"{where}: {field}={hf[field]!r} is not supported ({why}); "
+                                f"only {field}={ours} models can be loaded")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _ACTIVATIONS:
+        raise HFFormatError(f"{where}: activation_function {act!r} is not supported; cutp computes "
+                            f"{sorted(_ACTIVATIONS)} (tanh-approximate GeLU or exact erf GeLU)")
+    missing = [k for k in ("n_layer", "n_head", "n_embd", "vocab_size") if k not in hf]
+    if missing:
+        raise HFFormatError(f"{where}: required GPT-2 fields {missing} are missing")
+    block = hf.get("n_positions", hf.get("n_ctx"))
+    if block is None:
+        raise HFFormatError(f"{where}: n_positions is missing")
+    if dtype not in DTYPES:
+        raise HFFormatError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    n_inner = hf.get("n_inner")
+    cfg = GPTConfig(
+        n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=None, n_embd=hf["n_embd"],
+        mlp_hidden=None if n_inner is None else n_inner, vocab_size=hf["vocab_size"], block_size=block,
+        dropout=float(dropout), bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", True)), dtype=dtype,
+        ln_eps=float(hf.get("layer_norm_epsilon", 1e-5)), gelu=_ACTIVATIONS[act],
+    )
+    try:
+        cfg.validate(1)
+    except ConfigError as e:
+        raise HFFormatError(f"{where}: {e}") from None
+    return cfg
+
+
+def config_to_hf(cfg: GPTConfig) -> dict:
+    """A GPT2Config dict (as `GPT2Config.to_dict()` writes it) for a cutp config that GPT-2 can express."""
+    if cfg.kv_heads != cfg.n_head:
+        raise HFFormatError(f"a grouped-query attention model (n_kv_head={cfg.n_kv_head} != n_head={cfg.n_head}) "
+                            f"cannot be exported as GPT-2, whose attention has one K/V head per query head")
+    if not cfg.bias:
+        raise HFFormatError("a model without biases (bias=False) cannot be exported as GPT-2, which has biases "
+                            "in every linear layer and LayerNorm")
+    act = {"tanh": "gelu_new", "none": "gelu"}.get(cfg.gelu)
+    if act is None:
+        raise HFFormatError(f"gelu={cfg.gelu!r} has no GPT-2 activation_function")
+    special = 50256 if cfg.vocab_size > 50256 else cfg.vocab_size - 1  # GPT-2's <|endoftext|>, else the last id
+    return {
+        "activation_function": act,
+        "add_cross_attention": False,
+        "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": cfg.dropout,
+        "bos_token_id": special,
+        "dtype": cfg.dtype,
+        "embd_pdrop": cfg.dropout,
+        "eos_token_id": special,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": cfg.ln_eps,
+        "model_type": "gpt2",
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "n_inner": cfg.mlp_hidden if cfg.mlp_hidden not in (None, 4 * cfg.n_embd) else None,
+        "n_layer": cfg.n_layer,
+        "n_positions": cfg.block_size,
+        "pad_token_id": None,
+        "reorder_and_upcast_attn": False,
+        "resid_pdrop": cfg.dropout,
+        "scale_attn_by_inverse_layer_idx": False,
+        "scale_attn_weights": True,
+        "summary_activation": None,
+        "summary_first_dropout": 0.1,
+        "summary_proj_to_labels": True,
+        "summary_type": "cls_index",
+        "summary_use_proj": True,
+        "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "use_cache": True,
+        "vocab_size": cfg.vocab_size,
+    }
+
+
+def expected_shapes(cfg: GPTConfig) -> dict:
+    """Full (unpadded) shape of every parameter of a GPT-2 model, under cutp's (= GPT-2's) names."""
+    h, V, hid = cfg.n_embd, cfg.vocab_size, cfg.hidden
+    qkv = (cfg.n_head + 2 * cfg.kv_heads) * (h // cfg.n_head)
+    s = {"wte.weight": (V, h), "wpe.weight": (cfg.block_size, h)}
+    for i in range(cfg.n_layer):
+        p = f"h.{i}."
+        s.update({p + "ln_1.weight": (h,), p + "ln_1.bias": (h,),
+                  p + "attn.c_attn.weight": (h, qkv), p + "attn.c_attn.bias": (qkv,),
+                  p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
+                  p + "ln_2.weight": (h,), p + "ln_2.bias": (h,),
+                  p + "mlp.c_fc.weight": (h, hid), p + "mlp.c_fc.bias": (hid,),
+                  p + "mlp.c_proj.weight": (hid, h), p + "mlp.c_proj.bias": (h,)})
+    s["ln_f.weight"] = (h,)
+    s["ln_f.bias"] = (h,)
+    if not cfg.tie_embeddings:
+        s["lm_head.weight"] = (V, h)
+    return s
+
+
+def check_state_dict(cfg: GPTConfig, sd: dict, where: str = "state dict") -> None:
+    """Raises HFFormatError naming each missing/unexpected key and each shape that differs from the config."""
+    want = expected_shapes(cfg)
+    missing = [k for k in want if k not in sd]
+    unexpected = sorted(k for k in sd if k not in want)
+    if missing or unexpected:
+        raise HFFormatError(f"{where}: tensors do not match the config (n_layer={cfg.n_layer}, "
+                            f"tie_word_embeddings={cfg.tie_embeddings}): missing {missing[:8]}"
+                            f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                            f"{'...' if len(unexpected) > 8 else ''}")
+    for k, shape in want.items():
+        got = tuple(np.shape(sd[k]))
+        if got != shape:
+            raise HFFormatError(f"{where}: {k} has shape {got}, but the config (n_embd={cfg.n_embd}, "
+                                f"n_head={cfg.n_head}, vocab_size={cfg.vocab_size}, n_positions={cfg.block_size}, "
+                                f"mlp width {cfg.hidden}) needs {shape}")
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def _files(path):
+    if not os.path.isdir(path):
+        raise HFFormatError(f"{path!r} is not a directory; expected a Hugging Face GPT-2 directory "
+                            f"with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    cfg_file, w_file = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    for f in (cfg_file, w_file):
+        if not os.path.isfile(f):
+            hint = ""
+            if f == w_file and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+                hint = (" (only pytorch_model.bin is there: convert it once with transformers, "
+                        "`GPT2LMHeadModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`)")
+            elif f == w_file and os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+                hint = " (sharded checkpoints, model.safetensors.index.json, are not supported)"
+            raise HFFormatError(f"{f} not found: a Hugging Face GPT-2 directory needs {CONFIG_FILE} and "
+                                f"{WEIGHTS_FILE}{hint}")
+    return cfg_file, w_file
+
+
+def read_hf_config(path: str) -> dict:
+    cfg_file, _ = _files(path)
+    try:
+        with open(cfg_file) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise HFFormatError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def load_hf_gpt2(path: str, dtype: str = "float32", dropout: float = 0.0) -> tuple[GPTConfig, dict]:
+    """Reads a Hugging Face GPT-2 directory: (GPTConfig, {cutp name: full float NumPy array}).
+
+    Keys may carry the `transformer.` prefix or not; buffers (h.N.attn.bias / masked_bias) are
+    skipped; a tied `lm_head.weight` equal to `wte.weight` is dropped. float16/bfloat16/float32/
+    float64 tensors are converted to `dtype` ("float32" or "float64"). Every shape is checked
+    against the config. Raises HFFormatError.
+    """
+    from safetensors import safe_open
+
+    cfg_file, w_file = _files(path)
+    cfg = config_from_hf(read_hf_config(path), dtype=dtype, dropout=dropout, where=cfg_file)
+    target = DTYPES[dtype]
+    sd, lm_head = {}, None
+    try:
+        handle = safe_open(w_file, framework="numpy")
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise HFFormatError(f"{w_file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
+    with handle as f:
+        for key in f.keys():
+            name = key[len("transformer."):] if key.startswith("transformer.") else key
+            if _BUFFER.match(name):
+                continue
+            a = f.get_tensor(key)
+            if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+                raise HFFormatError(f"{w_file}: {key} has dtype {a.dtype}; expected a floating-point tensor")
+            a = np.ascontiguousarray(a.astype(target, copy=False))
+            if name in sd:
+                raise HFFormatError(f"{w_file}: {name} appears twice (with and without the 'transformer.' prefix)")
+            if name == "lm_head.weight":
+                lm_head = a
+                continue
+            sd[name] = a
+    if lm_head is not None:
+        if cfg.tie_embeddings:
+            wte = sd.get("wte.weight")
+            if wte is None or wte.shape != lm_head.shape or not np.array_equal(wte, lm_head):
+                raise HFFormatError(f"{w_file}: lm_head.weight differs from wte.weight but tie_word_embeddings is "
+                                    f"true in {cfg_file}; set tie_word_embeddings to false to load an untied head")
+        else:
+            sd["lm_head.weight"] = lm_head
+    check_state_dict(cfg, sd, where=w_file)
+    return cfg, sd
+
+
+_ARCH_FIELDS = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "vocab_size", "block_size", "bias",
+                "tie_embeddings", "ln_eps", "gelu")
+
+
+def load_hf_into(model: GPT, path: str) -> GPTConfig:
+    """Loads a Hugging Face GPT-2 directory into an existing model (each rank keeps its shard).
+
+    No communication: every rank reads the files. The model's architecture must match the
+    directory's config (HFFormatError names the fields that differ). Returns the file's config.
+    """
+    dtype = model.config.dtype
+    cfg, sd = load_hf_gpt2(path, dtype=dtype, dropout=model.config.dropout)
+    diff = [f"{k}: model {getattr(model.config, k)!r} vs {path} {getattr(cfg, k)!r}"
+            for k in _ARCH_FIELDS if getattr(model.config, k) != getattr(cfg, k)]
+    if diff:
+        raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
+    model.load_full_state_dict(sd)
+    return cfg
+
+
+def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, **overrides) -> GPT:
+    """Builds a GPT at the context's TP size from a Hugging Face GPT-2 directory and loads its weights.
+
+    `overrides` set other GPTConfig fields that do not change the function (e.g. vocab_multiple,
+    label_smoothing). The model is returned in training mode (call .eval() for inference;
+    cutp.generate does).
+    """
+    cfg, sd = load_hf_gpt2(path, dtype=dtype, dropout=dropout)
+    if overrides:
+        bad = sorted(set(overrides) & {"n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size",
+                                       "block_size", "bias", "tie_embeddings", "ln_eps", "gelu", "dtype"})
+        if bad:
+            raise ConfigError(f"{bad} are fixed by the checkpoint and cannot be overridden")
+        cfg = GPTConfig.from_dict({**cfg.to_dict(), **overrides})
+    model = GPT(ctx, cfg, seed=0)
+    model.load_full_state_dict(sd)
+    return model
+
+
+# ---- saving ----------------------------------------------------------------------------------
+def _to_save_dtype(a: np.ndarray, dtype):
+    if dtype is None:
+        return np.ascontiguousarray(a)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.ascontiguousarray(a.astype(ml_dtypes.bfloat16))
+    return np.ascontiguousarray(a.astype(np.dtype(dtype)))
+
+
+def _write_dir(full: dict, cfg: GPTConfig, path: str, dtype) -> None:
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    hf_cfg = config_to_hf(cfg)
+    if dtype is not None:
+        hf_cfg["dtype"] = dtype
+    else:
+        kinds = {np.asarray(a).dtype for a in full.values()}
+        hf_cfg["dtype"] = str(kinds.pop()) if len(kinds) == 1 else cfg.dtype
+    tensors = {}
+    for name, a in full.items():
+        key = name if name == "lm_head.weight" else "transformer." + name
+        tensors[key] = _to_save_dtype(np.asarray(a), dtype)
+    tmp_w = os.path.join(path, f".{WEIGHTS_FILE}.tmp.{os.getpid()}")
+    tmp_c = os.path.join(path, f".{CONFIG_FILE}.tmp.{os.getpid()}")
+    try:
+        save_file(tensors, tmp_w, metadata={"format": "pt"})  # "pt": what transformers checks for
+        with open(tmp_c, "w") as f:
+            json.dump(hf_cfg, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_w, os.path.join(path, WEIGHTS_FILE))
+        os.replace(tmp_c, os.path.join(path, CONFIG_FILE))
+    finally:
+        for t in (tmp_w, tmp_c):
+            if os.path.exists(t):
+                os.remove(t)
+
+
+def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype: str | None = None) -> None:
+    """Writes a Hugging Face GPT-2 directory: config.json (a GPT2Config) and model.safetensors.
+
+    `model_or_state_dict` is a cutp GPT (then `config` may be None: the model's is used) or a
+    dict of full, unpadded arrays under cutp's names (then `config` is required). Keys are
+    written as `GPT2LMHeadModel.save_pretrained` writes them: `transformer.`-prefixed, without
+    `lm_head.weight` when tied (transformers re-ties it on load), with it when untied.
+    `dtype` None keeps the arrays' dtype (exact round trip); or one of float32, float64,
+    float16, bfloat16.
+
+    With a model this is collective over the model's context: the TP groups gather the full
+    tensors, world rank 0 alone writes (temporary files renamed into place, so an interrupted
+    save never leaves a half-written file), and every rank returns once the files exist or
+    raises if rank 0 could not write them. With a dict, nothing is communicated.
+    Refuses (before any communication) what GPT-2 cannot express: GQA, bias=False.
+    """
+    if dtype is not None and dtype not in _SAVE_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} cannot be saved; use one of {_SAVE_DTYPES} or None (keep)")
+    if isinstance(model_or_state_dict, GPT):
+        model = model_or_state_dict
+        cfg = config or model.config
+        config_to_hf(cfg)  # refuse GQA / bias=False on every rank before any collective
+        ctx = model.ctx
+        full = model.gather_state_dict(rank=0)
+        err = None
+        if ctx.rank == 0:
+            try:
+                check_state_dict(cfg, full, where="model")
+                _write_dir(full, cfg, path, dtype)
+            except Exception as e:  # reported to every rank below, then re-raised here
+                err = e
+        msg = ctx.world.mpi_comm.bcast(None if err is None else f"{type(err).__name__}: {err}", root=0)
+        if err is not None:
+            raise err
+        if msg is not None:
+            raise RuntimeError(f"save_hf_gpt2: rank 0 failed to write {path}: {msg}")
+        return
+    if config is None:
+        raise ConfigError("save_hf_gpt2 needs the GPTConfig when given a state dict")
+    from .backend import to_numpy
+
+    full = {k: to_numpy(v) for k, v in model_or_state_dict.items()}
+    check_state_dict(config, full, where="state dict")
+    _write_dir(full, config, path, dtype)

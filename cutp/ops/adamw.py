@@ -1,0 +1,51 @@
+"""AdamW update (decoupled weight decay, PyTorch's formulation) over flat buffers.
+
+    g  = grad * grad_scale                  (grad_scale folds in clipping and loss scaling)
+    m  = beta1 * m + (1 - beta1) * g
+    v  = beta2 * v + (1 - beta2) * g * g
+    p  = p * (1 - lr * wd * decay_mask)     (decay_mask: 1 for weights, 0 for biases/LN/embeddings)
+    p -= lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)
+
+All arrays are flat and of equal length; m and v are float32 (float64 for float64 params).
+Updates p, m and v in place. The CUDA kernel `adamw_*` computes exactly this per element.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cutp.backend import get_array_module
+
+from ._common import ELEMENTWISE_BLOCK
+
+
+def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
+    xp = get_array_module(p, g, m, v)
+    if not (p.shape == g.shape == m.shape == v.shape == decay_mask.shape) or p.ndim != 1:
+        raise ValueError("adamw_update takes flat arrays of equal length")
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    step_size = lr / bc1
+    inv_sqrt_bc2 = 1.0 / np.sqrt(bc2)
+    n = p.size
+    blocks = [slice(i, min(i + ELEMENTWISE_BLOCK, n)) for i in range(0, n, ELEMENTWISE_BLOCK)] if xp is np else [slice(0, n)]
+    dt = m.dtype.type
+    for s in blocks:
+        gb = g[s].astype(m.dtype, copy=True)
+        if grad_scale != 1.0:
+            gb *= dt(grad_scale)
+        mb, vb, pb = m[s], v[s], p[s]
+        mb *= dt(beta1)
+        mb += dt(1.0 - beta1) * gb
+        vb *= dt(beta2)
+        gb *= gb
+        gb *= dt(1.0 - beta2)
+        vb += gb
+        if weight_decay:
+            pb *= 1.0 - (lr * weight_decay) * decay_mask[s]
+        # denominator sqrt(v_hat) + eps, reusing gb
+        xp.sqrt(vb, out=gb)
+        gb *= dt(inv_sqrt_bc2)
+        gb += dt(eps)
+        xp.divide(mb, gb, out=gb)
+        gb *= dt(step_size)
+        pb -= gb.astype(p.dtype, copy=False)

@@ -1,0 +1,265 @@
+"""Train a GPT with tensor and data parallelism.
+
+    mpirun -np 8 python examples/train_gpt.py                       # picks tp and a preset for the machine
+    mpirun -np 2 python examples/train_gpt.py --preset tiny --steps 200 --out out/tiny
+    mpirun -np 4 python examples/train_gpt.py --tp 2 --dp 2 --resume out/tiny
+
+One optimizer step: `accum` micro-batches of forward + backward per DP rank (gradients
+accumulate), then the GQA/DP gradient reduction, global-norm clipping, AdamW. --batch-size is
+the global number of sequences per step over all DP ranks, so changing tp or dp never changes
+the math; --micro-batch-size only trades memory for speed.
+
+This file is meant to be read and edited: the loop is all here, the parts live in cutp.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+try:
+    import cutp
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import cutp
+
+import numpy as np
+
+from cutp import checkpoint
+from cutp.data import BatchSampler, load_dataset
+from cutp.model import GPT, PRESETS, GPTConfig
+from cutp.optim import AdamW, FlatParameters, clip_scale, lr_schedule
+from cutp.tensor_parallel import finish_grad_sync, global_grad_norm
+from cutp.threads import set_blas_threads, threads_per_rank
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpt2 on GPUs, tiny on the CPU)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: world size / tp)")
+    p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to run (total, counting resumed ones)")
+    p.add_argument("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 8*dp)")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank per forward (default: all)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: block size, at most 256 on CPU)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 tiny, 6e-4 otherwise)")
+    p.add_argument("--min-lr", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps/20)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--data", default=None, help="text file or uint16 .bin (default: the Python stdlib sources)")
+    p.add_argument("--out", default=None, help="run directory for checkpoints")
+    p.add_argument("--resume", default=None, help="run or checkpoint directory to continue from")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --out")
+    p.add_argument("--metrics", default=None, help="JSONL file, one object per step (rank 0 writes)")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--max-skips", type=int, default=5, help="stop after this many consecutive non-finite steps")
+    p.add_argument("--save-on-signal", action=argparse.BooleanOptionalAction, default=True,
+                   help="on SIGTERM/SIGINT finish the step, checkpoint, exit (default on)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model field of the preset, e.g. --set n_layer=2 --set n_kv_head=2")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def apply_overrides(config: GPTConfig, items) -> GPTConfig:
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
+    changes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise cutp.ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        current = getattr(config, key)
+        if value.lower() in ("none", "null"):
+            changes[key] = None
+        elif isinstance(current, bool):
+            changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(current, float):
+            changes[key] = float(value)
+        elif isinstance(current, int) or current is None:
+            changes[key] = int(value)
+        else:
+            changes[key] = value
+    return dataclasses.replace(config, **changes)
+
+
+def choose_tp(world: int, local: int, config: GPTConfig, device: str) -> int:
+    """Largest tp that fits in a node (at most 8 GPUs, 4 CPU ranks so the CPU keeps some DP),
+    divides the world and satisfies the model's shape rules."""
+    for tp in range(min(world, local, 8 if device == "cuda" else 4), 0, -1):
+        if world % tp:
+            continue
+        try:
+            config.validate(tp)
+            return tp
+        except cutp.ConfigError:
+            continue
+    return 1
+
+
+class Stopper:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step (agreed by all ranks)."""
+
+    def __init__(self, enabled: bool):
+        self.requested = False
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, mpi_comm) -> bool:
+        from mpi4py import MPI
+
+        flag = np.array([1 if self.requested else 0], np.int32)
+        mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], op=MPI.MAX)
+        return bool(flag[0])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    local_ranks = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank).Get_size()
+    device = cutp.backend.resolve_device(args.device)
+
+    # ---- configuration (validated on every rank before any allocation) ------------------------
+    resume_meta = None
+    if args.resume:
+        resume_dir = checkpoint.resolve_checkpoint(args.resume)
+        resume_meta = checkpoint.read_meta(resume_dir)
+        config = GPTConfig.from_dict({**resume_meta["config"], "dropout": args.dropout})
+    else:
+        preset = args.preset or ("gpt2" if device == "cuda" else "tiny")
+        config = apply_overrides(GPTConfig.preset(preset, dtype=args.dtype, dropout=args.dropout), args.set)
+    dataset = load_dataset(args.data)
+    if dataset.vocab_size > config.vocab_size:
+        raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
+                               f"{config.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
+    tp = args.tp or choose_tp(world.size, local_ranks, config, device)
+    config.validate(tp)
+    ctx = cutp.init(tp=tp, dp=args.dp, device=device)
+    seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
+    if seq_len > config.block_size:
+        raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
+    batch = args.batch_size or 8 * ctx.dp_size
+    micro = args.micro_batch_size or batch // ctx.dp_size
+    sampler = BatchSampler(dataset, seq_len, batch, ctx.dp_size, ctx.dp_rank, micro, seed=args.seed)
+    blas = set_blas_threads(threads_per_rank(local_ranks)) if device == "cpu" else "GPU"
+    lr = args.lr or (1e-3 if config.n_embd <= 256 else 6e-4)
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    log = print if (ctx.rank == 0 and not args.quiet) else (lambda *a, **k: None)
+
+    # ---- model, optimizer, state -------------------------------------------------------------
+    model = GPT(ctx, config, seed=args.seed)
+    flat = FlatParameters(model.parameters())
+    optimizer = AdamW(flat, lr=lr, weight_decay=args.weight_decay)
+    start_step = 0
+    if args.resume:
+        meta = checkpoint.load_checkpoint(resume_dir, model, optimizer)
+        start_step = int(meta["step"])
+        if meta.get("rng"):
+            model.rng.offsets = {k: int(v) for k, v in meta["rng"]["offsets"].items()}
+    params = model.parameters()
+    tokens_per_step = batch * seq_len
+    log(f"cutp {cutp.__version__} | {ctx.describe()} | {blas}")
+    log(f"model: {json.dumps(config.to_dict())}")
+    log(f"parameters: {config.num_parameters():,} total, {model.num_parameters_local():,} on this rank "
+        f"(vocab padded to {model.padded_vocab}) | data: {dataset.description}")
+    log(f"batch {batch} x {seq_len} tokens = {tokens_per_step:,} tokens/step | micro-batch {micro}, "
+        f"accumulation {sampler.accum_steps} | lr {lr:g} warmup {warmup} | steps {start_step}..{args.steps}")
+
+    stopper = Stopper(args.save_on_signal)
+    metrics_file = open(args.metrics, "a" if args.resume else "w") if (args.metrics and ctx.rank == 0) else None
+    history, skips, step = [], 0, start_step
+    last_saved = start_step if args.resume else None
+
+    def save(step_done):
+        nonlocal last_saved
+        if args.out and last_saved != step_done:
+            path = checkpoint.save_checkpoint(
+                args.out, step_done, model, optimizer, rng_state=model.rng.state_dict(),
+                data_state=sampler.state(step_done), train_args=vars(args), keep=args.keep)
+            last_saved = step_done
+            log(f"saved {path}")
+
+    def evaluate():
+        model.eval()
+        losses = [model.forward(*map(ctx.asarray, xy)) for i in range(args.eval_batches)
+                  for xy in sampler.micro_batches(i, "val")]
+        model.train()
+        v = np.array([sum(losses) / len(losses)])
+        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, v)
+        return float(v[0]) / ctx.dp_size
+
+    # ---- the loop ------------------------------------------------------------------------------
+    while step < args.steps:
+        t0 = time.perf_counter()
+        bytes0 = ctx.counter.bytes()
+        flat.zero_grad()
+        loss_sum = 0.0
+        for x, y in sampler.micro_batches(step):
+            loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y))
+            model.backward(1.0 / sampler.accum_steps)
+        finish_grad_sync(params, ctx, flat)
+        norm = global_grad_norm(params, ctx)
+        loss = np.array([loss_sum / sampler.accum_steps])
+        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, loss)
+        loss = float(loss[0]) / ctx.dp_size
+        step_lr = lr_schedule(step, lr, warmup, args.steps, args.min_lr)
+        if math.isfinite(loss) and math.isfinite(norm):
+            optimizer.step(step_lr, grad_scale=clip_scale(norm, args.grad_clip))
+            skips = 0
+        else:
+            skips += 1
+            log(f"step {step + 1}: non-finite loss {loss} or grad norm {norm}: step skipped "
+                f"({skips} in a row; the run stops at {args.max_skips})")
+            if skips >= args.max_skips:
+                raise FloatingPointError(f"{skips} consecutive non-finite steps; stopping (lower --lr?)")
+        if ctx.device == "cuda":
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+        ms = (time.perf_counter() - t0) * 1000
+        step += 1
+        rec = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm, "ms": ms,
+               "tokens_per_s": tokens_per_step / (ms / 1000), "comm_mb": (ctx.counter.bytes() - bytes0) / 1e6}
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            rec["val_loss"] = evaluate()
+        history.append(rec)
+        if metrics_file:
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+        if step % args.log_every == 0 or "val_loss" in rec:
+            log(f"step {step:5d} | loss {loss:.4f} | lr {step_lr:.2e} | norm {norm:.3f} | {ms:7.1f} ms | "
+                f"{rec['tokens_per_s']:9,.0f} tok/s | comm {rec['comm_mb']:.2f} MB"
+                + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
+        if args.save_every and step % args.save_every == 0:
+            save(step)
+        if stopper.agreed(ctx.world.mpi_comm):
+            log(f"signal received: stopping after step {step}")
+            break
+    save(step)
+    if metrics_file:
+        metrics_file.close()
+    ctx.close()
+    return history
+
+
+if __name__ == "__main__":
+    main()
