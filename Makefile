@@ -20,5 +20,13 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The default job: the tiny GPT on the Python standard library's sources, 2 CPU ranks (TP=2).
+TRAIN_OUT ?= out/tiny
+train: $(STAMP)
+	mkdir -p $(TRAIN_OUT)
+	$(MPIEXEC) -n 2 $(PY) examples/train_gpt.py --device cpu --preset tiny --steps 1000 --batch-size 16 \
+		--eval-every 100 --save-every 500 --out $(TRAIN_OUT) --metrics $(TRAIN_OUT)/metrics.jsonl --log-every 10
+	$(PY) examples/plot_metrics.py $(TRAIN_OUT)/metrics.jsonl $(TRAIN_OUT)/loss.png
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info out
