@@ -83,10 +83,13 @@ class Context:
     """
 
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
-                 abort_on_error: bool = True):
+                 abort_on_error: bool = True, collective_timeout: float | None = None):
         from mpi4py import MPI
 
+        from . import __version__
+        from .consistency import check_same_on_all_ranks
         from .failure import install_abort_on_error
+        from .watchdog import Watchdog, default_timeout
 
         if abort_on_error:
             install_abort_on_error()
@@ -95,6 +98,8 @@ class Context:
         self.world_size = self.mpi_comm.Get_size()
         self.mesh = validate_mesh(self.world_size, tp, dp)
         self.device = backend.resolve_device(device)
+        check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "device": self.device,
+                                                "cutp": __version__}, "cutp.init arguments")
         self.tp_size, self.dp_size = self.mesh.tp, self.mesh.dp
         self.tp_rank = self.mesh.tp_rank(self.rank)
         self.dp_rank = self.mesh.dp_rank(self.rank)
@@ -119,9 +124,11 @@ class Context:
         world_mpi = self.mpi_comm.Dup()
         self._owned_mpi = [tp_mpi, dp_mpi, world_mpi]
         self.counter = CommCounter()
-        self.world = CountingCommunicator(self._make_comm(world_mpi, "world"), self.counter)
-        self.tp = CountingCommunicator(self._make_comm(tp_mpi, "tp"), self.counter)
-        self.dp = CountingCommunicator(self._make_comm(dp_mpi, "dp"), self.counter)
+        timeout = default_timeout() if collective_timeout is None else float(collective_timeout)
+        self.watchdog = Watchdog(timeout, self.rank)
+        self.world = self._wrap(self._make_comm(world_mpi, "world"))
+        self.tp = self._wrap(self._make_comm(tp_mpi, "tp"))
+        self.dp = self._wrap(self._make_comm(dp_mpi, "dp"))
         self._extra_groups = {}
         self.closed = False
 
@@ -134,6 +141,14 @@ class Context:
 
         return MpiCommunicator(mpi_comm, name)
 
+    def _wrap(self, comm):
+        """Counting outside, watchdog inside: both see every collective of the group."""
+        from .watchdog import WatchdogCommunicator
+
+        if self.watchdog.enabled:
+            comm = WatchdogCommunicator(comm, self.watchdog)
+        return CountingCommunicator(comm, self.counter)
+
     def subgroup(self, name: str, color: int, key: int):
         """A counted communicator over the TP group's ranks of equal `color` (collective over TP).
 
@@ -143,7 +158,7 @@ class Context:
         if name not in self._extra_groups:
             mpi = self.tp.mpi_comm.Split(color=color, key=key)
             self._owned_mpi.append(mpi)
-            self._extra_groups[name] = CountingCommunicator(self._make_comm(mpi, name), self.counter)
+            self._extra_groups[name] = self._wrap(self._make_comm(mpi, name))
         return self._extra_groups[name]
 
     # ---- arrays ----------------------------------------------------------------------------
@@ -168,6 +183,7 @@ class Context:
         for c in self._owned_mpi:
             c.Free()
         self._owned_mpi = []
+        self.watchdog.close()
         self.closed = True
 
     def __enter__(self):
@@ -180,11 +196,14 @@ class Context:
         return f"<cutp.Context {self.describe()}>"
 
 
-def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", abort_on_error: bool = True) -> Context:
+def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", abort_on_error: bool = True,
+         collective_timeout: float | None = None) -> Context:
     """Creates a cutp context over `comm` (default MPI.COMM_WORLD). Collective over comm.
 
     tp*dp must equal comm's size (dp defaults to size // tp). device is 'cpu', 'cuda' or 'auto'.
     With abort_on_error (default), an uncaught exception on any rank aborts the whole MPI job
-    after printing that rank's traceback.
+    after printing that rank's traceback. collective_timeout (seconds; default
+    $CUTP_COLLECTIVE_TIMEOUT or 600, 0 = off) aborts the job when a collective stalls.
     """
-    return Context(comm=comm, tp=tp, dp=dp, device=device, abort_on_error=abort_on_error)
+    return Context(comm=comm, tp=tp, dp=dp, device=device, abort_on_error=abort_on_error,
+                   collective_timeout=collective_timeout)

@@ -30,6 +30,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import numpy as np
 
 from cutp import checkpoint
+from cutp.consistency import check_same_on_all_ranks
 from cutp.data import BatchSampler, load_dataset
 from cutp.model import GPT, PRESETS, GPTConfig
 from cutp.optim import AdamW, FlatParameters, clip_scale, lr_schedule
@@ -44,7 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--dp", type=int, help="data-parallel size (default: world size / tp)")
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to run (total, counting resumed ones)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of the whole run (sets the LR schedule)")
+    p.add_argument("--run-steps", type=int, default=None,
+                   help="stop (and checkpoint) after this many steps in this invocation, e.g. to fit a job time limit")
     p.add_argument("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 8*dp)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank per forward (default: all)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: block size, at most 256 on CPU)")
@@ -134,6 +137,9 @@ def main(argv=None):
     args = parse_args(argv)
     from mpi4py import MPI
 
+    from cutp.failure import install_abort_on_error
+
+    install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
     world = MPI.COMM_WORLD
     local_ranks = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank).Get_size()
     device = cutp.backend.resolve_device(args.device)
@@ -152,6 +158,9 @@ def main(argv=None):
         raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
                                f"{config.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
     tp = args.tp or choose_tp(world.size, local_ranks, config, device)
+    # every rank must run the same thing: compare before anything is allocated
+    check_same_on_all_ranks(world, {"args": vars(args), "model": config.to_dict(), "tp": tp, "device": device,
+                                    "data": dataset.description}, "training configuration")
     config.validate(tp)
     ctx = cutp.init(tp=tp, dp=args.dp, device=device)
     seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
@@ -187,6 +196,9 @@ def main(argv=None):
     stopper = Stopper(args.save_on_signal)
     metrics_file = open(args.metrics, "a" if args.resume else "w") if (args.metrics and ctx.rank == 0) else None
     history, skips, step = [], 0, start_step
+    end_step = args.steps if args.run_steps is None else min(args.steps, start_step + args.run_steps)
+    # fault injection for the reliability tests: a NaN gradient on rank 0 at this step
+    nan_step = int(os.environ.get("CUTP_FAULT_NAN_STEP", "0"))
     last_saved = start_step if args.resume else None
 
     def save(step_done):
@@ -208,7 +220,7 @@ def main(argv=None):
         return float(v[0]) / ctx.dp_size
 
     # ---- the loop ------------------------------------------------------------------------------
-    while step < args.steps:
+    while step < end_step:
         t0 = time.perf_counter()
         bytes0 = ctx.counter.bytes()
         flat.zero_grad()
@@ -216,13 +228,16 @@ def main(argv=None):
         for x, y in sampler.micro_batches(step):
             loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y))
             model.backward(1.0 / sampler.accum_steps)
+        if step + 1 == nan_step and ctx.rank == 0:
+            flat.grad[0] = float("nan")
         finish_grad_sync(params, ctx, flat)
         norm = global_grad_norm(params, ctx)
         loss = np.array([loss_sum / sampler.accum_steps])
         ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, loss)
         loss = float(loss[0]) / ctx.dp_size
         step_lr = lr_schedule(step, lr, warmup, args.steps, args.min_lr)
-        if math.isfinite(loss) and math.isfinite(norm):
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if not skipped:
             optimizer.step(step_lr, grad_scale=clip_scale(norm, args.grad_clip))
             skips = 0
         else:
@@ -239,6 +254,8 @@ def main(argv=None):
         step += 1
         rec = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm, "ms": ms,
                "tokens_per_s": tokens_per_step / (ms / 1000), "comm_mb": (ctx.counter.bytes() - bytes0) / 1e6}
+        if skipped:
+            rec["skipped"] = True
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             rec["val_loss"] = evaluate()
         history.append(rec)
@@ -252,7 +269,8 @@ def main(argv=None):
         if args.save_every and step % args.save_every == 0:
             save(step)
         if stopper.agreed(ctx.world.mpi_comm):
-            log(f"signal received: stopping after step {step}")
+            if ctx.rank == 0:  # said even with --quiet: the run ends early on purpose
+                print(f"signal received: stopping after step {step}", flush=True)
             break
     save(step)
     if metrics_file:

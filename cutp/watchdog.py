@@ -1,0 +1,143 @@
+"""A watchdog for collectives that can block forever on a dead or stuck peer.
+
+MPICH's mpiexec ends a job when a rank dies, but a rank that hangs (a deadlocked peer, a stuck
+GPU, a cluster MPI that does not propagate failures) would leave the others waiting in a
+collective forever. Every collective is registered with the watchdog while it is in flight:
+MPI calls block, so they are registered for the duration of the call; NCCL calls return at
+once, so a CUDA event recorded after the call tells when the GPU finished it. A daemon thread
+aborts the whole job (MPI Abort, after printing which collective on which group of which rank
+stalled) when one has been in flight longer than the timeout.
+
+Timeout: `cutp.init(collective_timeout=...)`, else the environment variable
+CUTP_COLLECTIVE_TIMEOUT (seconds), else 600 s. 0 disables the watchdog.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+
+from .comm.base import Communicator
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def default_timeout() -> float:
+    v = os.environ.get("CUTP_COLLECTIVE_TIMEOUT")
+    return float(v) if v not in (None, "") else DEFAULT_TIMEOUT_S
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, rank: int):
+        self.timeout = float(timeout_s)
+        self.rank = rank
+        self._inflight = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout > 0
+
+    def begin(self, description: str, done=None) -> int:
+        token = next(self._ids)
+        with self._lock:
+            self._inflight[token] = (description, time.monotonic(), done)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cutp-watchdog", daemon=True)
+            self._thread.start()
+        return token
+
+    def end(self, token: int) -> None:
+        with self._lock:
+            self._inflight.pop(token, None)
+
+    def inflight(self) -> list[str]:
+        with self._lock:
+            return [d for d, _, _ in self._inflight.values()]
+
+    def _run(self):
+        poll = min(max(self.timeout / 8, 0.05), 5.0)
+        while not self._stop.wait(poll):
+            now = time.monotonic()
+            with self._lock:
+                items = list(self._inflight.items())
+            for token, (desc, t0, done) in items:
+                if done is not None:
+                    try:
+                        finished = done()
+                    except Exception:
+                        finished = False
+                    if finished:
+                        self.end(token)
+                        continue
+                if now - t0 > self.timeout:
+                    self._fire(desc, now - t0)
+
+    def _fire(self, desc, waited):
+        from .failure import abort_job
+
+        abort_job(f"[rank {self.rank}] cutp watchdog: {desc} has not completed after {waited:.1f} s "
+                  f"(timeout {self.timeout:g} s). A peer rank is probably dead or stuck; aborting the job. "
+                  "Set CUTP_COLLECTIVE_TIMEOUT (or cutp.init(collective_timeout=...)) to change the limit.\n")
+
+    def close(self):
+        self._stop.set()
+
+
+class WatchdogCommunicator(Communicator):
+    """Registers each collective of `inner` with the watchdog while it is in flight."""
+
+    def __init__(self, inner: Communicator, watchdog: Watchdog):
+        super().__init__(inner.rank, inner.size, inner.name)
+        self.inner = inner
+        self.kind = inner.kind
+        self.watchdog = watchdog
+
+    def _call(self, op, x, fn, *args):
+        desc = f"{op} on group '{self.name}' (rank {self.rank} of {self.size}, shape {tuple(x.shape)}, {x.dtype})"
+        if self.kind == "nccl":
+            result = fn(*args)
+            import cupy
+
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record()
+            self.watchdog.begin(desc, done=lambda e=event: e.done)
+            return result
+        token = self.watchdog.begin(desc)
+        try:
+            return fn(*args)
+        finally:
+            self.watchdog.end(token)
+
+    def all_reduce(self, x, op="sum", out=None):
+        return self._call("all_reduce", x, self.inner.all_reduce, x, op, out)
+
+    def all_gather(self, x, out=None):
+        return self._call("all_gather", x, self.inner.all_gather, x, out)
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        return self._call("reduce_scatter", x, self.inner.reduce_scatter, x, op, out)
+
+    def broadcast(self, x, root=0):
+        return self._call("broadcast", x, self.inner.broadcast, x, root)
+
+    def send(self, x, dest, tag=0):
+        return self._call("send", x, self.inner.send, x, dest, tag)
+
+    def recv(self, x, source, tag=0):
+        return self._call("recv", x, self.inner.recv, x, source, tag)
+
+    def barrier(self):
+        import numpy as np
+
+        return self._call("barrier", np.empty(0), self.inner.barrier)
+
+    def close(self):
+        return self.inner.close()
+
+    def __getattr__(self, item):
+        return getattr(self.inner, item)

@@ -1,0 +1,334 @@
+"""Failing fast and loudly, never hanging, never losing a checkpoint (the reliability issue)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import cutp
+from cutp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from cutp.model import GPT, GPTConfig
+from cutp.optim import AdamW, FlatParameters
+from tests.mpirun import ROOT, find_mpiexec, run_mpi
+from tests.tp_utils import self_ctx
+
+TRAIN = "examples.train_gpt:main"
+BASE = ["--preset", "tiny", "--seq-len", "16", "--batch-size", "4", "--eval-every", "0", "--quiet",
+        "--set", "n_layer=1"]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _train_cmd(n, args):
+    return [find_mpiexec(), "-n", str(n), sys.executable, os.path.join(ROOT, "examples", "train_gpt.py")] + args
+
+
+def _metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _wait_for(cond, timeout, what):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- configuration -------------------------------------------------------------------------
+def _worker_mismatched_config():
+    from mpi4py import MPI
+
+    from cutp.consistency import check_same_on_all_ranks
+
+    r = MPI.COMM_WORLD.rank
+    cfg = {"n_head": 8 if r >= 2 else 4, "n_layer": 2, "lr": 0.1 if r == 3 else 0.2}
+    with pytest.raises(cutp.ConfigError) as e:
+        check_same_on_all_ranks(MPI.COMM_WORLD, cfg)
+    msg = str(e.value)
+    assert "n_head: ranks 0-1 have 4, ranks 2-3 have 8" in msg, msg
+    assert "lr: ranks 0-2 have 0.2, ranks 3 have 0.1" in msg, msg
+    assert "n_layer" not in msg
+    check_same_on_all_ranks(MPI.COMM_WORLD, {"same": 1})  # and an identical config passes
+
+
+def test_mismatched_configuration_names_fields_and_ranks():
+    run_mpi(4, "tests.test_reliability:_worker_mismatched_config", timeout=60)
+
+
+def test_mismatched_training_arguments_end_the_job(tmp_path):
+    # MPMD launch: two ranks get a different --set than the other two
+    base = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py")] + BASE + ["--steps", "2"]
+    cmd = [find_mpiexec(), "-n", "2"] + base + ["--set", "n_embd=64", ":", "-n", "2"] + base
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 30
+    text = out.stdout + out.stderr
+    assert "training configuration differs across ranks" in text, text[-3000:]
+    assert "ranks 0-1 have" in text and "ranks 2-3 have" in text
+
+
+def test_tp_not_dividing_heads_is_refused_on_every_rank():
+    res = run_mpi(3, TRAIN, BASE + ["--steps", "1", "--tp", "3"], timeout=60, expect_failure=True)
+    assert "tp=3 does not divide n_head=8" in res.stdout and "use tp in [1, 2, 4, 8]" in res.stdout
+
+
+def test_bad_inputs_name_the_value_and_the_limit():
+    ctx = self_ctx()
+    model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6), seed=0)
+    ok = np.zeros((2, 6), np.int64)
+    with pytest.raises(ValueError, match=r"token id 11 is outside the vocabulary \[0, 11\)"):
+        model.forward(np.full((2, 6), 11))
+    with pytest.raises(ValueError, match=r"token id -1 is outside the vocabulary"):
+        model.forward(np.full((2, 6), -1))
+    with pytest.raises(ValueError, match="sequence length 7 exceeds block_size 6"):
+        model.forward(np.zeros((2, 7), np.int64))
+    with pytest.raises(ValueError, match="token ids must be integers, got dtype float64"):
+        model.forward(np.zeros((2, 6)))
+    with pytest.raises(ValueError, match=r"token ids must be \[batch, seq\], got shape \(6,\)"):
+        model.forward(np.zeros(6, np.int64))
+    with pytest.raises(ValueError, match=r"target id 12 is outside the vocabulary"):
+        model.forward(ok, np.full((2, 6), 12))
+    with pytest.raises(ValueError, match=r"targets shape \(2, 5\) differs"):
+        model.forward(ok, np.zeros((2, 5), np.int64))
+    targets = np.full((2, 6), -100)
+    assert model.forward(ok, targets) == 0.0  # all ignored: a defined loss, not an error
+
+
+# ---- dead and stuck ranks ------------------------------------------------------------------------
+def _worker_stuck_rank():
+    ctx = cutp.init(tp=2, dp=2, device="cpu", collective_timeout=2)
+    if ctx.rank == 3:
+        time.sleep(120)  # stuck, not dead: mpiexec alone would never end the job
+    ctx.tp.all_reduce(np.ones(8))
+    ctx.world.all_reduce(np.ones(8))
+
+
+def test_watchdog_aborts_a_collective_stuck_on_a_peer():
+    t0 = time.monotonic()
+    res = run_mpi(4, "tests.test_reliability:_worker_stuck_rank", timeout=60, expect_failure=True)
+    assert time.monotonic() - t0 < 10
+    import re
+
+    # rank 2 waits for rank 3 in their TP group; ranks 0-1 wait in the world all-reduce
+    assert re.search(r"\[rank 2\] cutp watchdog: all_reduce on group 'tp' \(rank 0 of 2", res.stdout) or \
+        re.search(r"\[rank [01]\] cutp watchdog: all_reduce on group 'world'", res.stdout), res.stdout[-3000:]
+    assert "A peer rank is probably dead or stuck" in res.stdout
+
+
+def _rank_pids(marker):
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(marker.encode() in c for c in cmd) and any(c.endswith(b"train_gpt.py") for c in cmd) \
+                and not any(c.endswith(b"mpiexec") or b"hydra" in c for c in cmd[:1]):
+            pids.append(int(pid))
+    return pids
+
+
+def test_kill_9_of_one_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    args = BASE + ["--steps", "100000", "--save-every", "2", "--out", out, "--tp", "2", "--dp", "2"]
+    proc = subprocess.Popen(_train_cmd(4, args), env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: os.path.exists(os.path.join(out, "step-00000004", "meta.json")), 120, "a checkpoint")
+        pids = _rank_pids(out)
+        assert len(pids) == 4, pids
+        os.kill(pids[2], signal.SIGKILL)
+        t0 = time.monotonic()
+        proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert elapsed < 10, f"the job took {elapsed:.1f} s to end after kill -9"
+    # the newest complete checkpoint is intact and resumable; no temporary directory is mistaken for one
+    verify = subprocess.run([sys.executable, "-m", "cutp.checkpoint", "verify", out], env=_env(),
+                            capture_output=True, text=True)
+    assert verify.returncode == 0 and "OK" in verify.stdout, verify.stdout + verify.stderr
+    latest = json.loads(open(os.path.join(out, "latest")).read())
+    m = tmp_path / "resumed.jsonl"
+    run_mpi(4, TRAIN, BASE + ["--steps", "100000", "--run-steps", "1", "--tp", "2", "--dp", "2", "--resume", out,
+                              "--metrics", str(m)], timeout=120)
+    assert _metrics(m)[0]["step"] == latest["step"] + 1
+
+
+def test_sigterm_checkpoints_and_resumes_bit_identically(tmp_path):
+    out = str(tmp_path / "run")
+    metrics = tmp_path / "sig.jsonl"
+    args = BASE + ["--steps", "1000", "--tp", "2", "--dropout", "0.1"]
+    proc = subprocess.Popen(_train_cmd(2, args + ["--out", out, "--metrics", str(metrics)]), env=_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "three steps")
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    assert "signal received: stopping after step" in output
+    stopped = _metrics(metrics)[-1]["step"]
+    latest = json.loads(open(os.path.join(out, "latest")).read())
+    assert latest["step"] == stopped  # a complete checkpoint of the last finished step
+    resumed = tmp_path / "resumed.jsonl"
+    run_mpi(2, TRAIN, args + ["--resume", out, "--run-steps", "3", "--metrics", str(resumed)], timeout=120)
+    reference = tmp_path / "reference.jsonl"
+    run_mpi(2, TRAIN, args + ["--run-steps", str(stopped + 3), "--metrics", str(reference)], timeout=120)
+    ref = _metrics(reference)[stopped:]
+    got = _metrics(resumed)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(stopped + 1, stopped + 4))
+    for a, b in zip(got, ref):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
+
+
+# ---- numerical faults ------------------------------------------------------------------------------
+def test_nan_gradient_skips_exactly_one_step(tmp_path):
+    out = str(tmp_path / "run")
+    m = tmp_path / "m.jsonl"
+    env = {"CUTP_FAULT_NAN_STEP": "3"}
+    run_mpi(2, TRAIN, BASE + ["--steps", "4", "--tp", "1", "--dp", "2", "--save-every", "1", "--keep", "5",
+                              "--out", out, "--metrics", str(m)], timeout=120, env=env)
+    rows = _metrics(m)
+    assert [bool(r.get("skipped")) for r in rows] == [False, False, True, False]
+    assert not np.isfinite(rows[2]["grad_norm"])
+    from safetensors.numpy import load_file
+
+    for kind in ("model", "optim"):
+        a = load_file(os.path.join(out, "step-00000002", f"{kind}-tp00-of-01.safetensors"))
+        b = load_file(os.path.join(out, "step-00000003", f"{kind}-tp00-of-01.safetensors"))
+        c = load_file(os.path.join(out, "step-00000004", f"{kind}-tp00-of-01.safetensors"))
+        assert all(np.array_equal(a[k], b[k]) for k in a), f"{kind} changed in the skipped step"
+        assert any(not np.array_equal(b[k], c[k]) for k in b), f"{kind} did not change after the skip"
+    metas = [json.load(open(os.path.join(out, f"step-0000000{i}", "meta.json"))) for i in (2, 3, 4)]
+    assert [mt["optimizer"]["step"] for mt in metas] == [2, 2, 3]
+
+
+def test_repeated_nonfinite_steps_stop_the_run():
+    res = run_mpi(1, TRAIN, BASE + ["--steps", "10", "--lr", "1e30", "--grad-clip", "0", "--max-skips", "2"],
+                  timeout=120, expect_failure=True)
+    assert "consecutive non-finite steps; stopping" in res.stdout, res.stdout[-2000:]
+
+
+# ---- checkpoint damage --------------------------------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path):
+    ctx = self_ctx()
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6)
+    model = GPT(ctx, cfg, seed=0)
+    opt = AdamW(FlatParameters(model.parameters()))
+    path = save_checkpoint(str(tmp_path / "run"), 5, model, opt, keep=2)
+
+    def fresh():
+        m = GPT(ctx, cfg, seed=99)
+        return m, AdamW(FlatParameters(m.parameters()))
+
+    return path, fresh, model
+
+
+def _unchanged(model, seed=99):
+    ref = GPT(model.ctx, model.config, seed=seed)
+    return all(np.array_equal(p.data, q.data) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_intact_checkpoint_loads(saved):
+    path, fresh, original = saved
+    m, opt = fresh()
+    meta = load_checkpoint(path, m, opt)
+    assert meta["step"] == 5
+    assert all(np.array_equal(p.data, q.data) for p, q in zip(m.parameters(), original.parameters()))
+
+
+def test_truncated_shard_is_named(saved):
+    path, fresh, _ = saved
+    shard = os.path.join(path, "model-tp00-of-01.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 10)
+    m, opt = fresh()
+    with pytest.raises(CheckpointError, match=r"model-tp00-of-01.safetensors is truncated.*nothing was loaded"):
+        load_checkpoint(path, m, opt)
+    assert _unchanged(m)
+
+
+def test_flipped_byte_is_named(saved):
+    path, fresh, _ = saved
+    shard = os.path.join(path, "optim-tp00-of-01.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 7)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    m, opt = fresh()
+    with pytest.raises(CheckpointError, match=r"optim-tp00-of-01.safetensors is corrupted: sha256"):
+        load_checkpoint(path, m, opt)
+    assert _unchanged(m)
+
+
+def test_missing_shard_is_named(saved):
+    path, fresh, _ = saved
+    os.remove(os.path.join(path, "model-tp00-of-01.safetensors"))
+    m, _ = fresh()
+    with pytest.raises(CheckpointError, match=r"model-tp00-of-01.safetensors is missing"):
+        load_checkpoint(path, m)
+    assert _unchanged(m)
+
+
+def test_malformed_metadata_is_named(saved):
+    path, fresh, _ = saved
+    meta_path = os.path.join(path, "meta.json")
+    with open(meta_path, "w") as f:
+        f.write('{"format": "cutp-checkpoint", "version": 1, "step": ')
+    m, _ = fresh()
+    with pytest.raises(CheckpointError, match=r"meta.json is malformed JSON"):
+        load_checkpoint(path, m)
+    with open(meta_path, "w") as f:
+        json.dump({"format": "cutp-checkpoint", "version": 1, "step": "five"}, f)
+    with pytest.raises(CheckpointError, match=r"field 'step' is missing or not a int"):
+        load_checkpoint(path, m)
+    assert _unchanged(m)
+
+
+def test_wrong_model_is_refused(saved, tmp_path):
+    path, _, _ = saved
+    other = GPT(self_ctx(), GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=6))
+    with pytest.raises(CheckpointError, match=r"n_layer: checkpoint 1 vs model 2"):
+        load_checkpoint(path, other)
+
+
+def test_keep_prunes_only_after_a_newer_checkpoint_is_complete(tmp_path):
+    ctx = self_ctx()
+    model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6))
+    run = str(tmp_path / "run")
+    for step in (1, 2, 3):
+        save_checkpoint(run, step, model, keep=2)
+    assert sorted(os.listdir(run)) == ["latest", "step-00000002", "step-00000003"]
+    # a crash mid-save leaves a .tmp directory: it is never taken for a checkpoint
+    os.makedirs(os.path.join(run, ".tmp-step-00000004"))
+    from cutp.checkpoint import resolve_checkpoint
+
+    assert resolve_checkpoint(run).endswith("step-00000003")
+    os.remove(os.path.join(run, "latest"))
+    assert resolve_checkpoint(run).endswith("step-00000003")
+    shutil.rmtree(os.path.join(run, "step-00000003"))
+    with open(os.path.join(run, "latest"), "w") as f:
+        json.dump({"step": 3, "path": "step-00000003"}, f)
+    assert resolve_checkpoint(run).endswith("step-00000002")  # falls back to the newest complete one
