@@ -157,16 +157,20 @@ def expected_shapes(cfg: GPTConfig) -> dict:
 
 def check_state_dict(cfg: GPTConfig, sd: dict, where: str = "state dict") -> None:
     """Raises HFFormatError naming each missing/unexpected key and each shape that differs from the config."""
+    _check_shapes(cfg, {k: tuple(np.shape(v)) for k, v in sd.items()}, where)
+
+
+def _check_shapes(cfg: GPTConfig, shapes: dict, where: str) -> None:
     want = expected_shapes(cfg)
-    missing = [k for k in want if k not in sd]
-    unexpected = sorted(k for k in sd if k not in want)
+    missing = [k for k in want if k not in shapes]
+    unexpected = sorted(k for k in shapes if k not in want)
     if missing or unexpected:
         raise HFFormatError(f"{where}: tensors do not match the config (n_layer={cfg.n_layer}, "
                             f"tie_word_embeddings={cfg.tie_embeddings}): missing {missing[:8]}"
                             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                             f"{'...' if len(unexpected) > 8 else ''}")
     for k, shape in want.items():
-        got = tuple(np.shape(sd[k]))
+        got = tuple(shapes[k])
         if got != shape:
             raise HFFormatError(f"{where}: {k} has shape {got}, but the config (n_embd={cfg.n_embd}, "
                                 f"n_head={cfg.n_head}, vocab_size={cfg.vocab_size}, n_positions={cfg.block_size}, "
@@ -201,49 +205,79 @@ def read_hf_config(path: str) -> dict:
         raise HFFormatError(f"{cfg_file} is not valid JSON: {e}") from None
 
 
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes that can be read
+
+
+def _open_weights(w_file):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(w_file, framework="numpy")
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise HFFormatError(f"{w_file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
+
+
+def _plan(path: str, dtype: str, dropout: float):
+    """Reads the config and the weights' header (no tensor data) and checks every key, dtype and
+    shape. Returns (cfg, weights file, {cutp name: file key}, lm_head key to compare with wte or None)."""
+    cfg_file, w_file = _files(path)
+    cfg = config_from_hf(read_hf_config(path), dtype=dtype, dropout=dropout, where=cfg_file)
+    keys, shapes, tied_head = {}, {}, None
+    with _open_weights(w_file) as f:
+        for key in f.keys():
+            name = key[len("transformer."):] if key.startswith("transformer.") else key
+            if _BUFFER.match(name):
+                continue
+            sl = f.get_slice(key)
+            if sl.get_dtype() not in _FLOAT_DTYPES:
+                raise HFFormatError(f"{w_file}: {key} has dtype {sl.get_dtype()}; expected one of {_FLOAT_DTYPES}")
+            if name in keys or (name == "lm_head.weight" and tied_head is not None):
+                raise HFFormatError(f"{w_file}: {name} appears twice (with and without the 'transformer.' prefix)")
+            if name == "lm_head.weight" and cfg.tie_embeddings:
+                tied_head = key
+                continue
+            keys[name] = key
+            shapes[name] = tuple(sl.get_shape())
+    _check_shapes(cfg, shapes, where=w_file)
+    return cfg, w_file, keys, tied_head
+
+
+def _iter_tensors(path: str, dtype: str, dropout: float):
+    """(cfg, generator of (cutp name, full array in dtype)), one tensor in memory at a time."""
+    cfg, w_file, keys, tied_head = _plan(path, dtype, dropout)
+    target = DTYPES[dtype]
+
+    def tensors():
+        with _open_weights(w_file) as f:
+            if tied_head is not None:  # a tied head that was saved anyway must equal the embedding
+                wte, head = f.get_tensor(keys["wte.weight"]), f.get_tensor(tied_head)
+                if wte.shape != head.shape or not np.array_equal(wte, head):
+                    raise HFFormatError(f"{w_file}: lm_head.weight differs from wte.weight but tie_word_embeddings "
+                                        f"is true in {path}/{CONFIG_FILE}; set it to false to load an untied head")
+                del wte, head
+            for name, key in keys.items():
+                yield name, np.ascontiguousarray(f.get_tensor(key).astype(target, copy=False))
+
+    return cfg, tensors()
+
+
 def load_hf_gpt2(path: str, dtype: str = "float32", dropout: float = 0.0) -> tuple[GPTConfig, dict]:
     """Reads a Hugging Face GPT-2 directory: (GPTConfig, {cutp name: full float NumPy array}).
 
     Keys may carry the `transformer.` prefix or not; buffers (h.N.attn.bias / masked_bias) are
     skipped; a tied `lm_head.weight` equal to `wte.weight` is dropped. float16/bfloat16/float32/
-    float64 tensors are converted to `dtype` ("float32" or "float64"). Every shape is checked
-    against the config. Raises HFFormatError.
+    float64 tensors are converted to `dtype` ("float32" or "float64"). Every key, dtype and shape
+    is checked against the config (from the file's header, before any tensor is read). Raises
+    HFFormatError.
     """
-    from safetensors import safe_open
+    cfg, tensors = _iter_tensors(path, dtype, dropout)
+    return cfg, dict(tensors)
 
-    cfg_file, w_file = _files(path)
-    cfg = config_from_hf(read_hf_config(path), dtype=dtype, dropout=dropout, where=cfg_file)
-    target = DTYPES[dtype]
-    sd, lm_head = {}, None
-    try:
-        handle = safe_open(w_file, framework="numpy")
-    except Exception as e:  # safetensors raises its own error types for a corrupt header
-        raise HFFormatError(f"{w_file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
-    with handle as f:
-        for key in f.keys():
-            name = key[len("transformer."):] if key.startswith("transformer.") else key
-            if _BUFFER.match(name):
-                continue
-            a = f.get_tensor(key)
-            if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
-                raise HFFormatError(f"{w_file}: {key} has dtype {a.dtype}; expected a floating-point tensor")
-            a = np.ascontiguousarray(a.astype(target, copy=False))
-            if name in sd:
-                raise HFFormatError(f"{w_file}: {name} appears twice (with and without the 'transformer.' prefix)")
-            if name == "lm_head.weight":
-                lm_head = a
-                continue
-            sd[name] = a
-    if lm_head is not None:
-        if cfg.tie_embeddings:
-            wte = sd.get("wte.weight")
-            if wte is None or wte.shape != lm_head.shape or not np.array_equal(wte, lm_head):
-                raise HFFormatError(f"{w_file}: lm_head.weight differs from wte.weight but tie_word_embeddings is "
-                                    f"true in {cfg_file}; set tie_word_embeddings to false to load an untied head")
-        else:
-            sd["lm_head.weight"] = lm_head
-    check_state_dict(cfg, sd, where=w_file)
-    return cfg, sd
+
+def _load_streaming(model: GPT, tensors) -> None:
+    """Each full tensor in turn -> this rank's shard; peak host memory is one full tensor."""
+    for name, a in tensors:
+        model.load_full_state_dict({name: a}, strict=False)
 
 
 _ARCH_FIELDS = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "vocab_size", "block_size", "bias",
@@ -256,13 +290,12 @@ def load_hf_into(model: GPT, path: str) -> GPTConfig:
     No communication: every rank reads the files. The model's architecture must match the
     directory's config (HFFormatError names the fields that differ). Returns the file's config.
     """
-    dtype = model.config.dtype
-    cfg, sd = load_hf_gpt2(path, dtype=dtype, dropout=model.config.dropout)
+    cfg, tensors = _iter_tensors(path, model.config.dtype, model.config.dropout)
     diff = [f"{k}: model {getattr(model.config, k)!r} vs {path} {getattr(cfg, k)!r}"
             for k in _ARCH_FIELDS if getattr(model.config, k) != getattr(cfg, k)]
     if diff:
         raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
-    model.load_full_state_dict(sd)
+    _load_streaming(model, tensors)
     return cfg
 
 
@@ -273,7 +306,7 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
     label_smoothing). The model is returned in training mode (call .eval() for inference;
     cutp.generate does).
     """
-    cfg, sd = load_hf_gpt2(path, dtype=dtype, dropout=dropout)
+    cfg, tensors = _iter_tensors(path, dtype, dropout)
     if overrides:
         bad = sorted(set(overrides) & {"n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size",
                                        "block_size", "bias", "tie_embeddings", "ln_eps", "gelu", "dtype"})
@@ -281,7 +314,7 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
             raise ConfigError(f"{bad} are fixed by the checkpoint and cannot be overridden")
         cfg = GPTConfig.from_dict({**cfg.to_dict(), **overrides})
     model = GPT(ctx, cfg, seed=0)
-    model.load_full_state_dict(sd)
+    _load_streaming(model, tensors)
     return model
 
 
@@ -340,8 +373,9 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype
     With a model this is collective over the model's context: the TP groups gather the full
     tensors, world rank 0 alone writes (temporary files renamed into place, so an interrupted
     save never leaves a half-written file), and every rank returns once the files exist or
-    raises if rank 0 could not write them. With a dict, nothing is communicated.
-    Refuses (before any communication) what GPT-2 cannot express: GQA, bias=False.
+    raises RuntimeError (with rank 0's reason) if rank 0 could not write them. With a dict,
+    nothing is communicated. Refuses (before any communication) what GPT-2 cannot express:
+    GQA, bias=False.
     """
     if dtype is not None and dtype not in _SAVE_DTYPES:
         raise ConfigError(f"dtype {dtype!r} cannot be saved; use one of {_SAVE_DTYPES} or None (keep)")
@@ -349,6 +383,8 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype
         model = model_or_state_dict
         cfg = config or model.config
         config_to_hf(cfg)  # refuse GQA / bias=False on every rank before any collective
+        from .failure import agree_on_error
+
         ctx = model.ctx
         full = model.gather_state_dict(rank=0)
         err = None
@@ -356,13 +392,9 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype
             try:
                 check_state_dict(cfg, full, where="model")
                 _write_dir(full, cfg, path, dtype)
-            except Exception as e:  # reported to every rank below, then re-raised here
-                err = e
-        msg = ctx.world.mpi_comm.bcast(None if err is None else f"{type(err).__name__}: {err}", root=0)
-        if err is not None:
-            raise err
-        if msg is not None:
-            raise RuntimeError(f"save_hf_gpt2: rank 0 failed to write {path}: {msg}")
+            except Exception as e:  # every rank raises it below (none is left waiting)
+                err = f"save_hf_gpt2 could not write {path}: {type(e).__name__}: {e}"
+        agree_on_error(ctx.world.mpi_comm, err, RuntimeError)
         return
     if config is None:
         raise ConfigError("save_hf_gpt2 needs the GPTConfig when given a state dict")

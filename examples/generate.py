@@ -1,0 +1,108 @@
+"""Sample text from a Hugging Face GPT-2 directory or a cutp checkpoint, tensor-parallel.
+
+    python examples/generate.py --ckpt DIR --prompt "Hello" --max-new-tokens 50
+    mpiexec -n 2 python examples/generate.py --ckpt DIR --tp 2 --prompt-ids 1,2,3 --temperature 0
+
+DIR is either a Hugging Face GPT-2 directory (config.json + model.safetensors, and optionally
+vocab.json + merges.txt for text prompts) or a cutp checkpoint (a directory with meta.json, or
+a run directory with `latest` / step-*; loaded, resharded to --tp, by
+cutp.checkpoint.load_model). Without tokenizer files, a 256-token model uses the byte
+tokenizer; any other model needs --prompt-ids, and the output is printed as ids.
+Rank 0 prints the prompt and the completion (with --print-ids, also the ids, on a line
+starting "ids:"). Every rank generates the same tokens (see cutp.generate).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+try:
+    import cutp  # noqa: F401
+except ImportError:  # run from a checkout without installing: python examples/generate.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import cutp  # noqa: F401
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="Hugging Face GPT-2 directory or cutp checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all ranks)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="for Hugging Face weights")
+    p.add_argument("--print-ids", action="store_true", help="also print the generated ids")
+    return p.parse_args(argv)
+
+
+def is_cutp_checkpoint(path: str) -> bool:
+    """A cutp checkpoint (meta.json) or run directory (`latest`, step-*/meta.json); else Hugging Face."""
+    if os.path.isfile(os.path.join(path, "meta.json")) or os.path.isfile(os.path.join(path, "latest")):
+        return True
+    try:
+        steps = [d for d in os.listdir(path) if d.startswith("step-")]
+    except OSError:
+        return False
+    return any(os.path.isfile(os.path.join(path, d, "meta.json")) for d in steps)
+
+
+def load(ckpt: str, ctx, dtype: str):
+    """The model (a cutp checkpoint resharded to ctx's TP size, or Hugging Face weights in `dtype`)."""
+    if is_cutp_checkpoint(ckpt):
+        try:
+            from cutp.checkpoint import load_model
+        except ImportError as e:
+            raise ImportError(f"{ckpt} is a cutp checkpoint, but "
+                              f"cutp.checkpoint.load_model is not available in this cutp ({e})") from e
+        model, _meta = load_model(ckpt, ctx)
+        return model
+    from cutp.hf import from_hf_gpt2
+
+    return from_hf_gpt2(ctx, ckpt, dtype=dtype)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from mpi4py import MPI
+
+    from cutp.generate import generate
+    from cutp.tokenizer import get_tokenizer
+
+    world = MPI.COMM_WORLD.Get_size()
+    ctx = cutp.init(tp=args.tp or world, device=args.device)
+    model = load(args.ckpt, ctx, args.dtype)
+    V = model.config.vocab_size
+    try:
+        tok = get_tokenizer(args.ckpt, V)
+    except cutp.ConfigError as e:
+        if args.prompt is not None:
+            raise
+        tok, why = None, e
+    if args.prompt is not None:
+        prompt = tok.encode(args.prompt)
+    else:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    new = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   seed=args.seed)
+    if ctx.rank == 0:
+        if tok is not None:
+            print(tok.decode(prompt + new), flush=True)
+        else:
+            print(f"(printing token ids: {why})", file=sys.stderr)
+            print(",".join(map(str, prompt + new)), flush=True)
+        if args.print_ids:
+            print("ids:" + ",".join(map(str, new)), flush=True)
+    ctx.close()
+
+
+if __name__ == "__main__":
+    main()
