@@ -289,3 +289,19 @@ def _worker_two_contexts():
 
 def test_two_contexts_coexist():
     run_mpi(4, "tests.test_comm:_worker_two_contexts", timeout=60)
+
+
+def test_embed_example_runs_two_independent_contexts_at_4_ranks():
+    import os
+    import subprocess
+
+    from tests.mpirun import ROOT, find_mpiexec
+
+    out = subprocess.run([find_mpiexec(), "-n", "4", sys.executable, os.path.join(ROOT, "examples", "embed.py")],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == 4 and all("matches TP=1: True" in ln for ln in lines), out.stdout
+    assert "transformer block, TP=2" in lines[0] and "MLP, TP=2" in lines[3]
+    # the two halves ran different layers on different data
+    assert lines[0].split("|y|_1 = ")[1] != lines[3].split("|y|_1 = ")[1]
