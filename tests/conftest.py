@@ -8,6 +8,13 @@ import sys
 import tempfile
 
 _SESSION_TMP = tempfile.mkdtemp(prefix="cutp-tests-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
 os.environ.setdefault("CUPY_CACHE_DIR", os.path.join(_SESSION_TMP, "cupy-cache"))
 os.environ.setdefault("CUTP_CACHE_DIR", os.path.join(_SESSION_TMP, "cutp-cache"))
 os.environ.setdefault("MPLCONFIGDIR", os.path.join(_SESSION_TMP, "mpl"))

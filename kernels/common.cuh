@@ -1,0 +1,122 @@
+// common.cuh: the one shared include of every kernel in kernels/*.cu.
+//
+// Compiled three ways: by NVRTC (through cupy.RawModule, in production), by NVCC (compile checks),
+// and by g++ against the CPU emulation in tests/cuda_emu (tests in CI, no GPU). Everything below
+// the includes is plain CUDA and is the same code in all three. Conventions: kernels/README.md.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+// NVRTC has no C++ standard library headers: nothing else may be included on this path.
+#include <cuda_bf16.h>
+#else
+#include "cuda_emu.h"  // from tests/cuda_emu, on the include path of emulated builds
+#endif
+
+// NVRTC does not define the <math.h> macros.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
+#endif
+
+// warpSize is not a constant expression in CUDA; this is, for array sizes and loop bounds.
+constexpr int WARP_SIZE = 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+__host__ __device__ __forceinline__ long long ceil_div(long long a, long long b) { return (a + b - 1) / b; }
+
+// ------------------------------------------------------------------------------------------------
+// float <-> storage type. Kernels compute in float and load/store T (float or __nv_bfloat16).
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+    return x;
+}
+// Round to nearest even; every NaN becomes the canonical bf16 NaN 0x7fff.
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Reductions. The warp versions need all 32 lanes of the warp to call them; every lane gets the
+// result. The block versions need every thread of the block to call them (they contain
+// __syncthreads), a block of whole warps (blockDim.x*y*z a multiple of 32), and return the result
+// to every thread. The emulator reports a violation of either rule as a BarrierError.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_reduce_sum(float v) {
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_MASK, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float warp_reduce_max(float v) {
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+}
+
+template <float (*WarpReduce)(float)>
+__device__ __forceinline__ float block_reduce(float v, float identity) {
+    __shared__ float partial[WARP_SIZE];  // one value per warp; a block has at most 32 warps
+    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int nwarps = (blockDim.x * blockDim.y * blockDim.z) / WARP_SIZE;
+    const int lane = tid % WARP_SIZE;
+    const int warp = tid / WARP_SIZE;
+    v = WarpReduce(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = WarpReduce(lane < nwarps ? partial[lane] : identity);
+    // partial[] is reused by the next call: no warp may write it before every warp has read it.
+    __syncthreads();
+    return v;
+}
+
+__device__ __forceinline__ float block_reduce_sum(float v) { return block_reduce<warp_reduce_sum>(v, 0.0f); }
+__device__ __forceinline__ float block_reduce_max(float v) { return block_reduce<warp_reduce_max>(v, -INFINITY); }
+
+// ------------------------------------------------------------------------------------------------
+// 128-bit loads and stores (one instruction for 4 floats or 8 bf16). The address must be 16-byte
+// aligned: arrays from the allocator are, so offsets must be multiples of 4 floats / 8 bf16.
+// The `cs` variants hint "streaming, not reused" (evict first) for data read or written once.
+// ------------------------------------------------------------------------------------------------
+template <typename T>
+struct alignas(16) Packed128 {
+    static constexpr int size = 16 / sizeof(T);
+    T payload[size];
+
+    Packed128() = default;
+    __device__ explicit Packed128(int4 bits) { *reinterpret_cast<int4*>(payload) = bits; }
+    __device__ static Packed128 constant(T value) {
+        Packed128 r;
+#pragma unroll
+        for (int i = 0; i < size; ++i) r.payload[i] = value;
+        return r;
+    }
+    __device__ T& operator[](int i) { return payload[i]; }
+    __device__ const T& operator[](int i) const { return payload[i]; }
+    __device__ int4 get_bits() const { return *reinterpret_cast<const int4*>(payload); }
+};
+
+template <typename T>
+__device__ __forceinline__ Packed128<T> load128(const T* address) {
+    return Packed128<T>(*reinterpret_cast<const int4*>(address));
+}
+template <typename T>
+__device__ __forceinline__ Packed128<T> load128cs(const T* address) {
+    return Packed128<T>(__ldcs(reinterpret_cast<const int4*>(address)));
+}
+template <typename T>
+__device__ __forceinline__ void store128(T* target, Packed128<T> value) {
+    *reinterpret_cast<int4*>(target) = value.get_bits();
+}
+template <typename T>
+__device__ __forceinline__ void store128cs(T* target, Packed128<T> value) {
+    __stcs(reinterpret_cast<int4*>(target), value.get_bits());
+}

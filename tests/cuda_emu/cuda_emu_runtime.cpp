@@ -1,0 +1,959 @@
+// cuda_emu_runtime.cpp: the execution model behind cuda_emu.h.
+//
+// A launch runs the blocks of the grid one after another on the calling OS thread. Each block
+// runs blockDim.x*y*z emulated threads as fibers (user-space stacks switched by hand, or by
+// ucontext off x86-64). Scheduling is cooperative: a thread runs until it reaches a barrier or a
+// warp operation, or exits; then the scheduler runs the next ready thread in the chosen order
+// (forward, reverse or seeded random). A barrier releases its threads when every participant
+// has arrived; when no thread can run and the block has not finished, the launch fails with a
+// report of who waits where. Because threads switch only at those points, code between two
+// barriers runs as a whole, which makes a missing barrier visible as a wrong result under at
+// least one order, and makes atomics trivially atomic.
+//
+// Launches are serialized by the Python launcher (one process-wide lock), so the state below is
+// plain globals. The kernel's shared memory is thread-local storage of this module; the launcher
+// poisons all of it before each block. The module must therefore not hold any other TLS.
+
+// The fortified longjmp refuses to jump from the signal handler's alternate stack to the
+// launcher's stack, which is exactly what fault reporting does.
+#undef _FORTIFY_SOURCE
+#include "cuda_emu.h"
+
+#include <fenv.h>
+#include <link.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#if !defined(__x86_64__) || defined(CUDA_EMU_USE_UCONTEXT)
+#define CUDA_EMU_UCONTEXT 1
+#include <ucontext.h>
+#endif
+
+namespace {
+constexpr size_t kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in maximum per block
+constexpr size_t kSmemGuard = 1024;             // poisoned bytes checked after the requested size
+constexpr size_t kStackGuard = 64 * 1024;       // PROT_NONE below each fiber stack
+constexpr unsigned kMaxThreads = 1024;
+}  // namespace
+
+// Every `extern __shared__` name of the kernel sources is linked (--defsym) to this buffer.
+extern "C" {
+__attribute__((visibility("hidden"))) alignas(128) thread_local unsigned char
+    cuda_emu_dynamic_smem[kMaxDynamicSmem + kSmemGuard];
+}
+
+#ifndef CUDA_EMU_UCONTEXT
+// switch(save, next): push the callee-saved registers, save the stack pointer to *save, load
+// next, pop, return into the other context. A new fiber's stack is laid out so that the first
+// switch "returns" into fiber_entry with r12 = argument, r13 = function. The MXCSR and x87
+// control words are callee-saved too, but every fiber runs on the same OS thread with the same
+// floating-point environment (kernels do not call fesetround), and restoring them would double
+// the cost of a switch.
+extern "C" void cuda_emu_switch(void** save_sp, void* next_sp) __attribute__((visibility("hidden")));
+extern "C" void cuda_emu_fiber_entry() __attribute__((visibility("hidden")));
+asm(R"(
+    .text
+    .p2align 4
+    .globl cuda_emu_switch
+    .hidden cuda_emu_switch
+    .type cuda_emu_switch, @function
+cuda_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cuda_emu_switch, .-cuda_emu_switch
+
+    .p2align 4
+    .globl cuda_emu_fiber_entry
+    .hidden cuda_emu_fiber_entry
+    .type cuda_emu_fiber_entry, @function
+cuda_emu_fiber_entry:
+    .cfi_startproc
+    .cfi_undefined rip
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .cfi_endproc
+    .size cuda_emu_fiber_entry, .-cuda_emu_fiber_entry
+)");
+#endif
+
+namespace cuda_emu::detail {
+
+Builtins g_builtins;
+
+namespace {
+
+enum Error : int {
+    kOk = 0,
+    kErrBarrier = 1,         // divergent __syncthreads / warp operation, incomplete warp
+    kErrFault = 2,           // SIGSEGV, SIGBUS, SIGFPE, SIGILL inside the kernel
+    kErrTrap = 3,            // assert(), __trap()
+    kErrTimeout = 4,
+    kErrSharedOverflow = 5,  // write past the dynamic shared memory size given at launch
+    kErrConfig = 6,
+    kErrException = 7,       // a C++ exception escaped the kernel
+};
+
+enum Schedule : int { kForward = 0, kReverse = 1, kRandom = 2 };
+
+enum class St : uint8_t { Ready, AtBarrier, AtWarpOp, Done, Trapped };
+
+struct Site {
+    const char* file = "";
+    const char* func = "";
+    unsigned line = 0, column = 0;
+};
+
+Site site_of(const std::source_location& loc) {
+    return Site{loc.file_name(), loc.function_name(), static_cast<unsigned>(loc.line()),
+                static_cast<unsigned>(loc.column())};
+}
+
+bool same_site(const Site& a, const Site& b) {
+    return a.line == b.line && a.column == b.column && (a.file == b.file || strcmp(a.file, b.file) == 0);
+}
+
+struct Fiber {
+    void* sp = nullptr;
+#ifdef CUDA_EMU_UCONTEXT
+    ucontext_t uc;
+#endif
+    char* mem = nullptr;  // mapping: [guard | stack]
+    size_t mem_size = 0;
+    uint3 tid{};
+    unsigned linear = 0;
+    St state = St::Done;
+    Site site;
+    int op = 0;
+    unsigned mask = 0;
+    uint64_t value = 0;  // operand of the pending warp operation
+    int arg = 0;
+    uint64_t result = 0;
+};
+
+struct PendingWarpOp {
+    unsigned mask;
+    int op;
+    int width;
+    int arrived;
+    Site site;
+};
+
+struct Warp {
+    unsigned exists = 0;  // lanes that exist in this (possibly partial) warp
+    int npending = 0;     // operations in progress, on disjoint masks
+    PendingWarpOp pending[32];
+};
+
+struct State {
+    const KernelDesc* kernel = nullptr;
+    void** args = nullptr;
+    unsigned nthreads = 0;
+    int schedule = kForward;
+    uint64_t rng = 0;
+    size_t shared_mem = 0;
+    size_t stack_size = 0;
+
+    std::vector<Fiber*> fibers;  // pool; pointers because a ucontext_t must not move
+    std::vector<Warp> warps;
+    std::vector<unsigned> ready, next;
+    unsigned done = 0;
+
+    unsigned barrier_arrived = 0;
+    int barrier_count = 0, barrier_and = 1, barrier_or = 0;
+
+#ifdef CUDA_EMU_UCONTEXT
+    ucontext_t sched_uc;
+#else
+    void* sched_sp = nullptr;
+#endif
+    Fiber* current = nullptr;
+
+    unsigned char* tls_lo = nullptr;  // this thread's instance of the module's TLS segment
+    unsigned char* tls_hi = nullptr;
+
+    int error = kOk;
+    std::string message;
+};
+
+State g;
+
+// ----- signals ---------------------------------------------------------------------------------
+constexpr int kTimerSignal = SIGVTALRM;
+constexpr int kFaultSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP};
+sigjmp_buf g_jmp;
+volatile sig_atomic_t g_in_launch = 0;
+pthread_t g_launch_thread;
+volatile int g_sig = 0;
+volatile int g_sig_code = 0;
+void* volatile g_sig_addr = nullptr;
+struct sigaction g_old_actions[NSIG];
+alignas(64) char g_altstack_mem[64 * 1024];
+
+// ----- utilities -------------------------------------------------------------------------------
+uint64_t next_random() {  // splitmix64
+    uint64_t z = (g.rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+std::string vformat(const char* fmt, va_list ap) {
+    va_list ap2;
+    va_copy(ap2, ap);
+    const int n = vsnprintf(nullptr, 0, fmt, ap2);
+    va_end(ap2);
+    std::string s(n > 0 ? static_cast<size_t>(n) : 0, '\0');
+    if (n > 0) vsnprintf(s.data(), s.size() + 1, fmt, ap);
+    return s;
+}
+
+__attribute__((format(printf, 1, 2))) std::string format(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    std::string s = vformat(fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+// Records the first error of a launch; later ones are consequences.
+__attribute__((format(printf, 2, 3))) void fail(int code, const char* fmt, ...) {
+    if (g.error != kOk) return;
+    va_list ap;
+    va_start(ap, fmt);
+    g.message = vformat(fmt, ap);
+    va_end(ap);
+    g.error = code;
+}
+
+std::string where_block() {
+    const uint3 b = g_builtins.block_idx;
+    return format("block (%u,%u,%u)", b.x, b.y, b.z);
+}
+
+std::string where(const Fiber* f) {
+    return format("%s, thread (%u,%u,%u)", where_block().c_str(), f->tid.x, f->tid.y, f->tid.z);
+}
+
+std::string site_text(const Site& s) {
+    return format("%s:%u:%u in %s", s.file, s.line, s.column, s.func);
+}
+
+// "0-15,32,40-47": linear thread ids, compressed, shortened when very fragmented.
+std::string ranges(std::vector<unsigned> ids) {
+    std::sort(ids.begin(), ids.end());
+    std::string out;
+    int parts = 0;
+    for (size_t i = 0; i < ids.size();) {
+        size_t j = i;
+        while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+        if (++parts > 16) {
+            out += ",...";
+            break;
+        }
+        if (!out.empty()) out += ",";
+        out += (j == i) ? format("%u", ids[i]) : format("%u-%u", ids[i], ids[j]);
+        i = j + 1;
+    }
+    return out;
+}
+
+const char* warp_op_name(int op) {
+    static const char* const names[kWarpOpCount] = {
+        "__syncwarp",        "__shfl_sync",       "__shfl_up_sync",    "__shfl_down_sync",  "__shfl_xor_sync",
+        "__ballot_sync",     "__any_sync",        "__all_sync",        "__reduce_add_sync", "__reduce_add_sync",
+        "__reduce_min_sync", "__reduce_min_sync", "__reduce_max_sync", "__reduce_max_sync", "__reduce_and_sync",
+        "__reduce_or_sync",  "__reduce_xor_sync"};
+    return (op >= 0 && op < kWarpOpCount) ? names[op] : "?";
+}
+
+const char* barrier_name(int kind) {
+    switch (kind) {
+        case kSyncCount: return "__syncthreads_count";
+        case kSyncAnd: return "__syncthreads_and";
+        case kSyncOr: return "__syncthreads_or";
+        default: return "__syncthreads";
+    }
+}
+
+std::string block_dim_note() {
+    const dim3 d = g_builtins.block_dim;
+    if (d.y == 1 && d.z == 1) return "";
+    return format(" (thread numbers are linear ids x + %u*(y + %u*z))", d.x, d.y);
+}
+
+// What every thread of the block is doing, grouped, for barrier errors.
+std::string describe_block() {
+    struct Group {
+        std::string what;
+        std::vector<unsigned> ids;
+    };
+    std::vector<Group> groups;
+    for (unsigned i = 0; i < g.nthreads; ++i) {
+        const Fiber* f = g.fibers[i];
+        std::string what;
+        switch (f->state) {
+            case St::Ready: what = "ready to run"; break;
+            case St::Done: what = "exited"; break;
+            case St::Trapped: what = "stopped by an error"; break;
+            case St::AtBarrier: what = format("wait at %s() at %s", barrier_name(f->op), site_text(f->site).c_str()); break;
+            case St::AtWarpOp:
+                what = format("wait at %s(mask 0x%08x) at %s", warp_op_name(f->op), f->mask, site_text(f->site).c_str());
+                break;
+        }
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& gr) { return gr.what == what; });
+        if (it == groups.end()) groups.push_back(Group{what, {f->linear}});
+        else it->ids.push_back(f->linear);
+    }
+    std::string out;
+    for (const Group& gr : groups)
+        out += format("\n  threads %s: %s", ranges(gr.ids).c_str(), gr.what.c_str());
+    return out + block_dim_note();
+}
+
+// ----- fill patterns ----------------------------------------------------------------------------
+// 0xffa5 little-endian in every 16-bit half: a NaN as bf16, fp16 and fp32, -5898331 as an int32.
+// Shared by the Python guard regions.
+inline unsigned char pattern_byte(uintptr_t addr) { return (addr & 1u) ? 0xffu : 0xa5u; }
+
+void fill_pattern(unsigned char* p, size_t n) {
+    size_t i = 0;
+    for (; i < n && (reinterpret_cast<uintptr_t>(p + i) & 7u) != 0; ++i) p[i] = pattern_byte(reinterpret_cast<uintptr_t>(p + i));
+    const uint64_t word = 0xffa5ffa5ffa5ffa5ull;
+    for (; i + 8 <= n; i += 8) memcpy(p + i, &word, 8);
+    for (; i < n; ++i) p[i] = pattern_byte(reinterpret_cast<uintptr_t>(p + i));
+}
+
+// Offset of the first byte that no longer holds the pattern, or n.
+size_t pattern_mismatch(const unsigned char* p, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+        if (p[i] != pattern_byte(reinterpret_cast<uintptr_t>(p + i))) return i;
+    return n;
+}
+
+// This thread's instance of the module's TLS segment: all `__shared__` variables plus the
+// dynamic shared memory buffer.
+bool tls_block(unsigned char** lo, unsigned char** hi) {
+    struct Ctx {
+        uintptr_t probe;
+        unsigned char* lo;
+        unsigned char* hi;
+    } ctx{reinterpret_cast<uintptr_t>(&cuda_emu_dynamic_smem[0]), nullptr, nullptr};
+    // Taking the address above made the dynamic TLS of this module exist for this thread.
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* data) -> int {
+            auto* c = static_cast<Ctx*>(data);
+            if (info->dlpi_tls_data == nullptr) return 0;
+            for (int i = 0; i < info->dlpi_phnum; ++i) {
+                if (info->dlpi_phdr[i].p_type != PT_TLS) continue;
+                auto* base = static_cast<unsigned char*>(info->dlpi_tls_data);
+                const uintptr_t b = reinterpret_cast<uintptr_t>(base);
+                if (c->probe >= b && c->probe < b + info->dlpi_phdr[i].p_memsz) {
+                    c->lo = base;
+                    c->hi = base + info->dlpi_phdr[i].p_memsz;
+                    return 1;
+                }
+            }
+            return 0;
+        },
+        &ctx);
+    *lo = ctx.lo;
+    *hi = ctx.hi;
+    return ctx.lo != nullptr;
+}
+
+// ----- fibers -----------------------------------------------------------------------------------
+void fiber_main(Fiber* f);
+
+#ifdef CUDA_EMU_UCONTEXT
+Fiber* g_starting = nullptr;
+void fiber_main_uc() { fiber_main(g_starting); }
+#endif
+
+void switch_to_fiber(Fiber* f) {
+    g.current = f;
+    g_builtins.thread_idx = f->tid;
+#ifdef CUDA_EMU_UCONTEXT
+    g_starting = f;
+    swapcontext(&g.sched_uc, &f->uc);
+#else
+    cuda_emu_switch(&g.sched_sp, f->sp);
+#endif
+    g.current = nullptr;
+}
+
+void switch_to_scheduler(Fiber* f) {
+#ifdef CUDA_EMU_UCONTEXT
+    swapcontext(&f->uc, &g.sched_uc);
+#else
+    cuda_emu_switch(&f->sp, g.sched_sp);
+#endif
+}
+
+[[noreturn]] void stop_current_thread() {
+    Fiber* f = g.current;
+    f->state = St::Trapped;
+    switch_to_scheduler(f);  // the scheduler sees g.error and never resumes this fiber
+    __builtin_unreachable();
+}
+
+void fiber_main(Fiber* f) {
+    try {
+        g.kernel->invoke(g.args);
+    } catch (...) {
+        fail(kErrException, "a C++ exception escaped the kernel in %s", where(f).c_str());
+        stop_current_thread();
+    }
+    f->state = St::Done;
+    ++g.done;
+    switch_to_scheduler(f);
+    __builtin_unreachable();
+}
+
+bool ensure_fibers(unsigned n, size_t stack_size) {
+    if (stack_size != g.stack_size) {
+        for (Fiber* f : g.fibers) {
+            munmap(f->mem, f->mem_size);
+            delete f;
+        }
+        g.fibers.clear();
+        g.stack_size = stack_size;
+    }
+    while (g.fibers.size() < n) {
+        auto* f = new Fiber();
+        f->mem_size = kStackGuard + stack_size;
+        void* mem = mmap(nullptr, f->mem_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK,
+                         -1, 0);
+        if (mem == MAP_FAILED) {
+            delete f;
+            fail(kErrConfig, "cannot map a %zu KiB stack for emulated thread %zu", stack_size / 1024, g.fibers.size());
+            return false;
+        }
+        f->mem = static_cast<char*>(mem);
+        mprotect(f->mem, kStackGuard, PROT_NONE);  // a stack overflow faults instead of corrupting a neighbour
+        g.fibers.push_back(f);
+    }
+    return true;
+}
+
+void init_fiber(Fiber* f, unsigned linear) {
+    const dim3 d = g_builtins.block_dim;
+    f->linear = linear;
+    f->tid = uint3{linear % d.x, (linear / d.x) % d.y, linear / (d.x * d.y)};
+    f->state = St::Ready;
+    f->site = Site{};
+    f->op = 0;
+    f->mask = 0;
+    f->result = 0;
+    // Stagger the stack tops: page-aligned tops would put the hot frames of all threads in the
+    // same cache sets.
+    char* top = f->mem + f->mem_size - ((linear * 17u) % 64u) * 64u;
+#ifdef CUDA_EMU_UCONTEXT
+    getcontext(&f->uc);
+    f->uc.uc_stack.ss_sp = f->mem + kStackGuard;
+    f->uc.uc_stack.ss_size = f->mem_size - kStackGuard;
+    f->uc.uc_link = nullptr;
+    makecontext(&f->uc, fiber_main_uc, 0);
+    (void)top;
+#else
+    // Frame popped by cuda_emu_switch: r15, r14, r13, r12, rbx, rbp, return address, plus
+    // padding so that rsp is 16-byte aligned at fiber_entry's call.
+    auto* sp = reinterpret_cast<uint64_t*>(top - 72);
+    sp[0] = 0;                                       // r15
+    sp[1] = 0;                                       // r14
+    sp[2] = reinterpret_cast<uint64_t>(&fiber_main);  // r13: function
+    sp[3] = reinterpret_cast<uint64_t>(f);           // r12: argument
+    sp[4] = 0;                                       // rbx
+    sp[5] = 0;                                       // rbp
+    sp[6] = reinterpret_cast<uint64_t>(&cuda_emu_fiber_entry);
+    sp[7] = sp[8] = 0;
+    f->sp = sp;
+#endif
+}
+
+// ----- scheduling -------------------------------------------------------------------------------
+void make_ready(Fiber* f) {
+    f->state = St::Ready;
+    g.next.push_back(f->linear);
+}
+
+void order_round(std::vector<unsigned>& ids) {
+    switch (g.schedule) {
+        case kForward:
+            if (!std::is_sorted(ids.begin(), ids.end())) std::sort(ids.begin(), ids.end());
+            break;
+        case kReverse:
+            if (std::is_sorted(ids.begin(), ids.end())) std::reverse(ids.begin(), ids.end());
+            else std::sort(ids.begin(), ids.end(), std::greater<unsigned>());
+            break;
+        default:
+            for (size_t i = ids.size(); i > 1; --i) std::swap(ids[i - 1], ids[next_random() % i]);
+            break;
+    }
+}
+
+void run_block() {
+    const unsigned n = g.nthreads;
+    for (unsigned i = 0; i < n; ++i) init_fiber(g.fibers[i], i);
+    for (Warp& w : g.warps) w.npending = 0;
+    g.done = 0;
+    g.barrier_arrived = 0;
+    g.ready.resize(n);
+    for (unsigned i = 0; i < n; ++i) g.ready[i] = i;
+    for (;;) {
+        order_round(g.ready);
+        g.next.clear();
+        for (unsigned id : g.ready) {
+            Fiber* f = g.fibers[id];
+            if (f->state != St::Ready) continue;
+            switch_to_fiber(f);
+            if (g.error != kOk) return;
+        }
+        if (g.next.empty()) {
+            if (g.done != n)
+                fail(kErrBarrier,
+                     "deadlock in %s: not every thread reached the barrier the others wait at. Every thread of a "
+                     "block must reach the same __syncthreads(), and every lane named in a warp operation's mask "
+                     "the same warp operation (a thread that returned early, or a barrier in a branch that not all "
+                     "threads take, is undefined behaviour on a GPU):%s",
+                     where_block().c_str(), describe_block().c_str());
+            return;
+        }
+        std::swap(g.ready, g.next);
+    }
+}
+
+Fiber* current_or_die(const char* what) {
+    Fiber* f = g.current;
+    if (f == nullptr) {
+        fprintf(stderr, "cuda_emu: %s called outside an emulated kernel\n", what);
+        abort();
+    }
+    return f;
+}
+
+}  // namespace
+
+// ----- barriers and warp operations (called from kernel code) ----------------------------------
+int block_barrier(int kind, int predicate, const std::source_location& loc) {
+    Fiber* f = current_or_die("__syncthreads");
+    f->state = St::AtBarrier;
+    f->site = site_of(loc);
+    f->op = kind;
+    if (g.barrier_arrived == 0) {
+        g.barrier_count = 0;
+        g.barrier_and = 1;
+        g.barrier_or = 0;
+    }
+    ++g.barrier_arrived;
+    g.barrier_count += predicate;
+    g.barrier_and &= predicate;
+    g.barrier_or |= predicate;
+    if (g.barrier_arrived == g.nthreads) {
+        const Fiber* first = g.fibers[0];
+        for (unsigned i = 1; i < g.nthreads; ++i) {
+            const Fiber* o = g.fibers[i];
+            if (!same_site(o->site, first->site) || o->op != first->op) {
+                fail(kErrBarrier,
+                     "divergent barrier in %s: the threads of the block wait at different barriers; all must reach "
+                     "the same __syncthreads():%s",
+                     where_block().c_str(), describe_block().c_str());
+                stop_current_thread();
+            }
+        }
+        uint64_t result = 0;
+        if (kind == kSyncCount) result = static_cast<uint64_t>(g.barrier_count);
+        else if (kind == kSyncAnd) result = static_cast<uint64_t>(g.barrier_and);
+        else if (kind == kSyncOr) result = static_cast<uint64_t>(g.barrier_or);
+        for (unsigned i = 0; i < g.nthreads; ++i) {
+            g.fibers[i]->result = result;
+            make_ready(g.fibers[i]);
+        }
+        g.barrier_arrived = 0;
+    }
+    switch_to_scheduler(f);
+    return static_cast<int>(f->result);
+}
+
+namespace {
+void complete_warp_op(unsigned warp_index, const PendingWarpOp& p) {
+    Fiber* const* lanes = &g.fibers[warp_index * 32];
+    uint64_t combined = 0;
+    if (p.op == kBallot || p.op == kAny || p.op == kAll) {
+        for (unsigned lane = 0; lane < 32; ++lane)
+            if ((p.mask >> lane) & 1u && lanes[lane]->value != 0) combined |= 1ull << lane;
+        if (p.op == kAny) combined = combined != 0;
+        if (p.op == kAll) combined = combined == p.mask;
+    } else if (p.op >= kReduceAddU) {
+        bool first = true;
+        uint32_t acc = 0;
+        for (unsigned lane = 0; lane < 32; ++lane) {
+            if (!((p.mask >> lane) & 1u)) continue;
+            const uint32_t v = static_cast<uint32_t>(lanes[lane]->value);
+            if (first) {
+                acc = v;
+                first = false;
+                continue;
+            }
+            switch (p.op) {
+                case kReduceAddU:
+                case kReduceAddS: acc += v; break;
+                case kReduceMinU: acc = std::min(acc, v); break;
+                case kReduceMaxU: acc = std::max(acc, v); break;
+                case kReduceMinS: acc = static_cast<uint32_t>(std::min(static_cast<int32_t>(acc), static_cast<int32_t>(v))); break;
+                case kReduceMaxS: acc = static_cast<uint32_t>(std::max(static_cast<int32_t>(acc), static_cast<int32_t>(v))); break;
+                case kReduceAnd: acc &= v; break;
+                case kReduceOr: acc |= v; break;
+                case kReduceXor: acc ^= v; break;
+                default: break;
+            }
+        }
+        combined = acc;
+    }
+    const bool shuffle = p.op >= kShflIdx && p.op <= kShflXor;
+    // Results first, then release: a lane's value must not be read after its result is written.
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        if (!((p.mask >> lane) & 1u)) continue;
+        Fiber* f = lanes[lane];
+        if (!shuffle) {
+            f->result = combined;
+            continue;
+        }
+        const int width = p.width;
+        const int me = static_cast<int>(lane);
+        const int seg = me & ~(width - 1);
+        const int arg = f->arg;
+        int src = me;
+        switch (p.op) {
+            case kShflIdx: src = seg + (arg & (width - 1)); break;
+            case kShflUp: src = (me - arg >= seg) ? me - arg : me; break;
+            case kShflDown: src = (me + arg < seg + width) ? me + arg : me; break;
+            case kShflXor: src = ((me ^ arg) < seg + width) ? (me ^ arg) : me; break;  // later groups: own value
+            default: break;
+        }
+        if (src < 0 || src > 31 || !((p.mask >> src) & 1u)) {
+            fail(kErrBarrier,
+                 "%s at %s in %s: lane %u reads lane %d, which is not in the mask 0x%08x (its value is "
+                 "undefined on a GPU)",
+                 warp_op_name(p.op), site_text(p.site).c_str(), where_block().c_str(), lane, src, p.mask);
+            stop_current_thread();
+        }
+        f->result = lanes[src]->value;
+    }
+    for (unsigned lane = 0; lane < 32; ++lane)
+        if ((p.mask >> lane) & 1u) make_ready(lanes[lane]);
+}
+}  // namespace
+
+uint64_t warp_op(int op, unsigned mask, uint64_t value, int arg, int width, const std::source_location& loc) {
+    Fiber* f = current_or_die(warp_op_name(op));
+    const unsigned warp_index = f->linear / 32, lane = f->linear % 32;
+    Warp& w = g.warps[warp_index];
+    f->site = site_of(loc);
+    f->op = op;
+    f->mask = mask;
+    if (!((mask >> lane) & 1u)) {
+        fail(kErrBarrier, "%s at %s: the calling lane %u is not in its mask 0x%08x (%s)", warp_op_name(op),
+             site_text(f->site).c_str(), lane, mask, where(f).c_str());
+        stop_current_thread();
+    }
+    if (mask & ~w.exists) {
+        fail(kErrBarrier,
+             "%s at %s: incomplete warp. The mask 0x%08x names lanes that do not exist: warp %u of the block has "
+             "lanes 0x%08x only (blockDim (%u,%u,%u) = %u threads is not a multiple of 32). Launch full warps or "
+             "pass the mask of the existing lanes (%s)",
+             warp_op_name(op), site_text(f->site).c_str(), mask, warp_index, w.exists, g_builtins.block_dim.x,
+             g_builtins.block_dim.y, g_builtins.block_dim.z, g.nthreads, where(f).c_str());
+        stop_current_thread();
+    }
+    if (width < 1 || width > 32 || (width & (width - 1)) != 0) {
+        fail(kErrBarrier, "%s at %s: width %d is not a power of two in [1, 32] (%s)", warp_op_name(op),
+             site_text(f->site).c_str(), width, where(f).c_str());
+        stop_current_thread();
+    }
+    PendingWarpOp* p = nullptr;
+    for (int k = 0; k < w.npending; ++k) {
+        PendingWarpOp& q = w.pending[k];
+        if (!(q.mask & mask)) continue;
+        if (q.mask != mask || q.op != op || q.width != width || !same_site(q.site, f->site)) {
+            fail(kErrBarrier,
+                 "divergent warp operation in warp %u of %s: lane %u is at %s(mask 0x%08x, width %d) at %s while "
+                 "lanes of that warp wait at %s(mask 0x%08x, width %d) at %s. The lanes named in a mask must all "
+                 "reach the same warp operation with the same mask.",
+                 warp_index, where_block().c_str(), lane, warp_op_name(op), mask, width, site_text(f->site).c_str(),
+                 warp_op_name(q.op), q.mask, q.width, site_text(q.site).c_str());
+            stop_current_thread();
+        }
+        p = &q;
+        break;
+    }
+    if (p == nullptr) {
+        p = &w.pending[w.npending++];  // at most 32: the masks are disjoint and non-empty
+        *p = PendingWarpOp{mask, op, width, 0, f->site};
+    }
+    f->value = value;
+    f->arg = arg;
+    f->state = St::AtWarpOp;
+    if (++p->arrived == __builtin_popcount(mask)) {
+        const PendingWarpOp done = *p;
+        *p = w.pending[--w.npending];
+        complete_warp_op(warp_index, done);
+    }
+    switch_to_scheduler(f);
+    return f->result;
+}
+
+unsigned active_mask() {
+    Fiber* f = current_or_die("__activemask");
+    const unsigned warp_index = f->linear / 32;
+    unsigned m = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        const unsigned id = warp_index * 32 + lane;
+        if (id < g.nthreads && g.fibers[id]->state != St::Done && g.fibers[id]->state != St::Trapped) m |= 1u << lane;
+    }
+    return m;
+}
+
+void trap(const char* what, const std::source_location& loc) {
+    Fiber* f = current_or_die("__trap");
+    fail(kErrTrap, "%s at %s (%s)", what, site_text(site_of(loc)).c_str(), where(f).c_str());
+    stop_current_thread();
+}
+
+long long clock_ticks() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<long long>(ts.tv_sec) * 1000000000ll + ts.tv_nsec;
+}
+
+// ----- launch -----------------------------------------------------------------------------------
+namespace {
+
+void on_signal(int sig, siginfo_t* info, void*) {
+    if (!g_in_launch || !pthread_equal(pthread_self(), g_launch_thread)) {
+        if (sig == kTimerSignal) return;
+        // Not ours: put the previous handler back; the faulting instruction runs again and reaches it.
+        sigaction(sig, &g_old_actions[sig], nullptr);
+        return;
+    }
+    g_sig = sig;
+    g_sig_code = info->si_code;
+    g_sig_addr = info->si_addr;
+    siglongjmp(g_jmp, 1);
+}
+
+std::string describe_signal() {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(g_sig_addr);
+    const Fiber* f = g.current;
+    std::string who = f ? where(f) : format("the emulator itself, between threads of %s", where_block().c_str());
+    if (g_sig == kTimerSignal) return who;
+    std::string what;
+    switch (g_sig) {
+        case SIGSEGV: what = "SIGSEGV (invalid memory access)"; break;
+        case SIGBUS: what = "SIGBUS (misaligned or invalid memory access)"; break;
+        case SIGFPE: what = (g_sig_code == FPE_INTDIV) ? "SIGFPE (integer division by zero)" : "SIGFPE (arithmetic fault)"; break;
+        case SIGILL: what = "SIGILL (illegal instruction: __builtin_unreachable() or __builtin_trap() reached?)"; break;
+        default: what = format("signal %d", g_sig); break;
+    }
+    std::string hint;
+    for (const Fiber* s : g.fibers) {
+        const uintptr_t lo = reinterpret_cast<uintptr_t>(s->mem);
+        if (addr >= lo && addr < lo + kStackGuard) {
+            hint = format("; the address is in the guard page of an emulated thread's stack: stack overflow (stacks are "
+                          "%zu KiB, set CUTP_EMU_STACK_KB for more)",
+                          g.stack_size / 1024);
+            break;
+        }
+    }
+    if (hint.empty() && (g_sig == SIGSEGV || g_sig == SIGBUS))
+        hint = "; the kernel read or wrote far outside its arrays (accesses just past an array hit the launcher's "
+               "guard regions instead, which are reported as OutOfBoundsError), or dereferenced a null/host pointer";
+    return format("%s at address 0x%zx in %s%s", what.c_str(), static_cast<size_t>(addr), who.c_str(), hint.c_str());
+}
+
+}  // namespace
+}  // namespace cuda_emu::detail
+
+using namespace cuda_emu::detail;
+
+// glibc's assert() calls this. Defining it here (hidden, so it binds inside this module only)
+// turns the assert of a kernel that included <assert.h> itself into a DeviceAssertError too,
+// instead of an abort() of the test process.
+extern "C" __attribute__((visibility("hidden"), noreturn)) void __assert_fail(const char* assertion, const char* file,
+                                                                           unsigned int line,
+                                                                           const char* function) noexcept {
+    if (g.current == nullptr) {
+        fprintf(stderr, "%s:%u: %s: assertion `%s' failed\n", file, line, function, assertion);
+        abort();
+    }
+    fail(kErrTrap, "assertion failed: %s at %s:%u in %s (%s)", assertion, file, line, function, where(g.current).c_str());
+    stop_current_thread();
+}
+
+extern "C" __attribute__((visibility("default"))) uint32_t cuda_emu_runtime_abi() { return cuda_emu::kAbiVersion; }
+extern "C" __attribute__((visibility("default"))) uint64_t cuda_emu_max_dynamic_smem() { return kMaxDynamicSmem; }
+
+// Bytes of static `__shared__` storage in the module (all kernels together).
+extern "C" __attribute__((visibility("default"))) uint64_t cuda_emu_static_smem_bytes() {
+    unsigned char *lo, *hi;
+    if (!tls_block(&lo, &hi)) return 0;
+    return static_cast<uint64_t>(hi - lo) - sizeof(cuda_emu_dynamic_smem);
+}
+
+// Runs one launch. grid/block: 3 values each, validated by the caller. args: one pointer per
+// kernel parameter to its value (cuLaunchKernel's kernelParams). Returns 0 or an Error code with
+// a message in err.
+extern "C" __attribute__((visibility("default"))) int cuda_emu_launch(const cuda_emu::KernelDesc* kernel,
+                                                                     const uint32_t* grid, const uint32_t* block,
+                                                                     uint64_t shared_mem, void** args, int schedule,
+                                                                     uint64_t seed, double timeout_s,
+                                                                     uint64_t stack_size, char* err, uint64_t errlen) {
+    g.error = kOk;
+    g.message.clear();
+    g.current = nullptr;
+    g.kernel = kernel;
+    g.args = args;
+    g.schedule = schedule;
+    g.rng = seed;
+    g.shared_mem = shared_mem;
+    g_builtins.block_dim = dim3(block[0], block[1], block[2]);
+    g_builtins.grid_dim = dim3(grid[0], grid[1], grid[2]);
+    g_builtins.block_idx = uint3{0, 0, 0};
+    const unsigned long long nthreads = 1ull * block[0] * block[1] * block[2];
+    const unsigned long long nblocks = 1ull * grid[0] * grid[1] * grid[2];
+    unsigned char* const dyn = &cuda_emu_dynamic_smem[0];
+    const size_t dyn_total = sizeof(cuda_emu_dynamic_smem);
+
+    if (nthreads == 0 || nthreads > kMaxThreads || nblocks == 0) fail(kErrConfig, "invalid launch configuration");
+    else if (shared_mem > kMaxDynamicSmem) fail(kErrConfig, "shared_mem %llu exceeds %zu bytes", (unsigned long long)shared_mem, kMaxDynamicSmem);
+    else if (schedule == kRandom && nblocks > (1ull << 27)) fail(kErrConfig, "grid of %llu blocks too large for the random schedule", nblocks);
+    else if (!tls_block(&g.tls_lo, &g.tls_hi) || dyn < g.tls_lo || dyn + dyn_total > g.tls_hi)
+        fail(kErrConfig, "cannot locate the module's thread-local shared memory");
+    else if (reinterpret_cast<uintptr_t>(dyn) % 16 != 0) fail(kErrConfig, "dynamic shared memory is misaligned");
+    else if (ensure_fibers(static_cast<unsigned>(nthreads), ((stack_size + 4095) / 4096) * 4096)) {
+        g.nthreads = static_cast<unsigned>(nthreads);
+        g.warps.assign((g.nthreads + 31) / 32, Warp{});
+        for (unsigned w = 0; w < g.warps.size(); ++w) {
+            const unsigned lanes = std::min(32u, g.nthreads - w * 32);
+            g.warps[w].exists = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
+        }
+    }
+    if (g.error != kOk) {
+        snprintf(err, errlen, "%s", g.message.c_str());
+        return g.error;
+    }
+
+    std::vector<uint32_t> order;
+    if (schedule == kRandom) {
+        order.resize(nblocks);
+        for (uint32_t i = 0; i < nblocks; ++i) order[i] = i;
+        for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
+    }
+
+    // Signals: faults and the watchdog timer become errors of this launch instead of killing or
+    // hanging the test process.
+    stack_t alt{}, old_alt{};
+    alt.ss_sp = g_altstack_mem;
+    alt.ss_size = sizeof(g_altstack_mem);
+    sigaltstack(&alt, &old_alt);
+    struct sigaction sa {};
+    sa.sa_sigaction = on_signal;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    for (int s : kFaultSignals) sigaction(s, &sa, &g_old_actions[s]);
+    sigaction(kTimerSignal, &sa, &g_old_actions[kTimerSignal]);
+    timer_t timer{};
+    volatile bool have_timer = false;  // read after siglongjmp
+    if (timeout_s > 0) {
+        sigevent sev{};
+        sev.sigev_notify = SIGEV_THREAD_ID;
+        sev.sigev_signo = kTimerSignal;
+        sev._sigev_un._tid = static_cast<pid_t>(syscall(SYS_gettid));
+        if (timer_create(CLOCK_MONOTONIC, &sev, &timer) == 0) {
+            have_timer = true;
+            itimerspec its{};
+            its.it_value.tv_sec = static_cast<time_t>(timeout_s);
+            its.it_value.tv_nsec = static_cast<long>((timeout_s - static_cast<double>(its.it_value.tv_sec)) * 1e9);
+            if (its.it_value.tv_sec == 0 && its.it_value.tv_nsec == 0) its.it_value.tv_nsec = 1;
+            timer_settime(timer, 0, &its, nullptr);
+        }
+    }
+    // IEEE defaults for the launch (round to nearest, no flush-to-zero), as CUDA without fast-math:
+    // a library loaded into the process may have set FTZ/DAZ for this thread.
+    fenv_t saved_fenv;
+    fegetenv(&saved_fenv);
+    fesetenv(FE_DFL_ENV);
+#if defined(__x86_64__)
+    const uint32_t ieee_mxcsr = 0x1f80;  // all exceptions masked, FTZ and DAZ off
+    asm volatile("ldmxcsr %0" : : "m"(ieee_mxcsr));
+#endif
+    g_launch_thread = pthread_self();
+    g_sig = 0;
+    g_in_launch = 1;
+
+    if (sigsetjmp(g_jmp, 1) == 0) {
+        const dim3 gd = g_builtins.grid_dim;
+        for (unsigned long long b = 0; b < nblocks && g.error == kOk; ++b) {
+            const unsigned long long lin = schedule == kForward ? b : schedule == kReverse ? nblocks - 1 - b : order[b];
+            g_builtins.block_idx = uint3{static_cast<unsigned>(lin % gd.x), static_cast<unsigned>((lin / gd.x) % gd.y),
+                                         static_cast<unsigned>(lin / (1ull * gd.x * gd.y))};
+            // Poison all shared memory: static __shared__ variables and the dynamic buffer up to
+            // the requested size plus a guard, whose integrity is checked after the block.
+            fill_pattern(g.tls_lo, static_cast<size_t>(dyn - g.tls_lo));
+            fill_pattern(dyn, shared_mem + kSmemGuard);
+            fill_pattern(dyn + dyn_total, static_cast<size_t>(g.tls_hi - (dyn + dyn_total)));
+            run_block();
+            if (g.error != kOk) break;
+            const size_t bad = pattern_mismatch(dyn + shared_mem, kSmemGuard);
+            if (bad != kSmemGuard)
+                fail(kErrSharedOverflow,
+                     "%s wrote past the end of its dynamic shared memory: shared_mem=%llu bytes were given at launch "
+                     "and byte %llu (0x%llx) was written",
+                     where_block().c_str(), (unsigned long long)shared_mem, (unsigned long long)(shared_mem + bad),
+                     (unsigned long long)(shared_mem + bad));
+        }
+    } else if (g_sig == kTimerSignal) {
+        g.error = kErrTimeout;
+        g.message = format("the kernel did not finish within %g s (was in %s). An infinite loop, or a spin-wait for a "
+                           "value another thread writes: emulated threads switch only at barriers and warp operations, "
+                           "so such a wait never ends here",
+                           timeout_s, describe_signal().c_str());
+    } else {
+        g.error = kErrFault;
+        g.message = describe_signal();
+    }
+
+    g_in_launch = 0;
+    fesetenv(&saved_fenv);
+    if (have_timer) timer_delete(timer);
+    for (int s : kFaultSignals) sigaction(s, &g_old_actions[s], nullptr);
+    sigaction(kTimerSignal, &g_old_actions[kTimerSignal], nullptr);
+    sigaltstack(&old_alt, nullptr);
+    g.current = nullptr;
+    fflush(stdout);
+    snprintf(err, errlen, "%s", g.message.c_str());
+    return g.error;
+}
