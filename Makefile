@@ -28,5 +28,27 @@ train: $(STAMP)
 		--eval-every 100 --save-every 500 --out $(TRAIN_OUT) --metrics $(TRAIN_OUT)/metrics.jsonl --log-every 10
 	$(PY) examples/plot_metrics.py $(TRAIN_OUT)/metrics.jsonl $(TRAIN_OUT)/loss.png
 
+# On a lent GPU machine: python3 with cupy, mpi4py, pytest, ... preinstalled, no package registry,
+# so no venv and no pip here. GPU kernel tests, a short GPU training run (kernels on and off), the
+# 2-rank NCCL checks on one GPU (NCCL >= 2.30), the kernel benchmark; < 5 minutes. The summary
+# goes to stdout and, when OUT is set, to $(OUT)/gpu_check_summary.txt.
+gpu-check:
+	PYTHONPATH=$(CURDIR) python3 tools/gpu_check.py
+
+# The CPU benchmark suites, all tables on stdout (< 5 minutes on 2 cores); JSON and PNG figures in
+# $(BENCH_OUT). compare-torch needs the optional torch (it prints why it skipped otherwise).
+BENCH_OUT ?= out/bench
+bench: $(STAMP)
+	mkdir -p $(BENCH_OUT)
+	$(PY) -m cutp bench kernels --device cpu --min-time 0.2 --json $(BENCH_OUT)/kernels.json --plot $(BENCH_OUT)/kernels.png
+	$(MPIEXEC) -n 2 $(PY) -m cutp bench comm --device cpu --json $(BENCH_OUT)/comm.json --plot $(BENCH_OUT)/comm.png
+	$(MPIEXEC) -n 2 $(PY) -m cutp bench model --device cpu --preset tiny --tp 2 --batch-size 16 --seq-len 128 \
+		--json $(BENCH_OUT)/model-tiny-tp2.json --plot $(BENCH_OUT)/model-tiny-tp2.png
+	$(PY) -m cutp bench model --device cpu --preset gpt2 --batch-size 4 --seq-len 256 --steps 3 --warmup 1 \
+		--json $(BENCH_OUT)/model-gpt2.json --plot $(BENCH_OUT)/model-gpt2.png
+	$(PY) -m cutp bench plan --params 70B --tp 8 --dp 4 --json $(BENCH_OUT)/plan-70b.json
+	$(PY) -m cutp bench compare-torch --presets tiny gpt2 --json $(BENCH_OUT)/compare-torch.json \
+		--plot $(BENCH_OUT)/compare-torch.png
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info out

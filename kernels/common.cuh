@@ -120,3 +120,122 @@ template <typename T>
 __device__ __forceinline__ void store128cs(T* target, Packed128<T> value) {
     __stcs(reinterpret_cast<int4*>(target), value.get_bits());
 }
+
+// ------------------------------------------------------------------------------------------------
+// Chunked accesses with a scalar fallback: the vector paths of cutp's kernels.
+//
+// A thread handles a chunk of N consecutive elements (N a multiple of Packed128<T>::size, usually
+// exactly one 128-bit pack: 4 floats or 8 bf16). load_chunk reads the first `count` elements of
+// the chunk into floats and fills the rest with `fill`: with 128-bit loads when the whole chunk is
+// present and its address is 16-byte aligned, element by element otherwise (row tails, rows whose
+// width is not a multiple of the pack, views at odd offsets). The test is per chunk, so a kernel
+// needs no host-side alignment logic and is correct for any pointer.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool is_aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+template <int N, bool STREAMING = false, typename T>
+__device__ __forceinline__ void load_chunk(float (&v)[N], const T* p, long long count, float fill = 0.0f) {
+    constexpr int P = Packed128<T>::size;
+    static_assert(N % P == 0, "a chunk is a whole number of 128-bit packs");
+    if (count >= N && is_aligned16(p)) {
+#pragma unroll
+        for (int k = 0; k < N; k += P) {
+            const Packed128<T> q = STREAMING ? load128cs(p + k) : load128(p + k);
+#pragma unroll
+            for (int j = 0; j < P; ++j) v[k + j] = to_float(q[j]);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) v[k] = k < count ? to_float(p[k]) : fill;
+    }
+}
+
+// Stores the first `count` elements of v (rounded to T) at p; 128-bit stores for whole aligned chunks.
+template <int N, bool STREAMING = false, typename T>
+__device__ __forceinline__ void store_chunk(T* p, const float (&v)[N], long long count) {
+    constexpr int P = Packed128<T>::size;
+    static_assert(N % P == 0, "a chunk is a whole number of 128-bit packs");
+    if (count >= N && is_aligned16(p)) {
+#pragma unroll
+        for (int k = 0; k < N; k += P) {
+            Packed128<T> q;
+#pragma unroll
+            for (int j = 0; j < P; ++j) q[j] = from_float<T>(v[k + j]);
+            if (STREAMING) {
+                store128cs(p + k, q);
+            } else {
+                store128(p + k, q);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            if (k < count) p[k] = from_float<T>(v[k]);
+        }
+    }
+}
+
+// Two sums over the block in one round trip through shared memory (half the barriers of two
+// block_reduce_sum calls). Same rules as block_reduce_sum; back-to-back calls are safe.
+__device__ __forceinline__ void block_reduce_sum2(float& a, float& b) {
+    __shared__ float partial2[2][WARP_SIZE];
+    const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const int nwarps = (blockDim.x * blockDim.y * blockDim.z) / WARP_SIZE;
+    const int lane = tid % WARP_SIZE;
+    const int warp = tid / WARP_SIZE;
+    a = warp_reduce_sum(a);
+    b = warp_reduce_sum(b);
+    if (lane == 0) {
+        partial2[0][warp] = a;
+        partial2[1][warp] = b;
+    }
+    __syncthreads();
+    a = warp_reduce_sum(lane < nwarps ? partial2[0][lane] : 0.0f);
+    b = warp_reduce_sum(lane < nwarps ? partial2[1][lane] : 0.0f);
+    __syncthreads();
+}
+
+// Row kernels run in one of two shapes, chosen by the host per launch: a warp per row (short
+// rows: no shared memory, no barriers, several rows per block) or the whole block per row (long
+// rows). A "group" is that warp or that block; these reduce over it. The choice is uniform over a
+// block, so the barriers inside the block versions are reached by every thread.
+template <bool BLOCK>
+__device__ __forceinline__ float group_reduce_sum(float v) {
+    if constexpr (BLOCK) {
+        return block_reduce_sum(v);
+    } else {
+        return warp_reduce_sum(v);
+    }
+}
+template <bool BLOCK>
+__device__ __forceinline__ float group_reduce_max(float v) {
+    if constexpr (BLOCK) {
+        return block_reduce_max(v);
+    } else {
+        return warp_reduce_max(v);
+    }
+}
+template <bool BLOCK>
+__device__ __forceinline__ void group_reduce_sum2(float& a, float& b) {
+    if constexpr (BLOCK) {
+        block_reduce_sum2(a, b);
+    } else {
+        a = warp_reduce_sum(a);
+        b = warp_reduce_sum(b);
+    }
+}
+
+// The row of this thread's group, its index in the group and the group size (1-D blocks).
+template <bool BLOCK>
+struct RowGroup {
+    long long row;
+    int tid;
+    int size;
+    __device__ RowGroup()
+        : row(BLOCK ? (long long)blockIdx.x
+                    : (long long)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE),
+          tid(BLOCK ? (int)threadIdx.x : (int)(threadIdx.x % WARP_SIZE)),
+          size(BLOCK ? (int)blockDim.x : WARP_SIZE) {}
+};

@@ -14,14 +14,20 @@ from __future__ import annotations
 import numpy as np
 
 from cutp.backend import get_array_module
+from cutp.cuda_kernels import dispatch as _kernels
 
-from ._common import ELEMENTWISE_BLOCK
+from ._common import ELEMENTWISE_BLOCK, parallel_map
 
 
 def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
     xp = get_array_module(p, g, m, v)
     if not (p.shape == g.shape == m.shape == v.shape == decay_mask.shape) or p.ndim != 1:
         raise ValueError("adamw_update takes flat arrays of equal length")
+    k = _kernels(p, g, decay_mask)  # CuPy float32/bfloat16 with float32 m, v: one fused kernel (kernels/adamw.cu)
+    if k is not None and m.dtype == np.float32 and v.dtype == np.float32:
+        k.adamw_update(p, g, m, v, decay_mask, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                       step=step, grad_scale=grad_scale)
+        return
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     step_size = lr / bc1
@@ -29,7 +35,8 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
     n = p.size
     blocks = [slice(i, min(i + ELEMENTWISE_BLOCK, n)) for i in range(0, n, ELEMENTWISE_BLOCK)] if xp is np else [slice(0, n)]
     dt = m.dtype.type
-    for s in blocks:
+
+    def block(s):
         gb = g[s].astype(m.dtype, copy=True)
         if grad_scale != 1.0:
             gb *= dt(grad_scale)
@@ -49,3 +56,5 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
         xp.divide(mb, gb, out=gb)
         gb *= dt(step_size)
         pb -= gb.astype(p.dtype, copy=False)
+
+    parallel_map(xp, block, blocks)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 from cutp.backend import get_array_module
+from cutp.cuda_kernels import dispatch as _kernels
 
-from ._common import as_dtype, compute_dtype, row_blocks
+from ._common import as_dtype, compute_dtype, parallel_map, row_blocks
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -58,6 +59,9 @@ def ce_shard_max(logits, n_valid):
     cdt = compute_dtype(logits.dtype)
     L = _as_2d(logits)
     n_valid = _check_n_valid(n_valid, L.shape[1])
+    k = _kernels(logits)  # CuPy float32/bfloat16: the CUDA kernels (kernels/cross_entropy.cu)
+    if k is not None:
+        return k.ce_shard_max(logits, n_valid)
     if n_valid == 0:
         return xp.full(L.shape[0], -xp.inf, dtype=cdt)
     # max is exact in any precision: reduce in the input dtype, then widen
@@ -65,6 +69,10 @@ def ce_shard_max(logits, n_valid):
 
 
 def _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits):
+    k = _kernels(logits)
+    if k is not None:
+        return k.ce_shard_stats(logits, row_max, local_targets, _check_n_valid(n_valid, logits.shape[-1]),
+                                need_sum_logits)
     xp = get_array_module(logits, row_max, local_targets)
     cdt = compute_dtype(logits.dtype)
     L = _as_2d(logits)
@@ -73,19 +81,22 @@ def _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits):
     row_max = as_dtype(row_max.reshape(-1), cdt)
     sum_exp = xp.zeros(N, dtype=cdt)
     sum_logits = xp.zeros(N, dtype=cdt) if need_sum_logits else None
+
+    def block(sl):
+        Lb = L[sl, :n_valid]
+        Lc = as_dtype(Lb, cdt)
+        if need_sum_logits:
+            sum_logits[sl] = Lc.sum(axis=1)
+        if Lc is Lb:
+            e = xp.subtract(Lc, row_max[sl, None])
+        else:  # Lc is already a private float32 copy
+            e = Lc
+            e -= row_max[sl, None]
+        xp.exp(e, out=e)
+        sum_exp[sl] = e.sum(axis=1)
+
     if n_valid > 0:
-        for sl in row_blocks(xp, N, n_valid):
-            Lb = L[sl, :n_valid]
-            Lc = as_dtype(Lb, cdt)
-            if need_sum_logits:
-                sum_logits[sl] = Lc.sum(axis=1)
-            if Lc is Lb:
-                e = xp.subtract(Lc, row_max[sl, None])
-            else:  # Lc is already a private float32 copy
-                e = Lc
-                e -= row_max[sl, None]
-            xp.exp(e, out=e)
-            sum_exp[sl] = e.sum(axis=1)
+        parallel_map(xp, block, row_blocks(xp, N, n_valid))
     t = local_targets.reshape(-1)
     has = t >= 0
     tc = xp.where(has, t, 0)
@@ -148,6 +159,10 @@ def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scal
         out = xp.empty(logits.shape, dtype=logits.dtype)
     elif out.shape != logits.shape:
         raise ValueError(f"out shape {out.shape} != logits shape {logits.shape}")
+    k = _kernels(logits, out)
+    if k is not None:
+        return k.ce_shard_backward(logits, row_max, sum_exp, local_targets, _check_n_valid(n_valid, logits.shape[-1]),
+                                   row_scale, eps, n_classes, out=out)
     L = _as_2d(logits)
     O = _as_2d(out)
     N, W = L.shape
@@ -162,27 +177,30 @@ def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scal
     smooth = row_scale * (eps / n_classes) if eps != 0.0 else None
     hit = row_scale * (1.0 - eps)
     t = local_targets.reshape(-1)
+    direct = O.dtype == cdt
+
+    def block(sl):
+        ob = O[sl, :n_valid]
+        Lb = L[sl, :n_valid]
+        if direct:  # straight into out (which may be the logits themselves)
+            e = xp.subtract(Lb, row_max[sl, None], out=ob)
+        elif Lb.dtype == cdt:
+            e = xp.subtract(Lb, row_max[sl, None])
+        else:  # bfloat16: the float32 copy is the block's work buffer
+            e = Lb.astype(cdt)
+            e -= row_max[sl, None]
+        xp.exp(e, out=e)
+        e *= coef[sl, None]
+        if smooth is not None:
+            e -= smooth[sl, None]
+        tb = t[sl]
+        r = xp.flatnonzero(tb >= 0)
+        e[r, tb[r]] -= hit[sl][r]
+        if not direct:
+            ob[...] = e
+
     if n_valid > 0:
-        direct = O.dtype == cdt
-        for sl in row_blocks(xp, N, n_valid):
-            ob = O[sl, :n_valid]
-            Lb = L[sl, :n_valid]
-            if direct:  # straight into out (which may be the logits themselves)
-                e = xp.subtract(Lb, row_max[sl, None], out=ob)
-            elif Lb.dtype == cdt:
-                e = xp.subtract(Lb, row_max[sl, None])
-            else:  # bfloat16: the float32 copy is the block's work buffer
-                e = Lb.astype(cdt)
-                e -= row_max[sl, None]
-            xp.exp(e, out=e)
-            e *= coef[sl, None]
-            if smooth is not None:
-                e -= smooth[sl, None]
-            tb = t[sl]
-            r = xp.flatnonzero(tb >= 0)
-            e[r, tb[r]] -= hit[sl][r]
-            if not direct:
-                ob[...] = e
+        parallel_map(xp, block, row_blocks(xp, N, n_valid))
         # exact zeros on rows with row_scale 0, even where such a row holds inf or nan
         zr = xp.flatnonzero(zero)
         if zr.size:

@@ -32,6 +32,8 @@ import math
 import numpy as np
 
 from cutp.backend import get_array_module
+from cutp.cuda_kernels import dispatch as _kernels
+from cutp.cuda_kernels import dispatch_xp as _kernels_xp
 
 from ._common import compute_dtype, flat_blocks
 
@@ -84,6 +86,9 @@ def dropout_mask(xp, shape, p: float, seed: int, offset: int):
     ``(splitmix64(seed, offset + i) >> 40) >= ceil(p * 2**24)``, i.e. with probability
     ``1 - p`` (see the module docstring for the exact function)."""
     shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    k = _kernels_xp(xp)  # CuPy: the CUDA kernel (kernels/dropout.cu), bit-identical
+    if k is not None:
+        return k.dropout_mask(shape, p, seed, offset)
     n = math.prod(shape)
     thr = _U64(keep_threshold(p))
     keep = xp.empty(n, dtype=bool)
@@ -132,6 +137,10 @@ def dropout_forward(x, p: float, seed: int, offset: int):
     if p == 0.0:
         return x, DropoutCtx(None, 1.0)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    k = _kernels(x)
+    if k is not None:
+        y, mask = k.dropout_forward(x, p, seed, offset)
+        return y, DropoutCtx(mask, scale)
     mask = dropout_mask(xp, x.shape, p, seed, offset)
     return _apply(x, mask, scale, xp), DropoutCtx(mask, scale)
 
@@ -141,4 +150,7 @@ def dropout_backward(dy, ctx: DropoutCtx):
     returns ``dy`` itself."""
     if ctx.mask is None:
         return dy
+    k = _kernels(dy)
+    if k is not None and ctx.mask.shape == dy.shape and ctx.mask.dtype == bool and ctx.mask.flags.c_contiguous:
+        return k.dropout_apply(dy, ctx.mask, ctx.scale)
     return _apply(dy, ctx.mask, ctx.scale, get_array_module(dy))

@@ -11,8 +11,9 @@ import math
 import numpy as np
 
 from cutp.backend import get_array_module
+from cutp.cuda_kernels import dispatch as _kernels
 
-from ._common import as_dtype, col_sum, compute_dtype, flat_blocks, row_blocks
+from ._common import as_dtype, col_sum, compute_dtype, flat_blocks, parallel_map, row_blocks
 
 APPROXIMATIONS = ("tanh", "none")
 
@@ -253,12 +254,15 @@ def _blocked(kernel, xp, out_dtype, shape, *arrays):
     of = out.reshape(-1)
     flats = [a.reshape(-1) for a in arrays]
     direct = out.dtype == cdt
-    for sl in flat_blocks(xp, of.size):
+
+    def block(sl):
         blocks = [as_dtype(f[sl], cdt) for f in flats]
         if direct:
             kernel(*blocks, xp, of[sl])
         else:
             of[sl] = kernel(*blocks, xp, None)
+
+    parallel_map(xp, block, flat_blocks(xp, of.size))
     return out
 
 
@@ -273,6 +277,9 @@ def gelu_forward(x, approximate: str = "tanh"):
     ``ctx`` (:class:`GeluCtx`) saves a reference to the input ``x`` only.
     """
     _check_approximate(approximate)
+    k = _kernels(x)  # CuPy float32/bfloat16: the CUDA kernel (kernels/gelu.cu)
+    if k is not None:
+        return k.gelu_forward(x, approximate), GeluCtx(x, approximate)
     xp = get_array_module(x)
     kernel = _gelu_tanh if approximate == "tanh" else _gelu_erf
     y = _blocked(kernel, xp, x.dtype, x.shape, x)
@@ -285,6 +292,9 @@ def gelu_backward(dy, ctx: GeluCtx):
     xp = get_array_module(dy, x)
     if dy.shape != x.shape:
         raise ValueError(f"gelu_backward: dy shape {dy.shape} != x shape {x.shape}")
+    k = _kernels(dy, x)
+    if k is not None:
+        return k.gelu_backward(dy, x, ctx.approximate)
 
     def kernel(xb, dyb, xp, out):
         return _gelu_grad(xb, dyb, ctx.approximate, xp, out)
@@ -300,6 +310,10 @@ def bias_gelu_forward(x, b, approximate: str = "tanh"):
     the GeLU evaluated in float32 on that rounded value, so forward and backward agree).
     """
     _check_approximate(approximate)
+    k = _kernels(x, b)
+    if k is not None and x.ndim >= 1 and b.shape == x.shape[-1:]:
+        y, pre = k.bias_gelu_forward(x, b, approximate)
+        return y, GeluCtx(pre, approximate)
     xp = get_array_module(x, b)
     cdt = compute_dtype(x.dtype)
     kernel = _gelu_tanh if approximate == "tanh" else _gelu_erf
@@ -309,13 +323,16 @@ def bias_gelu_forward(x, b, approximate: str = "tanh"):
     pre = xp.empty(x2.shape, dtype=x.dtype)
     y = xp.empty(x2.shape, dtype=x.dtype)
     direct = pre.dtype == cdt
-    for sl in row_blocks(xp, x2.shape[0], C):
+
+    def block(sl):
         if direct:
             pb = xp.add(x2[sl], bc, out=pre[sl])
             kernel(pb, xp, y[sl])
         else:
             pre[sl] = as_dtype(x2[sl], cdt) + bc
             y[sl] = kernel(pre[sl].astype(cdt), xp, None)
+
+    parallel_map(xp, block, row_blocks(xp, x2.shape[0], C))
     return y.reshape(x.shape), GeluCtx(pre.reshape(x.shape), approximate)
 
 
@@ -324,6 +341,9 @@ def bias_gelu_backward(dy, ctx: GeluCtx):
     summed over all leading dimensions (accumulated in the compute dtype from the unrounded
     ``dx``, then cast to ``x``'s dtype)."""
     pre = ctx.x
+    k = _kernels(dy, pre)
+    if k is not None and dy.shape == pre.shape:
+        return k.bias_gelu_backward(dy, pre, ctx.approximate)
     xp = get_array_module(dy, pre)
     cdt = compute_dtype(pre.dtype)
     C = pre.shape[-1]
@@ -332,10 +352,15 @@ def bias_gelu_backward(dy, ctx: GeluCtx):
     dx = xp.empty(p2.shape, dtype=pre.dtype)
     db = xp.zeros(C, dtype=cdt)
     direct = dx.dtype == cdt
-    for sl in row_blocks(xp, p2.shape[0], C):
+
+    def block(sl):
         out = dx[sl] if direct else None
         g = _gelu_grad(as_dtype(p2[sl], cdt), as_dtype(dy2[sl], cdt), ctx.approximate, xp, out)
-        db += col_sum(xp, g)
+        part = col_sum(xp, g)
         if not direct:
             dx[sl] = g
+        return part
+
+    for part in parallel_map(xp, block, row_blocks(xp, p2.shape[0], C)):  # summed in block order
+        db += part
     return dx.reshape(pre.shape), as_dtype(db, pre.dtype)

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from cutp.backend import get_array_module
+from cutp.cuda_kernels import dispatch as _kernels
 
-from ._common import as_dtype, col_sum, compute_dtype, row_blocks
+from ._common import as_dtype, col_sum, compute_dtype, parallel_map, row_blocks, row_sums
 
 
 class LayerNormCtx:
@@ -33,6 +34,12 @@ def layernorm_forward(x, weight=None, bias=None, eps: float = 1e-5):
     Returns ``(y, ctx)``; ``ctx`` (:class:`LayerNormCtx`) exposes ``ctx.mean`` and
     ``ctx.rstd``.
     """
+    k = _kernels(x, weight, bias)  # CuPy float32/bfloat16: the CUDA kernel (kernels/layernorm.cu)
+    if k is not None:
+        y, mean, rstd = k.layernorm_forward(x, weight, bias, eps)
+        lead = x.shape[:-1]
+        ctx = LayerNormCtx(x, weight, None if bias is None else bias.dtype, mean.reshape(lead), rstd.reshape(lead))
+        return y, ctx
     xp = get_array_module(x, weight, bias)
     cdt = compute_dtype(x.dtype)
     C = x.shape[-1]
@@ -44,9 +51,11 @@ def layernorm_forward(x, weight=None, bias=None, eps: float = 1e-5):
     mean = xp.empty(N, dtype=cdt)
     rstd = xp.empty(N, dtype=cdt)
     direct = y.dtype == cdt
-    for sl in row_blocks(xp, N, C):
+
+    def block(sl):
         xb = as_dtype(x2[sl], cdt)
-        m = xb.mean(axis=1)
+        m = row_sums(xp, xb)[:, 0]
+        m *= 1.0 / C
         h = xp.subtract(xb, m[:, None], out=y[sl] if direct else None)
         var = xp.einsum("ij,ij->i", h, h)
         var *= 1.0 / C
@@ -62,6 +71,8 @@ def layernorm_forward(x, weight=None, bias=None, eps: float = 1e-5):
             y[sl] = h
         mean[sl] = m
         rstd[sl] = r
+
+    parallel_map(xp, block, row_blocks(xp, N, C))
     lead = x.shape[:-1]
     ctx = LayerNormCtx(x, weight, None if bias is None else bias.dtype,
                        mean.reshape(lead), rstd.reshape(lead))
@@ -79,6 +90,9 @@ def layernorm_backward(dy, ctx: LayerNormCtx):
     parameters' dtypes, or None when the forward had no weight / no bias.
     """
     x, weight = ctx.x, ctx.weight
+    k = _kernels(dy, x, weight)
+    if k is not None and dy.shape == x.shape and ctx.bias_dtype in (None, x.dtype):
+        return k.layernorm_backward(dy, x, weight, ctx.mean.reshape(-1), ctx.rstd.reshape(-1), ctx.bias_dtype)
     xp = get_array_module(dy, x)
     cdt = compute_dtype(x.dtype)
     C = x.shape[-1]
@@ -94,20 +108,21 @@ def layernorm_backward(dy, ctx: LayerNormCtx):
     db = xp.zeros(C, dtype=cdt) if has_bias else None
     direct = dx.dtype == cdt
     inv_c = 1.0 / C
-    for sl in row_blocks(xp, N, C):
+
+    def block(sl):
         xb = as_dtype(x2[sl], cdt)
         dyb = as_dtype(dy2[sl], cdt)
         r = rstd[sl][:, None]
         xhat = xp.subtract(xb, mean[sl][:, None])
         xhat *= r
-        if has_bias:
-            db += col_sum(xp, dyb)
+        db_part = col_sum(xp, dyb) if has_bias else None
+        dw_part = None
         if w is not None:
-            dw += xp.einsum("ij,ij->j", dyb, xhat)
+            dw_part = xp.einsum("ij,ij->j", dyb, xhat)
             g = xp.multiply(dyb, w, out=dx[sl] if direct else None)
         else:
             g = dyb
-        gm = g.sum(axis=1)
+        gm = row_sums(xp, g)[:, 0]
         gm *= inv_c
         gx = xp.einsum("ij,ij->i", g, xhat)
         gx *= inv_c
@@ -121,6 +136,14 @@ def layernorm_backward(dy, ctx: LayerNormCtx):
         d *= r
         if not direct:
             dx[sl] = d
+        return dw_part, db_part
+
+    # the blocks' parameter-gradient parts are summed in block order (thread-count independent)
+    for dw_part, db_part in parallel_map(xp, block, row_blocks(xp, N, C)):
+        if db_part is not None:
+            db += db_part
+        if dw_part is not None:
+            dw += dw_part
     dweight = None if dw is None else as_dtype(dw, weight.dtype)
     dbias = None if db is None else as_dtype(db, ctx.bias_dtype)
     return dx.reshape(x.shape), dweight, dbias

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from cutp.backend import get_array_module
+from cutp.cuda_kernels import dispatch as _kernels
 
 from . import _common
 from ._common import as_dtype, compute_dtype
@@ -66,6 +67,10 @@ def softmax_forward(x, scale: float = 1.0, causal: bool = False):
     tq = x.shape[-2] if x.ndim >= 2 else 1
     if causal and tq > tk:
         raise ValueError(f"causal softmax needs Tq <= Tk, got Tq={tq}, Tk={tk}")
+    k = _kernels(x)  # CuPy float32/bfloat16: the CUDA kernel (kernels/softmax.cu)
+    if k is not None:
+        y = k.softmax_forward(x, scale, causal)
+        return y, SoftmaxCtx(y, scale)
     bias = None
     if causal and tq > 1:  # with tq == 1 the single query sees every key
         bias = xp.zeros((tq, tk), dtype=cdt)
@@ -73,7 +78,9 @@ def softmax_forward(x, scale: float = 1.0, causal: bool = False):
     x3 = x.reshape(-1, tq, tk)
     y = xp.empty(x3.shape, dtype=x.dtype)
     direct = y.dtype == cdt
-    for mi, ri in _blocks(xp, x3.shape[0], tq, tk):
+
+    def block(b):
+        mi, ri = b
         xb = x3[mi, ri]
         if direct:
             s = xp.multiply(xb, scale, out=y[mi, ri])
@@ -85,9 +92,11 @@ def softmax_forward(x, scale: float = 1.0, causal: bool = False):
             s += bias[ri]
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
+        s /= _common.row_sums(xp, s)
         if not direct:
             y[mi, ri] = s
+
+    _common.parallel_map(xp, block, _blocks(xp, x3.shape[0], tq, tk))
     y = y.reshape(x.shape)
     return y, SoftmaxCtx(y, scale)
 
@@ -99,21 +108,28 @@ def softmax_backward(dy, ctx: SoftmaxCtx):
     cdt = compute_dtype(y.dtype)
     if dy.shape != y.shape:
         raise ValueError(f"softmax_backward: dy shape {dy.shape} != y shape {y.shape}")
+    k = _kernels(dy, y)
+    if k is not None:
+        return k.softmax_backward(dy, y, ctx.scale)
     tk = y.shape[-1]
     tq = y.shape[-2] if y.ndim >= 2 else 1
     y3 = y.reshape(-1, tq, tk)
     dy3 = dy.reshape(-1, tq, tk)
     dx = xp.empty(y3.shape, dtype=y.dtype)
     direct = dx.dtype == cdt
-    for mi, ri in _blocks(xp, y3.shape[0], tq, tk):
+
+    def block(b):
+        mi, ri = b
         yb = as_dtype(y3[mi, ri], cdt)
         dyb = as_dtype(dy3[mi, ri], cdt)
         t = xp.multiply(dyb, yb, out=dx[mi, ri] if direct else None)
-        s = t.sum(axis=-1, keepdims=True)
+        s = _common.row_sums(xp, t)
         xp.subtract(dyb, s, out=t)
         t *= yb
         if ctx.scale != 1.0:
             t *= ctx.scale
         if not direct:
             dx[mi, ri] = t
+
+    _common.parallel_map(xp, block, _blocks(xp, y3.shape[0], tq, tk))
     return dx.reshape(y.shape)

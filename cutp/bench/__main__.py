@@ -1,0 +1,163 @@
+"""`python -m cutp bench <suite> [options]`: cutp's benchmark suites.
+
+    python -m cutp bench kernels                     # memory-bound ops: time, GB/s, % of copy bandwidth
+    mpiexec -n 2 python -m cutp bench comm           # collectives: time, algbw, busbw (nccl-tests' definitions)
+    python -m cutp bench model --preset tiny         # a training step: tokens/s, phases, FLOP/s or MFU, memory
+    python -m cutp bench compare-torch               # cutp vs PyTorch eager on the CPU (needs torch)
+    python -m cutp bench plan --params 70B --tp 8    # memory and communication per GPU, from formulas
+
+Every suite prints tables; --json PATH writes them (and the raw measurements) for machines,
+--plot PATH.png draws them for people. Under mpiexec only rank 0 prints and writes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUITES = ("kernels", "comm", "model", "compare-torch", "plan")
+
+
+def _common(p):
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG figure (matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no tables on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cutp bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="suite", required=True, metavar="{" + ",".join(SUITES) + "}")
+
+    k = sub.add_parser("kernels", help="memory-bound ops per shape and dtype")
+    from .kernels import OPS, SIZES
+
+    k.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    k.add_argument("--ops", nargs="+", metavar="OP", help=f"subset of {', '.join(OPS)}")
+    k.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float64"])
+    k.add_argument("--size", choices=sorted(SIZES), help="shape preset (default: cpu on the CPU, gpu on a GPU)")
+    k.add_argument("--repeat", type=int, default=None, help="timed repeats (default 10 CPU, 30 GPU)")
+    k.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2 CPU, 3 GPU)")
+    k.add_argument("--min-time", type=float, default=0.1, help="CPU: keep repeating until this many seconds per case")
+    k.add_argument("--copy-mib", type=int, default=256, help="buffer of the copy-bandwidth measurement")
+    k.add_argument("--budget", type=float, default=None,
+                   help="stop starting new cases after this many seconds (default: 60 on a GPU, none on the CPU; 0: none)")
+    _common(k)
+
+    c = sub.add_parser("comm", help="collectives over message sizes (run under mpiexec)")
+    c.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    c.add_argument("--ops", nargs="+", choices=["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
+    c.add_argument("--min-size", default="4K", help="smallest message (default 4K)")
+    c.add_argument("--max-size", default=None, help="largest message (default 256M on GPUs, 16M on the CPU)")
+    c.add_argument("--factor", type=int, default=None, help="size step (default 2 on GPUs, 4 on the CPU)")
+    c.add_argument("--iters", type=int, default=None, help="timed calls per size (default: by size, 5..200)")
+    c.add_argument("--warmup", type=int, default=3)
+    c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    _common(c)
+
+    m = sub.add_parser("model", help="a training step (run under mpiexec -n tp*dp)")
+    m.add_argument("--preset", default="tiny")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a GPTConfig field")
+    m.add_argument("--tp", type=int, default=1)
+    m.add_argument("--dp", type=int, default=None, help="default: world size / tp")
+    m.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    m.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    m.add_argument("--batch-size", type=int, default=None, help="sequences per DP rank (default 8)")
+    m.add_argument("--seq-len", type=int, default=None, help="default: block size (at most 256 on the CPU)")
+    m.add_argument("--steps", type=int, default=5, help="measured steps")
+    m.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    m.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--no-comm-timing", action="store_true", help="do not wrap the communicators")
+    _common(m)
+
+    t = sub.add_parser("compare-torch", help="cutp vs PyTorch eager, CPU float32 (needs torch)")
+    t.add_argument("--presets", nargs="+", default=["tiny", "gpt2"])
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    t.add_argument("--batch-size", type=int, default=None, help="default: 16 (tiny), 4 (gpt2)")
+    t.add_argument("--seq-len", type=int, default=None, help="default: 128 (tiny), 256 (gpt2)")
+    t.add_argument("--threads", type=int, default=None, help="threads for both (default: the cores)")
+    t.add_argument("--repeat", type=int, default=5)
+    t.add_argument("--warmup", type=int, default=1)
+    t.add_argument("--torch-attention", default="sdpa", choices=["sdpa", "manual"],
+                   help="sdpa: F.scaled_dot_product_attention (nanoGPT's default); manual: masked softmax")
+    t.add_argument("--check-only", action="store_true", help="only check that both compute the same loss and grads")
+    t.add_argument("--gap", type=float, default=0.01, help="seconds of pause before each timed step")
+    _common(t)
+
+    pl = sub.add_parser("plan", help="memory and communication per GPU, from formulas")
+    pl.add_argument("--params", help="model size, e.g. 7B, 13B, 70B, 175B (a standard architecture of that size)")
+    pl.add_argument("--preset", help="a cutp preset instead (gpt2, gpt2-xl, ...)")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an architecture field")
+    pl.add_argument("--tp", type=int, default=8)
+    pl.add_argument("--dp", type=int, default=1)
+    pl.add_argument("--micro-batch", type=int, default=1)
+    pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
+    pl.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    pl.add_argument("--precision", default="mixed", choices=["mixed", "fp32"])
+    _common(pl)
+    return p
+
+
+def run(args):
+    """Runs one suite; returns its Report (on every rank)."""
+    if args.suite == "kernels":
+        from . import kernels
+
+        gpu = args.device == "cuda" or (args.device == "auto" and _gpu_default())
+        args.repeat = args.repeat or (30 if gpu else 10)
+        args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 2)
+        args.budget = args.budget if args.budget is not None else (60.0 if gpu else 0.0)
+        args.keep_freed_memory = True  # glibc keeps freed memory: the ops are measured, not page faults
+        return kernels.run(args)
+    if args.suite == "comm":
+        from . import comm
+
+        return comm.run(args)
+    if args.suite == "model":
+        from . import model
+
+        return model.run(args)
+    if args.suite == "compare-torch":
+        from cutp.threads import available_cores
+
+        from . import compare_torch
+
+        args.threads = args.threads or available_cores()
+        return compare_torch.run(args)
+    from . import plan
+
+    return plan.run(args)
+
+
+def _gpu_default() -> bool:
+    from cutp import backend
+
+    return backend.resolve_device("auto") == "cuda"
+
+
+def _is_rank0(report) -> bool:
+    return int(report.extra.get("rank", 0)) == 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    report = run(args)
+    if not _is_rank0(report):
+        return 0
+    if not args.quiet:
+        print(report.render(), flush=True)
+    if args.json:
+        report.write_json(args.json)
+        if not args.quiet:
+            print(f"wrote {args.json}")
+    if args.plot:
+        from .plot import plot_report
+
+        plot_report(report, args.plot)
+        if not args.quiet:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""Shared pieces of the benchmark suites: timing, tables, JSON, machine facts, GPU peaks.
+
+Timing
+    CPU: ``time.perf_counter`` around each call, after warm-up calls; the summary statistic is
+    the median of the repeats (robust to the other processes of a shared machine).
+    GPU: CUDA events around each call on the current stream, after warm-up calls, with an
+    L2-sized buffer zeroed before every repeat (outside the timed region) so that no repeat
+    finds its inputs in L2 (as llm.c's dev/cuda ``benchmark_kernel`` does); the median of the
+    per-call event times is reported.
+
+Units: GB is 1e9 bytes, GB/s 1e9 bytes per second (as nccl-tests and llm.c report them);
+sizes given in KiB/MiB are powers of two.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Peak dense throughput of common NVIDIA GPUs (TFLOP/s, no sparsity) and their memory bandwidth
+# (GB/s), from the vendors' data sheets. "fp32" is the CUDA-core FP32 rate (what a float32 GEMM
+# gets without TF32); "tf32" and "bf16" are tensor-core rates. Matched against the device name
+# in order: the first pattern contained in the lower-cased name wins.
+# ---------------------------------------------------------------------------------------------
+GPU_PEAKS = [
+    # pattern,        label,              bf16,   tf32,  fp32,  mem GB/s
+    ("h200",          "H200 SXM",         989.4,  494.7, 66.9,  4800),
+    ("gh200",         "GH200",            989.4,  494.7, 66.9,  4000),
+    ("h100 pcie",     "H100 PCIe",        756.0,  378.0, 51.2,  2000),
+    ("h100 nvl",      "H100 NVL",         835.0,  417.5, 60.0,  3900),
+    ("h100",          "H100 SXM",         989.4,  494.7, 66.9,  3350),
+    ("h800",          "H800 SXM",         989.4,  494.7, 66.9,  3350),
+    ("b200",          "B200",             2250.0, 1100.0, 80.0, 8000),
+    ("a100-pcie",     "A100 PCIe",        312.0,  156.0, 19.5,  1935),
+    ("a100 80gb pcie", "A100 PCIe",       312.0,  156.0, 19.5,  1935),
+    ("a100-sxm4-40gb", "A100 SXM 40GB",   312.0,  156.0, 19.5,  1555),
+    ("a100",          "A100 SXM",         312.0,  156.0, 19.5,  2039),
+    ("a800",          "A800",             312.0,  156.0, 19.5,  2039),
+    ("l40s",          "L40S",             362.1,  183.0, 91.6,  864),
+    ("l40",           "L40",              181.0,  90.5,  90.5,  864),
+    ("l4",            "L4",               121.0,  60.0,  30.3,  300),
+    ("a10g",          "A10G",             70.0,   35.0,  31.2,  600),
+    ("a10",           "A10",              125.0,  62.5,  31.2,  600),
+    ("rtx 4090",      "RTX 4090",         165.2,  82.6,  82.6,  1008),
+    ("rtx 3090",      "RTX 3090",         71.0,   35.6,  35.6,  936),
+    ("v100",          "V100 SXM",         0.0,    0.0,   15.7,  900),  # no bf16 / tf32
+    ("t4",            "T4",               0.0,    0.0,   8.1,   320),
+]
+
+
+def gpu_peak(name: str) -> dict | None:
+    """Peak figures for a device name such as 'NVIDIA H100 80GB HBM3' (None if unknown)."""
+    n = name.lower()
+    for pattern, label, bf16, tf32, fp32, mem in GPU_PEAKS:
+        if pattern in n:
+            return {"label": label, "bf16_tflops": bf16, "tf32_tflops": tf32, "fp32_tflops": fp32,
+                    "mem_gbs": mem}
+    return None
+
+
+def peak_tflops(peak: dict, dtype: str, tf32: bool = False) -> float | None:
+    """The dense peak that applies to GEMMs in `dtype` (float32 uses TF32 only when enabled)."""
+    if peak is None:
+        return None
+    if dtype in ("bfloat16", "float16"):
+        v = peak["bf16_tflops"]
+    elif dtype == "float32":
+        v = peak["tf32_tflops"] if tf32 else peak["fp32_tflops"]
+    else:  # float64 is not in the table (consumer parts run it at 1/32-1/64 of fp32)
+        return None
+    return v or None
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    """Per-call times in seconds."""
+
+    times: list = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: how noisy the repeats were."""
+        if len(self.times) < 3:
+            return 0.0
+        q = statistics.quantiles(self.times, n=10)
+        return (q[-1] - q[0]) / self.median if self.median > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"median_s": self.median, "mean_s": self.mean, "min_s": self.min, "repeats": len(self.times),
+                "spread": self.spread}
+
+
+def time_cpu(fn, *, warmup: int = 2, repeat: int = 10, min_time: float = 0.0, max_time: float = 1e9,
+             setup=None) -> Timing:
+    """Times fn() on the host: `warmup` untimed calls, then at least `repeat` timed calls (more
+    until `min_time` seconds are spent, stopping early after `max_time`). `setup()` runs before
+    every call, untimed (e.g. to restore an input that fn overwrites)."""
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    t = Timing()
+    spent = 0.0
+    while (len(t.times) < repeat or spent < min_time) and (spent < max_time or not t.times):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        t.times.append(dt)
+        spent += dt
+    return t
+
+
+class L2Flusher:
+    """Zeroes a buffer as large as the GPU's L2 cache (llm.c dev/cuda's cache flush)."""
+
+    def __init__(self, cupy):
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        self.nbytes = int(props.get("l2CacheSize", 0)) or (50 << 20)
+        self.buf = cupy.empty(self.nbytes, dtype=cupy.uint8)
+
+    def __call__(self):
+        self.buf.fill(0)
+
+
+def time_gpu(fn, *, warmup: int = 5, repeat: int = 50, flush: L2Flusher | None = None, setup=None) -> Timing:
+    """Times fn() with CUDA events on the current stream (each repeat: setup, L2 flush, then
+    start event, fn, stop event). Returns per-call times in seconds."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    stream.synchronize()
+    starts = [cupy.cuda.Event() for _ in range(repeat)]
+    stops = [cupy.cuda.Event() for _ in range(repeat)]
+    for i in range(repeat):
+        if setup is not None:
+            setup()
+        if flush is not None:
+            flush()
+        starts[i].record(stream)
+        fn()
+        stops[i].record(stream)
+    stops[-1].synchronize()
+    return Timing([cupy.cuda.get_elapsed_time(a, b) / 1e3 for a, b in zip(starts, stops)])
+
+
+def keep_freed_memory() -> str | None:
+    """Makes glibc keep freed memory for reuse (mallopt: mmap threshold 1 GiB, no trimming), so
+    that an op's freshly allocated outputs are not page-faulted in anew on every call: the kernels
+    suite then measures the op, not the kernel's page-fault handling (measured: the first bias+GeLU
+    cases 4x slower otherwise, with 200k page faults, depending on what ran before). A training
+    step is not affected this way (glibc's dynamic thresholds settle after a few steps). Returns
+    a description, or None where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1
+    except (OSError, AttributeError):
+        return None
+    return "glibc mallopt: freed memory kept for reuse (M_MMAP_THRESHOLD 1 GiB, no trim)" if ok else None
+
+
+def sync(xp) -> None:
+    """Waits for the device (no-op on NumPy)."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def copy_bandwidth(xp, nbytes: int = 256 << 20, *, repeat: int = 10, warmup: int = 2) -> dict:
+    """Device copy bandwidth: a buffer of `nbytes` copied into another; each copy moves
+    2 * nbytes (one read, one write). On the GPU a device-to-device copy timed with events
+    (``cupy.copyto``, a D2D memcpy); on the CPU ``np.copyto``, both on one thread and split in
+    4 MiB blocks over the ops' threads (as the ops run); the faster one is the reference."""
+    n = nbytes // 4
+    src = xp.ones(n, dtype=xp.float32)
+    dst = xp.empty_like(src)
+    fn = lambda: xp.copyto(dst, src)  # noqa: E731
+    moved = 2 * n * 4
+    out = {"bytes": n * 4, "moved_bytes": moved}
+    if xp is np:
+        from cutp.ops._common import op_threads, parallel_map
+
+        t = time_cpu(fn, warmup=warmup, repeat=repeat)
+        step = 1 << 20
+        blocks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+        def block(sl):
+            np.copyto(dst[sl], src[sl])
+
+        tp = time_cpu(lambda: parallel_map(np, block, blocks), warmup=warmup, repeat=repeat)
+        out.update(one_thread_gbs=moved / t.median / 1e9, threads=op_threads(),
+                   threaded_gbs=moved / tp.median / 1e9)
+        t = t if t.median <= tp.median else tp
+    else:
+        t = time_gpu(fn, warmup=warmup, repeat=repeat)
+    out.update(time_s=t.median, gbs=moved / t.median / 1e9)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine facts
+# ---------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(xp=np) -> dict:
+    from cutp.threads import available_cores, get_blas_threads
+
+    info = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "cpu": cpu_name(),
+        "cores": available_cores(),
+        "blas_threads": get_blas_threads(),
+        "platform": platform.platform(),
+        "argv": " ".join(sys.argv),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        info["loadavg"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    if xp is not np:
+        info.update(gpu_info(xp))
+    return info
+
+
+def gpu_info(cupy) -> dict:
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return {"gpu": name, "gpu_id": dev.id, "cupy": cupy.__version__,
+            "gpu_mem_gib": props["totalGlobalMem"] / 2**30, "l2_bytes": props.get("l2CacheSize"),
+            "sm": f"{props['major']}{props['minor']}", "peak": gpu_peak(name)}
+
+
+def device_of(name: str):
+    """(device, xp) for 'cpu' | 'cuda' | 'auto'."""
+    from cutp import backend
+
+    device = backend.resolve_device(name)
+    return device, backend.array_module_for(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Column:
+    key: str
+    title: str
+    fmt: str = ""  # format spec for numbers, e.g. ".2f"; strings are printed as they are
+    align: str = ">"
+
+
+class Table:
+    """Rows of dicts with named columns: printed aligned, exported as JSON."""
+
+    def __init__(self, name: str, columns: list, title: str | None = None, notes: list | None = None):
+        self.name = name
+        self.title = title or name
+        self.columns = [c if isinstance(c, Column) else Column(*c) for c in columns]
+        self.rows: list[dict] = []
+        self.notes = list(notes or [])
+
+    def add(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    @staticmethod
+    def cell(value, fmt: str) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+            return "-" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and fmt:
+            return format(value, fmt)
+        return str(value)
+
+    def render(self) -> str:
+        heads = [c.title for c in self.columns]
+        body = [[self.cell(r.get(c.key), c.fmt) for c in self.columns] for r in self.rows]
+        widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(heads)]
+        lines = [f"== {self.title} =="]
+        lines.append("  ".join(format(h, f"{c.align}{w}") for h, c, w in zip(heads, self.columns, widths)))
+        lines.append("  ".join("-" * w for w in widths))
+        for b in body:
+            lines.append("  ".join(format(v, f"{c.align}{w}") for v, c, w in zip(b, self.columns, widths)))
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"title": self.title, "columns": [{"key": c.key, "title": c.title} for c in self.columns],
+                "rows": [_jsonable(r) for r in self.rows], "notes": self.notes}
+
+
+class Report:
+    """What one suite produces: tables, notes and machine facts (for stdout, JSON and plots)."""
+
+    def __init__(self, suite: str, meta: dict | None = None):
+        self.suite = suite
+        self.meta = dict(meta or {})
+        self.tables: list[Table] = []
+        self.notes: list[str] = []
+        self.extra: dict = {}
+
+    def table(self, *args, **kwargs) -> Table:
+        t = Table(*args, **kwargs)
+        self.tables.append(t)
+        return t
+
+    def get(self, name: str) -> Table:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def render(self) -> str:
+        parts = [f"### cutp bench {self.suite}"]
+        parts += [t.render() for t in self.tables]
+        parts += [f"note: {n}" for n in self.notes]
+        return "\n\n".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"suite": self.suite, "meta": _jsonable(self.meta), "notes": self.notes,
+                "tables": {t.name: t.as_dict() for t in self.tables}, **_jsonable(self.extra)}
+
+    def write_json(self, path: str) -> None:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.as_dict(), f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def _jsonable(v):
+    """Plain JSON types (NaN/inf become None, NumPy scalars Python numbers, tuples lists)."""
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    if v is None or isinstance(v, str):
+        return v
+    return str(v)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (powers of two)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    """'4K', '256M', '1G', '4096' -> bytes (K/M/G are powers of two; a trailing B or iB is allowed)."""
+    s = str(text).strip().upper().replace("IB", "").rstrip("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if s.endswith(suffix):
+            s, mult = s[:-1], m
+            break
+    value = float(s)
+    if value < 0:
+        raise ValueError(f"negative size {text!r}")
+    return int(value * mult)
+
+
+def parse_count(text: str) -> float:
+    """'70B' -> 7e10, '124M' -> 1.24e8, '1.5T' -> 1.5e12 (decimal, for parameter counts)."""
+    s = str(text).strip().upper()
+    for suffix, m in (("K", 1e3), ("M", 1e6), ("B", 1e9), ("G", 1e9), ("T", 1e12)):
+        if s.endswith(suffix):
+            return float(s[:-1]) * m
+    return float(s)
+
+
+def apply_overrides(config, items):
+    """`--set KEY=VALUE` overrides of a GPTConfig (as examples/train_gpt.py parses them)."""
+    import dataclasses
+
+    from cutp.errors import ConfigError
+
+    fields = {f.name for f in dataclasses.fields(config)}
+    changes = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+        current = getattr(config, key)
+        if value.lower() in ("none", "null"):
+            changes[key] = None
+        elif isinstance(current, bool):
+            changes[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(current, float):
+            changes[key] = float(value)
+        elif isinstance(current, int) or current is None:
+            changes[key] = int(value)
+        else:
+            changes[key] = value
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,261 @@
+"""`python -m cutp bench compare-torch`: cutp against PyTorch eager on the CPU, same model, same
+weights, same batch, same thread count.
+
+The PyTorch model is a plain nanoGPT-style GPT-2 (pre-LN blocks, tanh GeLU, tied embedding,
+``F.scaled_dot_product_attention`` with ``is_causal=True`` as nanoGPT uses it, or the explicit
+masked softmax with ``--torch-attention manual``) in float32, loaded with cutp's exact weights
+(``model.gather_state_dict()``: GPT-2 names, Conv1D [in, out] layout, transposed into
+``nn.Linear``'s [out, in]). Before any timing the two must agree on the loss and on a few
+gradients, so that the comparison is of the same work. Then forward+backward of both run
+interleaved, repeat after repeat, and the ratio of the medians cutp/torch is printed
+(< 1: cutp is faster).
+
+torch is an optional extra (``pip install torch``): it is imported only here.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .common import Report, Timing, apply_overrides
+
+DEFAULT_SHAPES = {"tiny": (16, 128), "gpt2": (4, 256)}
+
+
+def torch_missing_reason() -> str | None:
+    """None when torch imports; else why not (the compare-torch suite is skipped)."""
+    try:
+        import torch  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return (f"torch is not importable ({type(e).__name__}: {e}); it is an optional extra: "
+                "pip install torch (a CPU build is enough)")
+    return None
+
+
+def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
+    """A nanoGPT-style torch.nn.Module with cutp's weights (GPT-2 names, Conv1D layout)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    c = config
+    if c.kv_heads != c.n_head or not c.tie_embeddings or c.gelu != "tanh":
+        raise ValueError("compare-torch supports GPT-2 configurations (MHA, tied embeddings, tanh GeLU)")
+    h, nh = c.n_embd, c.n_head
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(h, 3 * h, bias=c.bias)
+            self.c_proj = nn.Linear(h, h, bias=c.bias)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(h, dim=2)
+            q = q.view(B, T, nh, C // nh).transpose(1, 2)
+            k = k.view(B, T, nh, C // nh).transpose(1, 2)
+            v = v.view(B, T, nh, C // nh).transpose(1, 2)
+            if attention == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+                mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+                att = att.masked_fill(mask, float("-inf"))
+                y = F.softmax(att, dim=-1) @ v
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
+            return self.c_proj(y)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = nn.Linear(h, c.hidden, bias=c.bias)
+            self.c_proj = nn.Linear(c.hidden, h, bias=c.bias)
+
+        def forward(self, x):
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = nn.LayerNorm(h, eps=c.ln_eps, bias=c.bias)
+            self.attn = Attention()
+            self.ln_2 = nn.LayerNorm(h, eps=c.ln_eps, bias=c.bias)
+            self.mlp = MLP()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(c.vocab_size, h)
+            self.wpe = nn.Embedding(c.block_size, h)
+            self.h = nn.ModuleList([Block() for _ in range(c.n_layer)])
+            self.ln_f = nn.LayerNorm(h, eps=c.ln_eps, bias=c.bias)
+
+        def forward(self, idx, targets):
+            T = idx.shape[1]
+            x = self.wte(idx) + self.wpe(torch.arange(T))
+            for block in self.h:
+                x = block(x)
+            logits = F.linear(self.ln_f(x), self.wte.weight)  # tied LM head
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    model = GPT()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            a = state[name]
+            if name.endswith(".weight") and p.ndim == 2 and not name.startswith(("wte", "wpe")):
+                a = a.T  # Conv1D [in, out] -> nn.Linear [out, in]
+            if tuple(a.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: cutp shape {a.shape} does not fit torch shape {tuple(p.shape)}")
+            p.copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
+    return model
+
+
+def torch_grad(model, name):
+    """A torch gradient in cutp's layout (Conv1D [in, out])."""
+    p = dict(model.named_parameters())[name]
+    g = p.grad.detach().numpy()
+    if g.ndim == 2 and not name.startswith(("wte", "wpe")):
+        g = g.T
+    return g
+
+
+CHECKED_GRADS = ("wte.weight", "h.0.attn.c_attn.weight", "h.0.mlp.c_fc.bias", "ln_f.weight")
+
+
+def check_same_work(model, tmodel, idx, targets, *, rtol_loss=1e-5, rtol_grad=1e-3) -> dict:
+    """One forward+backward of both: the losses and a few gradients must agree."""
+    import torch
+
+    model.zero_grad()
+    loss = model.forward(idx, targets)
+    model.backward()
+    tmodel.zero_grad(set_to_none=True)
+    tloss = tmodel(torch.from_numpy(idx), torch.from_numpy(targets))
+    tloss.backward()
+    tl = float(tloss.detach())
+    out = {"loss_cutp": float(loss), "loss_torch": tl, "loss_rel_diff": abs(loss - tl) / max(abs(tl), 1e-30),
+           "grads": {}}
+    ok = out["loss_rel_diff"] <= rtol_loss
+    params = model.named_parameters()
+    for name in CHECKED_GRADS:
+        if name not in params:
+            continue
+        g = model.ctx.to_numpy(params[name].grad)
+        if name == "wte.weight":
+            g = g[: model.config.vocab_size]
+        tg = torch_grad(tmodel, name)
+        rel = float(np.max(np.abs(g - tg)) / max(np.max(np.abs(tg)), 1e-30))
+        out["grads"][name] = rel
+        ok = ok and rel <= rtol_grad
+    out["ok"] = bool(ok)
+    return out
+
+
+def _make_batch(config, B, T, seed=0):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, config.vocab_size, (B, T), dtype=np.int64)
+    targets = rng.integers(0, config.vocab_size, (B, T), dtype=np.int64)
+    return idx, targets
+
+
+def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None, threads: int = 2,
+            repeat: int = 5, warmup: int = 1, attention: str = "sdpa", overrides=(), check_only: bool = False,
+            gap: float = 0.01, seed: int = 0) -> dict:
+    """Runs the check and (unless check_only) the interleaved timing for one configuration."""
+    import torch
+
+    import cutp
+    from cutp.model import GPT, GPTConfig
+    from cutp.threads import get_blas_threads, set_blas_threads
+
+    config = apply_overrides(GPTConfig.preset(preset, dtype="float32"), overrides)
+    dB, dT = DEFAULT_SHAPES.get(preset, (4, min(256, config.block_size)))
+    B, T = batch or dB, min(seq_len or dT, config.block_size)
+    set_blas_threads(threads)
+    torch.set_num_threads(threads)
+    ctx = cutp.init(tp=1, device="cpu", abort_on_error=False)
+    try:
+        model = GPT(ctx, config, seed=seed)
+        state = model.gather_state_dict()
+        tmodel = build_torch_gpt(config, state, attention)
+        idx, targets = _make_batch(config, B, T, seed)
+        check = check_same_work(model, tmodel, idx, targets)
+        res = {"preset": preset, "config": config.to_dict(), "batch": B, "seq_len": T, "threads": threads,
+               "blas_threads": get_blas_threads(), "torch_threads": torch.get_num_threads(),
+               "torch": torch.__version__, "attention": attention, "check": check}
+        if check_only or not check["ok"]:
+            return res
+        tidx, ttgt = torch.from_numpy(idx), torch.from_numpy(targets)
+
+        def step_cutp():
+            model.forward(idx, targets)
+            model.backward()
+
+        def step_torch():
+            tmodel(tidx, ttgt).backward()
+
+        tc, tt = Timing(), Timing()
+        for i in range(warmup + repeat):
+            # interleaved, alternating which goes first; grads zeroed outside the timed region
+            order = (("cutp", step_cutp, tc), ("torch", step_torch, tt))
+            for name, fn, acc in (order if i % 2 == 0 else order[::-1]):
+                model.zero_grad()
+                tmodel.zero_grad(set_to_none=True)
+                # lets the other library's spinning worker threads go idle; longer gaps leave both
+                # libraries with cold caches and sleeping threads (measured: 0.2 s slowed cutp by 10%)
+                time.sleep(gap)
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    acc.times.append(dt)
+        tokens = B * T
+        res.update({"cutp": tc.as_dict(), "torch_timing": tt.as_dict(),
+                    "cutp_ms": tc.median * 1e3, "torch_ms": tt.median * 1e3, "ratio": tc.median / tt.median,
+                    "cutp_tok_s": tokens / tc.median, "torch_tok_s": tokens / tt.median})
+        return res
+    finally:
+        ctx.close()
+
+
+def run(args) -> Report:
+    from .common import machine_info
+
+    report = Report("compare-torch", machine_info())
+    why = torch_missing_reason()
+    if why:
+        report.notes.append(f"skipped: {why}")
+        report.extra["skipped"] = why
+        return report
+    import torch
+
+    report.meta["torch"] = torch.__version__
+    t = report.table("compare", [
+        ("preset", "preset", "", "<"), ("shape", "B x T", "", "<"), ("threads", "threads", "d"),
+        ("attention", "torch attn", "", "<"), ("loss", "loss (cutp)", ".5f"), ("dloss", "|dloss|/loss", ".1e"),
+        ("dgrad", "max grad rel diff", ".1e"), ("cutp_ms", "cutp ms", ".1f"), ("torch_ms", "torch ms", ".1f"),
+        ("ratio", "cutp/torch", ".3f"), ("cutp_tok_s", "cutp tok/s", ",.0f"), ("torch_tok_s", "torch tok/s", ",.0f"),
+    ], title="forward+backward, float32, median of interleaved repeats")
+    results = []
+    for preset in args.presets:
+        r = compare(preset, batch=args.batch_size, seq_len=args.seq_len, threads=args.threads, repeat=args.repeat,
+                    warmup=args.warmup, attention=args.torch_attention, overrides=args.set,
+                    check_only=args.check_only, gap=args.gap)
+        results.append(r)
+        chk = r["check"]
+        t.add(preset=preset, shape=f"{r['batch']} x {r['seq_len']}", threads=r["threads"], attention=r["attention"],
+              loss=chk["loss_cutp"], dloss=chk["loss_rel_diff"], dgrad=max(chk["grads"].values(), default=None),
+              cutp_ms=r.get("cutp_ms"), torch_ms=r.get("torch_ms"), ratio=r.get("ratio"),
+              cutp_tok_s=r.get("cutp_tok_s"), torch_tok_s=r.get("torch_tok_s"))
+        if not chk["ok"]:
+            report.notes.append(f"{preset}: cutp and torch DISAGREE ({chk}); not timed")
+    t.notes.append("ratio < 1: cutp is faster. Same weights, batch and thread count (torch.set_num_threads and "
+                   "cutp.threads.set_blas_threads); gradients zeroed outside the timed region.")
+    report.extra["results"] = results
+    return report

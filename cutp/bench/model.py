@@ -1,0 +1,359 @@
+"""`[mpiexec -n tp*dp] python -m cutp bench model`: one training step of a GPT preset.
+
+Per step: tokens/s, ms split into forward, backward and optimizer (zero_grad, GQA/DP gradient
+reduction, global gradient norm, AdamW), the communication inside each phase, model FLOP/s,
+and the memory per rank.
+
+Communication is timed by wrapping each of the context's communicators (inside its
+CountingCommunicator) in a TimedCommunicator that measures every collective without changing
+what it does: host perf_counter on the CPU (MPI calls are synchronous), CUDA events recorded on
+the current stream around the NCCL call on the GPU (read after the step's final
+synchronisation, so nothing is serialised that was not already).
+
+FLOPs per token = 6*N + 12*L*h*T (Kaplan et al. 2020 / PaLM appendix B): N the parameters that
+take part in matrix products (all but the position embeddings; the tied token embedding counts
+once, as the LM head), L layers, h the width, T the sequence length (attention scores and
+their product with V, forward and backward; the causal half is not discounted). Model FLOP/s =
+FLOPs per token * tokens/s; on a GPU MFU = model FLOP/s per GPU / the GPU's dense peak for the
+model's dtype (common.GPU_PEAKS); on the CPU the achieved GFLOP/s is reported instead.
+
+Memory per rank: parameters, gradients and optimizer state (AdamW m, v and the decay mask) are
+the flat buffers' sizes; cached activations are measured after the forward by walking every
+module's ``_cache_*`` attributes and summing each distinct underlying buffer once (views of
+one buffer count once; parameter buffers are excluded). On the GPU the CuPy memory pool's
+high-water mark (reserved bytes after a step, the pool emptied first) is reported as well; on the
+CPU the process's peak resident set size.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .common import Report, apply_overrides, gpu_peak, machine_info, peak_tflops
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------
+def matmul_parameters(config) -> int:
+    """N of the FLOPs formula: every parameter except the position embeddings."""
+    return config.num_parameters() - config.block_size * config.n_embd
+
+
+def flops_per_token(config, seq_len: int) -> int:
+    """6*N + 12*L*h*T (forward + backward)."""
+    return 6 * matmul_parameters(config) + 12 * config.n_layer * config.n_embd * seq_len
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication timing
+# ---------------------------------------------------------------------------------------------
+class CommClock:
+    """Accumulates collective time per phase; on the GPU from event pairs read at `collect`."""
+
+    def __init__(self, xp):
+        self.xp = xp
+        self.phase = "other"
+        self.seconds: dict[str, float] = {}
+        self.by_op: dict[str, float] = {}
+        self._events = []
+
+    def reset(self):
+        self.seconds, self.by_op, self._events = {}, {}, []
+
+    def add(self, key, seconds):
+        self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + seconds
+        self.by_op[key] = self.by_op.get(key, 0.0) + seconds
+
+    def collect(self):
+        """Reads the GPU events (call after synchronising)."""
+        if self._events:
+            import cupy
+
+            for phase, key, a, b in self._events:
+                s = cupy.cuda.get_elapsed_time(a, b) / 1e3
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + s
+                self.by_op[key] = self.by_op.get(key, 0.0) + s
+            self._events = []
+
+
+def _timed(name):
+    def method(self, *args, **kwargs):
+        key = f"{self.name}.{name}"
+        if self.clock.xp is np:
+            t0 = time.perf_counter()
+            r = getattr(self.inner, name)(*args, **kwargs)
+            self.clock.add(key, time.perf_counter() - t0)
+            return r
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(stream)
+        r = getattr(self.inner, name)(*args, **kwargs)
+        b.record(stream)
+        self.clock._events.append((self.clock.phase, key, a, b))
+        return r
+
+    method.__name__ = name
+    return method
+
+
+class TimedCommunicator:
+    """Forwards everything to `inner`; times the collectives into `clock`."""
+
+    def __init__(self, inner, clock: CommClock):
+        self.inner = inner
+        self.clock = clock
+        self.name, self.rank, self.size, self.kind = inner.name, inner.rank, inner.size, inner.kind
+
+    all_reduce = _timed("all_reduce")
+    all_gather = _timed("all_gather")
+    reduce_scatter = _timed("reduce_scatter")
+    broadcast = _timed("broadcast")
+    send = _timed("send")
+    recv = _timed("recv")
+    barrier = _timed("barrier")
+
+    def __getattr__(self, item):
+        return getattr(self.inner, item)
+
+
+def install_comm_timing(ctx, clock: CommClock) -> None:
+    """Wraps the raw communicator inside each of ctx's counted groups (idempotent)."""
+    groups = [ctx.world, ctx.tp, ctx.dp, *getattr(ctx, "_extra_groups", {}).values()]
+    for g in groups:
+        if not isinstance(g.inner, TimedCommunicator):
+            g.inner = TimedCommunicator(g.inner, clock)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+def _owner(a):
+    base = a
+    while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes") and hasattr(base.base, "shape"):
+        base = base.base
+    return base
+
+
+def _arrays_in(obj, out, depth=0):
+    if depth > 6 or obj is None:
+        return
+    if hasattr(obj, "nbytes") and hasattr(obj, "shape") and hasattr(obj, "dtype"):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _arrays_in(v, out, depth + 1)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _arrays_in(v, out, depth + 1)
+    elif isinstance(obj, (int, float, str, bool)):
+        return
+    else:
+        slots = getattr(type(obj), "__slots__", ())
+        for k in slots:
+            _arrays_in(getattr(obj, k, None), out, depth + 1)
+        for v in getattr(obj, "__dict__", {}).values():
+            _arrays_in(v, out, depth + 1)
+
+
+def cached_activation_bytes(model, exclude=()) -> int:
+    """Bytes of the distinct buffers held in the modules' `_cache_*` attributes."""
+    excluded = {id(_owner(a)) for a in exclude}
+    seen, total = set(), 0
+    for m in model.modules():
+        for k, v in m.__dict__.items():
+            if not k.startswith("_cache_"):
+                continue
+            found = []
+            _arrays_in(v, found)
+            for a in found:
+                o = _owner(a)
+                if id(o) in seen or id(o) in excluded:
+                    continue
+                seen.add(id(o))
+                total += int(o.nbytes)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite
+# ---------------------------------------------------------------------------------------------
+def _sync(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def run(args) -> Report:
+    from mpi4py import MPI
+
+    import cutp
+    from cutp.model import GPT, GPTConfig
+    from cutp.optim import AdamW, FlatParameters, clip_scale
+    from cutp.tensor_parallel import finish_grad_sync, global_grad_norm
+    from cutp.threads import set_blas_threads, threads_per_rank
+
+    from .common import device_of
+
+    device, xp = device_of(args.device)
+    world = MPI.COMM_WORLD
+    tp = args.tp
+    ctx = cutp.init(tp=tp, dp=args.dp, device=device)
+    if device == "cpu":
+        set_blas_threads(args.threads or threads_per_rank(ctx.local_size))
+    config = apply_overrides(GPTConfig.preset(args.preset, dtype=args.dtype), args.set)
+    config.validate(tp)
+    T = min(args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size),
+            config.block_size)
+    B = args.batch_size or (8 if device == "cpu" else 8)
+    report = Report("model", machine_info(xp) if ctx.rank == 0 else {})
+    report.meta.update(device=device, preset=args.preset, overrides=list(args.set), tp=ctx.tp_size, dp=ctx.dp_size,
+                       batch_per_dp_rank=B, seq_len=T, config=config.to_dict())
+
+    model = GPT(ctx, config, seed=args.seed)
+    flat = FlatParameters(model.parameters())
+    opt = AdamW(flat, lr=1e-4, weight_decay=0.1)
+    params = model.parameters()
+    clock = CommClock(xp)
+    if not args.no_comm_timing:
+        install_comm_timing(ctx, clock)
+    rng = np.random.default_rng(args.seed + ctx.dp_rank)  # same batch on the TP ranks of a DP rank
+    idx = ctx.asarray(rng.integers(0, config.vocab_size, (B, T)))
+    tgt = ctx.asarray(rng.integers(0, config.vocab_size, (B, T)))
+
+    pool = None
+    if xp is not np:
+        pool = xp.get_default_memory_pool()
+        pool.free_all_blocks()
+
+    phases = ("forward", "backward", "optimizer")
+    rec = {p: [] for p in phases}
+    comm = {p: [] for p in phases}
+    comm_ops: dict[str, list] = {}
+    losses, act_bytes = [], 0
+    bytes_per_step = {}
+    for step in range(args.warmup + args.steps):
+        measured = step >= args.warmup
+        clock.reset()
+        b0 = {k: v[2] for k, v in ctx.counter.totals.items()}
+        c0 = {k: v[0] for k, v in ctx.counter.totals.items()}
+        _sync(xp)
+        t0 = time.perf_counter()
+        clock.phase = "forward"
+        loss = model.forward(idx, tgt)
+        _sync(xp)
+        t1 = time.perf_counter()
+        if step == args.warmup:
+            act_bytes = cached_activation_bytes(model, exclude=(flat.data, flat.grad))
+        clock.phase = "backward"
+        model.backward()
+        _sync(xp)
+        t2 = time.perf_counter()
+        clock.phase = "optimizer"
+        finish_grad_sync(params, ctx, flat)
+        norm = global_grad_norm(params, ctx)
+        opt.step(grad_scale=clip_scale(norm, 1.0))
+        flat.zero_grad()
+        _sync(xp)
+        t3 = time.perf_counter()
+        clock.collect()
+        losses.append(float(loss))
+        if measured:
+            for p, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+                rec[p].append(dt)
+                comm[p].append(clock.seconds.get(p, 0.0))
+            for k, s in clock.by_op.items():
+                comm_ops.setdefault(k, []).append(s)
+            bytes_per_step = {f"{g}.{o}": (v[0] - c0.get((g, o), 0), v[2] - b0.get((g, o), 0))
+                              for (g, o), v in ctx.counter.totals.items()}
+    # the slowest rank defines each phase (median over the measured steps first)
+    med = {p: world.allreduce(float(np.median(rec[p])), op=MPI.MAX) for p in phases}
+    med_comm = {p: world.allreduce(float(np.median(comm[p])), op=MPI.MAX) for p in phases}
+    step_s = sum(med.values())
+    tokens = B * T * ctx.dp_size
+    tok_s = tokens / step_s
+    fpt = flops_per_token(config, T)
+    flops = fpt * tok_s
+    n_dev = ctx.world_size
+
+    t = report.table("step", [("preset", "preset", "", "<"), ("mesh", "tp x dp", "", "<"), ("shape", "B x T per DP rank", "", "<"),
+                              ("tokens", "tokens/step", ",d"), ("ms", "ms/step", ",.1f"), ("tok_s", "tokens/s", ",.0f"),
+                              ("gflops", "model GFLOP/s", ",.1f"), ("gflops_dev", "per rank", ",.1f"),
+                              ("mfu", "MFU %", ".1f"), ("loss", "loss", ".4f")],
+                     title=f"training step ({device}, {config.dtype}, median of {args.steps} steps after {args.warmup} warm-up)")
+    mfu = None
+    peak = None
+    if device == "cuda":
+        from .common import gpu_info
+
+        info = gpu_info(xp)
+        peak = gpu_peak(info["gpu"])
+        tf32 = os.environ.get("CUPY_TF32", "0") == "1"  # CuPy's float32 GEMMs on tensor cores
+        pk = peak_tflops(peak, config.dtype, tf32=tf32)
+        if pk:
+            mfu = 100.0 * flops / n_dev / (pk * 1e12)
+            report.notes.append(f"MFU against {peak['label']} dense {config.dtype}{' (TF32)' if tf32 else ''} peak "
+                                f"{pk} TFLOP/s per GPU (bf16 peak {peak['bf16_tflops']} TFLOP/s)")
+        else:
+            report.notes.append(f"no peak known for {info['gpu']!r} in {config.dtype}: MFU not computed")
+    t.add(preset=args.preset, mesh=f"{ctx.tp_size} x {ctx.dp_size}", shape=f"{B} x {T}", tokens=tokens, ms=step_s * 1e3,
+          tok_s=tok_s, gflops=flops / 1e9, gflops_dev=flops / n_dev / 1e9, mfu=mfu, loss=losses[-1])
+    t.notes.append(f"FLOPs/token = 6*N + 12*L*h*T = 6*{matmul_parameters(config):,} + 12*{config.n_layer}*{config.n_embd}*{T} "
+                   f"= {fpt:,} (N: parameters without position embeddings)")
+
+    ph = report.table("phases", [("phase", "phase", "", "<"), ("ms", "ms", ",.1f"), ("comm_ms", "of which comm ms", ",.1f"),
+                                 ("compute_ms", "compute ms", ",.1f"), ("pct", "% of step", ".1f")],
+                      title="where a step goes (slowest rank)")
+    for p in phases:
+        ph.add(phase=p, ms=med[p] * 1e3, comm_ms=None if args.no_comm_timing else med_comm[p] * 1e3,
+               compute_ms=(med[p] - (0 if args.no_comm_timing else med_comm[p])) * 1e3, pct=100 * med[p] / step_s)
+    total_comm = sum(med_comm.values())
+    ph.add(phase="step", ms=step_s * 1e3, comm_ms=None if args.no_comm_timing else total_comm * 1e3,
+           compute_ms=(step_s - (0 if args.no_comm_timing else total_comm)) * 1e3, pct=100.0)
+    if args.no_comm_timing:
+        ph.notes.append("communication timing off (--no-comm-timing)")
+    else:
+        ph.notes.append("comm time is spent inside collectives, including waiting for the slowest rank")
+
+    cm = report.table("comm", [("key", "group.collective", "", "<"), ("calls", "calls/step", "d"),
+                               ("mb", "MB/step", ",.3f"), ("ms", "ms/step", ",.2f")],
+                      title="communication per step (this rank's buffers; time: slowest rank)")
+    for key in sorted(bytes_per_step):  # the same keys on every rank (every rank runs the same collectives)
+        calls, nb = bytes_per_step[key]
+        times = comm_ops.get(key)
+        ms = world.allreduce(float(np.median(times)) * 1e3 if times else 0.0, op=MPI.MAX)
+        if calls == 0:
+            continue
+        cm.add(key=key, calls=calls, mb=nb / 1e6, ms=None if args.no_comm_timing else ms)
+    if not cm.rows:
+        cm.notes.append("no collectives (tp = dp = 1)")
+
+    mem = report.table("memory", [("what", "per rank", "", "<"), ("mib", "MiB", ",.1f"), ("how", "how", "", "<")],
+                       title="memory per rank")
+    p_b, g_b = int(flat.data.nbytes), int(flat.grad.nbytes)
+    o_b = int(opt.m.nbytes + opt.v.nbytes + flat.decay_mask.nbytes)
+    act = world.allreduce(act_bytes, op=MPI.MAX)
+    mem.add(what="parameters", mib=p_b / 2**20, how=f"{flat.size:,} x {flat.dtype.itemsize} B")
+    mem.add(what="gradients", mib=g_b / 2**20, how="same as parameters")
+    mem.add(what="optimizer state", mib=o_b / 2**20, how="AdamW m, v + decay mask")
+    mem.add(what="cached activations", mib=act / 2**20, how="modules' _cache_* buffers after forward (max over ranks)")
+    mem.add(what="sum", mib=(p_b + g_b + o_b + act) / 2**20, how="an estimate of the peak")
+    if pool is not None:
+        hw = world.allreduce(int(pool.total_bytes()), op=MPI.MAX)
+        mem.add(what="CuPy pool high-water", mib=hw / 2**20, how="reserved bytes after the steps (max over ranks)")
+    else:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        rss = world.allreduce(rss, op=MPI.MAX)
+        mem.add(what="process peak RSS", mib=rss / 2**20, how="getrusage ru_maxrss (max over ranks; includes Python)")
+    report.extra["result"] = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "flops_per_token": fpt,
+                              "model_flops": flops, "mfu_pct": mfu, "phases_ms": {p: med[p] * 1e3 for p in phases},
+                              "comm_ms": {p: med_comm[p] * 1e3 for p in phases}, "activation_bytes": act,
+                              "losses": losses, "peak": peak}
+    report.extra["rank"] = ctx.rank
+    ctx.close()
+    return report
