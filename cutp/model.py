@@ -72,6 +72,28 @@ class GPTConfig:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
+    def with_overrides(self, items) -> "GPTConfig":
+        """A copy with `KEY=VALUE` strings applied (the `--set` flag of the scripts), each value
+        parsed as the field's type ('none' for None)."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        changes = {}
+        for item in items or ():
+            key, sep, value = item.partition("=")
+            if not sep or key not in fields:
+                raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+            current = getattr(self, key)
+            if value.lower() in ("none", "null"):
+                changes[key] = None
+            elif isinstance(current, bool):
+                changes[key] = value.lower() in ("1", "true", "yes")
+            elif isinstance(current, float):
+                changes[key] = float(value)
+            elif isinstance(current, int) or current is None:
+                changes[key] = int(value)
+            else:
+                changes[key] = value
+        return dataclasses.replace(self, **changes)
+
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head

@@ -76,29 +76,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def apply_overrides(config: GPTConfig, items) -> GPTConfig:
-    import dataclasses
-
-    fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
-    changes = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise cutp.ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
-        current = getattr(config, key)
-        if value.lower() in ("none", "null"):
-            changes[key] = None
-        elif isinstance(current, bool):
-            changes[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(current, float):
-            changes[key] = float(value)
-        elif isinstance(current, int) or current is None:
-            changes[key] = int(value)
-        else:
-            changes[key] = value
-    return dataclasses.replace(config, **changes)
-
-
 def choose_tp(world: int, local: int, config: GPTConfig, device: str) -> int:
     """Largest tp that fits in a node (at most 8 GPUs, 4 CPU ranks so the CPU keeps some DP),
     divides the world and satisfies the model's shape rules."""
@@ -152,7 +129,7 @@ def main(argv=None):
         config = GPTConfig.from_dict({**resume_meta["config"], "dropout": args.dropout})
     else:
         preset = args.preset or ("gpt2" if device == "cuda" else "tiny")
-        config = apply_overrides(GPTConfig.preset(preset, dtype=args.dtype, dropout=args.dropout), args.set)
+        config = GPTConfig.preset(preset, dtype=args.dtype, dropout=args.dropout).with_overrides(args.set)
     dataset = load_dataset(args.data)
     if dataset.vocab_size > config.vocab_size:
         raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "

@@ -425,29 +425,3 @@ def parse_count(text: str) -> float:
         if s.endswith(suffix):
             return float(s[:-1]) * m
     return float(s)
-
-
-def apply_overrides(config, items):
-    """`--set KEY=VALUE` overrides of a GPTConfig (as examples/train_gpt.py parses them)."""
-    import dataclasses
-
-    from cutp.errors import ConfigError
-
-    fields = {f.name for f in dataclasses.fields(config)}
-    changes = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
-        current = getattr(config, key)
-        if value.lower() in ("none", "null"):
-            changes[key] = None
-        elif isinstance(current, bool):
-            changes[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(current, float):
-            changes[key] = float(value)
-        elif isinstance(current, int) or current is None:
-            changes[key] = int(value)
-        else:
-            changes[key] = value
-    return dataclasses.replace(config, **changes)

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .common import Report, Timing, apply_overrides
+from .common import Report, Timing
 
 DEFAULT_SHAPES = {"tiny": (16, 128), "gpt2": (4, 256)}
 
@@ -174,7 +174,7 @@ def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None
     from cutp.model import GPT, GPTConfig
     from cutp.threads import get_blas_threads, set_blas_threads
 
-    config = apply_overrides(GPTConfig.preset(preset, dtype="float32"), overrides)
+    config = GPTConfig.preset(preset, dtype="float32").with_overrides(overrides)
     dB, dT = DEFAULT_SHAPES.get(preset, (4, min(256, config.block_size)))
     B, T = batch or dB, min(seq_len or dT, config.block_size)
     set_blas_threads(threads)

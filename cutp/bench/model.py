@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from .common import Report, apply_overrides, gpu_peak, machine_info, peak_tflops
+from .common import Report, gpu_peak, machine_info, peak_tflops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def run(args) -> Report:
     ctx = cutp.init(tp=tp, dp=args.dp, device=device)
     if device == "cpu":
         set_blas_threads(args.threads or threads_per_rank(ctx.local_size))
-    config = apply_overrides(GPTConfig.preset(args.preset, dtype=args.dtype), args.set)
+    config = GPTConfig.preset(args.preset, dtype=args.dtype).with_overrides(args.set)
     config.validate(tp)
     T = min(args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size),
             config.block_size)

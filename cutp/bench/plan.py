@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .common import Report, apply_overrides, parse_count
+from .common import Report, parse_count
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def run(args) -> Report:
     if args.params and args.preset:
         raise SystemExit("give --params or --preset, not both")
     if args.preset:
-        c = apply_overrides(GPTConfig.preset(args.preset), args.set)
+        c = GPTConfig.preset(args.preset).with_overrides(args.set)
         a = arch_from_config(args.preset, c)
     else:
         a = pick_arch(args.params or "70B")
