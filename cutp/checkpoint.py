@@ -374,7 +374,7 @@ def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
     config = GPTConfig.from_dict({**meta["config"], **config_overrides})
-    model = GPT(ctx, config, seed=meta.get("seed", 0) if seed is None else seed)
+    model = GPT(ctx, config, seed=meta.get("seed", 0) if seed is None else seed, init=False)
     load_checkpoint(ckpt, model)
     return model, meta
 

@@ -313,7 +313,7 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
         if bad:
             raise ConfigError(f"{bad} are fixed by the checkpoint and cannot be overridden")
         cfg = GPTConfig.from_dict({**cfg.to_dict(), **overrides})
-    model = GPT(ctx, cfg, seed=0)
+    model = GPT(ctx, cfg, seed=0, init=False)  # every weight is loaded next
     _load_streaming(model, tensors)
     return model
 

@@ -165,7 +165,9 @@ class PositionEmbedding(Module):
 
 
 class GPT(Module):
-    def __init__(self, ctx, config: GPTConfig, seed: int = 0):
+    def __init__(self, ctx, config: GPTConfig, seed: int = 0, init: bool = True):
+        """seed: initialisation and dropout streams. init=False allocates zeros instead of drawing
+        the initial weights (for models whose weights are loaded right after)."""
         config.validate(ctx.tp_size)
         self.ctx = ctx
         self.config = config
@@ -173,6 +175,7 @@ class GPT(Module):
         c, dt = config, DTYPES[config.dtype]
         self.padded_vocab = c.padded_vocab(ctx.tp_size)
         self.rng = RNGTracker(seed, ctx.tp_rank, ctx.dp_rank)
+        seed = seed if init else None
         self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
                                           dtype=dt)
         self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)

@@ -152,7 +152,7 @@ def main(argv=None):
     log = print if (ctx.rank == 0 and not args.quiet) else (lambda *a, **k: None)
 
     # ---- model, optimizer, state -------------------------------------------------------------
-    model = GPT(ctx, config, seed=args.seed)
+    model = GPT(ctx, config, seed=args.seed, init=not args.resume)  # resumed weights are loaded next
     flat = FlatParameters(model.parameters())
     optimizer = AdamW(flat, lr=lr, weight_decay=args.weight_decay)
     start_step = 0

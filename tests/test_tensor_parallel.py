@@ -386,3 +386,14 @@ def test_micro_batch_accumulation_adds_gradients():
     model.free_cache()
     with pytest.raises(RuntimeError, match="without a training-mode forward"):
         model.backward()
+
+
+def test_init_false_allocates_zeros_of_the_shard_shapes():
+    ctx = self_ctx()
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=4)
+    a, b = GPT(ctx, cfg, seed=3), GPT(ctx, cfg, seed=3, init=False)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert p.name == q.name and p.data.shape == q.data.shape and p.data.dtype == q.data.dtype
+        assert not q.data.any() and (q.sharding is None) == (p.sharding is None)
+    b.load_full_state_dict(a.gather_state_dict())
+    assert all(np.array_equal(p.data, q.data) for p, q in zip(a.parameters(), b.parameters()))

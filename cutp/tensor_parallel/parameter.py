@@ -130,7 +130,12 @@ def make_parameter(ctx, name, full_shape, init, sharding=None, *, seed=0, dtype=
 
     Only one full tensor exists at a time (it is dropped before the next parameter is made).
     `transform(full)` may edit the full tensor first (e.g. zero padded vocabulary rows).
+    seed=None skips initialisation: the shard is allocated as zeros (for weights about to be
+    loaded from a checkpoint or a Hugging Face file).
     """
+    if seed is None:
+        shape = tuple(full_shape) if sharding is None else sharding.shard_shape(ctx.tp_rank)
+        return Parameter(name, ctx.xp.zeros(shape, dtype), sharding, ctx.tp_rank, weight_decay)
     full = init(param_rng(seed, name), tuple(full_shape), dtype)
     if transform is not None:
         full = transform(full)

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import ConfigError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality: the index arrays do not compare as a bool
 class Sharding:
     axis: int
     full_shape: tuple
