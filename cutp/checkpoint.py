@@ -106,11 +106,12 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
-        except OSError as e:
-            error = f"cannot create checkpoint directory {tmp}: {e}"
+        except Exception as e:  # OSError, and anything else: every rank must hear of it
+            error = f"cannot create checkpoint directory {tmp}: {type(e).__name__}: {e}"
     from .failure import agree_on_error
 
-    agree_on_error(world, error, CheckpointError)
+    with ctx.watchdog.guard("checkpoint agreement (host all-reduce on world)"):
+        agree_on_error(world, error, CheckpointError)
 
     digests = np.zeros((2, 64), np.uint8)
     sizes = np.zeros(2, np.int64)
@@ -126,16 +127,18 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 _write_safetensors(path, tensors, {"format": FORMAT})
                 digests[i] = np.frombuffer(sha256_file(path).encode(), np.uint8)
                 sizes[i] = os.path.getsize(path)
-        except OSError as e:
-            error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {e}"
-    agree_on_error(world, error, CheckpointError)
+        except Exception as e:  # safetensors raises its own SafetensorError for I/O failures
+            error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+    with ctx.watchdog.guard("checkpoint agreement (host all-reduce on world)"):
+        agree_on_error(world, error, CheckpointError)
 
     if ctx.dp_rank == 0:
         tp_mpi = ctx.tp.mpi_comm
         all_digests = np.zeros((ctx.tp_size, 2, 64), np.uint8)
         all_sizes = np.zeros((ctx.tp_size, 2), np.int64)
-        tp_mpi.Allgather(digests, all_digests)
-        tp_mpi.Allgather(sizes, all_sizes)
+        with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on tp)"):
+            tp_mpi.Allgather(digests, all_digests)
+            tp_mpi.Allgather(sizes, all_sizes)
 
     error = None
     if ctx.rank == 0:
@@ -169,10 +172,11 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
             _fsync_dir(out_root)
             _write_json_atomic(os.path.join(out_root, "latest"), {"step": int(step), "path": name})
             if keep:
-                prune_checkpoints(out_root, keep)
-        except OSError as e:
-            error = f"finishing checkpoint {final} failed: {e}"
-    agree_on_error(world, error, CheckpointError)
+                prune_checkpoints(out_root, keep, newest_step=int(step))
+        except Exception as e:
+            error = f"finishing checkpoint {final} failed: {type(e).__name__}: {e}"
+    with ctx.watchdog.guard("checkpoint agreement (host all-reduce on world)"):
+        agree_on_error(world, error, CheckpointError)
     return final
 
 
@@ -190,8 +194,19 @@ def list_checkpoints(out_root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def prune_checkpoints(out_root: str, keep: int) -> None:
-    for _, path in list_checkpoints(out_root)[:-keep]:
+def prune_checkpoints(out_root: str, keep: int, newest_step: int | None = None) -> None:
+    """Removes all but the `keep` newest checkpoints at or before `newest_step` (the one just
+    written). Checkpoints of later steps (left by an abandoned run that went further) are never
+    pruned in its favour: they are kept, and a warning names them."""
+    found = list_checkpoints(out_root)
+    if newest_step is not None:
+        later = [path for step, path in found if step > newest_step]
+        if later:
+            print(f"cutp checkpoint: warning: {out_root} holds checkpoints of later steps than the one just "
+                  f"written ({', '.join(os.path.basename(p) for p in later)}); 'latest' points to step "
+                  f"{newest_step}. Remove them or use another --out.", file=sys.stderr)
+        found = [(step, path) for step, path in found if step <= newest_step]
+    for _, path in found[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -236,7 +251,44 @@ def read_meta(ckpt: str) -> dict:
     for fname, info in meta["files"].items():
         if not isinstance(info, dict) or not isinstance(info.get("sha256"), str) or not isinstance(info.get("bytes"), int):
             raise CheckpointError(f"{path} is malformed: entry for file {fname!r} lacks sha256/bytes")
+    for key in ("tp", "dp"):
+        v = meta["mesh"].get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckpointError(f"{path} is malformed: mesh.{key} is {v!r}, not an integer >= 1")
+    for name, info in meta["params"].items():
+        problem = _param_entry_problem(info)
+        if problem:
+            raise CheckpointError(f"{path} is malformed: parameter {name!r}: {problem}")
+    opt = meta.get("optimizer")
+    if opt is not None and (not isinstance(opt, dict) or not isinstance(opt.get("step"), int)):
+        raise CheckpointError(f"{path} is malformed: optimizer must be null or an object with an integer step")
+    rng = meta.get("rng")
+    if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("offsets"), dict)
+                                and all(isinstance(v, int) for v in rng["offsets"].values())):
+        raise CheckpointError(f"{path} is malformed: rng must be null or hold integer offsets")
     return meta
+
+
+_SPEC_KEYS = {"contiguous": ("axis", "tp"), "qkv": ("axis", "n_head", "n_kv_head", "head_dim", "tp")}
+
+
+def _param_entry_problem(info) -> str | None:
+    if not isinstance(info, dict):
+        return "entry is not an object"
+    shape = info.get("full_shape")
+    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and d >= 1 for d in shape)):
+        return f"full_shape {shape!r} is not a list of positive integers"
+    spec = info.get("sharding", "absent")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("kind") not in _SPEC_KEYS:
+        return f"sharding {spec!r} is neither null nor a known kind ({sorted(_SPEC_KEYS)})"
+    bad = [k for k in _SPEC_KEYS[spec["kind"]] if not isinstance(spec.get(k), int)]
+    if bad:
+        return f"sharding lacks integer fields {bad}"
+    if not 0 <= spec["axis"] < len(shape):
+        return f"sharding axis {spec['axis']} is outside the shape {shape}"
+    return None
 
 
 def verify_file(ckpt: str, meta: dict, fname: str) -> str | None:
@@ -332,31 +384,47 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             raise CheckpointError("; ".join(problems) + " -- nothing was loaded")
     except (CheckpointError, ConfigError) as e:
         error = f"{type(e).__name__}: {e}"
-    agree_on_error(world, error, CheckpointError)
+    except Exception as e:  # anything unexpected in the metadata: still a clear, agreed error
+        error = f"CheckpointError: {ckpt}/meta.json cannot be used ({type(e).__name__}: {e}) -- nothing was loaded"
+    with ctx.watchdog.guard("checkpoint agreement (host all-reduce on world)"):
+        agree_on_error(world, error, CheckpointError)
 
-    # every rank has verified its files: now read
-    readers = {"model": _ShardReader(ckpt, meta, "model")}
-    if optimizer is not None:
-        readers["optim"] = _ShardReader(ckpt, meta, "optim")
+    # Every rank has verified its files. Read everything this rank needs into host memory first,
+    # and only then assign: a tensor missing from a shard (or any other surprise) leaves the
+    # model and optimizer untouched on every rank.
     vocab = model.config.vocab_size
+    model_tensors, optim_tensors, error = {}, {}, None
+    try:
+        readers = {"model": _ShardReader(ckpt, meta, "model")}
+        if optimizer is not None:
+            readers["optim"] = _ShardReader(ckpt, meta, "optim")
 
-    def fetch(kind, key, name, p):
-        info = meta["params"][name]
-        if direct:
-            return readers[kind].get(ctx.tp_rank, key)
-        pad_to = model.padded_vocab if name in ("wte.weight", "lm_head.weight") else None
-        full = _full_from_shards(readers[kind], key, info, pad_to, vocab)
-        return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
+        def fetch(kind, key, name, p):
+            info = meta["params"][name]
+            if direct:
+                return readers[kind].get(ctx.tp_rank, key)
+            pad_to = model.padded_vocab if name in ("wte.weight", "lm_head.weight") else None
+            full = _full_from_shards(readers[kind], key, info, pad_to, vocab)
+            return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
+
+        for p in model.parameters():
+            a = fetch("model", p.name, p.name, p)
+            if tuple(a.shape) != tuple(p.data.shape):
+                raise CheckpointError(f"{p.name}: the checkpoint holds shape {tuple(a.shape)} for this rank, "
+                                      f"the model {tuple(p.data.shape)}")
+            model_tensors[p.name] = a
+            if optimizer is not None:
+                for prefix in ("exp_avg.", "exp_avg_sq."):
+                    optim_tensors[prefix + p.name] = fetch("optim", prefix + p.name, p.name, p)
+    except Exception as e:
+        error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
+    with ctx.watchdog.guard("checkpoint agreement (host all-reduce on world)"):
+        agree_on_error(world, error, CheckpointError)
 
     for p in model.parameters():
-        a = fetch("model", p.name, p.name, p)
-        p.data[...] = ctx.asarray(a.astype(p.data.dtype, copy=False))
+        p.data[...] = ctx.asarray(model_tensors.pop(p.name).astype(p.data.dtype, copy=False))
     if optimizer is not None:
-        tensors = {}
-        for p in model.parameters():
-            for prefix in ("exp_avg.", "exp_avg_sq."):
-                tensors[prefix + p.name] = ctx.asarray(fetch("optim", prefix + p.name, p.name, p))
-        optimizer.load_state(tensors, int(meta["optimizer"]["step"]))
+        optimizer.load_state({k: ctx.asarray(v) for k, v in optim_tensors.items()}, int(meta["optimizer"]["step"]))
     return meta
 
 

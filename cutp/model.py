@@ -96,11 +96,11 @@ class GPTConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_head or self.n_head
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def hidden(self) -> int:
-        return self.mlp_hidden or 4 * self.n_embd
+        return 4 * self.n_embd if self.mlp_hidden is None else self.mlp_hidden
 
     def padded_vocab(self, tp: int) -> int:
         return pad_vocab(self.vocab_size, tp, self.vocab_multiple)
@@ -113,8 +113,18 @@ class GPTConfig:
                 raise ConfigError(f"{f} must be a positive integer, got {v!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not supported for training; use one of {sorted(DTYPES)}")
+        for f in ("n_kv_head", "mlp_hidden"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{f} must be a positive integer or None (the default), got {v!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not (isinstance(self.vocab_multiple, int) and self.vocab_multiple >= 1):
+            raise ConfigError(f"vocab_multiple must be an integer >= 1, got {self.vocab_multiple!r}")
+        if not self.ln_eps > 0:
+            raise ConfigError(f"ln_eps must be > 0, got {self.ln_eps}")
         if self.gelu not in ("tanh", "none"):
             raise ConfigError(f"gelu must be 'tanh' (GPT-2) or 'none' (exact erf), got {self.gelu!r}")
         check_attention(self.n_embd, self.n_head, self.kv_heads, tp)

@@ -13,6 +13,7 @@ CUTP_COLLECTIVE_TIMEOUT (seconds), else 600 s. 0 disables the watchdog.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -54,6 +55,18 @@ class Watchdog:
     def end(self, token: int) -> None:
         with self._lock:
             self._inflight.pop(token, None)
+
+    @contextlib.contextmanager
+    def guard(self, description: str):
+        """Watches a blocking call made outside the communicators (a host-side MPI reduction)."""
+        if not self.enabled:
+            yield
+            return
+        token = self.begin(description)
+        try:
+            yield
+        finally:
+            self.end(token)
 
     def inflight(self) -> list[str]:
         with self._lock:
@@ -99,7 +112,7 @@ class WatchdogCommunicator(Communicator):
 
     def _call(self, op, x, fn, *args):
         desc = f"{op} on group '{self.name}' (rank {self.rank} of {self.size}, shape {tuple(x.shape)}, {x.dtype})"
-        if self.kind == "nccl":
+        if self.kind == "nccl" and op != "barrier":  # NCCL returns at once: watch its completion event
             result = fn(*args)
             import cupy
 

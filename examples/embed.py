@@ -39,18 +39,18 @@ def run_half(ctx, which, x_host):
                                          dtype=np.float64, seed=11)
     else:
         layer = ParallelMLP(ctx, h, 4 * h, name="host.mlp", dtype=np.float64, seed=12)
-    x = ctx.asarray(x_host)  # zero-copy where possible (DLPack / CUDA array interface)
-    stream = None
+    import contextlib
+
+    stream = contextlib.nullcontext()
     if ctx.device == "cuda":
         import cupy
 
         stream = cupy.cuda.Stream(non_blocking=True)  # the host code's own stream: cutp follows it
-        stream.use()
-    y = layer.forward(x)
-    dx = layer.backward(ctx.xp.ones_like(y))
-    if stream is not None:
-        stream.synchronize()
-    return ctx.to_numpy(y), ctx.to_numpy(dx)
+    with stream:  # the copy in, the layer's kernels and collectives, the copy out: all on it
+        x = ctx.asarray(x_host)  # zero-copy where possible (DLPack / CUDA array interface)
+        y = layer.forward(x)
+        dx = layer.backward(ctx.xp.ones_like(y))
+        return ctx.to_numpy(y), ctx.to_numpy(dx)
 
 
 def main():

@@ -44,20 +44,22 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
     p.add_argument("--dp", type=int, help="data-parallel size (default: world size / tp)")
     p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps of the whole run (sets the LR schedule)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float64"], help="default float32")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of the whole run (sets the LR schedule; "
+                   "default 200)")
     p.add_argument("--run-steps", type=int, default=None,
                    help="stop (and checkpoint) after this many steps in this invocation, e.g. to fit a job time limit")
-    p.add_argument("--batch-size", type=int, default=None, help="global sequences per optimizer step (default 8*dp)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global sequences per optimizer step (default 8, rounded up to a multiple of dp)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank per forward (default: all)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: block size, at most 256 on CPU)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 tiny, 6e-4 otherwise)")
     p.add_argument("--min-lr", type=float, default=None)
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps/20)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--weight-decay", type=float, default=None, help="default 0.1")
+    p.add_argument("--grad-clip", type=float, default=None, help="default 1.0")
+    p.add_argument("--dropout", type=float, default=None, help="default 0.0")
+    p.add_argument("--seed", type=int, default=None, help="default 1337")
     p.add_argument("--data", default=None, help="text file or uint16 .bin (default: the Python stdlib sources)")
     p.add_argument("--out", default=None, help="run directory for checkpoints")
     p.add_argument("--resume", default=None, help="run or checkpoint directory to continue from")
@@ -74,6 +76,30 @@ def parse_args(argv=None):
                    help="override a model field of the preset, e.g. --set n_layer=2 --set n_kv_head=2")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
+
+
+# Settings that define the training itself. A resumed run takes them from the checkpoint; a flag
+# that contradicts the checkpoint is refused (the run would silently change its math), except
+# --steps, which may extend or shorten the run (the LR schedule's length changes with it).
+RUN_DEFAULTS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "min_lr": None, "warmup": None,
+                "weight_decay": 0.1, "grad_clip": 1.0, "dropout": 0.0, "seed": 1337, "data": None}
+
+
+def resolve_run_settings(args, resume_meta):
+    """Fills the run settings of `args` from the checkpoint (on resume) or the defaults."""
+    saved = (resume_meta or {}).get("train_args") or {}
+    for key, default in RUN_DEFAULTS.items():
+        value, before = getattr(args, key), saved.get(key)
+        if value is None:
+            setattr(args, key, before if resume_meta is not None and key in saved else default)
+        elif resume_meta is not None and key in saved and before is not None and value != before and key != "steps":
+            flag = "--" + key.replace("_", "-")
+            raise cutp.ConfigError(f"{flag} {value} differs from the resumed run's {before}; a resumed run continues "
+                                   f"the same training: omit {flag}")
+
+
+def saved_preset(meta, device):
+    return ((meta.get("train_args") or {}).get("preset")) or ("gpt2" if device == "cuda" else "tiny")
 
 
 def choose_tp(world: int, local: int, config: GPTConfig, device: str) -> int:
@@ -102,11 +128,12 @@ class Stopper:
     def _handler(self, signum, frame):
         self.requested = True
 
-    def agreed(self, mpi_comm) -> bool:
+    def agreed(self, ctx) -> bool:
         from mpi4py import MPI
 
         flag = np.array([1 if self.requested else 0], np.int32)
-        mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], op=MPI.MAX)
+        with ctx.watchdog.guard("the end-of-step stop check (host all-reduce on world)"):
+            ctx.world.mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], op=MPI.MAX)
         return bool(flag[0])
 
 
@@ -126,10 +153,20 @@ def main(argv=None):
     if args.resume:
         resume_dir = checkpoint.resolve_checkpoint(args.resume)
         resume_meta = checkpoint.read_meta(resume_dir)
+    resolve_run_settings(args, resume_meta)
+    if resume_meta is not None:
         config = GPTConfig.from_dict({**resume_meta["config"], "dropout": args.dropout})
+        if args.preset or args.dtype or args.set:  # the same command line again: it must describe this model
+            asked = GPTConfig.preset(args.preset or saved_preset(resume_meta, device), dtype=args.dtype or config.dtype,
+                                     dropout=args.dropout).with_overrides(args.set)
+            diff = [f"{k}: checkpoint {getattr(config, k)!r}, flags {getattr(asked, k)!r}"
+                    for k in checkpoint.ARCH_FIELDS + ("dtype",) if getattr(config, k) != getattr(asked, k)]
+            if diff:
+                raise cutp.ConfigError("--preset/--set/--dtype describe another model than the checkpoint: "
+                                       + "; ".join(diff) + ". Omit them when resuming.")
     else:
         preset = args.preset or ("gpt2" if device == "cuda" else "tiny")
-        config = GPTConfig.preset(preset, dtype=args.dtype, dropout=args.dropout).with_overrides(args.set)
+        config = GPTConfig.preset(preset, dtype=args.dtype or "float32", dropout=args.dropout).with_overrides(args.set)
     dataset = load_dataset(args.data)
     if dataset.vocab_size > config.vocab_size:
         raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
@@ -140,15 +177,16 @@ def main(argv=None):
                                     "data": dataset.description}, "training configuration")
     config.validate(tp)
     ctx = cutp.init(tp=tp, dp=args.dp, device=device)
-    seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
+    # resolved values go back into args: the checkpoint records them, so a resume repeats them
+    args.seq_len = seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
     if seq_len > config.block_size:
         raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
-    batch = args.batch_size or 8 * ctx.dp_size
+    args.batch_size = batch = args.batch_size or -(-8 // ctx.dp_size) * ctx.dp_size
     micro = args.micro_batch_size or batch // ctx.dp_size
     sampler = BatchSampler(dataset, seq_len, batch, ctx.dp_size, ctx.dp_rank, micro, seed=args.seed)
     blas = set_blas_threads(threads_per_rank(local_ranks)) if device == "cpu" else "GPU"
-    lr = args.lr or (1e-3 if config.n_embd <= 256 else 6e-4)
-    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    args.lr = lr = args.lr or (1e-3 if config.n_embd <= 256 else 6e-4)
+    args.warmup = warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     log = print if (ctx.rank == 0 and not args.quiet) else (lambda *a, **k: None)
 
     # ---- model, optimizer, state -------------------------------------------------------------
@@ -171,11 +209,25 @@ def main(argv=None):
         f"accumulation {sampler.accum_steps} | lr {lr:g} warmup {warmup} | steps {start_step}..{args.steps}")
 
     stopper = Stopper(args.save_on_signal)
-    metrics_file = open(args.metrics, "a" if args.resume else "w") if (args.metrics and ctx.rank == 0) else None
+    if args.save_on_signal and not args.out:
+        log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")
+    metrics_file = None
+    if args.metrics and ctx.rank == 0:
+        if args.resume:  # drop rows of steps after the checkpoint (a crashed run logged them): they re-run now
+            keep_rows = []
+            if os.path.exists(args.metrics):
+                with open(args.metrics) as f:
+                    keep_rows = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
+            with open(args.metrics + ".tmp", "w") as f:
+                f.writelines(keep_rows)
+            os.replace(args.metrics + ".tmp", args.metrics)
+        metrics_file = open(args.metrics, "a" if args.resume else "w")
     history, skips, step = [], 0, start_step
     end_step = args.steps if args.run_steps is None else min(args.steps, start_step + args.run_steps)
-    # fault injection for the reliability tests: a NaN gradient on rank 0 at this step
+    # fault injection for the reliability tests: a NaN in one gradient on one rank at one step
     nan_step = int(os.environ.get("CUTP_FAULT_NAN_STEP", "0"))
+    nan_rank = int(os.environ.get("CUTP_FAULT_NAN_RANK", "0"))
+    nan_param = model.named_parameters()[os.environ.get("CUTP_FAULT_NAN_PARAM", params[0].name)]
     last_saved = start_step if args.resume else None
 
     def save(step_done):
@@ -189,11 +241,15 @@ def main(argv=None):
 
     def evaluate():
         model.eval()
-        losses = [model.forward(*map(ctx.asarray, xy)) for i in range(args.eval_batches)
-                  for xy in sampler.micro_batches(i, "val")]
+        losses = []
+        for i in range(args.eval_batches):
+            for x, y in sampler.micro_batches(i, "val"):
+                model.check_inputs(x, y)
+                losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False))
         model.train()
         v = np.array([sum(losses) / len(losses)])
-        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, v)
+        with ctx.watchdog.guard("the validation-loss average (host all-reduce on dp)"):
+            ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, v)
         return float(v[0]) / ctx.dp_size
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -203,14 +259,16 @@ def main(argv=None):
         flat.zero_grad()
         loss_sum = 0.0
         for x, y in sampler.micro_batches(step):
-            loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y))
+            model.check_inputs(x, y)  # on the host arrays: no device round trip
+            loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
             model.backward(1.0 / sampler.accum_steps)
-        if step + 1 == nan_step and ctx.rank == 0:
-            flat.grad[0] = float("nan")
+        if step + 1 == nan_step and ctx.rank == nan_rank:
+            nan_param.grad.reshape(-1)[0] = float("nan")
         finish_grad_sync(params, ctx, flat)
         norm = global_grad_norm(params, ctx)
         loss = np.array([loss_sum / sampler.accum_steps])
-        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, loss)
+        with ctx.watchdog.guard("the loss average (host all-reduce on dp)"):
+            ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, loss)
         loss = float(loss[0]) / ctx.dp_size
         step_lr = lr_schedule(step, lr, warmup, args.steps, args.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
@@ -245,9 +303,10 @@ def main(argv=None):
                 + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
         if args.save_every and step % args.save_every == 0:
             save(step)
-        if stopper.agreed(ctx.world.mpi_comm):
+        if stopper.agreed(ctx):
             if ctx.rank == 0:  # said even with --quiet: the run ends early on purpose
-                print(f"signal received: stopping after step {step}", flush=True)
+                print(f"signal received: stopping after step {step}"
+                      + (", writing a checkpoint" if args.out else " (no --out: no checkpoint)"), flush=True)
             break
     save(step)
     if metrics_file:

@@ -51,7 +51,7 @@ def _check_group(ctx, comm, members):
         for op, ref in (("sum", stacked.sum(0)), ("max", stacked.max(0)), ("avg", None)):
             if op == "avg":
                 s = stacked.sum(0)
-                ref = np.floor_divide(s, len(members)) if np.dtype(dtype).kind == "i" else s / len(members)
+                ref = np.trunc(s / len(members)) if np.dtype(dtype).kind == "i" else s / len(members)
             y = counted("all_reduce", nb, lambda: comm.all_reduce(x, op))
             assert y.dtype == x.dtype and y.shape == x.shape
             np.testing.assert_array_equal(y.astype(np.float64), ref.astype(dtype).astype(np.float64), err_msg=f"{op} {dtype}")

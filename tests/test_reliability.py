@@ -36,11 +36,13 @@ def _metrics(path):
         return [json.loads(line) for line in f]
 
 
-def _wait_for(cond, timeout, what):
+def _wait_for(cond, timeout, what, proc=None):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if cond():
             return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the job ended (exit {proc.returncode}) before {what}:\n{proc.stdout.read()[-5000:]}")
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -149,7 +151,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
     proc = subprocess.Popen(_train_cmd(4, args), env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        _wait_for(lambda: os.path.exists(os.path.join(out, "step-00000004", "meta.json")), 120, "a checkpoint")
+        _wait_for(lambda: os.path.exists(os.path.join(out, "step-00000004", "meta.json")), 120, "a checkpoint", proc)
         pids = _rank_pids(out)
         assert len(pids) == 4, pids
         os.kill(pids[2], signal.SIGKILL)
@@ -179,7 +181,7 @@ def test_sigterm_checkpoints_and_resumes_bit_identically(tmp_path):
     proc = subprocess.Popen(_train_cmd(2, args + ["--out", out, "--metrics", str(metrics)]), env=_env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "three steps")
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "three steps", proc)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
     finally:
@@ -202,11 +204,15 @@ def test_sigterm_checkpoints_and_resumes_bit_identically(tmp_path):
 
 
 # ---- numerical faults ------------------------------------------------------------------------------
-def test_nan_gradient_skips_exactly_one_step(tmp_path):
+@pytest.mark.parametrize("tp,dp,rank,param", [
+    (1, 2, 0, "wte.weight"),  # a sharded/counted entry, on a DP rank
+    (2, 1, 1, "ln_f.weight"),  # a replicated LayerNorm's copy on TP rank 1, which the norm does not count
+])
+def test_nan_gradient_skips_exactly_one_step(tmp_path, tp, dp, rank, param):
     out = str(tmp_path / "run")
     m = tmp_path / "m.jsonl"
-    env = {"CUTP_FAULT_NAN_STEP": "3"}
-    run_mpi(2, TRAIN, BASE + ["--steps", "4", "--tp", "1", "--dp", "2", "--save-every", "1", "--keep", "5",
+    env = {"CUTP_FAULT_NAN_STEP": "3", "CUTP_FAULT_NAN_RANK": str(rank), "CUTP_FAULT_NAN_PARAM": param}
+    run_mpi(2, TRAIN, BASE + ["--steps", "4", "--tp", str(tp), "--dp", str(dp), "--save-every", "1", "--keep", "5",
                               "--out", out, "--metrics", str(m)], timeout=120, env=env)
     rows = _metrics(m)
     assert [bool(r.get("skipped")) for r in rows] == [False, False, True, False]
@@ -214,11 +220,12 @@ def test_nan_gradient_skips_exactly_one_step(tmp_path):
     from safetensors.numpy import load_file
 
     for kind in ("model", "optim"):
-        a = load_file(os.path.join(out, "step-00000002", f"{kind}-tp00-of-01.safetensors"))
-        b = load_file(os.path.join(out, "step-00000003", f"{kind}-tp00-of-01.safetensors"))
-        c = load_file(os.path.join(out, "step-00000004", f"{kind}-tp00-of-01.safetensors"))
-        assert all(np.array_equal(a[k], b[k]) for k in a), f"{kind} changed in the skipped step"
-        assert any(not np.array_equal(b[k], c[k]) for k in b), f"{kind} did not change after the skip"
+        for r in range(tp):
+            name = f"{kind}-tp{r:02d}-of-{tp:02d}.safetensors"
+            a, b, c = (load_file(os.path.join(out, f"step-0000000{i}", name)) for i in (2, 3, 4))
+            assert all(np.array_equal(a[k], b[k]) for k in a), f"{name} changed in the skipped step"
+            assert any(not np.array_equal(b[k], c[k]) for k in b), f"{name} did not change after the skip"
+            assert all(np.isfinite(v).all() for v in c.values()), f"{name} holds NaN after the skip"
     metas = [json.load(open(os.path.join(out, f"step-0000000{i}", "meta.json"))) for i in (2, 3, 4)]
     assert [mt["optimizer"]["step"] for mt in metas] == [2, 2, 3]
 
@@ -332,3 +339,74 @@ def test_keep_prunes_only_after_a_newer_checkpoint_is_complete(tmp_path):
     with open(os.path.join(run, "latest"), "w") as f:
         json.dump({"step": 3, "path": "step-00000003"}, f)
     assert resolve_checkpoint(run).endswith("step-00000002")  # falls back to the newest complete one
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda m: m["mesh"].pop("tp"), r"mesh.tp is None, not an integer >= 1"),
+    (lambda m: m["params"]["wte.weight"].pop("sharding"), r"parameter 'wte.weight': sharding 'absent'"),
+    (lambda m: m["params"]["wte.weight"].update(sharding={"kind": "zz"}), r"neither null nor a known kind"),
+    (lambda m: m["params"]["ln_f.weight"].update(full_shape="8"), r"full_shape '8' is not a list"),
+    (lambda m: m["optimizer"].pop("step"), r"optimizer must be null or an object with an integer step"),
+    (lambda m: m.update(rng={"offsets": {"replicated": "x"}}), r"rng must be null or hold integer offsets"),
+])
+def test_malformed_metadata_fields_are_named(saved, edit, msg):
+    path, fresh, _ = saved
+    meta_path = os.path.join(path, "meta.json")
+    meta = json.load(open(meta_path))
+    edit(meta)
+    json.dump(meta, open(meta_path, "w"))
+    m, opt = fresh()
+    with pytest.raises(CheckpointError, match=msg):
+        load_checkpoint(path, m, opt)
+    assert _unchanged(m)
+
+
+def test_a_tensor_missing_from_a_shard_loads_nothing(saved):
+    """meta.json and checksums agree, but the optimizer shard lacks one tensor: nothing changes."""
+    from safetensors.numpy import load_file, save_file
+
+    from cutp.checkpoint import sha256_file
+
+    path, fresh, _ = saved
+    shard = os.path.join(path, "optim-tp00-of-01.safetensors")
+    tensors = load_file(shard)
+    tensors.pop("exp_avg_sq.ln_f.bias")
+    save_file(tensors, shard)
+    meta_path = os.path.join(path, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["files"]["optim-tp00-of-01.safetensors"] = {"sha256": sha256_file(shard), "bytes": os.path.getsize(shard)}
+    json.dump(meta, open(meta_path, "w"))
+    m, opt = fresh()
+    m0 = opt.m.copy()
+    with pytest.raises(CheckpointError, match=r"no tensor 'exp_avg_sq.ln_f.bias'.*nothing was loaded"):
+        load_checkpoint(path, m, opt)
+    assert _unchanged(m) and np.array_equal(opt.m, m0) and opt.step_count == 0
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path, capsys):
+    ctx = self_ctx()
+    model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6))
+    run = str(tmp_path / "run")
+    save_checkpoint(run, 50, model, keep=1)  # a run that went further, then was abandoned
+    path = save_checkpoint(run, 35, model, keep=1)  # restarted from an earlier step
+    assert os.path.exists(os.path.join(path, "meta.json"))
+    assert json.load(open(os.path.join(run, "latest"))) == {"step": 35, "path": "step-00000035"}
+    assert "holds checkpoints of later steps" in capsys.readouterr().err
+    save_checkpoint(run, 36, model, keep=1)
+    assert sorted(os.listdir(run)) == ["latest", "step-00000036", "step-00000050"]
+
+
+def test_resume_takes_the_run_settings_from_the_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    first = run_mpi(2, TRAIN, ["--steps", "4", "--run-steps", "2", "--seq-len", "16", "--eval-every", "0",
+                               "--set", "n_layer=1", "--lr", "0.002", "--out", out], timeout=120)
+    assert "batch 8 x 16 tokens" in first.stdout
+    # another mesh, no run flags: same batch, sequence length and learning rate
+    res = run_mpi(4, TRAIN, ["--resume", out, "--tp", "2", "--dp", "2", "--eval-every", "0"], timeout=120)
+    assert "batch 8 x 16 tokens" in res.stdout and "lr 0.002" in res.stdout and "steps 2..4" in res.stdout
+    bad = run_mpi(2, TRAIN, ["--resume", out, "--lr", "0.1"], timeout=120, expect_failure=True)
+    assert "--lr 0.1 differs from the resumed run's 0.002" in bad.stdout
+    bad = run_mpi(2, TRAIN, ["--resume", out, "--set", "n_layer=2"], timeout=120, expect_failure=True)
+    assert "n_layer: checkpoint 1, flags 2" in bad.stdout
+    ok = run_mpi(2, TRAIN, ["--resume", out, "--set", "n_layer=1", "--steps", "5", "--eval-every", "0"], timeout=120)
+    assert "steps 2..5" in ok.stdout  # --steps may change: it extends the run

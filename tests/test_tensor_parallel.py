@@ -397,3 +397,50 @@ def test_init_false_allocates_zeros_of_the_shard_shapes():
         assert not q.data.any() and (q.sharding is None) == (p.sharding is None)
     b.load_full_state_dict(a.gather_state_dict())
     assert all(np.array_equal(p.data, q.data) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("B,T,nh,nkv,h", [(2, 64, 4, 2, 32), (3, 100, 4, 4, 16), (1, 40, 2, 1, 8), (2, 160, 8, 2, 32)])
+def test_blocked_cpu_attention_equals_the_plain_path(B, T, nh, nkv, h):
+    """The CPU attention splits long sequences into pieces and causal query blocks; it must equal
+    the one-shot path (forward, dx and the weight gradients)."""
+    ctx = self_ctx()
+    res = []
+    for blocked in (True, False):
+        m = ParallelAttention(ctx, h, nh, nkv, name="attn", rng=RNGTracker(0), dtype=np.float64, seed=1)
+        if blocked:
+            m.PIECE_ELEMS, m.QBLOCK_ELEMS = 1 << 12, 1 << 10  # force several pieces and query blocks
+            assert m._blocked()
+        else:
+            m._blocked = lambda: False
+        x = np.random.default_rng(0).standard_normal((B, T, h))
+        y = m.forward(x)
+        dx = m.backward(np.random.default_rng(1).standard_normal(y.shape))
+        res.append((y, dx, m.c_attn.weight.grad.copy(), m.c_attn.bias.grad.copy(), m.c_proj.weight.grad.copy()))
+    for a, b, what in zip(res[0], res[1], ("y", "dx", "dW_qkv", "db_qkv", "dW_proj")):
+        assert_close(a, b, 1e-12, f"blocked attention {what}")
+
+
+def _worker_two_gqa_layouts_on_one_context():
+    ctx = cutp.init(tp=4, device="cpu")
+    for n_kv in (2, 1, 4):  # different replica groups on the same context
+        cfg = GPTConfig(n_layer=1, n_head=4, n_kv_head=n_kv, n_embd=16, vocab_size=13, block_size=6, dtype="float64")
+        got = _gpt_run(ctx, cfg)
+        ref = _gpt_run(self_ctx(), cfg)
+        assert_close(got["grads"], ref["grads"], 1e-10, f"n_kv_head={n_kv} after other layouts on one context")
+    ctx.close()
+
+
+def test_gqa_replica_groups_per_layout_on_one_context():
+    run_mpi(4, "tests.test_tensor_parallel:_worker_two_gqa_layouts_on_one_context", timeout=120)
+
+
+def test_config_rejects_out_of_range_fields():
+    from cutp.errors import ConfigError
+
+    for kw, msg in ((dict(n_kv_head=0), "n_kv_head must be a positive integer or None"),
+                    (dict(mlp_hidden=0), "mlp_hidden must be a positive integer or None"),
+                    (dict(label_smoothing=1.5), r"label_smoothing must be in \[0, 1\)"),
+                    (dict(vocab_multiple=-3), "vocab_multiple must be an integer >= 1"),
+                    (dict(ln_eps=-1.0), "ln_eps must be > 0")):
+        with pytest.raises(ConfigError, match=msg):
+            GPTConfig(n_head=4, n_embd=16, **kw).validate(1)

@@ -78,8 +78,10 @@ class MpiCommunicator(Communicator):
             return
         if a.dtype.kind == "f":
             a /= self.size
-        else:  # integers: truncating division, as NCCL's ncclAvg does
-            np.floor_divide(a, self.size, out=a)
+        else:  # integers: C division (toward zero), as NCCL's ncclAvg computes sum / nranks
+            neg = a < 0
+            np.floor_divide(np.abs(a), self.size, out=a)
+            np.negative(a, out=a, where=neg)
 
     # ---- data movement -------------------------------------------------------------------
     def all_gather(self, x, out=None):

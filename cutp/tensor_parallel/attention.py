@@ -50,7 +50,8 @@ class ParallelAttention(Module):
                                         dtype=dtype, init=normal_init(0.02 / math.sqrt(2 * n_layer)))
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED)
         if tp > n_kv_head:
-            replicas = ctx.subgroup("tp_kv", color=self.kv_heads[0], key=ctx.tp_rank)
+            # one group per layout: which ranks share a KV head depends on n_kv_head
+            replicas = ctx.subgroup(f"tp_kv{n_kv_head}", color=self.kv_heads[0], key=ctx.tp_rank)
             kv_from = self.nq * self.hd
             for p in (self.c_attn.weight, self.c_attn.bias):
                 if p is not None:

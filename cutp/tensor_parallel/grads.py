@@ -57,12 +57,20 @@ def _buckets(params):
 
 
 def global_grad_norm(params, ctx) -> float:
+    """The global L2 norm of all gradients, each full entry counted once; NaN if any rank holds a
+    non-finite gradient entry, including entries it does not count (a replicated LayerNorm's
+    copy on TP rank 1 still has to stop the step, or the replicas would diverge)."""
     xp = ctx.xp
-    total = xp.zeros(1, np.float64)
+    acc = xp.zeros(2, np.float64)  # [sum of squares, non-finite entries not already counted]
     for p in params:
         s = p.grad_sq_sum()
         if s is not None:
-            total += s
+            acc[0] += s
+        if p.norm_mask is not None:  # some or all entries are counted on another rank
+            acc[1] += int((~xp.isfinite(p.grad)).sum()) if xp is np else (~xp.isfinite(p.grad)).sum()
     if ctx.tp_size > 1:
-        ctx.tp.all_reduce(total, "sum", out=total)
-    return math.sqrt(float(total[0]))
+        ctx.tp.all_reduce(acc, "sum", out=acc)
+    total, bad = float(acc[0]), float(acc[1])
+    if bad or not math.isfinite(total):
+        return float("nan")
+    return math.sqrt(total)
