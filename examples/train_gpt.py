@@ -202,7 +202,9 @@ def main(argv=None):
     params = model.parameters()
     tokens_per_step = batch * seq_len
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {blas}")
-    log(f"model: {json.dumps(config.to_dict())}")
+    model_name = (f"resumed from {resume_dir}" if args.resume else
+                  f"preset {args.preset or ('gpt2' if device == 'cuda' else 'tiny')}" + (f" with {args.set}" if args.set else ""))
+    log(f"model: {model_name}: {json.dumps(config.to_dict())}")
     log(f"parameters: {config.num_parameters():,} total, {model.num_parameters_local():,} on this rank "
         f"(vocab padded to {model.padded_vocab}) | data: {dataset.description}")
     log(f"batch {batch} x {seq_len} tokens = {tokens_per_step:,} tokens/step | micro-batch {micro}, "
