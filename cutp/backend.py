@@ -137,5 +137,17 @@ def as_array(xp, a, dtype=None):
         if hasattr(a, "__cuda_array_interface__"):
             a = xp.asarray(a)
         elif hasattr(a, "__dlpack__"):
-            a = xp.from_dlpack(a)
+            # cupy.from_dlpack refuses host memory ("CPU arrays cannot be directly imported to
+            # CuPy"): a host DLPack array (a torch CPU tensor, ...) goes through NumPy first.
+            a = np.from_dlpack(a) if _dlpack_on_host(a) else xp.from_dlpack(a)
     return xp.asarray(a, dtype=dtype)
+
+
+_DLPACK_HOST_DEVICES = (1, 3)  # DLPack kDLCPU, kDLCUDAHost (pinned host memory)
+
+
+def _dlpack_on_host(a) -> bool:
+    try:
+        return int(a.__dlpack_device__()[0]) in _DLPACK_HOST_DEVICES
+    except Exception:  # no __dlpack_device__ (a bare capsule exporter): let from_dlpack decide
+        return False

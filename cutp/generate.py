@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .backend import to_numpy
 from .tensor_parallel.mappings import gather_from_tp_forward
 
 
 def _as_batch(prompt_ids):
-    a = np.asarray(prompt_ids)
+    a = to_numpy(prompt_ids)  # a list, a NumPy array, or a CuPy array (np.asarray refuses those)
     single = a.ndim == 1
     if single:
         a = a[None, :]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .backend import to_numpy
 from .errors import ConfigError
 from .tensor_parallel import (
     REPLICATED,
@@ -309,7 +310,7 @@ class GPT(Module):
         for name, p in params.items():
             if name not in full:
                 continue
-            a = np.asarray(full[name])
+            a = to_numpy(full[name])  # host arrays, or a device state dict (np.asarray refuses CuPy arrays)
             if name in ("wte.weight", "lm_head.weight") and a.shape[0] == self.config.vocab_size:
                 a = np.concatenate([a, np.zeros((self.padded_vocab - a.shape[0],) + a.shape[1:], a.dtype)])
             if tuple(a.shape) != tuple(p.full_shape):

@@ -14,6 +14,7 @@ CUTP_COLLECTIVE_TIMEOUT (seconds), else 600 s. 0 disables the watchdog.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -101,6 +102,19 @@ class Watchdog:
         self._stop.set()
 
 
+def _event_done(event, device: int) -> bool:
+    """Whether a CUDA event has completed, asked from the watchdog's thread. A new thread's
+    current device is 0: it is set to the event's device first (and left there), so that the
+    runtime has no reason to create a CUDA context on GPU 0 in every rank of a multi-GPU node
+    (memory taken there; on GPUs in exclusive-process mode an error, with which the event would
+    never count as done and the watchdog would abort a healthy job)."""
+    from cupy.cuda import runtime
+
+    if runtime.getDevice() != device:
+        runtime.setDevice(device)
+    return bool(event.done)
+
+
 class WatchdogCommunicator(Communicator):
     """Registers each collective of `inner` with the watchdog while it is in flight."""
 
@@ -117,8 +131,8 @@ class WatchdogCommunicator(Communicator):
             import cupy
 
             event = cupy.cuda.Event(disable_timing=True)
-            event.record()
-            self.watchdog.begin(desc, done=lambda e=event: e.done)
+            event.record(cupy.cuda.get_current_stream())  # the stream the collective was queued on
+            self.watchdog.begin(desc, done=functools.partial(_event_done, event, cupy.cuda.runtime.getDevice()))
             return result
         token = self.watchdog.begin(desc)
         try:

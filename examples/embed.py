@@ -46,6 +46,9 @@ def run_half(ctx, which, x_host):
         import cupy
 
         stream = cupy.cuda.Stream(non_blocking=True)  # the host code's own stream: cutp follows it
+        # The layer's weights were copied in (and its gradients zeroed) on the default stream, which
+        # a non-blocking stream does not wait for: order that work before everything queued on it.
+        stream.wait_event(cupy.cuda.get_current_stream().record())
     with stream:  # the copy in, the layer's kernels and collectives, the copy out: all on it
         x = ctx.asarray(x_host)  # zero-copy where possible (DLPack / CUDA array interface)
         y = layer.forward(x)

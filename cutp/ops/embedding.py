@@ -73,6 +73,8 @@ def embedding_backward(dy, ctx: EmbeddingCtx, out):
     distinct id's row of ``out`` is updated once with a fancy-indexed
     add; when all ids are distinct the sort result is used directly. CuPy: ``xp.add.at``
     (atomic adds; the order of the additions, hence the last bits, is not deterministic).
+    A bfloat16/float16 ``out`` is updated as on NumPy, once per distinct id from float32 sums
+    (``cupy.add.at`` has no bfloat16 atomics: CuPy 14 raises TypeError for it).
     """
     ids, mask = ctx.ids, ctx.mask
     xp = get_array_module(dy, ids, out)
@@ -83,6 +85,12 @@ def embedding_backward(dy, ctx: EmbeddingCtx, out):
         if mask is not None:
             sel = xp.flatnonzero(mask.reshape(-1))
             ids_f, dy2 = ids_f[sel], dy2[sel]
+        if is_low_precision(out.dtype):  # add in float32, round once (as the NumPy path)
+            u, inv = xp.unique(ids_f, return_inverse=True)
+            sums = xp.zeros((u.shape[0], h), dtype=np.float32)
+            xp.add.at(sums, inv.reshape(-1), as_dtype(dy2, np.float32))
+            out[u] = (out[u].astype(np.float32) + sums).astype(out.dtype)
+            return out
         xp.add.at(out, ids_f, as_dtype(dy2, out.dtype))
         return out
     cdt = compute_dtype(dy.dtype)
