@@ -65,6 +65,31 @@ def cuda_device_count() -> int:
     return int(cupy.cuda.runtime.getDeviceCount())
 
 
+def cuda_pci_bus_id(index: int) -> str:
+    """The PCI bus id of visible GPU `index` (tells apart GPUs that several ranks see under one
+    index, e.g. when each rank is given its own GPU with CUDA_VISIBLE_DEVICES). Tests replace it."""
+    import cupy
+
+    return str(cupy.cuda.Device(index).pci_bus_id)
+
+
+_LAUNCHER_LOCAL_RANK = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK", "SLURM_LOCALID",
+                        "MV2_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK")
+
+
+def launcher_local_rank() -> int | None:
+    """This process's index among the processes its launcher started on this node (MPICH, Open MPI,
+    PMIx, Slurm, MVAPICH), or None. Unlike a rank in the communicator given to cutp, it differs
+    between two cutp contexts of different processes sharing a node."""
+    import os
+
+    for var in _LAUNCHER_LOCAL_RANK:
+        v = os.environ.get(var)
+        if v is not None and v.strip().isdigit():
+            return int(v)
+    return None
+
+
 def nccl_status() -> tuple[bool, str]:
     ok, why = cupy_status()
     if not ok:

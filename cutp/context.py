@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import backend
 from .comm import CommCounter, CountingCommunicator
 from .errors import ConfigError
@@ -61,16 +63,23 @@ def validate_mesh(world_size: int, tp, dp) -> Mesh:
     return Mesh(tp, dp)
 
 
-def check_ranks_per_gpu(local_size: int, n_gpus: int) -> None:
-    """NCCL needs one GPU per rank: refuse a node with more ranks than GPUs."""
-    if local_size <= n_gpus:
+def check_gpu_assignment(bus_ids: list, n_gpus: int) -> None:
+    """NCCL needs one GPU per rank: refuse when ranks of one node (in rank order, with the PCI
+    bus id of the GPU each would use) would share a GPU. Pure: every rank gets the same verdict."""
+    if len(set(bus_ids)) == len(bus_ids):
         return
     if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
         return  # NCCL >= 2.30 can share a GPU between ranks when asked explicitly
+    shared = {}
+    for r, b in enumerate(bus_ids):
+        shared.setdefault(b, []).append(r)
+    example = next(rs for rs in shared.values() if len(rs) > 1)
+    local_size = len(bus_ids)
     raise ConfigError(
-        f"{local_size} ranks run on this node but it has {n_gpus} GPU(s), and NCCL needs one GPU per rank. "
-        f"Start at most {n_gpus} ranks per node (e.g. mpirun -np {n_gpus} or --map-by ppr:{n_gpus}:node), "
-        f"hand cutp.init a communicator with at most {n_gpus} ranks per node, or use device='cpu'."
+        f"{local_size} ranks run on this node but they see {n_gpus} GPU(s) (node-local ranks {example} would share "
+        f"GPU {bus_ids[example[0]]}), and NCCL needs one GPU per rank. Start at most {len(shared)} ranks per node "
+        f"(e.g. mpirun -np {len(shared)} or --map-by ppr:{len(shared)}:node), hand cutp.init a communicator with "
+        f"at most that many ranks per node, or use device='cpu'."
     )
 
 
@@ -83,7 +92,7 @@ class Context:
     """
 
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
-                 abort_on_error: bool = True, collective_timeout: float | None = None):
+                 abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None):
         from mpi4py import MPI
 
         from . import __version__
@@ -107,16 +116,28 @@ class Context:
         self._owned_mpi = []
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-        local.Free()
 
         self.device_id = None
         if self.device == "cuda":
             n_gpus = backend.cuda_device_count()
-            check_ranks_per_gpu(self.local_size, n_gpus)
+            # The GPU follows the process (its launcher's node-local index), not its rank in `comm`:
+            # two contexts of different processes on one node must not pick the same GPU.
+            if device_id is None:
+                node_index = backend.launcher_local_rank()
+                device_id = (self.local_rank if node_index is None else node_index) % n_gpus
+            bus = np.zeros(64, np.uint8)
+            text = backend.cuda_pci_bus_id(device_id).encode()[:64]
+            bus[: len(text)] = np.frombuffer(text, np.uint8)
+            every = np.empty((self.local_size, 64), np.uint8)
+            local.Allgather([bus, MPI.UINT8_T], [every, MPI.UINT8_T])
+            local.Free()
+            check_gpu_assignment([bytes(row).rstrip(b"\0").decode() for row in every], n_gpus)
             import cupy
 
-            self.device_id = self.local_rank % n_gpus
+            self.device_id = int(device_id)
             cupy.cuda.Device(self.device_id).use()  # before any NCCL call
+        else:
+            local.Free()
         self.xp = backend.array_module_for(self.device)
 
         tp_mpi = self.mpi_comm.Split(color=self.dp_rank, key=self.tp_rank)
@@ -197,13 +218,14 @@ class Context:
 
 
 def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", abort_on_error: bool = True,
-         collective_timeout: float | None = None) -> Context:
+         collective_timeout: float | None = None, device_id: int | None = None) -> Context:
     """Creates a cutp context over `comm` (default MPI.COMM_WORLD). Collective over comm.
 
     tp*dp must equal comm's size (dp defaults to size // tp). device is 'cpu', 'cuda' or 'auto'.
     With abort_on_error (default), an uncaught exception on any rank aborts the whole MPI job
     after printing that rank's traceback. collective_timeout (seconds; default
     $CUTP_COLLECTIVE_TIMEOUT or 600, 0 = off) aborts the job when a collective stalls.
+    device_id picks the GPU (default: the launcher's node-local rank modulo the visible GPUs).
     """
     return Context(comm=comm, tp=tp, dp=dp, device=device, abort_on_error=abort_on_error,
-                   collective_timeout=collective_timeout)
+                   collective_timeout=collective_timeout, device_id=device_id)

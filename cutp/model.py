@@ -244,10 +244,11 @@ class GPT(Module):
         """Sharded logits [B, T, padded_vocab/tp] when targets is None, else the mean loss (float)."""
         if check:
             self.check_inputs(idx, targets)
+        idx = self.ctx.asarray(idx)  # host ids on a GPU model: moved once here (a no-op on the CPU)
         logits = self.lm_head.forward(self.hidden_states(idx))
         if targets is None:
             return logits
-        return self.loss_fn.forward(logits, targets, inplace_backward=True)
+        return self.loss_fn.forward(logits, self.ctx.asarray(targets), inplace_backward=True)
 
     def backward(self, dloss: float = 1.0):
         dx = self.lm_head.backward(self.loss_fn.backward(dloss))
@@ -266,6 +267,7 @@ class GPT(Module):
     def forward_cached(self, idx, caches):
         """Eval-mode logits (sharded) for new tokens idx [B, Tn] after caches' positions."""
         n0 = caches[0]["len"]
+        idx = self.ctx.asarray(idx)
         T = idx.shape[1]
         if n0 + T > self.config.block_size:
             raise ValueError(f"generation reached {n0 + T} positions; block_size is {self.config.block_size}")

@@ -8,7 +8,7 @@ import pytest
 
 import cutp
 from cutp.comm import CommCounter, CommError
-from cutp.context import check_ranks_per_gpu, validate_mesh
+from cutp.context import check_gpu_assignment, validate_mesh
 from tests.mpirun import MpiRunError, run_mpi
 
 DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.int32, np.int64]
@@ -183,30 +183,44 @@ def test_cuda_refused_on_this_machine_for_real():
         cutp.init(device="cuda")
 
 
-def test_ranks_per_gpu_check(monkeypatch):
+def test_gpu_assignment_check(monkeypatch):
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
-    check_ranks_per_gpu(4, 4)
-    with pytest.raises(cutp.ConfigError, match="8 ranks run on this node but it has 4 GPU"):
-        check_ranks_per_gpu(8, 4)
+    check_gpu_assignment(["0:1", "0:2", "0:3", "0:4"], 4)
+    # each rank given its own GPU (CUDA_VISIBLE_DEVICES per rank): one visible, all different
+    check_gpu_assignment(["0:1", "0:2", "0:3", "0:4"], 1)
+    with pytest.raises(cutp.ConfigError, match=r"8 ranks run on this node but they see 4 GPU\(s\) \(node-local ranks "
+                                               r"\[0, 4\] would share GPU 0:0\).*at most 4 ranks per node"):
+        check_gpu_assignment([f"0:{r % 4}" for r in range(8)], 4)
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-    check_ranks_per_gpu(8, 4)
+    check_gpu_assignment(["0:0", "0:0"], 1)
 
 
-def _worker_nccl_more_ranks_than_gpus():
+def _worker_nccl_more_ranks_than_gpus(bus_ids):
     import cutp.backend as backend
 
-    backend.cuda_device_count = lambda: 1  # simulate a node with one GPU
+    backend.cuda_device_count = lambda: 1  # simulate a node where each rank sees one GPU...
+    me = __import__("mpi4py.MPI", fromlist=["MPI"]).COMM_WORLD.rank
+    backend.cuda_pci_bus_id = lambda i: bus_ids[me]  # ...the same one, or its own
     try:
         cutp.init(tp=2, device="cuda")
     except cutp.ConfigError as e:
-        assert "2 ranks run on this node but it has 1 GPU" in str(e), e
+        assert bus_ids[0] == bus_ids[1], f"refused although the ranks have their own GPUs: {e}"
+        assert "2 ranks run on this node but they see 1 GPU(s)" in str(e), e
         assert "cupy" not in sys.modules, "refused only after touching CUDA"
+    except Exception as e:  # accepted: it went on to CUDA itself, which this machine does not have
+        assert bus_ids[0] != bus_ids[1], f"not refused with a shared GPU: {e!r}"
+        assert "cupy" in str(e) or "CUDA" in str(e) or isinstance(e, ImportError), repr(e)
     else:
-        raise AssertionError("init with more ranks than GPUs was not refused")
+        raise AssertionError("init went through without CUDA")
 
 
-def test_nccl_refused_with_more_ranks_than_gpus():
-    run_mpi(2, "tests.test_comm:_worker_nccl_more_ranks_than_gpus", timeout=60,
+def test_nccl_refused_when_ranks_would_share_a_gpu():
+    run_mpi(2, "tests.test_comm:_worker_nccl_more_ranks_than_gpus", ["0000:01:00.0", "0000:01:00.0"], timeout=60,
+            env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"})
+
+
+def test_one_gpu_per_rank_by_visibility_is_accepted():
+    run_mpi(2, "tests.test_comm:_worker_nccl_more_ranks_than_gpus", ["0000:01:00.0", "0000:02:00.0"], timeout=60,
             env={"NCCL_MULTI_RANK_GPU_ENABLE": "0"})
 
 
