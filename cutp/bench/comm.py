@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .common import Report, human_bytes, machine_info, parse_size
+from .common import Report, human_bytes, machine_info, parse_size, reduce_scalar
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -149,9 +149,9 @@ def run(args) -> Report:
                 _call(comm, op, x, out)
             stream_sync()
             dt = (time.perf_counter() - t0) / iters
-            dt = world.allreduce(dt, op=MPI.MAX)
+            dt = reduce_scalar(world, dt)
             ok = _check(xp, comm, op, count, dtype)
-            ok = world.allreduce(1 if ok else 0, op=MPI.MIN) == 1
+            ok = reduce_scalar(world, 1 if ok else 0, 'min') == 1
             alg, bus = bandwidths(op, nbytes, dt, n)
             t.add(op=op, size=nbytes, size_h=human_bytes(nbytes), count=count, iters=iters, us=dt * 1e6, algbw=alg,
                   busbw=bus, check="ok" if ok else "WRONG")

@@ -425,3 +425,12 @@ def parse_count(text: str) -> float:
         if s.endswith(suffix):
             return float(s[:-1]) * m
     return float(s)
+
+
+def reduce_scalar(mpi_comm, value: float, op: str = "max") -> float:
+    """A float reduced over the ranks through a buffer (no pickling), e.g. the slowest rank's time."""
+    from mpi4py import MPI
+
+    buf = np.array([float(value)])
+    mpi_comm.Allreduce(MPI.IN_PLACE, buf, op={"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op])
+    return float(buf[0])

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from .common import Report, gpu_peak, machine_info, peak_tflops
+from .common import Report, gpu_peak, machine_info, peak_tflops, reduce_scalar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,8 +270,8 @@ def run(args) -> Report:
             bytes_per_step = {f"{g}.{o}": (v[0] - c0.get((g, o), 0), v[2] - b0.get((g, o), 0))
                               for (g, o), v in ctx.counter.totals.items()}
     # the slowest rank defines each phase (median over the measured steps first)
-    med = {p: world.allreduce(float(np.median(rec[p])), op=MPI.MAX) for p in phases}
-    med_comm = {p: world.allreduce(float(np.median(comm[p])), op=MPI.MAX) for p in phases}
+    med = {p: reduce_scalar(world, np.median(rec[p])) for p in phases}
+    med_comm = {p: reduce_scalar(world, np.median(comm[p])) for p in phases}
     step_s = sum(med.values())
     tokens = B * T * ctx.dp_size
     tok_s = tokens / step_s
@@ -324,7 +324,7 @@ def run(args) -> Report:
     for key in sorted(bytes_per_step):  # the same keys on every rank (every rank runs the same collectives)
         calls, nb = bytes_per_step[key]
         times = comm_ops.get(key)
-        ms = world.allreduce(float(np.median(times)) * 1e3 if times else 0.0, op=MPI.MAX)
+        ms = reduce_scalar(world, float(np.median(times)) * 1e3 if times else 0.0)
         if calls == 0:
             continue
         cm.add(key=key, calls=calls, mb=nb / 1e6, ms=None if args.no_comm_timing else ms)
@@ -335,20 +335,20 @@ def run(args) -> Report:
                        title="memory per rank")
     p_b, g_b = int(flat.data.nbytes), int(flat.grad.nbytes)
     o_b = int(opt.m.nbytes + opt.v.nbytes + flat.decay_mask.nbytes)
-    act = world.allreduce(act_bytes, op=MPI.MAX)
+    act = int(reduce_scalar(world, act_bytes))
     mem.add(what="parameters", mib=p_b / 2**20, how=f"{flat.size:,} x {flat.dtype.itemsize} B")
     mem.add(what="gradients", mib=g_b / 2**20, how="same as parameters")
     mem.add(what="optimizer state", mib=o_b / 2**20, how="AdamW m, v + decay mask")
     mem.add(what="cached activations", mib=act / 2**20, how="modules' _cache_* buffers after forward (max over ranks)")
     mem.add(what="sum", mib=(p_b + g_b + o_b + act) / 2**20, how="an estimate of the peak")
     if pool is not None:
-        hw = world.allreduce(int(pool.total_bytes()), op=MPI.MAX)
+        hw = int(reduce_scalar(world, pool.total_bytes()))
         mem.add(what="CuPy pool high-water", mib=hw / 2**20, how="reserved bytes after the steps (max over ranks)")
     else:
         import resource
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        rss = world.allreduce(rss, op=MPI.MAX)
+        rss = int(reduce_scalar(world, rss))
         mem.add(what="process peak RSS", mib=rss / 2**20, how="getrusage ru_maxrss (max over ranks; includes Python)")
     report.extra["result"] = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "flops_per_token": fpt,
                               "model_flops": flops, "mfu_pct": mfu, "phases_ms": {p: med[p] * 1e3 for p in phases},
