@@ -43,38 +43,52 @@ def _find(lib, names):
     return None
 
 
+class BlasLibrary:
+    """The BLAS loaded into this process and its thread-count functions (found once)."""
+
+    def __init__(self, path, lib, get, set_):
+        self.path, self.lib, self.get, self.set = path, lib, get, set_
+
+
+_blas: BlasLibrary | None | bool = False  # False: not looked up yet
+
+
+def blas_library() -> BlasLibrary | None:
+    """The loaded BLAS with both a get- and a set-threads function, or None. Cached: the ops ask
+    for the thread count on every call."""
+    global _blas
+    if _blas is False:
+        import numpy  # noqa: F401  (make sure NumPy's BLAS is loaded)
+
+        _blas = None
+        for path in _loaded_blas_paths():
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            get, set_ = _find(lib, _GETTERS), _find(lib, _SETTERS)
+            if get is not None and set_ is not None:
+                get.restype = ctypes.c_int
+                _blas = BlasLibrary(path, lib, get, set_)
+                break
+    return _blas
+
+
 def set_blas_threads(n: int) -> str:
     """Sets the loaded BLAS to n threads; returns a description for the start-up banner."""
-    import numpy  # noqa: F401  (make sure NumPy's BLAS is loaded)
-
     n = max(1, int(n))
-    for path in _loaded_blas_paths():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        setter = _find(lib, _SETTERS)
-        if setter is None:
-            continue
-        setter(ctypes.c_int(n))
-        getter = _find(lib, _GETTERS)
-        now = getter() if getter is not None else n
-        return f"{now} BLAS thread(s) per rank ({os.path.basename(path)})"
+    blas = blas_library()
+    if blas is not None:
+        blas.set(ctypes.c_int(n))
+        return f"{blas.get()} BLAS thread(s) per rank ({os.path.basename(blas.path)})"
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(n)
     return f"BLAS library not found in the process; set OMP_NUM_THREADS={n} for child processes"
 
 
 def get_blas_threads() -> int | None:
-    for path in _loaded_blas_paths():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        getter = _find(lib, _GETTERS)
-        if getter is not None:
-            return int(getter())
-    return None
+    blas = blas_library()
+    return None if blas is None else int(blas.get())
 
 
 def threads_per_rank(local_ranks: int) -> int:

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from .comm.base import Communicator
+from .comm.base import Communicator, WrappedCommunicator
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -69,10 +69,6 @@ class Watchdog:
         finally:
             self.end(token)
 
-    def inflight(self) -> list[str]:
-        with self._lock:
-            return [d for d, _, _ in self._inflight.values()]
-
     def _run(self):
         poll = min(max(self.timeout / 8, 0.05), 5.0)
         while not self._stop.wait(poll):
@@ -115,13 +111,11 @@ def _event_done(event, device: int) -> bool:
     return bool(event.done)
 
 
-class WatchdogCommunicator(Communicator):
+class WatchdogCommunicator(WrappedCommunicator):
     """Registers each collective of `inner` with the watchdog while it is in flight."""
 
     def __init__(self, inner: Communicator, watchdog: Watchdog):
-        super().__init__(inner.rank, inner.size, inner.name)
-        self.inner = inner
-        self.kind = inner.kind
+        super().__init__(inner)
         self.watchdog = watchdog
 
     def _call(self, op, x, fn, *args):
@@ -139,32 +133,3 @@ class WatchdogCommunicator(Communicator):
             return fn(*args)
         finally:
             self.watchdog.end(token)
-
-    def all_reduce(self, x, op="sum", out=None):
-        return self._call("all_reduce", x, self.inner.all_reduce, x, op, out)
-
-    def all_gather(self, x, out=None):
-        return self._call("all_gather", x, self.inner.all_gather, x, out)
-
-    def reduce_scatter(self, x, op="sum", out=None):
-        return self._call("reduce_scatter", x, self.inner.reduce_scatter, x, op, out)
-
-    def broadcast(self, x, root=0):
-        return self._call("broadcast", x, self.inner.broadcast, x, root)
-
-    def send(self, x, dest, tag=0):
-        return self._call("send", x, self.inner.send, x, dest, tag)
-
-    def recv(self, x, source, tag=0):
-        return self._call("recv", x, self.inner.recv, x, source, tag)
-
-    def barrier(self):
-        import numpy as np
-
-        return self._call("barrier", np.empty(0), self.inner.barrier)
-
-    def close(self):
-        return self.inner.close()
-
-    def __getattr__(self, item):
-        return getattr(self.inner, item)

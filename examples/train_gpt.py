@@ -198,7 +198,7 @@ def main(argv=None):
         meta = checkpoint.load_checkpoint(resume_dir, model, optimizer)
         start_step = int(meta["step"])
         if meta.get("rng"):
-            model.rng.offsets = {k: int(v) for k, v in meta["rng"]["offsets"].items()}
+            model.rng.load_state_dict(meta["rng"])
     params = model.parameters()
     tokens_per_step = batch * seq_len
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {blas}")

@@ -803,27 +803,38 @@ def _find_nvrtc() -> tuple[str, str] | None:
     return (libs[0], incs[0]) if libs and incs else None
 
 
+def load_nvrtc(lib_path: str):
+    """libnvrtc via ctypes. It dlopens its builtins library by name: load that first, so the
+    wheel works without LD_LIBRARY_PATH."""
+    for builtins in sorted(glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*"))):
+        if ".alt." not in builtins:
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+    return ctypes.CDLL(lib_path)
+
+
+def nvrtc_compile(lib, source: bytes, name: str, options: list[str]) -> str | None:
+    """Compiles one program with NVRTC; None on success, else the compiler's log."""
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, name.encode(), 0, None, None) == 0
+    rc = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*(o.encode() for o in options)))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return None if rc == 0 else log.value.decode(errors="replace")
+
+
 @pytest.mark.skipif(_find_nvrtc() is None, reason="NVRTC (nvidia-cuda-nvrtc) not installed")
 def test_sources_compile_with_nvrtc():
     """The production path: NVRTC, no standard library headers, common.cuh's __CUDACC_RTC__ branch."""
     lib_path, include = _find_nvrtc()
-    # libnvrtc dlopens its builtins library by name; load it first so the wheel works without LD_LIBRARY_PATH.
-    for builtins in sorted(glob.glob(os.path.join(os.path.dirname(lib_path), "libnvrtc-builtins.so*"))):
-        if ".alt." not in builtins:
-            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-    lib = ctypes.CDLL(lib_path)
+    lib = load_nvrtc(lib_path)
     failures = []
     for src in _cuda_sources():
         for arch in ("sm_80", "sm_90"):
-            prog = ctypes.c_void_p()
-            assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.read_bytes(), src.name.encode(), 0, None, None) == 0
             opts = [f"-arch={arch}", "--std=c++17", f"-I{ROOT / 'kernels'}", f"-I{include}"]
-            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts)))
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
-            if rc != 0:
-                failures.append(f"{src.name} ({arch}):\n{log.value.decode(errors='replace')}")
+            log = nvrtc_compile(lib, src.read_bytes(), src.name, opts)
+            if log is not None:
+                failures.append(f"{src.name} ({arch}):\n{log}")
     assert not failures, "\n\n".join(failures)

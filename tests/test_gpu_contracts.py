@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from cutp import backend
+from tests.test_backend import _DLPackOnly
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -170,17 +171,7 @@ def test_embedding_backward_device_path_takes_no_bf16_atomics(monkeypatch, dtype
 
 
 # ---- host conversion of device arrays -------------------------------------------------------------
-class _HostDLPack:
-    """A foreign host array that speaks only DLPack (a torch CPU tensor, say)."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, *args, **kwargs):
-        return self._a.__dlpack__(*args, **kwargs)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
+_HostDLPack = _DLPackOnly  # a torch CPU tensor, say: a foreign host array that only speaks DLPack
 
 
 def test_as_array_on_cuda_takes_host_dlpack_through_numpy():

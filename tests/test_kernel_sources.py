@@ -25,7 +25,8 @@ import pytest
 
 from cutp import backend
 from cutp import cuda_kernels as ck
-from tests.test_cuda_emu import _KERNEL_DEF, _cuda_sources, _find_nvrtc, _nvcc, _strip_comments, kernel_entry_points
+from tests.test_cuda_emu import (_KERNEL_DEF, _cuda_sources, _find_nvrtc, _nvcc, _strip_comments,
+                                 kernel_entry_points, load_nvrtc, nvrtc_compile)
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "kernels"
@@ -107,28 +108,16 @@ def test_inlined_sources_compile_with_nvcc(tmp_path):
 def test_inlined_sources_compile_with_nvrtc_and_our_options():
     """The production path minus the GPU: kernel_source() + nvrtc_options(find_cuda_include())."""
     lib_path, _ = _find_nvrtc()
-    for builtins in sorted(Path(lib_path).parent.glob("libnvrtc-builtins.so*")):
-        if ".alt." not in builtins.name:
-            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
-    lib = ctypes.CDLL(lib_path)
+    lib = load_nvrtc(lib_path)
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     opts = ck.nvrtc_options(ck.find_cuda_include(major.value))
     failures = []
     for name in ck.SOURCES:
         for arch in ("compute_80", "compute_90"):
-            prog = ctypes.c_void_p()
-            src = ck.kernel_source(name).encode()
-            assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{name}.cu".encode(), 0, None, None) == 0
-            o = [f"-arch={arch}", *opts]
-            rc = lib.nvrtcCompileProgram(prog, len(o), (ctypes.c_char_p * len(o))(*(x.encode() for x in o)))
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
-            if rc != 0:
-                failures.append(f"{name} ({arch}):\n{log.value.decode(errors='replace')}")
+            log = nvrtc_compile(lib, ck.kernel_source(name).encode(), f"{name}.cu", [f"-arch={arch}", *opts])
+            if log is not None:
+                failures.append(f"{name} ({arch}):\n{log}")
     assert not failures, "\n\n".join(failures)
 
 

@@ -143,7 +143,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     bsh = b * s * h
     tp_calls = (4 * L + 2) * accum if tp > 1 else 0
     tp_elems = bsh * tp_calls
-    ce_elems = 4 * b * s * accum if tp > 1 else 0
+    ce_elems = 3 * b * s * accum if tp > 1 else 0  # max, then (sum of exps, target logit); +b*s with smoothing
     ce_calls = 2 * accum if tp > 1 else 0
     ar_factor = lambda n: 2 * (n - 1) / n  # noqa: E731
     out = {
@@ -214,7 +214,7 @@ def run(args) -> Report:
            formula=f"(4 per layer x {L} + 2) x b*s*h = {bsh:,} elements, x {args.accum} micro-batches")
     cm.add(what="TP all-reduce (CE stats)", calls=r["ce_allreduce"]["calls"], elements=r["ce_allreduce"]["elements"],
            gb=r["ce_allreduce"]["bytes"] / GB, wire=r["ce_allreduce"]["wire_bytes"] / GB,
-           formula="max (b*s) + sums (3*b*s), fp32")
+           formula="max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32")
     cm.add(what="DP all-reduce (gradients)", calls=r["dp_allreduce"]["calls"], elements=r["dp_allreduce"]["elements"],
            gb=r["dp_allreduce"]["bytes"] / GB, wire=r["dp_allreduce"]["wire_bytes"] / GB,
            formula=f"params per GPU x {pr['grad']} B, once per step")

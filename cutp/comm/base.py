@@ -101,3 +101,49 @@ class Communicator:
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name} rank {self.rank}/{self.size}>"
+
+
+class WrappedCommunicator(Communicator):
+    """A communicator that adds behaviour around another one (counting, the watchdog).
+
+    Every collective goes through `_call(op, x, fn, *args)`, which by default just calls `fn`;
+    a subclass overrides that one method. Anything else (mpi_comm, nccl_comm, abort, ...) is the
+    inner communicator's.
+    """
+
+    def __init__(self, inner: Communicator):
+        super().__init__(inner.rank, inner.size, inner.name)
+        self.inner = inner
+        self.kind = inner.kind
+
+    def _call(self, op, x, fn, *args):
+        return fn(*args)
+
+    def all_reduce(self, x, op="sum", out=None):
+        return self._call("all_reduce", x, self.inner.all_reduce, x, op, out)
+
+    def all_gather(self, x, out=None):
+        return self._call("all_gather", x, self.inner.all_gather, x, out)
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        return self._call("reduce_scatter", x, self.inner.reduce_scatter, x, op, out)
+
+    def broadcast(self, x, root=0):
+        return self._call("broadcast", x, self.inner.broadcast, x, root)
+
+    def send(self, x, dest, tag=0):
+        return self._call("send", x, self.inner.send, x, dest, tag)
+
+    def recv(self, x, source, tag=0):
+        return self._call("recv", x, self.inner.recv, x, source, tag)
+
+    def barrier(self):
+        return self._call("barrier", np.empty(0), self.inner.barrier)
+
+    def close(self):
+        return self.inner.close()
+
+    def __getattr__(self, item):  # only reached for attributes this wrapper does not have
+        if item == "inner":
+            raise AttributeError(item)
+        return getattr(self.inner, item)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from .base import Communicator
+from .base import Communicator, WrappedCommunicator
 
 
 @dataclass(frozen=True)
@@ -75,44 +75,14 @@ class CommCounter:
         return {f"{g}.{o}": {"calls": v[0], "elements": v[1], "bytes": v[2]} for (g, o), v in sorted(self.totals.items())}
 
 
-class CountingCommunicator(Communicator):
+class CountingCommunicator(WrappedCommunicator):
     """Wraps a communicator; every collective is recorded in `counter` under this group's name."""
 
     def __init__(self, inner: Communicator, counter: CommCounter):
-        super().__init__(inner.rank, inner.size, inner.name)
-        self.inner = inner
-        self.kind = inner.kind
+        super().__init__(inner)
         self.counter = counter
 
-    def all_reduce(self, x, op="sum", out=None):
-        self.counter.record(self.name, "all_reduce", x)
-        return self.inner.all_reduce(x, op, out)
-
-    def all_gather(self, x, out=None):
-        self.counter.record(self.name, "all_gather", x)
-        return self.inner.all_gather(x, out)
-
-    def reduce_scatter(self, x, op="sum", out=None):
-        self.counter.record(self.name, "reduce_scatter", x)
-        return self.inner.reduce_scatter(x, op, out)
-
-    def broadcast(self, x, root=0):
-        self.counter.record(self.name, "broadcast", x)
-        return self.inner.broadcast(x, root)
-
-    def send(self, x, dest, tag=0):
-        self.counter.record(self.name, "send", x)
-        return self.inner.send(x, dest, tag)
-
-    def recv(self, x, source, tag=0):
-        self.counter.record(self.name, "recv", x)
-        return self.inner.recv(x, source, tag)
-
-    def barrier(self):
-        return self.inner.barrier()
-
-    def close(self):
-        return self.inner.close()
-
-    def __getattr__(self, item):  # e.g. mpi_comm, nccl_comm, abort
-        return getattr(self.inner, item)
+    def _call(self, op, x, fn, *args):
+        if op != "barrier":
+            self.counter.record(self.name, op, x)
+        return fn(*args)

@@ -113,28 +113,14 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
 _local = threading.local()
-_blas_fns = None  # (get, set) of the loaded BLAS's thread count, or (None, None)
 
 
 def _find_blas_threads():
-    global _blas_fns
-    if _blas_fns is None:
-        _blas_fns = (None, None)
-        try:
-            import ctypes
+    """(get, set) thread-count functions of the loaded BLAS, or (None, None)."""
+    from cutp.threads import blas_library
 
-            from cutp.threads import _GETTERS, _SETTERS, _find, _loaded_blas_paths
-
-            for path in _loaded_blas_paths():
-                lib = ctypes.CDLL(path)
-                get, set_ = _find(lib, _GETTERS), _find(lib, _SETTERS)
-                if get is not None and set_ is not None:
-                    get.restype = ctypes.c_int
-                    _blas_fns = (get, set_)
-                    break
-        except Exception:  # no BLAS found: the ops run on one thread
-            _blas_fns = (None, None)
-    return _blas_fns
+    blas = blas_library()
+    return (None, None) if blas is None else (blas.get, blas.set)
 
 
 def op_threads() -> int:
@@ -200,20 +186,18 @@ def _quiet_blas_workers():
     if os.environ.get("OPENBLAS_THREAD_TIMEOUT") or os.environ.get("GOTO_THREAD_TIMEOUT"):
         return
     try:
-        import ctypes
+        from cutp.threads import blas_library
 
-        from cutp.threads import _loaded_blas_paths
-
-        for path in _loaded_blas_paths():
-            lib = ctypes.CDLL(path)
-            if all(hasattr(lib, f) for f in ("openblas_read_env", "blas_thread_shutdown_", "openblas_thread_timeout")):
-                os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(BLAS_THREAD_TIMEOUT)
-                try:
-                    lib.openblas_read_env()  # re-reads the environment, thread count unchanged
-                finally:
-                    del os.environ["OPENBLAS_THREAD_TIMEOUT"]  # not inherited by child processes
-                lib.blas_thread_shutdown_()  # the next BLAS call restarts the workers with it
-                return
+        blas = blas_library()
+        lib = None if blas is None else blas.lib
+        if lib is not None and all(hasattr(lib, f) for f in ("openblas_read_env", "blas_thread_shutdown_",
+                                                              "openblas_thread_timeout")):
+            os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(BLAS_THREAD_TIMEOUT)
+            try:
+                lib.openblas_read_env()  # re-reads the environment, thread count unchanged
+            finally:
+                del os.environ["OPENBLAS_THREAD_TIMEOUT"]  # not inherited by child processes
+            lib.blas_thread_shutdown_()  # the next BLAS call restarts the workers with it
     except Exception:  # a BLAS without these entry points: leave it as it is
         pass
 

@@ -107,7 +107,7 @@ def _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits):
     return sum_exp, target_logit, sum_logits
 
 
-def ce_shard_stats(logits, row_max, local_targets, n_valid):
+def ce_shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits=True):
     """Per-row statistics of a logits shard, to be summed over the shards.
 
     Args:
@@ -121,8 +121,10 @@ def ce_shard_stats(logits, row_max, local_targets, n_valid):
     Returns ``(sum_exp, target_logit, sum_logits)``, each [N] in float32 (float32/bfloat16)
     or float64: ``sum_j exp(logits[i, j] - row_max[i])`` and ``sum_j logits[i, j]`` over
     the valid columns, and ``logits[i, local_targets[i]]`` (0 where the target is -1).
+    ``sum_logits`` is only needed for label smoothing: with ``need_sum_logits=False`` it is not
+    computed (one pass fewer over the shard) and None is returned in its place.
     """
-    return _shard_stats(logits, row_max, local_targets, n_valid, True)
+    return _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits)
 
 
 def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scale,

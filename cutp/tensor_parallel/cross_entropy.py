@@ -4,8 +4,8 @@ Input: sharded logits [..., V_pad/tp] (this rank's contiguous vocabulary range, 
 ParallelLMHead) and replicated targets [...]. Output: the mean loss, identical on every TP rank.
 
 Communication, O(rows) elements: one all-reduce (max) of the row maxima, then ONE all-reduce
-(sum) of three stacked per-row vectors: the sum of exps, the target logit (non-zero only on the
-rank owning the target) and the sum of logits (for label smoothing). Label smoothing is
+(sum) of stacked per-row vectors: the sum of exps, the target logit (non-zero only on the
+rank owning the target) and, with label smoothing only, the sum of logits. Label smoothing is
 computed over the full real vocabulary, so every TP rank gets the same loss (Megatron's
 implementation uses the local shard's mean instead: its issue 737). Columns of padded vocabulary
 are masked: they never win the softmax and get zero gradient.
@@ -50,17 +50,17 @@ class VocabParallelCrossEntropy(Module):
         row_max = ops.ce_shard_max(z, self.n_valid)
         if tp.size > 1:
             row_max = tp.all_reduce(xp.ascontiguousarray(row_max), "max")
-        sum_exp, target_logit, sum_logits = ops.ce_shard_stats(z, row_max, local_t, self.n_valid)
-        stats = xp.stack([sum_exp, target_logit, sum_logits])
+        eps = self.label_smoothing
+        parts = ops.ce_shard_stats(z, row_max, local_t, self.n_valid, need_sum_logits=eps > 0)
+        stats = xp.stack([p for p in parts if p is not None])  # the sum of logits only for smoothing
         if tp.size > 1:
             tp.all_reduce(stats, "sum", out=stats)
-        sum_exp, target_logit, sum_logits = stats[0], stats[1], stats[2]
+        sum_exp, target_logit = stats[0], stats[1]
 
         logz = xp.log(sum_exp) + row_max  # log of the partition function per row
         nll = logz - target_logit
-        eps = self.label_smoothing
         if eps > 0:
-            smooth = logz - sum_logits / self.vocab_size  # mean over classes of -log p_c
+            smooth = logz - stats[2] / self.vocab_size  # mean over classes of -log p_c
             per_row = (1.0 - eps) * nll + eps * smooth
         else:
             per_row = nll

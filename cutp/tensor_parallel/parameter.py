@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ..backend import get_array_module
 from .sharding import Sharding, take_shard
 
 
@@ -40,7 +41,8 @@ class Parameter:
             self.norm_mask = None if tp_rank == 0 else False
         else:
             owned = sharding.owned_mask(tp_rank)
-            self.norm_mask = None if owned.all() else owned
+            # kept beside the data (on the GPU there), so the per-step norm copies nothing
+            self.norm_mask = None if owned.all() else get_array_module(data).asarray(owned)
         self.grad_sync: Callable | None = None
         self.zero_grad()
 
@@ -62,12 +64,10 @@ class Parameter:
         """Sum of squared gradient entries this rank counts toward the global norm (float64 scalar array)."""
         if self.norm_mask is False:
             return None
-        from ..backend import get_array_module
-
         g = self.grad
         xp = get_array_module(g)
         if self.norm_mask is not None:
-            g = xp.compress(xp.asarray(self.norm_mask), g, axis=self.sharding.axis)
+            g = xp.compress(self.norm_mask, g, axis=self.sharding.axis)
         if xp is np:
             return _sq_sum_host(g)
         return (g.astype(np.float64) ** 2).sum() if g.dtype != np.float64 else (g * g).sum()

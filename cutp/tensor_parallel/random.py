@@ -40,10 +40,13 @@ class RNGTracker:
         return self.seeds[stream], off
 
     def state_dict(self) -> dict:
-        return {"seeds": dict(self.seeds), "offsets": dict(self.offsets)}
+        """The same on every rank (the per-rank seeds follow from the base seed and the mesh), so a
+        checkpoint stores it once and a run resumed on another mesh can restore it."""
+        return {"seed": self.seed, "offsets": dict(self.offsets)}
 
     def load_state_dict(self, state: dict) -> None:
         if set(state.get("offsets", {})) != set(self.offsets):
             raise ValueError(f"RNG state has streams {sorted(state.get('offsets', {}))}, expected {sorted(self.offsets)}")
-        self.seeds = {k: int(v) for k, v in state["seeds"].items()}
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise ValueError(f"RNG state was saved with seed {state['seed']}, this tracker has seed {self.seed}")
         self.offsets = {k: int(v) for k, v in state["offsets"].items()}

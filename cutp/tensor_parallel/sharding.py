@@ -37,16 +37,10 @@ class Sharding:
 
     def owned_mask(self, rank: int) -> np.ndarray:
         """True where this rank is the lowest rank holding that full index (count it once)."""
-        first_owner = {}
-        for r, idx in enumerate(self.indices):
-            for i in idx:
-                first_owner.setdefault(int(i), r)
-        return np.array([first_owner[int(i)] == rank for i in self.indices[rank]], bool)
-
-    def is_partition(self) -> bool:
-        """True if every full index is held by exactly one rank."""
-        allidx = np.concatenate(self.indices)
-        return len(allidx) == self.full_shape[self.axis] and len(np.unique(allidx)) == len(allidx)
+        mine = np.asarray(self.indices[rank])
+        if rank == 0:
+            return np.ones(len(mine), bool)
+        return ~np.isin(mine, np.concatenate(self.indices[:rank]))
 
 
 def contiguous(full_shape, axis: int, tp: int) -> Sharding:
