@@ -154,7 +154,8 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 "mesh": {"tp": ctx.tp_size, "dp": ctx.dp_size},
                 "padded_vocab": model.padded_vocab,
                 "params": {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
-                                    "sharding": p.sharding.spec if p.sharding is not None else None}
+                                    "sharding": p.sharding.spec if p.sharding is not None else None,
+                                    "real_rows": p.real_rows}
                            for p in model.parameters()},
                 "optimizer": optimizer.hyperparameters() if optimizer is not None else None,
                 "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
@@ -278,6 +279,9 @@ def _param_entry_problem(info) -> str | None:
     shape = info.get("full_shape")
     if not (isinstance(shape, list) and shape and all(isinstance(d, int) and d >= 1 for d in shape)):
         return f"full_shape {shape!r} is not a list of positive integers"
+    real = info.get("real_rows")
+    if real is not None and not (isinstance(real, int) and 1 <= real <= shape[0]):
+        return f"real_rows {real!r} is not null or an integer in [1, {shape[0]}]"
     spec = info.get("sharding", "absent")
     if spec is None:
         return None
@@ -338,16 +342,18 @@ class _ShardReader:
         return f.get_tensor(key)
 
 
-def _full_from_shards(reader, key, info, pad_to=None, vocab_size=None):
-    from .tensor_parallel.sharding import assemble_full, sharding_from_spec
+def _full_from_shards(reader, key, info, rows=None):
+    """The full tensor of `key`; a vocabulary table is re-padded to `rows` rows (the padding depends
+    on the TP size, its real rows do not)."""
+    from .tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec
 
     sharding = sharding_from_spec(info["sharding"], info["full_shape"])
     if sharding is None:
         return reader.get(0, key)
     full = assemble_full([reader.get(r, key) for r in range(reader.tp)], sharding)
-    if pad_to is not None and full.shape[0] != pad_to:  # vocabulary padding differs: re-pad
-        real = full[:vocab_size]
-        full = np.concatenate([real, np.zeros((pad_to - vocab_size,) + real.shape[1:], real.dtype)])
+    real = info.get("real_rows")
+    if rows is not None and real is not None and full.shape[0] != rows:
+        full = pad_rows(full[:real], rows)
     return full
 
 
@@ -392,7 +398,6 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
     # Every rank has verified its files. Read everything this rank needs into host memory first,
     # and only then assign: a tensor missing from a shard (or any other surprise) leaves the
     # model and optimizer untouched on every rank.
-    vocab = model.config.vocab_size
     model_tensors, optim_tensors, error = {}, {}, None
     try:
         readers = {"model": _ShardReader(ckpt, meta, "model")}
@@ -403,8 +408,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             info = meta["params"][name]
             if direct:
                 return readers[kind].get(ctx.tp_rank, key)
-            pad_to = model.padded_vocab if name in ("wte.weight", "lm_head.weight") else None
-            full = _full_from_shards(readers[kind], key, info, pad_to, vocab)
+            full = _full_from_shards(readers[kind], key, info, p.full_shape[0])
             return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
 
         for p in model.parameters():
@@ -471,13 +475,13 @@ def export_full(src: str, dst: str) -> str:
         reader = _ShardReader(src, meta, kind)
         tensors = {}
         for name, info in meta["params"].items():
-            pad_to = padded if name in ("wte.weight", "lm_head.weight") else None
+            rows = padded if info.get("real_rows") is not None else None
             keys = [name] if kind == "model" else ["exp_avg." + name, "exp_avg_sq." + name]
             for key in keys:
-                tensors[key] = _full_from_shards(reader, key, info, pad_to, config.vocab_size)
+                tensors[key] = _full_from_shards(reader, key, info, rows)
             shape = list(tensors[keys[0]].shape)
             spec = info["sharding"]
-            new_params[name] = {"full_shape": shape, "dtype": info["dtype"],
+            new_params[name] = {"full_shape": shape, "dtype": info["dtype"], "real_rows": info.get("real_rows"),
                                 "sharding": None if spec is None else dict(spec, tp=1)}
         fname = (_model_file if kind == "model" else _optim_file)(0, 1)
         path = os.path.join(tmp, fname)

@@ -32,6 +32,7 @@ from .tensor_parallel import (
     gather_full,
     make_parameter,
     normal_init,
+    pad_rows,
     pad_vocab,
     take_shard,
 )
@@ -296,8 +297,8 @@ class GPT(Module):
             full = gather_full(self.ctx.tp, p.data, p.sharding)
             if rank is None or self.ctx.tp_rank == rank:
                 full = self.ctx.to_numpy(full)
-                if p.name in ("wte.weight", "lm_head.weight"):
-                    full = full[: self.config.vocab_size]
+                if p.real_rows is not None:
+                    full = full[: p.real_rows]
                 out[p.name] = np.ascontiguousarray(full)
         return out if (rank is None or self.ctx.tp_rank == rank) else None
 
@@ -313,8 +314,8 @@ class GPT(Module):
             if name not in full:
                 continue
             a = to_numpy(full[name])  # host arrays, or a device state dict (np.asarray refuses CuPy arrays)
-            if name in ("wte.weight", "lm_head.weight") and a.shape[0] == self.config.vocab_size:
-                a = np.concatenate([a, np.zeros((self.padded_vocab - a.shape[0],) + a.shape[1:], a.dtype)])
+            if p.real_rows is not None and a.shape[0] == p.real_rows:
+                a = pad_rows(a, p.full_shape[0])
             if tuple(a.shape) != tuple(p.full_shape):
                 raise ValueError(f"{name}: expected full shape {tuple(p.full_shape)}, got {tuple(a.shape)}")
             shard = np.ascontiguousarray(take_shard(a, p.sharding, self.ctx.tp_rank), dtype=p.data.dtype)

@@ -131,3 +131,44 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
         main(["--preset", "tiny", "--seq-len", "512", "--steps", "1", "--quiet"])
     with pytest.raises(Exception, match="micro-batch-size 3 must divide"):
         main(BASE + ["--steps", "1", "--micro-batch-size", "3"])
+
+
+def _worker_repad_vocabulary(run):
+    """A checkpoint whose vocabulary padding differs from the loading model's (97 real rows,
+    padded to 256 at TP=2 but to 128 at TP=1): the real rows survive, the padding is rebuilt."""
+    import cutp
+    from cutp.checkpoint import export_full, load_checkpoint, save_checkpoint
+    from cutp.model import GPT, GPTConfig
+    from cutp.optim import AdamW, FlatParameters
+    from tests.tp_utils import self_ctx
+
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=97, block_size=8, tie_embeddings=False)
+    ctx = cutp.init(tp=2, device="cpu")
+    model = GPT(ctx, cfg, seed=4)
+    opt = AdamW(FlatParameters(model.parameters()))
+    opt.m[...] = 1.5  # something to carry over
+    path = save_checkpoint(run, 1, model, opt)
+    want = model.gather_state_dict(rank=None)
+    one = GPT(self_ctx(), cfg, seed=0, init=False)
+    opt1 = AdamW(FlatParameters(one.parameters()))
+    load_checkpoint(path, one, opt1)
+    assert one.padded_vocab == 128 and model.padded_vocab == 256
+    got = one.gather_state_dict()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert not one.wte.weight.data[97:].any() and not one.lm_head.weight.data[97:].any()
+    for key, m in opt1.state_dict().items():  # moments re-padded like the parameters
+        if not key.startswith("exp_avg."):
+            continue
+        rows = one.named_parameters()[key[len("exp_avg."):]].real_rows
+        assert (m[:rows] == 1.5).all() and not m[rows:].any() if rows else (m == 1.5).all(), key
+    if ctx.rank == 0:
+        exported = export_full(path, run + "-full")
+        from cutp.checkpoint import read_meta
+
+        assert read_meta(exported)["params"]["wte.weight"]["full_shape"] == [128, 8]
+    ctx.close()
+
+
+def test_checkpoint_repads_the_vocabulary_for_another_tp(tmp_path):
+    run_mpi(2, "tests.test_train:_worker_repad_vocabulary", str(tmp_path / "run"), timeout=120)

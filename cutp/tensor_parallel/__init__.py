@@ -16,7 +16,7 @@ from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, R
                      VocabParallelEmbedding, pad_vocab)
 from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
 from .random import REPLICATED, SHARDED, RNGTracker
-from .sharding import Sharding, gather_full, take_shard
+from .sharding import Sharding, gather_full, pad_rows, take_shard
 from .transformer import ParallelMLP, ParallelTransformerBlock
 
 __all__ = [
@@ -24,5 +24,5 @@ __all__ = [
     "ColumnParallelLinear", "Dropout", "LayerNorm", "ParallelLMHead", "RowParallelLinear",
     "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
     "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",
-    "take_shard", "ParallelMLP", "ParallelTransformerBlock",
+    "take_shard", "pad_rows", "ParallelMLP", "ParallelTransformerBlock",
 ]

@@ -137,13 +137,8 @@ class VocabParallelEmbedding(Module):
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab
         sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
-
-        def zero_padding(full):
-            full[vocab_size:] = 0
-            return full
-
         self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), init or normal_init(0.02), sharding,
-                                     seed=seed, dtype=dtype, transform=zero_padding)
+                                     seed=seed, dtype=dtype, real_rows=vocab_size)
         per = padded_vocab // ctx.tp_size
         self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
         self.n_valid = int(np.clip(vocab_size - self.start, 0, per))  # real (unpadded) rows held here
@@ -181,13 +176,8 @@ class ParallelLMHead(Module):
             self.vocab_size, self.padded_vocab = embedding.vocab_size, embedding.padded_vocab
         else:
             sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
-
-            def zero_padding(full):
-                full[vocab_size:] = 0
-                return full
-
             self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), normal_init(0.02), sharding,
-                                         seed=seed, dtype=dtype, weight_decay=True, transform=zero_padding)
+                                         seed=seed, dtype=dtype, weight_decay=True, real_rows=vocab_size)
             self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
         per = self.padded_vocab // ctx.tp_size
         self.start = ctx.tp_rank * per

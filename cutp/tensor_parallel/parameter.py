@@ -28,7 +28,11 @@ class Parameter:
                  None = all; False = none; otherwise a bool vector along the shard axis.
     grad_sync    optional hook run once per optimizer step, before the DP reduction (GQA: sum
                  the gradient of KV heads replicated over several TP ranks)
+    real_rows    for vocabulary tables: the full tensor's rows [real_rows:] are padding (zero,
+                 never trained, left out of full state dicts); None otherwise
     """
+
+    real_rows: int | None = None
 
     def __init__(self, name: str, data, sharding: Sharding | None, tp_rank: int, weight_decay: bool):
         self.name = name
@@ -125,23 +129,26 @@ def ones_init(rng, shape, dtype):
 
 
 def make_parameter(ctx, name, full_shape, init, sharding=None, *, seed=0, dtype=np.float32,
-                   weight_decay=False, transform=None) -> Parameter:
+                   weight_decay=False, real_rows=None) -> Parameter:
     """Builds the full tensor on the host from its own seeded generator, keeps this rank's shard.
 
     Only one full tensor exists at a time (it is dropped before the next parameter is made).
-    `transform(full)` may edit the full tensor first (e.g. zero padded vocabulary rows).
+    real_rows: rows [real_rows:] are vocabulary padding: zero, and left out of full state dicts.
     seed=None skips initialisation: the shard is allocated as zeros (for weights about to be
     loaded from a checkpoint or a Hugging Face file).
     """
     if seed is None:
         shape = tuple(full_shape) if sharding is None else sharding.shard_shape(ctx.tp_rank)
-        return Parameter(name, ctx.xp.zeros(shape, dtype), sharding, ctx.tp_rank, weight_decay)
-    full = init(param_rng(seed, name), tuple(full_shape), dtype)
-    if transform is not None:
-        full = transform(full)
-    shard = np.ascontiguousarray(take_shard(full, sharding, ctx.tp_rank), dtype=dtype)
-    del full
-    return Parameter(name, ctx.asarray(shard), sharding, ctx.tp_rank, weight_decay)
+        data = ctx.xp.zeros(shape, dtype)
+    else:
+        full = init(param_rng(seed, name), tuple(full_shape), dtype)
+        if real_rows is not None:
+            full[real_rows:] = 0
+        data = ctx.asarray(np.ascontiguousarray(take_shard(full, sharding, ctx.tp_rank), dtype=dtype))
+        del full
+    p = Parameter(name, data, sharding, ctx.tp_rank, weight_decay)
+    p.real_rows = real_rows
+    return p
 
 
 # ---- modules ---------------------------------------------------------------------------------

@@ -108,6 +108,13 @@ def assemble_full(shards: list, sharding: Sharding | None):
     return np.moveaxis(full, 0, sharding.axis)
 
 
+def pad_rows(a, rows: int):
+    """`a` with zero rows appended up to `rows` (vocabulary padding)."""
+    if a.shape[0] == rows:
+        return a
+    return np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)])
+
+
 def take_shard(full, sharding: Sharding | None, rank: int):
     """This rank's shard of a full (host) array; the array itself when replicated."""
     if sharding is None:
