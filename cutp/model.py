@@ -141,7 +141,8 @@ class GPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ConfigError(f"unknown GPTConfig fields {sorted(unknown)}")
+            raise ConfigError(f"unknown GPTConfig fields {sorted(unknown)}; the fields are {sorted(known)} "
+                              "(a checkpoint or config written by another cutp version?)")
         return cls(**d)
 
     def num_parameters(self) -> int:

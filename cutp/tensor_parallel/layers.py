@@ -141,7 +141,6 @@ class VocabParallelEmbedding(Module):
                                      seed=seed, dtype=dtype, real_rows=vocab_size)
         per = padded_vocab // ctx.tp_size
         self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
-        self.n_valid = int(np.clip(vocab_size - self.start, 0, per))  # real (unpadded) rows held here
 
     def forward(self, ids):
         xp = self.ctx.xp
@@ -179,9 +178,6 @@ class ParallelLMHead(Module):
             self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), normal_init(0.02), sharding,
                                          seed=seed, dtype=dtype, weight_decay=True, real_rows=vocab_size)
             self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
-        per = self.padded_vocab // ctx.tp_size
-        self.start = ctx.tp_rank * per
-        self.n_valid = int(np.clip(self.vocab_size - self.start, 0, per))
 
     @property
     def table(self):
