@@ -13,6 +13,7 @@ import json
 import numpy as np
 
 from .errors import ConfigError
+from .failure import mark_raised_on_every_rank
 
 _VALUE_BYTES = 96
 
@@ -57,8 +58,9 @@ def check_same_on_all_ranks(mpi_comm, config: dict, what: str = "configuration")
     mpi_comm.Allgather([key_hash, MPI.UINT8_T], [all_key_hashes, MPI.UINT8_T])
     if not (all_key_hashes == all_key_hashes[0]).all():
         groups = _group_ranks(all_key_hashes)
-        raise ConfigError(f"the {what} has different fields on different ranks (rank groups {groups}); "
-                          "launch the same cutp version and script on every rank")
+        raise mark_raised_on_every_rank(ConfigError(
+            f"the {what} has different fields on different ranks (rank groups {groups}); "
+            "launch the same cutp version and script on every rank"), mpi_comm, 0)
     values = np.zeros((len(keys), _VALUE_BYTES), np.uint8)
     for i, k in enumerate(keys):
         text = _canonical(config[k])[:_VALUE_BYTES]
@@ -76,8 +78,9 @@ def check_same_on_all_ranks(mpi_comm, config: dict, what: str = "configuration")
         problems.append(f"{k}: " + ", ".join(f"ranks {_ranges(rs)} have {v}" for v, rs in by_value.items()))
     if not problems:
         problems = ["values differ beyond their first %d bytes" % _VALUE_BYTES]
-    raise ConfigError(f"the {what} differs across ranks: " + "; ".join(problems)
-                      + ". Every rank must get the same arguments.")
+    raise mark_raised_on_every_rank(ConfigError(
+        f"the {what} differs across ranks: " + "; ".join(problems) + ". Every rank must get the same arguments."),
+        mpi_comm, 0)
 
 
 def _group_ranks(rows):

@@ -97,7 +97,7 @@ class Context:
 
         from . import __version__
         from .consistency import check_same_on_all_ranks
-        from .failure import install_abort_on_error
+        from .failure import errors_raised_on_every_rank, install_abort_on_error
         from .watchdog import Watchdog, default_timeout
 
         if abort_on_error:
@@ -105,8 +105,9 @@ class Context:
         self.mpi_comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
-        self.mesh = validate_mesh(self.world_size, tp, dp)
-        self.device = backend.resolve_device(device)
+        with errors_raised_on_every_rank(self.mpi_comm):  # a device missing on one node stops every rank
+            self.mesh = validate_mesh(self.world_size, tp, dp)
+            self.device = backend.resolve_device(device)
         check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "device": self.device,
                                                 "cutp": __version__}, "cutp.init arguments")
         self.tp_size, self.dp_size = self.mesh.tp, self.mesh.dp

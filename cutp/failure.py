@@ -8,12 +8,20 @@ every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import sys
 import threading
+import time
 import traceback
 
 _installed = False
+# How long a rank that raised an error every rank raises waits for the others to reach the exit
+# barrier before it falls back to MPI_Abort (a rank that caught the error must not hang the job).
+EXIT_BARRIER_TIMEOUT = 30.0
+# How long abort_job waits for the launcher to take this rank's last output off the pipe.
+OUTPUT_DRAIN_TIMEOUT = 2.0
 
 
 def format_rank_traceback(rank: int, etype, value, tb) -> str:
@@ -29,8 +37,68 @@ def abort_job(message: str = "", code: int = 1) -> None:
         sys.stderr.write(message)
     sys.stderr.flush()
     sys.stdout.flush()
+    wait_for_output_to_drain()
     MPI.COMM_WORLD.Abort(code)
     os._exit(code)  # Abort does not return; this is for MPI stacks where it does
+
+
+def wait_for_output_to_drain(timeout: float = OUTPUT_DRAIN_TIMEOUT, fds=(1, 2)) -> None:
+    """Waits until the launcher has read what this rank wrote to stdout/stderr, up to `timeout`.
+
+    mpiexec forwards each rank's output asynchronously, and MPI_Abort tears the job down at once:
+    bytes still sitting in the pipe are lost, and under load CI once lost a whole job's output,
+    the error message included. On a pipe, FIONREAD counts the bytes its reader has not taken.
+    """
+    import fcntl
+    import struct
+    import termios
+
+    deadline = time.monotonic() + timeout
+    for fd in fds:
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            while time.monotonic() < deadline:
+                unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+                if unread == 0:
+                    break
+                time.sleep(0.005)
+        except OSError:
+            continue
+
+
+def mark_raised_on_every_rank(exc: BaseException, mpi_comm, reporter: int) -> BaseException:
+    """Records that every rank of `mpi_comm` raises `exc` at the same point, and that rank
+    `reporter` (of mpi_comm) holds the informative traceback. The excepthook then ends the job
+    with a plain exit instead of MPI_Abort (see `_exit_together`)."""
+    exc.cutp_every_rank = (mpi_comm, reporter)
+    return exc
+
+
+def _spans_the_job(mpi_comm) -> bool:
+    from mpi4py import MPI
+
+    try:
+        return mpi_comm.Get_size() == MPI.COMM_WORLD.Get_size()
+    except Exception:
+        return False
+
+
+def _exit_together(mpi_comm, timeout: float | None = None) -> bool:
+    """True once every rank of mpi_comm has reached this point (non-blocking barrier polled up
+    to `timeout`, default EXIT_BARRIER_TIMEOUT); False if some rank did not come (it caught the
+    error and went on)."""
+    timeout = EXIT_BARRIER_TIMEOUT if timeout is None else timeout
+    try:
+        request = mpi_comm.Ibarrier()
+        deadline = time.monotonic() + timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+    except Exception:
+        return False
 
 
 def install_abort_on_error() -> bool:
@@ -49,6 +117,20 @@ def install_abort_on_error() -> bool:
     rank = MPI.COMM_WORLD.Get_rank()
 
     def excepthook(etype, value, tb):
+        every_rank = getattr(value, "cutp_every_rank", None)
+        if every_rank is not None and _spans_the_job(every_rank[0]):
+            # Every process of the job raises this same error at the same point (a config that
+            # differs, a damaged checkpoint): one traceback from the rank that saw it, then a
+            # plain exit on every rank. MPI_Abort here would only race mpiexec's output forwarding.
+            comm, reporter = every_rank
+            if comm.Get_rank() == reporter:
+                sys.stderr.write(format_rank_traceback(rank, etype, value, tb))
+            sys.stderr.flush()
+            sys.stdout.flush()
+            if _exit_together(comm):
+                return  # Python exits with status 1; mpi4py finalizes MPI on every rank
+            abort_job(f"[rank {rank}] not every rank stopped on this error within {EXIT_BARRIER_TIMEOUT:g} s; "
+                      "aborting the job\n")
         abort_job(format_rank_traceback(rank, etype, value, tb))
 
     def thread_excepthook(args):
@@ -69,6 +151,16 @@ def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError) -> None:
     (a corrupt shard it reads, a config that differs) stops every rank at the same point,
     before any further collective, instead of leaving the others waiting.
     """
+    reported = _first_error(mpi_comm, error)
+    if reported is None:
+        return
+    first, text = reported
+    message = text if mpi_comm.Get_rank() == first else f"(reported by rank {first}) {text}"
+    raise mark_raised_on_every_rank(exc_type(message), mpi_comm, first)
+
+
+def _first_error(mpi_comm, error: str | None):
+    """Collective: None if no rank has an error, else (lowest failing rank, its message)."""
     import numpy as np
     from mpi4py import MPI
 
@@ -77,11 +169,62 @@ def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError) -> None:
     mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MIN)
     first = int(flag[0])
     if first == mpi_comm.Get_size():
-        return
+        return None
     buf = np.zeros(4096, np.uint8)
     if me == first:
         msg = error.encode()[:4096]
         buf[: len(msg)] = np.frombuffer(msg, np.uint8)
     mpi_comm.Bcast([buf, MPI.UINT8_T], root=first)
-    text = bytes(buf).rstrip(b"\0").decode(errors="replace")
-    raise exc_type(text if me == first else f"(reported by rank {first}) {text}")
+    return first, bytes(buf).rstrip(b"\0").decode(errors="replace")
+
+
+class JobError(RuntimeError):
+    """Another rank of the job failed with an exception this rank cannot rebuild; it stops with it."""
+
+
+@contextlib.contextmanager
+def errors_raised_on_every_rank(mpi_comm):
+    """Collective over mpi_comm at the end of the block: an exception on any rank is raised on
+    every rank. The lowest failing rank re-raises its own exception (its traceback is the one
+    printed); the other ranks raise the same exception class (cutp's errors and Python's
+    built-in ones; `JobError` for others) with the message prefixed by the reporting rank, so
+    `except cutp.ConfigError` works alike everywhere. For checks that can fail on some ranks
+    only (a file one node cannot read, a device one node lacks) as much as for checks that fail
+    everywhere. The block must not call collectives: a rank that failed before one would leave
+    the others waiting in it.
+    """
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every exception must reach the other ranks
+        error = e
+    cls = type(error)
+    reported = _first_error(mpi_comm, None if error is None else f"{cls.__module__}:{cls.__qualname__}:{error}")
+    if reported is None:
+        return
+    first, text = reported
+    if mpi_comm.Get_rank() == first:
+        raise mark_raised_on_every_rank(error, mpi_comm, first)
+    module, name, message = text.split(":", 2)
+    raise mark_raised_on_every_rank(_rebuild(module, name, f"(reported by rank {first}) {name}: {message}"),
+                                    mpi_comm, first)
+
+
+def _rebuild(module: str, name: str, message: str) -> Exception:
+    import builtins
+    import importlib
+
+    cls = None
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+    elif module == "cutp" or module.startswith("cutp."):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:  # noqa: BLE001 - a constructor with other arguments
+            pass
+    return JobError(message)

@@ -141,46 +141,50 @@ def main(argv=None):
     args = parse_args(argv)
     from mpi4py import MPI
 
-    from cutp.failure import install_abort_on_error
+    from cutp.failure import errors_raised_on_every_rank, install_abort_on_error
 
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
     world = MPI.COMM_WORLD
     local_ranks = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank).Get_size()
-    device = cutp.backend.resolve_device(args.device)
 
     # ---- configuration (validated on every rank before any allocation) ------------------------
-    resume_meta = None
-    if args.resume:
-        resume_dir = checkpoint.resolve_checkpoint(args.resume)
-        resume_meta = checkpoint.read_meta(resume_dir)
-    resolve_run_settings(args, resume_meta)
-    if resume_meta is not None:
-        config = GPTConfig.from_dict({**resume_meta["config"], "dropout": args.dropout})
-        if args.preset or args.dtype or args.set:  # the same command line again: it must describe this model
-            asked = GPTConfig.preset(args.preset or saved_preset(resume_meta, device), dtype=args.dtype or config.dtype,
-                                     dropout=args.dropout).with_overrides(args.set)
-            diff = [f"{k}: checkpoint {getattr(config, k)!r}, flags {getattr(asked, k)!r}"
-                    for k in checkpoint.ARCH_FIELDS + ("dtype",) if getattr(config, k) != getattr(asked, k)]
-            if diff:
-                raise cutp.ConfigError("--preset/--set/--dtype describe another model than the checkpoint: "
-                                       + "; ".join(diff) + ". Omit them when resuming.")
-    else:
-        preset = args.preset or ("gpt2" if device == "cuda" else "tiny")
-        config = GPTConfig.preset(preset, dtype=args.dtype or "float32", dropout=args.dropout).with_overrides(args.set)
-    dataset = load_dataset(args.data)
-    if dataset.vocab_size > config.vocab_size:
-        raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
-                               f"{config.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
-    tp = args.tp or choose_tp(world.size, local_ranks, config, device)
+    # An error in these checks, on any rank, is raised on every rank (so the job ends at once,
+    # with one traceback, whether every rank or only one node sees the problem).
+    with errors_raised_on_every_rank(world):
+        device = cutp.backend.resolve_device(args.device)
+        resume_meta = None
+        if args.resume:
+            resume_dir = checkpoint.resolve_checkpoint(args.resume)
+            resume_meta = checkpoint.read_meta(resume_dir)
+        resolve_run_settings(args, resume_meta)
+        if resume_meta is not None:
+            config = GPTConfig.from_dict({**resume_meta["config"], "dropout": args.dropout})
+            if args.preset or args.dtype or args.set:  # the same command line again: it must describe this model
+                asked = GPTConfig.preset(args.preset or saved_preset(resume_meta, device), dtype=args.dtype or config.dtype,
+                                         dropout=args.dropout).with_overrides(args.set)
+                diff = [f"{k}: checkpoint {getattr(config, k)!r}, flags {getattr(asked, k)!r}"
+                        for k in checkpoint.ARCH_FIELDS + ("dtype",) if getattr(config, k) != getattr(asked, k)]
+                if diff:
+                    raise cutp.ConfigError("--preset/--set/--dtype describe another model than the checkpoint: "
+                                           + "; ".join(diff) + ". Omit them when resuming.")
+        else:
+            preset = args.preset or ("gpt2" if device == "cuda" else "tiny")
+            config = GPTConfig.preset(preset, dtype=args.dtype or "float32", dropout=args.dropout).with_overrides(args.set)
+        dataset = load_dataset(args.data)
+        if dataset.vocab_size > config.vocab_size:
+            raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
+                                   f"{config.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
+        tp = args.tp or choose_tp(world.size, local_ranks, config, device)
     # every rank must run the same thing: compare before anything is allocated
     check_same_on_all_ranks(world, {"args": vars(args), "model": config.to_dict(), "tp": tp, "device": device,
                                     "data": dataset.description}, "training configuration")
-    config.validate(tp)
+    with errors_raised_on_every_rank(world):
+        config.validate(tp)
+        # resolved values go back into args: the checkpoint records them, so a resume repeats them
+        args.seq_len = seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
+        if seq_len > config.block_size:
+            raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
     ctx = cutp.init(tp=tp, dp=args.dp, device=device)
-    # resolved values go back into args: the checkpoint records them, so a resume repeats them
-    args.seq_len = seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
-    if seq_len > config.block_size:
-        raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
     args.batch_size = batch = args.batch_size or -(-8 // ctx.dp_size) * ctx.dp_size
     micro = args.micro_batch_size or batch // ctx.dp_size
     sampler = BatchSampler(dataset, seq_len, batch, ctx.dp_size, ctx.dp_rank, micro, seed=args.seed)

@@ -83,11 +83,98 @@ def test_mismatched_training_arguments_end_the_job(tmp_path):
     text = out.stdout + out.stderr
     assert "training configuration differs across ranks" in text, text[-3000:]
     assert "ranks 0-1 have" in text and "ranks 2-3 have" in text
+    # every rank raised the same error: one traceback, and a plain exit rather than MPI_Abort
+    # (whose teardown once raced mpiexec's output forwarding and lost the message)
+    assert text.count("Traceback (most recent call last)") == 1, text[-3000:]
+    assert "MPI_Abort" not in text, text[-3000:]
 
 
 def test_tp_not_dividing_heads_is_refused_on_every_rank():
     res = run_mpi(3, TRAIN, BASE + ["--steps", "1", "--tp", "3"], timeout=60, expect_failure=True)
     assert "tp=3 does not divide n_head=8" in res.stdout and "use tp in [1, 2, 4, 8]" in res.stdout
+    assert res.stdout.count("Traceback (most recent call last)") == 1 and "MPI_Abort" not in res.stdout
+
+
+def _worker_error_on_some_ranks():
+    from mpi4py import MPI
+
+    from cutp.failure import JobError, errors_raised_on_every_rank
+
+    comm = MPI.COMM_WORLD
+    r = comm.rank
+    missing = "/nonexistent/cutp-test-file"
+    with pytest.raises(FileNotFoundError) as e:
+        with errors_raised_on_every_rank(comm):
+            if r == 2:  # one node cannot read a file
+                open(missing)
+    if r == 2:  # its own exception, traceback and all
+        assert e.value.filename == missing and "reported by" not in str(e.value)
+    else:  # the same class elsewhere, naming the rank and the problem
+        assert str(e.value).startswith("(reported by rank 2) FileNotFoundError: [Errno 2]"), str(e.value)
+        assert missing in str(e.value)
+    assert e.value.cutp_every_rank == (comm, 2)
+
+    class NotRebuildable(Exception):
+        pass
+
+    with pytest.raises((NotRebuildable, JobError)) as e:
+        with errors_raised_on_every_rank(comm):
+            if r in (1, 3):
+                raise NotRebuildable(f"bad on rank {r}")
+    if r == 1:
+        assert type(e.value) is NotRebuildable
+    else:  # the lowest failing rank reports
+        assert type(e.value) is JobError and "(reported by rank 1)" in str(e.value) and "bad on rank 1" in str(e.value)
+    with errors_raised_on_every_rank(comm):  # and without an error nothing is raised
+        pass
+
+
+def test_an_error_on_some_ranks_is_raised_on_every_rank():
+    run_mpi(4, "tests.test_reliability:_worker_error_on_some_ranks", timeout=60)
+
+
+def _worker_error_caught_on_one_rank():
+    from mpi4py import MPI
+
+    import cutp.failure
+    from cutp.consistency import check_same_on_all_ranks
+
+    cutp.failure.EXIT_BARRIER_TIMEOUT = 2.0
+    comm = MPI.COMM_WORLD
+    try:
+        check_same_on_all_ranks(comm, {"x": comm.rank})
+    except cutp.ConfigError:
+        if comm.rank != 1:
+            raise
+    time.sleep(60)  # rank 1 caught the error and went on: the others must not wait for it forever
+
+
+def test_an_error_every_rank_raises_but_one_catches_still_ends_the_job():
+    t0 = time.monotonic()
+    res = run_mpi(4, "tests.test_reliability:_worker_error_caught_on_one_rank", timeout=60, expect_failure=True)
+    assert time.monotonic() - t0 < 20
+    assert "not every rank stopped on this error within 2 s; aborting the job" in res.stdout, res.stdout[-3000:]
+    assert "the configuration differs across ranks: x:" in res.stdout
+
+
+def test_abort_waits_until_the_launcher_has_read_the_output():
+    import threading
+
+    from cutp.failure import wait_for_output_to_drain
+
+    r, w = os.pipe()
+    try:
+        os.write(w, b"x" * 1000)
+        t0 = time.monotonic()
+        wait_for_output_to_drain(timeout=0.3, fds=(w,))  # nobody reads: gives up at the timeout
+        assert 0.25 < time.monotonic() - t0 < 2
+        threading.Timer(0.3, lambda: os.read(r, 4096)).start()
+        t0 = time.monotonic()
+        wait_for_output_to_drain(timeout=10, fds=(w,))  # returns once the reader has taken it
+        assert 0.25 < time.monotonic() - t0 < 5
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_bad_inputs_name_the_value_and_the_limit():
