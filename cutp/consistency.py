@@ -40,12 +40,19 @@ def flatten(config: dict, prefix: str = "") -> dict:
 
 def check_same_on_all_ranks(mpi_comm, config: dict, what: str = "configuration") -> None:
     """Collective over mpi_comm. Raises ConfigError on every rank if any rank's config differs."""
-    from mpi4py import MPI
-
     config = flatten(config)
     n = mpi_comm.Get_size()
     if n == 1:
         return
+    from .watchdog import host_watchdog
+
+    with host_watchdog().guard(f"the cross-rank check of the {what} (host all-gather)"):
+        _check(mpi_comm, config, what, n)
+
+
+def _check(mpi_comm, config: dict, what: str, n: int) -> None:
+    from mpi4py import MPI
+
     mine = np.frombuffer(config_hash(config), np.uint8).copy()
     every = np.empty((n, 32), np.uint8)
     mpi_comm.Allgather([mine, MPI.UINT8_T], [every, MPI.UINT8_T])

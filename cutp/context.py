@@ -98,7 +98,7 @@ class Context:
         from . import __version__
         from .consistency import check_same_on_all_ranks
         from .failure import errors_raised_on_every_rank, install_abort_on_error
-        from .watchdog import Watchdog, default_timeout
+        from .watchdog import Watchdog, check_timeout, default_timeout
 
         if abort_on_error:
             install_abort_on_error()
@@ -108,6 +108,7 @@ class Context:
         with errors_raised_on_every_rank(self.mpi_comm):  # a device missing on one node stops every rank
             self.mesh = validate_mesh(self.world_size, tp, dp)
             self.device = backend.resolve_device(device)
+            timeout = default_timeout() if collective_timeout is None else check_timeout(collective_timeout)
         check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "device": self.device,
                                                 "cutp": __version__}, "cutp.init arguments")
         self.tp_size, self.dp_size = self.mesh.tp, self.mesh.dp
@@ -146,7 +147,6 @@ class Context:
         world_mpi = self.mpi_comm.Dup()
         self._owned_mpi = [tp_mpi, dp_mpi, world_mpi]
         self.counter = CommCounter()
-        timeout = default_timeout() if collective_timeout is None else float(collective_timeout)
         self.watchdog = Watchdog(timeout, self.rank)
         self.world = self._wrap(self._make_comm(world_mpi, "world"))
         self.tp = self._wrap(self._make_comm(tp_mpi, "tp"))
@@ -195,7 +195,8 @@ class Context:
         return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size} "
                 f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}) device={self.device}"
                 + (f":{self.device_id}" if self.device_id is not None else "")
-                + f" comm={self.tp.kind}")
+                + f" comm={self.tp.kind}"
+                + (f" watchdog={self.watchdog.timeout:g}s" if self.watchdog.enabled else " watchdog=off"))
 
     def close(self):
         if getattr(self, "closed", True):

@@ -164,17 +164,20 @@ def _first_error(mpi_comm, error: str | None):
     import numpy as np
     from mpi4py import MPI
 
+    from .watchdog import host_watchdog
+
     me = mpi_comm.Get_rank()
-    flag = np.array([me if error else mpi_comm.Get_size()], np.int64)
-    mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MIN)
-    first = int(flag[0])
-    if first == mpi_comm.Get_size():
-        return None
-    buf = np.zeros(4096, np.uint8)
-    if me == first:
-        msg = error.encode()[:4096]
-        buf[: len(msg)] = np.frombuffer(msg, np.uint8)
-    mpi_comm.Bcast([buf, MPI.UINT8_T], root=first)
+    with host_watchdog().guard("the cross-rank agreement on errors (host all-reduce)"):
+        flag = np.array([me if error else mpi_comm.Get_size()], np.int64)
+        mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MIN)
+        first = int(flag[0])
+        if first == mpi_comm.Get_size():
+            return None
+        buf = np.zeros(4096, np.uint8)
+        if me == first:
+            msg = error.encode()[:4096]
+            buf[: len(msg)] = np.frombuffer(msg, np.uint8)
+        mpi_comm.Bcast([buf, MPI.UINT8_T], root=first)
     return first, bytes(buf).rstrip(b"\0").decode(errors="replace")
 
 

@@ -180,8 +180,17 @@ class PositionEmbedding(Module):
 class GPT(Module):
     def __init__(self, ctx, config: GPTConfig, seed: int = 0, init: bool = True):
         """seed: initialisation and dropout streams. init=False allocates zeros instead of drawing
-        the initial weights (for models whose weights are loaded right after)."""
-        config.validate(ctx.tp_size)
+        the initial weights (for models whose weights are loaded right after).
+
+        Collective over ctx's communicator: every rank must build the same model (a config or seed
+        that differs on one rank would otherwise give silently wrong gradients or a hang)."""
+        from .consistency import check_same_on_all_ranks
+        from .failure import errors_raised_on_every_rank
+
+        check_same_on_all_ranks(ctx.mpi_comm, {"config": config.to_dict(), "seed": seed, "init": init},
+                                "GPT model configuration")
+        with errors_raised_on_every_rank(ctx.mpi_comm):
+            config.validate(ctx.tp_size)
         self.ctx = ctx
         self.config = config
         self.seed = seed

@@ -21,13 +21,28 @@ import threading
 import time
 
 from .comm.base import Communicator, WrappedCommunicator
+from .errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 600.0
 
 
 def default_timeout() -> float:
+    """$CUTP_COLLECTIVE_TIMEOUT (seconds, 0 = no watchdog), else DEFAULT_TIMEOUT_S."""
     v = os.environ.get("CUTP_COLLECTIVE_TIMEOUT")
-    return float(v) if v not in (None, "") else DEFAULT_TIMEOUT_S
+    if v in (None, ""):
+        return DEFAULT_TIMEOUT_S
+    return check_timeout(v, "CUTP_COLLECTIVE_TIMEOUT")
+
+
+def check_timeout(value, what: str = "collective_timeout") -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ConfigError(f"{what}={value!r} is not a number of seconds >= 0; use e.g. 600, or 0 to turn "
+                          "the collective watchdog off")
+    return seconds
 
 
 class Watchdog:
@@ -96,6 +111,21 @@ class Watchdog:
 
     def close(self):
         self._stop.set()
+
+
+_host_watchdog = None
+
+
+def host_watchdog() -> Watchdog:
+    """The watchdog over the host-side MPI collectives cutp makes outside a Context's
+    communicators (the cross-rank configuration checks, the agreement on an error): a peer stuck
+    there ends the job like anywhere else. Its timeout is $CUTP_COLLECTIVE_TIMEOUT or the default."""
+    global _host_watchdog
+    if _host_watchdog is None:
+        from mpi4py import MPI
+
+        _host_watchdog = Watchdog(default_timeout(), MPI.COMM_WORLD.Get_rank())
+    return _host_watchdog
 
 
 def _event_done(event, device: int) -> bool:

@@ -74,7 +74,10 @@ def parse_args(argv=None):
                    help="on SIGTERM/SIGINT finish the step, checkpoint, exit (default on)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model field of the preset, e.g. --set n_layer=2 --set n_kv_head=2")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--collective-timeout", type=float, default=None,
+                   help="seconds a collective may wait for a peer before the job is aborted "
+                        "(default: $CUTP_COLLECTIVE_TIMEOUT or 600; 0 turns the watchdog off)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (warnings are still printed)")
     return p.parse_args(argv)
 
 
@@ -175,16 +178,15 @@ def main(argv=None):
             raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
                                    f"{config.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
         tp = args.tp or choose_tp(world.size, local_ranks, config, device)
+        config.validate(tp)
+        seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
+        if seq_len > config.block_size:
+            raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
     # every rank must run the same thing: compare before anything is allocated
     check_same_on_all_ranks(world, {"args": vars(args), "model": config.to_dict(), "tp": tp, "device": device,
                                     "data": dataset.description}, "training configuration")
-    with errors_raised_on_every_rank(world):
-        config.validate(tp)
-        # resolved values go back into args: the checkpoint records them, so a resume repeats them
-        args.seq_len = seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
-        if seq_len > config.block_size:
-            raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
-    ctx = cutp.init(tp=tp, dp=args.dp, device=device)
+    args.seq_len = seq_len  # resolved values go back into args: the checkpoint records them, a resume repeats them
+    ctx = cutp.init(tp=tp, dp=args.dp, device=device, collective_timeout=args.collective_timeout)
     args.batch_size = batch = args.batch_size or -(-8 // ctx.dp_size) * ctx.dp_size
     micro = args.micro_batch_size or batch // ctx.dp_size
     sampler = BatchSampler(dataset, seq_len, batch, ctx.dp_size, ctx.dp_rank, micro, seed=args.seed)
@@ -192,6 +194,7 @@ def main(argv=None):
     args.lr = lr = args.lr or (1e-3 if config.n_embd <= 256 else 6e-4)
     args.warmup = warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     log = print if (ctx.rank == 0 and not args.quiet) else (lambda *a, **k: None)
+    warn = (lambda msg: print(f"warning: {msg}", file=sys.stderr, flush=True)) if ctx.rank == 0 else (lambda msg: None)
 
     # ---- model, optimizer, state -------------------------------------------------------------
     model = GPT(ctx, config, seed=args.seed, init=not args.resume)  # resumed weights are loaded next
@@ -283,8 +286,8 @@ def main(argv=None):
             skips = 0
         else:
             skips += 1
-            log(f"step {step + 1}: non-finite loss {loss} or grad norm {norm}: step skipped "
-                f"({skips} in a row; the run stops at {args.max_skips})")
+            warn(f"step {step + 1}: non-finite loss {loss} or grad norm {norm}: step skipped "
+                 f"({skips} in a row; the run stops at {args.max_skips})")
             if skips >= args.max_skips:
                 raise FloatingPointError(f"{skips} consecutive non-finite steps; stopping (lower --lr?)")
         if ctx.device == "cuda":

@@ -68,13 +68,50 @@ def _check_group(ctx, comm, members):
         assert counted("all_gather", nb, lambda: comm.all_gather(x, out=out)) is out
         np.testing.assert_array_equal(out, np.concatenate(every, 0))
 
-        # reduce_scatter: axis 0 split into size chunks
-        big = np.concatenate([_data(ctx.rank + k, comm.name, dtype) for k in range(len(members))], 0)
-        bigs = np.stack([np.concatenate([_data(r + k, comm.name, dtype) for k in range(len(members))], 0).astype(np.float64)
+        # reduce_scatter: axis 0 split into size chunks; sum / max / avg, allocated and into out
+        n = len(members)
+        big = np.concatenate([_data(ctx.rank + k, comm.name, dtype) for k in range(n)], 0)
+        big_before = big.copy()
+        bigs = np.stack([np.concatenate([_data(r + k, comm.name, dtype) for k in range(n)], 0).astype(np.float64)
                          for r in members])
-        rs = counted("reduce_scatter", big.nbytes, lambda: comm.reduce_scatter(big))
-        chunk = bigs.sum(0).reshape(len(members), -1, 3)[me]
-        np.testing.assert_array_equal(rs.astype(np.float64), chunk.astype(dtype).astype(np.float64))
+        for op in ("sum", "max", "avg"):
+            if op == "max":
+                red = bigs.max(0)
+            else:
+                red = bigs.sum(0)
+                if op == "avg":  # integers: toward zero (the groups' data has negative sums not divisible by n)
+                    red = np.trunc(red / n) if np.dtype(dtype).kind == "i" else red / n
+            chunk = red.reshape(n, -1, 3)[me].astype(dtype).astype(np.float64)
+            rs = counted("reduce_scatter", big.nbytes, lambda: comm.reduce_scatter(big, op))
+            assert rs.dtype == big.dtype and rs.shape == x.shape, (op, dtype, rs.dtype, rs.shape)
+            np.testing.assert_array_equal(rs.astype(np.float64), chunk, err_msg=f"reduce_scatter {op} {dtype}")
+            out = np.full(x.shape, 99, dtype)  # stale contents must be overwritten, not accumulated into
+            assert counted("reduce_scatter", big.nbytes, lambda: comm.reduce_scatter(big, op, out=out)) is out
+            np.testing.assert_array_equal(out.astype(np.float64), chunk, err_msg=f"reduce_scatter {op} out= {dtype}")
+        np.testing.assert_array_equal(big, big_before)  # input untouched
+
+        # aliased buffers: NCCL's in-place layouts (x is this rank's slot of out for all_gather,
+        # out is this rank's slot of x for reduce_scatter), a view of the same memory, and an overlap
+        # that is neither; each gives the out-of-place result
+        rows = x.shape[0]
+        gathered = np.zeros((rows * n, 3), dtype)
+        gathered[me * rows:(me + 1) * rows] = x
+        assert comm.all_gather(gathered[me * rows:(me + 1) * rows], out=gathered) is gathered
+        np.testing.assert_array_equal(gathered, np.concatenate(every, 0), err_msg=f"in-place all_gather {dtype}")
+        shifted = np.zeros((rows * n + 1, 3), dtype)
+        shifted[:rows] = x  # x overlaps out's first slot, shifted by one row
+        np.testing.assert_array_equal(comm.all_gather(shifted[:rows], out=shifted[1:]), np.concatenate(every, 0))
+        chunk = bigs.sum(0).reshape(n, -1, 3)[me].astype(dtype).astype(np.float64)
+        scratch = big.copy()
+        mine = scratch[me * rows:(me + 1) * rows]
+        assert comm.reduce_scatter(scratch, "sum", out=mine) is mine
+        np.testing.assert_array_equal(mine.astype(np.float64), chunk, err_msg=f"in-place reduce_scatter {dtype}")
+        scratch = big.copy()
+        first = scratch[:rows]  # out at another rank's slot than NCCL's in-place one (for me > 0)
+        np.testing.assert_array_equal(comm.reduce_scatter(scratch, "sum", out=first).astype(np.float64), chunk)
+        z = x.copy()
+        np.testing.assert_array_equal(comm.all_reduce(z, "sum", out=z.reshape(z.shape)).astype(np.float64),
+                                      stacked.sum(0).astype(dtype).astype(np.float64))
 
         # broadcast from the last rank of the group, in place
         b = x.copy()
@@ -103,6 +140,21 @@ def _check_group(ctx, comm, members):
         comm.all_reduce(np.ones(3), "prod")
     with pytest.raises(CommError, match="out has shape"):
         comm.all_reduce(np.ones(3), out=np.ones(4))
+    n = comm.size
+    with pytest.raises(CommError, match=rf"all_gather.*out has shape \({2 * n + 1}, 3\).*expected \({2 * n}, 3\)"):
+        comm.all_gather(np.ones((2, 3)), out=np.ones((2 * n + 1, 3)))
+    wrong_dtype = rf"out has shape \({n}, 3\) and dtype float32; expected \({n}, 3\) and float64"
+    with pytest.raises(CommError, match=wrong_dtype):
+        comm.all_gather(np.ones((1, 3)), out=np.ones((n, 3), np.float32))
+    with pytest.raises(CommError, match=r"reduce_scatter.*out has shape \(3, 3\).*expected \(2, 3\)"):
+        comm.reduce_scatter(np.ones((2 * n, 3)), "max", out=np.ones((3, 3)))
+    with pytest.raises(CommError, match=r"out is not C-contiguous"):
+        comm.reduce_scatter(np.ones((2 * n, 3)), out=np.ones((3, 2)).T)
+    with pytest.raises(CommError, match="reduce op"):
+        comm.reduce_scatter(np.ones((n, 3)), "min")
+    if n > 1:
+        with pytest.raises(CommError, match=rf"needs axis 0 divisible by {n}; got shape \({n + 1}, 3\)"):
+            comm.reduce_scatter(np.ones((n + 1, 3)))
 
 
 def _worker_collectives(meshes):

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import tests.cuda_emu as cuda_emu
 from tests.cuda_emu import (
     SCHEDULES,
     BarrierError,
@@ -685,6 +686,113 @@ def test_options_and_compile_errors():
         EmulatedModule(code=code, options=("--frobnicate",))
     with pytest.raises(CompileError, match="SCALE"):
         EmulatedModule(code=code)  # SCALE undefined: g++'s diagnostic is in the message
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """A build cache of this test alone ($CUTP_CACHE_DIR is read at every build). The emulator
+    runtime's object is copied over from the session's cache, so only the test's modules compile."""
+    cuda_emu._runtime_object(os.environ.get("CUTP_EMU_CXX", "g++"), ())  # built once per session anyway
+    session_cache = cuda_emu._cache_dir()
+    monkeypatch.setenv("CUTP_CACHE_DIR", str(tmp_path / "cache"))
+    cache = cuda_emu._cache_dir()
+    for obj in session_cache.glob("runtime-*.o"):
+        shutil.copy2(obj, cache / obj.name)
+    return cache
+
+
+def count_kernel_compiles(monkeypatch) -> list[list[str]]:
+    """The g++ command lines that compile kernel sources from now on (appended as they run)."""
+    compiles, run = [], cuda_emu._run
+
+    def counting_run(cmd, what, cwd=None):
+        if what == "compiling the kernels with g++":
+            compiles.append(cmd)
+        return run(cmd, what, cwd)
+
+    monkeypatch.setattr(cuda_emu, "_run", counting_run)
+    return compiles
+
+
+def test_warnings_are_compile_errors(private_cache, tmp_path, monkeypatch):
+    """-Werror: a kernel that only warns (an unused variable) does not build, and leaves no build."""
+    compiles = count_kernel_compiles(monkeypatch)
+    src = tmp_path / "warns.cu"
+    src.write_text('#include "common.cuh"\n'
+                   'extern "C" __global__ void k(float* x) {\n    int unused = 3;\n    x[0] = 1.0f;\n}\n')
+    with pytest.raises(CompileError, match=r"(?s)compiling the kernels with g\+\+ failed.*warns\.cu:3.*"
+                                           r"unused variable .unused..*-Werror=unused-variable"):
+        EmulatedModule(path=src)
+    assert len(compiles) == 1 and "-Werror" in compiles[0]
+    assert not list(private_cache.glob("module-*")), "a failed build must not be cached"
+
+
+def test_builds_are_cached_by_the_contents_of_sources_and_headers(private_cache, tmp_path, monkeypatch):
+    """The cache key hashes the source and the headers it includes (next to it, or in an -I
+    directory): a changed source or header builds anew; the same contents (even rewritten, or restored after
+    a change) reuse the cached build without running the compiler."""
+    compiles = count_kernel_compiles(monkeypatch)
+    inc = tmp_path / "include"
+    inc.mkdir()
+    src, local_h, include_h = tmp_path / "k.cu", tmp_path / "local.cuh", inc / "scale.cuh"
+    kernel = ('#include "common.cuh"\n#include "local.cuh"\n#include "scale.cuh"\n'
+              'extern "C" __global__ void k(float* x) {{ x[0] = {value} * LOCAL * SCALE; }}\n')
+
+    def write(value="1.0f", local="1.0f", scale="1.0f"):
+        src.write_text(kernel.format(value=value))
+        local_h.write_text(f"#define LOCAL {local}\n")
+        include_h.write_text(f"#define SCALE {scale}\n")
+
+    def build() -> tuple[Path, float]:
+        m = EmulatedModule(path=src, options=("-I", str(inc)))
+        x = np.zeros(1, np.float32)
+        m.get_function("k")((1,), (1,), (x,))
+        return m.library_path, float(x[0])
+
+    write()
+    first = build()
+    assert first[1] == 1 and first[0].parent == private_cache and len(compiles) == 1
+    write()  # the same bytes, written again
+    assert build() == first and len(compiles) == 1
+    write(value="2.0f")
+    changed = build()
+    assert changed[1] == 2 and changed[0] != first[0] and len(compiles) == 2
+    write(value="2.0f", local="3.0f")  # a header next to the source
+    local = build()
+    assert local[1] == 6 and local[0] not in (first[0], changed[0]) and len(compiles) == 3
+    write(value="2.0f", local="3.0f", scale="5.0f")  # a header of an -I directory
+    scaled = build()
+    assert scaled[1] == 30 and scaled[0] not in (first[0], changed[0], local[0]) and len(compiles) == 4
+    write()  # back to the first contents: the first build, no compiler run
+    assert build() == first and len(compiles) == 4
+    assert len(list(private_cache.glob("module-*.so"))) == 4
+
+
+def test_cache_key_follows_nested_includes_and_ignores_unrelated_files(private_cache, tmp_path, monkeypatch):
+    """A header reached through another header, in a subdirectory or via `..`, is part of the
+    key; a file no source includes (another snippet in the same directory) is not."""
+    compiles = count_kernel_compiles(monkeypatch)
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    src = tmp_path / "src" / "k.cu"
+    outer, inner, up = tmp_path / "src" / "sub" / "outer.cuh", tmp_path / "src" / "sub" / "inner.cuh", tmp_path / "up.cuh"
+    src.write_text('#include "common.cuh"\n#include "sub/outer.cuh"\nextern "C" __global__ void k(float* x) { x[0] = INNER * UP; }\n')
+    outer.write_text('#include "inner.cuh"\n#include "../../up.cuh"\n')
+
+    def build(inner_value, up_value):
+        inner.write_text(f"#define INNER {inner_value}\n")
+        up.write_text(f"#define UP {up_value}\n")
+        x = np.zeros(1, np.float32)
+        m = EmulatedModule(path=src)
+        m.get_function("k")((1,), (1,), (x,))
+        return m.library_path, float(x[0])
+
+    first = build("1.0f", "1.0f")
+    assert first[1] == 1 and len(compiles) == 1
+    assert build("5.0f", "1.0f")[1] == 5 and len(compiles) == 2  # included from a subdirectory's header
+    assert build("5.0f", "3.0f")[1] == 15 and len(compiles) == 3  # included via ..
+    (tmp_path / "src" / "unrelated.cu").write_text("// another snippet\n")
+    (tmp_path / "src" / "unrelated.cuh").write_text("#define NOTHING 1\n")
+    assert build("1.0f", "1.0f") == first and len(compiles) == 3  # unrelated files: the first build
 
 
 def test_ucontext_fallback_runs_kernels():

@@ -200,6 +200,25 @@ def test_cupy_loader_builds_one_rawmodule_per_source(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Packaging: a regular install finds the kernel sources
 # ------------------------------------------------------------------------------------------------
+def _pip_env(tmp: Path, base: dict | None = None) -> dict:
+    """The environment for a pip subprocess that writes nothing under the user's home: a private
+    cache in `tmp` and no self version check (which would write its state file into the cache)."""
+    return dict(os.environ if base is None else base, PIP_CACHE_DIR=str(tmp / "pip-cache"),
+                PIP_DISABLE_PIP_VERSION_CHECK="1")
+
+
+def test_pip_subprocesses_use_a_private_cache(tmp_path):
+    # from an environment without any PIP_* settings (this machine may set some of them itself);
+    # without PIP_NO_CACHE_DIR in particular, with which `pip cache dir` refuses to answer
+    env = _pip_env(tmp_path, {k: v for k, v in os.environ.items() if not k.startswith("PIP_")})
+    p = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert Path(p.stdout.strip()) == tmp_path / "pip-cache", p.stdout
+    p = subprocess.run([sys.executable, "-m", "pip", "config", "debug"], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PIP_DISABLE_PIP_VERSION_CHECK='1'" in p.stdout, p.stdout
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """A wheel built from a copy of the project (so no build/ or egg-info lands in the checkout)."""
@@ -213,7 +232,7 @@ def wheel(tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "kernels", src / "kernels", ignore=ignore)
     out = tmp / "dist"
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".", "-w",
-                        str(out)], cwd=src, capture_output=True, text=True)
+                        str(out)], cwd=src, capture_output=True, text=True, env=_pip_env(tmp))
     if p.returncode != 0:
         pytest.fail(f"pip wheel failed:\n{p.stdout}\n{p.stderr}")
     (whl,) = out.glob("cutp-*.whl")
@@ -241,7 +260,7 @@ def test_installed_wheel_reads_the_kernel_sources(wheel, tmp_path):
     through importlib.resources."""
     target = tmp_path / "site"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
-                        str(target), str(wheel)], capture_output=True, text=True)
+                        str(target), str(wheel)], capture_output=True, text=True, env=_pip_env(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     code = (
         "import cutp, cutp.cuda_kernels as ck\n"

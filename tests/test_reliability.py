@@ -208,6 +208,25 @@ def _worker_stuck_rank():
     ctx.world.all_reduce(np.ones(8))
 
 
+def _worker_stuck_before_init():
+    from mpi4py import MPI
+
+    from cutp.consistency import check_same_on_all_ranks
+
+    if MPI.COMM_WORLD.rank == 1:
+        time.sleep(120)  # stuck before any Context exists
+    check_same_on_all_ranks(MPI.COMM_WORLD, {"a": 1}, "launch settings")
+
+
+def test_watchdog_covers_the_checks_before_init():
+    t0 = time.monotonic()
+    res = run_mpi(2, "tests.test_reliability:_worker_stuck_before_init", timeout=60, expect_failure=True,
+                  env={"CUTP_COLLECTIVE_TIMEOUT": "2"})
+    assert time.monotonic() - t0 < 15
+    assert "[rank 0] cutp watchdog: the cross-rank check of the launch settings (host all-gather) has not " \
+           "completed" in res.stdout, res.stdout[-3000:]
+
+
 def test_watchdog_aborts_a_collective_stuck_on_a_peer():
     t0 = time.monotonic()
     res = run_mpi(4, "tests.test_reliability:_worker_stuck_rank", timeout=60, expect_failure=True)
@@ -297,6 +316,69 @@ def test_sigterm_checkpoints_and_resumes_bit_identically(tmp_path):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
 
 
+@pytest.mark.parametrize("save_on_signal", [True, False])
+def test_ctrl_c_on_the_job(tmp_path, save_on_signal):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: mpiexec and the ranks."""
+    out = tmp_path / "run"
+    metrics = tmp_path / "m.jsonl"
+    flags = [] if save_on_signal else ["--no-save-on-signal"]
+    proc = subprocess.Popen(_train_cmd(2, BASE + ["--steps", "1000", "--tp", "2", "--out", str(out),
+                                                  "--metrics", str(metrics)] + flags),
+                            env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 120, "two steps", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if save_on_signal:  # the step finishes, a checkpoint of it is written, the job exits 0
+        assert proc.returncode == 0, output[-3000:]
+        assert "signal received: stopping after step" in output
+        latest = json.loads((out / "latest").read_text())
+        assert latest["step"] == _metrics(metrics)[-1]["step"] and (out / latest["path"] / "meta.json").exists()
+    else:  # the user asked for Python's default: KeyboardInterrupt ends the job, nothing is written
+        assert proc.returncode != 0, output[-3000:]
+        assert not out.exists() or not any(p.name.startswith("step-") for p in out.iterdir())
+
+
+def test_collective_timeout_setting(monkeypatch):
+    from cutp.watchdog import DEFAULT_TIMEOUT_S, default_timeout
+
+    monkeypatch.delenv("CUTP_COLLECTIVE_TIMEOUT", raising=False)
+    assert default_timeout() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("CUTP_COLLECTIVE_TIMEOUT", "7.5")
+    assert default_timeout() == 7.5
+    ctx = self_ctx()
+    assert ctx.watchdog.timeout == 7.5 and "watchdog=7.5s" in ctx.describe()
+    ctx.close()
+    monkeypatch.setenv("CUTP_COLLECTIVE_TIMEOUT", "ten")
+    with pytest.raises(cutp.ConfigError, match="CUTP_COLLECTIVE_TIMEOUT='ten' is not a number of seconds"):
+        default_timeout()
+    from mpi4py import MPI
+
+    with pytest.raises(cutp.ConfigError, match="collective_timeout=-1 is not a number of seconds >= 0"):
+        cutp.init(comm=MPI.COMM_SELF, collective_timeout=-1, device="cpu")
+    ctx = cutp.init(comm=MPI.COMM_SELF, collective_timeout=0, device="cpu")
+    assert not ctx.watchdog.enabled and "watchdog=off" in ctx.describe()
+    ctx.close()
+
+
+def _worker_model_differs_across_ranks():
+    ctx = cutp.init(tp=2, device="cpu")
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8)
+    with pytest.raises(cutp.ConfigError) as e:
+        GPT(ctx, cfg, seed=ctx.rank)  # a per-rank seed: silently different weights without the check
+    assert "the GPT model configuration differs across ranks: seed: ranks 0 have 0, ranks 1 have 1" in str(e.value)
+    GPT(ctx, cfg, seed=3)  # the same model everywhere is built
+    ctx.close()
+
+
+def test_a_model_that_differs_across_ranks_is_refused():
+    run_mpi(2, "tests.test_reliability:_worker_model_differs_across_ranks", timeout=60)
+
+
 # ---- numerical faults ------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp,dp,rank,param", [
     (1, 2, 0, "wte.weight"),  # a sharded/counted entry, on a DP rank
@@ -306,8 +388,10 @@ def test_nan_gradient_skips_exactly_one_step(tmp_path, tp, dp, rank, param):
     out = str(tmp_path / "run")
     m = tmp_path / "m.jsonl"
     env = {"CUTP_FAULT_NAN_STEP": "3", "CUTP_FAULT_NAN_RANK": str(rank), "CUTP_FAULT_NAN_PARAM": param}
-    run_mpi(2, TRAIN, BASE + ["--steps", "4", "--tp", str(tp), "--dp", str(dp), "--save-every", "1", "--keep", "5",
-                              "--out", out, "--metrics", str(m)], timeout=120, env=env)
+    res = run_mpi(2, TRAIN, BASE + ["--steps", "4", "--tp", str(tp), "--dp", str(dp), "--save-every", "1",
+                                    "--keep", "5", "--out", out, "--metrics", str(m)], timeout=120, env=env)
+    # reported on the console even with --quiet
+    assert "warning: step 3: non-finite loss" in res.stdout and "step skipped (1 in a row" in res.stdout, res.stdout
     rows = _metrics(m)
     assert [bool(r.get("skipped")) for r in rows] == [False, False, True, False]
     assert not np.isfinite(rows[2]["grad_norm"])

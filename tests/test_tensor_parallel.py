@@ -53,12 +53,13 @@ def _compare(n, build, x, dtype, sharded_out=False, what=""):
 
 # ---- workers ---------------------------------------------------------------------------------
 def _worker_layers(n):
+    cols = 12 if 12 % n == 0 else 24  # column outputs split evenly over TP (TP=8: 3 columns per rank)
     for dtype in (np.float64, np.float32):
-        h = 8
+        h = 8  # at TP=8 the row-parallel input is one feature per rank
         x = _rand(1, (B, T, h), dtype)
-        _compare(n, lambda c: ColumnParallelLinear(c, h, 12, name="col", gather_output=True, dtype=dtype, seed=3),
+        _compare(n, lambda c: ColumnParallelLinear(c, h, cols, name="col", gather_output=True, dtype=dtype, seed=3),
                  x, dtype, what="column(gather)")
-        _compare(n, lambda c: ColumnParallelLinear(c, h, 12, name="col", bias=False, dtype=dtype, seed=3),
+        _compare(n, lambda c: ColumnParallelLinear(c, h, cols, name="col", bias=False, dtype=dtype, seed=3),
                  x, dtype, sharded_out=True, what="column(sharded,no bias)")
         _compare(n, lambda c: RowParallelLinear(c, h, 6, name="row", input_is_parallel=False, dtype=dtype, seed=3),
                  x, dtype, what="row(replicated input)")
@@ -131,6 +132,12 @@ def _worker_cross_entropy(n):
     ctx.close()
 
 
+def _worker_layers_and_cross_entropy(n):
+    """Both standalone checks in one job (one mpiexec start fewer)."""
+    _worker_layers(n)
+    _worker_cross_entropy(n)
+
+
 def _gpt_run(ctx, cfg, seed=0):
     model = GPT(ctx, cfg, seed=seed)
     rng = np.random.default_rng(21)
@@ -183,6 +190,11 @@ STACKS = [
 def test_linear_mlp_embedding_tp2_tp4():
     run_mpi(4, "tests.test_tensor_parallel:_worker_layers", 2, timeout=120)
     run_mpi(4, "tests.test_tensor_parallel:_worker_layers", 4, timeout=120)
+
+
+def test_linear_mlp_embedding_and_cross_entropy_tp8():
+    # TP=8 on the vocabulary of 97: rank 7's shard (rows/columns 112..127) is all padding
+    run_mpi(8, "tests.test_tensor_parallel:_worker_layers_and_cross_entropy", 8, timeout=180)
 
 
 def test_attention_and_block_gqa_cases_tp4():
@@ -284,6 +296,97 @@ def _worker_dropout_streams():
 
 def test_dropout_masks_shared_and_distinct():
     run_mpi(4, "tests.test_tensor_parallel:_worker_dropout_streams", timeout=60)
+
+
+# ---- the same model at every TP size; state_dict holds this rank's shards -----------------------
+def _shard_shapes(cfg, tp):
+    """The local shapes of the sharded parameters, worked out from the config by hand."""
+    E, H, hd = cfg.n_embd, cfg.hidden, cfg.n_embd // cfg.n_head
+    qkv = (cfg.n_head // tp + 2 * max(cfg.kv_heads // tp, 1)) * hd  # KV heads replicated when tp > n_kv_head
+    vocab = (cfg.padded_vocab(tp) // tp, E)
+    return {"attn.c_attn.weight": (E, qkv), "attn.c_attn.bias": (qkv,), "attn.c_proj.weight": (E // tp, E),
+            "mlp.c_fc.weight": (E, H // tp), "mlp.c_fc.bias": (H // tp,), "mlp.c_proj.weight": (H // tp, E),
+            "wte.weight": vocab, "lm_head.weight": vocab}
+
+
+def _assemble_by_hand(name, shards, cfg, tp):
+    """The full (padded) tensor from every TP rank's shard [tp, *shard], without cutp's sharding code."""
+    if name.endswith(("c_attn.weight", "c_attn.bias")):
+        axis = shards[0].ndim - 1
+        hd = cfg.n_embd // cfg.n_head
+        q, kv = cfg.n_head // tp * hd, max(cfg.kv_heads // tp, 1) * hd
+        part = lambda s, lo, n: np.take(s, np.arange(lo, lo + n), axis=axis)  # noqa: E731
+        if tp <= cfg.kv_heads:
+            holders = list(range(tp))
+        else:  # each KV head is held by tp // n_kv_head consecutive ranks: identical copies
+            reps = tp // cfg.kv_heads
+            holders = [g * reps for g in range(cfg.kv_heads)]
+            for r in range(tp):
+                for lo in (q, q + kv):
+                    assert np.array_equal(part(shards[r], lo, kv), part(shards[holders[r // reps]], lo, kv)), \
+                        f"{name}: replicated KV head differs on TP rank {r}"
+        return np.concatenate([part(s, 0, q) for s in shards] + [part(shards[r], q, kv) for r in holders]
+                              + [part(shards[r], q + kv, kv) for r in holders], axis=axis)
+    if name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight", "mlp.c_fc.bias", "wte.weight", "lm_head.weight")):
+        return np.concatenate(list(shards), axis=0)
+    if name.endswith("mlp.c_fc.weight"):
+        return np.concatenate(list(shards), axis=1)
+    for r in range(1, tp):  # replicated
+        assert np.array_equal(shards[r], shards[0]), f"replicated {name} differs on TP rank {r}"
+    return shards[0]
+
+
+def _worker_same_model_at_every_tp(sizes, cases):
+    for kw in cases:
+        cfg = GPTConfig(**kw)
+        dtype = np.dtype(cfg.dtype)
+        ref = GPT(self_ctx(), cfg, seed=11).gather_state_dict(rank=None)  # TP=1, on every rank
+        assert all(a.dtype == dtype for a in ref.values())
+        assert ref["wte.weight"].shape == (cfg.vocab_size, cfg.n_embd)
+        for n in sizes:
+            ctx, sub = group_ctx(n)
+            model = GPT(ctx, cfg, seed=11)
+            full = model.gather_state_dict(rank=None)
+            assert list(full) == list(ref), (n, kw)
+            for k in ref:  # exactly the same model: same names, shapes, dtypes and bits
+                assert full[k].dtype == ref[k].dtype and full[k].shape == ref[k].shape, (n, k, full[k].shape)
+                assert np.array_equal(full[k], ref[k]), f"tp={n} {kw}: {k} differs from TP=1"
+            on_root = model.gather_state_dict()  # default: TP rank 0 only
+            if ctx.tp_rank == 0:
+                assert set(on_root) == set(ref) and all(np.array_equal(on_root[k], ref[k]) for k in ref)
+            else:
+                assert on_root is None, f"gather_state_dict() returned a dict on TP rank {ctx.tp_rank}"
+
+            # state_dict(): this rank's shards, which reassemble (over the TP group) into the gathered dict
+            local = model.state_dict()
+            assert list(local) == list(ref), (n, kw)
+            expect = _shard_shapes(cfg, n)
+            for k, shard in local.items():
+                rule = next((v for suffix, v in expect.items() if k.endswith(suffix)), ref[k].shape)
+                assert shard.shape == rule, f"tp={n} rank {ctx.tp_rank}: {k} has local shape {shard.shape}, not {rule}"
+                assert shard.dtype == dtype, (k, shard.dtype)
+                shards = ctx.tp.all_gather(np.ascontiguousarray(shard)[None])
+                assembled = _assemble_by_hand(k, shards, cfg, n)
+                if k in ("wte.weight", "lm_head.weight"):
+                    assert assembled.shape[0] == cfg.padded_vocab(n)
+                    assert not assembled[cfg.vocab_size:].any(), f"tp={n}: padded rows of {k} are not zero"
+                    assembled = assembled[: cfg.vocab_size]
+                assert np.array_equal(assembled, full[k]), f"tp={n}: {k} shards do not assemble into the gathered one"
+            assert sum(a.size for a in local.values()) == model.num_parameters_local()
+            ctx.close()
+            sub.Free()
+
+
+def test_same_model_at_tp1_tp2_tp4_and_state_dict_holds_shards():
+    cases = [
+        # GQA: KV heads replicated at TP=4 (> n_kv_head), split at TP=2; untied head; default vocab padding
+        dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, mlp_hidden=24, vocab_size=97, block_size=8,
+             dtype="float32", tie_embeddings=False),
+        # MHA, no biases, tied embeddings, padding that differs by TP (50 -> 52 at TP=4)
+        dict(n_layer=1, n_head=8, n_embd=32, vocab_size=50, block_size=8, dtype="float64", bias=False,
+             vocab_multiple=1),
+    ]
+    run_mpi(4, "tests.test_tensor_parallel:_worker_same_model_at_every_tp", [4, 2], cases, timeout=120)
 
 
 # ---- in-process: validation, sharding, finite differences ---------------------------------

@@ -45,20 +45,104 @@ def test_tp8_runs(tmp_path):
 
 
 def test_resume_reproduces_steps_bit_identically(tmp_path):
+    from safetensors.numpy import load_file
+
     args = BASE + ["--dropout", "0.1", "--tp", "2", "--dp", "2", "--micro-batch-size", "2"]
     full, part = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
-    run_mpi(4, TRAIN, args + ["--steps", "20", "--save-every", "10", "--out", str(tmp_path / "run"),
+    run, rerun = tmp_path / "run", tmp_path / "rerun"
+    run_mpi(4, TRAIN, args + ["--steps", "20", "--save-every", "5", "--keep", "2", "--out", str(run),
                               "--metrics", str(full)], timeout=240)
-    ckpt = tmp_path / "run" / "step-00000010"
-    assert (ckpt / "meta.json").exists()
-    run_mpi(4, TRAIN, args + ["--steps", "20", "--resume", str(ckpt), "--metrics", str(part)], timeout=240)
-    a, b = _metrics(full)[10:], _metrics(part)
-    assert [r["step"] for r in b] == list(range(11, 21))
+    # --keep 2: the run directory keeps the two newest checkpoints and points `latest` at the last
+    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000015", "step-00000020"]
+    assert json.loads((run / "latest").read_text()) == {"step": 20, "path": "step-00000020"}
+    ckpt = run / "step-00000015"
+    run_mpi(4, TRAIN, args + ["--steps", "20", "--resume", str(ckpt), "--metrics", str(part), "--out", str(rerun)],
+            timeout=240)
+    a, b = _metrics(full)[15:], _metrics(part)
+    assert [r["step"] for r in b] == list(range(16, 21))
     for ra, rb in zip(a, b):
         assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"], (ra, rb)
-    # the run directory keeps the newest checkpoints and points `latest` at the last one
-    latest = json.loads((tmp_path / "run" / "latest").read_text())
-    assert latest == {"step": 20, "path": "step-00000020"}
+    # and the final weights and optimizer moments are bit-identical too
+    files = sorted(p.name for p in (run / "step-00000020").glob("*.safetensors"))
+    assert files == sorted(p.name for p in (rerun / "step-00000020").glob("*.safetensors")) and len(files) == 4
+    for name in files:
+        x, y = load_file(run / "step-00000020" / name), load_file(rerun / "step-00000020" / name)
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), name
+    # a checkpoint is safetensors and JSON only, and records the library version and the data position
+    assert sorted(p.name for p in (run / "step-00000020").iterdir()) == sorted(files + ["meta.json"])
+    import cutp
+
+    meta = json.loads((run / "step-00000020" / "meta.json").read_text())
+    assert meta["cutp_version"] == cutp.__version__ and meta["step"] == 20
+    assert meta["data"]["next_step"] == 20 and meta["data"]["global_batch"] == 8 and meta["data"]["seq_len"] == 32
+
+
+def test_progress_lines_metrics_and_validation(tmp_path):
+    """One line and one JSONL row per step with the fields users plot, validation every
+    --eval-every steps, a text file as --data, and a start-up banner that says what runs."""
+    import re
+
+    from cutp.model import GPTConfig
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()[:20000])
+    m = tmp_path / "m.jsonl"
+    b, s, h = 4, 16, 128
+    res = run_mpi(2, TRAIN, ["--preset", "tiny", "--seq-len", str(s), "--batch-size", str(b), "--set", "n_layer=1",
+                             "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--tp", "2",
+                             "--data", str(data), "--metrics", str(m), "--collective-timeout", "77"], timeout=120)
+    rows = _metrics(m)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"loss", "lr", "grad_norm", "ms", "tokens_per_s", "comm_mb"} <= r.keys(), r
+        assert r["lr"] > 0 and r["ms"] > 0 and np.isclose(r["tokens_per_s"], b * s / (r["ms"] / 1000))
+        # per layer 2 all-reduces of b*s*h forward and 2 backward, plus the embedding's forward and the
+        # tied head's dX backward; the vocab-parallel CE adds 3 floats per token; then a few scalars
+        layers = (4 * 1 + 2) * b * s * h * 4 + 3 * b * s * 4
+        assert 0 <= r["comm_mb"] * 1e6 - layers < 1024, r["comm_mb"]
+    assert ["val_loss" in r for r in rows] == [False, True, False, True]
+    assert all(np.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 4, res.stdout
+    pattern = r"step +\d+ \| loss [\d.]+ \| lr [\d.e+-]+ \| norm [\d.]+ \| +[\d.]+ ms \| +[\d,]+ tok/s \| comm [\d.]+ MB"
+    assert all(re.match(pattern, ln) for ln in lines), lines
+    assert [" | val " in ln for ln in lines] == [False, True, False, True]
+    total = GPTConfig.preset("tiny").with_overrides(["n_layer=1"]).num_parameters()
+    banner = re.search(r"parameters: ([\d,]+) total, ([\d,]+) on this rank", res.stdout)
+    assert banner and int(banner[1].replace(",", "")) == total and int(banner[2].replace(",", "")) < total
+    assert "mesh tp=2 x dp=1" in res.stdout and "device=cpu comm=mpi watchdog=77s" in res.stdout
+    assert re.search(r"\| \d+ BLAS thread\(s\) per rank", res.stdout) and f"data: {data}" in res.stdout
+
+
+def test_threads_per_rank_shares_the_cores():
+    from cutp.threads import available_cores, threads_per_rank
+
+    cores = available_cores()
+    assert threads_per_rank(1) == cores
+    assert threads_per_rank(cores) == 1 and threads_per_rank(4 * cores) == 1
+    assert threads_per_rank(2) == max(1, cores // 2)
+
+
+def test_preset_parameter_counts_match_gpt2():
+    from cutp.model import GPTConfig
+
+    # the parameter counts of OpenAI's GPT-2 checkpoints (tied embeddings, vocabulary 50257)
+    expected = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
+                "gpt2-xl": 1_557_611_200}
+    for name, n in expected.items():
+        assert GPTConfig.preset(name).num_parameters() == n, name
+
+
+def test_nothing_users_load_can_execute_code():
+    """Checkpoints, data and tokenizers are read with safetensors, JSON and raw arrays: no pickle."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    forbidden = re.compile(r"\bimport pickle\b|\bpickle\.|allow_pickle\s*=\s*True|torch\.load\(|np\.load\(|numpy\.load\(")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in [*root.glob("cutp/**/*.py"), *root.glob("examples/*.py")]
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if forbidden.search(line)]
+    assert not offenders, offenders
 
 
 def _worker_val_loss(ckpt, tp, out):

@@ -4,7 +4,10 @@ Semantics shared by every implementation (MPI on NumPy arrays, NCCL on CuPy arra
 
 - Arrays must be C-contiguous and of a supported dtype (float32, float64, bfloat16, int32,
   int64); anything else raises `CommError` before any communication starts.
-- `out=None` allocates the result; `out=x` is in place where the shapes allow it.
+- `out=None` allocates the result; `out=x` is in place where the shapes allow it. all_gather
+  with x being this rank's slot of out, and reduce_scatter with out being this rank's slot of x,
+  are in place too (NCCL's in-place layouts); any other overlap of x and out is also correct
+  (x is copied first).
 - all_gather concatenates the ranks' arrays along axis 0 (rank order); reduce_scatter splits
   axis 0 of the input into `size` equal chunks and returns this rank's reduced chunk.
   Layers that gather along another axis move it to the front themselves (see
@@ -17,6 +20,19 @@ import numpy as np
 
 REDUCE_OPS = ("sum", "max", "avg")
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "int32", "int64")
+
+
+def address(a) -> int:
+    """The first byte of a NumPy or CuPy array."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return a.data.ptr  # CuPy
+
+
+def overlaps(a, b) -> bool:
+    """Whether two contiguous arrays share any byte."""
+    a0, b0 = address(a), address(b)
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 class CommError(RuntimeError):
@@ -95,6 +111,19 @@ class Communicator:
                 f"{what}: out has shape {tuple(out.shape)} and dtype {np.dtype(out.dtype).name}; "
                 f"expected {tuple(shape)} and {np.dtype(dtype).name}"
             )
+
+    def _unalias(self, x, out, in_place_offset: int | None):
+        """(x, in_place): x copied when it overlaps out in any layout but the in-place one;
+        in_place is True when x sits exactly at byte `in_place_offset` of out (all_gather) or
+        out at that byte of x (pass a negative offset for the latter)."""
+        if out is None or not overlaps(x, out):
+            return x, False
+        if in_place_offset is not None:
+            if in_place_offset >= 0 and address(x) - address(out) == in_place_offset:
+                return x, True
+            if in_place_offset < 0 and address(out) - address(x) == -in_place_offset:
+                return x, True
+        return x.copy(), False
 
     def close(self) -> None:
         pass

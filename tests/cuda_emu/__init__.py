@@ -203,12 +203,29 @@ def _atomic_write_bytes(dest: Path, data: bytes) -> None:
     os.replace(tmp, dest)
 
 
-def _hash_dir_headers(h: "hashlib._Hash", d: Path) -> None:
-    if not d.is_dir():
-        return
-    for p in sorted(d.iterdir()):
-        if p.is_file() and p.suffix in (".h", ".cuh", ".hpp", ".inc", ".cu"):
-            h.update(str(p).encode() + b"\0" + p.read_bytes() + b"\0")
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.M)
+
+
+def _hash_included_files(h: "hashlib._Hash", sources: Sequence[Path], include_dirs: Sequence[Path]) -> None:
+    """Hashes every file the sources include, transitively: each `#include "..."` or `<...>` that
+    resolves against the including file's directory or an include directory (system headers do
+    not resolve there; the compiler's id covers them). A textual scan, so a header included under
+    a disabled #if is hashed too: that can only cost an extra build, never reuse a stale one."""
+    seen: set[Path] = set()
+    stack = list(sources)
+    while stack:
+        f = stack.pop()
+        for name in _INCLUDE_RE.findall(f.read_text(errors="replace")):
+            for d in (f.parent, *include_dirs):
+                p = d / name
+                if p.is_file():
+                    p = p.resolve()
+                    if p not in seen:
+                        seen.add(p)
+                        stack.append(p)
+                    break
+    for p in sorted(seen):
+        h.update(str(p).encode() + b"\0" + p.read_bytes() + b"\0")
 
 
 _build_lock = threading.Lock()
@@ -356,9 +373,8 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
         h.update(part.encode() + b"\0")
     for s in sources:
         h.update(str(s).encode() + b"\0" + s.read_bytes() + b"\0")
-    for d in dict.fromkeys([*include_dirs, *(s.parent for s in sources)]):
-        _hash_dir_headers(h, d)
-    h.update(RUNTIME_SOURCE.read_bytes())
+    _hash_included_files(h, sources, include_dirs)
+    h.update(RUNTIME_SOURCE.read_bytes() + HEADER.read_bytes())
     key = h.hexdigest()[:24]
     cache = _cache_dir()
     lib, meta = cache / f"module-{key}.so", cache / f"module-{key}.json"
