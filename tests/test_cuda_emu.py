@@ -682,6 +682,11 @@ def test_options_and_compile_errors():
     x = np.zeros(1, np.float32)
     m.get_function("k")((1,), (1,), (x,))
     assert x[0] == 3
+    y = np.zeros(1, np.float32)
+    m.k((1,), (1,), 0, y)  # a kernel as an attribute: (grid, block, shared_mem, *args)
+    assert y[0] == 3
+    with pytest.raises(AttributeError, match="no attribute or kernel 'nope'"):
+        m.nope
     with pytest.raises(CompileError, match="not understood"):
         EmulatedModule(code=code, options=("--frobnicate",))
     with pytest.raises(CompileError, match="SCALE"):

@@ -547,3 +547,29 @@ def test_config_rejects_out_of_range_fields():
                     (dict(ln_eps=-1.0), "ln_eps must be > 0")):
         with pytest.raises(ConfigError, match=msg):
             GPTConfig(n_head=4, n_embd=16, **kw).validate(1)
+
+
+def _worker_one_full_weight_at_a_time():
+    import tracemalloc
+
+    from cutp.model import GPT, GPTConfig
+
+    ctx = cutp.init(tp=2, device="cpu")
+    cfg = GPTConfig(n_layer=16, n_head=4, n_embd=128, vocab_size=1024, block_size=16)
+    largest_full = cfg.vocab_size * cfg.n_embd * 8  # the embedding, drawn in float64 before the cast
+    tracemalloc.start()
+    model = GPT(ctx, cfg, seed=0)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    kept = sum(p.data.nbytes + p.grad.nbytes for p in model.parameters())  # the shards and their grads
+    full_bytes = cfg.num_parameters() * 4
+    # building a rank's shards never holds more than about one full weight besides what it keeps
+    # (plus small buffers); holding every full weight would take full_bytes more
+    slack = 2 * largest_full + (2 << 20)
+    assert peak < kept + slack, (peak, kept, largest_full)
+    assert full_bytes > 2 * slack  # so the check above can tell the two apart
+    ctx.close()
+
+
+def test_a_rank_materialises_one_full_weight_at_a_time():
+    run_mpi(2, "tests.test_tensor_parallel:_worker_one_full_weight_at_a_time", timeout=60)

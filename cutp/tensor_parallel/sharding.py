@@ -46,7 +46,9 @@ class Sharding:
 def contiguous(full_shape, axis: int, tp: int) -> Sharding:
     n = full_shape[axis]
     if n % tp:
-        raise ConfigError(f"cannot split a dimension of {n} evenly over tp={tp}")
+        fits = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+        raise ConfigError(f"cannot split a dimension of {n} evenly over tp={tp}; use a tp in {fits} "
+                          f"or make the dimension a multiple of {tp}")
     k = n // tp
     return Sharding(axis, tuple(full_shape), tuple(np.arange(r * k, (r + 1) * k) for r in range(tp)),
                     {"kind": "contiguous", "axis": axis, "tp": tp})

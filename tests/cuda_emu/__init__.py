@@ -181,7 +181,8 @@ def _compiler_id(cxx: str) -> str:
         try:
             out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
         except (OSError, subprocess.CalledProcessError) as e:
-            raise CompileError(f"the C++ compiler {cxx!r} does not run ({e}); the CUDA emulator needs g++ >= 12") from e
+            raise CompileError(f"the C++ compiler {cxx!r} does not run ({e}); the CUDA emulator needs g++ >= 12 "
+                               "(apt install g++, dnf install gcc-c++, or point CUTP_EMU_CXX at one)") from e
         _compiler_id_cache[cxx] = out.splitlines()[0] if out else cxx
     return _compiler_id_cache[cxx]
 
@@ -926,6 +927,19 @@ class EmulatedModule:
 
     def get_global(self, name: str):
         raise EmulationError("get_global (__device__/__constant__ variables set from the host) is not emulated")
+
+    def __getattr__(self, name: str):
+        """`module.gelu_forward(grid, block, shared_mem, *args)`: a kernel as a plain function,
+        for tests that call kernels directly (the launchers use get_function, as with CuPy)."""
+        if name.startswith("_") or name not in self.__dict__.get("_kernels_found", {}):
+            raise AttributeError(f"{type(self).__name__} has no attribute or kernel {name!r}")
+        kernel = self.get_function(name)
+
+        def launch(grid, block, shared_mem, *args):
+            return kernel(grid, block, args, shared_mem=shared_mem)
+
+        launch.__name__ = name
+        return launch
 
     def __repr__(self) -> str:
         return f"<EmulatedModule {[s.name for s in self.sources]} schedule={self.schedule} seed={self.seed}>"
