@@ -98,7 +98,7 @@ class Context:
         from . import __version__
         from .consistency import check_same_on_all_ranks
         from .failure import errors_raised_on_every_rank, install_abort_on_error
-        from .watchdog import Watchdog, check_timeout, default_timeout
+        from .watchdog import Watchdog, check_timeout, configure_host_watchdog, default_timeout
 
         if abort_on_error:
             install_abort_on_error()
@@ -109,6 +109,7 @@ class Context:
             self.mesh = validate_mesh(self.world_size, tp, dp)
             self.device = backend.resolve_device(device)
             timeout = default_timeout() if collective_timeout is None else check_timeout(collective_timeout)
+        configure_host_watchdog(timeout)
         check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "device": self.device,
                                                 "cutp": __version__}, "cutp.init arguments")
         self.tp_size, self.dp_size = self.mesh.tp, self.mesh.dp

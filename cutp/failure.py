@@ -67,21 +67,27 @@ def wait_for_output_to_drain(timeout: float = OUTPUT_DRAIN_TIMEOUT, fds=(1, 2)) 
             continue
 
 
+class EveryRank:
+    """Attached to an exception that every rank of a communicator raises at the same point (as
+    `exc.cutp_every_rank`): what the excepthook needs to end the job with one traceback."""
+
+    def __init__(self, mpi_comm, reporter: int):
+        from mpi4py import MPI
+
+        self.reporter = reporter  # rank in mpi_comm whose traceback is printed
+        self.i_report = mpi_comm.Get_rank() == reporter
+        self.spans_job = mpi_comm.Get_size() == MPI.COMM_WORLD.Get_size()
+        # Where the ranks meet again at exit. mpi_comm itself may be freed while the exception
+        # unwinds (a `with cutp.init(...)` block closes its communicators), so keep our own:
+        # COMM_WORLD when every process raised, else a Dup (every rank of mpi_comm is here now).
+        self.exit_comm = MPI.COMM_WORLD if self.spans_job else mpi_comm.Dup()
+
+
 def mark_raised_on_every_rank(exc: BaseException, mpi_comm, reporter: int) -> BaseException:
-    """Records that every rank of `mpi_comm` raises `exc` at the same point, and that rank
-    `reporter` (of mpi_comm) holds the informative traceback. The excepthook then ends the job
-    with a plain exit instead of MPI_Abort (see `_exit_together`)."""
-    exc.cutp_every_rank = (mpi_comm, reporter)
+    """Collective over mpi_comm: records that every rank of it raises `exc` at this point and
+    that rank `reporter` holds the informative traceback (see `end_together`)."""
+    exc.cutp_every_rank = EveryRank(mpi_comm, reporter)
     return exc
-
-
-def _spans_the_job(mpi_comm) -> bool:
-    from mpi4py import MPI
-
-    try:
-        return mpi_comm.Get_size() == MPI.COMM_WORLD.Get_size()
-    except Exception:
-        return False
 
 
 def _exit_together(mpi_comm, timeout: float | None = None) -> bool:
@@ -101,6 +107,33 @@ def _exit_together(mpi_comm, timeout: float | None = None) -> bool:
         return False
 
 
+def end_together(every: EveryRank, rank: int, etype, value, tb) -> None:
+    """Ends the job for an error every rank raised: the reporting rank prints its traceback and
+    waits until mpiexec has read it, the ranks meet, then each exits with status 1 (MPI_Finalize,
+    no MPI_Abort, whose teardown once raced mpiexec's output forwarding and lost every message).
+    Only part of the job runs cutp (cutp.init on a sub-communicator): those ranks abort the
+    job after meeting, as any failure does. A rank that does not come within
+    EXIT_BARRIER_TIMEOUT (it caught the error) gets the job aborted. Does not return."""
+    from mpi4py import MPI
+
+    if every.i_report:
+        sys.stderr.write(format_rank_traceback(rank, etype, value, tb))
+    sys.stderr.flush()
+    sys.stdout.flush()
+    wait_for_output_to_drain()
+    if not _exit_together(every.exit_comm):
+        abort_job(f"[rank {rank}] {etype.__name__}: {value}\n[rank {rank}] not every rank stopped on this error "
+                  f"within {EXIT_BARRIER_TIMEOUT:g} s; aborting the job\n")
+    if not every.spans_job:
+        abort_job()
+    try:
+        # os._exit, not a return into interpreter teardown: destructors of live NCCL communicators
+        # (ncclCommDestroy, blocking) would then run in garbage-collection order on every rank.
+        MPI.Finalize()
+    finally:
+        os._exit(1)
+
+
 def install_abort_on_error() -> bool:
     """Installs the hooks once per process. Returns True if they are installed.
 
@@ -117,20 +150,9 @@ def install_abort_on_error() -> bool:
     rank = MPI.COMM_WORLD.Get_rank()
 
     def excepthook(etype, value, tb):
-        every_rank = getattr(value, "cutp_every_rank", None)
-        if every_rank is not None and _spans_the_job(every_rank[0]):
-            # Every process of the job raises this same error at the same point (a config that
-            # differs, a damaged checkpoint): one traceback from the rank that saw it, then a
-            # plain exit on every rank. MPI_Abort here would only race mpiexec's output forwarding.
-            comm, reporter = every_rank
-            if comm.Get_rank() == reporter:
-                sys.stderr.write(format_rank_traceback(rank, etype, value, tb))
-            sys.stderr.flush()
-            sys.stdout.flush()
-            if _exit_together(comm):
-                return  # Python exits with status 1; mpi4py finalizes MPI on every rank
-            abort_job(f"[rank {rank}] not every rank stopped on this error within {EXIT_BARRIER_TIMEOUT:g} s; "
-                      "aborting the job\n")
+        every = getattr(value, "cutp_every_rank", None)
+        if isinstance(every, EveryRank):
+            end_together(every, rank, etype, value, tb)
         abort_job(format_rank_traceback(rank, etype, value, tb))
 
     def thread_excepthook(args):
@@ -175,7 +197,7 @@ def _first_error(mpi_comm, error: str | None):
             return None
         buf = np.zeros(4096, np.uint8)
         if me == first:
-            msg = error.encode()[:4096]
+            msg = error.encode(errors="backslashreplace")[:4096]
             buf[: len(msg)] = np.frombuffer(msg, np.uint8)
         mpi_comm.Bcast([buf, MPI.UINT8_T], root=first)
     return first, bytes(buf).rstrip(b"\0").decode(errors="replace")
@@ -201,33 +223,45 @@ def errors_raised_on_every_rank(mpi_comm):
         yield
     except Exception as e:  # noqa: BLE001 - every exception must reach the other ranks
         error = e
-    cls = type(error)
-    reported = _first_error(mpi_comm, None if error is None else f"{cls.__module__}:{cls.__qualname__}:{error}")
+    reported = _first_error(mpi_comm, None if error is None else _describe(error))
     if reported is None:
         return
     first, text = reported
     if mpi_comm.Get_rank() == first:
         raise mark_raised_on_every_rank(error, mpi_comm, first)
-    module, name, message = text.split(":", 2)
-    raise mark_raised_on_every_rank(_rebuild(module, name, f"(reported by rank {first}) {name}: {message}"),
+    classes, name, message = text.split("|", 2)
+    raise mark_raised_on_every_rank(_rebuild(classes.split(","), f"(reported by rank {first}) {name}: {message}"),
                                     mpi_comm, first)
 
 
-def _rebuild(module: str, name: str, message: str) -> Exception:
+def _describe(error: Exception) -> str:
+    """The exception's classes (most derived first, as module:qualname), its name and message."""
+    classes = ",".join(f"{c.__module__}:{c.__qualname__}" for c in type(error).__mro__ if issubclass(c, Exception))
+    return f"{classes}|{type(error).__name__}|{error}"
+
+
+def _rebuild(classes: list, message: str) -> Exception:
+    """The nearest class of the failing rank's exception that this rank can rebuild (cutp's and
+    Python's built-in exceptions; e.g. json.JSONDecodeError becomes ValueError), so that an
+    `except` clause catches it alike on every rank."""
     import builtins
     import importlib
 
-    cls = None
-    if module == "builtins":
-        cls = getattr(builtins, name, None)
-    elif module == "cutp" or module.startswith("cutp."):
-        try:
-            cls = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            cls = None
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        try:
-            return cls(message)
-        except Exception:  # noqa: BLE001 - a constructor with other arguments
-            pass
+    for entry in classes:
+        module, _, name = entry.partition(":")
+        if entry == "builtins:Exception":
+            break  # nothing nearer: JobError says what happened
+        cls = None
+        if module == "builtins":
+            cls = getattr(builtins, name, None)
+        elif module == "cutp" or module.startswith("cutp."):
+            try:
+                cls = getattr(importlib.import_module(module), name, None)
+            except ImportError:
+                cls = None
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            try:
+                return cls(message)
+            except Exception:  # noqa: BLE001 - a constructor with other arguments: try the base
+                continue
     return JobError(message)

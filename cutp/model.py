@@ -187,9 +187,10 @@ class GPT(Module):
         from .consistency import check_same_on_all_ranks
         from .failure import errors_raised_on_every_rank
 
-        check_same_on_all_ranks(ctx.mpi_comm, {"config": config.to_dict(), "seed": seed, "init": init},
+        world = ctx.world.mpi_comm  # cutp talks only over the communicators it split off
+        check_same_on_all_ranks(world, {"config": config.to_dict(), "seed": seed, "init": init},
                                 "GPT model configuration")
-        with errors_raised_on_every_rank(ctx.mpi_comm):
+        with errors_raised_on_every_rank(world):
             config.validate(ctx.tp_size)
         self.ctx = ctx
         self.config = config

@@ -85,8 +85,10 @@ class Watchdog:
             self.end(token)
 
     def _run(self):
-        poll = min(max(self.timeout / 8, 0.05), 5.0)
-        while not self._stop.wait(poll):
+        # the timeout may change while the thread runs (configure_host_watchdog): poll after it
+        while not self._stop.wait(min(max(self.timeout / 8, 0.05), 5.0)):
+            if not self.enabled:
+                continue
             now = time.monotonic()
             with self._lock:
                 items = list(self._inflight.items())
@@ -114,17 +116,34 @@ class Watchdog:
 
 
 _host_watchdog = None
+_host_timeout = None
+
+
+def configure_host_watchdog(timeout_s: float) -> None:
+    """Sets the timeout of `host_watchdog` (cutp.init does, with its collective_timeout)."""
+    global _host_timeout
+    _host_timeout = float(timeout_s)
+    if _host_watchdog is not None:
+        _host_watchdog.timeout = _host_timeout
 
 
 def host_watchdog() -> Watchdog:
     """The watchdog over the host-side MPI collectives cutp makes outside a Context's
     communicators (the cross-rank configuration checks, the agreement on an error): a peer stuck
-    there ends the job like anywhere else. Its timeout is $CUTP_COLLECTIVE_TIMEOUT or the default."""
+    there ends the job like anywhere else. Its timeout is the newest Context's collective_timeout;
+    before any, $CUTP_COLLECTIVE_TIMEOUT or the default (a malformed variable is reported by
+    cutp.init, not here: this runs inside the error agreement itself)."""
     global _host_watchdog
     if _host_watchdog is None:
         from mpi4py import MPI
 
-        _host_watchdog = Watchdog(default_timeout(), MPI.COMM_WORLD.Get_rank())
+        timeout = _host_timeout
+        if timeout is None:
+            try:
+                timeout = default_timeout()
+            except ConfigError:
+                timeout = DEFAULT_TIMEOUT_S
+        _host_watchdog = Watchdog(timeout, MPI.COMM_WORLD.Get_rank())
     return _host_watchdog
 
 

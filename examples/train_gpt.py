@@ -145,6 +145,7 @@ def main(argv=None):
     from mpi4py import MPI
 
     from cutp.failure import errors_raised_on_every_rank, install_abort_on_error
+    from cutp.watchdog import check_timeout, configure_host_watchdog
 
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
     world = MPI.COMM_WORLD
@@ -153,7 +154,11 @@ def main(argv=None):
     # ---- configuration (validated on every rank before any allocation) ------------------------
     # An error in these checks, on any rank, is raised on every rank (so the job ends at once,
     # with one traceback, whether every rank or only one node sees the problem).
+    # the same command line on every rank first: a flag given to some ranks only is named as such
+    check_same_on_all_ranks(world, vars(args), "command line")
     with errors_raised_on_every_rank(world):
+        if args.collective_timeout is not None:
+            configure_host_watchdog(check_timeout(args.collective_timeout, "--collective-timeout"))
         device = cutp.backend.resolve_device(args.device)
         resume_meta = None
         if args.resume:
@@ -183,7 +188,7 @@ def main(argv=None):
         if seq_len > config.block_size:
             raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
     # every rank must run the same thing: compare before anything is allocated
-    check_same_on_all_ranks(world, {"args": vars(args), "model": config.to_dict(), "tp": tp, "device": device,
+    check_same_on_all_ranks(world, {"model": config.to_dict(), "tp": tp, "device": device,
                                     "data": dataset.description}, "training configuration")
     args.seq_len = seq_len  # resolved values go back into args: the checkpoint records them, a resume repeats them
     ctx = cutp.init(tp=tp, dp=args.dp, device=device, collective_timeout=args.collective_timeout)

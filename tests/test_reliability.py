@@ -81,7 +81,7 @@ def test_mismatched_training_arguments_end_the_job(tmp_path):
     assert out.returncode != 0
     assert time.monotonic() - t0 < 30
     text = out.stdout + out.stderr
-    assert "training configuration differs across ranks" in text, text[-3000:]
+    assert "the command line differs across ranks: set: ranks 0-1 have" in text, text[-3000:]
     assert "ranks 0-1 have" in text and "ranks 2-3 have" in text
     # every rank raised the same error: one traceback, and a plain exit rather than MPI_Abort
     # (whose teardown once raced mpiexec's output forwarding and lost the message)
@@ -112,7 +112,7 @@ def _worker_error_on_some_ranks():
     else:  # the same class elsewhere, naming the rank and the problem
         assert str(e.value).startswith("(reported by rank 2) FileNotFoundError: [Errno 2]"), str(e.value)
         assert missing in str(e.value)
-    assert e.value.cutp_every_rank == (comm, 2)
+    assert e.value.cutp_every_rank.reporter == 2 and e.value.cutp_every_rank.spans_job
 
     class NotRebuildable(Exception):
         pass
@@ -127,10 +127,56 @@ def _worker_error_on_some_ranks():
         assert type(e.value) is JobError and "(reported by rank 1)" in str(e.value) and "bad on rank 1" in str(e.value)
     with errors_raised_on_every_rank(comm):  # and without an error nothing is raised
         pass
+    # a class outside cutp and the builtins: its nearest rebuildable base, so `except` works alike
+    with pytest.raises(ValueError) as e:
+        with errors_raised_on_every_rank(comm):
+            if r == 0:
+                json.loads("{")
+    assert type(e.value) is (json.JSONDecodeError if r == 0 else ValueError), type(e.value)
+    # a message that is not valid UTF-8 (a path from the command line) still reaches every rank
+    with pytest.raises(ValueError, match="undecodable"):
+        with errors_raised_on_every_rank(comm):
+            if r == 3:
+                raise ValueError("undecodable \udcff path")
 
 
 def test_an_error_on_some_ranks_is_raised_on_every_rank():
     run_mpi(4, "tests.test_reliability:_worker_error_on_some_ranks", timeout=60)
+
+
+def _worker_agreed_error_in_a_with_block():
+    from cutp.failure import agree_on_error
+
+    with cutp.init(tp=2, device="cpu") as ctx:  # closing the context frees the communicator it names
+        agree_on_error(ctx.world.mpi_comm, "shard 3 is damaged" if ctx.rank == 1 else None, cutp.ConfigError)
+
+
+def _worker_agreed_error_on_part_of_the_job():
+    from mpi4py import MPI
+
+    from cutp.failure import agree_on_error
+
+    world = MPI.COMM_WORLD
+    half = world.Split(color=world.rank // 2, key=world.rank)  # cutp runs on ranks 0-1 only
+    if world.rank < 2:
+        ctx = cutp.init(comm=half, tp=2, device="cpu")
+        agree_on_error(ctx.world.mpi_comm, "bad input on this half" if ctx.rank == 0 else None, cutp.ConfigError)
+    time.sleep(60)  # the host program's other ranks: the failure must end them too
+
+
+@pytest.mark.parametrize("worker,plain_exit", [("_worker_agreed_error_in_a_with_block", True),
+                                               ("_worker_agreed_error_on_part_of_the_job", False)])
+def test_an_agreed_error_prints_one_traceback_and_ends_the_job(worker, plain_exit):
+    t0 = time.monotonic()
+    res = run_mpi(4, f"tests.test_reliability:{worker}", timeout=60, expect_failure=True)
+    assert time.monotonic() - t0 < 20
+    assert res.stdout.count("Traceback (most recent call last)") == 1, res.stdout[-3000:]
+    assert "ConfigError: shard 3 is damaged" in res.stdout or "ConfigError: bad input on this half" in res.stdout
+    # the whole job shares the error: every rank exits with status 1 after MPI_Finalize, no MPI_Abort
+    # (mpiexec may still kill a rank that is slower to exit than the first: status 9, then a banner);
+    # only part of the job shares it: MPI_Abort ends the rest, whose own line may not make it out
+    if plain_exit:
+        assert "MPI_Abort" not in res.stdout, res.stdout[-3000:]
 
 
 def _worker_error_caught_on_one_rank():
@@ -360,9 +406,16 @@ def test_collective_timeout_setting(monkeypatch):
 
     with pytest.raises(cutp.ConfigError, match="collective_timeout=-1 is not a number of seconds >= 0"):
         cutp.init(comm=MPI.COMM_SELF, collective_timeout=-1, device="cpu")
-    ctx = cutp.init(comm=MPI.COMM_SELF, collective_timeout=0, device="cpu")
-    assert not ctx.watchdog.enabled and "watchdog=off" in ctx.describe()
-    ctx.close()
+    from cutp.watchdog import configure_host_watchdog, host_watchdog
+
+    try:  # the host-side checks outside the Context's communicators follow the newest Context's setting
+        ctx = cutp.init(comm=MPI.COMM_SELF, collective_timeout=0, device="cpu")
+        assert not ctx.watchdog.enabled and "watchdog=off" in ctx.describe() and not host_watchdog().enabled
+        ctx.close()
+        cutp.init(comm=MPI.COMM_SELF, collective_timeout=100, device="cpu").close()
+        assert host_watchdog().timeout == 100
+    finally:
+        configure_host_watchdog(DEFAULT_TIMEOUT_S)
 
 
 def _worker_model_differs_across_ranks():
