@@ -39,6 +39,12 @@ class FakeDeviceArray:
     def get(self):
         return self._a.copy()
 
+    def copy(self):
+        return FakeDeviceArray(self._a.copy())
+
+    def __getitem__(self, index):  # a view, as CuPy slicing gives (the pointer moves with it)
+        return FakeDeviceArray(self._a[index])
+
     def __array__(self, *args, **kwargs):  # cupy.ndarray.__array__ raises exactly this
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
                         "NumPy array explicitly.")
@@ -105,6 +111,40 @@ def test_nccl_wrapper_passes_counts_dtypes_ops_and_stream(dtype, enum):
     assert c.nccl_comm.calls[-1] == ("send", (x.data.ptr, 24, enum, 3, 0xBEEF))
     assert c.recv(x, 0) is x
     assert c.nccl_comm.calls[-1] == ("recv", (x.data.ptr, 24, enum, 0, 0xBEEF))
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_nccl_wrapper_in_place_layouts_and_overlaps(rank):
+    """NCCL's in-place layouts reach NCCL as they are; any other overlap of x and out is copied
+    first (NCCL leaves it undefined)."""
+    c = _nccl_comm(rank=rank, size=4)
+
+    def sent():
+        return c.nccl_comm.calls[-1][1][:2]
+
+    def inside(ptr, a):
+        return a.data.ptr <= ptr < a.data.ptr + a.nbytes
+
+    out = FakeDeviceArray(np.zeros((8, 3), np.float32))
+    slot = out[2 * rank:2 * rank + 2]
+    c.all_gather(slot, out=out)  # x is this rank's slot of out
+    assert sent() == (slot.data.ptr, out.data.ptr)
+    shifted = out[(2 * rank + 1) % 7:(2 * rank + 1) % 7 + 2]  # overlapping, but not at this rank's slot
+    c.all_gather(shifted, out=out)
+    assert not inside(sent()[0], out) and sent()[1] == out.data.ptr
+
+    x = FakeDeviceArray(np.zeros((8, 3), np.float32))
+    mine = x[2 * rank:2 * rank + 2]
+    c.reduce_scatter(x, out=mine)  # out is this rank's slot of x
+    assert sent() == (x.data.ptr, mine.data.ptr)
+    theirs = x[2 * ((rank + 1) % 4):2 * ((rank + 1) % 4) + 2]
+    c.reduce_scatter(x, out=theirs)
+    assert not inside(sent()[0], x) and sent()[1] == theirs.data.ptr
+
+    c.all_reduce(x, out=x)  # the same buffer: in place
+    assert sent() == (x.data.ptr, x.data.ptr)
+    c.all_reduce(x[0:4], out=x[2:6])  # a partial overlap
+    assert not inside(sent()[0], x) and sent()[1] == x[2:6].data.ptr
 
 
 def test_nccl_wrapper_refuses_before_calling_nccl():
