@@ -301,6 +301,56 @@ def _rank_pids(marker):
     return pids
 
 
+def _worker_killed_while_saving(run, where):
+    import cutp.checkpoint as ck
+
+    ctx = cutp.init(tp=2, device="cpu")
+    model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), seed=1)
+    opt = AdamW(FlatParameters(model.parameters()))
+    ck.save_checkpoint(run, 1, model, opt)
+    for p in model.parameters():
+        p.data += 1  # step 2 differs from step 1
+    if where == "shard" and ctx.rank == 1:  # half a shard on disk, then the power goes
+        def write_half(path, tensors, metadata=None):
+            ck._write_safetensors.__wrapped__(path, tensors, metadata)
+            os.truncate(path, os.path.getsize(path) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        write_half.__wrapped__ = ck._write_safetensors
+        ck._write_safetensors = write_half
+    if where == "rename" and ctx.rank == 0:  # every file of step 2 written, killed before the rename
+        real_replace = os.replace
+
+        def replace(src, dst):
+            if os.path.basename(src) == ".tmp-" + ck.checkpoint_name(2):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_replace(src, dst)
+
+        ck.os.replace = replace
+    ck.save_checkpoint(run, 2, model, opt)
+    raise AssertionError("not killed")
+
+
+@pytest.mark.parametrize("where", ["shard", "rename"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_in_use(tmp_path, where):
+    from cutp.checkpoint import list_checkpoints, resolve_checkpoint
+
+    run = str(tmp_path / "run")
+    run_mpi(2, "tests.test_reliability:_worker_killed_while_saving", run, where, timeout=60, expect_failure=True)
+    assert [step for step, _ in list_checkpoints(run)] == [1]  # the half-written step 2 is not a checkpoint
+    assert os.path.basename(resolve_checkpoint(run)) == "step-00000001"
+    assert any(name.startswith(".tmp-") for name in os.listdir(run))  # what was left stays apart
+    verify = subprocess.run([sys.executable, "-m", "cutp.checkpoint", "verify", run], env=_env(),
+                            capture_output=True, text=True)
+    assert verify.returncode == 0 and "OK" in verify.stdout, verify.stdout + verify.stderr
+    model = GPT(self_ctx(), GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), seed=0,
+                init=False)
+    load_checkpoint(resolve_checkpoint(run), model, AdamW(FlatParameters(model.parameters())))
+    reference = GPT(self_ctx(), GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), seed=1)
+    for name, value in reference.gather_state_dict().items():  # step 1's weights, not step 2's
+        np.testing.assert_array_equal(model.gather_state_dict()[name], value, err_msg=name)
+
+
 def test_kill_9_of_one_rank_ends_the_job_and_keeps_the_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     args = BASE + ["--steps", "100000", "--save-every", "2", "--out", out, "--tp", "2", "--dp", "2"]
