@@ -79,8 +79,23 @@ class EveryRank:
         self.spans_job = mpi_comm.Get_size() == MPI.COMM_WORLD.Get_size()
         # Where the ranks meet again at exit. mpi_comm itself may be freed while the exception
         # unwinds (a `with cutp.init(...)` block closes its communicators), so keep our own:
-        # COMM_WORLD when every process raised, else a Dup (every rank of mpi_comm is here now).
-        self.exit_comm = MPI.COMM_WORLD if self.spans_job else mpi_comm.Dup()
+        # COMM_WORLD when every process raised, else a Dup made while every rank of mpi_comm is
+        # here, one per set of processes (errors a program catches must not use up communicators).
+        self.exit_comm = MPI.COMM_WORLD if self.spans_job else _exit_comm_for(mpi_comm)
+
+
+_exit_comms: dict = {}
+
+
+def _exit_comm_for(mpi_comm):
+    """Collective over mpi_comm: the spare communicator its processes meet on at exit."""
+    from mpi4py import MPI
+
+    members = tuple(MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.Get_size())),
+                                              MPI.COMM_WORLD.Get_group()))
+    if members not in _exit_comms:  # the same answer on every member: all Dup, or none
+        _exit_comms[members] = mpi_comm.Dup()
+    return _exit_comms[members]
 
 
 def mark_raised_on_every_rank(exc: BaseException, mpi_comm, reporter: int) -> BaseException:
@@ -229,15 +244,15 @@ def errors_raised_on_every_rank(mpi_comm):
     first, text = reported
     if mpi_comm.Get_rank() == first:
         raise mark_raised_on_every_rank(error, mpi_comm, first)
-    classes, name, message = text.split("|", 2)
-    raise mark_raised_on_every_rank(_rebuild(classes.split(","), f"(reported by rank {first}) {name}: {message}"),
+    classes, name, message = text.split("\x1f", 2)
+    raise mark_raised_on_every_rank(_rebuild(classes.split("\x1e"), f"(reported by rank {first}) {name}: {message}"),
                                     mpi_comm, first)
 
 
 def _describe(error: Exception) -> str:
     """The exception's classes (most derived first, as module:qualname), its name and message."""
-    classes = ",".join(f"{c.__module__}:{c.__qualname__}" for c in type(error).__mro__ if issubclass(c, Exception))
-    return f"{classes}|{type(error).__name__}|{error}"
+    classes = "\x1e".join(f"{c.__module__}:{c.__qualname__}" for c in type(error).__mro__ if issubclass(c, Exception))
+    return f"{classes}\x1f{type(error).__name__}\x1f{error}"  # the message last: it may be cut at 4 KiB
 
 
 def _rebuild(classes: list, message: str) -> Exception:

@@ -86,7 +86,7 @@ class Watchdog:
 
     def _run(self):
         # the timeout may change while the thread runs (configure_host_watchdog): poll after it
-        while not self._stop.wait(min(max(self.timeout / 8, 0.05), 5.0)):
+        while not self._stop.wait(min(max(self.timeout / 8, 0.05), 5.0) if self.enabled else 5.0):
             if not self.enabled:
                 continue
             now = time.monotonic()

@@ -158,7 +158,7 @@ def main(argv=None):
     check_same_on_all_ranks(world, vars(args), "command line")
     with errors_raised_on_every_rank(world):
         if args.collective_timeout is not None:
-            configure_host_watchdog(check_timeout(args.collective_timeout, "--collective-timeout"))
+            check_timeout(args.collective_timeout, "--collective-timeout")
         device = cutp.backend.resolve_device(args.device)
         resume_meta = None
         if args.resume:
@@ -188,8 +188,13 @@ def main(argv=None):
         if seq_len > config.block_size:
             raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
     # every rank must run the same thing: compare before anything is allocated
-    check_same_on_all_ranks(world, {"model": config.to_dict(), "tp": tp, "device": device,
-                                    "data": dataset.description}, "training configuration")
+    # and the same derived settings (a stale `latest` read on one node would load another step)
+    check_same_on_all_ranks(world, {"model": config.to_dict(), "tp": tp, "device": device, "run": vars(args),
+                                    "data": dataset.description,
+                                    "resume": resume_meta and {"dir": resume_dir, "step": resume_meta.get("step")}},
+                            "training configuration")
+    if args.collective_timeout is not None:  # after setup: ranks may finish reading the data far apart
+        configure_host_watchdog(args.collective_timeout)
     args.seq_len = seq_len  # resolved values go back into args: the checkpoint records them, a resume repeats them
     ctx = cutp.init(tp=tp, dp=args.dp, device=device, collective_timeout=args.collective_timeout)
     args.batch_size = batch = args.batch_size or -(-8 // ctx.dp_size) * ctx.dp_size

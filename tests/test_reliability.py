@@ -151,7 +151,7 @@ def _worker_agreed_error_in_a_with_block():
         agree_on_error(ctx.world.mpi_comm, "shard 3 is damaged" if ctx.rank == 1 else None, cutp.ConfigError)
 
 
-def _worker_agreed_error_on_part_of_the_job():
+def _worker_agreed_error_on_part_of_the_job(in_a_with_block=False):
     from mpi4py import MPI
 
     from cutp.failure import agree_on_error
@@ -159,18 +159,31 @@ def _worker_agreed_error_on_part_of_the_job():
     world = MPI.COMM_WORLD
     half = world.Split(color=world.rank // 2, key=world.rank)  # cutp runs on ranks 0-1 only
     if world.rank < 2:
+        for _ in range(3):  # errors the program catches: one spare communicator, not one each
+            with pytest.raises(cutp.ConfigError):
+                agree_on_error(half, "caught" if half.rank == 1 else None, cutp.ConfigError)
+        assert len(sys.modules["cutp.failure"]._exit_comms) == 1
         ctx = cutp.init(comm=half, tp=2, device="cpu")
+        if in_a_with_block:
+            with ctx:  # closing the context frees the communicator the error names
+                agree_on_error(ctx.world.mpi_comm, "bad input on this half" if ctx.rank == 0 else None, cutp.ConfigError)
         agree_on_error(ctx.world.mpi_comm, "bad input on this half" if ctx.rank == 0 else None, cutp.ConfigError)
     time.sleep(60)  # the host program's other ranks: the failure must end them too
 
 
+def _worker_agreed_error_on_part_of_the_job_in_a_with_block():
+    _worker_agreed_error_on_part_of_the_job(in_a_with_block=True)
+
+
 @pytest.mark.parametrize("worker,plain_exit", [("_worker_agreed_error_in_a_with_block", True),
-                                               ("_worker_agreed_error_on_part_of_the_job", False)])
+                                               ("_worker_agreed_error_on_part_of_the_job", False),
+                                               ("_worker_agreed_error_on_part_of_the_job_in_a_with_block", False)])
 def test_an_agreed_error_prints_one_traceback_and_ends_the_job(worker, plain_exit):
     t0 = time.monotonic()
     res = run_mpi(4, f"tests.test_reliability:{worker}", timeout=60, expect_failure=True)
     assert time.monotonic() - t0 < 20
     assert res.stdout.count("Traceback (most recent call last)") == 1, res.stdout[-3000:]
+    assert "not every rank stopped" not in res.stdout, res.stdout[-3000:]  # they met, not timed out
     assert "ConfigError: shard 3 is damaged" in res.stdout or "ConfigError: bad input on this half" in res.stdout
     # the whole job shares the error: every rank exits with status 1 after MPI_Finalize, no MPI_Abort
     # (mpiexec may still kill a rank that is slower to exit than the first: status 9, then a banner);
@@ -440,7 +453,12 @@ def test_ctrl_c_on_the_job(tmp_path, save_on_signal):
 
 
 def test_collective_timeout_setting(monkeypatch):
+    import cutp.watchdog
     from cutp.watchdog import DEFAULT_TIMEOUT_S, default_timeout
+
+    # this test sets the process-wide host watchdog: monkeypatch puts the previous one back
+    monkeypatch.setattr(cutp.watchdog, "_host_timeout", cutp.watchdog._host_timeout)
+    monkeypatch.setattr(cutp.watchdog, "_host_watchdog", None)
 
     monkeypatch.delenv("CUTP_COLLECTIVE_TIMEOUT", raising=False)
     assert default_timeout() == DEFAULT_TIMEOUT_S
@@ -458,14 +476,15 @@ def test_collective_timeout_setting(monkeypatch):
         cutp.init(comm=MPI.COMM_SELF, collective_timeout=-1, device="cpu")
     from cutp.watchdog import configure_host_watchdog, host_watchdog
 
-    try:  # the host-side checks outside the Context's communicators follow the newest Context's setting
-        ctx = cutp.init(comm=MPI.COMM_SELF, collective_timeout=0, device="cpu")
-        assert not ctx.watchdog.enabled and "watchdog=off" in ctx.describe() and not host_watchdog().enabled
-        ctx.close()
-        cutp.init(comm=MPI.COMM_SELF, collective_timeout=100, device="cpu").close()
-        assert host_watchdog().timeout == 100
-    finally:
-        configure_host_watchdog(DEFAULT_TIMEOUT_S)
+    # the host-side checks outside the Context's communicators follow the newest Context's setting
+    ctx = cutp.init(comm=MPI.COMM_SELF, collective_timeout=0, device="cpu")
+    assert not ctx.watchdog.enabled and "watchdog=off" in ctx.describe() and not host_watchdog().enabled
+    ctx.close()
+    cutp.init(comm=MPI.COMM_SELF, collective_timeout=100, device="cpu").close()
+    assert host_watchdog().timeout == 100
+    configure_host_watchdog(3)
+    assert host_watchdog().timeout == 3
+    host_watchdog().close()  # its thread; the previous watchdog object comes back with monkeypatch
 
 
 def _worker_model_differs_across_ranks():
