@@ -152,10 +152,10 @@ def main(argv=None):
     local_ranks = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank).Get_size()
 
     # ---- configuration (validated on every rank before any allocation) ------------------------
-    # An error in these checks, on any rank, is raised on every rank (so the job ends at once,
-    # with one traceback, whether every rank or only one node sees the problem).
     # the same command line on every rank first: a flag given to some ranks only is named as such
     check_same_on_all_ranks(world, vars(args), "command line")
+    # An error in these checks, on any rank, is raised on every rank (so the job ends at once,
+    # with one traceback, whether every rank or only one node sees the problem).
     with errors_raised_on_every_rank(world):
         if args.collective_timeout is not None:
             check_timeout(args.collective_timeout, "--collective-timeout")

@@ -112,17 +112,15 @@ class Communicator:
                 f"expected {tuple(shape)} and {np.dtype(dtype).name}"
             )
 
-    def _unalias(self, x, out, in_place_offset: int | None):
-        """(x, in_place): x copied when it overlaps out in any layout but the in-place one;
-        in_place is True when x sits exactly at byte `in_place_offset` of out (all_gather) or
-        out at that byte of x (pass a negative offset for the latter)."""
+    def _unalias(self, x, out, x_at: int | None = None, out_at: int | None = None):
+        """(x, in_place): in place when x starts at byte `x_at` of out (all_gather's in-place
+        layout) or out at byte `out_at` of x (reduce_scatter's); x is copied when it overlaps
+        out in any other way (MPI forbids aliased buffers, NCCL leaves the result undefined)."""
         if out is None or not overlaps(x, out):
             return x, False
-        if in_place_offset is not None:
-            if in_place_offset >= 0 and address(x) - address(out) == in_place_offset:
-                return x, True
-            if in_place_offset < 0 and address(out) - address(x) == -in_place_offset:
-                return x, True
+        if (x_at is not None and address(x) - address(out) == x_at) or \
+                (out_at is not None and address(out) - address(x) == out_at):
+            return x, True
         return x.copy(), False
 
     def close(self) -> None:

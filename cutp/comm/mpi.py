@@ -47,7 +47,7 @@ class MpiCommunicator(Communicator):
             return out
         if out is None:
             out = np.empty_like(x)
-        x, in_place = self._unalias(x, out, 0)
+        x, in_place = self._unalias(x, out, x_at=0)
         if in_place:
             self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(out), op=_MPI_OPS[op])
         else:
@@ -70,7 +70,7 @@ class MpiCommunicator(Communicator):
             return out
         if out is None:
             out = np.empty(shape, x.dtype)
-        x, _ = self._unalias(x, out, None)  # MPI's IN_PLACE would put the result at x[0], not at our slot
+        x, _ = self._unalias(x, out)  # MPI's IN_PLACE would put the result at x[0], not at our slot
         self.mpi_comm.Reduce_scatter_block(_buf(x), _buf(out), op=_MPI_OPS[op])
         self._finish_avg(out, op)
         return out
@@ -92,7 +92,7 @@ class MpiCommunicator(Communicator):
         self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
         if out is None:
             out = np.empty(shape, x.dtype)
-        x, in_place = self._unalias(x, out, self.rank * x.nbytes)
+        x, in_place = self._unalias(x, out, x_at=self.rank * x.nbytes)
         if in_place:
             self.mpi_comm.Allgather(MPI.IN_PLACE, _buf(out))
         else:

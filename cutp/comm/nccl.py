@@ -97,7 +97,7 @@ class NcclCommunicator(Communicator):
         self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
         if out is None:
             out = self._empty(x.shape, x.dtype)
-        x, _ = self._unalias(x, out, 0)
+        x, _ = self._unalias(x, out, x_at=0)
         self.nccl_comm.allReduce(x.data.ptr, out.data.ptr, x.size, self._dt(x), _NCCL_OPS[op], self._stream())
         return out
 
@@ -108,7 +108,7 @@ class NcclCommunicator(Communicator):
         self._check_out(out, shape, x.dtype, f"reduce_scatter on {self.name}")
         if out is None:
             out = self._empty(shape, x.dtype)
-        x, _ = self._unalias(x, out, -self.rank * out.nbytes)  # NCCL takes out == x's slot as in place
+        x, _ = self._unalias(x, out, out_at=self.rank * out.nbytes)  # NCCL takes out == x's slot as in place
         self.nccl_comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, self._dt(x), _NCCL_OPS[op], self._stream())
         return out
 
@@ -118,7 +118,7 @@ class NcclCommunicator(Communicator):
         self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
         if out is None:
             out = self._empty(shape, x.dtype)
-        x, _ = self._unalias(x, out, self.rank * x.nbytes)  # NCCL takes x == out's slot as in place
+        x, _ = self._unalias(x, out, x_at=self.rank * x.nbytes)  # NCCL takes x == out's slot as in place
         self.nccl_comm.allGather(x.data.ptr, out.data.ptr, x.size, self._dt(x), self._stream())
         return out
 

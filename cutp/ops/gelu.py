@@ -45,18 +45,25 @@ _Q = (2.56852019228982242e00, 1.87295284992346047e00, 5.27905102951428412e-1,
 
 def _erf_small(x):
     """erf(x) for |x| <= 0.46875."""
-    z = x * x
-    num = _A[4] * z
-    den = z.copy()
-    for i in range(3):
-        num += _A[i]
-        num *= z
-        den += _B[i]
-        den *= z
-    num += _A[3]
-    den += _B[3]
-    num /= den
+    num = _rational(x * x, _A, _B)
     num *= x
+    return num
+
+
+def _rational(t, p, q):
+    """Cody's (p[n+1] t^(n+1) + p[0] t^n + ... + p[n]) / (t^(n+1) + q[0] t^n + ... + q[n]),
+    n = len(q) - 1, in CALERF's order of operations (in place on fresh arrays)."""
+    n = len(q) - 1
+    num = p[n + 1] * t
+    den = t.copy()
+    for i in range(n):
+        num += p[i]
+        num *= t
+        den += q[i]
+        den *= t
+    num += p[n]
+    den += q[n]
+    num /= den
     return num
 
 
@@ -80,32 +87,14 @@ def _erfc_pos(y):
     out = np.empty_like(y)
     if mid.any():
         ym = y[mid]
-        num = _Cc[8] * ym
-        den = ym.copy()
-        for i in range(7):
-            num += _Cc[i]
-            num *= ym
-            den += _D[i]
-            den *= ym
-        num += _Cc[7]
-        den += _D[7]
-        num /= den
+        num = _rational(ym, _Cc, _D)
         num *= _exp_neg_sq(ym)
         out[mid] = num
     big = ~mid
     if big.any():
         yb = np.minimum(y[big], 30.0)  # erfc(30) underflows to 0; avoids inf - inf
         z = 1.0 / (yb * yb)
-        num = _P[5] * z
-        den = z.copy()
-        for i in range(4):
-            num += _P[i]
-            num *= z
-            den += _Q[i]
-            den *= z
-        num += _P[4]
-        den += _Q[4]
-        num /= den
+        num = _rational(z, _P, _Q)
         num *= z
         np.subtract(_SQRPI, num, out=num)
         num /= yb
