@@ -1,17 +1,19 @@
-"""`python -m cutp info` prints versions and backend availability for bug reports."""
+"""`python -m cutp info | bench ...`: the command-line entry points.
+
+Each command's module is loaded only when that command runs: `info` must work where MPI or CUDA
+is broken (it reports why), and the benchmark suites need both.
+"""
+import importlib
 import sys
+
+COMMANDS = {"info": "cutp.info", "bench": "cutp.bench.__main__"}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["info"]:
-        from .info import main as info_main
-
-        return info_main()
-    if argv[:1] == ["bench"]:
-        from .bench.__main__ import main as bench_main
-
-        return bench_main(argv[1:])
+    if argv[:1] and argv[0] in COMMANDS:
+        command = importlib.import_module(COMMANDS[argv[0]])
+        return command.main(argv[1:]) if argv[0] == "bench" else command.main()
     print("usage: python -m cutp info | python -m cutp bench ...", file=sys.stderr)
     return 2
 

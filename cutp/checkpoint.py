@@ -28,8 +28,14 @@ import sys
 import time
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from .errors import ConfigError
+from . import __version__
+from .model import GPT, GPTConfig
+from .runtime.errors import ConfigError
+from .runtime.failure import agree_on_error
+from .tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
 
 FORMAT = "cutp-checkpoint"
 VERSION = 1
@@ -68,8 +74,6 @@ def _fsync_dir(path):
 
 
 def _write_safetensors(path, tensors: dict, metadata=None):
-    from safetensors.numpy import save_file
-
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata=metadata)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -92,8 +96,6 @@ def checkpoint_name(step: int) -> str:
 def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_state=None, data_state=None,
                     train_args=None, keep: int | None = None) -> str:
     """Collective over the model's context. Returns the checkpoint directory."""
-    from . import __version__
-
     ctx = model.ctx
     world = ctx.world.mpi_comm
     name = checkpoint_name(step)
@@ -108,8 +110,6 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
             os.makedirs(tmp)
         except Exception as e:  # OSError, and anything else: every rank must hear of it
             error = f"cannot create checkpoint directory {tmp}: {type(e).__name__}: {e}"
-    from .failure import agree_on_error
-
     with ctx.watchdog.guard("checkpoint agreement (host all-reduce on world)"):
         agree_on_error(world, error, CheckpointError)
 
@@ -332,8 +332,6 @@ class _ShardReader:
         return (_model_file if self.kind == "model" else _optim_file)(r, self.tp)
 
     def get(self, r, key):
-        from safetensors import safe_open
-
         if r not in self._open:
             self._open[r] = safe_open(os.path.join(self.ckpt, self.fname(r)), framework="numpy")
         f = self._open[r]
@@ -345,8 +343,6 @@ class _ShardReader:
 def _full_from_shards(reader, key, info, rows=None):
     """The full tensor of `key`; a vocabulary table is re-padded to `rows` rows (the padding depends
     on the TP size, its real rows do not)."""
-    from .tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec
-
     sharding = sharding_from_spec(info["sharding"], info["full_shape"])
     if sharding is None:
         return reader.get(0, key)
@@ -360,9 +356,6 @@ def _full_from_shards(reader, key, info, rows=None):
 def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> dict:
     """Collective over the model's context. Loads parameters (and optimizer state) into the
     model, resharding when the checkpoint's TP size differs. Returns the metadata."""
-    from .failure import agree_on_error
-    from .tensor_parallel.sharding import take_shard
-
     ctx = model.ctx
     world = ctx.world.mpi_comm
     error, meta = None, None
@@ -433,16 +426,12 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
 
 
 def _shard_shape(info, rank):
-    from .tensor_parallel.sharding import sharding_from_spec
-
     s = sharding_from_spec(info["sharding"], info["full_shape"])
     return tuple(info["full_shape"]) if s is None else s.shard_shape(rank)
 
 
 def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
     """Builds a GPT from a checkpoint's config at ctx's TP size and loads its weights."""
-    from .model import GPT, GPTConfig
-
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
     config = GPTConfig.from_dict({**meta["config"], **config_overrides})
@@ -454,9 +443,6 @@ def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
 # ---- export (offline, one process) --------------------------------------------------------------
 def export_full(src: str, dst: str) -> str:
     """Writes a TP=1 copy of checkpoint `src` (model and optimizer state) into directory `dst`."""
-    from .model import GPTConfig
-    from .tensor_parallel.sharding import contiguous, qkv_sharding  # noqa: F401 (spec kinds)
-
     src = resolve_checkpoint(src)
     meta = read_meta(src)
     saved_tp = int(meta["mesh"]["tp"])

@@ -42,8 +42,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .backend import is_cupy_array
-from .errors import BackendError
+from .runtime.backend import is_cupy_array
+from .runtime.errors import BackendError
 
 __all__ = [
     "Launchers",

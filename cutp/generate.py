@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import to_numpy
+from .runtime.backend import to_numpy
 from .tensor_parallel.mappings import gather_from_tp_forward
 
 

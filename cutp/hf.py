@@ -30,10 +30,15 @@ import json
 import os
 import re
 
+import ml_dtypes
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from .errors import ConfigError
 from .model import DTYPES, GPT, GPTConfig
+from .runtime.backend import to_numpy
+from .runtime.errors import ConfigError
+from .runtime.failure import agree_on_error
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -209,8 +214,6 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtype
 
 
 def _open_weights(w_file):
-    from safetensors import safe_open
-
     try:
         return safe_open(w_file, framework="numpy")
     except Exception as e:  # safetensors raises its own error types for a corrupt header
@@ -323,15 +326,11 @@ def _to_save_dtype(a: np.ndarray, dtype):
     if dtype is None:
         return np.ascontiguousarray(a)
     if dtype == "bfloat16":
-        import ml_dtypes
-
         return np.ascontiguousarray(a.astype(ml_dtypes.bfloat16))
     return np.ascontiguousarray(a.astype(np.dtype(dtype)))
 
 
 def _write_dir(full: dict, cfg: GPTConfig, path: str, dtype) -> None:
-    from safetensors.numpy import save_file
-
     os.makedirs(path, exist_ok=True)
     hf_cfg = config_to_hf(cfg)
     if dtype is not None:
@@ -383,8 +382,6 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype
         model = model_or_state_dict
         cfg = config or model.config
         config_to_hf(cfg)  # refuse GQA / bias=False on every rank before any collective
-        from .failure import agree_on_error
-
         ctx = model.ctx
         full = model.gather_state_dict(rank=0)
         err = None
@@ -398,8 +395,6 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype
         return
     if config is None:
         raise ConfigError("save_hf_gpt2 needs the GPTConfig when given a state dict")
-    from .backend import to_numpy
-
     full = {k: to_numpy(v) for k, v in model_or_state_dict.items()}
     check_state_dict(config, full, where="state dict")
     _write_dir(full, config, path, dtype)

@@ -6,6 +6,9 @@ import os
 import platform
 import sys
 
+import cutp
+from cutp.runtime import backend
+
 
 def _version(module: str) -> str:
     try:
@@ -17,9 +20,6 @@ def _version(module: str) -> str:
 
 def collect() -> dict:
     """Every fact as a string, in print order. Never raises: failures become the value."""
-    import cutp
-    from cutp import backend
-
     info = {
         "cutp": f"{cutp.__version__} ({os.path.dirname(cutp.__file__)})",
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -30,7 +30,7 @@ def collect() -> dict:
         "mpi4py": _version("mpi4py"),
     }
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # late: a broken MPI is reported here, not a crash at start-up
 
         info["MPI library"] = MPI.Get_library_version().strip().splitlines()[0]
         info["MPI standard"] = "%d.%d" % MPI.Get_version()
@@ -40,7 +40,7 @@ def collect() -> dict:
     info["cupy"] = _version("cupy")
     ok, why = backend.cupy_status()
     if ok:
-        import cupy
+        import cupy  # optional dependency
 
         rt = cupy.cuda.runtime
         info["CUDA runtime"] = _cuda_version(rt.runtimeGetVersion())

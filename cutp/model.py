@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import to_numpy
-from .errors import ConfigError
+from .runtime.backend import to_numpy
+from .runtime.consistency import check_same_on_all_ranks
+from .runtime.errors import ConfigError
+from .runtime.failure import errors_raised_on_every_rank
 from .tensor_parallel import (
     REPLICATED,
     Dropout,
@@ -184,9 +186,6 @@ class GPT(Module):
 
         Collective over ctx's communicator: every rank must build the same model (a config or seed
         that differs on one rank would otherwise give silently wrong gradients or a hang)."""
-        from .consistency import check_same_on_all_ranks
-        from .failure import errors_raised_on_every_rank
-
         world = ctx.world.mpi_comm  # cutp talks only over the communicators it split off
         check_same_on_all_ranks(world, {"config": config.to_dict(), "seed": seed, "init": init},
                                 "GPT model configuration")

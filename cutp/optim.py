@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import ops
-from .backend import get_array_module
+from .runtime.backend import get_array_module
 
 
 class FlatParameters:

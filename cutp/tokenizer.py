@@ -30,7 +30,7 @@ import sys
 import unicodedata
 from functools import lru_cache
 
-from .errors import ConfigError
+from .runtime.errors import ConfigError
 
 VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"

@@ -30,12 +30,12 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import numpy as np
 
 from cutp import checkpoint
-from cutp.consistency import check_same_on_all_ranks
+from cutp.runtime.consistency import check_same_on_all_ranks
 from cutp.data import BatchSampler, load_dataset
 from cutp.model import GPT, PRESETS, GPTConfig
 from cutp.optim import AdamW, FlatParameters, clip_scale, lr_schedule
 from cutp.tensor_parallel import finish_grad_sync, global_grad_norm
-from cutp.threads import set_blas_threads, threads_per_rank
+from cutp.runtime.threads import set_blas_threads, threads_per_rank
 
 
 def parse_args(argv=None):
@@ -144,8 +144,8 @@ def main(argv=None):
     args = parse_args(argv)
     from mpi4py import MPI
 
-    from cutp.failure import errors_raised_on_every_rank, install_abort_on_error
-    from cutp.watchdog import check_timeout, configure_host_watchdog
+    from cutp.runtime.failure import errors_raised_on_every_rank, install_abort_on_error
+    from cutp.runtime.watchdog import check_timeout, configure_host_watchdog
 
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
     world = MPI.COMM_WORLD
@@ -159,7 +159,7 @@ def main(argv=None):
     with errors_raised_on_every_rank(world):
         if args.collective_timeout is not None:
             check_timeout(args.collective_timeout, "--collective-timeout")
-        device = cutp.backend.resolve_device(args.device)
+        device = cutp.runtime.backend.resolve_device(args.device)
         resume_meta = None
         if args.resume:
             resume_dir = checkpoint.resolve_checkpoint(args.resume)

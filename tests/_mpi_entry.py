@@ -8,7 +8,7 @@ import sys
 def main():
     from mpi4py import MPI
 
-    from cutp.failure import install_abort_on_error
+    from cutp.runtime.failure import install_abort_on_error
 
     install_abort_on_error()
     target, args = sys.argv[1], json.loads(sys.argv[2])

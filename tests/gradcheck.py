@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.backend import get_array_module, to_numpy
+from cutp.runtime.backend import get_array_module, to_numpy
 
 __all__ = ["numeric_grad", "check_gradients", "relative_error", "pick_indices"]
 

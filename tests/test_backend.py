@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cutp import backend
+from cutp.runtime import backend
 
 
 class _DLPackOnly:

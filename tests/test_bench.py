@@ -169,7 +169,7 @@ def test_ops_results_do_not_depend_on_the_thread_count(monkeypatch):
                          step=1)
         return out + [p, m, v]
 
-    from cutp.threads import get_blas_threads, set_blas_threads
+    from cutp.runtime.threads import get_blas_threads, set_blas_threads
 
     before = get_blas_threads()
     set_blas_threads(1)  # the BLAS calls inside the blocks (GEMV sums) then round alike in both runs

@@ -8,7 +8,7 @@ import pytest
 
 import cutp
 from cutp.comm import CommCounter, CommError
-from cutp.context import check_gpu_assignment, validate_mesh
+from cutp.comm.context import check_gpu_assignment, validate_mesh
 from tests.mpirun import MpiRunError, run_mpi
 
 DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.int32, np.int64]
@@ -214,7 +214,7 @@ def test_init_refuses_bad_mesh_in_process():
 
 
 def test_cuda_requested_without_gpu(monkeypatch):
-    import cutp.backend as backend
+    import cutp.runtime.backend as backend
 
     monkeypatch.setattr(backend, "cuda_device_count", lambda: 0)
     with pytest.raises(cutp.BackendError, match="device='cuda' was requested but no GPU is usable.*device='cpu'"):
@@ -229,7 +229,7 @@ def test_cuda_requested_without_gpu(monkeypatch):
 
 def test_cuda_refused_on_this_machine_for_real():
     """No monkeypatching: this CPU-only machine (no GPU, maybe no cupy) refuses device='cuda'."""
-    if cutp.backend.cuda_device_count() > 0:
+    if cutp.runtime.backend.cuda_device_count() > 0:
         pytest.skip("a GPU is visible here; the refusal is covered by test_cuda_requested_without_gpu")
     with pytest.raises(cutp.BackendError, match="no GPU is usable"):
         cutp.init(device="cuda")
@@ -248,7 +248,7 @@ def test_gpu_assignment_check(monkeypatch):
 
 
 def _worker_nccl_more_ranks_than_gpus(bus_ids):
-    import cutp.backend as backend
+    import cutp.runtime.backend as backend
 
     backend.cuda_device_count = lambda: 1  # simulate a node where each rank sees one GPU...
     me = __import__("mpi4py.MPI", fromlist=["MPI"]).COMM_WORLD.rank

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from cutp.errors import ConfigError
+from cutp.runtime.errors import ConfigError
 from cutp.generate import generate, sample_next
 from cutp.model import GPT, GPTConfig
 from cutp.tokenizer import (ByteTokenizer, GPT2BPETokenizer, bytes_to_unicode, get_tokenizer,

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cutp import backend
+from cutp.runtime import backend
 from tests.test_backend import _DLPackOnly
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -290,7 +290,8 @@ def _fake_cupy(current_device):
 
 def test_watchdog_queries_nccl_events_on_their_device(monkeypatch):
     from cutp.comm.base import Communicator
-    from cutp.watchdog import Watchdog, WatchdogCommunicator
+    from cutp.comm.watched import WatchdogCommunicator
+    from cutp.runtime.watchdog import Watchdog
 
     cupy, cuda, calls, stream = _fake_cupy(current_device=3)
     monkeypatch.setitem(sys.modules, "cupy", cupy)

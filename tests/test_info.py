@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from cutp import backend
+from cutp.runtime import backend
 
 
 def test_python_m_cutp_info_reports_versions_and_backends():

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cutp import backend
+from cutp.runtime import backend
 from cutp import cuda_kernels as ck
 from tests.test_cuda_emu import (_KERNEL_DEF, _cuda_sources, _find_nvrtc, _nvcc, _strip_comments,
                                  kernel_entry_points, load_nvrtc, nvrtc_compile)

@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from cutp import backend
+from cutp.runtime import backend
 from cutp.comm import CommError
 from tests.mpirun import run_mpi
 

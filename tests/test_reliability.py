@@ -55,7 +55,7 @@ def _wait_for(cond, timeout, what, proc=None):
 def _worker_mismatched_config():
     from mpi4py import MPI
 
-    from cutp.consistency import check_same_on_all_ranks
+    from cutp.runtime.consistency import check_same_on_all_ranks
 
     r = MPI.COMM_WORLD.rank
     cfg = {"n_head": 8 if r >= 2 else 4, "n_layer": 2, "lr": 0.1 if r == 3 else 0.2}
@@ -98,7 +98,7 @@ def test_tp_not_dividing_heads_is_refused_on_every_rank():
 def _worker_error_on_some_ranks():
     from mpi4py import MPI
 
-    from cutp.failure import JobError, errors_raised_on_every_rank
+    from cutp.runtime.failure import JobError, errors_raised_on_every_rank
 
     comm = MPI.COMM_WORLD
     r = comm.rank
@@ -145,7 +145,7 @@ def test_an_error_on_some_ranks_is_raised_on_every_rank():
 
 
 def _worker_agreed_error_in_a_with_block():
-    from cutp.failure import agree_on_error
+    from cutp.runtime.failure import agree_on_error
 
     with cutp.init(tp=2, device="cpu") as ctx:  # closing the context frees the communicator it names
         agree_on_error(ctx.world.mpi_comm, "shard 3 is damaged" if ctx.rank == 1 else None, cutp.ConfigError)
@@ -154,7 +154,7 @@ def _worker_agreed_error_in_a_with_block():
 def _worker_agreed_error_on_part_of_the_job(in_a_with_block=False):
     from mpi4py import MPI
 
-    from cutp.failure import agree_on_error
+    from cutp.runtime.failure import agree_on_error
 
     world = MPI.COMM_WORLD
     half = world.Split(color=world.rank // 2, key=world.rank)  # cutp runs on ranks 0-1 only
@@ -162,7 +162,7 @@ def _worker_agreed_error_on_part_of_the_job(in_a_with_block=False):
         for _ in range(3):  # errors the program catches: one spare communicator, not one each
             with pytest.raises(cutp.ConfigError):
                 agree_on_error(half, "caught" if half.rank == 1 else None, cutp.ConfigError)
-        assert len(sys.modules["cutp.failure"]._exit_comms) == 1
+        assert len(sys.modules["cutp.runtime.failure"]._exit_comms) == 1
         ctx = cutp.init(comm=half, tp=2, device="cpu")
         if in_a_with_block:
             with ctx:  # closing the context frees the communicator the error names
@@ -195,10 +195,10 @@ def test_an_agreed_error_prints_one_traceback_and_ends_the_job(worker, plain_exi
 def _worker_error_caught_on_one_rank():
     from mpi4py import MPI
 
-    import cutp.failure
-    from cutp.consistency import check_same_on_all_ranks
+    import cutp.runtime.failure
+    from cutp.runtime.consistency import check_same_on_all_ranks
 
-    cutp.failure.EXIT_BARRIER_TIMEOUT = 2.0
+    cutp.runtime.failure.EXIT_BARRIER_TIMEOUT = 2.0
     comm = MPI.COMM_WORLD
     try:
         check_same_on_all_ranks(comm, {"x": comm.rank})
@@ -219,7 +219,7 @@ def test_an_error_every_rank_raises_but_one_catches_still_ends_the_job():
 def test_abort_waits_until_the_launcher_has_read_the_output():
     import threading
 
-    from cutp.failure import wait_for_output_to_drain
+    from cutp.runtime.failure import wait_for_output_to_drain
 
     r, w = os.pipe()
     try:
@@ -270,7 +270,7 @@ def _worker_stuck_rank():
 def _worker_stuck_before_init():
     from mpi4py import MPI
 
-    from cutp.consistency import check_same_on_all_ranks
+    from cutp.runtime.consistency import check_same_on_all_ranks
 
     if MPI.COMM_WORLD.rank == 1:
         time.sleep(120)  # stuck before any Context exists
@@ -453,12 +453,12 @@ def test_ctrl_c_on_the_job(tmp_path, save_on_signal):
 
 
 def test_collective_timeout_setting(monkeypatch):
-    import cutp.watchdog
-    from cutp.watchdog import DEFAULT_TIMEOUT_S, default_timeout
+    import cutp.runtime.watchdog
+    from cutp.runtime.watchdog import DEFAULT_TIMEOUT_S, default_timeout
 
     # this test sets the process-wide host watchdog: monkeypatch puts the previous one back
-    monkeypatch.setattr(cutp.watchdog, "_host_timeout", cutp.watchdog._host_timeout)
-    monkeypatch.setattr(cutp.watchdog, "_host_watchdog", None)
+    monkeypatch.setattr(cutp.runtime.watchdog, "_host_timeout", cutp.runtime.watchdog._host_timeout)
+    monkeypatch.setattr(cutp.runtime.watchdog, "_host_watchdog", None)
 
     monkeypatch.delenv("CUTP_COLLECTIVE_TIMEOUT", raising=False)
     assert default_timeout() == DEFAULT_TIMEOUT_S
@@ -474,7 +474,7 @@ def test_collective_timeout_setting(monkeypatch):
 
     with pytest.raises(cutp.ConfigError, match="collective_timeout=-1 is not a number of seconds >= 0"):
         cutp.init(comm=MPI.COMM_SELF, collective_timeout=-1, device="cpu")
-    from cutp.watchdog import configure_host_watchdog, host_watchdog
+    from cutp.runtime.watchdog import configure_host_watchdog, host_watchdog
 
     # the host-side checks outside the Context's communicators follow the newest Context's setting
     ctx = cutp.init(comm=MPI.COMM_SELF, collective_timeout=0, device="cpu")

@@ -391,7 +391,7 @@ def test_same_model_at_tp1_tp2_tp4_and_state_dict_holds_shards():
 
 # ---- in-process: validation, sharding, finite differences ---------------------------------
 def test_validation_messages_name_the_numbers():
-    from cutp.errors import ConfigError
+    from cutp.runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"tp=3 does not divide n_head=4.*\[1, 2, 4\]"):
         GPTConfig(n_head=4, n_embd=16).validate(3)
@@ -538,7 +538,7 @@ def test_gqa_replica_groups_per_layout_on_one_context():
 
 
 def test_config_rejects_out_of_range_fields():
-    from cutp.errors import ConfigError
+    from cutp.runtime.errors import ConfigError
 
     for kw, msg in ((dict(n_kv_head=0), "n_kv_head must be a positive integer or None"),
                     (dict(mlp_hidden=0), "mlp_hidden must be a positive integer or None"),

@@ -115,7 +115,7 @@ def test_progress_lines_metrics_and_validation(tmp_path):
 
 
 def test_threads_per_rank_shares_the_cores():
-    from cutp.threads import available_cores, threads_per_rank
+    from cutp.runtime.threads import available_cores, threads_per_rank
 
     cores = available_cores()
     assert threads_per_rank(1) == cores

@@ -14,6 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..runtime import backend
+from ..runtime.threads import available_cores
+from . import comm, compare_torch, kernels, model, plan
+from .plot import plot_report
+
 SUITES = ("kernels", "comm", "model", "compare-torch", "plan")
 
 
@@ -29,12 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="suite", required=True, metavar="{" + ",".join(SUITES) + "}")
 
     k = sub.add_parser("kernels", help="memory-bound ops per shape and dtype")
-    from .kernels import OPS, SIZES
-
     k.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
-    k.add_argument("--ops", nargs="+", metavar="OP", help=f"subset of {', '.join(OPS)}")
+    k.add_argument("--ops", nargs="+", metavar="OP", help=f"subset of {', '.join(kernels.OPS)}")
     k.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float64"])
-    k.add_argument("--size", choices=sorted(SIZES), help="shape preset (default: cpu on the CPU, gpu on a GPU)")
+    k.add_argument("--size", choices=sorted(kernels.SIZES), help="shape preset (default: cpu on the CPU, gpu on a GPU)")
     k.add_argument("--repeat", type=int, default=None, help="timed repeats (default 10 CPU, 30 GPU)")
     k.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2 CPU, 3 GPU)")
     k.add_argument("--min-time", type=float, default=0.1, help="CPU: keep repeating until this many seconds per case")
@@ -101,8 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args):
     """Runs one suite; returns its Report (on every rank)."""
     if args.suite == "kernels":
-        from . import kernels
-
         gpu = args.device == "cuda" or (args.device == "auto" and _gpu_default())
         args.repeat = args.repeat or (30 if gpu else 10)
         args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 2)
@@ -110,28 +111,16 @@ def run(args):
         args.keep_freed_memory = True  # glibc keeps freed memory: the ops are measured, not page faults
         return kernels.run(args)
     if args.suite == "comm":
-        from . import comm
-
         return comm.run(args)
     if args.suite == "model":
-        from . import model
-
         return model.run(args)
     if args.suite == "compare-torch":
-        from cutp.threads import available_cores
-
-        from . import compare_torch
-
         args.threads = args.threads or available_cores()
         return compare_torch.run(args)
-    from . import plan
-
     return plan.run(args)
 
 
 def _gpu_default() -> bool:
-    from cutp import backend
-
     return backend.resolve_device("auto") == "cuda"
 
 
@@ -151,8 +140,6 @@ def main(argv=None) -> int:
         if not args.quiet:
             print(f"wrote {args.json}")
     if args.plot:
-        from .plot import plot_report
-
         plot_report(report, args.plot)
         if not args.quiet:
             print(f"wrote {args.plot}")

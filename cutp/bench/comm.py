@@ -21,8 +21,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from mpi4py import MPI
 
-from .common import Report, human_bytes, machine_info, parse_size, reduce_scalar
+import cutp
+
+from ..runtime.threads import set_blas_threads, threads_per_rank
+from .common import Report, device_of, human_bytes, machine_info, parse_size, reduce_scalar
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -103,12 +107,6 @@ def _check(xp, comm, op, count, dtype):
 
 
 def run(args) -> Report:
-    from mpi4py import MPI
-
-    import cutp
-
-    from .common import device_of
-
     device, xp = device_of(args.device)
     world = MPI.COMM_WORLD
     n = world.Get_size()
@@ -120,8 +118,6 @@ def run(args) -> Report:
     report.meta.update(device=device, ranks=n, communicator=type(comm).__name__, dtype=args.dtype)
     dtype = np.dtype(args.dtype)
     if device == "cpu":
-        from cutp.threads import set_blas_threads, threads_per_rank
-
         set_blas_threads(threads_per_rank(ctx.local_size))
     top = parse_size(args.max_size) if args.max_size else (256 << 20 if device == "cuda" else 16 << 20)
     sizes = message_sizes(parse_size(args.min_size), top, args.factor or (2 if device == "cuda" else 4))

@@ -22,7 +22,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import ctypes
+import ctypes.util
+
 import numpy as np
+from mpi4py import MPI
+
+from ..runtime import backend
+from ..runtime.threads import available_cores, get_blas_threads, op_threads, parallel_map
 
 # ---------------------------------------------------------------------------------------------
 # Peak dense throughput of common NVIDIA GPUs (TFLOP/s, no sparsity) and their memory bandwidth
@@ -151,7 +158,7 @@ class L2Flusher:
 def time_gpu(fn, *, warmup: int = 5, repeat: int = 50, flush: L2Flusher | None = None, setup=None) -> Timing:
     """Times fn() with CUDA events on the current stream (each repeat: setup, L2 flush, then
     start event, fn, stop event). Returns per-call times in seconds."""
-    import cupy
+    import cupy  # optional dependency
 
     stream = cupy.cuda.get_current_stream()
     for _ in range(warmup):
@@ -180,9 +187,6 @@ def keep_freed_memory() -> str | None:
     cases 4x slower otherwise, with 200k page faults, depending on what ran before). A training
     step is not affected this way (glibc's dynamic thresholds settle after a few steps). Returns
     a description, or None where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
@@ -210,8 +214,6 @@ def copy_bandwidth(xp, nbytes: int = 256 << 20, *, repeat: int = 10, warmup: int
     moved = 2 * n * 4
     out = {"bytes": n * 4, "moved_bytes": moved}
     if xp is np:
-        from cutp.ops._common import op_threads, parallel_map
-
         t = time_cpu(fn, warmup=warmup, repeat=repeat)
         step = 1 << 20
         blocks = [slice(i, min(i + step, n)) for i in range(0, n, step)]
@@ -244,8 +246,6 @@ def cpu_name() -> str:
 
 
 def machine_info(xp=np) -> dict:
-    from cutp.threads import available_cores, get_blas_threads
-
     info = {
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -276,8 +276,6 @@ def gpu_info(cupy) -> dict:
 
 def device_of(name: str):
     """(device, xp) for 'cpu' | 'cuda' | 'auto'."""
-    from cutp import backend
-
     device = backend.resolve_device(name)
     return device, backend.array_module_for(device)
 
@@ -429,8 +427,6 @@ def parse_count(text: str) -> float:
 
 def reduce_scalar(mpi_comm, value: float, op: str = "max") -> float:
     """A float reduced over the ranks through a buffer (no pickling), e.g. the slowest rank's time."""
-    from mpi4py import MPI
-
     buf = np.array([float(value)])
     mpi_comm.Allreduce(MPI.IN_PLACE, buf, op={"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op])
     return float(buf[0])

@@ -19,7 +19,11 @@ import time
 
 import numpy as np
 
-from .common import Report, Timing
+import cutp
+
+from ..model import GPT, GPTConfig
+from ..runtime.threads import get_blas_threads, set_blas_threads
+from .common import Report, Timing, machine_info
 
 DEFAULT_SHAPES = {"tiny": (16, 128), "gpt2": (4, 256)}
 
@@ -27,7 +31,7 @@ DEFAULT_SHAPES = {"tiny": (16, 128), "gpt2": (4, 256)}
 def torch_missing_reason() -> str | None:
     """None when torch imports; else why not (the compare-torch suite is skipped)."""
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 (optional dependency)
     except Exception as e:  # ImportError, or a broken install
         return (f"torch is not importable ({type(e).__name__}: {e}); it is an optional extra: "
                 "pip install torch (a CPU build is enough)")
@@ -36,9 +40,9 @@ def torch_missing_reason() -> str | None:
 
 def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
     """A nanoGPT-style torch.nn.Module with cutp's weights (GPT-2 names, Conv1D layout)."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+    import torch  # optional dependency
+    import torch.nn as nn  # optional dependency
+    import torch.nn.functional as F  # optional dependency
 
     c = config
     if c.kv_heads != c.n_head or not c.tie_embeddings or c.gelu != "tanh":
@@ -130,7 +134,7 @@ CHECKED_GRADS = ("wte.weight", "h.0.attn.c_attn.weight", "h.0.mlp.c_fc.bias", "l
 
 def check_same_work(model, tmodel, idx, targets, *, rtol_loss=1e-5, rtol_grad=1e-3) -> dict:
     """One forward+backward of both: the losses and a few gradients must agree."""
-    import torch
+    import torch  # optional dependency
 
     model.zero_grad()
     loss = model.forward(idx, targets)
@@ -168,11 +172,7 @@ def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None
             repeat: int = 5, warmup: int = 1, attention: str = "sdpa", overrides=(), check_only: bool = False,
             gap: float = 0.01, seed: int = 0) -> dict:
     """Runs the check and (unless check_only) the interleaved timing for one configuration."""
-    import torch
-
-    import cutp
-    from cutp.model import GPT, GPTConfig
-    from cutp.threads import get_blas_threads, set_blas_threads
+    import torch  # optional dependency
 
     config = GPTConfig.preset(preset, dtype="float32").with_overrides(overrides)
     dB, dT = DEFAULT_SHAPES.get(preset, (4, min(256, config.block_size)))
@@ -225,15 +225,13 @@ def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None
 
 
 def run(args) -> Report:
-    from .common import machine_info
-
     report = Report("compare-torch", machine_info())
     why = torch_missing_reason()
     if why:
         report.notes.append(f"skipped: {why}")
         report.extra["skipped"] = why
         return report
-    import torch
+    import torch  # optional dependency
 
     report.meta["torch"] = torch.__version__
     t = report.table("compare", [
@@ -256,6 +254,6 @@ def run(args) -> Report:
         if not chk["ok"]:
             report.notes.append(f"{preset}: cutp and torch DISAGREE ({chk}); not timed")
     t.notes.append("ratio < 1: cutp is faster. Same weights, batch and thread count (torch.set_num_threads and "
-                   "cutp.threads.set_blas_threads); gradients zeroed outside the timed region.")
+                   "cutp.runtime.threads.set_blas_threads); gradients zeroed outside the timed region.")
     report.extra["results"] = results
     return report

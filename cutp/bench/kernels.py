@@ -336,7 +336,7 @@ def bandwidth_row(nbytes: int, seconds: float, copy_gbs: float | None, baseline_
 def max_rel_error(ref, got) -> float:
     """max |got - ref| / max(max |ref|, tiny) over all arrays, computed where the arrays live
     (float32, float64 for float64 data); inf when the shapes or the number of outputs differ."""
-    from cutp.backend import get_array_module
+    from cutp.runtime.backend import get_array_module
 
     ref, got = tuple(ref), tuple(got)
     if len(ref) != len(got):

@@ -70,7 +70,7 @@ class CommClock:
     def collect(self):
         """Reads the GPU events (call after synchronising)."""
         if self._events:
-            import cupy
+            import cupy  # optional dependency
 
             for phase, key, a, b in self._events:
                 s = cupy.cuda.get_elapsed_time(a, b) / 1e3
@@ -87,7 +87,7 @@ def _timed(name):
             r = getattr(self.inner, name)(*args, **kwargs)
             self.clock.add(key, time.perf_counter() - t0)
             return r
-        import cupy
+        import cupy  # optional dependency
 
         stream = cupy.cuda.get_current_stream()
         a, b = cupy.cuda.Event(), cupy.cuda.Event()
@@ -194,7 +194,7 @@ def run(args) -> Report:
     from cutp.model import GPT, GPTConfig
     from cutp.optim import AdamW, FlatParameters, clip_scale
     from cutp.tensor_parallel import finish_grad_sync, global_grad_norm
-    from cutp.threads import set_blas_threads, threads_per_rank
+    from cutp.runtime.threads import set_blas_threads, threads_per_rank
 
     from .common import device_of
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..model import GPTConfig
 from .common import Report, parse_count
 
 
@@ -169,8 +170,6 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
 
 
 def run(args) -> Report:
-    from cutp.model import GPTConfig
-
     if args.params and args.preset:
         raise SystemExit("give --params or --preset, not both")
     if args.preset:

@@ -6,10 +6,10 @@ import os
 
 def _plt():
     os.environ.setdefault("MPLBACKEND", "Agg")
-    import matplotlib
+    import matplotlib  # optional dependency
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency
 
     return plt
 

@@ -12,8 +12,9 @@ All calls run on the caller's current CuPy stream, so a host code's stream order
 from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
 
-from ..backend import is_cupy_array
+from ..runtime.backend import is_cupy_array
 from .base import CommError, Communicator, check_op, dtype_name
 from .base import check_array as _check_array
 
@@ -32,7 +33,7 @@ def check_array(x, what):
 
 
 def _load_nccl():
-    from cupy.cuda import nccl
+    from cupy.cuda import nccl  # optional dependency
 
     if not getattr(nccl, "available", False):
         raise CommError("NCCL is not available (libnccl.so.2 not found); install nvidia-nccl-cu12 or -cu13")
@@ -44,8 +45,6 @@ def broadcast_unique_id(mpi_comm, make_id):
 
     Raises CommError on every rank if `make_id` raised on rank 0.
     """
-    from mpi4py import MPI
-
     buf = np.zeros(1 + _MSG_BYTES, np.uint8)
     if mpi_comm.Get_rank() == 0:
         try:
@@ -78,7 +77,7 @@ class NcclCommunicator(Communicator):
 
     # ---- helpers -------------------------------------------------------------------------
     def _stream(self):
-        import cupy
+        import cupy  # optional dependency
 
         return cupy.cuda.get_current_stream().ptr
 
@@ -86,7 +85,7 @@ class NcclCommunicator(Communicator):
         return _NCCL_DTYPES[dtype_name(x)]
 
     def _empty(self, shape, dtype):
-        import cupy
+        import cupy  # optional dependency
 
         return cupy.empty(shape, dtype)
 
@@ -138,7 +137,7 @@ class NcclCommunicator(Communicator):
 
     def barrier(self):
         # NCCL has no barrier: finish this rank's queued work, then meet on the host.
-        import cupy
+        import cupy  # optional dependency
 
         cupy.cuda.get_current_stream().synchronize()
         self.mpi_comm.Barrier()
@@ -151,7 +150,7 @@ class NcclCommunicator(Communicator):
             pass
 
     def close(self):
-        import cupy
+        import cupy  # optional dependency
 
         if self.nccl_comm is None:
             return

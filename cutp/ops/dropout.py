@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from cutp.backend import get_array_module
+from cutp.runtime.backend import get_array_module
 from cutp.cuda_kernels import dispatch as _kernels
 from cutp.cuda_kernels import dispatch_xp as _kernels_xp
 

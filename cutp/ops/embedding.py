@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.backend import get_array_module
+from cutp.runtime.backend import get_array_module
 
 from ._common import as_dtype, compute_dtype, is_low_precision
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from cutp.backend import get_array_module
+from cutp.runtime.backend import get_array_module
 from cutp.cuda_kernels import dispatch as _kernels
 
 from ._common import as_dtype, col_sum, compute_dtype, flat_blocks, parallel_map, row_blocks
@@ -118,7 +118,7 @@ def erf(x):
     """
     xp = get_array_module(x)
     if xp is not np:
-        import cupyx.scipy.special
+        import cupyx.scipy.special  # optional dependency
 
         return cupyx.scipy.special.erf(x)
     x = _float_input(x, xp)
@@ -144,7 +144,7 @@ def erfc(x):
     """
     xp = get_array_module(x)
     if xp is not np:
-        import cupyx.scipy.special
+        import cupyx.scipy.special  # optional dependency
 
         return cupyx.scipy.special.erfc(x)
     x = _float_input(x, xp)

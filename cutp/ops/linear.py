@@ -1,7 +1,7 @@
 """Linear layer in GPT-2's Conv1D layout: ``y = x @ w + b`` with ``w`` of shape [in, out]."""
 from __future__ import annotations
 
-from cutp.backend import get_array_module
+from cutp.runtime.backend import get_array_module
 
 from ._common import as_dtype, col_sum, compute_dtype
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.backend import get_array_module
+from cutp.runtime.backend import get_array_module
 from cutp.cuda_kernels import dispatch as _kernels
 
 from . import _common

@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from .. import ops
-from ..backend import get_array_module
+from ..runtime.backend import get_array_module
 from ..ops import _common as _ops_common
 from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
 from .parameter import Module, normal_init

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..backend import get_array_module
+from ..runtime.backend import get_array_module
 
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
 

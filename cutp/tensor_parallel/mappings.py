@@ -11,7 +11,7 @@ The all-reduces run in place on buffers the caller owns, so they allocate nothin
 """
 from __future__ import annotations
 
-from ..backend import get_array_module
+from ..runtime.backend import get_array_module
 
 
 def copy_to_tp_forward(comm, x):

@@ -11,7 +11,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..backend import get_array_module
+from ..runtime.backend import get_array_module
+from ..runtime.threads import parallel_map
 from .sharding import Sharding, take_shard
 
 
@@ -88,8 +89,6 @@ def _sq_sum_host(g):
     """sum(g**2) accumulated in float64, in cache-sized blocks (float64 copies of 2**16 elements and
     a BLAS dot each, on the ops' threads) rather than through a full float64 copy of g and its
     square: measured 125-730 ms -> ~30 ms for GPT-2's 124M gradients. Blocks are summed in order."""
-    from ..ops._common import parallel_map
-
     flat = g.reshape(-1)
     n = flat.shape[0]
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..runtime.backend import get_array_module
+from ..runtime.errors import ConfigError
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: the index arrays do not compare as a bool
@@ -128,8 +129,6 @@ def gather_full(comm, shard, sharding: Sharding | None):
     """Reassembles the full tensor on every rank of the TP group `comm` (a collective)."""
     if sharding is None:
         return shard
-    from ..backend import get_array_module
-
     xp = get_array_module(shard)
     moved = xp.ascontiguousarray(xp.moveaxis(shard, sharding.axis, 0))
     gathered = comm.all_gather(moved)  # [tp * len, ...] in rank order

@@ -5,7 +5,7 @@ the others. Messages name the numbers and a valid alternative.
 """
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..runtime.errors import ConfigError
 
 
 def _valid_tps(n, limit=64):

@@ -2,8 +2,9 @@
 
 cutp runs the same code on NumPy arrays (CPU, MPI) and on CuPy arrays (NVIDIA GPUs, NCCL).
 Every op asks `get_array_module(x)` which module its inputs belong to; a context asks
-`resolve_device(...)` once which backend it runs on. CuPy is imported only when a CuPy
-array or the CUDA backend is actually used, so CPU-only machines never pay for it.
+`resolve_device(...)` once which backend it runs on. CuPy is an optional dependency: it
+is imported (inside the functions below) only when a CuPy array or the CUDA backend is
+actually used, so CPU-only machines never pay for it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def get_array_module(*arrays) -> types.ModuleType:
     """numpy, or cupy if any argument is a CuPy array."""
     for a in arrays:
         if is_cupy_array(a):
-            import cupy
+            import cupy  # optional dependency
 
             return cupy
     return np
@@ -60,7 +61,7 @@ def cuda_device_count() -> int:
     ok, _ = cupy_status()
     if not ok:
         return 0
-    import cupy
+    import cupy  # optional dependency
 
     return int(cupy.cuda.runtime.getDeviceCount())
 
@@ -68,7 +69,7 @@ def cuda_device_count() -> int:
 def cuda_pci_bus_id(index: int) -> str:
     """The PCI bus id of visible GPU `index` (tells apart GPUs that several ranks see under one
     index, e.g. when each rank is given its own GPU with CUDA_VISIBLE_DEVICES). Tests replace it."""
-    import cupy
+    import cupy  # optional dependency
 
     return str(cupy.cuda.Device(index).pci_bus_id)
 
@@ -81,8 +82,6 @@ def launcher_local_rank() -> int | None:
     """This process's index among the processes its launcher started on this node (MPICH, Open MPI,
     PMIx, Slurm, MVAPICH), or None. Unlike a rank in the communicator given to cutp, it differs
     between two cutp contexts of different processes sharing a node."""
-    import os
-
     for var in _LAUNCHER_LOCAL_RANK:
         v = os.environ.get(var)
         if v is not None and v.strip().isdigit():
@@ -95,7 +94,7 @@ def nccl_status() -> tuple[bool, str]:
     if not ok:
         return False, why
     try:
-        from cupy.cuda import nccl
+        from cupy.cuda import nccl  # optional dependency
     except Exception as e:
         return False, f"cupy.cuda.nccl does not import ({e})"
     if not getattr(nccl, "available", False):
@@ -105,7 +104,7 @@ def nccl_status() -> tuple[bool, str]:
 
 def nccl_version_string() -> str:
     try:
-        from cupy.cuda import nccl
+        from cupy.cuda import nccl  # optional dependency
 
         v = nccl.get_version()
         return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
@@ -136,7 +135,7 @@ def resolve_device(device: str = "auto") -> str:
 
 def array_module_for(device: str) -> types.ModuleType:
     if device == "cuda":
-        import cupy
+        import cupy  # optional dependency
 
         return cupy
     return np

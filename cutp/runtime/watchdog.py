@@ -2,9 +2,8 @@
 
 MPICH's mpiexec ends a job when a rank dies, but a rank that hangs (a deadlocked peer, a stuck
 GPU, a cluster MPI that does not propagate failures) would leave the others waiting in a
-collective forever. Every collective is registered with the watchdog while it is in flight:
-MPI calls block, so they are registered for the duration of the call; NCCL calls return at
-once, so a CUDA event recorded after the call tells when the GPU finished it. A daemon thread
+collective forever. Every collective is registered with the watchdog while it is in flight
+(`cutp.comm.watched.WatchdogCommunicator`; host-side MPI calls with `Watchdog.guard`). A daemon thread
 aborts the whole job (MPI Abort, after printing which collective on which group of which rank
 stalled) when one has been in flight longer than the timeout.
 
@@ -14,13 +13,14 @@ CUTP_COLLECTIVE_TIMEOUT (seconds), else 600 s. 0 disables the watchdog.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import threading
 import time
 
-from .comm.base import Communicator, WrappedCommunicator
+from mpi4py import MPI
+
+from .abort import abort_job
 from .errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -105,8 +105,6 @@ class Watchdog:
                     self._fire(desc, now - t0)
 
     def _fire(self, desc, waited):
-        from .failure import abort_job
-
         abort_job(f"[rank {self.rank}] cutp watchdog: {desc} has not completed after {waited:.1f} s "
                   f"(timeout {self.timeout:g} s). A peer rank is probably dead or stuck; aborting the job. "
                   "Set CUTP_COLLECTIVE_TIMEOUT (or cutp.init(collective_timeout=...)) to change the limit.\n")
@@ -135,8 +133,6 @@ def host_watchdog() -> Watchdog:
     cutp.init, not here: this runs inside the error agreement itself)."""
     global _host_watchdog
     if _host_watchdog is None:
-        from mpi4py import MPI
-
         timeout = _host_timeout
         if timeout is None:
             try:
@@ -145,40 +141,3 @@ def host_watchdog() -> Watchdog:
                 timeout = DEFAULT_TIMEOUT_S
         _host_watchdog = Watchdog(timeout, MPI.COMM_WORLD.Get_rank())
     return _host_watchdog
-
-
-def _event_done(event, device: int) -> bool:
-    """Whether a CUDA event has completed, asked from the watchdog's thread. A new thread's
-    current device is 0: it is set to the event's device first (and left there), so that the
-    runtime has no reason to create a CUDA context on GPU 0 in every rank of a multi-GPU node
-    (memory taken there; on GPUs in exclusive-process mode an error, with which the event would
-    never count as done and the watchdog would abort a healthy job)."""
-    from cupy.cuda import runtime
-
-    if runtime.getDevice() != device:
-        runtime.setDevice(device)
-    return bool(event.done)
-
-
-class WatchdogCommunicator(WrappedCommunicator):
-    """Registers each collective of `inner` with the watchdog while it is in flight."""
-
-    def __init__(self, inner: Communicator, watchdog: Watchdog):
-        super().__init__(inner)
-        self.watchdog = watchdog
-
-    def _call(self, op, x, fn, *args):
-        desc = f"{op} on group '{self.name}' (rank {self.rank} of {self.size}, shape {tuple(x.shape)}, {x.dtype})"
-        if self.kind == "nccl" and op != "barrier":  # NCCL returns at once: watch its completion event
-            result = fn(*args)
-            import cupy
-
-            event = cupy.cuda.Event(disable_timing=True)
-            event.record(cupy.cuda.get_current_stream())  # the stream the collective was queued on
-            self.watchdog.begin(desc, done=functools.partial(_event_done, event, cupy.cuda.runtime.getDevice()))
-            return result
-        token = self.watchdog.begin(desc)
-        try:
-            return fn(*args)
-        finally:
-            self.watchdog.end(token)

@@ -1,86 +1,34 @@
-"""The runtime context: mesh (TP x DP), device binding and communicators, with no global state.
+"""The context of one cutp instance: mesh (TP x DP), device binding and communicators; no global state.
 
 `cutp.init(...)` returns a `Context` that owns everything a model needs. Two contexts can live
 in one process, and a host code can hand cutp any mpi4py communicator (a sub-communicator of
 its own): cutp only ever talks over the communicators it split off that one.
 
 Mesh layout: world rank r = dp_rank * tp + tp_rank. TP ranks are contiguous, so with the usual
-rank-by-node placement a TP group stays inside a node (NVLink) and DP crosses nodes.
+rank-by-node placement a TP group stays inside a node (NVLink) and DP crosses nodes
+(`cutp.runtime.mesh`).
+
+The Context lives in `cutp.comm`, above the communicators it owns (MPI or NCCL, each inside a
+watchdog and a counter); everything it stands on (mesh arithmetic, device selection, failure
+handling, the watchdog, the cross-rank checks) is in `cutp.runtime`.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import numpy as np
+from mpi4py import MPI
 
-from . import backend
-from .comm import CommCounter, CountingCommunicator
-from .errors import ConfigError
+from .. import __version__
+from ..runtime import backend
+from ..runtime.consistency import check_same_on_all_ranks
+from ..runtime.failure import errors_raised_on_every_rank, install_abort_on_error
+from ..runtime.mesh import Mesh, check_gpu_assignment, validate_mesh
+from ..runtime.watchdog import Watchdog, check_timeout, configure_host_watchdog, default_timeout
+from .counting import CommCounter, CountingCommunicator
+from .mpi import MpiCommunicator
+from .nccl import NcclCommunicator
+from .watched import WatchdogCommunicator
 
-
-@dataclass(frozen=True)
-class Mesh:
-    tp: int
-    dp: int
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
-    def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
-
-    def tp_group(self, rank: int) -> list[int]:
-        base = (rank // self.tp) * self.tp
-        return list(range(base, base + self.tp))
-
-    def dp_group(self, rank: int) -> list[int]:
-        return list(range(rank % self.tp, self.tp * self.dp, self.tp))
-
-
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def validate_mesh(world_size: int, tp, dp) -> Mesh:
-    """Checks tp and dp against the world size; returns the mesh. Pure: no communication."""
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
-    if dp is None:
-        if world_size % tp:
-            raise ConfigError(
-                f"tp={tp} does not divide the world size {world_size}, so dp cannot be derived; "
-                f"use a tp from {_divisors(world_size)} or start a multiple of {tp} ranks"
-            )
-        dp = world_size // tp
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ConfigError(f"dp must be an integer >= 1, got {dp!r}")
-    if tp * dp != world_size:
-        raise ConfigError(
-            f"tp*dp = {tp}*{dp} = {tp * dp} but the communicator has {world_size} ranks; "
-            f"start {tp * dp} ranks (mpirun -np {tp * dp}) or choose tp*dp = {world_size}"
-        )
-    return Mesh(tp, dp)
-
-
-def check_gpu_assignment(bus_ids: list, n_gpus: int) -> None:
-    """NCCL needs one GPU per rank: refuse when ranks of one node (in rank order, with the PCI
-    bus id of the GPU each would use) would share a GPU. Pure: every rank gets the same verdict."""
-    if len(set(bus_ids)) == len(bus_ids):
-        return
-    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
-        return  # NCCL >= 2.30 can share a GPU between ranks when asked explicitly
-    shared = {}
-    for r, b in enumerate(bus_ids):
-        shared.setdefault(b, []).append(r)
-    example = next(rs for rs in shared.values() if len(rs) > 1)
-    local_size = len(bus_ids)
-    raise ConfigError(
-        f"{local_size} ranks run on this node but they see {n_gpus} GPU(s) (node-local ranks {example} would share "
-        f"GPU {bus_ids[example[0]]}), and NCCL needs one GPU per rank. Start at most {len(shared)} ranks per node "
-        f"(e.g. mpirun -np {len(shared)} or --map-by ppr:{len(shared)}:node), hand cutp.init a communicator with "
-        f"at most that many ranks per node, or use device='cpu'."
-    )
+__all__ = ["Context", "Mesh", "init"]
 
 
 class Context:
@@ -93,13 +41,6 @@ class Context:
 
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
                  abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None):
-        from mpi4py import MPI
-
-        from . import __version__
-        from .consistency import check_same_on_all_ranks
-        from .failure import errors_raised_on_every_rank, install_abort_on_error
-        from .watchdog import Watchdog, check_timeout, configure_host_watchdog, default_timeout
-
         if abort_on_error:
             install_abort_on_error()
         self.mpi_comm = comm if comm is not None else MPI.COMM_WORLD
@@ -135,7 +76,7 @@ class Context:
             local.Allgather([bus, MPI.UINT8_T], [every, MPI.UINT8_T])
             local.Free()
             check_gpu_assignment([bytes(row).rstrip(b"\0").decode() for row in every], n_gpus)
-            import cupy
+            import cupy  # optional dependency: device == "cuda" means it imports
 
             self.device_id = int(device_id)
             cupy.cuda.Device(self.device_id).use()  # before any NCCL call
@@ -157,17 +98,11 @@ class Context:
 
     def _make_comm(self, mpi_comm, name):
         if self.device == "cuda":
-            from .comm.nccl import NcclCommunicator
-
             return NcclCommunicator(mpi_comm, name)
-        from .comm.mpi import MpiCommunicator
-
         return MpiCommunicator(mpi_comm, name)
 
     def _wrap(self, comm):
         """Counting outside, watchdog inside: both see every collective of the group."""
-        from .watchdog import WatchdogCommunicator
-
         if self.watchdog.enabled:
             comm = WatchdogCommunicator(comm, self.watchdog)
         return CountingCommunicator(comm, self.counter)

@@ -11,9 +11,11 @@ import hashlib
 import json
 
 import numpy as np
+from mpi4py import MPI
 
 from .errors import ConfigError
 from .failure import mark_raised_on_every_rank
+from .watchdog import host_watchdog
 
 _VALUE_BYTES = 96
 
@@ -44,15 +46,11 @@ def check_same_on_all_ranks(mpi_comm, config: dict, what: str = "configuration")
     n = mpi_comm.Get_size()
     if n == 1:
         return
-    from .watchdog import host_watchdog
-
     with host_watchdog().guard(f"the cross-rank check of the {what} (host all-gather)"):
         _check(mpi_comm, config, what, n)
 
 
 def _check(mpi_comm, config: dict, what: str, n: int) -> None:
-    from mpi4py import MPI
-
     mine = np.frombuffer(config_hash(config), np.uint8).copy()
     every = np.empty((n, 32), np.uint8)
     mpi_comm.Allgather([mine, MPI.UINT8_T], [every, MPI.UINT8_T])

@@ -3,68 +3,31 @@
 An uncaught exception on one MPI rank, while the others sit in a collective, hangs the job
 forever (measured with MPICH: the job only ended at an external timeout). So cutp replaces
 `sys.excepthook` (and `threading.excepthook`) with one that prints the traceback with every
-line prefixed by the rank, flushes, and calls `MPI.COMM_WORLD.Abort`, which makes mpiexec kill
-every rank.
+line prefixed by the rank, flushes, and calls `MPI.COMM_WORLD.Abort` (`abort.abort_job`), which
+makes mpiexec kill every rank. An error every rank raises at the same point (a configuration
+check, `errors_raised_on_every_rank`, `agree_on_error`) ends the job with one traceback and a
+plain exit instead (`end_together`).
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib
 import os
-import stat
 import sys
 import threading
 import time
-import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+from .abort import abort_job, format_rank_traceback, wait_for_output_to_drain
+from .watchdog import host_watchdog
 
 _installed = False
 # How long a rank that raised an error every rank raises waits for the others to reach the exit
 # barrier before it falls back to MPI_Abort (a rank that caught the error must not hang the job).
 EXIT_BARRIER_TIMEOUT = 30.0
-# How long abort_job waits for the launcher to take this rank's last output off the pipe.
-OUTPUT_DRAIN_TIMEOUT = 2.0
-
-
-def format_rank_traceback(rank: int, etype, value, tb) -> str:
-    text = "".join(traceback.format_exception(etype, value, tb)).rstrip("\n")
-    return "".join(f"[rank {rank}] {line}\n" for line in text.splitlines())
-
-
-def abort_job(message: str = "", code: int = 1) -> None:
-    """Print `message` (already prefixed) and end every rank of the job."""
-    from mpi4py import MPI
-
-    if message:
-        sys.stderr.write(message)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    wait_for_output_to_drain()
-    MPI.COMM_WORLD.Abort(code)
-    os._exit(code)  # Abort does not return; this is for MPI stacks where it does
-
-
-def wait_for_output_to_drain(timeout: float = OUTPUT_DRAIN_TIMEOUT, fds=(1, 2)) -> None:
-    """Waits until the launcher has read what this rank wrote to stdout/stderr, up to `timeout`.
-
-    mpiexec forwards each rank's output asynchronously, and MPI_Abort tears the job down at once:
-    bytes still sitting in the pipe are lost, and under load CI once lost a whole job's output,
-    the error message included. On a pipe, FIONREAD counts the bytes its reader has not taken.
-    """
-    import fcntl
-    import struct
-    import termios
-
-    deadline = time.monotonic() + timeout
-    for fd in fds:
-        try:
-            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-                continue
-            while time.monotonic() < deadline:
-                unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
-                if unread == 0:
-                    break
-                time.sleep(0.005)
-        except OSError:
-            continue
 
 
 class EveryRank:
@@ -72,8 +35,6 @@ class EveryRank:
     `exc.cutp_every_rank`): what the excepthook needs to end the job with one traceback."""
 
     def __init__(self, mpi_comm, reporter: int):
-        from mpi4py import MPI
-
         self.reporter = reporter  # rank in mpi_comm whose traceback is printed
         self.i_report = mpi_comm.Get_rank() == reporter
         self.spans_job = mpi_comm.Get_size() == MPI.COMM_WORLD.Get_size()
@@ -89,8 +50,6 @@ _exit_comms: dict = {}
 
 def _exit_comm_for(mpi_comm):
     """Collective over mpi_comm: the spare communicator its processes meet on at exit."""
-    from mpi4py import MPI
-
     members = tuple(MPI.Group.Translate_ranks(mpi_comm.Get_group(), list(range(mpi_comm.Get_size())),
                                               MPI.COMM_WORLD.Get_group()))
     if members not in _exit_comms:  # the same answer on every member: all Dup, or none
@@ -129,8 +88,6 @@ def end_together(every: EveryRank, rank: int, etype, value, tb) -> None:
     Only part of the job runs cutp (cutp.init on a sub-communicator): those ranks abort the
     job after meeting, as any failure does. A rank that does not come within
     EXIT_BARRIER_TIMEOUT (it caught the error) gets the job aborted. Does not return."""
-    from mpi4py import MPI
-
     if every.i_report:
         sys.stderr.write(format_rank_traceback(rank, etype, value, tb))
     sys.stderr.flush()
@@ -156,8 +113,6 @@ def install_abort_on_error() -> bool:
     exit status and traceback are what a user expects.
     """
     global _installed
-    from mpi4py import MPI
-
     if _installed:
         return True
     if MPI.COMM_WORLD.Get_size() == 1:
@@ -198,11 +153,6 @@ def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError) -> None:
 
 def _first_error(mpi_comm, error: str | None):
     """Collective: None if no rank has an error, else (lowest failing rank, its message)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from .watchdog import host_watchdog
-
     me = mpi_comm.Get_rank()
     with host_watchdog().guard("the cross-rank agreement on errors (host all-reduce)"):
         flag = np.array([me if error else mpi_comm.Get_size()], np.int64)
@@ -259,9 +209,6 @@ def _rebuild(classes: list, message: str) -> Exception:
     """The nearest class of the failing rank's exception that this rank can rebuild (cutp's and
     Python's built-in exceptions; e.g. json.JSONDecodeError becomes ValueError), so that an
     `except` clause catches it alike on every rank."""
-    import builtins
-    import importlib
-
     for entry in classes:
         module, _, name = entry.partition(":")
         if entry == "builtins:Exception":

@@ -1,0 +1,14 @@
+"""The runtime: what every other part of cutp stands on. It imports nothing above it.
+
+errors       ConfigError, BackendError: the exceptions users see
+backend      NumPy or CuPy: the array module of an array, the device a run uses, GPU facts
+mesh         the TP x DP mesh (pure: rank arithmetic and its checks) and the GPU-per-rank rule
+threads      BLAS threads per rank and the ops' host thread pool (`parallel_map`)
+abort        ending every rank of the job: `abort_job`, after the launcher has read our output
+watchdog     the timer that aborts the job when a collective waits on a dead or stuck peer
+failure      an error on any rank ends the whole job (excepthook; errors agreed across ranks)
+consistency  every rank runs the same configuration (a hash compared across ranks)
+
+The modules here are not imported by `import cutp` (which must work where MPI is broken, so
+that `python -m cutp info` can say why); those that talk to other ranks import mpi4py.
+"""

@@ -1,0 +1,75 @@
+"""The TP x DP mesh: which rank holds which part, and the checks a layout must pass. Pure.
+
+World rank r = dp_rank * tp + tp_rank. TP ranks are contiguous, so with the usual rank-by-node
+placement a TP group stays inside a node (NVLink) and DP crosses nodes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Mesh:
+    tp: int
+    dp: int
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_group(self, rank: int) -> list[int]:
+        base = (rank // self.tp) * self.tp
+        return list(range(base, base + self.tp))
+
+    def dp_group(self, rank: int) -> list[int]:
+        return list(range(rank % self.tp, self.tp * self.dp, self.tp))
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_mesh(world_size: int, tp, dp) -> Mesh:
+    """Checks tp and dp against the world size; returns the mesh. Pure: no communication."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
+    if dp is None:
+        if world_size % tp:
+            raise ConfigError(
+                f"tp={tp} does not divide the world size {world_size}, so dp cannot be derived; "
+                f"use a tp from {_divisors(world_size)} or start a multiple of {tp} ranks"
+            )
+        dp = world_size // tp
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"dp must be an integer >= 1, got {dp!r}")
+    if tp * dp != world_size:
+        raise ConfigError(
+            f"tp*dp = {tp}*{dp} = {tp * dp} but the communicator has {world_size} ranks; "
+            f"start {tp * dp} ranks (mpirun -np {tp * dp}) or choose tp*dp = {world_size}"
+        )
+    return Mesh(tp, dp)
+
+
+def check_gpu_assignment(bus_ids: list, n_gpus: int) -> None:
+    """NCCL needs one GPU per rank: refuse when ranks of one node (in rank order, with the PCI
+    bus id of the GPU each would use) would share a GPU. Pure: every rank gets the same verdict."""
+    if len(set(bus_ids)) == len(bus_ids):
+        return
+    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
+        return  # NCCL >= 2.30 can share a GPU between ranks when asked explicitly
+    shared = {}
+    for r, b in enumerate(bus_ids):
+        shared.setdefault(b, []).append(r)
+    example = next(rs for rs in shared.values() if len(rs) > 1)
+    local_size = len(bus_ids)
+    raise ConfigError(
+        f"{local_size} ranks run on this node but they see {n_gpus} GPU(s) (node-local ranks {example} would share "
+        f"GPU {bus_ids[example[0]]}), and NCCL needs one GPU per rank. Start at most {len(shared)} ranks per node "
+        f"(e.g. mpirun -np {len(shared)} or --map-by ppr:{len(shared)}:node), hand cutp.init a communicator with "
+        f"at most that many ranks per node, or use device='cpu'."
+    )
