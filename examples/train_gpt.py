@@ -4,22 +4,20 @@
     mpirun -np 2 python examples/train_gpt.py --preset tiny --steps 200 --out out/tiny
     mpirun -np 4 python examples/train_gpt.py --tp 2 --dp 2 --resume out/tiny
 
-One optimizer step: `accum` micro-batches of forward + backward per DP rank (gradients
-accumulate), then the GQA/DP gradient reduction, global-norm clipping, AdamW. --batch-size is
-the global number of sequences per step over all DP ranks, so changing tp or dp never changes
-the math; --micro-batch-size only trades memory for speed.
+One optimizer step (cutp.train.train_step): `accum` micro-batches of forward + backward per DP
+rank (gradients accumulate), then the GQA/DP gradient reduction, global-norm clipping, AdamW.
+--batch-size is the global number of sequences per step over all DP ranks, so changing tp or dp
+never changes the math; --micro-batch-size only trades memory for speed.
 
-This file is meant to be read and edited: the loop is all here, the parts live in cutp.
+This file is meant to be read and edited: the loop is all here; the step, the defaults and the
+checks live in cutp.train.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import signal
 import sys
-import time
 
 try:
     import cutp
@@ -27,15 +25,9 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import cutp
 
-import numpy as np
-
-from cutp import checkpoint
-from cutp.runtime.consistency import check_same_on_all_ranks
-from cutp.data import BatchSampler, load_dataset
-from cutp.model import GPT, PRESETS, GPTConfig
-from cutp.optim import AdamW, FlatParameters, clip_scale, lr_schedule
-from cutp.tensor_parallel import finish_grad_sync, global_grad_norm
-from cutp.runtime.threads import set_blas_threads, threads_per_rank
+from cutp import train
+from cutp.model import PRESETS
+from cutp.runtime.failure import install_abort_on_error
 
 
 def parse_args(argv=None):
@@ -81,256 +73,59 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# Settings that define the training itself. A resumed run takes them from the checkpoint; a flag
-# that contradicts the checkpoint is refused (the run would silently change its math), except
-# --steps, which may extend or shorten the run (the LR schedule's length changes with it).
-RUN_DEFAULTS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "min_lr": None, "warmup": None,
-                "weight_decay": 0.1, "grad_clip": 1.0, "dropout": 0.0, "seed": 1337, "data": None}
-
-
-def resolve_run_settings(args, resume_meta):
-    """Fills the run settings of `args` from the checkpoint (on resume) or the defaults."""
-    saved = (resume_meta or {}).get("train_args") or {}
-    for key, default in RUN_DEFAULTS.items():
-        value, before = getattr(args, key), saved.get(key)
-        if value is None:
-            setattr(args, key, before if resume_meta is not None and key in saved else default)
-        elif resume_meta is not None and key in saved and before is not None and value != before and key != "steps":
-            flag = "--" + key.replace("_", "-")
-            raise cutp.ConfigError(f"{flag} {value} differs from the resumed run's {before}; a resumed run continues "
-                                   f"the same training: omit {flag}")
-
-
-def saved_preset(meta, device):
-    return ((meta.get("train_args") or {}).get("preset")) or ("gpt2" if device == "cuda" else "tiny")
-
-
-def choose_tp(world: int, local: int, config: GPTConfig, device: str) -> int:
-    """Largest tp that fits in a node (at most 8 GPUs, 4 CPU ranks so the CPU keeps some DP),
-    divides the world and satisfies the model's shape rules."""
-    for tp in range(min(world, local, 8 if device == "cuda" else 4), 0, -1):
-        if world % tp:
-            continue
-        try:
-            config.validate(tp)
-            return tp
-        except cutp.ConfigError:
-            continue
-    return 1
-
-
-class Stopper:
-    """Turns SIGTERM/SIGINT into a request to stop after the current step (agreed by all ranks)."""
-
-    def __init__(self, enabled: bool):
-        self.requested = False
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.requested = True
-
-    def agreed(self, ctx) -> bool:
-        from mpi4py import MPI
-
-        flag = np.array([1 if self.requested else 0], np.int32)
-        with ctx.watchdog.guard("the end-of-step stop check (host all-reduce on world)"):
-            ctx.world.mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT32_T], op=MPI.MAX)
-        return bool(flag[0])
-
-
-def main(argv=None):
+def main(argv=None, hooks: train.StepHooks | None = None):
+    """Runs the training the command line describes; returns the metrics rows of this invocation.
+    `hooks` reach inside each step (tests inject faults through them)."""
     args = parse_args(argv)
-    from mpi4py import MPI
-
-    from cutp.runtime.failure import errors_raised_on_every_rank, install_abort_on_error
-    from cutp.runtime.watchdog import check_timeout, configure_host_watchdog
-
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
-    world = MPI.COMM_WORLD
-    local_ranks = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank).Get_size()
 
-    # ---- configuration (validated on every rank before any allocation) ------------------------
-    # the same command line on every rank first: a flag given to some ranks only is named as such
-    check_same_on_all_ranks(world, vars(args), "command line")
-    # An error in these checks, on any rank, is raised on every rank (so the job ends at once,
-    # with one traceback, whether every rank or only one node sees the problem).
-    with errors_raised_on_every_rank(world):
-        if args.collective_timeout is not None:
-            check_timeout(args.collective_timeout, "--collective-timeout")
-        device = cutp.runtime.backend.resolve_device(args.device)
-        resume_meta = None
-        if args.resume:
-            resume_dir = checkpoint.resolve_checkpoint(args.resume)
-            resume_meta = checkpoint.read_meta(resume_dir)
-        resolve_run_settings(args, resume_meta)
-        if resume_meta is not None:
-            config = GPTConfig.from_dict({**resume_meta["config"], "dropout": args.dropout})
-            if args.preset or args.dtype or args.set:  # the same command line again: it must describe this model
-                asked = GPTConfig.preset(args.preset or saved_preset(resume_meta, device), dtype=args.dtype or config.dtype,
-                                         dropout=args.dropout).with_overrides(args.set)
-                diff = [f"{k}: checkpoint {getattr(config, k)!r}, flags {getattr(asked, k)!r}"
-                        for k in checkpoint.ARCH_FIELDS + ("dtype",) if getattr(config, k) != getattr(asked, k)]
-                if diff:
-                    raise cutp.ConfigError("--preset/--set/--dtype describe another model than the checkpoint: "
-                                           + "; ".join(diff) + ". Omit them when resuming.")
-        else:
-            preset = args.preset or ("gpt2" if device == "cuda" else "tiny")
-            config = GPTConfig.preset(preset, dtype=args.dtype or "float32", dropout=args.dropout).with_overrides(args.set)
-        dataset = load_dataset(args.data)
-        if dataset.vocab_size > config.vocab_size:
-            raise cutp.ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
-                                   f"{config.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
-        tp = args.tp or choose_tp(world.size, local_ranks, config, device)
-        config.validate(tp)
-        seq_len = args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size)
-        if seq_len > config.block_size:
-            raise cutp.ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
-    # every rank must run the same thing: compare before anything is allocated
-    # and the same derived settings (a stale `latest` read on one node would load another step)
-    check_same_on_all_ranks(world, {"model": config.to_dict(), "tp": tp, "device": device, "run": vars(args),
-                                    "data": dataset.description,
-                                    "resume": resume_meta and {"dir": resume_dir, "step": resume_meta.get("step")}},
-                            "training configuration")
-    if args.collective_timeout is not None:  # after setup: ranks may finish reading the data far apart
-        configure_host_watchdog(args.collective_timeout)
-    args.seq_len = seq_len  # resolved values go back into args: the checkpoint records them, a resume repeats them
-    ctx = cutp.init(tp=tp, dp=args.dp, device=device, collective_timeout=args.collective_timeout)
-    args.batch_size = batch = args.batch_size or -(-8 // ctx.dp_size) * ctx.dp_size
-    micro = args.micro_batch_size or batch // ctx.dp_size
-    sampler = BatchSampler(dataset, seq_len, batch, ctx.dp_size, ctx.dp_rank, micro, seed=args.seed)
-    blas = set_blas_threads(threads_per_rank(local_ranks)) if device == "cpu" else "GPU"
-    args.lr = lr = args.lr or (1e-3 if config.n_embd <= 256 else 6e-4)
-    args.warmup = warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-    log = print if (ctx.rank == 0 and not args.quiet) else (lambda *a, **k: None)
-    warn = (lambda msg: print(f"warning: {msg}", file=sys.stderr, flush=True)) if ctx.rank == 0 else (lambda msg: None)
+    # ---- configuration: every default derived, checked on every rank, before any allocation -----
+    cfg = train.resolve_run_config(source="command line", **vars(args))
+    run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
+    ctx = run.ctx
+    log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)
+    log(f"cutp {cutp.__version__} | {ctx.describe()} | {run.blas}")
+    origin = (f"resumed from {cfg.resume}" if cfg.resume else
+              f"preset {cfg.preset}" + (f" with {list(cfg.overrides)}" if cfg.overrides else "")
+              if cfg.preset else "given config")
+    log(f"model: {origin}: {json.dumps(cfg.model.to_dict())}")
+    log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
+        f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")
+    log(f"batch {cfg.batch_size} x {cfg.seq_len} tokens = {cfg.tokens_per_step:,} tokens/step | micro-batch "
+        f"{cfg.micro_batch_size}, accumulation {cfg.accum_steps} | lr {cfg.lr:g} warmup {cfg.warmup} | "
+        f"steps {run.step}..{cfg.steps}")
 
-    # ---- model, optimizer, state -------------------------------------------------------------
-    model = GPT(ctx, config, seed=args.seed, init=not args.resume)  # resumed weights are loaded next
-    flat = FlatParameters(model.parameters())
-    optimizer = AdamW(flat, lr=lr, weight_decay=args.weight_decay)
-    start_step = 0
-    if args.resume:
-        meta = checkpoint.load_checkpoint(resume_dir, model, optimizer)
-        start_step = int(meta["step"])
-        if meta.get("rng"):
-            model.rng.load_state_dict(meta["rng"])
-    params = model.parameters()
-    tokens_per_step = batch * seq_len
-    log(f"cutp {cutp.__version__} | {ctx.describe()} | {blas}")
-    model_name = (f"resumed from {resume_dir}" if args.resume else
-                  f"preset {args.preset or ('gpt2' if device == 'cuda' else 'tiny')}" + (f" with {args.set}" if args.set else ""))
-    log(f"model: {model_name}: {json.dumps(config.to_dict())}")
-    log(f"parameters: {config.num_parameters():,} total, {model.num_parameters_local():,} on this rank "
-        f"(vocab padded to {model.padded_vocab}) | data: {dataset.description}")
-    log(f"batch {batch} x {seq_len} tokens = {tokens_per_step:,} tokens/step | micro-batch {micro}, "
-        f"accumulation {sampler.accum_steps} | lr {lr:g} warmup {warmup} | steps {start_step}..{args.steps}")
-
-    stopper = Stopper(args.save_on_signal)
-    if args.save_on_signal and not args.out:
+    stop = train.StopOnSignal(cfg.save_on_signal)
+    if cfg.save_on_signal and not cfg.out:
         log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")
-    metrics_file = None
-    if args.metrics and ctx.rank == 0:
-        if args.resume:  # drop rows of steps after the checkpoint (a crashed run logged them): they re-run now
-            keep_rows = []
-            if os.path.exists(args.metrics):
-                with open(args.metrics) as f:
-                    keep_rows = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= start_step]
-            with open(args.metrics + ".tmp", "w") as f:
-                f.writelines(keep_rows)
-            os.replace(args.metrics + ".tmp", args.metrics)
-        metrics_file = open(args.metrics, "a" if args.resume else "w")
-    history, skips, step = [], 0, start_step
-    end_step = args.steps if args.run_steps is None else min(args.steps, start_step + args.run_steps)
-    # fault injection for the reliability tests: a NaN in one gradient on one rank at one step
-    nan_step = int(os.environ.get("CUTP_FAULT_NAN_STEP", "0"))
-    nan_rank = int(os.environ.get("CUTP_FAULT_NAN_RANK", "0"))
-    nan_param = model.named_parameters()[os.environ.get("CUTP_FAULT_NAN_PARAM", params[0].name)]
-    last_saved = start_step if args.resume else None
+    metrics = train.MetricsLog(cfg.metrics, ctx.rank, resumed_step=cfg.resumed_step)
+    history = []
 
-    def save(step_done):
-        nonlocal last_saved
-        if args.out and last_saved != step_done:
-            path = checkpoint.save_checkpoint(
-                args.out, step_done, model, optimizer, rng_state=model.rng.state_dict(),
-                data_state=sampler.state(step_done), train_args=vars(args), keep=args.keep)
-            last_saved = step_done
+    def save():
+        path = train.save(run)
+        if path:
             log(f"saved {path}")
 
-    def evaluate():
-        model.eval()
-        losses = []
-        for i in range(args.eval_batches):
-            for x, y in sampler.micro_batches(i, "val"):
-                model.check_inputs(x, y)
-                losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False))
-        model.train()
-        v = np.array([sum(losses) / len(losses)])
-        with ctx.watchdog.guard("the validation-loss average (host all-reduce on dp)"):
-            ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, v)
-        return float(v[0]) / ctx.dp_size
-
     # ---- the loop ------------------------------------------------------------------------------
-    while step < end_step:
-        t0 = time.perf_counter()
-        bytes0 = ctx.counter.bytes()
-        flat.zero_grad()
-        loss_sum = 0.0
-        for x, y in sampler.micro_batches(step):
-            model.check_inputs(x, y)  # on the host arrays: no device round trip
-            loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
-            model.backward(1.0 / sampler.accum_steps)
-        if step + 1 == nan_step and ctx.rank == nan_rank:
-            nan_param.grad.reshape(-1)[0] = float("nan")
-        finish_grad_sync(params, ctx, flat)
-        norm = global_grad_norm(params, ctx)
-        loss = np.array([loss_sum / sampler.accum_steps])
-        with ctx.watchdog.guard("the loss average (host all-reduce on dp)"):
-            ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, loss)
-        loss = float(loss[0]) / ctx.dp_size
-        step_lr = lr_schedule(step, lr, warmup, args.steps, args.min_lr)
-        skipped = not (math.isfinite(loss) and math.isfinite(norm))
-        if not skipped:
-            optimizer.step(step_lr, grad_scale=clip_scale(norm, args.grad_clip))
-            skips = 0
-        else:
-            skips += 1
-            warn(f"step {step + 1}: non-finite loss {loss} or grad norm {norm}: step skipped "
-                 f"({skips} in a row; the run stops at {args.max_skips})")
-            if skips >= args.max_skips:
-                raise FloatingPointError(f"{skips} consecutive non-finite steps; stopping (lower --lr?)")
-        if ctx.device == "cuda":
-            import cupy
-
-            cupy.cuda.get_current_stream().synchronize()
-        ms = (time.perf_counter() - t0) * 1000
-        step += 1
-        rec = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm, "ms": ms,
-               "tokens_per_s": tokens_per_step / (ms / 1000), "comm_mb": (ctx.counter.bytes() - bytes0) / 1e6}
-        if skipped:
-            rec["skipped"] = True
-        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-            rec["val_loss"] = evaluate()
+    while run.step < cfg.end_step:
+        stats = train.train_step(run, hooks)
+        step, rec = stats.step, stats.record()
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            rec["val_loss"] = train.evaluate(run)
         history.append(rec)
-        if metrics_file:
-            metrics_file.write(json.dumps(rec) + "\n")
-            metrics_file.flush()
-        if step % args.log_every == 0 or "val_loss" in rec:
-            log(f"step {step:5d} | loss {loss:.4f} | lr {step_lr:.2e} | norm {norm:.3f} | {ms:7.1f} ms | "
-                f"{rec['tokens_per_s']:9,.0f} tok/s | comm {rec['comm_mb']:.2f} MB"
-                + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""))
-        if args.save_every and step % args.save_every == 0:
-            save(step)
-        if stopper.agreed(ctx):
+        metrics.write(rec)
+        if step % cfg.log_every == 0 or "val_loss" in rec:
+            log(train.progress_line(rec))
+        if cfg.save_every and step % cfg.save_every == 0:
+            save()
+        if stop.agreed(ctx):
             if ctx.rank == 0:  # said even with --quiet: the run ends early on purpose
                 print(f"signal received: stopping after step {step}"
-                      + (", writing a checkpoint" if args.out else " (no --out: no checkpoint)"), flush=True)
+                      + (", writing a checkpoint" if cfg.out else " (no --out: no checkpoint)"), flush=True)
             break
-    save(step)
-    if metrics_file:
-        metrics_file.close()
-    ctx.close()
+    save()
+    metrics.close()
+    run.close()
     return history
 
 

@@ -195,3 +195,15 @@ def test_the_checker_sees_local_imports_and_cycles():
     assert ("cupy", True) in {(t.split(".")[0], f) for t, _, f in _imports("cutp.runtime.backend")}
     assert "cutp.runtime.errors" in GRAPH["cutp.runtime.backend"]
     assert "cutp.runtime.watchdog" in GRAPH["cutp.runtime.failure"]
+
+
+@pytest.mark.parametrize("path", ["examples/train_gpt.py", "cutp/bench/model.py"])
+def test_the_script_and_the_benchmark_run_the_librarys_step(path):
+    """One training step for every caller: neither keeps a copy of its parts or of its watchdog."""
+    tree = ast.parse((ROOT / path).read_text())
+    called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+              for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert "train_step" in called
+    copies = called & {"finish_grad_sync", "global_grad_norm", "clip_scale", "lr_schedule", "zero_grad", "guard",
+                       "backward", "Allreduce"}
+    assert not copies, f"{path} does itself what cutp.train.train_step does: {sorted(copies)}"

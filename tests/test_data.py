@@ -52,7 +52,7 @@ def test_sampler_is_independent_of_dp_and_micro_batch():
 
 
 def test_default_tp_choice():
-    from examples.train_gpt import choose_tp
+    from cutp.train import choose_tp
 
     tiny, gpt2 = GPTConfig.preset("tiny"), GPTConfig.preset("gpt2")
     assert choose_tp(8, 8, gpt2, "cuda") == 4  # 12 heads: 8 does not divide them

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cutp
+import cutp.train
 from cutp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cutp.model import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
@@ -502,6 +503,23 @@ def test_a_model_that_differs_across_ranks_is_refused():
 
 
 # ---- numerical faults ------------------------------------------------------------------------------
+class NanGradient(cutp.train.StepHooks):
+    """A NaN in one element of one parameter's gradient, on one rank, in one step."""
+
+    def __init__(self, step, rank, param):
+        self.step, self.rank, self.param = step, rank, param
+
+    def before_grad_sync(self, run):
+        if run.step + 1 == self.step and run.ctx.rank == self.rank:
+            run.model.named_parameters()[self.param].grad.reshape(-1)[0] = float("nan")
+
+
+def _worker_train_with_nan(step, rank, param, argv):
+    from examples.train_gpt import main
+
+    main(argv, hooks=NanGradient(step, rank, param))
+
+
 @pytest.mark.parametrize("tp,dp,rank,param", [
     (1, 2, 0, "wte.weight"),  # a sharded/counted entry, on a DP rank
     (2, 1, 1, "ln_f.weight"),  # a replicated LayerNorm's copy on TP rank 1, which the norm does not count
@@ -509,9 +527,9 @@ def test_a_model_that_differs_across_ranks_is_refused():
 def test_nan_gradient_skips_exactly_one_step(tmp_path, tp, dp, rank, param):
     out = str(tmp_path / "run")
     m = tmp_path / "m.jsonl"
-    env = {"CUTP_FAULT_NAN_STEP": "3", "CUTP_FAULT_NAN_RANK": str(rank), "CUTP_FAULT_NAN_PARAM": param}
-    res = run_mpi(2, TRAIN, BASE + ["--steps", "4", "--tp", str(tp), "--dp", str(dp), "--save-every", "1",
-                                    "--keep", "5", "--out", out, "--metrics", str(m)], timeout=120, env=env)
+    res = run_mpi(2, "tests.test_reliability:_worker_train_with_nan", 3, rank, param,
+                  BASE + ["--steps", "4", "--tp", str(tp), "--dp", str(dp), "--save-every", "1", "--keep", "5",
+                          "--out", out, "--metrics", str(m)], timeout=120)
     # reported on the console even with --quiet
     assert "warning: step 3: non-finite loss" in res.stdout and "step skipped (1 in a row" in res.stdout, res.stdout
     rows = _metrics(m)

@@ -1,8 +1,10 @@
 """`[mpiexec -n tp*dp] python -m cutp bench model`: one training step of a GPT preset.
 
+The step measured is `cutp.train.train_step`, the one examples/train_gpt.py runs (on the
+embedded corpus, at a constant learning rate), with the device synchronised between phases.
 Per step: tokens/s, ms split into forward, backward and optimizer (zero_grad, GQA/DP gradient
-reduction, global gradient norm, AdamW), the communication inside each phase, model FLOP/s,
-and the memory per rank.
+reduction, global gradient norm, loss average, AdamW), the communication inside each phase,
+model FLOP/s, and the memory per rank.
 
 Communication is timed by wrapping each of the context's communicators (inside its
 CountingCommunicator) in a TimedCommunicator that measures every collective without changing
@@ -27,11 +29,15 @@ CPU the process's peak resident set size.
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 import numpy as np
+from mpi4py import MPI
 
-from .common import Report, gpu_peak, machine_info, peak_tflops, reduce_scalar
+from ..runtime.threads import set_blas_threads
+from ..train import StepHooks, build_run, resolve_run_config, train_step
+from .common import Report, device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,47 +188,45 @@ def cached_activation_bytes(model, exclude=()) -> int:
 # ---------------------------------------------------------------------------------------------
 # The suite
 # ---------------------------------------------------------------------------------------------
-def _sync(xp):
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
+class _Measure(StepHooks):
+    """Points the comm clock at the step's phases; measures the cached activations once."""
+
+    def __init__(self, clock: CommClock, exclude):
+        self.clock, self.exclude = clock, exclude
+        self.measure_activations = False
+        self.activation_bytes = 0
+
+    def phase(self, name):
+        self.clock.phase = name
+
+    def after_forward(self, run, micro):
+        if self.measure_activations and micro == 0:
+            self.activation_bytes = cached_activation_bytes(run.model, exclude=self.exclude)
 
 
 def run(args) -> Report:
-    from mpi4py import MPI
-
-    import cutp
-    from cutp.model import GPT, GPTConfig
-    from cutp.optim import AdamW, FlatParameters, clip_scale
-    from cutp.tensor_parallel import finish_grad_sync, global_grad_norm
-    from cutp.runtime.threads import set_blas_threads, threads_per_rank
-
-    from .common import device_of
-
     device, xp = device_of(args.device)
     world = MPI.COMM_WORLD
-    tp = args.tp
-    ctx = cutp.init(tp=tp, dp=args.dp, device=device)
-    if device == "cpu":
-        set_blas_threads(args.threads or threads_per_rank(ctx.local_size))
-    config = GPTConfig.preset(args.preset, dtype=args.dtype).with_overrides(args.set)
-    config.validate(tp)
-    T = min(args.seq_len or (min(config.block_size, 256) if device == "cpu" else config.block_size),
-            config.block_size)
-    B = args.batch_size or (8 if device == "cpu" else 8)
+    dp = args.dp or max(1, world.Get_size() // args.tp)
+    B = args.batch_size or 8  # sequences per DP rank
+    # the training step of cutp.train on the embedded corpus, at a constant learning rate
+    cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
+                             dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
+                             micro_batch_size=B, seq_len=args.seq_len, steps=args.warmup + args.steps, lr=1e-4,
+                             min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
+                             save_on_signal=False)
+    run = build_run(cfg, world)
+    ctx, config, T = run.ctx, cfg.model, cfg.seq_len
+    if device == "cpu" and args.threads:
+        set_blas_threads(args.threads)
     report = Report("model", machine_info(xp) if ctx.rank == 0 else {})
     report.meta.update(device=device, preset=args.preset, overrides=list(args.set), tp=ctx.tp_size, dp=ctx.dp_size,
                        batch_per_dp_rank=B, seq_len=T, config=config.to_dict())
-
-    model = GPT(ctx, config, seed=args.seed)
-    flat = FlatParameters(model.parameters())
-    opt = AdamW(flat, lr=1e-4, weight_decay=0.1)
-    params = model.parameters()
+    flat, opt = run.flat, run.optimizer
     clock = CommClock(xp)
     if not args.no_comm_timing:
         install_comm_timing(ctx, clock)
-    rng = np.random.default_rng(args.seed + ctx.dp_rank)  # same batch on the TP ranks of a DP rank
-    idx = ctx.asarray(rng.integers(0, config.vocab_size, (B, T)))
-    tgt = ctx.asarray(rng.integers(0, config.vocab_size, (B, T)))
+    hooks = _Measure(clock, exclude=(flat.data, flat.grad))
 
     pool = None
     if xp is not np:
@@ -233,42 +237,26 @@ def run(args) -> Report:
     rec = {p: [] for p in phases}
     comm = {p: [] for p in phases}
     comm_ops: dict[str, list] = {}
-    losses, act_bytes = [], 0
+    losses = []
     bytes_per_step = {}
     for step in range(args.warmup + args.steps):
         measured = step >= args.warmup
+        hooks.measure_activations = step == args.warmup
         clock.reset()
         b0 = {k: v[2] for k, v in ctx.counter.totals.items()}
         c0 = {k: v[0] for k, v in ctx.counter.totals.items()}
-        _sync(xp)
-        t0 = time.perf_counter()
-        clock.phase = "forward"
-        loss = model.forward(idx, tgt)
-        _sync(xp)
-        t1 = time.perf_counter()
-        if step == args.warmup:
-            act_bytes = cached_activation_bytes(model, exclude=(flat.data, flat.grad))
-        clock.phase = "backward"
-        model.backward()
-        _sync(xp)
-        t2 = time.perf_counter()
-        clock.phase = "optimizer"
-        finish_grad_sync(params, ctx, flat)
-        norm = global_grad_norm(params, ctx)
-        opt.step(grad_scale=clip_scale(norm, 1.0))
-        flat.zero_grad()
-        _sync(xp)
-        t3 = time.perf_counter()
+        stats = train_step(run, hooks, profile=True)
         clock.collect()
-        losses.append(float(loss))
+        losses.append(stats.loss)
         if measured:
-            for p, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
-                rec[p].append(dt)
+            for p, ms in zip(phases, (stats.forward_ms, stats.backward_ms, stats.optimizer_ms)):
+                rec[p].append(ms / 1e3)
                 comm[p].append(clock.seconds.get(p, 0.0))
             for k, s in clock.by_op.items():
                 comm_ops.setdefault(k, []).append(s)
             bytes_per_step = {f"{g}.{o}": (v[0] - c0.get((g, o), 0), v[2] - b0.get((g, o), 0))
                               for (g, o), v in ctx.counter.totals.items()}
+    act_bytes = hooks.activation_bytes
     # the slowest rank defines each phase (median over the measured steps first)
     med = {p: reduce_scalar(world, np.median(rec[p])) for p in phases}
     med_comm = {p: reduce_scalar(world, np.median(comm[p])) for p in phases}
@@ -287,8 +275,6 @@ def run(args) -> Report:
     mfu = None
     peak = None
     if device == "cuda":
-        from .common import gpu_info
-
         info = gpu_info(xp)
         peak = gpu_peak(info["gpu"])
         tf32 = os.environ.get("CUPY_TF32", "0") == "1"  # CuPy's float32 GEMMs on tensor cores
@@ -345,8 +331,6 @@ def run(args) -> Report:
         hw = int(reduce_scalar(world, pool.total_bytes()))
         mem.add(what="CuPy pool high-water", mib=hw / 2**20, how="reserved bytes after the steps (max over ranks)")
     else:
-        import resource
-
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         rss = int(reduce_scalar(world, rss))
         mem.add(what="process peak RSS", mib=rss / 2**20, how="getrusage ru_maxrss (max over ranks; includes Python)")
@@ -355,5 +339,5 @@ def run(args) -> Report:
                               "comm_ms": {p: med_comm[p] * 1e3 for p in phases}, "activation_bytes": act,
                               "losses": losses, "peak": peak}
     report.extra["rank"] = ctx.rank
-    ctx.close()
+    run.close()
     return report

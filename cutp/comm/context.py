@@ -127,6 +127,11 @@ class Context:
     def to_numpy(self, a):
         return backend.to_numpy(a)
 
+    def synchronize(self) -> None:
+        """Waits until the device has finished the work queued so far (a no-op on the CPU)."""
+        if self.device == "cuda":
+            self.xp.cuda.get_current_stream().synchronize()
+
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size} "
                 f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}) device={self.device}"

@@ -46,23 +46,35 @@ def check_timeout(value, what: str = "collective_timeout") -> float:
 
 
 class Watchdog:
+    """Aborts the job when something registered with it waits longer than `timeout_s`.
+
+    Two kinds of registration: a blocking call (`begin`/`end`, `guard`: a collective, a host-side
+    MPI reduction) must finish within the timeout; a scope (`watch_progress`: a training step)
+    must make progress within it, where progress is any registered call beginning or ending, or
+    `progress()`. A scope is how a whole step is watched once: its own host-side reductions are
+    covered, and a step that computes for longer than the timeout between collectives is not
+    mistaken for a stuck one."""
+
     def __init__(self, timeout_s: float, rank: int):
         self.timeout = float(timeout_s)
         self.rank = rank
-        self._inflight = {}
+        self._inflight = {}  # token -> (description, start, done() or None, is_scope)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
+        self._last_progress = time.monotonic()
 
     @property
     def enabled(self) -> bool:
         return self.timeout > 0
 
-    def begin(self, description: str, done=None) -> int:
+    def begin(self, description: str, done=None, *, scope: bool = False) -> int:
         token = next(self._ids)
+        now = time.monotonic()
         with self._lock:
-            self._inflight[token] = (description, time.monotonic(), done)
+            self._inflight[token] = (description, now, done, scope)
+            self._last_progress = now
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="cutp-watchdog", daemon=True)
             self._thread.start()
@@ -71,6 +83,11 @@ class Watchdog:
     def end(self, token: int) -> None:
         with self._lock:
             self._inflight.pop(token, None)
+            self._last_progress = time.monotonic()
+
+    def progress(self) -> None:
+        """Tells the watchdog that the current scope is moving (e.g. a micro-batch finished)."""
+        self._last_progress = time.monotonic()
 
     @contextlib.contextmanager
     def guard(self, description: str):
@@ -84,15 +101,30 @@ class Watchdog:
         finally:
             self.end(token)
 
+    @contextlib.contextmanager
+    def watch_progress(self, description: str):
+        """Watches a block (a training step) that must make progress within the timeout: the job
+        is aborted when nothing inside it (no collective, no host reduction, no `progress()`) has
+        begun or ended for that long."""
+        if not self.enabled:
+            yield
+            return
+        token = self.begin(description, scope=True)
+        try:
+            yield
+        finally:
+            self.end(token)
+
     def _run(self):
         # the timeout may change while the thread runs (configure_host_watchdog): poll after it
         while not self._stop.wait(min(max(self.timeout / 8, 0.05), 5.0) if self.enabled else 5.0):
             if not self.enabled:
                 continue
-            now = time.monotonic()
             with self._lock:
                 items = list(self._inflight.items())
-            for token, (desc, t0, done) in items:
+            # blocking calls first: when a stuck collective stalls the step around it, the
+            # collective is what the message names
+            for token, (desc, t0, done, scope) in sorted(items, key=lambda item: item[1][3]):
                 if done is not None:
                     try:
                         finished = done()
@@ -101,13 +133,20 @@ class Watchdog:
                     if finished:
                         self.end(token)
                         continue
-                if now - t0 > self.timeout:
-                    self._fire(desc, now - t0)
+                now = time.monotonic()
+                waited = now - (max(t0, self._last_progress) if scope else t0)
+                if waited > self.timeout:
+                    self._fire(desc, waited, scope, [d for t, (d, *_) in items if t != token])
 
-    def _fire(self, desc, waited):
-        abort_job(f"[rank {self.rank}] cutp watchdog: {desc} has not completed after {waited:.1f} s "
-                  f"(timeout {self.timeout:g} s). A peer rank is probably dead or stuck; aborting the job. "
-                  "Set CUTP_COLLECTIVE_TIMEOUT (or cutp.init(collective_timeout=...)) to change the limit.\n")
+    def _fire(self, desc, waited, scope=False, others=()):
+        what = "has made no progress for" if scope else "has not completed after"
+        inside = "".join(f"; also in flight: {d}" for d in others)
+        cause = ("A peer rank is probably dead or stuck (or this rank computed that long between two "
+                 "collectives)" if scope else "A peer rank is probably dead or stuck")
+        abort_job(f"[rank {self.rank}] cutp watchdog: {desc} {what} {waited:.1f} s (timeout {self.timeout:g} s)"
+                  f"{inside}. {cause}; aborting the job. Set "
+                  "CUTP_COLLECTIVE_TIMEOUT (or cutp.init(collective_timeout=...), --collective-timeout) to "
+                  "change the limit.\n")
 
     def close(self):
         self._stop.set()

@@ -1,0 +1,28 @@
+"""Training as a library: the pieces every caller composes (examples/train_gpt.py, `cutp bench
+model`, a host code that trains on a sub-communicator of its own).
+
+config     RunConfig (every setting of a run, frozen) and resolve_run_config, the one place its
+           defaults are derived, validated and compared across ranks
+step       build_run (context, model, optimizer, data; resumed), train_step -> StepStats,
+           evaluate, save, resume, StepHooks
+signals    StopOnSignal: SIGTERM/SIGINT end the run after the current step, on every rank
+reporting  MetricsLog (the JSONL metrics file) and progress_line
+
+    from cutp import train
+    cfg = train.resolve_run_config(preset="tiny", steps=100, tp=2)
+    run = train.build_run(cfg)
+    while run.step < cfg.end_step:
+        stats = train.train_step(run)
+    train.save(run)
+    run.close()
+"""
+from .config import CHOICES, RUN_SETTINGS, RunConfig, choose_tp, default_preset, resolve_run_config
+from .reporting import MetricsLog, progress_line
+from .signals import StopOnSignal
+from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
+
+__all__ = [
+    "CHOICES", "RUN_SETTINGS", "RunConfig", "choose_tp", "default_preset", "resolve_run_config",
+    "MetricsLog", "progress_line", "StopOnSignal",
+    "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",
+]

@@ -1,0 +1,317 @@
+"""Every setting of a training run in one frozen `RunConfig`, derived in one place.
+
+    cfg = resolve_run_config(preset="tiny", steps=200, batch_size=16)        # collective over comm
+    cfg = resolve_run_config(comm=my_comm, model=GPTConfig(...), tp=2, data="corpus.txt")
+
+`resolve_run_config` is the only place where defaults are filled in: from the user's choices
+(the keyword arguments, `None` meaning "the default"), the world (its size, the ranks per node,
+the device this machine has) and, on resume, the checkpoint. It compares the choices across
+ranks, derives and validates everything inside one block whose error (on any rank) is raised
+on every rank, then compares the result across ranks once more, all before the first collective
+of the run itself. A `RunConfig` made directly (every field explicit) is checked by its own
+constructor for what needs no world (ranges, divisibility, the model's shape rules at its tp).
+
+Run settings (`RUN_SETTINGS`: steps, batch, sequence length, learning-rate schedule, seed, data,
+dropout) define the training itself. A resumed run takes them from the checkpoint, and a choice
+that contradicts the checkpoint is refused (the run would silently change its math), except
+`steps`, which may extend or shorten the run. The mesh may change on resume: checkpoints load at
+any TP size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from ..checkpoint import ARCH_FIELDS, read_meta, resolve_checkpoint
+from ..model import PRESETS, GPTConfig
+from ..runtime.backend import resolve_device
+from ..runtime.consistency import check_same_on_all_ranks
+from ..runtime.errors import ConfigError
+from ..runtime.failure import errors_raised_on_every_rank
+from ..runtime.mesh import validate_mesh
+from ..runtime.watchdog import check_timeout
+
+# The run settings and their defaults (None: derived, see resolve_run_config).
+RUN_SETTINGS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "min_lr": None, "warmup": None,
+                "weight_decay": 0.1, "grad_clip": 1.0, "dropout": 0.0, "seed": 1337, "data": None}
+
+# What a caller may choose, with the defaults of the settings that are not run settings. The
+# names are those of examples/train_gpt.py's flags ("set" is --set: KEY=VALUE model overrides).
+CHOICES = {
+    **RUN_SETTINGS,
+    "model": None, "preset": None, "set": (), "dtype": None,
+    "device": "auto", "tp": None, "dp": None, "micro_batch_size": None,
+    "run_steps": None, "max_skips": 5,
+    "eval_every": 50, "eval_batches": 4,
+    "out": None, "resume": None, "save_every": 0, "keep": 3,
+    "metrics": None, "log_every": 1, "quiet": False, "save_on_signal": True, "collective_timeout": None,
+}
+
+# The largest tp `resolve_run_config` picks by itself: a node's GPUs; on the CPU at most 4 ranks,
+# so that some data parallelism remains on a few cores.
+MAX_DEFAULT_TP = {"cuda": 8, "cpu": 4}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of a run. Make one with `resolve_run_config` (defaults, resume, checks
+    across ranks), or directly with every field given."""
+
+    model: GPTConfig
+    # the mesh and the device
+    device: str = "cpu"
+    tp: int = 1
+    dp: int = 1
+    # run settings: the training itself (kept by checkpoints, fixed on resume except steps)
+    steps: int = 200
+    batch_size: int = 8  # sequences per optimizer step over all DP ranks
+    micro_batch_size: int = 8  # sequences per forward on one DP rank
+    seq_len: int = 128
+    lr: float = 1e-3
+    min_lr: float | None = None  # None: lr / 10
+    warmup: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0: no clipping
+    seed: int = 1337
+    data: str | None = None  # text file or uint16 .bin; None: the Python standard library's sources
+    max_skips: int = 5  # consecutive non-finite steps before the run stops
+    # this invocation: how far, evaluation, checkpoints, logging
+    run_steps: int | None = None  # stop (and checkpoint) after this many steps of this invocation
+    eval_every: int = 50
+    eval_batches: int = 4
+    out: str | None = None
+    save_every: int = 0
+    keep: int = 3
+    resume: str | None = None  # the checkpoint directory this run continues from
+    resumed_step: int | None = None  # its step
+    metrics: str | None = None
+    log_every: int = 1
+    quiet: bool = False
+    save_on_signal: bool = True
+    collective_timeout: float | None = None  # None: $CUTP_COLLECTIVE_TIMEOUT or 600 s
+    # where the model came from, for the banner and for a later resume
+    preset: str | None = None
+    overrides: tuple = ()
+
+    def __post_init__(self):
+        if not isinstance(self.model, GPTConfig):
+            raise ConfigError(f"RunConfig.model must be a GPTConfig, got {type(self.model).__name__}")
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+        for name in ("tp", "dp", "steps", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "keep",
+                     "log_every", "max_skips"):
+            _positive_int(name, getattr(self, name))
+        for name in ("warmup", "eval_every", "save_every", "seed"):
+            _int_at_least(name, getattr(self, name), 0)
+        if self.run_steps is not None:
+            _positive_int("run_steps", self.run_steps)
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda' in a RunConfig, got {self.device!r} "
+                              "(resolve_run_config turns 'auto' into one of them)")
+        for name in ("lr", "weight_decay", "grad_clip") + (("min_lr",) if self.min_lr is not None else ()):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (name == "lr" and v == 0):
+                raise ConfigError(f"--{_flag(name)} must be a finite number {'> 0' if name == 'lr' else '>= 0'}, "
+                                  f"got {v!r}")
+        if self.collective_timeout is not None:
+            check_timeout(self.collective_timeout, "--collective-timeout")
+        self.model.validate(self.tp)
+        if self.seq_len > self.model.block_size:
+            raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's block_size {self.model.block_size}; "
+                              f"use --seq-len <= {self.model.block_size}")
+        if self.batch_size % self.dp:
+            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={self.dp} (each DP rank "
+                              f"takes an equal share); use a multiple of {self.dp}")
+        per_rank = self.batch_size // self.dp
+        if per_rank % self.micro_batch_size:
+            raise ConfigError(f"--micro-batch-size {self.micro_batch_size} must divide the per-DP-rank batch "
+                              f"{per_rank} (= batch-size {self.batch_size} / dp {self.dp})")
+
+    # ---- derived quantities --------------------------------------------------------------------
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step on each DP rank."""
+        return self.batch_size // self.dp // self.micro_batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def end_step(self) -> int:
+        """The step this invocation stops after (`steps`, or sooner with `run_steps`)."""
+        start = self.resumed_step or 0
+        return self.steps if self.run_steps is None else min(self.steps, start + self.run_steps)
+
+    # ---- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-ready: the model config nested, tuples as lists."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["model"] = self.model.to_dict()
+        d["overrides"] = list(self.overrides)
+        return d
+
+    def checkpoint_settings(self) -> dict:
+        """What a checkpoint records as `train_args`: the run settings (`RUN_SETTINGS`, dropout
+        included), where the model came from, and the rest of this run's settings for reference."""
+        d = self.to_dict()
+        del d["model"]
+        d.update(dropout=self.model.dropout, dtype=self.model.dtype, set=d.pop("overrides"))
+        return d
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive_int(name, v):
+    _int_at_least(name, v, 1)
+
+
+def _int_at_least(name, v, low):
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ConfigError(f"--{_flag(name)} must be an integer >= {low}, got {v!r}")
+
+
+def default_preset(device: str) -> str:
+    """gpt2 on GPUs, the tiny model on the CPU."""
+    return "gpt2" if device == "cuda" else "tiny"
+
+
+def choose_tp(world: int, local: int, config: GPTConfig, device: str) -> int:
+    """Largest tp that fits in a node (`MAX_DEFAULT_TP`), divides the world and satisfies the
+    model's shape rules."""
+    for tp in range(min(world, local, MAX_DEFAULT_TP[device]), 0, -1):
+        if world % tp:
+            continue
+        try:
+            config.validate(tp)
+            return tp
+        except ConfigError:
+            continue
+    return 1
+
+
+def resolve_run_config(comm=None, *, source: str = "run settings", **choices) -> RunConfig:
+    """The RunConfig of `choices` (see `CHOICES`; None means the default) on the ranks of `comm`
+    (default MPI.COMM_WORLD). Collective over comm; raises on every rank (ConfigError naming the
+    problem and its fix) when a choice is invalid or differs between ranks. `source` names the
+    choices in that message (examples/train_gpt.py says "command line")."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    # the same choices on every rank first: one given to some ranks only is named as such
+    # (rather than surfacing as whatever it breaks on those ranks)
+    check_same_on_all_ranks(comm, {k: _comparable(v) for k, v in choices.items()}, source)
+    local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    ranks_per_node = local_ranks.Get_size()
+    local_ranks.Free()
+    # An error in the derivation, on any rank, is raised on every rank (so the job ends at once,
+    # with one traceback, whether every rank or only one node sees the problem).
+    with errors_raised_on_every_rank(comm):
+        cfg = _derive(choices, comm.Get_size(), ranks_per_node)
+    # and the same result (a stale `latest` read on one node would resume another step)
+    check_same_on_all_ranks(comm, cfg.to_dict(), "training configuration")
+    return cfg
+
+
+def _comparable(value):
+    if isinstance(value, GPTConfig):
+        return value.to_dict()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
+    unknown = sorted(set(choices) - set(CHOICES))
+    if unknown:
+        raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
+    c = {k: (v if v is not None else CHOICES[k]) for k, v in {**CHOICES, **choices}.items()}
+    c["set"] = tuple(c["set"] or ())
+    if c["collective_timeout"] is not None:
+        check_timeout(c["collective_timeout"], "--collective-timeout")
+    device = resolve_device(c["device"])
+
+    resume_dir, meta = None, None
+    if c["resume"]:
+        resume_dir = resolve_checkpoint(c["resume"])
+        meta = read_meta(resume_dir)
+    run = _run_settings(choices, meta)
+    if meta is None and c["model"] is not None and choices.get("dropout") is None:
+        run["dropout"] = _as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
+    model, preset = _model_config(c, run["dropout"], device, meta)
+
+    tp = c["tp"] or choose_tp(world, ranks_per_node, model, device)
+    model.validate(tp)
+    mesh = validate_mesh(world, tp, c["dp"])
+    seq_len = run["seq_len"] or (min(model.block_size, 256) if device == "cpu" else model.block_size)
+    batch = run["batch_size"] or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp
+    if batch % mesh.dp:  # refused here, where the flag can be named, rather than in the sampler
+        raise ConfigError(f"--batch-size {batch} must be divisible by dp={mesh.dp} (each DP rank takes an "
+                          f"equal share); use a multiple of {mesh.dp}")
+    steps = run["steps"]
+    return RunConfig(
+        model=model, device=device, tp=tp, dp=mesh.dp,
+        steps=steps, batch_size=batch, micro_batch_size=c["micro_batch_size"] or batch // mesh.dp,
+        seq_len=seq_len, lr=run["lr"] or (1e-3 if model.n_embd <= 256 else 6e-4), min_lr=run["min_lr"],
+        warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
+        weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
+        max_skips=c["max_skips"], run_steps=c["run_steps"], eval_every=c["eval_every"],
+        eval_batches=c["eval_batches"], out=c["out"], save_every=c["save_every"], keep=c["keep"],
+        resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), metrics=c["metrics"],
+        log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
+        collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"])
+
+
+def _run_settings(choices: dict, meta: dict | None) -> dict:
+    """The run settings: the choice, else (on resume) the checkpoint's, else the default. A choice
+    that contradicts the checkpoint is refused, except steps."""
+    saved = (meta or {}).get("train_args") or {}
+    out = {}
+    for key, default in RUN_SETTINGS.items():
+        value, before = choices.get(key), saved.get(key)
+        if value is None:
+            value = before if meta is not None and key in saved else default
+        elif meta is not None and key in saved and before is not None and value != before and key != "steps":
+            raise ConfigError(f"--{_flag(key)} {value} differs from the resumed run's {before}; a resumed run "
+                              f"continues the same training: omit --{_flag(key)}")
+        out[key] = value
+    return out
+
+
+def _model_config(c: dict, dropout: float, device: str, meta: dict | None) -> tuple[GPTConfig, str | None]:
+    """(the model's config, the preset it came from)."""
+    if meta is not None:
+        config = GPTConfig.from_dict({**meta["config"], "dropout": dropout})
+        preset = (meta.get("train_args") or {}).get("preset") or default_preset(device)
+        if c["model"] is not None or c["preset"] or c["dtype"] or c["set"]:
+            # the same choices again: they must describe this model (a dtype alone: its dtype)
+            described = c["model"] is not None or c["preset"] or c["set"]
+            asked = (_asked_model(c, dropout, c["preset"] or preset, c["dtype"] or config.dtype) if described
+                     else dataclasses.replace(config, dtype=c["dtype"]))
+            diff = [f"{k}: checkpoint {getattr(config, k)!r}, flags {getattr(asked, k)!r}"
+                    for k in ARCH_FIELDS + ("dtype",) if getattr(config, k) != getattr(asked, k)]
+            if diff:
+                raise ConfigError("--preset/--set/--dtype describe another model than the checkpoint: "
+                                  + "; ".join(diff) + ". Omit them when resuming.")
+        return config, preset
+    preset = None if c["model"] is not None else (c["preset"] or default_preset(device))
+    return _asked_model(c, dropout, preset, c["dtype"] or "float32"), preset
+
+
+def _asked_model(c: dict, dropout: float, preset: str | None, dtype: str) -> GPTConfig:
+    if c["model"] is not None:
+        model = _as_gpt_config(c["model"])
+        model = dataclasses.replace(model, dropout=dropout, **({"dtype": c["dtype"]} if c["dtype"] else {}))
+        return model.with_overrides(c["set"])
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return GPTConfig.preset(preset, dtype=dtype, dropout=dropout).with_overrides(c["set"])
+
+
+def _as_gpt_config(model) -> GPTConfig:
+    """A GPTConfig, or a dict of its fields (e.g. read from JSON)."""
+    if isinstance(model, GPTConfig):
+        return model
+    if isinstance(model, dict):
+        return GPTConfig.from_dict(model)
+    raise ConfigError(f"model must be a GPTConfig or a dict of its fields, got {type(model).__name__}")

@@ -1,0 +1,48 @@
+"""What a run reports: the JSONL metrics file and the progress line.
+
+The metrics file holds one JSON object per step (`StepStats.record()`, plus `val_loss` on
+evaluation steps), written by rank 0 and flushed after each row, so that a crash loses nothing
+already reported. A resumed run first drops the rows after its checkpoint's step (a crashed run
+logged them; those steps run again now) and appends after the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+class MetricsLog:
+    """Rank 0's JSONL metrics file (no file on other ranks, or without a path)."""
+
+    def __init__(self, path: str | None, rank: int, resumed_step: int | None = None):
+        self.file = None
+        if not path or rank != 0:
+            return
+        if resumed_step is not None:
+            keep_rows = []
+            if os.path.exists(path):
+                with open(path) as f:
+                    keep_rows = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= resumed_step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(keep_rows)
+            os.replace(path + ".tmp", path)
+        self.file = open(path, "a" if resumed_step is not None else "w")
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def progress_line(record: dict) -> str:
+    """`step    10 | loss 4.7489 | lr 2.00e-04 | norm 2.811 |   161.0 ms |    12,720 tok/s | comm 18.90 MB`
+    (and `| val 2.5989` on evaluation steps)."""
+    r = record
+    return (f"step {r['step']:5d} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | norm {r['grad_norm']:.3f} | "
+            f"{r['ms']:7.1f} ms | {r['tokens_per_s']:9,.0f} tok/s | comm {r['comm_mb']:.2f} MB"
+            + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""))

@@ -1,0 +1,264 @@
+"""One training step for every caller: the script, the benchmark, a host code embedding cutp.
+
+    run = build_run(cfg, comm)              # context, model, optimizer, data (resumed if cfg.resume)
+    while run.step < cfg.end_step:
+        stats = train_step(run)             # StepStats: loss, grad norm, lr, skipped, timings, bytes
+        if run.step % cfg.eval_every == 0:
+            val = evaluate(run)
+    save(run)                               # a checkpoint of run.step into cfg.out
+    run.close()
+
+A step: `accum` micro-batches of forward + backward on each DP rank (gradients accumulate into
+the flat buffer, each scaled by 1/accum), the gradient reduction (GQA replicas, then DP), the
+global gradient norm, the loss averaged over DP, then AdamW with the learning rate of the
+schedule and global-norm clipping; a step whose loss or norm is not finite is skipped on every
+rank (the decision is made from all-reduced values) without touching weights or moments, and
+`max_skips` skips in a row stop the run. The collective watchdog watches the step once, as a
+whole: it aborts the job when the step makes no progress for the collective timeout.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..comm.context import Context, init
+from ..data import BatchSampler, Dataset, load_dataset
+from ..model import GPT
+from ..optim import AdamW, FlatParameters, clip_scale, lr_schedule
+from ..runtime.consistency import check_same_on_all_ranks
+from ..runtime.errors import ConfigError
+from ..runtime.failure import errors_raised_on_every_rank
+from ..runtime.threads import set_blas_threads, threads_per_rank
+from ..runtime.watchdog import configure_host_watchdog
+from ..tensor_parallel import finish_grad_sync, global_grad_norm
+from .config import RunConfig
+
+
+@dataclass
+class TrainingRun:
+    """What a run holds between steps. `step` counts the optimizer steps done."""
+
+    config: RunConfig
+    ctx: Context
+    model: GPT
+    flat: FlatParameters
+    optimizer: AdamW
+    dataset: Dataset
+    sampler: BatchSampler
+    blas: str = ""  # what set_blas_threads reported (the banner shows it)
+    step: int = 0
+    consecutive_skips: int = 0
+    last_saved: int | None = None  # the step of the newest checkpoint this run wrote or resumed from
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did. Times in milliseconds; `forward_ms`, `backward_ms` and
+    `optimizer_ms` split `ms` (exact on the CPU; on a GPU only with train_step(profile=True),
+    which synchronises the device between the phases, else None)."""
+
+    step: int  # the step just done, counting from 1
+    loss: float  # mean over the step's tokens (all DP ranks)
+    grad_norm: float  # global L2 norm before clipping
+    lr: float
+    skipped: bool
+    ms: float
+    tokens_per_s: float
+    comm_bytes: int  # this rank's bytes through the context's collectives during the step
+    forward_ms: float | None = None
+    backward_ms: float | None = None
+    optimizer_ms: float | None = None
+    consecutive_skips: int = 0
+
+    def record(self) -> dict:
+        """The JSONL metrics row (examples/train_gpt.py --metrics)."""
+        rec = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "ms": self.ms,
+               "tokens_per_s": self.tokens_per_s, "comm_mb": self.comm_bytes / 1e6}
+        if self.skipped:
+            rec["skipped"] = True
+        return rec
+
+
+class StepHooks:
+    """Callbacks inside `train_step`, for measurements and tests; each does nothing by default.
+
+    phase(name)                 a phase begins: "forward", "backward" or "optimizer" (zeroing the
+                                gradients first; at the end the gradient reduction, the norm, the
+                                loss average and the update)
+    after_forward(run, micro)   after the forward of micro-batch `micro` (its activations cached)
+    before_grad_sync(run)       every micro-batch's gradient is in, nothing reduced yet
+    """
+
+    def phase(self, name: str) -> None:
+        pass
+
+    def after_forward(self, run: TrainingRun, micro: int) -> None:
+        pass
+
+    def before_grad_sync(self, run: TrainingRun) -> None:
+        pass
+
+
+_NO_HOOKS = StepHooks()
+
+
+@dataclass
+class _PhaseClock:
+    """Host time per phase, the device synchronised at each boundary when `sync` is set."""
+
+    ctx: Context
+    sync: bool
+    hooks: StepHooks
+    ms: dict = field(default_factory=dict)
+    _phase: str | None = None
+    _t: float = 0.0
+
+    def enter(self, phase: str | None) -> None:
+        if self.sync:
+            self.ctx.synchronize()
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.ms[self._phase] = self.ms.get(self._phase, 0.0) + (now - self._t) * 1000
+        self._phase, self._t = phase, now
+        if phase is not None:
+            self.hooks.phase(phase)
+
+
+def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -> TrainingRun:
+    """The context, model, optimizer and data of `config` on the ranks of `comm` (default
+    MPI.COMM_WORLD; any sub-communicator of a host code's), resumed from `config.resume` when
+    set. Collective over comm. `dataset` replaces `config.data` (tokens a host code holds)."""
+    world = MPI.COMM_WORLD if comm is None else comm
+    cfg = config
+    with errors_raised_on_every_rank(world):  # the data, checked on every rank before any allocation
+        if dataset is not None and cfg.data is not None:
+            raise ConfigError("give the data as config.data (a path) or as dataset=, not both")
+        dataset = dataset if dataset is not None else load_dataset(cfg.data)
+        if dataset.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
+                              f"{cfg.model.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
+        for split in ("train", "val"):
+            n = len(dataset.split(split))
+            if n < cfg.seq_len + 2:
+                raise ConfigError(f"the {split} split has {n} tokens, fewer than seq_len+2 = {cfg.seq_len + 2}; "
+                                  "use a shorter --seq-len or more data")
+    check_same_on_all_ranks(world, {"data": dataset.description}, "training data")
+    if cfg.collective_timeout is not None:  # after setup: ranks may finish reading the data far apart
+        configure_host_watchdog(cfg.collective_timeout)
+    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, device=cfg.device, collective_timeout=cfg.collective_timeout)
+    sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, ctx.dp_size, ctx.dp_rank, cfg.micro_batch_size,
+                           seed=cfg.seed)
+    blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
+    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
+    flat = FlatParameters(model.parameters())
+    optimizer = AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas)
+    if cfg.resume is not None:
+        resume(run, cfg.resume)
+    return run
+
+
+def resume(run: TrainingRun, checkpoint: str) -> dict:
+    """Loads a checkpoint's weights, optimizer moments, step and RNG offsets into `run` (any TP
+    size: resharded on load). Collective. Returns the checkpoint's metadata."""
+    meta = load_checkpoint(checkpoint, run.model, run.optimizer)
+    run.step = run.last_saved = int(meta["step"])
+    if meta.get("rng"):
+        run.model.rng.load_state_dict(meta["rng"])
+    return meta
+
+
+def save(run: TrainingRun) -> str | None:
+    """Writes a checkpoint of `run.step` into `config.out` (keeping `config.keep`); returns its
+    directory, or None when there is no `out` or this step is saved already. Collective."""
+    cfg = run.config
+    if not cfg.out or run.last_saved == run.step:
+        return None
+    path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
+                           data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
+                           keep=cfg.keep)
+    run.last_saved = run.step
+    return path
+
+
+def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: bool = False) -> StepStats:
+    """One optimizer step (the module docstring says what it does). Collective over the run's
+    context. `profile` synchronises the device between phases so that the phase times are exact
+    on a GPU too. Raises FloatingPointError after `max_skips` non-finite steps in a row."""
+    hooks = hooks or _NO_HOOKS
+    cfg, ctx, model = run.config, run.ctx, run.model
+    clock = _PhaseClock(ctx, sync=profile, hooks=hooks)
+    n = run.step
+    with ctx.watchdog.watch_progress(f"training step {n + 1}"):
+        t0 = time.perf_counter()
+        bytes0 = ctx.counter.bytes()
+        clock.enter("optimizer")  # clearing the gradients counts with their use at the end
+        run.flat.zero_grad()
+        loss_sum = 0.0
+        for micro, (x, y) in enumerate(run.sampler.micro_batches(n)):
+            clock.enter("forward")
+            model.check_inputs(x, y)  # on the host arrays: no device round trip
+            loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+            hooks.after_forward(run, micro)
+            clock.enter("backward")
+            model.backward(1.0 / run.sampler.accum_steps)
+            ctx.watchdog.progress()
+        clock.enter("optimizer")
+        hooks.before_grad_sync(run)
+        params = model.parameters()
+        finish_grad_sync(params, ctx, run.flat)
+        norm = global_grad_norm(params, ctx)
+        loss = np.array([loss_sum / run.sampler.accum_steps])
+        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, loss)
+        loss = float(loss[0]) / ctx.dp_size
+        lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
+        skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if not skipped:
+            run.optimizer.step(lr, grad_scale=clip_scale(norm, cfg.grad_clip))
+            run.consecutive_skips = 0
+        else:
+            run.consecutive_skips += 1
+            if ctx.rank == 0:  # said even when progress lines are off: the run is in trouble
+                print(f"warning: step {n + 1}: non-finite loss {loss} or grad norm {norm}: step skipped "
+                      f"({run.consecutive_skips} in a row; the run stops at {cfg.max_skips})", file=sys.stderr,
+                      flush=True)
+            if run.consecutive_skips >= cfg.max_skips:
+                raise FloatingPointError(f"{run.consecutive_skips} consecutive non-finite steps; stopping "
+                                         "(lower --lr?)")
+        ctx.synchronize()
+        clock.enter(None)
+        ms = (time.perf_counter() - t0) * 1000
+    run.step = n + 1
+    exact = profile or ctx.device == "cpu"
+    return StepStats(step=n + 1, loss=loss, grad_norm=norm, lr=lr, skipped=skipped, ms=ms,
+                     tokens_per_s=cfg.tokens_per_step / (ms / 1000), comm_bytes=ctx.counter.bytes() - bytes0,
+                     forward_ms=clock.ms.get("forward") if exact else None,
+                     backward_ms=clock.ms.get("backward") if exact else None,
+                     optimizer_ms=clock.ms.get("optimizer") if exact else None,
+                     consecutive_skips=run.consecutive_skips)
+
+
+def evaluate(run: TrainingRun) -> float:
+    """Mean loss over `eval_batches` validation batches (the same ones at every evaluation), in
+    eval mode (no dropout). Collective."""
+    cfg, ctx, model = run.config, run.ctx, run.model
+    with ctx.watchdog.watch_progress(f"the evaluation after step {run.step}"):
+        model.eval()
+        losses = []
+        for i in range(cfg.eval_batches):
+            for x, y in run.sampler.micro_batches(i, "val"):
+                model.check_inputs(x, y)
+                losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False))
+        model.train()
+        v = np.array([sum(losses) / len(losses)])
+        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, v)
+    return float(v[0]) / ctx.dp_size

@@ -1,0 +1,201 @@
+"""Training through the library alone (cutp.train), as a host code embedding cutp would: no
+script, on sub-communicators of its own; and RunConfig's defaults, checks and freezing."""
+import dataclasses
+import json
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cutp
+from cutp import train
+from cutp.model import GPTConfig
+from cutp.runtime.watchdog import Watchdog
+from tests.mpirun import run_mpi
+
+SMALL = dict(preset="tiny", set=["n_layer=1"], dtype="float64", seq_len=16, batch_size=4, eval_every=0,
+             device="cpu", quiet=True, save_on_signal=False)
+
+
+def _worker_two_programs_on_halves_of_the_world(out_dir):
+    """Ranks 0-1 train at tp=2, ranks 2-3 at tp=1 x dp=2, each half on its own sub-communicator
+    of COMM_WORLD; both get the losses of the same model (float64, within 1e-10). Then half 0
+    resumes its step-2 checkpoint through the library and repeats step 3 bit for bit."""
+    world = MPI.COMM_WORLD
+    half = world.Split(color=world.rank // 2, key=world.rank)
+    mesh = {"tp": 2} if world.rank < 2 else {"tp": 1, "dp": 2, "micro_batch_size": 1}
+    out = f"{out_dir}/half{world.rank // 2}"
+    cfg = train.resolve_run_config(half, steps=3, out=out, **SMALL, **mesh)
+    assert (cfg.tp, cfg.dp, cfg.batch_size, cfg.seq_len) == (mesh["tp"], 2 // mesh["tp"], 4, 16)
+    run = train.build_run(cfg, half)
+    assert run.ctx.world_size == 2 and run.ctx.mpi_comm is half
+    losses, saved = [], None
+    while run.step < cfg.end_step:
+        stats = train.train_step(run)
+        assert stats.step == run.step and not stats.skipped and stats.forward_ms > 0 and stats.comm_bytes > 0
+        losses.append(stats.loss)
+        if run.step == 2:
+            saved = train.save(run)
+    val = train.evaluate(run)
+    run.close()
+    mine = np.array(losses + [val])
+    every = np.empty((world.size, mine.size))
+    world.Allgather(mine, every)
+    np.testing.assert_allclose(every[2], every[0], rtol=1e-10, atol=0)  # tp=2 and tp=1 x dp=2: same math
+    assert every[0][-2] < every[0][0], "the loss did not go down"
+    if world.rank < 2:
+        again = train.resolve_run_config(half, resume=saved, **{k: v for k, v in SMALL.items() if k not in ("set", "preset")},
+                                         tp=2)
+        assert again.resumed_step == 2 and again.steps == 3
+        rerun = train.build_run(again, half)
+        assert rerun.step == 2
+        assert train.train_step(rerun).loss == losses[2]  # bit-identical after resume
+        rerun.close()
+    half.Free()
+
+
+def test_train_a_few_steps_through_the_library_on_sub_communicators(tmp_path):
+    run_mpi(4, "tests.test_train_library:_worker_two_programs_on_halves_of_the_world", str(tmp_path), timeout=180)
+
+
+def _worker_hooks_see_every_phase():
+    cfg = train.resolve_run_config(MPI.COMM_WORLD, tp=2, steps=2, micro_batch_size=2, **SMALL)
+    run = train.build_run(cfg)
+    seen = []
+
+    class Record(train.StepHooks):
+        def phase(self, name):
+            seen.append(name)
+
+        def after_forward(self, run, micro):
+            seen.append(f"after_forward {micro}")
+
+        def before_grad_sync(self, run):
+            seen.append("before_grad_sync")
+
+    stats = train.train_step(run, Record(), profile=True)
+    assert seen == ["optimizer", "forward", "after_forward 0", "backward", "forward", "after_forward 1", "backward",
+                    "optimizer", "before_grad_sync"], seen
+    assert abs(stats.forward_ms + stats.backward_ms + stats.optimizer_ms - stats.ms) < 0.05 * stats.ms + 1
+    assert stats.record()["comm_mb"] == stats.comm_bytes / 1e6
+    run.close()
+
+
+def test_step_hooks_see_every_phase_and_micro_batch():
+    run_mpi(2, "tests.test_train_library:_worker_hooks_see_every_phase", timeout=120)
+
+
+# ---- RunConfig ------------------------------------------------------------------------------------
+def _resolve(**choices):
+    return train.resolve_run_config(MPI.COMM_SELF, **{"device": "cpu", **choices})
+
+
+def test_defaults_are_derived_from_the_choices_and_the_world():
+    cfg = _resolve(steps=100)
+    assert cfg.preset == "tiny" and cfg.model == GPTConfig.preset("tiny")
+    assert (cfg.tp, cfg.dp, cfg.batch_size, cfg.micro_batch_size, cfg.accum_steps) == (1, 1, 8, 8, 1)
+    assert cfg.seq_len == 128 and cfg.lr == 1e-3 and cfg.warmup == 5 and cfg.end_step == 100
+    big = _resolve(preset="gpt2", steps=10)
+    assert big.lr == 6e-4 and big.seq_len == 256 and big.warmup == 1  # at most 256 tokens on the CPU
+    assert _resolve(micro_batch_size=2).accum_steps == 4
+    assert _resolve(run_steps=3).end_step == 3
+
+
+def test_a_model_config_given_whole_keeps_its_fields():
+    model = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=300, block_size=16, dropout=0.25)
+    cfg = _resolve(model=model, set=["n_head=4"])
+    assert cfg.preset is None and cfg.model.dropout == 0.25 and cfg.model.n_head == 4 and cfg.seq_len == 16
+    assert _resolve(model=model.to_dict(), dropout=0.0).model.dropout == 0.0
+
+
+def test_choose_tp_fits_the_node_and_the_model():
+    tiny = GPTConfig.preset("tiny")
+    assert train.choose_tp(8, 8, tiny, "cpu") == 4  # at most 4 CPU ranks per TP group
+    assert train.choose_tp(8, 8, tiny, "cuda") == 8
+    assert train.choose_tp(6, 6, tiny, "cuda") == 2  # 6 and 3 do not divide 8 heads
+    assert train.choose_tp(16, 2, tiny, "cuda") == 2  # inside a node
+
+
+@pytest.mark.parametrize("choices,message", [
+    ({"bogus": 1}, "unknown run settings ['bogus']"),
+    ({"seq_len": 512}, "--seq-len 512 exceeds the model's block_size 128"),
+    ({"micro_batch_size": 3}, "--micro-batch-size 3 must divide the per-DP-rank batch 8"),
+    ({"tp": 3}, "tp=3 does not divide n_head=8"),
+    ({"tp": 2}, "tp=2 does not divide the world size 1"),
+    ({"dp": 2}, "tp*dp = 1*2 = 2 but the communicator has 1 ranks"),
+    ({"lr": -1.0}, "--lr must be a finite number > 0"),
+    ({"steps": 0}, "--steps must be an integer >= 1"),
+    ({"preset": "huge"}, "unknown preset 'huge'"),
+    ({"set": ["n_layer=0"]}, "n_layer must be a positive integer"),
+    ({"collective_timeout": -2}, "--collective-timeout=-2 is not a number of seconds"),
+])
+def test_bad_choices_are_refused_with_the_fix(choices, message):
+    with pytest.raises(cutp.ConfigError) as e:
+        _resolve(**choices)
+    assert message in str(e.value), str(e.value)
+
+
+def test_run_config_is_frozen_and_checks_itself():
+    cfg = _resolve()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 0.1
+    with pytest.raises(cutp.ConfigError, match="--batch-size 9 must be divisible by dp=2"):
+        dataclasses.replace(cfg, dp=2, batch_size=9)
+    with pytest.raises(cutp.ConfigError, match="device must be 'cpu' or 'cuda'"):
+        dataclasses.replace(cfg, device="auto")
+    d = cfg.to_dict()
+    json.dumps(d)  # JSON-ready
+    assert d["model"]["n_layer"] == 4 and d["batch_size"] == 8
+    settings = cfg.checkpoint_settings()
+    assert all(k in settings for k in train.RUN_SETTINGS) and settings["preset"] == "tiny"
+
+
+def test_resume_takes_the_run_settings_and_refuses_contradictions(tmp_path):
+    cfg = _resolve(steps=4, lr=0.002, seq_len=16, batch_size=4, set=["n_layer=1"], out=str(tmp_path / "run"),
+                   eval_every=0)
+    run = train.build_run(cfg, MPI.COMM_SELF)
+    train.train_step(run)
+    path = train.save(run)
+    assert train.save(run) is None  # this step is saved already
+    run.close()
+    again = _resolve(resume=str(tmp_path / "run"), steps=6)
+    assert (again.lr, again.seq_len, again.batch_size, again.resumed_step, again.steps) == (0.002, 16, 4, 1, 6)
+    assert again.resume == path and again.model.n_layer == 1 and again.preset == "tiny"
+    with pytest.raises(cutp.ConfigError, match="--lr 0.1 differs from the resumed run's 0.002"):
+        _resolve(resume=path, lr=0.1)
+    with pytest.raises(cutp.ConfigError, match="n_layer: checkpoint 1, flags 4"):
+        _resolve(resume=path, preset="tiny")
+
+
+# ---- the watchdog over a whole step -------------------------------------------------------------------
+def _watch(monkeypatch, timeout, body):
+    fired = []
+    monkeypatch.setattr(Watchdog, "_fire", lambda self, desc, waited, scope=False, others=(): fired.append(
+        (desc, scope, list(others))))
+    wd = Watchdog(timeout, rank=0)
+    try:
+        with wd.watch_progress("training step 7"):
+            body(wd)
+    finally:
+        wd.close()
+    return fired
+
+
+def test_a_step_that_makes_progress_is_not_aborted_however_long_it_takes(monkeypatch):
+    def body(wd):
+        for _ in range(8):  # 0.8 s in all, four times the timeout, progress every 0.1 s
+            time.sleep(0.1)
+            wd.progress()
+
+    assert _watch(monkeypatch, 0.2, body) == []
+
+
+def test_a_stalled_step_is_aborted_naming_what_is_in_flight(monkeypatch):
+    def body(wd):
+        with wd.guard("all_reduce on group 'dp'"):
+            time.sleep(0.8)  # a peer that never comes
+
+    fired = _watch(monkeypatch, 0.2, body)
+    assert fired and fired[0] == ("all_reduce on group 'dp'", False, ["training step 7"]), fired
+    assert ("training step 7", True, ["all_reduce on group 'dp'"]) in fired
