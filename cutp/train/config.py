@@ -245,9 +245,6 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     mesh = validate_mesh(world, tp, c["dp"])
     seq_len = run["seq_len"] or (min(model.block_size, 256) if device == "cpu" else model.block_size)
     batch = run["batch_size"] or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp
-    if batch % mesh.dp:  # refused here, where the flag can be named, rather than in the sampler
-        raise ConfigError(f"--batch-size {batch} must be divisible by dp={mesh.dp} (each DP rank takes an "
-                          f"equal share); use a multiple of {mesh.dp}")
     steps = run["steps"]
     return RunConfig(
         model=model, device=device, tp=tp, dp=mesh.dp,
