@@ -85,9 +85,8 @@ def main(argv=None, hooks: train.StepHooks | None = None):
     ctx = run.ctx
     log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {run.blas}")
-    origin = (f"resumed from {cfg.resume}" if cfg.resume else
-              f"preset {cfg.preset}" + (f" with {list(cfg.overrides)}" if cfg.overrides else "")
-              if cfg.preset else "given config")
+    origin = (f"resumed from {cfg.resume}" if cfg.resume
+              else f"preset {cfg.preset}" + (f" with {list(cfg.overrides)}" if cfg.overrides else ""))
     log(f"model: {origin}: {json.dumps(cfg.model.to_dict())}")
     log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
         f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")
