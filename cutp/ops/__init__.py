@@ -23,15 +23,8 @@ from .dropout import (
     splitmix64_reference,
 )
 from .embedding import EmbeddingCtx, embedding_backward, embedding_forward
-from .gelu import (
-    GeluCtx,
-    bias_gelu_backward,
-    bias_gelu_forward,
-    erf,
-    erfc,
-    gelu_backward,
-    gelu_forward,
-)
+from .erf import erf, erfc  # the functions: `cutp.ops.erf` names erf, not its module
+from .gelu import GeluCtx, bias_gelu_backward, bias_gelu_forward, gelu_backward, gelu_forward
 from .layernorm import LayerNormCtx, layernorm_backward, layernorm_forward
 from .linear import LinearCtx, linear_backward, linear_forward
 from .softmax import SoftmaxCtx, causal_mask, softmax_backward, softmax_forward
@@ -43,8 +36,8 @@ __all__ = [
     "DropoutCtx", "dropout_backward", "dropout_forward", "dropout_mask", "keep_threshold",
     "random_bits", "splitmix64_reference",
     "EmbeddingCtx", "embedding_backward", "embedding_forward",
-    "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "erf", "erfc", "gelu_backward",
-    "gelu_forward",
+    "erf", "erfc",
+    "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "gelu_backward", "gelu_forward",
     "LayerNormCtx", "layernorm_backward", "layernorm_forward",
     "LinearCtx", "linear_backward", "linear_forward",
     "SoftmaxCtx", "causal_mask", "softmax_backward", "softmax_forward",
