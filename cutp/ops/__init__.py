@@ -5,6 +5,12 @@ exactly what the backward needs. float32/float64 compute in their own precision;
 (ml_dtypes) computes in float32 and returns bfloat16 outputs (statistics stay float32).
 """
 from .adamw import adamw_update
+from .attention import (
+    AttentionCtx,
+    causal_attention_backward,
+    causal_attention_forward,
+    causal_attention_reference,
+)
 from .cross_entropy import (
     CrossEntropyCtx,
     ce_shard_backward,
@@ -31,6 +37,7 @@ from .softmax import SoftmaxCtx, causal_mask, softmax_backward, softmax_forward
 
 __all__ = [
     "adamw_update",
+    "AttentionCtx", "causal_attention_backward", "causal_attention_forward", "causal_attention_reference",
     "CrossEntropyCtx", "ce_shard_backward", "ce_shard_max", "ce_shard_stats",
     "cross_entropy_backward", "cross_entropy_forward",
     "DropoutCtx", "dropout_backward", "dropout_forward", "dropout_mask", "keep_threshold",
