@@ -1,9 +1,13 @@
 """Tensor-parallel layers at TP=2, 4 and 8 equal TP=1: outputs, input gradients and every
 parameter gradient (shards gathered), within 1e-10 relative in float64 and 1e-5 in float32."""
+import functools
+
 import numpy as np
 import pytest
 
 import cutp
+import cutp.ops.attention as attention_op
+from cutp import ops
 from cutp.model import GPT, GPTConfig
 from cutp.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP, ParallelTransformerBlock,
                                   RNGTracker, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
@@ -503,20 +507,23 @@ def test_init_false_allocates_zeros_of_the_shard_shapes():
 
 
 @pytest.mark.parametrize("B,T,nh,nkv,h", [(2, 64, 4, 2, 32), (3, 100, 4, 4, 16), (1, 40, 2, 1, 8), (2, 160, 8, 2, 32)])
-def test_blocked_cpu_attention_equals_the_plain_path(B, T, nh, nkv, h):
-    """The CPU attention splits long sequences into pieces and causal query blocks; it must equal
-    the one-shot path (forward, dx and the weight gradients)."""
+def test_blocked_cpu_attention_equals_the_plain_path(B, T, nh, nkv, h, monkeypatch):
+    """The CPU attention op splits long sequences into pieces and causal query blocks, and the
+    layer packs its gradients in place; the layer must equal the one-shot path (forward, dx and
+    the weight gradients)."""
     ctx = self_ctx()
+    plain_forward = ops.causal_attention_forward
     res = []
     for blocked in (True, False):
         m = ParallelAttention(ctx, h, nh, nkv, name="attn", rng=RNGTracker(0), dtype=np.float64, seed=1)
-        if blocked:
-            m.PIECE_ELEMS, m.QBLOCK_ELEMS = 1 << 12, 1 << 10  # force several pieces and query blocks
-            assert m._blocked()
+        if blocked:  # force several pieces and query blocks
+            monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 12)
+            monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 10)
         else:
-            m._blocked = lambda: False
+            monkeypatch.setattr(ops, "causal_attention_forward", functools.partial(plain_forward, blocked=False))
         x = np.random.default_rng(0).standard_normal((B, T, h))
         y = m.forward(x)
+        assert m._load("attn").blocked == blocked
         dx = m.backward(np.random.default_rng(1).standard_normal(y.shape))
         res.append((y, dx, m.c_attn.weight.grad.copy(), m.c_attn.bias.grad.copy(), m.c_proj.weight.grad.copy()))
     for a, b, what in zip(res[0], res[1], ("y", "dx", "dW_qkv", "db_qkv", "dW_proj")):

@@ -5,6 +5,12 @@ exactly what the backward needs. float32/float64 compute in their own precision;
 (ml_dtypes) computes in float32 and returns bfloat16 outputs (statistics stay float32).
 """
 from .adamw import adamw_update
+from .attention import (
+    AttentionCtx,
+    causal_attention_backward,
+    causal_attention_forward,
+    causal_attention_reference,
+)
 from .cross_entropy import (
     CrossEntropyCtx,
     ce_shard_backward,
@@ -23,28 +29,22 @@ from .dropout import (
     splitmix64_reference,
 )
 from .embedding import EmbeddingCtx, embedding_backward, embedding_forward
-from .gelu import (
-    GeluCtx,
-    bias_gelu_backward,
-    bias_gelu_forward,
-    erf,
-    erfc,
-    gelu_backward,
-    gelu_forward,
-)
+from .erf import erf, erfc  # the functions: `cutp.ops.erf` names erf, not its module
+from .gelu import GeluCtx, bias_gelu_backward, bias_gelu_forward, gelu_backward, gelu_forward
 from .layernorm import LayerNormCtx, layernorm_backward, layernorm_forward
 from .linear import LinearCtx, linear_backward, linear_forward
 from .softmax import SoftmaxCtx, causal_mask, softmax_backward, softmax_forward
 
 __all__ = [
     "adamw_update",
+    "AttentionCtx", "causal_attention_backward", "causal_attention_forward", "causal_attention_reference",
     "CrossEntropyCtx", "ce_shard_backward", "ce_shard_max", "ce_shard_stats",
     "cross_entropy_backward", "cross_entropy_forward",
     "DropoutCtx", "dropout_backward", "dropout_forward", "dropout_mask", "keep_threshold",
     "random_bits", "splitmix64_reference",
     "EmbeddingCtx", "embedding_backward", "embedding_forward",
-    "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "erf", "erfc", "gelu_backward",
-    "gelu_forward",
+    "erf", "erfc",
+    "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "gelu_backward", "gelu_forward",
     "LayerNormCtx", "layernorm_backward", "layernorm_forward",
     "LinearCtx", "linear_backward", "linear_forward",
     "SoftmaxCtx", "causal_mask", "softmax_backward", "softmax_forward",

@@ -231,12 +231,21 @@ class Dropout(Module):
         self.rng = rng
         self.stream = stream
 
-    def forward(self, x):
+    def draw(self, n: int) -> tuple[float, int, int]:
+        """``(p, seed, offset)`` for ``n`` elements, for this layer's forward or an op that applies
+        the dropout itself (the attention's probabilities): ``p`` is 0.0 and nothing is drawn in
+        eval mode or without dropout."""
         if not self.training or self.p == 0.0:
+            return 0.0, 0, 0
+        seed, offset = self.rng.draw(self.stream, n)
+        return self.p, seed, offset
+
+    def forward(self, x):
+        p, seed, offset = self.draw(x.size)
+        if p == 0.0:
             self._save("ctx", None)
             return x
-        seed, offset = self.rng.draw(self.stream, x.size)
-        y, dctx = ops.dropout_forward(x, self.p, seed, offset)
+        y, dctx = ops.dropout_forward(x, p, seed, offset)
         self._save("ctx", dctx)
         return y
 

@@ -1,0 +1,225 @@
+"""Tests of cutp.ops.attention: the causal GQA attention op against its plain reference and central
+differences (float64), the blocked NumPy path against the plain composition (bitwise where the
+arithmetic is the same, else to rounding), attention dropout, KV-cache shapes (Tq < Tk), the
+packed-gradient `out=` and the free head merge of the blocked output."""
+import numpy as np
+import pytest
+
+import cutp.ops.attention as attention_op
+from cutp.ops import (
+    causal_attention_backward,
+    causal_attention_forward,
+    causal_attention_reference,
+    dropout_mask,
+)
+from tests.gradcheck import check_gradients
+
+# (B, nkv, g, Tq, Tk, hd): GQA g > 1 and g = 1, T not a multiple of the query blocks, and KV-cache
+# shapes (Tq < Tk: one query block, keys up to Tk)
+SHAPES = [(2, 2, 2, 40, 40, 8), (3, 2, 1, 50, 50, 4), (1, 1, 3, 37, 37, 4), (2, 3, 2, 33, 33, 5),
+          (2, 2, 2, 5, 23, 8), (1, 2, 1, 1, 9, 4)]
+SHAPE_IDS = [f"B{b}-nkv{h}-g{g}-Tq{tq}-Tk{tk}-hd{d}" for b, h, g, tq, tk, d in SHAPES]
+
+
+@pytest.fixture(params=["one piece", "batch rows", "single heads"])
+def pieces(request, monkeypatch):
+    """Block sizes giving one piece and default query blocks; pieces of several batch rows with
+    all KV heads; single-head pieces cut into many query blocks (ragged last block)."""
+    if request.param == "batch rows":
+        monkeypatch.setattr(attention_op, "PIECE_ELEMS", 2 * 3 * 2 * 50 * 50)
+        monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 12)
+    elif request.param == "single heads":
+        monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 8)
+        monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
+    return request.param
+
+
+def qkv(shape, dtype=np.float64, seed=0):
+    B, nkv, g, Tq, Tk, hd = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, nkv, g, Tq, hd)).astype(dtype)
+    k = rng.standard_normal((B, nkv, Tk, hd)).astype(dtype)
+    v = rng.standard_normal((B, nkv, Tk, hd)).astype(dtype)
+    return q, k, v
+
+
+def loop_reference(q, k, v, scale):
+    """The attention one query row at a time, in Python loops: checks the reference itself."""
+    B, nkv, g, Tq, hd = q.shape
+    Tk = k.shape[2]
+    o = np.zeros_like(q)
+    for b in range(B):
+        for h in range(nkv):
+            for j in range(g):
+                for i in range(Tq):
+                    seen = Tk - Tq + i + 1
+                    s = np.array([q[b, h, j, i] @ k[b, h, t] for t in range(seen)]) * scale
+                    w = np.exp(s - s.max())
+                    o[b, h, j, i] = (w / w.sum()) @ v[b, h, :seen]
+    return o
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[4:5], ids=SHAPE_IDS[:2] + SHAPE_IDS[4:5])
+def test_reference_equals_row_by_row_attention(shape):
+    q, k, v = qkv(shape)
+    np.testing.assert_allclose(causal_attention_reference(q, k, v), loop_reference(q, k, v, 1 / np.sqrt(q.shape[-1])),
+                               rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "plain"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_forward_equals_the_reference(shape, blocked, pieces):
+    q, k, v = qkv(shape)
+    snap = [a.copy() for a in (q, k, v)]
+    o, ctx = causal_attention_forward(q, k, v, scale=0.3, blocked=blocked)
+    assert ctx.blocked == blocked and o.shape == q.shape and o.dtype == q.dtype
+    np.testing.assert_allclose(o, causal_attention_reference(q, k, v, 0.3), rtol=1e-12, atol=1e-13)
+    for a, b in zip((q, k, v), snap):
+        np.testing.assert_array_equal(a, b)  # inputs untouched
+    default, _ = causal_attention_forward(q, k, v, blocked=blocked)  # scale 1 / sqrt(hd)
+    np.testing.assert_allclose(default, causal_attention_reference(q, k, v), rtol=1e-12, atol=1e-13)
+
+
+def test_blocked_path_really_is_blocked(monkeypatch):
+    """With small block sizes the forward runs several pieces of several query blocks, the last
+    one ragged, and each block only sees its keys."""
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 8)
+    monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
+    q, k, v = qkv((2, 2, 2, 40, 40, 8))
+    _, ctx = causal_attention_forward(q, k, v)
+    assert ctx.blocked and len(ctx.pieces) == 4
+    for blocks in ctx.piece_blocks:
+        assert [(r0, r1) for r0, r1, _ in blocks] == [(0, 16), (16, 32), (32, 40)]
+        assert [sctx.y.shape[-2:] for _, _, sctx in blocks] == [(16, 16), (16, 32), (8, 40)]
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "plain"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=[SHAPE_IDS[0], SHAPE_IDS[1], SHAPE_IDS[4]])
+def test_backward_against_central_differences(shape, blocked, monkeypatch):
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 9)  # several pieces and query blocks
+    monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
+    q, k, v = qkv(shape)
+
+    def backward(do, ctx):
+        return dict(zip("qkv", causal_attention_backward(do, ctx)))
+
+    check_gradients(lambda q, k, v: causal_attention_forward(q, k, v, blocked=blocked), dict(q=q, k=k, v=v),
+                    backward, tol=1e-7, max_elements=48)
+    # the op's gradients are those of the reference formula too
+    check_gradients(lambda q, k, v: (causal_attention_reference(q, k, v),
+                                     causal_attention_forward(q, k, v, blocked=blocked)[1]),
+                    dict(q=q, k=k, v=v), backward, tol=1e-7, max_elements=48, seed=1)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_blocked_equals_plain(shape, pieces):
+    """Bitwise when the blocked path runs the plain arithmetic (one piece, one query block),
+    else to rounding; dq, dk, dv too."""
+    q, k, v = qkv(shape)
+    do = np.random.default_rng(9).standard_normal(q.shape)
+    o_b, ctx_b = causal_attention_forward(q, k, v, blocked=True)
+    o_p, ctx_p = causal_attention_forward(q, k, v, blocked=False)
+    grads_b = causal_attention_backward(do, ctx_b)
+    grads_p = causal_attention_backward(do, ctx_p)
+    same_arithmetic = len(ctx_b.pieces) == 1 and len(ctx_b.piece_blocks[0]) == 1
+    for what, a, b in zip(("o", "dq", "dk", "dv"), (o_b,) + tuple(grads_b), (o_p,) + tuple(grads_p)):
+        assert a.shape == b.shape and a.dtype == b.dtype, what
+        if same_arithmetic:
+            np.testing.assert_array_equal(a, b, err_msg=what)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13, err_msg=what)
+    if pieces == "one piece" and (shape[3] < 32 or shape[3] != shape[4]):
+        assert same_arithmetic  # the bitwise comparison does run
+    if pieces == "single heads" and shape[3] == shape[4] >= 32:
+        assert not same_arithmetic
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "plain"])
+def test_gradients_into_a_packed_buffer(blocked, monkeypatch):
+    """out= views of one [B, T, (nq + 2 nkv) hd] buffer (as ParallelAttention packs its QKV
+    gradient) receive exactly the gradients the op returns on its own."""
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 10)
+    B, nkv, g, T, hd = 2, 2, 3, 36, 4
+    q, k, v = qkv((B, nkv, g, T, T, hd))
+    do = np.random.default_rng(2).standard_normal(q.shape)
+    _, ctx = causal_attention_forward(q, k, v, blocked=blocked)
+    dq, dk, dv = causal_attention_backward(do, ctx)
+    nq = nkv * g
+    packed = np.full((B, T, (nq + 2 * nkv) * hd), np.nan)
+    views = (packed[..., :nq * hd].reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4),
+             packed[..., nq * hd:(nq + nkv) * hd].reshape(B, T, nkv, hd).transpose(0, 2, 1, 3),
+             packed[..., (nq + nkv) * hd:].reshape(B, T, nkv, hd).transpose(0, 2, 1, 3))
+    assert all(np.shares_memory(view, packed) for view in views)
+    got = causal_attention_backward(do, ctx, out=views)
+    assert all(a is b for a, b in zip(got, views))
+    assert not np.isnan(packed).any()  # every element written
+    for what, a, b in zip("qkv", views, (dq, dk, dv)):
+        np.testing.assert_array_equal(a, b, err_msg=f"d{what}")
+
+
+def test_blocked_output_merges_heads_without_a_copy():
+    q, k, v = qkv((2, 2, 3, 40, 40, 4))
+    o, _ = causal_attention_forward(q, k, v, blocked=True)
+    merged = o.transpose(0, 3, 1, 2, 4).reshape(2, 40, 2 * 3 * 4)
+    assert np.shares_memory(merged, o) and merged.flags.c_contiguous
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2]], ids=[SHAPE_IDS[0], SHAPE_IDS[2]])
+def test_dropout(shape):
+    """The probabilities [B, nkv, g, Tq, Tk] times dropout_mask(their shape, p, seed, offset) over
+    1 - p, as the reference; gradients by central differences; only the plain path drops."""
+    q, k, v = qkv(shape)
+    p, seed, offset = 0.3, 11, 1000
+    o, ctx = causal_attention_forward(q, k, v, dropout_p=p, seed=seed, offset=offset)
+    assert not ctx.blocked
+    B, nkv, g, Tq, Tk, _ = shape
+    np.testing.assert_array_equal(ctx.dropout.mask, dropout_mask(np, (B, nkv, g, Tq, Tk), p, seed, offset))
+    np.testing.assert_allclose(o, causal_attention_reference(q, k, v, dropout_p=p, seed=seed, offset=offset),
+                               rtol=1e-12, atol=1e-13)
+    assert not np.allclose(o, causal_attention_reference(q, k, v))
+    other, _ = causal_attention_forward(q, k, v, dropout_p=p, seed=seed, offset=offset + q.size)
+    assert not np.array_equal(o, other)  # the offset selects the mask
+
+    def backward(do, ctx):
+        return dict(zip("qkv", causal_attention_backward(do, ctx)))
+
+    check_gradients(lambda q, k, v: causal_attention_forward(q, k, v, dropout_p=p, seed=seed, offset=offset),
+                    dict(q=q, k=k, v=v), backward, tol=1e-7, max_elements=48)
+    with pytest.raises(ValueError, match="needs NumPy arrays and no dropout"):
+        causal_attention_forward(q, k, v, dropout_p=p, blocked=True)
+
+
+def test_dropout_off_is_the_plain_path_exactly():
+    """dropout_p 0 draws nothing and drops nothing: the same numbers as without dropout."""
+    q, k, v = qkv(SHAPES[0])
+    do = np.random.default_rng(4).standard_normal(q.shape)
+    o0, ctx0 = causal_attention_forward(q, k, v, blocked=False)
+    o1, ctx1 = causal_attention_forward(q, k, v, dropout_p=0.0, seed=5, offset=7, blocked=False)
+    assert ctx1.dropout.mask is None and ctx1.probs is ctx1.softmax.y
+    np.testing.assert_array_equal(o0, o1)
+    for a, b in zip(causal_attention_backward(do, ctx0), causal_attention_backward(do, ctx1)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "plain"])
+def test_float32_follows_float64(blocked, monkeypatch):
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 10)
+    q, k, v = qkv(SHAPES[0])
+    do = np.random.default_rng(3).standard_normal(q.shape)
+    o64, ctx64 = causal_attention_forward(q, k, v, blocked=blocked)
+    o32, ctx32 = causal_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), blocked=blocked)
+    assert o32.dtype == np.float32
+    np.testing.assert_allclose(o32, o64, rtol=1e-4, atol=1e-5)
+    for a, b in zip(causal_attention_backward(do.astype(np.float32), ctx32), causal_attention_backward(do, ctx64)):
+        assert a.dtype == np.float32
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_shape_errors():
+    q, k, v = qkv(SHAPES[0])
+    with pytest.raises(ValueError, match=r"q \[B, nkv, g, Tq, hd\]"):
+        causal_attention_forward(q[:, :, 0], k, v)
+    with pytest.raises(ValueError, match="does not match"):
+        causal_attention_forward(q[:, :1], k, v)
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        causal_attention_forward(q, k[:, :, :10], v[:, :, :10])
