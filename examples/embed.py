@@ -11,6 +11,7 @@ host code combines the two halves' results over its own communicator.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -39,11 +40,9 @@ def run_half(ctx, which, x_host):
                                          dtype=np.float64, seed=11)
     else:
         layer = ParallelMLP(ctx, h, 4 * h, name="host.mlp", dtype=np.float64, seed=12)
-    import contextlib
-
     stream = contextlib.nullcontext()
     if ctx.device == "cuda":
-        import cupy
+        import cupy  # optional dependency: only on GPUs
 
         stream = cupy.cuda.Stream(non_blocking=True)  # the host code's own stream: cutp follows it
         # The layer's weights were copied in (and its gradients zeroed) on the default stream, which

@@ -23,6 +23,13 @@ except ImportError:  # run from a checkout without installing: python examples/g
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import cutp  # noqa: F401
 
+from mpi4py import MPI
+
+from cutp.checkpoint import load_model
+from cutp.generate import generate
+from cutp.hf import from_hf_gpt2
+from cutp.tokenizer import get_tokenizer
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,25 +62,13 @@ def is_cutp_checkpoint(path: str) -> bool:
 def load(ckpt: str, ctx, dtype: str):
     """The model (a cutp checkpoint resharded to ctx's TP size, or Hugging Face weights in `dtype`)."""
     if is_cutp_checkpoint(ckpt):
-        try:
-            from cutp.checkpoint import load_model
-        except ImportError as e:
-            raise ImportError(f"{ckpt} is a cutp checkpoint, but "
-                              f"cutp.checkpoint.load_model is not available in this cutp ({e})") from e
         model, _meta = load_model(ckpt, ctx)
         return model
-    from cutp.hf import from_hf_gpt2
-
     return from_hf_gpt2(ctx, ckpt, dtype=dtype)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    from mpi4py import MPI
-
-    from cutp.generate import generate
-    from cutp.tokenizer import get_tokenizer
-
     world = MPI.COMM_WORLD.Get_size()
     ctx = cutp.init(tp=args.tp or world, device=args.device)
     model = load(args.ckpt, ctx, args.dtype)
