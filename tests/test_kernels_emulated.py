@@ -20,8 +20,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cutp import cuda_kernels, ops
-from cutp.cuda_kernels import KernelArgumentError, Launchers
+from cutp import kernels as cuda_kernels, ops
+from cutp.bench import kernel_variants
+from cutp.kernels import KernelArgumentError, Launchers
 from tests.cuda_emu import KERNELS_DIR, EmulatedModule
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -743,9 +744,9 @@ def test_benchmark_variants_match_the_benchmark_references(emu, monkeypatch):
     if not hasattr(bench, "OPS") or not hasattr(bench, "SIZES") or "tiny" not in bench.SIZES:
         pytest.skip("cutp.bench.kernels has changed shape (no OPS / SIZES['tiny'])")
     k = launchers(emu)
-    monkeypatch.setattr(cuda_kernels, "_bench_launchers", lambda xp: k)
+    monkeypatch.setattr(kernel_variants, "_bench_launchers", lambda xp: k)
     variants = {}
-    cuda_kernels.register_bench_variants(lambda op, name, make: variants.setdefault(op, make))
+    kernel_variants.register_bench_variants(lambda op, name, make: variants.setdefault(op, make))
     assert set(variants) <= set(bench.OPS), sorted(set(variants) - set(bench.OPS))
     for op, make in variants.items():
         spec = bench.OPS[op]

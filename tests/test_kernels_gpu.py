@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cutp import cuda_kernels, ops
+from cutp import kernels as cuda_kernels, ops
 from cutp.runtime import backend
 
 SKIP_REASON = ("needs an NVIDIA GPU and CuPy; the same kernels run on the CPU under tests/cuda_emu in "

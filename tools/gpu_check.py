@@ -162,9 +162,9 @@ def bf16():
     return bool(float((a * 2).astype(cupy.float32).sum()) == 8.0)
 probe("cupy_bfloat16_arrays", bf16)
 def kernels_header():
-    from cutp import cuda_kernels
+    from cutp import kernels
     import cupy
-    return cuda_kernels.find_cuda_include(cupy.cuda.nvrtc.getVersion()[0])
+    return kernels.find_cuda_include(cupy.cuda.nvrtc.getVersion()[0])
 probe("cuda_bf16_h", kernels_header)
 print("JSON:" + json.dumps(info))
 """

@@ -13,12 +13,12 @@ kernels of kernels/*.cu) plug in as *variants* through a small registry:
         return lambda: my_kernels.layernorm_forward(x, w, b)  # called once per timed repeat
 
 A module that defines ``register_bench_variants(register)`` is loaded automatically when it is
-``cutp.cuda_kernels`` or listed in ``CUTP_BENCH_PLUGINS`` (comma-separated module names), and
-calls ``register(op, name, factory)`` for each of its kernels. On the GPU the baseline ("cupy")
-runs under ``cutp.cuda_kernels.use_kernels(False)``, since cutp.ops itself dispatches to the
-kernels on CuPy arrays; were that module to have the switch but no plug-in hook, each op would
-also run as variant "cuda" under ``use_kernels(True)``. Every variant's output is checked
-against the baseline on the same inputs before it is timed (column "check").
+``cutp.bench.kernel_variants`` (cutp's own kernels, variant "cuda_kernels") or listed in
+``CUTP_BENCH_PLUGINS`` (comma-separated module names), and calls ``register(op, name, factory)``
+for each of its kernels. On the GPU the baseline ("cupy") runs under
+``cutp.kernels.use_kernels(False)``, since cutp.ops itself dispatches to the kernels on CuPy
+arrays. Every variant's output is checked against the baseline on the same inputs before it is
+timed (column "check").
 
 What is reported per op, shape, dtype and implementation: time per call (median of repeats;
 CUDA events and an L2 flush between repeats on the GPU), bytes moved (the op's minimal traffic,
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops
+from ..kernels import use_kernels
 from .common import Report, copy_bandwidth, machine_info, time_cpu, time_gpu
 
 WIDTHS = (768, 1024, 1280, 1600)
@@ -234,7 +235,7 @@ _add(OpSpec(
 # Variants registry
 # ---------------------------------------------------------------------------------------------
 VARIANTS: dict[str, dict[str, tuple]] = {}  # op -> name -> (factory, devices, dtypes)
-PLUGIN_MODULES = ("cutp.cuda_kernels",)
+PLUGIN_MODULES = ("cutp.bench.kernel_variants",)
 _plugin_notes: list[str] = []
 _plugins_loaded = False
 
@@ -256,36 +257,13 @@ def register_variant(op: str, name: str, factory=None, *, devices=("cuda",), dty
     return add if factory is None else add(factory)
 
 
-def _DISPATCH(inputs, xp):  # marker: "the op itself, with cutp.cuda_kernels switched on"
-    raise AssertionError("not called")
-
-
 def _kernel_switch(enabled):
-    """cutp.cuda_kernels.use_kernels(enabled) as a context (a null context for None or without it)."""
+    """cutp.kernels.use_kernels(enabled) as a context (a null context for None: leave the switch)."""
     import contextlib
 
     if enabled is None:
         return contextlib.nullcontext()
-    try:
-        from cutp.cuda_kernels import use_kernels
-    except ImportError:
-        return contextlib.nullcontext()
     return use_kernels(enabled)
-
-
-def _register_dispatch_variants(notes):
-    """cutp.cuda_kernels dispatches cutp.ops to the CUDA kernels on CuPy arrays: time every op
-    with the switch off (the 'cupy' baseline) and on (variant 'cuda')."""
-    try:
-        import cutp.cuda_kernels as ck
-    except ImportError:
-        return
-    except Exception as e:
-        notes.append(f"cutp.cuda_kernels failed to import: {type(e).__name__}: {e}")
-        return
-    if hasattr(ck, "use_kernels") and not hasattr(ck, "register_bench_variants"):
-        for op in OPS:
-            register_variant(op, "cuda", _DISPATCH, devices=("cuda",), dtypes=("float32", "bfloat16"))
 
 
 def load_plugins() -> list[str]:
@@ -296,7 +274,6 @@ def load_plugins() -> list[str]:
     _plugins_loaded = True
     import importlib
 
-    _register_dispatch_variants(_plugin_notes)
     names = list(PLUGIN_MODULES) + [m for m in os.environ.get("CUTP_BENCH_PLUGINS", "").split(",") if m.strip()]
     for name in names:
         name = name.strip()
@@ -486,14 +463,11 @@ def _run_case(spec, name, dt_name, shape, xp, device, args, copy_gbs, flusher) -
     dt = _dtype(dt_name)
     label = spec.shape_label(shape)
     inputs = spec.setup(xp, shape, dt, np.random.default_rng(0))
-    # (name, factory(inputs) -> callable, cutp.cuda_kernels switch: None (leave), False, True)
+    # (name, factory(inputs) -> callable, cutp.kernels switch: None (leave), False, True)
     impls = [("cupy" if gpu else "reference", spec.reference, False if gpu else None)]
     for vname, (factory, devices, vdtypes) in VARIANTS.get(name, {}).items():
         if device in devices and dt_name in vdtypes:
-            if factory is _DISPATCH:
-                impls.append((vname, spec.reference, True))
-            else:
-                impls.append((vname, lambda d, f=factory: f(d, xp), None))
+            impls.append((vname, lambda d, f=factory: f(d, xp), None))
     nbytes = spec.nbytes(shape, np.dtype(dt).itemsize)
     rows, base_s, ref_out = [], None, None
     for i, (impl_name, make, switch) in enumerate(impls):
