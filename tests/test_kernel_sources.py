@@ -311,6 +311,29 @@ def test_gpu_check_helpers(tmp_path):
     shutil.rmtree(g.CACHE, ignore_errors=True)
 
 
+def test_gpu_check_runs_the_kernel_tests_on_the_cuda_backend_only():
+    """`make gpu-check` runs tests/kernels with CUTP_KERNEL_BACKENDS=cuda, and that selects the
+    cuda backend's cases (and the tests that need no backend) and none of the emulated ones."""
+    g = _gpu_check_module()
+    calls = []
+
+    def run(name, cmd, limit, env=None, **kw):
+        calls.append((cmd, env))
+        return g.Part(name, "ok"), "3 passed in 1.0s"
+
+    g.run = run
+    g.gpu_tests()
+    shutil.rmtree(g.CACHE, ignore_errors=True)
+    ((cmd, env),) = calls
+    assert cmd[-1] == "tests/kernels" and env == {"CUTP_KERNEL_BACKENDS": "cuda"}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                        "tests/kernels"], cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ids = [line for line in p.stdout.splitlines() if "::" in line]
+    assert any("[cuda" in i for i in ids), ids[:5]
+    assert not any("emulated" in i for i in ids), [i for i in ids if "emulated" in i][:5]
+
+
 @pytest.mark.skipif(backend.cuda_device_count() > 0, reason="a GPU is here: run `make gpu-check` itself")
 def test_gpu_check_without_a_gpu_reports_and_writes_its_summary(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), GPU_CHECK_BUDGET_S="120")
