@@ -2,8 +2,7 @@
 
 dropout_mask bit-identical to the reference's masks (integer hashing and an integer threshold:
 kernels/dropout.py's contract), dropout_forward / dropout_apply one or two exact roundings as the
-reference's (bit for bit under the emulator; within 1e-6 relative on a GPU, as
-tests/test_kernels_gpu.py checked it).
+reference's (bit for bit under the emulator; within 1e-6 relative on a GPU).
 """
 from __future__ import annotations
 
