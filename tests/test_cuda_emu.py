@@ -841,7 +841,8 @@ def kernel_entry_points(path: Path) -> list[str]:
 def kernels_without_emulated_test(root: Path) -> list[str]:
     """'name (file.cu)' for each entry point in root/kernels/*.cu named in no emulated test file."""
     kernels = {name: src.name for src in sorted((root / "kernels").glob("*.cu")) for name in kernel_entry_points(src)}
-    test_files = sorted(set((root / "tests").glob("test_*emu*.py")) | set((root / "tests").glob("test_kernels*.py")))
+    test_files = sorted(set((root / "tests").glob("test_*emu*.py"))
+                        | set((root / "tests" / "kernels").glob("test_*.py")))
     text = "\n".join(p.read_text() for p in test_files)
     return sorted(f"{name} ({src})" for name, src in kernels.items() if not re.search(rf"\b{name}\b", text))
 
@@ -850,14 +851,14 @@ def test_every_kernel_has_an_emulated_test():
     """Every extern "C" __global__ entry point in kernels/*.cu is named in an emulated test file."""
     missing = kernels_without_emulated_test(ROOT)
     assert not missing, (
-        "kernels without an emulated test (name them in tests/test_kernels*.py or tests/test_*emu*.py): "
+        "kernels without an emulated test (name them in tests/kernels/test_*.py or tests/test_*emu*.py): "
         + ", ".join(missing)
     )
 
 
 def test_kernel_coverage_check_names_missing_kernels(tmp_path):
     (tmp_path / "kernels").mkdir()
-    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "kernels").mkdir(parents=True)
     (tmp_path / "kernels" / "gelu.cu").write_text(
         '#include "common.cuh"\n'
         '// extern "C" __global__ void commented_out_f32(float* x) {}\n'
@@ -865,7 +866,7 @@ def test_kernel_coverage_check_names_missing_kernels(tmp_path):
         'extern "C" __global__ void __launch_bounds__(256) gelu_forward_bf16(__nv_bfloat16* out) {}\n'
         'extern "C"\n__global__ void gelu_backward_f32(float* d) {}\n'
     )
-    (tmp_path / "tests" / "test_kernels_gelu.py").write_text('f = mod.get_function("gelu_forward_f32")\n')
+    (tmp_path / "tests" / "kernels" / "test_gelu.py").write_text('f = mod.get_function("gelu_forward_f32")\n')
     (tmp_path / "tests" / "test_other.py").write_text('"gelu_backward_f32"  # not an emulated test file\n')
     assert kernels_without_emulated_test(tmp_path) == ["gelu_backward_f32 (gelu.cu)", "gelu_forward_bf16 (gelu.cu)"]
 

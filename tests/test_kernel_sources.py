@@ -3,7 +3,7 @@
 (and NVRTC when installed), and packaging (a regular, non-editable install ships every
 kernels/*.cu / *.cuh as cutp/kernels/... and every cutp package).
 
-Executing the kernels is tests/test_kernels_emulated.py's job; the sources as files are
+Executing the kernels is the job of tests/kernels/; the sources as files are
 compiled by tests/test_cuda_emu.py::test_sources_compile_with_nvcc.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from cutp.runtime import backend
-from cutp import cuda_kernels as ck
+from cutp import kernels as ck
+from cutp.kernels import runtime as kernel_runtime
 from tests.test_cuda_emu import (_KERNEL_DEF, _cuda_sources, _find_nvrtc, _nvcc, _strip_comments,
                                  kernel_entry_points, load_nvrtc, nvrtc_compile)
 
@@ -34,13 +35,13 @@ KERNELS = ROOT / "kernels"
 
 def test_every_source_file_is_loaded_and_compile_checked():
     files = {p.stem for p in KERNELS.glob("*.cu")}
-    assert set(ck.SOURCES) == files, "cutp.cuda_kernels.SOURCES must list every kernels/*.cu"
+    assert set(ck.SOURCES) == files, "cutp.kernels.SOURCES must list every kernels/*.cu"
     assert {p.resolve() for p in KERNELS.glob("*.cu")} <= {p.resolve() for p in _cuda_sources()}
 
 
 def test_launchers_name_only_existing_kernels():
     """Every kernel name the host code launches exists in the source it loads it from."""
-    text = (ROOT / "cutp" / "cuda_kernels.py").read_text()
+    text = "\n".join(p.read_text() for p in sorted(KERNELS.glob("*.py")))
     defined = {s: set(kernel_entry_points(KERNELS / f"{s}.cu")) for s in ck.SOURCES}
     calls = re.findall(r'_launch\(\s*"(\w+)",\s*f?"(\w+)(?:\{[^}]*\})?"', text)
     assert len(calls) >= 15, calls
@@ -159,7 +160,7 @@ def test_include_search_order(tmp_path, monkeypatch):
     for m in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
         monkeypatch.delitem(sys.modules, m)
     env = {"CUTP_CUDA_INCLUDE": "/explicit", "CUDA_PATH": "/toolkit"}
-    dirs = [d for d, _ in ck._include_candidates(env)]
+    dirs = [d for d, _ in kernel_runtime._include_candidates(env)]
     assert dirs[0] == "/explicit"
     assert dirs.index(str(cu13)) < dirs.index(str(cu12)) < dirs.index("/toolkit/include")
     assert dirs.index("/toolkit/include") < dirs.index("/usr/local/cuda/include")
@@ -247,7 +248,8 @@ def test_wheel_ships_every_kernel_source_and_package(wheel):
     for init in sorted((ROOT / "cutp").rglob("__init__.py")):
         rel = init.relative_to(ROOT).as_posix()
         assert rel in names, f"package {init.parent.relative_to(ROOT)} is missing from the wheel: add it to setup.cfg"
-    assert "cutp/kernels/__init__.py" in names and "cutp/cuda_kernels.py" in names
+    for f in sorted(KERNELS.glob("*.py")):  # the launchers beside their sources
+        assert f"cutp/kernels/{f.name}" in names, f"{f.name} is missing from the wheel"
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     listed = set(cfg["options"]["packages"].split())
@@ -256,14 +258,14 @@ def test_wheel_ships_every_kernel_source_and_package(wheel):
 
 
 def test_installed_wheel_reads_the_kernel_sources(wheel, tmp_path):
-    """Installed (not editable) into a fresh directory, cutp.cuda_kernels finds its sources
+    """Installed (not editable) into a fresh directory, cutp.kernels finds its sources
     through importlib.resources."""
     target = tmp_path / "site"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
                         str(target), str(wheel)], capture_output=True, text=True, env=_pip_env(tmp_path))
     assert p.returncode == 0, p.stdout + p.stderr
     code = (
-        "import cutp, cutp.cuda_kernels as ck\n"
+        "import cutp, cutp.kernels as ck\n"
         "print(cutp.__file__)\n"
         "print(sum(len(ck.kernel_source(s)) for s in ck.SOURCES))\n"
     )
@@ -307,6 +309,29 @@ def test_gpu_check_helpers(tmp_path):
     g.nccl_parts({"nccl": {"available": True, "version": 23000}, "_mpiexec": None, "mpiexec": "NOT FOUND"})
     assert "no mpiexec" in g.PARTS[-1].detail
     shutil.rmtree(g.CACHE, ignore_errors=True)
+
+
+def test_gpu_check_runs_the_kernel_tests_on_the_cuda_backend_only():
+    """`make gpu-check` runs tests/kernels with CUTP_KERNEL_BACKENDS=cuda, and that selects the
+    cuda backend's cases (and the tests that need no backend) and none of the emulated ones."""
+    g = _gpu_check_module()
+    calls = []
+
+    def run(name, cmd, limit, env=None, **kw):
+        calls.append((cmd, env))
+        return g.Part(name, "ok"), "3 passed in 1.0s"
+
+    g.run = run
+    g.gpu_tests()
+    shutil.rmtree(g.CACHE, ignore_errors=True)
+    ((cmd, env),) = calls
+    assert cmd[-1] == "tests/kernels" and env == {"CUTP_KERNEL_BACKENDS": "cuda"}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                        "tests/kernels"], cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    ids = [line for line in p.stdout.splitlines() if "::" in line]
+    assert any("[cuda" in i for i in ids), ids[:5]
+    assert not any("emulated" in i for i in ids), [i for i in ids if "emulated" in i][:5]
 
 
 @pytest.mark.skipif(backend.cuda_device_count() > 0, reason="a GPU is here: run `make gpu-check` itself")

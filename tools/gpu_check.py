@@ -6,8 +6,9 @@ ml_dtypes, hypothesis; nvcc; no package registry): it creates no venv and instal
 runs from the checkout with PYTHONPATH set to it. Parts, in order of importance:
 
   environment          GPU, driver, CUDA, CuPy, NCCL, nvcc, mpi4py and which MPI, mpiexec
-  gpu kernel tests     pytest tests/test_kernels_gpu.py (every kernel vs NumPy, kernel path vs
-                       reference path of each op, int64 offsets, one GPT step GPU fp32 vs CPU fp64)
+  gpu kernel tests     pytest tests/kernels on the cuda backend only (CUTP_KERNEL_BACKENDS=cuda):
+                       every kernel vs NumPy, kernel path vs reference path of each op, int64
+                       offsets, one GPT step GPU fp32 vs CPU fp64
   train (kernels)      examples/train_gpt.py --device cuda --preset tiny --steps 30
   train (reference)    the tiny run again with CUTP_KERNELS=0: losses and speed compared
   nccl 2-rank train    mpiexec -n 2 ... train_gpt.py --device cuda --tp 2 --steps 5, two ranks
@@ -162,9 +163,9 @@ def bf16():
     return bool(float((a * 2).astype(cupy.float32).sum()) == 8.0)
 probe("cupy_bfloat16_arrays", bf16)
 def kernels_header():
-    from cutp import cuda_kernels
+    from cutp import kernels
     import cupy
-    return cuda_kernels.find_cuda_include(cupy.cuda.nvrtc.getVersion()[0])
+    return kernels.find_cuda_include(cupy.cuda.nvrtc.getVersion()[0])
 probe("cuda_bf16_h", kernels_header)
 print("JSON:" + json.dumps(info))
 """
@@ -271,8 +272,10 @@ def pytest_summary(out: str) -> str:
 
 
 def gpu_tests() -> None:
-    part, out = run("gpu kernel tests", [PY, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-                                         "tests/test_kernels_gpu.py"], 150, min_needed=30)
+    # The kernel tests run on each backend; the emulated one is CI's, so only the GPU's here.
+    cmd = [PY, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "tests/kernels"]
+    part, out = run("gpu kernel tests", cmd, 150, env={"CUTP_KERNEL_BACKENDS": "cuda"}, min_needed=30,
+                    shown="CUTP_KERNEL_BACKENDS=cuda " + " ".join(cmd))
     s = pytest_summary(out)
     if s:
         part.detail = s + (f" ({part.detail})" if part.detail else "")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from cutp.runtime.backend import get_array_module
-from cutp.cuda_kernels import dispatch as _kernels
+from cutp.kernels import dispatch as _kernels
 
 from ._common import ELEMENTWISE_BLOCK, parallel_map
 

@@ -32,24 +32,19 @@ import math
 import numpy as np
 
 from cutp.runtime.backend import get_array_module
-from cutp.cuda_kernels import dispatch as _kernels
-from cutp.cuda_kernels import dispatch_xp as _kernels_xp
+from cutp.kernels import dispatch as _kernels
+from cutp.kernels import dispatch_xp as _kernels_xp
+# The threshold rule and the 64-bit wrap are the kernel's contract (kernels/dropout.py): defined
+# once there, so this reference and kernels/dropout.cu give the same masks bit for bit.
+from cutp.kernels.dropout import MASK64, keep_threshold
 
 from ._common import compute_dtype, flat_blocks
 
-MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 
 _U64 = np.uint64
-
-
-def keep_threshold(p: float) -> int:
-    """The integer threshold ``ceil(p * 2**24)``: element kept iff its 24-bit ``u`` >= it."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    return int(math.ceil(float(p) * (1 << 24)))
 
 
 def splitmix64_reference(seed: int, index: int) -> int:

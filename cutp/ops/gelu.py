@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from cutp.runtime.backend import get_array_module
-from cutp.cuda_kernels import dispatch as _kernels
+from cutp.kernels import dispatch as _kernels
 
 from ._common import as_dtype, col_sum, compute_dtype, flat_blocks, parallel_map, row_blocks
 from .erf import erfc

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from cutp.runtime.backend import get_array_module
-from cutp.cuda_kernels import dispatch as _kernels
+from cutp.kernels import dispatch as _kernels
 
 from . import _common
 from ._common import as_dtype, compute_dtype

@@ -1,0 +1,45 @@
+"""Launcher of ``kernels/adamw.cu``: the AdamW update of the whole flat parameter buffer.
+
+One op, four places:
+
+* CUDA source: ``kernels/adamw.cu``;
+* this launcher (argument checks, the host-side constants of the update);
+* NumPy/CuPy reference: ``cutp/ops/adamw.py`` (``adamw_update``), which calls this launcher
+  through ``cutp.kernels.dispatch``;
+* tests: ``tests/kernels/test_adamw.py``; benchmark case ``adamw`` of
+  ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .runtime import KernelArgumentError, LauncherBase, check_array, dtype_suffix
+
+
+class AdamWLaunchers(LauncherBase):
+    """adamw_update."""
+
+    def adamw_update(self, p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step,
+                     grad_scale=1.0) -> None:
+        """In-place AdamW over flat buffers (cutp.ops.adamw_update): p, g, decay_mask of one dtype
+        (float32 or bfloat16), m and v float32, all 1-D of one length. One launch for the whole
+        model; elementwise, one 128-bit chunk per thread per array."""
+        xp = self.xp
+        check_array(xp, "p", p, float_data=True)
+        if p.ndim != 1:
+            raise KernelArgumentError(f"adamw_update takes flat arrays; p has shape {tuple(p.shape)}")
+        check_array(xp, "g", g, dtype=p.dtype, shape=p.shape)
+        check_array(xp, "m", m, dtype=np.float32, shape=p.shape)
+        check_array(xp, "v", v, dtype=np.float32, shape=p.shape)
+        decay = bool(weight_decay)
+        if decay_mask is not None or decay:
+            check_array(xp, "decay_mask", decay_mask, dtype=p.dtype, shape=p.shape)
+        bc1 = 1.0 - beta1 ** step
+        bc2 = 1.0 - beta2 ** step
+        n = p.size
+        grid, block = self._elementwise_grid(n, p.dtype)
+        f = np.float32
+        self._launch("adamw", f"adamw_update_{dtype_suffix(p.dtype)}", grid, block,
+                     (p, m, v, g, decay_mask if decay else None, np.int64(n), f(beta1), f(1.0 - beta1), f(beta2),
+                      f(1.0 - beta2), f(lr * weight_decay), np.int32(decay), f(eps), f(lr / bc1),
+                      f(1.0 / np.sqrt(bc2)), f(grad_scale)))

@@ -1,0 +1,111 @@
+"""Launchers of ``kernels/cross_entropy.cu``: the local pieces of the vocab-parallel cross-entropy.
+
+Each rank holds a shard of the logits' vocabulary; these kernels compute its row max, its
+softmax statistics and, in place over the logits, its gradient (the collectives between them are
+``cutp.ops.cross_entropy``'s). One op, four places:
+
+* CUDA source: ``kernels/cross_entropy.cu``;
+* these launchers (argument checks, launch shapes);
+* NumPy/CuPy reference: ``cutp/ops/cross_entropy.py`` (``ce_shard_max``, ``ce_shard_stats``,
+  ``ce_shard_backward``), which calls these launchers through ``cutp.kernels.dispatch``;
+* tests: ``tests/kernels/test_cross_entropy.py``; benchmark cases ``ce_max``, ``ce_stats`` and
+  ``ce_bwd_fused`` of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .runtime import (
+    WARP,
+    KernelArgumentError,
+    LauncherBase,
+    ceil_div,
+    check_array,
+    clamp,
+    dtype_suffix,
+    elements_per_128bit,
+    int32_arg,
+    round_up,
+    row_vector,
+)
+
+
+class CrossEntropyLaunchers(LauncherBase):
+    """ce_shard_max, ce_shard_stats, ce_shard_backward."""
+
+    def _logits_2d(self, logits, n_valid: int):
+        xp = self.xp
+        check_array(xp, "logits", logits, float_data=True)
+        if logits.ndim < 1:
+            raise KernelArgumentError("logits must have a last (vocabulary) axis")
+        W = logits.shape[-1]
+        if not 0 <= int(n_valid) <= W:
+            raise ValueError(f"n_valid={n_valid} outside [0, {W}]")
+        return logits.reshape(-1, W) if logits.ndim != 2 else logits, W
+
+    def _row_block(self, width: int, dtype) -> int:
+        """Threads of a block-per-row kernel over `width` columns: ~4 chunks per thread, 32..1024."""
+        return clamp(round_up(ceil_div(max(width, 1), elements_per_128bit(dtype) * 4), WARP), WARP, 1024)
+
+    def ce_shard_max(self, logits, n_valid: int):
+        """float32 [N]: max over the first n_valid columns of each row of logits [..., W]
+        (-inf when n_valid is 0). One block per row."""
+        L, W = self._logits_2d(logits, n_valid)
+        N = L.shape[0]
+        out = self.xp.empty(N, dtype=np.float32)
+        self._launch("cross_entropy", f"ce_shard_max_{dtype_suffix(L.dtype)}", (N,),
+                     (self._row_block(n_valid, L.dtype),),
+                     (out, L, np.int64(N), int32_arg("W", W), int32_arg("n_valid", int(n_valid))))
+        return out
+
+    def ce_shard_stats(self, logits, row_max, local_targets, n_valid: int, need_sum_logits: bool = True):
+        """(sum_exp, target_logit, sum_logits), float32 [N] each (sum_logits None unless
+        need_sum_logits): sum over the valid columns of exp(logit - row_max) and of the logits,
+        and logits[i, local_targets[i]] (0 where the target is -1 or outside the shard).
+        row_max: float [N]; local_targets: integer [N] (any shape with N elements). One block
+        per row, both sums in one block reduction."""
+        xp = self.xp
+        L, W = self._logits_2d(logits, n_valid)
+        N = L.shape[0]
+        row_max = row_vector(xp, "row_max", row_max, N, np.float32, "f")
+        targets = row_vector(xp, "local_targets", local_targets, N, np.int64, "i")
+        sum_exp = xp.empty(N, dtype=np.float32)
+        target_logit = xp.empty(N, dtype=np.float32)
+        sum_logits = xp.empty(N, dtype=np.float32) if need_sum_logits else None
+        self._launch("cross_entropy", f"ce_shard_stats_{dtype_suffix(L.dtype)}", (N,),
+                     (self._row_block(n_valid, L.dtype),),
+                     (sum_exp, target_logit, sum_logits, L, row_max, targets, np.int64(N), int32_arg("W", W),
+                      int32_arg("n_valid", int(n_valid))))
+        return sum_exp, target_logit, sum_logits
+
+    def ce_shard_backward(self, logits, row_max, sum_exp, local_targets, n_valid: int, row_scale,
+                          label_smoothing: float = 0.0, n_classes=None, out=None):
+        """The gradient of the cross-entropy w.r.t. a logits shard (cutp.ops.ce_shard_backward):
+        row_scale * (softmax - (1 - eps) onehot - eps / n_classes) over the valid columns, 0 on
+        padded columns and on rows with row_scale 0. Written into `out` (a new array in logits'
+        dtype when None; out=logits works in place) and returned. row_scale: float with N
+        elements or one (broadcast). One block per row, streaming 128-bit loads and stores."""
+        xp = self.xp
+        eps = float(label_smoothing)
+        if eps != 0.0 and not n_classes:
+            raise ValueError("label smoothing needs n_classes")
+        L, W = self._logits_2d(logits, n_valid)
+        N = L.shape[0]
+        if out is None:
+            out = xp.empty(logits.shape, dtype=logits.dtype)
+        else:
+            check_array(xp, "out", out, dtype=logits.dtype, shape=logits.shape)
+        O = out.reshape(N, W)
+        row_max = row_vector(xp, "row_max", row_max, N, np.float32, "f")
+        sum_exp = row_vector(xp, "sum_exp", sum_exp, N, np.float32, "f")
+        targets = row_vector(xp, "local_targets", local_targets, N, np.int64, "i")
+        rs = xp.asarray(row_scale)
+        if rs.size == 1:  # one scale for every row
+            rs = xp.broadcast_to(rs.reshape(-1), (N,))
+        row_scale = row_vector(xp, "row_scale", rs, N, np.float32, "f")
+        smooth = np.float32(eps / n_classes) if eps != 0.0 else np.float32(0.0)
+        self._launch("cross_entropy", f"ce_shard_backward_{dtype_suffix(L.dtype)}", (N,),
+                     (self._row_block(W, L.dtype),),
+                     (O, L, row_max, sum_exp, targets, row_scale, np.int64(N), int32_arg("W", W),
+                      int32_arg("n_valid", int(n_valid)), smooth, np.float32(1.0 - eps)))
+        return out

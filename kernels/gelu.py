@@ -1,0 +1,108 @@
+"""Launchers of ``kernels/gelu.cu``: GeLU, and the bias + GeLU of the MLP, forward and backward.
+
+One op, four places:
+
+* CUDA source: ``kernels/gelu.cu`` (its bias gradient's second pass is ``kernels/reduce.cu``);
+* these launchers (argument checks, launch shapes);
+* NumPy/CuPy reference: ``cutp/ops/gelu.py`` (``gelu_forward``, ``bias_gelu_forward``, ...),
+  which calls these launchers through ``cutp.kernels.dispatch``;
+* tests: ``tests/kernels/test_gelu.py``; benchmark cases ``bias_gelu_fwd`` and ``bias_gelu_bwd``
+  of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .runtime import (
+    ELEMENTWISE_THREADS,
+    WARP,
+    KernelArgumentError,
+    LauncherBase,
+    ceil_div,
+    check_array,
+    clamp,
+    dtype_suffix,
+    elements_per_128bit,
+    int32_arg,
+    round_up,
+)
+
+
+class GeluLaunchers(LauncherBase):
+    """gelu_forward, gelu_backward, bias_gelu_forward, bias_gelu_backward."""
+
+    @staticmethod
+    def _exact(approximate: str) -> np.int32:
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        return np.int32(approximate == "none")
+
+    def gelu_forward(self, x, approximate: str = "tanh"):
+        """y = gelu(x), any shape. Elementwise: one 128-bit chunk per thread."""
+        xp = self.xp
+        check_array(xp, "x", x, float_data=True)
+        exact = self._exact(approximate)
+        y = xp.empty(x.shape, dtype=x.dtype)
+        grid, block = self._elementwise_grid(x.size, x.dtype)
+        self._launch("gelu", f"gelu_forward_{dtype_suffix(x.dtype)}", grid, block, (y, x, np.int64(x.size), exact))
+        return y
+
+    def gelu_backward(self, dy, x, approximate: str = "tanh"):
+        """dx = dy * gelu'(x), in x's dtype."""
+        xp = self.xp
+        check_array(xp, "x", x, float_data=True)
+        check_array(xp, "dy", dy, dtype=x.dtype, shape=x.shape)
+        exact = self._exact(approximate)
+        dx = xp.empty(x.shape, dtype=x.dtype)
+        grid, block = self._elementwise_grid(x.size, x.dtype)
+        self._launch("gelu", f"gelu_backward_{dtype_suffix(x.dtype)}", grid, block,
+                     (dx, dy, x, np.int64(x.size), exact))
+        return dx
+
+    def bias_gelu_forward(self, x, b, approximate: str = "tanh"):
+        """(y, pre): y = gelu(x + b) and the pre-activation x + b (saved for the backward), both
+        shaped like x [..., C] in x's dtype; b is [C]. Elementwise over the flattened x."""
+        xp = self.xp
+        check_array(xp, "x", x, float_data=True)
+        if x.ndim < 1:
+            raise KernelArgumentError("x must have a last (channel) axis")
+        C = x.shape[-1]
+        check_array(xp, "b", b, dtype=x.dtype, shape=(C,))
+        exact = self._exact(approximate)
+        y = xp.empty(x.shape, dtype=x.dtype)
+        pre = xp.empty(x.shape, dtype=x.dtype)
+        n_rows = math.prod(x.shape[:-1])
+        grid, block = self._elementwise_grid(x.size, x.dtype)
+        self._launch("gelu", f"bias_gelu_forward_{dtype_suffix(x.dtype)}", grid, block,
+                     (y, pre, x, b, np.int64(n_rows), int32_arg("C", C), exact))
+        return y, pre
+
+    def bias_gelu_backward(self, dy, pre, approximate: str = "tanh"):
+        """(dx, db): dx = dy * gelu'(pre) shaped like pre [..., C], and db [C] = dx summed over
+        the rows (from the unrounded float32 dx), both in pre's dtype.
+
+        First pass: grid (column chunks, row chunks), each thread walks down its row chunk
+        keeping the column sums of its 128-bit chunk of columns in registers (coalesced along
+        the rows, no shared memory, no atomics) and writes them to partial [n_chunks, C];
+        second pass: column_sum adds the chunks in a fixed order."""
+        xp = self.xp
+        check_array(xp, "pre", pre, float_data=True)
+        if pre.ndim < 1:
+            raise KernelArgumentError("pre must have a last (channel) axis")
+        check_array(xp, "dy", dy, dtype=pre.dtype, shape=pre.shape)
+        exact = self._exact(approximate)
+        C = pre.shape[-1]
+        n_rows = math.prod(pre.shape[:-1])
+        P = elements_per_128bit(pre.dtype)
+        col_chunks = ceil_div(C, P)
+        threads = clamp(round_up(col_chunks, WARP), WARP, ELEMENTWISE_THREADS)
+        gx = max(1, ceil_div(col_chunks, threads))
+        n_chunks, rows_per_chunk = self._row_chunks(n_rows, gx)
+        dx = xp.empty(pre.shape, dtype=pre.dtype)
+        partial = xp.empty((n_chunks, C), dtype=np.float32)
+        self._launch("gelu", f"bias_gelu_backward_{dtype_suffix(pre.dtype)}", (gx, n_chunks), (threads,),
+                     (dx, partial, dy, pre, np.int64(n_rows), int32_arg("C", C),
+                      int32_arg("rows per chunk", rows_per_chunk), exact))
+        return dx, self._column_sum(partial, pre.dtype)

@@ -1,0 +1,99 @@
+"""Launchers of ``kernels/layernorm.cu``: LayerNorm over the last axis, forward and backward.
+
+One op, four places:
+
+* CUDA source: ``kernels/layernorm.cu`` (its parameter gradients' second pass is
+  ``kernels/reduce.cu``);
+* these launchers (argument checks, launch shapes, shared memory);
+* NumPy/CuPy reference: ``cutp/ops/layernorm.py`` (``layernorm_forward``,
+  ``layernorm_backward``), which calls these launchers through ``cutp.kernels.dispatch``;
+* tests: ``tests/kernels/test_layernorm.py``; benchmark cases ``layernorm_fwd`` and
+  ``layernorm_bwd`` of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .runtime import (
+    WARP,
+    KernelArgumentError,
+    LauncherBase,
+    ceil_div,
+    check_array,
+    clamp,
+    dtype_suffix,
+    elements_per_128bit,
+    int32_arg,
+    is_kernel_dtype,
+    round_up,
+)
+
+LAYERNORM_WARP_ROW_MAX = 2048  # rows up to this length: a warp per row; longer: a block per row
+
+
+class LayerNormLaunchers(LauncherBase):
+    """layernorm_forward, layernorm_backward."""
+
+    def layernorm_forward(self, x, weight=None, bias=None, eps: float = 1e-5):
+        """(y, mean, rstd): y = (x - mean) * rstd * weight + bias over the last axis of x [..., C]
+        in x's dtype; mean and rstd float32 [n_rows] (flat). weight / bias: [C] of x's dtype, or
+        None. A warp per row up to C = 2048, a block per row beyond."""
+        xp = self.xp
+        check_array(xp, "x", x, float_data=True)
+        if x.ndim < 1:
+            raise KernelArgumentError("x must have a last (channel) axis")
+        C = x.shape[-1]
+        for what, a in (("weight", weight), ("bias", bias)):
+            if a is not None:
+                check_array(xp, what, a, dtype=x.dtype, shape=(C,))
+        n_rows = math.prod(x.shape[:-1])
+        y = xp.empty(x.shape, dtype=x.dtype)
+        mean = xp.empty(n_rows, dtype=np.float32)
+        rstd = xp.empty(n_rows, dtype=np.float32)
+        rows_per_block, block, block_per_row = self._row_shape(C, x.dtype, LAYERNORM_WARP_ROW_MAX, 2)
+        self._launch("layernorm", f"layernorm_forward_{dtype_suffix(x.dtype)}", (ceil_div(n_rows, rows_per_block),),
+                     block, (y, mean, rstd, x, weight, bias, np.int64(n_rows), int32_arg("C", C), np.float32(eps),
+                             block_per_row))
+        return y, mean, rstd
+
+    def layernorm_backward(self, dy, x, weight, mean, rstd, bias_dtype=None, need_dweight: bool | None = None):
+        """(dx, dweight, dbias) of layernorm_forward: dx in x's dtype; dweight [C] in weight's dtype
+        (None when weight is None, or need_dweight is False); dbias [C] in bias_dtype (None when
+        bias_dtype is None). mean / rstd: float32 with one element per row.
+
+        One block per chunk of rows: per row a block reduction of sum(g) and sum(g * xhat), and
+        each thread accumulating dy * xhat and dy of its own columns in shared memory (2 * C
+        floats; over 48 KiB the kernel's limit is raised); the partials [2, n_chunks, C] are then
+        added by column_sum in a fixed order. No atomics: deterministic."""
+        xp = self.xp
+        check_array(xp, "x", x, float_data=True)
+        if x.ndim < 1:
+            raise KernelArgumentError("x must have a last (channel) axis")
+        check_array(xp, "dy", dy, dtype=x.dtype, shape=x.shape)
+        C = x.shape[-1]
+        n_rows = math.prod(x.shape[:-1])
+        if weight is not None:
+            check_array(xp, "weight", weight, dtype=x.dtype, shape=(C,))
+        check_array(xp, "mean", mean, dtype=np.float32)
+        check_array(xp, "rstd", rstd, dtype=np.float32)
+        for what, a in (("mean", mean), ("rstd", rstd)):
+            if a.size != n_rows:
+                raise KernelArgumentError(f"{what} has {a.size} elements, expected one per row: {n_rows}")
+        if bias_dtype is not None and not is_kernel_dtype(np.dtype(bias_dtype)):
+            raise KernelArgumentError(f"bias dtype {np.dtype(bias_dtype)}: the kernels take float32 or bfloat16")
+        want_dw = weight is not None and need_dweight is not False
+        want_params = want_dw or bias_dtype is not None
+        P = elements_per_128bit(x.dtype)
+        threads = clamp(round_up(ceil_div(C, P), WARP), WARP, 512)
+        n_chunks, rows_per_chunk = self._row_chunks(n_rows, 1)
+        dx = xp.empty(x.shape, dtype=x.dtype)
+        partial = xp.empty((2, n_chunks, C), dtype=np.float32) if want_params else None
+        smem = 2 * C * 4 if want_params else 0
+        self._launch("layernorm", f"layernorm_backward_{dtype_suffix(x.dtype)}", (n_chunks,), (threads,),
+                     (dx, partial, dy, x, weight, mean, rstd, np.int64(n_rows), int32_arg("C", C),
+                      int32_arg("rows per chunk", rows_per_chunk)), shared_mem=smem)
+        dweight = self._column_sum(partial[0], weight.dtype) if want_dw else None
+        dbias = self._column_sum(partial[1], np.dtype(bias_dtype)) if bias_dtype is not None else None
+        return dx, dweight, dbias

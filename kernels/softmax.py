@@ -1,0 +1,63 @@
+"""Launchers of ``kernels/softmax.cu``: the (causal) softmax of attention, forward and backward.
+
+One op, four places:
+
+* CUDA source: ``kernels/softmax.cu``;
+* these launchers (argument checks, launch shapes);
+* NumPy/CuPy reference: ``cutp/ops/softmax.py`` (``softmax_forward``, ``softmax_backward``),
+  which calls these launchers through ``cutp.kernels.dispatch``;
+* tests: ``tests/kernels/test_softmax.py``; benchmark cases ``softmax_fwd`` and ``softmax_bwd``
+  of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .runtime import KernelArgumentError, LauncherBase, ceil_div, check_array, dtype_suffix, int32_arg
+
+SOFTMAX_WARP_ROW_MAX = 1024  # rows up to this length: a warp per row; longer: a block per row
+
+
+class SoftmaxLaunchers(LauncherBase):
+    """softmax_forward, softmax_backward."""
+
+    def softmax_forward(self, x, scale: float = 1.0, causal: bool = False):
+        """y = softmax(scale * x) over the last axis of x [..., Tq, Tk] (1-D: one row); with
+        causal, query row i (position Tk - Tq + i) sees keys 0 .. Tk - Tq + i, the rest are 0.
+
+        One warp per row for Tk <= 1024 (four rows per block), one block of up to 512 threads per
+        row beyond; both loop over the row, so any length works."""
+        xp = self.xp
+        check_array(xp, "x", x, float_data=True)
+        if x.ndim < 1:
+            raise KernelArgumentError("softmax needs at least one axis")
+        if causal and x.ndim < 2:
+            raise ValueError("causal softmax needs x of shape [..., Tq, Tk]")
+        Tk = x.shape[-1]
+        Tq = x.shape[-2] if x.ndim >= 2 else 1
+        if causal and Tq > Tk:
+            raise ValueError(f"causal softmax needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
+        n_rows = math.prod(x.shape[:-1])
+        y = xp.empty(x.shape, dtype=x.dtype)
+        rows_per_block, block, block_per_row = self._row_shape(Tk, x.dtype, SOFTMAX_WARP_ROW_MAX, max_threads=512)
+        self._launch("softmax", f"softmax_forward_{dtype_suffix(x.dtype)}", (ceil_div(n_rows, rows_per_block),),
+                     block, (y, x, np.int64(n_rows), int32_arg("Tq", Tq), int32_arg("Tk", Tk), np.float32(scale),
+                             np.int32(bool(causal)), block_per_row))
+        return y
+
+    def softmax_backward(self, dy, y, scale: float = 1.0):
+        """dx = scale * y * (dy - sum(dy * y)) over the last axis, in y's dtype."""
+        xp = self.xp
+        check_array(xp, "y", y, float_data=True)
+        if y.ndim < 1:
+            raise KernelArgumentError("softmax needs at least one axis")
+        check_array(xp, "dy", dy, dtype=y.dtype, shape=y.shape)
+        Tk = y.shape[-1]
+        n_rows = math.prod(y.shape[:-1])
+        dx = xp.empty(y.shape, dtype=y.dtype)
+        rows_per_block, block, block_per_row = self._row_shape(Tk, y.dtype, SOFTMAX_WARP_ROW_MAX, max_threads=512)
+        self._launch("softmax", f"softmax_backward_{dtype_suffix(y.dtype)}", (ceil_div(n_rows, rows_per_block),),
+                     block, (dx, dy, y, np.int64(n_rows), int32_arg("Tk", Tk), np.float32(scale), block_per_row))
+        return dx

@@ -1,0 +1,158 @@
+"""What the kernel tests share: the backends the kernels run on, random inputs, comparisons.
+
+A :class:`KernelBackend` is where a test runs ``cutp.kernels.Launchers``:
+
+* ``emulated``: ``tests.cuda_emu.EmulatedModule`` (the kernels compiled by g++, run on the CPU)
+  standing in for ``cupy.RawModule``, NumPy arrays standing in for CuPy arrays. The same host
+  code as on a GPU (argument checks, grid/block/shared-memory sizing, two-pass reductions) runs
+  in every CI run, under several thread schedules.
+* ``cuda``: ``cupy.RawModule`` compiled by NVRTC, CuPy arrays, on the GPU (``make gpu-check``).
+
+References are ``cutp.ops`` on NumPy arrays (host copies of the inputs).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cutp.kernels import Launchers
+from cutp.kernels.runtime import cupy_module_loader
+from cutp.runtime.backend import to_numpy
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+DTYPES = [F32, BF16]
+DT_IDS = ["f32", "bf16"]
+
+# The emulator's thread orders between barriers (tests.cuda_emu.SCHEDULES), with their seeds: a
+# missing barrier gives a wrong result under at least one of them. A GPU has its own order.
+EMULATED_SCHEDULES = (("forward", 0), ("reverse", 0), ("random", 7))
+DEVICE_SCHEDULE = ("device", 0)
+
+# The AdamW hyper-parameters of the kernel tests.
+ADAMW_KW = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7, grad_scale=0.5)
+
+GPU_SIZED_REASON = ("GPU-sized case: seconds of CPU time under the emulator; the emulated backend runs the same "
+                    "code paths at the smaller sizes of this test")
+
+
+def gpu_sized(*values):
+    """A parameter set run on the cuda backend only: the emulated backend reports it skipped."""
+    return pytest.param(*values, marks=pytest.mark.cuda_only(GPU_SIZED_REASON))
+
+
+class KernelBackend:
+    """The kernels on one backend: its array module, fresh Launchers, device <-> host copies.
+
+    name: "emulated" or "cuda". xp: numpy or cupy. device: the cutp device whose arrays are
+    xp's ("cpu" for the emulated kernels on NumPy arrays). load(schedule, seed): the module
+    loader of a Launchers (the schedule means nothing on a GPU). bf16_reason: why this backend
+    has no bfloat16 arrays, or "" when it has them.
+    """
+
+    def __init__(self, name: str, xp, device: str, load: Callable[[str, int], Callable], bf16_reason: str = ""):
+        self.name = name
+        self.xp = xp
+        self.device = device
+        self._load = load
+        self.bf16_reason = bf16_reason
+
+    def __repr__(self):
+        return f"<KernelBackend {self.name}>"
+
+    @property
+    def emulated(self) -> bool:
+        return self.name == "emulated"
+
+    def launchers(self, schedule: str = "forward", seed: int = 0) -> Launchers:
+        """New Launchers (launch counters at zero) over this backend's compiled modules."""
+        what = f"emulated ({schedule})" if self.emulated else "cupy (tests)"
+        return Launchers(self._load(schedule, seed), self.xp, description=what)
+
+    def launchers_for_determinism(self) -> list[Launchers]:
+        """Launchers whose results must agree bit for bit: one per thread schedule under the
+        emulator; on a GPU the same device twice (two runs)."""
+        if self.emulated:
+            return [self.launchers(s, seed) for s, seed in EMULATED_SCHEDULES]
+        return [self.launchers(), self.launchers()]
+
+    def to_device(self, a):
+        """A copy of host array `a` in this backend's array module (always a copy, so in-place
+        kernels never write into the host reference's inputs)."""
+        return self.xp.array(np.asarray(a), copy=True)
+
+    @staticmethod
+    def host(a):
+        return None if a is None else to_numpy(a)
+
+    def address(self, a) -> int:
+        return a.ctypes.data if self.emulated else a.data.ptr
+
+    def tolerance(self, *, emulated, cuda):
+        """The bound of a comparison with the NumPy reference. The GPU's may be wider: its expf,
+        tanhf, ... are not glibc's, and NVRTC contracts multiply-adds into FMAs, which the
+        emulator does not do (kernels/README.md, "What the emulation models")."""
+        return emulated if self.emulated else cuda
+
+    def require_bf16(self) -> None:
+        if self.bf16_reason:
+            pytest.skip(self.bf16_reason)
+
+
+def emulated_backend(module) -> KernelBackend:
+    """The emulated backend over `module`, an EmulatedModule of every kernel source."""
+    def load(schedule, seed):
+        mod = module.with_schedule(schedule, seed)
+        return lambda name: mod
+
+    return KernelBackend("emulated", np, "cpu", load)
+
+
+def cuda_backend() -> KernelBackend:
+    """The cuda backend of the current device: its RawModules built once for all tests."""
+    import cupy  # optional dependency: only a GPU machine has it
+
+    load_module = functools.lru_cache(maxsize=None)(cupy_module_loader())
+    try:
+        ok = bool((cupy.asarray(np.ones(3, BF16)) * 2).get().astype(np.float32).sum() == 6)
+    except Exception:
+        ok = False
+    reason = "" if ok else ("this CuPy has no bfloat16 arrays (CuPy >= 14 with ml_dtypes has); the bf16 kernels are "
+                            "covered by the emulated backend")
+    return KernelBackend("cuda", cupy, "cuda", lambda schedule, seed: load_module, reason)
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def randn(shape, dtype, seed=0, scale=1.0):
+    """Host array of normal values, drawn in float32 and rounded to `dtype`."""
+    return (rng(seed).standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def close(got, want, dtype, rtol=None, atol=None):
+    """Same shape and dtype, and within tolerance: float32 ~1e-5 relative by default; bf16
+    within ~2 bf16 ulps (the reference ran on the same bf16 inputs). Device arrays are copied
+    to the host first."""
+    if dtype == BF16:
+        rtol = 2e-2 if rtol is None else rtol
+        atol = 1e-3 if atol is None else atol
+    else:
+        rtol = 1e-5 if rtol is None else rtol
+        atol = 1e-6 if atol is None else atol
+    got = to_numpy(got)
+    want = to_numpy(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)
+
+
+def bits(a):
+    """The bit patterns of a float32 / bf16 / bool array, for bit-for-bit comparisons."""
+    a = to_numpy(a)
+    return a.view(np.uint16 if a.dtype == BF16 else np.uint32 if a.itemsize == 4 else np.uint8)

@@ -1,0 +1,85 @@
+"""kernels/gelu.cu through its launchers (kernels/gelu.py) against cutp/ops/gelu.py, on each backend.
+
+gelu_forward / gelu_backward / bias_gelu_forward / bias_gelu_backward (and the column_sum of
+kernels/reduce.cu, the bias gradient's second pass): float32 within ~1e-5 relative, bfloat16
+against the reference on the same bf16 inputs; the bias gradient bit-identical under every
+thread schedule and run to run.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cutp import ops
+from cutp.kernels import Launchers
+
+from .helpers import DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
+
+GELU_SHAPES = [(0,), (1,), (3,), (255,), (4, 257), (8, 257), (2, 3, 1029), (3, 5, 1031), (64, 3072)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("shape", GELU_SHAPES)
+def test_gelu_forward_backward(backend, k, dtype, approximate, shape):
+    x = randn(shape, dtype, seed=1, scale=2.0)
+    dy = randn(shape, dtype, seed=2)
+    y = k.gelu_forward(backend.to_device(x), approximate)
+    y_ref, gctx = ops.gelu_forward(x, approximate)
+    close(y, y_ref, dtype)
+    dx = k.gelu_backward(backend.to_device(dy), backend.to_device(x), approximate)
+    # gelu' of the tanh form cancels for x < -4 (1 + tanh -> 0): ~1e-6 absolute either way
+    close(dx, ops.gelu_backward(dy, gctx), dtype, atol=1e-5 if dtype == F32 else None)
+    assert k.launches[f"gelu_forward_{'f32' if dtype == F32 else 'bf16'}"] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_gelu_unaligned_view_takes_the_scalar_path(backend, k, dtype):
+    base = backend.to_device(randn(1 + 8 * 40, dtype, seed=3))
+    x = base[1:]  # contiguous, but 2 or 4 bytes past a 16-byte boundary: no 128-bit access allowed
+    assert x.flags.c_contiguous and backend.address(x) % 16 != 0
+    close(k.gelu_forward(x), ops.gelu_forward(backend.host(x))[0], dtype)
+
+
+# (5, 1): several rows of one column (bias of one element, a 1-column reduction); (1, 3001): one
+# row over several blocks of column chunks (gx > 1), ending in a partial 128-bit chunk
+BIAS_GELU_SHAPES = [(1, 1), (5, 1), (3, 5), (7, 8), (7, 13), (2, 3, 37), (33, 64), (0, 16), (600, 9), (1, 3001),
+                    (4, 129, 771), gpu_sized((512, 3072))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", BIAS_GELU_SHAPES)
+def test_bias_gelu_forward_backward(backend, ks, dtype, shape):
+    k = ks
+    x = randn(shape, dtype, seed=4, scale=2.0)
+    b = randn(shape[-1:], dtype, seed=5)
+    dy = randn(shape, dtype, seed=6)
+    y, pre = k.bias_gelu_forward(backend.to_device(x), backend.to_device(b))
+    y_ref, gctx = ops.bias_gelu_forward(x, b)
+    close(pre, gctx.x, dtype)
+    close(y, y_ref, dtype)
+    dx, db = k.bias_gelu_backward(backend.to_device(dy), pre)
+    dx_ref, db_ref = ops.bias_gelu_backward(dy, gctx)
+    close(dx, dx_ref, dtype, atol=1e-5 if dtype == F32 else None)
+    rows = math.prod(shape[:-1])  # db sums over every row
+    close(db, db_ref, dtype, rtol=1e-4 if dtype == F32 else None, atol=1e-4 * max(1, rows) ** 0.5)
+    if dtype == F32:  # the same pre-activation bits as the reference (x + b rounded once)
+        np.testing.assert_array_equal(bits(pre), bits(gctx.x))
+
+
+@pytest.mark.parametrize("shape", [(301, 40), gpu_sized((8192, 768))])
+def test_bias_gradient_is_deterministic(backend, shape):
+    x = backend.to_device(randn(shape, F32, seed=7))
+    dy = backend.to_device(randn(shape, F32, seed=8))
+    results = [kk.bias_gelu_backward(dy, x)[1] for kk in backend.launchers_for_determinism()]
+    for r in results[1:]:
+        np.testing.assert_array_equal(bits(r), bits(results[0]))
+
+
+def test_bias_gelu_backward_uses_several_row_chunks(backend, k):
+    x = backend.to_device(randn((600, 9), F32, seed=9))
+    k.bias_gelu_backward(x, x)
+    n_chunks, rows = Launchers._row_chunks(600, 1)
+    assert n_chunks > 1 and rows * n_chunks >= 600 and rows * (n_chunks - 1) < 600

@@ -1,0 +1,222 @@
+"""What the launchers of every kernel family share, on each backend (the ops themselves: test_<op>.py).
+
+Argument checks (a clear KernelArgumentError, never a silent wrong answer), every entry point of
+kernels/*.cu launched by its launcher, launch shapes within each kernel's __launch_bounds__, the
+emulator's refusals below the launchers, and the benchmark's "cuda_kernels" variants
+(cutp/bench/kernel_variants.py) against the benchmark's references.
+
+kernels/README.md says what a passing emulated test does and does not establish.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cutp.bench import kernel_variants
+from cutp.bench import kernels as bench
+from cutp.kernels import SOURCES, KernelArgumentError, Launchers, use_kernels
+from tests.cuda_emu import KERNELS_DIR
+from tests.cuda_emu import KernelArgumentError as EmulatorArgumentError
+from tests.test_cuda_emu import kernel_entry_points
+
+from .helpers import ADAMW_KW, BF16, DTYPES, F32, randn
+
+# Every entry point of kernels/*.cu, by name (tests/test_cuda_emu.py's coverage check reads them
+# here), and a test that each one is really launched by its host launcher.
+ALL_KERNELS = [
+    "gelu_forward_f32", "gelu_forward_bf16", "gelu_backward_f32", "gelu_backward_bf16",
+    "bias_gelu_forward_f32", "bias_gelu_forward_bf16", "bias_gelu_backward_f32", "bias_gelu_backward_bf16",
+    "column_sum_f32", "column_sum_bf16",
+    "softmax_forward_f32", "softmax_forward_bf16", "softmax_backward_f32", "softmax_backward_bf16",
+    "layernorm_forward_f32", "layernorm_forward_bf16", "layernorm_backward_f32", "layernorm_backward_bf16",
+    "ce_shard_max_f32", "ce_shard_max_bf16", "ce_shard_stats_f32", "ce_shard_stats_bf16",
+    "ce_shard_backward_f32", "ce_shard_backward_bf16",
+    "adamw_update_f32", "adamw_update_bf16",
+    "dropout_mask_bool", "dropout_forward_f32", "dropout_forward_bf16", "dropout_apply_f32", "dropout_apply_bf16",
+]
+
+
+# ================================================================================================
+# Argument checks: a clear error, never a silent wrong answer
+# ================================================================================================
+def test_non_contiguous_arrays_are_refused(backend, k):
+    xp = backend.xp
+    x = backend.to_device(randn((6, 16), F32, seed=30))
+    strided = x[:, ::2]
+    f32 = np.float32
+    cases = [
+        lambda: k.gelu_forward(strided),
+        lambda: k.gelu_backward(strided, xp.ascontiguousarray(strided)),
+        lambda: k.bias_gelu_forward(strided, xp.zeros(8, f32)),
+        lambda: k.bias_gelu_backward(strided, xp.ascontiguousarray(strided)),
+        lambda: k.softmax_forward(strided),
+        lambda: k.softmax_backward(xp.ascontiguousarray(strided), strided),
+        lambda: k.layernorm_forward(strided),
+        lambda: k.ce_shard_max(strided, 8),
+        lambda: k.ce_shard_backward(x, xp.zeros(6, f32), xp.ones(6, f32), xp.zeros(6, np.int64), 16,
+                                    xp.ones(6, f32), out=xp.empty((16, 6), f32).T),
+        lambda: k.dropout_forward(strided, 0.5, 1, 2),
+        lambda: k.adamw_update(strided[0], strided[0].copy(), xp.zeros(8, f32), xp.zeros(8, f32), xp.ones(8, f32),
+                               **ADAMW_KW),
+    ]
+    for case in cases:
+        with pytest.raises(KernelArgumentError, match="not C-contiguous"):
+            case()
+
+
+def test_wrong_dtypes_are_refused(backend, k):
+    backend.require_bf16()
+    xp = backend.xp
+    x64 = xp.zeros((4, 8))
+    with pytest.raises(KernelArgumentError, match="float64 through their reference composition"):
+        k.gelu_forward(x64)
+    with pytest.raises(KernelArgumentError, match="dtype int32"):
+        k.softmax_forward(xp.zeros((2, 3), np.int32))
+    x = xp.zeros((4, 8), np.float32)
+    with pytest.raises(KernelArgumentError, match="dy has dtype bfloat16, expected float32"):
+        k.gelu_backward(x.astype(BF16), x)
+    with pytest.raises(KernelArgumentError, match="b has dtype bfloat16"):
+        k.bias_gelu_forward(x, xp.zeros(8, BF16))
+    with pytest.raises(KernelArgumentError, match="weight has dtype float64"):
+        k.layernorm_forward(x, xp.ones(8))
+    with pytest.raises(KernelArgumentError, match="mean has dtype float64"):
+        k.layernorm_backward(x, x, None, xp.zeros(4), xp.ones(4, np.float32))
+    with pytest.raises(KernelArgumentError, match="m has dtype float64"):
+        k.adamw_update(x[0], x[0], xp.zeros(8), xp.zeros(8, np.float32), x[0], **ADAMW_KW)
+    with pytest.raises(KernelArgumentError, match="mask has dtype float32, expected bool"):
+        k.dropout_apply(x, x, 2.0)
+    with pytest.raises(KernelArgumentError, match="out has dtype bfloat16"):
+        k.ce_shard_backward(x, xp.zeros(4, np.float32), xp.ones(4, np.float32), xp.zeros(4, np.int64), 8,
+                            xp.ones(4, np.float32), out=x.astype(BF16))
+
+
+def test_wrong_shapes_and_array_types_are_refused(backend, k):
+    xp = backend.xp
+    f32 = np.float32
+    x = xp.zeros((4, 8), f32)
+    with pytest.raises(KernelArgumentError, match=r"dy has shape \(4, 7\), expected \(4, 8\)"):
+        k.gelu_backward(xp.zeros((4, 7), f32), x)
+    with pytest.raises(KernelArgumentError, match=r"b has shape \(9,\), expected \(8,\)"):
+        k.bias_gelu_forward(x, xp.zeros(9, f32))
+    with pytest.raises(KernelArgumentError, match=r"dy has shape"):
+        k.softmax_backward(xp.zeros((8, 4), f32), x)
+    with pytest.raises(KernelArgumentError, match=r"bias has shape \(7,\)"):
+        k.layernorm_forward(x, None, xp.zeros(7, f32))
+    with pytest.raises(KernelArgumentError, match="rstd has 3 elements, expected one per row: 4"):
+        k.layernorm_backward(x, x, None, xp.zeros(4, f32), xp.ones(3, f32))
+    with pytest.raises(KernelArgumentError, match="row_scale has 3 elements"):
+        k.ce_shard_backward(x, xp.zeros(4, f32), xp.ones(4, f32), xp.zeros(4, np.int64), 8, xp.ones(3, f32))
+    with pytest.raises(KernelArgumentError, match=r"g has shape \(7,\)"):
+        k.adamw_update(x[0], x[0, :7], xp.zeros(8, f32), xp.zeros(8, f32), x[0], **ADAMW_KW)
+    with pytest.raises(KernelArgumentError, match="takes flat arrays"):
+        k.adamw_update(x, x, x, x, x, **ADAMW_KW)
+    with pytest.raises(KernelArgumentError, match=f"must be a {xp.__name__} array"):
+        k.gelu_forward([1.0, 2.0])
+    if xp is not np:  # host arrays handed to the GPU's launchers
+        with pytest.raises(KernelArgumentError, match="must be a cupy array"):
+            k.gelu_forward(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="causal softmax needs Tq <= Tk"):
+        k.softmax_forward(xp.zeros((5, 3), f32), causal=True)
+    with pytest.raises(ValueError, match="n_valid=9 outside"):
+        k.ce_shard_max(x, 9)
+
+
+def test_kernels_reject_bad_launches_too(emulated_module):
+    """Below the launchers, the kernels themselves: an empty launch (CuPy runs grid (0,) as one
+    block) is harmless, and the emulator rejects Python scalars as CuPy would mis-pass them."""
+    gelu = emulated_module.get_function("gelu_forward_f32")
+    empty = np.zeros(0, np.float32)
+    gelu((0,), (256,), (empty, empty, np.int64(0), np.int32(0)))
+    softmax = emulated_module.get_function("softmax_forward_bf16")
+    e16 = np.zeros((0, 4), BF16)
+    softmax((0,), (128,), (e16, e16, np.int64(0), np.int32(0), np.int32(4), np.float32(1), np.int32(1), np.int32(1)))
+    with pytest.raises(EmulatorArgumentError, match="8-byte integer"):
+        gelu((1,), (256,), (empty, empty, np.int32(0), np.int32(0)))  # an int32 for `long long n`
+    with pytest.raises(EmulatorArgumentError, match="4-byte float"):
+        softmax((1,), (128,), (e16, e16, np.int64(0), np.int32(0), np.int32(4), 1.0, np.int32(1), np.int32(1)))
+
+
+# ================================================================================================
+# Every kernel, launched; launch shapes within bounds
+# ================================================================================================
+def test_every_kernel_is_launched_by_its_launcher(backend, k):
+    backend.require_bf16()
+    xp = backend.xp
+    defined = {n for s in SOURCES for n in kernel_entry_points(KERNELS_DIR / f"{s}.cu")}
+    assert set(ALL_KERNELS) == defined
+    for dtype in DTYPES:
+        x = backend.to_device(randn((3, 40), dtype, seed=40))
+        targets = xp.asarray(np.array([1, -1, 38]))
+        k.gelu_backward(x, k.gelu_forward(x))
+        k.bias_gelu_backward(x, k.bias_gelu_forward(x, x[0])[1])
+        k.softmax_backward(x, k.softmax_forward(x, 0.5, True), 0.5)
+        _, mean, rstd = k.layernorm_forward(x, x[0], x[1])
+        k.layernorm_backward(x, x, x[0], mean, rstd, dtype)
+        m = k.ce_shard_max(x, 39)
+        se, _, _ = k.ce_shard_stats(x, m, targets, 39)
+        k.ce_shard_backward(x, m, se, targets, 39, 1.0, out=x)
+        p = x.reshape(-1).copy()
+        k.adamw_update(p, p.copy(), xp.zeros(p.size, np.float32), xp.zeros(p.size, np.float32), p.copy(),
+                       **ADAMW_KW)
+        y, mask = k.dropout_forward(x, 0.5, 1, 2)
+        k.dropout_apply(y, mask, 2.0)
+    k.dropout_mask((5,), 0.5, 1, 2)
+    assert set(k.launches) == defined, sorted(defined - set(k.launches))
+
+
+def test_launch_shapes_stay_within_the_kernels_launch_bounds(emulated_module, monkeypatch):
+    """The block sizes the launchers pick for short and very long rows: whole warps, within each
+    kernel's __launch_bounds__ (which also caps its registers so the launch fits on the GPU). The
+    bounds are read from the sources by the emulator; the launches are recorded, not run."""
+    seen = []
+    monkeypatch.setattr(Launchers, "_launch", lambda self, src, name, grid, block, args, shared_mem=0:
+                        seen.append((name, grid, block, shared_mem, args)))
+    k = Launchers(lambda name: emulated_module, np)
+    for width in (1, 31, 1024, 1025, 4096, 50_257, 300_000):
+        for dtype in DTYPES:
+            x = np.zeros((2, width), dtype)
+            w = np.zeros(width, dtype)
+            m = np.zeros(2, np.float32)
+            k.softmax_forward(x)
+            k.softmax_backward(x, x)
+            k.layernorm_forward(x, w, w)
+            k.layernorm_backward(x, x, w, m, m, dtype)
+            k.ce_shard_max(x, width)
+            k.ce_shard_stats(x, m, np.zeros(2, np.int64), width)
+            k.ce_shard_backward(x, m, m, np.zeros(2, np.int64), width, 1.0)
+            k.bias_gelu_backward(x, x)
+    assert len(seen) > 100
+    for name, grid, block, smem, args in seen:
+        threads = int(np.prod(block))
+        bound = emulated_module.get_function(name).launch_bounds
+        assert threads % 32 == 0 and threads <= (bound or 1024), (name, block, bound)
+        assert all(1 <= g < 2**31 for g in grid), (name, grid)
+        if name.startswith("layernorm_backward"):
+            assert smem == 2 * 4 * int(args[8]), (name, smem)  # 2 * C floats
+
+
+# ================================================================================================
+# The benchmark's variants
+# ================================================================================================
+def test_benchmark_variants_match_the_benchmark_references(backend, k, monkeypatch):
+    """The "cuda_kernels" variants cutp/bench/kernel_variants.py registers with `python -m cutp
+    bench kernels`, run with the benchmark's own (tiny) inputs and output checks: on the GPU
+    through the device's launchers, under the emulator through these."""
+    backend.require_bf16()
+    xp = backend.xp
+    if backend.emulated:
+        monkeypatch.setattr(kernel_variants, "_bench_launchers", lambda xp: k)
+    variants = {}
+    kernel_variants.register_bench_variants(lambda op, name, make: variants.setdefault(op, make))
+    assert set(variants) <= set(bench.OPS), sorted(set(variants) - set(bench.OPS))
+    for op, make in variants.items():
+        spec = bench.OPS[op]
+        shape = spec.cases(bench.SIZES["tiny"])[0]
+        for dt in (F32, BF16):
+            with use_kernels(False):  # the baseline: cutp.ops without the kernels (on NumPy it runs none anyway)
+                ref_in = spec.setup(xp, shape, dt, np.random.default_rng(0))
+                want = bench._outputs(spec, ref_in, spec.reference(ref_in)())
+            got_in = spec.setup(xp, shape, dt, np.random.default_rng(0))
+            got = bench._outputs(spec, got_in, make(got_in, xp)())
+            err = bench.max_rel_error(want, got)
+            assert err <= (1e-4 if dt == F32 else 2e-2), (op, dt, err)
