@@ -110,7 +110,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
             os.makedirs(tmp)
         except Exception as e:  # OSError, and anything else: every rank must hear of it
             error = f"cannot create checkpoint directory {tmp}: {type(e).__name__}: {e}"
-    agree_on_error(world, error, CheckpointError)  # (watched by the host watchdog)
+    agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
 
     digests = np.zeros((2, 64), np.uint8)
     sizes = np.zeros(2, np.int64)
@@ -128,7 +128,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 sizes[i] = os.path.getsize(path)
         except Exception as e:  # safetensors raises its own SafetensorError for I/O failures
             error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
-    agree_on_error(world, error, CheckpointError)  # (watched by the host watchdog)
+    agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
 
     if ctx.dp_rank == 0:
         tp_mpi = ctx.tp.mpi_comm
@@ -174,7 +174,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 prune_checkpoints(out_root, keep, newest_step=int(step))
         except Exception as e:
             error = f"finishing checkpoint {final} failed: {type(e).__name__}: {e}"
-    agree_on_error(world, error, CheckpointError)  # (watched by the host watchdog)
+    agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
     return final
 
 
@@ -382,7 +382,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         error = f"{type(e).__name__}: {e}"
     except Exception as e:  # anything unexpected in the metadata: still a clear, agreed error
         error = f"CheckpointError: {ckpt}/meta.json cannot be used ({type(e).__name__}: {e}) -- nothing was loaded"
-    agree_on_error(world, error, CheckpointError)  # (watched by the host watchdog)
+    agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
 
     # Every rank has verified its files. Read everything this rank needs into host memory first,
     # and only then assign: a tensor missing from a shard (or any other surprise) leaves the
@@ -411,7 +411,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
                     optim_tensors[prefix + p.name] = fetch("optim", prefix + p.name, p.name, p)
     except Exception as e:
         error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
-    agree_on_error(world, error, CheckpointError)  # (watched by the host watchdog)
+    agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
 
     for p in model.parameters():
         p.data[...] = ctx.asarray(model_tensors.pop(p.name).astype(p.data.dtype, copy=False))

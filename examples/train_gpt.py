@@ -35,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpt2 on GPUs, tiny on the CPU)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
     p.add_argument("--dp", type=int, help="data-parallel size (default: world size / tp)")
-    p.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="default auto: cuda when a GPU is usable")
     p.add_argument("--dtype", default=None, choices=["float32", "float64"], help="default float32")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of the whole run (sets the LR schedule; "
                    "default 200)")
@@ -55,19 +55,20 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="text file or uint16 .bin (default: the Python stdlib sources)")
     p.add_argument("--out", default=None, help="run directory for checkpoints")
     p.add_argument("--resume", default=None, help="run or checkpoint directory to continue from")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept in --out")
+    p.add_argument("--eval-every", type=int, help="validation every N steps and at the last (default 50; 0: never)")
+    p.add_argument("--eval-batches", type=int, help="validation batches (default 4)")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
+    p.add_argument("--keep", type=int, help="checkpoints kept in --out (default 3; 0: all)")
     p.add_argument("--metrics", default=None, help="JSONL file, one object per step (rank 0 writes)")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--max-skips", type=int, default=5, help="stop after this many consecutive non-finite steps")
-    p.add_argument("--save-on-signal", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--log-every", type=int, help="a progress line every N steps (default 1)")
+    p.add_argument("--max-skips", type=int, help="stop after this many consecutive non-finite steps (default 5)")
+    p.add_argument("--save-on-signal", action=argparse.BooleanOptionalAction,
                    help="on SIGTERM/SIGINT finish the step, checkpoint, exit (default on)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model field of the preset, e.g. --set n_layer=2 --set n_kv_head=2")
     p.add_argument("--collective-timeout", type=float, default=None,
-                   help="seconds a collective may wait for a peer before the job is aborted "
+                   help="seconds a collective may wait for a peer, and a training step may go without "
+                        "progress (no collective or micro-batch completing), before the job is aborted "
                         "(default: $CUTP_COLLECTIVE_TIMEOUT or 600; 0 turns the watchdog off)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (warnings are still printed)")
     return p.parse_args(argv)
@@ -97,7 +98,7 @@ def main(argv=None, hooks: train.StepHooks | None = None):
     stop = train.StopOnSignal(cfg.save_on_signal)
     if cfg.save_on_signal and not cfg.out:
         log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")
-    metrics = train.MetricsLog(cfg.metrics, ctx.rank, resumed_step=cfg.resumed_step)
+    metrics = train.MetricsLog(cfg.metrics, ctx.rank, resumed_step=run.start_step if cfg.resume else None)
     history = []
 
     def save():
@@ -106,7 +107,7 @@ def main(argv=None, hooks: train.StepHooks | None = None):
             log(f"saved {path}")
 
     # ---- the loop ------------------------------------------------------------------------------
-    while run.step < cfg.end_step:
+    while run.step < run.end_step:
         stats = train.train_step(run, hooks)
         step, rec = stats.step, stats.record()
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):

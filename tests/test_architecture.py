@@ -90,6 +90,27 @@ def _imports(name):
     return found
 
 
+def _lazy_imports(name):
+    """cutp modules a module loads by name (importlib.import_module of a string written in it:
+    the PEP 562 facades, the command table of `python -m cutp`)."""
+    tree = ast.parse(MODULES[name].read_text())
+    if not any(isinstance(n, ast.Attribute) and n.attr == "import_module" for n in ast.walk(tree)):
+        return []
+    return sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in MODULES})
+
+
+def _names_from_the_package(name):
+    """Names a module takes from the package `cutp` itself (`from .. import __version__`)."""
+    tree = ast.parse(MODULES[name].read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and _resolve(name, node) and all(t == "cutp" for t in _resolve(name, node)):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.Import) and any(a.name == "cutp" for a in node.names):
+            names.add("*")
+    return names
+
+
 def _cutp_module(target):
     """The cutp module a target names (itself, or the nearest enclosing module)."""
     parts = target.split(".")
@@ -108,7 +129,8 @@ def _layer(name):
     return None
 
 
-GRAPH = {m: sorted({t for t in (_cutp_module(t) for t, _, _ in _imports(m)) if t and t != m}) for m in MODULES}
+GRAPH = {m: sorted({t for t in (_cutp_module(t) for t, _, _ in _imports(m)) if t and t != m} | set(_lazy_imports(m)))
+         for m in MODULES}
 
 
 def test_every_module_has_a_layer():
@@ -127,6 +149,15 @@ def test_imports_go_one_direction():
             if _layer(t) > _layer(m):
                 wrong.append(f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]})")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_only_the_top_takes_names_from_the_package_facade():
+    """Below bench, a module imports from the package `cutp` only its version (the facade loads
+    the Context lazily; anything else would hide an upward import)."""
+    top = _layer("cutp.bench")
+    wrong = {m: sorted(n) for m in MODULES if m != "cutp" and _layer(m) < top
+             for n in [_names_from_the_package(m) - {"__version__"}] if n}
+    assert not wrong, wrong
 
 
 def test_no_import_cycles():
@@ -195,6 +226,8 @@ def test_the_checker_sees_local_imports_and_cycles():
     assert ("cupy", True) in {(t.split(".")[0], f) for t, _, f in _imports("cutp.runtime.backend")}
     assert "cutp.runtime.errors" in GRAPH["cutp.runtime.backend"]
     assert "cutp.runtime.watchdog" in GRAPH["cutp.runtime.failure"]
+    assert "cutp.comm.context" in GRAPH["cutp"] and "cutp.info" in GRAPH["cutp.__main__"]  # loaded by name
+    assert _names_from_the_package("cutp.comm.context") == {"__version__"}
 
 
 @pytest.mark.parametrize("path", ["examples/train_gpt.py", "cutp/bench/model.py"])

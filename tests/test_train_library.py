@@ -31,7 +31,7 @@ def _worker_two_programs_on_halves_of_the_world(out_dir):
     run = train.build_run(cfg, half)
     assert run.ctx.world_size == 2 and run.ctx.mpi_comm is half
     losses, saved = [], None
-    while run.step < cfg.end_step:
+    while run.step < run.end_step:
         stats = train.train_step(run)
         assert stats.step == run.step and not stats.skipped and stats.forward_ms > 0 and stats.comm_bytes > 0
         losses.append(stats.loss)
@@ -95,11 +95,10 @@ def test_defaults_are_derived_from_the_choices_and_the_world():
     cfg = _resolve(steps=100)
     assert cfg.preset == "tiny" and cfg.model == GPTConfig.preset("tiny")
     assert (cfg.tp, cfg.dp, cfg.batch_size, cfg.micro_batch_size, cfg.accum_steps) == (1, 1, 8, 8, 1)
-    assert cfg.seq_len == 128 and cfg.lr == 1e-3 and cfg.warmup == 5 and cfg.end_step == 100
+    assert cfg.seq_len == 128 and cfg.lr == 1e-3 and cfg.warmup == 5 and cfg.steps == 100
     big = _resolve(preset="gpt2", steps=10)
     assert big.lr == 6e-4 and big.seq_len == 256 and big.warmup == 1  # at most 256 tokens on the CPU
     assert _resolve(micro_batch_size=2).accum_steps == 4
-    assert _resolve(run_steps=3).end_step == 3
 
 
 def test_a_model_config_given_whole_keeps_its_fields():
@@ -125,7 +124,8 @@ def test_choose_tp_fits_the_node_and_the_model():
     ({"tp": 2}, "tp=2 does not divide the world size 1"),
     ({"dp": 2}, "tp*dp = 1*2 = 2 but the communicator has 1 ranks"),
     ({"lr": -1.0}, "--lr must be a finite number > 0"),
-    ({"steps": 0}, "--steps must be an integer >= 1"),
+    ({"steps": -1}, "--steps must be an integer >= 0"),
+    ({"eval_batches": 0}, "--eval-batches must be an integer >= 1"),
     ({"preset": "huge"}, "unknown preset 'huge'"),
     ({"set": ["n_layer=0"]}, "n_layer must be a positive integer"),
     ({"collective_timeout": -2}, "--collective-timeout=-2 is not a number of seconds"),
@@ -159,9 +159,18 @@ def test_resume_takes_the_run_settings_and_refuses_contradictions(tmp_path):
     path = train.save(run)
     assert train.save(run) is None  # this step is saved already
     run.close()
-    again = _resolve(resume=str(tmp_path / "run"), steps=6)
+    again = _resolve(resume=str(tmp_path / "run"), steps=6, run_steps=2)
     assert (again.lr, again.seq_len, again.batch_size, again.resumed_step, again.steps) == (0.002, 16, 4, 1, 6)
     assert again.resume == path and again.model.n_layer == 1 and again.preset == "tiny"
+    rerun = train.build_run(again, MPI.COMM_SELF)
+    assert (rerun.start_step, rerun.step, rerun.end_step) == (1, 1, 3)  # run_steps counts from the checkpoint
+    # a RunConfig made by hand must continue the checkpoint's training, not silently change it
+    changed = dataclasses.replace(rerun, config=dataclasses.replace(again, lr=0.005))
+    with pytest.raises(cutp.ConfigError, match=r"--lr 0.005 \(the checkpoint's 0.002\)"):
+        train.resume(changed, path)
+    rerun.close()
+    with pytest.raises(cutp.ConfigError, match="resume is set but resumed_step is not"):
+        dataclasses.replace(again, resumed_step=None)
     with pytest.raises(cutp.ConfigError, match="--lr 0.1 differs from the resumed run's 0.002"):
         _resolve(resume=path, lr=0.1)
     with pytest.raises(cutp.ConfigError, match="n_layer: checkpoint 1, flags 4"):

@@ -1,7 +1,7 @@
 """`[mpiexec -n tp*dp] python -m cutp bench model`: one training step of a GPT preset.
 
-The step measured is `cutp.train.train_step`, the one examples/train_gpt.py runs (on the
-embedded corpus, at a constant learning rate), with the device synchronised between phases.
+The step measured is `cutp.train.train_step`, the one examples/train_gpt.py runs (on random
+tokens, at a constant learning rate), with the device synchronised between phases.
 Per step: tokens/s, ms split into forward, backward and optimizer (zero_grad, GQA/DP gradient
 reduction, global gradient norm, loss average, AdamW), the communication inside each phase,
 model FLOP/s, and the memory per rank.
@@ -20,9 +20,10 @@ FLOPs per token * tokens/s; on a GPU MFU = model FLOP/s per GPU / the GPU's dens
 model's dtype (common.GPU_PEAKS); on the CPU the achieved GFLOP/s is reported instead.
 
 Memory per rank: parameters, gradients and optimizer state (AdamW m, v and the decay mask) are
-the flat buffers' sizes; cached activations are measured after the forward by walking every
-module's ``_cache_*`` attributes and summing each distinct underlying buffer once (views of
-one buffer count once; parameter buffers are excluded). On the GPU the CuPy memory pool's
+the flat buffers' sizes; cached activations are measured after the forward (of the last
+warm-up step) by walking every module's ``_cache_*`` attributes, however deeply nested, and
+summing each distinct underlying buffer once (views of one buffer count once; parameter
+buffers are excluded). On the GPU the CuPy memory pool's
 high-water mark (reserved bytes after a step, the pool emptied first) is reported as well; on the
 CPU the process's peak resident set size.
 """
@@ -35,7 +36,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..data import Dataset
+from ..model import GPTConfig
 from ..runtime.threads import set_blas_threads
+from ..tensor_parallel import Module
 from ..train import StepHooks, build_run, resolve_run_config, train_step
 from .common import Report, device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
 
@@ -145,25 +149,26 @@ def _owner(a):
     return base
 
 
-def _arrays_in(obj, out, depth=0):
-    if depth > 6 or obj is None:
+def _arrays_in(obj, out, visited):
+    """Appends every array reachable from obj (through containers and objects' attributes) to
+    out, each object visited once, however deep it is nested. Modules are not entered: each one's
+    own caches are walked by cached_activation_bytes, and their parameters are not activations."""
+    if obj is None or id(obj) in visited or isinstance(obj, (int, float, str, bytes, bool, Module, type)):
         return
+    visited.add(id(obj))
     if hasattr(obj, "nbytes") and hasattr(obj, "shape") and hasattr(obj, "dtype"):
         out.append(obj)
     elif isinstance(obj, (tuple, list)):
         for v in obj:
-            _arrays_in(v, out, depth + 1)
+            _arrays_in(v, out, visited)
     elif isinstance(obj, dict):
         for v in obj.values():
-            _arrays_in(v, out, depth + 1)
-    elif isinstance(obj, (int, float, str, bool)):
-        return
-    else:
-        slots = getattr(type(obj), "__slots__", ())
-        for k in slots:
-            _arrays_in(getattr(obj, k, None), out, depth + 1)
+            _arrays_in(v, out, visited)
+    elif not callable(obj):
+        for k in getattr(type(obj), "__slots__", ()):
+            _arrays_in(getattr(obj, k, None), out, visited)
         for v in getattr(obj, "__dict__", {}).values():
-            _arrays_in(v, out, depth + 1)
+            _arrays_in(v, out, visited)
 
 
 def cached_activation_bytes(model, exclude=()) -> int:
@@ -175,7 +180,7 @@ def cached_activation_bytes(model, exclude=()) -> int:
             if not k.startswith("_cache_"):
                 continue
             found = []
-            _arrays_in(v, found)
+            _arrays_in(v, found, set())
             for a in found:
                 o = _owner(a)
                 if id(o) in seen or id(o) in excluded:
@@ -204,18 +209,29 @@ class _Measure(StepHooks):
             self.activation_bytes = cached_activation_bytes(run.model, exclude=self.exclude)
 
 
+def random_tokens(vocab_size: int, n: int, seed: int) -> Dataset:
+    """Uniform random token ids below the model's vocabulary: any vocabulary fits, and the
+    work of a step does not depend on the data."""
+    rng = np.random.default_rng(seed)
+    return Dataset(rng.integers(0, vocab_size, n), rng.integers(0, vocab_size, n), vocab_size,
+                   f"random tokens (vocabulary {vocab_size})")
+
+
 def run(args) -> Report:
     device, xp = device_of(args.device)
     world = MPI.COMM_WORLD
     dp = args.dp or max(1, world.Get_size() // args.tp)
     B = args.batch_size or 8  # sequences per DP rank
-    # the training step of cutp.train on the embedded corpus, at a constant learning rate
+    model = GPTConfig.preset(args.preset, dtype=args.dtype).with_overrides(args.set)
+    T = min(args.seq_len or (min(model.block_size, 256) if device == "cpu" else model.block_size), model.block_size)
+    # the training step of cutp.train, at a constant learning rate, on random tokens
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
-                             micro_batch_size=B, seq_len=args.seq_len, steps=args.warmup + args.steps, lr=1e-4,
+                             micro_batch_size=B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False)
-    run = build_run(cfg, world)
+    run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),
+                                                      args.seed))
     ctx, config, T = run.ctx, cfg.model, cfg.seq_len
     if device == "cpu" and args.threads:
         set_blas_threads(args.threads)
@@ -241,7 +257,8 @@ def run(args) -> Report:
     bytes_per_step = {}
     for step in range(args.warmup + args.steps):
         measured = step >= args.warmup
-        hooks.measure_activations = step == args.warmup
+        # the activations are walked in the last warm-up step: the walk's time is not measured
+        hooks.measure_activations = step == max(args.warmup - 1, 0)
         clock.reset()
         b0 = {k: v[2] for k, v in ctx.counter.totals.items()}
         c0 = {k: v[0] for k, v in ctx.counter.totals.items()}

@@ -137,13 +137,15 @@ def install_abort_on_error() -> bool:
     return True
 
 
-def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError) -> None:
+def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError,
+                   what: str = "the cross-rank agreement on errors") -> None:
     """Collective: if any rank has an error message, every rank raises `exc_type` with the
     message of the lowest failing rank (prefixed by that rank). So a problem one rank sees
     (a corrupt shard it reads, a config that differs) stops every rank at the same point,
-    before any further collective, instead of leaving the others waiting.
+    before any further collective, instead of leaving the others waiting. `what` names the
+    agreement in the watchdog's message if a rank never comes to it.
     """
-    reported = _first_error(mpi_comm, error)
+    reported = _first_error(mpi_comm, error, what)
     if reported is None:
         return
     first, text = reported
@@ -151,10 +153,10 @@ def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError) -> None:
     raise mark_raised_on_every_rank(exc_type(message), mpi_comm, first)
 
 
-def _first_error(mpi_comm, error: str | None):
+def _first_error(mpi_comm, error: str | None, what: str = "the cross-rank agreement on errors"):
     """Collective: None if no rank has an error, else (lowest failing rank, its message)."""
     me = mpi_comm.Get_rank()
-    with host_watchdog().guard("the cross-rank agreement on errors (host all-reduce)"):
+    with host_watchdog().guard(f"{what} (host all-reduce)"):
         flag = np.array([me if error else mpi_comm.Get_size()], np.int64)
         mpi_comm.Allreduce(MPI.IN_PLACE, [flag, MPI.INT64_T], op=MPI.MIN)
         first = int(flag[0])

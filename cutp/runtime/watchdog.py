@@ -3,9 +3,11 @@
 MPICH's mpiexec ends a job when a rank dies, but a rank that hangs (a deadlocked peer, a stuck
 GPU, a cluster MPI that does not propagate failures) would leave the others waiting in a
 collective forever. Every collective is registered with the watchdog while it is in flight
-(`cutp.comm.watched.WatchdogCommunicator`; host-side MPI calls with `Watchdog.guard`). A daemon thread
-aborts the whole job (MPI Abort, after printing which collective on which group of which rank
-stalled) when one has been in flight longer than the timeout.
+(`cutp.comm.watched.WatchdogCommunicator`; host-side MPI calls with `Watchdog.guard`), and a
+training step is watched as a whole (`Watchdog.watch_progress`). A daemon thread aborts the
+whole job (MPI Abort, after printing which collective on which group of which rank stalled)
+when a collective has been in flight longer than the timeout, or a step has gone that long
+without progress (no collective, no micro-batch's forward or backward completing).
 
 Timeout: `cutp.init(collective_timeout=...)`, else the environment variable
 CUTP_COLLECTIVE_TIMEOUT (seconds), else 600 s. 0 disables the watchdog.

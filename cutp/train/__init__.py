@@ -11,7 +11,7 @@ reporting  MetricsLog (the JSONL metrics file) and progress_line
     from cutp import train
     cfg = train.resolve_run_config(preset="tiny", steps=100, tp=2)
     run = train.build_run(cfg)
-    while run.step < cfg.end_step:
+    while run.step < run.end_step:
         stats = train.train_step(run)
     train.save(run)
     run.close()

@@ -38,8 +38,9 @@ from ..runtime.watchdog import check_timeout
 RUN_SETTINGS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "min_lr": None, "warmup": None,
                 "weight_decay": 0.1, "grad_clip": 1.0, "dropout": 0.0, "seed": 1337, "data": None}
 
-# What a caller may choose, with the defaults of the settings that are not run settings. The
-# names are those of examples/train_gpt.py's flags ("set" is --set: KEY=VALUE model overrides).
+# What a caller may choose, with the defaults of the settings that are not run settings: the
+# only place these defaults are written (examples/train_gpt.py's flags default to None). The
+# names are those of its flags ("set" is --set: KEY=VALUE model overrides).
 CHOICES = {
     **RUN_SETTINGS,
     "model": None, "preset": None, "set": (), "dtype": None,
@@ -60,15 +61,16 @@ class RunConfig:
     """Every setting of a run. Make one with `resolve_run_config` (defaults, resume, checks
     across ranks), or directly with every field given."""
 
-    model: GPTConfig
-    # the mesh and the device
+    model: GPTConfig  # its dropout is a run setting too
+    # the mesh, the device, and how a step is split (none of them changes the math)
     device: str = "cpu"
     tp: int = 1
     dp: int = 1
-    # run settings: the training itself (kept by checkpoints, fixed on resume except steps)
+    micro_batch_size: int = 8  # sequences per forward on one DP rank
+    # run settings (RUN_SETTINGS): the training itself, kept by checkpoints, fixed on resume
+    # except steps
     steps: int = 200
     batch_size: int = 8  # sequences per optimizer step over all DP ranks
-    micro_batch_size: int = 8  # sequences per forward on one DP rank
     seq_len: int = 128
     lr: float = 1e-3
     min_lr: float | None = None  # None: lr / 10
@@ -77,14 +79,14 @@ class RunConfig:
     grad_clip: float = 1.0  # 0: no clipping
     seed: int = 1337
     data: str | None = None  # text file or uint16 .bin; None: the Python standard library's sources
-    max_skips: int = 5  # consecutive non-finite steps before the run stops
-    # this invocation: how far, evaluation, checkpoints, logging
+    # this invocation: how far, what stops it, evaluation, checkpoints, logging
     run_steps: int | None = None  # stop (and checkpoint) after this many steps of this invocation
+    max_skips: int = 5  # consecutive non-finite steps before the run stops
     eval_every: int = 50
     eval_batches: int = 4
     out: str | None = None
     save_every: int = 0
-    keep: int = 3
+    keep: int = 3  # checkpoints kept in out (0: all)
     resume: str | None = None  # the checkpoint directory this run continues from
     resumed_step: int | None = None  # its step
     metrics: str | None = None
@@ -100,13 +102,15 @@ class RunConfig:
         if not isinstance(self.model, GPTConfig):
             raise ConfigError(f"RunConfig.model must be a GPTConfig, got {type(self.model).__name__}")
         object.__setattr__(self, "overrides", tuple(self.overrides))
-        for name in ("tp", "dp", "steps", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "keep",
-                     "log_every", "max_skips"):
+        for name in ("tp", "dp", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
             _positive_int(name, getattr(self, name))
-        for name in ("warmup", "eval_every", "save_every", "seed"):
+        for name in ("steps", "warmup", "eval_every", "save_every", "keep", "max_skips", "seed"):
             _int_at_least(name, getattr(self, name), 0)
         if self.run_steps is not None:
-            _positive_int("run_steps", self.run_steps)
+            _int_at_least("run_steps", self.run_steps, 0)
+        if self.resume is not None and self.resumed_step is None:
+            raise ConfigError("RunConfig.resume is set but resumed_step is not; resolve_run_config(resume=...) "
+                              "fills in both from the checkpoint")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda' in a RunConfig, got {self.device!r} "
                               "(resolve_run_config turns 'auto' into one of them)")
@@ -138,12 +142,6 @@ class RunConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
-
-    @property
-    def end_step(self) -> int:
-        """The step this invocation stops after (`steps`, or sooner with `run_steps`)."""
-        start = self.resumed_step or 0
-        return self.steps if self.run_steps is None else min(self.steps, start + self.run_steps)
 
     # ---- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -312,3 +310,12 @@ def _as_gpt_config(model) -> GPTConfig:
     if isinstance(model, dict):
         return GPTConfig.from_dict(model)
     raise ConfigError(f"model must be a GPTConfig or a dict of its fields, got {type(model).__name__}")
+
+
+def checkpoint_conflicts(config: RunConfig, meta: dict) -> list[str]:
+    """The run settings in which `config` contradicts a checkpoint's (steps may differ), as
+    "--flag value (the checkpoint's before)" strings; empty when the run continues that one."""
+    saved = meta.get("train_args") or {}
+    mine = {**{k: getattr(config, k) for k in RUN_SETTINGS if k != "dropout"}, "dropout": config.model.dropout}
+    return [f"--{_flag(k)} {mine[k]} (the checkpoint's {saved[k]})" for k in RUN_SETTINGS
+            if k != "steps" and saved.get(k) is not None and mine[k] != saved[k]]

@@ -1,9 +1,9 @@
 """One training step for every caller: the script, the benchmark, a host code embedding cutp.
 
     run = build_run(cfg, comm)              # context, model, optimizer, data (resumed if cfg.resume)
-    while run.step < cfg.end_step:
+    while run.step < run.end_step:
         stats = train_step(run)             # StepStats: loss, grad norm, lr, skipped, timings, bytes
-        if run.step % cfg.eval_every == 0:
+        if run.step % 100 == 0:
             val = evaluate(run)
     save(run)                               # a checkpoint of run.step into cfg.out
     run.close()
@@ -14,7 +14,8 @@ global gradient norm, the loss averaged over DP, then AdamW with the learning ra
 schedule and global-norm clipping; a step whose loss or norm is not finite is skipped on every
 rank (the decision is made from all-reduced values) without touching weights or moments, and
 `max_skips` skips in a row stop the run. The collective watchdog watches the step once, as a
-whole: it aborts the job when the step makes no progress for the collective timeout.
+whole: it aborts the job when the step makes no progress (no collective, no forward or
+backward of a micro-batch completes) for the collective timeout.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
 from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
 from ..model import GPT
@@ -37,12 +38,13 @@ from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.threads import set_blas_threads, threads_per_rank
 from ..runtime.watchdog import configure_host_watchdog
 from ..tensor_parallel import finish_grad_sync, global_grad_norm
-from .config import RunConfig
+from .config import RunConfig, checkpoint_conflicts
 
 
 @dataclass
 class TrainingRun:
-    """What a run holds between steps. `step` counts the optimizer steps done."""
+    """What a run holds between steps. `step` counts the optimizer steps done; `start_step` is
+    where this invocation began (0, or the resumed checkpoint's step)."""
 
     config: RunConfig
     ctx: Context
@@ -53,8 +55,15 @@ class TrainingRun:
     sampler: BatchSampler
     blas: str = ""  # what set_blas_threads reported (the banner shows it)
     step: int = 0
+    start_step: int = 0
     consecutive_skips: int = 0
     last_saved: int | None = None  # the step of the newest checkpoint this run wrote or resumed from
+
+    @property
+    def end_step(self) -> int:
+        """The step this invocation stops after: `steps`, or sooner with `run_steps`."""
+        cfg = self.config
+        return cfg.steps if cfg.run_steps is None else min(cfg.steps, self.start_step + cfg.run_steps)
 
     def close(self) -> None:
         self.ctx.close()
@@ -123,6 +132,8 @@ class _PhaseClock:
     _t: float = 0.0
 
     def enter(self, phase: str | None) -> None:
+        if phase is not None and phase == self._phase:
+            return
         if self.sync:
             self.ctx.synchronize()
         now = time.perf_counter()
@@ -169,9 +180,18 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
 
 def resume(run: TrainingRun, checkpoint: str) -> dict:
     """Loads a checkpoint's weights, optimizer moments, step and RNG offsets into `run` (any TP
-    size: resharded on load). Collective. Returns the checkpoint's metadata."""
-    meta = load_checkpoint(checkpoint, run.model, run.optimizer)
-    run.step = run.last_saved = int(meta["step"])
+    size: resharded on load), after checking that the run's settings continue the checkpoint's
+    training (`checkpoint_conflicts`; raised on every rank). Collective. Returns the metadata."""
+    world = run.ctx.world.mpi_comm
+    with errors_raised_on_every_rank(world):
+        path = resolve_checkpoint(checkpoint)
+        conflicts = checkpoint_conflicts(run.config, read_meta(path))
+        if conflicts:
+            raise ConfigError(f"the run's settings differ from those of the checkpoint {path}: "
+                              + "; ".join(conflicts) + ". A resumed run continues the same training: "
+                              "resolve_run_config(resume=...) takes them from the checkpoint")
+    meta = load_checkpoint(path, run.model, run.optimizer)
+    run.step = run.start_step = run.last_saved = int(meta["step"])
     if meta.get("rng"):
         run.model.rng.load_state_dict(meta["rng"])
     return meta
@@ -203,11 +223,14 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         bytes0 = ctx.counter.bytes()
         clock.enter("optimizer")  # clearing the gradients counts with their use at the end
         run.flat.zero_grad()
+        clock.enter("forward")  # reading the step's batch counts with the forward
+        batches = list(run.sampler.micro_batches(n))
         loss_sum = 0.0
-        for micro, (x, y) in enumerate(run.sampler.micro_batches(n)):
+        for micro, (x, y) in enumerate(batches):
             clock.enter("forward")
             model.check_inputs(x, y)  # on the host arrays: no device round trip
             loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+            ctx.watchdog.progress()
             hooks.after_forward(run, micro)
             clock.enter("backward")
             model.backward(1.0 / run.sampler.accum_steps)
@@ -217,9 +240,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         params = model.parameters()
         finish_grad_sync(params, ctx, run.flat)
         norm = global_grad_norm(params, ctx)
-        loss = np.array([loss_sum / run.sampler.accum_steps])
-        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, loss)
-        loss = float(loss[0]) / ctx.dp_size
+        loss = _dp_mean(ctx, loss_sum / run.sampler.accum_steps, "the loss average")
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         if not skipped:
@@ -258,7 +279,16 @@ def evaluate(run: TrainingRun) -> float:
             for x, y in run.sampler.micro_batches(i, "val"):
                 model.check_inputs(x, y)
                 losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False))
+                ctx.watchdog.progress()
         model.train()
-        v = np.array([sum(losses) / len(losses)])
-        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, v)
-    return float(v[0]) / ctx.dp_size
+        return _dp_mean(ctx, sum(losses) / len(losses), "the validation-loss average")
+
+
+def _dp_mean(ctx: Context, value: float, what: str) -> float:
+    """The mean of a host float over the DP group (sum, then divided by dp: the order the
+    losses have always been averaged in). Named for the watchdog: a peer that never comes
+    shows as this reduction."""
+    buf = np.array([value])
+    with ctx.watchdog.guard(f"{what} (host all-reduce on dp)"):
+        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
+    return float(buf[0]) / ctx.dp_size
