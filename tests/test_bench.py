@@ -4,6 +4,7 @@ assertions: the numbers of a shared CI machine mean nothing."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+import cutp
 from cutp.bench import comm as bcomm
 from cutp.bench import common, kernels, plan
 from cutp.bench import model as bmodel
@@ -312,3 +314,17 @@ def test_compare_torch_suite_reports_a_skip_without_torch(monkeypatch):
     monkeypatch.setattr(compare_torch, "torch_missing_reason", lambda: "torch is not importable (test)")
     report = compare_torch.run(argparse.Namespace(presets=["tiny"]))
     assert report.extra["skipped"] and "skipped" in report.render()
+
+
+def test_plan_refuses_a_mesh_the_model_cannot_take_with_one_line():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "cutp", "bench", "plan", "--preset", "gpt2", "--tp", "8"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == ("python -m cutp bench plan: error: tp=8 does not divide n_head=12: attention is "
+                                  "split by whole heads; use tp in [1, 2, 3, 4, 6, 12]"), out.stderr
+    gqa = dataclasses.replace(plan.ARCHITECTURES["70B"], n_embd=6144, n_head=48, n_kv_head=12)
+    with pytest.raises(cutp.ConfigError, match="tp=16 and n_kv_head=12: KV heads are either split"):
+        plan.plan(gqa, tp=16, dp=1, micro_batch=1, seq_len=16)

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from ..runtime import backend
+from ..runtime.errors import ConfigError
 from ..runtime.threads import available_cores
 from . import comm, compare_torch, kernels, model, plan
 from .plot import plot_report
@@ -130,7 +131,11 @@ def _is_rank0(report) -> bool:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    report = run(args)
+    try:
+        report = run(args)
+    except ConfigError as e:  # a setting that cannot run: one line naming it and the fix
+        print(f"python -m cutp bench {args.suite}: error: {e}", file=sys.stderr)
+        return 2
     if not _is_rank0(report):
         return 0
     if not args.quiet:

@@ -37,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..model import GPTConfig
+from ..runtime.errors import ConfigError
+from ..tensor_parallel.validation import check_attention, check_mlp
 from .common import Report, parse_count
 
 
@@ -130,11 +132,10 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes
 
 def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1,
          precision: str = "mixed") -> dict:
-    """Every figure of the plan as plain numbers (bytes, elements, calls)."""
-    if a.n_head % tp:
-        raise ValueError(f"tp={tp} must divide n_head={a.n_head}")
-    if not (tp <= a.n_kv_head and a.n_kv_head % tp == 0) and not (tp > a.n_kv_head and tp % a.n_kv_head == 0):
-        raise ValueError(f"tp={tp} and n_kv_head={a.n_kv_head}: one must divide the other")
+    """Every figure of the plan as plain numbers (bytes, elements, calls). Raises ConfigError,
+    naming the tp values that fit, for a mesh the model cannot be split over."""
+    check_attention(a.n_embd, a.n_head, a.n_kv_head, tp)  # the rules training applies
+    check_mlp(a.n_embd, a.ffn, tp)
     pr = PRECISIONS[precision]
     pc = param_count(a, tp)
     P = pc["per_rank"]
@@ -171,7 +172,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
 
 def run(args) -> Report:
     if args.params and args.preset:
-        raise SystemExit("give --params or --preset, not both")
+        raise ConfigError("give --params or --preset, not both")
     if args.preset:
         c = GPTConfig.preset(args.preset).with_overrides(args.set)
         a = arch_from_config(args.preset, c)
