@@ -12,8 +12,7 @@ COMMANDS = {"info": "cutp.info", "bench": "cutp.bench.__main__"}
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in COMMANDS:
-        command = importlib.import_module(COMMANDS[argv[0]])
-        return command.main(argv[1:]) if argv[0] == "bench" else command.main()
+        return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     print("usage: python -m cutp info | python -m cutp bench ...", file=sys.stderr)
     return 2
 

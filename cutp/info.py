@@ -64,7 +64,7 @@ def _cuda_version(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
-def main() -> int:
+def main(argv=None) -> int:
     for k, v in collect().items():
         print(f"{k:>16}: {v}")
     return 0

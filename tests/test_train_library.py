@@ -208,3 +208,17 @@ def test_a_stalled_step_is_aborted_naming_what_is_in_flight(monkeypatch):
     fired = _watch(monkeypatch, 0.2, body)
     assert fired and fired[0] == ("all_reduce on group 'dp'", False, ["training step 7"]), fired
     assert ("training step 7", True, ["all_reduce on group 'dp'"]) in fired
+
+
+def test_data_that_cannot_feed_the_run_is_refused_before_the_context():
+    from cutp.data import Dataset
+
+    cfg = _resolve(seq_len=16, batch_size=4, set=["n_layer=1"])
+    short = Dataset(np.arange(10) % 256, np.arange(100) % 256, 256, "ten tokens")
+    with pytest.raises(ValueError, match="the train split has 10 tokens, fewer than seq_len"):
+        train.build_run(cfg, MPI.COMM_SELF, dataset=short)
+    wide = Dataset(np.arange(1000), np.arange(1000), 1000, "a 1000-token vocabulary")
+    with pytest.raises(cutp.ConfigError, match="token ids up to 999 but the model's vocabulary is 256"):
+        train.build_run(cfg, MPI.COMM_SELF, dataset=wide)
+    with pytest.raises(cutp.ConfigError, match="not both"):
+        train.build_run(dataclasses.replace(cfg, data="x.txt"), MPI.COMM_SELF, dataset=wide)

@@ -9,6 +9,6 @@ watchdog     the timer that aborts the job when a collective waits on a dead or 
 failure      an error on any rank ends the whole job (excepthook; errors agreed across ranks)
 consistency  every rank runs the same configuration (a hash compared across ranks)
 
-The modules here are not imported by `import cutp` (which must work where MPI is broken, so
-that `python -m cutp info` can say why); those that talk to other ranks import mpi4py.
+`import cutp` loads only the MPI-free ones (errors, backend, mesh): it must work where MPI is
+broken, so that `python -m cutp info` can say why. Those that talk to other ranks import mpi4py.
 """

@@ -225,8 +225,6 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
     c = {k: (v if v is not None else CHOICES[k]) for k, v in {**CHOICES, **choices}.items()}
     c["set"] = tuple(c["set"] or ())
-    if c["collective_timeout"] is not None:
-        check_timeout(c["collective_timeout"], "--collective-timeout")
     device = resolve_device(c["device"])
 
     resume_dir, meta = None, None
@@ -239,7 +237,7 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     model, preset = _model_config(c, run["dropout"], device, meta)
 
     tp = c["tp"] or choose_tp(world, ranks_per_node, model, device)
-    model.validate(tp)
+    model.validate(tp)  # (RunConfig checks it again; here its message comes before the mesh's)
     mesh = validate_mesh(world, tp, c["dp"])
     seq_len = run["seq_len"] or (min(model.block_size, 256) if device == "cpu" else model.block_size)
     batch = run["batch_size"] or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp

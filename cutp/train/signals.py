@@ -18,7 +18,6 @@ class StopOnSignal:
     Disabled, the signals keep Python's default behaviour (SIGINT raises KeyboardInterrupt)."""
 
     def __init__(self, enabled: bool = True):
-        self.enabled = enabled
         self.requested = False
         if enabled:
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -36,7 +36,7 @@ from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.threads import set_blas_threads, threads_per_rank
-from ..runtime.watchdog import configure_host_watchdog
+from ..runtime.mesh import Mesh
 from ..tensor_parallel import finish_grad_sync, global_grad_norm
 from .config import RunConfig, checkpoint_conflicts
 
@@ -150,24 +150,19 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     set. Collective over comm. `dataset` replaces `config.data` (tokens a host code holds)."""
     world = MPI.COMM_WORLD if comm is None else comm
     cfg = config
-    with errors_raised_on_every_rank(world):  # the data, checked on every rank before any allocation
+    # the data and this rank's batches, checked on every rank before any allocation
+    with errors_raised_on_every_rank(world):
         if dataset is not None and cfg.data is not None:
             raise ConfigError("give the data as config.data (a path) or as dataset=, not both")
         dataset = dataset if dataset is not None else load_dataset(cfg.data)
         if dataset.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
                               f"{cfg.model.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
-        for split in ("train", "val"):
-            n = len(dataset.split(split))
-            if n < cfg.seq_len + 2:
-                raise ConfigError(f"the {split} split has {n} tokens, fewer than seq_len+2 = {cfg.seq_len + 2}; "
-                                  "use a shorter --seq-len or more data")
+        dp_rank = Mesh(cfg.tp, cfg.dp).dp_rank(world.Get_rank())  # the Context's, before it exists
+        sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
+                               seed=cfg.seed)
     check_same_on_all_ranks(world, {"data": dataset.description}, "training data")
-    if cfg.collective_timeout is not None:  # after setup: ranks may finish reading the data far apart
-        configure_host_watchdog(cfg.collective_timeout)
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, device=cfg.device, collective_timeout=cfg.collective_timeout)
-    sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, ctx.dp_size, ctx.dp_rank, cfg.micro_batch_size,
-                           seed=cfg.seed)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
     flat = FlatParameters(model.parameters())
