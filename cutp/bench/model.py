@@ -229,7 +229,7 @@ def run(args) -> Report:
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
                              micro_batch_size=B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
-                             save_on_signal=False)
+                             save_on_signal=False, distributed_optimizer=getattr(args, "distributed_optimizer", False))
     run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),
                                                       args.seed))
     ctx, config, T = run.ctx, cfg.model, cfg.seq_len
@@ -336,12 +336,14 @@ def run(args) -> Report:
 
     mem = report.table("memory", [("what", "per rank", "", "<"), ("mib", "MiB", ",.1f"), ("how", "how", "", "<")],
                        title="memory per rank")
-    p_b, g_b = int(flat.data.nbytes), int(flat.grad.nbytes)
-    o_b = int(opt.m.nbytes + opt.v.nbytes + flat.decay_mask.nbytes)
+    state = opt.memory_bytes()
+    p_b, g_b, o_b = state["params"], state["grads"], state["optimizer"]
     act = int(reduce_scalar(world, act_bytes))
     mem.add(what="parameters", mib=p_b / 2**20, how=f"{flat.size:,} x {flat.dtype.itemsize} B")
-    mem.add(what="gradients", mib=g_b / 2**20, how="same as parameters")
-    mem.add(what="optimizer state", mib=o_b / 2**20, how="AdamW m, v + decay mask")
+    mem.add(what="gradients", mib=g_b / 2**20, how=f"{flat.padded_size:,} x {flat.grad.dtype.itemsize} B")
+    mem.add(what="optimizer state", mib=o_b / 2**20,
+            how="AdamW m, v" + (" + fp32 master weights" if opt.master is not None else "")
+                + (f", 1/{ctx.dp_size} of them (distributed)" if opt.distributed else ""))
     mem.add(what="cached activations", mib=act / 2**20, how="modules' _cache_* buffers after forward (max over ranks)")
     mem.add(what="sum", mib=(p_b + g_b + o_b + act) / 2**20, how="an estimate of the peak")
     if pool is not None:
