@@ -37,6 +37,8 @@ class LossScaler:
 
 
 class DynamicLossScaler(LossScaler):
+    """The float16 scale that shrinks on overflows and grows after clean runs (module docstring)."""
+
     dynamic = True
 
     def __init__(self, initial_scale: float = 2.0 ** 16, *, growth_factor: float = 2.0,
