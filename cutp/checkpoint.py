@@ -6,7 +6,8 @@ Layout of a run directory (`--out DIR`):
                                                     offsets, optimizer hyperparameters, a
                                                     sha256 per file, each parameter's sharding
     DIR/step-00000100/model-tp00-of-02.safetensors  TP rank 0's parameter shards
-    DIR/step-00000100/optim-tp00-of-02.safetensors  its AdamW moments (exp_avg., exp_avg_sq.)
+    DIR/step-00000100/optim-tp00-of-02.safetensors  its AdamW moments (exp_avg., exp_avg_sq.) and,
+                                                    for 16-bit models, fp32 master weights (master.)
     DIR/latest                                      JSON naming the newest complete checkpoint
 
 A checkpoint is written into `DIR/.tmp-step-...` and renamed when complete, so a crash during a
@@ -14,13 +15,16 @@ save leaves the previous checkpoint intact; older ones are removed only after a 
 complete (`keep`). Loading verifies every needed file's size and sha256 before reading any
 tensor, on every rank, and all ranks agree before anything is loaded. Loading at another TP
 size reassembles each full tensor from the saved shards (one tensor at a time) and keeps this
-rank's slice. Only safetensors and JSON are read: loading never executes code.
+rank's slice. The optimizer state is saved per parameter whatever the optimizer's layout (the
+distributed optimizer gathers its DP shards first), so a checkpoint resumes at any DP size, with
+or without the distributed optimizer. Only safetensors and JSON are read: loading never executes
+code.
 
-`python -m cutp.checkpoint export SRC DST` writes a single-shard (TP=1) copy of a checkpoint.
+`python -m cutp.checkpoint export SRC DST [--dtype D]` writes a single-shard (TP=1) copy of a
+checkpoint, its parameters in the precision asked for (from the fp32 master weights when saved).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,10 +33,10 @@ import time
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from . import __version__
-from .model import GPT, GPTConfig
+from .checkpoint_files import fsync_dir, sha256_file, write_json_atomic, write_safetensors
+from .model import DTYPES, GPT, GPTConfig
 from .runtime.errors import ConfigError
 from .runtime.failure import agree_on_error
 from .tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
@@ -57,44 +61,13 @@ def _optim_file(r, tp):
     return f"optim-tp{r:02d}-of-{tp:02d}.safetensors"
 
 
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_safetensors(path, tensors: dict, metadata=None):
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata=metadata)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _write_json_atomic(path, obj):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
 # ---- save ------------------------------------------------------------------------------------
 def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_state=None, data_state=None,
-                    train_args=None, keep: int | None = None) -> str:
+                    train_args=None, keep: int | None = None, loss_scaler=None) -> str:
     """Collective over the model's context. Returns the checkpoint directory."""
     ctx = model.ctx
     world = ctx.world.mpi_comm
@@ -115,15 +88,17 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     digests = np.zeros((2, 64), np.uint8)
     sizes = np.zeros(2, np.int64)
     error = None
-    if ctx.dp_rank == 0:  # DP replicas hold identical parameters and optimizer state
+    # per parameter on DP rank 0 (collective over DP for the distributed optimizer)
+    optim_state = optimizer.state_dict() if optimizer is not None else None
+    if ctx.dp_rank == 0:  # DP replicas hold identical parameters (and the whole optimizer state now)
         try:
             files = [(_model_file(ctx.tp_rank, ctx.tp_size), {p.name: ctx.to_numpy(p.data) for p in model.parameters()})]
             if optimizer is not None:
                 files.append((_optim_file(ctx.tp_rank, ctx.tp_size),
-                              {k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items()}))
+                              {k: ctx.to_numpy(v) for k, v in optim_state.items()}))
             for i, (fname, tensors) in enumerate(files):
                 path = os.path.join(tmp, fname)
-                _write_safetensors(path, tensors, {"format": FORMAT})
+                write_safetensors(path, tensors, {"format": FORMAT})
                 digests[i] = np.frombuffer(sha256_file(path).encode(), np.uint8)
                 sizes[i] = os.path.getsize(path)
         except Exception as e:  # safetensors raises its own SafetensorError for I/O failures
@@ -157,9 +132,10 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                            for p in model.parameters()},
                 "optimizer": optimizer.hyperparameters() if optimizer is not None else None,
                 "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
+                "loss_scaler": loss_scaler,
             }
-            _write_json_atomic(os.path.join(tmp, "meta.json"), meta)
-            _fsync_dir(tmp)
+            write_json_atomic(os.path.join(tmp, "meta.json"), meta)
+            fsync_dir(tmp)
             if os.path.exists(final):  # re-saving a step: move the old one aside first
                 old = os.path.join(out_root, f".old-{name}")
                 shutil.rmtree(old, ignore_errors=True)
@@ -168,8 +144,8 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(out_root)
-            _write_json_atomic(os.path.join(out_root, "latest"), {"step": int(step), "path": name})
+            fsync_dir(out_root)
+            write_json_atomic(os.path.join(out_root, "latest"), {"step": int(step), "path": name})
             if keep:
                 prune_checkpoints(out_root, keep, newest_step=int(step))
         except Exception as e:
@@ -409,6 +385,10 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             if optimizer is not None:
                 for prefix in ("exp_avg.", "exp_avg_sq."):
                     optim_tensors[prefix + p.name] = fetch("optim", prefix + p.name, p.name, p)
+                if optimizer.master is not None:  # a checkpoint without master weights: its parameters
+                    saved_master = meta["optimizer"].get("master_weights")
+                    optim_tensors["master." + p.name] = (fetch("optim", "master." + p.name, p.name, p)
+                                                         if saved_master else a.astype(np.float32))
     except Exception as e:
         error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
     agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
@@ -436,8 +416,10 @@ def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
 
 
 # ---- export (offline, one process) --------------------------------------------------------------
-def export_full(src: str, dst: str) -> str:
-    """Writes a TP=1 copy of checkpoint `src` (model and optimizer state) into directory `dst`."""
+def export_full(src: str, dst: str, dtype: str | None = None) -> str:
+    """Writes a TP=1 copy of checkpoint `src` (model and optimizer state) into directory `dst`,
+    with parameters in `dtype` (default: the checkpoint's), taken from the fp32 master weights
+    when the checkpoint has them (a bfloat16 run exported as float32 loses nothing)."""
     src = resolve_checkpoint(src)
     meta = read_meta(src)
     saved_tp = int(meta["mesh"]["tp"])
@@ -445,32 +427,45 @@ def export_full(src: str, dst: str) -> str:
     if problems:
         raise CheckpointError("; ".join(problems))
     config = GPTConfig.from_dict(meta["config"])
+    dtype = dtype or config.dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(f"export --dtype {dtype!r}: use one of {sorted(DTYPES)}")
     padded = config.padded_vocab(1)
     tmp = dst.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     new_params = {}
     files = {}
-    kinds = ["model"] + (["optim"] if meta.get("optimizer") is not None else [])
-    for kind in kinds:
-        reader = _ShardReader(src, meta, kind)
+    has_optim = meta.get("optimizer") is not None
+    saved_master = has_optim and bool(meta["optimizer"].get("master_weights"))
+    want_master = has_optim and dtype in ("bfloat16", "float16")
+    readers = {kind: _ShardReader(src, meta, kind) for kind in ["model"] + (["optim"] if has_optim else [])}
+    for kind in readers:
         tensors = {}
         for name, info in meta["params"].items():
             rows = padded if info.get("real_rows") is not None else None
-            keys = [name] if kind == "model" else ["exp_avg." + name, "exp_avg_sq." + name]
-            for key in keys:
-                tensors[key] = _full_from_shards(reader, key, info, rows)
-            shape = list(tensors[keys[0]].shape)
+            best = (_full_from_shards(readers["optim"], "master." + name, info, rows) if saved_master
+                    else _full_from_shards(readers["model"], name, info, rows))  # the most precise copy
+            if kind == "model":
+                tensors[name] = best.astype(DTYPES[dtype])
+            else:
+                for key in ("exp_avg." + name, "exp_avg_sq." + name):
+                    tensors[key] = _full_from_shards(readers["optim"], key, info, rows)
+                if want_master:
+                    tensors["master." + name] = best.astype(np.float32)
             spec = info["sharding"]
-            new_params[name] = {"full_shape": shape, "dtype": info["dtype"], "real_rows": info.get("real_rows"),
+            new_params[name] = {"full_shape": list(best.shape), "dtype": dtype, "real_rows": info.get("real_rows"),
                                 "sharding": None if spec is None else dict(spec, tp=1)}
         fname = (_model_file if kind == "model" else _optim_file)(0, 1)
         path = os.path.join(tmp, fname)
-        _write_safetensors(path, tensors, {"format": FORMAT})
+        write_safetensors(path, tensors, {"format": FORMAT})
         files[fname] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
+    if has_optim:
+        meta = dict(meta, optimizer=dict(meta["optimizer"], master_weights=want_master))
+    meta = dict(meta, config=dict(meta["config"], dtype=dtype))
     out = dict(meta, mesh={"tp": 1, "dp": 1}, params=new_params, files=files, padded_vocab=padded,
                exported_from={"path": os.path.abspath(src), "tp": saved_tp})
-    _write_json_atomic(os.path.join(tmp, "meta.json"), out)
+    write_json_atomic(os.path.join(tmp, "meta.json"), out)
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} exists; export refuses to overwrite it")
     os.replace(tmp, dst)
@@ -479,8 +474,8 @@ def export_full(src: str, dst: str) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 3 and argv[0] == "export":
-        print(export_full(argv[1], argv[2]))
+    if argv[:1] == ["export"] and len(argv) in (3, 5) and (len(argv) == 3 or argv[3] == "--dtype"):
+        print(export_full(argv[1], argv[2], argv[4] if len(argv) == 5 else None))
         return 0
     if len(argv) == 2 and argv[0] == "verify":
         ckpt = resolve_checkpoint(argv[1])
@@ -490,7 +485,8 @@ def main(argv=None) -> int:
             print(p)
         print(f"{ckpt}: {'OK' if not problems else 'DAMAGED'} (step {meta['step']}, tp {meta['mesh']['tp']})")
         return 1 if problems else 0
-    print("usage: python -m cutp.checkpoint export SRC DST | verify CKPT", file=sys.stderr)
+    print("usage: python -m cutp.checkpoint export SRC DST [--dtype float32|bfloat16|float16|float64] | verify CKPT",
+          file=sys.stderr)
     return 2
 
 

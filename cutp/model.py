@@ -15,6 +15,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from .runtime.backend import to_numpy
@@ -40,7 +41,10 @@ from .tensor_parallel import (
 )
 from .tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
-DTYPES = {"float32": np.float32, "float64": np.float64}
+# Parameters and activations are stored in the model's dtype. bfloat16/float16 models compute
+# matmuls, LayerNorm statistics, softmax and the loss in float32 (cutp.ops' dtype policy) and are
+# trained through fp32 master weights and fp32 gradient buffers (cutp.optim).
+DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 PRESETS = {
     # trains on a 2-core CPU in minutes (byte-level vocabulary)

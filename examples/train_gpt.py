@@ -36,7 +36,19 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
     p.add_argument("--dp", type=int, help="data-parallel size (default: world size / tp)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="default auto: cuda when a GPU is usable")
-    p.add_argument("--dtype", default=None, choices=["float32", "float64"], help="default float32")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                   help="parameters and activations (default float32); bfloat16/float16 train through fp32 "
+                        "master weights and fp32 gradients, float16 with a dynamic loss scale")
+    p.add_argument("--distributed-optimizer", action="store_true", default=None,
+                   help="shard the optimizer state (fp32 master weights, Adam moments) over DP (ZeRO-1)")
+    p.add_argument("--grad-reduce-dtype", choices=["float32", "bfloat16"],
+                   help="dtype of the DP gradient reduction (default float32; bfloat16 halves the bytes, "
+                        "with sums rounded to bf16)")
+    p.add_argument("--loss-scale", type=float, help="a static loss scale (default: dynamic for float16, else none)")
+    p.add_argument("--initial-loss-scale", type=float, help="the dynamic scale's start (default 65536)")
+    p.add_argument("--loss-scale-window", type=int, help="clean steps before the dynamic scale doubles (default 1000)")
+    p.add_argument("--hysteresis", type=int, help="overflows before the dynamic scale halves (default 2)")
+    p.add_argument("--min-loss-scale", type=float, help="the dynamic scale's floor (default 1)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of the whole run (sets the LR schedule; "
                    "default 200)")
     p.add_argument("--run-steps", type=int, default=None,

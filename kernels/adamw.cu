@@ -3,7 +3,8 @@
 // the same order, in float (m and v are float32; params, grads and the decay mask are T):
 //   g = grad * grad_scale
 //   m = m * beta1 + (1 - beta1) * g;   v = v * beta2 + (g * g) * (1 - beta2)
-//   p = p * (1 - lr_wd * decay_mask)                      (only when weight decay is on)
+//   p = p * (1 - lr_wd * decay_mask)                      (only when weight decay is on; no mask:
+//                                                          every element decays)
 //   p = p - (m / (sqrt(v) * inv_sqrt_bc2 + eps)) * step_size
 // Bias corrections are folded into step_size = lr / (1 - beta1^t) and inv_sqrt_bc2 =
 // 1 / sqrt(1 - beta2^t) on the host. Memory bound: one 128-bit chunk per thread per array.
@@ -24,14 +25,14 @@ __device__ void update(T* p, float* m, float* v, const T* grad, const T* decay_m
     load_chunk(pv, p + i0, count);
     load_chunk(mv, m + i0, count);
     load_chunk(vv, v + i0, count);
-    if (decay) load_chunk<P, true>(dm, decay_mask + i0, count);
+    if (decay && decay_mask) load_chunk<P, true>(dm, decay_mask + i0, count);
 #pragma unroll
     for (int k = 0; k < P; ++k) {
         const float g = __fmul_rn(gv[k], grad_scale);
         mv[k] = __fadd_rn(__fmul_rn(mv[k], beta1), __fmul_rn(one_minus_beta1, g));
         vv[k] = __fadd_rn(__fmul_rn(vv[k], beta2), __fmul_rn(__fmul_rn(g, g), one_minus_beta2));
         float pk = pv[k];
-        if (decay) pk = __fmul_rn(pk, __fsub_rn(1.0f, __fmul_rn(lr_wd, dm[k])));
+        if (decay) pk = __fmul_rn(pk, __fsub_rn(1.0f, decay_mask ? __fmul_rn(lr_wd, dm[k]) : lr_wd));
         const float denom = __fadd_rn(__fmul_rn(sqrtf(vv[k]), inv_sqrt_bc2), eps);
         pv[k] = __fsub_rn(pk, __fmul_rn(mv[k] / denom, step_size));
     }
@@ -42,7 +43,8 @@ __device__ void update(T* p, float* m, float* v, const T* grad, const T* decay_m
 
 }  // namespace adamw_impl
 
-// decay: 0 skips the decay term (weight_decay == 0) and decay_mask may then be null.
+// decay: 0 skips the decay term (weight_decay == 0). A null decay_mask decays every element
+// (cutp.optim updates the decayed parameters as one range and the others with decay 0).
 // The _rn intrinsics keep NVRTC from contracting into FMAs: float32 results equal the CuPy
 // reference composition (separate elementwise kernels) bit for bit, up to sqrt/division, which
 // are IEEE-rounded in both.

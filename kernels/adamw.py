@@ -22,8 +22,9 @@ class AdamWLaunchers(LauncherBase):
     def adamw_update(self, p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step,
                      grad_scale=1.0) -> None:
         """In-place AdamW over flat buffers (cutp.ops.adamw_update): p, g, decay_mask of one dtype
-        (float32 or bfloat16), m and v float32, all 1-D of one length. One launch for the whole
-        model; elementwise, one 128-bit chunk per thread per array."""
+        (float32 or bfloat16), m and v float32, all 1-D of one length; decay_mask None: every
+        element decays (by weight_decay; none when it is 0). One launch per range of the flat
+        buffer; elementwise, one 128-bit chunk per thread per array."""
         xp = self.xp
         check_array(xp, "p", p, float_data=True)
         if p.ndim != 1:
@@ -32,7 +33,7 @@ class AdamWLaunchers(LauncherBase):
         check_array(xp, "m", m, dtype=np.float32, shape=p.shape)
         check_array(xp, "v", v, dtype=np.float32, shape=p.shape)
         decay = bool(weight_decay)
-        if decay_mask is not None or decay:
+        if decay_mask is not None:
             check_array(xp, "decay_mask", decay_mask, dtype=p.dtype, shape=p.shape)
         bc1 = 1.0 - beta1 ** step
         bc2 = 1.0 - beta2 ** step

@@ -20,7 +20,7 @@ LAYERS = [
     ("comm", ["cutp.comm"]),
     ("ops/kernels", ["cutp.ops", "cutp.kernels"]),
     ("tensor_parallel", ["cutp.tensor_parallel"]),
-    ("model", ["cutp.model", "cutp.optim", "cutp.data", "cutp.tokenizer", "cutp.checkpoint", "cutp.hf",
+    ("model", ["cutp.model", "cutp.optim", "cutp.data", "cutp.tokenizer", "cutp.checkpoint", "cutp.checkpoint_files", "cutp.hf",
                "cutp.generate"]),
     ("train", ["cutp.train"]),
     ("bench/tools", ["cutp.bench", "cutp.info", "cutp.__main__"]),

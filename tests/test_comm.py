@@ -11,7 +11,7 @@ from cutp.comm import CommCounter, CommError
 from cutp.comm.context import check_gpu_assignment, validate_mesh
 from tests.mpirun import MpiRunError, run_mpi
 
-DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.int32, np.int64]
+DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.float16, np.int32, np.int64]
 
 
 def _data(world_rank, group, dtype, shape=(4, 3)):
@@ -135,7 +135,7 @@ def _check_group(ctx, comm, members):
     with pytest.raises(CommError, match="C-contiguous"):
         comm.all_reduce(np.ones((4, 4))[:, ::2])
     with pytest.raises(CommError, match="dtype"):
-        comm.all_reduce(np.ones(3, np.float16))
+        comm.all_reduce(np.ones(3, np.int8))
     with pytest.raises(CommError, match="reduce op"):
         comm.all_reduce(np.ones(3), "prod")
     with pytest.raises(CommError, match="out has shape"):

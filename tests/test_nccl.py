@@ -64,7 +64,7 @@ def test_nccl_bootstrap_failure_reaches_every_rank():
 def test_nccl_dtype_and_op_maps_match_nccl_enums():
     from cutp.comm import nccl as ours
 
-    assert ours._NCCL_DTYPES == {"int32": 2, "int64": 4, "float32": 7, "float64": 8, "bfloat16": 9}
+    assert ours._NCCL_DTYPES == {"int32": 2, "int64": 4, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
     assert ours._NCCL_OPS == {"sum": 0, "max": 2, "avg": 4}
     try:
         from cupy.cuda import nccl
@@ -82,7 +82,7 @@ def _worker_nccl_collectives():
     import cutp
 
     ctx = cutp.init(tp=2, device="cuda")
-    for dt in (np.float32, np.float64, ml_dtypes.bfloat16, np.int32, np.int64):
+    for dt in (np.float32, np.float64, ml_dtypes.bfloat16, np.float16, np.int32, np.int64):
         x = cupy.asarray((np.arange(6) + ctx.rank).astype(dt))
         y = ctx.tp.all_reduce(x)
         np.testing.assert_array_equal(cupy.asnumpy(y).astype(np.float64), (2 * np.arange(6) + 1).astype(np.float64))

@@ -40,7 +40,7 @@ def test_adamw_update_matches_textbook(dtype, rtol, atol):
     assert np.array_equal(g, g0), "the gradient was modified"
 
 
-def test_flat_parameters_are_views_and_decay_mask_follows_params():
+def test_flat_parameters_are_views_and_weight_decay_is_one_range():
     ctx = self_ctx()
     model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=4), seed=0)
     before = {p.name: p.data.copy() for p in model.parameters()}
@@ -49,7 +49,10 @@ def test_flat_parameters_are_views_and_decay_mask_follows_params():
         np.testing.assert_array_equal(p.data, before[p.name])
         assert np.shares_memory(p.data, flat.data) and np.shares_memory(p.grad, flat.grad)
         s = flat.slices[p.name]
-        assert bool(flat.decay_mask[s].all()) == p.weight_decay and bool(flat.decay_mask[s].any()) == p.weight_decay
+        assert (s.stop <= flat.n_decay) == p.weight_decay and (s.start >= flat.n_decay) != p.weight_decay
+    assert flat.decay_ranges() == [(0, flat.n_decay, True), (flat.n_decay, flat.size, False)]
+    assert flat.decay_ranges(3, flat.n_decay) == [(3, flat.n_decay, True)]
+    assert not hasattr(flat, "decay_mask")  # no buffer the size of the model: fp32 state is 16 B/param
     decayed = {p.name for p in model.parameters() if p.weight_decay}
     assert decayed == {"h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight", "h.0.mlp.c_fc.weight",
                        "h.0.mlp.c_proj.weight"}, decayed  # no biases, LayerNorm or embeddings

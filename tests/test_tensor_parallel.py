@@ -407,8 +407,8 @@ def test_validation_messages_name_the_numbers():
         GPTConfig(n_head=4, n_embd=16, mlp_hidden=10).validate(4)
     with pytest.raises(ConfigError, match="n_embd=18 is not divisible by n_head=4"):
         GPTConfig(n_head=4, n_embd=18).validate(1)
-    with pytest.raises(ConfigError, match="dtype 'float16' is not supported"):
-        GPTConfig(dtype="float16").validate(1)
+    with pytest.raises(ConfigError, match="dtype 'int8' is not supported"):
+        GPTConfig(dtype="int8").validate(1)
     GPTConfig(n_head=8, n_kv_head=2, n_embd=32).validate(8)  # replicated KV heads: fine
 
 

@@ -235,7 +235,7 @@ def run(args) -> Report:
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
                              micro_batch_size=B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
-                             save_on_signal=False)
+                             save_on_signal=False, distributed_optimizer=getattr(args, "distributed_optimizer", False))
     run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),
                                                       args.seed))
     ctx, config, T = run.ctx, cfg.model, cfg.seq_len
@@ -244,7 +244,7 @@ def run(args) -> Report:
     report = Report("model", machine_info(xp) if ctx.rank == 0 else {})
     report.meta.update(device=device, preset=args.preset, overrides=list(args.set), tp=ctx.tp_size, dp=ctx.dp_size,
                        batch_per_dp_rank=B, seq_len=T, config=config.to_dict())
-    flat = run.flat
+    flat, opt = run.flat, run.optimizer
     clock = CommClock(xp)
     if not args.no_comm_timing:
         install_comm_timing(ctx, clock)
@@ -346,18 +346,18 @@ def run(args) -> Report:
 
     mem = report.table("memory", [("what", "per rank", "", "<"), ("mib", "MiB", ",.1f"), ("how", "how", "", "<")],
                        title="memory per rank")
-    state = state_bytes(run)
-    p_b, g_b, o_b, other = (int(reduce_scalar(world, state[k])) for k in ("params", "grads", "optimizer", "other"))
+    state = state_bytes(run)  # the optimizer's memory_bytes(): its live arrays
+    p_b, g_b, o_b = (int(reduce_scalar(world, state[k])) for k in ("params", "grads", "optimizer"))
     act = int(reduce_scalar(world, act_bytes))
     peak_b = int(reduce_scalar(world, step_peak))
-    mem.add(what="parameters", mib=p_b / 2**20, how=f"{flat.size:,} elements (max over ranks)")
-    mem.add(what="gradients", mib=g_b / 2**20, how="the flat gradient buffer")
-    mem.add(what="optimizer state", mib=o_b / 2**20, how="AdamW m, v (+ fp32 master weights)")
-    if other:
-        mem.add(what="decay mask", mib=other / 2**20, how="a float per parameter")
+    mem.add(what="parameters", mib=p_b / 2**20, how=f"{flat.size:,} x {flat.dtype.itemsize} B")
+    mem.add(what="gradients", mib=g_b / 2**20, how=f"{flat.padded_size:,} x {flat.grad.dtype.itemsize} B")
+    mem.add(what="optimizer state", mib=o_b / 2**20,
+            how="AdamW m, v" + (" + fp32 master weights" if opt.master is not None else "")
+                + (f", 1/{ctx.dp_size} of them (distributed)" if opt.distributed else ""))
     mem.add(what="cached activations", mib=act / 2**20, how="modules' _cache_* buffers after forward (max over ranks)")
     mem.add(what="step peak", mib=peak_b / 2**20, how="allocated by a step above the state, measured (max over ranks)")
-    mem.add(what="sum", mib=(p_b + g_b + o_b + other + peak_b) / 2**20, how="state + step peak")
+    mem.add(what="sum", mib=(p_b + g_b + o_b + peak_b) / 2**20, how="state + step peak")
     if pool is not None:
         hw = int(reduce_scalar(world, pool.total_bytes()))
         mem.add(what="CuPy pool high-water", mib=hw / 2**20, how="reserved bytes after the steps (max over ranks)")

@@ -161,8 +161,14 @@ def _shape(config: GPTConfig, tp: int, rank: int, **kw) -> StepShape:
 def parameters_per_rank(config: GPTConfig, tp: int) -> int:
     """Parameters on the TP rank holding the most (they all hold the same number today): what
     `GPT(ctx, config).num_parameters_local()` counts there."""
-    return max(sum(n for _, n, _ in local_parameters(_shape(config, tp, r, micro_batch=1, seq_len=1)))
+    return max(sum(p.numel for p in local_parameters(_shape(config, tp, r, micro_batch=1, seq_len=1)))
                for r in range(tp))
+
+
+def _ranks(n: int, every: int = 16) -> list[int]:
+    """The ranks of a group whose walks are computed: all of a small group, else the first and
+    the last few (where the vocabulary's and the buffer's padding end up)."""
+    return list(range(n)) if n <= every else [0, 1, n - 2, n - 1]
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes: int = 2) -> float:
@@ -217,7 +223,8 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
             raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
         P = parameters_per_rank(config, tp)
         peaks = [step_peak(_shape(config, tp, r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device,
-                                  threads=threads)) for r in range(tp)]
+                                  threads=threads, dp=dp, dp_rank=d, distributed_optimizer=distributed_optimizer))
+                 for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
         worst = max(peaks, key=lambda p: p["activations_peak"])
         act = {"bytes": worst["activations_peak"], "where": worst["where"],
                "source": f"cutp's training step, simulated ({'GPU' if device == 'cuda' else f'CPU, {threads} thread(s)'})"}

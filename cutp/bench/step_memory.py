@@ -24,9 +24,10 @@ It reuses the ops' own blocking functions (row blocks, attention pieces and quer
 a change of those constants moves the prediction with the code; a change of the code's order
 of allocations needs this walk updated, and tests/test_memory.py says so (measured = planned
 within 10% on tiny models on the CPU). Python object headers are not counted (under 1%).
-The GPU walk (kernels for float32/bfloat16, the unblocked attention, the pool's 512-byte
-rounding) follows the same code paths but has not been checked against a GPU measurement; the
-16-bit walk follows today's ops (float32 copies of bfloat16 operands), not yet a measured run.
+16-bit models (the ops' float32 copies of 16-bit operands, the attention in float32, the float32
+weight gradients) are checked on the CPU like the others. The GPU walk (kernels for
+float32/bfloat16, the unblocked attention, in-place NCCL collectives, the pool's 512-byte
+rounding) follows the same code paths but has not been checked against a GPU measurement.
 With several op threads, blocks that may run at once are counted at once (an upper bound: the
 measured peak of the optimizer update, for one, depends on how the threads happen to overlap).
 
@@ -36,6 +37,7 @@ backward, the optimizer's phase) kept in one place, in the order of the code it 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -76,21 +78,32 @@ class StepShape:
     kernels: bool = True  # GPU: cutp's CUDA kernels (float32/bfloat16) rather than the CuPy composition
     block_size: int = 1024
     tie_embeddings: bool = True
+    dp: int = 1
+    dp_rank: int = 0
+    distributed_optimizer: bool = False
 
     @classmethod
     def of(cls, config, *, tp=1, tp_rank=0, micro_batch, seq_len, accum=1, dtype=None, device="cpu", threads=1,
-           kernels=True):
+           kernels=True, dp=1, dp_rank=0, distributed_optimizer=False):
         """From a GPTConfig."""
         return cls(n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head, n_kv_head=config.kv_heads,
                    hidden=config.hidden, vocab=config.vocab_size, padded_vocab=config.padded_vocab(tp),
                    micro_batch=micro_batch, seq_len=seq_len, tp=tp, tp_rank=tp_rank, accum=accum,
                    dtype=dtype or config.dtype, device=device, threads=threads, bias=config.bias,
                    dropout=config.dropout, label_smoothing=config.label_smoothing, gelu=config.gelu, kernels=kernels,
-                   block_size=config.block_size, tie_embeddings=config.tie_embeddings)
+                   block_size=config.block_size, tie_embeddings=config.tie_embeddings, dp=dp, dp_rank=dp_rank,
+                   distributed_optimizer=distributed_optimizer)
 
 
-def local_parameters(s: StepShape) -> list[tuple[str, int, str]]:
-    """(name, elements, kind) of every parameter TP rank `s.tp_rank` holds, in the model's order.
+class LocalParameter(NamedTuple):
+    name: str
+    numel: int
+    kind: str  # "sharded", "replicated" or "partial" (see local_parameters)
+    decays: bool  # AdamW's weight decay applies (the weights of the linear layers)
+
+
+def local_parameters(s: StepShape) -> list[LocalParameter]:
+    """(name, elements, kind, decays) of every parameter TP rank `s.tp_rank` holds, in the model's order.
     kind: "sharded" (every element this rank's own), "replicated" (the same on every TP rank:
     LayerNorms, the row-parallel layers' biases, the position embeddings) or "partial" (QKV with
     KV heads replicated over several ranks when tp > n_kv_head: only the first holder counts
@@ -102,33 +115,33 @@ def local_parameters(s: StepShape) -> list[tuple[str, int, str]]:
     replicas = tp // s.n_kv_head if tp > s.n_kv_head else 1
     qkv_kind = "partial" if s.tp_rank % replicas else "sharded"
     vocab = ("sharded", s.padded_vocab // tp * h)
-    out = [("wte.weight", vocab[1], vocab[0]), ("wpe.weight", s.block_size * h, "replicated")]
+    out = [("wte.weight", vocab[1], vocab[0], False), ("wpe.weight", s.block_size * h, "replicated", False)]
 
     def norm(name):
-        out.append((f"{name}.weight", h, "replicated"))
+        out.append((f"{name}.weight", h, "replicated", False))
         if b:
-            out.append((f"{name}.bias", h, "replicated"))
+            out.append((f"{name}.bias", h, "replicated", False))
 
     for i in range(s.n_layer):
         p = f"h.{i}"
         norm(f"{p}.ln_1")
-        out.append((f"{p}.attn.c_attn.weight", h * qkv, qkv_kind))
+        out.append((f"{p}.attn.c_attn.weight", h * qkv, qkv_kind, True))
         if b:
-            out.append((f"{p}.attn.c_attn.bias", qkv, qkv_kind))
-        out.append((f"{p}.attn.c_proj.weight", nq * hd * h, "sharded"))
+            out.append((f"{p}.attn.c_attn.bias", qkv, qkv_kind, False))
+        out.append((f"{p}.attn.c_proj.weight", nq * hd * h, "sharded", True))
         if b:
-            out.append((f"{p}.attn.c_proj.bias", h, "replicated"))
+            out.append((f"{p}.attn.c_proj.bias", h, "replicated", False))
         norm(f"{p}.ln_2")
-        out.append((f"{p}.mlp.c_fc.weight", h * (s.hidden // tp), "sharded"))
+        out.append((f"{p}.mlp.c_fc.weight", h * (s.hidden // tp), "sharded", True))
         if b:
-            out.append((f"{p}.mlp.c_fc.bias", s.hidden // tp, "sharded"))
-        out.append((f"{p}.mlp.c_proj.weight", s.hidden // tp * h, "sharded"))
+            out.append((f"{p}.mlp.c_fc.bias", s.hidden // tp, "sharded", False))
+        out.append((f"{p}.mlp.c_proj.weight", s.hidden // tp * h, "sharded", True))
         if b:
-            out.append((f"{p}.mlp.c_proj.bias", h, "replicated"))
+            out.append((f"{p}.mlp.c_proj.bias", h, "replicated", False))
     norm("ln_f")
     if not s.tie_embeddings:
-        out.append(("lm_head.weight", vocab[1], vocab[0]))
-    return out
+        out.append(("lm_head.weight", vocab[1], vocab[0], True))
+    return [LocalParameter(*p) for p in out]
 
 
 class Heap:
@@ -262,16 +275,18 @@ class _Walk:
                 H.temp(dw, small, what=f"{key} (dW)")
             return
         copies = N * n_out * c + N * n_in * c  # dy and x in float32, alive through the function
-        H.temp(copies, n_in * n_out * (c + a), what=f"{key} (dW)")
-        if dx:
-            H.temp(copies, n_in * n_out * (a + c), N * n_in * (c + a), what=f"{key} (dx)")
+        dw = n_in * n_out * c  # kept in float32 for the float32 gradient buffer (main_grad)
+        H.temp(copies, dw, small, what=f"{key} (dW)")
+        if dx:  # w in float32, dx in float32, then rounded
+            H.temp(copies, dw, small, n_in * n_out * c, N * n_in * (c + a), what=f"{key} (dx)")
             H.alloc(key, N * n_in * a)
 
-    def dropout_fwd(self, key, n):
+    def dropout_fwd(self, key, n, itemsize=None):
         """y = dropout(x) of n elements: a new y and a kept bool mask (p > 0 only)."""
         H = self.heap
+        a = self.a if itemsize is None else itemsize
         if self.kern:
-            H.alloc(key, n * self.a)
+            H.alloc(key, n * a)
             H.alloc(key + ".mask", n)
             return
         H.alloc(key + ".mask", n)
@@ -279,9 +294,9 @@ class _Walk:
             H.temp(2 * 8 * min(n, _common.ELEMENTWISE_BLOCK), what=f"{key} mask")
         else:
             H.temp(2 * 8 * n, what=f"{key} mask")
-        if not self.direct:
+        if a != self.c:
             H.temp(n * self.c, what=key)
-        H.alloc(key, n * self.a)
+        H.alloc(key, n * a)
 
     # ---- layers -------------------------------------------------------------------------------
     def embedding(self):
@@ -301,15 +316,17 @@ class _Walk:
         return "emb.drop"
 
     def attention_fwd(self, L):
-        """After c_attn: the attention op; returns c_proj's input (kept for backward)."""
+        """After c_attn: the attention op; returns c_proj's input (kept for backward). 16-bit
+        q, k, v are multiplied in float32: each piece (or the whole op) works on float32 copies,
+        and the probabilities it keeps are float32."""
         s, H = self.s, self.heap
-        B, T, a = s.micro_batch, s.seq_len, self.a
+        B, T, a, e = s.micro_batch, s.seq_len, self.a, self.c
         if self.cpu and not self.drop:
             H.alloc(f"{L}.o", self.N * self.nq * self.hd * a)
             pieces = attention_op._pieces(B, self.nkv, self.g, T, T)
             probs, worst = 0, 0
             for piece in pieces:
-                p_bytes, p_worst = self._attention_piece_fwd(piece, B, T)
+                p_bytes, p_worst = self._attention_piece_fwd(piece, T)
                 probs += p_bytes
                 worst = max(worst, p_worst)
             H.alloc(f"{L}.probs", probs)
@@ -317,78 +334,81 @@ class _Walk:
             return f"{L}.o"
         # the plain composition: whole score matrices (a GPU, or attention dropout)
         S = B * self.nq * T * T
-        H.alloc(f"{L}.scores", S * a)
-        if self.kern:
-            H.alloc(f"{L}.probs", S * a)
-        else:
+        qh, kvh = self.N * self.nq * self.hd, self.N * self.nkv * self.hd
+        copies = 0 if self.direct else (qh + 2 * kvh) * e
+        H.alloc(f"{L}.copies", copies)
+        H.alloc(f"{L}.scores", S * e)
+        if not self.kern:
             H.temp(T * T * (self.c + 1), 2 * B * self.nq * T * self.c, what=f"{L} softmax")
-            H.alloc(f"{L}.probs", S * a)
+        H.alloc(f"{L}.probs", S * e)
         if self.drop:
-            self.dropout_fwd(f"{L}.pdrop", S)
-        H.alloc(f"{L}.o_heads", self.N * self.nq * self.hd * a)
-        H.free(f"{L}.scores")
-        H.alloc(f"{L}.o", self.N * self.nq * self.hd * a)  # merging the heads copies
+            self.dropout_fwd(f"{L}.pdrop", S, itemsize=e)
+        if not self.direct:
+            H.temp(qh * e, what=f"{L} attention output")
+        H.alloc(f"{L}.o_heads", qh * a)
+        H.free(f"{L}.scores", f"{L}.copies")
+        H.alloc(f"{L}.o", qh * a)  # merging the heads copies
         return f"{L}.o"
 
-    def _attention_piece_fwd(self, piece, B, T):
+    def _attention_piece_fwd(self, piece, T):
         """(probabilities kept, the largest transient) of one piece of the blocked forward."""
-        a, c = self.a, self.c
+        e, hd = self.c, self.hd  # inside the op everything is in the compute dtype
         b, hc = _piece_dims(piece)
         m = b * hc * self.g
-        blocks = attention_op._query_blocks(m * T * T, T, T)
+        copies = 0 if self.direct else (m * T * hd + 2 * b * hc * T * hd) * e  # q, k, v of the piece
         kept, worst = 0, 0
         prev_s = prev_o = 0
-        for r0, r1 in blocks:
+        for r0, r1 in attention_op._query_blocks(m * T * T, T, T):
             rows, keys = r1 - r0, r1  # a block's last query sees keys [0, r1) (Tq == Tk)
-            s_ = m * rows * keys * a
-            o_ = m * rows * self.hd * a
-            sm_blocks = softmax_op._blocks(np, m, rows, keys)
-            sm_rows = max((mi.stop - mi.start) * (ri.stop - ri.start) for mi, ri in sm_blocks)
-            sm_tmp = 0 if self.direct else sm_rows * keys * c
+            s_ = m * rows * keys * e
+            o_ = m * rows * hd * e
             worst = max(worst,
                         kept + prev_s + prev_o + s_,
-                        kept + prev_o + s_ + rows * keys * (c + 1) + s_ + sm_tmp,
+                        kept + prev_o + s_ + rows * keys * (self.c + 1) + s_,
                         kept + s_ + s_ + prev_o + o_)
             kept += s_
             prev_s, prev_o = s_, o_
-        return kept, worst - kept
+        return kept, copies + worst - kept
 
     def attention_bwd(self, L):
         """The op's backward into dqkv (allocated by the caller)."""
         s, H = self.s, self.heap
-        B, T, a = s.micro_batch, s.seq_len, self.a
+        B, T, e = s.micro_batch, s.seq_len, self.c
         if self.cpu and not self.drop:
             pieces = attention_op._pieces(B, self.nkv, self.g, T, T)
-            worst = max(self._attention_piece_bwd(p, B, T) for p in pieces)
+            worst = max(self._attention_piece_bwd(p, T) for p in pieces)
             H.temp(self.conc(len(pieces)) * worst, what=f"{L} attention backward")
             return
-        S = B * self.nq * T * T * a
-        qh = self.N * self.nq * self.hd * a
-        kvh = self.N * self.nkv * self.hd * a
+        S = B * self.nq * T * T * e
+        qh = self.N * self.nq * self.hd * e
+        kvh = self.N * self.nkv * self.hd * e
+        copies = 0 if self.direct else 2 * qh + 2 * kvh  # q, k, v, do in float32
         # dv (from a [.., g, ..] product), dp (and dropout's copy of it), ds, dq, dk (from a product):
         # the locals live to the end of the function
-        H.temp(max(qh + kvh, kvh + 2 * S if self.drop else 0, 2 * kvh + 2 * S + 2 * qh), what=f"{L} attention backward")
+        H.temp(copies + max(qh + kvh, kvh + 2 * S if self.drop else 0, 2 * kvh + 2 * S + 2 * qh),
+               what=f"{L} attention backward")
 
-    def _attention_piece_bwd(self, piece, B, T):
-        a, c, hd, g = self.a, self.c, self.hd, self.g
+    def _attention_piece_bwd(self, piece, T):
+        e, hd, g = self.c, self.hd, self.g
         b, hc = _piece_dims(piece)
         m = b * hc * g
-        base = 2 * b * hc * T * hd * a  # dk, dv of the piece
+        base = 2 * b * hc * T * hd * e  # dk, dv of the piece
+        if not self.direct:
+            base += (2 * m * T * hd + 2 * b * hc * T * hd) * e  # q, k, v, do of the piece in float32
         worst = 0
         prev_pk = prev_ds = 0
         for r0, r1 in attention_op._query_blocks(m * T * T, T, T):
             rows, keys = r1 - r0, r1
-            pv = m * keys * hd * a
-            gsum = b * hc * keys * hd * a if g > 1 else 0
-            e = m * rows * keys * a
-            sm_tmp = 0 if self.direct else 2 * e // a * c
-            dq = m * rows * hd * a
+            pv = m * keys * hd * e
+            gsum = b * hc * keys * hd * e if g > 1 else 0
+            sc = m * rows * keys * e
+            dq = m * rows * hd * e
             worst = max(worst,
                         prev_pk + prev_ds + pv + gsum,
-                        prev_ds + pv + e + e + sm_tmp,
-                        pv + e + dq,
-                        pv + e + pv + gsum)
-            prev_pk, prev_ds = pv, e
+                        prev_ds + pv + sc + sc,
+                        pv + sc + dq,
+                        pv + sc + pv + gsum)
+            prev_pk, prev_ds = pv, sc
         return base + worst
 
     def block_fwd(self, L, x):
@@ -450,7 +470,7 @@ class _Walk:
     def head_and_loss(self, x_last):
         H, N, h, c = self.heap, self.N, self.h, self.c
         self.layernorm_fwd("lnf")
-        H.alloc("logits", N * self.vl * self.a)
+        self.linear_fwd("logits", h, self.vl)
         # the cross-entropy: targets (on the CPU a copy: a view of the batch window), per-row statistics
         H.alloc("ce.t", 8 * N if self.cpu else 0)
         H.alloc("ce.valid", N)
@@ -561,38 +581,69 @@ class _Walk:
         self.embedding_bwd(d)
 
     def optimizer_phase(self):
-        """The GQA gradient sums, the global gradient norm and today's AdamW update (cutp/optim.py:
-        per block of ELEMENTWISE_BLOCK elements a state-dtype copy of the gradient and two
-        parameter-dtype terms of the float decay mask; the distributed optimizer replaces it)."""
+        """After the micro-batches (cutp/optim/adamw.py): the GQA gradient sums, the DP reduction,
+        the global gradient norm and the AdamW update with its blocks."""
         s, H = self.s, self.heap
         gb = 4 if self.a == 2 else self.a  # gradients: float32 for 16-bit parameters
         sd = 8 if s.dtype == "float64" else 4
         params = local_parameters(s)
+        n = sum(p.numel for p in params)
+        dist = s.distributed_optimizer
+        align = 64 * s.dp if dist else 1
+        N = -(-n // align) * align
+        lo, hi = (s.dp_rank * (N // s.dp), (s.dp_rank + 1) * (N // s.dp)) if dist else (0, N)
         if s.tp > s.n_kv_head:
             H.temp(self.h * 2 * self.nkv * self.hd * gb, what="GQA gradient sum")
-        # the norm: per parameter the squares of the entries this rank counts (CPU: float64
-        # blocks on the ops' threads; GPU: a float64 copy and its square), a copy of the owned
-        # columns of a partly owned QKV, and two bool arrays of the non-finite test for the
-        # parameters counted elsewhere
+        if dist and s.dp > 1 and self.cpu:
+            H.temp(N * gb, what="gradient reduce-scatter (MPI: a copy of the buffer)")
+        H.temp(self._norm_temp(params, gb, lo, hi, dist), what="gradient norm")
+        if self.kern:
+            return  # one fused kernel per range, in place
+        # per block of ELEMENTWISE_BLOCK elements (the whole range on a GPU): a state-dtype copy of
+        # the gradient and one state-dtype term; weight decay ([0, n_decay) of the flat buffer,
+        # decayed parameters first) and the rest are separate ranges
+        n_decay = sum(p.numel for p in params if p.decays)
+        worst = 0
+        for a_, b_ in ((max(lo, 0), min(hi, n_decay)), (max(lo, n_decay), min(hi, n))):
+            if b_ > a_:
+                k = b_ - a_
+                blk = min(k, _common.ELEMENTWISE_BLOCK) if self.cpu else k
+                worst = max(worst, self.conc(-(-k // _common.ELEMENTWISE_BLOCK)) * blk * 2 * sd)
+        H.temp(worst, what="AdamW update")
+
+    def _norm_temp(self, params, gb, lo, hi, dist):
+        """The largest temporary of the global gradient norm. Plain: per parameter the squares of
+        the entries this rank counts (CPU: float64 blocks on the ops' threads; GPU: a float64
+        copy and its square), a copy of the owned columns of a partly owned QKV, and two bool
+        arrays of the non-finite test for parameters counted elsewhere. Distributed: per
+        parameter its part of this rank's shard in float64 (partly owned: its owned entries,
+        chosen through int64 and bool index arrays), then the non-finite test of the shard."""
+        s = self.s
         sq = _common.ELEMENTWISE_BLOCK // 2  # cutp.tensor_parallel.parameter._SQ_BLOCK
         worst = 0
-        for _, n, kind in params:
-            counted = not (kind == "replicated" and s.tp_rank > 0)
-            owned = n if kind != "partial" else n * self.nq // (self.nq + 2 * self.nkv)
-            copy = owned * gb if kind == "partial" else 0
+        if dist:
+            off = 0
+            for p in sorted(params, key=lambda p: not p.decays):  # the flat buffer's order
+                a_, b_ = max(off, lo), min(off + p.numel, hi)
+                off += p.numel
+                k = b_ - a_
+                if k <= 0 or (p.kind == "replicated" and s.tp_rank > 0):
+                    continue
+                owned = k * self.nq // (self.nq + 2 * self.nkv) if p.kind == "partial" else k
+                index = 2 * 8 * k + k + owned * gb if p.kind == "partial" else 0
+                worst = max(worst, index + owned * 8)
+            return max(worst, 2 * (hi - lo))
+        for p in params:
+            owned = p.numel if p.kind != "partial" else p.numel * self.nq // (self.nq + 2 * self.nkv)
+            copy = owned * gb if p.kind == "partial" else 0
             if self.cpu:
                 squares = copy + self.conc(-(-owned // sq)) * min(owned, sq) * 8
             else:
                 squares = copy + owned * 8 * (1 if gb == 8 else 2)
-            finite = 2 * n if kind == "partial" or (kind == "replicated" and s.tp_rank > 0) else 0
-            worst = max(worst, squares if counted else 0, finite)
-        H.temp(worst, what="gradient norm")
-        n = sum(p[1] for p in params)
-        if self.kern:
-            return  # one fused kernel, in place
-        blk = min(n, _common.ELEMENTWISE_BLOCK) if self.cpu else n
-        blocks = -(-n // _common.ELEMENTWISE_BLOCK) if self.cpu else 1
-        H.temp(self.conc(blocks) * blk * (sd + 2 * self.a), what="AdamW update")
+            elsewhere = p.kind == "partial" or (p.kind == "replicated" and s.tp_rank > 0)
+            worst = max(worst, 0 if (p.kind == "replicated" and s.tp_rank > 0) else squares,
+                        2 * p.numel if elsewhere else 0)
+        return worst
 
     def step(self):
         s, H = self.s, self.heap

@@ -2,7 +2,7 @@
 
 Semantics shared by every implementation (MPI on NumPy arrays, NCCL on CuPy arrays):
 
-- Arrays must be C-contiguous and of a supported dtype (float32, float64, bfloat16, int32,
+- Arrays must be C-contiguous and of a supported dtype (float32, float64, bfloat16, float16, int32,
   int64); anything else raises `CommError` before any communication starts.
 - `out=None` allocates the result; `out=x` is in place where the shapes allow it. all_gather
   with x being this rank's slot of out, and reduce_scatter with out being this rank's slot of x,
@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 REDUCE_OPS = ("sum", "max", "avg")
-SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "int32", "int64")
+SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
 
 
 def address(a) -> int:

@@ -1,9 +1,9 @@
 """Collectives on NumPy arrays over mpi4py's buffer interface (upper-case methods, no pickling).
 
-bfloat16 has no MPI datatype. Data movement (gather, broadcast, send/recv) ships its raw 16-bit
-words; reductions convert to float32, reduce, and round back to bfloat16 once. That is at least
-as accurate as NCCL's native bf16 reduction (which rounds after every step of its ring), so a
-bf16 sum can differ from NCCL's in the last bit, never by more.
+bfloat16 and float16 have no standard MPI datatype. Data movement (gather, broadcast, send/recv)
+ships their raw 16-bit words; reductions convert to float32, reduce, and round back to the 16-bit
+type once. That is at least as accurate as NCCL's native 16-bit reduction (which rounds after
+every step of its ring), so a 16-bit sum can differ from NCCL's in the last bit, never by more.
 """
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from mpi4py import MPI
 from .base import Communicator, check_array, check_op, dtype_name
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "avg": MPI.SUM}
+_HALF = ("bfloat16", "float16")  # reduced in float32, moved as raw 16-bit words
 
 
 def _buf(x):
     """An mpi4py buffer spec that never guesses the datatype."""
     name = dtype_name(x)
-    if name == "bfloat16":
+    if name in _HALF:
         return [x.view(np.uint16), MPI.UINT16_T]
     return [x, MPI._typedict[np.dtype(x.dtype).char]]
 
@@ -37,7 +38,7 @@ class MpiCommunicator(Communicator):
         check_array(x, f"all_reduce on {self.name}")
         check_op(op)
         self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
-        if dtype_name(x) == "bfloat16":
+        if dtype_name(x) in _HALF:
             acc = x.astype(np.float32)
             self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(acc), op=_MPI_OPS[op])
             self._finish_avg(acc, op)
@@ -60,7 +61,7 @@ class MpiCommunicator(Communicator):
         check_op(op)
         shape = self._scatter_shape(x)
         self._check_out(out, shape, x.dtype, f"reduce_scatter on {self.name}")
-        if dtype_name(x) == "bfloat16":
+        if dtype_name(x) in _HALF:
             acc = np.empty(shape, np.float32)
             self.mpi_comm.Reduce_scatter_block(_buf(x.astype(np.float32)), _buf(acc), op=_MPI_OPS[op])
             self._finish_avg(acc, op)

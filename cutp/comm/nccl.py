@@ -19,7 +19,7 @@ from .base import CommError, Communicator, check_op, dtype_name
 from .base import check_array as _check_array
 
 # NCCL's enum values by dtype name (CuPy has no dtype-to-NCCL helper).
-_NCCL_DTYPES = {"int32": 2, "int64": 4, "float32": 7, "float64": 8, "bfloat16": 9}
+_NCCL_DTYPES = {"int32": 2, "int64": 4, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
 _NCCL_OPS = {"sum": 0, "max": 2, "avg": 4}
 
 _UID_BYTES = 128

@@ -3,7 +3,9 @@
     g  = grad * grad_scale                  (grad_scale folds in clipping and loss scaling)
     m  = beta1 * m + (1 - beta1) * g
     v  = beta2 * v + (1 - beta2) * g * g
-    p  = p * (1 - lr * wd * decay_mask)     (decay_mask: 1 for weights, 0 for biases/LN/embeddings)
+    p  = p * (1 - lr * wd * decay_mask)     (decay_mask: 1 for weights, 0 for biases/LN/embeddings;
+                                             None: every element decays, as cutp.optim uses it on
+                                             the range of decayed parameters)
     p -= lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)
 
 All arrays are flat and of equal length; m and v are float32 (float64 for float64 params).
@@ -21,9 +23,11 @@ from ._common import ELEMENTWISE_BLOCK, parallel_map
 
 def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
     xp = get_array_module(p, g, m, v)
-    if not (p.shape == g.shape == m.shape == v.shape == decay_mask.shape) or p.ndim != 1:
+    if not (p.shape == g.shape == m.shape == v.shape) or p.ndim != 1 or (
+            decay_mask is not None and decay_mask.shape != p.shape):
         raise ValueError("adamw_update takes flat arrays of equal length")
-    k = _kernels(p, g, decay_mask)  # CuPy float32/bfloat16 with float32 m, v: one fused kernel (kernels/adamw.cu)
+    # CuPy float32/bfloat16 with float32 m, v: one fused kernel (kernels/adamw.cu)
+    k = _kernels(*(a for a in (p, g, decay_mask) if a is not None))
     if k is not None and m.dtype == np.float32 and v.dtype == np.float32:
         k.adamw_update(p, g, m, v, decay_mask, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                        step=step, grad_scale=grad_scale)
@@ -47,7 +51,9 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
         gb *= gb
         gb *= dt(1.0 - beta2)
         vb += gb
-        if weight_decay:
+        if weight_decay and decay_mask is None:
+            pb *= p.dtype.type(1.0) - p.dtype.type(lr * weight_decay)  # the mask path's rounding (x 1)
+        elif weight_decay:
             pb *= 1.0 - (lr * weight_decay) * decay_mask[s]
         # denominator sqrt(v_hat) + eps, reusing gb
         xp.sqrt(vb, out=gb)

@@ -25,7 +25,7 @@ import numpy as np
 
 from cutp.runtime.backend import get_array_module
 
-from ._common import parallel_map
+from ._common import as_dtype, compute_dtype, parallel_map
 from .dropout import dropout_backward, dropout_forward, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
@@ -126,15 +126,18 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
 
 # ---- plain path --------------------------------------------------------------------------------
 def _forward_plain(q, k, v, scale, dropout_p, seed, offset):
-    scores = q @ k[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
+    cdt = compute_dtype(q.dtype)  # 16-bit inputs: scores, softmax and products in float32
+    qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
+    scores = qc @ kc[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
     probs, softmax_ctx = softmax_forward(scores, scale=scale, causal=True)
     dropped, dropout_ctx = dropout_forward(probs, dropout_p, seed, offset)  # p == 0: probs itself
-    o = dropped @ v[:, :, None]  # [B, nkv, g, Tq, hd]
+    o = as_dtype(dropped @ vc[:, :, None], q.dtype)  # [B, nkv, g, Tq, hd]
     return o, AttentionCtx(q, k, v, softmax=softmax_ctx, dropout=dropout_ctx, probs=dropped)
 
 
 def _backward_plain(do, ctx, out):
-    q, k, v = ctx.q, ctx.k, ctx.v
+    cdt = compute_dtype(ctx.q.dtype)
+    q, k, v, do = (as_dtype(a, cdt) for a in (ctx.q, ctx.k, ctx.v, do))
     dv = (ctx.probs.swapaxes(-1, -2) @ do).sum(axis=2)  # [B, nkv, Tk, hd]
     dp = do @ v[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
     dp = dropout_backward(dp, ctx.dropout)
@@ -142,7 +145,7 @@ def _backward_plain(do, ctx, out):
     dq = ds @ k[:, :, None]  # [B, nkv, g, Tq, hd]
     dk = (ds.swapaxes(-1, -2) @ q).sum(axis=2)  # [B, nkv, Tk, hd]
     if out is None:
-        return dq, dk, dv
+        return tuple(as_dtype(a, ctx.q.dtype) for a in (dq, dk, dv))
     for dst, grad in zip(out, (dq, dk, dv)):
         dst[...] = grad
     return out
@@ -177,9 +180,11 @@ def _forward_blocked(q, k, v, scale):
     o_tokens = np.empty((B, Tq, nkv, g, hd), q.dtype)  # token-major: see causal_attention_forward
     pieces = _pieces(B, nkv, g, Tq, Tk)
 
+    cdt = compute_dtype(q.dtype)  # 16-bit inputs: each piece is multiplied in float32
+
     def run(piece):
         bs, hs = piece
-        qp, kp, vp = q[bs, hs], k[bs, hs, None], v[bs, hs, None]
+        qp, kp, vp = (as_dtype(a, cdt) for a in (q[bs, hs], k[bs, hs, None], v[bs, hs, None]))
         blocks = []
         for r0, r1 in _query_blocks(qp.shape[0] * qp.shape[1] * g * Tq * Tk, Tq, Tk):
             keys = Tk - Tq + r1  # the block's last query sees keys [0, keys)
@@ -203,12 +208,14 @@ def _backward_blocked(do, ctx, out):
         out = (np.empty(q.shape, do.dtype), np.empty(k.shape, do.dtype), np.empty(v.shape, do.dtype))
     dq_out, dk_out, dv_out = out
 
+    cdt = compute_dtype(q.dtype)
+
     def run(i):
         bs, hs = ctx.pieces[i]
-        qp, kp, vp, dop = q[bs, hs], k[bs, hs, None], v[bs, hs, None], do[bs, hs]
+        qp, kp, vp, dop = (as_dtype(a, cdt) for a in (q[bs, hs], k[bs, hs, None], v[bs, hs, None], do[bs, hs]))
         b, h = qp.shape[:2]
-        dk = np.zeros((b, h, Tk, hd), do.dtype)
-        dv = np.zeros((b, h, Tk, hd), do.dtype)
+        dk = np.zeros((b, h, Tk, hd), cdt)
+        dv = np.zeros((b, h, Tk, hd), cdt)
         for r0, r1, softmax_ctx in ctx.piece_blocks[i]:  # in order: dk, dv sum the blocks deterministically
             keys = Tk - Tq + r1
             do_block = dop[..., r0:r1, :]  # [b, h, g, r1 - r0, hd]

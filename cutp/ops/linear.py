@@ -46,13 +46,17 @@ def linear_forward(x, w, b=None):
     return y, LinearCtx(x, w, None if b is None else b.dtype)
 
 
-def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True):
+def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None):
     """Gradients of :func:`linear_forward`.
 
     Args:
         dy: [..., out] upstream gradient (same leading shape as the forward's ``x``).
         ctx: the forward's :class:`LinearCtx`.
         need_dx: when False, ``dx`` is not computed (e.g. the first layer).
+        wgrad_dtype: the dtype of ``dw`` (default ``w``'s). A bfloat16/float16 layer whose
+            gradient accumulates in a float32 buffer (Megatron's main_grad) passes float32: the
+            product computed in float32 is kept as it is, never rounded to 16 bits first (what
+            cuBLAS with float32 output does on a GPU: gradient-accumulation fusion).
 
     Returns:
         ``(dx, dw, db)``: ``dx`` [..., in] in ``x``'s dtype (None unless ``need_dx``),
@@ -66,7 +70,7 @@ def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True):
     n_in, n_out = w.shape
     dy2 = as_dtype(dy.reshape(-1, n_out), cdt)
     x2 = as_dtype(x.reshape(-1, n_in), cdt)
-    dw = as_dtype(x2.T @ dy2, w.dtype)
+    dw = as_dtype(x2.T @ dy2, w.dtype if wgrad_dtype is None else wgrad_dtype)
     db = None
     if ctx.bias_dtype is not None:
         db = as_dtype(col_sum(xp, dy2), ctx.bias_dtype)

@@ -7,11 +7,11 @@ attention      ParallelAttention (heads split, GQA)
 transformer    ParallelMLP, ParallelTransformerBlock
 cross_entropy  VocabParallelCrossEntropy
 sharding       which slice of each full tensor a rank holds
-grads          finish_grad_sync (GQA + DP), global_grad_norm
+grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP), global_grad_norm
 """
 from .attention import ParallelAttention
 from .cross_entropy import VocabParallelCrossEntropy
-from .grads import finish_grad_sync, global_grad_norm
+from .grads import finish_grad_sync, global_grad_norm, tp_grad_sync
 from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, RowParallelLinear,
                      VocabParallelEmbedding, pad_vocab)
 from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
@@ -20,7 +20,7 @@ from .sharding import Sharding, gather_full, pad_rows, take_shard
 from .transformer import ParallelMLP, ParallelTransformerBlock
 
 __all__ = [
-    "ParallelAttention", "VocabParallelCrossEntropy", "finish_grad_sync", "global_grad_norm",
+    "ParallelAttention", "VocabParallelCrossEntropy", "finish_grad_sync", "global_grad_norm", "tp_grad_sync",
     "ColumnParallelLinear", "Dropout", "LayerNorm", "ParallelLMHead", "RowParallelLinear",
     "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
     "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",

@@ -19,11 +19,18 @@ from ..runtime.backend import get_array_module
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
 
 
-def finish_grad_sync(params, ctx, flat=None) -> None:
-    """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices."""
+def tp_grad_sync(params) -> None:
+    """Each parameter's grad_sync hook (GQA: KV columns replicated over TP ranks summed), once per
+    step before the DP reduction."""
     for p in params:
         if p.grad_sync is not None:
             p.grad_sync(p)
+
+
+def finish_grad_sync(params, ctx, flat=None) -> None:
+    """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
+    (Training reduces over DP through its optimizer: cutp.optim's reduce_gradients.)"""
+    tp_grad_sync(params)
     if ctx.dp_size == 1:
         return
     if flat is not None:

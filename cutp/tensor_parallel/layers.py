@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
+from ..ops._common import as_dtype, compute_dtype
 from .mappings import (
     copy_to_tp_backward,
     gather_from_tp_backward,
@@ -67,7 +68,8 @@ class ColumnParallelLinear(Module):
     def backward(self, dy, need_dx=True):
         if self.gather_output:
             dy = gather_from_tp_backward(self.ctx.tp, dy)
-        dx, dw, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx)
+        dx, dw, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx,
+                                         wgrad_dtype=self.weight.grad.dtype)
         self.weight.grad += dw
         if db is not None:
             self.bias.grad += db
@@ -110,7 +112,8 @@ class RowParallelLinear(Module):
     def backward(self, dy, need_dx=True):
         if self.bias is not None:
             self.bias.grad += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
-        dx, dw, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx)
+        dx, dw, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx,
+                                        wgrad_dtype=self.weight.grad.dtype)
         self.weight.grad += dw
         if need_dx and not self.input_is_parallel:
             dx = scatter_to_tp_backward(self.ctx.tp, dx)
@@ -184,18 +187,22 @@ class ParallelLMHead(Module):
         return self._shared_weight if hasattr(self, "_shared_weight") else self.weight
 
     def forward(self, x):
+        # 16-bit inputs are multiplied in float32 (cutp.ops' dtype policy), never in NumPy's
+        # slow element loops for 16-bit types
         w = self.table.data
+        cdt = compute_dtype(w.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        logits = x2 @ w.T
+        logits = as_dtype(as_dtype(x2, cdt) @ as_dtype(w, cdt).T, x.dtype)
         self._save("x2", x2)
         return logits.reshape(x.shape[:-1] + (w.shape[0],))
 
     def backward(self, dlogits):
         x2 = self._load("x2")
         w = self.table
-        d2 = dlogits.reshape(-1, dlogits.shape[-1])
-        w.grad += d2.T @ x2
-        dx = d2 @ w.data
+        cdt = compute_dtype(w.data.dtype)
+        d2 = as_dtype(dlogits.reshape(-1, dlogits.shape[-1]), cdt)
+        w.grad += as_dtype(d2.T @ as_dtype(x2, cdt), w.grad.dtype)  # float32 main_grad: kept unrounded
+        dx = as_dtype(d2 @ as_dtype(w.data, cdt), x2.dtype)
         dx = copy_to_tp_backward(self.ctx.tp, dx)
         return dx.reshape(dlogits.shape[:-1] + (x2.shape[1],))
 

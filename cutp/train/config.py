@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from ..checkpoint import ARCH_FIELDS, read_meta, resolve_checkpoint
 from ..model import PRESETS, GPTConfig
+from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
@@ -46,6 +47,9 @@ CHOICES = {
     "model": None, "preset": None, "set": (), "dtype": None,
     "device": "auto", "tp": None, "dp": None, "micro_batch_size": None,
     "run_steps": None, "max_skips": 5,
+    "distributed_optimizer": False, "grad_reduce_dtype": "float32",
+    "loss_scale": None, "initial_loss_scale": 2.0 ** 16, "loss_scale_window": 1000, "hysteresis": 2,
+    "min_loss_scale": 1.0,
     "eval_every": 50, "eval_batches": 4,
     "out": None, "resume": None, "save_every": 0, "keep": 3,
     "metrics": None, "log_every": 1, "quiet": False, "save_on_signal": True, "collective_timeout": None,
@@ -67,6 +71,15 @@ class RunConfig:
     tp: int = 1
     dp: int = 1
     micro_batch_size: int = 8  # sequences per forward on one DP rank
+    # the optimizer's layout and precision (model.dtype is the parameters'; 16-bit models train
+    # through float32 master weights and float32 gradients)
+    distributed_optimizer: bool = False  # optimizer state sharded over DP (ZeRO-1)
+    grad_reduce_dtype: str = "float32"  # "bfloat16": half the DP bytes, less precise sums
+    loss_scale: float | None = None  # a static loss scale; None: dynamic for float16, else none
+    initial_loss_scale: float = 2.0 ** 16  # the dynamic scaler's (float16)
+    loss_scale_window: int = 1000  # clean steps before the dynamic scale doubles
+    hysteresis: int = 2  # overflows before the dynamic scale halves
+    min_loss_scale: float = 1.0
     # run settings (RUN_SETTINGS): the training itself, kept by checkpoints, fixed on resume
     # except steps
     steps: int = 200
@@ -121,6 +134,18 @@ class RunConfig:
                                   f"got {v!r}")
         if self.collective_timeout is not None:
             check_timeout(self.collective_timeout, "--collective-timeout")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ConfigError(f"--grad-reduce-dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, "
+                              f"got {self.grad_reduce_dtype!r}")
+        for name in ("initial_loss_scale", "min_loss_scale") + (("loss_scale",) if self.loss_scale is not None else ()):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"--{_flag(name)} must be a finite number > 0, got {v!r}")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale {self.min_loss_scale:g} exceeds --initial-loss-scale "
+                              f"{self.initial_loss_scale:g}")
+        _positive_int("loss_scale_window", self.loss_scale_window)
+        _positive_int("hysteresis", self.hysteresis)
         self.model.validate(self.tp)
         if self.seq_len > self.model.block_size:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's block_size {self.model.block_size}; "
@@ -248,6 +273,9 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         seq_len=seq_len, lr=run["lr"] or (1e-3 if model.n_embd <= 256 else 6e-4), min_lr=run["min_lr"],
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
+        distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
+        loss_scale=c["loss_scale"], initial_loss_scale=c["initial_loss_scale"],
+        loss_scale_window=c["loss_scale_window"], hysteresis=c["hysteresis"], min_loss_scale=c["min_loss_scale"],
         max_skips=c["max_skips"], run_steps=c["run_steps"], eval_every=c["eval_every"],
         eval_batches=c["eval_batches"], out=c["out"], save_every=c["save_every"], keep=c["keep"],
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), metrics=c["metrics"],

@@ -8,9 +8,7 @@
     stats, mem = measured_step(run)              # the three lines above (examples/train_gpt.py's first step)
 
 State: the bytes of the arrays the run holds, not a formula: the flat parameter buffer, the flat
-gradient buffer, the optimizer's moments (and fp32 master weights where it has them). When the
-optimizer says what it holds (`optimizer.memory_bytes()`), that is used; else they are read
-from `run.flat` and `run.optimizer`.
+gradient buffer, the optimizer's moments and fp32 master weights (`optimizer.memory_bytes()`).
 
 Activations peak: the most memory a step allocates on top of what was live when it began
 (activations cached for backward, the gradients flowing back, each op's temporaries, the
@@ -45,23 +43,15 @@ STATE_KEYS = ("params", "grads", "optimizer")
 
 def state_bytes(run) -> dict:
     """Bytes of this rank's parameters, gradients and optimizer state, from the live arrays:
-    `run.optimizer.memory_bytes()` when the optimizer has it, else the flat buffers and the
-    optimizer's moments (`m`, `v`) and fp32 master weights (`master`, when it keeps them).
-
-    "other": buffers of the size of the model that belong to none of the three (today's float
-    decay mask of `FlatParameters`), reported apart so that the three match the planner's
-    table exactly."""
+    `run.optimizer.memory_bytes()` (cutp.optim's optimizers: the flat buffers, Adam's moments and
+    the fp32 master weights of 16-bit models; a shard of them with the distributed optimizer),
+    else the flat buffers and whichever of `m`, `v`, `master` the optimizer holds."""
     opt, flat = run.optimizer, run.flat
     if hasattr(opt, "memory_bytes"):
         got = opt.memory_bytes()
-        out = {k: int(got[k]) for k in STATE_KEYS}
-        out["other"] = int(got.get("other", 0))
-        return out
-    # stand-in until the optimizer reports its own arrays (the distributed-optimizer branch)
+        return {k: int(got[k]) for k in STATE_KEYS}
     optim = sum(int(a.nbytes) for a in (getattr(opt, k, None) for k in ("m", "v", "master")) if a is not None)
-    mask = getattr(flat, "decay_mask", None)
-    return {"params": int(flat.data.nbytes), "grads": int(flat.grad.nbytes), "optimizer": optim,
-            "other": int(mask.nbytes) if mask is not None else 0}
+    return {"params": int(flat.data.nbytes), "grads": int(flat.grad.nbytes), "optimizer": optim}
 
 
 def memory_record(run, activations_peak: int | None = None) -> dict:
@@ -73,7 +63,7 @@ def memory_record(run, activations_peak: int | None = None) -> dict:
     rec.update(params_local=n, bytes_per_param=state / n)
     if activations_peak is not None:
         rec["activations_peak"] = int(activations_peak)
-    rec["total"] = state + rec["other"] + rec.get("activations_peak", 0)
+    rec["total"] = state + rec.get("activations_peak", 0)
     return rec
 
 
@@ -107,12 +97,9 @@ def format_bytes(n: float) -> str:
 
 def state_line(rec: dict) -> str:
     """`params 1.72 MB, grads 1.72 MB, optimizer 3.45 MB = 16.00 B/param (431,104 params)`."""
-    text = (f"params {format_bytes(rec['params'])}, grads {format_bytes(rec['grads'])}, optimizer "
+    return (f"params {format_bytes(rec['params'])}, grads {format_bytes(rec['grads'])}, optimizer "
             f"{format_bytes(rec['optimizer'])} = {rec['bytes_per_param']:.2f} B/param "
             f"({rec['params_local']:,} params)")
-    if rec.get("other"):
-        text += f" + {format_bytes(rec['other'])} decay mask"
-    return text
 
 
 # ---- the peak of a step ------------------------------------------------------------------------

@@ -41,8 +41,11 @@ class MetricsLog:
 
 def progress_line(record: dict) -> str:
     """`step    10 | loss 4.7489 | lr 2.00e-04 | norm 2.811 |   161.0 ms |    12,720 tok/s | comm 18.90 MB`
-    (and `| val 2.5989` on evaluation steps)."""
+    (and `| val 2.5989` on evaluation steps, `| scale 65536` with a loss scale, `| skipped` when
+    the step was skipped)."""
     r = record
     return (f"step {r['step']:5d} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | norm {r['grad_norm']:.3f} | "
             f"{r['ms']:7.1f} ms | {r['tokens_per_s']:9,.0f} tok/s | comm {r['comm_mb']:.2f} MB"
+            + (f" | scale {r['loss_scale']:g}" if "loss_scale" in r else "")
+            + (" | skipped" if r.get("skipped") else "")
             + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""))

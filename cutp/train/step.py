@@ -9,11 +9,14 @@
     run.close()
 
 A step: `accum` micro-batches of forward + backward on each DP rank (gradients accumulate into
-the flat buffer, each scaled by 1/accum), the gradient reduction (GQA replicas, then DP), the
-global gradient norm, the loss averaged over DP, then AdamW with the learning rate of the
-schedule and global-norm clipping; a step whose loss or norm is not finite is skipped on every
-rank (the decision is made from all-reduced values) without touching weights or moments, and
-`max_skips` skips in a row stop the run. The collective watchdog watches the step once, as a
+the flat buffer, float32 for 16-bit models, each scaled by loss_scale/accum), the gradient
+reduction (GQA replicas, then DP: all-reduce, or reduce-scatter with the distributed optimizer),
+the global gradient norm, the loss averaged over DP, then AdamW with the learning rate of the
+schedule and global-norm clipping (on float32 master weights for 16-bit models; the distributed
+optimizer then all-gathers the updated parameters). A step whose loss or norm is not finite is
+skipped on every rank (the decision is made from all-reduced values) without touching weights
+or moments; the float16 loss scaler then shrinks its scale (those overflow skips do not count
+while the scale can still shrink), and `max_skips` other skips in a row stop the run. The collective watchdog watches the step once, as a
 whole: it aborts the job when the step makes no progress (no collective, no forward or
 backward of a micro-batch completes) for the collective timeout.
 """
@@ -31,13 +34,14 @@ from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_ch
 from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
 from ..model import GPT
-from ..optim import AdamW, FlatParameters, clip_scale, lr_schedule
+from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler, clip_scale,
+                     lr_schedule)
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.threads import set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
-from ..tensor_parallel import finish_grad_sync, global_grad_norm
+from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
 
 
@@ -50,9 +54,10 @@ class TrainingRun:
     ctx: Context
     model: GPT
     flat: FlatParameters
-    optimizer: AdamW
+    optimizer: AdamW  # or DistributedAdamW
     dataset: Dataset
     sampler: BatchSampler
+    loss_scaler: LossScaler = field(default_factory=LossScaler)  # scale 1.0 unless float16 / --loss-scale
     blas: str = ""  # what set_blas_threads reported (the banner shows it)
     step: int = 0
     start_step: int = 0
@@ -87,13 +92,19 @@ class StepStats:
     backward_ms: float | None = None
     optimizer_ms: float | None = None
     consecutive_skips: int = 0
+    loss_scale: float | None = None  # the scale this step's backward used (float16 / --loss-scale)
+    overflow: bool = False  # skipped because the scaled gradients overflowed (float16)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
         rec = {"step": self.step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "ms": self.ms,
                "tokens_per_s": self.tokens_per_s, "comm_mb": self.comm_bytes / 1e6}
+        if self.loss_scale is not None:
+            rec["loss_scale"] = self.loss_scale
         if self.skipped:
             rec["skipped"] = True
+        if self.overflow:
+            rec["overflow"] = True
         return rec
 
 
@@ -165,12 +176,27 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, device=cfg.device, collective_timeout=cfg.collective_timeout)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
-    flat = FlatParameters(model.parameters())
-    optimizer = AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas)
+    kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
+    if cfg.distributed_optimizer:
+        flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp))
+        optimizer = DistributedAdamW(flat, ctx, **kw)
+    else:
+        flat = FlatParameters(model.parameters())
+        optimizer = AdamW(flat, **kw)
+    run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
     if cfg.resume is not None:
         resume(run, cfg.resume)
     return run
+
+
+def make_loss_scaler(cfg: RunConfig) -> LossScaler:
+    """A static scaler with --loss-scale; a dynamic one for float16 models; else scale 1.0."""
+    if cfg.loss_scale is not None:
+        return LossScaler(cfg.loss_scale)
+    if cfg.model.dtype == "float16":
+        return DynamicLossScaler(cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window,
+                                 hysteresis=cfg.hysteresis, min_scale=cfg.min_loss_scale)
+    return LossScaler()
 
 
 def resume(run: TrainingRun, checkpoint: str) -> dict:
@@ -189,6 +215,10 @@ def resume(run: TrainingRun, checkpoint: str) -> dict:
     run.step = run.start_step = run.last_saved = int(meta["step"])
     if meta.get("rng"):
         run.model.rng.load_state_dict(meta["rng"])
+    saved_scaler = meta.get("loss_scaler")
+    if saved_scaler and saved_scaler.get("kind") == ("dynamic" if run.loss_scaler.dynamic else "static") \
+            and (run.loss_scaler.dynamic or run.config.loss_scale is None):
+        run.loss_scaler.load_state_dict(saved_scaler)  # a new --loss-scale S overrides a saved static one
     return meta
 
 
@@ -200,7 +230,7 @@ def save(run: TrainingRun) -> str | None:
         return None
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
                            data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
-                           keep=cfg.keep)
+                           keep=cfg.keep, loss_scaler=run.loss_scaler.state_dict())
     run.last_saved = run.step
     return path
 
@@ -210,7 +240,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     context. `profile` synchronises the device between phases so that the phase times are exact
     on a GPU too. Raises FloatingPointError after `max_skips` non-finite steps in a row."""
     hooks = hooks or _NO_HOOKS
-    cfg, ctx, model = run.config, run.ctx, run.model
+    cfg, ctx, model, scaler = run.config, run.ctx, run.model, run.loss_scaler
     clock = _PhaseClock(ctx, sync=profile, hooks=hooks)
     n = run.step
     with ctx.watchdog.watch_progress(f"training step {n + 1}"):
@@ -228,19 +258,28 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             ctx.watchdog.progress()
             hooks.after_forward(run, micro)
             clock.enter("backward")
-            model.backward(1.0 / run.sampler.accum_steps)
+            model.backward(scaler.scale / run.sampler.accum_steps)
             ctx.watchdog.progress()
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
-        params = model.parameters()
-        finish_grad_sync(params, ctx, run.flat)
-        norm = global_grad_norm(params, ctx)
+        tp_grad_sync(model.parameters())
+        run.optimizer.reduce_gradients(ctx)
+        scale = scaler.scale
+        norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
         loss = _dp_mean(ctx, loss_sum / run.sampler.accum_steps, "the loss average")
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        # the decision above comes from all-reduced values: every rank updates its scaler alike
+        overflow = skipped and math.isfinite(loss) and scaler.dynamic
+        absorbed = overflow and not scaler.at_floor  # the scaler's business, not the run's trouble
+        scaler.update(not math.isfinite(norm))
         if not skipped:
-            run.optimizer.step(lr, grad_scale=clip_scale(norm, cfg.grad_clip))
+            run.optimizer.step(lr, grad_scale=clip_scale(norm, cfg.grad_clip) / scale)
             run.consecutive_skips = 0
+        elif absorbed:
+            if ctx.rank == 0 and not cfg.quiet:
+                print(f"step {n + 1}: float16 gradients overflowed at loss scale {scale:g}: step skipped, "
+                      f"scale now {scaler.scale:g}", file=sys.stderr, flush=True)
         else:
             run.consecutive_skips += 1
             if ctx.rank == 0:  # said even when progress lines are off: the run is in trouble
@@ -260,7 +299,8 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                      forward_ms=clock.ms.get("forward") if exact else None,
                      backward_ms=clock.ms.get("backward") if exact else None,
                      optimizer_ms=clock.ms.get("optimizer") if exact else None,
-                     consecutive_skips=run.consecutive_skips)
+                     consecutive_skips=run.consecutive_skips,
+                     loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow)
 
 
 def evaluate(run: TrainingRun) -> float:

@@ -71,13 +71,21 @@ def test_adamw_bf16_params(backend, k, n):
     np.testing.assert_array_equal(bits(gg), bits(g))
 
 
-def test_adamw_without_decay_takes_no_mask(backend, k):
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("n", [50, 1027])
+def test_adamw_without_a_mask_decays_every_element(backend, k, n, weight_decay):
+    """decay_mask None (cutp.optim's per-range updates): the result of an all-ones mask, bit for
+    bit, in the kernel and in the reference; with weight decay 0, that of an all-zeros mask."""
     dev = backend.to_device
-    p, g, m, v, _ = _adamw_state(50, F32, 6)
+    kw = dict(ADAMW_KW, weight_decay=weight_decay)
+    p, g, m, v, _ = _adamw_state(n, F32, 6)
     p2, m2, v2 = p.copy(), m.copy(), v.copy()
+    p3, m3, v3 = p.copy(), m.copy(), v.copy()
     gp = dev(p)
-    k.adamw_update(gp, dev(g), dev(m), dev(v), None, **dict(ADAMW_KW, weight_decay=0.0))
-    ops.adamw_update(p2, g, m2, v2, np.zeros(50, np.float32), **dict(ADAMW_KW, weight_decay=0.0))
+    k.adamw_update(gp, dev(g), dev(m), dev(v), None, **kw)
+    ops.adamw_update(p2, g, m2, v2, None, **kw)
+    ops.adamw_update(p3, g, m3, v3, np.ones(n, np.float32), **kw)
+    np.testing.assert_array_equal(bits(p2), bits(p3))
     assert_same_float_ops(backend, gp, p2, rtol=1e-6, atol=1e-7)
     with pytest.raises(KernelArgumentError, match="decay_mask"):
-        k.adamw_update(gp, dev(g), dev(m), dev(v), None, **ADAMW_KW)
+        k.adamw_update(gp, dev(g), dev(m), dev(v), dev(np.ones(n - 1, np.float32)), **kw)

@@ -1,0 +1,16 @@
+"""The optimizer side of a training step.
+
+flat          FlatParameters: parameters and gradients in one buffer each (float32 gradients
+              for 16-bit models), weight decay as a range
+adamw         AdamW (every DP rank holds the state) and DistributedAdamW (state sharded over DP,
+              ZeRO-1), both with float32 master weights for 16-bit models
+loss_scaler   LossScaler (static) and DynamicLossScaler (float16 training)
+schedule      the learning-rate schedule and the clipping factor
+"""
+from .adamw import GRAD_REDUCE_DTYPES, AdamW, DistributedAdamW
+from .flat import FlatParameters, grad_dtype_for, is_low_precision, state_dtype_for
+from .loss_scaler import DynamicLossScaler, LossScaler
+from .schedule import clip_scale, lr_schedule
+
+__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "FlatParameters", "grad_dtype_for",
+           "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "clip_scale", "lr_schedule"]
