@@ -83,3 +83,15 @@ def test_plot_metrics_writes_a_png(tmp_path):
     assert main([str(src), str(tmp_path / "loss.png")]) == 0
     png = (tmp_path / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+
+
+def test_plot_metrics_compares_several_runs(tmp_path):
+    from examples.plot_metrics import main
+
+    for name, scale in (("fp32", 5.0), ("bf16", 5.1)):
+        rows = [{"step": i, "loss": scale / i, "val_loss": scale / i} for i in range(1, 30)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "cmp.png"
+    assert main([str(tmp_path / "fp32.jsonl"), str(tmp_path / "bf16.jsonl"), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "fp32.jsonl"), str(tmp_path / "bf16.jsonl"), str(tmp_path / "x.txt")]) == 2
