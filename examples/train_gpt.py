@@ -103,6 +103,8 @@ def main(argv=None, hooks: train.StepHooks | None = None):
     log(f"model: {origin}: {json.dumps(cfg.model.to_dict())}")
     log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
         f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")
+    state = train.max_over_ranks(ctx, train.memory_record(run))  # measured from the live arrays (collective)
+    log(f"memory per rank (largest of {ctx.world_size}): {train.memory.state_line(state)}")
     log(f"batch {cfg.batch_size} x {cfg.seq_len} tokens = {cfg.tokens_per_step:,} tokens/step | micro-batch "
         f"{cfg.micro_batch_size}, accumulation {cfg.accum_steps} | lr {cfg.lr:g} warmup {cfg.warmup} | "
         f"steps {run.step}..{cfg.steps}")
@@ -120,8 +122,15 @@ def main(argv=None, hooks: train.StepHooks | None = None):
 
     # ---- the loop ------------------------------------------------------------------------------
     while run.step < run.end_step:
-        stats = train.train_step(run, hooks)
+        memory = None
+        if history:
+            stats = train.train_step(run, hooks)
+        else:  # the first step also measures the memory per rank (its results are the same)
+            stats, memory = train.measured_step(run, hooks)
         step, rec = stats.step, stats.record()
+        if memory:
+            rec["memory"] = memory
+            log(f"memory per rank (largest of {ctx.world_size}): {train.memory.peak_line(memory, step)}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             rec["val_loss"] = train.evaluate(run)
         history.append(rec)

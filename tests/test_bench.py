@@ -74,16 +74,18 @@ def test_plan_70b_against_the_literature():
     # ~17.5 GB of 16-bit parameters per GPU at TP=8 (70e9 * 2 / 8); exactly params/GPU * 2 bytes
     assert r["param_bytes"] == r["params_per_gpu"] * 2
     assert r["param_bytes"] / 1e9 == pytest.approx(70e9 * 2 / 8 / 1e9, rel=0.02)
-    assert r["optim_bytes"] == r["params_per_gpu"] * 12 and r["grad_bytes"] == r["params_per_gpu"] * 2
+    # bf16 parameters keep fp32 gradients (Megatron's main_grad) and fp32 master weights + Adam m, v: 18 B
+    assert r["optim_bytes"] == r["params_per_gpu"] * 12 and r["grad_bytes"] == r["params_per_gpu"] * 4
+    assert r["bytes_per_param"] == 18 and r["dtype"] == "bfloat16"
     # per layer 4 all-reduces of b*s*h elements (2 forward, 2 backward)
     bsh = 1 * 4096 * 8192
     assert r["tp_allreduce_calls_per_layer"] == 4
     assert r["tp_allreduce_elements_per_layer"] == 4 * bsh
     assert r["tp_allreduce"]["elements"] == (4 * 80 + 2) * bsh
     assert r["tp_allreduce"]["wire_bytes"] == pytest.approx(r["tp_allreduce"]["bytes"] * 2 * 7 / 8)
-    # DP: one all-reduce of this rank's gradient bytes
-    assert r["dp_allreduce"] == {"calls": 1, "elements": r["params_per_gpu"], "bytes": r["params_per_gpu"] * 2,
-                                 "wire_bytes": r["params_per_gpu"] * 2 * 2 * 3 / 4}
+    # DP: one all-reduce of this rank's (fp32) gradient bytes
+    assert r["dp_allreduce"] == {"calls": 1, "elements": r["params_per_gpu"], "bytes": r["params_per_gpu"] * 4,
+                                 "wire_bytes": r["params_per_gpu"] * 4 * 2 * 3 / 4}
     # Korthikanti et al.: s*b*h*(34 + 5*a*s/h) per layer without parallelism, (10 + 24/t + 5as/(ht)) with TP
     s, b, h, heads = 2048, 1, 8192, 64
     assert plan.activation_bytes_per_layer(s, b, h, heads, 1) == pytest.approx(s * b * h * (34 + 5 * heads * s / h))

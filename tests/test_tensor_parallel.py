@@ -523,7 +523,7 @@ def test_blocked_cpu_attention_equals_the_plain_path(B, T, nh, nkv, h, monkeypat
             monkeypatch.setattr(ops, "causal_attention_forward", functools.partial(plain_forward, blocked=False))
         x = np.random.default_rng(0).standard_normal((B, T, h))
         y = m.forward(x)
-        assert m._load("attn").blocked == blocked
+        assert m._cache_attn[0].blocked == blocked
         dx = m.backward(np.random.default_rng(1).standard_normal(y.shape))
         res.append((y, dx, m.c_attn.weight.grad.copy(), m.c_attn.bias.grad.copy(), m.c_proj.weight.grad.copy()))
     for a, b, what in zip(res[0], res[1], ("y", "dx", "dW_qkv", "db_qkv", "dW_proj")):

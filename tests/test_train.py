@@ -111,6 +111,16 @@ def test_progress_lines_metrics_and_validation(tmp_path):
     banner = re.search(r"parameters: ([\d,]+) total, ([\d,]+) on this rank", res.stdout)
     assert banner and int(banner[1].replace(",", "")) == total and int(banner[2].replace(",", "")) < total
     assert "mesh tp=2 x dp=1" in res.stdout and "device=cpu comm=mpi watchdog=77s" in res.stdout
+    # memory per rank: the banner's state, measured, and the first record's (with the step's peak)
+    mem = rows[0]["memory"]
+    assert all("memory" not in r for r in rows[1:])
+    local = int(banner[2].replace(",", ""))
+    assert mem["params_local"] == local and mem["ranks"] == 2
+    assert mem["params"] == mem["grads"] == 4 * local and mem["optimizer"] == 8 * local and mem["bytes_per_param"] == 16
+    assert mem["activations_peak"] > b * s * h * 4 and mem["total"] >= 16 * local + mem["activations_peak"]
+    assert re.search(r"memory per rank \(largest of 2\): params [\d.]+ [kMG]?B, grads [\d.]+ [kMG]?B, optimizer "
+                     r"[\d.]+ [kMG]?B = 16\.00 B/param \(" + banner[2] + r" params\)", res.stdout), res.stdout
+    assert re.search(r"memory per rank \(largest of 2\): activations peak [\d.]+ [kMG]?B in step 1", res.stdout)
     assert re.search(r"\| \d+ BLAS thread\(s\) per rank", res.stdout) and f"data: {data}" in res.stdout
 
 

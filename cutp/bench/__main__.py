@@ -4,7 +4,7 @@
     mpiexec -n 2 python -m cutp bench comm           # collectives: time, algbw, busbw (nccl-tests' definitions)
     python -m cutp bench model --preset tiny         # a training step: tokens/s, phases, FLOP/s or MFU, memory
     python -m cutp bench compare-torch               # cutp vs PyTorch eager on the CPU (needs torch)
-    python -m cutp bench plan --params 70B --tp 8    # memory and communication per GPU, from formulas
+    python -m cutp bench plan --params 70B --tp 8    # memory and communication per GPU, no hardware needed
 
 Every suite prints tables; --json PATH writes them (and the raw measurements) for machines,
 --plot PATH.png draws them for people. Under mpiexec only rank 0 prints and writes.
@@ -89,16 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gap", type=float, default=0.01, help="seconds of pause before each timed step")
     _common(t)
 
-    pl = sub.add_parser("plan", help="memory and communication per GPU, from formulas")
+    pl = sub.add_parser("plan", help="memory and communication per GPU, from the model's shape")
     pl.add_argument("--params", help="model size, e.g. 7B, 13B, 70B, 175B (a standard architecture of that size)")
-    pl.add_argument("--preset", help="a cutp preset instead (gpt2, gpt2-xl, ...)")
+    pl.add_argument("--preset", help="a cutp preset instead (gpt2, gpt2-xl, ...), planned exactly as cutp trains it")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an architecture field")
     pl.add_argument("--tp", type=int, default=8)
     pl.add_argument("--dp", type=int, default=1)
     pl.add_argument("--micro-batch", type=int, default=1)
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     pl.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    pl.add_argument("--precision", default="mixed", choices=["mixed", "fp32"])
+    pl.add_argument("--dtype", default=None, choices=list(plan.DTYPES),
+                    help="parameter dtype (default bfloat16: fp32 gradients, master weights and Adam moments)")
+    pl.add_argument("--precision", default=None, choices=sorted(plan.PRECISION_DTYPE),
+                    help="older name: mixed = --dtype bfloat16, fp32 = --dtype float32")
+    pl.add_argument("--distributed-optimizer", action="store_true",
+                    help="optimizer state (and fp32 master weights) sharded over the DP ranks (ZeRO-1)")
+    pl.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="whose activations a cutp preset plans (default cuda: the GPU code path)")
+    pl.add_argument("--threads", type=int, default=1, help="--device cpu: the ops' threads per rank")
     _common(pl)
     return p
 

@@ -19,16 +19,18 @@ their product with V, forward and backward; the causal half is not discounted). 
 FLOPs per token * tokens/s; on a GPU MFU = model FLOP/s per GPU / the GPU's dense peak for the
 model's dtype (common.GPU_PEAKS); on the CPU the achieved GFLOP/s is reported instead.
 
-Memory per rank: parameters, gradients and optimizer state (AdamW m, v and the decay mask) are
-the flat buffers' sizes; cached activations are measured after the forward (of the last
-warm-up step) by walking every module's ``_cache_*`` attributes, however deeply nested, and
-summing each distinct underlying buffer once (views of one buffer count once; parameter
-buffers are excluded). On the GPU the CuPy memory pool's
-high-water mark (reserved bytes after a step, the pool emptied first) is reported as well; on the
-CPU the process's peak resident set size.
+Memory per rank: parameters, gradients and optimizer state are the live arrays' bytes
+(`cutp.train.memory.state_bytes`); the peak a step allocates above them is measured over the
+last warm-up step (`cutp.train.memory.ActivationPeak`: tracemalloc on the CPU, CuPy's pool on a
+GPU), and what the modules cache for backward is measured after that step's forward by walking
+every module's ``_cache_*`` attributes, however deeply nested, and summing each distinct
+underlying buffer once (views of one buffer count once; parameter buffers are excluded). On the
+GPU the CuPy memory pool's reserved bytes after the steps (the pool emptied first) are reported
+as well; on the CPU the process's peak resident set size.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -41,6 +43,7 @@ from ..model import GPTConfig
 from ..runtime.threads import set_blas_threads
 from ..tensor_parallel import Module
 from ..train import StepHooks, build_run, resolve_run_config, train_step
+from ..train.memory import ActivationPeak, state_bytes
 from .common import Report, device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
 
 
@@ -209,6 +212,9 @@ class _Measure(StepHooks):
             self.activation_bytes = cached_activation_bytes(run.model, exclude=self.exclude)
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 def random_tokens(vocab_size: int, n: int, seed: int) -> Dataset:
     """Uniform random token ids below the model's vocabulary: any vocabulary fits, and the
     work of a step does not depend on the data."""
@@ -255,6 +261,7 @@ def run(args) -> Report:
     comm_ops: dict[str, list] = {}
     losses = []
     bytes_per_step = {}
+    step_peak = 0
     for step in range(args.warmup + args.steps):
         measured = step >= args.warmup
         # the activations are walked in the last warm-up step: the walk's time is not measured
@@ -262,7 +269,10 @@ def run(args) -> Report:
         clock.reset()
         b0 = {k: v[2] for k, v in ctx.counter.totals.items()}
         c0 = {k: v[0] for k, v in ctx.counter.totals.items()}
-        stats = train_step(run, hooks, profile=True)
+        with ActivationPeak(ctx) if hooks.measure_activations else _NOTHING as peak:
+            stats = train_step(run, hooks, profile=True)
+        if hooks.measure_activations:
+            step_peak = peak.bytes
         clock.collect()
         losses.append(stats.loss)
         if measured:
@@ -336,16 +346,18 @@ def run(args) -> Report:
 
     mem = report.table("memory", [("what", "per rank", "", "<"), ("mib", "MiB", ",.1f"), ("how", "how", "", "<")],
                        title="memory per rank")
-    state = opt.memory_bytes()
-    p_b, g_b, o_b = state["params"], state["grads"], state["optimizer"]
+    state = state_bytes(run)  # the optimizer's memory_bytes(): its live arrays
+    p_b, g_b, o_b = (int(reduce_scalar(world, state[k])) for k in ("params", "grads", "optimizer"))
     act = int(reduce_scalar(world, act_bytes))
+    peak_b = int(reduce_scalar(world, step_peak))
     mem.add(what="parameters", mib=p_b / 2**20, how=f"{flat.size:,} x {flat.dtype.itemsize} B")
     mem.add(what="gradients", mib=g_b / 2**20, how=f"{flat.padded_size:,} x {flat.grad.dtype.itemsize} B")
     mem.add(what="optimizer state", mib=o_b / 2**20,
             how="AdamW m, v" + (" + fp32 master weights" if opt.master is not None else "")
                 + (f", 1/{ctx.dp_size} of them (distributed)" if opt.distributed else ""))
     mem.add(what="cached activations", mib=act / 2**20, how="modules' _cache_* buffers after forward (max over ranks)")
-    mem.add(what="sum", mib=(p_b + g_b + o_b + act) / 2**20, how="an estimate of the peak")
+    mem.add(what="step peak", mib=peak_b / 2**20, how="allocated by a step above the state, measured (max over ranks)")
+    mem.add(what="sum", mib=(p_b + g_b + o_b + peak_b) / 2**20, how="state + step peak")
     if pool is not None:
         hw = int(reduce_scalar(world, pool.total_bytes()))
         mem.add(what="CuPy pool high-water", mib=hw / 2**20, how="reserved bytes after the steps (max over ranks)")
@@ -356,6 +368,7 @@ def run(args) -> Report:
     report.extra["result"] = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "flops_per_token": fpt,
                               "model_flops": flops, "mfu_pct": mfu, "phases_ms": {p: med[p] * 1e3 for p in phases},
                               "comm_ms": {p: med_comm[p] * 1e3 for p in phases}, "activation_bytes": act,
+                              "step_peak_bytes": peak_b,
                               "losses": losses, "peak": peak}
     report.extra["rank"] = ctx.rank
     run.close()

@@ -1,45 +1,60 @@
-"""`python -m cutp bench plan`: memory and communication per GPU for a model, tp, dp, micro-batch
-and sequence length, from formulas (no hardware).
+"""`python -m cutp bench plan`: memory and communication per GPU for a model, mesh, dtype and
+optimizer, from the model's shape (no hardware).
 
-Model: `--params 70B` picks a standard architecture of that size (ARCHITECTURES: GPT-3 and
-Llama-2 shapes), or `--preset NAME [--set k=v]` a cutp GPTConfig (parameter count identical to
-``GPTConfig.num_parameters()``).
+Model: `--preset NAME [--set k=v]` a cutp GPTConfig, planned exactly as cutp trains it, or
+`--params 70B` a standard architecture of that size (ARCHITECTURES: GPT-3 and Llama-2 shapes,
+which cutp does not train: their activations come from a published formula).
 
-Precision (--precision):
-  mixed (default)  bf16 parameters and gradients (2 B each) + fp32 master weights and Adam m, v
-                   (12 B): 16 B per parameter (the ZeRO paper's 2 + 2 + 12); bf16 activations
-                   and communication
-  fp32             fp32 parameters, gradients, Adam m, v: 16 B per parameter; fp32 activations
-                   and communication (what cutp trains in today)
-Optimizer state is not sharded over DP (no ZeRO), so only tp divides the model's bytes.
+State per rank (params, grads, optimizer), in bytes, exactly what the run allocates (the
+buffer design of `cutp.optim`; `cutp.train.memory.state_bytes` measures the same arrays): n
+parameters on the rank (cutp presets: exactly `GPT.num_parameters_local()`: the vocabulary
+padded per `GPTConfig.padded_vocab(tp)`, the KV heads split while tp <= n_kv_head, else one
+replicated per rank, the LayerNorms, row-parallel biases and position embeddings replicated),
+in one flat buffer padded to N = ceil(n / M) * M elements, M = 1 (plain AdamW) or 64 * dp
+(distributed optimizer).
 
-Per-GPU parameters: every TP-split tensor (QKV, attention output, MLP, embeddings and an untied
-LM head, split by vocabulary) / tp, plus the replicated ones (norms, row-parallel biases,
-position embeddings); KV heads are split while tp <= n_kv_head, else each rank holds one.
+  --dtype            params   grads      optimizer, plain         distributed (ZeRO-1 over dp)
+  float32            4 B      4 B        m, v fp32: 8 B           8/d
+  bfloat16/float16   2 B      4 B (fp32) m, v + fp32 master: 12 B 12/d
+  float64            8 B      8 B        m, v fp64: 16 B          16/d
 
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models", Table 2, tensor parallelism without sequence parallelism, 16-bit activations, 1-byte
-dropout masks): per layer and micro-batch  s*b*h*(10 + 24/t + 5*a*s/(h*t))  bytes, which is
-s*b*h*(34 + 5*a*s/h) at t = 1; times L; plus the fp32 logits of the LM head, vocab-parallel:
-4*s*b*V/t. With fp32 activations the 16-bit terms double and the dropout masks (2*s*b*h and
-a*s*s*b/t bytes) stay 1 byte. No activation recomputation.
+  i.e. 16 B/param (fp32), 18 (bf16), 8 + 8/d and 6 + 12/d distributed: Megatron's table.
+  (--precision mixed|fp32, the older flag, means --dtype bfloat16|float32.)
+
+Activations (the peak a training step allocates above the state), cutp presets: cutp's step
+simulated array by array (`cutp.bench.step_memory`: what the layers cache, each op's outputs and
+temporaries, in the code's order; checked against tracemalloc on the CPU within 10% by
+tests/test_memory.py), on a GPU (`--device cuda`, the default: the unblocked attention keeps
+[b, heads, s, s] probabilities, the kernels' outputs) or on the CPU (`--device cpu --threads
+N`); the largest over the TP ranks. `--params` architectures: Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", Table 2, TP without sequence
+parallelism, 16-bit activations, 1-byte dropout masks): per layer and micro-batch
+s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (s*b*h*(34 + 5*a*s/h) at t = 1), times L, plus the fp32
+logits 4*s*b*V/t; 4-byte activations double the 16-bit terms. No activation recomputation.
+
+Whether the total fits an 80 GB and a 141 GB GPU (GB = 1e9 bytes; the CUDA context, NCCL and
+cuBLAS workspaces and the allocator's fragmentation need some GB more).
 
 Communication per optimizer step (Megatron 1D TP, Shoeybi et al. 2019): per layer and micro-batch
 2 all-reduces of b*s*h elements forward (attention and MLP output projections) and 2 backward
 (the input gradients of the QKV and MLP input projections), i.e. 4 all-reduces per layer; plus
 the embedding's all-reduce forward and the LM head's input-gradient all-reduce backward (b*s*h
 each), and the vocab-parallel cross-entropy's per-row statistics (1 max + 3 sums of b*s).
-DP: one all-reduce of this rank's gradient bytes per step. "on the wire" is the buffer times
-nccl-tests' bus factor (2(n-1)/n for all-reduce): what each GPU sends (and receives) with a ring.
+DP: one all-reduce of the gradient buffer per step (fp32 for 16-bit parameters); with the
+distributed optimizer a reduce-scatter of it and an all-gather of the parameters instead.
+"on the wire" is the buffer times nccl-tests' bus factor (2(n-1)/n for all-reduce, (n-1)/n for
+reduce-scatter and all-gather): what each GPU sends (and receives) with a ring.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 from ..model import GPTConfig
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
 from .common import Report, parse_count
+from .step_memory import ITEMSIZE, StepShape, local_parameters, step_peak
 
 
 @dataclass(frozen=True)
@@ -112,17 +127,54 @@ def param_count(a: Arch, tp: int = 1) -> dict:
             "embedding": emb, "lm_head": head, "position": pos}
 
 
-PRECISIONS = {
-    # bytes per parameter: param, grad, optimizer (master + m + v); bytes per activation element
-    "mixed": dict(param=2, grad=2, optim=12, act=2, comm=2, label="bf16 params/grads, fp32 master + Adam m, v"),
-    "fp32": dict(param=4, grad=4, optim=8, act=4, comm=4, label="fp32 params/grads/Adam m, v"),
-}
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+PRECISION_DTYPE = {"mixed": "bfloat16", "fp32": "float32"}  # the older --precision flag
+GPUS = (("80 GB", 80e9), ("141 GB", 141e9))  # H100/A100 80GB, H200 (GB = 1e9 bytes)
+DIST_ALIGN = 64  # the distributed optimizer pads the flat buffer to a multiple of 64 * dp elements
+
+
+def state_bytes(n_local: int, *, dtype: str = "float32", dp: int = 1, distributed_optimizer: bool = False) -> dict:
+    """Bytes of one rank's parameters, gradients and optimizer state for n_local parameters
+    (module docstring): {"params", "grads", "optimizer", "padded" (N elements), "shard" (the
+    elements whose optimizer state this rank keeps)}."""
+    pb = ITEMSIZE[dtype]
+    low = pb == 2
+    align = DIST_ALIGN * dp if distributed_optimizer else 1
+    n = -(-int(n_local) // align) * align
+    shard = n // dp if distributed_optimizer else n
+    sb = 8 if dtype == "float64" else 4
+    return {"params": n * pb, "grads": n * (4 if low else pb), "optimizer": shard * (2 * sb + (4 if low else 0)),
+            "padded": n, "shard": shard}
+
+
+def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool = False) -> float:
+    """Megatron's bytes/param without padding: 16 (fp32), 18 (bf16), 8 + 8/d, 6 + 12/d."""
+    pb = ITEMSIZE[dtype]
+    grad, state = (4, 12) if pb == 2 else (pb, 2 * pb)
+    return pb + grad + (state / dp if distributed_optimizer else state)
+
+
+def _shape(config: GPTConfig, tp: int, rank: int, **kw) -> StepShape:
+    return StepShape.of(config, tp=tp, tp_rank=rank, **kw)
+
+
+def parameters_per_rank(config: GPTConfig, tp: int) -> int:
+    """Parameters on the TP rank holding the most (they all hold the same number today): what
+    `GPT(ctx, config).num_parameters_local()` counts there."""
+    return max(sum(p.numel for p in local_parameters(_shape(config, tp, r, micro_batch=1, seq_len=1)))
+               for r in range(tp))
+
+
+def _ranks(n: int, every: int = 16) -> list[int]:
+    """The ranks of a group whose walks are computed: all of a small group, else the first and
+    the last few (where the vocabulary's and the buffer's padding end up)."""
+    return list(range(n)) if n <= every else [0, 1, n - 2, n - 1]
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes: int = 2) -> float:
     """Korthikanti et al. 2022, TP without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    for 16-bit activations with 1-byte dropout masks. For 4-byte activations the 16-bit terms
-    double and the masks (2*s*b*h, the attention one a*s*s*b/t) stay 1 byte."""
+    for 16-bit activations with 1-byte dropout masks. For wider activations the 16-bit terms
+    scale with the element size and the masks (2*s*b*h, the attention one a*s*s*b/t) stay 1 byte."""
     base = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     if act_bytes == 2:
         return base
@@ -130,93 +182,183 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes
     return (base - masks) * (act_bytes / 2) + masks
 
 
-def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1,
-         precision: str = "mixed") -> dict:
-    """Every figure of the plan as plain numbers (bytes, elements, calls). Raises ConfigError,
-    naming the tp values that fit, for a mesh the model cannot be split over."""
+def _check(name: str, value, low: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
+
+
+def resolve_dtype(dtype: str | None, precision: str | None) -> str:
+    """--dtype, or the dtype of the older --precision (mixed: bfloat16, fp32: float32); default
+    bfloat16. Both given must agree."""
+    if precision is not None and precision not in PRECISION_DTYPE:
+        raise ConfigError(f"--precision {precision!r}: use one of {sorted(PRECISION_DTYPE)} (or --dtype)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: use one of {list(DTYPES)}")
+    if dtype and precision and PRECISION_DTYPE[precision] != dtype:
+        raise ConfigError(f"--precision {precision} means --dtype {PRECISION_DTYPE[precision]}, not {dtype}; "
+                          "give one of them")
+    return dtype or PRECISION_DTYPE[precision or "mixed"]
+
+
+def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1, precision: str | None = None,
+         dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
+         device: str = "cuda", threads: int = 1) -> dict:
+    """Every figure of the plan as plain numbers (bytes, elements, calls). `config`: the cutp
+    model `a` describes (exact parameters, simulated activations); None: a --params
+    architecture. Raises ConfigError (one line naming the fix) for settings that cannot run,
+    e.g. a mesh the model cannot be split over."""
+    for name, v in (("tp", tp), ("dp", dp), ("micro_batch", micro_batch), ("seq_len", seq_len), ("accum", accum),
+                    ("threads", threads)):
+        _check(name, v)
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"--device {device!r}: use cuda or cpu")
+    dtype = resolve_dtype(dtype, precision)
     check_attention(a.n_embd, a.n_head, a.n_kv_head, tp)  # the rules training applies
     check_mlp(a.n_embd, a.ffn, tp)
-    pr = PRECISIONS[precision]
-    pc = param_count(a, tp)
-    P = pc["per_rank"]
+    pb = ITEMSIZE[dtype]
     s, b, h, L = seq_len, micro_batch, a.n_embd, a.n_layer
-    per_layer = activation_bytes_per_layer(s, b, h, a.n_head, tp, pr["act"])
-    logits = 4 * s * b * a.vocab / tp
+    if config is not None:
+        dataclasses.replace(config, dtype="float32").validate(tp)  # the vocabulary rule too (any dtype plans)
+        if seq_len > config.block_size:
+            raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
+        P = parameters_per_rank(config, tp)
+        peaks = [step_peak(_shape(config, tp, r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device,
+                                  threads=threads, dp=dp, dp_rank=d, distributed_optimizer=distributed_optimizer))
+                 for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
+        worst = max(peaks, key=lambda p: p["activations_peak"])
+        act = {"bytes": worst["activations_peak"], "where": worst["where"],
+               "source": f"cutp's training step, simulated ({'GPU' if device == 'cuda' else f'CPU, {threads} thread(s)'})"}
+    else:
+        P = param_count(a, tp)["per_rank"]
+        per_layer = activation_bytes_per_layer(s, b, h, a.n_head, tp, pb)
+        logits = 4 * s * b * a.vocab / tp
+        act = {"bytes": per_layer * L + logits, "per_layer": per_layer, "layers": per_layer * L, "logits": logits,
+               "source": "Korthikanti et al. 2022 (no recomputation); not a cutp model"}
+    st = state_bytes(P, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
+    N = st["padded"]
+    gb = st["grads"] // N if N else 4
     bsh = b * s * h
     tp_calls = (4 * L + 2) * accum if tp > 1 else 0
     tp_elems = bsh * tp_calls
     ce_elems = 3 * b * s * accum if tp > 1 else 0  # max, then (sum of exps, target logit); +b*s with smoothing
     ce_calls = 2 * accum if tp > 1 else 0
-    ar_factor = lambda n: 2 * (n - 1) / n  # noqa: E731
+
+    def coll(calls, elems, itemsize, factor):
+        return {"calls": calls, "elements": elems, "bytes": elems * itemsize, "wire_bytes": elems * itemsize * factor}
+
+    ring_ar = 2 * (tp - 1) / tp
+    dp_one = (dp - 1) / dp
+    on_dp = dp > 1
     out = {
-        "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum,
-        "precision": precision, "precision_label": pr["label"],
-        "params_total": pc["total"], "params_per_gpu": P,
-        "param_bytes": P * pr["param"], "grad_bytes": P * pr["grad"], "optim_bytes": P * pr["optim"],
-        "act_bytes_per_layer": per_layer, "act_bytes_layers": per_layer * L, "logit_bytes": logits,
-        "act_bytes": per_layer * L + logits,
+        "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
+        "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device,
+        "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
+        "params_per_gpu": P, "padded_params": N,
+        "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
+        "act_bytes": act["bytes"], "activations": act,
         "tp_allreduce_calls_per_layer": 4 if tp > 1 else 0,
         "tp_allreduce_elements_per_layer": 4 * bsh if tp > 1 else 0,
-        "tp_allreduce": {"calls": tp_calls, "elements": tp_elems, "bytes": tp_elems * pr["comm"],
-                         "wire_bytes": tp_elems * pr["comm"] * ar_factor(tp) if tp > 1 else 0},
-        "ce_allreduce": {"calls": ce_calls, "elements": ce_elems, "bytes": ce_elems * 4,
-                         "wire_bytes": ce_elems * 4 * ar_factor(tp) if tp > 1 else 0},
-        "dp_allreduce": {"calls": 1 if dp > 1 else 0, "elements": P if dp > 1 else 0,
-                         "bytes": P * pr["grad"] if dp > 1 else 0,
-                         "wire_bytes": P * pr["grad"] * ar_factor(dp) if dp > 1 else 0},
+        "tp_allreduce": coll(tp_calls, tp_elems, pb, ring_ar),
+        "ce_allreduce": coll(ce_calls, ce_elems, 4, ring_ar),
+        "dp_allreduce": coll(1 if on_dp and not distributed_optimizer else 0,
+                             N if on_dp and not distributed_optimizer else 0, gb, 2 * dp_one),
+        "dp_reduce_scatter": coll(1 if on_dp and distributed_optimizer else 0,
+                                  N if on_dp and distributed_optimizer else 0, gb, dp_one),
+        "dp_all_gather": coll(1 if on_dp and distributed_optimizer else 0,
+                              N if on_dp and distributed_optimizer else 0, pb, dp_one),
     }
-    out["model_state_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]
-    out["total_bytes"] = out["model_state_bytes"] + out["act_bytes"]
+    state = st["params"] + st["grads"] + st["optimizer"]
+    out["model_state_bytes"] = state
+    out["total_bytes"] = state + act["bytes"]
+    out["bytes_per_param"] = state / P
+    out["table_bytes_per_param"] = table_bytes_per_param(dtype, dp, distributed_optimizer)
+    out["memory"] = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
+                     "activations_peak": act["bytes"], "params_local": P}
+    out["fits"] = {name: out["total_bytes"] <= cap for name, cap in GPUS}
     return out
 
 
-def run(args) -> Report:
+def _model(args) -> tuple[Arch, GPTConfig | None]:
     if args.params and args.preset:
         raise ConfigError("give --params or --preset, not both")
     if args.preset:
         c = GPTConfig.preset(args.preset).with_overrides(args.set)
-        a = arch_from_config(args.preset, c)
-    else:
-        a = pick_arch(args.params or "70B")
-        if args.set:
-            a = replace(a, **{k: int(v) for k, v in (item.split("=", 1) for item in args.set)})
+        return arch_from_config(args.preset, c), c
+    a = pick_arch(args.params or "70B")
+    if args.set:
+        fields = {f.name for f in dataclasses.fields(Arch)} - {"name"}
+        changes = {}
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep or key not in fields:
+                raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+            try:
+                changes[key] = int(value) if not isinstance(getattr(a, key), bool) else value.lower() in ("1", "true")
+            except ValueError:
+                raise ConfigError(f"--set {item!r}: {key} takes an integer") from None
+        a = replace(a, **changes)
+    return a, None
+
+
+def run(args) -> Report:
+    a, config = _model(args)
     seq = args.seq_len or a.seq
     r = plan(a, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq, accum=args.accum,
-             precision=args.precision)
+             precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,
+             config=config, device=args.device, threads=args.threads)
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9
+    dt, dist = r["dtype"], r["distributed_optimizer"]
+    optimizer = (f"distributed AdamW (ZeRO-1 over dp={args.dp})" if dist else "AdamW (state on every DP rank)")
     arch = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=f"{a.name}")
     for k, v in (("layers x width", f"{a.n_layer} x {a.n_embd}"), ("heads / kv heads", f"{a.n_head} / {a.n_kv_head}"),
                  ("mlp", f"{a.ffn}{' (SwiGLU)' if a.gated_mlp else ''}"), ("vocab", f"{a.vocab:,}"),
                  ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"),
-                 ("per GPU (tp={})".format(args.tp), f"{r['params_per_gpu']:,}"),
+                 (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
                  ("mesh", f"tp {args.tp} x dp {args.dp} = {args.tp * args.dp} GPUs"),
                  ("micro-batch x seq", f"{args.micro_batch} x {seq}, {args.accum} micro-batch(es) per step"),
-                 ("precision", r["precision_label"])):
+                 ("dtype, optimizer", f"{dt}, {optimizer}")):
         arch.add(k=k, v=v)
-    mem = report.table("memory", [("what", "per GPU", "", "<"), ("gb", "GB", ",.2f"), ("formula", "formula", "", "<")],
+    mem = report.table("memory", [("what", "per GPU", "", "<"), ("gb", "GB", ",.2f"), ("bpp", "B/param", ".2f"),
+                                  ("formula", "how", "", "<")],
                        title="memory per GPU (GB = 1e9 bytes)")
-    pr = PRECISIONS[args.precision]
-    mem.add(what="parameters", gb=r["param_bytes"] / GB, formula=f"{r['params_per_gpu']:,} x {pr['param']} B")
-    mem.add(what="gradients", gb=r["grad_bytes"] / GB, formula=f"params x {pr['grad']} B")
-    mem.add(what="optimizer state", gb=r["optim_bytes"] / GB, formula=f"params x {pr['optim']} B")
-    mem.add(what="activations, layers", gb=r["act_bytes_layers"] / GB,
-            formula=f"L * s*b*h*(10 + 24/t + 5*a*s/(h*t)) [{pr['act']}-byte acts], t={args.tp}")
-    mem.add(what="activations, logits", gb=r["logit_bytes"] / GB, formula="4*s*b*V/t (fp32 logits)")
-    mem.add(what="total", gb=r["total_bytes"] / GB, formula="no recomputation, no ZeRO")
+    P, N, pb = r["params_per_gpu"], r["padded_params"], ITEMSIZE[dt]
+    low = pb == 2
+    pad = f", padded to {N:,}" if N != P else ""
+    shard = f" of a 1/{args.dp} shard" if dist else ""
+    sd = "fp64" if dt == "float64" else "fp32"
+    mem.add(what="parameters", gb=r["param_bytes"] / GB, bpp=r["param_bytes"] / P, formula=f"{P:,}{pad} x {pb} B ({dt})")
+    mem.add(what="gradients", gb=r["grad_bytes"] / GB, bpp=r["grad_bytes"] / P,
+            formula=f"x {r['grad_bytes'] // N} B ({'fp32 main grads' if low else dt})")
+    mem.add(what="optimizer state", gb=r["optim_bytes"] / GB, bpp=r["optim_bytes"] / P,
+            formula=f"Adam m, v ({sd}){' + fp32 master' if low else ''}{shard}")
+    mem.add(what="activations (peak)", gb=r["act_bytes"] / GB, bpp=None, formula=r["activations"]["source"])
+    mem.add(what="total", gb=r["total_bytes"] / GB, bpp=r["bytes_per_param"],
+            formula=f"B/param: state only (table: {r['table_bytes_per_param']:g} + padding)")
+    for name, cap in GPUS:
+        verdict = "fits" if r["fits"][name] else "does not fit"
+        article = "an" if name.startswith("8") else "a"
+        mem.notes.append(f"{verdict} {article} {name} GPU: {r['total_bytes'] / GB:,.1f} GB of {cap / GB:,.0f}"
+                         + ("" if r["fits"][name] else f" ({(r['total_bytes'] - cap) / GB:,.1f} GB over)"))
+    mem.notes.append("the CUDA context, NCCL and cuBLAS workspaces and fragmentation need some GB more")
+    if "where" in r["activations"]:
+        mem.notes.append(f"activation peak reached in: {r['activations']['where']}")
     cm = report.table("comm", [("what", "collective per step", "", "<"), ("calls", "calls", ",d"),
                                ("elements", "elements", ",d"), ("gb", "GB buffers", ",.3f"), ("wire", "GB on the wire/GPU", ",.3f"),
                                ("formula", "formula", "", "<")], title="communication per optimizer step and GPU")
     L, bsh = a.n_layer, args.micro_batch * seq * a.n_embd
-    cm.add(what="TP all-reduce (activations)", calls=r["tp_allreduce"]["calls"], elements=r["tp_allreduce"]["elements"],
-           gb=r["tp_allreduce"]["bytes"] / GB, wire=r["tp_allreduce"]["wire_bytes"] / GB,
-           formula=f"(4 per layer x {L} + 2) x b*s*h = {bsh:,} elements, x {args.accum} micro-batches")
-    cm.add(what="TP all-reduce (CE stats)", calls=r["ce_allreduce"]["calls"], elements=r["ce_allreduce"]["elements"],
-           gb=r["ce_allreduce"]["bytes"] / GB, wire=r["ce_allreduce"]["wire_bytes"] / GB,
-           formula="max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32")
-    cm.add(what="DP all-reduce (gradients)", calls=r["dp_allreduce"]["calls"], elements=r["dp_allreduce"]["elements"],
-           gb=r["dp_allreduce"]["bytes"] / GB, wire=r["dp_allreduce"]["wire_bytes"] / GB,
-           formula=f"params per GPU x {pr['grad']} B, once per step")
-    cm.notes.append("wire = buffer x 2(n-1)/n (ring all-reduce; nccl-tests' bus factor)")
+    rows = [("TP all-reduce (activations)", "tp_allreduce",
+             f"(4 per layer x {L} + 2) x b*s*h = {bsh:,} elements, x {args.accum} micro-batches"),
+            ("TP all-reduce (CE stats)", "ce_allreduce", "max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32")]
+    if dist:
+        rows += [("DP reduce-scatter (gradients)", "dp_reduce_scatter", "padded gradient buffer, once per step"),
+                 ("DP all-gather (parameters)", "dp_all_gather", f"padded parameter buffer, {dt}")]
+    else:
+        rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
+    for what, key, formula in rows:
+        c = r[key]
+        cm.add(what=what, calls=c["calls"], elements=c["elements"], gb=c["bytes"] / GB, wire=c["wire_bytes"] / GB,
+               formula=formula)
+    cm.notes.append("wire = buffer x 2(n-1)/n (ring all-reduce), (n-1)/n (reduce-scatter, all-gather)")
     return report

@@ -217,8 +217,12 @@ class Module:
         setattr(self, "_cache_" + name, (value,) if self.training else None)
 
     def _load(self, name: str):
+        """Hands the cached value to backward and drops the module's reference to it, so each
+        activation is freed as soon as backward has used it (none outlives the step: the next
+        step's forward starts from parameters and optimizer state alone)."""
         v = getattr(self, "_cache_" + name, None)
         if v is None:
             raise RuntimeError(f"{type(self).__name__}.backward called without a training-mode forward "
                                "(its cache is empty: call model.train() and run forward first)")
+        setattr(self, "_cache_" + name, None)
         return v[0]

@@ -1,0 +1,189 @@
+"""Memory per rank, measured: the training state held between steps, and the peak of a step.
+
+    state = state_bytes(run)                     # {"params", "grads", "optimizer"} from the live arrays
+    with ActivationPeak(run.ctx) as peak:        # one step, measured (only while inside the block)
+        stats = train_step(run)
+    mem = memory_record(run, peak.bytes)         # + activations_peak, total, bytes_per_param
+    mem = max_over_ranks(run.ctx, mem)           # collective: the largest rank's figures
+    stats, mem = measured_step(run)              # the three lines above (examples/train_gpt.py's first step)
+
+State: the bytes of the arrays the run holds, not a formula: the flat parameter buffer, the flat
+gradient buffer, the optimizer's moments and fp32 master weights (`optimizer.memory_bytes()`).
+
+Activations peak: the most memory a step allocates on top of what was live when it began
+(activations cached for backward, the gradients flowing back, each op's temporaries, the
+optimizer update's blocks). Backward frees each cached activation once it has used it, so
+nothing of a step outlives it and every step has the same peak.
+
+* CPU: `tracemalloc` runs during the measured step only, and it sees what NumPy allocates (its
+  data buffers are traced in domain ``np.lib.tracemalloc_domain``) and the Python objects the
+  step creates around them (array headers, op contexts; under 1% of the figure in tiny
+  models). tracemalloc knows only blocks allocated after it started, so its peak *is* the
+  step's increase over the memory live at its start. The step computes exactly what it would
+  untraced; it only runs slower (the first step's ms in the log includes that).
+* GPU: CuPy's memory pool keeps no high-water mark, so during the step every allocation goes
+  through a wrapper of the pool's malloc which reads `used_bytes()` right after it: the most
+  used bytes are always reached right after an allocation, so the largest value read is the
+  exact peak of the pool's used bytes (sizes rounded as the pool rounds them, 512 bytes). What
+  does not go through the pool (cuBLAS workspaces, NCCL buffers, the CUDA context) is not in it.
+
+Cheap when off: nothing is installed outside an `ActivationPeak` block.
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+from mpi4py import MPI
+
+from .step import StepHooks, StepStats, TrainingRun, train_step
+
+STATE_KEYS = ("params", "grads", "optimizer")
+
+
+def state_bytes(run) -> dict:
+    """Bytes of this rank's parameters, gradients and optimizer state, from the live arrays:
+    `run.optimizer.memory_bytes()` (cutp.optim's optimizers: the flat buffers, Adam's moments and
+    the fp32 master weights of 16-bit models; a shard of them with the distributed optimizer),
+    else the flat buffers and whichever of `m`, `v`, `master` the optimizer holds."""
+    opt, flat = run.optimizer, run.flat
+    if hasattr(opt, "memory_bytes"):
+        got = opt.memory_bytes()
+        return {k: int(got[k]) for k in STATE_KEYS}
+    optim = sum(int(a.nbytes) for a in (getattr(opt, k, None) for k in ("m", "v", "master")) if a is not None)
+    return {"params": int(flat.data.nbytes), "grads": int(flat.grad.nbytes), "optimizer": optim}
+
+
+def memory_record(run, activations_peak: int | None = None) -> dict:
+    """This rank's figures for the log: state bytes, the step's activation peak, their total, and
+    the state's bytes per local parameter (`params_local` of them)."""
+    rec = state_bytes(run)
+    n = int(run.model.num_parameters_local())
+    state = sum(rec[k] for k in STATE_KEYS)
+    rec.update(params_local=n, bytes_per_param=state / n)
+    if activations_peak is not None:
+        rec["activations_peak"] = int(activations_peak)
+    rec["total"] = state + rec.get("activations_peak", 0)
+    return rec
+
+
+def max_over_ranks(ctx, rec: dict) -> dict:
+    """Each figure's largest value over the ranks of ctx's world (collective: every rank calls it
+    with the same keys); `ranks` says how many ranks it covers."""
+    keys = sorted(k for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    buf = np.array([float(rec[k]) for k in keys])
+    ctx.world.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    out = {k: (float(v) if isinstance(rec[k], float) else int(v)) for k, v in zip(keys, buf)}
+    out["ranks"] = ctx.world_size
+    return out
+
+
+def measured_step(run: TrainingRun, hooks: StepHooks | None = None) -> tuple[StepStats, dict]:
+    """`train_step(run, hooks)` with its memory measured: (its StepStats, the memory record of
+    every rank's largest figures). Collective. The step computes exactly what it computes
+    unmeasured (only slower on the CPU, where tracemalloc runs during it)."""
+    with ActivationPeak(run.ctx) as peak:
+        stats = train_step(run, hooks)
+    return stats, max_over_ranks(run.ctx, memory_record(run, peak.bytes))
+
+
+def format_bytes(n: float) -> str:
+    """1.50 GB / 12.3 MB / 512 kB / 100 B (powers of 1000, as the planner prints)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if n < 10 * scale else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def state_line(rec: dict) -> str:
+    """`params 1.72 MB, grads 1.72 MB, optimizer 3.45 MB = 16.00 B/param (431,104 params)`."""
+    return (f"params {format_bytes(rec['params'])}, grads {format_bytes(rec['grads'])}, optimizer "
+            f"{format_bytes(rec['optimizer'])} = {rec['bytes_per_param']:.2f} B/param "
+            f"({rec['params_local']:,} params)")
+
+
+# ---- the peak of a step ------------------------------------------------------------------------
+class ActivationPeak:
+    """Context manager: `bytes` is the peak of memory allocated inside the block above what was
+    live when it began (on the CPU through tracemalloc, on a GPU through CuPy's pool; see the
+    module docstring). Installs nothing outside the block."""
+
+    def __init__(self, ctx=None, *, xp=None):
+        self.xp = xp if xp is not None else (ctx.xp if ctx is not None else np)
+        self.bytes: int | None = None
+        self._impl = None
+
+    def __enter__(self):
+        self._impl = _TracemallocPeak() if self.xp is np else _CupyPoolPeak(self.xp)
+        self._impl.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.bytes = self._impl.stop()
+        self._impl = None
+        return False
+
+
+class _TracemallocPeak:
+    """Peak of traced memory over the block. When tracemalloc was already tracing (a caller's
+    own session) it is left running, and its peak is reset at the start (the only way to get
+    the block's own): the block's peak is then measured above the traced memory at its start."""
+
+    def start(self):
+        self.was_tracing = tracemalloc.is_tracing()
+        if self.was_tracing:
+            tracemalloc.reset_peak()
+            self.base = tracemalloc.get_traced_memory()[0]
+        else:
+            tracemalloc.start()
+            self.base = 0
+
+    def stop(self) -> int:
+        peak = tracemalloc.get_traced_memory()[1]
+        if not self.was_tracing:
+            tracemalloc.stop()
+        return max(0, int(peak) - self.base)
+
+
+class PoolPeak:
+    """The allocator hook of `_CupyPoolPeak`, apart from CuPy so that the CPU tests run it on a
+    stand-in pool: `malloc(size)` allocates through `pool.malloc` and records the pool's used
+    bytes right after; `peak` is the largest value seen (or the used bytes at the start)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.base = int(pool.used_bytes())
+        self.peak = self.base
+
+    def malloc(self, size):
+        mem = self.pool.malloc(size)
+        used = self.pool.used_bytes()
+        if used > self.peak:
+            self.peak = used
+        return mem
+
+    def bytes_above_start(self) -> int:
+        return max(int(self.peak), int(self.pool.used_bytes())) - self.base
+
+
+class _CupyPoolPeak:
+    """CuPy: the default memory pool's malloc, wrapped for the block (this thread only)."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def start(self):
+        cuda = self.cupy.cuda
+        self.hook = PoolPeak(self.cupy.get_default_memory_pool())
+        self.scope = cuda.using_allocator(self.hook.malloc)  # thread-local, restored on exit
+        self.scope.__enter__()
+
+    def stop(self) -> int:
+        self.scope.__exit__(None, None, None)
+        return self.hook.bytes_above_start()
+
+
+def peak_line(rec: dict, step: int) -> str:
+    """`activations peak 6.20 MB in step 1, total 13.1 MB`."""
+    return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}, "
+            f"total {format_bytes(rec['total'])}")
