@@ -108,6 +108,12 @@ def main(argv=None, hooks: train.StepHooks | None = None):
     log(f"batch {cfg.batch_size} x {cfg.seq_len} tokens = {cfg.tokens_per_step:,} tokens/step | micro-batch "
         f"{cfg.micro_batch_size}, accumulation {cfg.accum_steps} | lr {cfg.lr:g} warmup {cfg.warmup} | "
         f"steps {run.step}..{cfg.steps}")
+    opt = run.optimizer
+    log(f"precision: {cfg.model.dtype} parameters and activations"
+        + (f", fp32 master weights and gradients (DP reduction in {cfg.grad_reduce_dtype})" if opt.master is not None
+           else "") + (f", loss scale {run.loss_scaler.scale:g}" + (" (dynamic)" if run.loss_scaler.dynamic else "")
+                       if run.loss_scaler.dynamic or run.loss_scaler.scale != 1.0 else "")
+        + f" | optimizer: AdamW{f', state sharded over dp={ctx.dp_size} (distributed)' if opt.distributed else ''}")
 
     stop = train.StopOnSignal(cfg.save_on_signal)
     if cfg.save_on_signal and not cfg.out:
