@@ -346,7 +346,9 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             tuple(_shard_shape(meta["params"][p.name], ctx.tp_rank)) == tuple(p.data.shape) for p in params)
         ranks = [ctx.tp_rank] if direct else list(range(saved_tp))
         needed = [_model_file(r, saved_tp) for r in ranks]
-        if optimizer is not None:
+        saved_master = bool((meta.get("optimizer") or {}).get("master_weights"))
+        masters_as_weights = saved_master and model.config.dtype in ("float32", "float64")  # not their rounding
+        if optimizer is not None or masters_as_weights:
             if meta.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt} has no optimizer state; it cannot resume training "
                                       "(load it for inference or fine-tuning without --resume)")
@@ -366,7 +368,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
     model_tensors, optim_tensors, error = {}, {}, None
     try:
         readers = {"model": _ShardReader(ckpt, meta, "model")}
-        if optimizer is not None:
+        if optimizer is not None or masters_as_weights:
             readers["optim"] = _ShardReader(ckpt, meta, "optim")
 
         def fetch(kind, key, name, p):
@@ -377,18 +379,19 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
 
         for p in model.parameters():
-            a = fetch("model", p.name, p.name, p)
+            a = (fetch("optim", "master." + p.name, p.name, p) if masters_as_weights
+                 else fetch("model", p.name, p.name, p))
             if tuple(a.shape) != tuple(p.data.shape):
                 raise CheckpointError(f"{p.name}: the checkpoint holds shape {tuple(a.shape)} for this rank, "
                                       f"the model {tuple(p.data.shape)}")
             model_tensors[p.name] = a
-            if optimizer is not None:
+            if optimizer is not None:  # only the part of each tensor this rank's optimizer holds
+                lo, hi = optimizer.owned_part(p.name)
                 for prefix in ("exp_avg.", "exp_avg_sq."):
-                    optim_tensors[prefix + p.name] = fetch("optim", prefix + p.name, p.name, p)
+                    optim_tensors[prefix + p.name] = fetch("optim", prefix + p.name, p.name, p).reshape(-1)[lo:hi].copy()
                 if optimizer.master is not None:  # a checkpoint without master weights: its parameters
-                    saved_master = meta["optimizer"].get("master_weights")
-                    optim_tensors["master." + p.name] = (fetch("optim", "master." + p.name, p.name, p)
-                                                         if saved_master else a.astype(np.float32))
+                    master = fetch("optim", "master." + p.name, p.name, p) if saved_master else a.astype(np.float32)
+                    optim_tensors["master." + p.name] = master.reshape(-1)[lo:hi].copy()
     except Exception as e:
         error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
     agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
@@ -448,6 +451,8 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
                     else _full_from_shards(readers["model"], name, info, rows))  # the most precise copy
             if kind == "model":
                 tensors[name] = best.astype(DTYPES[dtype])
+                if not np.isfinite(tensors[name].astype(np.float32)).all() and np.isfinite(best).all():
+                    raise CheckpointError(f"export --dtype {dtype}: {name} has values beyond {dtype}'s range")
             else:
                 for key in ("exp_avg." + name, "exp_avg_sq." + name):
                     tensors[key] = _full_from_shards(readers["optim"], key, info, rows)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .ops._common import as_dtype, compute_dtype
 from .runtime.backend import to_numpy
 from .runtime.consistency import check_same_on_all_ranks
 from .runtime.errors import ConfigError
@@ -179,8 +180,8 @@ class PositionEmbedding(Module):
         return self.weight.data[:T]
 
     def backward(self, dy):
-        T = self._load("T")
-        self.weight.grad[:T] += dy.reshape(-1, T, dy.shape[-1]).sum(axis=0)
+        T = self._load("T")  # 16-bit dy: summed over the batch in float32
+        self.weight.grad[:T] += as_dtype(dy, compute_dtype(dy.dtype)).reshape(-1, T, dy.shape[-1]).sum(axis=0)
 
 
 class GPT(Module):

@@ -31,7 +31,7 @@ def compute_dtype(dtype) -> np.dtype:
         return dtype
     if dtype.name in _LOW_PRECISION:
         return np.dtype(np.float32)
-    raise TypeError(f"cutp.ops: unsupported floating dtype {dtype} (use float32, float64 or bfloat16)")
+    raise TypeError(f"cutp.ops: unsupported floating dtype {dtype} (use float32, float64, bfloat16 or float16)")
 
 
 def is_low_precision(dtype) -> bool:

@@ -138,21 +138,39 @@ class AdamW:
                 "weight_decay": self.weight_decay, "distributed": self.distributed,
                 "master_weights": self.master is not None}
 
+    def owned_part(self, name: str) -> tuple[int, int]:
+        """[a, b): the elements of parameter `name` (flat, in its own coordinates) whose state this
+        rank holds (all of them for the plain optimizer; possibly none for the distributed one)."""
+        s = self.flat.slices[name]
+        a, b = max(s.start, self.lo), min(s.stop, self.hi)
+        return (a - s.start, b - s.start) if b > a else (0, 0)
+
     def load_state(self, tensors: dict, step: int) -> None:
-        """Loads per-parameter tensors (as `state_dict` names them; full TP shards) into [lo, hi).
+        """Loads per-parameter tensors (as `state_dict` names them) into [lo, hi): each either
+        the parameter's whole TP shard or only its `owned_part` (what checkpoint loading reads).
         master.NAME is needed when this optimizer keeps master weights."""
         for name, s in self.flat.slices.items():
-            a, b = max(s.start, self.lo), min(s.stop, self.hi)
+            a, b = self.owned_part(name)
             for prefix, buf in self._state_buffers().items():
                 key = prefix + name
                 if key not in tensors:
                     raise ValueError(f"optimizer state is missing {key}")
-                t = tensors[key]
-                if t.size != s.stop - s.start:
-                    raise ValueError(f"optimizer state {key} has {t.size} elements, expected {s.stop - s.start}")
+                t = tensors[key].reshape(-1)
+                if t.size == s.stop - s.start:
+                    t = t[a:b]
+                elif t.size != b - a:
+                    raise ValueError(f"optimizer state {key} has {t.size} elements, expected {s.stop - s.start} "
+                                     f"(or this rank's {b - a})")
                 if b > a:
-                    buf[a - self.lo:b - self.lo] = t.reshape(-1)[a - s.start:b - s.start]
+                    buf[s.start + a - self.lo:s.start + b - self.lo] = t
         self.step_count = int(step)
+
+    def resync_masters(self) -> None:
+        """Master weights := the parameters (after weights were loaded or changed outside the
+        optimizer, e.g. cutp.hf.load_hf_into(run.model, ...): the masters would otherwise
+        overwrite them at the next step)."""
+        if self.master is not None:
+            self.master[...] = self.flat.data[self.lo:self.hi]
 
 
 class DistributedAdamW(AdamW):

@@ -110,8 +110,8 @@ class RowParallelLinear(Module):
         return y
 
     def backward(self, dy, need_dx=True):
-        if self.bias is not None:
-            self.bias.grad += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+        if self.bias is not None:  # 16-bit dy: summed over the rows in float32, not row by row in 16 bits
+            self.bias.grad += as_dtype(dy.reshape(-1, dy.shape[-1]), compute_dtype(dy.dtype)).sum(axis=0)
         dx, dw, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx,
                                         wgrad_dtype=self.weight.grad.dtype)
         self.weight.grad += dw

@@ -261,6 +261,12 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         run["dropout"] = _as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
     model, preset = _model_config(c, run["dropout"], device, meta)
 
+    dynamic = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
+               if choices.get(k) is not None]
+    if dynamic and (model.dtype != "float16" or c["loss_scale"] is not None):
+        why = "a static --loss-scale is set" if c["loss_scale"] is not None else f"the model is {model.dtype}"
+        raise ConfigError(f"--{_flag(dynamic[0])} {choices[dynamic[0]]} sets the dynamic float16 loss scale, but {why}; "
+                          "omit it")
     tp = c["tp"] or choose_tp(world, ranks_per_node, model, device)
     model.validate(tp)  # (RunConfig checks it again; here its message comes before the mesh's)
     mesh = validate_mesh(world, tp, c["dp"])

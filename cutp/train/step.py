@@ -14,11 +14,11 @@ reduction (GQA replicas, then DP: all-reduce, or reduce-scatter with the distrib
 the global gradient norm, the loss averaged over DP, then AdamW with the learning rate of the
 schedule and global-norm clipping (on float32 master weights for 16-bit models; the distributed
 optimizer then all-gathers the updated parameters). A step whose loss or norm is not finite is
-skipped on every rank (the decision is made from all-reduced values) without touching weights
-or moments; the float16 loss scaler then shrinks its scale (those overflow skips do not count
-while the scale can still shrink), and `max_skips` other skips in a row stop the run. The collective watchdog watches the step once, as a
-whole: it aborts the job when the step makes no progress (no collective, no forward or
-backward of a micro-batch completes) for the collective timeout.
+skipped on every rank (the decision is made from all-reduced values) without touching weights or
+moments; the float16 loss scaler then shrinks its scale (those overflow skips do not count while
+the scale can still shrink), and `max_skips` other skips in a row stop the run. The collective
+watchdog watches the step once, as a whole: it aborts the job when the step makes no progress
+(no collective, no forward or backward of a micro-batch completes) for the collective timeout.
 """
 from __future__ import annotations
 
