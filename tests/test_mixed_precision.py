@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 import cutp
 from cutp import train
 from cutp.checkpoint import export_full, load_model, read_meta
+from cutp.hf import save_hf_gpt2
 from cutp.model import GPT, GPTConfig
 from cutp.optim import AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler
 from tests.mpirun import run_mpi
@@ -179,6 +180,8 @@ def test_export_writes_the_precision_asked_for_from_the_master_weights(tmp_path)
     # loading the bf16 checkpoint into a float32 model takes the masters, not their rounding
     model, _ = load_model(str(src), cutp.init(tp=1), dtype="float32")
     assert np.array_equal(model.wte.weight.data, master)
+    save_hf_gpt2(model, None, str(tmp_path / "hf"), dtype="float32")  # and so does a Hugging Face export
+    assert np.array_equal(load_file(str(tmp_path / "hf" / "model.safetensors"))["transformer.wte.weight"], master)
     export_full(str(src), str(tmp_path / "bf16"))  # default: the checkpoint's own precision
     again = load_file(str(tmp_path / "bf16" / "model-tp00-of-01.safetensors"))["wte.weight"]
     assert again.dtype == np.dtype(ml_dtypes.bfloat16) and np.array_equal(again, master.astype(again.dtype))

@@ -266,3 +266,15 @@ def _worker_repad_vocabulary(run):
 
 def test_checkpoint_repads_the_vocabulary_for_another_tp(tmp_path):
     run_mpi(2, "tests.test_train:_worker_repad_vocabulary", str(tmp_path / "run"), timeout=120)
+
+
+def test_freed_host_memory_is_kept_for_the_next_step_on_glibc():
+    """build_run's CPU setting (backward frees activations early; glibc would otherwise hand the
+    memory back to the kernel at every step and fault it in again at the next)."""
+    import platform
+
+    from cutp.runtime.threads import keep_freed_host_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip(f"mallopt is glibc's; this C library is {platform.libc_ver()[0] or 'unknown'}")
+    assert keep_freed_host_memory() is True

@@ -11,8 +11,11 @@ runs from the checkout with PYTHONPATH set to it. Parts, in order of importance:
                        offsets, one GPT step GPU fp32 vs CPU fp64
   train (kernels)      examples/train_gpt.py --device cuda --preset tiny --steps 30
   train (reference)    the tiny run again with CUTP_KERNELS=0: losses and speed compared
+  train (bfloat16)     the tiny run in bfloat16 (fp32 master weights): last loss within 2% of fp32
   nccl 2-rank train    mpiexec -n 2 ... train_gpt.py --device cuda --tp 2 --steps 5, two ranks
                        sharing the GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; needs NCCL >= 2.30)
+  nccl 2-rank bf16 ZeRO-1  the tiny model in bfloat16 with --distributed-optimizer over dp=2
+                       (NCCL reduce-scatter / all-gather of the flat buffers; same condition)
   nccl 2-rank tests    tests/test_nccl.py's two-rank collectives on the GPU (same condition)
   kernel benchmark     python3 -m cutp.bench kernels (tolerated when absent; last, with the time
                        left, "partial" when cut short)
@@ -304,11 +307,11 @@ def metrics(path: Path) -> dict:
     return out
 
 
-def train(name: str, env: dict | None = None) -> dict:
+def train(name: str, env: dict | None = None, extra: tuple = ()) -> dict:
     m = CACHE / f"{name.replace(' ', '_').replace('(', '').replace(')', '')}.jsonl"
     m.unlink(missing_ok=True)
     part, _ = run(name, [PY, "examples/train_gpt.py", "--device", "cuda", "--preset", "tiny", "--steps", "30",
-                         "--log-every", "10", "--metrics", str(m)], 120, env=env)
+                         "--log-every", "10", "--metrics", str(m), *extra], 120, env=env)
     res = metrics(m)
     part.info = res
     if res:
@@ -333,7 +336,7 @@ def nccl_parts(info: dict) -> None:
     elif not mpiexec:
         why = "no mpiexec on this machine: " + str(info.get("mpiexec"))
     if why:
-        for name in ("nccl 2-rank train", "nccl 2-rank tests"):
+        for name in ("nccl 2-rank train", "nccl 2-rank bf16 ZeRO-1", "nccl 2-rank tests"):
             PARTS.append(Part(name, "skipped", detail=why))
         return
     env = {**MPI_ENV, "NCCL_MULTI_RANK_GPU_ENABLE": "1",
@@ -346,6 +349,16 @@ def nccl_parts(info: dict) -> None:
     if res:
         part.detail = (f"gpt2 preset, tp=2 on one GPU: loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
                        f"{res['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
+    m = CACHE / "nccl_zero_train.jsonl"
+    part, _ = run("nccl 2-rank bf16 ZeRO-1", [mpiexec, "-n", "2", PY, "examples/train_gpt.py", "--device", "cuda",
+                                              "--preset", "tiny", "--tp", "1", "--dp", "2", "--dtype", "bfloat16",
+                                              "--distributed-optimizer", "--steps", "10", "--metrics", str(m)], 120,
+                  env=env, min_needed=30)
+    res = metrics(m)
+    part.info = res
+    if res:
+        part.detail = (f"tiny, bfloat16, distributed optimizer over dp=2 on one GPU: loss {res['first_loss']:.4f} -> "
+                       f"{res['last_loss']:.4f}, {res['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
     part, out = run("nccl 2-rank tests", [PY, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
                                           "tests/test_nccl.py"], 120, env=env, min_needed=20)
     s = pytest_summary(out)
@@ -377,8 +390,9 @@ def bench() -> None:
             part.status = "FAILED"
 
 
-def compare_trains(with_kernels: dict, reference: dict) -> None:
-    part = Part("kernels vs reference run", "skipped")
+def compare_trains(with_kernels: dict, reference: dict, name: str = "kernels vs reference run",
+                   tol: float = 1e-2) -> None:
+    part = Part(name, "skipped")
     PARTS.append(part)
     if not with_kernels or not reference:
         part.detail = "needs both training runs"
@@ -386,8 +400,8 @@ def compare_trains(with_kernels: dict, reference: dict) -> None:
     a, b = with_kernels["last_loss"], reference["last_loss"]
     rel = abs(a - b) / max(abs(b), 1e-12)
     speed = reference["median_ms"] / with_kernels["median_ms"] if with_kernels["median_ms"] else float("nan")
-    part.status = "ok" if rel < 1e-2 else "FAILED"
-    part.detail = (f"last loss {a:.5f} (kernels) vs {b:.5f} (reference), rel. diff {rel:.1e}; "
+    part.status = "ok" if rel < tol else "FAILED"
+    part.detail = (f"last loss {a:.5f} vs {b:.5f}, rel. diff {rel:.1e} (tolerance {tol:g}); "
                    f"step time {with_kernels['median_ms']} vs {reference['median_ms']} ms ({speed:.2f}x)")
 
 
@@ -433,6 +447,8 @@ def main() -> int:
             with_kernels = train("train (kernels)")
             reference = train("train (reference)", env={"CUTP_KERNELS": "0"})
             compare_trains(with_kernels, reference)
+            bf16 = train("train (bfloat16)", extra=("--dtype", "bfloat16"))  # bf16 kernels, fp32 masters
+            compare_trains(bf16, with_kernels, "bfloat16 vs float32 run", tol=2e-2)
             nccl_parts(info)
             bench()  # last: it takes what time is left
         else:

@@ -6,6 +6,9 @@ ranks share the node, NumPy is loaded. So, like threadpoolctl, this finds the BL
 already loaded into the process and calls its own set-threads function.
 
 The pool: `parallel_map` runs the ops' independent row blocks on a few threads (below).
+
+The allocator: `keep_freed_host_memory` (glibc only) keeps the memory a step frees for the next
+step instead of handing it back to the kernel (below).
 """
 from __future__ import annotations
 
@@ -24,6 +27,29 @@ _GETTERS = (
     "scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads_64_", "openblas_get_num_threads64_",
     "openblas_get_num_threads", "MKL_Get_Max_Threads",
 )
+
+
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's own ceiling for it on 64-bit machines
+
+
+def keep_freed_host_memory() -> bool:
+    """Asks glibc to serve host arrays up to 32 MiB from its heap and not to trim the heap.
+
+    Backward frees each cached activation as soon as it has used it. With glibc's defaults the
+    step's last frees leave the top of the heap empty, glibc returns it to the kernel, and the next
+    forward faults every page in again: measured 0.26 -> 0.37 s per tiny step (tp=1, 2-core
+    machine). With these two settings freed memory is reused as before (0.26 s). Process-wide
+    (a host program embedding cutp on the CPU gets them too) and only on glibc; False when
+    mallopt is unavailable or refuses."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 def available_cores() -> int:

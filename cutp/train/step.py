@@ -39,7 +39,7 @@ from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters,
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
-from ..runtime.threads import set_blas_threads, threads_per_rank
+from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
@@ -175,6 +175,8 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     check_same_on_all_ranks(world, {"data": dataset.description}, "training data")
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, device=cfg.device, collective_timeout=cfg.collective_timeout)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
+    if cfg.device == "cpu":
+        keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
     if cfg.distributed_optimizer:
