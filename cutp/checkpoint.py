@@ -8,6 +8,9 @@ Layout of a run directory (`--out DIR`):
     DIR/step-00000100/model-tp00-of-02.safetensors  TP rank 0's parameter shards
     DIR/step-00000100/optim-tp00-of-02.safetensors  its AdamW moments (exp_avg., exp_avg_sq.) and,
                                                     for 16-bit models, fp32 master weights (master.)
+    .../optim-tp00-of-02-dp01-of-04.safetensors     or, with the distributed optimizer, DP rank 1's
+                                                    shard of them: the flat pieces [a, b) of each
+                                                    parameter it owns, offsets in the file's metadata
     DIR/latest                                      JSON naming the newest complete checkpoint
 
 A checkpoint is written into `DIR/.tmp-step-...` and renamed when complete, so a crash during a
@@ -15,10 +18,11 @@ save leaves the previous checkpoint intact; older ones are removed only after a 
 complete (`keep`). Loading verifies every needed file's size and sha256 before reading any
 tensor, on every rank, and all ranks agree before anything is loaded. Loading at another TP
 size reassembles each full tensor from the saved shards (one tensor at a time) and keeps this
-rank's slice. The optimizer state is saved per parameter whatever the optimizer's layout (the
-distributed optimizer gathers its DP shards first), so a checkpoint resumes at any DP size, with
-or without the distributed optimizer. Only safetensors and JSON are read: loading never executes
-code.
+rank's slice. The optimizer state is saved by parameter: whole (plain optimizer) or as the DP
+shards' pieces of each parameter (distributed optimizer: every DP rank writes its own file,
+nothing is gathered), which loading puts back together one tensor at a time, keeping only what
+this rank's optimizer owns. So a checkpoint resumes at any TP and DP size, with or without the
+distributed optimizer. Only safetensors and JSON are read: loading never executes code.
 
 `python -m cutp.checkpoint export SRC DST [--dtype D]` writes a single-shard (TP=1) copy of a
 checkpoint, its parameters in the precision asked for (from the fp32 master weights when saved).
@@ -35,30 +39,17 @@ import numpy as np
 from safetensors import safe_open
 
 from . import __version__
-from .checkpoint_files import fsync_dir, sha256_file, write_json_atomic, write_safetensors
+from .checkpoint_files import (FORMAT, VERSION, CheckpointError, model_file, optim_file, fsync_dir, read_meta,
+                               sha256_file, verify_file, write_json_atomic, write_safetensors)
 from .model import DTYPES, GPT, GPTConfig
 from .runtime.errors import ConfigError
 from .runtime.failure import agree_on_error
 from .tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
 
-FORMAT = "cutp-checkpoint"
-VERSION = 1
 # GPTConfig fields that change the parameters' shapes or meaning: a checkpoint loads only into
 # a model with the same values (dropout, label smoothing and vocabulary padding may differ).
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "block_size", "bias",
                "tie_embeddings", "ln_eps", "gelu")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; names the file and what is wrong with it."""
-
-
-def _model_file(r, tp):
-    return f"model-tp{r:02d}-of-{tp:02d}.safetensors"
-
-
-def _optim_file(r, tp):
-    return f"optim-tp{r:02d}-of-{tp:02d}.safetensors"
 
 
 def checkpoint_name(step: int) -> str:
@@ -85,42 +76,39 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
             error = f"cannot create checkpoint directory {tmp}: {type(e).__name__}: {e}"
     agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
 
-    digests = np.zeros((2, 64), np.uint8)
-    sizes = np.zeros(2, np.int64)
-    error = None
-    # per parameter on DP rank 0 (collective over DP for the distributed optimizer)
-    optim_state = optimizer.state_dict() if optimizer is not None else None
-    if ctx.dp_rank == 0:  # DP replicas hold identical parameters (and the whole optimizer state now)
-        try:
-            files = [(_model_file(ctx.tp_rank, ctx.tp_size), {p.name: ctx.to_numpy(p.data) for p in model.parameters()})]
-            if optimizer is not None:
-                files.append((_optim_file(ctx.tp_rank, ctx.tp_size),
-                              {k: ctx.to_numpy(v) for k, v in optim_state.items()}))
-            for i, (fname, tensors) in enumerate(files):
-                path = os.path.join(tmp, fname)
-                write_safetensors(path, tensors, {"format": FORMAT})
-                digests[i] = np.frombuffer(sha256_file(path).encode(), np.uint8)
-                sizes[i] = os.path.getsize(path)
-        except Exception as e:  # safetensors raises its own SafetensorError for I/O failures
-            error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
-    agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
-
+    # DP replicas hold identical parameters: DP rank 0 writes them. The optimizer state: DP rank 0
+    # writes it per parameter, or (distributed optimizer) every DP rank writes its own shard's
+    # pieces of each parameter, with their offsets, into a file of its own (nothing is gathered)
+    sharded = optimizer is not None and optimizer.distributed and ctx.dp_size > 1
+    mine = []  # (file name, tensors, offsets or None) this rank writes
     if ctx.dp_rank == 0:
-        tp_mpi = ctx.tp.mpi_comm
-        all_digests = np.zeros((ctx.tp_size, 2, 64), np.uint8)
-        all_sizes = np.zeros((ctx.tp_size, 2), np.int64)
-        with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on tp)"):
-            tp_mpi.Allgather(digests, all_digests)
-            tp_mpi.Allgather(sizes, all_sizes)
+        mine.append((model_file(ctx.tp_rank, ctx.tp_size), {p.name: ctx.to_numpy(p.data) for p in model.parameters()},
+                     None))
+    if sharded:
+        pieces, offsets = optimizer.state_pieces()
+        mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size),
+                     {k: ctx.to_numpy(v) for k, v in pieces.items()}, offsets))
+    elif optimizer is not None and ctx.dp_rank == 0:
+        mine.append((optim_file(ctx.tp_rank, ctx.tp_size), {k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items()},
+                     None))
+    digests, sizes, error = np.zeros((2, 64), np.uint8), np.zeros(2, np.int64), None
+    try:
+        for i, (fname, tensors, offsets) in enumerate(mine):
+            path = os.path.join(tmp, fname)
+            write_safetensors(path, tensors, {"format": FORMAT, **({"offsets": json.dumps(offsets)} if offsets else {})})
+            digests[i] = np.frombuffer(sha256_file(path).encode(), np.uint8)
+            sizes[i] = os.path.getsize(path)
+    except Exception as e:  # safetensors raises its own SafetensorError for I/O failures
+        error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+    agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
+    names = [fname for fname, _, _ in mine] + [""] * (2 - len(mine))
+    with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on the world)"):
+        every = world.allgather([(n, bytes(d).decode(), int(b)) for n, d, b in zip(names, digests, sizes) if n])
 
     error = None
     if ctx.rank == 0:
         try:
-            file_info = {}
-            for r in range(ctx.tp_size):
-                names = [_model_file(r, ctx.tp_size)] + ([_optim_file(r, ctx.tp_size)] if optimizer is not None else [])
-                for i, fname in enumerate(names):
-                    file_info[fname] = {"sha256": bytes(all_digests[r, i]).decode(), "bytes": int(all_sizes[r, i])}
+            file_info = {n: {"sha256": d, "bytes": b} for files in every for n, d, b in files}
             meta = {
                 "format": FORMAT, "version": VERSION, "cutp_version": __version__, "created": time.time(),
                 "step": int(step), "config": model.config.to_dict(), "seed": model.seed,
@@ -130,7 +118,8 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                                     "sharding": p.sharding.spec if p.sharding is not None else None,
                                     "real_rows": p.real_rows}
                            for p in model.parameters()},
-                "optimizer": optimizer.hyperparameters() if optimizer is not None else None,
+                "optimizer": (dict(optimizer.hyperparameters(), dp_shards=ctx.dp_size if sharded else 1)
+                              if optimizer is not None else None),
                 "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
                 "loss_scaler": loss_scaler,
             }
@@ -205,86 +194,6 @@ def resolve_checkpoint(path: str) -> str:
                           "directory")
 
 
-def read_meta(ckpt: str) -> dict:
-    path = os.path.join(ckpt, "meta.json")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: {ckpt} is not a complete checkpoint") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is malformed JSON ({e}); the checkpoint cannot be used") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not cutp checkpoint metadata (format {meta.get('format') if isinstance(meta, dict) else None!r})")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this cutp reads version {VERSION}")
-    required = {"step": int, "config": dict, "mesh": dict, "params": dict, "files": dict}
-    for key, typ in required.items():
-        if not isinstance(meta.get(key), typ):
-            raise CheckpointError(f"{path} is malformed: field {key!r} is missing or not a {typ.__name__}")
-    for fname, info in meta["files"].items():
-        if not isinstance(info, dict) or not isinstance(info.get("sha256"), str) or not isinstance(info.get("bytes"), int):
-            raise CheckpointError(f"{path} is malformed: entry for file {fname!r} lacks sha256/bytes")
-    for key in ("tp", "dp"):
-        v = meta["mesh"].get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise CheckpointError(f"{path} is malformed: mesh.{key} is {v!r}, not an integer >= 1")
-    for name, info in meta["params"].items():
-        problem = _param_entry_problem(info)
-        if problem:
-            raise CheckpointError(f"{path} is malformed: parameter {name!r}: {problem}")
-    opt = meta.get("optimizer")
-    if opt is not None and (not isinstance(opt, dict) or not isinstance(opt.get("step"), int)):
-        raise CheckpointError(f"{path} is malformed: optimizer must be null or an object with an integer step")
-    rng = meta.get("rng")
-    if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("offsets"), dict)
-                                and all(isinstance(v, int) for v in rng["offsets"].values())):
-        raise CheckpointError(f"{path} is malformed: rng must be null or hold integer offsets")
-    return meta
-
-
-_SPEC_KEYS = {"contiguous": ("axis", "tp"), "qkv": ("axis", "n_head", "n_kv_head", "head_dim", "tp")}
-
-
-def _param_entry_problem(info) -> str | None:
-    if not isinstance(info, dict):
-        return "entry is not an object"
-    shape = info.get("full_shape")
-    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and d >= 1 for d in shape)):
-        return f"full_shape {shape!r} is not a list of positive integers"
-    real = info.get("real_rows")
-    if real is not None and not (isinstance(real, int) and 1 <= real <= shape[0]):
-        return f"real_rows {real!r} is not null or an integer in [1, {shape[0]}]"
-    spec = info.get("sharding", "absent")
-    if spec is None:
-        return None
-    if not isinstance(spec, dict) or spec.get("kind") not in _SPEC_KEYS:
-        return f"sharding {spec!r} is neither null nor a known kind ({sorted(_SPEC_KEYS)})"
-    bad = [k for k in _SPEC_KEYS[spec["kind"]] if not isinstance(spec.get(k), int)]
-    if bad:
-        return f"sharding lacks integer fields {bad}"
-    if not 0 <= spec["axis"] < len(shape):
-        return f"sharding axis {spec['axis']} is outside the shape {shape}"
-    return None
-
-
-def verify_file(ckpt: str, meta: dict, fname: str) -> str | None:
-    """None if the file is intact, else a message naming it and the problem."""
-    info = meta["files"].get(fname)
-    path = os.path.join(ckpt, fname)
-    if info is None:
-        return f"{path}: not listed in meta.json (the checkpoint's mesh does not have this shard)"
-    if not os.path.exists(path):
-        return f"{path} is missing (meta.json lists it); the checkpoint is incomplete"
-    size = os.path.getsize(path)
-    if size != info["bytes"]:
-        return f"{path} is truncated or has the wrong size: {size} bytes, meta.json says {info['bytes']}"
-    digest = sha256_file(path)
-    if digest != info["sha256"]:
-        return f"{path} is corrupted: sha256 {digest[:16]}... differs from meta.json's {info['sha256'][:16]}..."
-    return None
-
-
 def check_config_matches(meta: dict, config) -> None:
     saved = meta["config"]
     now = config.to_dict()
@@ -294,23 +203,66 @@ def check_config_matches(meta: dict, config) -> None:
 
 
 class _ShardReader:
-    """Reads tensors from a checkpoint's shard files of one kind ('model' or 'optim')."""
+    """Reads tensors from a checkpoint's shard files of one kind ('model' or 'optim'). The
+    distributed optimizer's state of TP rank r lies in `dp_shards` files, each holding the flat
+    elements [a, b) of every parameter its DP rank owned (offsets in the file's metadata): `get`
+    puts each tensor back together, checking that the pieces cover it."""
 
     def __init__(self, ckpt, meta, kind):
-        self.ckpt, self.kind = ckpt, kind
+        self.ckpt, self.kind, self.meta = ckpt, kind, meta
         self.tp = int(meta["mesh"]["tp"])
+        self.dp = int((meta.get("optimizer") or {}).get("dp_shards", 1)) if kind == "optim" else 1
         self._open = {}
 
-    def fname(self, r):
-        return (_model_file if self.kind == "model" else _optim_file)(r, self.tp)
+    def fnames(self, r):
+        if self.kind == "model":
+            return [model_file(r, self.tp)]
+        return [optim_file(r, self.tp, d, self.dp) for d in range(self.dp)]
+
+    def _file(self, fname):
+        if fname not in self._open:
+            f = safe_open(os.path.join(self.ckpt, fname), framework="numpy")
+            self._open[fname] = (f, json.loads((f.metadata() or {}).get("offsets", "{}")))
+        return self._open[fname]
 
     def get(self, r, key):
-        if r not in self._open:
-            self._open[r] = safe_open(os.path.join(self.ckpt, self.fname(r)), framework="numpy")
-        f = self._open[r]
-        if key not in f.keys():
-            raise CheckpointError(f"{self.fname(r)} has no tensor {key!r}")
-        return f.get_tensor(key)
+        names = self.fnames(r)
+        if len(names) == 1:
+            f, _ = self._file(names[0])
+            if key not in f.keys():
+                raise CheckpointError(f"{names[0]} has no tensor {key!r}")
+            return f.get_tensor(key)
+        name = key.split(".", 1)[1]
+        shape = _shard_shape(self.meta["params"][name], r)
+        size, out, covered = int(np.prod(shape)), None, 0
+        for fname in names:
+            f, offsets = self._file(fname)
+            if name in offsets:
+                a, b = offsets[name]
+                piece = f.get_tensor(key) if key in f.keys() else None
+                if piece is None or not 0 <= a < b <= size or piece.size != b - a:
+                    raise CheckpointError(f"{fname}: the piece [{a}, {b}) of {key} is missing or does not fit")
+                out = np.empty(size, piece.dtype) if out is None else out
+                out[a:b] = piece.reshape(-1)
+                covered += b - a
+        if covered != size:
+            raise CheckpointError(f"the optimizer shards of TP rank {r} hold {covered} of the {size} elements of {key}")
+        return out.reshape(shape)
+
+
+def read_shard(ckpt: str, kind: str, tp_rank: int = 0) -> dict:
+    """TP rank `tp_rank`'s tensors of one kind ("model", or "optim": exp_avg., exp_avg_sq. and,
+    with master weights, master. of each parameter), whole, whichever way they were saved (the
+    distributed optimizer's per-DP-rank pieces are put back together). Checksums verified."""
+    ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    reader = _ShardReader(ckpt, meta, kind)
+    problems = [m for m in (verify_file(ckpt, meta, f) for f in reader.fnames(tp_rank)) if m]
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    prefixes = [""] if kind == "model" else ["exp_avg.", "exp_avg_sq."] + (
+        ["master."] if meta["optimizer"].get("master_weights") else [])
+    return {p + name: reader.get(tp_rank, p + name) for name in meta["params"] for p in prefixes}
 
 
 def _full_from_shards(reader, key, info, rows=None):
@@ -345,14 +297,14 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         direct = saved_tp == ctx.tp_size and all(
             tuple(_shard_shape(meta["params"][p.name], ctx.tp_rank)) == tuple(p.data.shape) for p in params)
         ranks = [ctx.tp_rank] if direct else list(range(saved_tp))
-        needed = [_model_file(r, saved_tp) for r in ranks]
+        needed = [model_file(r, saved_tp) for r in ranks]
         saved_master = bool((meta.get("optimizer") or {}).get("master_weights"))
         masters_as_weights = saved_master and model.config.dtype in ("float32", "float64")  # not their rounding
         if optimizer is not None or masters_as_weights:
             if meta.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt} has no optimizer state; it cannot resume training "
                                       "(load it for inference or fine-tuning without --resume)")
-            needed += [_optim_file(r, saved_tp) for r in ranks]
+            needed += [f for r in ranks for f in _ShardReader(ckpt, meta, "optim").fnames(r)]
         problems = [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
         if problems:
             raise CheckpointError("; ".join(problems) + " -- nothing was loaded")
@@ -461,12 +413,12 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
             spec = info["sharding"]
             new_params[name] = {"full_shape": list(best.shape), "dtype": dtype, "real_rows": info.get("real_rows"),
                                 "sharding": None if spec is None else dict(spec, tp=1)}
-        fname = (_model_file if kind == "model" else _optim_file)(0, 1)
+        fname = (model_file if kind == "model" else optim_file)(0, 1)
         path = os.path.join(tmp, fname)
         write_safetensors(path, tensors, {"format": FORMAT})
         files[fname] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
     if has_optim:
-        meta = dict(meta, optimizer=dict(meta["optimizer"], master_weights=want_master))
+        meta = dict(meta, optimizer=dict(meta["optimizer"], master_weights=want_master, dp_shards=1))
     meta = dict(meta, config=dict(meta["config"], dtype=dtype))
     out = dict(meta, mesh={"tp": 1, "dp": 1}, params=new_params, files=files, padded_vocab=padded,
                exported_from={"path": os.path.abspath(src), "tp": saved_tp})

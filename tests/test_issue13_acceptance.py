@@ -60,14 +60,12 @@ def ckpt_dir(run_dir) -> str:
 
 
 def ckpt_tensors(run_dir) -> dict:
-    """(file, tensor name) -> array over every safetensors file of the checkpoint."""
+    """(kind, tensor name) -> array over the checkpoint's model and optimizer state (TP rank 0's),
+    however the optimizer saved it (cutp.checkpoint.read_shard)."""
+    from cutp.checkpoint import read_shard
+
     d = ckpt_dir(run_dir)
-    out = {}
-    for name in sorted(os.listdir(d)):
-        if name.endswith(".safetensors"):
-            for k, (_, arr) in read_safetensors(os.path.join(d, name)).items():
-                out[(name, k)] = arr
-    return out
+    return {(kind, k): np.asarray(v) for kind in ("model", "optim") for k, v in read_shard(d, kind).items()}
 
 
 def rel_close(a, b, rtol):

@@ -5,16 +5,18 @@ Megatron's table. Issue 13; Megatron-LM bugs named where a test guards against o
 import dataclasses
 import json
 import math
+import shutil
 
 import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 import cutp
 from cutp import train
-from cutp.checkpoint import export_full, load_model, read_meta
+from cutp.checkpoint import CheckpointError, export_full, load_model, read_meta, read_shard
 from cutp.hf import save_hf_gpt2
 from cutp.model import GPT, GPTConfig
 from cutp.optim import AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler
@@ -24,6 +26,24 @@ TRAIN = "examples.train_gpt:main"
 BASE = ["--preset", "tiny", "--seq-len", "32", "--eval-every", "0", "--quiet", "--set", "n_layer=2"]
 LIB = dict(preset="tiny", set=["n_layer=2"], seq_len=32, eval_every=0, device="cpu", quiet=True,
            save_on_signal=False)
+
+
+def _optim_state(ckpt, tp_rank=0) -> dict:
+    """TP rank tp_rank's optimizer tensors of a checkpoint, flat, whether in one file or in the
+    distributed optimizer's per-DP-rank shard files (pieces at the offsets in their metadata)."""
+    meta = read_meta(str(ckpt))
+    tp, dp = meta["mesh"]["tp"], meta["optimizer"].get("dp_shards", 1)
+    if dp == 1:
+        return {k: v.reshape(-1) for k, v in load_file(str(ckpt / f"optim-tp{tp_rank:02d}-of-{tp:02d}.safetensors")).items()}
+    out = {}
+    for d in range(dp):
+        path = ckpt / f"optim-tp{tp_rank:02d}-of-{tp:02d}-dp{d:02d}-of-{dp:02d}.safetensors"
+        with safe_open(str(path), framework="numpy") as f:
+            offsets = json.loads(f.metadata()["offsets"])
+            for key in f.keys():
+                a, b = offsets[key.split(".", 1)[1]]
+                out.setdefault(key, {})[a] = f.get_tensor(key)
+    return {k: np.concatenate([pieces[a] for a in sorted(pieces)]) for k, pieces in out.items()}
 
 
 def _metrics(path):
@@ -133,10 +153,19 @@ def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimiz
     meta = read_meta(str(ckpt))
     assert meta["config"]["dtype"] == dtype and meta["optimizer"]["master_weights"]
     model = load_file(str(ckpt / f"model-tp00-of-{meta['mesh']['tp']:02d}.safetensors"))
-    optim = load_file(str(ckpt / f"optim-tp00-of-{meta['mesh']['tp']:02d}.safetensors"))
+    optim = _optim_state(ckpt)
+    if "--distributed-optimizer" in mesh:  # one file per DP rank, nothing gathered
+        assert meta["optimizer"]["dp_shards"] == 2 and "optim-tp00-of-01-dp01-of-02.safetensors" in meta["files"]
+        whole = read_shard(str(ckpt), "optim")  # the pieces put back together = the tensors of each parameter
+        assert all(np.array_equal(whole[k].reshape(-1), v) for k, v in optim.items()) and whole.keys() == optim.keys()
+        broken = tmp_path / "broken"
+        shutil.copytree(ckpt, broken)
+        (broken / "optim-tp00-of-01-dp01-of-02.safetensors").unlink()
+        with pytest.raises(CheckpointError, match="dp01-of-02.safetensors is missing"):
+            read_shard(str(broken), "optim")
     w = model["h.0.mlp.c_fc.weight"]
     assert w.dtype == np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
-    master = optim["master.h.0.mlp.c_fc.weight"]
+    master = optim["master.h.0.mlp.c_fc.weight"].reshape(w.shape)
     assert master.dtype == np.float32 and np.array_equal(master.astype(w.dtype), w)  # params = rounded masters
     assert not np.array_equal(master, w.astype(np.float32))  # and the masters keep more bits
     if dtype == "float16":
@@ -224,9 +253,9 @@ def test_fp16_overflow_is_skipped_on_every_rank_and_the_scale_halves(tmp_path):
     assert "warning" not in res.stdout  # (--quiet: an overflow skip is routine, not a warning)
     # skipped steps touch neither weights nor moments: the checkpoints of steps 2, 3 and 4 agree
     run = tmp_path / "run"
-    for kind in ("model", "optim"):
-        s2, s4 = (load_file(str(run / f"step-0000000{k}" / f"{kind}-tp00-of-01.safetensors")) for k in (2, 4))
-        assert all(np.array_equal(s2[k], s4[k]) for k in s2), kind
+    m2, m4 = (load_file(str(run / f"step-0000000{k}" / "model-tp00-of-01.safetensors")) for k in (2, 4))
+    o2, o4 = (_optim_state(run / f"step-0000000{k}") for k in (2, 4))
+    assert all(np.array_equal(m2[k], m4[k]) for k in m2) and all(np.array_equal(o2[k], o4[k]) for k in o2)
     assert read_meta(str(run / "step-00000004"))["optimizer"]["step"] == 2
     assert read_meta(str(run / "step-00000004"))["loss_scaler"]["scale"] == 2.0 ** 15
 

@@ -273,5 +273,18 @@ class DistributedAdamW(AdamW):
             full[prefix] = whole
         return self._per_parameter(full) if ctx.dp_rank == 0 else {}
 
+    def state_pieces(self) -> tuple[dict, dict]:
+        """This rank's part of the state, for a checkpoint shard of its own (nothing gathered):
+        ({exp_avg.NAME, exp_avg_sq.NAME, master.NAME: the flat elements [a, b) of NAME this rank
+        owns}, {NAME: [a, b]}), parameters it owns nothing of left out. Views, no copies."""
+        pieces, offsets = {}, {}
+        for name, s in self.flat.slices.items():
+            a, b = self.owned_part(name)
+            if b > a:
+                offsets[name] = [a, b]
+                for prefix, buf in self._state_buffers().items():
+                    pieces[prefix + name] = buf[s.start + a - self.lo:s.start + b - self.lo]
+        return pieces, offsets
+
     def hyperparameters(self) -> dict:
         return {**super().hyperparameters(), "dp": self.ctx.dp_size}
