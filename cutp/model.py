@@ -220,6 +220,22 @@ class GPT(Module):
         self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
                                                  label_smoothing=c.label_smoothing)
 
+    # ---- activation recomputation --------------------------------------------------------------
+    RECOMPUTE = ("none", "selective", "full")
+
+    def set_recompute(self, mode: str = "none", layers: int | None = None) -> None:
+        """What backward recomputes instead of keeping: "selective" the core attention of every
+        layer (its T x T probabilities), "full" whole layers (each keeps only its input), the
+        first `layers` of them (default all). Changes memory and time, never the gradients."""
+        n = self.config.n_layer
+        if mode not in self.RECOMPUTE:
+            raise ConfigError(f"--recompute {mode!r}: use one of {', '.join(self.RECOMPUTE)}")
+        if layers is not None and (mode != "full" or not (isinstance(layers, int) and 1 <= layers <= n)):
+            raise ConfigError(f"--recompute-layers {layers!r} needs --recompute full and 1 <= N <= n_layer ({n})")
+        for i, block in enumerate(self.h):
+            block.attn.recompute_core = mode == "selective"
+            block.recompute = mode == "full" and i < (n if layers is None else layers)
+
     # ---- inputs --------------------------------------------------------------------------------
     def check_inputs(self, idx, targets=None):
         """Raises ValueError naming the offending value and the limit (before any collective)."""

@@ -44,6 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--grad-reduce-dtype", choices=["float32", "bfloat16"],
                    help="dtype of the DP gradient reduction (default float32; bfloat16 halves the bytes, "
                         "with sums rounded to bf16)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"],
+                   help="activation recomputation (default none): selective recomputes the core attention "
+                        "in backward, full whole layers (each keeps only its input); the math is unchanged")
+    p.add_argument("--recompute-layers", type=int, help="with --recompute full: the first N layers (default all)")
     p.add_argument("--loss-scale", type=float, help="a static loss scale (default: dynamic for float16, else none)")
     p.add_argument("--initial-loss-scale", type=float, help="the dynamic scale's start (default 65536)")
     p.add_argument("--loss-scale-window", type=int, help="clean steps before the dynamic scale doubles (default 1000)")
@@ -113,7 +117,9 @@ def main(argv=None, hooks: train.StepHooks | None = None):
         + (f", fp32 master weights and gradients (DP reduction in {cfg.grad_reduce_dtype})" if opt.master is not None
            else "") + (f", loss scale {run.loss_scaler.scale:g}" + (" (dynamic)" if run.loss_scaler.dynamic else "")
                        if run.loss_scaler.dynamic or run.loss_scaler.scale != 1.0 else "")
-        + f" | optimizer: AdamW{f', state sharded over dp={ctx.dp_size} (distributed)' if opt.distributed else ''}")
+        + f" | optimizer: AdamW{f', state sharded over dp={ctx.dp_size} (distributed)' if opt.distributed else ''}"
+        + (f" | recompute: {cfg.recompute}" + (f" (first {cfg.recompute_layers} layers)" if cfg.recompute_layers else "")
+           if cfg.recompute != "none" else ""))
 
     stop = train.StopOnSignal(cfg.save_on_signal)
     if cfg.save_on_signal and not cfg.out:

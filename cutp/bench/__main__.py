@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     m.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded over DP (ZeRO-1)")
+    m.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="activation recomputation (selective: the core attention; full: whole layers)")
     m.add_argument("--batch-size", type=int, default=None, help="sequences per DP rank (default 8)")
     m.add_argument("--seq-len", type=int, default=None, help="default: block size (at most 256 on the CPU)")
     m.add_argument("--steps", type=int, default=5, help="measured steps")

@@ -17,6 +17,10 @@ The attention between the two projections is the op `cutp.ops.causal_attention_f
 `_backward` (its plain composition and its blocked NumPy path live there); this layer splits
 the fused QKV output into the op's head layout (views), owns the attention dropout's RNG
 stream, and keeps the KV cache of generation.
+
+Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
+output) and the dropout's (p, seed, offset), not the attention's probabilities (the T x T part);
+backward recomputes them with the same op and the same mask, so the gradients are bit-identical.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ class ParallelAttention(Module):
         self.c_proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.c_proj", bias=bias, seed=seed,
                                         dtype=dtype, init=normal_init(0.02 / math.sqrt(2 * n_layer)))
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED)
+        self.recompute_core = False  # selective recomputation (module docstring)
         if tp > n_kv_head:
             # one group per layout: which ranks share a KV head depends on n_kv_head
             replicas = ctx.subgroup(f"tp_kv{n_kv_head}", color=self.kv_heads[0], key=ctx.tp_rank)
@@ -86,11 +91,15 @@ class ParallelAttention(Module):
         # one draw for the whole probability tensor [B, nq, T, T] (p 0: none, in eval or without dropout)
         p, seed, offset = self.attn_dropout.draw(B * self.nq * T * T)
         o, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offset)
-        self._save("attn", attn_ctx)
+        self._save("attn", ((q, k, v), (p, seed, offset)) if self.recompute_core else attn_ctx)
         return self.c_proj.forward(self._merge_heads(o))
 
     def backward(self, dy):
         attn_ctx = self._load("attn")
+        if self.recompute_core:  # the core attention again, from Q, K, V and the same mask
+            (q, k, v), (p, seed, offset) = attn_ctx
+            _, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed,
+                                                       offset=offset)
         B, nkv, g, T, hd = attn_ctx.q.shape
         do = self.c_proj.backward(dy)  # [B, T, nq*hd], sharded like the heads
         do = do.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]

@@ -6,6 +6,7 @@ several micro-batches can run before an optimizer step, and returns the input gr
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Callable, Iterator
 
@@ -155,6 +156,7 @@ class Module:
     """Base class: finds child modules and parameters among attributes (and lists of them)."""
 
     training = True
+    stash = True  # False (inside `not_stashed`): a training-mode forward keeps nothing for backward
 
     def children(self) -> Iterator["Module"]:
         for v in self.__dict__.values():
@@ -213,8 +215,8 @@ class Module:
                     m.__dict__[k] = None
 
     def _save(self, name: str, value):
-        """Caches `value` for backward only in training mode."""
-        setattr(self, "_cache_" + name, (value,) if self.training else None)
+        """Caches `value` for backward only in training mode (and not inside `not_stashed`)."""
+        setattr(self, "_cache_" + name, (value,) if self.training and self.stash else None)
 
     def _load(self, name: str):
         """Hands the cached value to backward and drops the module's reference to it, so each
@@ -226,3 +228,18 @@ class Module:
                                "(its cache is empty: call model.train() and run forward first)")
         setattr(self, "_cache_" + name, None)
         return v[0]
+
+
+@contextlib.contextmanager
+def not_stashed(module: Module):
+    """A training-mode forward inside this block keeps nothing for backward (dropout still draws
+    its masks): full activation recomputation runs a layer's first forward so, and reruns it for
+    real in backward."""
+    mods = list(module.modules())
+    for m in mods:
+        m.stash = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.__dict__.pop("stash", None)

@@ -6,6 +6,12 @@ ParallelMLP: replicated [B, T, h] -> column (h -> 4h, sharded) -> bias + GeLU (f
 ParallelTransformerBlock: x + dropout(attn(ln_1(x))), then x + dropout(mlp(ln_2(x))).
 Communication per block: 2 all-reduces of B*T*h forward (the two row projections) and 2
 backward (dx of the two column projections).
+
+Activation recomputation (`ParallelTransformerBlock.recompute`, set by `GPT.set_recompute`):
+"full" keeps only the block's input; its first forward stashes nothing (`not_stashed`), and
+backward reruns the forward from the input, with the dropout streams put back where they were,
+so the masks, the activations and the gradients are those of the first pass bit for bit.
+"selective" is the attention's (`ParallelAttention.recompute_core`).
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import numpy as np
 from .. import ops
 from .attention import ParallelAttention
 from .layers import ColumnParallelLinear, Dropout, LayerNorm, RowParallelLinear
-from .parameter import Module, normal_init
+from .parameter import Module, normal_init, not_stashed
 from .random import REPLICATED, RNGTracker
 from .validation import check_mlp
 
@@ -65,12 +71,28 @@ class ParallelTransformerBlock(Module):
         self.mlp = ParallelMLP(ctx, n_embd, mlp_hidden, name=f"{name}.mlp", n_layer=n_layer, bias=bias, gelu=gelu,
                                seed=seed, dtype=dtype)
         self.mlp_dropout = Dropout(dropout, rng, REPLICATED)
+        self.rng = rng
+        self.recompute = False  # full recomputation: keep only the input (module docstring)
 
-    def forward(self, x):
+    def _forward(self, x):
         x = x + self.attn_dropout.forward(self.attn.forward(self.ln_1.forward(x)))
         return x + self.mlp_dropout.forward(self.mlp.forward(self.ln_2.forward(x)))
 
+    def forward(self, x):
+        if not (self.recompute and self.training):
+            return self._forward(x)
+        self._save("input", (x, dict(self.rng.offsets)))  # and where the dropout streams stood
+        with not_stashed(self):
+            return self._forward(x)
+
     def backward(self, dy):
+        if self.recompute:
+            x, offsets = self._load("input")
+            after, self.rng.offsets = self.rng.offsets, dict(offsets)
+            try:
+                self._forward(x)  # the first pass again, this time stashed
+            finally:
+                self.rng.offsets = after
         # dy flows into both the residual and the MLP branch
         dx = dy + self.ln_2.backward(self.mlp.backward(self.mlp_dropout.backward(dy)))
         return dx + self.ln_1.backward(self.attn.backward(self.attn_dropout.backward(dx)))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ..checkpoint import ARCH_FIELDS, read_meta, resolve_checkpoint
-from ..model import PRESETS, GPTConfig
+from ..model import GPT, PRESETS, GPTConfig
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks
@@ -48,6 +48,7 @@ CHOICES = {
     "device": "auto", "tp": None, "dp": None, "micro_batch_size": None,
     "run_steps": None, "max_skips": 5,
     "distributed_optimizer": False, "grad_reduce_dtype": "float32",
+    "recompute": "none", "recompute_layers": None,
     "loss_scale": None, "initial_loss_scale": 2.0 ** 16, "loss_scale_window": 1000, "hysteresis": 2,
     "min_loss_scale": 1.0,
     "eval_every": 50, "eval_batches": 4,
@@ -80,6 +81,8 @@ class RunConfig:
     loss_scale_window: int = 1000  # clean steps before the dynamic scale doubles
     hysteresis: int = 2  # overflows before the dynamic scale halves
     min_loss_scale: float = 1.0
+    recompute: str = "none"  # activation recomputation: "selective" (core attention) or "full" (layers)
+    recompute_layers: int | None = None  # with "full": the first N layers (None: all)
     # run settings (RUN_SETTINGS): the training itself, kept by checkpoints, fixed on resume
     # except steps
     steps: int = 200
@@ -144,6 +147,13 @@ class RunConfig:
         if self.min_loss_scale > self.initial_loss_scale:
             raise ConfigError(f"--min-loss-scale {self.min_loss_scale:g} exceeds --initial-loss-scale "
                               f"{self.initial_loss_scale:g}")
+        if self.recompute not in GPT.RECOMPUTE:
+            raise ConfigError(f"--recompute must be one of {', '.join(GPT.RECOMPUTE)}, got {self.recompute!r}")
+        if self.recompute_layers is not None and (
+                self.recompute != "full" or not isinstance(self.recompute_layers, int)
+                or isinstance(self.recompute_layers, bool) or not 1 <= self.recompute_layers <= self.model.n_layer):
+            raise ConfigError(f"--recompute-layers {self.recompute_layers!r} needs --recompute full and an integer "
+                              f"in [1, n_layer={self.model.n_layer}]")
         _positive_int("loss_scale_window", self.loss_scale_window)
         _positive_int("hysteresis", self.hysteresis)
         self.model.validate(self.tp)
@@ -265,8 +275,8 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
                if choices.get(k) is not None]
     if dynamic and (model.dtype != "float16" or c["loss_scale"] is not None):
         why = "a static --loss-scale is set" if c["loss_scale"] is not None else f"the model is {model.dtype}"
-        raise ConfigError(f"--{_flag(dynamic[0])} {choices[dynamic[0]]} sets the dynamic float16 loss scale, but {why}; "
-                          "omit it")
+        raise ConfigError(f"--{_flag(dynamic[0])} {choices[dynamic[0]]} sets the dynamic float16 loss scale, "
+                          f"but {why}; omit it")
     tp = c["tp"] or choose_tp(world, ranks_per_node, model, device)
     model.validate(tp)  # (RunConfig checks it again; here its message comes before the mesh's)
     mesh = validate_mesh(world, tp, c["dp"])
@@ -280,6 +290,7 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
+        recompute=c["recompute"], recompute_layers=c["recompute_layers"],
         loss_scale=c["loss_scale"], initial_loss_scale=c["initial_loss_scale"],
         loss_scale_window=c["loss_scale_window"], hysteresis=c["hysteresis"], min_loss_scale=c["min_loss_scale"],
         max_skips=c["max_skips"], run_steps=c["run_steps"], eval_every=c["eval_every"],

@@ -178,6 +178,7 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
+    model.set_recompute(cfg.recompute, cfg.recompute_layers)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
     if cfg.distributed_optimizer:
         flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp))
