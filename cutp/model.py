@@ -206,7 +206,7 @@ class GPT(Module):
         self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
                                           dtype=dt)
         self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
-        self.drop = Dropout(c.dropout, self.rng, REPLICATED)
+        self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
         self.h = [ParallelTransformerBlock(ctx, c.n_embd, c.n_head, c.kv_heads, c.hidden, name=f"h.{i}",
                                            rng=self.rng, n_layer=c.n_layer, bias=c.bias, dropout=c.dropout,
                                            gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt)

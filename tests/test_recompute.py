@@ -123,3 +123,39 @@ def test_cli_runs_with_recomputation_give_the_same_losses_at_tp2_x_dp2(tmp_path)
         rows[name] = [(r["loss"], r["grad_norm"]) for r in _metrics(m)]
     assert len(rows["none"]) == 8
     assert rows["selective"] == rows["none"] and rows["full1"] == rows["none"]
+
+
+# ---- dropout that no layout changes (issue 14, second part) -------------------------------------
+def test_dropout_rows_at_their_own_offsets():
+    from cutp import ops
+
+    x = np.random.default_rng(0).standard_normal((3, 4, 5))
+    y, ctx = ops.dropout_forward(x, 0.3, 7, 100)
+    y2, ctx2 = ops.dropout_forward_rows(x, 0.3, 7, [100, 120, 140])  # rows that follow each other
+    assert np.array_equal(y, y2) and np.array_equal(ctx.mask, ctx2.mask)
+    y3, ctx3 = ops.dropout_forward_rows(x, 0.3, 7, [100, 500, 140])
+    assert np.array_equal(ctx3.mask[0], ctx.mask[0]) and np.array_equal(ctx3.mask[2], ctx.mask[2])
+    assert np.array_equal(ctx3.mask[1], ops.dropout_mask(np, (4, 5), 0.3, 7, 500))
+    assert np.array_equal(ops.dropout_backward(np.ones_like(x), ctx3), ctx3.mask / 0.7)
+
+
+def test_cli_losses_with_dropout_are_the_same_at_every_layout(tmp_path):
+    """float64, --dropout 0.1, 8 steps: tp 1, 2, 4, tp2 x dp2 with micro-batches, dp 2 with
+    micro-batch 1 and full recomputation, GQA with KV heads replicated over TP: the losses of one
+    rank within 1e-10 (the masks are functions of the global positions, not of the layout)."""
+    base = ["--preset", "tiny", "--set", "n_layer=2", "--dtype", "float64", "--seq-len", "32", "--batch-size", "8",
+            "--dropout", "0.1", "--steps", "8", "--eval-every", "0", "--quiet"]
+    losses = {}
+    for name, n, extra in (("tp1", 1, ["--tp", "1"]), ("tp2", 2, ["--tp", "2"]),
+                           ("tp2dp2", 4, ["--tp", "2", "--dp", "2", "--micro-batch-size", "2"]),
+                           ("dp2", 2, ["--tp", "1", "--dp", "2", "--micro-batch-size", "1", "--recompute", "full"]),
+                           ("gqa1", 1, ["--tp", "1", "--set", "n_kv_head=2"]),
+                           ("gqa4", 4, ["--tp", "4", "--set", "n_kv_head=2"])):
+        m = tmp_path / f"{name}.jsonl"
+        run_mpi(n, TRAIN, base + ["--metrics", str(m)] + extra, timeout=240)
+        losses[name] = np.array([r["loss"] for r in _metrics(m)])
+    assert len(losses["tp1"]) == 8
+    for name in ("tp2", "tp2dp2", "dp2"):
+        np.testing.assert_allclose(losses[name], losses["tp1"], rtol=1e-10, atol=0, err_msg=name)
+    np.testing.assert_allclose(losses["gqa4"], losses["gqa1"], rtol=1e-10, atol=0)
+    assert not np.allclose(losses["gqa1"], losses["tp1"])  # (another model: the comparison is not vacuous)

@@ -26,7 +26,7 @@ import numpy as np
 from cutp.runtime.backend import get_array_module
 
 from ._common import as_dtype, compute_dtype, parallel_map
-from .dropout import dropout_backward, dropout_forward, dropout_mask
+from .dropout import dropout_backward, dropout_forward_rows, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
 # ---- Blocked NumPy path ------------------------------------------------------------------------
@@ -87,6 +87,8 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
         dropout_p, seed, offset: attention dropout on the probabilities [B, nkv, g, Tq, Tk],
             by ``dropout_forward(probs, dropout_p, seed, offset)``: the caller owns the RNG
             stream and advances it by ``B * nkv * g * Tq * Tk``. ``dropout_p == 0``: none.
+            ``offset`` may also be a sequence of B offsets, one per batch row (each row's mask
+            drawn at its own place: ``dropout_forward_rows``).
         blocked: ``None`` picks the blocked path for NumPy arrays without dropout, the plain
             one otherwise; ``False`` forces the plain path; ``True`` the blocked one (NumPy,
             no dropout, else ``ValueError``).
@@ -130,7 +132,8 @@ def _forward_plain(q, k, v, scale, dropout_p, seed, offset):
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
     scores = qc @ kc[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
     probs, softmax_ctx = softmax_forward(scores, scale=scale, causal=True)
-    dropped, dropout_ctx = dropout_forward(probs, dropout_p, seed, offset)  # p == 0: probs itself
+    rows = offset if isinstance(offset, (list, tuple)) else [offset + b * probs[0].size for b in range(len(probs))]
+    dropped, dropout_ctx = dropout_forward_rows(probs, dropout_p, seed, rows)  # p == 0: probs itself
     o = as_dtype(dropped @ vc[:, :, None], q.dtype)  # [B, nkv, g, Tq, hd]
     return o, AttentionCtx(q, k, v, softmax=softmax_ctx, dropout=dropout_ctx, probs=dropped)
 
@@ -249,5 +252,7 @@ def causal_attention_reference(q, k, v, scale=None, dropout_p: float = 0.0, seed
     probs = probs / probs.sum(axis=-1, keepdims=True)
     if dropout_p:
         keep_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-        probs = probs * dropout_mask(xp, probs.shape, dropout_p, seed, offset) * keep_scale
+        rows = offset if isinstance(offset, (list, tuple)) else [offset + b * probs[0].size for b in range(len(probs))]
+        mask = xp.stack([dropout_mask(xp, probs.shape[1:], dropout_p, seed, o) for o in rows])
+        probs = probs * mask * keep_scale
     return xp.einsum("bhgqk,bhkd->bhgqd", probs, v)

@@ -140,6 +140,24 @@ def dropout_forward(x, p: float, seed: int, offset: int):
     return _apply(x, mask, scale, xp), DropoutCtx(mask, scale)
 
 
+def dropout_forward_rows(x, p: float, seed: int, row_offsets):
+    """:func:`dropout_forward` with the mask of each row ``x[b]`` drawn at its own offset,
+    ``row_offsets[b]`` (rows that are not contiguous in the counter space: the attention's
+    probabilities of a rank's heads, at their global heads' places). Offsets that follow each
+    other (``row_offsets[b] = row_offsets[0] + b * x[0].size``) give :func:`dropout_forward`'s
+    mask exactly, and are drawn in one piece."""
+    xp = get_array_module(x)
+    offsets = [int(o) for o in row_offsets]
+    if len(offsets) != x.shape[0]:
+        raise ValueError(f"dropout_forward_rows: {len(offsets)} offsets for {x.shape[0]} rows")
+    row = math.prod(x.shape[1:])
+    if float(p) == 0.0 or all(o == offsets[0] + b * row for b, o in enumerate(offsets)):
+        return dropout_forward(x, p, seed, offsets[0] if offsets else 0)
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    mask = xp.stack([dropout_mask(xp, x.shape[1:], p, seed, o) for o in offsets])
+    return _apply(x, mask, scale, xp), DropoutCtx(mask, scale)
+
+
 def dropout_backward(dy, ctx: DropoutCtx):
     """``dx = (dy * mask) * scale`` in ``dy``'s dtype; with ``ctx.mask is None`` (p == 0)
     returns ``dy`` itself."""

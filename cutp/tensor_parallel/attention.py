@@ -57,7 +57,8 @@ class ParallelAttention(Module):
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
         self.c_proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.c_proj", bias=bias, seed=seed,
                                         dtype=dtype, init=normal_init(0.02 / math.sqrt(2 * n_layer)))
-        self.attn_dropout = Dropout(attn_dropout, rng, SHARDED)
+        self.n_head = n_head
+        self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.recompute_core = False  # selective recomputation (module docstring)
         if tp > n_kv_head:
             # one group per layout: which ranks share a KV head depends on n_kv_head
@@ -88,8 +89,10 @@ class ParallelAttention(Module):
         qkv = self.c_attn.forward(x)
         q, k, v = self._split_heads(qkv)
         B, T = x.shape[0], x.shape[1]
-        # one draw for the whole probability tensor [B, nq, T, T] (p 0: none, in eval or without dropout)
-        p, seed, offset = self.attn_dropout.draw(B * self.nq * T * T)
+        # the probabilities [B, nq, T, T] of this rank's heads, at their global heads' places in each
+        # row's [n_head, T, T] (p 0: none, in eval or without dropout)
+        p, seed, offset = self.attn_dropout.draw_rows(B, self.nq * T * T, first_elem=self.ctx.tp_rank * self.nq * T * T,
+                                                      global_row_elems=self.n_head * T * T)
         o, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offset)
         self._save("attn", ((q, k, v), (p, seed, offset)) if self.recompute_core else attn_ctx)
         return self.c_proj.forward(self._merge_heads(o))

@@ -231,28 +231,39 @@ class LayerNorm(Module):
 
 
 class Dropout(Module):
-    """Dropout whose mask comes from one stream of an RNGTracker ("replicated" or "sharded")."""
+    """Dropout whose mask comes from one stream of an RNGTracker ("replicated" or "sharded"), or,
+    for a named `site` once the tracker has a position (training), from the element's global
+    position (cutp.tensor_parallel.random), so that no layout changes the masks. Input and output:
+    whatever layout (a replicated activation [B, T, h] here)."""
 
-    def __init__(self, p: float, rng: RNGTracker, stream: str):
+    def __init__(self, p: float, rng: RNGTracker, stream: str, site: str | None = None):
         self.p = float(p)
         self.rng = rng
         self.stream = stream
+        self.site = site
 
-    def draw(self, n: int) -> tuple[float, int, int]:
-        """``(p, seed, offset)`` for ``n`` elements, for this layer's forward or an op that applies
-        the dropout itself (the attention's probabilities): ``p`` is 0.0 and nothing is drawn in
-        eval mode or without dropout."""
+    def draw_rows(self, rows: int, row_elems: int, first_elem: int = 0, global_row_elems: int | None = None):
+        """``(p, seed, offsets)``: the first counter of each of `rows` local batch rows, whose
+        `row_elems` elements sit at [first_elem, first_elem + row_elems) of a global row of
+        `global_row_elems` (default row_elems): by position when the tracker has one and the site
+        a name, else from the stream. ``p`` 0.0 (offsets all 0) in eval mode or without dropout."""
         if not self.training or self.p == 0.0:
-            return 0.0, 0, 0
-        seed, offset = self.rng.draw(self.stream, n)
-        return self.p, seed, offset
+            return 0.0, 0, [0] * rows
+        if self.rng.position is None or self.site is None:
+            seed, offset = self.rng.draw(self.stream, rows * row_elems)
+            return self.p, seed, [offset + r * row_elems for r in range(rows)]
+        step, row0, batch = self.rng.position
+        per_row = global_row_elems or row_elems
+        return self.p, self.rng.site_seed(self.site), [(step * batch + row0 + r) * per_row + first_elem
+                                                       for r in range(rows)]
 
     def forward(self, x):
-        p, seed, offset = self.draw(x.size)
+        rows = x.shape[0] if x.ndim else 1
+        p, seed, offsets = self.draw_rows(rows, x.size // max(rows, 1))
         if p == 0.0:
             self._save("ctx", None)
             return x
-        y, dctx = ops.dropout_forward(x, p, seed, offset)
+        y, dctx = ops.dropout_forward(x, p, seed, offsets[0])  # its rows follow each other
         self._save("ctx", dctx)
         return y
 

@@ -9,6 +9,13 @@ the masks are bit-identical on NumPy, CuPy and in our CUDA kernel.
   the masks must be too); folded with the DP rank, since DP ranks see different data.
 - "sharded": a different seed per TP rank (attention probabilities are split by heads), as
   Megatron's model-parallel stream (seed + 2718 + tp_rank).
+
+Those streams depend on the layout. Training draws by position instead (`set_position`, which
+`cutp.train.train_step` calls before each micro-batch): a dropout site named `site` uses the
+seed `site_seed(site)` and, for the element at global batch row R (of the step's global batch
+of B sequences), global element e of that row's E (all heads, all features), the counter
+(step * B + R) * E + e. So a mask is a pure function of (seed, site, step, global token, global
+feature): TP, DP, micro-batching and recomputation all give the same masks.
 """
 from __future__ import annotations
 
@@ -32,6 +39,15 @@ class RNGTracker:
             SHARDED: _mix(seed, 2718, "sharded", dp_rank, tp_rank),
         }
         self.offsets = {REPLICATED: 0, SHARDED: 0}
+        self.position: tuple[int, int, int] | None = None  # (step, first global row, global batch)
+
+    def set_position(self, step: int, first_row: int, batch: int) -> None:
+        """The micro-batch about to run: optimizer step `step`, its first sequence's row in the
+        step's global batch of `batch` sequences. Dropout sites with a name then draw by position."""
+        self.position = (int(step), int(first_row), int(batch))
+
+    def site_seed(self, site: str) -> int:
+        return _mix(self.seed, "site", site)
 
     def draw(self, stream: str, n: int) -> tuple[int, int]:
         """(seed, offset) for n random numbers from `stream`; advances the stream."""

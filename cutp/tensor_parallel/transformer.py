@@ -66,11 +66,11 @@ class ParallelTransformerBlock(Module):
         self.ln_1 = LayerNorm(ctx, n_embd, name=f"{name}.ln_1", eps=ln_eps, bias=bias, seed=seed, dtype=dtype)
         self.attn = ParallelAttention(ctx, n_embd, n_head, n_kv_head, name=f"{name}.attn", rng=rng, n_layer=n_layer,
                                       bias=bias, attn_dropout=dropout, seed=seed, dtype=dtype)
-        self.attn_dropout = Dropout(dropout, rng, REPLICATED)
+        self.attn_dropout = Dropout(dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
         self.ln_2 = LayerNorm(ctx, n_embd, name=f"{name}.ln_2", eps=ln_eps, bias=bias, seed=seed, dtype=dtype)
         self.mlp = ParallelMLP(ctx, n_embd, mlp_hidden, name=f"{name}.mlp", n_layer=n_layer, bias=bias, gelu=gelu,
                                seed=seed, dtype=dtype)
-        self.mlp_dropout = Dropout(dropout, rng, REPLICATED)
+        self.mlp_dropout = Dropout(dropout, rng, REPLICATED, site=f"{name}.mlp_dropout")
         self.rng = rng
         self.recompute = False  # full recomputation: keep only the input (module docstring)
 

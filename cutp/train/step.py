@@ -254,8 +254,11 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         clock.enter("forward")  # reading the step's batch counts with the forward
         batches = list(run.sampler.micro_batches(n))
         loss_sum = 0.0
+        per_rank = cfg.batch_size // cfg.dp
         for micro, (x, y) in enumerate(batches):
             clock.enter("forward")
+            # dropout masks by global position: this micro-batch's first row in the step's batch
+            model.rng.set_position(n, ctx.dp_rank * per_rank + micro * cfg.micro_batch_size, cfg.batch_size)
             model.check_inputs(x, y)  # on the host arrays: no device round trip
             loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
             ctx.watchdog.progress()
