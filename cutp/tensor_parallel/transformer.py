@@ -81,18 +81,19 @@ class ParallelTransformerBlock(Module):
     def forward(self, x):
         if not (self.recompute and self.training):
             return self._forward(x)
-        self._save("input", (x, dict(self.rng.offsets)))  # and where the dropout streams stood
+        self._save("input", (x, dict(self.rng.offsets), self.rng.position))  # and where the dropout draws stood
         with not_stashed(self):
             return self._forward(x)
 
     def backward(self, dy):
         if self.recompute:
-            x, offsets = self._load("input")
-            after, self.rng.offsets = self.rng.offsets, dict(offsets)
+            x, offsets, position = self._load("input")
+            after = self.rng.offsets, self.rng.position
+            self.rng.offsets, self.rng.position = dict(offsets), position
             try:
                 self._forward(x)  # the first pass again, this time stashed
             finally:
-                self.rng.offsets = after
+                self.rng.offsets, self.rng.position = after
         # dy flows into both the residual and the MLP branch
         dx = dy + self.ln_2.backward(self.mlp.backward(self.mlp_dropout.backward(dy)))
         return dx + self.ln_1.backward(self.attn.backward(self.attn_dropout.backward(dx)))

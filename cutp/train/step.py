@@ -266,6 +266,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             clock.enter("backward")
             model.backward(scaler.scale / run.sampler.accum_steps)
             ctx.watchdog.progress()
+        model.rng.position = None  # a forward outside train_step draws from its streams again
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
         tp_grad_sync(model.parameters())
