@@ -330,6 +330,8 @@ class GPT(Module):
                 full = self.ctx.to_numpy(full)
                 if p.real_rows is not None:
                     full = full[: p.real_rows]
+                if isinstance(full, np.ndarray) and np.may_share_memory(full, p.data):
+                    full = full.copy()  # a replicated parameter's own array: a copy, never a live view
                 out[p.name] = np.ascontiguousarray(full)
         return out if (rank is None or self.ctx.tp_rank == rank) else None
 

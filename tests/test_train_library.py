@@ -222,3 +222,38 @@ def test_data_that_cannot_feed_the_run_is_refused_before_the_context():
         train.build_run(cfg, MPI.COMM_SELF, dataset=wide)
     with pytest.raises(cutp.ConfigError, match="not both"):
         train.build_run(dataclasses.replace(cfg, data="x.txt"), MPI.COMM_SELF, dataset=wide)
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("batch_size", 0, "--batch-size must be an integer >= 1, got 0"),
+    ("seq_len", 0, "--seq-len must be an integer >= 1, got 0"),
+    ("micro_batch_size", 0, "--micro-batch-size must be an integer >= 1, got 0"),
+    ("tp", 0, "--tp must be an integer >= 1, got 0"),
+    ("dp", 0, "--dp must be an integer >= 1, got 0"),
+    ("lr", 0.0, "--lr must be a finite number > 0, got 0.0"),
+])
+def test_a_zero_is_refused_not_taken_for_the_default(flag, value, message):
+    """Issue 16: `x or default` turned a given 0 into the default; 0 is a value, and refused."""
+    with pytest.raises(cutp.ConfigError, match=message):
+        train.resolve_run_config(MPI.COMM_SELF, **{**SMALL, flag: value})
+
+
+def test_the_metrics_directory_is_made_or_refused_at_start(tmp_path):
+    target = tmp_path / "new" / "deeper" / "m.jsonl"
+    train.resolve_run_config(MPI.COMM_SELF, **SMALL, metrics=str(target))
+    assert target.parent.is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(cutp.ConfigError, match="cannot create its directory"):
+        train.resolve_run_config(MPI.COMM_SELF, **SMALL, metrics=str(tmp_path / "file" / "m.jsonl"))
+
+
+def test_gather_state_dict_returns_copies_never_the_live_parameters():
+    """Issue 16: replicated parameters (LayerNorm, position embeddings) came back as the model's
+    own arrays, so editing the returned dict edited the model."""
+    from cutp.model import GPT
+
+    model = GPT(cutp.init(comm=MPI.COMM_SELF, tp=1), GPTConfig.preset("tiny", n_layer=1), seed=0)
+    sd = model.gather_state_dict()
+    for name, a in sd.items():
+        a[...] = 7
+    assert not any(np.all(p.data == 7) for p in model.parameters())

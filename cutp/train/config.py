@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -260,6 +261,13 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
     c = {k: (v if v is not None else CHOICES[k]) for k, v in {**CHOICES, **choices}.items()}
     c["set"] = tuple(c["set"] or ())
+    if c["metrics"]:  # its directory now, not at the first write after minutes of setup
+        parent = os.path.dirname(os.path.abspath(c["metrics"]))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--metrics {c['metrics']}: cannot create its directory {parent} ({e.strerror}); "
+                              "choose a writable path") from None
     device = resolve_device(c["device"])
 
     resume_dir, meta = None, None
@@ -277,16 +285,22 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         why = "a static --loss-scale is set" if c["loss_scale"] is not None else f"the model is {model.dtype}"
         raise ConfigError(f"--{_flag(dynamic[0])} {choices[dynamic[0]]} sets the dynamic float16 loss scale, "
                           f"but {why}; omit it")
-    tp = c["tp"] or choose_tp(world, ranks_per_node, model, device)
+    # None is "not given" (the default is derived); any value given, 0 included, is checked as given
+    given = {k: v for k, v in (("tp", c["tp"]), ("dp", c["dp"]), ("micro_batch_size", c["micro_batch_size"]),
+                               ("batch_size", run["batch_size"]), ("seq_len", run["seq_len"])) if v is not None}
+    for name, v in given.items():
+        _positive_int(name, v)
+    tp = given.get("tp") or choose_tp(world, ranks_per_node, model, device)
     model.validate(tp)  # (RunConfig checks it again; here its message comes before the mesh's)
     mesh = validate_mesh(world, tp, c["dp"])
-    seq_len = run["seq_len"] or (min(model.block_size, 256) if device == "cpu" else model.block_size)
-    batch = run["batch_size"] or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp
+    seq_len = given.get("seq_len") or (min(model.block_size, 256) if device == "cpu" else model.block_size)
+    batch = given.get("batch_size") or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp
     steps = run["steps"]
     return RunConfig(
         model=model, device=device, tp=tp, dp=mesh.dp,
-        steps=steps, batch_size=batch, micro_batch_size=c["micro_batch_size"] or batch // mesh.dp,
-        seq_len=seq_len, lr=run["lr"] or (1e-3 if model.n_embd <= 256 else 6e-4), min_lr=run["min_lr"],
+        steps=steps, batch_size=batch, micro_batch_size=given.get("micro_batch_size") or batch // mesh.dp,
+        seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
+        min_lr=run["min_lr"],
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
