@@ -257,3 +257,18 @@ def test_gather_state_dict_returns_copies_never_the_live_parameters():
     for name, a in sd.items():
         a[...] = 7
     assert not any(np.all(p.data == 7) for p in model.parameters())
+
+
+def test_a_resumed_metrics_file_drops_a_torn_last_line_and_refuses_a_corrupt_middle(tmp_path, capsys):
+    """Issue 16: a crash mid-write left a cut last line, and --resume failed on it with a bare
+    JSONDecodeError."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "lo')
+    log = train.MetricsLog(str(path), 0, resumed_step=2)
+    log.write({"step": 3, "loss": 3.0})
+    log.close()
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2, 3]
+    assert "last line was cut short" in capsys.readouterr().err
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        train.MetricsLog(str(path), 0, resumed_step=2)

@@ -3,12 +3,14 @@
 The metrics file holds one JSON object per step (`StepStats.record()`, plus `val_loss` on
 evaluation steps), written by rank 0 and flushed after each row, so that a crash loses nothing
 already reported. A resumed run first drops the rows after its checkpoint's step (a crashed run
-logged them; those steps run again now) and appends after the rest.
+logged them; those steps run again now) and appends after the rest. A last line cut short by a
+crash is dropped with a warning; a line that is not JSON anywhere else is refused.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 class MetricsLog:
@@ -22,7 +24,21 @@ class MetricsLog:
             keep_rows = []
             if os.path.exists(path):
                 with open(path) as f:
-                    keep_rows = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= resumed_step]
+                    lines = f.readlines()
+                for i, ln in enumerate(lines):
+                    if not ln.strip():
+                        continue
+                    try:
+                        rec = json.loads(ln)
+                    except ValueError:
+                        if i < len(lines) - 1:
+                            raise ValueError(f"{path}: line {i + 1} is not JSON (the file is corrupt, not just cut "
+                                             "short); move it aside or pass another --metrics") from None
+                        print(f"warning: {path}: its last line was cut short (a crash while writing it): "
+                              "dropped", file=sys.stderr, flush=True)
+                        continue
+                    if rec.get("step", 0) <= resumed_step:
+                        keep_rows.append(ln if ln.endswith("\n") else ln + "\n")
             with open(path + ".tmp", "w") as f:
                 f.writelines(keep_rows)
             os.replace(path + ".tmp", path)
