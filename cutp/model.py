@@ -273,7 +273,12 @@ class GPT(Module):
         return self.ln_f.forward(x)
 
     def forward(self, idx, targets=None, check=True):
-        """Sharded logits [B, T, padded_vocab/tp] when targets is None, else the mean loss (float)."""
+        """Sharded logits [B, T, padded_vocab/tp] when targets is None, else the mean loss (float)
+        over the targets that are not ignore_index (-100).
+
+        `targets` are already shifted: targets[:, t] is the token that follows idx[:, t] (nanoGPT's
+        convention). Hugging Face's `labels=input_ids` are not: pass
+        `targets=model.targets_from_labels(labels)`."""
         if check:
             self.check_inputs(idx, targets)
         idx = self.ctx.asarray(idx)  # host ids on a GPU model: moved once here (a no-op on the CPU)
@@ -290,6 +295,15 @@ class GPT(Module):
         dx = self.drop.backward(dx)
         self.wpe.backward(dx)
         self.wte.backward(dx)
+
+    def targets_from_labels(self, labels):
+        """Hugging Face-style labels (the input ids themselves, -100 where ignored) -> `forward`'s
+        targets: shifted left by one, the last position ignored. forward(ids, targets_from_labels(
+        ids)) is the loss GPT2LMHeadModel(input_ids=ids, labels=ids) computes."""
+        xp = self.ctx.xp if not isinstance(labels, np.ndarray) else np
+        targets = xp.full(labels.shape, self.loss_fn.ignore_index, dtype=np.int64)
+        targets[:, :-1] = labels[:, 1:]
+        return targets
 
     # ---- generation ---------------------------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int):

@@ -272,3 +272,15 @@ def test_a_resumed_metrics_file_drops_a_torn_last_line_and_refuses_a_corrupt_mid
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         train.MetricsLog(str(path), 0, resumed_step=2)
+
+
+def test_hugging_face_labels_are_shifted_by_targets_from_labels():
+    """Issue 16: forward takes shifted targets; an HF user passing labels=input_ids got a wrong
+    loss silently. targets_from_labels gives HF's loss: the mean over the T-1 next tokens."""
+    from cutp.model import GPT
+
+    model = GPT(cutp.init(comm=MPI.COMM_SELF, tp=1), GPTConfig.preset("tiny", n_layer=1, dtype="float64"), seed=0)
+    ids = np.random.default_rng(0).integers(0, 256, (2, 16))
+    hf = model.forward(ids, model.targets_from_labels(ids))
+    assert abs(hf - model.forward(ids[:, :-1], ids[:, 1:])) < 1e-12  # the causal model: the same positions
+    assert abs(hf - model.forward(ids, ids)) > 1e-3  # what an unshifted call computes instead
