@@ -359,11 +359,13 @@ def _write_dir(full: dict, cfg: GPTConfig, path: str, dtype) -> None:
                 os.remove(t)
 
 
-def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype: str | None = None) -> None:
+def save_hf_gpt2(model_or_state_dict, config: GPTConfig | str | None = None, path: str | None = None,
+                 dtype: str | None = None) -> None:
     """Writes a Hugging Face GPT-2 directory: config.json (a GPT2Config) and model.safetensors.
 
-    `model_or_state_dict` is a cutp GPT (then `config` may be None: the model's is used) or a
-    dict of full, unpadded arrays under cutp's names (then `config` is required). Keys are
+    `model_or_state_dict` is a cutp GPT (then `config` may be None: the model's is used, and
+    `save_hf_gpt2(model, path)` works) or a dict of full, unpadded arrays under cutp's names (then
+    `config` is required). Keys are
     written as `GPT2LMHeadModel.save_pretrained` writes them: `transformer.`-prefixed, without
     `lm_head.weight` when tied (transformers re-ties it on load), with it when untied.
     `dtype` None keeps the arrays' dtype (exact round trip); or one of float32, float64,
@@ -376,6 +378,10 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | None, path: str, dtype
     nothing is communicated. Refuses (before any communication) what GPT-2 cannot express:
     GQA, bias=False.
     """
+    if path is None and isinstance(config, (str, os.PathLike)):  # save_hf_gpt2(model, "dir")
+        config, path = None, config
+    if path is None:
+        raise ConfigError("save_hf_gpt2 needs the directory to write: save_hf_gpt2(model, path)")
     if dtype is not None and dtype not in _SAVE_DTYPES:
         raise ConfigError(f"dtype {dtype!r} cannot be saved; use one of {_SAVE_DTYPES} or None (keep)")
     if isinstance(model_or_state_dict, GPT):

@@ -240,6 +240,10 @@ class GPT(Module):
     def check_inputs(self, idx, targets=None):
         """Raises ValueError naming the offending value and the limit (before any collective)."""
         c = self.config
+        for what, a in (("token ids", idx), ("targets", targets)):
+            if a is not None and not isinstance(getattr(a, "dtype", None), np.dtype):
+                raise TypeError(f"{what} must be a NumPy (or CuPy) integer array, got {type(a).__module__}."
+                                f"{type(a).__name__}; convert it first (e.g. np.asarray(t.cpu()) for a torch tensor)")
         if idx.ndim != 2:
             raise ValueError(f"token ids must be [batch, seq], got shape {tuple(idx.shape)}")
         if idx.dtype.kind not in "iu":

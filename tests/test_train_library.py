@@ -284,3 +284,20 @@ def test_hugging_face_labels_are_shifted_by_targets_from_labels():
     hf = model.forward(ids, model.targets_from_labels(ids))
     assert abs(hf - model.forward(ids[:, :-1], ids[:, 1:])) < 1e-12  # the causal model: the same positions
     assert abs(hf - model.forward(ids, ids)) > 1e-3  # what an unshifted call computes instead
+
+
+def test_api_surprises_of_a_hugging_face_user(tmp_path):
+    """Issue 16: save_hf_gpt2(model, path) needed an explicit None config; a foreign tensor as
+    input failed with "'torch.dtype' object has no attribute 'kind'"."""
+    from cutp.hf import save_hf_gpt2
+    from cutp.model import GPT
+
+    model = GPT(cutp.init(comm=MPI.COMM_SELF, tp=1), GPTConfig.preset("tiny", n_layer=1), seed=0)
+    save_hf_gpt2(model, str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
+
+    class ForeignTensor:  # what a torch tensor looks like to cutp: a dtype that is not NumPy's
+        dtype, ndim, shape = "torch.int64", 2, (1, 4)
+
+    with pytest.raises(TypeError, match="token ids must be a NumPy .* integer array, got .*ForeignTensor"):
+        model.check_inputs(ForeignTensor())
