@@ -84,14 +84,15 @@ class GPTConfig:
     def with_overrides(self, items) -> "GPTConfig":
         """A copy with `KEY=VALUE` strings applied (the `--set` flag of the scripts), each value
         parsed as the field's type ('none' for None)."""
-        fields = {f.name for f in dataclasses.fields(self)}
+        fields = {f.name: f for f in dataclasses.fields(self)}
         changes = {}
         for item in items or ():
             key, sep, value = item.partition("=")
             if not sep or key not in fields:
                 raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
             current = getattr(self, key)
-            if value.lower() in ("none", "null"):
+            optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
+            if value.lower() in ("none", "null") and optional:
                 changes[key] = None
             elif isinstance(current, bool):
                 changes[key] = value.lower() in ("1", "true", "yes")

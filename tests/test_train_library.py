@@ -301,3 +301,11 @@ def test_api_surprises_of_a_hugging_face_user(tmp_path):
 
     with pytest.raises(TypeError, match="token ids must be a NumPy .* integer array, got .*ForeignTensor"):
         model.check_inputs(ForeignTensor())
+
+
+def test_set_gelu_none_is_the_string_and_optional_fields_take_none():
+    """Issue 16 (found on the way): --set gelu=none became None (then refused), so the exact-erf
+    GeLU could not be chosen from the command line."""
+    c = GPTConfig.preset("tiny").with_overrides(["gelu=none", "n_kv_head=none", "mlp_hidden=256"])
+    assert c.gelu == "none" and c.n_kv_head is None and c.mlp_hidden == 256
+    c.validate(1)
