@@ -422,3 +422,35 @@ def test_dynamic_loss_scale_flags_are_refused_where_they_do_nothing():
     scaler = train.step.make_loss_scaler(cfg)
     assert scaler.dynamic and scaler.scale == 1024.0 and scaler.hysteresis == 1
     assert not train.step.make_loss_scaler(dataclasses.replace(cfg, loss_scale=8.0)).dynamic
+
+
+def _worker_dp_comm_against_the_plan():
+    """A step's counted DP collectives equal `cutp bench plan`'s, plain and distributed, bf16."""
+    from cutp.bench.plan import arch_from_config, plan
+
+    world = MPI.COMM_WORLD
+    for distributed in (False, True):
+        cfg = train.resolve_run_config(world, **LIB, dtype="bfloat16", tp=1, dp=2, batch_size=4, steps=2,
+                                       distributed_optimizer=distributed)
+        run = train.build_run(cfg, world)
+        train.train_step(run)  # warm: the same collectives every step
+        c = run.ctx.counter
+        ops = ("all_reduce", "reduce_scatter", "all_gather")
+        before = {op: (c.calls(group="dp", op=op), c.bytes(group="dp", op=op)) for op in ops}
+        train.train_step(run)
+        got = {op: (c.calls(group="dp", op=op) - before[op][0], c.bytes(group="dp", op=op) - before[op][1])
+               for op in ops}
+        p = plan(arch_from_config("tiny", cfg.model), tp=1, dp=2, micro_batch=cfg.micro_batch_size,
+                 seq_len=cfg.seq_len, accum=cfg.accum_steps, dtype="bfloat16", distributed_optimizer=distributed,
+                 config=cfg.model, device="cpu")
+        if distributed:
+            assert got["reduce_scatter"] == (1, p["dp_reduce_scatter"]["bytes"]) > (1, 0), got
+            assert got["all_gather"] == (1, p["dp_all_gather"]["bytes"]), got
+            assert got["all_reduce"] == (1, 16), got  # the norm's [sum of squares, non-finite count], float64
+        else:
+            assert got["all_reduce"] == (1, p["dp_allreduce"]["bytes"]) and got["reduce_scatter"][0] == 0, got
+        run.close()
+
+
+def test_dp_communication_is_what_the_planner_says():
+    run_mpi(2, "tests.test_mixed_precision:_worker_dp_comm_against_the_plan", timeout=120)

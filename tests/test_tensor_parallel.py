@@ -142,8 +142,10 @@ def _worker_layers_and_cross_entropy(n):
     _worker_cross_entropy(n)
 
 
-def _gpt_run(ctx, cfg, seed=0):
+def _gpt_run(ctx, cfg, seed=0, recompute="none"):
     model = GPT(ctx, cfg, seed=seed)
+    model.set_recompute(recompute)
+    model.rng.set_position(0, 0, B)  # dropout by global position, as train_step draws it
     rng = np.random.default_rng(21)
     idx = rng.integers(0, cfg.vocab_size, (B, T))
     tgt = rng.integers(0, cfg.vocab_size, (B, T))
@@ -166,11 +168,13 @@ def _gpt_run(ctx, cfg, seed=0):
 
 def _worker_gpt_stack(n, cases):
     for kw in cases:
+        kw = dict(kw)
+        recompute = kw.pop("recompute", "none")  # at TP=n only: the reference keeps everything
         cfg = GPTConfig(**kw)
         dtype = np.float64 if cfg.dtype == "float64" else np.float32
         ctx, _ = group_ctx(n)
         ref = _gpt_run(self_ctx(), cfg)
-        got = _gpt_run(ctx, cfg)
+        got = _gpt_run(ctx, cfg, recompute=recompute)
         t = tol(dtype)
         assert abs(got["loss"] - ref["loss"]) <= t * abs(ref["loss"]), (got["loss"], ref["loss"], kw)
         assert_close(got["logits"], ref["logits"], t, f"gpt tp={n} {kw} logits")
@@ -187,6 +191,12 @@ STACKS = [
          label_smoothing=0.1, mlp_hidden=24),
     dict(n_layer=2, n_head=8, n_kv_head=8, n_embd=16, vocab_size=50, block_size=8, dtype="float64", bias=False,
          tie_embeddings=False, gelu="none"),
+    # dropout 0.1 (masks by global position) with recomputation at TP=n, GQA, an odd vocabulary:
+    # loss and every gradient as one rank's, which keeps everything
+    dict(n_layer=2, n_head=8, n_kv_head=2, n_embd=32, vocab_size=97, block_size=8, dtype="float64", dropout=0.1,
+         recompute="full"),
+    dict(n_layer=2, n_head=8, n_embd=32, vocab_size=97, block_size=8, dtype="float64", dropout=0.1,
+         recompute="selective"),
 ]
 
 
@@ -223,7 +233,7 @@ def test_gpt_stack_tp2_tp4():
 
 
 def test_gpt_stack_tp8():
-    cases = [dict(STACKS[0], n_head=8), dict(STACKS[1], n_head=8), STACKS[2], STACKS[3]]
+    cases = [dict(STACKS[0], n_head=8), dict(STACKS[1], n_head=8), STACKS[2], STACKS[3], STACKS[4], STACKS[5]]
     run_mpi(8, "tests.test_tensor_parallel:_worker_gpt_stack", 8, cases, timeout=300)
 
 

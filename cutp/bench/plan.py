@@ -264,8 +264,10 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
                              N if on_dp and not distributed_optimizer else 0, gb, 2 * dp_one),
         "dp_reduce_scatter": coll(1 if on_dp and distributed_optimizer else 0,
                                   N if on_dp and distributed_optimizer else 0, gb, dp_one),
+        # (counted as the communicators count it: the buffer this rank passes, its 1/dp shard; a
+        # ring sends it dp - 1 times)
         "dp_all_gather": coll(1 if on_dp and distributed_optimizer else 0,
-                              N if on_dp and distributed_optimizer else 0, pb, dp_one),
+                              N // dp if on_dp and distributed_optimizer else 0, pb, dp - 1),
     }
     state = st["params"] + st["grads"] + st["optimizer"]
     out["model_state_bytes"] = state
@@ -353,12 +355,13 @@ def run(args) -> Report:
             ("TP all-reduce (CE stats)", "ce_allreduce", "max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32")]
     if dist:
         rows += [("DP reduce-scatter (gradients)", "dp_reduce_scatter", "padded gradient buffer, once per step"),
-                 ("DP all-gather (parameters)", "dp_all_gather", f"padded parameter buffer, {dt}")]
+                 ("DP all-gather (parameters)", "dp_all_gather", f"this rank's 1/dp of the padded parameters, {dt}")]
     else:
         rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
     for what, key, formula in rows:
         c = r[key]
         cm.add(what=what, calls=c["calls"], elements=c["elements"], gb=c["bytes"] / GB, wire=c["wire_bytes"] / GB,
                formula=formula)
-    cm.notes.append("wire = buffer x 2(n-1)/n (ring all-reduce), (n-1)/n (reduce-scatter, all-gather)")
+    cm.notes.append("wire = buffer x 2(n-1)/n (ring all-reduce), (n-1)/n (reduce-scatter), n-1 (all-gather: the buffer "
+                    "is this rank's shard)")
     return report
