@@ -107,7 +107,8 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, t
     was_training = model.training
     model.eval()
     try:
-        out = _decode_loop(model, idx, max_new_tokens, temperature, top_k, seed, use_cache, stop_token)
+        with model.without_sequence_parallel():  # whatever the model trains with
+            out = _decode_loop(model, idx, max_new_tokens, temperature, top_k, seed, use_cache, stop_token)
     finally:
         model.free_cache()
         if was_training:

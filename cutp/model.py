@@ -6,11 +6,14 @@
     model.backward()                       # accumulates into every Parameter.grad
 
 Layouts: token ids and targets are replicated over the TP group; activations between blocks
-are replicated [B, T, n_embd]; the logits stay sharded over the vocabulary (never gathered).
+are replicated [B, T, n_embd] (with `set_sequence_parallel()`: this rank's tokens [B, T/tp,
+n_embd], so LayerNorm, dropout and the residual adds run on T/tp tokens); the logits stay
+sharded over the vocabulary (never gathered).
 Parameters use GPT-2's names; `gather_state_dict` returns full, unpadded tensors under them.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -25,12 +28,14 @@ from .runtime.errors import ConfigError
 from .runtime.failure import errors_raised_on_every_rank
 from .tensor_parallel import (
     REPLICATED,
+    ColumnParallelLinear,
     Dropout,
     LayerNorm,
     Module,
     ParallelLMHead,
     ParallelTransformerBlock,
     RNGTracker,
+    RowParallelLinear,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     gather_full,
@@ -170,19 +175,26 @@ class GPTConfig:
 
 
 class PositionEmbedding(Module):
-    """Learned positions, replicated on every TP rank. Input: T. Output: [T, n_embd]."""
+    """Learned positions, replicated on every TP rank. Input: T. Output: [T, n_embd], or with
+    `sequence_shard = (rank, size)` this rank's positions [T/size, n_embd] of the T."""
 
     def __init__(self, ctx, block_size, dim, *, name, seed, dtype):
         self.weight = make_parameter(ctx, f"{name}.weight", (block_size, dim), normal_init(0.02), None, seed=seed,
                                      dtype=dtype)
+        self.sequence_shard: tuple[int, int] | None = None
 
     def forward(self, T):
-        self._save("T", T)
-        return self.weight.data[:T]
+        start, stop = 0, T
+        if self.sequence_shard is not None:
+            rank, size = self.sequence_shard
+            start, stop = rank * T // size, (rank + 1) * T // size
+        self._save("rows", (start, stop))
+        return self.weight.data[start:stop]
 
     def backward(self, dy):
-        T = self._load("T")  # 16-bit dy: summed over the batch in float32
-        self.weight.grad[:T] += as_dtype(dy, compute_dtype(dy.dtype)).reshape(-1, T, dy.shape[-1]).sum(axis=0)
+        start, stop = self._load("rows")  # 16-bit dy: summed over the batch in float32
+        self.weight.grad[start:stop] += as_dtype(dy, compute_dtype(dy.dtype)).reshape(
+            -1, stop - start, dy.shape[-1]).sum(axis=0)
 
 
 class GPT(Module):
@@ -220,6 +232,44 @@ class GPT(Module):
                                           name="lm_head", seed=seed, dtype=dt)
         self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
                                                  label_smoothing=c.label_smoothing)
+        self.sequence_parallel = False
+
+    # ---- sequence parallelism ------------------------------------------------------------------
+    def set_sequence_parallel(self, on: bool = True) -> None:
+        """Between the tensor-parallel regions, keep each sequence split over the TP ranks
+        (Korthikanti et al. 2022): the embedding reduce-scatters along the sequence, each column
+        projection all-gathers before its matmul, each row projection reduce-scatters after it,
+        the LM head gathers; LayerNorm, dropout and residual adds run on T/tp tokens. The same
+        bytes as the all-reduces it replaces; the replicated parameters (LayerNorms, row biases,
+        positions) are summed over TP by `tp_grad_sync`. Training sequences must split over tp;
+        other forwards whose length does not (evaluation, logits), and generation, run without it. A no-op at
+        tp 1. Changes memory, never the math."""
+        self.sequence_parallel = bool(on)
+        self._lay_out_sequence(self.sequence_parallel)
+
+    def _lay_out_sequence(self, on: bool) -> None:
+        on = on and self.ctx.tp_size > 1
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead)):
+                m.sequence_parallel = on
+        shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
+        for m in [self.drop, self.wpe] + [d for b in self.h for d in (b.attn_dropout, b.mlp_dropout)]:
+            m.sequence_shard = shard
+        for p in self.parameters():  # the replicated ones are exactly those used on sequence shards
+            p.sequence_parallel = on and p.sharding is None
+
+    @contextlib.contextmanager
+    def without_sequence_parallel(self):
+        """Runs the block's forwards with whole sequences on every TP rank (generation)."""
+        was = self.sequence_parallel
+        self.set_sequence_parallel(False)
+        try:
+            yield
+        finally:
+            self.set_sequence_parallel(was)
+
+    def _splits_sequence(self, T: int) -> bool:
+        return self.sequence_parallel and self.ctx.tp_size > 1 and T % self.ctx.tp_size == 0
 
     # ---- activation recomputation --------------------------------------------------------------
     RECOMPUTE = ("none", "selective", "full")
@@ -252,6 +302,10 @@ class GPT(Module):
         if idx.shape[1] > c.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {c.block_size}; "
                              f"use --seq-len <= {c.block_size} or a model with a larger block_size")
+        tp = self.ctx.tp_size
+        if self.sequence_parallel and self.training and targets is not None and tp > 1 and idx.shape[1] % tp:
+            raise ValueError(f"sequence length {idx.shape[1]} is not divisible by tp={tp}: sequence parallelism "
+                             f"splits each sequence over the TP ranks; use a multiple of {tp}")
         if idx.size:
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= c.vocab_size:
@@ -268,8 +322,12 @@ class GPT(Module):
 
     # ---- forward / backward ------------------------------------------------------------------
     def hidden_states(self, idx):
-        """Final-LayerNorm output [B, T, n_embd], replicated."""
+        """Final-LayerNorm output [B, T, n_embd], replicated ([B, T/tp, n_embd], this rank's
+        tokens, under sequence parallelism)."""
         T = idx.shape[1]
+        if self.sequence_parallel and not self._splits_sequence(T) and not self.training:
+            with self.without_sequence_parallel():  # an evaluation forward whose T does not split
+                return self.hidden_states(idx)
         x = self.wte.forward(idx)
         x += self.wpe.forward(T)
         x = self.drop.forward(x)
@@ -287,6 +345,10 @@ class GPT(Module):
         if check:
             self.check_inputs(idx, targets)
         idx = self.ctx.asarray(idx)  # host ids on a GPU model: moved once here (a no-op on the CPU)
+        if self.sequence_parallel and not self._splits_sequence(idx.shape[1]) and not (self.training and targets
+                                                                                        is not None):
+            with self.without_sequence_parallel():  # the LM head's input is whole then too
+                return self.forward(idx, targets, check=False)
         logits = self.lm_head.forward(self.hidden_states(idx))
         if targets is None:
             return logits
@@ -316,7 +378,12 @@ class GPT(Module):
         return [b.attn.new_kv_cache(batch, max_len, dt) for b in self.h]
 
     def forward_cached(self, idx, caches):
-        """Eval-mode logits (sharded) for new tokens idx [B, Tn] after caches' positions."""
+        """Eval-mode logits (sharded) for new tokens idx [B, Tn] after caches' positions; never
+        sequence-parallel (one new token does not split over the TP ranks)."""
+        with self.without_sequence_parallel():
+            return self._forward_cached(idx, caches)
+
+    def _forward_cached(self, idx, caches):
         n0 = caches[0]["len"]
         idx = self.ctx.asarray(idx)
         T = idx.shape[1]

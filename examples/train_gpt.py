@@ -48,6 +48,9 @@ def parse_args(argv=None):
                    help="activation recomputation (default none): selective recomputes the core attention "
                         "in backward, full whole layers (each keeps only its input); the math is unchanged")
     p.add_argument("--recompute-layers", type=int, help="with --recompute full: the first N layers (default all)")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="split activations between the TP regions along the sequence (LayerNorm, dropout and "
+                        "residuals on seq-len/tp tokens per rank; the same bytes; --seq-len must divide by --tp)")
     p.add_argument("--loss-scale", type=float, help="a static loss scale (default: dynamic for float16, else none)")
     p.add_argument("--initial-loss-scale", type=float, help="the dynamic scale's start (default 65536)")
     p.add_argument("--loss-scale-window", type=int, help="clean steps before the dynamic scale doubles (default 1000)")
@@ -119,7 +122,8 @@ def main(argv=None, hooks: train.StepHooks | None = None):
                        if run.loss_scaler.dynamic or run.loss_scaler.scale != 1.0 else "")
         + f" | optimizer: AdamW{f', state sharded over dp={ctx.dp_size} (distributed)' if opt.distributed else ''}"
         + (f" | recompute: {cfg.recompute}" + (f" (first {cfg.recompute_layers} layers)" if cfg.recompute_layers else "")
-           if cfg.recompute != "none" else ""))
+           if cfg.recompute != "none" else "")
+        + (f" | sequence parallel over tp={cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else ""))
 
     stop = train.StopOnSignal(cfg.save_on_signal)
     if cfg.save_on_signal and not cfg.out:

@@ -142,9 +142,10 @@ def _worker_layers_and_cross_entropy(n):
     _worker_cross_entropy(n)
 
 
-def _gpt_run(ctx, cfg, seed=0, recompute="none"):
+def _gpt_run(ctx, cfg, seed=0, recompute="none", sequence_parallel=False, T=T):
     model = GPT(ctx, cfg, seed=seed)
     model.set_recompute(recompute)
+    model.set_sequence_parallel(sequence_parallel)
     model.rng.set_position(0, 0, B)  # dropout by global position, as train_step draws it
     rng = np.random.default_rng(21)
     idx = rng.integers(0, cfg.vocab_size, (B, T))
@@ -169,12 +170,15 @@ def _gpt_run(ctx, cfg, seed=0, recompute="none"):
 def _worker_gpt_stack(n, cases):
     for kw in cases:
         kw = dict(kw)
-        recompute = kw.pop("recompute", "none")  # at TP=n only: the reference keeps everything
+        # at TP=n only: the reference keeps everything, with whole sequences
+        recompute = kw.pop("recompute", "none")
+        sequence_parallel = kw.pop("sequence_parallel", False)
+        seq = kw.pop("seq_len", T)
         cfg = GPTConfig(**kw)
         dtype = np.float64 if cfg.dtype == "float64" else np.float32
         ctx, _ = group_ctx(n)
-        ref = _gpt_run(self_ctx(), cfg)
-        got = _gpt_run(ctx, cfg, recompute=recompute)
+        ref = _gpt_run(self_ctx(), cfg, T=seq)
+        got = _gpt_run(ctx, cfg, recompute=recompute, sequence_parallel=sequence_parallel, T=seq)
         t = tol(dtype)
         assert abs(got["loss"] - ref["loss"]) <= t * abs(ref["loss"]), (got["loss"], ref["loss"], kw)
         assert_close(got["logits"], ref["logits"], t, f"gpt tp={n} {kw} logits")

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded over DP (ZeRO-1)")
     m.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation (selective: the core attention; full: whole layers)")
+    m.add_argument("--sequence-parallel", action="store_true", help="activations split along the sequence over TP")
     m.add_argument("--batch-size", type=int, default=None, help="sequences per DP rank (default 8)")
     m.add_argument("--seq-len", type=int, default=None, help="default: block size (at most 256 on the CPU)")
     m.add_argument("--steps", type=int, default=5, help="measured steps")

@@ -236,7 +236,7 @@ def run(args) -> Report:
                              micro_batch_size=B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
-                             recompute=args.recompute)
+                             recompute=args.recompute, sequence_parallel=args.sequence_parallel)
     run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),
                                                       args.seed))
     ctx, config, T = run.ctx, cfg.model, cfg.seq_len

@@ -6,6 +6,12 @@ transformer block forward); benchmarks and the training log report MB per step f
 Bytes are those of the array a rank hands to the collective: the input of all_reduce,
 reduce_scatter, broadcast and send, this rank's contribution to all_gather, and the receive
 buffer of recv.
+
+Wire bytes are what one rank sends with the bandwidth-optimal (ring) algorithm, NCCL's "bus
+bytes": all_reduce 2 (n-1)/n of its input, reduce_scatter (n-1)/n of its input, all_gather
+(n-1) times its contribution, broadcast (n-1)/n of its array, send its array. So a
+reduce-scatter plus an all-gather of the same tensor cost exactly one all-reduce's wire bytes
+(sequence parallelism's claim, asserted from these numbers).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ class CommEvent:
     shape: tuple
     dtype: str
     nbytes: int
+    wire_bytes: float = 0.0
 
     @property
     def numel(self) -> int:
@@ -35,18 +42,21 @@ class CommCounter:
     """Totals per (group, collective), plus a full event list while `recording()` is active."""
 
     def __init__(self):
-        self.totals: dict[tuple[str, str], list[int]] = {}  # -> [calls, elements, bytes]
+        self.totals: dict[tuple[str, str], list] = {}  # -> [calls, elements, bytes, wire bytes]
         self._events: list[CommEvent] | None = None
 
-    def record(self, group, op, x):
+    def record(self, group, op, x, size: int | None = None):
+        """`size`: the group's size, for the wire bytes (None: not counted)."""
         n = int(x.size)
         nbytes = int(x.nbytes)
-        t = self.totals.setdefault((group, op), [0, 0, 0])
+        wire = 0.0 if size is None else wire_bytes(op, nbytes, size)
+        t = self.totals.setdefault((group, op), [0, 0, 0, 0.0])
         t[0] += 1
         t[1] += n
         t[2] += nbytes
+        t[3] += wire
         if self._events is not None:
-            self._events.append(CommEvent(group, op, tuple(x.shape), str(x.dtype), nbytes))
+            self._events.append(CommEvent(group, op, tuple(x.shape), str(x.dtype), nbytes, wire))
 
     @contextlib.contextmanager
     def recording(self):
@@ -68,6 +78,9 @@ class CommCounter:
     def bytes(self, group=None, op=None) -> int:
         return sum(v[2] for (g, o), v in self.totals.items() if group in (None, g) and op in (None, o))
 
+    def wire_bytes(self, group=None, op=None) -> float:
+        return sum(v[3] for (g, o), v in self.totals.items() if group in (None, g) and op in (None, o))
+
     def reset(self):
         self.totals.clear()
 
@@ -84,5 +97,14 @@ class CountingCommunicator(WrappedCommunicator):
 
     def _call(self, op, x, fn, *args):
         if op != "barrier":
-            self.counter.record(self.name, op, x)
+            self.counter.record(self.name, op, x, self.size)
         return fn(*args)
+
+
+def wire_bytes(op: str, nbytes: int, size: int) -> float:
+    """Bytes one rank sends for a collective over `size` ranks (ring algorithms; module docstring)."""
+    if size <= 1 and op != "send":
+        return 0.0
+    factor = {"all_reduce": 2 * (size - 1) / size, "reduce_scatter": (size - 1) / size,
+              "all_gather": size - 1, "broadcast": (size - 1) / size, "send": 1.0}
+    return nbytes * factor.get(op, 0.0)

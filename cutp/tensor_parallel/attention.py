@@ -1,6 +1,8 @@
 """Causal self-attention split by whole heads (Megatron-style), with grouped-query attention.
 
-Input: replicated [B, T, n_embd]. Output: replicated [B, T, n_embd].
+Input: replicated [B, T, n_embd]. Output: replicated [B, T, n_embd]. Under sequence parallelism
+(the projections' `sequence_parallel`): input and output [B, T/tp, n_embd], this rank's tokens;
+c_attn all-gathers them, c_proj reduce-scatters its output.
 
 The QKV projection is one column-parallel linear whose shard holds this rank's query heads'
 Q columns and the K and V columns of the KV heads they use (`sharding.qkv_columns`); the
@@ -88,7 +90,7 @@ class ParallelAttention(Module):
     def forward(self, x):
         qkv = self.c_attn.forward(x)
         q, k, v = self._split_heads(qkv)
-        B, T = x.shape[0], x.shape[1]
+        B, T = qkv.shape[0], qkv.shape[1]  # the whole sequence (x is a shard of it under sequence parallelism)
         # the probabilities [B, nq, T, T] of this rank's heads, at their global heads' places in each
         # row's [n_head, T, T] (p 0: none, in eval or without dropout)
         p, seed, offset = self.attn_dropout.draw_rows(B, self.nq * T * T, first_elem=self.ctx.tp_rank * self.nq * T * T,

@@ -1,7 +1,7 @@
 """Once per optimizer step: finish the gradient reduction, then measure the global norm.
 
 finish_grad_sync: run each parameter's grad_sync hook (GQA-replicated KV columns summed over
-the ranks that hold them), then average every gradient over the DP group in a few flat buckets.
+the ranks that hold them), sum the sequence-parallel parameters' gradients over TP, then average every gradient over the DP group in a few flat buckets.
 
 global_grad_norm: each full parameter entry counts exactly once (Megatron's rule): shards of
 TP-split parameters are summed over the TP ranks, replicated parameters (LayerNorm, biases of
@@ -19,18 +19,41 @@ from ..runtime.backend import get_array_module
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
 
 
-def tp_grad_sync(params) -> None:
-    """Each parameter's grad_sync hook (GQA: KV columns replicated over TP ranks summed), once per
-    step before the DP reduction."""
+def tp_grad_sync(params, tp=None) -> None:
+    """Once per step before the DP reduction: each parameter's grad_sync hook (GQA: KV columns
+    replicated over TP ranks summed), then the gradients of the parameters marked
+    `sequence_parallel` (LayerNorms, row biases, positions used on sequence shards; the final
+    LayerNorm too, Megatron's bug #1446) summed over the TP group `tp`, in one all-reduce per
+    dtype, so that every TP rank holds the same full gradient."""
+    params = list(params)
     for p in params:
         if p.grad_sync is not None:
             p.grad_sync(p)
+    partial = [p for p in params if p.sequence_parallel]
+    if not partial:
+        return
+    if tp is None:
+        raise ValueError("tp_grad_sync: parameters are marked sequence_parallel; pass the TP group (ctx.tp)")
+    if tp.size == 1:
+        return
+    by_dtype = {}
+    for p in partial:
+        by_dtype.setdefault(np.dtype(p.grad.dtype).name, []).append(p)
+    for group in by_dtype.values():
+        xp = get_array_module(group[0].grad)
+        flat = xp.concatenate([p.grad.reshape(-1) for p in group])
+        tp.all_reduce(flat, "sum", out=flat)
+        off = 0
+        for p in group:
+            p.grad[...] = flat[off:off + p.grad.size].reshape(p.grad.shape)
+            off += p.grad.size
 
 
 def finish_grad_sync(params, ctx, flat=None) -> None:
     """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
     (Training reduces over DP through its optimizer: cutp.optim's reduce_gradients.)"""
-    tp_grad_sync(params)
+    params = list(params)
+    tp_grad_sync(params, ctx.tp)
     if ctx.dp_size == 1:
         return
     if flat is not None:

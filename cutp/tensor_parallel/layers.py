@@ -1,8 +1,14 @@
 """Tensor-parallel linear, embedding, LM-head, LayerNorm and dropout layers.
 
-Each layer names its input and output layout: "replicated" (identical on every TP rank) or
-"sharded" (split along the last dimension, this rank's part). Weights use GPT-2's Conv1D
-layout [in, out]; the LM head shares the token embedding's [vocab, hidden] table.
+Each layer names its input and output layout: "replicated" (identical on every TP rank),
+"sharded" (split along the last dimension, this rank's part) or, with `sequence_parallel` set
+(`GPT.set_sequence_parallel`), "sequence-sharded" (split along the sequence, axis 1 of
+[B, T, h]: this rank's T/tp tokens). Weights use GPT-2's Conv1D layout [in, out]; the LM head
+shares the token embedding's [vocab, hidden] table.
+
+Under sequence parallelism the parameters used on sequence shards (LayerNorms, the row layers'
+biases, the position embedding) get only this rank's tokens' part of their gradient; they are
+marked `Parameter.sequence_parallel` and summed over TP once per step (`tp_grad_sync`).
 """
 from __future__ import annotations
 
@@ -12,9 +18,13 @@ from .. import ops
 from ..ops._common import as_dtype, compute_dtype
 from .mappings import (
     copy_to_tp_backward,
+    gather_from_sp_backward,
+    gather_from_sp_forward,
     gather_from_tp_backward,
     gather_from_tp_forward,
     reduce_from_tp_forward,
+    reduce_scatter_to_sp_backward,
+    reduce_scatter_to_sp_forward,
     scatter_to_tp_backward,
     scatter_to_tp_forward,
 )
@@ -34,6 +44,9 @@ class ColumnParallelLinear(Module):
 
     Input: replicated [..., in]. Output: sharded [..., out/tp], or replicated [..., out] with
     gather_output. Forward needs no communication; backward all-reduces dx over TP (`f`).
+    With sequence_parallel: input sequence-sharded [B, T/tp, in], all-gathered along the
+    sequence before the matmul (the gathered input is what backward keeps); backward
+    reduce-scatters dx along the sequence instead of all-reducing it.
     With skip_bias_add, forward returns (x @ W_shard, b_shard) so the caller can fuse the bias
     into the next op (bias + GeLU) and hands the bias gradient back via `accumulate_bias_grad`.
     """
@@ -44,6 +57,7 @@ class ColumnParallelLinear(Module):
         self.name = name
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = False
         sharding = sharding or contiguous((in_features, out_features), 1, ctx.tp_size)
         self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
                                      sharding, seed=seed, dtype=dtype, weight_decay=True)
@@ -53,6 +67,8 @@ class ColumnParallelLinear(Module):
                                        seed=seed, dtype=dtype)
 
     def forward(self, x):
+        if self.sequence_parallel:
+            x = gather_from_sp_forward(self.ctx.tp, x)
         add_bias = self.bias is not None and not self.skip_bias_add
         y, lctx = ops.linear_forward(x, self.weight.data, self.bias.data if add_bias else None)
         self._save("linear", lctx)
@@ -74,7 +90,8 @@ class ColumnParallelLinear(Module):
         if db is not None:
             self.bias.grad += db
         if need_dx:
-            dx = copy_to_tp_backward(self.ctx.tp, dx)
+            sum_over_tp = gather_from_sp_backward if self.sequence_parallel else copy_to_tp_backward
+            dx = sum_over_tp(self.ctx.tp, dx)
         return dx
 
 
@@ -85,6 +102,9 @@ class RowParallelLinear(Module):
     replicated [..., in] (sliced here). Output: replicated [..., out]. Forward all-reduces the
     partial products (`g`); the bias is replicated and added once after the reduction.
     Backward needs no communication (unless the input was replicated: then dx is gathered).
+    With sequence_parallel: forward reduce-scatters the partial products along the sequence
+    instead (output sequence-sharded [B, T/tp, out], the bias added to this rank's tokens);
+    backward all-gathers dy along the sequence first.
     """
 
     def __init__(self, ctx, in_features, out_features, *, name, bias=True, input_is_parallel=True,
@@ -92,6 +112,7 @@ class RowParallelLinear(Module):
         self.ctx = ctx
         self.name = name
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = False
         sharding = contiguous((in_features, out_features), 0, ctx.tp_size)
         self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
                                      sharding, seed=seed, dtype=dtype, weight_decay=True)
@@ -104,7 +125,10 @@ class RowParallelLinear(Module):
             x = scatter_to_tp_forward(self.ctx.tp, x)
         y, lctx = ops.linear_forward(x, self.weight.data)
         self._save("linear", lctx)
-        y = reduce_from_tp_forward(self.ctx.tp, y)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp_forward(self.ctx.tp, y)
+        else:
+            y = reduce_from_tp_forward(self.ctx.tp, y)
         if self.bias is not None:
             y += self.bias.data
         return y
@@ -112,6 +136,8 @@ class RowParallelLinear(Module):
     def backward(self, dy, need_dx=True):
         if self.bias is not None:  # 16-bit dy: summed over the rows in float32, not row by row in 16 bits
             self.bias.grad += as_dtype(dy.reshape(-1, dy.shape[-1]), compute_dtype(dy.dtype)).sum(axis=0)
+        if self.sequence_parallel:
+            dy = reduce_scatter_to_sp_backward(self.ctx.tp, dy)
         dx, dw, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx,
                                         wgrad_dtype=self.weight.grad.dtype)
         self.weight.grad += dw
@@ -130,7 +156,8 @@ class VocabParallelEmbedding(Module):
     """Token embedding with the vocabulary split into contiguous ranges over TP.
 
     Input: replicated token ids [...]. Output: replicated [..., dim]. Ids outside this rank's
-    range produce zeros locally; one all-reduce (b*s*dim elements) sums the ranks' parts. The
+    range produce zeros locally; one all-reduce (b*s*dim elements) sums the ranks' parts (with
+    sequence_parallel a reduce-scatter along the sequence: output [B, T/tp, dim]). The
     table has `padded_vocab` rows; rows >= vocab_size are zero and, since no id reaches them and
     the cross-entropy masks their logits, they never receive gradient.
     """
@@ -144,6 +171,7 @@ class VocabParallelEmbedding(Module):
                                      seed=seed, dtype=dtype, real_rows=vocab_size)
         per = padded_vocab // ctx.tp_size
         self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
+        self.sequence_parallel = False
 
     def forward(self, ids):
         xp = self.ctx.xp
@@ -154,9 +182,13 @@ class VocabParallelEmbedding(Module):
             local = xp.where(mask, ids - self.start, 0)
             y, ectx = ops.embedding_forward(local, self.weight.data, mask)
         self._save("emb", ectx)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp_forward(self.ctx.tp, y)
         return reduce_from_tp_forward(self.ctx.tp, y)
 
     def backward(self, dy):
+        if self.sequence_parallel:
+            dy = reduce_scatter_to_sp_backward(self.ctx.tp, dy)
         ops.embedding_backward(dy, self._load("emb"), self.weight.grad)
         return None
 
@@ -167,12 +199,14 @@ class ParallelLMHead(Module):
     Input: replicated [..., dim]. Output: sharded logits [..., padded_vocab/tp] for this rank's
     vocabulary range; feed them to VocabParallelCrossEntropy, never gather them. Backward
     all-reduces dx over TP. With a tied embedding (GPT-2) the table is the embedding's Parameter,
-    so both gradient contributions land in the same buffer.
+    so both gradient contributions land in the same buffer. With sequence_parallel the input is
+    sequence-sharded [B, T/tp, dim], all-gathered before the matmul; backward reduce-scatters dx.
     """
 
     def __init__(self, ctx, embedding: VocabParallelEmbedding | None = None, *, vocab_size=None, padded_vocab=None,
                  dim=None, name="lm_head", seed=0, dtype=np.float32):
         self.ctx = ctx
+        self.sequence_parallel = False
         if embedding is not None:
             self._shared_weight = embedding.weight  # tied: counted once, as the embedding's
             self.vocab_size, self.padded_vocab = embedding.vocab_size, embedding.padded_vocab
@@ -189,6 +223,8 @@ class ParallelLMHead(Module):
     def forward(self, x):
         # 16-bit inputs are multiplied in float32 (cutp.ops' dtype policy), never in NumPy's
         # slow element loops for 16-bit types
+        if self.sequence_parallel:
+            x = gather_from_sp_forward(self.ctx.tp, x)
         w = self.table.data
         cdt = compute_dtype(w.dtype)
         x2 = x.reshape(-1, x.shape[-1])
@@ -202,14 +238,17 @@ class ParallelLMHead(Module):
         cdt = compute_dtype(w.data.dtype)
         d2 = as_dtype(dlogits.reshape(-1, dlogits.shape[-1]), cdt)
         w.grad += as_dtype(d2.T @ as_dtype(x2, cdt), w.grad.dtype)  # float32 main_grad: kept unrounded
-        dx = as_dtype(d2 @ as_dtype(w.data, cdt), x2.dtype)
-        dx = copy_to_tp_backward(self.ctx.tp, dx)
-        return dx.reshape(dlogits.shape[:-1] + (x2.shape[1],))
+        dx = as_dtype(d2 @ as_dtype(w.data, cdt), x2.dtype).reshape(dlogits.shape[:-1] + (x2.shape[1],))
+        if self.sequence_parallel:
+            return gather_from_sp_backward(self.ctx.tp, dx)
+        return copy_to_tp_backward(self.ctx.tp, dx)
 
 
 class LayerNorm(Module):
     """LayerNorm over the last dimension, replicated: identical inputs, parameters and gradients
-    on every TP rank (no communication; each rank computes the same gradient)."""
+    on every TP rank (no communication; each rank computes the same gradient). On sequence
+    shards (sequence parallelism) each rank's gradient covers its tokens only: the parameters
+    are then marked `sequence_parallel` and summed over TP by `tp_grad_sync`."""
 
     def __init__(self, ctx, dim, *, name, eps=1e-5, bias=True, seed=0, dtype=np.float32):
         self.ctx = ctx
@@ -234,13 +273,15 @@ class Dropout(Module):
     """Dropout whose mask comes from one stream of an RNGTracker ("replicated" or "sharded"), or,
     for a named `site` once the tracker has a position (training), from the element's global
     position (cutp.tensor_parallel.random), so that no layout changes the masks. Input and output:
-    whatever layout (a replicated activation [B, T, h] here)."""
+    whatever layout: a replicated activation [B, T, h], or with `sequence_shard = (rank, size)`
+    this rank's part [B, T/size, h] of every sequence, masked as that part of the whole."""
 
     def __init__(self, p: float, rng: RNGTracker, stream: str, site: str | None = None):
         self.p = float(p)
         self.rng = rng
         self.stream = stream
         self.site = site
+        self.sequence_shard: tuple[int, int] | None = None
 
     def draw_rows(self, rows: int, row_elems: int, first_elem: int = 0, global_row_elems: int | None = None):
         """``(p, seed, offsets)``: the first counter of each of `rows` local batch rows, whose
@@ -249,21 +290,26 @@ class Dropout(Module):
         a name, else from the stream. ``p`` 0.0 (offsets all 0) in eval mode or without dropout."""
         if not self.training or self.p == 0.0:
             return 0.0, 0, [0] * rows
-        if self.rng.position is None or self.site is None:
-            seed, offset = self.rng.draw(self.stream, rows * row_elems)
-            return self.p, seed, [offset + r * row_elems for r in range(rows)]
-        step, row0, batch = self.rng.position
         per_row = global_row_elems or row_elems
+        if self.rng.position is None or self.site is None:  # the whole rows from the stream
+            seed, offset = self.rng.draw(self.stream, rows * per_row)
+            return self.p, seed, [offset + r * per_row + first_elem for r in range(rows)]
+        step, row0, batch = self.rng.position
         return self.p, self.rng.site_seed(self.site), [(step * batch + row0 + r) * per_row + first_elem
                                                        for r in range(rows)]
 
     def forward(self, x):
         rows = x.shape[0] if x.ndim else 1
-        p, seed, offsets = self.draw_rows(rows, x.size // max(rows, 1))
+        row_elems = x.size // max(rows, 1)
+        if self.sequence_shard is None:
+            p, seed, offsets = self.draw_rows(rows, row_elems)
+        else:  # a sequence shard's elements are contiguous within the row of the whole sequence
+            rank, size = self.sequence_shard
+            p, seed, offsets = self.draw_rows(rows, row_elems, rank * row_elems, size * row_elems)
         if p == 0.0:
             self._save("ctx", None)
             return x
-        y, dctx = ops.dropout_forward(x, p, seed, offsets[0])  # its rows follow each other
+        y, dctx = ops.dropout_forward_rows(x, p, seed, offsets)  # one piece when the rows follow each other
         self._save("ctx", dctx)
         return y
 

@@ -7,6 +7,17 @@ Each is a forward/backward pair over the TP group `comm` (Megatron-LM's mappings
     scatter_to_tp    forward keep my slice   backward all-gather      (last dimension)
     gather_from_tp   forward all-gather      backward keep my slice   (last dimension)
 
+and, for sequence parallelism, along the sequence (axis 1 of [B, T, ...] activations; this
+rank holds tokens [rank * T/tp, (rank + 1) * T/tp) of every sequence):
+
+    gather_from_sp          forward all-gather       backward reduce-scatter  (before a column layer)
+    reduce_scatter_to_sp    forward reduce-scatter   backward all-gather      (after a row layer)
+    scatter_to_sp           forward keep my tokens   backward all-gather
+
+An all-reduce is a reduce-scatter then an all-gather, so replacing each all-reduce by one of
+them moves the same bytes (Korthikanti et al. 2022). The collectives concatenate along axis 0,
+so the sequence axis is moved to the front and back (a copy each way unless B == 1).
+
 The all-reduces run in place on buffers the caller owns, so they allocate nothing.
 """
 from __future__ import annotations
@@ -64,6 +75,47 @@ def gather_from_tp_forward(comm, x):
 
 scatter_to_tp_backward = gather_from_tp_forward
 gather_from_tp_backward = scatter_to_tp_forward
+
+
+def sequence_shard(comm, T: int) -> tuple[int, int]:
+    """(first token, tokens) of this rank's shard of a sequence of T tokens."""
+    if T % comm.size:
+        raise ValueError(f"sequence length {T} does not split over {comm.size} TP ranks "
+                         f"(sequence parallelism needs a multiple of {comm.size})")
+    k = T // comm.size
+    return comm.rank * k, k
+
+
+def gather_from_sp_forward(comm, x):
+    """All-gathers along the sequence: [B, T/tp, ...] on each rank -> [B, T, ...]."""
+    if comm.size == 1:
+        return x
+    xp = get_array_module(x)
+    g = comm.all_gather(xp.ascontiguousarray(xp.moveaxis(x, 1, 0)))  # [T, B, ...]
+    return xp.ascontiguousarray(xp.moveaxis(g, 0, 1))
+
+
+def reduce_scatter_to_sp_forward(comm, partial):
+    """Sums partial [B, T, ...] over the TP group and keeps this rank's tokens: [B, T/tp, ...]."""
+    if comm.size == 1:
+        return partial
+    xp = get_array_module(partial)
+    sequence_shard(comm, partial.shape[1])
+    r = comm.reduce_scatter(xp.ascontiguousarray(xp.moveaxis(partial, 1, 0)), "sum")  # [T/tp, B, ...]
+    return xp.ascontiguousarray(xp.moveaxis(r, 0, 1))
+
+
+def scatter_to_sp_forward(comm, x):
+    """This rank's tokens [B, T/tp, ...] of a replicated [B, T, ...] (a copy)."""
+    if comm.size == 1:
+        return x
+    t0, k = sequence_shard(comm, x.shape[1])
+    return get_array_module(x).ascontiguousarray(x[:, t0:t0 + k])
+
+
+gather_from_sp_backward = reduce_scatter_to_sp_forward
+reduce_scatter_to_sp_backward = gather_from_sp_forward
+scatter_to_sp_backward = gather_from_sp_forward
 
 
 def _contiguous(x):

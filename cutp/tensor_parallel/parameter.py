@@ -32,9 +32,12 @@ class Parameter:
                  the gradient of KV heads replicated over several TP ranks)
     real_rows    for vocabulary tables: the full tensor's rows [real_rows:] are padding (zero,
                  never trained, left out of full state dicts); None otherwise
+    sequence_parallel  replicated, but used on sequence shards (sequence parallelism): each TP
+                 rank's gradient covers its tokens only, so `tp_grad_sync` sums it over TP
     """
 
     real_rows: int | None = None
+    sequence_parallel: bool = False
 
     def __init__(self, name: str, data, sharding: Sharding | None, tp_rank: int, weight_decay: bool):
         self.name = name

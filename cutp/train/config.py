@@ -49,7 +49,7 @@ CHOICES = {
     "device": "auto", "tp": None, "dp": None, "micro_batch_size": None,
     "run_steps": None, "max_skips": 5,
     "distributed_optimizer": False, "grad_reduce_dtype": "float32",
-    "recompute": "none", "recompute_layers": None,
+    "recompute": "none", "recompute_layers": None, "sequence_parallel": False,
     "loss_scale": None, "initial_loss_scale": 2.0 ** 16, "loss_scale_window": 1000, "hysteresis": 2,
     "min_loss_scale": 1.0,
     "eval_every": 50, "eval_batches": 4,
@@ -84,6 +84,7 @@ class RunConfig:
     min_loss_scale: float = 1.0
     recompute: str = "none"  # activation recomputation: "selective" (core attention) or "full" (layers)
     recompute_layers: int | None = None  # with "full": the first N layers (None: all)
+    sequence_parallel: bool = False  # activations between the TP regions split along the sequence
     # run settings (RUN_SETTINGS): the training itself, kept by checkpoints, fixed on resume
     # except steps
     steps: int = 200
@@ -161,6 +162,9 @@ class RunConfig:
         if self.seq_len > self.model.block_size:
             raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's block_size {self.model.block_size}; "
                               f"use --seq-len <= {self.model.block_size}")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise ConfigError(f"--seq-len {self.seq_len} is not divisible by --tp {self.tp}: --sequence-parallel "
+                              f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
         if self.batch_size % self.dp:
             raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={self.dp} (each DP rank "
                               f"takes an equal share); use a multiple of {self.dp}")
@@ -305,6 +309,7 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
         recompute=c["recompute"], recompute_layers=c["recompute_layers"],
+        sequence_parallel=bool(c["sequence_parallel"]),
         loss_scale=c["loss_scale"], initial_loss_scale=c["initial_loss_scale"],
         loss_scale_window=c["loss_scale_window"], hysteresis=c["hysteresis"], min_loss_scale=c["min_loss_scale"],
         max_skips=c["max_skips"], run_steps=c["run_steps"], eval_every=c["eval_every"],

@@ -179,6 +179,7 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
+    model.set_sequence_parallel(cfg.sequence_parallel)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
     if cfg.distributed_optimizer:
         flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp))
@@ -269,7 +270,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         model.rng.position = None  # a forward outside train_step draws from its streams again
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
-        tp_grad_sync(model.parameters())
+        tp_grad_sync(model.parameters(), ctx.tp)
         run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
