@@ -43,7 +43,7 @@ from .checkpoint_files import (FORMAT, VERSION, CheckpointError, model_file, opt
                                sha256_file, verify_file, write_json_atomic, write_safetensors)
 from .model import DTYPES, GPT, GPTConfig
 from .runtime.errors import ConfigError
-from .runtime.failure import agree_on_error
+from .runtime.failure import agree_on_error, errors_raised_on_every_rank
 from .tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
 
 # GPTConfig fields that change the parameters' shapes or meaning: a checkpoint loads only into
@@ -362,9 +362,10 @@ def _shard_shape(info, rank):
 
 def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
     """Builds a GPT from a checkpoint's config at ctx's TP size and loads its weights."""
-    ckpt = resolve_checkpoint(ckpt)
-    meta = read_meta(ckpt)
-    config = GPTConfig.from_dict({**meta["config"], **config_overrides})
+    with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad checkpoint stops every rank alike
+        ckpt = resolve_checkpoint(ckpt)
+        meta = read_meta(ckpt)
+        config = GPTConfig.from_dict({**meta["config"], **config_overrides})
     model = GPT(ctx, config, seed=meta.get("seed", 0) if seed is None else seed, init=False)
     load_checkpoint(ckpt, model)
     return model, meta

@@ -11,11 +11,13 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
+from .runtime.errors import UserError
+
 FORMAT = "cutp-checkpoint"
 VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be loaded; names the file and what is wrong with it."""
 
 

@@ -38,6 +38,7 @@ from safetensors.numpy import save_file
 from .model import DTYPES, GPT, GPTConfig
 from .runtime.backend import to_numpy
 from .runtime.errors import ConfigError
+from .runtime.failure import errors_raised_on_every_rank
 from .runtime.failure import agree_on_error
 
 CONFIG_FILE = "config.json"
@@ -309,7 +310,8 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
     label_smoothing). The model is returned in training mode (call .eval() for inference;
     cutp.generate does).
     """
-    cfg, tensors = _iter_tensors(path, dtype, dropout)
+    with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad directory stops every rank alike
+        cfg, tensors = _iter_tensors(path, dtype, dropout)
     if overrides:
         bad = sorted(set(overrides) & {"n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size",
                                        "block_size", "bias", "tie_embeddings", "ln_eps", "gelu", "dtype"})

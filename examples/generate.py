@@ -28,6 +28,7 @@ from mpi4py import MPI
 from cutp.checkpoint import load_model
 from cutp.generate import generate
 from cutp.hf import from_hf_gpt2
+from cutp.runtime.failure import config_errors_exit
 from cutp.tokenizer import get_tokenizer
 
 
@@ -100,4 +101,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with config_errors_exit("generate.py"):  # a checkpoint or setting that cannot run: one line, exit 2
+        main()

@@ -27,7 +27,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from cutp import train
 from cutp.model import PRESETS
-from cutp.runtime.failure import install_abort_on_error
+from cutp.runtime.failure import config_errors_exit, install_abort_on_error
 
 
 def parse_args(argv=None):
@@ -167,4 +167,5 @@ def main(argv=None, hooks: train.StepHooks | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    with config_errors_exit("train_gpt.py"):  # a setting that cannot run: one line, exit status 2
+        main()

@@ -84,16 +84,24 @@ def test_mismatched_training_arguments_end_the_job(tmp_path):
     text = out.stdout + out.stderr
     assert "the command line differs across ranks: set: ranks 0-1 have" in text, text[-3000:]
     assert "ranks 0-1 have" in text and "ranks 2-3 have" in text
-    # every rank raised the same error: one traceback, and a plain exit rather than MPI_Abort
-    # (whose teardown once raced mpiexec's output forwarding and lost the message)
-    assert text.count("Traceback (most recent call last)") == 1, text[-3000:]
+    # every rank raised the same error: one line, no traceback, a usage error's exit status 2 and
+    # a plain exit rather than MPI_Abort (whose teardown once raced mpiexec's output forwarding)
+    assert text.count("train_gpt.py: error: the command line differs") == 1, text[-3000:]
+    assert "Traceback" not in text and out.returncode == 2, (out.returncode, text[-3000:])
     assert "MPI_Abort" not in text, text[-3000:]
 
 
 def test_tp_not_dividing_heads_is_refused_on_every_rank():
+    # main() called directly (as a host code would): the ConfigError propagates, one traceback
     res = run_mpi(3, TRAIN, BASE + ["--steps", "1", "--tp", "3"], timeout=60, expect_failure=True)
     assert "tp=3 does not divide n_head=8" in res.stdout and "use tp in [1, 2, 4, 8]" in res.stdout
     assert res.stdout.count("Traceback (most recent call last)") == 1 and "MPI_Abort" not in res.stdout
+    # the script: one line, no traceback, exit status 2
+    out = subprocess.run(_train_cmd(3, BASE + ["--steps", "1", "--tp", "3"]), env=_env(), capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    text = out.stdout + out.stderr
+    assert out.returncode == 2 and "Traceback" not in text and "MPI_Abort" not in text, (out.returncode, text)
+    assert text.strip().splitlines()[-1].startswith("train_gpt.py: error: tp=3 does not divide n_head=8"), text
 
 
 def _worker_error_on_some_ranks():

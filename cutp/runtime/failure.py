@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .abort import abort_job, format_rank_traceback, wait_for_output_to_drain
+from .errors import UserError
 from .watchdog import host_watchdog
 
 _installed = False
@@ -104,6 +105,42 @@ def end_together(every: EveryRank, rank: int, etype, value, tb) -> None:
         MPI.Finalize()
     finally:
         os._exit(1)
+
+
+@contextlib.contextmanager
+def config_errors_exit(prog: str):
+    """For a command-line entry point: a `UserError` (a setting or input that cannot run:
+    `ConfigError`, a damaged checkpoint) leaving the block ends the program with one line,
+    ``<prog>: error: <message>``, and its exit status (2 for a ConfigError, argparse's
+    convention for usage errors; 1 for run-time problems), no traceback. An error every rank raised
+    (`errors_raised_on_every_rank`; cutp's configuration checks) is printed once, by the rank
+    that found it, and the ranks exit together; one only this rank raised ends the job with its
+    line (MPI_Abort). Other exceptions pass through (the excepthook's traceback and abort)."""
+    try:
+        yield
+    except UserError as e:
+        every = getattr(e, "cutp_every_rank", None)
+        rank = MPI.COMM_WORLD.Get_rank()
+        line = f"{prog}: error: {e}\n"
+        status = e.exit_status
+        if MPI.COMM_WORLD.Get_size() > 1 and not isinstance(every, EveryRank):
+            abort_job(f"[rank {rank}] {line}", code=status)
+        if every is None or every.i_report:
+            sys.stderr.write(line)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if every is None:
+            sys.exit(status)
+        wait_for_output_to_drain()
+        if not _exit_together(every.exit_comm):
+            abort_job(f"[rank {rank}] not every rank stopped on this error within {EXIT_BARRIER_TIMEOUT:g} s; "
+                      "aborting the job\n", code=status)
+        if not every.spans_job:
+            abort_job(code=status)
+        try:
+            MPI.Finalize()  # then os._exit, as end_together: no NCCL destructors in teardown order
+        finally:
+            os._exit(status)
 
 
 def install_abort_on_error() -> bool:

@@ -279,6 +279,9 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         resume_dir = resolve_checkpoint(c["resume"])
         meta = read_meta(resume_dir)
     run = _run_settings(choices, meta)
+    d = run["dropout"]
+    if not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d < 1.0):
+        raise ConfigError(f"--dropout must be in [0, 1), got {d!r}")
     if meta is None and c["model"] is not None and choices.get("dropout") is None:
         run["dropout"] = _as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
     model, preset = _model_config(c, run["dropout"], device, meta)

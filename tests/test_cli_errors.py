@@ -1,0 +1,70 @@
+"""Issue 16: a bad command line is refused with one line naming the flag, the value and what is
+allowed: no traceback, exit status 2 (argparse's convention for usage errors), the same on every
+rank; a checkpoint that cannot be read: one line, exit status 1."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.mpirun import ROOT, find_mpiexec
+
+TRAIN_PY = os.path.join(ROOT, "examples", "train_gpt.py")
+GENERATE_PY = os.path.join(ROOT, "examples", "generate.py")
+BASE = ["--preset", "tiny", "--set", "n_layer=1", "--steps", "1", "--quiet"]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _run(cmd, timeout=120):
+    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return out.returncode, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
+    (["--batch-size", "-4"], "--batch-size must be an integer >= 1, got -4"),
+    (["--seq-len", "-5"], "--seq-len must be an integer >= 1, got -5"),
+    (["--eval-batches", "0"], "--eval-batches must be an integer >= 1, got 0"),
+    (["--log-every", "0"], "--log-every must be an integer >= 1, got 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0, got -1"),
+    (["--steps", "-1"], "--steps must be an integer >= 0, got -1"),
+    (["--keep", "-3"], "--keep must be an integer >= 0, got -3"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
+    (["--tp", "0"], "--tp must be an integer >= 1, got 0"),
+])
+def test_a_bad_flag_is_one_line_and_exit_status_2(flags, expect):
+    rc, text = _run([sys.executable, TRAIN_PY] + BASE + flags)
+    lines = text.strip().splitlines()
+    assert rc == 2 and "Traceback" not in text, (rc, text)
+    assert lines == [f"train_gpt.py: error: {expect}"] or (len(lines) == 1 and lines[0].startswith(
+        f"train_gpt.py: error: {expect}")), text
+
+
+def test_every_rank_refuses_with_one_line_and_a_plain_exit():
+    rc, text = _run([find_mpiexec(), "-n", "2", sys.executable, TRAIN_PY] + BASE + ["--micro-batch-size", "0"])
+    assert rc == 2 and "Traceback" not in text and "MPI_Abort" not in text and "BAD TERMINATION" not in text, text
+    assert text.strip().splitlines() == ["train_gpt.py: error: --micro-batch-size must be an integer >= 1, got 0"]
+
+
+def test_a_sequence_parallel_run_whose_sequence_does_not_split(tmp_path):
+    rc, text = _run([find_mpiexec(), "-n", "2", sys.executable, TRAIN_PY] + BASE
+                    + ["--tp", "2", "--sequence-parallel", "--seq-len", "33"])
+    assert rc == 2 and "Traceback" not in text, text
+    assert "--seq-len 33 is not divisible by --tp 2" in text.strip().splitlines()[-1], text
+
+
+def test_generate_from_a_damaged_checkpoint_is_one_line_and_exit_status_1(tmp_path):
+    step = tmp_path / "run" / "step-00000001"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    rc, text = _run([find_mpiexec(), "-n", "2", sys.executable, GENERATE_PY, "--ckpt", str(tmp_path / "run"),
+                     "--prompt-ids", "1,2"])
+    assert rc == 1 and "Traceback" not in text and "MPI_Abort" not in text, text
+    assert text.strip().splitlines() == [f"generate.py: error: {step / 'meta.json'} is not cutp checkpoint metadata "
+                                         "(format None)"], text
+    rc, text = _run([sys.executable, GENERATE_PY, "--ckpt", str(tmp_path / "nothing"), "--prompt-ids", "1"])
+    assert rc == 2 and "Traceback" not in text and text.strip().startswith("generate.py: error: "), text
