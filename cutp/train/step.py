@@ -9,9 +9,10 @@
     run.close()
 
 A step: `accum` micro-batches of forward + backward on each DP rank (gradients accumulate into
-the flat buffer, float32 for 16-bit models, each scaled by loss_scale/accum), the gradient
-reduction (GQA replicas, then DP: all-reduce, or reduce-scatter with the distributed optimizer),
-the global gradient norm, the loss averaged over DP, then AdamW with the learning rate of the
+the flat buffer, float32 for 16-bit models, each scaled by loss_scale times its share of the
+step's non-ignored targets: 1/accum without ignored ones), the gradient reduction (GQA replicas,
+sequence-parallel replicas, then DP: all-reduce, or reduce-scatter with the distributed
+optimizer), the global gradient norm, the loss (the mean over the global batch's targets), then AdamW with the learning rate of the
 schedule and global-norm clipping (on float32 master weights for 16-bit models; the distributed
 optimizer then all-gathers the updated parameters). A step whose loss or norm is not finite is
 skipped on every rank (the decision is made from all-reduced values) without touching weights or
@@ -254,6 +255,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         run.flat.zero_grad()
         clock.enter("forward")  # reading the step's batch counts with the forward
         batches = list(run.sampler.micro_batches(n))
+        weights = _loss_weights(ctx, [y for _, y in batches], model.loss_fn.ignore_index)
         loss_sum = 0.0
         per_rank = cfg.batch_size // cfg.dp
         for micro, (x, y) in enumerate(batches):
@@ -261,11 +263,11 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             # dropout masks by global position: this micro-batch's first row in the step's batch
             model.rng.set_position(n, ctx.dp_rank * per_rank + micro * cfg.micro_batch_size, cfg.batch_size)
             model.check_inputs(x, y)  # on the host arrays: no device round trip
-            loss_sum += model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+            loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
             ctx.watchdog.progress()
             hooks.after_forward(run, micro)
             clock.enter("backward")
-            model.backward(scaler.scale / run.sampler.accum_steps)
+            model.backward(scaler.scale * weights[micro])
             ctx.watchdog.progress()
         model.rng.position = None  # a forward outside train_step draws from its streams again
         clock.enter("optimizer")
@@ -274,7 +276,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
-        loss = _dp_mean(ctx, loss_sum / run.sampler.accum_steps, "the loss average")
+        loss = _dp_mean(ctx, loss_sum, "the loss average")
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         # the decision above comes from all-reduced values: every rank updates its scaler alike
@@ -325,6 +327,23 @@ def evaluate(run: TrainingRun) -> float:
                 ctx.watchdog.progress()
         model.train()
         return _dp_mean(ctx, sum(losses) / len(losses), "the validation-loss average")
+
+
+def _loss_weights(ctx: Context, targets, ignore_index: int) -> list[float]:
+    """The weight of each micro-batch's mean loss in the step's loss, the mean over every
+    target of the global batch that is not ignore_index: dp * c_m / C for a micro-batch with c_m
+    such targets out of C over all DP ranks (DP averages the gradients, hence dp). Ranks and
+    micro-batches holding different numbers of ignored targets then give one rank's loss and
+    gradients (Hugging Face's num_items_in_batch fix); without ignored targets it is 1 / accum.
+    One host all-reduce of an integer over DP."""
+    counts = [int((np.asarray(y) != ignore_index).sum()) for y in targets]
+    total = np.array([sum(counts)], dtype=np.int64)
+    if ctx.dp_size > 1:
+        with ctx.watchdog.guard("the target count (host all-reduce on dp)"):
+            ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, total)
+    if not total[0]:
+        return [0.0] * len(counts)
+    return [ctx.dp_size * c / int(total[0]) for c in counts]
 
 
 def _dp_mean(ctx: Context, value: float, what: str) -> float:
