@@ -93,9 +93,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None, hooks: train.StepHooks | None = None):
-    """Runs the training the command line describes; returns the metrics rows of this invocation.
-    `hooks` reach inside each step (tests inject faults through them)."""
+def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = True):
+    """Runs the training the command line describes; returns the metrics rows of this invocation
+    (none kept with keep_history=False, as the script runs: a long run's memory must not grow with
+    its steps; the rows are in the --metrics file). `hooks` reach inside each step (tests inject
+    faults through them)."""
     args = parse_args(argv)
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
 
@@ -129,7 +131,7 @@ def main(argv=None, hooks: train.StepHooks | None = None):
     if cfg.save_on_signal and not cfg.out:
         log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")
     metrics = train.MetricsLog(cfg.metrics, ctx.rank, resumed_step=run.start_step if cfg.resume else None)
-    history = []
+    history, first = [], True
 
     def save():
         path = train.save(run)
@@ -139,17 +141,19 @@ def main(argv=None, hooks: train.StepHooks | None = None):
     # ---- the loop ------------------------------------------------------------------------------
     while run.step < run.end_step:
         memory = None
-        if history:
+        if not first:
             stats = train.train_step(run, hooks)
         else:  # the first step also measures the memory per rank (its results are the same)
             stats, memory = train.measured_step(run, hooks)
+            first = False
         step, rec = stats.step, stats.record()
         if memory:
             rec["memory"] = memory
             log(f"memory per rank (largest of {ctx.world_size}): {train.memory.peak_line(memory, step)}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             rec["val_loss"] = train.evaluate(run)
-        history.append(rec)
+        if keep_history:
+            history.append(rec)
         metrics.write(rec)
         if step % cfg.log_every == 0 or "val_loss" in rec:
             log(train.progress_line(rec))
@@ -168,4 +172,4 @@ def main(argv=None, hooks: train.StepHooks | None = None):
 
 if __name__ == "__main__":
     with config_errors_exit("train_gpt.py"):  # a setting that cannot run: one line, exit status 2
-        main()
+        main(keep_history=False)

@@ -68,3 +68,34 @@ def test_generate_from_a_damaged_checkpoint_is_one_line_and_exit_status_1(tmp_pa
                                          "(format None)"], text
     rc, text = _run([sys.executable, GENERATE_PY, "--ckpt", str(tmp_path / "nothing"), "--prompt-ids", "1"])
     assert rc == 2 and "Traceback" not in text and text.strip().startswith("generate.py: error: "), text
+
+
+# ---- a long run's memory does not grow with its steps ----------------------------------------
+def test_the_training_loop_keeps_no_per_step_history():
+    """Issue 16: the script's loop kept every step's metrics row in memory (+0.55 KB/step). Host
+    memory traced at the same point of steps 240 and 440 of a small run grows by less than
+    300 B/step (measured: ~110 B/step of interpreter caches that level off; keeping the rows:
+    ~630 B/step)."""
+    import gc
+    import tracemalloc
+
+    from cutp import train
+    from examples.train_gpt import main
+
+    seen = {}
+
+    class Probe(train.StepHooks):
+        def after_forward(self, run, micro):
+            if run.step in (240, 440):
+                gc.collect()
+                seen[run.step] = tracemalloc.get_traced_memory()[0]
+
+    tracemalloc.start()
+    try:
+        rows = main(["--preset", "tiny", "--set", "n_layer=1", "--set", "n_embd=32", "--set", "n_head=2",
+                     "--tp", "1", "--steps", "441", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0",
+                     "--quiet", "--device", "cpu"], hooks=Probe(), keep_history=False)
+    finally:
+        tracemalloc.stop()
+    assert rows == [] and set(seen) == {240, 440}
+    assert seen[440] - seen[240] < 200 * 300, seen
