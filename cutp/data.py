@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .runtime.errors import ConfigError
+
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 DEFAULT_CORPUS_BYTES = 16 << 20  # cap, so start-up stays fast on any Python
 
@@ -74,20 +76,24 @@ def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> Dataset:
 
 
 def load_dataset(path: str | None) -> Dataset:
+    """The default corpus (None), a uint16 `.bin` of token ids (nanoGPT's format; a `val.bin`
+    beside it is the validation split, else the last 10%), or any other file as bytes. The
+    Dataset's vocab_size is the largest id in either split + 1 (the smallest vocabulary that
+    fits the data; 256 for bytes). Raises ConfigError naming the file for what cannot be used."""
     if path is None:
         return default_corpus()
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--data {path}: no such file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--data {path}: no such file" + (" (a directory)" if os.path.isdir(path) else ""))
     if path.endswith(".bin"):
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        tokens = _token_file(path)
         sibling = os.path.join(os.path.dirname(path), "val.bin")
         if os.path.basename(path) != "val.bin" and os.path.exists(sibling):
-            val = np.memmap(sibling, dtype=np.uint16, mode="r")
+            val = _token_file(sibling)
             train = tokens
         else:
             cut = int(len(tokens) * 0.9)
             train, val = tokens[:cut], tokens[cut:]
-        vocab = max(int(train.max()) + 1, 50257) if len(train) else 50257
+        vocab = max(_largest(train), _largest(val)) + 1  # the validation split's ids too: not found at eval only
         return Dataset(train, val, vocab, f"{path} (uint16 tokens, {len(tokens):,} tokens)")
     with open(path, "rb") as f:
         data = f.read()
@@ -96,22 +102,37 @@ def load_dataset(path: str | None) -> Dataset:
     return Dataset(tokens[:cut], tokens[cut:], 256, f"{path} (byte-level, {len(tokens):,} bytes)")
 
 
+def _token_file(path: str) -> np.ndarray:
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ConfigError(f"--data {path} is empty; a .bin holds uint16 token ids (nanoGPT's format)")
+    if size % 2:
+        raise ConfigError(f"--data {path} has {size} bytes, not a whole number of uint16 token ids; "
+                          "a .bin holds uint16 token ids (nanoGPT's format)")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _largest(tokens: np.ndarray, block: int = 1 << 24) -> int:
+    """The largest id, read in blocks (a memmap is not loaded whole); -1 for none."""
+    return max((int(tokens[i:i + block].max()) for i in range(0, len(tokens), block)), default=-1)
+
+
 class BatchSampler:
     """Deterministic global batches, sliced by DP rank and micro-batch."""
 
     def __init__(self, dataset: Dataset, seq_len: int, global_batch: int, dp_size: int, dp_rank: int,
                  micro_batch: int, seed: int = 0):
         if global_batch % dp_size:
-            raise ValueError(f"--batch-size {global_batch} must be divisible by dp={dp_size} "
+            raise ConfigError(f"--batch-size {global_batch} must be divisible by dp={dp_size} "
                              f"(each DP rank takes an equal share); use a multiple of {dp_size}")
         per_rank = global_batch // dp_size
         if micro_batch < 1 or per_rank % micro_batch:
-            raise ValueError(f"--micro-batch-size {micro_batch} must divide the per-DP-rank batch {per_rank} "
+            raise ConfigError(f"--micro-batch-size {micro_batch} must divide the per-DP-rank batch {per_rank} "
                              f"(= batch-size {global_batch} / dp {dp_size})")
         for name in ("train", "val"):
             n = len(dataset.split(name))
             if n < seq_len + 2:
-                raise ValueError(f"the {name} split has {n} tokens, fewer than seq_len+2 = {seq_len + 2}; "
+                raise ConfigError(f"the {name} split has {n} tokens, fewer than seq_len+2 = {seq_len + 2}; "
                                  "use a shorter --seq-len or more data")
         self.dataset = dataset
         self.seq_len = seq_len

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cutp.data import BatchSampler, default_corpus, load_dataset
+from cutp.runtime.errors import ConfigError
 from cutp.model import GPTConfig
 from tests.mpirun import run_mpi
 
@@ -29,10 +30,36 @@ def test_text_file_and_nanogpt_bin(tmp_path):
     tokens.tofile(tmp_path / "train.bin")
     (tokens[:800]).tofile(tmp_path / "val.bin")
     d = load_dataset(str(tmp_path / "train.bin"))
-    assert d.vocab_size == 50257 and len(d.train) == 5000 and len(d.val) == 800
+    assert d.vocab_size == 4999 * 7 + 1 and len(d.train) == 5000 and len(d.val) == 800  # the largest id + 1
     assert int(d.train[3]) == 21
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(ConfigError, match="no such file"):
         load_dataset(str(tmp_path / "missing.txt"))
+
+
+def test_token_files_checked_when_loaded(tmp_path):
+    """Issue 16: an empty or odd-sized .bin is refused naming the file; the vocabulary a .bin
+    needs is its largest id + 1 over both splits (not 50257 whatever the ids), so a validation
+    id beyond the model's vocabulary is refused at start-up, not at the first evaluation."""
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="empty.bin is empty"):
+        load_dataset(str(tmp_path / "empty.bin"))
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    with pytest.raises(ConfigError, match="has 3 bytes, not a whole number of uint16"):
+        load_dataset(str(tmp_path / "odd.bin"))
+    small = tmp_path / "small"
+    small.mkdir()
+    (np.arange(3000) % 97).astype(np.uint16).tofile(small / "train.bin")
+    (np.arange(600) % 97).astype(np.uint16).tofile(small / "val.bin")
+    assert load_dataset(str(small / "train.bin")).vocab_size == 97
+    np.concatenate([np.arange(599) % 97, [300]]).astype(np.uint16).tofile(small / "val.bin")
+    d = load_dataset(str(small / "train.bin"))
+    assert d.vocab_size == 301  # the validation split's id 300
+    from cutp.train import RunConfig, build_run
+
+    cfg = RunConfig(model=GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=128, block_size=16), seq_len=16,
+                    batch_size=2, micro_batch_size=2, data=str(small / "train.bin"))
+    with pytest.raises(ConfigError, match="the data has token ids up to 300 but the model's vocabulary is 128"):
+        build_run(cfg)
 
 
 def test_sampler_is_independent_of_dp_and_micro_batch():
