@@ -24,10 +24,14 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import cutp
+from cutp.runtime.deadline import arm_setup_deadline, disarm_setup_deadline, setup_progress, timeout_from_argv
 
-from cutp import train
-from cutp.model import PRESETS
-from cutp.runtime.failure import config_errors_exit, install_abort_on_error
+if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisation (the next import) included
+    arm_setup_deadline(timeout_from_argv(sys.argv[1:]))
+
+from cutp import train  # noqa: E402
+from cutp.model import PRESETS  # noqa: E402
+from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -103,7 +107,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
 
     # ---- configuration: every default derived, checked on every rank, before any allocation -----
     cfg = train.resolve_run_config(source="command line", **vars(args))
+    setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
     run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
+    disarm_setup_deadline()  # from here the collective watchdog watches every step
     ctx = run.ctx
     log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {run.blas}")

@@ -99,3 +99,34 @@ def test_the_training_loop_keeps_no_per_step_history():
         tracemalloc.stop()
     assert rows == [] and set(seen) == {240, 440}
     assert seen[440] - seen[240] < 200 * 300, seen
+
+
+# ---- setup has a deadline ------------------------------------------------------------------
+def test_a_rank_that_never_initialises_mpi_ends_the_job_within_the_collective_timeout():
+    """Issue 16: a rank stopped before MPI initialisation hung the job forever (the watchdog only
+    exists once a Context does; the 600 s default, not --collective-timeout, applied in setup).
+    The script's setup deadline (faulthandler's C watchdog: it fires inside MPI_Init) ends it."""
+    import time
+
+    stopped = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"]
+    cmd = ([find_mpiexec(), "-n", "1", sys.executable, TRAIN_PY] + BASE + ["--collective-timeout", "3", ":", "-n", "1"]
+           + stopped)
+    t0 = time.monotonic()
+    rc, text = _run(cmd, timeout=60)
+    assert rc != 0 and time.monotonic() - t0 < 30, (rc, text)
+    assert "Timeout (0:00:03)!" in text, text
+
+
+def test_the_setup_deadline_reads_the_flag_and_is_disarmed_once_training_starts():
+    from cutp.runtime import deadline
+
+    assert deadline.timeout_from_argv(["--steps", "3", "--collective-timeout", "7.5"]) == 7.5
+    assert deadline.timeout_from_argv(["--collective-timeout=0"]) == 0.0
+    assert deadline.timeout_from_argv(["--collective-timeout", "soon"]) == deadline.default_timeout()
+    deadline.arm_setup_deadline(30)
+    assert deadline._armed_timeout == 30
+    deadline.setup_progress(0)  # the run's --collective-timeout 0: off
+    assert deadline._armed_timeout is None
+    deadline.arm_setup_deadline(30)
+    deadline.disarm_setup_deadline()
+    assert deadline._armed_timeout is None

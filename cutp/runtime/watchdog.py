@@ -23,29 +23,8 @@ import time
 from mpi4py import MPI
 
 from .abort import abort_job
+from .deadline import DEFAULT_TIMEOUT_S, check_timeout, default_timeout  # noqa: F401 (re-exported)
 from .errors import ConfigError
-
-DEFAULT_TIMEOUT_S = 600.0
-
-
-def default_timeout() -> float:
-    """$CUTP_COLLECTIVE_TIMEOUT (seconds, 0 = no watchdog), else DEFAULT_TIMEOUT_S."""
-    v = os.environ.get("CUTP_COLLECTIVE_TIMEOUT")
-    if v in (None, ""):
-        return DEFAULT_TIMEOUT_S
-    return check_timeout(v, "CUTP_COLLECTIVE_TIMEOUT")
-
-
-def check_timeout(value, what: str = "collective_timeout") -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ConfigError(f"{what}={value!r} is not a number of seconds >= 0; use e.g. 600, or 0 to turn "
-                          "the collective watchdog off")
-    return seconds
-
 
 class Watchdog:
     """Aborts the job when something registered with it waits longer than `timeout_s`.

@@ -38,6 +38,7 @@ from ..model import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler, clip_scale,
                      lr_schedule)
 from ..runtime.consistency import check_same_on_all_ranks
+from ..runtime.deadline import setup_progress
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
@@ -174,11 +175,14 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
                                seed=cfg.seed)
     check_same_on_all_ranks(world, {"data": dataset.description}, "training data")
+    setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, device=cfg.device, collective_timeout=cfg.collective_timeout)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
+    setup_progress()
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
+    setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
@@ -191,6 +195,7 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
     if cfg.resume is not None:
         resume(run, cfg.resume)
+        setup_progress()
     return run
 
 
