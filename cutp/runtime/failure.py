@@ -5,8 +5,9 @@ forever (measured with MPICH: the job only ended at an external timeout). So cut
 `sys.excepthook` (and `threading.excepthook`) with one that prints the traceback with every
 line prefixed by the rank, flushes, and calls `MPI.COMM_WORLD.Abort` (`abort.abort_job`), which
 makes mpiexec kill every rank. An error every rank raises at the same point (a configuration
-check, `errors_raised_on_every_rank`, `agree_on_error`) ends the job with one traceback and a
-plain exit instead (`end_together`).
+check, `errors_raised_on_every_rank`, `agree_on_error`) ends the job with one traceback (one
+line from a command line's `config_errors_exit`) and exit status 1 (2), deterministically,
+without MPICH's banners (`end_together`, `end_job_together`).
 """
 from __future__ import annotations
 
@@ -84,8 +85,9 @@ def _exit_together(mpi_comm, timeout: float | None = None) -> bool:
 
 def end_together(every: EveryRank, rank: int, etype, value, tb) -> None:
     """Ends the job for an error every rank raised: the reporting rank prints its traceback and
-    waits until mpiexec has read it, the ranks meet, then each exits with status 1 (MPI_Finalize,
-    no MPI_Abort, whose teardown once raced mpiexec's output forwarding and lost every message).
+    waits until mpiexec has read it (every rank drains its output: MPI_Abort's teardown once
+    raced mpiexec's output forwarding and lost every message), the ranks meet, then the job
+    ends with status 1 (`end_job_together`).
     Only part of the job runs cutp (cutp.init on a sub-communicator): those ranks abort the
     job after meeting, as any failure does. A rank that does not come within
     EXIT_BARRIER_TIMEOUT (it caught the error) gets the job aborted. Does not return."""
@@ -99,12 +101,30 @@ def end_together(every: EveryRank, rank: int, etype, value, tb) -> None:
                   f"within {EXIT_BARRIER_TIMEOUT:g} s; aborting the job\n")
     if not every.spans_job:
         abort_job()
+    end_job_together(1)
+
+
+def end_job_together(status: int) -> None:
+    """Every rank of the job is here (they met in _exit_together) with its output drained: end
+    the job with `status`, deterministically. Rank 0 calls MPI_Abort(status) with its stdout and
+    stderr silenced (MPICH's "application called MPI_Abort" line is noise here; what the user
+    must read was printed and drained before the meeting); the others wait to be ended by the
+    launcher. Not MPI_Finalize and exit: MPICH's mpiexec kills every process still alive when
+    one exits after finalising, so ranks exiting with a status as their MPI_Finalize returned
+    (milliseconds apart) drew status 9 and its BAD TERMINATION banner in 8 of 20 runs of 4 ranks
+    (and 2 of 20 when exiting at one agreed instant, on a loaded machine); MPI_Abort from one
+    rank: 30 of 30 with the status and nothing else. No interpreter teardown either: destructors
+    of live NCCL communicators (ncclCommDestroy, blocking) would run in garbage-collection order
+    on every rank. Does not return."""
     try:
-        # os._exit, not a return into interpreter teardown: destructors of live NCCL communicators
-        # (ncclCommDestroy, blocking) would then run in garbage-collection order on every rank.
-        MPI.Finalize()
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            MPI.COMM_WORLD.Abort(status)
+        time.sleep(EXIT_BARRIER_TIMEOUT)  # the launcher ends this process long before
     finally:
-        os._exit(1)
+        os._exit(status)
 
 
 @contextlib.contextmanager
@@ -129,7 +149,7 @@ def config_errors_exit(prog: str):
             sys.stderr.write(line)
         sys.stderr.flush()
         sys.stdout.flush()
-        if every is None:
+        if every is None or MPI.COMM_WORLD.Get_size() == 1:
             sys.exit(status)
         wait_for_output_to_drain()
         if not _exit_together(every.exit_comm):
@@ -137,10 +157,7 @@ def config_errors_exit(prog: str):
                       "aborting the job\n", code=status)
         if not every.spans_job:
             abort_job(code=status)
-        try:
-            MPI.Finalize()  # then os._exit, as end_together: no NCCL destructors in teardown order
-        finally:
-            os._exit(status)
+        end_job_together(status)
 
 
 def install_abort_on_error() -> bool:
