@@ -180,7 +180,7 @@ class PositionEmbedding(Module):
 
     def __init__(self, ctx, block_size, dim, *, name, seed, dtype):
         self.weight = make_parameter(ctx, f"{name}.weight", (block_size, dim), normal_init(0.02), None, seed=seed,
-                                     dtype=dtype)
+                                     dtype=dtype, weight_decay=True)  # decayed, as in nanoGPT, Megatron, HF
         self.sequence_shard: tuple[int, int] | None = None
 
     def forward(self, T):

@@ -55,7 +55,7 @@ def test_flat_parameters_are_views_and_weight_decay_is_one_range():
     assert not hasattr(flat, "decay_mask")  # no buffer the size of the model: fp32 state is 16 B/param
     decayed = {p.name for p in model.parameters() if p.weight_decay}
     assert decayed == {"h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight", "h.0.mlp.c_fc.weight",
-                       "h.0.mlp.c_proj.weight"}, decayed  # no biases, LayerNorm or embeddings
+                       "h.0.mlp.c_proj.weight", "wte.weight", "wpe.weight"}, decayed  # no biases or LayerNorm
     # an optimizer step through the flat buffer moves the model's own parameters
     flat.grad[...] = 1.0
     opt = AdamW(flat, lr=0.1)

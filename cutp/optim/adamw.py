@@ -40,7 +40,8 @@ GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 
 class AdamW:
     """AdamW with decoupled weight decay (PyTorch's formulation), decay only where
-    Parameter.weight_decay (weights of linear layers; not biases, LayerNorm or embeddings).
+    Parameter.weight_decay: the matrices, token and position embeddings included, never biases
+    or LayerNorm parameters (as nanoGPT, Megatron-LM and Hugging Face Trainer decay).
     Every DP rank holds the whole optimizer state."""
 
     distributed = False

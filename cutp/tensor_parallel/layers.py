@@ -168,7 +168,7 @@ class VocabParallelEmbedding(Module):
         self.padded_vocab = padded_vocab
         sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
         self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), init or normal_init(0.02), sharding,
-                                     seed=seed, dtype=dtype, real_rows=vocab_size)
+                                     seed=seed, dtype=dtype, weight_decay=True, real_rows=vocab_size)
         per = padded_vocab // ctx.tp_size
         self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
         self.sequence_parallel = False

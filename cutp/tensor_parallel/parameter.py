@@ -23,7 +23,8 @@ class Parameter:
     name         full parameter name (GPT-2's naming, e.g. "h.0.attn.c_attn.weight")
     data, grad   this rank's shard and its gradient accumulator (same shape and dtype)
     sharding     how the full tensor is split over TP (None: replicated on every TP rank)
-    weight_decay whether AdamW decays it (not biases, LayerNorm or embeddings)
+    weight_decay whether AdamW decays it: matrices (linear layers and embeddings), not biases or
+                 LayerNorm parameters (nanoGPT's, Megatron-LM's and Hugging Face Trainer's rule)
     norm_mask    for the global gradient norm, which entries this rank counts, so that each
                  full entry counts exactly once: all of a partitioned shard, the lowest rank's
                  copy of a replicated parameter, the first holder of a GQA-replicated KV column.
