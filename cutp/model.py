@@ -255,8 +255,11 @@ class GPT(Module):
         shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
         for m in [self.drop, self.wpe] + [d for b in self.h for d in (b.attn_dropout, b.mlp_dropout)]:
             m.sequence_shard = shard
-        for p in self.parameters():  # the replicated ones are exactly those used on sequence shards
-            p.sequence_parallel = on and p.sharding is None
+        # the replicated parameters used on sequence shards: positions, LayerNorms, row biases
+        on_shards = [self.wpe, self.ln_f] + [m for b in self.h for m in (b.ln_1, b.ln_2, b.attn.c_proj, b.mlp.c_proj)]
+        used = {id(p) for m in on_shards for p in m.own_parameters() if p.sharding is None}
+        for p in self.parameters():
+            p.sequence_parallel = on and id(p) in used
 
     @contextlib.contextmanager
     def without_sequence_parallel(self):
