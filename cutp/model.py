@@ -43,6 +43,7 @@ from .tensor_parallel import (
     normal_init,
     pad_rows,
     pad_vocab,
+    sum_grad_over,
     take_shard,
 )
 from .tensor_parallel.validation import check_attention, check_mlp, check_vocab
@@ -197,41 +198,83 @@ class PositionEmbedding(Module):
             -1, stop - start, dy.shape[-1]).sum(axis=0)
 
 
+def stage_layers(n_layer: int, pp: int, pp_layers=None) -> list[range]:
+    """The global layer indices of each of the pp pipeline stages: n_layer / pp each, or the
+    counts `pp_layers` (e.g. (5, 6, 6, 5)). Raises ConfigError naming the numbers."""
+    if pp_layers is None:
+        if n_layer % pp:
+            raise ConfigError(f"n_layer={n_layer} does not split evenly over pp={pp} stages; give the layers of "
+                              f"each stage with --pp-layers (e.g. {','.join(map(str, _near_even(n_layer, pp)))})")
+        counts = [n_layer // pp] * pp
+    else:
+        counts = [int(n) for n in pp_layers]
+        if len(counts) != pp or min(counts) < 1 or sum(counts) != n_layer:
+            raise ConfigError(f"--pp-layers {','.join(map(str, counts))}: needs pp={pp} counts >= 1 that add up to "
+                              f"n_layer={n_layer}")
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [range(a, a + n) for a, n in zip(starts, counts)]
+
+
+def _near_even(n, k):
+    return [n // k + (1 if i >= k - n % k else 0) for i in range(k)]
+
+
 class GPT(Module):
-    def __init__(self, ctx, config: GPTConfig, seed: int = 0, init: bool = True):
+    def __init__(self, ctx, config: GPTConfig, seed: int = 0, init: bool = True, pp_layers=None):
         """seed: initialisation and dropout streams. init=False allocates zeros instead of drawing
         the initial weights (for models whose weights are loaded right after).
+
+        With pipeline parallelism (ctx.pp_size > 1) the model is this rank's stage: the layers
+        `stage_layers(n_layer, pp, pp_layers)` gives it (named by their global index), the
+        embeddings on the first stage, the final LayerNorm, LM head and loss on the last (with
+        tied embeddings the last stage holds its own copy of the token embedding, whose gradient
+        is summed with the first stage's over ctx.embedding). It runs micro-batches through
+        `stage_forward` / `stage_backward` (cutp.train's pipeline schedules do).
 
         Collective over ctx's communicator: every rank must build the same model (a config or seed
         that differs on one rank would otherwise give silently wrong gradients or a hang)."""
         world = ctx.world.mpi_comm  # cutp talks only over the communicators it split off
-        check_same_on_all_ranks(world, {"config": config.to_dict(), "seed": seed, "init": init},
+        check_same_on_all_ranks(world, {"config": config.to_dict(), "seed": seed, "init": init,
+                                        "pp_layers": None if pp_layers is None else list(pp_layers)},
                                 "GPT model configuration")
         with errors_raised_on_every_rank(world):
             config.validate(ctx.tp_size)
+            stages = stage_layers(config.n_layer, ctx.pp_size, pp_layers)
         self.ctx = ctx
         self.config = config
         self.seed = seed
+        self.layers = stages[ctx.pp_rank]  # this stage's global layer indices
+        self.first_stage, self.last_stage = ctx.pp_rank == 0, ctx.pp_rank == ctx.pp_size - 1
+        self.ignore_index = -100
         c, dt = config, DTYPES[config.dtype]
         self.padded_vocab = c.padded_vocab(ctx.tp_size)
         self.rng = RNGTracker(seed, ctx.tp_rank, ctx.dp_rank)
         seed = seed if init else None
-        self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
-                                          dtype=dt)
-        self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
-        self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
+        self.wte = self.wpe = self.drop = self.ln_f = self.lm_head = self.loss_fn = None
+        if self.first_stage or (self.last_stage and c.tie_embeddings):
+            self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
+                                              dtype=dt)
+        if self.first_stage:
+            self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
+            self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
         self.h = [ParallelTransformerBlock(ctx, c.n_embd, c.n_head, c.kv_heads, c.hidden, name=f"h.{i}",
                                            rng=self.rng, n_layer=c.n_layer, bias=c.bias, dropout=c.dropout,
                                            gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt)
-                  for i in range(c.n_layer)]
-        self.ln_f = LayerNorm(ctx, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
-        if c.tie_embeddings:
-            self.lm_head = ParallelLMHead(ctx, self.wte)
-        else:
-            self.lm_head = ParallelLMHead(ctx, vocab_size=c.vocab_size, padded_vocab=self.padded_vocab, dim=c.n_embd,
-                                          name="lm_head", seed=seed, dtype=dt)
-        self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
-                                                 label_smoothing=c.label_smoothing)
+                  for i in self.layers]
+        if self.last_stage:
+            self.ln_f = LayerNorm(ctx, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
+            if c.tie_embeddings:
+                self.lm_head = ParallelLMHead(ctx, self.wte)
+            else:
+                self.lm_head = ParallelLMHead(ctx, vocab_size=c.vocab_size, padded_vocab=self.padded_vocab,
+                                              dim=c.n_embd, name="lm_head", seed=seed, dtype=dt)
+            self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
+                                                     ignore_index=self.ignore_index, label_smoothing=c.label_smoothing)
+        if c.tie_embeddings and ctx.pp_size > 1 and self.wte is not None:
+            # the tied table on the first and the last stage: one gradient, summed over both
+            self.wte.weight.grad_sync = sum_grad_over(ctx.embedding)
+            if not self.first_stage:
+                self.wte.weight.norm_mask = False  # counted in the norm on the first stage only
         self.sequence_parallel = False
 
     # ---- sequence parallelism ------------------------------------------------------------------
@@ -254,10 +297,11 @@ class GPT(Module):
                 m.sequence_parallel = on
         shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
         for m in [self.drop, self.wpe] + [d for b in self.h for d in (b.attn_dropout, b.mlp_dropout)]:
-            m.sequence_shard = shard
+            if m is not None:  # (the embeddings live on the first pipeline stage only)
+                m.sequence_shard = shard
         # the replicated parameters used on sequence shards: positions, LayerNorms, row biases
         on_shards = [self.wpe, self.ln_f] + [m for b in self.h for m in (b.ln_1, b.ln_2, b.attn.c_proj, b.mlp.c_proj)]
-        used = {id(p) for m in on_shards for p in m.own_parameters() if p.sharding is None}
+        used = {id(p) for m in on_shards if m is not None for p in m.own_parameters() if p.sharding is None}
         for p in self.parameters():
             p.sequence_parallel = on and id(p) in used
 
@@ -286,7 +330,7 @@ class GPT(Module):
             raise ConfigError(f"--recompute {mode!r}: use one of {', '.join(self.RECOMPUTE)}")
         if layers is not None and (mode != "full" or not (isinstance(layers, int) and 1 <= layers <= n)):
             raise ConfigError(f"--recompute-layers {layers!r} needs --recompute full and 1 <= N <= n_layer ({n})")
-        for i, block in enumerate(self.h):
+        for i, block in zip(self.layers, self.h):  # i: the global layer index (pipeline stages)
             block.attn.recompute_core = mode == "selective"
             block.recompute = mode == "full" and i < (n if layers is None else layers)
 
@@ -317,26 +361,88 @@ class GPT(Module):
         if targets is not None:
             if tuple(targets.shape) != tuple(idx.shape):
                 raise ValueError(f"targets shape {tuple(targets.shape)} differs from ids shape {tuple(idx.shape)}")
-            ok = (targets >= 0) & (targets < c.vocab_size) | (targets == self.loss_fn.ignore_index)
+            ok = (targets >= 0) & (targets < c.vocab_size) | (targets == self.ignore_index)
             if not bool(ok.all()):
                 bad = int(targets[~ok].reshape(-1)[0])
                 raise ValueError(f"target id {bad} is outside the vocabulary [0, {c.vocab_size}) "
-                                 f"and is not ignore_index ({self.loss_fn.ignore_index})")
+                                 f"and is not ignore_index ({self.ignore_index})")
 
     # ---- forward / backward ------------------------------------------------------------------
+    def _whole_model(self, what: str) -> None:
+        if self.ctx.pp_size > 1:
+            raise ConfigError(f"{what} needs the whole model on each rank, and this one is pipeline stage "
+                              f"{self.ctx.pp_rank} of {self.ctx.pp_size}: run micro-batches through stage_forward/"
+                              "stage_backward (cutp.train's schedules), or load the checkpoint with pp=1")
+
     def hidden_states(self, idx):
         """Final-LayerNorm output [B, T, n_embd], replicated ([B, T/tp, n_embd], this rank's
         tokens, under sequence parallelism)."""
+        self._whole_model("hidden_states")
         T = idx.shape[1]
         if self.sequence_parallel and not self._splits_sequence(T) and not self.training:
             with self.without_sequence_parallel():  # an evaluation forward whose T does not split
                 return self.hidden_states(idx)
+        return self.ln_f.forward(self._blocks(self._embed(idx)))
+
+    def _embed(self, idx):
         x = self.wte.forward(idx)
-        x += self.wpe.forward(T)
-        x = self.drop.forward(x)
+        x += self.wpe.forward(idx.shape[1])
+        return self.drop.forward(x)
+
+    def _blocks(self, x):
         for block in self.h:
             x = block.forward(x)
-        return self.ln_f.forward(x)
+        return x
+
+    def stage_forward(self, inp, targets=None):
+        """One micro-batch through this pipeline stage: `inp` is the token ids [B, T] on the first
+        stage, else the previous stage's output (replicated [B, T, h], or [B, T/tp, h] under
+        sequence parallelism). Returns this stage's output for the next, or on the last stage the
+        mean loss (with targets, replicated over TP) or the logits shard. At pp 1, `forward`."""
+        x = self._embed(inp) if self.first_stage else inp
+        x = self._blocks(x)
+        if not self.last_stage:
+            return x
+        logits = self.lm_head.forward(self.ln_f.forward(x))
+        if targets is None:
+            return logits
+        return self.loss_fn.forward(logits, targets, inplace_backward=True)
+
+    def stage_backward(self, grad):
+        """Backward of the micro-batch whose stage_forward ran last (its activations restored
+        with `restore_activations` when several are in flight): `grad` is d(loss) (a float) on
+        the last stage, else the gradient of this stage's output. Returns the gradient of the
+        stage's input for the previous stage (None on the first)."""
+        if self.last_stage:
+            dx = self.ln_f.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
+        else:
+            dx = grad
+        for block in reversed(self.h):
+            dx = block.backward(dx)
+        if not self.first_stage:
+            return dx
+        dx = self.drop.backward(dx)
+        self.wpe.backward(dx)
+        self.wte.backward(dx)
+        return None
+
+    def take_activations(self) -> list:
+        """Everything the stage keeps for one micro-batch's backward, taken out of its modules (a
+        pipeline schedule holds several micro-batches' at once; `restore_activations` puts them
+        back before that micro-batch's stage_backward)."""
+        kept = []
+        for m in self.modules():
+            for k, v in vars(m).items():
+                if k.startswith("_cache_") and v is not None:
+                    kept.append((m, k, v))
+        for m, k, _ in kept:
+            setattr(m, k, None)
+        return kept
+
+    @staticmethod
+    def restore_activations(kept: list) -> None:
+        for m, k, v in kept:
+            setattr(m, k, v)
 
     def forward(self, idx, targets=None, check=True):
         """Sharded logits [B, T, padded_vocab/tp] when targets is None, else the mean loss (float)
@@ -345,6 +451,7 @@ class GPT(Module):
         `targets` are already shifted: targets[:, t] is the token that follows idx[:, t] (nanoGPT's
         convention). Hugging Face's `labels=input_ids` are not: pass
         `targets=model.targets_from_labels(labels)`."""
+        self._whole_model("GPT.forward")
         if check:
             self.check_inputs(idx, targets)
         idx = self.ctx.asarray(idx)  # host ids on a GPU model: moved once here (a no-op on the CPU)
@@ -352,26 +459,18 @@ class GPT(Module):
                                                                                         is not None):
             with self.without_sequence_parallel():  # the LM head's input is whole then too
                 return self.forward(idx, targets, check=False)
-        logits = self.lm_head.forward(self.hidden_states(idx))
-        if targets is None:
-            return logits
-        return self.loss_fn.forward(logits, self.ctx.asarray(targets), inplace_backward=True)
+        return self.stage_forward(idx, None if targets is None else self.ctx.asarray(targets))
 
     def backward(self, dloss: float = 1.0):
-        dx = self.lm_head.backward(self.loss_fn.backward(dloss))
-        dx = self.ln_f.backward(dx)
-        for block in reversed(self.h):
-            dx = block.backward(dx)
-        dx = self.drop.backward(dx)
-        self.wpe.backward(dx)
-        self.wte.backward(dx)
+        self._whole_model("GPT.backward")
+        self.stage_backward(dloss)
 
     def targets_from_labels(self, labels):
         """Hugging Face-style labels (the input ids themselves, -100 where ignored) -> `forward`'s
         targets: shifted left by one, the last position ignored. forward(ids, targets_from_labels(
         ids)) is the loss GPT2LMHeadModel(input_ids=ids, labels=ids) computes."""
         xp = self.ctx.xp if not isinstance(labels, np.ndarray) else np
-        targets = xp.full(labels.shape, self.loss_fn.ignore_index, dtype=np.int64)
+        targets = xp.full(labels.shape, self.ignore_index, dtype=np.int64)
         targets[:, :-1] = labels[:, 1:]
         return targets
 
@@ -383,6 +482,7 @@ class GPT(Module):
     def forward_cached(self, idx, caches):
         """Eval-mode logits (sharded) for new tokens idx [B, Tn] after caches' positions; never
         sequence-parallel (one new token does not split over the TP ranks)."""
+        self._whole_model("generation")
         with self.without_sequence_parallel():
             return self._forward_cached(idx, caches)
 

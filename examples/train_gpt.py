@@ -38,7 +38,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpt2 on GPUs, tiny on the CPU)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
-    p.add_argument("--dp", type=int, help="data-parallel size (default: world size / tp)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: world size / (tp * pp))")
+    p.add_argument("--pp", type=int, help="pipeline stages (default 1): the layers split over pp ranks")
+    p.add_argument("--pp-layers", help="layers of each stage, e.g. 5,6,6,5 (default: n_layer / pp each)")
+    p.add_argument("--pp-schedule", choices=["1f1b", "gpipe"],
+                   help="pipeline schedule (default 1f1b: at most pp - stage micro-batches in flight; gpipe: all)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="default auto: cuda when a GPU is usable")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="parameters and activations (default float32); bfloat16/float16 train through fp32 "

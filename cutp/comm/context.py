@@ -1,12 +1,12 @@
-"""The context of one cutp instance: mesh (TP x DP), device binding and communicators; no global state.
+"""The context of one cutp instance: mesh (TP x DP x PP), device binding and communicators; no global state.
 
 `cutp.init(...)` returns a `Context` that owns everything a model needs. Two contexts can live
 in one process, and a host code can hand cutp any mpi4py communicator (a sub-communicator of
 its own): cutp only ever talks over the communicators it split off that one.
 
-Mesh layout: world rank r = dp_rank * tp + tp_rank. TP ranks are contiguous, so with the usual
-rank-by-node placement a TP group stays inside a node (NVLink) and DP crosses nodes
-(`cutp.runtime.mesh`).
+Mesh layout: world rank r = (pp_rank * dp + dp_rank) * tp + tp_rank. TP ranks are contiguous,
+so with the usual rank-by-node placement a TP group stays inside a node (NVLink), and DP and the
+pipeline stages cross nodes (`cutp.runtime.mesh`).
 
 The Context lives in `cutp.comm`, above the communicators it owns (MPI or NCCL, each inside a
 watchdog and a counter); everything it stands on (mesh arithmetic, device selection, failure
@@ -34,28 +34,32 @@ __all__ = ["Context", "Mesh", "init"]
 class Context:
     """Owns the mesh, the device and the communicators of one cutp instance.
 
-    Attributes: rank, world_size, tp_rank, tp_size, dp_rank, dp_size, local_rank, local_size,
-    device ('cpu' or 'cuda'), xp (numpy or cupy), world / tp / dp (counted communicators),
-    counter (CommCounter over all three groups).
+    Attributes: rank, world_size, tp_rank, tp_size, dp_rank, dp_size, pp_rank, pp_size,
+    local_rank, local_size, device ('cpu' or 'cuda'), xp (numpy or cupy), world / tp / dp / pp
+    (counted communicators; pp: this rank's pipeline, the ranks of equal tp_rank and dp_rank,
+    one per stage), embedding (the first and last stages of the pipeline, which both hold a
+    tied embedding; None elsewhere and at pp 1), counter (CommCounter over every group).
     """
 
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
-                 abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None):
+                 abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None,
+                 pp: int = 1):
         if abort_on_error:
             install_abort_on_error()
         self.mpi_comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
         with errors_raised_on_every_rank(self.mpi_comm):  # a device missing on one node stops every rank
-            self.mesh = validate_mesh(self.world_size, tp, dp)
+            self.mesh = validate_mesh(self.world_size, tp, dp, pp)
             self.device = backend.resolve_device(device)
             timeout = default_timeout() if collective_timeout is None else check_timeout(collective_timeout)
         configure_host_watchdog(timeout)
-        check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "device": self.device,
-                                                "cutp": __version__}, "cutp.init arguments")
-        self.tp_size, self.dp_size = self.mesh.tp, self.mesh.dp
+        check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "pp": self.mesh.pp,
+                                                "device": self.device, "cutp": __version__}, "cutp.init arguments")
+        self.tp_size, self.dp_size, self.pp_size = self.mesh.tp, self.mesh.dp, self.mesh.pp
         self.tp_rank = self.mesh.tp_rank(self.rank)
         self.dp_rank = self.mesh.dp_rank(self.rank)
+        self.pp_rank = self.mesh.pp_rank(self.rank)
 
         self._owned_mpi = []
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -84,15 +88,21 @@ class Context:
             local.Free()
         self.xp = backend.array_module_for(self.device)
 
-        tp_mpi = self.mpi_comm.Split(color=self.dp_rank, key=self.tp_rank)
-        dp_mpi = self.mpi_comm.Split(color=self.tp_rank, key=self.dp_rank)
+        tp_mpi = self.mpi_comm.Split(color=self.rank // self.tp_size, key=self.tp_rank)
+        dp_mpi = self.mpi_comm.Split(color=self.pp_rank * self.tp_size + self.tp_rank, key=self.dp_rank)
+        pp_mpi = self.mpi_comm.Split(color=self.dp_rank * self.tp_size + self.tp_rank, key=self.pp_rank)
+        ends = self.pp_size > 1 and self.pp_rank in (0, self.pp_size - 1)
+        emb_mpi = self.mpi_comm.Split(color=self.dp_rank * self.tp_size + self.tp_rank if ends else MPI.UNDEFINED,
+                                      key=self.pp_rank)
         world_mpi = self.mpi_comm.Dup()
-        self._owned_mpi = [tp_mpi, dp_mpi, world_mpi]
+        self._owned_mpi = [c for c in (tp_mpi, dp_mpi, pp_mpi, emb_mpi, world_mpi) if c != MPI.COMM_NULL]
         self.counter = CommCounter()
         self.watchdog = Watchdog(timeout, self.rank)
         self.world = self._wrap(self._make_comm(world_mpi, "world"))
         self.tp = self._wrap(self._make_comm(tp_mpi, "tp"))
         self.dp = self._wrap(self._make_comm(dp_mpi, "dp"))
+        self.pp = self._wrap(self._make_comm(pp_mpi, "pp"))
+        self.embedding = self._wrap(self._make_comm(emb_mpi, "embedding")) if ends else None
         self._extra_groups = {}
         self.closed = False
 
@@ -133,8 +143,10 @@ class Context:
             self.xp.cuda.get_current_stream().synchronize()
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size} "
-                f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}) device={self.device}"
+        pp = f" x pp={self.pp_size}" if self.pp_size > 1 else ""
+        pp_rank = f", pp_rank {self.pp_rank}" if self.pp_size > 1 else ""
+        return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size}{pp} "
+                f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}{pp_rank}) device={self.device}"
                 + (f":{self.device_id}" if self.device_id is not None else "")
                 + f" comm={self.tp.kind}"
                 + (f" watchdog={self.watchdog.timeout:g}s" if self.watchdog.enabled else " watchdog=off"))
@@ -142,8 +154,9 @@ class Context:
     def close(self):
         if getattr(self, "closed", True):
             return
-        for group in (*self._extra_groups.values(), self.dp, self.tp, self.world):
-            group.close()
+        for group in (*self._extra_groups.values(), self.embedding, self.pp, self.dp, self.tp, self.world):
+            if group is not None:
+                group.close()
         for c in self._owned_mpi:
             c.Free()
         self._owned_mpi = []
@@ -161,14 +174,15 @@ class Context:
 
 
 def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", abort_on_error: bool = True,
-         collective_timeout: float | None = None, device_id: int | None = None) -> Context:
+         collective_timeout: float | None = None, device_id: int | None = None, pp: int = 1) -> Context:
     """Creates a cutp context over `comm` (default MPI.COMM_WORLD). Collective over comm.
 
-    tp*dp must equal comm's size (dp defaults to size // tp). device is 'cpu', 'cuda' or 'auto'.
+    tp*dp*pp must equal comm's size (dp defaults to size // (tp*pp)); pp is the number of
+    pipeline stages. device is 'cpu', 'cuda' or 'auto'.
     With abort_on_error (default), an uncaught exception on any rank aborts the whole MPI job
     after printing that rank's traceback. collective_timeout (seconds; default
     $CUTP_COLLECTIVE_TIMEOUT or 600, 0 = off) aborts the job when a collective stalls.
     device_id picks the GPU (default: the launcher's node-local rank modulo the visible GPUs).
     """
     return Context(comm=comm, tp=tp, dp=dp, device=device, abort_on_error=abort_on_error,
-                   collective_timeout=collective_timeout, device_id=device_id)
+                   collective_timeout=collective_timeout, device_id=device_id, pp=pp)

@@ -241,6 +241,8 @@ class DistributedAdamW(AdamW):
         if ctx.tp_size > 1:
             ctx.tp.all_reduce(acc, "sum", out=acc)
         ctx.dp.all_reduce(acc, "sum", out=acc)
+        if ctx.pp_size > 1:  # every pipeline stage's parameters
+            ctx.pp.all_reduce(acc, "sum", out=acc)
         total, bad = float(acc[0]), float(acc[1])
         if bad or not math.isfinite(total):
             return float("nan")

@@ -1,7 +1,8 @@
-"""The TP x DP mesh: which rank holds which part, and the checks a layout must pass. Pure.
+"""The TP x DP x PP mesh: which rank holds which part, and the checks a layout must pass. Pure.
 
-World rank r = dp_rank * tp + tp_rank. TP ranks are contiguous, so with the usual rank-by-node
-placement a TP group stays inside a node (NVLink) and DP crosses nodes.
+World rank r = (pp_rank * dp + dp_rank) * tp + tp_rank: TP fastest, then DP, then PP. TP ranks
+are contiguous, so with the usual rank-by-node placement a TP group stays inside a node
+(NVLink), and DP and the pipeline stages cross nodes.
 """
 from __future__ import annotations
 
@@ -15,44 +16,69 @@ from .errors import ConfigError
 class Mesh:
     tp: int
     dp: int
+    pp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.dp * self.pp
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.dp
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.tp * self.dp)
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     def tp_group(self, rank: int) -> list[int]:
         base = (rank // self.tp) * self.tp
         return list(range(base, base + self.tp))
 
     def dp_group(self, rank: int) -> list[int]:
-        return list(range(rank % self.tp, self.tp * self.dp, self.tp))
+        t, p = self.tp_rank(rank), self.pp_rank(rank)
+        return [self.rank_of(t, d, p) for d in range(self.dp)]
+
+    def pp_group(self, rank: int) -> list[int]:
+        t, d = self.tp_rank(rank), self.dp_rank(rank)
+        return [self.rank_of(t, d, p) for p in range(self.pp)]
 
 
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_mesh(world_size: int, tp, dp) -> Mesh:
-    """Checks tp and dp against the world size; returns the mesh. Pure: no communication."""
+def validate_mesh(world_size: int, tp, dp, pp=1) -> Mesh:
+    """Checks tp, dp and pp against the world size; returns the mesh. Pure: no communication."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ConfigError(f"pp must be an integer >= 1, got {pp!r}")
     if dp is None:
-        if world_size % tp:
+        if world_size % (tp * pp):
+            what = f"tp={tp}" if pp == 1 else f"tp*pp = {tp}*{pp}"
             raise ConfigError(
-                f"tp={tp} does not divide the world size {world_size}, so dp cannot be derived; "
-                f"use a tp from {_divisors(world_size)} or start a multiple of {tp} ranks"
+                f"{what} does not divide the world size {world_size}, so dp cannot be derived; "
+                f"use a tp from {_divisors(world_size // pp if world_size % pp == 0 else world_size)} "
+                f"or start a multiple of {tp * pp} ranks"
             )
-        dp = world_size // tp
+        dp = world_size // (tp * pp)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ConfigError(f"dp must be an integer >= 1, got {dp!r}")
-    if tp * dp != world_size:
+    if tp * dp * pp != world_size:
+        if pp == 1:
+            raise ConfigError(
+                f"tp*dp = {tp}*{dp} = {tp * dp} but the communicator has {world_size} ranks; "
+                f"start {tp * dp} ranks (mpirun -np {tp * dp}) or choose tp*dp = {world_size}"
+            )
         raise ConfigError(
-            f"tp*dp = {tp}*{dp} = {tp * dp} but the communicator has {world_size} ranks; "
-            f"start {tp * dp} ranks (mpirun -np {tp * dp}) or choose tp*dp = {world_size}"
+            f"tp*dp*pp = {tp}*{dp}*{pp} = {tp * dp * pp} but the communicator has {world_size} ranks; "
+            f"start {tp * dp * pp} ranks (mpirun -np {tp * dp * pp}) or choose tp*dp*pp = {world_size}"
         )
-    return Mesh(tp, dp)
+    return Mesh(tp, dp, pp)
 
 
 def check_gpu_assignment(bus_ids: list, n_gpus: int) -> None:

@@ -11,7 +11,7 @@ grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP), global_grad_norm
 """
 from .attention import ParallelAttention
 from .cross_entropy import VocabParallelCrossEntropy
-from .grads import finish_grad_sync, global_grad_norm, tp_grad_sync
+from .grads import finish_grad_sync, global_grad_norm, sum_grad_over, tp_grad_sync
 from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, RowParallelLinear,
                      VocabParallelEmbedding, pad_vocab)
 from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
@@ -21,6 +21,7 @@ from .transformer import ParallelMLP, ParallelTransformerBlock
 
 __all__ = [
     "ParallelAttention", "VocabParallelCrossEntropy", "finish_grad_sync", "global_grad_norm", "tp_grad_sync",
+    "sum_grad_over",
     "ColumnParallelLinear", "Dropout", "LayerNorm", "ParallelLMHead", "RowParallelLinear",
     "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
     "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",

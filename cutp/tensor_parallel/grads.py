@@ -49,6 +49,25 @@ def tp_grad_sync(params, tp=None) -> None:
             off += p.grad.size
 
 
+def sum_grad_over(group):
+    """A grad_sync hook: the parameter's gradient summed over `group` (in place), for a parameter
+    held whole by each of the group's ranks that each see part of its use (a tied embedding on
+    the first and last pipeline stages)."""
+
+    def sync(param):
+        if group is None or group.size == 1:
+            return
+        g = param.grad
+        if g.flags.c_contiguous:
+            group.all_reduce(g, "sum", out=g)
+        else:
+            part = get_array_module(g).ascontiguousarray(g)
+            group.all_reduce(part, "sum", out=part)
+            g[...] = part
+
+    return sync
+
+
 def finish_grad_sync(params, ctx, flat=None) -> None:
     """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
     (Training reduces over DP through its optimizer: cutp.optim's reduce_gradients.)"""
@@ -100,6 +119,8 @@ def global_grad_norm(params, ctx) -> float:
             acc[1] += int((~xp.isfinite(p.grad)).sum()) if xp is np else (~xp.isfinite(p.grad)).sum()
     if ctx.tp_size > 1:
         ctx.tp.all_reduce(acc, "sum", out=acc)
+    if getattr(ctx, "pp_size", 1) > 1:  # every pipeline stage's parameters (a tied copy counted once)
+        ctx.pp.all_reduce(acc, "sum", out=acc)
     total, bad = float(acc[0]), float(acc[1])
     if bad or not math.isfinite(total):
         return float("nan")

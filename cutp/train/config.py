@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ..checkpoint import ARCH_FIELDS, read_meta, resolve_checkpoint
-from ..model import GPT, PRESETS, GPTConfig
+from ..model import GPT, PRESETS, GPTConfig, stage_layers
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks
@@ -35,6 +35,7 @@ from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.mesh import validate_mesh
 from ..runtime.watchdog import check_timeout
+from .pipeline import SCHEDULES
 
 # The run settings and their defaults (None: derived, see resolve_run_config).
 RUN_SETTINGS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "min_lr": None, "warmup": None,
@@ -46,7 +47,8 @@ RUN_SETTINGS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "
 CHOICES = {
     **RUN_SETTINGS,
     "model": None, "preset": None, "set": (), "dtype": None,
-    "device": "auto", "tp": None, "dp": None, "micro_batch_size": None,
+    "device": "auto", "tp": None, "dp": None, "pp": None, "pp_layers": None, "pp_schedule": "1f1b",
+    "micro_batch_size": None,
     "run_steps": None, "max_skips": 5,
     "distributed_optimizer": False, "grad_reduce_dtype": "float32",
     "recompute": "none", "recompute_layers": None, "sequence_parallel": False,
@@ -72,6 +74,9 @@ class RunConfig:
     device: str = "cpu"
     tp: int = 1
     dp: int = 1
+    pp: int = 1  # pipeline stages
+    pp_layers: tuple | None = None  # layers per stage (None: n_layer / pp each)
+    pp_schedule: str = "1f1b"  # or "gpipe" (cutp.train.pipeline)
     micro_batch_size: int = 8  # sequences per forward on one DP rank
     # the optimizer's layout and precision (model.dtype is the parameters'; 16-bit models train
     # through float32 master weights and float32 gradients)
@@ -120,7 +125,9 @@ class RunConfig:
         if not isinstance(self.model, GPTConfig):
             raise ConfigError(f"RunConfig.model must be a GPTConfig, got {type(self.model).__name__}")
         object.__setattr__(self, "overrides", tuple(self.overrides))
-        for name in ("tp", "dp", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
+        if self.pp_layers is not None:
+            object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
+        for name in ("tp", "dp", "pp", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
             _positive_int(name, getattr(self, name))
         for name in ("steps", "warmup", "eval_every", "save_every", "keep", "max_skips", "seed"):
             _int_at_least(name, getattr(self, name), 0)
@@ -172,6 +179,25 @@ class RunConfig:
         if per_rank % self.micro_batch_size:
             raise ConfigError(f"--micro-batch-size {self.micro_batch_size} must divide the per-DP-rank batch "
                               f"{per_rank} (= batch-size {self.batch_size} / dp {self.dp})")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pp_schedule not in SCHEDULES:
+            raise ConfigError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}")
+        if self.pp_layers is not None and self.pp == 1 and len(self.pp_layers) != 1:
+            raise ConfigError(f"--pp-layers {','.join(map(str, self.pp_layers))} needs --pp {len(self.pp_layers)}")
+        stage_layers(self.model.n_layer, self.pp, self.pp_layers)
+        if self.pp == 1:
+            return
+        m = self.accum_steps
+        if self.pp_schedule == "1f1b" and m < self.pp:
+            raise ConfigError(f"the 1F1B schedule needs at least pp={self.pp} micro-batches per step, and "
+                              f"--batch-size {self.batch_size} / (dp {self.dp} x --micro-batch-size "
+                              f"{self.micro_batch_size}) gives {m}; use a smaller --micro-batch-size, a larger "
+                              "--batch-size, or --pp-schedule gpipe")
+        if self.out or self.resume:
+            raise ConfigError(f"--pp {self.pp}: checkpoints of pipeline-parallel runs are not written or read yet "
+                              "(issue 15's next step); run without --out/--resume, or with --pp 1")
 
     # ---- derived quantities --------------------------------------------------------------------
     @property
@@ -297,14 +323,19 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
                                ("batch_size", run["batch_size"]), ("seq_len", run["seq_len"])) if v is not None}
     for name, v in given.items():
         _positive_int(name, v)
-    tp = given.get("tp") or choose_tp(world, ranks_per_node, model, device)
+    pp = 1 if c["pp"] is None else c["pp"]
+    _positive_int("pp", pp)
+    if world % pp:
+        raise ConfigError(f"--pp {pp} does not divide the {world} ranks; start a multiple of {pp} ranks")
+    tp = given.get("tp") or choose_tp(world // pp, ranks_per_node, model, device)
     model.validate(tp)  # (RunConfig checks it again; here its message comes before the mesh's)
-    mesh = validate_mesh(world, tp, c["dp"])
+    mesh = validate_mesh(world, tp, c["dp"], pp)
     seq_len = given.get("seq_len") or (min(model.block_size, 256) if device == "cpu" else model.block_size)
     batch = given.get("batch_size") or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp
     steps = run["steps"]
     return RunConfig(
-        model=model, device=device, tp=tp, dp=mesh.dp,
+        model=model, device=device, tp=tp, dp=mesh.dp, pp=pp, pp_layers=_layer_counts(c["pp_layers"]),
+        pp_schedule=c["pp_schedule"],
         steps=steps, batch_size=batch, micro_batch_size=given.get("micro_batch_size") or batch // mesh.dp,
         seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
         min_lr=run["min_lr"],
@@ -320,6 +351,18 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), metrics=c["metrics"],
         log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"])
+
+
+def _layer_counts(value):
+    """--pp-layers "5,6,6,5" (or a sequence of ints) -> (5, 6, 6, 5)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return tuple(int(v) for v in value.split(","))
+        except ValueError:
+            raise ConfigError(f"--pp-layers {value!r}: expected comma-separated layer counts, e.g. 5,6,6,5") from None
+    return tuple(int(v) for v in value)
 
 
 def _run_settings(choices: dict, meta: dict | None) -> dict:

@@ -45,6 +45,7 @@ from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
+from .pipeline import Schedule, eval_losses
 
 
 @dataclass
@@ -65,6 +66,7 @@ class TrainingRun:
     start_step: int = 0
     consecutive_skips: int = 0
     last_saved: int | None = None  # the step of the newest checkpoint this run wrote or resumed from
+    pipeline_in_flight: int = 0  # the most micro-batches this stage held at once in the last step
 
     @property
     def end_step(self) -> int:
@@ -171,17 +173,19 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
         if dataset.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
                               f"{cfg.model.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
-        dp_rank = Mesh(cfg.tp, cfg.dp).dp_rank(world.Get_rank())  # the Context's, before it exists
+        dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp).dp_rank(world.Get_rank())  # the Context's, before it exists
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
                                seed=cfg.seed)
     check_same_on_all_ranks(world, {"data": dataset.description}, "training data")
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
-    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, device=cfg.device, collective_timeout=cfg.collective_timeout)
+    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, device=cfg.device,
+               collective_timeout=cfg.collective_timeout)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
-    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
+    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None,  # resumed weights are loaded next
+                pp_layers=cfg.pp_layers)
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
@@ -260,9 +264,15 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         run.flat.zero_grad()
         clock.enter("forward")  # reading the step's batch counts with the forward
         batches = list(run.sampler.micro_batches(n))
-        weights = _loss_weights(ctx, [y for _, y in batches], model.loss_fn.ignore_index)
+        weights = _loss_weights(ctx, [y for _, y in batches], model.ignore_index)
         loss_sum = 0.0
         per_rank = cfg.batch_size // cfg.dp
+        if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
+            schedule = Schedule(run, batches, weights, n, lambda i: ctx.dp_rank * per_rank + i * cfg.micro_batch_size,
+                                scaler.scale, hooks)
+            loss_sum = schedule.run_step(cfg.pp_schedule)
+            run.pipeline_in_flight = schedule.max_in_flight
+            batches = []
         for micro, (x, y) in enumerate(batches):
             clock.enter("forward")
             # dropout masks by global position: this micro-batch's first row in the step's batch
@@ -282,6 +292,8 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
         loss = _dp_mean(ctx, loss_sum, "the loss average")
+        if ctx.pp_size > 1:
+            loss = _from_last_stage(ctx, loss)
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         # the decision above comes from all-reduced values: every rank updates its scaler alike
@@ -326,12 +338,16 @@ def evaluate(run: TrainingRun) -> float:
         model.eval()
         losses = []
         for i in range(cfg.eval_batches):
+            if ctx.pp_size > 1:
+                losses += eval_losses(run, list(run.sampler.micro_batches(i, "val")))
+                continue
             for x, y in run.sampler.micro_batches(i, "val"):
                 model.check_inputs(x, y)
                 losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False))
                 ctx.watchdog.progress()
         model.train()
-        return _dp_mean(ctx, sum(losses) / len(losses), "the validation-loss average")
+        loss = _dp_mean(ctx, sum(losses) / len(losses) if losses else 0.0, "the validation-loss average")
+        return _from_last_stage(ctx, loss) if ctx.pp_size > 1 else loss
 
 
 def _loss_weights(ctx: Context, targets, ignore_index: int) -> list[float]:
@@ -349,6 +365,12 @@ def _loss_weights(ctx: Context, targets, ignore_index: int) -> list[float]:
     if not total[0]:
         return [0.0] * len(counts)
     return [ctx.dp_size * c / int(total[0]) for c in counts]
+
+
+def _from_last_stage(ctx: Context, value: float) -> float:
+    """The last pipeline stage's value (the loss is computed there), on every stage."""
+    with ctx.watchdog.guard("the loss from the last pipeline stage (host broadcast on pp)"):
+        return float(ctx.pp.mpi_comm.bcast(value, root=ctx.pp_size - 1))
 
 
 def _dp_mean(ctx: Context, value: float, what: str) -> float:
