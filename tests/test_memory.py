@@ -265,3 +265,22 @@ def test_the_simulated_step_frees_every_array_it_allocates():
                                                                  kernels=kernels))
             assert out["left"] == (["batches"] if device == "cpu" else []), (device, dtype, dropout, bias, tp, out)
             assert out["activations_peak"] > 2 * 64 * 128 * 2 * 4, out
+
+
+def test_the_memory_record_has_each_layers_stash(monkeypatch):
+    """measured_step measures what each layer keeps for backward after the first forward: a
+    fully recomputed layer its input only, [B, T, h] (exact), the others far more; the banner
+    says so."""
+    monkeypatch.setenv("CUTP_OP_THREADS", "1")
+    B, T, h = 2, 32, 128
+    cfg = train.resolve_run_config(MPI.COMM_SELF, preset="tiny", set=["n_layer=3"], dtype="float32", batch_size=B,
+                                   micro_batch_size=B, seq_len=T, steps=2, device="cpu", eval_every=0, quiet=True,
+                                   save_on_signal=False, recompute="full", recompute_layers=2)
+    run = train.build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(256, 1 << 12, 0))
+    _, mem = train.measured_step(run)
+    run.close()
+    stash = mem["stash_per_layer"]
+    assert stash[:2] == [B * T * h * 4] * 2 and stash[2] > 5 * stash[0], stash
+    line = train.memory.peak_line(mem, 1)
+    assert "layers keep 32.8 kB-" in line and "each for backward" in line, line
+    assert json.loads(json.dumps(mem)) == mem
