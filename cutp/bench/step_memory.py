@@ -62,6 +62,11 @@ class _Walk(OpWalk):
     """One training step of a GPT on one rank, booked on a Heap (see the module docstring): the
     model's order of the ops `OpWalk` books."""
 
+    def __init__(self, s: StepShape):
+        super().__init__(s)
+        self.stash: list[int] | None = None  # bytes each layer keeps after the first forward
+        self.head_x = ""  # the LM head's input, kept for its backward (ln_f's output, or gathered)
+
     def embedding(self):
         H, N, h = self.heap, self.N, self.h
         if self.s.tp > 1:

@@ -29,7 +29,6 @@ class OpWalk:
         self.N = s.micro_batch * s.seq_len
         self.sp = s.sp
         self.Ns = self.N // s.tp if self.sp else self.N  # token rows between the TP regions (a shard under SP)
-        self.stash: list[int] | None = None  # bytes each layer keeps after the first forward
         self.h = s.n_embd
         self.nq = s.n_head // s.tp
         self.hd = s.n_embd // s.n_head
