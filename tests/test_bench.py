@@ -91,6 +91,20 @@ def test_plan_70b_against_the_literature():
     assert plan.activation_bytes_per_layer(s, b, h, heads, 1) == pytest.approx(s * b * h * (34 + 5 * heads * s / h))
     assert plan.activation_bytes_per_layer(s, b, h, heads, 8) == pytest.approx(
         s * b * h * (10 + 24 / 8 + 5 * heads * s / (h * 8)))
+    # Table 2: with sequence parallelism, selective and full recomputation (16-bit; 4-byte activations
+    # double all but the 1-byte dropout masks)
+    kw = dict(s=s, b=b, h=h, a=heads, t=8)
+    sbh, t = s * b * h, 8
+    assert plan.activation_bytes_per_layer(**kw, sequence_parallel=True) == pytest.approx(
+        sbh * (34 / t + 5 * heads * s / (h * t)))
+    assert plan.activation_bytes_per_layer(**kw, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert plan.activation_bytes_per_layer(**kw, recompute="selective", sequence_parallel=True) == pytest.approx(
+        sbh * 34 / t)
+    assert plan.activation_bytes_per_layer(**kw, recompute="full") == 2 * sbh
+    assert plan.activation_bytes_per_layer(**kw, recompute="full", sequence_parallel=True) == 2 * sbh / t
+    assert plan.activation_bytes_per_layer(**kw, act_bytes=4, recompute="selective", sequence_parallel=True) == \
+        pytest.approx(2 * sbh * 34 / t - 2 * sbh / t)
+    assert plan.activation_bytes_per_layer(**kw, act_bytes=4, recompute="full") == 4 * sbh
     assert plan.param_count(plan.ARCHITECTURES["175B"])["total"] / 1e9 == pytest.approx(174.6, abs=0.1)
 
 

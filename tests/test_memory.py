@@ -34,9 +34,10 @@ def _measure_and_plan(comm, case: dict) -> dict:
     (this rank's measurement and plan, and the largest over the ranks of each)."""
     tp, dp, accum, B, T = case["tp"], case["dp"], case.get("accum", 1), case["B"], case["T"]
     extra = {"distributed_optimizer": True} if case.get("distributed") else {}
+    layout = {k: case[k] for k in ("recompute", "recompute_layers", "sequence_parallel") if k in case}
     cfg = train.resolve_run_config(comm, preset="tiny", set=case.get("set", ["n_layer=2"]), dtype=case["dtype"],
                                    tp=tp, dp=dp, batch_size=B * dp * accum, micro_batch_size=B, seq_len=T, steps=4,
-                                   device="cpu", eval_every=0, quiet=True, save_on_signal=False, **extra)
+                                   device="cpu", eval_every=0, quiet=True, save_on_signal=False, **extra, **layout)
     run = train.build_run(cfg, comm, dataset=random_tokens(cfg.model.vocab_size, 1 << 15, 0))
     stats, largest = train.measured_step(run)
     assert np.isfinite(stats.loss)
@@ -47,10 +48,10 @@ def _measure_and_plan(comm, case: dict) -> dict:
     assert not leftover, f"activations cached after the step: {leftover}"
     planned = plan.plan(plan.arch_from_config("tiny", cfg.model), tp=tp, dp=dp, micro_batch=B, seq_len=T,
                         accum=accum, dtype=case["dtype"], distributed_optimizer=bool(case.get("distributed")),
-                        config=cfg.model, device="cpu", threads=1)
+                        config=cfg.model, device="cpu", threads=1, **layout)
     mine_planned = step_memory.step_peak(step_memory.StepShape.of(
         cfg.model, tp=tp, tp_rank=run.ctx.tp_rank, micro_batch=B, seq_len=T, accum=accum, dtype=case["dtype"],
-        threads=1, dp=dp, dp_rank=run.ctx.dp_rank, distributed_optimizer=bool(case.get("distributed"))))[
+        threads=1, dp=dp, dp_rank=run.ctx.dp_rank, distributed_optimizer=bool(case.get("distributed")), **layout))[
         "activations_peak"]
     assert mine["params_local"] == run.model.num_parameters_local() == planned["params_per_gpu"]
     run.close()
@@ -68,6 +69,11 @@ def _assert_agree(r: dict, what: str) -> None:
                               (r["largest"]["activations_peak"], r["planned"]["activations_peak"])):
         assert abs(planned - measured) <= TOLERANCE * measured, (
             f"{what}: activations planned {planned:,} vs measured {measured:,} ({planned / measured - 1:+.1%})")
+    # what each layer keeps for backward (measured from the caches after the first forward)
+    measured, planned = r["largest"]["stash_per_layer"], r["planned"]["stash_per_layer"]
+    assert len(measured) == len(planned) and all(m > 0 for m in measured), (what, measured, planned)
+    for m, p in zip(measured, planned):
+        assert abs(p - m) <= TOLERANCE * m, f"{what}: a layer keeps {m:,} bytes, planned {p:,} ({p / m - 1:+.1%})"
 
 
 SINGLE = [  # one rank, in this process
@@ -78,10 +84,16 @@ SINGLE = [  # one rank, in this process
     dict(tp=1, dp=1, B=2, T=16, dtype="float32", set=["n_layer=1"]),  # the optimizer update's blocks dominate
     dict(tp=1, dp=1, B=4, T=64, dtype="bfloat16"),
     dict(tp=1, dp=1, B=4, T=32, dtype="float16", set=["n_layer=2", "dropout=0.1"]),
+    # recomputation: selective (the attention's probabilities again in backward), full (whole
+    # layers again: their whole stash exists during their own backward), the first layers only
+    dict(tp=1, dp=1, B=2, T=64, dtype="float32", recompute="selective"),
+    dict(tp=1, dp=1, B=2, T=64, dtype="float32", recompute="full", set=["n_layer=2", "dropout=0.1"]),
+    dict(tp=1, dp=1, B=2, T=64, dtype="bfloat16", recompute="full", recompute_layers=1, set=["n_layer=3"]),
 ]
 
 
-@pytest.mark.parametrize("case", SINGLE, ids=lambda c: f"{c['dtype']}-B{c['B']}T{c['T']}-{'-'.join(c.get('set', []))}")
+@pytest.mark.parametrize("case", SINGLE, ids=lambda c: f"{c['dtype']}-B{c['B']}T{c['T']}-{'-'.join(c.get('set', []))}"
+                                             f"-{c.get('recompute', 'none')}")
 def test_measured_memory_equals_the_plan_on_one_rank(case, monkeypatch):
     monkeypatch.setenv("CUTP_OP_THREADS", "1")  # the planner is told 1 thread: blocks never overlap by chance
     _assert_agree(_measure_and_plan(MPI.COMM_SELF, case), str(case))
@@ -93,6 +105,16 @@ MULTI = [  # two ranks under mpiexec, one launch
     dict(tp=1, dp=2, B=2, T=64, dtype="float64", accum=2),
     dict(tp=1, dp=2, B=4, T=64, dtype="float32", distributed=True),
     dict(tp=1, dp=2, B=4, T=64, dtype="bfloat16", distributed=True),
+    # sequence parallelism (the gathered inputs the column projections keep, the reduce-scatters,
+    # the shards between the TP regions), each recomputation with it and without
+    dict(tp=2, dp=1, B=2, T=64, dtype="float32", sequence_parallel=True),
+    dict(tp=2, dp=1, B=2, T=64, dtype="float32", recompute="selective"),
+    dict(tp=2, dp=1, B=2, T=64, dtype="float32", recompute="selective", sequence_parallel=True,
+         set=["n_layer=2", "dropout=0.1"]),
+    dict(tp=2, dp=1, B=2, T=64, dtype="float32", recompute="full"),
+    dict(tp=2, dp=1, B=1, T=64, dtype="float32", recompute="full", sequence_parallel=True),
+    dict(tp=2, dp=1, B=2, T=64, dtype="bfloat16", recompute="full", recompute_layers=1, sequence_parallel=True,
+         set=["n_layer=2", "n_kv_head=2"]),
 ]
 
 
@@ -102,8 +124,9 @@ def _worker_measured_equals_planned(cases):
 
 
 def test_measured_memory_equals_the_plan_on_two_ranks():
-    """tp=2 (GQA replicated, padded vocabulary, bfloat16), dp=2 (float64 with accumulation; the
-    distributed optimizer in float32 and bfloat16)."""
+    """tp=2 (GQA replicated, padded vocabulary, bfloat16; sequence parallelism and recomputation,
+    alone and together), dp=2 (float64 with accumulation; the distributed optimizer in float32
+    and bfloat16)."""
     run_mpi(2, "tests.test_memory:_worker_measured_equals_planned", MULTI, timeout=240, env={"CUTP_OP_THREADS": "1"})
 
 
@@ -184,6 +207,40 @@ def test_plan_70b_bf16_distributed_table_and_verdicts(tmp_path, capsys):
         plan.resolve_dtype("bfloat16", "fp32")
 
 
+def test_plan_with_recomputation_and_sequence_parallelism():
+    """--params: Korthikanti's Table 2 per layer (full recomputation of the first N layers only);
+    a cutp preset: its walk's per-layer stash, smaller with each setting; bad combinations refused
+    in one line naming the numbers."""
+    a70 = plan.ARCHITECTURES["70B"]
+    kw = dict(tp=8, dp=1, micro_batch=1, seq_len=4096, dtype="bfloat16")
+    none = plan.plan(a70, **kw)
+    part = plan.plan(a70, **kw, recompute="full", recompute_layers=30, sequence_parallel=True)
+    sbh = 4096 * 8192
+    assert part["activations"]["stash_per_layer"][:30] == [2 * sbh / 8] * 30
+    assert part["activations"]["stash_per_layer"][30:] == [pytest.approx(sbh * (34 / 8 + 5 * 64 * 4096 / (8192 * 8)))] * 50
+    assert none["activations"]["stash_per_layer"] == [plan.activation_bytes_per_layer(4096, 1, 8192, 64, 8)] * 80
+    assert part["act_bytes"] < none["act_bytes"]
+    c = GPTConfig.preset("gpt2", n_layer=2)
+    a = plan.arch_from_config("gpt2", c)
+    kept = {}
+    for rc, sp in [("none", False), ("none", True), ("selective", False), ("selective", True), ("full", False),
+                   ("full", True)]:
+        r = plan.plan(a, tp=4, dp=1, micro_batch=1, seq_len=256, dtype="float32", config=c, recompute=rc,
+                      sequence_parallel=sp)
+        kept[rc, sp] = r["memory"]["stash_per_layer"]
+        assert len(kept[rc, sp]) == 2 and kept[rc, sp][0] == kept[rc, sp][1] and r["recompute"] == rc
+    assert kept["full", False][0] == 256 * 768 * 4 == 4 * kept["full", True][0]  # the input only, /t with SP
+    assert kept["none", True] < kept["none", False] and kept["selective", True] < kept["selective", False]
+    assert kept["full", False] < kept["selective", False] < kept["none", False]
+    for bad, match in [(dict(recompute_layers=1), "--recompute-layers 1 needs --recompute full \\(got none\\)"),
+                       (dict(recompute="full", recompute_layers=3), "1 <= N <= n_layer \\(2\\)"),
+                       (dict(sequence_parallel=True, seq_len=250), "--seq-len 250 is not divisible by --tp 4"),
+                       (dict(recompute="some"), "--recompute 'some'")]:
+        args = dict(tp=4, dp=1, micro_batch=1, seq_len=256, config=c) | bad
+        with pytest.raises(ConfigError, match=match):
+            plan.plan(a, **args)
+
+
 def test_plan_of_a_preset_fits_and_follows_the_mesh():
     a = plan.arch_from_config("gpt2", GPTConfig.preset("gpt2"))
     one = plan.plan(a, tp=1, dp=1, micro_batch=4, seq_len=1024, dtype="float32", config=GPTConfig.preset("gpt2"))
@@ -250,18 +307,39 @@ def test_pool_peak_reads_the_used_bytes_after_every_allocation():
 
 def test_the_simulated_step_frees_every_array_it_allocates():
     """Every code path of the planner's walk (CPU and GPU with and without kernels, each dtype,
-    dropout, no biases, GQA split and replicated, untied head, label smoothing, every TP rank)
-    ends with nothing live but the step's token windows: no array is booked twice or forgotten."""
+    dropout, no biases, GQA split and replicated, untied head, label smoothing, every TP rank,
+    selective and full recomputation, sequence parallelism) ends with nothing live but the step's token windows: no array is booked twice or forgotten."""
     paths = [("cpu", "float32", 0.0, True, 1, 8, True), ("cpu", "float64", 0.1, False, 4, 2, True),
              ("cpu", "bfloat16", 0.1, True, 4, 8, True), ("cpu", "float32", 0.0, False, 4, 2, True),
              ("cuda", "float32", 0.0, True, 4, 2, True), ("cuda", "bfloat16", 0.1, False, 1, 8, True),
              ("cuda", "float64", 0.1, True, 4, 2, True), ("cuda", "float32", 0.1, False, 4, 8, False)]
-    for device, dtype, dropout, bias, tp, kv, kernels in paths:
+    layouts = [dict(), dict(recompute="selective", sequence_parallel=True), dict(recompute="full"),
+               dict(recompute="full", recompute_layers=1, sequence_parallel=True)]
+    for i, (device, dtype, dropout, bias, tp, kv, kernels) in enumerate(paths):
         c = GPTConfig.preset("tiny", n_layer=2, dropout=dropout, bias=bias, n_kv_head=kv, tie_embeddings=bias,
                              label_smoothing=dropout)
-        for rank in range(tp):
+        for rank, layout in ((r, lay) for r in range(tp) for lay in (layouts if i < 6 else layouts[:1])):
             out = step_memory.step_peak(step_memory.StepShape.of(c, tp=tp, tp_rank=rank, micro_batch=2, seq_len=64,
                                                                  accum=2, dtype=dtype, device=device, threads=2,
-                                                                 kernels=kernels))
+                                                                 kernels=kernels, **layout))
             assert out["left"] == (["batches"] if device == "cpu" else []), (device, dtype, dropout, bias, tp, out)
             assert out["activations_peak"] > 2 * 64 * 128 * 2 * 4, out
+
+
+def test_the_memory_record_has_each_layers_stash(monkeypatch):
+    """measured_step measures what each layer keeps for backward after the first forward: a
+    fully recomputed layer its input only, [B, T, h] (exact), the others far more; the banner
+    says so."""
+    monkeypatch.setenv("CUTP_OP_THREADS", "1")
+    B, T, h = 2, 32, 128
+    cfg = train.resolve_run_config(MPI.COMM_SELF, preset="tiny", set=["n_layer=3"], dtype="float32", batch_size=B,
+                                   micro_batch_size=B, seq_len=T, steps=2, device="cpu", eval_every=0, quiet=True,
+                                   save_on_signal=False, recompute="full", recompute_layers=2)
+    run = train.build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(256, 1 << 12, 0))
+    _, mem = train.measured_step(run)
+    run.close()
+    stash = mem["stash_per_layer"]
+    assert stash[:2] == [B * T * h * 4] * 2 and stash[2] > 5 * stash[0], stash
+    line = train.memory.peak_line(mem, 1)
+    assert "layers keep 32.8 kB-" in line and "each for backward" in line, line
+    assert json.loads(json.dumps(mem)) == mem

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="whose activations a cutp preset plans (default cuda: the GPU code path)")
     pl.add_argument("--threads", type=int, default=1, help="--device cpu: the ops' threads per rank")
+    pl.add_argument("--recompute", default="none", choices=list(plan.RECOMPUTE),
+                    help="activation recomputation (selective: the core attention; full: whole layers)")
+    pl.add_argument("--recompute-layers", type=int, default=None, help="with --recompute full: the first N layers")
+    pl.add_argument("--sequence-parallel", action="store_true", help="activations split along the sequence over TP")
     _common(pl)
     return p
 

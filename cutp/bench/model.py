@@ -24,7 +24,8 @@ Memory per rank: parameters, gradients and optimizer state are the live arrays' 
 last warm-up step (`cutp.train.memory.ActivationPeak`: tracemalloc on the CPU, CuPy's pool on a
 GPU), and what the modules cache for backward is measured after that step's forward by walking
 every module's ``_cache_*`` attributes, however deeply nested, and summing each distinct
-underlying buffer once (views of one buffer count once; parameter buffers are excluded). On the
+underlying buffer once (views of one buffer count once; parameter buffers are excluded), in all
+and per transformer layer (`cutp.train.memory.stash_per_layer`: the largest layer's). On the
 GPU the CuPy memory pool's reserved bytes after the steps (the pool emptied first) are reported
 as well; on the CPU the process's peak resident set size.
 """
@@ -41,9 +42,8 @@ from mpi4py import MPI
 from ..data import Dataset
 from ..model import GPTConfig
 from ..runtime.threads import set_blas_threads
-from ..tensor_parallel import Module
 from ..train import StepHooks, build_run, resolve_run_config, train_step
-from ..train.memory import ActivationPeak, state_bytes
+from ..train.memory import ActivationPeak, cached_activation_bytes, stash_per_layer, state_bytes
 from .common import Report, device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
 
 
@@ -143,57 +143,6 @@ def install_comm_timing(ctx, clock: CommClock) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory
-# ---------------------------------------------------------------------------------------------
-def _owner(a):
-    base = a
-    while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes") and hasattr(base.base, "shape"):
-        base = base.base
-    return base
-
-
-def _arrays_in(obj, out, visited):
-    """Appends every array reachable from obj (through containers and objects' attributes) to
-    out, each object visited once, however deep it is nested. Modules are not entered: each one's
-    own caches are walked by cached_activation_bytes, and their parameters are not activations."""
-    if obj is None or id(obj) in visited or isinstance(obj, (int, float, str, bytes, bool, Module, type)):
-        return
-    visited.add(id(obj))
-    if hasattr(obj, "nbytes") and hasattr(obj, "shape") and hasattr(obj, "dtype"):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            _arrays_in(v, out, visited)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _arrays_in(v, out, visited)
-    elif not callable(obj):
-        for k in getattr(type(obj), "__slots__", ()):
-            _arrays_in(getattr(obj, k, None), out, visited)
-        for v in getattr(obj, "__dict__", {}).values():
-            _arrays_in(v, out, visited)
-
-
-def cached_activation_bytes(model, exclude=()) -> int:
-    """Bytes of the distinct buffers held in the modules' `_cache_*` attributes."""
-    excluded = {id(_owner(a)) for a in exclude}
-    seen, total = set(), 0
-    for m in model.modules():
-        for k, v in m.__dict__.items():
-            if not k.startswith("_cache_"):
-                continue
-            found = []
-            _arrays_in(v, found, set())
-            for a in found:
-                o = _owner(a)
-                if id(o) in seen or id(o) in excluded:
-                    continue
-                seen.add(id(o))
-                total += int(o.nbytes)
-    return total
-
-
-# ---------------------------------------------------------------------------------------------
 # The suite
 # ---------------------------------------------------------------------------------------------
 class _Measure(StepHooks):
@@ -203,6 +152,7 @@ class _Measure(StepHooks):
         self.clock, self.exclude = clock, exclude
         self.measure_activations = False
         self.activation_bytes = 0
+        self.per_layer: list[int] = []
 
     def phase(self, name):
         self.clock.phase = name
@@ -210,6 +160,7 @@ class _Measure(StepHooks):
     def after_forward(self, run, micro):
         if self.measure_activations and micro == 0:
             self.activation_bytes = cached_activation_bytes(run.model, exclude=self.exclude)
+            self.per_layer = stash_per_layer(run.model)
 
 
 _NOTHING = contextlib.nullcontext()
@@ -357,6 +308,8 @@ def run(args) -> Report:
             how="AdamW m, v" + (" + fp32 master weights" if opt.master is not None else "")
                 + (f", 1/{ctx.dp_size} of them (distributed)" if opt.distributed else ""))
     mem.add(what="cached activations", mib=act / 2**20, how="modules' _cache_* buffers after forward (max over ranks)")
+    layer = int(reduce_scalar(world, max(hooks.per_layer, default=0)))
+    mem.add(what="kept per layer", mib=layer / 2**20, how="the largest layer's cached buffers after forward (max over ranks)")
     mem.add(what="step peak", mib=peak_b / 2**20, how="allocated by a step above the state, measured (max over ranks)")
     mem.add(what="sum", mib=(p_b + g_b + o_b + peak_b) / 2**20, how="state + step peak")
     if pool is not None:
@@ -369,6 +322,7 @@ def run(args) -> Report:
     report.extra["result"] = {"step_ms": step_s * 1e3, "tokens_per_s": tok_s, "flops_per_token": fpt,
                               "model_flops": flops, "mfu_pct": mfu, "phases_ms": {p: med[p] * 1e3 for p in phases},
                               "comm_ms": {p: med_comm[p] * 1e3 for p in phases}, "activation_bytes": act,
+                              "stash_per_layer_max": layer,
                               "step_peak_bytes": peak_b,
                               "losses": losses, "peak": peak}
     report.extra["rank"] = ctx.rank

@@ -26,11 +26,23 @@ simulated array by array (`cutp.bench.step_memory`: what the layers cache, each 
 temporaries, in the code's order; checked against tracemalloc on the CPU within 10% by
 tests/test_memory.py), on a GPU (`--device cuda`, the default: the unblocked attention keeps
 [b, heads, s, s] probabilities, the kernels' outputs) or on the CPU (`--device cpu --threads
-N`); the largest over the TP ranks. `--params` architectures: Korthikanti et al. 2022
-("Reducing Activation Recomputation in Large Transformer Models", Table 2, TP without sequence
-parallelism, 16-bit activations, 1-byte dropout masks): per layer and micro-batch
-s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes (s*b*h*(34 + 5*a*s/h) at t = 1), times L, plus the fp32
-logits 4*s*b*V/t; 4-byte activations double the 16-bit terms. No activation recomputation.
+N`); the largest over the TP ranks. `--recompute none|selective|full` (`--recompute-layers N`:
+full for the first N layers) and `--sequence-parallel` are walked as the code runs them (what
+each module keeps under each, the shards, the gathered inputs the column projections keep, a
+recomputed layer's whole stash during its own backward). "kept per layer" is what each layer
+holds for backward after its forward (the first step's `stash_per_layer` measures the same).
+`--params` architectures: Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", Table 2, 16-bit activations, 1-byte dropout masks), per layer and
+micro-batch, t = tp, a = heads:
+
+    recompute   without sequence parallelism        with it
+    none        s*b*h*(10 + 24/t + 5*a*s/(h*t))     s*b*h*(34/t + 5*a*s/(h*t))
+    selective   s*b*h*(10 + 24/t)                   s*b*h*34/t
+    full        2*s*b*h (the layer's input)         2*s*b*h/t
+
+summed over the L layers, plus the fp32 logits 4*s*b*V/t; 4-byte activations double all but
+the dropout masks (`activation_bytes_per_layer`). The formulas ignore the recomputation's own
+transient (one layer's stash, or the attention's probabilities, again during its backward).
 
 Whether the total fits an 80 GB and a 141 GB GPU (GB = 1e9 bytes; the CUDA context, NCCL and
 cuBLAS workspaces and the allocator's fragmentation need some GB more).
@@ -171,15 +183,47 @@ def _ranks(n: int, every: int = 16) -> list[int]:
     return list(range(n)) if n <= every else [0, 1, n - 2, n - 1]
 
 
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes: int = 2) -> float:
-    """Korthikanti et al. 2022, TP without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    for 16-bit activations with 1-byte dropout masks. For wider activations the 16-bit terms
-    scale with the element size and the masks (2*s*b*h, the attention one a*s*s*b/t) stay 1 byte."""
-    base = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes: int = 2, recompute: str = "none",
+                               sequence_parallel: bool = False) -> float:
+    """What one layer keeps for backward, Korthikanti et al. 2022 Table 2 (16-bit activations,
+    1-byte dropout masks; SP = sequence parallelism):
+
+        none        s*b*h*(10 + 24/t + 5*a*s/(h*t))     SP: s*b*h*(34/t + 5*a*s/(h*t))
+        selective   s*b*h*(10 + 24/t)                   SP: s*b*h*34/t
+        full        2*s*b*h (the layer's input)         SP: 2*s*b*h/t
+
+    For wider activations the 16-bit terms scale with the element size and the masks (2*s*b*h
+    of the two residual dropouts, /t with SP, and the attention's a*s*s*b/t) stay 1 byte."""
+    sbh = s * b * h
+    split = t if sequence_parallel else 1  # the parts outside the TP regions
+    if recompute == "full":
+        return sbh * act_bytes / split
+    base = sbh * (34 / t if sequence_parallel else 10 + 24 / t)
+    masks = 2 * sbh / split
+    if recompute == "none":
+        base += 5 * a * s * s * b / t
+        masks += a * s * s * b / t
     if act_bytes == 2:
         return base
-    masks = 2 * s * b * h + a * s * s * b / t
     return (base - masks) * (act_bytes / 2) + masks
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def check_layout(*, n_layer: int, tp: int, seq_len: int, recompute: str = "none", recompute_layers: int | None = None,
+                 sequence_parallel: bool = False) -> None:
+    """Refuses, in one line naming the numbers, a recomputation or sequence-parallel setting that
+    cannot run (the rules of `RunConfig`)."""
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
+    if recompute_layers is not None and (recompute != "full" or not isinstance(recompute_layers, int)
+                                         or isinstance(recompute_layers, bool) or not 1 <= recompute_layers <= n_layer):
+        raise ConfigError(f"--recompute-layers {recompute_layers!r} needs --recompute full (got {recompute}) and "
+                          f"1 <= N <= n_layer ({n_layer})")
+    if sequence_parallel and seq_len % tp:
+        raise ConfigError(f"--seq-len {seq_len} is not divisible by --tp {tp}: --sequence-parallel splits each "
+                          f"sequence over the TP ranks; use a multiple of {tp}")
 
 
 def _check(name: str, value, low: int = 1) -> None:
@@ -202,7 +246,8 @@ def resolve_dtype(dtype: str | None, precision: str | None) -> str:
 
 def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1, precision: str | None = None,
          dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
-         device: str = "cuda", threads: int = 1) -> dict:
+         device: str = "cuda", threads: int = 1, recompute: str = "none", recompute_layers: int | None = None,
+         sequence_parallel: bool = False) -> dict:
     """Every figure of the plan as plain numbers (bytes, elements, calls). `config`: the cutp
     model `a` describes (exact parameters, simulated activations); None: a --params
     architecture. Raises ConfigError (one line naming the fix) for settings that cannot run,
@@ -215,6 +260,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     dtype = resolve_dtype(dtype, precision)
     check_attention(a.n_embd, a.n_head, a.n_kv_head, tp)  # the rules training applies
     check_mlp(a.n_embd, a.ffn, tp)
+    check_layout(n_layer=a.n_layer, tp=tp, seq_len=seq_len, recompute=recompute, recompute_layers=recompute_layers,
+                 sequence_parallel=sequence_parallel)
+    layout = dict(recompute=recompute, recompute_layers=recompute_layers, sequence_parallel=sequence_parallel)
     pb = ITEMSIZE[dtype]
     s, b, h, L = seq_len, micro_batch, a.n_embd, a.n_layer
     if config is not None:
@@ -223,17 +271,21 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
             raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
         P = parameters_per_rank(config, tp)
         peaks = [step_peak(_shape(config, tp, r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device,
-                                  threads=threads, dp=dp, dp_rank=d, distributed_optimizer=distributed_optimizer))
+                                  threads=threads, dp=dp, dp_rank=d, distributed_optimizer=distributed_optimizer,
+                                  **layout))
                  for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
         worst = max(peaks, key=lambda p: p["activations_peak"])
-        act = {"bytes": worst["activations_peak"], "where": worst["where"],
+        stash = [max(col) for col in zip(*(p["stash_per_layer"] for p in peaks))]
+        act = {"bytes": worst["activations_peak"], "where": worst["where"], "stash_per_layer": stash,
                "source": f"cutp's training step, simulated ({'GPU' if device == 'cuda' else f'CPU, {threads} thread(s)'})"}
     else:
         P = param_count(a, tp)["per_rank"]
-        per_layer = activation_bytes_per_layer(s, b, h, a.n_head, tp, pb)
+        full = L if recompute_layers is None else recompute_layers
+        stash = [activation_bytes_per_layer(s, b, h, a.n_head, tp, pb, recompute if (recompute != "full" or i < full)
+                                            else "none", sequence_parallel) for i in range(L)]
         logits = 4 * s * b * a.vocab / tp
-        act = {"bytes": per_layer * L + logits, "per_layer": per_layer, "layers": per_layer * L, "logits": logits,
-               "source": "Korthikanti et al. 2022 (no recomputation); not a cutp model"}
+        act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
+               "source": "Korthikanti et al. 2022, Table 2; not a cutp model"}
     st = state_bytes(P, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
     N = st["padded"]
     gb = st["grads"] // N if N else 4
@@ -251,7 +303,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     on_dp = dp > 1
     out = {
         "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
-        "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device,
+        "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
         "params_per_gpu": P, "padded_params": N,
         "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
@@ -275,7 +327,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     out["bytes_per_param"] = state / P
     out["table_bytes_per_param"] = table_bytes_per_param(dtype, dp, distributed_optimizer)
     out["memory"] = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
-                     "activations_peak": act["bytes"], "params_local": P}
+                     "activations_peak": act["bytes"], "params_local": P, "stash_per_layer": act["stash_per_layer"]}
     out["fits"] = {name: out["total_bytes"] <= cap for name, cap in GPUS}
     return out
 
@@ -307,7 +359,8 @@ def run(args) -> Report:
     seq = args.seq_len or a.seq
     r = plan(a, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq, accum=args.accum,
              precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,
-             config=config, device=args.device, threads=args.threads)
+             config=config, device=args.device, threads=args.threads, recompute=args.recompute,
+             recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel)
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9
@@ -320,7 +373,10 @@ def run(args) -> Report:
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
                  ("mesh", f"tp {args.tp} x dp {args.dp} = {args.tp * args.dp} GPUs"),
                  ("micro-batch x seq", f"{args.micro_batch} x {seq}, {args.accum} micro-batch(es) per step"),
-                 ("dtype, optimizer", f"{dt}, {optimizer}")):
+                 ("dtype, optimizer", f"{dt}, {optimizer}"),
+                 ("recompute, SP", f"{args.recompute}"
+                  + (f" (first {args.recompute_layers} layers)" if args.recompute_layers else "")
+                  + (", sequence parallel" if args.sequence_parallel and args.tp > 1 else ", no sequence parallelism"))):
         arch.add(k=k, v=v)
     mem = report.table("memory", [("what", "per GPU", "", "<"), ("gb", "GB", ",.2f"), ("bpp", "B/param", ".2f"),
                                   ("formula", "how", "", "<")],
@@ -336,6 +392,11 @@ def run(args) -> Report:
     mem.add(what="optimizer state", gb=r["optim_bytes"] / GB, bpp=r["optim_bytes"] / P,
             formula=f"Adam m, v ({sd}){' + fp32 master' if low else ''}{shard}")
     mem.add(what="activations (peak)", gb=r["act_bytes"] / GB, bpp=None, formula=r["activations"]["source"])
+    kept = r["activations"]["stash_per_layer"]
+    lo, hi = min(kept), max(kept)
+    mem.add(what="kept per layer", gb=hi / GB, bpp=None,
+            formula=("each layer" if lo == hi else f"the largest layer ({lo / GB:,.3f} GB the smallest)")
+            + " keeps this for backward after its forward")
     mem.add(what="total", gb=r["total_bytes"] / GB, bpp=r["bytes_per_param"],
             formula=f"B/param: state only (table: {r['table_bytes_per_param']:g} + padding)")
     for name, cap in GPUS:

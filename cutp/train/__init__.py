@@ -8,7 +8,8 @@ step       build_run (context, model, optimizer, data; resumed), train_step -> S
 signals    StopOnSignal: SIGTERM/SIGINT end the run after the current step, on every rank
 reporting  MetricsLog (the JSONL metrics file) and progress_line
 memory     memory per rank, measured: state_bytes (params, grads, optimizer), ActivationPeak
-           (the peak of a step), measured_step, memory_record, max_over_ranks
+           (the peak of a step), stash_per_layer (what each layer keeps for backward), measured_step,
+           memory_record, max_over_ranks
 
     from cutp import train
     cfg = train.resolve_run_config(preset="tiny", steps=100, tp=2)
@@ -19,7 +20,7 @@ memory     memory per rank, measured: state_bytes (params, grads, optimizer), Ac
     run.close()
 """
 from .config import CHOICES, RUN_SETTINGS, RunConfig, choose_tp, default_preset, resolve_run_config
-from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, state_bytes
+from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
 from .reporting import MetricsLog, progress_line
 from .signals import StopOnSignal
 from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
@@ -27,6 +28,6 @@ from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume
 __all__ = [
     "CHOICES", "RUN_SETTINGS", "RunConfig", "choose_tp", "default_preset", "resolve_run_config",
     "MetricsLog", "progress_line", "StopOnSignal",
-    "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "state_bytes",
+    "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",
     "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",
 ]

@@ -5,7 +5,8 @@
         stats = train_step(run)
     mem = memory_record(run, peak.bytes)         # + activations_peak, total, bytes_per_param
     mem = max_over_ranks(run.ctx, mem)           # collective: the largest rank's figures
-    stats, mem = measured_step(run)              # the three lines above (examples/train_gpt.py's first step)
+    stats, mem = measured_step(run)              # the three lines above (examples/train_gpt.py's first step),
+                                                 # + stash_per_layer: what each layer keeps for backward
 
 State: the bytes of the arrays the run holds, not a formula: the flat parameter buffer, the flat
 gradient buffer, the optimizer's moments and fp32 master weights (`optimizer.memory_bytes()`).
@@ -27,6 +28,11 @@ nothing of a step outlives it and every step has the same peak.
   exact peak of the pool's used bytes (sizes rounded as the pool rounds them, 512 bytes). What
   does not go through the pool (cuBLAS workspaces, NCCL buffers, the CUDA context) is not in it.
 
+Stash per layer: the bytes each transformer layer keeps for backward, measured once, right after
+the first micro-batch's forward, by walking its modules' ``_cache_*`` attributes and summing each
+distinct buffer once (views count once, parameters not at all): `stash_per_layer`. What
+`--recompute` and `--sequence-parallel` change; `cutp bench plan` predicts it per layer.
+
 Cheap when off: nothing is installed outside an `ActivationPeak` block.
 """
 from __future__ import annotations
@@ -36,6 +42,7 @@ import tracemalloc
 import numpy as np
 from mpi4py import MPI
 
+from ..tensor_parallel import Module
 from .step import StepHooks, StepStats, TrainingRun, train_step
 
 STATE_KEYS = ("params", "grads", "optimizer")
@@ -54,37 +61,131 @@ def state_bytes(run) -> dict:
     return {"params": int(flat.data.nbytes), "grads": int(flat.grad.nbytes), "optimizer": optim}
 
 
-def memory_record(run, activations_peak: int | None = None) -> dict:
-    """This rank's figures for the log: state bytes, the step's activation peak, their total, and
-    the state's bytes per local parameter (`params_local` of them)."""
+def memory_record(run, activations_peak: int | None = None, stash: list[int] | None = None) -> dict:
+    """This rank's figures for the log: state bytes, the step's activation peak, their total, the
+    state's bytes per local parameter (`params_local` of them) and, when measured, the bytes
+    each layer keeps for backward (`stash_per_layer`, one entry per layer, see `stash_per_layer`)."""
     rec = state_bytes(run)
     n = int(run.model.num_parameters_local())
     state = sum(rec[k] for k in STATE_KEYS)
     rec.update(params_local=n, bytes_per_param=state / n)
     if activations_peak is not None:
         rec["activations_peak"] = int(activations_peak)
+    if stash is not None:
+        rec["stash_per_layer"] = [int(b) for b in stash]
     rec["total"] = state + rec.get("activations_peak", 0)
     return rec
 
 
 def max_over_ranks(ctx, rec: dict) -> dict:
-    """Each figure's largest value over the ranks of ctx's world (collective: every rank calls it
-    with the same keys); `ranks` says how many ranks it covers."""
-    keys = sorted(k for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-    buf = np.array([float(rec[k]) for k in keys])
+    """Each figure's largest value over the ranks of ctx's world (lists of numbers element by
+    element; collective: every rank calls it with the same keys and list lengths); `ranks` says
+    how many ranks it covers."""
+    def numeric(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    keys = sorted(k for k, v in rec.items() if numeric(v) or (isinstance(v, list) and all(map(numeric, v))))
+    flat = [float(x) for k in keys for x in (rec[k] if isinstance(rec[k], list) else [rec[k]])]
+    buf = np.array(flat)
     ctx.world.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    out = {k: (float(v) if isinstance(rec[k], float) else int(v)) for k, v in zip(keys, buf)}
+    out, i = {}, 0
+    for k in keys:
+        v = rec[k]
+        items = v if isinstance(v, list) else [v]
+        vals = [float(m) if isinstance(x, float) else int(m) for x, m in zip(items, buf[i:i + len(items)])]
+        out[k] = vals if isinstance(v, list) else vals[0]
+        i += len(items)
     out["ranks"] = ctx.world_size
     return out
 
 
 def measured_step(run: TrainingRun, hooks: StepHooks | None = None) -> tuple[StepStats, dict]:
     """`train_step(run, hooks)` with its memory measured: (its StepStats, the memory record of
-    every rank's largest figures). Collective. The step computes exactly what it computes
-    unmeasured (only slower on the CPU, where tracemalloc runs during it)."""
+    every rank's largest figures, with each layer's stash measured after the first micro-batch's
+    forward). Collective. The step computes exactly what it computes unmeasured (only slower on
+    the CPU, where tracemalloc runs during it)."""
+    probe = _StashProbe(hooks)
     with ActivationPeak(run.ctx) as peak:
-        stats = train_step(run, hooks)
-    return stats, max_over_ranks(run.ctx, memory_record(run, peak.bytes))
+        stats = train_step(run, probe)
+    return stats, max_over_ranks(run.ctx, memory_record(run, peak.bytes, probe.per_layer))
+
+
+# ---- what the layers keep for backward ----------------------------------------------------------
+def _owner(a):
+    base = a
+    while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes") and hasattr(base.base, "shape"):
+        base = base.base
+    return base
+
+
+def _arrays_in(obj, out, visited):
+    """Appends every array reachable from obj (through containers and objects' attributes) to
+    out, each object visited once, however deep it is nested. Modules are not entered: each one's
+    own caches are walked by cached_activation_bytes, and their parameters are not activations."""
+    if obj is None or id(obj) in visited or isinstance(obj, (int, float, str, bytes, bool, Module, type)):
+        return
+    visited.add(id(obj))
+    if hasattr(obj, "nbytes") and hasattr(obj, "shape") and hasattr(obj, "dtype"):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _arrays_in(v, out, visited)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _arrays_in(v, out, visited)
+    elif not callable(obj):
+        for k in getattr(type(obj), "__slots__", ()):
+            _arrays_in(getattr(obj, k, None), out, visited)
+        for v in getattr(obj, "__dict__", {}).values():
+            _arrays_in(v, out, visited)
+
+
+def cached_activation_bytes(model, exclude=()) -> int:
+    """Bytes of the distinct buffers held in the `_cache_*` attributes of `model`'s modules
+    (views of one buffer count once; buffers of the arrays in `exclude`, e.g. the parameters
+    the LayerNorm and linear contexts refer to, not at all)."""
+    excluded = {id(_owner(a)) for a in exclude}
+    seen, total = set(), 0
+    for m in model.modules():
+        for k, v in m.__dict__.items():
+            if not k.startswith("_cache_"):
+                continue
+            found = []
+            _arrays_in(v, found, set())
+            for a in found:
+                o = _owner(a)
+                if id(o) in seen or id(o) in excluded:
+                    continue
+                seen.add(id(o))
+                total += int(o.nbytes)
+    return total
+
+
+def stash_per_layer(model) -> list[int]:
+    """Bytes each transformer layer (`model.h[i]`) keeps for backward, measured from its
+    modules' caches right after a training forward (parameters excluded): its own
+    `cached_activation_bytes`. A buffer two layers' caches share (none today) counts in both."""
+    weights = [p.data for p in model.parameters()]
+    return [cached_activation_bytes(block, exclude=weights) for block in model.h]
+
+
+class _StashProbe(StepHooks):
+    """Measures `stash_per_layer` after the first micro-batch's forward, then runs `inner`'s hooks."""
+
+    def __init__(self, inner: StepHooks | None):
+        self.inner = inner or StepHooks()
+        self.per_layer: list[int] | None = None
+
+    def phase(self, name):
+        self.inner.phase(name)
+
+    def after_forward(self, run, micro):
+        if micro == 0 and self.per_layer is None:
+            self.per_layer = stash_per_layer(run.model)
+        self.inner.after_forward(run, micro)
+
+    def before_grad_sync(self, run):
+        self.inner.before_grad_sync(run)
 
 
 def format_bytes(n: float) -> str:
@@ -184,6 +285,13 @@ class _CupyPoolPeak:
 
 
 def peak_line(rec: dict, step: int) -> str:
-    """`activations peak 6.20 MB in step 1, total 13.1 MB`."""
-    return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}, "
+    """`activations peak 6.20 MB in step 1 (each layer keeps 1.20 MB for backward), total 13.1 MB`
+    (`layers keep 0.26-1.20 MB each` when they differ: --recompute-layers)."""
+    stash = rec.get("stash_per_layer")
+    kept = ""
+    if stash:
+        lo, hi = min(stash), max(stash)
+        kept = (f" (each layer keeps {format_bytes(hi)} for backward)" if lo == hi else
+                f" (layers keep {format_bytes(lo)}-{format_bytes(hi)} each for backward)")
+    return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}{kept}, "
             f"total {format_bytes(rec['total'])}")
