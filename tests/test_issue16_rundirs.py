@@ -371,7 +371,7 @@ def test_diverged_weights_are_named_when_the_run_stops(tmp_path):
     run = train.build_run(_config(tmp_path / "run", steps=3, max_skips=1), MPI.COMM_SELF)
     try:
         run.model.parameters()[0].data[...] = np.inf
-        with pytest.raises(FloatingPointError, match=r"1 consecutive non-finite steps up to step 1; stopping: "
+        with pytest.raises(FloatingPointError, match=r"1 consecutive non-finite steps; stopping after step 1: "
                                                      r"parameter wte.weight holds NaN or Inf values on rank 0"):
             train.train_step(run)
         run.step = 1

@@ -328,9 +328,9 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             if run.consecutive_skips >= cfg.max_skips:
                 bad = next((p.name for p in model.parameters() if not bool(ctx.xp.isfinite(p.data).all())), None)
                 cause = (f"parameter {bad} holds NaN or Inf values on rank {ctx.rank}: the weights diverged"
-                         if bad else "the weights are finite: the loss or the gradients are not")
-                raise FloatingPointError(f"{run.consecutive_skips} consecutive non-finite steps up to step {n + 1}; "
-                                         f"stopping: {cause} (lower --lr, or resume from the last checkpoint)")
+                         if bad else "the weights are finite (perhaps too large): the loss or the gradients are not")
+                raise FloatingPointError(f"{run.consecutive_skips} consecutive non-finite steps; stopping after step "
+                                         f"{n + 1}: {cause} (lower --lr, or resume from the last checkpoint)")
         ctx.synchronize()
         clock.enter(None)
         ms = (time.perf_counter() - t0) * 1000
