@@ -15,8 +15,11 @@ Layout of a run directory (`--out DIR`):
 
 A checkpoint is written into `DIR/.tmp-step-...` and renamed when complete, so a crash during a
 save leaves the previous checkpoint intact; older ones are removed only after a newer one is
-complete (`keep`). Loading verifies every needed file's size and sha256 before reading any
-tensor, on every rank, and all ranks agree before anything is loaded. Loading at another TP
+complete (`keep`; cutp.run_dir: listing, `latest`, pruning, the run directory's lock). Weights
+or optimizer state with a NaN or Inf are never saved. meta.json is sealed by its own sha256 and
+every field of it is checked before use (cutp.checkpoint_files). Loading verifies every needed
+file's size, sha256 and tensor shapes before reading any tensor, on every rank, and all ranks
+agree before anything is loaded. Loading at another TP
 size reassembles each full tensor from the saved shards (one tensor at a time) and keeps this
 rank's slice. The optimizer state is saved by parameter: whole (plain optimizer) or as the DP
 shards' pieces of each parameter (distributed optimizer: every DP rank writes its own file,
@@ -40,10 +43,12 @@ from safetensors import safe_open
 
 from . import __version__
 from .checkpoint_files import (FORMAT, VERSION, CheckpointError, model_file, optim_file, fsync_dir, read_meta,
-                               sha256_file, verify_file, write_json_atomic, write_safetensors)
+                               sha256_file, shard_shape, unlisted_files, verify_file, write_json_atomic, write_meta,
+                               write_safetensors)
 from .model import DTYPES, GPT, GPTConfig
+from .run_dir import list_checkpoints, prune_checkpoints, resolve_checkpoint  # noqa: F401 (cutp.checkpoint's API)
 from .runtime.errors import ConfigError
-from .runtime.failure import agree_on_error, errors_raised_on_every_rank
+from .runtime.failure import agree_on_error, config_errors_exit, errors_raised_on_every_rank
 from .tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
 
 # GPTConfig fields that change the parameters' shapes or meaning: a checkpoint loads only into
@@ -65,16 +70,6 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     name = checkpoint_name(step)
     final = os.path.join(out_root, name)
     tmp = os.path.join(out_root, f".tmp-{name}")
-    error = None
-    if ctx.rank == 0:
-        try:
-            os.makedirs(out_root, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
-        except Exception as e:  # OSError, and anything else: every rank must hear of it
-            error = f"cannot create checkpoint directory {tmp}: {type(e).__name__}: {e}"
-    agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
 
     # DP replicas hold identical parameters: DP rank 0 writes them. The optimizer state: DP rank 0
     # writes it per parameter, or (distributed optimizer) every DP rank writes its own shard's
@@ -91,6 +86,21 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     elif optimizer is not None and ctx.dp_rank == 0:
         mine.append((optim_file(ctx.tp_rank, ctx.tp_size), {k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items()},
                      None))
+    # never a checkpoint of non-finite weights (it would replace, and --keep prune, a healthy one)
+    bad = next((k for _, tensors, _ in mine for k, v in tensors.items() if not np.isfinite(v).all()), None)
+    error = None if bad is None else (
+        f"step {step}: {'optimizer tensor' if bad.startswith(('exp_avg.', 'exp_avg_sq.', 'master.')) else 'parameter'} "
+        f"{bad} holds NaN or Inf values (rank {ctx.rank}): the weights diverged, so no checkpoint was written; "
+        f"the newest healthy checkpoint in {out_root} is kept: resume from it with a lower --lr")
+    if ctx.rank == 0 and error is None:
+        try:
+            os.makedirs(out_root, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        except Exception as e:  # OSError, and anything else: every rank must hear of it
+            error = f"cannot create checkpoint directory {tmp}: {type(e).__name__}: {e}"
+    agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
     digests, sizes, error = np.zeros((2, 64), np.uint8), np.zeros(2, np.int64), None
     try:
         for i, (fname, tensors, offsets) in enumerate(mine):
@@ -123,7 +133,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
                 "loss_scaler": loss_scaler,
             }
-            write_json_atomic(os.path.join(tmp, "meta.json"), meta)
+            write_meta(os.path.join(tmp, "meta.json"), meta)
             fsync_dir(tmp)
             if os.path.exists(final):  # re-saving a step: move the old one aside first
                 old = os.path.join(out_root, f".old-{name}")
@@ -135,65 +145,14 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 os.replace(tmp, final)
             fsync_dir(out_root)
             write_json_atomic(os.path.join(out_root, "latest"), {"step": int(step), "path": name})
-            if keep:
-                prune_checkpoints(out_root, keep, newest_step=int(step))
+            prune_checkpoints(out_root, keep, newest_step=int(step))
         except Exception as e:
             error = f"finishing checkpoint {final} failed: {type(e).__name__}: {e}"
     agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
     return final
 
 
-def list_checkpoints(out_root: str) -> list[tuple[int, str]]:
-    """Complete checkpoints (they have meta.json) under a run directory, oldest first."""
-    out = []
-    if not os.path.isdir(out_root):
-        return out
-    for d in os.listdir(out_root):
-        if d.startswith("step-") and os.path.exists(os.path.join(out_root, d, "meta.json")):
-            try:
-                out.append((int(d[5:]), os.path.join(out_root, d)))
-            except ValueError:
-                pass
-    return sorted(out)
-
-
-def prune_checkpoints(out_root: str, keep: int, newest_step: int | None = None) -> None:
-    """Removes all but the `keep` newest checkpoints at or before `newest_step` (the one just
-    written). Checkpoints of later steps (left by an abandoned run that went further) are never
-    pruned in its favour: they are kept, and a warning names them."""
-    found = list_checkpoints(out_root)
-    if newest_step is not None:
-        later = [path for step, path in found if step > newest_step]
-        if later:
-            print(f"cutp checkpoint: warning: {out_root} holds checkpoints of later steps than the one just "
-                  f"written ({', '.join(os.path.basename(p) for p in later)}); 'latest' points to step "
-                  f"{newest_step}. Remove them or use another --out.", file=sys.stderr)
-        found = [(step, path) for step, path in found if step <= newest_step]
-    for _, path in found[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 # ---- load ------------------------------------------------------------------------------------
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory, or a run directory whose `latest` (or newest step-*) is used."""
-    if os.path.exists(os.path.join(path, "meta.json")):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.exists(latest):
-        try:
-            with open(latest) as f:
-                target = os.path.join(path, json.load(f)["path"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{latest} is malformed ({e}); pass a step-* directory explicitly") from None
-        if os.path.exists(os.path.join(target, "meta.json")):
-            return target
-    found = list_checkpoints(path)
-    if found:
-        return found[-1][1]
-    raise CheckpointError(f"no checkpoint in {path}: it has no meta.json, no 'latest' and no complete step-* "
-                          "directory")
-
-
 def check_config_matches(meta: dict, config) -> None:
     saved = meta["config"]
     now = config.to_dict()
@@ -233,7 +192,7 @@ class _ShardReader:
                 raise CheckpointError(f"{names[0]} has no tensor {key!r}")
             return f.get_tensor(key)
         name = key.split(".", 1)[1]
-        shape = _shard_shape(self.meta["params"][name], r)
+        shape = shard_shape(self.meta["params"][name])
         size, out, covered = int(np.prod(shape)), None, 0
         for fname in names:
             f, offsets = self._file(fname)
@@ -257,7 +216,7 @@ def read_shard(ckpt: str, kind: str, tp_rank: int = 0) -> dict:
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
     reader = _ShardReader(ckpt, meta, kind)
-    problems = [m for m in (verify_file(ckpt, meta, f) for f in reader.fnames(tp_rank)) if m]
+    problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in reader.fnames(tp_rank)) if m]
     if problems:
         raise CheckpointError("; ".join(problems))
     prefixes = [""] if kind == "model" else ["exp_avg.", "exp_avg_sq."] + (
@@ -295,7 +254,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         if missing:
             raise CheckpointError(f"{ckpt}/meta.json lacks parameters {missing[:5]}")
         direct = saved_tp == ctx.tp_size and all(
-            tuple(_shard_shape(meta["params"][p.name], ctx.tp_rank)) == tuple(p.data.shape) for p in params)
+            shard_shape(meta["params"][p.name]) == tuple(p.data.shape) for p in params)
         ranks = [ctx.tp_rank] if direct else list(range(saved_tp))
         needed = [model_file(r, saved_tp) for r in ranks]
         saved_master = bool((meta.get("optimizer") or {}).get("master_weights"))
@@ -305,7 +264,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
                 raise CheckpointError(f"{ckpt} has no optimizer state; it cannot resume training "
                                       "(load it for inference or fine-tuning without --resume)")
             needed += [f for r in ranks for f in _ShardReader(ckpt, meta, "optim").fnames(r)]
-        problems = [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
+        problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
         if problems:
             raise CheckpointError("; ".join(problems) + " -- nothing was loaded")
     except (CheckpointError, ConfigError) as e:
@@ -355,11 +314,6 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
     return meta
 
 
-def _shard_shape(info, rank):
-    s = sharding_from_spec(info["sharding"], info["full_shape"])
-    return tuple(info["full_shape"]) if s is None else s.shard_shape(rank)
-
-
 def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
     """Builds a GPT from a checkpoint's config at ctx's TP size and loads its weights."""
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad checkpoint stops every rank alike
@@ -371,6 +325,12 @@ def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
     return model, meta
 
 
+def verify_checkpoint(ckpt: str, meta: dict) -> list:
+    """Every problem of a checkpoint whose meta.json has been read (and checked): files in the
+    directory it does not list, and each listed file's (existence, size, sha256, tensors)."""
+    return unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in sorted(meta["files"])) if m]
+
+
 # ---- export (offline, one process) --------------------------------------------------------------
 def export_full(src: str, dst: str, dtype: str | None = None) -> str:
     """Writes a TP=1 copy of checkpoint `src` (model and optimizer state) into directory `dst`,
@@ -379,7 +339,7 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
     src = resolve_checkpoint(src)
     meta = read_meta(src)
     saved_tp = int(meta["mesh"]["tp"])
-    problems = [m for m in (verify_file(src, meta, f) for f in meta["files"]) if m]
+    problems = verify_checkpoint(src, meta)
     if problems:
         raise CheckpointError("; ".join(problems))
     config = GPTConfig.from_dict(meta["config"])
@@ -423,7 +383,7 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
     meta = dict(meta, config=dict(meta["config"], dtype=dtype))
     out = dict(meta, mesh={"tp": 1, "dp": 1}, params=new_params, files=files, padded_vocab=padded,
                exported_from={"path": os.path.abspath(src), "tp": saved_tp})
-    write_json_atomic(os.path.join(tmp, "meta.json"), out)
+    write_meta(os.path.join(tmp, "meta.json"), out)
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} exists; export refuses to overwrite it")
     os.replace(tmp, dst)
@@ -437,8 +397,12 @@ def main(argv=None) -> int:
         return 0
     if len(argv) == 2 and argv[0] == "verify":
         ckpt = resolve_checkpoint(argv[1])
-        meta = read_meta(ckpt)
-        problems = [m for m in (verify_file(ckpt, meta, f) for f in meta["files"]) if m]
+        try:
+            meta = read_meta(ckpt)
+        except CheckpointError as e:
+            print(f"{e}\n{ckpt}: DAMAGED")
+            return 1
+        problems = verify_checkpoint(ckpt, meta)
         for p in problems:
             print(p)
         print(f"{ckpt}: {'OK' if not problems else 'DAMAGED'} (step {meta['step']}, tp {meta['mesh']['tp']})")
@@ -449,4 +413,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with config_errors_exit("python -m cutp.checkpoint"):  # a user error: one line, no traceback
+        sys.exit(main())

@@ -15,10 +15,11 @@ group reads the same batch, and resuming at step s needs nothing but s.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from .runtime.errors import ConfigError
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 DEFAULT_CORPUS_BYTES = 16 << 20  # cap, so start-up stays fast on any Python
+FULL_HASH_BYTES = 256 << 20  # Dataset.fingerprint hashes a split this large whole
 
 
 @dataclass
@@ -34,6 +36,27 @@ class Dataset:
     val: np.ndarray
     vocab_size: int
     description: str
+    _fingerprint: str | None = field(default=None, repr=False, compare=False)
+
+    def fingerprint(self) -> str:
+        """A blake2b digest of the tokens (train and validation), computed once: ranks that read
+        the same path compare it, so different files under one name are found. Up to
+        FULL_HASH_BYTES per split every byte is hashed; beyond, 1024 blocks of 64 KiB spread over
+        it and its length (a few ms, whatever the size)."""
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=16)
+            for a in (self.train, self.val):
+                a = np.asarray(a)
+                h.update(f"{a.dtype.str}:{a.size};".encode())
+                flat = a.reshape(-1)
+                if a.nbytes <= FULL_HASH_BYTES:
+                    h.update(np.ascontiguousarray(flat).tobytes())
+                else:
+                    block = (64 << 10) // a.itemsize
+                    for start in np.linspace(0, flat.size - block, 1024).astype(np.int64):
+                        h.update(np.ascontiguousarray(flat[start:start + block]).tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def split(self, name: str) -> np.ndarray:
         if name not in ("train", "val"):

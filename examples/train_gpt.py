@@ -82,10 +82,12 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="text file or uint16 .bin (default: the Python stdlib sources)")
     p.add_argument("--out", default=None, help="run directory for checkpoints")
     p.add_argument("--resume", default=None, help="run or checkpoint directory to continue from")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="--out may hold another run's checkpoints: they are removed once this run's first one is saved")
     p.add_argument("--eval-every", type=int, help="validation every N steps and at the last (default 50; 0: never)")
     p.add_argument("--eval-batches", type=int, help="validation batches (default 4)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
-    p.add_argument("--keep", type=int, help="checkpoints kept in --out (default 3; 0: all)")
+    p.add_argument("--keep", type=int, help="the newest healthy checkpoints kept in --out (default 3; 0: all)")
     p.add_argument("--metrics", default=None, help="JSONL file, one object per step (rank 0 writes)")
     p.add_argument("--log-every", type=int, help="a progress line every N steps (default 1)")
     p.add_argument("--max-skips", type=int, help="stop after this many consecutive non-finite steps (default 5)")

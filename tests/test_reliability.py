@@ -692,6 +692,7 @@ def test_a_tensor_missing_from_a_shard_loads_nothing(saved):
     from safetensors.numpy import load_file, save_file
 
     from cutp.checkpoint import sha256_file
+    from cutp.checkpoint_files import write_meta
 
     path, fresh, _ = saved
     shard = os.path.join(path, "optim-tp00-of-01.safetensors")
@@ -701,10 +702,10 @@ def test_a_tensor_missing_from_a_shard_loads_nothing(saved):
     meta_path = os.path.join(path, "meta.json")
     meta = json.load(open(meta_path))
     meta["files"]["optim-tp00-of-01.safetensors"] = {"sha256": sha256_file(shard), "bytes": os.path.getsize(shard)}
-    json.dump(meta, open(meta_path, "w"))
+    write_meta(meta_path, meta)  # re-sealed: found by the file's tensors against meta.json, before any is read
     m, opt = fresh()
     m0 = opt.m.copy()
-    with pytest.raises(CheckpointError, match=r"no tensor 'exp_avg_sq.ln_f.bias'.*nothing was loaded"):
+    with pytest.raises(CheckpointError, match=r"lacks tensors \['exp_avg_sq.ln_f.bias'\].*nothing was loaded"):
         load_checkpoint(path, m, opt)
     assert _unchanged(m) and np.array_equal(opt.m, m0) and opt.step_count == 0
 

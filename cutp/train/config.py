@@ -55,7 +55,7 @@ CHOICES = {
     "loss_scale": None, "initial_loss_scale": 2.0 ** 16, "loss_scale_window": 1000, "hysteresis": 2,
     "min_loss_scale": 1.0,
     "eval_every": 50, "eval_batches": 4,
-    "out": None, "resume": None, "save_every": 0, "keep": 3,
+    "out": None, "resume": None, "overwrite": False, "save_every": 0, "keep": 3,
     "metrics": None, "log_every": 1, "quiet": False, "save_on_signal": True, "collective_timeout": None,
 }
 
@@ -108,6 +108,7 @@ class RunConfig:
     eval_every: int = 50
     eval_batches: int = 4
     out: str | None = None
+    overwrite: bool = False  # `out` may hold another run's checkpoints: this run's replace them
     save_every: int = 0
     keep: int = 3  # checkpoints kept in out (0: all)
     resume: str | None = None  # the checkpoint directory this run continues from
@@ -347,7 +348,8 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         loss_scale=c["loss_scale"], initial_loss_scale=c["initial_loss_scale"],
         loss_scale_window=c["loss_scale_window"], hysteresis=c["hysteresis"], min_loss_scale=c["min_loss_scale"],
         max_skips=c["max_skips"], run_steps=c["run_steps"], eval_every=c["eval_every"],
-        eval_batches=c["eval_batches"], out=c["out"], save_every=c["save_every"], keep=c["keep"],
+        eval_batches=c["eval_batches"], out=c["out"], overwrite=bool(c["overwrite"]), save_every=c["save_every"],
+        keep=c["keep"],
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), metrics=c["metrics"],
         log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"])

@@ -24,6 +24,8 @@ watchdog watches the step once, as a whole: it aborts the job when the step make
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from ..data import BatchSampler, Dataset, load_dataset
 from ..model import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler, clip_scale,
                      lr_schedule)
+from ..run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
 from ..runtime.errors import ConfigError
@@ -67,6 +70,8 @@ class TrainingRun:
     consecutive_skips: int = 0
     last_saved: int | None = None  # the step of the newest checkpoint this run wrote or resumed from
     pipeline_in_flight: int = 0  # the most micro-batches this stage held at once in the last step
+    run_dir_lock: RunDirLock | None = None  # rank 0's lock on config.out
+    replaced: list = field(default_factory=list)  # another run's checkpoints in out, removed after our first (--overwrite)
 
     @property
     def end_step(self) -> int:
@@ -76,6 +81,8 @@ class TrainingRun:
 
     def close(self) -> None:
         self.ctx.close()
+        if self.run_dir_lock is not None:
+            self.run_dir_lock.release()
 
 
 @dataclass
@@ -162,9 +169,24 @@ class _PhaseClock:
 def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -> TrainingRun:
     """The context, model, optimizer and data of `config` on the ranks of `comm` (default
     MPI.COMM_WORLD; any sub-communicator of a host code's), resumed from `config.resume` when
-    set. Collective over comm. `dataset` replaces `config.data` (tokens a host code holds)."""
+    set. Collective over comm. `dataset` replaces `config.data` (tokens a host code holds).
+    First, rank 0 checks `config.out` and locks it for the run's lifetime (cutp.run_dir)."""
     world = MPI.COMM_WORLD if comm is None else comm
-    cfg = config
+    lock, replaced = None, []
+    with errors_raised_on_every_rank(world):  # before any training: a writable --out no other job holds
+        if config.out and world.Get_rank() == 0:
+            lock, replaced = prepare_run_dir(config.out, resume=config.resume, overwrite=config.overwrite)
+    try:
+        run = _build_run(config, world, dataset)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    run.run_dir_lock, run.replaced = lock, replaced
+    return run
+
+
+def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     # the data and this rank's batches, checked on every rank before any allocation
     with errors_raised_on_every_rank(world):
         if dataset is not None and cfg.data is not None:
@@ -176,7 +198,8 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
         dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp).dp_rank(world.Get_rank())  # the Context's, before it exists
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
                                seed=cfg.seed)
-    check_same_on_all_ranks(world, {"data": dataset.description}, "training data")
+    check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
+                            "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, device=cfg.device,
                collective_timeout=cfg.collective_timeout)
@@ -244,8 +267,16 @@ def save(run: TrainingRun) -> str | None:
         return None
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
                            data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
-                           keep=cfg.keep, loss_scaler=run.loss_scaler.state_dict())
+                           keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict())
     run.last_saved = run.step
+    if run.replaced:  # rank 0, --overwrite: the other run's checkpoints go once one of ours is complete
+        for old in run.replaced:
+            if os.path.realpath(old) != os.path.realpath(path):
+                shutil.rmtree(old, ignore_errors=True)
+        print(f"--overwrite: removed the {len(run.replaced)} checkpoint(s) of the previous run in {cfg.out}",
+              file=sys.stderr, flush=True)
+        run.replaced = []
+        prune_checkpoints(cfg.out, cfg.keep, newest_step=run.step)
     return path
 
 
@@ -314,8 +345,11 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                       f"({run.consecutive_skips} in a row; the run stops at {cfg.max_skips})", file=sys.stderr,
                       flush=True)
             if run.consecutive_skips >= cfg.max_skips:
-                raise FloatingPointError(f"{run.consecutive_skips} consecutive non-finite steps; stopping "
-                                         "(lower --lr?)")
+                bad = next((p.name for p in model.parameters() if not bool(ctx.xp.isfinite(p.data).all())), None)
+                cause = (f"parameter {bad} holds NaN or Inf values on rank {ctx.rank}: the weights diverged"
+                         if bad else "the weights are finite (perhaps too large): the loss or the gradients are not")
+                raise FloatingPointError(f"{run.consecutive_skips} consecutive non-finite steps; stopping after step "
+                                         f"{n + 1}: {cause} (lower --lr, or resume from the last checkpoint)")
         ctx.synchronize()
         clock.enter(None)
         ms = (time.perf_counter() - t0) * 1000
