@@ -411,8 +411,11 @@ def run(args) -> Report:
                                ("elements", "elements", ",d"), ("gb", "GB buffers", ",.3f"), ("wire", "GB on the wire/GPU", ",.3f"),
                                ("formula", "formula", "", "<")], title="communication per optimizer step and GPU")
     L, bsh = a.n_layer, args.micro_batch * seq * a.n_embd
-    rows = [("TP all-reduce (activations)", "tp_allreduce",
-             f"(4 per layer x {L} + 2) x b*s*h = {bsh:,} elements, x {args.accum} micro-batches"),
+    sp = args.sequence_parallel and args.tp > 1
+    rows = [("TP all-gather + reduce-scatter (activations; counted as the all-reduces they replace)" if sp
+             else "TP all-reduce (activations)", "tp_allreduce",
+             f"(4 per layer x {L} + 2) x b*s*h = {bsh:,} elements, x {args.accum} micro-batches"
+             + ("; sequence parallel: each is an all-gather and a reduce-scatter, the same wire bytes" if sp else "")),
             ("TP all-reduce (CE stats)", "ce_allreduce", "max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32")]
     if dist:
         rows += [("DP reduce-scatter (gradients)", "dp_reduce_scatter", "padded gradient buffer, once per step"),
