@@ -1,5 +1,8 @@
 """GPT (GPT-2 architecture) built from cutp's tensor-parallel layers; the whole model in one file.
 
+(It runs over 500 lines on purpose: the model, its pipeline stages, its sequence-parallel layout and its
+generation path stay together, readable in one sitting as nanoGPT's model.py is.)
+
     ctx = cutp.init(tp=2)
     model = GPT(ctx, GPTConfig.preset("tiny"), seed=0)
     loss = model.forward(idx, targets)     # idx, targets: [B, T] int, identical on TP ranks

@@ -105,6 +105,7 @@ class StepStats:
     consecutive_skips: int = 0
     loss_scale: float | None = None  # the scale this step's backward used (float16 / --loss-scale)
     overflow: bool = False  # skipped because the scaled gradients overflowed (float16)
+    pipeline_wait_ms: float | None = None  # pp > 1: this stage's time in pipeline sends/receives (host)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
@@ -116,6 +117,8 @@ class StepStats:
             rec["skipped"] = True
         if self.overflow:
             rec["overflow"] = True
+        if self.pipeline_wait_ms is not None:
+            rec["pipeline_wait_ms"] = self.pipeline_wait_ms
         return rec
 
 
@@ -291,6 +294,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     with ctx.watchdog.watch_progress(f"training step {n + 1}"):
         t0 = time.perf_counter()
         bytes0 = ctx.counter.bytes()
+        wait_ms = None
         clock.enter("optimizer")  # clearing the gradients counts with their use at the end
         run.flat.zero_grad()
         clock.enter("forward")  # reading the step's batch counts with the forward
@@ -303,6 +307,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                                 scaler.scale, hooks)
             loss_sum = schedule.run_step(cfg.pp_schedule)
             run.pipeline_in_flight = schedule.max_in_flight
+            wait_ms = schedule.wait_s * 1000
             batches = []
         for micro, (x, y) in enumerate(batches):
             clock.enter("forward")
@@ -357,11 +362,12 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     exact = profile or ctx.device == "cpu"
     return StepStats(step=n + 1, loss=loss, grad_norm=norm, lr=lr, skipped=skipped, ms=ms,
                      tokens_per_s=cfg.tokens_per_step / (ms / 1000), comm_bytes=ctx.counter.bytes() - bytes0,
-                     forward_ms=clock.ms.get("forward") if exact else None,
-                     backward_ms=clock.ms.get("backward") if exact else None,
-                     optimizer_ms=clock.ms.get("optimizer") if exact else None,
+                     forward_ms=clock.ms.get("forward", 0.0) if exact else None,  # (pp > 1: the schedule, both ways)
+                     backward_ms=clock.ms.get("backward", 0.0) if exact else None,
+                     optimizer_ms=clock.ms.get("optimizer", 0.0) if exact else None,
                      consecutive_skips=run.consecutive_skips,
-                     loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow)
+                     loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
+                     pipeline_wait_ms=wait_ms)
 
 
 def evaluate(run: TrainingRun) -> float:
