@@ -3,8 +3,12 @@ directories are written by cutp's own save_hf_gpt2, the tokenizer files by hand)
 
 1. forward(idx) pads the vocabulary with -inf logits; GPT.gather_logits gives [..., vocab_size];
 2. from_hf_gpt2 returns the model in eval mode (as transformers' from_pretrained);
-3. transformers 5 directories: tokenizer.json alone, sharded weights (model.safetensors.index.json).
+3. transformers 5 directories: tokenizer.json alone, sharded weights (model.safetensors.index.json);
+4. fine-tuning from an HF directory or a cutp checkpoint: resolve_run_config(init_from=DIR),
+   train_gpt.py --init-from;
+5. examples/generate.py: greedy (--temperature 0), stop at <|endoftext|>, --no-stop, --stop-token.
 """
+import importlib.util
 import json
 import os
 
@@ -13,10 +17,12 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from cutp import ConfigError
+from cutp import ConfigError, train
+from cutp.generate import generate
 from cutp.hf import HFFormatError, from_hf_gpt2, load_hf_gpt2, save_hf_gpt2
 from cutp.model import GPT, GPTConfig
 from cutp.tokenizer import GPT2BPETokenizer, bytes_to_unicode, get_tokenizer
+from tests.mpirun import ROOT, run_mpi
 from tests.tp_utils import self_ctx
 
 MERGES = [("h", "e"), ("Ġ", "l"), ("l", "l"), ("Ġl", "o"), ("Ġlo", "w"), ("e", "r"), ("Ġlow", "er")]
@@ -169,3 +175,128 @@ def test_sharded_safetensors(tmp_path):
         "model-00001-of-00002.safetensors"
     refused({**wm, k0: other}, f"holds {k0}")
     refused({}, "weight_map")
+
+
+# ---- 5. examples/generate.py ---------------------------------------------------------------------
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(f"cutp_example_{name}", os.path.join(ROOT, "examples", name))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_generate_script_tokenizer_json_sharded_greedy_stops_at_eot(tmp_path, capsys):
+    d = str(tmp_path)
+    eot = _write_tokenizer_json(d)
+    ctx = self_ctx()
+    model = _random_model(ctx, vocab_size=eot + 1, tie_embeddings=False)
+    tok = GPT2BPETokenizer.from_tokenizer_json(d)
+    prompt = tok.encode("hello")
+    # <|endoftext|> made the argmax where the third greedy token was (or sooner)
+    head = model.gather_state_dict()["lm_head.weight"]
+    head[eot] = 1.5 * head[generate(model, prompt, 3, temperature=0)[2]]
+    model.load_full_state_dict({"lm_head.weight": head}, strict=False)
+    save_hf_gpt2(model, d)
+    _shard(d)
+    mod = _load_example("generate.py")
+    common = ["--ckpt", d, "--device", "cpu", "--prompt", "hello", "--temperature", "0", "--print-ids",
+              "--max-new-tokens", "6", "--dtype", "float64"]
+    greedy = generate(from_hf_gpt2(ctx, d, dtype="float64"), prompt, 6, temperature=0)
+    assert eot in greedy[1:], greedy
+
+    def run(*extra):
+        mod.main(common + list(extra))
+        text, ids = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+        new = [int(i) for i in ids[len("ids:"):].split(",")]
+        assert text == tok.decode(prompt + new)  # the prompt, then its continuation
+        return new
+
+    assert run() == run("--seed", "7") == greedy[: greedy.index(eot) + 1]  # greedy: the seed changes nothing
+    assert run("--stop-token", str(greedy[0])) == greedy[:1]
+    assert run("--no-stop") == greedy
+    with pytest.raises(ConfigError, match=r"--stop-token 9999 is outside the model's vocabulary"):
+        mod.main(common + ["--stop-token", "9999"])
+    with pytest.raises(SystemExit):
+        mod.main(common + ["--stop-token", "3", "--no-stop"])
+
+
+# ---- 4. fine-tuning: init_from -------------------------------------------------------------------
+def _data(path):
+    with open(path, "w") as f:
+        f.write("def read_config(path):\n    return open(path).read()\n" * 60)
+    return path
+
+
+def test_init_from_config_errors(tmp_path):
+    ctx = self_ctx()
+    d = str(tmp_path / "hf")
+    save_hf_gpt2(_random_model(ctx), d)
+    data = _data(str(tmp_path / "data.txt"))
+    cfg = train.resolve_run_config(init_from=d, tp=1, data=data, dropout=0.1, dtype="float64", set=["vocab_multiple=1"])
+    assert (cfg.model.n_layer, cfg.model.vocab_size, cfg.model.dropout, cfg.model.dtype, cfg.init_from, cfg.preset) \
+        == (1, 300, 0.1, "float64", d, None)
+    assert cfg.checkpoint_settings()["init_from"] == d
+    mod = _load_example("train_gpt.py")
+    args = vars(mod.parse_args(["--init-from", d, "--set", "n_layer=2", "--set", "dropout=0.2"]))
+    with pytest.raises(ConfigError, match=r"--preset/--set change the model of --init-from .*n_layer 1 \(flags: 2\)"):
+        train.resolve_run_config(source="command line", **args)
+    with pytest.raises(ConfigError, match="n_embd 16 .flags: 128"):
+        train.resolve_run_config(init_from=d, preset="tiny")
+    with pytest.raises(ConfigError, match="give only one of them"):
+        train.resolve_run_config(init_from=d, resume=d)
+    with pytest.raises(ConfigError, match="not a directory"):
+        train.resolve_run_config(init_from=str(tmp_path / "nothing"))
+
+
+def _worker_init_from(tmpdir):
+    from cutp.tensor_parallel.mappings import gather_from_tp_forward
+    import cutp
+
+    ctx = cutp.init(tp=2, device="cpu")
+    # 1. at tp 2: rank 1's shard of the padded vocabulary (300 -> 512) ends in -inf columns
+    model = _random_model(ctx).eval()
+    idx = np.array([[1, 2, 299, 4]])
+    shard = model.forward(idx)
+    assert shard.shape == (1, 4, 256)
+    real = 256 if ctx.tp_rank == 0 else 300 - 256
+    assert np.all(np.isfinite(shard[..., :real])) and np.all(shard[..., real:] == -np.inf)
+    full = model.gather_logits(shard)
+    assert full.shape == (1, 4, 300) and np.array_equal(full, gather_from_tp_forward(ctx.tp, shard)[..., :300])
+    on0 = model.gather_logits(shard, rank=0)
+    assert (on0 is None) == (ctx.tp_rank == 1) and (on0 is None or np.array_equal(on0, full))
+
+    # 4. fine-tune from an HF directory at tp 2
+    data = os.path.join(tmpdir, "data.txt")
+    if ctx.rank == 0:
+        _data(data)
+    hf = os.path.join(tmpdir, "hf")
+    save_hf_gpt2(model, hf)
+    out = os.path.join(tmpdir, "run")
+    cfg = train.resolve_run_config(init_from=hf, tp=2, steps=2, batch_size=2, seq_len=16, lr=1e-2, out=out,
+                                   data=data, eval_every=0)
+    run = train.build_run(cfg)
+    assert run.step == 0 and run.model.training
+    loaded = from_hf_gpt2(run.ctx, hf)
+    (x, y), = run.sampler.micro_batches(0)
+    direct = loaded.forward(x, y)
+    first = train.train_step(run)
+    assert first.loss == direct, (first.loss, direct)
+    second = train.train_step(run)
+    assert np.isfinite(second.loss) and second.loss != first.loss and run.step == 2
+    train.save(run)
+    weights = run.model.gather_state_dict(rank=None)
+    run.close()
+
+    # ... and from the cutp run directory it wrote: its weights, step 0
+    cfg2 = train.resolve_run_config(init_from=out, tp=2, steps=1, batch_size=2, seq_len=16,
+                                    data=data, eval_every=0)
+    run2 = train.build_run(cfg2)
+    assert run2.step == 0 and cfg2.init_from.endswith("step-00000002")
+    again = run2.model.gather_state_dict(rank=None)
+    assert all(np.array_equal(again[k], weights[k]) for k in weights)
+    run2.close()
+    ctx.close()
+
+
+def test_init_from_hf_and_cutp_checkpoint_tp2(tmp_path):
+    run_mpi(2, "tests.test_issue16_hf:_worker_init_from", str(tmp_path), timeout=120)

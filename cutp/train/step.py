@@ -31,8 +31,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
+from ..checkpoint_files import is_cutp_checkpoint
 from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
+from ..hf import load_hf_into
 from ..model import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler, clip_scale,
                      lr_schedule)
@@ -158,7 +160,8 @@ class _PhaseClock:
 def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -> TrainingRun:
     """The context, model, optimizer and data of `config` on the ranks of `comm` (default
     MPI.COMM_WORLD; any sub-communicator of a host code's), resumed from `config.resume` when
-    set. Collective over comm. `dataset` replaces `config.data` (tokens a host code holds)."""
+    set, or with the weights of `config.init_from` (step 0, a fresh optimizer). Collective over
+    comm. `dataset` replaces `config.data` (tokens a host code holds)."""
     world = MPI.COMM_WORLD if comm is None else comm
     cfg = config
     # the data and this rank's batches, checked on every rank before any allocation
@@ -177,7 +180,9 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
-    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None)  # resumed weights are loaded next
+    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None and cfg.init_from is None)
+    if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
+        init_weights(model, cfg.init_from)
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
@@ -191,6 +196,16 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     if cfg.resume is not None:
         resume(run, cfg.resume)
     return run
+
+
+def init_weights(model: GPT, path: str) -> None:
+    """Loads the weights (only) of a Hugging Face GPT-2 directory or a cutp checkpoint into
+    `model`, whose architecture must be theirs. Collective; an error is raised on every rank."""
+    if is_cutp_checkpoint(path):
+        load_checkpoint(path, model)
+        return
+    with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
+        load_hf_into(model, path)
 
 
 def make_loss_scaler(cfg: RunConfig) -> LossScaler:
