@@ -34,8 +34,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
+from ..checkpoint_files import is_cutp_checkpoint
 from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
+from ..hf import load_hf_into
 from ..model import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler, clip_scale,
                      lr_schedule)
@@ -172,8 +174,9 @@ class _PhaseClock:
 def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -> TrainingRun:
     """The context, model, optimizer and data of `config` on the ranks of `comm` (default
     MPI.COMM_WORLD; any sub-communicator of a host code's), resumed from `config.resume` when
-    set. Collective over comm. `dataset` replaces `config.data` (tokens a host code holds).
-    First, rank 0 checks `config.out` and locks it for the run's lifetime (cutp.run_dir)."""
+    set, or with the weights of `config.init_from` (step 0, a fresh optimizer). Collective over
+    comm. `dataset` replaces `config.data` (tokens a host code holds). First, rank 0 checks
+    `config.out` and locks it for the run's lifetime (cutp.run_dir)."""
     world = MPI.COMM_WORLD if comm is None else comm
     lock, replaced = None, []
     with errors_raised_on_every_rank(world):  # before any training: a writable --out no other job holds
@@ -210,8 +213,10 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
-    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None,  # resumed weights are loaded next
-                pp_layers=cfg.pp_layers)
+    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None and cfg.init_from is None,
+                pp_layers=cfg.pp_layers)  # resumed or initial weights are loaded next
+    if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
+        init_weights(model, cfg.init_from)
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
@@ -227,6 +232,16 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         resume(run, cfg.resume)
         setup_progress()
     return run
+
+
+def init_weights(model: GPT, path: str) -> None:
+    """Loads the weights (only) of a Hugging Face GPT-2 directory or a cutp checkpoint into
+    `model`, whose architecture must be theirs. Collective; an error is raised on every rank."""
+    if is_cutp_checkpoint(path):
+        load_checkpoint(path, model)
+        return
+    with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
+        load_hf_into(model, path)
 
 
 def make_loss_scaler(cfg: RunConfig) -> LossScaler:
