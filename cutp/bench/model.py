@@ -293,7 +293,7 @@ def run(args) -> Report:
                                 f"{pk} TFLOP/s per GPU (bf16 peak {peak['bf16_tflops']} TFLOP/s)")
         else:
             report.notes.append(f"no peak known for {info['gpu']!r} in {config.dtype}: MFU not computed")
-    t.add(preset=args.preset, mesh=f"{ctx.tp_size} x {ctx.dp_size}", shape=f"{B} x {T}", tokens=tokens, ms=step_s * 1e3,
+    t.add(preset=args.preset, mesh=f"{ctx.tp_size} x {ctx.dp_size}" + (f" x pp {ctx.pp_size}" if ctx.pp_size > 1 else ""), shape=f"{B} x {T}", tokens=tokens, ms=step_s * 1e3,
           tok_s=tok_s, gflops=flops / 1e9, gflops_dev=flops / n_dev / 1e9, mfu=mfu, loss=losses[-1])
     t.notes.append(f"FLOPs/token = 6*N + 12*L*h*T = 6*{matmul_parameters(config):,} + 12*{config.n_layer}*{config.n_embd}*{T} "
                    f"= {fpt:,} (N: parameters without position embeddings)")
