@@ -166,6 +166,18 @@ def read_json(path: str, max_bytes: int = MAX_META_BYTES):
         return json.loads(f.read().decode())
 
 
+def is_cutp_checkpoint(path: str) -> bool:
+    """A cutp checkpoint (meta.json) or run directory (`latest`, step-*/meta.json); else (e.g. a
+    Hugging Face directory) False."""
+    if os.path.isfile(os.path.join(path, "meta.json")) or os.path.isfile(os.path.join(path, "latest")):
+        return True
+    try:
+        steps = [d for d in os.listdir(path) if d.startswith("step-")]
+    except OSError:
+        return False
+    return any(os.path.isfile(os.path.join(path, d, "meta.json")) for d in steps)
+
+
 def read_meta(ckpt: str) -> dict:
     """meta.json of checkpoint `ckpt`, every field checked (module docstring); CheckpointError
     naming the first problem. Reads no other file."""

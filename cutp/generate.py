@@ -5,8 +5,9 @@
 
 Collective over the model's TP group: every TP rank calls it with the same arguments. Each step
 runs `model.forward_cached` (the prompt in one call, then one token at a time; each rank keeps
-the K/V of its own heads), all-gathers only the last position's logits over TP ([B, vocab]),
-drops the vocabulary padding, and samples on the host with a NumPy generator seeded by `seed`.
+the K/V of its own heads), all-gathers only the last position's logits over TP ([B, vocab]:
+`GPT.gather_logits`, which drops the vocabulary padding), and samples on the host with a NumPy
+generator seeded by `seed`.
 Every rank holds the same gathered logits and advances the same generator in the same way, so
 every rank draws the same tokens without any further communication; and since TP=N computes
 the same function as TP=1, the same seed gives the same tokens at any TP size (up to
@@ -21,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 
 from .runtime.backend import to_numpy
-from .tensor_parallel.mappings import gather_from_tp_forward
 
 
 def _as_batch(prompt_ids):
@@ -50,9 +50,7 @@ def check_request(config, prompt_len: int, max_new_tokens: int) -> None:
 
 def next_token_logits(model, last_logits_shard):
     """Sharded logits [B, padded_vocab/tp] of the last position -> host float64 [B, vocab_size], on every TP rank."""
-    full = gather_from_tp_forward(model.ctx.tp, model.ctx.xp.ascontiguousarray(last_logits_shard))
-    full = model.ctx.to_numpy(full)[:, : model.config.vocab_size]
-    return full.astype(np.float64)
+    return model.ctx.to_numpy(model.gather_logits(last_logits_shard)).astype(np.float64)
 
 
 def sample_next(logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0,

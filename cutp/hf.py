@@ -4,8 +4,10 @@
     model = from_hf_gpt2(ctx, "path/to/gpt2")        # each TP rank keeps its shard
     save_hf_gpt2(model, None, "out/gpt2")             # collective; TP rank 0 of DP replica 0 writes
 
-A directory holds `config.json` (a GPT2Config) and `model.safetensors`. No torch is needed:
-the tensors are read and written with safetensors' NumPy API.
+A directory holds `config.json` (a GPT2Config) and `model.safetensors`, or sharded weights
+(`model.safetensors.index.json`, whose "weight_map" names the file of each tensor, all inside
+the directory), read tensor by tensor either way. No torch is needed: the tensors are read and
+written with safetensors' NumPy API.
 
 Names and layouts: cutp uses GPT-2's own parameter names and layouts (Conv1D weights [in, out];
 `h.{i}.attn.c_attn.weight` [n_embd, 3*n_embd] with columns [q | k | v], heads in order), so the
@@ -43,6 +45,7 @@ from .runtime.failure import agree_on_error
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # sharded weights: {"weight_map": {tensor: file}}
 
 _ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 _BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -183,27 +186,56 @@ def _check_shapes(cfg: GPTConfig, shapes: dict, where: str) -> None:
                                 f"mlp width {cfg.hidden}) needs {shape}")
 
 
-# ---- loading ---------------------------------------------------------------------------------
+# ---- loading ----------------------------------------------------------------------------------
 def _files(path):
+    """(config.json, [safetensors files], index): model.safetensors (index None), or the shards
+    that model.safetensors.index.json names (index {tensor key: file})."""
     if not os.path.isdir(path):
         raise HFFormatError(f"{path!r} is not a directory; expected a Hugging Face GPT-2 directory "
                             f"with {CONFIG_FILE} and {WEIGHTS_FILE}")
     cfg_file, w_file = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    for f in (cfg_file, w_file):
-        if not os.path.isfile(f):
-            hint = ""
-            if f == w_file and os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-                hint = (" (only pytorch_model.bin is there: convert it once with transformers, "
-                        "`GPT2LMHeadModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`)")
-            elif f == w_file and os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-                hint = " (sharded checkpoints, model.safetensors.index.json, are not supported)"
-            raise HFFormatError(f"{f} not found: a Hugging Face GPT-2 directory needs {CONFIG_FILE} and "
-                                f"{WEIGHTS_FILE}{hint}")
-    return cfg_file, w_file
+    if not os.path.isfile(cfg_file):
+        raise HFFormatError(f"{cfg_file} not found: a Hugging Face GPT-2 directory needs {CONFIG_FILE} and "
+                            f"{WEIGHTS_FILE} (or {INDEX_FILE} and its shards)")
+    if os.path.isfile(w_file):
+        return cfg_file, [w_file], None
+    if os.path.isfile(os.path.join(path, INDEX_FILE)):
+        index = _read_index(path)
+        return cfg_file, sorted(set(index.values())), index
+    hint = ""
+    if os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        hint = (" (only pytorch_model.bin is there: convert it once with transformers, "
+                "`GPT2LMHeadModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`)")
+    raise HFFormatError(f"{w_file} not found: a Hugging Face GPT-2 directory needs {CONFIG_FILE} and "
+                        f"{WEIGHTS_FILE} (or {INDEX_FILE} and its shards){hint}")
+
+
+def _read_index(path: str) -> dict:
+    """{tensor key: shard file path} from model.safetensors.index.json; every file named must be
+    a relative path inside `path` (no absolute path, no '..') to an existing file (a symbolic
+    link is followed: the Hugging Face cache links a snapshot's files to its blobs)."""
+    index = os.path.join(path, INDEX_FILE)
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise HFFormatError(f"{index} is not a JSON object: {e}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HFFormatError(f"{index} has no \"weight_map\" object ({{tensor name: file name}})")
+    out = {}
+    for key, name in weight_map.items():
+        parts = name.replace("\\", "/").split("/") if isinstance(name, str) else None
+        if parts is None or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
+            raise HFFormatError(f"{index}: {key} is mapped to {name!r}, which is not a file name inside {path}")
+        full = os.path.join(path, *parts)
+        if not os.path.isfile(full):
+            raise HFFormatError(f"{index}: {key} is in {name!r}, but {os.path.join(path, name)} does not exist")
+        out[key] = full
+    return out
 
 
 def read_hf_config(path: str) -> dict:
-    cfg_file, _ = _files(path)
+    cfg_file = _files(path)[0]
     try:
         with open(cfg_file) as f:
             return json.load(f)
@@ -222,45 +254,60 @@ def _open_weights(w_file):
 
 
 def _plan(path: str, dtype: str, dropout: float):
-    """Reads the config and the weights' header (no tensor data) and checks every key, dtype and
-    shape. Returns (cfg, weights file, {cutp name: file key}, lm_head key to compare with wte or None)."""
-    cfg_file, w_file = _files(path)
+    """Reads the config and the weights' headers (no tensor data) and checks every key, dtype and
+    shape. Returns (cfg, {cutp name: (file, key)}, (file, key) of an lm_head to compare with wte or None)."""
+    cfg_file, w_files, index = _files(path)
     cfg = config_from_hf(read_hf_config(path), dtype=dtype, dropout=dropout, where=cfg_file)
-    keys, shapes, tied_head = {}, {}, None
-    with _open_weights(w_file) as f:
-        for key in f.keys():
-            name = key[len("transformer."):] if key.startswith("transformer.") else key
-            if _BUFFER.match(name):
-                continue
-            sl = f.get_slice(key)
-            if sl.get_dtype() not in _FLOAT_DTYPES:
-                raise HFFormatError(f"{w_file}: {key} has dtype {sl.get_dtype()}; expected one of {_FLOAT_DTYPES}")
-            if name in keys or (name == "lm_head.weight" and tied_head is not None):
-                raise HFFormatError(f"{w_file}: {name} appears twice (with and without the 'transformer.' prefix)")
-            if name == "lm_head.weight" and cfg.tie_embeddings:
-                tied_head = key
-                continue
-            keys[name] = key
-            shapes[name] = tuple(sl.get_shape())
-    _check_shapes(cfg, shapes, where=w_file)
-    return cfg, w_file, keys, tied_head
+    keys, shapes, tied_head, found = {}, {}, None, set()
+    for w_file in w_files:
+        with _open_weights(w_file) as f:
+            for key in f.keys():
+                if index is not None and index.get(key) != w_file:
+                    raise HFFormatError(f"{w_file} holds {key}, but {path}/{INDEX_FILE} "
+                                        f"{'places it in ' + repr(index[key]) if key in index else 'does not list it'}")
+                found.add(key)
+                name = key[len("transformer."):] if key.startswith("transformer.") else key
+                if _BUFFER.match(name):
+                    continue
+                sl = f.get_slice(key)
+                if sl.get_dtype() not in _FLOAT_DTYPES:
+                    raise HFFormatError(f"{w_file}: {key} has dtype {sl.get_dtype()}; expected one of {_FLOAT_DTYPES}")
+                if name in keys or (name == "lm_head.weight" and tied_head is not None):
+                    raise HFFormatError(f"{w_file}: {name} appears twice (with and without the 'transformer.' prefix)")
+                if name == "lm_head.weight" and cfg.tie_embeddings:
+                    tied_head = (w_file, key)
+                    continue
+                keys[name] = (w_file, key)
+                shapes[name] = tuple(sl.get_shape())
+    if index is not None:
+        absent = sorted(set(index) - found)
+        if absent:
+            raise HFFormatError(f"{path}/{INDEX_FILE} lists {absent[:4]} in files that do not hold them")
+    _check_shapes(cfg, shapes, where=w_files[0] if len(w_files) == 1 else f"{path}/{INDEX_FILE}")
+    return cfg, keys, tied_head
 
 
 def _iter_tensors(path: str, dtype: str, dropout: float):
     """(cfg, generator of (cutp name, full array in dtype)), one tensor in memory at a time."""
-    cfg, w_file, keys, tied_head = _plan(path, dtype, dropout)
+    cfg, keys, tied_head = _plan(path, dtype, dropout)
     target = DTYPES[dtype]
 
-    def tensors():
+    def read(w_file, key):
         with _open_weights(w_file) as f:
-            if tied_head is not None:  # a tied head that was saved anyway must equal the embedding
-                wte, head = f.get_tensor(keys["wte.weight"]), f.get_tensor(tied_head)
-                if wte.shape != head.shape or not np.array_equal(wte, head):
-                    raise HFFormatError(f"{w_file}: lm_head.weight differs from wte.weight but tie_word_embeddings "
-                                        f"is true in {path}/{CONFIG_FILE}; set it to false to load an untied head")
-                del wte, head
-            for name, key in keys.items():
-                yield name, np.ascontiguousarray(f.get_tensor(key).astype(target, copy=False))
+            return f.get_tensor(key)
+
+    def tensors():
+        if tied_head is not None:  # a tied head that was saved anyway must equal the embedding
+            wte, head = read(*keys["wte.weight"]), read(*tied_head)
+            if wte.shape != head.shape or not np.array_equal(wte, head):
+                raise HFFormatError(f"{tied_head[0]}: lm_head.weight differs from wte.weight but tie_word_embeddings "
+                                    f"is true in {path}/{CONFIG_FILE}; set it to false to load an untied head")
+            del wte, head
+        for w_file in dict.fromkeys(w for w, _ in keys.values()):  # each file opened once
+            with _open_weights(w_file) as f:
+                for name, (w, key) in keys.items():
+                    if w == w_file:
+                        yield name, np.ascontiguousarray(f.get_tensor(key).astype(target, copy=False))
 
     return cfg, tensors()
 
@@ -307,8 +354,9 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
     """Builds a GPT at the context's TP size from a Hugging Face GPT-2 directory and loads its weights.
 
     `overrides` set other GPTConfig fields that do not change the function (e.g. vocab_multiple,
-    label_smoothing). The model is returned in training mode (call .eval() for inference;
-    cutp.generate does).
+    label_smoothing). The model is returned in eval mode, as transformers' `from_pretrained`
+    returns it: no dropout, and forward keeps nothing for backward. To fine-tune, call
+    `model.train()` first (cutp.train's `init_from` builds its own training-mode model).
     """
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad directory stops every rank alike
         cfg, tensors = _iter_tensors(path, dtype, dropout)
@@ -320,7 +368,7 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
         cfg = GPTConfig.from_dict({**cfg.to_dict(), **overrides})
     model = GPT(ctx, cfg, seed=0, init=False)  # every weight is loaded next
     _load_streaming(model, tensors)
-    return model
+    return model.eval()
 
 
 # ---- saving ----------------------------------------------------------------------------------

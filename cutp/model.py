@@ -1,5 +1,8 @@
 """GPT (GPT-2 architecture) built from cutp's tensor-parallel layers; the whole model in one file.
 
+(It runs over 500 lines on purpose: the model, its pipeline stages, its sequence-parallel layout and its
+generation path stay together, readable in one sitting as nanoGPT's model.py is.)
+
     ctx = cutp.init(tp=2)
     model = GPT(ctx, GPTConfig.preset("tiny"), seed=0)
     loss = model.forward(idx, targets)     # idx, targets: [B, T] int, identical on TP ranks
@@ -8,7 +11,7 @@
 Layouts: token ids and targets are replicated over the TP group; activations between blocks
 are replicated [B, T, n_embd] (with `set_sequence_parallel()`: this rank's tokens [B, T/tp,
 n_embd], so LayerNorm, dropout and the residual adds run on T/tp tokens); the logits stay
-sharded over the vocabulary (never gathered).
+sharded over the vocabulary (`gather_logits` gathers them for a caller; the loss never does).
 Parameters use GPT-2's names; `gather_state_dict` returns full, unpadded tensors under them.
 """
 from __future__ import annotations
@@ -46,6 +49,7 @@ from .tensor_parallel import (
     sum_grad_over,
     take_shard,
 )
+from .tensor_parallel.mappings import gather_from_tp_forward
 from .tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
 # Parameters and activations are stored in the model's dtype. bfloat16/float16 models compute
@@ -445,8 +449,9 @@ class GPT(Module):
             setattr(m, k, v)
 
     def forward(self, idx, targets=None, check=True):
-        """Sharded logits [B, T, padded_vocab/tp] when targets is None, else the mean loss (float)
-        over the targets that are not ignore_index (-100).
+        """Sharded logits [B, T, padded_vocab/tp] when targets is None (this rank's columns of
+        the padded vocabulary, the padding columns -inf; `gather_logits` gives [B, T, vocab_size]),
+        else the mean loss (float) over the targets that are not ignore_index (-100).
 
         `targets` are already shifted: targets[:, t] is the token that follows idx[:, t] (nanoGPT's
         convention). Hugging Face's `labels=input_ids` are not: pass
@@ -459,7 +464,36 @@ class GPT(Module):
                                                                                         is not None):
             with self.without_sequence_parallel():  # the LM head's input is whole then too
                 return self.forward(idx, targets, check=False)
-        return self.stage_forward(idx, None if targets is None else self.ctx.asarray(targets))
+        if targets is None:
+            return self._mask_padding(self.stage_forward(idx))
+        return self.stage_forward(idx, self.ctx.asarray(targets))
+
+    def _mask_padding(self, logits):
+        """Sets this rank's vocabulary-padding columns to -inf (in place; the loss masks its own)."""
+        per = self.padded_vocab // self.ctx.tp_size
+        real = min(max(self.config.vocab_size - self.ctx.tp_rank * per, 0), per)
+        if real < per:
+            logits[..., real:] = -np.inf
+        return logits
+
+    def gather_logits(self, logits_shard, rank: int | None = None):
+        """This rank's logits [..., padded_vocab/tp] (from `forward` or `forward_cached`) -> the
+        full logits [..., vocab_size] of the real vocabulary (padding dropped), an array of the
+        model's device (`ctx.to_numpy` for the host). Collective over the TP group: returns them on
+        TP rank `rank` (None: on every TP rank) and None elsewhere.
+
+            logits = model.gather_logits(model.forward(idx))       # [B, T, vocab_size]
+        """
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.ctx.tp_size):
+            raise ValueError(f"rank must be None or a TP rank in [0, {self.ctx.tp_size}), got {rank!r}")
+        per = self.padded_vocab // self.ctx.tp_size
+        if logits_shard.shape[-1] != per:
+            raise ValueError(f"logits_shard has {logits_shard.shape[-1]} columns; this rank's shard of the padded "
+                             f"vocabulary has {per} (pass what forward(idx) returned, unsliced)")
+        full = gather_from_tp_forward(self.ctx.tp, self.ctx.xp.ascontiguousarray(logits_shard))
+        if rank is not None and self.ctx.tp_rank != rank:
+            return None
+        return full[..., : self.config.vocab_size]
 
     def backward(self, dloss: float = 1.0):
         self._whole_model("GPT.backward")
@@ -480,8 +514,8 @@ class GPT(Module):
         return [b.attn.new_kv_cache(batch, max_len, dt) for b in self.h]
 
     def forward_cached(self, idx, caches):
-        """Eval-mode logits (sharded) for new tokens idx [B, Tn] after caches' positions; never
-        sequence-parallel (one new token does not split over the TP ranks)."""
+        """Eval-mode logits (sharded, padding -inf, as `forward`'s) for new tokens idx [B, Tn] after
+        caches' positions; never sequence-parallel (one new token does not split over the TP ranks)."""
         self._whole_model("generation")
         with self.without_sequence_parallel():
             return self._forward_cached(idx, caches)
@@ -496,7 +530,7 @@ class GPT(Module):
         x += self.wpe.weight.data[n0:n0 + T]
         for block, cache in zip(self.h, caches):
             x = block.forward_cached(x, cache)
-        return self.lm_head.forward(self.ln_f.forward(x))
+        return self._mask_padding(self.lm_head.forward(self.ln_f.forward(x)))
 
     # ---- state -------------------------------------------------------------------------------
     def named_parameters(self) -> dict:

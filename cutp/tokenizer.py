@@ -1,6 +1,6 @@
 """Tokenizers for generation: GPT-2's byte-level BPE and a plain UTF-8 byte tokenizer.
 
-    tok = get_tokenizer("path/to/gpt2", vocab_size=50257)   # vocab.json + merges.txt there
+    tok = get_tokenizer("path/to/gpt2", vocab_size=50257)   # vocab.json + merges.txt, or tokenizer.json
     ids = tok.encode("Hello world")                         # [15496, 995]
     text = tok.decode(ids)
 
@@ -9,6 +9,9 @@ text -> pre-tokens by GPT-2's regex -> each pre-token's UTF-8 bytes mapped to pr
 characters (`bytes_to_unicode`) -> merges applied greedily by rank (lowest rank first) ->
 vocabulary ids. Special tokens of the vocabulary written `<|...|>` (GPT-2's `<|endoftext|>`)
 are matched in the text first and encoded as their own id, as transformers does.
+Its files: `vocab.json` + `merges.txt` (`from_dir`), or the `tokenizers` library's
+`tokenizer.json` alone, as transformers 5 saves it (`from_tokenizer_json`; its added tokens are
+the special ones).
 
 The pre-tokenisation regex uses `\\p{L}` (letters) and `\\p{N}` (numbers), which Python's `re`
 lacks. They are built here, exactly, as character classes from `unicodedata` categories
@@ -34,6 +37,7 @@ from .runtime.errors import ConfigError
 
 VOCAB_FILE = "vocab.json"
 MERGES_FILE = "merges.txt"
+TOKENIZER_FILE = "tokenizer.json"  # the `tokenizers` library's file (transformers 5 writes only this)
 
 # Unicode White_Space (PropList.txt); U+180E left it in Unicode 6.3
 _WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009" \
@@ -134,6 +138,44 @@ class GPT2BPETokenizer:
                     raise ConfigError(f"{mf}:{n}: expected two tokens separated by one space, got {line!r}")
                 merges.append(tuple(parts))
         return cls(encoder, merges)
+
+    @classmethod
+    def from_tokenizer_json(cls, path: str) -> "GPT2BPETokenizer":
+        """GPT-2's byte-level BPE from a `tokenizers` tokenizer.json (what transformers 5 saves
+        alone): "model" {"type": "BPE", "vocab": {token: id}, "merges": ["a b", ...] or [["a", "b"],
+        ...]}, its "added_tokens" (e.g. <|endoftext|>) matched in the text first. Refuses (ConfigError)
+        a tokenizer that is not GPT-2's byte-level BPE (another model type, a normalizer, a prefix
+        space, subword prefixes), which this encoder would get silently wrong."""
+        f = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+        try:
+            with open(f, encoding="utf-8") as fh:
+                spec = json.load(fh)
+            model = spec["model"]
+            kind, encoder, raw = model.get("type"), model["vocab"], model["merges"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{f} is not a readable tokenizer.json with a BPE model "
+                              f"({type(e).__name__}: {e})") from None
+        pre = json.dumps(spec.get("pre_tokenizer"))
+        why = (f"its model type is {kind!r}" if kind != "BPE" else
+               "it has a normalizer" if spec.get("normalizer") else
+               "its pre-tokenizer is not ByteLevel" if '"ByteLevel"' not in pre else
+               "its ByteLevel pre-tokenizer adds a prefix space" if '"add_prefix_space": true' in pre else
+               "its BPE has a subword prefix/suffix" if model.get("continuing_subword_prefix")
+               or model.get("end_of_word_suffix") else None)
+        if why:
+            raise ConfigError(f"{f}: {why}; cutp reads GPT-2's byte-level BPE only (or give vocab.json + "
+                              f"merges.txt, or --prompt-ids)")
+        merges = []
+        for n, m in enumerate(raw):
+            parts = m.split(" ") if isinstance(m, str) else m
+            if not isinstance(parts, list) or len(parts) != 2 or not all(isinstance(p, str) for p in parts):
+                raise ConfigError(f"{f}: merge {n} is {m!r}; expected \"a b\" or [\"a\", \"b\"]")
+            merges.append(tuple(parts))
+        added = {t["content"]: t["id"] for t in spec.get("added_tokens") or ()}
+        clash = [t for t, i in added.items() if encoder.get(t, i) != i]
+        if clash:
+            raise ConfigError(f"{f}: added token {clash[0]!r} has another id than in the vocabulary")
+        return cls({**encoder, **added}, merges, special_tokens=list(added) or None)
 
     @property
     def vocab_size(self) -> int:
@@ -248,15 +290,18 @@ class ByteTokenizer:
 
 
 def has_bpe_files(path: str | None) -> bool:
-    return bool(path) and os.path.isfile(os.path.join(path, VOCAB_FILE)) and \
-        os.path.isfile(os.path.join(path, MERGES_FILE))
+    """vocab.json + merges.txt, or tokenizer.json, in `path`."""
+    return bool(path) and (os.path.isfile(os.path.join(path, VOCAB_FILE)) and os.path.isfile(
+        os.path.join(path, MERGES_FILE)) or os.path.isfile(os.path.join(path, TOKENIZER_FILE)))
 
 
 def get_tokenizer(path: str | None, vocab_size: int):
-    """The tokenizer for a model: GPT-2 BPE if `path` has vocab.json + merges.txt, else the byte
-    tokenizer for a 256-token vocabulary. Raises ConfigError when neither fits."""
+    """The tokenizer for a model: GPT-2 BPE if `path` has vocab.json + merges.txt (else
+    tokenizer.json), else the byte tokenizer for a 256-token vocabulary. Raises ConfigError when
+    neither fits."""
     if has_bpe_files(path):
-        tok = GPT2BPETokenizer.from_dir(path)
+        slow = os.path.isfile(os.path.join(path, VOCAB_FILE)) and os.path.isfile(os.path.join(path, MERGES_FILE))
+        tok = GPT2BPETokenizer.from_dir(path) if slow else GPT2BPETokenizer.from_tokenizer_json(path)
         top = max(tok.decoder)
         if top >= vocab_size:
             raise ConfigError(f"the tokenizer in {path} has ids up to {top}, but the model's vocabulary has "
@@ -264,6 +309,6 @@ def get_tokenizer(path: str | None, vocab_size: int):
         return tok
     if vocab_size == 256:
         return ByteTokenizer()
-    where = f"{path} has no {VOCAB_FILE} + {MERGES_FILE}" if path else "no tokenizer directory was given"
+    where = f"{path} has no {VOCAB_FILE} + {MERGES_FILE} or {TOKENIZER_FILE}" if path else "no tokenizer directory was given"
     raise ConfigError(f"no tokenizer for a vocabulary of {vocab_size} tokens: {where}, and the byte tokenizer "
                       f"needs vocab_size 256; pass token ids instead (e.g. --prompt-ids)")

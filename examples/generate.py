@@ -3,13 +3,18 @@
     python examples/generate.py --ckpt DIR --prompt "Hello" --max-new-tokens 50
     mpiexec -n 2 python examples/generate.py --ckpt DIR --tp 2 --prompt-ids 1,2,3 --temperature 0
 
-DIR is either a Hugging Face GPT-2 directory (config.json + model.safetensors, and optionally
-vocab.json + merges.txt for text prompts) or a cutp checkpoint (a directory with meta.json, or
-a run directory with `latest` / step-*; loaded, resharded to --tp, by
-cutp.checkpoint.load_model). Without tokenizer files, a 256-token model uses the byte
-tokenizer; any other model needs --prompt-ids, and the output is printed as ids.
-Rank 0 prints the prompt and the completion (with --print-ids, also the ids, on a line
-starting "ids:"). Every rank generates the same tokens (see cutp.generate).
+DIR is either a Hugging Face GPT-2 directory (config.json + model.safetensors or sharded
+weights, and optionally vocab.json + merges.txt or tokenizer.json for text prompts) or a cutp
+checkpoint (a directory with meta.json, or a run directory with `latest` / step-*; loaded,
+resharded to --tp, by cutp.checkpoint.load_model). Without tokenizer files, a 256-token model
+uses the byte tokenizer; any other model needs --prompt-ids, and the output is printed as ids.
+
+--temperature 0 is greedy decoding (argmax; --top-k and --seed then change nothing).
+Generation stops after the tokenizer's end-of-text token (GPT-2's <|endoftext|>, id 50256)
+when the tokenizer has one, kept in the output; --stop-token ID stops at another id, --no-stop
+always generates --max-new-tokens. Rank 0 prints the prompt followed by its continuation
+(with --print-ids, also the new ids, on a line starting "ids:"). Every rank generates the
+same tokens (see cutp.generate).
 """
 from __future__ import annotations
 
@@ -26,9 +31,10 @@ except ImportError:  # run from a checkout without installing: python examples/g
 from mpi4py import MPI
 
 from cutp.checkpoint import load_model
+from cutp.checkpoint_files import is_cutp_checkpoint
 from cutp.generate import generate
 from cutp.hf import from_hf_gpt2
-from cutp.runtime.failure import config_errors_exit
+from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank
 from cutp.tokenizer import get_tokenizer
 
 
@@ -39,25 +45,21 @@ def parse_args(argv=None):
     src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=50)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all ranks)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="for Hugging Face weights")
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--stop-token", type=int, default=None,
+                      help="stop after this token id (default: the tokenizer's end-of-text token, if any)")
+    stop.add_argument("--no-stop", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--print-ids", action="store_true", help="also print the generated ids")
-    return p.parse_args(argv)
-
-
-def is_cutp_checkpoint(path: str) -> bool:
-    """A cutp checkpoint (meta.json) or run directory (`latest`, step-*/meta.json); else Hugging Face."""
-    if os.path.isfile(os.path.join(path, "meta.json")) or os.path.isfile(os.path.join(path, "latest")):
-        return True
-    try:
-        steps = [d for d in os.listdir(path) if d.startswith("step-")]
-    except OSError:
-        return False
-    return any(os.path.isfile(os.path.join(path, d, "meta.json")) for d in steps)
+    args = p.parse_args(argv)
+    if not args.temperature >= 0:
+        p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    return args
 
 
 def load(ckpt: str, ctx, dtype: str):
@@ -87,8 +89,13 @@ def main(argv=None):
             prompt = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t]
         except ValueError:
             raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    stop = None if args.no_stop else args.stop_token if args.stop_token is not None else getattr(tok, "eot_id", None)
+    with errors_raised_on_every_rank(ctx.world.mpi_comm):  # one line, every rank alike
+        if stop is not None and not 0 <= stop < V:
+            raise cutp.ConfigError(f"--stop-token {stop} is outside the model's vocabulary [0, {V}); "
+                                   f"use an id below {V} or --no-stop")
     new = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   seed=args.seed)
+                   seed=args.seed, stop_token=stop)
     if ctx.rank == 0:
         if tok is not None:
             print(tok.decode(prompt + new), flush=True)

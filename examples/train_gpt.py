@@ -3,6 +3,7 @@
     mpirun -np 8 python examples/train_gpt.py                       # picks tp and a preset for the machine
     mpirun -np 2 python examples/train_gpt.py --preset tiny --steps 200 --out out/tiny
     mpirun -np 4 python examples/train_gpt.py --tp 2 --dp 2 --resume out/tiny
+    mpirun -np 2 python examples/train_gpt.py --init-from path/to/gpt2 --data train.bin --lr 3e-5  # fine-tune
 
 One optimizer step (cutp.train.train_step): `accum` micro-batches of forward + backward per DP
 rank (gradients accumulate), then the GQA/DP gradient reduction, global-norm clipping, AdamW.
@@ -84,6 +85,10 @@ def parse_args(argv=None):
     p.add_argument("--resume", default=None, help="run or checkpoint directory to continue from")
     p.add_argument("--overwrite", action="store_true", default=None,
                    help="--out may hold another run's checkpoints: they are removed once this run's first one is saved")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="fine-tune: start a new run (step 0, fresh optimizer and schedule) from the weights of a "
+                        "Hugging Face GPT-2 directory or a cutp checkpoint/run directory; the model is DIR's "
+                        "(--dropout and --dtype may change; --preset/--set may not change its shapes)")
     p.add_argument("--eval-every", type=int, help="validation every N steps and at the last (default 50; 0: never)")
     p.add_argument("--eval-batches", type=int, help="validation batches (default 4)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
@@ -119,8 +124,8 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     ctx = run.ctx
     log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {run.blas}")
-    origin = (f"resumed from {cfg.resume}" if cfg.resume
-              else f"preset {cfg.preset}" + (f" with {list(cfg.overrides)}" if cfg.overrides else ""))
+    origin = (f"resumed from {cfg.resume}" if cfg.resume else f"initialised from {cfg.init_from}" if cfg.init_from
+              else f"preset {cfg.preset}") + (f" with {list(cfg.overrides)}" if cfg.overrides and not cfg.resume else "")
     log(f"model: {origin}: {json.dumps(cfg.model.to_dict())}")
     log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
         f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")

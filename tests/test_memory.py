@@ -139,6 +139,7 @@ class _RankOfTP:
 
     def __init__(self, tp: int, rank: int):
         self.tp_size, self.tp_rank, self.dp_rank, self.xp = tp, rank, 0, np
+        self.pp_size, self.pp_rank, self.embedding = 1, 0, None
         self.world = SimpleNamespace(mpi_comm=MPI.COMM_SELF)
 
     def asarray(self, a, dtype=None):

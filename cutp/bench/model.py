@@ -166,6 +166,29 @@ class _Measure(StepHooks):
 _NOTHING = contextlib.nullcontext()
 
 
+def _pipeline_table(report, ctx, cfg, waits, step_s):
+    """Each stage's median time in pipeline sends and receives, as a fraction of the step: the
+    measured bubble, next to the ideal schedule's (p - 1) / (m + p - 1)."""
+    p, m = ctx.pp_size, cfg.accum_steps
+    mine = float(np.median(waits)) if waits else 0.0
+    per_stage = ctx.world.mpi_comm.allgather((ctx.pp_rank, mine))  # (stage, seconds) of every rank
+    by_stage = {}
+    for stage, s in per_stage:
+        by_stage[stage] = max(by_stage.get(stage, 0.0), s)
+    t = report.table("pipeline", [("stage", "stage", "d"), ("wait_ms", "waiting ms/step", ",.1f"),
+                                  ("bubble", "bubble %", ".1f")],
+                     title=f"pipeline ({cfg.pp_schedule}, p={p}, m={m} micro-batches of {cfg.micro_batch_size})")
+    for stage in range(p):
+        t.add(stage=stage, wait_ms=by_stage[stage] * 1e3, bubble=100 * by_stage[stage] / step_s)
+    ideal = (p - 1) / (m + p - 1)
+    mean = sum(by_stage.values()) / p / step_s
+    t.notes.append(f"measured bubble (mean over stages) {100 * mean:.1f}% of the step; the schedule's ideal "
+                   f"(p-1)/(m+p-1) = {100 * ideal:.1f}% (time in sends/receives, host clock: exact on the CPU, "
+                   "a lower bound on GPUs)")
+    report.extra["pipeline"] = {"wait_ms": [by_stage[s] * 1e3 for s in range(p)], "bubble": mean,
+                                "ideal_bubble": ideal}
+
+
 def random_tokens(vocab_size: int, n: int, seed: int) -> Dataset:
     """Uniform random token ids below the model's vocabulary: any vocabulary fits, and the
     work of a step does not depend on the data."""
@@ -177,14 +200,15 @@ def random_tokens(vocab_size: int, n: int, seed: int) -> Dataset:
 def run(args) -> Report:
     device, xp = device_of(args.device)
     world = MPI.COMM_WORLD
-    dp = args.dp or max(1, world.Get_size() // args.tp)
+    dp = args.dp or max(1, world.Get_size() // (args.tp * args.pp))
     B = args.batch_size or 8  # sequences per DP rank
     model = GPTConfig.preset(args.preset, dtype=args.dtype).with_overrides(args.set)
     T = min(args.seq_len or (min(model.block_size, 256) if device == "cpu" else model.block_size), model.block_size)
     # the training step of cutp.train, at a constant learning rate, on random tokens
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
-                             micro_batch_size=B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
+                             pp=args.pp, pp_schedule=args.pp_schedule,
+                             micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
                              recompute=args.recompute, sequence_parallel=args.sequence_parallel)
@@ -195,7 +219,9 @@ def run(args) -> Report:
         set_blas_threads(args.threads)
     report = Report("model", machine_info(xp) if ctx.rank == 0 else {})
     report.meta.update(device=device, preset=args.preset, overrides=list(args.set), tp=ctx.tp_size, dp=ctx.dp_size,
-                       batch_per_dp_rank=B, seq_len=T, config=config.to_dict())
+                       pp=ctx.pp_size, batch_per_dp_rank=B, micro_batch=cfg.micro_batch_size, seq_len=T,
+                       config=config.to_dict(), recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                       distributed_optimizer=cfg.distributed_optimizer, pp_schedule=cfg.pp_schedule)
     flat, opt = run.flat, run.optimizer
     clock = CommClock(xp)
     if not args.no_comm_timing:
@@ -212,6 +238,7 @@ def run(args) -> Report:
     comm = {p: [] for p in phases}
     comm_ops: dict[str, list] = {}
     losses = []
+    waits = []  # this stage's time in pipeline sends/receives per measured step
     bytes_per_step = {}
     step_peak = 0
     for step in range(args.warmup + args.steps):
@@ -227,6 +254,8 @@ def run(args) -> Report:
             step_peak = peak.bytes
         clock.collect()
         losses.append(stats.loss)
+        if measured and stats.pipeline_wait_ms is not None:
+            waits.append(stats.pipeline_wait_ms / 1e3)
         if measured:
             for p, ms in zip(phases, (stats.forward_ms, stats.backward_ms, stats.optimizer_ms)):
                 rec[p].append(ms / 1e3)
@@ -295,6 +324,9 @@ def run(args) -> Report:
         cm.add(key=key, calls=calls, mb=nb / 1e6, ms=None if args.no_comm_timing else ms)
     if not cm.rows:
         cm.notes.append("no collectives (tp = dp = 1)")
+
+    if ctx.pp_size > 1:
+        _pipeline_table(report, ctx, cfg, waits, step_s)
 
     mem = report.table("memory", [("what", "per rank", "", "<"), ("mib", "MiB", ",.1f"), ("how", "how", "", "<")],
                        title="memory per rank")

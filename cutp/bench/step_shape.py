@@ -75,7 +75,7 @@ class LocalParameter(NamedTuple):
     name: str
     numel: int
     kind: str  # "sharded", "replicated" or "partial" (see local_parameters)
-    decays: bool  # AdamW's weight decay applies (the weights of the linear layers)
+    decays: bool  # AdamW's weight decay applies (matrices: linear layers and embeddings)
 
 
 def local_parameters(s: StepShape) -> list[LocalParameter]:
@@ -91,7 +91,7 @@ def local_parameters(s: StepShape) -> list[LocalParameter]:
     replicas = tp // s.n_kv_head if tp > s.n_kv_head else 1
     qkv_kind = "partial" if s.tp_rank % replicas else "sharded"
     vocab = ("sharded", s.padded_vocab // tp * h)
-    out = [("wte.weight", vocab[1], vocab[0], False), ("wpe.weight", s.block_size * h, "replicated", False)]
+    out = [("wte.weight", vocab[1], vocab[0], True), ("wpe.weight", s.block_size * h, "replicated", True)]
 
     def norm(name):
         out.append((f"{name}.weight", h, "replicated", False))

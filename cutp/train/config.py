@@ -16,6 +16,11 @@ dropout) define the training itself. A resumed run takes them from the checkpoin
 that contradicts the checkpoint is refused (the run would silently change its math), except
 `steps`, which may extend or shorten the run. The mesh may change on resume: checkpoints load at
 any TP, DP and PP size (and any --pp-layers).
+
+`init_from` (a Hugging Face GPT-2 directory, or a cutp checkpoint or run directory) starts a new
+run, fine-tuning: step 0, a fresh optimizer and schedule, the run settings as chosen; the model
+config is the directory's (dropout and dtype as chosen; a preset or --set that changes its
+shapes is refused), and `build_run` loads its weights.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ..checkpoint import ARCH_FIELDS, read_meta, resolve_checkpoint
+from ..checkpoint_files import is_cutp_checkpoint
+from ..hf import config_from_hf, read_hf_config
 from ..model import GPT, PRESETS, GPTConfig, stage_layers
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
@@ -55,7 +62,7 @@ CHOICES = {
     "loss_scale": None, "initial_loss_scale": 2.0 ** 16, "loss_scale_window": 1000, "hysteresis": 2,
     "min_loss_scale": 1.0,
     "eval_every": 50, "eval_batches": 4,
-    "out": None, "resume": None, "overwrite": False, "save_every": 0, "keep": 3,
+    "out": None, "resume": None, "overwrite": False, "init_from": None, "save_every": 0, "keep": 3,
     "metrics": None, "log_every": 1, "quiet": False, "save_on_signal": True, "collective_timeout": None,
 }
 
@@ -113,6 +120,8 @@ class RunConfig:
     keep: int = 3  # checkpoints kept in out (0: all)
     resume: str | None = None  # the checkpoint directory this run continues from
     resumed_step: int | None = None  # its step
+    init_from: str | None = None  # a new run (step 0, fresh optimizer) from these weights: an HF GPT-2
+    #                               directory or a cutp checkpoint; the model config is theirs
     metrics: str | None = None
     log_every: int = 1
     quiet: bool = False
@@ -134,6 +143,7 @@ class RunConfig:
             _int_at_least(name, getattr(self, name), 0)
         if self.run_steps is not None:
             _int_at_least("run_steps", self.run_steps, 0)
+        _one_start(self.resume, self.init_from)
         if self.resume is not None and self.resumed_step is None:
             raise ConfigError("RunConfig.resume is set but resumed_step is not; resolve_run_config(resume=...) "
                               "fills in both from the checkpoint")
@@ -196,6 +206,9 @@ class RunConfig:
                               f"--batch-size {self.batch_size} / (dp {self.dp} x --micro-batch-size "
                               f"{self.micro_batch_size}) gives {m}; use a smaller --micro-batch-size, a larger "
                               "--batch-size, or --pp-schedule gpipe")
+        if self.init_from:
+            raise ConfigError(f"--pp {self.pp}: --init-from does not load into pipeline stages yet (issue 15); "
+                              "fine-tune with --pp 1")
 
     # ---- derived quantities --------------------------------------------------------------------
     @property
@@ -235,6 +248,12 @@ def _positive_int(name, v):
 def _int_at_least(name, v, low):
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
         raise ConfigError(f"--{_flag(name)} must be an integer >= {low}, got {v!r}")
+
+
+def _one_start(resume, init_from) -> None:
+    if resume is not None and init_from is not None:
+        raise ConfigError(f"--init-from {init_from} starts a new run from its weights, --resume {resume} continues "
+                          "a run; give only one of them")
 
 
 def default_preset(device: str) -> str:
@@ -298,6 +317,7 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
                               "choose a writable path") from None
     device = resolve_device(c["device"])
 
+    _one_start(c["resume"], c["init_from"])
     resume_dir, meta = None, None
     if c["resume"]:
         resume_dir = resolve_checkpoint(c["resume"])
@@ -308,7 +328,12 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         raise ConfigError(f"--dropout must be in [0, 1), got {d!r}")
     if meta is None and c["model"] is not None and choices.get("dropout") is None:
         run["dropout"] = _as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
-    model, preset = _model_config(c, run["dropout"], device, meta)
+    init_from = None
+    if c["init_from"]:
+        init_from, model = _init_from_model(c, run["dropout"])
+        preset = None
+    else:
+        model, preset = _model_config(c, run["dropout"], device, meta)
 
     dynamic = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
                if choices.get(k) is not None]
@@ -347,7 +372,8 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         max_skips=c["max_skips"], run_steps=c["run_steps"], eval_every=c["eval_every"],
         eval_batches=c["eval_batches"], out=c["out"], overwrite=bool(c["overwrite"]), save_every=c["save_every"],
         keep=c["keep"],
-        resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), metrics=c["metrics"],
+        resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), init_from=init_from,
+        metrics=c["metrics"],
         log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"])
 
@@ -398,6 +424,31 @@ def _model_config(c: dict, dropout: float, device: str, meta: dict | None) -> tu
         return config, preset
     preset = None if c["model"] is not None else (c["preset"] or default_preset(device))
     return _asked_model(c, dropout, preset, c["dtype"] or "float32"), preset
+
+
+def _init_from_model(c: dict, dropout: float) -> tuple[str, GPTConfig]:
+    """(the directory, its model's config) for init_from: a cutp checkpoint or run directory (its
+    newest checkpoint), else a Hugging Face GPT-2 directory. preset/model/set may not change the
+    architecture; dropout, dtype and the other fields may change."""
+    path = c["init_from"]
+    if not os.path.isdir(path):
+        raise ConfigError(f"--init-from {path}: not a directory; give a Hugging Face GPT-2 directory or a cutp "
+                          "checkpoint or run directory")
+    dtype = {"dtype": c["dtype"]} if c["dtype"] else {}
+    if is_cutp_checkpoint(path):
+        path = resolve_checkpoint(path)
+        config = GPTConfig.from_dict({**read_meta(path)["config"], "dropout": dropout, **dtype})
+    else:
+        config = config_from_hf(read_hf_config(path), dtype=c["dtype"] or "float32", dropout=dropout,
+                                where=f"--init-from {path}")
+    asked = (_asked_model(c, dropout, c["preset"], config.dtype) if c["model"] is not None or c["preset"]
+             else config.with_overrides(c["set"]))
+    diff = [f"{k} {getattr(config, k)!r} (flags: {getattr(asked, k)!r})" for k in ARCH_FIELDS
+            if getattr(config, k) != getattr(asked, k)]
+    if diff:
+        raise ConfigError(f"--preset/--set change the model of --init-from {path}: " + "; ".join(diff)
+                          + "; omit them (dropout, dtype and label_smoothing may change)")
+    return path, asked
 
 
 def _asked_model(c: dict, dropout: float, preset: str | None, dtype: str) -> GPTConfig:

@@ -23,6 +23,8 @@ those of one rank.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..model import DTYPES
@@ -46,6 +48,7 @@ class Schedule:
         self.loss_sum = 0.0  # the weighted losses (last stage)
         self.kept: dict[int, list] = {}
         self.max_in_flight = 0
+        self.wait_s = 0.0  # host time inside this stage's sends and receives (the bubble, on the CPU)
         pp = self.ctx.pp
         self.prev = pp.rank - 1 if pp.rank > 0 else None
         self.next = pp.rank + 1 if pp.rank < pp.size - 1 else None
@@ -59,36 +62,43 @@ class Schedule:
             T //= self.ctx.tp_size
         return self.ctx.xp.empty((x.shape[0], T, self.model.config.n_embd), DTYPES[self.model.config.dtype])
 
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
     def recv_forward(self, i):
         if self.prev is None:
             return None
-        return self.ctx.pp.recv(self._buffer(i), self.prev, _TAG)
+        return self._timed(self.ctx.pp.recv, self._buffer(i), self.prev, _TAG)
 
     def send_forward(self, out):
         if self.next is not None:
-            self.ctx.pp.send(_contiguous(out), self.next, _TAG)
+            self._timed(self.ctx.pp.send, _contiguous(out), self.next, _TAG)
 
     def recv_backward(self, i):
         if self.next is None:
             return None
-        return self.ctx.pp.recv(self._buffer(i), self.next, _TAG)
+        return self._timed(self.ctx.pp.recv, self._buffer(i), self.next, _TAG)
 
     def send_backward(self, dx):
         if self.prev is not None:
-            self.ctx.pp.send(_contiguous(dx), self.prev, _TAG)
+            self._timed(self.ctx.pp.send, _contiguous(dx), self.prev, _TAG)
 
     def send_forward_recv_backward(self, out, i):
         """Sends this micro-batch's output and receives micro-batch i's output gradient, both
         with the next stage, as one exchange."""
         if self.next is None:
             return None
-        return self.ctx.pp.sendrecv(_contiguous(out), self.next, self._buffer(i), self.next, _TAG)
+        return self._timed(self.ctx.pp.sendrecv, _contiguous(out), self.next, self._buffer(i), self.next, _TAG)
 
     def send_backward_recv_forward(self, dx, i):
         """Sends an input gradient and receives micro-batch i's input, both with the previous stage."""
         if self.prev is None:
             return None
-        return self.ctx.pp.sendrecv(_contiguous(dx), self.prev, self._buffer(i), self.prev, _TAG)
+        return self._timed(self.ctx.pp.sendrecv, _contiguous(dx), self.prev, self._buffer(i), self.prev, _TAG)
 
     # ---- compute -----------------------------------------------------------------------------
     def forward(self, i, inp):

@@ -34,8 +34,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
+from ..checkpoint_files import is_cutp_checkpoint
 from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
+from ..hf import load_hf_into
 from ..model import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler, clip_scale,
                      lr_schedule)
@@ -105,6 +107,7 @@ class StepStats:
     consecutive_skips: int = 0
     loss_scale: float | None = None  # the scale this step's backward used (float16 / --loss-scale)
     overflow: bool = False  # skipped because the scaled gradients overflowed (float16)
+    pipeline_wait_ms: float | None = None  # pp > 1: this stage's time in pipeline sends/receives (host)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
@@ -116,6 +119,8 @@ class StepStats:
             rec["skipped"] = True
         if self.overflow:
             rec["overflow"] = True
+        if self.pipeline_wait_ms is not None:
+            rec["pipeline_wait_ms"] = self.pipeline_wait_ms
         return rec
 
 
@@ -169,8 +174,9 @@ class _PhaseClock:
 def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -> TrainingRun:
     """The context, model, optimizer and data of `config` on the ranks of `comm` (default
     MPI.COMM_WORLD; any sub-communicator of a host code's), resumed from `config.resume` when
-    set. Collective over comm. `dataset` replaces `config.data` (tokens a host code holds).
-    First, rank 0 checks `config.out` and locks it for the run's lifetime (cutp.run_dir)."""
+    set, or with the weights of `config.init_from` (step 0, a fresh optimizer). Collective over
+    comm. `dataset` replaces `config.data` (tokens a host code holds). First, rank 0 checks
+    `config.out` and locks it for the run's lifetime (cutp.run_dir)."""
     world = MPI.COMM_WORLD if comm is None else comm
     lock, replaced = None, []
     with errors_raised_on_every_rank(world):  # before any training: a writable --out no other job holds
@@ -207,8 +213,10 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
-    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None,  # resumed weights are loaded next
-                pp_layers=cfg.pp_layers)
+    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None and cfg.init_from is None,
+                pp_layers=cfg.pp_layers)  # resumed or initial weights are loaded next
+    if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
+        init_weights(model, cfg.init_from)
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
@@ -224,6 +232,16 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         resume(run, cfg.resume)
         setup_progress()
     return run
+
+
+def init_weights(model: GPT, path: str) -> None:
+    """Loads the weights (only) of a Hugging Face GPT-2 directory or a cutp checkpoint into
+    `model`, whose architecture must be theirs. Collective; an error is raised on every rank."""
+    if is_cutp_checkpoint(path):
+        load_checkpoint(path, model)
+        return
+    with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
+        load_hf_into(model, path)
 
 
 def make_loss_scaler(cfg: RunConfig) -> LossScaler:
@@ -294,6 +312,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     with ctx.watchdog.watch_progress(f"training step {n + 1}"):
         t0 = time.perf_counter()
         bytes0 = ctx.counter.bytes()
+        wait_ms = None
         clock.enter("optimizer")  # clearing the gradients counts with their use at the end
         run.flat.zero_grad()
         clock.enter("forward")  # reading the step's batch counts with the forward
@@ -306,6 +325,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                                 scaler.scale, hooks)
             loss_sum = schedule.run_step(cfg.pp_schedule)
             run.pipeline_in_flight = schedule.max_in_flight
+            wait_ms = schedule.wait_s * 1000
             batches = []
         for micro, (x, y) in enumerate(batches):
             clock.enter("forward")
@@ -360,11 +380,12 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     exact = profile or ctx.device == "cpu"
     return StepStats(step=n + 1, loss=loss, grad_norm=norm, lr=lr, skipped=skipped, ms=ms,
                      tokens_per_s=cfg.tokens_per_step / (ms / 1000), comm_bytes=ctx.counter.bytes() - bytes0,
-                     forward_ms=clock.ms.get("forward") if exact else None,
-                     backward_ms=clock.ms.get("backward") if exact else None,
-                     optimizer_ms=clock.ms.get("optimizer") if exact else None,
+                     forward_ms=clock.ms.get("forward", 0.0) if exact else None,  # (pp > 1: the schedule, both ways)
+                     backward_ms=clock.ms.get("backward", 0.0) if exact else None,
+                     optimizer_ms=clock.ms.get("optimizer", 0.0) if exact else None,
                      consecutive_skips=run.consecutive_skips,
-                     loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow)
+                     loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
+                     pipeline_wait_ms=wait_ms)
 
 
 def evaluate(run: TrainingRun) -> float:
