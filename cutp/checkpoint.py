@@ -13,6 +13,15 @@ Layout of a run directory (`--out DIR`):
                                                     parameter it owns, offsets in the file's metadata
     DIR/latest                                      JSON naming the newest complete checkpoint
 
+Pipeline runs (pp > 1) name each stage's files: model-pp01-of-02-tp00-of-02.safetensors,
+optim-pp01-of-02-tp00-of-02[-dp01-of-04].safetensors; meta.json's mesh adds pp and pp_layers,
+each parameter its "stage" (the stage whose files hold it) and rng.stages each stage's RNG
+stream offsets (dropout by position leaves them at 0; a draw without a position advances them).
+The last stage's copy of a tied token embedding (bit-identical to the first stage's, and so is
+its optimizer state) is written once, by the first stage, and loaded from there. At pp 1 names
+and meta.json are as before pipelines. Loading reads each parameter from its
+stage's files, so a checkpoint loads at any PP size and stage layout as at any TP size.
+
 A checkpoint is written into `DIR/.tmp-step-...` and renamed when complete, so a crash during a
 save leaves the previous checkpoint intact; older ones are removed only after a newer one is
 complete (`keep`; cutp.run_dir: listing, `latest`, pruning, the run directory's lock). Weights
@@ -27,7 +36,7 @@ nothing is gathered), which loading puts back together one tensor at a time, kee
 this rank's optimizer owns. So a checkpoint resumes at any TP and DP size, with or without the
 distributed optimizer. Only safetensors and JSON are read: loading never executes code.
 
-`python -m cutp.checkpoint export SRC DST [--dtype D]` writes a single-shard (TP=1) copy of a
+`python -m cutp.checkpoint export SRC DST [--dtype D]` writes a single-shard (TP=1, PP=1) copy of a
 checkpoint, its parameters in the precision asked for (from the fp32 master weights when saved).
 """
 from __future__ import annotations
@@ -42,9 +51,9 @@ import numpy as np
 from safetensors import safe_open
 
 from . import __version__
-from .checkpoint_files import (FORMAT, VERSION, CheckpointError, model_file, optim_file, fsync_dir, read_meta,
-                               sha256_file, shard_shape, unlisted_files, verify_file, write_json_atomic, write_meta,
-                               write_safetensors)
+from .checkpoint_files import (FORMAT, VERSION, CheckpointError, fsync_dir, mesh_pp, model_file, optim_file,
+                               param_stage, read_meta, sha256_file, shard_shape, unlisted_files, verify_file,
+                               write_json_atomic, write_meta, write_safetensors)
 from .model import DTYPES, GPT, GPTConfig
 from .run_dir import list_checkpoints, prune_checkpoints, resolve_checkpoint  # noqa: F401 (cutp.checkpoint's API)
 from .runtime.errors import ConfigError
@@ -74,17 +83,25 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     # DP replicas hold identical parameters: DP rank 0 writes them. The optimizer state: DP rank 0
     # writes it per parameter, or (distributed optimizer) every DP rank writes its own shard's
     # pieces of each parameter, with their offsets, into a file of its own (nothing is gathered)
+    # Pipeline stages write their own parameters' files; the last stage's copy of a tied token
+    # embedding (bit-identical to the first stage's, and so is its optimizer state) is written
+    # only by the first stage.
     sharded = optimizer is not None and optimizer.distributed and ctx.dp_size > 1
+    s, pp = ctx.pp_rank, ctx.pp_size
+    params = [p for p in model.parameters() if not (p.name == "wte.weight" and not model.first_stage)]
+    kept = {p.name for p in params}
     mine = []  # (file name, tensors, offsets or None) this rank writes
     if ctx.dp_rank == 0:
-        mine.append((model_file(ctx.tp_rank, ctx.tp_size), {p.name: ctx.to_numpy(p.data) for p in model.parameters()},
+        mine.append((model_file(ctx.tp_rank, ctx.tp_size, s, pp), {p.name: ctx.to_numpy(p.data) for p in params},
                      None))
     if sharded:
         pieces, offsets = optimizer.state_pieces()
-        mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size),
-                     {k: ctx.to_numpy(v) for k, v in pieces.items()}, offsets))
+        mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size, s, pp),
+                     {k: ctx.to_numpy(v) for k, v in pieces.items() if k.split(".", 1)[1] in kept},
+                     {k: v for k, v in offsets.items() if k in kept}))
     elif optimizer is not None and ctx.dp_rank == 0:
-        mine.append((optim_file(ctx.tp_rank, ctx.tp_size), {k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items()},
+        mine.append((optim_file(ctx.tp_rank, ctx.tp_size, 0, 1, s, pp),
+                     {k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items() if k.split(".", 1)[1] in kept},
                      None))
     # never a checkpoint of non-finite weights (it would replace, and --keep prune, a healthy one)
     bad = next((k for _, tensors, _ in mine for k, v in tensors.items() if not np.isfinite(v).all()), None)
@@ -112,22 +129,29 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
         error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
     agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
     names = [fname for fname, _, _ in mine] + [""] * (2 - len(mine))
+    param_info = {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
+                           "sharding": p.sharding.spec if p.sharding is not None else None, "real_rows": p.real_rows,
+                           **({"stage": s} if pp > 1 else {})} for p in params}
     with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on the world)"):
-        every = world.allgather([(n, bytes(d).decode(), int(b)) for n, d, b in zip(names, digests, sizes) if n])
+        every = world.allgather(([(n, bytes(d).decode(), int(b)) for n, d, b in zip(names, digests, sizes) if n],
+                                 param_info if ctx.tp_rank == ctx.dp_rank == 0 else {}, rng_state, len(model.layers)))
 
     error = None
     if ctx.rank == 0:
         try:
-            file_info = {n: {"sha256": d, "bytes": b} for files in every for n, d, b in files}
+            file_info = {n: {"sha256": d, "bytes": b} for files, _, _, _ in every for n, d, b in files}
+            all_params = {name: info for _, stage_params, _, _ in every for name, info in stage_params.items()}
+            firsts = [every[k * ctx.dp_size * ctx.tp_size] for k in range(pp)]  # each stage's first rank
+            mesh = {"tp": ctx.tp_size, "dp": ctx.dp_size}
+            if pp > 1:  # (a pp 1 checkpoint's meta.json is that of cutp before pipelines)
+                mesh.update(pp=pp, pp_layers=[first[3] for first in firsts])
+                if rng_state is not None:  # each stage's RNG stream offsets
+                    rng_state = dict(rng_state, stages=[first[2]["offsets"] for first in firsts])
             meta = {
                 "format": FORMAT, "version": VERSION, "cutp_version": __version__, "created": time.time(),
                 "step": int(step), "config": model.config.to_dict(), "seed": model.seed,
-                "mesh": {"tp": ctx.tp_size, "dp": ctx.dp_size},
-                "padded_vocab": model.padded_vocab,
-                "params": {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
-                                    "sharding": p.sharding.spec if p.sharding is not None else None,
-                                    "real_rows": p.real_rows}
-                           for p in model.parameters()},
+                "mesh": mesh, "padded_vocab": model.padded_vocab,
+                "params": all_params,  # in the model's order: the stages' in turn
                 "optimizer": (dict(optimizer.hyperparameters(), dp_shards=ctx.dp_size if sharded else 1)
                               if optimizer is not None else None),
                 "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
@@ -162,21 +186,24 @@ def check_config_matches(meta: dict, config) -> None:
 
 
 class _ShardReader:
-    """Reads tensors from a checkpoint's shard files of one kind ('model' or 'optim'). The
+    """Reads tensors from a checkpoint's shard files of one kind ('model' or 'optim'), each from
+    the files of the pipeline stage that holds its parameter (meta.json says which). The
     distributed optimizer's state of TP rank r lies in `dp_shards` files, each holding the flat
     elements [a, b) of every parameter its DP rank owned (offsets in the file's metadata): `get`
     puts each tensor back together, checking that the pieces cover it."""
 
     def __init__(self, ckpt, meta, kind):
         self.ckpt, self.kind, self.meta = ckpt, kind, meta
-        self.tp = int(meta["mesh"]["tp"])
+        self.tp, self.pp = int(meta["mesh"]["tp"]), mesh_pp(meta)
         self.dp = int((meta.get("optimizer") or {}).get("dp_shards", 1)) if kind == "optim" else 1
         self._open = {}
 
-    def fnames(self, r):
+    def fnames(self, r, name):
+        """The files that hold TP rank r's tensors of parameter `name`."""
+        s = param_stage(self.meta["params"][name])
         if self.kind == "model":
-            return [model_file(r, self.tp)]
-        return [optim_file(r, self.tp, d, self.dp) for d in range(self.dp)]
+            return [model_file(r, self.tp, s, self.pp)]
+        return [optim_file(r, self.tp, d, self.dp, s, self.pp) for d in range(self.dp)]
 
     def _file(self, fname):
         if fname not in self._open:
@@ -185,13 +212,13 @@ class _ShardReader:
         return self._open[fname]
 
     def get(self, r, key):
-        names = self.fnames(r)
+        name = key if self.kind == "model" else key.split(".", 1)[1]
+        names = self.fnames(r, name)
         if len(names) == 1:
             f, _ = self._file(names[0])
             if key not in f.keys():
                 raise CheckpointError(f"{names[0]} has no tensor {key!r}")
             return f.get_tensor(key)
-        name = key.split(".", 1)[1]
         shape = shard_shape(self.meta["params"][name])
         size, out, covered = int(np.prod(shape)), None, 0
         for fname in names:
@@ -216,7 +243,8 @@ def read_shard(ckpt: str, kind: str, tp_rank: int = 0) -> dict:
     ckpt = resolve_checkpoint(ckpt)
     meta = read_meta(ckpt)
     reader = _ShardReader(ckpt, meta, kind)
-    problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in reader.fnames(tp_rank)) if m]
+    needed = sorted({f for name in meta["params"] for f in reader.fnames(tp_rank, name)})
+    problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
     if problems:
         raise CheckpointError("; ".join(problems))
     prefixes = [""] if kind == "model" else ["exp_avg.", "exp_avg_sq."] + (
@@ -256,14 +284,16 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         direct = saved_tp == ctx.tp_size and all(
             shard_shape(meta["params"][p.name]) == tuple(p.data.shape) for p in params)
         ranks = [ctx.tp_rank] if direct else list(range(saved_tp))
-        needed = [model_file(r, saved_tp) for r in ranks]
+        kinds = ["model"]
         saved_master = bool((meta.get("optimizer") or {}).get("master_weights"))
         masters_as_weights = saved_master and model.config.dtype in ("float32", "float64")  # not their rounding
         if optimizer is not None or masters_as_weights:
             if meta.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt} has no optimizer state; it cannot resume training "
                                       "(load it for inference or fine-tuning without --resume)")
-            needed += [f for r in ranks for f in _ShardReader(ckpt, meta, "optim").fnames(r)]
+            kinds.append("optim")
+        needed = sorted({f for kind in kinds for r in ranks for p in params  # this stage's parameters' files
+                         for f in _ShardReader(ckpt, meta, kind).fnames(r, p.name)})
         problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
         if problems:
             raise CheckpointError("; ".join(problems) + " -- nothing was loaded")
@@ -315,7 +345,8 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
 
 
 def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
-    """Builds a GPT from a checkpoint's config at ctx's TP size and loads its weights."""
+    """Builds a GPT from a checkpoint's config at ctx's TP size (the stage of ctx's pipeline rank,
+    layers split evenly; at pp 1 the whole model, from every stage's files) and loads its weights."""
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad checkpoint stops every rank alike
         ckpt = resolve_checkpoint(ckpt)
         meta = read_meta(ckpt)
@@ -373,7 +404,7 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
                     tensors["master." + name] = best.astype(np.float32)
             spec = info["sharding"]
             new_params[name] = {"full_shape": list(best.shape), "dtype": dtype, "real_rows": info.get("real_rows"),
-                                "sharding": None if spec is None else dict(spec, tp=1)}
+                                "sharding": None if spec is None else dict(spec, tp=1)}  # (pp 1: no stage)
         fname = (model_file if kind == "model" else optim_file)(0, 1)
         path = os.path.join(tmp, fname)
         write_safetensors(path, tensors, {"format": FORMAT})
@@ -381,8 +412,12 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
     if has_optim:
         meta = dict(meta, optimizer=dict(meta["optimizer"], master_weights=want_master, dp_shards=1))
     meta = dict(meta, config=dict(meta["config"], dtype=dtype))
+    rng = meta.get("rng")
+    if isinstance(rng, dict) and "stages" in rng:  # the stages' streams do not carry over to pp 1
+        meta = dict(meta, rng={k: v for k, v in rng.items() if k != "stages"})
     out = dict(meta, mesh={"tp": 1, "dp": 1}, params=new_params, files=files, padded_vocab=padded,
-               exported_from={"path": os.path.abspath(src), "tp": saved_tp})
+               exported_from={"path": os.path.abspath(src), "tp": saved_tp, **({"pp": mesh_pp(meta)}
+                                                                                 if mesh_pp(meta) > 1 else {})})
     write_meta(os.path.join(tmp, "meta.json"), out)
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} exists; export refuses to overwrite it")
@@ -405,7 +440,8 @@ def main(argv=None) -> int:
         problems = verify_checkpoint(ckpt, meta)
         for p in problems:
             print(p)
-        print(f"{ckpt}: {'OK' if not problems else 'DAMAGED'} (step {meta['step']}, tp {meta['mesh']['tp']})")
+        print(f"{ckpt}: {'OK' if not problems else 'DAMAGED'} (step {meta['step']}, tp {meta['mesh']['tp']}"
+              + (f", pp {mesh_pp(meta)})" if mesh_pp(meta) > 1 else ")"))
         return 1 if problems else 0
     print("usage: python -m cutp.checkpoint export SRC DST [--dtype float32|bfloat16|float16|float64] | verify CKPT",
           file=sys.stderr)

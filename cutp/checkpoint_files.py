@@ -7,8 +7,9 @@ meta.json is covered by its own checksum (`meta_sha256`: the sha256 of its canon
 that field), so an edited step, learning rate, config or mesh, or a removed file entry, is found.
 Before any number in it is used, every field is checked: types, ranges (mesh sizes up to
 `MAX_MESH`, dimensions up to `MAX_DIM`), the config by `GPTConfig.validate` at the saved TP size,
-each parameter's sharding against the config, the files listed against the mesh (exactly the
-shard files it implies), and each file's bytes against the tensors meta.json says it holds: no
+each parameter's sharding against the config, mesh.pp_layers against n_layer and each
+parameter's stage against them, the files listed against the mesh (exactly the shard files its
+TP x PP ranks imply), and each file's bytes against the tensors meta.json says it holds: no
 allocation can exceed what lies on disk. Every path is a plain file name inside the checkpoint
 directory (a symlink may not lead out of it) and only regular files are opened. A checkpoint of an
 older cutp without `meta_sha256` is accepted with a warning (its fields are still checked
@@ -26,7 +27,7 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
-from .model import GPTConfig
+from .model import GPTConfig, stage_layers
 from .runtime.errors import ConfigError, UserError
 
 FORMAT = "cutp-checkpoint"
@@ -38,7 +39,8 @@ MAX_DIM = (1 << 31) - 1  # a parameter's dimension
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header (as the safetensors library limits it)
 # numpy dtype name -> (safetensors dtype, bytes per element)
 TENSOR_DTYPES = {"float32": ("F32", 4), "float64": ("F64", 8), "float16": ("F16", 2), "bfloat16": ("BF16", 2)}
-_FILE_RE = re.compile(r"(model|optim)-tp(\d{2,})-of-(\d{2,})(?:-dp(\d{2,})-of-(\d{2,}))?\.safetensors")
+_FILE_RE = re.compile(r"(?P<kind>model|optim)(?:-pp(?P<s>\d{2,})-of-\d{2,})?-tp\d{2,}-of-\d{2,}"
+                      r"(?:-dp(?P<d>\d{2,})-of-\d{2,})?\.safetensors")
 _warned = set()
 
 
@@ -46,13 +48,38 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be loaded; names the file and what is wrong with it."""
 
 
-def model_file(r, tp):
-    return f"model-tp{r:02d}-of-{tp:02d}.safetensors"
+def _stage_part(s, pp):
+    return f"-pp{s:02d}-of-{pp:02d}" if pp > 1 else ""  # at pp 1 the names of checkpoints before pipelines
 
 
-def optim_file(r, tp, d=0, dp=1):
-    """TP rank r's optimizer state; with dp > 1, DP rank d's shard of it (distributed optimizer)."""
-    return f"optim-tp{r:02d}-of-{tp:02d}" + (f"-dp{d:02d}-of-{dp:02d}" if dp > 1 else "") + ".safetensors"
+def model_file(r, tp, s=0, pp=1):
+    """Pipeline stage s's TP rank r's parameters."""
+    return f"model{_stage_part(s, pp)}-tp{r:02d}-of-{tp:02d}.safetensors"
+
+
+def optim_file(r, tp, d=0, dp=1, s=0, pp=1):
+    """Stage s's TP rank r's optimizer state; with dp > 1, DP rank d's shard of it (distributed optimizer)."""
+    return (f"optim{_stage_part(s, pp)}-tp{r:02d}-of-{tp:02d}" + (f"-dp{d:02d}-of-{dp:02d}" if dp > 1 else "")
+            + ".safetensors")
+
+
+def mesh_pp(meta: dict) -> int:
+    """The checkpoint's pipeline stages (1 for checkpoints without mesh.pp)."""
+    return meta["mesh"].get("pp", 1)
+
+
+def param_stage(info: dict) -> int:
+    """The pipeline stage whose files hold a parameter (0 without a stage entry)."""
+    return info.get("stage", 0)
+
+
+def stage_of_name(name: str, layers: list) -> int | None:
+    """The stage that holds parameter `name` of a model cut into stages of layer ranges `layers`:
+    a block's stage, the embeddings on the first, the final LayerNorm and the head on the last."""
+    if name.startswith("h."):
+        i = name.split(".")[1]
+        return next((s for s, r in enumerate(layers) if i.isdigit() and int(i) in r), None)
+    return 0 if name.startswith(("wte.", "wpe.")) else len(layers) - 1
 
 
 def safe_path(directory: str, name, what: str = "file") -> str:
@@ -203,7 +230,12 @@ def _meta_problem(meta: dict) -> str | None:
         v = mesh.get(key)
         if not _int(v, 1, MAX_MESH):
             return f"mesh.{key} is {v!r}, not an integer >= 1 (and <= {MAX_MESH})"
-    tp = mesh["tp"]
+    tp, pp = mesh["tp"], mesh.get("pp", 1)
+    if not _int(pp, 1, MAX_MESH):
+        return f"mesh.pp is {pp!r}, not an integer >= 1 (and <= {MAX_MESH})"
+    counts = mesh.get("pp_layers")
+    if pp > 1 and not (isinstance(counts, list) and len(counts) == pp and all(_int(n, 1, MAX_DIM) for n in counts)):
+        return f"mesh.pp_layers is {counts!r}, not a list of pp={pp} layer counts >= 1"
     opt = meta.get("optimizer")
     if opt is not None and (not isinstance(opt, dict) or not _int(opt.get("step"), 0, 1 << 62)):
         return "optimizer must be null or an object with an integer step"
@@ -214,24 +246,35 @@ def _meta_problem(meta: dict) -> str | None:
     if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("offsets"), dict)
                                 and all(_int(v, 0, 1 << 64) for v in rng["offsets"].values())):
         return "rng must be null or hold integer offsets"
+    stages = (rng or {}).get("stages")
+    if stages is not None and not (isinstance(stages, list) and len(stages) == pp and all(
+            isinstance(o, dict) and all(_int(v, 0, 1 << 64) for v in o.values()) for o in stages)):
+        return f"rng.stages must hold integer offsets for each of the pp={pp} stages"
     try:
         config = GPTConfig.from_dict(meta["config"])
         config.validate(tp)
     except (ConfigError, TypeError, ValueError) as e:
         return f"config: {e}"
+    try:
+        layers = stage_layers(config.n_layer, pp, counts if pp > 1 else None)
+    except ConfigError as e:
+        return f"mesh.pp_layers: {e}"
     # the files: exactly the shard files the mesh implies (counted before any name is built)
-    expected_count = tp * (1 + (shards if opt is not None else 0))
+    expected_count = pp * tp * (1 + (shards if opt is not None else 0))
     if len(meta["files"]) != expected_count:
-        return (f"it lists {len(meta['files'])} files, but mesh.tp {tp}"
+        return (f"it lists {len(meta['files'])} files, but mesh.tp {tp}" + (f" x mesh.pp {pp}" if pp > 1 else "")
                 + (f" with {shards} optimizer shard(s)" if opt is not None else " without optimizer state")
                 + f" means {expected_count}")
-    expected = set(expected_files(tp, shards if opt is not None else None))
+    expected = set(expected_files(tp, shards if opt is not None else None, pp))
     if set(meta["files"]) != expected:
         wrong = sorted(set(meta["files"]) - expected)[:3]
-        return f"files {wrong} are not the shard files of mesh.tp {tp}"
+        return f"files {wrong} are not the shard files of mesh.tp {tp}" + (f" x mesh.pp {pp}" if pp > 1 else "")
     total = 0
     for name, info in meta["params"].items():
         problem = _param_entry_problem(info, tp, config)
+        stage = info.get("stage", 0) if isinstance(info, dict) else None
+        if problem is None and not (_int(stage, 0, pp - 1) and stage == stage_of_name(name, layers)):
+            problem = f"stage {stage!r} is not the stage that holds it at mesh.pp {pp} ({stage_of_name(name, layers)})"
         if problem:
             return f"parameter {name!r}: {problem}"
         real, shape = info.get("real_rows"), info["full_shape"]
@@ -243,25 +286,28 @@ def _meta_problem(meta: dict) -> str | None:
         return (f"its parameters' shapes hold {total} values, but its config describes a model of "
                 f"{config.num_parameters()}: the config and the shapes do not match")
     # every file must be large enough for the tensors meta.json says it holds (bounds every allocation)
-    model_bytes = sum(shard_numel(info) * TENSOR_DTYPES[info["dtype"]][1] for info in meta["params"].values())
-    optim_bytes = sum(2 * shard_numel(info) * 4 for info in meta["params"].values())
-    optim_names = expected_files(tp, shards)[tp:] if opt is not None else []
-    for r in range(tp):
-        groups = [[model_file(r, tp)], optim_names[r * shards:(r + 1) * shards]]
-        for names, need in zip(groups, (model_bytes, optim_bytes)):
-            have = sum(meta["files"][n]["bytes"] for n in names)
-            if names and have < need:
-                return (f"{', '.join(names[:2])} {'is' if len(names) == 1 else 'are'} listed with {have} bytes, less "
-                        f"than the {need} the tensors meta.json names need: the shapes do not fit the files")
+    for s in range(pp):
+        stage = [info for info in meta["params"].values() if param_stage(info) == s]
+        model_bytes = sum(shard_numel(info) * TENSOR_DTYPES[info["dtype"]][1] for info in stage)
+        optim_bytes = sum(2 * shard_numel(info) * 4 for info in stage)
+        for r in range(tp):
+            groups = [[model_file(r, tp, s, pp)],
+                      [optim_file(r, tp, d, shards, s, pp) for d in range(shards)] if opt is not None else []]
+            for names, need in zip(groups, (model_bytes, optim_bytes)):
+                have = sum(meta["files"][n]["bytes"] for n in names)
+                if names and have < need:
+                    return (f"{', '.join(names[:2])} {'is' if len(names) == 1 else 'are'} listed with {have} bytes, "
+                            f"less than the {need} the tensors meta.json names need: the shapes do not fit the files")
     return None
 
 
-def expected_files(tp: int, optim_shards: int | None) -> list:
-    """The shard files of a checkpoint saved at `tp` (optimizer state in `optim_shards` DP shard
-    files per TP rank; None: no optimizer state)."""
-    out = [model_file(r, tp) for r in range(tp)]
+def expected_files(tp: int, optim_shards: int | None, pp: int = 1) -> list:
+    """The shard files of a checkpoint saved at `tp` x `pp` (optimizer state in `optim_shards` DP
+    shard files per stage and TP rank; None: no optimizer state)."""
+    out = [model_file(r, tp, s, pp) for s in range(pp) for r in range(tp)]
     if optim_shards is not None:
-        out += [optim_file(r, tp, d, optim_shards) for r in range(tp) for d in range(optim_shards)]
+        out += [optim_file(r, tp, d, optim_shards, s, pp) for s in range(pp) for r in range(tp)
+                for d in range(optim_shards)]
     return out
 
 
@@ -340,8 +386,9 @@ def safetensors_header(f, size: int) -> dict:
 
 def _header_problem(header: dict, meta: dict, fname: str) -> str | None:
     """How the tensors of shard file `fname` (its header) differ from what meta.json says."""
-    params = meta["params"]
-    kind = fname.split("-", 1)[0]
+    match = _FILE_RE.fullmatch(fname)
+    kind, stage = match.group("kind"), int(match.group("s") or 0)
+    params = {name: info for name, info in meta["params"].items() if param_stage(info) == stage}
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     for key, t in tensors.items():
         if not (isinstance(t, dict) and isinstance(t.get("shape"), list) and isinstance(t.get("dtype"), str)):
@@ -356,7 +403,7 @@ def _header_problem(header: dict, meta: dict, fname: str) -> str | None:
                 return (f"tensor {key!r} is {tensors[key]['dtype']} {tensors[key]['shape']}, meta.json says "
                         f"{dtype} {list(shape)}")
         return None
-    sharded = _FILE_RE.fullmatch(fname).group(4) is not None
+    sharded = match.group("d") is not None
     offsets = {}
     if sharded:
         try:
@@ -368,7 +415,7 @@ def _header_problem(header: dict, meta: dict, fname: str) -> str | None:
     for key, t in tensors.items():
         prefix, _, name = key.partition(".")
         if prefix not in ("exp_avg", "exp_avg_sq", "master") or name not in params:
-            return f"holds tensor {key!r} of no parameter meta.json lists"
+            return f"holds tensor {key!r} of no parameter meta.json lists in this stage's files"
         if t["dtype"] not in ("F32", "F64"):
             return f"tensor {key!r} is {t['dtype']}, not float32 or float64"
         if not sharded:

@@ -15,7 +15,7 @@ Run settings (`RUN_SETTINGS`: steps, batch, sequence length, learning-rate sched
 dropout) define the training itself. A resumed run takes them from the checkpoint, and a choice
 that contradicts the checkpoint is refused (the run would silently change its math), except
 `steps`, which may extend or shorten the run. The mesh may change on resume: checkpoints load at
-any TP size.
+any TP, DP and PP size (and any --pp-layers).
 
 `init_from` (a Hugging Face GPT-2 directory, or a cutp checkpoint or run directory) starts a new
 run, fine-tuning: step 0, a fresh optimizer and schedule, the run settings as chosen; the model
@@ -206,9 +206,6 @@ class RunConfig:
                               f"--batch-size {self.batch_size} / (dp {self.dp} x --micro-batch-size "
                               f"{self.micro_batch_size}) gives {m}; use a smaller --micro-batch-size, a larger "
                               "--batch-size, or --pp-schedule gpipe")
-        if self.out or self.resume:
-            raise ConfigError(f"--pp {self.pp}: checkpoints of pipeline-parallel runs are not written or read yet "
-                              "(issue 15's next step); run without --out/--resume, or with --pp 1")
         if self.init_from:
             raise ConfigError(f"--pp {self.pp}: --init-from does not load into pipeline stages yet (issue 15); "
                               "fine-tune with --pp 1")

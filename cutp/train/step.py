@@ -256,7 +256,7 @@ def make_loss_scaler(cfg: RunConfig) -> LossScaler:
 
 def resume(run: TrainingRun, checkpoint: str) -> dict:
     """Loads a checkpoint's weights, optimizer moments, step and RNG offsets into `run` (any TP
-    size: resharded on load), after checking that the run's settings continue the checkpoint's
+    and PP size: resharded on load), after checking that the run's settings continue the checkpoint's
     training (`checkpoint_conflicts`; raised on every rank). Collective. Returns the metadata."""
     world = run.ctx.world.mpi_comm
     with errors_raised_on_every_rank(world):
@@ -268,8 +268,11 @@ def resume(run: TrainingRun, checkpoint: str) -> dict:
                               "resolve_run_config(resume=...) takes them from the checkpoint")
     meta = load_checkpoint(path, run.model, run.optimizer)
     run.step = run.start_step = run.last_saved = int(meta["step"])
-    if meta.get("rng"):
-        run.model.rng.load_state_dict(meta["rng"])
+    rng = meta.get("rng")
+    if rng:  # a pipeline checkpoint holds each stage's streams: this stage's at the same pp
+        stages = rng.get("stages")
+        same = stages and len(stages) == run.ctx.pp_size
+        run.model.rng.load_state_dict(dict(rng, offsets=stages[run.ctx.pp_rank]) if same else rng)
     saved_scaler = meta.get("loss_scaler")
     if saved_scaler and saved_scaler.get("kind") == ("dynamic" if run.loss_scaler.dynamic else "static") \
             and (run.loss_scaler.dynamic or run.config.loss_scale is None):
