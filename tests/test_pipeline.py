@@ -171,3 +171,25 @@ def test_cli_losses_with_pipeline_parallelism_equal_one_rank(tmp_path):
     for name in ("pp2tp2", "pp4"):
         np.testing.assert_allclose([r["loss"] for r in rows[name]], ref, rtol=1e-10, atol=0, err_msg=name)
         np.testing.assert_allclose([r["val_loss"] for r in rows[name] if "val_loss" in r], ref_val, rtol=1e-10)
+
+
+# ---- the bubble, measured -----------------------------------------------------------------------
+def _worker_bench_model_pp3(path):
+    from cutp.bench.__main__ import main
+
+    main(["model", "--preset", "tiny", "--device", "cpu", "--set", "n_layer=3", "--set", "n_embd=32", "--set",
+          "n_head=2", "--pp", "3", "--batch-size", "6", "--micro-batch-size", "1", "--seq-len", "16", "--steps", "2",
+          "--warmup", "1", "--quiet", "--json", path])
+
+
+def test_bench_model_reports_each_stage_and_the_bubble(tmp_path):
+    """3 stages (the middle one has no embedding group: the report's reductions must not assume
+    every rank ran the same collectives; that hung)."""
+    path = tmp_path / "pp3.json"
+    run_mpi(3, "tests.test_pipeline:_worker_bench_model_pp3", str(path), timeout=120)
+    d = json.loads(path.read_text())
+    pipe = d["pipeline"]
+    assert len(pipe["wait_ms"]) == 3 and all(w >= 0 for w in pipe["wait_ms"])
+    assert pipe["ideal_bubble"] == pytest.approx(2 / (6 + 2)) and 0 < pipe["bubble"] < 1
+    assert [r["stage"] for r in d["tables"]["pipeline"]["rows"]] == [0, 1, 2]
+    assert "embedding.all_reduce" in {r["key"] for r in d["tables"]["comm"]["rows"]}

@@ -207,7 +207,7 @@ def run(args) -> Report:
     # the training step of cutp.train, at a constant learning rate, on random tokens
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
-                             pp=args.pp, pp_schedule=args.pp_schedule,
+                             pp=args.pp, pp_schedule=args.pp_schedule, pp_layers=args.pp_layers,
                              micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
@@ -315,8 +315,11 @@ def run(args) -> Report:
     cm = report.table("comm", [("key", "group.collective", "", "<"), ("calls", "calls/step", "d"),
                                ("mb", "MB/step", ",.3f"), ("ms", "ms/step", ",.2f")],
                       title="communication per step (this rank's buffers; time: slowest rank)")
-    for key in sorted(bytes_per_step):  # the same keys on every rank (every rank runs the same collectives)
-        calls, nb = bytes_per_step[key]
+    # every rank's keys: the ranks of a pipeline run different collectives (the embedding group
+    # exists on the first and last stages only), and each key is reduced over every rank
+    keys = sorted(set().union(*world.allgather(sorted(bytes_per_step))))
+    for key in keys:
+        calls, nb = bytes_per_step.get(key, (0, 0))
         times = comm_ops.get(key)
         ms = reduce_scalar(world, float(np.median(times)) * 1e3 if times else 0.0)
         if calls == 0:
