@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from ..model import DTYPES
+from ..runtime.backend import get_array_module
 
 SCHEDULES = ("1f1b", "gpipe")
 # One tag for every message: a stage sends activations only to the next stage and gradients only
@@ -155,7 +154,6 @@ class Schedule:
     def run_step(self, kind: str) -> float:
         """Runs the step's micro-batches; returns the weighted loss sum (0.0 off the last stage)."""
         {"gpipe": self.gpipe, "1f1b": self.one_f_one_b}[kind]()
-        self.model.rng.position = None
         assert not self.kept, f"micro-batches {sorted(self.kept)} were never run backward"
         return self.loss_sum
 
@@ -178,4 +176,4 @@ def eval_losses(run, batches) -> list[float]:
 
 
 def _contiguous(a):
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a.copy()
+    return get_array_module(a).ascontiguousarray(a)  # (the array itself when it is contiguous)

@@ -320,24 +320,26 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         weights = _loss_weights(ctx, [y for _, y in batches], model.ignore_index)
         loss_sum = 0.0
         per_rank = cfg.batch_size // cfg.dp
+
+        def first_row(micro):  # dropout masks by global position: the micro-batch's first row in the step
+            return ctx.dp_rank * per_rank + micro * cfg.micro_batch_size
+
         if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
-            schedule = Schedule(run, batches, weights, n, lambda i: ctx.dp_rank * per_rank + i * cfg.micro_batch_size,
-                                scaler.scale, hooks)
+            schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks)
             loss_sum = schedule.run_step(cfg.pp_schedule)
             run.pipeline_in_flight = schedule.max_in_flight
             wait_ms = schedule.wait_s * 1000
-            batches = []
-        for micro, (x, y) in enumerate(batches):
-            clock.enter("forward")
-            # dropout masks by global position: this micro-batch's first row in the step's batch
-            model.rng.set_position(n, ctx.dp_rank * per_rank + micro * cfg.micro_batch_size, cfg.batch_size)
-            model.check_inputs(x, y)  # on the host arrays: no device round trip
-            loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
-            ctx.watchdog.progress()
-            hooks.after_forward(run, micro)
-            clock.enter("backward")
-            model.backward(scaler.scale * weights[micro])
-            ctx.watchdog.progress()
+        else:
+            for micro, (x, y) in enumerate(batches):
+                clock.enter("forward")
+                model.rng.set_position(n, first_row(micro), cfg.batch_size)
+                model.check_inputs(x, y)  # on the host arrays: no device round trip
+                loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+                ctx.watchdog.progress()
+                hooks.after_forward(run, micro)
+                clock.enter("backward")
+                model.backward(scaler.scale * weights[micro])
+                ctx.watchdog.progress()
         model.rng.position = None  # a forward outside train_step draws from its streams again
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
