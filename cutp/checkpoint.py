@@ -134,7 +134,8 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                            **({"stage": s} if pp > 1 else {})} for p in params}
     with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on the world)"):
         every = world.allgather(([(n, bytes(d).decode(), int(b)) for n, d, b in zip(names, digests, sizes) if n],
-                                 param_info if ctx.tp_rank == ctx.dp_rank == 0 else {}, rng_state, len(model.layers)))
+                                 param_info if ctx.tp_rank == ctx.dp_rank == 0 else {}, rng_state,
+                                 [len(chunk) for chunk in model.chunks]))
 
     error = None
     if ctx.rank == 0:
@@ -144,7 +145,10 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
             firsts = [every[k * ctx.dp_size * ctx.tp_size] for k in range(pp)]  # each stage's first rank
             mesh = {"tp": ctx.tp_size, "dp": ctx.dp_size}
             if pp > 1:  # (a pp 1 checkpoint's meta.json is that of cutp before pipelines)
-                mesh.update(pp=pp, pp_layers=[first[3] for first in firsts])
+                V = model.pp_virtual  # the layers of each model chunk, in the model's order (chunk c of stage s
+                # is virtual stage c * pp + s)
+                mesh.update(pp=pp, pp_layers=[firsts[k % pp][3][k // pp] for k in range(pp * V)],
+                            **({"pp_virtual": V} if V > 1 else {}))
                 if rng_state is not None:  # each stage's RNG stream offsets
                     rng_state = dict(rng_state, stages=[first[2]["offsets"] for first in firsts])
             meta = {

@@ -74,7 +74,8 @@ def param_stage(info: dict) -> int:
 
 
 def stage_of_name(name: str, layers: list) -> int | None:
-    """The stage that holds parameter `name` of a model cut into stages of layer ranges `layers`:
+    """The stage that holds parameter `name` of a model cut into stages of `layers` (each stage's
+    layer indices, `stage_layers`):
     a block's stage, the embeddings on the first, the final LayerNorm and the head on the last."""
     if name.startswith("h."):
         i = name.split(".")[1]
@@ -233,9 +234,14 @@ def _meta_problem(meta: dict) -> str | None:
     tp, pp = mesh["tp"], mesh.get("pp", 1)
     if not _int(pp, 1, MAX_MESH):
         return f"mesh.pp is {pp!r}, not an integer >= 1 (and <= {MAX_MESH})"
-    counts = mesh.get("pp_layers")
-    if pp > 1 and not (isinstance(counts, list) and len(counts) == pp and all(_int(n, 1, MAX_DIM) for n in counts)):
-        return f"mesh.pp_layers is {counts!r}, not a list of pp={pp} layer counts >= 1"
+    counts, virtual = mesh.get("pp_layers"), mesh.get("pp_virtual", 1)
+    if not (_int(virtual, 1, MAX_MESH) and (virtual == 1 or pp > 1)):
+        return f"mesh.pp_virtual is {virtual!r}, not an integer >= 1 (and 1 without mesh.pp)"
+    n_chunks = pp * virtual
+    if pp > 1 and not (isinstance(counts, list) and len(counts) == n_chunks
+                       and all(_int(n, 1, MAX_DIM) for n in counts)):
+        return (f"mesh.pp_layers is {counts!r}, not a list of pp={pp}"
+                + (f" x pp_virtual={virtual}" if virtual > 1 else "") + " layer counts >= 1")
     opt = meta.get("optimizer")
     if opt is not None and (not isinstance(opt, dict) or not _int(opt.get("step"), 0, 1 << 62)):
         return "optimizer must be null or an object with an integer step"
@@ -256,7 +262,7 @@ def _meta_problem(meta: dict) -> str | None:
     except (ConfigError, TypeError, ValueError) as e:
         return f"config: {e}"
     try:
-        layers = stage_layers(config.n_layer, pp, counts if pp > 1 else None)
+        layers = stage_layers(config.n_layer, pp, counts if pp > 1 else None, virtual)
     except ConfigError as e:
         return f"mesh.pp_layers: {e}"
     # the files: exactly the shard files the mesh implies (counted before any name is built)

@@ -202,21 +202,36 @@ class PositionEmbedding(Module):
             -1, stop - start, dy.shape[-1]).sum(axis=0)
 
 
-def stage_layers(n_layer: int, pp: int, pp_layers=None) -> list[range]:
-    """The global layer indices of each of the pp pipeline stages: n_layer / pp each, or the
-    counts `pp_layers` (e.g. (5, 6, 6, 5)). Raises ConfigError naming the numbers."""
+def virtual_stage_layers(n_layer: int, pp: int, pp_layers=None, virtual: int = 1) -> list[range]:
+    """The global layer indices of each of the pp * virtual model chunks, in the model's order:
+    n_layer / (pp * virtual) each, or the counts `pp_layers` (e.g. (5, 6, 6, 5)). Chunk k runs
+    on pipeline stage k % pp (Megatron's interleaved layout: stage s holds chunks s, s + pp, ...).
+    Raises ConfigError naming the numbers."""
+    n = pp * virtual
+    chunks = f"pp={pp} stages" if virtual == 1 else f"pp={pp} x --pp-virtual {virtual} = {n} model chunks"
     if pp_layers is None:
-        if n_layer % pp:
-            raise ConfigError(f"n_layer={n_layer} does not split evenly over pp={pp} stages; give the layers of "
-                              f"each stage with --pp-layers (e.g. {','.join(map(str, _near_even(n_layer, pp)))})")
-        counts = [n_layer // pp] * pp
+        if n_layer % n:
+            raise ConfigError(f"n_layer={n_layer} does not split evenly over {chunks}; give the layers of "
+                              f"each {'stage' if virtual == 1 else 'chunk, in the model order,'} with --pp-layers "
+                              f"(e.g. {','.join(map(str, _near_even(n_layer, n)))})")
+        counts = [n_layer // n] * n
     else:
-        counts = [int(n) for n in pp_layers]
-        if len(counts) != pp or min(counts) < 1 or sum(counts) != n_layer:
-            raise ConfigError(f"--pp-layers {','.join(map(str, counts))}: needs pp={pp} counts >= 1 that add up to "
+        counts = [int(k) for k in pp_layers]
+        if len(counts) != n or min(counts) < 1 or sum(counts) != n_layer:
+            what = f"pp={pp}" if virtual == 1 else f"{chunks} (one per chunk, in the model's order):"
+            raise ConfigError(f"--pp-layers {','.join(map(str, counts))}: needs {what} counts >= 1 that add up to "
                               f"n_layer={n_layer}")
-    starts = [sum(counts[:i]) for i in range(pp)]
-    return [range(a, a + n) for a, n in zip(starts, counts)]
+    starts = [sum(counts[:i]) for i in range(n)]
+    return [range(a, a + k) for a, k in zip(starts, counts)]
+
+
+def stage_layers(n_layer: int, pp: int, pp_layers=None, virtual: int = 1) -> list:
+    """The global layer indices of each of the pp pipeline stages: a range per stage, or with
+    virtual > 1 model chunks per stage, the list of its chunks' layers (`virtual_stage_layers`)."""
+    chunks = virtual_stage_layers(n_layer, pp, pp_layers, virtual)
+    if virtual == 1:
+        return chunks
+    return [[i for c in range(virtual) for i in chunks[c * pp + s]] for s in range(pp)]
 
 
 def _near_even(n, k):
@@ -224,7 +239,8 @@ def _near_even(n, k):
 
 
 class GPT(Module):
-    def __init__(self, ctx, config: GPTConfig, seed: int = 0, init: bool = True, pp_layers=None):
+    def __init__(self, ctx, config: GPTConfig, seed: int = 0, init: bool = True, pp_layers=None,
+                 pp_virtual: int = 1):
         """seed: initialisation and dropout streams. init=False allocates zeros instead of drawing
         the initial weights (for models whose weights are loaded right after).
 
@@ -233,21 +249,30 @@ class GPT(Module):
         embeddings on the first stage, the final LayerNorm, LM head and loss on the last (with
         tied embeddings the last stage holds its own copy of the token embedding, whose gradient
         is summed with the first stage's over ctx.embedding). It runs micro-batches through
-        `stage_forward` / `stage_backward` (cutp.train's pipeline schedules do).
+        `stage_forward` / `stage_backward` (cutp.train's pipeline schedules do). With pp_virtual
+        = V > 1 (the interleaved schedule) the stage holds V model chunks, chunk c being the
+        layers of virtual stage c * pp + pp_rank (`virtual_stage_layers`): the embeddings come
+        before chunk 0 of the first stage, the head after chunk V - 1 of the last.
 
         Collective over ctx's communicator: every rank must build the same model (a config or seed
         that differs on one rank would otherwise give silently wrong gradients or a hang)."""
         world = ctx.world.mpi_comm  # cutp talks only over the communicators it split off
         check_same_on_all_ranks(world, {"config": config.to_dict(), "seed": seed, "init": init,
-                                        "pp_layers": None if pp_layers is None else list(pp_layers)},
+                                        "pp_layers": None if pp_layers is None else list(pp_layers),
+                                        "pp_virtual": pp_virtual},
                                 "GPT model configuration")
         with errors_raised_on_every_rank(world):
             config.validate(ctx.tp_size)
-            stages = stage_layers(config.n_layer, ctx.pp_size, pp_layers)
+            if not (isinstance(pp_virtual, int) and pp_virtual >= 1 and (pp_virtual == 1 or ctx.pp_size > 1)):
+                raise ConfigError(f"--pp-virtual {pp_virtual!r}: model chunks per stage need an integer >= 1, "
+                                  "and more than 1 only with --pp > 1")
+            chunks = virtual_stage_layers(config.n_layer, ctx.pp_size, pp_layers, pp_virtual)
         self.ctx = ctx
         self.config = config
         self.seed = seed
-        self.layers = stages[ctx.pp_rank]  # this stage's global layer indices
+        self.pp_virtual = pp_virtual
+        self.chunks = chunks[ctx.pp_rank::ctx.pp_size]  # this stage's model chunks' global layer indices
+        self.layers = stage_layers(config.n_layer, ctx.pp_size, pp_layers, pp_virtual)[ctx.pp_rank]
         self.first_stage, self.last_stage = ctx.pp_rank == 0, ctx.pp_rank == ctx.pp_size - 1
         self.ignore_index = -100
         c, dt = config, DTYPES[config.dtype]
@@ -265,6 +290,10 @@ class GPT(Module):
                                            rng=self.rng, n_layer=c.n_layer, bias=c.bias, dropout=c.dropout,
                                            gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt)
                   for i in self.layers]
+        self._chunk_blocks, at = [], 0  # each chunk's blocks, out of self.h
+        for r in self.chunks:
+            self._chunk_blocks.append(self.h[at:at + len(r)])
+            at += len(r)
         if self.last_stage:
             self.ln_f = LayerNorm(ctx, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
             if c.tie_embeddings:
@@ -398,32 +427,43 @@ class GPT(Module):
             x = block.forward(x)
         return x
 
-    def stage_forward(self, inp, targets=None):
-        """One micro-batch through this pipeline stage: `inp` is the token ids [B, T] on the first
-        stage, else the previous stage's output (replicated [B, T, h], or [B, T/tp, h] under
-        sequence parallelism). Returns this stage's output for the next, or on the last stage the
-        mean loss (with targets, replicated over TP) or the logits shard. At pp 1, `forward`."""
-        x = self._embed(inp) if self.first_stage else inp
-        x = self._blocks(x)
-        if not self.last_stage:
+    def takes_tokens(self, chunk: int = 0) -> bool:
+        """Whether model chunk `chunk` of this stage starts the model (embeds token ids)."""
+        return self.first_stage and chunk == 0
+
+    def gives_loss(self, chunk: int = 0) -> bool:
+        """Whether model chunk `chunk` of this stage ends the model (LM head and loss)."""
+        return self.last_stage and chunk == self.pp_virtual - 1
+
+    def stage_forward(self, inp, targets=None, chunk: int = 0):
+        """One micro-batch through this pipeline stage (its model chunk `chunk` with
+        --pp-virtual): `inp` is the token ids [B, T] where the model starts (`takes_tokens`),
+        else the previous chunk's output (replicated [B, T, h], or [B, T/tp, h] under sequence
+        parallelism). Returns the output for the next chunk, or where the model ends
+        (`gives_loss`) the mean loss (with targets, replicated over TP) or the logits shard.
+        At pp 1, `forward`."""
+        x = self._embed(inp) if self.takes_tokens(chunk) else inp
+        for block in self._chunk_blocks[chunk]:
+            x = block.forward(x)
+        if not self.gives_loss(chunk):
             return x
         logits = self.lm_head.forward(self.ln_f.forward(x))
         if targets is None:
             return logits
         return self.loss_fn.forward(logits, targets, inplace_backward=True)
 
-    def stage_backward(self, grad):
-        """Backward of the micro-batch whose stage_forward ran last (its activations restored
-        with `restore_activations` when several are in flight): `grad` is d(loss) (a float) on
-        the last stage, else the gradient of this stage's output. Returns the gradient of the
-        stage's input for the previous stage (None on the first)."""
-        if self.last_stage:
+    def stage_backward(self, grad, chunk: int = 0):
+        """Backward of the micro-batch whose stage_forward (of `chunk`) ran last (its activations
+        restored with `restore_activations` when several are in flight): `grad` is d(loss) (a
+        float) where the model ends, else the gradient of the chunk's output. Returns the
+        gradient of the chunk's input for the previous one (None where the model starts)."""
+        if self.gives_loss(chunk):
             dx = self.ln_f.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
         else:
             dx = grad
-        for block in reversed(self.h):
+        for block in reversed(self._chunk_blocks[chunk]):
             dx = block.backward(dx)
-        if not self.first_stage:
+        if not self.takes_tokens(chunk):
             return dx
         dx = self.drop.backward(dx)
         self.wpe.backward(dx)

@@ -41,9 +41,13 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
     p.add_argument("--dp", type=int, help="data-parallel size (default: world size / (tp * pp))")
     p.add_argument("--pp", type=int, help="pipeline stages (default 1): the layers split over pp ranks")
-    p.add_argument("--pp-layers", help="layers of each stage, e.g. 5,6,6,5 (default: n_layer / pp each)")
-    p.add_argument("--pp-schedule", choices=["1f1b", "gpipe"],
-                   help="pipeline schedule (default 1f1b: at most pp - stage micro-batches in flight; gpipe: all)")
+    p.add_argument("--pp-layers", help="layers of each stage, e.g. 5,6,6,5 (default: n_layer / pp each); with "
+                   "--pp-virtual V, of each of the pp * V model chunks in the model's order")
+    p.add_argument("--pp-schedule", choices=["1f1b", "gpipe", "interleaved"],
+                   help="pipeline schedule (default 1f1b: at most pp - stage micro-batches in flight; gpipe: all; "
+                        "interleaved: Megatron's interleaved 1F1B over --pp-virtual chunks, bubble / V)")
+    p.add_argument("--pp-virtual", type=int, help="model chunks per pipeline stage (the interleaved schedule; "
+                   "default 1, or give 2 or more: implies --pp-schedule interleaved)")
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="default auto: cuda when a GPU is usable")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
                    help="parameters and activations (default float32); bfloat16/float16 train through fp32 "

@@ -63,8 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a GPTConfig field")
     m.add_argument("--tp", type=int, default=1)
     m.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    m.add_argument("--pp-schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    m.add_argument("--pp-layers", default=None, help="layers of each stage, e.g. 8,4 (default: even)")
+    m.add_argument("--pp-schedule", default=None, choices=["1f1b", "gpipe", "interleaved"],
+                   help="default 1f1b (interleaved with --pp-virtual > 1)")
+    m.add_argument("--pp-virtual", type=int, default=None, help="model chunks per stage (interleaved schedule)")
+    m.add_argument("--pp-layers", default=None, help="layers of each stage (of each model chunk with --pp-virtual), "
+                   "e.g. 8,4 (default: even)")
     m.add_argument("--dp", type=int, default=None, help="default: world size / (tp * pp)")
     m.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])

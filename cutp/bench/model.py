@@ -44,6 +44,7 @@ from ..model import GPTConfig
 from ..runtime.threads import set_blas_threads
 from ..train import StepHooks, build_run, resolve_run_config, train_step
 from ..train.memory import ActivationPeak, cached_activation_bytes, stash_per_layer, state_bytes
+from ..train.pipeline import pipeline_bubble
 from .common import Report, device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
 
 
@@ -168,8 +169,8 @@ _NOTHING = contextlib.nullcontext()
 
 def _pipeline_table(report, ctx, cfg, waits, step_s):
     """Each stage's median time in pipeline sends and receives, as a fraction of the step: the
-    measured bubble, next to the ideal schedule's (p - 1) / (m + p - 1)."""
-    p, m = ctx.pp_size, cfg.accum_steps
+    measured bubble, next to the ideal schedule's (p - 1) / (m + p - 1), / V interleaved."""
+    p, m, V = ctx.pp_size, cfg.accum_steps, cfg.pp_virtual
     mine = float(np.median(waits)) if waits else 0.0
     per_stage = ctx.world.mpi_comm.allgather((ctx.pp_rank, mine))  # (stage, seconds) of every rank
     by_stage = {}
@@ -177,13 +178,15 @@ def _pipeline_table(report, ctx, cfg, waits, step_s):
         by_stage[stage] = max(by_stage.get(stage, 0.0), s)
     t = report.table("pipeline", [("stage", "stage", "d"), ("wait_ms", "waiting ms/step", ",.1f"),
                                   ("bubble", "bubble %", ".1f")],
-                     title=f"pipeline ({cfg.pp_schedule}, p={p}, m={m} micro-batches of {cfg.micro_batch_size})")
+                     title=f"pipeline ({cfg.pp_schedule}, p={p}" + (f", V={V}" if V > 1 else "")
+                     + f", m={m} micro-batches of {cfg.micro_batch_size})")
     for stage in range(p):
         t.add(stage=stage, wait_ms=by_stage[stage] * 1e3, bubble=100 * by_stage[stage] / step_s)
-    ideal = (p - 1) / (m + p - 1)
+    ideal = pipeline_bubble(p, m, V)
     mean = sum(by_stage.values()) / p / step_s
+    formula = "(p-1)/(m+p-1)" if V == 1 else "(p-1)/(V*m+p-1)"
     t.notes.append(f"measured bubble (mean over stages) {100 * mean:.1f}% of the step; the schedule's ideal "
-                   f"(p-1)/(m+p-1) = {100 * ideal:.1f}% (time in sends/receives, host clock: exact on the CPU, "
+                   f"{formula} = {100 * ideal:.1f}% (time in sends/receives, host clock: exact on the CPU, "
                    "a lower bound on GPUs)")
     report.extra["pipeline"] = {"wait_ms": [by_stage[s] * 1e3 for s in range(p)], "bubble": mean,
                                 "ideal_bubble": ideal}
@@ -207,7 +210,8 @@ def run(args) -> Report:
     # the training step of cutp.train, at a constant learning rate, on random tokens
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
-                             pp=args.pp, pp_schedule=args.pp_schedule, pp_layers=args.pp_layers,
+                             pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
+                             pp_layers=args.pp_layers,
                              micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
@@ -221,7 +225,8 @@ def run(args) -> Report:
     report.meta.update(device=device, preset=args.preset, overrides=list(args.set), tp=ctx.tp_size, dp=ctx.dp_size,
                        pp=ctx.pp_size, batch_per_dp_rank=B, micro_batch=cfg.micro_batch_size, seq_len=T,
                        config=config.to_dict(), recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
-                       distributed_optimizer=cfg.distributed_optimizer, pp_schedule=cfg.pp_schedule)
+                       distributed_optimizer=cfg.distributed_optimizer, pp_schedule=cfg.pp_schedule,
+                       pp_virtual=cfg.pp_virtual)
     flat, opt = run.flat, run.optimizer
     clock = CommClock(xp)
     if not args.no_comm_timing:

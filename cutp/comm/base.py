@@ -94,6 +94,14 @@ class Communicator:
         (MPI_Sendrecv; NCCL send and recv in one group). Returns recv_x."""
         raise NotImplementedError
 
+    def exchange(self, sends, recvs):
+        """Point-to-point sends [(x, dest, tag)] and receives [(x, source, tag)] posted together
+        and finished together (MPI Isend/Irecv + Waitall; one NCCL group), so that no order in
+        which neighbours post them can deadlock. NCCL has no tags: messages between two ranks
+        match in the order they were posted, so both sides must list them in the same order
+        (pipeline schedules list activations before gradients). Returns the receive buffers."""
+        raise NotImplementedError
+
     def barrier(self) -> None:
         raise NotImplementedError
 
@@ -173,6 +181,10 @@ class WrappedCommunicator(Communicator):
     def sendrecv(self, send_x, dest, recv_x, source, tag=0):
         return self._call("sendrecv", send_x if send_x is not None else recv_x, self.inner.sendrecv, send_x, dest,
                           recv_x, source, tag)
+
+    def exchange(self, sends, recvs):
+        first = (list(sends) + list(recvs))[0][0]  # (the watchdog names the first buffer)
+        return self._call("exchange", first, self.inner.exchange, sends, recvs)
 
     def barrier(self):
         return self._call("barrier", np.empty(0), self.inner.barrier)

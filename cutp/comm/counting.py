@@ -108,6 +108,14 @@ class CountingCommunicator(WrappedCommunicator):
             self.counter.record(self.name, "recv", recv_x, self.size)
         return self.inner.sendrecv(send_x, dest, recv_x, source, tag)
 
+    def exchange(self, sends, recvs):
+        """Counted as a send of each sent array and a recv of each received one."""
+        for x, _, _ in sends:
+            self.counter.record(self.name, "send", x, self.size)
+        for x, _, _ in recvs:
+            self.counter.record(self.name, "recv", x, self.size)
+        return self.inner.exchange(sends, recvs)
+
 
 def wire_bytes(op: str, nbytes: int, size: int) -> float:
     """Bytes one rank sends for a collective over `size` ranks (ring algorithms; module docstring)."""

@@ -128,6 +128,14 @@ class MpiCommunicator(Communicator):
             self.mpi_comm.Recv(_buf(recv_x), source=source, tag=tag)
         return recv_x
 
+    def exchange(self, sends, recvs):
+        for x, _, _ in list(sends) + list(recvs):
+            check_array(x, f"exchange on {self.name}")
+        requests = [self.mpi_comm.Irecv(_buf(x), source=src, tag=tag) for x, src, tag in recvs]
+        requests += [self.mpi_comm.Isend(_buf(x), dest=dest, tag=tag) for x, dest, tag in sends]
+        MPI.Request.Waitall(requests)
+        return [x for x, _, _ in recvs]
+
     def barrier(self):
         self.mpi_comm.Barrier()
 

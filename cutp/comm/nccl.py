@@ -150,6 +150,21 @@ class NcclCommunicator(Communicator):
             nccl.groupEnd()
         return recv_x
 
+    def exchange(self, sends, recvs):
+        from cupy.cuda import nccl  # optional dependency
+
+        for x, _, _ in list(sends) + list(recvs):
+            check_array(x, f"exchange on {self.name}")
+        nccl.groupStart()  # one group: no send waits for a receive posted later
+        try:
+            for x, dest, _ in sends:
+                self.nccl_comm.send(x.data.ptr, x.size, self._dt(x), dest, self._stream())
+            for x, source, _ in recvs:
+                self.nccl_comm.recv(x.data.ptr, x.size, self._dt(x), source, self._stream())
+        finally:
+            nccl.groupEnd()
+        return [x for x, _, _ in recvs]
+
     def barrier(self):
         # NCCL has no barrier: finish this rank's queued work, then meet on the host.
         import cupy  # optional dependency

@@ -54,7 +54,8 @@ RUN_SETTINGS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "
 CHOICES = {
     **RUN_SETTINGS,
     "model": None, "preset": None, "set": (), "dtype": None,
-    "device": "auto", "tp": None, "dp": None, "pp": None, "pp_layers": None, "pp_schedule": "1f1b",
+    "device": "auto", "tp": None, "dp": None, "pp": None, "pp_layers": None, "pp_schedule": None,
+    "pp_virtual": None,
     "micro_batch_size": None,
     "run_steps": None, "max_skips": 5,
     "distributed_optimizer": False, "grad_reduce_dtype": "float32",
@@ -83,7 +84,8 @@ class RunConfig:
     dp: int = 1
     pp: int = 1  # pipeline stages
     pp_layers: tuple | None = None  # layers per stage (None: n_layer / pp each)
-    pp_schedule: str = "1f1b"  # or "gpipe" (cutp.train.pipeline)
+    pp_schedule: str = "1f1b"  # or "gpipe", "interleaved" (cutp.train.pipeline)
+    pp_virtual: int = 1  # model chunks per stage (the interleaved schedule)
     micro_batch_size: int = 8  # sequences per forward on one DP rank
     # the optimizer's layout and precision (model.dtype is the parameters'; 16-bit models train
     # through float32 master weights and float32 gradients)
@@ -137,7 +139,7 @@ class RunConfig:
         object.__setattr__(self, "overrides", tuple(self.overrides))
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
-        for name in ("tp", "dp", "pp", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
+        for name in ("tp", "dp", "pp", "pp_virtual", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
             _positive_int(name, getattr(self, name))
         for name in ("steps", "warmup", "eval_every", "save_every", "keep", "max_skips", "seed"):
             _int_at_least(name, getattr(self, name), 0)
@@ -197,15 +199,25 @@ class RunConfig:
             raise ConfigError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}")
         if self.pp_layers is not None and self.pp == 1 and len(self.pp_layers) != 1:
             raise ConfigError(f"--pp-layers {','.join(map(str, self.pp_layers))} needs --pp {len(self.pp_layers)}")
-        stage_layers(self.model.n_layer, self.pp, self.pp_layers)
+        V = self.pp_virtual
+        if (V > 1) != (self.pp_schedule == "interleaved"):
+            raise ConfigError(f"--pp-virtual {V} with --pp-schedule {self.pp_schedule}: the interleaved schedule "
+                              "runs V >= 2 model chunks per stage, the others one; give --pp-schedule interleaved "
+                              "with --pp-virtual 2 or more, or neither")
+        if V > 1 and self.pp == 1:
+            raise ConfigError(f"--pp-virtual {V} needs pipeline stages: add --pp 2 or more")
+        stage_layers(self.model.n_layer, self.pp, self.pp_layers, V)
         if self.pp == 1:
             return
         m = self.accum_steps
+        how = (f"--batch-size {self.batch_size} / (dp {self.dp} x --micro-batch-size {self.micro_batch_size}) "
+               f"gives {m}")
         if self.pp_schedule == "1f1b" and m < self.pp:
-            raise ConfigError(f"the 1F1B schedule needs at least pp={self.pp} micro-batches per step, and "
-                              f"--batch-size {self.batch_size} / (dp {self.dp} x --micro-batch-size "
-                              f"{self.micro_batch_size}) gives {m}; use a smaller --micro-batch-size, a larger "
-                              "--batch-size, or --pp-schedule gpipe")
+            raise ConfigError(f"the 1F1B schedule needs at least pp={self.pp} micro-batches per step, and {how}; "
+                              "use a smaller --micro-batch-size, a larger --batch-size, or --pp-schedule gpipe")
+        if self.pp_schedule == "interleaved" and m % self.pp:
+            raise ConfigError(f"the interleaved schedule needs a multiple of pp={self.pp} micro-batches per step, "
+                              f"and {how}; change --batch-size or --micro-batch-size so that pp divides it")
         if self.init_from:
             raise ConfigError(f"--pp {self.pp}: --init-from does not load into pipeline stages yet (issue 15); "
                               "fine-tune with --pp 1")
@@ -358,7 +370,8 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     steps = run["steps"]
     return RunConfig(
         model=model, device=device, tp=tp, dp=mesh.dp, pp=pp, pp_layers=_layer_counts(c["pp_layers"]),
-        pp_schedule=c["pp_schedule"],
+        pp_schedule=c["pp_schedule"] or ("interleaved" if (c["pp_virtual"] or 1) > 1 else "1f1b"),
+        pp_virtual=1 if c["pp_virtual"] is None else c["pp_virtual"],
         steps=steps, batch_size=batch, micro_batch_size=given.get("micro_batch_size") or batch // mesh.dp,
         seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
         min_lr=run["min_lr"],

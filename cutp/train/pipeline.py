@@ -8,18 +8,28 @@ model that is this rank's stage (`GPT` with ctx.pp_size > 1):
 - "1f1b" (PipeDream-Flush, the default): stage s runs min(p - s - 1, m) warm-up forwards, then
   one forward and one backward in turn, then the warm-up's backwards; at most p - s
   micro-batches are in flight on stage s (`Schedule.max_in_flight` records it).
+- "interleaved" (Megatron's interleaved 1F1B, Narayanan et al. 2021): each stage holds V model
+  chunks (`GPT(pp_virtual=V)`; stage s's chunk c is virtual stage c * p + s), and the 1F1B
+  pattern runs over the m * V chunk-forwards in groups of p micro-batches per chunk; the
+  bubble shrinks by V, at V times the point-to-point messages. Stage s keeps at most
+  min(m * V, 2 (p - s - 1) + (V - 1) p + 1) chunk-forwards in flight. Needs m % p == 0.
+
+A schedule is a plan (`plan(kind, p, s, m, V)`): a list of computations ("F"/"B", micro-batch,
+chunk) and exchanges ("X", sends, receives) that `Schedule` runs. Each exchange posts its sends
+and receives together (`Communicator.exchange`: MPI Isend/Irecv + Waitall, one NCCL group), and
+lists activations before gradients on both sides, so that two neighbours never wait on each
+other's send and NCCL, which has no tags, matches every message with its receive (tests check
+both over many (kind, p, m, V) by simulating the plans of all stages). Every schedule runs each
+chunk's backwards in micro-batch order 0..m-1, so the gradients are summed in the same order,
+bit for bit, whichever schedule and whatever p and V.
 
 Activations go to the next stage, their gradients back to the previous one, over ctx.pp
 (replicated [b, T, h] tensors, or the [b, T/tp, h] sequence shards under sequence parallelism:
-1/tp of the bytes). In the 1F1B steady state a send and the receive from the same neighbour go
-as one `sendrecv` (MPI_Sendrecv; one NCCL group), so two neighbours sending to each other never
-wait on each other's send. Every schedule runs the backwards in micro-batch order 0..m-1, so the
-gradients are summed in the same order, bit for bit, whichever schedule and whatever p.
-
-Each stage holds the activations of its micro-batches in flight outside its modules
-(`GPT.take_activations` after a forward, `restore_activations` before its backward). Dropout
-draws by global position (`RNGTracker.set_position` per micro-batch), so the masks, too, are
-those of one rank.
+1/tp of the bytes); with chunks, the last stage's output of chunk c goes to the first stage's
+chunk c + 1. Each stage holds the activations of its micro-batches in flight outside its
+modules (`GPT.take_activations` after a forward, `restore_activations` before its backward).
+Dropout draws by global position (`RNGTracker.set_position` per micro-batch), so the masks, too,
+are those of one rank.
 """
 from __future__ import annotations
 
@@ -28,11 +38,92 @@ import time
 from ..model import DTYPES
 from ..runtime.backend import get_array_module
 
-SCHEDULES = ("1f1b", "gpipe")
-# One tag for every message: a stage sends activations only to the next stage and gradients only
-# to the previous one, so the direction tells them apart, and messages between two ranks arrive in
-# the order they were sent.
-_TAG = 0
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# MPI tags (NCCL has none: there, the order of posting matches messages): activations go to the
+# next stage and gradients to the previous one, which are the same rank at p = 2 with chunks.
+ACTIVATION, GRADIENT = 0, 1
+
+
+def pipeline_bubble(p: int, m: int, virtual: int = 1) -> float:
+    """The ideal schedule's idle fraction of a step with equal stages: (p - 1) / (m + p - 1), the
+    bubble of (p - 1) micro-batch times divided by V with V model chunks per stage (Narayanan et
+    al. 2021, sec. 2.2), as a fraction of the step: (p - 1) / (V m + p - 1)."""
+    return (p - 1) / (virtual * m + p - 1)
+
+
+def plan(kind: str, p: int, s: int, m: int, virtual: int = 1) -> list[tuple]:
+    """Stage s's part of one step: ("F", i, c) and ("B", i, c) run micro-batch i's forward or
+    backward through model chunk c; ("X", sends, recvs) exchanges with the neighbours, each a list
+    of (what, i, c), what being "act" (chunk c's output of micro-batch i, to the next stage; its
+    input, from the previous) or "grad" (the gradient of that input, to the previous stage; of
+    that output, from the next). Messages that have no peer (the model's input, its loss) are
+    listed anyway; `Schedule` drops them."""
+    if kind == "gpipe":
+        return ([op for i in range(m) for op in (_x([], [("act", i, 0)]), ("F", i, 0), _x([("act", i, 0)], []))]
+                + [op for i in range(m) for op in (_x([], [("grad", i, 0)]), ("B", i, 0), _x([("grad", i, 0)], []))])
+    if kind == "1f1b":
+        return _one_f_one_b(p, s, m)
+    if kind == "interleaved":
+        return _interleaved(p, s, m, virtual)
+    raise ValueError(f"unknown pipeline schedule {kind!r}")
+
+
+def _x(sends, recvs):
+    return ("X", sends, recvs)
+
+
+def _one_f_one_b(p, s, m):
+    """PipeDream-Flush: Megatron's forward_backward_pipelining_without_interleaving."""
+    warmup = min(p - s - 1, m)
+    steady = m - warmup
+    ops = []
+    for i in range(warmup):
+        ops += [_x([], [("act", i, 0)]), ("F", i, 0), _x([("act", i, 0)], [])]
+    if steady:
+        ops.append(_x([], [("act", warmup, 0)]))
+    for k in range(steady):
+        ops += [("F", warmup + k, 0), _x([("act", warmup + k, 0)], [("grad", k, 0)]), ("B", k, 0)]
+        ops.append(_x([("grad", k, 0)], [("act", warmup + k + 1, 0)] if k < steady - 1 else []))
+    for i in range(steady, m):
+        ops += [_x([], [("grad", i, 0)]), ("B", i, 0), _x([("grad", i, 0)], [])]
+    return ops
+
+
+def _interleaved(p, s, m, V):
+    """Megatron's forward_backward_pipelining_with_interleaving (V model chunks per stage)."""
+    total = m * V
+
+    def forward(k):  # the k-th chunk-forward: micro-batches in groups of p, each group through every chunk
+        return (k // (p * V)) * p + k % p, (k % (p * V)) // p
+
+    def backward(k):
+        i, c = forward(k)
+        return i, V - 1 - c
+
+    if m == p:
+        warmup = total  # every forward first (Megatron's all_warmup_microbatches)
+    else:
+        warmup = min(2 * (p - s - 1) + (V - 1) * p, total)
+    steady = total - warmup
+    ops = [_x([], [("act", *forward(0))])]
+    for k in range(warmup):
+        ops.append(("F", *forward(k)))
+        recvs = [("act", *forward(k + 1))] if k + 1 < total else []
+        if k == warmup - 1 and steady:
+            recvs.append(("grad", *backward(0)))
+        ops.append(_x([("act", *forward(k))], recvs))
+    for k in range(steady):
+        f = warmup + k
+        ops += [("F", *forward(f)), ("B", *backward(k))]
+        recvs = ([("act", *forward(f + 1))] if f + 1 < total else []) + (
+            [("grad", *backward(k + 1))] if k + 1 < total else [])
+        ops.append(_x([("act", *forward(f)), ("grad", *backward(k))], recvs))
+    if not steady:
+        ops.append(_x([], [("grad", *backward(0))]))
+    for k in range(steady, total):
+        ops.append(("B", *backward(k)))
+        ops.append(_x([("grad", *backward(k))], [("grad", *backward(k + 1))] if k + 1 < total else []))
+    return ops
 
 
 class Schedule:
@@ -45,133 +136,112 @@ class Schedule:
         self.batches, self.weights, self.step = batches, weights, step
         self.first_row, self.loss_scale, self.hooks = first_row, loss_scale, hooks
         self.loss_sum = 0.0  # the weighted losses (last stage)
-        self.kept: dict[int, list] = {}
+        self.kept: dict[tuple, list] = {}  # (micro-batch, chunk) -> its activations, while in flight
         self.max_in_flight = 0
         self.wait_s = 0.0  # host time inside this stage's sends and receives (the bubble, on the CPU)
+        # by (micro-batch, chunk): received inputs and output gradients, results not yet sent
+        self.inputs, self.output_grads, self.outputs, self.input_grads = {}, {}, {}, {}
         pp = self.ctx.pp
-        self.prev = pp.rank - 1 if pp.rank > 0 else None
-        self.next = pp.rank + 1 if pp.rank < pp.size - 1 else None
+        self.prev, self.next = (pp.rank - 1) % pp.size, (pp.rank + 1) % pp.size
 
     # ---- point to point ----------------------------------------------------------------------
     def _buffer(self, i):
-        """Receive buffer of micro-batch i's activation (or its gradient) at this stage's input."""
+        """Receive buffer of micro-batch i's activation (or its gradient) at a chunk's input."""
         x = self.batches[i][0]
         T = x.shape[1]
         if self.model.sequence_parallel and self.ctx.tp_size > 1:
             T //= self.ctx.tp_size
         return self.ctx.xp.empty((x.shape[0], T, self.model.config.n_embd), DTYPES[self.model.config.dtype])
 
-    def _timed(self, fn, *args):
+    def exchange(self, sends, recvs):
+        """Runs one ("X", sends, recvs) of the plan: the messages that cross to another stage."""
+        model = self.model
+        ops = []  # (tag, is_send, buffer, peer, where a receive goes)
+        for what, i, c in sends:
+            if what == "act" and not model.gives_loss(c):
+                ops.append((ACTIVATION, True, _contiguous(self.outputs.pop((i, c))), self.next, None))
+            elif what == "grad" and not model.takes_tokens(c):
+                ops.append((GRADIENT, True, _contiguous(self.input_grads.pop((i, c))), self.prev, None))
+        for what, i, c in recvs:
+            if what == "act" and not model.takes_tokens(c):
+                ops.append((ACTIVATION, False, self._buffer(i), self.prev, (self.inputs, (i, c))))
+            elif what == "grad" and not model.gives_loss(c):
+                ops.append((GRADIENT, False, self._buffer(i), self.next, (self.output_grads, (i, c))))
+        if not ops:
+            return
+        ops.sort(key=lambda op: op[0])  # activations before gradients on both sides (NCCL matches by order)
         t0 = time.perf_counter()
         try:
-            return fn(*args)
+            self.ctx.pp.exchange([(buf, peer, tag) for tag, send, buf, peer, _ in ops if send],
+                                 [(buf, peer, tag) for tag, send, buf, peer, _ in ops if not send])
         finally:
             self.wait_s += time.perf_counter() - t0
-
-    def recv_forward(self, i):
-        if self.prev is None:
-            return None
-        return self._timed(self.ctx.pp.recv, self._buffer(i), self.prev, _TAG)
-
-    def send_forward(self, out):
-        if self.next is not None:
-            self._timed(self.ctx.pp.send, _contiguous(out), self.next, _TAG)
-
-    def recv_backward(self, i):
-        if self.next is None:
-            return None
-        return self._timed(self.ctx.pp.recv, self._buffer(i), self.next, _TAG)
-
-    def send_backward(self, dx):
-        if self.prev is not None:
-            self._timed(self.ctx.pp.send, _contiguous(dx), self.prev, _TAG)
-
-    def send_forward_recv_backward(self, out, i):
-        """Sends this micro-batch's output and receives micro-batch i's output gradient, both
-        with the next stage, as one exchange."""
-        if self.next is None:
-            return None
-        return self._timed(self.ctx.pp.sendrecv, _contiguous(out), self.next, self._buffer(i), self.next, _TAG)
-
-    def send_backward_recv_forward(self, dx, i):
-        """Sends an input gradient and receives micro-batch i's input, both with the previous stage."""
-        if self.prev is None:
-            return None
-        return self._timed(self.ctx.pp.sendrecv, _contiguous(dx), self.prev, self._buffer(i), self.prev, _TAG)
+        for _, send, buf, _, where in ops:
+            if not send:
+                table, key = where
+                table[key] = buf
 
     # ---- compute -----------------------------------------------------------------------------
-    def forward(self, i, inp):
+    def forward(self, i, c):
         model, ctx = self.model, self.ctx
         x, y = self.batches[i]
-        model.check_inputs(x, y)  # on the host arrays
+        if c == 0:
+            model.check_inputs(x, y)  # on the host arrays
         model.rng.set_position(self.step, self.first_row(i), self.run.config.batch_size)
-        if model.first_stage:
-            inp = ctx.asarray(x)
-        out = model.stage_forward(inp, ctx.asarray(y) if model.last_stage else None)
-        if model.last_stage:
+        inp = ctx.asarray(x) if model.takes_tokens(c) else self.inputs.pop((i, c))
+        out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) else None, chunk=c)
+        if model.gives_loss(c):
             self.loss_sum += self.weights[i] * out
-            out = None
-        self.kept[i] = model.take_activations()
-        self.max_in_flight = max(self.max_in_flight, len(self.kept))
+        else:
+            self.outputs[(i, c)] = out
         ctx.watchdog.progress()
-        self.hooks.after_forward(self.run, i)
-        return out
+        if c == 0:  # (with its activations still in the modules: memory hooks measure them)
+            self.hooks.after_forward(self.run, i)
+        self.kept[(i, c)] = model.take_activations()
+        self.max_in_flight = max(self.max_in_flight, len(self.kept))
 
-    def backward(self, i, grad):
+    def backward(self, i, c):
         model = self.model
-        model.restore_activations(self.kept.pop(i))
-        if model.last_stage:
-            grad = self.loss_scale * self.weights[i]
-        dx = model.stage_backward(grad)
+        model.restore_activations(self.kept.pop((i, c)))
+        grad = self.loss_scale * self.weights[i] if model.gives_loss(c) else self.output_grads.pop((i, c))
+        dx = model.stage_backward(grad, chunk=c)
+        if dx is not None:
+            self.input_grads[(i, c)] = dx
         self.ctx.watchdog.progress()
-        return dx
-
-    # ---- schedules ---------------------------------------------------------------------------
-    def gpipe(self):
-        m = len(self.batches)
-        for i in range(m):
-            self.send_forward(self.forward(i, self.recv_forward(i)))
-        for i in range(m):
-            self.send_backward(self.backward(i, self.recv_backward(i)))
-
-    def one_f_one_b(self):
-        m, p, s = len(self.batches), self.ctx.pp_size, self.ctx.pp_rank
-        warmup = min(p - s - 1, m)
-        steady = m - warmup
-        for i in range(warmup):
-            self.send_forward(self.forward(i, self.recv_forward(i)))
-        inp = self.recv_forward(warmup) if steady else None
-        for k in range(steady):
-            out = self.forward(warmup + k, inp)
-            dx = self.backward(k, self.send_forward_recv_backward(out, k))
-            if k == steady - 1:
-                self.send_backward(dx)
-            else:
-                inp = self.send_backward_recv_forward(dx, warmup + k + 1)
-        for i in range(steady, m):
-            self.send_backward(self.backward(i, self.recv_backward(i)))
 
     def run_step(self, kind: str) -> float:
         """Runs the step's micro-batches; returns the weighted loss sum (0.0 off the last stage)."""
-        {"gpipe": self.gpipe, "1f1b": self.one_f_one_b}[kind]()
-        assert not self.kept, f"micro-batches {sorted(self.kept)} were never run backward"
+        ctx = self.ctx
+        for op in plan(kind, ctx.pp_size, ctx.pp_rank, len(self.batches), self.model.pp_virtual):
+            if op[0] == "F":
+                self.forward(op[1], op[2])
+            elif op[0] == "B":
+                self.backward(op[1], op[2])
+            else:
+                self.exchange(op[1], op[2])
+        left = {k: sorted(t) for k, t in (("kept", self.kept), ("inputs", self.inputs), ("outputs", self.outputs),
+                                          ("output_grads", self.output_grads), ("input_grads", self.input_grads)) if t}
+        assert not left, f"the {kind} plan left (micro-batch, chunk) pairs behind: {left}"
         return self.loss_sum
 
 
 def eval_losses(run, batches) -> list[float]:
-    """Eval-mode forwards of `batches` through the pipeline (no backward); the losses on the last
-    stage, [] elsewhere."""
+    """Eval-mode forwards of `batches` through the pipeline (no backward), each micro-batch
+    through every chunk in turn; the losses on the last stage, [] elsewhere."""
     sched = Schedule(run, batches, [1.0] * len(batches), 0, lambda i: 0, 1.0, None)
     model, ctx = run.model, run.ctx
     losses = []
     for i, (x, y) in enumerate(batches):
-        inp = ctx.asarray(x) if model.first_stage else sched.recv_forward(i)
-        out = model.stage_forward(inp, ctx.asarray(y) if model.last_stage else None)
-        if model.last_stage:
-            losses.append(out)
-        else:
-            sched.send_forward(out)
-        ctx.watchdog.progress()
+        for c in range(model.pp_virtual):
+            sched.exchange([], [("act", i, c)])
+            inp = ctx.asarray(x) if model.takes_tokens(c) else sched.inputs.pop((i, c))
+            out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) else None, chunk=c)
+            if model.gives_loss(c):
+                losses.append(out)
+            else:
+                sched.outputs[(i, c)] = out
+                sched.exchange([("act", i, c)], [])
+            ctx.watchdog.progress()
     return losses
 
 

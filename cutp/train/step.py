@@ -214,7 +214,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None and cfg.init_from is None,
-                pp_layers=cfg.pp_layers)  # resumed or initial weights are loaded next
+                pp_layers=cfg.pp_layers, pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
         init_weights(model, cfg.init_from)
     setup_progress()
