@@ -136,7 +136,7 @@ def param_count(a: Arch, tp: int = 1) -> dict:
     total = L * sum(full.values()) + emb + head + pos + norm
     per_rank = L * sum(local.values()) + -(-emb // tp) + -(-head // tp) + pos + norm
     return {"total": total, "per_rank": per_rank, "layer": sum(full.values()), "layer_per_rank": sum(local.values()),
-            "embedding": emb, "lm_head": head, "position": pos}
+            "embedding": emb, "lm_head": head, "position": pos, "final_norm": norm}
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")

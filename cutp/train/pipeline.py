@@ -111,10 +111,10 @@ class Schedule:
         if model.last_stage:
             self.loss_sum += self.weights[i] * out
             out = None
+        self.hooks.after_forward(self.run, i)  # (before the caches are taken: the hooks measure them)
         self.kept[i] = model.take_activations()
         self.max_in_flight = max(self.max_in_flight, len(self.kept))
         ctx.watchdog.progress()
-        self.hooks.after_forward(self.run, i)
         return out
 
     def backward(self, i, grad):
