@@ -45,6 +45,7 @@ from ..runtime.threads import set_blas_threads
 from ..train import StepHooks, build_run, resolve_run_config, train_step
 from ..train.memory import ActivationPeak, cached_activation_bytes, stash_per_layer, state_bytes
 from .common import Report, device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
+from .plan_pp import bubble_fraction
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def _pipeline_table(report, ctx, cfg, waits, step_s):
                      title=f"pipeline ({cfg.pp_schedule}, p={p}, m={m} micro-batches of {cfg.micro_batch_size})")
     for stage in range(p):
         t.add(stage=stage, wait_ms=by_stage[stage] * 1e3, bubble=100 * by_stage[stage] / step_s)
-    ideal = (p - 1) / (m + p - 1)
+    ideal = bubble_fraction(p, m)
     mean = sum(by_stage.values()) / p / step_s
     t.notes.append(f"measured bubble (mean over stages) {100 * mean:.1f}% of the step; the schedule's ideal "
                    f"(p-1)/(m+p-1) = {100 * ideal:.1f}% (time in sends/receives, host clock: exact on the CPU, "

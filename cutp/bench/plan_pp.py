@@ -35,8 +35,9 @@ from __future__ import annotations
 
 from ..model import GPTConfig, stage_layers
 from ..runtime.errors import ConfigError
-from .plan import (GPUS, ITEMSIZE, Arch, _check, _ranks, activation_bytes_per_layer, check_layout, param_count,
-                   plan, resolve_dtype, state_bytes)
+from .common import Report
+from .plan import (GPUS, ITEMSIZE, Arch, _check, _model, _ranks, activation_bytes_per_layer, check_layout,
+                   param_count, plan, resolve_dtype, state_bytes)
 from .step_pipeline import Chunk, stage_peak
 from .step_shape import StepShape, local_parameters
 
@@ -72,6 +73,11 @@ def schedule_events(kind: str, p: int, stage: int, m: int, v: int = 1) -> list[t
     return out + [("B", *item(k, False)) for k in range(total - warmup, total)]
 
 
+def m_in_flight(kind: str, p: int, stage: int, m: int) -> int:
+    """Micro-batches stage s holds at once: m under GPipe, min(p - s, m) under 1F1B."""
+    return m if kind == "gpipe" else min(p - stage, m)
+
+
 def in_flight(events, weight=lambda i, c: 1) -> float:
     """The most (weighted) micro-batch chunks held at once: forwards run, backwards not yet."""
     held, worst = 0, 0
@@ -101,7 +107,7 @@ def check_pipeline(*, n_layer: int, pp: int, m: int, schedule: str | None, virtu
                           f"use --accum {pp} or more, or --pp-schedule gpipe")
     if kind == "interleaved" and m % pp:
         raise ConfigError(f"the interleaved schedule needs a multiple of pp={pp} micro-batches per step, got "
-                          f"--accum {m}; use --accum {max(pp, m - m % pp)}")
+                          f"--accum {m}; use --accum {m - m % pp or pp} or {m - m % pp + pp}")
     if pp_layers is not None and kind == "interleaved" and len(pp_layers) != pp * virtual:
         raise ConfigError(f"--pp-layers gives {len(pp_layers)} counts; the interleaved schedule needs one per virtual "
                           f"stage: pp x pp-virtual = {pp * virtual}")
@@ -145,7 +151,7 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
     sp = sequence_parallel and tp > 1
     stages = []
     for rank, mine in enumerate(chunks):
-        events = schedule_events(kind, pp, rank, accum, virtual)
+        events = schedule_events(kind, pp, rank, accum, virtual) if kind == "interleaved" else None
         layers = [n for ch in mine for n in ch.layers]
         first, last = mine[0].first, mine[-1].last
         if config is not None:
@@ -167,11 +173,11 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                 recompute != "full" or n < full) else "none", sequence_parallel) for n in layers}
             logits = 4 * s * b * a.vocab / tp
 
-            def weight(i, c, mine=mine, per_layer=per_layer, logits=logits):
-                return sum(per_layer[n] for n in mine[c].layers) + (logits if mine[c].last else 0)
-
-            act = {"bytes": in_flight(events, weight), "stash_per_layer": [per_layer[n] for n in layers],
-                   "in_flight": in_flight(events), "stash_per_micro_batch": max(weight(0, c) for c in range(virtual))}
+            weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
+            count = (in_flight(events) if events else m_in_flight(kind, pp, rank, accum))
+            act = {"bytes": in_flight(events, lambda i, c: weights[c]) if events else count * weights[0],
+                   "stash_per_layer": [per_layer[n] for n in layers], "in_flight": count,
+                   "stash_per_micro_batch": max(weights)}
         st = state_bytes(n_local, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
         state = st["params"] + st["grads"] + st["optimizer"]
         stages.append({"stage": rank, "layers": [len(ch.layers) for ch in mine], "first": first, "last": last,
@@ -190,3 +196,80 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
             "p2p_bytes_per_step": {"forward": accum * virtual * message, "backward": accum * virtual * message},
             "fits": {n: all(st["fits"][n] for st in stages) for n, _ in GPUS}}
 
+
+
+def parse_pp_layers(text: str | None):
+    """'5,6,6,5' -> (5, 6, 6, 5); None stays None."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--pp-layers {text!r}: give the layers of each stage as integers, e.g. 5,6,6,5") from None
+
+
+def micro_batches(args) -> int:
+    """--accum, by default 1 without a pipeline and pp (the fewest 1F1B runs) with one."""
+    return args.accum if args.accum is not None else (args.pp if args.pp > 1 or args.pp_virtual > 1 else 1)
+
+
+def run(args) -> Report:
+    a, config = _model(args)
+    seq = args.seq_len or a.seq
+    r = plan_pipeline(a, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq,
+                      accum=micro_batches(args), schedule=args.pp_schedule, virtual=args.pp_virtual,
+                      pp_layers=parse_pp_layers(args.pp_layers), dtype=args.dtype, precision=args.precision,
+                      distributed_optimizer=args.distributed_optimizer, config=config, device=args.device,
+                      threads=args.threads, recompute=args.recompute, recompute_layers=args.recompute_layers,
+                      sequence_parallel=args.sequence_parallel)
+    report = Report("plan", {})
+    report.extra["plan"] = r
+    GB = 1e9
+    p, v, m = r["pp"], r["virtual"], r["micro_batches"]
+    sp = args.sequence_parallel and args.tp > 1
+    optimizer = f"distributed AdamW (ZeRO-1 over dp={args.dp})" if r["distributed_optimizer"] else "AdamW"
+    t = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=a.name)
+    for k, val in (("layers x width", f"{a.n_layer} x {a.n_embd}"),
+                   ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"),
+                   ("mesh", f"tp {args.tp} x pp {p} x dp {args.dp} = {r['gpus']} GPUs"),
+                   ("schedule", f"{r['schedule']}" + (f", {v} model chunks per rank" if v > 1 else "")
+                    + f", {m} micro-batches of {args.micro_batch} x {seq} per step"),
+                   ("dtype, optimizer", f"{r['dtype']}, {optimizer}"),
+                   ("recompute, SP", f"{args.recompute}" + (f" (first {args.recompute_layers} layers)"
+                                                            if args.recompute_layers else "")
+                    + (", sequence parallel" if sp else ", no sequence parallelism"))):
+        t.add(k=k, v=val)
+    st = report.table("stages", [("stage", "stage", "d"), ("layers", "layers", "", ">"), ("params", "params/GPU", ",d"),
+                                 ("state", "state GB", ",.2f"), ("in_flight", "in flight", "d"),
+                                 ("act", "activations GB", ",.2f"), ("total", "total GB", ",.2f"),
+                                 ("fits80", "80 GB", "", ">"), ("fits141", "141 GB", "", ">")],
+                      title="memory per pipeline stage and GPU (GB = 1e9 bytes)")
+    for s in r["stages"]:
+        what = "+".join(map(str, s["layers"])) + (" +emb" if s["first"] else "") + (" +head" if s["last"] else "")
+        st.add(stage=s["stage"], layers=what, params=s["params_local"], state=s["state"] / GB, in_flight=s["in_flight"],
+               act=s["activations_peak"] / GB, total=s["total"] / GB,
+               fits80="fits" if s["fits"]["80 GB"] else "no", fits141="fits" if s["fits"]["141 GB"] else "no")
+    big = r["stages"][r["largest_stage"]]
+    st.notes.append(f"stage {big['stage']} holds the most: {big['total'] / GB:,.2f} GB"
+                    + (" (1F1B: the first stage keeps the most micro-batches in flight)"
+                       if r["schedule"] != "gpipe" and big["stage"] == 0 else ""))
+    st.notes.append("state: parameters, gradients and optimizer state of the stage's layers (+ the embeddings on the "
+                    "first stage, ln_f and the LM head on the last; tied: the last stage's own wte copy)")
+    unit = "chunk forwards" if v > 1 else "micro-batches"
+    st.notes.append(f"in flight: the {unit} whose activations a stage holds at once ({r['schedule']}); activations: "
+                    + ("cutp's step on that stage, simulated in the schedule's order" if config is not None
+                       else "that many stashes of the stage's layers (Korthikanti et al.), + the fp32 logits on the "
+                            "last stage"))
+    for name, cap in GPUS:
+        verdict = "every stage fits" if r["fits"][name] else "does not fit"
+        st.notes.append(f"{name} GPU: {verdict} (the largest {big['total'] / GB:,.1f} GB of {cap / GB:,.0f})")
+    pipe = report.table("pipeline", [("what", "pipeline", "", "<"), ("value", "", "", "<")],
+                        title="point to point and bubble")
+    msg = r["p2p_bytes_per_micro_batch"]
+    pipe.add(what="p2p per micro-batch", value=f"{msg / 1e6:,.2f} MB each way ([{args.micro_batch}, {seq}"
+             + (f"/{args.tp}" if sp else "") + f", {a.n_embd}] {r['dtype']})")
+    pipe.add(what="p2p per step and stage", value=f"{m * v} sends forward (all but the last stage), {m * v} backward "
+             f"(all but the first): {r['p2p_bytes_per_step']['forward'] / 1e9:,.3f} GB each way")
+    pipe.add(what="predicted bubble", value=f"{100 * r['bubble']:.1f}% = (p-1)/(m+p-1)" + ("/V" if v > 1 else "")
+             + f" with p={p}, m={m}" + (f", V={v}" if v > 1 else ""))
+    return report
