@@ -199,7 +199,8 @@ def test_tp8_alone_does_not_fit_70b_on_80gb_tp8_pp4_with_the_distributed_optimiz
     a = plan.pick_arch("70B")
     kw = dict(tp=8, dp=1, micro_batch=1, seq_len=4096, dtype="bfloat16", distributed_optimizer=True,
               recompute="selective", sequence_parallel=True)
-    assert not plan.plan(a, accum=8, **kw)["fits"]["80 GB"]
+    for recompute in plan.RECOMPUTE:  # (at dp=1 the distributed optimizer shards nothing)
+        assert not plan.plan(a, accum=8, **{**kw, "recompute": recompute})["fits"]["80 GB"], recompute
     r = plan_pp.plan_pipeline(a, pp=4, accum=8, **kw)
     assert r["fits"]["80 GB"] and r["largest_stage"] == 0
     rows = {(row["tp"], row["pp"]): row["fit"][80e9] for row in plan_search.search(a, capacities=(80e9,))}

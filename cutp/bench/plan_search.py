@@ -1,9 +1,9 @@
 """`python -m cutp bench plan --params 70B --search [--gpus 64] [--gpu-memory 80]`: the TP x PP x
 DP layouts of up to --gpus GPUs on which a --params architecture trains within a GPU's memory.
 
-For each TP size in 1, 2, 4, 8 (inside a node; those the heads split over) and each PP size in
-1, 2, 4, ... (the layers split evenly, or near-evenly with the larger stages last: the first
-stage keeps the most micro-batches in flight under 1F1B), the fewest GPUs that fit: DP = 1, 2,
+For each TP size in 1, 2, 4, 8 (inside a node; those the heads split over) and each PP size that
+divides the layers or is a power of two (then the layers split near-evenly, the larger stages
+last: the first stage keeps the most micro-batches in flight under 1F1B), the fewest GPUs that fit: DP = 1, 2,
 4, ... with tp * pp * dp <= --gpus, the least recomputation that fits (none, then selective,
 then full), always with the distributed optimizer (ZeRO-1 over DP), sequence parallelism (when
 tp > 1) and the 1F1B schedule, micro-batch --micro-batch x the model's context, bf16 (--dtype).
@@ -65,7 +65,8 @@ def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat1
     for tp in TPS:
         if tp > gpus or not _splits(a, tp):
             continue
-        for pp in _powers(min(a.n_layer, gpus // tp)):
+        top = min(a.n_layer, gpus // tp)
+        for pp in sorted(set(_powers(top)) | {d for d in range(1, top + 1) if a.n_layer % d == 0}):
             counts = _near_even(a.n_layer, pp)
             row = {"tp": tp, "pp": pp, "layers": f"{counts[0]}" if a.n_layer % pp == 0 else
                    f"{counts[0]}-{counts[-1]}", "fit": {}}
