@@ -241,3 +241,25 @@ def test_plan_pp_refuses_what_cannot_run(argv, message):
         bench_run(build_parser().parse_args(["plan", "--params", "70B", "--tp", "8"] + argv))
     with pytest.raises(ConfigError, match="--search plans --params"):
         bench_run(build_parser().parse_args(["plan", "--preset", "tiny", "--search"]))
+
+
+def test_train_cli_memory_record_with_uneven_stages(tmp_path):
+    """The first step's memory record under --pp with uneven stages: each layer's stash from the
+    stage that holds it (the records' reduction over the ranks used to fail on lists of different
+    lengths), and the largest stage's figures the plan's."""
+    path = tmp_path / "m.jsonl"
+    run_mpi(2, "examples.train_gpt:main", ["--preset", "tiny", "--set", "n_layer=3", "--pp", "2", "--pp-layers", "1,2",
+                                           "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", "32",
+                                           "--steps", "1", "--eval-every", "0", "--device", "cpu", "--quiet",
+                                           "--metrics", str(path)], timeout=120, env={"CUTP_OP_THREADS": "1"})
+    memory = json.loads(path.read_text().splitlines()[0])["memory"]
+    config = GPTConfig.preset("tiny").with_overrides(["n_layer=3"])
+    planned = plan_pp.plan_pipeline(plan.arch_from_config("tiny", config), pp=2, tp=1, dp=1, micro_batch=2,
+                                    seq_len=32, accum=2, pp_layers=(1, 2), dtype=config.dtype, config=config,
+                                    device="cpu")
+    stash = [b for st in planned["stages"] for b in st["activations"]["stash_per_layer"]]
+    assert len(memory["stash_per_layer"]) == 3
+    for m, p in zip(memory["stash_per_layer"], stash):
+        assert abs(p - m) <= TOLERANCE * m, (memory["stash_per_layer"], stash)
+    for key in STATE:
+        assert memory[key] == max(st[key] for st in planned["stages"]), key
