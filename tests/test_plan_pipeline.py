@@ -212,11 +212,13 @@ def test_tp8_alone_does_not_fit_70b_on_80gb_tp8_pp4_with_the_distributed_optimiz
 def test_plan_pp_command_line(tmp_path, capsys):
     path = tmp_path / "pp.json"
     assert bench_main(["plan", "--params", "70B", "--tp", "8", "--pp", "4", "--accum", "8", "--distributed-optimizer",
-                       "--dp", "2", "--sequence-parallel", "--recompute", "selective", "--json", str(path)]) == 0
+                       "--dp", "2", "--sequence-parallel", "--recompute", "selective", "--json", str(path),
+                       "--plot", str(tmp_path / "stages.png")]) == 0
     out = capsys.readouterr().out
     assert "stage 0 holds the most" in out and "predicted bubble" in out
     r = json.loads(path.read_text())["plan"]
     assert [st["in_flight"] for st in r["stages"]] == [4, 3, 2, 1] and r["fits"]["80 GB"]
+    assert (tmp_path / "stages.png").stat().st_size > 0
     assert bench_main(["plan", "--params", "70B", "--tp", "8", "--pp", "4", "--pp-virtual", "2", "--accum", "8",
                        "--quiet", "--json", str(path)]) == 0
     r = json.loads(path.read_text())["plan"]
@@ -235,6 +237,7 @@ def test_plan_pp_command_line(tmp_path, capsys):
     (["--pp", "3"], "does not split evenly over pp=3"),
     (["--pp", "2", "--pp-layers", "40,x"], "--pp-layers '40,x'"),
     (["--search", "--gpu-memory", "0"], "--gpu-memory 0"),
+    (["--search", "--plot", "x.png"], "--search lists layouts"),
 ])
 def test_plan_pp_refuses_what_cannot_run(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

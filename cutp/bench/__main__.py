@@ -5,6 +5,8 @@
     python -m cutp bench model --preset tiny         # a training step: tokens/s, phases, FLOP/s or MFU, memory
     python -m cutp bench compare-torch               # cutp vs PyTorch eager on the CPU (needs torch)
     python -m cutp bench plan --params 70B --tp 8    # memory and communication per GPU, no hardware needed
+    python -m cutp bench plan --params 70B --tp 8 --pp 4 --accum 8   # memory per pipeline stage, p2p, bubble
+    python -m cutp bench plan --params 70B --search --gpu-memory 80  # the TP x PP x DP layouts that fit
 
 Every suite prints tables; --json PATH writes them (and the raw measurements) for machines,
 --plot PATH.png draws them for people. Under mpiexec only rank 0 prints and writes.

@@ -120,6 +120,8 @@ def run(args) -> Report:
     if args.preset:
         raise ConfigError("--search plans --params architectures (70B, 175B, ...); for a --preset give its layout "
                           "with --tp, --pp and --dp")
+    if args.plot:
+        raise ConfigError("--plot draws one layout's memory; --search lists layouts (use --json or --markdown)")
     _check("gpus", args.gpus)
     caps = tuple(g * 1e9 for g in (args.gpu_memory or (80, 141)))
     if min(caps) <= 0:
