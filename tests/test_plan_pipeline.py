@@ -30,11 +30,11 @@ from tests.test_memory import STATE, TOLERANCE
 def _worker_stages_measured_equal_planned(cases):
     comm = MPI.COMM_WORLD
     for case in cases:
-        tp, pp, B, T, m = case["tp"], case["pp"], case["B"], case["T"], case["m"]
-        layout = {k: case[k] for k in ("sequence_parallel", "recompute") if k in case}
+        tp, pp, B, T, m, dp = case["tp"], case["pp"], case["B"], case["T"], case["m"], case.get("dp", 1)
+        layout = {k: case[k] for k in ("sequence_parallel", "recompute", "distributed_optimizer") if k in case}
         pp_layers = case.get("pp_layers")
-        cfg = train.resolve_run_config(comm, preset="tiny", set=case["set"], dtype=case["dtype"], tp=tp, pp=pp,
-                                       pp_schedule=case["schedule"], pp_layers=pp_layers, batch_size=B * m, micro_batch_size=B,
+        cfg = train.resolve_run_config(comm, preset="tiny", set=case["set"], dtype=case["dtype"], tp=tp, pp=pp, dp=dp,
+                                       pp_schedule=case["schedule"], pp_layers=pp_layers, batch_size=B * m * dp, micro_batch_size=B,
                                        seq_len=T, steps=4, device="cpu", eval_every=0, quiet=True,
                                        save_on_signal=False, **layout)
         run = train.build_run(cfg, comm, dataset=random_tokens(cfg.model.vocab_size, 1 << 15, 0))
@@ -45,7 +45,7 @@ def _worker_stages_measured_equal_planned(cases):
         mine = memory_record(run, peak.bytes, stash[0])
         mine.update(stage=run.ctx.pp_rank, in_flight=run.pipeline_in_flight)
         ranks = comm.allgather(mine)
-        planned = plan_pp.plan_pipeline(plan.arch_from_config("tiny", cfg.model), pp=pp, tp=tp, dp=1,
+        planned = plan_pp.plan_pipeline(plan.arch_from_config("tiny", cfg.model), pp=pp, tp=tp, dp=dp,
                                         micro_batch=B, seq_len=T, accum=m, schedule=case["schedule"],
                                         pp_layers=pp_layers,
                                         dtype=case["dtype"], config=cfg.model, device="cpu", threads=1, **layout)
@@ -81,7 +81,9 @@ PP2 = [  # untied (the head's own weight) and tied (the last stage's wte copy), 
          set=["n_layer=3", "dropout=0.1"]),
 ]
 PP2_TP2 = [dict(tp=2, pp=2, B=2, T=64, m=2, dtype="float32", schedule="1f1b", sequence_parallel=True,
-                set=["n_layer=2", "dropout=0.1"])]
+                set=["n_layer=2", "dropout=0.1"]),
+           dict(tp=1, dp=2, pp=2, B=2, T=64, m=2, dtype="bfloat16", schedule="1f1b", distributed_optimizer=True,
+                recompute="full", set=["n_layer=2"])]  # (ZeRO-1: each stage's buffer padded to 64 x dp)
 
 
 def test_each_stage_measured_equals_the_plan_pp2():
@@ -89,7 +91,7 @@ def test_each_stage_measured_equals_the_plan_pp2():
             env={"CUTP_OP_THREADS": "1"})
 
 
-def test_each_stage_measured_equals_the_plan_pp2_tp2_sequence_parallel():
+def test_each_stage_measured_equals_the_plan_pp2_tp2_sequence_parallel_and_dp2_distributed():
     run_mpi(4, "tests.test_plan_pipeline:_worker_stages_measured_equal_planned", PP2_TP2, timeout=120,
             env={"CUTP_OP_THREADS": "1"})
 
