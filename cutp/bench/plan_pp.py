@@ -172,9 +172,8 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
             per_layer = {n: activation_bytes_per_layer(s, b, h, a.n_head, tp, act_bytes, recompute if (
                 recompute != "full" or n < full) else "none", sequence_parallel) for n in layers}
             logits = 4 * s * b * a.vocab / tp
-
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
-            count = (in_flight(events) if events else m_in_flight(kind, pp, rank, accum))
+            count = in_flight(events) if events else m_in_flight(kind, pp, rank, accum)
             act = {"bytes": in_flight(events, lambda i, c: weights[c]) if events else count * weights[0],
                    "stash_per_layer": [per_layer[n] for n in layers], "in_flight": count,
                    "stash_per_micro_batch": max(weights)}
