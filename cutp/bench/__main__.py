@@ -5,6 +5,8 @@
     python -m cutp bench model --preset tiny         # a training step: tokens/s, phases, FLOP/s or MFU, memory
     python -m cutp bench compare-torch               # cutp vs PyTorch eager on the CPU (needs torch)
     python -m cutp bench plan --params 70B --tp 8    # memory and communication per GPU, no hardware needed
+    python -m cutp bench plan --params 70B --tp 8 --pp 4 --accum 8   # memory per pipeline stage, p2p, bubble
+    python -m cutp bench plan --params 70B --search --gpu-memory 80  # the TP x PP x DP layouts that fit
 
 Every suite prints tables; --json PATH writes them (and the raw measurements) for machines,
 --plot PATH.png draws them for people. Under mpiexec only rank 0 prints and writes.
@@ -17,7 +19,7 @@ import sys
 from ..runtime import backend
 from ..runtime.errors import ConfigError
 from ..runtime.threads import available_cores
-from . import comm, compare_torch, kernels, model, plan
+from . import comm, compare_torch, kernels, model, plan, plan_pp, plan_search
 from .plot import plot_report
 
 SUITES = ("kernels", "comm", "model", "compare-torch", "plan")
@@ -107,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dp", type=int, default=1)
     pl.add_argument("--micro-batch", type=int, default=1)
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
-    pl.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    pl.add_argument("--accum", type=int, default=None,
+                    help="micro-batches per optimizer step (and DP rank; default 1, with --pp: pp)")
     pl.add_argument("--dtype", default=None, choices=list(plan.DTYPES),
                     help="parameter dtype (default bfloat16: fp32 gradients, master weights and Adam moments)")
     pl.add_argument("--precision", default=None, choices=sorted(plan.PRECISION_DTYPE),
@@ -121,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="activation recomputation (selective: the core attention; full: whole layers)")
     pl.add_argument("--recompute-layers", type=int, default=None, help="with --recompute full: the first N layers")
     pl.add_argument("--sequence-parallel", action="store_true", help="activations split along the sequence over TP")
+    pl.add_argument("--pp", type=int, default=1, help="pipeline stages: memory per stage, p2p bytes, bubble")
+    pl.add_argument("--pp-layers", default=None, help="layers of each stage, e.g. 5,6,6,5 (default: even)")
+    pl.add_argument("--pp-schedule", default=None, choices=list(plan_pp.SCHEDULES),
+                    help="default 1f1b (interleaved with --pp-virtual)")
+    pl.add_argument("--pp-virtual", type=int, default=1, help="model chunks per rank (the interleaved schedule)")
+    pl.add_argument("--search", action="store_true",
+                    help="list the TP x PP x DP layouts of up to --gpus GPUs that fit (--params models)")
+    pl.add_argument("--gpus", type=int, default=64, help="--search: at most this many GPUs (default 64)")
+    pl.add_argument("--gpu-memory", type=float, action="append", default=None, metavar="GB",
+                    help="--search: GB per GPU (repeatable; default 80 and 141)")
+    pl.add_argument("--batch-size", type=int, default=None,
+                    help="--search: sequences per step (default: 4M tokens, Llama-2's)")
+    pl.add_argument("--markdown", action="store_true", help="--search: print the layouts as a Markdown table")
     _common(pl)
     return p
 
@@ -141,6 +157,11 @@ def run(args):
     if args.suite == "compare-torch":
         args.threads = args.threads or available_cores()
         return compare_torch.run(args)
+    if args.search:
+        return plan_search.run(args)
+    if args.pp > 1 or args.pp_virtual > 1:
+        return plan_pp.run(args)
+    args.accum = plan_pp.micro_batches(args)
     return plan.run(args)
 
 
@@ -162,7 +183,7 @@ def main(argv=None) -> int:
     if not _is_rank0(report):
         return 0
     if not args.quiet:
-        print(report.render(), flush=True)
+        print(report.extra.get("markdown") or report.render(), flush=True)
     if args.json:
         report.write_json(args.json)
         if not args.quiet:

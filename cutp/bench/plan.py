@@ -44,6 +44,9 @@ summed over the L layers, plus the fp32 logits 4*s*b*V/t; 4-byte activations dou
 the dropout masks (`activation_bytes_per_layer`). The formulas ignore the recomputation's own
 transient (one layer's stash, or the attention's probabilities, again during its backward).
 
+Pipeline parallelism (`--pp`, each stage's memory, the p2p bytes, the bubble): `cutp.bench.plan_pp`;
+the search for the layouts that fit (`--search`): `cutp.bench.plan_search`.
+
 Whether the total fits an 80 GB and a 141 GB GPU (GB = 1e9 bytes; the CUDA context, NCCL and
 cuBLAS workspaces and the allocator's fragmentation need some GB more).
 
@@ -136,7 +139,7 @@ def param_count(a: Arch, tp: int = 1) -> dict:
     total = L * sum(full.values()) + emb + head + pos + norm
     per_rank = L * sum(local.values()) + -(-emb // tp) + -(-head // tp) + pos + norm
     return {"total": total, "per_rank": per_rank, "layer": sum(full.values()), "layer_per_rank": sum(local.values()),
-            "embedding": emb, "lm_head": head, "position": pos}
+            "embedding": emb, "lm_head": head, "position": pos, "final_norm": norm}
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -103,6 +103,20 @@ def plot_compare(report, path):
 
 def plot_plan(report, path):
     plt = _plt()
+    if any(t.name == "stages" for t in report.tables):  # --pp: each stage's state and activations
+        rows = report.get("stages").rows
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        y = range(len(rows))
+        ax.barh(y, [r["state"] for r in rows], label="params, grads, optimizer")
+        ax.barh(y, [r["act"] for r in rows], left=[r["state"] for r in rows], label="activations")
+        ax.set_yticks(y, [f"stage {r['stage']}" for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("GB per GPU")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return
     rows = [r for r in report.get("memory").rows if r["what"] != "total"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.barh(range(len(rows)), [r["gb"] for r in rows])

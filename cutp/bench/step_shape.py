@@ -45,11 +45,16 @@ class StepShape:
     recompute: str = "none"  # "selective" (the core attention) or "full" (whole layers): GPT.set_recompute
     recompute_layers: int | None = None  # with "full": the first N layers (None: all)
     sequence_parallel: bool = False  # GPT.set_sequence_parallel (a no-op at tp 1)
+    # a pipeline stage (cutp.bench.step_pipeline): its layers' global indices (None: all), whether
+    # it holds the embeddings (first) and ln_f, the LM head and the loss (last; tied: a wte copy)
+    layer_ids: tuple | None = None
+    first_stage: bool = True
+    last_stage: bool = True
 
     @classmethod
     def of(cls, config, *, tp=1, tp_rank=0, micro_batch, seq_len, accum=1, dtype=None, device="cpu", threads=1,
            kernels=True, dp=1, dp_rank=0, distributed_optimizer=False, recompute="none", recompute_layers=None,
-           sequence_parallel=False):
+           sequence_parallel=False, layer_ids=None, first_stage=True, last_stage=True):
         """From a GPTConfig."""
         return cls(n_layer=config.n_layer, n_embd=config.n_embd, n_head=config.n_head, n_kv_head=config.kv_heads,
                    hidden=config.hidden, vocab=config.vocab_size, padded_vocab=config.padded_vocab(tp),
@@ -58,7 +63,14 @@ class StepShape:
                    dropout=config.dropout, label_smoothing=config.label_smoothing, gelu=config.gelu, kernels=kernels,
                    block_size=config.block_size, tie_embeddings=config.tie_embeddings, dp=dp, dp_rank=dp_rank,
                    distributed_optimizer=distributed_optimizer, recompute=recompute, recompute_layers=recompute_layers,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel,
+                   layer_ids=None if layer_ids is None else tuple(layer_ids), first_stage=first_stage,
+                   last_stage=last_stage)
+
+    @property
+    def layers(self) -> tuple:
+        """The global indices of the layers this rank holds (all of them without a pipeline)."""
+        return tuple(range(self.n_layer)) if self.layer_ids is None else self.layer_ids
 
     @property
     def sp(self) -> bool:
@@ -83,7 +95,9 @@ def local_parameters(s: StepShape) -> list[LocalParameter]:
     kind: "sharded" (every element this rank's own), "replicated" (the same on every TP rank:
     LayerNorms, the row-parallel layers' biases, the position embeddings) or "partial" (QKV with
     KV heads replicated over several ranks when tp > n_kv_head: only the first holder counts
-    them in the gradient norm). Their sum is `GPT.num_parameters_local()`."""
+    them in the gradient norm). Their sum is `GPT.num_parameters_local()`. A pipeline stage
+    (`s.layer_ids`): its layers, the embeddings on the first stage, ln_f (and an untied LM head) on
+    the last, which with tied embeddings holds its own copy of wte (the model's order: wte first)."""
     h, tp, hd = s.n_embd, s.tp, s.n_embd // s.n_head
     nq, b = s.n_head // tp, 1 if s.bias else 0
     nkv = len(kv_heads_of_rank(s.n_head, s.n_kv_head, tp, s.tp_rank))
@@ -91,14 +105,18 @@ def local_parameters(s: StepShape) -> list[LocalParameter]:
     replicas = tp // s.n_kv_head if tp > s.n_kv_head else 1
     qkv_kind = "partial" if s.tp_rank % replicas else "sharded"
     vocab = ("sharded", s.padded_vocab // tp * h)
-    out = [("wte.weight", vocab[1], vocab[0], True), ("wpe.weight", s.block_size * h, "replicated", True)]
+    out = []
+    if s.first_stage or (s.last_stage and s.tie_embeddings):
+        out.append(("wte.weight", vocab[1], vocab[0], True))
+    if s.first_stage:
+        out.append(("wpe.weight", s.block_size * h, "replicated", True))
 
     def norm(name):
         out.append((f"{name}.weight", h, "replicated", False))
         if b:
             out.append((f"{name}.bias", h, "replicated", False))
 
-    for i in range(s.n_layer):
+    for i in s.layers:
         p = f"h.{i}"
         norm(f"{p}.ln_1")
         out.append((f"{p}.attn.c_attn.weight", h * qkv, qkv_kind, True))
@@ -114,9 +132,10 @@ def local_parameters(s: StepShape) -> list[LocalParameter]:
         out.append((f"{p}.mlp.c_proj.weight", s.hidden // tp * h, "sharded", True))
         if b:
             out.append((f"{p}.mlp.c_proj.bias", h, "replicated", False))
-    norm("ln_f")
-    if not s.tie_embeddings:
-        out.append(("lm_head.weight", vocab[1], vocab[0], True))
+    if s.last_stage:
+        norm("ln_f")
+        if not s.tie_embeddings:
+            out.append(("lm_head.weight", vocab[1], vocab[0], True))
     return [LocalParameter(*p) for p in out]
 
 

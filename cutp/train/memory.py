@@ -102,8 +102,9 @@ def max_over_ranks(ctx, rec: dict) -> dict:
 def measured_step(run: TrainingRun, hooks: StepHooks | None = None) -> tuple[StepStats, dict]:
     """`train_step(run, hooks)` with its memory measured: (its StepStats, the memory record of
     every rank's largest figures, with each layer's stash measured after the first micro-batch's
-    forward). Collective. The step computes exactly what it computes unmeasured (only slower on
-    the CPU, where tracemalloc runs during it)."""
+    forward: one entry per layer of the model, each from the pipeline stage that holds it).
+    Collective. The step computes exactly what it computes unmeasured (only slower on the CPU,
+    where tracemalloc runs during it)."""
     probe = _StashProbe(hooks)
     with ActivationPeak(run.ctx) as peak:
         stats = train_step(run, probe)
@@ -180,8 +181,10 @@ class _StashProbe(StepHooks):
         self.inner.phase(name)
 
     def after_forward(self, run, micro):
-        if micro == 0 and self.per_layer is None:
-            self.per_layer = stash_per_layer(run.model)
+        if micro == 0 and self.per_layer is None:  # by global layer index: a pipeline stage's at theirs, 0 elsewhere
+            self.per_layer = [0] * run.model.config.n_layer
+            for i, b in zip(run.model.layers, stash_per_layer(run.model)):
+                self.per_layer[i] = b
         self.inner.after_forward(run, micro)
 
     def before_grad_sync(self, run):

@@ -100,8 +100,8 @@ def _interleaved(p, s, m, V):
         i, c = forward(k)
         return i, V - 1 - c
 
-    if m == p:
-        warmup = total  # every forward first (Megatron's all_warmup_microbatches)
+    if m == p:  # every forward first: Megatron's all_warmup_microbatches (without it, at m = p, the
+        warmup = total  # last stages' first backward would wait on a gradient sent after their own)
     else:
         warmup = min(2 * (p - s - 1) + (V - 1) * p, total)
     steady = total - warmup

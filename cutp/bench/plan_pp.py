@@ -1,0 +1,252 @@
+"""`python -m cutp bench plan --pp P`: memory per pipeline stage, the point-to-point bytes and the
+predicted bubble (`cutp.bench.plan` plans one rank of a pipeline-free mesh; this plans each stage).
+
+Stages (cutp/model.py): the layers split evenly over the P stages, or `--pp-layers a,b,..`; the
+embeddings on the first stage, ln_f, the LM head and the loss on the last, which with tied
+embeddings holds its own copy of the token embedding (its parameters, gradients and optimizer
+state count there too). `--pp-virtual V` (the interleaved schedule, Megatron's interleaved 1F1B):
+the layers split into P*V virtual stages (`--pp-layers` then gives P*V counts), virtual stage
+c*P + s is model chunk c of rank s; the first virtual stage holds the embeddings, the last one
+the head.
+
+State per stage: `plan.state_bytes` of the stage's parameters (the same buffers as a whole model's).
+
+Activations per stage: the micro-batches its schedule keeps in flight, each with what the
+stage's layers keep for backward (m = --accum micro-batches per step):
+
+    gpipe          m on every stage
+    1f1b           min(p - s, m) on stage s: the first stage holds the most
+    interleaved    min(m*V, 2*(p - s - 1) + (V - 1)*p + 1) chunk forwards on rank s (m*V when
+                   m = p: all forwards first), each of one chunk's layers (Megatron's
+                   get_num_warmup_microbatches, plus the steady state's one forward before its
+                   backward; cutp.train.pipeline.plan)
+
+A cutp preset's stage is walked array by array in the schedule's order (cutp.bench.step_pipeline);
+a --params architecture's stage holds, at the schedule's worst moment, the in-flight micro-batches'
+stashes (Korthikanti et al.'s per-layer formula, `plan.activation_bytes_per_layer`) and the last
+stage's fp32 logits for each of its own in flight.
+
+Point to point: one [b, s, h] activation per micro-batch forward to the next stage and one
+gradient back (the [b, s/t, h] sequence shard under sequence parallelism), in the activation dtype.
+
+Bubble: the idle fraction of the ideal schedule's step, (p - 1) / (V m + p - 1) with V model
+chunks per stage (`cutp.train.pipeline.pipeline_bubble`; `cutp bench model --pp` prints it next to
+the measured one).
+"""
+from __future__ import annotations
+
+from ..model import GPTConfig, stage_layers
+from ..runtime.errors import ConfigError
+from ..train.pipeline import SCHEDULES, pipeline_bubble
+from ..train.pipeline import plan as schedule_plan
+from .common import Report
+from .plan import (GPUS, ITEMSIZE, Arch, _check, _model, _ranks, activation_bytes_per_layer, check_layout,
+                   param_count, plan, resolve_dtype, state_bytes)
+from .step_pipeline import Chunk, stage_peak
+from .step_shape import StepShape, local_parameters
+
+def schedule_events(kind: str, p: int, stage: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
+    """The order of ("F" | "B", micro-batch, chunk) one rank runs: cutp's own schedule
+    (`cutp.train.pipeline.plan`) without its exchanges."""
+    return [op for op in schedule_plan(kind, p, stage, m, v) if op[0] != "X"]
+
+
+def m_in_flight(kind: str, p: int, stage: int, m: int) -> int:
+    """Micro-batches stage s holds at once: m under GPipe, min(p - s, m) under 1F1B."""
+    return m if kind == "gpipe" else min(p - stage, m)
+
+
+def in_flight(events, weight=lambda i, c: 1) -> float:
+    """The most (weighted) micro-batch chunks held at once: forwards run, backwards not yet."""
+    held, worst = 0, 0
+    for kind, i, c in events:
+        held += weight(i, c) if kind == "F" else -weight(i, c)
+        worst = max(worst, held)
+    return worst
+
+
+def check_pipeline(*, n_layer: int, pp: int, m: int, schedule: str | None, virtual: int = 1,
+                   pp_layers=None) -> tuple[str, list[list[Chunk]]]:
+    """(the schedule, each rank's model chunks), or ConfigError naming the numbers: the rules of
+    cutp's training (m >= pp for 1F1B) and Megatron's interleaved schedule (V >= 2, m a multiple
+    of pp)."""
+    _check("pp", pp)
+    _check("pp_virtual", virtual)
+    _check("accum", m)
+    kind = schedule or ("interleaved" if virtual > 1 else "1f1b")
+    if kind not in SCHEDULES:
+        raise ConfigError(f"--pp-schedule {kind!r}: use one of {', '.join(SCHEDULES)}")
+    if (kind == "interleaved") != (virtual > 1):
+        raise ConfigError(f"--pp-schedule {kind} with --pp-virtual {virtual}: the interleaved schedule runs V >= 2 "
+                          "model chunks per rank and the others one; give --pp-schedule interleaved with "
+                          "--pp-virtual 2 or more, or drop --pp-virtual")
+    if pp > 1 and kind == "1f1b" and m < pp:
+        raise ConfigError(f"the 1F1B schedule needs at least pp={pp} micro-batches per step, got --accum {m}; "
+                          f"use --accum {pp} or more, or --pp-schedule gpipe")
+    if kind == "interleaved" and m % pp:
+        raise ConfigError(f"the interleaved schedule needs a multiple of pp={pp} micro-batches per step, got "
+                          f"--accum {m}; use --accum {m - m % pp or pp} or {m - m % pp + pp}")
+    if pp_layers is not None and kind == "interleaved" and len(pp_layers) != pp * virtual:
+        raise ConfigError(f"--pp-layers gives {len(pp_layers)} counts; the interleaved schedule needs one per virtual "
+                          f"stage: pp x pp-virtual = {pp * virtual}")
+    vstages = stage_layers(n_layer, pp * virtual, pp_layers)
+    chunks = [[Chunk(vstages[c * pp + s], c == 0 and s == 0, c == virtual - 1 and s == pp - 1)
+               for c in range(virtual)] for s in range(pp)]
+    return kind, chunks
+
+
+def stage_parameters(a: Arch, tp: int, n_layers: int, first: bool, last: bool) -> int:
+    """Parameters of one TP rank of a --params architecture's stage of n_layers layers."""
+    pc = param_count(a, tp)
+    n = n_layers * pc["layer_per_rank"]
+    emb = -(-pc["embedding"] // tp)
+    if first:
+        n += emb + pc["position"]
+    if last:
+        n += pc["final_norm"] + (-(-pc["lm_head"] // tp) if not a.tied else (0 if first else emb))
+    return n
+
+
+def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int,
+                  schedule: str | None = None, virtual: int = 1, pp_layers=None, dtype: str | None = None,
+                  precision: str | None = None, distributed_optimizer: bool = False,
+                  config: GPTConfig | None = None, device: str = "cuda", threads: int = 1, recompute: str = "none",
+                  recompute_layers: int | None = None, sequence_parallel: bool = False) -> dict:
+    """Each stage's memory (state exact, activations per the schedule), the point-to-point bytes
+    and the bubble (the module docstring). The mesh, recomputation and dtype checks are
+    `plan.plan`'s (run at pp 1 first, on the whole model)."""
+    dtype = resolve_dtype(dtype, precision)
+    kind, chunks = check_pipeline(n_layer=a.n_layer, pp=pp, m=accum, schedule=schedule, virtual=virtual,
+                                  pp_layers=pp_layers)
+    check_layout(n_layer=a.n_layer, tp=tp, seq_len=seq_len, recompute=recompute, recompute_layers=recompute_layers,
+                 sequence_parallel=sequence_parallel)
+    layout = dict(recompute=recompute, recompute_layers=recompute_layers, sequence_parallel=sequence_parallel)
+    whole = plan(a, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=1, dtype=dtype,
+                 distributed_optimizer=distributed_optimizer, config=config, device=device, threads=threads,
+                 **layout)  # (the mesh's and the model's checks)
+    s, b, h = seq_len, micro_batch, a.n_embd
+    act_bytes = ITEMSIZE[dtype]
+    sp = sequence_parallel and tp > 1
+    stages = []
+    for rank, mine in enumerate(chunks):
+        events = schedule_events(kind, pp, rank, accum, virtual) if kind == "interleaved" else None
+        layers = [n for ch in mine for n in ch.layers]
+        first, last = mine[0].first, mine[-1].last
+        if config is not None:
+            shapes = [StepShape.of(config, tp=tp, tp_rank=r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype,
+                                   device=device, threads=threads, dp=dp, dp_rank=d,
+                                   distributed_optimizer=distributed_optimizer, layer_ids=layers, first_stage=first,
+                                   last_stage=last, **layout)
+                      for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
+            n_local = max(sum(p.numel for p in local_parameters(sh)) for sh in shapes)
+            walks = [stage_peak(sh, mine, kind, accum, pp, rank, events) for sh in shapes]
+            worst = max(walks, key=lambda w: w["activations_peak"])
+            act = {"bytes": worst["activations_peak"], "where": worst["where"],
+                   "stash_per_layer": [max(col) for col in zip(*(w["stash_per_layer"] for w in walks))],
+                   "in_flight": worst["in_flight"], "stash_per_micro_batch": worst["stash_per_micro_batch"]}
+        else:
+            n_local = stage_parameters(a, tp, len(layers), first, last)
+            full = a.n_layer if recompute_layers is None else recompute_layers
+            per_layer = {n: activation_bytes_per_layer(s, b, h, a.n_head, tp, act_bytes, recompute if (
+                recompute != "full" or n < full) else "none", sequence_parallel) for n in layers}
+            logits = 4 * s * b * a.vocab / tp
+            weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
+            count = in_flight(events) if events else m_in_flight(kind, pp, rank, accum)
+            act = {"bytes": in_flight(events, lambda i, c: weights[c]) if events else count * weights[0],
+                   "stash_per_layer": [per_layer[n] for n in layers], "in_flight": count,
+                   "stash_per_micro_batch": max(weights)}
+        st = state_bytes(n_local, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
+        state = st["params"] + st["grads"] + st["optimizer"]
+        stages.append({"stage": rank, "layers": [len(ch.layers) for ch in mine], "first": first, "last": last,
+                       "params_local": n_local, "padded_params": st["padded"], "params": st["params"],
+                       "grads": st["grads"], "optimizer": st["optimizer"], "state": state,
+                       "activations_peak": act["bytes"], "activations": act, "in_flight": act["in_flight"],
+                       "total": state + act["bytes"], "fits": {n: state + act["bytes"] <= cap for n, cap in GPUS}})
+    largest = max(range(pp), key=lambda i: (stages[i]["total"], -i))
+    message = b * s * h * act_bytes // (tp if sp else 1)
+    return {"arch": a.__dict__, "pp": pp, "tp": tp, "dp": dp, "gpus": pp * tp * dp, "schedule": kind,
+            "virtual": virtual, "micro_batches": accum, "micro_batch": b, "seq_len": s, "dtype": dtype,
+            "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
+            "params_total": whole["params_total"], "params_per_gpu_pp1": whole["params_per_gpu"],
+            "stages": stages, "largest_stage": largest, "bubble": pipeline_bubble(pp, accum, virtual),
+            "p2p_bytes_per_micro_batch": message,
+            "p2p_bytes_per_step": {"forward": accum * virtual * message, "backward": accum * virtual * message},
+            "fits": {n: all(st["fits"][n] for st in stages) for n, _ in GPUS}}
+
+
+
+def parse_pp_layers(text: str | None):
+    """'5,6,6,5' -> (5, 6, 6, 5); None stays None."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--pp-layers {text!r}: give the layers of each stage as integers, e.g. 5,6,6,5") from None
+
+
+def micro_batches(args) -> int:
+    """--accum, by default 1 without a pipeline and pp (the fewest 1F1B runs) with one."""
+    return args.accum if args.accum is not None else (args.pp if args.pp > 1 or args.pp_virtual > 1 else 1)
+
+
+def run(args) -> Report:
+    a, config = _model(args)
+    seq = args.seq_len or a.seq
+    r = plan_pipeline(a, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq,
+                      accum=micro_batches(args), schedule=args.pp_schedule, virtual=args.pp_virtual,
+                      pp_layers=parse_pp_layers(args.pp_layers), dtype=args.dtype, precision=args.precision,
+                      distributed_optimizer=args.distributed_optimizer, config=config, device=args.device,
+                      threads=args.threads, recompute=args.recompute, recompute_layers=args.recompute_layers,
+                      sequence_parallel=args.sequence_parallel)
+    report = Report("plan", {})
+    report.extra["plan"] = r
+    GB = 1e9
+    p, v, m = r["pp"], r["virtual"], r["micro_batches"]
+    sp = args.sequence_parallel and args.tp > 1
+    optimizer = f"distributed AdamW (ZeRO-1 over dp={args.dp})" if r["distributed_optimizer"] else "AdamW"
+    t = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=a.name)
+    for k, val in (("layers x width", f"{a.n_layer} x {a.n_embd}"),
+                   ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"),
+                   ("mesh", f"tp {args.tp} x pp {p} x dp {args.dp} = {r['gpus']} GPUs"),
+                   ("schedule", f"{r['schedule']}" + (f", {v} model chunks per rank" if v > 1 else "")
+                    + f", {m} micro-batches of {args.micro_batch} x {seq} per step"),
+                   ("dtype, optimizer", f"{r['dtype']}, {optimizer}"),
+                   ("recompute, SP", f"{args.recompute}" + (f" (first {args.recompute_layers} layers)"
+                                                            if args.recompute_layers else "")
+                    + (", sequence parallel" if sp else ", no sequence parallelism"))):
+        t.add(k=k, v=val)
+    st = report.table("stages", [("stage", "stage", "d"), ("layers", "layers", "", ">"), ("params", "params/GPU", ",d"),
+                                 ("state", "state GB", ",.2f"), ("in_flight", "in flight", "d"),
+                                 ("act", "activations GB", ",.2f"), ("total", "total GB", ",.2f"),
+                                 ("fits80", "80 GB", "", ">"), ("fits141", "141 GB", "", ">")],
+                      title="memory per pipeline stage and GPU (GB = 1e9 bytes)")
+    for s in r["stages"]:
+        what = "+".join(map(str, s["layers"])) + (" +emb" if s["first"] else "") + (" +head" if s["last"] else "")
+        st.add(stage=s["stage"], layers=what, params=s["params_local"], state=s["state"] / GB, in_flight=s["in_flight"],
+               act=s["activations_peak"] / GB, total=s["total"] / GB,
+               fits80="fits" if s["fits"]["80 GB"] else "no", fits141="fits" if s["fits"]["141 GB"] else "no")
+    big = r["stages"][r["largest_stage"]]
+    st.notes.append(f"stage {big['stage']} holds the most: {big['total'] / GB:,.2f} GB"
+                    + (" (1F1B: the first stage keeps the most micro-batches in flight)"
+                       if r["schedule"] != "gpipe" and big["stage"] == 0 else ""))
+    st.notes.append("state: parameters, gradients and optimizer state of the stage's layers (+ the embeddings on the "
+                    "first stage, ln_f and the LM head on the last; tied: the last stage's own wte copy)")
+    unit = "chunk forwards" if v > 1 else "micro-batches"
+    st.notes.append(f"in flight: the {unit} whose activations a stage holds at once ({r['schedule']}); activations: "
+                    + ("cutp's step on that stage, simulated in the schedule's order" if config is not None
+                       else "that many stashes of the stage's layers (Korthikanti et al.), + the fp32 logits on the "
+                            "last stage"))
+    for name, cap in GPUS:
+        verdict = "every stage fits" if r["fits"][name] else "does not fit"
+        st.notes.append(f"{name} GPU: {verdict} (the largest {big['total'] / GB:,.1f} GB of {cap / GB:,.0f})")
+    pipe = report.table("pipeline", [("what", "pipeline", "", "<"), ("value", "", "", "<")],
+                        title="point to point and bubble")
+    msg = r["p2p_bytes_per_micro_batch"]
+    pipe.add(what="p2p per micro-batch", value=f"{msg / 1e6:,.2f} MB each way ([{args.micro_batch}, {seq}"
+             + (f"/{args.tp}" if sp else "") + f", {a.n_embd}] {r['dtype']})")
+    pipe.add(what="p2p per step and stage", value=f"{m * v} sends forward, {m * v} backward (the last stage "
+             f"{m * (v - 1)} forward, the first {m * (v - 1)} backward): {r['p2p_bytes_per_step']['forward'] / 1e9:,.3f} GB each way")
+    pipe.add(what="predicted bubble", value=f"{100 * r['bubble']:.1f}% = " + ("(p-1)/(V*m+p-1)" if v > 1 else "(p-1)/(m+p-1)")
+             + f" with p={p}, m={m}" + (f", V={v}" if v > 1 else ""))
+    return report

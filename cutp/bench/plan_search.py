@@ -1,0 +1,151 @@
+"""`python -m cutp bench plan --params 70B --search [--gpus 64] [--gpu-memory 80]`: the TP x PP x
+DP layouts of up to --gpus GPUs on which a --params architecture trains within a GPU's memory.
+
+For each TP size in 1, 2, 4, 8 (inside a node; those the heads split over) and each PP size that
+divides the layers or is a power of two (then the layers split near-evenly, the larger stages
+last: the first stage keeps the most micro-batches in flight under 1F1B), the fewest GPUs that fit: DP = 1, 2,
+4, ... with tp * pp * dp <= --gpus, the least recomputation that fits (none, then selective,
+then full), always with the distributed optimizer (ZeRO-1 over DP), sequence parallelism (when
+tp > 1) and the 1F1B schedule, micro-batch --micro-batch x the model's context, bf16 (--dtype).
+A layout fits when its largest stage (`plan_pp.plan_pipeline`) fits --gpu-memory GB (1e9 bytes;
+the CUDA context, NCCL and the allocator need some GB more). m = --batch-size / (dp x
+micro-batch) micro-batches per step (default 4M tokens: Llama-2's batch), at least pp for 1F1B;
+the bubble (p-1)/(m+p-1) follows from it.
+"""
+from __future__ import annotations
+
+from ..model import _near_even
+from ..runtime.errors import ConfigError
+from ..tensor_parallel.validation import check_attention, check_mlp
+from .common import Report
+from .plan import _check, _model
+from .plan_pp import plan_pipeline
+
+TPS = (1, 2, 4, 8)
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _powers(limit: int) -> list[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, micro_batch: int, seq_len: int,
+                batch_size: int) -> dict:
+    """The smallest DP (and the least recomputation) at which tp x pp fits `capacity` bytes:
+    {"fits": bool, "dp", "recompute", "plan"}; when nothing fits, the layout that came closest."""
+    layers = None if a.n_layer % pp == 0 else tuple(_near_even(a.n_layer, pp))
+    best = None
+    for dp in _powers(gpus // (tp * pp)):
+        m = batch_size // (dp * micro_batch)
+        if m < pp:
+            break
+        for recompute in RECOMPUTE:
+            r = plan_pipeline(a, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=m,
+                              pp_layers=layers, dtype=dtype, distributed_optimizer=True, recompute=recompute,
+                              sequence_parallel=tp > 1)
+            peak = r["stages"][r["largest_stage"]]["total"]
+            found = {"fits": peak <= capacity, "dp": dp, "recompute": recompute, "plan": r, "peak": peak}
+            if found["fits"]:
+                return found
+            if best is None or peak < best["peak"]:
+                best = found
+    return best or {"fits": False, "dp": None, "recompute": None, "plan": None, "peak": None}
+
+
+def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat16", micro_batch: int = 1,
+           seq_len: int | None = None, batch_size: int | None = None) -> list[dict]:
+    """One row per (tp, pp) of up to `gpus` GPUs: for each capacity its fewest-GPU fit (`fewest_gpus`)."""
+    seq = seq_len or a.seq
+    batch = batch_size or max(1, (1 << 22) // seq)
+    rows = []
+    for tp in TPS:
+        if tp > gpus or not _splits(a, tp):
+            continue
+        top = min(a.n_layer, gpus // tp)
+        for pp in sorted(set(_powers(top)) | {d for d in range(1, top + 1) if a.n_layer % d == 0}):
+            counts = _near_even(a.n_layer, pp)
+            row = {"tp": tp, "pp": pp, "layers": f"{counts[0]}" if a.n_layer % pp == 0 else
+                   f"{counts[0]}-{counts[-1]}", "fit": {}}
+            for cap in capacities:
+                row["fit"][cap] = fewest_gpus(a, tp=tp, pp=pp, gpus=gpus, capacity=cap, dtype=dtype,
+                                              micro_batch=micro_batch, seq_len=seq, batch_size=batch)
+            rows.append(row)
+    return rows
+
+
+def _splits(a, tp: int) -> bool:
+    """Whether training splits the model's heads and MLP over tp (the rules `plan` applies)."""
+    try:
+        check_attention(a.n_embd, a.n_head, a.n_kv_head, tp)
+        check_mlp(a.n_embd, a.ffn, tp)
+    except ConfigError:
+        return False
+    return True
+
+
+def _cells(f: dict, tp: int, pp: int) -> dict:
+    if f["plan"] is None:
+        return {"dp": None, "gpus": None, "recompute": "-", "first": None, "last": None, "bubble": None, "ok": "no"}
+    st, r = f["plan"]["stages"], f["plan"]
+    return {"dp": f["dp"], "gpus": tp * pp * f["dp"], "recompute": f["recompute"], "first": st[0]["total"] / 1e9,
+            "last": st[-1]["total"] / 1e9, "bubble": 100 * r["bubble"], "ok": "fits" if f["fits"] else "no"}
+
+
+def markdown(a, rows, capacities, gpus: int) -> str:
+    """The search as a Markdown table (README)."""
+    head = ["TP", "PP", "layers/stage"]
+    for cap in capacities:
+        g = f"{cap / 1e9:g} GB"
+        head += [f"{g}: fewest GPUs (DP)", "recompute", "stage 0 / last GB", "bubble"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in rows:
+        cells = [str(row["tp"]), str(row["pp"]), row["layers"]]
+        for cap in capacities:
+            c = _cells(row["fit"][cap], row["tp"], row["pp"])
+            if c["ok"] != "fits":
+                cells += [f"no (> {gpus})", "-", "-" if c["first"] is None else
+                          f"{c['first']:.0f} / {c['last']:.0f} at {c['gpus']}", "-"]
+            else:
+                cells += [f"{c['gpus']} ({c['dp']})", c["recompute"], f"{c['first']:.1f} / {c['last']:.1f}",
+                          f"{c['bubble']:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args) -> Report:
+    if args.preset:
+        raise ConfigError("--search plans --params architectures (70B, 175B, ...); for a --preset give its layout "
+                          "with --tp, --pp and --dp")
+    if args.plot:
+        raise ConfigError("--plot draws one layout's memory; --search lists layouts (use --json or --markdown)")
+    _check("gpus", args.gpus)
+    caps = tuple(g * 1e9 for g in (args.gpu_memory or (80, 141)))
+    if min(caps) <= 0:
+        raise ConfigError(f"--gpu-memory {min(caps) / 1e9:g}: give the GB of one GPU, e.g. 80")
+    a, _ = _model(args)
+    dtype = args.dtype or "bfloat16"
+    rows = search(a, gpus=args.gpus, capacities=caps, dtype=dtype, micro_batch=args.micro_batch,
+                  seq_len=args.seq_len, batch_size=args.batch_size)
+    report = Report("plan", {})
+    report.extra["search"] = [{**{k: v for k, v in r.items() if k != "fit"},
+                               "fit": {f"{c / 1e9:g} GB": _cells(f, r["tp"], r["pp"]) for c, f in r["fit"].items()}}
+                              for r in rows]
+    if args.markdown:
+        report.extra["markdown"] = markdown(a, rows, caps, args.gpus)
+    seq = args.seq_len or a.seq
+    for cap in caps:
+        g = f"{cap / 1e9:g} GB"
+        t = report.table(f"layouts {g}", [("tp", "TP", "d"), ("pp", "PP", "d"), ("layers", "layers/stage", "", ">"),
+                                          ("gpus", "GPUs", "d"), ("dp", "DP", "d"), ("recompute", "recompute", "", ">"),
+                                          ("first", "stage 0 GB", ",.1f"), ("last", "last stage GB", ",.1f"),
+                                          ("bubble", "bubble %", ".1f"), ("ok", g, "", ">")],
+                         title=f"{a.name} on {g} GPUs: the fewest GPUs (up to {args.gpus}) per TP x PP")
+        for r in rows:
+            t.add(tp=r["tp"], pp=r["pp"], layers=r["layers"], **_cells(r["fit"][cap], r["tp"], r["pp"]))
+        t.notes.append(f"{dtype}, distributed optimizer, sequence parallelism at tp > 1, 1F1B, micro-batch "
+                       f"{args.micro_batch} x {seq}; the least recomputation that fits; 'no': the closest layout")
+    return report

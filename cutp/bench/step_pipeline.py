@@ -1,0 +1,211 @@
+"""The activation memory of one pipeline stage's training step, simulated (`bench plan --pp`).
+
+`stage_peak(shape, chunks, events)` walks the step of one pipeline rank the way
+cutp/train/pipeline.py runs it: the schedule's forwards and backwards of its micro-batches in
+order (`cutp.bench.plan_pp.schedule_events`), each one the model's own walk
+(`cutp.bench.step_memory`) over the stage's layers (the embedding on the first stage, ln_f, the
+LM head and the loss on the last). Between a micro-batch's forward and its backward everything
+its forward cached is held aside (what `GPT.take_activations` does), so a stage holds as many
+micro-batches' stashes as its schedule keeps in flight.
+
+The point-to-point buffers are booked as the schedule's code holds them: a received input is
+the stage's first layer's input (the LayerNorm keeps it) and, in 1F1B, the `inp` local keeps the
+latest one too; a received output gradient lives through the whole stage backward (the frames
+hold it); in 1F1B's steady state the stage's last output and its last input gradient stay bound
+to `out` and `dx` until the next ones replace them (to the end of the step after the last).
+Messages are [b, T, h] (or the [b, T/tp, h] shard under sequence parallelism) in the activation
+dtype; MPI's send and receive work on them in place.
+
+The interleaved schedule (V model chunks per rank; not trained by cutp yet) is walked in the
+order of Megatron's interleaved 1F1B, each message dropped once it is sent.
+"""
+from __future__ import annotations
+
+from .step_memory import _Walk
+from .step_shape import Heap, StepShape
+
+
+class RefHeap(Heap):
+    """A Heap whose arrays may have several holders: `hold` adds one, `free` drops one, and the
+    array goes when its last holder does (the pipeline's locals next to the layers' caches)."""
+
+    def __init__(self, round_to: int = 1):
+        super().__init__(round_to)
+        self.refs: dict[str, int] = {}
+
+    def hold(self, key: str) -> None:
+        self.refs[key] = self.refs.get(key, 1) + 1
+
+    def free(self, *keys: str) -> None:
+        for k in keys:
+            n = self.refs.pop(k, 1) - 1
+            if n > 0:
+                self.refs[k] = n
+            else:
+                super().free(k)
+
+    def set_aside(self, keys) -> dict:
+        """Takes `keys` out of the live set (they stay counted): one micro-batch's stash."""
+        return {k: (self.live.pop(k), self.refs.pop(k, 1)) for k in keys}
+
+    def put_back(self, kept: dict) -> None:
+        for k, (n, r) in kept.items():
+            if k in self.live:
+                raise KeyError(f"simulated array {k!r} restored over a live one")
+            self.live[k] = n
+            if r != 1:
+                self.refs[k] = r
+
+
+class Chunk:
+    """One model chunk of a rank: its layers' global indices, whether it holds the embedding
+    (the first virtual stage) and the head (the last)."""
+
+    def __init__(self, layers, first: bool, last: bool):
+        self.layers, self.first, self.last = tuple(layers), first, last
+
+
+class _StageWalk(_Walk):
+    def __init__(self, s: StepShape, chunks: list[Chunk]):
+        super().__init__(s)
+        self.heap = RefHeap(self.heap.round_to)
+        self.chunks = chunks
+        self.kept: dict = {}  # (micro-batch, chunk) -> its stash, set aside
+        self.inputs: dict = {}  # (micro-batch, chunk) -> the layers' inputs
+        self.in_flight = 0
+        self.layer_stash: dict = {}  # global layer index -> bytes it keeps after its first forward
+        self.stash_bytes: dict = {}  # (micro-batch, chunk) -> bytes set aside after its forward
+        self.message = self.Ns * self.h * self.a  # one activation (or its gradient) between stages
+
+    def recv(self, key):
+        self.heap.alloc(key, self.message)
+        return key
+
+    def forward(self, i, c, inp):
+        """Chunk c's forward of micro-batch i; returns its output's key (None on the last stage)."""
+        H, ch = self.heap, self.chunks[c]
+        before = set(H.live)
+        x = self.embedding() if ch.first else inp
+        inputs = []
+        for n in ch.layers:
+            inputs.append(x)
+            x = self.block_fwd(f"h{n}", x, keep=not self.s.recomputed(n))
+        out = None
+        if ch.last:
+            self.head_fwd()
+        else:
+            out = f"out.{i}.{c}"
+            H.live[out] = H.live.pop(x)  # the stage's output: the schedule's now, not the layers'
+        new = [k for k in H.live if k not in before and k != out]
+        held = sum(H.live[k] for k in new)
+        if inp is not None:  # the received input (its own name: not set aside): the first LayerNorm keeps it
+            H.hold(inp)
+            held += H.live[inp]
+        for j, n in enumerate(ch.layers):  # what each layer keeps for backward after its first forward
+            self.layer_stash.setdefault(n, H.live[inputs[j]] + sum(v for k, v in H.live.items()
+                                                                   if k.startswith(f"h{n}.") and k != f"h{n}.out"))
+        self.stash_bytes[(i, c)] = held
+        self.kept[(i, c)] = (H.set_aside(new), inputs, x if ch.last else None)
+        self.in_flight = max(self.in_flight, len(self.kept))
+        return out
+
+    def backward(self, i, c, grad):
+        """Chunk c's backward of micro-batch i; `grad`: the received output gradient's key (held
+        by the caller too). Returns the input gradient's key (None on the first stage)."""
+        H, ch = self.heap, self.chunks[c]
+        kept, inputs, x_last = self.kept.pop((i, c))
+        H.put_back(kept)
+        if ch.last:
+            d = self.head_bwd(x_last)
+        else:
+            H.hold(grad)  # the last layer's backward drops one holder; the frames keep the other
+            d = grad
+        for n, x in zip(reversed(ch.layers), reversed(inputs)):
+            d = self.block_bwd(f"h{n}", d, x, recomputed=self.s.recomputed(n))
+        if ch.first:
+            self.embedding_bwd(d)
+            return None
+        dx = f"dx.{i}.{c}"
+        H.live[dx] = H.live.pop(d)
+        return dx
+
+    def release(self, *keys):
+        self.heap.free(*(k for k in keys if k is not None))
+
+    # ---- schedules (cutp/train/pipeline.py) ------------------------------------------------------
+    def gpipe(self, m):
+        first, last = self.chunks[0].first, self.chunks[-1].last
+        for i in range(m):
+            inp = None if first else self.recv(f"in.{i}.0")
+            out = self.forward(i, 0, inp)
+            self.release(inp, out)  # (inp: the local's hold; the stash keeps it)
+        for i in range(m):
+            g = None if last else self.recv(f"g.{i}.0")
+            self.release(self.backward(i, 0, g), g)
+
+    def one_f_one_b(self, m, p, stage):
+        first, last = self.chunks[0].first, self.chunks[-1].last
+        warmup = min(p - stage - 1, m)
+        steady = m - warmup
+        for i in range(warmup):
+            inp = None if first else self.recv(f"in.{i}.0")
+            out = self.forward(i, 0, inp)
+            self.release(inp, out)
+        inp = None if (first or not steady) else self.recv(f"in.{warmup}.0")
+        out = dx = None
+        for k in range(steady):
+            new_out = self.forward(warmup + k, 0, inp)
+            self.release(out)
+            out = new_out
+            g = None if last else self.recv(f"g.{k}.0")  # sendrecv: out is sent, g received
+            new_dx = self.backward(k, 0, g)
+            self.release(g, dx)
+            dx = new_dx
+            if k < steady - 1 and not first:
+                new_inp = self.recv(f"in.{warmup + k + 1}.0")  # sendrecv: dx is sent
+                self.release(inp)
+                inp = new_inp
+        for i in range(steady, m):
+            g = None if last else self.recv(f"g.{i}.0")
+            self.release(self.backward(i, 0, g), g)
+        self.release(out, dx, inp)  # the locals, at the function's return
+
+    def interleaved(self, events):
+        for kind, i, c in events:
+            ch = self.chunks[c]
+            if kind == "F":
+                inp = None if ch.first else self.recv(f"in.{i}.{c}")
+                self.release(inp, self.forward(i, c, inp))
+            else:
+                g = None if ch.last else self.recv(f"g.{i}.{c}")
+                self.release(self.backward(i, c, g), g)
+
+    def run(self, kind, m, p, stage, events):
+        s, H = self.s, self.heap
+        if self.cpu:  # the step's token windows, read up front (host memory: not in a GPU's pool)
+            H.alloc("batches", m * s.micro_batch * (s.seq_len + 1) * 8)
+            H.temp(s.micro_batch * (s.seq_len + 1) * 8 + 4 * self.N, what="batch")
+        if kind == "gpipe":
+            self.gpipe(m)
+        elif kind == "1f1b":
+            self.one_f_one_b(m, p, stage)
+        else:
+            self.interleaved(events)
+        assert not self.kept, sorted(self.kept)
+        self.optimizer_phase()
+        return H
+
+
+def stage_peak(shape: StepShape, chunks: list[Chunk], kind: str, m: int, p: int, stage: int,
+               events=None) -> dict:
+    """One pipeline rank's step (module docstring): {"activations_peak", "where", "left" (the
+    simulated arrays still live at the end: the token windows only), "stash_per_layer" (the
+    bytes each of the rank's layers keeps after the first forward), "in_flight" (the most
+    micro-batches held at once), "stash_per_micro_batch" (bytes held aside per micro-batch and
+    chunk after its forward)}. `events`: the interleaved schedule's ("F"|"B", micro-batch,
+    chunk) order."""
+    walk = _StageWalk(shape, chunks)
+    heap = walk.run(kind, m, p, stage, events)
+    return {"activations_peak": heap.peak, "where": heap.where, "left": sorted(heap.live),
+            "stash_per_layer": [walk.layer_stash[n] for n in shape.layers], "in_flight": walk.in_flight,
+            "stash_per_micro_batch": max(walk.stash_bytes.values())}
