@@ -326,9 +326,15 @@ def load_hf_gpt2(path: str, dtype: str = "float32", dropout: float = 0.0) -> tup
 
 
 def _load_streaming(model: GPT, tensors) -> None:
-    """Each full tensor in turn -> this rank's shard; peak host memory is one full tensor."""
+    """Each full tensor in turn -> this rank's shard; peak host memory is one full tensor. A
+    pipeline stage keeps its own parameters' tensors (the last stage's tied wte copy included)."""
+    loaded = set()
     for name, a in tensors:
         model.load_full_state_dict({name: a}, strict=False)
+        loaded.add(name)
+    missing = sorted(set(model.named_parameters()) - loaded)
+    if missing:
+        raise HFFormatError(f"the checkpoint has no tensors for {missing[:8]}{'...' if len(missing) > 8 else ''}")
 
 
 _ARCH_FIELDS = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "vocab_size", "block_size", "bias",

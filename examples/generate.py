@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all ranks)")
+    p.add_argument("--pp", type=int, default=1, help="generation runs without pipeline stages: a checkpoint of "
+                   "any PP size loads at pp 1 (TP over the ranks); --pp > 1 says so and does that")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="for Hugging Face weights")
     stop = p.add_mutually_exclusive_group()
@@ -74,6 +76,10 @@ def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD.Get_size()
     ctx = cutp.init(tp=args.tp or world, device=args.device)
+    if args.pp > 1 and ctx.rank == 0:
+        print(f"note: --pp {args.pp}: generation runs the whole model on every TP group, without pipeline "
+              f"stages; the checkpoint is loaded at pp 1, tp {ctx.tp_size} (its stages' files read and resharded)",
+              file=sys.stderr, flush=True)
     model = load(args.ckpt, ctx, args.dtype)
     V = model.config.vocab_size
     try:

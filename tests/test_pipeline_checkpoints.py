@@ -18,11 +18,12 @@ from cutp.bench.model import random_tokens
 from cutp.checkpoint import CheckpointError, export_full, load_model, main as ckpt_main
 from cutp.checkpoint_files import expected_files, read_meta, write_meta
 from cutp.hf import from_hf_gpt2, save_hf_gpt2
-from cutp.model import GPTConfig
+from cutp.model import GPT, GPTConfig
 from cutp.train import RunConfig, build_run, evaluate, save, train_step
 from tests.mpirun import run_mpi
 
 DATA = dict(vocab=97, n=4096, seed=0)
+GENERATE = "examples.generate:main"
 
 
 def _config(tp=1, dp=1, pp=1, pp_layers=None, zero=False, dropout=0.0, tie=True, **run):
@@ -209,3 +210,55 @@ def test_train_gpt_resumes_a_pipeline_run_bit_identically(tmp_path):
     run_mpi(1, "examples.train_gpt:main", base + ["--steps", "4", "--resume", str(run / "step-00000002"),
                                                   "--metrics", str(one)], timeout=120)
     np.testing.assert_allclose([r["loss"] for r in read(one)], [r["loss"] for r in a], rtol=1e-10, atol=0)
+
+
+# ---- --init-from into pipeline stages -----------------------------------------------------------
+def _worker_init_from(tmp):
+    from mpi4py import MPI
+
+    from cutp.train import resolve_run_config
+    from tests.tp_utils import self_ctx
+
+    world = MPI.COMM_WORLD
+    hf, data = os.path.join(tmp, "hf"), os.path.join(tmp, "data.txt")
+    if world.Get_rank() == 0:
+        with open(data, "w") as f:
+            f.write("def read_config(path):\n    return open(path).read()\n" * 60)
+        model = GPT(self_ctx(), GPTConfig(n_layer=4, n_head=2, n_embd=16, vocab_size=300, block_size=32), seed=5)
+        save_hf_gpt2(model, hf)  # (random initial weights, as GPT-2's files hold them)
+    world.Barrier()
+
+    def losses(comm, **mesh):
+        cfg = resolve_run_config(comm, init_from=hf, dtype="float64", steps=3, batch_size=4, micro_batch_size=1,
+                                 seq_len=16, data=data, eval_every=0, quiet=True, dropout=0.1, **mesh)
+        run = build_run(cfg, comm)
+        try:
+            out = [train_step(run).loss for _ in range(3)]
+            if cfg.out:
+                save(run)
+            return out
+        finally:
+            run.close()
+
+    got = {"pp2": losses(world, pp=2, out=os.path.join(tmp, "pp2")), "pp2v2": losses(world, pp=2, pp_virtual=2)}
+    if world.Get_rank() == 0:
+        ref = losses(MPI.COMM_SELF)
+        for name, ls in got.items():
+            _close(ls, ref, name)
+    world.Barrier()
+
+
+def test_init_from_hugging_face_into_pipeline_stages_and_generation_at_pp1(tmp_path):
+    """Fine-tuning from GPT-2 files at pp 2 (and V = 2 chunks) gives pp 1's losses; examples/generate.py
+    asked for --pp 2 says it loads the pipeline checkpoint at pp 1, and samples what one rank does."""
+    run_mpi(2, "tests.test_pipeline_checkpoints:_worker_init_from", str(tmp_path), timeout=180)
+    ckpt = os.path.join(tmp_path, "pp2")
+    argv = ["--ckpt", ckpt, "--device", "cpu", "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--temperature",
+            "0", "--print-ids"]
+    two = run_mpi(2, GENERATE, argv + ["--pp", "2"], timeout=120)
+    one = run_mpi(1, GENERATE, argv, timeout=120)
+    assert "note: --pp 2: generation runs the whole model on every TP group" in two.stdout, two.stdout
+    assert "loaded at pp 1, tp 2" in two.stdout
+    ids = [line for line in two.stdout.splitlines() if line.startswith("ids:")]
+    assert len(ids) == 1 and ids == [line for line in one.stdout.splitlines() if line.startswith("ids:")], (
+        two.stdout, one.stdout)

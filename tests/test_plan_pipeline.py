@@ -33,8 +33,9 @@ def _worker_stages_measured_equal_planned(cases):
         tp, pp, B, T, m, dp = case["tp"], case["pp"], case["B"], case["T"], case["m"], case.get("dp", 1)
         layout = {k: case[k] for k in ("sequence_parallel", "recompute", "distributed_optimizer") if k in case}
         pp_layers = case.get("pp_layers")
+        virtual = case.get("virtual", 1)
         cfg = train.resolve_run_config(comm, preset="tiny", set=case["set"], dtype=case["dtype"], tp=tp, pp=pp, dp=dp,
-                                       pp_schedule=case["schedule"], pp_layers=pp_layers, batch_size=B * m * dp, micro_batch_size=B,
+                                       pp_schedule=case["schedule"], pp_layers=pp_layers, pp_virtual=virtual, batch_size=B * m * dp, micro_batch_size=B,
                                        seq_len=T, steps=4, device="cpu", eval_every=0, quiet=True,
                                        save_on_signal=False, **layout)
         run = train.build_run(cfg, comm, dataset=random_tokens(cfg.model.vocab_size, 1 << 15, 0))
@@ -47,7 +48,7 @@ def _worker_stages_measured_equal_planned(cases):
         ranks = comm.allgather(mine)
         planned = plan_pp.plan_pipeline(plan.arch_from_config("tiny", cfg.model), pp=pp, tp=tp, dp=dp,
                                         micro_batch=B, seq_len=T, accum=m, schedule=case["schedule"],
-                                        pp_layers=pp_layers,
+                                        pp_layers=pp_layers, virtual=virtual,
                                         dtype=case["dtype"], config=cfg.model, device="cpu", threads=1, **layout)
         run.close()
         for st in planned["stages"]:
@@ -75,8 +76,9 @@ class _FirstForward(train.StepHooks):
             self.out.append(stash_per_layer(run.model))
 
 
-PP2 = [  # untied (the head's own weight) and tied (the last stage's wte copy), 1F1B and GPipe
+PP2 = [  # untied (the head's own weight) and tied (the last stage's wte copy), 1F1B, GPipe, interleaved
     dict(tp=1, pp=2, B=2, T=64, m=4, dtype="float32", schedule="1f1b", set=["n_layer=2", "tie_embeddings=false"]),
+    dict(tp=1, pp=2, B=2, T=64, m=4, dtype="float32", schedule="interleaved", virtual=2, set=["n_layer=4"]),
     dict(tp=1, pp=2, B=2, T=64, m=3, dtype="float64", schedule="gpipe", pp_layers=(1, 2),
          set=["n_layer=3", "dropout=0.1"]),
 ]

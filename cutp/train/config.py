@@ -218,9 +218,6 @@ class RunConfig:
         if self.pp_schedule == "interleaved" and m % self.pp:
             raise ConfigError(f"the interleaved schedule needs a multiple of pp={self.pp} micro-batches per step, "
                               f"and {how}; change --batch-size or --micro-batch-size so that pp divides it")
-        if self.init_from:
-            raise ConfigError(f"--pp {self.pp}: --init-from does not load into pipeline stages yet (issue 15); "
-                              "fine-tune with --pp 1")
 
     # ---- derived quantities --------------------------------------------------------------------
     @property

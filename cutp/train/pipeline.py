@@ -195,8 +195,14 @@ class Schedule:
         else:
             self.outputs[(i, c)] = out
         ctx.watchdog.progress()
-        if c == 0:  # (with its activations still in the modules: memory hooks measure them)
+        if c == model.pp_virtual - 1:  # the hooks see all the micro-batch's activations in the modules
+            earlier = [self.kept[(i, e)] for e in range(c)]  # (its earlier chunks, not yet run backward)
+            for kept in earlier:
+                model.restore_activations(kept)
             self.hooks.after_forward(self.run, i)
+            for kept in earlier:
+                for m, k, _ in kept:
+                    setattr(m, k, None)
         self.kept[(i, c)] = model.take_activations()
         self.max_in_flight = max(self.max_in_flight, len(self.kept))
 
