@@ -216,6 +216,15 @@ def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
 
 
+def nvcc_release(nvcc: str | None = None) -> str:
+    """'13.0 (V13.0.88)': the release line of ``nvcc --version`` (registers depend on it)."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on $PATH or in /usr/local/cuda*/bin")
+    m = re.search(r"release ([\d.]+), (V[\d.]+)", _nvcc_version(nvcc))
+    return f"{m.group(1)} ({m.group(2)})" if m else "unknown"
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("CUTP_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "cutp-cache")
     d = Path(base) / "kernel_resources"

@@ -278,7 +278,13 @@ def test_readme_table_is_what_the_tool_prints(res):
     readme = (ROOT / "kernels" / "README.md").read_text()
     assert readme.count(tool.BEGIN) == 1 and readme.count(tool.END) == 1, "kernels/README.md lost its table markers"
     current = readme[readme.index(tool.BEGIN):readme.index(tool.END) + len(tool.END)]
-    want = tool.markdown(res)
-    assert current == want, ("kernels/README.md's resource table is stale: run `python tools/kernel_resources.py` "
-                             "and paste its output between the markers")
+    release = kr.nvcc_release()
+    m = re.search(r"ptxas of nvcc (.*):", current)
+    assert m, "kernels/README.md's resource table does not say which nvcc it is from"
+    if m.group(1) != release:
+        pytest.skip(f"kernels/README.md's resource table is from nvcc {m.group(1)}, this machine has {release}: "
+                    "registers differ between releases (the budgets above are still checked)")
+    want = tool.markdown(res, release)
+    assert current == want, "kernels/README.md's resource table is stale: run `python tools/kernel_resources.py --write`"
+    assert tool.replace_table(readme, want) == readme
     assert set(tool.TRAFFIC) == set(kr.TARGETS)

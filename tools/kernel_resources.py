@@ -3,6 +3,7 @@ spills, static and dynamic shared memory, theoretical occupancy on H100, bytes m
 and the roofline bound on H100 and H200.
 
     python tools/kernel_resources.py            # prints the Markdown table (compiles with nvcc)
+    python tools/kernel_resources.py --write    # replaces it in kernels/README.md
 
 Registers, spills and static shared memory are ptxas's (``cutp.kernels.resources``, which
 compiles what NVRTC compiles); the block size and occupancy target are ``resources.TARGETS``;
@@ -116,9 +117,11 @@ HEADER = ["kernel", "registers sm_80 / sm_90", "budget (blocks x threads)", "spi
           "H200 bound, Gelem/s"]
 
 
-def markdown(res: dict) -> str:
-    """The README's table (between BEGIN and END), with its notes."""
-    lines = [BEGIN, "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+def markdown(res: dict, release: str) -> str:
+    """The README's table (between BEGIN and END), with its notes; `release`: nvcc's
+    (resources.nvcc_release())."""
+    lines = [BEGIN, "", f"ptxas of nvcc {release}:", "", "| " + " | ".join(HEADER) + " |",
+             "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(r) + " |" for r in rows(res)]
     lines.append("")
     for fam, dyn in kr.DYNAMIC_SHARED.items():
@@ -139,8 +142,22 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    print(markdown(kr.compile_all()))
+README = Path(__file__).resolve().parent.parent / "kernels" / "README.md"
+
+
+def replace_table(readme: str, table: str) -> str:
+    """`readme` with the text from BEGIN to END replaced by `table`."""
+    i, j = readme.index(BEGIN), readme.index(END) + len(END)
+    return readme[:i] + table + readme[j:]
+
+
+def main(argv=None) -> int:
+    write = "--write" in (sys.argv[1:] if argv is None else argv)
+    table = markdown(kr.compile_all(), kr.nvcc_release())
+    if write:
+        README.write_text(replace_table(README.read_text(), table))
+    else:
+        print(table)
     return 0
 
 
