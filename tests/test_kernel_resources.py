@@ -98,6 +98,7 @@ def test_every_kernel_has_a_target_matching_its_launch_bounds():
     assert not missing, f"kernels without an occupancy target in kernels/resources.py TARGETS: {missing}"
     assert not wrong, "\n".join(wrong)
     assert set(kr.TARGETS) == {kr.family(k) for k in entries}, "TARGETS names a kernel that does not exist"
+    assert kr.TARGETS["layernorm_backward"].threads == LAYERNORM_BACKWARD_THREADS
 
 
 # ------------------------------------------------------------------------------------------------
