@@ -31,6 +31,23 @@ from .runtime import (
 )
 
 LAYERNORM_WARP_ROW_MAX = 2048  # rows up to this length: a warp per row; longer: a block per row
+LAYERNORM_BACKWARD_THREADS = 512  # the backward's __launch_bounds__
+# The widest row whose backward launch tests/test_kernel_resources.py checks against sm_80's and
+# sm_90's shared-memory limits (2 * C floats: 128 KiB; sm_80 allows 163 KiB with the opt-in).
+LAYERNORM_BACKWARD_MAX_C = 16384
+
+
+def layernorm_backward_threads(C: int, dtype) -> int:
+    """Block size of layernorm_backward: about one 128-bit chunk of the row per thread, whole
+    warps, at most LAYERNORM_BACKWARD_THREADS."""
+    return clamp(round_up(ceil_div(C, elements_per_128bit(dtype)), WARP), WARP, LAYERNORM_BACKWARD_THREADS)
+
+
+def layernorm_backward_shared_bytes(C: int, params: bool = True) -> int:
+    """Dynamic shared memory of layernorm_backward: the block's sums of dy * xhat and dy, 2 * C
+    floats, when it computes parameter gradients (none otherwise). Past 48 KiB with the static
+    part, LauncherBase._launch raises the kernel's max_dynamic_shared_size_bytes."""
+    return 2 * C * 4 if params else 0
 
 
 class LayerNormLaunchers(LauncherBase):
@@ -85,12 +102,11 @@ class LayerNormLaunchers(LauncherBase):
             raise KernelArgumentError(f"bias dtype {np.dtype(bias_dtype)}: the kernels take float32 or bfloat16")
         want_dw = weight is not None and need_dweight is not False
         want_params = want_dw or bias_dtype is not None
-        P = elements_per_128bit(x.dtype)
-        threads = clamp(round_up(ceil_div(C, P), WARP), WARP, 512)
+        threads = layernorm_backward_threads(C, x.dtype)
         n_chunks, rows_per_chunk = self._row_chunks(n_rows, 1)
         dx = xp.empty(x.shape, dtype=x.dtype)
         partial = xp.empty((2, n_chunks, C), dtype=np.float32) if want_params else None
-        smem = 2 * C * 4 if want_params else 0
+        smem = layernorm_backward_shared_bytes(C, want_params)
         self._launch("layernorm", f"layernorm_backward_{dtype_suffix(x.dtype)}", (n_chunks,), (threads,),
                      (dx, partial, dy, x, weight, mean, rstd, np.int64(n_rows), int32_arg("C", C),
                       int32_arg("rows per chunk", rows_per_chunk)), shared_mem=smem)

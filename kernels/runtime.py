@@ -6,8 +6,8 @@
 * The argument checks (:func:`check_array`, :func:`row_vector`, :func:`int32_arg`) and dtype
   helpers every launcher uses, so a mismatch raises the same :class:`KernelArgumentError` whatever
   the kernel.
-* :class:`LauncherBase`: the module and function cache, ``_launch`` (with the opt-in to more than
-  48 KiB of dynamic shared memory), the launch counters, the elementwise grid, and the
+* :class:`LauncherBase`: the module and function cache, ``_launch`` (with the opt-in when static
+  + dynamic shared memory exceed 48 KiB), the launch counters, the elementwise grid, and the
   deterministic two-pass column reduction whose second pass is ``reduce.cu``. Each kernel
   family's launchers (``kernels/gelu.py``, ...) are a subclass of it; ``cutp.kernels.Launchers``
   combines them.
@@ -45,7 +45,7 @@ ROWS_PER_WARP_BLOCK = 4  # warp-per-row kernels: 4 warps (rows) per block
 # about this many blocks run the first pass. A fixed number (not the device's SM count), so the
 # partial sums, and with them the rounding of the result, do not depend on the GPU model.
 COLUMN_REDUCTION_BLOCKS = 1024
-DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024
+DEFAULT_MAX_SHARED = 48 * 1024  # static + dynamic shared memory of a block without the opt-in
 
 
 class KernelArgumentError(ValueError):
@@ -202,7 +202,8 @@ class LauncherBase:
         self.description = description
         self._modules: dict[str, Any] = {}
         self._functions: dict[str, Any] = {}
-        self._smem_opt_in: dict[str, int] = {}
+        self._smem_opt_in: dict[str, int] = {}  # max_dynamic_shared_size_bytes set, by kernel
+        self._static_smem: dict[str, int] = {}  # static __shared__ bytes (the function's shared_size_bytes)
         self.launches: Counter = Counter()
 
     def __repr__(self):
@@ -219,14 +220,21 @@ class LauncherBase:
 
     def _launch(self, source: str, name: str, grid, block, args, shared_mem: int = 0) -> None:
         fn = self.function(source, name)
-        if shared_mem > DEFAULT_MAX_DYNAMIC_SHARED and self._smem_opt_in.get(name, 0) < shared_mem:
-            try:
-                fn.max_dynamic_shared_size_bytes = int(shared_mem)
-            except Exception as e:  # the device's limit (227 KiB on sm_90, 163 KiB on sm_80)
-                raise KernelArgumentError(
-                    f"{name} needs {shared_mem} bytes of shared memory, more than this device allows ({e})"
-                ) from e
-            self._smem_opt_in[name] = int(shared_mem)
+        if shared_mem and self._smem_opt_in.get(name, 0) < shared_mem:
+            # Without the opt-in a block gets 48 KiB of static + dynamic shared memory in all
+            # (the default maximum of dynamic shared memory is 48 KiB less the static part).
+            static = self._static_smem.get(name)
+            if static is None:
+                static = self._static_smem[name] = int(getattr(fn, "shared_size_bytes", 0) or 0)
+            if static + shared_mem > DEFAULT_MAX_SHARED:
+                try:
+                    fn.max_dynamic_shared_size_bytes = int(shared_mem)
+                except Exception as e:  # the device's limit (227 KiB on sm_90, 163 KiB on sm_80)
+                    raise KernelArgumentError(
+                        f"{name} needs {shared_mem} bytes of dynamic shared memory and {static} static, more "
+                        f"than this device allows ({e})"
+                    ) from e
+                self._smem_opt_in[name] = int(shared_mem)
         grid = tuple(max(1, int(g)) for g in grid)
         block = tuple(int(b) for b in block)
         fn(grid, block, tuple(args), shared_mem=int(shared_mem))
