@@ -141,7 +141,7 @@ def _largest(tokens: np.ndarray, block: int = 1 << 24) -> int:
 
 
 class BatchSampler:
-    """Deterministic global batches, sliced by DP rank and micro-batch."""
+    """Deterministic global batches, sliced by micro-batch and DP rank (`first_row`)."""
 
     def __init__(self, dataset: Dataset, seq_len: int, global_batch: int, dp_size: int, dp_rank: int,
                  micro_batch: int, seed: int = 0):
@@ -171,12 +171,21 @@ class BatchSampler:
         rng = np.random.default_rng([self.seed, step, 0 if split == "train" else 1])
         return rng.integers(0, len(tokens) - self.seq_len - 1, self.global_batch)
 
+    def first_row(self, micro: int) -> int:
+        """The first row of this DP rank's micro-batch `micro` in the step's global batch. The
+        global batch is m micro-batches of dp x micro_batch rows, DP rank r taking rows
+        [r * b, (r + 1) * b) of each: micro-batch k of one rank with dp x b rows is micro-batch k
+        of every DP rank together (what is computed over a micro-batch of the whole DP group,
+        an MoE router's load-balancing loss, is then the same at any DP size)."""
+        return (micro * self.dp_size + self.dp_rank) * self.micro_batch
+
     def micro_batches(self, step: int, split: str = "train"):
         """Yields (x, y) int64 arrays [micro_batch, seq_len] of this DP rank for optimizer step `step`."""
         tokens = self.dataset.split(split)
-        offs = self.global_offsets(step, split)[self.dp_rank * self.per_rank:(self.dp_rank + 1) * self.per_rank]
+        offs = self.global_offsets(step, split)
         for k in range(self.accum_steps):
-            chunk = offs[k * self.micro_batch:(k + 1) * self.micro_batch]
+            first = self.first_row(k)
+            chunk = offs[first:first + self.micro_batch]
             window = np.stack([np.asarray(tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in chunk])
             yield window[:, :-1], window[:, 1:]
 

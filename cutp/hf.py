@@ -104,6 +104,9 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     if cfg.kv_heads != cfg.n_head:
         raise HFFormatError(f"a grouped-query attention model (n_kv_head={cfg.n_kv_head} != n_head={cfg.n_head}) "
                             f"cannot be exported as GPT-2, whose attention has one K/V head per query head")
+    if cfg.n_experts:
+        raise HFFormatError(f"a mixture-of-experts model (n_experts={cfg.n_experts}) cannot be exported as GPT-2, "
+                            "whose MLPs are dense; keep its cutp checkpoint (examples/generate.py reads it)")
     if not cfg.bias:
         raise HFFormatError("a model without biases (bias=False) cannot be exported as GPT-2, which has biases "
                             "in every linear layer and LayerNorm")

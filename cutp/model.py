@@ -50,6 +50,7 @@ from .tensor_parallel import (
     take_shard,
 )
 from .tensor_parallel.mappings import gather_from_tp_forward
+from .tensor_parallel.moe import MoEMLP, check_moe
 from .tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
 # Parameters and activations are stored in the model's dtype. bfloat16/float16 models compute
@@ -60,6 +61,9 @@ DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bf
 PRESETS = {
     # trains on a 2-core CPU in minutes (byte-level vocabulary)
     "tiny": dict(n_layer=4, n_head=8, n_embd=128, vocab_size=256, block_size=128, vocab_multiple=1),
+    # tiny with 8 experts of width 256 in every layer, 2 per token: tiny's active parameters
+    "tiny-moe": dict(n_layer=4, n_head=8, n_embd=128, vocab_size=256, block_size=128, vocab_multiple=1,
+                     n_experts=8, moe_top_k=2, moe_ffn=256),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
@@ -84,6 +88,15 @@ class GPTConfig:
     gelu: str = "tanh"
     vocab_multiple: int = 128  # vocabulary padded to a multiple of this times tp
     label_smoothing: float = 0.0
+    # mixture of experts (cutp.tensor_parallel.moe): 0 experts = dense MLPs
+    n_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1  # an MoE MLP in layers 0, k, 2k, ...
+    moe_ffn: int | None = None  # each expert's width (None: the MLP's, mlp_hidden)
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_loss_coeff: float = 1e-2  # load balancing (Switch/GShard)
+    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE uses 1e-3)
+    moe_renormalize: bool = False  # the k gates renormalised to sum to 1
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -106,7 +119,7 @@ class GPTConfig:
                 changes[key] = None
             elif isinstance(current, bool):
                 changes[key] = value.lower() in ("1", "true", "yes")
-            elif isinstance(current, float):
+            elif isinstance(current, float) or (current is None and "float" in str(fields[key].type)):
                 changes[key] = float(value)
             elif isinstance(current, int) or current is None:
                 changes[key] = int(value)
@@ -150,6 +163,19 @@ class GPTConfig:
         check_attention(self.n_embd, self.n_head, self.kv_heads, tp)
         check_mlp(self.n_embd, self.hidden, tp)
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
+        check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,
+                  self.moe_aux_loss_coeff, self.moe_z_loss_coeff)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i % self.moe_every == 0
+
+    def moe_settings(self, i: int) -> dict | None:
+        """Layer i's MoEMLP settings, or None for a dense MLP."""
+        if not self.is_moe_layer(i):
+            return None
+        return dict(n_experts=self.n_experts, top_k=self.moe_top_k, ffn=self.moe_ffn or self.hidden,
+                    capacity_factor=self.moe_capacity_factor, aux_loss_coeff=self.moe_aux_loss_coeff,
+                    z_loss_coeff=self.moe_z_loss_coeff, renormalize=self.moe_renormalize)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -170,10 +196,19 @@ class GPTConfig:
         qkv = (self.n_head + 2 * self.kv_heads) * hd
         b = 1 if self.bias else 0
         per_layer = (2 * h * (1 + b)  # two LayerNorms
-                     + h * qkv + b * qkv + h * h + b * h  # attention
-                     + 2 * h * self.hidden + b * (self.hidden + h))  # MLP
+                     + h * qkv + b * qkv + h * h + b * h)  # attention
+        mlp = 2 * h * self.hidden + b * (self.hidden + h)
+        ffn = self.moe_ffn or self.hidden
+        moe = h * self.n_experts + self.n_experts * (2 * h * ffn + b * (ffn + h))  # router + experts
+        n_moe = sum(self.is_moe_layer(i) for i in range(L))
         head = 0 if self.tie_embeddings else V * h
-        return V * h + self.block_size * h + L * per_layer + h * (1 + b) + head
+        return V * h + self.block_size * h + L * per_layer + (L - n_moe) * mlp + n_moe * moe + h * (1 + b) + head
+
+    def num_active_parameters(self) -> int:
+        """Parameters a token runs through: top_k of each MoE layer's experts (all of a dense model)."""
+        h, b, ffn = self.n_embd, 1 if self.bias else 0, self.moe_ffn or self.hidden
+        idle = (self.n_experts - self.moe_top_k) * (2 * h * ffn + b * (ffn + h))
+        return self.num_parameters() - sum(self.is_moe_layer(i) for i in range(self.n_layer)) * idle
 
     def __str__(self):
         return json.dumps(self.to_dict())
@@ -288,8 +323,9 @@ class GPT(Module):
             self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
         self.h = [ParallelTransformerBlock(ctx, c.n_embd, c.n_head, c.kv_heads, c.hidden, name=f"h.{i}",
                                            rng=self.rng, n_layer=c.n_layer, bias=c.bias, dropout=c.dropout,
-                                           gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt)
+                                           gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt, moe=c.moe_settings(i))
                   for i in self.layers]
+        self.moe_layers = [b.mlp for b in self.h if isinstance(b.mlp, MoEMLP)]
         self._chunk_blocks, at = [], 0  # each chunk's blocks, out of self.h
         for r in self.chunks:
             self._chunk_blocks.append(self.h[at:at + len(r)])
@@ -326,15 +362,17 @@ class GPT(Module):
     def _lay_out_sequence(self, on: bool) -> None:
         on = on and self.ctx.tp_size > 1
         for m in self.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead)):
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead, MoEMLP)):
                 m.sequence_parallel = on
         shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
         for m in [self.drop, self.wpe] + [d for b in self.h for d in (b.attn_dropout, b.mlp_dropout)]:
             if m is not None:  # (the embeddings live on the first pipeline stage only)
                 m.sequence_shard = shard
-        # the replicated parameters used on sequence shards: positions, LayerNorms, row biases
-        on_shards = [self.wpe, self.ln_f] + [m for b in self.h for m in (b.ln_1, b.ln_2, b.attn.c_proj, b.mlp.c_proj)]
+        # the replicated parameters used on sequence shards: positions, LayerNorms, row biases, routers
+        on_shards = [self.wpe, self.ln_f] + [m for b in self.h for m in (b.ln_1, b.ln_2, b.attn.c_proj)]
+        on_shards += [b.mlp.c_proj for b in self.h if not isinstance(b.mlp, MoEMLP)]
         used = {id(p) for m in on_shards if m is not None for p in m.own_parameters() if p.sharding is None}
+        used |= {id(m.router) for m in self.moe_layers}
         for p in self.parameters():
             p.sequence_parallel = on and id(p) in used
 
@@ -452,16 +490,25 @@ class GPT(Module):
             return logits
         return self.loss_fn.forward(logits, targets, inplace_backward=True)
 
-    def stage_backward(self, grad, chunk: int = 0):
+    def stage_backward(self, grad, chunk: int = 0, aux_grad: float | None = None):
         """Backward of the micro-batch whose stage_forward (of `chunk`) ran last (its activations
         restored with `restore_activations` when several are in flight): `grad` is d(loss) (a
         float) where the model ends, else the gradient of the chunk's output. Returns the
-        gradient of the chunk's input for the previous one (None where the model starts)."""
+        gradient of the chunk's input for the previous one (None where the model starts).
+
+        `aux_grad`: the weight of the MoE layers' load-balancing and z-losses in the objective
+        (each rank's share of it: see `backward`); needed where the chunk has MoE layers."""
+        blocks = self._chunk_blocks[chunk]
+        moe = [b.mlp for b in blocks if isinstance(b.mlp, MoEMLP)]
+        if moe and aux_grad is None:
+            raise ValueError("stage_backward of MoE layers needs aux_grad (the auxiliary losses' weight)")
+        for m in moe:
+            m.aux_grad = aux_grad
         if self.gives_loss(chunk):
             dx = self.ln_f.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
         else:
             dx = grad
-        for block in reversed(self._chunk_blocks[chunk]):
+        for block in reversed(blocks):
             dx = block.backward(dx)
         if not self.takes_tokens(chunk):
             return dx
@@ -491,7 +538,8 @@ class GPT(Module):
     def forward(self, idx, targets=None, check=True):
         """Sharded logits [B, T, padded_vocab/tp] when targets is None (this rank's columns of
         the padded vocabulary, the padding columns -inf; `gather_logits` gives [B, T, vocab_size]),
-        else the mean loss (float) over the targets that are not ignore_index (-100).
+        else the mean loss (float) over the targets that are not ignore_index (-100). (An MoE model's
+        auxiliary losses are apart: `moe_losses()`; `backward` includes them.)
 
         `targets` are already shifted: targets[:, t] is the token that follows idx[:, t] (nanoGPT's
         convention). Hugging Face's `labels=input_ids` are not: pass
@@ -535,9 +583,19 @@ class GPT(Module):
             return None
         return full[..., : self.config.vocab_size]
 
-    def backward(self, dloss: float = 1.0):
+    def backward(self, dloss: float = 1.0, aux_dloss: float | None = None):
+        """Gradients of dloss * (the last forward's loss) + aux_dloss * (its MoE layers' auxiliary
+        losses, `moe_losses()`), accumulated into each parameter's grad. The auxiliary losses
+        are computed over the whole DP group's micro-batch, and each rank's gradient holds its
+        own tokens' part of theirs: with gradients averaged over DP (finish_grad_sync, the
+        optimizers), aux_dloss = dloss * dp gives those of the objective loss + aux (the default)."""
         self._whole_model("GPT.backward")
-        self.stage_backward(dloss)
+        self.stage_backward(dloss, aux_grad=dloss * self.ctx.dp_size if aux_dloss is None else aux_dloss)
+
+    def moe_losses(self) -> dict:
+        """The last forward's auxiliary losses of this stage's MoE layers, summed: {"aux_loss",
+        "z_loss"} (zeros for a dense model). Training forwards: over the DP group's micro-batch."""
+        return {k: sum(m.last.get(k, 0.0) for m in self.moe_layers) for k in ("aux_loss", "z_loss")}
 
     def targets_from_labels(self, labels):
         """Hugging Face-style labels (the input ids themselves, -100 where ignored) -> `forward`'s

@@ -66,8 +66,13 @@ def test_sampler_is_independent_of_dp_and_micro_batch():
     d = default_corpus(max_bytes=1 << 20)
     ref = np.concatenate([x for x, _ in BatchSampler(d, 16, 8, 1, 0, 8, seed=3).micro_batches(5)])
     for dp, micro in ((2, 1), (2, 4), (4, 2), (8, 1)):
-        got = np.concatenate([x for r in range(dp) for x, _ in BatchSampler(d, 16, 8, dp, r, micro, seed=3).micro_batches(5)])
+        ranks = [list(BatchSampler(d, 16, 8, dp, r, micro, seed=3).micro_batches(5)) for r in range(dp)]
+        # micro-batch k of all DP ranks together is micro-batch k of one rank with dp x micro rows
+        got = np.concatenate([ranks[r][k][0] for k in range(len(ranks[0])) for r in range(dp)])
         np.testing.assert_array_equal(got, ref)
+        one = list(BatchSampler(d, 16, 8, 1, 0, dp * micro, seed=3).micro_batches(5))
+        for k in range(len(one)):
+            np.testing.assert_array_equal(np.concatenate([ranks[r][k][0] for r in range(dp)]), one[k][0])
     x, y = next(BatchSampler(d, 16, 8, 1, 0, 8, seed=3).micro_batches(5))
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
     other = np.concatenate([x for x, _ in BatchSampler(d, 16, 8, 1, 0, 8, seed=3).micro_batches(6)])

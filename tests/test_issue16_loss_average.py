@@ -28,7 +28,7 @@ def _with_ignored_targets(sampler):
         for k, (x, y) in enumerate(plain(step, split)):
             y = y.copy()
             for j in range(y.shape[0]):
-                g = sampler.dp_rank * sampler.per_rank + k * sampler.micro_batch + j
+                g = sampler.first_row(k) + j
                 y[j, : 2 * g] = IGNORE
                 if g == 1:
                     y[j] = IGNORE

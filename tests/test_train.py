@@ -206,9 +206,11 @@ def _worker_batches():
     assert np.array_equal(tp_all[:4], tp_all[4:]), "TP ranks of one group saw different batches"
     dp_all = ctx.dp.all_gather(np.ascontiguousarray(mine))
     assert not np.array_equal(dp_all[:4], dp_all[4:]), "DP ranks saw the same batch"
-    # the union over DP ranks is the single-rank global batch, in order
-    ref = BatchSampler(ds, 16, 8, 1, 0, 8, seed=5)
-    np.testing.assert_array_equal(dp_all, next(ref.micro_batches(3))[0])
+    # the union over DP ranks is the single-rank global batch: micro-batch k of DP rank r is its
+    # rows [(k * dp + r) * b, (k * dp + r + 1) * b)
+    ref = next(BatchSampler(ds, 16, 8, 1, 0, 8, seed=5).micro_batches(3))[0]
+    order = [(k * 2 + r) * 2 + j for r in range(2) for k in range(2) for j in range(2)]
+    np.testing.assert_array_equal(dp_all, ref[order])
     ctx.close()
 
 

@@ -5,6 +5,7 @@ layers         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, 
                LayerNorm, Dropout
 attention      ParallelAttention (heads split, GQA)
 transformer    ParallelMLP, ParallelTransformerBlock
+moe            MoEMLP (router, load-balancing and z-losses, capacity, experts)
 cross_entropy  VocabParallelCrossEntropy
 sharding       which slice of each full tensor a rank holds
 grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP), global_grad_norm
@@ -14,6 +15,7 @@ from .cross_entropy import VocabParallelCrossEntropy
 from .grads import finish_grad_sync, global_grad_norm, sum_grad_over, tp_grad_sync
 from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, RowParallelLinear,
                      VocabParallelEmbedding, pad_vocab)
+from .moe import MoEMLP, check_moe
 from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
 from .random import REPLICATED, SHARDED, RNGTracker
 from .sharding import Sharding, gather_full, pad_rows, take_shard
@@ -25,5 +27,5 @@ __all__ = [
     "ColumnParallelLinear", "Dropout", "LayerNorm", "ParallelLMHead", "RowParallelLinear",
     "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
     "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",
-    "take_shard", "pad_rows", "ParallelMLP", "ParallelTransformerBlock",
+    "take_shard", "pad_rows", "ParallelMLP", "ParallelTransformerBlock", "MoEMLP", "check_moe",
 ]

@@ -23,17 +23,19 @@ def tp_grad_sync(params, tp=None) -> None:
     """Once per step before the DP reduction: each parameter's grad_sync hook (GQA: KV columns
     replicated over TP ranks summed), then the gradients of the parameters marked
     `sequence_parallel` (LayerNorms, row biases, positions used on sequence shards; the final
-    LayerNorm too, Megatron's bug #1446) summed over the TP group `tp`, in one all-reduce per
-    dtype, so that every TP rank holds the same full gradient."""
+    LayerNorm too, Megatron's bug #1446) and those marked `tp_partial` (MoE experts, whose
+    tokens are split over TP) summed over the TP group `tp`, in one all-reduce per dtype, so
+    that every TP rank holds the same full gradient."""
     params = list(params)
     for p in params:
         if p.grad_sync is not None:
             p.grad_sync(p)
-    partial = [p for p in params if p.sequence_parallel]
+    partial = [p for p in params if p.sequence_parallel or p.tp_partial]
     if not partial:
         return
     if tp is None:
-        raise ValueError("tp_grad_sync: parameters are marked sequence_parallel; pass the TP group (ctx.tp)")
+        raise ValueError("tp_grad_sync: parameters are marked sequence_parallel or tp_partial; pass the TP group "
+                         "(ctx.tp)")
     if tp.size == 1:
         return
     by_dtype = {}

@@ -35,10 +35,13 @@ class Parameter:
                  never trained, left out of full state dicts); None otherwise
     sequence_parallel  replicated, but used on sequence shards (sequence parallelism): each TP
                  rank's gradient covers its tokens only, so `tp_grad_sync` sums it over TP
+    tp_partial   replicated, and each TP rank runs its own tokens through it whatever the layout
+                 (an MoE expert): summed over TP like a sequence-parallel parameter
     """
 
     real_rows: int | None = None
     sequence_parallel: bool = False
+    tp_partial: bool = False
 
     def __init__(self, name: str, data, sharding: Sharding | None, tp_rank: int, weight_decay: bool):
         self.name = name

@@ -22,6 +22,7 @@ import numpy as np
 from .. import ops
 from .attention import ParallelAttention
 from .layers import ColumnParallelLinear, Dropout, LayerNorm, RowParallelLinear
+from .moe import MoEMLP
 from .parameter import Module, normal_init, not_stashed
 from .random import REPLICATED, RNGTracker
 from .validation import check_mlp
@@ -61,15 +62,20 @@ class ParallelTransformerBlock(Module):
     """Pre-LN GPT-2 block. Input and output: replicated [B, T, n_embd]."""
 
     def __init__(self, ctx, n_embd, n_head, n_kv_head=None, mlp_hidden=None, *, name, rng: RNGTracker, n_layer=1,
-                 bias=True, dropout=0.0, gelu="tanh", ln_eps=1e-5, seed=0, dtype=np.float32):
+                 bias=True, dropout=0.0, gelu="tanh", ln_eps=1e-5, seed=0, dtype=np.float32, moe: dict | None = None):
+        """moe: MoEMLP's settings (n_experts, top_k, ffn, ...) for a mixture-of-experts MLP."""
         mlp_hidden = mlp_hidden or 4 * n_embd
         self.ln_1 = LayerNorm(ctx, n_embd, name=f"{name}.ln_1", eps=ln_eps, bias=bias, seed=seed, dtype=dtype)
         self.attn = ParallelAttention(ctx, n_embd, n_head, n_kv_head, name=f"{name}.attn", rng=rng, n_layer=n_layer,
                                       bias=bias, attn_dropout=dropout, seed=seed, dtype=dtype)
         self.attn_dropout = Dropout(dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
         self.ln_2 = LayerNorm(ctx, n_embd, name=f"{name}.ln_2", eps=ln_eps, bias=bias, seed=seed, dtype=dtype)
-        self.mlp = ParallelMLP(ctx, n_embd, mlp_hidden, name=f"{name}.mlp", n_layer=n_layer, bias=bias, gelu=gelu,
-                               seed=seed, dtype=dtype)
+        if moe:
+            self.mlp = MoEMLP(ctx, n_embd, **moe, name=f"{name}.mlp", n_layer=n_layer, bias=bias, gelu=gelu, seed=seed,
+                              dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(ctx, n_embd, mlp_hidden, name=f"{name}.mlp", n_layer=n_layer, bias=bias, gelu=gelu,
+                                   seed=seed, dtype=dtype)
         self.mlp_dropout = Dropout(dropout, rng, REPLICATED, site=f"{name}.mlp_dropout")
         self.rng = rng
         self.recompute = False  # full recomputation: keep only the input (module docstring)

@@ -129,12 +129,14 @@ def _interleaved(p, s, m, V):
 class Schedule:
     """One step's micro-batches on this rank's stage. `batches`: [(x, y)] host arrays of this DP
     rank; `weights`: each micro-batch's weight in the step's loss (train_step's _loss_weights);
-    `first_row(i)`: the micro-batch's first row in the step's global batch (dropout positions)."""
+    `first_row(i)`: the micro-batch's first row in the step's global batch (dropout positions);
+    `aux_weight`: the MoE auxiliary losses' weight in each micro-batch's backward (train_step's)."""
 
-    def __init__(self, run, batches, weights, step: int, first_row, loss_scale: float, hooks):
+    def __init__(self, run, batches, weights, step: int, first_row, loss_scale: float, hooks, aux_weight=0.0):
         self.run, self.model, self.ctx = run, run.model, run.ctx
         self.batches, self.weights, self.step = batches, weights, step
         self.first_row, self.loss_scale, self.hooks = first_row, loss_scale, hooks
+        self.aux_weight = aux_weight  # of the MoE auxiliary losses (train_step)
         self.loss_sum = 0.0  # the weighted losses (last stage)
         self.kept: dict[tuple, list] = {}  # (micro-batch, chunk) -> its activations, while in flight
         self.max_in_flight = 0
@@ -210,7 +212,7 @@ class Schedule:
         model = self.model
         model.restore_activations(self.kept.pop((i, c)))
         grad = self.loss_scale * self.weights[i] if model.gives_loss(c) else self.output_grads.pop((i, c))
-        dx = model.stage_backward(grad, chunk=c)
+        dx = model.stage_backward(grad, chunk=c, aux_grad=self.loss_scale * self.aux_weight)
         if dx is not None:
             self.input_grads[(i, c)] = dx
         self.ctx.watchdog.progress()

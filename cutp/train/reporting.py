@@ -63,5 +63,6 @@ def progress_line(record: dict) -> str:
     return (f"step {r['step']:5d} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | norm {r['grad_norm']:.3f} | "
             f"{r['ms']:7.1f} ms | {r['tokens_per_s']:9,.0f} tok/s | comm {r['comm_mb']:.2f} MB"
             + (f" | scale {r['loss_scale']:g}" if "loss_scale" in r else "")
+            + (f" | aux {r['moe_aux_loss']:.4f} | dropped {100 * r['moe_dropped']:.1f}%" if "moe_aux_loss" in r else "")
             + (" | skipped" if r.get("skipped") else "")
             + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""))

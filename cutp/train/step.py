@@ -50,6 +50,7 @@ from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
+from .moe import moe_step_stats
 from .pipeline import Schedule, eval_losses
 
 
@@ -108,6 +109,7 @@ class StepStats:
     loss_scale: float | None = None  # the scale this step's backward used (float16 / --loss-scale)
     overflow: bool = False  # skipped because the scaled gradients overflowed (float16)
     pipeline_wait_ms: float | None = None  # pp > 1: this stage's time in pipeline sends/receives (host)
+    moe: dict | None = None  # MoE models: auxiliary losses and routing (cutp.train.moe; not in `loss`)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
@@ -121,6 +123,8 @@ class StepStats:
             rec["overflow"] = True
         if self.pipeline_wait_ms is not None:
             rec["pipeline_wait_ms"] = self.pipeline_wait_ms
+        if self.moe is not None:
+            rec.update({f"moe_{k}": v for k, v in self.moe.items()})
         return rec
 
 
@@ -319,13 +323,13 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         batches = list(run.sampler.micro_batches(n))
         weights = _loss_weights(ctx, [y for _, y in batches], model.ignore_index)
         loss_sum = 0.0
-        per_rank = cfg.batch_size // cfg.dp
+        first_row = run.sampler.first_row  # dropout masks by global position: a micro-batch's first row
 
-        def first_row(micro):  # dropout masks by global position: the micro-batch's first row in the step
-            return ctx.dp_rank * per_rank + micro * cfg.micro_batch_size
-
+        # MoE load-balancing and z-losses: (1/m) of each micro-batch's in the objective; their
+        # gradient on each rank is its tokens' share of the DP group's, and DP averages it: x dp
+        aux_weight = ctx.dp_size / len(batches)
         if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
-            schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks)
+            schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks, aux_weight)
             loss_sum = schedule.run_step(cfg.pp_schedule)
             run.pipeline_in_flight = schedule.max_in_flight
             wait_ms = schedule.wait_s * 1000
@@ -338,9 +342,10 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                 ctx.watchdog.progress()
                 hooks.after_forward(run, micro)
                 clock.enter("backward")
-                model.backward(scaler.scale * weights[micro])
+                model.backward(scaler.scale * weights[micro], aux_dloss=scaler.scale * aux_weight)
                 ctx.watchdog.progress()
         model.rng.position = None  # a forward outside train_step draws from its streams again
+        moe = moe_step_stats(ctx, model, len(batches))
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
         tp_grad_sync(model.parameters(), ctx.tp)
@@ -387,7 +392,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                      optimizer_ms=clock.ms.get("optimizer", 0.0) if exact else None,
                      consecutive_skips=run.consecutive_skips,
                      loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
-                     pipeline_wait_ms=wait_ms)
+                     pipeline_wait_ms=wait_ms, moe=moe)
 
 
 def evaluate(run: TrainingRun) -> float:

@@ -1,0 +1,299 @@
+"""Mixture-of-experts MLP: router, top-k, load-balancing and z-losses, capacity, experts.
+
+MoEMLP replaces a block's MLP (GPTConfig.n_experts > 0, every `moe_every`-th layer). Input and
+output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence parallelism.
+
+    router     logits = x @ W_r (W_r [h, E], replicated, computed in float32 (float64 for float64
+               models)), probs = softmax(logits), the top-k experts of each token (ties to the
+               lower expert index); gates = their probabilities (renormalised to sum to 1 with
+               moe_renormalize)
+    losses     load balancing (Switch/GShard): coeff * E * sum_i f_i * P_i, f_i the fraction of
+               the k * N assignments routed to expert i, P_i the mean probability of expert i;
+               z-loss: coeff * mean(logsumexp(logits)^2). N: every token of the micro-batch
+               over the whole DP group (and the TP group's shards under sequence parallelism),
+               so the losses, and their gradients, are those of one rank with the global batch
+    capacity   with moe_capacity_factor cf, expert i takes at most ceil(cf * n * k / E) of the
+               assignments of the n tokens of one DP rank's micro-batch (its source rank): the
+               ones with the highest probability (ties: the earlier token, then the lower slot);
+               a dropped assignment adds nothing (the token passes through the residual)
+    experts    E GPT-2 MLPs (h -> moe_ffn -> h, bias + GeLU), each run once on its tokens;
+               y = sum over the k slots, in slot order, of gate * expert output
+
+With tensor parallelism the experts are replicated and the tokens split over the TP ranks
+(without sequence parallelism: rows [r * c, (r + 1) * c) of the B*T, c = ceil(B*T / tp),
+all-gathered after the combine; with it: each rank's sequence shard), so no token is computed
+twice, and the experts' gradients, each rank's partial sum, are summed over TP (`tp_partial`).
+The router runs on every token a rank holds: replicated without sequence parallelism (identical
+gradients), on the shard with it (partial gradients, summed over TP like the LayerNorms').
+
+Backward: the combine, each expert's MLP, the gates (renormalisation), the load-balancing and
+z-loss terms scaled by `aux_grad` (the loss scale of the auxiliary terms, set by GPT before each
+backward), the softmax and the router. Expert parallelism (experts spread over ranks with
+all-to-all dispatch) is not here yet (issue 18).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import ops
+from ..ops._common import as_dtype, compute_dtype
+from ..runtime.errors import ConfigError
+from .parameter import Module, make_parameter, normal_init, zeros_init
+
+
+def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff) -> None:
+    """GPTConfig's MoE fields; raises ConfigError naming the fix."""
+    if not (isinstance(n_experts, int) and n_experts >= 0):
+        raise ConfigError(f"n_experts must be an integer >= 0 (0: a dense MLP), got {n_experts!r}")
+    if n_experts == 0:
+        return
+    if not (isinstance(top_k, int) and 1 <= top_k <= n_experts):
+        raise ConfigError(f"moe_top_k must be an integer in [1, n_experts={n_experts}], got {top_k!r}")
+    if not (isinstance(every, int) and every >= 1):
+        raise ConfigError(f"moe_every must be an integer >= 1 (1: every layer), got {every!r}")
+    if ffn is not None and not (isinstance(ffn, int) and ffn >= 1):
+        raise ConfigError(f"moe_ffn must be a positive integer or None (the MLP width), got {ffn!r}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ConfigError(f"moe_capacity_factor must be > 0, or None (no dropping), got {capacity_factor!r}")
+    for name, v in (("moe_aux_loss_coeff", aux_coeff), ("moe_z_loss_coeff", z_coeff)):
+        if not v >= 0:
+            raise ConfigError(f"{name} must be >= 0, got {v!r}")
+
+
+class ExpertMLP(Module):
+    """One expert: GPT-2's MLP with replicated weights (x [n, h] -> [n, h]); the caller keeps
+    what backward needs (`forward` returns it) and calls `backward` with it."""
+
+    def __init__(self, ctx, n_embd, ffn, *, name, n_layer, bias, gelu, seed, dtype):
+        self.gelu = gelu
+        self.c_fc = make_parameter(ctx, f"{name}.c_fc.weight", (n_embd, ffn), normal_init(0.02), seed=seed, dtype=dtype,
+                                   weight_decay=True)
+        self.c_proj = make_parameter(ctx, f"{name}.c_proj.weight", (ffn, n_embd),
+                                     normal_init(0.02 / math.sqrt(2 * n_layer)), seed=seed, dtype=dtype,
+                                     weight_decay=True)
+        self.c_fc_bias = self.c_proj_bias = None
+        if bias:
+            self.c_fc_bias = make_parameter(ctx, f"{name}.c_fc.bias", (ffn,), zeros_init, seed=seed, dtype=dtype)
+            self.c_proj_bias = make_parameter(ctx, f"{name}.c_proj.bias", (n_embd,), zeros_init, seed=seed,
+                                              dtype=dtype)
+        for p in self.own_parameters():
+            p.tp_partial = True  # each TP rank runs its own tokens through the expert
+
+    def forward(self, x):
+        h, fc = ops.linear_forward(x, self.c_fc.data)
+        if self.c_fc_bias is not None:
+            a, g = ops.bias_gelu_forward(h, self.c_fc_bias.data, approximate=self.gelu)
+        else:
+            a, g = ops.gelu_forward(h, approximate=self.gelu)
+        y, proj = ops.linear_forward(a, self.c_proj.data, None if self.c_proj_bias is None else self.c_proj_bias.data)
+        return y, (fc, g, proj)
+
+    def backward(self, dy, saved):
+        fc, g, proj = saved
+        da, dw, db = ops.linear_backward(dy, proj, wgrad_dtype=self.c_proj.grad.dtype)
+        self.c_proj.grad += dw
+        if db is not None:
+            self.c_proj_bias.grad += db
+        if self.c_fc_bias is not None:
+            dh, db = ops.bias_gelu_backward(da, g)
+            self.c_fc_bias.grad += db
+        else:
+            dh = ops.gelu_backward(da, g)
+        dx, dw, _ = ops.linear_backward(dh, fc, wgrad_dtype=self.c_fc.grad.dtype)
+        self.c_fc.grad += dw
+        return dx
+
+
+class MoEMLP(Module):
+    def __init__(self, ctx, n_embd, *, n_experts, top_k, ffn, capacity_factor=None, aux_loss_coeff=1e-2,
+                 z_loss_coeff=0.0, renormalize=False, name, n_layer=1, bias=True, gelu="tanh", seed=0,
+                 dtype=np.float32):
+        self.ctx = ctx
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_loss_coeff, self.z_loss_coeff, self.renormalize = aux_loss_coeff, z_loss_coeff, renormalize
+        self.router = make_parameter(ctx, f"{name}.router.weight", (n_embd, n_experts), normal_init(0.02), seed=seed,
+                                     dtype=dtype, weight_decay=True)
+        self.experts = [ExpertMLP(ctx, n_embd, ffn, name=f"{name}.experts.{e}", n_layer=n_layer, bias=bias, gelu=gelu,
+                                  seed=seed, dtype=dtype) for e in range(n_experts)]
+        self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)
+        self.aux_grad = 1.0  # d(objective)/d(auxiliary losses) for the next backward (GPT sets it)
+        self.last = {}  # the last forward's losses and counts (the metrics)
+        self.reset_step_stats()
+
+    # ---- metrics ---------------------------------------------------------------------------------
+    def reset_step_stats(self) -> None:
+        """Sums over one optimizer step's training forwards (train_step reads and resets them)."""
+        self.step_stats = {"aux_loss": 0.0, "z_loss": 0.0, "assigned": np.zeros(self.n_experts), "dropped": 0.0,
+                           "forwards": 0}
+
+    # ---- the token layout --------------------------------------------------------------------
+    def _split_rows(self, n) -> tuple[int, int, int] | None:
+        """Without sequence parallelism at tp > 1: this rank's rows [lo, hi) of n and the padded
+        count per rank; None when this rank runs every row."""
+        tp = self.ctx.tp_size
+        if tp == 1 or self.sequence_parallel:
+            return None
+        c = -(-n // tp)
+        lo = min(n, self.ctx.tp_rank * c)
+        return lo, min(n, lo + c), c
+
+    def _stats_groups(self):
+        groups = [self.ctx.tp] if self.sequence_parallel and self.ctx.tp_size > 1 else []
+        if self.training and self.ctx.dp_size > 1:  # (evaluation: this rank's tokens; no collective)
+            groups.append(self.ctx.dp)
+        return groups
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, x):
+        xp = self.ctx.xp
+        shape, h = x.shape, x.shape[-1]
+        x2 = x.reshape(-1, h)
+        n, E, k = x2.shape[0], self.n_experts, self.top_k
+        cdt = compute_dtype(x.dtype)
+        logits = as_dtype(x2, cdt) @ as_dtype(self.router.data, cdt)
+        top = logits.max(axis=1, keepdims=True)
+        ex = xp.exp(logits - top)
+        total = ex.sum(axis=1, keepdims=True)
+        probs = ex / total
+        lse = top[:, 0] + xp.log(total[:, 0])
+        idx = xp.argsort(-probs, axis=1, kind="stable")[:, :k]
+        top_p = xp.take_along_axis(probs, idx, axis=1)
+        gates = top_p / top_p.sum(axis=1, keepdims=True) if self.renormalize else top_p
+        keep = self._capacity_keep(top_p, idx, shape)
+        # statistics over the micro-batch of the whole DP group: [assigned per expert, probability
+        # sums, tokens, sum of lse^2, dropped assignments] (under SP each rank adds its own shard's)
+        stats = xp.concatenate([xp.bincount(idx.reshape(-1), minlength=E).astype(cdt), probs.sum(axis=0),
+                                xp.asarray([n, (lse * lse).sum(), (~keep).sum()], cdt)])
+        for g in self._stats_groups():
+            g.all_reduce(stats, "sum", out=stats)
+        assigned, psum = stats[:E], stats[E:2 * E]
+        n_all, z_sum, dropped = (float(v) for v in self.ctx.to_numpy(stats[2 * E:]))
+        f = assigned / (n_all * k)
+        aux = self.aux_loss_coeff * E * float((f * psum).sum()) / n_all
+        z = self.z_loss_coeff * z_sum / n_all
+        self.last = {"aux_loss": aux, "z_loss": z, "assigned": self.ctx.to_numpy(assigned), "dropped": dropped}
+        if self.training and self.stash:  # (full recomputation's first pass is not counted twice)
+            s = self.step_stats
+            s["aux_loss"] += aux
+            s["z_loss"] += z
+            s["assigned"] = s["assigned"] + self.last["assigned"]
+            s["dropped"] += dropped
+            s["forwards"] += 1
+
+        rows = self._split_rows(n)
+        lo, hi = (0, n) if rows is None else rows[:2]
+        y, saved = self._experts_forward(x2[lo:hi], idx[lo:hi], gates[lo:hi], keep[lo:hi])
+        if rows is not None:
+            y = self._gather_rows(y, rows, n)
+        self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved))
+        return y.reshape(shape)
+
+    def _capacity_keep(self, top_p, idx, shape):
+        """[n, k] bool: which assignments their expert accepts (all without a capacity factor)."""
+        xp = self.ctx.xp
+        if self.capacity_factor is None:
+            return xp.ones(idx.shape, bool)
+        k, E = self.top_k, self.n_experts
+        p_all, i_all, (B, T_mine) = top_p, idx, shape[:2]
+        shard = self.sequence_parallel and self.ctx.tp_size > 1
+        if shard:  # the DP rank's whole micro-batch decides: [tp, B, T/tp, k] -> [B, T, k]
+            tp = self.ctx.tp_size
+            p_all = self.ctx.tp.all_gather(xp.ascontiguousarray(top_p)).reshape(tp, B, T_mine, k)
+            i_all = self.ctx.tp.all_gather(xp.ascontiguousarray(idx)).reshape(tp, B, T_mine, k)
+            p_all = p_all.transpose(1, 0, 2, 3).reshape(-1, k)
+            i_all = i_all.transpose(1, 0, 2, 3).reshape(-1, k)
+        n = i_all.shape[0]
+        capacity = math.ceil(self.capacity_factor * n * k / E)
+        e, p = i_all.reshape(-1), p_all.reshape(-1)
+        order = xp.lexsort((xp.arange(n * k), -p, e))  # by expert, then probability down, then token and slot
+        sorted_e = e[order]
+        first = xp.searchsorted(sorted_e, xp.arange(E))
+        accepted = xp.empty(n * k, bool)
+        accepted[order] = (xp.arange(n * k) - first[sorted_e]) < capacity
+        accepted = accepted.reshape(n, k)
+        if shard:
+            tp, r = self.ctx.tp_size, self.ctx.tp_rank
+            return accepted.reshape(B, tp, T_mine, k)[:, r].reshape(-1, k)
+        return accepted
+
+    def _experts_forward(self, x, idx, gates, keep):
+        """This rank's tokens through their experts, combined in slot order: y [n, h]."""
+        xp = self.ctx.xp
+        n, k = idx.shape
+        outs = xp.zeros((n, k, x.shape[1]), x.dtype)
+        saved = []
+        for e, expert in enumerate(self.experts):
+            rows, slots = xp.nonzero((idx == e) & keep)
+            if rows.size == 0:
+                saved.append(None)
+                continue
+            o, s = expert.forward(x[rows])
+            outs[rows, slots] = o
+            saved.append((rows, slots, s))
+        y = _combine(outs, gates)
+        return y, (outs, saved)
+
+    def _gather_rows(self, part, rows, n):
+        """The TP ranks' row blocks (each padded to c rows) all-gathered: [n, h] on every rank."""
+        lo, hi, c = rows
+        if hi - lo < c:
+            part = self.ctx.xp.concatenate([part, self.ctx.xp.zeros((c - (hi - lo), part.shape[1]), part.dtype)])
+        return self.ctx.tp.all_gather(self.ctx.xp.ascontiguousarray(part))[:n]
+
+    # ---- backward ------------------------------------------------------------------------------
+    def backward(self, dy):
+        x2, probs, lse, idx, top_p, gates, keep, f, n_all, (outs, saved) = self._load("moe")
+        xp = self.ctx.xp
+        shape, h = dy.shape, dy.shape[-1]
+        dy2 = dy.reshape(-1, h)
+        n = dy2.shape[0]
+        cdt = probs.dtype
+        rows = self._split_rows(n)
+        lo, hi = (0, n) if rows is None else rows[:2]
+        dy_mine = dy2[lo:hi]
+        # the combine: y = sum_j gates_j * outs_j
+        d_gates = xp.einsum("nkh,nh->nk", as_dtype(outs, cdt), as_dtype(dy_mine, cdt))
+        dx_slots = xp.zeros(outs.shape, dy.dtype)
+        for expert, s in zip(self.experts, saved):
+            if s is None:
+                continue
+            r, j, cache = s
+            do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
+            dx_slots[r, j] = expert.backward(do, cache)
+        dx_experts = _sum_slots(dx_slots)
+        if rows is not None:
+            dx_experts = self._gather_rows(dx_experts, rows, n)
+            d_gates = self._gather_rows(d_gates, rows, n)
+        # the gates (renormalised: g_j = p_j / S), then the probabilities of the k experts
+        if self.renormalize:
+            S = top_p.sum(axis=1, keepdims=True)
+            d_top = (d_gates - (d_gates * gates).sum(axis=1, keepdims=True)) / S
+        else:
+            d_top = d_gates
+        d_probs = xp.zeros_like(probs)
+        d_probs[xp.arange(n)[:, None], idx] = d_top
+        E = self.n_experts
+        d_probs += self.aux_grad * self.aux_loss_coeff * E / n_all * f[None, :]  # load balancing: f_i P_i
+        d_logits = probs * (d_probs - (d_probs * probs).sum(axis=1, keepdims=True))
+        d_logits += (self.aux_grad * self.z_loss_coeff * 2.0 / n_all) * lse[:, None] * probs  # z-loss
+        self.router.grad += as_dtype(as_dtype(x2, cdt).T @ d_logits, self.router.grad.dtype)
+        dx = as_dtype(d_logits @ as_dtype(self.router.data, cdt).T, dy.dtype) + dx_experts
+        return dx.reshape(shape)
+
+
+def _combine(outs, gates):
+    """sum_j gates[:, j] * outs[:, j], the slots added in order (the same bits at any layout)."""
+    cdt = gates.dtype
+    y = gates[:, 0, None] * as_dtype(outs[:, 0], cdt)
+    for j in range(1, outs.shape[1]):
+        y += gates[:, j, None] * as_dtype(outs[:, j], cdt)
+    return as_dtype(y, outs.dtype)
+
+
+def _sum_slots(a):
+    y = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        y += a[:, j]
+    return y
