@@ -177,6 +177,11 @@ def _worker_generation_and_checkpoints(tmp):
     run = build_run(cfg, world, dataset=random_tokens(97, 4096, 0))
     train_step(run)
     save(run)
+    from cutp.bench import plan  # the planner's parameters per rank: what the model holds
+
+    planned = plan.plan(plan.arch_from_config("test", cfg.model), tp=2, dp=1, micro_batch=2, seq_len=16,
+                        config=cfg.model, dtype="float64")
+    assert planned["params_per_gpu"] == run.model.num_parameters_local(), planned["params_per_gpu"]
     with pytest.raises(HFFormatError, match="a mixture-of-experts model .* cannot be exported as GPT-2"):
         save_hf_gpt2(run.model, os.path.join(tmp, "hf"))
     run.close()
@@ -190,3 +195,34 @@ def _worker_generation_and_checkpoints(tmp):
 
 def test_moe_checkpoint_loads_at_tp1_generation_and_no_gpt2_export(tmp_path):
     run_mpi(2, "tests.test_moe:_worker_generation_and_checkpoints", str(tmp_path), timeout=180)
+
+
+# ---- the planner --------------------------------------------------------------------------------
+def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
+    from cutp.bench import plan, plan_moe
+
+    config = GPTConfig.preset("tiny-moe")
+    a = plan.arch_from_config("tiny-moe", config)
+    for tp in (1, 2):
+        r = plan.plan(a, tp=tp, dp=1, micro_batch=2, seq_len=64, config=config, dtype="float32")
+        assert r["params_total"] == config.num_parameters() and r["params_active"] == config.num_active_parameters()
+        assert plan.param_count(a, tp)["total"] == config.num_parameters()
+        assert plan.param_count(a, tp)["active"] == config.num_active_parameters()
+        model = GPT(self_ctx(), config.with_overrides(["dtype=float32"])) if tp == 1 else None
+        if model is not None:  # (tp 2: the experts are replicated, the rest as the dense model's)
+            assert r["params_per_gpu"] == model.num_parameters_local()
+    dense = plan.plan(plan.arch_from_config("tiny", GPTConfig.preset("tiny")), tp=2, dp=1, micro_batch=2, seq_len=64,
+                      config=GPTConfig.preset("tiny"), dtype="float32")
+    per_expert = 2 * 128 * 256 + 256 + 128
+    r2 = plan.plan(a, tp=2, dp=2, ep=2, micro_batch=2, seq_len=64, config=config, dtype="float32")
+    r1 = plan.plan(a, tp=2, dp=2, ep=1, micro_batch=2, seq_len=64, config=config, dtype="float32")
+    assert r1["params_per_gpu"] - r2["params_per_gpu"] == 4 * 4 * per_expert  # 4 layers, 4 experts elsewhere
+    assert r1["params_per_gpu"] - dense["params_per_gpu"] == 4 * (128 * 8 + 8 * per_expert - (2 * 128 * 256 + 256 + 128))
+    # all-to-all: 2 x k x (b s / tp) x h x 4 bytes x (ep-1)/ep per MoE layer and direction, 2 directions
+    assert r2["ep_all_to_all"]["bytes"] == 4 * 4 * 2 * 2 * (2 * 64 // 2) * 128 * 4 // 2
+    assert r1["ep_all_to_all"]["bytes"] == 0
+    assert plan_moe.moe_layers(plan.replace(a, moe_every=3)) == 2  # layers 0 and 3
+    with pytest.raises(cutp.ConfigError, match="--ep 3 does not divide n_experts=8"):
+        plan.plan(a, tp=1, dp=3, ep=3, micro_batch=1, seq_len=64, config=config)
+    with pytest.raises(cutp.ConfigError, match="--ep 2 does not divide --dp 1"):
+        plan.plan(a, tp=1, dp=1, ep=2, micro_batch=1, seq_len=64, config=config)

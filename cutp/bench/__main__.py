@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an architecture field")
     pl.add_argument("--tp", type=int, default=8)
     pl.add_argument("--dp", type=int, default=1)
+    pl.add_argument("--ep", type=int, default=1, help="expert parallelism: the experts split over ep of the DP ranks")
     pl.add_argument("--micro-batch", type=int, default=1)
     pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     pl.add_argument("--accum", type=int, default=None,

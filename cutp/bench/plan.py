@@ -69,6 +69,8 @@ from ..model import GPTConfig
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
 from .common import Report, parse_count
+from .plan_moe import (all_to_all_bytes, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
+                       moe_layer_activation_bytes, moe_layers)
 from .step_memory import ITEMSIZE, StepShape, local_parameters, step_peak
 
 
@@ -87,6 +89,10 @@ class Arch:
     tied: bool = False
     layernorm: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight)
     pos_emb: bool = False  # learned position embeddings [seq, h]
+    n_experts: int = 0  # mixture of experts (cutp.bench.plan_moe): 0 = dense MLPs
+    moe_top_k: int = 2
+    moe_ffn: int = 0  # each expert's width (0: ffn)
+    moe_every: int = 1
 
     @property
     def head_dim(self):
@@ -104,7 +110,8 @@ ARCHITECTURES = {
 
 def arch_from_config(name: str, c) -> Arch:
     return Arch(name, c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.hidden, c.vocab_size, c.block_size,
-                gated_mlp=False, bias=c.bias, tied=c.tie_embeddings, layernorm=True, pos_emb=True)
+                gated_mlp=False, bias=c.bias, tied=c.tie_embeddings, layernorm=True, pos_emb=True,
+                n_experts=c.n_experts, moe_top_k=c.moe_top_k, moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every)
 
 
 def pick_arch(params: str) -> Arch:
@@ -114,8 +121,9 @@ def pick_arch(params: str) -> Arch:
     return best
 
 
-def param_count(a: Arch, tp: int = 1) -> dict:
-    """Parameters of the full model ('total') and of one TP rank ('per_rank'), by component."""
+def param_count(a: Arch, tp: int = 1, ep: int = 1) -> dict:
+    """Parameters of the full model ('total'), of one TP (and EP) rank ('per_rank') and those a
+    token runs through ('active'), by component ('layer': a dense layer's)."""
     h, hd, L = a.n_embd, a.head_dim, a.n_layer
     kv_local = max(1, a.n_kv_head // tp) if tp <= a.n_kv_head else 1
     b = 1 if a.bias else 0
@@ -136,9 +144,11 @@ def param_count(a: Arch, tp: int = 1) -> dict:
     emb = a.vocab * h
     head = 0 if a.tied else a.vocab * h
     pos = a.seq * h if a.pos_emb else 0
-    total = L * sum(full.values()) + emb + head + pos + norm
-    per_rank = L * sum(local.values()) + -(-emb // tp) + -(-head // tp) + pos + norm
-    return {"total": total, "per_rank": per_rank, "layer": sum(full.values()), "layer_per_rank": sum(local.values()),
+    moe = moe_counts(a, tp, ep)
+    total = L * sum(full.values()) + emb + head + pos + norm + moe["total"]
+    per_rank = L * sum(local.values()) + -(-emb // tp) + -(-head // tp) + pos + norm + moe["per_rank"]
+    return {"total": total, "per_rank": per_rank, "active": total - moe["total"] + moe["active"],
+            "layer": sum(full.values()), "layer_per_rank": sum(local.values()),
             "embedding": emb, "lm_head": head, "position": pos, "final_norm": norm}
 
 
@@ -250,7 +260,7 @@ def resolve_dtype(dtype: str | None, precision: str | None) -> str:
 def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1, precision: str | None = None,
          dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
          device: str = "cuda", threads: int = 1, recompute: str = "none", recompute_layers: int | None = None,
-         sequence_parallel: bool = False) -> dict:
+         sequence_parallel: bool = False, ep: int = 1) -> dict:
     """Every figure of the plan as plain numbers (bytes, elements, calls). `config`: the cutp
     model `a` describes (exact parameters, simulated activations); None: a --params
     architecture. Raises ConfigError (one line naming the fix) for settings that cannot run,
@@ -261,6 +271,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"--device {device!r}: use cuda or cpu")
     dtype = resolve_dtype(dtype, precision)
+    check_moe_layout(a, ep, dp)
     check_attention(a.n_embd, a.n_head, a.n_kv_head, tp)  # the rules training applies
     check_mlp(a.n_embd, a.ffn, tp)
     check_layout(n_layer=a.n_layer, tp=tp, seq_len=seq_len, recompute=recompute, recompute_layers=recompute_layers,
@@ -272,6 +283,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         dataclasses.replace(config, dtype="float32").validate(tp)  # the vocabulary rule too (any dtype plans)
         if seq_len > config.block_size:
             raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
+    if config is not None and not a.n_experts:  # (the simulated step has no MoE layers: those use the formula)
         P = parameters_per_rank(config, tp)
         peaks = [step_peak(_shape(config, tp, r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device,
                                   threads=threads, dp=dp, dp_rank=d, distributed_optimizer=distributed_optimizer,
@@ -282,14 +294,26 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         act = {"bytes": worst["activations_peak"], "where": worst["where"], "stash_per_layer": stash,
                "source": f"cutp's training step, simulated ({'GPU' if device == 'cuda' else f'CPU, {threads} thread(s)'})"}
     else:
-        P = param_count(a, tp)["per_rank"]
+        P = param_count(a, tp, ep)["per_rank"]
+        if config is not None:  # exact: the dense model's shards (padded vocabulary) and the MoE layers' own
+            P = parameters_per_rank(dataclasses.replace(config, n_experts=0), tp) + moe_counts(a, tp, ep)["per_rank"]
         full = L if recompute_layers is None else recompute_layers
-        stash = [activation_bytes_per_layer(s, b, h, a.n_head, tp, pb, recompute if (recompute != "full" or i < full)
-                                            else "none", sequence_parallel) for i in range(L)]
+        modes = [recompute if (recompute != "full" or i < full) else "none" for i in range(L)]
+        stash = [activation_bytes_per_layer(s, b, h, a.n_head, tp, pb, mode, sequence_parallel) for mode in modes]
+        for i, mode in enumerate(modes):  # an MoE layer's MLP in place of the dense one
+            if a.n_experts and i % a.moe_every == 0 and mode != "full":
+                stash[i] += (moe_layer_activation_bytes(a, s, b, tp, pb, sequence_parallel)
+                             - dense_mlp_activation_bytes(a, s, b, tp, pb, sequence_parallel))
         logits = 4 * s * b * a.vocab / tp
         act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
-               "source": "Korthikanti et al. 2022, Table 2; not a cutp model"}
+               "source": ("Korthikanti et al. 2022, Table 2, MoE layers with balanced routing (plan_moe)"
+                          if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")}
     st = state_bytes(P, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
+    if ep > 1 and distributed_optimizer:  # the experts' state is sharded over their expert-DP group
+        experts = moe_layers(a) * (a.n_experts // ep) * moe_counts(a)["expert"]
+        dense, own = (state_bytes(n, dtype=dtype, dp=d, distributed_optimizer=True)
+                      for n, d in ((P - experts, dp), (experts, dp // ep)))
+        st = {k: dense[k] + own[k] for k in st}
     N = st["padded"]
     gb = st["grads"] // N if N else 4
     bsh = b * s * h
@@ -308,6 +332,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
+        "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
+        "ep_all_to_all": coll(4 * moe_layers(a) * accum if ep > 1 else 0,
+                              int(4 * moe_layers(a) * accum * all_to_all_bytes(a, s, b, tp, pb, ep)) // pb, pb, 1.0),
         "params_per_gpu": P, "padded_params": N,
         "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
         "act_bytes": act["bytes"], "activations": act,
@@ -363,7 +390,7 @@ def run(args) -> Report:
     r = plan(a, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq, accum=args.accum,
              precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,
              config=config, device=args.device, threads=args.threads, recompute=args.recompute,
-             recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel)
+             recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel, ep=args.ep)
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9
@@ -372,7 +399,11 @@ def run(args) -> Report:
     arch = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=f"{a.name}")
     for k, v in (("layers x width", f"{a.n_layer} x {a.n_embd}"), ("heads / kv heads", f"{a.n_head} / {a.n_kv_head}"),
                  ("mlp", f"{a.ffn}{' (SwiGLU)' if a.gated_mlp else ''}"), ("vocab", f"{a.vocab:,}"),
-                 ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"),
+                 ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"
+                  + (f", {r['params_active']:,} active per token" if a.n_experts else "")),
+                 *([("experts", f"{a.n_experts} of width {a.moe_ffn or a.ffn} in "
+                     + ("every layer" if a.moe_every == 1 else f"layers 0, {a.moe_every}, {2 * a.moe_every}, ...")
+                     + f", top {a.moe_top_k}; ep {args.ep}: {a.n_experts // args.ep} per GPU")] if a.n_experts else []),
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
                  ("mesh", f"tp {args.tp} x dp {args.dp} = {args.tp * args.dp} GPUs"),
                  ("micro-batch x seq", f"{args.micro_batch} x {seq}, {args.accum} micro-batch(es) per step"),
@@ -425,6 +456,9 @@ def run(args) -> Report:
                  ("DP all-gather (parameters)", "dp_all_gather", f"this rank's 1/dp of the padded parameters, {dt}")]
     else:
         rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
+    if args.ep > 1:
+        rows += [("EP all-to-all (MoE dispatch + combine)", "ep_all_to_all",
+                  f"2 per MoE layer and direction x k*b*s*h/tp x (ep-1)/ep, x {args.accum} micro-batches (balanced)")]
     for what, key, formula in rows:
         c = r[key]
         cm.add(what=what, calls=c["calls"], elements=c["elements"], gb=c["bytes"] / GB, wire=c["wire_bytes"] / GB,

@@ -115,6 +115,9 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
     """Each stage's memory (state exact, activations per the schedule), the point-to-point bytes
     and the bubble (the module docstring). The mesh, recomputation and dtype checks are
     `plan.plan`'s (run at pp 1 first, on the whole model)."""
+    if a.n_experts:
+        raise ConfigError("--pp with a mixture-of-experts model: the pipeline planner does not model MoE layers yet "
+                          "(issue 18); plan it without --pp")
     dtype = resolve_dtype(dtype, precision)
     kind, chunks = check_pipeline(n_layer=a.n_layer, pp=pp, m=accum, schedule=schedule, virtual=virtual,
                                   pp_layers=pp_layers)

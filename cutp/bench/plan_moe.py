@@ -1,0 +1,85 @@
+"""The planner's mixture-of-experts arithmetic (`cutp bench plan` with n_experts > 0).
+
+Parameters. An MoE layer (every `moe_every`-th, from layer 0) replaces the MLP by a router
+(h x E, replicated) and E experts, each an MLP of width f = moe_ffn (default: the MLP's): 2 h f
+weights (3 h f gated) + biases f + h. Experts are replicated over TP (cutp splits the tokens, not
+the experts, over the TP ranks) and divided over the EP group: a rank holds E / ep of them. A
+token runs through top_k experts: the active parameters count top_k of them.
+
+Activations an MoE layer keeps for backward (cutp.tensor_parallel.moe; act: the activation
+item size, routing assumed balanced, so every expert sees n k / E of the n tokens' assignments,
+nothing dropped), in place of the dense MLP's 2 s b h act (input) + 2 s b f act / t x 2 (the
+GeLU input and c_proj's input) + s b (dropout mask):
+
+    input          s b h act            (/t with sequence parallelism)
+    router         3 s b E x 4 bytes    logits, probabilities, their top-k and gates (fp32; /t with SP)
+    experts        k s b (2 h + 2 f) act / t   each assignment's input rows, GeLU input, c_proj's
+                                         input and output (the tokens split over TP)
+    dropout mask   s b                  (/t with SP)
+
+All-to-all per MoE layer, micro-batch and direction (ep > 1): the assignments' rows go to their
+experts' ranks and back, each rank sending the (ep - 1) / ep of its k s b h / t rows that live
+elsewhere: 2 x k s b h act (ep - 1) / (ep t) bytes; forward and backward.
+"""
+from __future__ import annotations
+
+from ..runtime.errors import ConfigError
+
+
+def moe_layers(a) -> int:
+    """How many of a's layers are MoE layers."""
+    return sum(1 for i in range(a.n_layer) if a.n_experts and i % a.moe_every == 0)
+
+
+def expert_width(a) -> int:
+    return a.moe_ffn or a.ffn
+
+
+def expert_params(a) -> int:
+    f, h, b = expert_width(a), a.n_embd, 1 if a.bias else 0
+    return (3 if a.gated_mlp else 2) * h * f + b * ((2 if a.gated_mlp else 1) * f + h)
+
+
+def check_moe_layout(a, ep: int, dp: int) -> None:
+    if not (isinstance(ep, int) and ep >= 1):
+        raise ConfigError(f"--ep must be an integer >= 1, got {ep!r}")
+    if ep > 1 and not a.n_experts:
+        raise ConfigError(f"--ep {ep}: the model has no experts (n_experts=0); drop --ep or --set n_experts=N")
+    if a.n_experts and a.n_experts % ep:
+        raise ConfigError(f"--ep {ep} does not divide n_experts={a.n_experts}: each EP rank holds n_experts / ep")
+    if dp % ep:
+        raise ConfigError(f"--ep {ep} does not divide --dp {dp}: the EP group is carved from the DP group")
+
+
+def moe_counts(a, tp: int = 1, ep: int = 1) -> dict:
+    """Parameters of a's MoE layers in place of their dense MLPs: {"total", "per_rank", "active"}
+    to add to a dense count, and the MoE layers' own {"router", "expert"}."""
+    n = moe_layers(a)
+    h, E = a.n_embd, a.n_experts
+    b = 1 if a.bias else 0
+    dense = (3 if a.gated_mlp else 2) * h * a.ffn + b * ((2 if a.gated_mlp else 1) * a.ffn + h)
+    dense_local = (3 if a.gated_mlp else 2) * h * (a.ffn // tp) + b * ((2 if a.gated_mlp else 1) * a.ffn // tp + h)
+    router, expert = h * E, expert_params(a)
+    return {"total": n * (router + E * expert - dense), "per_rank": n * (router + E // ep * expert - dense_local),
+            "active": n * (router + a.moe_top_k * expert - dense), "router": router, "expert": expert,
+            "layers": n}
+
+
+def moe_layer_activation_bytes(a, s: int, b: int, t: int, act: int, sequence_parallel: bool) -> float:
+    """What one MoE layer's MLP keeps for backward (module docstring)."""
+    sp = t if sequence_parallel else 1
+    k, f, h, E = a.moe_top_k, expert_width(a), a.n_embd, a.n_experts
+    return (s * b * h * act / sp + 3 * s * b * E * 4 / sp + k * s * b * (2 * h + 2 * f) * act / t + s * b / sp)
+
+
+def dense_mlp_activation_bytes(a, s: int, b: int, t: int, act: int, sequence_parallel: bool) -> float:
+    """The dense MLP's part of Korthikanti et al.'s per-layer figure (ffn = 4h there: 19 s b h)."""
+    sp = t if sequence_parallel else 1
+    return 2 * s * b * a.n_embd * act / sp + 2 * s * b * a.ffn * act * 2 / t + s * b / sp
+
+
+def all_to_all_bytes(a, s: int, b: int, t: int, act: int, ep: int) -> float:
+    """Bytes one rank sends in all-to-alls per MoE layer, micro-batch and direction."""
+    if ep == 1 or not a.n_experts:
+        return 0.0
+    return 2 * a.moe_top_k * s * b * a.n_embd * act * (ep - 1) / (ep * t)
