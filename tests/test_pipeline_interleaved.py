@@ -255,3 +255,8 @@ def test_cli_interleaved_losses_equal_one_rank(tmp_path):
                                [r["val_loss"] for r in rows["tp1"] if "val_loss" in r], rtol=1e-10)
     assert all(r["pipeline_wait_ms"] >= 0 for r in rows["pp2v2"] if "pipeline_wait_ms" in r)
     assert json.dumps(rows["pp2v2"][0])  # plain JSON records
+    # the memory report says what each stage held: m = 4, V = 2: min(8, 2 (p-s-1) + (V-1) p + 1) = 5, 3
+    out = run_mpi(2, TRAIN, base[:base.index("--steps")] + ["--steps", "1", "--eval-every", "0", "--pp", "2",
+                                                             "--pp-virtual", "2", "--micro-batch-size", "2"],
+                  timeout=120).stdout
+    assert "forwards in flight at most: 5, 3 (stages 0..1)" in out, out

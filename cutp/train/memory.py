@@ -73,6 +73,9 @@ def memory_record(run, activations_peak: int | None = None, stash: list[int] | N
         rec["activations_peak"] = int(activations_peak)
     if stash is not None:
         rec["stash_per_layer"] = [int(b) for b in stash]
+    ctx = run.ctx
+    if activations_peak is not None and ctx.pp_size > 1:  # each stage's most (micro-batch, chunk)s in flight
+        rec["pipeline_in_flight"] = [run.pipeline_in_flight if s == ctx.pp_rank else 0 for s in range(ctx.pp_size)]
     rec["total"] = state + rec.get("activations_peak", 0)
     return rec
 
@@ -296,5 +299,7 @@ def peak_line(rec: dict, step: int) -> str:
         lo, hi = min(stash), max(stash)
         kept = (f" (each layer keeps {format_bytes(hi)} for backward)" if lo == hi else
                 f" (layers keep {format_bytes(lo)}-{format_bytes(hi)} each for backward)")
+    flight = rec.get("pipeline_in_flight")
+    held = "" if not flight else f"; forwards in flight at most: {', '.join(map(str, flight))} (stages 0..{len(flight) - 1})"
     return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}{kept}, "
-            f"total {format_bytes(rec['total'])}")
+            f"total {format_bytes(rec['total'])}{held}")
