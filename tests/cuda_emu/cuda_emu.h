@@ -60,7 +60,11 @@
 // The launcher defines every `extern __shared__` name as an alias of one per-launch buffer
 // (as on the GPU, where they all start at the dynamic shared memory base), and fills the
 // module's whole thread-local block with a poison pattern before each block runs.
-#define __shared__ thread_local
+// Every shared variable starts on its own 4 KiB boundary: the gap after a static array is
+// shared memory that belongs to no variable, so the checked build (see cuda_emu_runtime.cpp,
+// "Checks") reports an access that runs past the end of one array (up to the next boundary)
+// as out of bounds, instead of letting it land in the next array.
+#define __shared__ thread_local __attribute__((aligned(::cuda_emu::kSharedVarAlign)))
 
 // ---------------------------------------------------------------------------------------------
 // Built-in vector types (alignment as in CUDA's vector_types.h). may_alias because kernels
@@ -130,6 +134,7 @@ struct KernelDesc {
 };
 
 inline constexpr uint32_t kAbiVersion = 1;
+inline constexpr size_t kSharedVarAlign = 4096;  // see __shared__
 
 namespace detail {
 
@@ -171,6 +176,9 @@ __attribute__((visibility("hidden"))) uint64_t warp_op(int kind, unsigned mask, 
 __attribute__((visibility("hidden"))) unsigned active_mask();
 __attribute__((visibility("hidden"), noreturn)) void trap(const char* what, const std::source_location& loc);
 __attribute__((visibility("hidden"))) long long clock_ticks();
+// Bounds check of an atomic's target (atomics are not instrumented: they never race). pc: the
+// kernel code that called the atomic.
+__attribute__((visibility("hidden"))) void atomic_access(const void* p, size_t size, void* pc);
 
 inline int warp_size() { return 32; }
 
@@ -664,8 +672,11 @@ CUDA_EMU_WARP_REDUCE(__reduce_xor_sync, unsigned, kReduceXor)
 // warp operations), so a plain read-modify-write is atomic here. Integer adds wrap as on a GPU.
 // ---------------------------------------------------------------------------------------------
 namespace cuda_emu::detail {
+// Not instrumented by the checked build (so not inlined into instrumented code): atomics on the
+// same address from several threads are no race. Their bounds are checked all the same.
 template <class T, class F>
-inline T atomic_rmw(T* p, F f) {
+__attribute__((no_sanitize_thread, noinline)) T atomic_rmw(T* p, F f) {
+    atomic_access(p, sizeof(T), __builtin_return_address(0));
     const T old = *p;
     *p = f(old);
     return old;
