@@ -158,22 +158,40 @@ def test_dynamic_shared_memory_softmax(samples, width):
     np.testing.assert_allclose(out, e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
 
 
-def test_dynamic_shared_memory_limits(samples_module):
-    width = 20_000  # 80 KB: more than the 48 KiB a launch gets without opting in
-    x = rng(4).standard_normal((1, width), dtype=np.float32)
-    out = np.zeros_like(x)
-    softmax = samples_module.get_function("softmax_smem_f32")
-    with pytest.raises(LaunchConfigError, match="48 KiB"):
-        softmax((1,), (256,), (out, x, np.int32(width)), shared_mem=width * 4)
-    softmax.max_dynamic_shared_size_bytes = 100 * 1024  # as with cupy.RawKernel
-    try:
-        softmax((1,), (256,), (out, x, np.int32(width)), shared_mem=width * 4)
-    finally:
-        softmax.max_dynamic_shared_size_bytes = 48 * 1024
-    e = np.exp(x - x.max())
-    np.testing.assert_allclose(out, e / e.sum(), rtol=1e-5, atol=1e-9)
+def test_shared_memory_limit_counts_static_and_dynamic(samples_module):
+    """As a device: static + dynamic shared memory above 48 KiB fails unless the kernel opts in
+    (max_dynamic_shared_size_bytes, as with cupy.RawKernel), and never above 227 KiB (sm_90)."""
+    softmax = samples_module.with_schedule("forward").get_function("softmax_smem_f32")  # a fresh kernel object
+    static = softmax.shared_size_bytes
+    assert static == 2 * 32 * 4  # block_reduce's partial[32], for the max and for the sum
+    assert softmax.max_dynamic_shared_size_bytes == 48 * 1024 - static  # as CUDA reports it before opting in
+
+    def launch(nbytes):
+        width = nbytes // 4
+        x = rng(4).standard_normal((1, width), dtype=np.float32)
+        out = np.zeros_like(x)
+        softmax((1,), (256,), (out, x, np.int32(width)), shared_mem=nbytes)
+        e = np.exp(x - x.max())
+        np.testing.assert_allclose(out, e / e.sum(), rtol=1e-5, atol=1e-9)
+
+    launch(48 * 1024 - static)  # exactly 48 KiB in all
+    with pytest.raises(LaunchConfigError, match=r"shared_mem=49152 bytes .* exceed the 48896 bytes allowed; the "
+                                                r"kernel also has 256 bytes of static __shared__ variables .*48 KiB"):
+        launch(48 * 1024)
+    softmax.max_dynamic_shared_size_bytes = 48 * 1024  # opt in, as the launchers do
+    launch(48 * 1024)
+    with pytest.raises(LaunchConfigError, match="exceed the 49152 bytes allowed"):
+        launch(48 * 1024 + 16)
+    with pytest.raises(LaunchConfigError, match=r"outside \[0, 232192\].*232448 bytes .* 256 bytes of static"):
+        softmax.max_dynamic_shared_size_bytes = 227 * 1024 - static + 4
+    softmax.max_dynamic_shared_size_bytes = 227 * 1024 - static  # the most an sm_90 device allows
+    launch(227 * 1024 - static)
     with pytest.raises(LaunchConfigError):
-        softmax.max_dynamic_shared_size_bytes = 300 * 1024
+        launch(227 * 1024)
+    # a kernel without static shared memory gets all 48 KiB, and the static size is per kernel
+    reverse = samples_module.with_schedule("forward").get_function("reverse_chunks_i32")
+    assert reverse.shared_size_bytes == 0 and reverse.max_dynamic_shared_size_bytes == 48 * 1024
+    assert samples_module.get_function("tree_sum_f32").shared_size_bytes == 256 * 4
 
 
 def test_dynamic_shared_memory_other_type(samples):
@@ -823,7 +841,7 @@ def test_module_api(samples_module):
     again = EmulatedModule(path=str(SAMPLES.relative_to(ROOT)))  # cached build, relative path
     assert again.library_path == samples_module.library_path
     fn = samples_module.get_function("softmax_smem_f32")
-    assert fn.max_threads_per_block == 1024 and fn.shared_size_bytes >= 256 * 4
+    assert fn.max_threads_per_block == 1024 and fn.shared_size_bytes == 256
     with pytest.raises(EmulationError, match="name_expressions"):
         EmulatedModule(path=SAMPLES, name_expressions=["k<float>"])
 

@@ -121,7 +121,7 @@ CHECK_FLAGS = (
     "--param", "tsan-instrument-func-entry-exit=0",
     "-g1",
 )
-_EMU_VERSION = "cuda_emu-2"  # bump to invalidate every cached build
+_EMU_VERSION = "cuda_emu-3"  # bump to invalidate every cached build
 
 GUARD_BYTES = 64 * 1024  # poisoned bytes before and after each array argument
 _GUARD_PATTERN = np.frombuffer(b"\xa5\xff" * (GUARD_BYTES // 2), dtype=np.uint8)  # NaN as fp32/bf16/fp16
@@ -131,6 +131,9 @@ _ALIGN = 256  # cudaMalloc's alignment; views keep their offset modulo this
 MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_DIM = (1024, 1024, 64)
 MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
+# Shared memory per block, static + dynamic, as a device enforces it: 48 KiB unless the kernel's
+# cudaFuncAttributeMaxDynamicSharedMemorySize (CuPy: kernel.max_dynamic_shared_size_bytes) is
+# raised, and at most the architecture's opt-in maximum (sm_90: 227 KiB; sm_80: 163 KiB) with it.
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024  # without cudaFuncAttributeMaxDynamicSharedMemorySize
 MAX_DYNAMIC_SHARED_OPT_IN = 227 * 1024  # sm_90 (sm_80: 163 KiB)
 
@@ -393,10 +396,57 @@ class _Build:
     library: Path
     kernels: dict[str, int | None]
     shared_vars: list  # [name, offset in the TLS block, size] of each static __shared__ variable
+    static_smem: dict[str, int]  # kernel name: bytes of static __shared__ variables it reaches
 
 
 # readelf -sW -C: "  12: 0000000000001000   128 TLS     LOCAL  DEFAULT   22 name"
 _TLS_SYM_RE = re.compile(r"^\s*\d+:\s+([0-9a-fA-F]+)\s+(\d+)\s+TLS\s+\w+\s+\w+\s+\d+\s+(.+?)\s*$", re.M)
+
+
+_SYM_RE = re.compile(r"^\s*\d+:\s+[0-9a-fA-F]+\s+(\d+)\s+(\w+)\s+\w+\s+\w+\s+(\w+)\s+(\S+)\s*$")
+_RELA_SECTION_RE = re.compile(r"^Relocation section '\.rela(\.text\.[^']+)'")
+
+
+def _static_shared_bytes(readelf: str, kernels) -> dict[str, int]:
+    """Bytes of static __shared__ variables each kernel reaches through its calls, as the GPU
+    counts a kernel's static shared memory: from `readelf -sW -rW` of an object compiled with
+    -ffunction-sections -fdata-sections (a .rela.text.F section lists what function F refers to:
+    functions it calls, thread-local variables it addresses)."""
+    tls: dict[str, int] = {}
+    refs: dict[str, set[str]] = {}
+    current = None
+    for line in readelf.splitlines():
+        m = _RELA_SECTION_RE.match(line)
+        if m:
+            current = refs.setdefault(m.group(1), set())
+            continue
+        if line.startswith(("Relocation section", "Symbol table")):
+            current = None
+        sym = _SYM_RE.match(line)
+        if sym and sym.group(2) == "TLS" and sym.group(3) != "UND":
+            tls[sym.group(4)] = int(sym.group(1))
+            continue
+        parts = line.split()
+        if current is not None and len(parts) >= 5 and parts[2].startswith("R_"):
+            current.add(parts[4])
+
+    def node(name: str) -> str:
+        for prefix in (".tbss.", ".tdata."):
+            if name.startswith(prefix) and name[len(prefix):] in tls:
+                return name[len(prefix):]
+        return name if name in tls or name.startswith(".text.") else ".text." + name
+
+    out = {}
+    for k in kernels:
+        seen, stack = set(), [".text." + k]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack += [node(r) for r in refs.get(n, ())]
+        out[k] = sum(tls[n] for n in seen if n in tls)
+    return out
 
 
 def _shared_vars(library: Path) -> list:
@@ -427,7 +477,7 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
     lib, meta = cache / f"module-{key}.so", cache / f"module-{key}.json"
     if lib.exists() and meta.exists():
         m = json.loads(meta.read_text())
-        return _Build(lib, m["kernels"], m["shared_vars"])
+        return _Build(lib, m["kernels"], m["shared_vars"], m["static_smem"])
 
     runtime = _runtime_object(cxx, cxx_flags)
     incs = ["-I", str(KERNELS_DIR), "-I", str(HERE)]
@@ -445,13 +495,16 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
         unit += "".join(f"CUDA_EMU_REGISTER_KERNEL({k})\n" for k in kernels)
         (t / "unit.cpp").write_text(unit)
         check_flags = CHECK_FLAGS if checks else ()
-        _run([cxx, *CXX_FLAGS, *check_flags, *cxx_flags, *incs, *defines, "-c", str(t / "unit.cpp"), "-o",
-              str(t / "unit.o")],
+        # A section per function and variable: the relocations then tell which static shared
+        # variables each kernel reaches (_static_shared_bytes).
+        _run([cxx, *CXX_FLAGS, *check_flags, "-ffunction-sections", "-fdata-sections", *cxx_flags, *incs, *defines,
+              "-c", str(t / "unit.cpp"), "-o", str(t / "unit.o")],
              "compiling the kernels with g++")
         # Every undefined thread-local symbol is an `extern __shared__` array: alias it to the
         # runtime's dynamic shared memory buffer.
-        syms = _run(["readelf", "-sW", str(t / "unit.o")], "reading the kernel object's symbols")
+        syms = _run(["readelf", "-sW", "-rW", str(t / "unit.o")], "reading the kernel object's symbols")
         smem = sorted(set(_UND_TLS_RE.findall(syms)))
+        static_smem = _static_shared_bytes(syms, kernels)
         link = [cxx, "-shared", "-pthread", "-o", str(t / "module.so"), str(t / "unit.o"), str(runtime),
                 "-Wl,-z,defs", *(f"-Wl,--defsym={n}=cuda_emu_dynamic_smem" for n in smem)]
         try:
@@ -463,8 +516,8 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
         shared_vars = _shared_vars(t / "module.so")
         os.replace(t / "module.so", lib)
         _atomic_write_bytes(meta, json.dumps({"kernels": kernels, "sources": [str(s) for s in sources],
-                                              "shared_vars": shared_vars}).encode())
-    return _Build(lib, kernels, shared_vars)
+                                              "shared_vars": shared_vars, "static_smem": static_smem}).encode())
+    return _Build(lib, kernels, shared_vars, static_smem)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -791,7 +844,8 @@ class EmulatedKernel:
                                 pd.size, pd.elem_size, pd.elem_count))
         self.params: tuple[Param, ...] = tuple(params)
         self.launch_bounds = launch_bounds
-        self._max_dynamic_shared = DEFAULT_MAX_DYNAMIC_SHARED
+        self._static_shared = int(module._static_smem.get(name, 0))
+        self._max_dynamic_shared: int | None = None  # the opt-in attribute, once set
 
     # Attributes of cupy.RawKernel that host code may consult.
     @property
@@ -800,18 +854,28 @@ class EmulatedKernel:
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
+        """cudaFuncAttributeMaxDynamicSharedMemorySize: 48 KiB minus the kernel's static shared
+        memory until raised (as CUDA reports it)."""
+        if self._max_dynamic_shared is None:
+            return DEFAULT_MAX_DYNAMIC_SHARED - self._static_shared
         return self._max_dynamic_shared
 
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, value: int) -> None:
-        if not 0 <= int(value) <= MAX_DYNAMIC_SHARED_OPT_IN:
-            raise LaunchConfigError(f"max_dynamic_shared_size_bytes {value} outside [0, {MAX_DYNAMIC_SHARED_OPT_IN}]")
+        # cuFuncSetAttribute fails when static + dynamic would exceed the opt-in maximum.
+        if not 0 <= int(value) <= MAX_DYNAMIC_SHARED_OPT_IN - self._static_shared:
+            raise LaunchConfigError(
+                f"{self.name}: max_dynamic_shared_size_bytes {value} outside [0, "
+                f"{MAX_DYNAMIC_SHARED_OPT_IN - self._static_shared}] (the device allows {MAX_DYNAMIC_SHARED_OPT_IN} "
+                f"bytes of shared memory per block, and the kernel has {self._static_shared} bytes of static "
+                "__shared__ variables)")
         self._max_dynamic_shared = int(value)
 
     @property
     def shared_size_bytes(self) -> int:
-        """Static __shared__ bytes of the whole module (the emulator cannot attribute them per kernel)."""
-        return int(self.module._lib.cuda_emu_static_smem_bytes())
+        """Static __shared__ bytes of this kernel: the variables it reaches through its calls
+        (from the object's relocations), as CUDA counts them."""
+        return self._static_shared
 
     num_regs = 0
     local_size_bytes = 0
@@ -889,11 +953,13 @@ class EmulatedKernel:
                 raise LaunchConfigError(f"{self.name}: grid dimension {'xyz'[i]} = {gd} exceeds CUDA's limit {lim}")
         if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)) or shared_mem < 0:
             raise LaunchConfigError(f"{self.name}: shared_mem must be a non-negative int, got {shared_mem!r}")
-        if shared_mem > self._max_dynamic_shared:
+        if shared_mem > self.max_dynamic_shared_size_bytes:
             raise LaunchConfigError(
-                f"{self.name}: shared_mem={shared_mem} bytes exceeds the {self._max_dynamic_shared} bytes allowed "
-                "(CUDA allows 48 KiB of dynamic shared memory unless the kernel's max_dynamic_shared_size_bytes "
-                "attribute is raised)"
+                f"{self.name}: shared_mem={shared_mem} bytes of dynamic shared memory exceed the "
+                f"{self.max_dynamic_shared_size_bytes} bytes allowed; the kernel also has {self._static_shared} bytes "
+                "of static __shared__ variables (a device allows 48 KiB of static + dynamic shared memory per block unless the kernel's "
+                "max_dynamic_shared_size_bytes attribute is raised, and at most "
+                f"{MAX_DYNAMIC_SHARED_OPT_IN // 1024} KiB with it)"
             )
 
     def _check_array(self, p: Param, x: Any) -> np.ndarray:
@@ -1012,6 +1078,7 @@ class EmulatedModule:
             self._lib = _load(build.library, build.shared_vars)
         self.library_path = build.library
         self._kernels_found = dict(build.kernels)
+        self._static_smem = dict(build.static_smem)
         self._functions: dict[str, EmulatedKernel] = {}
 
     @property
