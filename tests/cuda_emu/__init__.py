@@ -88,7 +88,7 @@ _SCHEDULE_CODES = {name: code for code, name in enumerate(SCHEDULES)}
 # -Wvla: CUDA has no variable-length arrays. -fno-strict-aliasing: kernels reinterpret_cast
 # float/bf16 arrays to float4/int4, which GPUs allow and g++'s aliasing rules would punish.
 # -fno-extern-tls-init: `extern __shared__` arrays are TLS and never need dynamic init.
-# -ffp-contract=off: no fused multiply-add, so emulated results do not depend on the host CPU.
+# -ffp-contract: see _fp_flags.
 # -Wno-unknown-pragmas: CUDA's `#pragma unroll` is meaningless to g++ but must compile.
 # -Wno-volatile: `v[i] += ...` on volatile shared memory is deprecated in C++20 only; NVRTC and
 # NVCC compile C++17 by default.
@@ -107,7 +107,6 @@ CXX_FLAGS = (
     "-fno-strict-aliasing",
     "-fno-extern-tls-init",
     "-fno-math-errno",
-    "-ffp-contract=off",
     "-fstack-clash-protection",
     "-fvisibility=hidden",
     "-pthread",
@@ -122,6 +121,34 @@ CHECK_FLAGS = (
     "-g1",
 )
 _EMU_VERSION = "cuda_emu-3"  # bump to invalidate every cached build
+
+
+def _host_has_fma() -> bool:
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " fma" in line for line in f)
+    except OSError:
+        return False
+
+
+def _fp_flags() -> tuple[str, ...]:
+    """Floating-point contraction as nvcc does it by default (--fmad=true: a multiply feeding an
+    add becomes one FMA, also across statements): -ffp-contract=fast with the host's FMA
+    instructions (-mfma on x86-64). Without FMA in hardware, no contraction (off), and results
+    may differ from the GPU's by the rounding of the products. $CUTP_EMU_FP_CONTRACT=off forces
+    that. The __f*_rn intrinsics are never contracted, as with nvcc (cuda_emu.h)."""
+    if os.environ.get("CUTP_EMU_FP_CONTRACT", "fast") == "off" or not _host_has_fma():
+        return ("-ffp-contract=off",)
+    import platform
+
+    return ("-ffp-contract=fast", "-mfma") if platform.machine().lower() in ("x86_64", "amd64") else ("-ffp-contract=fast",)
 
 GUARD_BYTES = 64 * 1024  # poisoned bytes before and after each array argument
 _GUARD_PATTERN = np.frombuffer(b"\xa5\xff" * (GUARD_BYTES // 2), dtype=np.uint8)  # NaN as fp32/bf16/fp16
@@ -466,7 +493,8 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
         elif f.startswith("-I") and len(f) > 2:
             include_dirs.append(Path(f[2:]))
     h = hashlib.sha256()
-    for part in (_EMU_VERSION, _compiler_id(cxx), *CXX_FLAGS, *defines, "|", *cxx_flags, f"checks={checks}"):
+    for part in (_EMU_VERSION, _compiler_id(cxx), *CXX_FLAGS, *_fp_flags(), *defines, "|", *cxx_flags,
+                 f"checks={checks}"):
         h.update(part.encode() + b"\0")
     for s in sources:
         h.update(str(s).encode() + b"\0" + s.read_bytes() + b"\0")
@@ -497,7 +525,8 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
         check_flags = CHECK_FLAGS if checks else ()
         # A section per function and variable: the relocations then tell which static shared
         # variables each kernel reaches (_static_shared_bytes).
-        _run([cxx, *CXX_FLAGS, *check_flags, "-ffunction-sections", "-fdata-sections", *cxx_flags, *incs, *defines,
+        _run([cxx, *CXX_FLAGS, *_fp_flags(), *check_flags, "-ffunction-sections", "-fdata-sections", *cxx_flags,
+              *incs, *defines,
               "-c", str(t / "unit.cpp"), "-o", str(t / "unit.o")],
              "compiling the kernels with g++")
         # Every undefined thread-local symbol is an `extern __shared__` array: alias it to the
