@@ -143,12 +143,18 @@ def _fp_flags() -> tuple[str, ...]:
     add becomes one FMA, also across statements): -ffp-contract=fast with the host's FMA
     instructions (-mfma on x86-64). Without FMA in hardware, no contraction (off), and results
     may differ from the GPU's by the rounding of the products. $CUTP_EMU_FP_CONTRACT=off forces
-    that. The __f*_rn intrinsics are never contracted, as with nvcc (cuda_emu.h)."""
+    that. The __f*_rn intrinsics are never contracted, as with nvcc (cuda_emu.h).
+
+    -fno-tree-slp-vectorize: with AVX enabled (-mfma implies it), g++ 12 merges load_chunk's two
+    branches (a 16-byte int4 load when the address is aligned, four float loads when not) into
+    one aligned vector load, which faults on the unaligned path (bias_gelu_backward at C=9)."""
     if os.environ.get("CUTP_EMU_FP_CONTRACT", "fast") == "off" or not _host_has_fma():
         return ("-ffp-contract=off",)
     import platform
 
-    return ("-ffp-contract=fast", "-mfma") if platform.machine().lower() in ("x86_64", "amd64") else ("-ffp-contract=fast",)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return ("-ffp-contract=fast", "-mfma", "-fno-tree-slp-vectorize")
+    return ("-ffp-contract=fast",)
 
 GUARD_BYTES = 64 * 1024  # poisoned bytes before and after each array argument
 _GUARD_PATTERN = np.frombuffer(b"\xa5\xff" * (GUARD_BYTES // 2), dtype=np.uint8)  # NaN as fp32/bf16/fp16

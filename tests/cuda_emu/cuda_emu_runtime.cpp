@@ -3,12 +3,15 @@
 // A launch runs the blocks of the grid one after another on the calling OS thread. Each block
 // runs blockDim.x*y*z emulated threads as fibers (user-space stacks switched by hand, or by
 // ucontext off x86-64). Scheduling is cooperative: a thread runs until it reaches a barrier or a
-// warp operation, or exits; then the scheduler runs the next ready thread in the chosen order
-// (forward, reverse or seeded random). A barrier releases its threads when every participant
-// has arrived; when no thread can run and the block has not finished, the launch fails with a
-// report of who waits where. Because threads switch only at those points, code between two
-// barriers runs as a whole, which makes a missing barrier visible as a wrong result under at
-// least one order, and makes atomics trivially atomic.
+// warp operation, or exits; then the scheduler runs the next ready thread in the chosen order:
+// in rounds (forward, reverse or seeded random), or a warp at a time, each as far as it gets
+// (warp-forward, warp-reverse, warp-random: a warp runs ahead into the next phase). A barrier
+// releases its threads when every participant has arrived; when no thread can run and the block
+// has not finished, the launch fails with a report of who waits where. Because threads switch
+// only at those points, code between two barriers runs as a whole, which makes a missing barrier
+// visible as a wrong result under at least one order, and makes atomics trivially atomic.
+// Checked builds also report each shared-memory race and out-of-bounds access where it happens
+// ("Checks" below).
 //
 // Launches are serialized by the Python launcher (one process-wide lock), so the state below is
 // plain globals. The kernel's shared memory is thread-local storage of this module; the launcher

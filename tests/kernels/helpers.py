@@ -97,8 +97,8 @@ class KernelBackend:
 
     def tolerance(self, *, emulated, cuda):
         """The bound of a comparison with the NumPy reference. The GPU's may be wider: its expf,
-        tanhf, ... are not glibc's, and NVRTC contracts multiply-adds into FMAs, which the
-        emulator does not do (kernels/README.md, "What the emulation models")."""
+        tanhf, ... are not glibc's, and NVRTC need not contract the same multiply-adds into FMAs
+        as g++ does for the emulator (kernels/README.md, "What the emulation does NOT model")."""
         return emulated if self.emulated else cuda
 
     def require_bf16(self) -> None:
