@@ -886,8 +886,10 @@ template <class R, class... A>
 struct kernel_traits<R (*)(A...)> {
     static_assert(std::is_void_v<R>, "a __global__ function must return void");
     static constexpr uint32_t arity = sizeof...(A);
+    // Not instrumented by checked builds: reading the launcher's argument block is no kernel
+    // access (and would cost a check per parameter per thread).
     template <auto F, size_t... I>
-    static void call(void** args, std::index_sequence<I...>) {
+    __attribute__((no_sanitize_thread)) static void call(void** args, std::index_sequence<I...>) {
         F(*static_cast<std::remove_cv_t<A>*>(args[I])...);
     }
     template <auto F>

@@ -229,7 +229,8 @@ struct State {
         std::string name;
     };
     std::vector<Buffer> buffers;
-    uintptr_t buf_lo = 0, buf_span = 0;  // hull of the guarded buffers
+    uintptr_t buf_lo = 0, buf_span = 0;  // hull of the guarded buffers (empty: no buffers)
+    uintptr_t last_lo = 0, last_span = 0;  // the array of the last in-bounds access
     bool detect_races = true;
     uint32_t seq = 1, block_seq = 1;   // sync events: every barrier and completed warp operation
     std::vector<uint32_t> warp_sync;   // per warp: seq of its last operation on all its lanes
@@ -778,13 +779,18 @@ void shared_access(size_t off, size_t n, bool write, void* pc) {
 void global_access(uintptr_t a, size_t n, bool write, void* pc) {
     for (const G::Buffer& b : g.buffers) {
         if (a + n <= b.guard_lo || a >= b.guard_hi) continue;
-        if (a >= b.lo && a + n <= b.hi) return;
+        if (a >= b.lo && a + n <= b.hi) {
+            g.last_lo = b.lo;  // consecutive accesses mostly hit one array: on_access tries it first
+            g.last_span = b.hi - b.lo;
+            return;
+        }
         report_global_oob(b, a, n, write, pc);
     }
 }
 
 inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool write, void* pc) {
-    if (g.current == nullptr) return;
+    const uintptr_t rel = a - g.last_lo;  // wraps (huge) for a < last_lo
+    if ((rel < g.last_span && rel + n <= g.last_span) || g.current == nullptr) return;
     const uintptr_t off = a - reinterpret_cast<uintptr_t>(g.tls_lo);
     if (off < g.tls_size) shared_access(off, n, write, pc);
     else if (a - g.buf_lo < g.buf_span) global_access(a, n, write, pc);
@@ -1185,6 +1191,7 @@ extern "C" __attribute__((visibility("default"))) void cuda_emu_set_buffers(uint
     }
     g.buf_lo = n ? lo : 0;
     g.buf_span = n ? hi - lo : 0;
+    g.last_lo = g.last_span = 0;
     g.detect_races = detect_races != 0;
 }
 extern "C" __attribute__((visibility("default"))) uint64_t cuda_emu_max_dynamic_smem() { return kMaxDynamicSmem; }
