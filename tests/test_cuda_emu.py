@@ -762,9 +762,10 @@ def test_out_of_bounds_reads_are_reported(broken_module, broken_unchecked):
                        r"argument 1 \(const float\*\) \[float32, 1000 elements\]: 0 byte\(s\) after the end \(element "
                        r"index 1000 of a 1000-element array\), at broken\.cu:\d+ by thread \(231,0,0\), block \(3,0,0\)"):
         broken_module.get_function("tail_read_off_by_one_f32")(*args)
-    with pytest.raises(OutOfBoundsError, match=r"read of 4 bytes from argument 1 .* 4 byte\(s\) before the start "
-                       r"\(element index -1\), at broken\.cu:\d+ by thread \(0,0,0\), block \(0,0,0\)"):
-        broken_module.get_function("read_before_start_f32")(*args)
+    for schedule, seed in ORDERS:
+        with pytest.raises(OutOfBoundsError, match=r"read of 4 bytes from argument 1 .* 4 byte\(s\) before the start "
+                           r"\(element index -1\), at broken\.cu:\d+ by thread \(0,0,0\), block \(0,0,0\)"):
+            broken_module.with_schedule(schedule, seed).get_function("read_before_start_f32")(*args)
 
 
 def test_shared_memory_out_of_bounds_is_reported(broken_module):

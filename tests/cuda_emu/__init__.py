@@ -39,7 +39,8 @@ Checks: `checks=True` (default; $CUTP_EMU_CHECKS=0 turns it off) compiles the ke
 thread-sanitizer instrumentation (-fsanitize=thread at compile time only: no sanitizer runtime is
 linked), so that every load and store of kernel code is checked by the emulator
 (cuda_emu_runtime.cpp, "Checks").
-A report's source lines come from the module's line tables (-g1) through addr2line.
+A report's source lines come from the module's line tables (-g1) through addr2line;
+kernels/README.md ("Reading a race or bounds report") explains a report line by line.
 
 kernels/README.md documents the model and its limits. Builds are cached by a hash of every input
 in $CUTP_CACHE_DIR/cuda_emu (or a temporary directory).

@@ -237,10 +237,11 @@ extern "C" __global__ void tail_read_off_by_one_f32(float* out, const float* x, 
     if (i < n) out[i] = x[i] + x[i + 1];
 }
 
-// Reads one element before the start of its input.
+// Reads one element before the start of its input: thread 0 reads x[0], then x[-1] (right
+// after an in-bounds access of the same array, which the checks try first).
 extern "C" __global__ void read_before_start_f32(float* out, const float* x, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = x[i - 1];
+    if (i < n) out[i] = x[i] + x[i - 1];
 }
 
 // An atomic one element past the end of a shared counter array.
