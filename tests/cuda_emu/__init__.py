@@ -14,16 +14,33 @@ kernels/common.cuh) and exposes the kernels with the interface of `cupy.RawModul
 What a launch checks, beyond running the kernel:
   * the arguments against the kernel's C signature (pointer or scalar, dtype, size);
   * the launch configuration against CUDA's limits (block size, grid size, shared memory);
-  * writes out of bounds: each array is copied into a buffer with poisoned guard regions before
-    and after it, which are verified after the launch (OutOfBoundsError names the argument);
+  * reads and writes out of bounds (checked builds, the default): of an array argument (each
+    array is staged in a buffer with guard regions before and after it), of a static __shared__
+    array or of the dynamic shared memory beyond the launch's shared_mem; OutOfBoundsError names
+    the argument or shared variable, the source line, the thread and the address. Unchecked
+    builds (checks=False) still catch writes into the guard regions, after the launch;
+  * shared-memory races (checked builds): a read-after-write, write-after-read or
+    write-after-write of a shared byte by two threads with no barrier (or, within a warp, no warp
+    operation on both lanes) between them: SharedMemoryRaceError with both threads, both source
+    lines and the address;
   * barrier misuse: divergent `__syncthreads()`, warp operations with missing lanes
     (BarrierError, with a report of which threads wait where);
   * reads of uninitialised shared memory show up as NaN (shared memory is poisoned per block);
   * crashes (SIGSEGV, ...), device asserts and hangs become Python exceptions.
 
 The `schedule` decides the order in which emulated threads run between barriers ("forward",
-"reverse", "random" with `seed`): a kernel that is missing a barrier gives a wrong result under
-at least one of them, so tests should run every kernel under all of SCHEDULES.
+"reverse", "random" with `seed`: in rounds, every ready thread to its next barrier or warp
+operation), or lets one warp at a time run ahead to the next __syncthreads() ("warp-forward",
+"warp-reverse", "warp-random"), as a GPU may. A kernel that is missing a barrier gives a wrong
+result under at least one of them (and a checked build reports the race under any of them).
+The default is $CUTP_EMU_SCHEDULE, else "forward".
+
+Checks: `checks=True` (default; $CUTP_EMU_CHECKS=0 turns it off) compiles the kernels with g++'s
+thread-sanitizer instrumentation (-fsanitize=thread at compile time only: no sanitizer runtime is
+linked), so that every load and store of kernel code is checked by the emulator
+(cuda_emu_runtime.cpp, "Checks").
+A report's source lines come from the module's line tables (-g1) through addr2line;
+kernels/README.md ("Reading a race or bounds report") explains a report line by line.
 
 kernels/README.md documents the model and its limits. Builds are cached by a hash of every input
 in $CUTP_CACHE_DIR/cuda_emu (or a temporary directory).
@@ -54,6 +71,7 @@ __all__ = [
     "LaunchConfigError",
     "BarrierError",
     "OutOfBoundsError",
+    "SharedMemoryRaceError",
     "KernelFault",
     "DeviceAssertError",
     "EmulationTimeout",
@@ -65,13 +83,13 @@ KERNELS_DIR = REPO_ROOT / "kernels"
 RUNTIME_SOURCE = HERE / "cuda_emu_runtime.cpp"
 HEADER = HERE / "cuda_emu.h"
 
-SCHEDULES = ("forward", "reverse", "random")
-_SCHEDULE_CODES = {"forward": 0, "reverse": 1, "random": 2}
+SCHEDULES = ("forward", "reverse", "random", "warp-forward", "warp-reverse", "warp-random")
+_SCHEDULE_CODES = {name: code for code, name in enumerate(SCHEDULES)}
 
 # -Wvla: CUDA has no variable-length arrays. -fno-strict-aliasing: kernels reinterpret_cast
 # float/bf16 arrays to float4/int4, which GPUs allow and g++'s aliasing rules would punish.
 # -fno-extern-tls-init: `extern __shared__` arrays are TLS and never need dynamic init.
-# -ffp-contract=off: no fused multiply-add, so emulated results do not depend on the host CPU.
+# -ffp-contract: see _fp_flags.
 # -Wno-unknown-pragmas: CUDA's `#pragma unroll` is meaningless to g++ but must compile.
 # -Wno-volatile: `v[i] += ...` on volatile shared memory is deprecated in C++20 only; NVRTC and
 # NVCC compile C++17 by default.
@@ -90,12 +108,54 @@ CXX_FLAGS = (
     "-fno-strict-aliasing",
     "-fno-extern-tls-init",
     "-fno-math-errno",
-    "-ffp-contract=off",
     "-fstack-clash-protection",
     "-fvisibility=hidden",
     "-pthread",
 )
-_EMU_VERSION = "cuda_emu-1"  # bump to invalidate every cached build
+# Checked builds: g++'s thread-sanitizer instrumentation makes every load and store of kernel
+# code call __tsan_readN / __tsan_writeN(address), which the emulator's runtime defines; the
+# module is linked without the sanitizer's own runtime. -g1: line tables for the source lines of
+# reports.
+CHECK_FLAGS = (
+    "-fsanitize=thread",
+    "--param", "tsan-instrument-func-entry-exit=0",
+    "-g1",
+)
+_EMU_VERSION = "cuda_emu-3"  # bump to invalidate every cached build
+
+
+def _host_has_fma() -> bool:
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " fma" in line for line in f)
+    except OSError:
+        return False
+
+
+def _fp_flags() -> tuple[str, ...]:
+    """Floating-point contraction as nvcc does it by default (--fmad=true: a multiply feeding an
+    add becomes one FMA, also across statements): -ffp-contract=fast with the host's FMA
+    instructions (-mfma on x86-64). Without FMA in hardware, no contraction (off), and results
+    may differ from the GPU's by the rounding of the products. $CUTP_EMU_FP_CONTRACT=off forces
+    that. The __f*_rn intrinsics are never contracted, as with nvcc (cuda_emu.h).
+
+    -fno-tree-slp-vectorize: with AVX enabled (-mfma implies it), g++ 12 merges load_chunk's two
+    branches (a 16-byte int4 load when the address is aligned, four float loads when not) into
+    one aligned vector load, which faults on the unaligned path (bias_gelu_backward at C=9)."""
+    if os.environ.get("CUTP_EMU_FP_CONTRACT", "fast") == "off" or not _host_has_fma():
+        return ("-ffp-contract=off",)
+    import platform
+
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return ("-ffp-contract=fast", "-mfma", "-fno-tree-slp-vectorize")
+    return ("-ffp-contract=fast",)
 
 GUARD_BYTES = 64 * 1024  # poisoned bytes before and after each array argument
 _GUARD_PATTERN = np.frombuffer(b"\xa5\xff" * (GUARD_BYTES // 2), dtype=np.uint8)  # NaN as fp32/bf16/fp16
@@ -105,6 +165,9 @@ _ALIGN = 256  # cudaMalloc's alignment; views keep their offset modulo this
 MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_DIM = (1024, 1024, 64)
 MAX_GRID_DIM = (2**31 - 1, 65535, 65535)
+# Shared memory per block, static + dynamic, as a device enforces it: 48 KiB unless the kernel's
+# cudaFuncAttributeMaxDynamicSharedMemorySize (CuPy: kernel.max_dynamic_shared_size_bytes) is
+# raised, and at most the architecture's opt-in maximum (sm_90: 227 KiB; sm_80: 163 KiB) with it.
 DEFAULT_MAX_DYNAMIC_SHARED = 48 * 1024  # without cudaFuncAttributeMaxDynamicSharedMemorySize
 MAX_DYNAMIC_SHARED_OPT_IN = 227 * 1024  # sm_90 (sm_80: 163 KiB)
 
@@ -136,7 +199,12 @@ class BarrierError(EmulationError):
 
 
 class OutOfBoundsError(EmulationError):
-    """The kernel wrote outside an array argument or past its dynamic shared memory."""
+    """The kernel read or wrote outside an array argument, a static __shared__ array or its
+    dynamic shared memory."""
+
+
+class SharedMemoryRaceError(EmulationError):
+    """Two threads accessed a shared byte, at least one writing, with no barrier between them."""
 
 
 class KernelFault(EmulationError):
@@ -159,6 +227,7 @@ _RUNTIME_ERRORS = {
     5: OutOfBoundsError,
     6: LaunchConfigError,
     7: KernelFault,
+    8: SharedMemoryRaceError,
 }
 
 
@@ -360,9 +429,70 @@ def _translate_options(options: Iterable[str]) -> list[str]:
 class _Build:
     library: Path
     kernels: dict[str, int | None]
+    shared_vars: list  # [name, offset in the TLS block, size] of each static __shared__ variable
+    static_smem: dict[str, int]  # kernel name: bytes of static __shared__ variables it reaches
 
 
-def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: str) -> _Build:
+# readelf -sW -C: "  12: 0000000000001000   128 TLS     LOCAL  DEFAULT   22 name"
+_TLS_SYM_RE = re.compile(r"^\s*\d+:\s+([0-9a-fA-F]+)\s+(\d+)\s+TLS\s+\w+\s+\w+\s+\d+\s+(.+?)\s*$", re.M)
+
+
+_SYM_RE = re.compile(r"^\s*\d+:\s+[0-9a-fA-F]+\s+(\d+)\s+(\w+)\s+\w+\s+\w+\s+(\w+)\s+(\S+)\s*$")
+_RELA_SECTION_RE = re.compile(r"^Relocation section '\.rela(\.text\.[^']+)'")
+
+
+def _static_shared_bytes(readelf: str, kernels) -> dict[str, int]:
+    """Bytes of static __shared__ variables each kernel reaches through its calls, as the GPU
+    counts a kernel's static shared memory: from `readelf -sW -rW` of an object compiled with
+    -ffunction-sections -fdata-sections (a .rela.text.F section lists what function F refers to:
+    functions it calls, thread-local variables it addresses)."""
+    tls: dict[str, int] = {}
+    refs: dict[str, set[str]] = {}
+    current = None
+    for line in readelf.splitlines():
+        m = _RELA_SECTION_RE.match(line)
+        if m:
+            current = refs.setdefault(m.group(1), set())
+            continue
+        if line.startswith(("Relocation section", "Symbol table")):
+            current = None
+        sym = _SYM_RE.match(line)
+        if sym and sym.group(2) == "TLS" and sym.group(3) != "UND":
+            tls[sym.group(4)] = int(sym.group(1))
+            continue
+        parts = line.split()
+        if current is not None and len(parts) >= 5 and parts[2].startswith("R_"):
+            current.add(parts[4])
+
+    def node(name: str) -> str:
+        for prefix in (".tbss.", ".tdata."):
+            if name.startswith(prefix) and name[len(prefix):] in tls:
+                return name[len(prefix):]
+        return name if name in tls or name.startswith(".text.") else ".text." + name
+
+    out = {}
+    for k in kernels:
+        seen, stack = set(), [".text." + k]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack += [node(r) for r in refs.get(n, ())]
+        out[k] = sum(tls[n] for n in seen if n in tls)
+    return out
+
+
+def _shared_vars(library: Path) -> list:
+    syms = _run(["readelf", "-sW", "-C", str(library)], "reading the module's symbols")
+    found = {}
+    for value, size, name in _TLS_SYM_RE.findall(syms):
+        if int(size) > 0 and name != "cuda_emu_dynamic_smem":
+            found[int(value, 16)] = [name, int(value, 16), int(size)]
+    return [found[k] for k in sorted(found)]
+
+
+def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: str, checks: bool = True) -> _Build:
     include_dirs = [KERNELS_DIR, HERE]
     for i, f in enumerate(defines):
         if f == "-I":
@@ -370,7 +500,8 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
         elif f.startswith("-I") and len(f) > 2:
             include_dirs.append(Path(f[2:]))
     h = hashlib.sha256()
-    for part in (_EMU_VERSION, _compiler_id(cxx), *CXX_FLAGS, *defines, "|", *cxx_flags):
+    for part in (_EMU_VERSION, _compiler_id(cxx), *CXX_FLAGS, *_fp_flags(), *defines, "|", *cxx_flags,
+                 f"checks={checks}"):
         h.update(part.encode() + b"\0")
     for s in sources:
         h.update(str(s).encode() + b"\0" + s.read_bytes() + b"\0")
@@ -380,7 +511,8 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
     cache = _cache_dir()
     lib, meta = cache / f"module-{key}.so", cache / f"module-{key}.json"
     if lib.exists() and meta.exists():
-        return _Build(lib, json.loads(meta.read_text())["kernels"])
+        m = json.loads(meta.read_text())
+        return _Build(lib, m["kernels"], m["shared_vars"], m["static_smem"])
 
     runtime = _runtime_object(cxx, cxx_flags)
     incs = ["-I", str(KERNELS_DIR), "-I", str(HERE)]
@@ -397,12 +529,18 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
         unit = includes + "\n// Generated by tests/cuda_emu: exported descriptions of the kernels found above.\n"
         unit += "".join(f"CUDA_EMU_REGISTER_KERNEL({k})\n" for k in kernels)
         (t / "unit.cpp").write_text(unit)
-        _run([cxx, *CXX_FLAGS, *cxx_flags, *incs, *defines, "-c", str(t / "unit.cpp"), "-o", str(t / "unit.o")],
+        check_flags = CHECK_FLAGS if checks else ()
+        # A section per function and variable: the relocations then tell which static shared
+        # variables each kernel reaches (_static_shared_bytes).
+        _run([cxx, *CXX_FLAGS, *_fp_flags(), *check_flags, "-ffunction-sections", "-fdata-sections", *cxx_flags,
+              *incs, *defines,
+              "-c", str(t / "unit.cpp"), "-o", str(t / "unit.o")],
              "compiling the kernels with g++")
         # Every undefined thread-local symbol is an `extern __shared__` array: alias it to the
         # runtime's dynamic shared memory buffer.
-        syms = _run(["readelf", "-sW", str(t / "unit.o")], "reading the kernel object's symbols")
+        syms = _run(["readelf", "-sW", "-rW", str(t / "unit.o")], "reading the kernel object's symbols")
         smem = sorted(set(_UND_TLS_RE.findall(syms)))
+        static_smem = _static_shared_bytes(syms, kernels)
         link = [cxx, "-shared", "-pthread", "-o", str(t / "module.so"), str(t / "unit.o"), str(runtime),
                 "-Wl,-z,defs", *(f"-Wl,--defsym={n}=cuda_emu_dynamic_smem" for n in smem)]
         try:
@@ -411,9 +549,11 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
             raise CompileError(
                 f"{e}\n\n(An `extern __shared__` array must be declared in a function of the global namespace.)"
             ) from None
+        shared_vars = _shared_vars(t / "module.so")
         os.replace(t / "module.so", lib)
-        _atomic_write_bytes(meta, json.dumps({"kernels": kernels, "sources": [str(s) for s in sources]}).encode())
-    return _Build(lib, kernels)
+        _atomic_write_bytes(meta, json.dumps({"kernels": kernels, "sources": [str(s) for s in sources],
+                                              "shared_vars": shared_vars, "static_smem": static_smem}).encode())
+    return _Build(lib, kernels, shared_vars, static_smem)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -449,7 +589,7 @@ _loaded: dict[Path, ctypes.CDLL] = {}
 _launch_lock = threading.Lock()
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def _load(path: Path, shared_vars: list = ()) -> ctypes.CDLL:
     lib = _loaded.get(path)
     if lib is None:
         lib = ctypes.CDLL(str(path))
@@ -463,6 +603,13 @@ def _load(path: Path) -> ctypes.CDLL:
             ctypes.c_uint64,
         ]
         lib.cuda_emu_static_smem_bytes.restype = ctypes.c_uint64
+        lib.cuda_emu_set_buffers.restype = None
+        lib.cuda_emu_set_buffers.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        n = len(shared_vars)
+        names = (ctypes.c_char_p * max(1, n))(*(v[0].encode() for v in shared_vars))
+        lib.cuda_emu_set_shared_vars.restype = None
+        lib.cuda_emu_set_shared_vars(ctypes.c_uint64(n), (ctypes.c_uint64 * max(1, n))(*(v[1] for v in shared_vars)),
+                                     (ctypes.c_uint64 * max(1, n))(*(v[2] for v in shared_vars)), names)
         _loaded[path] = lib
     return lib
 
@@ -631,6 +778,49 @@ class _Group:
         return None
 
 
+def _buffer_table(groups: list[_Group]):
+    """The runtime's view of the staged arrays: per group its data, guard regions, item size and
+    a name for reports (cuda_emu_set_buffers)."""
+    ranges = (ctypes.c_uint64 * max(1, 5 * len(groups)))()
+    names = (ctypes.c_char_p * max(1, len(groups)))()
+    for i, g in enumerate(groups):
+        lo = g.buffer.ctypes.data + g.data_offset
+        ranges[5 * i : 5 * i + 5] = [lo, lo + g.nbytes, lo - GUARD_BYTES, lo + g.nbytes + GUARD_BYTES,
+                                     max(1, g.members[0][1].itemsize)]
+        names[i] = ", ".join(f"{p} [{a.dtype}, {a.size} elements]" for p, a in g.members).encode()
+    return ranges, names
+
+
+_PC_RE = re.compile(r"\{pc:([0-9a-f]+)\}")
+
+
+def _resolve_pcs(message: str, library: Path) -> str:
+    """Replaces the runtime's {pc:OFFSET} tokens with source lines (addr2line on the module's
+    line tables): 'common.cuh:66, inlined at layernorm.cu:98'."""
+    pcs = sorted(set(_PC_RE.findall(message)))
+    if not pcs:
+        return message
+    try:
+        out = subprocess.run(["addr2line", "-i", "-a", "-e", str(library), *(hex(int(p, 16) - 1) for p in pcs)],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return message
+    where: dict[str, list[str]] = {}
+    current = None
+    for line in out.splitlines():
+        if line.startswith("0x"):
+            current = where.setdefault(format(int(line, 16) + 1, "x"), [])
+        elif current is not None and ":" in line and not line.startswith("??"):
+            path, _, rest = line.partition(":")
+            current.append(f"{Path(path).name}:{rest.split(' ')[0]}")
+    def text(m):
+        lines = where.get(m.group(1)) or []
+        # The generated unit and the emulator's kernel invoker are the outer frames of every access.
+        lines = [w for w in lines if not w.startswith(("unit.cpp:", "cuda_emu.h:"))] or lines
+        return ", inlined at ".join(lines) if lines else f"code offset 0x{m.group(1)} (no line table: checks off?)"
+    return _PC_RE.sub(text, message)
+
+
 def _group_arrays(arrays: list[tuple[Param, np.ndarray]]) -> list[_Group]:
     spans = []
     for p, a in arrays:
@@ -690,7 +880,8 @@ class EmulatedKernel:
                                 pd.size, pd.elem_size, pd.elem_count))
         self.params: tuple[Param, ...] = tuple(params)
         self.launch_bounds = launch_bounds
-        self._max_dynamic_shared = DEFAULT_MAX_DYNAMIC_SHARED
+        self._static_shared = int(module._static_smem.get(name, 0))
+        self._max_dynamic_shared: int | None = None  # the opt-in attribute, once set
 
     # Attributes of cupy.RawKernel that host code may consult.
     @property
@@ -699,18 +890,28 @@ class EmulatedKernel:
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
+        """cudaFuncAttributeMaxDynamicSharedMemorySize: 48 KiB minus the kernel's static shared
+        memory until raised (as CUDA reports it)."""
+        if self._max_dynamic_shared is None:
+            return DEFAULT_MAX_DYNAMIC_SHARED - self._static_shared
         return self._max_dynamic_shared
 
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, value: int) -> None:
-        if not 0 <= int(value) <= MAX_DYNAMIC_SHARED_OPT_IN:
-            raise LaunchConfigError(f"max_dynamic_shared_size_bytes {value} outside [0, {MAX_DYNAMIC_SHARED_OPT_IN}]")
+        # cuFuncSetAttribute fails when static + dynamic would exceed the opt-in maximum.
+        if not 0 <= int(value) <= MAX_DYNAMIC_SHARED_OPT_IN - self._static_shared:
+            raise LaunchConfigError(
+                f"{self.name}: max_dynamic_shared_size_bytes {value} outside [0, "
+                f"{MAX_DYNAMIC_SHARED_OPT_IN - self._static_shared}] (the device allows {MAX_DYNAMIC_SHARED_OPT_IN} "
+                f"bytes of shared memory per block, and the kernel has {self._static_shared} bytes of static "
+                "__shared__ variables)")
         self._max_dynamic_shared = int(value)
 
     @property
     def shared_size_bytes(self) -> int:
-        """Static __shared__ bytes of the whole module (the emulator cannot attribute them per kernel)."""
-        return int(self.module._lib.cuda_emu_static_smem_bytes())
+        """Static __shared__ bytes of this kernel: the variables it reaches through its calls
+        (from the object's relocations), as CUDA counts them."""
+        return self._static_shared
 
     num_regs = 0
     local_size_bytes = 0
@@ -757,7 +958,9 @@ class EmulatedKernel:
         grid_c = (ctypes.c_uint32 * 3)(*g3)
         block_c = (ctypes.c_uint32 * 3)(*b3)
         mod = self.module
+        ranges, names = _buffer_table(groups)
         with _launch_lock:
+            mod._lib.cuda_emu_set_buffers(len(groups), ranges, names, int(mod.detect_races))
             rc = mod._lib.cuda_emu_launch(
                 ctypes.cast(self._desc, ctypes.c_void_p), grid_c, block_c, int(shared_mem), argv,
                 _SCHEDULE_CODES[mod.schedule], mod.seed & (2**64 - 1), float(mod.timeout), mod.stack_kb * 1024,
@@ -765,7 +968,8 @@ class EmulatedKernel:
             )
         if rc != 0:
             cls = _RUNTIME_ERRORS.get(rc, EmulationError)
-            raise cls(f"kernel {self.name} (grid {g3}, block {b3}, {mod.schedule} schedule): {err.value.decode(errors='replace')}")
+            msg = _resolve_pcs(err.value.decode(errors="replace"), mod.library_path)
+            raise cls(f"kernel {self.name} (grid {g3}, block {b3}, {mod.schedule} schedule): {msg}")
         self._finish(groups, g3, b3)
 
     def _check_config(self, g3, b3, shared_mem, coop) -> None:
@@ -785,11 +989,13 @@ class EmulatedKernel:
                 raise LaunchConfigError(f"{self.name}: grid dimension {'xyz'[i]} = {gd} exceeds CUDA's limit {lim}")
         if isinstance(shared_mem, bool) or not isinstance(shared_mem, (int, np.integer)) or shared_mem < 0:
             raise LaunchConfigError(f"{self.name}: shared_mem must be a non-negative int, got {shared_mem!r}")
-        if shared_mem > self._max_dynamic_shared:
+        if shared_mem > self.max_dynamic_shared_size_bytes:
             raise LaunchConfigError(
-                f"{self.name}: shared_mem={shared_mem} bytes exceeds the {self._max_dynamic_shared} bytes allowed "
-                "(CUDA allows 48 KiB of dynamic shared memory unless the kernel's max_dynamic_shared_size_bytes "
-                "attribute is raised)"
+                f"{self.name}: shared_mem={shared_mem} bytes of dynamic shared memory exceed the "
+                f"{self.max_dynamic_shared_size_bytes} bytes allowed; the kernel also has {self._static_shared} bytes "
+                "of static __shared__ variables (a device allows 48 KiB of static + dynamic shared memory per block unless the kernel's "
+                "max_dynamic_shared_size_bytes attribute is raised, and at most "
+                f"{MAX_DYNAMIC_SHARED_OPT_IN // 1024} KiB with it)"
             )
 
     def _check_array(self, p: Param, x: Any) -> np.ndarray:
@@ -850,25 +1056,33 @@ class EmulatedModule:
     code / path: CUDA source text, or one or more .cu files (compiled together as one program,
         like a concatenation passed to NVRTC); both may be given (path first).
     options: NVRTC options; -D/-U/-I are honoured, code-generation options ignored.
-    schedule: order of emulated threads between barriers: "forward", "reverse" or "random".
-    seed: for the random schedule (also shuffles the order of blocks).
+    schedule: order of emulated threads between barriers, one of SCHEDULES (default
+        $CUTP_EMU_SCHEDULE or "forward"); the warp-* schedules let a warp run ahead of the others.
+    seed: for the random schedules (also shuffles the order of blocks).
+    checks: compile with access checks (out-of-bounds accesses, shared-memory races); default
+        $CUTP_EMU_CHECKS or on. detect_races: False keeps the bounds checks only.
     timeout: seconds a launch may run before EmulationTimeout (default $CUTP_EMU_TIMEOUT or 60).
     cxx_flags: extra g++ flags, e.g. ("-O0", "-g") to debug a kernel with gdb.
     """
 
     def __init__(self, code: str | None = None, path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-                 options: Sequence[str] = (), schedule: str = "forward", seed: int = 0, *,
+                 options: Sequence[str] = (), schedule: str | None = None, seed: int = 0, *,
                  name_expressions: Sequence[str] | None = None, timeout: float | None = None,
                  cxx_flags: Sequence[str] = (), stack_kb: int | None = None, backend: str = "nvrtc",
-                 translate_cucomplex: bool = False, enable_cooperative_groups: bool = False, jitify: bool = False):
+                 translate_cucomplex: bool = False, enable_cooperative_groups: bool = False, jitify: bool = False,
+                 checks: bool | None = None, detect_races: bool = True):
         del backend, translate_cucomplex  # accepted for signature compatibility with cupy.RawModule
         if name_expressions:
             raise EmulationError("name_expressions are not supported: kernels are extern \"C\" entry points "
                                  "(see kernels/README.md)")
         if enable_cooperative_groups or jitify:
             raise EmulationError("cooperative groups and jitify are not emulated")
+        if schedule is None:
+            schedule = os.environ.get("CUTP_EMU_SCHEDULE", "forward")
         if schedule not in _SCHEDULE_CODES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if checks is None:
+            checks = os.environ.get("CUTP_EMU_CHECKS", "1").strip().lower() not in ("0", "false", "no", "off")
         paths: list[Path] = []
         if path is not None:
             for p in [path] if isinstance(path, (str, os.PathLike)) else list(path):
@@ -890,14 +1104,17 @@ class EmulatedModule:
         self.options = tuple(options)
         self.schedule = schedule
         self.seed = int(seed)
+        self.checks = bool(checks)
+        self.detect_races = bool(detect_races) and self.checks
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self.stack_kb = DEFAULT_STACK_KB if stack_kb is None else int(stack_kb)
         cxx = os.environ.get("CUTP_EMU_CXX", "g++")
         with _build_lock:
-            build = _build(list(paths), _translate_options(options), list(cxx_flags), cxx)
-            self._lib = _load(build.library)
+            build = _build(list(paths), _translate_options(options), list(cxx_flags), cxx, self.checks)
+            self._lib = _load(build.library, build.shared_vars)
         self.library_path = build.library
         self._kernels_found = dict(build.kernels)
+        self._static_smem = dict(build.static_smem)
         self._functions: dict[str, EmulatedKernel] = {}
 
     @property

@@ -60,7 +60,11 @@
 // The launcher defines every `extern __shared__` name as an alias of one per-launch buffer
 // (as on the GPU, where they all start at the dynamic shared memory base), and fills the
 // module's whole thread-local block with a poison pattern before each block runs.
-#define __shared__ thread_local
+// Every shared variable starts on its own 4 KiB boundary: the gap after a static array is
+// shared memory that belongs to no variable, so the checked build (see cuda_emu_runtime.cpp,
+// "Checks") reports an access that runs past the end of one array (up to the next boundary)
+// as out of bounds, instead of letting it land in the next array.
+#define __shared__ thread_local __attribute__((aligned(::cuda_emu::kSharedVarAlign)))
 
 // ---------------------------------------------------------------------------------------------
 // Built-in vector types (alignment as in CUDA's vector_types.h). may_alias because kernels
@@ -130,6 +134,7 @@ struct KernelDesc {
 };
 
 inline constexpr uint32_t kAbiVersion = 1;
+inline constexpr size_t kSharedVarAlign = 4096;  // see __shared__
 
 namespace detail {
 
@@ -171,6 +176,9 @@ __attribute__((visibility("hidden"))) uint64_t warp_op(int kind, unsigned mask, 
 __attribute__((visibility("hidden"))) unsigned active_mask();
 __attribute__((visibility("hidden"), noreturn)) void trap(const char* what, const std::source_location& loc);
 __attribute__((visibility("hidden"))) long long clock_ticks();
+// Bounds check of an atomic's target (atomics are not instrumented: they never race). pc: the
+// kernel code that called the atomic.
+__attribute__((visibility("hidden"))) void atomic_access(const void* p, size_t size, void* pc);
 
 inline int warp_size() { return 32; }
 
@@ -261,17 +269,56 @@ inline int __mulhi(int a, int b) { return static_cast<int>((static_cast<long lon
 
 // ---------------------------------------------------------------------------------------------
 // Float math. The standard functions (expf, logf, tanhf, erff, powf, fmaxf, ...) come from
-// math.h. The fast-math intrinsics are computed exactly: __expf(x) == expf(x) here, while on a
-// GPU it is a lower-precision approximation, so compare kernels to references with a tolerance.
+// math.h. __expf, __fdividef and rsqrtf, approximations on a GPU, are modelled with the maximum
+// error the CUDA programming guide documents: the exact result moved by a number of ulps drawn
+// deterministically (a hash of the operands) from [-bound, bound]. A kernel whose test passes
+// against a reference under this model does not depend on these being exact. The other fast
+// intrinsics (__logf, __sinf, ...) are still the exact functions.
 // ---------------------------------------------------------------------------------------------
-inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+namespace cuda_emu::detail {
+// x moved by k ulps (positive: away from zero), not past zero or into inf/NaN.
+inline float step_ulps(float x, int k) {
+    const uint32_t b = std::bit_cast<uint32_t>(x);
+    const uint32_t mag = b & 0x7fffffffu;
+    if (mag >= 0x7f800000u || mag == 0) return x;  // inf, NaN, zero: as computed
+    long long m = static_cast<long long>(mag) + k;
+    if (m < 1) m = 1;
+    if (m > 0x7f7fffffll) m = 0x7f7fffffll;
+    return std::bit_cast<float>((b & 0x80000000u) | static_cast<uint32_t>(m));
+}
+// A deterministic draw in [-bound, bound] from the operands' bits.
+inline int ulp_error(uint64_t key, uint32_t bound) {
+    uint64_t z = key + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return static_cast<int>(z % (2ull * bound + 1)) - static_cast<int>(bound);
+}
+}  // namespace cuda_emu::detail
+// CUDA programming guide, "Intrinsic functions": __expf max error 2 + floor(abs(1.16 * x)) ulp;
+// __fdividef 2 ulp for 2^-126 <= |y| <= 2^126, and 0 (NaN for an infinite x) for 2^126 < |y| <
+// 2^128; rsqrtf ("Single-precision mathematical functions") 2 ulp.
+inline float __expf(float x) {
+    const float r = expf(x);
+    const float bound = 2.0f + floorf(fabsf(1.16f * x));
+    const uint32_t b = bound < 1e6f ? static_cast<uint32_t>(bound) : 1000000u;
+    return ::cuda_emu::detail::step_ulps(r, ::cuda_emu::detail::ulp_error(std::bit_cast<uint32_t>(x), b));
+}
+inline float __fdividef(float a, float b) {
+    const float ab = fabsf(b);
+    if (ab > 0x1p126f && ab < INFINITY) return isinf(a) ? NAN : 0.0f;
+    const uint64_t key = (static_cast<uint64_t>(std::bit_cast<uint32_t>(a)) << 32) | std::bit_cast<uint32_t>(b);
+    return ::cuda_emu::detail::step_ulps(a / b, ::cuda_emu::detail::ulp_error(key ^ 0xd1b54a32d192ed03ull, 2));
+}
+inline float rsqrtf(float x) {
+    return ::cuda_emu::detail::step_ulps(1.0f / sqrtf(x),
+                                         ::cuda_emu::detail::ulp_error(std::bit_cast<uint32_t>(x) ^ 0x8cb92ba72f3d8dd7ull, 2));
+}
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 inline float rcbrtf(float x) { return 1.0f / cbrtf(x); }
 inline float normcdff(float x) { return 0.5f * erfcf(-x * 0.70710678118654752f); }
 inline double normcdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752); }
-inline float fdividef(float a, float b) { return a / b; }
-inline float __fdividef(float a, float b) { return a / b; }
-inline float __expf(float x) { return expf(x); }
+inline float fdividef(float a, float b) { return __fdividef(a, b); }
 inline float __exp10f(float x) { return exp10f(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __log2f(float x) { return log2f(x); }
@@ -282,9 +329,29 @@ inline float __cosf(float x) { return cosf(x); }
 inline float __tanf(float x) { return tanf(x); }
 inline void __sincosf(float x, float* s, float* c) { sincosf(x, s, c); }
 inline float __saturatef(float x) { return x >= 1.0f ? 1.0f : (x > 0.0f ? x : 0.0f); }  // NaN -> 0
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
+// Emulated builds contract a*b+c into FMAs as nvcc does (-ffp-contract=fast, see __init__.py).
+// The _rn intrinsics are never contracted on a GPU: an empty asm makes a value opaque to g++,
+// so no multiply feeds an add across it.
+namespace cuda_emu::detail {
+inline float no_contract(float x) {
+#if defined(__x86_64__)
+    asm("" : "+x"(x));
+#elif defined(__aarch64__)
+    asm("" : "+w"(x));
+#else
+    volatile float v = x;
+    x = v;
+#endif
+    return x;
+}
+}  // namespace cuda_emu::detail
+inline float __fadd_rn(float a, float b) {
+    return ::cuda_emu::detail::no_contract(a) + ::cuda_emu::detail::no_contract(b);
+}
+inline float __fsub_rn(float a, float b) {
+    return ::cuda_emu::detail::no_contract(a) - ::cuda_emu::detail::no_contract(b);
+}
+inline float __fmul_rn(float a, float b) { return ::cuda_emu::detail::no_contract(a * b); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline float __frcp_rn(float x) { return 1.0f / x; }
@@ -664,8 +731,11 @@ CUDA_EMU_WARP_REDUCE(__reduce_xor_sync, unsigned, kReduceXor)
 // warp operations), so a plain read-modify-write is atomic here. Integer adds wrap as on a GPU.
 // ---------------------------------------------------------------------------------------------
 namespace cuda_emu::detail {
+// Not instrumented by the checked build (so not inlined into instrumented code): atomics on the
+// same address from several threads are no race. Their bounds are checked all the same.
 template <class T, class F>
-inline T atomic_rmw(T* p, F f) {
+__attribute__((no_sanitize_thread, noinline)) T atomic_rmw(T* p, F f) {
+    atomic_access(p, sizeof(T), __builtin_return_address(0));
     const T old = *p;
     *p = f(old);
     return old;
@@ -816,8 +886,10 @@ template <class R, class... A>
 struct kernel_traits<R (*)(A...)> {
     static_assert(std::is_void_v<R>, "a __global__ function must return void");
     static constexpr uint32_t arity = sizeof...(A);
+    // Not instrumented by checked builds: reading the launcher's argument block is no kernel
+    // access (and would cost a check per parameter per thread).
     template <auto F, size_t... I>
-    static void call(void** args, std::index_sequence<I...>) {
+    __attribute__((no_sanitize_thread)) static void call(void** args, std::index_sequence<I...>) {
         F(*static_cast<std::remove_cv_t<A>*>(args[I])...);
     }
     template <auto F>

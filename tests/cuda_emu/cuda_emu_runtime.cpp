@@ -3,12 +3,15 @@
 // A launch runs the blocks of the grid one after another on the calling OS thread. Each block
 // runs blockDim.x*y*z emulated threads as fibers (user-space stacks switched by hand, or by
 // ucontext off x86-64). Scheduling is cooperative: a thread runs until it reaches a barrier or a
-// warp operation, or exits; then the scheduler runs the next ready thread in the chosen order
-// (forward, reverse or seeded random). A barrier releases its threads when every participant
-// has arrived; when no thread can run and the block has not finished, the launch fails with a
-// report of who waits where. Because threads switch only at those points, code between two
-// barriers runs as a whole, which makes a missing barrier visible as a wrong result under at
-// least one order, and makes atomics trivially atomic.
+// warp operation, or exits; then the scheduler runs the next ready thread in the chosen order:
+// in rounds (forward, reverse or seeded random), or a warp at a time, each as far as it gets
+// (warp-forward, warp-reverse, warp-random: a warp runs ahead into the next phase). A barrier
+// releases its threads when every participant has arrived; when no thread can run and the block
+// has not finished, the launch fails with a report of who waits where. Because threads switch
+// only at those points, code between two barriers runs as a whole, which makes a missing barrier
+// visible as a wrong result under at least one order, and makes atomics trivially atomic.
+// Checked builds also report each shared-memory race and out-of-bounds access where it happens
+// ("Checks" below).
 //
 // Launches are serialized by the Python launcher (one process-wide lock), so the state below is
 // plain globals. The kernel's shared memory is thread-local storage of this module; the launcher
@@ -19,6 +22,7 @@
 #undef _FORTIFY_SOURCE
 #include "cuda_emu.h"
 
+#include <dlfcn.h>
 #include <fenv.h>
 #include <link.h>
 #include <pthread.h>
@@ -48,7 +52,7 @@ constexpr unsigned kMaxThreads = 1024;
 
 // Every `extern __shared__` name of the kernel sources is linked (--defsym) to this buffer.
 extern "C" {
-__attribute__((visibility("hidden"))) alignas(128) thread_local unsigned char
+__attribute__((visibility("hidden"))) alignas(cuda_emu::kSharedVarAlign) thread_local unsigned char
     cuda_emu_dynamic_smem[kMaxDynamicSmem + kSmemGuard];
 }
 
@@ -112,12 +116,18 @@ enum Error : int {
     kErrFault = 2,           // SIGSEGV, SIGBUS, SIGFPE, SIGILL inside the kernel
     kErrTrap = 3,            // assert(), __trap()
     kErrTimeout = 4,
-    kErrSharedOverflow = 5,  // write past the dynamic shared memory size given at launch
+    kErrSharedOverflow = 5,  // out-of-bounds access (global or shared memory)
     kErrConfig = 6,
     kErrException = 7,       // a C++ exception escaped the kernel
+    kErrRace = 8,            // shared-memory race (checked builds)
 };
 
-enum Schedule : int { kForward = 0, kReverse = 1, kRandom = 2 };
+// kForward/kReverse/kRandom run the ready threads in rounds (each thread to its next barrier or
+// warp operation); the kWarp* schedules run one warp at a time as far as it gets before the next
+// warp runs (to a __syncthreads() or the end), so a warp runs ahead of the others into the next
+// phase of the kernel, as it may on a GPU. Warps are taken in order, reverse order or a seeded
+// random order (lanes in order, reversed or shuffled likewise).
+enum Schedule : int { kForward = 0, kReverse = 1, kRandom = 2, kWarpForward = 3, kWarpReverse = 4, kWarpRandom = 5 };
 
 enum class St : uint8_t { Ready, AtBarrier, AtWarpOp, Done, Trapped };
 
@@ -197,8 +207,39 @@ struct State {
 
     int error = kOk;
     std::string message;
+
+    // ----- checks (see "Checks" below) -----
+    size_t tls_size = 0;           // bytes of the TLS block: all shared memory
+    size_t dyn_off = 0;            // offset of the dynamic shared memory in it
+    std::vector<uint8_t> kind;     // per TLS byte: kGap, kStaticVar or kDynamic
+    struct Var {
+        std::string name;
+        size_t off, size;
+    };
+    std::vector<Var> vars;  // static __shared__ variables, by offset
+    struct Cell {           // one shared byte: last writer and up to two readers since the last sync
+        uint32_t wseq, r1seq, r2seq;  // g.seq at the access; stale if < block_seq
+        uint16_t w, r1, r2, pad;      // linear thread id + 1
+        uint32_t wpc, r1pc, r2pc;     // code offsets in the module
+    };
+    std::vector<Cell> cells;
+    struct Buffer {  // an array argument: its data and the guard regions around it
+        uintptr_t lo, hi, guard_lo, guard_hi;
+        size_t itemsize;
+        std::string name;
+    };
+    std::vector<Buffer> buffers;
+    uintptr_t buf_lo = 0, buf_span = 0;  // hull of the guarded buffers (empty: no buffers)
+    uintptr_t last_lo = 0, last_span = 0;  // the array of the last in-bounds access
+    bool detect_races = true;
+    uint32_t seq = 1, block_seq = 1;   // sync events: every barrier and completed warp operation
+    std::vector<uint32_t> warp_sync;   // per warp: seq of its last operation on all its lanes
+    std::vector<uint32_t> lane_sync;   // per warp, 32 x 32: seq of the last operation on both lanes
+    bool lane_sync_used = false;
+    uintptr_t module_base = 0;
 };
 
+using G = State;
 State g;
 
 // ----- signals ---------------------------------------------------------------------------------
@@ -503,9 +544,11 @@ void make_ready(Fiber* f) {
 void order_round(std::vector<unsigned>& ids) {
     switch (g.schedule) {
         case kForward:
+        case kWarpForward:
             if (!std::is_sorted(ids.begin(), ids.end())) std::sort(ids.begin(), ids.end());
             break;
         case kReverse:
+        case kWarpReverse:
             if (std::is_sorted(ids.begin(), ids.end())) std::reverse(ids.begin(), ids.end());
             else std::sort(ids.begin(), ids.end(), std::greater<unsigned>());
             break;
@@ -515,12 +558,59 @@ void order_round(std::vector<unsigned>& ids) {
     }
 }
 
+void fail_deadlock() {
+    fail(kErrBarrier,
+         "deadlock in %s: not every thread reached the barrier the others wait at. Every thread of a "
+         "block must reach the same __syncthreads(), and every lane named in a warp operation's mask "
+         "the same warp operation (a thread that returned early, or a barrier in a branch that not all "
+         "threads take, is undefined behaviour on a GPU):%s",
+         where_block().c_str(), describe_block().c_str());
+}
+
+// The kWarp* schedules: the first warp (in the schedule's order) runs, lanes in the schedule's
+// order, each to its next barrier or warp operation, again and again, until none of its lanes can
+// run (all wait at a __syncthreads() or exited); then the next warp. When every warp is stuck, the
+// barrier has released them (or the block is done, or deadlocked) and it starts over.
+void run_block_warp_major() {
+    const unsigned n = g.nthreads, nwarps = static_cast<unsigned>(g.warps.size());
+    std::vector<unsigned> warp_order(nwarps), lanes;
+    for (unsigned w = 0; w < nwarps; ++w) warp_order[w] = g.schedule == kWarpReverse ? nwarps - 1 - w : w;
+    for (;;) {
+        if (g.schedule == kWarpRandom) order_round(warp_order);
+        bool progressed = false;
+        for (unsigned w : warp_order) {
+            lanes.clear();
+            for (unsigned id = w * 32; id < std::min(n, w * 32 + 32); ++id) lanes.push_back(id);
+            for (bool ran = true; ran;) {
+                ran = false;
+                order_round(lanes);
+                for (unsigned id : lanes) {
+                    Fiber* f = g.fibers[id];
+                    if (f->state != St::Ready) continue;
+                    switch_to_fiber(f);
+                    if (g.error != kOk) return;
+                    ran = progressed = true;
+                }
+            }
+        }
+        g.next.clear();
+        if (!progressed) {
+            if (g.done != n) fail_deadlock();
+            return;
+        }
+    }
+}
+
 void run_block() {
     const unsigned n = g.nthreads;
     for (unsigned i = 0; i < n; ++i) init_fiber(g.fibers[i], i);
     for (Warp& w : g.warps) w.npending = 0;
     g.done = 0;
     g.barrier_arrived = 0;
+    if (g.schedule >= kWarpForward) {
+        run_block_warp_major();
+        return;
+    }
     g.ready.resize(n);
     for (unsigned i = 0; i < n; ++i) g.ready[i] = i;
     for (;;) {
@@ -533,13 +623,7 @@ void run_block() {
             if (g.error != kOk) return;
         }
         if (g.next.empty()) {
-            if (g.done != n)
-                fail(kErrBarrier,
-                     "deadlock in %s: not every thread reached the barrier the others wait at. Every thread of a "
-                     "block must reach the same __syncthreads(), and every lane named in a warp operation's mask "
-                     "the same warp operation (a thread that returned early, or a barrier in a branch that not all "
-                     "threads take, is undefined behaviour on a GPU):%s",
-                     where_block().c_str(), describe_block().c_str());
+            if (g.done != n) fail_deadlock();
             return;
         }
         std::swap(g.ready, g.next);
@@ -556,6 +640,217 @@ Fiber* current_or_die(const char* what) {
 }
 
 }  // namespace
+
+// ----- checks: shared-memory races, out-of-bounds accesses ---------------------------------------
+// Checked builds (the launcher's default) compile the kernels with g++'s thread-sanitizer
+// instrumentation (-fsanitize=thread when compiling, not when linking: no sanitizer runtime):
+// every load and store of kernel code calls __tsan_readN / __tsan_writeN(address) below. Each
+// access is checked against
+//   * shared memory (this module's TLS block): the byte must belong to a static __shared__
+//     variable or to the first shared_mem bytes of the dynamic buffer (kind[]), and, per byte,
+//     the last writer and the readers since the last sync (cells[]) must not conflict;
+//   * the launch's array arguments (buffers[]): an access that touches a guard region around an
+//     array is out of bounds.
+// Anything else (the thread's stack, the emulator's globals) is not checked.
+//
+// Happens-before, per byte: an access by thread U is ordered before a later access by thread T
+// when a __syncthreads() of the block completed in between, or U and T are lanes of one warp and
+// a warp operation (__syncwarp, shuffle, vote, reduce) whose mask holds both completed in
+// between. g.seq numbers the sync events; an access records the current g.seq, so "a sync
+// completed in between" is "its number is greater than the one recorded". A write conflicts
+// with the unordered last writer and readers, a read with the unordered last writer: RAW, WAR,
+// WAW. Two reader slots per byte: with more readers the first two are kept, which suffices to
+// name one reader other than any later writer (a reader ordered by a warp sync may hide a third
+// one: a missed report, never a false one).
+namespace {
+enum : uint8_t { kGap = 0, kStaticVar = 1, kDynamic = 2 };
+
+uint32_t pc_offset(void* pc) { return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(pc) - g.module_base); }
+
+std::string thread_text(unsigned linear) {
+    const dim3 d = g_builtins.block_dim;
+    return format("thread (%u,%u,%u)", linear % d.x, (linear / d.x) % d.y, linear / (d.x * d.y));
+}
+
+// "{pc:1234}" is replaced by the launcher with the source line(s) of that code offset.
+std::string pc_text(uint32_t pc) { return format("{pc:%x}", pc); }
+
+std::string describe_shared(size_t off) {
+    if (off >= g.dyn_off && off < g.dyn_off + kMaxDynamicSmem + kSmemGuard)
+        return format("the dynamic shared memory (extern __shared__; shared_mem=%zu bytes were given at launch), "
+                      "byte %zu",
+                      g.shared_mem, off - g.dyn_off);
+    const G::Var* before = nullptr;
+    for (const G::Var& v : g.vars) {
+        if (off >= v.off && off < v.off + v.size)
+            return format("byte %zu of __shared__ %s (%zu bytes)", off - v.off, v.name.c_str(), v.size);
+        if (v.off + v.size <= off && (before == nullptr || v.off > before->off)) before = &v;
+    }
+    if (before != nullptr)
+        return format("byte %zu past the end of __shared__ %s (%zu bytes)", off - (before->off + before->size),
+                      before->name.c_str(), before->size);
+    return format("shared byte %zu, before every shared variable", off);
+}
+
+[[noreturn]] void report_shared_oob(size_t off, size_t n, bool write, void* pc) {
+    fail(kErrSharedOverflow, "out-of-bounds shared-memory %s of %zu bytes at %s by %s, %s: %s (address 0x%zx)",
+         write ? "write" : "read", n, pc_text(pc_offset(pc)).c_str(), thread_text(g.current->linear).c_str(),
+         where_block().c_str(), describe_shared(off).c_str(), reinterpret_cast<uintptr_t>(g.tls_lo) + off);
+    stop_current_thread();
+}
+
+[[noreturn]] void report_race(const char* what, size_t off, bool write, uint32_t pc, unsigned other, bool other_write,
+                              uint32_t other_pc) {
+    const unsigned me = g.current->linear;
+    const char* note = me / 32 == other / 32 ? " or __syncwarp()" : "";
+    fail(kErrRace,
+         "shared-memory race (%s) in %s on %s, address 0x%zx: %s (warp %u lane %u) %s it at %s; %s (warp %u lane %u) "
+         "%s it at %s, with no __syncthreads()%s between them",
+         what, where_block().c_str(), describe_shared(off).c_str(), reinterpret_cast<uintptr_t>(g.tls_lo) + off,
+         thread_text(me).c_str(), me / 32, me % 32, write ? "writes" : "reads", pc_text(pc).c_str(),
+         thread_text(other).c_str(), other / 32, other % 32, other_write ? "wrote" : "read", pc_text(other_pc).c_str(),
+         note);
+    stop_current_thread();
+}
+
+// Whether an access by thread `u` (linear id) when g.seq was `s` is ordered before the current
+// access of thread `t` (both in the current __syncthreads() interval).
+inline bool ordered(unsigned u, uint32_t s, unsigned t) {
+    if (u / 32 != t / 32) return false;
+    const unsigned w = u / 32;
+    if (g.warp_sync[w] > s) return true;
+    return g.lane_sync_used && g.lane_sync[w * 1024 + (u % 32) * 32 + t % 32] > s;
+}
+
+void shared_access(size_t off, size_t n, bool write, void* pc) {
+    if (off + n > g.tls_size) report_shared_oob(off, n, write, pc);
+    for (size_t i = 0; i < n; ++i) {
+        const uint8_t k = g.kind[off + i];
+        if (k == kGap || (k == kDynamic && off + i - g.dyn_off >= g.shared_mem)) report_shared_oob(off + i, n, write, pc);
+    }
+    if (!g.detect_races) return;
+    const unsigned t = g.current->linear;
+    const uint16_t me = static_cast<uint16_t>(t + 1);
+    const uint32_t s = g.seq, bs = g.block_seq, p = pc_offset(pc);
+    for (size_t i = 0; i < n; ++i) {
+        G::Cell& c = g.cells[off + i];
+        if (c.wseq >= bs && c.w != me && !ordered(c.w - 1u, c.wseq, t))
+            report_race(write ? "write after write" : "read after write", off + i, write, p, c.w - 1u, true, c.wpc);
+        if (write) {
+            if (c.r1seq >= bs && c.r1 != me && !ordered(c.r1 - 1u, c.r1seq, t))
+                report_race("write after read", off + i, true, p, c.r1 - 1u, false, c.r1pc);
+            if (c.r2seq >= bs && c.r2 != me && !ordered(c.r2 - 1u, c.r2seq, t))
+                report_race("write after read", off + i, true, p, c.r2 - 1u, false, c.r2pc);
+            c.w = me;
+            c.wseq = s;
+            c.wpc = p;
+            c.r1seq = c.r2seq = 0;
+        } else if (c.r1seq < bs || c.r1 == me) {
+            c.r1 = me;
+            c.r1seq = s;
+            c.r1pc = p;
+        } else if (c.r2seq < bs || c.r2 == me) {
+            c.r2 = me;
+            c.r2seq = s;
+            c.r2pc = p;
+        }
+    }
+}
+
+[[noreturn]] void report_global_oob(const G::Buffer& b, uintptr_t a, size_t n, bool write, void* pc) {
+    std::string detail;
+    const size_t nelem = (b.hi - b.lo) / b.itemsize;
+    if (a >= b.hi) {
+        detail = format("%zu byte(s) after the end (element index %zu of a %zu-element array)", a - b.hi,
+                        (a - b.lo) / b.itemsize, nelem);
+    } else if (a < b.lo) {
+        const size_t dist = b.lo - a;
+        detail = format("%zu byte(s) before the start (element index -%zu)", dist, (dist + b.itemsize - 1) / b.itemsize);
+    } else {
+        detail = format("its last %zu byte(s) run past the end (element index %zu of a %zu-element array)",
+                        a + n - b.hi, (a - b.lo) / b.itemsize, nelem);
+    }
+    fail(kErrSharedOverflow, "out-of-bounds %s of %zu bytes %s %s: %s, at %s by %s, %s (address 0x%zx)",
+         write ? "write" : "read", n, write ? "to" : "from", b.name.c_str(), detail.c_str(),
+         pc_text(pc_offset(pc)).c_str(), thread_text(g.current->linear).c_str(), where_block().c_str(), a);
+    stop_current_thread();
+}
+
+void global_access(uintptr_t a, size_t n, bool write, void* pc) {
+    for (const G::Buffer& b : g.buffers) {
+        if (a + n <= b.guard_lo || a >= b.guard_hi) continue;
+        if (a >= b.lo && a + n <= b.hi) {
+            g.last_lo = b.lo;  // consecutive accesses mostly hit one array: on_access tries it first
+            g.last_span = b.hi - b.lo;
+            return;
+        }
+        report_global_oob(b, a, n, write, pc);
+    }
+}
+
+inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool write, void* pc) {
+    const uintptr_t rel = a - g.last_lo;  // wraps (huge) for a < last_lo
+    if ((rel < g.last_span && rel + n <= g.last_span) || g.current == nullptr) return;
+    const uintptr_t off = a - reinterpret_cast<uintptr_t>(g.tls_lo);
+    if (off < g.tls_size) shared_access(off, n, write, pc);
+    else if (a - g.buf_lo < g.buf_span) global_access(a, n, write, pc);
+}
+
+// A warp operation on `mask` completed: it orders the earlier accesses of its lanes before their
+// later ones.
+void on_warp_sync(unsigned warp_index, unsigned mask) {
+    const uint32_t s = ++g.seq;
+    if (mask == g.warps[warp_index].exists) {
+        g.warp_sync[warp_index] = s;
+        return;
+    }
+    if (!g.lane_sync_used) {
+        g.lane_sync.assign(g.warp_sync.size() * 1024, 0);
+        g.lane_sync_used = true;
+    }
+    uint32_t* m = &g.lane_sync[warp_index * 1024];
+    for (unsigned i = 0; i < 32; ++i)
+        if ((mask >> i) & 1u)
+            for (unsigned j = 0; j < 32; ++j)
+                if ((mask >> j) & 1u) m[i * 32 + j] = s;
+}
+
+void on_block_sync() { g.block_seq = ++g.seq; }
+
+// Per launch: shadow state sized to the module's shared memory, a fresh numbering when it would wrap.
+void prepare_checks(unsigned nwarps) {
+    if (g.kind.size() != g.tls_size) {  // no layout from the launcher: every byte counts as valid
+        g.kind.assign(g.tls_size, kStaticVar);
+        std::fill(g.kind.begin() + g.dyn_off, g.kind.begin() + g.dyn_off + sizeof(cuda_emu_dynamic_smem), kDynamic);
+    }
+    if (g.cells.size() != g.tls_size) g.cells.assign(g.tls_size, G::Cell{});
+    if (g.seq > 0xf0000000u) {
+        std::fill(g.cells.begin(), g.cells.end(), G::Cell{});
+        g.seq = 1;
+    }
+    g.warp_sync.assign(nwarps, 0);
+    g.lane_sync_used = false;
+    if (g.module_base == 0) {
+        Dl_info info{};
+        if (dladdr(reinterpret_cast<void*>(&pc_offset), &info) != 0) g.module_base = reinterpret_cast<uintptr_t>(info.dli_fbase);
+    }
+}
+}  // namespace
+
+void atomic_access(const void* p, size_t size, void* pc) {
+    if (g.current == nullptr) return;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t off = a - reinterpret_cast<uintptr_t>(g.tls_lo);
+    if (off < g.tls_size) {
+        if (off + size > g.tls_size) report_shared_oob(off, size, true, pc);
+        for (size_t i = 0; i < size; ++i) {
+            const uint8_t k = g.kind[off + i];
+            if (k == kGap || (k == kDynamic && off + i - g.dyn_off >= g.shared_mem)) report_shared_oob(off + i, size, true, pc);
+        }
+    } else if (a - g.buf_lo < g.buf_span) {
+        global_access(a, size, true, pc);
+    }
+}
 
 // ----- barriers and warp operations (called from kernel code) ----------------------------------
 int block_barrier(int kind, int predicate, const std::source_location& loc) {
@@ -593,6 +888,7 @@ int block_barrier(int kind, int predicate, const std::source_location& loc) {
             make_ready(g.fibers[i]);
         }
         g.barrier_arrived = 0;
+        on_block_sync();
     }
     switch_to_scheduler(f);
     return static_cast<int>(f->result);
@@ -600,6 +896,7 @@ int block_barrier(int kind, int predicate, const std::source_location& loc) {
 
 namespace {
 void complete_warp_op(unsigned warp_index, const PendingWarpOp& p) {
+    on_warp_sync(warp_index, p.mask);
     Fiber* const* lanes = &g.fibers[warp_index * 32];
     uint64_t combined = 0;
     if (p.op == kBallot || p.op == kAny || p.op == kAll) {
@@ -814,6 +1111,89 @@ extern "C" __attribute__((visibility("hidden"), noreturn)) void __assert_fail(co
 }
 
 extern "C" __attribute__((visibility("default"))) uint32_t cuda_emu_runtime_abi() { return cuda_emu::kAbiVersion; }
+
+// The instrumentation's entry points (checked builds; see "Checks"). The return address is the
+// kernel code that made the access.
+#define CUDA_EMU_ACCESS(n)                                                                                         \
+    extern "C" __attribute__((visibility("hidden"))) void __tsan_read##n(uintptr_t a) {                            \
+        on_access(a, n, false, __builtin_return_address(0));                                                       \
+    }                                                                                                              \
+    extern "C" __attribute__((visibility("hidden"))) void __tsan_write##n(uintptr_t a) {                           \
+        on_access(a, n, true, __builtin_return_address(0));                                                        \
+    }                                                                                                              \
+    extern "C" __attribute__((visibility("hidden"))) void __tsan_unaligned_read##n(uintptr_t a) {                  \
+        on_access(a, n, false, __builtin_return_address(0));                                                       \
+    }                                                                                                              \
+    extern "C" __attribute__((visibility("hidden"))) void __tsan_unaligned_write##n(uintptr_t a) {                 \
+        on_access(a, n, true, __builtin_return_address(0));                                                        \
+    }
+CUDA_EMU_ACCESS(1)
+CUDA_EMU_ACCESS(2)
+CUDA_EMU_ACCESS(4)
+CUDA_EMU_ACCESS(8)
+CUDA_EMU_ACCESS(16)
+#undef CUDA_EMU_ACCESS
+extern "C" __attribute__((visibility("hidden"))) void __tsan_read_range(uintptr_t a, size_t n) {
+    on_access(a, n, false, __builtin_return_address(0));
+}
+extern "C" __attribute__((visibility("hidden"))) void __tsan_write_range(uintptr_t a, size_t n) {
+    on_access(a, n, true, __builtin_return_address(0));
+}
+// C++ atomics in instrumented code (the guard of a function-local static) become these.
+#define CUDA_EMU_TSAN_ATOMIC(bits)                                                                                 \
+    extern "C" __attribute__((visibility("hidden"))) uint##bits##_t __tsan_atomic##bits##_load(                     \
+        const volatile uint##bits##_t* a, int) {                                                                   \
+        return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                               \
+    }                                                                                                              \
+    extern "C" __attribute__((visibility("hidden"))) void __tsan_atomic##bits##_store(volatile uint##bits##_t* a,  \
+                                                                                      uint##bits##_t v, int) {     \
+        __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                                  \
+    }
+CUDA_EMU_TSAN_ATOMIC(8)
+CUDA_EMU_TSAN_ATOMIC(16)
+CUDA_EMU_TSAN_ATOMIC(32)
+CUDA_EMU_TSAN_ATOMIC(64)
+#undef CUDA_EMU_TSAN_ATOMIC
+extern "C" __attribute__((visibility("hidden"))) void __tsan_init() {}
+extern "C" __attribute__((visibility("hidden"))) void __tsan_func_entry(void*) {}
+extern "C" __attribute__((visibility("hidden"))) void __tsan_func_exit() {}
+
+// The static __shared__ variables of the module (from its symbol table, read by the launcher):
+// offsets in the TLS block, sizes, names. Called once after loading.
+extern "C" __attribute__((visibility("default"))) void cuda_emu_set_shared_vars(uint64_t n, const uint64_t* offsets,
+                                                                               const uint64_t* sizes,
+                                                                               const char* const* names) {
+    unsigned char *lo, *hi;
+    if (!tls_block(&lo, &hi)) return;
+    const size_t size = static_cast<size_t>(hi - lo);
+    const size_t dyn = static_cast<size_t>(&cuda_emu_dynamic_smem[0] - lo);
+    g.vars.clear();
+    g.kind.assign(size, kGap);
+    std::fill(g.kind.begin() + dyn, g.kind.begin() + dyn + sizeof(cuda_emu_dynamic_smem), kDynamic);
+    for (uint64_t i = 0; i < n; ++i) {
+        if (offsets[i] == dyn || offsets[i] + sizes[i] > size) continue;
+        g.vars.push_back(G::Var{names[i], offsets[i], sizes[i]});
+        std::fill(g.kind.begin() + offsets[i], g.kind.begin() + offsets[i] + sizes[i], kStaticVar);
+    }
+}
+
+// The array arguments of the next launch: per buffer lo, hi, guard_lo, guard_hi, itemsize (5
+// values) and a name for reports. detect_races: 0 to check bounds only.
+extern "C" __attribute__((visibility("default"))) void cuda_emu_set_buffers(uint64_t n, const uint64_t* ranges,
+                                                                           const char* const* names, int detect_races) {
+    g.buffers.clear();
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (uint64_t i = 0; i < n; ++i) {
+        const uint64_t* r = ranges + 5 * i;
+        g.buffers.push_back(G::Buffer{r[0], r[1], r[2], r[3], r[4] ? r[4] : 1, names[i]});
+        lo = std::min<uintptr_t>(lo, r[2]);
+        hi = std::max<uintptr_t>(hi, r[3]);
+    }
+    g.buf_lo = n ? lo : 0;
+    g.buf_span = n ? hi - lo : 0;
+    g.last_lo = g.last_span = 0;
+    g.detect_races = detect_races != 0;
+}
 extern "C" __attribute__((visibility("default"))) uint64_t cuda_emu_max_dynamic_smem() { return kMaxDynamicSmem; }
 
 // Bytes of static `__shared__` storage in the module (all kernels together).
@@ -849,13 +1229,16 @@ extern "C" __attribute__((visibility("default"))) int cuda_emu_launch(const cuda
 
     if (nthreads == 0 || nthreads > kMaxThreads || nblocks == 0) fail(kErrConfig, "invalid launch configuration");
     else if (shared_mem > kMaxDynamicSmem) fail(kErrConfig, "shared_mem %llu exceeds %zu bytes", (unsigned long long)shared_mem, kMaxDynamicSmem);
-    else if (schedule == kRandom && nblocks > (1ull << 27)) fail(kErrConfig, "grid of %llu blocks too large for the random schedule", nblocks);
+    else if ((schedule == kRandom || schedule == kWarpRandom) && nblocks > (1ull << 27)) fail(kErrConfig, "grid of %llu blocks too large for the random schedule", nblocks);
     else if (!tls_block(&g.tls_lo, &g.tls_hi) || dyn < g.tls_lo || dyn + dyn_total > g.tls_hi)
         fail(kErrConfig, "cannot locate the module's thread-local shared memory");
     else if (reinterpret_cast<uintptr_t>(dyn) % 16 != 0) fail(kErrConfig, "dynamic shared memory is misaligned");
     else if (ensure_fibers(static_cast<unsigned>(nthreads), ((stack_size + 4095) / 4096) * 4096)) {
         g.nthreads = static_cast<unsigned>(nthreads);
         g.warps.assign((g.nthreads + 31) / 32, Warp{});
+        g.tls_size = static_cast<size_t>(g.tls_hi - g.tls_lo);
+        g.dyn_off = static_cast<size_t>(dyn - g.tls_lo);
+        prepare_checks(static_cast<unsigned>(g.warps.size()));
         for (unsigned w = 0; w < g.warps.size(); ++w) {
             const unsigned lanes = std::min(32u, g.nthreads - w * 32);
             g.warps[w].exists = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
@@ -867,7 +1250,7 @@ extern "C" __attribute__((visibility("default"))) int cuda_emu_launch(const cuda
     }
 
     std::vector<uint32_t> order;
-    if (schedule == kRandom) {
+    if (schedule == kRandom || schedule == kWarpRandom) {
         order.resize(nblocks);
         for (uint32_t i = 0; i < nblocks; ++i) order[i] = i;
         for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[next_random() % i]);
@@ -917,7 +1300,9 @@ extern "C" __attribute__((visibility("default"))) int cuda_emu_launch(const cuda
     if (sigsetjmp(g_jmp, 1) == 0) {
         const dim3 gd = g_builtins.grid_dim;
         for (unsigned long long b = 0; b < nblocks && g.error == kOk; ++b) {
-            const unsigned long long lin = schedule == kForward ? b : schedule == kReverse ? nblocks - 1 - b : order[b];
+            const unsigned long long lin = (schedule == kRandom || schedule == kWarpRandom) ? order[b]
+                                           : (schedule == kReverse || schedule == kWarpReverse) ? nblocks - 1 - b
+                                                                                                 : b;
             g_builtins.block_idx = uint3{static_cast<unsigned>(lin % gd.x), static_cast<unsigned>((lin / gd.x) % gd.y),
                                          static_cast<unsigned>(lin / (1ull * gd.x * gd.y))};
             // Poison all shared memory: static __shared__ variables and the dynamic buffer up to
@@ -925,6 +1310,7 @@ extern "C" __attribute__((visibility("default"))) int cuda_emu_launch(const cuda
             fill_pattern(g.tls_lo, static_cast<size_t>(dyn - g.tls_lo));
             fill_pattern(dyn, shared_mem + kSmemGuard);
             fill_pattern(dyn + dyn_total, static_cast<size_t>(g.tls_hi - (dyn + dyn_total)));
+            on_block_sync();
             run_block();
             if (g.error != kOk) break;
             const size_t bad = pattern_mismatch(dyn + shared_mem, kSmemGuard);

@@ -150,3 +150,106 @@ extern "C" __global__ void huge_local_array(float* out, int n) {
 extern "C" __global__ void writes_const_input(const float* x) {
     const_cast<float*>(x)[threadIdx.x] = 0.0f;
 }
+
+// ---- planted races and out-of-bounds accesses: what a checked build reports ----------------------
+// (tests/test_cuda_emu.py, "Races and out-of-bounds accesses"). Each races under every schedule;
+// the kind named is the one the forward schedule runs into first.
+
+// Read after write: thread t reads its left neighbour's slot with no barrier after the writes.
+extern "C" __global__ void race_raw_f32(float* out, const float* x) {
+    __shared__ float buf[256];
+    const int t = threadIdx.x;
+    buf[t] = x[t];
+    // missing __syncthreads();
+    out[t] = buf[(t + blockDim.x - 1) % blockDim.x];
+}
+
+// Write after read: each thread reads slot t + 1, then the block overwrites every slot without a
+// barrier between the reads and the writes (a rotation in place).
+extern "C" __global__ void race_war_f32(float* out, const float* x) {
+    __shared__ float buf[256];
+    const int t = threadIdx.x;
+    buf[t] = x[t];
+    __syncthreads();
+    const float right = buf[(t + 1) % blockDim.x];
+    // missing __syncthreads();
+    buf[t] = right;
+    __syncthreads();
+    out[t] = buf[t];
+}
+
+// Write after write: every thread with a positive input stores it into the same slot.
+extern "C" __global__ void race_waw_f32(float* out, const float* x) {
+    __shared__ float last;
+    const int t = threadIdx.x;
+    if (t == 0) last = 0.0f;
+    __syncthreads();
+    if (x[t] > 0.0f) last = x[t];
+    __syncthreads();
+    out[t] = last;
+}
+
+// The block reduction of common.cuh without its trailing barrier, called twice (the issue's
+// survivor): a warp that runs ahead writes partial[] for the second sum while slower warps
+// still read it for the first. The round schedules never let a warp run ahead, so the results
+// are right under them and wrong under warp-forward / warp-reverse; a checked build reports the
+// race under every schedule.
+__device__ float block_sum_without_trailing_sync(float v) {
+    __shared__ float partial[WARP_SIZE];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    v = warp_reduce_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = warp_reduce_sum(lane < (int)(blockDim.x / WARP_SIZE) ? partial[lane] : 0.0f);
+    // missing __syncthreads();
+    return v;
+}
+extern "C" __global__ void sum_and_sumsq_missing_sync_f32(float* out, const float* x) {
+    const float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+    const float s = block_sum_without_trailing_sync(v);
+    const float s2 = block_sum_without_trailing_sync(v * v);
+    if (threadIdx.x == 0) {
+        out[2 * blockIdx.x] = s;
+        out[2 * blockIdx.x + 1] = s2;
+    }
+}
+
+// Reads one element past the end of a static shared array (thread 31 reads buf[32]).
+extern "C" __global__ void static_smem_overrun_f32(float* out, const float* x) {
+    __shared__ float buf[32];
+    buf[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    out[threadIdx.x] = buf[threadIdx.x] + buf[(threadIdx.x + 1) % 33];
+}
+
+// Reads past the dynamic shared memory it was launched with (blockDim.x floats).
+extern "C" __global__ void dynamic_smem_read_overrun_f32(float* out) {
+    extern __shared__ float smem[];
+    smem[threadIdx.x] = 1.0f;
+    __syncthreads();
+    out[threadIdx.x] = smem[threadIdx.x + 1];
+}
+
+// Reads x[n] (one past the end) in the last thread: a read leaves no trace in memory, so only the
+// checked build sees it.
+extern "C" __global__ void tail_read_off_by_one_f32(float* out, const float* x, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] + x[i + 1];
+}
+
+// Reads one element before the start of its input: thread 0 reads x[0], then x[-1] (right
+// after an in-bounds access of the same array, which the checks try first).
+extern "C" __global__ void read_before_start_f32(float* out, const float* x, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] + x[i - 1];
+}
+
+// An atomic one element past the end of a shared counter array.
+extern "C" __global__ void atomic_smem_overrun(int* out) {
+    __shared__ int counts[4];
+    if (threadIdx.x < 4) counts[threadIdx.x] = 0;
+    __syncthreads();
+    atomicAdd(&counts[threadIdx.x % 5], 1);
+    __syncthreads();
+    if (threadIdx.x < 4) out[threadIdx.x] = counts[threadIdx.x];
+}

@@ -292,3 +292,56 @@ extern "C" __global__ void shuffle_types_probe(float* f, double* d, long long* l
     h[t] = __shfl_xor_sync(FULL_MASK, h[t], 1);
     h2[t] = __shfl_xor_sync(FULL_MASK, h2[t], 1);
 }
+
+// ---- race-free shared-memory patterns the checked build must accept --------------------------
+// Warp-synchronous exchange through shared memory, ordered by __syncwarp() (every lane writes its
+// slot, the warp syncs, every lane reads its neighbour's, the warp syncs before the next write).
+extern "C" __global__ void warp_exchange_syncwarp_f32(float* out, const float* x) {
+    __shared__ float buf[1024];
+    const int t = threadIdx.x;
+    const int lane = t % WARP_SIZE, base = t - lane;
+    float v = x[t];
+    for (int step = 1; step < WARP_SIZE; step <<= 1) {
+        buf[t] = v;
+        __syncwarp();
+        v += buf[base + ((lane + step) % WARP_SIZE)];
+        __syncwarp();
+    }
+    out[t] = v;
+}
+
+// Half-warp masks: each half exchanges among its own 16 lanes only.
+extern "C" __global__ void half_warp_exchange_f32(float* out, const float* x) {
+    __shared__ float buf[1024];
+    const int t = threadIdx.x;
+    const int lane = t % WARP_SIZE;
+    const unsigned half = lane < 16 ? 0x0000ffffu : 0xffff0000u;
+    buf[t] = x[t];
+    __syncwarp(half);
+    out[t] = buf[t - lane % 16 + (lane + 1) % 16];
+}
+
+// Shared counters updated with atomics by every thread: no race.
+extern "C" __global__ void shared_atomic_histogram(int* hist, const int* keys, int n) {
+    __shared__ int local[16];
+    if (threadIdx.x < 16) local[threadIdx.x] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) atomicAdd(&local[keys[i] & 15], 1);
+    __syncthreads();
+    if (threadIdx.x < 16) atomicAdd(&hist[threadIdx.x], local[threadIdx.x]);
+}
+
+// The order in which threads pass two points separated by a __syncwarp(): 2 tickets per thread
+// (to test that the warp-* schedules let a warp run ahead).
+extern "C" __global__ void phase_order(int* order, int* counter) {
+    const int t = threadIdx.x;
+    order[2 * t] = atomicAdd(counter, 1);
+    __syncwarp();
+    order[2 * t + 1] = atomicAdd(counter, 1);
+}
+
+// __fdividef alone, for its documented behaviour at huge divisors.
+extern "C" __global__ void fdividef_probe(float* out, const float* x, const float* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __fdividef(x[i], y[i]);
+}

@@ -17,6 +17,7 @@ from cutp.bench import kernels as bench
 from cutp.kernels import SOURCES, KernelArgumentError, Launchers, use_kernels
 from tests.cuda_emu import KERNELS_DIR
 from tests.cuda_emu import KernelArgumentError as EmulatorArgumentError
+from tests.cuda_emu import LaunchConfigError as EmulatorLaunchConfigError
 from tests.test_cuda_emu import kernel_entry_points
 
 from .helpers import ADAMW_KW, BF16, DTYPES, F32, randn
@@ -134,6 +135,25 @@ def test_kernels_reject_bad_launches_too(emulated_module):
         gelu((1,), (256,), (empty, empty, np.int32(0), np.int32(0)))  # an int32 for `long long n`
     with pytest.raises(EmulatorArgumentError, match="4-byte float"):
         softmax((1,), (128,), (e16, e16, np.int64(0), np.int32(0), np.int32(4), 1.0, np.int32(1), np.int32(1)))
+
+
+def test_layernorm_backward_at_6144_columns_needs_the_opt_in(emulated_module):
+    """2 * 6144 floats of dynamic shared memory are exactly 48 KiB, and the kernel's block
+    reduction adds 256 bytes of static shared memory: over a device's default limit, so the
+    emulator refuses the launch, as a GPU would, until the kernel opts in."""
+    C, rows = 6144, 2
+    fn = emulated_module.with_schedule("forward").get_function("layernorm_backward_f32")  # a fresh kernel object
+    assert fn.shared_size_bytes == 256
+    x, dy = randn((rows, C), F32, seed=1), randn((rows, C), F32, seed=2)
+    mean, rstd = x.mean(1).astype(np.float32), (1 / x.std(1)).astype(np.float32)
+    dx, partial = np.full_like(x, np.nan), np.full((2, 1, C), np.nan, np.float32)
+    args = (dx, partial, dy, x, None, mean, rstd, np.int64(rows), np.int32(C), np.int32(rows))
+    with pytest.raises(EmulatorLaunchConfigError, match="256 bytes of static __shared__"):
+        fn((1,), (512,), args, shared_mem=2 * C * 4)
+    fn.max_dynamic_shared_size_bytes = 2 * C * 4
+    fn((1,), (512,), args, shared_mem=2 * C * 4)
+    np.testing.assert_allclose(partial[1, 0], dy.sum(0), rtol=1e-5, atol=1e-5)
+    assert not np.isnan(dx).any()
 
 
 # ================================================================================================
