@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import ops
 from ..runtime.backend import get_array_module
+from ..runtime.errors import ConfigError
 from ..tensor_parallel import global_grad_norm
 from .flat import FlatParameters, is_low_precision, state_dtype_for
 
@@ -73,15 +74,27 @@ class AdamW:
 
     # ---- the step -----------------------------------------------------------------------------
     def reduce_gradients(self, ctx) -> None:
-        """Averages the gradient buffer over the DP group (after the TP hooks have run)."""
+        """Averages the gradient buffer over the DP group (after the TP hooks have run). With
+        expert parallelism the experts' range [expert_start, size) is summed over the
+        expert-DP group and divided by dp (its ranks' experts saw the tokens of every DP rank
+        of their EP groups: the DP average), the rest averaged over DP."""
         if ctx.dp_size == 1:
             return
-        g = self.flat.grad
+        g, e = self.flat.grad, self.flat.expert_start
+        if e == self.flat.size:
+            self._reduce(ctx.dp, g, "avg")
+            return
+        self._reduce(ctx.dp, g[:e], "avg")
+        if ctx.expert_dp.size > 1:
+            self._reduce(ctx.expert_dp, g[e:], "sum")
+        g[e:] /= ctx.dp_size
+
+    def _reduce(self, group, g, op) -> None:
         if self.reduce_dtype == g.dtype:
-            ctx.dp.all_reduce(g, "avg", out=g)
+            group.all_reduce(g, op, out=g)
         else:
             low = g.astype(self.reduce_dtype)
-            ctx.dp.all_reduce(low, "avg", out=low)
+            group.all_reduce(low, op, out=low)
             g[...] = low
 
     def grad_norm(self, ctx) -> float:
@@ -184,6 +197,9 @@ class DistributedAdamW(AdamW):
 
     def __init__(self, flat: FlatParameters, ctx, **kw):
         self.ctx = ctx
+        if flat.expert_start < flat.size:
+            raise ConfigError("the distributed optimizer does not support expert parallelism (ep > 1) yet: the "
+                              "experts' gradients are reduced over another group; use AdamW")
         if flat.padded_size % ctx.dp_size:
             raise ValueError(f"the flat buffer ({flat.padded_size} elements) must be padded to a multiple of dp "
                              f"{ctx.dp_size}: FlatParameters(params, pad_to=DistributedAdamW.pad_multiple(dp))")

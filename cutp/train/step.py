@@ -211,7 +211,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
                             "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
-    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, device=cfg.device,
+    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, device=cfg.device,
                collective_timeout=cfg.collective_timeout)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     if cfg.device == "cpu":
