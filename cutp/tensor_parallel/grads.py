@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from ..runtime.backend import get_array_module
+from ..runtime.errors import ConfigError
 
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
 
@@ -75,6 +76,9 @@ def finish_grad_sync(params, ctx, flat=None) -> None:
     """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
     (Training reduces over DP through its optimizer: cutp.optim's reduce_gradients.)"""
     params = list(params)
+    if any(p.expert_parallel for p in params):
+        raise ConfigError("finish_grad_sync averages every gradient over DP; expert-parallel experts (ep > 1) are "
+                          "reduced over the expert-DP group: use cutp.optim's AdamW.reduce_gradients")
     tp_grad_sync(params, ctx.tp)
     if ctx.dp_size == 1:
         return
