@@ -30,8 +30,6 @@ def check_expert_parallel(cfg) -> None:
     if cfg.distributed_optimizer:
         raise ConfigError(f"--distributed-optimizer with --ep {ep} is not supported yet (the experts are reduced over "
                           "another group than the dense weights); drop one of them")
-    if cfg.pp > 1:
-        raise ConfigError(f"--ep {ep} with --pp {cfg.pp} is not supported yet; use --pp 1 or --ep 1")
 
 
 def moe_step_stats(ctx, model, micro_batches: int) -> dict | None:
