@@ -110,8 +110,14 @@ def test_ep2_dp2_top1_top2_with_and_without_dropping_equal_ep1_and_one_rank():
              dict(ep=2, dp=2, micro=1, moe_capacity_factor=0.75, moe_renormalize=True)], timeout=240)
 
 
-def test_ep2_dp4_ep4_dp4_tp2_and_pp2_equal_ep1_and_one_rank():
-    run_mpi(4, "tests.test_moe_ep:_worker_equals_ep1",
+def _worker_all_to_all_then_equals_ep1(cases):
+    _worker_all_to_all()
+    _worker_equals_ep1(cases)
+
+
+def test_all_to_all_then_ep2_dp4_ep4_dp4_tp2_and_pp2_equal_ep1_and_one_rank():
+    """(One job of 4 ranks for both: the all-to-all primitive, then the layouts.)"""
+    run_mpi(4, "tests.test_moe_ep:_worker_all_to_all_then_equals_ep1",
             [dict(ep=2, dp=4, micro=1, moe_top_k=1), dict(ep=4, dp=4, micro=1, moe_capacity_factor=1.0),
              dict(ep=2, dp=2, tp=2, micro=1, moe_capacity_factor=1.0),
              dict(ep=2, dp=2, tp=2, sp=True, micro=2, moe_top_k=1),
@@ -143,10 +149,6 @@ def _worker_all_to_all():
     with pytest.raises(cutp.comm.CommError, match="send_counts sum to 5 rows but x has shape"):
         ctx.world.all_to_all(np.zeros((4, 2)), [5] + [0] * (n - 1), [0] * n)
     ctx.close()
-
-
-def test_all_to_all_mpi_counts_dtypes_and_groups():
-    run_mpi(4, "tests.test_moe_ep:_worker_all_to_all", timeout=60)
 
 
 def test_nccl_all_to_all_plan():
@@ -193,6 +195,12 @@ def _worker_checkpoints(tmp):
     with pytest.raises(cutp.ConfigError, match="generation with expert parallelism"):
         generate(model, [1, 2, 3], 2)
     ctx.close()
+    # the command line: --ep, and its metrics
+    from examples.train_gpt import main
+
+    rows = main(["--preset", "tiny-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "2", "--batch-size", "4", "--seq-len",
+                 "32", "--set", "moe_capacity_factor=1.0", "--eval-every", "1", "--eval-batches", "1", "--quiet"])
+    assert [r["step"] for r in rows] == [1, 2] and all(r["moe_aux_loss"] > 0 for r in rows), rows
 
 
 def test_checkpoints_hold_every_expert_and_resume_across_ep_sizes(tmp_path):
