@@ -24,7 +24,8 @@ def gather_experts(ctx, params, optimizer, param_info):
         return {}, {}, {}
     experts = [p for p in params if p.expert_parallel]
     names = {p.name for p in experts}
-    state = optimizer.state_dict() if optimizer is not None else {}
+    # (the distributed optimizer's state: every DP rank writes its own pieces, nothing gathered)
+    state = optimizer.state_dict() if optimizer is not None and not optimizer.distributed else {}
     mine = ({p.name: ctx.to_numpy(p.data) for p in experts},
             {k: ctx.to_numpy(v) for k, v in state.items() if k.split(".", 1)[1] in names},
             {n: param_info[n] for n in param_info if n in names})

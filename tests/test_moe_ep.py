@@ -86,7 +86,7 @@ def _worker_equals_ep1(cases):
         ref, ref_everyone, ref_bytes, ref_moe = _train(cfg, world)
         assert ref_bytes == 0, kw  # (no all-to-all at ep 1; the routing is the same)
         assert moe["tokens_per_expert"] == ref_moe["tokens_per_expert"] and moe["dropped"] == ref_moe["dropped"], kw
-        _compare(kw, got, everyone, ref, ref_everyone)
+        _compare(kw, got, everyone, ref, ref_everyone, grads=not cfg.distributed_optimizer)
         # all-to-all bytes of the step: per MoE layer and micro-batch forward, dispatch and combine
         # each move every kept assignment's row once (tokens x k - dropped, h float64 each); the
         # backward moves as many again
@@ -101,12 +101,12 @@ def _worker_equals_ep1(cases):
         if kw.get("moe_capacity_factor") is None:  # nothing dropped: one rank with the global batch
             model_kw = {k: v for k, v in kw.items() if k.startswith("moe_") or k == "n_experts"}
             one, one_everyone, _, _ = _train(_config(micro=cfg.micro_batch_size * cfg.dp, **model_kw), MPI.COMM_SELF)
-            _compare(kw, got, everyone, one, one_everyone)
+            _compare(kw, got, everyone, one, one_everyone, grads=not cfg.distributed_optimizer)
 
 
 def test_ep2_dp2_top1_top2_with_and_without_dropping_equal_ep1_and_one_rank():
     run_mpi(2, "tests.test_moe_ep:_worker_equals_ep1",
-            [dict(ep=2, dp=2, micro=1), dict(ep=2, dp=2, micro=2, moe_top_k=1, moe_capacity_factor=1.0),
+            [dict(ep=2, dp=2, micro=1), dict(ep=2, dp=2, micro=2, moe_top_k=1, moe_capacity_factor=1.0, zero=True),
              dict(ep=2, dp=2, micro=1, moe_capacity_factor=0.75, moe_renormalize=True)], timeout=240)
 
 
@@ -118,7 +118,8 @@ def _worker_all_to_all_then_equals_ep1(cases):
 def test_all_to_all_then_ep2_dp4_ep4_dp4_tp2_and_pp2_equal_ep1_and_one_rank():
     """(One job of 4 ranks for both: the all-to-all primitive, then the layouts.)"""
     run_mpi(4, "tests.test_moe_ep:_worker_all_to_all_then_equals_ep1",
-            [dict(ep=2, dp=4, micro=1, moe_top_k=1), dict(ep=4, dp=4, micro=1, moe_capacity_factor=1.0),
+            [dict(ep=2, dp=4, micro=1, moe_top_k=1), dict(ep=2, dp=4, micro=1, zero=True),
+             dict(ep=4, dp=4, micro=1, moe_capacity_factor=1.0),
              dict(ep=2, dp=2, tp=2, micro=1, moe_capacity_factor=1.0),
              dict(ep=2, dp=2, tp=2, sp=True, micro=2, moe_top_k=1),
              dict(ep=2, dp=2, pp=2, micro=1, recompute="full", moe_capacity_factor=1.0)], timeout=300)
@@ -178,15 +179,21 @@ def _worker_checkpoints(tmp):
         return out
 
     ref = losses(base, 3)
-    for first, then in ((2, 1), (1, 2)):
-        out = os.path.join(tmp, f"ep{first}")
-        head = losses(_with(base, ep=first, out=out, run_steps=2), 2)
-        np.testing.assert_allclose(head, ref[:2], rtol=1e-10)
+    # (ep, distributed optimizer) saved -> resumed: the plain optimizer's state gathered with the
+    # experts, or the distributed optimizer's pieces written by every DP rank
+    saved = set()
+    for (first, zero_first), (then, zero_then) in (((2, False), (1, False)), ((1, False), (2, True)),
+                                                   ((2, True), (1, True)), ((2, True), (2, False))):
+        out = os.path.join(tmp, f"ep{first}{'-zero' if zero_first else ''}")
+        if out not in saved:
+            saved.add(out)
+            head = losses(_with(base, ep=first, out=out, run_steps=2, distributed_optimizer=zero_first), 2)
+            np.testing.assert_allclose(head, ref[:2], rtol=1e-10)
         ckpt = os.path.join(out, "step-00000002")
-        tail = losses(_with(base, ep=then, resume=ckpt, resumed_step=2), 1)
+        tail = losses(_with(base, ep=then, resume=ckpt, resumed_step=2, distributed_optimizer=zero_then), 1)
         np.testing.assert_allclose(tail, ref[2:], rtol=1e-10, err_msg=f"ep {first} -> {then}")
-    metas = [json.load(open(os.path.join(tmp, f"ep{e}", "step-00000002", "meta.json"))) for e in (1, 2)]
-    assert list(metas[0]["params"]) == list(metas[1]["params"])  # every expert, in the EP=1 order
+    metas = [json.load(open(os.path.join(tmp, d, "step-00000002", "meta.json"))) for d in ("ep1", "ep2", "ep2-zero")]
+    assert list(metas[0]["params"]) == list(metas[1]["params"]) == list(metas[2]["params"])  # every expert, EP=1's order
     ctx = cutp.init(comm=world, dp=2, ep=2)
     from cutp.checkpoint import load_model
     from cutp.generate import generate
@@ -212,7 +219,6 @@ def test_checkpoints_hold_every_expert_and_resume_across_ep_sizes(tmp_path):
     (dict(dp=2, ep=2, n_experts=0), r"--ep 2 splits the experts of an MoE model over ranks, but the model is dense"),
     (dict(dp=4, ep=3), r"--ep 3 must divide dp=4 and n_experts=4"),
     (dict(dp=4, ep=4, n_experts=6), r"--ep 4 must divide dp=4 and n_experts=6"),
-    (dict(dp=2, ep=2, zero=True), r"--distributed-optimizer with --ep 2 is not supported yet"),
     (dict(dp=2, ep=0), r"--ep must be an integer >= 1, got 0"),
 ])
 def test_refusals(kw, message):

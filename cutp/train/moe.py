@@ -16,8 +16,7 @@ from ..runtime.errors import ConfigError
 
 
 def check_expert_parallel(cfg) -> None:
-    """RunConfig's ep: an MoE model, ep dividing dp and n_experts, and what ep > 1 does not
-    support yet refused (ConfigError naming the fix)."""
+    """RunConfig's ep: an MoE model, ep dividing dp and n_experts (ConfigError naming the fix)."""
     ep, E = cfg.ep, cfg.model.n_experts
     if ep == 1:
         return
@@ -27,9 +26,6 @@ def check_expert_parallel(cfg) -> None:
     if cfg.dp % ep or E % ep:
         raise ConfigError(f"--ep {ep} must divide dp={cfg.dp} and n_experts={E} (each EP group is ep consecutive DP "
                           f"ranks holding n_experts / ep experts each)")
-    if cfg.distributed_optimizer:
-        raise ConfigError(f"--distributed-optimizer with --ep {ep} is not supported yet (the experts are reduced over "
-                          "another group than the dense weights); drop one of them")
 
 
 def moe_step_stats(ctx, model, micro_batches: int) -> dict | None:
