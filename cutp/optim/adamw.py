@@ -213,35 +213,39 @@ class DistributedAdamW(AdamW):
         self.ctx = ctx
         # the group the state is sharded over: DP, or (an expert-parallel model's experts,
         # cutp.optim.expert_parallel) the expert-DP group, whose sums are divided by dp all the same
-        self.group = ctx.dp if group is None else group
+        self.group = group  # None: ctx.dp (asked for only when communicating)
+        self.shards, self.shard_rank = (ctx.dp_size, ctx.dp_rank) if group is None else (group.size, group.rank)
         if group is None and flat.expert_start < flat.size:
             raise ConfigError("the distributed optimizer shards the experts of an expert-parallel model (ep > 1) "
                               "over the expert-DP group: use cutp.optim.ExpertParallelAdamW")
-        if flat.padded_size % self.group.size:
+        if flat.padded_size % self.shards:
             raise ValueError(f"the flat buffer ({flat.padded_size} elements) must be padded to a multiple of the "
-                             f"group size {self.group.size}: FlatParameters(params, "
-                             f"pad_to=DistributedAdamW.pad_multiple({self.group.size}))")
+                             f"group size {self.shards}: FlatParameters(params, "
+                             f"pad_to=DistributedAdamW.pad_multiple({self.shards}))")
         super().__init__(flat, **kw)
+
+    def _comm(self):
+        return self.ctx.dp if self.group is None else self.group
 
     @staticmethod
     def pad_multiple(dp: int) -> int:
         return 64 * dp  # shards start on 64-element boundaries (128-bit aligned for every dtype)
 
     def _owned_range(self) -> tuple[int, int]:
-        shard = self.flat.padded_size // self.group.size
-        return self.group.rank * shard, (self.group.rank + 1) * shard
+        shard = self.flat.padded_size // self.shards
+        return self.shard_rank * shard, (self.shard_rank + 1) * shard
 
     def _chunks(self):
         """Column ranges of the [d, shard] view, each moving at most BUCKET_ELEMENTS elements."""
         shard = self.hi - self.lo
-        width = max(1, BUCKET_ELEMENTS // self.group.size)
+        width = max(1, BUCKET_ELEMENTS // self.shards)
         return [(c, min(c + width, shard)) for c in range(0, shard, width)]
 
     def reduce_gradients(self, ctx) -> None:
         """Reduce-scatter over the group: averaged over DP, or summed over the expert-DP group
         and divided by dp (the DP average of an expert's gradient)."""
-        g, group = self.flat.grad, self.group
-        op = "avg" if group is ctx.dp else "sum"
+        g, group = self.flat.grad, self._comm()
+        op = "avg" if self.group is None else "sum"
         d, shard = group.size, self.hi - self.lo
         chunks = self._chunks()
         if d == 1:
@@ -286,7 +290,7 @@ class DistributedAdamW(AdamW):
 
     def _after_update(self) -> None:
         """Every group rank's updated shard into every rank's parameter buffer."""
-        group, data = self.group, self.flat.data
+        group, data = self._comm(), self.flat.data
         if group.size == 1:
             return
         chunks = self._chunks()
@@ -301,7 +305,7 @@ class DistributedAdamW(AdamW):
     def state_dict(self) -> dict:
         """Collective over the group: every rank's shards gathered on its rank 0 (host arrays),
         per parameter as in AdamW.state_dict; an empty dict on the other ranks."""
-        ctx, group = self.ctx, self.group
+        ctx, group = self.ctx, self._comm()
         full = {}
         for prefix, buf in self._state_buffers().items():
             host = np.ascontiguousarray(ctx.to_numpy(buf))
