@@ -1,12 +1,13 @@
 """Expert parallelism (issue 18): experts split over EP ranks, tokens moved by all-to-all.
 
 float64: EP 2 and 4 on DP 2 and 4, TP 1 and 2 (with and without sequence parallelism), PP 2
-with full recomputation, top-1 and top-2, with and without capacity dropping: losses (auxiliary and z-losses included),
+with full recomputation, the distributed optimizer, top-1 and top-2, with and without capacity dropping: losses (auxiliary and z-losses included),
 gradient norms, every gradient and every parameter after two steps equal the same model at
 EP 1 on the same DP size within 1e-10, and one rank with the same global batch when nothing is
 dropped; every expert identical on its expert-DP (and TP) replicas; the all-to-all bytes of a
 step counted exactly; the all-to-all primitive itself (MPI, and the NCCL send/recv plan);
-checkpoints written at EP 2 hold every expert and resume at EP 1 and back with equal losses;
+checkpoints written at EP 2 hold every expert and resume at EP 1 and back with equal losses
+(plain and distributed optimizer, either way); `--ep` on the command line;
 the refusals.
 """
 import json
