@@ -126,6 +126,12 @@ def test_all_to_all_then_ep2_dp4_ep4_dp4_tp2_and_pp2_equal_ep1_and_one_rank():
              dict(ep=2, dp=2, pp=2, micro=1, recompute="full", moe_capacity_factor=1.0)], timeout=300)
 
 
+def test_ep2_dp4_tp2_on_8_ranks_equals_ep1():
+    """Experts summed over TP, then over their expert-DP pairs, divided by dp 4."""
+    run_mpi(8, "tests.test_moe_ep:_worker_equals_ep1", [dict(ep=2, dp=4, tp=2, micro=1, moe_capacity_factor=1.0)],
+            timeout=240)
+
+
 # ---- the all-to-all ------------------------------------------------------------------------------
 def _worker_all_to_all():
     import ml_dtypes
