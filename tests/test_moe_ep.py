@@ -169,6 +169,32 @@ def test_nccl_all_to_all_plan():
     assert all_to_all_plan([0, 0], [0, 0], 0) == []
 
 
+def _worker_nccl_all_to_all():
+    import cupy
+
+    ctx = cutp.init(dp=2, ep=2, device="cuda")
+    r = ctx.rank
+    send, recv = ([1, 3], [1, 2]) if r == 0 else ([2, 0], [3, 0])  # rank 1 sends itself nothing
+    x = cupy.asarray(np.concatenate([np.full((c, 4), 10 * r + d) for d, c in enumerate(send)]))
+    y = cupy.asnumpy(ctx.ep.all_to_all(x, send, recv))
+    want = np.concatenate([np.full((c, 4), 10 * s + r) for s, c in enumerate(recv)])
+    np.testing.assert_array_equal(y, want)
+    ctx.close()
+
+
+@pytest.mark.skipif(not cutp.runtime.backend.cuda_device_count(), reason="needs an NVIDIA GPU with CuPy and NCCL; "
+                    "the NCCL send/recv plan is checked on the CPU above")
+def test_nccl_all_to_all_on_gpu():
+    from cupy.cuda import nccl
+
+    from cutp.runtime import backend
+
+    if backend.cuda_device_count() < 2 and nccl.get_version() < 23000:
+        pytest.skip("one GPU and NCCL < 2.30: two ranks cannot share a GPU")
+    run_mpi(2, "tests.test_moe_ep:_worker_nccl_all_to_all", timeout=120,
+            env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"} if backend.cuda_device_count() < 2 else None)
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 def _worker_checkpoints(tmp):
     from mpi4py import MPI
