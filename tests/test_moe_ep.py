@@ -1,9 +1,9 @@
 """Expert parallelism (issue 18): experts split over EP ranks, tokens moved by all-to-all.
 
 float64: EP 2 and 4 on DP 2 and 4, TP 1 and 2 (with and without sequence parallelism), PP 2
-with full recomputation, the distributed optimizer, top-1 and top-2, with and without capacity dropping: losses (auxiliary and z-losses included),
-gradient norms, every gradient and every parameter after two steps equal the same model at
-EP 1 on the same DP size within 1e-10, and one rank with the same global batch when nothing is
+with full recomputation, the distributed optimizer, top-1 and top-2, with and without capacity
+dropping: losses (auxiliary and z-losses included), gradient norms, every gradient and every
+parameter after two steps equal the same model at EP 1 on the same DP size within 1e-10, and one rank with the same global batch when nothing is
 dropped; every expert identical on its expert-DP (and TP) replicas; the all-to-all bytes of a
 step counted exactly; the all-to-all primitive itself (MPI, and the NCCL send/recv plan);
 checkpoints written at EP 2 hold every expert and resume at EP 1 and back with equal losses
@@ -226,7 +226,8 @@ def _worker_checkpoints(tmp):
         tail = losses(_with(base, ep=then, resume=ckpt, resumed_step=2, distributed_optimizer=zero_then), 1)
         np.testing.assert_allclose(tail, ref[2:], rtol=1e-10, err_msg=f"ep {first} -> {then}")
     metas = [json.load(open(os.path.join(tmp, d, "step-00000002", "meta.json"))) for d in ("ep1", "ep2", "ep2-zero")]
-    assert list(metas[0]["params"]) == list(metas[1]["params"]) == list(metas[2]["params"])  # every expert, EP=1's order
+    # every expert, in the order of EP 1
+    assert list(metas[0]["params"]) == list(metas[1]["params"]) == list(metas[2]["params"])
     ctx = cutp.init(comm=world, dp=2, ep=2)
     from cutp.checkpoint import load_model
     from cutp.generate import generate
@@ -238,8 +239,8 @@ def _worker_checkpoints(tmp):
     # the command line: --ep, and its metrics
     from examples.train_gpt import main
 
-    rows = main(["--preset", "tiny-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "2", "--batch-size", "4", "--seq-len",
-                 "32", "--set", "moe_capacity_factor=1.0", "--eval-every", "1", "--eval-batches", "1", "--quiet"])
+    rows = main(["--preset", "tiny-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--steps", "2", "--batch-size", "4",
+                 "--seq-len", "32", "--set", "moe_capacity_factor=1.0", "--eval-every", "1", "--eval-batches", "1", "--quiet"])
     assert [r["step"] for r in rows] == [1, 2] and all(r["moe_aux_loss"] > 0 for r in rows), rows
 
 

@@ -154,7 +154,8 @@ class Context:
             self.xp.cuda.get_current_stream().synchronize()
 
     def describe(self) -> str:
-        pp = (f" x pp={self.pp_size}" if self.pp_size > 1 else "") + (f" (ep={self.ep_size})" if self.ep_size > 1 else "")
+        pp = f" x pp={self.pp_size}" if self.pp_size > 1 else ""
+        pp += f" (ep={self.ep_size})" if self.ep_size > 1 else ""
         pp_rank = f", pp_rank {self.pp_rank}" if self.pp_size > 1 else ""
         return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size}{pp} "
                 f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}{pp_rank}) device={self.device}"

@@ -15,5 +15,6 @@ from .flat import FlatParameters, grad_dtype_for, is_low_precision, state_dtype_
 from .loss_scaler import DynamicLossScaler, LossScaler
 from .schedule import clip_scale, lr_schedule
 
-__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "FlatParameters", "FlatParts", "grad_dtype_for",
+__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "FlatParameters", "FlatParts",
+           "grad_dtype_for",
            "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "clip_scale", "lr_schedule"]

@@ -294,13 +294,13 @@ class MoEMLP(Module):
                 if cache is not None:
                     dxe[ex.bounds[i]:ex.bounds[i + 1]] = expert.backward(de[ex.bounds[i]:ex.bounds[i + 1]], cache)
             dx_slots[r, j] = combine(ep, dxe, ex, xp)
-            saved = ()
-        for expert, s in zip(self.experts, saved):
-            if s is None:
-                continue
-            r, j, cache = s
-            do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
-            dx_slots[r, j] = expert.backward(do, cache)
+        else:
+            for expert, s in zip(self.experts, saved):
+                if s is None:
+                    continue
+                r, j, cache = s
+                do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
+                dx_slots[r, j] = expert.backward(do, cache)
         dx_experts = _sum_slots(dx_slots)
         if rows is not None:
             dx_experts = self._gather_rows(dx_experts, rows, n)

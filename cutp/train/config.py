@@ -141,7 +141,8 @@ class RunConfig:
         object.__setattr__(self, "overrides", tuple(self.overrides))
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
-        for name in ("tp", "dp", "pp", "ep", "pp_virtual", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
+        for name in ("tp", "dp", "pp", "ep", "pp_virtual", "batch_size", "micro_batch_size", "seq_len", "eval_batches",
+                     "log_every"):
             _positive_int(name, getattr(self, name))
         for name in ("steps", "warmup", "eval_every", "save_every", "keep", "max_skips", "seed"):
             _int_at_least(name, getattr(self, name), 0)
