@@ -154,6 +154,8 @@ def _worker_all_to_all():
         np.testing.assert_array_equal(y.astype(np.float64), want)
         assert ctx.counter.bytes("world", "all_to_all") == x.astype(dt).nbytes
         assert ctx.counter.calls("world", "all_to_all") == 1
+    empty = ctx.ep.all_to_all(np.zeros((0, 3)), [0, 0], [0, 0])  # a rank with nothing to send or receive
+    assert empty.shape == (0, 3)
     with pytest.raises(cutp.comm.CommError, match="send_counts sum to 5 rows but x has shape"):
         ctx.world.all_to_all(np.zeros((4, 2)), [5] + [0] * (n - 1), [0] * n)
     ctx.close()
