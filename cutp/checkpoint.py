@@ -51,6 +51,7 @@ import numpy as np
 from safetensors import safe_open
 
 from . import __version__
+from .checkpoint_experts import gather_experts, in_model_order
 from .checkpoint_files import (FORMAT, VERSION, CheckpointError, fsync_dir, mesh_pp, model_file, optim_file,
                                param_stage, read_meta, sha256_file, shard_shape, unlisted_files, verify_file,
                                write_json_atomic, write_meta, write_safetensors)
@@ -91,9 +92,16 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     params = [p for p in model.parameters() if not (p.name == "wte.weight" and not model.first_stage)]
     kept = {p.name for p in params}
     mine = []  # (file name, tensors, offsets or None) this rank writes
+    param_info = {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
+                           "sharding": p.sharding.spec if p.sharding is not None else None, "real_rows": p.real_rows,
+                           **({"stage": s} if pp > 1 else {})} for p in params}
+    # expert parallelism: the other EP ranks' experts, written by DP rank 0 too (cutp.checkpoint_experts)
+    e_model, e_optim, e_info = gather_experts(ctx, params, optimizer, param_info)
+    param_info = in_model_order(param_info, e_info, [p.name for p in params if p.expert_parallel])
+    kept |= set(e_info)
     if ctx.dp_rank == 0:
-        mine.append((model_file(ctx.tp_rank, ctx.tp_size, s, pp), {p.name: ctx.to_numpy(p.data) for p in params},
-                     None))
+        mine.append((model_file(ctx.tp_rank, ctx.tp_size, s, pp),
+                     {**{p.name: ctx.to_numpy(p.data) for p in params}, **e_model}, None))
     if sharded:
         pieces, offsets = optimizer.state_pieces()
         mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size, s, pp),
@@ -101,8 +109,8 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                      {k: v for k, v in offsets.items() if k in kept}))
     elif optimizer is not None and ctx.dp_rank == 0:
         mine.append((optim_file(ctx.tp_rank, ctx.tp_size, 0, 1, s, pp),
-                     {k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items() if k.split(".", 1)[1] in kept},
-                     None))
+                     {**{k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items() if k.split(".", 1)[1] in kept},
+                      **e_optim}, None))
     # never a checkpoint of non-finite weights (it would replace, and --keep prune, a healthy one)
     bad = next((k for _, tensors, _ in mine for k, v in tensors.items() if not np.isfinite(v).all()), None)
     error = None if bad is None else (
@@ -129,9 +137,6 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
         error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
     agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
     names = [fname for fname, _, _ in mine] + [""] * (2 - len(mine))
-    param_info = {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
-                           "sharding": p.sharding.spec if p.sharding is not None else None, "real_rows": p.real_rows,
-                           **({"stage": s} if pp > 1 else {})} for p in params}
     with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on the world)"):
         every = world.allgather(([(n, bytes(d).decode(), int(b)) for n, d, b in zip(names, digests, sizes) if n],
                                  param_info if ctx.tp_rank == ctx.dp_rank == 0 else {}, rng_state,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .runtime.backend import to_numpy
+from .runtime.errors import ConfigError
 
 
 def _as_batch(prompt_ids):
@@ -94,6 +95,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, t
     Runs in eval mode (no dropout; the model's mode is restored afterwards). Collective over
     the model's TP group.
     """
+    if model.moe_layers and model.ctx.ep_size > 1:  # each token's experts would be on other ranks
+        raise ConfigError("generation with expert parallelism (ep > 1) is not supported: load the model at ep 1 "
+                          "(cutp.checkpoint.load_model with a context of ep=1) to generate")
     idx, single = _as_batch(prompt_ids)
     cfg = model.config
     check_request(cfg, idx.shape[1], max_new_tokens)

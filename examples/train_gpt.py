@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
     p.add_argument("--dp", type=int, help="data-parallel size (default: world size / (tp * pp))")
     p.add_argument("--pp", type=int, help="pipeline stages (default 1): the layers split over pp ranks")
+    p.add_argument("--ep", type=int, help="expert parallelism (default 1): an MoE model's experts split over ep "
+                   "consecutive DP ranks (ep divides dp and n_experts), tokens sent to them by all-to-all")
     p.add_argument("--pp-layers", help="layers of each stage, e.g. 5,6,6,5 (default: n_layer / pp each); with "
                    "--pp-virtual V, of each of the pp * V model chunks in the model's order")
     p.add_argument("--pp-schedule", choices=["1f1b", "gpipe", "interleaved"],

@@ -13,6 +13,9 @@ Semantics shared by every implementation (MPI on NumPy arrays, NCCL on CuPy arra
   Layers that gather along another axis move it to the front themselves (see
   `cutp.tensor_parallel.mappings`).
 - Reductions: "sum", "max", "avg" (avg = sum / size, in the array's dtype).
+- all_to_all(x, send_counts, recv_counts): rows [sum(send_counts), ...] -> [sum(recv_counts), ...];
+  rows [sum(send_counts[:r]), sum(send_counts[:r+1])) go to rank r, and the rows from rank r
+  land in rank order (MPI Alltoallv; NCCL send/recv pairs in one group).
 """
 from __future__ import annotations
 
@@ -102,6 +105,13 @@ class Communicator:
         (pipeline schedules list activations before gradients). Returns the receive buffers."""
         raise NotImplementedError
 
+    def all_to_all(self, x, send_counts, recv_counts):
+        """Rows of x (axis 0) to every rank: send_counts[r] consecutive rows to rank r, in rank
+        order; returns the rows received, recv_counts[r] from rank r, in rank order (a new array
+        [sum(recv_counts), *x.shape[1:]]). Both count lists have `size` entries, and rank r's
+        send_counts[s] must equal rank s's recv_counts[r]."""
+        raise NotImplementedError
+
     def barrier(self) -> None:
         raise NotImplementedError
 
@@ -115,6 +125,17 @@ class Communicator:
                 f"reduce_scatter over {self.size} ranks needs axis 0 divisible by {self.size}; got shape {tuple(x.shape)}"
             )
         return (x.shape[0] // self.size,) + tuple(x.shape[1:])
+
+    def _a2a_counts(self, x, send_counts, recv_counts):
+        """The counts as lists of ints, checked against x and the group size."""
+        send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        if len(send) != self.size or len(recv) != self.size or min(send + recv) < 0:
+            raise CommError(f"all_to_all on {self.name}: send_counts {send} and recv_counts {recv} must be "
+                            f"{self.size} counts >= 0 each")
+        if x.ndim == 0 or sum(send) != x.shape[0]:
+            raise CommError(f"all_to_all on {self.name}: send_counts sum to {sum(send)} rows but x has shape "
+                            f"{tuple(x.shape)}")
+        return send, recv
 
     def _check_out(self, out, shape, dtype, what):
         if out is None:
@@ -185,6 +206,9 @@ class WrappedCommunicator(Communicator):
     def exchange(self, sends, recvs):
         first = (list(sends) + list(recvs))[0][0]  # (the watchdog names the first buffer)
         return self._call("exchange", first, self.inner.exchange, sends, recvs)
+
+    def all_to_all(self, x, send_counts, recv_counts):
+        return self._call("all_to_all", x, self.inner.all_to_all, x, send_counts, recv_counts)
 
     def barrier(self):
         return self._call("barrier", np.empty(0), self.inner.barrier)

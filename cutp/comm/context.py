@@ -39,27 +39,31 @@ class Context:
     (counted communicators; pp: this rank's pipeline, the ranks of equal tp_rank and dp_rank,
     one per stage), embedding (the first and last stages of the pipeline, which both hold a
     tied embedding; None elsewhere and at pp 1), counter (CommCounter over every group).
+    Expert parallelism: ep_rank, ep_size, ep (the EP group: ep consecutive ranks of the DP group,
+    which split the experts between them; None at ep 1), expert_dp (the DP ranks of equal
+    ep_rank, which hold the same experts; the DP group itself at ep 1).
     """
 
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
                  abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None,
-                 pp: int = 1):
+                 pp: int = 1, ep: int = 1):
         if abort_on_error:
             install_abort_on_error()
         self.mpi_comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
         with errors_raised_on_every_rank(self.mpi_comm):  # a device missing on one node stops every rank
-            self.mesh = validate_mesh(self.world_size, tp, dp, pp)
+            self.mesh = validate_mesh(self.world_size, tp, dp, pp, ep)
             self.device = backend.resolve_device(device)
             timeout = default_timeout() if collective_timeout is None else check_timeout(collective_timeout)
         configure_host_watchdog(timeout)
-        check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "pp": self.mesh.pp,
+        check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "pp": self.mesh.pp, "ep": ep,
                                                 "device": self.device, "cutp": __version__}, "cutp.init arguments")
         self.tp_size, self.dp_size, self.pp_size = self.mesh.tp, self.mesh.dp, self.mesh.pp
         self.tp_rank = self.mesh.tp_rank(self.rank)
         self.dp_rank = self.mesh.dp_rank(self.rank)
         self.pp_rank = self.mesh.pp_rank(self.rank)
+        self.ep_size, self.ep_rank = self.mesh.ep, self.mesh.ep_rank(self.rank)
 
         self._owned_mpi = []
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -103,6 +107,13 @@ class Context:
         self.dp = self._wrap(self._make_comm(dp_mpi, "dp"))
         self.pp = self._wrap(self._make_comm(pp_mpi, "pp"))
         self.embedding = self._wrap(self._make_comm(emb_mpi, "embedding")) if ends else None
+        self.ep, self.expert_dp = None, self.dp
+        if self.ep_size > 1:  # both split from the DP group
+            ep_mpi = dp_mpi.Split(color=self.dp_rank // self.ep_size, key=self.ep_rank)
+            edp_mpi = dp_mpi.Split(color=self.ep_rank, key=self.dp_rank)
+            self._owned_mpi += [ep_mpi, edp_mpi]
+            self.ep = self._wrap(self._make_comm(ep_mpi, "ep"))
+            self.expert_dp = self._wrap(self._make_comm(edp_mpi, "expert_dp"))
         self._extra_groups = {}
         self.closed = False
 
@@ -144,6 +155,7 @@ class Context:
 
     def describe(self) -> str:
         pp = f" x pp={self.pp_size}" if self.pp_size > 1 else ""
+        pp += f" (ep={self.ep_size})" if self.ep_size > 1 else ""
         pp_rank = f", pp_rank {self.pp_rank}" if self.pp_size > 1 else ""
         return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size}{pp} "
                 f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}{pp_rank}) device={self.device}"
@@ -154,7 +166,8 @@ class Context:
     def close(self):
         if getattr(self, "closed", True):
             return
-        for group in (*self._extra_groups.values(), self.embedding, self.pp, self.dp, self.tp, self.world):
+        experts = (self.ep, self.expert_dp) if self.ep is not None else ()
+        for group in (*self._extra_groups.values(), *experts, self.embedding, self.pp, self.dp, self.tp, self.world):
             if group is not None:
                 group.close()
         for c in self._owned_mpi:
@@ -174,15 +187,16 @@ class Context:
 
 
 def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", abort_on_error: bool = True,
-         collective_timeout: float | None = None, device_id: int | None = None, pp: int = 1) -> Context:
+         collective_timeout: float | None = None, device_id: int | None = None, pp: int = 1, ep: int = 1) -> Context:
     """Creates a cutp context over `comm` (default MPI.COMM_WORLD). Collective over comm.
 
     tp*dp*pp must equal comm's size (dp defaults to size // (tp*pp)); pp is the number of
-    pipeline stages. device is 'cpu', 'cuda' or 'auto'.
+    pipeline stages; ep (dividing dp) the expert-parallel size (MoE experts split over ep
+    consecutive DP ranks). device is 'cpu', 'cuda' or 'auto'.
     With abort_on_error (default), an uncaught exception on any rank aborts the whole MPI job
     after printing that rank's traceback. collective_timeout (seconds; default
     $CUTP_COLLECTIVE_TIMEOUT or 600, 0 = off) aborts the job when a collective stalls.
     device_id picks the GPU (default: the launcher's node-local rank modulo the visible GPUs).
     """
     return Context(comm=comm, tp=tp, dp=dp, device=device, abort_on_error=abort_on_error,
-                   collective_timeout=collective_timeout, device_id=device_id, pp=pp)
+                   collective_timeout=collective_timeout, device_id=device_id, pp=pp, ep=ep)

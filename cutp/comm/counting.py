@@ -4,12 +4,13 @@ Tests assert exact communication volumes from it (e.g. two all-reduces of b*s*h 
 transformer block forward); benchmarks and the training log report MB per step from it.
 
 Bytes are those of the array a rank hands to the collective: the input of all_reduce,
-reduce_scatter, broadcast and send, this rank's contribution to all_gather, and the receive
-buffer of recv.
+reduce_scatter, broadcast, all_to_all (every row it sends, its own included) and send, this
+rank's contribution to all_gather, and the receive buffer of recv.
 
 Wire bytes are what one rank sends with the bandwidth-optimal (ring) algorithm, NCCL's "bus
 bytes": all_reduce 2 (n-1)/n of its input, reduce_scatter (n-1)/n of its input, all_gather
-(n-1) times its contribution, broadcast (n-1)/n of its array, send its array. So a
+(n-1) times its contribution, broadcast (n-1)/n of its array, send its array, all_to_all
+(n-1)/n of its input (rows spread evenly; its own rows stay). So a
 reduce-scatter plus an all-gather of the same tensor cost exactly one all-reduce's wire bytes
 (sequence parallelism's claim, asserted from these numbers).
 """
@@ -122,5 +123,6 @@ def wire_bytes(op: str, nbytes: int, size: int) -> float:
     if size <= 1 and op != "send":
         return 0.0
     factor = {"all_reduce": 2 * (size - 1) / size, "reduce_scatter": (size - 1) / size,
-              "all_gather": size - 1, "broadcast": (size - 1) / size, "send": 1.0}
+              "all_gather": size - 1, "broadcast": (size - 1) / size, "send": 1.0,
+              "all_to_all": (size - 1) / size}
     return nbytes * factor.get(op, 0.0)

@@ -136,6 +136,17 @@ class MpiCommunicator(Communicator):
         MPI.Request.Waitall(requests)
         return [x for x, _, _ in recvs]
 
+    def all_to_all(self, x, send_counts, recv_counts):
+        check_array(x, f"all_to_all on {self.name}")
+        send, recv = self._a2a_counts(x, send_counts, recv_counts)
+        out = np.empty((sum(recv),) + tuple(x.shape[1:]), x.dtype)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        (sbuf, stype), (rbuf, rtype) = _buf(x), _buf(out)
+        sc, rc = [c * row for c in send], [c * row for c in recv]
+        sd, rd = np.cumsum([0] + sc[:-1]).tolist(), np.cumsum([0] + rc[:-1]).tolist()
+        self.mpi_comm.Alltoallv([sbuf, (sc, sd), stype], [rbuf, (rc, rd), rtype])
+        return out
+
     def barrier(self):
         self.mpi_comm.Barrier()
 

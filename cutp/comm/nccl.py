@@ -64,6 +64,24 @@ def broadcast_unique_id(mpi_comm, make_id):
     return bytes(buf[1 : 1 + _UID_BYTES])
 
 
+def all_to_all_plan(send, recv, rank):
+    """[(kind, peer, first, rows)]: "send" of x's rows [first, first + rows) to peer, "recv" of
+    rows from peer into out's [first, first + rows) (every peer with rows, in rank order, each
+    send before its receive), and "copy" of this rank's own rows, first = (row in x, row in out)."""
+    so, ro = np.cumsum([0] + list(send)).tolist(), np.cumsum([0] + list(recv)).tolist()
+    plan = []
+    for peer in range(len(send)):
+        if peer == rank:
+            if send[peer]:
+                plan.append(("copy", peer, (so[peer], ro[peer]), send[peer]))
+            continue
+        if send[peer]:
+            plan.append(("send", peer, so[peer], send[peer]))
+        if recv[peer]:
+            plan.append(("recv", peer, ro[peer], recv[peer]))
+    return plan
+
+
 class NcclCommunicator(Communicator):
     kind = "nccl"
 
@@ -164,6 +182,32 @@ class NcclCommunicator(Communicator):
         finally:
             nccl.groupEnd()
         return [x for x, _, _ in recvs]
+
+    def all_to_all(self, x, send_counts, recv_counts):
+        """NCCL has no all-to-all: a send and a receive per peer with rows to move, in one group
+        (`all_to_all_plan`); this rank's own rows are copied on the device."""
+        from cupy.cuda import nccl  # optional dependency
+
+        check_array(x, f"all_to_all on {self.name}")
+        send, recv = self._a2a_counts(x, send_counts, recv_counts)
+        out = self._empty((sum(recv),) + tuple(x.shape[1:]), x.dtype)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        plan = all_to_all_plan(send, recv, self.rank)
+        nccl.groupStart()
+        try:
+            for kind, peer, first, rows in plan:
+                if kind == "send":
+                    self.nccl_comm.send(x.data.ptr + first * row * x.itemsize, rows * row, self._dt(x), peer,
+                                        self._stream())
+                elif kind == "recv":
+                    self.nccl_comm.recv(out.data.ptr + first * row * x.itemsize, rows * row, self._dt(x), peer,
+                                        self._stream())
+        finally:
+            nccl.groupEnd()
+        for kind, _, first, rows in plan:
+            if kind == "copy":
+                out[first[1]:first[1] + rows] = x[first[0]:first[0] + rows]
+        return out
 
     def barrier(self):
         # NCCL has no barrier: finish this rank's queued work, then meet on the host.

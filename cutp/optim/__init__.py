@@ -4,13 +4,17 @@ flat          FlatParameters: parameters and gradients in one buffer each (float
               for 16-bit models), weight decay as a range
 adamw         AdamW (every DP rank holds the state) and DistributedAdamW (state sharded over DP,
               ZeRO-1), both with float32 master weights for 16-bit models
+expert_parallel  ExpertParallelAdamW: the distributed optimizer of an expert-parallel model
+              (dense state sharded over DP, the experts' over the expert-DP group)
 loss_scaler   LossScaler (static) and DynamicLossScaler (float16 training)
 schedule      the learning-rate schedule and the clipping factor
 """
 from .adamw import GRAD_REDUCE_DTYPES, AdamW, DistributedAdamW
+from .expert_parallel import ExpertParallelAdamW, FlatParts
 from .flat import FlatParameters, grad_dtype_for, is_low_precision, state_dtype_for
 from .loss_scaler import DynamicLossScaler, LossScaler
 from .schedule import clip_scale, lr_schedule
 
-__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "FlatParameters", "grad_dtype_for",
+__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "FlatParameters", "FlatParts",
+           "grad_dtype_for",
            "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "clip_scale", "lr_schedule"]

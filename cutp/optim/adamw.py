@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import ops
 from ..runtime.backend import get_array_module
+from ..runtime.errors import ConfigError
 from ..tensor_parallel import global_grad_norm
 from .flat import FlatParameters, is_low_precision, state_dtype_for
 
@@ -73,15 +74,27 @@ class AdamW:
 
     # ---- the step -----------------------------------------------------------------------------
     def reduce_gradients(self, ctx) -> None:
-        """Averages the gradient buffer over the DP group (after the TP hooks have run)."""
+        """Averages the gradient buffer over the DP group (after the TP hooks have run). With
+        expert parallelism the experts' range [expert_start, size) is summed over the
+        expert-DP group and divided by dp (its ranks' experts saw the tokens of every DP rank
+        of their EP groups: the DP average), the rest averaged over DP."""
         if ctx.dp_size == 1:
             return
-        g = self.flat.grad
+        g, e = self.flat.grad, self.flat.expert_start
+        if e == self.flat.size:
+            self._reduce(ctx.dp, g, "avg")
+            return
+        self._reduce(ctx.dp, g[:e], "avg")
+        if ctx.expert_dp.size > 1:
+            self._reduce(ctx.expert_dp, g[e:], "sum")
+        g[e:] /= ctx.dp_size
+
+    def _reduce(self, group, g, op) -> None:
         if self.reduce_dtype == g.dtype:
-            ctx.dp.all_reduce(g, "avg", out=g)
+            group.all_reduce(g, op, out=g)
         else:
             low = g.astype(self.reduce_dtype)
-            ctx.dp.all_reduce(low, "avg", out=low)
+            group.all_reduce(low, op, out=low)
             g[...] = low
 
     def grad_norm(self, ctx) -> float:
@@ -174,6 +187,20 @@ class AdamW:
             self.master[...] = self.flat.data[self.lo:self.hi]
 
 
+def finish_norm(ctx, acc) -> float:
+    """The L2 norm from [sum of squares, non-finite entries] of each rank's shard, all-reduced
+    over TP, DP and PP; NaN when any entry anywhere is not finite."""
+    if ctx.tp_size > 1:
+        ctx.tp.all_reduce(acc, "sum", out=acc)
+    ctx.dp.all_reduce(acc, "sum", out=acc)
+    if ctx.pp_size > 1:  # every pipeline stage's parameters
+        ctx.pp.all_reduce(acc, "sum", out=acc)
+    total, bad = float(acc[0]), float(acc[1])
+    if bad or not math.isfinite(total):
+        return float("nan")
+    return math.sqrt(total)
+
+
 class DistributedAdamW(AdamW):
     """AdamW whose state is sharded over the DP group (ZeRO-1, Megatron's distributed optimizer):
     DP rank r owns [r * S, (r + 1) * S) of the flat buffer (S = padded size / dp; the buffer is
@@ -182,47 +209,64 @@ class DistributedAdamW(AdamW):
 
     distributed = True
 
-    def __init__(self, flat: FlatParameters, ctx, **kw):
+    def __init__(self, flat: FlatParameters, ctx, *, group=None, **kw):
         self.ctx = ctx
-        if flat.padded_size % ctx.dp_size:
-            raise ValueError(f"the flat buffer ({flat.padded_size} elements) must be padded to a multiple of dp "
-                             f"{ctx.dp_size}: FlatParameters(params, pad_to=DistributedAdamW.pad_multiple(dp))")
+        # the group the state is sharded over: DP, or (an expert-parallel model's experts,
+        # cutp.optim.expert_parallel) the expert-DP group, whose sums are divided by dp all the same
+        self.group = group  # None: ctx.dp (asked for only when communicating)
+        self.shards, self.shard_rank = (ctx.dp_size, ctx.dp_rank) if group is None else (group.size, group.rank)
+        if group is None and flat.expert_start < flat.size:
+            raise ConfigError("the distributed optimizer shards the experts of an expert-parallel model (ep > 1) "
+                              "over the expert-DP group: use cutp.optim.ExpertParallelAdamW")
+        if flat.padded_size % self.shards:
+            raise ValueError(f"the flat buffer ({flat.padded_size} elements) must be padded to a multiple of the "
+                             f"group size {self.shards}: FlatParameters(params, "
+                             f"pad_to=DistributedAdamW.pad_multiple({self.shards}))")
         super().__init__(flat, **kw)
+
+    def _comm(self):
+        return self.ctx.dp if self.group is None else self.group
 
     @staticmethod
     def pad_multiple(dp: int) -> int:
         return 64 * dp  # shards start on 64-element boundaries (128-bit aligned for every dtype)
 
     def _owned_range(self) -> tuple[int, int]:
-        shard = self.flat.padded_size // self.ctx.dp_size
-        return self.ctx.dp_rank * shard, (self.ctx.dp_rank + 1) * shard
+        shard = self.flat.padded_size // self.shards
+        return self.shard_rank * shard, (self.shard_rank + 1) * shard
 
     def _chunks(self):
-        """Column ranges of the [dp, shard] view, each moving at most BUCKET_ELEMENTS elements."""
+        """Column ranges of the [d, shard] view, each moving at most BUCKET_ELEMENTS elements."""
         shard = self.hi - self.lo
-        width = max(1, BUCKET_ELEMENTS // self.ctx.dp_size)
+        width = max(1, BUCKET_ELEMENTS // self.shards)
         return [(c, min(c + width, shard)) for c in range(0, shard, width)]
 
     def reduce_gradients(self, ctx) -> None:
-        g = self.flat.grad
-        if ctx.dp_size == 1:
-            return
-        d, shard = ctx.dp_size, self.hi - self.lo
+        """Reduce-scatter over the group: averaged over DP, or summed over the expert-DP group
+        and divided by dp (the DP average of an expert's gradient)."""
+        g, group = self.flat.grad, self._comm()
+        op = "avg" if self.group is None else "sum"
+        d, shard = group.size, self.hi - self.lo
         chunks = self._chunks()
-        if len(chunks) == 1 and self.reduce_dtype == g.dtype:
-            ctx.dp.reduce_scatter(g, "avg", out=g[self.lo:self.hi])
-            return
-        view = g.reshape(d, shard)
-        for c0, c1 in chunks:
-            packed = view[:, c0:c1].astype(self.reduce_dtype)  # a contiguous copy: [d, c1 - c0]
-            mine = ctx.dp.reduce_scatter(packed.reshape(-1), "avg")
-            view[ctx.dp_rank, c0:c1] = mine
+        if d == 1:
+            pass
+        elif len(chunks) == 1 and self.reduce_dtype == g.dtype:
+            group.reduce_scatter(g, op, out=g[self.lo:self.hi])
+        else:
+            view = g.reshape(d, shard)
+            for c0, c1 in chunks:
+                packed = view[:, c0:c1].astype(self.reduce_dtype)  # a contiguous copy: [d, c1 - c0]
+                mine = group.reduce_scatter(packed.reshape(-1), op)
+                view[group.rank, c0:c1] = mine
+        if op == "sum":
+            g[self.lo:self.hi] /= ctx.dp_size
 
-    def grad_norm(self, ctx) -> float:
-        """Sum of squares over this rank's shard, each full entry once (the TP norm masks of the
-        parameters it intersects), all-reduced over TP and DP."""
+    def norm_terms(self, ctx):
+        """[sum of squares, non-finite entries] of this rank's shard, each full entry once (the
+        TP norm masks of the parameters it intersects): summed over TP, DP and PP, every entry
+        of the model counted once (an expert's expert-DP shards on the ranks of its EP rank)."""
         xp = get_array_module(self.flat.grad)
-        acc = xp.zeros(2, np.float64)  # [sum of squares, non-finite entries]
+        acc = xp.zeros(2, np.float64)
         for p in self.flat.model_order:
             s = self.flat.slices[p.name]
             a, b = max(s.start, self.lo), min(s.stop, self.hi)
@@ -238,43 +282,39 @@ class DistributedAdamW(AdamW):
             acc[0] += g64 @ g64
         shard = self.flat.grad[self.lo:self.hi]
         acc[1] = (~xp.isfinite(shard)).sum()
-        if ctx.tp_size > 1:
-            ctx.tp.all_reduce(acc, "sum", out=acc)
-        ctx.dp.all_reduce(acc, "sum", out=acc)
-        if ctx.pp_size > 1:  # every pipeline stage's parameters
-            ctx.pp.all_reduce(acc, "sum", out=acc)
-        total, bad = float(acc[0]), float(acc[1])
-        if bad or not math.isfinite(total):
-            return float("nan")
-        return math.sqrt(total)
+        return acc
+
+    def grad_norm(self, ctx) -> float:
+        """The norm of `norm_terms`, all-reduced over TP, DP and PP."""
+        return finish_norm(ctx, self.norm_terms(ctx))
 
     def _after_update(self) -> None:
-        """Every DP rank's updated shard into every rank's parameter buffer."""
-        ctx, data = self.ctx, self.flat.data
-        if ctx.dp_size == 1:
+        """Every group rank's updated shard into every rank's parameter buffer."""
+        group, data = self._comm(), self.flat.data
+        if group.size == 1:
             return
         chunks = self._chunks()
         if len(chunks) == 1:
-            ctx.dp.all_gather(data[self.lo:self.hi], out=data)
+            group.all_gather(data[self.lo:self.hi], out=data)
             return
-        d, shard = ctx.dp_size, self.hi - self.lo
+        d, shard = group.size, self.hi - self.lo
         view = data.reshape(d, shard)
         for c0, c1 in chunks:
-            view[:, c0:c1] = ctx.dp.all_gather(view[ctx.dp_rank, c0:c1].copy()).reshape(d, c1 - c0)
+            view[:, c0:c1] = group.all_gather(view[group.rank, c0:c1].copy()).reshape(d, c1 - c0)
 
     def state_dict(self) -> dict:
-        """Collective over the DP group: every rank's shards gathered on DP rank 0 (host arrays),
-        per parameter as in AdamW.state_dict; an empty dict on the other DP ranks."""
-        ctx = self.ctx
-        comm = ctx.dp.mpi_comm
+        """Collective over the group: every rank's shards gathered on its rank 0 (host arrays),
+        per parameter as in AdamW.state_dict; an empty dict on the other ranks."""
+        ctx, group = self.ctx, self._comm()
         full = {}
         for prefix, buf in self._state_buffers().items():
             host = np.ascontiguousarray(ctx.to_numpy(buf))
-            whole = np.empty(self.flat.padded_size, host.dtype) if ctx.dp_rank == 0 else None
-            with ctx.watchdog.guard(f"gathering the optimizer's {prefix.rstrip('.')} shards (host gather on dp)"):
-                comm.Gather(host, whole, root=0)
+            whole = np.empty(self.flat.padded_size, host.dtype) if group.rank == 0 else None
+            with ctx.watchdog.guard(f"gathering the optimizer's {prefix.rstrip('.')} shards (host gather on "
+                                    f"{group.name})"):
+                group.mpi_comm.Gather(host, whole, root=0)
             full[prefix] = whole
-        return self._per_parameter(full) if ctx.dp_rank == 0 else {}
+        return self._per_parameter(full) if group.rank == 0 else {}
 
     def state_pieces(self) -> tuple[dict, dict]:
         """This rank's part of the state, for a checkpoint shard of its own (nothing gathered):

@@ -7,7 +7,9 @@ range on a GPU), and the DP reduction needs no packing.
 
 Layout: the parameters that weight decay applies to first, then the others (each group in the
 model's order), so weight decay is one range [0, n_decay) of the buffer, never a mask the size
-of the model. The buffers may be padded (zeros, never trained) to a multiple of `pad_to`: the
+of the model. With expert parallelism, the expert-parallel parameters (each EP rank's own
+experts, reduced over another group) follow as a range of their own, [expert_start, size),
+again decayed ones first. The buffers may be padded (zeros, never trained) to a multiple of `pad_to`: the
 distributed optimizer splits them into dp equal shards.
 
 Gradient dtype: float32 for bfloat16/float16 parameters (Megatron's `main_grad`: micro-batch
@@ -44,8 +46,11 @@ class FlatParameters:
         self.dtype = dtypes.pop()
         self.grad_dtype = grad_dtype_for(self.dtype)
         self.model_order = params  # (sums over parameters keep the model's order: same rounding as before)
-        # weight-decayed parameters first: decay is the single range [0, n_decay)
-        self.params = [p for p in params if p.weight_decay] + [p for p in params if not p.weight_decay]
+        # weight-decayed parameters first: decay is the single range [0, n_decay) (then the experts')
+        self.params = []
+        for expert in (False, True):
+            group = [p for p in params if p.expert_parallel == expert]
+            self.params += [p for p in group if p.weight_decay] + [p for p in group if not p.weight_decay]
         xp = get_array_module(params[0].data)
         self.size = n = sum(p.data.size for p in self.params)
         self.padded_size = -(-n // pad_to) * pad_to
@@ -61,13 +66,19 @@ class FlatParameters:
             p.grad = self.grad[off:off + k].reshape(p.data.shape)
             self.slices[p.name] = slice(off, off + k)
             off += k
-        self.n_decay = sum(p.data.size for p in self.params if p.weight_decay)
+        dense = [p for p in self.params if not p.expert_parallel]
+        self.n_decay = sum(p.data.size for p in dense if p.weight_decay)
+        self.expert_start = sum(p.data.size for p in dense)  # == size without expert parallelism
+        self._segments = [(0, self.n_decay, True), (self.n_decay, self.expert_start, False)]
+        if self.expert_start < self.size:
+            e_decay = self.expert_start + sum(p.data.size for p in self.params if p.expert_parallel and p.weight_decay)
+            self._segments += [(self.expert_start, e_decay, True), (e_decay, self.size, False)]
 
     def decay_ranges(self, lo: int = 0, hi: int | None = None):
         """[(start, stop, decays)] covering [lo, hi) of the buffer (default: its real part),
-        split where weight decay stops applying; empty ranges left out."""
+        split where weight decay starts or stops applying; empty ranges left out."""
         hi = self.size if hi is None else hi
-        cuts = [(lo, min(hi, self.n_decay), True), (max(lo, self.n_decay), min(hi, self.size), False)]
+        cuts = [(max(lo, a), min(hi, b), d) for a, b, d in self._segments]
         return [(a, b, d) for a, b, d in cuts if b > a]
 
     def zero_grad(self):

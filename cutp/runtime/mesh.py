@@ -1,5 +1,9 @@
 """The TP x DP x PP mesh: which rank holds which part, and the checks a layout must pass. Pure.
 
+Expert parallelism (ep) splits each DP group into groups of `ep` consecutive DP ranks (the EP
+groups: dp_rank // ep equal, ep_rank = dp_rank % ep); the DP ranks of equal ep_rank form the
+expert-DP group, over which an expert's replicas reduce their gradients.
+
 World rank r = (pp_rank * dp + dp_rank) * tp + tp_rank: TP fastest, then DP, then PP. TP ranks
 are contiguous, so with the usual rank-by-node placement a TP group stays inside a node
 (NVLink), and DP and the pipeline stages cross nodes.
@@ -17,6 +21,7 @@ class Mesh:
     tp: int
     dp: int
     pp: int = 1
+    ep: int = 1
 
     @property
     def size(self) -> int:
@@ -30,6 +35,9 @@ class Mesh:
 
     def pp_rank(self, rank: int) -> int:
         return rank // (self.tp * self.dp)
+
+    def ep_rank(self, rank: int) -> int:
+        return self.dp_rank(rank) % self.ep
 
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> int:
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
@@ -51,8 +59,8 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_mesh(world_size: int, tp, dp, pp=1) -> Mesh:
-    """Checks tp, dp and pp against the world size; returns the mesh. Pure: no communication."""
+def validate_mesh(world_size: int, tp, dp, pp=1, ep=1) -> Mesh:
+    """Checks tp, dp, pp and ep against the world size; returns the mesh. Pure: no communication."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
     if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
@@ -78,7 +86,12 @@ def validate_mesh(world_size: int, tp, dp, pp=1) -> Mesh:
             f"tp*dp*pp = {tp}*{dp}*{pp} = {tp * dp * pp} but the communicator has {world_size} ranks; "
             f"start {tp * dp * pp} ranks (mpirun -np {tp * dp * pp}) or choose tp*dp*pp = {world_size}"
         )
-    return Mesh(tp, dp, pp)
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ConfigError(f"ep must be an integer >= 1, got {ep!r}")
+    if dp % ep:
+        raise ConfigError(f"ep={ep} does not divide dp={dp}: the expert-parallel groups are carved from the DP group; "
+                          f"use an ep from {_divisors(dp)}")
+    return Mesh(tp, dp, pp, ep)
 
 
 def check_gpu_assignment(bus_ids: list, n_gpus: int) -> None:

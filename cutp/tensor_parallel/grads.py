@@ -6,7 +6,8 @@ the ranks that hold them), sum the sequence-parallel parameters' gradients over 
 global_grad_norm: each full parameter entry counts exactly once (Megatron's rule): shards of
 TP-split parameters are summed over the TP ranks, replicated parameters (LayerNorm, biases of
 row layers, position embeddings) are counted on TP rank 0 only, not tp times, and tied weights
-once. One all-reduce of a single float64 over the TP group.
+once; with expert parallelism each rank's experts are summed over the EP group (Megatron PR
+#5916 left them out). One all-reduce of two float64 over the TP group (and the EP group).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import math
 import numpy as np
 
 from ..runtime.backend import get_array_module
+from ..runtime.errors import ConfigError
 
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
 
@@ -74,6 +76,9 @@ def finish_grad_sync(params, ctx, flat=None) -> None:
     """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
     (Training reduces over DP through its optimizer: cutp.optim's reduce_gradients.)"""
     params = list(params)
+    if any(p.expert_parallel for p in params):
+        raise ConfigError("finish_grad_sync averages every gradient over DP; expert-parallel experts (ep > 1) are "
+                          "reduced over the expert-DP group: use cutp.optim's AdamW.reduce_gradients")
     tp_grad_sync(params, ctx.tp)
     if ctx.dp_size == 1:
         return
@@ -113,12 +118,17 @@ def global_grad_norm(params, ctx) -> float:
     copy on TP rank 1 still has to stop the step, or the replicas would diverge)."""
     xp = ctx.xp
     acc = xp.zeros(2, np.float64)  # [sum of squares, non-finite entries not already counted]
+    experts = xp.zeros(2, np.float64)  # the same for this rank's expert-parallel experts
     for p in params:
+        a = experts if p.expert_parallel else acc
         s = p.grad_sq_sum()
         if s is not None:
-            acc[0] += s
+            a[0] += s
         if p.norm_mask is not None:  # some or all entries are counted on another rank
-            acc[1] += int((~xp.isfinite(p.grad)).sum()) if xp is np else (~xp.isfinite(p.grad)).sum()
+            a[1] += int((~xp.isfinite(p.grad)).sum()) if xp is np else (~xp.isfinite(p.grad)).sum()
+    if getattr(ctx, "ep_size", 1) > 1:  # the EP group's ranks hold different experts: each counted once
+        ctx.ep.all_reduce(experts, "sum", out=experts)
+        acc += experts
     if ctx.tp_size > 1:
         ctx.tp.all_reduce(acc, "sum", out=acc)
     if getattr(ctx, "pp_size", 1) > 1:  # every pipeline stage's parameters (a tied copy counted once)

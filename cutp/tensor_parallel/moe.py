@@ -28,8 +28,15 @@ gradients), on the shard with it (partial gradients, summed over TP like the Lay
 
 Backward: the combine, each expert's MLP, the gates (renormalisation), the load-balancing and
 z-loss terms scaled by `aux_grad` (the loss scale of the auxiliary terms, set by GPT before each
-backward), the softmax and the router. Expert parallelism (experts spread over ranks with
-all-to-all dispatch) is not here yet (issue 18).
+backward), the softmax and the router.
+
+Expert parallelism (ctx.ep_size > 1): this rank holds only experts [ep_rank * E/ep,
+(ep_rank + 1) * E/ep) (named by their global index, so initialised and checkpointed alike at
+any ep). Routing and capacity are decided at the source as above; the kept assignments' rows
+travel to the EP rank owning their expert and back by all-to-all (`moe_dispatch`), each local
+expert runs once over the rows of every source of its EP group, and the combine is the same.
+With TP, each TP rank exchanges its own rows within the EP group of its tp_rank. The experts
+are `expert_parallel`: the optimizer reduces them over the expert-DP group.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ import numpy as np
 from .. import ops
 from ..ops._common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
+from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
 from .parameter import Module, make_parameter, normal_init, zeros_init
 
 
@@ -115,8 +123,16 @@ class MoEMLP(Module):
         self.aux_loss_coeff, self.z_loss_coeff, self.renormalize = aux_loss_coeff, z_loss_coeff, renormalize
         self.router = make_parameter(ctx, f"{name}.router.weight", (n_embd, n_experts), normal_init(0.02), seed=seed,
                                      dtype=dtype, weight_decay=True)
+        ep = ctx.ep_size
+        if n_experts % ep:
+            raise ConfigError(f"ep={ep} does not divide n_experts={n_experts}: each EP rank holds n_experts / ep "
+                              f"experts; use an ep that divides both dp={ctx.dp_size} and {n_experts}")
+        local = n_experts // ep
+        self.expert_lo = ctx.ep_rank * local  # this rank's experts: [expert_lo, expert_lo + local)
         self.experts = [ExpertMLP(ctx, n_embd, ffn, name=f"{name}.experts.{e}", n_layer=n_layer, bias=bias, gelu=gelu,
-                                  seed=seed, dtype=dtype) for e in range(n_experts)]
+                                  seed=seed, dtype=dtype) for e in range(self.expert_lo, self.expert_lo + local)]
+        for p in (p for x in self.experts for p in x.own_parameters()):
+            p.expert_parallel = ep > 1
         self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)
         self.aux_grad = 1.0  # d(objective)/d(auxiliary losses) for the next backward (GPT sets it)
         self.last = {}  # the last forward's losses and counts (the metrics)
@@ -223,6 +239,18 @@ class MoEMLP(Module):
         xp = self.ctx.xp
         n, k = idx.shape
         outs = xp.zeros((n, k, x.shape[1]), x.dtype)
+        if self.ctx.ep_size > 1:  # the rows travel to their experts' EP ranks and back
+            ep = self.ctx.ep
+            rows, slots, counts = assignments(xp, idx, keep, self.n_experts)
+            xe, ex = dispatch(ep, x[rows], counts, xp)
+            ye, caches = xp.empty_like(xe), []
+            for i, expert in enumerate(self.experts):
+                a, b = ex.bounds[i], ex.bounds[i + 1]
+                caches.append(None)
+                if b > a:
+                    ye[a:b], caches[i] = expert.forward(xe[a:b])
+            outs[rows, slots] = combine(ep, ye, ex, xp)
+            return _combine(outs, gates), (outs, (rows, slots, ex, caches))
         saved = []
         for e, expert in enumerate(self.experts):
             rows, slots = xp.nonzero((idx == e) & keep)
@@ -256,12 +284,23 @@ class MoEMLP(Module):
         # the combine: y = sum_j gates_j * outs_j
         d_gates = xp.einsum("nkh,nh->nk", as_dtype(outs, cdt), as_dtype(dy_mine, cdt))
         dx_slots = xp.zeros(outs.shape, dy.dtype)
-        for expert, s in zip(self.experts, saved):
-            if s is None:
-                continue
-            r, j, cache = s
-            do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
-            dx_slots[r, j] = expert.backward(do, cache)
+        if self.ctx.ep_size > 1:  # output gradients to the experts' EP ranks, input gradients back
+            r, j, ex, caches = saved
+            ep = self.ctx.ep
+            de = dispatch_rows(ep, as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype), ex,
+                               xp)
+            dxe = xp.empty_like(de)
+            for i, (expert, cache) in enumerate(zip(self.experts, caches)):
+                if cache is not None:
+                    dxe[ex.bounds[i]:ex.bounds[i + 1]] = expert.backward(de[ex.bounds[i]:ex.bounds[i + 1]], cache)
+            dx_slots[r, j] = combine(ep, dxe, ex, xp)
+        else:
+            for expert, s in zip(self.experts, saved):
+                if s is None:
+                    continue
+                r, j, cache = s
+                do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
+                dx_slots[r, j] = expert.backward(do, cache)
         dx_experts = _sum_slots(dx_slots)
         if rows is not None:
             dx_experts = self._gather_rows(dx_experts, rows, n)

@@ -37,11 +37,15 @@ class Parameter:
                  rank's gradient covers its tokens only, so `tp_grad_sync` sums it over TP
     tp_partial   replicated, and each TP rank runs its own tokens through it whatever the layout
                  (an MoE expert): summed over TP like a sequence-parallel parameter
+    expert_parallel  an MoE expert held by one rank of the EP group (ep > 1): its gradient is
+                 reduced over the expert-DP group (sum / dp), and the EP group's ranks each count
+                 their own experts in the gradient norm
     """
 
     real_rows: int | None = None
     sequence_parallel: bool = False
     tp_partial: bool = False
+    expert_parallel: bool = False
 
     def __init__(self, name: str, data, sharding: Sharding | None, tp_rank: int, weight_decay: bool):
         self.name = name

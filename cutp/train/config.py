@@ -42,6 +42,7 @@ from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.mesh import validate_mesh
 from ..runtime.watchdog import check_timeout
+from .moe import check_expert_parallel
 from .pipeline import SCHEDULES
 
 # The run settings and their defaults (None: derived, see resolve_run_config).
@@ -54,7 +55,7 @@ RUN_SETTINGS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "
 CHOICES = {
     **RUN_SETTINGS,
     "model": None, "preset": None, "set": (), "dtype": None,
-    "device": "auto", "tp": None, "dp": None, "pp": None, "pp_layers": None, "pp_schedule": None,
+    "device": "auto", "tp": None, "dp": None, "pp": None, "ep": None, "pp_layers": None, "pp_schedule": None,
     "pp_virtual": None,
     "micro_batch_size": None,
     "run_steps": None, "max_skips": 5,
@@ -83,6 +84,7 @@ class RunConfig:
     tp: int = 1
     dp: int = 1
     pp: int = 1  # pipeline stages
+    ep: int = 1  # expert parallelism: MoE experts split over ep consecutive DP ranks (cutp.train.moe)
     pp_layers: tuple | None = None  # layers per stage (None: n_layer / pp each)
     pp_schedule: str = "1f1b"  # or "gpipe", "interleaved" (cutp.train.pipeline)
     pp_virtual: int = 1  # model chunks per stage (the interleaved schedule)
@@ -139,7 +141,8 @@ class RunConfig:
         object.__setattr__(self, "overrides", tuple(self.overrides))
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
-        for name in ("tp", "dp", "pp", "pp_virtual", "batch_size", "micro_batch_size", "seq_len", "eval_batches", "log_every"):
+        for name in ("tp", "dp", "pp", "ep", "pp_virtual", "batch_size", "micro_batch_size", "seq_len", "eval_batches",
+                     "log_every"):
             _positive_int(name, getattr(self, name))
         for name in ("steps", "warmup", "eval_every", "save_every", "keep", "max_skips", "seed"):
             _int_at_least(name, getattr(self, name), 0)
@@ -193,6 +196,7 @@ class RunConfig:
             raise ConfigError(f"--micro-batch-size {self.micro_batch_size} must divide the per-DP-rank batch "
                               f"{per_rank} (= batch-size {self.batch_size} / dp {self.dp})")
         self._check_pipeline()
+        check_expert_parallel(self)
 
     def _check_pipeline(self) -> None:
         if self.pp_schedule not in SCHEDULES:
@@ -361,12 +365,12 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         raise ConfigError(f"--pp {pp} does not divide the {world} ranks; start a multiple of {pp} ranks")
     tp = given.get("tp") or choose_tp(world // pp, ranks_per_node, model, device)
     model.validate(tp)  # (RunConfig checks it again; here its message comes before the mesh's)
-    mesh = validate_mesh(world, tp, c["dp"], pp)
+    mesh = validate_mesh(world, tp, c["dp"], pp, 1 if c["ep"] is None else c["ep"])
     seq_len = given.get("seq_len") or (min(model.block_size, 256) if device == "cpu" else model.block_size)
     batch = given.get("batch_size") or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp
     steps = run["steps"]
     return RunConfig(
-        model=model, device=device, tp=tp, dp=mesh.dp, pp=pp, pp_layers=_layer_counts(c["pp_layers"]),
+        model=model, device=device, tp=tp, dp=mesh.dp, pp=pp, ep=mesh.ep, pp_layers=_layer_counts(c["pp_layers"]),
         pp_schedule=c["pp_schedule"] or ("interleaved" if (c["pp_virtual"] or 1) > 1 else "1f1b"),
         pp_virtual=1 if c["pp_virtual"] is None else c["pp_virtual"],
         steps=steps, batch_size=batch, micro_batch_size=given.get("micro_batch_size") or batch // mesh.dp,

@@ -5,10 +5,27 @@ its load-balancing and z-losses and, per expert, the assignments the router made
 capacity dropped; all of them over the DP group's micro-batches already. `moe_step_stats` adds the
 layers of every pipeline stage and resets the sums. The losses are per micro-batch means, as the
 language-model loss is; the token counts are the step's.
+
+`check_expert_parallel` checks a run's --ep against the model and the rest of the layout.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from ..runtime.errors import ConfigError
+
+
+def check_expert_parallel(cfg) -> None:
+    """RunConfig's ep: an MoE model, ep dividing dp and n_experts (ConfigError naming the fix)."""
+    ep, E = cfg.ep, cfg.model.n_experts
+    if ep == 1:
+        return
+    if not E:
+        raise ConfigError(f"--ep {ep} splits the experts of an MoE model over ranks, but the model is dense "
+                          "(n_experts=0); drop --ep or --set n_experts=N")
+    if cfg.dp % ep or E % ep:
+        raise ConfigError(f"--ep {ep} must divide dp={cfg.dp} and n_experts={E} (each EP group is ep consecutive DP "
+                          f"ranks holding n_experts / ep experts each)")
 
 
 def moe_step_stats(ctx, model, micro_batches: int) -> dict | None:

@@ -39,8 +39,8 @@ from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
 from ..hf import load_hf_into
 from ..model import GPT
-from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler, clip_scale,
-                     lr_schedule)
+from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
+                     LossScaler, clip_scale, lr_schedule)
 from ..run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
@@ -62,8 +62,8 @@ class TrainingRun:
     config: RunConfig
     ctx: Context
     model: GPT
-    flat: FlatParameters
-    optimizer: AdamW  # or DistributedAdamW
+    flat: FlatParameters  # FlatParts with ExpertParallelAdamW
+    optimizer: AdamW  # or DistributedAdamW, ExpertParallelAdamW (the distributed optimizer at ep > 1)
     dataset: Dataset
     sampler: BatchSampler
     loss_scaler: LossScaler = field(default_factory=LossScaler)  # scale 1.0 unless float16 / --loss-scale
@@ -211,7 +211,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
                             "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
-    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, device=cfg.device,
+    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, device=cfg.device,
                collective_timeout=cfg.collective_timeout)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     if cfg.device == "cpu":
@@ -225,7 +225,10 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
-    if cfg.distributed_optimizer:
+    if cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
+        optimizer = ExpertParallelAdamW(model.parameters(), ctx, **kw)
+        flat = optimizer.flat
+    elif cfg.distributed_optimizer:
         flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp))
         optimizer = DistributedAdamW(flat, ctx, **kw)
     else:
