@@ -218,8 +218,9 @@ def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
     r1 = plan.plan(a, tp=2, dp=2, ep=1, micro_batch=2, seq_len=64, config=config, dtype="float32")
     assert r1["params_per_gpu"] - r2["params_per_gpu"] == 4 * 4 * per_expert  # 4 layers, 4 experts elsewhere
     assert r1["params_per_gpu"] - dense["params_per_gpu"] == 4 * (128 * 8 + 8 * per_expert - (2 * 128 * 256 + 256 + 128))
-    # all-to-all: 2 x k x (b s / tp) x h x 4 bytes x (ep-1)/ep per MoE layer and direction, 2 directions
-    assert r2["ep_all_to_all"]["bytes"] == 4 * 4 * 2 * 2 * (2 * 64 // 2) * 128 * 4 // 2
+    # all-to-all: 2 x k x (b s / tp) x h x 4 bytes per MoE layer and direction (half on the wire), 2 directions
+    assert r2["ep_all_to_all"]["bytes"] == 4 * 2 * 2 * 2 * (2 * 64 // 2) * 128 * 4
+    assert r2["ep_all_to_all"]["wire_bytes"] == r2["ep_all_to_all"]["bytes"] / 2
     assert r1["ep_all_to_all"]["bytes"] == 0
     assert plan_moe.moe_layers(plan.replace(a, moe_every=3)) == 2  # layers 0 and 3
     with pytest.raises(cutp.ConfigError, match="--ep 3 does not divide n_experts=8"):

@@ -22,6 +22,7 @@ from cutp.comm.nccl import all_to_all_plan
 from cutp.runtime.mesh import validate_mesh
 from cutp.train import RunConfig, build_run, save, train_step
 from tests.mpirun import run_mpi
+from cutp.bench import plan
 from tests.test_moe import _config
 
 
@@ -97,6 +98,11 @@ def _worker_equals_ep1(cases):
         assert a2a_bytes == moves * kept * cfg.model.n_embd * 8, (kw, a2a_bytes, kept)
         if kw.get("moe_capacity_factor") is None:
             assert kept == cfg.batch_size * cfg.seq_len * cfg.model.moe_top_k * n_moe, kw
+            if cfg.pp == 1 and cfg.recompute != "full":  # the planner's figure (balanced), over every rank
+                planned = plan.plan(plan.arch_from_config("test", cfg.model), tp=cfg.tp, dp=cfg.dp, ep=ep,
+                                    micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, accum=cfg.accum_steps,
+                                    config=cfg.model, dtype="float64")
+                assert planned["ep_all_to_all"]["bytes"] * world.Get_size() == a2a_bytes, (kw, planned["ep_all_to_all"])
         else:
             assert moe["dropped"] > 0, kw  # the capacity drops some: dropping is decided at the source
         if kw.get("moe_capacity_factor") is None:  # nothing dropped: one rank with the global batch

@@ -69,7 +69,7 @@ from ..model import GPTConfig
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
 from .common import Report, parse_count
-from .plan_moe import (all_to_all_bytes, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
+from .plan_moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
                        moe_layer_activation_bytes, moe_layers)
 from .step_memory import ITEMSIZE, StepShape, local_parameters, step_peak
 
@@ -334,7 +334,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
         "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
         "ep_all_to_all": coll(4 * moe_layers(a) * accum if ep > 1 else 0,
-                              int(4 * moe_layers(a) * accum * all_to_all_bytes(a, s, b, tp, pb, ep)) // pb, pb, 1.0),
+                              2 * moe_layers(a) * accum * all_to_all_elements(a, s, b, tp, ep), pb, (ep - 1) / ep),
         "params_per_gpu": P, "padded_params": N,
         "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
         "act_bytes": act["bytes"], "activations": act,
@@ -458,7 +458,8 @@ def run(args) -> Report:
         rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
     if args.ep > 1:
         rows += [("EP all-to-all (MoE dispatch + combine)", "ep_all_to_all",
-                  f"2 per MoE layer and direction x k*b*s*h/tp x (ep-1)/ep, x {args.accum} micro-batches (balanced)")]
+                  f"2 per MoE layer and direction (dispatch, combine) x k*b*s*h/tp elements (balanced routing; "
+                  f"(ep-1)/ep of them leave the rank), x {args.accum} micro-batches")]
     for what, key, formula in rows:
         c = r[key]
         cm.add(what=what, calls=c["calls"], elements=c["elements"], gb=c["bytes"] / GB, wire=c["wire_bytes"] / GB,

@@ -18,8 +18,9 @@ GeLU input and c_proj's input) + s b (dropout mask):
     dropout mask   s b                  (/t with SP)
 
 All-to-all per MoE layer, micro-batch and direction (ep > 1): the assignments' rows go to their
-experts' ranks and back, each rank sending the (ep - 1) / ep of its k s b h / t rows that live
-elsewhere: 2 x k s b h act (ep - 1) / (ep t) bytes; forward and backward.
+experts' ranks and back: 2 x k s b h / t elements per rank (the communicators count a rank's own
+rows too; (ep - 1) / ep of them leave it), forward and backward (tests/test_moe_ep.py compares
+it with the counted bytes).
 """
 from __future__ import annotations
 
@@ -78,8 +79,10 @@ def dense_mlp_activation_bytes(a, s: int, b: int, t: int, act: int, sequence_par
     return 2 * s * b * a.n_embd * act / sp + 2 * s * b * a.ffn * act * 2 / t + s * b / sp
 
 
-def all_to_all_bytes(a, s: int, b: int, t: int, act: int, ep: int) -> float:
-    """Bytes one rank sends in all-to-alls per MoE layer, micro-batch and direction."""
+def all_to_all_elements(a, s: int, b: int, t: int, ep: int) -> int:
+    """Elements one rank passes to an all-to-all (its own rows included, as the communicators
+    count them) per MoE layer, micro-batch and direction: its k s b / t assignments' rows of h,
+    dispatched, and as many combined back (balanced routing); (ep - 1) / ep of them go on the wire."""
     if ep == 1 or not a.n_experts:
-        return 0.0
-    return 2 * a.moe_top_k * s * b * a.n_embd * act * (ep - 1) / (ep * t)
+        return 0
+    return 2 * a.moe_top_k * s * b * a.n_embd // t
