@@ -7,6 +7,11 @@ from ties; float64 training at TP 2 (tokens split over the ranks, or sequence sh
 rank with the same global batch within 1e-10, losses, auxiliary losses, gradient norms and
 parameters; experts identical on every TP and DP rank; the `tiny-moe` preset through the
 command line, with its metrics.
+
+Megatron-LM bugs these would catch: PR #5047 (the auxiliary and z-loss gradients changed with
+the TP/CP size: the tp 2 cases, with and without sequence parallelism, give one rank's
+gradients) and #1628 (with the experts' tokens split over TP at EP 1 the wrong gradients were
+synchronised: the tp 2 cases' expert gradients equal one rank's).
 """
 import json
 

@@ -9,6 +9,12 @@ step counted exactly; the all-to-all primitive itself (MPI, and the NCCL send/re
 checkpoints written at EP 2 hold every expert and resume at EP 1 and back with equal losses
 (plain and distributed optimizer, either way); `--ep` on the command line;
 the refusals.
+
+Megatron-LM bugs these cases would catch: PR #5956 (expert gradients not divided by the EP
+size: the gradients and weights would differ from EP 1), PR #5916 (with EP > 1 and TP > 1 the
+experts were left out of the gradient norm: the ep2 x tp2 norms would differ), #1628 (expert
+TP > 1 with EP = 1 synchronised the wrong gradients: tests/test_moe.py's tp 2 cases). The
+planner's all-to-all figure is checked against the counted bytes.
 """
 import json
 import os
