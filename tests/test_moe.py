@@ -89,8 +89,8 @@ def test_moe_settings_are_checked():
 
 
 # ---- layouts: equal to one rank ------------------------------------------------------------------
-def _config(tp=1, dp=1, pp=1, micro=2, sp=False, recompute="none", zero=False, **model):
-    return RunConfig(model=_model_config(**model), tp=tp, dp=dp, pp=pp, batch_size=8, micro_batch_size=micro,
+def _config(tp=1, dp=1, pp=1, micro=2, sp=False, recompute="none", zero=False, ep=1, **model):
+    return RunConfig(model=_model_config(**model), tp=tp, dp=dp, pp=pp, ep=ep, batch_size=8, micro_batch_size=micro,
                      seq_len=16, steps=4, warmup=1, seed=3, sequence_parallel=sp, recompute=recompute,
                      distributed_optimizer=zero, eval_every=0, quiet=True, save_on_signal=False)
 
@@ -232,3 +232,33 @@ def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
         plan.plan(a, tp=1, dp=3, ep=3, micro_batch=1, seq_len=64, config=config)
     with pytest.raises(cutp.ConfigError, match="--ep 2 does not divide --dp 1"):
         plan.plan(a, tp=1, dp=1, ep=2, micro_batch=1, seq_len=64, config=config)
+
+
+def _worker_pipeline_stages_planned(case):
+    from mpi4py import MPI
+
+    from cutp.bench import plan, plan_pp
+    from cutp.train.memory import memory_record
+
+    cfg = _config(**case)
+    run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(97, 4096, 0))
+    train_step(run)  # (the first step allocates the optimizer's state)
+    mine = memory_record(run)
+    every = MPI.COMM_WORLD.allgather((run.ctx.pp_rank, mine))
+    run.close()
+    planned = plan_pp.plan_pipeline(plan.arch_from_config("test", cfg.model), pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
+                                    ep=cfg.ep, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
+                                    accum=cfg.accum_steps, config=cfg.model, dtype="float64",
+                                    distributed_optimizer=cfg.distributed_optimizer)
+    for stage, got in every:
+        st = planned["stages"][stage]
+        assert st["params_local"] == got["params_local"], (case, stage, st["params_local"], got["params_local"])
+        for key in ("params", "grads", "optimizer"):
+            assert st[key] == got[key], (case, stage, key, st[key], got[key])
+
+
+@pytest.mark.parametrize("case", [dict(pp=2, moe_every=3, n_layer=4, tie_embeddings=False), dict(pp=2, dp=2, ep=2, zero=True, micro=1)])
+def test_planned_pipeline_stages_of_an_moe_model_hold_what_training_holds(case):
+    """The planner's state per stage (the dense part exact, the MoE layers' routers and this
+    rank's experts) equals what each stage of a training run holds, at EP 1 and 2."""
+    run_mpi(2 * case.get("dp", 1), "tests.test_moe:_worker_pipeline_stages_planned", case, timeout=120)

@@ -172,6 +172,20 @@ def state_bytes(n_local: int, *, dtype: str = "float32", dp: int = 1, distribute
             "padded": n, "shard": shard}
 
 
+def state_bytes_ep(a: Arch, n_local: int, n_moe: int, *, dtype: str, dp: int, ep: int,
+                   distributed_optimizer: bool) -> dict:
+    """`state_bytes` of n_local parameters among which the experts of n_moe MoE layers: with
+    expert parallelism and the distributed optimizer, the experts' state is sharded over their
+    expert-DP group (dp / ep ranks), the rest over DP (cutp.optim.expert_parallel)."""
+    st = state_bytes(n_local, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
+    if ep == 1 or not distributed_optimizer or not n_moe:
+        return st
+    experts = n_moe * (a.n_experts // ep) * moe_counts(a)["expert"]
+    dense, own = (state_bytes(n, dtype=dtype, dp=d, distributed_optimizer=True)
+                  for n, d in ((n_local - experts, dp), (experts, dp // ep)))
+    return {k: dense[k] + own[k] for k in st}
+
+
 def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool = False) -> float:
     """Megatron's bytes/param without padding: 16 (fp32), 18 (bf16), 8 + 8/d, 6 + 12/d."""
     pb = ITEMSIZE[dtype]
@@ -308,12 +322,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
                "source": ("Korthikanti et al. 2022, Table 2, MoE layers with balanced routing (plan_moe)"
                           if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")}
-    st = state_bytes(P, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
-    if ep > 1 and distributed_optimizer:  # the experts' state is sharded over their expert-DP group
-        experts = moe_layers(a) * (a.n_experts // ep) * moe_counts(a)["expert"]
-        dense, own = (state_bytes(n, dtype=dtype, dp=d, distributed_optimizer=True)
-                      for n, d in ((P - experts, dp), (experts, dp // ep)))
-        st = {k: dense[k] + own[k] for k in st}
+    st = state_bytes_ep(a, P, moe_layers(a), dtype=dtype, dp=dp, ep=ep, distributed_optimizer=distributed_optimizer)
     N = st["padded"]
     gb = st["grads"] // N if N else 4
     bsh = b * s * h

@@ -35,13 +35,16 @@ the measured one).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..model import GPTConfig, stage_layers
 from ..runtime.errors import ConfigError
 from ..train.pipeline import SCHEDULES, pipeline_bubble
 from ..train.pipeline import plan as schedule_plan
 from .common import Report
 from .plan import (GPUS, ITEMSIZE, Arch, _check, _model, _ranks, activation_bytes_per_layer, check_layout,
-                   param_count, plan, resolve_dtype, state_bytes)
+                   param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
+from .plan_moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from .step_pipeline import Chunk, stage_peak
 from .step_shape import StepShape, local_parameters
 
@@ -111,13 +114,11 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                   schedule: str | None = None, virtual: int = 1, pp_layers=None, dtype: str | None = None,
                   precision: str | None = None, distributed_optimizer: bool = False,
                   config: GPTConfig | None = None, device: str = "cuda", threads: int = 1, recompute: str = "none",
-                  recompute_layers: int | None = None, sequence_parallel: bool = False) -> dict:
+                  recompute_layers: int | None = None, sequence_parallel: bool = False, ep: int = 1) -> dict:
     """Each stage's memory (state exact, activations per the schedule), the point-to-point bytes
     and the bubble (the module docstring). The mesh, recomputation and dtype checks are
-    `plan.plan`'s (run at pp 1 first, on the whole model)."""
-    if a.n_experts:
-        raise ConfigError("--pp with a mixture-of-experts model: the pipeline planner does not model MoE layers yet "
-                          "(issue 18); plan it without --pp")
+    `plan.plan`'s (run at pp 1 first, on the whole model). An MoE model's stages: their dense
+    parameters exact, their MoE layers' from `plan_moe`, the activations by the formula."""
     dtype = resolve_dtype(dtype, precision)
     kind, chunks = check_pipeline(n_layer=a.n_layer, pp=pp, m=accum, schedule=schedule, virtual=virtual,
                                   pp_layers=pp_layers)
@@ -125,8 +126,10 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                  sequence_parallel=sequence_parallel)
     layout = dict(recompute=recompute, recompute_layers=recompute_layers, sequence_parallel=sequence_parallel)
     whole = plan(a, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=1, dtype=dtype,
-                 distributed_optimizer=distributed_optimizer, config=config, device=device, threads=threads,
+                 distributed_optimizer=distributed_optimizer, config=config, device=device, threads=threads, ep=ep,
                  **layout)  # (the mesh's and the model's checks)
+    moe = moe_counts(a, tp, ep) if a.n_experts else None
+    moe_delta = 0 if moe is None else moe["per_rank"] // moe["layers"]  # per MoE layer, in place of a dense MLP
     s, b, h = seq_len, micro_batch, a.n_embd
     act_bytes = ITEMSIZE[dtype]
     sp = sequence_parallel and tp > 1
@@ -135,7 +138,13 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
         events = schedule_events(kind, pp, rank, accum, virtual) if kind == "interleaved" else None
         layers = [n for ch in mine for n in ch.layers]
         first, last = mine[0].first, mine[-1].last
-        if config is not None:
+        n_moe = sum(1 for n in layers if a.n_experts and n % a.moe_every == 0)
+        if config is not None and moe is not None:  # the dense stage's exact shards, the MoE layers' own
+            dense = dataclasses.replace(config, n_experts=0)
+            n_local = max(sum(p.numel for p in local_parameters(StepShape.of(
+                dense, tp=tp, tp_rank=r, micro_batch=b, seq_len=s, layer_ids=layers, first_stage=first,
+                last_stage=last))) for r in _ranks(tp)) + n_moe * moe_delta
+        if config is not None and moe is None:
             shapes = [StepShape.of(config, tp=tp, tp_rank=r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype,
                                    device=device, threads=threads, dp=dp, dp_rank=d,
                                    distributed_optimizer=distributed_optimizer, layer_ids=layers, first_stage=first,
@@ -148,17 +157,23 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                    "stash_per_layer": [max(col) for col in zip(*(w["stash_per_layer"] for w in walks))],
                    "in_flight": worst["in_flight"], "stash_per_micro_batch": worst["stash_per_micro_batch"]}
         else:
-            n_local = stage_parameters(a, tp, len(layers), first, last)
+            if config is None:
+                n_local = stage_parameters(a, tp, len(layers), first, last) + n_moe * moe_delta
             full = a.n_layer if recompute_layers is None else recompute_layers
-            per_layer = {n: activation_bytes_per_layer(s, b, h, a.n_head, tp, act_bytes, recompute if (
-                recompute != "full" or n < full) else "none", sequence_parallel) for n in layers}
+            modes = {n: recompute if (recompute != "full" or n < full) else "none" for n in layers}
+            per_layer = {n: activation_bytes_per_layer(s, b, h, a.n_head, tp, act_bytes, modes[n], sequence_parallel)
+                         for n in layers}
+            for n in layers:  # an MoE layer's MLP in place of the dense one
+                if moe is not None and n % a.moe_every == 0 and modes[n] != "full":
+                    per_layer[n] += (moe_layer_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel)
+                                     - dense_mlp_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel))
             logits = 4 * s * b * a.vocab / tp
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
             count = in_flight(events) if events else m_in_flight(kind, pp, rank, accum)
             act = {"bytes": in_flight(events, lambda i, c: weights[c]) if events else count * weights[0],
                    "stash_per_layer": [per_layer[n] for n in layers], "in_flight": count,
                    "stash_per_micro_batch": max(weights)}
-        st = state_bytes(n_local, dtype=dtype, dp=dp, distributed_optimizer=distributed_optimizer)
+        st = state_bytes_ep(a, n_local, n_moe, dtype=dtype, dp=dp, ep=ep, distributed_optimizer=distributed_optimizer)
         state = st["params"] + st["grads"] + st["optimizer"]
         stages.append({"stage": rank, "layers": [len(ch.layers) for ch in mine], "first": first, "last": last,
                        "params_local": n_local, "padded_params": st["padded"], "params": st["params"],
@@ -200,7 +215,7 @@ def run(args) -> Report:
                       accum=micro_batches(args), schedule=args.pp_schedule, virtual=args.pp_virtual,
                       pp_layers=parse_pp_layers(args.pp_layers), dtype=args.dtype, precision=args.precision,
                       distributed_optimizer=args.distributed_optimizer, config=config, device=args.device,
-                      threads=args.threads, recompute=args.recompute, recompute_layers=args.recompute_layers,
+                      threads=args.threads, recompute=args.recompute, recompute_layers=args.recompute_layers, ep=args.ep,
                       sequence_parallel=args.sequence_parallel)
     report = Report("plan", {})
     report.extra["plan"] = r
@@ -238,8 +253,9 @@ def run(args) -> Report:
     unit = "chunk forwards" if v > 1 else "micro-batches"
     st.notes.append(f"in flight: the {unit} whose activations a stage holds at once ({r['schedule']}); activations: "
                     + ("cutp's step on that stage, simulated in the schedule's order" if config is not None
-                       else "that many stashes of the stage's layers (Korthikanti et al.), + the fp32 logits on the "
-                            "last stage"))
+                       and not a.n_experts
+                       else "that many stashes of the stage's layers (Korthikanti et al.; MoE layers with balanced "
+                            "routing), + the fp32 logits on the last stage"))
     for name, cap in GPUS:
         verdict = "every stage fits" if r["fits"][name] else "does not fit"
         st.notes.append(f"{name} GPU: {verdict} (the largest {big['total'] / GB:,.1f} GB of {cap / GB:,.0f})")
