@@ -227,6 +227,9 @@ def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
     assert r2["ep_all_to_all"]["bytes"] == 4 * 2 * 2 * 2 * (2 * 64 // 2) * 128 * 4
     assert r2["ep_all_to_all"]["wire_bytes"] == r2["ep_all_to_all"]["bytes"] / 2
     assert r1["ep_all_to_all"]["bytes"] == 0
+    full = plan.plan(a, tp=2, dp=2, ep=2, micro_batch=2, seq_len=64, config=config, dtype="float32", recompute="full")
+    assert full["ep_all_to_all"]["bytes"] == 3 * r2["ep_all_to_all"]["bytes"] // 2  # dispatch + combine again
+    assert (r2["ep_all_to_all"]["calls"], full["ep_all_to_all"]["calls"]) == (4 * 5, 4 * 8)
     assert plan_moe.moe_layers(plan.replace(a, moe_every=3)) == 2  # layers 0 and 3
     with pytest.raises(cutp.ConfigError, match="--ep 3 does not divide n_experts=8"):
         plan.plan(a, tp=1, dp=3, ep=3, micro_batch=1, seq_len=64, config=config)
@@ -257,8 +260,10 @@ def _worker_pipeline_stages_planned(case):
             assert st[key] == got[key], (case, stage, key, st[key], got[key])
 
 
-@pytest.mark.parametrize("case", [dict(pp=2, moe_every=3, n_layer=4, tie_embeddings=False), dict(pp=2, dp=2, ep=2, zero=True, micro=1)])
+@pytest.mark.parametrize("case", [dict(pp=2, moe_every=3, n_layer=4, tie_embeddings=False),
+                                  dict(pp=2, dp=2, ep=2, zero=True, micro=1, n_layer=4, moe_every=4)])
 def test_planned_pipeline_stages_of_an_moe_model_hold_what_training_holds(case):
     """The planner's state per stage (the dense part exact, the MoE layers' routers and this
-    rank's experts) equals what each stage of a training run holds, at EP 1 and 2."""
+    rank's experts) equals what each stage of a training run holds, at EP 1 and 2 (there with
+    the distributed optimizer and a stage without MoE layers: no expert part at all)."""
     run_mpi(2 * case.get("dp", 1), "tests.test_moe:_worker_pipeline_stages_planned", case, timeout=120)

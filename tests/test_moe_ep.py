@@ -104,10 +104,11 @@ def _worker_equals_ep1(cases):
         assert a2a_bytes == moves * kept * cfg.model.n_embd * 8, (kw, a2a_bytes, kept)
         if kw.get("moe_capacity_factor") is None:
             assert kept == cfg.batch_size * cfg.seq_len * cfg.model.moe_top_k * n_moe, kw
-            if cfg.pp == 1 and cfg.recompute != "full":  # the planner's figure (balanced), over every rank
+            if cfg.pp == 1:  # the planner's figure (balanced), over every rank
                 planned = plan.plan(plan.arch_from_config("test", cfg.model), tp=cfg.tp, dp=cfg.dp, ep=ep,
                                     micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, accum=cfg.accum_steps,
-                                    config=cfg.model, dtype="float64")
+                                    config=cfg.model, dtype="float64", recompute=cfg.recompute,
+                                    sequence_parallel=cfg.sequence_parallel)
                 assert planned["ep_all_to_all"]["bytes"] * world.Get_size() == a2a_bytes, (kw, planned["ep_all_to_all"])
         else:
             assert moe["dropped"] > 0, kw  # the capacity drops some: dropping is decided at the source

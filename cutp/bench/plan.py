@@ -334,6 +334,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     def coll(calls, elems, itemsize, factor):
         return {"calls": calls, "elements": elems, "bytes": elems * itemsize, "wire_bytes": elems * itemsize * factor}
 
+    # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward
+    moe_recomputed = [int(recompute == "full" and i < (L if recompute_layers is None else recompute_layers))
+                      for i in range(L) if a.n_experts and i % a.moe_every == 0]
     ring_ar = 2 * (tp - 1) / tp
     dp_one = (dp - 1) / dp
     on_dp = dp > 1
@@ -342,8 +345,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
         "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
-        "ep_all_to_all": coll(4 * moe_layers(a) * accum if ep > 1 else 0,
-                              2 * moe_layers(a) * accum * all_to_all_elements(a, s, b, tp, ep), pb, (ep - 1) / ep),
+        "ep_all_to_all": coll(sum(5 + 3 * r for r in moe_recomputed) * accum if ep > 1 else 0,
+                              sum(2 + r for r in moe_recomputed) * accum * all_to_all_elements(a, s, b, tp, ep), pb,
+                              (ep - 1) / ep),
         "params_per_gpu": P, "padded_params": N,
         "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
         "act_bytes": act["bytes"], "activations": act,
@@ -467,8 +471,9 @@ def run(args) -> Report:
         rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
     if args.ep > 1:
         rows += [("EP all-to-all (MoE dispatch + combine)", "ep_all_to_all",
-                  f"2 per MoE layer and direction (dispatch, combine) x k*b*s*h/tp elements (balanced routing; "
-                  f"(ep-1)/ep of them leave the rank), x {args.accum} micro-batches")]
+                  f"2 per MoE layer and direction (dispatch, combine; +2 recomputed) x k*b*s*h/tp elements (balanced "
+                  f"routing; (ep-1)/ep of them leave the rank), x {args.accum} micro-batches; calls include the "
+                  "per-expert counts sent before each dispatch (E int64, not in the bytes)")]
     for what, key, formula in rows:
         c = r[key]
         cm.add(what=what, calls=c["calls"], elements=c["elements"], gb=c["bytes"] / GB, wire=c["wire_bytes"] / GB,

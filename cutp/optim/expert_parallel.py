@@ -45,16 +45,18 @@ class ExpertParallelAdamW:
         experts = [p for p in params if p.expert_parallel]
         self.dense = DistributedAdamW(FlatParameters(dense, pad_to=DistributedAdamW.pad_multiple(ctx.dp_size)), ctx,
                                       **kw)
-        self.experts = DistributedAdamW(
-            FlatParameters(experts, pad_to=DistributedAdamW.pad_multiple(ctx.expert_dp.size)), ctx,
-            group=ctx.expert_dp, **kw)
-        self.parts = (self.dense, self.experts)
-        self.flat = FlatParts(self.dense.flat, self.experts.flat)
+        self.experts = None  # (a pipeline stage without MoE layers has no experts: the dense part only)
+        if experts:
+            self.experts = DistributedAdamW(
+                FlatParameters(experts, pad_to=DistributedAdamW.pad_multiple(ctx.expert_dp.size)), ctx,
+                group=ctx.expert_dp, **kw)
+        self.parts = (self.dense,) + ((self.experts,) if self.experts is not None else ())
+        self.flat = FlatParts(*(part.flat for part in self.parts))
         self.master = self.dense.master  # (both parts keep master weights, or neither)
         self.ctx = ctx
 
     def _of(self, name: str) -> DistributedAdamW:
-        return self.dense if name in self.dense.flat.slices else self.experts
+        return next(part for part in self.parts if name in part.flat.slices)
 
     @property
     def step_count(self) -> int:
@@ -65,19 +67,23 @@ class ExpertParallelAdamW:
             part.reduce_gradients(ctx)
 
     def grad_norm(self, ctx) -> float:
-        return finish_norm(ctx, self.dense.norm_terms(ctx) + self.experts.norm_terms(ctx))
+        return finish_norm(ctx, sum(part.norm_terms(ctx) for part in self.parts))
 
     def step(self, lr=None, grad_scale=1.0) -> None:
         for part in self.parts:
             part.step(lr, grad_scale)
 
     def memory_bytes(self) -> dict:
-        a, b = (part.memory_bytes() for part in self.parts)
-        return {k: a[k] + b[k] for k in a}
+        each = [part.memory_bytes() for part in self.parts]
+        return {k: sum(m[k] for m in each) for k in each[0]}
 
     def state_pieces(self) -> tuple[dict, dict]:
-        (pa, oa), (pb, ob) = (part.state_pieces() for part in self.parts)
-        return {**pa, **pb}, {**oa, **ob}
+        pieces, offsets = {}, {}
+        for part in self.parts:
+            p, o = part.state_pieces()
+            pieces.update(p)
+            offsets.update(o)
+        return pieces, offsets
 
     def owned_part(self, name: str) -> tuple[int, int]:
         return self._of(name).owned_part(name)

@@ -180,8 +180,9 @@ class MoEMLP(Module):
         keep = self._capacity_keep(top_p, idx, shape)
         # statistics over the micro-batch of the whole DP group: [assigned per expert, probability
         # sums, tokens, sum of lse^2, dropped assignments] (under SP each rank adds its own shard's)
-        stats = xp.concatenate([xp.bincount(idx.reshape(-1), minlength=E).astype(cdt), probs.sum(axis=0),
-                                xp.asarray([n, (lse * lse).sum(), (~keep).sum()], cdt)])
+        scalars = [xp.asarray(n, cdt), (lse * lse).sum().astype(cdt), (~keep).sum().astype(cdt)]  # (device arrays:
+        stats = xp.concatenate([xp.bincount(idx.reshape(-1), minlength=E).astype(cdt), probs.sum(axis=0),  # CuPy
+                                xp.stack(scalars)])  # builds no array from a list mixing host numbers and arrays)
         for g in self._stats_groups():
             g.all_reduce(stats, "sum", out=stats)
         assigned, psum = stats[:E], stats[E:2 * E]
@@ -223,7 +224,10 @@ class MoEMLP(Module):
         n = i_all.shape[0]
         capacity = math.ceil(self.capacity_factor * n * k / E)
         e, p = i_all.reshape(-1), p_all.reshape(-1)
-        order = xp.lexsort((xp.arange(n * k), -p, e))  # by expert, then probability down, then token and slot
+        # by expert, then probability down, then token and slot: two stable sorts (CuPy's lexsort
+        # takes one stacked array of a single dtype)
+        by_p = xp.argsort(-p, kind="stable")
+        order = by_p[xp.argsort(e[by_p], kind="stable")]
         sorted_e = e[order]
         first = xp.searchsorted(sorted_e, xp.arange(E))
         accepted = xp.empty(n * k, bool)

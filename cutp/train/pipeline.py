@@ -12,7 +12,8 @@ model that is this rank's stage (`GPT` with ctx.pp_size > 1):
   chunks (`GPT(pp_virtual=V)`; stage s's chunk c is virtual stage c * p + s), and the 1F1B
   pattern runs over the m * V chunk-forwards in groups of p micro-batches per chunk; the
   bubble shrinks by V, at V times the point-to-point messages. Stage s keeps at most
-  min(m * V, 2 (p - s - 1) + (V - 1) p + 1) chunk-forwards in flight. Needs m % p == 0.
+  min(m * V, 2 (p - s - 1) + (V - 1) p + 1) chunk-forwards in flight (all m * V at m = p, where
+  every forward runs first). Needs m % p == 0.
 
 A schedule is a plan (`plan(kind, p, s, m, V)`): a list of computations ("F"/"B", micro-batch,
 chunk) and exchanges ("X", sends, receives) that `Schedule` runs. Each exchange posts its sends
