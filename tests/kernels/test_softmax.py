@@ -93,6 +93,19 @@ def test_softmax_rows_far_below_zero(backend, ks, dtype, width):
     np.testing.assert_array_equal(y, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("width", [256, 6144])
+def test_softmax_running_max_of_exactly_zero(backend, ks, dtype, width):
+    """Integer scores <= 0 with exact zeros, then a larger score in a later chunk of the same
+    thread: a running max of exactly 0 is an ordinary max (0 is not a marker for "no max yet")."""
+    x = -(np.arange(2 * width).reshape(2, width) % 3).astype(np.float32)  # 0, -1, -2, 0, ...
+    x[0, -5] = 2.0  # the last chunks of the row: a later chunk of a thread whose max was 0
+    x[1, width // 2 + 3] = 1.0
+    x = x.astype(dtype)
+    close(ks.softmax_forward(backend.to_device(x), 1.0), ops.softmax_forward(x, 1.0)[0], dtype,
+          atol=1e-7 if dtype == F32 else 1e-4)
+
+
 def test_softmax_extreme_values_stay_finite(backend, k):
     x = np.array([[1e4, -1e4, 0.0, 3e4], [-np.inf, 0.0, 1.0, -np.inf]], np.float32)
     y = backend.host(k.softmax_forward(backend.to_device(x)))
