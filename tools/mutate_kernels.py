@@ -75,6 +75,8 @@ STAGES_OF = {
 }
 AUDIT_TESTS = ["test_index_width.py"]  # source-level checks that apply to every kernel source
 
+LAUNCH_TIMEOUT = 10
+
 OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math")
 
 BOUND_NAMES = r"(?:n|C|W|L|Tk|Tq|n_valid|n_rows|count|nwarps|r1|n_chunks|P|N|size)"
@@ -225,10 +227,11 @@ def run_tests(box: Path, tests: list[str], sources: list[str], timeout: float) -
     tests = [t for t in tests if (box / "tests" / "kernels" / t).exists()]
     # One build cache for all mutants: the emulator's runtime object is compiled once; the
     # module of each mutant (keyed by its source text) is removed after its run.
-    env = dict(os.environ, CUTP_KERNEL_BACKENDS="emulated", CUTP_EMU_TIMEOUT=str(min(60, int(timeout))),
+    # A launch over LAUNCH_TIMEOUT s is a hang (an infinite loop): the tests' longest launch takes ~1 s.
+    env = dict(os.environ, CUTP_KERNEL_BACKENDS="emulated", CUTP_EMU_TIMEOUT=str(LAUNCH_TIMEOUT),
                PYTHONDONTWRITEBYTECODE="1", CUTP_CACHE_DIR=str(box / "cache"),
                CUTP_EMU_KERNEL_SOURCES=",".join(sources))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rN",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rfE",
            *[f"tests/kernels/{t}" for t in tests]]
     try:
         return _run(cmd, box, env, timeout)
