@@ -9,6 +9,12 @@ A :class:`KernelBackend` is where a test runs ``cutp.kernels.Launchers``:
 * ``cuda``: ``cupy.RawModule`` compiled by NVRTC, CuPy arrays, on the GPU (``make gpu-check``).
 
 References are ``cutp.ops`` on NumPy arrays (host copies of the inputs).
+
+Every output a launcher allocates is poisoned before the launch (:class:`PoisonedAllocations`,
+the array module of every Launchers a backend hands out): floats are NaN, integers a sentinel,
+bools a byte that is neither 0 nor 1. A kernel that skips part of its writes leaves poison,
+which fails the comparison with the reference (``KernelBackend.host`` refuses a bool array
+holding poison bytes, since NumPy compares such bools as True).
 """
 from __future__ import annotations
 
@@ -48,6 +54,56 @@ def gpu_sized(*values):
     return pytest.param(*values, marks=pytest.mark.cuda_only(GPU_SIZED_REASON))
 
 
+# The poison of unwritten outputs, the emulator's shared-memory pattern (tests/cuda_emu): 0xffa5 in
+# every 16 bits (NaN as float32 and bfloat16, -5898331 as int32, negative as int64), 0xa5 in a byte.
+POISON16 = 0xFFA5
+POISON8 = 0xA5
+
+
+def poison(a):
+    """Fills array `a` (NumPy or CuPy, contiguous) with the poison pattern in place; returns it."""
+    if a.size:
+        if a.itemsize == 1:
+            a.view(np.uint8).fill(POISON8)
+        else:
+            a.view(np.uint16).fill(POISON16)
+    return a
+
+
+def is_poison(a) -> np.ndarray:
+    """Per element of host array `a`: whether it still holds the poison pattern."""
+    a = np.ascontiguousarray(to_numpy(a))
+    if a.itemsize == 1:
+        return a.view(np.uint8) == POISON8
+    return (a.view(np.uint16).reshape(a.shape + (a.itemsize // 2,)) == POISON16).all(axis=-1)
+
+
+class PoisonedAllocations:
+    """An array module (numpy or cupy) whose ``empty`` and ``empty_like`` return poisoned arrays,
+    everything else passing through: the ``xp`` of every Launchers the tests use, so that every
+    output and scratch buffer a launcher allocates (``xp.empty``) starts as poison and no test
+    can forget to poison one."""
+
+    def __init__(self, xp):
+        self._xp = xp
+        self.__name__ = xp.__name__
+        self.allocated = 0  # arrays poisoned so far (tests of the mechanism check it)
+
+    def __getattr__(self, name):
+        return getattr(self._xp, name)
+
+    def __repr__(self):
+        return f"<poisoned allocations of {self._xp.__name__}>"
+
+    def empty(self, *args, **kwargs):
+        self.allocated += 1
+        return poison(self._xp.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        self.allocated += 1
+        return poison(self._xp.empty_like(*args, **kwargs))
+
+
 class KernelBackend:
     """The kernels on one backend: its array module, fresh Launchers, device <-> host copies.
 
@@ -74,7 +130,7 @@ class KernelBackend:
     def launchers(self, schedule: str = "forward", seed: int = 0) -> Launchers:
         """New Launchers (launch counters at zero) over this backend's compiled modules."""
         what = f"emulated ({schedule})" if self.emulated else "cupy (tests)"
-        return Launchers(self._load(schedule, seed), self.xp, description=what)
+        return Launchers(self._load(schedule, seed), PoisonedAllocations(self.xp), description=what)
 
     def launchers_for_determinism(self) -> list[Launchers]:
         """Launchers whose results must agree bit for bit: one per thread schedule under the
@@ -90,7 +146,15 @@ class KernelBackend:
 
     @staticmethod
     def host(a):
-        return None if a is None else to_numpy(a)
+        """Host copy of a device array. A bool array holding a poison byte (an element no kernel
+        wrote) raises: NumPy would compare it as True."""
+        if a is None:
+            return None
+        a = to_numpy(a)
+        if a.dtype == np.bool_ and a.size and bool(is_poison(a).any()):
+            raise AssertionError(f"bool array of shape {a.shape}: {int(is_poison(a).sum())} elements never written "
+                                 "(poison bytes)")
+        return a
 
     def address(self, a) -> int:
         return a.ctypes.data if self.emulated else a.data.ptr
@@ -141,7 +205,8 @@ def randn(shape, dtype, seed=0, scale=1.0):
 def close(got, want, dtype, rtol=None, atol=None):
     """Same shape and dtype, and within tolerance: float32 ~1e-5 relative by default; bf16
     within ~2 bf16 ulps (the reference ran on the same bf16 inputs). Device arrays are copied
-    to the host first."""
+    to the host first. An element of `got` holding the poison pattern (never written) fails,
+    even where the reference is NaN."""
     if dtype == BF16:
         rtol = 2e-2 if rtol is None else rtol
         atol = 1e-3 if atol is None else atol
@@ -150,6 +215,9 @@ def close(got, want, dtype, rtol=None, atol=None):
         atol = 1e-6 if atol is None else atol
     got = to_numpy(got)
     want = to_numpy(want)
+    unwritten = is_poison(got)
+    assert not unwritten.any(), (f"{int(unwritten.sum())} of {got.size} elements still hold the poison of an "
+                                 f"unwritten output, first at {np.argwhere(unwritten)[0].tolist()}")
     assert got.shape == want.shape, (got.shape, want.shape)
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)

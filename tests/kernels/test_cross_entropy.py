@@ -29,6 +29,13 @@ CE_CASES = [
     (3, 16, 0),
     (7, 16, 0),
     (3, 50304, 50257),  # GPT-2's vocabulary, padded to a multiple of 128
+    # the kernel tests' widths: around a warp (31, 33), GPT-2's 768, 6144, and one unpadded row of
+    # GPT-2's 50257 classes (a 1024-thread block reduction: 32 warps' partials)
+    (4, 31, 31),
+    (4, 33, 32),
+    (3, 768, 768),
+    (2, 6144, 6100),
+    (1, 50257, 50257),
     gpu_sized(64, 25152, 25129),  # half of it per rank (tp=2)
 ]
 
@@ -76,6 +83,39 @@ def test_ce_shard_max_stats_backward(backend, ks, dtype, N, W, n_valid):
             assert not np.any(got[:, n_valid:]), "padded columns get exact zeros"
             if N > 1:
                 assert not np.any(got[0]), "a row with row_scale 0 is all zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("W", [1, 31, 33, 768, 6144, 20000])
+def test_ce_rows_far_below_zero(backend, ks, dtype, W):
+    """Logits all below -87 (the max is negative and exp underflows against 0): the row max starts
+    at -inf, not 0. Rows of -inf but one valid logit: max that logit, sum_exp exactly 1, gradient
+    exactly 0 at the target and everywhere else. W = 20000: a 1024-thread block."""
+    dev = backend.to_device
+    N = 3
+    logits = (randn((N, W), dtype, seed=42, scale=4.0).astype(np.float32) - 250.0).astype(dtype)
+    t = np.arange(N, dtype=np.int64) % W
+    m = ks.ce_shard_max(dev(logits), W)
+    m_ref = ops.ce_shard_max(logits, W)
+    np.testing.assert_array_equal(backend.host(m), m_ref)
+    assert (m_ref < -200).all()
+    se, tl, sl = ks.ce_shard_stats(dev(logits), m, dev(t), W)
+    se_ref, tl_ref, sl_ref = ops.ce_shard_stats(logits, m_ref, t, W)
+    close(se, se_ref, F32, rtol=backend.tolerance(emulated=1e-5, cuda=2e-5))
+    np.testing.assert_array_equal(backend.host(tl), tl_ref)
+    close(sl, sl_ref, F32, rtol=backend.tolerance(emulated=1e-5, cuda=1e-4))
+
+    one = np.full((N, W), -np.inf, np.float32)
+    hot = np.array([0, W // 2, W - 1])
+    one[np.arange(N), hot] = [-3.0, -100.0, 7.0]
+    one = one.astype(dtype)
+    m = ks.ce_shard_max(dev(one), W)
+    np.testing.assert_array_equal(backend.host(m), one[np.arange(N), hot].astype(np.float32))
+    se, tl, _ = ks.ce_shard_stats(dev(one), m, dev(hot), W, need_sum_logits=False)
+    np.testing.assert_array_equal(backend.host(se), np.ones(N, np.float32))
+    np.testing.assert_array_equal(backend.host(tl), one[np.arange(N), hot].astype(np.float32))
+    g = ks.ce_shard_backward(dev(one), m, se, dev(hot), W, dev(np.ones(N, np.float32)))
+    np.testing.assert_array_equal(backend.host(g).astype(np.float32), np.zeros((N, W), np.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)

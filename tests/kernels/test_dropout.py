@@ -55,6 +55,31 @@ def test_dropout_forward_and_backward(backend, k, dtype, shape, p, seed, offset)
         close(dx, dx_ref, dtype, rtol=1e-6 if dtype == F32 else None, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_dropout_keeps_an_element_whose_draw_equals_the_threshold(backend, k, dtype):
+    """The boundary of ``u >= threshold``: p is chosen so that the threshold ceil(p * 2^24) is exactly
+    the 24-bit draw u of one element (kept), and of another element plus one (dropped)."""
+    seed, offset, n = 98765, 4321, 3 * 333
+    u = [dropout_reference.splitmix64_reference(seed, offset + i) >> 40 for i in range(n)]
+    at, below = 357, 711  # the element on the threshold, and one just below it
+    thr = u[at]
+    p = thr / 2**24
+    assert dropout_kernels.keep_threshold(p) == thr and 0 < thr < 2**24
+    p2 = (u[below] + 1) / 2**24
+    assert dropout_kernels.keep_threshold(p2) == u[below] + 1
+    x = randn((3, 333), dtype, seed=30)
+    for prob, i, kept in ((p, at, True), (p2, below, False)):
+        mask = backend.host(k.dropout_mask((3, 333), prob, seed, offset)).reshape(-1)
+        assert bool(mask[i]) is kept, (prob, i)
+        np.testing.assert_array_equal(mask, ops.dropout_mask(np, (n,), prob, seed, offset))
+        y, fmask = k.dropout_forward(backend.to_device(x), prob, seed, offset)
+        fmask = backend.host(fmask).reshape(-1)
+        assert bool(fmask[i]) is kept
+        np.testing.assert_array_equal(fmask, mask)
+        y = backend.host(y).reshape(-1).astype(np.float32)
+        assert (y[i] != 0) == (kept and x.reshape(-1)[i] != 0)
+
+
 def test_the_reference_uses_the_kernels_threshold_rule():
     """cutp.ops.dropout takes MASK64 and keep_threshold from the kernel's module: one contract."""
     assert dropout_reference.keep_threshold is dropout_kernels.keep_threshold is ops.keep_threshold

@@ -45,8 +45,10 @@ def test_gelu_unaligned_view_takes_the_scalar_path(backend, k, dtype):
 
 # (5, 1): several rows of one column (bias of one element, a 1-column reduction); (1, 3001): one
 # row over several blocks of column chunks (gx > 1), ending in a partial 128-bit chunk
+# The kernel tests' widths: 31 and 33 (a bias chunk wraps around the row: the modulo path), 768,
+# 6144, one row of 50257 (several blocks of column chunks, a partial last chunk)
 BIAS_GELU_SHAPES = [(1, 1), (5, 1), (3, 5), (7, 8), (7, 13), (2, 3, 37), (33, 64), (0, 16), (600, 9), (1, 3001),
-                    (4, 129, 771), gpu_sized((512, 3072))]
+                    (4, 129, 771), (3, 31), (3, 33), (2, 768), (2, 6144), (1, 50257), gpu_sized((512, 3072))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -76,6 +78,21 @@ def test_bias_gradient_is_deterministic(backend, shape):
     results = [kk.bias_gelu_backward(dy, x)[1] for kk in backend.launchers_for_determinism()]
     for r in results[1:]:
         np.testing.assert_array_equal(bits(r), bits(results[0]))
+
+
+# rows 1 to 8192: beyond COLUMN_REDUCTION_BLOCKS (1024) rows of one column block, each block of the
+# bias gradient's first pass walks down several rows (a partial last chunk at 1025 and 3001)
+@pytest.mark.parametrize("rows,C", [(1, 8), (2, 33), (1023, 12), (1025, 8), (3001, 5), (8192, 4), (1100, 40)])
+def test_bias_gradient_over_many_rows(backend, k, rows, C):
+    n_chunks, per_chunk = Launchers._row_chunks(rows, 1)
+    assert (per_chunk > 1) == (rows > 1024) and n_chunks * per_chunk >= rows
+    pre = randn((rows, C), F32, seed=54, scale=2.0)
+    dy = randn((rows, C), F32, seed=55)
+    _, gctx = ops.bias_gelu_forward(pre, np.zeros(C, np.float32))
+    dx, db = k.bias_gelu_backward(backend.to_device(dy), backend.to_device(pre))
+    dx_ref, db_ref = ops.bias_gelu_backward(dy, gctx)
+    close(dx, dx_ref, F32, atol=1e-5)
+    close(db, db_ref, F32, rtol=1e-4, atol=1e-4 * rows ** 0.5)
 
 
 def test_bias_gelu_backward_uses_several_row_chunks(backend, k):

@@ -13,6 +13,9 @@ import pytest
 
 from cutp import ops
 
+from cutp.kernels import Launchers
+from cutp.kernels.layernorm import LAYERNORM_WARP_ROW_MAX
+
 from .helpers import DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
 
 # (5, 1): rows of one column (xhat == 0: y == bias, dx == 0); (1, 4999): one row, a block per row
@@ -48,6 +51,52 @@ def test_layernorm_forward_backward(backend, ks, dtype, affine, shape):
             assert got is None
         else:
             close(got, want, dtype, rtol=1e-4 if dtype == F32 else None, atol=1e-5 * max(1, x.size // C))
+
+
+def _check_layernorm(backend, k, x, dtype, w_seed, params=True):
+    """Forward and backward of LayerNorm with weight and bias on x against the reference."""
+    dev = backend.to_device
+    shape = x.shape
+    C = shape[-1]
+    w = randn((C,), dtype, seed=w_seed)
+    b = randn((C,), dtype, seed=w_seed + 1)
+    dy = randn(shape, dtype, seed=w_seed + 2)
+    y, mean, rstd = k.layernorm_forward(dev(x), dev(w), dev(b), 1e-5)
+    y_ref, lctx = ops.layernorm_forward(x, w, b, 1e-5)
+    close(y, y_ref, dtype, atol=1e-5 if dtype == F32 else None)
+    close(mean, lctx.mean.reshape(-1), F32, atol=1e-6)
+    close(rstd, lctx.rstd.reshape(-1), F32, rtol=1e-5)
+    if not params:
+        return
+    dx, dw, db = k.layernorm_backward(dev(dy), dev(x), dev(w), mean, rstd, b.dtype)
+    dx_ref, dw_ref, db_ref = ops.layernorm_backward(dy, lctx)
+    close(dx, dx_ref, dtype, rtol=1e-4 if dtype == F32 else None, atol=1e-5 if dtype == F32 else None)
+    atol = 1e-4 * max(1, x.size // C) ** 0.5
+    close(dw, dw_ref, dtype, rtol=1e-4 if dtype == F32 else None, atol=atol if dtype == F32 else None)
+    close(db, db_ref, dtype, rtol=1e-4 if dtype == F32 else None, atol=atol if dtype == F32 else None)
+
+
+# the kernel tests' widths: 1, 31, 33 around a warp; 768 and 1024 (GPT-2) in warp-per-row mode;
+# 6144 in block-per-row mode (48 KiB of shared memory in the backward); 50257 in the forward only
+# (1024 threads; its backward would need 393 KiB of shared memory)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape", [(3, 1), (3, 31), (4, 33), (5, 768), (3, 1024), (2, 6144), (1, 50257)])
+def test_layernorm_widths(backend, ks, dtype, shape):
+    assert 1024 <= LAYERNORM_WARP_ROW_MAX < 6144, "these widths no longer reach both row modes"
+    x = randn(shape, dtype, seed=50, scale=2.0) + np.asarray(0.5, dtype)
+    _check_layernorm(backend, ks, x, dtype, 51, params=shape[-1] <= 8192)
+
+
+# rows 1 to 8192 over narrow columns: the parameter gradients' first pass gives each block a chunk
+# of rows (COLUMN_REDUCTION_BLOCKS blocks in all), several rows per chunk beyond 1024 rows, with a
+# partial last chunk at 1025 and 3001; the second pass adds up to 1024 chunks
+@pytest.mark.parametrize("rows,C", [(1, 8), (2, 24), (1023, 12), (1025, 8), (3001, 5), (8192, 4)])
+def test_layernorm_gradients_over_many_rows(backend, k, rows, C):
+    n_chunks, per_chunk = Launchers._row_chunks(rows, 1)
+    assert (per_chunk > 1) == (rows > 1024) and n_chunks * per_chunk >= rows
+    # spread over the columns, so no row of a few columns has a near-zero variance (an ill-conditioned dx)
+    x = randn((rows, C), F32, seed=52, scale=0.5) + np.linspace(-2, 2, C, dtype=np.float32)
+    _check_layernorm(backend, k, x, F32, 53)
 
 
 def test_layernorm_backward_over_48k_of_shared_memory(backend, k):

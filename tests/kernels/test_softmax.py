@@ -37,6 +37,14 @@ SOFTMAX_CASES = [
     ((2, 1, 1025), False, 0.125),
     ((1, 2, 3, 8192), True, 0.125),
     ((1, 1, 2, 20000), False, 0.125),
+    # the kernel tests' widths (tests/kernels/README): 31 and 33 around a warp's 32 lanes, GPT-2's
+    # 768 and 1024 in warp-per-row mode, 6144 and a GPT-2 vocabulary row (50257) in block-per-row mode
+    ((3, 31), False, 1.0),
+    ((2, 33, 33), True, 0.5),
+    ((5, 768), False, 0.125),
+    ((2, 1, 3, 1024), False, 0.125),
+    ((2, 6144), True, 0.125),
+    ((1, 50257), False, 1.0),
 ]
 SOFTMAX_IDS = [f"{s}-{'causal' if c else 'full'}-{scale}" for s, c, scale in SOFTMAX_CASES]
 
@@ -55,6 +63,47 @@ def test_softmax_forward_backward(backend, ks, dtype, shape, causal, scale):
         assert not np.any(backend.host(y).astype(np.float32)[..., masked]), "masked probabilities must be exact zeros"
     dx = k.softmax_backward(backend.to_device(dy), backend.to_device(y_ref), scale)
     close(dx, ops.softmax_backward(dy, sctx), dtype, atol=1e-6 if dtype == F32 else 1e-3)
+
+
+# warp per row (1, 31, 33, 768, 1024) and block per row (6144)
+EXTREME_WIDTHS = [1, 31, 33, 768, 1024, 6144]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("width", EXTREME_WIDTHS)
+def test_softmax_rows_far_below_zero(backend, ks, dtype, width):
+    """Every score of a row below -87 (exp underflows to 0 in float32): the running max must
+    start at -inf, not 0. Rows of -inf except one key: that key gets probability exactly 1, at
+    the first, a middle and the last position."""
+    rows = 4
+    x = (randn((rows, width), dtype, seed=40, scale=5.0).astype(np.float32) - 300.0).astype(dtype)
+    y = ks.softmax_forward(backend.to_device(x), 1.0)
+    y_ref, ctx = ops.softmax_forward(x, 1.0)
+    close(y, y_ref, dtype, atol=1e-7 if dtype == F32 else 1e-4)
+    dy = randn((rows, width), dtype, seed=41)
+    close(ks.softmax_backward(backend.to_device(dy), backend.to_device(y_ref), 1.0), ops.softmax_backward(dy, ctx),
+          dtype, atol=1e-6 if dtype == F32 else 1e-3)
+
+    one = np.full((rows, width), -np.inf, np.float32)
+    hot = [0, width // 2, width - 1, (7 * width) // 9]
+    one[np.arange(rows), hot] = [-5.0, 3.0, -200.0, 0.0]
+    y = backend.host(ks.softmax_forward(backend.to_device(one.astype(dtype)), 0.5)).astype(np.float32)
+    want = np.zeros((rows, width), np.float32)
+    want[np.arange(rows), hot] = 1.0
+    np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("width", [256, 6144])
+def test_softmax_running_max_of_exactly_zero(backend, ks, dtype, width):
+    """Integer scores <= 0 with exact zeros, then a larger score in a later chunk of the same
+    thread: a running max of exactly 0 is an ordinary max (0 is not a marker for "no max yet")."""
+    x = -(np.arange(2 * width).reshape(2, width) % 3).astype(np.float32)  # 0, -1, -2, 0, ...
+    x[0, -5] = 2.0  # the last chunks of the row: a later chunk of a thread whose max was 0
+    x[1, width // 2 + 3] = 1.0
+    x = x.astype(dtype)
+    close(ks.softmax_forward(backend.to_device(x), 1.0), ops.softmax_forward(x, 1.0)[0], dtype,
+          atol=1e-7 if dtype == F32 else 1e-4)
 
 
 def test_softmax_extreme_values_stay_finite(backend, k):

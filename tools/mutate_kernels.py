@@ -1,0 +1,408 @@
+"""Mutation testing of the CUDA kernels: plants bugs in kernels/*.cu one at a time and runs the
+kernel tests against each; a mutant the tests fail is *killed*, one they pass *survives*.
+
+    python tools/mutate_kernels.py --list                  # the mutants, nothing run
+    python tools/mutate_kernels.py --max-time 3600         # the campaign (results/ is the default out)
+    python tools/mutate_kernels.py --only softmax.cu --ops barrier,relop
+    python tools/mutate_kernels.py --report out/mutants/results.jsonl
+
+The mutants are generated from patterns over every code line of kernels/*.cu and
+kernels/common.cuh (comments, preprocessor lines and kernel signatures left alone), one
+occurrence at a time:
+
+  accumulate  ``+=`` -> ``=``, ``-=`` -> ``+=``       (a sum that keeps only its last term)
+  relop       ``<`` <-> ``<=``, ``>`` <-> ``>=``, ``==`` <-> ``!=``  (bounds, tails, boundaries)
+  bound       ``< n`` -> ``< n - 1`` for a bound name; ``+ 1`` / ``- 1`` dropped (off by one)
+  barrier     ``__syncthreads();`` removed
+  init        ``-INFINITY`` -> ``0.0f``; ``= 0.0f`` -> ``= 1.0f``  (identities of max and sum)
+  index32     ``(long long)`` -> ``(int)``, a ``long long`` local -> ``int``, ``(unsigned long long)``
+              -> ``(unsigned)``  (32-bit index arithmetic)
+  shared      a ``__shared__`` array's extent ``[X]`` -> ``[X / 2]``
+  skipwrite   a store (``store_chunk(``, ``a[i] = ...``) guarded by ``if (false)``
+  stride      ``WARP_SIZE`` -> ``16``, ``blockDim.x`` -> ``WARP_SIZE`` (wrong lane counts, strides)
+  math        ``fmaxf`` <-> ``fminf``
+
+Each mutant is compiled and tested in a private copy of tests/ and kernels/ (the working tree is
+never modified, so the campaign can run while you edit), with the emulated backend only, pytest
+``-x``, and only the test files of the mutated source (``STAGES_OF``: the source's own test file, run
+with only the sources it needs built; common.cuh's mutants go through every op's file in turn
+until one fails) plus the kernels' 64-bit index audit (tests/kernels/test_index_width.py, first:
+it kills an index mutant without a build). ``--jobs`` runs mutants in parallel sandboxes. A mutant g++ rejects is *stillborn* and not counted. A run past its time limit
+counts as killed (a hang is what a GPU would show too). Results go, one JSON line per mutant, to
+``<out>/results.jsonl`` as they finish (a capped run leaves a valid partial file; ``--resume``
+continues it), and the summary (kill rate, every survivor with its line) to stdout and
+``<out>/summary.md``. Not part of ``make test``: a full campaign takes an hour or more on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "kernels"
+SOURCES = sorted(p.name for p in KERNELS.glob("*.cu")) + ["common.cuh"]
+
+# A stage: kernel test files (tests/kernels/) and the kernel sources their emulated module builds
+# ($CUTP_EMU_KERNEL_SOURCES: one op's sources build in a quarter of the time of all of them).
+STAGES = {
+    "softmax": (["test_softmax.py"], ["softmax"]),
+    "layernorm": (["test_layernorm.py"], ["layernorm", "reduce"]),
+    "cross_entropy": (["test_cross_entropy.py"], ["cross_entropy"]),
+    "gelu": (["test_gelu.py"], ["gelu", "reduce"]),
+    "adamw": (["test_adamw.py"], ["adamw"]),
+    "dropout": (["test_dropout.py"], ["dropout"]),
+}
+# The stages that test each source, run in order until one fails (AUDIT_TESTS first, in the first).
+STAGES_OF = {
+    "adamw.cu": ["adamw"],
+    "cross_entropy.cu": ["cross_entropy"],
+    "dropout.cu": ["dropout"],
+    "gelu.cu": ["gelu"],
+    "layernorm.cu": ["layernorm"],
+    "reduce.cu": ["gelu", "layernorm"],
+    "softmax.cu": ["softmax"],
+    "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout"],
+}
+AUDIT_TESTS = ["test_index_width.py"]  # source-level checks that apply to every kernel source
+
+LAUNCH_TIMEOUT = 10
+
+OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math")
+
+BOUND_NAMES = r"(?:n|C|W|L|Tk|Tq|n_valid|n_rows|count|nwarps|r1|n_chunks|P|N|size)"
+
+
+@dataclasses.dataclass
+class Mutant:
+    id: str
+    source: str
+    line: int  # 1-based
+    op: str
+    original: str
+    mutated: str
+
+    def describe(self) -> str:
+        return f"{self.source}:{self.line} [{self.op}] {self.original.strip()}  ->  {self.mutated.strip()}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation
+# ------------------------------------------------------------------------------------------------
+def _code_part(line: str) -> str:
+    """The line without its // comment (no string literals with // in kernel code)."""
+    i = line.find("//")
+    return line if i < 0 else line[:i]
+
+
+def _mutable_lines(text: str):
+    """(index, line) of the lines that hold device code: not comments, not preprocessor lines,
+    not kernel signatures (extern "C" ... up to the opening brace), not static_asserts."""
+    in_block_comment = False
+    in_signature = False
+    for i, line in enumerate(text.splitlines(keepends=True)):
+        s = line.strip()
+        if in_block_comment:
+            if "*/" in s:
+                in_block_comment = False
+            continue
+        if s.startswith("/*"):
+            in_block_comment = "*/" not in s
+            continue
+        if not s or s.startswith("//") or s.startswith("#") or s.startswith("static_assert"):
+            continue
+        if s.startswith('extern "C"'):
+            in_signature = not s.endswith("{")
+            continue
+        if in_signature:
+            in_signature = not s.endswith("{")
+            continue
+        yield i, line
+
+
+def _sub_each(pattern: str, repl, code: str):
+    """Each single-occurrence substitution of `pattern` in `code`: [(start, end, replacement)]."""
+    out = []
+    for m in re.finditer(pattern, code):
+        r = repl(m) if callable(repl) else m.expand(repl)
+        if r is not None and r != m.group(0):
+            out.append((m.start(), m.end(), r))
+    return out
+
+
+# (operator, pattern, replacement, only on lines containing): each occurrence of the pattern in a
+# code line, replaced alone, is a mutant.
+PATTERNS = [
+    ("accumulate", r" \+= ", " = ", ""),
+    ("accumulate", r" -= ", " += ", ""),
+    ("relop", r"(?<=[\w\)\]]) < (?=[\w\(\-])", " <= ", ""),
+    ("relop", r" <= ", " < ", ""),
+    ("relop", r"(?<=[\w\)\]]) > (?=[\w\(\-])", " >= ", ""),
+    ("relop", r" >= ", " > ", ""),
+    ("relop", r" == ", " != ", ""),
+    ("relop", r" != ", " == ", ""),
+    ("bound", rf"(?<= < ){BOUND_NAMES}\b(?! [-+*/])", lambda m: f"{m.group(0)} - 1", ""),
+    ("bound", r" [+-] 1(?![\w.])", "", ""),
+    ("barrier", r"__syncthreads\(\);", "", "__syncthreads();"),
+    ("init", r"-INFINITY", "0.0f", ""),
+    ("init", r"(?<== )0\.0f(?=[;,])", "1.0f", ""),
+    ("index32", r"\(long long\)", "(int)", ""),
+    ("index32", r"\(unsigned long long\)", "(unsigned)", ""),
+    ("index32", r"(?<![\w(])long long(?= \w+ =)", "int", ""),
+    ("shared", r"\[([^\]\[]+)\]", lambda m: f"[({m.group(1)}) / 2]", "__shared__"),
+    ("skipwrite", r"\bstore_chunk(?:<[^>]*>)?\(", lambda m: "if (false) " + m.group(0), ""),
+    ("skipwrite", r"(?<![\w.\]])(\w+(?:\.\w+)?\[[^\]=]+\]) = (?!=)", lambda m: f"if (false) {m.group(0)}", ""),
+    ("stride", r"(?<![\w(])WARP_SIZE\b", "16", ""),
+    ("stride", r"\bblockDim\.x\b", "WARP_SIZE", ""),
+    ("math", r"\bfmaxf\b", "fminf", ""),
+    ("math", r"\bfminf\b", "fmaxf", ""),
+]
+
+
+def _line_mutations(line: str):
+    """[(op, mutated line)] for one code line."""
+    code = _code_part(line)
+    rest = line[len(code):]
+    # a skipped write is a statement: not a declaration, loop header or function header
+    statement = not code.lstrip().startswith(("return", "const ", "float ", "int ", "long ", "for ", "T ")) and \
+        "__device__" not in code
+    found = []
+    for op, pattern, repl, needs in PATTERNS:
+        if needs not in code or (op == "skipwrite" and not statement) or (op == "stride" and "constexpr" in code):
+            continue
+        for a, b, r in _sub_each(pattern, repl, code):
+            found.append((op, code[:a] + r + code[b:] + rest))
+    return found
+
+
+def generate(sources=SOURCES, ops=OPS) -> list[Mutant]:
+    mutants: list[Mutant] = []
+    for source in sources:
+        text = (KERNELS / source).read_text()
+        seen = set()
+        for i, line in _mutable_lines(text):
+            for op, new in _line_mutations(line):
+                if op not in ops or new == line or (i, new) in seen:
+                    continue
+                seen.add((i, new))
+                n = sum(1 for m in mutants if m.source == source)
+                mutants.append(Mutant(f"{source.split('.')[0]}-{n:03d}", source, i + 1, op, line.rstrip("\n"),
+                                      new.rstrip("\n")))
+    return mutants
+
+
+def apply(mutant: Mutant, text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    assert lines[mutant.line - 1].rstrip("\n") == mutant.original, mutant
+    lines[mutant.line - 1] = mutant.mutated + "\n"
+    return "".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------------
+def make_sandbox() -> Path:
+    """A private copy of tests/ and kernels/ (plus the pytest configuration): cutp itself is
+    imported from the installed (editable) package, the kernel sources from the copy."""
+    box = Path(tempfile.mkdtemp(prefix="cutp-mutants-"))
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "tests", box / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "kernels", box / "kernels", ignore=ignore)
+    for f in ("setup.cfg", "pyproject.toml"):
+        shutil.copy2(ROOT / f, box / f)
+    return box
+
+
+def run_tests(box: Path, tests: list[str], sources: list[str], timeout: float) -> tuple[str, float, str]:
+    """('killed' | 'survived' | 'stillborn' | 'timeout', seconds, last lines of output)."""
+    tests = [t for t in tests if (box / "tests" / "kernels" / t).exists()]
+    # One build cache for all mutants: the emulator's runtime object is compiled once; the
+    # module of each mutant (keyed by its source text) is removed after its run.
+    # A launch over LAUNCH_TIMEOUT s is a hang (an infinite loop): the tests' longest launch takes ~1 s.
+    env = dict(os.environ, CUTP_KERNEL_BACKENDS="emulated", CUTP_EMU_TIMEOUT=str(LAUNCH_TIMEOUT),
+               PYTHONDONTWRITEBYTECODE="1", CUTP_CACHE_DIR=str(box / "cache"),
+               CUTP_EMU_KERNEL_SOURCES=",".join(sources))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rfE",
+           *[f"tests/kernels/{t}" for t in tests]]
+    try:
+        return _run(cmd, box, env, timeout)
+    finally:
+        for f in (box / "cache" / "cuda_emu").glob("module-*"):
+            f.unlink()
+
+
+def _run(cmd, box, env, timeout):
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=box, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return "timeout", time.monotonic() - t0, out[-2000:]
+    dt = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    if p.returncode == 0:
+        return "survived", dt, out[-600:]
+    if "CompileError" in out and "error:" in out:
+        return "stillborn", dt, out[-2000:]
+    return "killed", dt, out[-2000:]
+
+
+def _killing_test(out: str) -> str:
+    m = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    return m.group(1) if m else ""
+
+
+def prioritised(mutants):
+    """The categories the issue names first (a capped run still covers them), then relop and
+    bound; sources interleaved within a category."""
+    order = {op: i for i, op in enumerate(("barrier", "accumulate", "init", "shared", "skipwrite", "index32", "stride",
+                                           "math", "relop", "bound"))}
+    rank = {}
+    for m in mutants:
+        rank[m.id] = sum(1 for o in mutants if o.op == m.op and o.source == m.source and o.line < m.line)
+    return sorted(mutants, key=lambda m: (order[m.op], rank[m.id], m.source))
+
+
+def run_mutant(box: Path, m: Mutant, per_mutant: float) -> tuple[str, float, str]:
+    """The mutant's stages in its sandbox, until one fails; the source restored after."""
+    src = box / "kernels" / m.source
+    original = (KERNELS / m.source).read_text()
+    src.write_text(apply(m, original))
+    total = 0.0
+    try:
+        for i, stage in enumerate(STAGES_OF[m.source]):
+            tests, sources = STAGES[stage]
+            status, secs, log = run_tests(box, (AUDIT_TESTS if i == 0 else []) + tests, sources, per_mutant)
+            total += secs
+            if status != "survived":
+                break
+        return status, total, log
+    finally:
+        src.write_text(original)
+
+
+def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume: bool, jobs: int = 1) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.jsonl"
+    done = set()
+    if resume and results_path.exists():
+        done = {json.loads(line)["id"] for line in results_path.read_text().splitlines() if line.strip()}
+    elif results_path.exists():
+        results_path.unlink()
+    boxes = [make_sandbox() for _ in range(jobs)]
+    t_start = time.monotonic()
+    try:
+        t0 = time.monotonic()
+        for stage, (tests, sources) in STAGES.items():  # every stage passes on the unmutated sources
+            base, dt, out = run_tests(boxes[0], tests + AUDIT_TESTS, sources, 1800)
+            if base != "survived":
+                raise SystemExit(f"the kernel tests ({stage}) fail without any mutation ({base}):\n{out}")
+        print(f"baseline: the kernel tests pass on the unmutated sources ({time.monotonic() - t0:.0f} s)", flush=True)
+        todo = prioritised([m for m in mutants if m.id not in done])
+        lock = threading.Lock()
+        it = iter(enumerate(todo))
+        skipped = []
+
+        def worker(box):
+            while True:
+                with lock:
+                    nxt = next(it, None)
+                    if nxt is not None and time.monotonic() - t_start > max_time:
+                        skipped.append(nxt[1])
+                        continue
+                if nxt is None:
+                    return
+                i, m = nxt
+                status, secs, log = run_mutant(box, m, per_mutant)
+                rec = dict(dataclasses.asdict(m), status=status, seconds=round(secs, 1),
+                           killed_by=_killing_test(log), log=log[-1500:] if status in ("stillborn", "survived") else "")
+                with lock:
+                    with results_path.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    print(f"[{i + 1}/{len(todo)}] {status:9s} {secs:5.1f}s {m.describe()}", flush=True)
+
+        threads = [threading.Thread(target=worker, args=(b,)) for b in boxes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if skipped:
+            print(f"time cap of {max_time:.0f} s reached: {len(skipped)} mutants not run", flush=True)
+    finally:
+        for box in boxes:
+            shutil.rmtree(box, ignore_errors=True)
+
+
+def report(results_path: Path, total_generated: int | None = None) -> str:
+    recs = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
+    by = {s: [r for r in recs if r["status"] == s] for s in ("killed", "timeout", "survived", "stillborn")}
+    live = len(by["killed"]) + len(by["timeout"]) + len(by["survived"])
+    killed = len(by["killed"]) + len(by["timeout"])
+    lines = [f"# Kernel mutation campaign ({results_path})", ""]
+    rate = f"{100 * killed / live:.1f}%" if live else "n/a"
+    lines.append(f"mutants run: {len(recs)}" + (f" of {total_generated} generated" if total_generated else "")
+                 + f"; stillborn (do not compile): {len(by['stillborn'])}; killed: {killed} "
+                 f"(of which timeouts: {len(by['timeout'])}); survived: {len(by['survived'])}; "
+                 f"kill rate {killed}/{live} = {rate}")
+    lines.append("")
+    lines.append("| op | run | killed | survived |")
+    lines.append("|---|---|---|---|")
+    for op in OPS:
+        rs = [r for r in recs if r["op"] == op and r["status"] != "stillborn"]
+        if rs:
+            k = sum(r["status"] in ("killed", "timeout") for r in rs)
+            lines.append(f"| {op} | {len(rs)} | {k} | {len(rs) - k} |")
+    lines.append("")
+    lines.append("## Survivors")
+    for r in by["survived"]:
+        lines.append(f"- `{r['id']}` {r['source']}:{r['line']} [{r['op']}] `{r['original'].strip()}` -> "
+                     f"`{r['mutated'].strip()}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--only", nargs="*", default=None, help="sources to mutate (e.g. softmax.cu common.cuh)")
+    ap.add_argument("--ops", default=",".join(OPS), help="comma-separated operators (default: all)")
+    ap.add_argument("--ids", nargs="*", default=None, help="run only these mutant ids")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "mutants")
+    ap.add_argument("--max-time", type=float, default=4 * 3600, help="stop starting mutants after this many s")
+    ap.add_argument("--per-mutant", type=float, default=300, help="time limit of one mutant's test run (s)")
+    ap.add_argument("--resume", action="store_true", help="skip the mutants already in results.jsonl")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (one sandbox each)")
+    ap.add_argument("--report", type=Path, default=None, help="summarise a results.jsonl and exit")
+    args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    ops = tuple(o.strip() for o in args.ops.split(",") if o.strip())
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        ap.error(f"unknown operators {sorted(unknown)}; choose from {OPS}")
+    mutants = generate(args.only or SOURCES, ops)
+    if args.ids:
+        mutants = [m for m in mutants if m.id in set(args.ids)]
+    if args.list:
+        for m in mutants:
+            print(f"{m.id:18s} {m.describe()}")
+        print(f"{len(mutants)} mutants")
+        return 0
+    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs)
+    summary = report(args.out / "results.jsonl", len(mutants))
+    (args.out / "summary.md").write_text(summary)
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
