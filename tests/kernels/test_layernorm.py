@@ -89,8 +89,10 @@ def test_layernorm_widths(backend, ks, dtype, shape):
 
 # rows 1 to 8192 over narrow columns: the parameter gradients' first pass gives each block a chunk
 # of rows (COLUMN_REDUCTION_BLOCKS blocks in all), several rows per chunk beyond 1024 rows, with a
-# partial last chunk at 1025 and 3001; the second pass adds up to 1024 chunks
-@pytest.mark.parametrize("rows,C", [(1, 8), (2, 24), (1023, 12), (1025, 8), (3001, 5), (8192, 4)])
+# partial last chunk at 1025 and 3001; the second pass adds up to 1024 chunks. (1025, 130): two
+# warps per block and two rows in a chunk: the block reduction of one row must not overwrite its
+# shared partial sums before every warp has read the last row's (block_reduce_sum2's barrier)
+@pytest.mark.parametrize("rows,C", [(1, 8), (2, 24), (1023, 12), (1025, 8), (3001, 5), (8192, 4), (1025, 130)])
 def test_layernorm_gradients_over_many_rows(backend, k, rows, C):
     n_chunks, per_chunk = Launchers._row_chunks(rows, 1)
     assert (per_chunk > 1) == (rows > 1024) and n_chunks * per_chunk >= rows
