@@ -54,11 +54,6 @@ def schedule_events(kind: str, p: int, stage: int, m: int, v: int = 1) -> list[t
     return [op for op in schedule_plan(kind, p, stage, m, v) if op[0] != "X"]
 
 
-def m_in_flight(kind: str, p: int, stage: int, m: int) -> int:
-    """Micro-batches stage s holds at once: m under GPipe, min(p - s, m) under 1F1B."""
-    return m if kind == "gpipe" else min(p - stage, m)
-
-
 def in_flight(events, weight=lambda i, c: 1) -> float:
     """The most (weighted) micro-batch chunks held at once: forwards run, backwards not yet."""
     held, worst = 0, 0
@@ -135,7 +130,7 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
     sp = sequence_parallel and tp > 1
     stages = []
     for rank, mine in enumerate(chunks):
-        events = schedule_events(kind, pp, rank, accum, virtual) if kind == "interleaved" else None
+        events = schedule_events(kind, pp, rank, accum, virtual)
         layers = [n for ch in mine for n in ch.layers]
         first, last = mine[0].first, mine[-1].last
         n_moe = sum(1 for n in layers if a.n_experts and n % a.moe_every == 0)
@@ -151,7 +146,7 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                                    last_stage=last, **layout)
                       for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
             n_local = max(sum(p.numel for p in local_parameters(sh)) for sh in shapes)
-            walks = [stage_peak(sh, mine, kind, accum, pp, rank, events) for sh in shapes]
+            walks = [stage_peak(sh, mine, kind, accum, pp, rank) for sh in shapes]
             worst = max(walks, key=lambda w: w["activations_peak"])
             act = {"bytes": worst["activations_peak"], "where": worst["where"],
                    "stash_per_layer": [max(col) for col in zip(*(w["stash_per_layer"] for w in walks))],
@@ -169,8 +164,8 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                                      - dense_mlp_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel))
             logits = 4 * s * b * a.vocab / tp
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
-            count = in_flight(events) if events else m_in_flight(kind, pp, rank, accum)
-            act = {"bytes": in_flight(events, lambda i, c: weights[c]) if events else count * weights[0],
+            count = in_flight(events)
+            act = {"bytes": in_flight(events, lambda i, c: weights[c]),
                    "stash_per_layer": [per_layer[n] for n in layers], "in_flight": count,
                    "stash_per_micro_batch": max(weights)}
         st = state_bytes_ep(a, n_local, n_moe, dtype=dtype, dp=dp, ep=ep, distributed_optimizer=distributed_optimizer)

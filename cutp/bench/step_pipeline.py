@@ -1,26 +1,23 @@
 """The activation memory of one pipeline stage's training step, simulated (`bench plan --pp`).
 
-`stage_peak(shape, chunks, events)` walks the step of one pipeline rank the way
-cutp/train/pipeline.py runs it: the schedule's forwards and backwards of its micro-batches in
-order (`cutp.bench.plan_pp.schedule_events`), each one the model's own walk
-(`cutp.bench.step_memory`) over the stage's layers (the embedding on the first stage, ln_f, the
-LM head and the loss on the last). Between a micro-batch's forward and its backward everything
-its forward cached is held aside (what `GPT.take_activations` does), so a stage holds as many
-micro-batches' stashes as its schedule keeps in flight.
+`stage_peak(shape, chunks, kind, m, p, stage)` walks the step of one pipeline rank the way
+cutp/train/pipeline.py runs it: its schedule's plan (`cutp.train.pipeline.plan`: the forwards,
+backwards and exchanges of its micro-batches and model chunks, in order), each forward and
+backward the model's own walk (`cutp.bench.step_memory`) over the chunk's layers (the embedding
+before the first virtual stage, ln_f, the LM head and the loss after the last). Between a
+micro-batch's forward and its backward everything its forward cached is held aside (what
+`GPT.take_activations` does), so a stage holds as many stashes as its schedule keeps in flight.
 
-The point-to-point buffers are booked as the schedule's code holds them: a received input is
-the stage's first layer's input (the LayerNorm keeps it) and, in 1F1B, the `inp` local keeps the
-latest one too; a received output gradient lives through the whole stage backward (the frames
-hold it); in 1F1B's steady state the stage's last output and its last input gradient stay bound
-to `out` and `dx` until the next ones replace them (to the end of the step after the last).
-Messages are [b, T, h] (or the [b, T/tp, h] shard under sequence parallelism) in the activation
-dtype; MPI's send and receive work on them in place.
-
-The interleaved schedule (V model chunks per rank; not trained by cutp yet) is walked in the
-order of Megatron's interleaved 1F1B, each message dropped once it is sent.
+The point-to-point buffers are booked as `Schedule` holds them: an exchange allocates its
+receive buffers before it drops the outputs it sends; a received input is the chunk's first
+layer's input (its LayerNorm keeps it); a received output gradient lives through the chunk's
+backward; an output or an input gradient lives until the exchange that sends it. Messages are
+[b, T, h] (or the [b, T/tp, h] shard under sequence parallelism) in the activation dtype; MPI's
+send and receive work on them in place.
 """
 from __future__ import annotations
 
+from ..train.pipeline import plan as schedule_plan
 from .step_memory import _Walk
 from .step_shape import Heap, StepShape
 
@@ -132,80 +129,56 @@ class _StageWalk(_Walk):
     def release(self, *keys):
         self.heap.free(*(k for k in keys if k is not None))
 
-    # ---- schedules (cutp/train/pipeline.py) ------------------------------------------------------
-    def gpipe(self, m):
-        first, last = self.chunks[0].first, self.chunks[-1].last
-        for i in range(m):
-            inp = None if first else self.recv(f"in.{i}.0")
-            out = self.forward(i, 0, inp)
-            self.release(inp, out)  # (inp: the local's hold; the stash keeps it)
-        for i in range(m):
-            g = None if last else self.recv(f"g.{i}.0")
-            self.release(self.backward(i, 0, g), g)
-
-    def one_f_one_b(self, m, p, stage):
-        first, last = self.chunks[0].first, self.chunks[-1].last
-        warmup = min(p - stage - 1, m)
-        steady = m - warmup
-        for i in range(warmup):
-            inp = None if first else self.recv(f"in.{i}.0")
-            out = self.forward(i, 0, inp)
-            self.release(inp, out)
-        inp = None if (first or not steady) else self.recv(f"in.{warmup}.0")
-        out = dx = None
-        for k in range(steady):
-            new_out = self.forward(warmup + k, 0, inp)
-            self.release(out)
-            out = new_out
-            g = None if last else self.recv(f"g.{k}.0")  # sendrecv: out is sent, g received
-            new_dx = self.backward(k, 0, g)
-            self.release(g, dx)
-            dx = new_dx
-            if k < steady - 1 and not first:
-                new_inp = self.recv(f"in.{warmup + k + 1}.0")  # sendrecv: dx is sent
+    # ---- the schedule (cutp/train/pipeline.py) ------------------------------------------------
+    def walk_plan(self, ops):
+        """`cutp.train.pipeline.plan`'s ops as `Schedule` runs them: an exchange allocates its
+        receive buffers, then drops the outputs it sent; a received input lives until its forward
+        (its first layer's stash keeps it), a received gradient through its backward; an output
+        or an input gradient until the exchange that sends it."""
+        held = {}
+        for op in ops:
+            if op[0] == "X":
+                for what, i, c in op[2]:
+                    ch = self.chunks[c]
+                    if (what == "act" and not ch.first) or (what == "grad" and not ch.last):
+                        held[("in" if what == "act" else "g", i, c)] = self.recv(
+                            f"{'in' if what == 'act' else 'g'}.{i}.{c}")
+                self.release(*(held.pop(key, None) for key in op[1]))
+            elif op[0] == "F":
+                _, i, c = op
+                inp = held.pop(("in", i, c), None)
+                out = self.forward(i, c, inp)
                 self.release(inp)
-                inp = new_inp
-        for i in range(steady, m):
-            g = None if last else self.recv(f"g.{i}.0")
-            self.release(self.backward(i, 0, g), g)
-        self.release(out, dx, inp)  # the locals, at the function's return
-
-    def interleaved(self, events):
-        for kind, i, c in events:
-            ch = self.chunks[c]
-            if kind == "F":
-                inp = None if ch.first else self.recv(f"in.{i}.{c}")
-                self.release(inp, self.forward(i, c, inp))
+                if out is not None:
+                    held[("act", i, c)] = out
             else:
-                g = None if ch.last else self.recv(f"g.{i}.{c}")
-                self.release(self.backward(i, c, g), g)
+                _, i, c = op
+                g = held.pop(("g", i, c), None)
+                dx = self.backward(i, c, g)
+                self.release(g)
+                if dx is not None:
+                    held[("grad", i, c)] = dx
+        assert not held, sorted(held)
 
-    def run(self, kind, m, p, stage, events):
+    def run(self, kind, m, p, stage):
         s, H = self.s, self.heap
         if self.cpu:  # the step's token windows, read up front (host memory: not in a GPU's pool)
             H.alloc("batches", m * s.micro_batch * (s.seq_len + 1) * 8)
             H.temp(s.micro_batch * (s.seq_len + 1) * 8 + 4 * self.N, what="batch")
-        if kind == "gpipe":
-            self.gpipe(m)
-        elif kind == "1f1b":
-            self.one_f_one_b(m, p, stage)
-        else:
-            self.interleaved(events)
+        self.walk_plan(schedule_plan(kind, p, stage, m, len(self.chunks)))
         assert not self.kept, sorted(self.kept)
         self.optimizer_phase()
         return H
 
 
-def stage_peak(shape: StepShape, chunks: list[Chunk], kind: str, m: int, p: int, stage: int,
-               events=None) -> dict:
+def stage_peak(shape: StepShape, chunks: list[Chunk], kind: str, m: int, p: int, stage: int) -> dict:
     """One pipeline rank's step (module docstring): {"activations_peak", "where", "left" (the
     simulated arrays still live at the end: the token windows only), "stash_per_layer" (the
     bytes each of the rank's layers keeps after the first forward), "in_flight" (the most
     micro-batches held at once), "stash_per_micro_batch" (bytes held aside per micro-batch and
-    chunk after its forward)}. `events`: the interleaved schedule's ("F"|"B", micro-batch,
-    chunk) order."""
+    chunk after its forward)}."""
     walk = _StageWalk(shape, chunks)
-    heap = walk.run(kind, m, p, stage, events)
+    heap = walk.run(kind, m, p, stage)
     return {"activations_peak": heap.peak, "where": heap.where, "left": sorted(heap.live),
             "stash_per_layer": [walk.layer_stash[n] for n in shape.layers], "in_flight": walk.in_flight,
             "stash_per_micro_batch": max(walk.stash_bytes.values())}

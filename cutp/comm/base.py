@@ -91,12 +91,6 @@ class Communicator:
         """Receives into x (which gives the shape and dtype). Returns x."""
         raise NotImplementedError
 
-    def sendrecv(self, send_x, dest: int | None, recv_x, source: int | None, tag: int = 0):
-        """Sends send_x to dest and receives recv_x from source as one operation (either side may
-        be None), so that two ranks exchanging with each other never wait on each other's send
-        (MPI_Sendrecv; NCCL send and recv in one group). Returns recv_x."""
-        raise NotImplementedError
-
     def exchange(self, sends, recvs):
         """Point-to-point sends [(x, dest, tag)] and receives [(x, source, tag)] posted together
         and finished together (MPI Isend/Irecv + Waitall; one NCCL group), so that no order in
@@ -198,10 +192,6 @@ class WrappedCommunicator(Communicator):
 
     def recv(self, x, source, tag=0):
         return self._call("recv", x, self.inner.recv, x, source, tag)
-
-    def sendrecv(self, send_x, dest, recv_x, source, tag=0):
-        return self._call("sendrecv", send_x if send_x is not None else recv_x, self.inner.sendrecv, send_x, dest,
-                          recv_x, source, tag)
 
     def exchange(self, sends, recvs):
         first = (list(sends) + list(recvs))[0][0]  # (the watchdog names the first buffer)

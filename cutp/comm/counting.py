@@ -101,14 +101,6 @@ class CountingCommunicator(WrappedCommunicator):
             self.counter.record(self.name, op, x, self.size)
         return fn(*args)
 
-    def sendrecv(self, send_x, dest, recv_x, source, tag=0):
-        """Counted as a send of send_x and a recv of recv_x."""
-        if send_x is not None:
-            self.counter.record(self.name, "send", send_x, self.size)
-        if recv_x is not None:
-            self.counter.record(self.name, "recv", recv_x, self.size)
-        return self.inner.sendrecv(send_x, dest, recv_x, source, tag)
-
     def exchange(self, sends, recvs):
         """Counted as a send of each sent array and a recv of each received one."""
         for x, _, _ in sends:

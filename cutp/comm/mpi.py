@@ -114,20 +114,6 @@ class MpiCommunicator(Communicator):
         self.mpi_comm.Recv(_buf(x), source=source, tag=tag)
         return x
 
-    def sendrecv(self, send_x, dest, recv_x, source, tag=0):
-        if send_x is not None:
-            check_array(send_x, f"sendrecv on {self.name}")
-        if recv_x is not None:
-            check_array(recv_x, f"sendrecv on {self.name}")
-        if send_x is not None and recv_x is not None:
-            self.mpi_comm.Sendrecv(_buf(send_x), dest=dest, sendtag=tag, recvbuf=_buf(recv_x), source=source,
-                                   recvtag=tag)
-        elif send_x is not None:
-            self.mpi_comm.Send(_buf(send_x), dest=dest, tag=tag)
-        elif recv_x is not None:
-            self.mpi_comm.Recv(_buf(recv_x), source=source, tag=tag)
-        return recv_x
-
     def exchange(self, sends, recvs):
         for x, _, _ in list(sends) + list(recvs):
             check_array(x, f"exchange on {self.name}")

@@ -153,21 +153,6 @@ class NcclCommunicator(Communicator):
         self.nccl_comm.recv(x.data.ptr, x.size, self._dt(x), source, self._stream())
         return x
 
-    def sendrecv(self, send_x, dest, recv_x, source, tag=0):
-        from cupy.cuda import nccl  # optional dependency
-
-        nccl.groupStart()  # one group: neither side's send waits for the other's recv to be posted
-        try:
-            if send_x is not None:
-                check_array(send_x, f"sendrecv on {self.name}")
-                self.nccl_comm.send(send_x.data.ptr, send_x.size, self._dt(send_x), dest, self._stream())
-            if recv_x is not None:
-                check_array(recv_x, f"sendrecv on {self.name}")
-                self.nccl_comm.recv(recv_x.data.ptr, recv_x.size, self._dt(recv_x), source, self._stream())
-        finally:
-            nccl.groupEnd()
-        return recv_x
-
     def exchange(self, sends, recvs):
         from cupy.cuda import nccl  # optional dependency
 

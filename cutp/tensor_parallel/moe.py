@@ -185,12 +185,12 @@ class MoEMLP(Module):
                                 xp.stack(scalars)])  # builds no array from a list mixing host numbers and arrays)
         for g in self._stats_groups():
             g.all_reduce(stats, "sum", out=stats)
-        assigned, psum = stats[:E], stats[E:2 * E]
-        n_all, z_sum, dropped = (float(v) for v in self.ctx.to_numpy(stats[2 * E:]))
-        f = assigned / (n_all * k)
-        aux = self.aux_loss_coeff * E * float((f * psum).sum()) / n_all
+        host = self.ctx.to_numpy(stats)  # (one device-to-host copy per MoE layer and forward)
+        n_all, z_sum, dropped = (float(v) for v in host[2 * E:])
+        f = stats[:E] / (n_all * k)  # (on the device: the backward's load-balancing gradient)
+        aux = self.aux_loss_coeff * E * float((host[:E] / (n_all * k) * host[E:2 * E]).sum()) / n_all
         z = self.z_loss_coeff * z_sum / n_all
-        self.last = {"aux_loss": aux, "z_loss": z, "assigned": self.ctx.to_numpy(assigned), "dropped": dropped}
+        self.last = {"aux_loss": aux, "z_loss": z, "assigned": host[:E].copy(), "dropped": dropped}
         if self.training and self.stash:  # (full recomputation's first pass is not counted twice)
             s = self.step_stats
             s["aux_loss"] += aux
