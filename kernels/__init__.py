@@ -51,6 +51,7 @@ import numpy as np
 from cutp.runtime.backend import is_cupy_array
 
 from .adamw import AdamWLaunchers
+from .attention import AttentionLaunchers
 from .cross_entropy import CrossEntropyLaunchers
 from .dropout import DropoutLaunchers
 from .gelu import GeluLaunchers
@@ -88,7 +89,7 @@ __all__ = [
 
 
 class Launchers(GeluLaunchers, SoftmaxLaunchers, LayerNormLaunchers, CrossEntropyLaunchers, AdamWLaunchers,
-                DropoutLaunchers):
+                DropoutLaunchers, AttentionLaunchers):
     """Host-side launch functions of every kernel, bound to a module loader and an array module.
 
     ``Launchers(load, xp)``: see :class:`cutp.kernels.runtime.LauncherBase` for ``load`` and

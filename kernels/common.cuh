@@ -8,6 +8,9 @@
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 // NVRTC has no C++ standard library headers: nothing else may be included on this path.
 #include <cuda_bf16.h>
+#if defined(CUTP_TENSOR_CORES)  // kernels/attention.cu: nvcuda::wmma (needs crt/mma.h: kernels/runtime.py)
+#include <mma.h>
+#endif
 #else
 #include "cuda_emu.h"  // from tests/cuda_emu, on the include path of emulated builds
 #endif

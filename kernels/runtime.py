@@ -33,7 +33,7 @@ import numpy as np
 from cutp.runtime.errors import BackendError
 
 # One RawModule per source file (kernels/<name>.cu).
-SOURCES = ("adamw", "cross_entropy", "dropout", "gelu", "layernorm", "reduce", "softmax")
+SOURCES = ("adamw", "attention", "cross_entropy", "dropout", "gelu", "layernorm", "reduce", "softmax")
 
 ENV_SWITCH = "CUTP_KERNELS"
 
@@ -301,9 +301,11 @@ def kernel_source(name: str) -> str:
     m = _INCLUDE_RE.search(src)
     if m is None:
         raise KernelLoadError(f'{name}.cu does not #include "common.cuh" (kernels/README.md)')
-    # The include line becomes a comment, so the lines of <name>.cu keep their numbers.
-    return (f'#line 1 "common.cuh"\n{common}\n#line 1 "{name}.cu"\n'
-            f'{src[:m.start()]}// common.cuh is inlined above{src[m.end():]}')
+    # In place of the include, as the preprocessor would (what precedes it, e.g. attention.cu's
+    # #define CUTP_TENSOR_CORES, still comes first); #line keeps <name>.cu's line numbers.
+    after = src[:m.end()].count("\n") + 1
+    return (f'#line 1 "{name}.cu"\n{src[:m.start()]}#line 1 "common.cuh"\n{common}\n'
+            f'#line {after} "{name}.cu"\n// common.cuh is inlined above{src[m.end():]}')
 
 
 def _cuda_version_of(include_dir: str) -> int | None:

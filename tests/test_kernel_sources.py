@@ -62,12 +62,24 @@ def test_kernel_source_inlines_common_and_keeps_line_numbers(name):
     assert '#include "common.cuh"' not in src
     assert "#pragma once" not in src
     assert "block_reduce_sum2" in src  # the header's text is there
-    # after `#line 1 "<name>.cu"`, every line of the file is at its own number
-    tail = src.split(f'#line 1 "{name}.cu"\n', 1)[1].splitlines()
+    # following the #line directives, every line of <name>.cu is at its own number, and the
+    # header's text comes where the include was (what precedes it, e.g. a #define, first)
     orig = original.splitlines()
-    assert len(tail) == len(orig)
-    for a, b in zip(tail, orig):
+    seen, where = {}, None
+    for line in src.splitlines():
+        m = re.match(r'#line (\d+) "([^"]+)"$', line)
+        if m:
+            where = [m.group(2), int(m.group(1))]
+            continue
+        if where[0] == f"{name}.cu":
+            seen[where[1]] = line
+        where[1] += 1
+    assert sorted(seen) == list(range(1, len(orig) + 1))
+    for number, b in enumerate(orig, 1):
+        a = seen[number]
         assert a == b or (b.strip() == '#include "common.cuh"' and "inlined" in a)
+    include_at = next(i for i, b in enumerate(orig) if b.strip() == '#include "common.cuh"')
+    assert src.index("block_reduce_sum2") > src.index(orig[include_at - 1]) if include_at else True
     assert set(kernel_entry_points_text(src)) == set(kernel_entry_points(KERNELS / f"{name}.cu"))
 
 

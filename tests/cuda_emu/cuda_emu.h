@@ -166,7 +166,13 @@ enum WarpOpKind : int {
     kReduceAnd,
     kReduceOr,
     kReduceXor,
+    kMmaSync,  // nvcuda::wmma::mma_sync: the value is a WarpCollective* (below)
     kWarpOpCount
+};
+// A warp operation whose completion runs `fn` once, with every lane's value (a pointer to its
+// WarpCollective, null for lanes outside the mask), before any lane continues.
+struct WarpCollective {
+    void (*fn)(void* const* lanes);
 };
 enum BlockBarrierKind : int { kSyncThreads = 0, kSyncCount, kSyncAnd, kSyncOr };
 
@@ -805,6 +811,154 @@ CUDA_EMU_STORE(__stcs)
 CUDA_EMU_STORE(__stwt)
 #undef CUDA_EMU_LOAD
 #undef CUDA_EMU_STORE
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores: nvcuda::wmma (CUDA's <mma.h>), the m16n16k16 shape with __nv_bfloat16 A and B and
+// a float accumulator (what kernels/attention.cu uses), executed for real: mma_sync gathers the
+// 32 lanes' fragments and computes D = A B + C in float (products of bf16 are exact in float;
+// each output adds its 16 products to C in k order with fmaf). CUDA leaves the fragment layout
+// unspecified, so a correct kernel only uses layout-independent element operations (fill,
+// the same scaling of every element); the emulator's layout, documented so tests can construct
+// fragments: element i of lane l holds the tile's element number l + 32 * i in row-major order
+// (row (l + 32 i) / cols, column (l + 32 i) % cols), for A (16 x 16, M x K), B (K x N) and the
+// accumulator (M x N) alike. mma_sync is warp-collective (all 32 lanes, a BarrierError
+// otherwise) and orders like __syncwarp(). load_matrix_sync / store_matrix_sync are each lane's
+// own accesses here, not scheduling points: CUDA promises no memory ordering between lanes for
+// them, so a kernel orders a warp's shared-memory writes before another lane's fragment load
+// with __syncwarp() or __syncthreads(), and the race detector checks that it does. Their
+// accesses are checked like any other (bounds, races), and CUDA's rules on the arguments: a
+// 256-bit (32-byte) aligned pointer, ldm a multiple of 16 bytes, else a DeviceAssertError.
+// ---------------------------------------------------------------------------------------------
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K>
+struct fragment_dims;
+template <int M, int N, int K>
+struct fragment_dims<matrix_a, M, N, K> {
+    static constexpr int rows = M, cols = K;
+};
+template <int M, int N, int K>
+struct fragment_dims<matrix_b, M, N, K> {
+    static constexpr int rows = K, cols = N;
+};
+template <int M, int N, int K>
+struct fragment_dims<accumulator, M, N, K> {
+    static constexpr int rows = M, cols = N;
+};
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+class fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "the CUDA emulator implements the wmma shape m16n16k16 only");
+    static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float> : std::is_same_v<T, __nv_bfloat16>,
+                  "the CUDA emulator implements __nv_bfloat16 A/B fragments with float accumulators only");
+
+public:
+    using element_type = T;
+    static constexpr int rows = fragment_dims<Use, M, N, K>::rows;
+    static constexpr int cols = fragment_dims<Use, M, N, K>::cols;
+    static constexpr int num_elements = rows * cols / 32;
+    T x[num_elements];
+};
+
+namespace emu {
+inline unsigned lane_id() {
+    const auto& t = ::cuda_emu::detail::g_builtins;
+    return (t.thread_idx.x + t.block_dim.x * (t.thread_idx.y + t.block_dim.y * t.thread_idx.z)) % 32u;
+}
+template <class T>
+inline void check_access(const T* p, unsigned ldm, const char* what, const std::source_location& loc) {
+    if (reinterpret_cast<uintptr_t>(p) % 32 != 0)
+        ::cuda_emu::detail::trap(what, loc);
+    if ((static_cast<size_t>(ldm) * sizeof(T)) % 16 != 0)
+        ::cuda_emu::detail::trap(what, loc);
+}
+// One lane's operands of mma_sync; the warp's D = A B + C is computed once, when the last lane
+// arrives (the runtime calls mma_warp with all 32 lanes' MmaLane), from every lane's fragments.
+struct MmaLane {
+    ::cuda_emu::detail::WarpCollective head;
+    const __nv_bfloat16* a;
+    const __nv_bfloat16* b;
+    const float* c;
+    float* d;
+    bool satf;
+};
+// Not instrumented: the lanes' fragments are their registers, not memory a kernel shares.
+__attribute__((no_sanitize_thread)) inline void mma_warp(void* const* lanes) {
+    const MmaLane* const* l = reinterpret_cast<const MmaLane* const*>(lanes);
+    float out[32][8];
+    for (int lane = 0; lane < 32; ++lane) {
+        for (int i = 0; i < 8; ++i) {
+            const int idx = lane + 32 * i;
+            const int r = idx / 16, col = idx % 16;
+            float acc = l[lane]->c[i];
+            for (int k = 0; k < 16; ++k) {
+                const int ia = r * 16 + k, ib = k * 16 + col;  // row-major element numbers in A and B
+                acc = fmaf(static_cast<float>(l[ia % 32]->a[ia / 32]), static_cast<float>(l[ib % 32]->b[ib / 32]), acc);
+            }
+            out[lane][i] = l[lane]->satf ? fminf(fmaxf(acc, 0.0f), 1.0f) : acc;
+        }
+    }
+    for (int lane = 0; lane < 32; ++lane)  // after every read: d may be c
+        for (int i = 0; i < 8; ++i) l[lane]->d[i] = out[lane][i];
+}
+}  // namespace emu
+
+template <class Use, class T, class Layout>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, const T& v) {
+    for (int i = 0; i < f.num_elements; ++i) f.x[i] = v;
+}
+
+template <class Use, class Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, __nv_bfloat16, Layout>& f, const __nv_bfloat16* p, unsigned ldm,
+                             std::source_location loc = std::source_location::current()) {
+    emu::check_access(p, ldm, "wmma::load_matrix_sync: the pointer must be 32-byte aligned and ldm a multiple of 8 "
+                              "bf16 elements", loc);
+    const int lane = static_cast<int>(emu::lane_id());
+    for (int i = 0; i < f.num_elements; ++i) {
+        const int idx = lane + 32 * i, r = idx / f.cols, c = idx % f.cols;
+        f.x[i] = std::is_same_v<Layout, row_major> ? p[static_cast<size_t>(r) * ldm + c] : p[static_cast<size_t>(c) * ldm + r];
+    }
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t layout,
+                             std::source_location loc = std::source_location::current()) {
+    emu::check_access(p, ldm, "wmma::load_matrix_sync: the pointer must be 32-byte aligned and ldm a multiple of 4 "
+                              "floats", loc);
+    const int lane = static_cast<int>(emu::lane_id());
+    for (int i = 0; i < f.num_elements; ++i) {
+        const int idx = lane + 32 * i, r = idx / 16, c = idx % 16;
+        f.x[i] = layout == mem_row_major ? p[static_cast<size_t>(r) * ldm + c] : p[static_cast<size_t>(c) * ldm + r];
+    }
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t layout,
+                              std::source_location loc = std::source_location::current()) {
+    emu::check_access(p, ldm, "wmma::store_matrix_sync: the pointer must be 32-byte aligned and ldm a multiple of 4 "
+                              "floats", loc);
+    const int lane = static_cast<int>(emu::lane_id());
+    for (int i = 0; i < f.num_elements; ++i) {
+        const int idx = lane + 32 * i, r = idx / 16, c = idx % 16;
+        (layout == mem_row_major ? p[static_cast<size_t>(r) * ldm + c] : p[static_cast<size_t>(c) * ldm + r]) = f.x[i];
+    }
+}
+
+template <class LA, class LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LB>& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c, bool satf = false,
+                     std::source_location loc = std::source_location::current()) {
+    emu::MmaLane me{{&emu::mma_warp}, a.x, b.x, c.x, d.x, satf};
+    ::cuda_emu::detail::warp_op(::cuda_emu::detail::kMmaSync, 0xffffffffu, reinterpret_cast<uintptr_t>(&me), 0, 32, loc);
+}
+}  // namespace wmma
+}  // namespace nvcuda
 
 // ---------------------------------------------------------------------------------------------
 // Kernel registration, used by the launcher's generated code after the kernel sources: exports

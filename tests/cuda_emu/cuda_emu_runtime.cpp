@@ -327,7 +327,7 @@ const char* warp_op_name(int op) {
         "__syncwarp",        "__shfl_sync",       "__shfl_up_sync",    "__shfl_down_sync",  "__shfl_xor_sync",
         "__ballot_sync",     "__any_sync",        "__all_sync",        "__reduce_add_sync", "__reduce_add_sync",
         "__reduce_min_sync", "__reduce_min_sync", "__reduce_max_sync", "__reduce_max_sync", "__reduce_and_sync",
-        "__reduce_or_sync",  "__reduce_xor_sync"};
+        "__reduce_or_sync",  "__reduce_xor_sync", "wmma::mma_sync"};
     return (op >= 0 && op < kWarpOpCount) ? names[op] : "?";
 }
 
@@ -899,7 +899,16 @@ void complete_warp_op(unsigned warp_index, const PendingWarpOp& p) {
     on_warp_sync(warp_index, p.mask);
     Fiber* const* lanes = &g.fibers[warp_index * 32];
     uint64_t combined = 0;
-    if (p.op == kBallot || p.op == kAny || p.op == kAll) {
+    if (p.op == kMmaSync) {
+        void* args[32] = {};
+        const WarpCollective* any = nullptr;
+        for (unsigned lane = 0; lane < 32; ++lane) {
+            if (!((p.mask >> lane) & 1u)) continue;
+            args[lane] = reinterpret_cast<void*>(static_cast<uintptr_t>(lanes[lane]->value));
+            any = static_cast<const WarpCollective*>(args[lane]);
+        }
+        if (any != nullptr) any->fn(args);
+    } else if (p.op == kBallot || p.op == kAny || p.op == kAll) {
         for (unsigned lane = 0; lane < 32; ++lane)
             if ((p.mask >> lane) & 1u && lanes[lane]->value != 0) combined |= 1ull << lane;
         if (p.op == kAny) combined = combined != 0;

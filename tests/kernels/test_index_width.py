@@ -5,7 +5,7 @@ Every integer product, initialisation and cast in the kernel sources is typed fr
 declarations before it (parameters, locals, struct members, CUDA's built-in indices) and:
 
 * a product of two 32-bit integers fails unless one factor is a compile-time constant (``P``,
-  ``WARP_SIZE``, a literal) or both are bounded by the block size (``threadIdx``, ``blockDim``):
+  ``WARP_SIZE``, a literal, a template parameter) or both are bounded by the block size (``threadIdx``, ``blockDim``):
   ``row * W`` with an ``int`` row, ``blockIdx.x * blockDim.x``, ``(int)k * C`` all fail;
 * a 32-bit variable initialised from an expression holding a 64-bit value fails (silent
   narrowing: ``const int off = g.row * Tk``);
@@ -77,6 +77,11 @@ class Types:
                     self.decls.append((base and -1 or m.start(), m.group(1), PTR))
             for m in re.finditer(r"\bfloat\s+(\w+)\s*\[", text):
                 self.decls.append((base and -1 or m.start(), m.group(1), FLOAT))
+            # template value parameters (`template <typename T, int D, int R>`) are compile-time
+            # constants: declared again just after the integer declaration the first regex saw
+            for t in re.finditer(r"\btemplate\s*<([^<>]*)>", text):
+                for m in re.finditer(r"\b(?:int|unsigned|long long|size_t)\s+(\w+)", t.group(1)):
+                    self.decls.append((base and -1 or t.start(1) + m.start(1) + 1, m.group(1), CONST))
         self.decls.sort(key=lambda d: d[0])
 
     def of(self, name: str, pos: int) -> str:

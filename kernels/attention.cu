@@ -1,0 +1,482 @@
+// Fused causal attention (the FlashAttention-2 algorithm), forward and backward, with grouped
+// query heads (GQA): cutp.ops.causal_attention_forward/backward's kernels on a GPU.
+//
+//   o = softmax(scale * q k^T, causal) v     per query head and the KV head of its group
+//
+// Nothing T x T is ever stored: the forward walks the key/value tiles of a query tile with an
+// online softmax (running row max m and sum l, the accumulated output rescaled by exp(m_old -
+// m_new) when the max grows) and writes o and the row's log-sum-exp lse = m + log(l); the
+// backward recomputes each tile's probabilities from q k^T and lse.
+//   attention_forward     grid (query tiles, B * Hkv * G); tiles above the causal diagonal are
+//                         never visited, the diagonal tile is masked; the longest rows first.
+//   attention_backward_rowdot  D[row] = sum(dO * O) over the head dim (FA-2's precompute).
+//   attention_backward_dq grid (query tiles, B * Hkv * G): per query tile, over its key tiles,
+//                         dS = P * (dP - D) with dP = dO v^T, dq = scale * dS k.
+//   attention_backward_dkdv grid (key tiles, B * Hkv): per key tile of a KV head, over the G
+//                         query heads of its group and their query tiles from the diagonal on,
+//                         dv = P^T dO, dk = scale * dS^T q: a shared KV head's gradient is summed
+//                         in the block, never copied per query head, and never needs atomics.
+// dq and dk/dv in two kernels rather than dq by float atomics: deterministic results (the
+// price: S and dP computed twice).
+//
+// Layout: a tile is R rows (R = 16 x the block's warps); each warp owns a band of 16 rows of
+// every tile product ("band_gemm"): float32 inputs multiply on the CUDA cores (each lane two or
+// four columns of the band, all 16 rows, in registers), bfloat16 inputs on the tensor cores
+// (nvcuda::wmma, m16n16k16, float accumulation). Accumulators (o, dq, dk, dv) and score tiles
+// live in float32 shared memory, so the wmma fragment layout, which CUDA leaves unspecified,
+// never matters. Shared tiles are padded (see the *_ld helpers) against bank conflicts and to
+// keep every wmma pointer 32-byte aligned. The launcher (kernels/attention.py) sizes the dynamic
+// shared memory with the same formulas (attention_shared_bytes) and picks R per kernel and head
+// dim. Offsets of q, k, v, o and the gradients are 64-bit strides (views of a fused QKV
+// projection's output need no copy); the head dim is contiguous.
+#define CUTP_TENSOR_CORES
+#include "common.cuh"
+
+namespace attn_impl {
+
+constexpr int BAND = 16;  // rows per warp: the wmma tile's height
+
+// Row strides (elements) of the shared tiles. Inputs: float rows D + 1 (a lane per row of an
+// n-by-k read walks the banks), bf16 rows D + 8 (wmma's ldm must be a multiple of 16 bytes).
+template <typename T>
+__host__ __device__ constexpr int input_ld(int D) {
+    return sizeof(T) == 4 ? D + 1 : D + 8;
+}
+__host__ __device__ constexpr int score_ld(int R) { return R + 4; }   // float score tiles
+__host__ __device__ constexpr int prob_ld(int R) { return R + 8; }    // bf16 probability tiles
+__host__ __device__ constexpr int accum_ld(int D) { return D + 4; }   // float accumulators
+
+// C[16][N] = (ACC ? C : 0) + A[16][K] op(B); op(B) = B^T with B stored [N][K] (NT), else B [K][N];
+// row strides LDC, LDA, LDB (compile-time, like every tile shape here). One warp; every lane must
+// call it. float: a lane computes columns lane + 32 j of all 16 rows.
+template <int N, int K, bool NT, bool ACC, int LDC, int LDA, int LDB>
+__device__ __forceinline__ void band_gemm(float* C, const float* A, const float* B) {
+    constexpr int J = N / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    float acc[BAND][J];
+#pragma unroll
+    for (int r = 0; r < BAND; ++r)
+#pragma unroll
+        for (int j = 0; j < J; ++j) acc[r][j] = ACC ? C[r * LDC + lane + WARP_SIZE * j] : 0.0f;
+    for (int k = 0; k < K; ++k) {
+        float b[J];
+#pragma unroll
+        for (int j = 0; j < J; ++j) b[j] = NT ? B[(lane + WARP_SIZE * j) * LDB + k] : B[k * LDB + lane + WARP_SIZE * j];
+#pragma unroll
+        for (int r = 0; r < BAND; ++r) {
+            const float a = A[r * LDA + k];
+#pragma unroll
+            for (int j = 0; j < J; ++j) acc[r][j] += a * b[j];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < BAND; ++r)
+#pragma unroll
+        for (int j = 0; j < J; ++j) C[r * LDC + lane + WARP_SIZE * j] = acc[r][j];
+}
+
+// B's fragment layout: B^T stored [N][K] is B column-major (NVRTC has no <type_traits>).
+template <bool NT>
+struct BLayout {
+    using type = nvcuda::wmma::row_major;
+};
+template <>
+struct BLayout<true> {
+    using type = nvcuda::wmma::col_major;
+};
+
+// bf16: tensor cores, one 16 x 16 output fragment at a time through float shared memory.
+template <int N, int K, bool NT, bool ACC, int LDC, int LDA, int LDB>
+__device__ __forceinline__ void band_gemm(float* C, const __nv_bfloat16* A, const __nv_bfloat16* B) {
+    using namespace nvcuda;
+    for (int n0 = 0; n0 < N; n0 += 16) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+        if (ACC) {
+            wmma::load_matrix_sync(c, C + n0, LDC, wmma::mem_row_major);
+        } else {
+            wmma::fill_fragment(c, 0.0f);
+        }
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, typename BLayout<NT>::type> b;
+            wmma::load_matrix_sync(a, A + k0, LDA);
+            wmma::load_matrix_sync(b, NT ? B + n0 * LDB + k0 : B + k0 * LDB + n0, LDB);
+            wmma::mma_sync(c, a, b, c);
+        }
+        wmma::store_matrix_sync(C + n0, c, LDC, wmma::mem_row_major);
+    }
+}
+
+// Rows [t0, t0 + R) of one head (row t at base + t * st, D contiguous elements) into a shared
+// tile of row stride ld; rows t >= t_end are zeros. Every thread of the block takes part.
+template <typename T, int D, int R>
+__device__ __forceinline__ void load_tile(T* tile, const T* base, long long st, int t0, int t_end) {
+    constexpr int LD = input_ld<T>(D);
+    for (int e = threadIdx.x; e < R * D; e += blockDim.x) {
+        const int r = e / D, c = e % D;
+        const int t = t0 + r;
+        tile[r * LD + c] = t < t_end ? base[t * st + c] : from_float<T>(0.0f);
+    }
+}
+
+// Where a kernel's probability-like operand (P, dS) lives: float kernels overwrite the float
+// score tile in place (each lane rewrites exactly the elements it read), bf16 kernels need a
+// bf16 copy for the tensor cores.
+template <typename T>
+struct ProbTile {
+    static constexpr bool separate = sizeof(T) != 4;
+    __host__ __device__ static constexpr int ld(int R) { return separate ? prob_ld(R) : score_ld(R); }
+};
+
+template <typename T, int D, int R>
+__device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, int Hkv, int G, int Tq, int Tk,
+                        long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh,
+                        long long k_st, long long v_sb, long long v_sh, long long v_st, float scale) {
+    constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
+    extern __shared__ __align__(32) unsigned char smem[];
+    T* Qs = reinterpret_cast<T*>(smem);
+    T* Ks = Qs + R * LD;
+    T* Vs = Ks + R * LD;
+    float* Ss = reinterpret_cast<float*>(Vs + R * LD);
+    float* Os = Ss + R * SLD;
+    T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(Os + R * OLD) : reinterpret_cast<T*>(Ss);
+    constexpr int PLD = ProbTile<T>::ld(R);
+
+    const long long bh = blockIdx.y;  // (b, hk, g) of the query head
+    const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * R;  // the longest rows first
+    const int off = Tk - Tq;                             // query row i is at position off + i
+    const T* qb = q + b * q_sb + hk * q_sh + g * q_sg;
+    const T* kb = k + b * k_sb + hk * k_sh;
+    const T* vb = v + b * v_sb + hk * v_sh;
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int r = lane >> 1, half = lane & 1;  // this lane's row of the warp's band, and which columns
+    const int row = warp * BAND + r;
+    const int qpos = off + q0 + row;
+    float* Ob = Os + warp * BAND * OLD;
+    float* Sb = Ss + warp * BAND * SLD;
+    T* Pb = Ps + warp * BAND * PLD;
+
+    load_tile<T, D, R>(Qs, qb, q_st, q0, Tq);
+    for (int e = lane; e < BAND * D; e += WARP_SIZE) Ob[(e / D) * OLD + e % D] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    const int last_pos = off + min(q0 + R, Tq) - 1;  // the tile's last query sees keys 0 .. last_pos
+    for (int k0 = 0; k0 <= last_pos; k0 += R) {
+        __syncthreads();  // every warp is done with the previous K, V tiles
+        load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
+        load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
+        __syncthreads();
+        band_gemm<R, D, true, false, SLD, LD, LD>(Sb, Qs + warp * BAND * LD, Ks);
+        __syncwarp();
+        // Online softmax of the band's row: this lane has columns half, half + 2, ...
+        float s[R / 2];
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < R / 2; ++j) {
+            const int c = 2 * j + half, key = k0 + c;
+            const float x = (key <= qpos && key < Tk) ? Sb[r * SLD + c] * scale : -INFINITY;
+            s[j] = x;
+            tile_max = fmaxf(tile_max, x);
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+        const float m_new = fmaxf(m, tile_max);  // finite: key 0 (first tile) is visible to every row
+        float row_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < R / 2; ++j) {
+            const float p = expf(s[j] - m_new);
+            row_sum += p;
+            Pb[r * PLD + 2 * j + half] = from_float<T>(p);
+        }
+        row_sum += __shfl_xor_sync(FULL_MASK, row_sum, 1);
+        const float alpha = expf(m - m_new);  // 0 on the first tile (m = -inf)
+        l = l * alpha + row_sum;
+        m = m_new;
+        // O rows *= alpha, a row at a time (the lanes over its columns)
+        for (int rr = 0; rr < BAND; ++rr) {
+            const float a = __shfl_sync(FULL_MASK, alpha, 2 * rr);
+            for (int d = lane; d < D; d += WARP_SIZE) Ob[rr * OLD + d] *= a;
+        }
+        __syncwarp();
+        band_gemm<D, R, false, true, OLD, PLD, LD>(Ob, Pb, Vs);
+    }
+    __syncwarp();
+    const float inv_l = 1.0f / l;
+    for (int rr = 0; rr < BAND; ++rr) {
+        const float inv = __shfl_sync(FULL_MASK, inv_l, 2 * rr);
+        const int t = q0 + warp * BAND + rr;
+        if (t < Tq) {
+            T* orow = o + (((b * Tq + t) * Hkv + hk) * G + g) * D;  // token-major [B, Tq, Hkv, G, D]
+            for (int d = lane; d < D; d += WARP_SIZE) orow[d] = from_float<T>(Ob[rr * OLD + d] * inv);
+        }
+    }
+    if (half == 0 && q0 + row < Tq) lse[bh * Tq + q0 + row] = m + logf(l);
+}
+
+// D[row] = sum_d dO[row, d] * O[row, d] in float: a warp per (query head, row).
+template <typename T, int D>
+__device__ void backward_rowdot(float* out, const T* o, const T* dout, int Hkv, int G, int Tq, long long o_sb,
+                                long long o_sh, long long o_sg, long long o_st, long long do_sb, long long do_sh,
+                                long long do_sg, long long do_st, long long n_rows) {
+    const long long row = blockIdx.x * (long long)(blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= n_rows) return;  // whole warps: no barrier or full-mask operation follows for them
+    const long long t = row % Tq, bh = row / Tq;
+    const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
+    const T* orow = o + b * o_sb + hk * o_sh + g * o_sg + t * o_st;
+    const T* drow = dout + b * do_sb + hk * do_sh + g * do_sg + t * do_st;
+    float acc = 0.0f;
+    for (int d = lane; d < D; d += WARP_SIZE) acc += to_float(orow[d]) * to_float(drow[d]);
+    acc = warp_reduce_sum(acc);
+    if (lane == 0) out[row] = acc;
+}
+
+template <typename T, int D, int R>
+__device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                            const float* rowdot, int Hkv, int G, int Tq, int Tk, long long q_sb, long long q_sh,
+                            long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
+                            long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
+                            long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,
+                            long long dq_st, float scale) {
+    constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
+    extern __shared__ __align__(32) unsigned char smem[];
+    T* Qs = reinterpret_cast<T*>(smem);
+    T* dOs = Qs + R * LD;
+    T* Ks = dOs + R * LD;
+    T* Vs = Ks + R * LD;
+    float* Ss = reinterpret_cast<float*>(Vs + R * LD);
+    float* dPs = Ss + R * SLD;
+    float* dQs = dPs + R * SLD;
+    T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(dQs + R * OLD) : reinterpret_cast<T*>(Ss);
+    constexpr int PLD = ProbTile<T>::ld(R);
+
+    const long long bh = blockIdx.y;
+    const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * R;
+    const int off = Tk - Tq;
+    const T* kb = k + b * k_sb + hk * k_sh;
+    const T* vb = v + b * v_sb + hk * v_sh;
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int r = lane >> 1, half = lane & 1;
+    const int t = q0 + warp * BAND + r;
+    const int qpos = off + t;
+    const float row_lse = t < Tq ? lse[bh * Tq + t] : 0.0f;
+    const float row_dot = t < Tq ? rowdot[bh * Tq + t] : 0.0f;
+    float* dQb = dQs + warp * BAND * OLD;
+    float* Sb = Ss + warp * BAND * SLD;
+    float* dPb = dPs + warp * BAND * SLD;
+    T* Pb = Ps + warp * BAND * PLD;
+
+    load_tile<T, D, R>(Qs, q + b * q_sb + hk * q_sh + g * q_sg, q_st, q0, Tq);
+    load_tile<T, D, R>(dOs, dout + b * do_sb + hk * do_sh + g * do_sg, do_st, q0, Tq);
+    for (int e = lane; e < BAND * D; e += WARP_SIZE) dQb[(e / D) * OLD + e % D] = 0.0f;
+    const int last_pos = off + min(q0 + R, Tq) - 1;
+    for (int k0 = 0; k0 <= last_pos; k0 += R) {
+        __syncthreads();
+        load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
+        load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
+        __syncthreads();
+        band_gemm<R, D, true, false, SLD, LD, LD>(Sb, Qs + warp * BAND * LD, Ks);
+        band_gemm<R, D, true, false, SLD, LD, LD>(dPb, dOs + warp * BAND * LD, Vs);
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < R / 2; ++j) {
+            const int c = 2 * j + half, key = k0 + c;
+            const bool seen = key <= qpos && key < Tk && t < Tq;
+            const float p = seen ? expf(Sb[r * SLD + c] * scale - row_lse) : 0.0f;
+            Pb[r * PLD + c] = from_float<T>(p * (dPb[r * SLD + c] - row_dot));
+        }
+        __syncwarp();
+        band_gemm<D, R, false, true, OLD, PLD, LD>(dQb, Pb, Ks);
+    }
+    __syncwarp();
+    for (int rr = 0; rr < BAND; ++rr) {
+        const int tt = q0 + warp * BAND + rr;
+        if (tt < Tq) {
+            T* out = dq + b * dq_sb + hk * dq_sh + g * dq_sg + tt * dq_st;
+            for (int d = lane; d < D; d += WARP_SIZE) out[d] = from_float<T>(dQb[rr * OLD + d] * scale);
+        }
+    }
+}
+
+template <typename T, int D, int R>
+__device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                              const float* rowdot, int Hkv, int G, int Tq, int Tk, long long q_sb, long long q_sh,
+                              long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
+                              long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
+                              long long do_sg, long long do_st, long long dk_sb, long long dk_sh, long long dk_st,
+                              long long dv_sb, long long dv_sh, long long dv_st, float scale) {
+    constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
+    extern __shared__ __align__(32) unsigned char smem[];
+    T* Ks = reinterpret_cast<T*>(smem);
+    T* Vs = Ks + R * LD;
+    T* Qs = Vs + R * LD;
+    T* dOs = Qs + R * LD;
+    float* STs = reinterpret_cast<float*>(dOs + R * LD);  // S^T: [keys][queries]
+    float* dPTs = STs + R * SLD;
+    float* dKs = dPTs + R * SLD;
+    float* dVs = dKs + R * OLD;
+    float* lse_s = dVs + R * OLD;
+    float* dot_s = lse_s + R;
+    T* PTs = ProbTile<T>::separate ? reinterpret_cast<T*>(dot_s + R) : reinterpret_cast<T*>(STs);
+    T* dSTs = ProbTile<T>::separate ? PTs + R * prob_ld(R) : reinterpret_cast<T*>(dPTs);
+    constexpr int PLD = ProbTile<T>::ld(R);
+
+    const long long bk = blockIdx.y;  // (b, hk)
+    const long long b = bk / Hkv, hk = bk % Hkv;
+    const int k0 = (gridDim.x - 1 - blockIdx.x) * R;  // the most query tiles first
+    const int off = Tk - Tq;
+
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int r = lane >> 1, half = lane & 1;
+    const int kpos = k0 + warp * BAND + r;
+    float* STb = STs + warp * BAND * SLD;
+    float* dPTb = dPTs + warp * BAND * SLD;
+    float* dKb = dKs + warp * BAND * OLD;
+    float* dVb = dVs + warp * BAND * OLD;
+    T* PTb = PTs + warp * BAND * PLD;
+    T* dSTb = dSTs + warp * BAND * PLD;
+
+    load_tile<T, D, R>(Ks, k + b * k_sb + hk * k_sh, k_st, k0, Tk);
+    load_tile<T, D, R>(Vs, v + b * v_sb + hk * v_sh, v_st, k0, Tk);
+    for (int e = lane; e < BAND * D; e += WARP_SIZE) {
+        dKb[(e / D) * OLD + e % D] = 0.0f;
+        dVb[(e / D) * OLD + e % D] = 0.0f;
+    }
+    const int first_row = max(0, k0 - off);  // queries before it see none of these keys
+    for (int g = 0; g < G; ++g) {
+        const long long bh = bk * G + g;
+        const T* qb = q + b * q_sb + hk * q_sh + g * q_sg;
+        const T* db = dout + b * do_sb + hk * do_sh + g * do_sg;
+        for (int q0 = first_row - first_row % R; q0 < Tq; q0 += R) {
+            __syncthreads();  // every warp is done with the previous Q, dO tiles
+            load_tile<T, D, R>(Qs, qb, q_st, q0, Tq);
+            load_tile<T, D, R>(dOs, db, do_st, q0, Tq);
+            for (int i = threadIdx.x; i < R; i += blockDim.x) {
+                lse_s[i] = q0 + i < Tq ? lse[bh * Tq + q0 + i] : 0.0f;
+                dot_s[i] = q0 + i < Tq ? rowdot[bh * Tq + q0 + i] : 0.0f;
+            }
+            __syncthreads();
+            band_gemm<R, D, true, false, SLD, LD, LD>(STb, Ks + warp * BAND * LD, Qs);
+            band_gemm<R, D, true, false, SLD, LD, LD>(dPTb, Vs + warp * BAND * LD, dOs);
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < R / 2; ++j) {
+                const int c = 2 * j + half, t = q0 + c;
+                const bool seen = t < Tq && kpos <= off + t && kpos < Tk;
+                const float p = seen ? expf(STb[r * SLD + c] * scale - lse_s[c]) : 0.0f;
+                const float ds = p * (dPTb[r * SLD + c] - dot_s[c]);
+                PTb[r * PLD + c] = from_float<T>(p);
+                dSTb[r * PLD + c] = from_float<T>(ds);
+            }
+            __syncwarp();
+            band_gemm<D, R, false, true, OLD, PLD, LD>(dVb, PTb, dOs);
+            band_gemm<D, R, false, true, OLD, PLD, LD>(dKb, dSTb, Qs);
+        }
+    }
+    __syncwarp();
+    for (int rr = 0; rr < BAND; ++rr) {
+        const int key = k0 + warp * BAND + rr;
+        if (key < Tk) {
+            T* dkrow = dk + b * dk_sb + hk * dk_sh + key * dk_st;
+            T* dvrow = dv + b * dv_sb + hk * dv_sh + key * dv_st;
+            for (int d = lane; d < D; d += WARP_SIZE) {
+                dkrow[d] = from_float<T>(dKb[rr * OLD + d] * scale);
+                dvrow[d] = from_float<T>(dVb[rr * OLD + d]);
+            }
+        }
+    }
+}
+
+}  // namespace attn_impl
+
+// ---- entry points: {forward, backward_dq, backward_dkdv} x {f32, bf16} x head dim {64, 128} -----
+// Tile rows R: 64 for the forward; 64 (head dim 64) or 32 (head dim 128) for the backward, whose
+// blocks hold twice the tiles (kernels/attention.py, ATTENTION_TILE_ROWS). Threads: 2 x R.
+#define ATTN_FWD_PARAMS(T)                                                                                      \
+    T *o, float *lse, const T *q, const T *k, const T *v, int Hkv, int G, int Tq, int Tk, long long q_sb,      \
+        long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,        \
+        long long v_sb, long long v_sh, long long v_st, float scale
+#define ATTN_FWD_ARGS o, lse, q, k, v, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, scale
+
+extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d64(ATTN_FWD_PARAMS(float)) {
+    attn_impl::forward<float, 64, 64>(ATTN_FWD_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d128(ATTN_FWD_PARAMS(float)) {
+    attn_impl::forward<float, 128, 64>(ATTN_FWD_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_d64(ATTN_FWD_PARAMS(__nv_bfloat16)) {
+    attn_impl::forward<__nv_bfloat16, 64, 64>(ATTN_FWD_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_d128(ATTN_FWD_PARAMS(__nv_bfloat16)) {
+    attn_impl::forward<__nv_bfloat16, 128, 64>(ATTN_FWD_ARGS);
+}
+
+#define ATTN_ROWDOT_PARAMS(T)                                                                                   \
+    float *out, const T *o, const T *dout, int Hkv, int G, int Tq, long long o_sb, long long o_sh,             \
+        long long o_sg, long long o_st, long long do_sb, long long do_sh, long long do_sg, long long do_st,    \
+        long long n_rows
+#define ATTN_ROWDOT_ARGS out, o, dout, Hkv, G, Tq, o_sb, o_sh, o_sg, o_st, do_sb, do_sh, do_sg, do_st, n_rows
+
+extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_f32_d64(ATTN_ROWDOT_PARAMS(float)) {
+    attn_impl::backward_rowdot<float, 64>(ATTN_ROWDOT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_f32_d128(ATTN_ROWDOT_PARAMS(float)) {
+    attn_impl::backward_rowdot<float, 128>(ATTN_ROWDOT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_bf16_d64(
+    ATTN_ROWDOT_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_rowdot<__nv_bfloat16, 64>(ATTN_ROWDOT_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_bf16_d128(
+    ATTN_ROWDOT_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_rowdot<__nv_bfloat16, 128>(ATTN_ROWDOT_ARGS);
+}
+
+#define ATTN_DQ_PARAMS(T)                                                                                       \
+    T *dq, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *rowdot, int Hkv,  \
+        int G, int Tq, int Tk, long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb,  \
+        long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb,       \
+        long long do_sh, long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,  \
+        long long dq_st, float scale
+#define ATTN_DQ_ARGS                                                                                           \
+    dq, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, \
+        do_sb, do_sh, do_sg, do_st, dq_sb, dq_sh, dq_sg, dq_st, scale
+
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_f32_d64(ATTN_DQ_PARAMS(float)) {
+    attn_impl::backward_dq<float, 64, 64>(ATTN_DQ_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_f32_d128(ATTN_DQ_PARAMS(float)) {
+    attn_impl::backward_dq<float, 128, 32>(ATTN_DQ_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_bf16_d64(ATTN_DQ_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_dq<__nv_bfloat16, 64, 64>(ATTN_DQ_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_bf16_d128(ATTN_DQ_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_dq<__nv_bfloat16, 128, 32>(ATTN_DQ_ARGS);
+}
+
+#define ATTN_DKDV_PARAMS(T)                                                                                     \
+    T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *rowdot,    \
+        int Hkv, int G, int Tq, int Tk, long long q_sb, long long q_sh, long long q_sg, long long q_st,        \
+        long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,        \
+        long long do_sb, long long do_sh, long long do_sg, long long do_st, long long dk_sb, long long dk_sh,  \
+        long long dk_st, long long dv_sb, long long dv_sh, long long dv_st, float scale
+#define ATTN_DKDV_ARGS                                                                                          \
+    dk, dv, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh,  \
+        v_st, do_sb, do_sh, do_sg, do_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st, scale
+
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_f32_d64(ATTN_DKDV_PARAMS(float)) {
+    attn_impl::backward_dkdv<float, 64, 64>(ATTN_DKDV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_f32_d128(ATTN_DKDV_PARAMS(float)) {
+    attn_impl::backward_dkdv<float, 128, 32>(ATTN_DKDV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_bf16_d64(ATTN_DKDV_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_dkdv<__nv_bfloat16, 64, 64>(ATTN_DKDV_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_bf16_d128(
+    ATTN_DKDV_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_dkdv<__nv_bfloat16, 128, 32>(ATTN_DKDV_ARGS);
+}

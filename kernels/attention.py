@@ -1,0 +1,163 @@
+"""Launchers of ``kernels/attention.cu``: fused causal attention (FlashAttention-2), forward and
+backward, with grouped query heads.
+
+One op, four places:
+
+* CUDA source: ``kernels/attention.cu``;
+* these launchers (argument checks, strides, tile sizes and shared memory);
+* NumPy reference: ``cutp/ops/attention.py`` (``flash_attention_forward`` /
+  ``flash_attention_backward``, the same tiled algorithm; ``causal_attention_forward`` dispatches
+  here for CuPy arrays, see :func:`fused_attention_supported`);
+* tests: ``tests/kernels/test_attention.py``; benchmark case ``attention`` of
+  ``python -m cutp bench kernels``.
+
+Layouts (the op's): q [B, Hkv, G, Tq, D] (the G query heads of each KV head), k, v
+[B, Hkv, Tk, D], any strides with a contiguous head dim (views of a fused QKV projection's output
+go in as they are: no copy); query row i sits at position Tk - Tq + i. The forward allocates only
+o, token-major [B, Tq, Hkv, G, D] (returned as the [B, Hkv, G, Tq, D] view, so merging the heads
+is a view) and the log-sum-exp lse [B, Hkv, G, Tq] in float32: O(T) memory, nothing T x T.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .runtime import KernelArgumentError, LauncherBase, ceil_div, dtype_suffix, int32_arg, is_kernel_dtype
+
+ATTENTION_HEAD_DIMS = (64, 128)
+ROWDOT_WARPS = 8  # rows (warps) per block of attention_backward_rowdot
+
+
+def attention_tile_rows(kernel: str, head_dim: int) -> int:
+    """R, the query/key rows of a tile (a warp per 16 rows, 2 x R threads): 64, but 32 for the
+    backward at head dim 128, whose blocks hold four input tiles, two score tiles and
+    accumulators (kernels/attention.cu's entry points are instantiated with the same numbers)."""
+    return 32 if kernel != "forward" and head_dim == 128 else 64
+
+
+def attention_shared_bytes(kernel: str, dtype, head_dim: int) -> int:
+    """Dynamic shared memory of a block of attention_{forward,backward_dq,backward_dkdv}: the
+    layout of kernels/attention.cu (input tiles of rows D + 1 floats or D + 8 bf16, float score
+    tiles of R + 4, bf16 probability tiles of R + 8, float accumulators of D + 4)."""
+    R, D = attention_tile_rows(kernel, head_dim), head_dim
+    bf16 = np.dtype(dtype).itemsize == 2
+    tile = R * (D + 8 if bf16 else D + 1) * (2 if bf16 else 4)
+    score, prob, accum = R * (R + 4) * 4, R * (R + 8) * 2, R * (D + 4) * 4
+    if kernel == "forward":  # Q, K, V, S, O (+ P)
+        return 3 * tile + score + accum + (prob if bf16 else 0)
+    if kernel == "backward_dq":  # Q, dO, K, V, S, dP, dQ (+ dS)
+        return 4 * tile + 2 * score + accum + (prob if bf16 else 0)
+    if kernel == "backward_dkdv":  # K, V, Q, dO, S^T, dP^T, dK, dV, lse, D (+ P^T, dS^T)
+        return 4 * tile + 2 * score + 2 * accum + 2 * R * 4 + (2 * prob if bf16 else 0)
+    raise ValueError(f"unknown attention kernel {kernel!r}")
+
+
+def fused_attention_supported(q, k, v, dropout_p: float = 0.0) -> str | None:
+    """None when the fused kernels take these operands, else why not (one line): head dims 64
+    and 128, float32 or bfloat16, one dtype, a contiguous head dim, no attention dropout."""
+    if float(dropout_p) != 0.0:
+        return "attention dropout needs the unfused path (its mask is drawn over the T x T probabilities)"
+    if not (q.dtype == k.dtype == v.dtype) or not is_kernel_dtype(q.dtype):
+        return f"the fused attention takes float32 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] not in ATTENTION_HEAD_DIMS:
+        return f"the fused attention takes head dims {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}"
+    for a in (q, k, v):
+        if a.strides[-1] != a.itemsize or any(s < 0 or s % a.itemsize for s in a.strides):
+            return "the fused attention needs a contiguous head dim and non-negative strides"
+    return None
+
+
+def _span(xp, a):
+    """(a 1-D C-contiguous array over a's memory from its first element to its last, a's strides
+    in elements): how a strided view reaches a kernel, which sees one base pointer."""
+    if any(s < 0 or s % a.itemsize for s in a.strides) or (a.ndim and a.strides[-1] != a.itemsize):
+        raise KernelArgumentError(f"an attention operand of shape {a.shape} has strides {a.strides}: the kernels "
+                                  "need non-negative strides and a contiguous last (head) axis")
+    n = 1 + sum((d - 1) * (s // a.itemsize) for d, s in zip(a.shape, a.strides)) if a.size else 0
+    span = xp.lib.stride_tricks.as_strided(a, shape=(n,), strides=(a.itemsize,))
+    return span, [np.int64(s // a.itemsize) for s in a.strides]
+
+
+class AttentionLaunchers(LauncherBase):
+    """attention_forward, attention_backward."""
+
+    def _check(self, q, k, v):
+        xp = self.xp
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(a, xp.ndarray):
+                raise KernelArgumentError(f"{name} must be a {xp.__name__} array, got {type(a).__name__}")
+        if q.ndim != 5 or k.ndim != 4 or v.shape != k.shape or q.shape[:2] != k.shape[:2] or q.shape[4] != k.shape[3]:
+            raise KernelArgumentError(f"attention needs q [B, Hkv, G, Tq, D] and k, v [B, Hkv, Tk, D]; got q {q.shape}, "
+                                      f"k {k.shape}, v {v.shape}")
+        if q.shape[3] > k.shape[2]:
+            raise KernelArgumentError(f"causal attention needs Tq <= Tk, got Tq={q.shape[3]}, Tk={k.shape[2]}")
+        why = fused_attention_supported(q, k, v)
+        if why:
+            raise KernelArgumentError(why)
+        return q.shape[:4] + (k.shape[2], q.shape[4])
+
+    def attention_forward(self, q, k, v, scale: float):
+        """(o, lse): o = softmax(scale * q k^T, causal) v in q's dtype, [B, Hkv, G, Tq, D] (a view
+        of token-major memory [B, Tq, Hkv, G, D]), lse [B, Hkv, G, Tq] float32, the rows'
+        log-sum-exp of the scaled scores (what the backward recomputes the probabilities from)."""
+        xp = self.xp
+        B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        o_tokens = xp.empty((B, Tq, Hkv, G, D), dtype=q.dtype)
+        lse = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
+        if o_tokens.size:
+            qs, q_st = _span(xp, q)
+            ks, k_st = _span(xp, k)
+            vs, v_st = _span(xp, v)
+            R = attention_tile_rows("forward", D)
+            self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_d{D}", (ceil_div(Tq, R), B * Hkv * G),
+                         (2 * R,),
+                         (o_tokens, lse, qs, ks, vs, int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq),
+                          int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale)),
+                         shared_mem=attention_shared_bytes("forward", q.dtype, D))
+        return o_tokens.transpose(0, 2, 3, 1, 4), lse
+
+    def attention_backward(self, do, q, k, v, o, lse, scale: float, out=None):
+        """(dq, dk, dv) of attention_forward's (o, lse) for do shaped like o (any strides with a
+        contiguous head dim). out: optional (dq, dk, dv) arrays of q's, k's, v's shapes to write
+        (views of one packed buffer are fine); new contiguous arrays otherwise. Scratch: the
+        rows' sum(do * o), float32 [B, Hkv, G, Tq]."""
+        xp = self.xp
+        B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        for name, a in (("do", do), ("o", o)):
+            if not isinstance(a, xp.ndarray) or a.shape != q.shape or a.dtype != q.dtype:
+                raise KernelArgumentError(f"{name} must be a {xp.__name__} array of q's shape {q.shape} and dtype "
+                                          f"{q.dtype}, got {getattr(a, 'shape', type(a).__name__)}")
+        if not isinstance(lse, xp.ndarray) or lse.dtype != np.float32 or lse.shape != (B, Hkv, G, Tq) \
+                or not lse.flags.c_contiguous:
+            raise KernelArgumentError(f"lse must be a contiguous float32 array of shape {(B, Hkv, G, Tq)}")
+        if out is None:
+            out = (xp.empty(q.shape, q.dtype), xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
+        for name, a, like in zip(("dq", "dk", "dv"), out, (q, k, v)):
+            if not isinstance(a, xp.ndarray) or a.shape != like.shape or a.dtype != like.dtype:
+                raise KernelArgumentError(f"out {name} must be a {xp.__name__} array of shape {like.shape} and dtype "
+                                          f"{like.dtype}")
+        dq, dk, dv = out
+        if dq.size == 0 or dk.size == 0:
+            if dk.size:
+                dk[...] = 0
+                dv[...] = 0
+            return out
+        sfx = f"{dtype_suffix(q.dtype)}_d{D}"
+        n_rows = B * Hkv * G * Tq
+        rowdot = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
+        (qs, q_st), (ks, k_st), (vs, v_st) = _span(xp, q), _span(xp, k), _span(xp, v)
+        (os_, o_st), (dos, do_st) = _span(xp, o), _span(xp, do)
+        (dqs, dq_st), (dks, dk_st), (dvs, dv_st) = _span(xp, dq), _span(xp, dk), _span(xp, dv)
+        dims = (int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq))
+        self._launch("attention", f"attention_backward_rowdot_{sfx}", (ceil_div(n_rows, ROWDOT_WARPS),),
+                     (32 * ROWDOT_WARPS,), (rowdot, os_, dos, *dims, *o_st[:4], *do_st[:4], np.int64(n_rows)))
+        common = (qs, ks, vs, dos, lse, rowdot, *dims, int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3],
+                  *do_st[:4])
+        R = attention_tile_rows("backward_dq", D)
+        self._launch("attention", f"attention_backward_dq_{sfx}", (ceil_div(Tq, R), B * Hkv * G), (2 * R,),
+                     (dqs, *common, *dq_st[:4], np.float32(scale)),
+                     shared_mem=attention_shared_bytes("backward_dq", q.dtype, D))
+        R = attention_tile_rows("backward_dkdv", D)
+        self._launch("attention", f"attention_backward_dkdv_{sfx}", (ceil_div(Tk, R), B * Hkv), (2 * R,),
+                     (dks, dvs, *common, *dk_st[:3], *dv_st[:3], np.float32(scale)),
+                     shared_mem=attention_shared_bytes("backward_dkdv", q.dtype, D))
+        return out
