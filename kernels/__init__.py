@@ -78,6 +78,7 @@ __all__ = [
     "SOURCES",
     "dispatch",
     "dispatch_xp",
+    "dispatch_views",
     "kernels_enabled",
     "use_kernels",
     "launch_counts",
@@ -155,6 +156,20 @@ def dispatch(*arrays) -> Launchers | None:
     dtype, float32 or bfloat16, C-contiguous (float64, NumPy arrays, mixed dtypes and strided
     views take the reference path)."""
     if not eligible(arrays) or not kernels_enabled():
+        return None
+    return cupy_launchers()
+
+
+def dispatch_views(*arrays) -> Launchers | None:
+    """dispatch() for kernels that take strided views (the fused attention, whose launchers pass
+    strides): CuPy arrays of one dtype, float32 or bfloat16, any layout (the launchers check
+    theirs)."""
+    if not kernels_enabled():
+        return None
+    first = next((a for a in arrays if a is not None), None)
+    if first is None or not is_kernel_dtype(first.dtype):
+        return None
+    if not all(a is None or (is_cupy_array(a) and a.dtype == first.dtype) for a in arrays):
         return None
     return cupy_launchers()
 

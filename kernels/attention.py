@@ -61,7 +61,7 @@ def fused_attention_supported(q, k, v, dropout_p: float = 0.0) -> str | None:
     if q.shape[-1] not in ATTENTION_HEAD_DIMS:
         return f"the fused attention takes head dims {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}"
     for a in (q, k, v):
-        if a.strides[-1] != a.itemsize or any(s < 0 or s % a.itemsize for s in a.strides):
+        if a.size and (a.strides[-1] != a.itemsize or any(s < 0 or s % a.itemsize for s in a.strides)):
             return "the fused attention needs a contiguous head dim and non-negative strides"
     return None
 

@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
+from .attention import ATTENTION_HEAD_DIMS, attention_shared_bytes
 from .layernorm import LAYERNORM_BACKWARD_MAX_C, layernorm_backward_shared_bytes
 from .runtime import SOURCES, kernel_source
 
@@ -94,6 +97,16 @@ TARGETS: dict[str, Target] = {
     "dropout_mask_bool": Target(256, 8, "elementwise"),
     "dropout_forward": Target(256, 8, "elementwise"),
     "dropout_apply": Target(256, 8, "elementwise"),
+    # Fused attention: shared memory (tiles of Q, K, V, scores, float accumulators) decides how many
+    # blocks fit, 1-2 per SM; the targets say registers must not lower that.
+    "attention_forward_d64": Target(128, 2, "84 KiB (f32) / 60 KiB (bf16) of tiles: 2 blocks per SM on sm_80"),
+    "attention_forward_d128": Target(128, 1, "150 KiB (f32) / 112 KiB (bf16) of tiles: 1 block per SM"),
+    "attention_backward_rowdot_d64": Target(256, 8, "a warp per row, elementwise"),
+    "attention_backward_rowdot_d128": Target(256, 8, "a warp per row, elementwise"),
+    "attention_backward_dq_d64": Target(128, 1, "119 KiB (f32) / 98 KiB (bf16) of tiles: 1 block per SM"),
+    "attention_backward_dq_d128": Target(64, 2, "92 KiB (f32) / 73 KiB (bf16) of 32-row tiles: 2 blocks on sm_90"),
+    "attention_backward_dkdv_d64": Target(128, 1, "136 KiB (f32) / 125 KiB (bf16) of tiles: 1 block per SM"),
+    "attention_backward_dkdv_d128": Target(64, 2, "109 KiB (f32) / 83 KiB (bf16) of 32-row tiles: 2 on sm_90"),
 }
 
 
@@ -105,12 +118,18 @@ class DynamicShared:
     bytes_of: Callable[[int], int]
     typical_c: int  # the width the README's occupancy is given at
     biggest_c: int  # the widest row checked against the limits
+    width: str = "C"  # what the width is (attention: the head dim, fixed per entry point)
 
 
 # Every kernel family that launches with dynamic shared memory (the others pass shared_mem=0;
 # tests/test_kernel_resources.py checks that no other launcher passes it).
 DYNAMIC_SHARED: dict[str, DynamicShared] = {
     "layernorm_backward": DynamicShared("2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
+    **{f"attention_{kernel}_d{d}": DynamicShared(
+        "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
+            attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,
+        width="head dim")
+       for kernel in ("forward", "backward_dq", "backward_dkdv") for d in ATTENTION_HEAD_DIMS},
 }
 
 
@@ -129,8 +148,9 @@ class KernelResources:
 
 
 def family(kernel: str) -> str:
-    """The TARGETS key of an entry point: its name without the storage suffix."""
-    return re.sub(r"_(f32|bf16)$", "", kernel)
+    """The TARGETS key of an entry point: its name without the storage suffix (attention's keep
+    their head dim: attention_forward_f32_d64 -> attention_forward_d64)."""
+    return re.sub(r"_(f32|bf16)(_d\d+)?$", r"\2", kernel)
 
 
 # ------------------------------------------------------------------------------------------------

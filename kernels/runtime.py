@@ -368,6 +368,33 @@ def find_cuda_include(nvrtc_major: int | None = None, candidates=None, environ=N
     return found[0]
 
 
+# Sources that use the tensor cores (nvcuda::wmma): NVRTC also needs crt/mma.h.
+TENSOR_CORE_SOURCES = ("attention",)
+
+
+def find_mma_include(cuda_include: str, candidates=None, environ=None) -> str:
+    """The directory holding ``crt/mma.h`` (what ``<mma.h>`` includes) for the tensor-core
+    sources: ``cuda_include`` itself (a toolkit, or CUDA 13's wheels, where ``nvidia-cuda-crt``
+    installs into the same ``nvidia/cu13/include``), else CUDA 12's ``nvidia-cuda-nvcc-cu12``
+    (``nvidia/cuda_nvcc/include``). Raises KernelLoadError naming the wheel otherwise."""
+    environ = os.environ if environ is None else environ
+    cands = [cuda_include] + [d for d, _ in (_include_candidates(environ) if candidates is None else candidates)]
+    try:
+        import nvidia  # optional dependency: the namespace package of NVIDIA's wheels
+
+        cands += [os.path.join(base, "cuda_nvcc", "include") for base in list(nvidia.__path__)]
+    except ImportError:
+        pass
+    for d in cands:
+        if os.path.isfile(os.path.join(d, "crt", "mma.h")):
+            return d
+    raise KernelLoadError(
+        "cutp's fused attention kernels (tensor cores) need crt/mma.h for NVRTC, and none was found. Install "
+        "nvidia-cuda-crt (CUDA 13; in cutp[cuda13]) or nvidia-cuda-nvcc-cu12 (CUDA 12; in cutp[cuda12]), or point "
+        "$CUTP_CUDA_INCLUDE at a CUDA toolkit's include directory. To run attention unfused set CUTP_KERNELS=0. "
+        "Searched: " + ", ".join(cands))
+
+
 def nvrtc_options(include_dir: str) -> tuple[str, ...]:
     """NVRTC options of every kernel module (CuPy adds -arch for the current device)."""
     return ("--std=c++17", f"-I{include_dir}")
@@ -388,6 +415,11 @@ def cupy_module_loader() -> Callable[[str], Any]:
             except Exception:
                 major = None
             options.extend(nvrtc_options(find_cuda_include(major)))
-        return cupy.RawModule(code=kernel_source(name), options=tuple(options))
+        extra = ()
+        if name in TENSOR_CORE_SOURCES:
+            include = options[-1][len("-I"):]
+            mma = find_mma_include(include)
+            extra = () if mma == include else (f"-I{mma}",)
+        return cupy.RawModule(code=kernel_source(name), options=tuple(options) + extra)
 
     return load

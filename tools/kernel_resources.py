@@ -105,9 +105,8 @@ def rows(res: dict) -> list[list[str]]:
             f"{max(r80.static_smem, r90.static_smem)} B",
             f"`{dyn.formula}`" if dyn else "0",
             occ_txt,
-            str(TRAFFIC[fam].bytes_per_element(_itemsize(k))),
-            bound(k, "H100"),
-            bound(k, "H200"),
+            *((str(TRAFFIC[fam].bytes_per_element(_itemsize(k))), bound(k, "H100"), bound(k, "H200"))
+              if fam in TRAFFIC else ("-", "compute (below)", "compute (below)")),
         ])
     return out
 
@@ -127,17 +126,18 @@ def markdown(res: dict, release: str) -> str:
     for fam, dyn in kr.DYNAMIC_SHARED.items():
         entries = sorted({k for k, _ in res if kr.family(k) == fam})
         t = kr.TARGETS[fam]
-        for c in sorted({6144, dyn.biggest_c}):
+        for c in sorted({6144, dyn.biggest_c} if dyn.width == "C" else {dyn.biggest_c}):
             for arch in kr.ARCHS:
                 static = max(res[(k, arch)].static_smem for k in entries)
                 regs = max(res[(k, arch)].registers for k in entries)
                 smem = static + dyn.bytes_of(c)
-                lines.append(f"* `{fam}` at C={c} on {arch}: {smem:,} B of shared memory per block ({static} static), "
+                at = f"C={c}" if dyn.width == "C" else f"head dim {c}"
+                lines.append(f"* `{fam}` at {at} on {arch}: {smem:,} B of shared memory per block ({static} static), "
                              f"over the 48 KiB default, so the launcher opts in (limit "
                              f"{kr.LIMITS[arch].smem_per_block_opt_in:,} B); "
                              f"{kr.blocks_per_sm(arch, t.threads, regs, smem)} block(s) of {t.threads} per SM."
                              if smem > kr.DEFAULT_SHARED_LIMIT else
-                             f"* `{fam}` at C={c} on {arch}: {smem:,} B of shared memory per block, within 48 KiB.")
+                             f"* `{fam}` at {at} on {arch}: {smem:,} B of shared memory per block, within 48 KiB.")
     lines += ["", END]
     return "\n".join(lines)
 

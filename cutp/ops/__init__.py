@@ -10,6 +10,8 @@ from .attention import (
     causal_attention_backward,
     causal_attention_forward,
     causal_attention_reference,
+    flash_attention_backward,
+    flash_attention_forward,
 )
 from .cross_entropy import (
     CrossEntropyCtx,
@@ -39,6 +41,7 @@ from .softmax import SoftmaxCtx, causal_mask, softmax_backward, softmax_forward
 __all__ = [
     "adamw_update",
     "AttentionCtx", "causal_attention_backward", "causal_attention_forward", "causal_attention_reference",
+    "flash_attention_backward", "flash_attention_forward",
     "CrossEntropyCtx", "ce_shard_backward", "ce_shard_max", "ce_shard_stats",
     "cross_entropy_backward", "cross_entropy_forward",
     "DropoutCtx", "dropout_backward", "dropout_forward", "dropout_forward_rows", "dropout_mask", "keep_threshold",

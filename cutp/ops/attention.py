@@ -13,9 +13,17 @@ Two implementations of one formula, chosen per call:
 * the plain composition, on any array module and with or without attention dropout: whole
   score matrices [B, nkv, g, Tq, Tk] through :func:`softmax_forward` and :func:`dropout_forward`
   (the dropout mask is drawn for the whole probability tensor, so dropout needs this path);
-* the blocked NumPy path, without dropout (see "Blocked NumPy path" below).
+* the blocked NumPy path, without dropout (see "Blocked NumPy path" below);
+* on a GPU with kernels on, the fused kernels (``kernels/attention.cu``, FlashAttention-2):
+  CuPy arrays of float32 or bfloat16, head dims 64 or 128, no attention dropout (with dropout, or
+  another head dim, the plain composition runs, and says so in a warning once). The context then
+  keeps q, k, v, o and the rows' log-sum-exp: O(T) memory, nothing T x T, so selective
+  recomputation has nothing left to recompute.
 
-:func:`causal_attention_reference` is the formula written out in the simplest way, for tests.
+:func:`flash_attention_forward` / :func:`flash_attention_backward` are the fused kernels'
+algorithm in array code (tiles, online softmax, log-sum-exp, recomputation in the backward): the
+kernels' reference. :func:`causal_attention_reference` is the formula written out in the simplest
+way, for tests.
 """
 from __future__ import annotations
 
@@ -23,6 +31,10 @@ import math
 
 import numpy as np
 
+import warnings
+
+from cutp.kernels import dispatch_views as _attention_kernels
+from cutp.kernels.attention import fused_attention_supported
 from cutp.runtime.backend import get_array_module
 
 from ._common import as_dtype, compute_dtype, parallel_map
@@ -50,15 +62,25 @@ class AttentionCtx:
     * the plain path: the softmax ctx (its probabilities), the dropout ctx, and the
       probabilities after dropout (``probs``; the softmax's own when nothing was dropped);
     * the blocked path: the pieces ((batch rows, KV heads) slice pairs) and, per piece, its
-      query blocks as ``(r0, r1, softmax ctx)``.
+      query blocks as ``(r0, r1, softmax ctx)``;
+    * the fused kernels: o, the rows' log-sum-exp ``lse`` [B, nkv, g, Tq] (float32), the scale
+      and the kernels' launchers.
     """
 
-    __slots__ = ("q", "k", "v", "softmax", "dropout", "probs", "pieces", "piece_blocks")
+    __slots__ = ("q", "k", "v", "softmax", "dropout", "probs", "pieces", "piece_blocks", "o", "lse", "scale",
+                 "kernels")
 
-    def __init__(self, q, k, v, *, softmax=None, dropout=None, probs=None, pieces=None, piece_blocks=None):
+    def __init__(self, q, k, v, *, softmax=None, dropout=None, probs=None, pieces=None, piece_blocks=None, o=None,
+                 lse=None, scale=None, kernels=None):
         self.q, self.k, self.v = q, k, v
         self.softmax, self.dropout, self.probs = softmax, dropout, probs
         self.pieces, self.piece_blocks = pieces, piece_blocks
+        self.o, self.lse, self.scale, self.kernels = o, lse, scale, kernels
+
+    @property
+    def fused(self) -> bool:
+        """Whether the forward ran the fused kernels (the context holds O(T) memory)."""
+        return self.lse is not None
 
     @property
     def blocked(self) -> bool:
@@ -77,7 +99,7 @@ def _check_shapes(q, k, v):
 
 
 def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                             blocked=None):
+                             blocked=None, fused=None):
     """``o = dropout(softmax(scale * q k^T, causal)) @ v`` per query head and its KV head.
 
     Args:
@@ -92,6 +114,10 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
         blocked: ``None`` picks the blocked path for NumPy arrays without dropout, the plain
             one otherwise; ``False`` forces the plain path; ``True`` the blocked one (NumPy,
             no dropout, else ``ValueError``).
+        fused: ``None`` runs the fused kernels where they apply (CuPy arrays, kernels on,
+            float32/bfloat16, head dim 64 or 128, no dropout; otherwise a warning once per
+            reason, then the other paths); ``False`` never (``blocked=False`` implies it);
+            ``True`` requires them (``ValueError`` with the reason).
 
     Returns ``(o, ctx)``: o [B, nkv, g, Tq, hd] in q's dtype. The blocked path writes o's memory
     token-major, [B, Tq, nkv, g, hd], so merging the heads afterwards,
@@ -101,6 +127,19 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
     _check_shapes(q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if fused is not False and blocked is not False:
+        kernels = _attention_kernels(q, k, v)
+        why = "the fused attention needs CuPy arrays with kernels on" if kernels is None else \
+            fused_attention_supported(q, k, v, dropout_p)
+        if why is None:
+            o, lse = kernels.attention_forward(q, k, v, scale)
+            return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels)
+        if fused:
+            raise ValueError(why)
+        if kernels is not None:
+            _warn_unfused_once(why)
+    elif fused:
+        raise ValueError("fused=True contradicts blocked=False")
     xp = get_array_module(q, k, v)
     can_block = xp is np and float(dropout_p) == 0.0
     if blocked is None:
@@ -121,9 +160,21 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
     strides (e.g. views of one packed QKV gradient buffer); they are returned. The blocked path
     then writes each query block straight into them.
     """
+    if ctx.fused:
+        do = as_dtype(do, ctx.q.dtype)
+        return ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale, out=out)
     if ctx.blocked:
         return _backward_blocked(do, ctx, out)
     return _backward_plain(do, ctx, out)
+
+
+_UNFUSED_WARNED: set = set()
+
+
+def _warn_unfused_once(why: str) -> None:
+    if why not in _UNFUSED_WARNED:
+        _UNFUSED_WARNED.add(why)
+        warnings.warn(f"cutp: {why}; attention runs unfused (its T x T probabilities in memory)", stacklevel=3)
 
 
 # ---- plain path --------------------------------------------------------------------------------
@@ -233,6 +284,77 @@ def _backward_blocked(do, ctx, out):
 
     parallel_map(np, run, range(len(ctx.pieces)))
     return out
+
+
+# ---- the fused kernels' algorithm in array code (FlashAttention-2) -------------------------------
+FLASH_TILE = 64  # query and key rows per tile (the kernels' forward tile)
+
+
+def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE):
+    """``(o, lse)`` by kernels/attention.cu's forward algorithm, on any array module: per query
+    tile, the key tiles up to the causal diagonal with an online softmax (running max m, sum l,
+    the output rescaled by exp(m_old - m_new)), then o = acc / l and lse = m + log(l) (natural
+    log of the scaled scores' sum of exps). No T x T array: tile x tile scores at a time. Shapes
+    as in :func:`causal_attention_forward`; o in q's dtype, lse [B, nkv, g, Tq] in the compute
+    dtype (float32 for 16-bit inputs)."""
+    _check_shapes(q, k, v)
+    xp = get_array_module(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    cdt = compute_dtype(q.dtype)
+    Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
+    o = xp.empty(q.shape, cdt)
+    lse = xp.empty(q.shape[:4], cdt)
+    for q0 in range(0, Tq, tile):
+        q1 = min(q0 + tile, Tq)
+        qt = as_dtype(q[..., q0:q1, :], cdt)
+        qpos = xp.arange(off + q0, off + q1)[:, None]
+        m = xp.full(qt.shape[:4], -xp.inf, cdt)
+        l_sum = xp.zeros(qt.shape[:4], cdt)
+        acc = xp.zeros(qt.shape, cdt)
+        for k0 in range(0, off + q1, tile):  # key tiles up to the last query's position
+            k1 = min(k0 + tile, Tk)
+            s = (qt @ as_dtype(k[:, :, None, k0:k1], cdt).swapaxes(-1, -2)) * scale
+            s = xp.where(xp.arange(k0, k1)[None, :] > qpos, -xp.inf, s)
+            m_new = xp.maximum(m, s.max(axis=-1))
+            p = xp.exp(s - m_new[..., None])
+            alpha = xp.exp(m - m_new)
+            l_sum = l_sum * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + p @ as_dtype(v[:, :, None, k0:k1], cdt)
+            m = m_new
+        o[..., q0:q1, :] = acc / l_sum[..., None]
+        lse[..., q0:q1] = m + xp.log(l_sum)
+    return as_dtype(o, q.dtype), lse
+
+
+def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_TILE):
+    """``(dq, dk, dv)`` by kernels/attention.cu's backward algorithm: D = rowsum(do * o); per key
+    tile and query tile at or below the diagonal, P = exp(scale q k^T - lse) recomputed,
+    dv += P^T do, dS = P (do v^T - D), dq += scale dS k, dk += scale dS^T q (dk, dv summed over
+    the g query heads of each KV head). Shapes as in :func:`causal_attention_backward`; results
+    in q's dtype."""
+    xp = get_array_module(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    cdt = compute_dtype(q.dtype)
+    Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
+    qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
+    rowdot = (doc * as_dtype(o, cdt)).sum(axis=-1)  # [B, nkv, g, Tq]
+    dq = xp.zeros(q.shape, cdt)
+    dk = xp.zeros(k.shape, cdt)
+    dv = xp.zeros(v.shape, cdt)
+    for k0 in range(0, Tk, tile):
+        k1 = min(k0 + tile, Tk)
+        kt, vt = kc[:, :, None, k0:k1], vc[:, :, None, k0:k1]
+        first = max(0, k0 - off)  # queries before it see none of these keys
+        for q0 in range(first - first % tile, Tq, tile):
+            q1 = min(q0 + tile, Tq)
+            s = (qc[..., q0:q1, :] @ kt.swapaxes(-1, -2)) * scale
+            later = xp.arange(k0, k1)[None, :] > xp.arange(off + q0, off + q1)[:, None]
+            p = xp.where(later, 0.0, xp.exp(s - lse[..., q0:q1, None]))
+            dv[:, :, k0:k1] += (p.swapaxes(-1, -2) @ doc[..., q0:q1, :]).sum(axis=2)
+            ds = p * (doc[..., q0:q1, :] @ vt.swapaxes(-1, -2) - rowdot[..., q0:q1, None])
+            dq[..., q0:q1, :] += (ds @ kt) * scale
+            dk[:, :, k0:k1] += (ds.swapaxes(-1, -2) @ qc[..., q0:q1, :]).sum(axis=2) * scale
+    return tuple(as_dtype(a, q.dtype) for a in (dq, dk, dv))
 
 
 # ---- reference -----------------------------------------------------------------------------------

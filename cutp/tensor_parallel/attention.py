@@ -23,6 +23,8 @@ stream, and keeps the KV cache of generation.
 Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
 output) and the dropout's (p, seed, offset), not the attention's probabilities (the T x T part);
 backward recomputes them with the same op and the same mask, so the gradients are bit-identical.
+With the fused kernels (a GPU, kernels on, no attention dropout) the op's context is already
+O(T), o and the rows' log-sum-exp, and is kept: there is nothing to recompute.
 """
 from __future__ import annotations
 
@@ -96,12 +98,14 @@ class ParallelAttention(Module):
         p, seed, offset = self.attn_dropout.draw_rows(B, self.nq * T * T, first_elem=self.ctx.tp_rank * self.nq * T * T,
                                                       global_row_elems=self.n_head * T * T)
         o, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offset)
-        self._save("attn", ((q, k, v), (p, seed, offset)) if self.recompute_core else attn_ctx)
+        # the fused kernels' context holds O(T) (o and the log-sum-exp, no probabilities): kept
+        recompute = self.recompute_core and not attn_ctx.fused
+        self._save("attn", ((q, k, v), (p, seed, offset)) if recompute else attn_ctx)
         return self.c_proj.forward(self._merge_heads(o))
 
     def backward(self, dy):
         attn_ctx = self._load("attn")
-        if self.recompute_core:  # the core attention again, from Q, K, V and the same mask
+        if isinstance(attn_ctx, tuple):  # recompute_core: the attention again, from Q, K, V and the same mask
             (q, k, v), (p, seed, offset) = attn_ctx
             _, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed,
                                                        offset=offset)
