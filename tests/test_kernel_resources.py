@@ -288,4 +288,5 @@ def test_readme_table_is_what_the_tool_prints(res):
     want = tool.markdown(res, release)
     assert current == want, "kernels/README.md's resource table is stale: run `python tools/kernel_resources.py --write`"
     assert tool.replace_table(readme, want) == readme
-    assert set(tool.TRAFFIC) == set(kr.TARGETS)
+    assert set(tool.TRAFFIC) | tool.COMPUTE_BOUND == set(kr.TARGETS)
+    assert not set(tool.TRAFFIC) & tool.COMPUTE_BOUND

@@ -67,7 +67,13 @@ TRAFFIC: dict[str, Traffic] = {
     "dropout_mask_bool": Traffic(0, u8=1, ops=28, int=True, what="write the mask (SplitMix64)"),
     "dropout_forward": Traffic(2, u8=1, ops=30, int=True, what="read x; write y, mask"),
     "dropout_apply": Traffic(2, u8=1, ops=2, what="read x, mask; write y"),
+    "attention_backward_rowdot_d64": Traffic(2, ops=2, what="read o, do; a float per row"),
+    "attention_backward_rowdot_d128": Traffic(2, ops=2, what="read o, do; a float per row"),
 }
+
+# The fused attention's tile kernels are compute-bound (4 T^2 D / 2 multiply-adds per head against
+# O(T D) bytes): their bound is TFLOP/s, measured by `cutp bench kernels --ops attention`.
+COMPUTE_BOUND = {f"attention_{kernel}_d{d}" for kernel in ("forward", "backward_dq", "backward_dkdv") for d in (64, 128)}
 
 
 def _itemsize(kernel: str) -> int:
@@ -106,7 +112,7 @@ def rows(res: dict) -> list[list[str]]:
             f"`{dyn.formula}`" if dyn else "0",
             occ_txt,
             *((str(TRAFFIC[fam].bytes_per_element(_itemsize(k))), bound(k, "H100"), bound(k, "H200"))
-              if fam in TRAFFIC else ("-", "compute (below)", "compute (below)")),
+              if fam not in COMPUTE_BOUND else ("-", "compute (TFLOP/s)", "compute (TFLOP/s)")),
         ])
     return out
 

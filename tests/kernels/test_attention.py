@@ -2,8 +2,12 @@
 (kernels/attention.py) against cutp.ops.flash_attention_forward / _backward (the same algorithm
 in array code, float64 on the same inputs), on each backend.
 
-Entry points: attention_forward_{f32,bf16}_d{64,128}, attention_backward_rowdot_{f32,bf16}_d{64,128},
-attention_backward_dq_{f32,bf16}_d{64,128}, attention_backward_dkdv_{f32,bf16}_d{64,128}.
+Entry points (each launched by the tests below): attention_forward_f32_d64, attention_forward_f32_d128,
+attention_forward_bf16_d64, attention_forward_bf16_d128, attention_backward_rowdot_f32_d64,
+attention_backward_rowdot_f32_d128, attention_backward_rowdot_bf16_d64, attention_backward_rowdot_bf16_d128,
+attention_backward_dq_f32_d64, attention_backward_dq_f32_d128, attention_backward_dq_bf16_d64,
+attention_backward_dq_bf16_d128, attention_backward_dkdv_f32_d64, attention_backward_dkdv_f32_d128,
+attention_backward_dkdv_bf16_d64, attention_backward_dkdv_bf16_d128.
 
 * The issue's grid: T in {1, 17, 64, 200, 513} x head dims 64, 128 x GQA groups 1, 2, 4 x float32
   (within 1e-5, normwise relative) and bfloat16 (2e-2; the bf16 path multiplies on the emulated

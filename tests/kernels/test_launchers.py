@@ -34,7 +34,8 @@ ALL_KERNELS = [
     "ce_shard_backward_f32", "ce_shard_backward_bf16",
     "adamw_update_f32", "adamw_update_bf16",
     "dropout_mask_bool", "dropout_forward_f32", "dropout_forward_bf16", "dropout_apply_f32", "dropout_apply_bf16",
-]
+] + [f"attention_{kernel}_{dt}_d{d}" for kernel in ("forward", "backward_rowdot", "backward_dq", "backward_dkdv")
+     for dt in ("f32", "bf16") for d in (64, 128)]
 
 
 # ================================================================================================
@@ -180,6 +181,11 @@ def test_every_kernel_is_launched_by_its_launcher(backend, k):
                        **ADAMW_KW)
         y, mask = k.dropout_forward(x, 0.5, 1, 2)
         k.dropout_apply(y, mask, 2.0)
+        for d in (64, 128):
+            q = backend.to_device(randn((1, 1, 2, 5, d), dtype, seed=41))
+            kv = backend.to_device(randn((1, 1, 5, d), dtype, seed=42))
+            o, lse = k.attention_forward(q, kv, kv, 0.1)
+            k.attention_backward(q, q, kv, kv, o, lse, 0.1)
     k.dropout_mask((5,), 0.5, 1, 2)
     assert set(k.launches) == defined, sorted(defined - set(k.launches))
 
