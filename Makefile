@@ -30,7 +30,8 @@ train: $(STAMP)
 
 # On a lent GPU machine: python3 with cupy, mpi4py, pytest, ... preinstalled, no package registry,
 # so no venv and no pip here. GPU kernel tests, a short GPU training run (kernels on and off), the
-# 2-rank NCCL checks on one GPU (NCCL >= 2.30), the kernel benchmark; < 5 minutes. The summary
+# 2-rank NCCL checks on one GPU (NCCL >= 2.30), the attention benchmark (fused vs unfused: TFLOP/s,
+# speed-up), the kernel benchmark; < 5 minutes. The summary
 # goes to stdout and, when OUT is set, to $(OUT)/gpu_check_summary.txt.
 gpu-check:
 	PYTHONPATH=$(CURDIR) python3 tools/gpu_check.py

@@ -147,6 +147,32 @@ def test_kernel_bytes_formulas():
     assert ops["ce_bwd_fused"].nbytes(dict(N=4, V=50304), 2) == 2 * 4 * 50304 * 2 + 4 * (3 * 4 + 8)
 
 
+def test_attention_flops_formula_is_the_issues():
+    """Forward 4*b*h*T^2*d halved for the causal mask (h: query heads), backward 2.5x (FA-2)."""
+    from cutp.bench.kernel_ops import attention_flops, attention_memory
+
+    B, H, T, D = 8, 12, 1024, 64
+    assert attention_flops(B, H, T, D) == 4 * B * H * T**2 * D / 2
+    assert attention_flops(B, H, T, D, causal=False) == 4 * B * H * T**2 * D
+    assert attention_flops(B, H, T, D, "bwd") == 2.5 * 4 * B * H * T**2 * D / 2
+    assert attention_flops(B, H, T, D, "fwd_bwd") == 3.5 * 4 * B * H * T**2 * D / 2
+    assert attention_flops(8, 12, 1024, 64) == pytest.approx(25.77e9 / 2, rel=1e-3)  # GPT-2 small's layer
+    gqa = dict(B=4, Hkv=4, G=2, T=4096, D=128)  # 8 query heads share 4 KV heads: FLOPs of 8 heads
+    for kind in ("fwd", "bwd", "fwd_bwd"):
+        spec = kernels.OPS[f"attention_{kind}"]
+        assert spec.flops(gqa) == attention_flops(4, 8, 4096, 128, kind)
+        assert spec.shape_label(gqa) == "B4 H4x2 T4096 D128"
+    rows = 4 * 8 * 4096  # query rows: T x T float32 arrays for the unfused path, row statistics for the fused
+    assert attention_memory(gqa, "fwd") == {"unfused": 2 * rows * 4096 * 4, "fused": rows * 4}
+    assert attention_memory(gqa, "bwd") == {"unfused": 3 * rows * 4096 * 4, "fused": 2 * rows * 4}
+    assert kernels.OPS["attention_fwd"].nbytes(gqa, 2) == 2 * 4 * 4 * 4096 * 128 * (2 * 2 + 2)  # q, k, v, o
+    r = kernels.flops_row(2e12, 0.5, peak=8.0, baseline_s=1.0)
+    assert r == {"tflops": 4.0, "pct_peak": 50.0, "speedup": 2.0}
+    assert kernels.unfused_skip_reason(10 << 30, 100 << 30) is None
+    assert kernels.unfused_skip_reason(10 << 30, None) is None
+    assert "10.0 GiB" in kernels.unfused_skip_reason(10 << 30, 12 << 30)
+
+
 def test_cached_activation_bytes_counts_each_buffer_once():
     from cutp.tensor_parallel import Module
 
@@ -206,10 +232,11 @@ def test_ops_results_do_not_depend_on_the_thread_count(monkeypatch):
 # suites, tiny configurations
 # ---------------------------------------------------------------------------------------------
 def test_kernels_suite_tiny(tmp_path):
-    args = _args("kernels", "--device", "cpu", "--size", "tiny", "--repeat", "2", "--warmup", "1", "--copy-mib", "8")
+    args = _args("kernels", "--device", "cpu", "--size", "tiny", "--repeat", "2", "--warmup", "1", "--copy-mib", "8",
+                 "--min-time", "0.02")
     report = kernels.run(args)
     t = report.get("kernels")
-    assert {r["op"] for r in t.rows} == set(kernels.OPS)
+    assert {r["op"] for r in t.rows} == set(kernels.OP_GROUPS["memory-bound"])
     for r in t.rows:
         assert r["impl"] == "reference" and r["check"] == "ref" and r["us"] > 0
         assert r["gbs"] == pytest.approx(r["bytes"] / (r["us"] / 1e6) / 1e9)
@@ -223,7 +250,71 @@ def test_kernels_suite_tiny(tmp_path):
     d = json.loads(path.read_text())
     assert d["suite"] == "kernels" and d["copy"]["gbs"] > 0
     assert len(d["tables"]["kernels"]["rows"]) == len(t.rows)
-    assert {r["op"] for r in d["tables"]["formulas"]["rows"]} == set(kernels.OPS)
+    assert {r["op"] for r in d["tables"]["formulas"]["rows"]} == set(kernels.OP_GROUPS["memory-bound"])
+    # attention: its own table, TFLOP/s and the speed-up of the blocked NumPy path over the unfused one
+    a = report.get("attention")
+    assert {(r["op"], r["impl"]) for r in a.rows} == {(op, impl) for op in kernels.ATTENTION_OPS
+                                                       for impl in ("unfused", "numpy_blocked")}
+    for r in a.rows:
+        assert r["tflops"] == pytest.approx(r["flops"] / (r["us"] / 1e6) / 1e12)
+        assert r["speedup"] > 0 and r["check"] in ("ref", "ok 0e+00") or r["check"].startswith("ok")
+    assert "TFLOP/s" in text and "attention_fwd_bwd" in text and "FlashAttention-2's convention" in text
+    assert len(d["tables"]["attention"]["rows"]) == len(a.rows)
+
+
+def test_attention_bench_runs_the_emulated_kernels(monkeypatch):
+    """`--ops attention` at the tiny shapes with the fused kernels under the emulator standing in
+    for the GPU's: a row per implementation with its time, TFLOP/s, speed-up and working memory,
+    the kernels' outputs checked against the unfused path's."""
+    import shutil
+
+    from cutp.bench import kernel_variants
+    from cutp.kernels import Launchers
+
+    if shutil.which(os.environ.get("CUTP_EMU_CXX", "g++")) is None:
+        pytest.skip("the CUDA emulator needs a C++ compiler (g++ >= 12, or $CUTP_EMU_CXX)")
+    from tests.cuda_emu import KERNELS_DIR, EmulatedModule
+
+    # attention.cu alone, unchecked, -O1 (bounds and races are tests/kernels' business): a g++ run of ~4 s
+    module = EmulatedModule(path=[KERNELS_DIR / "attention.cu"], checks=False, cxx_flags=("-O1",))
+    monkeypatch.setattr(kernel_variants, "_bench_launchers", lambda xp: Launchers(lambda name: module, np))
+    kernels.load_plugins()
+    made = {}
+    kernel_variants.register_bench_variants(lambda op, name, make: made.setdefault(op, make))
+    for op in kernels.ATTENTION_OPS:  # the GPU's variant, registered for the CPU for this test only
+        monkeypatch.setitem(kernels.VARIANTS[op], "cuda_kernels", (made[op], ("cpu",), ("float32",)))
+    args = _args("kernels", "--device", "cpu", "--size", "tiny", "--ops", "attention", "--repeat", "1",
+                 "--warmup", "0", "--min-time", "0")
+    report = kernels.run(args)
+    assert [t.name for t in report.tables] == ["attention"]  # no copy bandwidth, no memory-bound table
+    rows = report.get("attention").rows
+    shapes = [dict(zip("B Hkv G T D".split(), s)) for s in kernels.SIZES["tiny"]["attention"]]
+    assert len(rows) == len(kernels.ATTENTION_OPS) * len(shapes) * 3
+    fused = [r for r in rows if r["impl"] == "cuda_kernels"]
+    assert len(fused) == len(kernels.ATTENTION_OPS) * len(shapes)
+    for r in fused:
+        assert r["check"].startswith("ok"), r
+        assert r["us"] > 0 and r["tflops"] > 0 and r["speedup"] > 0
+        shape = next(s for s in shapes if kernels.OPS[r["op"]].shape_label(s) == r["shape"])
+        kind = r["op"][len("attention_"):]
+        assert r["flops"] == kernels.attention_flops(shape["B"], shape["Hkv"] * shape["G"], shape["T"], shape["D"],
+                                                     kind)
+        assert r["work_bytes"] == kernels.attention_memory(shape, kind)["fused"]
+    unfused = {(r["op"], r["shape"]): r for r in rows if r["impl"] == "unfused"}
+    assert all(unfused[(r["op"], r["shape"])]["work_bytes"] > r["work_bytes"] * 16 for r in fused)  # T x T vs O(T)
+    text = report.render()
+    assert "cuda_kernels" in text and "vs unfused" in text
+
+
+def test_attention_bench_skips_an_unfused_path_that_does_not_fit(monkeypatch):
+    monkeypatch.setattr(kernels, "free_memory", lambda xp: 1 << 10)
+    args = _args("kernels", "--device", "cpu", "--size", "tiny", "--ops", "attention_fwd", "--repeat", "1",
+                 "--warmup", "0", "--min-time", "0")
+    rows = kernels.run(args).get("attention").rows
+    base = [r for r in rows if r["impl"] == "unfused"]
+    assert base and all(r["check"].startswith("skipped: its T x T arrays need") and "us" not in r for r in base)
+    assert all(r["check"] == "unchecked (no baseline)" and r["speedup"] is None and r["tflops"] > 0
+               for r in rows if r["impl"] == "numpy_blocked")
 
 
 def test_kernel_variants_plug_in_and_are_checked():

@@ -17,8 +17,11 @@ runs from the checkout with PYTHONPATH set to it. Parts, in order of importance:
   nccl 2-rank bf16 ZeRO-1  the tiny model in bfloat16 with --distributed-optimizer over dp=2
                        (NCCL reduce-scatter / all-gather of the flat buffers; same condition)
   nccl 2-rank tests    tests/test_nccl.py's two-rank collectives on the GPU (same condition)
-  kernel benchmark     python3 -m cutp.bench kernels (tolerated when absent; last, with the time
-                       left, "partial" when cut short)
+  attention benchmark  python3 -m cutp.bench kernels --ops attention: the fused attention kernels'
+                       TFLOP/s and speed-up over the unfused path (T x T scores), forward and
+                       backward, fp32 and bf16 (no new case after 40 s; killed at 60 s: "partial")
+  kernel benchmark     python3 -m cutp.bench kernels --ops memory-bound (tolerated when absent;
+                       last, with the time left, "partial" when cut short)
 
 Each part runs in its own process with a time limit; a failure, a timeout or a missing tool is
 recorded and the next part still runs. The summary is printed and, when $OUT is set, written to
@@ -366,18 +369,24 @@ def nccl_parts(info: dict) -> None:
         part.detail = s + (f" ({part.detail})" if part.detail else "")
 
 
-def bench() -> None:
+def bench(name: str = "kernel benchmark", ops: str = "memory-bound", json_name: str = "bench_kernels.json",
+          limit: float = 100, budget: float | None = None) -> None:
+    """One `python3 -m cutp.bench kernels --ops <ops>` run (ops: an op group of the benchmark;
+    budget: its --budget, the seconds after which it starts no new case)."""
     if not (ROOT / "cutp" / "bench" / "__main__.py").exists():
-        PARTS.append(Part("kernel benchmark", "absent", detail="python3 -m cutp.bench kernels is not in this checkout "
-                                                                "(cutp/bench/__main__.py missing)"))
+        PARTS.append(Part(name, "absent", detail="python3 -m cutp.bench kernels is not in this checkout "
+                                                 "(cutp/bench/__main__.py missing)"))
         return
-    extra = ["--device", "cuda", "--repeat", "10", "--warmup", "2"]
+    extra = ["--device", "cuda", "--repeat", "10", "--warmup", "2", "--ops", ops]
+    if budget:
+        extra += ["--budget", f"{budget:g}"]
     if OUT:
-        extra += ["--json", str(OUT / "bench_kernels.json")]
-    part, out = run("kernel benchmark", [PY, "-m", "cutp.bench", "kernels", *extra], 100, min_needed=20)
-    if part.status == "FAILED" and ("unrecognized arguments" in out or "invalid choice" in out):
+        extra += ["--json", str(OUT / json_name)]
+    part, out = run(name, [PY, "-m", "cutp.bench", "kernels", *extra], limit, min_needed=20)
+    if part.status == "FAILED" and ("unrecognized arguments" in out or "invalid choice" in out
+                                    or "unknown op(s)" in out):
         PARTS.remove(part)  # an older / newer command line: the plain command
-        part, out = run("kernel benchmark", [PY, "-m", "cutp.bench", "kernels"], 100, min_needed=20)
+        part, out = run(name, [PY, "-m", "cutp.bench", "kernels"], limit, min_needed=20)
     if part.status != "ok" and "No module named" in out:
         part.status, part.detail = "absent", "cutp.bench cannot run: " + out.strip().splitlines()[-1]
     if part.status == "TIMEOUT":  # a benchmark cut short is not a wrong result: the log has what it measured
@@ -426,7 +435,7 @@ def summary(info: dict) -> str:
     lines.append("RESULT: " + ("all parts passed or were skipped for the reasons above" if not failed else
                                "FAILED: " + ", ".join(p.name for p in failed)))
     for p in PARTS:
-        if p.tail and (p.status != "ok" or p.name in ("kernel benchmark", "gpu kernel tests")):
+        if p.tail and (p.status != "ok" or p.name in ("kernel benchmark", "attention benchmark", "gpu kernel tests")):
             lines.append("")
             lines.append(f"---- {p.name} ({p.status}): {p.command}")
             lines.append(p.tail)
@@ -450,9 +459,12 @@ def main() -> int:
             bf16 = train("train (bfloat16)", extra=("--dtype", "bfloat16"))  # bf16 kernels, fp32 masters
             compare_trains(bf16, with_kernels, "bfloat16 vs float32 run", tol=2e-2)
             nccl_parts(info)
+            # attention: TFLOP/s of the fused kernels and their speed-up over the unfused path
+            bench("attention benchmark", "attention", "bench_attention.json", 60, budget=40)
             bench()  # last: it takes what time is left
         else:
-            for name in ("gpu kernel tests", "train (kernels)", "nccl 2-rank train", "kernel benchmark"):
+            for name in ("gpu kernel tests", "train (kernels)", "nccl 2-rank train", "attention benchmark",
+                         "kernel benchmark"):
                 PARTS.append(Part(name, "skipped", detail="no usable GPU (see environment)"))
     except Exception as e:  # a bug here must not hide the parts that did run
         PARTS.append(Part("gpu_check.py itself", "FAILED", detail=f"{type(e).__name__}: {e}"))

@@ -1,6 +1,7 @@
 """`python -m cutp bench <suite> [options]`: cutp's benchmark suites.
 
-    python -m cutp bench kernels                     # memory-bound ops: time, GB/s, % of copy bandwidth
+    python -m cutp bench kernels                     # memory-bound ops: time, GB/s, % of copy bandwidth;
+                                                     # attention: TFLOP/s, speed-up over the unfused path
     mpiexec -n 2 python -m cutp bench comm           # collectives: time, algbw, busbw (nccl-tests' definitions)
     python -m cutp bench model --preset tiny         # a training step: tokens/s, phases, FLOP/s or MFU, memory
     python -m cutp bench compare-torch               # cutp vs PyTorch eager on the CPU (needs torch)
@@ -36,9 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="suite", required=True, metavar="{" + ",".join(SUITES) + "}")
 
-    k = sub.add_parser("kernels", help="memory-bound ops per shape and dtype")
+    k = sub.add_parser("kernels", help="memory-bound ops and attention per shape and dtype")
     k.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
-    k.add_argument("--ops", nargs="+", metavar="OP", help=f"subset of {', '.join(kernels.OPS)}")
+    k.add_argument("--ops", nargs="+", metavar="OP", help=f"subset of {', '.join(kernels.OPS)}, or the groups "
+                   f"{', '.join(kernels.OP_GROUPS)}")
     k.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float64"])
     k.add_argument("--size", choices=sorted(kernels.SIZES), help="shape preset (default: cpu on the CPU, gpu on a GPU)")
     k.add_argument("--repeat", type=int, default=None, help="timed repeats (default 10 CPU, 30 GPU)")

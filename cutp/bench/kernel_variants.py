@@ -69,6 +69,28 @@ def register_bench_variants(register) -> None:
     variant("ce_bwd_fused", ce_bwd)
     variant("adamw", adamw)
 
+    # fused causal attention (kernels/attention.cu); the backward's forward runs once, untimed
+    def attention(kind):
+        def make(inputs, xp):
+            k = cupy_launchers() if getattr(xp, "__name__", "") == "cupy" else _bench_launchers(xp)
+            q, kk, v, do, scale = (inputs[n] for n in ("q", "k", "v", "do", "scale"))
+            if kind == "fwd":
+                return lambda: k.attention_forward(q, kk, v, scale)
+            if kind == "bwd":
+                o, lse = k.attention_forward(q, kk, v, scale)
+                return lambda: k.attention_backward(do, q, kk, v, o, lse, scale)
+
+            def fwd_bwd():
+                o, lse = k.attention_forward(q, kk, v, scale)
+                return (o, *k.attention_backward(do, q, kk, v, o, lse, scale))
+
+            return fwd_bwd
+
+        register(f"attention_{kind}", "cuda_kernels", make)
+
+    for kind in ("fwd", "bwd", "fwd_bwd"):
+        attention(kind)
+
 
 def _bench_launchers(xp):  # replaced in tests (emulated kernels on NumPy arrays)
     raise BackendError(f"the CUDA kernels run on CuPy arrays, not {getattr(xp, '__name__', xp)}")

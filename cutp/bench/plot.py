@@ -28,7 +28,7 @@ def plot_report(report, path: str) -> str:
 
 def plot_kernels(report, path):
     plt = _plt()
-    rows = [r for r in report.get("kernels").rows if r.get("gbs")]
+    rows = [r for t in report.tables if t.name == "kernels" for r in t.rows if r.get("gbs")]  # not the attention
     copy = report.extra.get("copy", {}).get("gbs")
     labels = [f"{r['op']} {r['shape']} {r['dtype']} {r['impl']}" for r in rows]
     vals = [r["gbs"] for r in rows]
