@@ -17,7 +17,8 @@
 //                         dv = P^T dO, dk = scale * dS^T q: a shared KV head's gradient is summed
 //                         in the block, never copied per query head, and never needs atomics.
 // dq and dk/dv in two kernels rather than dq by float atomics: deterministic results (the
-// price: S and dP computed twice).
+// price: S and dP computed twice). Attention-probability dropout is applied in place (the masks of
+// cutp.ops.dropout_forward_rows, recomputed from the counter hash in the backward: no mask stored).
 //
 // Layout: a tile is R rows (R = 16 x the block's warps); each warp owns a band of 16 rows of
 // every tile product ("band_gemm"): float32 inputs multiply on the CUDA cores (each lane two or
@@ -128,10 +129,28 @@ struct ProbTile {
     __host__ __device__ static constexpr int ld(int R) { return separate ? prob_ld(R) : score_ld(R); }
 };
 
+// The attention-probability dropout, with the masks of cutp.ops.dropout_forward_rows: batch row b's
+// probabilities [H, Tq, Tk] (H = Hkv * G local heads) are counters offsets[b] + ((h Tq) + i) Tk + j
+// of dropout_keep. offsets null: no dropout.
+struct ProbDropout {
+    const long long* offsets;
+    unsigned long long seed;
+    unsigned int threshold;
+    float scale;  // 1 / (1 - p), 0 for p = 1
+
+    // The factor of probability (head h of batch row b, query row i, key j): scale or 0; 1 without dropout.
+    __device__ __forceinline__ float factor(long long b, long long h, int Tq, int Tk, int i, int j) const {
+        if (offsets == nullptr) return 1.0f;
+        const unsigned long long index = (unsigned long long)((h * Tq + i) * (long long)Tk + j);
+        return dropout_keep(seed, (unsigned long long)offsets[b], index, threshold) ? scale : 0.0f;
+    }
+};
+
 template <typename T, int D, int R>
 __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, int Hkv, int G, int Tq, int Tk,
                         long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh,
-                        long long k_st, long long v_sb, long long v_sh, long long v_st, float scale) {
+                        long long k_st, long long v_sb, long long v_sh, long long v_st, float scale,
+                        ProbDropout drop) {
     constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
     extern __shared__ __align__(32) unsigned char smem[];
     T* Qs = reinterpret_cast<T*>(smem);
@@ -185,8 +204,9 @@ __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, in
 #pragma unroll
         for (int j = 0; j < R / 2; ++j) {
             const float p = expf(s[j] - m_new);
-            row_sum += p;
-            Pb[r * PLD + 2 * j + half] = from_float<T>(p);
+            row_sum += p;  // the softmax's sum: before dropout
+            const float f = drop.factor(b, hk * G + g, Tq, Tk, q0 + row, k0 + 2 * j + half);
+            Pb[r * PLD + 2 * j + half] = from_float<T>(p * f);
         }
         row_sum += __shfl_xor_sync(FULL_MASK, row_sum, 1);
         const float alpha = expf(m - m_new);  // 0 on the first tile (m = -inf)
@@ -237,7 +257,7 @@ __device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* 
                             long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
                             long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
                             long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,
-                            long long dq_st, float scale) {
+                            long long dq_st, float scale, ProbDropout drop) {
     constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
     extern __shared__ __align__(32) unsigned char smem[];
     T* Qs = reinterpret_cast<T*>(smem);
@@ -285,7 +305,8 @@ __device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* 
             const int c = 2 * j + half, key = k0 + c;
             const bool seen = key <= qpos && key < Tk && t < Tq;
             const float p = seen ? expf(Sb[r * SLD + c] * scale - row_lse) : 0.0f;
-            Pb[r * PLD + c] = from_float<T>(p * (dPb[r * SLD + c] - row_dot));
+            const float f = drop.factor(b, hk * G + g, Tq, Tk, t, key);  // dropout's gradient: dP * factor
+            Pb[r * PLD + c] = from_float<T>(p * (dPb[r * SLD + c] * f - row_dot));
         }
         __syncwarp();
         band_gemm<D, R, false, true, OLD, PLD, LD>(dQb, Pb, Ks);
@@ -306,7 +327,7 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
                               long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
                               long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
                               long long do_sg, long long do_st, long long dk_sb, long long dk_sh, long long dk_st,
-                              long long dv_sb, long long dv_sh, long long dv_st, float scale) {
+                              long long dv_sb, long long dv_sh, long long dv_st, float scale, ProbDropout drop) {
     constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
     extern __shared__ __align__(32) unsigned char smem[];
     T* Ks = reinterpret_cast<T*>(smem);
@@ -366,8 +387,9 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
                 const int c = 2 * j + half, t = q0 + c;
                 const bool seen = t < Tq && kpos <= off + t && kpos < Tk;
                 const float p = seen ? expf(STb[r * SLD + c] * scale - lse_s[c]) : 0.0f;
-                const float ds = p * (dPTb[r * SLD + c] - dot_s[c]);
-                PTb[r * PLD + c] = from_float<T>(p);
+                const float f = drop.factor(b, hk * G + g, Tq, Tk, t, kpos);
+                const float ds = p * (dPTb[r * SLD + c] * f - dot_s[c]);
+                PTb[r * PLD + c] = from_float<T>(p * f);
                 dSTb[r * PLD + c] = from_float<T>(ds);
             }
             __syncwarp();
@@ -397,8 +419,11 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
 #define ATTN_FWD_PARAMS(T)                                                                                      \
     T *o, float *lse, const T *q, const T *k, const T *v, int Hkv, int G, int Tq, int Tk, long long q_sb,      \
         long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,        \
-        long long v_sb, long long v_sh, long long v_st, float scale
-#define ATTN_FWD_ARGS o, lse, q, k, v, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, scale
+        long long v_sb, long long v_sh, long long v_st, float scale, const long long *drop_offsets,            \
+        unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
+#define ATTN_DROPOUT attn_impl::ProbDropout{drop_offsets, drop_seed, drop_threshold, drop_scale}
+#define ATTN_FWD_ARGS                                                                                            \
+    o, lse, q, k, v, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d64(ATTN_FWD_PARAMS(float)) {
     attn_impl::forward<float, 64, 64>(ATTN_FWD_ARGS);
@@ -439,10 +464,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_bf16
         int G, int Tq, int Tk, long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb,  \
         long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb,       \
         long long do_sh, long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,  \
-        long long dq_st, float scale
+        long long dq_st, float scale, const long long *drop_offsets, unsigned long long drop_seed,             \
+        unsigned int drop_threshold, float drop_scale
 #define ATTN_DQ_ARGS                                                                                           \
     dq, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, \
-        do_sb, do_sh, do_sg, do_st, dq_sb, dq_sh, dq_sg, dq_st, scale
+        do_sb, do_sh, do_sg, do_st, dq_sb, dq_sh, dq_sg, dq_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_f32_d64(ATTN_DQ_PARAMS(float)) {
     attn_impl::backward_dq<float, 64, 64>(ATTN_DQ_ARGS);
@@ -462,10 +488,11 @@ extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_bf16_d128
         int Hkv, int G, int Tq, int Tk, long long q_sb, long long q_sh, long long q_sg, long long q_st,        \
         long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,        \
         long long do_sb, long long do_sh, long long do_sg, long long do_st, long long dk_sb, long long dk_sh,  \
-        long long dk_st, long long dv_sb, long long dv_sh, long long dv_st, float scale
+        long long dk_st, long long dv_sb, long long dv_sh, long long dv_st, float scale,                      \
+        const long long *drop_offsets, unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
 #define ATTN_DKDV_ARGS                                                                                          \
     dk, dv, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh,  \
-        v_st, do_sb, do_sh, do_sg, do_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st, scale
+        v_st, do_sb, do_sh, do_sg, do_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_f32_d64(ATTN_DKDV_PARAMS(float)) {
     attn_impl::backward_dkdv<float, 64, 64>(ATTN_DKDV_ARGS);

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .dropout import MASK64, keep_threshold
 from .runtime import KernelArgumentError, LauncherBase, ceil_div, dtype_suffix, int32_arg, is_kernel_dtype
 
 ATTENTION_HEAD_DIMS = (64, 128)
@@ -51,11 +52,9 @@ def attention_shared_bytes(kernel: str, dtype, head_dim: int) -> int:
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
-def fused_attention_supported(q, k, v, dropout_p: float = 0.0) -> str | None:
+def fused_attention_supported(q, k, v) -> str | None:
     """None when the fused kernels take these operands, else why not (one line): head dims 64
-    and 128, float32 or bfloat16, one dtype, a contiguous head dim, no attention dropout."""
-    if float(dropout_p) != 0.0:
-        return "attention dropout needs the unfused path (its mask is drawn over the T x T probabilities)"
+    and 128, float32 or bfloat16, one dtype, a contiguous head dim."""
     if not (q.dtype == k.dtype == v.dtype) or not is_kernel_dtype(q.dtype):
         return f"the fused attention takes float32 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[-1] not in ATTENTION_HEAD_DIMS:
@@ -78,7 +77,27 @@ def _span(xp, a):
 
 
 class AttentionLaunchers(LauncherBase):
-    """attention_forward, attention_backward."""
+    """attention_forward, attention_backward.
+
+    Dropout of the probabilities (``dropout_p > 0``): the masks of
+    ``cutp.ops.dropout_forward_rows(probs, dropout_p, seed, offsets)`` over the probabilities
+    [B, Hkv, G, Tq, Tk], batch row b drawn from counter ``offsets[b]`` (an int: offsets[b] =
+    offsets + b * Hkv * G * Tq * Tk), evaluated in the kernels (forward and backward alike): no
+    mask is stored.
+    """
+
+    def _attention_dropout_args(self, dropout_p, seed, offsets, B, row_elems):
+        p = float(dropout_p)
+        if not 0.0 <= p <= 1.0:
+            raise KernelArgumentError(f"dropout_p={p} outside [0, 1]")
+        if p == 0.0:
+            return None, np.uint64(0), np.uint32(0), np.float32(1.0)
+        rows = list(offsets) if isinstance(offsets, (list, tuple)) else [int(offsets) + b * row_elems for b in range(B)]
+        if len(rows) != B:
+            raise KernelArgumentError(f"{len(rows)} dropout offsets for {B} batch rows")
+        wrapped = np.array([int(o) & MASK64 for o in rows], dtype=np.uint64).view(np.int64)
+        return (self.xp.asarray(wrapped), np.uint64(int(seed) & MASK64), np.uint32(keep_threshold(p)),
+                np.float32(0.0 if p == 1.0 else 1.0 / (1.0 - p)))
 
     def _check(self, q, k, v):
         xp = self.xp
@@ -95,12 +114,14 @@ class AttentionLaunchers(LauncherBase):
             raise KernelArgumentError(why)
         return q.shape[:4] + (k.shape[2], q.shape[4])
 
-    def attention_forward(self, q, k, v, scale: float):
-        """(o, lse): o = softmax(scale * q k^T, causal) v in q's dtype, [B, Hkv, G, Tq, D] (a view
-        of token-major memory [B, Tq, Hkv, G, D]), lse [B, Hkv, G, Tq] float32, the rows'
-        log-sum-exp of the scaled scores (what the backward recomputes the probabilities from)."""
+    def attention_forward(self, q, k, v, scale: float, dropout_p: float = 0.0, seed: int = 0, offsets=0):
+        """(o, lse): o = dropout(softmax(scale * q k^T, causal)) v in q's dtype, [B, Hkv, G, Tq, D]
+        (a view of token-major memory [B, Tq, Hkv, G, D]), lse [B, Hkv, G, Tq] float32, the rows'
+        log-sum-exp of the scaled scores (what the backward recomputes the probabilities from).
+        Allocates o and lse (and, with dropout, the B offsets)."""
         xp = self.xp
         B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        drop = self._attention_dropout_args(dropout_p, seed, offsets, B, Hkv * G * Tq * Tk)
         o_tokens = xp.empty((B, Tq, Hkv, G, D), dtype=q.dtype)
         lse = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
         if o_tokens.size:
@@ -111,15 +132,16 @@ class AttentionLaunchers(LauncherBase):
             self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_d{D}", (ceil_div(Tq, R), B * Hkv * G),
                          (2 * R,),
                          (o_tokens, lse, qs, ks, vs, int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq),
-                          int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale)),
+                          int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale), *drop),
                          shared_mem=attention_shared_bytes("forward", q.dtype, D))
         return o_tokens.transpose(0, 2, 3, 1, 4), lse
 
-    def attention_backward(self, do, q, k, v, o, lse, scale: float, out=None):
+    def attention_backward(self, do, q, k, v, o, lse, scale: float, out=None, dropout_p: float = 0.0, seed: int = 0,
+                           offsets=0):
         """(dq, dk, dv) of attention_forward's (o, lse) for do shaped like o (any strides with a
-        contiguous head dim). out: optional (dq, dk, dv) arrays of q's, k's, v's shapes to write
-        (views of one packed buffer are fine); new contiguous arrays otherwise. Scratch: the
-        rows' sum(do * o), float32 [B, Hkv, G, Tq]."""
+        contiguous head dim), with the forward's dropout arguments. out: optional (dq, dk, dv)
+        arrays of q's, k's, v's shapes to write (views of one packed buffer are fine); new
+        contiguous arrays otherwise. Scratch: the rows' sum(do * o), float32 [B, Hkv, G, Tq]."""
         xp = self.xp
         B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
         for name, a in (("do", do), ("o", o)):
@@ -141,6 +163,7 @@ class AttentionLaunchers(LauncherBase):
                 dk[...] = 0
                 dv[...] = 0
             return out
+        drop = self._attention_dropout_args(dropout_p, seed, offsets, B, Hkv * G * Tq * Tk)
         sfx = f"{dtype_suffix(q.dtype)}_d{D}"
         n_rows = B * Hkv * G * Tq
         rowdot = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
@@ -154,10 +177,10 @@ class AttentionLaunchers(LauncherBase):
                   *do_st[:4])
         R = attention_tile_rows("backward_dq", D)
         self._launch("attention", f"attention_backward_dq_{sfx}", (ceil_div(Tq, R), B * Hkv * G), (2 * R,),
-                     (dqs, *common, *dq_st[:4], np.float32(scale)),
+                     (dqs, *common, *dq_st[:4], np.float32(scale), *drop),
                      shared_mem=attention_shared_bytes("backward_dq", q.dtype, D))
         R = attention_tile_rows("backward_dkdv", D)
         self._launch("attention", f"attention_backward_dkdv_{sfx}", (ceil_div(Tk, R), B * Hkv), (2 * R,),
-                     (dks, dvs, *common, *dk_st[:3], *dv_st[:3], np.float32(scale)),
+                     (dks, dvs, *common, *dk_st[:3], *dv_st[:3], np.float32(scale), *drop),
                      shared_mem=attention_shared_bytes("backward_dkdv", q.dtype, D))
         return out

@@ -242,3 +242,18 @@ struct RowGroup {
           tid(BLOCK ? (int)threadIdx.x : (int)(threadIdx.x % WARP_SIZE)),
           size(BLOCK ? (int)blockDim.x : WARP_SIZE) {}
 };
+
+// ------------------------------------------------------------------------------------------------
+// Dropout's keep decision (kernels/dropout.cu, and the fused attention's probability dropout): the
+// (offset + i)-th output of SplitMix64 seeded with `seed`, top 24 bits compared with the integer
+// threshold ceil(p * 2^24): no floating point, so every platform agrees exactly with
+// cutp.ops.dropout_mask.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool dropout_keep(unsigned long long seed, unsigned long long offset, unsigned long long i,
+                                             unsigned int threshold) {
+    unsigned long long z = seed + (offset + i + 1ull) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (unsigned int)(z >> 40) >= threshold;
+}

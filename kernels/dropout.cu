@@ -8,15 +8,10 @@
 
 namespace dropout_impl {
 
-// (offset + i)-th output of SplitMix64 seeded with `seed`, top 24 bits compared with the integer
-// threshold ceil(p * 2^24): no floating point, so every platform agrees exactly.
+// keep(): common.cuh's dropout_keep, also used by the fused attention's probability dropout.
 __device__ __forceinline__ bool keep(unsigned long long seed, unsigned long long offset, unsigned long long i,
                                      unsigned int threshold) {
-    unsigned long long z = seed + (offset + i + 1ull) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (unsigned int)(z >> 40) >= threshold;
+    return dropout_keep(seed, offset, i, threshold);
 }
 
 template <typename T>

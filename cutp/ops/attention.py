@@ -12,13 +12,14 @@ Two implementations of one formula, chosen per call:
 
 * the plain composition, on any array module and with or without attention dropout: whole
   score matrices [B, nkv, g, Tq, Tk] through :func:`softmax_forward` and :func:`dropout_forward`
-  (the dropout mask is drawn for the whole probability tensor, so dropout needs this path);
+  (the dropout mask is drawn for the whole probability tensor: on the CPU dropout needs this path);
 * the blocked NumPy path, without dropout (see "Blocked NumPy path" below);
 * on a GPU with kernels on, the fused kernels (``kernels/attention.cu``, FlashAttention-2):
-  CuPy arrays of float32 or bfloat16, head dims 64 or 128, no attention dropout (with dropout, or
-  another head dim, the plain composition runs, and says so in a warning once). The context then
-  keeps q, k, v, o and the rows' log-sum-exp: O(T) memory, nothing T x T, so selective
-  recomputation has nothing left to recompute.
+  CuPy arrays of float32 or bfloat16, head dims 64 or 128 (another head dim: the plain
+  composition, with a warning once), attention dropout included (the same masks as the plain
+  path, evaluated from the counter hash in the kernels). The context then keeps q, k, v, o and
+  the rows' log-sum-exp: O(T) memory, nothing T x T, so selective recomputation has nothing left
+  to recompute.
 
 :func:`flash_attention_forward` / :func:`flash_attention_backward` are the fused kernels'
 algorithm in array code (tiles, online softmax, log-sum-exp, recomputation in the backward): the
@@ -28,10 +29,9 @@ way, for tests.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
-
-import warnings
 
 from cutp.kernels import dispatch_views as _attention_kernels
 from cutp.kernels.attention import fused_attention_supported
@@ -63,19 +63,20 @@ class AttentionCtx:
       probabilities after dropout (``probs``; the softmax's own when nothing was dropped);
     * the blocked path: the pieces ((batch rows, KV heads) slice pairs) and, per piece, its
       query blocks as ``(r0, r1, softmax ctx)``;
-    * the fused kernels: o, the rows' log-sum-exp ``lse`` [B, nkv, g, Tq] (float32), the scale
-      and the kernels' launchers.
+    * the fused kernels: o, the rows' log-sum-exp ``lse`` [B, nkv, g, Tq] (float32), the scale,
+      the dropout's (p, seed, offsets) and the kernels' launchers.
     """
 
     __slots__ = ("q", "k", "v", "softmax", "dropout", "probs", "pieces", "piece_blocks", "o", "lse", "scale",
-                 "kernels")
+                 "kernels", "dropout_args")
 
     def __init__(self, q, k, v, *, softmax=None, dropout=None, probs=None, pieces=None, piece_blocks=None, o=None,
-                 lse=None, scale=None, kernels=None):
+                 lse=None, scale=None, kernels=None, dropout_args=None):
         self.q, self.k, self.v = q, k, v
         self.softmax, self.dropout, self.probs = softmax, dropout, probs
         self.pieces, self.piece_blocks = pieces, piece_blocks
         self.o, self.lse, self.scale, self.kernels = o, lse, scale, kernels
+        self.dropout_args = dropout_args  # the fused path's (dropout_p, seed, offsets)
 
     @property
     def fused(self) -> bool:
@@ -115,9 +116,9 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             one otherwise; ``False`` forces the plain path; ``True`` the blocked one (NumPy,
             no dropout, else ``ValueError``).
         fused: ``None`` runs the fused kernels where they apply (CuPy arrays, kernels on,
-            float32/bfloat16, head dim 64 or 128, no dropout; otherwise a warning once per
-            reason, then the other paths); ``False`` never (``blocked=False`` implies it);
-            ``True`` requires them (``ValueError`` with the reason).
+            float32/bfloat16, head dim 64 or 128; otherwise a warning once per reason, then the
+            other paths); ``False`` never (``blocked=False`` implies it); ``True`` requires them
+            (``ValueError`` with the reason).
 
     Returns ``(o, ctx)``: o [B, nkv, g, Tq, hd] in q's dtype. The blocked path writes o's memory
     token-major, [B, Tq, nkv, g, hd], so merging the heads afterwards,
@@ -130,10 +131,11 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
     if fused is not False and blocked is not False:
         kernels = _attention_kernels(q, k, v)
         why = "the fused attention needs CuPy arrays with kernels on" if kernels is None else \
-            fused_attention_supported(q, k, v, dropout_p)
+            fused_attention_supported(q, k, v)
         if why is None:
-            o, lse = kernels.attention_forward(q, k, v, scale)
-            return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels)
+            drop = (float(dropout_p), seed, offset)
+            o, lse = kernels.attention_forward(q, k, v, scale, *drop)
+            return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels, dropout_args=drop)
         if fused:
             raise ValueError(why)
         if kernels is not None:
@@ -162,7 +164,7 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
     """
     if ctx.fused:
         do = as_dtype(do, ctx.q.dtype)
-        return ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale, out=out)
+        return ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale, out, *ctx.dropout_args)
     if ctx.blocked:
         return _backward_blocked(do, ctx, out)
     return _backward_plain(do, ctx, out)
@@ -290,18 +292,31 @@ def _backward_blocked(do, ctx, out):
 FLASH_TILE = 64  # query and key rows per tile (the kernels' forward tile)
 
 
-def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE):
+def _flash_dropout(xp, shape, dropout_p, seed, offset):
+    """The keep-mask times 1 / (1 - p) of the probabilities [B, nkv, g, Tq, Tk] (the plain path's
+    masks, per batch row), or None without dropout. A reference's luxury: a T x T array."""
+    if not dropout_p:
+        return None
+    rows = offset if isinstance(offset, (list, tuple)) else [offset + b * math.prod(shape[1:]) for b in range(shape[0])]
+    keep_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
+    return xp.stack([dropout_mask(xp, shape[1:], dropout_p, seed, o) for o in rows]) * keep_scale
+
+
+def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE, dropout_p: float = 0.0, seed: int = 0,
+                            offset=0):
     """``(o, lse)`` by kernels/attention.cu's forward algorithm, on any array module: per query
     tile, the key tiles up to the causal diagonal with an online softmax (running max m, sum l,
     the output rescaled by exp(m_old - m_new)), then o = acc / l and lse = m + log(l) (natural
-    log of the scaled scores' sum of exps). No T x T array: tile x tile scores at a time. Shapes
-    as in :func:`causal_attention_forward`; o in q's dtype, lse [B, nkv, g, Tq] in the compute
-    dtype (float32 for 16-bit inputs)."""
+    log of the scaled scores' sum of exps). No T x T array: tile x tile scores at a time (but the
+    dropout mask, when there is one). Dropout as in :func:`causal_attention_forward`, applied to
+    the probabilities after the row sum. Shapes as there; o in q's dtype, lse [B, nkv, g, Tq] in
+    the compute dtype (float32 for 16-bit inputs)."""
     _check_shapes(q, k, v)
     xp = get_array_module(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     cdt = compute_dtype(q.dtype)
     Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
+    drop = _flash_dropout(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
     o = xp.empty(q.shape, cdt)
     lse = xp.empty(q.shape[:4], cdt)
     for q0 in range(0, Tq, tile):
@@ -319,6 +334,8 @@ def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE):
             p = xp.exp(s - m_new[..., None])
             alpha = xp.exp(m - m_new)
             l_sum = l_sum * alpha + p.sum(axis=-1)
+            if drop is not None:
+                p = p * drop[..., q0:q1, k0:k1]
             acc = acc * alpha[..., None] + p @ as_dtype(v[:, :, None, k0:k1], cdt)
             m = m_new
         o[..., q0:q1, :] = acc / l_sum[..., None]
@@ -326,18 +343,21 @@ def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE):
     return as_dtype(o, q.dtype), lse
 
 
-def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_TILE):
+def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_TILE, dropout_p: float = 0.0,
+                             seed: int = 0, offset=0):
     """``(dq, dk, dv)`` by kernels/attention.cu's backward algorithm: D = rowsum(do * o); per key
     tile and query tile at or below the diagonal, P = exp(scale q k^T - lse) recomputed,
     dv += P^T do, dS = P (do v^T - D), dq += scale dS k, dk += scale dS^T q (dk, dv summed over
-    the g query heads of each KV head). Shapes as in :func:`causal_attention_backward`; results
-    in q's dtype."""
+    the g query heads of each KV head); with dropout's factors F (mask / (1 - p)), dv += (P F)^T do
+    and dS = P (F do v^T - D). Shapes as in :func:`causal_attention_backward`; results in q's
+    dtype."""
     xp = get_array_module(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     cdt = compute_dtype(q.dtype)
     Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
     qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
     rowdot = (doc * as_dtype(o, cdt)).sum(axis=-1)  # [B, nkv, g, Tq]
+    drop = _flash_dropout(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
     dq = xp.zeros(q.shape, cdt)
     dk = xp.zeros(k.shape, cdt)
     dv = xp.zeros(v.shape, cdt)
@@ -350,8 +370,9 @@ def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_
             s = (qc[..., q0:q1, :] @ kt.swapaxes(-1, -2)) * scale
             later = xp.arange(k0, k1)[None, :] > xp.arange(off + q0, off + q1)[:, None]
             p = xp.where(later, 0.0, xp.exp(s - lse[..., q0:q1, None]))
-            dv[:, :, k0:k1] += (p.swapaxes(-1, -2) @ doc[..., q0:q1, :]).sum(axis=2)
-            ds = p * (doc[..., q0:q1, :] @ vt.swapaxes(-1, -2) - rowdot[..., q0:q1, None])
+            f = 1.0 if drop is None else drop[..., q0:q1, k0:k1]
+            dv[:, :, k0:k1] += ((p * f).swapaxes(-1, -2) @ doc[..., q0:q1, :]).sum(axis=2)
+            ds = p * ((doc[..., q0:q1, :] @ vt.swapaxes(-1, -2)) * f - rowdot[..., q0:q1, None])
             dq[..., q0:q1, :] += (ds @ kt) * scale
             dk[:, :, k0:k1] += (ds.swapaxes(-1, -2) @ qc[..., q0:q1, :]).sum(axis=2) * scale
     return tuple(as_dtype(a, q.dtype) for a in (dq, dk, dv))

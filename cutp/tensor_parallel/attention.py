@@ -23,8 +23,9 @@ stream, and keeps the KV cache of generation.
 Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
 output) and the dropout's (p, seed, offset), not the attention's probabilities (the T x T part);
 backward recomputes them with the same op and the same mask, so the gradients are bit-identical.
-With the fused kernels (a GPU, kernels on, no attention dropout) the op's context is already
-O(T), o and the rows' log-sum-exp, and is kept: there is nothing to recompute.
+With the fused kernels (a GPU, kernels on, head dim 64 or 128) the op's context is already
+O(T), o and the rows' log-sum-exp (the dropout mask is recomputed from its counters), and is kept:
+there is nothing to recompute.
 """
 from __future__ import annotations
 

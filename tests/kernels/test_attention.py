@@ -17,7 +17,8 @@ attention_backward_dkdv_bf16_d64, attention_backward_dkdv_bf16_d128.
   schedule at smaller shapes, with results bit-identical across schedules.
 * Launchers: only o and the log-sum-exp are allocated by the forward; strided q, k, v (views of
   a fused QKV output) and gradients written into a packed buffer; Tq < Tk; scores far apart (the
-  online softmax's rescaling); refusals.
+  online softmax's rescaling); the probability dropout (the plain path's masks); refusals.
+* The op and a GPT on the fused kernels equal the unfused attention (dropout included).
 * The array-code reference itself against the plain formula in float64 (1e-12).
 """
 from __future__ import annotations
@@ -64,22 +65,24 @@ def normwise_error(got, want) -> float:
     return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 0.1 * np.sqrt(max(w.size, 1))))
 
 
-def reference(q, k, v, do, scale):
-    """float64 forward and backward of the array-code FlashAttention on the same (rounded) inputs."""
+def reference(q, k, v, do, scale, drop=(0.0, 0, 0)):
+    """float64 forward and backward of the array-code FlashAttention on the same (rounded) inputs;
+    drop: (dropout_p, seed, offsets)."""
     q64, k64, v64, do64 = (a.astype(np.float64) for a in (q, k, v, do))
-    o, lse = ops.flash_attention_forward(q64, k64, v64, scale)
-    return o, lse, ops.flash_attention_backward(do64, q64, k64, v64, o, lse, scale)
+    o, lse = ops.flash_attention_forward(q64, k64, v64, scale, dropout_p=drop[0], seed=drop[1], offset=drop[2])
+    return o, lse, ops.flash_attention_backward(do64, q64, k64, v64, o, lse, scale, dropout_p=drop[0], seed=drop[1],
+                                                offset=drop[2])
 
 
-def check_against_reference(k, backend, q, k_, v, do, dtype, scale=None):
+def check_against_reference(k, backend, q, k_, v, do, dtype, scale=None, drop=(0.0, 0, 0)):
     D = q.shape[-1]
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     dev = [backend.to_device(a) for a in (q, k_, v, do)]
-    o, lse = k.attention_forward(*dev[:3], scale)
-    o_ref, lse_ref, grads_ref = reference(q, k_, v, do, scale)
+    o, lse = k.attention_forward(*dev[:3], scale, *drop)
+    o_ref, lse_ref, grads_ref = reference(q, k_, v, do, scale, drop)
     assert normwise_error(backend.host(o), o_ref) <= TOL[dtype]
     assert normwise_error(backend.host(lse), lse_ref) <= 1e-6
-    grads = k.attention_backward(dev[3], *dev[:3], o, lse, scale)
+    grads = k.attention_backward(dev[3], *dev[:3], o, lse, scale, None, *drop)
     for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
         err = normwise_error(backend.host(got), want)
         assert err <= TOL[dtype], f"{name}: normwise error {err:.2e}"
@@ -132,6 +135,22 @@ def test_attention_under_each_schedule(backend, ks, dtype, B, Hkv, G, T, D):
     """The checked build (shared-memory race detector, bounds of every access) under the thread
     schedules: a race or an out-of-bounds access raises; the results match the reference."""
     check_against_reference(ks, backend, *attention_inputs(B, Hkv, G, T, T, D, dtype, seed=5), dtype)
+
+
+DROPOUT_CASES = [  # (B, Hkv, G, Tq, Tk, D), (p, seed, offsets)
+    ((2, 1, 2, 70, 70, 64), (0.1, 17, 1000)),
+    ((2, 2, 1, 33, 33, 128), (0.5, 3, [5, 2 ** 40 + 7])),  # per-row offsets (a rank's heads' places)
+    ((1, 1, 2, 20, 50, 64), (0.3, 9, 0)),  # Tq < Tk
+    ((1, 1, 1, 24, 24, 64), (1.0, 1, 0)),  # everything dropped: o = 0, dq = dk = dv = 0
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("shape,drop", DROPOUT_CASES, ids=[f"p{d[0]}-{s[3]}x{s[4]}-d{s[5]}" for s, d in DROPOUT_CASES])
+def test_attention_dropout(backend, ks, dtype, shape, drop):
+    """The probability dropout in the kernels: cutp.ops.dropout_forward_rows's masks (counter
+    hash at offsets[b] + element of batch row b), recomputed in the backward."""
+    check_against_reference(ks, backend, *attention_inputs(*shape, dtype, seed=shape[3]), dtype, drop=drop)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -252,17 +271,19 @@ def test_shared_memory_fits_the_devices():
 
 
 # ---- the array-code reference ---------------------------------------------------------------------
-@pytest.mark.parametrize("Tq,Tk,G,tile", [(1, 1, 1, 64), (17, 17, 2, 64), (130, 130, 4, 64), (40, 90, 2, 16),
-                                          (65, 65, 1, 8)])
-def test_flash_reference_is_the_formula(Tq, Tk, G, tile):
-    """flash_attention_forward/backward (tiles, online softmax, recomputation) equal the plain
-    formula and the plain op's gradients in float64."""
+@pytest.mark.parametrize("Tq,Tk,G,tile,p", [(1, 1, 1, 64, 0.0), (17, 17, 2, 64, 0.0), (130, 130, 4, 64, 0.0),
+                                            (40, 90, 2, 16, 0.0), (65, 65, 1, 8, 0.0), (70, 70, 2, 16, 0.3),
+                                            (30, 45, 1, 64, 0.5)])
+def test_flash_reference_is_the_formula(Tq, Tk, G, tile, p):
+    """flash_attention_forward/backward (tiles, online softmax, recomputation, dropout of the
+    probabilities) equal the plain formula and the plain op's gradients in float64."""
     q, k, v, do = (a.astype(np.float64) for a in attention_inputs(2, 2, G, Tq, Tk, 16, F32, seed=Tq))
-    o, lse = ops.flash_attention_forward(q, k, v, tile=tile)
-    np.testing.assert_allclose(o, ops.causal_attention_reference(q, k, v), rtol=1e-12, atol=1e-12)
-    _, ctx = ops.causal_attention_forward(q, k, v, blocked=False)
+    drop = dict(dropout_p=p, seed=3, offset=[7, 10 ** 6])
+    o, lse = ops.flash_attention_forward(q, k, v, tile=tile, **drop)
+    np.testing.assert_allclose(o, ops.causal_attention_reference(q, k, v, **drop), rtol=1e-12, atol=1e-12)
+    _, ctx = ops.causal_attention_forward(q, k, v, blocked=False, **drop)
     want = ops.causal_attention_backward(do, ctx)
-    for got, w in zip(ops.flash_attention_backward(do, q, k, v, o, lse, tile=tile), want):
+    for got, w in zip(ops.flash_attention_backward(do, q, k, v, o, lse, tile=tile, **drop), want):
         np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-12)
 
 
@@ -293,12 +314,13 @@ def _gpt_loss_and_grads(ctx, cfg, ids, targets, recompute="none"):
     return loss, {p.name: ctx.to_numpy(p.grad).astype(np.float64) for p in model.parameters()}, model
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_gpt_forward_backward_with_the_fused_attention(backend, fused_attention, recompute):
-    """A 2-layer GPT (head dim 64, 40 tokens: not a multiple of the tile) through the fused kernels
-    equals the unfused attention within float32's tolerance; with selective recomputation the
-    fused context (o and the log-sum-exp) is kept instead of recomputing the attention."""
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=64, block_size=40, dropout=0.0)
+@pytest.mark.parametrize("recompute,dropout", [("none", 0.0), ("selective", 0.0), ("selective", 0.1)])
+def test_gpt_forward_backward_with_the_fused_attention(backend, fused_attention, recompute, dropout):
+    """A 2-layer GPT (head dim 64, 40 tokens: not a multiple of the tile; with and without
+    dropout) through the fused kernels equals the unfused attention within float32's tolerance;
+    with selective recomputation the fused context (o and the log-sum-exp) is kept instead of
+    recomputing the attention."""
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=64, block_size=40, dropout=dropout)
     ctx = cutp.init(comm=MPI.COMM_SELF, tp=1, device=backend.device)
     ids = np.random.default_rng(1).integers(0, 64, (2, 40))
     targets = np.random.default_rng(2).integers(0, 64, (2, 40))
@@ -307,6 +329,8 @@ def test_gpt_forward_backward_with_the_fused_attention(backend, fused_attention,
         if fused_attention is not None:
             launched = {name.rsplit("_", 2)[0] for name in fused_attention.launches}
             assert {"attention_forward", "attention_backward_dq", "attention_backward_dkdv"} <= launched
+            # selective recomputation ran no second forward: the fused context was kept
+            assert fused_attention.launches["attention_forward_f32_d64"] == cfg.n_layer
         with kernels.use_kernels(False):
             loss_u, grads_u, _ = _gpt_loss_and_grads(ctx, cfg, ids, targets, recompute)
     finally:
@@ -316,29 +340,32 @@ def test_gpt_forward_backward_with_the_fused_attention(backend, fused_attention,
         assert normwise_error(grads_f[name], g) <= 1e-5, name
 
 
-def test_attention_dropout_and_other_head_dims_run_unfused_with_one_warning(backend, fused_attention):
-    xp = backend.xp
-    q, k_, v, do = (backend.to_device(a) for a in attention_inputs(1, 1, 2, 20, 20, 64, F32))
-    with pytest.warns(UserWarning, match="dropout"):
-        _, ctx = ops.causal_attention_forward(q, k_, v, dropout_p=0.1, seed=1)
-    assert not ctx.fused
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per reason
-        ops.causal_attention_forward(q, k_, v, dropout_p=0.1, seed=1)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_the_op_on_the_fused_kernels_equals_the_plain_path(backend, fused_attention, dropout_p):
+    """causal_attention_forward/backward dispatch to the fused kernels (nothing T x T in the
+    context), with the plain path's dropout masks (per-row offsets as ParallelAttention draws)."""
+    q, k_, v, do = (backend.to_device(a) for a in attention_inputs(2, 1, 2, 30, 30, 64, F32))
+    drop = dict(dropout_p=dropout_p, seed=4, offset=[10, 50_000])
+    o, ctx = ops.causal_attention_forward(q, k_, v, **drop)
+    assert ctx.fused and ctx.probs is None and ctx.softmax is None
+    o_u, ctx_u = ops.causal_attention_forward(q, k_, v, fused=False, **drop)
+    assert not ctx_u.fused
+    assert normwise_error(backend.host(o), backend.host(o_u)) <= 1e-5
+    for got, want in zip(ops.causal_attention_backward(do, ctx), ops.causal_attention_backward(do, ctx_u)):
+        assert normwise_error(backend.host(got), backend.host(want)) <= 1e-5
+
+
+def test_other_head_dims_run_unfused_with_one_warning(backend, fused_attention):
     q2 = backend.to_device(randn((1, 1, 1, 8, 32), F32))
     kv2 = backend.to_device(randn((1, 1, 8, 32), F32))
     with pytest.warns(UserWarning, match="head dims"):
         o, ctx = ops.causal_attention_forward(q2, kv2, kv2)
     assert not ctx.fused and o.shape == q2.shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        ops.causal_attention_forward(q2, kv2, kv2)
     with pytest.raises(ValueError, match="head dims"):
         ops.causal_attention_forward(q2, kv2, kv2, fused=True)
-    o, ctx = ops.causal_attention_forward(q, k_, v)
-    assert ctx.fused and ctx.probs is None and ctx.softmax is None  # nothing T x T in the context
-    dq, dk, dv = ops.causal_attention_backward(do, ctx)
-    _, ctx_u = ops.causal_attention_forward(q, k_, v, fused=False)
-    for got, want in zip((dq, dk, dv), ops.causal_attention_backward(do, ctx_u)):
-        assert normwise_error(backend.host(got), backend.host(want)) <= 1e-5
-    assert xp is not None
 
 
 def test_the_mma_header_is_found_or_named(tmp_path):

@@ -47,7 +47,7 @@ NARROWING_OK = [
     ("gelu.cu", "(int)(i0 % C)", "a column, < C (an int)"),
     ("gelu.cu", "(int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) * P)",
      "a column chunk start: the grid's x extent covers ceil(C / P) threads, so the value is < C + blockDim.x * P"),
-    ("dropout.cu", "(unsigned int)(z >> 40)", "the top 24 bits of the 64-bit hash, not an index"),
+    ("common.cuh", "(unsigned int)(z >> 40)", "dropout_keep: the top 24 bits of the 64-bit hash, not an index"),
 ]
 
 
@@ -304,7 +304,8 @@ def test_kernel_index_arithmetic_is_64_bit(name):
 
 
 def test_common_header_index_arithmetic_is_64_bit():
-    assert not audit(_source("common.cuh"), "", "common.cuh")
+    ok = [text for f, text, _ in NARROWING_OK if f == "common.cuh"]
+    assert not audit(_source("common.cuh"), "", "common.cuh", ok)
 
 
 def test_every_allowed_narrowing_is_in_the_source():
