@@ -61,6 +61,7 @@ STAGES = {
     "gelu": (["test_gelu.py"], ["gelu", "reduce"]),
     "adamw": (["test_adamw.py"], ["adamw"]),
     "dropout": (["test_dropout.py"], ["dropout"]),
+    "attention": (["test_attention.py"], ["attention"]),
 }
 # The stages that test each source, run in order until one fails (AUDIT_TESTS first, in the first).
 STAGES_OF = {
@@ -71,7 +72,8 @@ STAGES_OF = {
     "layernorm.cu": ["layernorm"],
     "reduce.cu": ["gelu", "layernorm"],
     "softmax.cu": ["softmax"],
-    "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout"],
+    "attention.cu": ["attention"],
+    "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout", "attention"],
 }
 AUDIT_TESTS = ["test_index_width.py"]  # source-level checks that apply to every kernel source
 
