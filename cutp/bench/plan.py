@@ -24,8 +24,9 @@ in one flat buffer padded to N = ceil(n / M) * M elements, M = 1 (plain AdamW) o
 Activations (the peak a training step allocates above the state), cutp presets: cutp's step
 simulated array by array (`cutp.bench.step_memory`: what the layers cache, each op's outputs and
 temporaries, in the code's order; checked against tracemalloc on the CPU within 10% by
-tests/test_memory.py), on a GPU (`--device cuda`, the default: the unblocked attention keeps
-[b, heads, s, s] probabilities, the kernels' outputs) or on the CPU (`--device cpu --threads
+tests/test_memory.py), on a GPU (`--device cuda`, the default: the fused attention kernels keep
+o and the rows' log-sum-exp, O(s), for head dims 64 and 128 in float32/bfloat16; other head dims
+the unblocked attention's [b, heads, s, s] probabilities) or on the CPU (`--device cpu --threads
 N`); the largest over the TP ranks. `--recompute none|selective|full` (`--recompute-layers N`:
 full for the first N layers) and `--sequence-parallel` are walked as the code runs them (what
 each module keeps under each, the shards, the gathered inputs the column projections keep, a

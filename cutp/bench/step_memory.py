@@ -100,7 +100,7 @@ class _Walk(OpWalk):
         y = self.row_out(f"{L}.attn_out")
         # attn.forward returns: its locals go (the plain path's unmerged output, the op's ctx)
         gone = [f"{L}.o_heads"] + ([f"{L}.probs", f"{L}.pdrop", f"{L}.pdrop.mask"] if drop_probs else [])
-        gone += [f"{L}.qkv", f"{L}.o"] if not keep else []
+        gone += [f"{L}.qkv", f"{L}.o", f"{L}.lse"] if not keep else []  # (the fused context is O(T): kept)
         gone += [f"{L}.ln1.y"] if (self.sp or not keep) else []  # attn.forward's argument (a shard under SP)
         H.free(*(k for k in gone if H.has(k)))
         if self.drop:
@@ -225,7 +225,7 @@ class _Walk(OpWalk):
             H.alloc(f"{L}.d_attn_drop", Ns * h * self.a)
             H.free(f"{L}.attn_drop.mask")
             d = f"{L}.d_attn_drop"
-        again = self.s.recompute == "selective"
+        again = self.s.recompute == "selective" and not self.fused  # the fused context was kept
         if again:
             self.attention_fwd(L, again=True)
         H.temp(h * self.c, what=f"{L} attention bias grad")
@@ -239,7 +239,7 @@ class _Walk(OpWalk):
         self.linear_bwd(f"{L}.dx_attn", h, self.qkvw, bias=self.s.bias)
         H.free(ln1_in)
         dx_attn = self.column_in(f"{L}.dx_attn")
-        H.free(f"{L}.do", f"{L}.dqkv", f"{L}.qkv", f"{L}.probs")
+        H.free(f"{L}.do", f"{L}.dqkv", f"{L}.qkv", f"{L}.lse" if self.fused else f"{L}.probs")
         for k in (f"{L}.pdrop", f"{L}.pdrop.mask", f"{L}.o2"):
             if H.has(k):
                 H.free(k)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.attention import ATTENTION_HEAD_DIMS
 from ..ops import _common
 from ..ops import attention as attention_op
 from ..tensor_parallel.sharding import kv_heads_of_rank
@@ -39,6 +40,8 @@ class OpWalk:
         self.vl = s.padded_vocab // s.tp
         self.n_valid = max(0, min(s.vocab - s.tp_rank * self.vl, self.vl))
         self.drop = s.dropout > 0
+        # a GPU's attention: the fused kernels (kernels/attention.cu) where they apply
+        self.fused = self.kern and self.hd in ATTENTION_HEAD_DIMS
 
     def blocks(self, n_rows, width):
         """(largest block rows, blocks in flight at once) of a row-blocked op."""
@@ -204,6 +207,12 @@ class OpWalk:
         forward in backward (its output, `L`.o2, is not merged and lives to the end of backward)."""
         s, H = self.s, self.heap
         B, T, a, e = s.micro_batch, s.seq_len, self.a, self.c
+        if self.fused:  # o (token-major: merging the heads is a view) and the rows' log-sum-exp
+            H.alloc(f"{L}.o", self.N * self.nq * self.hd * a)
+            H.alloc(f"{L}.lse", B * self.nq * T * 4)
+            if self.drop:
+                H.temp(8 * B, what=f"{L} attention dropout offsets")
+            return f"{L}.o"
         if self.cpu and not self.drop:
             H.alloc(f"{L}.o2" if again else f"{L}.o", self.N * self.nq * self.hd * a)
             pieces = attention_op._pieces(B, self.nkv, self.g, T, T)
@@ -259,6 +268,9 @@ class OpWalk:
         """The op's backward into dqkv (allocated by the caller)."""
         s, H = self.s, self.heap
         B, T, e = s.micro_batch, s.seq_len, self.c
+        if self.fused:  # the rows' sum(do * o); dq, dk, dv go straight into dqkv
+            H.temp(B * self.nq * T * 4 + (8 * B if self.drop else 0), what=f"{L} attention backward")
+            return
         if self.cpu and not self.drop:
             pieces = attention_op._pieces(B, self.nkv, self.g, T, T)
             worst = max(self._attention_piece_bwd(p, T) for p in pieces)
