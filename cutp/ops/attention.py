@@ -117,8 +117,8 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             no dropout, else ``ValueError``).
         fused: ``None`` runs the fused kernels where they apply (CuPy arrays, kernels on,
             float32/bfloat16, head dim 64 or 128; otherwise a warning once per reason, then the
-            other paths); ``False`` never (``blocked=False`` implies it); ``True`` requires them
-            (``ValueError`` with the reason).
+            other paths); ``False`` never (a ``blocked`` of True or False implies it); ``True``
+            requires them (``ValueError`` with the reason).
 
     Returns ``(o, ctx)``: o [B, nkv, g, Tq, hd] in q's dtype. The blocked path writes o's memory
     token-major, [B, Tq, nkv, g, hd], so merging the heads afterwards,
@@ -128,7 +128,9 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
     _check_shapes(q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if fused is not False and blocked is not False:
+    if fused and blocked is not None:
+        raise ValueError(f"fused=True excludes blocked={blocked}")
+    if fused or (fused is None and blocked is None):
         kernels = _attention_kernels(q, k, v)
         why = "the fused attention needs CuPy arrays with kernels on" if kernels is None else \
             fused_attention_supported(q, k, v)
@@ -140,8 +142,6 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             raise ValueError(why)
         if kernels is not None:
             _warn_unfused_once(why)
-    elif fused:
-        raise ValueError("fused=True contradicts blocked=False")
     xp = get_array_module(q, k, v)
     can_block = xp is np and float(dropout_p) == 0.0
     if blocked is None:
