@@ -74,3 +74,18 @@ def test_bf16_mma_sync_takes_no_satf():
     code = WMMA_KERNEL.replace("wmma::mma_sync(fc, fa, fb, fc);", "wmma::mma_sync(fc, fa, fb, fc, true);")
     with pytest.raises(CompileError):
         EmulatedModule(code=code).get_function("mma_rr")
+
+
+@pytest.mark.parametrize("decl", [
+    "wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16> fa;",  # A without a layout
+    "wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, LA> fa; "
+    "wmma::fragment<wmma::accumulator, 16, 16, 16, float, wmma::row_major> bad; "
+    "wmma::fill_fragment(bad, 0.0f);",  # accumulator with one
+])
+def test_fragments_declared_as_mma_h_defines_them(decl):
+    """<mma.h> has no matrix_a / matrix_b fragment without a layout and no accumulator with one
+    (incomplete types: NVCC and NVRTC reject them); the emulator must not compile them either."""
+    code = WMMA_KERNEL.replace("wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, LA> fa;", decl)
+    assert code != WMMA_KERNEL
+    with pytest.raises(CompileError):
+        EmulatedModule(code=code).get_function("mma_rr")
