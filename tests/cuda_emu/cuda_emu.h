@@ -858,6 +858,11 @@ class fragment {
     static_assert(M == 16 && N == 16 && K == 16, "the CUDA emulator implements the wmma shape m16n16k16 only");
     static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float> : std::is_same_v<T, __nv_bfloat16>,
                   "the CUDA emulator implements __nv_bfloat16 A/B fragments with float accumulators only");
+    // <mma.h> defines A/B fragments with a row_major or col_major layout only, accumulators without
+    static_assert(std::is_same_v<Use, accumulator>
+                      ? std::is_void_v<Layout>
+                      : std::is_same_v<Layout, row_major> || std::is_same_v<Layout, col_major>,
+                  "wmma: matrix_a / matrix_b fragments need a row_major or col_major layout, accumulators none");
 
 public:
     using element_type = T;
