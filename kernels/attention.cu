@@ -7,12 +7,12 @@
 // online softmax (running row max m and sum l, the accumulated output rescaled by exp(m_old -
 // m_new) when the max grows) and writes o and the row's log-sum-exp lse = m + log(l); the
 // backward recomputes each tile's probabilities from q k^T and lse.
-//   attention_forward     grid (query tiles, B * Hkv * G); tiles above the causal diagonal are
+//   attention_forward     grid (B * Hkv * G, query tiles); tiles above the causal diagonal are
 //                         never visited, the diagonal tile is masked; the longest rows first.
 //   attention_backward_rowdot  D[row] = sum(dO * O) over the head dim (FA-2's precompute).
-//   attention_backward_dq grid (query tiles, B * Hkv * G): per query tile, over its key tiles,
+//   attention_backward_dq grid (B * Hkv * G, query tiles): per query tile, over its key tiles,
 //                         dS = P * (dP - D) with dP = dO v^T, dq = scale * dS k.
-//   attention_backward_dkdv grid (key tiles, B * Hkv): per key tile of a KV head, over the G
+//   attention_backward_dkdv grid (B * Hkv, key tiles): per key tile of a KV head, over the G
 //                         query heads of its group and their query tiles from the diagonal on,
 //                         dv = P^T dO, dk = scale * dS^T q: a shared KV head's gradient is summed
 //                         in the block, never copied per query head, and never needs atomics.
@@ -161,9 +161,9 @@ __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, in
     T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(Os + R * OLD) : reinterpret_cast<T*>(Ss);
     constexpr int PLD = ProbTile<T>::ld(R);
 
-    const long long bh = blockIdx.y;  // (b, hk, g) of the query head
+    const long long bh = blockIdx.x;  // (b, hk, g) of the query head: on x, whose limit is 2^31 - 1
     const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * R;  // the longest rows first
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * R;  // the longest rows first
     const int off = Tk - Tq;                             // query row i is at position off + i
     const T* qb = q + b * q_sb + hk * q_sh + g * q_sg;
     const T* kb = k + b * k_sb + hk * k_sh;
@@ -270,9 +270,9 @@ __device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* 
     T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(dQs + R * OLD) : reinterpret_cast<T*>(Ss);
     constexpr int PLD = ProbTile<T>::ld(R);
 
-    const long long bh = blockIdx.y;
+    const long long bh = blockIdx.x;
     const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * R;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * R;
     const int off = Tk - Tq;
     const T* kb = k + b * k_sb + hk * k_sh;
     const T* vb = v + b * v_sb + hk * v_sh;
@@ -344,9 +344,9 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
     T* dSTs = ProbTile<T>::separate ? PTs + R * prob_ld(R) : reinterpret_cast<T*>(dPTs);
     constexpr int PLD = ProbTile<T>::ld(R);
 
-    const long long bk = blockIdx.y;  // (b, hk)
+    const long long bk = blockIdx.x;  // (b, hk)
     const long long b = bk / Hkv, hk = bk % Hkv;
-    const int k0 = (gridDim.x - 1 - blockIdx.x) * R;  // the most query tiles first
+    const int k0 = (gridDim.y - 1 - blockIdx.y) * R;  // the most query tiles first
     const int off = Tk - Tq;
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;

@@ -26,6 +26,7 @@ from .runtime import KernelArgumentError, LauncherBase, ceil_div, dtype_suffix, 
 
 ATTENTION_HEAD_DIMS = (64, 128)
 ROWDOT_WARPS = 8  # rows (warps) per block of attention_backward_rowdot
+MAX_GRID_X, MAX_GRID_Y = 2**31 - 1, 65535  # CUDA's grid limits: heads go on x, tiles on y
 
 
 def attention_tile_rows(kernel: str, head_dim: int) -> int:
@@ -112,6 +113,13 @@ class AttentionLaunchers(LauncherBase):
         why = fused_attention_supported(q, k, v)
         if why:
             raise KernelArgumentError(why)
+        B, Hkv, G, Tq, D = q.shape
+        Tk = k.shape[2]
+        # grids (B * Hkv * G, query tiles) and (B * Hkv, key tiles)
+        if B * Hkv * G > MAX_GRID_X or max(ceil_div(Tq, attention_tile_rows("forward", D)),
+                                           ceil_div(Tk, attention_tile_rows("backward_dkdv", D))) > MAX_GRID_Y:
+            raise KernelArgumentError(f"attention of {B * Hkv * G} heads of Tq={Tq}, Tk={Tk} exceeds the kernels' "
+                                      "grid limits")
         return q.shape[:4] + (k.shape[2], q.shape[4])
 
     def attention_forward(self, q, k, v, scale: float, dropout_p: float = 0.0, seed: int = 0, offsets=0):
@@ -129,7 +137,7 @@ class AttentionLaunchers(LauncherBase):
             ks, k_st = _span(xp, k)
             vs, v_st = _span(xp, v)
             R = attention_tile_rows("forward", D)
-            self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_d{D}", (ceil_div(Tq, R), B * Hkv * G),
+            self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_d{D}", (B * Hkv * G, ceil_div(Tq, R)),
                          (2 * R,),
                          (o_tokens, lse, qs, ks, vs, int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq),
                           int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale), *drop),
@@ -176,11 +184,11 @@ class AttentionLaunchers(LauncherBase):
         common = (qs, ks, vs, dos, lse, rowdot, *dims, int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3],
                   *do_st[:4])
         R = attention_tile_rows("backward_dq", D)
-        self._launch("attention", f"attention_backward_dq_{sfx}", (ceil_div(Tq, R), B * Hkv * G), (2 * R,),
+        self._launch("attention", f"attention_backward_dq_{sfx}", (B * Hkv * G, ceil_div(Tq, R)), (2 * R,),
                      (dqs, *common, *dq_st[:4], np.float32(scale), *drop),
                      shared_mem=attention_shared_bytes("backward_dq", q.dtype, D))
         R = attention_tile_rows("backward_dkdv", D)
-        self._launch("attention", f"attention_backward_dkdv_{sfx}", (ceil_div(Tk, R), B * Hkv), (2 * R,),
+        self._launch("attention", f"attention_backward_dkdv_{sfx}", (B * Hkv, ceil_div(Tk, R)), (2 * R,),
                      (dks, dvs, *common, *dk_st[:3], *dv_st[:3], np.float32(scale), *drop),
                      shared_mem=attention_shared_bytes("backward_dkdv", q.dtype, D))
         return out

@@ -163,11 +163,27 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
     then writes each query block straight into them.
     """
     if ctx.fused:
+        xp = get_array_module(ctx.q)
         do = as_dtype(do, ctx.q.dtype)
-        return ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale, out, *ctx.dropout_args)
+        if not _kernel_layout(do):  # the kernels take any strides but a contiguous head dim, non-negative
+            do = xp.ascontiguousarray(do)
+        direct = out is None or all(_kernel_layout(a) and a.dtype == like.dtype
+                                    for a, like in zip(out, (ctx.q, ctx.k, ctx.v)))
+        grads = ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale,
+                                               out if direct else None, *ctx.dropout_args)
+        if direct:
+            return grads
+        for dst, grad in zip(out, grads):  # like the plain path: any strides, any dtype
+            dst[...] = grad
+        return out
     if ctx.blocked:
         return _backward_blocked(do, ctx, out)
     return _backward_plain(do, ctx, out)
+
+
+def _kernel_layout(a) -> bool:
+    """Whether the fused kernels take a's layout as it is (kernels/attention.py's _span)."""
+    return a.size == 0 or (a.strides[-1] == a.itemsize and all(s >= 0 and s % a.itemsize == 0 for s in a.strides))
 
 
 _UNFUSED_WARNED: set = set()

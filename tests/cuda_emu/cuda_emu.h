@@ -858,6 +858,11 @@ class fragment {
     static_assert(M == 16 && N == 16 && K == 16, "the CUDA emulator implements the wmma shape m16n16k16 only");
     static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float> : std::is_same_v<T, __nv_bfloat16>,
                   "the CUDA emulator implements __nv_bfloat16 A/B fragments with float accumulators only");
+    // <mma.h> defines A/B fragments with a row_major or col_major layout only, accumulators without
+    static_assert(std::is_same_v<Use, accumulator>
+                      ? std::is_void_v<Layout>
+                      : std::is_same_v<Layout, row_major> || std::is_same_v<Layout, col_major>,
+                  "wmma: matrix_a / matrix_b fragments need a row_major or col_major layout, accumulators none");
 
 public:
     using element_type = T;
@@ -887,7 +892,6 @@ struct MmaLane {
     const __nv_bfloat16* b;
     const float* c;
     float* d;
-    bool satf;
 };
 // Not instrumented: the lanes' fragments are their registers, not memory a kernel shares.
 __attribute__((no_sanitize_thread)) inline void mma_warp(void* const* lanes) {
@@ -902,7 +906,7 @@ __attribute__((no_sanitize_thread)) inline void mma_warp(void* const* lanes) {
                 const int ia = r * 16 + k, ib = k * 16 + col;  // row-major element numbers in A and B
                 acc = fmaf(static_cast<float>(l[ia % 32]->a[ia / 32]), static_cast<float>(l[ib % 32]->b[ib / 32]), acc);
             }
-            out[lane][i] = l[lane]->satf ? fminf(fmaxf(acc, 0.0f), 1.0f) : acc;
+            out[lane][i] = acc;
         }
     }
     for (int lane = 0; lane < 32; ++lane)  // after every read: d may be c
@@ -952,9 +956,11 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
 template <class LA, class LB>
 inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, __nv_bfloat16, LA>& a,
                      const fragment<matrix_b, 16, 16, 16, __nv_bfloat16, LB>& b,
-                     const fragment<accumulator, 16, 16, 16, float>& c, bool satf = false,
+                     const fragment<accumulator, 16, 16, 16, float>& c,
                      std::source_location loc = std::source_location::current()) {
-    emu::MmaLane me{{&emu::mma_warp}, a.x, b.x, c.x, d.x, satf};
+    // crt/mma.h's bf16 mma_sync is (d, a, b, c): no satf argument (the integer shapes' satf is
+    // not emulated), so a kernel that passes one fails here as it would under NVRTC.
+    emu::MmaLane me{{&emu::mma_warp}, a.x, b.x, c.x, d.x};
     ::cuda_emu::detail::warp_op(::cuda_emu::detail::kMmaSync, 0xffffffffu, reinterpret_cast<uintptr_t>(&me), 0, 32, loc);
 }
 }  // namespace wmma

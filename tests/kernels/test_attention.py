@@ -376,3 +376,64 @@ def test_the_mma_header_is_found_or_named(tmp_path):
     assert find_mma_include(str(tmp_path / "inc"), candidates=[]) == str(tmp_path / "inc")
     with pytest.raises(KernelLoadError, match="nvidia-cuda-crt"):
         find_mma_include(str(tmp_path / "none"), candidates=[(str(tmp_path), "x")])
+
+
+# ---- review (attn-review): what a GPU would expose and the emulated launches above do not ----------
+def _recording_launchers():
+    """Launchers over a stand-in module that records (kernel, grid) and runs nothing: launch
+    configurations at shapes far too large to emulate."""
+    launches = []
+
+    class Function:
+        shared_size_bytes = 0
+
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launches.append((self.name, tuple(grid)))
+
+    class Module:
+        def get_function(self, name):
+            return Function(name)
+
+    return Launchers(lambda name: Module(), np, description="recording"), launches
+
+
+@pytest.mark.parametrize("B,Hkv,G", [(512, 128, 1), (256, 32, 8)])
+def test_launch_grids_within_cudas_limits(B, Hkv, G):
+    """CUDA caps gridDim.y (and z) at 65535: 512 sequences x 128 heads (65,536 blocks per query
+    tile) must not put the heads on y, or every attention launch fails on a GPU
+    (cudaErrorInvalidConfiguration). T = 1 keeps the arrays small; nothing runs."""
+    from tests.cuda_emu import MAX_GRID_DIM
+
+    k, launches = _recording_launchers()
+    q = np.zeros((B, Hkv, G, 1, 64), np.float32)
+    kv = np.zeros((B, Hkv, 1, 64), np.float32)
+    o, lse = k.attention_forward(q, kv, kv, 0.125)
+    k.attention_backward(q, q, kv, kv, o, lse, 0.125)
+    assert {name.rsplit("_", 2)[0] for name, _ in launches} >= {"attention_forward", "attention_backward_dq",
+                                                                "attention_backward_dkdv"}
+    for name, grid in launches:
+        for dim, (g, limit) in enumerate(zip(grid, MAX_GRID_DIM)):
+            assert g <= limit, f"{name}: grid dimension {'xyz'[dim]} = {g} over CUDA's limit {limit}"
+
+
+def test_the_op_takes_do_and_out_of_any_layout_on_the_fused_kernels(backend, fused_attention):
+    """causal_attention_backward promises do and out of any strides (and writes out like the
+    plain path, dst[...] = grad): the fused path must not refuse a do or an out whose head dim
+    is not contiguous (KernelArgumentError), but lay them out for the kernels."""
+    q, k_, v, _ = (backend.to_device(a) for a in attention_inputs(1, 1, 2, 20, 20, 64, F32, seed=2))
+    do = backend.to_device(randn((1, 1, 2, 20, 128), F32, seed=8))[..., ::2]  # head dim stride 2
+    _, ctx = ops.causal_attention_forward(q, k_, v)
+    _, ctx_u = ops.causal_attention_forward(q, k_, v, fused=False)
+    assert ctx.fused
+    want = ops.causal_attention_backward(do, ctx_u)
+    got = ops.causal_attention_backward(do, ctx)
+    for g, w in zip(got, want):
+        assert normwise_error(backend.host(g), backend.host(w)) <= 1e-5
+    out = tuple(backend.xp.zeros(a.shape[:-1] + (128,), np.float32)[..., ::2] for a in (q, k_, v))
+    res = ops.causal_attention_backward(do, ctx, out=out)
+    assert all(r is o for r, o in zip(res, out))
+    for g, w in zip(out, want):
+        assert normwise_error(backend.host(g), backend.host(w)) <= 1e-5
