@@ -162,14 +162,13 @@ def dispatch(*arrays) -> Launchers | None:
 
 def dispatch_views(*arrays) -> Launchers | None:
     """dispatch() for kernels that take strided views (the fused attention, whose launchers pass
-    strides): CuPy arrays of one dtype, float32 or bfloat16, any layout (the launchers check
-    theirs)."""
+    strides): the device's Launchers when kernels are on and the arrays (at least one) are CuPy
+    arrays, whatever their dtypes and layouts; the caller checks what its kernels take (for the
+    attention, ``kernels.attention.fused_attention_supported``), so that it can say why not."""
     if not kernels_enabled():
         return None
-    first = next((a for a in arrays if a is not None), None)
-    if first is None or not is_kernel_dtype(first.dtype):
-        return None
-    if not all(a is None or (is_cupy_array(a) and a.dtype == first.dtype) for a in arrays):
+    given = [a for a in arrays if a is not None]
+    if not given or not all(is_cupy_array(a) for a in given):
         return None
     return cupy_launchers()
 

@@ -165,6 +165,9 @@ class AttentionLaunchers(LauncherBase):
             if not isinstance(a, xp.ndarray) or a.shape != like.shape or a.dtype != like.dtype:
                 raise KernelArgumentError(f"out {name} must be a {xp.__name__} array of shape {like.shape} and dtype "
                                           f"{like.dtype}")
+            if a.size and any(st == 0 and d > 1 for st, d in zip(a.strides, a.shape)):
+                raise KernelArgumentError(f"out {name} has a zero stride (a broadcast view, strides {a.strides}): "
+                                          "several blocks would write each element")
         dq, dk, dv = out
         if dq.size == 0 or dk.size == 0:
             if dk.size:

@@ -167,7 +167,7 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
         do = as_dtype(do, ctx.q.dtype)
         if not _kernel_layout(do):  # the kernels take any strides but a contiguous head dim, non-negative
             do = xp.ascontiguousarray(do)
-        direct = out is None or all(_kernel_layout(a) and a.dtype == like.dtype
+        direct = out is None or all(_kernel_layout(a) and a.dtype == like.dtype and 0 not in a.strides
                                     for a, like in zip(out, (ctx.q, ctx.k, ctx.v)))
         grads = ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale,
                                                out if direct else None, *ctx.dropout_args)

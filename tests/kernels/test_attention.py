@@ -296,10 +296,10 @@ def fused_attention(backend, monkeypatch):
         return None
     launchers = backend.launchers("random", 5)
 
-    def dispatch(*arrays):
+    def dispatch(*arrays):  # kernels.dispatch_views's rule, NumPy standing in for CuPy
         arrays = [a for a in arrays if a is not None]
-        ok = arrays and all(isinstance(a, np.ndarray) and a.dtype == arrays[0].dtype for a in arrays)
-        return launchers if ok and arrays[0].dtype in DTYPES and kernels.kernels_enabled() else None
+        ok = arrays and all(isinstance(a, np.ndarray) for a in arrays)
+        return launchers if ok and kernels.kernels_enabled() else None
 
     monkeypatch.setattr(attention_op, "_attention_kernels", dispatch)
     monkeypatch.setattr(attention_op, "_UNFUSED_WARNED", set())
@@ -366,6 +366,11 @@ def test_other_head_dims_run_unfused_with_one_warning(backend, fused_attention):
         ops.causal_attention_forward(q2, kv2, kv2)
     with pytest.raises(ValueError, match="head dims"):
         ops.causal_attention_forward(q2, kv2, kv2, fused=True)
+    # float64 (and float16) on the device: the unfused path, saying why
+    q3, kv3 = (backend.to_device(randn(shape, F32).astype(np.float64)) for shape in ((1, 1, 1, 8, 64), (1, 1, 8, 64)))
+    with pytest.warns(UserWarning, match="float32 or bfloat16"):
+        _, ctx = ops.causal_attention_forward(q3, kv3, kv3)
+    assert not ctx.fused
 
 
 def test_the_mma_header_is_found_or_named(tmp_path):
