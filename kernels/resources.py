@@ -109,7 +109,7 @@ class DynamicShared:
 # Every kernel family that launches with dynamic shared memory (the others pass shared_mem=0;
 # tests/test_kernel_resources.py checks that no other launcher passes it).
 DYNAMIC_SHARED: dict[str, DynamicShared] = {
-    "layernorm_backward": DynamicShared("2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
+    "layernorm_backward": DynamicShared("R * 2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
 }
 
 
