@@ -41,9 +41,10 @@ ENV_SWITCH = "CUTP_KERNELS"
 WARP = 32
 ELEMENTWISE_THREADS = 256
 ROWS_PER_WARP_BLOCK = 4  # warp-per-row kernels: 4 warps (rows) per block
-# Column reductions (bias and LayerNorm parameter gradients) split the rows into chunks so that
-# about this many blocks run the first pass. A fixed number (not the device's SM count), so the
-# partial sums, and with them the rounding of the result, do not depend on the GPU model.
+# The bias gradient's column reduction splits the rows into chunks so that about this many
+# blocks run the first pass. A fixed number (not the device's SM count), so the partial sums, and
+# with them the rounding of the result, do not depend on the GPU model. (LayerNorm's parameter
+# gradients size their grid by the SM count instead: kernels/layernorm.py.)
 COLUMN_REDUCTION_BLOCKS = 1024
 DEFAULT_MAX_SHARED = 48 * 1024  # static + dynamic shared memory of a block without the opt-in
 # Streaming multiprocessors of the target device (H100 SXM; H200 has the same 132): the grid of

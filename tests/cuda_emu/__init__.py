@@ -28,6 +28,11 @@ What a launch checks, beyond running the kernel:
   * reads of uninitialised shared memory show up as NaN (shared memory is poisoned per block);
   * crashes (SIGSEGV, ...), device asserts and hangs become Python exceptions.
 
+Traffic (checked builds): every launch counts the bytes its kernel read from and wrote to each
+array argument (EmulatedKernel.last_traffic; `with record_traffic() as log:` collects a
+LaunchTraffic per launch of any module), so a test can assert how many passes a kernel, or a
+sequence of launches, makes over an array.
+
 The `schedule` decides the order in which emulated threads run between barriers ("forward",
 "reverse", "random" with `seed`: in rounds, every ready thread to its next barrier or warp
 operation), or lets one warp at a time run ahead to the next __syncthreads() ("warp-forward",
