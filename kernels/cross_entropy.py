@@ -1,14 +1,14 @@
 """Launchers of ``kernels/cross_entropy.cu``: the local pieces of the vocab-parallel cross-entropy.
 
-Each rank holds a shard of the logits' vocabulary; these kernels compute its row max, its
-softmax statistics and, in place over the logits, its gradient (the collectives between them are
-``cutp.ops.cross_entropy``'s). One op, four places:
+Each rank holds a shard of the logits' vocabulary; these kernels compute, in one pass, its row
+max and softmax statistics and, in a second pass in place over the logits, its gradient (the
+collectives between them are ``cutp.ops.cross_entropy``'s). One op, four places:
 
 * CUDA source: ``kernels/cross_entropy.cu``;
 * these launchers (argument checks, launch shapes);
-* NumPy/CuPy reference: ``cutp/ops/cross_entropy.py`` (``ce_shard_max``, ``ce_shard_stats``,
+* NumPy/CuPy reference: ``cutp/ops/cross_entropy.py`` (``ce_shard_forward``,
   ``ce_shard_backward``), which calls these launchers through ``cutp.kernels.dispatch``;
-* tests: ``tests/kernels/test_cross_entropy.py``; benchmark cases ``ce_max``, ``ce_stats`` and
+* tests: ``tests/kernels/test_cross_entropy.py``; benchmark cases ``ce_fwd`` and
   ``ce_bwd_fused`` of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .runtime import (
 
 
 class CrossEntropyLaunchers(LauncherBase):
-    """ce_shard_max, ce_shard_stats, ce_shard_backward."""
+    """ce_shard_forward, ce_shard_backward."""
 
     def _logits_2d(self, logits, n_valid: int):
         xp = self.xp
@@ -47,36 +47,26 @@ class CrossEntropyLaunchers(LauncherBase):
         """Threads of a block-per-row kernel over `width` columns: ~4 chunks per thread, 32..1024."""
         return clamp(round_up(ceil_div(max(width, 1), elements_per_128bit(dtype) * 4), WARP), WARP, 1024)
 
-    def ce_shard_max(self, logits, n_valid: int):
-        """float32 [N]: max over the first n_valid columns of each row of logits [..., W]
-        (-inf when n_valid is 0). One block per row."""
-        L, W = self._logits_2d(logits, n_valid)
-        N = L.shape[0]
-        out = self.xp.empty(N, dtype=np.float32)
-        self._launch("cross_entropy", f"ce_shard_max_{dtype_suffix(L.dtype)}", (N,),
-                     (self._row_block(n_valid, L.dtype),),
-                     (out, L, np.int64(N), int32_arg("W", W), int32_arg("n_valid", int(n_valid))))
-        return out
-
-    def ce_shard_stats(self, logits, row_max, local_targets, n_valid: int, need_sum_logits: bool = True):
-        """(sum_exp, target_logit, sum_logits), float32 [N] each (sum_logits None unless
-        need_sum_logits): sum over the valid columns of exp(logit - row_max) and of the logits,
-        and logits[i, local_targets[i]] (0 where the target is -1 or outside the shard).
-        row_max: float [N]; local_targets: integer [N] (any shape with N elements). One block
-        per row, both sums in one block reduction."""
+    def ce_shard_forward(self, logits, local_targets, n_valid: int, need_sum_logits: bool = True):
+        """(row_max, sum_exp, target_logit, sum_logits), float32 [N] each (sum_logits None unless
+        need_sum_logits), in one pass over the logits [..., W]: per row the max over the first
+        n_valid columns (-inf when n_valid is 0), the sum of exp(logit - that max) (0 then), the
+        logit at local_targets[i] (0 where it is -1 or outside the shard) and the sum of the
+        logits. local_targets: integer [N] (any shape with N elements). One block per row: an
+        online softmax per thread, merged over the block."""
         xp = self.xp
         L, W = self._logits_2d(logits, n_valid)
         N = L.shape[0]
-        row_max = row_vector(xp, "row_max", row_max, N, np.float32, "f")
         targets = row_vector(xp, "local_targets", local_targets, N, np.int64, "i")
+        row_max = xp.empty(N, dtype=np.float32)
         sum_exp = xp.empty(N, dtype=np.float32)
         target_logit = xp.empty(N, dtype=np.float32)
         sum_logits = xp.empty(N, dtype=np.float32) if need_sum_logits else None
-        self._launch("cross_entropy", f"ce_shard_stats_{dtype_suffix(L.dtype)}", (N,),
+        self._launch("cross_entropy", f"ce_shard_forward_{dtype_suffix(L.dtype)}", (N,),
                      (self._row_block(n_valid, L.dtype),),
-                     (sum_exp, target_logit, sum_logits, L, row_max, targets, np.int64(N), int32_arg("W", W),
+                     (row_max, sum_exp, target_logit, sum_logits, L, targets, np.int64(N), int32_arg("W", W),
                       int32_arg("n_valid", int(n_valid))))
-        return sum_exp, target_logit, sum_logits
+        return row_max, sum_exp, target_logit, sum_logits
 
     def ce_shard_backward(self, logits, row_max, sum_exp, local_targets, n_valid: int, row_scale,
                           label_smoothing: float = 0.0, n_classes=None, out=None):

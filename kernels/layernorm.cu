@@ -5,12 +5,15 @@
 // output), the same two-pass statistics as cutp.ops.layernorm, so float32 results agree to
 // rounding. The re-reads hit L1/L2.
 //
-// Backward: one block per chunk of rows_per_chunk rows. For each row the block reduces
-// sum(g) and sum(g * xhat) (g = dy * weight) and writes dx; meanwhile each thread adds
-// dy * xhat and dy for *its own* columns into dynamic shared memory (2 * C floats), so the
-// parameter gradients need no atomics at all. At the end the block writes its partial sums to
-// partial[0, chunk, :] (dweight) and partial[1, chunk, :] (dbias); column_sum_* (reduce.cu) adds
-// the chunks in a fixed order: deterministic run to run.
+// Backward (llm.c's layout): a grid of a few blocks per SM (the launcher's choice: 2 x the SM
+// count), each block taking an even share of the rows, R rows at a time (block (threads per row,
+// R), R row groups). For each row its group reduces sum(g) and sum(g * xhat) (g = dy * weight)
+// and writes dx; meanwhile each thread adds dy * xhat and dy for *its own* columns into its
+// group's accumulators in dynamic shared memory (R * 2 * C floats), so the parameter gradients
+// need no atomics at all. At the end the block adds its groups' sums (in order) into
+// partial[0, block, :] (dweight) and partial[1, block, :] (dbias); column_sum_* (reduce.cu) adds
+// the blocks' partials in a fixed order: deterministic run to run, and small (2 x blocks x C
+// floats: 1.6 MB at C = 768 on 132 SMs, whatever the number of rows).
 #include "common.cuh"
 
 namespace layernorm_impl {
@@ -66,27 +69,60 @@ __device__ void forward(T* y, float* mean_out, float* rstd_out, const T* x, cons
     }
 }
 
+// sum(a) and sum(b) over the threads of one row group (the threads with this threadIdx.y: whole
+// warps, as blockDim.x is a multiple of 32), every thread of the group getting them; the warps'
+// sums are added in a fixed order. A barrier for every thread of the block, then a trailing one
+// (back-to-back calls are safe).
+__device__ __forceinline__ void row_group_reduce_sum2(float& a, float& b) {
+    __shared__ float part[2][WARP_SIZE];  // one pair per warp; a block has at most 32 warps
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int nw = blockDim.x / WARP_SIZE;  // warps per row group
+    const int w0 = threadIdx.y * (blockDim.x / WARP_SIZE);  // the group's first warp in the block
+    a = warp_reduce_sum(a);
+    b = warp_reduce_sum(b);
+    if (lane == 0) {
+        part[0][w0 + threadIdx.x / WARP_SIZE] = a;
+        part[1][w0 + threadIdx.x / WARP_SIZE] = b;
+    }
+    __syncthreads();
+    a = 0.0f;
+    b = 0.0f;
+    for (int i = 0; i < nw; ++i) {
+        a += part[0][w0 + i];
+        b += part[1][w0 + i];
+    }
+    __syncthreads();
+}
+
+// Block (threads per row, R): R row groups, each working on its own row at a time. The grid is a
+// few blocks per SM; block b takes the rows [b * n_rows / gridDim.x, (b + 1) * n_rows / gridDim.x),
+// R at a time. Each thread adds dy * xhat and dy of its own columns of its group's rows into its
+// group's accumulators in dynamic shared memory (acc[y][0/1][C], no atomics); at the end the block
+// adds the R groups' accumulators in order into partial[0/1, b, :].
 template <typename T>
 __device__ void backward(T* dx, float* partial, const T* dy, const T* x, const T* weight, const float* mean,
-                         const float* rstd, long long n_rows, int C, int rows_per_chunk) {
+                         const float* rstd, long long n_rows, int C) {
     constexpr int P = Packed128<T>::size;
-    extern __shared__ float acc[];  // [2 * C]: sum(dy * xhat), sum(dy) of this block's rows
+    extern __shared__ float acc[];  // [R][2][C]: sum(dy * xhat), sum(dy) of each group's rows
     const int stride = blockDim.x * P;
     const bool params = partial != nullptr;
     const float inv_c = 1.0f / (float)C;
+    float* const my_acc = acc + (long long)threadIdx.y * 2 * C;
     if (params) {
         for (int c = threadIdx.x * P; c < C; c += stride) {
-            for (int k = 0; k < P && c + k < C; ++k) acc[c + k] = acc[C + c + k] = 0.0f;
+            for (int k = 0; k < P && c + k < C; ++k) my_acc[c + k] = my_acc[C + c + k] = 0.0f;
         }
     }
-    const long long r0 = (long long)blockIdx.x * rows_per_chunk;
-    const long long r1 = r0 + rows_per_chunk < n_rows ? r0 + rows_per_chunk : n_rows;
-    for (long long r = r0; r < r1; ++r) {  // uniform over the block: the barriers below are safe
-        const float mu = mean[r], rs = rstd[r];
+    const long long r0 = (long long)blockIdx.x * n_rows / gridDim.x;
+    const long long r1 = ((long long)blockIdx.x + 1) * n_rows / gridDim.x;
+    for (long long base = r0; base < r1; base += blockDim.y) {  // uniform over the block: the barriers are safe
+        const long long r = base + threadIdx.y;
+        const bool active = r < r1;  // the last round may leave row groups idle
+        const float mu = active ? mean[r] : 0.0f, rs = active ? rstd[r] : 0.0f;
         const T* dyr = dy + r * C;
         const T* xr = x + r * C;
         float sg = 0.0f, sgx = 0.0f;
-        for (int c0 = threadIdx.x * P; c0 < C; c0 += stride) {
+        for (int c0 = threadIdx.x * P; active && c0 < C; c0 += stride) {
             float d[P], v[P], w[P];
             load_chunk(d, dyr + c0, C - c0);
             load_chunk(v, xr + c0, C - c0);
@@ -99,15 +135,15 @@ __device__ void backward(T* dx, float* partial, const T* dy, const T* x, const T
                     sg += gk;
                     sgx += gk * xhat;
                     if (params) {  // this thread's own columns: no other thread touches them
-                        acc[c0 + k] += d[k] * xhat;
-                        acc[C + c0 + k] += d[k];
+                        my_acc[c0 + k] += d[k] * xhat;
+                        my_acc[C + c0 + k] += d[k];
                     }
                 }
             }
         }
-        block_reduce_sum2(sg, sgx);
+        row_group_reduce_sum2(sg, sgx);
         const float gm = sg * inv_c, gx = sgx * inv_c;
-        for (int c0 = threadIdx.x * P; c0 < C; c0 += stride) {
+        for (int c0 = threadIdx.x * P; active && c0 < C; c0 += stride) {
             float d[P], v[P], w[P];
             load_chunk(d, dyr + c0, C - c0);
             load_chunk(v, xr + c0, C - c0);
@@ -122,13 +158,18 @@ __device__ void backward(T* dx, float* partial, const T* dy, const T* x, const T
         }
     }
     if (params) {
+        __syncthreads();  // the groups' accumulators, read across threads below
         float* pw = partial + (long long)blockIdx.x * C;
         float* pb = partial + ((long long)gridDim.x + blockIdx.x) * C;
-        for (int c = threadIdx.x * P; c < C; c += stride) {
-            for (int k = 0; k < P && c + k < C; ++k) {
-                pw[c + k] = acc[c + k];
-                pb[c + k] = acc[C + c + k];
+        const int nthreads = blockDim.x * blockDim.y;
+        for (int c = threadIdx.y * blockDim.x + threadIdx.x; c < C; c += nthreads) {
+            float sw = 0.0f, sb = 0.0f;
+            for (int y = 0; y < (int)blockDim.y; ++y) {
+                sw += acc[(long long)y * 2 * C + c];
+                sb += acc[(long long)y * 2 * C + C + c];
             }
+            pw[c] = sw;
+            pb[c] = sb;
         }
     }
 }
@@ -155,15 +196,16 @@ extern "C" __global__ void __launch_bounds__(1024) layernorm_forward_bf16(
     }
 }
 
-// Grid: one block per chunk of rows_per_chunk rows; partial is [2, gridDim.x, C] floats (or null
-// when no parameter gradient is wanted) and shared_mem 2 * C * 4 bytes (0 when partial is null).
+// Grid: a few blocks per SM, each over an even share of the rows; block (threads per row, R
+// rows at a time); partial is [2, gridDim.x, C] floats (or null when no parameter gradient is
+// wanted) and shared_mem R * 2 * C * 4 bytes (0 when partial is null).
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_f32(
     float* dx, float* partial, const float* dy, const float* x, const float* weight, const float* mean,
-    const float* rstd, long long n_rows, int C, int rows_per_chunk) {
-    layernorm_impl::backward(dx, partial, dy, x, weight, mean, rstd, n_rows, C, rows_per_chunk);
+    const float* rstd, long long n_rows, int C) {
+    layernorm_impl::backward(dx, partial, dy, x, weight, mean, rstd, n_rows, C);
 }
 extern "C" __global__ void __launch_bounds__(512) layernorm_backward_bf16(
     __nv_bfloat16* dx, float* partial, const __nv_bfloat16* dy, const __nv_bfloat16* x, const __nv_bfloat16* weight,
-    const float* mean, const float* rstd, long long n_rows, int C, int rows_per_chunk) {
-    layernorm_impl::backward(dx, partial, dy, x, weight, mean, rstd, n_rows, C, rows_per_chunk);
+    const float* mean, const float* rstd, long long n_rows, int C) {
+    layernorm_impl::backward(dx, partial, dy, x, weight, mean, rstd, n_rows, C);
 }

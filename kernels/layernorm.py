@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from .runtime import (
+    DEFAULT_MAX_SHARED,
     WARP,
     KernelArgumentError,
     LauncherBase,
@@ -32,6 +33,10 @@ from .runtime import (
 
 LAYERNORM_WARP_ROW_MAX = 2048  # rows up to this length: a warp per row; longer: a block per row
 LAYERNORM_BACKWARD_THREADS = 512  # the backward's __launch_bounds__
+# The backward's grid: this many blocks per SM (its resources.TARGETS occupancy: 2 blocks of 512
+# threads at 64 registers), each over an even share of the rows, so that one wave of blocks fills
+# the GPU and the partial column sums are 2 x blocks x C floats whatever the number of rows.
+LAYERNORM_BACKWARD_BLOCKS_PER_SM = 2
 # The widest row whose backward launch tests/test_kernel_resources.py checks against sm_80's and
 # sm_90's shared-memory limits (2 * C floats: 128 KiB; sm_80 allows 163 KiB with the opt-in).
 LAYERNORM_BACKWARD_MAX_C = 16384
@@ -43,11 +48,29 @@ def layernorm_backward_threads(C: int, dtype) -> int:
     return clamp(round_up(ceil_div(C, elements_per_128bit(dtype)), WARP), WARP, LAYERNORM_BACKWARD_THREADS)
 
 
-def layernorm_backward_shared_bytes(C: int, params: bool = True) -> int:
-    """Dynamic shared memory of layernorm_backward: the block's sums of dy * xhat and dy, 2 * C
-    floats, when it computes parameter gradients (none otherwise). Past 48 KiB with the static
-    part, LauncherBase._launch raises the kernel's max_dynamic_shared_size_bytes."""
-    return 2 * C * 4 if params else 0
+def layernorm_backward_rows_per_block(C: int, dtype=np.float32) -> int:
+    """R, the rows a block of layernorm_backward works on at once (its row groups, threadIdx.y):
+    as many groups of layernorm_backward_threads(C) threads as LAYERNORM_BACKWARD_THREADS hold,
+    while their accumulators (R * 2 * C floats) stay within 47 KiB (one row's alone may be more:
+    then R = 1 and the launcher opts in, as before). 2 at C = 768 in float32 (384 threads), 5 in
+    bfloat16 (480 threads); 1 from C = 2048 (f32) / 4096 (bf16) up."""
+    tx = layernorm_backward_threads(C, dtype)
+    return max(1, min(LAYERNORM_BACKWARD_THREADS // tx, (DEFAULT_MAX_SHARED - 1024) // (8 * max(C, 1))))
+
+
+def layernorm_backward_shared_bytes(C: int, params: bool = True, dtype=np.float32) -> int:
+    """Dynamic shared memory of layernorm_backward: each row group's sums of dy * xhat and dy,
+    R * 2 * C floats (R = layernorm_backward_rows_per_block), when it computes parameter
+    gradients (none otherwise). Past 48 KiB with the static part, LauncherBase._launch raises the
+    kernel's max_dynamic_shared_size_bytes."""
+    return layernorm_backward_rows_per_block(C, dtype) * 2 * C * 4 if params else 0
+
+
+def layernorm_backward_grid(n_rows: int, C: int, dtype, sm_count: int) -> int:
+    """Blocks of layernorm_backward: LAYERNORM_BACKWARD_BLOCKS_PER_SM x sm_count, or fewer when
+    there are not R rows for each (at least 1). At C = 768 and 8192 rows on H100 (132 SMs): 264."""
+    R = layernorm_backward_rows_per_block(C, dtype)
+    return clamp(ceil_div(n_rows, R), 1, LAYERNORM_BACKWARD_BLOCKS_PER_SM * sm_count)
 
 
 class LayerNormLaunchers(LauncherBase):
@@ -80,10 +103,12 @@ class LayerNormLaunchers(LauncherBase):
         (None when weight is None, or need_dweight is False); dbias [C] in bias_dtype (None when
         bias_dtype is None). mean / rstd: float32 with one element per row.
 
-        One block per chunk of rows: per row a block reduction of sum(g) and sum(g * xhat), and
-        each thread accumulating dy * xhat and dy of its own columns in shared memory (2 * C
-        floats; over 48 KiB the kernel's limit is raised); the partials [2, n_chunks, C] are then
-        added by column_sum in a fixed order. No atomics: deterministic."""
+        A grid of LAYERNORM_BACKWARD_BLOCKS_PER_SM x the SM count (layernorm_backward_grid), each
+        block over an even share of the rows, R at a time (block (threads per row, R)): per row a
+        reduction of sum(g) and sum(g * xhat) over its row group, and each thread accumulating
+        dy * xhat and dy of its own columns in its group's shared memory (R * 2 * C floats; over
+        48 KiB the kernel's limit is raised); the partials [2, blocks, C] are then added by
+        column_sum in a fixed order. No atomics: deterministic."""
         xp = self.xp
         check_array(xp, "x", x, float_data=True)
         if x.ndim < 1:
@@ -103,13 +128,13 @@ class LayerNormLaunchers(LauncherBase):
         want_dw = weight is not None and need_dweight is not False
         want_params = want_dw or bias_dtype is not None
         threads = layernorm_backward_threads(C, x.dtype)
-        n_chunks, rows_per_chunk = self._row_chunks(n_rows, 1)
+        R = layernorm_backward_rows_per_block(C, x.dtype)
+        n_blocks = layernorm_backward_grid(n_rows, C, x.dtype, self.sm_count())
         dx = xp.empty(x.shape, dtype=x.dtype)
-        partial = xp.empty((2, n_chunks, C), dtype=np.float32) if want_params else None
-        smem = layernorm_backward_shared_bytes(C, want_params)
-        self._launch("layernorm", f"layernorm_backward_{dtype_suffix(x.dtype)}", (n_chunks,), (threads,),
-                     (dx, partial, dy, x, weight, mean, rstd, np.int64(n_rows), int32_arg("C", C),
-                      int32_arg("rows per chunk", rows_per_chunk)), shared_mem=smem)
+        partial = xp.empty((2, n_blocks, C), dtype=np.float32) if want_params else None
+        smem = layernorm_backward_shared_bytes(C, want_params, x.dtype)
+        self._launch("layernorm", f"layernorm_backward_{dtype_suffix(x.dtype)}", (n_blocks,), (threads, R),
+                     (dx, partial, dy, x, weight, mean, rstd, np.int64(n_rows), int32_arg("C", C)), shared_mem=smem)
         dweight = self._column_sum(partial[0], weight.dtype) if want_dw else None
         dbias = self._column_sum(partial[1], np.dtype(bias_dtype)) if bias_dtype is not None else None
         return dx, dweight, dbias

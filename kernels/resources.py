@@ -90,8 +90,7 @@ TARGETS: dict[str, Target] = {
     "softmax_backward": Target(512, 3, "bf16 2 x 8 floats per chunk: 75%"),
     "layernorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
     "layernorm_backward": Target(512, 2, "3 arrays x 128 bit in flight per thread; 50%"),
-    "ce_shard_max": Target(1024, 2, "block per row"),
-    "ce_shard_stats": Target(1024, 2, "block per row"),
+    "ce_shard_forward": Target(1024, 2, "block per row"),
     "ce_shard_backward": Target(1024, 2, "block per row"),
     "adamw_update": Target(256, 4, "5 arrays x 128 bit in flight per thread; 50%"),
     "dropout_mask_bool": Target(256, 8, "elementwise"),
@@ -124,7 +123,7 @@ class DynamicShared:
 # Every kernel family that launches with dynamic shared memory (the others pass shared_mem=0;
 # tests/test_kernel_resources.py checks that no other launcher passes it).
 DYNAMIC_SHARED: dict[str, DynamicShared] = {
-    "layernorm_backward": DynamicShared("2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
+    "layernorm_backward": DynamicShared("R * 2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
     **{f"attention_{kernel}_d{d}": DynamicShared(
         "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
             attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,

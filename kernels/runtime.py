@@ -41,11 +41,16 @@ ENV_SWITCH = "CUTP_KERNELS"
 WARP = 32
 ELEMENTWISE_THREADS = 256
 ROWS_PER_WARP_BLOCK = 4  # warp-per-row kernels: 4 warps (rows) per block
-# Column reductions (bias and LayerNorm parameter gradients) split the rows into chunks so that
-# about this many blocks run the first pass. A fixed number (not the device's SM count), so the
-# partial sums, and with them the rounding of the result, do not depend on the GPU model.
+# The bias gradient's column reduction splits the rows into chunks so that about this many
+# blocks run the first pass. A fixed number (not the device's SM count), so the partial sums, and
+# with them the rounding of the result, do not depend on the GPU model. (LayerNorm's parameter
+# gradients size their grid by the SM count instead: kernels/layernorm.py.)
 COLUMN_REDUCTION_BLOCKS = 1024
 DEFAULT_MAX_SHARED = 48 * 1024  # static + dynamic shared memory of a block without the opt-in
+# Streaming multiprocessors of the target device (H100 SXM; H200 has the same 132): the grid of
+# kernels sized to fill the GPU (layernorm_backward) on the emulator and wherever the device
+# cannot be asked; on a GPU, LauncherBase.sm_count() reads the device's multiProcessorCount.
+TARGET_SM_COUNT = 132
 
 
 class KernelArgumentError(ValueError):
@@ -239,6 +244,22 @@ class LauncherBase:
         block = tuple(int(b) for b in block)
         fn(grid, block, tuple(args), shared_mem=int(shared_mem))
         self.launches[name] += 1
+
+    def sm_count(self) -> int:
+        """The SM count of the device the arrays live on: CuPy's current device's
+        multiProcessorCount, TARGET_SM_COUNT under the emulator (NumPy arrays) or when the
+        attribute cannot be read. Grids sized by it give the same results run to run on one GPU
+        model; their partial sums (and the rounding) may differ between models."""
+        n = getattr(self, "_sm_count", None)
+        if n is None:
+            n = TARGET_SM_COUNT
+            if getattr(self.xp, "__name__", "") == "cupy":
+                try:
+                    n = int(self.xp.cuda.Device().attributes["MultiProcessorCount"])
+                except Exception:  # noqa: BLE001 - any failure: the target device's count
+                    n = TARGET_SM_COUNT
+            self._sm_count = n
+        return n
 
     def _elementwise_grid(self, n: int, dtype) -> tuple[tuple[int], tuple[int]]:
         """One 128-bit chunk per thread, 256 threads per block."""

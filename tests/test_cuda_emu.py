@@ -871,6 +871,51 @@ def test_aliased_arguments_share_memory(samples_module):
     np.testing.assert_array_equal(z, np.r_[np.ones(100), 4 * np.ones(100), np.ones(100)])
 
 
+def test_traffic_counts_the_bytes_each_array_argument_moves(samples_module):
+    """record_traffic(): per launch and array, the bytes the kernel read and wrote (checked
+    builds count every instrumented access at its size; shared memory and the stack are not
+    global traffic)."""
+    n = 1000
+    x, y = rng(11).standard_normal((2, n), dtype=np.float32)
+    out = np.zeros(n, np.float32)
+    with cuda_emu.record_traffic() as log:
+        samples_module.get_function("scale_add_f32")(blocks(n, 256), (256,), (out, x, y, np.float32(2), np.int64(n)))
+        # in place: out and x are one piece of memory, read and written once each
+        samples_module.get_function("scale_add_f32")(blocks(n, 256), (256,), (x, x, y, np.float32(2), np.int64(n)))
+        # 128-bit loads and stores of bf16: 16 bytes per access, the same bytes in all
+        xb = x.astype(BF16)
+        ob = np.zeros(n, BF16)
+        samples_module.get_function("scale128_bf16")(blocks(n // 8, 32), (32,), (ob, xb, np.float32(0.5), np.int64(n)))
+        # a shared-memory tree reduction: x read once; the shared traffic is not counted
+        part = np.zeros(blocks(n, 256)[0], np.float32)
+        samples_module.get_function("tree_sum_f32")(blocks(n, 256), (256,), (part, x, np.int32(n)))
+    assert [t.kernel for t in log] == ["scale_add_f32", "scale_add_f32", "scale128_bf16", "tree_sum_f32"]
+    a, b, c, d = log
+    assert a.grid == (4, 1, 1) and a.block == (256, 1, 1)
+    assert (a.param(0).read, a.param(0).written) == (0, 4 * n)
+    assert (a.param(1).read, a.param(1).written) == (4 * n, 0)
+    assert a.of(y) == (4 * n, 0) and a.of(out) == (0, 4 * n)
+    assert b.param(0) is b.param(1) and b.param(0).params == (0, 1)
+    assert b.of(x) == (4 * n, 4 * n) and b.of(y) == (4 * n, 0)
+    assert c.of(xb) == (2 * n, 0) and c.of(ob) == (0, 2 * n)
+    assert d.of(x) == (4 * n, 0) and d.of(part) == (0, 4 * part.size)
+    assert d.of(np.zeros(3)) == (0, 0)  # not an argument of the launch
+    kern = samples_module.get_function("tree_sum_f32")
+    assert kern.last_traffic is d
+    with pytest.raises(KeyError, match="parameter 2"):
+        d.param(2)  # a scalar
+    # no recorder: nothing is logged, the kernel still keeps its last launch
+    samples_module.get_function("scale_add_f32")(blocks(10, 256), (256,), (out[:10], x[:10], y[:10], np.float32(2),
+                                                                         np.int64(10)))
+    assert len(log) == 4
+    assert samples_module.get_function("scale_add_f32").last_traffic.of(y) == (40, 0)
+    # an unchecked build counts nothing: recording its launches is an error, not zeros
+    unchecked = EmulatedModule(path=SAMPLES, checks=False).get_function("scale_add_f32")
+    with cuda_emu.record_traffic(), pytest.raises(EmulationError, match="checked builds only"):
+        unchecked((1,), (256,), (out[:10], x[:10], y[:10], np.float32(2), np.int64(10)))
+    assert unchecked.last_traffic is None
+
+
 def test_read_only_output_is_reported(samples_module):
     x = np.ones(16, np.float32)
     x.flags.writeable = False

@@ -13,8 +13,8 @@ from cutp.ops import (
     bias_gelu_backward,
     bias_gelu_forward,
     ce_shard_backward,
-    ce_shard_max,
-    ce_shard_stats,
+    ce_rescale_sum,
+    ce_shard_forward,
     cross_entropy_backward,
     cross_entropy_forward,
     dropout_backward,
@@ -701,14 +701,19 @@ def test_vocab_parallel_pieces(rng, n_shards, eps, dtype, blocks):
         n_valid = int(np.clip(nc - lo, 0, hi - lo))
         lt = np.where(valid & (t >= lo) & (t < lo + n_valid), t - lo, -1)
         shards.append((logits[:, lo:hi].copy(), n_valid, lt))
-    maxes = [ce_shard_max(L, nv) for L, nv, _ in shards]
-    for m, (_, nv, _) in zip(maxes, shards):
-        assert m.dtype == cdt and (nv > 0 or np.all(m == -np.inf))
-    gmax = np.max(maxes, axis=0)
-    stats = [ce_shard_stats(L, gmax, lt, nv) for L, nv, lt in shards]
-    s = sum(st[0] for st in stats)
-    tl = sum(st[1] for st in stats)
-    z = sum(st[2] for st in stats)
+    stats = [ce_shard_forward(L, lt, nv) for L, nv, lt in shards]  # one pass per shard
+    for (m, se, _, _), (L, nv, _) in zip(stats, shards):
+        assert m.dtype == cdt and se.dtype == cdt
+        if nv == 0:  # a shard of padding only: (-inf, 0), which the merge turns into 0, not NaN
+            assert np.all(m == -np.inf) and np.all(se == 0)
+        else:  # the shard's own max, and its sum of exps relative to it
+            np.testing.assert_array_equal(m, L[:, :nv].max(axis=1).astype(cdt))
+            assert np.all(se >= 1)
+    gmax = np.max([st[0] for st in stats], axis=0)
+    s = sum(ce_rescale_sum(st[0], st[1], gmax) for st in stats)
+    assert np.all(np.isfinite(s))
+    tl = sum(st[2] for st in stats)
+    z = sum(st[3] for st in stats)
     lse = gmax + np.log(s)
     li = np.where(valid, (1 - eps) * (lse - tl) + eps * (lse - z / nc), 0.0)
     loss = li.sum() / valid.sum()

@@ -118,15 +118,13 @@ def _setup_ln(xp, s, dt, rng, backward=False):
     return d
 
 
-def _setup_ce(xp, s, dt, rng, stage="max"):
+def _setup_ce(xp, s, dt, rng, stage="forward"):
     N, V = s["N"], s["V"]
     logits = _normal(xp, rng, (N, V), dt, 2.0)
     t = rng.integers(0, V, N).astype(np.int64)
     d = dict(logits=logits, targets=t if xp is np else xp.asarray(t), n_valid=V)
-    if stage in ("stats", "backward"):
-        d["row_max"] = ops.ce_shard_max(logits, V)
     if stage == "backward":
-        d["sum_exp"] = ops.ce_shard_stats(logits, d["row_max"], d["targets"], V)[0]
+        d["row_max"], d["sum_exp"] = ops.ce_shard_forward(logits, d["targets"], V)[:2]
         d["row_scale"] = xp.full(N, 1.0 / N, dtype=np.float32)
     return d
 
@@ -190,16 +188,11 @@ _add(OpSpec(
     lambda d: (lambda: ops.layernorm_backward(d["dy"], d["ctx"])),
     lambda s, it: 3 * s["N"] * s["C"] * it + 3 * s["C"] * it + 2 * s["N"] * STAT))
 _add(OpSpec(
-    "ce_max", "vocab-parallel CE step 1: row max of the logits shard", "read logits; write max: N*V*s + N*4",
-    _ce_cases, lambda xp, s, dt, rng: _setup_ce(xp, s, dt, rng, "max"),
-    lambda d: (lambda: ops.ce_shard_max(d["logits"], d["n_valid"])),
-    lambda s, it: s["N"] * s["V"] * it + s["N"] * STAT, outputs=lambda d, r: (r,)))
-_add(OpSpec(
-    "ce_stats", "vocab-parallel CE step 2: sum exp, target logit, sum of logits",
-    "read logits, max, targets; write 3 stats: N*V*s + N*4 + N*8 + 3*N*4",
-    _ce_cases, lambda xp, s, dt, rng: _setup_ce(xp, s, dt, rng, "stats"),
-    lambda d: (lambda: ops.ce_shard_stats(d["logits"], d["row_max"], d["targets"], d["n_valid"])),
-    lambda s, it: s["N"] * s["V"] * it + s["N"] * (STAT + IDX + 3 * STAT)))
+    "ce_fwd", "vocab-parallel CE forward, one pass: row max, sum exp, target logit, sum of logits",
+    "read logits (once), targets; write 4 stats: N*V*s + N*8 + 4*N*4",
+    _ce_cases, lambda xp, s, dt, rng: _setup_ce(xp, s, dt, rng, "forward"),
+    lambda d: (lambda: ops.ce_shard_forward(d["logits"], d["targets"], d["n_valid"])),
+    lambda s, it: s["N"] * s["V"] * it + s["N"] * (IDX + 4 * STAT)))
 _add(OpSpec(
     "ce_bwd_fused", "CE gradient written over the logits in place (llm.c's fused classifier)",
     "read logits, max, sum, scale, targets; write dlogits: 2*N*V*s + 3*N*4 + N*8",

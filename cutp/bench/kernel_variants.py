@@ -64,8 +64,7 @@ def register_bench_variants(register) -> None:
     variant("softmax_bwd", lambda k, d: k.softmax_backward(d["dy"], d["ctx"].y, d["ctx"].scale))
     variant("layernorm_fwd", ln_fwd)
     variant("layernorm_bwd", ln_bwd)
-    variant("ce_max", lambda k, d: k.ce_shard_max(d["logits"], d["n_valid"]))
-    variant("ce_stats", lambda k, d: k.ce_shard_stats(d["logits"], d["row_max"], d["targets"], d["n_valid"]))
+    variant("ce_fwd", lambda k, d: k.ce_shard_forward(d["logits"], d["targets"], d["n_valid"]))
     variant("ce_bwd_fused", ce_bwd)
     variant("adamw", adamw)
 

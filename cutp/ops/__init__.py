@@ -15,9 +15,9 @@ from .attention import (
 )
 from .cross_entropy import (
     CrossEntropyCtx,
+    ce_rescale_sum,
     ce_shard_backward,
-    ce_shard_max,
-    ce_shard_stats,
+    ce_shard_forward,
     cross_entropy_backward,
     cross_entropy_forward,
 )
@@ -42,7 +42,7 @@ __all__ = [
     "adamw_update",
     "AttentionCtx", "causal_attention_backward", "causal_attention_forward", "causal_attention_reference",
     "flash_attention_backward", "flash_attention_forward",
-    "CrossEntropyCtx", "ce_shard_backward", "ce_shard_max", "ce_shard_stats",
+    "CrossEntropyCtx", "ce_rescale_sum", "ce_shard_backward", "ce_shard_forward",
     "cross_entropy_backward", "cross_entropy_forward",
     "DropoutCtx", "dropout_backward", "dropout_forward", "dropout_forward_rows", "dropout_mask", "keep_threshold",
     "random_bits", "splitmix64_reference",

@@ -1,18 +1,23 @@
 """Softmax cross-entropy: the single-device reference and the local pieces of the
 vocab-parallel version (Megatron-style, each rank holding a contiguous column shard).
 
-Vocab-parallel protocol (the caller does the communication):
+Vocab-parallel protocol (the caller does the communication), two passes over the logits:
 
-1. ``m = ce_shard_max(logits, n_valid)`` on every rank, then all-reduce(MAX) ``m``;
-2. ``s, t, z = ce_shard_stats(logits, m, local_targets, n_valid)``, then all-reduce(SUM) of
-   ``s``, ``t`` and ``z`` (``z`` only needed with label smoothing);
+1. ``m_r, s_r, t, z = ce_shard_forward(logits, local_targets, n_valid)`` on every rank: ONE
+   pass over the shard (an online softmax), giving the shard's own row max ``m_r``, the sum of
+   ``exp(logits - m_r)``, the target logit and the sum of logits;
+2. all-reduce(MAX) of ``m_r`` into ``m``; ``s = ce_rescale_sum(m_r, s_r, m)``
+   (``s_r * exp(m_r - m)``, 0 for a shard without valid columns: [N] vectors, no logits read);
+   then all-reduce(SUM) of ``s``, ``t`` and ``z`` (``z`` only needed with label smoothing).
+   Communication is O(rows), never O(rows x vocabulary);
 3. ``lse = m + log(s)``; ``loss_i = (1 - eps) * (lse - t) + eps * (lse - z / n_classes)``
    for non-ignored rows;
 4. ``dlogits = ce_shard_backward(logits, m, s, local_targets, n_valid, row_scale, eps,
-   n_classes, out=...)`` on every rank (no communication).
+   n_classes, out=...)`` on every rank (no communication): the second pass (read, and write in
+   place with ``out=logits``).
 
 :func:`cross_entropy_forward` / :func:`cross_entropy_backward` are exactly this with one
-shard, so both paths share the same code.
+shard (where step 2 is the identity), so both paths share the same code.
 
 On NumPy the row loops run in blocks of rows (~64K elements each): no [N, V]-sized
 temporary is ever allocated (the logits of a GPT-2 batch are easily 1-2 GB), and the
@@ -44,54 +49,51 @@ def _check_n_valid(n_valid, width):
 # ---------------------------------------------------------------------------------------
 # Local pieces of the vocab-parallel cross-entropy
 # ---------------------------------------------------------------------------------------
-def ce_shard_max(logits, n_valid):
-    """Row max over the first ``n_valid`` columns of a logits shard.
+def ce_shard_forward(logits, local_targets, n_valid, need_sum_logits=True):
+    """One pass over a logits shard: its per-row softmax statistics, to be combined over shards.
 
     Args:
-        logits: [N, W] (or [..., W], flattened to rows) shard of the logits.
+        logits: [N, W] shard (leading dims flattened).
+        local_targets: int [N] column index of row i's target inside this shard
+            (``0 <= local_targets[i] < n_valid``), or -1 when the target is in another shard
+            or the row is ignored.
         n_valid: how many leading columns are real classes (``n_valid < W`` when the shard
             ends in vocabulary padding).
+        need_sum_logits: the sum of logits is only needed for label smoothing; False skips it
+            (None is returned in its place).
 
-    Returns [N] in float32 (float32/bfloat16 inputs) or float64; ``-inf`` when
-    ``n_valid == 0``.
+    Returns ``(row_max, sum_exp, target_logit, sum_logits)``, each [N] in float32
+    (float32/bfloat16 logits) or float64: ``m_i = max_j logits[i, j]`` over the valid columns
+    (``-inf`` when ``n_valid == 0``), ``sum_j exp(logits[i, j] - m_i)`` (0 when
+    ``n_valid == 0``: never NaN), ``logits[i, local_targets[i]]`` (0 where the target is -1)
+    and ``sum_j logits[i, j]``. ``m_i`` is the shard's own max: the sums of several shards
+    are combined with :func:`ce_rescale_sum` after an all-reduce(MAX) of the maxima.
     """
-    xp = get_array_module(logits)
-    cdt = compute_dtype(logits.dtype)
-    L = _as_2d(logits)
-    n_valid = _check_n_valid(n_valid, L.shape[1])
-    k = _kernels(logits)  # CuPy float32/bfloat16: the CUDA kernels (kernels/cross_entropy.cu)
+    k = _kernels(logits)  # CuPy float32/bfloat16: the CUDA kernel (kernels/cross_entropy.cu)
     if k is not None:
-        return k.ce_shard_max(logits, n_valid)
-    if n_valid == 0:
-        return xp.full(L.shape[0], -xp.inf, dtype=cdt)
-    # max is exact in any precision: reduce in the input dtype, then widen
-    return as_dtype(L[:, :n_valid].max(axis=1), cdt)
-
-
-def _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits):
-    k = _kernels(logits)
-    if k is not None:
-        return k.ce_shard_stats(logits, row_max, local_targets, _check_n_valid(n_valid, logits.shape[-1]),
-                                need_sum_logits)
-    xp = get_array_module(logits, row_max, local_targets)
+        return k.ce_shard_forward(logits, local_targets, _check_n_valid(n_valid, logits.shape[-1]), need_sum_logits)
+    xp = get_array_module(logits, local_targets)
     cdt = compute_dtype(logits.dtype)
     L = _as_2d(logits)
     N = L.shape[0]
     n_valid = _check_n_valid(n_valid, L.shape[1])
-    row_max = as_dtype(row_max.reshape(-1), cdt)
+    row_max = xp.full(N, -xp.inf, dtype=cdt)
     sum_exp = xp.zeros(N, dtype=cdt)
     sum_logits = xp.zeros(N, dtype=cdt) if need_sum_logits else None
 
-    def block(sl):
+    def block(sl):  # each block of rows is read once (it is in cache for the second look)
         Lb = L[sl, :n_valid]
+        m = as_dtype(Lb.max(axis=1), cdt)  # max is exact in any precision: reduce, then widen
+        row_max[sl] = m
         Lc = as_dtype(Lb, cdt)
         if need_sum_logits:
             sum_logits[sl] = Lc.sum(axis=1)
+        shift = xp.where(m == -xp.inf, 0, m)  # a row of -inf: exp(-inf - 0) = 0, not NaN
         if Lc is Lb:
-            e = xp.subtract(Lc, row_max[sl, None])
+            e = xp.subtract(Lc, shift[:, None])
         else:  # Lc is already a private float32 copy
             e = Lc
-            e -= row_max[sl, None]
+            e -= shift[:, None]
         xp.exp(e, out=e)
         sum_exp[sl] = e.sum(axis=1)
 
@@ -99,32 +101,23 @@ def _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits):
         parallel_map(xp, block, row_blocks(xp, N, n_valid))
     t = local_targets.reshape(-1)
     has = t >= 0
-    tc = xp.where(has, t, 0)
     if n_valid == 0:
         target_logit = xp.zeros(N, dtype=cdt)
     else:
-        target_logit = xp.where(has, as_dtype(L[xp.arange(N), tc], cdt), 0)
-    return sum_exp, target_logit, sum_logits
+        target_logit = xp.where(has, as_dtype(L[xp.arange(N), xp.where(has, t, 0)], cdt), 0)
+    return row_max, sum_exp, target_logit, sum_logits
 
 
-def ce_shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits=True):
-    """Per-row statistics of a logits shard, to be summed over the shards.
-
-    Args:
-        logits: [N, W] shard (leading dims flattened).
-        row_max: [N] global row max (after the all-reduce of :func:`ce_shard_max`).
-        local_targets: int [N] column index of row i's target inside this shard
-            (``0 <= local_targets[i] < n_valid``), or -1 when the target is in another shard
-            or the row is ignored.
-        n_valid: number of leading real-class columns of the shard.
-
-    Returns ``(sum_exp, target_logit, sum_logits)``, each [N] in float32 (float32/bfloat16)
-    or float64: ``sum_j exp(logits[i, j] - row_max[i])`` and ``sum_j logits[i, j]`` over
-    the valid columns, and ``logits[i, local_targets[i]]`` (0 where the target is -1).
-    ``sum_logits`` is only needed for label smoothing: with ``need_sum_logits=False`` it is not
-    computed (one pass fewer over the shard) and None is returned in its place.
-    """
-    return _shard_stats(logits, row_max, local_targets, n_valid, need_sum_logits)
+def ce_rescale_sum(local_max, local_sum, global_max):
+    """``local_sum * exp(local_max - global_max)``: a shard's sum of exps (relative to its own
+    row max, from :func:`ce_shard_forward`) made relative to the global row max (after the
+    all-reduce(MAX)), ready for the all-reduce(SUM). Rows where the shard has no finite logit
+    (``local_max == -inf``, sum 0) give exactly 0. [N] vectors only: no logits are read."""
+    xp = get_array_module(local_max, local_sum, global_max)
+    empty = local_max == -xp.inf
+    with np.errstate(invalid="ignore"):  # -inf - -inf where every shard is empty: masked below
+        scale = xp.exp(xp.where(empty, 0, local_max - global_max))
+    return xp.where(empty, 0, local_sum * scale)
 
 
 def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scale,
@@ -139,7 +132,7 @@ def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scal
     Args:
         logits: [N, W] shard (leading dims flattened; ``out`` keeps ``logits``' shape).
         row_max, sum_exp: [N] global statistics (after the all-reduces).
-        local_targets: int [N] as in :func:`ce_shard_stats`.
+        local_targets: int [N] as in :func:`ce_shard_forward`.
         n_valid: number of leading real-class columns of the shard.
         row_scale: [N] upstream gradient per row (e.g. ``dloss / n_non_ignored`` for
             a mean, 0 for ignored rows).
@@ -272,8 +265,7 @@ def cross_entropy_forward(logits, targets, ignore_index=-100, label_smoothing=0.
         raise ValueError(f"targets out of range [0, {nc}): {bad[:8].tolist()}")
     local_t = xp.where(valid, t, -1).astype(xp.int64)
     eps = float(label_smoothing)
-    m = ce_shard_max(L, nc)
-    s, tl, z = _shard_stats(L, m, local_t, nc, eps != 0.0)
+    m, s, tl, z = ce_shard_forward(L, local_t, nc, eps != 0.0)  # one shard: its max is the row max
     # per-row loss: lse - (1 - eps) * target_logit - eps * mean(logits)
     loss = xp.log(s)
     loss += m

@@ -3,9 +3,14 @@
 Input: sharded logits [..., V_pad/tp] (this rank's contiguous vocabulary range, from
 ParallelLMHead) and replicated targets [...]. Output: the mean loss, identical on every TP rank.
 
-Communication, O(rows) elements: one all-reduce (max) of the row maxima, then ONE all-reduce
-(sum) of stacked per-row vectors: the sum of exps, the target logit (non-zero only on the
-rank owning the target) and, with label smoothing only, the sum of logits. Label smoothing is
+Each rank reads its logits shard once in the forward (ops.ce_shard_forward: an online softmax
+giving the shard's own row max and sum of exps, the target logit and the sum of logits in one
+pass) and once in the backward: two passes over the logits per step.
+
+Communication, O(rows) elements: one all-reduce (max) of the shards' row maxima; each rank then
+rescales its sum of exps to the global max (ops.ce_rescale_sum, on [rows] vectors), and ONE
+all-reduce (sum) of stacked per-row vectors: the sum of exps, the target logit (non-zero only on
+the rank owning the target) and, with label smoothing only, the sum of logits. Label smoothing is
 computed over the full real vocabulary, so every TP rank gets the same loss (Megatron's
 implementation uses the local shard's mean instead: its issue 737). Columns of padded vocabulary
 are masked: they never win the softmax and get zero gradient.
@@ -47,11 +52,12 @@ class VocabParallelCrossEntropy(Module):
         mine = valid & (local_t >= 0) & (local_t < self.n_valid)
         local_t = xp.where(mine, local_t, -1).astype(xp.int64)
 
-        row_max = ops.ce_shard_max(z, self.n_valid)
-        if tp.size > 1:
-            row_max = tp.all_reduce(xp.ascontiguousarray(row_max), "max")
         eps = self.label_smoothing
-        parts = ops.ce_shard_stats(z, row_max, local_t, self.n_valid, need_sum_logits=eps > 0)
+        local_max, *parts = ops.ce_shard_forward(z, local_t, self.n_valid, need_sum_logits=eps > 0)
+        row_max = local_max
+        if tp.size > 1:
+            row_max = tp.all_reduce(xp.ascontiguousarray(local_max), "max")
+            parts[0] = ops.ce_rescale_sum(local_max, parts[0], row_max)
         stats = xp.stack([p for p in parts if p is not None])  # the sum of logits only for smoothing
         if tp.size > 1:
             tp.all_reduce(stats, "sum", out=stats)

@@ -28,6 +28,11 @@ What a launch checks, beyond running the kernel:
   * reads of uninitialised shared memory show up as NaN (shared memory is poisoned per block);
   * crashes (SIGSEGV, ...), device asserts and hangs become Python exceptions.
 
+Traffic (checked builds): every launch counts the bytes its kernel read from and wrote to each
+array argument (EmulatedKernel.last_traffic; `with record_traffic() as log:` collects a
+LaunchTraffic per launch of any module), so a test can assert how many passes a kernel, or a
+sequence of launches, makes over an array.
+
 The `schedule` decides the order in which emulated threads run between barriers ("forward",
 "reverse", "random" with `seed`: in rounds, every ready thread to its next barrier or warp
 operation), or lets one warp at a time run ahead to the next __syncthreads() ("warp-forward",
@@ -47,6 +52,7 @@ in $CUTP_CACHE_DIR/cuda_emu (or a temporary directory).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -75,6 +81,9 @@ __all__ = [
     "KernelFault",
     "DeviceAssertError",
     "EmulationTimeout",
+    "ArrayTraffic",
+    "LaunchTraffic",
+    "record_traffic",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -605,6 +614,8 @@ def _load(path: Path, shared_vars: list = ()) -> ctypes.CDLL:
         lib.cuda_emu_static_smem_bytes.restype = ctypes.c_uint64
         lib.cuda_emu_set_buffers.restype = None
         lib.cuda_emu_set_buffers.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.cuda_emu_buffer_traffic.restype = ctypes.c_uint64
+        lib.cuda_emu_buffer_traffic.argtypes = [ctypes.c_uint64, ctypes.c_void_p]
         n = len(shared_vars)
         names = (ctypes.c_char_p * max(1, n))(*(v[0].encode() for v in shared_vars))
         lib.cuda_emu_set_shared_vars.restype = None
@@ -840,6 +851,80 @@ def _group_arrays(arrays: list[tuple[Param, np.ndarray]]) -> list[_Group]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Traffic counting
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArrayTraffic:
+    """The global-memory traffic of one launch to one array: the bytes its accesses read and
+    wrote (each access its size: a 128-bit load counts 16 bytes, a bf16 load 2; an atomic counts
+    as a read and a write). Arguments whose memory overlaps (out=logits in place) share one
+    entry: params lists them all. host_address / nbytes: the host array's memory."""
+
+    params: tuple[int, ...]
+    names: tuple[str, ...]
+    host_address: int
+    nbytes: int
+    read: int
+    written: int
+
+    def overlaps(self, a: np.ndarray) -> bool:
+        lo = a.__array_interface__["data"][0]
+        return lo < self.host_address + self.nbytes and self.host_address < lo + a.nbytes
+
+
+@dataclass(frozen=True)
+class LaunchTraffic:
+    """One launch of a checked build: the kernel, its grid and block, and per array argument
+    its traffic (an ArrayTraffic per distinct piece of memory)."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    arrays: tuple[ArrayTraffic, ...]
+
+    def param(self, index: int) -> ArrayTraffic:
+        """The traffic of the array passed as parameter `index` (shared with its aliases)."""
+        for t in self.arrays:
+            if index in t.params:
+                return t
+        raise KeyError(f"{self.kernel}: parameter {index} is not an array of this launch (or was null)")
+
+    def of(self, a: np.ndarray) -> tuple[int, int]:
+        """(bytes read, bytes written) of the memory of host array `a` (0, 0 if not an argument)."""
+        hits = [t for t in self.arrays if t.overlaps(a)]
+        return sum(t.read for t in hits), sum(t.written for t in hits)
+
+
+_recorders: list[list[LaunchTraffic]] = []
+
+
+@contextlib.contextmanager
+def record_traffic():
+    """``with record_traffic() as log:`` appends a LaunchTraffic to `log` for every launch of any
+    checked EmulatedModule of this process inside the block (launches are serialized). Launches
+    of an unchecked build (checks=False: no instrumentation, nothing to count) raise
+    EmulationError inside the block instead of recording zeros."""
+    log: list[LaunchTraffic] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def _read_traffic(lib, name: str, groups: list["_Group"], g3, b3) -> LaunchTraffic:
+    counts = (ctypes.c_uint64 * max(2, 2 * len(groups)))()
+    n = lib.cuda_emu_buffer_traffic(len(groups), counts)
+    if n != len(groups):
+        raise EmulationError(f"kernel {name}: the runtime counted {n} buffers, the launch staged {len(groups)}")
+    arrays = tuple(
+        ArrayTraffic(tuple(p.index for p, _ in g.members), tuple(str(p) for p, _ in g.members), g.start, g.nbytes,
+                     int(counts[2 * i]), int(counts[2 * i + 1]))
+        for i, g in enumerate(groups))
+    return LaunchTraffic(name, tuple(g3), tuple(b3), arrays)
+
+
+# ------------------------------------------------------------------------------------------------
 # Public API
 # ------------------------------------------------------------------------------------------------
 def _dim3(v: Any, what: str) -> tuple[int, int, int]:
@@ -882,6 +967,8 @@ class EmulatedKernel:
         self.launch_bounds = launch_bounds
         self._static_shared = int(module._static_smem.get(name, 0))
         self._max_dynamic_shared: int | None = None  # the opt-in attribute, once set
+        # the last successful launch's LaunchTraffic (checked builds; None before or unchecked)
+        self.last_traffic: LaunchTraffic | None = None
 
     # Attributes of cupy.RawKernel that host code may consult.
     @property
@@ -966,11 +1053,19 @@ class EmulatedKernel:
                 _SCHEDULE_CODES[mod.schedule], mod.seed & (2**64 - 1), float(mod.timeout), mod.stack_kb * 1024,
                 err, len(err),
             )
+            traffic = _read_traffic(mod._lib, self.name, groups, g3, b3) if mod.checks else None
         if rc != 0:
             cls = _RUNTIME_ERRORS.get(rc, EmulationError)
             msg = _resolve_pcs(err.value.decode(errors="replace"), mod.library_path)
             raise cls(f"kernel {self.name} (grid {g3}, block {b3}, {mod.schedule} schedule): {msg}")
         self._finish(groups, g3, b3)
+        self.last_traffic = traffic
+        if _recorders:
+            if traffic is None:
+                raise EmulationError(f"kernel {self.name}: traffic is counted by checked builds only (this module "
+                                     "has checks=False)")
+            for log in _recorders:
+                log.append(traffic)
 
     def _check_config(self, g3, b3, shared_mem, coop) -> None:
         if coop:

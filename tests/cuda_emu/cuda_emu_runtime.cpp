@@ -227,10 +227,12 @@ struct State {
         uintptr_t lo, hi, guard_lo, guard_hi;
         size_t itemsize;
         std::string name;
+        uint64_t read = 0, written = 0;  // bytes the launch's accesses read / wrote (traffic counting)
     };
     std::vector<Buffer> buffers;
     uintptr_t buf_lo = 0, buf_span = 0;  // hull of the guarded buffers (empty: no buffers)
     uintptr_t last_lo = 0, last_span = 0;  // the array of the last in-bounds access
+    Buffer* last_buf = nullptr;            // ... and its buffer (its counters)
     bool detect_races = true;
     uint32_t seq = 1, block_seq = 1;   // sync events: every barrier and completed warp operation
     std::vector<uint32_t> warp_sync;   // per warp: seq of its last operation on all its lanes
@@ -777,11 +779,13 @@ void shared_access(size_t off, size_t n, bool write, void* pc) {
 }
 
 void global_access(uintptr_t a, size_t n, bool write, void* pc) {
-    for (const G::Buffer& b : g.buffers) {
+    for (G::Buffer& b : g.buffers) {
         if (a + n <= b.guard_lo || a >= b.guard_hi) continue;
         if (a >= b.lo && a + n <= b.hi) {
             g.last_lo = b.lo;  // consecutive accesses mostly hit one array: on_access tries it first
             g.last_span = b.hi - b.lo;
+            g.last_buf = &b;
+            (write ? b.written : b.read) += n;
             return;
         }
         report_global_oob(b, a, n, write, pc);
@@ -789,8 +793,12 @@ void global_access(uintptr_t a, size_t n, bool write, void* pc) {
 }
 
 inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool write, void* pc) {
+    if (g.current == nullptr) return;
     const uintptr_t rel = a - g.last_lo;  // wraps (huge) for a < last_lo
-    if ((rel < g.last_span && rel + n <= g.last_span) || g.current == nullptr) return;
+    if (rel < g.last_span && rel + n <= g.last_span) {
+        (write ? g.last_buf->written : g.last_buf->read) += n;
+        return;
+    }
     const uintptr_t off = a - reinterpret_cast<uintptr_t>(g.tls_lo);
     if (off < g.tls_size) shared_access(off, n, write, pc);
     else if (a - g.buf_lo < g.buf_span) global_access(a, n, write, pc);
@@ -848,7 +856,12 @@ void atomic_access(const void* p, size_t size, void* pc) {
             if (k == kGap || (k == kDynamic && off + i - g.dyn_off >= g.shared_mem)) report_shared_oob(off + i, size, true, pc);
         }
     } else if (a - g.buf_lo < g.buf_span) {
-        global_access(a, size, true, pc);
+        global_access(a, size, true, pc);  // counted as written; an atomic also reads its target:
+        for (G::Buffer& b : g.buffers)
+            if (a >= b.lo && a + size <= b.hi) {
+                b.read += size;
+                break;
+            }
     }
 }
 
@@ -1201,7 +1214,20 @@ extern "C" __attribute__((visibility("default"))) void cuda_emu_set_buffers(uint
     g.buf_lo = n ? lo : 0;
     g.buf_span = n ? hi - lo : 0;
     g.last_lo = g.last_span = 0;
+    g.last_buf = nullptr;
     g.detect_races = detect_races != 0;
+}
+
+// Traffic counting (checked builds): per buffer of the last cuda_emu_set_buffers, the bytes the
+// kernel code read and wrote since then (every instrumented access, its size: a 128-bit load
+// counts 16, a scalar bf16 load 2; atomics count as a read and a write). n: the capacity of out,
+// in buffers; 2 values per buffer. Returns the number of buffers.
+extern "C" __attribute__((visibility("default"))) uint64_t cuda_emu_buffer_traffic(uint64_t n, uint64_t* out) {
+    for (uint64_t i = 0; i < n && i < g.buffers.size(); ++i) {
+        out[2 * i] = g.buffers[i].read;
+        out[2 * i + 1] = g.buffers[i].written;
+    }
+    return g.buffers.size();
 }
 extern "C" __attribute__((visibility("default"))) uint64_t cuda_emu_max_dynamic_smem() { return kMaxDynamicSmem; }
 

@@ -14,9 +14,15 @@ import pytest
 from cutp import ops
 
 from cutp.kernels import Launchers
-from cutp.kernels.layernorm import LAYERNORM_WARP_ROW_MAX
+from cutp.kernels.layernorm import (
+    LAYERNORM_BACKWARD_BLOCKS_PER_SM,
+    LAYERNORM_WARP_ROW_MAX,
+    layernorm_backward_grid,
+    layernorm_backward_rows_per_block,
+)
+from cutp.kernels.runtime import TARGET_SM_COUNT
 
-from .helpers import DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
+from .helpers import BF16, DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
 
 # (5, 1): rows of one column (xhat == 0: y == bias, dx == 0); (1, 4999): one row, a block per row
 # whose threads loop over several 128-bit chunks, ending in a partial chunk, in the forward and
@@ -87,15 +93,21 @@ def test_layernorm_widths(backend, ks, dtype, shape):
     _check_layernorm(backend, ks, x, dtype, 51, params=shape[-1] <= 8192)
 
 
-# rows 1 to 8192 over narrow columns: the parameter gradients' first pass gives each block a chunk
-# of rows (COLUMN_REDUCTION_BLOCKS blocks in all), several rows per chunk beyond 1024 rows, with a
-# partial last chunk at 1025 and 3001; the second pass adds up to 1024 chunks. (1025, 130): two
-# warps per block and two rows in a chunk: the block reduction of one row must not overwrite its
-# shared partial sums before every warp has read the last row's (block_reduce_sum2's barrier)
-@pytest.mark.parametrize("rows,C", [(1, 8), (2, 24), (1023, 12), (1025, 8), (3001, 5), (8192, 4), (1025, 130)])
+# rows 1 to 8192 over narrow columns: the backward's grid is 2 x the SM count (fewer blocks when
+# there are not R rows for each), each block over an even share of the rows, R row groups at a
+# time, with idle groups in a block's last round (1, 2, 1023, 1025, 3001 rows: one round); the
+# second pass adds the blocks' partials. 8192 rows: 2 rounds per block. (5000, 130): two warps per
+# row group and 3 rounds per block: one round's group reduction must not overwrite its shared
+# partial sums before every warp has read the last round's (row_group_reduce_sum2's trailing
+# barrier)
+@pytest.mark.parametrize("rows,C", [(1, 8), (2, 24), (1023, 12), (1025, 8), (3001, 5), (8192, 4), (1025, 130),
+                                    (5000, 130)])
 def test_layernorm_gradients_over_many_rows(backend, k, rows, C):
-    n_chunks, per_chunk = Launchers._row_chunks(rows, 1)
-    assert (per_chunk > 1) == (rows > 1024) and n_chunks * per_chunk >= rows
+    R = layernorm_backward_rows_per_block(C, F32)
+    n_blocks = layernorm_backward_grid(rows, C, F32, k.sm_count())
+    assert R > 1 and n_blocks == min(-(-rows // R), LAYERNORM_BACKWARD_BLOCKS_PER_SM * k.sm_count())
+    rounds = -(-(-(-rows // n_blocks)) // R)  # of the block with the most rows
+    assert (rounds > 1) == (rows >= 5000), rounds
     # spread over the columns, so no row of a few columns has a near-zero variance (an ill-conditioned dx)
     x = randn((rows, C), F32, seed=52, scale=0.5) + np.linspace(-2, 2, C, dtype=np.float32)
     _check_layernorm(backend, k, x, F32, 53)
@@ -131,3 +143,70 @@ def test_layernorm_gradients_are_deterministic(backend, shape):
     for dx, dw, db in out[1:]:
         for a, b in zip((dx, dw, db), out[0]):
             np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_layernorm_backward_fills_the_gpu_with_a_small_final_reduction(backend, monkeypatch):
+    """GPT-2's LayerNorm backward (C = 768, B * T = 8192 rows): the main launch has >= 2 x the SM
+    count blocks (LAYERNORM_BACKWARD_BLOCKS_PER_SM per SM: one wave of 512-thread blocks), each
+    over many rows, and the final reduction (column_sum) reads only [2, blocks, C] floats: 1.6 MB
+    at 132 SMs (the former first pass wrote 1024 chunks: 6.3 MB). Recorded, not run (the emulator
+    would take minutes); test_layernorm_backward_partials_are_what_the_final_reduction_reads runs
+    a smaller case and counts the bytes."""
+    seen = []
+    k = backend.launchers()
+    monkeypatch.setattr(k, "_launch", lambda src, name, grid, block, args, shared_mem=0:
+                        seen.append((name, grid, block, args, shared_mem)))
+    xp = backend.xp
+    C, rows = 768, 8192
+    sm = k.sm_count()
+    assert not backend.emulated or sm == TARGET_SM_COUNT == 132
+    # float32: 192 threads per row, 2 rows at a time (12 KiB of accumulators); bf16: 96 x 5 (30 KiB)
+    for dtype, suffix, block_shape in ((F32, "f32", (192, 2)), (BF16, "bf16", (96, 5))):
+        seen.clear()
+        x = xp.zeros((rows, C), dtype)
+        m = xp.zeros(rows, np.float32)
+        k.layernorm_backward(x, x, x[0], m, m, dtype)
+        (name, grid, block, args, smem), *reductions = seen
+        assert name == f"layernorm_backward_{suffix}" and grid == (2 * sm,) and grid[0] >= 2 * sm
+        assert block == block_shape and smem == block[1] * 2 * C * 4
+        assert rows // grid[0] >= 31  # many rows per block
+        partial = args[1]
+        assert partial.shape == (2, grid[0], C) and partial.nbytes == 2 * 2 * sm * C * 4
+        if sm == 132:
+            assert partial.nbytes == 1_622_016
+        assert [r[0] for r in reductions] == [f"column_sum_{suffix}"] * 2  # dweight, dbias: the final reduction
+        assert all(r[3][1].nbytes == partial.nbytes // 2 for r in reductions)
+
+
+def test_layernorm_backward_partials_are_what_the_final_reduction_reads(backend, request):
+    """Counted by the emulator: the main launch writes partial [2, blocks, C] once, the final
+    reduction reads each of its bytes once; x and dy are read twice (the backward's two passes)."""
+    if not backend.emulated:
+        pytest.skip("traffic is counted by the emulator")
+    if not request.getfixturevalue("emulated_module").checks:
+        pytest.skip("traffic is counted by checked emulator builds only ($CUTP_EMU_CHECKS=0)")
+    from tests.cuda_emu import record_traffic
+
+    k = backend.launchers()
+    rows, C = 5000, 96  # R = 16 row groups of 32 threads; 2 x 132 blocks of 18-19 rows (2 rounds)
+    x = randn((rows, C), F32, seed=60) + np.linspace(-1, 1, C, dtype=np.float32)
+    dy = randn((rows, C), F32, seed=61)
+    w = randn((C,), F32, seed=62)
+    _, mean, rstd = k.layernorm_forward(x, w, w)
+    with record_traffic() as log:
+        dx, dw, db = k.layernorm_backward(dy, x, w, mean, rstd, F32)
+    main, *final = log
+    assert main.kernel == "layernorm_backward_f32" and main.grid == (2 * TARGET_SM_COUNT, 1, 1)
+    assert main.block == (32, layernorm_backward_rows_per_block(C, F32), 1) == (32, 16, 1)
+    partial = main.param(1)
+    assert partial.nbytes == 2 * main.grid[0] * C * 4
+    assert (partial.read, partial.written) == (0, partial.nbytes)
+    assert [f.kernel for f in final] == ["column_sum_f32"] * 2
+    assert sum(f.param(1).read for f in final) == partial.nbytes
+    assert main.param(3).read == 2 * x.nbytes and main.param(2).read == 2 * dy.nbytes
+    assert (main.param(0).read, main.param(0).written) == (0, dx.nbytes)
+    _, lctx = ops.layernorm_forward(x, w, w)
+    dx_ref, dw_ref, db_ref = ops.layernorm_backward(dy, lctx)
+    close(dx, dx_ref, F32, rtol=1e-4, atol=1e-5)
+    close(dw, dw_ref, F32, rtol=1e-4, atol=1e-5)
+    close(db, db_ref, F32, rtol=1e-5, atol=1e-5)

@@ -74,14 +74,13 @@ def _layernorm(k, dev):
 def _cross_entropy(k, dev):
     logits, n_valid = randn((16, 3000), F32, seed=7, scale=3), 2900
     t = rng(8).integers(0, n_valid, 16)
-    m_ref = ops.ce_shard_max(logits, n_valid)
-    se, tl, sl = k.ce_shard_stats(dev(logits), dev(m_ref), dev(t), n_valid)
-    se_ref, tl_ref, sl_ref = ops.ce_shard_stats(logits, m_ref, t, n_valid)
+    m, se, tl, sl = k.ce_shard_forward(dev(logits), dev(t), n_valid)
+    m_ref, se_ref, tl_ref, sl_ref = ops.ce_shard_forward(logits, t, n_valid)
     scale = np.full(16, 1 / 16, np.float32)
     out = k.ce_shard_backward(dev(logits), dev(m_ref), dev(se_ref), dev(t), n_valid, dev(scale), 0.1, n_valid)
     out_ref = ops.ce_shard_backward(logits, m_ref, se_ref, t, n_valid, scale, 0.1, n_valid)
-    return {"ce_shard_max": (k.ce_shard_max(dev(logits), n_valid), m_ref), "ce_shard_stats target_logit": (tl, tl_ref),
-            "ce_shard_stats sum_exp": (se, se_ref), "ce_shard_stats sum_logits": (sl, sl_ref),
+    return {"ce_shard_forward row_max": (m, m_ref), "ce_shard_forward target_logit": (tl, tl_ref),
+            "ce_shard_forward sum_exp": (se, se_ref), "ce_shard_forward sum_logits": (sl, sl_ref),
             "ce_shard_backward": (out, out_ref)}
 
 
@@ -111,7 +110,7 @@ def _dropout(k, dev):
 BOUNDS = {
     "adamw_update p": 0, "adamw_update m": 0, "adamw_update v": 0,
     "dropout_forward": 0, "dropout_apply": 0,
-    "ce_shard_max": 0, "ce_shard_stats target_logit": 0,
+    "ce_shard_forward row_max": 0, "ce_shard_forward target_logit": 0,
     "gelu_forward (tanh)": 1, "gelu_forward (none)": 1,
     "gelu_backward (tanh)": 16, "gelu_backward (none)": 2,
     "bias_gelu_forward": 1, "bias_gelu_backward dx": 16, "bias_gelu_backward dbias": 8,
@@ -119,7 +118,7 @@ BOUNDS = {
     "softmax_backward (causal=False)": 1, "softmax_backward (causal=True)": 1,
     "layernorm_forward y": 4, "layernorm_backward dx": 4, "layernorm_backward dweight": 4,
     "layernorm_backward dbias": 4,
-    "ce_shard_stats sum_exp": 2, "ce_shard_stats sum_logits": 4, "ce_shard_backward": 1,
+    "ce_shard_forward sum_exp": 2, "ce_shard_forward sum_logits": 4, "ce_shard_backward": 1,
 }
 CASES = {"gelu (tanh)": lambda k, dev: _gelu(k, dev, "tanh"), "gelu (none)": lambda k, dev: _gelu(k, dev, "none"),
          "bias_gelu": _bias_gelu, "softmax": _softmax, "layernorm": _layernorm, "cross_entropy": _cross_entropy,
