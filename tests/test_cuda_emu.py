@@ -613,6 +613,13 @@ def test_crash_becomes_an_exception(broken_module):
         broken_module.get_function("divide_by_zero")((1,), (1,), (np.zeros(1, np.int32), np.int32(0)))
     with pytest.raises(KernelFault, match="stack overflow"):
         broken_module.get_function("huge_local_array")((1,), (2,), (out, np.int32(1 << 16)))
+    # an index past a local array (the checked build's -fsanitize=bounds traps); in bounds it runs
+    overrun = broken_module.get_function("local_array_overrun_f32")
+    overrun((1,), (32,), (out, x, np.int32(3)))
+    assert (out == 4).all()
+    with pytest.raises(KernelFault, match=r"SIGILL \(illegal instruction at broken\.cu:\d+: .*out of the bounds of an "
+                       r"array of known size, a thread's local array"):
+        overrun((1,), (32,), (out, x, np.int32(4)))
     # the module, and the process, are fine afterwards
     broken_module.get_function("divide_by_zero")((1,), (4,), (out.view(np.int32)[:4], np.int32(7)))
     assert (out.view(np.int32)[:4] == 14).all()
@@ -770,9 +777,9 @@ def test_out_of_bounds_reads_are_reported(broken_module, broken_unchecked):
 
 def test_shared_memory_out_of_bounds_is_reported(broken_module):
     x, out = np.ones(32, np.float32), np.zeros(32, np.float32)
-    with pytest.raises(OutOfBoundsError, match=r"kernel static_smem_overrun_f32 .*out-of-bounds shared-memory read of "
-                       r"4 bytes at broken\.cu:\d+ by thread \(31,0,0\), block \(0,0,0\): byte 0 past the end of "
-                       r"__shared__ static_smem_overrun_f32::buf \(128 bytes\)"):
+    # an index past a static __shared__ array (of known size): the bounds sanitizer's trap, at the line
+    with pytest.raises(KernelFault, match=r"kernel static_smem_overrun_f32 .*SIGILL \(illegal instruction at "
+                       r"broken\.cu:\d+: .*static __shared__.*block \(0,0,0\), thread \(31,0,0\)"):
         broken_module.get_function("static_smem_overrun_f32")((1,), (32,), (out, x))
     fn = broken_module.get_function("dynamic_smem_read_overrun_f32")
     fn((1,), (32,), (out,), shared_mem=33 * 4)

@@ -124,13 +124,17 @@ CXX_FLAGS = (
 # Checked builds: g++'s thread-sanitizer instrumentation makes every load and store of kernel
 # code call __tsan_readN / __tsan_writeN(address), which the emulator's runtime defines; the
 # module is linked without the sanitizer's own runtime. -g1: line tables for the source lines of
-# reports.
+# reports. -fsanitize=bounds with traps (no runtime either): an index past a thread's local array of
+# known size (`float v[P]; v[k]` with k == P) executes a trap, reported as a KernelFault (SIGILL);
+# such an overrun on a GPU reads or writes another register or local-memory slot, silently.
 CHECK_FLAGS = (
     "-fsanitize=thread",
     "--param", "tsan-instrument-func-entry-exit=0",
+    "-fsanitize=bounds",
+    "-fsanitize-undefined-trap-on-error",
     "-g1",
 )
-_EMU_VERSION = "cuda_emu-3"  # bump to invalidate every cached build
+_EMU_VERSION = "cuda_emu-4"  # bump to invalidate every cached build
 
 
 def _host_has_fma() -> bool:

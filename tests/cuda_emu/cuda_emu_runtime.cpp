@@ -1094,7 +1094,12 @@ std::string describe_signal() {
         case SIGSEGV: what = "SIGSEGV (invalid memory access)"; break;
         case SIGBUS: what = "SIGBUS (misaligned or invalid memory access)"; break;
         case SIGFPE: what = (g_sig_code == FPE_INTDIV) ? "SIGFPE (integer division by zero)" : "SIGFPE (arithmetic fault)"; break;
-        case SIGILL: what = "SIGILL (illegal instruction: __builtin_unreachable() or __builtin_trap() reached?)"; break;
+        case SIGILL:  // si_addr is the trapping instruction: its source line ({pc:} adds the -1 back)
+            what = format("SIGILL (illegal instruction at %s: in a checked build, an index out of the bounds of an "
+                          "array of known size, a thread's local array or a static __shared__ one; else "
+                          "__builtin_unreachable() or __builtin_trap() reached?)",
+                          pc_text(static_cast<uint32_t>(addr - g.module_base + 1)).c_str());
+            break;
         default: what = format("signal %d", g_sig); break;
     }
     std::string hint;

@@ -146,6 +146,13 @@ extern "C" __global__ void huge_local_array(float* out, int n) {
     out[0] = big[n - 1];
 }
 
+// Writes one past a thread's local array (`k <= 4`): on a GPU another register or local slot.
+extern "C" __global__ void local_array_overrun_f32(float* out, const float* x, int n) {
+    float v[4];
+    for (int k = 0; k <= n; ++k) v[k] = x[k % 4];
+    out[threadIdx.x] = v[0] + v[1] + v[2] + v[3];
+}
+
 // Writes through a pointer it received as const.
 extern "C" __global__ void writes_const_input(const float* x) {
     const_cast<float*>(x)[threadIdx.x] = 0.0f;
