@@ -4,6 +4,8 @@ kernel tests against each; a mutant the tests fail is *killed*, one they pass *s
     python tools/mutate_kernels.py --list                  # the mutants, nothing run
     python tools/mutate_kernels.py --max-time 3600         # the campaign (results/ is the default out)
     python tools/mutate_kernels.py --only softmax.cu --ops barrier,relop
+    python tools/mutate_kernels.py --only attention.cu --quick --jobs 2   # a stage's fast selection
+    python tools/mutate_kernels.py --ids attention-042 attention-049     # re-run chosen mutants
     python tools/mutate_kernels.py --report out/mutants/results.jsonl
 
 The mutants are generated from patterns over every code line of kernels/*.cu and
@@ -32,6 +34,14 @@ counts as killed (a hang is what a GPU would show too). Results go, one JSON lin
 ``<out>/results.jsonl`` as they finish (a capped run leaves a valid partial file; ``--resume``
 continues it), and the summary (kill rate, every survivor with its line) to stdout and
 ``<out>/summary.md``. Not part of ``make test``: a full campaign takes an hour or more on 2 cores.
+
+``--quick`` runs, for a stage that has one (``QUICK``: attention), a fast selection of its test
+file instead of the whole file, as pytest node ids in a fixed order: attention.cu's whole file
+takes ~35 s of tests plus two ~5 s builds of the source (checked and unchecked) per mutant, its
+selection ~12 s, and a mutant the checked build's tests kill never builds the unchecked module
+(its grid cases run last): 171 mutants in 30 minutes with 2 jobs on 2 shared cores. The baseline runs the same selection, and only the stages of the
+mutated sources. A survivor of the selection is not yet a survivor: re-run it on the whole file
+(``--ids ...`` without ``--quick``, into another ``--out``). Each result records ``quick``.
 """
 from __future__ import annotations
 
@@ -76,6 +86,43 @@ STAGES_OF = {
     "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout", "attention"],
 }
 AUDIT_TESTS = ["test_index_width.py"]  # source-level checks that apply to every kernel source
+
+# --quick: a stage's fast selection, pytest node ids under tests/kernels/ run in this order (with -x a
+# mutant stops at its first failure, so the checked build's tests come first and the grid, which
+# needs the second, unchecked build, last). For a stage whose full file is too slow per mutant;
+# a mutant that survives its quick selection is re-run on the full file (--ids, without --quick)
+# before it counts as a survivor.
+_ATT = "test_attention.py::"
+
+
+def _scheduled(schedule):  # (pytest drops an id that a later whole-function id repeats: ids only)
+    return [f"{_ATT}test_attention_under_each_schedule[emulated-{schedule}-{case}-{dt}]"
+            for case in ("B2-kv1-g2-T17-d64", "B1-kv2-g1-T70-d64", "B1-kv1-g2-T33-d128", "B1-kv1-g1-T70-d128")
+            for dt in ("f32", "bf16")]
+
+
+QUICK = {
+    "attention": [  # ~10 s of tests plus two 5 s builds, against ~40 s plus builds for the file
+        # tests written for survivors of the first attention campaign (cheap, checked build)
+        _ATT + "test_scores_far_below_zero",
+        # checked build (race detector, bounds): tile edges at head dims 64 / 128, the forward
+        # schedule first (most mutants die there), the other schedules after the launcher tests
+        *_scheduled("forward"),
+        # dropout in all three kernels (per-row offsets, Tq < Tk, p = 1), one schedule
+        *[f"{_ATT}test_attention_dropout[emulated-forward-{case}-{dt}]"
+          for case in ("p0.1-70x70-d64", "p0.5-33x33-d128", "p0.3-20x50-d64", "p1.0-24x24-d64")
+          for dt in ("f32", "bf16")],
+        _ATT + "test_strided_operands_and_packed_gradients",
+        _ATT + "test_fewer_queries_than_keys",
+        _ATT + "test_scores_far_apart",
+        *_scheduled("warp-reverse"), *_scheduled("random"),
+        # unchecked build: a few grid cases (one query row; GQA 4 at 200 rows; 513 rows)
+        *[f"{_ATT}test_attention_grid[emulated-{case}-{dt}]"
+          for case in ("B2-kv4-g1-T1-d64", "B2-kv1-g4-T1-d128", "B1-kv1-g4-T200-d128", "B1-kv1-g4-T200-d64",
+                       "B1-kv1-g1-T513-d64")
+          for dt in ("f32", "bf16")],
+    ],
+}
 
 LAUNCH_TIMEOUT = 10
 
@@ -224,9 +271,15 @@ def make_sandbox() -> Path:
     return box
 
 
+def stage_tests(stage: str, quick: bool = False) -> list[str]:
+    """The stage's test files, or with quick its QUICK node ids where it has them."""
+    return QUICK[stage] if quick and stage in QUICK else STAGES[stage][0]
+
+
 def run_tests(box: Path, tests: list[str], sources: list[str], timeout: float) -> tuple[str, float, str]:
-    """('killed' | 'survived' | 'stillborn' | 'timeout', seconds, last lines of output)."""
-    tests = [t for t in tests if (box / "tests" / "kernels" / t).exists()]
+    """('killed' | 'survived' | 'stillborn' | 'timeout', seconds, last lines of output); tests: files
+    or node ids under tests/kernels/, run in this order."""
+    tests = [t for t in tests if (box / "tests" / "kernels" / t.split("::")[0]).exists()]
     # One build cache for all mutants: the emulator's runtime object is compiled once; the
     # module of each mutant (keyed by its source text) is removed after its run.
     # A launch over LAUNCH_TIMEOUT s is a hang (an infinite loop): the tests' longest launch takes ~1 s.
@@ -274,7 +327,7 @@ def prioritised(mutants):
     return sorted(mutants, key=lambda m: (order[m.op], rank[m.id], m.source))
 
 
-def run_mutant(box: Path, m: Mutant, per_mutant: float) -> tuple[str, float, str]:
+def run_mutant(box: Path, m: Mutant, per_mutant: float, quick: bool = False) -> tuple[str, float, str]:
     """The mutant's stages in its sandbox, until one fails; the source restored after."""
     src = box / "kernels" / m.source
     original = (KERNELS / m.source).read_text()
@@ -282,7 +335,7 @@ def run_mutant(box: Path, m: Mutant, per_mutant: float) -> tuple[str, float, str
     total = 0.0
     try:
         for i, stage in enumerate(STAGES_OF[m.source]):
-            tests, sources = STAGES[stage]
+            tests, sources = stage_tests(stage, quick), STAGES[stage][1]
             status, secs, log = run_tests(box, (AUDIT_TESTS if i == 0 else []) + tests, sources, per_mutant)
             total += secs
             if status != "survived":
@@ -292,7 +345,8 @@ def run_mutant(box: Path, m: Mutant, per_mutant: float) -> tuple[str, float, str
         src.write_text(original)
 
 
-def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume: bool, jobs: int = 1) -> None:
+def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume: bool, jobs: int = 1,
+             quick: bool = False) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
     done = set()
@@ -304,7 +358,10 @@ def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume:
     t_start = time.monotonic()
     try:
         t0 = time.monotonic()
-        for stage, (tests, sources) in STAGES.items():  # every stage passes on the unmutated sources
+        # every stage of the mutated sources passes on the unmutated sources
+        stages = [s for s in STAGES if any(s in STAGES_OF[m.source] for m in mutants)]
+        for stage in stages:
+            tests, sources = stage_tests(stage, quick), STAGES[stage][1]
             base, dt, out = run_tests(boxes[0], tests + AUDIT_TESTS, sources, 1800)
             if base != "survived":
                 raise SystemExit(f"the kernel tests ({stage}) fail without any mutation ({base}):\n{out}")
@@ -324,8 +381,8 @@ def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume:
                 if nxt is None:
                     return
                 i, m = nxt
-                status, secs, log = run_mutant(box, m, per_mutant)
-                rec = dict(dataclasses.asdict(m), status=status, seconds=round(secs, 1),
+                status, secs, log = run_mutant(box, m, per_mutant, quick)
+                rec = dict(dataclasses.asdict(m), status=status, seconds=round(secs, 1), quick=quick,
                            killed_by=_killing_test(log), log=log[-1500:] if status in ("stillborn", "survived") else "")
                 with lock:
                     with results_path.open("a") as f:
@@ -382,6 +439,9 @@ def main(argv=None) -> int:
     ap.add_argument("--per-mutant", type=float, default=300, help="time limit of one mutant's test run (s)")
     ap.add_argument("--resume", action="store_true", help="skip the mutants already in results.jsonl")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (one sandbox each)")
+    ap.add_argument("--quick", action="store_true",
+                    help="run each stage's fast selection (QUICK: attention) instead of its whole test file; "
+                         "re-run the survivors without it")
     ap.add_argument("--report", type=Path, default=None, help="summarise a results.jsonl and exit")
     args = ap.parse_args(argv)
     if args.report:
@@ -399,7 +459,7 @@ def main(argv=None) -> int:
             print(f"{m.id:18s} {m.describe()}")
         print(f"{len(mutants)} mutants")
         return 0
-    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs)
+    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick)
     summary = report(args.out / "results.jsonl", len(mutants))
     (args.out / "summary.md").write_text(summary)
     print(summary)

@@ -442,3 +442,18 @@ def test_the_op_takes_do_and_out_of_any_layout_on_the_fused_kernels(backend, fus
     assert all(r is o for r, o in zip(res, out))
     for g, w in zip(out, want):
         assert normwise_error(backend.host(g), backend.host(w)) <= 1e-5
+
+
+# ---- mutation-testing gaps (tools/mutate_kernels.py --only attention.cu) -------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_scores_far_below_zero(backend, k, dtype):
+    """Every score of every row near -128 (keys along one direction u, queries along -u; small
+    dyadic values, so q k^T is exact in float32 and bfloat16): exp(s) underflows to 0 in float32,
+    so the online softmax's max must start at -inf (m = 0 or a tile max of 0 gives l = 0: o and
+    the log-sum-exp not finite). Two key tiles of the forward."""
+    _, _, v, do = attention_inputs(1, 1, 1, 70, 70, 64, dtype, seed=13)
+    rng = np.random.default_rng(14)
+    u = rng.choice([-1.0, 1.0], 64)
+    k_ = (u + rng.integers(-2, 3, (1, 1, 70, 64)) / 16.0).astype(dtype)  # scores -128 +- a few
+    q = np.ascontiguousarray(np.broadcast_to(-16.0 * u, (1, 1, 1, 70, 64)), dtype=dtype)
+    check_against_reference(k, backend, q, k_, v, do, dtype)
