@@ -53,6 +53,17 @@ def attention_shared_bytes(kernel: str, dtype, head_dim: int) -> int:
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
+def kernel_layout(a, output: bool = False) -> bool:
+    """Whether the kernels take array a as it is: a contiguous last (head) axis and non-negative
+    strides in whole elements (any other strides: views of a fused QKV buffer), and for an output
+    no zero stride (a broadcast view: several blocks would write each element). Empty: yes."""
+    if not a.size:
+        return True
+    if a.strides[-1] != a.itemsize or any(s < 0 or s % a.itemsize for s in a.strides):
+        return False
+    return not output or all(s or d == 1 for s, d in zip(a.strides, a.shape))
+
+
 def fused_attention_supported(q, k, v) -> str | None:
     """None when the fused kernels take these operands, else why not (one line): head dims 64
     and 128, float32 or bfloat16, one dtype, a contiguous head dim."""
@@ -60,18 +71,17 @@ def fused_attention_supported(q, k, v) -> str | None:
         return f"the fused attention takes float32 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[-1] not in ATTENTION_HEAD_DIMS:
         return f"the fused attention takes head dims {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}"
-    for a in (q, k, v):
-        if a.size and (a.strides[-1] != a.itemsize or any(s < 0 or s % a.itemsize for s in a.strides)):
-            return "the fused attention needs a contiguous head dim and non-negative strides"
+    if not all(kernel_layout(a) for a in (q, k, v)):
+        return "the fused attention needs a contiguous head dim and non-negative strides"
     return None
 
 
 def _span(xp, a):
     """(a 1-D C-contiguous array over a's memory from its first element to its last, a's strides
     in elements): how a strided view reaches a kernel, which sees one base pointer."""
-    if any(s < 0 or s % a.itemsize for s in a.strides) or (a.ndim and a.strides[-1] != a.itemsize):
+    if not kernel_layout(a):
         raise KernelArgumentError(f"an attention operand of shape {a.shape} has strides {a.strides}: the kernels "
-                                  "need non-negative strides and a contiguous last (head) axis")
+                                  "need non-negative strides and a contiguous last (head) axis (pass a copy)")
     n = 1 + sum((d - 1) * (s // a.itemsize) for d, s in zip(a.shape, a.strides)) if a.size else 0
     span = xp.lib.stride_tricks.as_strided(a, shape=(n,), strides=(a.itemsize,))
     return span, [np.int64(s // a.itemsize) for s in a.strides]
@@ -165,9 +175,10 @@ class AttentionLaunchers(LauncherBase):
             if not isinstance(a, xp.ndarray) or a.shape != like.shape or a.dtype != like.dtype:
                 raise KernelArgumentError(f"out {name} must be a {xp.__name__} array of shape {like.shape} and dtype "
                                           f"{like.dtype}")
-            if a.size and any(st == 0 and d > 1 for st, d in zip(a.strides, a.shape)):
-                raise KernelArgumentError(f"out {name} has a zero stride (a broadcast view, strides {a.strides}): "
-                                          "several blocks would write each element")
+            if not kernel_layout(a, output=True):
+                raise KernelArgumentError(f"out {name} has strides {a.strides}: the kernels write a contiguous head "
+                                          "dim at non-negative, non-zero strides (a broadcast view would have several "
+                                          "blocks write each element); pass out=None and copy")
         dq, dk, dv = out
         if dq.size == 0 or dk.size == 0:
             if dk.size:

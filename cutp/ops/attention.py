@@ -34,7 +34,7 @@ import warnings
 import numpy as np
 
 from cutp.kernels import dispatch_views as _attention_kernels
-from cutp.kernels.attention import fused_attention_supported
+from cutp.kernels.attention import fused_attention_supported, kernel_layout
 from cutp.runtime.backend import get_array_module
 
 from ._common import as_dtype, compute_dtype, parallel_map
@@ -165,9 +165,9 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
     if ctx.fused:
         xp = get_array_module(ctx.q)
         do = as_dtype(do, ctx.q.dtype)
-        if not _kernel_layout(do):  # the kernels take any strides but a contiguous head dim, non-negative
+        if not kernel_layout(do):
             do = xp.ascontiguousarray(do)
-        direct = out is None or all(_kernel_layout(a) and a.dtype == like.dtype and 0 not in a.strides
+        direct = out is None or all(kernel_layout(a, output=True) and a.dtype == like.dtype
                                     for a, like in zip(out, (ctx.q, ctx.k, ctx.v)))
         grads = ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale,
                                                out if direct else None, *ctx.dropout_args)
@@ -179,11 +179,6 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
     if ctx.blocked:
         return _backward_blocked(do, ctx, out)
     return _backward_plain(do, ctx, out)
-
-
-def _kernel_layout(a) -> bool:
-    """Whether the fused kernels take a's layout as it is (kernels/attention.py's _span)."""
-    return a.size == 0 or (a.strides[-1] == a.itemsize and all(s >= 0 and s % a.itemsize == 0 for s in a.strides))
 
 
 _UNFUSED_WARNED: set = set()
@@ -201,8 +196,7 @@ def _forward_plain(q, k, v, scale, dropout_p, seed, offset):
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
     scores = qc @ kc[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
     probs, softmax_ctx = softmax_forward(scores, scale=scale, causal=True)
-    rows = offset if isinstance(offset, (list, tuple)) else [offset + b * probs[0].size for b in range(len(probs))]
-    dropped, dropout_ctx = dropout_forward_rows(probs, dropout_p, seed, rows)  # p == 0: probs itself
+    dropped, dropout_ctx = dropout_forward_rows(probs, dropout_p, seed, _row_offsets(offset, probs.shape))
     o = as_dtype(dropped @ vc[:, :, None], q.dtype)  # [B, nkv, g, Tq, hd]
     return o, AttentionCtx(q, k, v, softmax=softmax_ctx, dropout=dropout_ctx, probs=dropped)
 
@@ -308,14 +302,21 @@ def _backward_blocked(do, ctx, out):
 FLASH_TILE = 64  # query and key rows per tile (the kernels' forward tile)
 
 
-def _flash_dropout(xp, shape, dropout_p, seed, offset):
+def _row_offsets(offset, shape):
+    """The dropout counters' start of each batch row of the probabilities (shape [B, ...]):
+    ``offset`` itself when it is a sequence of B offsets, else rows that follow each other."""
+    if isinstance(offset, (list, tuple)):
+        return offset
+    return [offset + b * math.prod(shape[1:]) for b in range(shape[0])]
+
+
+def _dropout_factors(xp, shape, dropout_p, seed, offset):
     """The keep-mask times 1 / (1 - p) of the probabilities [B, nkv, g, Tq, Tk] (the plain path's
-    masks, per batch row), or None without dropout. A reference's luxury: a T x T array."""
+    masks, per batch row), or None without dropout. The references' luxury: a T x T array."""
     if not dropout_p:
         return None
-    rows = offset if isinstance(offset, (list, tuple)) else [offset + b * math.prod(shape[1:]) for b in range(shape[0])]
     keep_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-    return xp.stack([dropout_mask(xp, shape[1:], dropout_p, seed, o) for o in rows]) * keep_scale
+    return xp.stack([dropout_mask(xp, shape[1:], dropout_p, seed, o) for o in _row_offsets(offset, shape)]) * keep_scale
 
 
 def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE, dropout_p: float = 0.0, seed: int = 0,
@@ -332,7 +333,7 @@ def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE, dropout
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     cdt = compute_dtype(q.dtype)
     Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
-    drop = _flash_dropout(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
+    drop = _dropout_factors(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
     o = xp.empty(q.shape, cdt)
     lse = xp.empty(q.shape[:4], cdt)
     for q0 in range(0, Tq, tile):
@@ -373,7 +374,7 @@ def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_
     Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
     qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
     rowdot = (doc * as_dtype(o, cdt)).sum(axis=-1)  # [B, nkv, g, Tq]
-    drop = _flash_dropout(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
+    drop = _dropout_factors(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
     dq = xp.zeros(q.shape, cdt)
     dk = xp.zeros(k.shape, cdt)
     dv = xp.zeros(v.shape, cdt)
@@ -410,8 +411,5 @@ def causal_attention_reference(q, k, v, scale=None, dropout_p: float = 0.0, seed
     probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))
     probs = probs / probs.sum(axis=-1, keepdims=True)
     if dropout_p:
-        keep_scale = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-        rows = offset if isinstance(offset, (list, tuple)) else [offset + b * probs[0].size for b in range(len(probs))]
-        mask = xp.stack([dropout_mask(xp, probs.shape[1:], dropout_p, seed, o) for o in rows])
-        probs = probs * mask * keep_scale
+        probs = probs * _dropout_factors(xp, probs.shape, dropout_p, seed, offset)
     return xp.einsum("bhgqk,bhkd->bhgqd", probs, v)
