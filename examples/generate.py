@@ -31,11 +31,11 @@ except ImportError:  # run from a checkout without installing: python examples/g
 from mpi4py import MPI
 
 from cutp.checkpoint import load_model
-from cutp.checkpoint_files import is_cutp_checkpoint
+from cutp.checkpoint.files import is_cutp_checkpoint
 from cutp.generate import generate
 from cutp.hf import from_hf_gpt2
 from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank
-from cutp.tokenizer import get_tokenizer
+from cutp.data.tokenizer import get_tokenizer
 
 
 def parse_args(argv=None):

@@ -31,7 +31,7 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
     arm_setup_deadline(timeout_from_argv(sys.argv[1:]))
 
 from cutp import train  # noqa: E402
-from cutp.model import PRESETS  # noqa: E402
+from cutp.models import PRESETS  # noqa: E402
 from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
 
 

@@ -1,7 +1,8 @@
 """The package structure README's "Architecture" section describes, checked from the sources.
 
-- one direction of imports: runtime <- comm <- ops/kernels <- tensor_parallel <- model <- train
-  <- bench (a module imports only from its own layer or the layers before it);
+- one direction of imports: runtime <- comm <- ops/kernels <- tensor_parallel <- optim/data <- models
+  <- checkpoint <- train <- plan/bench (a module imports only from its own layer or the layers
+  before it);
 - no import cycle among cutp's modules, function-local imports counted;
 - function-local imports only for optional dependencies, each saying so on its line;
 - no module over 500 lines without the reason stated in its docstring.
@@ -20,12 +21,11 @@ LAYERS = [
     ("comm", ["cutp.comm"]),
     ("ops/kernels", ["cutp.ops", "cutp.kernels"]),
     ("tensor_parallel", ["cutp.tensor_parallel"]),
-    ("model", ["cutp.model", "cutp.optim", "cutp.data", "cutp.tokenizer", "cutp.checkpoint", "cutp.checkpoint_files",
-               "cutp.checkpoint_experts", "cutp.run_dir",
-               "cutp.hf",
-               "cutp.generate"]),
+    ("optim/data", ["cutp.optim", "cutp.data", "cutp.tokenizer"]),
+    ("models", ["cutp.models", "cutp.model", "cutp.hf", "cutp.generate"]),
+    ("checkpoint", ["cutp.checkpoint"]),
     ("train", ["cutp.train"]),
-    ("bench/tools", ["cutp.bench", "cutp.info", "cutp.__main__"]),
+    ("plan/bench/tools", ["cutp.plan", "cutp.bench", "cutp.info", "cutp.__main__"]),
 ]
 # Imported inside functions because the package may be missing or broken on a machine that
 # still runs cutp (CuPy and NVIDIA's wheels without a GPU, torch/transformers for comparisons,

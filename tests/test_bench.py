@@ -14,10 +14,12 @@ import pytest
 
 import cutp
 from cutp.bench import comm as bcomm
-from cutp.bench import common, kernels, plan
+from cutp.bench import common, kernels
+from cutp.plan import layout as plan
+from cutp.train import reporting
 from cutp.bench import model as bmodel
 from cutp.bench.__main__ import build_parser, main
-from cutp.model import PRESETS, GPTConfig
+from cutp.models import PRESETS, GPTConfig
 from tests.mpirun import run_mpi
 
 
@@ -47,8 +49,8 @@ def test_message_sizes_and_counts():
     assert bcomm.message_sizes(4096, 1 << 20, 4) == [4096, 16384, 65536, 262144, 1 << 20]
     assert bcomm.element_count("all_gather", 4096, 4, 3) % 3 == 0
     assert bcomm.element_count("all_reduce", 4096, 4, 3) == 1024
-    assert common.parse_size("4K") == 4096 and common.parse_size("256MiB") == 256 << 20
-    assert common.parse_count("70B") == 70e9 and common.parse_count("124M") == 124e6
+    assert reporting.parse_size("4K") == 4096 and reporting.parse_size("256MiB") == 256 << 20
+    assert reporting.parse_count("70B") == 70e9 and reporting.parse_count("124M") == 124e6
 
 
 def test_flops_per_token_against_a_hand_count():

@@ -7,7 +7,7 @@ import pytest
 
 from cutp.data import BatchSampler, default_corpus, load_dataset
 from cutp.runtime.errors import ConfigError
-from cutp.model import GPTConfig
+from cutp.models import GPTConfig
 from tests.mpirun import run_mpi
 
 

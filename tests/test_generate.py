@@ -19,8 +19,8 @@ import pytest
 
 from cutp.runtime.errors import ConfigError
 from cutp.generate import generate, sample_next
-from cutp.model import GPT, GPTConfig
-from cutp.tokenizer import (ByteTokenizer, GPT2BPETokenizer, bytes_to_unicode, get_tokenizer,
+from cutp.models import GPT, GPTConfig
+from cutp.data.tokenizer import (ByteTokenizer, GPT2BPETokenizer, bytes_to_unicode, get_tokenizer,
                             gpt2_pretokenize_pattern)
 from tests.mpirun import ROOT, find_mpiexec, run_mpi
 from tests.tp_utils import group_ctx, self_ctx

@@ -240,7 +240,7 @@ def test_load_full_state_dict_takes_device_arrays():
     from mpi4py import MPI
 
     import cutp
-    from cutp.model import GPT, GPTConfig
+    from cutp.models import GPT, GPTConfig
 
     ctx = cutp.init(comm=MPI.COMM_SELF, tp=1, device="cpu", abort_on_error=False, collective_timeout=0)
     try:

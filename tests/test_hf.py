@@ -18,7 +18,7 @@ import pytest
 import cutp
 from cutp.hf import (HFFormatError, check_state_dict, config_from_hf, config_to_hf, from_hf_gpt2, load_hf_gpt2,
                      load_hf_into, save_hf_gpt2)
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.tensor_parallel.mappings import gather_from_tp_forward
 from tests.mpirun import run_mpi
 from tests.tp_utils import group_ctx, rel_err, self_ctx

@@ -28,7 +28,7 @@ HERE = "tests.test_issue14_sp_acceptance"
 
 # ---- helpers used inside the MPI workers ------------------------------------------------------
 def _cfg(**kw):
-    from cutp.model import GPTConfig
+    from cutp.models import GPTConfig
 
     base = dict(n_layer=2, n_embd=64, n_head=8, block_size=32, dropout=0.1, dtype="float64")
     base.update(kw)
@@ -76,7 +76,7 @@ def _worker_grads_equal_tp1(tp, modes, cases):
     from mpi4py import MPI
 
     import cutp
-    from cutp.model import GPT
+    from cutp.models import GPT
     from cutp.tensor_parallel import finish_grad_sync
 
     ctx = cutp.init(tp=tp, device="cpu")
@@ -129,7 +129,7 @@ def test_tp8_gradients_equal_tp1():
 # ---- communication per layer --------------------------------------------------------------------
 def _worker_comm_per_layer():
     import cutp
-    from cutp.model import GPT
+    from cutp.models import GPT
 
     ctx = cutp.init(tp=2, device="cpu")
     B, T, h = 2, 16, 64
@@ -184,7 +184,7 @@ def _worker_library_misc():
 
     import cutp
     from cutp.generate import generate
-    from cutp.model import GPT
+    from cutp.models import GPT
 
     ctx = cutp.init(tp=2, device="cpu")
     # float32 under SP: every recompute mode's gradients bit-identical to none's (dropout on)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from cutp.bench.model import random_tokens
-from cutp.model import GPTConfig
+from cutp.models import GPTConfig
 from cutp.train import RunConfig, StepHooks, build_run, train_step
 from tests.mpirun import run_mpi
 

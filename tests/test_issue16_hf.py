@@ -20,8 +20,8 @@ from safetensors.numpy import save_file
 from cutp import ConfigError, train
 from cutp.generate import generate
 from cutp.hf import HFFormatError, from_hf_gpt2, load_hf_gpt2, save_hf_gpt2
-from cutp.model import GPT, GPTConfig
-from cutp.tokenizer import GPT2BPETokenizer, bytes_to_unicode, get_tokenizer
+from cutp.models import GPT, GPTConfig
+from cutp.data.tokenizer import GPT2BPETokenizer, bytes_to_unicode, get_tokenizer
 from tests.mpirun import ROOT, run_mpi
 from tests.tp_utils import self_ctx
 

@@ -6,7 +6,7 @@ ranks and micro-batches holding very different numbers of ignored targets."""
 import numpy as np
 
 from cutp.bench.model import random_tokens
-from cutp.model import GPTConfig
+from cutp.models import GPTConfig
 from cutp.train import RunConfig, build_run, train_step
 from tests.mpirun import run_mpi
 

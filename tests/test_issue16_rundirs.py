@@ -19,10 +19,10 @@ import cutp
 from cutp import train
 from cutp.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, main as checkpoint_main,
                              resolve_checkpoint, save_checkpoint)
-from cutp.checkpoint_files import META_CHECKSUM, write_meta
-from cutp.model import GPT, GPTConfig
+from cutp.checkpoint.files import META_CHECKSUM, write_meta
+from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
-from cutp.run_dir import LOCK_FILE, lock_run_dir
+from cutp.checkpoint.run_dir import LOCK_FILE, lock_run_dir
 from tests.mpirun import ROOT, find_mpiexec
 from tests.tp_utils import self_ctx
 
@@ -150,7 +150,7 @@ CRAFTED = textwrap.dedent("""
     import json, os, resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a huge allocation fails here, not the machine
     from cutp.checkpoint import CheckpointError, export_full, load_model, main
-    from cutp.checkpoint_files import write_meta
+    from cutp.checkpoint.files import write_meta
     from tests.tp_utils import self_ctx
     path = sys.argv[1]
     original = json.load(open(os.path.join(path, "meta.json")))
@@ -286,7 +286,7 @@ def _train(cfg):
 def test_a_second_job_on_the_same_out_is_refused_and_a_dead_holder_releases_it(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from cutp.run_dir import lock_run_dir; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from cutp.checkpoint.run_dir import lock_run_dir; "
                                "lock = lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(120)",
                                str(out)], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,5 +1,5 @@
 """Memory per rank: what a run measures (cutp.train.memory) against what `cutp bench plan`
-predicts (cutp.bench.plan, cutp.bench.step_memory): parameters, gradients and optimizer state
+predicts (cutp.plan.layout, cutp.plan.step_memory): parameters, gradients and optimizer state
 exactly, the peak of a training step within 10%, at several meshes, dtypes and both optimizers;
 the exact parameter count per rank; Megatron's bytes/param table; the GPU pool hook on a stand-in
 pool; every path of the planner's walk balanced."""
@@ -14,10 +14,10 @@ import pytest
 from mpi4py import MPI
 
 from cutp import train
-from cutp.bench import plan, step_memory
+from cutp.plan import layout as plan, step_memory
 from cutp.bench.__main__ import main as bench_main
 from cutp.bench.model import random_tokens
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.runtime.errors import ConfigError
 from cutp.train.memory import ActivationPeak, PoolPeak
 from tests.mpirun import run_mpi

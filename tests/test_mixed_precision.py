@@ -18,7 +18,7 @@ import cutp
 from cutp import train
 from cutp.checkpoint import CheckpointError, export_full, load_model, read_meta, read_shard
 from cutp.hf import save_hf_gpt2
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler
 from tests.mpirun import run_mpi
 
@@ -426,7 +426,7 @@ def test_dynamic_loss_scale_flags_are_refused_where_they_do_nothing():
 
 def _worker_dp_comm_against_the_plan():
     """A step's counted DP collectives equal `cutp bench plan`'s, plain and distributed, bf16."""
-    from cutp.bench.plan import arch_from_config, plan
+    from cutp.plan.layout import arch_from_config, plan
 
     world = MPI.COMM_WORLD
     for distributed in (False, True):

@@ -20,7 +20,7 @@ import pytest
 
 import cutp
 from cutp.bench.model import random_tokens
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.train import RunConfig, build_run, train_step
 from tests.gradcheck import numeric_grad, relative_error
 from tests.mpirun import run_mpi
@@ -182,7 +182,7 @@ def _worker_generation_and_checkpoints(tmp):
     run = build_run(cfg, world, dataset=random_tokens(97, 4096, 0))
     train_step(run)
     save(run)
-    from cutp.bench import plan  # the planner's parameters per rank: what the model holds
+    from cutp.plan import layout as plan  # the planner's parameters per rank: what the model holds
 
     planned = plan.plan(plan.arch_from_config("test", cfg.model), tp=2, dp=1, micro_batch=2, seq_len=16,
                         config=cfg.model, dtype="float64")
@@ -204,7 +204,7 @@ def test_moe_checkpoint_loads_at_tp1_generation_and_no_gpt2_export(tmp_path):
 
 # ---- the planner --------------------------------------------------------------------------------
 def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
-    from cutp.bench import plan, plan_moe
+    from cutp.plan import layout as plan, moe as plan_moe
 
     config = GPTConfig.preset("tiny-moe")
     a = plan.arch_from_config("tiny-moe", config)
@@ -240,7 +240,7 @@ def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
 def _worker_pipeline_stages_planned(case):
     from mpi4py import MPI
 
-    from cutp.bench import plan, plan_pp
+    from cutp.plan import layout as plan, pipeline as plan_pp
     from cutp.train.memory import memory_record
 
     cfg = _config(**case)

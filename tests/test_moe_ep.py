@@ -28,7 +28,7 @@ from cutp.comm.nccl import all_to_all_plan
 from cutp.runtime.mesh import validate_mesh
 from cutp.train import RunConfig, build_run, save, train_step
 from tests.mpirun import run_mpi
-from cutp.bench import plan
+from cutp.plan import layout as plan
 from tests.test_moe import _config
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cutp import ops
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters, clip_scale, lr_schedule
 from tests.tp_utils import self_ctx
 

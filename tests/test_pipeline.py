@@ -13,7 +13,7 @@ import pytest
 
 import cutp
 from cutp.bench.model import random_tokens
-from cutp.model import GPT, GPTConfig, stage_layers
+from cutp.models import GPT, GPTConfig, stage_layers
 from cutp.tensor_parallel import gather_full
 from cutp.train import RunConfig, build_run, train_step
 from tests.mpirun import run_mpi

@@ -16,9 +16,9 @@ import pytest
 import cutp
 from cutp.bench.model import random_tokens
 from cutp.checkpoint import CheckpointError, export_full, load_model, main as ckpt_main
-from cutp.checkpoint_files import expected_files, read_meta, write_meta
+from cutp.checkpoint.files import expected_files, read_meta, write_meta
 from cutp.hf import from_hf_gpt2, save_hf_gpt2
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.train import RunConfig, build_run, evaluate, save, train_step
 from tests.mpirun import run_mpi
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import cutp
-from cutp.checkpoint_files import read_meta
-from cutp.model import GPTConfig, stage_layers, virtual_stage_layers
+from cutp.checkpoint.files import read_meta
+from cutp.models import GPTConfig, stage_layers, virtual_stage_layers
 from cutp.train import RunConfig
 from cutp.train.pipeline import SCHEDULES, pipeline_bubble, plan
 from tests.mpirun import run_mpi

@@ -12,11 +12,11 @@ import pytest
 from mpi4py import MPI
 
 from cutp import train
-from cutp.bench import plan, plan_pp, plan_search, step_pipeline, step_shape
+from cutp.plan import layout as plan, pipeline as plan_pp, search as plan_search, step_pipeline, step_shape
 from cutp.bench.__main__ import build_parser
 from cutp.bench.__main__ import main as bench_main
 from cutp.bench.__main__ import run as bench_run
-from cutp.model import GPTConfig
+from cutp.models import GPTConfig
 from cutp.bench.model import random_tokens
 from cutp.runtime.errors import ConfigError
 from cutp.train.memory import ActivationPeak, memory_record, stash_per_layer

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cutp
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.optim import FlatParameters
 from tests.mpirun import run_mpi
 

@@ -13,7 +13,7 @@ import pytest
 import cutp
 import cutp.train
 from cutp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
 from tests.mpirun import ROOT, find_mpiexec, run_mpi
 from tests.tp_utils import self_ctx
@@ -324,7 +324,7 @@ def _rank_pids(marker):
 
 
 def _worker_killed_while_saving(run, where):
-    import cutp.checkpoint as ck
+    import cutp.checkpoint.save as ck  # where save_checkpoint looks up what is patched below
 
     ctx = cutp.init(tp=2, device="cpu")
     model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), seed=1)
@@ -692,7 +692,7 @@ def test_a_tensor_missing_from_a_shard_loads_nothing(saved):
     from safetensors.numpy import load_file, save_file
 
     from cutp.checkpoint import sha256_file
-    from cutp.checkpoint_files import write_meta
+    from cutp.checkpoint.files import write_meta
 
     path, fresh, _ = saved
     shard = os.path.join(path, "optim-tp00-of-01.safetensors")

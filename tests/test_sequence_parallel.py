@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cutp
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.tensor_parallel import gather_full, tp_grad_sync
 from cutp.tensor_parallel.mappings import gather_from_tp_forward
 from tests.mpirun import run_mpi

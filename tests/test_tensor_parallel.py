@@ -8,7 +8,7 @@ import pytest
 import cutp
 import cutp.ops.attention as attention_op
 from cutp import ops
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP, ParallelTransformerBlock,
                                   RNGTracker, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
                                   gather_full, pad_vocab)
@@ -573,7 +573,7 @@ def test_config_rejects_out_of_range_fields():
 def _worker_one_full_weight_at_a_time():
     import tracemalloc
 
-    from cutp.model import GPT, GPTConfig
+    from cutp.models import GPT, GPTConfig
 
     ctx = cutp.init(tp=2, device="cpu")
     cfg = GPTConfig(n_layer=16, n_head=4, n_embd=128, vocab_size=1024, block_size=16)

@@ -40,7 +40,7 @@ def _config_strategy():
 
 def _evaluate(example, ctxs, self_ctx):
     """Runs one example on this rank; returns an error string or ''."""
-    from cutp.model import GPT, GPTConfig
+    from cutp.models import GPT, GPTConfig
     from cutp.tensor_parallel.mappings import gather_from_tp_forward
     from tests.tp_utils import full_grads, rel_err
 

@@ -82,7 +82,7 @@ def test_progress_lines_metrics_and_validation(tmp_path):
     --eval-every steps, a text file as --data, and a start-up banner that says what runs."""
     import re
 
-    from cutp.model import GPTConfig
+    from cutp.models import GPTConfig
 
     data = tmp_path / "corpus.txt"
     data.write_text(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()[:20000])
@@ -134,7 +134,7 @@ def test_threads_per_rank_shares_the_cores():
 
 
 def test_preset_parameter_counts_match_gpt2():
-    from cutp.model import GPTConfig
+    from cutp.models import GPTConfig
 
     # the parameter counts of OpenAI's GPT-2 checkpoints (tied embeddings, vocabulary 50257)
     expected = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
@@ -234,7 +234,7 @@ def _worker_repad_vocabulary(run):
     padded to 256 at TP=2 but to 128 at TP=1): the real rows survive, the padding is rebuilt."""
     import cutp
     from cutp.checkpoint import export_full, load_checkpoint, save_checkpoint
-    from cutp.model import GPT, GPTConfig
+    from cutp.models import GPT, GPTConfig
     from cutp.optim import AdamW, FlatParameters
     from tests.tp_utils import self_ctx
 

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import cutp
 from cutp import train
-from cutp.model import GPTConfig
+from cutp.models import GPTConfig
 from cutp.runtime.watchdog import Watchdog
 from tests.mpirun import run_mpi
 
@@ -250,7 +250,7 @@ def test_the_metrics_directory_is_made_or_refused_at_start(tmp_path):
 def test_gather_state_dict_returns_copies_never_the_live_parameters():
     """Issue 16: replicated parameters (LayerNorm, position embeddings) came back as the model's
     own arrays, so editing the returned dict edited the model."""
-    from cutp.model import GPT
+    from cutp.models import GPT
 
     model = GPT(cutp.init(comm=MPI.COMM_SELF, tp=1), GPTConfig.preset("tiny", n_layer=1), seed=0)
     sd = model.gather_state_dict()
@@ -277,7 +277,7 @@ def test_a_resumed_metrics_file_drops_a_torn_last_line_and_refuses_a_corrupt_mid
 def test_hugging_face_labels_are_shifted_by_targets_from_labels():
     """Issue 16: forward takes shifted targets; an HF user passing labels=input_ids got a wrong
     loss silently. targets_from_labels gives HF's loss: the mean over the T-1 next tokens."""
-    from cutp.model import GPT
+    from cutp.models import GPT
 
     model = GPT(cutp.init(comm=MPI.COMM_SELF, tp=1), GPTConfig.preset("tiny", n_layer=1, dtype="float64"), seed=0)
     ids = np.random.default_rng(0).integers(0, 256, (2, 16))
@@ -290,7 +290,7 @@ def test_api_surprises_of_a_hugging_face_user(tmp_path):
     """Issue 16: save_hf_gpt2(model, path) needed an explicit None config; a foreign tensor as
     input failed with "'torch.dtype' object has no attribute 'kind'"."""
     from cutp.hf import save_hf_gpt2
-    from cutp.model import GPT
+    from cutp.models import GPT
 
     model = GPT(cutp.init(comm=MPI.COMM_SELF, tp=1), GPTConfig.preset("tiny", n_layer=1), seed=0)
     save_hf_gpt2(model, str(tmp_path / "hf"))

@@ -9,7 +9,7 @@ trains one step of each setting on the CPU in float32 (`cutp.train.measured_step
 thread: CUTP_OP_THREADS=1) and records, as the first step's memory record does, the bytes each
 layer keeps for backward after its forward (the largest layer on the largest rank) and the
 step's activation peak (the largest rank). The predictions are `cutp bench plan --device cpu
---threads 1`'s for the same settings (`cutp.bench.plan.plan`), plus its peak for the preset's
+--threads 1`'s for the same settings (`cutp.plan.layout.plan`), plus its peak for the preset's
 own layer count (the per-layer figures do not depend on it) and Korthikanti et al. 2022's
 Table 2 per-layer figure (4-byte activations). Prints a Markdown table (and writes JSON).
 """
@@ -25,9 +25,9 @@ import tempfile
 from mpi4py import MPI
 
 from cutp import train
-from cutp.bench import plan
+from cutp.plan import layout as plan
 from cutp.bench.model import random_tokens
-from cutp.model import GPTConfig
+from cutp.models import GPTConfig
 
 SETTINGS = [(rc, sp) for rc in ("none", "selective", "full") for sp in (False, True)]
 

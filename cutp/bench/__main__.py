@@ -20,7 +20,8 @@ import sys
 from ..runtime import backend
 from ..runtime.errors import ConfigError
 from ..runtime.threads import available_cores
-from . import comm, compare_torch, kernels, model, plan, plan_pp, plan_search
+from ..plan import cli as plan_cli
+from . import comm, compare_torch, kernels, model
 from .plot import plot_report
 
 SUITES = ("kernels", "comm", "model", "compare-torch", "plan")
@@ -104,42 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(t)
 
     pl = sub.add_parser("plan", help="memory and communication per GPU, from the model's shape")
-    pl.add_argument("--params", help="model size, e.g. 7B, 13B, 70B, 175B (a standard architecture of that size)")
-    pl.add_argument("--preset", help="a cutp preset instead (gpt2, gpt2-xl, ...), planned exactly as cutp trains it")
-    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override an architecture field")
-    pl.add_argument("--tp", type=int, default=8)
-    pl.add_argument("--dp", type=int, default=1)
-    pl.add_argument("--ep", type=int, default=1, help="expert parallelism: the experts split over ep of the DP ranks")
-    pl.add_argument("--micro-batch", type=int, default=1)
-    pl.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
-    pl.add_argument("--accum", type=int, default=None,
-                    help="micro-batches per optimizer step (and DP rank; default 1, with --pp: pp)")
-    pl.add_argument("--dtype", default=None, choices=list(plan.DTYPES),
-                    help="parameter dtype (default bfloat16: fp32 gradients, master weights and Adam moments)")
-    pl.add_argument("--precision", default=None, choices=sorted(plan.PRECISION_DTYPE),
-                    help="older name: mixed = --dtype bfloat16, fp32 = --dtype float32")
-    pl.add_argument("--distributed-optimizer", action="store_true",
-                    help="optimizer state (and fp32 master weights) sharded over the DP ranks (ZeRO-1)")
-    pl.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="whose activations a cutp preset plans (default cuda: the GPU code path)")
-    pl.add_argument("--threads", type=int, default=1, help="--device cpu: the ops' threads per rank")
-    pl.add_argument("--recompute", default="none", choices=list(plan.RECOMPUTE),
-                    help="activation recomputation (selective: the core attention; full: whole layers)")
-    pl.add_argument("--recompute-layers", type=int, default=None, help="with --recompute full: the first N layers")
-    pl.add_argument("--sequence-parallel", action="store_true", help="activations split along the sequence over TP")
-    pl.add_argument("--pp", type=int, default=1, help="pipeline stages: memory per stage, p2p bytes, bubble")
-    pl.add_argument("--pp-layers", default=None, help="layers of each stage, e.g. 5,6,6,5 (default: even)")
-    pl.add_argument("--pp-schedule", default=None, choices=list(plan_pp.SCHEDULES),
-                    help="default 1f1b (interleaved with --pp-virtual)")
-    pl.add_argument("--pp-virtual", type=int, default=1, help="model chunks per rank (the interleaved schedule)")
-    pl.add_argument("--search", action="store_true",
-                    help="list the TP x PP x DP layouts of up to --gpus GPUs that fit (--params models)")
-    pl.add_argument("--gpus", type=int, default=64, help="--search: at most this many GPUs (default 64)")
-    pl.add_argument("--gpu-memory", type=float, action="append", default=None, metavar="GB",
-                    help="--search: GB per GPU (repeatable; default 80 and 141)")
-    pl.add_argument("--batch-size", type=int, default=None,
-                    help="--search: sequences per step (default: 4M tokens, Llama-2's)")
-    pl.add_argument("--markdown", action="store_true", help="--search: print the layouts as a Markdown table")
+    plan_cli.add_arguments(pl)
     _common(pl)
     return p
 
@@ -160,12 +126,7 @@ def run(args):
     if args.suite == "compare-torch":
         args.threads = args.threads or available_cores()
         return compare_torch.run(args)
-    if args.search:
-        return plan_search.run(args)
-    if args.pp > 1 or args.pp_virtual > 1:
-        return plan_pp.run(args)
-    args.accum = plan_pp.micro_batches(args)
-    return plan.run(args)
+    return plan_cli.run(args)
 
 
 def _gpu_default() -> bool:

@@ -26,7 +26,8 @@ from mpi4py import MPI
 import cutp
 
 from ..runtime.threads import set_blas_threads, threads_per_rank
-from .common import Report, device_of, human_bytes, machine_info, parse_size, reduce_scalar
+from ..train.reporting import Report, human_bytes, parse_size
+from .common import device_of, machine_info, reduce_scalar
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 

@@ -21,9 +21,10 @@ import numpy as np
 
 import cutp
 
-from ..model import GPT, GPTConfig
+from ..models import GPT, GPTConfig
 from ..runtime.threads import get_blas_threads, set_blas_threads
-from .common import Report, Timing, machine_info
+from ..train.reporting import Report
+from .common import Timing, machine_info
 
 DEFAULT_SHAPES = {"tiny": (16, 128), "gpt2": (4, 256)}
 

@@ -51,18 +51,10 @@ import numpy as np
 
 from ..kernels import use_kernels
 from ..runtime.backend import get_array_module
-from .common import (
-    L2Flusher,
-    Report,
-    copy_bandwidth,
-    device_of,
-    human_bytes,
-    keep_freed_memory,
-    machine_info,
-    peak_tflops,
-    time_cpu,
-    time_gpu,
-)
+from ..train.reporting import Report, human_bytes
+from .common import (L2Flusher, copy_bandwidth, device_of, keep_freed_memory, machine_info, peak_tflops,
+                     time_cpu, time_gpu)
+
 # The ops measured, with their shapes per size preset (here for the command line and the tests).
 from .kernel_ops import (  # noqa: F401
     ATTENTION_OPS,

@@ -40,12 +40,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ..data import Dataset
-from ..model import GPTConfig
+from ..models import GPTConfig
 from ..runtime.threads import set_blas_threads
 from ..train import StepHooks, build_run, resolve_run_config, train_step
 from ..train.memory import ActivationPeak, cached_activation_bytes, stash_per_layer, state_bytes
 from ..train.pipeline import pipeline_bubble
-from .common import Report, device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
+from ..train.reporting import Report
+from .common import device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ..checkpoint import ARCH_FIELDS, read_meta, resolve_checkpoint
-from ..checkpoint_files import is_cutp_checkpoint
-from ..hf import config_from_hf, read_hf_config
-from ..model import GPT, PRESETS, GPTConfig, stage_layers
+from ..checkpoint.files import is_cutp_checkpoint
+from ..models.hf import config_from_hf, read_hf_config
+from ..models import GPT, PRESETS, GPTConfig, stage_layers
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks

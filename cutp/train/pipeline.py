@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 
-from ..model import DTYPES
+from ..models import DTYPES
 from ..runtime.backend import get_array_module
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")

@@ -1,4 +1,5 @@
-"""What a run reports: the JSONL metrics file and the progress line.
+"""What a run reports: the JSONL metrics file and the progress line; the tables (printed aligned,
+exported as JSON) and the byte and count formats the benchmarks and the planner report with.
 
 The metrics file holds one JSON object per step (`StepStats.record()`, plus `val_loss` on
 evaluation steps), written by rank 0 and flushed after each row, so that a crash loses nothing
@@ -9,8 +10,12 @@ crash is dropped with a warning; a line that is not JSON anywhere else is refuse
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+from dataclasses import dataclass
+
+import numpy as np
 
 
 class MetricsLog:
@@ -66,3 +71,148 @@ def progress_line(record: dict) -> str:
             + (f" | aux {r['moe_aux_loss']:.4f} | dropped {100 * r['moe_dropped']:.1f}%" if "moe_aux_loss" in r else "")
             + (" | skipped" if r.get("skipped") else "")
             + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Column:
+    key: str
+    title: str
+    fmt: str = ""  # format spec for numbers, e.g. ".2f"; strings are printed as they are
+    align: str = ">"
+
+
+class Table:
+    """Rows of dicts with named columns: printed aligned, exported as JSON."""
+
+    def __init__(self, name: str, columns: list, title: str | None = None, notes: list | None = None):
+        self.name = name
+        self.title = title or name
+        self.columns = [c if isinstance(c, Column) else Column(*c) for c in columns]
+        self.rows: list[dict] = []
+        self.notes = list(notes or [])
+
+    def add(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    @staticmethod
+    def cell(value, fmt: str) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+            return "-" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and fmt:
+            return format(value, fmt)
+        return str(value)
+
+    def render(self) -> str:
+        heads = [c.title for c in self.columns]
+        body = [[self.cell(r.get(c.key), c.fmt) for c in self.columns] for r in self.rows]
+        widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(heads)]
+        lines = [f"== {self.title} =="]
+        lines.append("  ".join(format(h, f"{c.align}{w}") for h, c, w in zip(heads, self.columns, widths)))
+        lines.append("  ".join("-" * w for w in widths))
+        for b in body:
+            lines.append("  ".join(format(v, f"{c.align}{w}") for v, c, w in zip(b, self.columns, widths)))
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"title": self.title, "columns": [{"key": c.key, "title": c.title} for c in self.columns],
+                "rows": [_jsonable(r) for r in self.rows], "notes": self.notes}
+
+
+class Report:
+    """What one suite produces: tables, notes and machine facts (for stdout, JSON and plots)."""
+
+    def __init__(self, suite: str, meta: dict | None = None):
+        self.suite = suite
+        self.meta = dict(meta or {})
+        self.tables: list[Table] = []
+        self.notes: list[str] = []
+        self.extra: dict = {}
+
+    def table(self, *args, **kwargs) -> Table:
+        t = Table(*args, **kwargs)
+        self.tables.append(t)
+        return t
+
+    def get(self, name: str) -> Table:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def render(self) -> str:
+        parts = [f"### cutp bench {self.suite}"]
+        parts += [t.render() for t in self.tables]
+        parts += [f"note: {n}" for n in self.notes]
+        return "\n\n".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"suite": self.suite, "meta": _jsonable(self.meta), "notes": self.notes,
+                "tables": {t.name: t.as_dict() for t in self.tables}, **_jsonable(self.extra)}
+
+    def write_json(self, path: str) -> None:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.as_dict(), f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def _jsonable(v):
+    """Plain JSON types (NaN/inf become None, NumPy scalars Python numbers, tuples lists)."""
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    if v is None or isinstance(v, str):
+        return v
+    return str(v)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (powers of two)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    """'4K', '256M', '1G', '4096' -> bytes (K/M/G are powers of two; a trailing B or iB is allowed)."""
+    s = str(text).strip().upper().replace("IB", "").rstrip("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if s.endswith(suffix):
+            s, mult = s[:-1], m
+            break
+    value = float(s)
+    if value < 0:
+        raise ValueError(f"negative size {text!r}")
+    return int(value * mult)
+
+
+def parse_count(text: str) -> float:
+    """'70B' -> 7e10, '124M' -> 1.24e8, '1.5T' -> 1.5e12 (decimal, for parameter counts)."""
+    s = str(text).strip().upper()
+    for suffix, m in (("K", 1e3), ("M", 1e6), ("B", 1e9), ("G", 1e9), ("T", 1e12)):
+        if s.endswith(suffix):
+            return float(s[:-1]) * m
+    return float(s)

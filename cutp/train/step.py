@@ -34,14 +34,14 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
-from ..checkpoint_files import is_cutp_checkpoint
+from ..checkpoint.files import is_cutp_checkpoint
 from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
-from ..hf import load_hf_into
-from ..model import GPT
+from ..models.hf import load_hf_into
+from ..models import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
                      LossScaler, clip_scale, lr_schedule)
-from ..run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
+from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
 from ..runtime.errors import ConfigError
@@ -180,7 +180,7 @@ def build_run(config: RunConfig, comm=None, *, dataset: Dataset | None = None) -
     MPI.COMM_WORLD; any sub-communicator of a host code's), resumed from `config.resume` when
     set, or with the weights of `config.init_from` (step 0, a fresh optimizer). Collective over
     comm. `dataset` replaces `config.data` (tokens a host code holds). First, rank 0 checks
-    `config.out` and locks it for the run's lifetime (cutp.run_dir)."""
+    `config.out` and locks it for the run's lifetime (cutp.checkpoint.run_dir)."""
     world = MPI.COMM_WORLD if comm is None else comm
     lock, replaced = None, []
     with errors_raised_on_every_rank(world):  # before any training: a writable --out no other job holds

@@ -35,9 +35,9 @@ from cutp import kernels, ops
 from cutp.kernels import KernelArgumentError, KernelLoadError, Launchers
 from cutp.kernels.attention import attention_shared_bytes, attention_tile_rows
 from cutp.kernels.runtime import find_mma_include
-from cutp.bench.step_ops import OpWalk
-from cutp.bench.step_shape import StepShape
-from cutp.model import GPT, GPTConfig
+from cutp.plan.step_ops import OpWalk
+from cutp.plan.step_shape import StepShape
+from cutp.models import GPT, GPTConfig
 from tests.cuda_emu import KERNELS_DIR, EmulatedModule
 
 from .helpers import BF16, DT_IDS, DTYPES, F32, PoisonedAllocations, bits, is_poison, randn

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import cutp
 from cutp import kernels, ops
-from cutp.model import GPT, GPTConfig
+from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
 from cutp.runtime.backend import to_numpy
 

@@ -14,12 +14,12 @@ the bubble (p-1)/(m+p-1) follows from it.
 """
 from __future__ import annotations
 
-from ..model import _near_even
+from ..models import near_even
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
-from .common import Report
-from .plan import _check, _model
-from .plan_pp import plan_pipeline
+from ..train.reporting import Report
+from .layout import _check, _model
+from .pipeline import plan_pipeline
 
 TPS = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
@@ -37,7 +37,7 @@ def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, 
                 batch_size: int) -> dict:
     """The smallest DP (and the least recomputation) at which tp x pp fits `capacity` bytes:
     {"fits": bool, "dp", "recompute", "plan"}; when nothing fits, the layout that came closest."""
-    layers = None if a.n_layer % pp == 0 else tuple(_near_even(a.n_layer, pp))
+    layers = None if a.n_layer % pp == 0 else tuple(near_even(a.n_layer, pp))
     best = None
     for dp in _powers(gpus // (tp * pp)):
         m = batch_size // (dp * micro_batch)
@@ -67,7 +67,7 @@ def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat1
             continue
         top = min(a.n_layer, gpus // tp)
         for pp in sorted(set(_powers(top)) | {d for d in range(1, top + 1) if a.n_layer % d == 0}):
-            counts = _near_even(a.n_layer, pp)
+            counts = near_even(a.n_layer, pp)
             row = {"tp": tp, "pp": pp, "layers": f"{counts[0]}" if a.n_layer % pp == 0 else
                    f"{counts[0]}-{counts[-1]}", "fit": {}}
             for cap in capacities:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .runtime.errors import ConfigError
+from ..runtime.errors import ConfigError
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 DEFAULT_CORPUS_BYTES = 16 << 20  # cap, so start-up stays fast on any Python

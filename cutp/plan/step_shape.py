@@ -1,4 +1,4 @@
-"""What the simulated training step (`cutp.bench.step_memory`) works on: the step's shape
+"""What the simulated training step (`cutp.plan.step_memory`) works on: the step's shape
 (`StepShape`), the parameters one TP rank holds (`local_parameters`) and the simulated heap."""
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class StepShape:
     recompute: str = "none"  # "selective" (the core attention) or "full" (whole layers): GPT.set_recompute
     recompute_layers: int | None = None  # with "full": the first N layers (None: all)
     sequence_parallel: bool = False  # GPT.set_sequence_parallel (a no-op at tp 1)
-    # a pipeline stage (cutp.bench.step_pipeline): its layers' global indices (None: all), whether
+    # a pipeline stage (cutp.plan.step_pipeline): its layers' global indices (None: all), whether
     # it holds the embeddings (first) and ln_f, the LM head and the loss (last; tied: a wte copy)
     layer_ids: tuple | None = None
     first_stage: bool = True

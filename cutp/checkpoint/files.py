@@ -27,8 +27,8 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
-from .model import GPTConfig, stage_layers
-from .runtime.errors import ConfigError, UserError
+from ..models import GPTConfig, stage_layers
+from ..runtime.errors import ConfigError, UserError
 
 FORMAT = "cutp-checkpoint"
 VERSION = 1

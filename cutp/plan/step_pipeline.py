@@ -3,7 +3,7 @@
 `stage_peak(shape, chunks, kind, m, p, stage)` walks the step of one pipeline rank the way
 cutp/train/pipeline.py runs it: its schedule's plan (`cutp.train.pipeline.plan`: the forwards,
 backwards and exchanges of its micro-batches and model chunks, in order), each forward and
-backward the model's own walk (`cutp.bench.step_memory`) over the chunk's layers (the embedding
+backward the model's own walk (`cutp.plan.step_memory`) over the chunk's layers (the embedding
 before the first virtual stage, ln_f, the LM head and the loss after the last). Between a
 micro-batch's forward and its backward everything its forward cached is held aside (what
 `GPT.take_activations` does), so a stage holds as many stashes as its schedule keeps in flight.

@@ -1,4 +1,4 @@
-"""The op-level half of `cutp.bench.step_memory`'s walk of a training step: what cutp's ops and
+"""The op-level half of `cutp.plan.step_memory`'s walk of a training step: what cutp's ops and
 collectives allocate, keep for backward and free (LayerNorm, the linear layers, dropout, the
 attention op's plain and blocked paths, GeLU, the all-gathers and reduce-scatters of sequence
 parallelism), booked on the simulated heap in the order of their code (cutp/ops/*.py,
@@ -17,7 +17,7 @@ from .step_shape import ELIDE_BYTES, ITEMSIZE, POOL_ROUND, Heap, StepShape
 
 
 class OpWalk:
-    """The ops of one rank's training step on a Heap; `cutp.bench.step_memory._Walk` adds the model."""
+    """The ops of one rank's training step on a Heap; `cutp.plan.step_memory._Walk` adds the model."""
 
     def __init__(self, s: StepShape):
         self.s = s

@@ -23,8 +23,8 @@ import sys
 import tempfile
 import time
 
-from .checkpoint_files import CheckpointError, read_json, read_meta, safe_path
-from .runtime.errors import ConfigError
+from .files import CheckpointError, read_json, read_meta, safe_path
+from ..runtime.errors import ConfigError
 
 LOCK_FILE = ".cutp-lock"
 _STEP_RE = re.compile(r"step-(\d{1,18})")

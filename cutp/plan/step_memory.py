@@ -46,8 +46,8 @@ rounding) follows the same code paths but has not been checked against a GPU mea
 With several op threads, blocks that may run at once are counted at once (an upper bound: the
 measured peak of the optimizer update, for one, depends on how the threads happen to overlap).
 
-The ops' own bookings live in `cutp.bench.step_ops` (OpWalk), the shapes and the heap in
-`cutp.bench.step_shape`; this module puts them in the order of the model's step.
+The ops' own bookings live in `cutp.plan.step_ops` (OpWalk), the shapes and the heap in
+`cutp.plan.step_shape`; this module puts them in the order of the model's step.
 """
 from __future__ import annotations
 

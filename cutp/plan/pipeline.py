@@ -1,5 +1,5 @@
 """`python -m cutp bench plan --pp P`: memory per pipeline stage, the point-to-point bytes and the
-predicted bubble (`cutp.bench.plan` plans one rank of a pipeline-free mesh; this plans each stage).
+predicted bubble (`cutp.plan.layout` plans one rank of a pipeline-free mesh; this plans each stage).
 
 Stages (cutp/model.py): the layers split evenly over the P stages, or `--pp-layers a,b,..`; the
 embeddings on the first stage, ln_f, the LM head and the loss on the last, which with tied
@@ -21,7 +21,7 @@ stage's layers keep for backward (m = --accum micro-batches per step):
                    get_num_warmup_microbatches, plus the steady state's one forward before its
                    backward; cutp.train.pipeline.plan)
 
-A cutp preset's stage is walked array by array in the schedule's order (cutp.bench.step_pipeline);
+A cutp preset's stage is walked array by array in the schedule's order (cutp.plan.step_pipeline);
 a --params architecture's stage holds, at the schedule's worst moment, the in-flight micro-batches'
 stashes (Korthikanti et al.'s per-layer formula, `plan.activation_bytes_per_layer`) and the last
 stage's fp32 logits for each of its own in flight.
@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..model import GPTConfig, stage_layers
+from ..models import GPTConfig, stage_layers
 from ..runtime.errors import ConfigError
 from ..train.pipeline import SCHEDULES, pipeline_bubble
 from ..train.pipeline import plan as schedule_plan
-from .common import Report
-from .plan import (GPUS, ITEMSIZE, Arch, _check, _model, _ranks, activation_bytes_per_layer, check_layout,
+from ..train.reporting import Report
+from .layout import (GPUS, ITEMSIZE, Arch, _check, _model, _ranks, activation_bytes_per_layer, check_layout,
                    param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
-from .plan_moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
+from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from .step_pipeline import Chunk, stage_peak
 from .step_shape import StepShape, local_parameters
 

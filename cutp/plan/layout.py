@@ -22,7 +22,7 @@ in one flat buffer padded to N = ceil(n / M) * M elements, M = 1 (plain AdamW) o
   (--precision mixed|fp32, the older flag, means --dtype bfloat16|float32.)
 
 Activations (the peak a training step allocates above the state), cutp presets: cutp's step
-simulated array by array (`cutp.bench.step_memory`: what the layers cache, each op's outputs and
+simulated array by array (`cutp.plan.step_memory`: what the layers cache, each op's outputs and
 temporaries, in the code's order; checked against tracemalloc on the CPU within 10% by
 tests/test_memory.py), on a GPU (`--device cuda`, the default: the fused attention kernels keep
 o and the rows' log-sum-exp, O(s), for head dims 64 and 128 in float32/bfloat16; other head dims
@@ -45,8 +45,8 @@ summed over the L layers, plus the fp32 logits 4*s*b*V/t; 4-byte activations dou
 the dropout masks (`activation_bytes_per_layer`). The formulas ignore the recomputation's own
 transient (one layer's stash, or the attention's probabilities, again during its backward).
 
-Pipeline parallelism (`--pp`, each stage's memory, the p2p bytes, the bubble): `cutp.bench.plan_pp`;
-the search for the layouts that fit (`--search`): `cutp.bench.plan_search`.
+Pipeline parallelism (`--pp`, each stage's memory, the p2p bytes, the bubble): `cutp.plan.pipeline`;
+the search for the layouts that fit (`--search`): `cutp.plan.search`.
 
 Whether the total fits an 80 GB and a 141 GB GPU (GB = 1e9 bytes; the CUDA context, NCCL and
 cuBLAS workspaces and the allocator's fragmentation need some GB more).
@@ -66,11 +66,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
-from ..model import GPTConfig
+from ..models import GPTConfig
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
-from .common import Report, parse_count
-from .plan_moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
+from ..train.reporting import Report, parse_count
+from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
                        moe_layer_activation_bytes, moe_layers)
 from .step_memory import ITEMSIZE, StepShape, local_parameters, step_peak
 
@@ -90,7 +90,7 @@ class Arch:
     tied: bool = False
     layernorm: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight)
     pos_emb: bool = False  # learned position embeddings [seq, h]
-    n_experts: int = 0  # mixture of experts (cutp.bench.plan_moe): 0 = dense MLPs
+    n_experts: int = 0  # mixture of experts (cutp.plan.moe): 0 = dense MLPs
     moe_top_k: int = 2
     moe_ffn: int = 0  # each expert's width (0: ffn)
     moe_every: int = 1

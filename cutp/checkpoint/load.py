@@ -1,0 +1,208 @@
+"""Loading a checkpoint into a model (and optimizer) at any TP, DP and PP size, after every file
+it needs is verified on every rank; reading one TP rank's shards whole."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from safetensors import safe_open
+
+from ..models import GPT, GPTConfig
+from ..runtime.errors import ConfigError
+from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
+from ..tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
+from .files import (CheckpointError, mesh_pp, model_file, optim_file, param_stage, read_meta, shard_shape,
+                    unlisted_files, verify_file)
+from .run_dir import resolve_checkpoint
+
+# GPTConfig fields that change the parameters' shapes or meaning: a checkpoint loads only into
+# a model with the same values (dropout, label smoothing and vocabulary padding may differ).
+ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "block_size", "bias",
+               "tie_embeddings", "ln_eps", "gelu")
+
+
+
+def check_config_matches(meta: dict, config) -> None:
+    saved = meta["config"]
+    now = config.to_dict()
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {now.get(k)!r}" for k in ARCH_FIELDS if saved.get(k) != now.get(k)]
+    if diff:
+        raise ConfigError("the checkpoint's model differs from this model: " + "; ".join(diff))
+
+
+class ShardReader:
+    """Reads tensors from a checkpoint's shard files of one kind ('model' or 'optim'), each from
+    the files of the pipeline stage that holds its parameter (meta.json says which). The
+    distributed optimizer's state of TP rank r lies in `dp_shards` files, each holding the flat
+    elements [a, b) of every parameter its DP rank owned (offsets in the file's metadata): `get`
+    puts each tensor back together, checking that the pieces cover it."""
+
+    def __init__(self, ckpt, meta, kind):
+        self.ckpt, self.kind, self.meta = ckpt, kind, meta
+        self.tp, self.pp = int(meta["mesh"]["tp"]), mesh_pp(meta)
+        self.dp = int((meta.get("optimizer") or {}).get("dp_shards", 1)) if kind == "optim" else 1
+        self._open = {}
+
+    def fnames(self, r, name):
+        """The files that hold TP rank r's tensors of parameter `name`."""
+        s = param_stage(self.meta["params"][name])
+        if self.kind == "model":
+            return [model_file(r, self.tp, s, self.pp)]
+        return [optim_file(r, self.tp, d, self.dp, s, self.pp) for d in range(self.dp)]
+
+    def _file(self, fname):
+        if fname not in self._open:
+            f = safe_open(os.path.join(self.ckpt, fname), framework="numpy")
+            self._open[fname] = (f, json.loads((f.metadata() or {}).get("offsets", "{}")))
+        return self._open[fname]
+
+    def get(self, r, key):
+        name = key if self.kind == "model" else key.split(".", 1)[1]
+        names = self.fnames(r, name)
+        if len(names) == 1:
+            f, _ = self._file(names[0])
+            if key not in f.keys():
+                raise CheckpointError(f"{names[0]} has no tensor {key!r}")
+            return f.get_tensor(key)
+        shape = shard_shape(self.meta["params"][name])
+        size, out, covered = int(np.prod(shape)), None, 0
+        for fname in names:
+            f, offsets = self._file(fname)
+            if name in offsets:
+                a, b = offsets[name]
+                piece = f.get_tensor(key) if key in f.keys() else None
+                if piece is None or not 0 <= a < b <= size or piece.size != b - a:
+                    raise CheckpointError(f"{fname}: the piece [{a}, {b}) of {key} is missing or does not fit")
+                out = np.empty(size, piece.dtype) if out is None else out
+                out[a:b] = piece.reshape(-1)
+                covered += b - a
+        if covered != size:
+            raise CheckpointError(f"the optimizer shards of TP rank {r} hold {covered} of the {size} elements of {key}")
+        return out.reshape(shape)
+
+
+def read_shard(ckpt: str, kind: str, tp_rank: int = 0) -> dict:
+    """TP rank `tp_rank`'s tensors of one kind ("model", or "optim": exp_avg., exp_avg_sq. and,
+    with master weights, master. of each parameter), whole, whichever way they were saved (the
+    distributed optimizer's per-DP-rank pieces are put back together). Checksums verified."""
+    ckpt = resolve_checkpoint(ckpt)
+    meta = read_meta(ckpt)
+    reader = ShardReader(ckpt, meta, kind)
+    needed = sorted({f for name in meta["params"] for f in reader.fnames(tp_rank, name)})
+    problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    prefixes = [""] if kind == "model" else ["exp_avg.", "exp_avg_sq."] + (
+        ["master."] if meta["optimizer"].get("master_weights") else [])
+    return {p + name: reader.get(tp_rank, p + name) for name in meta["params"] for p in prefixes}
+
+
+def full_from_shards(reader, key, info, rows=None):
+    """The full tensor of `key`; a vocabulary table is re-padded to `rows` rows (the padding depends
+    on the TP size, its real rows do not)."""
+    sharding = sharding_from_spec(info["sharding"], info["full_shape"])
+    if sharding is None:
+        return reader.get(0, key)
+    full = assemble_full([reader.get(r, key) for r in range(reader.tp)], sharding)
+    real = info.get("real_rows")
+    if rows is not None and real is not None and full.shape[0] != rows:
+        full = pad_rows(full[:real], rows)
+    return full
+
+
+def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> dict:
+    """Collective over the model's context. Loads parameters (and optimizer state) into the
+    model, resharding when the checkpoint's TP size differs. Returns the metadata."""
+    ctx = model.ctx
+    world = ctx.world.mpi_comm
+    error, meta = None, None
+    try:
+        ckpt = resolve_checkpoint(ckpt)
+        meta = read_meta(ckpt)
+        if check_config:
+            check_config_matches(meta, model.config)
+        saved_tp = int(meta["mesh"]["tp"])
+        params = model.parameters()
+        missing = [p.name for p in params if p.name not in meta["params"]]
+        if missing:
+            raise CheckpointError(f"{ckpt}/meta.json lacks parameters {missing[:5]}")
+        direct = saved_tp == ctx.tp_size and all(
+            shard_shape(meta["params"][p.name]) == tuple(p.data.shape) for p in params)
+        ranks = [ctx.tp_rank] if direct else list(range(saved_tp))
+        kinds = ["model"]
+        saved_master = bool((meta.get("optimizer") or {}).get("master_weights"))
+        masters_as_weights = saved_master and model.config.dtype in ("float32", "float64")  # not their rounding
+        if optimizer is not None or masters_as_weights:
+            if meta.get("optimizer") is None:
+                raise CheckpointError(f"{ckpt} has no optimizer state; it cannot resume training "
+                                      "(load it for inference or fine-tuning without --resume)")
+            kinds.append("optim")
+        needed = sorted({f for kind in kinds for r in ranks for p in params  # this stage's parameters' files
+                         for f in ShardReader(ckpt, meta, kind).fnames(r, p.name)})
+        problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
+        if problems:
+            raise CheckpointError("; ".join(problems) + " -- nothing was loaded")
+    except (CheckpointError, ConfigError) as e:
+        error = f"{type(e).__name__}: {e}"
+    except Exception as e:  # anything unexpected in the metadata: still a clear, agreed error
+        error = f"CheckpointError: {ckpt}/meta.json cannot be used ({type(e).__name__}: {e}) -- nothing was loaded"
+    agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
+
+    # Every rank has verified its files. Read everything this rank needs into host memory first,
+    # and only then assign: a tensor missing from a shard (or any other surprise) leaves the
+    # model and optimizer untouched on every rank.
+    model_tensors, optim_tensors, error = {}, {}, None
+    try:
+        readers = {"model": ShardReader(ckpt, meta, "model")}
+        if optimizer is not None or masters_as_weights:
+            readers["optim"] = ShardReader(ckpt, meta, "optim")
+
+        def fetch(kind, key, name, p):
+            info = meta["params"][name]
+            if direct:
+                return readers[kind].get(ctx.tp_rank, key)
+            full = full_from_shards(readers[kind], key, info, p.full_shape[0])
+            return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
+
+        for p in model.parameters():
+            a = (fetch("optim", "master." + p.name, p.name, p) if masters_as_weights
+                 else fetch("model", p.name, p.name, p))
+            if tuple(a.shape) != tuple(p.data.shape):
+                raise CheckpointError(f"{p.name}: the checkpoint holds shape {tuple(a.shape)} for this rank, "
+                                      f"the model {tuple(p.data.shape)}")
+            model_tensors[p.name] = a
+            if optimizer is not None:  # only the part of each tensor this rank's optimizer holds
+                lo, hi = optimizer.owned_part(p.name)
+                for prefix in ("exp_avg.", "exp_avg_sq."):
+                    optim_tensors[prefix + p.name] = fetch("optim", prefix + p.name, p.name, p).reshape(-1)[lo:hi].copy()
+                if optimizer.master is not None:  # a checkpoint without master weights: its parameters
+                    master = fetch("optim", "master." + p.name, p.name, p) if saved_master else a.astype(np.float32)
+                    optim_tensors["master." + p.name] = master.reshape(-1)[lo:hi].copy()
+    except Exception as e:
+        error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
+    agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
+
+    for p in model.parameters():
+        p.data[...] = ctx.asarray(model_tensors.pop(p.name).astype(p.data.dtype, copy=False))
+    if optimizer is not None:
+        optimizer.load_state({k: ctx.asarray(v) for k, v in optim_tensors.items()}, int(meta["optimizer"]["step"]))
+    return meta
+
+
+def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
+    """Builds a GPT from a checkpoint's config at ctx's TP size (the stage of ctx's pipeline rank,
+    layers split evenly; at pp 1 the whole model, from every stage's files) and loads its weights."""
+    with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad checkpoint stops every rank alike
+        ckpt = resolve_checkpoint(ckpt)
+        meta = read_meta(ckpt)
+        config = GPTConfig.from_dict({**meta["config"], **config_overrides})
+    model = GPT(ctx, config, seed=meta.get("seed", 0) if seed is None else seed, init=False)
+    load_checkpoint(ckpt, model)
+    return model, meta
+
+
+def verify_checkpoint(ckpt: str, meta: dict) -> list:
+    """Every problem of a checkpoint whose meta.json has been read (and checked): files in the
+    directory it does not list, and each listed file's (existence, size, sha256, tensors)."""
+    return unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in sorted(meta["files"])) if m]

@@ -1,0 +1,480 @@
+"""GPT (GPT-2 architecture) built from cutp's tensor-parallel layers; the whole model in one file.
+
+(It runs over 500 lines on purpose: the model, its pipeline stages, its sequence-parallel layout and its
+generation path stay together, readable in one sitting as nanoGPT's model.py is.)
+
+    ctx = cutp.init(tp=2)
+    model = GPT(ctx, GPTConfig.preset("tiny"), seed=0)
+    loss = model.forward(idx, targets)     # idx, targets: [B, T] int, identical on TP ranks
+    model.backward()                       # accumulates into every Parameter.grad
+
+Layouts: token ids and targets are replicated over the TP group; activations between blocks
+are replicated [B, T, n_embd] (with `set_sequence_parallel()`: this rank's tokens [B, T/tp,
+n_embd], so LayerNorm, dropout and the residual adds run on T/tp tokens); the logits stay
+sharded over the vocabulary (`gather_logits` gathers them for a caller; the loss never does).
+Parameters use GPT-2's names; `gather_state_dict` returns full, unpadded tensors under them.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..ops._common import as_dtype, compute_dtype
+from ..runtime.backend import to_numpy
+from ..runtime.consistency import check_same_on_all_ranks
+from ..runtime.errors import ConfigError
+from ..runtime.failure import errors_raised_on_every_rank
+from ..tensor_parallel import (
+    REPLICATED,
+    ColumnParallelLinear,
+    Dropout,
+    LayerNorm,
+    Module,
+    ParallelLMHead,
+    ParallelTransformerBlock,
+    RNGTracker,
+    RowParallelLinear,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    gather_full,
+    make_parameter,
+    normal_init,
+    pad_rows,
+    sum_grad_over,
+    take_shard,
+)
+from ..tensor_parallel.mappings import gather_from_tp_forward
+from ..tensor_parallel.moe import MoEMLP
+from .config import DTYPES, GPTConfig
+from .stages import stage_layers, virtual_stage_layers
+
+
+class PositionEmbedding(Module):
+    """Learned positions, replicated on every TP rank. Input: T. Output: [T, n_embd], or with
+    `sequence_shard = (rank, size)` this rank's positions [T/size, n_embd] of the T."""
+
+    def __init__(self, ctx, block_size, dim, *, name, seed, dtype):
+        self.weight = make_parameter(ctx, f"{name}.weight", (block_size, dim), normal_init(0.02), None, seed=seed,
+                                     dtype=dtype, weight_decay=True)  # decayed, as in nanoGPT, Megatron, HF
+        self.sequence_shard: tuple[int, int] | None = None
+
+    def forward(self, T):
+        start, stop = 0, T
+        if self.sequence_shard is not None:
+            rank, size = self.sequence_shard
+            start, stop = rank * T // size, (rank + 1) * T // size
+        self._save("rows", (start, stop))
+        return self.weight.data[start:stop]
+
+    def backward(self, dy):
+        start, stop = self._load("rows")  # 16-bit dy: summed over the batch in float32
+        self.weight.grad[start:stop] += as_dtype(dy, compute_dtype(dy.dtype)).reshape(
+            -1, stop - start, dy.shape[-1]).sum(axis=0)
+
+
+
+class GPT(Module):
+    def __init__(self, ctx, config: GPTConfig, seed: int = 0, init: bool = True, pp_layers=None,
+                 pp_virtual: int = 1):
+        """seed: initialisation and dropout streams. init=False allocates zeros instead of drawing
+        the initial weights (for models whose weights are loaded right after).
+
+        With pipeline parallelism (ctx.pp_size > 1) the model is this rank's stage: the layers
+        `stage_layers(n_layer, pp, pp_layers)` gives it (named by their global index), the
+        embeddings on the first stage, the final LayerNorm, LM head and loss on the last (with
+        tied embeddings the last stage holds its own copy of the token embedding, whose gradient
+        is summed with the first stage's over ctx.embedding). It runs micro-batches through
+        `stage_forward` / `stage_backward` (cutp.train's pipeline schedules do). With pp_virtual
+        = V > 1 (the interleaved schedule) the stage holds V model chunks, chunk c being the
+        layers of virtual stage c * pp + pp_rank (`virtual_stage_layers`): the embeddings come
+        before chunk 0 of the first stage, the head after chunk V - 1 of the last.
+
+        Collective over ctx's communicator: every rank must build the same model (a config or seed
+        that differs on one rank would otherwise give silently wrong gradients or a hang)."""
+        world = ctx.world.mpi_comm  # cutp talks only over the communicators it split off
+        check_same_on_all_ranks(world, {"config": config.to_dict(), "seed": seed, "init": init,
+                                        "pp_layers": None if pp_layers is None else list(pp_layers),
+                                        "pp_virtual": pp_virtual},
+                                "GPT model configuration")
+        with errors_raised_on_every_rank(world):
+            config.validate(ctx.tp_size)
+            if not (isinstance(pp_virtual, int) and pp_virtual >= 1 and (pp_virtual == 1 or ctx.pp_size > 1)):
+                raise ConfigError(f"--pp-virtual {pp_virtual!r}: model chunks per stage need an integer >= 1, "
+                                  "and more than 1 only with --pp > 1")
+            chunks = virtual_stage_layers(config.n_layer, ctx.pp_size, pp_layers, pp_virtual)
+        self.ctx = ctx
+        self.config = config
+        self.seed = seed
+        self.pp_virtual = pp_virtual
+        self.chunks = chunks[ctx.pp_rank::ctx.pp_size]  # this stage's model chunks' global layer indices
+        self.layers = stage_layers(config.n_layer, ctx.pp_size, pp_layers, pp_virtual)[ctx.pp_rank]
+        self.first_stage, self.last_stage = ctx.pp_rank == 0, ctx.pp_rank == ctx.pp_size - 1
+        self.ignore_index = -100
+        c, dt = config, DTYPES[config.dtype]
+        self.padded_vocab = c.padded_vocab(ctx.tp_size)
+        self.rng = RNGTracker(seed, ctx.tp_rank, ctx.dp_rank)
+        seed = seed if init else None
+        self.wte = self.wpe = self.drop = self.ln_f = self.lm_head = self.loss_fn = None
+        if self.first_stage or (self.last_stage and c.tie_embeddings):
+            self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
+                                              dtype=dt)
+        if self.first_stage:
+            self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
+            self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
+        self.h = [ParallelTransformerBlock(ctx, c.n_embd, c.n_head, c.kv_heads, c.hidden, name=f"h.{i}",
+                                           rng=self.rng, n_layer=c.n_layer, bias=c.bias, dropout=c.dropout,
+                                           gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt, moe=c.moe_settings(i))
+                  for i in self.layers]
+        self.moe_layers = [b.mlp for b in self.h if isinstance(b.mlp, MoEMLP)]
+        self._chunk_blocks, at = [], 0  # each chunk's blocks, out of self.h
+        for r in self.chunks:
+            self._chunk_blocks.append(self.h[at:at + len(r)])
+            at += len(r)
+        if self.last_stage:
+            self.ln_f = LayerNorm(ctx, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
+            if c.tie_embeddings:
+                self.lm_head = ParallelLMHead(ctx, self.wte)
+            else:
+                self.lm_head = ParallelLMHead(ctx, vocab_size=c.vocab_size, padded_vocab=self.padded_vocab,
+                                              dim=c.n_embd, name="lm_head", seed=seed, dtype=dt)
+            self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
+                                                     ignore_index=self.ignore_index, label_smoothing=c.label_smoothing)
+        if c.tie_embeddings and ctx.pp_size > 1 and self.wte is not None:
+            # the tied table on the first and the last stage: one gradient, summed over both
+            self.wte.weight.grad_sync = sum_grad_over(ctx.embedding)
+            if not self.first_stage:
+                self.wte.weight.norm_mask = False  # counted in the norm on the first stage only
+        self.sequence_parallel = False
+
+    # ---- sequence parallelism ------------------------------------------------------------------
+    def set_sequence_parallel(self, on: bool = True) -> None:
+        """Between the tensor-parallel regions, keep each sequence split over the TP ranks
+        (Korthikanti et al. 2022): the embedding reduce-scatters along the sequence, each column
+        projection all-gathers before its matmul, each row projection reduce-scatters after it,
+        the LM head gathers; LayerNorm, dropout and residual adds run on T/tp tokens. The same
+        bytes as the all-reduces it replaces; the replicated parameters (LayerNorms, row biases,
+        positions) are summed over TP by `tp_grad_sync`. Training sequences must split over tp;
+        other forwards whose length does not (evaluation, logits), and generation, run without it. A no-op at
+        tp 1. Changes memory, never the math."""
+        self.sequence_parallel = bool(on)
+        self._lay_out_sequence(self.sequence_parallel)
+
+    def _lay_out_sequence(self, on: bool) -> None:
+        on = on and self.ctx.tp_size > 1
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead, MoEMLP)):
+                m.sequence_parallel = on
+        shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
+        for m in [self.drop, self.wpe] + [d for b in self.h for d in (b.attn_dropout, b.mlp_dropout)]:
+            if m is not None:  # (the embeddings live on the first pipeline stage only)
+                m.sequence_shard = shard
+        # the replicated parameters used on sequence shards: positions, LayerNorms, row biases, routers
+        on_shards = [self.wpe, self.ln_f] + [m for b in self.h for m in (b.ln_1, b.ln_2, b.attn.c_proj)]
+        on_shards += [b.mlp.c_proj for b in self.h if not isinstance(b.mlp, MoEMLP)]
+        used = {id(p) for m in on_shards if m is not None for p in m.own_parameters() if p.sharding is None}
+        used |= {id(m.router) for m in self.moe_layers}
+        for p in self.parameters():
+            p.sequence_parallel = on and id(p) in used
+
+    @contextlib.contextmanager
+    def without_sequence_parallel(self):
+        """Runs the block's forwards with whole sequences on every TP rank (generation)."""
+        was = self.sequence_parallel
+        self.set_sequence_parallel(False)
+        try:
+            yield
+        finally:
+            self.set_sequence_parallel(was)
+
+    def _splits_sequence(self, T: int) -> bool:
+        return self.sequence_parallel and self.ctx.tp_size > 1 and T % self.ctx.tp_size == 0
+
+    # ---- activation recomputation --------------------------------------------------------------
+    RECOMPUTE = ("none", "selective", "full")
+
+    def set_recompute(self, mode: str = "none", layers: int | None = None) -> None:
+        """What backward recomputes instead of keeping: "selective" the core attention of every
+        layer (its T x T probabilities), "full" whole layers (each keeps only its input), the
+        first `layers` of them (default all). Changes memory and time, never the gradients."""
+        n = self.config.n_layer
+        if mode not in self.RECOMPUTE:
+            raise ConfigError(f"--recompute {mode!r}: use one of {', '.join(self.RECOMPUTE)}")
+        if layers is not None and (mode != "full" or not (isinstance(layers, int) and 1 <= layers <= n)):
+            raise ConfigError(f"--recompute-layers {layers!r} needs --recompute full and 1 <= N <= n_layer ({n})")
+        for i, block in zip(self.layers, self.h):  # i: the global layer index (pipeline stages)
+            block.attn.recompute_core = mode == "selective"
+            block.recompute = mode == "full" and i < (n if layers is None else layers)
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def check_inputs(self, idx, targets=None):
+        """Raises ValueError naming the offending value and the limit (before any collective)."""
+        c = self.config
+        for what, a in (("token ids", idx), ("targets", targets)):
+            if a is not None and not isinstance(getattr(a, "dtype", None), np.dtype):
+                raise TypeError(f"{what} must be a NumPy (or CuPy) integer array, got {type(a).__module__}."
+                                f"{type(a).__name__}; convert it first (e.g. np.asarray(t.cpu()) for a torch tensor)")
+        if idx.ndim != 2:
+            raise ValueError(f"token ids must be [batch, seq], got shape {tuple(idx.shape)}")
+        if idx.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {idx.dtype}")
+        if idx.shape[1] > c.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {c.block_size}; "
+                             f"use --seq-len <= {c.block_size} or a model with a larger block_size")
+        tp = self.ctx.tp_size
+        if self.sequence_parallel and self.training and targets is not None and tp > 1 and idx.shape[1] % tp:
+            raise ValueError(f"sequence length {idx.shape[1]} is not divisible by tp={tp}: sequence parallelism "
+                             f"splits each sequence over the TP ranks; use a multiple of {tp}")
+        if idx.size:
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= c.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {c.vocab_size})")
+        if targets is not None:
+            if tuple(targets.shape) != tuple(idx.shape):
+                raise ValueError(f"targets shape {tuple(targets.shape)} differs from ids shape {tuple(idx.shape)}")
+            ok = (targets >= 0) & (targets < c.vocab_size) | (targets == self.ignore_index)
+            if not bool(ok.all()):
+                bad = int(targets[~ok].reshape(-1)[0])
+                raise ValueError(f"target id {bad} is outside the vocabulary [0, {c.vocab_size}) "
+                                 f"and is not ignore_index ({self.ignore_index})")
+
+    # ---- forward / backward ------------------------------------------------------------------
+    def _whole_model(self, what: str) -> None:
+        if self.ctx.pp_size > 1:
+            raise ConfigError(f"{what} needs the whole model on each rank, and this one is pipeline stage "
+                              f"{self.ctx.pp_rank} of {self.ctx.pp_size}: run micro-batches through stage_forward/"
+                              "stage_backward (cutp.train's schedules), or load the checkpoint with pp=1")
+
+    def hidden_states(self, idx):
+        """Final-LayerNorm output [B, T, n_embd], replicated ([B, T/tp, n_embd], this rank's
+        tokens, under sequence parallelism)."""
+        self._whole_model("hidden_states")
+        T = idx.shape[1]
+        if self.sequence_parallel and not self._splits_sequence(T) and not self.training:
+            with self.without_sequence_parallel():  # an evaluation forward whose T does not split
+                return self.hidden_states(idx)
+        return self.ln_f.forward(self._blocks(self._embed(idx)))
+
+    def _embed(self, idx):
+        x = self.wte.forward(idx)
+        x += self.wpe.forward(idx.shape[1])
+        return self.drop.forward(x)
+
+    def _blocks(self, x):
+        for block in self.h:
+            x = block.forward(x)
+        return x
+
+    def takes_tokens(self, chunk: int = 0) -> bool:
+        """Whether model chunk `chunk` of this stage starts the model (embeds token ids)."""
+        return self.first_stage and chunk == 0
+
+    def gives_loss(self, chunk: int = 0) -> bool:
+        """Whether model chunk `chunk` of this stage ends the model (LM head and loss)."""
+        return self.last_stage and chunk == self.pp_virtual - 1
+
+    def stage_forward(self, inp, targets=None, chunk: int = 0):
+        """One micro-batch through this pipeline stage (its model chunk `chunk` with
+        --pp-virtual): `inp` is the token ids [B, T] where the model starts (`takes_tokens`),
+        else the previous chunk's output (replicated [B, T, h], or [B, T/tp, h] under sequence
+        parallelism). Returns the output for the next chunk, or where the model ends
+        (`gives_loss`) the mean loss (with targets, replicated over TP) or the logits shard.
+        At pp 1, `forward`."""
+        x = self._embed(inp) if self.takes_tokens(chunk) else inp
+        for block in self._chunk_blocks[chunk]:
+            x = block.forward(x)
+        if not self.gives_loss(chunk):
+            return x
+        logits = self.lm_head.forward(self.ln_f.forward(x))
+        if targets is None:
+            return logits
+        return self.loss_fn.forward(logits, targets, inplace_backward=True)
+
+    def stage_backward(self, grad, chunk: int = 0, aux_grad: float | None = None):
+        """Backward of the micro-batch whose stage_forward (of `chunk`) ran last (its activations
+        restored with `restore_activations` when several are in flight): `grad` is d(loss) (a
+        float) where the model ends, else the gradient of the chunk's output. Returns the
+        gradient of the chunk's input for the previous one (None where the model starts).
+
+        `aux_grad`: the weight of the MoE layers' load-balancing and z-losses in the objective
+        (each rank's share of it: see `backward`); needed where the chunk has MoE layers."""
+        blocks = self._chunk_blocks[chunk]
+        moe = [b.mlp for b in blocks if isinstance(b.mlp, MoEMLP)]
+        if moe and aux_grad is None:
+            raise ValueError("stage_backward of MoE layers needs aux_grad (the auxiliary losses' weight)")
+        for m in moe:
+            m.aux_grad = aux_grad
+        if self.gives_loss(chunk):
+            dx = self.ln_f.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
+        else:
+            dx = grad
+        for block in reversed(blocks):
+            dx = block.backward(dx)
+        if not self.takes_tokens(chunk):
+            return dx
+        dx = self.drop.backward(dx)
+        self.wpe.backward(dx)
+        self.wte.backward(dx)
+        return None
+
+    def take_activations(self) -> list:
+        """Everything the stage keeps for one micro-batch's backward, taken out of its modules (a
+        pipeline schedule holds several micro-batches' at once; `restore_activations` puts them
+        back before that micro-batch's stage_backward)."""
+        kept = []
+        for m in self.modules():
+            for k, v in vars(m).items():
+                if k.startswith("_cache_") and v is not None:
+                    kept.append((m, k, v))
+        for m, k, _ in kept:
+            setattr(m, k, None)
+        return kept
+
+    @staticmethod
+    def restore_activations(kept: list) -> None:
+        for m, k, v in kept:
+            setattr(m, k, v)
+
+    def forward(self, idx, targets=None, check=True):
+        """Sharded logits [B, T, padded_vocab/tp] when targets is None (this rank's columns of
+        the padded vocabulary, the padding columns -inf; `gather_logits` gives [B, T, vocab_size]),
+        else the mean loss (float) over the targets that are not ignore_index (-100). (An MoE model's
+        auxiliary losses are apart: `moe_losses()`; `backward` includes them.)
+
+        `targets` are already shifted: targets[:, t] is the token that follows idx[:, t] (nanoGPT's
+        convention). Hugging Face's `labels=input_ids` are not: pass
+        `targets=model.targets_from_labels(labels)`."""
+        self._whole_model("GPT.forward")
+        if check:
+            self.check_inputs(idx, targets)
+        idx = self.ctx.asarray(idx)  # host ids on a GPU model: moved once here (a no-op on the CPU)
+        if self.sequence_parallel and not self._splits_sequence(idx.shape[1]) and not (self.training and targets
+                                                                                        is not None):
+            with self.without_sequence_parallel():  # the LM head's input is whole then too
+                return self.forward(idx, targets, check=False)
+        if targets is None:
+            return self._mask_padding(self.stage_forward(idx))
+        return self.stage_forward(idx, self.ctx.asarray(targets))
+
+    def _mask_padding(self, logits):
+        """Sets this rank's vocabulary-padding columns to -inf (in place; the loss masks its own)."""
+        per = self.padded_vocab // self.ctx.tp_size
+        real = min(max(self.config.vocab_size - self.ctx.tp_rank * per, 0), per)
+        if real < per:
+            logits[..., real:] = -np.inf
+        return logits
+
+    def gather_logits(self, logits_shard, rank: int | None = None):
+        """This rank's logits [..., padded_vocab/tp] (from `forward` or `forward_cached`) -> the
+        full logits [..., vocab_size] of the real vocabulary (padding dropped), an array of the
+        model's device (`ctx.to_numpy` for the host). Collective over the TP group: returns them on
+        TP rank `rank` (None: on every TP rank) and None elsewhere.
+
+            logits = model.gather_logits(model.forward(idx))       # [B, T, vocab_size]
+        """
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.ctx.tp_size):
+            raise ValueError(f"rank must be None or a TP rank in [0, {self.ctx.tp_size}), got {rank!r}")
+        per = self.padded_vocab // self.ctx.tp_size
+        if logits_shard.shape[-1] != per:
+            raise ValueError(f"logits_shard has {logits_shard.shape[-1]} columns; this rank's shard of the padded "
+                             f"vocabulary has {per} (pass what forward(idx) returned, unsliced)")
+        full = gather_from_tp_forward(self.ctx.tp, self.ctx.xp.ascontiguousarray(logits_shard))
+        if rank is not None and self.ctx.tp_rank != rank:
+            return None
+        return full[..., : self.config.vocab_size]
+
+    def backward(self, dloss: float = 1.0, aux_dloss: float | None = None):
+        """Gradients of dloss * (the last forward's loss) + aux_dloss * (its MoE layers' auxiliary
+        losses, `moe_losses()`), accumulated into each parameter's grad. The auxiliary losses
+        are computed over the whole DP group's micro-batch, and each rank's gradient holds its
+        own tokens' part of theirs: with gradients averaged over DP (finish_grad_sync, the
+        optimizers), aux_dloss = dloss * dp gives those of the objective loss + aux (the default)."""
+        self._whole_model("GPT.backward")
+        self.stage_backward(dloss, aux_grad=dloss * self.ctx.dp_size if aux_dloss is None else aux_dloss)
+
+    def moe_losses(self) -> dict:
+        """The last forward's auxiliary losses of this stage's MoE layers, summed: {"aux_loss",
+        "z_loss"} (zeros for a dense model). Training forwards: over the DP group's micro-batch."""
+        return {k: sum(m.last.get(k, 0.0) for m in self.moe_layers) for k in ("aux_loss", "z_loss")}
+
+    def targets_from_labels(self, labels):
+        """Hugging Face-style labels (the input ids themselves, -100 where ignored) -> `forward`'s
+        targets: shifted left by one, the last position ignored. forward(ids, targets_from_labels(
+        ids)) is the loss GPT2LMHeadModel(input_ids=ids, labels=ids) computes."""
+        xp = self.ctx.xp if not isinstance(labels, np.ndarray) else np
+        targets = xp.full(labels.shape, self.ignore_index, dtype=np.int64)
+        targets[:, :-1] = labels[:, 1:]
+        return targets
+
+    # ---- generation ---------------------------------------------------------------------------
+    def new_kv_cache(self, batch: int, max_len: int):
+        dt = DTYPES[self.config.dtype]
+        return [b.attn.new_kv_cache(batch, max_len, dt) for b in self.h]
+
+    def forward_cached(self, idx, caches):
+        """Eval-mode logits (sharded, padding -inf, as `forward`'s) for new tokens idx [B, Tn] after
+        caches' positions; never sequence-parallel (one new token does not split over the TP ranks)."""
+        self._whole_model("generation")
+        with self.without_sequence_parallel():
+            return self._forward_cached(idx, caches)
+
+    def _forward_cached(self, idx, caches):
+        n0 = caches[0]["len"]
+        idx = self.ctx.asarray(idx)
+        T = idx.shape[1]
+        if n0 + T > self.config.block_size:
+            raise ValueError(f"generation reached {n0 + T} positions; block_size is {self.config.block_size}")
+        x = self.wte.forward(idx)
+        x += self.wpe.weight.data[n0:n0 + T]
+        for block, cache in zip(self.h, caches):
+            x = block.forward_cached(x, cache)
+        return self._mask_padding(self.lm_head.forward(self.ln_f.forward(x)))
+
+    # ---- state -------------------------------------------------------------------------------
+    def named_parameters(self) -> dict:
+        return {p.name: p for p in self.parameters()}
+
+    def state_dict(self) -> dict:
+        """This rank's shards, by parameter name (arrays of the backend: NumPy or CuPy)."""
+        return {p.name: p.data for p in self.parameters()}
+
+    def gather_state_dict(self, rank: int | None = 0) -> dict | None:
+        """Full, unsharded tensors under GPT-2's names, vocabulary padding removed.
+
+        Collective over the TP group. Returns host NumPy arrays on TP rank `rank` (None: on every
+        TP rank) and None elsewhere.
+        """
+        out = {}
+        for p in self.parameters():
+            full = gather_full(self.ctx.tp, p.data, p.sharding)
+            if rank is None or self.ctx.tp_rank == rank:
+                full = self.ctx.to_numpy(full)
+                if p.real_rows is not None:
+                    full = full[: p.real_rows]
+                if isinstance(full, np.ndarray) and np.may_share_memory(full, p.data):
+                    full = full.copy()  # a replicated parameter's own array: a copy, never a live view
+                out[p.name] = np.ascontiguousarray(full)
+        return out if (rank is None or self.ctx.tp_rank == rank) else None
+
+    def load_full_state_dict(self, full: dict, strict: bool = True) -> None:
+        """Loads full (unsharded, unpadded) tensors, keeping this rank's shard of each. No communication."""
+        params = self.named_parameters()
+        missing = sorted(set(params) - set(full))
+        unexpected = sorted(set(full) - set(params))
+        if strict and (missing or unexpected):
+            raise ValueError(f"state dict mismatch: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+        for name, p in params.items():
+            if name not in full:
+                continue
+            a = to_numpy(full[name])  # host arrays, or a device state dict (np.asarray refuses CuPy arrays)
+            if p.real_rows is not None and a.shape[0] == p.real_rows:
+                a = pad_rows(a, p.full_shape[0])
+            if tuple(a.shape) != tuple(p.full_shape):
+                raise ValueError(f"{name}: expected full shape {tuple(p.full_shape)}, got {tuple(a.shape)}")
+            shard = np.ascontiguousarray(take_shard(a, p.sharding, self.ctx.tp_rank), dtype=p.data.dtype)
+            p.data[...] = self.ctx.asarray(shard)
+
+    def num_parameters_local(self) -> int:
+        return int(sum(p.data.size for p in self.parameters()))
