@@ -32,7 +32,7 @@ import numpy as np
 from cutp.runtime.backend import get_array_module
 from cutp.runtime.errors import ConfigError
 
-from ._common import as_dtype, compute_dtype
+from ._common import as_dtype, compute_dtype, parallel_map, row_blocks
 
 ROPE_TYPES = ("none", "linear", "llama3")
 _HF_NAMES = {"default": "none", "none": "none", "linear": "linear", "llama3": "llama3"}
@@ -260,8 +260,20 @@ def _rotate(x, c, s, out, transpose):
         y2 += x1 * s2
     out[..., :h] = y1
     out[..., h:rd] = y2
-    if rd < x.shape[-1] and out is not x:
-        out[..., rd:] = x[..., rd:]
+    if rd < x.shape[-1]:
+        out[..., rd:] = x[..., rd:]  # a no-op copy when out is x
+    return out
+
+
+def _rotate_blocks(xp, x, c, s, out, transpose):
+    """:func:`_rotate` over blocks of the batch axis, on the ops' threads (NumPy)."""
+    batched = c.shape[0] > 1
+
+    def block(sl):
+        cb, sb = (c[sl], s[sl]) if batched else (c, s)
+        _rotate(x[sl], cb, sb, out[sl], transpose)
+
+    parallel_map(xp, block, row_blocks(xp, x.shape[0], x.size // max(x.shape[0], 1)))
     return out
 
 
@@ -287,7 +299,7 @@ def rotary_forward(x, cos, sin, positions=None, *, seq_axis: int = 1, out=None):
     """
     xp = get_array_module(x, cos, sin, positions)
     c, s = _per_token(x.shape, cos, sin, positions, seq_axis)
-    y = _rotate(x, c, s, _output(xp, x, out, "rotary_forward"), transpose=False)
+    y = _rotate_blocks(xp, x, c, s, _output(xp, x, out, "rotary_forward"), transpose=False)
     return y, RotaryCtx(cos, sin, positions, seq_axis, x.dtype, tuple(x.shape))
 
 
@@ -299,4 +311,4 @@ def rotary_backward(dy, ctx: RotaryCtx, *, out=None):
     c, s = _per_token(dy.shape, ctx.cos, ctx.sin, ctx.positions, ctx.seq_axis)
     if dy.dtype != ctx.dtype:
         dy = dy.astype(ctx.dtype)
-    return _rotate(dy, c, s, _output(xp, dy, out, "rotary_backward"), transpose=True)
+    return _rotate_blocks(xp, dy, c, s, _output(xp, dy, out, "rotary_backward"), transpose=True)

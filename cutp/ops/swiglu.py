@@ -5,9 +5,9 @@ columns (Megatron's ``[gate_r ; up_r]`` per tensor-parallel rank, see anchors-ll
 rank ``cat(gate_proj, up_proj)``). The chunk is taken on the local tensor, so a TP shard of the
 fused weight must be ``[gate_r ; up_r]``, not a slice of ``[gate ; up]``.
 
-``silu(g) = g * sigmoid(g)`` with the sigmoid evaluated from ``e = exp(-|g|)`` (never overflows):
-``sigmoid(g) = 1/(1+e)`` for ``g >= 0``, ``e/(1+e)`` below; ``1 - sigmoid(g)`` the other way round,
-so the derivative's ``1 - sigmoid`` loses nothing to cancellation either.
+``silu(g) = g / (1 + e)``, ``e = exp(-g)`` with ``-g`` clamped to 80 (float32; 700 in float64), so
+``exp`` never overflows: below ``g = -80`` silu is below 1e-33 in size and the clamp changes it by
+less than that. The derivative uses ``1 - sigmoid(g) = e / (1 + e)``, which has no cancellation.
 """
 from __future__ import annotations
 
@@ -25,16 +25,11 @@ class SwiGLUCtx:
         self.gate_up = gate_up
 
 
-def _sigmoid_pair(xp, g):
-    """``(sigmoid(g), 1 - sigmoid(g))``, both without overflow or cancellation."""
-    e = xp.exp(-xp.abs(g))
-    den = e + 1.0
-    pos = g >= 0
-    sig = xp.where(pos, 1.0, e)
-    sig /= den
-    rest = xp.where(pos, e, 1.0)
-    rest /= den
-    return sig, rest
+def _exp_neg(xp, g):
+    """``exp(-g)``, its argument clamped where it would overflow (module docstring); a new array."""
+    t = xp.negative(g)
+    xp.minimum(t, 80.0 if g.dtype.itemsize <= 4 else 700.0, out=t)
+    return xp.exp(t, out=t)
 
 
 def _halves(gate_up, what):
@@ -56,12 +51,16 @@ def swiglu_forward(gate_up):
     N = a2.shape[0]
     y = xp.empty((N, F), dtype=gate_up.dtype)
 
+    direct = y.dtype == cdt
+
     def block(sl):
         g = as_dtype(a2[sl, :F], cdt)
-        sig, _ = _sigmoid_pair(xp, g)
-        sig *= g
-        sig *= as_dtype(a2[sl, F:], cdt)
-        y[sl] = sig
+        t = _exp_neg(xp, g)
+        t += 1.0
+        xp.divide(g, t, out=t)  # silu(g)
+        xp.multiply(t, as_dtype(a2[sl, F:], cdt), out=y[sl] if direct else t)
+        if not direct:
+            y[sl] = t
 
     parallel_map(xp, block, row_blocks(xp, N, 2 * F))
     return y.reshape(gate_up.shape[:-1] + (F,)), SwiGLUCtx(gate_up)
@@ -84,15 +83,17 @@ def swiglu_backward(dy, ctx: SwiGLUCtx):
 
     def block(sl):
         g = as_dtype(a2[sl, :F], cdt)
-        u = as_dtype(a2[sl, F:], cdt)
         dyb = as_dtype(dy2[sl], cdt)
-        sig, rest = _sigmoid_pair(xp, g)
-        rest *= g
-        rest += 1.0
-        rest *= sig  # silu'(g)
-        rest *= u
-        rest *= dyb
-        d[sl, :F] = rest
+        e = _exp_neg(xp, g)
+        sig = e + 1.0
+        xp.divide(1.0, sig, out=sig)  # sigmoid(g)
+        e *= sig  # 1 - sigmoid(g)
+        e *= g
+        e += 1.0
+        e *= sig  # silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
+        e *= as_dtype(a2[sl, F:], cdt)
+        e *= dyb
+        d[sl, :F] = e
         sig *= g  # silu(g)
         sig *= dyb
         d[sl, F:] = sig

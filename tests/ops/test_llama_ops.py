@@ -315,7 +315,7 @@ def rotary_loop(x, inv_freq, positions, seq_axis=1):
 
 
 @pytest.mark.parametrize("case", ["positions [T]", "positions [B,T]", "attention layout", "partial rotary"])
-def test_rotary_is_the_plain_rotation_and_its_gradient(rng, case):
+def test_rotary_is_the_plain_rotation_and_its_gradient(rng, case, blocks):
     hd, theta = 8, 10000.0
     rd = 4 if case == "partial rotary" else hd
     seq_axis = 3 if case == "attention layout" else 1
@@ -352,7 +352,7 @@ def test_rotary_scores_depend_only_on_the_distance_of_positions(rng):
     assert abs(score(10, 3) - score(10, 4)) > 1e-3
 
 
-def test_rotary_on_split_sequences_with_global_positions_equals_the_whole(rng):
+def test_rotary_on_split_sequences_with_global_positions_equals_the_whole(rng, blocks):
     """Sequence parallelism, pipeline micro-batches, a KV cache's steps and context-parallel chunks
     all rotate a slice of the sequence with its global positions: the same numbers bit for bit."""
     B, T, H, hd = 2, 12, 3, 16
@@ -384,7 +384,7 @@ def test_rotary_on_split_sequences_with_global_positions_equals_the_whole(rng):
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["bfloat16", "float16"])
-def test_rotary_16bit_agrees_with_float32(rng, dtype):
+def test_rotary_16bit_agrees_with_float32(rng, dtype, blocks):
     x = rng.standard_normal((2, 6, 4, 32)) * 2
     cos, sin = rope_tables(32, 100, 10000.0, None, dtype)
     pos = np.arange(90, 96)
