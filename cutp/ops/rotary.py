@@ -220,10 +220,11 @@ def _per_token(x_shape, cos, sin, positions, seq_axis):
         _check_positions(positions)
         if cos.ndim != 2:
             raise ValueError(f"rotary: with positions, cos/sin must be [max_len, rotary_dim] tables, got {cos.shape}")
-        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
-            raise ValueError(f"rotary: positions lie in [{int(positions.min())}, {int(positions.max())}] but the "
-                             f"tables hold {cos.shape[0]} positions; build them with rope_tables(head_dim, max_len) "
-                             "for a larger max_len")
+        if positions.size:
+            lo, hi = (int(v) for v in get_array_module(positions).stack([positions.min(), positions.max()]).tolist())
+            if lo < 0 or hi >= cos.shape[0]:  # one device sync for both ends
+                raise ValueError(f"rotary: positions lie in [{lo}, {hi}] but the tables hold {cos.shape[0]} positions; "
+                                 "build them with rope_tables(head_dim, max_len) for a larger max_len")
         cos, sin = cos[positions], sin[positions]
     if cos.ndim not in (2, 3):
         raise ValueError(f"rotary: per-token cos/sin must be [T, rd] or [B, T, rd], got {tuple(cos.shape)}")
@@ -295,7 +296,8 @@ def rotary_forward(x, cos, sin, positions=None, *, seq_axis: int = 1, out=None):
     ``positions=None``, per-token tables [T, rotary_dim] / [B, T, rotary_dim]. ``seq_axis``: where
     T is in ``x`` (1 for [B, T, heads, hd], the QKV projection's output viewed per head; 3 for
     the attention op's [B, nkv, g, T, hd]). Any number of heads (GQA: q and k alike).
-    ``out``: where to write (may be ``x`` itself: in place).
+    ``out``: where to write (may be ``x`` itself: in place). The tables live on ``x``'s device
+    (``rope_tables(..., xp=cupy)``); host position ids are moved there.
 
     Returns ``(y, ctx)``; ``y`` in ``x``'s dtype (16-bit computed in float32).
     """

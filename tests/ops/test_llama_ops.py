@@ -474,3 +474,24 @@ def test_swiglu_16bit_agrees_with_float32(rng, blocks):
     with pytest.raises(ValueError, match="must be even"):
         swiglu_forward(np.ones((2, 5)))
 
+
+
+def test_rotary_in_place_on_the_fused_qkv_buffer_equals_rotating_q_and_k_in_the_attention_layout(rng):
+    """The attention layer's QKV output [B, T, (nq + 2 nkv) hd] keeps q's and k's columns side by
+    side: one in-place call on that view rotates both (GQA: nq = 6 query heads, nkv = 2 KV heads),
+    the same numbers as rotating q [B, nkv, g, T, hd] and k [B, nkv, T, hd] one by one."""
+    B, T, nq, nkv, hd = 2, 5, 6, 2, 8
+    qkv = rng.standard_normal((B, T, (nq + 2 * nkv) * hd))
+    cos, sin = rope_tables(hd, 64, 10000.0, LLAMA31, np.float64)
+    pos = np.arange(20, 20 + T)
+    g = nq // nkv
+    q = qkv[..., : nq * hd].reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)
+    k = qkv[..., nq * hd:(nq + nkv) * hd].reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
+    q_ref, _ = rotary_forward(q, cos, sin, pos, seq_axis=3)
+    k_ref, _ = rotary_forward(k, cos, sin, pos, seq_axis=2)
+    v_before = qkv[..., (nq + nkv) * hd:].copy()
+    heads = qkv[..., : (nq + nkv) * hd].reshape(B, T, nq + nkv, hd)
+    assert np.shares_memory(heads, qkv)  # a view: the call below writes the buffer
+    rotary_forward(heads, cos, sin, pos, out=heads)
+    assert np.array_equal(q, q_ref) and np.array_equal(k, k_ref)  # q, k: views of the rotated buffer
+    assert np.array_equal(qkv[..., (nq + nkv) * hd:], v_before)  # V is not rotated
