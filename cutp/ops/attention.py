@@ -35,7 +35,7 @@ import numpy as np
 
 from cutp.kernels import dispatch_views as _attention_kernels
 from cutp.kernels.attention import fused_attention_supported, kernel_layout
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 
 from ._common import as_dtype, compute_dtype, parallel_map
 from .dropout import dropout_backward, dropout_forward_rows, dropout_mask
@@ -143,7 +143,7 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
         if kernels is not None:
             _warn_unfused_once(why)
     xp = get_array_module(q, k, v)
-    can_block = xp is np and float(dropout_p) == 0.0
+    can_block = on_host(xp) and float(dropout_p) == 0.0
     if blocked is None:
         blocked = can_block
     elif blocked and not can_block:

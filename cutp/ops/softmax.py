@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 from cutp.kernels import dispatch as _kernels
 
 from . import _common
@@ -37,7 +37,7 @@ def _blocks(xp, m: int, tq: int, tk: int):
     one matrix when they are large); a single block on other array modules."""
     full = slice(0, tq)
     BLOCK_ELEMS = _common.BLOCK_ELEMS
-    if xp is not np or m * tq * tk <= BLOCK_ELEMS:
+    if not on_host(xp) or m * tq * tk <= BLOCK_ELEMS:
         return [(slice(0, m), full)]
     per = tq * tk
     if per <= BLOCK_ELEMS:
