@@ -140,7 +140,7 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels, dropout_args=drop)
         if fused:
             raise ValueError(why)
-        if kernels is not None:
+        if kernels is not None and not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
             _warn_unfused_once(why)
     xp = get_array_module(q, k, v)
     can_block = on_host(xp) and float(dropout_p) == 0.0

@@ -25,11 +25,27 @@ import numpy as np
 from ..comm.shape_only import ShapeOnlyContext
 from ..data import BatchSampler, Dataset
 from ..kernels import use_kernels
-from ..models import GPTConfig
+from ..models import DTYPES, GPT, GPTConfig
 from ..runtime.errors import ConfigError
 from ..train.config import RunConfig
 from ..train.memory import measure_step, state_bytes
-from ..train.step import assemble_run
+from ..train.step import StepHooks, assemble_run
+
+
+ITEMSIZE = {name: np.dtype(t).itemsize for name, t in DTYPES.items()}  # bytes per element of each model dtype
+
+
+class _Phases(StepHooks):
+    """Names the step's phase on the heap, so that the plan says where its peak was reached."""
+
+    def __init__(self, heap):
+        self.heap = heap
+
+    def phase(self, name):
+        self.heap.label = name or "the step's end"
+
+    def after_forward(self, run, micro):
+        self.heap.label = f"after the forward of micro-batch {micro + 1}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +70,16 @@ def _tokens(vocab_size: int, seq_len: int, batch: int) -> Dataset:
     n = max(4 * (seq_len + 2), 2 * batch * (seq_len + 1))
     ids = (np.arange(n, dtype=np.int64) % max(1, vocab_size)).astype(np.int64)
     return Dataset(train=ids, val=ids[: seq_len + 2].copy(), vocab_size=vocab_size, description="planned")
+
+
+def planned_parameters(config: GPTConfig, *, tp: int = 1, pp: int = 1, rank: int = 0, pp_layers=None,
+                       pp_virtual: int = 1) -> list[PlannedParameter]:
+    """The parameters world rank `rank` of a tp x pp mesh holds (TP rank rank % tp, pipeline
+    stage rank // tp), as the model declares them: the model built on a shape-only context."""
+    ctx = ShapeOnlyContext(tp=tp, dp=1, pp=pp, rank=rank, device="cpu")
+    model = GPT(ctx, config, init=False, pp_layers=pp_layers, pp_virtual=pp_virtual)
+    return [PlannedParameter(p.name, tuple(int(d) for d in p.data.shape), int(p.data.size), _kind(p),
+                             bool(p.weight_decay)) for p in model.parameters()]
 
 
 def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, rank: int = 0,
@@ -88,7 +114,7 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
         state = state_bytes(run)
         live = ctx.xp.heap.cur
         ctx.counter.reset()
-        _, peak, stash = measure_step(run)
+        _, peak, stash = measure_step(run, _Phases(ctx.xp.heap))
         comm = ctx.counter.summary()
     heap = ctx.xp.heap
     params = [PlannedParameter(p.name, tuple(int(d) for d in p.data.shape), int(p.data.size), _kind(p),

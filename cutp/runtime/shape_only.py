@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import types
 import weakref
 
 import numpy as np
@@ -414,6 +415,11 @@ class ShapeOnly:
         self.threads = max(1, int(threads))
         self.heap = Heap(POOL_ROUND if device == "cuda" else 1)
         self.__name__ = f"cutp.runtime.shape_only[{device}]"
+        self.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=self.as_strided))
+
+    def as_strided(self, a, shape=None, strides=None, **_):
+        """A view of a's memory with this layout (numpy.lib.stride_tricks.as_strided)."""
+        return a._view(as_strided(a._ghost, shape=shape, strides=strides, writeable=False))
 
     def __repr__(self):
         return f"<ShapeOnly {self.device}>"
