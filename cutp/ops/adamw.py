@@ -18,7 +18,7 @@ import numpy as np
 from cutp.runtime.backend import get_array_module, on_host
 from cutp.kernels import dispatch as _kernels
 
-from ._common import ELEMENTWISE_BLOCK, parallel_map
+from .common import ELEMENTWISE_BLOCK, parallel_map
 
 
 def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):

@@ -37,7 +37,7 @@ from cutp.kernels import dispatch_views as _attention_kernels
 from cutp.kernels.attention import fused_attention_supported, kernel_layout
 from cutp.runtime.backend import get_array_module, on_host
 
-from ._common import as_dtype, compute_dtype, parallel_map
+from .common import as_dtype, compute_dtype, parallel_map
 from .dropout import dropout_backward, dropout_forward_rows, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from cutp.runtime.backend import get_array_module, on_host
 
-from ._common import as_dtype, compute_dtype, is_low_precision
+from .common import as_dtype, compute_dtype, is_low_precision
 
 
 class EmbeddingCtx:

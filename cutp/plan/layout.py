@@ -197,10 +197,10 @@ def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool =
 def parameters_per_rank(config: GPTConfig, tp: int) -> int:
     """Parameters on the TP rank holding the most (they all hold the same number today): what
     `GPT(ctx, config).num_parameters_local()` counts there (the model's own declarations)."""
-    return max(sum(p.numel for p in planned_parameters(config, tp=tp, rank=r)) for r in _ranks(tp))
+    return max(sum(p.numel for p in planned_parameters(config, tp=tp, rank=r)) for r in planned_ranks(tp))
 
 
-def _ranks(n: int, every: int = 16) -> list[int]:
+def planned_ranks(n: int, every: int = 16) -> list[int]:
     """The ranks of a group whose walks are computed: all of a small group, else the first and
     the last few (where the vocabulary's and the buffer's padding end up)."""
     return list(range(n)) if n <= every else [0, 1, n - 2, n - 1]
@@ -249,7 +249,7 @@ def check_layout(*, n_layer: int, tp: int, seq_len: int, recompute: str = "none"
                           f"sequence over the TP ranks; use a multiple of {tp}")
 
 
-def _check(name: str, value, low: int = 1) -> None:
+def check_positive(name: str, value, low: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
 
@@ -277,7 +277,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     e.g. a mesh the model cannot be split over."""
     for name, v in (("tp", tp), ("dp", dp), ("micro_batch", micro_batch), ("seq_len", seq_len), ("accum", accum),
                     ("threads", threads)):
-        _check(name, v)
+        check_positive(name, v)
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"--device {device!r}: use cuda or cpu")
     dtype = resolve_dtype(dtype, precision)
@@ -299,7 +299,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         peaks = [planned_step(config, tp=tp, dp=dp, ep=ep, rank=mesh.rank_of(r, d), micro_batch=b, seq_len=s,
                               accum=accum, dtype=dtype, device=device, threads=threads,
                               distributed_optimizer=distributed_optimizer, **layout)
-                 for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
+                 for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
         worst = max(peaks, key=lambda p: p["activations_peak"])
         stash = [max(col) for col in zip(*(p["stash_per_layer"] for p in peaks))]
         act = {"bytes": worst["activations_peak"], "where": worst["where"], "stash_per_layer": stash,
@@ -372,7 +372,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     return out
 
 
-def _model(args) -> tuple[Arch, GPTConfig | None]:
+def model_of_args(args) -> tuple[Arch, GPTConfig | None]:
     if args.params and args.preset:
         raise ConfigError("give --params or --preset, not both")
     if args.preset:
@@ -395,7 +395,7 @@ def _model(args) -> tuple[Arch, GPTConfig | None]:
 
 
 def run(args) -> Report:
-    a, config = _model(args)
+    a, config = model_of_args(args)
     seq = args.seq_len or a.seq
     r = plan(a, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq, accum=args.accum,
              precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,

@@ -42,7 +42,7 @@ from ..runtime.errors import ConfigError
 from ..train.pipeline import SCHEDULES, pipeline_bubble
 from ..train.pipeline import plan as schedule_plan
 from ..train.reporting import Report
-from .layout import (GPUS, ITEMSIZE, Arch, _check, _model, _ranks, activation_bytes_per_layer, check_layout,
+from .layout import (GPUS, ITEMSIZE, Arch, check_positive, model_of_args, planned_ranks, activation_bytes_per_layer, check_layout,
                    param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from ..runtime.mesh import Mesh
@@ -76,9 +76,9 @@ def check_pipeline(*, n_layer: int, pp: int, m: int, schedule: str | None, virtu
     """(the schedule, each rank's model chunks), or ConfigError naming the numbers: the rules of
     cutp's training (m >= pp for 1F1B) and Megatron's interleaved schedule (V >= 2, m a multiple
     of pp)."""
-    _check("pp", pp)
-    _check("pp_virtual", virtual)
-    _check("accum", m)
+    check_positive("pp", pp)
+    check_positive("pp_virtual", virtual)
+    check_positive("accum", m)
     kind = schedule or ("interleaved" if virtual > 1 else "1f1b")
     if kind not in SCHEDULES:
         raise ConfigError(f"--pp-schedule {kind!r}: use one of {', '.join(SCHEDULES)}")
@@ -146,14 +146,14 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
             dense = dataclasses.replace(config, n_experts=0)
             n_local = max(sum(p.numel for p in planned_parameters(dense, tp=tp, pp=pp, rank=rank * tp + r,
                                                                   pp_layers=pp_layers, pp_virtual=virtual))
-                          for r in _ranks(tp)) + n_moe * moe_delta
+                          for r in planned_ranks(tp)) + n_moe * moe_delta
         if config is not None and moe is None:
             mesh = Mesh(tp, dp, pp)
             walks = [planned_step(config, tp=tp, dp=dp, pp=pp, rank=mesh.rank_of(r, d, rank), micro_batch=b,
                                   seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
                                   distributed_optimizer=distributed_optimizer, pp_layers=pp_layers,
                                   pp_schedule=kind, pp_virtual=virtual, **layout)
-                     for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
+                     for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
             n_local = max(w["params_local"] for w in walks)
             worst = max(walks, key=lambda w: w["activations_peak"])
             act = {"bytes": worst["activations_peak"], "where": worst["where"],
@@ -212,7 +212,7 @@ def micro_batches(args) -> int:
 
 
 def run(args) -> Report:
-    a, config = _model(args)
+    a, config = model_of_args(args)
     seq = args.seq_len or a.seq
     r = plan_pipeline(a, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq,
                       accum=micro_batches(args), schedule=args.pp_schedule, virtual=args.pp_virtual,
