@@ -20,7 +20,7 @@ import contextlib
 
 import numpy as np
 
-from ..ops._common import as_dtype, compute_dtype
+from ..ops.common import as_dtype, compute_dtype
 from ..runtime.backend import to_numpy
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError

@@ -35,9 +35,9 @@ import numpy as np
 
 from cutp.kernels import dispatch_views as _attention_kernels
 from cutp.kernels.attention import fused_attention_supported, kernel_layout
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 
-from ._common import as_dtype, compute_dtype, parallel_map
+from .common import as_dtype, compute_dtype, parallel_map
 from .dropout import dropout_backward, dropout_forward_rows, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
@@ -140,10 +140,10 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels, dropout_args=drop)
         if fused:
             raise ValueError(why)
-        if kernels is not None:
+        if kernels is not None and not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
             _warn_unfused_once(why)
     xp = get_array_module(q, k, v)
-    can_block = xp is np and float(dropout_p) == 0.0
+    can_block = on_host(xp) and float(dropout_p) == 0.0
     if blocked is None:
         blocked = can_block
     elif blocked and not can_block:

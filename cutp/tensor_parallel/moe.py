@@ -45,7 +45,7 @@ import math
 import numpy as np
 
 from .. import ops
-from ..ops._common import as_dtype, compute_dtype
+from ..ops.common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
 from .parameter import Module, make_parameter, normal_init, zeros_init

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..runtime.backend import get_array_module
+from ..runtime.backend import get_array_module, on_host
 from ..runtime.threads import parallel_map
 from .sharding import Sharding, take_shard
 
@@ -85,7 +85,7 @@ class Parameter:
         xp = get_array_module(g)
         if self.norm_mask is not None:
             g = xp.compress(self.norm_mask, g, axis=self.sharding.axis)
-        if xp is np:
+        if on_host(xp):
             return _sq_sum_host(g)
         return (g.astype(np.float64) ** 2).sum() if g.dtype != np.float64 else (g * g).sum()
 
@@ -109,7 +109,7 @@ def _sq_sum_host(g):
         return float(b @ b)
 
     total = np.float64(0.0)
-    for p in parallel_map(np, part, range(0, n, _SQ_BLOCK)):
+    for p in parallel_map(get_array_module(g), part, range(0, n, _SQ_BLOCK)):
         total += p
     return total
 

@@ -217,8 +217,21 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
-    model = GPT(ctx, cfg.model, seed=cfg.seed, init=cfg.resume is None and cfg.init_from is None,
-                pp_layers=cfg.pp_layers, pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
+    run = assemble_run(cfg, ctx, dataset, sampler, init=cfg.resume is None and cfg.init_from is None, blas=blas)
+    if cfg.resume is not None:
+        resume(run, cfg.resume)
+        setup_progress()
+    return run
+
+
+def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *, init: bool = True,
+                 blas: str = "") -> TrainingRun:
+    """The model (its weights drawn, or with init=False zeros to be loaded; `cfg.init_from`'s
+    loaded), its layout (recomputation, sequence parallelism), the flat buffers and the optimizer
+    of `cfg` on context `ctx`: the run `build_run` makes, and the one the planner (cutp.plan)
+    makes on a shape-only context. Collective over ctx."""
+    model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
+                pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
         init_weights(model, cfg.init_from)
     setup_progress()
@@ -234,11 +247,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     else:
         flat = FlatParameters(model.parameters())
         optimizer = AdamW(flat, **kw)
-    run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
-    if cfg.resume is not None:
-        resume(run, cfg.resume)
-        setup_progress()
-    return run
+    return TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
 
 
 def init_weights(model: GPT, path: str) -> None:
