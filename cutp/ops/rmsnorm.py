@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from cutp.runtime.backend import get_array_module
 
-from ._common import as_dtype, compute_dtype, is_low_precision, parallel_map, row_blocks
+from .common import as_dtype, compute_dtype, is_low_precision, parallel_map, row_blocks
 
 
 class RMSNormCtx:

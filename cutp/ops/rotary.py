@@ -32,7 +32,7 @@ import numpy as np
 from cutp.runtime.backend import get_array_module
 from cutp.runtime.errors import ConfigError
 
-from ._common import as_dtype, compute_dtype, parallel_map, row_blocks
+from .common import as_dtype, compute_dtype, parallel_map, row_blocks
 
 ROPE_TYPES = ("none", "linear", "llama3")
 _HF_NAMES = {"default": "none", "none": "none", "linear": "linear", "llama3": "llama3"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from cutp.runtime.backend import get_array_module
 
-from ._common import as_dtype, compute_dtype, parallel_map, row_blocks
+from .common import as_dtype, compute_dtype, parallel_map, row_blocks
 
 
 class SwiGLUCtx:

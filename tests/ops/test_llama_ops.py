@@ -12,7 +12,7 @@ import pytest
 
 from cutp.ops import (
     RopeScaling,
-    _common,
+    common as _common,
     rmsnorm_backward,
     rmsnorm_forward,
     rope_inv_freq,
