@@ -149,13 +149,10 @@ class ShapeArray:
         return f"ShapeArray({self.shape}, {self.dtype}, {self.xp.device})"
 
     @property
-    def data(self):  # what cutp.comm.base.address reads of a CuPy array (.data.ptr)
+    def data(self):
+        """A device array's `.data.ptr` (cutp.comm.base.address, NCCL's arguments): not an address,
+        but distinct per buffer and offset, so overlap checks between these arrays hold."""
         return _Pointer(id(self._buffer) + self.offset)
-
-    @property
-    def __array_interface__(self):
-        return {"data": (id(self._buffer) + self.offset, False), "shape": self.shape, "typestr": self.dtype.str,
-                "strides": self.strides, "version": 3}
 
     # ---- views ------------------------------------------------------------------------------
     def _view(self, ghost, values=None):
