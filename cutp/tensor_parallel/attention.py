@@ -112,17 +112,27 @@ class ParallelAttention(Module):
         return qkv[..., : (self.nq + self.nkv) * self.hd].reshape(B, T, self.nq + self.nkv, self.hd)
 
     def _rotate(self, qkv, positions):
-        """Turns the Q and K heads of qkv in place by `positions` (None: arange(T)); the context."""
-        if positions is None:
-            positions = self.ctx.xp.arange(qkv.shape[1], dtype=np.int64)
+        """Turns the Q and K heads of qkv in place by `positions`; returns the op's context.
+
+        positions: None (arange(T)), an int n0 (arange(n0, n0 + T): a KV cache's next tokens), or
+        global position ids [T] / [B, T]. A range takes the tables' rows as a slice (no gather,
+        and no range check that would read device values)."""
         cos, sin = self.rotary
         heads = self._qk_heads(qkv)
-        _, rctx = ops.rotary_forward(heads, cos, sin, positions, out=heads)
+        T = qkv.shape[1]
+        if positions is None or isinstance(positions, (int, np.integer)):
+            n0 = int(positions or 0)
+            if not 0 <= n0 <= cos.shape[0] - T:
+                raise ValueError(f"rotary positions {n0}..{n0 + T - 1} lie past the tables' {cos.shape[0]} "
+                                 "(block_size)")
+            _, rctx = ops.rotary_forward(heads, cos[n0:n0 + T], sin[n0:n0 + T], out=heads)
+        else:
+            _, rctx = ops.rotary_forward(heads, cos, sin, positions, out=heads)
         return rctx
 
     def forward(self, x, positions=None):
-        """positions: the tokens' global position ids ([T] or [B, T]) for rotary attention (None:
-        arange(T) of the whole sequence); unused without rotary positions."""
+        """positions: the tokens' global positions for rotary attention (`_rotate`: None for
+        arange(T) of the whole sequence, an offset, or ids [T] / [B, T]); unused without rotary."""
         qkv = self.c_attn.forward(x)
         if self.rotary is not None:
             self._save("rotary", self._rotate(qkv, positions))
@@ -168,7 +178,7 @@ class ParallelAttention(Module):
         qkv = self.c_attn.forward(x)
         n0, tn = cache["len"], x.shape[1]
         if self.rotary is not None and n0 + tn <= cache["k"].shape[2]:
-            self._rotate(qkv, self.ctx.xp.arange(n0, n0 + tn, dtype=np.int64))
+            self._rotate(qkv, n0)
         q, k, v = self._split_heads(qkv)
         if n0 + tn > cache["k"].shape[2]:
             raise ValueError(f"KV cache holds {cache['k'].shape[2]} positions; {n0 + tn} requested")
