@@ -211,7 +211,7 @@ def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=Non
 
     pp and ep default to 1; dp = world / (tp * pp) when tp is given; tp = world / (dp * pp) when
     dp is given; when neither is, tp = pick_tp(n), a divisor of n = world / (pp * ep) (the
-    machine's choice: `cutp.train.config.choose_tp`; default 1), so that ep divides dp. Every
+    machine's choice: `cutp.train.defaults.choose_tp`; default 1), so that ep divides dp. Every
     refusal names the numbers and proposes only fixes that work.
     """
     pp = 1 if pp is None else _size("pp", pp)
