@@ -31,6 +31,7 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
     arm_setup_deadline(timeout_from_argv(sys.argv[1:]))
 
 from cutp import train  # noqa: E402
+from cutp.runtime.errors import settings_named  # noqa: E402
 from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
 from cutp.train.settings import flag_of  # noqa: E402
 
@@ -51,9 +52,10 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
 
     # ---- configuration: every default derived, checked on every rank, before any allocation -----
-    cfg = train.resolve_run_config(source="command line", **vars(args))
-    setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
-    run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
+    with settings_named(flag_of):  # their errors name the flags (the library's name the fields)
+        cfg = train.resolve_run_config(source="command line", **vars(args))
+        setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
+        run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
     disarm_setup_deadline()  # from here the collective watchdog watches every step
     ctx = run.ctx
     log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)

@@ -373,9 +373,12 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     def pick_tp(n):
         return choose_tp(n, ranks_per_node, model, device)
 
+    if c["tp"] is not None:  # the model's message about a tp given comes before the layout's
+        SETTINGS["tp"][0].check("tp", c["tp"])
+        model.validate(c["tp"])
     mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp)
     tp, dp, pp = mesh.tp, mesh.dp, mesh.pp
-    model.validate(tp)  # (RunConfig checks it again; here its message comes before the layout's)
+    model.validate(tp)  # (RunConfig checks it again; a tp derived from dp: its message before the rest)
     if c["sequence_parallel"] and tp == 1:
         refuse_sequence_parallel(world, mesh, model, tp_chosen, c["dp"] is not None)
     virtual = 1 if c["pp_virtual"] is None else c["pp_virtual"]
