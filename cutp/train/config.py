@@ -176,7 +176,7 @@ class RunConfig:
         object.__setattr__(self, "overrides", tuple(self.overrides))
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
-        for name, (declaration, _) in FIELD_SETTINGS.items():
+        for name, (declaration, _) in declared(type(self)).items():
             declaration.check(name, getattr(self, name))
         _one_start(self.resume, self.init_from)
         if self.resume is not None and self.resumed_step is None:
@@ -279,7 +279,7 @@ FIELD_SETTINGS = declared(RunConfig)
 _AFTER = {"preset": ("model", "set", "dtype"), "grad_clip": ("dropout",)}
 SETTINGS = {k: v for name, entry in FIELD_SETTINGS.items()
             for k, v in ((name, entry), *((e, EXTRA_CHOICES[e]) for e in _AFTER.get(name, ())))}
-# What resolve_run_config takes, and its value when not given (None: derived, see _derive).
+# What resolve_run_config takes, and its value when not given (None: derived, see derive_run_config).
 CHOICES = {name: None if s.derived else (s.omitted if s.omitted is not None else default)
            for name, (s, default) in SETTINGS.items()}
 # The run settings (the training itself: kept by checkpoints, fixed on resume except steps).
@@ -314,7 +314,7 @@ def resolve_run_config(comm=None, *, source: str = "run settings", **choices) ->
     # An error in the derivation, on any rank, is raised on every rank (so the job ends at once,
     # with one traceback, whether every rank or only one node sees the problem).
     with errors_raised_on_every_rank(comm):
-        cfg = _derive(choices, comm.Get_size(), ranks_per_node)
+        cfg = derive_run_config(choices, comm.Get_size(), ranks_per_node)
     # and the same result (a stale `latest` read on one node would resume another step)
     check_same_on_all_ranks(comm, cfg.to_dict(), "training configuration")
     return cfg
@@ -326,7 +326,10 @@ def _comparable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
+def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
+    """The RunConfig of `choices` on `world` ranks, `ranks_per_node` of them per node: every
+    default derived from what was given. No communication (resolve_run_config's core; it reads
+    a checkpoint to resume). Raises ConfigError naming the settings by field."""
     unknown = sorted(set(choices) - set(CHOICES))
     if unknown:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
