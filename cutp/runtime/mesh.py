@@ -206,14 +206,16 @@ def _size(name, v):
     return v
 
 
-def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=None) -> Mesh:
+def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=None, tp_suits=None) -> Mesh:
     """The mesh of `world_size` ranks from the sizes given (None: derived). Pure.
 
     pp and ep default to 1; dp = world / (tp * pp) when tp is given; tp = world / (dp * pp) when
     dp is given; when neither is, tp = pick_tp(n), a divisor of n = world / (pp * ep) (the
     machine's choice: `cutp.train.defaults.choose_tp`; default 1), so that ep divides dp. Every
-    refusal names the numbers and proposes only fixes that work.
+    refusal names the numbers and proposes only fixes that work: a tp it proposes passes
+    `tp_suits(tp)` (the model's shape rules; default: any).
     """
+    suits = tp_suits or (lambda t: True)
     pp = 1 if pp is None else _size("pp", pp)
     ep = 1 if ep is None else _size("ep", ep)
     if tp is not None:
@@ -226,14 +228,14 @@ def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=Non
     dp_derived = dp is None
     if tp is not None and dp is not None:
         if tp * dp * pp != world_size:
-            raise ConfigError(_product_mismatch(world_size, tp, dp, pp, ep))
+            raise ConfigError(_product_mismatch(world_size, tp, dp, pp, ep, suits))
     elif tp is not None:
         if world_size % (tp * pp):
-            raise ConfigError(_undividable(world_size, "tp", tp, pp, ep))
+            raise ConfigError(_undividable(world_size, "tp", tp, pp, ep, suits))
         dp = world_size // (tp * pp)
     elif dp is not None:
         if world_size % (dp * pp):
-            raise ConfigError(_undividable(world_size, "dp", dp, pp, ep))
+            raise ConfigError(_undividable(world_size, "dp", dp, pp, ep, suits))
         tp = world_size // (dp * pp)
     else:
         if (world_size // pp) % ep:
@@ -249,7 +251,7 @@ def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=Non
     if dp % ep:
         raise ConfigError(f"`ep`={ep} does not divide dp={dp}: the expert-parallel groups are carved from the DP "
                           f"group; use an `ep` from {_divisors(dp)}"
-                          + (_ep_fix(world_size, pp, ep) if dp_derived else ""))
+                          + (_ep_fix(world_size, pp, ep, suits) if dp_derived else ""))
     return Mesh(tp, dp, pp, ep)
 
 
@@ -259,37 +261,36 @@ def _product(tp, dp, pp) -> str:
     return f"tp*dp*pp = {tp}*{dp}*{pp} = {tp * dp * pp}"
 
 
-def _product_mismatch(world, tp, dp, pp, ep) -> str:
+def _product_mismatch(world, tp, dp, pp, ep, suits) -> str:
     n = tp * dp * pp
     fixes = []
     if dp % ep == 0:
         fixes.append(f"start {n} ranks (mpirun -np {n})")
     if world % (tp * pp) == 0 and (world // (tp * pp)) % ep == 0:
         fixes.append(f"omit `dp` (it would be {world // (tp * pp)})")
-    if world % (dp * pp) == 0 and dp % ep == 0:
+    if world % (dp * pp) == 0 and dp % ep == 0 and suits(world // (dp * pp)):
         fixes.append(f"omit `tp` (it would be {world // (dp * pp)})")
     fix = "; ".join(fixes) if fixes else f"choose sizes whose product is {world}"
     return f"{_product(tp, dp, pp)} but the communicator has {world} ranks; {fix}"
 
 
-def _undividable(world, name, value, pp, ep) -> str:
+def _undividable(world, name, value, pp, ep, suits) -> str:
     """`name` (tp or dp) given alone does not divide the world: the other cannot be derived."""
     other = "dp" if name == "tp" else "tp"
     what = f"{name}={value}" if pp == 1 else f"{name}*pp = {value}*{pp}"
     per_stage = world // pp
     if name == "tp":
-        options = [t for t in _divisors(per_stage) if (per_stage // t) % ep == 0]
+        options = [t for t in _divisors(per_stage) if (per_stage // t) % ep == 0 and suits(t)]
     else:
-        options = [d for d in _divisors(per_stage) if d % ep == 0]
-    return (f"{what} does not divide the world size {world}, so {other} cannot be derived; use a `{name}` from "
-            f"{options} or start a multiple of {value * pp * (ep if name == 'tp' else 1)} ranks")
+        options = [d for d in _divisors(per_stage) if d % ep == 0 and suits(per_stage // d)]
+    start = f"start a multiple of {value * pp * (ep if name == 'tp' else 1)} ranks"
+    return (f"{what} does not divide the world size {world}, so {other} cannot be derived; "
+            + (f"use a `{name}` from {options} or {start}" if options else start))
 
 
-def _ep_fix(world, pp, ep) -> str:
-    if (world // pp) % ep == 0:
-        tps = [t for t in _divisors(world // pp) if (world // pp // t) % ep == 0]
-        return f", or a `tp` from {tps} (dp = {world // pp} / tp)"
-    return ""
+def _ep_fix(world, pp, ep, suits) -> str:
+    tps = [t for t in _divisors(world // pp) if (world // pp // t) % ep == 0 and suits(t)]
+    return f", or a `tp` from {tps} (dp = {world // pp} / tp)" if (world // pp) % ep == 0 and tps else ""
 
 
 def validate_mesh(world_size: int, tp, dp, pp=1, ep=1) -> Mesh:

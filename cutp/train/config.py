@@ -379,9 +379,25 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     if c["tp"] is not None:  # the model's message about a tp given comes before the layout's
         SETTINGS["tp"][0].check("tp", c["tp"])
         model.validate(c["tp"])
-    mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp)
+    def tp_suits(t):
+        try:
+            model.validate(t)
+            return True
+        except ConfigError:
+            return False
+
+    mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp, tp_suits=tp_suits)
     tp, dp, pp = mesh.tp, mesh.dp, mesh.pp
-    model.validate(tp)  # (RunConfig checks it again; a tp derived from dp: its message before the rest)
+    if c["tp"] is None and c["dp"] is not None and not tp_suits(tp):  # tp = world / (dp * pp) cannot be
+        per_stage = world // pp
+        options = [d for d in divisors(per_stage) if d % mesh.ep == 0 and tp_suits(per_stage // d)]
+        try:
+            model.validate(tp)
+        except ConfigError as e:
+            why = str(e).split(";")[0]
+        raise ConfigError(f"`dp` {dp} leaves tp = {world} / (dp {dp} x pp {pp}) = {tp}, but {why}; use a `dp` from "
+                          f"{options}")
+    model.validate(tp)  # (RunConfig checks it again; here its message comes before the rest)
     if c["sequence_parallel"] and tp == 1:
         refuse_sequence_parallel(world, mesh, model, tp_chosen, c["dp"] is not None)
     virtual = 1 if c["pp_virtual"] is None else c["pp_virtual"]

@@ -161,3 +161,21 @@ def test_sequence_parallel_at_tp_1_is_refused_in_one_line_with_the_tp_that_would
     assert _cli(e.value) == ("--sequence-parallel splits the activations over the TP ranks, but tp is 1 (chosen for "
                              "1 rank); omit --sequence-parallel (no tp > 1 suits the model and the mesh on 1 rank)")
     assert _derive(2, sequence_parallel=True).tp == 2  # chosen > 1: accepted
+
+
+def test_a_tp_proposed_suits_the_model():
+    """A model of 6 heads on 4 ranks: tp 4 divides the ranks but not the heads, so it is not
+    proposed."""
+    with pytest.raises(ConfigError) as e:
+        _derive(4, tp=3, set=["n_head=6", "n_embd=48"])
+    assert _cli(e.value) == ("tp=3 does not divide the world size 4, so dp cannot be derived; use a --tp from "
+                             "[1, 2] or start a multiple of 3 ranks")
+    with pytest.raises(ConfigError) as e:
+        _derive(4, tp=1, dp=2, set=["n_head=6", "n_embd=48"])
+    assert _cli(e.value) == "tp*dp = 1*2 = 2 but the communicator has 4 ranks; start 2 ranks (mpirun -np 2); " \
+                            "omit --dp (it would be 4); omit --tp (it would be 2)"
+    with pytest.raises(ConfigError) as e:
+        _derive(4, dp=1, set=["n_head=6", "n_embd=48"])  # tp would be 4: not a divisor of 6 heads
+    assert _cli(e.value) == ("--dp 1 leaves tp = 4 / (dp 1 x pp 1) = 4, but tp=4 does not divide n_head=6: attention "
+                             "is split by whole heads; use a --dp from [2, 4]")
+    assert _derive(4, dp=2, set=["n_head=6", "n_embd=48"]).tp == 2
