@@ -33,7 +33,6 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
 from cutp import train  # noqa: E402
 from cutp.runtime.errors import settings_named  # noqa: E402
 from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
-from cutp.train.settings import flag_of  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,7 +51,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
 
     # ---- configuration: every default derived, checked on every rank, before any allocation -----
-    with settings_named(flag_of):  # their errors name the flags (the library's name the fields)
+    with settings_named(train.flag_name):  # their errors name the flags (the library's name the fields)
         cfg = train.resolve_run_config(source="command line", **vars(args))
         setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
         run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
@@ -125,5 +124,5 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
 
 if __name__ == "__main__":
     # a setting that cannot run: one line naming its flags, exit status 2
-    with config_errors_exit("train_gpt.py", name_of=flag_of):
+    with config_errors_exit("train_gpt.py", name_of=train.flag_name):
         main(keep_history=False)

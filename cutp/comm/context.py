@@ -71,8 +71,9 @@ class Context:
         configure_host_watchdog(timeout)
         check_same_on_all_ranks(self.mpi_comm, {"mesh": repr(self.mesh),
                                                 "device": self.device, "cutp": __version__}, "cutp.init arguments")
-        for name, coord in self.mesh.coords(self.rank).items():  # tp_rank, tp_size, dp_rank, ...
-            setattr(self, f"{name}_rank", coord)
+        coords = self.mesh.coords(self.rank)
+        for name in dict.fromkeys([*coords, *(g for g, _ in self.GROUPS)]):  # tp_rank, tp_size, dp_rank, ...
+            setattr(self, f"{name}_rank", coords.get(name, 0))  # (a dimension the mesh lacks: size 1)
             setattr(self, f"{name}_size", self.mesh.size_of(name))
 
         self._owned_mpi = []

@@ -87,8 +87,8 @@ class Mesh:
         return n
 
     def __getattr__(self, name):  # mesh.tp, mesh.dp, mesh.pp, mesh.ep, ...: a dimension's size
-        if name.startswith("_"):
-            raise AttributeError(name)
+        if name.startswith("_") or name not in self._spans:
+            raise AttributeError(f"this mesh has no dimension {name!r} (it has {', '.join(self._spans)})")
         return self.size_of(name)
 
     def _factors_of(self, dims) -> list[str]:

@@ -21,7 +21,7 @@ memory     memory per rank, measured: state_bytes (params, grads, optimizer), Ac
     train.save(run)
     run.close()
 """
-from .config import CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_parser, resolve_run_config
+from .config import CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_parser, flag_name, resolve_run_config
 from .defaults import choose_tp, default_preset
 from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
 from .reporting import MetricsLog, progress_line
@@ -29,7 +29,7 @@ from .signals import StopOnSignal
 from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
 
 __all__ = [
-    "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",
+    "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset", "flag_name",
     "resolve_run_config",
     "MetricsLog", "progress_line", "StopOnSignal",
     "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",

@@ -46,7 +46,7 @@ from .moe import check_expert_parallel
 from .defaults import (MAX_DEFAULT_TP, choose_tp, default_batch, default_micro_batch, divisors, either,
                        refuse_sequence_parallel, schedule_takes)
 from .pipeline import SCHEDULES
-from .settings import Setting, declared, setting
+from .settings import Setting, declared, flag_of, setting
 from .settings import command_line_parser as command_line_parser_of
 
 
@@ -63,7 +63,7 @@ class RunConfig:
         None, "the model's size", "model", choices=tuple(sorted(PRESETS)), optional=True,
         derived="gpt2 on GPUs, tiny on the CPU; on resume the checkpoint's")
     # the mesh, the device, and how a step is split (none of them changes the math)
-    device: str = setting("cpu", "where the run computes: cuda when a GPU is usable with auto", "mesh",
+    device: str = setting("cpu", "where the run computes (auto: cuda when a GPU is usable, else cpu)", "mesh",
                           choices=("cpu", "cuda", "auto"), omitted="auto")
     tp: int = setting(1, "tensor-parallel size: each layer's weights split over tp ranks", "mesh", kind=int,
                       at_least=1, derived="world / (dp * pp) with --dp, else chosen for the machine: the largest "
@@ -286,10 +286,17 @@ CHOICES = {name: None if s.derived else (s.omitted if s.omitted is not None else
 RUN_SETTINGS = {name: CHOICES[name] for name, (s, _) in SETTINGS.items() if s.run}
 
 
+def flag_name(name: str) -> str:
+    """How the command line names a setting in messages: its flag (micro_batch_size ->
+    --micro-batch-size); a name that is no flag as it is."""
+    declaration = SETTINGS.get(name)
+    return flag_of(name) if declaration is not None and declaration[0].flag else name
+
+
 def command_line_parser(**parser_args) -> argparse.ArgumentParser:
     """The argparse parser of every setting (examples/train_gpt.py's): `--field-name`, each
     defaulting to None (not given); `vars(parser.parse_args())` goes to resolve_run_config.
-    ConfigErrors name the flags when rendered with `settings.flag_of`."""
+    ConfigErrors name the flags when rendered with `flag_name`."""
     return command_line_parser_of(SETTINGS, **parser_args)
 
 

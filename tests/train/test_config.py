@@ -1,6 +1,7 @@
 """Defaults derived from what was given (issue 26): the mesh from any of tp, dp, pp, ep; the
 micro-batch a pipeline schedule needs; refusals that name the numbers and propose fixes that work."""
 import itertools
+import re
 
 import pytest
 
@@ -68,8 +69,6 @@ def test_each_combination_of_given_and_omitted_tp_dp_pp_ep_runs_or_is_refused_wi
 
 def _mesh_fixes(text: str) -> list[dict]:
     """The fixes a mesh refusal proposes, as choices: "omit dp", "use a tp from [1, 2]", ..."""
-    import re
-
     fixes = [{name: None} for name in re.findall(r"omit (tp|dp)\b", text)]
     for name, options in re.findall(r"use an? (tp|dp|pp|ep) from \[([0-9, ]+)\]", text):
         fixes += [{name: int(v)} for v in options.split(",")]
