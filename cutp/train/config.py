@@ -11,16 +11,25 @@ on every rank, then compares the result across ranks once more, all before the f
 of the run itself. A `RunConfig` made directly (every field explicit) is checked by its own
 constructor for what needs no world (ranges, divisibility, the model's shape rules at its tp).
 
+Each setting is declared once, as a `setting(...)` field of RunConfig (or in EXTRA_CHOICES for
+the few choices that are no field): its type, default, allowed values, help and check. The
+checks, `CHOICES`, `RUN_SETTINGS`, examples/train_gpt.py's parser (`command_line_parser`) and
+the flag names of its error messages (`flag_name`) all come from those declarations
+(cutp.train.settings). Errors name settings by field (`micro_batch_size`); a command line
+renders them as its flags. Derived defaults: the mesh from any of tp, dp, pp and ep given
+(`cutp.runtime.mesh.derive_mesh`), the batch and micro-batch a pipeline schedule needs
+(cutp.train.defaults).
+
 Run settings (`RUN_SETTINGS`: steps, batch, sequence length, learning-rate schedule, seed, data,
 dropout) define the training itself. A resumed run takes them from the checkpoint, and a choice
 that contradicts the checkpoint is refused (the run would silently change its math), except
 `steps`, which may extend or shorten the run. The mesh may change on resume: checkpoints load at
-any TP, DP and PP size (and any --pp-layers).
+any TP, DP and PP size (and any pp_layers).
 
 `init_from` (a Hugging Face GPT-2 directory, or a cutp checkpoint or run directory) starts a new
 run, fine-tuning: step 0, a fresh optimizer and schedule, the run settings as chosen; the model
-config is the directory's (dropout and dtype as chosen; a preset or --set that changes its
-shapes is refused), and `build_run` loads its weights.
+config is the directory's (dropout and dtype as chosen; a preset or `set` overrides that change
+its shapes are refused), and `build_run` loads its weights.
 """
 from __future__ import annotations
 
