@@ -29,8 +29,8 @@ from .signals import StopOnSignal
 from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
 
 __all__ = [
-    "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset", "flag_name",
-    "resolve_run_config",
+    "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",
+    "flag_name", "resolve_run_config",
     "MetricsLog", "progress_line", "StopOnSignal",
     "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",
     "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",

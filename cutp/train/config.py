@@ -208,8 +208,8 @@ class RunConfig:
             raise ConfigError(f"`seq_len` {self.seq_len} exceeds the model's block_size {self.model.block_size}; "
                               f"use `seq_len` <= {self.model.block_size}")
         if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("`sequence_parallel` splits the activations over the TP ranks, but tp is 1: give `tp` "
-                              "2 or more, or omit `sequence_parallel`")
+            raise ConfigError("`sequence_parallel` needs tp > 1 (it splits the activations over the TP ranks), but tp "
+                              "is 1: give `tp` 2 or more, or omit `sequence_parallel`")
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
@@ -233,7 +233,8 @@ class RunConfig:
         m, per_rank, mb = self.accum_steps, self.batch_size // self.dp, self.micro_batch_size
         how = f"`batch_size` {self.batch_size} / (dp {self.dp} x `micro_batch_size` {mb}) gives {m}"
         smaller = [d for d in divisors(per_rank) if schedule_takes(self.pp_schedule, self.pp, per_rank // d)]
-        fixes = [f"`micro_batch_size` {max(smaller)}" + (" (or smaller)" if max(smaller) > 1 else "")] if smaller else []
+        fixes = ([f"`micro_batch_size` {max(smaller)}" + (" (or smaller)" if max(smaller) > 1 else "")]
+                 if smaller else [])
         enough = -(-m // self.pp) * self.pp  # the micro-batches at this micro-batch size that would do
         fixes.append(f"`batch_size` {enough * mb * self.dp}")
         if self.pp_schedule == "1f1b":

@@ -87,4 +87,5 @@ def refuse_sequence_parallel(world: int, mesh, model: GPTConfig, tp_chosen: bool
     why = f"tp is 1 (chosen for {ranks})" if tp_chosen else "tp is 1"
     fix = f"give {either(options)}, or omit `sequence_parallel`" if options else \
         f"omit `sequence_parallel` (no tp > 1 suits the model and the mesh on {ranks})"
-    raise ConfigError(f"`sequence_parallel` splits the activations over the TP ranks, but {why}; {fix}")
+    raise ConfigError(f"`sequence_parallel` needs tp > 1 (it splits the activations over the TP ranks), but {why}; "
+                      f"{fix}")

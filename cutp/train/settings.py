@@ -87,8 +87,12 @@ class Setting:
         """The --help line: what it does, then its default."""
         if self.kind is bool and not self.derived:
             return f"{self.help} (default: {'on' if default else 'off'})"
-        shown = self.derived if self.derived else ("none" if default is None or default == () else f"{default:g}" if isinstance(
-            default, float) else default)
+        if self.derived:
+            shown = self.derived
+        elif default is None or default == ():
+            shown = "none"
+        else:
+            shown = f"{default:g}" if isinstance(default, float) else default
         return f"{self.help} (default: {shown})"
 
 

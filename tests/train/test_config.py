@@ -148,8 +148,8 @@ def test_fewer_layers_than_stages_says_n_layer_must_be_at_least_pp_times_v():
 def test_sequence_parallel_at_tp_1_is_refused_in_one_line_with_the_tp_that_would_work():
     with pytest.raises(ConfigError) as e:
         _derive(2, tp=1, sequence_parallel=True)
-    assert _cli(e.value) == ("--sequence-parallel splits the activations over the TP ranks, but tp is 1; give --tp 2, "
-                             "or omit --sequence-parallel")
+    assert _cli(e.value) == ("--sequence-parallel needs tp > 1 (it splits the activations over the TP ranks), but "
+                             "tp is 1; give --tp 2, or omit --sequence-parallel")
     with pytest.raises(ConfigError) as e:
         _derive(4, dp=4, sequence_parallel=True)
     assert _cli(e.value).endswith("give --tp 2 with --dp 2 or --tp 4 with --dp 1, or omit --sequence-parallel")
@@ -157,8 +157,9 @@ def test_sequence_parallel_at_tp_1_is_refused_in_one_line_with_the_tp_that_would
     _derive(4, tp=4, dp=1, sequence_parallel=True)
     with pytest.raises(ConfigError) as e:  # tp chosen for the machine: 1 on one rank
         _derive(1, sequence_parallel=True)
-    assert _cli(e.value) == ("--sequence-parallel splits the activations over the TP ranks, but tp is 1 (chosen for "
-                             "1 rank); omit --sequence-parallel (no tp > 1 suits the model and the mesh on 1 rank)")
+    assert _cli(e.value) == ("--sequence-parallel needs tp > 1 (it splits the activations over the TP ranks), but "
+                             "tp is 1 (chosen for 1 rank); omit --sequence-parallel (no tp > 1 suits the model and "
+                             "the mesh on 1 rank)")
     assert _derive(2, sequence_parallel=True).tp == 2  # chosen > 1: accepted
 
 
