@@ -1,5 +1,6 @@
 """The Context's groups come from its mesh's named dimensions (`Context.GROUPS`)."""
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import cutp
@@ -61,3 +62,12 @@ def _worker_a_new_dimension():
 
 def test_a_new_dimension_between_tp_and_dp_on_8_ranks():
     run_mpi(8, "tests.comm.test_context:_worker_a_new_dimension", timeout=180)
+
+
+def test_a_mesh_of_another_size_than_the_communicator_is_refused():
+    with pytest.raises(cutp.ConfigError, match=r"^Mesh\(tp=2, dp=1, pp=1\) has 2 ranks but the communicator has 1; "
+                                               r"start 2 ranks \(mpirun -np 2\)$"):
+        cutp.init(mesh=Mesh(2, 1), device="cpu")
+    ctx = cutp.init(mesh=Mesh(dims=(("tp", 1), ("cp", 1), ("dp", 1))), device="cpu")
+    assert ctx.pp_size == 1 and ctx.pp_rank == 0 and ctx.pp.size == 1  # a dimension the mesh lacks: size 1
+    ctx.close()
