@@ -265,10 +265,10 @@ def test_checkpoints_hold_every_expert_and_resume_across_ep_sizes(tmp_path):
 
 # ---- refusals -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, message", [
-    (dict(dp=2, ep=2, n_experts=0), r"--ep 2 splits the experts of an MoE model over ranks, but the model is dense"),
-    (dict(dp=4, ep=3), r"--ep 3 must divide dp=4 and n_experts=4"),
-    (dict(dp=4, ep=4, n_experts=6), r"--ep 4 must divide dp=4 and n_experts=6"),
-    (dict(dp=2, ep=0), r"--ep must be an integer >= 1, got 0"),
+    (dict(dp=2, ep=2, n_experts=0), r"ep 2 splits the experts of an MoE model over ranks, but the model is dense"),
+    (dict(dp=4, ep=3), r"ep 3 must divide dp=4 and n_experts=4"),
+    (dict(dp=4, ep=4, n_experts=6), r"ep 4 must divide dp=4 and n_experts=6"),
+    (dict(dp=2, ep=0), r"ep must be an integer >= 1, got 0"),
 ])
 def test_refusals(kw, message):
     ep = kw.pop("ep")

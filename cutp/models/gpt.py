@@ -105,8 +105,8 @@ class GPT(Module):
         with errors_raised_on_every_rank(world):
             config.validate(ctx.tp_size)
             if not (isinstance(pp_virtual, int) and pp_virtual >= 1 and (pp_virtual == 1 or ctx.pp_size > 1)):
-                raise ConfigError(f"--pp-virtual {pp_virtual!r}: model chunks per stage need an integer >= 1, "
-                                  "and more than 1 only with --pp > 1")
+                raise ConfigError(f"`pp_virtual` {pp_virtual!r}: model chunks per stage need an integer >= 1, "
+                                  "and more than 1 only with `pp` > 1")
             chunks = virtual_stage_layers(config.n_layer, ctx.pp_size, pp_layers, pp_virtual)
         self.ctx = ctx
         self.config = config
@@ -208,9 +208,9 @@ class GPT(Module):
         first `layers` of them (default all). Changes memory and time, never the gradients."""
         n = self.config.n_layer
         if mode not in self.RECOMPUTE:
-            raise ConfigError(f"--recompute {mode!r}: use one of {', '.join(self.RECOMPUTE)}")
+            raise ConfigError(f"`recompute` {mode!r}: use one of {', '.join(self.RECOMPUTE)}")
         if layers is not None and (mode != "full" or not (isinstance(layers, int) and 1 <= layers <= n)):
-            raise ConfigError(f"--recompute-layers {layers!r} needs --recompute full and 1 <= N <= n_layer ({n})")
+            raise ConfigError(f"`recompute_layers` {layers!r} needs `recompute` full and 1 <= N <= n_layer ({n})")
         for i, block in zip(self.layers, self.h):  # i: the global layer index (pipeline stages)
             block.attn.recompute_core = mode == "selective"
             block.recompute = mode == "full" and i < (n if layers is None else layers)
@@ -229,7 +229,7 @@ class GPT(Module):
             raise ValueError(f"token ids must be integers, got dtype {idx.dtype}")
         if idx.shape[1] > c.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {c.block_size}; "
-                             f"use --seq-len <= {c.block_size} or a model with a larger block_size")
+                             f"use sequences of at most {c.block_size} tokens or a model with a larger block_size")
         tp = self.ctx.tp_size
         if self.sequence_parallel and self.training and targets is not None and tp > 1 and idx.shape[1] % tp:
             raise ValueError(f"sequence length {idx.shape[1]} is not divisible by tp={tp}: sequence parallelism "

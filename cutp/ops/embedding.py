@@ -105,7 +105,7 @@ def embedding_backward(dy, ctx: EmbeddingCtx, out):
         return out
     order = np.argsort(ids_s, kind="stable")
     s = ids_s[order]
-    new = np.empty(n, dtype=bool)
+    new = xp.empty(n, dtype=bool)
     new[0] = True
     np.not_equal(s[1:], s[:-1], out=new[1:])
     starts = np.flatnonzero(new)

@@ -114,7 +114,10 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
         state = state_bytes(run)
         live = ctx.xp.heap.cur
         ctx.counter.reset()
-        _, peak, stash = measure_step(run, _Phases(ctx.xp.heap))
+        stats, peak, stash = measure_step(run, _Phases(ctx.xp.heap))
+        if stats.skipped:  # the optimizer's update would be missing from the plan
+            raise RuntimeError(f"the planned step of {model} was skipped (loss {stats.loss}, grad norm "
+                               f"{stats.grad_norm}): a value the shape-only arrays computed is not finite")
         comm = ctx.counter.summary()
     heap = ctx.xp.heap
     params = [PlannedParameter(p.name, tuple(int(d) for d in p.data.shape), int(p.data.size), _kind(p),

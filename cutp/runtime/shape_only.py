@@ -23,10 +23,11 @@ the buffer's finaliser books the free. Two behaviours of the module imitated are
   (an upper bound; with 1 thread exact).
 - "cuda": CuPy's memory pool rounds each buffer up to 512 bytes; no elision.
 
-Data: an array made from host data (`asarray` of a NumPy array up to 1 MiB: token ids, masks,
-counts) keeps its values, so what depends on them (a boolean mask's `compress`, `int(a.min())`)
-is exact. Anything else that needs data gets a hint: truth values True (and `any()` False: no
-overflow, no NaN), floats 1.0, integers 0; a data-dependent shape without values (`nonzero`,
+Data: arrays up to 1 MiB (token ids, masks, counts, small buffers; `empty` ones start as zeros)
+keep values, computed by NumPy as the code writes them, so what depends on them (a boolean mask's
+`compress`, `int(a.min())`) is exact. Anything else that needs data gets a hint that keeps the
+step on its usual path: truth values True (and `any()` False: no overflow, no NaN), numbers 0
+(no non-finite entry counted, a zero norm); a data-dependent shape without values (`nonzero`,
 `bincount` of unknown ids, `unique`) raises `ShapeOnlyError` naming the call, so a code path
 the planner cannot follow fails loudly instead of planning something else.
 
@@ -192,8 +193,10 @@ class ShapeArray:
     def __getitem__(self, key):
         if isinstance(key, ShapeArray) or (isinstance(key, tuple) and any(isinstance(k, ShapeArray) for k in key)):
             return self.xp._take_by(self, key)
-        if _is_basic_index(key):
-            return self._view(self._ghost[key], self._values_of(lambda a: a[key]))
+        if _is_basic_index(key):  # (values through a view too: an Ellipsis keeps a 0-d result an array)
+            items = key if isinstance(key, tuple) else (key,)
+            vkey = items if Ellipsis in items else items + (Ellipsis,)
+            return self._view(self._ghost[key], self._values_of(lambda a: a[vkey]))
         # advanced indexing with host indices: a new array of the result's shape
         ghost = np.empty(self.shape, np.bool_)[key] if self.values is None else None
         values = None if self.values is None else self.values[key]
@@ -201,7 +204,23 @@ class ShapeArray:
         return self.xp._new(shape, self.dtype, values)
 
     def __setitem__(self, key, value):
-        pass  # in place: nothing allocated (NumPy casts through small buffers)
+        # in place: nothing allocated (NumPy casts through small buffers); known values follow
+        if self.values is None:
+            return
+        v = value.values if isinstance(value, ShapeArray) else value
+        if v is None or isinstance(key, ShapeArray) or (isinstance(key, tuple) and any(
+                isinstance(k, ShapeArray) and k.values is None for k in key)):
+            self._forget_values()
+            return
+        if isinstance(key, ShapeArray) or isinstance(key, tuple):
+            key = tuple(k.values if isinstance(k, ShapeArray) else k for k in (key if isinstance(key, tuple) else (key,)))
+        self.values[key] = v
+
+    def _forget_values(self):
+        """An unknown value was written: this array's values (and its owner's) are unknown now."""
+        self.values = None
+        if self.base is not None:
+            self.base.values = None
 
     def __iter__(self):
         for i in range(self.shape[0]):
@@ -389,6 +408,10 @@ def _result_dtype(ufunc, inputs, dtype=None):
     return np.asarray(out).dtype
 
 
+def _values(x):
+    return x.values if isinstance(x, ShapeArray) else x
+
+
 def _shape_of(x):
     return tuple(x.shape) if hasattr(x, "shape") else ()
 
@@ -438,8 +461,14 @@ class ShapeOnly:
         ghost = _ghost(shape, _c_strides(shape, dtype.itemsize), dtype)
         return ShapeArray(self, ghost, _Buffer(self.heap, ghost.nbytes), values=values)
 
+    def _small(self, shape, dtype, make):
+        """Host-sized arrays get values (what the code writes into them is then known)."""
+        shape = _norm_shape(shape)
+        return make(shape, dtype) if math.prod(shape) * np.dtype(dtype).itemsize <= KEEP_VALUES_BYTES else None
+
     def empty(self, shape, dtype=np.float64, order="C"):
-        return self._new(shape, dtype)
+        # (zeros, not NumPy's garbage: the step must take its usual path, finite values, no skip)
+        return self._new(shape, dtype, self._small(shape, dtype, np.zeros))
 
     def zeros(self, shape, dtype=np.float64, order="C"):
         shape = _norm_shape(shape)
@@ -447,7 +476,7 @@ class ShapeOnly:
         return self._new(shape, dtype, np.zeros(shape, dtype) if small else None)
 
     def ones(self, shape, dtype=np.float64, order="C"):
-        return self._new(shape, dtype)
+        return self._new(shape, dtype, self._small(shape, dtype, np.ones))
 
     def full(self, shape, fill_value, dtype=None):
         return self._new(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
@@ -492,11 +521,20 @@ class ShapeOnly:
         shape = np.broadcast_shapes(*(_shape_of(x) for x in inputs if x is not None))
         dtype = _result_dtype(ufunc, inputs, kwargs.get("dtype"))
         values = None
-        if all((not isinstance(x, ShapeArray)) or x.values is not None for x in inputs) and out is None:
+        known = all((not isinstance(x, ShapeArray)) or x.values is not None for x in inputs)
+        if out is not None:
+            if isinstance(out, ShapeArray) and out.values is not None:
+                where = kwargs.get("where", True)
+                if known and (not isinstance(where, ShapeArray) or where.values is not None):
+                    with np.errstate(all="ignore"):
+                        ufunc(*(x.values if isinstance(x, ShapeArray) else x for x in inputs), out=out.values,
+                              where=where.values if isinstance(where, ShapeArray) else where)
+                else:
+                    out._forget_values()
+            return out
+        if known:
             with np.errstate(all="ignore"):
                 values = ufunc(*(x.values if isinstance(x, ShapeArray) else x for x in inputs))
-        if out is not None:
-            return out
         if ufunc.nout > 1:
             return tuple(self._new(shape, dtype) for _ in range(ufunc.nout))
         return self._new(shape, dtype, values)
@@ -676,7 +714,10 @@ class ShapeOnly:
             ghost_key = tuple(k.values if isinstance(k, ShapeArray) and k.dtype == np.bool_ else g
                               for k, g in zip(items, ghost_key))
         shape = np.empty(a.shape, np.bool_)[ghost_key].shape
-        return self._new(shape, a.dtype)
+        values = None
+        if a.values is not None and all(not isinstance(k, ShapeArray) or k.values is not None for k in items):
+            values = a.values[tuple(k.values if isinstance(k, ShapeArray) else k for k in items)]
+        return self._new(shape, a.dtype, values)
 
     def compress(self, condition, a, axis=None):
         cond = condition.values if isinstance(condition, ShapeArray) else np.asarray(condition)
@@ -690,16 +731,37 @@ class ShapeOnly:
         return self._new(shape, a.dtype)
 
     def repeat(self, a, repeats, axis=None):
+        a = self.asarray(a)
         if not isinstance(repeats, numbers.Integral):
-            raise ShapeOnlyError("repeat by an array of counts")
+            counts = repeats.values if isinstance(repeats, ShapeArray) else np.asarray(repeats)
+            if counts is None:
+                self._data_dependent("repeat by counts", a)
+            if a.values is not None:
+                return self.asarray(np.repeat(a.values, counts, axis=axis))
+            shape = list(a.shape if axis is not None else (a.size,))
+            shape[0 if axis is None else axis % a.ndim] = int(np.sum(counts))
+            return self._new(shape, a.dtype)
         if axis is None:
             return self._new((a.size * repeats,), a.dtype)
         shape = list(a.shape)
         shape[axis % a.ndim] *= repeats
         return self._new(shape, a.dtype)
 
+    def diff(self, a, n=1, axis=-1, prepend=None, append=None):
+        a = self.asarray(a)
+        parts = [x for x in (prepend, a, append) if x is not None]
+        if all(not isinstance(x, ShapeArray) or x.values is not None for x in parts):
+            v = np.diff(a.values, n=n, axis=axis, **({"prepend": _values(prepend)} if prepend is not None else {}),
+                        **({"append": _values(append)} if append is not None else {}))
+            return self.asarray(v)
+        shape = list(a.shape)
+        shape[axis] += (0 if prepend is None else 1) + (0 if append is None else 1) - n
+        return self._new(shape, a.dtype)
+
     def argsort(self, a, axis=-1, kind=None):
-        return self._new(a.shape, np.int64)
+        a = self.asarray(a)
+        values = None if a.values is None else np.argsort(a.values, axis=axis, kind=kind)
+        return self._new(a.shape, np.int64, values)
 
     def searchsorted(self, a, v, side="left"):
         return self._new(_shape_of(v), np.int64)
@@ -735,7 +797,7 @@ class ShapeOnly:
             return kind(np.asarray(a.values).reshape(-1)[0]) if a.values.size == 1 else kind(a.values.all())
         if a.size != 1 and kind is not bool:
             raise TypeError(f"only a one-element array converts to a Python {kind.__name__} (shape {a.shape})")
-        return {bool: True, float: 1.0, int: 0}[kind]
+        return {bool: True, float: 0.0, int: 0}[kind]
 
     def isfinite(self, a, out=None):
         return self._ufunc(np.isfinite, (a,), {"out": out})

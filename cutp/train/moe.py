@@ -6,7 +6,7 @@ capacity dropped; all of them over the DP group's micro-batches already. `moe_st
 layers of every pipeline stage and resets the sums. The losses are per micro-batch means, as the
 language-model loss is; the token counts are the step's.
 
-`check_expert_parallel` checks a run's --ep against the model and the rest of the layout.
+`check_expert_parallel` checks a run's ep against the model and the rest of the layout.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ def check_expert_parallel(cfg) -> None:
     if ep == 1:
         return
     if not E:
-        raise ConfigError(f"--ep {ep} splits the experts of an MoE model over ranks, but the model is dense "
-                          "(n_experts=0); drop --ep or --set n_experts=N")
+        raise ConfigError(f"`ep` {ep} splits the experts of an MoE model over ranks, but the model is dense "
+                          "(n_experts=0); drop `ep` or give the model n_experts (`set` n_experts=N)")
     if cfg.dp % ep or E % ep:
-        raise ConfigError(f"--ep {ep} must divide dp={cfg.dp} and n_experts={E} (each EP group is ep consecutive DP "
+        raise ConfigError(f"`ep` {ep} must divide dp={cfg.dp} and n_experts={E} (each EP group is ep consecutive DP "
                           f"ranks holding n_experts / ep experts each)")
 
 

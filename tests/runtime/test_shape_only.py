@@ -71,13 +71,18 @@ def test_functions_shapes_and_dtypes_follow_numpy():
 
 def test_what_depends_on_unknown_data_is_refused_by_name():
     xp = ShapeOnly("cpu")
-    x = xp.empty((64,), np.float32)
+    x = xp.empty((1 << 19,), np.float32)  # 2 MiB: past what keeps values (small host arrays do)
     for call, name in ((lambda: xp.nonzero(x > 0), "nonzero"), (lambda: xp.bincount(x.astype(np.int64)), "bincount"),
                        (lambda: x[x > 0], "boolean indexing"), (lambda: np.asarray(x), "converted to NumPy data")):
         with pytest.raises(ShapeOnlyError, match=name):
             call()
     mask = xp.asarray(np.array([True, False] * 32))  # known values: exact
-    assert xp.compress(mask, x).shape == (32,) and xp.nonzero(mask)[0].shape == (32,)
+    small = xp.empty(64, np.float32)
+    assert xp.compress(mask, small).shape == (32,) and xp.nonzero(mask)[0].shape == (32,)
+    flags = xp.empty(8, bool)  # what the code writes into a small array is known
+    flags[0] = True
+    xp.not_equal(xp.arange(7), xp.arange(1, 8) % 3, out=flags[1:])
+    assert xp.flatnonzero(flags).shape == (int(np.count_nonzero([True] + list(np.arange(7) != np.arange(1, 8) % 3))),)
 
 
 def test_blocks_that_threads_would_run_at_once_are_booked_at_once():
