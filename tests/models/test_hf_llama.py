@@ -71,6 +71,21 @@ def test_a_directory_reads_into_tp2_shards(tmp_path):
             timeout=120)
 
 
+def test_bfloat16_files_read_into_a_float32_model(tmp_path):
+    """The Hub ships Llama 3.x in bfloat16 (torch_dtype bfloat16): read, converted to the dtype asked for."""
+    import ml_dtypes
+
+    cfg = GPTConfig(**dict(SPECS["llama"], dtype="float32"))
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, cfg, seed=6).eval()
+    save_hf(model, str(tmp_path), dtype="bfloat16")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = from_hf(ctx, str(tmp_path), dtype="float32")
+    rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in model.gather_state_dict().items()}
+    assert all(np.array_equal(back.gather_state_dict()[k], v) for k, v in rounded.items())
+    ctx.close()
+
+
 LLAMA_HF = dict(model_type="llama", hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-5)
 
@@ -170,4 +185,66 @@ def test_logits_and_greedy_generation_equal_transformers(family, tmp_path):
     assert np.abs(ref2 - ref).max() <= 1e-6 * np.abs(ref).max()
     assert set(hf_state_dict(model.config, model.gather_state_dict())) == set(hf.state_dict()) - (
         {"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    ctx.close()
+
+
+def _lift_float32_casts(monkeypatch, torch, hf):
+    """transformers' Llama-family code rounds RMSNorm statistics, the rotary tables, the attention
+    softmax and the router softmax to float32 even in a float64 model (~3e-7 from float64);
+    cutp computes them in float64. These patches run them in the model's dtype, with the float64
+    inv_freq, so that float64 is compared with float64."""
+    from cutp import ops
+
+    softmax = torch.nn.functional.softmax
+
+    def softmax_in_dtype(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=x.dtype if x.dtype == torch.float64 else dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "softmax", softmax_in_dtype)
+
+    def rmsnorm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    c = hf.config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    for module in hf.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            monkeypatch.setattr(type(module), "forward", rmsnorm)
+        elif name.endswith("RotaryEmbedding"):
+            monkeypatch.setattr(type(module), "forward", rotary)
+            module.inv_freq = torch.from_numpy(ops.rope_inv_freq(hd, c.rope_theta, getattr(c, "rope_scaling", None),
+                                                                 np.float64))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+def test_float64_logits_and_gradients_equal_transformers_without_its_float32_casts(family, tmp_path, monkeypatch):
+    torch, transformers = _transformers()
+    hf = _hf_model(family, torch, transformers, torch.float64)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    _lift_float32_casts(monkeypatch, torch, hf)
+    ctx = cutp.init(device="cpu")
+    model = from_hf(ctx, str(tmp_path), dtype="float64")
+    idx = np.random.default_rng(2).integers(0, 97, (2, 24))
+    ids = torch.from_numpy(idx)
+    logits = hf(ids).logits
+    # (transformers' own loss upcasts the logits to float32: the shifted cross-entropy in float64 here)
+    hf_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    hf_loss.backward()
+    got = _logits(model, idx)
+    ref = logits.detach().numpy()
+    assert np.abs(got - ref).max() <= 1e-12 * np.abs(ref).max(), np.abs(got - ref).max()
+    model.train()
+    loss = model.forward(idx, model.targets_from_labels(idx))
+    assert abs(loss - hf_loss.item()) <= 1e-12 * abs(hf_loss.item())
+    model.backward(aux_dloss=0.0)  # (transformers adds Mixtral's auxiliary loss only with output_router_logits)
+    grads = hf_state_dict(model.config, {p.name: p.grad[:p.real_rows] for p in model.parameters()})
+    for name, p in hf.named_parameters():
+        g, rg = grads[name], p.grad.numpy()
+        assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), name
     ctx.close()
