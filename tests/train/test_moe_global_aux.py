@@ -123,3 +123,19 @@ def test_dp_tp_ep_and_pp_change_nothing():
             [[dict(dp=2, micro=1), dict(dp=2, micro=4), dict(pp=2, micro=1, pp_schedule="gpipe")],
              [dict(pp=2, micro=2), dict(pp=2, micro=1, n_layer=4, pp_schedule="interleaved", pp_virtual=2)]],
             timeout=600)
+
+
+def test_not_stashed_nests():
+    """The counting pass runs the whole model not stashed; a fully recomputed block inside runs
+    its own not_stashed: leaving it must not stash the rest of the pass."""
+    from cutp.models import GPT
+    from cutp.tensor_parallel.parameter import not_stashed
+    from tests.tp_utils import self_ctx
+
+    model = GPT(self_ctx(), _config(2).model)
+    block = model.h[0]
+    with not_stashed(model):
+        with not_stashed(block):
+            assert not block.stash
+        assert not block.stash and not block.mlp.stash and not model.stash
+    assert block.stash and block.mlp.stash and "stash" not in vars(block)
