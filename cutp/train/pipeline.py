@@ -30,7 +30,8 @@ Activations go to the next stage, their gradients back to the previous one, over
 chunk c + 1. Each stage holds the activations of its micro-batches in flight outside its
 modules (`GPT.take_activations` after a forward, `restore_activations` before its backward).
 Dropout draws by global position (`RNGTracker.set_position` per micro-batch), so the masks, too,
-are those of one rank.
+are those of one rank. An MoE model's step of several micro-batches first runs them all forward
+through the stages, keeping nothing (`forwards_only`: cutp.train.moe's counting pass).
 """
 from __future__ import annotations
 

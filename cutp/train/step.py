@@ -11,8 +11,8 @@
 A step: `accum` micro-batches of forward + backward on each DP rank (gradients accumulate into
 the flat buffer, float32 for 16-bit models, each scaled by loss_scale times its share of the
 step's non-ignored targets: 1/accum without ignored ones; an MoE model with accum > 1 first runs
-a counting forward of each, so that its auxiliary losses are the global batch's: cutp.train.moe;
-its statistics hold within `moe_step`), the gradient reduction (GQA replicas,
+a counting forward of every micro-batch, so that its auxiliary losses are the global batch's:
+cutp.train.moe.moe_step), the gradient reduction (GQA replicas,
 sequence-parallel replicas, then DP: all-reduce, or reduce-scatter with the distributed
 optimizer), the global gradient norm, the loss (the mean over the global batch's targets), then AdamW with the learning rate of the
 schedule and global-norm clipping (on float32 master weights for 16-bit models; the distributed
