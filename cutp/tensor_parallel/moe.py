@@ -12,9 +12,9 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
                z-loss: coeff * mean(logsumexp(logits)^2). N: every token of the optimizer step
                (all its micro-batches, over the whole DP group, and the TP group's shards under
                sequence parallelism), so the losses, and their gradients, are those of one rank
-               running the global batch as one micro-batch (Megatron's global_aux_loss, exact):
-               see "The step's statistics" below. A forward outside a training step (no
-               `begin_step`): N is that forward's tokens over the DP group
+               running the global batch as one micro-batch (what Megatron's global_aux_loss
+               approximates): "The step's statistics" below. A forward outside a training step
+               (no `begin_step`): N is that forward's tokens over the DP group
     capacity   with moe_capacity_factor cf, expert i takes at most ceil(cf * n * k / E) of the
                assignments of the n tokens of one DP rank's micro-batch (its source rank): the
                ones with the highest probability (ties: the earlier token, then the lower slot);
@@ -44,14 +44,16 @@ micro-batch: a training-mode forward of every micro-batch that keeps nothing for
 its assignments per expert (`start_counting` / `finish_counting`: one all-reduce per layer over
 the DP group, and TP under sequence parallelism). It gives c exactly, since the real forwards
 then route the same tokens the same way. It costs one more forward of the blocks (not the LM
-head) per micro-batch, with its all-to-alls at ep > 1, and only for steps of several
-micro-batches whose load-balancing coefficient is not 0 (the z-loss needs only T, known up
-front; with one micro-batch a forward's own counts over the DP group are the step's). A
-running count over the micro-batches seen so far (Megatron's) would not be exact. Each
-forward then reports its part of the step's losses (coeff * E / (k T^2) * sum_i c_i * sum_x p_xi
-over its tokens; coeff * sum_x lse_x^2 / T): the parts add up to the step's losses. Capacity
-stays per micro-batch (above): with moe_capacity_factor set, the micro-batch size changes which
-assignments are dropped.
+head) per micro-batch, with its all-to-alls at ep > 1 (tiny-moe on the CPU, 4 micro-batches of
+2 x 128 tokens: 207 ms a step instead of 142), and only for steps of several micro-batches whose
+load-balancing coefficient is not 0 (the z-loss needs only T, known up front; with one
+micro-batch a forward's own counts over the DP group are the step's). Megatron's
+global_aux_loss (router.py: global_tokens_per_expert summed over the micro-batches seen so far,
+ga_steps) costs nothing but is not exact: micro-batch 1's backward sees only its own counts.
+Each forward then reports its part of the step's losses (coeff * E / (k T^2) * sum_i c_i *
+sum_x p_xi over its tokens; coeff * sum_x lse_x^2 / T): the parts add up to the step's losses.
+Capacity stays per DP rank's micro-batch (above): with moe_capacity_factor set, dp and the
+micro-batch size change which assignments are dropped.
 
 Expert parallelism (ctx.ep_size > 1): this rank holds only experts [ep_rank * E/ep,
 (ep_rank + 1) * E/ep) (named by their global index, so initialised and checkpointed alike at
