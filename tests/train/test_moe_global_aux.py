@@ -2,12 +2,12 @@
 dp changes the math.
 
 float64, dropout on, load-balancing and z-loss coefficients not 0: three training steps at
-micro-batch 2 and 1 on one rank (with and without full recomputation), at dp 2 and 4 (with one
-micro-batch per rank, and several: the counting pass), at tp 2 with sequence parallelism, ep 2
-and pp 2 (1F1B and interleaved: the counting pass through the pipeline) give the losses,
-auxiliary and z-losses included, the gradient norms and every gradient of one rank running the
-global batch as one micro-batch, within 1e-10. Before, each micro-batch's own statistics made
-micro-batch 8 and 2 differ by about 5e-5 at step 2.
+micro-batch 2 and 1 on one rank (with and without full recomputation; with the z-loss alone),
+at dp 2 and 4 (with one micro-batch per rank, and several: the counting pass), at tp 2 with
+sequence parallelism, ep 2 and pp 2 (GPipe, 1F1B and interleaved: the counting pass through the
+pipeline) give the losses, auxiliary and z-losses included, the gradient norms and every
+gradient of one rank running the global batch as one micro-batch, within 1e-10. Before, each
+micro-batch's own statistics made micro-batch 8 and 2 differ by about 1e-3 in the losses.
 """
 import numpy as np
 
@@ -54,7 +54,8 @@ def _train(cfg, comm, steps=3):
 
 def _assert_same(case, got, ref):
     (losses, grads), (ref_losses, ref_grads) = got, ref
-    assert (ref_losses[:, 2] > 0).all() and (ref_losses[:, 3] > 0).all()  # both auxiliary terms at work
+    assert (ref_losses[:, 3] > 0).all()  # the auxiliary terms at work
+    assert (ref_losses[:, 2] > 0).all() or case.get("moe_aux_loss_coeff") == 0
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(case))
     for step, (g, rg) in enumerate(zip(grads, ref_grads)):
         assert set(g) == set(rg), (case, set(rg) ^ set(g))
@@ -62,7 +63,7 @@ def _assert_same(case, got, ref):
             assert np.abs(g[name] - r).max() <= 1e-10 * np.abs(r).max(), (case, step, name)
 
 
-_MODEL_KEYS = ("n_layer",)
+_MODEL_KEYS = ("n_layer", "moe_aux_loss_coeff")
 
 
 def _reference(case=None, cache={}):
@@ -79,9 +80,9 @@ def _reference(case=None, cache={}):
 def test_micro_batch_size_changes_nothing_on_one_rank():
     from mpi4py import MPI
 
-    ref = _reference()
-    for case in (dict(micro=2), dict(micro=1), dict(micro=2, recompute="full")):
-        _assert_same(case, _train(_config(**case), MPI.COMM_SELF), ref)
+    for case in (dict(micro=2), dict(micro=1), dict(micro=2, recompute="full"),
+                 dict(micro=2, moe_aux_loss_coeff=0.0)):  # (the z-loss alone: no counting pass)
+        _assert_same(case, _train(_config(**case), MPI.COMM_SELF), _reference(case))
 
 
 def test_a_forward_outside_the_step_keeps_its_own_statistics():
