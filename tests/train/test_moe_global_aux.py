@@ -140,3 +140,21 @@ def test_not_stashed_nests():
             assert not block.stash
         assert not block.stash and not block.mlp.stash and not model.stash
     assert block.stash and block.mlp.stash and "stash" not in vars(block)
+
+
+def test_the_planner_books_the_counting_pass_point_to_point():
+    """At pp > 1 the counting pass sends every micro-batch's activations forward once more; not
+    with one micro-batch per step, nor without a load-balancing loss."""
+    from cutp.plan import layout as plan
+    from cutp.plan.pipeline import plan_pipeline
+
+    def p2p(accum, **kw):
+        cfg = _config(2, **kw).model
+        r = plan_pipeline(plan.arch_from_config("test", cfg), pp=2, tp=1, dp=1, micro_batch=2, seq_len=16,
+                          accum=accum, config=cfg, dtype="float64", schedule="gpipe")
+        return r["p2p_bytes_per_step"]["forward"], r["p2p_bytes_per_step"]["backward"]
+
+    message = 2 * 16 * 32 * 8
+    assert p2p(4) == (8 * message, 4 * message)
+    assert p2p(1) == (message, message)
+    assert p2p(4, moe_aux_loss_coeff=0.0) == (4 * message, 4 * message)
