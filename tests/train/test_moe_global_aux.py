@@ -3,11 +3,12 @@ dp changes the math.
 
 float64, dropout on, load-balancing and z-loss coefficients not 0: three training steps at
 micro-batch 2 and 1 on one rank (with and without full recomputation; with the z-loss alone),
-at dp 2 and 4 (with one micro-batch per rank, and several: the counting pass), at tp 2 with
-sequence parallelism, ep 2 and pp 2 (GPipe, 1F1B and interleaved: the counting pass through the
-pipeline) give the losses, auxiliary and z-losses included, the gradient norms and every
-gradient of one rank running the global batch as one micro-batch, within 1e-10. Before, each
-micro-batch's own statistics made micro-batch 8 and 2 differ by about 1e-3 in the losses.
+at dp 2 and 4 (with one micro-batch per rank, and several: the counting pass), at tp 2 (rows
+split; sequence parallelism with dp 2), ep 2 and pp 2 (GPipe, 1F1B and interleaved: the
+counting pass through the pipeline) give the losses, auxiliary and z-losses included, the
+gradient norms and every gradient of one rank running the global batch as one micro-batch,
+within 1e-10. Before, each micro-batch's own statistics made micro-batch 8 and 2 differ by
+about 1e-3 in the losses.
 """
 import numpy as np
 
@@ -121,7 +122,8 @@ def _worker_layouts_equal_one_rank(halves):
 
 def test_dp_tp_ep_and_pp_change_nothing():
     run_mpi(4, "tests.train.test_moe_global_aux:_worker_layouts_equal_one_rank",
-            [[dict(dp=2, micro=1), dict(dp=2, micro=4), dict(pp=2, micro=1, pp_schedule="gpipe")],
+            [[dict(dp=2, micro=1), dict(dp=2, micro=4), dict(tp=2, micro=2),
+              dict(pp=2, micro=1, pp_schedule="gpipe")],
              [dict(pp=2, micro=2), dict(pp=2, micro=1, n_layer=4, pp_schedule="interleaved", pp_virtual=2)]],
             timeout=600)
 
