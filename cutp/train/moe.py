@@ -71,7 +71,8 @@ def _count_assignments(run, batches, step: int, first_row) -> None:
     model, ctx = run.model, run.ctx
     for layer in model.moe_layers:
         layer.start_counting()
-    streams = dict(model.rng.offsets)  # (draws by position advance no stream: kept as they were all the same)
+    streams = dict(model.rng.offsets)  # (named sites draw by position and advance no stream; a checkpoint
+    # saves the streams, so the pass leaves them as it found them whatever a site does)
     with not_stashed(model):
         if ctx.pp_size > 1:
             forwards_only(run, batches, step=step, first_row=first_row)
