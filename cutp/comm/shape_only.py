@@ -18,6 +18,7 @@ from ..runtime import backend
 from ..runtime.mesh import Mesh
 from ..runtime.shape_only import ShapeArray, ShapeOnly
 from ..runtime.watchdog import Watchdog
+from .context import Context
 from .counting import CommCounter, CountingCommunicator
 from .mpi import MpiCommunicator
 from .nccl import NcclCommunicator
@@ -143,32 +144,35 @@ class ShapeOnlyNcclCommunicator(NcclCommunicator):
 
 
 class ShapeOnlyContext:
-    """The planner's stand-in of `cutp.comm.context.Context` for world rank `rank` of the mesh
-    tp x dp x pp (ep carved from dp), on device "cpu" (NumPy's allocations, MPI's collectives)
-    or "cuda" (CuPy's pool, NCCL's); `threads`: the CPU ops' threads."""
+    """The planner's stand-in of `cutp.comm.context.Context` for world rank `rank` of a mesh
+    (`Mesh(tp, dp, pp, ep)`, or `mesh=` any mesh of named dimensions), on device "cpu" (NumPy's
+    allocations, MPI's collectives) or "cuda" (CuPy's pool, NCCL's); `threads`: the CPU ops'
+    threads. Its groups are Context's own (`Context.GROUPS`, `Context.UNLESS_CARVED`), sized and
+    ranked by the mesh, so a new mesh dimension reaches the planner with no change here."""
 
     def __init__(self, *, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, rank: int = 0, device: str = "cpu",
-                 threads: int = 1):
-        self.mesh = Mesh(tp, dp, pp, ep)
+                 threads: int = 1, mesh: Mesh | None = None):
+        self.mesh = Mesh(tp, dp, pp, ep) if mesh is None else mesh
         self.rank, self.world_size = rank, self.mesh.size
-        self.tp_size, self.dp_size, self.pp_size, self.ep_size = tp, dp, pp, ep
-        self.tp_rank, self.dp_rank = self.mesh.tp_rank(rank), self.mesh.dp_rank(rank)
-        self.pp_rank, self.ep_rank = self.mesh.pp_rank(rank), self.mesh.ep_rank(rank)
+        coords = self.mesh.coords(rank)
+        for name in dict.fromkeys([*coords, *(g for g, _ in Context.GROUPS)]):  # as Context sets them
+            setattr(self, f"{name}_rank", coords.get(name, 0))
+            setattr(self, f"{name}_size", self.mesh.size_of(name))
         self.local_rank, self.local_size = 0, 1
         self.device, self.device_id = device, None
         self.xp = ShapeOnly(device, threads)
         self.counter = CommCounter()
         self.watchdog = Watchdog(0, rank)
         self.world = self._group("world", rank, self.world_size)
-        self.tp = self._group("tp", self.tp_rank, tp)
-        self.dp = self._group("dp", self.dp_rank, dp)
-        self.pp = self._group("pp", self.pp_rank, pp)
-        ends = pp > 1 and self.pp_rank in (0, pp - 1)
+        for name, dims in Context.GROUPS:
+            carved, instead = Context.UNLESS_CARVED.get(name, (None, None))
+            if carved is not None and self.mesh.size_of(carved) == 1:
+                setattr(self, name, None if instead is None else getattr(self, instead))
+                continue
+            members = self.mesh.group(rank, *dims)
+            setattr(self, name, self._group(name, members.index(rank), len(members)))
+        ends = self.pp_size > 1 and self.pp_rank in (0, self.pp_size - 1)
         self.embedding = self._group("embedding", 0 if self.pp_rank == 0 else 1, 2) if ends else None
-        self.ep, self.expert_dp = None, self.dp
-        if ep > 1:
-            self.ep = self._group("ep", self.ep_rank, ep)
-            self.expert_dp = self._group("expert_dp", self.dp_rank // ep, dp // ep)
         self._extra_groups = {}
         self.closed = False
 
@@ -193,8 +197,7 @@ class ShapeOnlyContext:
         return None
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size} x pp={self.pp_size} "
-                f"(shape-only, {self.device})")
+        return f"rank {self.rank}/{self.world_size} mesh {self.mesh!r} (shape-only, {self.device})"
 
     def close(self):
         self.closed = True
