@@ -91,13 +91,13 @@ SINGLE = [  # one rank, in this process
     dict(tp=1, dp=1, B=2, T=64, dtype="bfloat16", recompute="full", recompute_layers=1, set=["n_layer=3"]),
     # the Llama family (RMSNorm, rotary tables, SwiGLU's fused [gate | up], GQA, untied head)
     dict(preset="llama-tiny", tp=1, dp=1, B=4, T=64, dtype="float32"),
-    dict(preset="llama-tiny", tp=1, dp=1, B=2, T=64, dtype="bfloat16", recompute="selective", set=["n_layer=2",
-                                                                                                    "dropout=0.1"]),
+    dict(preset="llama-tiny", tp=1, dp=1, B=2, T=64, dtype="bfloat16", recompute="selective",
+         set=["n_layer=2", "dropout=0.1"]),
 ]
 
 
-@pytest.mark.parametrize("case", SINGLE, ids=lambda c: f"{c.get('preset', 'tiny')}-{c['dtype']}-B{c['B']}T{c['T']}-{'-'.join(c.get('set', []))}"
-                                             f"-{c.get('recompute', 'none')}")
+@pytest.mark.parametrize("case", SINGLE, ids=lambda c: f"{c.get('preset', 'tiny')}-{c['dtype']}-B{c['B']}T{c['T']}-"
+                                             f"{'-'.join(c.get('set', []))}-{c.get('recompute', 'none')}")
 def test_measured_memory_equals_the_plan_on_one_rank(case, monkeypatch):
     monkeypatch.setenv("CUTP_OP_THREADS", "1")  # the planner is told 1 thread: blocks never overlap by chance
     _assert_agree(_measure_and_plan(MPI.COMM_SELF, case), str(case))
@@ -120,7 +120,8 @@ MULTI = [  # two ranks under mpiexec, one launch
     dict(tp=2, dp=1, B=2, T=64, dtype="bfloat16", recompute="full", recompute_layers=1, sequence_parallel=True,
          set=["n_layer=2", "n_kv_head=2"]),
     dict(preset="llama-tiny", tp=2, dp=1, B=2, T=64, dtype="float32", sequence_parallel=True),
-    dict(preset="llama-tiny", tp=2, dp=1, B=2, T=64, dtype="float32", recompute="full", set=["n_layer=2", "qkv_bias=true"]),
+    dict(preset="llama-tiny", tp=2, dp=1, B=2, T=64, dtype="float32", recompute="full",
+         set=["n_layer=2", "qkv_bias=true"]),
 ]
 
 

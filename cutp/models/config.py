@@ -259,7 +259,8 @@ class GPTConfig:
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
         attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
         per_layer = 2 * norm + attention
-        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(self.moe_ffn or self.hidden)  # router + experts
+        # an MoE layer's router and experts
+        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(self.moe_ffn or self.hidden)
         n_moe = sum(self.is_moe_layer(i) for i in range(L))
         head = 0 if self.tie_embeddings else V * h
         positions = self.block_size * h if self.positions == "learned" else 0

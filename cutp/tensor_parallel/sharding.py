@@ -6,8 +6,9 @@ the rank stores them. That one description covers contiguous column/row splits, 
 split, and the attention QKV projection, whose shard is this rank's heads' Q, K and V columns
 (not a contiguous third of a fused [q|k|v] matrix), with KV heads replicated under GQA when
 TP > n_kv_head, and the SwiGLU MLP's fused [gate | up] projection, whose shard is this rank's
-gate columns then its up columns ([gate_r ; up_r], never a slice of [gate ; up]: Megatron-LM #360). Initialisation, gathering, checkpoints and resharding all go through it, so
-TP=1 and TP=N always hold the same model.
+gate columns then its up columns ([gate_r ; up_r], never a slice of [gate ; up]: Megatron-LM
+#360). Initialisation, gathering, checkpoints and resharding all go through it, so TP=1 and
+TP=N always hold the same model.
 """
 from __future__ import annotations
 

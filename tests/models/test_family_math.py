@@ -17,7 +17,7 @@ from tests.models.test_families import LLAMA, QWEN2
 
 def _plain_loss(c: GPTConfig, sd: dict, idx, targets):
     """The loss, written out from HF's modeling_llama (float64 throughout)."""
-    h, nh, nkv, hd = c.n_embd, c.n_head, c.kv_heads, c.head_size
+    nh, nkv, hd = c.n_head, c.kv_heads, c.head_size
     B, T = idx.shape
 
     def rms(x, w):
