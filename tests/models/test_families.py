@@ -2,8 +2,9 @@
 
 float64, dropout 0.1: the losses, every gradient (unless ZeRO-1 kept only its shard) and the
 parameters after the step of a TP x DP x PP (x EP) mesh equal one rank's within 1e-10: tp 2
-and 4 (KV heads fewer than tp: replicated), sequence parallelism, 1F1B and interleaved
-pipelines, ZeRO-1, expert parallelism, full recomputation. One mpiexec launch runs them all.
+and 4 (KV heads fewer than tp: replicated), sequence parallelism, 1F1B, GPipe and interleaved
+pipelines, ZeRO-1, expert parallelism, selective and full recomputation. One mpiexec launch
+runs them all.
 """
 import numpy as np
 
@@ -74,6 +75,8 @@ def test_llama_qwen2_mixtral_on_every_layout_equal_one_rank():
              dict(family="llama", tp=2, dp=2, sp=True),
              dict(family="llama", tp=2, pp=2, micro=1),  # 1F1B
              dict(family="llama", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2, zero=True),
+             dict(family="llama", tp=2, dp=2, recompute="selective"),
+             dict(family="qwen2", dp=2, pp=2, micro=1, schedule="gpipe"),
              dict(family="qwen2", tp=4),
              dict(family="qwen2", tp=2, pp=2, sp=True, micro=1, recompute="full"),
              dict(family="mixtral", tp=2, dp=2, ep=2, micro=1)]
