@@ -145,3 +145,26 @@ def test_gate_up_shards_are_gate_r_then_up_r_and_reshard_exactly():
         assert all(np.array_equal(a, b) for a, b in zip(rebuilt.indices, s.indices))
     with pytest.raises(cutp.ConfigError, match="tp=3 does not divide the SwiGLU MLP width 8"):
         gate_up_sharding(full.shape, 1, 3)
+
+
+def test_rotary_attention_takes_global_position_ids():
+    """What context parallelism will pass: per-token global ids ([T] or [B, T]) turn Q and K as
+    the default arange(T) does, and an offset as the ids it stands for."""
+    from cutp.tensor_parallel import BlockSpec, ParallelTransformerBlock, RNGTracker
+
+    ctx = cutp.init(device="cpu")
+    spec = BlockSpec(n_embd=32, n_head=4, n_kv_head=2, mlp_hidden=24, norm="rmsnorm", rope=True, qkv_bias=True,
+                     attn_out_bias=False, mlp_bias=False, mlp="swiglu")
+    tables = ops.rope_tables(8, 64, 500.0, None, np.float64)
+    block = ParallelTransformerBlock(ctx, spec, layer=0, rng=RNGTracker(0), seed=1, dtype=np.float64,
+                                     rotary=tables).eval()
+    x = np.random.default_rng(0).standard_normal((2, 12, 32))
+    default = block.forward(x)
+    np.testing.assert_array_equal(block.forward(x, np.arange(12)), default)
+    np.testing.assert_array_equal(block.forward(x, np.tile(np.arange(12), (2, 1))), default)
+    np.testing.assert_array_equal(block.forward(x, 5), block.forward(x, np.arange(5, 17)))
+    # RoPE scores depend on i - j only: a shift of every position changes nothing but rounding,
+    # and positions in another order do count
+    np.testing.assert_allclose(block.forward(x, 5), default, rtol=0, atol=1e-12)
+    assert np.abs(block.forward(x, np.arange(12)[::-1].copy()) - default).max() > 1e-5
+    ctx.close()
