@@ -37,7 +37,7 @@ from safetensors.numpy import save_file
 
 from .config import DTYPES, GPTConfig
 from .gpt import GPT
-from .hf_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFFormatError, read_hf_config
+from .hf_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFFormatError, load_checked, load_streaming, read_hf_config
 from .hf_llama import FAMILIES as LLAMA_FAMILIES
 from .hf_llama import config_from_hf_llama, from_hf_llama, is_llama_family, load_hf_llama_into, save_hf_llama
 from .hf_files import FLOAT_DTYPES as _FLOAT_DTYPES
@@ -264,18 +264,6 @@ def load_hf_gpt2(path: str, dtype: str = "float32", dropout: float = 0.0) -> tup
     return cfg, dict(tensors)
 
 
-def _load_streaming(model: GPT, tensors) -> None:
-    """Each full tensor in turn -> this rank's shard; peak host memory is one full tensor. A
-    pipeline stage keeps its own parameters' tensors (the last stage's tied wte copy included)."""
-    loaded = set()
-    for name, a in tensors:
-        model.load_full_state_dict({name: a}, strict=False)
-        loaded.add(name)
-    missing = sorted(set(model.named_parameters()) - loaded)
-    if missing:
-        raise HFFormatError(f"the checkpoint has no tensors for {missing[:8]}{'...' if len(missing) > 8 else ''}")
-
-
 _ARCH_FIELDS = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "vocab_size", "block_size", "bias",
                 "tie_embeddings", "ln_eps", "gelu")
 
@@ -290,11 +278,7 @@ def load_hf_into(model: GPT, path: str) -> GPTConfig:
     if read_hf_config(path).get("model_type", "gpt2") in LLAMA_FAMILIES:
         return load_hf_llama_into(model, path)
     cfg, tensors = _iter_tensors(path, model.config.dtype, model.config.dropout)
-    diff = [f"{k}: model {getattr(model.config, k)!r} vs {path} {getattr(cfg, k)!r}"
-            for k in _ARCH_FIELDS if getattr(model.config, k) != getattr(cfg, k)]
-    if diff:
-        raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
-    _load_streaming(model, tensors)
+    load_checked(model, path, cfg, tensors, _ARCH_FIELDS)
     return cfg
 
 
@@ -315,7 +299,7 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
             raise ConfigError(f"{bad} are fixed by the checkpoint and cannot be overridden")
         cfg = GPTConfig.from_dict({**cfg.to_dict(), **overrides})
     model = GPT(ctx, cfg, seed=0, init=False)  # every weight is loaded next
-    _load_streaming(model, tensors)
+    load_streaming(model, tensors)
     return model.eval()
 
 

@@ -95,3 +95,28 @@ def to_save_dtype(a: np.ndarray, dtype):
     if dtype == "bfloat16":
         return np.ascontiguousarray(a.astype(ml_dtypes.bfloat16))
     return np.ascontiguousarray(a.astype(np.dtype(dtype)))
+
+
+def load_streaming(model, tensors) -> None:
+    """Each full tensor of (name, array) pairs in turn -> this rank's shard of it: peak host memory
+    is one full tensor. A pipeline stage keeps its own parameters' tensors (the last stage's tied
+    embedding copy included); every parameter of the model must have been given."""
+    params, loaded = model.named_parameters(), set()
+    for name, a in tensors:
+        if name in params:
+            model.load_full_state_dict({name: a}, strict=False)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise HFFormatError(f"the checkpoint has no tensors for {missing[:8]}{'...' if len(missing) > 8 else ''}")
+
+
+def load_checked(model, path: str, cfg, tensors, fields) -> None:
+    """`load_streaming` of a directory's tensors into an existing model whose configuration must
+    agree with the directory's (`cfg`) on `fields` (HFFormatError naming those that differ)."""
+    diff = [f"{k}: model {getattr(model.config, k)!r} vs {path} {getattr(cfg, k)!r}"
+            for k in fields if getattr(model.config, k) != getattr(cfg, k)]
+    if diff:
+        raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
+    load_streaming(model, tensors)
+

@@ -48,7 +48,7 @@ from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
 from .config import DTYPES, GPTConfig
 from .gpt import GPT
 from .hf_files import CONFIG_FILE, FLOAT_DTYPES, INDEX_FILE, SAVE_DTYPES, WEIGHTS_FILE, HFFormatError, files
-from .hf_files import open_weights, read_hf_config, to_save_dtype
+from .hf_files import load_checked, load_streaming, open_weights, read_hf_config, to_save_dtype
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
             "mixtral": "MixtralForCausalLM"}
@@ -330,13 +330,6 @@ def load_hf_llama(path: str, dtype: str = "float32", dropout: float = 0.0) -> tu
     return cfg, dict(tensors)
 
 
-def _load_streaming(model: GPT, tensors) -> None:
-    params = model.named_parameters()
-    for name, a in tensors:
-        if name in params:  # (a pipeline stage keeps its own layers')
-            model.load_full_state_dict({name: a}, strict=False)
-
-
 SPEC_FIELDS = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "head_size", "vocab_size", "block_size",
                "tie_embeddings", "ln_eps", "norm", "positions", "mlp", "rope_theta", "rope_scaling", "rope_factor",
                "n_experts", "moe_top_k")
@@ -346,11 +339,7 @@ def load_hf_llama_into(model: GPT, path: str) -> GPTConfig:
     """Loads a Llama-family directory into an existing model (`--init-from`); the architectures
     must agree (HFFormatError naming the fields that differ). No communication."""
     cfg, tensors = _iter_tensors(path, model.config.dtype, model.config.dropout)
-    diff = [f"{k}: model {getattr(model.config, k)!r} vs {path} {getattr(cfg, k)!r}"
-            for k in SPEC_FIELDS if getattr(model.config, k) != getattr(cfg, k)]
-    if diff:
-        raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
-    _load_streaming(model, tensors)
+    load_checked(model, path, cfg, tensors, SPEC_FIELDS)
     return cfg
 
 
@@ -367,7 +356,7 @@ def from_hf_llama(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, 
     if overrides:
         cfg = GPTConfig.from_dict({**cfg.to_dict(), **overrides})
     model = GPT(ctx, cfg, seed=0, init=False)
-    _load_streaming(model, tensors)
+    load_streaming(model, tensors)
     return model.eval()
 
 
