@@ -20,12 +20,14 @@ settings alone: the same bytes for any `--workers`.
 Workers (`--workers`, default the cores) encode batches of documents in processes, each
 single-threaded; the main process reads the inputs and writes the shards, in input order.
 
-Resuming: a shard is written under a temporary name and renamed; after each one, progress.json
-records the settings and where each split's stream stands (the document and the token within it
-where the next shard starts). Running the same command again after a kill keeps the finished
-shards and encodes only from the first document the unfinished shards need; its result is
-identical to an uninterrupted run. An --out holding a finished preparation, or an unfinished
-one of other settings, is refused without `--overwrite` (which deletes this tool's files there).
+Resuming: each split's tokens are appended to its next shard's temporary file, renamed to the
+shard when full (`cutp.data.shards.ShardWriter`). After each batch that finished a shard, and
+every PROGRESS_SECONDS, progress.json records the settings, the next document to encode and how
+many tokens each temporary file holds (synced first). Running the same command again after a
+kill goes on from there: finished shards kept, the temporary files cut back to what was
+recorded, the documents before read but not encoded; its result is identical to an
+uninterrupted run. An --out holding a finished preparation, or an unfinished one of other
+settings or inputs, is refused without `--overwrite` (which deletes this tool's files there).
 """
 from __future__ import annotations
 
@@ -43,11 +45,12 @@ import time
 import numpy as np
 
 from ..runtime.errors import ConfigError, UserError
-from .shards import FORMAT, FORMAT_VERSION, META_FILE, SPLITS, shard_name, token_dtype, write_shard
+from .shards import FORMAT, FORMAT_VERSION, META_FILE, SPLITS, ShardWriter, token_dtype
 from .tokenizer import BYTES, ByteTokenizer, load_tokenizer
 
 PROGRESS_FILE = "progress.json"
 BATCH_BYTES = 1 << 20  # text per task sent to a worker
+PROGRESS_SECONDS = 10  # progress.json is rewritten at least this often (and after each shard)
 
 
 def parse_args(argv=None):
@@ -129,8 +132,9 @@ def is_val(i: int, fraction: float) -> bool:
 _WORKER = {}
 
 
-def _init_worker(spec: str, dtype: str) -> None:
-    tok = load_tokenizer(spec)
+def _init_worker(spec, dtype: str) -> None:
+    """spec: the --tokenizer argument, or (with one worker, in this process) the tokenizer loaded."""
+    tok = load_tokenizer(spec) if isinstance(spec, str) else spec
     if not isinstance(tok, ByteTokenizer):
         tok.tokenizer.encode_special_tokens = True  # a document's "<|endoftext|>" is text
     _WORKER.update(tok=tok, dtype=np.dtype(dtype))
@@ -149,69 +153,13 @@ def _encode(texts: list) -> tuple:
     return np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())), lengths
 
 
-# ---- the output streams --------------------------------------------------------------------------
-class _Split:
-    """One split's token stream, cut into shards as it grows."""
-
-    def __init__(self, name: str, out: str, shard_tokens: int, state: dict | None):
-        self.name, self.out, self.shard_tokens = name, out, shard_tokens
-        state = state or {"shards": [], "next_doc": 0, "skip": 0, "documents": 0}
-        self.shards = list(state["shards"])
-        self.resume_doc, self.resume_skip = state["next_doc"], state["skip"]
-        self.documents = state["documents"]  # this split's documents before the pending tokens' first
-        self.pending = collections.deque()  # [doc index, its tokens not yet in a shard, its tokens in shards]
-        self.pending_tokens = 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(s["tokens"] for s in self.shards) + self.pending_tokens
-
-    def add(self, doc: int, tokens: np.ndarray) -> bool:
-        """Appends document `doc`'s tokens (the part not in a finished shard); True if this split
-        has counted it."""
-        if doc < self.resume_doc:
-            return False
-        skip = self.resume_skip if doc == self.resume_doc else 0
-        self.documents += 1
-        self.pending.append([doc, tokens[skip:], skip])
-        self.pending_tokens += len(tokens)
-        return True
-
-    def full_shards(self, final: bool = False):
-        """Yields after writing each shard the pending tokens fill (with `final`, the rest too)."""
-        while self.pending_tokens >= self.shard_tokens or final and self.pending_tokens:
-            take, parts = min(self.shard_tokens, self.pending_tokens), []
-            need = take
-            while need:
-                entry = self.pending[0]
-                part = entry[1][:need]
-                parts.append(part)
-                need -= len(part)
-                if len(part) == len(entry[1]):
-                    self.pending.popleft()
-                else:
-                    entry[1], entry[2] = entry[1][len(part):], entry[2] + len(part)
-            self.pending_tokens -= take
-            name = shard_name(self.name, len(self.shards))
-            digest = write_shard(os.path.join(self.out, name), np.concatenate(parts))
-            self.shards.append({"file": name, "tokens": take, "blake2b": digest})
-            yield name
-
-    def state(self, next_doc: int) -> dict:
-        """Where a rerun continues: the first pending document and its tokens already in shards
-        (or, with nothing pending, the next document read), and the documents before it."""
-        if self.pending:
-            doc, _, in_shards = self.pending[0]
-            return {"shards": self.shards, "next_doc": doc, "skip": in_shards,
-                    "documents": self.documents - len(self.pending)}
-        return {"shards": self.shards, "next_doc": next_doc, "skip": 0, "documents": self.documents}
-
-
+# ---- the run -------------------------------------------------------------------------------------
 def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", shard_tokens: int = 100_000_000,
             val_fraction: float = 0.01, workers: int | None = None, overwrite: bool = False,
-            after_shard=None, stream=None) -> dict:
-    """Writes the shards and meta.json of `inputs` into `out`; returns the meta dict. See the
-    module's docstring. `after_shard(name)` runs after each shard is renamed into place, before
+            batch_bytes: int = BATCH_BYTES, after_shard=None, stream=None) -> dict:
+    """Writes the shards and meta.json of `inputs` into `out`; returns the meta dict (see the
+    module's docstring). `batch_bytes`: text per worker task (and so how often progress can be
+    recorded); `after_shard(name)` runs after each shard is renamed into place, before
     progress.json records it (a test's kill point); `stream` gets the progress (default stderr)."""
     stream = sys.stderr if stream is None else stream
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -236,62 +184,75 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
                 "bytes": sum(st.st_size for st in stats)}
     # a rerun resumes only over the same files, unchanged (names, sizes, modification times)
     resume_key = {**settings, "files_sha256": hashlib.sha256(listing).hexdigest()}
-    state = _claim_out(out, resume_key, overwrite)
-    splits = {s: _Split(s, out, shard_tokens, (state or {}).get(s)) for s in SPLITS}
-    start_doc = min(s.resume_doc for s in splits.values())
+    state = _claim_out(out, resume_key, overwrite) or {"next_doc": 0, "documents": {s: 0 for s in SPLITS},
+                                                      "splits": {s: None for s in SPLITS}}
+    writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["splits"][s]) for s in SPLITS}
+    documents_in = dict(state["documents"])
+    start_doc = next_doc = state["next_doc"]
     progress = _Progress(stream, settings["bytes"], workers)
 
-    def batches():
-        batch, size, first = [], 0, start_doc
-        for i, (text, nbytes) in enumerate(documents(files, text_key)):
-            if i < start_doc:
-                progress.skipped(nbytes)
-                continue
-            batch.append(text)
-            size += nbytes
-            if size >= BATCH_BYTES:
-                yield first, batch, size
-                batch, size, first = [], 0, i + 1
-        if batch:
-            yield first, batch, size
+    def save():
+        for w in writers.values():
+            w.sync()
+        _write_json(os.path.join(out, PROGRESS_FILE), {
+            "settings": resume_key, "next_doc": next_doc, "documents": documents_in,
+            "splits": {n: w.state() for n, w in writers.items()}})
 
-    next_doc = start_doc
-    for first, (flat, doc_lengths), nbytes in _encoded(batches(), tokenizer, dtype, workers):
-        ends = np.cumsum(doc_lengths)
-        for k, n in enumerate(doc_lengths):
-            doc = first + k
-            splits["val" if is_val(doc, val_fraction) else "train"].add(doc, flat[ends[k] - n:ends[k]])
-        next_doc = first + len(doc_lengths)
-        for split in splits.values():
-            for name in split.full_shards():
-                if after_shard is not None:
-                    after_shard(name)
-                _save_progress(out, resume_key, splits, next_doc)
-        progress.done(nbytes, len(flat))
-    for split in splits.values():
-        for name in split.full_shards(final=True):
+    save()  # from here on, a rerun of the same command resumes
+    saved = time.perf_counter()
+    for first, (flat, lengths), nbytes in _encoded(_batches(files, text_key, start_doc, batch_bytes, progress),
+                                                   tokenizer, tok, dtype, workers):
+        finished, start = [], 0
+        for k, n in enumerate(lengths):
+            split = "val" if is_val(first + k, val_fraction) else "train"
+            finished += writers[split].write(flat[start:start + n])
+            documents_in[split] += 1
+            start += n
+        next_doc = first + len(lengths)
+        for name in finished:
             if after_shard is not None:
                 after_shard(name)
-            _save_progress(out, resume_key, splits, next_doc)
-    for name, split in splits.items():
-        if split.documents == 0:
-            raise ConfigError(f"the {name} split has no documents ({next_doc} in all, --val-fraction "
-                              f"{val_fraction}); give more documents (a text file is one document)")
-    meta = {**settings, "vocab_size": tok.vocab_size,
-            "documents": sum(s.documents for s in splits.values()),
-            "tokens": sum(s.tokens for s in splits.values()),
-            "splits": {n: {"documents": s.documents, "tokens": s.tokens, "shards": s.shards}
-                       for n, s in splits.items()}}
+        if finished or time.perf_counter() - saved > PROGRESS_SECONDS:
+            save()
+            saved = time.perf_counter()
+        progress.done(nbytes, len(flat))
+    for name in [n for w in writers.values() for n in w.close()]:
+        if after_shard is not None:
+            after_shard(name)
+    if documents_in["train"] == 0:
+        raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation); "
+                          f"give more documents (a text file is one document)")
+    meta = {**settings, "vocab_size": tok.vocab_size, "documents": sum(documents_in.values()),
+            "tokens": sum(w.tokens for w in writers.values()),
+            "splits": {n: {"documents": documents_in[n], "tokens": w.tokens, "shards": w.shards}
+                       for n, w in writers.items()}}
     _write_json(os.path.join(out, META_FILE), meta)
     os.remove(os.path.join(out, PROGRESS_FILE))
     progress.summary(meta, out)
     return meta
 
 
-def _encoded(batches, spec: str, dtype: np.dtype, workers: int):
+def _batches(files: list, text_key: str, start_doc: int, batch_bytes: int, progress):
+    """(index of the first document, texts, bytes) of about batch_bytes of text at a time, from
+    document start_doc on (those before it are read, not encoded: a resumed run has them)."""
+    batch, size, first = [], 0, start_doc
+    for i, (text, nbytes) in enumerate(documents(files, text_key)):
+        if i < start_doc:
+            progress.skipped(nbytes)
+            continue
+        batch.append(text)
+        size += nbytes
+        if size >= batch_bytes:
+            yield first, batch, size
+            batch, size, first = [], 0, i + 1
+    if batch:
+        yield first, batch, size
+
+
+def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
     """(first document, encode(batch), bytes) per batch, in order; at most 2 x workers batches in flight."""
     if workers == 1:
-        _init_worker(spec, dtype.name)
+        _init_worker(tok, dtype.name)
         for first, texts, nbytes in batches:
             yield first, _encode(texts), nbytes
         return
@@ -331,18 +292,13 @@ def _claim_out(out: str, settings: dict, overwrite: bool) -> dict | None:
         if progress.get("settings") != settings:
             raise ConfigError(f"--out {out} holds an unfinished preparation with other inputs or settings; "
                               "run that command again to finish it, or add --overwrite to start this one")
-        return progress["splits"]
+        return progress
     if META_FILE in names and not overwrite:
         raise ConfigError(f"--out {out} already holds prepared data ({META_FILE}); choose another --out or add "
                           "--overwrite to replace it")
     for n in names:  # --overwrite, or leftovers of a run killed before its first progress record
         os.remove(os.path.join(out, n))
     return None
-
-
-def _save_progress(out: str, settings: dict, splits: dict, next_doc: int) -> None:
-    _write_json(os.path.join(out, PROGRESS_FILE),
-                {"settings": settings, "splits": {n: s.state(next_doc) for n, s in splits.items()}})
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -48,17 +48,105 @@ def write_shard(path: str, tokens: np.ndarray) -> str:
     """Writes `tokens` (uint16 or uint32) as a shard at `path`: first under a temporary name, then
     renamed, so that `path` exists only complete. Returns the blake2b digest of the tokens."""
     tokens = np.ascontiguousarray(tokens)
-    magic, version = MAGIC_VERSION[tokens.dtype]
-    header = np.zeros(HEADER_INTS, "<i4")
-    header[:4] = magic, version, tokens.size, tokens.itemsize
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(header.tobytes())
+        f.write(_header_bytes(tokens.dtype, tokens.size))
         f.write(tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
+
+
+def _header_bytes(dtype: np.dtype, count: int) -> bytes:
+    magic, version = MAGIC_VERSION[np.dtype(dtype)]
+    header = np.zeros(HEADER_INTS, "<i4")
+    header[:4] = magic, version, count, np.dtype(dtype).itemsize
+    return header.tobytes()
+
+
+class ShardWriter:
+    """One split's stream of tokens into shards of `shard_tokens`: appended to the next shard's
+    temporary file (`<split>_NNNNNN.bin.tmp`, its header zero until the end), which becomes the
+    shard (header written, fsync, rename) when full. `state()` is what a rerun needs to go on
+    from the last `sync()`: the finished shards and the tokens in the temporary file (a rerun
+    cuts it back to those, or takes back a shard renamed after the sync, and deletes later ones)."""
+
+    def __init__(self, directory: str, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
+        self.directory, self.split, self.dtype = directory, split, np.dtype(dtype).newbyteorder("<")
+        self.shard_tokens = shard_tokens
+        state = state or {"shards": [], "tmp_tokens": 0}
+        self.shards, self.count = list(state["shards"]), int(state["tmp_tokens"])
+        self._file, self._hash = None, hashlib.blake2b(digest_size=16)
+        self._delete_after(len(self.shards) + (1 if self.count else 0))
+        if self.count:  # resume: the temporary file as it was at the sync
+            path = self._path()
+            if not os.path.exists(path + ".tmp") and os.path.exists(path):
+                os.replace(path, path + ".tmp")  # renamed after the last sync: continue it
+            size = HEADER_BYTES + self.count * self.dtype.itemsize
+            if not os.path.isfile(path + ".tmp") or os.path.getsize(path + ".tmp") < size:
+                raise ConfigError(f"{path}.tmp is missing or shorter than progress.json says; start again with "
+                                  "--overwrite")
+            self._file = open(path + ".tmp", "r+b")
+            self._file.truncate(size)
+            self._file.seek(HEADER_BYTES)
+            for block in iter(lambda: self._file.read(1 << 24), b""):
+                self._hash.update(block)
+
+    def _path(self, index: int | None = None) -> str:
+        return os.path.join(self.directory, shard_name(self.split, len(self.shards) if index is None else index))
+
+    def _delete_after(self, first: int) -> None:
+        """Removes this split's shard and temporary files from index `first` on (a killed run's)."""
+        for name in os.listdir(self.directory):
+            stem = name[:-4] if name.endswith(".tmp") else name
+            if stem.startswith(self.split + "_") and stem.endswith(".bin") and stem[len(self.split) + 1:-4].isdigit() \
+                    and int(stem[len(self.split) + 1:-4]) >= first:
+                os.remove(os.path.join(self.directory, name))
+
+    def write(self, tokens: np.ndarray) -> list:
+        """Appends tokens; returns the names of the shards this finished."""
+        done = []
+        while len(tokens):
+            if self._file is None:
+                self._file = open(self._path() + ".tmp", "wb")
+                self._file.write(bytes(HEADER_BYTES))
+            part = np.ascontiguousarray(tokens[:self.shard_tokens - self.count], dtype=self.dtype).tobytes()
+            self._file.write(part)
+            self._hash.update(part)
+            self.count += len(part) // self.dtype.itemsize
+            tokens = tokens[len(part) // self.dtype.itemsize:]
+            if self.count == self.shard_tokens:
+                done.append(self._finish_shard())
+        return done
+
+    def _finish_shard(self) -> str:
+        f, path = self._file, self._path()
+        f.seek(0)
+        f.write(_header_bytes(self.dtype, self.count))
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(path + ".tmp", path)
+        self.shards.append({"file": os.path.basename(path), "tokens": self.count, "blake2b": self._hash.hexdigest()})
+        self._file, self._hash, self.count = None, hashlib.blake2b(digest_size=16), 0
+        return os.path.basename(path)
+
+    def close(self) -> list:
+        """Finishes the last, shorter shard; returns its name (or nothing)."""
+        return [self._finish_shard()] if self.count else []
+
+    def sync(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards) + self.count
+
+    def state(self) -> dict:
+        return {"shards": self.shards, "tmp_tokens": self.count}
 
 
 def is_shard(path: str) -> bool:
