@@ -133,7 +133,10 @@ _WORKER = {}
 
 
 def _init_worker(spec, dtype: str) -> None:
-    """spec: the --tokenizer argument, or (with one worker, in this process) the tokenizer loaded."""
+    """spec: the --tokenizer argument (a worker process), or the tokenizer loaded (one worker:
+    this process)."""
+    if isinstance(spec, str):  # a worker: one thread (before its first encode), --workers says how many
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(spec) if isinstance(spec, str) else spec
     if not isinstance(tok, ByteTokenizer):
         tok.tokenizer.encode_special_tokens = True  # a document's "<|endoftext|>" is text
@@ -258,7 +261,6 @@ def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
         return
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker: --workers says how many
     with ctx.Pool(workers, _init_worker, (spec, dtype.name)) as pool:
         flight = collections.deque()
         for first, texts, nbytes in batches:
@@ -315,7 +317,7 @@ class _Progress:
     def __init__(self, stream, total_bytes: int, workers: int):
         self.stream, self.total, self.workers = stream, max(total_bytes, 1), workers
         self.tty = hasattr(stream, "isatty") and stream.isatty()
-        self.start = self.last = time.perf_counter()
+        self.start, self.last = time.perf_counter(), 0.0  # (drawn at the first batch)
         self.bytes = self.skipped_bytes = self.tokens = 0
 
     def skipped(self, nbytes: int) -> None:

@@ -184,3 +184,26 @@ def test_bytes_tokenizer_and_llm_c_files(tmp_path):
     assert d.vocab_size == 71_999 + 1 and int(d.train[0]) == 70_000 and len(d.train) + len(d.val) == 2000
     (tmp_path / "one.bin").write_bytes(raw[:-4])  # cut short: a raw uint16 file now, read as nanoGPT's
     assert not is_shard(str(tmp_path / "one.bin"))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_one_line_otherwise_and_special_tokens_as_text(corpus, tmp_path):
+    _, tok_dir, _, _ = corpus
+    docs = ["a <|end_of_text|> b", "<|begin_of_text|>", "plain"]
+    for i, d in enumerate(docs):
+        (tmp_path / f"{i}.txt").write_text(d)
+    files = [str(tmp_path / f"{i}.txt") for i in range(3)]
+    term, log = _Terminal(), io.StringIO()
+    prepare(files, tok_dir, str(tmp_path / "a"), workers=1, val_fraction=0.3, stream=term)
+    assert term.getvalue().startswith("\rprepare-data: ") and " tokens/s, ETA " in term.getvalue()
+    meta = prepare(files, tok_dir, str(tmp_path / "b"), workers=1, val_fraction=0.3, stream=log)
+    assert log.getvalue().count("\n") == 1 and log.getvalue().startswith(
+        f"prepare-data: {meta['tokens']:,} uint32 tokens of 3 documents (train ")
+    d = load_dataset(str(tmp_path / "b"))
+    both = np.concatenate([d.val[0:len(d.val)], d.train[0:len(d.train)]])
+    # one BOS and one EOS per document: the special tokens written in the texts are text
+    assert int((both == 69998).sum()) == int((both == 69999).sum()) == 3
