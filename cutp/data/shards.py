@@ -188,9 +188,10 @@ class ShardedTokens:
     """The shards of one split as one read-only token sequence: len() and slices (`tokens[a:b]`,
     an array copied from the shards it spans), as the batch sampler reads a 1-D array."""
 
-    def __init__(self, shards: list, digests: list | None = None):
+    def __init__(self, shards: list, digests: list | None = None, paths: list | None = None):
         self.shards = list(shards)
         self.digests = list(digests) if digests is not None else [""] * len(self.shards)  # meta.json's
+        self.paths = list(paths) if paths is not None else None  # the shards' files (fingerprint_bytes reads them)
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.dtype = self.shards[0].dtype if self.shards else np.dtype(np.uint16)
 
@@ -220,10 +221,16 @@ class ShardedTokens:
         size: meta.json's digest of each shard, each shard's length and its first and last 64 KiB."""
         out = [f"{self.dtype.str}:{len(self)};".encode()]
         block = (64 << 10) // self.dtype.itemsize
-        for digest, s in zip(self.digests, self.shards):
+        for k, (digest, s) in enumerate(zip(self.digests, self.shards)):
             out.append(f"{digest}:{len(s)};".encode())
-            out.append(np.ascontiguousarray(s[:block]).tobytes())
-            out.append(np.ascontiguousarray(s[-block:]).tobytes())
+            if self.paths is None:
+                out += [np.ascontiguousarray(s[:block]).tobytes(), np.ascontiguousarray(s[-block:]).tobytes()]
+                continue
+            # read, not through the map: a page fault per shard costs far more than a read
+            n = min(block, len(s)) * self.dtype.itemsize
+            with open(self.paths[k], "rb") as f:
+                out.append(os.pread(f.fileno(), n, HEADER_BYTES))
+                out.append(os.pread(f.fileno(), n, HEADER_BYTES + len(s) * self.dtype.itemsize - n))
         return b"".join(out)
 
 
@@ -250,15 +257,16 @@ def read_meta(directory: str) -> dict:
 def load_split(directory: str, meta: dict, split: str) -> ShardedTokens:
     """The split's shards, memory-mapped and checked against meta.json (count of each shard)."""
     info = meta["splits"][split]
-    arrays = []
+    arrays, paths = [], []
     for shard in info["shards"]:
         path = os.path.join(directory, shard["file"])
+        paths.append(path)
         tokens = read_shard(path)
         if len(tokens) != shard["tokens"]:
             raise ConfigError(f"{path} holds {len(tokens):,} tokens, meta.json says {shard['tokens']:,}; "
                               "prepare the data again")
         arrays.append(tokens)
-    out = ShardedTokens(arrays, [s["blake2b"] for s in info["shards"]])
+    out = ShardedTokens(arrays, [s["blake2b"] for s in info["shards"]], paths)
     if len(out) != info["tokens"]:
         raise ConfigError(f"--data {directory}: the {split} shards hold {len(out):,} tokens, meta.json says "
                           f"{info['tokens']:,}; prepare the data again")
