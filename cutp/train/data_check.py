@@ -41,7 +41,8 @@ def model_tokenizer(init_from: str | None) -> dict | None:
             return read_data_meta(data)["tokenizer"]
         return None
     if has_tokenizer_files(init_from):
-        return {"name": os.path.basename(os.path.normpath(init_from)), "sha256": tokenizer_files_sha256(init_from)}
+        return {"name": os.path.basename(os.path.normpath(init_from)), "sha256": tokenizer_files_sha256(init_from),
+                "path": init_from}
     return None
 
 
@@ -53,7 +54,7 @@ def check_data_fits_model(dataset: Dataset, model: GPTConfig, init_from: str | N
     if model_tok is not None and model_tok.get("sha256") != data_tok.get("sha256"):
         raise ConfigError(f"--data {data} was tokenized by {_describe(data_tok)}, but "
                           f"--init-from {init_from} uses {_describe(model_tok)}; prepare the data with that model's "
-                          f"tokenizer: python -m cutp prepare-data ... --tokenizer {init_from} --out DIR")
+                          f"tokenizer: python -m cutp prepare-data ... --tokenizer {model_tok.get('path', 'DIR')} --out DIR")
     if dataset.vocab_size > model.vocab_size:
         what = (f"was tokenized by {_describe(data_tok)}, whose ids go up to {dataset.vocab_size - 1}"
                 if data_tok is not None else f"has token ids up to {dataset.vocab_size - 1}")

@@ -55,6 +55,17 @@ def test_same_losses_at_tp1_and_tp2xdp2_and_an_exact_resume(prepared, tmp_path):
                                      "--out", str(tmp_path / "rerun")], timeout=240)
     c = _metrics(resumed)
     assert [r["step"] for r in c] == [3] and c[0]["loss"] == b[2]["loss"] and c[0]["grad_norm"] == b[2]["grad_norm"]
+    # fine-tuning this run's checkpoint on data of another tokenizer: refused, naming the run's
+    from cutp import train
+
+    other = str(tmp_path / "bytes-data")
+    prepare([str(prepared[0] / "in")], "bytes", other, val_fraction=0.2, workers=1, stream=io.StringIO())
+    cfg = train.resolve_run_config(init_from=str(tmp_path / "run"), data=other, seq_len=16, batch_size=2, steps=1,
+                                   device="cpu")
+    with pytest.raises(ConfigError, match=r"was tokenized by bytes \(the byte tokenizer\), but --init-from .*run/step-"
+                                          r"00000003 uses gpt2 \(sha256 \w+, 601 tokens\); prepare the data with that "
+                                          rf"model's tokenizer: python -m cutp prepare-data ... --tokenizer {prepared[1]}"):
+        train.build_run(cfg)
 
 
 def _hf_dir(path, vocab_size, tokenizer_style):
