@@ -54,16 +54,18 @@ PROGRESS_SECONDS = 10  # progress.json is rewritten at least this often (and aft
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m cutp prepare-data", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cutp prepare-data",
+                                description="Text files, JSONL files and folders of them to token shards for "
+                                            "training with --data DIR (cutp.data.prepare's docstring has the rules).")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, JSONL files, folders of them")
-    p.add_argument("--tokenizer", required=True, help="a model directory with tokenizer.json (or GPT-2's "
+    p.add_argument("--tokenizer", required=True, metavar="DIR|bytes", help="a model directory with tokenizer.json (or GPT-2's "
                    "vocab.json + merges.txt), or 'bytes'")
-    p.add_argument("--out", required=True, help="the directory to write (meta.json and the shards)")
-    p.add_argument("--text-key", default="text", help="the key of a JSONL line's text (default: text)")
-    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default: 100M)")
-    p.add_argument("--val-fraction", type=float, default=0.01,
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (meta.json and the shards)")
+    p.add_argument("--text-key", default="text", metavar="KEY", help="the key of a JSONL line's text (default: text)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N", help="tokens per shard (default: 100M)")
+    p.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
                    help="the share of documents in the validation split, in (0, 1) (default: 0.01)")
-    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: the cores)")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="encoding processes (default: the cores)")
     p.add_argument("--overwrite", action="store_true", help="replace a preparation in --out")
     return p.parse_args(argv)
 

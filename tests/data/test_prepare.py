@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cutp.data import BatchSampler, ShardedTokens, load_dataset, read_shard, write_shard
-from cutp.data.prepare import main, prepare
+from cutp.data.prepare import prepare
 from cutp.data.shards import HEADER_BYTES, is_shard
 from cutp.data.tokenizer import load_tokenizer
 from cutp.runtime.errors import ConfigError
@@ -150,7 +150,9 @@ def test_bad_inputs_are_named(corpus, tmp_path, capsys):
     root, tok = corpus[0], "bytes"
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
-    assert main([str(bad), "--tokenizer", tok, "--out", str(tmp_path / "o1"), "--workers", "1"]) == 2
+    from cutp.__main__ import main as cutp_main  # python -m cutp prepare-data
+
+    assert cutp_main(["prepare-data", str(bad), "--tokenizer", tok, "--out", str(tmp_path / "o1"), "--workers", "1"]) == 2
     assert capsys.readouterr().err.strip() == (f"prepare-data: error: {bad}:2: not a JSON object with a string "
                                                "'text'; fix the line or give the key with --text-key")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
