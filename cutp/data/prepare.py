@@ -82,16 +82,18 @@ def main(argv=None) -> int:
 
 
 # ---- inputs --------------------------------------------------------------------------------------
-def input_files(inputs: list) -> list:
-    """The files of `inputs` in order: each file as given, each folder's files walked sorted."""
-    out = []
+def input_files(inputs: list, exclude: str | None = None) -> list:
+    """The files of `inputs` in order: each file as given, each folder's files walked sorted
+    (but not folder `exclude`: the output, when it lies inside an input folder)."""
+    out, exclude = [], os.path.abspath(exclude) if exclude else None
     for path in inputs:
         if os.path.isfile(path):
             out.append(os.path.abspath(path))
         elif os.path.isdir(path):
             found = []
             for dirpath, dirnames, filenames in os.walk(path):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                                     and os.path.abspath(os.path.join(dirpath, d)) != exclude)
                 found += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
             if not found:
                 raise ConfigError(f"input folder {path} holds no files")
@@ -175,7 +177,7 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
-    files = input_files(inputs)
+    files = input_files(inputs, exclude=out)
     tok = load_tokenizer(tokenizer)
     identity = tok.identity()
     if tokenizer != BYTES:
@@ -277,7 +279,7 @@ def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
 
 # ---- the output directory ------------------------------------------------------------------------
 def _ours(name: str) -> bool:
-    return name in (META_FILE, PROGRESS_FILE) or any(
+    return name in (META_FILE, PROGRESS_FILE, META_FILE + ".tmp", PROGRESS_FILE + ".tmp") or any(
         name.startswith(s + "_") and (name.endswith(".bin") or name.endswith(".bin.tmp")) for s in SPLITS)
 
 
@@ -289,11 +291,13 @@ def _claim_out(out: str, settings: dict, overwrite: bool) -> dict | None:
     if others:
         raise ConfigError(f"--out {out} holds files prepare-data did not write ({others[0]}, ...); choose a new or "
                           "empty directory")
-    progress = None
     if os.path.isfile(os.path.join(out, PROGRESS_FILE)) and not overwrite:
-        with open(os.path.join(out, PROGRESS_FILE), encoding="utf-8") as f:
-            progress = json.load(f)
-        if progress.get("settings") != settings:
+        try:
+            with open(os.path.join(out, PROGRESS_FILE), encoding="utf-8") as f:
+                progress = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--out {out}: {PROGRESS_FILE} is unreadable ({e}); add --overwrite to start again") from None
+        if not isinstance(progress, dict) or progress.get("settings") != settings:
             raise ConfigError(f"--out {out} holds an unfinished preparation with other inputs or settings; "
                               "run that command again to finish it, or add --overwrite to start this one")
         return progress

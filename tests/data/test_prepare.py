@@ -140,6 +140,13 @@ def test_output_directory_rules(corpus, tmp_path):
     (tmp_path / "o" / "progress.json").write_text(json.dumps({"settings": {"other": 1}}))
     with pytest.raises(ConfigError, match="unfinished preparation with other inputs or settings"):
         prepare(inputs, tok, out, workers=1, stream=io.StringIO(), val_fraction=0.5)
+    inside = tmp_path / "texts"
+    inside.mkdir()
+    for i in range(3):
+        (inside / f"{i}.txt").write_text(f"document {i}")
+    for _ in range(2):  # the output inside the input folder is not read as input
+        assert prepare([str(inside)], tok, str(inside / "tokens"), workers=1, val_fraction=0.5, overwrite=True,
+                       stream=io.StringIO())["documents"] == 3
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     with pytest.raises(ConfigError, match="holds files prepare-data did not write"):
