@@ -3,7 +3,6 @@ SentencePiece-style tokenizer.json files trained offline (tests/data/tokenizer_f
 transformers' AutoTokenizer ids and text, BOS/EOS from the directories' config files, and an
 identity that is the file's SHA-256."""
 import hashlib
-import importlib.util
 
 import pytest
 
