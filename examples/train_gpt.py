@@ -8,7 +8,10 @@
 One optimizer step (cutp.train.train_step): `accum` micro-batches of forward + backward per DP
 rank (gradients accumulate), then the GQA/DP gradient reduction, global-norm clipping, AdamW.
 --batch-size is the global number of sequences per step over all DP ranks, so changing tp or dp
-never changes the math; --micro-batch-size only trades memory for speed.
+never changes the math; --micro-batch-size only trades memory for speed. (Mixture-of-experts
+models too: their auxiliary losses are the global batch's. Only an expert capacity,
+moe_capacity_factor, applies to each DP rank's micro-batch: with one, dp and the micro-batch
+size change which tokens are dropped.)
 
 This file is meant to be read and edited: the loop is all here; the step, the defaults and the
 checks live in cutp.train.
@@ -31,86 +34,14 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
     arm_setup_deadline(timeout_from_argv(sys.argv[1:]))
 
 from cutp import train  # noqa: E402
-from cutp.models import PRESETS  # noqa: E402
+from cutp.runtime.errors import settings_named  # noqa: E402
 from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model size (default: gpt2 on GPUs, tiny on the CPU)")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (default: chosen for the machine)")
-    p.add_argument("--dp", type=int, help="data-parallel size (default: world size / (tp * pp))")
-    p.add_argument("--pp", type=int, help="pipeline stages (default 1): the layers split over pp ranks")
-    p.add_argument("--ep", type=int, help="expert parallelism (default 1): an MoE model's experts split over ep "
-                   "consecutive DP ranks (ep divides dp and n_experts), tokens sent to them by all-to-all")
-    p.add_argument("--pp-layers", help="layers of each stage, e.g. 5,6,6,5 (default: n_layer / pp each); with "
-                   "--pp-virtual V, of each of the pp * V model chunks in the model's order")
-    p.add_argument("--pp-schedule", choices=["1f1b", "gpipe", "interleaved"],
-                   help="pipeline schedule (default 1f1b: at most pp - stage micro-batches in flight; gpipe: all; "
-                        "interleaved: Megatron's interleaved 1F1B over --pp-virtual chunks, bubble / V)")
-    p.add_argument("--pp-virtual", type=int, help="model chunks per pipeline stage (the interleaved schedule; "
-                   "default 1, or give 2 or more: implies --pp-schedule interleaved)")
-    p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="default auto: cuda when a GPU is usable")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
-                   help="parameters and activations (default float32); bfloat16/float16 train through fp32 "
-                        "master weights and fp32 gradients, float16 with a dynamic loss scale")
-    p.add_argument("--distributed-optimizer", action="store_true", default=None,
-                   help="shard the optimizer state (fp32 master weights, Adam moments) over DP (ZeRO-1)")
-    p.add_argument("--grad-reduce-dtype", choices=["float32", "bfloat16"],
-                   help="dtype of the DP gradient reduction (default float32; bfloat16 halves the bytes, "
-                        "with sums rounded to bf16)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"],
-                   help="activation recomputation (default none): selective recomputes the core attention "
-                        "in backward, full whole layers (each keeps only its input); the math is unchanged")
-    p.add_argument("--recompute-layers", type=int, help="with --recompute full: the first N layers (default all)")
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="split activations between the TP regions along the sequence (LayerNorm, dropout and "
-                        "residuals on seq-len/tp tokens per rank; the same bytes; --seq-len must divide by --tp)")
-    p.add_argument("--loss-scale", type=float, help="a static loss scale (default: dynamic for float16, else none)")
-    p.add_argument("--initial-loss-scale", type=float, help="the dynamic scale's start (default 65536)")
-    p.add_argument("--loss-scale-window", type=int, help="clean steps before the dynamic scale doubles (default 1000)")
-    p.add_argument("--hysteresis", type=int, help="overflows before the dynamic scale halves (default 2)")
-    p.add_argument("--min-loss-scale", type=float, help="the dynamic scale's floor (default 1)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps of the whole run (sets the LR schedule; "
-                   "default 200)")
-    p.add_argument("--run-steps", type=int, default=None,
-                   help="stop (and checkpoint) after this many steps in this invocation, e.g. to fit a job time limit")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="global sequences per optimizer step (default 8, rounded up to a multiple of dp)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per rank per forward (default: all)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: block size, at most 256 on CPU)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 tiny, 6e-4 otherwise)")
-    p.add_argument("--min-lr", type=float, default=None)
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default steps/20)")
-    p.add_argument("--weight-decay", type=float, default=None, help="default 0.1")
-    p.add_argument("--grad-clip", type=float, default=None, help="default 1.0")
-    p.add_argument("--dropout", type=float, default=None, help="default 0.0")
-    p.add_argument("--seed", type=int, default=None, help="default 1337")
-    p.add_argument("--data", default=None, help="text file or uint16 .bin (default: the Python stdlib sources)")
-    p.add_argument("--out", default=None, help="run directory for checkpoints")
-    p.add_argument("--resume", default=None, help="run or checkpoint directory to continue from")
-    p.add_argument("--overwrite", action="store_true", default=None,
-                   help="--out may hold another run's checkpoints: they are removed once this run's first one is saved")
-    p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="fine-tune: start a new run (step 0, fresh optimizer and schedule) from the weights of a "
-                        "Hugging Face GPT-2 directory or a cutp checkpoint/run directory; the model is DIR's "
-                        "(--dropout and --dtype may change; --preset/--set may not change its shapes)")
-    p.add_argument("--eval-every", type=int, help="validation every N steps and at the last (default 50; 0: never)")
-    p.add_argument("--eval-batches", type=int, help="validation batches (default 4)")
-    p.add_argument("--save-every", type=int, help="checkpoint every N steps (default 0: only at the end)")
-    p.add_argument("--keep", type=int, help="the newest healthy checkpoints kept in --out (default 3; 0: all)")
-    p.add_argument("--metrics", default=None, help="JSONL file, one object per step (rank 0 writes)")
-    p.add_argument("--log-every", type=int, help="a progress line every N steps (default 1)")
-    p.add_argument("--max-skips", type=int, help="stop after this many consecutive non-finite steps (default 5)")
-    p.add_argument("--save-on-signal", action=argparse.BooleanOptionalAction,
-                   help="on SIGTERM/SIGINT finish the step, checkpoint, exit (default on)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model field of the preset, e.g. --set n_layer=2 --set n_kv_head=2")
-    p.add_argument("--collective-timeout", type=float, default=None,
-                   help="seconds a collective may wait for a peer, and a training step may go without "
-                        "progress (no collective or micro-batch completing), before the job is aborted "
-                        "(default: $CUTP_COLLECTIVE_TIMEOUT or 600; 0 turns the watchdog off)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines (warnings are still printed)")
+    """Every flag is a run setting declared once in cutp.train.config (RunConfig's fields):
+    its type, allowed values, default and help."""
+    p = train.command_line_parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     return p.parse_args(argv)
 
 
@@ -123,9 +54,10 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
 
     # ---- configuration: every default derived, checked on every rank, before any allocation -----
-    cfg = train.resolve_run_config(source="command line", **vars(args))
-    setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
-    run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
+    with settings_named(train.flag_name):  # their errors name the flags (the library's name the fields)
+        cfg = train.resolve_run_config(source="command line", **vars(args))
+        setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
+        run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
     disarm_setup_deadline()  # from here the collective watchdog watches every step
     ctx = run.ctx
     log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)
@@ -194,5 +126,6 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
 
 
 if __name__ == "__main__":
-    with config_errors_exit("train_gpt.py"):  # a setting that cannot run: one line, exit status 2
+    # a setting that cannot run: one line naming its flags, exit status 2
+    with config_errors_exit("train_gpt.py", name_of=train.flag_name):
         main(keep_history=False)

@@ -48,7 +48,8 @@ from collections import Counter
 
 import numpy as np
 
-from cutp.runtime.backend import is_cupy_array
+from cutp.runtime.backend import is_cupy_array, is_device_array
+from cutp.runtime.shape_only import ShapeArray, ShapeOnly
 
 from .adamw import AdamWLaunchers
 from .attention import AttentionLaunchers
@@ -86,6 +87,7 @@ __all__ = [
     "nvrtc_options",
     "find_cuda_include",
     "cupy_launchers",
+    "shape_only_launchers",
 ]
 
 
@@ -118,6 +120,35 @@ def cupy_launchers(device: int | None = None) -> Launchers:
             if k is None:
                 k = _cupy_launchers[dev] = Launchers(cupy_module_loader(), cupy, description=f"cupy device {dev}")
     return k
+
+
+class _NoKernel:
+    """What a shape-only launch runs: nothing (the planner books the launchers' allocations)."""
+
+    shared_size_bytes = 0
+    max_dynamic_shared_size_bytes = 0
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        return None
+
+
+class _NoKernels:
+    def get_function(self, name):
+        return _NoKernel()
+
+
+def shape_only_launchers(xp: ShapeOnly) -> Launchers:
+    """The Launchers of the planner's shape-only GPU arrays (cutp.runtime.shape_only): the same
+    host code (checks, output allocations, grids) over kernels that do nothing."""
+    k = getattr(xp, "_launchers", None)
+    if k is None:
+        k = xp._launchers = Launchers(lambda source: _NoKernels(), xp, description=repr(xp))
+    return k
+
+
+def _launchers_of(arrays) -> Launchers:
+    first = next(a for a in arrays if a is not None)
+    return shape_only_launchers(first.xp) if isinstance(first, ShapeArray) else cupy_launchers()
 
 
 def launch_counts() -> Counter:
@@ -155,9 +186,9 @@ def dispatch(*arrays) -> Launchers | None:
     Not None when kernels are enabled and the arrays are :func:`eligible`: CuPy arrays of one
     dtype, float32 or bfloat16, C-contiguous (float64, NumPy arrays, mixed dtypes and strided
     views take the reference path)."""
-    if not eligible(arrays) or not kernels_enabled():
+    if not eligible(arrays, is_device_array) or not kernels_enabled():
         return None
-    return cupy_launchers()
+    return _launchers_of(arrays)
 
 
 def dispatch_views(*arrays) -> Launchers | None:
@@ -168,13 +199,15 @@ def dispatch_views(*arrays) -> Launchers | None:
     if not kernels_enabled():
         return None
     given = [a for a in arrays if a is not None]
-    if not given or not all(is_cupy_array(a) for a in given):
+    if not given or not all(is_device_array(a) for a in given):
         return None
-    return cupy_launchers()
+    return _launchers_of(given)
 
 
 def dispatch_xp(xp) -> Launchers | None:
     """dispatch() for ops given an array module rather than arrays (dropout_mask)."""
+    if isinstance(xp, ShapeOnly) and xp.device == "cuda" and kernels_enabled():
+        return shape_only_launchers(xp)
     if xp is np or getattr(xp, "__name__", "") != "cupy" or not kernels_enabled():
         return None
     return cupy_launchers()

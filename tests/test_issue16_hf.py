@@ -252,7 +252,7 @@ def test_init_from_config_errors(tmp_path):
     assert cfg.checkpoint_settings()["init_from"] == d
     mod = _load_example("train_gpt.py")
     args = vars(mod.parse_args(["--init-from", d, "--set", "n_layer=2", "--set", "dropout=0.2"]))
-    with pytest.raises(ConfigError, match=r"--preset/--set change the model of --init-from .*n_layer 1 \(flags: 2\)"):
+    with pytest.raises(ConfigError, match=r"preset/set change the model of init_from .*n_layer 1 \(flags: 2\)"):
         train.resolve_run_config(source="command line", **args)
     with pytest.raises(ConfigError, match="n_embd 16 .flags: 128"):
         train.resolve_run_config(init_from=d, preset="tiny")

@@ -291,7 +291,7 @@ def test_a_second_job_on_the_same_out_is_refused_and_a_dead_holder_releases_it(t
                                str(out)], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(cutp.ConfigError, match=rf"--out {out} is in use by another job \(host .*, pid "
+        with pytest.raises(cutp.ConfigError, match=rf"out {out} is in use by another job \(host .*, pid "
                                                     rf"{holder.pid}, since .*\); wait until it ends"):
             train.build_run(_config(out), MPI.COMM_SELF)
     finally:
@@ -308,8 +308,8 @@ def test_a_second_job_on_the_same_out_is_refused_and_a_dead_holder_releases_it(t
 def test_an_out_holding_another_runs_checkpoints_needs_resume_or_overwrite(tmp_path):
     out = tmp_path / "run"
     _train(_config(out, steps=2))
-    with pytest.raises(cutp.ConfigError, match=rf"^--out {out} holds checkpoints of another run \(step-00000002\); "
-                                                rf"pass --resume {out} to continue it, or --overwrite to replace them$"):
+    with pytest.raises(cutp.ConfigError, match=rf"^out {out} holds checkpoints of another run \(step-00000002\); "
+                                                rf"pass resume {out} to continue it, or overwrite to replace them$"):
         train.build_run(_config(out, steps=1), MPI.COMM_SELF)
     assert [s for s, _ in list_checkpoints(str(out))] == [2]
     _train(train.resolve_run_config(MPI.COMM_SELF, resume=str(out), steps=3, out=str(out), device="cpu", quiet=True,
@@ -323,14 +323,14 @@ def test_an_out_holding_another_runs_checkpoints_needs_resume_or_overwrite(tmp_p
 def test_an_unusable_out_is_refused_at_start_up(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
-    with pytest.raises(cutp.ConfigError, match=rf"--out {afile} is a file, not a directory"):
+    with pytest.raises(cutp.ConfigError, match=rf"out {afile} is a file, not a directory"):
         train.build_run(_config(afile), MPI.COMM_SELF)
-    with pytest.raises(cutp.ConfigError, match=rf"--out {afile}/sub cannot be written"):
+    with pytest.raises(cutp.ConfigError, match=rf"out {afile}/sub cannot be written"):
         train.build_run(_config(afile / "sub"), MPI.COMM_SELF)
     if os.geteuid() != 0:  # root writes into read-only directories
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o555)
-        with pytest.raises(cutp.ConfigError, match=rf"--out {ro} cannot be written"):
+        with pytest.raises(cutp.ConfigError, match=rf"out {ro} cannot be written"):
             train.build_run(_config(ro), MPI.COMM_SELF)
 
 

@@ -413,10 +413,10 @@ def test_every_16bit_gradient_is_close_to_float64s(dtype, tol):
 
 
 def test_dynamic_loss_scale_flags_are_refused_where_they_do_nothing():
-    with pytest.raises(cutp.ConfigError, match="--hysteresis 3 sets the dynamic float16 loss scale, but the model "
+    with pytest.raises(cutp.ConfigError, match="hysteresis 3 sets the dynamic float16 loss scale, but the model "
                                              "is bfloat16"):
         train.resolve_run_config(MPI.COMM_SELF, **LIB, dtype="bfloat16", hysteresis=3)
-    with pytest.raises(cutp.ConfigError, match="a static --loss-scale is set"):
+    with pytest.raises(cutp.ConfigError, match="a static loss_scale is set"):
         train.resolve_run_config(MPI.COMM_SELF, **LIB, dtype="float16", loss_scale=128.0, min_loss_scale=2.0)
     cfg = train.resolve_run_config(MPI.COMM_SELF, **LIB, dtype="float16", hysteresis=1, initial_loss_scale=1024.0)
     scaler = train.step.make_loss_scaler(cfg)

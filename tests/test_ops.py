@@ -9,7 +9,7 @@ import pytest
 
 from cutp import ops
 from cutp.ops import (
-    _common,
+    common as _common,
     bias_gelu_backward,
     bias_gelu_forward,
     ce_shard_backward,

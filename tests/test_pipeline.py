@@ -103,14 +103,14 @@ def test_tp2_dp2_pp2_with_the_distributed_optimizer():
 def test_stage_layers_and_the_settings_a_pipeline_refuses():
     assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
     assert stage_layers(5, 3, (1, 3, 1)) == [range(0, 1), range(1, 4), range(4, 5)]
-    with pytest.raises(cutp.ConfigError, match=r"n_layer=5 does not split evenly over pp=2 stages; .*--pp-layers \(e.g. 2,3\)"):
+    with pytest.raises(cutp.ConfigError, match=r"n_layer=5 does not split evenly over pp=2 stages; .*pp_layers \(e.g. 2,3\)"):
         stage_layers(5, 2)
-    with pytest.raises(cutp.ConfigError, match=r"--pp-layers 2,2,2: needs pp=3 counts >= 1 that add up to n_layer=5"):
+    with pytest.raises(cutp.ConfigError, match=r"pp_layers 2,2,2: needs pp=3 counts >= 1 that add up to n_layer=5"):
         stage_layers(5, 3, (2, 2, 2))
     with pytest.raises(cutp.ConfigError, match=r"1F1B schedule needs at least pp=4 micro-batches per step.* gives 2"):
         _config(pp=4, micro=4)
     _config(pp=4, micro=4, schedule="gpipe")  # GPipe runs any number
-    with pytest.raises(cutp.ConfigError, match="--pp-schedule must be one of 1f1b, gpipe"):
+    with pytest.raises(cutp.ConfigError, match="pp_schedule must be one of 1f1b, gpipe"):
         _config(pp=2, schedule="zigzag")
 
 

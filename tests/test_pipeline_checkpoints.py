@@ -165,7 +165,7 @@ def test_pipeline_checkpoints_resume_reshard_export_and_verify(tmp_path, capsys)
     edits = {
         "mesh.pp is 10000000": lambda m: m["mesh"].update(pp=10**7),
         "mesh.pp_layers is \\[2\\]": lambda m: m["mesh"].update(pp_layers=[2]),
-        "mesh.pp_layers: --pp-layers 1,1": lambda m: m["mesh"].update(pp_layers=[1, 1]),
+        "mesh.pp_layers: pp_layers 1,1": lambda m: m["mesh"].update(pp_layers=[1, 1]),
         "parameter .h.0.ln_1.weight.: stage 1 is not the stage that holds it": lambda m: m["params"]["h.0.ln_1.weight"].update(stage=1),
         "parameter .ln_f.weight.: stage 0 is not the stage that holds it": lambda m: m["params"]["ln_f.weight"].pop("stage"),
         "it lists 6 files, but mesh.tp 2 x mesh.pp 2": lambda m: m["files"].pop("model-pp01-of-02-tp01-of-02.safetensors")

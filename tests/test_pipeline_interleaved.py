@@ -146,18 +146,18 @@ def test_chunks_layers_bubble_and_the_settings_interleaving_refuses():
     assert virtual_stage_layers(8, 2, virtual=2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert stage_layers(8, 2, virtual=2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert stage_layers(5, 2, (2, 1, 1, 1), virtual=2) == [[0, 1, 3], [2, 4]]
-    with pytest.raises(cutp.ConfigError, match=r"n_layer=6 does not split evenly over pp=2 x --pp-virtual 2 = 4"):
+    with pytest.raises(cutp.ConfigError, match=r"n_layer=6 does not split evenly over pp=2 x pp_virtual 2 = 4"):
         stage_layers(6, 2, virtual=2)
-    with pytest.raises(cutp.ConfigError, match=r"--pp-layers 3,3: needs pp=2 x --pp-virtual 2 = 4 model chunks"):
+    with pytest.raises(cutp.ConfigError, match=r"pp_layers 3,3: needs pp=2 x pp_virtual 2 = 4 model chunks"):
         stage_layers(6, 2, (3, 3), virtual=2)
     assert pipeline_bubble(4, 8) == pytest.approx(3 / 11) and pipeline_bubble(4, 8, 2) == pytest.approx(3 / 19)
     with pytest.raises(cutp.ConfigError, match=r"multiple of pp=4 micro-batches per step.* gives 6"):
         _config(pp=4, micro=1, batch=6, n_layer=8)
-    with pytest.raises(cutp.ConfigError, match="--pp-virtual 2 with --pp-schedule 1f1b"):
+    with pytest.raises(cutp.ConfigError, match="pp_virtual 2 with pp_schedule 1f1b"):
         _config(pp=2, schedule="1f1b")
-    with pytest.raises(cutp.ConfigError, match="--pp-virtual 1 with --pp-schedule interleaved"):
+    with pytest.raises(cutp.ConfigError, match="pp_virtual 1 with pp_schedule interleaved"):
         _config(pp=2, virtual=1)
-    with pytest.raises(cutp.ConfigError, match="--pp-virtual 2 needs pipeline stages"):
+    with pytest.raises(cutp.ConfigError, match="pp_virtual 2 needs pipeline stages"):
         _config(pp=1)
 
 

@@ -12,7 +12,9 @@ import pytest
 from mpi4py import MPI
 
 from cutp import train
-from cutp.plan import layout as plan, pipeline as plan_pp, search as plan_search, step_pipeline, step_shape
+from cutp.plan import layout as plan, pipeline as plan_pp, search as plan_search
+from cutp.plan.run import planned_step
+from cutp.runtime.mesh import Mesh
 from cutp.bench.__main__ import build_parser
 from cutp.bench.__main__ import main as bench_main
 from cutp.bench.__main__ import run as bench_run
@@ -125,24 +127,23 @@ def test_the_planned_schedules_are_cutps_and_megatrons():
     assert pipeline_bubble(4, 12, 2) == pytest.approx(3 / 27)
 
 
-def test_every_stage_walk_frees_what_it_allocates():
+def test_every_planned_stage_frees_what_it_allocates():
     """Each schedule, each stage (first, middle, last; interleaved chunks), with dropout,
-    recomputation and sequence parallelism: only the step's token windows are left, and the
-    micro-batches held at once are the schedule's."""
+    recomputation and sequence parallelism: nothing of the step is left, and the micro-batches
+    held at once are the schedule's."""
     config = GPTConfig.preset("tiny").with_overrides(["n_layer=6", "dropout=0.1", "n_kv_head=2"])
     for kind, v, m in (("1f1b", 1, 4), ("gpipe", 1, 3), ("interleaved", 2, 3)):
         _, chunks = plan_pp.check_pipeline(n_layer=6, pp=3, m=m, schedule=kind, virtual=v)
         for stage, mine in enumerate(chunks):
             for device, layout in (("cpu", dict(recompute="full", recompute_layers=3, sequence_parallel=True)),
                                    ("cuda", dict(recompute="selective"))):
-                shape = step_shape.StepShape.of(config, tp=2, tp_rank=1, micro_batch=2, seq_len=32, accum=m,
-                                                device=device, layer_ids=[n for ch in mine for n in ch.layers],
-                                                first_stage=mine[0].first, last_stage=mine[-1].last, **layout)
+                out = planned_step(config, tp=2, pp=3, rank=Mesh(2, 1, 3).rank_of(1, 0, stage), micro_batch=2,
+                                   seq_len=32, accum=m, device=device, pp_schedule=kind, pp_virtual=v, **layout)
                 events = plan_pp.schedule_events(kind, 3, stage, m, v)
-                out = step_pipeline.stage_peak(shape, mine, kind, m, 3, stage)
-                assert out["left"] == (["batches"] if device == "cpu" else []), (kind, stage, device, out["left"])
+                assert out["left"] == 0, (kind, stage, device, out["left"])
                 assert out["in_flight"] == plan_pp.in_flight(events), (kind, stage)
-                assert len(out["stash_per_layer"]) == sum(len(ch.layers) for ch in mine)
+                mine_layers = {n for ch in mine for n in ch.layers}
+                assert all((b > 0) == (n in mine_layers) for n, b in enumerate(out["stash_per_layer"])), out
 
 
 # ---- the plan of a whole model and of its stages agree ------------------------------------------

@@ -96,11 +96,11 @@ def test_the_stash_shrinks_as_promised():
 def test_recompute_settings_are_checked():
     ctx = cutp.init(tp=1)
     model = GPT(ctx, GPTConfig.preset("tiny", n_layer=2), seed=0)
-    with pytest.raises(cutp.ConfigError, match="--recompute 'some'"):
+    with pytest.raises(cutp.ConfigError, match="recompute 'some'"):
         model.set_recompute("some")
-    with pytest.raises(cutp.ConfigError, match="--recompute-layers 3 needs --recompute full and 1 <= N <= n_layer"):
+    with pytest.raises(cutp.ConfigError, match="recompute_layers 3 needs recompute full and 1 <= N <= n_layer"):
         model.set_recompute("full", 3)
-    with pytest.raises(cutp.ConfigError, match="--recompute-layers 1 needs --recompute full"):
+    with pytest.raises(cutp.ConfigError, match="recompute_layers 1 needs recompute full"):
         model.set_recompute("selective", 1)
 
 

@@ -234,7 +234,7 @@ def test_cli_losses_with_sequence_parallelism_equal_one_rank(tmp_path):
 def test_a_sequence_that_does_not_split_is_refused_naming_both_numbers():
     from cutp.train import RunConfig
 
-    with pytest.raises(cutp.ConfigError, match=r"--seq-len 30 is not divisible by --tp 4"):
+    with pytest.raises(cutp.ConfigError, match=r"seq_len 30 is not divisible by tp 4"):
         RunConfig(model=GPTConfig.preset("tiny"), tp=4, seq_len=30, sequence_parallel=True)
     RunConfig(model=GPTConfig.preset("tiny"), tp=4, seq_len=30)  # without it, fine
     proc = run_mpi(2, TRAIN, ["--preset", "tiny", "--tp", "2", "--sequence-parallel", "--seq-len", "33",

@@ -118,17 +118,18 @@ def test_choose_tp_fits_the_node_and_the_model():
 
 @pytest.mark.parametrize("choices,message", [
     ({"bogus": 1}, "unknown run settings ['bogus']"),
-    ({"seq_len": 512}, "--seq-len 512 exceeds the model's block_size 128"),
-    ({"micro_batch_size": 3}, "--micro-batch-size 3 must divide the per-DP-rank batch 8"),
+    ({"seq_len": 512}, "seq_len 512 exceeds the model's block_size 128"),
+    ({"micro_batch_size": 3}, "micro_batch_size 3 must divide the per-DP-rank batch 8"),
     ({"tp": 3}, "tp=3 does not divide n_head=8"),
     ({"tp": 2}, "tp=2 does not divide the world size 1"),
-    ({"dp": 2}, "tp*dp = 1*2 = 2 but the communicator has 1 ranks"),
-    ({"lr": -1.0}, "--lr must be a finite number > 0"),
-    ({"steps": -1}, "--steps must be an integer >= 0"),
-    ({"eval_batches": 0}, "--eval-batches must be an integer >= 1"),
+    ({"dp": 2}, "dp=2 does not divide the world size 1, so tp cannot be derived"),  # tp derived from dp
+    ({"tp": 1, "dp": 2}, "tp*dp = 1*2 = 2 but the communicator has 1 ranks; start 2 ranks"),
+    ({"lr": -1.0}, "lr must be a finite number > 0"),
+    ({"steps": -1}, "steps must be an integer >= 0"),
+    ({"eval_batches": 0}, "eval_batches must be an integer >= 1"),
     ({"preset": "huge"}, "unknown preset 'huge'"),
     ({"set": ["n_layer=0"]}, "n_layer must be a positive integer"),
-    ({"collective_timeout": -2}, "--collective-timeout=-2 is not a number of seconds"),
+    ({"collective_timeout": -2}, "collective_timeout=-2 is not a number of seconds"),
 ])
 def test_bad_choices_are_refused_with_the_fix(choices, message):
     with pytest.raises(cutp.ConfigError) as e:
@@ -140,7 +141,7 @@ def test_run_config_is_frozen_and_checks_itself():
     cfg = _resolve()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.lr = 0.1
-    with pytest.raises(cutp.ConfigError, match="--batch-size 9 must be divisible by dp=2"):
+    with pytest.raises(cutp.ConfigError, match="batch_size 9 must be divisible by dp=2"):
         dataclasses.replace(cfg, dp=2, batch_size=9)
     with pytest.raises(cutp.ConfigError, match="device must be 'cpu' or 'cuda'"):
         dataclasses.replace(cfg, device="auto")
@@ -166,12 +167,12 @@ def test_resume_takes_the_run_settings_and_refuses_contradictions(tmp_path):
     assert (rerun.start_step, rerun.step, rerun.end_step) == (1, 1, 3)  # run_steps counts from the checkpoint
     # a RunConfig made by hand must continue the checkpoint's training, not silently change it
     changed = dataclasses.replace(rerun, config=dataclasses.replace(again, lr=0.005))
-    with pytest.raises(cutp.ConfigError, match=r"--lr 0.005 \(the checkpoint's 0.002\)"):
+    with pytest.raises(cutp.ConfigError, match=r"lr 0.005 \(the checkpoint's 0.002\)"):
         train.resume(changed, path)
     rerun.close()
     with pytest.raises(cutp.ConfigError, match="resume is set but resumed_step is not"):
         dataclasses.replace(again, resumed_step=None)
-    with pytest.raises(cutp.ConfigError, match="--lr 0.1 differs from the resumed run's 0.002"):
+    with pytest.raises(cutp.ConfigError, match="lr 0.1 differs from the resumed run's 0.002"):
         _resolve(resume=path, lr=0.1)
     with pytest.raises(cutp.ConfigError, match="n_layer: checkpoint 1, flags 4"):
         _resolve(resume=path, preset="tiny")
@@ -225,12 +226,12 @@ def test_data_that_cannot_feed_the_run_is_refused_before_the_context():
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("batch_size", 0, "--batch-size must be an integer >= 1, got 0"),
-    ("seq_len", 0, "--seq-len must be an integer >= 1, got 0"),
-    ("micro_batch_size", 0, "--micro-batch-size must be an integer >= 1, got 0"),
-    ("tp", 0, "--tp must be an integer >= 1, got 0"),
-    ("dp", 0, "--dp must be an integer >= 1, got 0"),
-    ("lr", 0.0, "--lr must be a finite number > 0, got 0.0"),
+    ("batch_size", 0, "batch_size must be an integer >= 1, got 0"),
+    ("seq_len", 0, "seq_len must be an integer >= 1, got 0"),
+    ("micro_batch_size", 0, "micro_batch_size must be an integer >= 1, got 0"),
+    ("tp", 0, "tp must be an integer >= 1, got 0"),
+    ("dp", 0, "dp must be an integer >= 1, got 0"),
+    ("lr", 0.0, "lr must be a finite number > 0, got 0.0"),
 ])
 def test_a_zero_is_refused_not_taken_for_the_default(flag, value, message):
     """Issue 16: `x or default` turned a given 0 into the default; 0 is a value, and refused."""

@@ -325,7 +325,7 @@ def run(args) -> Report:
     if t is not None:
         if not gpu:
             t.notes.append("CPU: the NumPy reference is the only implementation (no speed-up column); its ops split "
-                           "row blocks over the BLAS thread count (cutp.ops._common.parallel_map)")
+                           "row blocks over the BLAS thread count (cutp.ops.common.parallel_map)")
         t.notes.append("GB/s = bytes moved / time (1e9 B/s); % copy = GB/s / copy bandwidth. Working sets that fit in "
                        "the CPU's caches can exceed 100%.")
     return report

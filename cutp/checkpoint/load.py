@@ -136,7 +136,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         if optimizer is not None or masters_as_weights:
             if meta.get("optimizer") is None:
                 raise CheckpointError(f"{ckpt} has no optimizer state; it cannot resume training "
-                                      "(load it for inference or fine-tuning without --resume)")
+                                      "(load it for inference or fine-tuning without `resume`)")
             kinds.append("optim")
         needed = sorted({f for kind in kinds for r in ranks for p in params  # this stage's parameters' files
                          for f in ShardReader(ckpt, meta, kind).fnames(r, p.name)})

@@ -65,7 +65,7 @@ def prune_checkpoints(out_root: str, keep: int, newest_step: int | None = None) 
         if later:
             print(f"cutp checkpoint: warning: {out_root} holds checkpoints of later steps than the one just "
                   f"written ({', '.join(os.path.basename(p) for p in later)}); 'latest' points to step "
-                  f"{newest_step}. Remove them or use another --out.", file=sys.stderr)
+                  f"{newest_step}. Remove them or use another run directory.", file=sys.stderr)
         found = [(step, path) for step, path in found if step <= newest_step]
     healthy = [path for _, path in found if _healthy(path)]
     for path in healthy[:-keep]:
@@ -120,7 +120,7 @@ def lock_run_dir(out: str) -> RunDirLock:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            raise ConfigError(f"--out {out}: cannot create its lock file {path} ({e.strerror}); choose a writable "
+            raise ConfigError(f"`out` {out}: cannot create its lock file {path} ({e.strerror}); choose a writable "
                               "directory") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,8 +129,8 @@ def lock_run_dir(out: str) -> RunDirLock:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "host and pid not yet written"
             finally:
                 os.close(fd)
-            raise ConfigError(f"--out {out} is in use by another job ({holder}); wait until it ends, or choose "
-                              "another --out") from None
+            raise ConfigError(f"`out` {out} is in use by another job ({holder}); wait until it ends, or choose "
+                              "another `out`") from None
         try:
             same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except OSError:
@@ -139,7 +139,7 @@ def lock_run_dir(out: str) -> RunDirLock:
             break
         os.close(fd)  # we locked a file its holder had just removed: take the new one
     else:
-        raise ConfigError(f"--out {out}: its lock file {path} keeps being replaced; choose another --out")
+        raise ConfigError(f"`out` {out}: its lock file {path} keeps being replaced; choose another `out`")
     info = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
     os.ftruncate(fd, 0)
     os.pwrite(fd, info.encode(), 0)
@@ -150,22 +150,22 @@ def prepare_run_dir(out: str, *, resume: str | None = None, overwrite: bool = Fa
     """Rank 0's start-up checks of `--out` (module docstring): returns (the lock, the checkpoints
     of another run that --overwrite lets this run replace). Raises ConfigError."""
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"--out {out} is a file, not a directory; choose a directory for the checkpoints")
+        raise ConfigError(f"`out` {out} is a file, not a directory; choose a directory for the checkpoints")
     try:
         os.makedirs(out, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".cutp-write-test-", dir=out)
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be written ({e.strerror}); choose a writable directory") from None
+        raise ConfigError(f"`out` {out} cannot be written ({e.strerror}); choose a writable directory") from None
     lock = lock_run_dir(out)
     try:
         found = [path for _, path in list_checkpoints(out)]
         mine = resume is not None and os.path.realpath(os.path.dirname(os.path.abspath(resume))) == os.path.realpath(out)
         if found and not mine and not overwrite:
             names = ", ".join(os.path.basename(p) for p in found[-3:])
-            raise ConfigError(f"--out {out} holds checkpoints of another run ({names}); pass --resume {out} to "
-                              "continue it, or --overwrite to replace them")
+            raise ConfigError(f"`out` {out} holds checkpoints of another run ({names}); pass `resume` {out} to "
+                              "continue it, or `overwrite` to replace them")
         return lock, ([] if mine else found)
     except BaseException:
         lock.release()

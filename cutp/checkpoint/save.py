@@ -65,7 +65,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     error = None if bad is None else (
         f"step {step}: {'optimizer tensor' if bad.startswith(('exp_avg.', 'exp_avg_sq.', 'master.')) else 'parameter'} "
         f"{bad} holds NaN or Inf values (rank {ctx.rank}): the weights diverged, so no checkpoint was written; "
-        f"the newest healthy checkpoint in {out_root} is kept: resume from it with a lower --lr")
+        f"the newest healthy checkpoint in {out_root} is kept: resume from it with a lower `lr`")
     if ctx.rank == 0 and error is None:
         try:
             os.makedirs(out_root, exist_ok=True)

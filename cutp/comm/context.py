@@ -1,4 +1,4 @@
-"""The context of one cutp instance: mesh (TP x DP x PP), device binding and communicators; no global state.
+"""The context of one cutp instance: the mesh, device binding and communicators; no global state.
 
 `cutp.init(...)` returns a `Context` that owns everything a model needs. Two contexts can live
 in one process, and a host code can hand cutp any mpi4py communicator (a sub-communicator of
@@ -6,7 +6,8 @@ its own): cutp only ever talks over the communicators it split off that one.
 
 Mesh layout: world rank r = (pp_rank * dp + dp_rank) * tp + tp_rank. TP ranks are contiguous,
 so with the usual rank-by-node placement a TP group stays inside a node (NVLink), and DP and the
-pipeline stages cross nodes (`cutp.runtime.mesh`).
+pipeline stages cross nodes (`cutp.runtime.mesh`). The mesh's named dimensions give every rank
+attribute and every group's colour and key; `Context.GROUPS` lists the groups split off.
 
 The Context lives in `cutp.comm`, above the communicators it owns (MPI or NCCL, each inside a
 watchdog and a counter); everything it stands on (mesh arithmetic, device selection, failure
@@ -20,6 +21,7 @@ from mpi4py import MPI
 from .. import __version__
 from ..runtime import backend
 from ..runtime.consistency import check_same_on_all_ranks
+from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank, install_abort_on_error
 from ..runtime.mesh import Mesh, check_gpu_assignment, validate_mesh
 from ..runtime.watchdog import Watchdog, check_timeout, configure_host_watchdog, default_timeout
@@ -44,26 +46,35 @@ class Context:
     ep_rank, which hold the same experts; the DP group itself at ep 1).
     """
 
+    # The communicators of a context, in the order they are split: (attribute, the mesh
+    # dimensions its ranks differ in). A new mesh dimension is one entry here (and its place in
+    # `cutp.runtime.mesh.ORDER`); its rank and size attributes follow from the mesh.
+    GROUPS = (("tp", ("tp",)), ("dp", ("dp",)), ("pp", ("pp",)), ("ep", ("ep",)), ("expert_dp", ("expert_dp",)))
+    # Groups that exist only when a carved dimension splits its parent: at ep 1 there is no EP
+    # group and the expert-DP group is the DP group itself. {group: (the carved dimension, the
+    # group used instead (None: none))}
+    UNLESS_CARVED = {"ep": ("ep", None), "expert_dp": ("ep", "dp")}
+
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
                  abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None,
-                 pp: int = 1, ep: int = 1):
+                 pp: int = 1, ep: int = 1, mesh: Mesh | None = None):
         if abort_on_error:
             install_abort_on_error()
         self.mpi_comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
         with errors_raised_on_every_rank(self.mpi_comm):  # a device missing on one node stops every rank
-            self.mesh = validate_mesh(self.world_size, tp, dp, pp, ep)
+            self.mesh = validate_mesh(self.world_size, tp, dp, pp, ep) if mesh is None else _check_mesh(mesh,
+                                                                                                        self.world_size)
             self.device = backend.resolve_device(device)
             timeout = default_timeout() if collective_timeout is None else check_timeout(collective_timeout)
         configure_host_watchdog(timeout)
-        check_same_on_all_ranks(self.mpi_comm, {"tp": tp, "dp": self.mesh.dp, "pp": self.mesh.pp, "ep": ep,
+        check_same_on_all_ranks(self.mpi_comm, {"mesh": repr(self.mesh),
                                                 "device": self.device, "cutp": __version__}, "cutp.init arguments")
-        self.tp_size, self.dp_size, self.pp_size = self.mesh.tp, self.mesh.dp, self.mesh.pp
-        self.tp_rank = self.mesh.tp_rank(self.rank)
-        self.dp_rank = self.mesh.dp_rank(self.rank)
-        self.pp_rank = self.mesh.pp_rank(self.rank)
-        self.ep_size, self.ep_rank = self.mesh.ep, self.mesh.ep_rank(self.rank)
+        coords = self.mesh.coords(self.rank)
+        for name in dict.fromkeys([*coords, *(g for g, _ in self.GROUPS)]):  # tp_rank, tp_size, dp_rank, ...
+            setattr(self, f"{name}_rank", coords.get(name, 0))  # (a dimension the mesh lacks: size 1)
+            setattr(self, f"{name}_size", self.mesh.size_of(name))
 
         self._owned_mpi = []
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -92,30 +103,32 @@ class Context:
             local.Free()
         self.xp = backend.array_module_for(self.device)
 
-        tp_mpi = self.mpi_comm.Split(color=self.rank // self.tp_size, key=self.tp_rank)
-        dp_mpi = self.mpi_comm.Split(color=self.pp_rank * self.tp_size + self.tp_rank, key=self.dp_rank)
-        pp_mpi = self.mpi_comm.Split(color=self.dp_rank * self.tp_size + self.tp_rank, key=self.pp_rank)
-        ends = self.pp_size > 1 and self.pp_rank in (0, self.pp_size - 1)
-        emb_mpi = self.mpi_comm.Split(color=self.dp_rank * self.tp_size + self.tp_rank if ends else MPI.UNDEFINED,
-                                      key=self.pp_rank)
-        world_mpi = self.mpi_comm.Dup()
-        self._owned_mpi = [c for c in (tp_mpi, dp_mpi, pp_mpi, emb_mpi, world_mpi) if c != MPI.COMM_NULL]
         self.counter = CommCounter()
         self.watchdog = Watchdog(timeout, self.rank)
+        world_mpi = self.mpi_comm.Dup()
+        self._owned_mpi = [world_mpi]
         self.world = self._wrap(self._make_comm(world_mpi, "world"))
-        self.tp = self._wrap(self._make_comm(tp_mpi, "tp"))
-        self.dp = self._wrap(self._make_comm(dp_mpi, "dp"))
-        self.pp = self._wrap(self._make_comm(pp_mpi, "pp"))
-        self.embedding = self._wrap(self._make_comm(emb_mpi, "embedding")) if ends else None
-        self.ep, self.expert_dp = None, self.dp
-        if self.ep_size > 1:  # both split from the DP group
-            ep_mpi = dp_mpi.Split(color=self.dp_rank // self.ep_size, key=self.ep_rank)
-            edp_mpi = dp_mpi.Split(color=self.ep_rank, key=self.dp_rank)
-            self._owned_mpi += [ep_mpi, edp_mpi]
-            self.ep = self._wrap(self._make_comm(ep_mpi, "ep"))
-            self.expert_dp = self._wrap(self._make_comm(edp_mpi, "expert_dp"))
+        for name, dims in self.GROUPS:
+            carved, instead = self.UNLESS_CARVED.get(name, (None, None))
+            if carved is not None and self.mesh.size_of(carved) == 1:
+                setattr(self, name, None if instead is None else getattr(self, instead))
+                continue
+            colour, key = self.mesh.split(self.rank, *dims)
+            setattr(self, name, self._split(name, colour, key))
+        # the first and last stages of each pipeline, which both hold the tied embedding
+        ends = self.pp_size > 1 and self.pp_rank in (0, self.pp_size - 1)
+        colour, key = self.mesh.split(self.rank, "pp")
+        self.embedding = self._split("embedding", colour if ends else MPI.UNDEFINED, key)
         self._extra_groups = {}
         self.closed = False
+
+    def _split(self, name, colour, key):
+        """A counted communicator over the ranks of equal `colour` (None where MPI.UNDEFINED)."""
+        mpi = self.mpi_comm.Split(color=colour, key=key)
+        if mpi == MPI.COMM_NULL:
+            return None
+        self._owned_mpi.append(mpi)
+        return self._wrap(self._make_comm(mpi, name))
 
     def _make_comm(self, mpi_comm, name):
         if self.device == "cuda":
@@ -166,10 +179,10 @@ class Context:
     def close(self):
         if getattr(self, "closed", True):
             return
-        experts = (self.ep, self.expert_dp) if self.ep is not None else ()
-        for group in (*self._extra_groups.values(), *experts, self.embedding, self.pp, self.dp, self.tp, self.world):
-            if group is not None:
-                group.close()
+        groups = [getattr(self, name) for name, _ in reversed(self.GROUPS)]
+        for group in dict.fromkeys(g for g in (*self._extra_groups.values(), self.embedding, *groups, self.world)
+                                   if g is not None):
+            group.close()
         for c in self._owned_mpi:
             c.Free()
         self._owned_mpi = []
@@ -186,8 +199,16 @@ class Context:
         return f"<cutp.Context {self.describe()}>"
 
 
+def _check_mesh(mesh: Mesh, world_size: int) -> Mesh:
+    if mesh.size != world_size:
+        raise ConfigError(f"{mesh} has {mesh.size} ranks but the communicator has {world_size}; "
+                          f"start {mesh.size} ranks (mpirun -np {mesh.size})")
+    return mesh
+
+
 def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", abort_on_error: bool = True,
-         collective_timeout: float | None = None, device_id: int | None = None, pp: int = 1, ep: int = 1) -> Context:
+         collective_timeout: float | None = None, device_id: int | None = None, pp: int = 1, ep: int = 1,
+         mesh: Mesh | None = None) -> Context:
     """Creates a cutp context over `comm` (default MPI.COMM_WORLD). Collective over comm.
 
     tp*dp*pp must equal comm's size (dp defaults to size // (tp*pp)); pp is the number of
@@ -197,6 +218,7 @@ def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", ab
     after printing that rank's traceback. collective_timeout (seconds; default
     $CUTP_COLLECTIVE_TIMEOUT or 600, 0 = off) aborts the job when a collective stalls.
     device_id picks the GPU (default: the launcher's node-local rank modulo the visible GPUs).
+    mesh (a `cutp.Mesh` of comm's size) replaces tp, dp, pp and ep.
     """
     return Context(comm=comm, tp=tp, dp=dp, device=device, abort_on_error=abort_on_error,
-                   collective_timeout=collective_timeout, device_id=device_id, pp=pp, ep=ep)
+                   collective_timeout=collective_timeout, device_id=device_id, pp=pp, ep=ep, mesh=mesh)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime.backend import get_array_module
 from .base import Communicator, check_array, check_op, dtype_name
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "avg": MPI.SUM}
@@ -47,7 +48,7 @@ class MpiCommunicator(Communicator):
             out[...] = acc
             return out
         if out is None:
-            out = np.empty_like(x)
+            out = get_array_module(x).empty_like(x)
         x, in_place = self._unalias(x, out, x_at=0)
         if in_place:
             self.mpi_comm.Allreduce(MPI.IN_PLACE, _buf(out), op=_MPI_OPS[op])
@@ -62,7 +63,7 @@ class MpiCommunicator(Communicator):
         shape = self._scatter_shape(x)
         self._check_out(out, shape, x.dtype, f"reduce_scatter on {self.name}")
         if dtype_name(x) in _HALF:
-            acc = np.empty(shape, np.float32)
+            acc = get_array_module(x).empty(shape, np.float32)
             self.mpi_comm.Reduce_scatter_block(_buf(x.astype(np.float32)), _buf(acc), op=_MPI_OPS[op])
             self._finish_avg(acc, op)
             if out is None:
@@ -70,7 +71,7 @@ class MpiCommunicator(Communicator):
             out[...] = acc
             return out
         if out is None:
-            out = np.empty(shape, x.dtype)
+            out = get_array_module(x).empty(shape, x.dtype)
         x, _ = self._unalias(x, out)  # MPI's IN_PLACE would put the result at x[0], not at our slot
         self.mpi_comm.Reduce_scatter_block(_buf(x), _buf(out), op=_MPI_OPS[op])
         self._finish_avg(out, op)
@@ -83,8 +84,9 @@ class MpiCommunicator(Communicator):
             a /= self.size
         else:  # integers: C division (toward zero), as NCCL's ncclAvg computes sum / nranks
             neg = a < 0
-            np.floor_divide(np.abs(a), self.size, out=a)
-            np.negative(a, out=a, where=neg)
+            xp = get_array_module(a)
+            xp.floor_divide(xp.abs(a), self.size, out=a)
+            xp.negative(a, out=a, where=neg)
 
     # ---- data movement -------------------------------------------------------------------
     def all_gather(self, x, out=None):
@@ -92,7 +94,7 @@ class MpiCommunicator(Communicator):
         shape = self._gather_shape(x)
         self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
         if out is None:
-            out = np.empty(shape, x.dtype)
+            out = get_array_module(x).empty(shape, x.dtype)
         x, in_place = self._unalias(x, out, x_at=self.rank * x.nbytes)
         if in_place:
             self.mpi_comm.Allgather(MPI.IN_PLACE, _buf(out))
@@ -125,7 +127,7 @@ class MpiCommunicator(Communicator):
     def all_to_all(self, x, send_counts, recv_counts):
         check_array(x, f"all_to_all on {self.name}")
         send, recv = self._a2a_counts(x, send_counts, recv_counts)
-        out = np.empty((sum(recv),) + tuple(x.shape[1:]), x.dtype)
+        out = get_array_module(x).empty((sum(recv),) + tuple(x.shape[1:]), x.dtype)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         (sbuf, stype), (rbuf, rtype) = _buf(x), _buf(out)
         sc, rc = [c * row for c in send], [c * row for c in recv]

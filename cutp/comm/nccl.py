@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..runtime.backend import is_cupy_array
+from ..runtime.backend import is_device_array
 from .base import CommError, Communicator, check_op, dtype_name
 from .base import check_array as _check_array
 
@@ -27,7 +27,7 @@ _MSG_BYTES = 1024  # room for an error message in the bootstrap buffer
 
 
 def check_array(x, what):
-    if not is_cupy_array(x):
+    if not is_device_array(x):
         raise CommError(f"{what}: the NCCL communicator takes CuPy arrays, got {type(x).__module__}.{type(x).__name__}")
     _check_array(x, what)
 
@@ -153,11 +153,16 @@ class NcclCommunicator(Communicator):
         self.nccl_comm.recv(x.data.ptr, x.size, self._dt(x), source, self._stream())
         return x
 
-    def exchange(self, sends, recvs):
+    def _group(self):
+        """NCCL's group calls (groupStart/groupEnd), a module with both."""
         from cupy.cuda import nccl  # optional dependency
 
+        return nccl
+
+    def exchange(self, sends, recvs):
         for x, _, _ in list(sends) + list(recvs):
             check_array(x, f"exchange on {self.name}")
+        nccl = self._group()
         nccl.groupStart()  # one group: no send waits for a receive posted later
         try:
             for x, dest, _ in sends:
@@ -171,9 +176,8 @@ class NcclCommunicator(Communicator):
     def all_to_all(self, x, send_counts, recv_counts):
         """NCCL has no all-to-all: a send and a receive per peer with rows to move, in one group
         (`all_to_all_plan`); this rank's own rows are copied on the device."""
-        from cupy.cuda import nccl  # optional dependency
-
         check_array(x, f"all_to_all on {self.name}")
+        nccl = self._group()
         send, recv = self._a2a_counts(x, send_counts, recv_counts)
         out = self._empty((sum(recv),) + tuple(x.shape[1:]), x.dtype)
         row = int(np.prod(x.shape[1:], dtype=np.int64))

@@ -100,7 +100,7 @@ def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> Dataset:
             break
     if not train or not val:
         raise RuntimeError(f"the Python standard library at {root} has too few source files for a corpus; "
-                           "pass --data PATH to a text file")
+                           "pass a text file as data")
     tr = np.frombuffer(b"\n".join(train), np.uint8)
     va = np.frombuffer(b"\n".join(val), np.uint8)
     return Dataset(tr, va, 256, f"Python {sysconfig.get_python_version()} standard library sources "
@@ -118,7 +118,7 @@ def load_dataset(path: str | None) -> Dataset:
     if os.path.isdir(path):
         return load_prepared(path)
     if not os.path.isfile(path):
-        raise ConfigError(f"--data {path}: no such file or directory")
+        raise ConfigError(f"`data` {path}: no such file or directory")
     if path.endswith(".bin"):
         tokens = _token_file(path)
         sibling = os.path.join(os.path.dirname(path), "val.bin")
@@ -154,9 +154,9 @@ def _token_file(path: str) -> np.ndarray:
         return read_shard(path)
     size = os.path.getsize(path)
     if size == 0:
-        raise ConfigError(f"--data {path} is empty; a .bin holds uint16 token ids (nanoGPT's format)")
+        raise ConfigError(f"`data` {path} is empty; a .bin holds uint16 token ids (nanoGPT's format)")
     if size % 2:
-        raise ConfigError(f"--data {path} has {size} bytes, not a whole number of uint16 token ids; "
+        raise ConfigError(f"`data` {path} has {size} bytes, not a whole number of uint16 token ids; "
                           "a .bin holds uint16 token ids (nanoGPT's format)")
     return np.memmap(path, dtype=np.uint16, mode="r")
 
@@ -166,30 +166,38 @@ def _largest(tokens: np.ndarray, block: int = 1 << 24) -> int:
     return max((int(tokens[i:i + block].max()) for i in range(0, len(tokens), block)), default=-1)
 
 
+def micro_batches(batch_size: int, dp: int, micro_batch_size: int) -> int:
+    """Micro-batches per optimizer step on each DP rank: the global batch split equally over the
+    DP ranks, each share into micro-batches. Raises ConfigError when it does not split."""
+    if batch_size % dp:
+        raise ConfigError(f"`batch_size` {batch_size} must be divisible by dp={dp} (each DP rank takes an equal "
+                          f"share); use a multiple of {dp}")
+    per_rank = batch_size // dp
+    if not isinstance(micro_batch_size, int) or micro_batch_size < 1 or per_rank % micro_batch_size:
+        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        raise ConfigError(f"`micro_batch_size` {micro_batch_size} must divide the per-DP-rank batch {per_rank} "
+                          f"(= `batch_size` {batch_size} / dp {dp}); use one of {divisors}")
+    return per_rank // micro_batch_size
+
+
 class BatchSampler:
     """Deterministic global batches, sliced by micro-batch and DP rank (`first_row`)."""
 
     def __init__(self, dataset: Dataset, seq_len: int, global_batch: int, dp_size: int, dp_rank: int,
                  micro_batch: int, seed: int = 0):
-        if global_batch % dp_size:
-            raise ConfigError(f"--batch-size {global_batch} must be divisible by dp={dp_size} "
-                             f"(each DP rank takes an equal share); use a multiple of {dp_size}")
-        per_rank = global_batch // dp_size
-        if micro_batch < 1 or per_rank % micro_batch:
-            raise ConfigError(f"--micro-batch-size {micro_batch} must divide the per-DP-rank batch {per_rank} "
-                             f"(= batch-size {global_batch} / dp {dp_size})")
+        accum_steps = micro_batches(global_batch, dp_size, micro_batch)
         for name in ("train", "val"):
             n = len(dataset.split(name))
             if n < seq_len + 2:
                 raise ConfigError(f"the {name} split has {n} tokens, fewer than seq_len+2 = {seq_len + 2}; "
-                                 "use a shorter --seq-len or more data")
+                                 "use a shorter `seq_len` or more data")
         self.dataset = dataset
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.micro_batch = micro_batch
-        self.per_rank = per_rank
-        self.accum_steps = per_rank // micro_batch
+        self.per_rank = global_batch // dp_size
+        self.accum_steps = accum_steps
         self.seed = seed
 
     def global_offsets(self, step: int, split: str = "train") -> np.ndarray:

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     try:  # (no MPI here: cutp.runtime.failure's handler would start it, and the workers fork)
         prepare(args.inputs, args.tokenizer, args.out, text_key=args.text_key, shard_tokens=args.shard_tokens,
                 val_fraction=args.val_fraction, workers=args.workers, overwrite=args.overwrite)
-    except UserError as e:
-        print(f"prepare-data: error: {e}", file=sys.stderr)
+    except UserError as e:  # its settings named as this command's flags
+        print(f"prepare-data: error: {e.render(lambda name: '--' + name.replace('_', '-'))}", file=sys.stderr)
         return e.exit_status
     return 0
 
@@ -115,7 +115,7 @@ def documents(files: list, text_key: str):
                         text = json.loads(line)[text_key]
                     except (ValueError, KeyError, TypeError, IndexError):
                         raise ConfigError(f"{path}:{n}: not a JSON object with a string {text_key!r}; fix the "
-                                          f"line or give the key with --text-key") from None
+                                          f"line or give the key with `text_key`") from None
                     if not isinstance(text, str):
                         raise ConfigError(f"{path}:{n}: {text_key!r} is a {type(text).__name__}, not a string")
                     yield text, len(line)
@@ -170,13 +170,13 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
     progress.json records it (a test's kill point); `stream` gets the progress (default stderr)."""
     stream = sys.stderr if stream is None else stream
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ConfigError(f"--shard-tokens must be an integer >= 1, got {shard_tokens!r}")
+        raise ConfigError(f"`shard_tokens` must be an integer >= 1, got {shard_tokens!r}")
     if not 0 < val_fraction < 1:
-        raise ConfigError(f"--val-fraction must be in (0, 1) (the validation split's share of documents), "
+        raise ConfigError(f"`val_fraction` must be in (0, 1) (the validation split's share of documents), "
                           f"got {val_fraction}")
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {workers}")
+        raise ConfigError(f"`workers` must be >= 1, got {workers}")
     files = input_files(inputs, exclude=out)
     tok = load_tokenizer(tokenizer)
     identity = tok.identity()
@@ -289,21 +289,21 @@ def _claim_out(out: str, settings: dict, overwrite: bool) -> dict | None:
     names = os.listdir(out)
     others = [n for n in names if not _ours(n)]
     if others:
-        raise ConfigError(f"--out {out} holds files prepare-data did not write ({others[0]}, ...); choose a new or "
+        raise ConfigError(f"`out` {out} holds files prepare-data did not write ({others[0]}, ...); choose a new or "
                           "empty directory")
     if os.path.isfile(os.path.join(out, PROGRESS_FILE)) and not overwrite:
         try:
             with open(os.path.join(out, PROGRESS_FILE), encoding="utf-8") as f:
                 progress = json.load(f)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--out {out}: {PROGRESS_FILE} is unreadable ({e}); add --overwrite to start again") from None
+            raise ConfigError(f"`out` {out}: {PROGRESS_FILE} is unreadable ({e}); add `overwrite` to start again") from None
         if not isinstance(progress, dict) or progress.get("settings") != settings:
-            raise ConfigError(f"--out {out} holds an unfinished preparation with other inputs or settings; "
-                              "run that command again to finish it, or add --overwrite to start this one")
+            raise ConfigError(f"`out` {out} holds an unfinished preparation with other inputs or settings; "
+                              "run that command again to finish it, or add `overwrite` to start this one")
         return progress
     if META_FILE in names and not overwrite:
-        raise ConfigError(f"--out {out} already holds prepared data ({META_FILE}); choose another --out or add "
-                          "--overwrite to replace it")
+        raise ConfigError(f"`out` {out} already holds prepared data ({META_FILE}); choose another `out` or add "
+                          "`overwrite` to replace it")
     for n in names:  # --overwrite, or leftovers of a run killed before its first progress record
         os.remove(os.path.join(out, n))
     return None

@@ -86,7 +86,7 @@ class ShardWriter:
             size = HEADER_BYTES + self.count * self.dtype.itemsize
             if not os.path.isfile(path + ".tmp") or os.path.getsize(path + ".tmp") < size:
                 raise ConfigError(f"{path}.tmp is missing or shorter than progress.json says; start again with "
-                                  "--overwrite")
+                                  "`overwrite`")
             self._file = open(path + ".tmp", "r+b")
             self._file.truncate(size)
             self._file.seek(HEADER_BYTES)
@@ -239,17 +239,17 @@ def read_meta(directory: str) -> dict:
     if not os.path.isfile(path):
         hint = (" (an unfinished preparation: run the same prepare-data command again to complete it)"
                 if os.path.isfile(os.path.join(directory, "progress.json")) else "")
-        raise ConfigError(f"--data {directory}: a directory without {META_FILE}{hint}; give a directory written "
+        raise ConfigError(f"`data` {directory}: a directory without {META_FILE}{hint}; give a directory written "
                           "by python -m cutp prepare-data, a text file or a .bin")
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--data {directory}: {META_FILE} is not readable JSON ({e}); prepare the data again") from None
+        raise ConfigError(f"`data` {directory}: {META_FILE} is not readable JSON ({e}); prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ConfigError(f"--data {directory}: {META_FILE} is not prepare-data's (no \"format\": \"{FORMAT}\")")
+        raise ConfigError(f"`data` {directory}: {META_FILE} is not prepare-data's (no \"format\": \"{FORMAT}\")")
     if meta.get("version") != FORMAT_VERSION:
-        raise ConfigError(f"--data {directory}: format version {meta.get('version')!r}, this cutp reads "
+        raise ConfigError(f"`data` {directory}: format version {meta.get('version')!r}, this cutp reads "
                           f"{FORMAT_VERSION}; prepare the data again with this version")
     return meta
 
@@ -268,6 +268,6 @@ def load_split(directory: str, meta: dict, split: str) -> ShardedTokens:
         arrays.append(tokens)
     out = ShardedTokens(arrays, [s["blake2b"] for s in info["shards"]], paths)
     if len(out) != info["tokens"]:
-        raise ConfigError(f"--data {directory}: the {split} shards hold {len(out):,} tokens, meta.json says "
+        raise ConfigError(f"`data` {directory}: the {split} shards hold {len(out):,} tokens, meta.json says "
                           f"{info['tokens']:,}; prepare the data again")
     return out

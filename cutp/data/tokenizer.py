@@ -210,7 +210,7 @@ def load_tokenizer(spec: str):
     if spec == BYTES:
         return ByteTokenizer()
     if not os.path.exists(spec):
-        raise ConfigError(f"--tokenizer {spec}: no such directory; give a model directory with its tokenizer.json, "
+        raise ConfigError(f"`tokenizer` {spec}: no such directory; give a model directory with its tokenizer.json, "
                           f"or {BYTES!r} for the byte tokenizer")
     return HFTokenizer.from_dir(spec)
 

@@ -75,7 +75,7 @@ class GPTConfig:
         for item in items or ():
             key, sep, value = item.partition("=")
             if not sep or key not in fields:
-                raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
+                raise ConfigError(f"`set` {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
             current = getattr(self, key)
             optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
             if value.lower() in ("none", "null") and optional:

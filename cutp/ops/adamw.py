@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 from cutp.kernels import dispatch as _kernels
 
-from ._common import ELEMENTWISE_BLOCK, parallel_map
+from .common import ELEMENTWISE_BLOCK, parallel_map
 
 
 def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
@@ -37,7 +37,8 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
     step_size = lr / bc1
     inv_sqrt_bc2 = 1.0 / np.sqrt(bc2)
     n = p.size
-    blocks = [slice(i, min(i + ELEMENTWISE_BLOCK, n)) for i in range(0, n, ELEMENTWISE_BLOCK)] if xp is np else [slice(0, n)]
+    blocks = [slice(i, min(i + ELEMENTWISE_BLOCK, n)) for i in range(0, n, ELEMENTWISE_BLOCK)] if on_host(xp) \
+        else [slice(0, n)]
     dt = m.dtype.type
 
     def block(s):

@@ -35,9 +35,9 @@ import numpy as np
 
 from cutp.kernels import dispatch_views as _attention_kernels
 from cutp.kernels.attention import fused_attention_supported, kernel_layout
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 
-from ._common import as_dtype, compute_dtype, parallel_map
+from .common import as_dtype, compute_dtype, parallel_map
 from .dropout import dropout_backward, dropout_forward_rows, dropout_mask
 from .softmax import softmax_backward, softmax_forward
 
@@ -140,10 +140,10 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels, dropout_args=drop)
         if fused:
             raise ValueError(why)
-        if kernels is not None:
+        if kernels is not None and not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
             _warn_unfused_once(why)
     xp = get_array_module(q, k, v)
-    can_block = xp is np and float(dropout_p) == 0.0
+    can_block = on_host(xp) and float(dropout_p) == 0.0
     if blocked is None:
         blocked = can_block
     elif blocked and not can_block:
@@ -243,7 +243,8 @@ def _query_blocks(piece_elems, Tq, Tk):
 def _forward_blocked(q, k, v, scale):
     B, nkv, g, Tq, hd = q.shape
     Tk = k.shape[2]
-    o_tokens = np.empty((B, Tq, nkv, g, hd), q.dtype)  # token-major: see causal_attention_forward
+    xp = get_array_module(q)  # NumPy (or the planner's shape-only stand-in of it)
+    o_tokens = xp.empty((B, Tq, nkv, g, hd), q.dtype)  # token-major: see causal_attention_forward
     pieces = _pieces(B, nkv, g, Tq, Tk)
 
     cdt = compute_dtype(q.dtype)  # 16-bit inputs: each piece is multiplied in float32
@@ -261,7 +262,7 @@ def _forward_blocked(q, k, v, scale):
             blocks.append((r0, r1, softmax_ctx))
         return blocks
 
-    piece_blocks = parallel_map(np, run, pieces)
+    piece_blocks = parallel_map(xp, run, pieces)
     o = o_tokens.transpose(0, 2, 3, 1, 4)  # [B, nkv, g, Tq, hd]
     return o, AttentionCtx(q, k, v, pieces=pieces, piece_blocks=piece_blocks)
 
@@ -270,8 +271,9 @@ def _backward_blocked(do, ctx, out):
     q, k, v = ctx.q, ctx.k, ctx.v
     B, nkv, g, Tq, hd = q.shape
     Tk = k.shape[2]
+    xp = get_array_module(q)
     if out is None:
-        out = (np.empty(q.shape, do.dtype), np.empty(k.shape, do.dtype), np.empty(v.shape, do.dtype))
+        out = (xp.empty(q.shape, do.dtype), xp.empty(k.shape, do.dtype), xp.empty(v.shape, do.dtype))
     dq_out, dk_out, dv_out = out
 
     cdt = compute_dtype(q.dtype)
@@ -280,8 +282,8 @@ def _backward_blocked(do, ctx, out):
         bs, hs = ctx.pieces[i]
         qp, kp, vp, dop = (as_dtype(a, cdt) for a in (q[bs, hs], k[bs, hs, None], v[bs, hs, None], do[bs, hs]))
         b, h = qp.shape[:2]
-        dk = np.zeros((b, h, Tk, hd), cdt)
-        dv = np.zeros((b, h, Tk, hd), cdt)
+        dk = xp.zeros((b, h, Tk, hd), cdt)
+        dv = xp.zeros((b, h, Tk, hd), cdt)
         for r0, r1, softmax_ctx in ctx.piece_blocks[i]:  # in order: dk, dv sum the blocks deterministically
             keys = Tk - Tq + r1
             do_block = dop[..., r0:r1, :]  # [b, h, g, r1 - r0, hd]
@@ -294,7 +296,7 @@ def _backward_blocked(do, ctx, out):
         dk_out[bs, hs] = dk
         dv_out[bs, hs] = dv
 
-    parallel_map(np, run, range(len(ctx.pieces)))
+    parallel_map(xp, run, range(len(ctx.pieces)))
     return out
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from cutp.runtime.backend import get_array_module
 from cutp.kernels import dispatch as _kernels
 
-from ._common import as_dtype, compute_dtype, parallel_map, row_blocks
+from .common import as_dtype, compute_dtype, parallel_map, row_blocks
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -38,7 +38,7 @@ from cutp.kernels import dispatch_xp as _kernels_xp
 # once there, so this reference and kernels/dropout.cu give the same masks bit for bit.
 from cutp.kernels.dropout import MASK64, keep_threshold
 
-from ._common import compute_dtype, flat_blocks
+from .common import compute_dtype, flat_blocks
 
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9

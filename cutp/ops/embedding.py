@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 
-from ._common import as_dtype, compute_dtype, is_low_precision
+from .common import as_dtype, compute_dtype, is_low_precision
 
 
 class EmbeddingCtx:
@@ -81,7 +81,7 @@ def embedding_backward(dy, ctx: EmbeddingCtx, out):
     h = out.shape[1]
     dy2 = dy.reshape(-1, h)
     ids_f = ids.reshape(-1)
-    if xp is not np:
+    if not on_host(xp):
         if mask is not None:
             sel = xp.flatnonzero(mask.reshape(-1))
             ids_f, dy2 = ids_f[sel], dy2[sel]
@@ -105,7 +105,7 @@ def embedding_backward(dy, ctx: EmbeddingCtx, out):
         return out
     order = np.argsort(ids_s, kind="stable")
     s = ids_s[order]
-    new = np.empty(n, dtype=bool)
+    new = xp.empty(n, dtype=bool)
     new[0] = True
     np.not_equal(s[1:], s[:-1], out=new[1:])
     starts = np.flatnonzero(new)

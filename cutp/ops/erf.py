@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cutp.runtime.backend import get_array_module
+from cutp.runtime.shape_only import ShapeOnly
 
 # Cody's CALERF coefficients
 _THRESH = 0.46875
@@ -104,6 +105,8 @@ def erf(x):
     float32 inputs are evaluated in float32). CuPy: ``cupyx.scipy.special.erf``.
     """
     xp = get_array_module(x)
+    if isinstance(xp, ShapeOnly):  # the planner: the split by magnitude depends on the data; the output stays
+        return xp.empty_like(_float_input(x, xp))
     if xp is not np:
         import cupyx.scipy.special  # optional dependency
 
@@ -130,6 +133,8 @@ def erfc(x):
     NumPy: Cody's CALERF rational approximations; CuPy: ``cupyx.scipy.special.erfc``.
     """
     xp = get_array_module(x)
+    if isinstance(xp, ShapeOnly):  # the planner: the split by magnitude depends on the data; the output stays
+        return xp.empty_like(_float_input(x, xp))
     if xp is not np:
         import cupyx.scipy.special  # optional dependency
 

@@ -11,7 +11,7 @@ import numpy as np
 from cutp.runtime.backend import get_array_module
 from cutp.kernels import dispatch as _kernels
 
-from ._common import as_dtype, col_sum, compute_dtype, flat_blocks, parallel_map, row_blocks
+from .common import as_dtype, col_sum, compute_dtype, flat_blocks, parallel_map, row_blocks
 from .erf import erfc
 
 APPROXIMATIONS = ("tanh", "none")

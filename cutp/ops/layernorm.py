@@ -4,7 +4,7 @@ from __future__ import annotations
 from cutp.runtime.backend import get_array_module
 from cutp.kernels import dispatch as _kernels
 
-from ._common import as_dtype, col_sum, compute_dtype, parallel_map, row_blocks, row_sums
+from .common import as_dtype, col_sum, compute_dtype, parallel_map, row_blocks, row_sums
 
 
 class LayerNormCtx:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from cutp.runtime.backend import get_array_module
 
-from ._common import as_dtype, col_sum, compute_dtype
+from .common import as_dtype, col_sum, compute_dtype
 
 
 class LinearCtx:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 from cutp.kernels import dispatch as _kernels
 
-from . import _common
-from ._common import as_dtype, compute_dtype
+from . import common
+from .common import as_dtype, compute_dtype
 
 
 class SoftmaxCtx:
@@ -36,8 +36,8 @@ def _blocks(xp, m: int, tq: int, tk: int):
     ``BLOCK_ELEMS`` elements on NumPy (whole matrices when they are small, row chunks of
     one matrix when they are large); a single block on other array modules."""
     full = slice(0, tq)
-    BLOCK_ELEMS = _common.BLOCK_ELEMS
-    if xp is not np or m * tq * tk <= BLOCK_ELEMS:
+    BLOCK_ELEMS = common.BLOCK_ELEMS
+    if not on_host(xp) or m * tq * tk <= BLOCK_ELEMS:
         return [(slice(0, m), full)]
     per = tq * tk
     if per <= BLOCK_ELEMS:
@@ -92,11 +92,11 @@ def softmax_forward(x, scale: float = 1.0, causal: bool = False):
             s += bias[ri]
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
-        s /= _common.row_sums(xp, s)
+        s /= common.row_sums(xp, s)
         if not direct:
             y[mi, ri] = s
 
-    _common.parallel_map(xp, block, _blocks(xp, x3.shape[0], tq, tk))
+    common.parallel_map(xp, block, _blocks(xp, x3.shape[0], tq, tk))
     y = y.reshape(x.shape)
     return y, SoftmaxCtx(y, scale)
 
@@ -123,7 +123,7 @@ def softmax_backward(dy, ctx: SoftmaxCtx):
         yb = as_dtype(y3[mi, ri], cdt)
         dyb = as_dtype(dy3[mi, ri], cdt)
         t = xp.multiply(dyb, yb, out=dx[mi, ri] if direct else None)
-        s = _common.row_sums(xp, t)
+        s = common.row_sums(xp, t)
         xp.subtract(dyb, s, out=t)
         t *= yb
         if ctx.scale != 1.0:
@@ -131,5 +131,5 @@ def softmax_backward(dy, ctx: SoftmaxCtx):
         if not direct:
             dx[mi, ri] = t
 
-    _common.parallel_map(xp, block, _blocks(xp, y3.shape[0], tq, tk))
+    common.parallel_map(xp, block, _blocks(xp, y3.shape[0], tq, tk))
     return dx.reshape(y.shape)

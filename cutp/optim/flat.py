@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops._common import is_low_precision
+from ..ops.common import is_low_precision
 from ..runtime.backend import get_array_module
 
 

@@ -21,17 +21,16 @@ in one flat buffer padded to N = ceil(n / M) * M elements, M = 1 (plain AdamW) o
   i.e. 16 B/param (fp32), 18 (bf16), 8 + 8/d and 6 + 12/d distributed: Megatron's table.
   (--precision mixed|fp32, the older flag, means --dtype bfloat16|float32.)
 
-Activations (the peak a training step allocates above the state), cutp presets: cutp's step
-simulated array by array (`cutp.plan.step_memory`: what the layers cache, each op's outputs and
-temporaries, in the code's order; checked against tracemalloc on the CPU within 10% by
-tests/test_memory.py), on a GPU (`--device cuda`, the default: the fused attention kernels keep
-o and the rows' log-sum-exp, O(s), for head dims 64 and 128 in float32/bfloat16; other head dims
-the unblocked attention's [b, heads, s, s] probabilities) or on the CPU (`--device cpu --threads
-N`); the largest over the TP ranks. `--recompute none|selective|full` (`--recompute-layers N`:
-full for the first N layers) and `--sequence-parallel` are walked as the code runs them (what
-each module keeps under each, the shards, the gathered inputs the column projections keep, a
-recomputed layer's whole stash during its own backward). "kept per layer" is what each layer
-holds for backward after its forward (the first step's `stash_per_layer` measures the same).
+Activations (the peak a training step allocates above the state), cutp presets: cutp's own
+training step, run on shape-only arrays (`cutp.plan.run.planned_step`: the model, the optimizer
+and `train_step` of the library, their arrays' buffers booked on a heap while they live, so
+what the layers cache, each op's outputs and temporaries come in the code's order with the code's
+lifetimes; checked against tracemalloc on the CPU by tests/test_memory.py: per layer exact, the
+peak within 10%), on a GPU (`--device cuda`, the default: CuPy's pool rounding, NCCL's
+collectives, cutp's kernels' launchers; the fused attention keeps o and the rows' log-sum-exp)
+or on the CPU (`--device cpu --threads N`); the largest over the TP ranks. `--recompute` and
+`--sequence-parallel` run as they run in training. "kept per layer" is what each layer holds for
+backward after its forward (`cutp.train.memory.stash_per_layer`, measured on those arrays).
 `--params` architectures: Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", Table 2, 16-bit activations, 1-byte dropout masks), per layer and
 micro-batch, t = tp, a = heads:
@@ -72,7 +71,8 @@ from ..tensor_parallel.validation import check_attention, check_mlp
 from ..train.reporting import Report, parse_count
 from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
                        moe_layer_activation_bytes, moe_layers)
-from .step_memory import ITEMSIZE, StepShape, local_parameters, step_peak
+from ..runtime.mesh import Mesh
+from .run import ITEMSIZE, planned_parameters, planned_step
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ class Arch:
     moe_top_k: int = 2
     moe_ffn: int = 0  # each expert's width (0: ffn)
     moe_every: int = 1
+    moe_load_balancing: bool = True  # a load-balancing loss: a step of micro-batches counts first (cutp.train.moe)
 
     @property
     def head_dim(self):
@@ -112,7 +113,8 @@ ARCHITECTURES = {
 def arch_from_config(name: str, c) -> Arch:
     return Arch(name, c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.hidden, c.vocab_size, c.block_size,
                 gated_mlp=False, bias=c.bias, tied=c.tie_embeddings, layernorm=True, pos_emb=True,
-                n_experts=c.n_experts, moe_top_k=c.moe_top_k, moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every)
+                n_experts=c.n_experts, moe_top_k=c.moe_top_k, moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every,
+                moe_load_balancing=c.moe_aux_loss_coeff > 0)
 
 
 def pick_arch(params: str) -> Arch:
@@ -150,7 +152,7 @@ def param_count(a: Arch, tp: int = 1, ep: int = 1) -> dict:
     per_rank = L * sum(local.values()) + -(-emb // tp) + -(-head // tp) + pos + norm + moe["per_rank"]
     return {"total": total, "per_rank": per_rank, "active": total - moe["total"] + moe["active"],
             "layer": sum(full.values()), "layer_per_rank": sum(local.values()),
-            "embedding": emb, "lm_head": head, "position": pos, "final_norm": norm}
+            "embedding": emb, "head": head, "position": pos, "final_norm": norm}
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -194,18 +196,13 @@ def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool =
     return pb + grad + (state / dp if distributed_optimizer else state)
 
 
-def _shape(config: GPTConfig, tp: int, rank: int, **kw) -> StepShape:
-    return StepShape.of(config, tp=tp, tp_rank=rank, **kw)
-
-
 def parameters_per_rank(config: GPTConfig, tp: int) -> int:
     """Parameters on the TP rank holding the most (they all hold the same number today): what
-    `GPT(ctx, config).num_parameters_local()` counts there."""
-    return max(sum(p.numel for p in local_parameters(_shape(config, tp, r, micro_batch=1, seq_len=1)))
-               for r in range(tp))
+    `GPT(ctx, config).num_parameters_local()` counts there (the model's own declarations)."""
+    return max(sum(p.numel for p in planned_parameters(config, tp=tp, rank=r)) for r in planned_ranks(tp))
 
 
-def _ranks(n: int, every: int = 16) -> list[int]:
+def planned_ranks(n: int, every: int = 16) -> list[int]:
     """The ranks of a group whose walks are computed: all of a small group, else the first and
     the last few (where the vocabulary's and the buffer's padding end up)."""
     return list(range(n)) if n <= every else [0, 1, n - 2, n - 1]
@@ -254,7 +251,7 @@ def check_layout(*, n_layer: int, tp: int, seq_len: int, recompute: str = "none"
                           f"sequence over the TP ranks; use a multiple of {tp}")
 
 
-def _check(name: str, value, low: int = 1) -> None:
+def check_positive(name: str, value, low: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
 
@@ -282,7 +279,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     e.g. a mesh the model cannot be split over."""
     for name, v in (("tp", tp), ("dp", dp), ("micro_batch", micro_batch), ("seq_len", seq_len), ("accum", accum),
                     ("threads", threads)):
-        _check(name, v)
+        check_positive(name, v)
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"--device {device!r}: use cuda or cpu")
     dtype = resolve_dtype(dtype, precision)
@@ -300,14 +297,15 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
             raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
     if config is not None and not a.n_experts:  # (the simulated step has no MoE layers: those use the formula)
         P = parameters_per_rank(config, tp)
-        peaks = [step_peak(_shape(config, tp, r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device,
-                                  threads=threads, dp=dp, dp_rank=d, distributed_optimizer=distributed_optimizer,
-                                  **layout))
-                 for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
+        mesh = Mesh(tp, dp)
+        peaks = [planned_step(config, tp=tp, dp=dp, ep=ep, rank=mesh.rank_of(r, d), micro_batch=b, seq_len=s,
+                              accum=accum, dtype=dtype, device=device, threads=threads,
+                              distributed_optimizer=distributed_optimizer, **layout)
+                 for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
         worst = max(peaks, key=lambda p: p["activations_peak"])
         stash = [max(col) for col in zip(*(p["stash_per_layer"] for p in peaks))]
         act = {"bytes": worst["activations_peak"], "where": worst["where"], "stash_per_layer": stash,
-               "source": f"cutp's training step, simulated ({'GPU' if device == 'cuda' else f'CPU, {threads} thread(s)'})"}
+               "source": f"cutp's training step, run on shape-only arrays ({'GPU' if device == 'cuda' else f'CPU, {threads} thread(s)'})"}
     else:
         P = param_count(a, tp, ep)["per_rank"]
         if config is not None:  # exact: the dense model's shards (padded vocabulary) and the MoE layers' own
@@ -335,9 +333,11 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     def coll(calls, elems, itemsize, factor):
         return {"calls": calls, "elements": elems, "bytes": elems * itemsize, "wire_bytes": elems * itemsize * factor}
 
-    # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward
+    # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward;
+    # `counted` 1 if the step's counting pass (cutp.train.moe: several micro-batches) does it first
     moe_recomputed = [int(recompute == "full" and i < (L if recompute_layers is None else recompute_layers))
                       for i in range(L) if a.n_experts and i % a.moe_every == 0]
+    counted = int(accum > 1 and a.moe_load_balancing)
     ring_ar = 2 * (tp - 1) / tp
     dp_one = (dp - 1) / dp
     on_dp = dp > 1
@@ -346,9 +346,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
         "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
-        "ep_all_to_all": coll(sum(5 + 3 * r for r in moe_recomputed) * accum if ep > 1 else 0,
-                              sum(2 + r for r in moe_recomputed) * accum * all_to_all_elements(a, s, b, tp, ep), pb,
-                              (ep - 1) / ep),
+        "ep_all_to_all": coll(sum(5 + 3 * (r + counted) for r in moe_recomputed) * accum if ep > 1 else 0,
+                              sum(2 + r + counted for r in moe_recomputed) * accum
+                              * all_to_all_elements(a, s, b, tp, ep), pb, (ep - 1) / ep),
         "params_per_gpu": P, "padded_params": N,
         "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
         "act_bytes": act["bytes"], "activations": act,
@@ -376,7 +376,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     return out
 
 
-def _model(args) -> tuple[Arch, GPTConfig | None]:
+def model_of_args(args) -> tuple[Arch, GPTConfig | None]:
     if args.params and args.preset:
         raise ConfigError("give --params or --preset, not both")
     if args.preset:
@@ -399,7 +399,7 @@ def _model(args) -> tuple[Arch, GPTConfig | None]:
 
 
 def run(args) -> Report:
-    a, config = _model(args)
+    a, config = model_of_args(args)
     seq = args.seq_len or a.seq
     r = plan(a, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq, accum=args.accum,
              precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,

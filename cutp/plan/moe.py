@@ -9,11 +9,11 @@ token runs through top_k experts: the active parameters count top_k of them.
 Activations an MoE layer keeps for backward (cutp.tensor_parallel.moe; act: the activation
 item size, routing assumed balanced, so every expert sees n k / E of the n tokens' assignments,
 nothing dropped), in place of the dense MLP's 2 s b h act (input) + 2 s b f act / t x 2 (the
-GeLU input and c_proj's input) + s b (dropout mask):
+GeLU input and the output projection's input) + s b (dropout mask):
 
     input          s b h act            (/t with sequence parallelism)
     router         3 s b E x 4 bytes    logits, probabilities, their top-k and gates (fp32; /t with SP)
-    experts        k s b (2 h + 2 f) act / t   each assignment's input rows, GeLU input, c_proj's
+    experts        k s b (2 h + 2 f) act / t   each assignment's input rows, GeLU input, the output projection's
                                          input and output (the tokens split over TP)
     dropout mask   s b                  (/t with SP)
 

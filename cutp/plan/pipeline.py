@@ -2,7 +2,7 @@
 predicted bubble (`cutp.plan.layout` plans one rank of a pipeline-free mesh; this plans each stage).
 
 Stages (cutp/model.py): the layers split evenly over the P stages, or `--pp-layers a,b,..`; the
-embeddings on the first stage, ln_f, the LM head and the loss on the last, which with tied
+embeddings on the first stage, the final norm, the LM head and the loss on the last, which with tied
 embeddings holds its own copy of the token embedding (its parameters, gradients and optimizer
 state count there too). `--pp-virtual V` (the interleaved schedule, Megatron's interleaved 1F1B):
 the layers split into P*V virtual stages (`--pp-layers` then gives P*V counts), virtual stage
@@ -21,7 +21,7 @@ stage's layers keep for backward (m = --accum micro-batches per step):
                    get_num_warmup_microbatches, plus the steady state's one forward before its
                    backward; cutp.train.pipeline.plan)
 
-A cutp preset's stage is walked array by array in the schedule's order (cutp.plan.step_pipeline);
+A cutp preset's stage is cutp's own step of that pipeline rank, run on shape-only arrays (cutp.plan.run);
 a --params architecture's stage holds, at the schedule's worst moment, the in-flight micro-batches'
 stashes (Korthikanti et al.'s per-layer formula, `plan.activation_bytes_per_layer`) and the last
 stage's fp32 logits for each of its own in flight.
@@ -42,11 +42,19 @@ from ..runtime.errors import ConfigError
 from ..train.pipeline import SCHEDULES, pipeline_bubble
 from ..train.pipeline import plan as schedule_plan
 from ..train.reporting import Report
-from .layout import (GPUS, ITEMSIZE, Arch, _check, _model, _ranks, activation_bytes_per_layer, check_layout,
+from .layout import (GPUS, ITEMSIZE, Arch, check_positive, model_of_args, planned_ranks, activation_bytes_per_layer, check_layout,
                    param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
-from .step_pipeline import Chunk, stage_peak
-from .step_shape import StepShape, local_parameters
+from ..runtime.mesh import Mesh
+from .run import planned_parameters, planned_step
+
+class Chunk:
+    """One model chunk of a rank: its layers' global indices, whether it holds the embedding
+    (the first virtual stage) and the head (the last)."""
+
+    def __init__(self, layers, first: bool, last: bool):
+        self.layers, self.first, self.last = tuple(layers), first, last
+
 
 def schedule_events(kind: str, p: int, stage: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
     """The order of ("F" | "B", micro-batch, chunk) one rank runs: cutp's own schedule
@@ -68,9 +76,9 @@ def check_pipeline(*, n_layer: int, pp: int, m: int, schedule: str | None, virtu
     """(the schedule, each rank's model chunks), or ConfigError naming the numbers: the rules of
     cutp's training (m >= pp for 1F1B) and Megatron's interleaved schedule (V >= 2, m a multiple
     of pp)."""
-    _check("pp", pp)
-    _check("pp_virtual", virtual)
-    _check("accum", m)
+    check_positive("pp", pp)
+    check_positive("pp_virtual", virtual)
+    check_positive("accum", m)
     kind = schedule or ("interleaved" if virtual > 1 else "1f1b")
     if kind not in SCHEDULES:
         raise ConfigError(f"--pp-schedule {kind!r}: use one of {', '.join(SCHEDULES)}")
@@ -101,7 +109,7 @@ def stage_parameters(a: Arch, tp: int, n_layers: int, first: bool, last: bool) -
     if first:
         n += emb + pc["position"]
     if last:
-        n += pc["final_norm"] + (-(-pc["lm_head"] // tp) if not a.tied else (0 if first else emb))
+        n += pc["final_norm"] + (-(-pc["head"] // tp) if not a.tied else (0 if first else emb))
     return n
 
 
@@ -136,21 +144,21 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
         n_moe = sum(1 for n in layers if a.n_experts and n % a.moe_every == 0)
         if config is not None and moe is not None:  # the dense stage's exact shards, the MoE layers' own
             dense = dataclasses.replace(config, n_experts=0)
-            n_local = max(sum(p.numel for p in local_parameters(StepShape.of(
-                dense, tp=tp, tp_rank=r, micro_batch=b, seq_len=s, layer_ids=layers, first_stage=first,
-                last_stage=last))) for r in _ranks(tp)) + n_moe * moe_delta
+            n_local = max(sum(p.numel for p in planned_parameters(dense, tp=tp, pp=pp, rank=rank * tp + r,
+                                                                  pp_layers=pp_layers, pp_virtual=virtual))
+                          for r in planned_ranks(tp)) + n_moe * moe_delta
         if config is not None and moe is None:
-            shapes = [StepShape.of(config, tp=tp, tp_rank=r, micro_batch=b, seq_len=s, accum=accum, dtype=dtype,
-                                   device=device, threads=threads, dp=dp, dp_rank=d,
-                                   distributed_optimizer=distributed_optimizer, layer_ids=layers, first_stage=first,
-                                   last_stage=last, **layout)
-                      for r in _ranks(tp) for d in (_ranks(dp) if distributed_optimizer else (0,))]
-            n_local = max(sum(p.numel for p in local_parameters(sh)) for sh in shapes)
-            walks = [stage_peak(sh, mine, kind, accum, pp, rank) for sh in shapes]
+            mesh = Mesh(tp, dp, pp)
+            walks = [planned_step(config, tp=tp, dp=dp, pp=pp, rank=mesh.rank_of(r, d, rank), micro_batch=b,
+                                  seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
+                                  distributed_optimizer=distributed_optimizer, pp_layers=pp_layers,
+                                  pp_schedule=kind, pp_virtual=virtual, **layout)
+                     for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
+            n_local = max(w["params_local"] for w in walks)
             worst = max(walks, key=lambda w: w["activations_peak"])
             act = {"bytes": worst["activations_peak"], "where": worst["where"],
-                   "stash_per_layer": [max(col) for col in zip(*(w["stash_per_layer"] for w in walks))],
-                   "in_flight": worst["in_flight"], "stash_per_micro_batch": worst["stash_per_micro_batch"]}
+                   "stash_per_layer": [max(w["stash_per_layer"][n] for w in walks) for n in layers],
+                   "in_flight": worst["in_flight"]}
         else:
             if config is None:
                 n_local = stage_parameters(a, tp, len(layers), first, last) + n_moe * moe_delta
@@ -177,13 +185,16 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                        "total": state + act["bytes"], "fits": {n: state + act["bytes"] <= cap for n, cap in GPUS}})
     largest = max(range(pp), key=lambda i: (stages[i]["total"], -i))
     message = b * s * h * act_bytes // (tp if sp else 1)
+    counted = int(bool(a.n_experts) and a.moe_load_balancing and accum > 1)  # cutp.train.moe's counting pass:
+    # every micro-batch forward through the stages once more before the schedule
     return {"arch": a.__dict__, "pp": pp, "tp": tp, "dp": dp, "gpus": pp * tp * dp, "schedule": kind,
             "virtual": virtual, "micro_batches": accum, "micro_batch": b, "seq_len": s, "dtype": dtype,
             "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
             "params_total": whole["params_total"], "params_per_gpu_pp1": whole["params_per_gpu"],
             "stages": stages, "largest_stage": largest, "bubble": pipeline_bubble(pp, accum, virtual),
             "p2p_bytes_per_micro_batch": message,
-            "p2p_bytes_per_step": {"forward": accum * virtual * message, "backward": accum * virtual * message},
+            "p2p_bytes_per_step": {"forward": (1 + counted) * accum * virtual * message,
+                                   "backward": accum * virtual * message},
             "fits": {n: all(st["fits"][n] for st in stages) for n, _ in GPUS}}
 
 
@@ -204,7 +215,7 @@ def micro_batches(args) -> int:
 
 
 def run(args) -> Report:
-    a, config = _model(args)
+    a, config = model_of_args(args)
     seq = args.seq_len or a.seq
     r = plan_pipeline(a, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq,
                       accum=micro_batches(args), schedule=args.pp_schedule, virtual=args.pp_virtual,
@@ -244,7 +255,7 @@ def run(args) -> Report:
                     + (" (1F1B: the first stage keeps the most micro-batches in flight)"
                        if r["schedule"] != "gpipe" and big["stage"] == 0 else ""))
     st.notes.append("state: parameters, gradients and optimizer state of the stage's layers (+ the embeddings on the "
-                    "first stage, ln_f and the LM head on the last; tied: the last stage's own wte copy)")
+                    "first stage, the final norm and the LM head on the last; tied: the last stage's own copy of the token embedding)")
     unit = "chunk forwards" if v > 1 else "micro-batches"
     st.notes.append(f"in flight: the {unit} whose activations a stage holds at once ({r['schedule']}); activations: "
                     + ("cutp's step on that stage, simulated in the schedule's order" if config is not None
@@ -259,8 +270,10 @@ def run(args) -> Report:
     msg = r["p2p_bytes_per_micro_batch"]
     pipe.add(what="p2p per micro-batch", value=f"{msg / 1e6:,.2f} MB each way ([{args.micro_batch}, {seq}"
              + (f"/{args.tp}" if sp else "") + f", {a.n_embd}] {r['dtype']})")
+    counted = r["p2p_bytes_per_step"]["forward"] > r["p2p_bytes_per_step"]["backward"]
     pipe.add(what="p2p per step and stage", value=f"{m * v} sends forward, {m * v} backward (the last stage "
-             f"{m * (v - 1)} forward, the first {m * (v - 1)} backward): {r['p2p_bytes_per_step']['forward'] / 1e9:,.3f} GB each way")
+             f"{m * (v - 1)} forward, the first {m * (v - 1)} backward): {r['p2p_bytes_per_step']['backward'] / 1e9:,.3f} GB each way"
+             + (" (and forward as much again: the MoE counting pass)" if counted else ""))
     pipe.add(what="predicted bubble", value=f"{100 * r['bubble']:.1f}% = " + ("(p-1)/(V*m+p-1)" if v > 1 else "(p-1)/(m+p-1)")
              + f" with p={p}, m={m}" + (f", V={v}" if v > 1 else ""))
     return report

@@ -18,7 +18,7 @@ from ..models import near_even
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
 from ..train.reporting import Report
-from .layout import _check, _model
+from .layout import check_positive, model_of_args
 from .pipeline import plan_pipeline
 
 TPS = (1, 2, 4, 8)
@@ -122,11 +122,11 @@ def run(args) -> Report:
                           "with --tp, --pp and --dp")
     if args.plot:
         raise ConfigError("--plot draws one layout's memory; --search lists layouts (use --json or --markdown)")
-    _check("gpus", args.gpus)
+    check_positive("gpus", args.gpus)
     caps = tuple(g * 1e9 for g in (args.gpu_memory or (80, 141)))
     if min(caps) <= 0:
         raise ConfigError(f"--gpu-memory {min(caps) / 1e9:g}: give the GB of one GPU, e.g. 80")
-    a, _ = _model(args)
+    a, _ = model_of_args(args)
     dtype = args.dtype or "bfloat16"
     rows = search(a, gpus=args.gpus, capacities=caps, dtype=dtype, micro_batch=args.micro_batch,
                   seq_len=args.seq_len, batch_size=args.batch_size)

@@ -1,8 +1,10 @@
 """The runtime: what every other part of cutp stands on. It imports nothing above it.
 
-errors       ConfigError, BackendError: the exceptions users see
+errors       ConfigError, BackendError: the exceptions users see (settings named by field; a
+             command line renders its flags, `settings_named`)
 backend      NumPy or CuPy: the array module of an array, the device a run uses, GPU facts
-mesh         the TP x DP mesh (pure: rank arithmetic and its checks) and the GPU-per-rank rule
+mesh         the mesh of named dimensions (tp, dp, pp; ep carved from dp): ranks, groups, split
+             colours, the sizes derived from those given (pure), and the GPU-per-rank rule
 threads      BLAS threads per rank and the ops' host thread pool (`parallel_map`)
 abort        ending every rank of the job: `abort_job`, after the launcher has read our output
 watchdog     the timer that aborts the job when a collective waits on a dead or stuck peer

@@ -15,6 +15,7 @@ import types
 import numpy as np
 
 from .errors import BackendError
+from .shape_only import ShapeArray, ShapeOnly
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -24,9 +25,23 @@ def is_cupy_array(x) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+def is_device_array(x) -> bool:
+    """A GPU array: CuPy's, or the planner's shape-only stand-in of one (cutp.runtime.shape_only)."""
+    return is_cupy_array(x) or (isinstance(x, ShapeArray) and x.xp.device == "cuda")
+
+
+def on_host(xp) -> bool:
+    """Whether arrays of module xp live in host memory and take the CPU code paths (NumPy, or the
+    planner's shape-only stand-in of it)."""
+    return xp is np or getattr(xp, "host", False)
+
+
 def get_array_module(*arrays) -> types.ModuleType:
-    """numpy, or cupy if any argument is a CuPy array."""
+    """numpy, or cupy if any argument is a CuPy array (the shape-only module of the planner's
+    arrays for those)."""
     for a in arrays:
+        if isinstance(a, ShapeArray):
+            return a.xp
         if is_cupy_array(a):
             import cupy  # optional dependency
 
@@ -36,6 +51,8 @@ def get_array_module(*arrays) -> types.ModuleType:
 
 def to_numpy(x) -> np.ndarray:
     """A host copy (or the array itself, if it already lives on the host)."""
+    if isinstance(x, ShapeArray):
+        return x.xp.to_numpy(x)
     if is_cupy_array(x):
         return x.get()
     return np.asarray(x)
@@ -148,6 +165,8 @@ def as_array(xp, a, dtype=None):
     CUDA tensors, ...) or DLPack (`__dlpack__`), and anything `asarray` takes. This is how a host
     code hands its own arrays to cutp; cutp's arrays export both protocols in return.
     """
+    if isinstance(xp, ShapeOnly):
+        return xp.asarray(a, dtype)
     if xp is np:
         if is_cupy_array(a):
             a = a.get()

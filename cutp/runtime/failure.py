@@ -128,20 +128,22 @@ def end_job_together(status: int) -> None:
 
 
 @contextlib.contextmanager
-def config_errors_exit(prog: str):
+def config_errors_exit(prog: str, name_of=None):
     """For a command-line entry point: a `UserError` (a setting or input that cannot run:
     `ConfigError`, a damaged checkpoint) leaving the block ends the program with one line,
     ``<prog>: error: <message>``, and its exit status (2 for a ConfigError, argparse's
     convention for usage errors; 1 for run-time problems), no traceback. An error every rank raised
     (`errors_raised_on_every_rank`; cutp's configuration checks) is printed once, by the rank
     that found it, and the ranks exit together; one only this rank raised ends the job with its
-    line (MPI_Abort). Other exceptions pass through (the excepthook's traceback and abort)."""
+    line (MPI_Abort). Other exceptions pass through (the excepthook's traceback and abort).
+    `name_of` writes the settings a message names in the command line's terms (its flags:
+    `UserError.render`)."""
     try:
         yield
     except UserError as e:
         every = getattr(e, "cutp_every_rank", None)
         rank = MPI.COMM_WORLD.Get_rank()
-        line = f"{prog}: error: {e}\n"
+        line = f"{prog}: error: {e.render(name_of)}\n"
         status = e.exit_status
         if MPI.COMM_WORLD.Get_size() > 1 and not isinstance(every, EveryRank):
             abort_job(f"[rank {rank}] {line}", code=status)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..ops._common import as_dtype, compute_dtype
+from ..ops.common import as_dtype, compute_dtype
 from .mappings import (
     copy_to_tp_backward,
     gather_from_sp_backward,

@@ -12,7 +12,6 @@ rank holds tokens [rank * T/tp, (rank + 1) * T/tp) of every sequence):
 
     gather_from_sp          forward all-gather       backward reduce-scatter  (before a column layer)
     reduce_scatter_to_sp    forward reduce-scatter   backward all-gather      (after a row layer)
-    scatter_to_sp           forward keep my tokens   backward all-gather
 
 An all-reduce is a reduce-scatter then an all-gather, so replacing each all-reduce by one of
 them moves the same bytes (Korthikanti et al. 2022). The collectives concatenate along axis 0,
@@ -105,17 +104,8 @@ def reduce_scatter_to_sp_forward(comm, partial):
     return xp.ascontiguousarray(xp.moveaxis(r, 0, 1))
 
 
-def scatter_to_sp_forward(comm, x):
-    """This rank's tokens [B, T/tp, ...] of a replicated [B, T, ...] (a copy)."""
-    if comm.size == 1:
-        return x
-    t0, k = sequence_shard(comm, x.shape[1])
-    return get_array_module(x).ascontiguousarray(x[:, t0:t0 + k])
-
-
 gather_from_sp_backward = reduce_scatter_to_sp_forward
 reduce_scatter_to_sp_backward = gather_from_sp_forward
-scatter_to_sp_backward = gather_from_sp_forward
 
 
 def _contiguous(x):

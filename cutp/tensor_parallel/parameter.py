@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..runtime.backend import get_array_module
+from ..runtime.backend import get_array_module, on_host
 from ..runtime.threads import parallel_map
 from .sharding import Sharding, take_shard
 
@@ -85,7 +85,7 @@ class Parameter:
         xp = get_array_module(g)
         if self.norm_mask is not None:
             g = xp.compress(self.norm_mask, g, axis=self.sharding.axis)
-        if xp is np:
+        if on_host(xp):
             return _sq_sum_host(g)
         return (g.astype(np.float64) ** 2).sum() if g.dtype != np.float64 else (g * g).sum()
 
@@ -109,7 +109,7 @@ def _sq_sum_host(g):
         return float(b @ b)
 
     total = np.float64(0.0)
-    for p in parallel_map(np, part, range(0, n, _SQ_BLOCK)):
+    for p in parallel_map(get_array_module(g), part, range(0, n, _SQ_BLOCK)):
         total += p
     return total
 
@@ -247,10 +247,14 @@ def not_stashed(module: Module):
     its masks): full activation recomputation runs a layer's first forward so, and reruns it for
     real in backward."""
     mods = list(module.modules())
-    for m in mods:
+    before = [m.__dict__.get("stash") for m in mods]  # (nested in another, e.g. the MoE counting pass:
+    for m in mods:  # a recomputed block's own not_stashed must leave the outer one's False in place)
         m.stash = False
     try:
         yield
     finally:
-        for m in mods:
-            m.__dict__.pop("stash", None)
+        for m, b in zip(mods, before):
+            if b is None:
+                m.__dict__.pop("stash", None)
+            else:
+                m.stash = b

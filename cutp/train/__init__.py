@@ -2,7 +2,9 @@
 model`, a host code that trains on a sub-communicator of its own).
 
 config     RunConfig (every setting of a run, frozen) and resolve_run_config, the one place its
-           defaults are derived, validated and compared across ranks
+           defaults are derived, validated and compared across ranks; command_line_parser
+settings   a setting declared once (type, default, allowed values, help, check): RunConfig's
+           fields, the parser and the flag names of error messages come from it
 step       build_run (context, model, optimizer, data; resumed), train_step -> StepStats,
            evaluate, save, resume, StepHooks
 signals    StopOnSignal: SIGTERM/SIGINT end the run after the current step, on every rank
@@ -19,14 +21,16 @@ memory     memory per rank, measured: state_bytes (params, grads, optimizer), Ac
     train.save(run)
     run.close()
 """
-from .config import CHOICES, RUN_SETTINGS, RunConfig, choose_tp, default_preset, resolve_run_config
+from .config import CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_parser, flag_name, resolve_run_config
+from .defaults import choose_tp, default_preset
 from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
 from .reporting import MetricsLog, progress_line
 from .signals import StopOnSignal
 from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
 
 __all__ = [
-    "CHOICES", "RUN_SETTINGS", "RunConfig", "choose_tp", "default_preset", "resolve_run_config",
+    "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",
+    "flag_name", "resolve_run_config",
     "MetricsLog", "progress_line", "StopOnSignal",
     "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",
     "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",

@@ -11,129 +11,173 @@ on every rank, then compares the result across ranks once more, all before the f
 of the run itself. A `RunConfig` made directly (every field explicit) is checked by its own
 constructor for what needs no world (ranges, divisibility, the model's shape rules at its tp).
 
+Each setting is declared once, as a `setting(...)` field of RunConfig (or in EXTRA_CHOICES for
+the few choices that are no field): its type, default, allowed values, help and check. The
+checks, `CHOICES`, `RUN_SETTINGS`, examples/train_gpt.py's parser (`command_line_parser`) and
+the flag names of its error messages (`flag_name`) all come from those declarations
+(cutp.train.settings). Errors name settings by field (`micro_batch_size`); a command line
+renders them as its flags. Derived defaults: the mesh from any of tp, dp, pp and ep given
+(`cutp.runtime.mesh.derive_mesh`), the batch and micro-batch a pipeline schedule needs
+(cutp.train.defaults).
+
 Run settings (`RUN_SETTINGS`: steps, batch, sequence length, learning-rate schedule, seed, data,
 dropout) define the training itself. A resumed run takes them from the checkpoint, and a choice
 that contradicts the checkpoint is refused (the run would silently change its math), except
 `steps`, which may extend or shorten the run. The mesh may change on resume: checkpoints load at
-any TP, DP and PP size (and any --pp-layers).
+any TP, DP and PP size (and any pp_layers).
 
 `init_from` (a Hugging Face GPT-2 directory, or a cutp checkpoint or run directory) starts a new
 run, fine-tuning: step 0, a fresh optimizer and schedule, the run settings as chosen; the model
-config is the directory's (dropout and dtype as chosen; a preset or --set that changes its
-shapes is refused), and `build_run` loads its weights.
+config is the directory's (dropout and dtype as chosen; a preset or `set` overrides that change
+its shapes are refused), and `build_run` loads its weights.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from ..checkpoint import ARCH_FIELDS, read_meta, resolve_checkpoint
-from ..checkpoint.files import is_cutp_checkpoint
-from ..models.hf import config_from_hf, read_hf_config
-from ..models import GPT, PRESETS, GPTConfig, stage_layers
+from ..checkpoint import read_meta, resolve_checkpoint
+from ..data import micro_batches
+from ..models import DTYPES, GPT, PRESETS, GPTConfig, stage_layers
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
-from ..runtime.mesh import validate_mesh
+from ..runtime.mesh import derive_mesh
 from ..runtime.watchdog import check_timeout
+from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
+from .defaults import (MAX_DEFAULT_TP, choose_tp, default_batch, default_micro_batch, divisors, either,
+                       refuse_sequence_parallel, schedule_takes)
 from .pipeline import SCHEDULES
+from .settings import Setting, declared, flag_of, setting
+from .settings import command_line_parser as command_line_parser_of
 
-# The run settings and their defaults (None: derived, see resolve_run_config).
-RUN_SETTINGS = {"steps": 200, "batch_size": None, "seq_len": None, "lr": None, "min_lr": None, "warmup": None,
-                "weight_decay": 0.1, "grad_clip": 1.0, "dropout": 0.0, "seed": 1337, "data": None}
-
-# What a caller may choose, with the defaults of the settings that are not run settings: the
-# only place these defaults are written (examples/train_gpt.py's flags default to None). The
-# names are those of its flags ("set" is --set: KEY=VALUE model overrides).
-CHOICES = {
-    **RUN_SETTINGS,
-    "model": None, "preset": None, "set": (), "dtype": None,
-    "device": "auto", "tp": None, "dp": None, "pp": None, "ep": None, "pp_layers": None, "pp_schedule": None,
-    "pp_virtual": None,
-    "micro_batch_size": None,
-    "run_steps": None, "max_skips": 5,
-    "distributed_optimizer": False, "grad_reduce_dtype": "float32",
-    "recompute": "none", "recompute_layers": None, "sequence_parallel": False,
-    "loss_scale": None, "initial_loss_scale": 2.0 ** 16, "loss_scale_window": 1000, "hysteresis": 2,
-    "min_loss_scale": 1.0,
-    "eval_every": 50, "eval_batches": 4,
-    "out": None, "resume": None, "overwrite": False, "init_from": None, "save_every": 0, "keep": 3,
-    "metrics": None, "log_every": 1, "quiet": False, "save_on_signal": True, "collective_timeout": None,
-}
-
-# The largest tp `resolve_run_config` picks by itself: a node's GPUs; on the CPU at most 4 ranks,
-# so that some data parallelism remains on a few cores.
-MAX_DEFAULT_TP = {"cuda": 8, "cpu": 4}
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Every setting of a run. Make one with `resolve_run_config` (defaults, resume, checks
-    across ranks), or directly with every field given."""
+    across ranks), or directly with every field given. Each field made by `setting` is declared
+    once there: its check, its default, its flag and --help line (cutp.train.settings)."""
 
     model: GPTConfig  # its dropout is a run setting too
+    # where the model came from, for the banner and for a later resume
+    preset: str | None = setting(
+        None, "the model's size", "model", choices=tuple(sorted(PRESETS)), optional=True,
+        derived="gpt2 on GPUs, tiny on the CPU; on resume the checkpoint's")
     # the mesh, the device, and how a step is split (none of them changes the math)
-    device: str = "cpu"
-    tp: int = 1
-    dp: int = 1
-    pp: int = 1  # pipeline stages
-    ep: int = 1  # expert parallelism: MoE experts split over ep consecutive DP ranks (cutp.train.moe)
-    pp_layers: tuple | None = None  # layers per stage (None: n_layer / pp each)
-    pp_schedule: str = "1f1b"  # or "gpipe", "interleaved" (cutp.train.pipeline)
-    pp_virtual: int = 1  # model chunks per stage (the interleaved schedule)
-    micro_batch_size: int = 8  # sequences per forward on one DP rank
+    device: str = setting("cpu", "where the run computes (auto: cuda when a GPU is usable, else cpu)", "mesh",
+                          choices=("cpu", "cuda", "auto"), omitted="auto")
+    tp: int = setting(1, "tensor-parallel size: each layer's weights split over tp ranks", "mesh", kind=int,
+                      at_least=1, derived="world / (dp * pp) with --dp, else chosen for the machine: the largest "
+                      f"that fits a node ({MAX_DEFAULT_TP['cuda']} GPUs, {MAX_DEFAULT_TP['cpu']} CPU ranks), "
+                      "divides the ranks and suits the model's heads")
+    dp: int = setting(1, "data-parallel size: each DP rank takes an equal share of the batch", "mesh", kind=int,
+                      at_least=1, derived="world / (tp * pp)")
+    pp: int = setting(1, "pipeline stages: the layers split over pp ranks", "pipeline", kind=int, at_least=1)
+    ep: int = setting(1, "expert parallelism: an MoE model's experts split over ep consecutive DP ranks (ep divides "
+                      "dp and n_experts), tokens sent to them by all-to-all", "mesh", kind=int, at_least=1)
+    sequence_parallel: bool = setting(
+        False, "split the activations between the TP regions along the sequence (LayerNorm, dropout and residuals "
+        "on seq-len/tp tokens per rank; needs tp > 1 and a --seq-len that tp divides)", "mesh", kind=bool)
+    pp_layers: tuple | None = setting(
+        None, "layers of each stage, e.g. 5,6,6,5; with --pp-virtual V, of each of the pp * V model chunks in the "
+        "model's order", "pipeline", optional=True, metavar="N,N,...", derived="n_layer / pp each")
+    pp_schedule: str = setting(
+        "1f1b", "pipeline schedule: 1f1b keeps at most pp - stage micro-batches in flight, gpipe all of them, "
+        "interleaved is Megatron's interleaved 1F1B over --pp-virtual chunks (bubble / V)", "pipeline",
+        choices=SCHEDULES, derived="1f1b; interleaved with --pp-virtual 2 or more")
+    pp_virtual: int = setting(1, "model chunks per pipeline stage (the interleaved schedule: 2 or more implies "
+                              "--pp-schedule interleaved)", "pipeline", kind=int, at_least=1)
+    micro_batch_size: int = setting(
+        8, "sequences per forward on one DP rank: trades memory for speed, never changes the math", "pipeline",
+        kind=int, at_least=1, derived="the whole per-DP-rank batch; with --pp, the largest that gives the schedule "
+        "its micro-batches (1f1b, gpipe: at least pp; interleaved: a multiple of pp)")
     # the optimizer's layout and precision (model.dtype is the parameters'; 16-bit models train
     # through float32 master weights and float32 gradients)
-    distributed_optimizer: bool = False  # optimizer state sharded over DP (ZeRO-1)
-    grad_reduce_dtype: str = "float32"  # "bfloat16": half the DP bytes, less precise sums
-    loss_scale: float | None = None  # a static loss scale; None: dynamic for float16, else none
-    initial_loss_scale: float = 2.0 ** 16  # the dynamic scaler's (float16)
-    loss_scale_window: int = 1000  # clean steps before the dynamic scale doubles
-    hysteresis: int = 2  # overflows before the dynamic scale halves
-    min_loss_scale: float = 1.0
-    recompute: str = "none"  # activation recomputation: "selective" (core attention) or "full" (layers)
-    recompute_layers: int | None = None  # with "full": the first N layers (None: all)
-    sequence_parallel: bool = False  # activations between the TP regions split along the sequence
+    distributed_optimizer: bool = setting(
+        False, "shard the optimizer state (fp32 master weights, Adam moments) over DP (ZeRO-1)", "memory", kind=bool)
+    grad_reduce_dtype: str = setting(
+        "float32", "dtype of the DP gradient reduction: bfloat16 halves the bytes, with sums rounded to bf16",
+        "memory", choices=GRAD_REDUCE_DTYPES)
+    loss_scale: float | None = setting(None, "a static loss scale", "memory", kind=float, above=0, optional=True,
+                                       derived="dynamic for float16, else none")
+    initial_loss_scale: float = setting(2.0 ** 16, "the dynamic loss scale's start (float16)", "memory", kind=float,
+                                        above=0)
+    loss_scale_window: int = setting(1000, "clean steps before the dynamic scale doubles", "memory", kind=int,
+                                     at_least=1)
+    hysteresis: int = setting(2, "overflows before the dynamic scale halves", "memory", kind=int, at_least=1)
+    min_loss_scale: float = setting(1.0, "the dynamic scale's floor", "memory", kind=float, above=0)
+    recompute: str = setting(
+        "none", "activation recomputation: selective recomputes the core attention in backward, full whole layers "
+        "(each keeps only its input); the math is unchanged", "memory", choices=GPT.RECOMPUTE)
+    recompute_layers: int | None = setting(None, "with --recompute full: the first N layers", "memory", kind=int,
+                                           at_least=1, optional=True, derived="all")
     # run settings (RUN_SETTINGS): the training itself, kept by checkpoints, fixed on resume
     # except steps
-    steps: int = 200
-    batch_size: int = 8  # sequences per optimizer step over all DP ranks
-    seq_len: int = 128
-    lr: float = 1e-3
-    min_lr: float | None = None  # None: lr / 10
-    warmup: int = 10
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # 0: no clipping
-    seed: int = 1337
-    data: str | None = None  # text file or uint16 .bin; None: the Python standard library's sources
+    steps: int = setting(200, "optimizer steps of the whole run (sets the learning-rate schedule)", "run", kind=int,
+                         at_least=0, run=True)
+    batch_size: int = setting(
+        8, "global sequences per optimizer step over all DP ranks (changing tp, dp or pp never changes the math)",
+        "run", kind=int, at_least=1, run=True,
+        derived="8, rounded up to a multiple of dp; with --pp and no --micro-batch-size, up to what gives the "
+        "schedule its micro-batches")
+    seq_len: int = setting(128, "tokens per sequence", "run", kind=int, at_least=1, run=True,
+                           derived="the model's block size, at most 256 on the CPU")
+    lr: float = setting(1e-3, "peak learning rate", "run", kind=float, above=0, run=True,
+                        derived="1e-3 for n_embd <= 256, else 6e-4")
+    min_lr: float | None = setting(None, "the learning rate the cosine decay ends at", "run", kind=float, at_least=0,
+                                   optional=True, run=True, derived="lr / 10")
+    warmup: int = setting(10, "linear warmup steps", "run", kind=int, at_least=0, run=True,
+                          derived="steps / 20, at least 1")
+    weight_decay: float = setting(0.1, "AdamW's weight decay", "run", kind=float, at_least=0, run=True)
+    grad_clip: float = setting(1.0, "global gradient-norm clipping (0: none)", "run", kind=float, at_least=0, run=True)
+    seed: int = setting(1337, "seed of the initial weights, the batches and dropout", "run", kind=int, at_least=0,
+                        run=True)
+    data: str | None = setting(None, "text file (byte-level tokens) or uint16 .bin of token ids", "run",
+                               optional=True, run=True, metavar="PATH",
+                               derived="the Python standard library's sources")
     # this invocation: how far, what stops it, evaluation, checkpoints, logging
-    run_steps: int | None = None  # stop (and checkpoint) after this many steps of this invocation
-    max_skips: int = 5  # consecutive non-finite steps before the run stops
-    eval_every: int = 50
-    eval_batches: int = 4
-    out: str | None = None
-    overwrite: bool = False  # `out` may hold another run's checkpoints: this run's replace them
-    save_every: int = 0
-    keep: int = 3  # checkpoints kept in out (0: all)
-    resume: str | None = None  # the checkpoint directory this run continues from
+    run_steps: int | None = setting(
+        None, "stop (and checkpoint) after this many steps of this invocation, e.g. to fit a job's time limit",
+        "invocation", kind=int, at_least=0, optional=True, derived="until --steps")
+    max_skips: int = setting(5, "stop after this many consecutive non-finite steps", "invocation", kind=int,
+                             at_least=0)
+    eval_every: int = setting(50, "validation every N steps and at the last (0: never)", "invocation", kind=int,
+                              at_least=0)
+    eval_batches: int = setting(4, "validation batches", "invocation", kind=int, at_least=1)
+    out: str | None = setting(None, "run directory for the checkpoints", "invocation", optional=True, metavar="DIR",
+                              derived="none: no checkpoints")
+    overwrite: bool = setting(False, "--out may hold another run's checkpoints: they are removed once this run's "
+                              "first one is saved", "invocation", kind=bool)
+    save_every: int = setting(0, "a checkpoint every N steps (0: only at the end)", "invocation", kind=int,
+                              at_least=0)
+    keep: int = setting(3, "the newest healthy checkpoints kept in --out (0: all)", "invocation", kind=int,
+                        at_least=0)
+    resume: str | None = setting(None, "run or checkpoint directory to continue from", "invocation", optional=True,
+                                 metavar="DIR")
     resumed_step: int | None = None  # its step
-    init_from: str | None = None  # a new run (step 0, fresh optimizer) from these weights: an HF GPT-2
-    #                               directory or a cutp checkpoint; the model config is theirs
-    metrics: str | None = None
-    log_every: int = 1
-    quiet: bool = False
-    save_on_signal: bool = True
-    collective_timeout: float | None = None  # None: $CUTP_COLLECTIVE_TIMEOUT or 600 s
-    # where the model came from, for the banner and for a later resume
-    preset: str | None = None
-    overrides: tuple = ()
+    init_from: str | None = setting(
+        None, "fine-tune: a new run (step 0, fresh optimizer and schedule) from the weights of a Hugging Face GPT-2 "
+        "directory or a cutp checkpoint or run directory; the model is DIR's (--dropout and --dtype may change; "
+        "--preset and --set may not change its shapes)", "invocation", optional=True, metavar="DIR")
+    save_on_signal: bool = setting(True, "on SIGTERM/SIGINT finish the step, checkpoint, exit", "invocation",
+                                   kind=bool)
+    collective_timeout: float | None = setting(
+        None, "seconds a collective may wait for a peer, and a training step may go without progress (no collective "
+        "or micro-batch completing), before the job is aborted (0: the watchdog off)", "invocation", kind=float,
+        optional=True, metavar="SECONDS", derived="$CUTP_COLLECTIVE_TIMEOUT or 600")
+    metrics: str | None = setting(None, "JSONL file, one object per step (rank 0 writes)", "logging", optional=True,
+                                  metavar="PATH")
+    log_every: int = setting(1, "a progress line every N steps", "logging", kind=int, at_least=1)
+    quiet: bool = setting(False, "no progress lines (warnings are still printed)", "logging", kind=bool)
+    overrides: tuple = ()  # the --set choices
 
     def __post_init__(self):
         if not isinstance(self.model, GPTConfig):
@@ -141,13 +185,8 @@ class RunConfig:
         object.__setattr__(self, "overrides", tuple(self.overrides))
         if self.pp_layers is not None:
             object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
-        for name in ("tp", "dp", "pp", "ep", "pp_virtual", "batch_size", "micro_batch_size", "seq_len", "eval_batches",
-                     "log_every"):
-            _positive_int(name, getattr(self, name))
-        for name in ("steps", "warmup", "eval_every", "save_every", "keep", "max_skips", "seed"):
-            _int_at_least(name, getattr(self, name), 0)
-        if self.run_steps is not None:
-            _int_at_least("run_steps", self.run_steps, 0)
+        for name, (declaration, _) in declared(type(self)).items():
+            declaration.check(name, getattr(self, name))
         _one_start(self.resume, self.init_from)
         if self.resume is not None and self.resumed_step is None:
             raise ConfigError("RunConfig.resume is set but resumed_step is not; resolve_run_config(resume=...) "
@@ -155,79 +194,61 @@ class RunConfig:
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda' in a RunConfig, got {self.device!r} "
                               "(resolve_run_config turns 'auto' into one of them)")
-        for name in ("lr", "weight_decay", "grad_clip") + (("min_lr",) if self.min_lr is not None else ()):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (name == "lr" and v == 0):
-                raise ConfigError(f"--{_flag(name)} must be a finite number {'> 0' if name == 'lr' else '>= 0'}, "
-                                  f"got {v!r}")
         if self.collective_timeout is not None:
-            check_timeout(self.collective_timeout, "--collective-timeout")
-        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
-            raise ConfigError(f"--grad-reduce-dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, "
-                              f"got {self.grad_reduce_dtype!r}")
-        for name in ("initial_loss_scale", "min_loss_scale") + (("loss_scale",) if self.loss_scale is not None else ()):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
-                raise ConfigError(f"--{_flag(name)} must be a finite number > 0, got {v!r}")
+            check_timeout(self.collective_timeout, "`collective_timeout`")
         if self.min_loss_scale > self.initial_loss_scale:
-            raise ConfigError(f"--min-loss-scale {self.min_loss_scale:g} exceeds --initial-loss-scale "
+            raise ConfigError(f"`min_loss_scale` {self.min_loss_scale:g} exceeds `initial_loss_scale` "
                               f"{self.initial_loss_scale:g}")
-        if self.recompute not in GPT.RECOMPUTE:
-            raise ConfigError(f"--recompute must be one of {', '.join(GPT.RECOMPUTE)}, got {self.recompute!r}")
-        if self.recompute_layers is not None and (
-                self.recompute != "full" or not isinstance(self.recompute_layers, int)
-                or isinstance(self.recompute_layers, bool) or not 1 <= self.recompute_layers <= self.model.n_layer):
-            raise ConfigError(f"--recompute-layers {self.recompute_layers!r} needs --recompute full and an integer "
+        if self.recompute_layers is not None and (self.recompute != "full"
+                                                  or not self.recompute_layers <= self.model.n_layer):
+            raise ConfigError(f"`recompute_layers` {self.recompute_layers!r} needs `recompute` full and an integer "
                               f"in [1, n_layer={self.model.n_layer}]")
-        _positive_int("loss_scale_window", self.loss_scale_window)
-        _positive_int("hysteresis", self.hysteresis)
         self.model.validate(self.tp)
         if self.seq_len > self.model.block_size:
-            raise ConfigError(f"--seq-len {self.seq_len} exceeds the model's block_size {self.model.block_size}; "
-                              f"use --seq-len <= {self.model.block_size}")
+            raise ConfigError(f"`seq_len` {self.seq_len} exceeds the model's block_size {self.model.block_size}; "
+                              f"use `seq_len` <= {self.model.block_size}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("`sequence_parallel` needs tp > 1 (it splits the activations over the TP ranks), but tp "
+                              "is 1: give `tp` 2 or more, or omit `sequence_parallel`")
         if self.sequence_parallel and self.seq_len % self.tp:
-            raise ConfigError(f"--seq-len {self.seq_len} is not divisible by --tp {self.tp}: --sequence-parallel "
+            raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
-        if self.batch_size % self.dp:
-            raise ConfigError(f"--batch-size {self.batch_size} must be divisible by dp={self.dp} (each DP rank "
-                              f"takes an equal share); use a multiple of {self.dp}")
-        per_rank = self.batch_size // self.dp
-        if per_rank % self.micro_batch_size:
-            raise ConfigError(f"--micro-batch-size {self.micro_batch_size} must divide the per-DP-rank batch "
-                              f"{per_rank} (= batch-size {self.batch_size} / dp {self.dp})")
+        micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)
 
     def _check_pipeline(self) -> None:
-        if self.pp_schedule not in SCHEDULES:
-            raise ConfigError(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}")
         if self.pp_layers is not None and self.pp == 1 and len(self.pp_layers) != 1:
-            raise ConfigError(f"--pp-layers {','.join(map(str, self.pp_layers))} needs --pp {len(self.pp_layers)}")
+            raise ConfigError(f"`pp_layers` {','.join(map(str, self.pp_layers))} needs `pp` {len(self.pp_layers)}")
         V = self.pp_virtual
         if (V > 1) != (self.pp_schedule == "interleaved"):
-            raise ConfigError(f"--pp-virtual {V} with --pp-schedule {self.pp_schedule}: the interleaved schedule "
-                              "runs V >= 2 model chunks per stage, the others one; give --pp-schedule interleaved "
-                              "with --pp-virtual 2 or more, or neither")
+            raise ConfigError(f"`pp_virtual` {V} with `pp_schedule` {self.pp_schedule}: the interleaved schedule "
+                              "runs V >= 2 model chunks per stage, the others one; give `pp_schedule` interleaved "
+                              "with `pp_virtual` 2 or more, or neither")
         if V > 1 and self.pp == 1:
-            raise ConfigError(f"--pp-virtual {V} needs pipeline stages: add --pp 2 or more")
+            raise ConfigError(f"`pp_virtual` {V} needs pipeline stages: add `pp` 2 or more")
         stage_layers(self.model.n_layer, self.pp, self.pp_layers, V)
-        if self.pp == 1:
+        if self.pp == 1 or schedule_takes(self.pp_schedule, self.pp, self.accum_steps):
             return
-        m = self.accum_steps
-        how = (f"--batch-size {self.batch_size} / (dp {self.dp} x --micro-batch-size {self.micro_batch_size}) "
-               f"gives {m}")
-        if self.pp_schedule == "1f1b" and m < self.pp:
+        m, per_rank, mb = self.accum_steps, self.batch_size // self.dp, self.micro_batch_size
+        how = f"`batch_size` {self.batch_size} / (dp {self.dp} x `micro_batch_size` {mb}) gives {m}"
+        smaller = [d for d in divisors(per_rank) if schedule_takes(self.pp_schedule, self.pp, per_rank // d)]
+        fixes = ([f"`micro_batch_size` {max(smaller)}" + (" (or smaller)" if max(smaller) > 1 else "")]
+                 if smaller else [])
+        enough = -(-m // self.pp) * self.pp  # the micro-batches at this micro-batch size that would do
+        fixes.append(f"`batch_size` {enough * mb * self.dp}")
+        if self.pp_schedule == "1f1b":
+            fixes.append("`pp_schedule` gpipe")
             raise ConfigError(f"the 1F1B schedule needs at least pp={self.pp} micro-batches per step, and {how}; "
-                              "use a smaller --micro-batch-size, a larger --batch-size, or --pp-schedule gpipe")
-        if self.pp_schedule == "interleaved" and m % self.pp:
-            raise ConfigError(f"the interleaved schedule needs a multiple of pp={self.pp} micro-batches per step, "
-                              f"and {how}; change --batch-size or --micro-batch-size so that pp divides it")
+                              f"use {either(fixes)}")
+        raise ConfigError(f"the interleaved schedule needs a multiple of pp={self.pp} micro-batches per step, and "
+                          f"{how}; use {either(fixes)}")
 
     # ---- derived quantities --------------------------------------------------------------------
     @property
     def accum_steps(self) -> int:
         """Micro-batches per optimizer step on each DP rank."""
-        return self.batch_size // self.dp // self.micro_batch_size
+        return micro_batches(self.batch_size, self.dp, self.micro_batch_size)
 
     @property
     def tokens_per_step(self) -> int:
@@ -250,42 +271,49 @@ class RunConfig:
         return d
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+# The choices that are not RunConfig fields of their own, declared as the fields are.
+EXTRA_CHOICES = {
+    "model": (Setting("a GPTConfig (or a dict of its fields) instead of a preset", "model", flag=False), None),
+    "set": (Setting("override a model field of the preset, e.g. --set n_layer=2 --set n_kv_head=2 (a resumed or "
+                    "fine-tuned run's model may not change its shapes)", "model", metavar="KEY=VALUE", repeat=True,
+                    omitted=()), ()),
+    "dtype": (Setting("parameters and activations: bfloat16 and float16 train through fp32 master weights and fp32 "
+                      "gradients, float16 with a dynamic loss scale", "model", choices=tuple(DTYPES),
+                      derived="float32; on resume or fine-tuning the checkpoint's"), None),
+    "dropout": (Setting("dropout probability of the attention, residual and embedding dropouts", "run", kind=float,
+                        at_least=0, below=1, run=True), 0.0),
+}
+FIELD_SETTINGS = declared(RunConfig)
+# Every setting, in --help's order within each group (an extra choice after the field it goes
+# with): {name: (Setting, default)}.
+_AFTER = {"preset": ("model", "set", "dtype"), "grad_clip": ("dropout",)}
+SETTINGS = {k: v for name, entry in FIELD_SETTINGS.items()
+            for k, v in ((name, entry), *((e, EXTRA_CHOICES[e]) for e in _AFTER.get(name, ())))}
+# What resolve_run_config takes, and its value when not given (None: derived, see derive_run_config).
+CHOICES = {name: None if s.derived else (s.omitted if s.omitted is not None else default)
+           for name, (s, default) in SETTINGS.items()}
+# The run settings (the training itself: kept by checkpoints, fixed on resume except steps).
+RUN_SETTINGS = {name: CHOICES[name] for name, (s, _) in SETTINGS.items() if s.run}
 
 
-def _positive_int(name, v):
-    _int_at_least(name, v, 1)
+def flag_name(name: str) -> str:
+    """How the command line names a setting in messages: its flag (micro_batch_size ->
+    --micro-batch-size); a name that is no flag as it is."""
+    declaration = SETTINGS.get(name)
+    return flag_of(name) if declaration is not None and declaration[0].flag else name
 
 
-def _int_at_least(name, v, low):
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise ConfigError(f"--{_flag(name)} must be an integer >= {low}, got {v!r}")
+def command_line_parser(**parser_args) -> argparse.ArgumentParser:
+    """The argparse parser of every setting (examples/train_gpt.py's): `--field-name`, each
+    defaulting to None (not given); `vars(parser.parse_args())` goes to resolve_run_config.
+    ConfigErrors name the flags when rendered with `flag_name`."""
+    return command_line_parser_of(SETTINGS, **parser_args)
 
 
 def _one_start(resume, init_from) -> None:
     if resume is not None and init_from is not None:
-        raise ConfigError(f"--init-from {init_from} starts a new run from its weights, --resume {resume} continues "
+        raise ConfigError(f"`init_from` {init_from} starts a new run from its weights, `resume` {resume} continues "
                           "a run; give only one of them")
-
-
-def default_preset(device: str) -> str:
-    """gpt2 on GPUs, the tiny model on the CPU."""
-    return "gpt2" if device == "cuda" else "tiny"
-
-
-def choose_tp(world: int, local: int, config: GPTConfig, device: str) -> int:
-    """Largest tp that fits in a node (`MAX_DEFAULT_TP`), divides the world and satisfies the
-    model's shape rules."""
-    for tp in range(min(world, local, MAX_DEFAULT_TP[device]), 0, -1):
-        if world % tp:
-            continue
-        try:
-            config.validate(tp)
-            return tp
-        except ConfigError:
-            continue
-    return 1
 
 
 def resolve_run_config(comm=None, *, source: str = "run settings", **choices) -> RunConfig:
@@ -303,7 +331,7 @@ def resolve_run_config(comm=None, *, source: str = "run settings", **choices) ->
     # An error in the derivation, on any rank, is raised on every rank (so the job ends at once,
     # with one traceback, whether every rank or only one node sees the problem).
     with errors_raised_on_every_rank(comm):
-        cfg = _derive(choices, comm.Get_size(), ranks_per_node)
+        cfg = derive_run_config(choices, comm.Get_size(), ranks_per_node)
     # and the same result (a stale `latest` read on one node would resume another step)
     check_same_on_all_ranks(comm, cfg.to_dict(), "training configuration")
     return cfg
@@ -315,7 +343,10 @@ def _comparable(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
+def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
+    """The RunConfig of `choices` on `world` ranks, `ranks_per_node` of them per node: every
+    default derived from what was given. No communication (resolve_run_config's core; it reads
+    a checkpoint to resume). Raises ConfigError naming the settings by field."""
     unknown = sorted(set(choices) - set(CHOICES))
     if unknown:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
@@ -326,7 +357,7 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"--metrics {c['metrics']}: cannot create its directory {parent} ({e.strerror}); "
+            raise ConfigError(f"`metrics` {c['metrics']}: cannot create its directory {parent} ({e.strerror}); "
                               "choose a writable path") from None
     device = resolve_device(c["device"])
 
@@ -336,44 +367,65 @@ def _derive(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
         resume_dir = resolve_checkpoint(c["resume"])
         meta = read_meta(resume_dir)
     run = _run_settings(choices, meta)
-    d = run["dropout"]
-    if not (isinstance(d, (int, float)) and not isinstance(d, bool) and 0.0 <= d < 1.0):
-        raise ConfigError(f"--dropout must be in [0, 1), got {d!r}")
+    SETTINGS["dropout"][0].check("dropout", run["dropout"])
     if meta is None and c["model"] is not None and choices.get("dropout") is None:
-        run["dropout"] = _as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
+        run["dropout"] = as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
     init_from = None
     if c["init_from"]:
-        init_from, model = _init_from_model(c, run["dropout"])
+        init_from, model = init_from_model(c, run["dropout"])
         preset = None
     else:
-        model, preset = _model_config(c, run["dropout"], device, meta)
+        model, preset = model_config(c, run["dropout"], device, meta)
 
     dynamic = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
                if choices.get(k) is not None]
     if dynamic and (model.dtype != "float16" or c["loss_scale"] is not None):
-        why = "a static --loss-scale is set" if c["loss_scale"] is not None else f"the model is {model.dtype}"
-        raise ConfigError(f"--{_flag(dynamic[0])} {choices[dynamic[0]]} sets the dynamic float16 loss scale, "
+        why = "a static `loss_scale` is set" if c["loss_scale"] is not None else f"the model is {model.dtype}"
+        raise ConfigError(f"`{dynamic[0]}` {choices[dynamic[0]]} sets the dynamic float16 loss scale, "
                           f"but {why}; omit it")
     # None is "not given" (the default is derived); any value given, 0 included, is checked as given
-    given = {k: v for k, v in (("tp", c["tp"]), ("dp", c["dp"]), ("micro_batch_size", c["micro_batch_size"]),
-                               ("batch_size", run["batch_size"]), ("seq_len", run["seq_len"])) if v is not None}
-    for name, v in given.items():
-        _positive_int(name, v)
-    pp = 1 if c["pp"] is None else c["pp"]
-    _positive_int("pp", pp)
-    if world % pp:
-        raise ConfigError(f"--pp {pp} does not divide the {world} ranks; start a multiple of {pp} ranks")
-    tp = given.get("tp") or choose_tp(world // pp, ranks_per_node, model, device)
-    model.validate(tp)  # (RunConfig checks it again; here its message comes before the mesh's)
-    mesh = validate_mesh(world, tp, c["dp"], pp, 1 if c["ep"] is None else c["ep"])
-    seq_len = given.get("seq_len") or (min(model.block_size, 256) if device == "cpu" else model.block_size)
-    batch = given.get("batch_size") or -(-8 // mesh.dp) * mesh.dp  # at least 8 sequences, a multiple of dp
+    for name in ("micro_batch_size", "batch_size", "seq_len", "pp_virtual"):
+        value = run[name] if name in run else c[name]
+        if value is not None:
+            SETTINGS[name][0].check(name, value)
+    tp_chosen = c["tp"] is None and c["dp"] is None  # by choose_tp, for this machine
+
+    def pick_tp(n):
+        return choose_tp(n, ranks_per_node, model, device)
+
+    if c["tp"] is not None:  # the model's message about a tp given comes before the layout's
+        SETTINGS["tp"][0].check("tp", c["tp"])
+        model.validate(c["tp"])
+    def tp_suits(t):
+        try:
+            model.validate(t)
+            return True
+        except ConfigError:
+            return False
+
+    mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp, tp_suits=tp_suits)
+    tp, dp, pp = mesh.tp, mesh.dp, mesh.pp
+    if c["tp"] is None and c["dp"] is not None and not tp_suits(tp):  # tp = world / (dp * pp) cannot be
+        per_stage = world // pp
+        options = [d for d in divisors(per_stage) if d % mesh.ep == 0 and tp_suits(per_stage // d)]
+        try:
+            model.validate(tp)
+        except ConfigError as e:
+            why = str(e).split(";")[0]
+        raise ConfigError(f"`dp` {dp} leaves tp = {world} / (dp {dp} x pp {pp}) = {tp}, but {why}; use a `dp` from "
+                          f"{options}")
+    model.validate(tp)  # (RunConfig checks it again; here its message comes before the rest)
+    if c["sequence_parallel"] and tp == 1:
+        refuse_sequence_parallel(world, mesh, model, tp_chosen, c["dp"] is not None)
+    virtual = 1 if c["pp_virtual"] is None else c["pp_virtual"]
+    schedule = c["pp_schedule"] or ("interleaved" if virtual > 1 else "1f1b")
+    seq_len = run["seq_len"] or (min(model.block_size, 256) if device == "cpu" else model.block_size)
+    batch = run["batch_size"] or default_batch(dp, pp, schedule, c["micro_batch_size"])
+    micro = c["micro_batch_size"] or default_micro_batch(batch // dp if batch % dp == 0 else batch, pp, schedule)
     steps = run["steps"]
     return RunConfig(
-        model=model, device=device, tp=tp, dp=mesh.dp, pp=pp, ep=mesh.ep, pp_layers=_layer_counts(c["pp_layers"]),
-        pp_schedule=c["pp_schedule"] or ("interleaved" if (c["pp_virtual"] or 1) > 1 else "1f1b"),
-        pp_virtual=1 if c["pp_virtual"] is None else c["pp_virtual"],
-        steps=steps, batch_size=batch, micro_batch_size=given.get("micro_batch_size") or batch // mesh.dp,
+        model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, pp_layers=_layer_counts(c["pp_layers"]),
+        pp_schedule=schedule, pp_virtual=virtual, steps=steps, batch_size=batch, micro_batch_size=micro,
         seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
         min_lr=run["min_lr"],
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
@@ -400,7 +452,7 @@ def _layer_counts(value):
         try:
             return tuple(int(v) for v in value.split(","))
         except ValueError:
-            raise ConfigError(f"--pp-layers {value!r}: expected comma-separated layer counts, e.g. 5,6,6,5") from None
+            raise ConfigError(f"`pp_layers` {value!r}: expected comma-separated layer counts, e.g. 5,6,6,5") from None
     return tuple(int(v) for v in value)
 
 
@@ -414,80 +466,17 @@ def _run_settings(choices: dict, meta: dict | None) -> dict:
         if value is None:
             value = before if meta is not None and key in saved else default
         elif meta is not None and key in saved and before is not None and value != before and key != "steps":
-            raise ConfigError(f"--{_flag(key)} {value} differs from the resumed run's {before}; a resumed run "
-                              f"continues the same training: omit --{_flag(key)}")
+            raise ConfigError(f"`{key}` {value} differs from the resumed run's {before}; a resumed run "
+                              f"continues the same training: omit `{key}`")
         out[key] = value
     return out
 
 
-def _model_config(c: dict, dropout: float, device: str, meta: dict | None) -> tuple[GPTConfig, str | None]:
-    """(the model's config, the preset it came from)."""
-    if meta is not None:
-        config = GPTConfig.from_dict({**meta["config"], "dropout": dropout})
-        preset = (meta.get("train_args") or {}).get("preset") or default_preset(device)
-        if c["model"] is not None or c["preset"] or c["dtype"] or c["set"]:
-            # the same choices again: they must describe this model (a dtype alone: its dtype)
-            described = c["model"] is not None or c["preset"] or c["set"]
-            asked = (_asked_model(c, dropout, c["preset"] or preset, c["dtype"] or config.dtype) if described
-                     else dataclasses.replace(config, dtype=c["dtype"]))
-            diff = [f"{k}: checkpoint {getattr(config, k)!r}, flags {getattr(asked, k)!r}"
-                    for k in ARCH_FIELDS + ("dtype",) if getattr(config, k) != getattr(asked, k)]
-            if diff:
-                raise ConfigError("--preset/--set/--dtype describe another model than the checkpoint: "
-                                  + "; ".join(diff) + ". Omit them when resuming.")
-        return config, preset
-    preset = None if c["model"] is not None else (c["preset"] or default_preset(device))
-    return _asked_model(c, dropout, preset, c["dtype"] or "float32"), preset
-
-
-def _init_from_model(c: dict, dropout: float) -> tuple[str, GPTConfig]:
-    """(the directory, its model's config) for init_from: a cutp checkpoint or run directory (its
-    newest checkpoint), else a Hugging Face GPT-2 directory. preset/model/set may not change the
-    architecture; dropout, dtype and the other fields may change."""
-    path = c["init_from"]
-    if not os.path.isdir(path):
-        raise ConfigError(f"--init-from {path}: not a directory; give a Hugging Face GPT-2 directory or a cutp "
-                          "checkpoint or run directory")
-    dtype = {"dtype": c["dtype"]} if c["dtype"] else {}
-    if is_cutp_checkpoint(path):
-        path = resolve_checkpoint(path)
-        config = GPTConfig.from_dict({**read_meta(path)["config"], "dropout": dropout, **dtype})
-    else:
-        config = config_from_hf(read_hf_config(path), dtype=c["dtype"] or "float32", dropout=dropout,
-                                where=f"--init-from {path}")
-    asked = (_asked_model(c, dropout, c["preset"], config.dtype) if c["model"] is not None or c["preset"]
-             else config.with_overrides(c["set"]))
-    diff = [f"{k} {getattr(config, k)!r} (flags: {getattr(asked, k)!r})" for k in ARCH_FIELDS
-            if getattr(config, k) != getattr(asked, k)]
-    if diff:
-        raise ConfigError(f"--preset/--set change the model of --init-from {path}: " + "; ".join(diff)
-                          + "; omit them (dropout, dtype and label_smoothing may change)")
-    return path, asked
-
-
-def _asked_model(c: dict, dropout: float, preset: str | None, dtype: str) -> GPTConfig:
-    if c["model"] is not None:
-        model = _as_gpt_config(c["model"])
-        model = dataclasses.replace(model, dropout=dropout, **({"dtype": c["dtype"]} if c["dtype"] else {}))
-        return model.with_overrides(c["set"])
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return GPTConfig.preset(preset, dtype=dtype, dropout=dropout).with_overrides(c["set"])
-
-
-def _as_gpt_config(model) -> GPTConfig:
-    """A GPTConfig, or a dict of its fields (e.g. read from JSON)."""
-    if isinstance(model, GPTConfig):
-        return model
-    if isinstance(model, dict):
-        return GPTConfig.from_dict(model)
-    raise ConfigError(f"model must be a GPTConfig or a dict of its fields, got {type(model).__name__}")
-
-
 def checkpoint_conflicts(config: RunConfig, meta: dict) -> list[str]:
     """The run settings in which `config` contradicts a checkpoint's (steps may differ), as
-    "--flag value (the checkpoint's before)" strings; empty when the run continues that one."""
+    "`name` value (the checkpoint's before)" strings (ConfigError's way of naming a setting);
+    empty when the run continues that one."""
     saved = meta.get("train_args") or {}
     mine = {**{k: getattr(config, k) for k in RUN_SETTINGS if k != "dropout"}, "dropout": config.model.dropout}
-    return [f"--{_flag(k)} {mine[k]} (the checkpoint's {saved[k]})" for k in RUN_SETTINGS
+    return [f"`{k}` {mine[k]} (the checkpoint's {saved[k]})" for k in RUN_SETTINGS
             if k != "steps" and saved.get(k) is not None and mine[k] != saved[k]]

@@ -52,8 +52,8 @@ def check_data_fits_model(dataset: Dataset, model: GPTConfig, init_from: str | N
     data_tok = dataset.tokenizer
     model_tok = model_tokenizer(init_from) if data_tok is not None else None
     if model_tok is not None and model_tok.get("sha256") != data_tok.get("sha256"):
-        raise ConfigError(f"--data {data} was tokenized by {_describe(data_tok)}, but "
-                          f"--init-from {init_from} uses {_describe(model_tok)}; prepare the data with that model's "
+        raise ConfigError(f"`data` {data} was tokenized by {_describe(data_tok)}, but "
+                          f"`init_from` {init_from} uses {_describe(model_tok)}; prepare the data with that model's "
                           f"tokenizer: python -m cutp prepare-data ... --tokenizer {model_tok.get('path', 'DIR')} --out DIR")
     if dataset.vocab_size > model.vocab_size:
         what = (f"was tokenized by {_describe(data_tok)}, whose ids go up to {dataset.vocab_size - 1}"

@@ -42,6 +42,7 @@ import tracemalloc
 import numpy as np
 from mpi4py import MPI
 
+from ..runtime.shape_only import ShapeOnly
 from ..tensor_parallel import Module
 from .step import StepHooks, StepStats, TrainingRun, train_step
 
@@ -102,16 +103,24 @@ def max_over_ranks(ctx, rec: dict) -> dict:
     return out
 
 
+def measure_step(run: TrainingRun, hooks: StepHooks | None = None) -> tuple[StepStats, int, list[int]]:
+    """`train_step(run, hooks)` with this rank's memory measured: (its StepStats, the step's
+    activation peak, each layer's stash after the first micro-batch's forward, `stash_per_layer`,
+    by global layer index). The planner runs it on a shape-only context."""
+    probe = _StashProbe(hooks)
+    with ActivationPeak(run.ctx) as peak:
+        stats = train_step(run, probe)
+    return stats, peak.bytes, probe.per_layer
+
+
 def measured_step(run: TrainingRun, hooks: StepHooks | None = None) -> tuple[StepStats, dict]:
     """`train_step(run, hooks)` with its memory measured: (its StepStats, the memory record of
     every rank's largest figures, with each layer's stash measured after the first micro-batch's
     forward: one entry per layer of the model, each from the pipeline stage that holds it).
     Collective. The step computes exactly what it computes unmeasured (only slower on the CPU,
     where tracemalloc runs during it)."""
-    probe = _StashProbe(hooks)
-    with ActivationPeak(run.ctx) as peak:
-        stats = train_step(run, probe)
-    return stats, max_over_ranks(run.ctx, memory_record(run, peak.bytes, probe.per_layer))
+    stats, peak, stash = measure_step(run, hooks)
+    return stats, max_over_ranks(run.ctx, memory_record(run, peak, stash))
 
 
 # ---- what the layers keep for backward ----------------------------------------------------------
@@ -221,7 +230,10 @@ class ActivationPeak:
         self._impl = None
 
     def __enter__(self):
-        self._impl = _TracemallocPeak() if self.xp is np else _CupyPoolPeak(self.xp)
+        if isinstance(self.xp, ShapeOnly):
+            self._impl = _HeapPeak(self.xp.heap)
+        else:
+            self._impl = _TracemallocPeak() if self.xp is np else _CupyPoolPeak(self.xp)
         self._impl.start()
         return self
 
@@ -229,6 +241,20 @@ class ActivationPeak:
         self.bytes = self._impl.stop()
         self._impl = None
         return False
+
+
+class _HeapPeak:
+    """Shape-only arrays (the planner): the peak of their heap over the block."""
+
+    def __init__(self, heap):
+        self.heap = heap
+
+    def start(self):
+        self.heap.reset_peak()
+        self.base = self.heap.cur
+
+    def stop(self) -> int:
+        return max(0, self.heap.peak - self.base)
 
 
 class _TracemallocPeak:

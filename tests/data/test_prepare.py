@@ -132,7 +132,7 @@ def test_output_directory_rules(corpus, tmp_path):
     inputs = [str(root / "in" / "f00.txt"), str(root / "in" / "f01.txt")]
     out = str(tmp_path / "o")
     prepare(inputs, tok, out, workers=1, stream=io.StringIO(), val_fraction=0.5)
-    with pytest.raises(ConfigError, match="already holds prepared data.*--overwrite"):
+    with pytest.raises(ConfigError, match="already holds prepared data.*add overwrite to replace it"):
         prepare(inputs, tok, out, workers=1, stream=io.StringIO(), val_fraction=0.5)
     meta = prepare(inputs[::-1], tok, out, workers=1, stream=io.StringIO(), val_fraction=0.5, overwrite=True)
     assert meta["documents"] == 2 and meta["inputs"] == inputs[::-1]

@@ -35,8 +35,8 @@ from cutp import kernels, ops
 from cutp.kernels import KernelArgumentError, KernelLoadError, Launchers
 from cutp.kernels.attention import attention_shared_bytes, attention_tile_rows
 from cutp.kernels.runtime import find_mma_include
-from cutp.plan.step_ops import OpWalk
-from cutp.plan.step_shape import StepShape
+from cutp.kernels import shape_only_launchers
+from cutp.runtime.shape_only import ShapeOnly
 from cutp.models import GPT, GPTConfig
 from tests.cuda_emu import KERNELS_DIR, EmulatedModule
 
@@ -483,29 +483,33 @@ class _RecordingAllocations:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_the_planner_books_what_the_fused_attention_allocates(unchecked_module, dropout):
-    """`cutp bench plan`'s walk of a GPU step (the fused path of step_ops.OpWalk) books what the
-    launchers allocate, measured on the emulated kernels at the same shapes (GQA, 2 KV heads of 2
-    query heads of 64): the forward keeps o and the log-sum-exp (the dropout offsets are
-    transient), the backward, writing into the caller's dqkv, only the rows' sum(do * o) (and
-    the offsets), in CuPy's 512-byte pool granularity."""
-    cfg = GPTConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=256, vocab_size=64, block_size=48, dropout=dropout)
+    """`cutp plan` runs the fused attention's launchers on shape-only GPU arrays: what their heap
+    books is what the launchers allocate, measured on the emulated kernels at the same shapes (GQA,
+    2 KV heads of 2 query heads of 64): the forward keeps o and the log-sum-exp (the dropout
+    offsets are transient), the backward, writing into the caller's dqkv, only the rows' sum(do *
+    o) (and the offsets), in CuPy's 512-byte pool granularity."""
     B, T, Hkv, G, D = 2, 48, 2, 2, 64
-    walk = OpWalk(StepShape.of(cfg, micro_batch=B, seq_len=T, device="cuda", dtype="float32"))
-    assert walk.fused
-    walk.attention_fwd("L0")
-    planned_kept, planned_fwd_peak = walk.heap.cur, walk.heap.peak
-    walk.heap.peak = walk.heap.cur
-    walk.attention_bwd("L0")
-    planned_bwd_temp = walk.heap.peak - walk.heap.cur
-
-    xp = _RecordingAllocations()
-    k = Launchers(lambda name: unchecked_module, xp)
-    q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, F32)
     drop = (dropout, 3, [0, 10 ** 6])
+    xp = ShapeOnly("cuda")
+    planned = shape_only_launchers(xp)
+    q, k_, v, do = (xp.empty(a.shape, a.dtype) for a in attention_inputs(B, Hkv, G, T, T, D, F32))
+    heap = xp.heap
+    start = heap.cur
+    heap.reset_peak()
+    o, lse = planned.attention_forward(q, k_, v, 0.125, *drop)
+    planned_kept, planned_fwd_peak = heap.cur - start, heap.peak - start
+    grads = tuple(xp.empty_like(a) for a in (q, k_, v))
+    heap.reset_peak()
+    planned.attention_backward(do, q, k_, v, o, lse, 0.125, grads, *drop)
+    planned_bwd_temp = heap.peak - heap.cur
+
+    rec = _RecordingAllocations()
+    k = Launchers(lambda name: unchecked_module, rec)
+    q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, F32)
     o, lse = k.attention_forward(q, k_, v, 0.125, *drop)
-    size = walk.heap.size
+    size = heap.size
     assert planned_kept == size(o.nbytes) + size(lse.nbytes)
-    assert planned_fwd_peak == sum(size(n) for n in xp.nbytes)
-    xp.nbytes.clear()
+    assert planned_fwd_peak == sum(size(n) for n in rec.nbytes)
+    rec.nbytes.clear()
     k.attention_backward(do, q, k_, v, o, lse, 0.125, (np.empty_like(q), np.empty_like(k_), np.empty_like(v)), *drop)
-    assert planned_bwd_temp == sum(size(n) for n in xp.nbytes)
+    assert planned_bwd_temp == sum(size(n) for n in rec.nbytes) > 0

@@ -62,7 +62,7 @@ def test_same_losses_at_tp1_and_tp2xdp2_and_an_exact_resume(prepared, tmp_path):
     prepare([str(prepared[0] / "in")], "bytes", other, val_fraction=0.2, workers=1, stream=io.StringIO())
     cfg = train.resolve_run_config(init_from=str(tmp_path / "run"), data=other, seq_len=16, batch_size=2, steps=1,
                                    device="cpu")
-    with pytest.raises(ConfigError, match=r"was tokenized by bytes \(the byte tokenizer\), but --init-from .*run/step-"
+    with pytest.raises(ConfigError, match=r"was tokenized by bytes \(the byte tokenizer\), but init_from .*run/step-"
                                           r"00000003 uses gpt2 \(sha256 \w+, 601 tokens\); prepare the data with that "
                                           rf"model's tokenizer: python -m cutp prepare-data ... --tokenizer {prepared[1]}"):
         train.build_run(cfg)
@@ -89,8 +89,8 @@ def test_init_from_another_tokenizer_is_refused_naming_both(prepared, tmp_path):
         train.build_run(cfg)
     msg = str(e.value)
     sha = meta["tokenizer"]["sha256"]
-    assert f"--data {data} was tokenized by gpt2 (sha256 {sha[:12]}, 601 tokens)" in msg
-    assert f"--init-from {llama} uses Llama-tiny (sha256 " in msg and f"--tokenizer {llama}" in msg
+    assert f"data {data} was tokenized by gpt2 (sha256 {sha[:12]}, 601 tokens)" in msg
+    assert f"init_from {llama} uses Llama-tiny (sha256 " in msg and f"--tokenizer {llama}" in msg
     # the same tokenizer file in the model's directory: accepted (the identity is the file's hash)
     gpt2_model = _hf_dir(tmp_path / "gpt2-tiny", 640, tokenizer_files.gpt2_style)
     with open(f"{gpt2_tok}/tokenizer.json", "rb") as f, open(f"{gpt2_model}/tokenizer.json", "rb") as g:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.backend import on_host
 from ..runtime.threads import parallel_map  # noqa: F401  (the ops' thread pool, re-exported for them)
 
 _LOW_PRECISION = ("bfloat16", "float16")
@@ -58,7 +59,7 @@ def row_blocks(xp, n_rows: int, width: int):
     other array modules (the GPU prefers one big launch)."""
     width = max(width, 1)
     total = n_rows * width
-    if xp is not np or total < 2 * MIN_SPLIT_ELEMS or n_rows < 2:
+    if not on_host(xp) or total < 2 * MIN_SPLIT_ELEMS or n_rows < 2:
         return [slice(0, n_rows)]
     rb = max(1, BLOCK_ELEMS // width)
     want = min(MIN_BLOCKS, total // MIN_SPLIT_ELEMS)
@@ -76,7 +77,7 @@ ELEMENTWISE_BLOCK = 1 << 17
 
 def flat_blocks(xp, n: int):
     """Slices covering ``range(n)`` for blocked elementwise loops (one slice off NumPy)."""
-    if xp is not np or n <= ELEMENTWISE_BLOCK:
+    if not on_host(xp) or n <= ELEMENTWISE_BLOCK:
         return [slice(0, n)]
     b = ELEMENTWISE_BLOCK
     return [slice(s, min(s + b, n)) for s in range(0, n, b)]
@@ -85,9 +86,9 @@ def flat_blocks(xp, n: int):
 def row_sums(xp, a):
     """``a.sum(axis=-1, keepdims=True)``; on NumPy, for a C-contiguous float32/float64 array, one
     GEMV ``a2 @ ones`` over the rows (4-5x faster than NumPy's reduction for rows of 128-768)."""
-    if xp is np and a.flags.c_contiguous and a.dtype in (np.float32, np.float64) and a.ndim >= 1:
+    if on_host(xp) and a.flags.c_contiguous and a.dtype in (np.float32, np.float64) and a.ndim >= 1:
         width = a.shape[-1]
-        return (a.reshape(-1, width) @ np.ones(width, a.dtype)).reshape(a.shape[:-1] + (1,))
+        return (a.reshape(-1, width) @ xp.ones(width, a.dtype)).reshape(a.shape[:-1] + (1,))
     return a.sum(axis=-1, keepdims=True)
 
 

@@ -1,0 +1,133 @@
+"""RMSNorm over the last axis (Llama, Qwen2, Mistral), with HF ``LlamaRMSNorm``'s rounding order.
+
+HF computes, for an input of dtype ``dt``::
+
+    x32 = x.to(float32); variance = x32.pow(2).mean(-1)
+    y = weight * (x32 * rsqrt(variance + eps)).to(dt)
+
+so for bfloat16/float16 the normalised value is rounded to ``dt`` first and the weight multiply
+happens in ``dt`` (the exact product of two 16-bit values, rounded once to ``dt``). This op does the
+same: the multiply is done in float32 on the rounded value and rounded once, which is what a
+16-bit multiply is (the product of two 16-bit values is exact in float32). float32/float64 inputs are computed in their own precision (no rounding step).
+"""
+from __future__ import annotations
+
+from cutp.runtime.backend import get_array_module
+
+from .common import as_dtype, compute_dtype, is_low_precision, parallel_map, row_blocks
+
+
+class RMSNormCtx:
+    """What ``rmsnorm_backward`` needs: the input ``x`` (a reference), the ``weight`` (None when
+    non-affine) and the per-row ``rstd = 1 / sqrt(mean(x^2) + eps)`` (shape ``x.shape[:-1]``,
+    float32 for 16-bit and float32 inputs, float64 for float64)."""
+
+    __slots__ = ("x", "weight", "rstd")
+
+    def __init__(self, x, weight, rstd):
+        self.x = x
+        self.weight = weight
+        self.rstd = rstd
+
+
+def _check_shapes(x, weight):
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"rmsnorm: x must have a non-empty last axis, got shape {x.shape}")
+    if weight is not None and tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"rmsnorm: weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},) "
+                         "(one scale per element of x's last axis)")
+
+
+def rmsnorm_forward(x, weight=None, eps: float = 1e-6):
+    """``y = weight * (x * rstd)`` over the last axis of ``x`` [..., C], ``rstd = 1/sqrt(mean(x^2) + eps)``.
+
+    ``weight`` [C] may be None (no scale). For bfloat16/float16 ``x * rstd`` is rounded to ``x``'s
+    dtype before the weight multiply (HF's order, module docstring), and the product is rounded
+    to ``x``'s dtype once: with a weight of ``x``'s dtype (the model's parameters; fp32 masters
+    live in the optimizer) that is bit for bit HF's 16-bit multiply. An fp32 weight is not
+    rounded first (HF would keep that product in fp32; here it is rounded to ``x``'s dtype).
+
+    Returns ``(y, ctx)``: ``y`` in ``x``'s dtype; ``ctx`` (:class:`RMSNormCtx`) exposes ``ctx.rstd``.
+    """
+    _check_shapes(x, weight)
+    xp = get_array_module(x, weight)
+    cdt = compute_dtype(x.dtype)
+    low = is_low_precision(x.dtype)
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)
+    N = x2.shape[0]
+    w = None if weight is None else as_dtype(weight, cdt)
+    y = xp.empty((N, C), dtype=x.dtype)
+    rstd = xp.empty(N, dtype=cdt)
+
+    def block(sl):
+        xb = as_dtype(x2[sl], cdt)
+        # mean(x*x) exactly as HF's (and a NumPy transcription's) `mean`, so the statistics agree bitwise
+        r = xp.mean(xb * xb, axis=-1)
+        r += eps
+        xp.sqrt(r, out=r)
+        xp.divide(1.0, r, out=r)
+        h = xb * r[:, None]
+        if low:
+            h = h.astype(x.dtype).astype(cdt)  # HF's `.to(input_dtype)` before the weight
+        if w is not None:
+            h *= w
+        y[sl] = h
+        rstd[sl] = r
+
+    parallel_map(xp, block, row_blocks(xp, N, C))
+    return y.reshape(x.shape), RMSNormCtx(x, weight, rstd.reshape(x.shape[:-1]))
+
+
+def rmsnorm_backward(dy, ctx: RMSNormCtx):
+    """Gradients of :func:`rmsnorm_forward`.
+
+    With ``xhat = x * rstd`` and ``g = dy * weight`` (``g = dy`` without weight):
+    ``dx = rstd * (g - xhat * mean(g * xhat))`` (mean over the last axis) and
+    ``dweight = sum(dy * xhat)`` over all leading dimensions. For 16-bit inputs ``dweight`` uses
+    the rounded ``xhat`` the forward multiplied by (as autograd through HF's module would); the
+    rounding itself is treated as the identity in ``dx``.
+
+    Returns ``(dx, dweight)``: ``dx`` in ``x``'s dtype, ``dweight`` in the weight's dtype (None
+    when the forward had no weight).
+    """
+    x, weight = ctx.x, ctx.weight
+    if tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"rmsnorm_backward: dy shape {tuple(dy.shape)} != x shape {tuple(x.shape)}")
+    xp = get_array_module(dy, x, weight)
+    cdt = compute_dtype(x.dtype)
+    low = is_low_precision(x.dtype)
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)
+    dy2 = dy.reshape(-1, C)
+    N = x2.shape[0]
+    rstd = ctx.rstd.reshape(-1)
+    w = None if weight is None else as_dtype(weight, cdt)
+    dx = xp.empty((N, C), dtype=x.dtype)
+    inv_c = 1.0 / C
+
+    def block(sl):
+        r = rstd[sl][:, None]
+        xhat = as_dtype(x2[sl], cdt) * r
+        dyb = as_dtype(dy2[sl], cdt)
+        dw_part = None
+        if w is not None:
+            used = xhat.astype(x.dtype).astype(cdt) if low else xhat
+            dw_part = xp.einsum("ij,ij->j", dyb, used)
+            g = dyb * w
+        else:
+            g = dyb
+        gx = xp.einsum("ij,ij->i", g, xhat)
+        gx *= inv_c
+        xhat *= gx[:, None]
+        d = g - xhat
+        d *= r
+        dx[sl] = d
+        return dw_part
+
+    dw = None if w is None else xp.zeros(C, dtype=cdt)
+    for part in parallel_map(xp, block, row_blocks(xp, N, C)):  # summed in block order (thread-count independent)
+        if part is not None:
+            dw += part
+    dweight = None if dw is None else as_dtype(dw, weight.dtype)
+    return dx.reshape(x.shape), dweight

@@ -1,0 +1,102 @@
+"""SwiGLU on a fused gate/up projection: ``y = silu(gate) * up`` (Llama's MLP activation).
+
+Layout: the last axis of ``gate_up`` [..., 2F] holds this rank's F gate columns, then its F up
+columns (Megatron's ``[gate_r ; up_r]`` per tensor-parallel rank, see anchors-llama §2.1; at one
+rank ``cat(gate_proj, up_proj)``). The chunk is taken on the local tensor, so a TP shard of the
+fused weight must be ``[gate_r ; up_r]``, not a slice of ``[gate ; up]``.
+
+``silu(g) = g / (1 + e)``, ``e = exp(-g)`` with ``-g`` clamped to 80 (float32; 700 in float64), so
+``exp`` never overflows: below ``g = -80`` silu is below 1e-33 in size and the clamp changes it by
+less than that. The derivative uses ``1 - sigmoid(g) = e / (1 + e)``, which has no cancellation.
+"""
+from __future__ import annotations
+
+from cutp.runtime.backend import get_array_module
+
+from .common import as_dtype, compute_dtype, parallel_map, row_blocks
+
+
+class SwiGLUCtx:
+    """The fused pre-activation ``gate_up`` (a reference): all the backward needs."""
+
+    __slots__ = ("gate_up",)
+
+    def __init__(self, gate_up):
+        self.gate_up = gate_up
+
+
+def _exp_neg(xp, g):
+    """``exp(-g)``, its argument clamped where it would overflow (module docstring); a new array."""
+    t = xp.negative(g)
+    xp.minimum(t, 80.0 if g.dtype.itemsize <= 4 else 700.0, out=t)
+    return xp.exp(t, out=t)
+
+
+def _halves(gate_up, what):
+    if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"{what}: the last axis of gate_up {tuple(gate_up.shape)} must be even "
+                         "([gate columns ; up columns] of equal width)")
+    return gate_up.shape[-1] // 2
+
+
+def swiglu_forward(gate_up):
+    """``y = silu(gate) * up`` with ``gate, up = gate_up[..., :F], gate_up[..., F:]``.
+
+    Returns ``(y, ctx)``: ``y`` [..., F] in ``gate_up``'s dtype (16-bit computed in float32).
+    """
+    F = _halves(gate_up, "swiglu_forward")
+    xp = get_array_module(gate_up)
+    cdt = compute_dtype(gate_up.dtype)
+    a2 = gate_up.reshape(-1, 2 * F)
+    N = a2.shape[0]
+    y = xp.empty((N, F), dtype=gate_up.dtype)
+
+    direct = y.dtype == cdt
+
+    def block(sl):
+        g = as_dtype(a2[sl, :F], cdt)
+        t = _exp_neg(xp, g)
+        t += 1.0
+        xp.divide(g, t, out=t)  # silu(g)
+        xp.multiply(t, as_dtype(a2[sl, F:], cdt), out=y[sl] if direct else t)
+        if not direct:
+            y[sl] = t
+
+    parallel_map(xp, block, row_blocks(xp, N, 2 * F))
+    return y.reshape(gate_up.shape[:-1] + (F,)), SwiGLUCtx(gate_up)
+
+
+def swiglu_backward(dy, ctx: SwiGLUCtx):
+    """``d_gate_up`` [..., 2F] in the forward's layout and dtype:
+    ``d_gate = dy * up * sigmoid(g) * (1 + g * (1 - sigmoid(g)))`` and ``d_up = dy * silu(g)``."""
+    gate_up = ctx.gate_up
+    F = gate_up.shape[-1] // 2
+    if tuple(dy.shape) != tuple(gate_up.shape[:-1]) + (F,):
+        raise ValueError(f"swiglu_backward: dy shape {tuple(dy.shape)} != output shape "
+                         f"{tuple(gate_up.shape[:-1]) + (F,)}")
+    xp = get_array_module(dy, gate_up)
+    cdt = compute_dtype(gate_up.dtype)
+    a2 = gate_up.reshape(-1, 2 * F)
+    dy2 = dy.reshape(-1, F)
+    N = a2.shape[0]
+    d = xp.empty((N, 2 * F), dtype=gate_up.dtype)
+
+    def block(sl):
+        g = as_dtype(a2[sl, :F], cdt)
+        dyb = as_dtype(dy2[sl], cdt)
+        e = _exp_neg(xp, g)
+        sig = e + 1.0
+        xp.divide(1.0, sig, out=sig)  # sigmoid(g)
+        e *= sig  # 1 - sigmoid(g)
+        e *= g
+        e += 1.0
+        e *= sig  # silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
+        e *= as_dtype(a2[sl, F:], cdt)
+        e *= dyb
+        d[sl, :F] = e
+        sig *= g  # silu(g)
+        sig *= dyb
+        d[sl, F:] = sig
+
+    parallel_map(xp, block, row_blocks(xp, N, 2 * F))
+    return d.reshape(gate_up.shape)

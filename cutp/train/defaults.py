@@ -1,0 +1,91 @@
+"""The defaults `resolve_run_config` derives from what was given (cutp.train.config): the
+tensor-parallel size for the machine, the batch and micro-batch a pipeline schedule needs, the
+preset; and the refusal of a layout setting that would do nothing. Pure."""
+from __future__ import annotations
+
+from ..models import GPTConfig
+from ..runtime.errors import ConfigError
+
+# The largest tp `resolve_run_config` picks by itself: a node's GPUs; on the CPU at most 4 ranks,
+# so that some data parallelism remains on a few cores.
+MAX_DEFAULT_TP = {"cuda": 8, "cpu": 4}
+
+
+def default_preset(device: str) -> str:
+    """gpt2 on GPUs, the tiny model on the CPU."""
+    return "gpt2" if device == "cuda" else "tiny"
+
+
+def choose_tp(world: int, local: int, config: GPTConfig, device: str) -> int:
+    """Largest tp that fits in a node (`MAX_DEFAULT_TP`), divides the world and satisfies the
+    model's shape rules."""
+    for tp in range(min(world, local, MAX_DEFAULT_TP[device]), 0, -1):
+        if world % tp:
+            continue
+        try:
+            config.validate(tp)
+            return tp
+        except ConfigError:
+            continue
+    return 1
+
+
+def schedule_takes(kind: str, pp: int, m: int) -> bool:
+    """Whether pipeline schedule `kind` over pp stages runs m micro-batches per step: 1F1B needs
+    at least pp (its warm-up fills the pipeline), the interleaved schedule groups of pp; GPipe
+    takes any number."""
+    if kind == "1f1b":
+        return m >= pp
+    if kind == "interleaved":
+        return m % pp == 0
+    return True
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def either(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
+
+
+def _wanted(kind: str, pp: int, m: int) -> bool:
+    """Whether m micro-batches keep every stage of the schedule busy: at least pp for 1F1B and
+    GPipe (GPipe runs fewer, idle), a multiple of pp for the interleaved schedule."""
+    return m % pp == 0 if kind == "interleaved" else m >= pp
+
+
+def default_batch(dp: int, pp: int, schedule: str, micro: int | None) -> int:
+    """At least 8 sequences, a multiple of dp; with pp > 1 and no micro-batch size given, the
+    smallest such batch that some micro-batch size splits into enough micro-batches. (A
+    micro-batch size given does not change the batch: RunConfig says what would do.)"""
+    per_rank = -(-8 // dp)
+    while pp > 1 and micro is None and not any(_wanted(schedule, pp, per_rank // d) for d in divisors(per_rank)):
+        per_rank += 1
+    return per_rank * dp
+
+
+def default_micro_batch(per_rank: int, pp: int, schedule: str) -> int:
+    """The whole per-DP-rank batch, or with pp > 1 the largest micro-batch that gives the
+    schedule enough micro-batches (else the whole batch: RunConfig says what would do)."""
+    fits = [d for d in divisors(per_rank) if pp == 1 or _wanted(schedule, pp, per_rank // d)]
+    return max(fits) if fits else per_rank
+
+
+def refuse_sequence_parallel(world: int, mesh, model: GPTConfig, tp_chosen: bool, dp_given: bool) -> None:
+    """sequence_parallel at tp 1 would do nothing: refused, with the tp sizes that would work."""
+    per_stage = world // mesh.pp
+    options = []
+    for t in divisors(per_stage)[1:]:
+        try:
+            model.validate(t)
+        except ConfigError:
+            continue
+        if (per_stage // t) % mesh.ep == 0:
+            options.append(f"`tp` {t} with `dp` {per_stage // t}" if dp_given else f"`tp` {t}")
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    why = f"tp is 1 (chosen for {ranks})" if tp_chosen else "tp is 1"
+    fix = f"give {either(options)}, or omit `sequence_parallel`" if options else \
+        f"omit `sequence_parallel` (no tp > 1 suits the model and the mesh on {ranks})"
+    raise ConfigError(f"`sequence_parallel` needs tp > 1 (it splits the activations over the TP ranks), but {why}; "
+                      f"{fix}")
