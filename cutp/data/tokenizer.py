@@ -122,7 +122,7 @@ def _import_tokenizers():
     try:
         import tokenizers  # optional: the extra cutp[tokenizers]
     except ImportError:
-        raise ConfigError(f"reading a model's tokenizer needs the `tokenizers` library: {INSTALL_HINT}") from None
+        raise ConfigError(f"reading a model's tokenizer needs the tokenizers library: {INSTALL_HINT}") from None
     return tokenizers
 
 

@@ -168,7 +168,7 @@ def test_bad_inputs_are_named(corpus, tmp_path, capsys):
                           ([str(root / "in" / "f00.txt")], "the train split has no documents")):
         with pytest.raises(ConfigError, match=message):
             prepare(args, tok, str(tmp_path / "o3"), workers=1, stream=io.StringIO(), overwrite=True)
-    with pytest.raises(ConfigError, match=r"--val-fraction must be in \(0, 1\)"):
+    with pytest.raises(ConfigError, match=r"val_fraction must be in \(0, 1\)"):
         prepare(args, tok, str(tmp_path / "o3"), val_fraction=0.0)
 
 

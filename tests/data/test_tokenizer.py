@@ -92,5 +92,5 @@ def test_missing_library_is_named(monkeypatch, tokenizer_dirs):
         return real(name, *args, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_tokenizers)
-    with pytest.raises(ConfigError, match=r"needs the `tokenizers` library: pip install tokenizers"):
+    with pytest.raises(ConfigError, match=r"needs the tokenizers library: pip install tokenizers"):
         load_tokenizer(tokenizer_dirs["gpt2"])
