@@ -1,4 +1,4 @@
-"""`python -m cutp info | bench ... | plan ...`: the command-line entry points.
+"""`python -m cutp info | bench ... | plan ... | prepare-data ...`: the command-line entry points.
 
 Each command's module is loaded only when that command runs: `info` must work where MPI or CUDA
 is broken (it reports why), and the benchmark suites need both.
@@ -6,14 +6,15 @@ is broken (it reports why), and the benchmark suites need both.
 import importlib
 import sys
 
-COMMANDS = {"info": "cutp.info", "bench": "cutp.bench.__main__", "plan": "cutp.plan.cli"}
+COMMANDS = {"info": "cutp.info", "bench": "cutp.bench.__main__", "plan": "cutp.plan.cli",
+            "prepare-data": "cutp.data.prepare"}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in COMMANDS:
         return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
-    print("usage: python -m cutp info | bench ... | plan ...", file=sys.stderr)
+    print("usage: python -m cutp info | bench ... | plan ... | prepare-data ...", file=sys.stderr)
     return 2
 
 

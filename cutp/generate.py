@@ -1,7 +1,8 @@
 """Autoregressive sampling from a (tensor-parallel) GPT, with a KV cache sharded by heads.
 
-    from cutp.generate import generate
+    from cutp.generate import generate, generate_text
     new_ids = generate(model, [15496, 995], max_new_tokens=20, temperature=0.8, top_k=40, seed=0)
+    text = generate_text(model, load_tokenizer("path/to/model"), "Hello", 20)  # cutp.data.tokenizer
 
 Collective over the model's TP group: every TP rank calls it with the same arguments. Each step
 runs `model.forward_cached` (the prompt in one call, then one token at a time; each rank keeps
@@ -145,3 +146,12 @@ def _decode_loop(model, idx, max_new_tokens, temperature, top_k, seed, use_cache
             if done.all():
                 break
     return out
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, **kw) -> str:
+    """The continuation of `prompt` as text, with a tokenizer of cutp.data.tokenizer (the one
+    prepare-data used): the prompt encoded as it encodes text (BOS first where its template adds
+    one), generation stopped at its EOS (unless `stop_token` is given; kept, and decoded), the new
+    ids decoded. Other keywords as `generate`; collective over the model's TP group."""
+    kw.setdefault("stop_token", tokenizer.eos_id)
+    return tokenizer.decode(generate(model, tokenizer.encode(prompt), max_new_tokens, **kw))

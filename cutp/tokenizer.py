@@ -1,3 +1,4 @@
 """The former home of the tokenizers, kept so that `from cutp.tokenizer import get_tokenizer` goes on
-working: they live in `cutp.data.tokenizer` now."""
-from .data.tokenizer import ByteTokenizer, GPT2BPETokenizer, bytes_to_unicode, get_tokenizer  # noqa: F401
+working: they live in `cutp.data.tokenizer` now (GPT-2's hand-written BPE gave way to the
+`tokenizers` library's, `HFTokenizer`)."""
+from .data.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer, load_tokenizer  # noqa: F401

@@ -4,14 +4,17 @@
     mpiexec -n 2 python examples/generate.py --ckpt DIR --tp 2 --prompt-ids 1,2,3 --temperature 0
 
 DIR is either a Hugging Face GPT-2 directory (config.json + model.safetensors or sharded
-weights, and optionally vocab.json + merges.txt or tokenizer.json for text prompts) or a cutp
+weights, and optionally tokenizer.json or vocab.json + merges.txt for text prompts) or a cutp
 checkpoint (a directory with meta.json, or a run directory with `latest` / step-*; loaded,
-resharded to --tp, by cutp.checkpoint.load_model). Without tokenizer files, a 256-token model
-uses the byte tokenizer; any other model needs --prompt-ids, and the output is printed as ids.
+resharded to --tp, by cutp.checkpoint.load_model). The tokenizer (cutp.data.tokenizer, the
+`tokenizers` library's; the one prepare-data uses) is --tokenizer DIR|bytes, else DIR's tokenizer
+files; without them, a 256-token model uses the byte tokenizer; any other model needs
+--prompt-ids, and the output is printed as ids. A text prompt starts with BOS where the
+tokenizer's template adds one (Llama's), as transformers encodes it.
 
 --temperature 0 is greedy decoding (argmax; --top-k and --seed then change nothing).
-Generation stops after the tokenizer's end-of-text token (GPT-2's <|endoftext|>, id 50256)
-when the tokenizer has one, kept in the output; --stop-token ID stops at another id, --no-stop
+Generation stops after the tokenizer's EOS (GPT-2's <|endoftext|>, id 50256) when the
+tokenizer has one, kept in the output; --stop-token ID stops at another id, --no-stop
 always generates --max-new-tokens. Rank 0 prints the prompt followed by its continuation
 (with --print-ids, also the new ids, on a line starting "ids:"). Every rank generates the
 same tokens (see cutp.generate).
@@ -44,6 +47,8 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json, or 'bytes' "
+                   "(default: --ckpt's tokenizer files)")
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
     p.add_argument("--top-k", type=int, default=None)
@@ -55,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="for Hugging Face weights")
     stop = p.add_mutually_exclusive_group()
     stop.add_argument("--stop-token", type=int, default=None,
-                      help="stop after this token id (default: the tokenizer's end-of-text token, if any)")
+                      help="stop after this token id (default: the tokenizer's EOS, if any)")
     stop.add_argument("--no-stop", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--print-ids", action="store_true", help="also print the generated ids")
     args = p.parse_args(argv)
@@ -83,7 +88,7 @@ def main(argv=None):
     model = load(args.ckpt, ctx, args.dtype)
     V = model.config.vocab_size
     try:
-        tok = get_tokenizer(args.ckpt, V)
+        tok = get_tokenizer(args.tokenizer or args.ckpt, V)
     except cutp.ConfigError as e:
         if args.prompt is not None:
             raise
@@ -95,7 +100,7 @@ def main(argv=None):
             prompt = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t]
         except ValueError:
             raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    stop = None if args.no_stop else args.stop_token if args.stop_token is not None else getattr(tok, "eot_id", None)
+    stop = None if args.no_stop else args.stop_token if args.stop_token is not None else getattr(tok, "eos_id", None)
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # one line, every rank alike
         if stop is not None and not 0 <= stop < V:
             raise cutp.ConfigError(f"--stop-token {stop} is outside the model's vocabulary [0, {V}); "

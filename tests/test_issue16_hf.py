@@ -21,7 +21,8 @@ from cutp import ConfigError, train
 from cutp.generate import generate
 from cutp.hf import HFFormatError, from_hf_gpt2, load_hf_gpt2, save_hf_gpt2
 from cutp.models import GPT, GPTConfig
-from cutp.data.tokenizer import GPT2BPETokenizer, bytes_to_unicode, get_tokenizer
+from cutp.data.tokenizer import HFTokenizer, get_tokenizer
+from tests.data.tokenizer_files import bytes_to_unicode
 from tests.mpirun import ROOT, run_mpi
 from tests.tp_utils import self_ctx
 
@@ -123,27 +124,39 @@ def test_from_hf_gpt2_returns_eval_mode(tmp_path):
 
 
 # ---- 3. transformers 5 directories --------------------------------------------------------------------
+NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                                      reason="the tokenizers library is not installed (pip install tokenizers)")
+
+
+@NEEDS_TOKENIZERS
 @pytest.mark.parametrize("list_merges", [False, True])
 def test_tokenizer_json_alone(tmp_path, list_merges):
     eot = _write_tokenizer_json(str(tmp_path), list_merges=list_merges)
     tok = get_tokenizer(str(tmp_path), 300)
-    assert isinstance(tok, GPT2BPETokenizer) and tok.eot_id == eot == 263
+    assert isinstance(tok, HFTokenizer) and tok.eos_id == eot == 263
     # the same encoder as vocab.json + merges.txt
-    slow = GPT2BPETokenizer({**_vocab(), "<|endoftext|>": eot}, MERGES)
+    slow_dir = tmp_path / "slow"
+    slow_dir.mkdir()
+    (slow_dir / "vocab.json").write_text(json.dumps({**_vocab(), "<|endoftext|>": eot}, ensure_ascii=False),
+                                         encoding="utf-8")
+    (slow_dir / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES),
+                                         encoding="utf-8")
+    slow = get_tokenizer(str(slow_dir), 300)
     for text in ("the lower hello", "  the", "it's 123!", "héllo<|endoftext|>lower"):
         assert tok.encode(text) == slow.encode(text), text
         assert tok.decode(tok.encode(text)) == text
     assert tok.encode("hello lower<|endoftext|>") == [256, 258, 111, 262, eot]  # he ll o Ġlower
 
 
-def test_tokenizer_json_that_is_not_gpt2_bpe_is_refused(tmp_path):
-    _write_tokenizer_json(str(tmp_path), continuing_subword_prefix="##")
-    with pytest.raises(ConfigError, match="subword prefix"):
+@NEEDS_TOKENIZERS
+def test_tokenizer_json_the_library_cannot_read_is_refused(tmp_path):
+    """Any model type, normalizer or subword prefix is the library's to run; a file it cannot
+    read (an unknown model type; merges that make it panic) is refused in one line naming it."""
+    _write_tokenizer_json(str(tmp_path), type="NoSuchModel")
+    with pytest.raises(ConfigError, match=f"{tmp_path}: the tokenizers library cannot read its tokenizer"):
         get_tokenizer(str(tmp_path), 300)
-    spec = json.load(open(tmp_path / "tokenizer.json", encoding="utf-8"))
-    spec["model"]["type"] = "WordPiece"
-    json.dump(spec, open(tmp_path / "tokenizer.json", "w", encoding="utf-8"))
-    with pytest.raises(ConfigError, match="model type is 'WordPiece'"):
+    _write_tokenizer_json(str(tmp_path), continuing_subword_prefix="##")  # merges without the prefix
+    with pytest.raises(ConfigError, match="the tokenizers library cannot read its tokenizer"):
         get_tokenizer(str(tmp_path), 300)
 
 
@@ -185,12 +198,13 @@ def _load_example(name):
     return mod
 
 
+@NEEDS_TOKENIZERS
 def test_generate_script_tokenizer_json_sharded_greedy_stops_at_eot(tmp_path, capsys):
     d = str(tmp_path)
     eot = _write_tokenizer_json(d)
     ctx = self_ctx()
     model = _random_model(ctx, vocab_size=eot + 1, tie_embeddings=False)
-    tok = GPT2BPETokenizer.from_tokenizer_json(d)
+    tok = HFTokenizer.from_dir(d)
     prompt = tok.encode("hello")
     # <|endoftext|> made the argmax where the third greedy token was (or sooner)
     head = model.gather_state_dict()["lm_head.weight"]

@@ -4,8 +4,11 @@ Sources:
 - the embedded default: byte-level tokens (vocabulary 256) of the Python standard library's own
   source files on this machine, found from the running interpreter; files are split into train
   and validation deterministically by a hash of their relative path;
-- `--data PATH`: any text file (byte-level tokens), or a nanoGPT-style `.bin` of uint16 GPT-2
-  tokens (a sibling `val.bin` is the validation split if present, else the last 10%).
+- `--data DIR`: a directory written by `python -m cutp prepare-data` (`shards`: its shards
+  memory-mapped, the tokenizer's identity and vocabulary from its meta.json);
+- `--data PATH`: any text file (byte-level tokens), a nanoGPT-style `.bin` of uint16 tokens, or
+  one llm.c shard (`.bin` with llm.c's header, uint16 or uint32); for a `.bin` a sibling
+  `val.bin` is the validation split if present, else the last 10%.
 
 Batches: the global batch of optimizer step s is a pure function of (seed, s, split): B random
 windows of seq_len+1 tokens. DP rank d takes its contiguous share of those windows, and each
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..runtime.errors import ConfigError
+from .shards import ShardedTokens, is_shard, load_split, read_meta, read_shard
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 DEFAULT_CORPUS_BYTES = 16 << 20  # cap, so start-up stays fast on any Python
@@ -32,20 +36,25 @@ FULL_HASH_BYTES = 256 << 20  # Dataset.fingerprint hashes a split this large who
 
 @dataclass
 class Dataset:
-    train: np.ndarray  # 1-D integer tokens
-    val: np.ndarray
+    train: np.ndarray | ShardedTokens  # 1-D integer tokens
+    val: np.ndarray | ShardedTokens
     vocab_size: int
     description: str
+    tokenizer: dict | None = None  # prepared data: its tokenizer's identity (cutp.data.tokenizer)
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> str:
         """A blake2b digest of the tokens (train and validation), computed once: ranks that read
         the same path compare it, so different files under one name are found. Up to
         FULL_HASH_BYTES per split every byte is hashed; beyond, 1024 blocks of 64 KiB spread over
-        it and its length (a few ms, whatever the size)."""
+        it and its length (a few ms, whatever the size); of sharded data, meta.json's digests and
+        the ends of each shard (ShardedTokens.fingerprint_bytes)."""
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=16)
             for a in (self.train, self.val):
+                if isinstance(a, ShardedTokens):
+                    h.update(a.fingerprint_bytes())
+                    continue
                 a = np.asarray(a)
                 h.update(f"{a.dtype.str}:{a.size};".encode())
                 flat = a.reshape(-1)
@@ -99,14 +108,17 @@ def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> Dataset:
 
 
 def load_dataset(path: str | None) -> Dataset:
-    """The default corpus (None), a uint16 `.bin` of token ids (nanoGPT's format; a `val.bin`
-    beside it is the validation split, else the last 10%), or any other file as bytes. The
-    Dataset's vocab_size is the largest id in either split + 1 (the smallest vocabulary that
-    fits the data; 256 for bytes). Raises ConfigError naming the file for what cannot be used."""
+    """The default corpus (None), a prepared directory (`load_prepared`), a `.bin` of token ids
+    (nanoGPT's uint16 without a header, or an llm.c shard; a `val.bin` beside it is the
+    validation split, else the last 10%), or any other file as bytes. The vocab_size of a `.bin`
+    is the largest id in either split + 1 (the smallest vocabulary that fits the data), of bytes
+    256. Raises ConfigError naming the file for what cannot be used."""
     if path is None:
         return default_corpus()
+    if os.path.isdir(path):
+        return load_prepared(path)
     if not os.path.isfile(path):
-        raise ConfigError(f"`data` {path}: no such file" + (" (a directory)" if os.path.isdir(path) else ""))
+        raise ConfigError(f"`data` {path}: no such file or directory")
     if path.endswith(".bin"):
         tokens = _token_file(path)
         sibling = os.path.join(os.path.dirname(path), "val.bin")
@@ -117,7 +129,7 @@ def load_dataset(path: str | None) -> Dataset:
             cut = int(len(tokens) * 0.9)
             train, val = tokens[:cut], tokens[cut:]
         vocab = max(_largest(train), _largest(val)) + 1  # the validation split's ids too: not found at eval only
-        return Dataset(train, val, vocab, f"{path} (uint16 tokens, {len(tokens):,} tokens)")
+        return Dataset(train, val, vocab, f"{path} ({tokens.dtype.name} tokens, {len(tokens):,} tokens)")
     with open(path, "rb") as f:
         data = f.read()
     tokens = np.frombuffer(data, np.uint8)
@@ -125,7 +137,21 @@ def load_dataset(path: str | None) -> Dataset:
     return Dataset(tokens[:cut], tokens[cut:], 256, f"{path} (byte-level, {len(tokens):,} bytes)")
 
 
+def load_prepared(directory: str) -> Dataset:
+    """The train and val shards of a prepare-data directory, memory-mapped; vocab_size and the
+    tokenizer's identity from its meta.json."""
+    meta = read_meta(directory)
+    train, val = (load_split(directory, meta, s) for s in ("train", "val"))
+    tok = meta["tokenizer"]
+    sizes = ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens in {len(meta['splits'][s]['shards'])} shard(s)"
+                      for s in ("train", "val"))
+    return Dataset(train, val, int(meta["vocab_size"]), f"{directory} ({tok['name']} {train.dtype.name} tokens: "
+                                                           f"{sizes})", tokenizer=tok)
+
+
 def _token_file(path: str) -> np.ndarray:
+    if is_shard(path):
+        return read_shard(path)
     size = os.path.getsize(path)
     if size == 0:
         raise ConfigError(f"`data` {path} is empty; a .bin holds uint16 token ids (nanoGPT's format)")

@@ -52,6 +52,7 @@ from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
+from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
 from .pipeline import Schedule, eval_losses
 
@@ -204,9 +205,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         if dataset is not None and cfg.data is not None:
             raise ConfigError("give the data as config.data (a path) or as dataset=, not both")
         dataset = dataset if dataset is not None else load_dataset(cfg.data)
-        if dataset.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"the data has token ids up to {dataset.vocab_size - 1} but the model's vocabulary is "
-                              f"{cfg.model.vocab_size}; use a model with vocab_size >= {dataset.vocab_size}")
+        check_data_fits_model(dataset, cfg.model, cfg.init_from, cfg.data)  # the tokenizer and the vocabulary
         dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp).dp_rank(world.Get_rank())  # the Context's, before it exists
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
                                seed=cfg.seed)

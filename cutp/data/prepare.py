@@ -1,0 +1,355 @@
+"""`python -m cutp prepare-data INPUT... --tokenizer DIR|bytes --out DIR`: text to token shards.
+
+    python -m cutp prepare-data corpus/ notes.txt docs.jsonl --tokenizer path/to/Llama-3.2-1B --out data/llama
+
+Inputs: text files (one document each), JSONL files (one document a line, its `--text-key`
+string; blank lines skipped) and folders of them (walked in sorted order, hidden names skipped;
+`.jsonl` files read as JSONL, all others as text). Everything is UTF-8.
+
+Each document is encoded by the tokenizer (`cutp.data.tokenizer.load_tokenizer`) with its
+template's BOS where it adds one (Llama, Mistral) and EOS appended (the byte tokenizer has none:
+its documents are concatenated as they are). Special tokens written in a document's text are
+encoded as text, never as their ids (a document cannot forge an EOS). Document i (counting from
+0 in input order) goes to the validation split when ceil((i+1) f) > ceil(i f) for f =
+`--val-fraction`: ceil(n f) whole documents, spread evenly, the first among them; the rest to
+train. Each split is one token stream cut into shards of `--shard-tokens` tokens (the last
+shorter), written by `cutp.data.shards.write_shard` (llm.c's layout; uint16 when the
+vocabulary fits, else uint32), then meta.json. The output is a function of the inputs and the
+settings alone: the same bytes for any `--workers`.
+
+Workers (`--workers`, default the cores) encode batches of documents in processes, each
+single-threaded; the main process reads the inputs and writes the shards, in input order.
+
+Resuming: each split's tokens are appended to its next shard's temporary file, renamed to the
+shard when full (`cutp.data.shards.ShardWriter`). After each batch that finished a shard, and
+every PROGRESS_SECONDS, progress.json records the settings, the next document to encode and how
+many tokens each temporary file holds (synced first). Running the same command again after a
+kill goes on from there: finished shards kept, the temporary files cut back to what was
+recorded, the documents before read but not encoded; its result is identical to an
+uninterrupted run. An --out holding a finished preparation, or an unfinished one of other
+settings or inputs, is refused without `--overwrite` (which deletes this tool's files there).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+from ..runtime.errors import ConfigError, UserError
+from .shards import FORMAT, FORMAT_VERSION, META_FILE, SPLITS, ShardWriter, token_dtype
+from .tokenizer import BYTES, ByteTokenizer, load_tokenizer
+
+PROGRESS_FILE = "progress.json"
+BATCH_BYTES = 1 << 20  # text per task sent to a worker
+PROGRESS_SECONDS = 10  # progress.json is rewritten at least this often (and after each shard)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cutp prepare-data",
+                                description="Text files, JSONL files and folders of them to token shards for "
+                                            "training with --data DIR (cutp.data.prepare's docstring has the rules).")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, JSONL files, folders of them")
+    p.add_argument("--tokenizer", required=True, metavar="DIR|bytes", help="a model directory with tokenizer.json (or GPT-2's "
+                   "vocab.json + merges.txt), or 'bytes'")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (meta.json and the shards)")
+    p.add_argument("--text-key", default="text", metavar="KEY", help="the key of a JSONL line's text (default: text)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N", help="tokens per shard (default: 100M)")
+    p.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
+                   help="the share of documents in the validation split, in (0, 1) (default: 0.01)")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="encoding processes (default: the cores)")
+    p.add_argument("--overwrite", action="store_true", help="replace a preparation in --out")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:  # (no MPI here: cutp.runtime.failure's handler would start it, and the workers fork)
+        prepare(args.inputs, args.tokenizer, args.out, text_key=args.text_key, shard_tokens=args.shard_tokens,
+                val_fraction=args.val_fraction, workers=args.workers, overwrite=args.overwrite)
+    except UserError as e:  # its settings named as this command's flags
+        print(f"prepare-data: error: {e.render(lambda name: '--' + name.replace('_', '-'))}", file=sys.stderr)
+        return e.exit_status
+    return 0
+
+
+# ---- inputs --------------------------------------------------------------------------------------
+def input_files(inputs: list, exclude: str | None = None) -> list:
+    """The files of `inputs` in order: each file as given, each folder's files walked sorted
+    (but not folder `exclude`: the output, when it lies inside an input folder)."""
+    out, exclude = [], os.path.abspath(exclude) if exclude else None
+    for path in inputs:
+        if os.path.isfile(path):
+            out.append(os.path.abspath(path))
+        elif os.path.isdir(path):
+            found = []
+            for dirpath, dirnames, filenames in os.walk(path):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                                     and os.path.abspath(os.path.join(dirpath, d)) != exclude)
+                found += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
+            if not found:
+                raise ConfigError(f"input folder {path} holds no files")
+            out += [os.path.abspath(f) for f in found]
+        else:
+            raise ConfigError(f"input {path}: no such file or folder")
+    return out
+
+
+def documents(files: list, text_key: str):
+    """(text, bytes read) of each document of the files, in order."""
+    for path in files:
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[text_key]
+                    except (ValueError, KeyError, TypeError, IndexError):
+                        raise ConfigError(f"{path}:{n}: not a JSON object with a string {text_key!r}; fix the "
+                                          f"line or give the key with `text_key`") from None
+                    if not isinstance(text, str):
+                        raise ConfigError(f"{path}:{n}: {text_key!r} is a {type(text).__name__}, not a string")
+                    yield text, len(line)
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
+            try:
+                yield raw.decode("utf-8"), len(raw)
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); convert it or leave it out") from None
+
+
+def is_val(i: int, fraction: float) -> bool:
+    return math.ceil((i + 1) * fraction) > math.ceil(i * fraction)
+
+
+# ---- encoding (in the workers) -------------------------------------------------------------------
+_WORKER = {}
+
+
+def _init_worker(spec, dtype: str) -> None:
+    """spec: the --tokenizer argument (a worker process), or the tokenizer loaded (one worker:
+    this process)."""
+    if isinstance(spec, str):  # a worker: one thread (before its first encode), --workers says how many
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = load_tokenizer(spec) if isinstance(spec, str) else spec
+    if not isinstance(tok, ByteTokenizer):
+        tok.tokenizer.encode_special_tokens = True  # a document's "<|endoftext|>" is text
+    _WORKER.update(tok=tok, dtype=np.dtype(dtype))
+
+
+def _encode(texts: list) -> tuple:
+    """(all tokens of the documents, one after the other, with EOS; each document's length)."""
+    tok, dtype = _WORKER["tok"], _WORKER["dtype"]
+    ids = tok.encode_batch(texts)
+    eos = tok.eos_id
+    if eos is not None:
+        for d in ids:
+            if not d or d[-1] != eos:  # (a template may end a document with EOS already)
+                d.append(eos)
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())), lengths
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", shard_tokens: int = 100_000_000,
+            val_fraction: float = 0.01, workers: int | None = None, overwrite: bool = False,
+            batch_bytes: int = BATCH_BYTES, after_shard=None, stream=None) -> dict:
+    """Writes the shards and meta.json of `inputs` into `out`; returns the meta dict (see the
+    module's docstring). `batch_bytes`: text per worker task (and so how often progress can be
+    recorded); `after_shard(name)` runs after each shard is renamed into place, before
+    progress.json records it (a test's kill point); `stream` gets the progress (default stderr)."""
+    stream = sys.stderr if stream is None else stream
+    if not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ConfigError(f"`shard_tokens` must be an integer >= 1, got {shard_tokens!r}")
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"`val_fraction` must be in (0, 1) (the validation split's share of documents), "
+                          f"got {val_fraction}")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise ConfigError(f"`workers` must be >= 1, got {workers}")
+    files = input_files(inputs, exclude=out)
+    tok = load_tokenizer(tokenizer)
+    identity = tok.identity()
+    if tokenizer != BYTES:
+        identity["path"] = os.path.abspath(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    stats = [os.stat(f) for f in files]
+    listing = json.dumps([[f, st.st_size, st.st_mtime_ns] for f, st in zip(files, stats)]).encode()
+    settings = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": identity, "dtype": dtype.name,
+                "text_key": text_key, "shard_tokens": shard_tokens, "val_fraction": val_fraction,
+                "inputs": [os.path.abspath(p) for p in inputs], "files": len(files),
+                "bytes": sum(st.st_size for st in stats)}
+    # a rerun resumes only over the same files, unchanged (names, sizes, modification times)
+    resume_key = {**settings, "files_sha256": hashlib.sha256(listing).hexdigest()}
+    state = _claim_out(out, resume_key, overwrite) or {"next_doc": 0, "documents": {s: 0 for s in SPLITS},
+                                                      "splits": {s: None for s in SPLITS}}
+    writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["splits"][s]) for s in SPLITS}
+    documents_in = dict(state["documents"])
+    start_doc = next_doc = state["next_doc"]
+    progress = _Progress(stream, settings["bytes"], workers)
+
+    def save():
+        for w in writers.values():
+            w.sync()
+        _write_json(os.path.join(out, PROGRESS_FILE), {
+            "settings": resume_key, "next_doc": next_doc, "documents": documents_in,
+            "splits": {n: w.state() for n, w in writers.items()}})
+
+    save()  # from here on, a rerun of the same command resumes
+    saved = time.perf_counter()
+    for first, (flat, lengths), nbytes in _encoded(_batches(files, text_key, start_doc, batch_bytes, progress),
+                                                   tokenizer, tok, dtype, workers):
+        finished, start = [], 0
+        for k, n in enumerate(lengths):
+            split = "val" if is_val(first + k, val_fraction) else "train"
+            finished += writers[split].write(flat[start:start + n])
+            documents_in[split] += 1
+            start += n
+        next_doc = first + len(lengths)
+        for name in finished:
+            if after_shard is not None:
+                after_shard(name)
+        if finished or time.perf_counter() - saved > PROGRESS_SECONDS:
+            save()
+            saved = time.perf_counter()
+        progress.done(nbytes, len(flat))
+    for name in [n for w in writers.values() for n in w.close()]:
+        if after_shard is not None:
+            after_shard(name)
+    if documents_in["train"] == 0:
+        raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation); "
+                          f"give more documents (a text file is one document)")
+    meta = {**settings, "vocab_size": tok.vocab_size, "documents": sum(documents_in.values()),
+            "tokens": sum(w.tokens for w in writers.values()),
+            "splits": {n: {"documents": documents_in[n], "tokens": w.tokens, "shards": w.shards}
+                       for n, w in writers.items()}}
+    _write_json(os.path.join(out, META_FILE), meta)
+    os.remove(os.path.join(out, PROGRESS_FILE))
+    progress.summary(meta, out)
+    return meta
+
+
+def _batches(files: list, text_key: str, start_doc: int, batch_bytes: int, progress):
+    """(index of the first document, texts, bytes) of about batch_bytes of text at a time, from
+    document start_doc on (those before it are read, not encoded: a resumed run has them)."""
+    batch, size, first = [], 0, start_doc
+    for i, (text, nbytes) in enumerate(documents(files, text_key)):
+        if i < start_doc:
+            progress.skipped(nbytes)
+            continue
+        batch.append(text)
+        size += nbytes
+        if size >= batch_bytes:
+            yield first, batch, size
+            batch, size, first = [], 0, i + 1
+    if batch:
+        yield first, batch, size
+
+
+def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
+    """(first document, encode(batch), bytes) per batch, in order; at most 2 x workers batches in flight."""
+    if workers == 1:
+        _init_worker(tok, dtype.name)
+        for first, texts, nbytes in batches:
+            yield first, _encode(texts), nbytes
+        return
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with ctx.Pool(workers, _init_worker, (spec, dtype.name)) as pool:
+        flight = collections.deque()
+        for first, texts, nbytes in batches:
+            flight.append((first, pool.apply_async(_encode, (texts,)), nbytes))
+            if len(flight) >= 2 * workers:
+                f, r, b = flight.popleft()
+                yield f, r.get(), b
+        while flight:
+            f, r, b = flight.popleft()
+            yield f, r.get(), b
+
+
+# ---- the output directory ------------------------------------------------------------------------
+def _ours(name: str) -> bool:
+    return name in (META_FILE, PROGRESS_FILE, META_FILE + ".tmp", PROGRESS_FILE + ".tmp") or any(
+        name.startswith(s + "_") and (name.endswith(".bin") or name.endswith(".bin.tmp")) for s in SPLITS)
+
+
+def _claim_out(out: str, settings: dict, overwrite: bool) -> dict | None:
+    """The progress to resume from (None: start afresh), after the checks on `out`."""
+    os.makedirs(out, exist_ok=True)
+    names = os.listdir(out)
+    others = [n for n in names if not _ours(n)]
+    if others:
+        raise ConfigError(f"`out` {out} holds files prepare-data did not write ({others[0]}, ...); choose a new or "
+                          "empty directory")
+    if os.path.isfile(os.path.join(out, PROGRESS_FILE)) and not overwrite:
+        try:
+            with open(os.path.join(out, PROGRESS_FILE), encoding="utf-8") as f:
+                progress = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"`out` {out}: {PROGRESS_FILE} is unreadable ({e}); add `overwrite` to start again") from None
+        if not isinstance(progress, dict) or progress.get("settings") != settings:
+            raise ConfigError(f"`out` {out} holds an unfinished preparation with other inputs or settings; "
+                              "run that command again to finish it, or add `overwrite` to start this one")
+        return progress
+    if META_FILE in names and not overwrite:
+        raise ConfigError(f"`out` {out} already holds prepared data ({META_FILE}); choose another `out` or add "
+                          "`overwrite` to replace it")
+    for n in names:  # --overwrite, or leftovers of a run killed before its first progress record
+        os.remove(os.path.join(out, n))
+    return None
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+class _Progress:
+    """A progress line (tokens/s, ETA) redrawn on a terminal; a summary line at the end."""
+
+    def __init__(self, stream, total_bytes: int, workers: int):
+        self.stream, self.total, self.workers = stream, max(total_bytes, 1), workers
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.start, self.last = time.perf_counter(), 0.0  # (drawn at the first batch)
+        self.bytes = self.skipped_bytes = self.tokens = 0
+
+    def skipped(self, nbytes: int) -> None:
+        self.skipped_bytes += nbytes
+
+    def done(self, nbytes: int, ntokens: int) -> None:
+        self.bytes += nbytes
+        self.tokens += ntokens
+        now = time.perf_counter()
+        if self.tty and now - self.last > 0.2:
+            self.last = now
+            rate = self.bytes / max(now - self.start, 1e-9)
+            left = (self.total - self.skipped_bytes - self.bytes) / max(rate, 1e-9)
+            self.stream.write(f"\rprepare-data: {(self.skipped_bytes + self.bytes) / 1e6:,.1f} of "
+                              f"{self.total / 1e6:,.1f} MB, {self.tokens:,} tokens, "
+                              f"{self.tokens / (now - self.start):,.0f} tokens/s, ETA {left:,.0f} s   ")
+            self.stream.flush()
+
+    def summary(self, meta: dict, out: str) -> None:
+        secs = time.perf_counter() - self.start
+        sp = meta["splits"]
+        resumed = f" (resumed: {self.skipped_bytes / 1e6:,.1f} MB skipped)" if self.skipped_bytes else ""
+        self.stream.write(("\n" if self.tty else "") +
+                          f"prepare-data: {meta['tokens']:,} {meta['dtype']} tokens of {meta['documents']:,} documents "
+                          f"(train {sp['train']['tokens']:,} in {len(sp['train']['shards'])} shard(s), val "
+                          f"{sp['val']['tokens']:,} in {len(sp['val']['shards'])}) from {self.bytes / 1e6:,.1f} MB in "
+                          f"{secs:.1f} s: {self.tokens / max(secs, 1e-9):,.0f} tokens/s with {self.workers} "
+                          f"worker(s){resumed} -> {out}\n")
+        self.stream.flush()
