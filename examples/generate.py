@@ -1,9 +1,10 @@
-"""Sample text from a Hugging Face GPT-2 directory or a cutp checkpoint, tensor-parallel.
+"""Sample text from a Hugging Face model directory (GPT-2, Llama, Qwen2, Mistral, Mixtral) or a cutp
+checkpoint of any family, tensor-parallel.
 
     python examples/generate.py --ckpt DIR --prompt "Hello" --max-new-tokens 50
     mpiexec -n 2 python examples/generate.py --ckpt DIR --tp 2 --prompt-ids 1,2,3 --temperature 0
 
-DIR is either a Hugging Face GPT-2 directory (config.json + model.safetensors or sharded
+DIR is either a Hugging Face directory (config.json with its model_type + model.safetensors or sharded
 weights, and optionally tokenizer.json or vocab.json + merges.txt for text prompts) or a cutp
 checkpoint (a directory with meta.json, or a run directory with `latest` / step-*; loaded,
 resharded to --tp, by cutp.checkpoint.load_model). The tokenizer (cutp.data.tokenizer, the
@@ -36,7 +37,7 @@ from mpi4py import MPI
 from cutp.checkpoint import load_model
 from cutp.checkpoint.files import is_cutp_checkpoint
 from cutp.generate import generate
-from cutp.hf import from_hf_gpt2
+from cutp.hf import from_hf
 from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank
 from cutp.data.tokenizer import get_tokenizer
 
@@ -74,7 +75,7 @@ def load(ckpt: str, ctx, dtype: str):
     if is_cutp_checkpoint(ckpt):
         model, _meta = load_model(ckpt, ctx)
         return model
-    return from_hf_gpt2(ctx, ckpt, dtype=dtype)
+    return from_hf(ctx, ckpt, dtype=dtype)  # by config.json's model_type
 
 
 def main(argv=None):

@@ -140,8 +140,9 @@ class RunConfig:
     grad_clip: float = setting(1.0, "global gradient-norm clipping (0: none)", "run", kind=float, at_least=0, run=True)
     seed: int = setting(1337, "seed of the initial weights, the batches and dropout", "run", kind=int, at_least=0,
                         run=True)
-    data: str | None = setting(None, "text file (byte-level tokens) or uint16 .bin of token ids", "run",
-                               optional=True, run=True, metavar="PATH",
+    data: str | None = setting(None, "a directory written by `python -m cutp prepare-data` (its shards "
+                               "memory-mapped), a text file (byte-level tokens), or a .bin of token ids (nanoGPT's "
+                               "uint16, or one llm.c shard)", "run", optional=True, run=True, metavar="PATH|DIR",
                                derived="the Python standard library's sources")
     # this invocation: how far, what stops it, evaluation, checkpoints, logging
     run_steps: int | None = setting(
