@@ -27,6 +27,7 @@ def collect() -> dict:
         "numpy": _version("numpy"),
         "ml_dtypes": _version("ml_dtypes"),
         "safetensors": _version("safetensors"),
+        "tokenizers": _version("tokenizers"),
         "mpi4py": _version("mpi4py"),
     }
     try:
