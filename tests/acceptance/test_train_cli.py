@@ -1,4 +1,5 @@
-"""End-to-end training: same losses at every mesh, exact resume, resharded checkpoints."""
+"""End-to-end training through examples/train_gpt.py: same losses at every mesh, progress lines, metrics and
+validation, batches per rank, refusals. Resume and resharded checkpoints: tests/checkpoint/test_checkpoint.py."""
 import json
 import os
 
@@ -42,39 +43,6 @@ def test_tp8_runs(tmp_path):
     run_mpi(8, TRAIN, BASE + ["--steps", "3", "--tp", "8", "--metrics", str(m)], timeout=240)
     rows = _metrics(m)
     assert len(rows) == 3 and all(np.isfinite(r["loss"]) for r in rows)
-
-
-def test_resume_reproduces_steps_bit_identically(tmp_path):
-    from safetensors.numpy import load_file
-
-    args = BASE + ["--dropout", "0.1", "--tp", "2", "--dp", "2", "--micro-batch-size", "2"]
-    full, part = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
-    run, rerun = tmp_path / "run", tmp_path / "rerun"
-    run_mpi(4, TRAIN, args + ["--steps", "20", "--save-every", "5", "--keep", "2", "--out", str(run),
-                              "--metrics", str(full)], timeout=240)
-    # --keep 2: the run directory keeps the two newest checkpoints and points `latest` at the last
-    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000015", "step-00000020"]
-    assert json.loads((run / "latest").read_text()) == {"step": 20, "path": "step-00000020"}
-    ckpt = run / "step-00000015"
-    run_mpi(4, TRAIN, args + ["--steps", "20", "--resume", str(ckpt), "--metrics", str(part), "--out", str(rerun)],
-            timeout=240)
-    a, b = _metrics(full)[15:], _metrics(part)
-    assert [r["step"] for r in b] == list(range(16, 21))
-    for ra, rb in zip(a, b):
-        assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"], (ra, rb)
-    # and the final weights and optimizer moments are bit-identical too
-    files = sorted(p.name for p in (run / "step-00000020").glob("*.safetensors"))
-    assert files == sorted(p.name for p in (rerun / "step-00000020").glob("*.safetensors")) and len(files) == 4
-    for name in files:
-        x, y = load_file(run / "step-00000020" / name), load_file(rerun / "step-00000020" / name)
-        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), name
-    # a checkpoint is safetensors and JSON only, and records the library version and the data position
-    assert sorted(p.name for p in (run / "step-00000020").iterdir()) == sorted(files + ["meta.json"])
-    import cutp
-
-    meta = json.loads((run / "step-00000020" / "meta.json").read_text())
-    assert meta["cutp_version"] == cutp.__version__ and meta["step"] == 20
-    assert meta["data"]["next_step"] == 20 and meta["data"]["global_batch"] == 8 and meta["data"]["seq_len"] == 32
 
 
 def test_progress_lines_metrics_and_validation(tmp_path):
@@ -155,45 +123,6 @@ def test_nothing_users_load_can_execute_code():
     assert not offenders, offenders
 
 
-def _worker_val_loss(ckpt, tp, out):
-    import cutp
-    from cutp.checkpoint import load_model
-    from cutp.data import BatchSampler, load_dataset
-
-    ctx = cutp.init(tp=tp, device="cpu")
-    model, meta = load_model(ckpt, ctx)
-    model.eval()
-    sampler = BatchSampler(load_dataset(None), 32, 4, ctx.dp_size, ctx.dp_rank, 4, seed=0)
-    losses = [model.forward(x, y) for i in range(2) for x, y in sampler.micro_batches(i, "val")]
-    if ctx.rank == 0:
-        with open(out, "w") as f:
-            json.dump({"val": float(np.mean(losses)), "step": meta["step"]}, f)
-    ctx.close()
-
-
-def test_checkpoint_saved_at_tp4_loads_at_tp2_and_tp1(tmp_path):
-    run_mpi(4, TRAIN, BASE + ["--steps", "3", "--tp", "4", "--out", str(tmp_path / "run")], timeout=240)
-    ckpt = str(tmp_path / "run")
-    vals = {}
-    for tp in (4, 2, 1):
-        out = tmp_path / f"val{tp}.json"
-        run_mpi(tp, "tests.acceptance.test_train_cli:_worker_val_loss", ckpt, tp, str(out), timeout=120)
-        vals[tp] = json.loads(out.read_text())
-    assert vals[4]["step"] == 3
-    assert abs(vals[2]["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
-    assert abs(vals[1]["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
-
-    # and an exported single-shard copy holds the same model
-    from cutp.checkpoint import export_full, read_meta
-
-    exported = export_full(ckpt, str(tmp_path / "full"))
-    meta = read_meta(exported)
-    assert meta["mesh"] == {"tp": 1, "dp": 1} and len(meta["files"]) == 2
-    out = tmp_path / "val_export.json"
-    run_mpi(2, "tests.acceptance.test_train_cli:_worker_val_loss", exported, 2, str(out), timeout=120)
-    assert abs(json.loads(out.read_text())["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
-
-
 def _worker_batches():
     import cutp
     from cutp.data import BatchSampler, load_dataset
@@ -227,47 +156,6 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
         main(["--preset", "tiny", "--seq-len", "512", "--steps", "1", "--quiet"])
     with pytest.raises(Exception, match="micro-batch-size 3 must divide"):
         main(BASE + ["--steps", "1", "--micro-batch-size", "3"])
-
-
-def _worker_repad_vocabulary(run):
-    """A checkpoint whose vocabulary padding differs from the loading model's (97 real rows,
-    padded to 256 at TP=2 but to 128 at TP=1): the real rows survive, the padding is rebuilt."""
-    import cutp
-    from cutp.checkpoint import export_full, load_checkpoint, save_checkpoint
-    from cutp.models import GPT, GPTConfig
-    from cutp.optim import AdamW, FlatParameters
-    from tests.tp_utils import self_ctx
-
-    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=97, block_size=8, tie_embeddings=False)
-    ctx = cutp.init(tp=2, device="cpu")
-    model = GPT(ctx, cfg, seed=4)
-    opt = AdamW(FlatParameters(model.parameters()))
-    opt.m[...] = 1.5  # something to carry over
-    path = save_checkpoint(run, 1, model, opt)
-    want = model.gather_state_dict(rank=None)
-    one = GPT(self_ctx(), cfg, seed=0, init=False)
-    opt1 = AdamW(FlatParameters(one.parameters()))
-    load_checkpoint(path, one, opt1)
-    assert one.padded_vocab == 128 and model.padded_vocab == 256
-    got = one.gather_state_dict()
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    assert not one.wte.weight.data[97:].any() and not one.lm_head.weight.data[97:].any()
-    for key, m in opt1.state_dict().items():  # moments re-padded like the parameters
-        if not key.startswith("exp_avg."):
-            continue
-        rows = one.named_parameters()[key[len("exp_avg."):]].real_rows
-        assert (m[:rows] == 1.5).all() and not m[rows:].any() if rows else (m == 1.5).all(), key
-    if ctx.rank == 0:
-        exported = export_full(path, run + "-full")
-        from cutp.checkpoint import read_meta
-
-        assert read_meta(exported)["params"]["wte.weight"]["full_shape"] == [128, 8]
-    ctx.close()
-
-
-def test_checkpoint_repads_the_vocabulary_for_another_tp(tmp_path):
-    run_mpi(2, "tests.acceptance.test_train_cli:_worker_repad_vocabulary", str(tmp_path / "run"), timeout=120)
 
 
 def test_freed_host_memory_is_kept_for_the_next_step_on_glibc():

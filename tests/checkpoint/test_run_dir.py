@@ -1,15 +1,14 @@
-"""Issue 16, "Run directories and checkpoints": meta.json is sealed and checked against the files,
-its numbers are bounded before any allocation, paths stay inside the checkpoint, a run directory
-is locked and never silently reused, --out is checked at start-up, non-finite weights are never
-saved, and ranks compare the content of their data."""
+"""Run directories (`--out DIR`, cutp.checkpoint.run_dir): a run directory is locked and never
+silently reused, --out is checked at start-up, `latest` names the newest complete checkpoint,
+pruning keeps it and never removes the checkpoint just written, non-finite
+weights are never saved, and ranks compare the content of their data. The checkpoints themselves
+(meta.json, damage, resume, reshard): tests/checkpoint/test_checkpoint.py."""
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -17,9 +16,7 @@ from mpi4py import MPI
 
 import cutp
 from cutp import train
-from cutp.checkpoint import (CheckpointError, list_checkpoints, load_checkpoint, main as checkpoint_main,
-                             resolve_checkpoint, save_checkpoint)
-from cutp.checkpoint.files import META_CHECKSUM, write_meta
+from cutp.checkpoint import CheckpointError, list_checkpoints, resolve_checkpoint, save_checkpoint
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
 from cutp.checkpoint.run_dir import LOCK_FILE, lock_run_dir
@@ -29,243 +26,10 @@ from tests.tp_utils import self_ctx
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6)
 SMALL = dict(preset="tiny", set=["n_layer=1"], dtype="float64", seq_len=16, batch_size=4, eval_every=0,
              device="cpu", quiet=True, save_on_signal=False)
-MODEL = "model-tp00-of-01.safetensors"
 
 
 def _env():
     return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-@pytest.fixture
-def saved(tmp_path):
-    model = GPT(self_ctx(), CFG, seed=0)
-    path = save_checkpoint(str(tmp_path / "run"), 5, model, AdamW(FlatParameters(model.parameters())), keep=2)
-    return path, model
-
-
-def _fresh():
-    m = GPT(self_ctx(), CFG, seed=99)
-    return m, AdamW(FlatParameters(m.parameters()))
-
-
-def _meta(path):
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
-
-
-def _put_meta(path, meta, seal=False):
-    if seal:
-        write_meta(os.path.join(path, "meta.json"), meta)
-    else:
-        with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump(meta, f)
-
-
-def _verify(path, capsys):
-    status = checkpoint_main(["verify", path])
-    return status, capsys.readouterr().out
-
-
-# ---- 1. meta.json is sealed and checked against the files ---------------------------------------
-@pytest.mark.parametrize("edit", [
-    lambda m: m.update(step=999),
-    lambda m: m["optimizer"].update(lr=0.5),
-    lambda m: m["config"].update(n_layer=2),
-    lambda m: m["mesh"].update(dp=4),
-    lambda m: m["params"]["wte.weight"].update(real_rows=5),
-], ids=["step", "lr", "n_layer", "mesh", "real_rows"])
-def test_an_edited_meta_json_is_refused_by_load_and_verify(saved, edit, capsys):
-    path, _ = saved
-    meta = _meta(path)
-    edit(meta)
-    _put_meta(path, meta)
-    m, opt = _fresh()
-    # found by the checksum, or (an edit the files contradict) first by the check of the fields
-    found = r"meta.json (was modified after it was written|is malformed: .*do not match|is malformed: parameter)"
-    with pytest.raises(CheckpointError, match=found):
-        load_checkpoint(path, m, opt)
-    status, out = _verify(path, capsys)
-    assert status == 1 and "DAMAGED" in out and re.search(found, out), out
-
-
-def test_every_file_is_listed_and_matches_its_entry(saved, capsys):
-    path, _ = saved
-    assert _verify(path, capsys)[0] == 0
-    # a file's entry removed (even with the checksum recomputed): the mesh's files are not all listed
-    meta = _meta(path)
-    del meta["files"][MODEL]
-    _put_meta(path, meta, seal=True)
-    m, opt = _fresh()
-    with pytest.raises(CheckpointError, match=r"lists 1 files, but mesh.tp 1 with 1 optimizer shard\(s\) means 2"):
-        load_checkpoint(path, m, opt)
-    status, out = _verify(path, capsys)
-    assert status == 1 and "lists 1 files" in out
-
-
-def test_a_stray_shard_in_the_directory_is_found(saved, capsys):
-    path, _ = saved
-    shutil.copy(os.path.join(path, MODEL), os.path.join(path, "model-tp00-of-02.safetensors"))
-    status, out = _verify(path, capsys)
-    assert status == 1 and "model-tp00-of-02.safetensors is not listed in meta.json" in out, out
-    m, opt = _fresh()
-    with pytest.raises(CheckpointError, match=r"not listed in meta.json.*nothing was loaded"):
-        load_checkpoint(path, m, opt)
-
-
-def test_shapes_and_dtypes_in_the_files_must_match_meta(saved, capsys):
-    from safetensors.numpy import load_file, save_file
-
-    from cutp.checkpoint import sha256_file
-
-    path, _ = saved
-    shard = os.path.join(path, MODEL)
-    for change, message in [(lambda t: t.update({"ln_f.weight": t["ln_f.weight"][:4]}),
-                             r"tensor 'ln_f.weight' is F32 \[4\], meta.json says F32 \[8\]"),
-                            (lambda t: t.update({"ln_f.bias": t["ln_f.bias"].astype(np.float64)}),
-                             r"tensor 'ln_f.bias' is F64 \[8\], meta.json says F32 \[8\]")]:
-        tensors = load_file(shard)
-        change(tensors)
-        save_file(tensors, shard)
-        meta = _meta(path)
-        meta["files"][MODEL] = {"sha256": sha256_file(shard), "bytes": os.path.getsize(shard)}
-        _put_meta(path, meta, seal=True)
-        status, out = _verify(path, capsys)
-        assert status == 1 and any(re.search(message, line) for line in out.splitlines()), out
-
-
-def test_an_old_checkpoint_without_checksum_loads_with_a_warning(saved, capsys):
-    path, original = saved
-    meta = _meta(path)
-    del meta[META_CHECKSUM]
-    _put_meta(path, meta)
-    m, opt = _fresh()
-    load_checkpoint(path, m, opt)
-    assert all(np.array_equal(p.data, q.data) for p, q in zip(m.parameters(), original.parameters()))
-    assert "has no checksum (written by an older cutp)" in capsys.readouterr().err
-    assert _verify(path, capsys)[0] == 0
-
-
-# ---- 2. crafted numbers are refused before any allocation -------------------------------------------
-CRAFTED = textwrap.dedent("""
-    import json, os, resource, sys, time
-    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a huge allocation fails here, not the machine
-    from cutp.checkpoint import CheckpointError, export_full, load_model, main
-    from cutp.checkpoint.files import write_meta
-    from tests.tp_utils import self_ctx
-    path = sys.argv[1]
-    original = json.load(open(os.path.join(path, "meta.json")))
-    def qkv(m, **kw):
-        m["params"]["h.0.attn.c_attn.weight"]["sharding"].update(kw)
-    def shape(m, name, s):
-        m["params"][name]["full_shape"] = s
-    cases = {
-        "tp 1e9": lambda m: m["mesh"].update(tp=10**9),
-        "n_head 1e7": lambda m: m["config"].update(n_head=10**7, n_embd=10**7),
-        "qkv heads 1e7": lambda m: qkv(m, n_head=10**7, head_dim=1),
-        "shape 2^40": lambda m: shape(m, "wte.weight", [2**40, 8]),
-        "shape 2^30 x 2^10": lambda m: shape(m, "wte.weight", [2**30, 2**10]),
-        "dp_shards 1e9": lambda m: m["optimizer"].update(dp_shards=10**9),
-        "bool step": lambda m: m.update(step=True),
-        "block_size 2^40": lambda m: m["config"].update(block_size=2**40),
-        "vocab_multiple 2^40": lambda m: m["config"].update(vocab_multiple=2**40),
-    }
-    for name, edit in cases.items():
-        meta = json.loads(json.dumps(original))
-        edit(meta)
-        write_meta(os.path.join(path, "meta.json"), meta)  # sealed again: a crafted file passes the checksum
-        t = time.monotonic()
-        for action in (lambda: main(["verify", path]), lambda: load_model(path, self_ctx()),
-                       lambda: export_full(path, path + ".export")):
-            try:
-                status = action()
-            except CheckpointError as e:
-                status = str(e)
-            assert status == 1 or "malformed" in str(status), (name, status)
-        assert time.monotonic() - t < 10, name
-        print("refused", name, flush=True)
-""")
-
-
-def test_crafted_numbers_in_meta_are_refused_without_allocating(saved):
-    path, _ = saved
-    out = subprocess.run([sys.executable, "-c", CRAFTED, path], env=_env(), cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.count("refused") == 9, out.stdout[-3000:] + out.stderr[-3000:]
-
-
-# ---- 3. paths stay inside the checkpoint; only regular files are opened -------------------------------
-VERIFY_EACH = textwrap.dedent("""
-    import sys
-    from cutp.checkpoint import CheckpointError, main
-    for path in sys.argv[1:]:
-        print("====", path, flush=True)
-        try:
-            print("status", main(["verify", path]), flush=True)
-        except CheckpointError as e:
-            print(e, "\\nstatus 1", flush=True)
-""")
-
-
-def test_fifos_devices_and_paths_outside_are_refused_without_hanging(saved, tmp_path):
-    path, _ = saved
-    cases = {}
-
-    def case(name, damage):
-        target = str(tmp_path / name)
-        shutil.copytree(path, target)
-        damage(target)
-        cases[name] = target
-
-    def replace_model(target, how):
-        os.remove(os.path.join(target, MODEL))
-        how(os.path.join(target, MODEL))
-
-    def renamed(target):
-        meta = _meta(target)
-        meta["files"]["/dev/zero"] = meta["files"].pop(MODEL)
-        _put_meta(target, meta, seal=True)  # checksum recomputed: refused all the same, never opened
-
-    def fifo_meta(target):
-        os.remove(os.path.join(target, "meta.json"))
-        os.mkfifo(os.path.join(target, "meta.json"))
-
-    outside = str(tmp_path / "outside.safetensors")
-    shutil.copy(os.path.join(path, MODEL), outside)
-    case("fifo", lambda t: replace_model(t, os.mkfifo))  # reading it would block forever
-    case("devzero", lambda t: replace_model(t, lambda p: os.symlink("/dev/zero", p)))  # endless, and outside
-    case("outside", lambda t: replace_model(t, lambda p: os.symlink(outside, p)))
-    case("inside", lambda t: (os.rename(os.path.join(t, MODEL), os.path.join(t, ".real")),
-                              os.symlink(".real", os.path.join(t, MODEL))))  # a symlink inside is fine
-    case("named", renamed)
-    case("fifo_meta", fifo_meta)
-    out = subprocess.run([sys.executable, "-c", VERIFY_EACH] + list(cases.values()), env=_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    said = {name: part for name, part in zip(cases, out.stdout.split("==== ")[1:])}
-    assert "is not a regular file" in said["fifo"] and "status 1" in said["fifo"], out.stdout
-    assert "symlink leading out of" in said["devzero"] and "status 1" in said["devzero"], out.stdout
-    assert "symlink leading out of" in said["outside"] and "status 1" in said["outside"], out.stdout
-    assert ": OK" in said["inside"] and "status 0" in said["inside"], out.stdout
-    assert "files ['/dev/zero'] are not the shard files" in said["named"] and "status 1" in said["named"], out.stdout
-    assert "meta.json is not a regular file" in said["fifo_meta"] and "status 1" in said["fifo_meta"], out.stdout
-
-
-def test_latest_may_not_point_outside_the_run_directory(saved, tmp_path):
-    path, _ = saved
-    run = os.path.dirname(path)
-    other = tmp_path / "other"
-    shutil.copytree(path, other / "step-00000009")
-    for target in ["../other/step-00000009", str(other / "step-00000009"), "meta.json"]:
-        with open(os.path.join(run, "latest"), "w") as f:
-            json.dump({"step": 9, "path": target}, f)
-        with pytest.raises(CheckpointError, match=r"latest is malformed or unsafe"):
-            resolve_checkpoint(run)
-    os.remove(os.path.join(run, "latest"))
-    os.symlink(other / "step-00000009", os.path.join(run, "step-00000010"))  # a step-* symlink leading out
-    with open(os.path.join(run, "latest"), "w") as f:
-        json.dump({"step": 10, "path": "step-00000010"}, f)
-    with pytest.raises(CheckpointError, match=r"symlink leading out of"):
-        resolve_checkpoint(run)
 
 
 # ---- 4-6. the run directory: locked, not silently reused, checked at start-up -------------------------
@@ -397,3 +161,36 @@ def test_the_same_data_path_with_other_contents_is_found(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert "the training data differs across ranks: data_blake2b: ranks 0 have" in out.stdout + out.stderr, (
         out.stdout + out.stderr)
+
+
+def test_keep_prunes_only_after_a_newer_checkpoint_is_complete(tmp_path):
+    ctx = self_ctx()
+    model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6))
+    run = str(tmp_path / "run")
+    for step in (1, 2, 3):
+        save_checkpoint(run, step, model, keep=2)
+    assert sorted(os.listdir(run)) == ["latest", "step-00000002", "step-00000003"]
+    # a crash mid-save leaves a .tmp directory: it is never taken for a checkpoint
+    os.makedirs(os.path.join(run, ".tmp-step-00000004"))
+    from cutp.checkpoint import resolve_checkpoint
+
+    assert resolve_checkpoint(run).endswith("step-00000003")
+    os.remove(os.path.join(run, "latest"))
+    assert resolve_checkpoint(run).endswith("step-00000003")
+    shutil.rmtree(os.path.join(run, "step-00000003"))
+    with open(os.path.join(run, "latest"), "w") as f:
+        json.dump({"step": 3, "path": "step-00000003"}, f)
+    assert resolve_checkpoint(run).endswith("step-00000002")  # falls back to the newest complete one
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path, capsys):
+    ctx = self_ctx()
+    model = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6))
+    run = str(tmp_path / "run")
+    save_checkpoint(run, 50, model, keep=1)  # a run that went further, then was abandoned
+    path = save_checkpoint(run, 35, model, keep=1)  # restarted from an earlier step
+    assert os.path.exists(os.path.join(path, "meta.json"))
+    assert json.load(open(os.path.join(run, "latest"))) == {"step": 35, "path": "step-00000035"}
+    assert "holds checkpoints of later steps" in capsys.readouterr().err
+    save_checkpoint(run, 36, model, keep=1)
+    assert sorted(os.listdir(run)) == ["latest", "step-00000036", "step-00000050"]
