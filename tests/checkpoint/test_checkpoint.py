@@ -509,12 +509,26 @@ def test_resume_reproduces_steps_bit_identically(tmp_path):
     assert meta["data"]["next_step"] == 20 and meta["data"]["global_batch"] == 8 and meta["data"]["seq_len"] == 32
 
 
-def _worker_val_loss(ckpt, tp, out):
+def _worker_val_losses(cases):
+    """Each (checkpoint, tp, out) of cases on the first tp ranks of the job, one after the other:
+    one launch loads the checkpoint at every TP size."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    for ckpt, tp, out in cases:
+        sub = world.Split(0 if world.rank < tp else MPI.UNDEFINED, world.rank)
+        if sub != MPI.COMM_NULL:
+            _val_loss(ckpt, tp, out, sub)
+            sub.Free()
+        world.Barrier()
+
+
+def _val_loss(ckpt, tp, out, comm):
     import cutp
     from cutp.checkpoint import load_model
     from cutp.data import BatchSampler, load_dataset
 
-    ctx = cutp.init(tp=tp, device="cpu")
+    ctx = cutp.init(comm=comm, tp=tp, device="cpu")
     model, meta = load_model(ckpt, ctx)
     model.eval()
     sampler = BatchSampler(load_dataset(None), 32, 4, ctx.dp_size, ctx.dp_rank, 4, seed=0)
@@ -526,25 +540,22 @@ def _worker_val_loss(ckpt, tp, out):
 
 
 def test_checkpoint_saved_at_tp4_loads_at_tp2_and_tp1(tmp_path):
-    run_mpi(4, TRAIN, BASE + ["--steps", "3", "--tp", "4", "--out", str(tmp_path / "run")], timeout=240)
-    ckpt = str(tmp_path / "run")
-    vals = {}
-    for tp in (4, 2, 1):
-        out = tmp_path / f"val{tp}.json"
-        run_mpi(tp, "tests.checkpoint.test_checkpoint:_worker_val_loss", ckpt, tp, str(out), timeout=120)
-        vals[tp] = json.loads(out.read_text())
-    assert vals[4]["step"] == 3
-    assert abs(vals[2]["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
-    assert abs(vals[1]["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
-
-    # and an exported single-shard copy holds the same model
     from cutp.checkpoint import export_full, read_meta
 
+    run_mpi(4, TRAIN, BASE + ["--steps", "3", "--tp", "4", "--out", str(tmp_path / "run")], timeout=240)
+    ckpt = str(tmp_path / "run")
+    # and an exported single-shard copy holds the same model
     exported = export_full(ckpt, str(tmp_path / "full"))
     meta = read_meta(exported)
     assert meta["mesh"] == {"tp": 1, "dp": 1} and len(meta["files"]) == 2
+    cases = [(ckpt, tp, str(tmp_path / f"val{tp}.json")) for tp in (4, 2, 1)]
+    cases.append((exported, 2, str(tmp_path / "val_export.json")))
+    run_mpi(4, "tests.checkpoint.test_checkpoint:_worker_val_losses", cases, timeout=240)
+    vals = {tp: json.loads((tmp_path / f"val{tp}.json").read_text()) for tp in (4, 2, 1)}
+    assert vals[4]["step"] == 3
+    assert abs(vals[2]["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
+    assert abs(vals[1]["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
     out = tmp_path / "val_export.json"
-    run_mpi(2, "tests.checkpoint.test_checkpoint:_worker_val_loss", exported, 2, str(out), timeout=120)
     assert abs(json.loads(out.read_text())["val"] - vals[4]["val"]) <= 1e-10 * vals[4]["val"]
 
 
