@@ -514,13 +514,14 @@ def _worker_val_losses(cases):
     one launch loads the checkpoint at every TP size."""
     from mpi4py import MPI
 
-    world = MPI.COMM_WORLD
+    from tests.tp_utils import first_ranks, wait_for_all
+
     for ckpt, tp, out in cases:
-        sub = world.Split(0 if world.rank < tp else MPI.UNDEFINED, world.rank)
+        sub = first_ranks(tp)
         if sub != MPI.COMM_NULL:
             _val_loss(ckpt, tp, out, sub)
             sub.Free()
-        world.Barrier()
+        wait_for_all(MPI.COMM_WORLD)
 
 
 def _val_loss(ckpt, tp, out, comm):
