@@ -35,6 +35,18 @@ def wait_for_all(comm) -> None:
         time.sleep(0.002)
 
 
+def on_rank_0(compute):
+    """compute() on rank 0 of COMM_WORLD alone, its result broadcast to every rank: the one-rank
+    reference every rank compares against, computed once rather than by every rank (with fewer
+    cores than ranks, n copies take n times as long); the other ranks sleep meanwhile. Collective."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    result = compute() if world.rank == 0 else None
+    wait_for_all(world)
+    return world.bcast(result, root=0)
+
+
 def self_ctx(device="cpu"):
     """A TP=1 context on this rank alone: the reference every rank computes for itself."""
     from mpi4py import MPI

@@ -17,6 +17,7 @@ from cutp.models import GPT, GPTConfig, stage_layers
 from cutp.tensor_parallel import gather_full
 from cutp.train import RunConfig, build_run, train_step
 from tests.mpirun import run_mpi
+from tests.tp_utils import on_rank_0
 
 TRAIN = "examples.train_gpt:main"
 
@@ -69,7 +70,7 @@ def _worker_equals_one_rank(cases):
         cfg = _config(**kw)
         losses, stages, in_flight = _train(cfg, MPI.COMM_WORLD)
         ref_kw = {k: v for k, v in kw.items() if k in ("tie_embeddings", "bias")}
-        ref_losses, ref_stages, _ = _train(_config(**ref_kw), MPI.COMM_SELF)
+        ref_losses, ref_stages, _ = on_rank_0(lambda: _train(_config(**ref_kw), MPI.COMM_SELF))
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(kw))
         assert_stages_equal_one_rank(stages, ref_stages[0], cfg, kw)
         m, p = 8 // (cfg.dp * cfg.micro_batch_size), cfg.pp

@@ -22,6 +22,7 @@ from cutp.models import GPTConfig, stage_layers, virtual_stage_layers
 from cutp.train import RunConfig
 from cutp.train.pipeline import SCHEDULES, pipeline_bubble, plan
 from tests.mpirun import run_mpi
+from tests.tp_utils import on_rank_0
 from tests.train.test_pipeline import TRAIN, _metrics, _train, assert_stages_equal_one_rank
 from tests.checkpoint.test_pipeline_checkpoints import _run
 
@@ -180,8 +181,8 @@ def _worker_equals_one_rank(cases):
         cfg = _config(**kw)
         losses, stages, in_flight = _train(cfg, MPI.COMM_WORLD)
         ref_kw = {k: v for k, v in kw.items() if k in ("tie_embeddings", "n_layer")}
-        ref_losses, ref_stages, _ = _train(_config(pp=1, virtual=1, schedule="1f1b", batch=cfg.batch_size,
-                                                   **ref_kw), MPI.COMM_SELF)
+        ref_losses, ref_stages, _ = on_rank_0(lambda: _train(_config(pp=1, virtual=1, schedule="1f1b",
+                                                                     batch=cfg.batch_size, **ref_kw), MPI.COMM_SELF))
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(kw))
         assert_stages_equal_one_rank(stages, ref_stages[0], cfg, kw)
         p, V, m = cfg.pp, cfg.pp_virtual, cfg.accum_steps
