@@ -204,10 +204,16 @@ STACKS = [
 ]
 
 
+def _worker_at_sizes(worker, sizes, *args):
+    """`worker`(n, *args) for each TP size n of sizes, in one launch (its groups of n ranks split
+    the world: a size smaller than the world runs on every group)."""
+    for n in sizes:
+        globals()[worker](n, *args)
+
+
 # ---- tests -------------------------------------------------------------------------------------
 def test_linear_mlp_embedding_tp2_tp4():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_layers", 2, timeout=120)
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_layers", 4, timeout=120)
+    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_layers", [2, 4], timeout=180)
 
 
 def test_linear_mlp_embedding_and_cross_entropy_tp8():
@@ -227,13 +233,11 @@ def test_attention_gqa_tp2():
 
 
 def test_vocab_parallel_cross_entropy_tp2_tp4():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_cross_entropy", 4, timeout=120)
-    run_mpi(2, "tests.tensor_parallel.test_layers:_worker_cross_entropy", 2, timeout=120)
+    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_cross_entropy", [4, 2], timeout=180)
 
 
 def test_gpt_stack_tp2_tp4():
-    run_mpi(2, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 2, STACKS, timeout=180)
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 4, STACKS, timeout=180)
+    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_gpt_stack", [2, 4], STACKS, timeout=240)
 
 
 def test_gpt_stack_tp8():

@@ -35,8 +35,8 @@ SP_STACKS = [
 
 
 def test_gpt_stack_with_sequence_parallelism_tp2_tp4():
-    run_mpi(2, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 2, SP_STACKS, timeout=180)
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 4, SP_STACKS, timeout=180)
+    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_gpt_stack", [2, 4], SP_STACKS,
+            timeout=240)
 
 
 def test_gpt_stack_with_sequence_parallelism_tp8():
