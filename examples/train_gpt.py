@@ -8,7 +8,10 @@
 One optimizer step (cutp.train.train_step): `accum` micro-batches of forward + backward per DP
 rank (gradients accumulate), then the GQA/DP gradient reduction, global-norm clipping, AdamW.
 --batch-size is the global number of sequences per step over all DP ranks, so changing tp or dp
-never changes the math; --micro-batch-size only trades memory for speed.
+never changes the math; --micro-batch-size only trades memory for speed. (Mixture-of-experts
+models too: their auxiliary losses are the global batch's. Only an expert capacity,
+moe_capacity_factor, applies to each DP rank's micro-batch: with one, dp and the micro-batch
+size change which tokens are dropped.)
 
 This file is meant to be read and edited: the loop is all here; the step, the defaults and the
 checks live in cutp.train.

@@ -242,3 +242,19 @@ def test_the_script_and_the_benchmark_run_the_librarys_step(path):
     copies = called & {"finish_grad_sync", "global_grad_norm", "clip_scale", "lr_schedule", "zero_grad", "guard",
                        "backward", "Allreduce"}
     assert not copies, f"{path} does itself what cutp.train.train_step does: {sorted(copies)}"
+
+
+def test_no_private_name_is_imported_across_modules():
+    """What another module needs is public: no `from x import _name`, no private module imported
+    (kernels/ and cutp/ alike)."""
+    wrong = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if node.module and any(p.startswith("_") and not p.startswith("__") for p in node.module.split(".")):
+                private.append(f"(module {node.module})")
+            if private:
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {', '.join(private)}")
+    assert not wrong, "private names imported across modules:\n" + "\n".join(wrong)

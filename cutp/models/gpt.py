@@ -274,17 +274,18 @@ class GPT(Module):
         """Whether model chunk `chunk` of this stage ends the model (LM head and loss)."""
         return self.last_stage and chunk == self.pp_virtual - 1
 
-    def stage_forward(self, inp, targets=None, chunk: int = 0):
+    def stage_forward(self, inp, targets=None, chunk: int = 0, *, head: bool = True):
         """One micro-batch through this pipeline stage (its model chunk `chunk` with
         --pp-virtual): `inp` is the token ids [B, T] where the model starts (`takes_tokens`),
         else the previous chunk's output (replicated [B, T, h], or [B, T/tp, h] under sequence
         parallelism). Returns the output for the next chunk, or where the model ends
         (`gives_loss`) the mean loss (with targets, replicated over TP) or the logits shard.
-        At pp 1, `forward`."""
+        At pp 1, `forward`. `head=False`: the blocks only, the last one's output where the model
+        ends (the MoE counting pass of cutp.train.moe needs no LM head)."""
         x = self._embed(inp) if self.takes_tokens(chunk) else inp
         for block in self._chunk_blocks[chunk]:
             x = block.forward(x)
-        if not self.gives_loss(chunk):
+        if not self.gives_loss(chunk) or not head:
             return x
         logits = self.lm_head.forward(self.ln_f.forward(x))
         if targets is None:
@@ -387,7 +388,8 @@ class GPT(Module):
     def backward(self, dloss: float = 1.0, aux_dloss: float | None = None):
         """Gradients of dloss * (the last forward's loss) + aux_dloss * (its MoE layers' auxiliary
         losses, `moe_losses()`), accumulated into each parameter's grad. The auxiliary losses
-        are computed over the whole DP group's micro-batch, and each rank's gradient holds its
+        are computed over the whole DP group's micro-batch (inside cutp.train's step: over the
+        step's global batch, cutp.tensor_parallel.moe), and each rank's gradient holds its
         own tokens' part of theirs: with gradients averaged over DP (finish_grad_sync, the
         optimizers), aux_dloss = dloss * dp gives those of the objective loss + aux (the default)."""
         self._whole_model("GPT.backward")
@@ -395,7 +397,8 @@ class GPT(Module):
 
     def moe_losses(self) -> dict:
         """The last forward's auxiliary losses of this stage's MoE layers, summed: {"aux_loss",
-        "z_loss"} (zeros for a dense model). Training forwards: over the DP group's micro-batch."""
+        "z_loss"} (zeros for a dense model). Training forwards: over the DP group's micro-batch
+        (inside cutp.train's step: that micro-batch's part of the step's losses)."""
         return {k: sum(m.last.get(k, 0.0) for m in self.moe_layers) for k in ("aux_loss", "z_loss")}
 
     def targets_from_labels(self, labels):

@@ -94,6 +94,7 @@ class Arch:
     moe_top_k: int = 2
     moe_ffn: int = 0  # each expert's width (0: ffn)
     moe_every: int = 1
+    moe_load_balancing: bool = True  # a load-balancing loss: a step of micro-batches counts first (cutp.train.moe)
 
     @property
     def head_dim(self):
@@ -112,7 +113,8 @@ ARCHITECTURES = {
 def arch_from_config(name: str, c) -> Arch:
     return Arch(name, c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.hidden, c.vocab_size, c.block_size,
                 gated_mlp=False, bias=c.bias, tied=c.tie_embeddings, layernorm=True, pos_emb=True,
-                n_experts=c.n_experts, moe_top_k=c.moe_top_k, moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every)
+                n_experts=c.n_experts, moe_top_k=c.moe_top_k, moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every,
+                moe_load_balancing=c.moe_aux_loss_coeff > 0)
 
 
 def pick_arch(params: str) -> Arch:
@@ -331,9 +333,11 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     def coll(calls, elems, itemsize, factor):
         return {"calls": calls, "elements": elems, "bytes": elems * itemsize, "wire_bytes": elems * itemsize * factor}
 
-    # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward
+    # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward;
+    # `counted` 1 if the step's counting pass (cutp.train.moe: several micro-batches) does it first
     moe_recomputed = [int(recompute == "full" and i < (L if recompute_layers is None else recompute_layers))
                       for i in range(L) if a.n_experts and i % a.moe_every == 0]
+    counted = int(accum > 1 and a.moe_load_balancing)
     ring_ar = 2 * (tp - 1) / tp
     dp_one = (dp - 1) / dp
     on_dp = dp > 1
@@ -342,9 +346,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
         "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
-        "ep_all_to_all": coll(sum(5 + 3 * r for r in moe_recomputed) * accum if ep > 1 else 0,
-                              sum(2 + r for r in moe_recomputed) * accum * all_to_all_elements(a, s, b, tp, ep), pb,
-                              (ep - 1) / ep),
+        "ep_all_to_all": coll(sum(5 + 3 * (r + counted) for r in moe_recomputed) * accum if ep > 1 else 0,
+                              sum(2 + r + counted for r in moe_recomputed) * accum
+                              * all_to_all_elements(a, s, b, tp, ep), pb, (ep - 1) / ep),
         "params_per_gpu": P, "padded_params": N,
         "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
         "act_bytes": act["bytes"], "activations": act,

@@ -185,13 +185,16 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                        "total": state + act["bytes"], "fits": {n: state + act["bytes"] <= cap for n, cap in GPUS}})
     largest = max(range(pp), key=lambda i: (stages[i]["total"], -i))
     message = b * s * h * act_bytes // (tp if sp else 1)
+    counted = int(bool(a.n_experts) and a.moe_load_balancing and accum > 1)  # cutp.train.moe's counting pass:
+    # every micro-batch forward through the stages once more before the schedule
     return {"arch": a.__dict__, "pp": pp, "tp": tp, "dp": dp, "gpus": pp * tp * dp, "schedule": kind,
             "virtual": virtual, "micro_batches": accum, "micro_batch": b, "seq_len": s, "dtype": dtype,
             "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
             "params_total": whole["params_total"], "params_per_gpu_pp1": whole["params_per_gpu"],
             "stages": stages, "largest_stage": largest, "bubble": pipeline_bubble(pp, accum, virtual),
             "p2p_bytes_per_micro_batch": message,
-            "p2p_bytes_per_step": {"forward": accum * virtual * message, "backward": accum * virtual * message},
+            "p2p_bytes_per_step": {"forward": (1 + counted) * accum * virtual * message,
+                                   "backward": accum * virtual * message},
             "fits": {n: all(st["fits"][n] for st in stages) for n, _ in GPUS}}
 
 
@@ -267,8 +270,10 @@ def run(args) -> Report:
     msg = r["p2p_bytes_per_micro_batch"]
     pipe.add(what="p2p per micro-batch", value=f"{msg / 1e6:,.2f} MB each way ([{args.micro_batch}, {seq}"
              + (f"/{args.tp}" if sp else "") + f", {a.n_embd}] {r['dtype']})")
+    counted = r["p2p_bytes_per_step"]["forward"] > r["p2p_bytes_per_step"]["backward"]
     pipe.add(what="p2p per step and stage", value=f"{m * v} sends forward, {m * v} backward (the last stage "
-             f"{m * (v - 1)} forward, the first {m * (v - 1)} backward): {r['p2p_bytes_per_step']['forward'] / 1e9:,.3f} GB each way")
+             f"{m * (v - 1)} forward, the first {m * (v - 1)} backward): {r['p2p_bytes_per_step']['backward'] / 1e9:,.3f} GB each way"
+             + (" (and forward as much again: the MoE counting pass)" if counted else ""))
     pipe.add(what="predicted bubble", value=f"{100 * r['bubble']:.1f}% = " + ("(p-1)/(V*m+p-1)" if v > 1 else "(p-1)/(m+p-1)")
              + f" with p={p}, m={m}" + (f", V={v}" if v > 1 else ""))
     return report

@@ -9,9 +9,12 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
                moe_renormalize)
     losses     load balancing (Switch/GShard): coeff * E * sum_i f_i * P_i, f_i the fraction of
                the k * N assignments routed to expert i, P_i the mean probability of expert i;
-               z-loss: coeff * mean(logsumexp(logits)^2). N: every token of the micro-batch
-               over the whole DP group (and the TP group's shards under sequence parallelism),
-               so the losses, and their gradients, are those of one rank with the global batch
+               z-loss: coeff * mean(logsumexp(logits)^2). N: every token of the optimizer step
+               (all its micro-batches, over the whole DP group, and the TP group's shards under
+               sequence parallelism), so the losses, and their gradients, are those of one rank
+               running the global batch as one micro-batch (what Megatron's global_aux_loss
+               approximates): "The step's statistics" below. A forward outside a training step
+               (no `begin_step`): N is that forward's tokens over the DP group
     capacity   with moe_capacity_factor cf, expert i takes at most ceil(cf * n * k / E) of the
                assignments of the n tokens of one DP rank's micro-batch (its source rank): the
                ones with the highest probability (ties: the earlier token, then the lower slot);
@@ -29,6 +32,28 @@ gradients), on the shard with it (partial gradients, summed over TP like the Lay
 Backward: the combine, each expert's MLP, the gates (renormalisation), the load-balancing and
 z-loss terms scaled by `aux_grad` (the loss scale of the auxiliary terms, set by GPT before each
 backward), the softmax and the router.
+
+The step's statistics. With T the step's tokens and c_i its assignments to expert i (both over
+all micro-batches and DP ranks), the load-balancing loss is coeff * E / (k T^2) * sum_i c_i *
+sum_x p_xi and its gradient for token x is coeff * E / (k T^2) * sum_i c_i dp_xi (c_i is not
+differentiated, as Switch's f_i): every micro-batch's backward needs the whole step's c, which
+is not known when the first backward runs (forwards and backwards alternate). So the training
+step (cutp.train.moe.moe_step) first runs a counting pass when it has more than one
+micro-batch: a training-mode forward of every micro-batch that keeps nothing for backward
+(`not_stashed`; the same dropout masks, drawn by position), in which each MoE layer only adds up
+its assignments per expert (`start_counting` / `finish_counting`: one all-reduce per layer over
+the DP group, and TP under sequence parallelism). It gives c exactly, since the real forwards
+then route the same tokens the same way. It costs one more forward of the blocks (not the LM
+head) per micro-batch, with its all-to-alls at ep > 1 (tiny-moe on the CPU, 4 micro-batches of
+2 x 128 tokens: 207 ms a step instead of 142), and only for steps of several micro-batches whose
+load-balancing coefficient is not 0 (the z-loss needs only T, known up front; with one
+micro-batch a forward's own counts over the DP group are the step's). Megatron's
+global_aux_loss (router.py: global_tokens_per_expert summed over the micro-batches seen so far,
+ga_steps) costs nothing but is not exact: micro-batch 1's backward sees only its own counts.
+Each forward then reports its part of the step's losses (coeff * E / (k T^2) * sum_i c_i *
+sum_x p_xi over its tokens; coeff * sum_x lse_x^2 / T): the parts add up to the step's losses.
+Capacity stays per DP rank's micro-batch (above): with moe_capacity_factor set, dp and the
+micro-batch size change which assignments are dropped.
 
 Expert parallelism (ctx.ep_size > 1): this rank holds only experts [ep_rank * E/ep,
 (ep_rank + 1) * E/ep) (named by their global index, so initialised and checkpointed alike at
@@ -136,6 +161,10 @@ class MoEMLP(Module):
         self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)
         self.aux_grad = 1.0  # d(objective)/d(auxiliary losses) for the next backward (GPT sets it)
         self.last = {}  # the last forward's losses and counts (the metrics)
+        # the optimizer step's statistics (`begin_step`; None: each forward's own)
+        self.step_tokens: float | None = None  # T, the step's tokens over the DP group
+        self.step_fractions = None  # (f on the device, f on the host): c_i / (k T), the step's
+        self._tally = None  # inside the counting pass: [assignments per expert, tokens] (float64)
         self.reset_step_stats()
 
     # ---- metrics ---------------------------------------------------------------------------------
@@ -143,6 +172,36 @@ class MoEMLP(Module):
         """Sums over one optimizer step's training forwards (train_step reads and resets them)."""
         self.step_stats = {"aux_loss": 0.0, "z_loss": 0.0, "assigned": np.zeros(self.n_experts), "dropped": 0.0,
                            "forwards": 0}
+
+    # ---- the step's statistics (module docstring) ------------------------------------------------
+    def begin_step(self, tokens: float) -> None:
+        """The next forwards belong to one optimizer step of `tokens` tokens over the DP group
+        (`step_fractions` from the counting pass, else each forward's own: exact with one
+        micro-batch, or with a load-balancing coefficient of 0)."""
+        self.step_tokens = float(tokens)
+
+    def end_step(self) -> None:
+        self.step_tokens = self.step_fractions = self._tally = None
+
+    def start_counting(self) -> None:
+        """The counting pass begins: the next training forwards only add up their assignments."""
+        self._tally = 0.0
+
+    def finish_counting(self) -> None:
+        """The counting pass ends: the step's assignment fractions, summed over the DP group (and
+        TP under sequence parallelism). Collective over those groups."""
+        tally, self._tally = self._tally, None
+        xp, E = self.ctx.xp, self.n_experts
+        if isinstance(tally, float):  # (no forward ran: a stage of no micro-batch; not reached by train_step)
+            tally = xp.zeros(E + 1, np.float64)
+        for g in self._stats_groups():
+            g.all_reduce(tally, "sum", out=tally)
+        host = self.ctx.to_numpy(tally)
+        if self.step_tokens is not None and host[E] != self.step_tokens:
+            raise RuntimeError(f"the counting pass routed {host[E]:g} tokens; the step has {self.step_tokens:g}")
+        cdt = compute_dtype(self.router.data.dtype)
+        f = host[:E] / (host[E] * self.top_k)
+        self.step_fractions = (self.ctx.asarray(f.astype(cdt)), f.astype(cdt))
 
     # ---- the token layout --------------------------------------------------------------------
     def _split_rows(self, n) -> tuple[int, int, int] | None:
@@ -178,17 +237,27 @@ class MoEMLP(Module):
         top_p = xp.take_along_axis(probs, idx, axis=1)
         gates = top_p / top_p.sum(axis=1, keepdims=True) if self.renormalize else top_p
         keep = self._capacity_keep(top_p, idx, shape)
+        counts = xp.bincount(idx.reshape(-1), minlength=E)
+        if self._tally is not None:  # the counting pass: only the assignments (module docstring)
+            mine = xp.concatenate([counts.astype(np.float64), xp.full(1, n, np.float64)])
+            self._tally = mine + self._tally
+            return self._experts_output(x2, idx, gates, keep, shape)[0]
         # statistics over the micro-batch of the whole DP group: [assigned per expert, probability
         # sums, tokens, sum of lse^2, dropped assignments] (under SP each rank adds its own shard's)
         scalars = [xp.asarray(n, cdt), (lse * lse).sum().astype(cdt), (~keep).sum().astype(cdt)]  # (device arrays:
-        stats = xp.concatenate([xp.bincount(idx.reshape(-1), minlength=E).astype(cdt), probs.sum(axis=0),  # CuPy
-                                xp.stack(scalars)])  # builds no array from a list mixing host numbers and arrays)
+        stats = xp.concatenate([counts.astype(cdt), probs.sum(axis=0),  # CuPy builds no array from a list
+                                xp.stack(scalars)])  # mixing host numbers and arrays)
         for g in self._stats_groups():
             g.all_reduce(stats, "sum", out=stats)
         host = self.ctx.to_numpy(stats)  # (one device-to-host copy per MoE layer and forward)
         n_all, z_sum, dropped = (float(v) for v in host[2 * E:])
-        f = stats[:E] / (n_all * k)  # (on the device: the backward's load-balancing gradient)
-        aux = self.aux_loss_coeff * E * float((host[:E] / (n_all * k) * host[E:2 * E]).sum()) / n_all
+        if self.step_tokens is not None and self.training:  # the step's T (and c from the counting pass)
+            n_all = self.step_tokens
+        if self.step_fractions is not None and self.training:
+            f, f_host = self.step_fractions
+        else:
+            f, f_host = stats[:E] / (n_all * k), host[:E] / (n_all * k)  # (f on the device: the backward's)
+        aux = self.aux_loss_coeff * E * float((f_host * host[E:2 * E]).sum()) / n_all
         z = self.z_loss_coeff * z_sum / n_all
         self.last = {"aux_loss": aux, "z_loss": z, "assigned": host[:E].copy(), "dropped": dropped}
         if self.training and self.stash:  # (full recomputation's first pass is not counted twice)
@@ -199,13 +268,20 @@ class MoEMLP(Module):
             s["dropped"] += dropped
             s["forwards"] += 1
 
+        y, saved = self._experts_output(x2, idx, gates, keep, shape)
+        self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved))
+        return y
+
+    def _experts_output(self, x2, idx, gates, keep, shape):
+        """(y [shape], what the experts' backward needs): this rank's rows through their experts,
+        all-gathered over TP when the rows are split."""
+        n = x2.shape[0]
         rows = self._split_rows(n)
         lo, hi = (0, n) if rows is None else rows[:2]
         y, saved = self._experts_forward(x2[lo:hi], idx[lo:hi], gates[lo:hi], keep[lo:hi])
         if rows is not None:
             y = self._gather_rows(y, rows, n)
-        self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved))
-        return y.reshape(shape)
+        return y.reshape(shape), saved
 
     def _capacity_keep(self, top_p, idx, shape):
         """[n, k] bool: which assignments their expert accepts (all without a capacity factor)."""

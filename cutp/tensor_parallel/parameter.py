@@ -247,10 +247,14 @@ def not_stashed(module: Module):
     its masks): full activation recomputation runs a layer's first forward so, and reruns it for
     real in backward."""
     mods = list(module.modules())
-    for m in mods:
+    before = [m.__dict__.get("stash") for m in mods]  # (nested in another, e.g. the MoE counting pass:
+    for m in mods:  # a recomputed block's own not_stashed must leave the outer one's False in place)
         m.stash = False
     try:
         yield
     finally:
-        for m in mods:
-            m.__dict__.pop("stash", None)
+        for m, b in zip(mods, before):
+            if b is None:
+                m.__dict__.pop("stash", None)
+            else:
+                m.stash = b

@@ -1,18 +1,32 @@
-"""One optimizer step's mixture-of-experts figures: the auxiliary losses and the routing.
+"""One optimizer step's mixture-of-experts losses and figures: the auxiliary losses over the
+step's global batch, and the routing.
+
+`moe_step` wraps a step's forwards and backwards: it gives every MoE layer the step's token count
+T (all micro-batches, all DP ranks) and, when the step has several micro-batches and a non-zero
+load-balancing coefficient, first runs the counting pass that gives each layer the step's
+assignments per expert (cutp.tensor_parallel.moe, "The step's statistics", says why and what it
+costs). The load-balancing and z-losses, and their gradients, are then those of one rank running
+the global batch as one micro-batch: neither --micro-batch-size nor dp changes them (a capacity,
+moe_capacity_factor, stays per micro-batch and DP rank: with one, the micro-batch size changes
+what is dropped).
 
 Each MoEMLP sums, over the step's training forwards (a recomputed forward is not counted again),
-its load-balancing and z-losses and, per expert, the assignments the router made and those the
-capacity dropped; all of them over the DP group's micro-batches already. `moe_step_stats` adds the
-layers of every pipeline stage and resets the sums. The losses are per micro-batch means, as the
-language-model loss is; the token counts are the step's.
+its parts of the load-balancing and z-losses and, per expert, the assignments the router made and
+those the capacity dropped; all of them over the DP group's micro-batches already.
+`moe_step_stats` adds the layers of every pipeline stage and resets the sums: the step's losses
+(summed over the layers) and token counts.
 
 `check_expert_parallel` checks a run's ep against the model and the rest of the layout.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..runtime.errors import ConfigError
+from ..tensor_parallel.parameter import not_stashed
+from .pipeline import forwards_only
 
 
 def check_expert_parallel(cfg) -> None:
@@ -28,10 +42,55 @@ def check_expert_parallel(cfg) -> None:
                           f"ranks holding n_experts / ep experts each)")
 
 
-def moe_step_stats(ctx, model, micro_batches: int) -> dict | None:
-    """{"aux_loss", "z_loss", "dropped" (fraction of the assignments), "tokens_per_expert" [min,
-    mean, max] (assignments per expert and layer)} of the step, or None for a dense model.
-    Collective over the pipeline when pp > 1."""
+@contextlib.contextmanager
+def moe_step(run, batches, step: int, first_row):
+    """The step's forwards and backwards inside: the MoE layers' auxiliary losses over its global
+    batch (module docstring). `batches`: this DP rank's [(x, y)] host arrays (every DP rank holds
+    as many, of the same shape); `first_row(i)`: micro-batch i's first row in the global batch
+    (dropout positions). Nothing for a dense model. Collective (the counting pass)."""
+    model = run.model
+    if not model.config.n_experts:
+        yield
+        return
+    tokens = run.ctx.dp_size * sum(int(x.size) for x, _ in batches)
+    for layer in model.moe_layers:
+        layer.begin_step(tokens)
+    try:
+        if len(batches) > 1 and model.config.moe_aux_loss_coeff > 0:
+            _count_assignments(run, batches, step, first_row)
+        yield
+    finally:
+        for layer in model.moe_layers:
+            layer.end_step()
+
+
+def _count_assignments(run, batches, step: int, first_row) -> None:
+    """The counting pass: a training-mode forward of every micro-batch, keeping nothing, through
+    the pipeline at pp > 1; each MoE layer adds up its assignments per expert, then sums them
+    over the DP group."""
+    model, ctx = run.model, run.ctx
+    for layer in model.moe_layers:
+        layer.start_counting()
+    streams = dict(model.rng.offsets)  # (named sites draw by position and advance no stream; a checkpoint
+    # saves the streams, so the pass leaves them as it found them whatever a site does)
+    with not_stashed(model):
+        if ctx.pp_size > 1:
+            forwards_only(run, batches, step=step, first_row=first_row)
+        else:
+            for micro, (x, y) in enumerate(batches):
+                model.rng.set_position(step, first_row(micro), run.config.batch_size)
+                model.check_inputs(x, y)  # on the host arrays, before any collective
+                model.stage_forward(ctx.asarray(x), head=False)
+                ctx.watchdog.progress()
+    model.rng.offsets = streams
+    for layer in model.moe_layers:
+        layer.finish_counting()
+
+
+def moe_step_stats(ctx, model) -> dict | None:
+    """{"aux_loss", "z_loss" (the step's, summed over the MoE layers), "dropped" (fraction of the
+    assignments), "tokens_per_expert" [min, mean, max] (assignments per expert and layer)} of the
+    step, or None for a dense model. Collective over the pipeline when pp > 1."""
     if not model.config.n_experts:
         return None
     mine = [(m.step_stats["aux_loss"], m.step_stats["z_loss"], m.step_stats["assigned"], m.step_stats["dropped"])
@@ -42,7 +101,7 @@ def moe_step_stats(ctx, model, micro_batches: int) -> dict | None:
         with ctx.watchdog.guard("the MoE statistics of the pipeline stages (host all-gather on pp)"):
             mine = [layer for stage in ctx.pp.mpi_comm.allgather(mine) for layer in stage]
     counts = np.concatenate([a for _, _, a, _ in mine])
-    return {"aux_loss": sum(a for a, _, _, _ in mine) / micro_batches,
-            "z_loss": sum(z for _, z, _, _ in mine) / micro_batches,
+    return {"aux_loss": sum(a for a, _, _, _ in mine),
+            "z_loss": sum(z for _, z, _, _ in mine),
             "dropped": float(sum(d for _, _, _, d in mine) / max(counts.sum(), 1.0)),
             "tokens_per_expert": [float(counts.min()), float(counts.mean()), float(counts.max())]}

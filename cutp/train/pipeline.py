@@ -30,7 +30,8 @@ Activations go to the next stage, their gradients back to the previous one, over
 chunk c + 1. Each stage holds the activations of its micro-batches in flight outside its
 modules (`GPT.take_activations` after a forward, `restore_activations` before its backward).
 Dropout draws by global position (`RNGTracker.set_position` per micro-batch), so the masks, too,
-are those of one rank.
+are those of one rank. An MoE model's step of several micro-batches first runs them all forward
+through the stages, keeping nothing (`forwards_only`: cutp.train.moe's counting pass).
 """
 from __future__ import annotations
 
@@ -237,16 +238,31 @@ class Schedule:
 def eval_losses(run, batches) -> list[float]:
     """Eval-mode forwards of `batches` through the pipeline (no backward), each micro-batch
     through every chunk in turn; the losses on the last stage, [] elsewhere."""
+    return forwards_only(run, batches)
+
+
+def forwards_only(run, batches, *, step: int | None = None, first_row=None) -> list[float]:
+    """Forwards of `batches` through the pipeline (no backward), each micro-batch through every
+    chunk in turn: the losses on the last stage, [] elsewhere. With `step` (training mode, the
+    MoE counting pass of cutp.train.moe): dropout drawn by position as in the step's own
+    forwards (`first_row(i)`: micro-batch i's first row), the blocks only (no LM head, no loss)."""
     sched = Schedule(run, batches, [1.0] * len(batches), 0, lambda i: 0, 1.0, None)
     model, ctx = run.model, run.ctx
+    head = step is None
     losses = []
     for i, (x, y) in enumerate(batches):
         for c in range(model.pp_virtual):
             sched.exchange([], [("act", i, c)])
+            if not head:
+                if c == 0:
+                    model.check_inputs(x, y)  # on the host arrays
+                model.rng.set_position(step, first_row(i), run.config.batch_size)
             inp = ctx.asarray(x) if model.takes_tokens(c) else sched.inputs.pop((i, c))
-            out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) else None, chunk=c)
+            out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) and head else None, chunk=c,
+                                      head=head)
             if model.gives_loss(c):
-                losses.append(out)
+                if head:
+                    losses.append(out)
             else:
                 sched.outputs[(i, c)] = out
                 sched.exchange([("act", i, c)], [])

@@ -10,7 +10,9 @@
 
 A step: `accum` micro-batches of forward + backward on each DP rank (gradients accumulate into
 the flat buffer, float32 for 16-bit models, each scaled by loss_scale times its share of the
-step's non-ignored targets: 1/accum without ignored ones), the gradient reduction (GQA replicas,
+step's non-ignored targets: 1/accum without ignored ones; an MoE model with accum > 1 first runs
+a counting forward of every micro-batch, so that its auxiliary losses are the global batch's:
+cutp.train.moe.moe_step), the gradient reduction (GQA replicas,
 sequence-parallel replicas, then DP: all-reduce, or reduce-scatter with the distributed
 optimizer), the global gradient norm, the loss (the mean over the global batch's targets), then AdamW with the learning rate of the
 schedule and global-norm clipping (on float32 master weights for 16-bit models; the distributed
@@ -50,7 +52,7 @@ from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
-from .moe import moe_step_stats
+from .moe import moe_step, moe_step_stats
 from .pipeline import Schedule, eval_losses
 
 
@@ -337,27 +339,29 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         loss_sum = 0.0
         first_row = run.sampler.first_row  # dropout masks by global position: a micro-batch's first row
 
-        # MoE load-balancing and z-losses: (1/m) of each micro-batch's in the objective; their
-        # gradient on each rank is its tokens' share of the DP group's, and DP averages it: x dp
-        aux_weight = ctx.dp_size / len(batches)
-        if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
-            schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks, aux_weight)
-            loss_sum = schedule.run_step(cfg.pp_schedule)
-            run.pipeline_in_flight = schedule.max_in_flight
-            wait_ms = schedule.wait_s * 1000
-        else:
-            for micro, (x, y) in enumerate(batches):
-                clock.enter("forward")
-                model.rng.set_position(n, first_row(micro), cfg.batch_size)
-                model.check_inputs(x, y)  # on the host arrays: no device round trip
-                loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
-                ctx.watchdog.progress()
-                hooks.after_forward(run, micro)
-                clock.enter("backward")
-                model.backward(scaler.scale * weights[micro], aux_dloss=scaler.scale * aux_weight)
-                ctx.watchdog.progress()
+        # MoE load-balancing and z-losses over the step's global batch (cutp.train.moe): each
+        # micro-batch's forward gives its part of them; its gradient on each rank is its tokens'
+        # share, and DP averages it: x dp
+        aux_weight = ctx.dp_size
+        with moe_step(run, batches, n, first_row):  # (MoE: a counting pass first, with several micro-batches)
+            if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
+                schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks, aux_weight)
+                loss_sum = schedule.run_step(cfg.pp_schedule)
+                run.pipeline_in_flight = schedule.max_in_flight
+                wait_ms = schedule.wait_s * 1000
+            else:
+                for micro, (x, y) in enumerate(batches):
+                    clock.enter("forward")
+                    model.rng.set_position(n, first_row(micro), cfg.batch_size)
+                    model.check_inputs(x, y)  # on the host arrays: no device round trip
+                    loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+                    ctx.watchdog.progress()
+                    hooks.after_forward(run, micro)
+                    clock.enter("backward")
+                    model.backward(scaler.scale * weights[micro], aux_dloss=scaler.scale * aux_weight)
+                    ctx.watchdog.progress()
         model.rng.position = None  # a forward outside train_step draws from its streams again
-        moe = moe_step_stats(ctx, model, len(batches))
+        moe = moe_step_stats(ctx, model)
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
         tp_grad_sync(model.parameters(), ctx.tp)

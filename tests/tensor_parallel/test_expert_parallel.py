@@ -97,10 +97,11 @@ def _worker_equals_ep1(cases):
         _compare(kw, got, everyone, ref, ref_everyone, grads=not cfg.distributed_optimizer)
         # all-to-all bytes of the step: per MoE layer and micro-batch forward, dispatch and combine
         # each move every kept assignment's row once (tokens x k - dropped, h float64 each); the
-        # backward moves as many again
+        # backward moves as many again; full recomputation, and the counting pass of a step of
+        # several micro-batches (cutp.train.moe), dispatch and combine once more
         assignments = moe["tokens_per_expert"][1] * E * n_moe  # over the step, all layers
         kept = round(assignments * (1 - moe["dropped"]))
-        moves = 4 + 2 * (cfg.recompute == "full")  # (full recomputation dispatches and combines again)
+        moves = 4 + 2 * (cfg.recompute == "full") + 2 * (cfg.accum_steps > 1)
         assert a2a_bytes == moves * kept * cfg.model.n_embd * 8, (kw, a2a_bytes, kept)
         if kw.get("moe_capacity_factor") is None:
             assert kept == cfg.batch_size * cfg.seq_len * cfg.model.moe_top_k * n_moe, kw

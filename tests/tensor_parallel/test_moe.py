@@ -3,7 +3,7 @@
 The router's and the experts' gradients, the top-k gates (renormalised or not), the capacity
 dropping, the load-balancing and z-losses against central finite differences at points away
 from ties; float64 training at TP 2 (tokens split over the ranks, or sequence shards), DP 2 and
-4 (the auxiliary losses over the DP group's micro-batch), PP 2 and their combinations equal one
+4 (the auxiliary losses over the step's global batch), PP 2 and their combinations equal one
 rank with the same global batch within 1e-10, losses, auxiliary losses, gradient norms and
 parameters; experts identical on every TP and DP rank; the `tiny-moe` preset through the
 command line, with its metrics.
