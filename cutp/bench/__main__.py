@@ -146,12 +146,7 @@ def main(argv=None) -> int:
         return 2
     if not _is_rank0(report):
         return 0
-    if not args.quiet:
-        print(report.extra.get("markdown") or report.render(), flush=True)
-    if args.json:
-        report.write_json(args.json)
-        if not args.quiet:
-            print(f"wrote {args.json}")
+    report.publish(args.json, args.quiet)
     if args.plot:
         plot_report(report, args.plot)
         if not args.quiet:

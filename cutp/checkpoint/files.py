@@ -317,7 +317,8 @@ def expected_files(tp: int, optim_shards: int | None, pp: int = 1) -> list:
     return out
 
 
-_SPEC_KEYS = {"contiguous": ("axis", "tp"), "qkv": ("axis", "n_head", "n_kv_head", "head_dim", "tp")}
+_SPEC_KEYS = {"contiguous": ("axis", "tp"), "qkv": ("axis", "n_head", "n_kv_head", "head_dim", "tp"),
+              "gate_up": ("axis", "tp")}  # (SwiGLU's fused [gate | up]: each rank [gate_r ; up_r])
 
 
 def _param_entry_problem(info, tp=None, config=None) -> str | None:
@@ -346,9 +347,11 @@ def _param_entry_problem(info, tp=None, config=None) -> str | None:
     n = shape[spec["axis"]]
     if spec["kind"] == "contiguous" and n % spec["tp"]:
         return f"sharding splits a dimension of {n} over tp {spec['tp']}, which does not divide it"
+    if spec["kind"] == "gate_up" and n % (2 * spec["tp"]):
+        return f"sharding splits [gate | up] halves of {n} over tp {spec['tp']}, which does not divide them"
     if spec["kind"] == "qkv":
         if config is not None and (spec["n_head"], spec["n_kv_head"], spec["head_dim"]) != (
-                config.n_head, config.kv_heads, config.n_embd // config.n_head):
+                config.n_head, config.kv_heads, config.head_size):
             return (f"sharding's heads (n_head {spec['n_head']}, n_kv_head {spec['n_kv_head']}, head_dim "
                     f"{spec['head_dim']}) differ from the config's")
         if spec["n_head"] < 1 or spec["n_kv_head"] < 1 or (spec["n_head"] + 2 * spec["n_kv_head"]) * spec["head_dim"] != n:
@@ -365,7 +368,7 @@ def shard_shape(info: dict) -> tuple:
     if spec is None:
         return tuple(shape)
     tp = spec["tp"]
-    if spec["kind"] == "contiguous":
+    if spec["kind"] in ("contiguous", "gate_up"):  # (gate_up: half of each half per rank)
         shape[spec["axis"]] //= tp
     else:
         kv = spec["n_kv_head"] // tp if tp <= spec["n_kv_head"] else 1

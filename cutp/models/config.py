@@ -1,7 +1,12 @@
-"""The GPT model's configuration: its fields, presets, validation and parameter count.
+"""The model's configuration: its fields, presets, validation and parameter count.
 
-`GPTConfig` is the one config object every layer of the model is built from (cutp.models.gpt);
-`PRESETS` are the named shapes of `--preset`.
+`GPTConfig` (alias `ModelConfig`) is the one config object the model is built from
+(cutp.models.gpt): a small spec of the transformer, whose defaults are GPT-2's (LayerNorm,
+learned positions, GeLU MLP, biases everywhere, tied embeddings) and whose other values give
+the Llama family (RMSNorm, rotary positions, SwiGLU, no biases, untied), Qwen2 (the same with
+q/k/v biases), Mistral, and Mixtral (SwiGLU experts, softmax top-2 renormalised).
+`block_spec()` is the part each transformer block is built from (cutp.tensor_parallel's
+`BlockSpec`). `PRESETS` are the named shapes of `--preset`.
 """
 from __future__ import annotations
 
@@ -13,8 +18,14 @@ import ml_dtypes
 import numpy as np
 
 from ..runtime.errors import ConfigError
-from ..tensor_parallel import check_moe, pad_vocab
+from ..ops.rotary import RopeScaling
+from ..tensor_parallel import BlockSpec, check_moe, pad_vocab
 from ..tensor_parallel.validation import check_attention, check_mlp, check_vocab
+
+# the Llama family's spec (Llama 2/3, TinyLlama, Mistral): RMSNorm, RoPE, SwiGLU, no biases, untied
+_LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, tie_embeddings=False, ln_eps=1e-5)
+_LLAMA3_SCALING = dict(rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+                       rope_high_freq_factor=4.0, rope_original_max_positions=8192)
 
 # Parameters and activations are stored in the model's dtype. bfloat16/float16 models compute
 # matmuls, LayerNorm statistics, softmax and the loss in float32 (cutp.ops' dtype policy) and are
@@ -27,11 +38,38 @@ PRESETS = {
     # tiny with 8 experts of width 256 in every layer, 2 per token: tiny's active parameters
     "tiny-moe": dict(n_layer=4, n_head=8, n_embd=128, vocab_size=256, block_size=128, vocab_multiple=1,
                      n_experts=8, moe_top_k=2, moe_ffn=256),
+    # the Llama family's tiny: GQA (8 query heads, 2 KV heads), untied, SwiGLU 392 wide: within
+    # tiny's parameter budget (832,640 against tiny's 842,496, the untied head included)
+    "llama-tiny": dict(n_layer=4, n_head=8, n_kv_head=2, n_embd=128, mlp_hidden=392, vocab_size=256, block_size=128,
+                       vocab_multiple=1, **_LLAMA),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+    # Hugging Face models' shapes (config.json of each; the planner and --init-from checks)
+    "llama3.2-1b": dict(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, mlp_hidden=8192, vocab_size=128256,
+                        block_size=131072, rope_theta=500000.0, **{**_LLAMA, "tie_embeddings": True},
+                        **_LLAMA3_SCALING),
+    "llama3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, mlp_hidden=14336, vocab_size=128256,
+                      block_size=8192, rope_theta=500000.0, **_LLAMA),
+    "llama3-70b": dict(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, mlp_hidden=28672, vocab_size=128256,
+                       block_size=8192, rope_theta=500000.0, **_LLAMA),
+    "qwen2-0.5b": dict(n_layer=24, n_head=14, n_kv_head=2, n_embd=896, mlp_hidden=4864, vocab_size=151936,
+                       block_size=32768, rope_theta=1000000.0, **{**_LLAMA, "tie_embeddings": True, "ln_eps": 1e-6},
+                       qkv_bias=True),
+    "tinyllama-1.1b": dict(n_layer=22, n_head=32, n_kv_head=4, n_embd=2048, mlp_hidden=5632, vocab_size=32000,
+                           block_size=2048, **_LLAMA),
+    # Mistral 7B v0.3 (no sliding window, vocabulary 32768, rope_theta 1e6)
+    "mistral-7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, mlp_hidden=14336, vocab_size=32768,
+                       block_size=32768, rope_theta=1000000.0, **_LLAMA),
+    "mixtral-8x7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, mlp_hidden=14336, vocab_size=32000,
+                         block_size=32768, rope_theta=1000000.0, n_experts=8, moe_top_k=2, moe_renormalize=True,
+                         moe_aux_loss_coeff=0.02, **_LLAMA),
 }
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+MLPS = ("gelu", "swiglu")
 
 
 @dataclass
@@ -60,6 +98,22 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 1e-2  # load balancing (Switch/GShard)
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE uses 1e-3)
     moe_renormalize: bool = False  # the k gates renormalised to sum to 1
+    # the family's spec (defaults: GPT-2's)
+    norm: str = "layernorm"  # layernorm | rmsnorm (eps: ln_eps)
+    positions: str = "learned"  # learned (a [block_size, n_embd] table) | rope
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | linear | llama3 (cutp.ops.RopeScaling, as transformers computes it)
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down)
+    head_dim: int | None = None  # None: n_embd // n_head
+    # biases per projection (None: `bias`, which also gives the LayerNorms theirs): Qwen2 has
+    # qkv_bias only, Llama none, GPT-2 all
+    qkv_bias: bool | None = None
+    attn_out_bias: bool | None = None
+    mlp_bias: bool | None = None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -80,7 +134,7 @@ class GPTConfig:
             optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
             if value.lower() in ("none", "null") and optional:
                 changes[key] = None
-            elif isinstance(current, bool):
+            elif isinstance(current, bool) or (current is None and "bool" in str(fields[key].type)):
                 changes[key] = value.lower() in ("1", "true", "yes")
             elif isinstance(current, float) or (current is None and "float" in str(fields[key].type)):
                 changes[key] = float(value)
@@ -97,6 +151,28 @@ class GPTConfig:
     @property
     def hidden(self) -> int:
         return 4 * self.n_embd if self.mlp_hidden is None else self.mlp_hidden
+
+    @property
+    def head_size(self) -> int:
+        """Each attention head's width: head_dim, or n_embd // n_head."""
+        return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
+
+    def _bias(self, field: str) -> bool:
+        v = getattr(self, field)
+        return self.bias if v is None else bool(v)
+
+    @property
+    def rope(self) -> RopeScaling:
+        return RopeScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                           self.rope_original_max_positions)
+
+    def block_spec(self, layer: int) -> BlockSpec:
+        """What layer `layer`'s transformer block is built from."""
+        return BlockSpec(n_embd=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_size,
+                         mlp_hidden=self.hidden, n_layer=self.n_layer, norm=self.norm, norm_eps=self.ln_eps,
+                         norm_bias=self.bias, rope=self.positions == "rope", qkv_bias=self._bias("qkv_bias"),
+                         attn_out_bias=self._bias("attn_out_bias"), mlp_bias=self._bias("mlp_bias"), mlp=self.mlp,
+                         gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer))
 
     def padded_vocab(self, tp: int) -> int:
         return pad_vocab(self.vocab_size, tp, self.vocab_multiple)
@@ -123,7 +199,23 @@ class GPTConfig:
             raise ConfigError(f"ln_eps must be > 0, got {self.ln_eps}")
         if self.gelu not in ("tanh", "none"):
             raise ConfigError(f"gelu must be 'tanh' (GPT-2) or 'none' (exact erf), got {self.gelu!r}")
-        check_attention(self.n_embd, self.n_head, self.kv_heads, tp)
+        for f, kinds in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+            if getattr(self, f) not in kinds:
+                raise ConfigError(f"{f} must be one of {', '.join(kinds)}, got {getattr(self, f)!r}")
+        for f in ("qkv_bias", "attn_out_bias", "mlp_bias"):
+            if getattr(self, f) not in (None, True, False):
+                raise ConfigError(f"{f} must be true, false or None (follow `bias`), got {getattr(self, f)!r}")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool)
+                                          or self.head_dim < 1):
+            raise ConfigError(f"head_dim must be a positive integer or None (n_embd // n_head), got {self.head_dim!r}")
+        if self.positions == "rope":
+            if self.head_size % 2:
+                raise ConfigError(f"head_dim={self.head_size} is odd: rotary positions turn pairs of each head's "
+                                  "elements; use an even head_dim (or positions=learned)")
+            if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+                raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+            self.rope  # RopeScaling checks its own fields (ConfigError naming the field)
+        check_attention(self.n_embd, self.n_head, self.kv_heads, tp, head_dim=self.head_dim)
         check_mlp(self.n_embd, self.hidden, tp)
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
         check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,
@@ -140,6 +232,7 @@ class GPTConfig:
                     capacity_factor=self.moe_capacity_factor, aux_loss_coeff=self.moe_aux_loss_coeff,
                     z_loss_coeff=self.moe_z_loss_coeff, renormalize=self.moe_renormalize)
 
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -152,26 +245,35 @@ class GPTConfig:
                               "(a checkpoint or config written by another cutp version?)")
         return cls(**d)
 
+    def _mlp_parameters(self, width: int) -> int:
+        """One MLP (or expert) of `width`: GeLU's two matrices or SwiGLU's three, and their biases."""
+        h, b = self.n_embd, 1 if self._bias("mlp_bias") else 0
+        if self.mlp == "swiglu":
+            return 3 * h * width + b * (2 * width + h)
+        return 2 * h * width + b * (width + h)
+
     def num_parameters(self) -> int:
         """Parameters of the full model (unpadded vocabulary, tied head counted once)."""
         h, L, V = self.n_embd, self.n_layer, self.vocab_size
-        hd = h // self.n_head
-        qkv = (self.n_head + 2 * self.kv_heads) * hd
-        b = 1 if self.bias else 0
-        per_layer = (2 * h * (1 + b)  # two LayerNorms
-                     + h * qkv + b * qkv + h * h + b * h)  # attention
-        mlp = 2 * h * self.hidden + b * (self.hidden + h)
-        ffn = self.moe_ffn or self.hidden
-        moe = h * self.n_experts + self.n_experts * (2 * h * ffn + b * (ffn + h))  # router + experts
+        q, kv = self.n_head * self.head_size, self.kv_heads * self.head_size
+        norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
+        attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
+        per_layer = 2 * norm + attention
+        # an MoE layer's router and experts
+        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(self.moe_ffn or self.hidden)
         n_moe = sum(self.is_moe_layer(i) for i in range(L))
         head = 0 if self.tie_embeddings else V * h
-        return V * h + self.block_size * h + L * per_layer + (L - n_moe) * mlp + n_moe * moe + h * (1 + b) + head
+        positions = self.block_size * h if self.positions == "learned" else 0
+        return (V * h + positions + L * per_layer + (L - n_moe) * self._mlp_parameters(self.hidden) + n_moe * moe
+                + norm + head)
 
     def num_active_parameters(self) -> int:
         """Parameters a token runs through: top_k of each MoE layer's experts (all of a dense model)."""
-        h, b, ffn = self.n_embd, 1 if self.bias else 0, self.moe_ffn or self.hidden
-        idle = (self.n_experts - self.moe_top_k) * (2 * h * ffn + b * (ffn + h))
+        idle = (self.n_experts - self.moe_top_k) * self._mlp_parameters(self.moe_ffn or self.hidden)
         return self.num_parameters() - sum(self.is_moe_layer(i) for i in range(self.n_layer)) * idle
 
     def __str__(self):
         return json.dumps(self.to_dict())
+
+
+ModelConfig = GPTConfig  # the neutral name: the config of every family

@@ -1,4 +1,5 @@
-"""GPT (GPT-2 architecture) built from cutp's tensor-parallel layers; the whole model in one file.
+"""GPT: the decoder-only transformer of every family (GPT-2, Llama, Qwen2, Mistral, Mixtral),
+built from cutp's tensor-parallel layers by its config's spec; the whole model in one file.
 
 (It runs over 500 lines on purpose: the model, its pipeline stages, its sequence-parallel layout and its
 generation path stay together, readable in one sitting as nanoGPT's model.py is.)
@@ -13,6 +14,9 @@ are replicated [B, T, n_embd] (with `set_sequence_parallel()`: this rank's token
 n_embd], so LayerNorm, dropout and the residual adds run on T/tp tokens); the logits stay
 sharded over the vocabulary (`gather_logits` gathers them for a caller; the loss never does).
 Parameters use GPT-2's names; `gather_state_dict` returns full, unpadded tensors under them.
+Rotary models (positions="rope") have no position table: the model builds the (cos, sin)
+tables once (`rotary`, [block_size, head_dim] in the model's table dtype) and every block's
+attention turns Q and K by the tokens' global positions.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import contextlib
 
 import numpy as np
 
+from .. import ops
 from ..ops.common import as_dtype, compute_dtype
 from ..runtime.backend import to_numpy
 from ..runtime.consistency import check_same_on_all_ranks
@@ -29,7 +34,6 @@ from ..tensor_parallel import (
     REPLICATED,
     ColumnParallelLinear,
     Dropout,
-    LayerNorm,
     Module,
     ParallelLMHead,
     ParallelTransformerBlock,
@@ -38,6 +42,7 @@ from ..tensor_parallel import (
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     gather_full,
+    make_norm,
     make_parameter,
     normal_init,
     pad_rows,
@@ -120,11 +125,15 @@ class GPT(Module):
             self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
                                               dtype=dt)
         if self.first_stage:
-            self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
+            if c.positions == "learned":
+                self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
             self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
-        self.h = [ParallelTransformerBlock(ctx, c.n_embd, c.n_head, c.kv_heads, c.hidden, name=f"h.{i}",
-                                           rng=self.rng, n_layer=c.n_layer, bias=c.bias, dropout=c.dropout,
-                                           gelu=c.gelu, ln_eps=c.ln_eps, seed=seed, dtype=dt, moe=c.moe_settings(i))
+        # rotary positions: one (cos, sin) table for every layer, positions 0..block_size-1
+        self.rotary = None
+        if c.positions == "rope":
+            self.rotary = ops.rope_tables(c.head_size, c.block_size, c.rope_theta, c.rope, dt, xp=ctx.xp)
+        self.h = [ParallelTransformerBlock(ctx, c.block_spec(i), layer=i, rng=self.rng, seed=seed, dtype=dt,
+                                           rotary=self.rotary)
                   for i in self.layers]
         self.moe_layers = [b.mlp for b in self.h if isinstance(b.mlp, MoEMLP)]
         self._chunk_blocks, at = [], 0  # each chunk's blocks, out of self.h
@@ -132,7 +141,7 @@ class GPT(Module):
             self._chunk_blocks.append(self.h[at:at + len(r)])
             at += len(r)
         if self.last_stage:
-            self.ln_f = LayerNorm(ctx, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
+            self.ln_f = make_norm(ctx, c.norm, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
             if c.tie_embeddings:
                 self.lm_head = ParallelLMHead(ctx, self.wte)
             else:
@@ -258,7 +267,8 @@ class GPT(Module):
 
     def _embed(self, idx):
         x = self.wte.forward(idx)
-        x += self.wpe.forward(idx.shape[1])
+        if self.wpe is not None:  # (rotary models turn Q and K in the attention instead)
+            x += self.wpe.forward(idx.shape[1])
         return self.drop.forward(x)
 
     def _blocks(self, x):
@@ -315,7 +325,8 @@ class GPT(Module):
         if not self.takes_tokens(chunk):
             return dx
         dx = self.drop.backward(dx)
-        self.wpe.backward(dx)
+        if self.wpe is not None:
+            self.wpe.backward(dx)
         self.wte.backward(dx)
         return None
 
@@ -429,7 +440,8 @@ class GPT(Module):
         if n0 + T > self.config.block_size:
             raise ValueError(f"generation reached {n0 + T} positions; block_size is {self.config.block_size}")
         x = self.wte.forward(idx)
-        x += self.wpe.weight.data[n0:n0 + T]
+        if self.wpe is not None:
+            x += self.wpe.weight.data[n0:n0 + T]
         for block, cache in zip(self.h, caches):
             x = block.forward_cached(x, cache)
         return self._mask_padding(self.lm_head.forward(self.ln_f.forward(x)))

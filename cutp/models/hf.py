@@ -32,21 +32,23 @@ import json
 import os
 import re
 
-import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from .config import DTYPES, GPTConfig
 from .gpt import GPT
+from .hf_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFFormatError, load_checked, load_streaming, read_hf_config
+from .hf_llama import FAMILIES as LLAMA_FAMILIES
+from .hf_llama import config_from_hf_llama, from_hf_llama, is_llama_family, load_hf_llama_into, save_hf_llama
+from .hf_files import FLOAT_DTYPES as _FLOAT_DTYPES
+from .hf_files import SAVE_DTYPES as _SAVE_DTYPES
+from .hf_files import files as _files
+from .hf_files import open_weights as _open_weights
+from .hf_files import to_save_dtype as _to_save_dtype
 from ..runtime.backend import to_numpy
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.failure import agree_on_error
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"  # sharded weights: {"weight_map": {tensor: file}}
 
 _ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 _BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -57,19 +59,18 @@ _REFUSED = (
     ("scale_attn_weights", True, "cutp always scales attention scores by 1/sqrt(head_dim)"),
     ("add_cross_attention", False, "cutp's GPT is decoder-only, without cross-attention"),
 )
-_SAVE_DTYPES = ("float32", "float64", "float16", "bfloat16")
-
-
-class HFFormatError(ConfigError):
-    """A Hugging Face directory that cutp cannot read (missing file, wrong shape, unsupported option)."""
-
 
 # ---- configuration ---------------------------------------------------------------------------
 def config_from_hf(hf: dict, dtype: str = "float32", dropout: float = 0.0, where: str = "config.json") -> GPTConfig:
-    """GPTConfig from a GPT2Config dict; raises HFFormatError for what cutp cannot represent."""
+    """GPTConfig from a config.json dict (GPT-2's here, the Llama family's by cutp.models.hf_llama);
+    raises HFFormatError for what cutp cannot represent."""
     model_type = hf.get("model_type", "gpt2")
+    if model_type in LLAMA_FAMILIES:
+        return config_from_hf_llama(hf, dtype=dtype, dropout=dropout, where=where)
     if model_type != "gpt2":
-        raise HFFormatError(f"{where}: model_type is {model_type!r}; only 'gpt2' (GPT2LMHeadModel) is supported")
+        raise HFFormatError(f"{where}: model_type is {model_type!r}; cutp reads {['gpt2'] + sorted(LLAMA_FAMILIES)} "
+                            "(GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, "
+                            "MixtralForCausalLM)")
     for field, ours, why in _REFUSED:
         if field in hf and hf[field] is not None and bool(hf[field]) != ours:
             raise HFFormatError(f"{where}: {field}={hf[field]!r} is not supported ({why}); "
@@ -191,72 +192,6 @@ def _check_shapes(cfg: GPTConfig, shapes: dict, where: str) -> None:
 
 
 # ---- loading ----------------------------------------------------------------------------------
-def _files(path):
-    """(config.json, [safetensors files], index): model.safetensors (index None), or the shards
-    that model.safetensors.index.json names (index {tensor key: file})."""
-    if not os.path.isdir(path):
-        raise HFFormatError(f"{path!r} is not a directory; expected a Hugging Face GPT-2 directory "
-                            f"with {CONFIG_FILE} and {WEIGHTS_FILE}")
-    cfg_file, w_file = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(cfg_file):
-        raise HFFormatError(f"{cfg_file} not found: a Hugging Face GPT-2 directory needs {CONFIG_FILE} and "
-                            f"{WEIGHTS_FILE} (or {INDEX_FILE} and its shards)")
-    if os.path.isfile(w_file):
-        return cfg_file, [w_file], None
-    if os.path.isfile(os.path.join(path, INDEX_FILE)):
-        index = _read_index(path)
-        return cfg_file, sorted(set(index.values())), index
-    hint = ""
-    if os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        hint = (" (only pytorch_model.bin is there: convert it once with transformers, "
-                "`GPT2LMHeadModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`)")
-    raise HFFormatError(f"{w_file} not found: a Hugging Face GPT-2 directory needs {CONFIG_FILE} and "
-                        f"{WEIGHTS_FILE} (or {INDEX_FILE} and its shards){hint}")
-
-
-def _read_index(path: str) -> dict:
-    """{tensor key: shard file path} from model.safetensors.index.json; every file named must be
-    a relative path inside `path` (no absolute path, no '..') to an existing file (a symbolic
-    link is followed: the Hugging Face cache links a snapshot's files to its blobs)."""
-    index = os.path.join(path, INDEX_FILE)
-    try:
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise HFFormatError(f"{index} is not a JSON object: {e}") from None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise HFFormatError(f"{index} has no \"weight_map\" object ({{tensor name: file name}})")
-    out = {}
-    for key, name in weight_map.items():
-        parts = name.replace("\\", "/").split("/") if isinstance(name, str) else None
-        if parts is None or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
-            raise HFFormatError(f"{index}: {key} is mapped to {name!r}, which is not a file name inside {path}")
-        full = os.path.join(path, *parts)
-        if not os.path.isfile(full):
-            raise HFFormatError(f"{index}: {key} is in {name!r}, but {os.path.join(path, name)} does not exist")
-        out[key] = full
-    return out
-
-
-def read_hf_config(path: str) -> dict:
-    cfg_file = _files(path)[0]
-    try:
-        with open(cfg_file) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise HFFormatError(f"{cfg_file} is not valid JSON: {e}") from None
-
-
-_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes that can be read
-
-
-def _open_weights(w_file):
-    try:
-        return safe_open(w_file, framework="numpy")
-    except Exception as e:  # safetensors raises its own error types for a corrupt header
-        raise HFFormatError(f"{w_file} is not a readable safetensors file: {type(e).__name__}: {e}") from None
-
-
 def _plan(path: str, dtype: str, dropout: float):
     """Reads the config and the weights' headers (no tensor data) and checks every key, dtype and
     shape. Returns (cfg, {cutp name: (file, key)}, (file, key) of an lm_head to compare with wte or None)."""
@@ -329,18 +264,6 @@ def load_hf_gpt2(path: str, dtype: str = "float32", dropout: float = 0.0) -> tup
     return cfg, dict(tensors)
 
 
-def _load_streaming(model: GPT, tensors) -> None:
-    """Each full tensor in turn -> this rank's shard; peak host memory is one full tensor. A
-    pipeline stage keeps its own parameters' tensors (the last stage's tied wte copy included)."""
-    loaded = set()
-    for name, a in tensors:
-        model.load_full_state_dict({name: a}, strict=False)
-        loaded.add(name)
-    missing = sorted(set(model.named_parameters()) - loaded)
-    if missing:
-        raise HFFormatError(f"the checkpoint has no tensors for {missing[:8]}{'...' if len(missing) > 8 else ''}")
-
-
 _ARCH_FIELDS = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "vocab_size", "block_size", "bias",
                 "tie_embeddings", "ln_eps", "gelu")
 
@@ -350,13 +273,12 @@ def load_hf_into(model: GPT, path: str) -> GPTConfig:
 
     No communication: every rank reads the files. The model's architecture must match the
     directory's config (HFFormatError names the fields that differ). Returns the file's config.
+    A Llama-family directory goes to its adapter (`hf_llama.load_hf_llama_into`).
     """
+    if read_hf_config(path).get("model_type", "gpt2") in LLAMA_FAMILIES:
+        return load_hf_llama_into(model, path)
     cfg, tensors = _iter_tensors(path, model.config.dtype, model.config.dropout)
-    diff = [f"{k}: model {getattr(model.config, k)!r} vs {path} {getattr(cfg, k)!r}"
-            for k in _ARCH_FIELDS if getattr(model.config, k) != getattr(cfg, k)]
-    if diff:
-        raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
-    _load_streaming(model, tensors)
+    load_checked(model, path, cfg, tensors, _ARCH_FIELDS)
     return cfg
 
 
@@ -377,19 +299,11 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
             raise ConfigError(f"{bad} are fixed by the checkpoint and cannot be overridden")
         cfg = GPTConfig.from_dict({**cfg.to_dict(), **overrides})
     model = GPT(ctx, cfg, seed=0, init=False)  # every weight is loaded next
-    _load_streaming(model, tensors)
+    load_streaming(model, tensors)
     return model.eval()
 
 
 # ---- saving ----------------------------------------------------------------------------------
-def _to_save_dtype(a: np.ndarray, dtype):
-    if dtype is None:
-        return np.ascontiguousarray(a)
-    if dtype == "bfloat16":
-        return np.ascontiguousarray(a.astype(ml_dtypes.bfloat16))
-    return np.ascontiguousarray(a.astype(np.dtype(dtype)))
-
-
 def _write_dir(full: dict, cfg: GPTConfig, path: str, dtype) -> None:
     os.makedirs(path, exist_ok=True)
     hf_cfg = config_to_hf(cfg)
@@ -464,3 +378,29 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | str | None = None, pat
     full = {k: to_numpy(v) for k, v in model_or_state_dict.items()}
     check_state_dict(config, full, where="state dict")
     _write_dir(full, config, path, dtype)
+
+
+# ---- any family --------------------------------------------------------------------------------
+def from_hf(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, **overrides) -> GPT:
+    """A model from a Hugging Face directory of any family cutp reads, by config.json's
+    model_type: gpt2 (`from_hf_gpt2`), llama, qwen2, mistral, mixtral (`hf_llama.from_hf_llama`)."""
+    with errors_raised_on_every_rank(ctx.world.mpi_comm):
+        model_type = read_hf_config(path).get("model_type", "gpt2")
+        if model_type != "gpt2" and model_type not in LLAMA_FAMILIES:  # refused by name, as config_from_hf does
+            config_from_hf({"model_type": model_type}, where=f"{path}/{CONFIG_FILE}")
+    if model_type in LLAMA_FAMILIES:
+        return from_hf_llama(ctx, path, dtype=dtype, dropout=dropout, **overrides)
+    return from_hf_gpt2(ctx, path, dtype=dtype, dropout=dropout, **overrides)
+
+
+def save_hf(model_or_state_dict, config: GPTConfig | str | None = None, path: str | None = None,
+            dtype: str | None = None) -> None:
+    """Writes the Hugging Face directory of the family that computes the model: GPT-2's for
+    layernorm/learned/gelu models (`save_hf_gpt2`), the Llama family's (llama, qwen2, mixtral)
+    for rmsnorm/rope/swiglu ones (`hf_llama.save_hf_llama`). Same arguments as those."""
+    if path is None and isinstance(config, (str, os.PathLike)):
+        config, path = None, config
+    cfg = config or getattr(model_or_state_dict, "config", None)
+    if cfg is not None and is_llama_family(cfg):
+        return save_hf_llama(model_or_state_dict, config, path, dtype)
+    return save_hf_gpt2(model_or_state_dict, config, path, dtype)

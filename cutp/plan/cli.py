@@ -76,10 +76,5 @@ def main(argv=None) -> int:
     except ConfigError as e:  # a setting that cannot run: one line naming it and the fix
         print(f"python -m cutp plan: error: {e}", file=sys.stderr)
         return 2
-    if not args.quiet:
-        print(report.extra.get("markdown") or report.render(), flush=True)
-    if args.json:
-        report.write_json(args.json)
-        if not args.quiet:
-            print(f"wrote {args.json}")
+    report.publish(args.json, args.quiet)
     return 0

@@ -95,10 +95,18 @@ class Arch:
     moe_ffn: int = 0  # each expert's width (0: ffn)
     moe_every: int = 1
     moe_load_balancing: bool = True  # a load-balancing loss: a step of micro-batches counts first (cutp.train.moe)
+    qkv_bias: bool | None = None  # per projection (None: `bias`); Qwen2: q/k/v only
+    out_bias: bool | None = None
+    mlp_bias: bool | None = None
+    head_size: int = 0  # 0: n_embd / n_head
 
     @property
     def head_dim(self):
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
+
+    def has_bias(self, which: str) -> int:
+        own = getattr(self, which)
+        return int(self.bias if own is None else own)
 
 
 ARCHITECTURES = {
@@ -112,9 +120,10 @@ ARCHITECTURES = {
 
 def arch_from_config(name: str, c) -> Arch:
     return Arch(name, c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.hidden, c.vocab_size, c.block_size,
-                gated_mlp=False, bias=c.bias, tied=c.tie_embeddings, layernorm=True, pos_emb=True,
-                n_experts=c.n_experts, moe_top_k=c.moe_top_k, moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every,
-                moe_load_balancing=c.moe_aux_loss_coeff > 0)
+                gated_mlp=c.mlp == "swiglu", bias=c.bias, tied=c.tie_embeddings, layernorm=c.norm == "layernorm",
+                pos_emb=c.positions == "learned", n_experts=c.n_experts, moe_top_k=c.moe_top_k,
+                moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every, moe_load_balancing=c.moe_aux_loss_coeff > 0,
+                qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, mlp_bias=c.mlp_bias, head_size=c.head_size)
 
 
 def pick_arch(params: str) -> Arch:
@@ -129,19 +138,20 @@ def param_count(a: Arch, tp: int = 1, ep: int = 1) -> dict:
     token runs through ('active'), by component ('layer': a dense layer's)."""
     h, hd, L = a.n_embd, a.head_dim, a.n_layer
     kv_local = max(1, a.n_kv_head // tp) if tp <= a.n_kv_head else 1
-    b = 1 if a.bias else 0
+    bq, bo, bm = a.has_bias("qkv_bias"), a.has_bias("out_bias"), a.has_bias("mlp_bias")
     norm = (2 if (a.layernorm and a.bias) else 1) * h  # LayerNorm weight (+ bias) or RMSNorm weight
     qkv_out = (a.n_head + 2 * a.n_kv_head) * hd
     qkv_out_local = (a.n_head // tp + 2 * kv_local) * hd
+    attn_in = a.n_head * hd  # the output projection's input
     mlp_mats = 3 if a.gated_mlp else 2
     full = {
-        "attention": h * qkv_out + b * qkv_out + h * h + b * h,
-        "mlp": mlp_mats * h * a.ffn + b * ((2 if a.gated_mlp else 1) * a.ffn + h),
+        "attention": h * qkv_out + bq * qkv_out + attn_in * h + bo * h,
+        "mlp": mlp_mats * h * a.ffn + bm * ((2 if a.gated_mlp else 1) * a.ffn + h),
         "norms": 2 * norm,
     }
     local = {
-        "attention": h * qkv_out_local + b * qkv_out_local + (h // tp) * h + b * h,  # row bias replicated
-        "mlp": mlp_mats * h * (a.ffn // tp) + b * ((2 if a.gated_mlp else 1) * a.ffn // tp + h),
+        "attention": h * qkv_out_local + bq * qkv_out_local + (attn_in // tp) * h + bo * h,  # row bias replicated
+        "mlp": mlp_mats * h * (a.ffn // tp) + bm * ((2 if a.gated_mlp else 1) * a.ffn // tp + h),
         "norms": 2 * norm,
     }
     emb = a.vocab * h

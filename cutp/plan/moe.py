@@ -37,7 +37,7 @@ def expert_width(a) -> int:
 
 
 def expert_params(a) -> int:
-    f, h, b = expert_width(a), a.n_embd, 1 if a.bias else 0
+    f, h, b = expert_width(a), a.n_embd, a.has_bias("mlp_bias")
     return (3 if a.gated_mlp else 2) * h * f + b * ((2 if a.gated_mlp else 1) * f + h)
 
 
@@ -57,7 +57,7 @@ def moe_counts(a, tp: int = 1, ep: int = 1) -> dict:
     to add to a dense count, and the MoE layers' own {"router", "expert"}."""
     n = moe_layers(a)
     h, E = a.n_embd, a.n_experts
-    b = 1 if a.bias else 0
+    b = a.has_bias("mlp_bias")
     dense = (3 if a.gated_mlp else 2) * h * a.ffn + b * ((2 if a.gated_mlp else 1) * a.ffn + h)
     dense_local = (3 if a.gated_mlp else 2) * h * (a.ffn // tp) + b * ((2 if a.gated_mlp else 1) * a.ffn // tp + h)
     router, expert = h * E, expert_params(a)

@@ -2,9 +2,9 @@
 
 mappings       the communication operators (copy-to-TP, reduce-from-TP, scatter, gather)
 layers         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead,
-               LayerNorm, Dropout
+               LayerNorm, RMSNorm, Dropout
 attention      ParallelAttention (heads split, GQA)
-transformer    ParallelMLP, ParallelTransformerBlock
+transformer    BlockSpec, ParallelMLP (GeLU or SwiGLU), ParallelTransformerBlock
 moe            MoEMLP (router, load-balancing and z-losses, capacity, experts)
 cross_entropy  VocabParallelCrossEntropy
 sharding       which slice of each full tensor a rank holds
@@ -13,13 +13,13 @@ grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP), global_grad_norm
 from .attention import ParallelAttention
 from .cross_entropy import VocabParallelCrossEntropy
 from .grads import finish_grad_sync, global_grad_norm, sum_grad_over, tp_grad_sync
-from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, RowParallelLinear,
-                     VocabParallelEmbedding, pad_vocab)
+from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, RMSNorm, RowParallelLinear,
+                     VocabParallelEmbedding, make_norm, pad_vocab)
 from .moe import MoEMLP, check_moe
 from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
 from .random import REPLICATED, SHARDED, RNGTracker
 from .sharding import Sharding, gather_full, pad_rows, take_shard
-from .transformer import ParallelMLP, ParallelTransformerBlock
+from .transformer import BlockSpec, ParallelMLP, ParallelTransformerBlock
 
 __all__ = [
     "ParallelAttention", "VocabParallelCrossEntropy", "finish_grad_sync", "global_grad_norm", "tp_grad_sync",
@@ -28,4 +28,5 @@ __all__ = [
     "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
     "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",
     "take_shard", "pad_rows", "ParallelMLP", "ParallelTransformerBlock", "MoEMLP", "check_moe",
+    "BlockSpec", "RMSNorm", "make_norm",
 ]

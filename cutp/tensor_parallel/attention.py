@@ -20,6 +20,15 @@ The attention between the two projections is the op `cutp.ops.causal_attention_f
 the fused QKV output into the op's head layout (views), owns the attention dropout's RNG
 stream, and keeps the KV cache of generation.
 
+Rotary positions (`rotary`: the model's (cos, sin) tables, built once per model by
+`cutp.ops.rope_tables`): after the QKV projection (and its bias: Qwen2's q/k biases are added
+before the rotation, as HF does) this rank's Q and K columns of the fused buffer, viewed as
+[B, T, nq + nkv, hd], are turned in place by their tokens' GLOBAL positions (`positions`:
+arange(T) by default, the whole sequence, also under sequence parallelism, which gathers before
+the projection; arange(n0, n0 + Tn) for the KV cache, which stores rotated K as HF does; a
+caller such as context parallelism passes its chunks' ids). Backward turns the same view of
+dqkv back (the transpose rotation) before the projection's backward. V is never rotated.
+
 Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
 output) and the dropout's (p, seed, offset), not the attention's probabilities (the T x T part);
 backward recomputes them with the same op and the same mask, so the gradients are bit-identical.
@@ -44,12 +53,17 @@ from .validation import check_attention
 
 class ParallelAttention(Module):
     def __init__(self, ctx, n_embd, n_head, n_kv_head=None, *, name, rng: RNGTracker, n_layer=1, bias=True,
-                 attn_dropout=0.0, seed=0, dtype=np.float32):
+                 attn_dropout=0.0, seed=0, dtype=np.float32, head_dim=None, qkv_bias=None, out_bias=None,
+                 rotary=None):
+        """head_dim: each head's width (None: n_embd // n_head). qkv_bias / out_bias: the two
+        projections' biases (None: `bias`). rotary: (cos, sin) tables [max_len, head_dim] for
+        rotary positions (None: none; the model adds learned positions before the blocks)."""
         n_kv_head = n_kv_head or n_head
         tp = ctx.tp_size
-        check_attention(n_embd, n_head, n_kv_head, tp)
+        check_attention(n_embd, n_head, n_kv_head, tp, head_dim=head_dim)
         self.ctx = ctx
-        self.hd = n_embd // n_head
+        self.hd = n_embd // n_head if head_dim is None else head_dim
+        self.rotary = rotary
         self.nq = n_head // tp
         self.kv_heads = kv_heads_of_rank(n_head, n_kv_head, tp, ctx.tp_rank)
         self.nkv = len(self.kv_heads)
@@ -57,11 +71,13 @@ class ParallelAttention(Module):
         self.scale = 1.0 / math.sqrt(self.hd)
         qkv_out = (n_head + 2 * n_kv_head) * self.hd
         self.c_attn = ColumnParallelLinear(
-            ctx, n_embd, qkv_out, name=f"{name}.c_attn", bias=bias, seed=seed, dtype=dtype,
+            ctx, n_embd, qkv_out, name=f"{name}.c_attn", bias=bias if qkv_bias is None else qkv_bias, seed=seed,
+            dtype=dtype,
             sharding=qkv_sharding((n_embd, qkv_out), 1, n_head, n_kv_head, self.hd, tp))
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
-        self.c_proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.c_proj", bias=bias, seed=seed,
-                                        dtype=dtype, init=normal_init(0.02 / math.sqrt(2 * n_layer)))
+        self.c_proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.c_proj",
+                                        bias=bias if out_bias is None else out_bias, seed=seed, dtype=dtype,
+                                        init=normal_init(0.02 / math.sqrt(2 * n_layer)))
         self.n_head = n_head
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.recompute_core = False  # selective recomputation (module docstring)
@@ -90,8 +106,36 @@ class ParallelAttention(Module):
         B, _, _, T, _ = o.shape
         return o.transpose(0, 3, 1, 2, 4).reshape(B, T, self.nq * self.hd)
 
-    def forward(self, x):
+    def _qk_heads(self, qkv):
+        """The Q and K columns of a QKV buffer (or its gradient) as [B, T, nq + nkv, hd]: a view."""
+        B, T, _ = qkv.shape
+        return qkv[..., : (self.nq + self.nkv) * self.hd].reshape(B, T, self.nq + self.nkv, self.hd)
+
+    def _rotate(self, qkv, positions):
+        """Turns the Q and K heads of qkv in place by `positions`; returns the op's context.
+
+        positions: None (arange(T)), an int n0 (arange(n0, n0 + T): a KV cache's next tokens), or
+        global position ids [T] / [B, T]. A range takes the tables' rows as a slice (no gather,
+        and no range check that would read device values)."""
+        cos, sin = self.rotary
+        heads = self._qk_heads(qkv)
+        T = qkv.shape[1]
+        if positions is None or isinstance(positions, (int, np.integer)):
+            n0 = int(positions or 0)
+            if not 0 <= n0 <= cos.shape[0] - T:
+                raise ValueError(f"rotary positions {n0}..{n0 + T - 1} lie past the tables' {cos.shape[0]} "
+                                 "(block_size)")
+            _, rctx = ops.rotary_forward(heads, cos[n0:n0 + T], sin[n0:n0 + T], out=heads)
+        else:
+            _, rctx = ops.rotary_forward(heads, cos, sin, positions, out=heads)
+        return rctx
+
+    def forward(self, x, positions=None):
+        """positions: the tokens' global positions for rotary attention (`_rotate`: None for
+        arange(T) of the whole sequence, an offset, or ids [T] / [B, T]); unused without rotary."""
         qkv = self.c_attn.forward(x)
+        if self.rotary is not None:
+            self._save("rotary", self._rotate(qkv, positions))
         q, k, v = self._split_heads(qkv)
         B, T = qkv.shape[0], qkv.shape[1]  # the whole sequence (x is a shard of it under sequence parallelism)
         # the probabilities [B, nq, T, T] of this rank's heads, at their global heads' places in each
@@ -115,6 +159,9 @@ class ParallelAttention(Module):
         do = do.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
         dqkv = self.ctx.xp.empty((B, T, (self.nq + 2 * nkv) * hd), do.dtype)
         ops.causal_attention_backward(do, attn_ctx, out=self._split_heads(dqkv))
+        if self.rotary is not None:
+            dheads = self._qk_heads(dqkv)
+            ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
         return self.c_attn.backward(dqkv)
 
     # ---- incremental decoding (generation) -----------------------------------------------------
@@ -124,12 +171,15 @@ class ParallelAttention(Module):
                 "v": xp.zeros((batch, self.nkv, max_len, self.hd), dtype), "len": 0}
 
     def forward_cached(self, x, cache):
-        """Eval-mode forward of new positions x [B, Tn, n_embd], appending this rank's heads' K/V to `cache`."""
+        """Eval-mode forward of new positions x [B, Tn, n_embd], appending this rank's heads' K/V
+        to `cache` (rotated K under rotary positions: positions n0..n0+Tn-1 after the cached n0)."""
         if self.training:
             raise RuntimeError("forward_cached is for generation: call model.eval() first")
         qkv = self.c_attn.forward(x)
-        q, k, v = self._split_heads(qkv)
         n0, tn = cache["len"], x.shape[1]
+        if self.rotary is not None and n0 + tn <= cache["k"].shape[2]:
+            self._rotate(qkv, n0)
+        q, k, v = self._split_heads(qkv)
         if n0 + tn > cache["k"].shape[2]:
             raise ValueError(f"KV cache holds {cache['k'].shape[2]} positions; {n0 + tn} requested")
         cache["k"][:, :, n0:n0 + tn] = k

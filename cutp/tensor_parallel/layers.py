@@ -1,4 +1,4 @@
-"""Tensor-parallel linear, embedding, LM-head, LayerNorm and dropout layers.
+"""Tensor-parallel linear, embedding, LM-head, LayerNorm, RMSNorm and dropout layers.
 
 Each layer names its input and output layout: "replicated" (identical on every TP rank),
 "sharded" (split along the last dimension, this rank's part) or, with `sequence_parallel` set
@@ -267,6 +267,35 @@ class LayerNorm(Module):
         if self.bias is not None:
             self.bias.grad += db
         return dx
+
+
+class RMSNorm(Module):
+    """RMSNorm over the last dimension (Llama, Qwen2, Mistral: `cutp.ops.rmsnorm_forward`, HF's
+    rounding order), replicated like LayerNorm (its weight summed over TP under sequence
+    parallelism, as LayerNorm's)."""
+
+    def __init__(self, ctx, dim, *, name, eps=1e-6, seed=0, dtype=np.float32):
+        self.ctx = ctx
+        self.eps = eps
+        self.weight = make_parameter(ctx, f"{name}.weight", (dim,), ones_init, None, seed=seed, dtype=dtype)
+        self.bias = None  # (no bias: the attribute LayerNorm's callers read)
+
+    def forward(self, x):
+        y, rctx = ops.rmsnorm_forward(x, self.weight.data, self.eps)
+        self._save("rms", rctx)
+        return y
+
+    def backward(self, dy):
+        dx, dw = ops.rmsnorm_backward(dy, self._load("rms"))
+        self.weight.grad += dw
+        return dx
+
+
+def make_norm(ctx, kind: str, dim, *, name, eps, bias, seed, dtype):
+    """A LayerNorm (with a bias when `bias`) or an RMSNorm, by the spec's `norm`."""
+    if kind == "rmsnorm":
+        return RMSNorm(ctx, dim, name=name, eps=eps, seed=seed, dtype=dtype)
+    return LayerNorm(ctx, dim, name=name, eps=eps, bias=bias, seed=seed, dtype=dtype)
 
 
 class Dropout(Module):

@@ -19,7 +19,9 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
                assignments of the n tokens of one DP rank's micro-batch (its source rank): the
                ones with the highest probability (ties: the earlier token, then the lower slot);
                a dropped assignment adds nothing (the token passes through the residual)
-    experts    E GPT-2 MLPs (h -> moe_ffn -> h, bias + GeLU), each run once on its tokens;
+    experts    E GPT-2 MLPs (h -> moe_ffn -> h, bias + GeLU), or with kind "swiglu" E Llama
+               MLPs (Mixtral: a fused [gate | up] h -> 2 moe_ffn, silu(gate) * up, down to h),
+               each run once on its tokens;
                y = sum over the k slots, in slot order, of gate * expert output
 
 With tensor parallelism the experts are replicated and the tokens split over the TP ranks
@@ -96,25 +98,34 @@ def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff)
 
 
 class ExpertMLP(Module):
-    """One expert: GPT-2's MLP with replicated weights (x [n, h] -> [n, h]); the caller keeps
-    what backward needs (`forward` returns it) and calls `backward` with it."""
+    """One expert: GPT-2's MLP (or with kind "swiglu" Llama's: c_fc the fused [gate | up]) with
+    replicated weights (x [n, h] -> [n, h]); the caller keeps what backward needs (`forward`
+    returns it) and calls `backward` with it."""
 
-    def __init__(self, ctx, n_embd, ffn, *, name, n_layer, bias, gelu, seed, dtype):
+    def __init__(self, ctx, n_embd, ffn, *, name, n_layer, bias, gelu, seed, dtype, kind="gelu"):
         self.gelu = gelu
-        self.c_fc = make_parameter(ctx, f"{name}.c_fc.weight", (n_embd, ffn), normal_init(0.02), seed=seed, dtype=dtype,
+        self.kind = kind
+        fc = 2 * ffn if kind == "swiglu" else ffn
+        self.c_fc = make_parameter(ctx, f"{name}.c_fc.weight", (n_embd, fc), normal_init(0.02), seed=seed, dtype=dtype,
                                    weight_decay=True)
         self.c_proj = make_parameter(ctx, f"{name}.c_proj.weight", (ffn, n_embd),
                                      normal_init(0.02 / math.sqrt(2 * n_layer)), seed=seed, dtype=dtype,
                                      weight_decay=True)
         self.c_fc_bias = self.c_proj_bias = None
         if bias:
-            self.c_fc_bias = make_parameter(ctx, f"{name}.c_fc.bias", (ffn,), zeros_init, seed=seed, dtype=dtype)
+            self.c_fc_bias = make_parameter(ctx, f"{name}.c_fc.bias", (fc,), zeros_init, seed=seed, dtype=dtype)
             self.c_proj_bias = make_parameter(ctx, f"{name}.c_proj.bias", (n_embd,), zeros_init, seed=seed,
                                               dtype=dtype)
         for p in self.own_parameters():
             p.tp_partial = True  # each TP rank runs its own tokens through the expert
 
     def forward(self, x):
+        if self.kind == "swiglu":
+            h, fc = ops.linear_forward(x, self.c_fc.data, None if self.c_fc_bias is None else self.c_fc_bias.data)
+            a, g = ops.swiglu_forward(h)
+            y, proj = ops.linear_forward(a, self.c_proj.data,
+                                         None if self.c_proj_bias is None else self.c_proj_bias.data)
+            return y, (fc, g, proj)
         h, fc = ops.linear_forward(x, self.c_fc.data)
         if self.c_fc_bias is not None:
             a, g = ops.bias_gelu_forward(h, self.c_fc_bias.data, approximate=self.gelu)
@@ -129,20 +140,24 @@ class ExpertMLP(Module):
         self.c_proj.grad += dw
         if db is not None:
             self.c_proj_bias.grad += db
-        if self.c_fc_bias is not None:
+        if self.kind == "swiglu":
+            dh = ops.swiglu_backward(da, g)
+        elif self.c_fc_bias is not None:
             dh, db = ops.bias_gelu_backward(da, g)
             self.c_fc_bias.grad += db
         else:
             dh = ops.gelu_backward(da, g)
-        dx, dw, _ = ops.linear_backward(dh, fc, wgrad_dtype=self.c_fc.grad.dtype)
+        dx, dw, db = ops.linear_backward(dh, fc, wgrad_dtype=self.c_fc.grad.dtype)
         self.c_fc.grad += dw
+        if self.kind == "swiglu" and db is not None:
+            self.c_fc_bias.grad += db
         return dx
 
 
 class MoEMLP(Module):
     def __init__(self, ctx, n_embd, *, n_experts, top_k, ffn, capacity_factor=None, aux_loss_coeff=1e-2,
                  z_loss_coeff=0.0, renormalize=False, name, n_layer=1, bias=True, gelu="tanh", seed=0,
-                 dtype=np.float32):
+                 dtype=np.float32, kind="gelu"):
         self.ctx = ctx
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff, self.renormalize = aux_loss_coeff, z_loss_coeff, renormalize
@@ -155,7 +170,8 @@ class MoEMLP(Module):
         local = n_experts // ep
         self.expert_lo = ctx.ep_rank * local  # this rank's experts: [expert_lo, expert_lo + local)
         self.experts = [ExpertMLP(ctx, n_embd, ffn, name=f"{name}.experts.{e}", n_layer=n_layer, bias=bias, gelu=gelu,
-                                  seed=seed, dtype=dtype) for e in range(self.expert_lo, self.expert_lo + local)]
+                                  seed=seed, dtype=dtype, kind=kind)
+                        for e in range(self.expert_lo, self.expert_lo + local)]
         for p in (p for x in self.experts for p in x.own_parameters()):
             p.expert_parallel = ep > 1
         self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)

@@ -5,8 +5,10 @@ indices along that axis (into the full, unsharded tensor) that the rank holds, i
 the rank stores them. That one description covers contiguous column/row splits, the vocabulary
 split, and the attention QKV projection, whose shard is this rank's heads' Q, K and V columns
 (not a contiguous third of a fused [q|k|v] matrix), with KV heads replicated under GQA when
-TP > n_kv_head. Initialisation, gathering, checkpoints and resharding all go through it, so
-TP=1 and TP=N always hold the same model.
+TP > n_kv_head, and the SwiGLU MLP's fused [gate | up] projection, whose shard is this rank's
+gate columns then its up columns ([gate_r ; up_r], never a slice of [gate ; up]: Megatron-LM
+#360). Initialisation, gathering, checkpoints and resharding all go through it, so TP=1 and
+TP=N always hold the same model.
 """
 from __future__ import annotations
 
@@ -87,6 +89,22 @@ def qkv_sharding(full_shape, axis, n_head, n_kv_head, head_dim, tp) -> Sharding:
                      "tp": tp})
 
 
+def gate_up_columns(width: int, tp: int) -> tuple:
+    """Column indices of each rank's shard of a fused [gate | up] projection of 2 * width columns
+    (gate [0, width), up [width, 2 width)): rank r holds gate_r then up_r, each width / tp wide."""
+    if width % tp:
+        raise ConfigError(f"tp={tp} does not divide the SwiGLU MLP width {width}; use a width that is a multiple "
+                          f"of {tp}")
+    k = width // tp
+    return tuple(np.concatenate([np.arange(r * k, (r + 1) * k), width + np.arange(r * k, (r + 1) * k)])
+                 for r in range(tp))
+
+
+def gate_up_sharding(full_shape, axis: int, tp: int) -> Sharding:
+    return Sharding(axis, tuple(full_shape), gate_up_columns(full_shape[axis] // 2, tp),
+                    {"kind": "gate_up", "axis": axis, "tp": tp})
+
+
 def sharding_from_spec(spec: dict | None, full_shape) -> Sharding | None:
     """Rebuilds a Sharding from its spec (as stored in a checkpoint's metadata)."""
     if spec is None:
@@ -97,6 +115,8 @@ def sharding_from_spec(spec: dict | None, full_shape) -> Sharding | None:
     if kind == "qkv":
         return qkv_sharding(tuple(full_shape), int(spec["axis"]), int(spec["n_head"]), int(spec["n_kv_head"]),
                             int(spec["head_dim"]), int(spec["tp"]))
+    if kind == "gate_up":
+        return gate_up_sharding(tuple(full_shape), int(spec["axis"]), int(spec["tp"]))
     raise ValueError(f"unknown sharding kind {kind!r}")
 
 

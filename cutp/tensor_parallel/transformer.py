@@ -1,9 +1,13 @@
-"""The MLP and the pre-LN GPT-2 transformer block.
+"""The MLP and the pre-norm transformer block, built from a `BlockSpec`.
 
 ParallelMLP: replicated [B, T, h] -> column (h -> 4h, sharded) -> bias + GeLU (fused) -> row
-(4h -> h, all-reduce) -> replicated [B, T, h].
+(4h -> h, all-reduce) -> replicated [B, T, h]. With mlp="swiglu" (Llama): one column projection
+h -> 2F whose shard is this rank's [gate_r ; up_r] (`sharding.gate_up_sharding`), silu(gate) *
+up on the local tensor (`ops.swiglu_forward`), then the row projection F -> h ("down").
 
-ParallelTransformerBlock: x + dropout(attn(ln_1(x))), then x + dropout(mlp(ln_2(x))).
+ParallelTransformerBlock: x + dropout(attn(norm_1(x))), then x + dropout(mlp(norm_2(x))), the
+norms LayerNorm (GPT-2) or RMSNorm (Llama), the attention with rotary positions or without
+(learned positions are the model's, added before the first block), by the spec.
 Communication per block: 2 all-reduces of B*T*h forward (the two row projections) and 2
 backward (dx of the two column projections).
 
@@ -16,30 +20,68 @@ so the masks, the activations and the gradients are those of the first pass bit 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import ops
 from .attention import ParallelAttention
-from .layers import ColumnParallelLinear, Dropout, LayerNorm, RowParallelLinear
+from .layers import ColumnParallelLinear, Dropout, RowParallelLinear, make_norm
 from .moe import MoEMLP
 from .parameter import Module, normal_init, not_stashed
 from .random import REPLICATED, RNGTracker
+from .sharding import gate_up_sharding
 from .validation import check_mlp
 
 
+@dataclass(frozen=True)
+class BlockSpec:
+    """Everything a transformer block is built from (`GPTConfig.block_spec(layer)` makes it).
+    Defaults: a GPT-2 block."""
+
+    n_embd: int
+    n_head: int
+    n_kv_head: int | None = None  # None: n_head
+    head_dim: int | None = None  # None: n_embd // n_head
+    mlp_hidden: int | None = None  # None: 4 * n_embd
+    n_layer: int = 1  # the model's depth (the residual projections' initial scale)
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm's bias
+    rope: bool = False  # rotary positions inside the attention
+    qkv_bias: bool = True
+    attn_out_bias: bool = True
+    mlp_bias: bool = True
+    mlp: str = "gelu"  # gelu | swiglu
+    gelu: str = "tanh"
+    dropout: float = 0.0
+    moe: dict | None = None  # MoEMLP's settings (n_experts, top_k, ffn, ...): a mixture-of-experts MLP
+
+
 class ParallelMLP(Module):
-    def __init__(self, ctx, n_embd, hidden, *, name, n_layer=1, bias=True, gelu="tanh", seed=0, dtype=np.float32):
+    def __init__(self, ctx, n_embd, hidden, *, name, n_layer=1, bias=True, gelu="tanh", seed=0, dtype=np.float32,
+                 kind="gelu"):
+        """kind: "gelu" (GPT-2) or "swiglu" (Llama: hidden is the gate's and the up's width)."""
         check_mlp(n_embd, hidden, ctx.tp_size)
         self.ctx = ctx
         self.gelu = gelu
+        self.kind = kind
         self.has_bias = bias
-        self.c_fc = ColumnParallelLinear(ctx, n_embd, hidden, name=f"{name}.c_fc", bias=bias, skip_bias_add=True,
-                                         seed=seed, dtype=dtype)
+        if kind == "swiglu":
+            self.c_fc = ColumnParallelLinear(ctx, n_embd, 2 * hidden, name=f"{name}.c_fc", bias=bias, seed=seed,
+                                             dtype=dtype,
+                                             sharding=gate_up_sharding((n_embd, 2 * hidden), 1, ctx.tp_size))
+        else:
+            self.c_fc = ColumnParallelLinear(ctx, n_embd, hidden, name=f"{name}.c_fc", bias=bias, skip_bias_add=True,
+                                             seed=seed, dtype=dtype)
         self.c_proj = RowParallelLinear(ctx, hidden, n_embd, name=f"{name}.c_proj", bias=bias, seed=seed, dtype=dtype,
                                         init=normal_init(0.02 / math.sqrt(2 * n_layer)))
 
     def forward(self, x):
+        if self.kind == "swiglu":
+            a, sctx = ops.swiglu_forward(self.c_fc.forward(x))  # [gate_r ; up_r] -> silu(gate_r) * up_r
+            self._save("swiglu", sctx)
+            return self.c_proj.forward(a)
         h, b = self.c_fc.forward(x)
         if b is not None:
             a, gctx = ops.bias_gelu_forward(h, b, approximate=self.gelu)
@@ -50,6 +92,8 @@ class ParallelMLP(Module):
 
     def backward(self, dy):
         da = self.c_proj.backward(dy)
+        if self.kind == "swiglu":
+            return self.c_fc.backward(ops.swiglu_backward(da, self._load("swiglu")))
         if self.has_bias:
             dh, db = ops.bias_gelu_backward(da, self._load("gelu"))
             self.c_fc.accumulate_bias_grad(db)
@@ -59,45 +103,61 @@ class ParallelMLP(Module):
 
 
 class ParallelTransformerBlock(Module):
-    """Pre-LN GPT-2 block. Input and output: replicated [B, T, n_embd]."""
+    """Pre-norm block. Input and output: replicated [B, T, n_embd]."""
 
-    def __init__(self, ctx, n_embd, n_head, n_kv_head=None, mlp_hidden=None, *, name, rng: RNGTracker, n_layer=1,
-                 bias=True, dropout=0.0, gelu="tanh", ln_eps=1e-5, seed=0, dtype=np.float32, moe: dict | None = None):
-        """moe: MoEMLP's settings (n_experts, top_k, ffn, ...) for a mixture-of-experts MLP."""
-        mlp_hidden = mlp_hidden or 4 * n_embd
-        self.ln_1 = LayerNorm(ctx, n_embd, name=f"{name}.ln_1", eps=ln_eps, bias=bias, seed=seed, dtype=dtype)
-        self.attn = ParallelAttention(ctx, n_embd, n_head, n_kv_head, name=f"{name}.attn", rng=rng, n_layer=n_layer,
-                                      bias=bias, attn_dropout=dropout, seed=seed, dtype=dtype)
-        self.attn_dropout = Dropout(dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
-        self.ln_2 = LayerNorm(ctx, n_embd, name=f"{name}.ln_2", eps=ln_eps, bias=bias, seed=seed, dtype=dtype)
-        if moe:
-            self.mlp = MoEMLP(ctx, n_embd, **moe, name=f"{name}.mlp", n_layer=n_layer, bias=bias, gelu=gelu, seed=seed,
+    def __init__(self, ctx, spec, *legacy, layer: int = 0, name=None, rng: RNGTracker, seed=0, dtype=np.float32,
+                 rotary=None, **legacy_kw):
+        """spec: a BlockSpec; name: the parameters' prefix (default h.{layer}); rotary: the
+        model's (cos, sin) tables when spec.rope. (The keyword form of earlier versions,
+        (ctx, n_embd, n_head, n_kv_head, mlp_hidden, *, name, rng, n_layer, bias, dropout, gelu,
+        ln_eps, seed, dtype, moe), builds the GPT-2 block it always did.)"""
+        if not isinstance(spec, BlockSpec):
+            spec = _legacy_spec(spec, *legacy, **legacy_kw)
+        s = spec
+        name = f"h.{layer}" if name is None else name
+        self.spec = s
+        hidden = s.mlp_hidden or 4 * s.n_embd
+        if s.rope and rotary is None:
+            raise ValueError("a rotary block needs the model's rotary tables (rotary=(cos, sin))")
+        self.ln_1 = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.ln_1", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)
+        self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
+                                      n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
+                                      head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
+                                      rotary=rotary if s.rope else None)
+        self.attn_dropout = Dropout(s.dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
+        self.ln_2 = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.ln_2", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
+                              dtype=dtype)
+        if s.moe:
+            self.mlp = MoEMLP(ctx, s.n_embd, **s.moe, name=f"{name}.mlp", n_layer=s.n_layer, bias=s.mlp_bias,
+                              gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)
         else:
-            self.mlp = ParallelMLP(ctx, n_embd, mlp_hidden, name=f"{name}.mlp", n_layer=n_layer, bias=bias, gelu=gelu,
-                                   seed=seed, dtype=dtype)
-        self.mlp_dropout = Dropout(dropout, rng, REPLICATED, site=f"{name}.mlp_dropout")
+            self.mlp = ParallelMLP(ctx, s.n_embd, hidden, name=f"{name}.mlp", n_layer=s.n_layer, bias=s.mlp_bias,
+                                   gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)
+        self.mlp_dropout = Dropout(s.dropout, rng, REPLICATED, site=f"{name}.mlp_dropout")
         self.rng = rng
         self.recompute = False  # full recomputation: keep only the input (module docstring)
 
-    def _forward(self, x):
-        x = x + self.attn_dropout.forward(self.attn.forward(self.ln_1.forward(x)))
+    def _forward(self, x, positions=None):
+        x = x + self.attn_dropout.forward(self.attn.forward(self.ln_1.forward(x), positions))
         return x + self.mlp_dropout.forward(self.mlp.forward(self.ln_2.forward(x)))
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
+        """positions: the tokens' global position ids for rotary attention (None: arange(T))."""
         if not (self.recompute and self.training):
-            return self._forward(x)
-        self._save("input", (x, dict(self.rng.offsets), self.rng.position))  # and where the dropout draws stood
+            return self._forward(x, positions)
+        # the input, its positions, and where the dropout draws stood
+        self._save("input", (x, positions, dict(self.rng.offsets), self.rng.position))
         with not_stashed(self):
-            return self._forward(x)
+            return self._forward(x, positions)
 
     def backward(self, dy):
         if self.recompute:
-            x, offsets, position = self._load("input")
+            x, positions, offsets, position = self._load("input")
             after = self.rng.offsets, self.rng.position
             self.rng.offsets, self.rng.position = dict(offsets), position
             try:
-                self._forward(x)  # the first pass again, this time stashed
+                self._forward(x, positions)  # the first pass again, this time stashed
             finally:
                 self.rng.offsets, self.rng.position = after
         # dy flows into both the residual and the MLP branch
@@ -108,3 +168,11 @@ class ParallelTransformerBlock(Module):
         """Eval-mode incremental forward for generation (see ParallelAttention.forward_cached)."""
         x = x + self.attn.forward_cached(self.ln_1.forward(x), cache)
         return x + self.mlp.forward(self.ln_2.forward(x))
+
+
+def _legacy_spec(n_embd, n_head, n_kv_head=None, mlp_hidden=None, *, n_layer=1, bias=True, dropout=0.0, gelu="tanh",
+                 ln_eps=1e-5, moe=None) -> BlockSpec:
+    """The GPT-2 BlockSpec of the keyword form of earlier versions."""
+    return BlockSpec(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, mlp_hidden=mlp_hidden, n_layer=n_layer,
+                     norm_eps=ln_eps, norm_bias=bias, qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias, gelu=gelu,
+                     dropout=dropout, moe=moe)

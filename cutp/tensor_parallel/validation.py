@@ -12,10 +12,11 @@ def _valid_tps(n, limit=64):
     return [t for t in range(1, min(n, limit) + 1) if n % t == 0]
 
 
-def check_attention(n_embd: int, n_head: int, n_kv_head: int, tp: int) -> None:
+def check_attention(n_embd: int, n_head: int, n_kv_head: int, tp: int, head_dim: int | None = None) -> None:
+    """head_dim None: each head n_embd // n_head wide (which must divide); else any width."""
     if n_head < 1 or n_kv_head < 1:
         raise ConfigError(f"n_head={n_head} and n_kv_head={n_kv_head} must be >= 1")
-    if n_embd % n_head:
+    if head_dim is None and n_embd % n_head:
         raise ConfigError(f"n_embd={n_embd} is not divisible by n_head={n_head}; choose n_head from {_valid_tps(n_embd)}")
     if n_head % n_kv_head:
         raise ConfigError(f"n_kv_head={n_kv_head} must divide n_head={n_head}; choose n_kv_head from {_valid_tps(n_head)}")

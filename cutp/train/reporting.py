@@ -157,6 +157,16 @@ class Report:
         return {"suite": self.suite, "meta": _jsonable(self.meta), "notes": self.notes,
                 "tables": {t.name: t.as_dict() for t in self.tables}, **_jsonable(self.extra)}
 
+    def publish(self, json_path: str | None = None, quiet: bool = False) -> None:
+        """What a command prints of its report (its Markdown, where it made one, else the tables)
+        unless quiet, and the JSON file it writes."""
+        if not quiet:
+            print(self.extra.get("markdown") or self.render(), flush=True)
+        if json_path:
+            self.write_json(json_path)
+            if not quiet:
+                print(f"wrote {json_path}")
+
     def write_json(self, path: str) -> None:
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)

@@ -37,7 +37,7 @@ def _measure_and_plan(comm, case: dict) -> dict:
     tp, dp, accum, B, T = case["tp"], case["dp"], case.get("accum", 1), case["B"], case["T"]
     extra = {"distributed_optimizer": True} if case.get("distributed") else {}
     layout = {k: case[k] for k in ("recompute", "recompute_layers", "sequence_parallel") if k in case}
-    cfg = train.resolve_run_config(comm, preset="tiny", set=case.get("set", ["n_layer=2"]), dtype=case["dtype"],
+    cfg = train.resolve_run_config(comm, preset=case.get("preset", "tiny"), set=case.get("set", ["n_layer=2"]), dtype=case["dtype"],
                                    tp=tp, dp=dp, batch_size=B * dp * accum, micro_batch_size=B, seq_len=T, steps=4,
                                    device="cpu", eval_every=0, quiet=True, save_on_signal=False, **extra, **layout)
     run = train.build_run(cfg, comm, dataset=random_tokens(cfg.model.vocab_size, 1 << 15, 0))
@@ -89,11 +89,15 @@ SINGLE = [  # one rank, in this process
     dict(tp=1, dp=1, B=2, T=64, dtype="float32", recompute="selective"),
     dict(tp=1, dp=1, B=2, T=64, dtype="float32", recompute="full", set=["n_layer=2", "dropout=0.1"]),
     dict(tp=1, dp=1, B=2, T=64, dtype="bfloat16", recompute="full", recompute_layers=1, set=["n_layer=3"]),
+    # the Llama family (RMSNorm, rotary tables, SwiGLU's fused [gate | up], GQA, untied head)
+    dict(preset="llama-tiny", tp=1, dp=1, B=4, T=64, dtype="float32"),
+    dict(preset="llama-tiny", tp=1, dp=1, B=2, T=64, dtype="bfloat16", recompute="selective",
+         set=["n_layer=2", "dropout=0.1"]),
 ]
 
 
-@pytest.mark.parametrize("case", SINGLE, ids=lambda c: f"{c['dtype']}-B{c['B']}T{c['T']}-{'-'.join(c.get('set', []))}"
-                                             f"-{c.get('recompute', 'none')}")
+@pytest.mark.parametrize("case", SINGLE, ids=lambda c: f"{c.get('preset', 'tiny')}-{c['dtype']}-B{c['B']}T{c['T']}-"
+                                             f"{'-'.join(c.get('set', []))}-{c.get('recompute', 'none')}")
 def test_measured_memory_equals_the_plan_on_one_rank(case, monkeypatch):
     monkeypatch.setenv("CUTP_OP_THREADS", "1")  # the planner is told 1 thread: blocks never overlap by chance
     _assert_agree(_measure_and_plan(MPI.COMM_SELF, case), str(case))
@@ -115,6 +119,9 @@ MULTI = [  # two ranks under mpiexec, one launch
     dict(tp=2, dp=1, B=1, T=64, dtype="float32", recompute="full", sequence_parallel=True),
     dict(tp=2, dp=1, B=2, T=64, dtype="bfloat16", recompute="full", recompute_layers=1, sequence_parallel=True,
          set=["n_layer=2", "n_kv_head=2"]),
+    dict(preset="llama-tiny", tp=2, dp=1, B=2, T=64, dtype="float32", sequence_parallel=True),
+    dict(preset="llama-tiny", tp=2, dp=1, B=2, T=64, dtype="float32", recompute="full",
+         set=["n_layer=2", "qkv_bias=true"]),
 ]
 
 
