@@ -37,7 +37,7 @@ LAYERNORM_BACKWARD_THREADS = 512  # the backward's __launch_bounds__
 # threads at 64 registers), each over an even share of the rows, so that one wave of blocks fills
 # the GPU and the partial column sums are 2 x blocks x C floats whatever the number of rows.
 LAYERNORM_BACKWARD_BLOCKS_PER_SM = 2
-# The widest row whose backward launch tests/test_kernel_resources.py checks against sm_80's and
+# The widest row whose backward launch tests/kernel_build/test_resources.py checks against sm_80's and
 # sm_90's shared-memory limits (2 * C floats: 128 KiB; sm_80 allows 163 KiB with the opt-in).
 LAYERNORM_BACKWARD_MAX_C = 16384
 

@@ -13,7 +13,7 @@ session compiles each source once.
 * ``LIMITS``: the per-SM and per-block limits of sm_80 (A100) and sm_90 (H100/H200).
 * :func:`occupancy`: CUDA's occupancy calculation (threads, blocks, registers, shared memory).
 
-Checked by ``tests/test_kernel_resources.py``; the README's resource table is
+Checked by ``tests/kernel_build/test_resources.py``; the README's resource table is
 ``python tools/kernel_resources.py`` (kernels/README.md, "Resources").
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ class DynamicShared:
 
 
 # Every kernel family that launches with dynamic shared memory (the others pass shared_mem=0;
-# tests/test_kernel_resources.py checks that no other launcher passes it).
+# tests/kernel_build/test_resources.py checks that no other launcher passes it).
 DYNAMIC_SHARED: dict[str, DynamicShared] = {
     "layernorm_backward": DynamicShared("R * 2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
     **{f"attention_{kernel}_d{d}": DynamicShared(

@@ -6,7 +6,7 @@
         ...asserts...
 
     def test_something():
-        run_mpi(4, "tests.test_x:_worker", 1, "two", timeout=60)
+        run_mpi(4, "tests.comm.test_x:_worker", 1, "two", timeout=60)
 
 The worker is named "module:function"; its arguments travel as JSON. Every rank runs it under
 `tests/_mpi_entry.py`, which aborts the whole job (after printing the rank-prefixed traceback)

@@ -16,6 +16,37 @@ def group_ctx(n: int, device="cpu"):
     return cutp.init(comm=sub, tp=n, device=device), sub
 
 
+def first_ranks(n: int):
+    """The first n ranks of COMM_WORLD as a communicator, COMM_NULL on the others: one launch runs
+    cases of several sizes one after the other. Collective."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    return world.Split(0 if world.rank < n else MPI.UNDEFINED, world.rank)
+
+
+def wait_for_all(comm) -> None:
+    """A barrier whose waiting ranks sleep rather than spin (MPICH's Barrier polls): with fewer
+    cores than ranks, the ranks still working keep the cores."""
+    import time
+
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.002)
+
+
+def on_rank_0(compute):
+    """compute() on rank 0 of COMM_WORLD alone, its result broadcast to every rank: the one-rank
+    reference every rank compares against, computed once rather than by every rank (with fewer
+    cores than ranks, n copies take n times as long); the other ranks sleep meanwhile. Collective."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    result = compute() if world.rank == 0 else None
+    wait_for_all(world)
+    return world.bcast(result, root=0)
+
+
 def self_ctx(device="cpu"):
     """A TP=1 context on this rank alone: the reference every rank computes for itself."""
     from mpi4py import MPI

@@ -16,7 +16,7 @@ runs from the checkout with PYTHONPATH set to it. Parts, in order of importance:
                        sharing the GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; needs NCCL >= 2.30)
   nccl 2-rank bf16 ZeRO-1  the tiny model in bfloat16 with --distributed-optimizer over dp=2
                        (NCCL reduce-scatter / all-gather of the flat buffers; same condition)
-  nccl 2-rank tests    tests/test_nccl.py's two-rank collectives on the GPU (same condition)
+  nccl 2-rank tests    tests/comm/test_nccl.py's two-rank collectives on the GPU (same condition)
   attention benchmark  python3 -m cutp.bench kernels --ops attention: the fused attention kernels'
                        TFLOP/s and speed-up over the unfused path (T x T scores), forward and
                        backward, fp32 and bf16 (no new case after 40 s; killed at 60 s: "partial")
@@ -363,7 +363,7 @@ def nccl_parts(info: dict) -> None:
         part.detail = (f"tiny, bfloat16, distributed optimizer over dp=2 on one GPU: loss {res['first_loss']:.4f} -> "
                        f"{res['last_loss']:.4f}, {res['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
     part, out = run("nccl 2-rank tests", [PY, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-                                          "tests/test_nccl.py"], 120, env=env, min_needed=20)
+                                          "tests/comm/test_nccl.py"], 120, env=env, min_needed=20)
     s = pytest_summary(out)
     if s:
         part.detail = s + (f" ({part.detail})" if part.detail else "")

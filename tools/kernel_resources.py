@@ -8,7 +8,7 @@ and the roofline bound on H100 and H200.
 Registers, spills and static shared memory are ptxas's (``cutp.kernels.resources``, which
 compiles what NVRTC compiles); the block size and occupancy target are ``resources.TARGETS``;
 bytes and operations per element are the model in ``TRAFFIC`` below, counted from the sources.
-tests/test_kernel_resources.py checks that the README holds exactly what this prints.
+tests/kernel_build/test_resources.py checks that the README holds exactly what this prints.
 """
 from __future__ import annotations
 

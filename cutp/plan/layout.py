@@ -25,7 +25,7 @@ Activations (the peak a training step allocates above the state), cutp presets: 
 training step, run on shape-only arrays (`cutp.plan.run.planned_step`: the model, the optimizer
 and `train_step` of the library, their arrays' buffers booked on a heap while they live, so
 what the layers cache, each op's outputs and temporaries come in the code's order with the code's
-lifetimes; checked against tracemalloc on the CPU by tests/test_memory.py: per layer exact, the
+lifetimes; checked against tracemalloc on the CPU by tests/plan/test_memory.py: per layer exact, the
 peak within 10%), on a GPU (`--device cuda`, the default: CuPy's pool rounding, NCCL's
 collectives, cutp's kernels' launchers; the fused attention keeps o and the rows' log-sum-exp)
 or on the CPU (`--device cpu --threads N`); the largest over the TP ranks. `--recompute` and

@@ -19,7 +19,7 @@ GeLU input and the output projection's input) + s b (dropout mask):
 
 All-to-all per MoE layer, micro-batch and direction (ep > 1): the assignments' rows go to their
 experts' ranks and back: 2 x k s b h / t elements per rank (the communicators count a rank's own
-rows too; (ep - 1) / ep of them leave it), forward and backward (tests/test_moe_ep.py compares
+rows too; (ep - 1) / ep of them leave it), forward and backward (tests/tensor_parallel/test_expert_parallel.py compares
 it with the counted bytes).
 """
 from __future__ import annotations

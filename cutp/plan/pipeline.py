@@ -36,6 +36,7 @@ the measured one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..models import GPTConfig, stage_layers
 from ..runtime.errors import ConfigError
@@ -59,7 +60,13 @@ class Chunk:
 def schedule_events(kind: str, p: int, stage: int, m: int, v: int = 1) -> list[tuple[str, int, int]]:
     """The order of ("F" | "B", micro-batch, chunk) one rank runs: cutp's own schedule
     (`cutp.train.pipeline.plan`) without its exchanges."""
-    return [op for op in schedule_plan(kind, p, stage, m, v) if op[0] != "X"]
+    return list(_schedule_events(kind, p, stage, m, v))
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule_events(kind: str, p: int, stage: int, m: int, v: int) -> tuple[tuple[str, int, int], ...]:
+    # memoised: a layout search (`cutp.plan.search`) plans the same schedules hundreds of times
+    return tuple(op for op in schedule_plan(kind, p, stage, m, v) if op[0] != "X")
 
 
 def in_flight(events, weight=lambda i, c: 1) -> float:

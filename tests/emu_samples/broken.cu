@@ -1,5 +1,5 @@
 // Deliberately broken kernels: each has a bug that a GPU may or may not show, and that the
-// emulator must report. tests/test_cuda_emu.py asserts that it does. (Valid CUDA: they compile.)
+// emulator must report. tests/cuda_emu/test_emulator.py asserts that it does. (Valid CUDA: they compile.)
 #include "common.cuh"
 #if defined(__CUDACC__) && !defined(__CUDACC_RTC__)
 #include <assert.h>  // NVCC only: NVRTC has no <assert.h> (see kernels/README.md)
@@ -159,7 +159,7 @@ extern "C" __global__ void writes_const_input(const float* x) {
 }
 
 // ---- planted races and out-of-bounds accesses: what a checked build reports ----------------------
-// (tests/test_cuda_emu.py, "Races and out-of-bounds accesses"). Each races under every schedule;
+// (tests/cuda_emu/test_emulator.py, "Races and out-of-bounds accesses"). Each races under every schedule;
 // the kind named is the one the forward schedule runs into first.
 
 // Read after write: thread t reads its left neighbour's slot with no barrier after the writes.

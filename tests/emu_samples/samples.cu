@@ -1,4 +1,4 @@
-// Sample kernels for tests/test_cuda_emu.py: correct CUDA exercising every feature the emulator
+// Sample kernels for tests/cuda_emu/test_emulator.py: correct CUDA exercising every feature the emulator
 // models. They follow the conventions of kernels/README.md and also compile with nvcc.
 #include "common.cuh"
 

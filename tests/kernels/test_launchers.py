@@ -18,11 +18,11 @@ from cutp.kernels import SOURCES, KernelArgumentError, Launchers, use_kernels
 from tests.cuda_emu import KERNELS_DIR
 from tests.cuda_emu import KernelArgumentError as EmulatorArgumentError
 from tests.cuda_emu import LaunchConfigError as EmulatorLaunchConfigError
-from tests.test_cuda_emu import kernel_entry_points
+from tests.cuda_emu.test_emulator import kernel_entry_points
 
 from .helpers import ADAMW_KW, BF16, DTYPES, F32, randn
 
-# Every entry point of kernels/*.cu, by name (tests/test_cuda_emu.py's coverage check reads them
+# Every entry point of kernels/*.cu, by name (tests/cuda_emu/test_emulator.py's coverage check reads them
 # here), and a test that each one is really launched by its host launcher.
 ALL_KERNELS = [
     "gelu_forward_f32", "gelu_forward_bf16", "gelu_backward_f32", "gelu_backward_bf16",
