@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..runtime.errors import ConfigError
+from ..runtime.errors import ConfigError, settings_named
 from . import layout, pipeline, search
 
 
@@ -54,8 +54,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", action="store_true", help="--search: print the layouts as a Markdown table")
 
 
+# the planner's flags for the run settings a plan's errors name (the rest: --the-field-name)
+FLAGS = {"micro_batch_size": "--micro-batch", "batch_size": "--micro-batch x --accum x --dp"}
+
+
+def flag_of(field: str) -> str:
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
 def run(args):
-    """Plans what args describe; returns its Report."""
+    """Plans what args describe; returns its Report (its errors name this command's flags)."""
+    with settings_named(flag_of):
+        return _run(args)
+
+
+def _run(args):
     if args.search:
         return search.run(args)
     if args.pp > 1 or args.pp_virtual > 1:
