@@ -263,8 +263,11 @@ def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
         for first, texts, nbytes in batches:
             yield first, _encode(texts), nbytes
         return
+    # Not "fork": a process that has used threads (the tokenizers library's own pool, BLAS, a host
+    # program's) can leave a lock held in the child, which then waits forever (seen in the test
+    # suite). The fork server is a clean single-threaded process the workers fork from.
     methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
     with ctx.Pool(workers, _init_worker, (spec, dtype.name)) as pool:
         flight = collections.deque()
         for first, texts, nbytes in batches:
