@@ -28,16 +28,15 @@ reorder_and_upcast_attn, scale_attn_weights=False, add_cross_attention, another 
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from .config import DTYPES, GPTConfig
 from .gpt import GPT
-from .hf_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, HFFormatError, load_checked, load_streaming, read_hf_config
+from .hf_files import (CONFIG_FILE, INDEX_FILE, HFFormatError, load_checked, load_streaming, read_hf_config,
+                       write_hf_dir)
 from .hf_llama import FAMILIES as LLAMA_FAMILIES
 from .hf_llama import config_from_hf_llama, from_hf_llama, is_llama_family, load_hf_llama_into, save_hf_llama
 from .hf_files import FLOAT_DTYPES as _FLOAT_DTYPES
@@ -305,7 +304,6 @@ def from_hf_gpt2(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, *
 
 # ---- saving ----------------------------------------------------------------------------------
 def _write_dir(full: dict, cfg: GPTConfig, path: str, dtype) -> None:
-    os.makedirs(path, exist_ok=True)
     hf_cfg = config_to_hf(cfg)
     if dtype is not None:
         hf_cfg["dtype"] = dtype
@@ -316,21 +314,7 @@ def _write_dir(full: dict, cfg: GPTConfig, path: str, dtype) -> None:
     for name, a in full.items():
         key = name if name == "lm_head.weight" else "transformer." + name
         tensors[key] = _to_save_dtype(np.asarray(a), dtype)
-    tmp_w = os.path.join(path, f".{WEIGHTS_FILE}.tmp.{os.getpid()}")
-    tmp_c = os.path.join(path, f".{CONFIG_FILE}.tmp.{os.getpid()}")
-    try:
-        save_file(tensors, tmp_w, metadata={"format": "pt"})  # "pt": what transformers checks for
-        with open(tmp_c, "w") as f:
-            json.dump(hf_cfg, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_w, os.path.join(path, WEIGHTS_FILE))
-        os.replace(tmp_c, os.path.join(path, CONFIG_FILE))
-    finally:
-        for t in (tmp_w, tmp_c):
-            if os.path.exists(t):
-                os.remove(t)
+    write_hf_dir(tensors, hf_cfg, path)
 
 
 def save_hf_gpt2(model_or_state_dict, config: GPTConfig | str | None = None, path: str | None = None,

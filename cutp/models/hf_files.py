@@ -10,6 +10,7 @@ import os
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from ..runtime.errors import ConfigError
 
@@ -119,4 +120,26 @@ def load_checked(model, path: str, cfg, tensors, fields) -> None:
     if diff:
         raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
     load_streaming(model, tensors)
+
+
+def write_hf_dir(tensors: dict, hf_cfg: dict, path: str) -> None:
+    """Writes model.safetensors (`tensors` under the HF names, as they are) and config.json into
+    `path`, each to a temporary name first and renamed when complete, so a failed save leaves no
+    half-written file under the names transformers reads."""
+    os.makedirs(path, exist_ok=True)
+    tmp_w = os.path.join(path, f".{WEIGHTS_FILE}.tmp.{os.getpid()}")
+    tmp_c = os.path.join(path, f".{CONFIG_FILE}.tmp.{os.getpid()}")
+    try:
+        save_file(tensors, tmp_w, metadata={"format": "pt"})  # "pt": what transformers checks for
+        with open(tmp_c, "w") as f:
+            json.dump(hf_cfg, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_w, os.path.join(path, WEIGHTS_FILE))
+        os.replace(tmp_c, os.path.join(path, CONFIG_FILE))
+    finally:
+        for t in (tmp_w, tmp_c):
+            if os.path.exists(t):
+                os.remove(t)
 

@@ -34,12 +34,10 @@ hidden_act, router jitter.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from ..ops.rotary import RopeScaling
 from ..runtime.backend import to_numpy
@@ -47,8 +45,8 @@ from ..runtime.errors import ConfigError
 from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
 from .config import DTYPES, GPTConfig
 from .gpt import GPT
-from .hf_files import CONFIG_FILE, FLOAT_DTYPES, INDEX_FILE, SAVE_DTYPES, WEIGHTS_FILE, HFFormatError, files
-from .hf_files import load_checked, load_streaming, open_weights, read_hf_config, to_save_dtype
+from .hf_files import CONFIG_FILE, FLOAT_DTYPES, INDEX_FILE, SAVE_DTYPES, HFFormatError, files
+from .hf_files import load_checked, load_streaming, open_weights, read_hf_config, to_save_dtype, write_hf_dir
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
             "mixtral": "MixtralForCausalLM"}
@@ -373,21 +371,7 @@ def hf_state_dict(cfg: GPTConfig, full: dict) -> dict:
 
 
 def _write_dir(tensors: dict, hf_cfg: dict, path: str, dtype) -> None:
-    os.makedirs(path, exist_ok=True)
-    tensors = {k: to_save_dtype(a, dtype) for k, a in tensors.items()}
-    tmp_w = os.path.join(path, f".{WEIGHTS_FILE}.tmp.{os.getpid()}")
-    tmp_c = os.path.join(path, f".{CONFIG_FILE}.tmp.{os.getpid()}")
-    try:
-        save_file(tensors, tmp_w, metadata={"format": "pt"})  # "pt": what transformers checks for
-        with open(tmp_c, "w") as f:
-            json.dump(hf_cfg, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp_w, os.path.join(path, WEIGHTS_FILE))
-        os.replace(tmp_c, os.path.join(path, CONFIG_FILE))
-    finally:
-        for t in (tmp_w, tmp_c):
-            if os.path.exists(t):
-                os.remove(t)
+    write_hf_dir({k: to_save_dtype(a, dtype) for k, a in tensors.items()}, hf_cfg, path)
 
 
 def save_hf_llama(model_or_state_dict, config: GPTConfig | str | None = None, path: str | None = None,
