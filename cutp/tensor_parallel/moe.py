@@ -136,8 +136,7 @@ class ExpertMLP(Module):
 
     def backward(self, dy, saved):
         fc, g, proj = saved
-        da, dw, db = ops.linear_backward(dy, proj, wgrad_dtype=self.c_proj.grad.dtype)
-        self.c_proj.grad += dw
+        da, _, db = ops.linear_backward(dy, proj, wgrad_out=self.c_proj.grad)
         if db is not None:
             self.c_proj_bias.grad += db
         if self.kind == "swiglu":
@@ -147,8 +146,7 @@ class ExpertMLP(Module):
             self.c_fc_bias.grad += db
         else:
             dh = ops.gelu_backward(da, g)
-        dx, dw, db = ops.linear_backward(dh, fc, wgrad_dtype=self.c_fc.grad.dtype)
-        self.c_fc.grad += dw
+        dx, _, db = ops.linear_backward(dh, fc, wgrad_out=self.c_fc.grad)
         if self.kind == "swiglu" and db is not None:
             self.c_fc_bias.grad += db
         return dx
