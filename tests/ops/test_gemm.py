@@ -174,3 +174,27 @@ def test_gemm_refuses_mismatched_shapes_and_a_missing_accumulator():
         ops.gemm(a, b, trans_b=True, accumulate=True)
     out = np.zeros((3, 5), F32)
     assert ops.gemm(a, b, trans_b=True, out=out, accumulate=True) is out and (out == 4).all()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32, np.dtype(np.float64)], ids=str)
+def test_the_cpu_path_computes_bit_for_bit_what_the_upcast_code_did(dtype):
+    """The formulas the ops had before cutp.ops.gemm (float32 copies, one matmul, one rounding;
+    the weight gradient rounded to the buffer's dtype, then added), written out: equal bits."""
+    x, w, b, dy, main_grad, table, dlogits = _inputs(dtype)
+    cdt = ops.gemm_operand(x).dtype
+    up = lambda a: a.astype(cdt)  # noqa: E731
+    x2, dy2 = x.reshape(-1, N_IN), dy.reshape(-1, N_OUT)
+    for bias in (None, b):
+        y, ctx = ops.linear_forward(x, w, bias)
+        old = up(x2) @ up(w)
+        if bias is not None:
+            old += up(bias)
+        assert np.array_equal(y.reshape(-1, N_OUT), old.astype(dtype))
+    g = main_grad.astype(np.float64) if dtype == np.float64 else main_grad.copy()
+    want = g + (up(x2).T @ up(dy2)).astype(g.dtype)
+    dx, dw, db = ops.linear_backward(dy, ctx, wgrad_out=g)
+    assert dw is g and np.array_equal(g, want)
+    assert np.array_equal(dx.reshape(-1, N_IN), (up(dy2) @ up(w).T).astype(dtype))
+    assert np.array_equal(db, (np.ones(dy2.shape[0], cdt) @ up(dy2)).astype(dtype))
+    logits = ops.gemm(ops.gemm_operand(x2), ops.gemm_operand(table), trans_b=True, out_dtype=dtype)
+    assert np.array_equal(logits, (up(x2) @ up(table).T).astype(dtype))
