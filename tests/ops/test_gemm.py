@@ -198,3 +198,16 @@ def test_the_cpu_path_computes_bit_for_bit_what_the_upcast_code_did(dtype):
     assert np.array_equal(db, (np.ones(dy2.shape[0], cdt) @ up(dy2)).astype(dtype))
     logits = ops.gemm(ops.gemm_operand(x2), ops.gemm_operand(table), trans_b=True, out_dtype=dtype)
     assert np.array_equal(logits, (up(x2) @ up(table).T).astype(dtype))
+
+
+def test_a_transposed_square_operand_reads_inside_its_buffer_and_fails_on_the_values(monkeypatch):
+    """Square operands: a flipped transpose stays in bounds; the product's values catch it."""
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((32, 32)).astype(BF16) for _ in range(2))
+    want = ops.gemm(ops.gemm_operand(a), ops.gemm_operand(b), out_dtype=BF16)
+    fake.install(monkeypatch, FakeCublas())
+    _close(ops.gemm(device(a), device(b), out_dtype=BF16), want, BF16, "square product")
+    for index in (1, 2):
+        fake.install(monkeypatch, fake.planted(FakeCublas(), _flip(index)))
+        with pytest.raises(AssertionError, match="Not equal to tolerance"):
+            _close(ops.gemm(device(a), device(b), out_dtype=BF16), want, BF16, "square product")
