@@ -136,8 +136,7 @@ class ExpertMLP(Module):
 
     def backward(self, dy, saved):
         fc, g, proj = saved
-        da, dw, db = ops.linear_backward(dy, proj, wgrad_dtype=self.fc2.grad.dtype)
-        self.fc2.grad += dw
+        da, _, db = ops.linear_backward(dy, proj, wgrad_out=self.fc2.grad)
         if db is not None:
             self.fc2_bias.grad += db
         if self.kind == "swiglu":
@@ -147,8 +146,7 @@ class ExpertMLP(Module):
             self.fc1_bias.grad += db
         else:
             dh = ops.gelu_backward(da, g)
-        dx, dw, db = ops.linear_backward(dh, fc, wgrad_dtype=self.fc1.grad.dtype)
-        self.fc1.grad += dw
+        dx, _, db = ops.linear_backward(dh, fc, wgrad_out=self.fc1.grad)
         if self.kind == "swiglu" and db is not None:
             self.fc1_bias.grad += db
         return dx

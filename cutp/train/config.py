@@ -106,6 +106,9 @@ class RunConfig:
     grad_reduce_dtype: str = setting(
         "float32", "dtype of the DP gradient reduction: bfloat16 halves the bytes, with sums rounded to bf16",
         "memory", choices=GRAD_REDUCE_DTYPES)
+    allow_tf32: bool = setting(
+        False, "float32 models on GPUs: GEMMs may round their operands to TF32 on tensor cores (faster, changes "
+        "results; the CPU keeps full float32)", "memory", kind=bool)
     loss_scale: float | None = setting(None, "a static loss scale", "memory", kind=float, above=0, optional=True,
                                        derived="dynamic for float16, else none")
     initial_loss_scale: float = setting(2.0 ** 16, "the dynamic loss scale's start (float16)", "memory", kind=float,
@@ -197,6 +200,9 @@ class RunConfig:
                               "(resolve_run_config turns 'auto' into one of them)")
         if self.collective_timeout is not None:
             check_timeout(self.collective_timeout, "`collective_timeout`")
+        if self.allow_tf32 and self.model.dtype != "float32":
+            raise ConfigError(f"`allow_tf32` rounds float32 GEMM operands to TF32; a {self.model.dtype} model's GEMMs "
+                              "already run on tensor cores: omit `allow_tf32`, or train in float32")
         if self.min_loss_scale > self.initial_loss_scale:
             raise ConfigError(f"`min_loss_scale` {self.min_loss_scale:g} exceeds `initial_loss_scale` "
                               f"{self.initial_loss_scale:g}")
@@ -432,6 +438,7 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
+        allow_tf32=bool(c["allow_tf32"]),
         recompute=c["recompute"], recompute_layers=c["recompute_layers"],
         sequence_parallel=bool(c["sequence_parallel"]),
         loss_scale=c["loss_scale"], initial_loss_scale=c["initial_loss_scale"],
