@@ -62,7 +62,7 @@ def _train(comm, **choices):
     return stats, weights, moments
 
 
-DIST_COMMON = dict(dtype="float64", steps=10, micro_batch_size=1, grad_clip=0.5, seq_len=16)
+DIST_COMMON = dict(dtype="float64", steps=6, micro_batch_size=1, grad_clip=0.5, seq_len=16)
 
 
 def _worker_one_rank_reference(batch, path):
@@ -72,7 +72,7 @@ def _worker_one_rank_reference(batch, path):
 
 
 def _worker_distributed_matches_plain(meshes, batch, reference, overrides, bucket):
-    """For each (tp, dp) that splits the world: 10 float64 steps with the plain and with the
+    """For each (tp, dp) that splits the world: 6 float64 steps with the plain and with the
     distributed optimizer, gradient accumulation (micro-batch 1) and clipping active (norms 2-8
     against --grad-clip 0.5). Tied embeddings (the tiny preset's; Megatron #844). `reference`:
     a JSON file of one rank's losses and norms (#715: the norm is that of one rank's model).
