@@ -88,6 +88,23 @@ class NoPeersComm:
     def Barrier(self):
         return None
 
+    # non-blocking: nothing to wait for (the contents of a shape-only group do not matter)
+    def Ialltoallv(self, sendbuf, recvbuf):
+        return MPI.REQUEST_NULL
+
+    def Iallgatherv(self, sendbuf, recvbuf):
+        return MPI.REQUEST_NULL
+
+    def Iallgather(self, sendbuf, recvbuf):
+        self.Allgather(sendbuf, recvbuf)
+        return MPI.REQUEST_NULL
+
+    def Igather(self, sendbuf, recvbuf, root=0):
+        return MPI.REQUEST_NULL
+
+    def Ibcast(self, buf, root=0):
+        return MPI.REQUEST_NULL
+
     # ---- Python objects ------------------------------------------------------------------------
     def allgather(self, obj):
         return [obj] * self.size

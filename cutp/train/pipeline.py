@@ -214,7 +214,13 @@ class Schedule:
         model = self.model
         model.restore_activations(self.kept.pop((i, c)))
         grad = self.loss_scale * self.weights[i] if model.gives_loss(c) else self.output_grads.pop((i, c))
-        dx = model.stage_backward(grad, chunk=c, aux_grad=self.loss_scale * self.aux_weight)
+        buckets = self.run.grad_buckets  # --overlap-grad-reduce: the last micro-batch's backward starts them
+        last = buckets is not None and self.run.config.overlap_grad_reduce and i == len(self.batches) - 1
+        model.after_unit_backward = buckets.grads_final if last else None
+        try:
+            dx = model.stage_backward(grad, chunk=c, aux_grad=self.loss_scale * self.aux_weight)
+        finally:
+            model.after_unit_backward = None
         if dx is not None:
             self.input_grads[(i, c)] = dx
         self.ctx.watchdog.progress()

@@ -42,7 +42,7 @@ from ..data import BatchSampler, Dataset, load_dataset
 from ..models.hf import load_hf_into
 from ..models import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
-                     LossScaler, clip_scale, lr_schedule)
+                     GradBuckets, LossScaler, ParamGather, clip_scale, default_bucket_size, lr_schedule)
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
@@ -78,6 +78,14 @@ class TrainingRun:
     pipeline_in_flight: int = 0  # the most micro-batches this stage held at once in the last step
     run_dir_lock: RunDirLock | None = None  # rank 0's lock on config.out
     replaced: list = field(default_factory=list)  # another run's checkpoints in out, removed after our first (--overwrite)
+    grad_buckets: GradBuckets | None = None  # --overlap-grad-reduce (cutp.optim.buckets)
+    param_gather: ParamGather | None = None  # --overlap-param-gather
+
+    def gather_params(self) -> None:
+        """Waits for the parameter gathers still in flight (--overlap-param-gather): before
+        anything but the next training forward reads the parameters (evaluation, a checkpoint)."""
+        if self.param_gather is not None and self.param_gather.in_flight:
+            self.param_gather.finish()
 
     @property
     def end_step(self) -> int:
@@ -86,6 +94,7 @@ class TrainingRun:
         return cfg.steps if cfg.run_steps is None else min(cfg.steps, self.start_step + cfg.run_steps)
 
     def close(self) -> None:
+        self.gather_params()  # (no request left in flight on a communicator being freed)
         self.ctx.close()
         if self.run_dir_lock is not None:
             self.run_dir_lock.release()
@@ -113,6 +122,16 @@ class StepStats:
     overflow: bool = False  # skipped because the scaled gradients overflowed (float16)
     pipeline_wait_ms: float | None = None  # pp > 1: this stage's time in pipeline sends/receives (host)
     moe: dict | None = None  # MoE models: auxiliary losses and routing (cutp.train.moe; not in `loss`)
+    # communication time of the step's collectives (cutp.comm.counting): in flight, and blocked on
+    # (exposed); by group too ({"dp": (comm_ms, exposed_ms), ...})
+    comm_ms: float = 0.0
+    exposed_comm_ms: float = 0.0
+    comm_ms_by_group: dict = field(default_factory=dict)
+
+    @property
+    def overlap_fraction(self) -> float | None:
+        """1 - exposed / in flight: the share of the communication time hidden behind computation."""
+        return overlap_fraction(self.comm_ms, self.exposed_comm_ms)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
@@ -128,7 +147,16 @@ class StepStats:
             rec["pipeline_wait_ms"] = self.pipeline_wait_ms
         if self.moe is not None:
             rec.update({f"moe_{k}": v for k, v in self.moe.items()})
+        rec.update(comm_ms=self.comm_ms, exposed_comm_ms=self.exposed_comm_ms, overlap_fraction=self.overlap_fraction)
+        if "dp" in self.comm_ms_by_group:
+            dp_comm, dp_exposed = self.comm_ms_by_group["dp"]
+            rec["dp_overlap_fraction"] = overlap_fraction(dp_comm, dp_exposed)
         return rec
+
+
+def overlap_fraction(comm_ms: float, exposed_ms: float) -> float | None:
+    """1 - exposed / comm (None without communication)."""
+    return None if comm_ms <= 0 else max(0.0, 1.0 - exposed_ms / comm_ms)
 
 
 class StepHooks:
@@ -214,6 +242,8 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, device=cfg.device,
                collective_timeout=cfg.collective_timeout)
+    if cfg.link_bandwidth is not None:
+        ctx.simulate_link(cfg.link_bandwidth, cfg.link_latency)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
@@ -248,7 +278,22 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     else:
         flat = FlatParameters(model.parameters())
         optimizer = AdamW(flat, **kw)
-    return TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
+    run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
+    if cfg.overlap_grad_reduce or cfg.overlap_param_gather:
+        set_up_overlap(run, ctx.dp)
+    return run
+
+
+def set_up_overlap(run: TrainingRun, group) -> None:
+    """The gradient buckets of --overlap-grad-reduce (and the parameter gathers of
+    --overlap-param-gather) over `group`, the gradient reduction group (the DP group)."""
+    cfg, model = run.config, run.model
+    size = cfg.bucket_size if cfg.bucket_size is not None else default_bucket_size(group.size)
+    backward = [u for c in reversed(range(model.pp_virtual)) for u in reversed(model.units(c))]
+    run.grad_buckets = GradBuckets(run.optimizer, group, backward, size, tp=run.ctx.tp)
+    if cfg.overlap_param_gather:
+        forward = [u for c in range(model.pp_virtual) for u in model.units(c)]
+        run.param_gather = run.optimizer.param_gather = ParamGather(run.grad_buckets, forward)
 
 
 def init_weights(model: GPT, path: str) -> None:
@@ -303,6 +348,7 @@ def save(run: TrainingRun) -> str | None:
     cfg = run.config
     if not cfg.out or run.last_saved == run.step:
         return None
+    run.gather_params()
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
                            data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
                            keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict())
@@ -329,6 +375,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     with ctx.watchdog.watch_progress(f"training step {n + 1}"):
         t0 = time.perf_counter()
         bytes0 = ctx.counter.bytes()
+        times0 = {g: tuple(v) for g, v in ctx.counter.times.items()}
         wait_ms = None
         clock.enter("optimizer")  # clearing the gradients counts with their use at the end
         run.flat.zero_grad()
@@ -342,6 +389,13 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         # micro-batch's forward gives its part of them; its gradient on each rank is its tokens'
         # share, and DP averages it: x dp
         aux_weight = ctx.dp_size
+        gather = run.param_gather if run.param_gather is not None and run.param_gather.in_flight else None
+        if gather is not None and (ctx.pp_size > 1 or model.moe_layers):
+            run.gather_params()  # (the overlap follows pp 1's forward of a dense model only)
+            gather = None
+        buckets = run.grad_buckets
+        if buckets is not None:
+            buckets.reset()
         with moe_step(run, batches, n, first_row):  # (MoE: a counting pass first, with several micro-batches)
             if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
                 schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks, aux_weight)
@@ -353,18 +407,29 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                     clock.enter("forward")
                     model.rng.set_position(n, first_row(micro), cfg.batch_size)
                     model.check_inputs(x, y)  # on the host arrays: no device round trip
+                    model.before_unit_forward = gather.before_forward if gather is not None and micro == 0 else None
                     loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+                    model.before_unit_forward = None
+                    if micro == 0:
+                        run.gather_params()  # (every bucket was waited for by its first unit: a no-op)
                     ctx.watchdog.progress()
                     hooks.after_forward(run, micro)
                     clock.enter("backward")
+                    last = micro == len(batches) - 1  # the gradients become final in its backward
+                    overlap = buckets is not None and cfg.overlap_grad_reduce and last
+                    model.after_unit_backward = buckets.grads_final if overlap else None
                     model.backward(scaler.scale * weights[micro], aux_dloss=scaler.scale * aux_weight)
+                    model.after_unit_backward = None
                     ctx.watchdog.progress()
         model.rng.position = None  # a forward outside train_step draws from its streams again
         moe = moe_step_stats(ctx, model)
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
-        tp_grad_sync(model.parameters(), ctx.tp)
-        run.optimizer.reduce_gradients(ctx)
+        if buckets is not None:  # (the TP sums and grad_sync hooks per bucket, as each starts)
+            buckets.finish()
+        else:
+            tp_grad_sync(model.parameters(), ctx.tp)
+            run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
         loss = _dp_mean(ctx, loss_sum, "the loss average")
@@ -407,13 +472,24 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                      optimizer_ms=clock.ms.get("optimizer", 0.0) if exact else None,
                      consecutive_skips=run.consecutive_skips,
                      loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
-                     pipeline_wait_ms=wait_ms, moe=moe)
+                     pipeline_wait_ms=wait_ms, moe=moe, **_comm_times(ctx, times0))
+
+
+def _comm_times(ctx, before: dict) -> dict:
+    """The step's comm_ms, exposed_comm_ms and comm_ms_by_group from the counter's times."""
+    by_group = {}
+    for group, (comm_s, blocked_s) in ctx.counter.times.items():
+        c0, b0 = before.get(group, (0.0, 0.0))
+        by_group[group] = ((comm_s - c0) * 1000, (blocked_s - b0) * 1000)
+    return dict(comm_ms=sum(c for c, _ in by_group.values()), exposed_comm_ms=sum(b for _, b in by_group.values()),
+                comm_ms_by_group=by_group)
 
 
 def evaluate(run: TrainingRun) -> float:
     """Mean loss over `eval_batches` validation batches (the same ones at every evaluation), in
     eval mode (no dropout). Collective."""
     cfg, ctx, model = run.config, run.ctx, run.model
+    run.gather_params()
     with ctx.watchdog.watch_progress(f"the evaluation after step {run.step}"):
         model.eval()
         losses = []
