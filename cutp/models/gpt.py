@@ -211,6 +211,13 @@ class GPT(Module):
         for p in self.parameters():
             p.sequence_parallel = on and id(p) in used
 
+    def set_tp_comm_overlap(self, on: bool = True) -> None:
+        """Column-parallel backwards start their dX collective before the weight-gradient GEMM
+        and wait after it (cutp.tensor_parallel.layers). Changes time, never the math."""
+        for m in self.modules():
+            if isinstance(m, ColumnParallelLinear):
+                m.comm_overlap = bool(on)
+
     @contextlib.contextmanager
     def without_sequence_parallel(self):
         """Runs the block's forwards with whole sequences on every TP rank (generation)."""

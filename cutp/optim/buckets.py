@@ -272,6 +272,8 @@ class ParamGather:
         self._start_next()
         for request in self._requests.values():
             request.test()
+        if self._entered == len(self._needs):  # the last unit: nothing may be in flight at the update
+            self.finish()
 
     def finish(self) -> None:
         """Every bucket's parameters in place (before anything else reads the parameters)."""
@@ -280,3 +282,4 @@ class ParamGather:
         for bucket in self.order:
             self._wait(bucket)
         self._next = 0
+        self._entered = 0

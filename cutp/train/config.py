@@ -52,6 +52,7 @@ from ..runtime.mesh import derive_mesh
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
+from .overlap import check_overlap
 from .defaults import (MAX_DEFAULT_TP, choose_tp, default_batch, default_micro_batch, divisors, either,
                        refuse_sequence_parallel, schedule_takes)
 from .pipeline import SCHEDULES
@@ -106,24 +107,18 @@ class RunConfig:
     grad_reduce_dtype: str = setting(
         "float32", "dtype of the DP gradient reduction: bfloat16 halves the bytes, with sums rounded to bf16",
         "memory", choices=GRAD_REDUCE_DTYPES)
-    # overlap of communication with computation (cutp.optim.buckets; none of it changes the math)
-    overlap_grad_reduce: bool = setting(
-        False, "start each gradient bucket's DP reduction during the last micro-batch's backward, as soon as its "
-        "gradients are final", "mesh", kind=bool)
-    bucket_size: int | None = setting(
-        None, "elements per DP gradient bucket", "mesh", kind=int, at_least=1, optional=True,
-        derived="max(40M, 1M x dp) (Megatron's)")
-    overlap_param_gather: bool = setting(
-        False, "with --distributed-optimizer: each bucket's updated parameters gathered during the next forward, "
-        "waited for just before the first layer that uses them", "mesh", kind=bool)
-    tp_comm_overlap: bool = setting(
-        False, "a column-parallel layer's backward starts its dX all-reduce (reduce-scatter under SP) before the "
-        "weight-gradient GEMM; pipeline receives posted early", "mesh", kind=bool)
-    link_bandwidth: float | None = setting(
-        None, "simulate an interconnect of this many GB/s under every group (benchmarks: cutp.comm.simulated)",
-        "mesh", kind=float, above=0, optional=True, metavar="GB/s")
-    link_latency: float = setting(5.0, "the simulated interconnect's latency in microseconds (--link-bandwidth)",
-                                  "mesh", kind=float, at_least=0, metavar="us")
+    # overlap of communication with computation (cutp.train.overlap; none of it changes the math)
+    overlap_grad_reduce: bool = setting(False, "start each DP gradient bucket's reduction in the last micro-batch's "
+                                        "backward, once its gradients are final", "mesh", kind=bool)
+    bucket_size: int | None = setting(None, "elements per DP gradient bucket", "mesh", kind=int, at_least=1,
+                                      optional=True, derived="max(40M, 1M x dp) (Megatron's)")
+    overlap_param_gather: bool = setting(False, "ZeRO: each bucket's updated parameters gathered during the next "
+                                         "forward, waited for before the first layer using them", "mesh", kind=bool)
+    tp_comm_overlap: bool = setting(False, "column-parallel backward: the dX all-reduce (SP: reduce-scatter) runs "
+                                    "under the weight-gradient GEMM; pipeline receives posted early", "mesh", kind=bool)
+    link_bandwidth: float | None = setting(None, "simulate an interconnect of this many GB/s under every group "
+                                           "(benchmarks)", "mesh", kind=float, above=0, optional=True, metavar="GB/s")
+    link_latency: float = setting(5.0, "the simulated link's latency (us)", "mesh", kind=float, at_least=0)
     loss_scale: float | None = setting(None, "a static loss scale", "memory", kind=float, above=0, optional=True,
                                        derived="dynamic for float16, else none")
     initial_loss_scale: float = setting(2.0 ** 16, "the dynamic loss scale's start (float16)", "memory", kind=float,
@@ -232,12 +227,7 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
-        if self.overlap_param_gather and not self.distributed_optimizer:
-            raise ConfigError("`overlap_param_gather` overlaps the distributed optimizer's parameter gather: give "
-                              "`distributed_optimizer` too, or omit `overlap_param_gather`")
-        if (self.overlap_grad_reduce or self.overlap_param_gather) and self.ep > 1:
-            raise ConfigError(f"`overlap_grad_reduce` and `overlap_param_gather` need ep 1 (the experts reduce over "
-                              f"another group), but ep is {self.ep}: omit them or use ep 1")
+        check_overlap(self)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)

@@ -42,7 +42,7 @@ from ..data import BatchSampler, Dataset, load_dataset
 from ..models.hf import load_hf_into
 from ..models import GPT
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
-                     GradBuckets, LossScaler, ParamGather, clip_scale, default_bucket_size, lr_schedule)
+                     GradBuckets, LossScaler, ParamGather, clip_scale, lr_schedule)
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
@@ -54,6 +54,7 @@ from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
+from .overlap import comm_times, finish_param_gather, overlap_for_step, overlap_fraction, set_up_overlap
 from .pipeline import Schedule, eval_losses
 
 
@@ -82,10 +83,9 @@ class TrainingRun:
     param_gather: ParamGather | None = None  # --overlap-param-gather
 
     def gather_params(self) -> None:
-        """Waits for the parameter gathers still in flight (--overlap-param-gather): before
-        anything but the next training forward reads the parameters (evaluation, a checkpoint)."""
-        if self.param_gather is not None and self.param_gather.in_flight:
-            self.param_gather.finish()
+        """Waits for the parameter gathers in flight (--overlap-param-gather): before anything
+        but the next training forward reads the parameters (evaluation, a checkpoint)."""
+        finish_param_gather(self)
 
     @property
     def end_step(self) -> int:
@@ -122,16 +122,10 @@ class StepStats:
     overflow: bool = False  # skipped because the scaled gradients overflowed (float16)
     pipeline_wait_ms: float | None = None  # pp > 1: this stage's time in pipeline sends/receives (host)
     moe: dict | None = None  # MoE models: auxiliary losses and routing (cutp.train.moe; not in `loss`)
-    # communication time of the step's collectives (cutp.comm.counting): in flight, and blocked on
-    # (exposed); by group too ({"dp": (comm_ms, exposed_ms), ...})
+    # the step's collectives' time in flight and blocked on (exposed), also by group (cutp.train.overlap)
     comm_ms: float = 0.0
     exposed_comm_ms: float = 0.0
     comm_ms_by_group: dict = field(default_factory=dict)
-
-    @property
-    def overlap_fraction(self) -> float | None:
-        """1 - exposed / in flight: the share of the communication time hidden behind computation."""
-        return overlap_fraction(self.comm_ms, self.exposed_comm_ms)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
@@ -147,16 +141,11 @@ class StepStats:
             rec["pipeline_wait_ms"] = self.pipeline_wait_ms
         if self.moe is not None:
             rec.update({f"moe_{k}": v for k, v in self.moe.items()})
-        rec.update(comm_ms=self.comm_ms, exposed_comm_ms=self.exposed_comm_ms, overlap_fraction=self.overlap_fraction)
+        rec.update(comm_ms=self.comm_ms, exposed_comm_ms=self.exposed_comm_ms, overlap_fraction=overlap_fraction(self.comm_ms, self.exposed_comm_ms))
         if "dp" in self.comm_ms_by_group:
             dp_comm, dp_exposed = self.comm_ms_by_group["dp"]
             rec["dp_overlap_fraction"] = overlap_fraction(dp_comm, dp_exposed)
         return rec
-
-
-def overlap_fraction(comm_ms: float, exposed_ms: float) -> float | None:
-    """1 - exposed / comm (None without communication)."""
-    return None if comm_ms <= 0 else max(0.0, 1.0 - exposed_ms / comm_ms)
 
 
 class StepHooks:
@@ -281,19 +270,9 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
     if cfg.overlap_grad_reduce or cfg.overlap_param_gather:
         set_up_overlap(run, ctx.dp)
+    elif cfg.tp_comm_overlap:
+        model.set_tp_comm_overlap(True)
     return run
-
-
-def set_up_overlap(run: TrainingRun, group) -> None:
-    """The gradient buckets of --overlap-grad-reduce (and the parameter gathers of
-    --overlap-param-gather) over `group`, the gradient reduction group (the DP group)."""
-    cfg, model = run.config, run.model
-    size = cfg.bucket_size if cfg.bucket_size is not None else default_bucket_size(group.size)
-    backward = [u for c in reversed(range(model.pp_virtual)) for u in reversed(model.units(c))]
-    run.grad_buckets = GradBuckets(run.optimizer, group, backward, size, tp=run.ctx.tp)
-    if cfg.overlap_param_gather:
-        forward = [u for c in range(model.pp_virtual) for u in model.units(c)]
-        run.param_gather = run.optimizer.param_gather = ParamGather(run.grad_buckets, forward)
 
 
 def init_weights(model: GPT, path: str) -> None:
@@ -389,13 +368,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         # micro-batch's forward gives its part of them; its gradient on each rank is its tokens'
         # share, and DP averages it: x dp
         aux_weight = ctx.dp_size
-        gather = run.param_gather if run.param_gather is not None and run.param_gather.in_flight else None
-        if gather is not None and (ctx.pp_size > 1 or model.moe_layers):
-            run.gather_params()  # (the overlap follows pp 1's forward of a dense model only)
-            gather = None
-        buckets = run.grad_buckets
-        if buckets is not None:
-            buckets.reset()
+        gather, buckets = overlap_for_step(run)
         with moe_step(run, batches, n, first_row):  # (MoE: a counting pass first, with several micro-batches)
             if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
                 schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks, aux_weight)
@@ -410,14 +383,11 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                     model.before_unit_forward = gather.before_forward if gather is not None and micro == 0 else None
                     loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
                     model.before_unit_forward = None
-                    if micro == 0:
-                        run.gather_params()  # (every bucket was waited for by its first unit: a no-op)
                     ctx.watchdog.progress()
                     hooks.after_forward(run, micro)
                     clock.enter("backward")
-                    last = micro == len(batches) - 1  # the gradients become final in its backward
-                    overlap = buckets is not None and cfg.overlap_grad_reduce and last
-                    model.after_unit_backward = buckets.grads_final if overlap else None
+                    last = buckets is not None and cfg.overlap_grad_reduce and micro == len(batches) - 1
+                    model.after_unit_backward = buckets.grads_final if last else None  # grads final in it
                     model.backward(scaler.scale * weights[micro], aux_dloss=scaler.scale * aux_weight)
                     model.after_unit_backward = None
                     ctx.watchdog.progress()
@@ -472,17 +442,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                      optimizer_ms=clock.ms.get("optimizer", 0.0) if exact else None,
                      consecutive_skips=run.consecutive_skips,
                      loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
-                     pipeline_wait_ms=wait_ms, moe=moe, **_comm_times(ctx, times0))
-
-
-def _comm_times(ctx, before: dict) -> dict:
-    """The step's comm_ms, exposed_comm_ms and comm_ms_by_group from the counter's times."""
-    by_group = {}
-    for group, (comm_s, blocked_s) in ctx.counter.times.items():
-        c0, b0 = before.get(group, (0.0, 0.0))
-        by_group[group] = ((comm_s - c0) * 1000, (blocked_s - b0) * 1000)
-    return dict(comm_ms=sum(c for c, _ in by_group.values()), exposed_comm_ms=sum(b for _, b in by_group.values()),
-                comm_ms_by_group=by_group)
+                     pipeline_wait_ms=wait_ms, moe=moe, **comm_times(ctx.counter, times0))
 
 
 def evaluate(run: TrainingRun) -> float:
