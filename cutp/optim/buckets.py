@@ -256,7 +256,7 @@ class ParamGather:
                                                                      bucket.owner)
 
     def _wait(self, bucket) -> None:
-        while id(bucket) not in self._requests and self._next < len(self.order):
+        while self.order.index(bucket) >= self._next:
             self._start_next()  # (needed before its turn: start everything up to it)
         request = self._requests.pop(id(bucket), None)
         if request is not None:

@@ -8,6 +8,7 @@ import numpy as np
 from cutp.bench.model import random_tokens
 from cutp.models import GPTConfig
 from cutp.train import RunConfig, build_run, train_step
+from cutp.comm.base import WrappedCommunicator
 from tests.mpirun import run_mpi
 
 LAYOUTS = {  # name: RunConfig settings (4 ranks)
@@ -56,3 +57,80 @@ def _worker():
 
 def test_overlap_on_and_off_give_the_same_bits():
     run_mpi(4, "tests.train.test_overlap:_worker", timeout=300)
+
+
+class _Recording(WrappedCommunicator):
+    """Logs each non-blocking collective's start (op, which bucket) into a shared event list."""
+
+    def __init__(self, inner, events, flat):
+        super().__init__(inner)
+        self.events, self.flat = events, flat
+
+    def _start(self, op, x, fn, *args):
+        self.events.append(("start", op, _bucket_at(self.flat, x)))
+        return fn(*args)
+
+
+def _bucket_at(flat, x):
+    """The flat-buffer offset where x starts (buckets are named by their start)."""
+    base = flat.grad if np.shares_memory(x, flat.grad) else flat.data
+    return (x.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // base.itemsize \
+        if np.shares_memory(x, base) else None
+
+
+def _logging(events, block, what):
+    plain = getattr(block, what)
+
+    def logged(*args, **kw):
+        events.append((what, "begin", block.layer))
+        out = plain(*args, **kw)
+        events.append((what, "end", block.layer))
+        return out
+
+    setattr(block, what, logged)
+
+
+def _order_worker():
+    """An instrumented DP communicator and logged block forwards/backwards, dp4 + ZeRO."""
+    from mpi4py import MPI
+
+    cfg = _config("float32", dict(dp=4, distributed_optimizer=True), 3, overlap_grad_reduce=True, bucket_size=600,
+                  overlap_param_gather=True)
+    run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+    events = []
+    run.grad_buckets.group = run.param_gather.group = _Recording(run.grad_buckets.group, events, run.flat)
+    for block in run.model.h:
+        block.layer = run.model.h.index(block)
+        _logging(events, block, "forward")
+        _logging(events, block, "backward")
+    train_step(run)
+    step_end = len(events)
+    train_step(run)  # its forward waits for the gathers the first step's update started
+    run.close()
+    # the last micro-batch's backward: its first bucket reduction starts before block 0's backward has run
+    last_backward = max(i for i, e in enumerate(events[:step_end]) if e == ("backward", "begin", 2))
+    first_reduce = next(i for i, e in enumerate(events) if i > last_backward and e[:2] == ("start", "reduce"))
+    block0_done = next(i for i, e in enumerate(events) if i > last_backward and e == ("backward", "end", 0))
+    assert first_reduce < block0_done, events[last_backward:block0_done + 1]
+    # the next step's forward: bucket k + 1's broadcast starts before the forward of bucket k's layers ends
+    gather = run.param_gather
+    second_forward = step_end
+    starts = {}  # bucket -> where its broadcast first started in the second step
+    for i, e in enumerate(events[second_forward:]):
+        if e[:2] == ("start", "broadcast"):
+            starts.setdefault(e[2], second_forward + i)
+    order = [b.start for b in gather.order]
+    checked = 0
+    for k, bucket in enumerate(gather.order[:-1]):
+        users = [j for j, (_, need) in enumerate(gather._needs) if any(b is bucket for b in need)]
+        unit = users[0] - (1 if run.model.takes_tokens() else 0)  # block index of its first user
+        if not 0 <= unit < len(run.model.h):
+            continue  # (the embeddings' or the head's bucket)
+        ends = next(i for i, e in enumerate(events) if i > second_forward and e == ("forward", "end", unit))
+        assert starts[order[k + 1]] < ends, (k, order, events[second_forward:ends + 1])
+        checked += 1
+    assert checked >= 2, checked
+
+
+def test_buckets_start_during_the_backward_and_gathers_run_one_ahead_of_the_forward():
+    run_mpi(4, "tests.train.test_overlap:_order_worker", timeout=300)
