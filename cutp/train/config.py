@@ -52,7 +52,7 @@ from ..runtime.mesh import derive_mesh
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
-from .overlap import check_overlap
+from .overlap import OVERLAP_SETTINGS, check_overlap
 from .defaults import (MAX_DEFAULT_TP, choose_tp, default_batch, default_micro_batch, divisors, either,
                        refuse_sequence_parallel, schedule_takes)
 from .pipeline import SCHEDULES
@@ -456,7 +456,8 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), init_from=init_from,
         metrics=c["metrics"],
         log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
-        collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"])
+        collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
+        **{k: c[k] for k in OVERLAP_SETTINGS})
 
 
 def _layer_counts(value):

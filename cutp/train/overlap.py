@@ -23,6 +23,11 @@ from ..optim import GradBuckets, ParamGather, default_bucket_size
 from ..runtime.errors import ConfigError
 
 
+# RunConfig's fields for all this (cutp.train.config)
+OVERLAP_SETTINGS = ("overlap_grad_reduce", "bucket_size", "overlap_param_gather", "tp_comm_overlap",
+                    "link_bandwidth", "link_latency")
+
+
 def check_overlap(cfg) -> None:
     """ConfigError for overlap settings a RunConfig cannot take."""
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
