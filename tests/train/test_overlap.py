@@ -134,3 +134,33 @@ def _order_worker():
 
 def test_buckets_start_during_the_backward_and_gathers_run_one_ahead_of_the_forward():
     run_mpi(4, "tests.train.test_overlap:_order_worker", timeout=300)
+
+
+def _stuck_worker():
+    """Rank 1 stops for good right after its first bucket's reduction has started."""
+    import time
+
+    from mpi4py import MPI
+
+    cfg = _config("float32", dict(dp=2), overlap_grad_reduce=True, bucket_size=600, collective_timeout=2)
+    run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+    if run.ctx.rank == 1:
+        run.ctx.watchdog.timeout = 0  # (a rank stuck for good notices nothing: the peer's watchdog must)
+        start = run.grad_buckets._start
+
+        def start_then_hang(bucket):
+            start(bucket)
+            time.sleep(120)
+
+        run.grad_buckets._start = start_then_hang
+    train_step(run)
+
+
+def test_a_rank_stuck_with_a_bucket_pending_ends_the_job_naming_the_wait():
+    import time
+
+    t0 = time.monotonic()
+    res = run_mpi(2, "tests.train.test_overlap:_stuck_worker", timeout=60, expect_failure=True)
+    assert time.monotonic() - t0 < 20
+    assert "[rank 0] cutp watchdog: waiting for the non-blocking all_reduce on group 'dp' (rank 0 of 2" \
+           in res.stdout, res.stdout[-3000:]
