@@ -209,12 +209,13 @@ def _overlap_settings(args) -> dict:
     return {k: getattr(args, k) for k in names if getattr(args, k, None) not in (None, False)}
 
 
-def _overlap_table(report, world, times):
+def _overlap_table(report, world, times, name="overlap", title="communication hidden behind computation (wall "
+                   "clock)", note="in flight: blocking collectives' calls and non-blocking ones from start to seen "
+                   "finished; exposed: time blocked in them (cutp.comm.counting)"):
     """Per group: its collectives' time in flight, the time this rank blocked on them, and the
     share hidden (median over the measured steps, then the slowest rank)."""
-    t = report.table("overlap", [("group", "group", "", "<"), ("comm_ms", "in flight ms/step", ",.2f"),
-                                 ("exposed_ms", "exposed ms/step", ",.2f"), ("overlap", "hidden %", ".1f")],
-                     title="communication hidden behind computation")
+    t = report.table(name, [("group", "group", "", "<"), ("comm_ms", "in flight ms/step", ",.2f"),
+                            ("exposed_ms", "exposed ms/step", ",.2f"), ("overlap", "hidden %", ".1f")], title=title)
     groups = sorted(set().union(*world.allgather(sorted({g for step in times for g in step}))))
     out = {}
     for group in groups + ["all"]:
@@ -228,9 +229,8 @@ def _overlap_table(report, world, times):
         out[group] = {"comm_ms": comm, "exposed_comm_ms": exposed, "overlap_fraction": frac}
         if comm > 0:
             t.add(group=group, comm_ms=comm, exposed_ms=exposed, overlap=None if frac is None else 100 * frac)
-    t.notes.append("in flight: blocking collectives' calls and non-blocking ones from start to seen finished; "
-                   "exposed: time blocked in them (cutp.comm.counting)")
-    report.extra["overlap"] = out
+    t.notes.append(note)
+    report.extra[name] = out
     return out
 
 
@@ -280,7 +280,7 @@ def run(args) -> Report:
     losses = []
     waits = []  # this stage's time in pipeline sends/receives per measured step
     bytes_per_step = {}
-    overlap_times = []  # per measured step: {group: (comm_ms, exposed_ms)}
+    overlap_times, link_times = [], []  # per measured step: {group: (comm_ms, exposed_ms)}
     step_peak = 0
     for step in range(args.warmup + args.steps):
         measured = step >= args.warmup
@@ -304,6 +304,8 @@ def run(args) -> Report:
             for k, s in clock.by_op.items():
                 comm_ops.setdefault(k, []).append(s)
             overlap_times.append(stats.comm_ms_by_group)
+            if stats.link_ms_by_group is not None:
+                link_times.append(stats.link_ms_by_group)
             bytes_per_step = {f"{g}.{o}": (v[0] - c0.get((g, o), 0), v[2] - b0.get((g, o), 0))
                               for (g, o), v in ctx.counter.totals.items()}
     act_bytes = hooks.activation_bytes
@@ -373,7 +375,12 @@ def run(args) -> Report:
     if ctx.pp_size > 1:
         _pipeline_table(report, ctx, cfg, waits, step_s)
     over = _overlap_table(report, world, overlap_times)
+    link = None
     if cfg.link_bandwidth is not None:
+        link = _overlap_table(report, world, link_times, "link", f"the simulated link's time hidden "
+                              f"({cfg.link_bandwidth:g} GB/s, {cfg.link_latency:g} us)",
+                              "in flight: the modelled transfer times (latency + wire bytes / bandwidth); exposed: "
+                              "blocked before their modelled end (cutp.comm.simulated)")
         report.notes.append(f"simulated link under every group: {cfg.link_bandwidth:g} GB/s, {cfg.link_latency:g} us "
                             "(cutp.comm.simulated)")
     report.meta.update(overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather,
@@ -411,7 +418,10 @@ def run(args) -> Report:
                               "losses": losses, "peak": peak,
                               "exposed_comm_ms": over["all"]["exposed_comm_ms"],
                               "overlap_fraction": over["all"]["overlap_fraction"],
-                              "dp_overlap_fraction": over.get("dp", {}).get("overlap_fraction")}
+                              "dp_overlap_fraction": over.get("dp", {}).get("overlap_fraction"),
+                              "link_overlap_fraction": None if link is None else link["all"]["overlap_fraction"],
+                              "dp_link_overlap_fraction": None if link is None else
+                              link.get("dp", {}).get("overlap_fraction")}
     report.extra["rank"] = ctx.rank
     run.close()
     return report

@@ -121,6 +121,7 @@ class Context:
         colour, key = self.mesh.split(self.rank, "pp")
         self.embedding = self._split("embedding", colour if ends else MPI.UNDEFINED, key)
         self._extra_groups = {}
+        self.link = None  # a simulated interconnect (simulate_link)
         self.closed = False
 
     def _split(self, name, colour, key):
@@ -157,7 +158,7 @@ class Context:
     def simulate_link(self, bandwidth_gbs: float, latency_us: float) -> None:
         """Every group's collectives timed as over one link of this rank of `bandwidth_gbs` GB/s
         and `latency_us` microseconds (cutp.comm.simulated: benchmarks of overlap on one machine)."""
-        link = Link(bandwidth_gbs, latency_us)
+        self.link = link = Link(bandwidth_gbs, latency_us)
         groups = [self.world] + [getattr(self, name) for name, _ in self.GROUPS]
         groups += [self.embedding] + list(self._extra_groups.values())
         done = set()

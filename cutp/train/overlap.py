@@ -57,15 +57,44 @@ def overlap_fraction(comm_ms: float, exposed_ms: float) -> float | None:
     return None if comm_ms <= 0 else max(0.0, 1.0 - exposed_ms / comm_ms)
 
 
-def comm_times(counter, before: dict) -> dict:
-    """StepStats' comm_ms, exposed_comm_ms and comm_ms_by_group since `before` (the counter's
-    `times` then)."""
-    by_group = {}
-    for group, (comm_s, blocked_s) in counter.times.items():
-        c0, b0 = before.get(group, (0.0, 0.0))
-        by_group[group] = ((comm_s - c0) * 1000, (blocked_s - b0) * 1000)
-    return dict(comm_ms=sum(c for c, _ in by_group.values()), exposed_comm_ms=sum(b for _, b in by_group.values()),
-                comm_ms_by_group=by_group)
+def comm_snapshot(ctx) -> tuple:
+    """The context's communication times so far (the counter's, the simulated link's)."""
+    link = getattr(ctx, "link", None)
+    return ({g: tuple(v) for g, v in ctx.counter.times.items()},
+            None if link is None else {g: tuple(v) for g, v in link.times.items()})
+
+
+def _deltas(now: dict, before: dict) -> dict:
+    return {g: ((a - before.get(g, (0.0, 0.0))[0]) * 1000, (b - before.get(g, (0.0, 0.0))[1]) * 1000)
+            for g, (a, b) in now.items()}
+
+
+def comm_times(ctx, before: tuple) -> dict:
+    """StepStats' communication fields since `before` (a comm_snapshot): comm_ms,
+    exposed_comm_ms and comm_ms_by_group ({group: (comm_ms, exposed_ms)}) from the counters'
+    wall clock; with a simulated link, link_ms_by_group likewise from the link's account."""
+    now_counter, now_link = comm_snapshot(ctx)
+    by_group = _deltas(now_counter, before[0])
+    out = dict(comm_ms=sum(c for c, _ in by_group.values()), exposed_comm_ms=sum(b for _, b in by_group.values()),
+               comm_ms_by_group=by_group)
+    if now_link is not None:
+        out["link_ms_by_group"] = _deltas(now_link, before[1] or {})
+    return out
+
+
+def overlap_record(stats) -> dict:
+    """The JSONL metrics of a StepStats' communication times."""
+    rec = dict(comm_ms=stats.comm_ms, exposed_comm_ms=stats.exposed_comm_ms,
+               overlap_fraction=overlap_fraction(stats.comm_ms, stats.exposed_comm_ms))
+    if "dp" in stats.comm_ms_by_group:
+        rec["dp_overlap_fraction"] = overlap_fraction(*stats.comm_ms_by_group["dp"])
+    if stats.link_ms_by_group is not None:
+        link = stats.link_ms_by_group
+        total, exposed = sum(a for a, _ in link.values()), sum(b for _, b in link.values())
+        rec.update(link_ms=total, link_exposed_ms=exposed, link_overlap_fraction=overlap_fraction(total, exposed))
+        if "dp" in link:
+            rec["dp_link_overlap_fraction"] = overlap_fraction(*link["dp"])
+    return rec
 
 
 def overlap_for_step(run):

@@ -54,7 +54,8 @@ from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
-from .overlap import comm_times, finish_param_gather, overlap_for_step, overlap_fraction, set_up_overlap
+from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
+                      set_up_overlap)
 from .pipeline import Schedule, eval_losses
 
 
@@ -126,6 +127,7 @@ class StepStats:
     comm_ms: float = 0.0
     exposed_comm_ms: float = 0.0
     comm_ms_by_group: dict = field(default_factory=dict)
+    link_ms_by_group: dict | None = None  # --link-bandwidth: the simulated link's (link_ms, exposed_ms)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
@@ -141,10 +143,7 @@ class StepStats:
             rec["pipeline_wait_ms"] = self.pipeline_wait_ms
         if self.moe is not None:
             rec.update({f"moe_{k}": v for k, v in self.moe.items()})
-        rec.update(comm_ms=self.comm_ms, exposed_comm_ms=self.exposed_comm_ms, overlap_fraction=overlap_fraction(self.comm_ms, self.exposed_comm_ms))
-        if "dp" in self.comm_ms_by_group:
-            dp_comm, dp_exposed = self.comm_ms_by_group["dp"]
-            rec["dp_overlap_fraction"] = overlap_fraction(dp_comm, dp_exposed)
+        rec.update(overlap_record(self))
         return rec
 
 
@@ -354,7 +353,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     with ctx.watchdog.watch_progress(f"training step {n + 1}"):
         t0 = time.perf_counter()
         bytes0 = ctx.counter.bytes()
-        times0 = {g: tuple(v) for g, v in ctx.counter.times.items()}
+        times0 = comm_snapshot(ctx)
         wait_ms = None
         clock.enter("optimizer")  # clearing the gradients counts with their use at the end
         run.flat.zero_grad()
@@ -442,7 +441,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                      optimizer_ms=clock.ms.get("optimizer", 0.0) if exact else None,
                      consecutive_skips=run.consecutive_skips,
                      loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
-                     pipeline_wait_ms=wait_ms, moe=moe, **comm_times(ctx.counter, times0))
+                     pipeline_wait_ms=wait_ms, moe=moe, **comm_times(ctx, times0))
 
 
 def evaluate(run: TrainingRun) -> float:
