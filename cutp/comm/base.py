@@ -167,6 +167,10 @@ class Communicator:
     def start_broadcast(self, x, root: int = 0) -> Request:
         return DoneRequest("broadcast", self.broadcast(x, root))
 
+    def start_exchange(self, sends, recvs) -> Request:
+        """`exchange`, non-blocking: wait() returns the receive buffers."""
+        return DoneRequest("exchange", self.exchange(sends, recvs))
+
     # ---- shape helpers shared by the implementations ------------------------------------
     def _gather_shape(self, x):
         return (x.shape[0] * self.size,) + tuple(x.shape[1:]) if x.ndim else (self.size,)
@@ -279,6 +283,10 @@ class WrappedCommunicator(Communicator):
 
     def start_broadcast(self, x, root=0):
         return self._start("broadcast", x, self.inner.start_broadcast, x, root)
+
+    def start_exchange(self, sends, recvs):
+        first = (list(sends) + list(recvs))[0][0]
+        return self._start("exchange", first, self.inner.start_exchange, sends, recvs)
 
     def close(self):
         return self.inner.close()

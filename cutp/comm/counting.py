@@ -130,6 +130,13 @@ class CountingCommunicator(WrappedCommunicator):
         self.counter.record(self.name, op, x, self.size)
         return TimedRequest(fn(*args), self.counter, self.name)
 
+    def start_exchange(self, sends, recvs):
+        for x, _, _ in sends:
+            self.counter.record(self.name, "send", x, self.size)
+        for x, _, _ in recvs:
+            self.counter.record(self.name, "recv", x, self.size)
+        return TimedRequest(self.inner.start_exchange(sends, recvs), self.counter, self.name)
+
     def exchange(self, sends, recvs):
         """Counted as a send of each sent array and a recv of each received one."""
         for x, _, _ in sends:

@@ -100,6 +100,23 @@ class AllReduceRequest(Request):
         return self.result
 
 
+class MpiExchangeRequest(Request):
+    """Point-to-point sends and receives posted together (Isend/Irecv), finished together."""
+
+    op = "exchange"
+
+    def __init__(self, requests, received, sent):
+        self.requests, self.result, self._sent = requests, received, sent
+
+    def test(self) -> bool:
+        return bool(MPI.Request.Testall(self.requests))
+
+    def wait(self):
+        MPI.Request.Waitall(self.requests)
+        self._sent = None
+        return self.result
+
+
 class MpiRequest(Request):
     """Phases of MPI requests: each phase is (mpi_request, then) where `then()` runs when the
     request has completed and returns the next phase or None; `result` is what wait() returns."""
@@ -244,6 +261,13 @@ class MpiCommunicator(Communicator):
         requests += [self.mpi_comm.Isend(_buf(x), dest=dest, tag=tag) for x, dest, tag in sends]
         MPI.Request.Waitall(requests)
         return [x for x, _, _ in recvs]
+
+    def start_exchange(self, sends, recvs):
+        for x, _, _ in list(sends) + list(recvs):
+            check_array(x, f"exchange on {self.name}")
+        requests = [self.mpi_comm.Irecv(_buf(x), source=src, tag=tag) for x, src, tag in recvs]
+        requests += [self.mpi_comm.Isend(_buf(x), dest=dest, tag=tag) for x, dest, tag in sends]
+        return MpiExchangeRequest(requests, [x for x, _, _ in recvs], [x for x, _, _ in sends])
 
     def all_to_all(self, x, send_counts, recv_counts):
         check_array(x, f"all_to_all on {self.name}")

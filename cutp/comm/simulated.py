@@ -113,6 +113,11 @@ class SimulatedLinkCommunicator(WrappedCommunicator):
         self.link.exposed(self.name, since, end)
         return result
 
+    def start_exchange(self, sends, recvs):
+        request = self.inner.start_exchange(sends, recvs)
+        end = max([self._end("send", x) for x, _, _ in sends] or [time.perf_counter()])
+        return SimulatedRequest(request, end, self.link, self.name)
+
     def _start(self, op, x, fn, *args):
         # a reduce to one rank: modelled as the reduce-scatter its buckets add up to (over the
         # group's ranks, each owner's buckets reduced to it: (n-1)/n of the bytes per rank)
