@@ -15,8 +15,8 @@ reduce-scatter plus an all-gather of the same tensor cost exactly one all-reduce
 (sequence parallelism's claim, asserted from these numbers).
 
 Time per group: `comm_s`, how long its collectives were in flight (a blocking one: its call; a
-non-blocking one: from its start until it was seen finished, by a test() or its wait(), or
-until the simulated link says it finished, cutp.comm.simulated), and `blocked_s`, how long this
+non-blocking one: from its start until it was seen finished, by a test() or its wait()), and
+`blocked_s`, how long this
 rank waited for them (a blocking call, a wait()): the exposed communication. What overlaps
 computation is the difference.
 """
@@ -164,8 +164,7 @@ class TimedRequest(Request):
     def _finish(self):
         if not self._done:
             self._done = True
-            end = getattr(self.inner, "finished_at", None) or time.perf_counter()
-            self.counter.add_time(self.group, max(end - self.started, self._blocked), self._blocked)
+            self.counter.add_time(self.group, time.perf_counter() - self.started, self._blocked)
 
     def test(self) -> bool:
         done = self.inner.test()

@@ -63,10 +63,6 @@ class WatchedRequest(Request):
         self.inner, self.watchdog, self.description, self.nccl = inner, watchdog, description, nccl
         self.op = inner.op
 
-    @property
-    def finished_at(self):
-        return getattr(self.inner, "finished_at", None)
-
     def test(self) -> bool:
         return self.inner.test()
 
