@@ -1,24 +1,27 @@
 """A simulated interconnect: collectives that take as long as they would on a slower link.
 
-Shared-memory MPI on one machine moves a gradient bucket in microseconds, so overlapping it
-with the backward shows nothing. `SimulatedLinkCommunicator` makes each collective of a group
-finish no earlier than `latency + wire bytes / bandwidth` after it could start on this rank's
-link (the wire bytes of cutp.comm.counting: what one rank sends with the ring algorithm), and
-the link carries one collective at a time: a collective started while another is in flight
-starts when that one ends (two buckets in flight do not each get the whole bandwidth).
-A blocking collective sleeps until then; a non-blocking one reports itself unfinished
-(`test()`) until then, and its `wait()` sleeps for the rest. The data really move, over the
-inner communicator; only their timing is modelled. Used by `cutp bench model --link-bandwidth
-GB/s --link-latency us` to show how much of an InfiniBand-class link each overlap hides.
+Shared-memory MPI on one machine moves a gradient bucket in microseconds of wire time, so
+overlapping it with the backward would show nothing. `SimulatedLinkCommunicator` puts each
+collective of a group on a modelled link of this rank: it takes `latency + wire bytes /
+bandwidth` (the wire bytes of cutp.comm.counting: what one rank sends with the ring algorithm;
+a reduce to one rank as the reduce-scatter its buckets add up to), from when its call returns
+(blocking: when it is called), and the link carries one transfer at a time (a transfer started
+while another is on the link starts when that one ends: two buckets in flight do not each get
+the whole bandwidth). A blocking collective then sleeps until its transfer ends; a non-blocking
+one reports itself unfinished (`test()`) until then, and its `wait()` sleeps for the rest. The
+data really move, over the inner communicator; only their timing is modelled. Used by `cutp
+bench model --link-bandwidth GB/s --link-latency us`, to show how much of an InfiniBand-class
+link each overlap hides.
 
-The link's own account (`Link.times`, per group): `link_s`, the modelled transfer times, and
-`exposed_s`, the part of them this rank spent blocked (a blocking collective: all of it, from
-the call to its modelled end; a wait: from the wait until the modelled end, if that is later).
-On one machine the real transfers are memory copies on the same cores as the computation, and
-MPI progresses them only inside its calls (cutp.comm.mpi): they, and the ranks' skew, are in
-the counters' wall-clock times (cutp.comm.counting), not in the link's account, which says how
-much of the link's time the schedule hides: a non-blocking transfer starts on the link when
-its call returns, and what of it has not ended when its wait begins is exposed.
+The model runs on the compute clock: wall time less the time this rank spent inside the real
+collectives and waits (and in the model's own sleeps). On one machine the real transfers are
+memory copies on the cores that compute, MPI progresses them only inside its calls
+(cutp.comm.mpi), and a loaded machine adds the ranks' skew: all of that is blocked time in the
+counters' wall clock (cutp.comm.counting), and none of it may hide the modelled link, as if the
+real transfers took no time. The link's account (`Link.times`, per group): `link_s`, the
+modelled transfer times, and `exposed_s`, the part of them this rank waited for: a blocking
+transfer all of it (with the queue before it), a non-blocking one what of it has not ended on
+the compute clock when its wait begins.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from .counting import wire_bytes
 
 
 class Link:
-    """One rank's link: when it is free again (shared by the groups that use it)."""
+    """One rank's link: its schedule on the compute clock (shared by the groups that use it)."""
 
     def __init__(self, bandwidth_gbs: float, latency_us: float):
         if not bandwidth_gbs > 0 or latency_us < 0:
@@ -37,49 +40,61 @@ class Link:
                              f"{bandwidth_gbs} GB/s and {latency_us} us")
         self.bytes_per_s = bandwidth_gbs * 1e9
         self.latency_s = latency_us * 1e-6
-        self.free_at = 0.0
+        self.free_at = 0.0  # on the compute clock
+        self.away = 0.0  # seconds inside real collectives and modelled sleeps
         self.times: dict[str, list] = {}  # group -> [link_s, exposed_s] (module docstring)
+
+    def clock(self) -> float:
+        """The compute clock: wall time less the time away from computing."""
+        return time.perf_counter() - self.away
 
     def occupy(self, nbytes: float, group: str) -> float:
         """Schedules a transfer of `nbytes` from now (or when the link frees); returns its end."""
-        start = max(time.perf_counter(), self.free_at)
+        start = max(self.clock(), self.free_at)
         took = self.latency_s + nbytes / self.bytes_per_s
         self.free_at = start + took
-        self._account(group).__setitem__(0, self._account(group)[0] + took)
+        self._account(group)[0] += took
         return self.free_at
 
     def _account(self, group: str) -> list:
         return self.times.setdefault(group, [0.0, 0.0])
 
-    def exposed(self, group: str, since: float, end: float) -> None:
-        """This rank blocked from `since` on a transfer that ends (modelled) at `end`."""
+    def real(self, fn, *args):
+        """fn(*args), its time counted away from computing."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.away += time.perf_counter() - t0
+
+    def wait_until(self, end: float, group: str, since: float | None = None) -> None:
+        """Sleeps until the transfer ending at `end` (compute clock) has ended; the wait, from
+        `since` (default now; a blocking call: when it was called), is exposed link time."""
+        now = self.clock()
+        since = now if since is None else since
         if end > since:
             self._account(group)[1] += end - since
-
-
-def _sleep_until(t: float) -> None:
-    left = t - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
+        if end > now:
+            time.sleep(end - now)
+            self.away += end - now
 
 
 class SimulatedRequest(Request):
-    def __init__(self, inner: Request, finished_at: float, link: Link, group: str):
-        self.inner, self.finished_at, self.link, self.group = inner, finished_at, link, group
+    def __init__(self, inner: Request, end: float, link: Link, group: str):
+        self.inner, self.end, self.link, self.group = inner, end, link, group
         self.op = inner.op
         self._waited = False
 
     def test(self) -> bool:
-        done = self.inner.test()  # progress on the real transfer either way
-        return done and time.perf_counter() >= self.finished_at
+        done = self.link.real(self.inner.test)  # progress on the real transfer either way
+        return done and self.link.clock() >= self.end
 
     def wait(self):
-        since = time.perf_counter()
-        result = self.inner.wait()
-        _sleep_until(self.finished_at)
+        since = self.link.clock()
+        result = self.link.real(self.inner.wait)
         if not self._waited:
             self._waited = True
-            self.link.exposed(self.group, since, self.finished_at)
+            self.link.wait_until(self.end, self.group, since)
         return result
 
 
@@ -93,34 +108,30 @@ class SimulatedLinkCommunicator(WrappedCommunicator):
 
     def _end(self, op, x):
         nbytes = wire_bytes(op, int(x.nbytes), self.size)
-        return self.link.occupy(nbytes, self.name) if self.size > 1 and nbytes else time.perf_counter()
+        return self.link.occupy(nbytes, self.name) if self.size > 1 and nbytes else self.link.clock()
 
     def _call(self, op, x, fn, *args):
         if op == "barrier":
             return fn(*args)
-        since = time.perf_counter()
+        since = self.link.clock()
         end = self._end(op, x)
-        result = fn(*args)
-        _sleep_until(end)
-        self.link.exposed(self.name, since, end)
+        result = self.link.real(fn, *args)
+        self.link.wait_until(end, self.name, since)
         return result
 
     def exchange(self, sends, recvs):
-        since = time.perf_counter()
+        since = self.link.clock()
         end = max([self._end("send", x) for x, _, _ in sends] or [since])
-        result = self.inner.exchange(sends, recvs)
-        _sleep_until(end)
-        self.link.exposed(self.name, since, end)
+        result = self.link.real(self.inner.exchange, sends, recvs)
+        self.link.wait_until(end, self.name, since)
         return result
 
     def start_exchange(self, sends, recvs):
-        request = self.inner.start_exchange(sends, recvs)
-        end = max([self._end("send", x) for x, _, _ in sends] or [time.perf_counter()])
+        request = self.link.real(self.inner.start_exchange, sends, recvs)
+        end = max([self._end("send", x) for x, _, _ in sends] or [self.link.clock()])
         return SimulatedRequest(request, end, self.link, self.name)
 
     def _start(self, op, x, fn, *args):
-        # a reduce to one rank: modelled as the reduce-scatter its buckets add up to (over the
-        # group's ranks, each owner's buckets reduced to it: (n-1)/n of the bytes per rank)
-        request = fn(*args)  # the link's transfer starts once the call has posted it (its own time is real)
+        request = self.link.real(fn, *args)  # on the link once the call has returned
         end = self._end("reduce_scatter" if op == "reduce" else op, x)
         return SimulatedRequest(request, end, self.link, self.name)

@@ -141,12 +141,13 @@ class GradBuckets:
             bucket.request = bucket.low = None
         self._next = 0  # self.order[_next] is the next bucket to start
         self._synced = set()  # parameters whose TP sums are done
+        self._units_seen = 0
         self.started_log = []  # (bucket index in buffer order, units seen before it started): tests
 
     # ---- during the backward ---------------------------------------------------------------------
     def grads_final(self, unit) -> None:
         """The model's after_unit_backward hook (the last micro-batch only)."""
-        self._units_seen = getattr(self, "_units_seen", 0) + 1
+        self._units_seen += 1
         for p in _unit_params(unit):
             self._release(p)
         self._start_ready()
@@ -170,7 +171,7 @@ class GradBuckets:
         todo = [p for p in bucket.params if id(p) not in self._synced]
         self._synced.update(id(p) for p in todo)
         tp_grad_sync(todo, self.tp)  # grad_sync hooks, then the sequence-parallel sums over TP
-        self.started_log.append((self.buckets.index(bucket), getattr(self, "_units_seen", 0)))
+        self.started_log.append((self.buckets.index(bucket), self._units_seen))
         g = self.flat.grad[bucket.start:bucket.stop]
         low = g if self.optimizer.reduce_dtype == g.dtype else g.astype(self.optimizer.reduce_dtype)
         bucket.low = low
@@ -205,7 +206,6 @@ class GradBuckets:
         for bucket in self.order:
             if bucket.request is not None:
                 self._land(bucket)
-        self._units_seen = 0
 
 
 class ParamGather:

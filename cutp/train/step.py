@@ -154,7 +154,8 @@ class StepHooks:
                                 gradients first; at the end the gradient reduction, the norm, the
                                 loss average and the update)
     after_forward(run, micro)   after the forward of micro-batch `micro` (its activations cached)
-    before_grad_sync(run)       every micro-batch's gradient is in, nothing reduced yet
+    before_grad_sync(run)       every micro-batch's gradient is in, nothing reduced yet (with
+                                --overlap-grad-reduce: the buckets started in the backward are)
     """
 
     def phase(self, name: str) -> None:
