@@ -14,7 +14,7 @@ bench model --link-bandwidth GB/s --link-latency us`, to show how much of an Inf
 link each overlap hides.
 
 The model runs on the compute clock: wall time less the time this rank spent inside the real
-collectives and waits (and in the model's own sleeps). On one machine the real transfers are
+collectives and waits (the model's own sleeps are modelled time, and count). On one machine the real transfers are
 memory copies on the cores that compute, MPI progresses them only inside its calls
 (cutp.comm.mpi), and a loaded machine adds the ranks' skew: all of that is blocked time in the
 counters' wall clock (cutp.comm.counting), and none of it may hide the modelled link, as if the
@@ -41,11 +41,11 @@ class Link:
         self.bytes_per_s = bandwidth_gbs * 1e9
         self.latency_s = latency_us * 1e-6
         self.free_at = 0.0  # on the compute clock
-        self.away = 0.0  # seconds inside real collectives and modelled sleeps
+        self.away = 0.0  # seconds inside the real collectives
         self.times: dict[str, list] = {}  # group -> [link_s, exposed_s] (module docstring)
 
     def clock(self) -> float:
-        """The compute clock: wall time less the time away from computing."""
+        """The compute clock: wall time less the time inside the real collectives."""
         return time.perf_counter() - self.away
 
     def occupy(self, nbytes: float, group: str) -> float:
@@ -75,8 +75,7 @@ class Link:
         if end > since:
             self._account(group)[1] += end - since
         if end > now:
-            time.sleep(end - now)
-            self.away += end - now
+            time.sleep(end - now)  # (modelled time: the compute clock runs on, to the transfer's end)
 
 
 class SimulatedRequest(Request):
