@@ -118,7 +118,7 @@ class RunConfig:
                                     "under the weight-gradient GEMM; pipeline receives posted early", "mesh", kind=bool)
     link_bandwidth: float | None = setting(None, "simulate an interconnect of this many GB/s under every group "
                                            "(benchmarks)", "mesh", kind=float, above=0, optional=True, metavar="GB/s")
-    link_latency: float = setting(5.0, "the simulated link's latency (us)", "mesh", kind=float, at_least=0)
+    link_latency: float = setting(5.0, "the simulated link's latency", "mesh", kind=float, at_least=0, metavar="us")
     loss_scale: float | None = setting(None, "a static loss scale", "memory", kind=float, above=0, optional=True,
                                        derived="dynamic for float16, else none")
     initial_loss_scale: float = setting(2.0 ** 16, "the dynamic loss scale's start (float16)", "memory", kind=float,
