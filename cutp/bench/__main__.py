@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--no-comm-timing", action="store_true", help="do not wrap the communicators")
+    m.add_argument("--overlap-grad-reduce", action="store_true", help="DP gradient buckets reduced during backward")
+    m.add_argument("--overlap-param-gather", action="store_true", help="ZeRO: parameters gathered during forward")
+    m.add_argument("--tp-comm-overlap", action="store_true", help="column-parallel dX collective under the wgrad GEMM")
+    m.add_argument("--bucket-size", type=int, default=None, help="elements per DP gradient bucket")
+    m.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
+                   help="simulate an interconnect of this bandwidth under every group")
+    m.add_argument("--link-latency", type=float, default=5.0, metavar="us", help="the simulated link's latency")
     _common(m)
 
     t = sub.add_parser("compare-torch", help="cutp vs PyTorch eager, CPU float32 (needs torch)")

@@ -43,6 +43,7 @@ from ..models import GPTConfig
 from ..ops import tf32_allowed
 from ..runtime.threads import set_blas_threads
 from ..train import StepHooks, build_run, resolve_run_config, train_step
+from ..train.overlap import overlap_fraction
 from ..train.memory import ActivationPeak, cached_activation_bytes, stash_per_layer, state_bytes
 from ..train.pipeline import pipeline_bubble
 from ..train.reporting import Report
@@ -201,6 +202,38 @@ def random_tokens(vocab_size: int, n: int, seed: int) -> Dataset:
                    f"random tokens (vocabulary {vocab_size})")
 
 
+def _overlap_settings(args) -> dict:
+    """The overlap and simulated-link settings of the command line (cutp.train.overlap)."""
+    names = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "bucket_size", "link_bandwidth",
+             "link_latency")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) not in (None, False)}
+
+
+def _overlap_table(report, world, times, name="overlap", title="communication hidden behind computation (wall "
+                   "clock)", note="in flight: blocking collectives' calls and non-blocking ones from start to seen "
+                   "finished; exposed: time blocked in them (cutp.comm.counting)"):
+    """Per group: its collectives' time in flight, the time this rank blocked on them, and the
+    share hidden (median over the measured steps, then the slowest rank)."""
+    t = report.table(name, [("group", "group", "", "<"), ("comm_ms", "in flight ms/step", ",.2f"),
+                            ("exposed_ms", "exposed ms/step", ",.2f"), ("overlap", "hidden %", ".1f")], title=title)
+    groups = sorted(set().union(*world.allgather(sorted({g for step in times for g in step}))))
+    out = {}
+    for group in groups + ["all"]:
+        def med(k):
+            vals = [sum(v[k] for v in step.values()) if group == "all" else step.get(group, (0.0, 0.0))[k]
+                    for step in times]
+            return reduce_scalar(world, float(np.median(vals)) if vals else 0.0)
+
+        comm, exposed = med(0), med(1)
+        frac = overlap_fraction(comm, exposed)
+        out[group] = {"comm_ms": comm, "exposed_comm_ms": exposed, "overlap_fraction": frac}
+        if comm > 0:
+            t.add(group=group, comm_ms=comm, exposed_ms=exposed, overlap=None if frac is None else 100 * frac)
+    t.notes.append(note)
+    report.extra[name] = out
+    return out
+
+
 def run(args) -> Report:
     device, xp = device_of(args.device)
     world = MPI.COMM_WORLD
@@ -217,7 +250,7 @@ def run(args) -> Report:
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
                              recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                             allow_tf32=getattr(args, "allow_tf32", False))
+                             allow_tf32=getattr(args, "allow_tf32", False), **_overlap_settings(args))
     run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),
                                                       args.seed))
     ctx, config, T = run.ctx, cfg.model, cfg.seq_len
@@ -247,6 +280,7 @@ def run(args) -> Report:
     losses = []
     waits = []  # this stage's time in pipeline sends/receives per measured step
     bytes_per_step = {}
+    overlap_times, link_times = [], []  # per measured step: {group: (comm_ms, exposed_ms)}
     step_peak = 0
     for step in range(args.warmup + args.steps):
         measured = step >= args.warmup
@@ -269,6 +303,9 @@ def run(args) -> Report:
                 comm[p].append(clock.seconds.get(p, 0.0))
             for k, s in clock.by_op.items():
                 comm_ops.setdefault(k, []).append(s)
+            overlap_times.append(stats.comm_ms_by_group)
+            if stats.link_ms_by_group is not None:
+                link_times.append(stats.link_ms_by_group)
             bytes_per_step = {f"{g}.{o}": (v[0] - c0.get((g, o), 0), v[2] - b0.get((g, o), 0))
                               for (g, o), v in ctx.counter.totals.items()}
     act_bytes = hooks.activation_bytes
@@ -337,6 +374,18 @@ def run(args) -> Report:
 
     if ctx.pp_size > 1:
         _pipeline_table(report, ctx, cfg, waits, step_s)
+    over = _overlap_table(report, world, overlap_times)
+    link = None
+    if cfg.link_bandwidth is not None:
+        link = _overlap_table(report, world, link_times, "link", f"the simulated link's time hidden "
+                              f"({cfg.link_bandwidth:g} GB/s, {cfg.link_latency:g} us)",
+                              "in flight: the modelled transfer times (latency + wire bytes / bandwidth); exposed: "
+                              "blocked before their modelled end (cutp.comm.simulated)")
+        report.notes.append(f"simulated link under every group: {cfg.link_bandwidth:g} GB/s, {cfg.link_latency:g} us "
+                            "(cutp.comm.simulated)")
+    report.meta.update(overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather,
+                       tp_comm_overlap=cfg.tp_comm_overlap, bucket_size=cfg.bucket_size,
+                       link_bandwidth=cfg.link_bandwidth, link_latency=cfg.link_latency)
 
     mem = report.table("memory", [("what", "per rank", "", "<"), ("mib", "MiB", ",.1f"), ("how", "how", "", "<")],
                        title="memory per rank")
@@ -366,7 +415,13 @@ def run(args) -> Report:
                               "comm_ms": {p: med_comm[p] * 1e3 for p in phases}, "activation_bytes": act,
                               "stash_per_layer_max": layer,
                               "step_peak_bytes": peak_b,
-                              "losses": losses, "peak": peak}
+                              "losses": losses, "peak": peak,
+                              "exposed_comm_ms": over["all"]["exposed_comm_ms"],
+                              "overlap_fraction": over["all"]["overlap_fraction"],
+                              "dp_overlap_fraction": over.get("dp", {}).get("overlap_fraction"),
+                              "link_overlap_fraction": None if link is None else link["all"]["overlap_fraction"],
+                              "dp_link_overlap_fraction": None if link is None else
+                              link.get("dp", {}).get("overlap_fraction")}
     report.extra["rank"] = ctx.rank
     run.close()
     return report

@@ -16,6 +16,14 @@ Semantics shared by every implementation (MPI on NumPy arrays, NCCL on CuPy arra
 - all_to_all(x, send_counts, recv_counts): rows [sum(send_counts), ...] -> [sum(recv_counts), ...];
   rows [sum(send_counts[:r]), sum(send_counts[:r+1])) go to rank r, and the rows from rank r
   land in rank order (MPI Alltoallv; NCCL send/recv pairs in one group).
+
+Non-blocking collectives (`start_all_reduce`, `start_reduce_scatter`, `start_reduce`,
+`start_all_gather`, `start_broadcast`) return a `Request`: `test()` makes progress and says
+whether it has finished, `wait()` finishes it and returns the result (what the blocking call
+returns). Its buffers must not be touched between the start and the wait. Every rank of a group
+starts a group's non-blocking collectives in the same order. The default implementation runs the
+blocking collective at once and returns a finished request (a group without peers, the planner's
+shape-only groups); MPI and NCCL override them (cutp.comm.mpi, cutp.comm.nccl).
 """
 from __future__ import annotations
 
@@ -57,6 +65,35 @@ def check_array(x, what: str = "array") -> None:
 def check_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise CommError(f"reduce op {op!r} is not one of {REDUCE_OPS}")
+
+
+class Request:
+    """A non-blocking collective in flight (module docstring)."""
+
+    #: the collective's name, as the counters record it
+    op: str = "request"
+
+    def test(self) -> bool:
+        """Makes progress (MPI advances a non-blocking collective only inside its calls) and
+        says whether the collective has finished; it never blocks."""
+        raise NotImplementedError
+
+    def wait(self):
+        """Blocks until the collective has finished; returns its result. Idempotent."""
+        raise NotImplementedError
+
+
+class DoneRequest(Request):
+    """A collective that already ran (the blocking fallback)."""
+
+    def __init__(self, op: str, result):
+        self.op, self.result = op, result
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self):
+        return self.result
 
 
 class Communicator:
@@ -108,6 +145,31 @@ class Communicator:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+    # ---- non-blocking collectives (module docstring) -------------------------------------
+    def start_all_reduce(self, x, op: str = "sum", out=None) -> Request:
+        return DoneRequest("all_reduce", self.all_reduce(x, op, out))
+
+    def start_reduce_scatter(self, x, op: str = "sum", out=None) -> Request:
+        return DoneRequest("reduce_scatter", self.reduce_scatter(x, op, out))
+
+    def start_reduce(self, x, root: int, op: str = "sum") -> Request:
+        """x reduced over the group into x itself on rank `root` (in place; the other ranks' x
+        is left as it was). wait() returns x on root, None elsewhere."""
+        out = self.all_reduce(x, op, out=x) if self.rank == root else None
+        if self.rank != root:
+            self.all_reduce(x.copy(), op)
+        return DoneRequest("reduce", out)
+
+    def start_all_gather(self, x, out=None) -> Request:
+        return DoneRequest("all_gather", self.all_gather(x, out))
+
+    def start_broadcast(self, x, root: int = 0) -> Request:
+        return DoneRequest("broadcast", self.broadcast(x, root))
+
+    def start_exchange(self, sends, recvs) -> Request:
+        """`exchange`, non-blocking: wait() returns the receive buffers."""
+        return DoneRequest("exchange", self.exchange(sends, recvs))
 
     # ---- shape helpers shared by the implementations ------------------------------------
     def _gather_shape(self, x):
@@ -202,6 +264,29 @@ class WrappedCommunicator(Communicator):
 
     def barrier(self):
         return self._call("barrier", np.empty(0), self.inner.barrier)
+
+    # non-blocking: `_start(op, x, fn, *args)` wraps the start and returns the request
+    def _start(self, op, x, fn, *args):
+        return fn(*args)
+
+    def start_all_reduce(self, x, op="sum", out=None):
+        return self._start("all_reduce", x, self.inner.start_all_reduce, x, op, out)
+
+    def start_reduce_scatter(self, x, op="sum", out=None):
+        return self._start("reduce_scatter", x, self.inner.start_reduce_scatter, x, op, out)
+
+    def start_reduce(self, x, root, op="sum"):
+        return self._start("reduce", x, self.inner.start_reduce, x, root, op)
+
+    def start_all_gather(self, x, out=None):
+        return self._start("all_gather", x, self.inner.start_all_gather, x, out)
+
+    def start_broadcast(self, x, root=0):
+        return self._start("broadcast", x, self.inner.start_broadcast, x, root)
+
+    def start_exchange(self, sends, recvs):
+        first = (list(sends) + list(recvs))[0][0]
+        return self._start("exchange", first, self.inner.start_exchange, sends, recvs)
 
     def close(self):
         return self.inner.close()

@@ -28,6 +28,7 @@ from ..runtime.watchdog import Watchdog, check_timeout, configure_host_watchdog,
 from .counting import CommCounter, CountingCommunicator
 from .mpi import MpiCommunicator
 from .nccl import NcclCommunicator
+from .simulated import Link, SimulatedLinkCommunicator
 from .watched import WatchdogCommunicator
 
 __all__ = ["Context", "Mesh", "init"]
@@ -120,6 +121,7 @@ class Context:
         colour, key = self.mesh.split(self.rank, "pp")
         self.embedding = self._split("embedding", colour if ends else MPI.UNDEFINED, key)
         self._extra_groups = {}
+        self.link = None  # a simulated interconnect (simulate_link)
         self.closed = False
 
     def _split(self, name, colour, key):
@@ -152,6 +154,19 @@ class Context:
             self._owned_mpi.append(mpi)
             self._extra_groups[name] = self._wrap(self._make_comm(mpi, name))
         return self._extra_groups[name]
+
+    def simulate_link(self, bandwidth_gbs: float, latency_us: float) -> None:
+        """Every group's collectives timed as over one link of this rank of `bandwidth_gbs` GB/s
+        and `latency_us` microseconds (cutp.comm.simulated: benchmarks of overlap on one machine)."""
+        self.link = link = Link(bandwidth_gbs, latency_us)
+        groups = [self.world] + [getattr(self, name) for name, _ in self.GROUPS]
+        groups += [self.embedding] + list(self._extra_groups.values())
+        done = set()
+        for comm in groups:
+            if comm is None or id(comm) in done:
+                continue
+            done.add(id(comm))
+            comm.inner = SimulatedLinkCommunicator(comm.inner, link)  # inside the counting
 
     # ---- arrays ----------------------------------------------------------------------------
     def asarray(self, a, dtype=None):

@@ -13,13 +13,20 @@ bytes": all_reduce 2 (n-1)/n of its input, reduce_scatter (n-1)/n of its input, 
 (n-1)/n of its input (rows spread evenly; its own rows stay). So a
 reduce-scatter plus an all-gather of the same tensor cost exactly one all-reduce's wire bytes
 (sequence parallelism's claim, asserted from these numbers).
+
+Time per group: `comm_s`, how long its collectives were in flight (a blocking one: its call; a
+non-blocking one: from its start until it was seen finished, by a test() or its wait()), and
+`blocked_s`, how long this
+rank waited for them (a blocking call, a wait()): the exposed communication. What overlaps
+computation is the difference.
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
-from .base import Communicator, WrappedCommunicator
+from .base import Communicator, Request, WrappedCommunicator
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class CommCounter:
 
     def __init__(self):
         self.totals: dict[tuple[str, str], list] = {}  # -> [calls, elements, bytes, wire bytes]
+        self.times: dict[str, list] = {}  # group -> [comm_s, blocked_s] (module docstring)
         self._events: list[CommEvent] | None = None
 
     def record(self, group, op, x, size: int | None = None):
@@ -70,6 +78,17 @@ class CommCounter:
         finally:
             self._events = outer if outer is None else outer + events
 
+    def add_time(self, group: str, comm_s: float, blocked_s: float) -> None:
+        t = self.times.setdefault(group, [0.0, 0.0])
+        t[0] += comm_s
+        t[1] += blocked_s
+
+    def comm_s(self, group=None) -> float:
+        return sum(v[0] for g, v in self.times.items() if group in (None, g))
+
+    def blocked_s(self, group=None) -> float:
+        return sum(v[1] for g, v in self.times.items() if group in (None, g))
+
     def calls(self, group=None, op=None) -> int:
         return sum(v[0] for (g, o), v in self.totals.items() if group in (None, g) and op in (None, o))
 
@@ -84,6 +103,7 @@ class CommCounter:
 
     def reset(self):
         self.totals.clear()
+        self.times.clear()
 
     def summary(self) -> dict:
         return {f"{g}.{o}": {"calls": v[0], "elements": v[1], "bytes": v[2]} for (g, o), v in sorted(self.totals.items())}
@@ -99,7 +119,23 @@ class CountingCommunicator(WrappedCommunicator):
     def _call(self, op, x, fn, *args):
         if op != "barrier":
             self.counter.record(self.name, op, x, self.size)
-        return fn(*args)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            took = time.perf_counter() - t0
+            self.counter.add_time(self.name, took, took)
+
+    def _start(self, op, x, fn, *args):
+        self.counter.record(self.name, op, x, self.size)
+        return TimedRequest(fn(*args), self.counter, self.name)
+
+    def start_exchange(self, sends, recvs):
+        for x, _, _ in sends:
+            self.counter.record(self.name, "send", x, self.size)
+        for x, _, _ in recvs:
+            self.counter.record(self.name, "recv", x, self.size)
+        return TimedRequest(self.inner.start_exchange(sends, recvs), self.counter, self.name)
 
     def exchange(self, sends, recvs):
         """Counted as a send of each sent array and a recv of each received one."""
@@ -107,7 +143,43 @@ class CountingCommunicator(WrappedCommunicator):
             self.counter.record(self.name, "send", x, self.size)
         for x, _, _ in recvs:
             self.counter.record(self.name, "recv", x, self.size)
-        return self.inner.exchange(sends, recvs)
+        t0 = time.perf_counter()
+        try:
+            return self.inner.exchange(sends, recvs)
+        finally:
+            took = time.perf_counter() - t0
+            self.counter.add_time(self.name, took, took)
+
+
+class TimedRequest(Request):
+    """A request whose time in flight and time waited for are added to a counter once it is done."""
+
+    def __init__(self, inner: Request, counter: CommCounter, group: str):
+        self.inner, self.counter, self.group = inner, counter, group
+        self.op = inner.op
+        self.started = time.perf_counter()
+        self._blocked = 0.0
+        self._done = False
+
+    def _finish(self):
+        if not self._done:
+            self._done = True
+            self.counter.add_time(self.group, time.perf_counter() - self.started, self._blocked)
+
+    def test(self) -> bool:
+        done = self.inner.test()
+        if done:
+            self._finish()
+        return done
+
+    def wait(self):
+        if self._done:
+            return self.inner.wait()
+        t0 = time.perf_counter()
+        result = self.inner.wait()
+        self._blocked += time.perf_counter() - t0
+        self._finish()
+        return result
 
 
 def wire_bytes(op: str, nbytes: int, size: int) -> float:

@@ -7,7 +7,16 @@ and every rank constructs its communicator on the *current* CUDA device. If maki
 on the first rank, the buffer carries the error text instead, so every rank raises instead of
 waiting in a broadcast that never comes.
 
-All calls run on the caller's current CuPy stream, so a host code's stream ordering holds.
+All blocking calls run on the caller's current CuPy stream, so a host code's stream ordering
+holds. The non-blocking ones (`start_*`, cutp.comm.base) run on a communication stream of the
+group's own: the current (compute) stream records an event, the communication stream waits for
+it and runs the NCCL call, and records a done event; `wait()` makes the compute stream wait for
+that (the host does not block), `test()` asks the event. The request holds the input and output
+arrays until its wait: CuPy's pool keeps one arena per stream, and an array freed on the compute
+stream while NCCL still reads it on the other could be handed out again at once; after the wait
+the compute stream's own order protects it. Every rank issues a group's NCCL calls in the same
+order, both streams together (NCCL gives no concurrency guarantee between two communicators'
+kernels; the buckets' order is fixed: cutp.optim.buckets).
 """
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.backend import is_device_array
-from .base import CommError, Communicator, check_op, dtype_name
+from .base import CommError, Communicator, Request, check_op, dtype_name
 from .base import check_array as _check_array
 
 # NCCL's enum values by dtype name (CuPy has no dtype-to-NCCL helper).
@@ -82,6 +91,22 @@ def all_to_all_plan(send, recv, rank):
     return plan
 
 
+class NcclRequest(Request):
+    """A collective queued on a group's communication stream (module docstring)."""
+
+    def __init__(self, op, done, compute, keep, result):
+        self.op, self.done, self.compute, self._keep, self.result = op, done, compute, keep, result
+
+    def test(self) -> bool:
+        return bool(self.done.done)
+
+    def wait(self):
+        if self._keep is not None:
+            self.compute.wait_event(self.done)  # the compute stream's later work comes after it
+            self._keep = None
+        return self.result
+
+
 class NcclCommunicator(Communicator):
     kind = "nccl"
 
@@ -98,6 +123,21 @@ class NcclCommunicator(Communicator):
         import cupy  # optional dependency
 
         return cupy.cuda.get_current_stream().ptr
+
+    def _streams(self):
+        """(the current stream, this group's communication stream), CuPy Stream objects."""
+        import cupy  # optional dependency
+
+        if getattr(self, "_comm_stream", None) is None:
+            self._comm_stream = cupy.cuda.Stream(non_blocking=True)
+        return cupy.cuda.get_current_stream(), self._comm_stream
+
+    def _on_comm_stream(self, op, issue, keep, result) -> NcclRequest:
+        """`issue(stream_ptr)` queued on the communication stream after the compute stream's work."""
+        compute, side = self._streams()
+        side.wait_event(compute.record())
+        issue(side.ptr)
+        return NcclRequest(op, side.record(), compute, keep, result)
 
     def _dt(self, x):
         return _NCCL_DTYPES[dtype_name(x)]
@@ -143,6 +183,50 @@ class NcclCommunicator(Communicator):
         check_array(x, f"broadcast on {self.name}")
         self.nccl_comm.broadcast(x.data.ptr, x.data.ptr, x.size, self._dt(x), root, self._stream())
         return x
+
+    # ---- non-blocking: on the communication stream (module docstring) ----------------------
+    def start_all_reduce(self, x, op="sum", out=None):
+        check_array(x, f"all_reduce on {self.name}")
+        check_op(op)
+        self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
+        if out is None:
+            out = self._empty(x.shape, x.dtype)
+        x, _ = self._unalias(x, out, x_at=0)
+        return self._on_comm_stream("all_reduce", lambda stream: self.nccl_comm.allReduce(
+            x.data.ptr, out.data.ptr, x.size, self._dt(x), _NCCL_OPS[op], stream), (x, out), out)
+
+    def start_reduce_scatter(self, x, op="sum", out=None):
+        check_array(x, f"reduce_scatter on {self.name}")
+        check_op(op)
+        shape = self._scatter_shape(x)
+        self._check_out(out, shape, x.dtype, f"reduce_scatter on {self.name}")
+        if out is None:
+            out = self._empty(shape, x.dtype)
+        x, _ = self._unalias(x, out, out_at=self.rank * out.nbytes)
+        return self._on_comm_stream("reduce_scatter", lambda stream: self.nccl_comm.reduceScatter(
+            x.data.ptr, out.data.ptr, out.size, self._dt(x), _NCCL_OPS[op], stream), (x, out), out)
+
+    def start_reduce(self, x, root, op="sum"):
+        check_array(x, f"reduce on {self.name}")
+        check_op(op)
+        return self._on_comm_stream("reduce", lambda stream: self.nccl_comm.reduce(
+            x.data.ptr, x.data.ptr, x.size, self._dt(x), _NCCL_OPS[op], root, stream), (x,),
+            x if self.rank == root else None)
+
+    def start_all_gather(self, x, out=None):
+        check_array(x, f"all_gather on {self.name}")
+        shape = self._gather_shape(x)
+        self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
+        if out is None:
+            out = self._empty(shape, x.dtype)
+        x, _ = self._unalias(x, out, x_at=self.rank * x.nbytes)
+        return self._on_comm_stream("all_gather", lambda stream: self.nccl_comm.allGather(
+            x.data.ptr, out.data.ptr, x.size, self._dt(x), stream), (x, out), out)
+
+    def start_broadcast(self, x, root=0):
+        check_array(x, f"broadcast on {self.name}")
+        return self._on_comm_stream("broadcast", lambda stream: self.nccl_comm.broadcast(
+            x.data.ptr, x.data.ptr, x.size, self._dt(x), root, stream), (x,), x)
 
     def send(self, x, dest, tag=0):
         check_array(x, f"send on {self.name}")

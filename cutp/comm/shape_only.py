@@ -18,6 +18,7 @@ from ..runtime import backend
 from ..runtime.mesh import Mesh
 from ..runtime.shape_only import ShapeArray, ShapeOnly
 from ..runtime.watchdog import Watchdog
+from .base import Communicator
 from .context import Context
 from .counting import CommCounter, CountingCommunicator
 from .mpi import MpiCommunicator
@@ -88,6 +89,23 @@ class NoPeersComm:
     def Barrier(self):
         return None
 
+    # non-blocking: nothing to wait for (the contents of a shape-only group do not matter)
+    def Ialltoallv(self, sendbuf, recvbuf):
+        return MPI.REQUEST_NULL
+
+    def Iallgatherv(self, sendbuf, recvbuf):
+        return MPI.REQUEST_NULL
+
+    def Iallgather(self, sendbuf, recvbuf):
+        self.Allgather(sendbuf, recvbuf)
+        return MPI.REQUEST_NULL
+
+    def Igather(self, sendbuf, recvbuf, root=0):
+        return MPI.REQUEST_NULL
+
+    def Ibcast(self, buf, root=0):
+        return MPI.REQUEST_NULL
+
     # ---- Python objects ------------------------------------------------------------------------
     def allgather(self, obj):
         return [obj] * self.size
@@ -135,6 +153,13 @@ class ShapeOnlyNcclCommunicator(NcclCommunicator):
 
     def _group(self):
         return _NoNccl()
+
+    # no streams, no NCCL: the blocking collectives, finished at once (Communicator's defaults)
+    start_all_reduce = Communicator.start_all_reduce
+    start_reduce_scatter = Communicator.start_reduce_scatter
+    start_reduce = Communicator.start_reduce
+    start_all_gather = Communicator.start_all_gather
+    start_broadcast = Communicator.start_broadcast
 
     def barrier(self):
         return None

@@ -155,6 +155,31 @@ class GPT(Module):
             if not self.first_stage:
                 self.tok_embed.weight.norm_mask = False  # counted in the norm on the first stage only
         self.sequence_parallel = False
+        # overlap of communication (cutp.optim.buckets): called with each unit of `units(chunk)`
+        # (a list of modules) after its backward / before its forward; None: nothing to call
+        self.after_unit_backward = None
+        self.before_unit_forward = None
+
+    # ---- units: the steps of a chunk's forward, whose parameters the overlap hooks follow --------
+    def units(self, chunk: int = 0) -> list[list]:
+        """Model chunk `chunk`'s modules in forward order, grouped as its forward runs them: the
+        embeddings (where the model starts), each block, the final norm with the LM head (where it
+        ends). Backward runs them in reverse. A tied parameter is in two units."""
+        out = []
+        if self.takes_tokens(chunk):
+            out.append([m for m in (self.tok_embed, self.pos_embed, self.drop) if m is not None])
+        out += [[block] for block in self._chunk_blocks[chunk]]
+        if self.gives_loss(chunk):
+            out.append([self.final_norm, self.lm_head])
+        return out
+
+    def _unit_done(self, unit) -> None:
+        if self.after_unit_backward is not None:
+            self.after_unit_backward(unit)
+
+    def _unit_next(self, unit) -> None:
+        if self.before_unit_forward is not None:
+            self.before_unit_forward(unit)
 
     # ---- sequence parallelism ------------------------------------------------------------------
     def set_sequence_parallel(self, on: bool = True) -> None:
@@ -185,6 +210,13 @@ class GPT(Module):
         used |= {id(m.router) for m in self.moe_layers}
         for p in self.parameters():
             p.sequence_parallel = on and id(p) in used
+
+    def set_tp_comm_overlap(self, on: bool = True) -> None:
+        """Column-parallel backwards start their dX collective before the weight-gradient GEMM
+        and wait after it (cutp.tensor_parallel.layers). Changes time, never the math."""
+        for m in self.modules():
+            if isinstance(m, ColumnParallelLinear):
+                m.comm_overlap = bool(on)
 
     @contextlib.contextmanager
     def without_sequence_parallel(self):
@@ -292,11 +324,21 @@ class GPT(Module):
         (`gives_loss`) the mean loss (with targets, replicated over TP) or the logits shard.
         At pp 1, `forward`. `head=False`: the blocks only, the last one's output where the model
         ends (the MoE counting pass of cutp.train.moe needs no LM head)."""
-        x = self._embed(inp) if self.takes_tokens(chunk) else inp
+        units = self.units(chunk) if self.before_unit_forward is not None else None
+        if self.takes_tokens(chunk):
+            if units:
+                self._unit_next(units[0])
+            x = self._embed(inp)
+        else:
+            x = inp
         for block in self._chunk_blocks[chunk]:
+            if units:
+                self._unit_next([block])
             x = block.forward(x)
         if not self.gives_loss(chunk) or not head:
             return x
+        if units:
+            self._unit_next(units[-1])
         logits = self.lm_head.forward(self.final_norm.forward(x))
         if targets is None:
             return logits
@@ -318,16 +360,19 @@ class GPT(Module):
             m.aux_grad = aux_grad
         if self.gives_loss(chunk):
             dx = self.final_norm.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
+            self._unit_done([self.final_norm, self.lm_head])
         else:
             dx = grad
         for block in reversed(blocks):
             dx = block.backward(dx)
+            self._unit_done([block])
         if not self.takes_tokens(chunk):
             return dx
         dx = self.drop.backward(dx)
         if self.pos_embed is not None:
             self.pos_embed.backward(dx)
         self.tok_embed.backward(dx)
+        self._unit_done([m for m in (self.tok_embed, self.pos_embed, self.drop) if m is not None])
         return None
 
     def take_activations(self) -> list:

@@ -8,13 +8,18 @@ expert_parallel  ExpertParallelAdamW: the distributed optimizer of an expert-par
               (dense state sharded over DP, the experts' over the expert-DP group)
 loss_scaler   LossScaler (static) and DynamicLossScaler (float16 training)
 schedule      the learning-rate schedule and the clipping factor
+buckets       GradBuckets: the DP gradient reduction in buckets started during the backward
+              (--overlap-grad-reduce); ParamGather: the distributed optimizer's parameter
+              gather per bucket during the next forward (--overlap-param-gather)
 """
 from .adamw import GRAD_REDUCE_DTYPES, AdamW, DistributedAdamW
+from .buckets import GradBuckets, ParamGather, default_bucket_size
 from .expert_parallel import ExpertParallelAdamW, FlatParts
 from .flat import FlatParameters, grad_dtype_for, is_low_precision, state_dtype_for
 from .loss_scaler import DynamicLossScaler, LossScaler
 from .schedule import clip_scale, lr_schedule
 
-__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "FlatParameters", "FlatParts",
+__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "GradBuckets",
+           "ParamGather", "default_bucket_size", "FlatParameters", "FlatParts",
            "grad_dtype_for",
            "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "clip_scale", "lr_schedule"]

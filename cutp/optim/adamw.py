@@ -90,11 +90,13 @@ class AdamW:
         g[e:] /= ctx.dp_size
 
     def _reduce(self, group, g, op) -> None:
+        # the non-blocking request, waited at once: its sum is in rank order, as the gradient
+        # buckets' (cutp.optim.buckets), so overlapping the reduction never changes a bit
         if self.reduce_dtype == g.dtype:
-            group.all_reduce(g, op, out=g)
+            group.start_all_reduce(g, op, out=g).wait()
         else:
             low = g.astype(self.reduce_dtype)
-            group.all_reduce(low, op, out=low)
+            group.start_all_reduce(low, op, out=low).wait()
             g[...] = low
 
     def grad_norm(self, ctx) -> float:
@@ -218,6 +220,7 @@ class DistributedAdamW(AdamW):
         if group is None and flat.expert_start < flat.size:
             raise ConfigError("the distributed optimizer shards the experts of an expert-parallel model (ep > 1) "
                               "over the expert-DP group: use cutp.optim.ExpertParallelAdamW")
+        self.param_gather = None  # --overlap-param-gather: a ParamGather (train.step sets it)
         if flat.padded_size % self.shards:
             raise ValueError(f"the flat buffer ({flat.padded_size} elements) must be padded to a multiple of the "
                              f"group size {self.shards}: FlatParameters(params, "
@@ -250,13 +253,13 @@ class DistributedAdamW(AdamW):
         chunks = self._chunks()
         if d == 1:
             pass
-        elif len(chunks) == 1 and self.reduce_dtype == g.dtype:
-            group.reduce_scatter(g, op, out=g[self.lo:self.hi])
+        elif len(chunks) == 1 and self.reduce_dtype == g.dtype:  # (summed in rank order: AdamW._reduce)
+            group.start_reduce_scatter(g, op, out=g[self.lo:self.hi]).wait()
         else:
             view = g.reshape(d, shard)
             for c0, c1 in chunks:
                 packed = view[:, c0:c1].astype(self.reduce_dtype)  # a contiguous copy: [d, c1 - c0]
-                mine = group.reduce_scatter(packed.reshape(-1), op)
+                mine = group.start_reduce_scatter(packed.reshape(-1), op).wait()
                 view[group.rank, c0:c1] = mine
         if op == "sum":
             g[self.lo:self.hi] /= ctx.dp_size
@@ -289,9 +292,14 @@ class DistributedAdamW(AdamW):
         return finish_norm(ctx, self.norm_terms(ctx))
 
     def _after_update(self) -> None:
-        """Every group rank's updated shard into every rank's parameter buffer."""
+        """Every group rank's updated shard into every rank's parameter buffer (or, with
+        `param_gather` set, cutp.optim.buckets.ParamGather, its first bucket's broadcast started:
+        the forward waits for each bucket before using it)."""
         group, data = self._comm(), self.flat.data
         if group.size == 1:
+            return
+        if self.param_gather is not None:
+            self.param_gather.start()
             return
         chunks = self._chunks()
         if len(chunks) == 1:

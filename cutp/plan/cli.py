@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from ..runtime.errors import ConfigError, settings_named
-from . import layout, pipeline, search
+from . import layout, overlap, pipeline, search
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help="--search: sequences per step (default: 4M tokens, Llama-2's)")
     p.add_argument("--markdown", action="store_true", help="--search: print the layouts as a Markdown table")
+    p.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
+                   help="the DP link: expected exposed gradient reduction (cutp.plan.overlap)")
+    p.add_argument("--link-latency", type=float, default=5.0, metavar="us", help="the DP link's latency")
+    p.add_argument("--device-tflops", type=float, default=None, metavar="T",
+                   help="with --link-bandwidth: the throughput a layer's FLOPs run at")
+    p.add_argument("--bucket-size", type=int, default=None, help="elements per DP gradient bucket "
+                   "(default max(40M, 1M x dp))")
 
 
 # the planner's flags for the run settings a plan's errors name (the rest: --the-field-name)
@@ -69,6 +76,7 @@ def run(args):
 
 
 def _run(args):
+    overlap.check_args(args)
     if args.search:
         return search.run(args)
     if args.pp > 1 or args.pp_virtual > 1:

@@ -72,6 +72,7 @@ from ..train.reporting import Report, parse_count
 from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
                        moe_layer_activation_bytes, moe_layers)
 from ..runtime.mesh import Mesh
+from . import overlap
 from .run import ITEMSIZE, planned_parameters, planned_step
 
 
@@ -491,4 +492,5 @@ def run(args) -> Report:
                formula=formula)
     cm.notes.append("wire = buffer x 2(n-1)/n (ring all-reduce), (n-1)/n (reduce-scatter), n-1 (all-gather: the buffer "
                     "is this rank's shard)")
+    overlap.add_table(report, a, args, param_count)  # with --link-bandwidth
     return report

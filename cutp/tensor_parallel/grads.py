@@ -46,7 +46,7 @@ def tp_grad_sync(params, tp=None) -> None:
     for group in by_dtype.values():
         xp = get_array_module(group[0].grad)
         flat = xp.concatenate([p.grad.reshape(-1) for p in group])
-        tp.all_reduce(flat, "sum", out=flat)
+        tp.start_all_reduce(flat, "sum", out=flat).wait()  # rank-ordered: the same sums however cut
         off = 0
         for p in group:
             p.grad[...] = flat[off:off + p.grad.size].reshape(p.grad.shape)

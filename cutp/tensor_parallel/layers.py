@@ -18,6 +18,7 @@ from .. import ops
 from ..ops.common import as_dtype, compute_dtype
 from .mappings import (
     copy_to_tp_backward,
+    start_input_grad_sum,
     gather_from_sp_backward,
     gather_from_sp_forward,
     gather_from_tp_backward,
@@ -58,6 +59,7 @@ class ColumnParallelLinear(Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = False
+        self.comm_overlap = False  # --tp-comm-overlap: dX's collective under the weight-gradient GEMM
         sharding = sharding or contiguous((in_features, out_features), 1, ctx.tp_size)
         self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
                                      sharding, seed=seed, dtype=dtype, weight_decay=True)
@@ -84,6 +86,8 @@ class ColumnParallelLinear(Module):
     def backward(self, dy, need_dx=True):
         if self.gather_output:
             dy = gather_from_tp_backward(self.ctx.tp, dy)
+        if self.comm_overlap and need_dx and self.ctx.tp_size > 1:
+            return self._backward_overlapped(dy)
         dx, _, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad)
         if db is not None:
             self.bias.grad += db
@@ -91,6 +95,19 @@ class ColumnParallelLinear(Module):
             sum_over_tp = gather_from_sp_backward if self.sequence_parallel else copy_to_tp_backward
             dx = sum_over_tp(self.ctx.tp, dx)
         return dx
+
+    def _backward_overlapped(self, dy):
+        """--tp-comm-overlap (Megatron's async dgrad all-reduce): the dX GEMM, then dX's
+        collective started, the weight-gradient GEMM while it runs, then the wait. dX = dy @ W^T
+        is linear_forward(dy, W^T), the product linear_backward computes (the same matmul of
+        the same operands: the same bits, tests/train/test_overlap.py)."""
+        lctx = self._load("linear")
+        dx, _ = ops.linear_forward(dy, lctx.w.T)
+        finish = start_input_grad_sum(self.ctx.tp, dx, self.sequence_parallel)
+        _, _, db = ops.linear_backward(dy, lctx, need_dx=False, wgrad_out=self.weight.grad)
+        if db is not None:
+            self.bias.grad += db
+        return finish()
 
 
 class RowParallelLinear(Module):

@@ -108,6 +108,24 @@ gather_from_sp_backward = reduce_scatter_to_sp_forward
 reduce_scatter_to_sp_backward = gather_from_sp_forward
 
 
+def start_input_grad_sum(comm, dx, sequence_parallel: bool):
+    """The column layer's backward collective, non-blocking (--tp-comm-overlap): dx summed over
+    the TP group (copy_to_tp_backward) or, under sequence parallelism, reduce-scattered along
+    the sequence (gather_from_sp_backward). Returns a function that waits and returns what the
+    blocking mapping returns. (Rank-ordered sums, cutp.comm.mpi: at tp 2 the same bits as the
+    blocking all-reduce; at more ranks MPI's own order may differ in the last bits.)"""
+    if comm.size == 1:
+        return lambda: dx
+    xp = get_array_module(dx)
+    if not sequence_parallel:
+        dx = _contiguous(dx)
+        request = comm.start_all_reduce(dx, "sum", out=dx)
+        return request.wait
+    sequence_shard(comm, dx.shape[1])
+    request = comm.start_reduce_scatter(xp.ascontiguousarray(xp.moveaxis(dx, 1, 0)), "sum")  # [T/tp, B, ...]
+    return lambda: xp.ascontiguousarray(xp.moveaxis(request.wait(), 0, 1))
+
+
 def _contiguous(x):
     if x.flags.c_contiguous:
         return x

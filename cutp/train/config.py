@@ -52,6 +52,7 @@ from ..runtime.mesh import derive_mesh
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
+from .overlap import OVERLAP_SETTINGS, check_overlap
 from .defaults import (MAX_DEFAULT_TP, choose_tp, default_batch, default_micro_batch, divisors, either,
                        refuse_sequence_parallel, schedule_takes)
 from .pipeline import SCHEDULES
@@ -109,6 +110,18 @@ class RunConfig:
     allow_tf32: bool = setting(
         False, "float32 models on GPUs: GEMMs may round their operands to TF32 on tensor cores (faster, changes "
         "results; the CPU keeps full float32)", "memory", kind=bool)
+    # overlap of communication with computation (cutp.train.overlap; none of it changes the math)
+    overlap_grad_reduce: bool = setting(False, "start each DP gradient bucket's reduction in the last micro-batch's "
+                                        "backward, once its gradients are final", "mesh", kind=bool)
+    bucket_size: int | None = setting(None, "elements per DP gradient bucket", "mesh", kind=int, at_least=1,
+                                      optional=True, derived="max(40M, 1M x dp) (Megatron's)")
+    overlap_param_gather: bool = setting(False, "ZeRO: each bucket's updated parameters gathered during the next "
+                                         "forward, waited for before the first layer using them", "mesh", kind=bool)
+    tp_comm_overlap: bool = setting(False, "column-parallel backward: the dX all-reduce (SP: reduce-scatter) runs "
+                                    "under the weight-gradient GEMM; pipeline receives posted early", "mesh", kind=bool)
+    link_bandwidth: float | None = setting(None, "simulate an interconnect of this many GB/s under every group "
+                                           "(benchmarks)", "mesh", kind=float, above=0, optional=True, metavar="GB/s")
+    link_latency: float = setting(5.0, "the simulated link's latency", "mesh", kind=float, at_least=0, metavar="us")
     loss_scale: float | None = setting(None, "a static loss scale", "memory", kind=float, above=0, optional=True,
                                        derived="dynamic for float16, else none")
     initial_loss_scale: float = setting(2.0 ** 16, "the dynamic loss scale's start (float16)", "memory", kind=float,
@@ -220,6 +233,7 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
+        check_overlap(self)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)
@@ -449,7 +463,8 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), init_from=init_from,
         metrics=c["metrics"],
         log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
-        collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"])
+        collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
+        **{k: c[k] for k in OVERLAP_SETTINGS})
 
 
 def _layer_counts(value):

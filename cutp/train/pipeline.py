@@ -147,6 +147,7 @@ class Schedule:
         self.inputs, self.output_grads, self.outputs, self.input_grads = {}, {}, {}, {}
         pp = self.ctx.pp
         self.prev, self.next = (pp.rank - 1) % pp.size, (pp.rank + 1) % pp.size
+        self.posted = []  # --tp-comm-overlap: exchanges in flight (_Pending)
 
     # ---- point to point ----------------------------------------------------------------------
     def _buffer(self, i):
@@ -174,16 +175,39 @@ class Schedule:
         if not ops:
             return
         ops.sort(key=lambda op: op[0])  # activations before gradients on both sides (NCCL matches by order)
+        sends = [(buf, peer, tag) for tag, send, buf, peer, _ in ops if send]
+        recvs = [(buf, peer, tag) for tag, send, buf, peer, _ in ops if not send]
         t0 = time.perf_counter()
         try:
-            self.ctx.pp.exchange([(buf, peer, tag) for tag, send, buf, peer, _ in ops if send],
-                                 [(buf, peer, tag) for tag, send, buf, peer, _ in ops if not send])
+            if self.run.config.tp_comm_overlap:  # posted now, waited for by the first use of what it brings
+                pending = _Pending(self.ctx.pp.start_exchange(sends, recvs))
+                self.posted.append(pending)
+            else:
+                self.ctx.pp.exchange(sends, recvs)
         finally:
             self.wait_s += time.perf_counter() - t0
         for _, send, buf, _, where in ops:
             if not send:
                 table, key = where
-                table[key] = buf
+                table[key] = _Arrival(pending, buf) if self.run.config.tp_comm_overlap else buf
+
+    def _take(self, table, key):
+        """A received input or gradient, waited for here when its exchange is still in flight."""
+        value = table.pop(key)
+        if isinstance(value, _Arrival):
+            t0 = time.perf_counter()
+            value.pending.wait()
+            self.wait_s += time.perf_counter() - t0
+            value = value.buffer
+        return value
+
+    def finish_exchanges(self) -> None:
+        """Every posted exchange waited for (its sends' buffers free again)."""
+        t0 = time.perf_counter()
+        for pending in self.posted:
+            pending.wait()
+        self.posted = []
+        self.wait_s += time.perf_counter() - t0
 
     # ---- compute -----------------------------------------------------------------------------
     def forward(self, i, c):
@@ -192,7 +216,7 @@ class Schedule:
         if c == 0:
             model.check_inputs(x, y)  # on the host arrays
         model.rng.set_position(self.step, self.first_row(i), self.run.config.batch_size)
-        inp = ctx.asarray(x) if model.takes_tokens(c) else self.inputs.pop((i, c))
+        inp = ctx.asarray(x) if model.takes_tokens(c) else self._take(self.inputs, (i, c))
         out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) else None, chunk=c)
         if model.gives_loss(c):
             self.loss_sum += self.weights[i] * out
@@ -213,8 +237,14 @@ class Schedule:
     def backward(self, i, c):
         model = self.model
         model.restore_activations(self.kept.pop((i, c)))
-        grad = self.loss_scale * self.weights[i] if model.gives_loss(c) else self.output_grads.pop((i, c))
-        dx = model.stage_backward(grad, chunk=c, aux_grad=self.loss_scale * self.aux_weight)
+        grad = self.loss_scale * self.weights[i] if model.gives_loss(c) else self._take(self.output_grads, (i, c))
+        buckets = self.run.grad_buckets  # --overlap-grad-reduce: the last micro-batch's backward starts them
+        last = buckets is not None and self.run.config.overlap_grad_reduce and i == len(self.batches) - 1
+        model.after_unit_backward = buckets.grads_final if last else None
+        try:
+            dx = model.stage_backward(grad, chunk=c, aux_grad=self.loss_scale * self.aux_weight)
+        finally:
+            model.after_unit_backward = None
         if dx is not None:
             self.input_grads[(i, c)] = dx
         self.ctx.watchdog.progress()
@@ -229,10 +259,30 @@ class Schedule:
                 self.backward(op[1], op[2])
             else:
                 self.exchange(op[1], op[2])
+        self.finish_exchanges()
         left = {k: sorted(t) for k, t in (("kept", self.kept), ("inputs", self.inputs), ("outputs", self.outputs),
                                           ("output_grads", self.output_grads), ("input_grads", self.input_grads)) if t}
         assert not left, f"the {kind} plan left (micro-batch, chunk) pairs behind: {left}"
         return self.loss_sum
+
+
+class _Pending:
+    """An exchange in flight, waited for once."""
+
+    def __init__(self, request):
+        self.request, self.done = request, False
+
+    def wait(self):
+        if not self.done:
+            self.request.wait()
+            self.done = True
+
+
+class _Arrival:
+    """A receive buffer whose exchange may still be in flight."""
+
+    def __init__(self, pending: _Pending, buffer):
+        self.pending, self.buffer = pending, buffer
 
 
 def eval_losses(run, batches) -> list[float]:
@@ -257,7 +307,7 @@ def forwards_only(run, batches, *, step: int | None = None, first_row=None) -> l
                 if c == 0:
                     model.check_inputs(x, y)  # on the host arrays
                 model.rng.set_position(step, first_row(i), run.config.batch_size)
-            inp = ctx.asarray(x) if model.takes_tokens(c) else sched.inputs.pop((i, c))
+            inp = ctx.asarray(x) if model.takes_tokens(c) else sched._take(sched.inputs, (i, c))
             out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) and head else None, chunk=c,
                                       head=head)
             if model.gives_loss(c):
@@ -267,6 +317,7 @@ def forwards_only(run, batches, *, step: int | None = None, first_row=None) -> l
                 sched.outputs[(i, c)] = out
                 sched.exchange([("act", i, c)], [])
             ctx.watchdog.progress()
+    sched.finish_exchanges()
     return losses
 
 

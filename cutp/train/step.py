@@ -43,7 +43,7 @@ from ..models.hf import load_hf_into
 from ..models import GPT
 from ..ops.gemm import allow_tf32
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
-                     LossScaler, clip_scale, lr_schedule)
+                     GradBuckets, LossScaler, ParamGather, clip_scale, lr_schedule)
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
@@ -55,6 +55,8 @@ from ..tensor_parallel import tp_grad_sync
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
+from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
+                      set_up_overlap)
 from .pipeline import Schedule, eval_losses
 
 
@@ -79,6 +81,13 @@ class TrainingRun:
     pipeline_in_flight: int = 0  # the most micro-batches this stage held at once in the last step
     run_dir_lock: RunDirLock | None = None  # rank 0's lock on config.out
     replaced: list = field(default_factory=list)  # another run's checkpoints in out, removed after our first (--overwrite)
+    grad_buckets: GradBuckets | None = None  # --overlap-grad-reduce (cutp.optim.buckets)
+    param_gather: ParamGather | None = None  # --overlap-param-gather
+
+    def gather_params(self) -> None:
+        """Waits for the parameter gathers in flight (--overlap-param-gather): before anything
+        but the next training forward reads the parameters (evaluation, a checkpoint)."""
+        finish_param_gather(self)
 
     @property
     def end_step(self) -> int:
@@ -87,6 +96,7 @@ class TrainingRun:
         return cfg.steps if cfg.run_steps is None else min(cfg.steps, self.start_step + cfg.run_steps)
 
     def close(self) -> None:
+        self.gather_params()  # (no request left in flight on a communicator being freed)
         self.ctx.close()
         if self.run_dir_lock is not None:
             self.run_dir_lock.release()
@@ -114,6 +124,11 @@ class StepStats:
     overflow: bool = False  # skipped because the scaled gradients overflowed (float16)
     pipeline_wait_ms: float | None = None  # pp > 1: this stage's time in pipeline sends/receives (host)
     moe: dict | None = None  # MoE models: auxiliary losses and routing (cutp.train.moe; not in `loss`)
+    # the step's collectives' time in flight and blocked on (exposed), also by group (cutp.train.overlap)
+    comm_ms: float = 0.0
+    exposed_comm_ms: float = 0.0
+    comm_ms_by_group: dict = field(default_factory=dict)
+    link_ms_by_group: dict | None = None  # --link-bandwidth: the simulated link's (link_ms, exposed_ms)
 
     def record(self) -> dict:
         """The JSONL metrics row (examples/train_gpt.py --metrics)."""
@@ -129,6 +144,7 @@ class StepStats:
             rec["pipeline_wait_ms"] = self.pipeline_wait_ms
         if self.moe is not None:
             rec.update({f"moe_{k}": v for k, v in self.moe.items()})
+        rec.update(overlap_record(self))
         return rec
 
 
@@ -139,7 +155,8 @@ class StepHooks:
                                 gradients first; at the end the gradient reduction, the norm, the
                                 loss average and the update)
     after_forward(run, micro)   after the forward of micro-batch `micro` (its activations cached)
-    before_grad_sync(run)       every micro-batch's gradient is in, nothing reduced yet
+    before_grad_sync(run)       every micro-batch's gradient is in, nothing reduced yet (with
+                                --overlap-grad-reduce: the buckets started in the backward are)
     """
 
     def phase(self, name: str) -> None:
@@ -215,6 +232,8 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, device=cfg.device,
                collective_timeout=cfg.collective_timeout)
+    if cfg.link_bandwidth is not None:
+        ctx.simulate_link(cfg.link_bandwidth, cfg.link_latency)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
     allow_tf32(cfg.allow_tf32)  # (float32 GEMMs on cuBLAS; nothing changes on the CPU)
     if cfg.device == "cpu":
@@ -250,7 +269,12 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     else:
         flat = FlatParameters(model.parameters())
         optimizer = AdamW(flat, **kw)
-    return TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
+    run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
+    if cfg.overlap_grad_reduce or cfg.overlap_param_gather:
+        set_up_overlap(run, ctx.dp)
+    elif cfg.tp_comm_overlap:
+        model.set_tp_comm_overlap(True)
+    return run
 
 
 def init_weights(model: GPT, path: str) -> None:
@@ -305,6 +329,7 @@ def save(run: TrainingRun) -> str | None:
     cfg = run.config
     if not cfg.out or run.last_saved == run.step:
         return None
+    run.gather_params()
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
                            data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
                            keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict())
@@ -331,6 +356,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     with ctx.watchdog.watch_progress(f"training step {n + 1}"):
         t0 = time.perf_counter()
         bytes0 = ctx.counter.bytes()
+        times0 = comm_snapshot(ctx)
         wait_ms = None
         clock.enter("optimizer")  # clearing the gradients counts with their use at the end
         run.flat.zero_grad()
@@ -344,6 +370,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         # micro-batch's forward gives its part of them; its gradient on each rank is its tokens'
         # share, and DP averages it: x dp
         aux_weight = ctx.dp_size
+        gather, buckets = overlap_for_step(run)
         with moe_step(run, batches, n, first_row):  # (MoE: a counting pass first, with several micro-batches)
             if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
                 schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks, aux_weight)
@@ -355,18 +382,26 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                     clock.enter("forward")
                     model.rng.set_position(n, first_row(micro), cfg.batch_size)
                     model.check_inputs(x, y)  # on the host arrays: no device round trip
+                    model.before_unit_forward = gather.before_forward if gather is not None and micro == 0 else None
                     loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+                    model.before_unit_forward = None
                     ctx.watchdog.progress()
                     hooks.after_forward(run, micro)
                     clock.enter("backward")
+                    last = buckets is not None and cfg.overlap_grad_reduce and micro == len(batches) - 1
+                    model.after_unit_backward = buckets.grads_final if last else None  # grads final in it
                     model.backward(scaler.scale * weights[micro], aux_dloss=scaler.scale * aux_weight)
+                    model.after_unit_backward = None
                     ctx.watchdog.progress()
         model.rng.position = None  # a forward outside train_step draws from its streams again
         moe = moe_step_stats(ctx, model)
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
-        tp_grad_sync(model.parameters(), ctx.tp)
-        run.optimizer.reduce_gradients(ctx)
+        if buckets is not None:  # (the TP sums and grad_sync hooks per bucket, as each starts)
+            buckets.finish()
+        else:
+            tp_grad_sync(model.parameters(), ctx.tp)
+            run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
         loss = _dp_mean(ctx, loss_sum, "the loss average")
@@ -409,13 +444,14 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                      optimizer_ms=clock.ms.get("optimizer", 0.0) if exact else None,
                      consecutive_skips=run.consecutive_skips,
                      loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
-                     pipeline_wait_ms=wait_ms, moe=moe)
+                     pipeline_wait_ms=wait_ms, moe=moe, **comm_times(ctx, times0))
 
 
 def evaluate(run: TrainingRun) -> float:
     """Mean loss over `eval_batches` validation batches (the same ones at every evaluation), in
     eval mode (no dropout). Collective."""
     cfg, ctx, model = run.config, run.ctx, run.model
+    run.gather_params()
     with ctx.watchdog.watch_progress(f"the evaluation after step {run.step}"):
         model.eval()
         losses = []

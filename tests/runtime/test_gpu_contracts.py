@@ -318,3 +318,50 @@ def test_watchdog_queries_nccl_events_on_their_device(monkeypatch):
     assert result == [True]
     assert calls["set"] == [("cutp-watchdog-test", 3)], calls["set"]
     assert done.args[0].queried_on == [3], "queried with the thread's current device still 0"
+
+
+# ---- non-blocking NCCL collectives: a communication stream ordered by events --------------------
+class _FakeEvent:
+    def __init__(self, stream, log):
+        self.stream, self.done = stream, False
+        log.append(("record", stream.name))
+
+
+class _FakeStream:
+    def __init__(self, name, log):
+        self.name, self.log, self.ptr = name, log, {"compute": 0xC0, "comm": 0xC1}[name]
+
+    def record(self):
+        return _FakeEvent(self, self.log)
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.name, event.stream.name))
+
+
+def test_nccl_start_runs_on_the_comm_stream_after_the_compute_stream_and_keeps_its_buffers():
+    """Compute records, comm waits, NCCL runs on the comm stream, comm records done; wait() makes
+    the compute stream wait for done (no host synchronisation) and only then lets the buffers go."""
+    import gc
+    import weakref
+
+    c = _nccl_comm(rank=1, size=4)
+    log = []
+    streams = (_FakeStream("compute", log), _FakeStream("comm", log))
+    c._streams = lambda: streams
+    x = FakeDeviceArray(np.zeros((8, 3), np.float32))
+    req = c.start_all_reduce(x, "avg")
+    name, args = c.nccl_comm.calls[-1]
+    assert name == "allReduce" and args[-1] == 0xC1 and args[2:5] == (24, 7, 4)
+    assert log[:2] == [("record", "compute"), ("wait", "comm", "compute")] and log[-1] == ("record", "comm")
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is not None and not req.test()  # held by the request until its wait
+    req.done.done = True
+    assert req.test()
+    out = req.wait()
+    assert log[-1] == ("wait", "compute", "comm") and out.shape == (8, 3)
+    gc.collect()
+    assert alive() is None
+    mine = c.start_reduce(FakeDeviceArray(np.zeros(6, np.float32)), root=1).wait()
+    assert c.nccl_comm.calls[-1][0] == "reduce" and c.nccl_comm.calls[-1][1][-2:] == (1, 0xC1) and mine is not None

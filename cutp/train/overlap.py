@@ -1,0 +1,115 @@
+"""The training step's overlap of communication with computation, and how much of it was hidden.
+
+    --overlap-grad-reduce   the DP gradient reduction in buckets started during the last
+                            micro-batch's backward (cutp.optim.buckets.GradBuckets)
+    --bucket-size N         elements per bucket (default max(40M, 1M x dp), Megatron's)
+    --overlap-param-gather  the distributed optimizer's updated parameters broadcast per bucket,
+                            each waited for before the first layer using it in the next forward
+                            (cutp.optim.buckets.ParamGather)
+    --tp-comm-overlap       a column-parallel layer's backward starts the dX all-reduce (under
+                            sequence parallelism the reduce-scatter) before its weight-gradient
+                            GEMM and waits after it (cutp.tensor_parallel.layers); the pipeline
+                            posts its receives early (cutp.train.pipeline)
+    --link-bandwidth GB/s   every group's collectives timed as over a slower link
+    --link-latency us       (cutp.comm.simulated: shared-memory MPI hides nothing worth seeing)
+
+None changes a bit of the losses or the weights (tests/train/test_overlap.py). Each step
+reports `comm_ms` (its collectives' time in flight), `exposed_comm_ms` (the time this rank
+blocked on them) and `overlap_fraction` = 1 - exposed / comm (cutp.comm.counting).
+"""
+from __future__ import annotations
+
+from ..optim import GradBuckets, ParamGather, default_bucket_size
+from ..runtime.errors import ConfigError
+
+
+# RunConfig's fields for all this (cutp.train.config)
+OVERLAP_SETTINGS = ("overlap_grad_reduce", "bucket_size", "overlap_param_gather", "tp_comm_overlap",
+                    "link_bandwidth", "link_latency")
+
+
+def check_overlap(cfg) -> None:
+    """ConfigError for overlap settings a RunConfig cannot take."""
+    if cfg.overlap_param_gather and not cfg.distributed_optimizer:
+        raise ConfigError("`overlap_param_gather` overlaps the distributed optimizer's parameter gather: give "
+                          "`distributed_optimizer` too, or omit `overlap_param_gather`")
+    if (cfg.overlap_grad_reduce or cfg.overlap_param_gather) and cfg.ep > 1:
+        raise ConfigError(f"`overlap_grad_reduce` and `overlap_param_gather` need ep 1 (the experts reduce over "
+                          f"another group), but ep is {cfg.ep}: omit them or use ep 1")
+
+
+def set_up_overlap(run, group) -> None:
+    """The gradient buckets of --overlap-grad-reduce (and the parameter gathers of
+    --overlap-param-gather) of `run` over `group`, the gradient reduction group (the DP group;
+    whatever group the gradients are averaged over)."""
+    cfg, model = run.config, run.model
+    size = cfg.bucket_size if cfg.bucket_size is not None else default_bucket_size(group.size)
+    backward = [u for c in reversed(range(model.pp_virtual)) for u in reversed(model.units(c))]
+    run.grad_buckets = GradBuckets(run.optimizer, group, backward, size, tp=run.ctx.tp)
+    if cfg.overlap_param_gather:
+        forward = [u for c in range(model.pp_virtual) for u in model.units(c)]
+        run.param_gather = run.optimizer.param_gather = ParamGather(run.grad_buckets, forward)
+    model.set_tp_comm_overlap(cfg.tp_comm_overlap)
+
+
+def overlap_fraction(comm_ms: float, exposed_ms: float) -> float | None:
+    """1 - exposed / comm (None without communication)."""
+    return None if comm_ms <= 0 else max(0.0, 1.0 - exposed_ms / comm_ms)
+
+
+def comm_snapshot(ctx) -> tuple:
+    """The context's communication times so far (the counter's, the simulated link's)."""
+    link = getattr(ctx, "link", None)
+    return ({g: tuple(v) for g, v in ctx.counter.times.items()},
+            None if link is None else {g: tuple(v) for g, v in link.times.items()})
+
+
+def _deltas(now: dict, before: dict) -> dict:
+    return {g: ((a - before.get(g, (0.0, 0.0))[0]) * 1000, (b - before.get(g, (0.0, 0.0))[1]) * 1000)
+            for g, (a, b) in now.items()}
+
+
+def comm_times(ctx, before: tuple) -> dict:
+    """StepStats' communication fields since `before` (a comm_snapshot): comm_ms,
+    exposed_comm_ms and comm_ms_by_group ({group: (comm_ms, exposed_ms)}) from the counters'
+    wall clock; with a simulated link, link_ms_by_group likewise from the link's account."""
+    now_counter, now_link = comm_snapshot(ctx)
+    by_group = _deltas(now_counter, before[0])
+    out = dict(comm_ms=sum(c for c, _ in by_group.values()), exposed_comm_ms=sum(b for _, b in by_group.values()),
+               comm_ms_by_group=by_group)
+    if now_link is not None:
+        out["link_ms_by_group"] = _deltas(now_link, before[1] or {})
+    return out
+
+
+def overlap_record(stats) -> dict:
+    """The JSONL metrics of a StepStats' communication times."""
+    rec = dict(comm_ms=stats.comm_ms, exposed_comm_ms=stats.exposed_comm_ms,
+               overlap_fraction=overlap_fraction(stats.comm_ms, stats.exposed_comm_ms))
+    if "dp" in stats.comm_ms_by_group:
+        rec["dp_overlap_fraction"] = overlap_fraction(*stats.comm_ms_by_group["dp"])
+    if stats.link_ms_by_group is not None:
+        link = stats.link_ms_by_group
+        total, exposed = sum(a for a, _ in link.values()), sum(b for _, b in link.values())
+        rec.update(link_ms=total, link_exposed_ms=exposed, link_overlap_fraction=overlap_fraction(total, exposed))
+        if "dp" in link:
+            rec["dp_link_overlap_fraction"] = overlap_fraction(*link["dp"])
+    return rec
+
+
+def overlap_for_step(run):
+    """(the ParamGather the step's first forward waits on, or None; the GradBuckets, reset for
+    the step, or None). The parameter prefetch follows pp 1's forward of a dense model: a
+    pipeline or an MoE model's counting pass first waits for every bucket."""
+    gather = run.param_gather if run.param_gather is not None and run.param_gather.in_flight else None
+    if gather is not None and (run.ctx.pp_size > 1 or run.model.moe_layers):
+        finish_param_gather(run)
+        gather = None
+    if run.grad_buckets is not None:
+        run.grad_buckets.reset()
+    return gather, run.grad_buckets
+
+
+def finish_param_gather(run) -> None:
+    if run.param_gather is not None and run.param_gather.in_flight:
+        run.param_gather.finish()
