@@ -13,7 +13,8 @@ Layouts: token ids and targets are replicated over the TP group; activations bet
 are replicated [B, T, n_embd] (with `set_sequence_parallel()`: this rank's tokens [B, T/tp,
 n_embd], so LayerNorm, dropout and the residual adds run on T/tp tokens); the logits stay
 sharded over the vocabulary (`gather_logits` gathers them for a caller; the loss never does).
-Parameters use GPT-2's names; `gather_state_dict` returns full, unpadded tensors under them.
+Parameters have cutp's neutral names (`cutp.models.names`); `gather_state_dict` returns full, unpadded
+tensors under them.
 Rotary models (positions="rope") have no position table: the model builds the (cos, sin)
 tables once (`rotary`, [block_size, head_dim] in the model's table dtype) and every block's
 attention turns Q and K by the tokens' global positions.

@@ -115,8 +115,8 @@ def _order_worker():
     run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
     events = []
     run.grad_buckets.group = run.param_gather.group = _Recording(run.grad_buckets.group, events, run.flat)
-    for block in run.model.h:
-        block.layer = run.model.h.index(block)
+    for block in run.model.layers:
+        block.layer = run.model.layers.index(block)
         _logging(events, block, "forward")
         _logging(events, block, "backward")
     train_step(run)
@@ -140,7 +140,7 @@ def _order_worker():
     for k, bucket in enumerate(gather.order[:-1]):
         users = [j for j, (_, need) in enumerate(gather._needs) if any(b is bucket for b in need)]
         unit = users[0] - (1 if run.model.takes_tokens() else 0)  # block index of its first user
-        if not 0 <= unit < len(run.model.h):
+        if not 0 <= unit < len(run.model.layers):
             continue  # (the embeddings' or the head's bucket)
         ends = next(i for i, e in enumerate(events) if i > second_forward and e == ("forward", "end", unit))
         assert starts[order[k + 1]] < ends, (k, order, events[second_forward:ends + 1])
