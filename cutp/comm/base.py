@@ -16,6 +16,11 @@ Semantics shared by every implementation (MPI on NumPy arrays, NCCL on CuPy arra
 - all_to_all(x, send_counts, recv_counts): rows [sum(send_counts), ...] -> [sum(recv_counts), ...];
   rows [sum(send_counts[:r]), sum(send_counts[:r+1])) go to rank r, and the rows from rank r
   land in rank order (MPI Alltoallv; NCCL send/recv pairs in one group).
+- start_exchange(sends, recvs) posts an `exchange` and returns at once a `PendingExchange`
+  whose wait() finishes it (MPI Isend/Irecv, then Waitall; NCCL: one group on a side stream,
+  which the caller's stream waits for at wait()). The buffers must stay untouched until then;
+  the work between the two (context parallelism's attention on the block already here) overlaps
+  the transfer.
 """
 from __future__ import annotations
 
@@ -59,6 +64,22 @@ def check_op(op: str) -> None:
         raise CommError(f"reduce op {op!r} is not one of {REDUCE_OPS}")
 
 
+class PendingExchange:
+    """A point-to-point exchange in flight (`Communicator.start_exchange`): wait() finishes it
+    (once; later calls return at once) and returns the receive buffers."""
+
+    def __init__(self, finish):
+        self._finish = finish
+        self._received = None
+        self.done = False
+
+    def wait(self):
+        if not self.done:
+            self._received = self._finish()
+            self.done = True
+        return self._received
+
+
 class Communicator:
     """A group of ranks. Subclasses implement the collectives on one array type."""
 
@@ -98,6 +119,13 @@ class Communicator:
         match in the order they were posted, so both sides must list them in the same order
         (pipeline schedules list activations before gradients). Returns the receive buffers."""
         raise NotImplementedError
+
+    def start_exchange(self, sends, recvs) -> PendingExchange:
+        """`exchange` posted now and finished by the returned PendingExchange's wait() (module
+        docstring). This default finishes it at once (no overlap): a communicator that can do
+        better overrides it."""
+        received = self.exchange(sends, recvs)
+        return PendingExchange(lambda: received)
 
     def all_to_all(self, x, send_counts, recv_counts):
         """Rows of x (axis 0) to every rank: send_counts[r] consecutive rows to rank r, in rank
@@ -196,6 +224,10 @@ class WrappedCommunicator(Communicator):
     def exchange(self, sends, recvs):
         first = (list(sends) + list(recvs))[0][0]  # (the watchdog names the first buffer)
         return self._call("exchange", first, self.inner.exchange, sends, recvs)
+
+    def start_exchange(self, sends, recvs):
+        first = (list(sends) + list(recvs))[0][0]
+        return self._call("start_exchange", first, self.inner.start_exchange, sends, recvs)
 
     def all_to_all(self, x, send_counts, recv_counts):
         return self._call("all_to_all", x, self.inner.all_to_all, x, send_counts, recv_counts)

@@ -109,6 +109,14 @@ class CountingCommunicator(WrappedCommunicator):
             self.counter.record(self.name, "recv", x, self.size)
         return self.inner.exchange(sends, recvs)
 
+    def start_exchange(self, sends, recvs):
+        """Counted as `exchange` is, when posted."""
+        for x, _, _ in sends:
+            self.counter.record(self.name, "send", x, self.size)
+        for x, _, _ in recvs:
+            self.counter.record(self.name, "recv", x, self.size)
+        return self.inner.start_exchange(sends, recvs)
+
 
 def wire_bytes(op: str, nbytes: int, size: int) -> float:
     """Bytes one rank sends for a collective over `size` ranks (ring algorithms; module docstring)."""

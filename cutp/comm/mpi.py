@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.backend import get_array_module
-from .base import Communicator, check_array, check_op, dtype_name
+from .base import Communicator, PendingExchange, check_array, check_op, dtype_name
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "avg": MPI.SUM}
 _HALF = ("bfloat16", "float16")  # reduced in float32, moved as raw 16-bit words
@@ -123,6 +123,20 @@ class MpiCommunicator(Communicator):
         requests += [self.mpi_comm.Isend(_buf(x), dest=dest, tag=tag) for x, dest, tag in sends]
         MPI.Request.Waitall(requests)
         return [x for x, _, _ in recvs]
+
+    def start_exchange(self, sends, recvs):
+        """Isend/Irecv posted now; wait() is their Waitall."""
+        for x, _, _ in list(sends) + list(recvs):
+            check_array(x, f"exchange on {self.name}")
+        requests = [self.mpi_comm.Irecv(_buf(x), source=src, tag=tag) for x, src, tag in recvs]
+        requests += [self.mpi_comm.Isend(_buf(x), dest=dest, tag=tag) for x, dest, tag in sends]
+        received = [x for x, _, _ in recvs]
+
+        def finish():
+            MPI.Request.Waitall(requests)
+            return received
+
+        return PendingExchange(finish)
 
     def all_to_all(self, x, send_counts, recv_counts):
         check_array(x, f"all_to_all on {self.name}")

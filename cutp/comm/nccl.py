@@ -7,7 +7,10 @@ and every rank constructs its communicator on the *current* CUDA device. If maki
 on the first rank, the buffer carries the error text instead, so every rank raises instead of
 waiting in a broadcast that never comes.
 
-All calls run on the caller's current CuPy stream, so a host code's stream ordering holds.
+All calls run on the caller's current CuPy stream, so a host code's stream ordering holds;
+except `start_exchange`, which queues its group on the communicator's side stream (after the
+work queued so far on the caller's stream) so that the caller's stream computes meanwhile, and
+makes the caller's stream wait for it at wait().
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.backend import is_device_array
-from .base import CommError, Communicator, check_op, dtype_name
+from .base import CommError, Communicator, PendingExchange, check_op, dtype_name
 from .base import check_array as _check_array
 
 # NCCL's enum values by dtype name (CuPy has no dtype-to-NCCL helper).
@@ -172,6 +175,38 @@ class NcclCommunicator(Communicator):
         finally:
             nccl.groupEnd()
         return [x for x, _, _ in recvs]
+
+    def _side_stream(self):
+        import cupy  # optional dependency
+
+        if getattr(self, "_side", None) is None:
+            self._side = cupy.cuda.Stream(non_blocking=True)
+        return self._side
+
+    def start_exchange(self, sends, recvs):
+        """The exchange's group on the side stream, after what the caller's stream has queued
+        (its buffers are written there); wait() makes the caller's stream wait for the group's
+        end. The arrays are kept referenced until then (CuPy's pool must not reuse them)."""
+        import cupy  # optional dependency
+
+        for x, _, _ in list(sends) + list(recvs):
+            check_array(x, f"exchange on {self.name}")
+        main, side = cupy.cuda.get_current_stream(), self._side_stream()
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(main)
+        side.wait_event(ready)
+        with side:  # self._stream() is the side stream's inside
+            self.exchange(sends, recvs)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(side)
+        buffers = [x for x, _, _ in list(sends) + list(recvs)]
+
+        def finish():
+            main.wait_event(done)
+            del buffers[:]
+            return [x for x, _, _ in recvs]
+
+        return PendingExchange(finish)
 
     def all_to_all(self, x, send_counts, recv_counts):
         """NCCL has no all-to-all: a send and a receive per peer with rows to move, in one group

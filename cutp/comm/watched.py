@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from ..runtime.watchdog import Watchdog
-from .base import Communicator, WrappedCommunicator
+from .base import Communicator, PendingExchange, WrappedCommunicator
 
 
 def _event_done(event, device: int) -> bool:
@@ -30,6 +30,28 @@ class WatchdogCommunicator(WrappedCommunicator):
     def __init__(self, inner: Communicator, watchdog: Watchdog):
         super().__init__(inner)
         self.watchdog = watchdog
+
+    def start_exchange(self, sends, recvs):
+        """MPI: watched from the posting to the end of wait() (where a missing peer shows);
+        NCCL: as its other calls, by the completion event recorded after the posting."""
+        if self.kind == "nccl":
+            return super().start_exchange(sends, recvs)
+        x = (list(sends) + list(recvs))[0][0]
+        token = self.watchdog.begin(f"exchange on group '{self.name}' (rank {self.rank} of {self.size}, shape "
+                                    f"{tuple(x.shape)}, {x.dtype})")
+        try:
+            pending = self.inner.start_exchange(sends, recvs)
+        except BaseException:
+            self.watchdog.end(token)
+            raise
+
+        def finish():
+            try:
+                return pending.wait()
+            finally:
+                self.watchdog.end(token)
+
+        return PendingExchange(finish)
 
     def _call(self, op, x, fn, *args):
         desc = f"{op} on group '{self.name}' (rank {self.rank} of {self.size}, shape {tuple(x.shape)}, {x.dtype})"
