@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import ops
 from ..ops.common import as_dtype, compute_dtype
-from ..runtime.backend import to_numpy
+from ..runtime.backend import get_array_module, to_numpy
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
@@ -49,6 +49,7 @@ from ..tensor_parallel import (
     sum_grad_over,
     take_shard,
 )
+from ..tensor_parallel.context_parallel import check_sequence_splits, local_segments, take_local
 from ..tensor_parallel.mappings import gather_from_tp_forward
 from ..tensor_parallel.moe import MoEMLP
 from .config import DTYPES, GPTConfig
@@ -63,19 +64,28 @@ class PositionEmbedding(Module):
         self.weight = make_parameter(ctx, f"{name}.weight", (block_size, dim), normal_init(0.02), None, seed=seed,
                                      dtype=dtype, weight_decay=True)  # decayed, as in nanoGPT, Megatron, HF
         self.sequence_shard: tuple[int, int] | None = None
+        self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): T is a CP rank's local sequence
 
     def forward(self, T):
         start, stop = 0, T
         if self.sequence_shard is not None:
             rank, size = self.sequence_shard
             start, stop = rank * T // size, (rank + 1) * T // size
-        self._save("rows", (start, stop))
+        if self.context_shard is not None:  # the zigzag chunks' global rows
+            cp_rank, cp = self.context_shard
+            runs = local_segments(T, cp, cp_rank, start, stop)
+            self._save("rows", runs)
+            xp = get_array_module(self.weight.data)
+            return xp.concatenate([self.weight.data[first:first + n] for _, first, n in runs])
+        self._save("rows", [(0, start, stop - start)])
         return self.weight.data[start:stop]
 
     def backward(self, dy):
-        start, stop = self._load("rows")  # 16-bit dy: summed over the batch in float32
-        self.weight.grad[start:stop] += as_dtype(dy, compute_dtype(dy.dtype)).reshape(
-            -1, stop - start, dy.shape[-1]).sum(axis=0)
+        runs = self._load("rows")
+        dy = as_dtype(dy, compute_dtype(dy.dtype))  # 16-bit dy: summed over the batch in float32
+        dy = dy.reshape(-1, sum(n for _, _, n in runs), dy.shape[-1]).sum(axis=0)
+        for at, first, n in runs:
+            self.weight.grad[first:first + n] += dy[at:at + n]
 
 
 
@@ -155,6 +165,7 @@ class GPT(Module):
             if not self.first_stage:
                 self.wte.weight.norm_mask = False  # counted in the norm on the first stage only
         self.sequence_parallel = False
+        self._context_parallel = False
 
     # ---- sequence parallelism ------------------------------------------------------------------
     def set_sequence_parallel(self, on: bool = True) -> None:
@@ -185,6 +196,21 @@ class GPT(Module):
         used |= {id(m.router) for m in self.moe_layers}
         for p in self.parameters():
             p.sequence_parallel = on and id(p) in used
+
+    # ---- context parallelism -------------------------------------------------------------------
+    def _lay_out_context(self, on: bool) -> None:
+        """Context parallelism on (ctx.cp_size > 1, training forwards) or off (evaluation,
+        logits, generation: whole sequences on every CP rank): the attention's ring, the
+        positions' and the dropouts' global places (cutp.tensor_parallel.context_parallel)."""
+        on = on and self.ctx.cp_size > 1
+        if on == self._context_parallel:
+            return
+        self._context_parallel = on
+        shard = (self.ctx.cp_rank, self.ctx.cp_size) if on else None
+        for m in [self.drop, self.wpe] + [m for b in self.h for m in (b.attn, b.attn_dropout, b.mlp_dropout,
+                                                                       b.attn.attn_dropout)]:
+            if m is not None:
+                m.context_shard = shard
 
     @contextlib.contextmanager
     def without_sequence_parallel(self):
@@ -231,6 +257,13 @@ class GPT(Module):
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {c.block_size}; "
                              f"use sequences of at most {c.block_size} tokens or a model with a larger block_size")
         tp = self.ctx.tp_size
+        cp = self.ctx.cp_size
+        if self.training and targets is not None and cp > 1:
+            check_sequence_splits(idx.shape[1], cp)
+            if self.sequence_parallel and tp > 1 and (idx.shape[1] // cp) % tp:
+                raise ValueError(f"sequence length {idx.shape[1]} / cp {cp} = {idx.shape[1] // cp} tokens per CP rank "
+                                 f"is not divisible by tp={tp}: sequence parallelism splits them over the TP ranks; "
+                                 f"use a multiple of {cp * tp}")
         if self.sequence_parallel and self.training and targets is not None and tp > 1 and idx.shape[1] % tp:
             raise ValueError(f"sequence length {idx.shape[1]} is not divisible by tp={tp}: sequence parallelism "
                              f"splits each sequence over the TP ranks; use a multiple of {tp}")
@@ -257,8 +290,9 @@ class GPT(Module):
 
     def hidden_states(self, idx):
         """Final-LayerNorm output [B, T, n_embd], replicated ([B, T/tp, n_embd], this rank's
-        tokens, under sequence parallelism)."""
+        tokens, under sequence parallelism). Never context-parallel: whole sequences."""
         self._whole_model("hidden_states")
+        self._lay_out_context(False)
         T = idx.shape[1]
         if self.sequence_parallel and not self._splits_sequence(T) and not self.training:
             with self.without_sequence_parallel():  # an evaluation forward whose T does not split
@@ -292,6 +326,12 @@ class GPT(Module):
         (`gives_loss`) the mean loss (with targets, replicated over TP) or the logits shard.
         At pp 1, `forward`. `head=False`: the blocks only, the last one's output where the model
         ends (the MoE counting pass of cutp.train.moe needs no LM head)."""
+        context = self.ctx.cp_size > 1 and self.training and (targets is not None or not self.gives_loss(chunk))
+        self._lay_out_context(context)
+        if context and self.takes_tokens(chunk):  # this CP rank's zigzag chunks of the sequences
+            inp = take_local(inp, self.ctx.cp_size, self.ctx.cp_rank)
+        if context and targets is not None:
+            targets = take_local(targets, self.ctx.cp_size, self.ctx.cp_rank)
         x = self._embed(inp) if self.takes_tokens(chunk) else inp
         for block in self._chunk_blocks[chunk]:
             x = block.forward(x)
@@ -430,6 +470,7 @@ class GPT(Module):
         """Eval-mode logits (sharded, padding -inf, as `forward`'s) for new tokens idx [B, Tn] after
         caches' positions; never sequence-parallel (one new token does not split over the TP ranks)."""
         self._whole_model("generation")
+        self._lay_out_context(False)
         with self.without_sequence_parallel():
             return self._forward_cached(idx, caches)
 

@@ -78,11 +78,11 @@ class AdamW:
         expert parallelism the experts' range [expert_start, size) is summed over the
         expert-DP group and divided by dp (its ranks' experts saw the tokens of every DP rank
         of their EP groups: the DP average), the rest averaged over DP."""
-        if ctx.dp_size == 1:
+        if ctx.dp_cp_size == 1:
             return
         g, e = self.flat.grad, self.flat.expert_start
-        if e == self.flat.size:
-            self._reduce(ctx.dp, g, "avg")
+        if e == self.flat.size:  # (with context parallelism over DP x CP: the CP ranks' parts of the sequences)
+            self._reduce(ctx.dp_cp, g, "avg")
             return
         self._reduce(ctx.dp, g[:e], "avg")
         if ctx.expert_dp.size > 1:
@@ -192,7 +192,7 @@ def finish_norm(ctx, acc) -> float:
     over TP, DP and PP; NaN when any entry anywhere is not finite."""
     if ctx.tp_size > 1:
         ctx.tp.all_reduce(acc, "sum", out=acc)
-    ctx.dp.all_reduce(acc, "sum", out=acc)
+    ctx.dp_cp.all_reduce(acc, "sum", out=acc)  # (the DP x CP group the optimizer shards over)
     if ctx.pp_size > 1:  # every pipeline stage's parameters
         ctx.pp.all_reduce(acc, "sum", out=acc)
     total, bad = float(acc[0]), float(acc[1])
@@ -213,8 +213,9 @@ class DistributedAdamW(AdamW):
         self.ctx = ctx
         # the group the state is sharded over: DP, or (an expert-parallel model's experts,
         # cutp.optim.expert_parallel) the expert-DP group, whose sums are divided by dp all the same
-        self.group = group  # None: ctx.dp (asked for only when communicating)
-        self.shards, self.shard_rank = (ctx.dp_size, ctx.dp_rank) if group is None else (group.size, group.rank)
+        self.group = group  # None: ctx.dp_cp, DP x CP (asked for only when communicating)
+        self.shards, self.shard_rank = ((ctx.dp_cp_size, ctx.dp_cp_rank) if group is None
+                                        else (group.size, group.rank))
         if group is None and flat.expert_start < flat.size:
             raise ConfigError("the distributed optimizer shards the experts of an expert-parallel model (ep > 1) "
                               "over the expert-DP group: use cutp.optim.ExpertParallelAdamW")
@@ -225,7 +226,7 @@ class DistributedAdamW(AdamW):
         super().__init__(flat, **kw)
 
     def _comm(self):
-        return self.ctx.dp if self.group is None else self.group
+        return self.ctx.dp_cp if self.group is None else self.group
 
     @staticmethod
     def pad_multiple(dp: int) -> int:

@@ -48,7 +48,7 @@ from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
-from ..runtime.mesh import derive_mesh
+from ..runtime.mesh import derive_mesh, with_context_parallel
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
@@ -79,7 +79,12 @@ class RunConfig:
                       f"that fits a node ({MAX_DEFAULT_TP['cuda']} GPUs, {MAX_DEFAULT_TP['cpu']} CPU ranks), "
                       "divides the ranks and suits the model's heads")
     dp: int = setting(1, "data-parallel size: each DP rank takes an equal share of the batch", "mesh", kind=int,
-                      at_least=1, derived="world / (tp * pp)")
+                      at_least=1, derived="world / (tp * cp * pp)")
+    cp: int = setting(1, "context parallelism: each sequence split over cp ranks (zigzag chunks; the mesh order is "
+                      "tp, cp, dp, pp), every layer on seq-len/cp tokens; needs a --seq-len that 2*cp divides",
+                      "mesh", kind=int, at_least=1)
+    cp_comm: str = setting("ring", "context parallelism's attention: ring (K,V passed round the CP ranks, each step "
+                           "overlapping the attention on the block already there)", "mesh", choices=("ring",))
     pp: int = setting(1, "pipeline stages: the layers split over pp ranks", "pipeline", kind=int, at_least=1)
     ep: int = setting(1, "expert parallelism: an MoE model's experts split over ep consecutive DP ranks (ep divides "
                       "dp and n_experts), tokens sent to them by all-to-all", "mesh", kind=int, at_least=1)
@@ -214,9 +219,27 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
+        self._check_context_parallel()
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)
+
+    def _check_context_parallel(self) -> None:
+        cp = self.cp
+        if cp == 1:
+            return
+        if self.seq_len % (2 * cp):
+            raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by 2*cp = {2 * cp}: context parallelism cuts "
+                              f"each sequence into 2*cp chunks (CP rank r holds chunks r and 2cp-1-r); use a `seq_len` "
+                              f"that is a multiple of {2 * cp}, or a `cp` from "
+                              f"{[c for c in divisors(self.seq_len) if self.seq_len % (2 * c) == 0]}")
+        if self.sequence_parallel and (self.seq_len // cp) % self.tp:
+            raise ConfigError(f"`seq_len` {self.seq_len} / cp {cp} = {self.seq_len // cp} tokens per CP rank is not "
+                              f"divisible by `tp` {self.tp}: `sequence_parallel` splits them over the TP ranks; use a "
+                              f"multiple of {cp * self.tp}")
+        if self.model.n_experts:
+            raise ConfigError(f"`cp` {cp} with an MoE model (n_experts={self.model.n_experts}) is not supported yet: "
+                              "the routers' auxiliary losses would need the DP x CP group; use `cp` 1")
 
     def _check_pipeline(self) -> None:
         if self.pp_layers is not None and self.pp == 1 and len(self.pp_layers) != 1:
@@ -404,6 +427,9 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         except ConfigError:
             return False
 
+    cp = c["cp"]
+    SETTINGS["cp"][0].check("cp", cp)
+    world = with_context_parallel(world, cp)  # the ranks of tp x dp x pp (cp takes its factor first)
     mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp, tp_suits=tp_suits)
     tp, dp, pp = mesh.tp, mesh.dp, mesh.pp
     if c["tp"] is None and c["dp"] is not None and not tp_suits(tp):  # tp = world / (dp * pp) cannot be
@@ -425,7 +451,7 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     micro = c["micro_batch_size"] or default_micro_batch(batch // dp if batch % dp == 0 else batch, pp, schedule)
     steps = run["steps"]
     return RunConfig(
-        model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, pp_layers=_layer_counts(c["pp_layers"]),
+        model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, cp=cp, cp_comm=c["cp_comm"], pp_layers=_layer_counts(c["pp_layers"]),
         pp_schedule=schedule, pp_virtual=virtual, steps=steps, batch_size=batch, micro_batch_size=micro,
         seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
         min_lr=run["min_lr"],

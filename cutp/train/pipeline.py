@@ -152,7 +152,7 @@ class Schedule:
     def _buffer(self, i):
         """Receive buffer of micro-batch i's activation (or its gradient) at a chunk's input."""
         x = self.batches[i][0]
-        T = x.shape[1]
+        T = x.shape[1] // self.ctx.cp_size  # (context parallelism: this CP rank's chunks)
         if self.model.sequence_parallel and self.ctx.tp_size > 1:
             T //= self.ctx.tp_size
         return self.ctx.xp.empty((x.shape[0], T, self.model.config.n_embd), DTYPES[self.model.config.dtype])
