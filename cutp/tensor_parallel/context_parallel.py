@@ -35,6 +35,7 @@ from ..ops import attention_tiles as tiles
 from ..ops.common import as_dtype, compute_dtype
 from ..ops.dropout import dropout_mask_at
 from ..runtime.backend import get_array_module
+from ..runtime.errors import ConfigError
 
 # Exchanges posted before each ring step's compute and waited after it (False: after it, at once).
 OVERLAP = True
@@ -80,6 +81,23 @@ def check_sequence_splits(T: int, cp: int) -> None:
     if T % (2 * cp):
         raise ValueError(f"sequence length {T} is not divisible by 2*cp = {2 * cp}: context parallelism cuts each "
                          f"sequence into 2*cp chunks; use a multiple of {2 * cp}")
+
+
+def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bool, n_experts: int = 0) -> None:
+    """A run's context parallelism (RunConfig's check): ConfigError naming the numbers and a fix."""
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        options = [c for c in range(1, seq_len + 1) if seq_len % (2 * c) == 0]
+        raise ConfigError(f"`seq_len` {seq_len} is not divisible by 2*cp = {2 * cp}: context parallelism cuts each "
+                          f"sequence into 2*cp chunks (CP rank r holds chunks r and 2cp-1-r); use a `seq_len` that is "
+                          f"a multiple of {2 * cp}, or a `cp` from {options}")
+    if sequence_parallel and (seq_len // cp) % tp:
+        raise ConfigError(f"`seq_len` {seq_len} / cp {cp} = {seq_len // cp} tokens per CP rank is not divisible by "
+                          f"`tp` {tp}: `sequence_parallel` splits them over the TP ranks; use a multiple of {cp * tp}")
+    if n_experts:
+        raise ConfigError(f"`cp` {cp} with an MoE model (n_experts={n_experts}) is not supported yet: the routers' "
+                          "auxiliary losses would need the DP x CP group; use `cp` 1")
 
 
 # ---- ring attention -----------------------------------------------------------------------

@@ -49,6 +49,7 @@ from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.mesh import derive_mesh, with_context_parallel
+from ..tensor_parallel.context_parallel import check_context_parallel
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
@@ -219,27 +220,10 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
-        self._check_context_parallel()
+        check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.model.n_experts)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)
-
-    def _check_context_parallel(self) -> None:
-        cp = self.cp
-        if cp == 1:
-            return
-        if self.seq_len % (2 * cp):
-            raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by 2*cp = {2 * cp}: context parallelism cuts "
-                              f"each sequence into 2*cp chunks (CP rank r holds chunks r and 2cp-1-r); use a `seq_len` "
-                              f"that is a multiple of {2 * cp}, or a `cp` from "
-                              f"{[c for c in divisors(self.seq_len) if self.seq_len % (2 * c) == 0]}")
-        if self.sequence_parallel and (self.seq_len // cp) % self.tp:
-            raise ConfigError(f"`seq_len` {self.seq_len} / cp {cp} = {self.seq_len // cp} tokens per CP rank is not "
-                              f"divisible by `tp` {self.tp}: `sequence_parallel` splits them over the TP ranks; use a "
-                              f"multiple of {cp * self.tp}")
-        if self.model.n_experts:
-            raise ConfigError(f"`cp` {cp} with an MoE model (n_experts={self.model.n_experts}) is not supported yet: "
-                              "the routers' auxiliary losses would need the DP x CP group; use `cp` 1")
 
     def _check_pipeline(self) -> None:
         if self.pp_layers is not None and self.pp == 1 and len(self.pp_layers) != 1:

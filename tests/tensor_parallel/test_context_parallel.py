@@ -75,5 +75,106 @@ def _worker_layouts(layouts):
         assert_close(params, {k: ref_params[k] for k in params}, 1e-10, f"{what} params")
 
 
-def test_every_layout_with_context_parallelism_gives_one_ranks_loss_gradients_and_weights():
-    run_mpi(4, "tests.tensor_parallel.test_context_parallel:_worker_layouts", LAYOUTS, timeout=300)
+def test_every_layout_with_context_parallelism_gives_one_ranks_loss_gradients_and_weights_and_the_ring_overlaps():
+    run_mpi(4, "tests.tensor_parallel.test_context_parallel:_worker_all", LAYOUTS, 4, timeout=300)
+
+
+# ---- the ring: overlap order, bits without overlap, bytes per layer ---------------------------
+def _worker_ring(cp):
+    import cutp
+    from cutp.comm.base import PendingExchange, WrappedCommunicator
+    from cutp.models import GPT
+    from cutp.ops import attention_tiles
+    from cutp.tensor_parallel import context_parallel
+
+    events = []
+
+    class Recording(WrappedCommunicator):  # logs when each exchange is posted and waited for
+        def start_exchange(self, sends, recvs):
+            events.append("post")
+            pending = self.inner.start_exchange(sends, recvs)
+
+            def finish():
+                events.append("wait")
+                return pending.wait()
+
+            return PendingExchange(finish)
+
+    for name in ("tile_forward", "tile_backward"):  # logs each tile's compute
+        def logged(*args, _fn=getattr(attention_tiles, name), **kw):
+            events.append("compute")
+            return _fn(*args, **kw)
+        setattr(attention_tiles, name, logged)
+
+    ctx = cutp.init(cp=cp, device="cpu")
+    B, T = 2, 8 * cp
+    model = GPT(ctx, GPTConfig(**dict(GPT_TINY, block_size=T)), seed=1)
+    model._lay_out_context(True)
+    block = model.h[0]
+    nkv, hd = 2, GPT_TINY["n_embd"] // GPT_TINY["n_head"]
+    x = np.random.default_rng(0).standard_normal((B, T // cp, GPT_TINY["n_embd"]))
+    dy = np.random.default_rng(1).standard_normal(x.shape)
+    model.rng.set_position(0, 0, B)
+    ctx.cp = Recording(ctx.cp)
+    results = {}
+    for overlap in (True, False):
+        context_parallel.OVERLAP = overlap
+        events.clear()
+        with ctx.counter.recording() as comm_events:
+            y = block.forward(x)
+            forward_events = list(events)
+            dx = block.backward(dy)
+        results[overlap] = (y, dx, {p.name: p.grad.copy() for p in block.parameters()})
+        for p in block.parameters():
+            p.grad[...] = 0
+        if overlap:
+            # each ring step with a transfer: posted, the step's tiles (step 0: the two diagonal
+            # halves and one full tile; then two full tiles), then waited; the last step has none
+            step = ["post", "compute", "compute", "wait"]
+            first = ["post", "compute", "compute", "compute", "wait"]
+            assert forward_events == first + step * (cp - 2) + ["compute", "compute"], forward_events
+            assert events[len(forward_events):] == first + step * (cp - 1), events  # backward: dK,dV travel too
+            kv_bytes = 2 * B * nkv * T * hd * 8  # a sequence's K and V (float64)
+            sent = [e for e in comm_events if e.group == "cp" and e.op == "send"]
+            got = [e for e in comm_events if e.group == "cp" and e.op == "recv"]
+            fwd = sent[:cp - 1]
+            assert sum(e.nbytes for e in fwd) == (cp - 1) * kv_bytes // cp  # (cp-1)/cp of K,V each way
+            assert sum(e.nbytes for e in got[:cp - 1]) == sum(e.nbytes for e in fwd)
+            assert sum(e.nbytes for e in sent[cp - 1:]) == (2 * cp - 1) * kv_bytes // cp  # backward: K,V, then dK,dV
+        else:
+            assert "post" not in events  # no exchange in flight during a compute
+    (y1, dx1, g1), (y0, dx0, g0) = results[True], results[False]
+    assert np.array_equal(y1, y0) and np.array_equal(dx1, dx0)
+    assert all(np.array_equal(g1[k], g0[k]) for k in g1)
+    context_parallel.OVERLAP = True
+
+
+def _worker_all(layouts, cp):
+    _worker_layouts(layouts)
+    _worker_ring(cp)
+
+
+# ---- the split and the refusals (no MPI) ------------------------------------------------------
+def test_rank_r_holds_chunks_r_and_2cp_minus_1_minus_r():
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(np.concatenate([zigzag_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+    ids = np.arange(16).reshape(2, 8)
+    assert take_local(ids, 2, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    # a TP shard of the local sequence [0, 1 | 6, 7] crossing into the second chunk: two runs
+    assert local_segments(4, 2, 0, 1, 3) == [(0, 1, 1), (1, 6, 1)]
+    assert local_segments(4, 2, 1, 0, 2) == [(0, 2, 2)]
+
+
+def test_refusals_name_the_numbers():
+    from cutp.runtime.mesh import validate_mesh
+    from cutp.train import RunConfig
+
+    with pytest.raises(ConfigError, match=r"^seq_len 12 is not divisible by 2\*cp = 8: .* a multiple of 8, or a "
+                                          r"cp from \[1, 2, 3, 6\]$"):
+        RunConfig(model=GPTConfig(**GPT_TINY), cp=4, seq_len=12)
+    with pytest.raises(ConfigError, match=r"^seq_len 12 / cp 2 = 6 tokens per CP rank is not divisible by tp 4"):
+        RunConfig(model=GPTConfig(**dict(GPT_TINY, n_kv_head=4)), cp=2, tp=4, seq_len=12, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"^cp 3 does not divide the 8 ranks; use a cp from \[1, 2, 4, 8\]"):
+        validate_mesh(8, 1, None, cp=3)
+    assert repr(validate_mesh(8, 2, None, cp=2)) == "Mesh(tp=2, cp=2, dp=2, pp=1)"
