@@ -28,9 +28,9 @@ LLAMA_TINY = dict(GPT_TINY, positions="rope", norm="rmsnorm", mlp="swiglu", bias
 LAYOUTS = [
     (GPT_TINY, dict(cp=2, dp=2, distributed_optimizer=True), 16),
     (GPT_TINY, dict(cp=4), 8),  # seq_len / (2 cp) = 1 token per chunk
-    (LLAMA_TINY, dict(cp=2, tp=2, sequence_parallel=True), 16),  # GQA: 2 KV heads, tp 2
+    (dict(LLAMA_TINY, n_kv_head=1), dict(cp=2, tp=2, sequence_parallel=True), 16),  # GQA: 1 KV head < tp 2
     (LLAMA_TINY, dict(cp=4, recompute="full"), 16),
-    (GPT_TINY, dict(cp=2, pp=2), 16),
+    (GPT_TINY, dict(cp=2, pp=2, recompute="selective"), 16),
 ]
 
 
@@ -75,8 +75,10 @@ def _worker_layouts(layouts):
         assert_close(params, {k: ref_params[k] for k in params}, 1e-10, f"{what} params")
 
 
-def test_every_layout_with_context_parallelism_gives_one_ranks_loss_gradients_and_weights_and_the_ring_overlaps():
-    run_mpi(4, "tests.tensor_parallel.test_context_parallel:_worker_all", LAYOUTS, 4, timeout=300)
+def test_every_layout_with_context_parallelism_gives_one_ranks_loss_gradients_and_weights_and_the_ring_overlaps(tmp_path):
+    # one launch: the layouts, the ring's order and bytes at cp 4, a checkpoint resumed at other cp sizes
+    run_mpi(4, "tests.tensor_parallel.test_context_parallel:_worker_all", LAYOUTS, 4, str(tmp_path / "run"),
+            timeout=300)
 
 
 # ---- the ring: overlap order, bits without overlap, bytes per layer ---------------------------
@@ -149,9 +151,10 @@ def _worker_ring(cp):
     context_parallel.OVERLAP = True
 
 
-def _worker_all(layouts, cp):
+def _worker_all(layouts, cp, out):
     _worker_layouts(layouts)
     _worker_ring(cp)
+    _worker_checkpoint(out)
 
 
 # ---- the split and the refusals (no MPI) ------------------------------------------------------
@@ -178,3 +181,36 @@ def test_refusals_name_the_numbers():
     with pytest.raises(ConfigError, match=r"^cp 3 does not divide the 8 ranks; use a cp from \[1, 2, 4, 8\]"):
         validate_mesh(8, 1, None, cp=3)
     assert repr(validate_mesh(8, 2, None, cp=2)) == "Mesh(tp=2, cp=2, dp=2, pp=1)"
+
+
+# ---- checkpoints: the cp size is a layout -------------------------------------------------------
+def _worker_checkpoint(out):
+    """Saved at cp 2 x dp 2 with ZeRO (its state in 4 shards over DP x CP), resumed at cp 4 with
+    ZeRO, at cp 1 x dp 4 without and at tp 2 x cp 2: the next step's loss and weights are the
+    uninterrupted run's."""
+    from mpi4py import MPI
+    from cutp.bench.model import random_tokens
+    from cutp.train import build_run, resolve_run_config, save, train_step
+
+    data = random_tokens(61, 4096, 0)
+    kw = dict(batch_size=4, micro_batch_size=1, seq_len=16, steps=4, warmup=1, seed=3, eval_every=0, quiet=True,
+              save_on_signal=False, distributed_optimizer=True)
+    run = build_run(resolve_run_config(model=GPTConfig(**GPT_TINY), cp=2, dp=2, out=out, **kw), dataset=data)
+    for _ in range(2):
+        train_step(run)
+    path = save(run)
+    expected = train_step(run).loss
+    weights = {p.name: p.data[:p.real_rows].copy() for p in run.model.parameters()}  # (vocabulary padding off)
+    run.close()
+    MPI.COMM_WORLD.Barrier()
+    for layout in (dict(cp=4, distributed_optimizer=True), dict(cp=1, dp=4), dict(tp=2, cp=2)):
+        again = build_run(resolve_run_config(resume=path, **layout, **{k: kw[k] for k in ("eval_every", "quiet",
+                                                                                          "save_on_signal")}),
+                          dataset=data)
+        assert again.step == 2 and again.ctx.cp_size == layout["cp"]
+        loss = train_step(again).loss
+        assert abs(loss - expected) <= 1e-10 * abs(expected), (layout, loss, expected)
+        full = {p.name: np.asarray(gather_full(again.ctx.tp, p.data, p.sharding))[:p.real_rows]
+                for p in again.model.parameters()}
+        assert_close(full, weights, 1e-10, f"weights after {layout}")
+        again.close()
