@@ -49,7 +49,8 @@ from ..tensor_parallel import (
     sum_grad_over,
     take_shard,
 )
-from ..tensor_parallel.context_parallel import check_sequence_splits, local_segments, take_local
+from ..tensor_parallel.context_parallel import (COMMS, check_context_parallel, check_sequence_splits, local_segments,
+                                                take_local)
 from ..tensor_parallel.mappings import gather_from_tp_forward
 from ..tensor_parallel.moe import MoEMLP
 from .config import DTYPES, GPTConfig
@@ -211,6 +212,17 @@ class GPT(Module):
                                                                        b.attn.attn_dropout)]:
             if m is not None:
                 m.context_shard = shard
+
+    def set_context_parallel_comm(self, comm: str = "ring") -> None:
+        """How context parallelism's attention meets the whole sequence: "ring" (K,V round the CP
+        ranks) or "a2a" (all-to-all to a cp-th of the heads; the TP-local KV heads must split
+        over cp). Changes communication and memory, never the math."""
+        check_context_parallel(2 * self.ctx.cp_size, self.ctx.cp_size, self.ctx.tp_size, False, 0, comm,
+                               self.config.n_head, self.config.n_kv_head)
+        if comm not in COMMS:
+            raise ConfigError(f"`cp_comm` {comm!r}: use one of {', '.join(COMMS)}")
+        for b in self.h:
+            b.attn.cp_comm = comm
 
     @contextlib.contextmanager
     def without_sequence_parallel(self):

@@ -33,7 +33,8 @@ Context parallelism (`context_shard = (cp_rank, cp)`, set by the model): x holds
 rank's local sequence (`cutp.tensor_parallel.context_parallel`'s zigzag chunks; under sequence
 parallelism its TP shard, gathered by c_attn as always); RoPE turns Q and K by the chunks'
 global positions, and the attention is the ring over `ctx.cp`, its dropout masks keyed by
-global (head, query, key) as the one-rank attention's. Its context is O(T) (q, k, v, o, the
+global (head, query, key) as the one-rank attention's (`cp_comm` "a2a": the all-to-all
+attention instead, on whole sequences of a cp-th of the heads). The ring's context is O(T) (q, k, v, o, the
 log-sum-exp): selective recomputation has nothing to recompute there either.
 
 Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
@@ -51,7 +52,8 @@ import numpy as np
 
 from .. import ops
 from ..runtime.backend import get_array_module
-from .context_parallel import RingCtx, ring_attention_backward, ring_attention_forward, zigzag_positions
+from .context_parallel import (RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
+                               ulysses_attention_backward, ulysses_attention_forward, zigzag_positions)
 from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
 from .parameter import Module, normal_init
 from .random import SHARDED, RNGTracker
@@ -90,6 +92,7 @@ class ParallelAttention(Module):
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.recompute_core = False  # selective recomputation (module docstring)
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism (module docstring)
+        self.cp_comm = "ring"  # or "a2a" (Ulysses): how the CP ranks' attention meets the whole sequence
         if tp > n_kv_head:
             # one group per layout: which ranks share a KV head depends on n_kv_head
             replicas = ctx.subgroup(f"tp_kv{n_kv_head}", color=self.kv_heads[0], key=ctx.tp_rank)
@@ -170,13 +173,14 @@ class ParallelAttention(Module):
         q, k, v = self._split_heads(qkv)
         p, seed, offsets = self.attn_dropout.draw_rows(B, self.nq * T * T, first_elem=self.ctx.tp_rank * self.nq * T * T,
                                                        global_row_elems=self.n_head * T * T)
-        o, ring_ctx = ring_attention_forward(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None)
-        self._save("attn", ring_ctx)
+        attend = ulysses_attention_forward if self.cp_comm == "a2a" else ring_attention_forward
+        o, cp_ctx = attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None)
+        self._save("attn", cp_ctx)
         return self.c_proj.forward(self._merge_heads(o))
 
     def backward(self, dy):
         attn_ctx = self._load("attn")
-        if isinstance(attn_ctx, RingCtx):
+        if isinstance(attn_ctx, (RingCtx, UlyssesCtx)):
             return self._backward_context_parallel(dy, attn_ctx)
         if isinstance(attn_ctx, tuple):  # recompute_core: the attention again, from Q, K, V and the same mask
             (q, k, v), (p, seed, offset) = attn_ctx
@@ -192,11 +196,14 @@ class ParallelAttention(Module):
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
         return self.c_attn.backward(dqkv)
 
-    def _backward_context_parallel(self, dy, ring_ctx):
-        B, nkv, g, T_local, hd = ring_ctx.q.shape
-        do = self.c_proj.backward(dy).reshape(B, T_local, nkv, g, hd).transpose(0, 2, 3, 1, 4)
+    def _backward_context_parallel(self, dy, cp_ctx):
+        nkv, g, hd = self.nkv, self.group, self.hd
+        do = self.c_proj.backward(dy)
+        B, T_local = do.shape[0], do.shape[1]
+        do = do.reshape(B, T_local, nkv, g, hd).transpose(0, 2, 3, 1, 4)
         dqkv = self.ctx.xp.empty((B, T_local, (self.nq + 2 * nkv) * hd), do.dtype)
-        ring_attention_backward(self.ctx.cp, do, ring_ctx, out=self._split_heads(dqkv))
+        backward = ring_attention_backward if isinstance(cp_ctx, RingCtx) else ulysses_attention_backward
+        backward(self.ctx.cp, do, cp_ctx, out=self._split_heads(dqkv))
         if self.rotary is not None:
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)

@@ -23,6 +23,14 @@ home). One message group per step, both directions of the same size: forward cp-
 local K,V per layer ((cp-1)/cp of a sequence's K,V bytes each way), backward cp-1 of K,V and cp
 of dK,dV.
 
+The all-to-all attention (`--cp-comm a2a`, DeepSpeed-Ulysses: `ulysses_attention_forward` /
+`_backward`): an all-to-all over the CP group turns q, k, v from this rank's tokens of every
+(TP-local) head into every token of its cp-th of the KV heads (with their query heads), the
+attention runs on whole sequences there (the one-rank op, its dropout at the heads' global
+places), and an all-to-all turns o back (the backward: do there, dq, dk, dv back). It needs the
+TP-local KV heads to split over cp (`check_context_parallel` refuses otherwise, naming them);
+its bytes per layer each way: q, k, v and o of the local sequence, (cp-1)/cp of them leaving.
+
 `OVERLAP = False` (a module switch, for tests and measurements) posts each exchange after the
 step's compute and finishes it at once: the same arithmetic in the same order, so bit-identical
 results.
@@ -32,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import attention_tiles as tiles
+from ..ops.attention import causal_attention_backward, causal_attention_forward
 from ..ops.common import as_dtype, compute_dtype
 from ..ops.dropout import dropout_mask_at
 from ..runtime.backend import get_array_module
@@ -83,10 +92,22 @@ def check_sequence_splits(T: int, cp: int) -> None:
                          f"sequence into 2*cp chunks; use a multiple of {2 * cp}")
 
 
-def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bool, n_experts: int = 0) -> None:
+COMMS = ("ring", "a2a")
+
+
+def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bool, n_experts: int = 0,
+                           comm: str = "ring", n_head: int = 1, n_kv_head: int | None = None) -> None:
     """A run's context parallelism (RunConfig's check): ConfigError naming the numbers and a fix."""
     if cp == 1:
         return
+    if comm == "a2a":
+        n_kv_head = n_kv_head or n_head
+        local_kv = n_kv_head // tp if tp <= n_kv_head else 1  # (tp > n_kv_head: one replicated KV head a rank)
+        if local_kv % cp:
+            fits = [c for c in range(1, local_kv + 1) if local_kv % c == 0]
+            raise ConfigError(f"`cp_comm` a2a splits each TP rank's KV heads over the CP ranks, but n_kv_head "
+                              f"{n_kv_head} / tp {tp} leaves {local_kv} KV head(s) a rank, which cp {cp} does not "
+                              f"divide; use a `cp` from {fits} or `cp_comm` ring")
     if seq_len % (2 * cp):
         options = [c for c in range(1, seq_len + 1) if seq_len % (2 * c) == 0]
         raise ConfigError(f"`seq_len` {seq_len} is not divisible by 2*cp = {2 * cp}: context parallelism cuts each "
@@ -133,6 +154,68 @@ def _keep(xp, dropout, q_chunk: int, k_chunk: int, shape):
                 + (xp.arange(q_chunk * c, (q_chunk + 1) * c, dtype=u) * u(T)).reshape(c, 1)
                 + xp.arange(k_chunk * c, (k_chunk + 1) * c, dtype=u))
     return dropout_mask_at(xp, counters, p, seed), (0.0 if p == 1.0 else 1.0 / (1.0 - p))
+
+
+# ---- all-to-all (Ulysses) ---------------------------------------------------------------------
+def _seq_to_heads(group, a):
+    """[B, H, *mid, Tl, hd] (this rank's tokens, every head) -> [B, H / cp, *mid, T, hd] (every
+    token of the sequence in order, this rank's cp-th of the heads): one all-to-all."""
+    xp = get_array_module(a)
+    cp = group.size
+    B, H, Tl = a.shape[0], a.shape[1], a.shape[-2]
+    send = xp.ascontiguousarray(xp.moveaxis(a.reshape((B, cp, H // cp) + a.shape[2:]), 1, 0))
+    got = group.all_to_all(send.reshape(cp, -1), [1] * cp, [1] * cp).reshape(send.shape)  # [i]: rank i's tokens
+    T = Tl * cp
+    order = np.concatenate([zigzag_positions(T, cp, i) for i in range(cp)])
+    out = xp.empty(send.shape[1:-2] + (T, a.shape[-1]), a.dtype)
+    out[..., xp.asarray(order), :] = xp.moveaxis(got, 0, -3).reshape(out.shape)
+    return out
+
+
+def _heads_to_seq(group, a):
+    """The inverse of `_seq_to_heads`: [B, H / cp, *mid, T, hd] -> [B, H, *mid, Tl, hd]."""
+    xp = get_array_module(a)
+    cp = group.size
+    T = a.shape[-2]
+    send = xp.ascontiguousarray(xp.stack([a[..., xp.asarray(zigzag_positions(T, cp, i)), :] for i in range(cp)]))
+    got = group.all_to_all(send.reshape(cp, -1), [1] * cp, [1] * cp).reshape(send.shape)  # [j]: heads block j
+    got = xp.moveaxis(got, 0, 1)  # [B, cp, H / cp, *mid, Tl, hd]
+    return xp.ascontiguousarray(got).reshape((got.shape[0], got.shape[1] * got.shape[2]) + got.shape[3:])
+
+
+class UlyssesCtx:
+    """The all-to-all attention's backward needs: the whole-sequence attention's own context."""
+
+    fused = False
+
+    def __init__(self, attention_ctx):
+        self.attention = attention_ctx
+
+
+def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None):
+    """(o, UlyssesCtx): q [B, nkv, g, Tl, hd], k and v [B, nkv, Tl, hd] this rank's tokens of
+    the TP-local heads (nkv divisible by cp) -> o of q's shape; dropout: None or (p, seed,
+    per-batch-row counter offsets of this rank's first head, global T)."""
+    cp, nkv = group.size, q.shape[1]
+    qh, kh, vh = (_seq_to_heads(group, a) for a in (q, k, v))
+    p, seed, offsets = (0.0, 0, 0) if dropout is None else dropout[:3]
+    if p:  # this rank's heads start (cp_rank * nkv / cp * g) heads after the TP rank's first
+        T = dropout[3]
+        first = group.rank * (nkv // cp) * q.shape[2] * T * T
+        offsets = [o + first for o in offsets]
+    o, attention_ctx = causal_attention_forward(qh, kh, vh, scale=scale, dropout_p=p, seed=seed, offset=offsets)
+    return _heads_to_seq(group, o), UlyssesCtx(attention_ctx)
+
+
+def ulysses_attention_backward(group, do, ctx: UlyssesCtx, out=None):
+    """(dq, dk, dv) of the forward that made ctx (out: optional arrays to write them into)."""
+    dh = causal_attention_backward(_seq_to_heads(group, get_array_module(do).ascontiguousarray(do)), ctx.attention)
+    grads = [_heads_to_seq(group, get_array_module(g).ascontiguousarray(g)) for g in dh]
+    if out is None:
+        return tuple(grads)
+    for dst, g in zip(out, grads):
+        dst[...] = g
+    return out
 
 
 def _ring_step(group, sends, recvs, compute):

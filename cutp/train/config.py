@@ -85,7 +85,9 @@ class RunConfig:
                       "tp, cp, dp, pp), every layer on seq-len/cp tokens; needs a --seq-len that 2*cp divides",
                       "mesh", kind=int, at_least=1)
     cp_comm: str = setting("ring", "context parallelism's attention: ring (K,V passed round the CP ranks, each step "
-                           "overlapping the attention on the block already there)", "mesh", choices=("ring",))
+                           "overlapping the attention on the block there) or a2a (all-to-all to whole sequences of a "
+                           "cp-th of the heads; the KV heads per TP rank must split over cp)", "mesh",
+                           choices=("ring", "a2a"))
     pp: int = setting(1, "pipeline stages: the layers split over pp ranks", "pipeline", kind=int, at_least=1)
     ep: int = setting(1, "expert parallelism: an MoE model's experts split over ep consecutive DP ranks (ep divides "
                       "dp and n_experts), tokens sent to them by all-to-all", "mesh", kind=int, at_least=1)
@@ -220,7 +222,8 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
-        check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.model.n_experts)
+        check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.model.n_experts,
+                               self.cp_comm, self.model.n_head, self.model.n_kv_head)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)

@@ -239,6 +239,8 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
+    if cfg.cp > 1:
+        model.set_context_parallel_comm(cfg.cp_comm)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
     if cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
         optimizer = ExpertParallelAdamW(model.parameters(), ctx, **kw)

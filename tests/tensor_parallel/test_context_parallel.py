@@ -31,6 +31,10 @@ LAYOUTS = [
     (dict(LLAMA_TINY, n_kv_head=1), dict(cp=2, tp=2, sequence_parallel=True), 16),  # GQA: 1 KV head < tp 2
     (LLAMA_TINY, dict(cp=4, recompute="full"), 16),
     (GPT_TINY, dict(cp=2, pp=2, recompute="selective"), 16),
+    # the all-to-all attention (Ulysses): the KV heads split over cp
+    (GPT_TINY, dict(cp=2, dp=2, cp_comm="a2a"), 8),
+    (dict(LLAMA_TINY, n_kv_head=4), dict(cp=2, tp=2, sequence_parallel=True, cp_comm="a2a"), 16),
+    (dict(LLAMA_TINY, n_kv_head=4), dict(cp=4, cp_comm="a2a", recompute="full"), 8),
 ]
 
 
@@ -181,6 +185,10 @@ def test_refusals_name_the_numbers():
     with pytest.raises(ConfigError, match=r"^cp 3 does not divide the 8 ranks; use a cp from \[1, 2, 4, 8\]"):
         validate_mesh(8, 1, None, cp=3)
     assert repr(validate_mesh(8, 2, None, cp=2)) == "Mesh(tp=2, cp=2, dp=2, pp=1)"
+    with pytest.raises(ConfigError, match=r"^cp_comm a2a splits each TP rank's KV heads over the CP ranks, but "
+                                          r"n_kv_head 2 / tp 1 leaves 2 KV head\(s\) a rank, which cp 4 does not "
+                                          r"divide; use a cp from \[1, 2\] or cp_comm ring$"):
+        RunConfig(model=GPTConfig(**GPT_TINY), cp=4, seq_len=16, cp_comm="a2a")
 
 
 # ---- checkpoints: the cp size is a layout -------------------------------------------------------
