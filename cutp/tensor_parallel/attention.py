@@ -53,7 +53,7 @@ import numpy as np
 from .. import ops
 from ..runtime.backend import get_array_module
 from .context_parallel import (RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
-                               ulysses_attention_backward, ulysses_attention_forward, zigzag_positions)
+                               ulysses_attention_backward, ulysses_attention_forward, zigzag_chunks)
 from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
 from .parameter import Module, normal_init
 from .random import SHARDED, RNGTracker
@@ -168,8 +168,12 @@ class ParallelAttention(Module):
         qkv = self.c_attn.forward(x)
         B, T_local = qkv.shape[0], qkv.shape[1]
         T = T_local * cp  # the whole sequence
-        if self.rotary is not None:
-            self._save("rotary", self._rotate(qkv, zigzag_positions(T, cp, cp_rank)))
+        if self.rotary is not None:  # the two chunks' rows of the tables (slices: no gather, no value read)
+            c, (first, second) = T_local // 2, zigzag_chunks(cp, cp_rank)
+            cos, sin = (self.ctx.xp.concatenate([t[first * c:(first + 1) * c], t[second * c:(second + 1) * c]])
+                        for t in self.rotary)
+            heads = self._qk_heads(qkv)
+            self._save("rotary", ops.rotary_forward(heads, cos, sin, out=heads)[1])
         q, k, v = self._split_heads(qkv)
         p, seed, offsets = self.attn_dropout.draw_rows(B, self.nq * T * T, first_elem=self.ctx.tp_rank * self.nq * T * T,
                                                        global_row_elems=self.n_head * T * T)
