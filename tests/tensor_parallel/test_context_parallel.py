@@ -199,25 +199,27 @@ def test_refusals_name_the_numbers():
 def _worker_checkpoint(out):
     """Saved at cp 2 x dp 2 with ZeRO (its state in 4 shards over DP x CP), resumed at cp 4 with
     ZeRO, at cp 1 x dp 4 without and at tp 2 x cp 2: the next step's loss and weights are the
-    uninterrupted run's."""
+    uninterrupted run's, and so is the validation loss (whole sequences on every CP rank)."""
     from mpi4py import MPI
     from cutp.bench.model import random_tokens
-    from cutp.train import build_run, resolve_run_config, save, train_step
+    from cutp.train import build_run, evaluate, resolve_run_config, save, train_step
 
     data = random_tokens(61, 4096, 0)
     kw = dict(batch_size=4, micro_batch_size=1, seq_len=16, steps=4, warmup=1, seed=3, eval_every=0, quiet=True,
-              save_on_signal=False, distributed_optimizer=True)
+              save_on_signal=False, distributed_optimizer=True, eval_batches=1)
     run = build_run(resolve_run_config(model=GPTConfig(**GPT_TINY), cp=2, dp=2, out=out, **kw), dataset=data)
     for _ in range(2):
         train_step(run)
     path = save(run)
     expected = train_step(run).loss
+    val = evaluate(run)  # evaluation runs whole sequences on every CP rank
     weights = {p.name: p.data[:p.real_rows].copy() for p in run.model.parameters()}  # (vocabulary padding off)
     run.close()
     MPI.COMM_WORLD.Barrier()
     for layout in (dict(cp=4, distributed_optimizer=True), dict(cp=1, dp=4), dict(tp=2, cp=2)):
         again = build_run(resolve_run_config(resume=path, **layout, **{k: kw[k] for k in ("eval_every", "quiet",
-                                                                                          "save_on_signal")}),
+                                                                                          "save_on_signal",
+                                                                                          "eval_batches")}),
                           dataset=data)
         assert again.step == 2 and again.ctx.cp_size == layout["cp"]
         loss = train_step(again).loss
@@ -225,6 +227,7 @@ def _worker_checkpoint(out):
         full = {p.name: np.asarray(gather_full(again.ctx.tp, p.data, p.sharding))[:p.real_rows]
                 for p in again.model.parameters()}
         assert_close(full, weights, 1e-10, f"weights after {layout}")
+        assert abs(evaluate(again) - val) <= 1e-10 * val, layout
         again.close()
 
 
