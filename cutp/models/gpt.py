@@ -13,6 +13,11 @@ Layouts: token ids and targets are replicated over the TP group; activations bet
 are replicated [B, T, n_embd] (with `set_sequence_parallel()`: this rank's tokens [B, T/tp,
 n_embd], so LayerNorm, dropout and the residual adds run on T/tp tokens); the logits stay
 sharded over the vocabulary (`gather_logits` gathers them for a caller; the loss never does).
+With context parallelism (ctx.cp_size > 1) a training forward takes the whole sequences and
+keeps its CP rank's zigzag chunks of them (`cutp.tensor_parallel.context_parallel`): every
+layer runs on T/cp tokens at their global positions, the attention meets the other chunks by
+the ring (or the all-to-all), and the loss is the mean over this rank's targets; evaluation,
+logits and generation run whole sequences on every CP rank.
 Parameters use GPT-2's names; `gather_state_dict` returns full, unpadded tensors under them.
 Rotary models (positions="rope") have no position table: the model builds the (cos, sin)
 tables once (`rotary`, [block_size, head_dim] in the model's table dtype) and every block's
@@ -208,8 +213,7 @@ class GPT(Module):
             return
         self._context_parallel = on
         shard = (self.ctx.cp_rank, self.ctx.cp_size) if on else None
-        for m in [self.drop, self.wpe] + [m for b in self.h for m in (b.attn, b.attn_dropout, b.mlp_dropout,
-                                                                       b.attn.attn_dropout)]:
+        for m in [self.drop, self.wpe] + [m for b in self.h for m in (b.attn, b.attn_dropout, b.mlp_dropout)]:
             if m is not None:
                 m.context_shard = shard
 
