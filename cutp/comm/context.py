@@ -171,10 +171,10 @@ class Context:
     def describe(self) -> str:
         pp = f" x pp={self.pp_size}" if self.pp_size > 1 else ""
         pp += f" (ep={self.ep_size})" if self.ep_size > 1 else ""
-        pp = (f" x cp={self.cp_size}" if self.cp_size > 1 else "") + pp
         pp_rank = f", pp_rank {self.pp_rank}" if self.pp_size > 1 else ""
-        return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size}{pp} "
-                f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}{pp_rank}) device={self.device}"
+        cp, cp_rank = (f" x cp={self.cp_size}", f", cp_rank {self.cp_rank}") if self.cp_size > 1 else ("", "")
+        return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size}{cp} x dp={self.dp_size}{pp} "
+                f"(tp_rank {self.tp_rank}{cp_rank}, dp_rank {self.dp_rank}{pp_rank}) device={self.device}"
                 + (f":{self.device_id}" if self.device_id is not None else "")
                 + f" comm={self.tp.kind}"
                 + (f" watchdog={self.watchdog.timeout:g}s" if self.watchdog.enabled else " watchdog=off"))
