@@ -47,24 +47,26 @@ def kv_width(a, tp: int) -> int:
 
 
 def cp_comm_bytes(a, *, s: int, b: int, tp: int, cp: int, cp_comm: str, layers: int, accum: int,
-                  itemsize: int) -> dict:
+                  itemsize: int, recomputed: int = 0) -> dict:
     """The CP group's point-to-point (ring) or all-to-all (a2a) traffic of a step on one rank:
-    {"calls", "elements", "bytes", "wire_bytes"} (module docstring)."""
+    {"calls", "elements", "bytes", "wire_bytes"} (module docstring); `recomputed` of the layers
+    run their forward again in backward (full recomputation: its exchanges too)."""
     if cp == 1:
         return {"calls": 0, "elements": 0, "bytes": 0, "wire_bytes": 0.0}
     local = b * (s // cp)
     kv = 2 * local * kv_width(a, tp)
+    forwards = (layers + recomputed) * accum
     if cp_comm == "ring":
-        grad_itemsize = max(itemsize, 4)
-        calls = layers * accum * ((cp - 1) + (cp - 1) + cp)
-        elements = layers * accum * (2 * (cp - 1) + cp) * kv
-        nbytes = layers * accum * ((2 * (cp - 1)) * kv * itemsize + cp * kv * grad_itemsize)
+        backward = layers * accum
+        calls = forwards * (cp - 1) + backward * ((cp - 1) + cp)
+        elements = (forwards * (cp - 1) + backward * (cp - 1)) * kv + backward * cp * kv
+        nbytes = (forwards * (cp - 1) + backward * (cp - 1)) * kv * itemsize + backward * cp * kv * max(itemsize, 4)
         return {"calls": calls, "elements": elements, "bytes": nbytes, "wire_bytes": float(nbytes)}
     q = local * (a.n_head // tp) * a.head_dim
     per_way = 2 * q + kv  # q, k, v, then o (forward); do, then dq, dk, dv (backward)
-    elements = layers * accum * 2 * per_way
+    elements = (forwards + layers * accum) * per_way
     nbytes = elements * itemsize
-    return {"calls": layers * accum * 8, "elements": elements, "bytes": nbytes,
+    return {"calls": (forwards + layers * accum) * 4, "elements": elements, "bytes": nbytes,
             "wire_bytes": nbytes * (cp - 1) / cp}
 
 

@@ -370,7 +370,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
         "cp": cp, "cp_comm": cp_comm,
-        "cp_exchange": cp_comm_bytes(a, s=s, b=b, tp=tp, cp=cp, cp_comm=cp_comm, layers=L, accum=accum, itemsize=pb),
+        "cp_exchange": cp_comm_bytes(a, s=s, b=b, tp=tp, cp=cp, cp_comm=cp_comm, layers=L, accum=accum, itemsize=pb,
+                                     recomputed=(L if recompute_layers is None else recompute_layers)
+                                     if recompute == "full" else 0),
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
         "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
         "ep_all_to_all": coll(sum(5 + 3 * (r + counted) for r in moe_recomputed) * accum if ep > 1 else 0,

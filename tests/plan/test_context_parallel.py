@@ -16,12 +16,14 @@ from cutp.plan.run import planned_step
 TINY = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=512, block_size=1024, dtype="float32")
 
 
-@pytest.mark.parametrize("comm", ["ring", "a2a"])
-def test_the_formula_counts_what_the_planned_step_sends(comm):
+@pytest.mark.parametrize("comm,recompute", [("ring", "none"), ("a2a", "none"), ("ring", "full"), ("a2a", "full")])
+def test_the_formula_counts_what_the_planned_step_sends(comm, recompute):
     a = arch_from_config("tiny", TINY)
-    got = planned_step(TINY, cp=2, cp_comm=comm, micro_batch=2, seq_len=256, device="cpu")["comm"]
+    got = planned_step(TINY, cp=2, cp_comm=comm, micro_batch=2, seq_len=256, device="cpu", recompute=recompute,
+                       recompute_layers=1 if recompute == "full" else None)["comm"]
     counted = sum(v["bytes"] for k, v in got.items() if k in ("cp.send", "cp.all_to_all"))
-    formula = cp_comm_bytes(a, s=256, b=2, tp=1, cp=2, cp_comm=comm, layers=2, accum=1, itemsize=4)
+    formula = cp_comm_bytes(a, s=256, b=2, tp=1, cp=2, cp_comm=comm, layers=2, accum=1, itemsize=4,
+                            recomputed=int(recompute == "full"))
     assert formula["bytes"] == counted > 0
     assert got.get("cp.recv", {"bytes": 0})["bytes"] == (counted if comm == "ring" else 0)  # as much arrives
 
