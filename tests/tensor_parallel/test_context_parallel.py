@@ -33,6 +33,7 @@ LAYOUTS = [
     (dict(LLAMA_TINY, n_kv_head=1), dict(cp=2, tp=2, sequence_parallel=True), 16),  # GQA: 1 KV head < tp 2
     (LLAMA_TINY, dict(cp=4, recompute="full"), 16),
     (GPT_TINY, dict(cp=2, pp=2, recompute="selective"), 16),
+    (dict(LLAMA_TINY, n_layer=4), dict(cp=2, pp=2, pp_schedule="interleaved", pp_virtual=2), 8),
     # the all-to-all attention (Ulysses): the KV heads split over cp
     (GPT_TINY, dict(cp=2, dp=2, cp_comm="a2a"), 8),
     (dict(LLAMA_TINY, n_kv_head=4), dict(cp=2, tp=2, sequence_parallel=True, cp_comm="a2a"), 16),
