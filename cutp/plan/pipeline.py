@@ -43,7 +43,8 @@ from ..runtime.errors import ConfigError
 from ..train.pipeline import SCHEDULES, pipeline_bubble
 from ..train.pipeline import plan as schedule_plan
 from ..train.reporting import Report
-from .layout import (GPUS, ITEMSIZE, Arch, check_positive, model_of_args, planned_ranks, check_layout, layer_activation_bytes,
+from .layout import (GPUS, ITEMSIZE, Arch, check_positive, model_of_args, planned_ranks, check_layout,
+                     layer_activation_bytes,
                    param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from ..runtime.mesh import Mesh

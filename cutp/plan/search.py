@@ -138,7 +138,8 @@ def run(args) -> Report:
                   seq_len=args.seq_len, batch_size=args.batch_size, max_cp=max_cp)
     report = Report("plan", {})
     report.extra["search"] = [{**{k: v for k, v in r.items() if k != "fit"},
-                               "fit": {f"{c / 1e9:g} GB": _cells(f, r["tp"], r["pp"], r.get("cp", 1)) for c, f in r["fit"].items()}}
+                               "fit": {f"{c / 1e9:g} GB": _cells(f, r["tp"], r["pp"], r.get("cp", 1))
+                                       for c, f in r["fit"].items()}}
                               for r in rows]
     if args.markdown:
         report.extra["markdown"] = markdown(a, rows, caps, args.gpus)

@@ -175,7 +175,8 @@ class ParallelAttention(Module):
             heads = self._qk_heads(qkv)
             self._save("rotary", ops.rotary_forward(heads, cos, sin, out=heads)[1])
         q, k, v = self._split_heads(qkv)
-        p, seed, offsets = self.attn_dropout.draw_rows(B, self.nq * T * T, first_elem=self.ctx.tp_rank * self.nq * T * T,
+        p, seed, offsets = self.attn_dropout.draw_rows(B, self.nq * T * T,
+                                                       first_elem=self.ctx.tp_rank * self.nq * T * T,
                                                        global_row_elems=self.n_head * T * T)
         attend = ulysses_attention_forward if self.cp_comm == "a2a" else ring_attention_forward
         o, cp_ctx = attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None)

@@ -438,7 +438,8 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     micro = c["micro_batch_size"] or default_micro_batch(batch // dp if batch % dp == 0 else batch, pp, schedule)
     steps = run["steps"]
     return RunConfig(
-        model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, cp=cp, cp_comm=c["cp_comm"], pp_layers=_layer_counts(c["pp_layers"]),
+        model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, cp=cp, cp_comm=c["cp_comm"],
+        pp_layers=_layer_counts(c["pp_layers"]),
         pp_schedule=schedule, pp_virtual=virtual, steps=steps, batch_size=batch, micro_batch_size=micro,
         seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
         min_lr=run["min_lr"],

@@ -463,8 +463,8 @@ def _from_last_stage(ctx: Context, value: float) -> float:
 def _dp_mean(ctx: Context, value: float, what: str, per_cp_rank: bool = False) -> float:
     """The mean of a host float over the DP group (sum, then divided by dp: the order the
     losses have always been averaged in); `per_cp_rank`: over DP x CP (a training loss, whose
-    CP ranks each hold their chunks' part; evaluation runs whole sequences on every CP rank). Named for the watchdog: a peer that never comes
-    shows as this reduction."""
+    CP ranks each hold their chunks' part; evaluation runs whole sequences on every CP rank).
+    Named for the watchdog: a peer that never comes shows as this reduction."""
     buf = np.array([value])
     group = ctx.dp_cp if per_cp_rank else ctx.dp
     with ctx.watchdog.guard(f"{what} (host all-reduce on {group.name})"):

@@ -82,7 +82,7 @@ def _worker_layouts(layouts):
         assert_close(params, {k: ref_params[k] for k in params}, 1e-10, f"{what} params")
 
 
-def test_every_layout_with_context_parallelism_gives_one_ranks_loss_gradients_and_weights_and_the_ring_overlaps(tmp_path):
+def test_every_layout_gives_one_ranks_loss_gradients_and_weights_and_the_ring_overlaps(tmp_path):
     # one launch: the layouts, the ring's order and bytes at cp 4, a checkpoint resumed at other cp sizes
     # and the activation memory of a 256-token sequence at cp 4 (<= 0.3x cp 1's, measured, and planned)
     run_mpi(4, "tests.tensor_parallel.test_context_parallel:_worker_all", LAYOUTS, 4, str(tmp_path / "run"),
