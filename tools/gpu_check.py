@@ -12,6 +12,11 @@ runs from the checkout with PYTHONPATH set to it. Parts, in order of importance:
   train (kernels)      examples/train_gpt.py --device cuda --preset tiny --steps 30
   train (reference)    the tiny run again with CUTP_KERNELS=0: losses and speed compared
   train (bfloat16)     the tiny run in bfloat16 (fp32 master weights): last loss within 2% of fp32
+  gemm throughput      python3 -m cutp.bench.gemm: a gpt2-medium step's GEMM shapes (8192 tokens)
+                       through cutp.ops.gemm (cuBLAS), TFLOP/s and % of the dense peak in bf16,
+                       fp32 and fp32 with TF32, CuPy's own matmul beside
+  training MFU         python3 -m cutp.bench model: one gpt2-medium bf16 step (8 x 1024 tokens),
+                       ms/step and MFU against the bf16 dense peak
   nccl 2-rank train    mpiexec -n 2 ... train_gpt.py --device cuda --tp 2 --steps 5, two ranks
                        sharing the GPU (NCCL_MULTI_RANK_GPU_ENABLE=1; needs NCCL >= 2.30)
   nccl 2-rank bf16 ZeRO-1  the tiny model in bfloat16 with --distributed-optimizer over dp=2
@@ -26,7 +31,8 @@ runs from the checkout with PYTHONPATH set to it. Parts, in order of importance:
 Each part runs in its own process with a time limit; a failure, a timeout or a missing tool is
 recorded and the next part still runs. The summary is printed and, when $OUT is set, written to
 $OUT/gpu_check_summary.txt (with .json and each part's full log under $OUT/gpu_check_logs/).
-Exit status 1 when any part failed.
+Exit status 1 when any part failed. (It runs over 500 lines: one prepared script for a lent
+machine, every part and its parsing in one file.)
 """
 from __future__ import annotations
 
@@ -399,6 +405,47 @@ def bench(name: str = "kernel benchmark", ops: str = "memory-bound", json_name: 
             part.status = "FAILED"
 
 
+def _find(obj, key):
+    """The first value of `key` anywhere in a JSON document (None if absent)."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        obj = list(obj.values())
+    for v in obj if isinstance(obj, list) else ():
+        found = _find(v, key)
+        if found is not None:
+            return found
+    return None
+
+
+def gemm_throughput() -> None:
+    j = CACHE / "gemm.json"
+    part, _ = run("gemm throughput", [PY, "-m", "cutp.bench.gemm", "--preset", "gpt2-medium", "--tokens", "8192",
+                                      "--json", str(j)], 60, min_needed=15)
+    if j.exists():
+        r = json.loads(j.read_text())
+        part.info = {k: r[k] for k in ("gpu", "bfloat16", "float32", "float32+tf32", "per_gemm",
+                                       "cupy.matmul bfloat16 (forward shapes)",
+                                       "cutp.ops.gemm bfloat16 (forward shapes)") if k in r}
+        part.detail = "; ".join(f"{k} {r[k]['tflops']} TFLOP/s" + (f" ({r[k]['pct_peak']:.0f}% of peak)" if
+                                r[k].get("pct_peak") is not None else "") for k in ("bfloat16", "float32", "float32+tf32")
+                                if k in r) + (f"; {part.detail}" if part.detail else "")
+
+
+def training_mfu() -> None:
+    j = CACHE / "mfu.json"
+    part, _ = run("training MFU", [PY, "-m", "cutp.bench", "model", "--device", "cuda", "--preset", "gpt2-medium",
+                                   "--dtype", "bfloat16", "--batch-size", "8", "--seq-len", "1024", "--steps", "3",
+                                   "--warmup", "2", "--json", str(j)], 90, min_needed=30)
+    if j.exists():
+        r = json.loads(j.read_text())
+        mfu, ms = _find(r, "mfu_pct"), _find(r, "step_ms")
+        part.info = {"mfu_pct": mfu, "step_ms": ms, "tokens_per_s": _find(r, "tokens_per_s")}
+        part.detail = (f"gpt2-medium bf16, 8 x 1024 tokens: {ms:.0f} ms/step, MFU "
+                       + (f"{mfu:.1f}%" if mfu is not None else "unknown (no peak for this GPU)")
+                       if ms is not None else "no step time in its JSON") + (f"; {part.detail}" if part.detail else "")
+
+
 def compare_trains(with_kernels: dict, reference: dict, name: str = "kernels vs reference run",
                    tol: float = 1e-2) -> None:
     part = Part(name, "skipped")
@@ -458,13 +505,15 @@ def main() -> int:
             compare_trains(with_kernels, reference)
             bf16 = train("train (bfloat16)", extra=("--dtype", "bfloat16"))  # bf16 kernels, fp32 masters
             compare_trains(bf16, with_kernels, "bfloat16 vs float32 run", tol=2e-2)
+            gemm_throughput()  # cuBLAS at the step's shapes: TFLOP/s, % of peak
+            training_mfu()
             nccl_parts(info)
             # attention: TFLOP/s of the fused kernels and their speed-up over the unfused path
             bench("attention benchmark", "attention", "bench_attention.json", 60, budget=40)
             bench()  # last: it takes what time is left
         else:
-            for name in ("gpu kernel tests", "train (kernels)", "nccl 2-rank train", "attention benchmark",
-                         "kernel benchmark"):
+            for name in ("gpu kernel tests", "train (kernels)", "gemm throughput", "training MFU",
+                         "nccl 2-rank train", "attention benchmark", "kernel benchmark"):
                 PARTS.append(Part(name, "skipped", detail="no usable GPU (see environment)"))
     except Exception as e:  # a bug here must not hide the parts that did run
         PARTS.append(Part("gpu_check.py itself", "FAILED", detail=f"{type(e).__name__}: {e}"))

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dp", type=int, default=None, help="default: world size / (tp * pp)")
     m.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    m.add_argument("--allow-tf32", action="store_true", help="float32 GEMMs round their operands to TF32")
     m.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded over DP (ZeRO-1)")
     m.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="activation recomputation (selective: the core attention; full: whole layers)")

@@ -22,6 +22,7 @@ import numpy as np
 import cutp
 
 from ..models import GPT, GPTConfig
+from ..models.names import from_gpt2, to_gpt2
 from ..runtime.threads import get_blas_threads, set_blas_threads
 from ..train.reporting import Report
 from .common import Timing, machine_info
@@ -112,7 +113,7 @@ def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
     model = GPT()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            a = state[name]
+            a = state[from_gpt2(name)]  # (the torch model keeps GPT-2's names)
             if name.endswith(".weight") and p.ndim == 2 and not name.startswith(("wte", "wpe")):
                 a = a.T  # Conv1D [in, out] -> nn.Linear [out, in]
             if tuple(a.shape) != tuple(p.shape):
@@ -122,7 +123,8 @@ def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
 
 
 def torch_grad(model, name):
-    """A torch gradient in cutp's layout (Conv1D [in, out])."""
+    """The torch gradient of cutp's parameter `name`, in cutp's layout (Conv1D [in, out])."""
+    name = to_gpt2(name)
     p = dict(model.named_parameters())[name]
     g = p.grad.detach().numpy()
     if g.ndim == 2 and not name.startswith(("wte", "wpe")):
@@ -130,7 +132,7 @@ def torch_grad(model, name):
     return g
 
 
-CHECKED_GRADS = ("wte.weight", "h.0.attn.c_attn.weight", "h.0.mlp.c_fc.bias", "ln_f.weight")
+CHECKED_GRADS = ("tok_embed.weight", "layers.0.attn.qkv.weight", "layers.0.mlp.fc1.bias", "final_norm.weight")
 
 
 def check_same_work(model, tmodel, idx, targets, *, rtol_loss=1e-5, rtol_grad=1e-3) -> dict:
@@ -152,7 +154,7 @@ def check_same_work(model, tmodel, idx, targets, *, rtol_loss=1e-5, rtol_grad=1e
         if name not in params:
             continue
         g = model.ctx.to_numpy(params[name].grad)
-        if name == "wte.weight":
+        if name == "tok_embed.weight":
             g = g[: model.config.vocab_size]
         tg = torch_grad(tmodel, name)
         rel = float(np.max(np.abs(g - tg)) / max(np.max(np.abs(tg)), 1e-30))

@@ -32,7 +32,6 @@ as well; on the CPU the process's peak resident set size.
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 import time
 
@@ -41,6 +40,7 @@ from mpi4py import MPI
 
 from ..data import Dataset
 from ..models import GPTConfig
+from ..ops import tf32_allowed
 from ..runtime.threads import set_blas_threads
 from ..train import StepHooks, build_run, resolve_run_config, train_step
 from ..train.memory import ActivationPeak, cached_activation_bytes, stash_per_layer, state_bytes
@@ -216,7 +216,8 @@ def run(args) -> Report:
                              micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
-                             recompute=args.recompute, sequence_parallel=args.sequence_parallel)
+                             recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                             allow_tf32=getattr(args, "allow_tf32", False))
     run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),
                                                       args.seed))
     ctx, config, T = run.ctx, cfg.model, cfg.seq_len
@@ -291,7 +292,7 @@ def run(args) -> Report:
     if device == "cuda":
         info = gpu_info(xp)
         peak = gpu_peak(info["gpu"])
-        tf32 = os.environ.get("CUPY_TF32", "0") == "1"  # CuPy's float32 GEMMs on tensor cores
+        tf32 = tf32_allowed()  # --allow-tf32: float32 GEMMs on tensor cores (cutp.ops.gemm)
         pk = peak_tflops(peak, config.dtype, tf32=tf32)
         if pk:
             mfu = 100.0 * flops / n_dev / (pk * 1e12)

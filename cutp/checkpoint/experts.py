@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 def _layer(name: str) -> str | None:
-    """The MoE layer prefix of an expert parameter's name ("h.0.mlp"), else None."""
+    """The MoE layer prefix of an expert parameter's name ("layers.0.mlp"), else None."""
     return name.split(".experts.")[0] if ".experts." in name else None
 
 

@@ -13,7 +13,10 @@ TP x PP ranks imply), and each file's bytes against the tensors meta.json says i
 allocation can exceed what lies on disk. Every path is a plain file name inside the checkpoint
 directory (a symlink may not lead out of it) and only regular files are opened. A checkpoint of an
 older cutp without `meta_sha256` is accepted with a warning (its fields are still checked
-against the files); saving it again (resume, save) protects it.
+against the files); saving it again (resume, save) protects it. A checkpoint written before cutp
+named its parameters neutrally (GPT-2's wte, h.{i}.attn.c_attn, ...; `cutp.models.names`) is read
+under today's names: `read_meta` renames its parameters and keeps the names its files use in
+`meta["stored_names"]`, through which every tensor is looked up (`cutp.checkpoint.names`).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from ..models import GPTConfig, stage_layers
+from ..models.names import from_gpt2
+from .names import neutral_key, stored_names_view
 from ..runtime.errors import ConfigError, UserError
 
 FORMAT = "cutp-checkpoint"
@@ -77,10 +82,10 @@ def stage_of_name(name: str, layers: list) -> int | None:
     """The stage that holds parameter `name` of a model cut into stages of `layers` (each stage's
     layer indices, `stage_layers`):
     a block's stage, the embeddings on the first, the final LayerNorm and the head on the last."""
-    if name.startswith("h."):
+    if name.startswith("layers."):
         i = name.split(".")[1]
         return next((s for s, r in enumerate(layers) if i.isdigit() and int(i) in r), None)
-    return 0 if name.startswith(("wte.", "wpe.")) else len(layers) - 1
+    return 0 if name.startswith(("tok_embed.", "pos_embed.")) else len(layers) - 1
 
 
 def safe_path(directory: str, name, what: str = "file") -> str:
@@ -193,6 +198,8 @@ def read_meta(ckpt: str) -> dict:
         raise CheckpointError(f"{path} is not cutp checkpoint metadata (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path} has format version {meta.get('version')!r}; this cutp reads version {VERSION}")
+    stored = meta
+    meta = stored_names_view(meta)
     problem = _meta_problem(meta)
     if problem:
         raise CheckpointError(f"{path} is malformed: {problem}")
@@ -203,9 +210,9 @@ def read_meta(ckpt: str) -> dict:
             print(f"cutp checkpoint: warning: {path} has no checksum (written by an older cutp): its fields are "
                   "checked against the files, but an edit to it cannot be detected; a checkpoint saved by this "
                   "cutp (resume and save) is protected", file=sys.stderr, flush=True)
-    elif saved != meta_checksum(meta):
+    elif saved != meta_checksum(stored):
         raise CheckpointError(f"{path} was modified after it was written: its checksum {str(saved)[:16]}... does "
-                              f"not match its content {meta_checksum(meta)[:16]}...; the checkpoint cannot be "
+                              f"not match its content {meta_checksum(stored)[:16]}...; the checkpoint cannot be "
                               "trusted: use another checkpoint (or restore the original meta.json)")
     return meta
 
@@ -399,6 +406,8 @@ def _header_problem(header: dict, meta: dict, fname: str) -> str | None:
     kind, stage = match.group("kind"), int(match.group("s") or 0)
     params = {name: info for name, info in meta["params"].items() if param_stage(info) == stage}
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if "stored_names" in meta:  # an older checkpoint's GPT-2 names, seen under cutp's
+        tensors = {neutral_key(k, kind): v for k, v in tensors.items()}
     for key, t in tensors.items():
         if not (isinstance(t, dict) and isinstance(t.get("shape"), list) and isinstance(t.get("dtype"), str)):
             return f"tensor {key!r} has a malformed header entry"
@@ -421,6 +430,8 @@ def _header_problem(header: dict, meta: dict, fname: str) -> str | None:
             return "its offsets metadata is malformed"
         if not isinstance(offsets, dict):
             return "its offsets metadata is malformed"
+        if "stored_names" in meta:
+            offsets = {from_gpt2(k): v for k, v in offsets.items()}
     for key, t in tensors.items():
         prefix, _, name = key.partition(".")
         if prefix not in ("exp_avg", "exp_avg_sq", "master") or name not in params:

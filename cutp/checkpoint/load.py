@@ -14,6 +14,7 @@ from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
 from ..tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
 from .files import (CheckpointError, mesh_pp, model_file, optim_file, param_stage, read_meta, shard_shape,
                     unlisted_files, verify_file)
+from .names import stored_key
 from .run_dir import resolve_checkpoint
 
 # GPTConfig fields that change the parameters' shapes or meaning: a checkpoint loads only into
@@ -60,18 +61,19 @@ class ShardReader:
     def get(self, r, key):
         name = key if self.kind == "model" else key.split(".", 1)[1]
         names = self.fnames(r, name)
+        stored, stored_name = stored_key(self.meta, key, name), stored_key(self.meta, name, name)
         if len(names) == 1:
             f, _ = self._file(names[0])
-            if key not in f.keys():
-                raise CheckpointError(f"{names[0]} has no tensor {key!r}")
-            return f.get_tensor(key)
+            if stored not in f.keys():
+                raise CheckpointError(f"{names[0]} has no tensor {stored!r}")
+            return f.get_tensor(stored)
         shape = shard_shape(self.meta["params"][name])
         size, out, covered = int(np.prod(shape)), None, 0
         for fname in names:
             f, offsets = self._file(fname)
-            if name in offsets:
-                a, b = offsets[name]
-                piece = f.get_tensor(key) if key in f.keys() else None
+            if stored_name in offsets:
+                a, b = offsets[stored_name]
+                piece = f.get_tensor(stored) if stored in f.keys() else None
                 if piece is None or not 0 <= a < b <= size or piece.size != b - a:
                     raise CheckpointError(f"{fname}: the piece [{a}, {b}) of {key} is missing or does not fit")
                 out = np.empty(size, piece.dtype) if out is None else out

@@ -40,7 +40,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     # so "DP" below is the DP x CP group: dp_cp_rank, dp_cp_size; the DP group itself at cp 1)
     sharded = optimizer is not None and optimizer.distributed and ctx.dp_cp_size > 1
     s, pp = ctx.pp_rank, ctx.pp_size
-    params = [p for p in model.parameters() if not (p.name == "wte.weight" and not model.first_stage)]
+    params = [p for p in model.parameters() if not (p.name == "tok_embed.weight" and not model.first_stage)]
     kept = {p.name for p in params}
     mine = []  # (file name, tensors, offsets or None) this rank writes
     param_info = {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),

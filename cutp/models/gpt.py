@@ -129,47 +129,47 @@ class GPT(Module):
         self.seed = seed
         self.pp_virtual = pp_virtual
         self.chunks = chunks[ctx.pp_rank::ctx.pp_size]  # this stage's model chunks' global layer indices
-        self.layers = stage_layers(config.n_layer, ctx.pp_size, pp_layers, pp_virtual)[ctx.pp_rank]
+        self.layer_ids = stage_layers(config.n_layer, ctx.pp_size, pp_layers, pp_virtual)[ctx.pp_rank]
         self.first_stage, self.last_stage = ctx.pp_rank == 0, ctx.pp_rank == ctx.pp_size - 1
         self.ignore_index = -100
         c, dt = config, DTYPES[config.dtype]
         self.padded_vocab = c.padded_vocab(ctx.tp_size)
         self.rng = RNGTracker(seed, ctx.tp_rank, ctx.dp_rank)
         seed = seed if init else None
-        self.wte = self.wpe = self.drop = self.ln_f = self.lm_head = self.loss_fn = None
+        self.tok_embed = self.pos_embed = self.drop = self.final_norm = self.lm_head = self.loss_fn = None
         if self.first_stage or (self.last_stage and c.tie_embeddings):
-            self.wte = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="wte", seed=seed,
+            self.tok_embed = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="tok_embed", seed=seed,
                                               dtype=dt)
         if self.first_stage:
             if c.positions == "learned":
-                self.wpe = PositionEmbedding(ctx, c.block_size, c.n_embd, name="wpe", seed=seed, dtype=dt)
+                self.pos_embed = PositionEmbedding(ctx, c.block_size, c.n_embd, name="pos_embed", seed=seed, dtype=dt)
             self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
         # rotary positions: one (cos, sin) table for every layer, positions 0..block_size-1
         self.rotary = None
         if c.positions == "rope":
             self.rotary = ops.rope_tables(c.head_size, c.block_size, c.rope_theta, c.rope, dt, xp=ctx.xp)
-        self.h = [ParallelTransformerBlock(ctx, c.block_spec(i), layer=i, rng=self.rng, seed=seed, dtype=dt,
+        self.layers = [ParallelTransformerBlock(ctx, c.block_spec(i), layer=i, rng=self.rng, seed=seed, dtype=dt,
                                            rotary=self.rotary)
-                  for i in self.layers]
-        self.moe_layers = [b.mlp for b in self.h if isinstance(b.mlp, MoEMLP)]
-        self._chunk_blocks, at = [], 0  # each chunk's blocks, out of self.h
+                  for i in self.layer_ids]
+        self.moe_layers = [b.mlp for b in self.layers if isinstance(b.mlp, MoEMLP)]
+        self._chunk_blocks, at = [], 0  # each chunk's blocks, out of self.layers
         for r in self.chunks:
-            self._chunk_blocks.append(self.h[at:at + len(r)])
+            self._chunk_blocks.append(self.layers[at:at + len(r)])
             at += len(r)
         if self.last_stage:
-            self.ln_f = make_norm(ctx, c.norm, c.n_embd, name="ln_f", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
+            self.final_norm = make_norm(ctx, c.norm, c.n_embd, name="final_norm", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
             if c.tie_embeddings:
-                self.lm_head = ParallelLMHead(ctx, self.wte)
+                self.lm_head = ParallelLMHead(ctx, self.tok_embed)
             else:
                 self.lm_head = ParallelLMHead(ctx, vocab_size=c.vocab_size, padded_vocab=self.padded_vocab,
                                               dim=c.n_embd, name="lm_head", seed=seed, dtype=dt)
             self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
                                                      ignore_index=self.ignore_index, label_smoothing=c.label_smoothing)
-        if c.tie_embeddings and ctx.pp_size > 1 and self.wte is not None:
+        if c.tie_embeddings and ctx.pp_size > 1 and self.tok_embed is not None:
             # the tied table on the first and the last stage: one gradient, summed over both
-            self.wte.weight.grad_sync = sum_grad_over(ctx.embedding)
+            self.tok_embed.weight.grad_sync = sum_grad_over(ctx.embedding)
             if not self.first_stage:
-                self.wte.weight.norm_mask = False  # counted in the norm on the first stage only
+                self.tok_embed.weight.norm_mask = False  # counted in the norm on the first stage only
         self.sequence_parallel = False
         self._context_parallel = False
 
@@ -192,12 +192,12 @@ class GPT(Module):
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead, MoEMLP)):
                 m.sequence_parallel = on
         shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
-        for m in [self.drop, self.wpe] + [d for b in self.h for d in (b.attn_dropout, b.mlp_dropout)]:
+        for m in [self.drop, self.pos_embed] + [d for b in self.layers for d in (b.attn_dropout, b.mlp_dropout)]:
             if m is not None:  # (the embeddings live on the first pipeline stage only)
                 m.sequence_shard = shard
         # the replicated parameters used on sequence shards: positions, LayerNorms, row biases, routers
-        on_shards = [self.wpe, self.ln_f] + [m for b in self.h for m in (b.ln_1, b.ln_2, b.attn.c_proj)]
-        on_shards += [b.mlp.c_proj for b in self.h if not isinstance(b.mlp, MoEMLP)]
+        on_shards = [self.pos_embed, self.final_norm] + [m for b in self.layers for m in (b.attn_norm, b.mlp_norm, b.attn.proj)]
+        on_shards += [b.mlp.fc2 for b in self.layers if not isinstance(b.mlp, MoEMLP)]
         used = {id(p) for m in on_shards if m is not None for p in m.own_parameters() if p.sharding is None}
         used |= {id(m.router) for m in self.moe_layers}
         for p in self.parameters():
@@ -213,7 +213,8 @@ class GPT(Module):
             return
         self._context_parallel = on
         shard = (self.ctx.cp_rank, self.ctx.cp_size) if on else None
-        for m in [self.drop, self.wpe] + [m for b in self.h for m in (b.attn, b.attn_dropout, b.mlp_dropout)]:
+        blocks = [m for b in self.layers for m in (b.attn, b.attn_dropout, b.mlp_dropout)]
+        for m in [self.drop, self.pos_embed] + blocks:
             if m is not None:
                 m.context_shard = shard
 
@@ -225,7 +226,7 @@ class GPT(Module):
                                self.config.n_head, self.config.n_kv_head)
         if comm not in COMMS:
             raise ConfigError(f"`cp_comm` {comm!r}: use one of {', '.join(COMMS)}")
-        for b in self.h:
+        for b in self.layers:
             b.attn.cp_comm = comm
 
     @contextlib.contextmanager
@@ -253,7 +254,7 @@ class GPT(Module):
             raise ConfigError(f"`recompute` {mode!r}: use one of {', '.join(self.RECOMPUTE)}")
         if layers is not None and (mode != "full" or not (isinstance(layers, int) and 1 <= layers <= n)):
             raise ConfigError(f"`recompute_layers` {layers!r} needs `recompute` full and 1 <= N <= n_layer ({n})")
-        for i, block in zip(self.layers, self.h):  # i: the global layer index (pipeline stages)
+        for i, block in zip(self.layer_ids, self.layers):  # i: the global layer index (pipeline stages)
             block.attn.recompute_core = mode == "selective"
             block.recompute = mode == "full" and i < (n if layers is None else layers)
 
@@ -313,16 +314,16 @@ class GPT(Module):
         if self.sequence_parallel and not self._splits_sequence(T) and not self.training:
             with self.without_sequence_parallel():  # an evaluation forward whose T does not split
                 return self.hidden_states(idx)
-        return self.ln_f.forward(self._blocks(self._embed(idx)))
+        return self.final_norm.forward(self._blocks(self._embed(idx)))
 
     def _embed(self, idx):
-        x = self.wte.forward(idx)
-        if self.wpe is not None:  # (rotary models turn Q and K in the attention instead)
-            x += self.wpe.forward(idx.shape[1])
+        x = self.tok_embed.forward(idx)
+        if self.pos_embed is not None:  # (rotary models turn Q and K in the attention instead)
+            x += self.pos_embed.forward(idx.shape[1])
         return self.drop.forward(x)
 
     def _blocks(self, x):
-        for block in self.h:
+        for block in self.layers:
             x = block.forward(x)
         return x
 
@@ -353,7 +354,7 @@ class GPT(Module):
             x = block.forward(x)
         if not self.gives_loss(chunk) or not head:
             return x
-        logits = self.lm_head.forward(self.ln_f.forward(x))
+        logits = self.lm_head.forward(self.final_norm.forward(x))
         if targets is None:
             return logits
         return self.loss_fn.forward(logits, targets, inplace_backward=True)
@@ -373,7 +374,7 @@ class GPT(Module):
         for m in moe:
             m.aux_grad = aux_grad
         if self.gives_loss(chunk):
-            dx = self.ln_f.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
+            dx = self.final_norm.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
         else:
             dx = grad
         for block in reversed(blocks):
@@ -381,9 +382,9 @@ class GPT(Module):
         if not self.takes_tokens(chunk):
             return dx
         dx = self.drop.backward(dx)
-        if self.wpe is not None:
-            self.wpe.backward(dx)
-        self.wte.backward(dx)
+        if self.pos_embed is not None:
+            self.pos_embed.backward(dx)
+        self.tok_embed.backward(dx)
         return None
 
     def take_activations(self) -> list:
@@ -480,7 +481,7 @@ class GPT(Module):
     # ---- generation ---------------------------------------------------------------------------
     def new_kv_cache(self, batch: int, max_len: int):
         dt = DTYPES[self.config.dtype]
-        return [b.attn.new_kv_cache(batch, max_len, dt) for b in self.h]
+        return [b.attn.new_kv_cache(batch, max_len, dt) for b in self.layers]
 
     def forward_cached(self, idx, caches):
         """Eval-mode logits (sharded, padding -inf, as `forward`'s) for new tokens idx [B, Tn] after
@@ -496,12 +497,12 @@ class GPT(Module):
         T = idx.shape[1]
         if n0 + T > self.config.block_size:
             raise ValueError(f"generation reached {n0 + T} positions; block_size is {self.config.block_size}")
-        x = self.wte.forward(idx)
-        if self.wpe is not None:
-            x += self.wpe.weight.data[n0:n0 + T]
-        for block, cache in zip(self.h, caches):
+        x = self.tok_embed.forward(idx)
+        if self.pos_embed is not None:
+            x += self.pos_embed.weight.data[n0:n0 + T]
+        for block, cache in zip(self.layers, caches):
             x = block.forward_cached(x, cache)
-        return self._mask_padding(self.lm_head.forward(self.ln_f.forward(x)))
+        return self._mask_padding(self.lm_head.forward(self.final_norm.forward(x)))
 
     # ---- state -------------------------------------------------------------------------------
     def named_parameters(self) -> dict:

@@ -9,9 +9,10 @@ A directory holds `config.json` (a GPT2Config) and `model.safetensors`, or shard
 the directory), read tensor by tensor either way. No torch is needed: the tensors are read and
 written with safetensors' NumPy API.
 
-Names and layouts: cutp uses GPT-2's own parameter names and layouts (Conv1D weights [in, out];
-`h.{i}.attn.c_attn.weight` [n_embd, 3*n_embd] with columns [q | k | v], heads in order), so the
-mapping is the identity apart from the `transformer.` prefix that `GPT2LMHeadModel` adds (a
+Names and layouts: cutp uses GPT-2's layouts (Conv1D weights [in, out]; `h.{i}.attn.c_attn.weight`
+[n_embd, 3*n_embd] with columns [q | k | v], heads in order) under its own names
+(`cutp.models.names`: h.{i}.attn.c_attn is layers.{i}.attn.qkv), so the mapping is a renaming
+(`names.to_gpt2` / `from_gpt2`) plus the `transformer.` prefix that `GPT2LMHeadModel` adds (a
 `GPT2Model` checkpoint, such as the original `gpt2` upload, has none; both are read), the
 non-parameter buffers that old checkpoints carry (`h.N.attn.bias`, `h.N.attn.masked_bias`:
 skipped), and `lm_head.weight`, which is tied to `wte.weight` in GPT-2: `save_pretrained` leaves
@@ -39,6 +40,7 @@ from .hf_files import (CONFIG_FILE, INDEX_FILE, HFFormatError, load_checked, loa
                        write_hf_dir)
 from .hf_llama import FAMILIES as LLAMA_FAMILIES
 from .hf_llama import config_from_hf_llama, from_hf_llama, is_llama_family, load_hf_llama_into, save_hf_llama
+from .names import from_gpt2, to_gpt2
 from .hf_files import FLOAT_DTYPES as _FLOAT_DTYPES
 from .hf_files import SAVE_DTYPES as _SAVE_DTYPES
 from .hf_files import files as _files
@@ -149,32 +151,35 @@ def config_to_hf(cfg: GPTConfig) -> dict:
 
 
 def expected_shapes(cfg: GPTConfig) -> dict:
-    """Full (unpadded) shape of every parameter of a GPT-2 model, under cutp's (= GPT-2's) names."""
+    """Full (unpadded) shape of every parameter of a GPT-2 model, under cutp's names."""
     h, V, hid = cfg.n_embd, cfg.vocab_size, cfg.hidden
     qkv = (cfg.n_head + 2 * cfg.kv_heads) * (h // cfg.n_head)
-    s = {"wte.weight": (V, h), "wpe.weight": (cfg.block_size, h)}
+    s = {"tok_embed.weight": (V, h), "pos_embed.weight": (cfg.block_size, h)}
     for i in range(cfg.n_layer):
-        p = f"h.{i}."
-        s.update({p + "ln_1.weight": (h,), p + "ln_1.bias": (h,),
-                  p + "attn.c_attn.weight": (h, qkv), p + "attn.c_attn.bias": (qkv,),
-                  p + "attn.c_proj.weight": (h, h), p + "attn.c_proj.bias": (h,),
-                  p + "ln_2.weight": (h,), p + "ln_2.bias": (h,),
-                  p + "mlp.c_fc.weight": (h, hid), p + "mlp.c_fc.bias": (hid,),
-                  p + "mlp.c_proj.weight": (hid, h), p + "mlp.c_proj.bias": (h,)})
-    s["ln_f.weight"] = (h,)
-    s["ln_f.bias"] = (h,)
+        p = f"layers.{i}."
+        s.update({p + "attn_norm.weight": (h,), p + "attn_norm.bias": (h,),
+                  p + "attn.qkv.weight": (h, qkv), p + "attn.qkv.bias": (qkv,),
+                  p + "attn.proj.weight": (h, h), p + "attn.proj.bias": (h,),
+                  p + "mlp_norm.weight": (h,), p + "mlp_norm.bias": (h,),
+                  p + "mlp.fc1.weight": (h, hid), p + "mlp.fc1.bias": (hid,),
+                  p + "mlp.fc2.weight": (hid, h), p + "mlp.fc2.bias": (h,)})
+    s["final_norm.weight"] = (h,)
+    s["final_norm.bias"] = (h,)
     if not cfg.tie_embeddings:
         s["lm_head.weight"] = (V, h)
     return s
 
 
 def check_state_dict(cfg: GPTConfig, sd: dict, where: str = "state dict") -> None:
-    """Raises HFFormatError naming each missing/unexpected key and each shape that differs from the config."""
+    """Raises HFFormatError naming each missing/unexpected key (cutp's names) and each shape that
+    differs from the config."""
     _check_shapes(cfg, {k: tuple(np.shape(v)) for k, v in sd.items()}, where)
 
 
-def _check_shapes(cfg: GPTConfig, shapes: dict, where: str) -> None:
-    want = expected_shapes(cfg)
+def _check_shapes(cfg: GPTConfig, shapes: dict, where: str, naming=lambda name: name) -> None:
+    """`shapes` under the names `naming` gives cutp's (GPT-2's for a file, so the message names
+    what the file holds)."""
+    want = {naming(k): shape for k, shape in expected_shapes(cfg).items()}
     missing = [k for k in want if k not in shapes]
     unexpected = sorted(k for k in shapes if k not in want)
     if missing or unexpected:
@@ -193,7 +198,8 @@ def _check_shapes(cfg: GPTConfig, shapes: dict, where: str) -> None:
 # ---- loading ----------------------------------------------------------------------------------
 def _plan(path: str, dtype: str, dropout: float):
     """Reads the config and the weights' headers (no tensor data) and checks every key, dtype and
-    shape. Returns (cfg, {cutp name: (file, key)}, (file, key) of an lm_head to compare with wte or None)."""
+    shape. Returns (cfg, {cutp name: (file, key)}, (file, key) of an lm_head to compare with the
+    embedding or None)."""
     cfg_file, w_files, index = _files(path)
     cfg = config_from_hf(read_hf_config(path), dtype=dtype, dropout=dropout, where=cfg_file)
     keys, shapes, tied_head, found = {}, {}, None, set()
@@ -221,8 +227,8 @@ def _plan(path: str, dtype: str, dropout: float):
         absent = sorted(set(index) - found)
         if absent:
             raise HFFormatError(f"{path}/{INDEX_FILE} lists {absent[:4]} in files that do not hold them")
-    _check_shapes(cfg, shapes, where=w_files[0] if len(w_files) == 1 else f"{path}/{INDEX_FILE}")
-    return cfg, keys, tied_head
+    _check_shapes(cfg, shapes, where=w_files[0] if len(w_files) == 1 else f"{path}/{INDEX_FILE}", naming=to_gpt2)
+    return cfg, {from_gpt2(name): where for name, where in keys.items()}, tied_head
 
 
 def _iter_tensors(path: str, dtype: str, dropout: float):
@@ -236,7 +242,7 @@ def _iter_tensors(path: str, dtype: str, dropout: float):
 
     def tensors():
         if tied_head is not None:  # a tied head that was saved anyway must equal the embedding
-            wte, head = read(*keys["wte.weight"]), read(*tied_head)
+            wte, head = read(*keys["tok_embed.weight"]), read(*tied_head)
             if wte.shape != head.shape or not np.array_equal(wte, head):
                 raise HFFormatError(f"{tied_head[0]}: lm_head.weight differs from wte.weight but tie_word_embeddings "
                                     f"is true in {path}/{CONFIG_FILE}; set it to false to load an untied head")
@@ -251,7 +257,8 @@ def _iter_tensors(path: str, dtype: str, dropout: float):
 
 
 def load_hf_gpt2(path: str, dtype: str = "float32", dropout: float = 0.0) -> tuple[GPTConfig, dict]:
-    """Reads a Hugging Face GPT-2 directory: (GPTConfig, {cutp name: full float NumPy array}).
+    """Reads a Hugging Face GPT-2 directory: (GPTConfig, {cutp name: full float NumPy array}), the
+    names cutp's (`cutp.models.names`: wte.weight is tok_embed.weight).
 
     Keys may carry the `transformer.` prefix or not; buffers (h.N.attn.bias / masked_bias) are
     skipped; a tied `lm_head.weight` equal to `wte.weight` is dropped. float16/bfloat16/float32/
@@ -312,7 +319,7 @@ def _write_dir(full: dict, cfg: GPTConfig, path: str, dtype) -> None:
         hf_cfg["dtype"] = str(kinds.pop()) if len(kinds) == 1 else cfg.dtype
     tensors = {}
     for name, a in full.items():
-        key = name if name == "lm_head.weight" else "transformer." + name
+        key = name if name == "lm_head.weight" else "transformer." + to_gpt2(name)
         tensors[key] = _to_save_dtype(np.asarray(a), dtype)
     write_hf_dir(tensors, hf_cfg, path)
 

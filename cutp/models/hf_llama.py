@@ -8,17 +8,17 @@ SmolLM), Qwen2ForCausalLM, MistralForCausalLM and MixtralForCausalLM directories
 
 Names and layouts (HF's Linear weights are [out, in], cutp's [in, out]):
 
-    model.embed_tokens.weight                  wte.weight
-    model.layers.i.input_layernorm.weight      h.i.ln_1.weight
-    self_attn.{q,k,v}_proj.{weight,bias}       h.i.attn.c_attn.{weight,bias}: columns [q | k | v]
-    self_attn.o_proj.{weight,bias}             h.i.attn.c_proj
-    post_attention_layernorm.weight            h.i.ln_2.weight
-    mlp.{gate,up}_proj                         h.i.mlp.c_fc: columns [gate | up] (each TP rank then
-                                               holds [gate_r ; up_r], by the gate_up sharding)
-    mlp.down_proj                              h.i.mlp.c_proj
-    block_sparse_moe.gate.weight [E, h]        h.i.mlp.router.weight [h, E]
-    block_sparse_moe.experts.e.w1 / w3 / w2    h.i.mlp.experts.e.c_fc [gate | up] / c_proj
-    model.norm.weight, lm_head.weight          ln_f.weight, lm_head.weight (absent when tied)
+    model.embed_tokens.weight                  tok_embed.weight
+    model.layers.i.input_layernorm.weight      layers.i.attn_norm.weight
+    self_attn.{q,k,v}_proj.{weight,bias}       layers.i.attn.qkv.{weight,bias}: columns [q | k | v]
+    self_attn.o_proj.{weight,bias}             layers.i.attn.proj
+    post_attention_layernorm.weight            layers.i.mlp_norm.weight
+    mlp.{gate,up}_proj                         layers.i.mlp.fc1: columns [gate | up] (each TP rank
+                                               then holds [gate_r ; up_r], by the gate_up sharding)
+    mlp.down_proj                              layers.i.mlp.fc2
+    block_sparse_moe.gate.weight [E, h]        layers.i.mlp.router.weight [h, E]
+    block_sparse_moe.experts.e.w1 / w3 / w2    layers.i.mlp.experts.e.fc1 [gate | up] / fc2
+    model.norm.weight, lm_head.weight          final_norm.weight, lm_head.weight (absent when tied)
 
 Q and K load unpermuted: cutp's rotary op is HF's rotate_half layout. An old converter's
 `rotary_emb.inv_freq` buffers are skipped.
@@ -217,34 +217,35 @@ def _recipes(cfg: GPTConfig):
     """(cutp name, [HF keys], how) per cutp parameter. how: "same"; "T" (transposed); "cat" the
     keys' [out, in] weights transposed and concatenated by columns ([q | k | v], [gate | up]);
     "catb" their biases concatenated."""
-    out = [("wte.weight", ["model.embed_tokens.weight"], "same"), ("ln_f.weight", ["model.norm.weight"], "same")]
+    out = [("tok_embed.weight", ["model.embed_tokens.weight"], "same"),
+           ("final_norm.weight", ["model.norm.weight"], "same")]
     if not cfg.tie_embeddings:
         out.append(("lm_head.weight", ["lm_head.weight"], "same"))
     for i in range(cfg.n_layer):
-        p, c = f"model.layers.{i}.", f"h.{i}."
+        p, c = f"model.layers.{i}.", f"layers.{i}."
         a = p + "self_attn."
-        out += [(c + "ln_1.weight", [p + "input_layernorm.weight"], "same"),
-                (c + "ln_2.weight", [p + "post_attention_layernorm.weight"], "same"),
-                (c + "attn.c_attn.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], "cat"),
-                (c + "attn.c_proj.weight", [a + "o_proj.weight"], "T")]
+        out += [(c + "attn_norm.weight", [p + "input_layernorm.weight"], "same"),
+                (c + "mlp_norm.weight", [p + "post_attention_layernorm.weight"], "same"),
+                (c + "attn.qkv.weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], "cat"),
+                (c + "attn.proj.weight", [a + "o_proj.weight"], "T")]
         if cfg._bias("qkv_bias"):
-            out.append((c + "attn.c_attn.bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], "catb"))
+            out.append((c + "attn.qkv.bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], "catb"))
         if cfg._bias("attn_out_bias"):
-            out.append((c + "attn.c_proj.bias", [a + "o_proj.bias"], "same"))
+            out.append((c + "attn.proj.bias", [a + "o_proj.bias"], "same"))
         if cfg.is_moe_layer(i):
             m = p + "block_sparse_moe."
             out.append((c + "mlp.router.weight", [m + "gate.weight"], "T"))
             for e in range(cfg.n_experts):
                 x, y = f"{m}experts.{e}.", f"{c}mlp.experts.{e}."
-                out += [(y + "c_fc.weight", [x + "w1.weight", x + "w3.weight"], "cat"),
-                        (y + "c_proj.weight", [x + "w2.weight"], "T")]
+                out += [(y + "fc1.weight", [x + "w1.weight", x + "w3.weight"], "cat"),
+                        (y + "fc2.weight", [x + "w2.weight"], "T")]
         else:
             m = p + "mlp."
-            out += [(c + "mlp.c_fc.weight", [m + "gate_proj.weight", m + "up_proj.weight"], "cat"),
-                    (c + "mlp.c_proj.weight", [m + "down_proj.weight"], "T")]
+            out += [(c + "mlp.fc1.weight", [m + "gate_proj.weight", m + "up_proj.weight"], "cat"),
+                    (c + "mlp.fc2.weight", [m + "down_proj.weight"], "T")]
             if cfg._bias("mlp_bias"):
-                out += [(c + "mlp.c_fc.bias", [m + "gate_proj.bias", m + "up_proj.bias"], "catb"),
-                        (c + "mlp.c_proj.bias", [m + "down_proj.bias"], "same")]
+                out += [(c + "mlp.fc1.bias", [m + "gate_proj.bias", m + "up_proj.bias"], "catb"),
+                        (c + "mlp.fc2.bias", [m + "down_proj.bias"], "same")]
     return out
 
 

@@ -35,6 +35,8 @@ from .dropout import (
 )
 from .embedding import EmbeddingCtx, embedding_backward, embedding_forward
 from .erf import erf, erfc  # the functions: `cutp.ops.erf` names erf, not its module
+from .gemm import allow_tf32, column_sums, gemm, on_cublas, tf32_allowed
+from .gemm import operand as gemm_operand
 from .gelu import GeluCtx, bias_gelu_backward, bias_gelu_forward, gelu_backward, gelu_forward
 from .layernorm import LayerNormCtx, layernorm_backward, layernorm_forward
 from .linear import LinearCtx, linear_backward, linear_forward
@@ -62,6 +64,7 @@ __all__ = [
     "random_bits", "splitmix64_reference",
     "EmbeddingCtx", "embedding_backward", "embedding_forward",
     "erf", "erfc",
+    "allow_tf32", "column_sums", "gemm", "gemm_operand", "on_cublas", "tf32_allowed",
     "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "gelu_backward", "gelu_forward",
     "LayerNormCtx", "layernorm_backward", "layernorm_forward",
     "LinearCtx", "linear_backward", "linear_forward",

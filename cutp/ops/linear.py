@@ -1,9 +1,13 @@
-"""Linear layer in GPT-2's Conv1D layout: ``y = x @ w + b`` with ``w`` of shape [in, out]."""
+"""Linear layer in GPT-2's Conv1D layout: ``y = x @ w + b`` with ``w`` of shape [in, out].
+
+Its products go through :mod:`cutp.ops.gemm`: cuBLAS with 16-bit operands and float32
+accumulation on a GPU (the weight gradient accumulated straight into a float32 main_grad), the
+float32 upcast-and-round emulation of it on the CPU.
+"""
 from __future__ import annotations
 
-from cutp.runtime.backend import get_array_module
-
-from .common import as_dtype, col_sum, compute_dtype
+from .common import as_dtype, compute_dtype
+from .gemm import column_sums, gemm, operand
 
 
 class LinearCtx:
@@ -29,24 +33,26 @@ def linear_forward(x, w, b=None):
         ``(y, ctx)`` with ``y`` of shape [..., out] and ``x``'s dtype; ``ctx`` is a
         :class:`LinearCtx` holding references to ``x`` and ``w`` (no copies).
 
-    All float inputs share a dtype; bfloat16 is computed in float32 (one float32 matmul) and
-    the result rounded to bfloat16. The leading dimensions are flattened into one GEMM.
+    All float inputs share a dtype; bfloat16 is computed in float32 (one GEMM accumulating in
+    float32) and the result rounded to bfloat16 once; a bias is added to the float32 product
+    before that rounding. The leading dimensions are flattened into one GEMM.
     Inputs are never modified.
     """
-    xp = get_array_module(x, w, b)
     cdt = compute_dtype(x.dtype)
     n_in, n_out = w.shape
     if x.shape[-1] != n_in:
         raise ValueError(f"linear_forward: x has {x.shape[-1]} features, w expects {n_in}")
     x2 = x.reshape(-1, n_in)
-    y = xp.matmul(as_dtype(x2, cdt), as_dtype(w, cdt))
-    if b is not None:
+    if b is None:
+        y = gemm(operand(x2), operand(w), out_dtype=x.dtype)
+    else:
+        y = gemm(operand(x2), operand(w), out_dtype=cdt)
         y += as_dtype(b, cdt)
-    y = as_dtype(y, x.dtype).reshape(x.shape[:-1] + (n_out,))
-    return y, LinearCtx(x, w, None if b is None else b.dtype)
+        y = as_dtype(y, x.dtype)
+    return y.reshape(x.shape[:-1] + (n_out,)), LinearCtx(x, w, None if b is None else b.dtype)
 
 
-def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None):
+def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None, wgrad_out=None):
     """Gradients of :func:`linear_forward`.
 
     Args:
@@ -56,7 +62,10 @@ def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None):
         wgrad_dtype: the dtype of ``dw`` (default ``w``'s). A bfloat16/float16 layer whose
             gradient accumulates in a float32 buffer (Megatron's main_grad) passes float32: the
             product computed in float32 is kept as it is, never rounded to 16 bits first (what
-            cuBLAS with float32 output does on a GPU: gradient-accumulation fusion).
+            cuBLAS with float32 output does on a GPU).
+        wgrad_out: the weight's gradient buffer [in, out]: ``dw`` is added into it (on a GPU
+            with a float32 buffer in the GEMM itself, beta = 1: Megatron's
+            gradient_accumulation_fusion, no [in, out] temporary) and returned as ``dw``.
 
     Returns:
         ``(dx, dw, db)``: ``dx`` [..., in] in ``x``'s dtype (None unless ``need_dx``),
@@ -65,16 +74,17 @@ def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None):
         all leading dimensions flattened, so the parameter gradients are summed over them.
     """
     x, w = ctx.x, ctx.w
-    xp = get_array_module(dy, x, w)
-    cdt = compute_dtype(x.dtype)
     n_in, n_out = w.shape
-    dy2 = as_dtype(dy.reshape(-1, n_out), cdt)
-    x2 = as_dtype(x.reshape(-1, n_in), cdt)
-    dw = as_dtype(x2.T @ dy2, w.dtype if wgrad_dtype is None else wgrad_dtype)
+    dy2 = operand(dy.reshape(-1, n_out))
+    x2 = operand(x.reshape(-1, n_in))
+    if wgrad_out is not None:
+        dw = gemm(x2, dy2, trans_a=True, out=wgrad_out, accumulate=True)
+    else:
+        dw = gemm(x2, dy2, trans_a=True, out_dtype=w.dtype if wgrad_dtype is None else wgrad_dtype)
     db = None
     if ctx.bias_dtype is not None:
-        db = as_dtype(col_sum(xp, dy2), ctx.bias_dtype)
+        db = as_dtype(column_sums(dy2), ctx.bias_dtype)
     dx = None
     if need_dx:
-        dx = as_dtype(dy2 @ as_dtype(w, cdt).T, x.dtype).reshape(x.shape)
+        dx = gemm(dy2, operand(w), trans_b=True, out_dtype=x.dtype).reshape(x.shape)
     return dx, dw, db

@@ -2,12 +2,12 @@
 
 Input: replicated [B, T, n_embd]. Output: replicated [B, T, n_embd]. Under sequence parallelism
 (the projections' `sequence_parallel`): input and output [B, T/tp, n_embd], this rank's tokens;
-c_attn all-gathers them, c_proj reduce-scatters its output.
+qkv all-gathers them, proj reduce-scatters its output.
 
 The QKV projection is one column-parallel linear whose shard holds this rank's query heads'
 Q columns and the K and V columns of the KV heads they use (`sharding.qkv_columns`); the
 output projection is row-parallel over the same heads. So a block's attention costs one
-all-reduce forward (in c_proj) and one backward (dx of c_attn).
+all-reduce forward (in proj) and one backward (dx of qkv).
 
 GQA (n_kv_head < n_head): when tp <= n_kv_head the KV heads are split with their queries;
 when tp > n_kv_head each KV head is replicated on the tp / n_kv_head ranks whose queries use
@@ -31,7 +31,7 @@ dqkv back (the transpose rotation) before the projection's backward. V is never 
 
 Context parallelism (`context_shard = (cp_rank, cp)`, set by the model): x holds this CP
 rank's local sequence (`cutp.tensor_parallel.context_parallel`'s zigzag chunks; under sequence
-parallelism its TP shard, gathered by c_attn as always); RoPE turns Q and K by the chunks'
+parallelism its TP shard, gathered by qkv as always); RoPE turns Q and K by the chunks'
 global positions, and the attention is the ring over `ctx.cp`, its dropout masks keyed by
 global (head, query, key) as the one-rank attention's (`cp_comm` "a2a": the all-to-all
 attention instead, on whole sequences of a cp-th of the heads). The ring's context is O(T) (q, k, v, o, the
@@ -80,12 +80,12 @@ class ParallelAttention(Module):
         self.group = self.nq // self.nkv  # local query heads per local KV head
         self.scale = 1.0 / math.sqrt(self.hd)
         qkv_out = (n_head + 2 * n_kv_head) * self.hd
-        self.c_attn = ColumnParallelLinear(
-            ctx, n_embd, qkv_out, name=f"{name}.c_attn", bias=bias if qkv_bias is None else qkv_bias, seed=seed,
+        self.qkv = ColumnParallelLinear(
+            ctx, n_embd, qkv_out, name=f"{name}.qkv", bias=bias if qkv_bias is None else qkv_bias, seed=seed,
             dtype=dtype,
             sharding=qkv_sharding((n_embd, qkv_out), 1, n_head, n_kv_head, self.hd, tp))
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
-        self.c_proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.c_proj",
+        self.proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.proj",
                                         bias=bias if out_bias is None else out_bias, seed=seed, dtype=dtype,
                                         init=normal_init(0.02 / math.sqrt(2 * n_layer)))
         self.n_head = n_head
@@ -97,7 +97,7 @@ class ParallelAttention(Module):
             # one group per layout: which ranks share a KV head depends on n_kv_head
             replicas = ctx.subgroup(f"tp_kv{n_kv_head}", color=self.kv_heads[0], key=ctx.tp_rank)
             kv_from = self.nq * self.hd
-            for p in (self.c_attn.weight, self.c_attn.bias):
+            for p in (self.qkv.weight, self.qkv.bias):
                 if p is not None:
                     p.grad_sync = _sum_columns_over(replicas, kv_from)
 
@@ -114,7 +114,7 @@ class ParallelAttention(Module):
         return q, k, v
 
     def _merge_heads(self, o):
-        """[B, nkv, g, T, hd] -> [B, T, nq*hd], c_proj's sharded input (free after the blocked op)."""
+        """[B, nkv, g, T, hd] -> [B, T, nq*hd], proj's sharded input (free after the blocked op)."""
         B, _, _, T, _ = o.shape
         return o.transpose(0, 3, 1, 2, 4).reshape(B, T, self.nq * self.hd)
 
@@ -147,7 +147,7 @@ class ParallelAttention(Module):
         arange(T) of the whole sequence, an offset, or ids [T] / [B, T]); unused without rotary."""
         if self.context_shard is not None:
             return self._forward_context_parallel(x)
-        qkv = self.c_attn.forward(x)
+        qkv = self.qkv.forward(x)
         if self.rotary is not None:
             self._save("rotary", self._rotate(qkv, positions))
         q, k, v = self._split_heads(qkv)
@@ -160,12 +160,12 @@ class ParallelAttention(Module):
         # the fused kernels' context holds O(T) (o and the log-sum-exp, no probabilities): kept
         recompute = self.recompute_core and not attn_ctx.fused
         self._save("attn", ((q, k, v), (p, seed, offset)) if recompute else attn_ctx)
-        return self.c_proj.forward(self._merge_heads(o))
+        return self.proj.forward(self._merge_heads(o))
 
     def _forward_context_parallel(self, x):
         """The forward of a CP rank's local sequence: the ring attention (module docstring)."""
         cp_rank, cp = self.context_shard
-        qkv = self.c_attn.forward(x)
+        qkv = self.qkv.forward(x)
         B, T_local = qkv.shape[0], qkv.shape[1]
         T = T_local * cp  # the whole sequence
         if self.rotary is not None:  # the two chunks' rows of the tables (slices: no gather, no value read)
@@ -181,7 +181,7 @@ class ParallelAttention(Module):
         attend = ulysses_attention_forward if self.cp_comm == "a2a" else ring_attention_forward
         o, cp_ctx = attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None)
         self._save("attn", cp_ctx)
-        return self.c_proj.forward(self._merge_heads(o))
+        return self.proj.forward(self._merge_heads(o))
 
     def backward(self, dy):
         attn_ctx = self._load("attn")
@@ -192,18 +192,18 @@ class ParallelAttention(Module):
             _, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed,
                                                        offset=offset)
         B, nkv, g, T, hd = attn_ctx.q.shape
-        do = self.c_proj.backward(dy)  # [B, T, nq*hd], sharded like the heads
+        do = self.proj.backward(dy)  # [B, T, nq*hd], sharded like the heads
         do = do.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
         dqkv = self.ctx.xp.empty((B, T, (self.nq + 2 * nkv) * hd), do.dtype)
         ops.causal_attention_backward(do, attn_ctx, out=self._split_heads(dqkv))
         if self.rotary is not None:
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
-        return self.c_attn.backward(dqkv)
+        return self.qkv.backward(dqkv)
 
     def _backward_context_parallel(self, dy, cp_ctx):
         nkv, g, hd = self.nkv, self.group, self.hd
-        do = self.c_proj.backward(dy)
+        do = self.proj.backward(dy)
         B, T_local = do.shape[0], do.shape[1]
         do = do.reshape(B, T_local, nkv, g, hd).transpose(0, 2, 3, 1, 4)
         dqkv = self.ctx.xp.empty((B, T_local, (self.nq + 2 * nkv) * hd), do.dtype)
@@ -212,7 +212,7 @@ class ParallelAttention(Module):
         if self.rotary is not None:
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
-        return self.c_attn.backward(dqkv)
+        return self.qkv.backward(dqkv)
 
     # ---- incremental decoding (generation) -----------------------------------------------------
     def new_kv_cache(self, batch, max_len, dtype):
@@ -225,7 +225,7 @@ class ParallelAttention(Module):
         to `cache` (rotated K under rotary positions: positions n0..n0+Tn-1 after the cached n0)."""
         if self.training:
             raise RuntimeError("forward_cached is for generation: call model.eval() first")
-        qkv = self.c_attn.forward(x)
+        qkv = self.qkv.forward(x)
         n0, tn = cache["len"], x.shape[1]
         if self.rotary is not None and n0 + tn <= cache["k"].shape[2]:
             self._rotate(qkv, n0)
@@ -239,7 +239,7 @@ class ParallelAttention(Module):
         # path agrees with them only to rounding)
         o, _ = ops.causal_attention_forward(q, cache["k"][:, :, : n0 + tn], cache["v"][:, :, : n0 + tn],
                                             scale=self.scale, blocked=False)
-        return self.c_proj.forward(self._merge_heads(o))
+        return self.proj.forward(self._merge_heads(o))
 
 
 def _sum_columns_over(group, first_col):

@@ -86,9 +86,7 @@ class ColumnParallelLinear(Module):
     def backward(self, dy, need_dx=True):
         if self.gather_output:
             dy = gather_from_tp_backward(self.ctx.tp, dy)
-        dx, dw, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx,
-                                         wgrad_dtype=self.weight.grad.dtype)
-        self.weight.grad += dw
+        dx, _, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad)
         if db is not None:
             self.bias.grad += db
         if need_dx:
@@ -137,12 +135,14 @@ class RowParallelLinear(Module):
 
     def backward(self, dy, need_dx=True):
         if self.bias is not None:  # 16-bit dy: summed over the rows in float32, not row by row in 16 bits
-            self.bias.grad += as_dtype(dy.reshape(-1, dy.shape[-1]), compute_dtype(dy.dtype)).sum(axis=0)
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            if ops.on_cublas(dy2):  # a GEMM ones @ dy2 adding into the float32 main_grad
+                ops.column_sums(dy2, out=self.bias.grad)
+            else:
+                self.bias.grad += as_dtype(dy2, compute_dtype(dy.dtype)).sum(axis=0)
         if self.sequence_parallel:
             dy = reduce_scatter_to_sp_backward(self.ctx.tp, dy)
-        dx, dw, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx,
-                                        wgrad_dtype=self.weight.grad.dtype)
-        self.weight.grad += dw
+        dx, _, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad)
         if need_dx and not self.input_is_parallel:
             dx = scatter_to_tp_backward(self.ctx.tp, dx)
         return dx
@@ -223,24 +223,23 @@ class ParallelLMHead(Module):
         return self._shared_weight if hasattr(self, "_shared_weight") else self.weight
 
     def forward(self, x):
-        # 16-bit inputs are multiplied in float32 (cutp.ops' dtype policy), never in NumPy's
-        # slow element loops for 16-bit types
+        # cutp.ops.gemm: 16-bit inputs on cuBLAS with float32 accumulation on a GPU; on the CPU
+        # multiplied in float32 (cutp.ops' dtype policy), never in NumPy's slow 16-bit loops
         if self.sequence_parallel:
             x = gather_from_sp_forward(self.ctx.tp, x)
         w = self.table.data
-        cdt = compute_dtype(w.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        logits = as_dtype(as_dtype(x2, cdt) @ as_dtype(w, cdt).T, x.dtype)
+        logits = ops.gemm(ops.gemm_operand(x2), ops.gemm_operand(w), trans_b=True, out_dtype=x.dtype)
         self._save("x2", x2)
         return logits.reshape(x.shape[:-1] + (w.shape[0],))
 
     def backward(self, dlogits):
         x2 = self._load("x2")
         w = self.table
-        cdt = compute_dtype(w.data.dtype)
-        d2 = as_dtype(dlogits.reshape(-1, dlogits.shape[-1]), cdt)
-        w.grad += as_dtype(d2.T @ as_dtype(x2, cdt), w.grad.dtype)  # float32 main_grad: kept unrounded
-        dx = as_dtype(d2 @ as_dtype(w.data, cdt), x2.dtype).reshape(dlogits.shape[:-1] + (x2.shape[1],))
+        d2 = ops.gemm_operand(dlogits.reshape(-1, dlogits.shape[-1]))
+        # float32 main_grad: the product added unrounded (on a GPU inside the GEMM, beta = 1)
+        ops.gemm(d2, ops.gemm_operand(x2), trans_a=True, out=w.grad, accumulate=True)
+        dx = ops.gemm(d2, ops.gemm_operand(w.data), out_dtype=x2.dtype).reshape(dlogits.shape[:-1] + (x2.shape[1],))
         if self.sequence_parallel:
             return gather_from_sp_backward(self.ctx.tp, dx)
         return copy_to_tp_backward(self.ctx.tp, dx)

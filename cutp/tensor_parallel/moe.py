@@ -98,7 +98,7 @@ def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff)
 
 
 class ExpertMLP(Module):
-    """One expert: GPT-2's MLP (or with kind "swiglu" Llama's: c_fc the fused [gate | up]) with
+    """One expert: GPT-2's MLP (or with kind "swiglu" Llama's: fc1 the fused [gate | up]) with
     replicated weights (x [n, h] -> [n, h]); the caller keeps what backward needs (`forward`
     returns it) and calls `backward` with it."""
 
@@ -106,51 +106,49 @@ class ExpertMLP(Module):
         self.gelu = gelu
         self.kind = kind
         fc = 2 * ffn if kind == "swiglu" else ffn
-        self.c_fc = make_parameter(ctx, f"{name}.c_fc.weight", (n_embd, fc), normal_init(0.02), seed=seed, dtype=dtype,
+        self.fc1 = make_parameter(ctx, f"{name}.fc1.weight", (n_embd, fc), normal_init(0.02), seed=seed, dtype=dtype,
                                    weight_decay=True)
-        self.c_proj = make_parameter(ctx, f"{name}.c_proj.weight", (ffn, n_embd),
+        self.fc2 = make_parameter(ctx, f"{name}.fc2.weight", (ffn, n_embd),
                                      normal_init(0.02 / math.sqrt(2 * n_layer)), seed=seed, dtype=dtype,
                                      weight_decay=True)
-        self.c_fc_bias = self.c_proj_bias = None
+        self.fc1_bias = self.fc2_bias = None
         if bias:
-            self.c_fc_bias = make_parameter(ctx, f"{name}.c_fc.bias", (fc,), zeros_init, seed=seed, dtype=dtype)
-            self.c_proj_bias = make_parameter(ctx, f"{name}.c_proj.bias", (n_embd,), zeros_init, seed=seed,
+            self.fc1_bias = make_parameter(ctx, f"{name}.fc1.bias", (fc,), zeros_init, seed=seed, dtype=dtype)
+            self.fc2_bias = make_parameter(ctx, f"{name}.fc2.bias", (n_embd,), zeros_init, seed=seed,
                                               dtype=dtype)
         for p in self.own_parameters():
             p.tp_partial = True  # each TP rank runs its own tokens through the expert
 
     def forward(self, x):
         if self.kind == "swiglu":
-            h, fc = ops.linear_forward(x, self.c_fc.data, None if self.c_fc_bias is None else self.c_fc_bias.data)
+            h, fc = ops.linear_forward(x, self.fc1.data, None if self.fc1_bias is None else self.fc1_bias.data)
             a, g = ops.swiglu_forward(h)
-            y, proj = ops.linear_forward(a, self.c_proj.data,
-                                         None if self.c_proj_bias is None else self.c_proj_bias.data)
+            y, proj = ops.linear_forward(a, self.fc2.data,
+                                         None if self.fc2_bias is None else self.fc2_bias.data)
             return y, (fc, g, proj)
-        h, fc = ops.linear_forward(x, self.c_fc.data)
-        if self.c_fc_bias is not None:
-            a, g = ops.bias_gelu_forward(h, self.c_fc_bias.data, approximate=self.gelu)
+        h, fc = ops.linear_forward(x, self.fc1.data)
+        if self.fc1_bias is not None:
+            a, g = ops.bias_gelu_forward(h, self.fc1_bias.data, approximate=self.gelu)
         else:
             a, g = ops.gelu_forward(h, approximate=self.gelu)
-        y, proj = ops.linear_forward(a, self.c_proj.data, None if self.c_proj_bias is None else self.c_proj_bias.data)
+        y, proj = ops.linear_forward(a, self.fc2.data, None if self.fc2_bias is None else self.fc2_bias.data)
         return y, (fc, g, proj)
 
     def backward(self, dy, saved):
         fc, g, proj = saved
-        da, dw, db = ops.linear_backward(dy, proj, wgrad_dtype=self.c_proj.grad.dtype)
-        self.c_proj.grad += dw
+        da, _, db = ops.linear_backward(dy, proj, wgrad_out=self.fc2.grad)
         if db is not None:
-            self.c_proj_bias.grad += db
+            self.fc2_bias.grad += db
         if self.kind == "swiglu":
             dh = ops.swiglu_backward(da, g)
-        elif self.c_fc_bias is not None:
+        elif self.fc1_bias is not None:
             dh, db = ops.bias_gelu_backward(da, g)
-            self.c_fc_bias.grad += db
+            self.fc1_bias.grad += db
         else:
             dh = ops.gelu_backward(da, g)
-        dx, dw, db = ops.linear_backward(dh, fc, wgrad_dtype=self.c_fc.grad.dtype)
-        self.c_fc.grad += dw
+        dx, _, db = ops.linear_backward(dh, fc, wgrad_out=self.fc1.grad)
         if self.kind == "swiglu" and db is not None:
-            self.c_fc_bias.grad += db
+            self.fc1_bias.grad += db
         return dx
 
 

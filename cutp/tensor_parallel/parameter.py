@@ -20,7 +20,7 @@ from .sharding import Sharding, take_shard
 class Parameter:
     """One rank's shard of a model parameter.
 
-    name         full parameter name (GPT-2's naming, e.g. "h.0.attn.c_attn.weight")
+    name         full parameter name (neutral, e.g. "layers.0.attn.qkv.weight")
     data, grad   this rank's shard and its gradient accumulator (same shape and dtype)
     sharding     how the full tensor is split over TP (None: replicated on every TP rank)
     weight_decay whether AdamW decays it: matrices (linear layers and embeddings), not biases or

@@ -69,7 +69,7 @@ def qkv_columns(n_head: int, n_kv_head: int, head_dim: int, tp: int) -> tuple:
     """Column indices of each rank's QKV shard in the full [q | k | v] projection.
 
     Full layout: columns [0, n_head*hd) are Q (head-major), then n_kv_head*hd of K, then of V,
-    as in GPT-2's c_attn (where n_kv_head == n_head). Rank r's shard is [q_r | k_r | v_r].
+    as in GPT-2's c_attn, cutp's attn.qkv (where n_kv_head == n_head). Rank r's shard is [q_r | k_r | v_r].
     """
     q_per = n_head // tp
     k_off = n_head * head_dim

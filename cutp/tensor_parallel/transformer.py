@@ -68,38 +68,38 @@ class ParallelMLP(Module):
         self.kind = kind
         self.has_bias = bias
         if kind == "swiglu":
-            self.c_fc = ColumnParallelLinear(ctx, n_embd, 2 * hidden, name=f"{name}.c_fc", bias=bias, seed=seed,
+            self.fc1 = ColumnParallelLinear(ctx, n_embd, 2 * hidden, name=f"{name}.fc1", bias=bias, seed=seed,
                                              dtype=dtype,
                                              sharding=gate_up_sharding((n_embd, 2 * hidden), 1, ctx.tp_size))
         else:
-            self.c_fc = ColumnParallelLinear(ctx, n_embd, hidden, name=f"{name}.c_fc", bias=bias, skip_bias_add=True,
+            self.fc1 = ColumnParallelLinear(ctx, n_embd, hidden, name=f"{name}.fc1", bias=bias, skip_bias_add=True,
                                              seed=seed, dtype=dtype)
-        self.c_proj = RowParallelLinear(ctx, hidden, n_embd, name=f"{name}.c_proj", bias=bias, seed=seed, dtype=dtype,
+        self.fc2 = RowParallelLinear(ctx, hidden, n_embd, name=f"{name}.fc2", bias=bias, seed=seed, dtype=dtype,
                                         init=normal_init(0.02 / math.sqrt(2 * n_layer)))
 
     def forward(self, x):
         if self.kind == "swiglu":
-            a, sctx = ops.swiglu_forward(self.c_fc.forward(x))  # [gate_r ; up_r] -> silu(gate_r) * up_r
+            a, sctx = ops.swiglu_forward(self.fc1.forward(x))  # [gate_r ; up_r] -> silu(gate_r) * up_r
             self._save("swiglu", sctx)
-            return self.c_proj.forward(a)
-        h, b = self.c_fc.forward(x)
+            return self.fc2.forward(a)
+        h, b = self.fc1.forward(x)
         if b is not None:
             a, gctx = ops.bias_gelu_forward(h, b, approximate=self.gelu)
         else:
             a, gctx = ops.gelu_forward(h, approximate=self.gelu)
         self._save("gelu", gctx)
-        return self.c_proj.forward(a)
+        return self.fc2.forward(a)
 
     def backward(self, dy):
-        da = self.c_proj.backward(dy)
+        da = self.fc2.backward(dy)
         if self.kind == "swiglu":
-            return self.c_fc.backward(ops.swiglu_backward(da, self._load("swiglu")))
+            return self.fc1.backward(ops.swiglu_backward(da, self._load("swiglu")))
         if self.has_bias:
             dh, db = ops.bias_gelu_backward(da, self._load("gelu"))
-            self.c_fc.accumulate_bias_grad(db)
+            self.fc1.accumulate_bias_grad(db)
         else:
             dh = ops.gelu_backward(da, self._load("gelu"))
-        return self.c_fc.backward(dh)
+        return self.fc1.backward(dh)
 
 
 class ParallelTransformerBlock(Module):
@@ -107,26 +107,26 @@ class ParallelTransformerBlock(Module):
 
     def __init__(self, ctx, spec, *legacy, layer: int = 0, name=None, rng: RNGTracker, seed=0, dtype=np.float32,
                  rotary=None, **legacy_kw):
-        """spec: a BlockSpec; name: the parameters' prefix (default h.{layer}); rotary: the
+        """spec: a BlockSpec; name: the parameters' prefix (default layers.{layer}); rotary: the
         model's (cos, sin) tables when spec.rope. (The keyword form of earlier versions,
         (ctx, n_embd, n_head, n_kv_head, mlp_hidden, *, name, rng, n_layer, bias, dropout, gelu,
         ln_eps, seed, dtype, moe), builds the GPT-2 block it always did.)"""
         if not isinstance(spec, BlockSpec):
             spec = _legacy_spec(spec, *legacy, **legacy_kw)
         s = spec
-        name = f"h.{layer}" if name is None else name
+        name = f"layers.{layer}" if name is None else name
         self.spec = s
         hidden = s.mlp_hidden or 4 * s.n_embd
         if s.rope and rotary is None:
             raise ValueError("a rotary block needs the model's rotary tables (rotary=(cos, sin))")
-        self.ln_1 = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.ln_1", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
+        self.attn_norm = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.attn_norm", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)
         self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
                                       n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
                                       head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
                                       rotary=rotary if s.rope else None)
         self.attn_dropout = Dropout(s.dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
-        self.ln_2 = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.ln_2", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
+        self.mlp_norm = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.mlp_norm", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)
         if s.moe:
             self.mlp = MoEMLP(ctx, s.n_embd, **s.moe, name=f"{name}.mlp", n_layer=s.n_layer, bias=s.mlp_bias,
@@ -139,8 +139,8 @@ class ParallelTransformerBlock(Module):
         self.recompute = False  # full recomputation: keep only the input (module docstring)
 
     def _forward(self, x, positions=None):
-        x = x + self.attn_dropout.forward(self.attn.forward(self.ln_1.forward(x), positions))
-        return x + self.mlp_dropout.forward(self.mlp.forward(self.ln_2.forward(x)))
+        x = x + self.attn_dropout.forward(self.attn.forward(self.attn_norm.forward(x), positions))
+        return x + self.mlp_dropout.forward(self.mlp.forward(self.mlp_norm.forward(x)))
 
     def forward(self, x, positions=None):
         """positions: the tokens' global position ids for rotary attention (None: arange(T))."""
@@ -161,13 +161,13 @@ class ParallelTransformerBlock(Module):
             finally:
                 self.rng.offsets, self.rng.position = after
         # dy flows into both the residual and the MLP branch
-        dx = dy + self.ln_2.backward(self.mlp.backward(self.mlp_dropout.backward(dy)))
-        return dx + self.ln_1.backward(self.attn.backward(self.attn_dropout.backward(dx)))
+        dx = dy + self.mlp_norm.backward(self.mlp.backward(self.mlp_dropout.backward(dy)))
+        return dx + self.attn_norm.backward(self.attn.backward(self.attn_dropout.backward(dx)))
 
     def forward_cached(self, x, cache):
         """Eval-mode incremental forward for generation (see ParallelAttention.forward_cached)."""
-        x = x + self.attn.forward_cached(self.ln_1.forward(x), cache)
-        return x + self.mlp.forward(self.ln_2.forward(x))
+        x = x + self.attn.forward_cached(self.attn_norm.forward(x), cache)
+        return x + self.mlp.forward(self.mlp_norm.forward(x))
 
 
 def _legacy_spec(n_embd, n_head, n_kv_head=None, mlp_hidden=None, *, n_layer=1, bias=True, dropout=0.0, gelu="tanh",

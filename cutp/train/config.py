@@ -81,13 +81,10 @@ class RunConfig:
                       "divides the ranks and suits the model's heads")
     dp: int = setting(1, "data-parallel size: each DP rank takes an equal share of the batch", "mesh", kind=int,
                       at_least=1, derived="world / (tp * cp * pp)")
-    cp: int = setting(1, "context parallelism: each sequence split over cp ranks (zigzag chunks; the mesh order is "
-                      "tp, cp, dp, pp), every layer on seq-len/cp tokens; needs a --seq-len that 2*cp divides",
-                      "mesh", kind=int, at_least=1)
-    cp_comm: str = setting("ring", "context parallelism's attention: ring (K,V passed round the CP ranks, each step "
-                           "overlapping the attention on the block there) or a2a (all-to-all to whole sequences of a "
-                           "cp-th of the heads; the KV heads per TP rank must split over cp)", "mesh",
-                           choices=("ring", "a2a"))
+    cp: int = setting(1, "context parallelism: each sequence split over cp ranks (the mesh: tp, cp, dp, pp), every "
+                      "layer on seq-len/cp tokens; --seq-len a multiple of 2*cp", "mesh", kind=int, at_least=1)
+    cp_comm: str = setting("ring", "context parallelism's attention: ring (K,V round the CP ranks, overlapped) or a2a "
+                           "(Ulysses: the KV heads per TP rank split over cp)", "mesh", choices=("ring", "a2a"))
     pp: int = setting(1, "pipeline stages: the layers split over pp ranks", "pipeline", kind=int, at_least=1)
     ep: int = setting(1, "expert parallelism: an MoE model's experts split over ep consecutive DP ranks (ep divides "
                       "dp and n_experts), tokens sent to them by all-to-all", "mesh", kind=int, at_least=1)
@@ -114,6 +111,9 @@ class RunConfig:
     grad_reduce_dtype: str = setting(
         "float32", "dtype of the DP gradient reduction: bfloat16 halves the bytes, with sums rounded to bf16",
         "memory", choices=GRAD_REDUCE_DTYPES)
+    allow_tf32: bool = setting(
+        False, "float32 models on GPUs: GEMMs may round their operands to TF32 on tensor cores (faster, changes "
+        "results; the CPU keeps full float32)", "memory", kind=bool)
     loss_scale: float | None = setting(None, "a static loss scale", "memory", kind=float, above=0, optional=True,
                                        derived="dynamic for float16, else none")
     initial_loss_scale: float = setting(2.0 ** 16, "the dynamic loss scale's start (float16)", "memory", kind=float,
@@ -205,6 +205,9 @@ class RunConfig:
                               "(resolve_run_config turns 'auto' into one of them)")
         if self.collective_timeout is not None:
             check_timeout(self.collective_timeout, "`collective_timeout`")
+        if self.allow_tf32 and self.model.dtype != "float32":
+            raise ConfigError(f"`allow_tf32` rounds float32 GEMM operands to TF32; a {self.model.dtype} model's GEMMs "
+                              "already run on tensor cores: omit `allow_tf32`, or train in float32")
         if self.min_loss_scale > self.initial_loss_scale:
             raise ConfigError(f"`min_loss_scale` {self.min_loss_scale:g} exceeds `initial_loss_scale` "
                               f"{self.initial_loss_scale:g}")
@@ -415,8 +418,7 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
             return False
 
     cp = c["cp"]
-    SETTINGS["cp"][0].check("cp", cp)
-    world = with_context_parallel(world, cp)  # the ranks of tp x dp x pp (cp takes its factor first)
+    world = with_context_parallel(world, cp)  # the ranks of tp x dp x pp (cp takes its factor first; checked)
     mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp, tp_suits=tp_suits)
     tp, dp, pp = mesh.tp, mesh.dp, mesh.pp
     if c["tp"] is None and c["dp"] is not None and not tp_suits(tp):  # tp = world / (dp * pp) cannot be
@@ -446,6 +448,7 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
+        allow_tf32=bool(c["allow_tf32"]),
         recompute=c["recompute"], recompute_layers=c["recompute_layers"],
         sequence_parallel=bool(c["sequence_parallel"]),
         loss_scale=c["loss_scale"], initial_loss_scale=c["initial_loss_scale"],

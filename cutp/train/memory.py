@@ -175,11 +175,11 @@ def cached_activation_bytes(model, exclude=()) -> int:
 
 
 def stash_per_layer(model) -> list[int]:
-    """Bytes each transformer layer (`model.h[i]`) keeps for backward, measured from its
+    """Bytes each transformer layer (`model.layers[i]`) keeps for backward, measured from its
     modules' caches right after a training forward (parameters excluded): its own
     `cached_activation_bytes`. A buffer two layers' caches share (none today) counts in both."""
     weights = [p.data for p in model.parameters()]
-    return [cached_activation_bytes(block, exclude=weights) for block in model.h]
+    return [cached_activation_bytes(block, exclude=weights) for block in model.layers]
 
 
 class _StashProbe(StepHooks):
@@ -195,7 +195,7 @@ class _StashProbe(StepHooks):
     def after_forward(self, run, micro):
         if micro == 0 and self.per_layer is None:  # by global layer index: a pipeline stage's at theirs, 0 elsewhere
             self.per_layer = [0] * run.model.config.n_layer
-            for i, b in zip(run.model.layers, stash_per_layer(run.model)):
+            for i, b in zip(run.model.layer_ids, stash_per_layer(run.model)):
                 self.per_layer[i] = b
         self.inner.after_forward(run, micro)
 

@@ -41,6 +41,7 @@ from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset
 from ..models.hf import load_hf_into
 from ..models import GPT
+from ..ops.gemm import allow_tf32
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
                      LossScaler, clip_scale, lr_schedule)
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
@@ -216,6 +217,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, device=cfg.device,
                collective_timeout=cfg.collective_timeout)
     blas = set_blas_threads(threads_per_rank(ctx.local_size)) if cfg.device == "cpu" else "GPU"
+    allow_tf32(cfg.allow_tf32)  # (float32 GEMMs on cuBLAS; nothing changes on the CPU)
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()

@@ -34,7 +34,7 @@ def _random_model(ctx, seed=3, **kw):
     model = GPT(ctx, cfg, seed=seed)
     rng = np.random.default_rng(seed)
     for p in model.parameters():  # the same full tensors at any TP size
-        shape = (cfg.vocab_size,) + p.full_shape[1:] if p.name in ("wte.weight", "lm_head.weight") else p.full_shape
+        shape = (cfg.vocab_size,) + p.full_shape[1:] if p.name in ("tok_embed.weight", "lm_head.weight") else p.full_shape
         model.load_full_state_dict({p.name: rng.standard_normal(shape).astype(p.data.dtype) * 0.3}, strict=False)
     return model
 
@@ -120,7 +120,7 @@ def test_from_hf_gpt2_returns_eval_mode(tmp_path):
     model.train()  # fine-tuning
     model.forward(idx, idx)
     model.backward()
-    assert np.any(model.wte.weight.grad != 0)
+    assert np.any(model.tok_embed.weight.grad != 0)
 
 
 # ---- 3. transformers 5 directories --------------------------------------------------------------------

@@ -110,7 +110,7 @@ def _worker_grads_equal_tp1(tp, modes, cases):
                 if p.sharding is None:  # replicated: the same full gradient on every TP rank
                     _same_on_tp_ranks(ctx, ctx.to_numpy(p.grad), f"{case} {mode}: {p.name}.grad")
             assert names == set(ref_grads)
-            assert "ln_f.weight" in names
+            assert "final_norm.weight" in names
 
 
 @pytest.mark.parametrize("n,tp,modes", [

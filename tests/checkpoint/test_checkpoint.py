@@ -84,7 +84,7 @@ def _verify(path, capsys):
     lambda m: m["optimizer"].update(lr=0.5),
     lambda m: m["config"].update(n_layer=2),
     lambda m: m["mesh"].update(dp=4),
-    lambda m: m["params"]["wte.weight"].update(real_rows=5),
+    lambda m: m["params"]["tok_embed.weight"].update(real_rows=5),
 ], ids=["step", "lr", "n_layer", "mesh", "real_rows"])
 def test_an_edited_meta_json_is_refused_by_load_and_verify(saved, edit, capsys):
     path, _ = saved
@@ -131,10 +131,10 @@ def test_shapes_and_dtypes_in_the_files_must_match_meta(saved, capsys):
 
     path, _ = saved
     shard = os.path.join(path, MODEL)
-    for change, message in [(lambda t: t.update({"ln_f.weight": t["ln_f.weight"][:4]}),
-                             r"tensor 'ln_f.weight' is F32 \[4\], meta.json says F32 \[8\]"),
-                            (lambda t: t.update({"ln_f.bias": t["ln_f.bias"].astype(np.float64)}),
-                             r"tensor 'ln_f.bias' is F64 \[8\], meta.json says F32 \[8\]")]:
+    for change, message in [(lambda t: t.update({"final_norm.weight": t["final_norm.weight"][:4]}),
+                             r"tensor 'final_norm.weight' is F32 \[4\], meta.json says F32 \[8\]"),
+                            (lambda t: t.update({"final_norm.bias": t["final_norm.bias"].astype(np.float64)}),
+                             r"tensor 'final_norm.bias' is F64 \[8\], meta.json says F32 \[8\]")]:
         tensors = load_file(shard)
         change(tensors)
         save_file(tensors, shard)
@@ -167,15 +167,15 @@ CRAFTED = textwrap.dedent("""
     path = sys.argv[1]
     original = json.load(open(os.path.join(path, "meta.json")))
     def qkv(m, **kw):
-        m["params"]["h.0.attn.c_attn.weight"]["sharding"].update(kw)
+        m["params"]["layers.0.attn.qkv.weight"]["sharding"].update(kw)
     def shape(m, name, s):
         m["params"][name]["full_shape"] = s
     cases = {
         "tp 1e9": lambda m: m["mesh"].update(tp=10**9),
         "n_head 1e7": lambda m: m["config"].update(n_head=10**7, n_embd=10**7),
         "qkv heads 1e7": lambda m: qkv(m, n_head=10**7, head_dim=1),
-        "shape 2^40": lambda m: shape(m, "wte.weight", [2**40, 8]),
-        "shape 2^30 x 2^10": lambda m: shape(m, "wte.weight", [2**30, 2**10]),
+        "shape 2^40": lambda m: shape(m, "tok_embed.weight", [2**40, 8]),
+        "shape 2^30 x 2^10": lambda m: shape(m, "tok_embed.weight", [2**30, 2**10]),
         "dp_shards 1e9": lambda m: m["optimizer"].update(dp_shards=10**9),
         "bool step": lambda m: m.update(step=True),
         "block_size 2^40": lambda m: m["config"].update(block_size=2**40),
@@ -418,9 +418,9 @@ def test_wrong_model_is_refused(saved_run, tmp_path):
 
 @pytest.mark.parametrize("edit,msg", [
     (lambda m: m["mesh"].pop("tp"), r"mesh.tp is None, not an integer >= 1"),
-    (lambda m: m["params"]["wte.weight"].pop("sharding"), r"parameter 'wte.weight': sharding 'absent'"),
-    (lambda m: m["params"]["wte.weight"].update(sharding={"kind": "zz"}), r"neither null nor a known kind"),
-    (lambda m: m["params"]["ln_f.weight"].update(full_shape="8"), r"full_shape '8' is not a list"),
+    (lambda m: m["params"]["tok_embed.weight"].pop("sharding"), r"parameter 'tok_embed.weight': sharding 'absent'"),
+    (lambda m: m["params"]["tok_embed.weight"].update(sharding={"kind": "zz"}), r"neither null nor a known kind"),
+    (lambda m: m["params"]["final_norm.weight"].update(full_shape="8"), r"full_shape '8' is not a list"),
     (lambda m: m["optimizer"].pop("step"), r"optimizer must be null or an object with an integer step"),
     (lambda m: m.update(rng={"offsets": {"replicated": "x"}}), r"rng must be null or hold integer offsets"),
 ])
@@ -446,7 +446,7 @@ def test_a_tensor_missing_from_a_shard_loads_nothing(saved_run):
     path, fresh, _ = saved_run
     shard = os.path.join(path, "optim-tp00-of-01.safetensors")
     tensors = load_file(shard)
-    tensors.pop("exp_avg_sq.ln_f.bias")
+    tensors.pop("exp_avg_sq.final_norm.bias")
     save_file(tensors, shard)
     meta_path = os.path.join(path, "meta.json")
     meta = json.load(open(meta_path))
@@ -454,7 +454,7 @@ def test_a_tensor_missing_from_a_shard_loads_nothing(saved_run):
     write_meta(meta_path, meta)  # re-sealed: found by the file's tensors against meta.json, before any is read
     m, opt = fresh()
     m0 = opt.m.copy()
-    with pytest.raises(CheckpointError, match=r"lacks tensors \['exp_avg_sq.ln_f.bias'\].*nothing was loaded"):
+    with pytest.raises(CheckpointError, match=r"lacks tensors \['exp_avg_sq.final_norm.bias'\].*nothing was loaded"):
         load_checkpoint(path, m, opt)
     assert _unchanged(m) and np.array_equal(opt.m, m0) and opt.step_count == 0
 
@@ -583,7 +583,7 @@ def _worker_repad_vocabulary(run):
     got = one.gather_state_dict()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    assert not one.wte.weight.data[97:].any() and not one.lm_head.weight.data[97:].any()
+    assert not one.tok_embed.weight.data[97:].any() and not one.lm_head.weight.data[97:].any()
     for key, m in opt1.state_dict().items():  # moments re-padded like the parameters
         if not key.startswith("exp_avg."):
             continue
@@ -593,7 +593,7 @@ def _worker_repad_vocabulary(run):
         exported = export_full(path, run + "-full")
         from cutp.checkpoint import read_meta
 
-        assert read_meta(exported)["params"]["wte.weight"]["full_shape"] == [128, 8]
+        assert read_meta(exported)["params"]["tok_embed.weight"]["full_shape"] == [128, 8]
     ctx.close()
 
 

@@ -99,7 +99,7 @@ def _worker(tmp):
             exported = export_full(ckpt[name], os.path.join(tmp, f"{name}-export"))
             meta = read_meta(exported)
             assert meta["mesh"] == {"tp": 1, "dp": 1} and sorted(meta["files"]) == expected_files(1, 1)
-            assert meta["exported_from"]["pp"] == 2 and "stage" not in meta["params"]["wte.weight"]
+            assert meta["exported_from"]["pp"] == 2 and "stage" not in meta["params"]["tok_embed.weight"]
             losses, val = _resume(MPI.COMM_SELF, exported, **model)
             _close(losses, ref[name][0][2:], f"{name} exported")
             _close(val, ref[name][1], f"{name} val exported")
@@ -136,8 +136,8 @@ def test_pipeline_checkpoints_resume_reshard_export_and_verify(tmp_path, capsys)
     assert sorted(meta["files"]) == sorted(set(os.listdir(ckpt)) - {"meta.json"}) == expected_files(2, 1, 2)
     assert "model-pp01-of-02-tp00-of-02.safetensors" in meta["files"] and len(meta["files"]) == 8
     stages = {name: info.get("stage") for name, info in meta["params"].items()}
-    assert stages["wte.weight"] == 0 and stages["h.1.attn.c_attn.weight"] == 0 and stages["h.2.ln_1.weight"] == 1
-    assert stages["ln_f.weight"] == 1 and len(meta["rng"]["stages"]) == 2
+    assert stages["tok_embed.weight"] == 0 and stages["layers.1.attn.qkv.weight"] == 0 and stages["layers.2.attn_norm.weight"] == 1
+    assert stages["final_norm.weight"] == 1 and len(meta["rng"]["stages"]) == 2
     zero = read_meta(os.path.join(tmp, "zero", "step-00000002"))
     assert "optim-pp01-of-02-tp00-of-01-dp01-of-02.safetensors" in zero["files"]
     assert zero["params"]["lm_head.weight"]["stage"] == 1
@@ -166,8 +166,8 @@ def test_pipeline_checkpoints_resume_reshard_export_and_verify(tmp_path, capsys)
         "mesh.pp is 10000000": lambda m: m["mesh"].update(pp=10**7),
         "mesh.pp_layers is \\[2\\]": lambda m: m["mesh"].update(pp_layers=[2]),
         "mesh.pp_layers: pp_layers 1,1": lambda m: m["mesh"].update(pp_layers=[1, 1]),
-        "parameter .h.0.ln_1.weight.: stage 1 is not the stage that holds it": lambda m: m["params"]["h.0.ln_1.weight"].update(stage=1),
-        "parameter .ln_f.weight.: stage 0 is not the stage that holds it": lambda m: m["params"]["ln_f.weight"].pop("stage"),
+        "parameter .layers.0.attn_norm.weight.: stage 1 is not the stage that holds it": lambda m: m["params"]["layers.0.attn_norm.weight"].update(stage=1),
+        "parameter .final_norm.weight.: stage 0 is not the stage that holds it": lambda m: m["params"]["final_norm.weight"].pop("stage"),
         "it lists 6 files, but mesh.tp 2 x mesh.pp 2": lambda m: m["files"].pop("model-pp01-of-02-tp01-of-02.safetensors")
         and m["files"].pop("optim-pp01-of-02-tp01-of-02.safetensors"),
         "rng.stages must hold integer offsets for each of the pp=1 stages": lambda m: m["mesh"].update(pp=1),

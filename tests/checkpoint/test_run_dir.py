@@ -136,10 +136,10 @@ def test_diverged_weights_are_named_when_the_run_stops(tmp_path):
     try:
         run.model.parameters()[0].data[...] = np.inf
         with pytest.raises(FloatingPointError, match=r"1 consecutive non-finite steps; stopping after step 1: "
-                                                     r"parameter wte.weight holds NaN or Inf values on rank 0"):
+                                                     r"parameter tok_embed.weight holds NaN or Inf values on rank 0"):
             train.train_step(run)
         run.step = 1
-        with pytest.raises(CheckpointError, match=r"step 1: parameter wte.weight holds NaN or Inf"):
+        with pytest.raises(CheckpointError, match=r"step 1: parameter tok_embed.weight holds NaN or Inf"):
             train.save(run)
         assert list_checkpoints(str(tmp_path / "run")) == []
     finally:

@@ -31,12 +31,12 @@ def _plain_loss(c: GPTConfig, sd: dict, idx, targets):
         half = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
         return x * cos[None, :, None] + half * sin[None, :, None]
 
-    x = sd["wte.weight"][idx]
+    x = sd["tok_embed.weight"][idx]
     mask = np.tril(np.ones((T, T), bool))
     for i in range(c.n_layer):
-        p = f"h.{i}."
-        a = rms(x, sd[p + "ln_1.weight"])
-        qkv = a @ sd[p + "attn.c_attn.weight"] + sd.get(p + "attn.c_attn.bias", 0)
+        p = f"layers.{i}."
+        a = rms(x, sd[p + "attn_norm.weight"])
+        qkv = a @ sd[p + "attn.qkv.weight"] + sd.get(p + "attn.qkv.bias", 0)
         q = rope(qkv[..., : nh * hd].reshape(B, T, nh, hd))
         k = rope(qkv[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd))
         v = qkv[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)
@@ -46,12 +46,12 @@ def _plain_loss(c: GPTConfig, sd: dict, idx, targets):
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         o = np.einsum("bhqk,bkhd->bqhd", s, v).reshape(B, T, nh * hd)
-        x = x + o @ sd[p + "attn.c_proj.weight"]
-        a = rms(x, sd[p + "ln_2.weight"])
-        gate_up = a @ sd[p + "mlp.c_fc.weight"]
+        x = x + o @ sd[p + "attn.proj.weight"]
+        a = rms(x, sd[p + "mlp_norm.weight"])
+        gate_up = a @ sd[p + "mlp.fc1.weight"]
         g, u = gate_up[..., : c.hidden], gate_up[..., c.hidden:]
-        x = x + (g / (1 + np.exp(-g)) * u) @ sd[p + "mlp.c_proj.weight"]
-    logits = rms(x, sd["ln_f.weight"]) @ sd["wte.weight" if c.tie_embeddings else "lm_head.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ sd[p + "mlp.fc2.weight"]
+    logits = rms(x, sd["final_norm.weight"]) @ sd["tok_embed.weight" if c.tie_embeddings else "lm_head.weight"].T
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return -np.take_along_axis(logp, targets[..., None], -1).mean()
@@ -65,15 +65,15 @@ def test_loss_equals_a_plain_transcription_of_hf(family):
     rng = np.random.default_rng(0)
     sd = model.gather_state_dict()
     for name in sd:  # biases and norm weights away from their zeros / ones, so that each one counts
-        if not name.endswith("c_attn.weight") and sd[name].ndim == 1:
+        if not name.endswith("qkv.weight") and sd[name].ndim == 1:
             sd[name] = sd[name] + 0.1 * rng.standard_normal(sd[name].shape)
     model.load_full_state_dict(sd)
     idx, tgt = rng.integers(0, c.vocab_size, (2, 16)), rng.integers(0, c.vocab_size, (2, 16))
     loss = model.forward(idx, tgt)
     ref = _plain_loss(c, sd, idx, tgt)
     assert abs(loss - ref) <= 1e-12 * abs(ref), (loss, ref)
-    assert ("h.0.attn.c_attn.bias" in sd) == bool(c.qkv_bias) and "wpe.weight" not in sd
-    assert not any(n.endswith(("c_proj.bias", "c_fc.bias", "ln_1.bias")) for n in sd)
+    assert ("layers.0.attn.qkv.bias" in sd) == bool(c.qkv_bias) and "pos_embed.weight" not in sd
+    assert not any(n.endswith(("attn.proj.bias", "fc1.bias", "fc2.bias", "attn_norm.bias")) for n in sd)
     ctx.close()
 
 

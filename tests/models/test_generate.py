@@ -39,8 +39,8 @@ def _gen_model(ctx, cfg=None, seed=1, scale=6.0):
     model = GPT(ctx, cfg, seed=seed)
     rng = np.random.default_rng(seed)
     for p in model.parameters():  # TP-independent: the same full (unpadded) tensor, sharded
-        shape = (cfg.vocab_size,) + p.full_shape[1:] if p.name in ("wte.weight", "lm_head.weight") else p.full_shape
-        full = rng.standard_normal(shape) * 0.02 * scale + (1.0 if p.name.endswith("ln_1.weight") else 0.0)
+        shape = (cfg.vocab_size,) + p.full_shape[1:] if p.name in ("tok_embed.weight", "lm_head.weight") else p.full_shape
+        full = rng.standard_normal(shape) * 0.02 * scale + (1.0 if p.name.endswith("attn_norm.weight") else 0.0)
         model.load_full_state_dict({p.name: full}, strict=False)
     return model
 

@@ -20,9 +20,9 @@ def test_generate_text_encodes_stops_at_eos_and_decodes(tmp_path):
     assert prompt[0] == tok.bos_id
     free = generate(model, prompt, 8, temperature=0)
     # make EOS the argmax where the third greedy token was: generation stops there, EOS kept
-    head = model.gather_state_dict()["wte.weight"]
+    head = model.gather_state_dict()["tok_embed.weight"]
     head[tok.eos_id] = 1.5 * head[free[2]]
-    model.load_full_state_dict({"wte.weight": head}, strict=False)
+    model.load_full_state_dict({"tok_embed.weight": head}, strict=False)
     ids = generate(model, prompt, 8, temperature=0, stop_token=tok.eos_id)
     assert ids[-1] == tok.eos_id and len(ids) <= 3
     assert generate_text(model, tok, "def main():", 8, temperature=0) == tok.decode(ids)

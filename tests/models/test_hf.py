@@ -57,7 +57,7 @@ def _random_model(ctx, seed=3, **kw):
     model = GPT(ctx, cfg, seed=seed)
     rng = np.random.default_rng(seed)
     for p in model.parameters():  # the same full (unpadded) tensors at any TP size
-        shape = (cfg.vocab_size,) + p.full_shape[1:] if p.name in ("wte.weight", "lm_head.weight") else p.full_shape
+        shape = (cfg.vocab_size,) + p.full_shape[1:] if p.name in ("tok_embed.weight", "lm_head.weight") else p.full_shape
         full = rng.standard_normal(shape).astype(p.data.dtype) * 0.1
         model.load_full_state_dict({p.name: full}, strict=False)
     return model
@@ -317,9 +317,9 @@ def test_errors_shapes_and_keys(tmp_path):
     with pytest.raises(HFFormatError, match=r"transformer\.ln_f\.bias has dtype I32"):
         load_hf_gpt2(_copy_fixture(tmp_path, edit_tensors=int_tensor))
 
-    with pytest.raises(HFFormatError, match=r"ln_f.weight has shape \(3,\)"):
+    with pytest.raises(HFFormatError, match=r"final_norm.weight has shape \(3,\)"):  # (a state dict: cutp's names)
         cfg, sd = load_hf_gpt2(FIXTURE)
-        check_state_dict(cfg, {**sd, "ln_f.weight": np.zeros(3)})
+        check_state_dict(cfg, {**sd, "final_norm.weight": np.zeros(3)})
 
 
 def test_errors_unsupported_config():

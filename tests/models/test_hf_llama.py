@@ -248,3 +248,72 @@ def test_float64_logits_and_gradients_equal_transformers_without_its_float32_cas
         g, rg = grads[name], p.grad.numpy()
         assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), name
     ctx.close()
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "mixtral"]
+
+
+def _greedy(model, prompt, n, cached):
+    """n greedy tokens after prompt [1, t]: through the KV cache, or a whole forward per token."""
+    out = list(prompt[0])
+    caches = model.new_kv_cache(1, prompt.shape[1] + n) if cached else None
+    step = prompt
+    for _ in range(n):
+        if cached:
+            logits = model.gather_logits(model.forward_cached(step, caches))
+        else:
+            logits = model.gather_logits(model.forward(np.array([out])))
+        out.append(int(np.argmax(logits[0, -1])))
+        step = np.array([[out[-1]]])
+    return out
+
+
+def _worker_tp_against_transformers(root):
+    """At tp 2 (x dp 2) and tp 4 (2 KV heads: replicated), each family's HF directory gives the
+    logits and the greedy tokens transformers gave, and save_hf writes it back from the shards."""
+    import os
+
+    for tp in (2, 4):
+        ctx = cutp.init(tp=tp, device="cpu")
+        for family in FAMILIES:
+            d = os.path.join(root, family)
+            model = from_hf(ctx, os.path.join(d, "hf"), dtype="float32")
+            ref = np.load(os.path.join(d, "logits.npy"))
+            got = _logits(model, np.load(os.path.join(d, "idx.npy")))
+            assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (family, tp, np.abs(got - ref).max())
+            want = list(np.load(os.path.join(d, "greedy.npy"))[0])
+            prompt = np.array([want[:6]])
+            for cached in (True, False):
+                assert _greedy(model, prompt, 32, cached) == want, (family, tp, cached)
+            save_hf(model, os.path.join(d, f"cutp-tp{tp}"))
+        ctx.close()
+
+
+def test_tp2_and_tp4_logits_generation_and_export_equal_transformers(tmp_path):
+    torch, transformers = _transformers()
+    idx = np.random.default_rng(1).integers(0, 97, (2, 24))
+    models = {}
+    for family in FAMILIES:
+        hf = models[family] = _hf_model(family, torch, transformers, torch.float32)
+        d = tmp_path / family
+        hf.save_pretrained(str(d / "hf"), safe_serialization=True)
+        np.save(d / "idx.npy", idx)
+        with torch.no_grad():
+            np.save(d / "logits.npy", hf(torch.from_numpy(idx)).logits.numpy())
+            np.save(d / "greedy.npy", hf.generate(torch.from_numpy(idx[:1, :6]), max_new_tokens=32, do_sample=False,
+                                                  pad_token_id=0).numpy())
+    run_mpi(4, "tests.models.test_hf_llama:_worker_tp_against_transformers", str(tmp_path), timeout=600)
+    from safetensors import safe_open
+
+    for family, hf in models.items():
+        ref = np.load(tmp_path / family / "logits.npy")
+        for tp in (2, 4):
+            out = str(tmp_path / family / f"cutp-tp{tp}")
+            again = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32,
+                                                                     attn_implementation="eager").eval()
+            with torch.no_grad():
+                got = again(torch.from_numpy(idx)).logits.numpy()
+            assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max(), (family, tp)
+            with safe_open(f"{out}/model.safetensors", framework="numpy") as f:
+                assert set(f.keys()) == set(hf.state_dict()) - (
+                    {"lm_head.weight"} if hf.config.tie_word_embeddings else set()), (family, tp)

@@ -87,10 +87,10 @@ def test_the_stash_shrinks_as_promised():
     x = np.random.default_rng(0).integers(0, 256, (2, 32))
     model.forward(x, x)
     cached = {m: [k for k, v in vars(m).items() if k.startswith("_cache_") and v is not None]
-              for m in model.h[0].modules()}
-    assert cached[model.h[0]] == ["_cache_input"] and all(not v for m, v in cached.items() if m is not model.h[0])
+              for m in model.layers[0].modules()}
+    assert cached[model.layers[0]] == ["_cache_input"] and all(not v for m, v in cached.items() if m is not model.layers[0])
     assert any(v for m, v in ((m, [k for k, v in vars(m).items() if k.startswith("_cache_") and v is not None])
-                              for m in model.h[1].modules()) if m is not model.h[1])  # layer 2 keeps its own
+                              for m in model.layers[1].modules()) if m is not model.layers[1])  # layer 2 keeps its own
 
 
 def test_recompute_settings_are_checked():

@@ -54,13 +54,13 @@ def test_flat_parameters_are_views_and_weight_decay_is_one_range():
     assert flat.decay_ranges(3, flat.n_decay) == [(3, flat.n_decay, True)]
     assert not hasattr(flat, "decay_mask")  # no buffer the size of the model: fp32 state is 16 B/param
     decayed = {p.name for p in model.parameters() if p.weight_decay}
-    assert decayed == {"h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight", "h.0.mlp.c_fc.weight",
-                       "h.0.mlp.c_proj.weight", "wte.weight", "wpe.weight"}, decayed  # no biases or LayerNorm
+    assert decayed == {"layers.0.attn.qkv.weight", "layers.0.attn.proj.weight", "layers.0.mlp.fc1.weight",
+                       "layers.0.mlp.fc2.weight", "tok_embed.weight", "pos_embed.weight"}, decayed  # no biases or LayerNorm
     # an optimizer step through the flat buffer moves the model's own parameters
     flat.grad[...] = 1.0
     opt = AdamW(flat, lr=0.1)
     opt.step()
-    assert not np.array_equal(model.wte.weight.data, before["wte.weight"])
+    assert not np.array_equal(model.tok_embed.weight.data, before["tok_embed.weight"])
     state = opt.state_dict()
     assert set(state) == {f"{k}.{p.name}" for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")}
     opt2 = AdamW(FlatParameters(GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=4)).parameters()))

@@ -78,7 +78,7 @@ class _FirstForward(train.StepHooks):
             self.out.append(stash_per_layer(run.model))
 
 
-PP2 = [  # untied (the head's own weight) and tied (the last stage's wte copy), 1F1B, GPipe, interleaved
+PP2 = [  # untied (the head's own weight) and tied (the last stage's embedding copy), 1F1B, GPipe, interleaved
     dict(tp=1, pp=2, B=2, T=64, m=4, dtype="float32", schedule="1f1b", set=["n_layer=2", "tie_embeddings=false"]),
     dict(tp=1, pp=2, B=2, T=64, m=4, dtype="float32", schedule="interleaved", virtual=2, set=["n_layer=4"]),
     dict(tp=1, pp=2, B=2, T=64, m=3, dtype="float64", schedule="gpipe", pp_layers=(1, 2),
@@ -148,7 +148,7 @@ def test_every_planned_stage_frees_what_it_allocates():
 
 # ---- the plan of a whole model and of its stages agree ------------------------------------------
 def test_one_stage_is_the_whole_model_and_the_stages_add_up():
-    a = plan.pick_arch("175B")  # tied embeddings: the last stage's wte copy
+    a = plan.pick_arch("175B")  # tied embeddings: the last stage's embedding copy
     kw = dict(tp=8, dp=4, micro_batch=1, seq_len=2048, dtype="bfloat16", distributed_optimizer=True,
               recompute="selective", sequence_parallel=True)
     whole = plan.plan(a, accum=1, **kw)

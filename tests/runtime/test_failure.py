@@ -476,8 +476,8 @@ def _worker_train_with_nan(step, rank, param, argv):
 
 
 @pytest.mark.parametrize("tp,dp,rank,param", [
-    (1, 2, 0, "wte.weight"),  # a sharded/counted entry, on a DP rank
-    (2, 1, 1, "ln_f.weight"),  # a replicated LayerNorm's copy on TP rank 1, which the norm does not count
+    (1, 2, 0, "tok_embed.weight"),  # a sharded/counted entry, on a DP rank
+    (2, 1, 1, "final_norm.weight"),  # a replicated LayerNorm's copy on TP rank 1, which the norm does not count
 ])
 def test_nan_gradient_skips_exactly_one_step(tmp_path, tp, dp, rank, param):
     out = str(tmp_path / "run")

@@ -120,7 +120,7 @@ def _worker_ring(cp):
     B, T = 2, 8 * cp
     model = GPT(ctx, GPTConfig(**dict(GPT_TINY, block_size=T)), seed=1)
     model._lay_out_context(True)
-    block = model.h[0]
+    block = model.layers[0]
     nkv, hd = 2, GPT_TINY["n_embd"] // GPT_TINY["n_head"]
     x = np.random.default_rng(0).standard_normal((B, T // cp, GPT_TINY["n_embd"]))
     dy = np.random.default_rng(1).standard_normal(x.shape)

@@ -37,9 +37,9 @@ def _run_dense(ctx, build, x, dtype, sharded_out=False):
     dx = m.backward(dout_local)
     grads = full_grads(m, ctx)
     if isinstance(m, VocabParallelEmbedding):  # padding differs with TP: compare the real rows
-        g = grads["wte.weight"]
+        g = grads["tok_embed.weight"]
         assert not g[m.vocab_size:].any(), "padded vocabulary rows received gradient"
-        grads["wte.weight"] = g[: m.vocab_size]
+        grads["tok_embed.weight"] = g[: m.vocab_size]
     return {"out": y_full, "dx": dx, "grads": grads}
 
 
@@ -73,7 +73,7 @@ def _worker_layers(n):
         ids = np.random.default_rng(2).integers(0, 97, (B, T))
         vp = pad_vocab(97, n, 8)
         _compare(n, lambda c: VocabParallelEmbedding(c, 97, vp if c.tp_size > 1 else pad_vocab(97, 1, 8), h,
-                                                     name="wte", dtype=dtype, seed=5),
+                                                     name="tok_embed", dtype=dtype, seed=5),
                  ids, dtype, what="embedding(vocab 97)")
 
 
@@ -89,7 +89,7 @@ def _worker_attention(n, cases):
         _compare(n, build, x, dtype, what=f"attention(n_head={n_head}, n_kv={n_kv})")
 
         def build_block(c, n_head=n_head, n_kv=n_kv, dtype=dtype):
-            return ParallelTransformerBlock(c, h, n_head, n_kv, name="h.0", rng=RNGTracker(0, c.tp_rank), n_layer=2,
+            return ParallelTransformerBlock(c, h, n_head, n_kv, name="layers.0", rng=RNGTracker(0, c.tp_rank), n_layer=2,
                                             dtype=dtype, seed=8)
 
         _compare(n, build_block, x, dtype, what=f"block(n_head={n_head}, n_kv={n_kv})")
@@ -160,7 +160,7 @@ def _gpt_run(ctx, cfg, seed=0, recompute="none", sequence_parallel=False, T=T):
     from cutp.tensor_parallel import global_grad_norm
 
     norm = global_grad_norm(model.parameters(), ctx)
-    for name in ("wte.weight", "lm_head.weight"):
+    for name in ("tok_embed.weight", "lm_head.weight"):
         if name in grads:
             assert not grads[name][cfg.vocab_size:].any(), f"padded rows of {name} received gradient"
             grads[name] = grads[name][: cfg.vocab_size]
@@ -256,17 +256,17 @@ def _worker_comm_counts():
     ar = lambda ev: [(e.group, e.numel) for e in ev if e.op == "all_reduce"]  # noqa: E731
 
     with ctx.counter.recording() as ev:
-        x = model.wte.forward(idx)
+        x = model.tok_embed.forward(idx)
     assert ar(ev) == [("tp", bsh)] and len(ev) == 1, ev
-    x = x + model.wpe.forward(T)
+    x = x + model.pos_embed.forward(T)
     with ctx.counter.recording() as ev:
-        y = model.h[0].forward(x)
+        y = model.layers[0].forward(x)
     assert ar(ev) == [("tp", bsh)] * 2 and len(ev) == 2, ev
     with ctx.counter.recording() as ev:
-        model.h[0].backward(np.ones_like(y))
+        model.layers[0].backward(np.ones_like(y))
     assert ar(ev) == [("tp", bsh)] * 2 and len(ev) == 2, ev
 
-    logits = model.lm_head.forward(model.ln_f.forward(y))
+    logits = model.lm_head.forward(model.final_norm.forward(y))
     tgt = np.random.default_rng(1).integers(0, 97, (B, T))
     for eps in (0.0, 0.1):
         model.loss_fn.label_smoothing = eps
@@ -298,8 +298,8 @@ def _worker_dropout_streams():
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=31, block_size=8, dtype="float64", dropout=0.5)
     model = GPT(ctx, cfg, seed=3)
     x = np.ones((B, T, 8))
-    rep = model.h[0].attn_dropout.forward(x)            # replicated region
-    attn = model.h[0].attn.attn_dropout.forward(np.ones((B, 1, 1, T, T)))  # sharded region
+    rep = model.layers[0].attn_dropout.forward(x)            # replicated region
+    attn = model.layers[0].attn.attn_dropout.forward(np.ones((B, 1, 1, T, T)))  # sharded region
     reps = ctx.tp.all_gather(np.ascontiguousarray(rep)[None])
     atts = ctx.tp.all_gather(np.ascontiguousarray(attn)[None])
     assert np.array_equal(reps[0], reps[1]), "replicated-region masks differ across TP ranks"
@@ -308,9 +308,9 @@ def _worker_dropout_streams():
     assert not np.array_equal(dps[0], dps[1]), "DP ranks (different data) share masks"
     # the tracker's state round-trips: restoring it reproduces the next mask exactly
     state = model.rng.state_dict()
-    a = model.h[0].attn_dropout.forward(x)
+    a = model.layers[0].attn_dropout.forward(x)
     model.rng.load_state_dict(state)
-    b = model.h[0].attn_dropout.forward(x)
+    b = model.layers[0].attn_dropout.forward(x)
     assert np.array_equal(a, b)
     assert 0.3 < float((a == 0).mean()) < 0.7
     ctx.close()
@@ -326,14 +326,14 @@ def _shard_shapes(cfg, tp):
     E, H, hd = cfg.n_embd, cfg.hidden, cfg.n_embd // cfg.n_head
     qkv = (cfg.n_head // tp + 2 * max(cfg.kv_heads // tp, 1)) * hd  # KV heads replicated when tp > n_kv_head
     vocab = (cfg.padded_vocab(tp) // tp, E)
-    return {"attn.c_attn.weight": (E, qkv), "attn.c_attn.bias": (qkv,), "attn.c_proj.weight": (E // tp, E),
-            "mlp.c_fc.weight": (E, H // tp), "mlp.c_fc.bias": (H // tp,), "mlp.c_proj.weight": (H // tp, E),
-            "wte.weight": vocab, "lm_head.weight": vocab}
+    return {"attn.qkv.weight": (E, qkv), "attn.qkv.bias": (qkv,), "attn.proj.weight": (E // tp, E),
+            "mlp.fc1.weight": (E, H // tp), "mlp.fc1.bias": (H // tp,), "mlp.fc2.weight": (H // tp, E),
+            "tok_embed.weight": vocab, "lm_head.weight": vocab}
 
 
 def _assemble_by_hand(name, shards, cfg, tp):
     """The full (padded) tensor from every TP rank's shard [tp, *shard], without cutp's sharding code."""
-    if name.endswith(("c_attn.weight", "c_attn.bias")):
+    if name.endswith(("qkv.weight", "qkv.bias")):
         axis = shards[0].ndim - 1
         hd = cfg.n_embd // cfg.n_head
         q, kv = cfg.n_head // tp * hd, max(cfg.kv_heads // tp, 1) * hd
@@ -349,9 +349,9 @@ def _assemble_by_hand(name, shards, cfg, tp):
                         f"{name}: replicated KV head differs on TP rank {r}"
         return np.concatenate([part(s, 0, q) for s in shards] + [part(shards[r], q, kv) for r in holders]
                               + [part(shards[r], q + kv, kv) for r in holders], axis=axis)
-    if name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight", "mlp.c_fc.bias", "wte.weight", "lm_head.weight")):
+    if name.endswith(("attn.proj.weight", "mlp.fc2.weight", "mlp.fc1.bias", "tok_embed.weight", "lm_head.weight")):
         return np.concatenate(list(shards), axis=0)
-    if name.endswith("mlp.c_fc.weight"):
+    if name.endswith("mlp.fc1.weight"):
         return np.concatenate(list(shards), axis=1)
     for r in range(1, tp):  # replicated
         assert np.array_equal(shards[r], shards[0]), f"replicated {name} differs on TP rank {r}"
@@ -364,7 +364,7 @@ def _worker_same_model_at_every_tp(sizes, cases):
         dtype = np.dtype(cfg.dtype)
         ref = GPT(self_ctx(), cfg, seed=11).gather_state_dict(rank=None)  # TP=1, on every rank
         assert all(a.dtype == dtype for a in ref.values())
-        assert ref["wte.weight"].shape == (cfg.vocab_size, cfg.n_embd)
+        assert ref["tok_embed.weight"].shape == (cfg.vocab_size, cfg.n_embd)
         for n in sizes:
             ctx, sub = group_ctx(n)
             model = GPT(ctx, cfg, seed=11)
@@ -389,7 +389,7 @@ def _worker_same_model_at_every_tp(sizes, cases):
                 assert shard.dtype == dtype, (k, shard.dtype)
                 shards = ctx.tp.all_gather(np.ascontiguousarray(shard)[None])
                 assembled = _assemble_by_hand(k, shards, cfg, n)
-                if k in ("wte.weight", "lm_head.weight"):
+                if k in ("tok_embed.weight", "lm_head.weight"):
                     assert assembled.shape[0] == cfg.padded_vocab(n)
                     assert not assembled[cfg.vocab_size:].any(), f"tp={n}: padded rows of {k} are not zero"
                     assembled = assembled[: cfg.vocab_size]
@@ -450,8 +450,8 @@ def test_padded_vocabulary_and_init_independent_of_tp():
     b = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=97, block_size=8), seed=5).gather_state_dict()
     c = GPT(ctx, GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=97, block_size=8), seed=6).gather_state_dict()
     assert all(np.array_equal(a[k], b[k]) for k in a)
-    assert not np.array_equal(a["wte.weight"], c["wte.weight"])
-    assert a["wte.weight"].shape == (97, 8)
+    assert not np.array_equal(a["tok_embed.weight"], c["tok_embed.weight"])
+    assert a["tok_embed.weight"].shape == (97, 8)
 
 
 def check_module_gradients(model, loss_fn, backward, rtol, samples, step=1e-6):
@@ -463,7 +463,7 @@ def check_module_gradients(model, loss_fn, backward, rtol, samples, step=1e-6):
     for p in model.parameters():
         analytic = p.grad.copy()
         flat = p.data.reshape(-1)
-        if p.name == "wte.weight":  # rows of real tokens only (padding rows get no gradient)
+        if p.name == "tok_embed.weight":  # rows of real tokens only (padding rows get no gradient)
             candidates = np.arange(13 * p.data.shape[1])
         else:
             candidates = np.arange(flat.size)
@@ -488,7 +488,7 @@ def test_gpt_finite_differences_float64():
     rng = np.random.default_rng(0)
     for p in model.parameters():  # O(1) weights, so that gradients are far above rounding noise
         p.data += rng.normal(0, 0.5, p.data.shape)
-    model.wte.weight.data[13:] = 0
+    model.tok_embed.weight.data[13:] = 0
     idx = rng.integers(0, 13, (2, 6))
     tgt = rng.integers(0, 13, (2, 6))
     tgt[1, 2] = -100
@@ -543,7 +543,7 @@ def test_blocked_cpu_attention_equals_the_plain_path(B, T, nh, nkv, h, monkeypat
         y = m.forward(x)
         assert m._cache_attn[0].blocked == blocked
         dx = m.backward(np.random.default_rng(1).standard_normal(y.shape))
-        res.append((y, dx, m.c_attn.weight.grad.copy(), m.c_attn.bias.grad.copy(), m.c_proj.weight.grad.copy()))
+        res.append((y, dx, m.qkv.weight.grad.copy(), m.qkv.bias.grad.copy(), m.proj.weight.grad.copy()))
     for a, b, what in zip(res[0], res[1], ("y", "dx", "dW_qkv", "db_qkv", "dW_proj")):
         assert_close(a, b, 1e-12, f"blocked attention {what}")
 

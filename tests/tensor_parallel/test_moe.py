@@ -64,7 +64,7 @@ def test_moe_gradients_match_finite_differences(settings):
     model.free_cache()
     checked = 0
     for name, p in model.named_parameters().items():
-        if not (".mlp." in name or name in ("h.0.ln_2.weight", "wte.weight")):
+        if not (".mlp." in name or name in ("layers.0.mlp_norm.weight", "tok_embed.weight")):
             continue
         idx = np.random.default_rng(2).choice(p.data.size, min(12, p.data.size), replace=False)
         num = numeric_grad(objective, p.data, indices=idx).reshape(-1)[idx]
@@ -82,7 +82,7 @@ def test_moe_settings_are_checked():
     cfg = GPTConfig.preset("tiny").with_overrides(["n_experts=8", "moe_capacity_factor=1.25", "moe_renormalize=true"])
     assert (cfg.n_experts, cfg.moe_capacity_factor, cfg.moe_renormalize) == (8, 1.25, True)
     tiny, moe = GPTConfig.preset("tiny"), GPTConfig.preset("tiny-moe")
-    assert moe.num_active_parameters() == tiny.num_parameters() + 4 * (128 * 8 + 128)  # + routers, 2nd c_proj bias
+    assert moe.num_active_parameters() == tiny.num_parameters() + 4 * (128 * 8 + 128)  # + routers, 2nd fc2 bias
     assert moe.num_parameters() - moe.num_active_parameters() == 4 * 6 * (2 * 128 * 256 + 256 + 128)
     assert sum(p.data.size for p in GPT(self_ctx(), moe.with_overrides(["dtype=float32"])).parameters()) == \
         moe.num_parameters()

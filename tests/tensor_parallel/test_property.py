@@ -58,7 +58,7 @@ def _evaluate(example, ctxs, self_ctx):
         loss = m.forward(idx, tgt)
         m.backward()
         g = full_grads(m, c)
-        for name in ("wte.weight", "lm_head.weight"):
+        for name in ("tok_embed.weight", "lm_head.weight"):
             if name in g:
                 if g[name][cfg.vocab_size:].any():
                     return f"padded rows of {name} got gradient"

@@ -102,11 +102,11 @@ def _worker_comm_counts(tp):
     for sp in (False, True):
         model = GPT(ctx, cfg)
         model.set_sequence_parallel(sp)
-        x = model.wte.forward(idx)
-        x = x + model.wpe.forward(T)
+        x = model.tok_embed.forward(idx)
+        x = x + model.pos_embed.forward(T)
         for direction in ("forward", "backward"):
             with ctx.counter.recording() as ev:
-                y = model.h[0].forward(x) if direction == "forward" else model.h[0].backward(np.ones_like(x))
+                y = model.layers[0].forward(x) if direction == "forward" else model.layers[0].backward(np.ones_like(x))
             ops = [(e.op, e.numel) for e in ev]
             if sp:  # the input of each column projection gathered, each row projection's output scattered
                 assert y.shape == (B, T // tp, H), y.shape
@@ -124,7 +124,7 @@ def _worker_comm_counts(tp):
     model = GPT(ctx, cfg)
     model.set_sequence_parallel(True)
     with ctx.counter.recording() as ev:
-        x = model.wte.forward(idx)
+        x = model.tok_embed.forward(idx)
     assert [(e.op, e.numel) for e in ev] == [("reduce_scatter", bsh)] and x.shape == (B, T // tp, H)
     with ctx.counter.recording() as ev:
         logits = model.lm_head.forward(x)
@@ -152,11 +152,11 @@ def _worker_replicated_grads_summed():
     model.forward(idx, idx)
     model.backward()
     marked = sorted(p.name for p in model.parameters() if p.sequence_parallel)
-    assert "ln_f.weight" in marked and "ln_f.bias" in marked and "wpe.weight" in marked, marked
-    assert "h.1.attn.c_proj.bias" in marked and "h.0.mlp.c_proj.bias" in marked and "h.0.ln_2.weight" in marked
+    assert "final_norm.weight" in marked and "final_norm.bias" in marked and "pos_embed.weight" in marked, marked
+    assert "layers.1.attn.proj.bias" in marked and "layers.0.mlp.fc2.bias" in marked and "layers.0.mlp_norm.weight" in marked
     assert all(p.sharding is None for p in model.parameters() if p.sequence_parallel)
-    # before the sum each rank holds its own tokens' part: the two ranks' ln_f gradients differ
-    mine = model.named_parameters()["ln_f.weight"].grad.copy()
+    # before the sum each rank holds its own tokens' part: the two ranks' final_norm gradients differ
+    mine = model.named_parameters()["final_norm.weight"].grad.copy()
     other = np.empty_like(mine)
     ctx.tp.mpi_comm.Sendrecv(mine, dest=1 - ctx.tp_rank, recvbuf=other, source=1 - ctx.tp_rank)
     assert not np.array_equal(mine, other)
@@ -165,7 +165,7 @@ def _worker_replicated_grads_summed():
     ref.rng.set_position(0, 0, 2)
     ref.forward(idx, idx)
     ref.backward()
-    grads["wte.weight"] = grads["wte.weight"][:97]  # (98 rows at tp 2: one of padding)
+    grads["tok_embed.weight"] = grads["tok_embed.weight"][:97]  # (98 rows at tp 2: one of padding)
     assert_close(grads, {p.name: p.grad for p in ref.parameters()}, 1e-10, "sequence-parallel grads")
     for p in model.parameters():  # and identical bits on both TP ranks
         if p.sequence_parallel:
@@ -273,7 +273,7 @@ def _worker_generation_without_sequence_parallelism():
     for cache in (True, False):
         got = generate(model, prompt, 6, temperature=0, use_cache=cache)
         assert got == generate(ref, prompt, 6, temperature=0, use_cache=cache), cache
-    assert model.sequence_parallel and model.h[0].attn.c_attn.sequence_parallel  # restored afterwards
+    assert model.sequence_parallel and model.layers[0].attn.qkv.sequence_parallel  # restored afterwards
     assert model.training
     # evaluation forwards: a length that splits runs sequence-parallel, one that does not runs whole
     model.eval()
@@ -305,7 +305,7 @@ def _worker_layernorm_dropout_residual_bytes(tp):
         model = GPT(ctx, cfg, seed=0)
         model.set_sequence_parallel(sp)
         model.forward(idx, idx)
-        parts = [m for b in model.h for m in (b.ln_1, b.ln_2, b.attn_dropout, b.mlp_dropout)] + [model.ln_f, model.drop]
+        parts = [m for b in model.layers for m in (b.attn_norm, b.mlp_norm, b.attn_dropout, b.mlp_dropout)] + [model.final_norm, model.drop]
         assert all(isinstance(m, (LayerNorm, Dropout)) for m in parts)
         weights = [p.data for p in model.parameters()]  # (held by the LayerNorms' contexts: not activations)
         kept[sp] = sum(cached_activation_bytes(m, exclude=weights) for m in parts)

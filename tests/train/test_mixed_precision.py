@@ -163,9 +163,9 @@ def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimiz
         (broken / "optim-tp00-of-01-dp01-of-02.safetensors").unlink()
         with pytest.raises(CheckpointError, match="dp01-of-02.safetensors is missing"):
             read_shard(str(broken), "optim")
-    w = model["h.0.mlp.c_fc.weight"]
+    w = model["layers.0.mlp.fc1.weight"]
     assert w.dtype == np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
-    master = optim["master.h.0.mlp.c_fc.weight"].reshape(w.shape)
+    master = optim["master.layers.0.mlp.fc1.weight"].reshape(w.shape)
     assert master.dtype == np.float32 and np.array_equal(master.astype(w.dtype), w)  # params = rounded masters
     assert not np.array_equal(master, w.astype(np.float32))  # and the masters keep more bits
     if dtype == "float16":
@@ -199,20 +199,20 @@ def test_export_writes_the_precision_asked_for_from_the_master_weights(tmp_path)
     run_mpi(1, TRAIN, BASE + ["--dtype", "bfloat16", "--batch-size", "4", "--steps", "2", "--out",
                               str(tmp_path / "run")], timeout=120)
     src = tmp_path / "run" / "step-00000002"
-    master = load_file(str(src / "optim-tp00-of-01.safetensors"))["master.wte.weight"]
+    master = load_file(str(src / "optim-tp00-of-01.safetensors"))["master.tok_embed.weight"]
     export_full(str(src), str(tmp_path / "fp32"), "float32")
     out = load_file(str(tmp_path / "fp32" / "model-tp00-of-01.safetensors"))
-    assert out["wte.weight"].dtype == np.float32 and np.array_equal(out["wte.weight"], master)
+    assert out["tok_embed.weight"].dtype == np.float32 and np.array_equal(out["tok_embed.weight"], master)
     meta = read_meta(str(tmp_path / "fp32"))
     assert meta["config"]["dtype"] == "float32" and not meta["optimizer"]["master_weights"]
-    assert "master.wte.weight" not in load_file(str(tmp_path / "fp32" / "optim-tp00-of-01.safetensors"))
+    assert "master.tok_embed.weight" not in load_file(str(tmp_path / "fp32" / "optim-tp00-of-01.safetensors"))
     # loading the bf16 checkpoint into a float32 model takes the masters, not their rounding
     model, _ = load_model(str(src), cutp.init(tp=1), dtype="float32")
-    assert np.array_equal(model.wte.weight.data, master)
+    assert np.array_equal(model.tok_embed.weight.data, master)
     save_hf_gpt2(model, None, str(tmp_path / "hf"), dtype="float32")  # and so does a Hugging Face export
     assert np.array_equal(load_file(str(tmp_path / "hf" / "model.safetensors"))["transformer.wte.weight"], master)
     export_full(str(src), str(tmp_path / "bf16"))  # default: the checkpoint's own precision
-    again = load_file(str(tmp_path / "bf16" / "model-tp00-of-01.safetensors"))["wte.weight"]
+    again = load_file(str(tmp_path / "bf16" / "model-tp00-of-01.safetensors"))["tok_embed.weight"]
     assert again.dtype == np.dtype(ml_dtypes.bfloat16) and np.array_equal(again, master.astype(again.dtype))
 
 
@@ -229,7 +229,7 @@ class InfGradient(train.StepHooks):
         mine = json.dumps(run.loss_scaler.state_dict())
         assert set(MPI.COMM_WORLD.allgather(mine)) == {mine}, mine
         if run.step + 1 in self.steps and run.ctx.rank == self.rank:
-            run.model.named_parameters()["h.1.mlp.c_fc.weight"].grad.reshape(-1)[3] = float("inf")
+            run.model.named_parameters()["layers.1.mlp.fc1.weight"].grad.reshape(-1)[3] = float("inf")
 
 
 def _worker_fp16_overflow(argv, rank):

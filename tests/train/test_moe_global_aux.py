@@ -136,7 +136,7 @@ def test_not_stashed_nests():
     from tests.tp_utils import self_ctx
 
     model = GPT(self_ctx(), _config(2).model)
-    block = model.h[0]
+    block = model.layers[0]
     with not_stashed(model):
         with not_stashed(block):
             assert not block.stash

@@ -59,7 +59,7 @@ def assert_stages_equal_one_rank(stages, ref, cfg, kw):
             assert np.abs(w - rw).max() <= 1e-10 * np.abs(rw).max(), (kw, name)
     assert seen == set(ref), (kw, sorted(set(ref) ^ seen))
     if cfg.model.tie_embeddings:  # the first and the last stage's copies: the same bits
-        first, last = stages[0]["wte.weight"], stages[-1]["wte.weight"]
+        first, last = stages[0]["tok_embed.weight"], stages[-1]["tok_embed.weight"]
         assert np.array_equal(first[1], last[1]) and np.array_equal(first[0], last[0]), kw
 
 
@@ -118,9 +118,9 @@ def test_stage_layers_and_the_settings_a_pipeline_refuses():
 def _worker_whole_model_calls_refused():
     ctx = cutp.init(pp=2)
     model = GPT(ctx, GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=50, block_size=8), seed=0)
-    assert [b.attn.c_attn.weight.name for b in model.h] == [f"h.{ctx.pp_rank}.attn.c_attn.weight"]
-    assert (model.wpe is not None) == (ctx.pp_rank == 0) and (model.ln_f is not None) == (ctx.pp_rank == 1)
-    assert model.wte is not None  # tied: both stages hold the table
+    assert [b.attn.qkv.weight.name for b in model.layers] == [f"layers.{ctx.pp_rank}.attn.qkv.weight"]
+    assert (model.pos_embed is not None) == (ctx.pp_rank == 0) and (model.final_norm is not None) == (ctx.pp_rank == 1)
+    assert model.tok_embed is not None  # tied: both stages hold the table
     with pytest.raises(cutp.ConfigError, match="pipeline stage .* load the checkpoint with pp=1"):
         model.forward(np.zeros((1, 4), np.int64))
     ctx.close()

@@ -235,8 +235,8 @@ def test_interleaved_checkpoints_resume_and_load_at_other_layouts(tmp_path):
     meta = read_meta(os.path.join(tmp, "v2", "step-00000002"))
     assert meta["mesh"] == {"tp": 1, "dp": 1, "pp": 2, "pp_layers": [1, 1, 1, 1], "pp_virtual": 2}
     stages = {name: info["stage"] for name, info in meta["params"].items()}
-    assert [stages[f"h.{i}.ln_1.weight"] for i in range(4)] == [0, 1, 0, 1]
-    assert stages["wte.weight"] == 0 and stages["ln_f.weight"] == 1
+    assert [stages[f"layers.{i}.attn_norm.weight"] for i in range(4)] == [0, 1, 0, 1]
+    assert stages["tok_embed.weight"] == 0 and stages["final_norm.weight"] == 1
 
 
 def test_cli_interleaved_losses_equal_one_rank(tmp_path):

@@ -39,8 +39,8 @@ def _steps(cfg, comm, n=3):
         for _ in range(n):
             s = train_step(run)
             out.append((s.loss, s.grad_norm))
-            wte = run.model.wte
-            copies.append(None if wte is None else run.ctx.to_numpy(wte.weight.data).copy())
+            embed = run.model.tok_embed
+            copies.append(None if embed is None else run.ctx.to_numpy(embed.weight.data).copy())
         p2p = {k: v for k, v in run.ctx.counter.summary().items() if k.endswith((".send", ".recv"))}
     finally:
         run.close()
