@@ -77,10 +77,13 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         + (f", fp32 master weights and gradients (DP reduction in {cfg.grad_reduce_dtype})" if opt.master is not None
            else "") + (f", loss scale {run.loss_scaler.scale:g}" + (" (dynamic)" if run.loss_scaler.dynamic else "")
                        if run.loss_scaler.dynamic or run.loss_scaler.scale != 1.0 else "")
-        + f" | optimizer: AdamW{f', state sharded over dp={ctx.dp_size} (distributed)' if opt.distributed else ''}"
+        + (f" | optimizer: AdamW, state sharded over {ctx.dp_cp.name}={ctx.dp_cp_size} (distributed)"
+           if opt.distributed else " | optimizer: AdamW")
         + (f" | recompute: {cfg.recompute}" + (f" (first {cfg.recompute_layers} layers)" if cfg.recompute_layers else "")
            if cfg.recompute != "none" else "")
-        + (f" | sequence parallel over tp={cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else ""))
+        + (f" | sequence parallel over tp={cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else "")
+        + (f" | context parallel over cp={cfg.cp} ({cfg.cp_comm}): {cfg.seq_len // cfg.cp} tokens per rank"
+           if cfg.cp > 1 else ""))
 
     stop = train.StopOnSignal(cfg.save_on_signal)
     if cfg.save_on_signal and not cfg.out:

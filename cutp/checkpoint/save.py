@@ -36,7 +36,9 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     # Pipeline stages write their own parameters' files; the last stage's copy of a tied token
     # embedding (bit-identical to the first stage's, and so is its optimizer state) is written
     # only by the first stage.
-    sharded = optimizer is not None and optimizer.distributed and ctx.dp_size > 1
+    # (context parallelism: the CP ranks are replicas too, and the optimizer shards over DP x CP,
+    # so "DP" below is the DP x CP group: dp_cp_rank, dp_cp_size; the DP group itself at cp 1)
+    sharded = optimizer is not None and optimizer.distributed and ctx.dp_cp_size > 1
     s, pp = ctx.pp_rank, ctx.pp_size
     params = [p for p in model.parameters() if not (p.name == "tok_embed.weight" and not model.first_stage)]
     kept = {p.name for p in params}
@@ -48,15 +50,15 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     e_model, e_optim, e_info = gather_experts(ctx, params, optimizer, param_info)
     param_info = in_model_order(param_info, e_info, [p.name for p in params if p.expert_parallel])
     kept |= set(e_info)
-    if ctx.dp_rank == 0:
+    if ctx.dp_cp_rank == 0:
         mine.append((model_file(ctx.tp_rank, ctx.tp_size, s, pp),
                      {**{p.name: ctx.to_numpy(p.data) for p in params}, **e_model}, None))
     if sharded:
         pieces, offsets = optimizer.state_pieces()
-        mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size, s, pp),
+        mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_cp_rank, ctx.dp_cp_size, s, pp),
                      {k: ctx.to_numpy(v) for k, v in pieces.items() if k.split(".", 1)[1] in kept},
                      {k: v for k, v in offsets.items() if k in kept}))
-    elif optimizer is not None and ctx.dp_rank == 0:
+    elif optimizer is not None and ctx.dp_cp_rank == 0:
         mine.append((optim_file(ctx.tp_rank, ctx.tp_size, 0, 1, s, pp),
                      {**{k: ctx.to_numpy(v) for k, v in optimizer.state_dict().items() if k.split(".", 1)[1] in kept},
                       **e_optim}, None))
@@ -88,7 +90,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     names = [fname for fname, _, _ in mine] + [""] * (2 - len(mine))
     with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on the world)"):
         every = world.allgather(([(n, bytes(d).decode(), int(b)) for n, d, b in zip(names, digests, sizes) if n],
-                                 param_info if ctx.tp_rank == ctx.dp_rank == 0 else {}, rng_state,
+                                 param_info if ctx.tp_rank == ctx.dp_cp_rank == 0 else {}, rng_state,
                                  [len(chunk) for chunk in model.chunks]))
 
     error = None
@@ -96,7 +98,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
         try:
             file_info = {n: {"sha256": d, "bytes": b} for files, _, _, _ in every for n, d, b in files}
             all_params = {name: info for _, stage_params, _, _ in every for name, info in stage_params.items()}
-            firsts = [every[k * ctx.dp_size * ctx.tp_size] for k in range(pp)]  # each stage's first rank
+            firsts = [every[k * ctx.dp_cp_size * ctx.tp_size] for k in range(pp)]  # each stage's first rank
             mesh = {"tp": ctx.tp_size, "dp": ctx.dp_size}
             if pp > 1:  # (a pp 1 checkpoint's meta.json is that of cutp before pipelines)
                 V = model.pp_virtual  # the layers of each model chunk, in the model's order (chunk c of stage s
@@ -110,7 +112,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                 "step": int(step), "config": model.config.to_dict(), "seed": model.seed,
                 "mesh": mesh, "padded_vocab": model.padded_vocab,
                 "params": all_params,  # in the model's order: the stages' in turn
-                "optimizer": (dict(optimizer.hyperparameters(), dp_shards=ctx.dp_size if sharded else 1)
+                "optimizer": (dict(optimizer.hyperparameters(), dp_shards=ctx.dp_cp_size if sharded else 1)
                               if optimizer is not None else None),
                 "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
                 "loss_scaler": loss_scaler,

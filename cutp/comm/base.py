@@ -18,7 +18,7 @@ Semantics shared by every implementation (MPI on NumPy arrays, NCCL on CuPy arra
   land in rank order (MPI Alltoallv; NCCL send/recv pairs in one group).
 
 Non-blocking collectives (`start_all_reduce`, `start_reduce_scatter`, `start_reduce`,
-`start_all_gather`, `start_broadcast`) return a `Request`: `test()` makes progress and says
+`start_all_gather`, `start_broadcast`, and the point-to-point `start_exchange`) return a `Request`: `test()` makes progress and says
 whether it has finished, `wait()` finishes it and returns the result (what the blocking call
 returns). Its buffers must not be touched between the start and the wait. Every rank of a group
 starts a group's non-blocking collectives in the same order. The default implementation runs the
@@ -168,7 +168,9 @@ class Communicator:
         return DoneRequest("broadcast", self.broadcast(x, root))
 
     def start_exchange(self, sends, recvs) -> Request:
-        """`exchange`, non-blocking: wait() returns the receive buffers."""
+        """`exchange`, non-blocking: wait() returns the receive buffers (MPI Isend/Irecv posted
+        now; NCCL's group on the communication stream). The work between the start and the wait
+        (context parallelism's attention on the block already here) overlaps the transfer."""
         return DoneRequest("exchange", self.exchange(sends, recvs))
 
     # ---- shape helpers shared by the implementations ------------------------------------

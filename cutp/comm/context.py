@@ -4,7 +4,7 @@
 in one process, and a host code can hand cutp any mpi4py communicator (a sub-communicator of
 its own): cutp only ever talks over the communicators it split off that one.
 
-Mesh layout: world rank r = (pp_rank * dp + dp_rank) * tp + tp_rank. TP ranks are contiguous,
+Mesh layout: world rank r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. TP ranks are contiguous,
 so with the usual rank-by-node placement a TP group stays inside a node (NVLink), and DP and the
 pipeline stages cross nodes (`cutp.runtime.mesh`). The mesh's named dimensions give every rank
 attribute and every group's colour and key; `Context.GROUPS` lists the groups split off.
@@ -45,37 +45,39 @@ class Context:
     Expert parallelism: ep_rank, ep_size, ep (the EP group: ep consecutive ranks of the DP group,
     which split the experts between them; None at ep 1), expert_dp (the DP ranks of equal
     ep_rank, which hold the same experts; the DP group itself at ep 1).
+    Context parallelism: cp_rank, cp_size, cp (the ranks of equal tp, dp and pp coordinates,
+    which hold the chunks of the same sequences: the ring of `cutp.tensor_parallel.context_parallel`),
+    dp_cp (the ranks that hold the same weights and reduce their gradients and shard ZeRO's
+    state: DP x CP; the DP group itself at cp 1, dp_cp_rank = cp_rank + cp * dp_rank).
     """
 
     # The communicators of a context, in the order they are split: (attribute, the mesh
     # dimensions its ranks differ in). A new mesh dimension is one entry here (and its place in
     # `cutp.runtime.mesh.ORDER`); its rank and size attributes follow from the mesh.
-    GROUPS = (("tp", ("tp",)), ("dp", ("dp",)), ("pp", ("pp",)), ("ep", ("ep",)), ("expert_dp", ("expert_dp",)))
-    # Groups that exist only when a carved dimension splits its parent: at ep 1 there is no EP
-    # group and the expert-DP group is the DP group itself. {group: (the carved dimension, the
-    # group used instead (None: none))}
-    UNLESS_CARVED = {"ep": ("ep", None), "expert_dp": ("ep", "dp")}
+    GROUPS = (("tp", ("tp",)), ("dp", ("dp",)), ("pp", ("pp",)), ("ep", ("ep",)), ("expert_dp", ("expert_dp",)),
+              ("cp", ("cp",)), ("dp_cp", ("cp", "dp")))
+    # Groups that exist only when a dimension of theirs has size > 1: at ep 1 there is no EP
+    # group and the expert-DP group is the DP group itself; at cp 1 there is no CP group and the
+    # DP x CP group is the DP group. {group: (the dimension, the group used instead (None: none))}
+    UNLESS_CARVED = {"ep": ("ep", None), "expert_dp": ("ep", "dp"), "cp": ("cp", None), "dp_cp": ("cp", "dp")}
 
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
                  abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None,
-                 pp: int = 1, ep: int = 1, mesh: Mesh | None = None):
+                 pp: int = 1, ep: int = 1, mesh: Mesh | None = None, cp: int = 1):
         if abort_on_error:
             install_abort_on_error()
         self.mpi_comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.mpi_comm.Get_rank()
         self.world_size = self.mpi_comm.Get_size()
         with errors_raised_on_every_rank(self.mpi_comm):  # a device missing on one node stops every rank
-            self.mesh = validate_mesh(self.world_size, tp, dp, pp, ep) if mesh is None else _check_mesh(mesh,
+            self.mesh = validate_mesh(self.world_size, tp, dp, pp, ep, cp) if mesh is None else _check_mesh(mesh,
                                                                                                         self.world_size)
             self.device = backend.resolve_device(device)
             timeout = default_timeout() if collective_timeout is None else check_timeout(collective_timeout)
         configure_host_watchdog(timeout)
         check_same_on_all_ranks(self.mpi_comm, {"mesh": repr(self.mesh),
                                                 "device": self.device, "cutp": __version__}, "cutp.init arguments")
-        coords = self.mesh.coords(self.rank)
-        for name in dict.fromkeys([*coords, *(g for g, _ in self.GROUPS)]):  # tp_rank, tp_size, dp_rank, ...
-            setattr(self, f"{name}_rank", coords.get(name, 0))  # (a dimension the mesh lacks: size 1)
-            setattr(self, f"{name}_size", self.mesh.size_of(name))
+        set_rank_attributes(self, self.mesh, self.rank, self.GROUPS)
 
         self._owned_mpi = []
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -185,8 +187,9 @@ class Context:
         pp = f" x pp={self.pp_size}" if self.pp_size > 1 else ""
         pp += f" (ep={self.ep_size})" if self.ep_size > 1 else ""
         pp_rank = f", pp_rank {self.pp_rank}" if self.pp_size > 1 else ""
-        return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size} x dp={self.dp_size}{pp} "
-                f"(tp_rank {self.tp_rank}, dp_rank {self.dp_rank}{pp_rank}) device={self.device}"
+        cp, cp_rank = (f" x cp={self.cp_size}", f", cp_rank {self.cp_rank}") if self.cp_size > 1 else ("", "")
+        return (f"rank {self.rank}/{self.world_size} mesh tp={self.tp_size}{cp} x dp={self.dp_size}{pp} "
+                f"(tp_rank {self.tp_rank}{cp_rank}, dp_rank {self.dp_rank}{pp_rank}) device={self.device}"
                 + (f":{self.device_id}" if self.device_id is not None else "")
                 + f" comm={self.tp.kind}"
                 + (f" watchdog={self.watchdog.timeout:g}s" if self.watchdog.enabled else " watchdog=off"))
@@ -214,6 +217,19 @@ class Context:
         return f"<cutp.Context {self.describe()}>"
 
 
+def set_rank_attributes(ctx, mesh: Mesh, rank: int, groups) -> None:
+    """ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ...: every dimension's coordinate and size, and
+    every group's rank and size in it (a group of several dimensions, dp_cp: its rank in the
+    group's communicator; a dimension the mesh lacks: rank 0, size 1)."""
+    coords = mesh.coords(rank)
+    for name in coords:
+        setattr(ctx, f"{name}_rank", coords[name])
+        setattr(ctx, f"{name}_size", mesh.size_of(name))
+    for name, dims in groups:
+        setattr(ctx, f"{name}_rank", mesh.split(rank, *dims)[1])
+        setattr(ctx, f"{name}_size", mesh.size_of(*dims))
+
+
 def _check_mesh(mesh: Mesh, world_size: int) -> Mesh:
     if mesh.size != world_size:
         raise ConfigError(f"{mesh} has {mesh.size} ranks but the communicator has {world_size}; "
@@ -223,12 +239,13 @@ def _check_mesh(mesh: Mesh, world_size: int) -> Mesh:
 
 def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", abort_on_error: bool = True,
          collective_timeout: float | None = None, device_id: int | None = None, pp: int = 1, ep: int = 1,
-         mesh: Mesh | None = None) -> Context:
+         mesh: Mesh | None = None, cp: int = 1) -> Context:
     """Creates a cutp context over `comm` (default MPI.COMM_WORLD). Collective over comm.
 
     tp*dp*pp must equal comm's size (dp defaults to size // (tp*pp)); pp is the number of
     pipeline stages; ep (dividing dp) the expert-parallel size (MoE experts split over ep
-    consecutive DP ranks). device is 'cpu', 'cuda' or 'auto'.
+    consecutive DP ranks); cp the context-parallel size (each sequence split over cp ranks
+    between tp and dp: world = tp*cp*dp*pp). device is 'cpu', 'cuda' or 'auto'.
     With abort_on_error (default), an uncaught exception on any rank aborts the whole MPI job
     after printing that rank's traceback. collective_timeout (seconds; default
     $CUTP_COLLECTIVE_TIMEOUT or 600, 0 = off) aborts the job when a collective stalls.
@@ -236,4 +253,4 @@ def init(comm=None, tp: int = 1, dp: int | None = None, device: str = "auto", ab
     mesh (a `cutp.Mesh` of comm's size) replaces tp, dp, pp and ep.
     """
     return Context(comm=comm, tp=tp, dp=dp, device=device, abort_on_error=abort_on_error,
-                   collective_timeout=collective_timeout, device_id=device_id, pp=pp, ep=ep, mesh=mesh)
+                   collective_timeout=collective_timeout, device_id=device_id, pp=pp, ep=ep, mesh=mesh, cp=cp)

@@ -8,7 +8,8 @@ on the first rank, the buffer carries the error text instead, so every rank rais
 waiting in a broadcast that never comes.
 
 All blocking calls run on the caller's current CuPy stream, so a host code's stream ordering
-holds. The non-blocking ones (`start_*`, cutp.comm.base) run on a communication stream of the
+holds. The non-blocking ones (`start_*`, cutp.comm.base; `start_exchange` too, for context
+parallelism's ring and the pipeline) run on a communication stream of the
 group's own: the current (compute) stream records an event, the communication stream waits for
 it and runs the NCCL call, and records a done event; `wait()` makes the compute stream wait for
 that (the host does not block), `test()` asks the event. The request holds the input and output
@@ -227,6 +228,19 @@ class NcclCommunicator(Communicator):
         check_array(x, f"broadcast on {self.name}")
         return self._on_comm_stream("broadcast", lambda stream: self.nccl_comm.broadcast(
             x.data.ptr, x.data.ptr, x.size, self._dt(x), root, stream), (x,), x)
+
+    def start_exchange(self, sends, recvs):
+        """The exchange's group on the communication stream, after what the compute stream has
+        queued (its buffers are written there); wait() makes the compute stream wait for it.
+        The arrays are kept referenced until then (CuPy's pool must not reuse them)."""
+        for x, _, _ in list(sends) + list(recvs):
+            check_array(x, f"exchange on {self.name}")
+        compute, side = self._streams()
+        side.wait_event(compute.record())
+        with side:  # (self._stream(), the current stream, is the communication stream inside)
+            self.exchange(sends, recvs)
+        keep = tuple(x for x, _, _ in list(sends) + list(recvs))
+        return NcclRequest("exchange", side.record(), compute, keep, [x for x, _, _ in recvs])
 
     def send(self, x, dest, tag=0):
         check_array(x, f"send on {self.name}")

@@ -19,7 +19,7 @@ from ..runtime.mesh import Mesh
 from ..runtime.shape_only import ShapeArray, ShapeOnly
 from ..runtime.watchdog import Watchdog
 from .base import Communicator
-from .context import Context
+from .context import Context, set_rank_attributes
 from .counting import CommCounter, CountingCommunicator
 from .mpi import MpiCommunicator
 from .nccl import NcclCommunicator
@@ -160,6 +160,7 @@ class ShapeOnlyNcclCommunicator(NcclCommunicator):
     start_reduce = Communicator.start_reduce
     start_all_gather = Communicator.start_all_gather
     start_broadcast = Communicator.start_broadcast
+    start_exchange = Communicator.start_exchange  # (no side stream: nothing moves)
 
     def barrier(self):
         return None
@@ -176,13 +177,10 @@ class ShapeOnlyContext:
     ranked by the mesh, so a new mesh dimension reaches the planner with no change here."""
 
     def __init__(self, *, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, rank: int = 0, device: str = "cpu",
-                 threads: int = 1, mesh: Mesh | None = None):
-        self.mesh = Mesh(tp, dp, pp, ep) if mesh is None else mesh
+                 threads: int = 1, mesh: Mesh | None = None, cp: int = 1):
+        self.mesh = Mesh(tp, dp, pp, ep, cp=cp) if mesh is None else mesh
         self.rank, self.world_size = rank, self.mesh.size
-        coords = self.mesh.coords(rank)
-        for name in dict.fromkeys([*coords, *(g for g, _ in Context.GROUPS)]):  # as Context sets them
-            setattr(self, f"{name}_rank", coords.get(name, 0))
-            setattr(self, f"{name}_size", self.mesh.size_of(name))
+        set_rank_attributes(self, self.mesh, rank, Context.GROUPS)  # as Context sets them
         self.local_rank, self.local_size = 0, 1
         self.device, self.device_id = device, None
         self.xp = ShapeOnly(device, threads)

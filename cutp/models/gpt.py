@@ -13,6 +13,11 @@ Layouts: token ids and targets are replicated over the TP group; activations bet
 are replicated [B, T, n_embd] (with `set_sequence_parallel()`: this rank's tokens [B, T/tp,
 n_embd], so LayerNorm, dropout and the residual adds run on T/tp tokens); the logits stay
 sharded over the vocabulary (`gather_logits` gathers them for a caller; the loss never does).
+With context parallelism (ctx.cp_size > 1) a training forward takes the whole sequences and
+keeps its CP rank's zigzag chunks of them (`cutp.tensor_parallel.context_parallel`): every
+layer runs on T/cp tokens at their global positions, the attention meets the other chunks by
+the ring (or the all-to-all), and the loss is the mean over this rank's targets; evaluation,
+logits and generation run whole sequences on every CP rank.
 Parameters have cutp's neutral names (`cutp.models.names`); `gather_state_dict` returns full, unpadded
 tensors under them.
 Rotary models (positions="rope") have no position table: the model builds the (cos, sin)
@@ -27,7 +32,7 @@ import numpy as np
 
 from .. import ops
 from ..ops.common import as_dtype, compute_dtype
-from ..runtime.backend import to_numpy
+from ..runtime.backend import get_array_module, to_numpy
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
@@ -50,6 +55,8 @@ from ..tensor_parallel import (
     sum_grad_over,
     take_shard,
 )
+from ..tensor_parallel.context_parallel import (COMMS, check_context_parallel, check_sequence_splits, local_segments,
+                                                take_local)
 from ..tensor_parallel.mappings import gather_from_tp_forward
 from ..tensor_parallel.moe import MoEMLP
 from .config import DTYPES, GPTConfig
@@ -64,19 +71,28 @@ class PositionEmbedding(Module):
         self.weight = make_parameter(ctx, f"{name}.weight", (block_size, dim), normal_init(0.02), None, seed=seed,
                                      dtype=dtype, weight_decay=True)  # decayed, as in nanoGPT, Megatron, HF
         self.sequence_shard: tuple[int, int] | None = None
+        self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): T is a CP rank's local sequence
 
     def forward(self, T):
         start, stop = 0, T
         if self.sequence_shard is not None:
             rank, size = self.sequence_shard
             start, stop = rank * T // size, (rank + 1) * T // size
-        self._save("rows", (start, stop))
+        if self.context_shard is not None:  # the zigzag chunks' global rows
+            cp_rank, cp = self.context_shard
+            runs = local_segments(T, cp, cp_rank, start, stop)
+            self._save("rows", runs)
+            xp = get_array_module(self.weight.data)
+            return xp.concatenate([self.weight.data[first:first + n] for _, first, n in runs])
+        self._save("rows", [(0, start, stop - start)])
         return self.weight.data[start:stop]
 
     def backward(self, dy):
-        start, stop = self._load("rows")  # 16-bit dy: summed over the batch in float32
-        self.weight.grad[start:stop] += as_dtype(dy, compute_dtype(dy.dtype)).reshape(
-            -1, stop - start, dy.shape[-1]).sum(axis=0)
+        runs = self._load("rows")
+        dy = as_dtype(dy, compute_dtype(dy.dtype))  # 16-bit dy: summed over the batch in float32
+        dy = dy.reshape(-1, sum(n for _, _, n in runs), dy.shape[-1]).sum(axis=0)
+        for at, first, n in runs:
+            self.weight.grad[first:first + n] += dy[at:at + n]
 
 
 
@@ -161,6 +177,8 @@ class GPT(Module):
         self.after_unit_backward = None
         self.before_unit_forward = None
 
+        self._context_parallel = False
+
     # ---- units: the steps of a chunk's forward, whose parameters the overlap hooks follow --------
     def units(self, chunk: int = 0) -> list[list]:
         """Model chunk `chunk`'s modules in forward order, grouped as its forward runs them: the
@@ -219,6 +237,32 @@ class GPT(Module):
             if isinstance(m, ColumnParallelLinear):
                 m.comm_overlap = bool(on)
 
+    # ---- context parallelism -------------------------------------------------------------------
+    def _lay_out_context(self, on: bool) -> None:
+        """Context parallelism on (ctx.cp_size > 1, training forwards) or off (evaluation,
+        logits, generation: whole sequences on every CP rank): the attention's ring, the
+        positions' and the dropouts' global places (cutp.tensor_parallel.context_parallel)."""
+        on = on and self.ctx.cp_size > 1
+        if on == self._context_parallel:
+            return
+        self._context_parallel = on
+        shard = (self.ctx.cp_rank, self.ctx.cp_size) if on else None
+        blocks = [m for b in self.layers for m in (b.attn, b.attn_dropout, b.mlp_dropout)]
+        for m in [self.drop, self.pos_embed] + blocks:
+            if m is not None:
+                m.context_shard = shard
+
+    def set_context_parallel_comm(self, comm: str = "ring") -> None:
+        """How context parallelism's attention meets the whole sequence: "ring" (K,V round the CP
+        ranks) or "a2a" (all-to-all to a cp-th of the heads; the TP-local KV heads must split
+        over cp). Changes communication and memory, never the math."""
+        check_context_parallel(2 * self.ctx.cp_size, self.ctx.cp_size, self.ctx.tp_size, False, 0, comm,
+                               self.config.n_head, self.config.n_kv_head)
+        if comm not in COMMS:
+            raise ConfigError(f"`cp_comm` {comm!r}: use one of {', '.join(COMMS)}")
+        for b in self.layers:
+            b.attn.cp_comm = comm
+
     @contextlib.contextmanager
     def without_sequence_parallel(self):
         """Runs the block's forwards with whole sequences on every TP rank (generation)."""
@@ -264,6 +308,13 @@ class GPT(Module):
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {c.block_size}; "
                              f"use sequences of at most {c.block_size} tokens or a model with a larger block_size")
         tp = self.ctx.tp_size
+        cp = self.ctx.cp_size
+        if self.training and targets is not None and cp > 1:
+            check_sequence_splits(idx.shape[1], cp)
+            if self.sequence_parallel and tp > 1 and (idx.shape[1] // cp) % tp:
+                raise ValueError(f"sequence length {idx.shape[1]} / cp {cp} = {idx.shape[1] // cp} tokens per CP rank "
+                                 f"is not divisible by tp={tp}: sequence parallelism splits them over the TP ranks; "
+                                 f"use a multiple of {cp * tp}")
         if self.sequence_parallel and self.training and targets is not None and tp > 1 and idx.shape[1] % tp:
             raise ValueError(f"sequence length {idx.shape[1]} is not divisible by tp={tp}: sequence parallelism "
                              f"splits each sequence over the TP ranks; use a multiple of {tp}")
@@ -290,8 +341,9 @@ class GPT(Module):
 
     def hidden_states(self, idx):
         """Final-LayerNorm output [B, T, n_embd], replicated ([B, T/tp, n_embd], this rank's
-        tokens, under sequence parallelism)."""
+        tokens, under sequence parallelism). Never context-parallel: whole sequences."""
         self._whole_model("hidden_states")
+        self._lay_out_context(False)
         T = idx.shape[1]
         if self.sequence_parallel and not self._splits_sequence(T) and not self.training:
             with self.without_sequence_parallel():  # an evaluation forward whose T does not split
@@ -326,6 +378,12 @@ class GPT(Module):
         At pp 1, `forward`. `head=False`: the blocks only, the last one's output where the model
         ends (the MoE counting pass of cutp.train.moe needs no LM head)."""
         units = self.units(chunk) if self.before_unit_forward is not None else None
+        context = self.ctx.cp_size > 1 and self.training and (targets is not None or not self.gives_loss(chunk))
+        self._lay_out_context(context)
+        if context and self.takes_tokens(chunk):  # this CP rank's zigzag chunks of the sequences
+            inp = take_local(inp, self.ctx.cp_size, self.ctx.cp_rank)
+        if context and targets is not None:
+            targets = take_local(targets, self.ctx.cp_size, self.ctx.cp_rank)
         if self.takes_tokens(chunk):
             if units:
                 self._unit_next(units[0])
@@ -476,6 +534,7 @@ class GPT(Module):
         """Eval-mode logits (sharded, padding -inf, as `forward`'s) for new tokens idx [B, Tn] after
         caches' positions; never sequence-parallel (one new token does not split over the TP ranks)."""
         self._whole_model("generation")
+        self._lay_out_context(False)
         with self.without_sequence_parallel():
             return self._forward_cached(idx, caches)
 

@@ -62,6 +62,11 @@ def random_bits(xp, n: int, seed: int, offset: int):
     ``np.uint64`` scalars, so nothing is done on Python ints or warns on overflow)."""
     z = xp.arange(n, dtype=xp.uint64)
     z += _U64((offset + 1) & MASK64)
+    return _splitmix(xp, z, seed)
+
+
+def _splitmix(xp, z, seed: int):
+    """SplitMix64 of the counters + 1 in z (uint64, overwritten): the hash of the module docstring."""
     z *= _U64(GAMMA)
     z += _U64(seed & MASK64)
     t = xp.empty_like(z)
@@ -93,6 +98,18 @@ def dropout_mask(xp, shape, p: float, seed: int, offset: int):
         xp.right_shift(z, _U64(40), out=z)
         xp.greater_equal(z, thr, out=keep[sl])
     return keep.reshape(shape)
+
+
+def dropout_mask_at(xp, counters, p: float, seed: int):
+    """The keep-mask of arbitrary counters (a uint64 array of any shape, each the ``offset + i``
+    of the element it masks): the same bits `dropout_mask` gives those elements. For masks whose
+    elements are not one contiguous run of counters (context parallelism's attention tiles: the
+    probabilities of a block of queries against a block of keys, at their global positions)."""
+    z = xp.array(counters, dtype=xp.uint64, copy=True)
+    z += _U64(1)
+    z = _splitmix(xp, z, seed)
+    xp.right_shift(z, _U64(40), out=z)
+    return z >= _U64(keep_threshold(p))
 
 
 class DropoutCtx:
@@ -155,6 +172,16 @@ def dropout_forward_rows(x, p: float, seed: int, row_offsets):
         return dropout_forward(x, p, seed, offsets[0] if offsets else 0)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     mask = xp.stack([dropout_mask(xp, x.shape[1:], p, seed, o) for o in offsets])
+    return _apply(x, mask, scale, xp), DropoutCtx(mask, scale)
+
+
+def dropout_forward_mask(x, p: float, mask):
+    """:func:`dropout_forward` with a keep-mask drawn by the caller (of x's shape; e.g. pieces
+    of `dropout_mask` at the global positions of a context-parallel rank's tokens)."""
+    xp = get_array_module(x)
+    if float(p) == 0.0:
+        return x, DropoutCtx(None, 1.0)
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     return _apply(x, mask, scale, xp), DropoutCtx(mask, scale)
 
 

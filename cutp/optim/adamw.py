@@ -78,11 +78,11 @@ class AdamW:
         expert parallelism the experts' range [expert_start, size) is summed over the
         expert-DP group and divided by dp (its ranks' experts saw the tokens of every DP rank
         of their EP groups: the DP average), the rest averaged over DP."""
-        if ctx.dp_size == 1:
+        if replica_size(ctx) == 1:
             return
         g, e = self.flat.grad, self.flat.expert_start
-        if e == self.flat.size:
-            self._reduce(ctx.dp, g, "avg")
+        if e == self.flat.size:  # (with context parallelism over DP x CP: the CP ranks' parts of the sequences)
+            self._reduce(replica_group(ctx), g, "avg")
             return
         self._reduce(ctx.dp, g[:e], "avg")
         if ctx.expert_dp.size > 1:
@@ -189,12 +189,22 @@ class AdamW:
             self.master[...] = self.flat.data[self.lo:self.hi]
 
 
+def replica_group(ctx):
+    """The ranks that hold the same weights and average their gradients: DP x CP (`ctx.dp_cp`;
+    a context of cutp before context parallelism, or a stand-in of one: its DP group)."""
+    return getattr(ctx, "dp_cp", None) or ctx.dp
+
+
+def replica_size(ctx) -> int:
+    return getattr(ctx, "dp_cp_size", ctx.dp_size)
+
+
 def finish_norm(ctx, acc) -> float:
     """The L2 norm from [sum of squares, non-finite entries] of each rank's shard, all-reduced
     over TP, DP and PP; NaN when any entry anywhere is not finite."""
     if ctx.tp_size > 1:
         ctx.tp.all_reduce(acc, "sum", out=acc)
-    ctx.dp.all_reduce(acc, "sum", out=acc)
+    replica_group(ctx).all_reduce(acc, "sum", out=acc)  # (the DP x CP group the optimizer shards over)
     if ctx.pp_size > 1:  # every pipeline stage's parameters
         ctx.pp.all_reduce(acc, "sum", out=acc)
     total, bad = float(acc[0]), float(acc[1])
@@ -215,8 +225,9 @@ class DistributedAdamW(AdamW):
         self.ctx = ctx
         # the group the state is sharded over: DP, or (an expert-parallel model's experts,
         # cutp.optim.expert_parallel) the expert-DP group, whose sums are divided by dp all the same
-        self.group = group  # None: ctx.dp (asked for only when communicating)
-        self.shards, self.shard_rank = (ctx.dp_size, ctx.dp_rank) if group is None else (group.size, group.rank)
+        self.group = group  # None: ctx.dp_cp, DP x CP (asked for only when communicating)
+        self.shards, self.shard_rank = ((replica_size(ctx), getattr(ctx, "dp_cp_rank", ctx.dp_rank)) if group is None
+                                        else (group.size, group.rank))
         if group is None and flat.expert_start < flat.size:
             raise ConfigError("the distributed optimizer shards the experts of an expert-parallel model (ep > 1) "
                               "over the expert-DP group: use cutp.optim.ExpertParallelAdamW")
@@ -228,7 +239,7 @@ class DistributedAdamW(AdamW):
         super().__init__(flat, **kw)
 
     def _comm(self):
-        return self.ctx.dp if self.group is None else self.group
+        return replica_group(self.ctx) if self.group is None else self.group
 
     @staticmethod
     def pad_multiple(dp: int) -> int:

@@ -4,6 +4,7 @@ GPU for a model and a layout, from the model's shape, no hardware needed.
     python -m cutp plan --params 70B --tp 8                    # memory and communication per GPU
     python -m cutp plan --params 70B --tp 8 --pp 4 --accum 8   # memory per pipeline stage, p2p, bubble
     python -m cutp plan --params 70B --search --gpu-memory 80  # the TP x PP x DP layouts that fit
+    python -m cutp plan --params 8B --seq-len 131072 --tp 8 --cp 8 --recompute full  # long context
     python -m cutp plan --preset gpt2 --tp 2 --micro-batch 8 --seq-len 1024 --device cpu
 """
 from __future__ import annotations
@@ -22,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert parallelism: the experts split over ep of the DP ranks")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: each sequence split over cp ranks (seq-len / cp tokens per rank)")
+    p.add_argument("--cp-comm", default="ring", choices=["ring", "a2a"],
+                   help="context parallelism's attention: ring (K,V round the CP ranks) or a2a (Ulysses)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--accum", type=int, default=None,

@@ -46,6 +46,11 @@ transient (one layer's stash, or the attention's probabilities, again during its
 
 Pipeline parallelism (`--pp`, each stage's memory, the p2p bytes, the bubble): `cutp.plan.pipeline`;
 the search for the layouts that fit (`--search`): `cutp.plan.search`.
+Context parallelism (`--cp N --cp-comm ring|a2a`): s / cp tokens per rank, the gradients and
+ZeRO over DP x CP, the ring's or all-to-all's bytes (`cutp.plan.context`).
+
+(The module runs over 500 lines because the plan of one layout, its checks, figures and its
+report's tables stay together: each figure next to the formula that makes it.)
 
 Whether the total fits an 80 GB and a 141 GB GPU (GB = 1e9 bytes; the CUDA context, NCCL and
 cuBLAS workspaces and the allocator's fragmentation need some GB more).
@@ -73,6 +78,7 @@ from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_by
                        moe_layer_activation_bytes, moe_layers)
 from ..runtime.mesh import Mesh
 from . import overlap
+from .context import check_cp, cp_comm_bytes, cp_formula, formula_args
 from .run import ITEMSIZE, planned_parameters, planned_step
 
 
@@ -112,6 +118,7 @@ class Arch:
 
 ARCHITECTURES = {
     "7B": Arch("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000, 4096, gated_mlp=True),
+    "8B": Arch("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, 8192, gated_mlp=True),
     "13B": Arch("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000, 4096, gated_mlp=True),
     "70B": Arch("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000, 4096, gated_mlp=True),
     "175B": Arch("GPT-3 175B", 96, 12288, 96, 96, 4 * 12288, 50257, 2048, bias=True, tied=True, layernorm=True,
@@ -244,6 +251,12 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes
     return (base - masks) * (act_bytes / 2) + masks
 
 
+def layer_activation_bytes(a, s, b, tp, act_bytes, mode, sequence_parallel, cp=1, cp_comm="ring") -> float:
+    """`activation_bytes_per_layer` of one of a CP rank's layers (cutp.plan.context)."""
+    tokens, heads, kept = formula_args(s, a.n_head, mode, cp, cp_comm)
+    return activation_bytes_per_layer(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
+
+
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -283,7 +296,7 @@ def resolve_dtype(dtype: str | None, precision: str | None) -> str:
 def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1, precision: str | None = None,
          dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
          device: str = "cuda", threads: int = 1, recompute: str = "none", recompute_layers: int | None = None,
-         sequence_parallel: bool = False, ep: int = 1) -> dict:
+         sequence_parallel: bool = False, ep: int = 1, cp: int = 1, cp_comm: str = "ring") -> dict:
     """Every figure of the plan as plain numbers (bytes, elements, calls). `config`: the cutp
     model `a` describes (exact parameters, simulated activations); None: a --params
     architecture. Raises ConfigError (one line naming the fix) for settings that cannot run,
@@ -299,6 +312,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     check_mlp(a.n_embd, a.ffn, tp)
     check_layout(n_layer=a.n_layer, tp=tp, seq_len=seq_len, recompute=recompute, recompute_layers=recompute_layers,
                  sequence_parallel=sequence_parallel)
+    check_cp(a, cp=cp, cp_comm=cp_comm, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
     layout = dict(recompute=recompute, recompute_layers=recompute_layers, sequence_parallel=sequence_parallel)
     pb = ITEMSIZE[dtype]
     s, b, h, L = seq_len, micro_batch, a.n_embd, a.n_layer
@@ -308,9 +322,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
             raise ConfigError(f"--seq-len {seq_len} exceeds the model's block_size {config.block_size}")
     if config is not None and not a.n_experts:  # (the simulated step has no MoE layers: those use the formula)
         P = parameters_per_rank(config, tp)
-        mesh = Mesh(tp, dp)
-        peaks = [planned_step(config, tp=tp, dp=dp, ep=ep, rank=mesh.rank_of(r, d), micro_batch=b, seq_len=s,
-                              accum=accum, dtype=dtype, device=device, threads=threads,
+        mesh = Mesh(tp, dp, cp=cp)  # (every CP rank holds as much: its zigzag chunks)
+        peaks = [planned_step(config, tp=tp, dp=dp, ep=ep, cp=cp, cp_comm=cp_comm, rank=mesh.rank_of(r, d),
+                              micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
                               distributed_optimizer=distributed_optimizer, **layout)
                  for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
         worst = max(peaks, key=lambda p: p["activations_peak"])
@@ -323,22 +337,23 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
             P = parameters_per_rank(dataclasses.replace(config, n_experts=0), tp) + moe_counts(a, tp, ep)["per_rank"]
         full = L if recompute_layers is None else recompute_layers
         modes = [recompute if (recompute != "full" or i < full) else "none" for i in range(L)]
-        stash = [activation_bytes_per_layer(s, b, h, a.n_head, tp, pb, mode, sequence_parallel) for mode in modes]
+        stash = [layer_activation_bytes(a, s, b, tp, pb, mode, sequence_parallel, cp, cp_comm) for mode in modes]
         for i, mode in enumerate(modes):  # an MoE layer's MLP in place of the dense one
             if a.n_experts and i % a.moe_every == 0 and mode != "full":
                 stash[i] += (moe_layer_activation_bytes(a, s, b, tp, pb, sequence_parallel)
                              - dense_mlp_activation_bytes(a, s, b, tp, pb, sequence_parallel))
-        logits = 4 * s * b * a.vocab / tp
+        logits = 4 * (s // cp) * b * a.vocab / tp
         act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
                "source": ("Korthikanti et al. 2022, Table 2, MoE layers with balanced routing (plan_moe)"
                           if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")}
-    st = state_bytes_ep(a, P, moe_layers(a), dtype=dtype, dp=dp, ep=ep, distributed_optimizer=distributed_optimizer)
+    dpg = dp * cp  # the gradients' and ZeRO's group: DP x CP
+    st = state_bytes_ep(a, P, moe_layers(a), dtype=dtype, dp=dpg, ep=ep, distributed_optimizer=distributed_optimizer)
     N = st["padded"]
     gb = st["grads"] // N if N else 4
-    bsh = b * s * h
+    bsh = b * (s // cp) * h  # this CP rank's tokens
     tp_calls = (4 * L + 2) * accum if tp > 1 else 0
     tp_elems = bsh * tp_calls
-    ce_elems = 3 * b * s * accum if tp > 1 else 0  # max, then (sum of exps, target logit); +b*s with smoothing
+    ce_elems = 3 * b * (s // cp) * accum if tp > 1 else 0  # max, then (sum of exps, target logit); +b*s with smoothing
     ce_calls = 2 * accum if tp > 1 else 0
 
     def coll(calls, elems, itemsize, factor):
@@ -350,11 +365,15 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
                       for i in range(L) if a.n_experts and i % a.moe_every == 0]
     counted = int(accum > 1 and a.moe_load_balancing)
     ring_ar = 2 * (tp - 1) / tp
-    dp_one = (dp - 1) / dp
-    on_dp = dp > 1
+    dp_one = (dpg - 1) / dpg
+    on_dp = dpg > 1
     out = {
         "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
+        "cp": cp, "cp_comm": cp_comm,
+        "cp_exchange": cp_comm_bytes(a, s=s, b=b, tp=tp, cp=cp, cp_comm=cp_comm, layers=L, accum=accum, itemsize=pb,
+                                     recomputed=(L if recompute_layers is None else recompute_layers)
+                                     if recompute == "full" else 0),
         "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
         "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
         "ep_all_to_all": coll(sum(5 + 3 * (r + counted) for r in moe_recomputed) * accum if ep > 1 else 0,
@@ -374,13 +393,13 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         # (counted as the communicators count it: the buffer this rank passes, its 1/dp shard; a
         # ring sends it dp - 1 times)
         "dp_all_gather": coll(1 if on_dp and distributed_optimizer else 0,
-                              N // dp if on_dp and distributed_optimizer else 0, pb, dp - 1),
+                              N // dpg if on_dp and distributed_optimizer else 0, pb, dpg - 1),
     }
     state = st["params"] + st["grads"] + st["optimizer"]
     out["model_state_bytes"] = state
     out["total_bytes"] = state + act["bytes"]
     out["bytes_per_param"] = state / P
-    out["table_bytes_per_param"] = table_bytes_per_param(dtype, dp, distributed_optimizer)
+    out["table_bytes_per_param"] = table_bytes_per_param(dtype, dpg, distributed_optimizer)
     out["memory"] = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
                      "activations_peak": act["bytes"], "params_local": P, "stash_per_layer": act["stash_per_layer"]}
     out["fits"] = {name: out["total_bytes"] <= cap for name, cap in GPUS}
@@ -415,12 +434,15 @@ def run(args) -> Report:
     r = plan(a, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq, accum=args.accum,
              precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,
              config=config, device=args.device, threads=args.threads, recompute=args.recompute,
-             recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel, ep=args.ep)
+             recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel, ep=args.ep,
+             cp=getattr(args, "cp", 1), cp_comm=getattr(args, "cp_comm", "ring"))
+    args.cp, args.cp_comm = r["cp"], r["cp_comm"]
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9
     dt, dist = r["dtype"], r["distributed_optimizer"]
-    optimizer = (f"distributed AdamW (ZeRO-1 over dp={args.dp})" if dist else "AdamW (state on every DP rank)")
+    over = f"dp={args.dp}" if args.cp == 1 else f"dp x cp = {args.dp * args.cp}"
+    optimizer = (f"distributed AdamW (ZeRO-1 over {over})" if dist else "AdamW (state on every DP rank)")
     arch = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=f"{a.name}")
     for k, v in (("layers x width", f"{a.n_layer} x {a.n_embd}"), ("heads / kv heads", f"{a.n_head} / {a.n_kv_head}"),
                  ("mlp", f"{a.ffn}{' (SwiGLU)' if a.gated_mlp else ''}"), ("vocab", f"{a.vocab:,}"),
@@ -430,7 +452,8 @@ def run(args) -> Report:
                      + ("every layer" if a.moe_every == 1 else f"layers 0, {a.moe_every}, {2 * a.moe_every}, ...")
                      + f", top {a.moe_top_k}; ep {args.ep}: {a.n_experts // args.ep} per GPU")] if a.n_experts else []),
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
-                 ("mesh", f"tp {args.tp} x dp {args.dp} = {args.tp * args.dp} GPUs"),
+                 ("mesh", f"tp {args.tp}" + (f" x cp {args.cp} ({args.cp_comm})" if args.cp > 1 else "")
+                  + f" x dp {args.dp} = {args.tp * args.cp * args.dp} GPUs"),
                  ("micro-batch x seq", f"{args.micro_batch} x {seq}, {args.accum} micro-batch(es) per step"),
                  ("dtype, optimizer", f"{dt}, {optimizer}"),
                  ("recompute, SP", f"{args.recompute}"
@@ -443,7 +466,7 @@ def run(args) -> Report:
     P, N, pb = r["params_per_gpu"], r["padded_params"], ITEMSIZE[dt]
     low = pb == 2
     pad = f", padded to {N:,}" if N != P else ""
-    shard = f" of a 1/{args.dp} shard" if dist else ""
+    shard = f" of a 1/{args.dp * args.cp} shard" if dist else ""
     sd = "fp64" if dt == "float64" else "fp32"
     mem.add(what="parameters", gb=r["param_bytes"] / GB, bpp=r["param_bytes"] / P, formula=f"{P:,}{pad} x {pb} B ({dt})")
     mem.add(what="gradients", gb=r["grad_bytes"] / GB, bpp=r["grad_bytes"] / P,
@@ -469,7 +492,7 @@ def run(args) -> Report:
     cm = report.table("comm", [("what", "collective per step", "", "<"), ("calls", "calls", ",d"),
                                ("elements", "elements", ",d"), ("gb", "GB buffers", ",.3f"), ("wire", "GB on the wire/GPU", ",.3f"),
                                ("formula", "formula", "", "<")], title="communication per optimizer step and GPU")
-    L, bsh = a.n_layer, args.micro_batch * seq * a.n_embd
+    L, bsh = a.n_layer, args.micro_batch * (seq // args.cp) * a.n_embd
     sp = args.sequence_parallel and args.tp > 1
     rows = [("TP all-gather + reduce-scatter (activations; counted as the all-reduces they replace)" if sp
              else "TP all-reduce (activations)", "tp_allreduce",
@@ -481,6 +504,10 @@ def run(args) -> Report:
                  ("DP all-gather (parameters)", "dp_all_gather", f"this rank's 1/dp of the padded parameters, {dt}")]
     else:
         rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
+    if args.cp > 1:
+        rows += [(f"CP {'ring send/recv (K,V; dK,dV)' if args.cp_comm == 'ring' else 'all-to-all (q,k,v,o)'}",
+                  "cp_exchange", f"per layer: {cp_formula(args.cp_comm)}, x {args.accum} micro-batches "
+                  "(cutp.plan.context)")]
     if args.ep > 1:
         rows += [("EP all-to-all (MoE dispatch + combine)", "ep_all_to_all",
                   f"2 per MoE layer and direction (dispatch, combine; +2 recomputed) x k*b*s*h/tp elements (balanced "

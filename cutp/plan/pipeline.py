@@ -43,7 +43,8 @@ from ..runtime.errors import ConfigError
 from ..train.pipeline import SCHEDULES, pipeline_bubble
 from ..train.pipeline import plan as schedule_plan
 from ..train.reporting import Report
-from .layout import (GPUS, ITEMSIZE, Arch, check_positive, model_of_args, planned_ranks, activation_bytes_per_layer, check_layout,
+from .layout import (GPUS, ITEMSIZE, Arch, check_positive, model_of_args, planned_ranks, check_layout,
+                     layer_activation_bytes,
                    param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from ..runtime.mesh import Mesh
@@ -124,7 +125,8 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                   schedule: str | None = None, virtual: int = 1, pp_layers=None, dtype: str | None = None,
                   precision: str | None = None, distributed_optimizer: bool = False,
                   config: GPTConfig | None = None, device: str = "cuda", threads: int = 1, recompute: str = "none",
-                  recompute_layers: int | None = None, sequence_parallel: bool = False, ep: int = 1) -> dict:
+                  recompute_layers: int | None = None, sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
+                  cp_comm: str = "ring") -> dict:
     """Each stage's memory (state exact, activations per the schedule), the point-to-point bytes
     and the bubble (the module docstring). The mesh, recomputation and dtype checks are
     `plan.plan`'s (run at pp 1 first, on the whole model). An MoE model's stages: their dense
@@ -137,7 +139,7 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
     layout = dict(recompute=recompute, recompute_layers=recompute_layers, sequence_parallel=sequence_parallel)
     whole = plan(a, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=1, dtype=dtype,
                  distributed_optimizer=distributed_optimizer, config=config, device=device, threads=threads, ep=ep,
-                 **layout)  # (the mesh's and the model's checks)
+                 cp=cp, cp_comm=cp_comm, **layout)  # (the mesh's and the model's checks)
     moe = moe_counts(a, tp, ep) if a.n_experts else None
     moe_delta = 0 if moe is None else moe["per_rank"] // moe["layers"]  # per MoE layer, in place of a dense MLP
     s, b, h = seq_len, micro_batch, a.n_embd
@@ -155,8 +157,9 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                                                                   pp_layers=pp_layers, pp_virtual=virtual))
                           for r in planned_ranks(tp)) + n_moe * moe_delta
         if config is not None and moe is None:
-            mesh = Mesh(tp, dp, pp)
-            walks = [planned_step(config, tp=tp, dp=dp, pp=pp, rank=mesh.rank_of(r, d, rank), micro_batch=b,
+            mesh = Mesh(tp, dp, pp, cp=cp)
+            walks = [planned_step(config, tp=tp, dp=dp, pp=pp, cp=cp, cp_comm=cp_comm, rank=mesh.rank_of(r, d, rank),
+                                  micro_batch=b,
                                   seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
                                   distributed_optimizer=distributed_optimizer, pp_layers=pp_layers,
                                   pp_schedule=kind, pp_virtual=virtual, **layout)
@@ -171,19 +174,20 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                 n_local = stage_parameters(a, tp, len(layers), first, last) + n_moe * moe_delta
             full = a.n_layer if recompute_layers is None else recompute_layers
             modes = {n: recompute if (recompute != "full" or n < full) else "none" for n in layers}
-            per_layer = {n: activation_bytes_per_layer(s, b, h, a.n_head, tp, act_bytes, modes[n], sequence_parallel)
+            per_layer = {n: layer_activation_bytes(a, s, b, tp, act_bytes, modes[n], sequence_parallel, cp, cp_comm)
                          for n in layers}
             for n in layers:  # an MoE layer's MLP in place of the dense one
                 if moe is not None and n % a.moe_every == 0 and modes[n] != "full":
                     per_layer[n] += (moe_layer_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel)
                                      - dense_mlp_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel))
-            logits = 4 * s * b * a.vocab / tp
+            logits = 4 * (s // cp) * b * a.vocab / tp
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
             count = in_flight(events)
             act = {"bytes": in_flight(events, lambda i, c: weights[c]),
                    "stash_per_layer": [per_layer[n] for n in layers], "in_flight": count,
                    "stash_per_micro_batch": max(weights)}
-        st = state_bytes_ep(a, n_local, n_moe, dtype=dtype, dp=dp, ep=ep, distributed_optimizer=distributed_optimizer)
+        st = state_bytes_ep(a, n_local, n_moe, dtype=dtype, dp=dp * cp, ep=ep,  # (ZeRO over DP x CP)
+                            distributed_optimizer=distributed_optimizer)
         state = st["params"] + st["grads"] + st["optimizer"]
         stages.append({"stage": rank, "layers": [len(ch.layers) for ch in mine], "first": first, "last": last,
                        "params_local": n_local, "padded_params": st["padded"], "params": st["params"],
@@ -191,10 +195,11 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                        "activations_peak": act["bytes"], "activations": act, "in_flight": act["in_flight"],
                        "total": state + act["bytes"], "fits": {n: state + act["bytes"] <= cap for n, cap in GPUS}})
     largest = max(range(pp), key=lambda i: (stages[i]["total"], -i))
-    message = b * s * h * act_bytes // (tp if sp else 1)
+    message = b * (s // cp) * h * act_bytes // (tp if sp else 1)
     counted = int(bool(a.n_experts) and a.moe_load_balancing and accum > 1)  # cutp.train.moe's counting pass:
     # every micro-batch forward through the stages once more before the schedule
-    return {"arch": a.__dict__, "pp": pp, "tp": tp, "dp": dp, "gpus": pp * tp * dp, "schedule": kind,
+    return {"arch": a.__dict__, "pp": pp, "tp": tp, "dp": dp, "cp": cp, "cp_comm": cp_comm, "gpus": pp * tp * cp * dp,
+            "schedule": kind,
             "virtual": virtual, "micro_batches": accum, "micro_batch": b, "seq_len": s, "dtype": dtype,
             "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
             "params_total": whole["params_total"], "params_per_gpu_pp1": whole["params_per_gpu"],
@@ -229,17 +234,21 @@ def run(args) -> Report:
                       pp_layers=parse_pp_layers(args.pp_layers), dtype=args.dtype, precision=args.precision,
                       distributed_optimizer=args.distributed_optimizer, config=config, device=args.device,
                       threads=args.threads, recompute=args.recompute, recompute_layers=args.recompute_layers, ep=args.ep,
-                      sequence_parallel=args.sequence_parallel)
+                      sequence_parallel=args.sequence_parallel, cp=getattr(args, "cp", 1),
+                      cp_comm=getattr(args, "cp_comm", "ring"))
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9
     p, v, m = r["pp"], r["virtual"], r["micro_batches"]
     sp = args.sequence_parallel and args.tp > 1
-    optimizer = f"distributed AdamW (ZeRO-1 over dp={args.dp})" if r["distributed_optimizer"] else "AdamW"
+    cp = r["cp"]
+    optimizer = (f"distributed AdamW (ZeRO-1 over dp={args.dp}" + (f" x cp {cp})" if cp > 1 else ")")
+                 if r["distributed_optimizer"] else "AdamW")
     t = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=a.name)
     for k, val in (("layers x width", f"{a.n_layer} x {a.n_embd}"),
                    ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"),
-                   ("mesh", f"tp {args.tp} x pp {p} x dp {args.dp} = {r['gpus']} GPUs"),
+                   ("mesh", f"tp {args.tp}" + (f" x cp {cp} ({r['cp_comm']})" if cp > 1 else "")
+                    + f" x pp {p} x dp {args.dp} = {r['gpus']} GPUs"),
                    ("schedule", f"{r['schedule']}" + (f", {v} model chunks per rank" if v > 1 else "")
                     + f", {m} micro-batches of {args.micro_batch} x {seq} per step"),
                    ("dtype, optimizer", f"{r['dtype']}, {optimizer}"),

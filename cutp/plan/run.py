@@ -82,12 +82,12 @@ def planned_parameters(config: GPTConfig, *, tp: int = 1, pp: int = 1, rank: int
                              bool(p.weight_decay)) for p in model.parameters()]
 
 
-def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, rank: int = 0,
+def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, rank: int = 0,
                  micro_batch: int, seq_len: int, accum: int = 1, dtype: str | None = None, device: str = "cuda",
                  threads: int = 1, kernels: bool = True, distributed_optimizer: bool = False,
                  recompute: str = "none", recompute_layers: int | None = None, sequence_parallel: bool = False,
-                 pp_layers=None, pp_schedule: str | None = None, pp_virtual: int = 1) -> dict:
-    """One training step of `config` on world rank `rank` of the mesh tp x dp x pp, planned by
+                 pp_layers=None, pp_schedule: str | None = None, pp_virtual: int = 1, cp_comm: str = "ring") -> dict:
+    """One training step of `config` on world rank `rank` of the mesh tp x cp x dp x pp, planned by
     running it on shape-only arrays. Returns {"activations_peak", "where", "stash_per_layer" (by
     global layer index; 0 for another stage's layers), "parameters" ([PlannedParameter], this
     rank's, in the model's order), "params_local", "state" ({"params", "grads", "optimizer"}
@@ -100,13 +100,14 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
     t0 = time.perf_counter()
     model = dataclasses.replace(config, dtype=dtype or config.dtype)
     schedule = pp_schedule or ("interleaved" if pp_virtual > 1 else "1f1b")
-    cfg = RunConfig(model=model, device=device, tp=tp, dp=dp, pp=pp, ep=ep, micro_batch_size=micro_batch,
+    cfg = RunConfig(model=model, device=device, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
+                    micro_batch_size=micro_batch,
                     batch_size=micro_batch * accum * dp, seq_len=seq_len, steps=2, warmup=0,
                     distributed_optimizer=distributed_optimizer, recompute=recompute,
                     recompute_layers=recompute_layers, sequence_parallel=sequence_parallel,
                     pp_layers=None if pp_layers is None else tuple(pp_layers), pp_schedule=schedule,
                     pp_virtual=pp_virtual, eval_every=0, quiet=True, save_on_signal=False, collective_timeout=0)
-    ctx = ShapeOnlyContext(tp=tp, dp=dp, pp=pp, ep=ep, rank=rank, device=device, threads=threads)
+    ctx = ShapeOnlyContext(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, rank=rank, device=device, threads=threads)
     dataset = _tokens(model.vocab_size, seq_len, cfg.batch_size)
     sampler = BatchSampler(dataset, seq_len, cfg.batch_size, dp, ctx.dp_rank, micro_batch, seed=cfg.seed)
     with use_kernels(kernels):

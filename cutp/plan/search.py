@@ -1,5 +1,6 @@
 """`python -m cutp bench plan --params 70B --search [--gpus 64] [--gpu-memory 80]`: the TP x PP x
-DP layouts of up to --gpus GPUs on which a --params architecture trains within a GPU's memory.
+DP layouts of up to --gpus GPUs on which a --params architecture trains within a GPU's memory
+(with `--cp N`: TP x CP x PP x DP, CP sizes the powers of two up to N, the ring attention).
 
 For each TP size in 1, 2, 4, 8 (inside a node; those the heads split over) and each PP size that
 divides the layers or is a power of two (then the layers split near-evenly, the larger stages
@@ -34,19 +35,19 @@ def _powers(limit: int) -> list[int]:
 
 
 def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, micro_batch: int, seq_len: int,
-                batch_size: int) -> dict:
+                batch_size: int, cp: int = 1) -> dict:
     """The smallest DP (and the least recomputation) at which tp x pp fits `capacity` bytes:
     {"fits": bool, "dp", "recompute", "plan"}; when nothing fits, the layout that came closest."""
     layers = None if a.n_layer % pp == 0 else tuple(near_even(a.n_layer, pp))
     best = None
-    for dp in _powers(gpus // (tp * pp)):
+    for dp in _powers(gpus // (tp * cp * pp)):
         m = batch_size // (dp * micro_batch)
         if m < pp:
             break
         for recompute in RECOMPUTE:
             r = plan_pipeline(a, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=m,
                               pp_layers=layers, dtype=dtype, distributed_optimizer=True, recompute=recompute,
-                              sequence_parallel=tp > 1)
+                              sequence_parallel=tp > 1, cp=cp)
             peak = r["stages"][r["largest_stage"]]["total"]
             found = {"fits": peak <= capacity, "dp": dp, "recompute": recompute, "plan": r, "peak": peak}
             if found["fits"]:
@@ -57,23 +58,25 @@ def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, 
 
 
 def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat16", micro_batch: int = 1,
-           seq_len: int | None = None, batch_size: int | None = None) -> list[dict]:
-    """One row per (tp, pp) of up to `gpus` GPUs: for each capacity its fewest-GPU fit (`fewest_gpus`)."""
+           seq_len: int | None = None, batch_size: int | None = None, max_cp: int = 1) -> list[dict]:
+    """One row per (tp, cp, pp) of up to `gpus` GPUs (cp: the powers of two up to `max_cp` that
+    split the sequence into 2*cp chunks): for each capacity its fewest-GPU fit (`fewest_gpus`)."""
     seq = seq_len or a.seq
     batch = batch_size or max(1, (1 << 22) // seq)
     rows = []
     for tp in TPS:
         if tp > gpus or not _splits(a, tp):
             continue
-        top = min(a.n_layer, gpus // tp)
-        for pp in sorted(set(_powers(top)) | {d for d in range(1, top + 1) if a.n_layer % d == 0}):
-            counts = near_even(a.n_layer, pp)
-            row = {"tp": tp, "pp": pp, "layers": f"{counts[0]}" if a.n_layer % pp == 0 else
-                   f"{counts[0]}-{counts[-1]}", "fit": {}}
-            for cap in capacities:
-                row["fit"][cap] = fewest_gpus(a, tp=tp, pp=pp, gpus=gpus, capacity=cap, dtype=dtype,
-                                              micro_batch=micro_batch, seq_len=seq, batch_size=batch)
-            rows.append(row)
+        for cp in [c for c in _powers(min(max_cp, gpus // tp)) if seq % (2 * c) == 0 or c == 1]:
+            top = min(a.n_layer, gpus // (tp * cp))
+            for pp in sorted(set(_powers(top)) | {d for d in range(1, top + 1) if a.n_layer % d == 0}):
+                counts = near_even(a.n_layer, pp)
+                row = {"tp": tp, "pp": pp, "layers": f"{counts[0]}" if a.n_layer % pp == 0 else
+                       f"{counts[0]}-{counts[-1]}", "fit": {}, **({"cp": cp} if max_cp > 1 else {})}
+                for cap in capacities:
+                    row["fit"][cap] = fewest_gpus(a, tp=tp, pp=pp, gpus=gpus, capacity=cap, dtype=dtype,
+                                                  micro_batch=micro_batch, seq_len=seq, batch_size=batch, cp=cp)
+                rows.append(row)
     return rows
 
 
@@ -87,25 +90,26 @@ def _splits(a, tp: int) -> bool:
     return True
 
 
-def _cells(f: dict, tp: int, pp: int) -> dict:
+def _cells(f: dict, tp: int, pp: int, cp: int = 1) -> dict:
     if f["plan"] is None:
         return {"dp": None, "gpus": None, "recompute": "-", "first": None, "last": None, "bubble": None, "ok": "no"}
     st, r = f["plan"]["stages"], f["plan"]
-    return {"dp": f["dp"], "gpus": tp * pp * f["dp"], "recompute": f["recompute"], "first": st[0]["total"] / 1e9,
+    return {"dp": f["dp"], "gpus": tp * cp * pp * f["dp"], "recompute": f["recompute"], "first": st[0]["total"] / 1e9,
             "last": st[-1]["total"] / 1e9, "bubble": 100 * r["bubble"], "ok": "fits" if f["fits"] else "no"}
 
 
 def markdown(a, rows, capacities, gpus: int) -> str:
     """The search as a Markdown table (README)."""
-    head = ["TP", "PP", "layers/stage"]
+    with_cp = any("cp" in row for row in rows)
+    head = ["TP"] + (["CP"] if with_cp else []) + ["PP", "layers/stage"]
     for cap in capacities:
         g = f"{cap / 1e9:g} GB"
         head += [f"{g}: fewest GPUs (DP)", "recompute", "stage 0 / last GB", "bubble"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
-        cells = [str(row["tp"]), str(row["pp"]), row["layers"]]
+        cells = [str(row["tp"])] + ([str(row["cp"])] if with_cp else []) + [str(row["pp"]), row["layers"]]
         for cap in capacities:
-            c = _cells(row["fit"][cap], row["tp"], row["pp"])
+            c = _cells(row["fit"][cap], row["tp"], row["pp"], row.get("cp", 1))
             if c["ok"] != "fits":
                 cells += [f"no (> {gpus})", "-", "-" if c["first"] is None else
                           f"{c['first']:.0f} / {c['last']:.0f} at {c['gpus']}", "-"]
@@ -120,7 +124,7 @@ def run(args) -> Report:
     if args.preset:
         raise ConfigError("--search plans --params architectures (70B, 175B, ...); for a --preset give its layout "
                           "with --tp, --pp and --dp")
-    if args.plot:
+    if getattr(args, "plot", None):  # (`python -m cutp bench plan` has --plot; `python -m cutp plan` not)
         raise ConfigError("--plot draws one layout's memory; --search lists layouts (use --json or --markdown)")
     check_positive("gpus", args.gpus)
     caps = tuple(g * 1e9 for g in (args.gpu_memory or (80, 141)))
@@ -128,24 +132,30 @@ def run(args) -> Report:
         raise ConfigError(f"--gpu-memory {min(caps) / 1e9:g}: give the GB of one GPU, e.g. 80")
     a, _ = model_of_args(args)
     dtype = args.dtype or "bfloat16"
+    max_cp = getattr(args, "cp", 1)  # with --search: the largest CP size tried
+    check_positive("cp", max_cp)
     rows = search(a, gpus=args.gpus, capacities=caps, dtype=dtype, micro_batch=args.micro_batch,
-                  seq_len=args.seq_len, batch_size=args.batch_size)
+                  seq_len=args.seq_len, batch_size=args.batch_size, max_cp=max_cp)
     report = Report("plan", {})
     report.extra["search"] = [{**{k: v for k, v in r.items() if k != "fit"},
-                               "fit": {f"{c / 1e9:g} GB": _cells(f, r["tp"], r["pp"]) for c, f in r["fit"].items()}}
+                               "fit": {f"{c / 1e9:g} GB": _cells(f, r["tp"], r["pp"], r.get("cp", 1))
+                                       for c, f in r["fit"].items()}}
                               for r in rows]
     if args.markdown:
         report.extra["markdown"] = markdown(a, rows, caps, args.gpus)
     seq = args.seq_len or a.seq
     for cap in caps:
         g = f"{cap / 1e9:g} GB"
-        t = report.table(f"layouts {g}", [("tp", "TP", "d"), ("pp", "PP", "d"), ("layers", "layers/stage", "", ">"),
+        t = report.table(f"layouts {g}", [("tp", "TP", "d"), *([("cp", "CP", "d")] if max_cp > 1 else []),
+                                          ("pp", "PP", "d"), ("layers", "layers/stage", "", ">"),
                                           ("gpus", "GPUs", "d"), ("dp", "DP", "d"), ("recompute", "recompute", "", ">"),
                                           ("first", "stage 0 GB", ",.1f"), ("last", "last stage GB", ",.1f"),
                                           ("bubble", "bubble %", ".1f"), ("ok", g, "", ">")],
-                         title=f"{a.name} on {g} GPUs: the fewest GPUs (up to {args.gpus}) per TP x PP")
+                         title=f"{a.name} on {g} GPUs: the fewest GPUs (up to {args.gpus}) per TP x "
+                               + ("CP x " if max_cp > 1 else "") + "PP")
         for r in rows:
-            t.add(tp=r["tp"], pp=r["pp"], layers=r["layers"], **_cells(r["fit"][cap], r["tp"], r["pp"]))
+            t.add(tp=r["tp"], pp=r["pp"], layers=r["layers"], **({"cp": r["cp"]} if "cp" in r else {}),
+                  **_cells(r["fit"][cap], r["tp"], r["pp"], r.get("cp", 1)))
         t.notes.append(f"{dtype}, distributed optimizer, sequence parallelism at tp > 1, 1F1B, micro-batch "
                        f"{args.micro_batch} x {seq}; the least recomputation that fits; 'no': the closest layout")
     return report

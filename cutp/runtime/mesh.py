@@ -1,14 +1,15 @@
 """The mesh of named parallel dimensions: which rank holds which part, and the checks a layout must pass. Pure.
 
 A `Mesh` is one ordered list of dimensions, fastest first (Megatron's parallel_state order,
-torchtitan's ParallelDims). cutp's order is tp, dp, pp:
+torchtitan's ParallelDims). cutp's order is tp, cp, dp, pp (Megatron's "tp-cp-ep-dp-pp"):
 
-    world rank r = (pp_rank * dp + dp_rank) * tp + tp_rank
+    world rank r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-TP fastest, so with the usual rank-by-node placement a TP group stays inside a node (NVLink),
-and DP and the pipeline stages cross nodes. Every rank number, group and communicator split is
-derived from that list (`coords`, `group`, `split`), so a new dimension (context parallelism
-between tp and dp, say) is one entry in it.
+TP fastest, so with the usual rank-by-node placement a TP group stays inside a node (NVLink);
+context parallelism (cp) next, because its ring exchanges K and V at every layer (a volume that
+does not shrink with cp), so a CP group should stay inside the node too when tp * cp fits; DP
+and the pipeline stages cross nodes. Every rank number, group and communicator split is derived
+from that list (`coords`, `group`, `split`). At cp 1 the formula is the one of tp, dp, pp.
 
 A dimension may be carved out of another (`CARVED`): expert parallelism (ep) is the fastest
 factor of dp, so the EP groups are ep consecutive DP ranks (ep_rank = dp_rank % ep), and the
@@ -22,7 +23,7 @@ import os
 from .errors import ConfigError
 
 # The dimensions of a training mesh, fastest first (a Mesh made from sizes takes this order).
-ORDER = ("tp", "dp", "pp")
+ORDER = ("tp", "cp", "dp", "pp")
 # (dimension, the dimension it is carved from, the name of the rest): the carved part is the
 # fastest factor of its parent.
 CARVED = (("ep", "dp", "expert_dp"),)
@@ -33,6 +34,7 @@ class Mesh:
 
         Mesh(2, 4)                                   # tp=2, dp=4, pp=1
         Mesh(2, 4, 1, ep=2)                          # and ep=2 carved out of dp
+        Mesh(2, 2, cp=2)                             # tp=2, cp=2, dp=2: context parallelism
         Mesh(dims=(("tp", 2), ("cp", 2), ("dp", 2)))  # any ordered dimensions, fastest first
 
     `coords(rank)` gives every dimension's coordinate (the carved ones included), `group(rank,
@@ -40,9 +42,10 @@ class Mesh:
     `split(rank, *dims)` the (colour, key) of a communicator split into those groups.
     """
 
-    def __init__(self, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, *, dims=None):
+    def __init__(self, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, *, cp: int = 1, dims=None):
         if dims is None:
-            dims = tuple(zip(ORDER, (tp, dp, pp)))
+            # (a mesh without context parallelism has no cp dimension: the one it always had)
+            dims = tuple((n, s) for n, s in zip(ORDER, (tp, cp, dp, pp)) if n != "cp" or cp != 1)
         self.dims = tuple((str(name), int(size)) for name, size in dims)
         names = [name for name, _ in self.dims]
         if len(set(names)) != len(names):
@@ -163,6 +166,9 @@ class Mesh:
     def pp_rank(self, rank: int) -> int:
         return self.coords(rank)["pp"]
 
+    def cp_rank(self, rank: int) -> int:
+        return self.coords(rank).get("cp", 0)
+
     def ep_rank(self, rank: int) -> int:
         return self.coords(rank).get("ep", 0)
 
@@ -191,7 +197,7 @@ class Mesh:
     def __repr__(self):
         rests = {rest for _, _, rest in CARVED}
         listed = dict(self.dims)
-        sizes = [f"{n}={s}" for n, s in self.dims] + [f"{f}={s}" for f, s in self._factors
+        sizes = [f"{n}={s}" for n, s in self.dims if n != "cp" or s > 1] + [f"{f}={s}" for f, s in self._factors
                                                        if f not in listed and f not in rests and s > 1]
         return f"Mesh({', '.join(sizes)})"
 
@@ -293,11 +299,26 @@ def _ep_fix(world, pp, ep, suits) -> str:
     return f", or a `tp` from {tps} (dp = {world // pp} / tp)" if (world // pp) % ep == 0 and tps else ""
 
 
-def validate_mesh(world_size: int, tp, dp, pp=1, ep=1) -> Mesh:
-    """Checks tp, dp, pp and ep against the world size; returns the mesh (dp None: derived).
+def with_context_parallel(world_size: int, cp) -> int:
+    """The ranks left for tp x dp x pp once context parallelism takes its factor cp (which must
+    divide the world): world / cp. Pure."""
+    _size("cp", cp)
+    if world_size % cp:
+        raise ConfigError(f"`cp` {cp} does not divide the {world_size} ranks; use a `cp` from "
+                          f"{_divisors(world_size)} or start a multiple of {cp} ranks")
+    return world_size // cp
+
+
+def add_context_parallel(mesh: Mesh, cp: int) -> Mesh:
+    """`mesh` (tp, dp, pp, ep) with a cp dimension between tp and dp."""
+    return mesh if cp == 1 else Mesh(mesh.tp, mesh.dp, mesh.pp, mesh.ep, cp=cp)
+
+
+def validate_mesh(world_size: int, tp, dp, pp=1, ep=1, cp=1) -> Mesh:
+    """Checks tp, cp, dp, pp and ep against the world size; returns the mesh (dp None: derived).
     Pure: no communication. (`cutp.init`'s check; `derive_mesh` also derives tp.)"""
     _size("tp", tp)
-    return derive_mesh(world_size, tp, dp, pp, ep)
+    return add_context_parallel(derive_mesh(with_context_parallel(world_size, cp), tp, dp, pp, ep), cp)
 
 
 def check_gpu_assignment(bus_ids: list, n_gpus: int) -> None:

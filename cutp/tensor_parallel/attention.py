@@ -29,6 +29,14 @@ the projection; arange(n0, n0 + Tn) for the KV cache, which stores rotated K as 
 caller such as context parallelism passes its chunks' ids). Backward turns the same view of
 dqkv back (the transpose rotation) before the projection's backward. V is never rotated.
 
+Context parallelism (`context_shard = (cp_rank, cp)`, set by the model): x holds this CP
+rank's local sequence (`cutp.tensor_parallel.context_parallel`'s zigzag chunks; under sequence
+parallelism its TP shard, gathered by qkv as always); RoPE turns Q and K by the chunks'
+global positions, and the attention is the ring over `ctx.cp`, its dropout masks keyed by
+global (head, query, key) as the one-rank attention's (`cp_comm` "a2a": the all-to-all
+attention instead, on whole sequences of a cp-th of the heads). The ring's context is O(T) (q, k, v, o, the
+log-sum-exp): selective recomputation has nothing to recompute there either.
+
 Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
 output) and the dropout's (p, seed, offset), not the attention's probabilities (the T x T part);
 backward recomputes them with the same op and the same mask, so the gradients are bit-identical.
@@ -44,6 +52,8 @@ import numpy as np
 
 from .. import ops
 from ..runtime.backend import get_array_module
+from .context_parallel import (RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
+                               ulysses_attention_backward, ulysses_attention_forward, zigzag_chunks)
 from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
 from .parameter import Module, normal_init
 from .random import SHARDED, RNGTracker
@@ -81,6 +91,8 @@ class ParallelAttention(Module):
         self.n_head = n_head
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.recompute_core = False  # selective recomputation (module docstring)
+        self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism (module docstring)
+        self.cp_comm = "ring"  # or "a2a" (Ulysses): how the CP ranks' attention meets the whole sequence
         if tp > n_kv_head:
             # one group per layout: which ranks share a KV head depends on n_kv_head
             replicas = ctx.subgroup(f"tp_kv{n_kv_head}", color=self.kv_heads[0], key=ctx.tp_rank)
@@ -133,6 +145,8 @@ class ParallelAttention(Module):
     def forward(self, x, positions=None):
         """positions: the tokens' global positions for rotary attention (`_rotate`: None for
         arange(T) of the whole sequence, an offset, or ids [T] / [B, T]); unused without rotary."""
+        if self.context_shard is not None:
+            return self._forward_context_parallel(x)
         qkv = self.qkv.forward(x)
         if self.rotary is not None:
             self._save("rotary", self._rotate(qkv, positions))
@@ -148,8 +162,31 @@ class ParallelAttention(Module):
         self._save("attn", ((q, k, v), (p, seed, offset)) if recompute else attn_ctx)
         return self.proj.forward(self._merge_heads(o))
 
+    def _forward_context_parallel(self, x):
+        """The forward of a CP rank's local sequence: the ring attention (module docstring)."""
+        cp_rank, cp = self.context_shard
+        qkv = self.qkv.forward(x)
+        B, T_local = qkv.shape[0], qkv.shape[1]
+        T = T_local * cp  # the whole sequence
+        if self.rotary is not None:  # the two chunks' rows of the tables (slices: no gather, no value read)
+            c, (first, second) = T_local // 2, zigzag_chunks(cp, cp_rank)
+            cos, sin = (self.ctx.xp.concatenate([t[first * c:(first + 1) * c], t[second * c:(second + 1) * c]])
+                        for t in self.rotary)
+            heads = self._qk_heads(qkv)
+            self._save("rotary", ops.rotary_forward(heads, cos, sin, out=heads)[1])
+        q, k, v = self._split_heads(qkv)
+        p, seed, offsets = self.attn_dropout.draw_rows(B, self.nq * T * T,
+                                                       first_elem=self.ctx.tp_rank * self.nq * T * T,
+                                                       global_row_elems=self.n_head * T * T)
+        attend = ulysses_attention_forward if self.cp_comm == "a2a" else ring_attention_forward
+        o, cp_ctx = attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None)
+        self._save("attn", cp_ctx)
+        return self.proj.forward(self._merge_heads(o))
+
     def backward(self, dy):
         attn_ctx = self._load("attn")
+        if isinstance(attn_ctx, (RingCtx, UlyssesCtx)):
+            return self._backward_context_parallel(dy, attn_ctx)
         if isinstance(attn_ctx, tuple):  # recompute_core: the attention again, from Q, K, V and the same mask
             (q, k, v), (p, seed, offset) = attn_ctx
             _, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed,
@@ -159,6 +196,19 @@ class ParallelAttention(Module):
         do = do.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
         dqkv = self.ctx.xp.empty((B, T, (self.nq + 2 * nkv) * hd), do.dtype)
         ops.causal_attention_backward(do, attn_ctx, out=self._split_heads(dqkv))
+        if self.rotary is not None:
+            dheads = self._qk_heads(dqkv)
+            ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
+        return self.qkv.backward(dqkv)
+
+    def _backward_context_parallel(self, dy, cp_ctx):
+        nkv, g, hd = self.nkv, self.group, self.hd
+        do = self.proj.backward(dy)
+        B, T_local = do.shape[0], do.shape[1]
+        do = do.reshape(B, T_local, nkv, g, hd).transpose(0, 2, 3, 1, 4)
+        dqkv = self.ctx.xp.empty((B, T_local, (self.nq + 2 * nkv) * hd), do.dtype)
+        backward = ring_attention_backward if isinstance(cp_ctx, RingCtx) else ulysses_attention_backward
+        backward(self.ctx.cp, do, cp_ctx, out=self._split_heads(dqkv))
         if self.rotary is not None:
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)

@@ -16,6 +16,8 @@ import numpy as np
 
 from .. import ops
 from ..ops.common import as_dtype, compute_dtype
+from ..runtime.backend import get_array_module
+from .context_parallel import local_segments
 from .mappings import (
     copy_to_tp_backward,
     start_input_grad_sum,
@@ -327,6 +329,9 @@ class Dropout(Module):
         self.stream = stream
         self.site = site
         self.sequence_shard: tuple[int, int] | None = None
+        # (cp_rank, cp): context parallelism, the tokens are this CP rank's zigzag chunks
+        # (cutp.tensor_parallel.context_parallel), masked at their global positions
+        self.context_shard: tuple[int, int] | None = None
 
     def draw_rows(self, rows: int, row_elems: int, first_elem: int = 0, global_row_elems: int | None = None):
         """``(p, seed, offsets)``: the first counter of each of `rows` local batch rows, whose
@@ -344,6 +349,8 @@ class Dropout(Module):
                                                        for r in range(rows)]
 
     def forward(self, x):
+        if self.context_shard is not None:
+            return self._forward_context_parallel(x)
         rows = x.shape[0] if x.ndim else 1
         row_elems = x.size // max(rows, 1)
         if self.sequence_shard is None:
@@ -355,6 +362,26 @@ class Dropout(Module):
             self._save("ctx", None)
             return x
         y, dctx = ops.dropout_forward_rows(x, p, seed, offsets)  # one piece when the rows follow each other
+        self._save("ctx", dctx)
+        return y
+
+    def _forward_context_parallel(self, x):
+        """x [B, T_here, ...]: tokens of this CP rank's local sequence (its TP shard of them under
+        sequence parallelism), each masked as the same token of the whole sequence."""
+        cp_rank, cp = self.context_shard
+        sp_rank, sp = self.sequence_shard or (0, 1)
+        B, here = x.shape[0], x.shape[1]
+        token = x[0, 0].size  # elements per token
+        local_len = here * sp
+        p, seed, offsets = self.draw_rows(B, here * token, 0, local_len * cp * token)
+        if p == 0.0:
+            self._save("ctx", None)
+            return x
+        xp = get_array_module(x)
+        runs = local_segments(local_len, cp, cp_rank, sp_rank * here, (sp_rank + 1) * here)
+        mask = xp.concatenate([xp.stack([ops.dropout_mask(xp, (n,) + x.shape[2:], p, seed, o + first * token)
+                                         for o in offsets]) for _, first, n in runs], axis=1)
+        y, dctx = ops.dropout_forward_mask(x, p, mask)
         self._save("ctx", dctx)
         return y
 

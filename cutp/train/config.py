@@ -50,7 +50,8 @@ from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
-from ..runtime.mesh import derive_mesh
+from ..runtime.mesh import derive_mesh, with_context_parallel
+from ..tensor_parallel.context_parallel import check_context_parallel
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
@@ -82,7 +83,11 @@ class RunConfig:
                       f"that fits a node ({MAX_DEFAULT_TP['cuda']} GPUs, {MAX_DEFAULT_TP['cpu']} CPU ranks), "
                       "divides the ranks and suits the model's heads")
     dp: int = setting(1, "data-parallel size: each DP rank takes an equal share of the batch", "mesh", kind=int,
-                      at_least=1, derived="world / (tp * pp)")
+                      at_least=1, derived="world / (tp * cp * pp)")
+    cp: int = setting(1, "context parallelism: each sequence split over cp ranks (the mesh: tp, cp, dp, pp), every "
+                      "layer on seq-len/cp tokens; --seq-len a multiple of 2*cp", "mesh", kind=int, at_least=1)
+    cp_comm: str = setting("ring", "context parallelism's attention: ring (K,V round the CP ranks, overlapped) or a2a "
+                           "(Ulysses: the KV heads per TP rank split over cp)", "mesh", choices=("ring", "a2a"))
     pp: int = setting(1, "pipeline stages: the layers split over pp ranks", "pipeline", kind=int, at_least=1)
     ep: int = setting(1, "expert parallelism: an MoE model's experts split over ep consecutive DP ranks (ep divides "
                       "dp and n_experts), tokens sent to them by all-to-all", "mesh", kind=int, at_least=1)
@@ -236,6 +241,8 @@ class RunConfig:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
         check_overlap(self)
+        check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.model.n_experts,
+                               self.cp_comm, self.model.n_head, self.model.n_kv_head)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)
@@ -426,6 +433,8 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         except ConfigError:
             return False
 
+    cp = c["cp"]
+    world = with_context_parallel(world, cp)  # the ranks of tp x dp x pp (cp takes its factor first; checked)
     mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp, tp_suits=tp_suits)
     tp, dp, pp = mesh.tp, mesh.dp, mesh.pp
     if c["tp"] is None and c["dp"] is not None and not tp_suits(tp):  # tp = world / (dp * pp) cannot be
@@ -447,7 +456,8 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     micro = c["micro_batch_size"] or default_micro_batch(batch // dp if batch % dp == 0 else batch, pp, schedule)
     steps = run["steps"]
     return RunConfig(
-        model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, pp_layers=_layer_counts(c["pp_layers"]),
+        model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, cp=cp, cp_comm=c["cp_comm"],
+        pp_layers=_layer_counts(c["pp_layers"]),
         pp_schedule=schedule, pp_virtual=virtual, steps=steps, batch_size=batch, micro_batch_size=micro,
         seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
         min_lr=run["min_lr"],

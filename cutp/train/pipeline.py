@@ -154,6 +154,8 @@ class Schedule:
         """Receive buffer of micro-batch i's activation (or its gradient) at a chunk's input."""
         x = self.batches[i][0]
         T = x.shape[1]
+        if self.model.training:  # context parallelism: this CP rank's chunks (evaluation: whole sequences)
+            T //= self.ctx.cp_size
         if self.model.sequence_parallel and self.ctx.tp_size > 1:
             T //= self.ctx.tp_size
         return self.ctx.xp.empty((x.shape[0], T, self.model.config.n_embd), DTYPES[self.model.config.dtype])

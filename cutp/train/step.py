@@ -44,6 +44,7 @@ from ..models import GPT
 from ..ops.gemm import allow_tf32
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
                      GradBuckets, LossScaler, ParamGather, clip_scale, lr_schedule)
+from ..optim.adamw import replica_group
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
@@ -52,6 +53,7 @@ from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
+from ..tensor_parallel.context_parallel import take_local
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
@@ -224,13 +226,13 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
             raise ConfigError("give the data as config.data (a path) or as dataset=, not both")
         dataset = dataset if dataset is not None else load_dataset(cfg.data)
         check_data_fits_model(dataset, cfg.model, cfg.init_from, cfg.data)  # the tokenizer and the vocabulary
-        dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp).dp_rank(world.Get_rank())  # the Context's, before it exists
+        dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp, cp=cfg.cp).dp_rank(world.Get_rank())  # the Context's, before it exists
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
                                seed=cfg.seed)
     check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
                             "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
-    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, device=cfg.device,
+    ctx = init(comm=world, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, device=cfg.device,
                collective_timeout=cfg.collective_timeout)
     if cfg.link_bandwidth is not None:
         ctx.simulate_link(cfg.link_bandwidth, cfg.link_latency)
@@ -259,19 +261,21 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
+    if cfg.cp > 1:
+        model.set_context_parallel_comm(cfg.cp_comm)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
     if cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
         optimizer = ExpertParallelAdamW(model.parameters(), ctx, **kw)
         flat = optimizer.flat
     elif cfg.distributed_optimizer:
-        flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp))
+        flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp * cfg.cp))
         optimizer = DistributedAdamW(flat, ctx, **kw)
     else:
         flat = FlatParameters(model.parameters())
         optimizer = AdamW(flat, **kw)
     run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
     if cfg.overlap_grad_reduce or cfg.overlap_param_gather:
-        set_up_overlap(run, ctx.dp)
+        set_up_overlap(run, replica_group(ctx))  # DP x CP: the ranks that average the gradients
     elif cfg.tp_comm_overlap:
         model.set_tp_comm_overlap(True)
     return run
@@ -404,7 +408,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
-        loss = _dp_mean(ctx, loss_sum, "the loss average")
+        loss = _dp_mean(ctx, loss_sum, "the loss average", per_cp_rank=True)
         if ctx.pp_size > 1:
             loss = _from_last_stage(ctx, loss)
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
@@ -471,18 +475,22 @@ def evaluate(run: TrainingRun) -> float:
 def _loss_weights(ctx: Context, targets, ignore_index: int) -> list[float]:
     """The weight of each micro-batch's mean loss in the step's loss, the mean over every
     target of the global batch that is not ignore_index: dp * c_m / C for a micro-batch with c_m
-    such targets out of C over all DP ranks (DP averages the gradients, hence dp). Ranks and
+    such targets out of C over all DP ranks (DP averages the gradients, hence dp). With context
+    parallelism, over the DP x CP group: c_m counts this CP rank's chunks' targets, and dp is
+    dp * cp (the gradients are averaged over DP x CP). Ranks and
     micro-batches holding different numbers of ignored targets then give one rank's loss and
     gradients (Hugging Face's num_items_in_batch fix); without ignored targets it is 1 / accum.
     One host all-reduce of an integer over DP."""
+    if ctx.cp_size > 1:  # each CP rank's loss is the mean over its own chunks' targets
+        targets = [take_local(np.asarray(y), ctx.cp_size, ctx.cp_rank) for y in targets]
     counts = [int((np.asarray(y) != ignore_index).sum()) for y in targets]
     total = np.array([sum(counts)], dtype=np.int64)
-    if ctx.dp_size > 1:
-        with ctx.watchdog.guard("the target count (host all-reduce on dp)"):
-            ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, total)
+    if ctx.dp_cp_size > 1:
+        with ctx.watchdog.guard(f"the target count (host all-reduce on {ctx.dp_cp.name})"):
+            ctx.dp_cp.mpi_comm.Allreduce(MPI.IN_PLACE, total)
     if not total[0]:
         return [0.0] * len(counts)
-    return [ctx.dp_size * c / int(total[0]) for c in counts]
+    return [ctx.dp_cp_size * c / int(total[0]) for c in counts]
 
 
 def _from_last_stage(ctx: Context, value: float) -> float:
@@ -491,11 +499,13 @@ def _from_last_stage(ctx: Context, value: float) -> float:
         return float(ctx.pp.mpi_comm.bcast(value, root=ctx.pp_size - 1))
 
 
-def _dp_mean(ctx: Context, value: float, what: str) -> float:
+def _dp_mean(ctx: Context, value: float, what: str, per_cp_rank: bool = False) -> float:
     """The mean of a host float over the DP group (sum, then divided by dp: the order the
-    losses have always been averaged in). Named for the watchdog: a peer that never comes
-    shows as this reduction."""
+    losses have always been averaged in); `per_cp_rank`: over DP x CP (a training loss, whose
+    CP ranks each hold their chunks' part; evaluation runs whole sequences on every CP rank).
+    Named for the watchdog: a peer that never comes shows as this reduction."""
     buf = np.array([value])
-    with ctx.watchdog.guard(f"{what} (host all-reduce on dp)"):
-        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
-    return float(buf[0]) / ctx.dp_size
+    group = ctx.dp_cp if per_cp_rank else ctx.dp
+    with ctx.watchdog.guard(f"{what} (host all-reduce on {group.name})"):
+        group.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
+    return float(buf[0]) / group.size

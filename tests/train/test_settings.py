@@ -74,18 +74,18 @@ def test_a_new_setting_is_one_declaration():
 
     @dataclasses.dataclass(frozen=True)
     class WithMore(RunConfig):
-        cp: int = setting(1, "context-parallel size: each sequence split over cp ranks", "mesh", kind=int,
+        hp: int = setting(1, "a made-up size: each sequence split over hp ranks", "mesh", kind=int,
                           at_least=1)
 
     settings = declared(WithMore)
-    assert list(settings)[-1] == "cp"
+    assert list(settings)[-1] == "hp"
     parser = command_line_parser(settings, prog="x")
     text = " ".join(parser.format_help().split())
-    assert "--cp N context-parallel size: each sequence split over cp ranks (default: 1)" in text
-    assert parser.parse_args(["--cp", "2"]).cp == 2 and parser.parse_args([]).cp is None
-    assert WithMore(model=TINY, cp=2).cp == 2
-    with pytest.raises(ConfigError, match="^cp must be an integer >= 1, got 0$"):
-        WithMore(model=TINY, cp=0)
+    assert "--hp N a made-up size: each sequence split over hp ranks (default: 1)" in text
+    assert parser.parse_args(["--hp", "2"]).hp == 2 and parser.parse_args([]).hp is None
+    assert WithMore(model=TINY, hp=2).hp == 2
+    with pytest.raises(ConfigError, match="^hp must be an integer >= 1, got 0$"):
+        WithMore(model=TINY, hp=0)
 
 
 def test_the_choices_and_run_settings_come_from_the_declarations():

@@ -1,0 +1,53 @@
+"""The planner's context parallelism (`python -m cutp plan --cp N --cp-comm ring|a2a`).
+
+The ring's and the all-to-all's bytes by formula (cutp.plan.context) equal what the counters
+count when the planner runs cutp's own step at that cp; the activations per rank shrink with
+cp; the gradients and ZeRO's shards are over DP x CP; --search tries the CP sizes up to --cp;
+the refusals name the planner's flags.
+"""
+import pytest
+
+from cutp.models import GPTConfig
+from cutp.plan import cli
+from cutp.plan.context import cp_comm_bytes
+from cutp.plan.layout import arch_from_config, pick_arch, plan
+from cutp.plan.run import planned_step
+
+TINY = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=512, block_size=1024, dtype="float32")
+
+
+@pytest.mark.parametrize("comm,recompute", [("ring", "none"), ("a2a", "none"), ("ring", "full"), ("a2a", "full")])
+def test_the_formula_counts_what_the_planned_step_sends(comm, recompute):
+    a = arch_from_config("tiny", TINY)
+    got = planned_step(TINY, cp=2, cp_comm=comm, micro_batch=2, seq_len=256, device="cpu", recompute=recompute,
+                       recompute_layers=1 if recompute == "full" else None)["comm"]
+    counted = sum(v["bytes"] for k, v in got.items() if k in ("cp.send", "cp.all_to_all"))
+    formula = cp_comm_bytes(a, s=256, b=2, tp=1, cp=2, cp_comm=comm, layers=2, accum=1, itemsize=4,
+                            recomputed=int(recompute == "full"))
+    assert formula["bytes"] == counted > 0
+    assert got.get("cp.recv", {"bytes": 0})["bytes"] == (counted if comm == "ring" else 0)  # as much arrives
+
+
+def test_activations_per_rank_shrink_with_cp_and_the_state_shards_over_dp_x_cp():
+    a = pick_arch("8B")
+    one = plan(a, tp=8, dp=1, micro_batch=1, seq_len=131072, sequence_parallel=True, distributed_optimizer=True)
+    eight = plan(a, tp=8, dp=1, cp=8, micro_batch=1, seq_len=131072, sequence_parallel=True,
+                 distributed_optimizer=True)
+    assert eight["act_bytes"] <= one["act_bytes"] / 8
+    assert eight["optim_bytes"] * 8 == pytest.approx(one["optim_bytes"], rel=1e-3)  # ZeRO over dp x cp = 8
+    assert eight["dp_reduce_scatter"]["calls"] == 1 and one["dp_reduce_scatter"]["calls"] == 0
+    assert eight["cp_exchange"]["calls"] == 32 * (7 + 7 + 8)
+
+
+def test_the_command_line_plans_and_searches_cp_and_refuses_with_its_flags(capsys):
+    assert cli.main(["--params", "8B", "--seq-len", "131072", "--tp", "8", "--cp", "8", "--sequence-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "tp 8 x cp 8 (ring) x dp 1 = 64 GPUs" in out and "CP ring send/recv (K,V; dK,dV)" in out
+    assert cli.main(["--params", "8B", "--seq-len", "131072", "--search", "--cp", "8", "--gpus", "64",
+                     "--batch-size", "16", "--gpu-memory", "80", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| 8 | 8 | 1 | 32 | 64 (1) | none |" in out  # tp 8 x cp 8: no recomputation at 128K
+    assert cli.main(["--params", "8B", "--seq-len", "1000", "--cp", "8"]) == 2
+    assert "--seq-len 1000 is not divisible by 2*cp = 16" in capsys.readouterr().err
+    assert cli.main(["--params", "8B", "--tp", "8", "--cp", "2", "--cp-comm", "a2a"]) == 2
+    assert "--cp-comm a2a splits each TP rank's KV heads over the CP ranks" in capsys.readouterr().err
