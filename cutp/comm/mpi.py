@@ -295,9 +295,19 @@ class MpiCommunicator(Communicator):
                                        [rbuf, ([mine] * self.size, [mine * r for r in range(self.size)]), rtype])
         return req, rows
 
+    def _booked(self, request, x, piece):
+        """The planner's shape-only arrays move nothing; `request` (finished at once) holds what
+        the rank-ordered sum holds until its wait, so that the planner books it: every rank's
+        piece of this rank's part, [size, piece], and their sum (float32 for 16-bit types)."""
+        xp = get_array_module(x)
+        acc = np.float32 if np.dtype(x.dtype).name in _HALF else x.dtype
+        request.held = (xp.empty((self.size, piece), x.dtype), xp.empty(piece, acc))
+        return request
+
     def start_reduce_scatter(self, x, op="sum", out=None):
         if not isinstance(x, np.ndarray):  # the planner's shape-only arrays: nothing to move
-            return super().start_reduce_scatter(x, op, out)
+            piece = int(np.prod(self._scatter_shape(x), dtype=np.int64))
+            return self._booked(super().start_reduce_scatter(x, op, out), x, piece)
         check_array(x, f"reduce_scatter on {self.name}")
         check_op(op)
         shape = self._scatter_shape(x)
@@ -321,7 +331,8 @@ class MpiCommunicator(Communicator):
 
     def start_all_reduce(self, x, op="sum", out=None):
         if not isinstance(x, np.ndarray):  # the planner's shape-only arrays: nothing to move
-            return super().start_all_reduce(x, op, out)
+            piece = _split_counts(int(np.prod(x.shape, dtype=np.int64)), self.size)[self.rank]
+            return self._booked(super().start_all_reduce(x, op, out), x, piece)
         check_array(x, f"all_reduce on {self.name}")
         check_op(op)
         self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")

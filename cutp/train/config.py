@@ -10,7 +10,7 @@ ranks, derives and validates everything inside one block whose error (on any ran
 on every rank, then compares the result across ranks once more, all before the first collective
 of the run itself. A `RunConfig` made directly (every field explicit) is checked by its own
 constructor for what needs no world (ranges, divisibility, the model's shape rules at its tp).
-(Over 500 lines on purpose: every setting is declared here once, each field its flag, default,
+(It runs over 500 lines on purpose: every setting is declared here once, each field its flag, default,
 check and help line, so one file lists all of them.)
 
 Each setting is declared once, as a `setting(...)` field of RunConfig (or in EXTRA_CHOICES for

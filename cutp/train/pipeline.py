@@ -130,7 +130,7 @@ def _interleaved(p, s, m, V):
 
 class Schedule:
     """One step's micro-batches on this rank's stage. `batches`: [(x, y)] host arrays of this DP
-    rank; `weights`: each micro-batch's weight in the step's loss (train_step's _loss_weights);
+    rank; `weights`: each micro-batch's weight in the step's loss (cutp.train.reductions.loss_weights);
     `first_row(i)`: the micro-batch's first row in the step's global batch (dropout positions);
     `aux_weight`: the MoE auxiliary losses' weight in each micro-batch's backward (train_step's)."""
 

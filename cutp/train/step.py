@@ -32,7 +32,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
@@ -53,7 +52,7 @@ from ..runtime.failure import errors_raised_on_every_rank
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
-from ..tensor_parallel.context_parallel import take_local
+from .reductions import dp_mean, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
@@ -366,7 +365,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         run.flat.zero_grad()
         clock.enter("forward")  # reading the step's batch counts with the forward
         batches = list(run.sampler.micro_batches(n))
-        weights = _loss_weights(ctx, [y for _, y in batches], model.ignore_index)
+        weights = loss_weights(ctx, [y for _, y in batches], model.ignore_index)
         loss_sum = 0.0
         first_row = run.sampler.first_row  # dropout masks by global position: a micro-batch's first row
 
@@ -408,9 +407,9 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
-        loss = _dp_mean(ctx, loss_sum, "the loss average", per_cp_rank=True)
+        loss = dp_mean(ctx, loss_sum, "the loss average", per_cp_rank=True)
         if ctx.pp_size > 1:
-            loss = _from_last_stage(ctx, loss)
+            loss = from_last_stage(ctx, loss)
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         # the decision above comes from all-reduced values: every rank updates its scaler alike
@@ -468,44 +467,5 @@ def evaluate(run: TrainingRun) -> float:
                 losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False))
                 ctx.watchdog.progress()
         model.train()
-        loss = _dp_mean(ctx, sum(losses) / len(losses) if losses else 0.0, "the validation-loss average")
-        return _from_last_stage(ctx, loss) if ctx.pp_size > 1 else loss
-
-
-def _loss_weights(ctx: Context, targets, ignore_index: int) -> list[float]:
-    """The weight of each micro-batch's mean loss in the step's loss, the mean over every
-    target of the global batch that is not ignore_index: dp * c_m / C for a micro-batch with c_m
-    such targets out of C over all DP ranks (DP averages the gradients, hence dp). With context
-    parallelism, over the DP x CP group: c_m counts this CP rank's chunks' targets, and dp is
-    dp * cp (the gradients are averaged over DP x CP). Ranks and
-    micro-batches holding different numbers of ignored targets then give one rank's loss and
-    gradients (Hugging Face's num_items_in_batch fix); without ignored targets it is 1 / accum.
-    One host all-reduce of an integer over DP."""
-    if ctx.cp_size > 1:  # each CP rank's loss is the mean over its own chunks' targets
-        targets = [take_local(np.asarray(y), ctx.cp_size, ctx.cp_rank) for y in targets]
-    counts = [int((np.asarray(y) != ignore_index).sum()) for y in targets]
-    total = np.array([sum(counts)], dtype=np.int64)
-    if ctx.dp_cp_size > 1:
-        with ctx.watchdog.guard(f"the target count (host all-reduce on {ctx.dp_cp.name})"):
-            ctx.dp_cp.mpi_comm.Allreduce(MPI.IN_PLACE, total)
-    if not total[0]:
-        return [0.0] * len(counts)
-    return [ctx.dp_cp_size * c / int(total[0]) for c in counts]
-
-
-def _from_last_stage(ctx: Context, value: float) -> float:
-    """The last pipeline stage's value (the loss is computed there), on every stage."""
-    with ctx.watchdog.guard("the loss from the last pipeline stage (host broadcast on pp)"):
-        return float(ctx.pp.mpi_comm.bcast(value, root=ctx.pp_size - 1))
-
-
-def _dp_mean(ctx: Context, value: float, what: str, per_cp_rank: bool = False) -> float:
-    """The mean of a host float over the DP group (sum, then divided by dp: the order the
-    losses have always been averaged in); `per_cp_rank`: over DP x CP (a training loss, whose
-    CP ranks each hold their chunks' part; evaluation runs whole sequences on every CP rank).
-    Named for the watchdog: a peer that never comes shows as this reduction."""
-    buf = np.array([value])
-    group = ctx.dp_cp if per_cp_rank else ctx.dp
-    with ctx.watchdog.guard(f"{what} (host all-reduce on {group.name})"):
-        group.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
-    return float(buf[0]) / group.size
+        loss = dp_mean(ctx, sum(losses) / len(losses) if losses else 0.0, "the validation-loss average")
+        return from_last_stage(ctx, loss) if ctx.pp_size > 1 else loss

@@ -45,6 +45,11 @@ class _Stream:
     def wait_event(self, event):
         self.log.append(("wait", self.name, event.on))
 
+    def record(self, event=None):  # (CuPy's Stream.record: a new event recorded on this stream)
+        event = event or _Event(self.log)
+        event.record(self)
+        return event
+
     def __enter__(self):
         self.log.append(("enter", self.name))
         _FakeCupy.current.append(self)

@@ -76,11 +76,11 @@ def test_without_ignored_targets_the_weights_are_one_over_accum():
     from mpi4py import MPI
 
     import cutp
-    from cutp.train.step import _loss_weights
+    from cutp.train.reductions import loss_weights
 
     ctx = cutp.init(comm=MPI.COMM_SELF)
     ys = [np.zeros((2, 8), np.int64)] * 3
-    assert _loss_weights(ctx, ys, IGNORE) == [1 / 3] * 3
+    assert loss_weights(ctx, ys, IGNORE) == [1 / 3] * 3
     ys = [np.full((2, 8), IGNORE)] * 2
-    assert _loss_weights(ctx, ys, IGNORE) == [0.0, 0.0]
+    assert loss_weights(ctx, ys, IGNORE) == [0.0, 0.0]
     ctx.close()
