@@ -22,10 +22,10 @@
 namespace rmsnorm_impl {
 
 // The row's s = x + branch rounded to T (written to `sum`), or x itself when branch is null.
-template <typename T, int P>
+template <bool RESIDUAL, typename T, int P>
 __device__ __forceinline__ void load_input(float (&v)[P], const T* xr, const T* br, T* sr, int c0, int C) {
     load_chunk(v, xr + c0, C - c0);
-    if (br != nullptr) {
+    if constexpr (RESIDUAL) {
         float b[P];
         load_chunk(b, br + c0, C - c0);
 #pragma unroll
@@ -34,28 +34,28 @@ __device__ __forceinline__ void load_input(float (&v)[P], const T* xr, const T* 
     }
 }
 
-template <typename T, bool BLOCK>
+template <typename T, bool BLOCK, bool RESIDUAL>
 __device__ void forward(T* y, float* rstd_out, T* sum, const T* x, const T* branch, const T* weight,
                         long long n_rows, int C, float eps) {
     constexpr int P = Packed128<T>::size;
     const RowGroup<BLOCK> g;
     if (g.row >= n_rows) return;
     const T* xr = x + g.row * C;
-    const T* br = branch != nullptr ? branch + g.row * C : nullptr;
-    T* sr = sum != nullptr ? sum + g.row * C : nullptr;
+    const T* br = RESIDUAL ? branch + g.row * C : nullptr;
+    T* sr = RESIDUAL ? sum + g.row * C : nullptr;
     T* yr = y + g.row * C;
 
     float ss = 0.0f;
     for (int c0 = g.tid * P; c0 < C; c0 += g.size * P) {
         float v[P];
-        load_input(v, xr, br, sr, c0, C);
+        load_input<RESIDUAL>(v, xr, br, sr, c0, C);
 #pragma unroll
         for (int k = 0; k < P; ++k) ss += v[k] * v[k];  // load_chunk fills the tail with 0
     }
     const float rstd = 1.0f / sqrtf(group_reduce_sum<BLOCK>(ss) / (float)C + eps);
 
     // the second pass reads what this thread's own first pass stored in `sum`: the same chunks
-    const T* in = br != nullptr ? sr : xr;
+    const T* in = RESIDUAL ? sr : xr;
     for (int c0 = g.tid * P; c0 < C; c0 += g.size * P) {
         float v[P], w[P];
         load_chunk(v, in + c0, C - c0);
@@ -161,24 +161,44 @@ __device__ void backward(T* dx, float* partial, const T* dy, const T* x, const T
 
 }  // namespace rmsnorm_impl
 
-// weight may be null (no scale); sum and branch null together (plain RMSNorm) or both given (the
-// fused residual add: sum = x + branch, normalised). block_per_row: 0 = a warp per row.
+// weight may be null (no scale). block_per_row: 0 = a warp per row. Plain: sum and branch are null.
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_f32(
-    float* y, float* rstd, float* sum, const float* x, const float* branch, const float* weight, long long n_rows,
-    int C, float eps, int block_per_row) {
+    float* y, float* rstd, float* sum, const float* x, const float* branch, const float* weight, long long n_rows, int C,
+    float eps, int block_per_row) {
     if (block_per_row) {
-        rmsnorm_impl::forward<float, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+        rmsnorm_impl::forward<float, true, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
     } else {
-        rmsnorm_impl::forward<float, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+        rmsnorm_impl::forward<float, false, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
     }
 }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_bf16(
-    __nv_bfloat16* y, float* rstd, __nv_bfloat16* sum, const __nv_bfloat16* x, const __nv_bfloat16* branch,
-    const __nv_bfloat16* weight, long long n_rows, int C, float eps, int block_per_row) {
+    __nv_bfloat16* y, float* rstd, __nv_bfloat16* sum, const __nv_bfloat16* x, const __nv_bfloat16* branch, const __nv_bfloat16* weight, long long n_rows, int C,
+    float eps, int block_per_row) {
     if (block_per_row) {
-        rmsnorm_impl::forward<__nv_bfloat16, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+        rmsnorm_impl::forward<__nv_bfloat16, true, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
     } else {
-        rmsnorm_impl::forward<__nv_bfloat16, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+        rmsnorm_impl::forward<__nv_bfloat16, false, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+    }
+}
+
+// The residual add fused before the norm: sum = x + branch (rounded to T), normalised. At most 512
+// threads: with 1024 (64 registers each) the bf16 path spills.
+extern "C" __global__ void __launch_bounds__(512) residual_rmsnorm_forward_f32(
+    float* y, float* rstd, float* sum, const float* x, const float* branch, const float* weight, long long n_rows, int C,
+    float eps, int block_per_row) {
+    if (block_per_row) {
+        rmsnorm_impl::forward<float, true, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+    } else {
+        rmsnorm_impl::forward<float, false, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+    }
+}
+extern "C" __global__ void __launch_bounds__(512) residual_rmsnorm_forward_bf16(
+    __nv_bfloat16* y, float* rstd, __nv_bfloat16* sum, const __nv_bfloat16* x, const __nv_bfloat16* branch, const __nv_bfloat16* weight, long long n_rows, int C,
+    float eps, int block_per_row) {
+    if (block_per_row) {
+        rmsnorm_impl::forward<__nv_bfloat16, true, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+    } else {
+        rmsnorm_impl::forward<__nv_bfloat16, false, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
     }
 }
 

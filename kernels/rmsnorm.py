@@ -33,6 +33,7 @@ from .runtime import (
 
 RMSNORM_WARP_ROW_MAX = 2048  # rows up to this length: a warp per row; longer: a block per row
 RMSNORM_BACKWARD_THREADS = 512  # the backward's __launch_bounds__
+RESIDUAL_RMSNORM_THREADS = 512  # the fused residual forward's __launch_bounds__ (1024 would spill in bf16)
 # The widest row whose backward launch tests/kernel_build/test_resources.py checks against sm_80's
 # and sm_90's shared-memory limits (C floats: 128 KiB at 32768; sm_80 allows 163 KiB with the opt-in).
 RMSNORM_BACKWARD_MAX_C = 32768
@@ -76,8 +77,10 @@ class RMSNormLaunchers(LauncherBase):
         y = xp.empty(x.shape, dtype=x.dtype)
         s = xp.empty(x.shape, dtype=x.dtype) if branch is not None else None
         rstd = xp.empty(n_rows, dtype=np.float32)
-        rows_per_block, block, block_per_row = self._row_shape(C, x.dtype, RMSNORM_WARP_ROW_MAX, 2)
-        self._launch("rmsnorm", f"rmsnorm_forward_{dtype_suffix(x.dtype)}", (ceil_div(n_rows, rows_per_block),),
+        rows_per_block, block, block_per_row = self._row_shape(
+            C, x.dtype, RMSNORM_WARP_ROW_MAX, 2, RESIDUAL_RMSNORM_THREADS if branch is not None else 1024)
+        name = "residual_rmsnorm_forward" if branch is not None else "rmsnorm_forward"
+        self._launch("rmsnorm", f"{name}_{dtype_suffix(x.dtype)}", (ceil_div(n_rows, rows_per_block),),
                      block, (y, rstd, s, x, branch, weight, np.int64(n_rows), int32_arg("C", C), np.float32(eps),
                              block_per_row))
         return y, rstd, s
