@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import _span, kernel_layout
+from .attention import kernel_layout, strided_span
 from .runtime import (
     ELEMENTWISE_THREADS,
     KernelArgumentError,
@@ -90,8 +90,8 @@ class RotaryLaunchers(LauncherBase):
         in_place = out is x
         if not x.size:
             return out
-        xs, xst = _span(xp, x)
-        os_, ost = (xs, xst) if in_place else _span(xp, out)
+        xs, xst = strided_span(xp, x)
+        os_, ost = (xs, xst) if in_place else strided_span(xp, out)
         P = elements_per_128bit(x.dtype)
         nc = ceil_div(rd // 2, P) + (0 if in_place else ceil_div(D - rd, P))  # in place: the tail stays
         n = B * T * H * nc
