@@ -20,7 +20,7 @@
 namespace rotary_impl {
 
 template <typename T>
-__device__ void rotate(T* out, const T* x, const float* cos, const float* sin, const long long* pos, long long B,
+__device__ void rotate(T* out, const T* x, const float* cos, const float* sin, const long long* pos, long long n,
                        int T_, int H, int D, int rd, long long xsb, long long xst, long long xsh, long long osb,
                        long long ost, long long osh, long long pos_bs, long long tab_bs, int transpose,
                        int copy_tail) {
@@ -30,17 +30,17 @@ __device__ void rotate(T* out, const T* x, const float* cos, const float* sin, c
     const int n_tail = copy_tail ? (D - rd + P - 1) / P : 0;
     const int nc = n_rot + n_tail;
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= B * T_ * H * nc) return;
-    const int c = (int)(i % nc);
+    if (i >= n) return;  // n = B * T * H * nc threads
+    const long long c = i % nc;
     const long long head = i / nc;
-    const int h = (int)(head % H);
+    const long long h = head % H;
     const long long bt = head / H;
-    const int t = (int)(bt % T_);
+    const long long t = bt % T_;
     const long long b = bt / T_;
     const T* xh = x + b * xsb + t * xst + h * xsh;
     T* oh = out + b * osb + t * ost + h * osh;
     if (c >= n_rot) {  // past rd: copied
-        const int e0 = rd + (c - n_rot) * P;
+        const long long e0 = rd + (c - n_rot) * P;
         float v[P];
         load_chunk(v, xh + e0, D - e0);
         store_chunk(oh + e0, v, D - e0);
@@ -49,16 +49,22 @@ __device__ void rotate(T* out, const T* x, const float* cos, const float* sin, c
     const long long row = pos != nullptr ? pos[b * pos_bs + t] : b * tab_bs + t;
     const float* cr = cos + row * rd;
     const float* sr = sin + row * rd;
-    const int e0 = c * P;
-    const int count = hh - e0 < P ? hh - e0 : P;
-    float x1[P], x2[P], c1[P], c2[P], s1[P], s2[P];
+    const long long e0 = c * P;
+    const long long count = hh - e0 < P ? hh - e0 : P;
+    float x1[P];
+    float x2[P];
+    float c1[P];
+    float c2[P];
+    float s1[P];
+    float s2[P];
     load_chunk(x1, xh + e0, count);
     load_chunk(x2, xh + hh + e0, count);
     load_chunk(c1, cr + e0, count);
     load_chunk(c2, cr + hh + e0, count);
     load_chunk(s1, sr + e0, count);
     load_chunk(s2, sr + hh + e0, count);
-    float y1[P], y2[P];
+    float y1[P];
+    float y2[P];
 #pragma unroll
     for (int k = 0; k < P; ++k) {
         if (transpose) {
@@ -76,18 +82,19 @@ __device__ void rotate(T* out, const T* x, const float* cos, const float* sin, c
 }  // namespace rotary_impl
 
 // One thread per 128-bit chunk of a head's rotated half (and per chunk of its tail when
-// copy_tail); pos may be null (per-token tables).
+// copy_tail): n = B * T * H * chunks per head threads; pos may be null (per-token tables). b
+// comes from the thread index, so B itself is not a parameter.
 extern "C" __global__ void __launch_bounds__(256) rotary_f32(
-    float* out, const float* x, const float* cos, const float* sin, const long long* pos, long long B, int T, int H,
+    float* out, const float* x, const float* cos, const float* sin, const long long* pos, long long n, int T, int H,
     int D, int rd, long long xsb, long long xst, long long xsh, long long osb, long long ost, long long osh,
     long long pos_bs, long long tab_bs, int transpose, int copy_tail) {
-    rotary_impl::rotate(out, x, cos, sin, pos, B, T, H, D, rd, xsb, xst, xsh, osb, ost, osh, pos_bs, tab_bs, transpose,
+    rotary_impl::rotate(out, x, cos, sin, pos, n, T, H, D, rd, xsb, xst, xsh, osb, ost, osh, pos_bs, tab_bs, transpose,
                         copy_tail);
 }
 extern "C" __global__ void __launch_bounds__(256) rotary_bf16(
-    __nv_bfloat16* out, const __nv_bfloat16* x, const float* cos, const float* sin, const long long* pos, long long B,
+    __nv_bfloat16* out, const __nv_bfloat16* x, const float* cos, const float* sin, const long long* pos, long long n,
     int T, int H, int D, int rd, long long xsb, long long xst, long long xsh, long long osb, long long ost,
     long long osh, long long pos_bs, long long tab_bs, int transpose, int copy_tail) {
-    rotary_impl::rotate(out, x, cos, sin, pos, B, T, H, D, rd, xsb, xst, xsh, osb, ost, osh, pos_bs, tab_bs, transpose,
+    rotary_impl::rotate(out, x, cos, sin, pos, n, T, H, D, rd, xsb, xst, xsh, osb, ost, osh, pos_bs, tab_bs, transpose,
                         copy_tail);
 }

@@ -97,7 +97,7 @@ class RotaryLaunchers(LauncherBase):
         n = B * T * H * nc
         self._launch("rotary", f"rotary_{dtype_suffix(x.dtype)}", (ceil_div(n, ELEMENTWISE_THREADS),),
                      (ELEMENTWISE_THREADS,),
-                     (os_, xs, cos, sin, pos, np.int64(B), int32_arg("T", T), int32_arg("heads", H),
+                     (os_, xs, cos, sin, pos, np.int64(n), int32_arg("T", T), int32_arg("heads", H),
                       int32_arg("head dim", D), np.int32(rd), *xst[:3], *ost[:3], np.int64(pos_bs), np.int64(tab_bs),
                       np.int32(bool(transpose)), np.int32(not in_place)))
         return out

@@ -34,7 +34,7 @@ __device__ void forward(T* y, const T* gate_up, long long n_rows, int F) {
     float v[P];
     if (F % P == 0) {  // the chunk lies inside row r: its gate and up chunks are contiguous
         const long long r = i0 / F;
-        const int c0 = (int)(i0 - r * F);
+        const long long c0 = i0 - r * F;
         const T* gr = gate_up + r * 2 * F + c0;
         float g[P], u[P];
         load_chunk(g, gr, P);
@@ -67,7 +67,7 @@ __device__ void backward(T* d, const T* dy, const T* gate_up, long long n_rows, 
     load_chunk(dyv, dy + i0, n - i0);
     if (F % P == 0) {
         const long long r = i0 / F;
-        const int c0 = (int)(i0 - r * F);
+        const long long c0 = i0 - r * F;
         const long long off = r * 2 * F + c0;
         float g[P], u[P], dg[P], du[P];
         load_chunk(g, gate_up + off, P);

@@ -61,12 +61,15 @@ def test_rmsnorm_forward_backward(backend, ks, dtype, weighted, shape):
 
 
 # 1003 rows over 12 columns: R row groups per block, 264 blocks of 3-4 rows (idle groups in a
-# block's last round); (600, 130): two warps per row group, several rounds per block
-@pytest.mark.parametrize("rows,C", [(1003, 12), (1200, 130)])
+# block's last round); (5000, 130): two warps per row group, 3 rounds per block (the row group
+# reduction called back to back: its trailing barrier)
+@pytest.mark.parametrize("rows,C", [(1003, 12), (5000, 130)])
 def test_rmsnorm_weight_gradient_over_many_rows(backend, k, rows, C):
     R = rmsnorm_backward_rows_per_block(C, F32)
     n_blocks = rmsnorm_backward_grid(rows, C, F32, k.sm_count())
     assert R > 1 and n_blocks == min(-(-rows // R), LAYERNORM_BACKWARD_BLOCKS_PER_SM * k.sm_count())
+    rounds = -(-(-(-rows // n_blocks)) // R)  # of the block with the most rows
+    assert (rounds > 1) == (rows == 5000), rounds
     check_rmsnorm(backend, k, (rows, C), F32, seed=71)
 
 
@@ -110,3 +113,13 @@ def test_bf16_rmsnorm_rounds_xhat_before_the_weight(backend, k):
     once = (x.astype(np.float32) * r * w.astype(np.float32)).astype(BF16)
     assert (bits(hf) != bits(once)).any(), "these inputs no longer tell the two orders apart"
     np.testing.assert_array_equal(bits(y), bits(hf))
+
+
+def test_bf16_residual_rmsnorm_is_computed_from_the_saved_sum(backend, k):
+    backend.require_bf16()
+    dev = backend.to_device
+    x, branch = randn((3, 45), BF16, seed=43, scale=4.0), randn((3, 45), BF16, seed=44, scale=4.0)
+    w = randn((45,), BF16, seed=45)
+    s, y, rstd = k.residual_rmsnorm_forward(dev(x), dev(branch), dev(w))
+    y_again, rstd_again = k.rmsnorm_forward(s, dev(w))
+    assert (bits(y_again) == bits(y)).all() and (bits(rstd_again) == bits(rstd)).all()
