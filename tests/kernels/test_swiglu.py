@@ -17,7 +17,7 @@ from .helpers import DT_IDS, DTYPES, F32, close, gpu_sized, randn
 # F = 1, 3, 5 (not a multiple of 4 or 8: the element path, chunks across rows); 8, 64 (the
 # 128-bit path); 392 (llama-tiny's hidden); rows 1, 7
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("shape", [(1, 2), (7, 6), (3, 10), (5, 16), (2, 3, 128), (3, 784), gpu_sized((4096, 28672))])
+@pytest.mark.parametrize("shape", [(1, 2), (7, 6), (3, 10), (5, 16), (2, 3, 128), (3, 784), gpu_sized((2048, 8192))])
 def test_swiglu_forward_backward(backend, k, dtype, shape):
     gate_up = randn(shape, dtype, seed=80, scale=3.0)
     gate_up.reshape(-1)[:2] = np.array([-100.0, 95.0], np.float32).astype(dtype)  # past the clamp; exp(95) overflows
