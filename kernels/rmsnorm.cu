@@ -76,7 +76,7 @@ __device__ void forward(T* y, float* rstd_out, T* sum, const T* x, const T* bran
 // a fixed order. A barrier for every thread of the block, then a trailing one (back-to-back calls
 // are safe).
 __device__ __forceinline__ float row_group_reduce_sum(float a) {
-    __shared__ float part[WARP_SIZE];  // one per warp; a block has at most 32 warps
+    __shared__ float part[16];  // one per warp: the backward's blocks have at most 512 threads (16 warps)
     const int lane = threadIdx.x % WARP_SIZE;
     const int nw = blockDim.x / WARP_SIZE;  // warps per row group
     const int w0 = threadIdx.y * (blockDim.x / WARP_SIZE);  // the group's first warp in the block
@@ -107,8 +107,8 @@ __device__ void backward(T* dx, float* partial, const T* dy, const T* x, const T
             for (int k = 0; k < P && c + k < C; ++k) my_acc[c + k] = 0.0f;
         }
     }
-    const long long r0 = (long long)blockIdx.x * n_rows / gridDim.x;
-    const long long r1 = ((long long)blockIdx.x + 1) * n_rows / gridDim.x;
+    const long long r0 = blockIdx.x * n_rows / gridDim.x;  // 64-bit products: n_rows is long long
+    const long long r1 = (blockIdx.x + 1) * n_rows / gridDim.x;
     for (long long base = r0; base < r1; base += blockDim.y) {  // uniform over the block: the barriers are safe
         const long long r = base + threadIdx.y;
         const bool active = r < r1;  // the last round may leave row groups idle

@@ -43,15 +43,11 @@ __device__ void forward(T* y, const T* gate_up, long long n_rows, int F) {
         for (int k = 0; k < P; ++k) v[k] = swiglu(g[k], u[k]);
     } else {
 #pragma unroll
-        for (int k = 0; k < P; ++k) {
+        for (int k = 0; k < P; ++k) {  // past n: a value store_chunk does not store
             const long long i = i0 + k;
-            if (i < n) {
-                const long long r = i / F;
-                const T* gr = gate_up + r * 2 * F + (i - r * F);
-                v[k] = swiglu(to_float(gr[0]), to_float(gr[F]));
-            } else {
-                v[k] = 0.0f;
-            }
+            const long long r = i / F;
+            const T* gr = gate_up + r * 2 * F + (i - r * F);
+            v[k] = i < n ? swiglu(to_float(gr[0]), to_float(gr[F])) : 0.0f;
         }
     }
     store_chunk(y + i0, v, n - i0);

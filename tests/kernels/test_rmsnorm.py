@@ -50,11 +50,14 @@ def check_rmsnorm(backend, k, shape, dtype, weighted=True, seed=70):
         normwise(backend.host(dw), dw_ref, bound)
 
 
-# (5, 1): one column; (3, 33), (7, 37): odd widths around a warp, 7 rows (not a multiple of a
-# block's 4 warp rows); (4, 768); (2, 2049): the first block-per-row width, a partial last chunk
+# (0, 8): no rows (one backward block with nothing to do: its zeroed accumulators are the weight
+# gradient); (5, 1): one column; (3, 33), (2, 3, 37): odd widths around a warp, rows not a
+# multiple of a block's 4 warp rows; (4, 768); (2, 2049): the first block-per-row width, a partial
+# last chunk
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("weighted", [True, False], ids=["w", "none"])
-@pytest.mark.parametrize("shape", [(5, 1), (3, 33), (2, 3, 37), (4, 768), (2, 2049), gpu_sized((4096, 4096))])
+@pytest.mark.parametrize("shape", [(0, 8), (5, 1), (3, 33), (2, 3, 37), (4, 768), (2, 2049),
+                                   gpu_sized((4096, 4096))])
 def test_rmsnorm_forward_backward(backend, ks, dtype, weighted, shape):
     assert RMSNORM_WARP_ROW_MAX < 2049
     check_rmsnorm(backend, ks, shape, dtype, weighted)
@@ -71,6 +74,29 @@ def test_rmsnorm_weight_gradient_over_many_rows(backend, k, rows, C):
     rounds = -(-(-(-rows // n_blocks)) // R)  # of the block with the most rows
     assert (rounds > 1) == (rows == 5000), rounds
     check_rmsnorm(backend, k, (rows, C), F32, seed=71)
+
+
+def test_rmsnorm_writes_each_output_once(backend, request):
+    """Counted by the emulator: y and rstd (forward), dx and the partials [blocks, C] (backward)
+    are written once each, x read twice per pass structure (forward 2, backward 2)."""
+    if not backend.emulated or not request.getfixturevalue("emulated_module").checks:
+        pytest.skip("traffic is counted by checked emulator builds only")
+    from tests.cuda_emu import record_traffic
+
+    k = backend.launchers()
+    x = randn((1003, 96), F32, seed=76)
+    dy = randn((1003, 96), F32, seed=77)
+    w = randn((96,), F32, seed=78)
+    with record_traffic() as log:
+        y, rstd = k.rmsnorm_forward(x, w)
+        k.rmsnorm_backward(dy, x, w, rstd)
+    fwd, bwd, final = log
+    assert fwd.kernel == "rmsnorm_forward_f32" and bwd.kernel == "rmsnorm_backward_f32"
+    assert fwd.param(0).written == y.nbytes and fwd.param(1).written == rstd.nbytes
+    assert fwd.param(3).read == 2 * x.nbytes
+    partial = bwd.param(1)
+    assert partial.written == partial.nbytes == bwd.grid[0] * 96 * 4 and bwd.param(0).written == x.nbytes
+    assert bwd.param(3).read == 2 * x.nbytes and final.param(1).read == partial.nbytes
 
 
 def test_rmsnorm_gradients_are_deterministic(backend):

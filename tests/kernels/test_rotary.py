@@ -57,15 +57,18 @@ def test_rotary_in_place_on_the_qk_heads_of_a_fused_qkv_buffer(backend, k, dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_rotary_partial_per_token_tables_into_out(backend, k, dtype):
-    """rotary_dim 40 of head dim 64 (20 pairs: a partial 128-bit chunk), per-token tables [B, T, rd],
-    out= a new array: the 24 elements past rd copied."""
-    B, T, H, hd, rd = 2, 3, 3, 64, 40
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in-place"])
+def test_rotary_partial_per_token_tables(backend, k, dtype, in_place):
+    """rotary_dim 30 of head dim 64: 15 pairs, a last chunk one short of a whole 128-bit chunk
+    (4 floats, 8 bf16); per-token tables [B, T, rd]; the 34 elements past rd copied into a new
+    out, or left alone in place."""
+    B, T, H, hd, rd = 2, 3, 3, 64, 30
     cos, sin = ops.rope_tables(hd, rng(86).integers(0, 1000, (B, T)), rotary_dim=rd)
     x = randn((B, T, H, hd), dtype, seed=87)
     y_ref, _ = ops.rotary_forward(x, cos, sin)
-    out = backend.xp.empty(x.shape, dtype)
-    y = k.rotary(backend.to_device(x), backend.to_device(cos), backend.to_device(sin), out=out)
+    xd = backend.to_device(x)
+    out = xd if in_place else backend.xp.empty(x.shape, dtype)
+    y = k.rotary(xd, backend.to_device(cos), backend.to_device(sin), out=out)
     assert y is out
     close(y, y_ref, dtype, atol=1e-5 if dtype == F32 else None)
 
