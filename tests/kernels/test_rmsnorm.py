@@ -84,9 +84,10 @@ def test_rmsnorm_writes_each_output_once(backend, request):
     from tests.cuda_emu import record_traffic
 
     k = backend.launchers()
-    x = randn((1003, 96), F32, seed=76)
-    dy = randn((1003, 96), F32, seed=77)
-    w = randn((96,), F32, seed=78)
+    C = 200  # 64 threads per row group: each partial column written by one thread of the block
+    x = randn((1003, C), F32, seed=76)
+    dy = randn((1003, C), F32, seed=77)
+    w = randn((C,), F32, seed=78)
     with record_traffic() as log:
         y, rstd = k.rmsnorm_forward(x, w)
         k.rmsnorm_backward(dy, x, w, rstd)
@@ -95,7 +96,7 @@ def test_rmsnorm_writes_each_output_once(backend, request):
     assert fwd.param(0).written == y.nbytes and fwd.param(1).written == rstd.nbytes
     assert fwd.param(3).read == 2 * x.nbytes
     partial = bwd.param(1)
-    assert partial.written == partial.nbytes == bwd.grid[0] * 96 * 4 and bwd.param(0).written == x.nbytes
+    assert bwd.block[0] == 64 and partial.written == partial.nbytes == bwd.grid[0] * C * 4 and bwd.param(0).written == x.nbytes
     assert bwd.param(3).read == 2 * x.nbytes and final.param(1).read == partial.nbytes
 
 
