@@ -57,6 +57,8 @@ from .cross_entropy import CrossEntropyLaunchers
 from .dropout import DropoutLaunchers
 from .gelu import GeluLaunchers
 from .layernorm import LayerNormLaunchers
+from .rmsnorm import RMSNormLaunchers
+from .rotary import RotaryLaunchers
 from .runtime import (
     SOURCES,
     KernelArgumentError,
@@ -70,6 +72,7 @@ from .runtime import (
     use_kernels,
 )
 from .softmax import SoftmaxLaunchers
+from .swiglu import SwiGLULaunchers
 
 __all__ = [
     "Launchers",
@@ -92,7 +95,7 @@ __all__ = [
 
 
 class Launchers(GeluLaunchers, SoftmaxLaunchers, LayerNormLaunchers, CrossEntropyLaunchers, AdamWLaunchers,
-                DropoutLaunchers, AttentionLaunchers):
+                DropoutLaunchers, AttentionLaunchers, RMSNormLaunchers, SwiGLULaunchers, RotaryLaunchers):
     """Host-side launch functions of every kernel, bound to a module loader and an array module.
 
     ``Launchers(load, xp)``: see :class:`cutp.kernels.runtime.LauncherBase` for ``load`` and

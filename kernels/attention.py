@@ -76,7 +76,7 @@ def fused_attention_supported(q, k, v) -> str | None:
     return None
 
 
-def _span(xp, a):
+def strided_span(xp, a):
     """(a 1-D C-contiguous array over a's memory from its first element to its last, a's strides
     in elements): how a strided view reaches a kernel, which sees one base pointer."""
     if not kernel_layout(a):
@@ -143,9 +143,9 @@ class AttentionLaunchers(LauncherBase):
         o_tokens = xp.empty((B, Tq, Hkv, G, D), dtype=q.dtype)
         lse = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
         if o_tokens.size:
-            qs, q_st = _span(xp, q)
-            ks, k_st = _span(xp, k)
-            vs, v_st = _span(xp, v)
+            qs, q_st = strided_span(xp, q)
+            ks, k_st = strided_span(xp, k)
+            vs, v_st = strided_span(xp, v)
             R = attention_tile_rows("forward", D)
             self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_d{D}", (B * Hkv * G, ceil_div(Tq, R)),
                          (2 * R,),
@@ -189,9 +189,9 @@ class AttentionLaunchers(LauncherBase):
         sfx = f"{dtype_suffix(q.dtype)}_d{D}"
         n_rows = B * Hkv * G * Tq
         rowdot = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
-        (qs, q_st), (ks, k_st), (vs, v_st) = _span(xp, q), _span(xp, k), _span(xp, v)
-        (os_, o_st), (dos, do_st) = _span(xp, o), _span(xp, do)
-        (dqs, dq_st), (dks, dk_st), (dvs, dv_st) = _span(xp, dq), _span(xp, dk), _span(xp, dv)
+        (qs, q_st), (ks, k_st), (vs, v_st) = strided_span(xp, q), strided_span(xp, k), strided_span(xp, v)
+        (os_, o_st), (dos, do_st) = strided_span(xp, o), strided_span(xp, do)
+        (dqs, dq_st), (dks, dk_st), (dvs, dv_st) = strided_span(xp, dq), strided_span(xp, dk), strided_span(xp, dv)
         dims = (int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq))
         self._launch("attention", f"attention_backward_rowdot_{sfx}", (ceil_div(n_rows, ROWDOT_WARPS),),
                      (32 * ROWDOT_WARPS,), (rowdot, os_, dos, *dims, *o_st[:4], *do_st[:4], np.int64(n_rows)))

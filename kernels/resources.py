@@ -34,6 +34,7 @@ import numpy as np
 
 from .attention import ATTENTION_HEAD_DIMS, attention_shared_bytes
 from .layernorm import LAYERNORM_BACKWARD_MAX_C, layernorm_backward_shared_bytes
+from .rmsnorm import RMSNORM_BACKWARD_MAX_C, rmsnorm_backward_shared_bytes
 from .runtime import SOURCES, kernel_source
 
 ARCHS = ("sm_80", "sm_90")
@@ -90,6 +91,12 @@ TARGETS: dict[str, Target] = {
     "softmax_backward": Target(512, 3, "bf16 2 x 8 floats per chunk: 75%"),
     "layernorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
     "layernorm_backward": Target(512, 2, "3 arrays x 128 bit in flight per thread; 50%"),
+    "rmsnorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
+    "residual_rmsnorm_forward": Target(512, 2, "a block of 512 threads per row beyond 2048 columns: 50%"),
+    "rmsnorm_backward": Target(512, 2, "LayerNorm's backward layout: 3 arrays x 128 bit in flight; 50%"),
+    "swiglu_forward": Target(256, 6, "elementwise, 3 arrays; bf16 holds 3 x 8 floats and the exp: 75%"),
+    "swiglu_backward": Target(256, 5, "elementwise, 5 arrays; bf16 holds 5 x 8 floats: 62%"),
+    "rotary": Target(256, 4, "6 chunks in flight (2 of x, 4 of the float tables: 48 floats in bf16): 50%"),
     "ce_shard_forward": Target(1024, 2, "block per row"),
     "ce_shard_backward": Target(1024, 2, "block per row"),
     "adamw_update": Target(256, 4, "5 arrays x 128 bit in flight per thread; 50%"),
@@ -124,6 +131,7 @@ class DynamicShared:
 # tests/kernel_build/test_resources.py checks that no other launcher passes it).
 DYNAMIC_SHARED: dict[str, DynamicShared] = {
     "layernorm_backward": DynamicShared("R * 2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
+    "rmsnorm_backward": DynamicShared("R * C * 4", rmsnorm_backward_shared_bytes, 4096, RMSNORM_BACKWARD_MAX_C),
     **{f"attention_{kernel}_d{d}": DynamicShared(
         "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
             attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,

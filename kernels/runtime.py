@@ -33,7 +33,8 @@ import numpy as np
 from cutp.runtime.errors import BackendError
 
 # One RawModule per source file (kernels/<name>.cu).
-SOURCES = ("adamw", "attention", "cross_entropy", "dropout", "gelu", "layernorm", "reduce", "softmax")
+SOURCES = ("adamw", "attention", "cross_entropy", "dropout", "gelu", "layernorm", "reduce", "rmsnorm", "rotary", "softmax",
+           "swiglu")
 
 ENV_SWITCH = "CUTP_KERNELS"
 

@@ -7,8 +7,9 @@ runs from the checkout with PYTHONPATH set to it. Parts, in order of importance:
 
   environment          GPU, driver, CUDA, CuPy, NCCL, nvcc, mpi4py and which MPI, mpiexec
   gpu kernel tests     pytest tests/kernels on the cuda backend only (CUTP_KERNEL_BACKENDS=cuda):
-                       every kernel vs NumPy, kernel path vs reference path of each op, int64
-                       offsets, one GPT step GPU fp32 vs CPU fp64
+                       every kernel vs NumPy (RMSNorm, SwiGLU, rotary included), kernel path vs
+                       reference path of each op, int64 offsets, one GPT step GPU fp32 vs CPU
+                       fp64, a 2-layer llama-tiny forward + backward kernels vs reference
   train (kernels)      examples/train_gpt.py --device cuda --preset tiny --steps 30
   train (reference)    the tiny run again with CUTP_KERNELS=0: losses and speed compared
   train (bfloat16)     the tiny run in bfloat16 (fp32 master weights): last loss within 2% of fp32

@@ -72,6 +72,9 @@ STAGES = {
     "adamw": (["test_adamw.py"], ["adamw"]),
     "dropout": (["test_dropout.py"], ["dropout"]),
     "attention": (["test_attention.py"], ["attention"]),
+    "rmsnorm": (["test_rmsnorm.py"], ["rmsnorm", "reduce"]),
+    "swiglu": (["test_swiglu.py"], ["swiglu"]),
+    "rotary": (["test_rotary.py"], ["rotary"]),
 }
 # The stages that test each source, run in order until one fails (AUDIT_TESTS first, in the first).
 STAGES_OF = {
@@ -80,9 +83,12 @@ STAGES_OF = {
     "dropout.cu": ["dropout"],
     "gelu.cu": ["gelu"],
     "layernorm.cu": ["layernorm"],
-    "reduce.cu": ["gelu", "layernorm"],
+    "reduce.cu": ["gelu", "layernorm", "rmsnorm"],
     "softmax.cu": ["softmax"],
     "attention.cu": ["attention"],
+    "rmsnorm.cu": ["rmsnorm"],
+    "swiglu.cu": ["swiglu"],
+    "rotary.cu": ["rotary"],
     "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout", "attention"],
 }
 AUDIT_TESTS = ["test_index_width.py"]  # source-level checks that apply to every kernel source

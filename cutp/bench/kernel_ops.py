@@ -18,6 +18,7 @@ from .. import ops
 
 WIDTHS = (768, 1024, 1280, 1600)
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128
+LLAMA3_VOCAB = 128256  # Llama 3's vocabulary (a multiple of 128 and of 8: tp=8 shards of 16,032)
 STAT = 4  # bytes of a float32 statistic (means, rstd, row max, sums)
 IDX = 8  # bytes of an int64 target
 
@@ -25,9 +26,12 @@ IDX = 8  # bytes of an int64 target
 SIZES = {
     "tiny": dict(widths=(64, 96), rows=(64,), seq=32, vocab=1000, ce_rows=(32,), adam=(1 << 14,)),
     "cpu": dict(widths=WIDTHS, rows=(256, 1024), seq=256, vocab=VOCAB, ce_rows=(64, 256),
-                adam=(1 << 20, 1 << 23)),
+                adam=(1 << 20, 1 << 23), llama_widths=(2048,), ce_llama=((64, LLAMA3_VOCAB),)),
+    # Llama's: RMSNorm at 2048 (3.2-1B) and 4096 (3-8B), SwiGLU at 8192 / 14336 wide, CE at the whole
+    # 128,256 vocabulary and at its tp=8 shard
     "gpu": dict(widths=WIDTHS, rows=(1024, 8192), seq=1024, vocab=VOCAB, ce_rows=(1024, 8192),
-                adam=(124_439_808,)),
+                adam=(124_439_808,), llama_widths=(2048, 4096),
+                ce_llama=((8192, LLAMA3_VOCAB // 8), (4096, LLAMA3_VOCAB))),
 }
 
 
@@ -84,7 +88,26 @@ def _softmax_cases(sz):
 
 
 def _ce_cases(sz):
-    return [dict(N=n, V=sz["vocab"]) for n in sz["ce_rows"]]
+    return [dict(N=n, V=sz["vocab"]) for n in sz["ce_rows"]] + [dict(N=n, V=v) for n, v in sz.get("ce_llama", ())]
+
+
+def _llama_rows_width(sz):
+    """RMSNorm's shapes: GPT-2's widths and (cpu, gpu) Llama's model widths."""
+    return _rows_width(sz) + [dict(N=n, C=c) for c in sz.get("llama_widths", ()) for n in sz["rows"][-1:]]
+
+
+def _swiglu_cases(sz):
+    """[N, 2F] gate_up: F = 4C at GPT-2's widths (tiny, cpu) / Llama's hidden widths (gpu: 8192, 14336)."""
+    hidden = {2048: 8192, 4096: 14336}
+    return [dict(N=n, F=4 * c) for c in sz["widths"][:2] for n in sz["rows"]] + [
+        dict(N=sz["rows"][-1], F=hidden[c]) for c in sz.get("llama_widths", ())]
+
+
+def _rotary_cases(sz):
+    """q and k heads of a fused QKV buffer [B, T, (nq + 2 nkv) hd]: GQA 4 at head dims 64 and 128."""
+    T = sz["seq"]
+    return [dict(B=max(1, n // T), T=T, nq=nq, nkv=nq // 4, hd=hd) for n in sz["rows"]
+            for nq, hd in ((16, 64), (32, 128))]
 
 
 def _adam_cases(sz):
@@ -116,6 +139,34 @@ def _setup_ln(xp, s, dt, rng, backward=False):
         _, d["ctx"] = ops.layernorm_forward(d["x"], d["w"], d["b"])
         d["dy"] = _normal(xp, rng, (s["N"], s["C"]), dt)
     return d
+
+
+def _setup_rms(xp, s, dt, rng, backward=False):
+    d = dict(x=_normal(xp, rng, (s["N"], s["C"]), dt), w=_normal(xp, rng, (s["C"],), dt, 0.1) + 1)
+    if backward:
+        _, d["ctx"] = ops.rmsnorm_forward(d["x"], d["w"])
+        d["dy"] = _normal(xp, rng, (s["N"], s["C"]), dt)
+    return d
+
+
+def _setup_residual_rms(xp, s, dt, rng):
+    d = _setup_rms(xp, s, dt, rng)
+    d["branch"] = _normal(xp, rng, (s["N"], s["C"]), dt)
+    return d
+
+
+def _setup_swiglu(xp, s, dt, rng, backward=False):
+    d = dict(gate_up=_normal(xp, rng, (s["N"], 2 * s["F"]), dt, 2.0))
+    if backward:
+        d["dy"] = _normal(xp, rng, (s["N"], s["F"]), dt)
+    return d
+
+
+def _setup_rotary(xp, s, dt, rng):
+    B, T, nq, nkv, hd = (s[k] for k in ("B", "T", "nq", "nkv", "hd"))
+    qkv = _normal(xp, rng, (B, T, (nq + 2 * nkv) * hd), dt)
+    cos, sin = ops.rope_tables(hd, T, theta=500000.0, scaling=ops.RopeScaling("llama3", factor=8.0), xp=xp)
+    return dict(qkv=qkv, heads=qkv[..., :(nq + nkv) * hd].reshape(B, T, nq + nkv, hd), cos=cos, sin=sin)
 
 
 def _setup_ce(xp, s, dt, rng, stage="forward"):
@@ -187,6 +238,43 @@ _add(OpSpec(
     _rows_width, lambda xp, s, dt, rng: _setup_ln(xp, s, dt, rng, True),
     lambda d: (lambda: ops.layernorm_backward(d["dy"], d["ctx"])),
     lambda s, it: 3 * s["N"] * s["C"] * it + 3 * s["C"] * it + 2 * s["N"] * STAT))
+_add(OpSpec(
+    "rmsnorm_fwd", "y = round(x * rstd) * w (HF's order), saves rstd (fp32)",
+    "read x, w; write y, rstd: 2*N*C*s + C*s + N*4",
+    _llama_rows_width, lambda xp, s, dt, rng: _setup_rms(xp, s, dt, rng),
+    lambda d: (lambda: ops.rmsnorm_forward(d["x"], d["w"])),
+    lambda s, it: 2 * s["N"] * s["C"] * it + s["C"] * it + s["N"] * STAT,
+    outputs=lambda d, r: (r[0], r[1].rstd)))
+_add(OpSpec(
+    "residual_rmsnorm_fwd", "s = x + branch; y = rmsnorm(s) (one kernel on the GPU)",
+    "read x, branch, w; write s, y, rstd: 4*N*C*s + C*s + N*4",
+    _llama_rows_width, _setup_residual_rms,
+    lambda d: (lambda: ops.residual_rmsnorm_forward(d["x"], d["branch"], d["w"])),
+    lambda s, it: 4 * s["N"] * s["C"] * it + s["C"] * it + s["N"] * STAT,
+    outputs=lambda d, r: (r[0], r[1], r[2].rstd)))
+_add(OpSpec(
+    "rmsnorm_bwd", "dx, dw of the RMSNorm", "read dy, x, w, rstd; write dx, dw: 3*N*C*s + 2*C*s + N*4",
+    _llama_rows_width, lambda xp, s, dt, rng: _setup_rms(xp, s, dt, rng, True),
+    lambda d: (lambda: ops.rmsnorm_backward(d["dy"], d["ctx"])),
+    lambda s, it: 3 * s["N"] * s["C"] * it + 2 * s["C"] * it + s["N"] * STAT))
+_add(OpSpec(
+    "swiglu_fwd", "y = silu(gate) * up on [gate ; up]", "read gate_up; write y: 3*N*F*s",
+    _swiglu_cases, lambda xp, s, dt, rng: _setup_swiglu(xp, s, dt, rng),
+    lambda d: (lambda: ops.swiglu_forward(d["gate_up"])),
+    lambda s, it: 3 * s["N"] * s["F"] * it, outputs=lambda d, r: (r[0],), label=lambda s: f"{s['N']}x2x{s['F']}"))
+_add(OpSpec(
+    "swiglu_bwd", "d[gate ; up] of y = silu(gate) * up", "read gate_up, dy; write d_gate_up: 5*N*F*s",
+    _swiglu_cases, lambda xp, s, dt, rng: _setup_swiglu(xp, s, dt, rng, True),
+    lambda d: (lambda: ops.swiglu_backward(d["dy"], ops.SwiGLUCtx(d["gate_up"]))),
+    lambda s, it: 5 * s["N"] * s["F"] * it, outputs=lambda d, r: (r,), label=lambda s: f"{s['N']}x2x{s['F']}"))
+_add(OpSpec(
+    "rotary_qk", "RoPE of the q and k heads in place in a fused QKV buffer (llama3 tables)",
+    "read and write the q, k heads: 2*B*T*(nq+nkv)*hd*s (the tables stay in L2)",
+    _rotary_cases, _setup_rotary,
+    lambda d: (lambda: ops.rotary_forward(d["heads"], d["cos"], d["sin"], out=d["heads"])),
+    lambda s, it: 2 * s["B"] * s["T"] * (s["nq"] + s["nkv"]) * s["hd"] * it,
+    outputs=lambda d, r: (d["heads"],),
+    label=lambda s: f"{s['B']}x{s['T']}x({s['nq']}+{s['nkv']})x{s['hd']}"))
 _add(OpSpec(
     "ce_fwd", "vocab-parallel CE forward, one pass: row max, sum exp, target logit, sum of logits",
     "read logits (once), targets; write 4 stats: N*V*s + N*8 + 4*N*4",

@@ -11,6 +11,8 @@ from __future__ import annotations
 from cutp.kernels import cupy_launchers
 from cutp.ops.gelu import GeluCtx
 from cutp.ops.layernorm import LayerNormCtx
+from cutp.ops.rmsnorm import RMSNormCtx
+from cutp.ops.swiglu import SwiGLUCtx
 from cutp.ops.softmax import SoftmaxCtx
 from cutp.runtime.errors import BackendError
 
@@ -67,6 +69,25 @@ def register_bench_variants(register) -> None:
     variant("ce_fwd", lambda k, d: k.ce_shard_forward(d["logits"], d["targets"], d["n_valid"]))
     variant("ce_bwd_fused", ce_bwd)
     variant("adamw", adamw)
+
+    def rms_fwd(k, d):
+        y, rstd = k.rmsnorm_forward(d["x"], d["w"])
+        return y, RMSNormCtx(d["x"], d["w"], rstd)
+
+    def residual_rms_fwd(k, d):
+        s, y, rstd = k.residual_rmsnorm_forward(d["x"], d["branch"], d["w"])
+        return s, y, RMSNormCtx(s, d["w"], rstd)
+
+    def rms_bwd(k, d):
+        c = d["ctx"]
+        return k.rmsnorm_backward(d["dy"], c.x, c.weight, c.rstd.reshape(-1))
+
+    variant("rmsnorm_fwd", rms_fwd)
+    variant("residual_rmsnorm_fwd", residual_rms_fwd)
+    variant("rmsnorm_bwd", rms_bwd)
+    variant("swiglu_fwd", lambda k, d: (k.swiglu_forward(d["gate_up"]), SwiGLUCtx(d["gate_up"])))
+    variant("swiglu_bwd", lambda k, d: k.swiglu_backward(d["dy"], d["gate_up"]))
+    variant("rotary_qk", lambda k, d: k.rotary(d["heads"], d["cos"], d["sin"], out=d["heads"]))
 
     # fused causal attention (kernels/attention.cu); the backward's forward runs once, untimed
     def attention(kind):

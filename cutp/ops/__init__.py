@@ -40,7 +40,7 @@ from .gemm import operand as gemm_operand
 from .gelu import GeluCtx, bias_gelu_backward, bias_gelu_forward, gelu_backward, gelu_forward
 from .layernorm import LayerNormCtx, layernorm_backward, layernorm_forward
 from .linear import LinearCtx, linear_backward, linear_forward
-from .rmsnorm import RMSNormCtx, rmsnorm_backward, rmsnorm_forward
+from .rmsnorm import RMSNormCtx, residual_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward
 from .rotary import (
     ROPE_TYPES,
     RopeScaling,
@@ -68,7 +68,7 @@ __all__ = [
     "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "gelu_backward", "gelu_forward",
     "LayerNormCtx", "layernorm_backward", "layernorm_forward",
     "LinearCtx", "linear_backward", "linear_forward",
-    "RMSNormCtx", "rmsnorm_backward", "rmsnorm_forward",
+    "RMSNormCtx", "residual_rmsnorm_forward", "rmsnorm_backward", "rmsnorm_forward",
     "ROPE_TYPES", "RopeScaling", "RotaryCtx", "rope_inv_freq", "rope_tables", "rotary_backward", "rotary_forward",
     "SoftmaxCtx", "causal_mask", "softmax_backward", "softmax_forward",
     "SwiGLUCtx", "swiglu_backward", "swiglu_forward",

@@ -12,6 +12,7 @@ same: the multiply is done in float32 on the rounded value and rounded once, whi
 """
 from __future__ import annotations
 
+from cutp.kernels import dispatch as _kernels
 from cutp.runtime.backend import get_array_module
 
 from .common import as_dtype, compute_dtype, is_low_precision, parallel_map, row_blocks
@@ -50,6 +51,10 @@ def rmsnorm_forward(x, weight=None, eps: float = 1e-6):
     Returns ``(y, ctx)``: ``y`` in ``x``'s dtype; ``ctx`` (:class:`RMSNormCtx`) exposes ``ctx.rstd``.
     """
     _check_shapes(x, weight)
+    k = _kernels(x, weight)  # CuPy float32/bfloat16: the CUDA kernel (kernels/rmsnorm.cu)
+    if k is not None:
+        y, rstd = k.rmsnorm_forward(x, weight, eps)
+        return y, RMSNormCtx(x, weight, rstd.reshape(x.shape[:-1]))
     xp = get_array_module(x, weight)
     cdt = compute_dtype(x.dtype)
     low = is_low_precision(x.dtype)
@@ -79,6 +84,26 @@ def rmsnorm_forward(x, weight=None, eps: float = 1e-6):
     return y.reshape(x.shape), RMSNormCtx(x, weight, rstd.reshape(x.shape[:-1]))
 
 
+def residual_rmsnorm_forward(x, branch, weight=None, eps: float = 1e-6):
+    """``s = x + branch`` (the residual stream after a pre-norm block's branch, in ``x``'s dtype)
+    and ``rmsnorm_forward(s, weight, eps)``: on the GPU one kernel that reads ``x`` and ``branch``
+    once and writes ``s`` once (llm.c's fused_residual_forward); elsewhere the two ops.
+
+    Returns ``(s, y, ctx)``; ``rmsnorm_backward(dy, ctx)`` is the norm's backward (the add's is
+    the identity on both inputs).
+    """
+    if tuple(branch.shape) != tuple(x.shape):
+        raise ValueError(f"residual_rmsnorm_forward: branch shape {tuple(branch.shape)} != x shape {tuple(x.shape)}")
+    _check_shapes(x, weight)
+    k = _kernels(x, branch, weight)
+    if k is not None:
+        s, y, rstd = k.residual_rmsnorm_forward(x, branch, weight, eps)
+        return s, y, RMSNormCtx(s, weight, rstd.reshape(x.shape[:-1]))
+    s = x + branch
+    y, ctx = rmsnorm_forward(s, weight, eps)
+    return s, y, ctx
+
+
 def rmsnorm_backward(dy, ctx: RMSNormCtx):
     """Gradients of :func:`rmsnorm_forward`.
 
@@ -94,6 +119,10 @@ def rmsnorm_backward(dy, ctx: RMSNormCtx):
     x, weight = ctx.x, ctx.weight
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"rmsnorm_backward: dy shape {tuple(dy.shape)} != x shape {tuple(x.shape)}")
+    k = _kernels(dy, x, weight)
+    if k is not None:
+        dx, dweight = k.rmsnorm_backward(dy, x, weight, ctx.rstd.reshape(-1))
+        return dx, dweight
     xp = get_array_module(dy, x, weight)
     cdt = compute_dtype(x.dtype)
     low = is_low_precision(x.dtype)

@@ -29,6 +29,8 @@ import math
 
 import numpy as np
 
+from cutp.kernels import dispatch_views as _kernels_views
+from cutp.kernels.rotary import rotary_supported
 from cutp.runtime.backend import get_array_module
 from cutp.runtime.errors import ConfigError
 
@@ -205,8 +207,8 @@ def _check_positions(positions):
         raise ValueError(f"rotary: positions must be integer position ids, got dtype {positions.dtype}")
 
 
-def _per_token(x_shape, cos, sin, positions, seq_axis):
-    """cos/sin per token, shaped to broadcast against x: [T] -> T at ``seq_axis``; [B, T] -> B at axis 0."""
+def _check_tables(x_shape, cos, sin, positions, seq_axis):
+    """The checks of the tables and positions against x (one device sync for the positions' range)."""
     ndim = len(x_shape)
     if not 0 < seq_axis < ndim - 1:
         raise ValueError(f"rotary: seq_axis {seq_axis} must lie strictly between the batch axis 0 and the "
@@ -225,13 +227,28 @@ def _per_token(x_shape, cos, sin, positions, seq_axis):
             if lo < 0 or hi >= cos.shape[0]:  # one device sync for both ends
                 raise ValueError(f"rotary: positions lie in [{lo}, {hi}] but the tables hold {cos.shape[0]} positions; "
                                  "build them with rope_tables(head_dim, max_len) for a larger max_len")
+        T = positions.shape[-1]
+        if positions.ndim not in (1, 2) or T != x_shape[seq_axis] or (
+                positions.ndim == 2 and positions.shape[0] not in (1, x_shape[0])):
+            raise ValueError(f"rotary: positions/tables {tuple(positions.shape)} do not match x {tuple(x_shape)} "
+                             f"(sequence axis {seq_axis}, batch axis 0)")
+    else:
+        if cos.ndim not in (2, 3):
+            raise ValueError(f"rotary: per-token cos/sin must be [T, rd] or [B, T, rd], got {tuple(cos.shape)}")
+        T = cos.shape[-2]
+        if T != x_shape[seq_axis] or (cos.ndim == 3 and cos.shape[0] not in (1, x_shape[0])):
+            raise ValueError(f"rotary: positions/tables {tuple(cos.shape[:-1])} do not match x {tuple(x_shape)} "
+                             f"(sequence axis {seq_axis}, batch axis 0)")
+
+
+def _per_token(x_shape, cos, sin, positions, seq_axis):
+    """cos/sin per token, shaped to broadcast against x: [T] -> T at ``seq_axis``; [B, T] -> B at axis 0."""
+    _check_tables(x_shape, cos, sin, positions, seq_axis)
+    ndim = len(x_shape)
+    rd = cos.shape[-1]
+    if positions is not None:
         cos, sin = cos[positions], sin[positions]
-    if cos.ndim not in (2, 3):
-        raise ValueError(f"rotary: per-token cos/sin must be [T, rd] or [B, T, rd], got {tuple(cos.shape)}")
     T = cos.shape[-2]
-    if T != x_shape[seq_axis] or (cos.ndim == 3 and cos.shape[0] not in (1, x_shape[0])):
-        raise ValueError(f"rotary: positions/tables {tuple(cos.shape[:-1])} do not match x {tuple(x_shape)} "
-                         f"(sequence axis {seq_axis}, batch axis 0)")
     shape = [1] * ndim
     shape[seq_axis], shape[-1] = T, rd
     if cos.ndim == 3:
@@ -288,6 +305,18 @@ def _output(xp, x, out, what):
     return out
 
 
+def _rotary_kernel(x, ctx: RotaryCtx, out, transpose):
+    """The CUDA kernel's result (kernels/rotary.cu) when it takes these operands (CuPy, float32 /
+    bfloat16, [B, T, heads, hd] views with a contiguous head dim, float32 tables), else None."""
+    k = _kernels_views(x, out, ctx.cos, ctx.sin)
+    if k is None or rotary_supported(x, ctx.cos, ctx.sin, ctx.positions, ctx.seq_axis, out) is not None:
+        return None
+    _check_tables(x.shape, ctx.cos, ctx.sin, ctx.positions, ctx.seq_axis)
+    if out is not None and (tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype):
+        _output(k.xp, x, out, "rotary")  # its error
+    return k.rotary(x, ctx.cos, ctx.sin, ctx.positions, out=out, transpose=transpose)
+
+
 def rotary_forward(x, cos, sin, positions=None, *, seq_axis: int = 1, out=None):
     """Rotate the head dim of ``x`` [B, T, *heads, head_dim] by its tokens' positions.
 
@@ -304,9 +333,13 @@ def rotary_forward(x, cos, sin, positions=None, *, seq_axis: int = 1, out=None):
     xp = get_array_module(x, cos, sin, positions)
     if positions is not None:
         positions = xp.asarray(positions)  # host ids index device tables as device ids
+    ctx = RotaryCtx(cos, sin, positions, seq_axis, x.dtype, tuple(x.shape))
+    y = _rotary_kernel(x, ctx, out, transpose=False)
+    if y is not None:
+        return y, ctx
     c, s = _per_token(x.shape, cos, sin, positions, seq_axis)
     y = _rotate_blocks(xp, x, c, s, _output(xp, x, out, "rotary_forward"), transpose=False)
-    return y, RotaryCtx(cos, sin, positions, seq_axis, x.dtype, tuple(x.shape))
+    return y, ctx
 
 
 def rotary_backward(dy, ctx: RotaryCtx, *, out=None):
@@ -314,7 +347,10 @@ def rotary_backward(dy, ctx: RotaryCtx, *, out=None):
     if tuple(dy.shape) != ctx.shape:
         raise ValueError(f"rotary_backward: dy shape {tuple(dy.shape)} != x shape {ctx.shape}")
     xp = get_array_module(dy, ctx.cos, ctx.sin, ctx.positions)
-    c, s = _per_token(dy.shape, ctx.cos, ctx.sin, ctx.positions, ctx.seq_axis)
     if dy.dtype != ctx.dtype:
         dy = dy.astype(ctx.dtype)
+    y = _rotary_kernel(dy, ctx, out, transpose=True)
+    if y is not None:
+        return y
+    c, s = _per_token(dy.shape, ctx.cos, ctx.sin, ctx.positions, ctx.seq_axis)
     return _rotate_blocks(xp, dy, c, s, _output(xp, dy, out, "rotary_backward"), transpose=True)

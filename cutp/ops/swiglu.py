@@ -11,6 +11,7 @@ less than that. The derivative uses ``1 - sigmoid(g) = e / (1 + e)``, which has 
 """
 from __future__ import annotations
 
+from cutp.kernels import dispatch as _kernels
 from cutp.runtime.backend import get_array_module
 
 from .common import as_dtype, compute_dtype, parallel_map, row_blocks
@@ -45,6 +46,9 @@ def swiglu_forward(gate_up):
     Returns ``(y, ctx)``: ``y`` [..., F] in ``gate_up``'s dtype (16-bit computed in float32).
     """
     F = _halves(gate_up, "swiglu_forward")
+    k = _kernels(gate_up)  # CuPy float32/bfloat16: the CUDA kernel (kernels/swiglu.cu)
+    if k is not None:
+        return k.swiglu_forward(gate_up), SwiGLUCtx(gate_up)
     xp = get_array_module(gate_up)
     cdt = compute_dtype(gate_up.dtype)
     a2 = gate_up.reshape(-1, 2 * F)
@@ -74,6 +78,9 @@ def swiglu_backward(dy, ctx: SwiGLUCtx):
     if tuple(dy.shape) != tuple(gate_up.shape[:-1]) + (F,):
         raise ValueError(f"swiglu_backward: dy shape {tuple(dy.shape)} != output shape "
                          f"{tuple(gate_up.shape[:-1]) + (F,)}")
+    k = _kernels(dy, gate_up)
+    if k is not None:
+        return k.swiglu_backward(dy, gate_up)
     xp = get_array_module(dy, gate_up)
     cdt = compute_dtype(gate_up.dtype)
     a2 = gate_up.reshape(-1, 2 * F)

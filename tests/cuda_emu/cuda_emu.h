@@ -79,24 +79,74 @@
 #define CUDA_EMU_VEC4(T, name, align)                                                        \
     struct __attribute__((aligned(align), may_alias)) name { T x, y, z, w; };                 \
     inline constexpr name make_##name(T x, T y, T z, T w) { return name{x, y, z, w}; }
+// The 8- and 16-byte vector types a kernel loads and stores as one instruction: a copy from or
+// into one checks its address (a GPU faults on a misaligned vector access, "misaligned address";
+// g++ may split the copy into 8-byte moves, which x86 executes at any address, and which the
+// instrumentation sees as two aligned 8-byte accesses).
+#define CUDA_EMU_VEC2_CHECKED(T, name, align)                                                \
+    struct __attribute__((aligned(align), may_alias)) name {                                  \
+        T x, y;                                                                               \
+        name() = default;                                                                     \
+        constexpr name(T x_, T y_) : x(x_), y(y_) {}                                          \
+        name(const name& o, std::source_location loc = std::source_location::current())       \
+            : x((::cuda_emu::detail::check_vector_access(&o, align, false, loc), o.x)), y(o.y) {} \
+        name& operator=(const name& o) {                                                      \
+            ::cuda_emu::detail::check_vector_access(&o, align, false, std::source_location::current()); \
+            ::cuda_emu::detail::check_vector_access(this, align, true, std::source_location::current()); \
+            x = o.x;                                                                          \
+            y = o.y;                                                                          \
+            return *this;                                                                     \
+        }                                                                                     \
+    };                                                                                        \
+    inline constexpr name make_##name(T x, T y) { return name(x, y); }
+#define CUDA_EMU_VEC4_CHECKED(T, name, align)                                                \
+    struct __attribute__((aligned(align), may_alias)) name {                                  \
+        T x, y, z, w;                                                                         \
+        name() = default;                                                                     \
+        constexpr name(T x_, T y_, T z_, T w_) : x(x_), y(y_), z(z_), w(w_) {}                \
+        name(const name& o, std::source_location loc = std::source_location::current())       \
+            : x((::cuda_emu::detail::check_vector_access(&o, align, false, loc), o.x)), y(o.y), z(o.z), w(o.w) {} \
+        name& operator=(const name& o) {                                                      \
+            ::cuda_emu::detail::check_vector_access(&o, align, false, std::source_location::current()); \
+            ::cuda_emu::detail::check_vector_access(this, align, true, std::source_location::current()); \
+            x = o.x;                                                                          \
+            y = o.y;                                                                          \
+            z = o.z;                                                                          \
+            w = o.w;                                                                          \
+            return *this;                                                                     \
+        }                                                                                     \
+    };                                                                                        \
+    inline constexpr name make_##name(T x, T y, T z, T w) { return name(x, y, z, w); }
 
-CUDA_EMU_VEC2(float, float2, 8)
+namespace cuda_emu::detail {
+// Reports a misaligned vector access (a KernelFault) from a kernel thread; nothing elsewhere.
+__attribute__((visibility("hidden"))) void misaligned_vector_access(const void* p, size_t align, bool write,
+                                                                   const std::source_location& loc);
+inline void check_vector_access(const void* p, size_t align, bool write, const std::source_location& loc) {
+    if (__builtin_expect((reinterpret_cast<uintptr_t>(p) & (align - 1)) != 0, 0))
+        misaligned_vector_access(p, align, write, loc);
+}
+}  // namespace cuda_emu::detail
+
+CUDA_EMU_VEC2_CHECKED(float, float2, 8)
 CUDA_EMU_VEC3(float, float3)
-CUDA_EMU_VEC4(float, float4, 16)
-CUDA_EMU_VEC2(double, double2, 16)
-CUDA_EMU_VEC2(int, int2, 8)
+CUDA_EMU_VEC4_CHECKED(float, float4, 16)
+CUDA_EMU_VEC2_CHECKED(double, double2, 16)
+CUDA_EMU_VEC2_CHECKED(int, int2, 8)
 CUDA_EMU_VEC3(int, int3)
-CUDA_EMU_VEC4(int, int4, 16)
-CUDA_EMU_VEC2(unsigned int, uint2, 8)
+CUDA_EMU_VEC4_CHECKED(int, int4, 16)
+CUDA_EMU_VEC2_CHECKED(unsigned int, uint2, 8)
 CUDA_EMU_VEC3(unsigned int, uint3)
-CUDA_EMU_VEC4(unsigned int, uint4, 16)
-CUDA_EMU_VEC2(long long, longlong2, 16)
-CUDA_EMU_VEC2(unsigned long long, ulonglong2, 16)
+CUDA_EMU_VEC4_CHECKED(unsigned int, uint4, 16)
+CUDA_EMU_VEC2_CHECKED(long long, longlong2, 16)
+CUDA_EMU_VEC2_CHECKED(unsigned long long, ulonglong2, 16)
 CUDA_EMU_VEC2(short, short2, 4)
 CUDA_EMU_VEC2(unsigned short, ushort2, 4)
 CUDA_EMU_VEC4(signed char, char4, 4)
 CUDA_EMU_VEC4(unsigned char, uchar4, 4)
 #undef CUDA_EMU_VEC2
+#undef CUDA_EMU_VEC2_CHECKED
+#undef CUDA_EMU_VEC4_CHECKED
 #undef CUDA_EMU_VEC3
 #undef CUDA_EMU_VEC4
 

@@ -804,6 +804,23 @@ inline __attribute__((always_inline)) void on_access(uintptr_t a, size_t n, bool
     else if (a - g.buf_lo < g.buf_span) global_access(a, n, write, pc);
 }
 
+// A naturally aligned access (the compiler's __tsan_readN / __tsan_writeN, not the _unaligned_
+// ones) of N = 2, 4, 8 or 16 bytes whose address is not a multiple of N: a GPU's vector or scalar
+// load/store faults there ("misaligned address"), while x86 executes it (or splits a 16-byte int4
+// copy into two 8-byte moves that never fault), so the emulator reports it.
+[[noreturn]] void report_misaligned(uintptr_t a, size_t n, bool write, void* pc) {
+    fail(kErrFault, "misaligned address: a %zu-byte %s at 0x%zx, which is only %zu-byte aligned (a GPU faults: "
+         "%zu-byte accesses need %zu-byte alignment), at %s by %s, %s",
+         n, write ? "store" : "load", a, static_cast<size_t>(a & (~a + 1)), n, n, pc_text(pc_offset(pc)).c_str(),
+         thread_text(g.current->linear).c_str(), where_block().c_str());
+    stop_current_thread();
+}
+
+inline __attribute__((always_inline)) void on_aligned_access(uintptr_t a, size_t n, bool write, void* pc) {
+    if (g.current != nullptr && (a & (n - 1)) != 0) report_misaligned(a, n, write, pc);
+    on_access(a, n, write, pc);
+}
+
 // A warp operation on `mask` completed: it orders the earlier accesses of its lanes before their
 // later ones.
 void on_warp_sync(unsigned warp_index, unsigned mask) {
@@ -1056,6 +1073,15 @@ unsigned active_mask() {
     return m;
 }
 
+void misaligned_vector_access(const void* p, size_t align, bool write, const std::source_location& loc) {
+    if (g.current == nullptr) return;  // the launcher's own copies (kernel arguments)
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    fail(kErrFault, "misaligned address: a %zu-byte vector %s at 0x%zx, which is only %zu-byte aligned (a GPU "
+         "faults), at %s (%s)", align, write ? "store" : "load", a, static_cast<size_t>(a & (~a + 1)),
+         site_text(site_of(loc)).c_str(), where(g.current).c_str());
+    stop_current_thread();
+}
+
 void trap(const char* what, const std::source_location& loc) {
     Fiber* f = current_or_die("__trap");
     fail(kErrTrap, "%s at %s (%s)", what, site_text(site_of(loc)).c_str(), where(f).c_str());
@@ -1143,10 +1169,10 @@ extern "C" __attribute__((visibility("default"))) uint32_t cuda_emu_runtime_abi(
 // kernel code that made the access.
 #define CUDA_EMU_ACCESS(n)                                                                                         \
     extern "C" __attribute__((visibility("hidden"))) void __tsan_read##n(uintptr_t a) {                            \
-        on_access(a, n, false, __builtin_return_address(0));                                                       \
+        on_aligned_access(a, n, false, __builtin_return_address(0));                                               \
     }                                                                                                              \
     extern "C" __attribute__((visibility("hidden"))) void __tsan_write##n(uintptr_t a) {                           \
-        on_access(a, n, true, __builtin_return_address(0));                                                        \
+        on_aligned_access(a, n, true, __builtin_return_address(0));                                                \
     }                                                                                                              \
     extern "C" __attribute__((visibility("hidden"))) void __tsan_unaligned_read##n(uintptr_t a) {                  \
         on_access(a, n, false, __builtin_return_address(0));                                                       \

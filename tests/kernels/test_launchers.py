@@ -34,6 +34,10 @@ ALL_KERNELS = [
     "ce_shard_backward_f32", "ce_shard_backward_bf16",
     "adamw_update_f32", "adamw_update_bf16",
     "dropout_mask_bool", "dropout_forward_f32", "dropout_forward_bf16", "dropout_apply_f32", "dropout_apply_bf16",
+    "rmsnorm_forward_f32", "rmsnorm_forward_bf16", "residual_rmsnorm_forward_f32", "residual_rmsnorm_forward_bf16",
+    "rmsnorm_backward_f32", "rmsnorm_backward_bf16",
+    "swiglu_forward_f32", "swiglu_forward_bf16", "swiglu_backward_f32", "swiglu_backward_bf16",
+    "rotary_f32", "rotary_bf16",
 ] + [f"attention_{kernel}_{dt}_d{d}" for kernel in ("forward", "backward_rowdot", "backward_dq", "backward_dkdv")
      for dt in ("f32", "bf16") for d in (64, 128)]
 
@@ -180,6 +184,12 @@ def test_every_kernel_is_launched_by_its_launcher(backend, k):
                        **ADAMW_KW)
         y, mask = k.dropout_forward(x, 0.5, 1, 2)
         k.dropout_apply(y, mask, 2.0)
+        _, rstd = k.rmsnorm_forward(x, x[0])
+        k.residual_rmsnorm_forward(x, x, x[0])
+        k.rmsnorm_backward(x, x, x[0], rstd)
+        k.swiglu_backward(k.swiglu_forward(x), x)
+        cs = backend.to_device(np.ones((3, 8), np.float32))
+        k.rotary(x.reshape(1, 3, 5, 8), cs, cs)
         for d in (64, 128):
             q = backend.to_device(randn((1, 1, 2, 5, d), dtype, seed=41))
             kv = backend.to_device(randn((1, 1, 5, d), dtype, seed=42))
@@ -206,6 +216,8 @@ def test_launch_shapes_stay_within_the_kernels_launch_bounds(emulated_module, mo
             k.softmax_backward(x, x)
             k.layernorm_forward(x, w, w)
             k.layernorm_backward(x, x, w, m, m, dtype)
+            k.rmsnorm_forward(x, w)
+            k.rmsnorm_backward(x, x, w, m)
             k.ce_shard_forward(x, np.zeros(2, np.int64), width)
             k.ce_shard_backward(x, m, m, np.zeros(2, np.int64), width, 1.0)
             k.bias_gelu_backward(x, x)
@@ -217,6 +229,8 @@ def test_launch_shapes_stay_within_the_kernels_launch_bounds(emulated_module, mo
         assert all(1 <= g < 2**31 for g in grid), (name, grid)
         if name.startswith("layernorm_backward"):
             assert smem == block[1] * 2 * 4 * int(args[8]), (name, smem)  # R * 2 * C floats
+        if name.startswith("rmsnorm_backward"):
+            assert smem == block[1] * 4 * int(args[7]), (name, smem)  # R * C floats
 
 
 # ================================================================================================
