@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import tests.cuda_emu as cuda_emu
+from cutp.kernels import resources as kernel_resources
 from tests.cuda_emu import (
     SCHEDULES,
     BarrierError,
@@ -1151,8 +1152,12 @@ def _nvcc() -> str | None:
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not installed")
 def test_sources_compile_with_nvcc(tmp_path):
-    """Device-only compiles (as NVRTC does, but with ptxas) for sm_80 and sm_90, warnings as errors."""
-    jobs = [(src, arch) for src in _cuda_sources() for arch in ("sm_80", "sm_90")]
+    """Device-only compiles (as NVRTC does, but with ptxas) for sm_80 and sm_90, warnings as errors:
+    the emulator's samples here; kernels/ through kernel_resources.compile_all, the compile the
+    resource tests read (with common.cuh inlined, as cutp hands NVRTC the source; cached per
+    source text, so this session compiles each kernel once)."""
+    kernel_resources.compile_all(_nvcc())  # raises with nvcc's log on an error or a warning
+    jobs = [(src, arch) for src in (SAMPLES, BROKEN) for arch in ("sm_80", "sm_90")]
 
     def compile_one(job):
         src, arch = job
