@@ -109,7 +109,6 @@ def _worker_distributed_matches_plain(meshes, batch, reference, overrides, bucke
     # 333 columns of the [3, shard] view per collective
     (3, [(1, 3)], 6, [], 1000),
     (4, [(2, 2), (1, 4)], 8, [], 0),
-    (8, [(2, 4)], 8, [], 0),
     (8, [(4, 2)], 8, ["n_kv_head=2"], 0),  # KV heads replicated over TP pairs: the norm's masks
 ])
 def test_distributed_optimizer_gives_the_plain_optimizers_losses_and_weights(tmp_path, ranks, meshes, batch,
@@ -123,11 +122,12 @@ def test_distributed_optimizer_gives_the_plain_optimizers_losses_and_weights(tmp
 
 
 # ---- bfloat16: every layout within Megatron's tolerance of one rank ------------------------------
-def test_bf16_losses_at_tp2_tp4_and_dp2_match_tp1_within_1e_2(tmp_path):
+def test_bf16_losses_at_tp4_match_tp1_within_1e_2(tmp_path):
+    """Through the CLI; tp2, dp2 with the distributed optimizer and tp2 x dp2 are compared with tp1
+    in one launch by tests/acceptance/test_mixed_precision.py."""
     args = BASE + ["--dtype", "bfloat16", "--steps", "20", "--batch-size", "8"]
     losses = {}
-    for name, n, extra in (("tp1", 1, ["--tp", "1"]), ("tp2", 2, ["--tp", "2"]), ("tp4", 4, ["--tp", "4"]),
-                           ("dp2", 2, ["--tp", "1", "--dp", "2", "--distributed-optimizer"])):
+    for name, n, extra in (("tp1", 1, ["--tp", "1"]), ("tp4", 4, ["--tp", "4"])):
         m = tmp_path / f"{name}.jsonl"
         run_mpi(n, TRAIN, args + ["--metrics", str(m)] + extra, timeout=240)
         losses[name] = np.array([r["loss"] for r in _metrics(m)])
@@ -135,7 +135,7 @@ def test_bf16_losses_at_tp2_tp4_and_dp2_match_tp1_within_1e_2(tmp_path):
     for name, ls in losses.items():
         np.testing.assert_allclose(ls, losses["tp1"], rtol=1e-2, err_msg=name)
     # not float32 in disguise: the bf16 losses differ from one another in the low bits
-    assert not np.array_equal(losses["tp2"], losses["tp1"])
+    assert not np.array_equal(losses["tp4"], losses["tp1"])
 
 
 # ---- checkpoints: bit-identical resume, another DP size, export precision -------------------------
