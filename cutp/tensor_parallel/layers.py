@@ -279,6 +279,11 @@ class LayerNorm(Module):
         self._save("ln", lctx)
         return y
 
+    def forward_residual(self, x, branch):
+        """(s, y): the residual add s = x + branch, then this norm of s (RMSNorm fuses the two)."""
+        s = x + branch
+        return s, self.forward(s)
+
     def backward(self, dy):
         dx, dw, db = ops.layernorm_backward(dy, self._load("ln"))
         self.weight.grad += dw
@@ -302,6 +307,14 @@ class RMSNorm(Module):
         y, rctx = ops.rmsnorm_forward(x, self.weight.data, self.eps)
         self._save("rms", rctx)
         return y
+
+    def forward_residual(self, x, branch):
+        """(s, y): the residual add s = x + branch and this norm of s in one pass (on a GPU one
+        kernel reading x and branch once: llm.c's fused_residual_forward); `backward` is the
+        norm's (the add's is the identity)."""
+        s, y, rctx = ops.residual_rmsnorm_forward(x, branch, self.weight.data, self.eps)
+        self._save("rms", rctx)
+        return s, y
 
     def backward(self, dy):
         dx, dw = ops.rmsnorm_backward(dy, self._load("rms"))

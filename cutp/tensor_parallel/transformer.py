@@ -139,8 +139,9 @@ class ParallelTransformerBlock(Module):
         self.recompute = False  # full recomputation: keep only the input (module docstring)
 
     def _forward(self, x, positions=None):
-        x = x + self.attn_dropout.forward(self.attn.forward(self.attn_norm.forward(x), positions))
-        return x + self.mlp_dropout.forward(self.mlp.forward(self.mlp_norm.forward(x)))
+        branch = self.attn_dropout.forward(self.attn.forward(self.attn_norm.forward(x), positions))
+        x, h = self.mlp_norm.forward_residual(x, branch)  # (RMSNorm: the add and the norm, one kernel)
+        return x + self.mlp_dropout.forward(self.mlp.forward(h))
 
     def forward(self, x, positions=None):
         """positions: the tokens' global position ids for rotary attention (None: arange(T))."""
