@@ -227,3 +227,25 @@ def bits(a):
     """The bit patterns of a float32 / bf16 / bool array, for bit-for-bit comparisons."""
     a = to_numpy(a)
     return a.view(np.uint16 if a.dtype == BF16 else np.uint32 if a.itemsize == 4 else np.uint8)
+
+
+class RecordingAllocations:
+    """NumPy standing in for CuPy, recording the bytes of every array a launcher allocates."""
+
+    def __init__(self):
+        self.nbytes: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def empty(self, *args, **kwargs):
+        a = np.empty(*args, **kwargs)
+        self.nbytes.append(a.nbytes)
+        return a
+
+    def asarray(self, a, *args, **kwargs):  # a host-to-device copy on a GPU: a new allocation
+        a = np.array(a, *args, **kwargs)
+        self.nbytes.append(a.nbytes)
+        return a
+
+    ascontiguousarray = asarray  # (of host position ids: a copy to the device as well)

@@ -40,7 +40,7 @@ from cutp.runtime.shape_only import ShapeOnly
 from cutp.models import GPT, GPTConfig
 from tests.cuda_emu import KERNELS_DIR, EmulatedModule
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, PoisonedAllocations, bits, is_poison, randn
+from .helpers import BF16, DT_IDS, DTYPES, F32, PoisonedAllocations, RecordingAllocations, bits, is_poison, randn
 
 TOL = {F32: 1e-5, BF16: 2e-2}
 attention_op = importlib.import_module("cutp.ops.attention")
@@ -461,26 +461,6 @@ def test_scores_far_below_zero(backend, k, dtype):
     check_against_reference(k, backend, q, k_, v, do, dtype)
 
 
-class _RecordingAllocations:
-    """NumPy standing in for CuPy, recording the bytes of every array a launcher allocates."""
-
-    def __init__(self):
-        self.nbytes: list[int] = []
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    def empty(self, *args, **kwargs):
-        a = np.empty(*args, **kwargs)
-        self.nbytes.append(a.nbytes)
-        return a
-
-    def asarray(self, a, *args, **kwargs):  # a host-to-device copy on a GPU: a new allocation
-        a = np.array(a, *args, **kwargs)
-        self.nbytes.append(a.nbytes)
-        return a
-
-
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_the_planner_books_what_the_fused_attention_allocates(unchecked_module, dropout):
     """`cutp plan` runs the fused attention's launchers on shape-only GPU arrays: what their heap
@@ -503,7 +483,7 @@ def test_the_planner_books_what_the_fused_attention_allocates(unchecked_module, 
     planned.attention_backward(do, q, k_, v, o, lse, 0.125, grads, *drop)
     planned_bwd_temp = heap.peak - heap.cur
 
-    rec = _RecordingAllocations()
+    rec = RecordingAllocations()
     k = Launchers(lambda name: unchecked_module, rec)
     q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, F32)
     o, lse = k.attention_forward(q, k_, v, 0.125, *drop)

@@ -13,32 +13,10 @@ from cutp.kernels import Launchers, shape_only_launchers
 from cutp.ops import rope_tables
 from cutp.runtime.shape_only import ShapeOnly
 
-from .helpers import BF16, F32, randn
+from .helpers import BF16, F32, RecordingAllocations, randn
 
 ROWS, C, F = 37, 96, 80  # rows not a multiple of a block; odd widths
 B, T, HQ, HKV, HD = 2, 12, 4, 2, 64  # a fused QKV buffer under GQA
-
-
-class _RecordingAllocations:
-    """NumPy standing in for CuPy, recording the bytes of every array a launcher allocates."""
-
-    def __init__(self):
-        self.nbytes: list[int] = []
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    def empty(self, *args, **kwargs):
-        a = np.empty(*args, **kwargs)
-        self.nbytes.append(a.nbytes)
-        return a
-
-    def asarray(self, a, *args, **kwargs):  # a host-to-device copy on a GPU: a new allocation
-        a = np.array(a, *args, **kwargs)
-        self.nbytes.append(a.nbytes)
-        return a
-
-    ascontiguousarray = asarray  # (of host position ids: a copy to the device as well)
 
 
 def _inputs(make, dtype):
@@ -79,7 +57,7 @@ def test_the_planner_books_what_the_llama_kernels_allocate(emulated_module, dtyp
         kept = call()
         plan[name] = (heap.peak - start, heap.cur - start, kept)
 
-    rec = _RecordingAllocations()
+    rec = RecordingAllocations()
     k = Launchers(lambda name: emulated_module, rec)
     real = _inputs(lambda shape, dt, seed: randn(shape, dt, seed=seed), dtype)
     rstd = k.rmsnorm_forward(real["x"], real["w"], 1e-5)[1]
