@@ -148,18 +148,19 @@ class NcclCommunicator(Communicator):
 
         return cupy.empty(shape, dtype)
 
-    # ---- collectives ---------------------------------------------------------------------
-    def all_reduce(self, x, op="sum", out=None):
+    # ---- collectives: each prepared once (checks, output, the NCCL call), then issued on the
+    # caller's stream (blocking) or on the communication stream (start_*, module docstring) ----
+    def _all_reduce(self, x, op, out):
         check_array(x, f"all_reduce on {self.name}")
         check_op(op)
         self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
         if out is None:
             out = self._empty(x.shape, x.dtype)
         x, _ = self._unalias(x, out, x_at=0)
-        self.nccl_comm.allReduce(x.data.ptr, out.data.ptr, x.size, self._dt(x), _NCCL_OPS[op], self._stream())
-        return out
+        return (lambda stream: self.nccl_comm.allReduce(x.data.ptr, out.data.ptr, x.size, self._dt(x),
+                                                        _NCCL_OPS[op], stream)), (x, out), out
 
-    def reduce_scatter(self, x, op="sum", out=None):
+    def _reduce_scatter(self, x, op, out):
         check_array(x, f"reduce_scatter on {self.name}")
         check_op(op)
         shape = self._scatter_shape(x)
@@ -167,45 +168,49 @@ class NcclCommunicator(Communicator):
         if out is None:
             out = self._empty(shape, x.dtype)
         x, _ = self._unalias(x, out, out_at=self.rank * out.nbytes)  # NCCL takes out == x's slot as in place
-        self.nccl_comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, self._dt(x), _NCCL_OPS[op], self._stream())
-        return out
+        return (lambda stream: self.nccl_comm.reduceScatter(x.data.ptr, out.data.ptr, out.size, self._dt(x),
+                                                            _NCCL_OPS[op], stream)), (x, out), out
 
-    def all_gather(self, x, out=None):
+    def _all_gather(self, x, out):
         check_array(x, f"all_gather on {self.name}")
         shape = self._gather_shape(x)
         self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
         if out is None:
             out = self._empty(shape, x.dtype)
         x, _ = self._unalias(x, out, x_at=self.rank * x.nbytes)  # NCCL takes x == out's slot as in place
-        self.nccl_comm.allGather(x.data.ptr, out.data.ptr, x.size, self._dt(x), self._stream())
+        return (lambda stream: self.nccl_comm.allGather(x.data.ptr, out.data.ptr, x.size, self._dt(x),
+                                                        stream)), (x, out), out
+
+    def _broadcast(self, x, root):
+        check_array(x, f"broadcast on {self.name}")
+        return (lambda stream: self.nccl_comm.broadcast(x.data.ptr, x.data.ptr, x.size, self._dt(x), root,
+                                                        stream)), (x,), x
+
+    def all_reduce(self, x, op="sum", out=None):
+        issue, _, out = self._all_reduce(x, op, out)
+        issue(self._stream())
+        return out
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        issue, _, out = self._reduce_scatter(x, op, out)
+        issue(self._stream())
+        return out
+
+    def all_gather(self, x, out=None):
+        issue, _, out = self._all_gather(x, out)
+        issue(self._stream())
         return out
 
     def broadcast(self, x, root=0):
-        check_array(x, f"broadcast on {self.name}")
-        self.nccl_comm.broadcast(x.data.ptr, x.data.ptr, x.size, self._dt(x), root, self._stream())
+        issue, _, x = self._broadcast(x, root)
+        issue(self._stream())
         return x
 
-    # ---- non-blocking: on the communication stream (module docstring) ----------------------
     def start_all_reduce(self, x, op="sum", out=None):
-        check_array(x, f"all_reduce on {self.name}")
-        check_op(op)
-        self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
-        if out is None:
-            out = self._empty(x.shape, x.dtype)
-        x, _ = self._unalias(x, out, x_at=0)
-        return self._on_comm_stream("all_reduce", lambda stream: self.nccl_comm.allReduce(
-            x.data.ptr, out.data.ptr, x.size, self._dt(x), _NCCL_OPS[op], stream), (x, out), out)
+        return self._on_comm_stream("all_reduce", *self._all_reduce(x, op, out))
 
     def start_reduce_scatter(self, x, op="sum", out=None):
-        check_array(x, f"reduce_scatter on {self.name}")
-        check_op(op)
-        shape = self._scatter_shape(x)
-        self._check_out(out, shape, x.dtype, f"reduce_scatter on {self.name}")
-        if out is None:
-            out = self._empty(shape, x.dtype)
-        x, _ = self._unalias(x, out, out_at=self.rank * out.nbytes)
-        return self._on_comm_stream("reduce_scatter", lambda stream: self.nccl_comm.reduceScatter(
-            x.data.ptr, out.data.ptr, out.size, self._dt(x), _NCCL_OPS[op], stream), (x, out), out)
+        return self._on_comm_stream("reduce_scatter", *self._reduce_scatter(x, op, out))
 
     def start_reduce(self, x, root, op="sum"):
         check_array(x, f"reduce on {self.name}")
@@ -215,19 +220,10 @@ class NcclCommunicator(Communicator):
             x if self.rank == root else None)
 
     def start_all_gather(self, x, out=None):
-        check_array(x, f"all_gather on {self.name}")
-        shape = self._gather_shape(x)
-        self._check_out(out, shape, x.dtype, f"all_gather on {self.name}")
-        if out is None:
-            out = self._empty(shape, x.dtype)
-        x, _ = self._unalias(x, out, x_at=self.rank * x.nbytes)
-        return self._on_comm_stream("all_gather", lambda stream: self.nccl_comm.allGather(
-            x.data.ptr, out.data.ptr, x.size, self._dt(x), stream), (x, out), out)
+        return self._on_comm_stream("all_gather", *self._all_gather(x, out))
 
     def start_broadcast(self, x, root=0):
-        check_array(x, f"broadcast on {self.name}")
-        return self._on_comm_stream("broadcast", lambda stream: self.nccl_comm.broadcast(
-            x.data.ptr, x.data.ptr, x.size, self._dt(x), root, stream), (x,), x)
+        return self._on_comm_stream("broadcast", *self._broadcast(x, root))
 
     def start_exchange(self, sends, recvs):
         """The exchange's group on the communication stream, after what the compute stream has
