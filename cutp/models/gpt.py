@@ -254,8 +254,9 @@ class GPT(Module):
 
     def set_context_parallel_comm(self, comm: str = "ring") -> None:
         """How context parallelism's attention meets the whole sequence: "ring" (K,V round the CP
-        ranks) or "a2a" (all-to-all to a cp-th of the heads; the TP-local KV heads must split
-        over cp). Changes communication and memory, never the math."""
+        ranks) or "a2a" (all-to-all to a cp-th of the heads; the TP-local query heads must split
+        over cp, and their KV heads too or be copied to cp / n of them). Changes communication and
+        memory, never the math."""
         check_context_parallel(2 * self.ctx.cp_size, self.ctx.cp_size, self.ctx.tp_size, False, 0, comm,
                                self.config.n_head, self.config.n_kv_head)
         if comm not in COMMS:

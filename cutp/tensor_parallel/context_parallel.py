@@ -24,12 +24,15 @@ local K,V per layer ((cp-1)/cp of a sequence's K,V bytes each way), backward cp-
 of dK,dV.
 
 The all-to-all attention (`--cp-comm a2a`, DeepSpeed-Ulysses: `ulysses_attention_forward` /
-`_backward`): an all-to-all over the CP group turns q, k, v from this rank's tokens of every
-(TP-local) head into every token of its cp-th of the KV heads (with their query heads), the
+`_backward`): one all-to-all over the CP group turns q, k, v from this rank's tokens of every
+(TP-local) head into every token of its cp-th of the query heads with their KV heads, the
 attention runs on whole sequences there (the one-rank op, its dropout at the heads' global
-places), and an all-to-all turns o back (the backward: do there, dq, dk, dv back). It needs the
-TP-local KV heads to split over cp (`check_context_parallel` refuses otherwise, naming them);
-its bytes per layer each way: q, k, v and o of the local sequence, (cp-1)/cp of them leaving.
+places), and one all-to-all turns o back (the backward: do there, dq, dk, dv back). The query
+heads must split over cp, and cp divide the KV heads or be a multiple of them
+(`check_context_parallel` refuses otherwise, naming them): with fewer KV heads than cp each goes
+to the cp / nkv ranks of its query heads (`ulysses_heads`, as TP copies a KV head when tp >
+n_kv_head) and its dK,dV come back as the sum of theirs. Bytes per layer each way: q, k, v (k, v
+once per copy) and o of the local sequence, (cp-1)/cp of them leaving.
 
 `OVERLAP = False` (a module switch, for tests and measurements) posts each exchange after the
 step's compute and finishes it at once: the same arithmetic in the same order, so bit-identical
@@ -95,6 +98,12 @@ def check_sequence_splits(T: int, cp: int) -> None:
 COMMS = ("ring", "a2a")
 
 
+def _ulysses_fits(cp: int, local_q: int, local_kv: int) -> bool:
+    """Whether the all-to-all attention splits local_q query heads of local_kv KV heads over cp
+    ranks (`ulysses_heads`)."""
+    return local_q % cp == 0 and (local_kv % cp == 0 or cp % local_kv == 0)
+
+
 def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bool, n_experts: int = 0,
                            comm: str = "ring", n_head: int = 1, n_kv_head: int | None = None) -> None:
     """A run's context parallelism (RunConfig's check): ConfigError naming the numbers and a fix."""
@@ -102,12 +111,16 @@ def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bo
         return
     if comm == "a2a":
         n_kv_head = n_kv_head or n_head
+        local_q = n_head // tp
         local_kv = n_kv_head // tp if tp <= n_kv_head else 1  # (tp > n_kv_head: one replicated KV head a rank)
-        if local_kv % cp:
-            fits = [c for c in range(1, local_kv + 1) if local_kv % c == 0]
-            raise ConfigError(f"`cp_comm` a2a splits each TP rank's KV heads over the CP ranks, but n_kv_head "
-                              f"{n_kv_head} / tp {tp} leaves {local_kv} KV head(s) a rank, which cp {cp} does not "
-                              f"divide; use a `cp` from {fits} or `cp_comm` ring")
+        if not _ulysses_fits(cp, local_q, local_kv):
+            fits = [c for c in range(1, local_q + 1) if _ulysses_fits(c, local_q, local_kv)]
+            why = (f"does not divide {local_q}" if local_q % cp else
+                   f"neither divides {local_kv} nor is a multiple of it")
+            raise ConfigError(f"`cp_comm` a2a splits each TP rank's query heads over the CP ranks, with their KV heads "
+                              f"(or copies of one): n_head {n_head} and n_kv_head {n_kv_head} / tp {tp} leave "
+                              f"{local_q} query and {local_kv} KV head(s) a rank, and `cp` {cp} {why}; use a `cp` "
+                              f"from {fits} or `cp_comm` ring")
     if seq_len % (2 * cp):
         options = [c for c in range(1, seq_len + 1) if seq_len % (2 * c) == 0]
         raise ConfigError(f"`seq_len` {seq_len} is not divisible by 2*cp = {2 * cp}: context parallelism cuts each "
@@ -157,64 +170,117 @@ def _keep(xp, dropout, q_chunk: int, k_chunk: int, shape):
 
 
 # ---- all-to-all (Ulysses) ---------------------------------------------------------------------
-def _seq_to_heads(group, a):
-    """[B, H, *mid, Tl, hd] (this rank's tokens, every head) -> [B, H / cp, *mid, T, hd] (every
-    token of the sequence in order, this rank's cp-th of the heads): one all-to-all."""
-    xp = get_array_module(a)
-    cp = group.size
-    B, H, Tl = a.shape[0], a.shape[1], a.shape[-2]
-    send = xp.ascontiguousarray(xp.moveaxis(a.reshape((B, cp, H // cp) + a.shape[2:]), 1, 0))
-    got = group.all_to_all(send.reshape(cp, -1), [1] * cp, [1] * cp).reshape(send.shape)  # [i]: rank i's tokens
-    T = Tl * cp
-    order = np.concatenate([zigzag_positions(T, cp, i) for i in range(cp)])
-    out = xp.empty(send.shape[1:-2] + (T, a.shape[-1]), a.dtype)
-    out[..., xp.asarray(order), :] = xp.moveaxis(got, 0, -3).reshape(out.shape)
-    return out
+def ulysses_heads(cp: int, nkv: int, g: int) -> tuple[int, int, int]:
+    """(KV heads, query heads of each, copies of a KV head) of one CP rank's cp-th of the TP
+    rank's nkv KV heads with their g query heads each: nkv / cp whole groups where cp divides
+    nkv; else (nkv divides cp) one KV head on cp / nkv ranks, each a contiguous block of its
+    query heads. `check_context_parallel` refuses the other cases."""
+    if nkv % cp == 0:
+        return nkv // cp, g, 1
+    rep = cp // nkv
+    return 1, g // rep, rep
 
 
-def _heads_to_seq(group, a):
-    """The inverse of `_seq_to_heads`: [B, H / cp, *mid, T, hd] -> [B, H, *mid, Tl, hd]."""
-    xp = get_array_module(a)
+def _seq_to_heads(group, parts):
+    """One all-to-all for several arrays. parts: (a, rep) with a [B, n, *mid, Tl, hd] this rank's
+    tokens of n = cp / rep head blocks, block b going to CP ranks b*rep .. (b+1)*rep - 1 (rep > 1:
+    a replicated KV head) -> [B, *mid, T, hd] each: every token of the sequence in order, the
+    block this rank received."""
+    xp = get_array_module(parts[0][0])
     cp = group.size
-    T = a.shape[-2]
-    send = xp.ascontiguousarray(xp.stack([a[..., xp.asarray(zigzag_positions(T, cp, i)), :] for i in range(cp)]))
-    got = group.all_to_all(send.reshape(cp, -1), [1] * cp, [1] * cp).reshape(send.shape)  # [j]: heads block j
-    got = xp.moveaxis(got, 0, 1)  # [B, cp, H / cp, *mid, Tl, hd]
-    return xp.ascontiguousarray(got).reshape((got.shape[0], got.shape[1] * got.shape[2]) + got.shape[3:])
+    sizes = [a.size // a.shape[1] for a, _ in parts]  # the elements of one block: what each rank gets
+    send = xp.empty((cp, sum(sizes)), parts[0][0].dtype)
+    at = 0
+    for (a, rep), size in zip(parts, sizes):  # ranks b*rep+i (i < rep) get block b
+        dst = send[:, at:at + size].reshape((a.shape[1], rep, a.shape[0]) + a.shape[2:])
+        dst[...] = xp.expand_dims(xp.moveaxis(a, 1, 0), 1)
+        at += size
+    got = group.all_to_all(send, [1] * cp, [1] * cp)  # [i]: rank i's tokens
+    Tl = parts[0][0].shape[-2]
+    order = xp.asarray(np.concatenate([zigzag_positions(Tl * cp, cp, i) for i in range(cp)]))
+    outs, at = [], 0
+    for (a, _), size in zip(parts, sizes):
+        mine = got[:, at:at + size].reshape((cp, a.shape[0]) + a.shape[2:])
+        out = xp.empty(mine.shape[1:-2] + (Tl * cp, a.shape[-1]), a.dtype)
+        out[..., order, :] = xp.moveaxis(mine, 0, -3).reshape(out.shape)
+        outs.append(out)
+        at += size
+    return outs
+
+
+def _heads_to_seq(group, parts):
+    """The inverse of `_seq_to_heads`, one all-to-all: parts (a, rep) with a [B, *mid, T, hd]
+    (this rank's head block, every token) -> [B, cp / rep, *mid, Tl, hd] each: this rank's tokens
+    of every block, the rep ranks' parts of a replicated block summed (in the compute dtype)."""
+    xp = get_array_module(parts[0][0])
+    cp = group.size
+    T = parts[0][0].shape[-2]
+    Tl = T // cp
+    order = xp.asarray(np.concatenate([zigzag_positions(T, cp, i) for i in range(cp)]))
+    sizes = [a.size // cp for a, _ in parts]
+    send = xp.empty((cp, sum(sizes)), parts[0][0].dtype)
+    at = 0
+    for (a, _), size in zip(parts, sizes):  # [j]: rank j's tokens
+        by_rank = a[..., order, :].reshape(a.shape[:-2] + (cp, Tl, a.shape[-1]))
+        send[:, at:at + size].reshape((cp,) + a.shape[:-2] + (Tl, a.shape[-1]))[...] = xp.moveaxis(by_rank, -3, 0)
+        at += size
+    got = group.all_to_all(send, [1] * cp, [1] * cp)  # [j]: head block j
+    outs, at = [], 0
+    for (a, rep), size in zip(parts, sizes):
+        blocks = xp.moveaxis(got[:, at:at + size].reshape((cp,) + a.shape[:-2] + (Tl, a.shape[-1])), 0, 1)
+        if rep > 1:  # [B, cp / rep, rep, *mid, Tl, hd]: the copies' contributions
+            blocks = blocks.reshape((blocks.shape[0], cp // rep, rep) + blocks.shape[2:])
+            blocks = as_dtype(blocks.sum(axis=2, dtype=compute_dtype(a.dtype)), a.dtype)
+        outs.append(blocks)
+        at += size
+    return outs
 
 
 class UlyssesCtx:
-    """The all-to-all attention's backward needs: the whole-sequence attention's own context."""
+    """The all-to-all attention's backward needs: the whole-sequence attention's own context and
+    the copies of each KV head (`ulysses_heads`)."""
 
     fused = False
 
-    def __init__(self, attention_ctx):
-        self.attention = attention_ctx
+    def __init__(self, attention_ctx, rep):
+        self.attention, self.rep = attention_ctx, rep
 
 
 def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None):
     """(o, UlyssesCtx): q [B, nkv, g, Tl, hd], k and v [B, nkv, Tl, hd] this rank's tokens of
-    the TP-local heads (nkv divisible by cp) -> o of q's shape; dropout: None or (p, seed,
-    per-batch-row counter offsets of this rank's first head, global T)."""
-    cp, nkv = group.size, q.shape[1]
-    qh, kh, vh = (_seq_to_heads(group, a) for a in (q, k, v))
+    the TP-local heads (nkv g divisible by cp, and cp dividing nkv or nkv dividing cp) -> o of
+    q's shape; dropout: None or (p, seed, per-batch-row counter offsets of this rank's first
+    head, global T)."""
+    cp = group.size
+    B, nkv, g, Tl, hd = q.shape
+    nkv_r, g_r, rep = ulysses_heads(cp, nkv, g)
+    qh, kh, vh = _seq_to_heads(group, [(q.reshape(B, cp, nkv_r, g_r, Tl, hd), 1),
+                                       (k.reshape(B, cp // rep, nkv_r, Tl, hd), rep),
+                                       (v.reshape(B, cp // rep, nkv_r, Tl, hd), rep)])
     p, seed, offsets = (0.0, 0, 0) if dropout is None else dropout[:3]
-    if p:  # this rank's heads start (cp_rank * nkv / cp * g) heads after the TP rank's first
+    if p:  # this rank's query heads (a contiguous block of the TP rank's) start cp_rank * nkv g / cp heads in
         T = dropout[3]
-        first = group.rank * (nkv // cp) * q.shape[2] * T * T
+        first = group.rank * nkv_r * g_r * T * T
         offsets = [o + first for o in offsets]
     o, attention_ctx = causal_attention_forward(qh, kh, vh, scale=scale, dropout_p=p, seed=seed, offset=offsets)
-    return _heads_to_seq(group, o), UlyssesCtx(attention_ctx)
+    (o,) = _heads_to_seq(group, [(o, 1)])
+    return o.reshape(q.shape), UlyssesCtx(attention_ctx, rep)
 
 
 def ulysses_attention_backward(group, do, ctx: UlyssesCtx, out=None):
-    """(dq, dk, dv) of the forward that made ctx (out: optional arrays to write them into)."""
-    dh = causal_attention_backward(_seq_to_heads(group, get_array_module(do).ascontiguousarray(do)), ctx.attention)
-    grads = [_heads_to_seq(group, get_array_module(g).ascontiguousarray(g)) for g in dh]
+    """(dq, dk, dv) of the forward that made ctx (out: optional arrays to write them into); dk, dv
+    of a replicated KV head: the sum of its copies' parts."""
+    cp, rep = group.size, ctx.rep
+    B, nkv, g, Tl, hd = do.shape
+    nkv_r, g_r, _ = ulysses_heads(cp, nkv, g)
+    (doh,) = _seq_to_heads(group, [(do.reshape(B, cp, nkv_r, g_r, Tl, hd), 1)])
+    dq, dk, dv = causal_attention_backward(doh, ctx.attention)
+    dq, dk, dv = _heads_to_seq(group, [(dq, 1), (dk, rep), (dv, rep)])
+    grads = (dq.reshape(do.shape), dk.reshape(B, nkv, Tl, hd), dv.reshape(B, nkv, Tl, hd))
     if out is None:
-        return tuple(grads)
-    for dst, g in zip(out, grads):
-        dst[...] = g
+        return grads
+    for dst, grad in zip(out, grads):
+        dst[...] = grad
     return out
 
 

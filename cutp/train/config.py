@@ -87,7 +87,8 @@ class RunConfig:
     cp: int = setting(1, "context parallelism: each sequence split over cp ranks (the mesh: tp, cp, dp, pp), every "
                       "layer on seq-len/cp tokens; --seq-len a multiple of 2*cp", "mesh", kind=int, at_least=1)
     cp_comm: str = setting("ring", "context parallelism's attention: ring (K,V round the CP ranks, overlapped) or a2a "
-                           "(Ulysses: the KV heads per TP rank split over cp)", "mesh", choices=("ring", "a2a"))
+                           "(Ulysses: the query heads per TP rank split over cp, their KV heads split or copied)",
+                           "mesh", choices=("ring", "a2a"))
     pp: int = setting(1, "pipeline stages: the layers split over pp ranks", "pipeline", kind=int, at_least=1)
     ep: int = setting(1, "expert parallelism: an MoE model's experts split over ep consecutive DP ranks (ep divides "
                       "dp and n_experts), tokens sent to them by all-to-all", "mesh", kind=int, at_least=1)

@@ -5,12 +5,14 @@ passes K,V round the CP group (`cutp.tensor_parallel.context_parallel`). No layo
 math: in float64 the loss, every gradient and the updated weights of two training steps equal
 one rank's within 1e-10, at cp 2 and 4, with tp 2 + sequence parallelism, pp 2, dp 2 + ZeRO,
 full recomputation, dropout 0.1, GQA with fewer KV heads than tp, learned positions (GPT) and
-RoPE (Llama), and sequences whose chunks are one token. The ring's sends and receives are posted
-before each step's attention compute and waited after it (an instrumented communicator's event
-order), with the same bits as without the overlap; its bytes per layer are (cp-1)/cp of a
-sequence's K,V each way. A checkpoint resumes at other cp sizes. The activation memory per rank
-of a long sequence at cp 4 is <= 0.3x cp 1's, and the planner's figure (it runs the same step
-on shape-only arrays) within its 10%. Refusals name the numbers.
+RoPE (Llama), sequences whose chunks are one token, and the all-to-all attention (Ulysses), also
+with fewer TP-local KV heads than cp (each copied to the CP ranks of its query heads). The
+ring's sends and receives are posted before each step's attention compute and waited after it
+(an instrumented communicator's event order), with the same bits as without the overlap; its
+bytes per layer are (cp-1)/cp of a sequence's K,V each way. A checkpoint resumes at other cp
+sizes. The activation memory per rank of a long sequence at cp 4 is <= 0.3x cp 1's, and the
+planner's figure (it runs the same step on shape-only arrays) within its 10%. Refusals name the
+numbers.
 """
 import numpy as np
 import pytest
@@ -38,6 +40,11 @@ LAYOUTS = [
     (GPT_TINY, dict(cp=2, dp=2, cp_comm="a2a"), 8),
     (dict(LLAMA_TINY, n_kv_head=4), dict(cp=2, tp=2, sequence_parallel=True, cp_comm="a2a"), 16),
     (dict(LLAMA_TINY, n_kv_head=4), dict(cp=4, cp_comm="a2a", recompute="full"), 8),
+    # ... and fewer TP-local KV heads than cp: each KV head copied to the CP ranks of its query heads
+    (dict(GPT_TINY, n_kv_head=1, dropout=0.0), dict(cp=2, dp=2, cp_comm="a2a"), 8),  # 1 KV head, 2 copies
+    (dict(LLAMA_TINY, n_kv_head=1), dict(cp=4, cp_comm="a2a"), 8),  # 4 copies, 1 query head each
+    (LLAMA_TINY, dict(cp=4, cp_comm="a2a"), 8),  # 2 KV heads, 2 copies each: CP ranks 0, 1 take head 0
+    (LLAMA_TINY, dict(cp=2, tp=2, sequence_parallel=True, cp_comm="a2a"), 16),  # 1 KV head per TP rank, 2 copies
 ]
 
 
@@ -195,10 +202,13 @@ def test_refusals_name_the_numbers():
     with pytest.raises(ConfigError, match=r"^cp 3 does not divide the 8 ranks; use a cp from \[1, 2, 4, 8\]"):
         validate_mesh(8, 1, None, cp=3)
     assert repr(validate_mesh(8, 2, None, cp=2)) == "Mesh(tp=2, cp=2, dp=2, pp=1)"
-    with pytest.raises(ConfigError, match=r"^cp_comm a2a splits each TP rank's KV heads over the CP ranks, but "
-                                          r"n_kv_head 2 / tp 1 leaves 2 KV head\(s\) a rank, which cp 4 does not "
-                                          r"divide; use a cp from \[1, 2\] or cp_comm ring$"):
-        RunConfig(model=GPTConfig(**GPT_TINY), cp=4, seq_len=16, cp_comm="a2a")
+    with pytest.raises(ConfigError, match=r"^cp_comm a2a splits each TP rank's query heads over the CP ranks, .*: "
+                                          r"n_head 4 and n_kv_head 2 / tp 1 leave 4 query and 2 KV head\(s\) a rank, "
+                                          r"and cp 8 does not divide 4; use a cp from \[1, 2, 4\] or cp_comm ring$"):
+        RunConfig(model=GPTConfig(**GPT_TINY), cp=8, seq_len=16, cp_comm="a2a")
+    with pytest.raises(ConfigError, match=r"n_kv_head 2 / tp 1 leave 6 query and 2 KV head\(s\) a rank, and cp 3 "
+                                          r"neither divides 2 nor is a multiple of it; use a cp from \[1, 2, 6\]"):
+        RunConfig(model=GPTConfig(**dict(GPT_TINY, n_head=6, n_embd=24)), cp=3, seq_len=12, cp_comm="a2a")
 
 
 # ---- checkpoints: the cp size is a layout -------------------------------------------------------
