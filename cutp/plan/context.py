@@ -14,8 +14,11 @@ head dim, or one replicated head when t > n_kv_head):
     ring, forward:  cp - 1 sends of the local K,V, 2 b (s/cp) h_kv elements each: (cp-1)/cp of
                     a sequence's K,V leave the rank, as many arrive
     ring, backward: cp - 1 sends of K,V and cp of dK,dV (float32 for 16-bit models)
-    a2a, each way:  q, k, v (forward; o in backward) and o (forward; dq, dk, dv in backward) of
-                    the local tokens, (cp-1)/cp of them leaving
+    a2a, each way:  q, k, v (forward; do in backward) and o (forward; dq, dk, dv in backward) of
+                    the local tokens, (cp-1)/cp of them leaving; two all-to-alls (q, k, v in
+                    one). Where cp is a multiple of the TP rank's KV heads, each KV head's K,V
+                    (and dK,dV) go to the cp / (its KV heads) CP ranks of its query heads: k, v
+                    that many times
 """
 from __future__ import annotations
 
@@ -63,10 +66,11 @@ def cp_comm_bytes(a, *, s: int, b: int, tp: int, cp: int, cp_comm: str, layers: 
         nbytes = (forwards * (cp - 1) + backward * (cp - 1)) * kv * itemsize + backward * cp * kv * max(itemsize, 4)
         return {"calls": calls, "elements": elements, "bytes": nbytes, "wire_bytes": float(nbytes)}
     q = local * (a.n_head // tp) * a.head_dim
-    per_way = 2 * q + kv  # q, k, v, then o (forward); do, then dq, dk, dv (backward)
+    copies = max(1, cp // (kv_width(a, tp) // a.head_dim))  # of each of the TP rank's KV heads
+    per_way = 2 * q + copies * kv  # q, k, v, then o (forward); do, then dq, dk, dv (backward)
     elements = (forwards + layers * accum) * per_way
     nbytes = elements * itemsize
-    return {"calls": (forwards + layers * accum) * 4, "elements": elements, "bytes": nbytes,
+    return {"calls": (forwards + layers * accum) * 2, "elements": elements, "bytes": nbytes,
             "wire_bytes": nbytes * (cp - 1) / cp}
 
 
@@ -74,4 +78,4 @@ def cp_formula(cp_comm: str) -> str:
     """The per-layer traffic in words, for the plan's table."""
     if cp_comm == "ring":
         return "forward cp-1 sends of the local K,V, backward cp-1 of K,V and cp of dK,dV"
-    return "q, k, v and o of the local tokens each way, (cp-1)/cp of them leaving"
+    return "q, k, v and o of the local tokens each way (k, v copied where cp > KV heads), (cp-1)/cp of them leaving"

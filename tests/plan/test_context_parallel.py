@@ -16,16 +16,17 @@ from cutp.plan.run import planned_step
 TINY = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=512, block_size=1024, dtype="float32")
 
 
-@pytest.mark.parametrize("comm,recompute", [("ring", "none"), ("a2a", "none"), ("ring", "full"), ("a2a", "full")])
-def test_the_formula_counts_what_the_planned_step_sends(comm, recompute):
+@pytest.mark.parametrize("comm,recompute,cp", [("ring", "none", 2), ("a2a", "none", 2), ("ring", "full", 2),
+                                               ("a2a", "full", 2), ("a2a", "none", 4)])  # cp 4: 2 copies of a KV head
+def test_the_formula_counts_what_the_planned_step_sends(comm, recompute, cp):
     a = arch_from_config("tiny", TINY)
-    got = planned_step(TINY, cp=2, cp_comm=comm, micro_batch=2, seq_len=256, device="cpu", recompute=recompute,
+    got = planned_step(TINY, cp=cp, cp_comm=comm, micro_batch=2, seq_len=256, device="cpu", recompute=recompute,
                        recompute_layers=1 if recompute == "full" else None)["comm"]
-    counted = sum(v["bytes"] for k, v in got.items() if k in ("cp.send", "cp.all_to_all"))
-    formula = cp_comm_bytes(a, s=256, b=2, tp=1, cp=2, cp_comm=comm, layers=2, accum=1, itemsize=4,
+    sent = got["cp.send" if comm == "ring" else "cp.all_to_all"]
+    formula = cp_comm_bytes(a, s=256, b=2, tp=1, cp=cp, cp_comm=comm, layers=2, accum=1, itemsize=4,
                             recomputed=int(recompute == "full"))
-    assert formula["bytes"] == counted > 0
-    assert got.get("cp.recv", {"bytes": 0})["bytes"] == (counted if comm == "ring" else 0)  # as much arrives
+    assert formula["bytes"] == sent["bytes"] > 0 and formula["calls"] == sent["calls"]
+    assert got.get("cp.recv", {"bytes": 0})["bytes"] == (sent["bytes"] if comm == "ring" else 0)  # as much arrives
 
 
 def test_activations_per_rank_shrink_with_cp_and_the_state_shards_over_dp_x_cp():
@@ -49,5 +50,7 @@ def test_the_command_line_plans_and_searches_cp_and_refuses_with_its_flags(capsy
     assert "| 8 | 8 | 1 | 32 | 64 (1) | none |" in out  # tp 8 x cp 8: no recomputation at 128K
     assert cli.main(["--params", "8B", "--seq-len", "1000", "--cp", "8"]) == 2
     assert "--seq-len 1000 is not divisible by 2*cp = 16" in capsys.readouterr().err
-    assert cli.main(["--params", "8B", "--tp", "8", "--cp", "2", "--cp-comm", "a2a"]) == 2
-    assert "--cp-comm a2a splits each TP rank's KV heads over the CP ranks" in capsys.readouterr().err
+    assert cli.main(["--params", "8B", "--tp", "8", "--cp", "8", "--cp-comm", "a2a"]) == 2  # 4 query heads a TP rank
+    assert ("--cp-comm a2a splits each TP rank's query heads over the CP ranks, with their KV heads (or copies of "
+            "one): n_head 32 and n_kv_head 8 / tp 8 leave 4 query and 1 KV head(s) a rank, and --cp 8 does not divide "
+            "4; use a --cp from [1, 2, 4] or --cp-comm ring" in capsys.readouterr().err)
