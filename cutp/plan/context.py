@@ -23,7 +23,7 @@ head dim, or one replicated head when t > n_kv_head):
 from __future__ import annotations
 
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.context_parallel import COMMS, check_context_parallel
+from ..tensor_parallel.context_parallel import COMMS, check_context_parallel, ulysses_heads
 
 
 def check_cp(a, *, cp: int, cp_comm: str, tp: int, seq_len: int, sequence_parallel: bool) -> None:
@@ -65,8 +65,9 @@ def cp_comm_bytes(a, *, s: int, b: int, tp: int, cp: int, cp_comm: str, layers: 
         elements = (forwards * (cp - 1) + backward * (cp - 1)) * kv + backward * cp * kv
         nbytes = (forwards * (cp - 1) + backward * (cp - 1)) * kv * itemsize + backward * cp * kv * max(itemsize, 4)
         return {"calls": calls, "elements": elements, "bytes": nbytes, "wire_bytes": float(nbytes)}
-    q = local * (a.n_head // tp) * a.head_dim
-    copies = max(1, cp // (kv_width(a, tp) // a.head_dim))  # of each of the TP rank's KV heads
+    heads, kv_heads = a.n_head // tp, kv_width(a, tp) // a.head_dim
+    q = local * heads * a.head_dim
+    copies = ulysses_heads(cp, kv_heads, heads // kv_heads)[2]  # of each of the TP rank's KV heads
     per_way = 2 * q + copies * kv  # q, k, v, then o (forward); do, then dq, dk, dv (backward)
     elements = (forwards + layers * accum) * per_way
     nbytes = elements * itemsize
