@@ -173,6 +173,25 @@ def param_count(a: Arch, tp: int = 1, ep: int = 1) -> dict:
             "embedding": emb, "head": head, "position": pos, "final_norm": norm}
 
 
+def tp_gradient_elements(a: Arch, tp: int, sequence_parallel: bool, ep: int = 1) -> int:
+    """Elements of the one TP all-reduce of gradients per step (`tp_grad_sync`): the replicated
+    parameters used on sequence shards under sequence parallelism (both norms of each layer, the
+    row biases, the MoE routers, the final norm, learned positions) and the MoE experts, which
+    each TP rank runs on its own tokens (`tp_partial`). 0 at tp 1."""
+    if tp == 1:
+        return 0
+    h = a.n_embd
+    norm = (2 if (a.layernorm and a.bias) else 1) * h
+    moe = moe_counts(a, tp, ep)
+    n_dense = a.n_layer - moe["layers"]
+    experts = moe["layers"] * (a.n_experts // ep) * moe["expert"]
+    if not sequence_parallel:
+        return experts
+    rows = a.n_layer * a.has_bias("out_bias") * h + n_dense * a.has_bias("mlp_bias") * h
+    return (a.n_layer * 2 * norm + rows + moe["layers"] * moe["router"] + norm + (a.seq * h if a.pos_emb else 0)
+            + experts)
+
+
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 PRECISION_DTYPE = {"mixed": "bfloat16", "fp32": "float32"}  # the older --precision flag
 GPUS = (("80 GB", 80e9), ("141 GB", 141e9))  # H100/A100 80GB, H200 (GB = 1e9 bytes)
@@ -365,6 +384,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
                       for i in range(L) if a.n_experts and i % a.moe_every == 0]
     counted = int(accum > 1 and a.moe_load_balancing)
     ring_ar = 2 * (tp - 1) / tp
+    tp_grads = tp_gradient_elements(a, tp, sequence_parallel, ep)
     dp_one = (dpg - 1) / dpg
     on_dp = dpg > 1
     out = {
@@ -386,6 +406,11 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "tp_allreduce_elements_per_layer": 4 * bsh if tp > 1 else 0,
         "tp_allreduce": coll(tp_calls, tp_elems, pb, ring_ar),
         "ce_allreduce": coll(ce_calls, ce_elems, 4, ring_ar),
+        # once per step: the gradient norm's [sum of squares, non-finite count] (float64) and the
+        # gradients tp_grad_sync sums over TP (the gradients' dtype)
+        "tp_grad_allreduce": {**coll((1 + bool(tp_grads)) if tp > 1 else 0, tp_grads + 2 * (tp > 1), gb, ring_ar),
+                              "bytes": tp_grads * gb + 16 * (tp > 1),
+                              "wire_bytes": (tp_grads * gb + 16 * (tp > 1)) * ring_ar},
         "dp_allreduce": coll(1 if on_dp and not distributed_optimizer else 0,
                              N if on_dp and not distributed_optimizer else 0, gb, 2 * dp_one),
         "dp_reduce_scatter": coll(1 if on_dp and distributed_optimizer else 0,
@@ -498,7 +523,11 @@ def run(args) -> Report:
              else "TP all-reduce (activations)", "tp_allreduce",
              f"(4 per layer x {L} + 2) x b*s*h = {bsh:,} elements, x {args.accum} micro-batches"
              + ("; sequence parallel: each is an all-gather and a reduce-scatter, the same wire bytes" if sp else "")),
-            ("TP all-reduce (CE stats)", "ce_allreduce", "max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32")]
+            ("TP all-reduce (CE stats)", "ce_allreduce", "max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32"),
+            ("TP all-reduce (gradients)", "tp_grad_allreduce", "; ".join(
+                ["the gradient norm's 2 float64"] + (["the norms, row biases, routers, positions on sequence shards"]
+                                                     if sp else []) + (["the experts' (each TP rank's tokens)"]
+                                                                       if a.n_experts else [])) + ", once per step")]
     if dist:
         rows += [("DP reduce-scatter (gradients)", "dp_reduce_scatter", "padded gradient buffer, once per step"),
                  ("DP all-gather (parameters)", "dp_all_gather", f"this rank's 1/dp of the padded parameters, {dt}")]

@@ -14,19 +14,20 @@ def test_the_planned_communication_is_what_the_step_counts(tp, dp, dist, sp, acc
               sequence_parallel=sp)
     counted = planned_step(c, device="cuda", **kw)["comm"]
     plan = layout.plan(layout.arch_from_config("tiny", c), config=c, **kw)
-    on, act, ce = counted, plan["tp_allreduce"], plan["ce_allreduce"]
-    # besides the formula's activations and cross-entropy statistics: the gradient norm's one
-    # all-reduce of [sum of squares, non-finite count] over TP (2 elements), and under sequence
-    # parallelism one of the replicated parameters used on sequence shards (their gradients summed)
-    extra_calls = 1 + sp
+    on, act, ce, grads = counted, plan["tp_allreduce"], plan["ce_allreduce"], plan["tp_grad_allreduce"]
+    # besides the activations and cross-entropy statistics: the gradient norm's all-reduce of 2
+    # float64 and, under sequence parallelism, the replicated parameters used on sequence shards
+    assert grads["calls"] == 1 + sp and (grads["elements"] > 2) == sp
     if sp:  # each activation all-reduce is an all-gather of the shards and a reduce-scatter of the whole
         assert on["tp.reduce_scatter"]["calls"] == on["tp.all_gather"]["calls"] == act["calls"]
         assert on["tp.reduce_scatter"]["elements"] == act["elements"] == tp * on["tp.all_gather"]["elements"]
-        assert on["tp.all_reduce"]["calls"] == ce["calls"] + extra_calls
-        assert on["tp.all_reduce"]["elements"] > ce["elements"] + 2
+        assert on["tp.all_reduce"]["calls"] == ce["calls"] + grads["calls"]
+        assert on["tp.all_reduce"]["elements"] == ce["elements"] + grads["elements"]
+        assert on["tp.all_reduce"]["bytes"] == ce["bytes"] + grads["bytes"]
     else:
-        assert on["tp.all_reduce"]["calls"] == act["calls"] + ce["calls"] + extra_calls
-        assert on["tp.all_reduce"]["elements"] == act["elements"] + ce["elements"] + 2
+        assert on["tp.all_reduce"]["calls"] == act["calls"] + ce["calls"] + grads["calls"]
+        assert on["tp.all_reduce"]["elements"] == act["elements"] + ce["elements"] + grads["elements"]
+        assert on["tp.all_reduce"]["bytes"] == act["bytes"] + ce["bytes"] + grads["bytes"]
     if dist:
         assert on["dp.reduce_scatter"]["elements"] == plan["dp_reduce_scatter"]["elements"]
         assert on["dp.all_gather"]["elements"] == plan["dp_all_gather"]["elements"]
