@@ -70,6 +70,24 @@ def _schedule_events(kind: str, p: int, stage: int, m: int, v: int) -> tuple[tup
     return tuple(op for op in schedule_plan(kind, p, stage, m, v) if op[0] != "X")
 
 
+@functools.lru_cache(maxsize=1024)
+def _held_after_forwards(events: tuple) -> tuple[tuple[int, ...], ...]:
+    """The distinct per-chunk counts of micro-batches held (forwards run, backwards not yet) just
+    after each forward of `events`: the only moments a held total can peak. Memoised on the
+    (memoised) schedule, so a layout search walks each schedule once, not per layer weight."""
+    held, seen = [0] * (1 + max((c for _, _, c in events), default=0)), set()
+    for kind, _, c in events:
+        held[c] += 1 if kind == "F" else -1
+        if kind == "F":
+            seen.add(tuple(held))
+    return tuple(seen) or ((0,) * len(held),)
+
+
+def peak_held(events: tuple, chunk_weights) -> float:
+    """`in_flight(events, lambda i, c: chunk_weights[c])`, from `_held_after_forwards`."""
+    return max(sum(n * w for n, w in zip(counts, chunk_weights)) for counts in _held_after_forwards(events))
+
+
 def in_flight(events, weight=lambda i, c: 1) -> float:
     """The most (weighted) micro-batch chunks held at once: forwards run, backwards not yet."""
     held, worst = 0, 0
@@ -147,7 +165,7 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
     sp = sequence_parallel and tp > 1
     stages = []
     for rank, mine in enumerate(chunks):
-        events = schedule_events(kind, pp, rank, accum, virtual)
+        events = _schedule_events(kind, pp, rank, accum, virtual)
         layers = [n for ch in mine for n in ch.layers]
         first, last = mine[0].first, mine[-1].last
         n_moe = sum(1 for n in layers if a.n_experts and n % a.moe_every == 0)
@@ -182,8 +200,8 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                                      - dense_mlp_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel))
             logits = 4 * (s // cp) * b * a.vocab / tp
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
-            count = in_flight(events)
-            act = {"bytes": in_flight(events, lambda i, c: weights[c]),
+            count = peak_held(events, [1] * len(weights))
+            act = {"bytes": peak_held(events, weights),
                    "stash_per_layer": [per_layer[n] for n in layers], "in_flight": count,
                    "stash_per_micro_batch": max(weights)}
         st = state_bytes_ep(a, n_local, n_moe, dtype=dtype, dp=dp * cp, ep=ep,  # (ZeRO over DP x CP)

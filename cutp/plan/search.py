@@ -35,9 +35,12 @@ def _powers(limit: int) -> list[int]:
 
 
 def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, micro_batch: int, seq_len: int,
-                batch_size: int, cp: int = 1) -> dict:
+                batch_size: int, cp: int = 1, plans: dict | None = None) -> dict:
     """The smallest DP (and the least recomputation) at which tp x pp fits `capacity` bytes:
-    {"fits": bool, "dp", "recompute", "plan"}; when nothing fits, the layout that came closest."""
+    {"fits": bool, "dp", "recompute", "plan"}; when nothing fits, the layout that came closest.
+    plans: a dict to keep the layouts' plans in, shared by calls that differ only in capacity
+    (the plans do not depend on it)."""
+    plans = {} if plans is None else plans
     layers = None if a.n_layer % pp == 0 else tuple(near_even(a.n_layer, pp))
     best = None
     for dp in _powers(gpus // (tp * cp * pp)):
@@ -45,9 +48,12 @@ def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, 
         if m < pp:
             break
         for recompute in RECOMPUTE:
-            r = plan_pipeline(a, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=m,
-                              pp_layers=layers, dtype=dtype, distributed_optimizer=True, recompute=recompute,
-                              sequence_parallel=tp > 1, cp=cp)
+            key = (tp, pp, dp, cp, recompute, micro_batch, seq_len, m, dtype)
+            if key not in plans:
+                plans[key] = plan_pipeline(a, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=m,
+                                           pp_layers=layers, dtype=dtype, distributed_optimizer=True,
+                                           recompute=recompute, sequence_parallel=tp > 1, cp=cp)
+            r = plans[key]
             peak = r["stages"][r["largest_stage"]]["total"]
             found = {"fits": peak <= capacity, "dp": dp, "recompute": recompute, "plan": r, "peak": peak}
             if found["fits"]:
@@ -73,9 +79,11 @@ def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat1
                 counts = near_even(a.n_layer, pp)
                 row = {"tp": tp, "pp": pp, "layers": f"{counts[0]}" if a.n_layer % pp == 0 else
                        f"{counts[0]}-{counts[-1]}", "fit": {}, **({"cp": cp} if max_cp > 1 else {})}
+                plans = {}  # (the capacities share the plans of the layouts they try)
                 for cap in capacities:
                     row["fit"][cap] = fewest_gpus(a, tp=tp, pp=pp, gpus=gpus, capacity=cap, dtype=dtype,
-                                                  micro_batch=micro_batch, seq_len=seq, batch_size=batch, cp=cp)
+                                                  micro_batch=micro_batch, seq_len=seq, batch_size=batch, cp=cp,
+                                                  plans=plans)
                 rows.append(row)
     return rows
 
