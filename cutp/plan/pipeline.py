@@ -178,8 +178,8 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                          for n in layers}
             for n in layers:  # an MoE layer's MLP in place of the dense one
                 if moe is not None and n % a.moe_every == 0 and modes[n] != "full":
-                    per_layer[n] += (moe_layer_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel)
-                                     - dense_mlp_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel))
+                    per_layer[n] += (moe_layer_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel)
+                                     - dense_mlp_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel))
             logits = 4 * (s // cp) * b * a.vocab / tp
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
             count = in_flight(events)
