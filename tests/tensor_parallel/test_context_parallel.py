@@ -45,7 +45,7 @@ LAYOUTS = [
     # MoE: the routers' statistics over DP x CP, the experts' gradients over expert-DP x CP (ep 2:
     # the CP pair), the counting pass of a step of 2 micro-batches on CP ranks; with a capacity,
     # the dropping decided over the whole micro-batch (TP shards and CP chunks put together)
-    (MOE_GPT, dict(cp=2, dp=2, ep=2, micro_batch_size=1), 16),
+    (MOE_GPT, dict(cp=2, dp=2, ep=2, micro_batch_size=1, recompute="full"), 16),
     (dict(MOE_LLAMA, moe_capacity_factor=0.75), dict(cp=2, tp=2, sequence_parallel=True, overlap_grad_reduce=True),
      16),  # (ep 1: the experts' gradients in the buckets over DP x CP)
     (MOE_GPT, dict(cp=2, dp=2, ep=2, cp_comm="a2a", distributed_optimizer=True), 8),
