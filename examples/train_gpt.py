@@ -77,8 +77,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         + (f", fp32 master weights and gradients (DP reduction in {cfg.grad_reduce_dtype})" if opt.master is not None
            else "") + (f", loss scale {run.loss_scaler.scale:g}" + (" (dynamic)" if run.loss_scaler.dynamic else "")
                        if run.loss_scaler.dynamic or run.loss_scaler.scale != 1.0 else "")
-        + (f" | optimizer: AdamW, state sharded over {ctx.dp_cp.name}={ctx.dp_cp_size} (distributed)"
-           if opt.distributed else " | optimizer: AdamW")
+        + (f" | optimizer: AdamW, state sharded over {ctx.dp_cp.name}={ctx.dp_cp_size}"
+           + (f", the experts' over {ctx.expert_dp_cp.name}={ctx.expert_dp_cp.size}" if ctx.ep_size > 1 else "")
+           + " (distributed)" if opt.distributed else " | optimizer: AdamW")
         + (f" | recompute: {cfg.recompute}" + (f" (first {cfg.recompute_layers} layers)" if cfg.recompute_layers else "")
            if cfg.recompute != "none" else "")
         + (f" | sequence parallel over tp={cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else "")

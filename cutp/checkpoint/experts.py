@@ -17,10 +17,10 @@ def _layer(name: str) -> str | None:
 
 
 def gather_experts(ctx, params, optimizer, param_info):
-    """Collective over the first EP group (DP ranks [0, ep)); a no-op elsewhere and at ep 1.
-    Returns (model tensors, optimizer tensors, parameter infos) of the other EP ranks'
+    """Collective over the first EP group (DP ranks [0, ep) of CP rank 0); a no-op elsewhere and
+    at ep 1. Returns (model tensors, optimizer tensors, parameter infos) of the other EP ranks'
     experts, on DP rank 0 (empty dicts on the others)."""
-    if ctx.ep_size == 1 or ctx.dp_rank >= ctx.ep_size:
+    if ctx.ep_size == 1 or ctx.dp_rank >= ctx.ep_size or ctx.cp_rank:  # (CP ranks are replicas: CP rank 0 writes)
         return {}, {}, {}
     experts = [p for p in params if p.expert_parallel]
     names = {p.name for p in experts}

@@ -48,18 +48,22 @@ class Context:
     Context parallelism: cp_rank, cp_size, cp (the ranks of equal tp, dp and pp coordinates,
     which hold the chunks of the same sequences: the ring of `cutp.tensor_parallel.context_parallel`),
     dp_cp (the ranks that hold the same weights and reduce their gradients and shard ZeRO's
-    state: DP x CP; the DP group itself at cp 1, dp_cp_rank = cp_rank + cp * dp_rank).
+    state: DP x CP; the DP group itself at cp 1, dp_cp_rank = cp_rank + cp * dp_rank),
+    expert_dp_cp (the ranks that hold the same experts at ep > 1: expert-DP x CP, over which the
+    experts' gradients are summed and their ZeRO state sharded; expert_dp itself at cp 1).
     """
 
     # The communicators of a context, in the order they are split: (attribute, the mesh
     # dimensions its ranks differ in). A new mesh dimension is one entry here (and its place in
     # `cutp.runtime.mesh.ORDER`); its rank and size attributes follow from the mesh.
     GROUPS = (("tp", ("tp",)), ("dp", ("dp",)), ("pp", ("pp",)), ("ep", ("ep",)), ("expert_dp", ("expert_dp",)),
-              ("cp", ("cp",)), ("dp_cp", ("cp", "dp")))
+              ("cp", ("cp",)), ("dp_cp", ("cp", "dp")), ("expert_dp_cp", ("cp", "expert_dp")))
     # Groups that exist only when a dimension of theirs has size > 1: at ep 1 there is no EP
     # group and the expert-DP group is the DP group itself; at cp 1 there is no CP group and the
-    # DP x CP group is the DP group. {group: (the dimension, the group used instead (None: none))}
-    UNLESS_CARVED = {"ep": ("ep", None), "expert_dp": ("ep", "dp"), "cp": ("cp", None), "dp_cp": ("cp", "dp")}
+    # DP x CP group is the DP group; the expert-DP x CP group is the expert-DP group at cp 1 and
+    # the DP x CP group at ep 1. {group: ((the dimension, the group used instead (None: none)), ...)}
+    UNLESS_CARVED = {"ep": (("ep", None),), "expert_dp": (("ep", "dp"),), "cp": (("cp", None),),
+                     "dp_cp": (("cp", "dp"),), "expert_dp_cp": (("cp", "expert_dp"), ("ep", "dp_cp"))}
 
     def __init__(self, comm=None, tp: int = 1, dp: int | None = None, device: str = "auto",
                  abort_on_error: bool = True, collective_timeout: float | None = None, device_id: int | None = None,
@@ -112,8 +116,8 @@ class Context:
         self._owned_mpi = [world_mpi]
         self.world = self._wrap(self._make_comm(world_mpi, "world"))
         for name, dims in self.GROUPS:
-            carved, instead = self.UNLESS_CARVED.get(name, (None, None))
-            if carved is not None and self.mesh.size_of(carved) == 1:
+            unsplit, instead = stand_in(self.mesh, name)
+            if unsplit:
                 setattr(self, name, None if instead is None else getattr(self, instead))
                 continue
             colour, key = self.mesh.split(self.rank, *dims)
@@ -228,6 +232,15 @@ def set_rank_attributes(ctx, mesh: Mesh, rank: int, groups) -> None:
     for name, dims in groups:
         setattr(ctx, f"{name}_rank", mesh.split(rank, *dims)[1])
         setattr(ctx, f"{name}_size", mesh.size_of(*dims))
+
+
+def stand_in(mesh: Mesh, name: str) -> tuple[bool, str | None]:
+    """(True, the group used instead, or None) when group `name` is not split off on `mesh`
+    (`Context.UNLESS_CARVED`: a dimension of it has size 1); else (False, None)."""
+    for dim, instead in Context.UNLESS_CARVED.get(name, ()):
+        if mesh.size_of(dim) == 1:
+            return True, instead
+    return False, None
 
 
 def _check_mesh(mesh: Mesh, world_size: int) -> Mesh:

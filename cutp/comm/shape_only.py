@@ -19,7 +19,7 @@ from ..runtime.mesh import Mesh
 from ..runtime.shape_only import ShapeArray, ShapeOnly
 from ..runtime.watchdog import Watchdog
 from .base import Communicator
-from .context import Context, set_rank_attributes
+from .context import Context, set_rank_attributes, stand_in
 from .counting import CommCounter, CountingCommunicator
 from .mpi import MpiCommunicator
 from .nccl import NcclCommunicator
@@ -188,8 +188,8 @@ class ShapeOnlyContext:
         self.watchdog = Watchdog(0, rank)
         self.world = self._group("world", rank, self.world_size)
         for name, dims in Context.GROUPS:
-            carved, instead = Context.UNLESS_CARVED.get(name, (None, None))
-            if carved is not None and self.mesh.size_of(carved) == 1:
+            unsplit, instead = stand_in(self.mesh, name)
+            if unsplit:
                 setattr(self, name, None if instead is None else getattr(self, instead))
                 continue
             members = self.mesh.group(rank, *dims)

@@ -248,7 +248,7 @@ class GPT(Module):
         self._context_parallel = on
         shard = (self.ctx.cp_rank, self.ctx.cp_size) if on else None
         blocks = [m for b in self.layers for m in (b.attn, b.attn_dropout, b.mlp_dropout)]
-        for m in [self.drop, self.pos_embed] + blocks:
+        for m in [self.drop, self.pos_embed] + blocks + self.moe_layers:  # (MoE: statistics over DP x CP)
             if m is not None:
                 m.context_shard = shard
 
@@ -257,7 +257,7 @@ class GPT(Module):
         ranks) or "a2a" (all-to-all to a cp-th of the heads; the TP-local query heads must split
         over cp, and their KV heads too or be copied to cp / n of them). Changes communication and
         memory, never the math."""
-        check_context_parallel(2 * self.ctx.cp_size, self.ctx.cp_size, self.ctx.tp_size, False, 0, comm,
+        check_context_parallel(2 * self.ctx.cp_size, self.ctx.cp_size, self.ctx.tp_size, False, comm,
                                self.config.n_head, self.config.n_kv_head)
         if comm not in COMMS:
             raise ConfigError(f"`cp_comm` {comm!r}: use one of {', '.join(COMMS)}")
@@ -379,7 +379,10 @@ class GPT(Module):
         At pp 1, `forward`. `head=False`: the blocks only, the last one's output where the model
         ends (the MoE counting pass of cutp.train.moe needs no LM head)."""
         units = self.units(chunk) if self.before_unit_forward is not None else None
-        context = self.ctx.cp_size > 1 and self.training and (targets is not None or not self.gives_loss(chunk))
+        # (CP off only for the logits of whole sequences; the MoE counting pass, head=False, runs
+        # on the CP chunks as the step's forwards do)
+        context = self.ctx.cp_size > 1 and self.training and (targets is not None or not self.gives_loss(chunk)
+                                                              or not head)
         self._lay_out_context(context)
         if context and self.takes_tokens(chunk):  # this CP rank's zigzag chunks of the sequences
             inp = take_local(inp, self.ctx.cp_size, self.ctx.cp_rank)
@@ -506,10 +509,10 @@ class GPT(Module):
         losses, `moe_losses()`), accumulated into each parameter's grad. The auxiliary losses
         are computed over the whole DP group's micro-batch (inside cutp.train's step: over the
         step's global batch, cutp.tensor_parallel.moe), and each rank's gradient holds its
-        own tokens' part of theirs: with gradients averaged over DP (finish_grad_sync, the
-        optimizers), aux_dloss = dloss * dp gives those of the objective loss + aux (the default)."""
+        own tokens' part of theirs: with gradients averaged over DP x CP (the optimizers),
+        aux_dloss = dloss * dp * cp gives those of the objective loss + aux (the default)."""
         self._whole_model("GPT.backward")
-        self.stage_backward(dloss, aux_grad=dloss * self.ctx.dp_size if aux_dloss is None else aux_dloss)
+        self.stage_backward(dloss, aux_grad=dloss * self.ctx.dp_cp_size if aux_dloss is None else aux_dloss)
 
     def moe_losses(self) -> dict:
         """The last forward's auxiliary losses of this stage's MoE layers, summed: {"aux_loss",

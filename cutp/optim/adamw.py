@@ -74,20 +74,22 @@ class AdamW:
 
     # ---- the step -----------------------------------------------------------------------------
     def reduce_gradients(self, ctx) -> None:
-        """Averages the gradient buffer over the DP group (after the TP hooks have run). With
-        expert parallelism the experts' range [expert_start, size) is summed over the
-        expert-DP group and divided by dp (its ranks' experts saw the tokens of every DP rank
-        of their EP groups: the DP average), the rest averaged over DP."""
+        """Averages the gradient buffer over the DP group (with context parallelism DP x CP:
+        the CP ranks' parts of the sequences) after the TP hooks have run. With expert
+        parallelism the experts' range [expert_start, size) is summed over the expert-DP
+        (x CP) group and divided by dp (x cp): its ranks' experts saw the tokens of every DP
+        rank of their EP groups, so that is the DP (x CP) average; the rest averaged over DP (x CP)."""
         if replica_size(ctx) == 1:
             return
         g, e = self.flat.grad, self.flat.expert_start
-        if e == self.flat.size:  # (with context parallelism over DP x CP: the CP ranks' parts of the sequences)
+        if e == self.flat.size:
             self._reduce(replica_group(ctx), g, "avg")
             return
-        self._reduce(ctx.dp, g[:e], "avg")
-        if ctx.expert_dp.size > 1:
-            self._reduce(ctx.expert_dp, g[e:], "sum")
-        g[e:] /= ctx.dp_size
+        self._reduce(replica_group(ctx), g[:e], "avg")
+        experts = expert_replica_group(ctx)
+        if experts.size > 1:
+            self._reduce(experts, g[e:], "sum")
+        g[e:] /= replica_size(ctx)
 
     def _reduce(self, group, g, op) -> None:
         # the non-blocking request, waited at once: its sum is in rank order, as the gradient
@@ -199,6 +201,13 @@ def replica_size(ctx) -> int:
     return getattr(ctx, "dp_cp_size", ctx.dp_size)
 
 
+def expert_replica_group(ctx):
+    """The ranks that hold the same experts of an expert-parallel model (ep > 1) and sum their
+    gradients: expert-DP x CP (`ctx.expert_dp_cp`; the expert-DP group at cp 1 or in a context
+    of cutp before context parallelism)."""
+    return getattr(ctx, "expert_dp_cp", None) or ctx.expert_dp
+
+
 def finish_norm(ctx, acc) -> float:
     """The L2 norm from [sum of squares, non-finite entries] of each rank's shard, all-reduced
     over TP, DP and PP; NaN when any entry anywhere is not finite."""
@@ -223,8 +232,8 @@ class DistributedAdamW(AdamW):
 
     def __init__(self, flat: FlatParameters, ctx, *, group=None, **kw):
         self.ctx = ctx
-        # the group the state is sharded over: DP, or (an expert-parallel model's experts,
-        # cutp.optim.expert_parallel) the expert-DP group, whose sums are divided by dp all the same
+        # the group the state is sharded over: DP x CP, or (an expert-parallel model's experts,
+        # cutp.optim.expert_parallel) the expert-DP x CP group, whose sums are divided by dp x cp all the same
         self.group = group  # None: ctx.dp_cp, DP x CP (asked for only when communicating)
         self.shards, self.shard_rank = ((replica_size(ctx), getattr(ctx, "dp_cp_rank", ctx.dp_rank)) if group is None
                                         else (group.size, group.rank))
@@ -256,8 +265,8 @@ class DistributedAdamW(AdamW):
         return [(c, min(c + width, shard)) for c in range(0, shard, width)]
 
     def reduce_gradients(self, ctx) -> None:
-        """Reduce-scatter over the group: averaged over DP, or summed over the expert-DP group
-        and divided by dp (the DP average of an expert's gradient)."""
+        """Reduce-scatter over the group: averaged over DP x CP, or summed over the expert-DP x
+        CP group and divided by dp x cp (the DP x CP average of an expert's gradient)."""
         g, group = self.flat.grad, self._comm()
         op = "avg" if self.group is None else "sum"
         d, shard = group.size, self.hi - self.lo
@@ -273,7 +282,7 @@ class DistributedAdamW(AdamW):
                 mine = group.start_reduce_scatter(packed.reshape(-1), op).wait()
                 view[group.rank, c0:c1] = mine
         if op == "sum":
-            g[self.lo:self.hi] /= ctx.dp_size
+            g[self.lo:self.hi] /= replica_size(ctx)
 
     def norm_terms(self, ctx):
         """[sum of squares, non-finite entries] of this rank's shard, each full entry once (the

@@ -4,17 +4,19 @@ At ep > 1 the ranks of a DP group hold different experts at the same places, so 
 cannot share the dense parameters' ZeRO shards (which a reduce-scatter over DP fills).
 `ExpertParallelAdamW` keeps two flat buffers, each with a DistributedAdamW: the dense
 parameters sharded over DP (averaged there), this rank's experts sharded over the expert-DP
-group (the DP ranks holding the same experts; summed there and divided by dp). The gradient
-norm adds both parts' squares before one all-reduce over TP, DP and PP: every expert entry is
-on exactly one rank's expert shard in the DP group. Checkpoints see one optimizer: per-parameter
-state and pieces (`state_pieces`, `owned_part`, `load_state`) from whichever part holds the name.
+group (the DP ranks holding the same experts; summed there and divided by dp). With context
+parallelism both groups take in the CP ranks: DP x CP and expert-DP x CP (divided by dp x cp).
+The gradient norm adds both parts' squares before one all-reduce over TP, DP (x CP) and PP:
+every expert entry is on exactly one rank's expert shard in the DP (x CP) group. Checkpoints
+see one optimizer: per-parameter state and pieces (`state_pieces`, `owned_part`, `load_state`)
+from whichever part holds the name.
 
 (The plain AdamW needs none of this: one buffer, the experts a range of their own,
 `AdamW.reduce_gradients`.)
 """
 from __future__ import annotations
 
-from .adamw import DistributedAdamW, finish_norm
+from .adamw import DistributedAdamW, expert_replica_group, finish_norm, replica_size
 from .flat import FlatParameters
 
 
@@ -35,7 +37,7 @@ class FlatParts:
 
 
 class ExpertParallelAdamW:
-    """DistributedAdamW over the dense parameters (DP) and over the experts (expert-DP)."""
+    """DistributedAdamW over the dense parameters (DP x CP) and over the experts (expert-DP x CP)."""
 
     distributed = True
 
@@ -43,13 +45,13 @@ class ExpertParallelAdamW:
         params = list(params)
         dense = [p for p in params if not p.expert_parallel]
         experts = [p for p in params if p.expert_parallel]
-        self.dense = DistributedAdamW(FlatParameters(dense, pad_to=DistributedAdamW.pad_multiple(ctx.dp_size)), ctx,
-                                      **kw)
+        self.dense = DistributedAdamW(FlatParameters(dense, pad_to=DistributedAdamW.pad_multiple(replica_size(ctx))),
+                                      ctx, **kw)
         self.experts = None  # (a pipeline stage without MoE layers has no experts: the dense part only)
         if experts:
-            self.experts = DistributedAdamW(
-                FlatParameters(experts, pad_to=DistributedAdamW.pad_multiple(ctx.expert_dp.size)), ctx,
-                group=ctx.expert_dp, **kw)
+            group = expert_replica_group(ctx)
+            self.experts = DistributedAdamW(FlatParameters(experts, pad_to=DistributedAdamW.pad_multiple(group.size)),
+                                            ctx, group=group, **kw)
         self.parts = (self.dense,) + ((self.experts,) if self.experts is not None else ())
         self.flat = FlatParts(*(part.flat for part in self.parts))
         self.master = self.dense.master  # (both parts keep master weights, or neither)

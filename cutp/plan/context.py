@@ -7,7 +7,8 @@ et al.'s per-layer formula is taken at s / cp. The attention's s x s part: the r
 nothing of it (each step's tile is recomputed in backward from q, k, v, o and the log-sum-exp,
 FlashAttention-style: the "selective" amount), the all-to-all keeps the whole sequence's scores
 of a cp-th of the heads (the formula at s / cp tokens and cp times the heads gives exactly
-a * s^2 * b / (t * cp)). The gradients and ZeRO's shards are over DP x CP.
+a * s^2 * b / (t * cp)). The gradients and ZeRO's shards are over DP x CP (an expert-parallel
+model's experts: over expert-DP x CP); an MoE layer routes, keeps and all-to-alls s / cp tokens.
 
 Communication per layer and micro-batch (K,V of the TP rank's KV heads, h_kv = n_kv_head/t x
 head dim, or one replicated head when t > n_kv_head):
@@ -32,7 +33,7 @@ def check_cp(a, *, cp: int, cp_comm: str, tp: int, seq_len: int, sequence_parall
         raise ConfigError(f"--cp must be an integer >= 1, got {cp!r}")
     if cp_comm not in COMMS:
         raise ConfigError(f"--cp-comm {cp_comm!r}: use one of {', '.join(COMMS)}")
-    check_context_parallel(seq_len, cp, tp, sequence_parallel, a.n_experts, cp_comm, a.n_head, a.n_kv_head)
+    check_context_parallel(seq_len, cp, tp, sequence_parallel, cp_comm, a.n_head, a.n_kv_head)
 
 
 def formula_args(s: int, heads: int, mode: str, cp: int, cp_comm: str) -> tuple[int, int, str]:

@@ -359,8 +359,8 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         stash = [layer_activation_bytes(a, s, b, tp, pb, mode, sequence_parallel, cp, cp_comm) for mode in modes]
         for i, mode in enumerate(modes):  # an MoE layer's MLP in place of the dense one
             if a.n_experts and i % a.moe_every == 0 and mode != "full":
-                stash[i] += (moe_layer_activation_bytes(a, s, b, tp, pb, sequence_parallel)
-                             - dense_mlp_activation_bytes(a, s, b, tp, pb, sequence_parallel))
+                stash[i] += (moe_layer_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel)
+                             - dense_mlp_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel))
         logits = 4 * (s // cp) * b * a.vocab / tp
         act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
                "source": ("Korthikanti et al. 2022, Table 2, MoE layers with balanced routing (plan_moe)"
@@ -398,7 +398,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
         "ep_all_to_all": coll(sum(5 + 3 * (r + counted) for r in moe_recomputed) * accum if ep > 1 else 0,
                               sum(2 + r + counted for r in moe_recomputed) * accum
-                              * all_to_all_elements(a, s, b, tp, ep), pb, (ep - 1) / ep),
+                              * all_to_all_elements(a, s // cp, b, tp, ep), pb, (ep - 1) / ep),
         "params_per_gpu": P, "padded_params": N,
         "param_bytes": st["params"], "grad_bytes": st["grads"], "optim_bytes": st["optimizer"],
         "act_bytes": act["bytes"], "activations": act,

@@ -196,8 +196,8 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                          for n in layers}
             for n in layers:  # an MoE layer's MLP in place of the dense one
                 if moe is not None and n % a.moe_every == 0 and modes[n] != "full":
-                    per_layer[n] += (moe_layer_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel)
-                                     - dense_mlp_activation_bytes(a, s, b, tp, act_bytes, sequence_parallel))
+                    per_layer[n] += (moe_layer_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel)
+                                     - dense_mlp_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel))
             logits = 4 * (s // cp) * b * a.vocab / tp
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
             count = peak_held(events, [1] * len(weights))
@@ -303,7 +303,7 @@ def run(args) -> Report:
                         title="point to point and bubble")
     msg = r["p2p_bytes_per_micro_batch"]
     pipe.add(what="p2p per micro-batch", value=f"{msg / 1e6:,.2f} MB each way ([{args.micro_batch}, {seq}"
-             + (f"/{args.tp}" if sp else "") + f", {a.n_embd}] {r['dtype']})")
+             + (f"/{cp}" if cp > 1 else "") + (f"/{args.tp}" if sp else "") + f", {a.n_embd}] {r['dtype']})")
     counted = r["p2p_bytes_per_step"]["forward"] > r["p2p_bytes_per_step"]["backward"]
     pipe.add(what="p2p per step and stage", value=f"{m * v} sends forward, {m * v} backward (the last stage "
              f"{m * (v - 1)} forward, the first {m * (v - 1)} backward): {r['p2p_bytes_per_step']['backward'] / 1e9:,.3f} GB each way"

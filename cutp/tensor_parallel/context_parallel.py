@@ -104,8 +104,8 @@ def _ulysses_fits(cp: int, local_q: int, local_kv: int) -> bool:
     return local_q % cp == 0 and (local_kv % cp == 0 or cp % local_kv == 0)
 
 
-def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bool, n_experts: int = 0,
-                           comm: str = "ring", n_head: int = 1, n_kv_head: int | None = None) -> None:
+def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bool, comm: str = "ring",
+                           n_head: int = 1, n_kv_head: int | None = None) -> None:
     """A run's context parallelism (RunConfig's check): ConfigError naming the numbers and a fix."""
     if cp == 1:
         return
@@ -129,9 +129,6 @@ def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bo
     if sequence_parallel and (seq_len // cp) % tp:
         raise ConfigError(f"`seq_len` {seq_len} / cp {cp} = {seq_len // cp} tokens per CP rank is not divisible by "
                           f"`tp` {tp}: `sequence_parallel` splits them over the TP ranks; use a multiple of {cp * tp}")
-    if n_experts:
-        raise ConfigError(f"`cp` {cp} with an MoE model (n_experts={n_experts}) is not supported yet: the routers' "
-                          "auxiliary losses would need the DP x CP group; use `cp` 1")
 
 
 # ---- ring attention -----------------------------------------------------------------------

@@ -10,15 +10,18 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
     losses     load balancing (Switch/GShard): coeff * E * sum_i f_i * P_i, f_i the fraction of
                the k * N assignments routed to expert i, P_i the mean probability of expert i;
                z-loss: coeff * mean(logsumexp(logits)^2). N: every token of the optimizer step
-               (all its micro-batches, over the whole DP group, and the TP group's shards under
-               sequence parallelism), so the losses, and their gradients, are those of one rank
+               (all its micro-batches, over the whole DP group (DP x CP with context
+               parallelism), and the TP group's shards under sequence parallelism), so the
+               losses, and their gradients, are those of one rank
                running the global batch as one micro-batch (what Megatron's global_aux_loss
                approximates): "The step's statistics" below. A forward outside a training step
                (no `begin_step`): N is that forward's tokens over the DP group
     capacity   with moe_capacity_factor cf, expert i takes at most ceil(cf * n * k / E) of the
                assignments of the n tokens of one DP rank's micro-batch (its source rank): the
                ones with the highest probability (ties: the earlier token, then the lower slot);
-               a dropped assignment adds nothing (the token passes through the residual)
+               a dropped assignment adds nothing (the token passes through the residual). The
+               micro-batch's TP shards (SP) and CP chunks gather their top-k to decide it in
+               token order, so neither SP nor CP changes what is dropped
     experts    E GPT-2 MLPs (h -> moe_ffn -> h, bias + GeLU), or with kind "swiglu" E Llama
                MLPs (Mixtral: a fused [gate | up] h -> 2 moe_ffn, silu(gate) * up, down to h),
                each run once on its tokens;
@@ -44,7 +47,7 @@ step (cutp.train.moe.moe_step) first runs a counting pass when it has more than 
 micro-batch: a training-mode forward of every micro-batch that keeps nothing for backward
 (`not_stashed`; the same dropout masks, drawn by position), in which each MoE layer only adds up
 its assignments per expert (`start_counting` / `finish_counting`: one all-reduce per layer over
-the DP group, and TP under sequence parallelism). It gives c exactly, since the real forwards
+the DP group (DP x CP), and TP under sequence parallelism). It gives c exactly, since the real forwards
 then route the same tokens the same way. It costs one more forward of the blocks (not the LM
 head) per micro-batch, with its all-to-alls at ep > 1 (tiny-moe on the CPU, 4 micro-batches of
 2 x 128 tokens: 207 ms a step instead of 142), and only for steps of several micro-batches whose
@@ -63,7 +66,11 @@ any ep). Routing and capacity are decided at the source as above; the kept assig
 travel to the EP rank owning their expert and back by all-to-all (`moe_dispatch`), each local
 expert runs once over the rows of every source of its EP group, and the combine is the same.
 With TP, each TP rank exchanges its own rows within the EP group of its tp_rank. The experts
-are `expert_parallel`: the optimizer reduces them over the expert-DP group.
+are `expert_parallel`: the optimizer reduces them over the expert-DP group (expert-DP x CP).
+
+Context parallelism (GPT sets `context_shard` on training forwards): the input is a CP rank's
+zigzag chunks; the statistics are summed over DP x CP instead of DP, and the EP group is the
+one of this rank's cp_rank (the experts are replicated over CP, so the tokens need not cross).
 """
 from __future__ import annotations
 
@@ -74,6 +81,7 @@ import numpy as np
 from .. import ops
 from ..ops.common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
+from .context_parallel import zigzag_positions
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
 from .parameter import Module, make_parameter, normal_init, zeros_init
 
@@ -173,6 +181,7 @@ class MoEMLP(Module):
         for p in (p for x in self.experts for p in x.own_parameters()):
             p.expert_parallel = ep > 1
         self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)
+        self.context_shard = None  # (cp_rank, cp): the input is a CP rank's zigzag chunks (GPT sets it)
         self.aux_grad = 1.0  # d(objective)/d(auxiliary losses) for the next backward (GPT sets it)
         self.last = {}  # the last forward's losses and counts (the metrics)
         # the optimizer step's statistics (`begin_step`; None: each forward's own)
@@ -190,8 +199,8 @@ class MoEMLP(Module):
     # ---- the step's statistics (module docstring) ------------------------------------------------
     def begin_step(self, tokens: float) -> None:
         """The next forwards belong to one optimizer step of `tokens` tokens over the DP group
-        (`step_fractions` from the counting pass, else each forward's own: exact with one
-        micro-batch, or with a load-balancing coefficient of 0)."""
+        (those of all its CP ranks together; `step_fractions` from the counting pass, else each
+        forward's own: exact with one micro-batch, or with a load-balancing coefficient of 0)."""
         self.step_tokens = float(tokens)
 
     def end_step(self) -> None:
@@ -202,8 +211,8 @@ class MoEMLP(Module):
         self._tally = 0.0
 
     def finish_counting(self) -> None:
-        """The counting pass ends: the step's assignment fractions, summed over the DP group (and
-        TP under sequence parallelism). Collective over those groups."""
+        """The counting pass ends: the step's assignment fractions, summed over the DP (x CP)
+        group (and TP under sequence parallelism). Collective over those groups."""
         tally, self._tally = self._tally, None
         xp, E = self.ctx.xp, self.n_experts
         if isinstance(tally, float):  # (no forward ran: a stage of no micro-batch; not reached by train_step)
@@ -230,8 +239,11 @@ class MoEMLP(Module):
 
     def _stats_groups(self):
         groups = [self.ctx.tp] if self.sequence_parallel and self.ctx.tp_size > 1 else []
-        if self.training and self.ctx.dp_size > 1:  # (evaluation: this rank's tokens; no collective)
-            groups.append(self.ctx.dp)
+        # the ranks holding the step's tokens: DP, and CP with its sequences split (training)
+        ctx = self.ctx
+        dp, size = (ctx.dp, ctx.dp_size) if self.context_shard is None else (ctx.dp_cp, ctx.dp_cp_size)
+        if self.training and size > 1:  # (evaluation: this rank's tokens; no collective)
+            groups.append(dp)
         return groups
 
     # ---- forward -------------------------------------------------------------------------------
@@ -303,14 +315,11 @@ class MoEMLP(Module):
         if self.capacity_factor is None:
             return xp.ones(idx.shape, bool)
         k, E = self.top_k, self.n_experts
-        p_all, i_all, (B, T_mine) = top_p, idx, shape[:2]
+        B, T_mine = shape[:2]
         shard = self.sequence_parallel and self.ctx.tp_size > 1
-        if shard:  # the DP rank's whole micro-batch decides: [tp, B, T/tp, k] -> [B, T, k]
-            tp = self.ctx.tp_size
-            p_all = self.ctx.tp.all_gather(xp.ascontiguousarray(top_p)).reshape(tp, B, T_mine, k)
-            i_all = self.ctx.tp.all_gather(xp.ascontiguousarray(idx)).reshape(tp, B, T_mine, k)
-            p_all = p_all.transpose(1, 0, 2, 3).reshape(-1, k)
-            i_all = i_all.transpose(1, 0, 2, 3).reshape(-1, k)
+        # the DP rank's whole micro-batch decides, in its token order: the TP shards ([tp, B,
+        # T/tp, k] -> [B, T, k]), then the CP ranks' zigzag chunks put back in place
+        p_all, i_all = self._whole_micro_batch(top_p, B, T_mine, shard), self._whole_micro_batch(idx, B, T_mine, shard)
         n = i_all.shape[0]
         capacity = math.ceil(self.capacity_factor * n * k / E)
         e, p = i_all.reshape(-1), p_all.reshape(-1)
@@ -322,11 +331,31 @@ class MoEMLP(Module):
         first = xp.searchsorted(sorted_e, xp.arange(E))
         accepted = xp.empty(n * k, bool)
         accepted[order] = (xp.arange(n * k) - first[sorted_e]) < capacity
-        accepted = accepted.reshape(n, k)
+        accepted = accepted.reshape(B, -1, k)
+        if self.context_shard is not None:  # this CP rank's tokens
+            cp_rank, cp = self.context_shard
+            accepted = accepted[:, xp.asarray(zigzag_positions(accepted.shape[1], cp, cp_rank))]
         if shard:
             tp, r = self.ctx.tp_size, self.ctx.tp_rank
             return accepted.reshape(B, tp, T_mine, k)[:, r].reshape(-1, k)
-        return accepted
+        return accepted.reshape(-1, k)
+
+    def _whole_micro_batch(self, a, B, T_mine, shard):
+        """[B * T_mine, k] of this rank's tokens -> [B * T, k] of the DP rank's micro-batch, in
+        its token order: gathered over TP (sequence shards) and CP (zigzag chunks)."""
+        xp, k = self.ctx.xp, a.shape[1]
+        a = a.reshape(B, T_mine, k)
+        if shard:
+            tp = self.ctx.tp_size
+            a = self.ctx.tp.all_gather(xp.ascontiguousarray(a)).reshape(tp, B, T_mine, k)
+            a = a.transpose(1, 0, 2, 3).reshape(B, tp * T_mine, k)
+        if self.context_shard is not None:
+            cp, T_local = self.ctx.cp_size, a.shape[1]
+            every = self.ctx.cp.all_gather(xp.ascontiguousarray(a)).reshape(cp, B, T_local, k)
+            a = xp.empty((B, cp * T_local, k), a.dtype)
+            for r in range(cp):
+                a[:, xp.asarray(zigzag_positions(cp * T_local, cp, r))] = every[r]
+        return a.reshape(-1, k)
 
     def _experts_forward(self, x, idx, gates, keep):
         """This rank's tokens through their experts, combined in slot order: y [n, h]."""

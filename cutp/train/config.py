@@ -242,8 +242,8 @@ class RunConfig:
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
         check_overlap(self)
-        check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.model.n_experts,
-                               self.cp_comm, self.model.n_head, self.model.n_kv_head)
+        check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.cp_comm,
+                               self.model.n_head, self.model.n_kv_head)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)

@@ -6,13 +6,13 @@ T (all micro-batches, all DP ranks) and, when the step has several micro-batches
 load-balancing coefficient, first runs the counting pass that gives each layer the step's
 assignments per expert (cutp.tensor_parallel.moe, "The step's statistics", says why and what it
 costs). The load-balancing and z-losses, and their gradients, are then those of one rank running
-the global batch as one micro-batch: neither --micro-batch-size nor dp changes them (a capacity,
+the global batch as one micro-batch: neither --micro-batch-size nor dp nor cp changes them (a capacity,
 moe_capacity_factor, stays per micro-batch and DP rank: with one, the micro-batch size changes
 what is dropped).
 
 Each MoEMLP sums, over the step's training forwards (a recomputed forward is not counted again),
 its parts of the load-balancing and z-losses and, per expert, the assignments the router made and
-those the capacity dropped; all of them over the DP group's micro-batches already.
+those the capacity dropped; all of them over the DP (x CP) group's micro-batches already.
 `moe_step_stats` adds the layers of every pipeline stage and resets the sums: the step's losses
 (summed over the layers) and token counts.
 
@@ -66,8 +66,9 @@ def moe_step(run, batches, step: int, first_row):
 
 def _count_assignments(run, batches, step: int, first_row) -> None:
     """The counting pass: a training-mode forward of every micro-batch, keeping nothing, through
-    the pipeline at pp > 1; each MoE layer adds up its assignments per expert, then sums them
-    over the DP group."""
+    the pipeline at pp > 1 (with context parallelism on each CP rank's chunks, as the step's
+    forwards); each MoE layer adds up its assignments per expert, then sums them over the DP
+    (x CP) group."""
     model, ctx = run.model, run.ctx
     for layer in model.moe_layers:
         layer.start_counting()

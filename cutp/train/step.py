@@ -371,8 +371,8 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
 
         # MoE load-balancing and z-losses over the step's global batch (cutp.train.moe): each
         # micro-batch's forward gives its part of them; its gradient on each rank is its tokens'
-        # share, and DP averages it: x dp
-        aux_weight = ctx.dp_size
+        # share, and DP x CP averages it: x dp x cp
+        aux_weight = ctx.dp_cp_size
         gather, buckets = overlap_for_step(run)
         with moe_step(run, batches, n, first_row):  # (MoE: a counting pass first, with several micro-batches)
             if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards

@@ -54,3 +54,16 @@ def test_the_command_line_plans_and_searches_cp_and_refuses_with_its_flags(capsy
     assert ("--cp-comm a2a splits each TP rank's query heads over the CP ranks, with their KV heads (or copies of "
             "one): n_head 32 and n_kv_head 8 / tp 8 leave 4 query and 1 KV head(s) a rank, and --cp 8 does not divide "
             "4; use a --cp from [1, 2, 4] or --cp-comm ring" in capsys.readouterr().err)
+
+
+def test_an_moe_model_at_cp_2_plans_half_the_all_to_all_and_its_experts_state_over_expert_dp_x_cp(capsys):
+    config = GPTConfig.preset("tiny-moe")
+    a = arch_from_config("tiny-moe", config)
+    kw = dict(tp=1, ep=2, micro_batch=2, seq_len=64, config=config, dtype="float32", distributed_optimizer=True)
+    one, two = plan(a, dp=2, **kw), plan(a, dp=2, cp=2, **kw)
+    assert two["ep_all_to_all"]["bytes"] * 2 == one["ep_all_to_all"]["bytes"] > 0  # each rank routes s / cp tokens
+    # ZeRO: the dense state over DP x CP, the experts' over expert-DP x CP: as dp 4's (4 and 2 shards)
+    assert two["optim_bytes"] == plan(a, dp=4, **kw)["optim_bytes"] < one["optim_bytes"]
+    assert cli.main(["--preset", "tiny-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--cp", "2",
+                     "--seq-len", "64"]) == 0
+    assert "tp 1 x cp 2 (ring) x dp 2 = 4 GPUs" in capsys.readouterr().out

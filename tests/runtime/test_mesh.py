@@ -63,6 +63,27 @@ def test_a_new_dimension_is_one_entry_in_the_list():
         assert [r for r in range(8) if mesh.split(r, *dims)[0] == colour] == mesh.group(rank, *dims)
 
 
+def test_with_context_parallelism_each_cp_rank_has_its_own_ep_groups_and_experts_reduce_over_expert_dp_x_cp():
+    """MoE with cp: the all-to-all stays inside ranks of one cp_rank; an expert's replicas are
+    the expert-DP ranks of every cp_rank. The Context's expert_dp_cp group is split only when
+    both cp and ep are > 1 (else it is expert_dp, or dp_cp)."""
+    from cutp.comm.shape_only import ShapeOnlyContext
+
+    mesh = Mesh(1, 4, 1, ep=2, cp=2)  # ranks: cp fastest, then ep, then expert_dp
+    for rank in range(mesh.size):
+        c = mesh.coords(rank)
+        assert {mesh.coords(r)["cp"] for r in mesh.group(rank, "ep")} == {c["cp"]}
+        replicas = mesh.group(rank, "cp", "expert_dp")
+        assert len(replicas) == 4 and {mesh.coords(r)["ep"] for r in replicas} == {c["ep"]}
+    assert mesh.group(1, "ep") == [1, 3] and mesh.group(1, "cp", "expert_dp") == [0, 1, 4, 5]
+    ctx = ShapeOnlyContext(dp=4, ep=2, cp=2, rank=5)
+    assert (ctx.expert_dp_cp.size, ctx.expert_dp_cp.rank, ctx.expert_dp_cp_size) == (4, 3, 4)
+    one = ShapeOnlyContext(dp=4, ep=2)
+    assert one.expert_dp_cp is one.expert_dp
+    dense = ShapeOnlyContext(dp=2, cp=2)
+    assert dense.expert_dp_cp is dense.dp_cp
+
+
 def test_meshes_compare_by_their_dimensions():
     assert Mesh(2, 4) == Mesh(dims=(("tp", 2), ("dp", 4), ("pp", 1))) == validate_mesh(8, 2, None)
     assert Mesh(2, 4) != Mesh(2, 4, ep=2) and Mesh(2, 4) != Mesh(4, 2)

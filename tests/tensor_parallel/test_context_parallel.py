@@ -1,16 +1,18 @@
 """Context parallelism (issue 29): `--cp N`, the zigzag split and the ring attention.
 
-Each sequence is cut into 2*cp chunks, CP rank r holding chunks r and 2cp-1-r; the attention
-passes K,V round the CP group (`cutp.tensor_parallel.context_parallel`). No layout changes the
-math: in float64 the loss, every gradient and the updated weights of two training steps equal
-one rank's within 1e-10, at cp 2 and 4, with tp 2 + sequence parallelism, pp 2, dp 2 + ZeRO,
-full recomputation, dropout 0.1, GQA with fewer KV heads than tp, learned positions (GPT) and
-RoPE (Llama), sequences whose chunks are one token, and the all-to-all attention (Ulysses), also
-with fewer TP-local KV heads than cp (each copied to the CP ranks of its query heads). The
-ring's sends and receives are posted before each step's attention compute and waited after it
-(an instrumented communicator's event order), with the same bits as without the overlap; its
-bytes per layer are (cp-1)/cp of a sequence's K,V each way. A checkpoint resumes at other cp
-sizes. The activation memory per rank of a long sequence at cp 4 is <= 0.3x cp 1's, and the
+Each sequence is cut into 2*cp chunks, CP rank r holding chunks r and 2cp-1-r; the attention passes
+K,V round the CP group (`cutp.tensor_parallel.context_parallel`). No layout changes the math: in
+float64 the loss, every gradient and the updated weights of two training steps equal one rank's
+within 1e-10, at cp 2 and 4, with tp 2 + sequence parallelism, pp 2, dp 2 + ZeRO, full
+recomputation, dropout 0.1, GQA with fewer KV heads than tp, learned positions (GPT) and RoPE
+(Llama), sequences whose chunks are one token, the all-to-all attention (Ulysses), also with
+fewer TP-local KV heads than cp (each copied to the CP ranks of its query heads), and MoE models
+(ep 2 over dp 2, tp 2 + SP with a capacity that drops, pp 2; the auxiliary and z-losses and the
+gradient norms too). The ring's sends
+and receives are posted before each step's attention compute and waited after it (an instrumented
+communicator's event order), with the same bits as without the overlap; its bytes per layer are
+(cp-1)/cp of a sequence's K,V each way. A checkpoint (of an MoE model at ep 2 with ZeRO) resumes at
+other cp sizes. The activation memory per rank of a long sequence at cp 4 is <= 0.3x cp 1's, and the
 planner's figure (it runs the same step on shape-only arrays) within its 10%. Refusals name the
 numbers.
 """
@@ -27,6 +29,8 @@ from tests.tp_utils import assert_close, on_rank_0
 GPT_TINY = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, vocab_size=61, block_size=16, dtype="float64",
                 dropout=0.1)
 LLAMA_TINY = dict(GPT_TINY, positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
+MOE = dict(n_experts=4, moe_top_k=2, moe_ffn=16, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-3)
+MOE_GPT, MOE_LLAMA = dict(GPT_TINY, **MOE), dict(LLAMA_TINY, n_kv_head=4, **MOE)
 
 # (model, layout, seq_len): 4 ranks each
 LAYOUTS = [
@@ -34,7 +38,7 @@ LAYOUTS = [
     (GPT_TINY, dict(cp=4), 8),  # seq_len / (2 cp) = 1 token per chunk
     (dict(LLAMA_TINY, n_kv_head=1), dict(cp=2, tp=2, sequence_parallel=True), 16),  # GQA: 1 KV head < tp 2
     (LLAMA_TINY, dict(cp=4, recompute="full"), 16),
-    (GPT_TINY, dict(cp=2, pp=2, recompute="selective"), 16),
+    (MOE_GPT, dict(cp=2, pp=2, recompute="selective"), 16),  # MoE: the counting pass through the pipeline's CP ranks
     (dict(LLAMA_TINY, n_layer=4), dict(cp=2, pp=2, pp_schedule="interleaved", pp_virtual=2), 8),
     # the all-to-all attention (Ulysses): the KV heads split over cp
     (GPT_TINY, dict(cp=2, dp=2, cp_comm="a2a"), 8),
@@ -45,22 +49,34 @@ LAYOUTS = [
     (dict(LLAMA_TINY, n_kv_head=1), dict(cp=4, cp_comm="a2a"), 8),  # 4 copies, 1 query head each
     (LLAMA_TINY, dict(cp=4, cp_comm="a2a"), 8),  # 2 KV heads, 2 copies each: CP ranks 0, 1 take head 0
     (LLAMA_TINY, dict(cp=2, tp=2, sequence_parallel=True, cp_comm="a2a"), 16),  # 1 KV head per TP rank, 2 copies
+    # MoE: the routers' statistics over DP x CP, the experts' gradients over expert-DP x CP (ep 2:
+    # the CP pair), the counting pass of a step of 2 micro-batches on CP ranks; with a capacity,
+    # the dropping decided over the whole micro-batch (TP shards and CP chunks put together)
+    (MOE_GPT, dict(cp=2, dp=2, ep=2, micro_batch_size=1, recompute="full"), 16),
+    (dict(MOE_LLAMA, moe_capacity_factor=0.75), dict(cp=2, tp=2, sequence_parallel=True, overlap_grad_reduce=True),
+     16),  # (ep 1: the experts' gradients in the buckets over DP x CP)
+    (MOE_GPT, dict(cp=2, dp=2, ep=2, cp_comm="a2a", distributed_optimizer=True), 8),
 ]
 
 
 def _run_config(model, layout, seq_len, comm_size):
     from cutp.train import resolve_run_config
 
-    return resolve_run_config(comm=None, model=GPTConfig(**model), batch_size=4, micro_batch_size=2, seq_len=seq_len,
-                              steps=4, warmup=1, seed=3, eval_every=0, quiet=True, save_on_signal=False, **layout)
+    return resolve_run_config(comm=None, model=GPTConfig(**model), **{**dict(
+        batch_size=4, micro_batch_size=2, seq_len=seq_len, steps=4, warmup=1, seed=3, eval_every=0, quiet=True,
+        save_on_signal=False), **layout})
 
 
 def _step(cfg, comm):
+    """Two steps: (per step: the loss, the gradient norm and, for an MoE model, the auxiliary
+    losses and the dropped fraction), the last gradients and the weights, full."""
     from cutp.bench.model import random_tokens
     from cutp.train import build_run, train_step
 
     run = build_run(cfg, comm, dataset=random_tokens(61, 4096, 0))
-    losses = [train_step(run).loss for _ in range(2)]
+    stats = [train_step(run) for _ in range(2)]
+    losses = [(s.loss, s.grad_norm) + ((s.moe["aux_loss"], s.moe["z_loss"], s.moe["dropped"]) if s.moe else ())
+              for s in stats]
     ctx = run.ctx
     full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
     grads = {p.name: full(p, p.grad) for p in run.model.parameters()}
@@ -82,8 +98,11 @@ def _worker_layouts(layouts):
         ref_losses, ref_grads, ref_params = on_rank_0(reference)
         cfg = _run_config(model, layout, seq_len, MPI.COMM_WORLD.Get_size())
         losses, grads, params = _step(cfg, MPI.COMM_WORLD)
-        what = f"{model.get('positions', 'learned')} {layout} seq_len {seq_len}"
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=what)
+        kind = ("MoE " if model.get("n_experts") else "") + model.get("positions", "learned")
+        what = f"{kind} {layout} seq_len {seq_len}"
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=what)  # (norms, MoE losses too)
+        if model.get("moe_capacity_factor"):
+            assert all(step[-1] > 0 for step in losses), (what, losses)  # the capacity drops some
         if not layout.get("distributed_optimizer"):  # (ZeRO: each rank's gradient buffer is reduced in its shard)
             assert_close(grads, {k: ref_grads[k] for k in grads}, 1e-10, f"{what} grads")  # (pp: this stage's)
         assert_close(params, {k: ref_params[k] for k in params}, 1e-10, f"{what} params")
@@ -213,9 +232,10 @@ def test_refusals_name_the_numbers():
 
 # ---- checkpoints: the cp size is a layout -------------------------------------------------------
 def _worker_checkpoint(out):
-    """Saved at cp 2 x dp 2 with ZeRO (its state in 4 shards over DP x CP), resumed at cp 4 with
-    ZeRO, at cp 1 x dp 4 without and at tp 2 x cp 2: the next step's loss and weights are the
-    uninterrupted run's, and so is the validation loss (whole sequences on every CP rank)."""
+    """An MoE model saved at cp 2 x dp 2 x ep 2 with ZeRO (the dense state in 4 shards over
+    DP x CP, the experts' in 2 over expert-DP x CP), resumed at cp 4 with ZeRO, at cp 1 x dp 4 x
+    ep 2 without and at tp 2 x cp 2: the next step's loss and weights are the uninterrupted
+    run's, and so is the validation loss (whole sequences on every CP rank)."""
     from mpi4py import MPI
     from cutp.bench.model import random_tokens
     from cutp.train import build_run, evaluate, resolve_run_config, save, train_step
@@ -223,16 +243,18 @@ def _worker_checkpoint(out):
     data = random_tokens(61, 4096, 0)
     kw = dict(batch_size=4, micro_batch_size=1, seq_len=16, steps=4, warmup=1, seed=3, eval_every=0, quiet=True,
               save_on_signal=False, distributed_optimizer=True, eval_batches=1)
-    run = build_run(resolve_run_config(model=GPTConfig(**GPT_TINY), cp=2, dp=2, out=out, **kw), dataset=data)
+    run = build_run(resolve_run_config(model=GPTConfig(**MOE_GPT), cp=2, dp=2, ep=2, out=out, **kw), dataset=data)
     for _ in range(2):
         train_step(run)
     path = save(run)
     expected = train_step(run).loss
     val = evaluate(run)  # evaluation runs whole sequences on every CP rank
-    weights = {p.name: p.data[:p.real_rows].copy() for p in run.model.parameters()}  # (vocabulary padding off)
+    weights = {}  # every rank's (ep 2: each EP rank's experts), vocabulary padding off
+    for mine in MPI.COMM_WORLD.allgather({p.name: p.data[:p.real_rows].copy() for p in run.model.parameters()}):
+        weights.update(mine)
     run.close()
     MPI.COMM_WORLD.Barrier()
-    for layout in (dict(cp=4, distributed_optimizer=True), dict(cp=1, dp=4), dict(tp=2, cp=2)):
+    for layout in (dict(cp=4, distributed_optimizer=True), dict(cp=1, dp=4, ep=2), dict(tp=2, cp=2)):
         again = build_run(resolve_run_config(resume=path, **layout, **{k: kw[k] for k in ("eval_every", "quiet",
                                                                                           "save_on_signal",
                                                                                           "eval_batches")}),
@@ -242,7 +264,7 @@ def _worker_checkpoint(out):
         assert abs(loss - expected) <= 1e-10 * abs(expected), (layout, loss, expected)
         full = {p.name: np.asarray(gather_full(again.ctx.tp, p.data, p.sharding))[:p.real_rows]
                 for p in again.model.parameters()}
-        assert_close(full, weights, 1e-10, f"weights after {layout}")
+        assert_close(full, {k: weights[k] for k in full}, 1e-10, f"weights after {layout}")
         assert abs(evaluate(again) - val) <= 1e-10 * val, layout
         again.close()
 
