@@ -226,6 +226,24 @@ def state_bytes_ep(a: Arch, n_local: int, n_moe: int, *, dtype: str, dp: int, ep
     return {k: dense[k] + own[k] for k in st}
 
 
+def coll(calls: int, elems: int, itemsize: int, factor: float) -> dict:
+    """A collective's figures: calls, elements and bytes passed, and bytes on the wire (factor)."""
+    return {"calls": calls, "elements": elems, "bytes": elems * itemsize, "wire_bytes": elems * itemsize * factor}
+
+
+def _gradient_reduction(group: str, size: int, n: int, grad_bytes: int, param_bytes: int, zero: bool) -> dict:
+    """The step's reduction of a gradient buffer of n (padded) elements over a group of `size`
+    ranks: an all-reduce, or with ZeRO a reduce-scatter and the all-gather of the updated
+    parameters (counted as the communicators count them: the buffer a rank passes, for the
+    all-gather its 1/size shard, which a ring sends size - 1 times). Keys {group}_allreduce,
+    {group}_reduce_scatter, {group}_all_gather."""
+    on = size > 1 and n > 0
+    one = (size - 1) / size
+    return {f"{group}_allreduce": coll(int(on and not zero), n if on and not zero else 0, grad_bytes, 2 * one),
+            f"{group}_reduce_scatter": coll(int(on and zero), n if on and zero else 0, grad_bytes, one),
+            f"{group}_all_gather": coll(int(on and zero), n // size if on and zero else 0, param_bytes, size - 1)}
+
+
 def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool = False) -> float:
     """Megatron's bytes/param without padding: 16 (fp32), 18 (bf16), 8 + 8/d, 6 + 12/d."""
     pb = ITEMSIZE[dtype]
@@ -375,18 +393,18 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     ce_elems = 3 * b * (s // cp) * accum if tp > 1 else 0  # max, then (sum of exps, target logit); +b*s with smoothing
     ce_calls = 2 * accum if tp > 1 else 0
 
-    def coll(calls, elems, itemsize, factor):
-        return {"calls": calls, "elements": elems, "bytes": elems * itemsize, "wire_bytes": elems * itemsize * factor}
-
     # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward;
     # `counted` 1 if the step's counting pass (cutp.train.moe: several micro-batches) does it first
     moe_recomputed = [int(recompute == "full" and i < (L if recompute_layers is None else recompute_layers))
                       for i in range(L) if a.n_experts and i % a.moe_every == 0]
     counted = int(accum > 1 and a.moe_load_balancing)
     ring_ar = 2 * (tp - 1) / tp
+    # the gradient buffers: at ep > 1 the experts' apart from the rest (cutp.optim.expert_parallel)
+    expert_n = moe_layers(a) * (a.n_experts // ep) * moe_counts(a)["expert"] if ep > 1 else 0
+    dense_n = state_bytes(P - expert_n, dtype=dtype, dp=dpg, distributed_optimizer=distributed_optimizer)["padded"]
+    if expert_n:
+        expert_n = state_bytes(expert_n, dtype=dtype, dp=dpg // ep, distributed_optimizer=distributed_optimizer)["padded"]
     tp_grads = tp_gradient_elements(a, tp, sequence_parallel, ep)
-    dp_one = (dpg - 1) / dpg
-    on_dp = dpg > 1
     out = {
         "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
@@ -411,14 +429,9 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         "tp_grad_allreduce": {**coll((1 + bool(tp_grads)) if tp > 1 else 0, tp_grads + 2 * (tp > 1), gb, ring_ar),
                               "bytes": tp_grads * gb + 16 * (tp > 1),
                               "wire_bytes": (tp_grads * gb + 16 * (tp > 1)) * ring_ar},
-        "dp_allreduce": coll(1 if on_dp and not distributed_optimizer else 0,
-                             N if on_dp and not distributed_optimizer else 0, gb, 2 * dp_one),
-        "dp_reduce_scatter": coll(1 if on_dp and distributed_optimizer else 0,
-                                  N if on_dp and distributed_optimizer else 0, gb, dp_one),
-        # (counted as the communicators count it: the buffer this rank passes, its 1/dp shard; a
-        # ring sends it dp - 1 times)
-        "dp_all_gather": coll(1 if on_dp and distributed_optimizer else 0,
-                              N // dpg if on_dp and distributed_optimizer else 0, pb, dpg - 1),
+        **_gradient_reduction("dp", dpg, dense_n, gb, pb, distributed_optimizer),
+        # at ep > 1 the experts' own buffer, over expert-DP (x CP)
+        **_gradient_reduction("expert_dp", dpg // ep, expert_n, gb, pb, distributed_optimizer),
     }
     state = st["params"] + st["grads"] + st["optimizer"]
     out["model_state_bytes"] = state
@@ -533,6 +546,12 @@ def run(args) -> Report:
                  ("DP all-gather (parameters)", "dp_all_gather", f"this rank's 1/dp of the padded parameters, {dt}")]
     else:
         rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
+    if r["expert_dp_allreduce"]["calls"] + r["expert_dp_reduce_scatter"]["calls"]:
+        rows += ([("expert-DP reduce-scatter (experts' gradients)", "expert_dp_reduce_scatter",
+                   "the experts' padded gradient buffer, over dp x cp / ep"),
+                  ("expert-DP all-gather (experts)", "expert_dp_all_gather", "this rank's 1/(dp cp / ep) of them")]
+                 if dist else [("expert-DP all-reduce (experts' gradients)", "expert_dp_allreduce",
+                                "the experts' gradient buffer, over dp x cp / ep")])
     if args.cp > 1:
         rows += [(f"CP {'ring send/recv (K,V; dK,dV)' if args.cp_comm == 'ring' else 'all-to-all (q,k,v,o)'}",
                   "cp_exchange", f"per layer: {cp_formula(args.cp_comm)}, x {args.accum} micro-batches "

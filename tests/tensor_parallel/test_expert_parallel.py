@@ -52,12 +52,20 @@ def _train(cfg, comm, steps=2):
     assert all(e.group == "ep" for e in a2a), {e.group for e in a2a}
     data_bytes = sum(e.nbytes for e in a2a if e.dtype == "float64")
     data_bytes = comm.allreduce(data_bytes, op=MPI.SUM)
+    # this rank's gradient reductions: {group.op: (calls, bytes)} (the DP all-reduce: its largest,
+    # the gradient buffer; the others are statistics)
+    reductions = {}
+    for e in events:
+        if e.group in ("dp", "expert_dp") and e.op in ("all_reduce", "reduce_scatter", "all_gather"):
+            calls, nbytes = reductions.get(f"{e.group}.{e.op}", (0, 0))
+            big = max(nbytes, e.nbytes) if (e.group, e.op) == ("dp", "all_reduce") else nbytes + e.nbytes
+            reductions[f"{e.group}.{e.op}"] = (calls + 1, big)
     full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
     mine = {p.name: (full(p, p.grad), full(p, p.data)) for p in run.model.parameters()}
     everyone = comm.allgather(mine)
     run.close()
     return ([(s.loss, s.grad_norm, s.moe["aux_loss"], s.moe["z_loss"]) for s in stats], everyone, data_bytes,
-            stats[-1].moe)
+            stats[-1].moe, reductions)
 
 
 def _compare(kw, got, everyone, ref, ref_everyone, grads=True):
@@ -86,12 +94,12 @@ def _worker_equals_ep1(cases):
         kw = dict(kw)
         ep = kw.pop("ep")
         cfg = _config(**kw)
-        got, everyone, a2a_bytes, moe = _train(_with(cfg, ep=ep), world)
+        got, everyone, a2a_bytes, moe, reductions = _train(_with(cfg, ep=ep), world)
         # each rank holds its EP group's share of the experts
         E, n_moe = cfg.model.n_experts, sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.n_layer))
         experts = {n.split(".experts.")[1].split(".")[0] for n in everyone[world.rank] if ".experts." in n}
         assert len(experts) == E // ep, (kw, experts)
-        ref, ref_everyone, ref_bytes, ref_moe = _train(cfg, world)
+        ref, ref_everyone, ref_bytes, ref_moe, _ = _train(cfg, world)
         assert ref_bytes == 0, kw  # (no all-to-all at ep 1; the routing is the same)
         assert moe["tokens_per_expert"] == ref_moe["tokens_per_expert"] and moe["dropped"] == ref_moe["dropped"], kw
         _compare(kw, got, everyone, ref, ref_everyone, grads=not cfg.distributed_optimizer)
@@ -109,13 +117,26 @@ def _worker_equals_ep1(cases):
                 planned = plan.plan(plan.arch_from_config("test", cfg.model), tp=cfg.tp, dp=cfg.dp, ep=ep,
                                     micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, accum=cfg.accum_steps,
                                     config=cfg.model, dtype="float64", recompute=cfg.recompute,
-                                    sequence_parallel=cfg.sequence_parallel)
+                                    sequence_parallel=cfg.sequence_parallel,
+                                    distributed_optimizer=cfg.distributed_optimizer)
                 assert planned["ep_all_to_all"]["bytes"] * world.Get_size() == a2a_bytes, (kw, planned["ep_all_to_all"])
+                # the gradient reductions: the dense buffer over DP, the experts' over expert-DP
+                for key, (calls, nbytes) in reductions.items():
+                    if key == "dp.all_reduce" and cfg.distributed_optimizer:
+                        continue  # (statistics only)
+                    if key != "dp.all_reduce":
+                        assert calls == 1, (kw, key, calls)
+                    row = planned[key.replace(".", "_").replace("all_reduce", "allreduce")]
+                    assert (row["calls"] > 0, row["bytes"]) == (True, nbytes), (kw, key, row, nbytes)
+                for key in ("dp", "expert_dp"):  # and nothing planned that did not happen
+                    for op in ("allreduce", "reduce_scatter", "all_gather"):
+                        if planned[f"{key}_{op}"]["calls"]:
+                            assert f"{key}.{op.replace('allreduce', 'all_reduce')}" in reductions, (kw, key, op)
         else:
             assert moe["dropped"] > 0, kw  # the capacity drops some: dropping is decided at the source
         if kw.get("moe_capacity_factor") is None:  # nothing dropped: one rank with the global batch
             model_kw = {k: v for k, v in kw.items() if k.startswith("moe_") or k == "n_experts"}
-            one, one_everyone, _, _ = _train(_config(micro=cfg.micro_batch_size * cfg.dp, **model_kw), MPI.COMM_SELF)
+            one, one_everyone, _, _, _ = _train(_config(micro=cfg.micro_batch_size * cfg.dp, **model_kw), MPI.COMM_SELF)
             _compare(kw, got, everyone, one, one_everyone, grads=not cfg.distributed_optimizer)
 
 
