@@ -1,0 +1,133 @@
+"""kernels/attention.cu on the tiles of context parallelism's ring attention, through its
+launchers' tile arguments (positions, drop_strides, out_dtype, rowdot, accumulate) and through
+cutp.ops.attention_tiles, against attention_tiles' array code in float64 on the same inputs.
+
+* A ring tile pair in miniature: queries of chunk 2 of a 4-chunk sequence against chunk 0 (a full
+  tile) and chunk 2 (the diagonal), dropout at the whole sequence's counters, the partial
+  results merged, the backward of each tile with the merged lse and rowdot added into float32
+  buffers that already hold values (bfloat16 inputs: float32 outputs).
+* Diagonal shifts the one-rank attention never has: keys after every query (their key tiles
+  skipped: dk = dv = 0), a shift past the last key (every key seen), more queries than keys.
+* The defaults are the one-rank attention's positions and counters, bit for bit.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from cutp.kernels import KernelArgumentError
+from cutp.ops import attention_tiles as tiles
+
+from .helpers import BF16, DT_IDS, DTYPES, F32, randn
+from .test_attention import TOL, attention_inputs, normwise_error
+
+f64 = np.float64
+
+
+def _f64(*arrays):
+    return tuple(np.asarray(a, f64) for a in arrays)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_a_ring_tile_pair_on_the_kernels(backend, k, dtype, p):
+    B, Hkv, G, c, D = 2, 1, 2, 24, 64
+    T, scale = 4 * c, 0.125
+    q, _, _, do = attention_inputs(B, Hkv, G, c, c, D, dtype, seed=3)
+    kv = {j: (randn((B, Hkv, c, D), dtype, seed=10 + j), randn((B, Hkv, c, D), dtype, seed=20 + j)) for j in (0, 2)}
+    dropout = (p, 5, [11, 10 ** 6], T) if p else None
+    drop, strides = ((p, 5, [11, 10 ** 6]), (T * T, T)) if p else ((0.0, 0, 0), None)
+    dev = backend.to_device
+    acc, acc_ref = (None, None), (None, None)
+    for j in (0, 2):  # the full tile, then the diagonal
+        pos = (2 * c, j * c)
+        o, lse = k.attention_forward(dev(q), dev(kv[j][0]), dev(kv[j][1]), scale, *drop, positions=pos,
+                                     drop_strides=strides, out_dtype=np.float32)
+        assert o.dtype == np.float32 and lse.dtype == np.float32
+        o_ref, lse_ref = tiles.tile_forward(*_f64(q, *kv[j]), scale, pos, dropout)
+        assert normwise_error(backend.host(o), o_ref) <= TOL[dtype]
+        assert normwise_error(backend.host(lse), lse_ref) <= 1e-6
+        acc = tiles.merge(*acc, backend.host(o), backend.host(lse))
+        acc_ref = tiles.merge(*acc_ref, o_ref, lse_ref)
+    rowdot = (np.asarray(do, np.float32) * acc[0]).sum(axis=-1)
+    rowdot_ref = (do.astype(f64) * acc_ref[0]).sum(axis=-1)
+    start = [randn(shape, F32, seed=30 + i) for i, shape in enumerate((q.shape, (B, Hkv, c, D), (B, Hkv, c, D)))]
+    want = [start[0].astype(f64), None, None]
+    got_kv = {}
+    dq = dev(start[0])
+    for j in (0, 2):
+        pos = (2 * c, j * c)
+        out = (dq, dev(start[1]), dev(start[2]))
+        res = k.attention_backward(dev(do), dev(q), dev(kv[j][0]), dev(kv[j][1]), None, dev(acc[1]), scale, out,
+                                   *drop, rowdot=dev(rowdot), positions=pos, drop_strides=strides, accumulate=True)
+        assert all(r is o for r, o in zip(res, out))
+        got_kv[j] = [backend.host(a) - s for a, s in zip(out[1:], start[1:])]
+        ref = tiles.tile_backward(*_f64(do, q, *kv[j]), rowdot_ref, acc_ref[1], scale, pos, dropout)
+        want[0] = want[0] + ref[0]
+        for name, got, w in zip(("dk", "dv"), got_kv[j], ref[1:]):
+            assert normwise_error(got, w) <= TOL[dtype], f"{name} of tile {pos}"
+    assert normwise_error(backend.host(dq) - start[0], want[0] - start[0]) <= TOL[dtype], "dq summed over the tiles"
+
+
+EDGES = [  # Tq, Tk, positions
+    (20, 70, (0, 0)),  # keys 20..69 after every query: the second key tile is skipped, its dk, dv are 0
+    (70, 70, (300, 0)),  # far past the last key: every key seen (the shift is clamped to Tk)
+    (70, 20, (100, 90)),  # more queries than keys, shift 10
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("Tq,Tk,pos", EDGES, ids=[f"{e[0]}x{e[1]}-at{e[2][0]}-{e[2][1]}" for e in EDGES])
+def test_diagonal_shifts(backend, k, dtype, Tq, Tk, pos):
+    q, k_, v, do = attention_inputs(1, 1, 2, Tq, Tk, 64, dtype, seed=Tq + Tk)
+    dev = [backend.to_device(a) for a in (q, k_, v, do)]
+    o, lse = k.attention_forward(*dev[:3], 0.125, positions=pos)
+    o_ref, lse_ref = tiles.tile_forward(*_f64(q, k_, v), 0.125, pos)
+    assert normwise_error(backend.host(o), o_ref) <= TOL[dtype]
+    assert normwise_error(backend.host(lse), lse_ref) <= 1e-6
+    grads = k.attention_backward(dev[3], *dev[:3], o, lse, 0.125, positions=pos)
+    rowdot = (do.astype(f64) * o_ref).sum(axis=-1)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, tiles.tile_backward(*_f64(do, q, k_, v), rowdot, lse_ref,
+                                                                               0.125, pos)):
+        assert normwise_error(backend.host(got), want) <= TOL[dtype], name
+    if Tk > Tq + pos[0] - pos[1]:
+        assert not np.asarray(backend.host(grads[1]), f64)[:, :, Tq:].any(), "keys no query sees: dk = 0"
+
+
+def test_the_defaults_are_the_one_rank_attentions(backend, k):
+    """positions (Tk - Tq, 0) and counters at the probabilities' own places (head stride Tq Tk,
+    row stride Tk, the positions folded into the offsets) are the defaults, bit for bit."""
+    Tq, Tk = 30, 50
+    dev = [backend.to_device(a) for a in attention_inputs(2, 1, 2, Tq, Tk, 64, F32, seed=4)]
+    offsets = [10 ** 5, 7 * 10 ** 6]
+    o, lse = k.attention_forward(*dev[:3], 0.125, 0.3, 9, offsets)
+    shifted = [x - (Tk - Tq) * Tk for x in offsets]
+    kw = dict(positions=(Tk - Tq, 0), drop_strides=(Tq * Tk, Tk))
+    o2, lse2 = k.attention_forward(*dev[:3], 0.125, 0.3, 9, shifted, **kw)
+    np.testing.assert_array_equal(backend.host(o), backend.host(o2))
+    np.testing.assert_array_equal(backend.host(lse), backend.host(lse2))
+    grads = k.attention_backward(dev[3], *dev[:3], o, lse, 0.125, None, 0.3, 9, offsets)
+    rowdot = (backend.host(dev[3]) * backend.host(o)).sum(axis=-1, dtype=np.float32)
+    grads2 = k.attention_backward(dev[3], *dev[:3], o, lse, 0.125, None, 0.3, 9, shifted, **kw)
+    for a, b in zip(grads, grads2):
+        np.testing.assert_array_equal(backend.host(a), backend.host(b))
+    assert normwise_error(rowdot, (backend.host(dev[3]).astype(f64) * backend.host(o)).sum(-1)) <= 1e-6
+
+
+def test_tile_refusals(backend, k):
+    q, k_, v, do = (backend.to_device(a) for a in attention_inputs(1, 1, 1, 8, 8, 64, F32))
+    with pytest.raises(KernelArgumentError, match="sees none of the 8 keys from position 9"):
+        k.attention_forward(q, k_, v, 0.1, positions=(8, 9))
+    with pytest.raises(KernelArgumentError, match="out_dtype"):
+        k.attention_forward(q, k_, v, 0.1, out_dtype=np.float64)
+    o, lse = k.attention_forward(q, k_, v, 0.1)
+    with pytest.raises(KernelArgumentError, match="accumulate adds"):
+        k.attention_backward(do, q, k_, v, o, lse, 0.1, accumulate=True)
+    with pytest.raises(KernelArgumentError, match="rowdot must be a contiguous float32"):
+        k.attention_backward(do, q, k_, v, None, lse, 0.1, rowdot=backend.xp.zeros((1, 1, 1, 7), np.float32))
+    with pytest.raises(KernelArgumentError, match="or float32"):
+        k.attention_backward(do, q, k_, v, o, lse, 0.1, out=tuple(backend.xp.zeros(a.shape, np.float64)
+                                                                  for a in (q, k_, v)))
+    with pytest.raises(ValueError, match="every query needs a visible key"):
+        tiles.tile_forward(np.zeros((1, 1, 1, 4, 16)), np.zeros((1, 1, 4, 16)), np.zeros((1, 1, 4, 16)), 0.1, (0, 4))
