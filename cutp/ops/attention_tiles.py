@@ -24,15 +24,47 @@ summed over the g query heads of each KV head): FlashAttention-2's backward, per
 Dropout (`dropout`: None or (p, seed, offsets, T)): probability (h, i, j) of batch row b has
 counter offsets[b] + h T^2 + (q_pos + i) T + k_pos + j, the counter the one-rank attention over
 the whole T-token sequence gives it (offsets[b]: that of this rank's first head in batch row b).
+
+Two implementations, chosen per call as `causal_attention_forward` chooses: on a GPU with kernels
+on, CuPy arrays of float32 or bfloat16 and head dim 64 or 128, the fused kernels
+(kernels/attention.cu: the tile's positions are their diagonal shift, the dropout counters their
+global strides; o, dq, dk, dv come out in float32, the gradients added straight into the ring's
+float32 accumulators): nothing Tq x Tk in memory. Otherwise (the CPU, float64, other head dims)
+the array code below, which holds the tile's scores.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from cutp.kernels import dispatch_views
+from cutp.kernels.attention import fused_attention_supported, kernel_layout
 from cutp.runtime.backend import get_array_module
 
+from .attention import warn_unfused_once
 from .common import as_dtype, compute_dtype
 from .dropout import dropout_mask_at
+
+
+def _fused_kernels(q, k, v):
+    """The launchers when the fused kernels take this tile (else None, with the one-rank
+    attention's warning once per reason on a GPU)."""
+    kernels = dispatch_views(q, k, v)
+    if kernels is None:
+        return None
+    why = fused_attention_supported(q, k, v)
+    if why is None:
+        return kernels
+    if not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
+        warn_unfused_once(why)
+    return None
+
+
+def _kernel_dropout(dropout):
+    """The launchers' dropout arguments ((p, seed, offsets), drop_strides) of a tile's dropout."""
+    if dropout is None or not dropout[0]:
+        return (0.0, 0, 0), None
+    p, seed, offsets, T = dropout
+    return (float(p), seed, [int(o) for o in offsets]), (T * T, T)
 
 
 def _scores(q, k, scale, positions, xp):
@@ -70,6 +102,11 @@ def tile_forward(q, k, v, scale: float, positions, dropout=None):
     """(o, lse) of queries q against keys k, v at `positions` (q_pos, k_pos), in the compute
     dtype; dropout: None or (p, seed, offsets, T) (module docstring)."""
     _check_positions(positions, q.shape[3])
+    kernels = _fused_kernels(q, k, v)
+    if kernels is not None:
+        drop, strides = _kernel_dropout(dropout)
+        return kernels.attention_forward(q, k, v, scale, *drop, positions=positions, drop_strides=strides,
+                                         out_dtype=np.float32)
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
@@ -103,7 +140,21 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
     the g query heads. out: optional (dq, dk, dv) arrays (compute dtype, any strides) the
     gradients are added to, and returned."""
     _check_positions(positions, q.shape[3])
-    grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout)
+    kernels = _fused_kernels(q, k, v)
+    if kernels is not None:
+        xp = kernels.xp
+        do = as_dtype(do, q.dtype)
+        if not kernel_layout(do):
+            do = xp.ascontiguousarray(do)
+        drop, strides = _kernel_dropout(dropout)
+        args = dict(rowdot=xp.ascontiguousarray(rowdot), positions=positions, drop_strides=strides)
+        lse = xp.ascontiguousarray(lse)
+        if out is not None and all(kernel_layout(a, output=True) and a.dtype == np.float32 for a in out):
+            return kernels.attention_backward(do, q, k, v, None, lse, scale, out, *drop, accumulate=True, **args)
+        grads = tuple(xp.empty(a.shape, np.float32) for a in (q, k, v))
+        grads = kernels.attention_backward(do, q, k, v, None, lse, scale, grads, *drop, **args)
+    else:
+        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout)
     if out is None:
         return grads
     for dst, grad in zip(out, grads):

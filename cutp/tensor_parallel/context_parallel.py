@@ -16,7 +16,8 @@ those after its compute, so the transfer overlaps the attention. A pair (query c
 chunk b) is a full tile when a > b, the diagonal (causal) tile when a == b, and skipped when
 a < b: with the zigzag every rank computes the same number of tiles (2 at step 0, 2 after).
 The tiles' partial outputs merge by their log-sum-exp (`cutp.ops.attention_tiles`) in float32
-(float64 for float64 models). The backward runs the ring again with the merged o and lse: dQ
+(float64 for float64 models); on a GPU each tile runs on the fused attention kernels (its
+positions their diagonal shift, nothing c x c in memory), elsewhere on array code. The backward runs the ring again with the merged o and lse: dQ
 stays local, and the dK,dV of each K,V travel with it (each rank adds its tiles' part to the
 partial it receives, and passes it on; after the last step one more shift brings every dK,dV
 home). One message group per step, both directions of the same size: forward cp-1 sends of the

@@ -9,15 +9,22 @@ cutp.ops.attention_tiles, against attention_tiles' array code in float64 on the 
 * Diagonal shifts the one-rank attention never has: keys after every query (their key tiles
   skipped: dk = dv = 0), a shift past the last key (every key seen), more queries than keys.
 * The defaults are the one-rank attention's positions and counters, bit for bit.
+* The ring attention at cp 2 (two threads, one per CP rank, over an in-process ring) on the
+  kernels equals the one-rank attention in float64, dropout included.
 """
 from __future__ import annotations
 
+import queue
+import threading
 
 import numpy as np
 import pytest
 
+from cutp import ops
+from cutp.comm.base import Communicator
 from cutp.kernels import KernelArgumentError
 from cutp.ops import attention_tiles as tiles
+from cutp.tensor_parallel import context_parallel as cpar
 
 from .helpers import BF16, DT_IDS, DTYPES, F32, randn
 from .test_attention import TOL, attention_inputs, normwise_error
@@ -131,3 +138,90 @@ def test_tile_refusals(backend, k):
                                                                   for a in (q, k_, v)))
     with pytest.raises(ValueError, match="every query needs a visible key"):
         tiles.tile_forward(np.zeros((1, 1, 1, 4, 16)), np.zeros((1, 1, 4, 16)), np.zeros((1, 1, 4, 16)), 0.1, (0, 4))
+
+
+# ---- the ring at cp 2 on the kernels -------------------------------------------------------------
+class ThreadRing(Communicator):
+    """An in-process CP group for one thread per rank: exchange's sends go into mailboxes, its
+    receives wait on them (the ring posts every send of a step before any receive)."""
+
+    def __init__(self, rank, size, boxes):
+        super().__init__(rank, size, "cp")
+        self.boxes = boxes
+
+    def exchange(self, sends, recvs):
+        for x, dest, tag in sends:
+            self.boxes[(self.rank, dest, tag)].put(np.array(x, copy=True))
+        for x, source, tag in recvs:
+            x[...] = self.boxes[(source, self.rank, tag)].get(timeout=120)
+        return [x for x, _, _ in recvs]
+
+
+@pytest.fixture
+def tile_kernels(backend, monkeypatch):
+    """attention_tiles dispatching to the emulated kernels for NumPy arrays (the GPU's rule
+    applied to them), one launch at a time (the ranks' threads share the launchers)."""
+    if not backend.emulated:
+        pytest.skip("the ring's NumPy stand-ins for CuPy arrays are the emulated backend's")
+    launchers = backend.launchers()
+    lock = threading.Lock()
+    launch = launchers._launch
+
+    def locked(*args, **kw):
+        with lock:
+            return launch(*args, **kw)
+
+    launchers._launch = locked
+    monkeypatch.setattr(tiles, "dispatch_views", lambda *arrays: launchers)
+    return launchers
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_the_ring_at_cp2_on_the_kernels_is_the_one_rank_attention(backend, tile_kernels, p):
+    cp, B, Hkv, G, T, D = 2, 2, 1, 2, 32, 64
+    q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, F32, seed=8)
+    offsets = [3, 10 ** 6]
+    o_ref, ctx = ops.causal_attention_forward(*_f64(q, k_, v), dropout_p=p, seed=2, offset=offsets, fused=False)
+    grads_ref = ops.causal_attention_backward(do.astype(f64), ctx)
+    boxes = {(s, d, t): queue.Queue() for s in range(cp) for d in range(cp) for t in (cpar.TAG_KV, cpar.TAG_DKV)}
+    results, errors = {}, []
+
+    def rank(r):
+        try:
+            pos = cpar.zigzag_positions(T, cp, r)
+            group = ThreadRing(r, cp, boxes)
+            local = [np.ascontiguousarray(a[..., pos, :]) for a in (q, k_, v, do)]
+            o, rctx = cpar.ring_attention_forward(group, *local[:3], 0.125, (p, 2, offsets, T) if p else None)
+            results[r] = (pos, o, cpar.ring_attention_backward(group, local[3], rctx))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    launched = tile_kernels.launches
+    assert launched["attention_forward_f32_d64"] == 10 and launched["attention_backward_dkdv_f32_d64"] == 10  # 5 tiles a rank
+    assert "attention_backward_rowdot_f32_d64" not in launched  # the ring's rowdot of the merged o
+    for r, (pos, o, grads) in results.items():
+        assert o.dtype == np.float32
+        assert normwise_error(o, o_ref[..., pos, :]) <= 1e-5, f"o of rank {r}"
+        for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
+            assert normwise_error(got, want[..., pos, :]) <= 1e-5, f"{name} of rank {r}"
+
+
+def test_tiles_the_kernels_do_not_take_run_the_array_code(backend, tile_kernels, monkeypatch):
+    """Head dim 32 (and float64) on a GPU: the array code, with the one-rank attention's warning
+    once per reason."""
+    monkeypatch.setattr(ops.attention, "_UNFUSED_WARNED", set())
+    q, k_, v, _ = attention_inputs(1, 1, 2, 8, 8, 32, F32, seed=1)
+    with pytest.warns(UserWarning, match="head dims"):
+        o, lse = tiles.tile_forward(q, k_, v, 0.2, (8, 0))
+    assert not tile_kernels.launches
+    with pytest.warns(UserWarning, match="float32 or bfloat16"):  # float64 too
+        o_ref, lse_ref = tiles.tile_forward(*_f64(q, k_, v), 0.2, (8, 0))
+    assert not tile_kernels.launches
+    assert normwise_error(o, o_ref) <= 1e-6 and normwise_error(lse, lse_ref) <= 1e-6
