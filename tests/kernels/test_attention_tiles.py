@@ -9,6 +9,8 @@ cutp.ops.attention_tiles, against attention_tiles' array code in float64 on the 
 * Diagonal shifts the one-rank attention never has: keys after every query (their key tiles
   skipped: dk = dv = 0), a shift past the last key (every key seen), more queries than keys.
 * The defaults are the one-rank attention's positions and counters, bit for bit.
+* The planner's GPU walk (shape-only CuPy arrays) books the fused tiles' o and lse, not a tile's
+  scores.
 * The ring attention at cp 2 (two threads, one per CP rank, over an in-process ring) on the
   kernels equals the one-rank attention in float64, dropout included.
 """
@@ -24,6 +26,7 @@ from cutp import ops
 from cutp.comm.base import Communicator
 from cutp.kernels import KernelArgumentError
 from cutp.ops import attention_tiles as tiles
+from cutp.runtime.shape_only import ShapeOnly
 from cutp.tensor_parallel import context_parallel as cpar
 
 from .helpers import BF16, DT_IDS, DTYPES, F32, randn
@@ -225,3 +228,29 @@ def test_tiles_the_kernels_do_not_take_run_the_array_code(backend, tile_kernels,
         o_ref, lse_ref = tiles.tile_forward(*_f64(q, k_, v), 0.2, (8, 0))
     assert not tile_kernels.launches
     assert normwise_error(o, o_ref) <= 1e-6 and normwise_error(lse, lse_ref) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_the_planners_gpu_walk_books_the_fused_tiles(dtype):
+    """Shape-only CuPy arrays take the fused kernels' launchers: a tile's forward keeps o (float32)
+    and the log-sum-exp, its backward into the ring's float32 buffers books only the dropout's B
+    offsets; the array code would book the [B, nkv, g, c, c] scores (8 MiB here) and more."""
+    B, Hkv, G, c, D = 2, 2, 2, 512, 64
+    xp = ShapeOnly("cuda")
+    heap = xp.heap
+    q, do = (xp.empty((B, Hkv, G, c, D), dtype) for _ in range(2))
+    k_, v = (xp.empty((B, Hkv, c, D), dtype) for _ in range(2))
+    dropout = (0.1, 3, [0, 10 ** 6], 4 * c)
+    offsets = heap.size(8 * B)
+    start = heap.cur
+    heap.reset_peak()
+    o, lse = tiles.tile_forward(q, k_, v, 0.125, (2 * c, c), dropout)
+    assert o.dtype == np.float32 and lse.dtype == np.float32
+    kept = heap.size(o.nbytes) + heap.size(lse.nbytes)
+    assert heap.cur - start == kept and heap.peak - start == kept + offsets
+    out = tuple(xp.zeros(a.shape, np.float32) for a in (q, k_, v))
+    rowdot = xp.empty(lse.shape, np.float32)
+    heap.reset_peak()
+    got = tiles.tile_backward(do, q, k_, v, rowdot, lse, 0.125, (2 * c, c), dropout, out=out)
+    assert all(g is a for g, a in zip(got, out))
+    assert heap.peak - heap.cur == offsets
