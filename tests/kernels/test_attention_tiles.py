@@ -179,10 +179,10 @@ def tile_kernels(backend, monkeypatch):
     return launchers
 
 
-@pytest.mark.parametrize("p", [0.0, 0.2])
-def test_the_ring_at_cp2_on_the_kernels_is_the_one_rank_attention(backend, tile_kernels, p):
+@pytest.mark.parametrize("dtype,p", [(F32, 0.0), (F32, 0.2), (BF16, 0.2)], ids=["f32", "f32-p0.2", "bf16-p0.2"])
+def test_the_ring_at_cp2_on_the_kernels_is_the_one_rank_attention(backend, tile_kernels, dtype, p):
     cp, B, Hkv, G, T, D = 2, 2, 1, 2, 32, 64
-    q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, F32, seed=8)
+    q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, dtype, seed=8)
     offsets = [3, 10 ** 6]
     o_ref, ctx = ops.causal_attention_forward(*_f64(q, k_, v), dropout_p=p, seed=2, offset=offsets, fused=False)
     grads_ref = ops.causal_attention_backward(do.astype(f64), ctx)
@@ -206,14 +206,14 @@ def test_the_ring_at_cp2_on_the_kernels_is_the_one_rank_attention(backend, tile_
         t.join()
     if errors:
         raise errors[0]
-    launched = tile_kernels.launches
-    assert launched["attention_forward_f32_d64"] == 10 and launched["attention_backward_dkdv_f32_d64"] == 10  # 5 tiles a rank
-    assert "attention_backward_rowdot_f32_d64" not in launched  # the ring's rowdot of the merged o
+    launched, sfx = tile_kernels.launches, "f32" if dtype == F32 else "bf16"
+    assert launched[f"attention_forward_{sfx}_d64"] == 10 == launched[f"attention_backward_dkdv_{sfx}_d64"]  # 5 a rank
+    assert f"attention_backward_rowdot_{sfx}_d64" not in launched  # the ring's rowdot of the merged o
     for r, (pos, o, grads) in results.items():
-        assert o.dtype == np.float32
-        assert normwise_error(o, o_ref[..., pos, :]) <= 1e-5, f"o of rank {r}"
+        assert o.dtype == dtype
+        assert normwise_error(o, o_ref[..., pos, :]) <= TOL[dtype], f"o of rank {r}"
         for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ref):
-            assert normwise_error(got, want[..., pos, :]) <= 1e-5, f"{name} of rank {r}"
+            assert normwise_error(got, want[..., pos, :]) <= TOL[dtype], f"{name} of rank {r}"
 
 
 def test_tiles_the_kernels_do_not_take_run_the_array_code(backend, tile_kernels, monkeypatch):
