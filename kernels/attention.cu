@@ -16,6 +16,11 @@
 //                         query heads of its group and their query tiles from the diagonal on,
 //                         dv = P^T dO, dk = scale * dS^T q: a shared KV head's gradient is summed
 //                         in the block, never copied per query head, and never needs atomics.
+// One tile of context parallelism's ring attention runs on the same kernels: the causal rule is a
+// diagonal shift (query row i sees keys j <= diag + i: Tk - Tq for the one-rank attention, 0 for
+// a ring's diagonal tile, Tk for a full one), the dropout counters take the whole sequence's
+// strides, the backward takes the merged lse and rowdot, and the outputs may be float32 for
+// 16-bit inputs, added to the ring's accumulators (Out).
 // dq and dk/dv in two kernels rather than dq by float atomics: deterministic results (the
 // price: S and dP computed twice). Attention-probability dropout is applied in place (the masks of
 // cutp.ops.dropout_forward_rows, recomputed from the counter hash in the backward: no mask stored).
@@ -129,25 +134,46 @@ struct ProbTile {
     __host__ __device__ static constexpr int ld(int R) { return separate ? prob_ld(R) : score_ld(R); }
 };
 
-// The attention-probability dropout, with the masks of cutp.ops.dropout_forward_rows: batch row b's
-// probabilities [H, Tq, Tk] (H = Hkv * G local heads) are counters offsets[b] + ((h Tq) + i) Tk + j
-// of dropout_keep. offsets null: no dropout.
+// The attention-probability dropout: probability (head h, query row i, key j) of batch row b is
+// counter offsets[b] + h head_stride + i row_stride + j of dropout_keep. The launcher's defaults
+// (head_stride Tq Tk, row_stride Tk) are cutp.ops.dropout_forward_rows's masks of the [H, Tq, Tk]
+// probabilities (H = Hkv * G local heads); a ring tile passes the whole sequence's strides (T^2, T)
+// with its first query's and key's global places folded into offsets[b]. offsets null: no dropout.
 struct ProbDropout {
     const long long* offsets;
     unsigned long long seed;
     unsigned int threshold;
     float scale;  // 1 / (1 - p), 0 for p = 1
+    long long head_stride, row_stride;
 
     // The factor of probability (head h of batch row b, query row i, key j): scale or 0; 1 without dropout.
-    __device__ __forceinline__ float factor(long long b, long long h, int Tq, int Tk, int i, int j) const {
+    __device__ __forceinline__ float factor(long long b, long long h, int i, int j) const {
         if (offsets == nullptr) return 1.0f;
-        const unsigned long long index = (unsigned long long)((h * Tq + i) * (long long)Tk + j);
+        const unsigned long long index = (unsigned long long)(h * head_stride + i * row_stride + j);
         return dropout_keep(seed, (unsigned long long)offsets[b], index, threshold) ? scale : 0.0f;
     }
 };
 
+// Where a kernel writes an output: storage of the input type (t), or float32 (f, for 16-bit inputs:
+// the ring attention's float32 tiles and accumulators), overwritten or, with acc, added to (one
+// thread per element: deterministic). Exactly one of t, f is non-null.
+template <typename T>
+struct Out {
+    T* t;
+    float* f;
+    int acc;
+    __device__ __forceinline__ void store(long long i, float x) const {
+        if (f != nullptr) {
+            f[i] = acc ? f[i] + x : x;
+        } else {
+            t[i] = from_float<T>(acc ? to_float(t[i]) + x : x);
+        }
+    }
+};
+
 template <typename T, int D, int R>
-__device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, int Hkv, int G, int Tq, int Tk,
+__device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v, int Hkv, int G, int Tq, int Tk,
+                        int diag,
                         long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh,
                         long long k_st, long long v_sb, long long v_sh, long long v_st, float scale,
                         ProbDropout drop) {
@@ -164,7 +190,6 @@ __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, in
     const long long bh = blockIdx.x;  // (b, hk, g) of the query head: on x, whose limit is 2^31 - 1
     const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * R;  // the longest rows first
-    const int off = Tk - Tq;                             // query row i is at position off + i
     const T* qb = q + b * q_sb + hk * q_sh + g * q_sg;
     const T* kb = k + b * k_sb + hk * k_sh;
     const T* vb = v + b * v_sb + hk * v_sh;
@@ -172,7 +197,7 @@ __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, in
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int r = lane >> 1, half = lane & 1;  // this lane's row of the warp's band, and which columns
     const int row = warp * BAND + r;
-    const int qpos = off + q0 + row;
+    const int qpos = diag + q0 + row;  // query row i sees keys j <= diag + i (diag >= 0: key 0 at least)
     float* Ob = Os + warp * BAND * OLD;
     float* Sb = Ss + warp * BAND * SLD;
     T* Pb = Ps + warp * BAND * PLD;
@@ -180,8 +205,8 @@ __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, in
     load_tile<T, D, R>(Qs, qb, q_st, q0, Tq);
     for (int e = lane; e < BAND * D; e += WARP_SIZE) Ob[(e / D) * OLD + e % D] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    const int last_pos = off + min(q0 + R, Tq) - 1;  // the tile's last query sees keys 0 .. last_pos
-    for (int k0 = 0; k0 <= last_pos; k0 += R) {
+    const int k_end = min(Tk, diag + min(q0 + R, Tq));  // the tile's last query sees keys 0 .. k_end - 1
+    for (int k0 = 0; k0 < k_end; k0 += R) {
         __syncthreads();  // every warp is done with the previous K, V tiles
         load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
         load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
@@ -205,7 +230,7 @@ __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, in
         for (int j = 0; j < R / 2; ++j) {
             const float p = expf(s[j] - m_new);
             row_sum += p;  // the softmax's sum: before dropout
-            const float f = drop.factor(b, hk * G + g, Tq, Tk, q0 + row, k0 + 2 * j + half);
+            const float f = drop.factor(b, hk * G + g, q0 + row, k0 + 2 * j + half);
             Pb[r * PLD + 2 * j + half] = from_float<T>(p * f);
         }
         row_sum += __shfl_xor_sync(FULL_MASK, row_sum, 1);
@@ -226,8 +251,8 @@ __device__ void forward(T* o, float* lse, const T* q, const T* k, const T* v, in
         const float inv = __shfl_sync(FULL_MASK, inv_l, 2 * rr);
         const int t = q0 + warp * BAND + rr;
         if (t < Tq) {
-            T* orow = o + (((b * Tq + t) * Hkv + hk) * G + g) * D;  // token-major [B, Tq, Hkv, G, D]
-            for (int d = lane; d < D; d += WARP_SIZE) orow[d] = from_float<T>(Ob[rr * OLD + d] * inv);
+            const long long orow = (((b * Tq + t) * Hkv + hk) * G + g) * D;  // token-major [B, Tq, Hkv, G, D]
+            for (int d = lane; d < D; d += WARP_SIZE) o.store(orow + d, Ob[rr * OLD + d] * inv);
         }
     }
     if (half == 0 && q0 + row < Tq) lse[bh * Tq + q0 + row] = m + logf(l);
@@ -252,9 +277,9 @@ __device__ void backward_rowdot(float* out, const T* o, const T* dout, int Hkv, 
 }
 
 template <typename T, int D, int R>
-__device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                            const float* rowdot, int Hkv, int G, int Tq, int Tk, long long q_sb, long long q_sh,
-                            long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
+__device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                            const float* rowdot, int Hkv, int G, int Tq, int Tk, int diag, long long q_sb,
+                            long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
                             long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
                             long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,
                             long long dq_st, float scale, ProbDropout drop) {
@@ -273,14 +298,13 @@ __device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* 
     const long long bh = blockIdx.x;
     const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * R;
-    const int off = Tk - Tq;
     const T* kb = k + b * k_sb + hk * k_sh;
     const T* vb = v + b * v_sb + hk * v_sh;
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int r = lane >> 1, half = lane & 1;
     const int t = q0 + warp * BAND + r;
-    const int qpos = off + t;
+    const int qpos = diag + t;
     const float row_lse = t < Tq ? lse[bh * Tq + t] : 0.0f;
     const float row_dot = t < Tq ? rowdot[bh * Tq + t] : 0.0f;
     float* dQb = dQs + warp * BAND * OLD;
@@ -291,8 +315,8 @@ __device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* 
     load_tile<T, D, R>(Qs, q + b * q_sb + hk * q_sh + g * q_sg, q_st, q0, Tq);
     load_tile<T, D, R>(dOs, dout + b * do_sb + hk * do_sh + g * do_sg, do_st, q0, Tq);
     for (int e = lane; e < BAND * D; e += WARP_SIZE) dQb[(e / D) * OLD + e % D] = 0.0f;
-    const int last_pos = off + min(q0 + R, Tq) - 1;
-    for (int k0 = 0; k0 <= last_pos; k0 += R) {
+    const int k_end = min(Tk, diag + min(q0 + R, Tq));
+    for (int k0 = 0; k0 < k_end; k0 += R) {
         __syncthreads();
         load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
         load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
@@ -305,7 +329,7 @@ __device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* 
             const int c = 2 * j + half, key = k0 + c;
             const bool seen = key <= qpos && key < Tk && t < Tq;
             const float p = seen ? expf(Sb[r * SLD + c] * scale - row_lse) : 0.0f;
-            const float f = drop.factor(b, hk * G + g, Tq, Tk, t, key);  // dropout's gradient: dP * factor
+            const float f = drop.factor(b, hk * G + g, t, key);  // dropout's gradient: dP * factor
             Pb[r * PLD + c] = from_float<T>(p * (dPb[r * SLD + c] * f - row_dot));
         }
         __syncwarp();
@@ -315,15 +339,16 @@ __device__ void backward_dq(T* dq, const T* q, const T* k, const T* v, const T* 
     for (int rr = 0; rr < BAND; ++rr) {
         const int tt = q0 + warp * BAND + rr;
         if (tt < Tq) {
-            T* out = dq + b * dq_sb + hk * dq_sh + g * dq_sg + tt * dq_st;
-            for (int d = lane; d < D; d += WARP_SIZE) out[d] = from_float<T>(dQb[rr * OLD + d] * scale);
+            const long long out = b * dq_sb + hk * dq_sh + g * dq_sg + tt * dq_st;
+            for (int d = lane; d < D; d += WARP_SIZE) dq.store(out + d, dQb[rr * OLD + d] * scale);
         }
     }
 }
 
 template <typename T, int D, int R>
-__device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                              const float* rowdot, int Hkv, int G, int Tq, int Tk, long long q_sb, long long q_sh,
+__device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, const T* v, const T* dout,
+                              const float* lse, const float* rowdot, int Hkv, int G, int Tq, int Tk, int diag,
+                              long long q_sb, long long q_sh,
                               long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
                               long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
                               long long do_sg, long long do_st, long long dk_sb, long long dk_sh, long long dk_st,
@@ -347,7 +372,6 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
     const long long bk = blockIdx.x;  // (b, hk)
     const long long b = bk / Hkv, hk = bk % Hkv;
     const int k0 = (gridDim.y - 1 - blockIdx.y) * R;  // the most query tiles first
-    const int off = Tk - Tq;
 
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int r = lane >> 1, half = lane & 1;
@@ -365,7 +389,7 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
         dKb[(e / D) * OLD + e % D] = 0.0f;
         dVb[(e / D) * OLD + e % D] = 0.0f;
     }
-    const int first_row = max(0, k0 - off);  // queries before it see none of these keys
+    const int first_row = max(0, k0 - diag);  // queries before it see none of these keys
     for (int g = 0; g < G; ++g) {
         const long long bh = bk * G + g;
         const T* qb = q + b * q_sb + hk * q_sh + g * q_sg;
@@ -385,9 +409,9 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
 #pragma unroll
             for (int j = 0; j < R / 2; ++j) {
                 const int c = 2 * j + half, t = q0 + c;
-                const bool seen = t < Tq && kpos <= off + t && kpos < Tk;
+                const bool seen = t < Tq && kpos <= diag + t && kpos < Tk;
                 const float p = seen ? expf(STb[r * SLD + c] * scale - lse_s[c]) : 0.0f;
-                const float f = drop.factor(b, hk * G + g, Tq, Tk, t, kpos);
+                const float f = drop.factor(b, hk * G + g, t, kpos);
                 const float ds = p * (dPTb[r * SLD + c] * f - dot_s[c]);
                 PTb[r * PLD + c] = from_float<T>(p * f);
                 dSTb[r * PLD + c] = from_float<T>(ds);
@@ -401,11 +425,11 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
     for (int rr = 0; rr < BAND; ++rr) {
         const int key = k0 + warp * BAND + rr;
         if (key < Tk) {
-            T* dkrow = dk + b * dk_sb + hk * dk_sh + key * dk_st;
-            T* dvrow = dv + b * dv_sb + hk * dv_sh + key * dv_st;
+            const long long dkrow = b * dk_sb + hk * dk_sh + key * dk_st;
+            const long long dvrow = b * dv_sb + hk * dv_sh + key * dv_st;
             for (int d = lane; d < D; d += WARP_SIZE) {
-                dkrow[d] = from_float<T>(dKb[rr * OLD + d] * scale);
-                dvrow[d] = from_float<T>(dVb[rr * OLD + d]);
+                dk.store(dkrow + d, dKb[rr * OLD + d] * scale);
+                dv.store(dvrow + d, dVb[rr * OLD + d]);
             }
         }
     }
@@ -416,26 +440,35 @@ __device__ void backward_dkdv(T* dk, T* dv, const T* q, const T* k, const T* v, 
 // ---- entry points: {forward, backward_dq, backward_dkdv} x {f32, bf16} x head dim {64, 128} -----
 // Tile rows R: 64 for the forward; 64 (head dim 64) or 32 (head dim 128) for the backward, whose
 // blocks hold twice the tiles (kernels/attention.py, ATTENTION_TILE_ROWS). Threads: 2 x R.
+// diag >= 0: query row i sees keys j <= diag + i (Tk - Tq: the last Tq positions; 0: a ring's
+// diagonal tile; Tk: every key). Outputs: one of the T pointer and the float32 one (*_f32) is
+// null; accumulate adds the result to the output instead of overwriting it.
+#define ATTN_DROP_PARAMS                                                                                        \
+    const long long *drop_offsets, unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale, \
+        long long drop_head_stride, long long drop_row_stride
+#define ATTN_DROPOUT                                                                                            \
+    attn_impl::ProbDropout{drop_offsets, drop_seed, drop_threshold, drop_scale, drop_head_stride, drop_row_stride}
+
 #define ATTN_FWD_PARAMS(T)                                                                                      \
-    T *o, float *lse, const T *q, const T *k, const T *v, int Hkv, int G, int Tq, int Tk, long long q_sb,      \
-        long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,        \
-        long long v_sb, long long v_sh, long long v_st, float scale, const long long *drop_offsets,            \
-        unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
-#define ATTN_DROPOUT attn_impl::ProbDropout{drop_offsets, drop_seed, drop_threshold, drop_scale}
-#define ATTN_FWD_ARGS                                                                                            \
-    o, lse, q, k, v, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, scale, ATTN_DROPOUT
+    T *o, float *o_f32, float *lse, const T *q, const T *k, const T *v, int Hkv, int G, int Tq, int Tk,        \
+        int diag, long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb,              \
+        long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, float scale,          \
+        ATTN_DROP_PARAMS
+#define ATTN_FWD_ARGS(T)                                                                                        \
+    attn_impl::Out<T>{o, o_f32, 0}, lse, q, k, v, Hkv, G, Tq, Tk, diag, q_sb, q_sh, q_sg, q_st, k_sb, k_sh,   \
+        k_st, v_sb, v_sh, v_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d64(ATTN_FWD_PARAMS(float)) {
-    attn_impl::forward<float, 64, 64>(ATTN_FWD_ARGS);
+    attn_impl::forward<float, 64, 64>(ATTN_FWD_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d128(ATTN_FWD_PARAMS(float)) {
-    attn_impl::forward<float, 128, 64>(ATTN_FWD_ARGS);
+    attn_impl::forward<float, 128, 64>(ATTN_FWD_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_d64(ATTN_FWD_PARAMS(__nv_bfloat16)) {
-    attn_impl::forward<__nv_bfloat16, 64, 64>(ATTN_FWD_ARGS);
+    attn_impl::forward<__nv_bfloat16, 64, 64>(ATTN_FWD_ARGS(__nv_bfloat16));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_d128(ATTN_FWD_PARAMS(__nv_bfloat16)) {
-    attn_impl::forward<__nv_bfloat16, 128, 64>(ATTN_FWD_ARGS);
+    attn_impl::forward<__nv_bfloat16, 128, 64>(ATTN_FWD_ARGS(__nv_bfloat16));
 }
 
 #define ATTN_ROWDOT_PARAMS(T)                                                                                   \
@@ -460,50 +493,51 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_bf16
 }
 
 #define ATTN_DQ_PARAMS(T)                                                                                       \
-    T *dq, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *rowdot, int Hkv,  \
-        int G, int Tq, int Tk, long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb,  \
-        long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb,       \
-        long long do_sh, long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,  \
-        long long dq_st, float scale, const long long *drop_offsets, unsigned long long drop_seed,             \
-        unsigned int drop_threshold, float drop_scale
-#define ATTN_DQ_ARGS                                                                                           \
-    dq, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, \
-        do_sb, do_sh, do_sg, do_st, dq_sb, dq_sh, dq_sg, dq_st, scale, ATTN_DROPOUT
+    T *dq, float *dq_f32, int accumulate, const T *q, const T *k, const T *v, const T *dout, const float *lse, \
+        const float *rowdot, int Hkv, int G, int Tq, int Tk, int diag, long long q_sb, long long q_sh,         \
+        long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,        \
+        long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_sg, long long do_st,    \
+        long long dq_sb, long long dq_sh, long long dq_sg, long long dq_st, float scale, ATTN_DROP_PARAMS
+#define ATTN_DQ_ARGS(T)                                                                                         \
+    attn_impl::Out<T>{dq, dq_f32, accumulate}, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, diag, q_sb, q_sh,   \
+        q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, do_sb, do_sh, do_sg, do_st, dq_sb, dq_sh, dq_sg, dq_st, \
+        scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_f32_d64(ATTN_DQ_PARAMS(float)) {
-    attn_impl::backward_dq<float, 64, 64>(ATTN_DQ_ARGS);
+    attn_impl::backward_dq<float, 64, 64>(ATTN_DQ_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_f32_d128(ATTN_DQ_PARAMS(float)) {
-    attn_impl::backward_dq<float, 128, 32>(ATTN_DQ_ARGS);
+    attn_impl::backward_dq<float, 128, 32>(ATTN_DQ_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_bf16_d64(ATTN_DQ_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dq<__nv_bfloat16, 64, 64>(ATTN_DQ_ARGS);
+    attn_impl::backward_dq<__nv_bfloat16, 64, 64>(ATTN_DQ_ARGS(__nv_bfloat16));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_bf16_d128(ATTN_DQ_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dq<__nv_bfloat16, 128, 32>(ATTN_DQ_ARGS);
+    attn_impl::backward_dq<__nv_bfloat16, 128, 32>(ATTN_DQ_ARGS(__nv_bfloat16));
 }
 
 #define ATTN_DKDV_PARAMS(T)                                                                                     \
-    T *dk, T *dv, const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *rowdot,    \
-        int Hkv, int G, int Tq, int Tk, long long q_sb, long long q_sh, long long q_sg, long long q_st,        \
-        long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,        \
-        long long do_sb, long long do_sh, long long do_sg, long long do_st, long long dk_sb, long long dk_sh,  \
-        long long dk_st, long long dv_sb, long long dv_sh, long long dv_st, float scale,                      \
-        const long long *drop_offsets, unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
-#define ATTN_DKDV_ARGS                                                                                          \
-    dk, dv, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh,  \
-        v_st, do_sb, do_sh, do_sg, do_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st, scale, ATTN_DROPOUT
+    T *dk, T *dv, float *dk_f32, float *dv_f32, int accumulate, const T *q, const T *k, const T *v,            \
+        const T *dout, const float *lse, const float *rowdot, int Hkv, int G, int Tq, int Tk, int diag,        \
+        long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh,        \
+        long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,      \
+        long long do_sg, long long do_st, long long dk_sb, long long dk_sh, long long dk_st, long long dv_sb,  \
+        long long dv_sh, long long dv_st, float scale, ATTN_DROP_PARAMS
+#define ATTN_DKDV_ARGS(T)                                                                                       \
+    attn_impl::Out<T>{dk, dk_f32, accumulate}, attn_impl::Out<T>{dv, dv_f32, accumulate}, q, k, v, dout, lse, \
+        rowdot, Hkv, G, Tq, Tk, diag, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, do_sb,      \
+        do_sh, do_sg, do_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_f32_d64(ATTN_DKDV_PARAMS(float)) {
-    attn_impl::backward_dkdv<float, 64, 64>(ATTN_DKDV_ARGS);
+    attn_impl::backward_dkdv<float, 64, 64>(ATTN_DKDV_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_f32_d128(ATTN_DKDV_PARAMS(float)) {
-    attn_impl::backward_dkdv<float, 128, 32>(ATTN_DKDV_ARGS);
+    attn_impl::backward_dkdv<float, 128, 32>(ATTN_DKDV_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_bf16_d64(ATTN_DKDV_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dkdv<__nv_bfloat16, 64, 64>(ATTN_DKDV_ARGS);
+    attn_impl::backward_dkdv<__nv_bfloat16, 64, 64>(ATTN_DKDV_ARGS(__nv_bfloat16));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_bf16_d128(
     ATTN_DKDV_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dkdv<__nv_bfloat16, 128, 32>(ATTN_DKDV_ARGS);
+    attn_impl::backward_dkdv<__nv_bfloat16, 128, 32>(ATTN_DKDV_ARGS(__nv_bfloat16));
 }

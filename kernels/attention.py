@@ -16,6 +16,13 @@ Layouts (the op's): q [B, Hkv, G, Tq, D] (the G query heads of each KV head), k,
 go in as they are: no copy); query row i sits at position Tk - Tq + i. The forward allocates only
 o, token-major [B, Tq, Hkv, G, D] (returned as the [B, Hkv, G, Tq, D] view, so merging the heads
 is a view) and the log-sum-exp lse [B, Hkv, G, Tq] in float32: O(T) memory, nothing T x T.
+
+One tile of context parallelism's ring attention (``cutp.ops.attention_tiles``) runs on the same
+kernels: ``positions=(q_pos0, k_pos0)`` puts query row i at position q_pos0 + i and key j at
+k_pos0 + j (a key after the query is masked: q_pos0 == k_pos0 is a diagonal tile, q_pos0 >=
+k_pos0 + Tk - 1 a full one), ``drop_strides`` puts the dropout counters at the whole sequence's
+places, the backward takes the merged result's ``rowdot`` and lse, and writes float32 outputs
+(for bfloat16 inputs too) or adds to them (``accumulate``).
 """
 from __future__ import annotations
 
@@ -97,18 +104,57 @@ class AttentionLaunchers(LauncherBase):
     mask is stored.
     """
 
-    def _attention_dropout_args(self, dropout_p, seed, offsets, B, row_elems):
+    def _attention_dropout_args(self, dropout_p, seed, offsets, dims, positions, drop_strides):
+        """The kernels' dropout arguments (offsets, seed, threshold, scale, head stride, row stride):
+        counter offsets[b] + h head_stride + i row_stride + j of probability (h, i, j) of batch row
+        b; drop_strides None: (Tq Tk, Tk), the [H, Tq, Tk] probabilities' own places; given: the
+        whole sequence's, with the tile's first query's and key's positions folded into offsets[b]
+        (q_pos0 row_stride + k_pos0). offsets an int: batch rows follow each other (H head_stride
+        apart)."""
+        B, Hkv, G, Tq, Tk, _ = dims
         p = float(dropout_p)
         if not 0.0 <= p <= 1.0:
             raise KernelArgumentError(f"dropout_p={p} outside [0, 1]")
+        head_stride, row_stride = (Tq * Tk, Tk) if drop_strides is None else (int(s) for s in drop_strides)
         if p == 0.0:
-            return None, np.uint64(0), np.uint32(0), np.float32(1.0)
+            return None, np.uint64(0), np.uint32(0), np.float32(1.0), np.int64(0), np.int64(0)
+        row_elems = Hkv * G * head_stride
         rows = list(offsets) if isinstance(offsets, (list, tuple)) else [int(offsets) + b * row_elems for b in range(B)]
         if len(rows) != B:
             raise KernelArgumentError(f"{len(rows)} dropout offsets for {B} batch rows")
+        if drop_strides is not None:
+            q_pos0, k_pos0 = (Tk - Tq, 0) if positions is None else positions
+            rows = [int(o) + int(q_pos0) * row_stride + int(k_pos0) for o in rows]
         wrapped = np.array([int(o) & MASK64 for o in rows], dtype=np.uint64).view(np.int64)
         return (self.xp.asarray(wrapped), np.uint64(int(seed) & MASK64), np.uint32(keep_threshold(p)),
-                np.float32(0.0 if p == 1.0 else 1.0 / (1.0 - p)))
+                np.float32(0.0 if p == 1.0 else 1.0 / (1.0 - p)), np.int64(head_stride), np.int64(row_stride))
+
+    @staticmethod
+    def _diagonal(positions, Tq, Tk) -> int:
+        """The kernels' diag (query row i sees keys j <= diag + i) of positions (q_pos0, k_pos0),
+        default (Tk - Tq, 0); a diag past the last key is Tk (the same mask, no overflow)."""
+        if positions is None:
+            if Tq > Tk:
+                raise KernelArgumentError(f"causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
+            return Tk - Tq
+        q_pos0, k_pos0 = (int(p) for p in positions)
+        if Tq and (q_pos0 < k_pos0 or Tk == 0):
+            raise KernelArgumentError(f"query row 0 at position {q_pos0} sees none of the {Tk} keys from position "
+                                      f"{k_pos0}: every query needs a visible key (q_pos0 >= k_pos0, Tk >= 1)")
+        return min(q_pos0 - k_pos0, Tk)
+
+    @staticmethod
+    def _outputs(xp, name, a, like):
+        """(the T pointer, the float32 pointer, strides) of output a: one pointer is None."""
+        if not isinstance(a, xp.ndarray) or a.shape != like.shape or a.dtype not in (like.dtype, np.float32):
+            raise KernelArgumentError(f"out {name} must be a {xp.__name__} array of shape {like.shape} and dtype "
+                                      f"{like.dtype} or float32")
+        if not kernel_layout(a, output=True):
+            raise KernelArgumentError(f"out {name} has strides {a.strides}: the kernels write a contiguous head "
+                                      "dim at non-negative, non-zero strides (a broadcast view would have several "
+                                      "blocks write each element); pass out=None and copy")
+        span, strides = strided_span(xp, a)
+        return (span, None, strides) if a.dtype == like.dtype else (None, span, strides)
 
     def _check(self, q, k, v):
         xp = self.xp
@@ -118,8 +164,6 @@ class AttentionLaunchers(LauncherBase):
         if q.ndim != 5 or k.ndim != 4 or v.shape != k.shape or q.shape[:2] != k.shape[:2] or q.shape[4] != k.shape[3]:
             raise KernelArgumentError(f"attention needs q [B, Hkv, G, Tq, D] and k, v [B, Hkv, Tk, D]; got q {q.shape}, "
                                       f"k {k.shape}, v {v.shape}")
-        if q.shape[3] > k.shape[2]:
-            raise KernelArgumentError(f"causal attention needs Tq <= Tk, got Tq={q.shape[3]}, Tk={k.shape[2]}")
         why = fused_attention_supported(q, k, v)
         if why:
             raise KernelArgumentError(why)
@@ -132,15 +176,22 @@ class AttentionLaunchers(LauncherBase):
                                       "grid limits")
         return q.shape[:4] + (k.shape[2], q.shape[4])
 
-    def attention_forward(self, q, k, v, scale: float, dropout_p: float = 0.0, seed: int = 0, offsets=0):
-        """(o, lse): o = dropout(softmax(scale * q k^T, causal)) v in q's dtype, [B, Hkv, G, Tq, D]
-        (a view of token-major memory [B, Tq, Hkv, G, D]), lse [B, Hkv, G, Tq] float32, the rows'
-        log-sum-exp of the scaled scores (what the backward recomputes the probabilities from).
-        Allocates o and lse (and, with dropout, the B offsets)."""
+    def attention_forward(self, q, k, v, scale: float, dropout_p: float = 0.0, seed: int = 0, offsets=0, *,
+                          positions=None, drop_strides=None, out_dtype=None):
+        """(o, lse): o = dropout(softmax(scale * q k^T, causal)) v in q's dtype (out_dtype float32:
+        in float32), [B, Hkv, G, Tq, D] (a view of token-major memory [B, Tq, Hkv, G, D]), lse
+        [B, Hkv, G, Tq] float32, the rows' log-sum-exp of the scaled scores (what the backward
+        recomputes the probabilities from). positions, drop_strides: a tile's (module docstring;
+        :meth:`_diagonal`, :meth:`_attention_dropout_args`). Allocates o and lse (and, with
+        dropout, the B offsets)."""
         xp = self.xp
-        B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
-        drop = self._attention_dropout_args(dropout_p, seed, offsets, B, Hkv * G * Tq * Tk)
-        o_tokens = xp.empty((B, Tq, Hkv, G, D), dtype=q.dtype)
+        dims = B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        diag = self._diagonal(positions, Tq, Tk)
+        out_dtype = q.dtype if out_dtype is None else np.dtype(out_dtype)
+        if out_dtype not in (q.dtype, np.float32):
+            raise KernelArgumentError(f"out_dtype {out_dtype}: the forward writes o in q's dtype {q.dtype} or float32")
+        drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, positions, drop_strides)
+        o_tokens = xp.empty((B, Tq, Hkv, G, D), dtype=out_dtype)
         lse = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
         if o_tokens.size:
             qs, q_st = strided_span(xp, q)
@@ -149,60 +200,69 @@ class AttentionLaunchers(LauncherBase):
             R = attention_tile_rows("forward", D)
             self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_d{D}", (B * Hkv * G, ceil_div(Tq, R)),
                          (2 * R,),
-                         (o_tokens, lse, qs, ks, vs, int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq),
-                          int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale), *drop),
+                         (*((o_tokens, None) if out_dtype == q.dtype else (None, o_tokens)), lse, qs, ks, vs,
+                          int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq), int32_arg("Tk", Tk),
+                          np.int32(diag), *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale), *drop),
                          shared_mem=attention_shared_bytes("forward", q.dtype, D))
         return o_tokens.transpose(0, 2, 3, 1, 4), lse
 
     def attention_backward(self, do, q, k, v, o, lse, scale: float, out=None, dropout_p: float = 0.0, seed: int = 0,
-                           offsets=0):
+                           offsets=0, *, rowdot=None, positions=None, drop_strides=None, accumulate: bool = False):
         """(dq, dk, dv) of attention_forward's (o, lse) for do shaped like o (any strides with a
-        contiguous head dim), with the forward's dropout arguments. out: optional (dq, dk, dv)
-        arrays of q's, k's, v's shapes to write (views of one packed buffer are fine); new
-        contiguous arrays otherwise. Scratch: the rows' sum(do * o), float32 [B, Hkv, G, Tq]."""
+        contiguous head dim), with the forward's dropout, positions and drop_strides. out:
+        optional (dq, dk, dv) arrays of q's, k's, v's shapes, each in q's dtype or float32, to
+        write (views of one packed buffer are fine) or, with accumulate, to add the gradients to;
+        new contiguous arrays otherwise. rowdot: the rows' sum(do * o), float32 [B, Hkv, G, Tq]
+        contiguous (a ring tile's: of the merged o; o is then unused, may be None); without it
+        the launcher computes it (scratch of that shape) from o."""
         xp = self.xp
-        B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        dims = B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        diag = self._diagonal(positions, Tq, Tk)
+        rows_shape = (B, Hkv, G, Tq)
         for name, a in (("do", do), ("o", o)):
+            if name == "o" and rowdot is not None:
+                continue
             if not isinstance(a, xp.ndarray) or a.shape != q.shape or a.dtype != q.dtype:
                 raise KernelArgumentError(f"{name} must be a {xp.__name__} array of q's shape {q.shape} and dtype "
                                           f"{q.dtype}, got {getattr(a, 'shape', type(a).__name__)}")
-        if not isinstance(lse, xp.ndarray) or lse.dtype != np.float32 or lse.shape != (B, Hkv, G, Tq) \
-                or not lse.flags.c_contiguous:
-            raise KernelArgumentError(f"lse must be a contiguous float32 array of shape {(B, Hkv, G, Tq)}")
+        for name, a in (("lse", lse), ("rowdot", rowdot)):
+            if name == "rowdot" and a is None:
+                continue
+            if not isinstance(a, xp.ndarray) or a.dtype != np.float32 or a.shape != rows_shape \
+                    or not a.flags.c_contiguous:
+                raise KernelArgumentError(f"{name} must be a contiguous float32 array of shape {rows_shape}")
         if out is None:
+            if accumulate:
+                raise KernelArgumentError("accumulate adds the gradients to out: pass out=(dq, dk, dv)")
             out = (xp.empty(q.shape, q.dtype), xp.empty(k.shape, k.dtype), xp.empty(v.shape, v.dtype))
-        for name, a, like in zip(("dq", "dk", "dv"), out, (q, k, v)):
-            if not isinstance(a, xp.ndarray) or a.shape != like.shape or a.dtype != like.dtype:
-                raise KernelArgumentError(f"out {name} must be a {xp.__name__} array of shape {like.shape} and dtype "
-                                          f"{like.dtype}")
-            if not kernel_layout(a, output=True):
-                raise KernelArgumentError(f"out {name} has strides {a.strides}: the kernels write a contiguous head "
-                                          "dim at non-negative, non-zero strides (a broadcast view would have several "
-                                          "blocks write each element); pass out=None and copy")
+        (dq_t, dq_f, dq_st), (dk_t, dk_f, dk_st), (dv_t, dv_f, dv_st) = (
+            self._outputs(xp, name, a, like) for name, a, like in zip(("dq", "dk", "dv"), out, (q, k, v)))
         dq, dk, dv = out
         if dq.size == 0 or dk.size == 0:
-            if dk.size:
+            if dk.size and not accumulate:
                 dk[...] = 0
                 dv[...] = 0
             return out
-        drop = self._attention_dropout_args(dropout_p, seed, offsets, B, Hkv * G * Tq * Tk)
+        drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, positions, drop_strides)
         sfx = f"{dtype_suffix(q.dtype)}_d{D}"
-        n_rows = B * Hkv * G * Tq
-        rowdot = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
-        (qs, q_st), (ks, k_st), (vs, v_st) = strided_span(xp, q), strided_span(xp, k), strided_span(xp, v)
-        (os_, o_st), (dos, do_st) = strided_span(xp, o), strided_span(xp, do)
-        (dqs, dq_st), (dks, dk_st), (dvs, dv_st) = strided_span(xp, dq), strided_span(xp, dk), strided_span(xp, dv)
         dims = (int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq))
-        self._launch("attention", f"attention_backward_rowdot_{sfx}", (ceil_div(n_rows, ROWDOT_WARPS),),
-                     (32 * ROWDOT_WARPS,), (rowdot, os_, dos, *dims, *o_st[:4], *do_st[:4], np.int64(n_rows)))
-        common = (qs, ks, vs, dos, lse, rowdot, *dims, int32_arg("Tk", Tk), *q_st[:4], *k_st[:3], *v_st[:3],
-                  *do_st[:4])
+        (qs, q_st), (ks, k_st), (vs, v_st) = strided_span(xp, q), strided_span(xp, k), strided_span(xp, v)
+        dos, do_st = strided_span(xp, do)
+        if rowdot is None:
+            n_rows = B * Hkv * G * Tq
+            rowdot = xp.empty(rows_shape, dtype=np.float32)
+            os_, o_st = strided_span(xp, o)
+            self._launch("attention", f"attention_backward_rowdot_{sfx}", (ceil_div(n_rows, ROWDOT_WARPS),),
+                         (32 * ROWDOT_WARPS,), (rowdot, os_, dos, *dims, *o_st[:4], *do_st[:4], np.int64(n_rows)))
+        common = (qs, ks, vs, dos, lse, rowdot, *dims, int32_arg("Tk", Tk), np.int32(diag), *q_st[:4], *k_st[:3],
+                  *v_st[:3], *do_st[:4])
+        acc = np.int32(bool(accumulate))
         R = attention_tile_rows("backward_dq", D)
         self._launch("attention", f"attention_backward_dq_{sfx}", (B * Hkv * G, ceil_div(Tq, R)), (2 * R,),
-                     (dqs, *common, *dq_st[:4], np.float32(scale), *drop),
+                     (dq_t, dq_f, acc, *common, *dq_st[:4], np.float32(scale), *drop),
                      shared_mem=attention_shared_bytes("backward_dq", q.dtype, D))
         R = attention_tile_rows("backward_dkdv", D)
         self._launch("attention", f"attention_backward_dkdv_{sfx}", (B * Hkv, ceil_div(Tk, R)), (2 * R,),
-                     (dks, dvs, *common, *dk_st[:3], *dv_st[:3], np.float32(scale), *drop),
+                     (dk_t, dv_t, dk_f, dv_f, acc, *common, *dk_st[:3], *dv_st[:3], np.float32(scale), *drop),
                      shared_mem=attention_shared_bytes("backward_dkdv", q.dtype, D))
         return out

@@ -71,7 +71,7 @@ STAGES = {
     "gelu": (["test_gelu.py"], ["gelu", "reduce"]),
     "adamw": (["test_adamw.py"], ["adamw"]),
     "dropout": (["test_dropout.py"], ["dropout"]),
-    "attention": (["test_attention.py"], ["attention"]),
+    "attention": (["test_attention.py", "test_attention_tiles.py"], ["attention"]),
     "rmsnorm": (["test_rmsnorm.py"], ["rmsnorm", "reduce"]),
     "swiglu": (["test_swiglu.py"], ["swiglu"]),
     "rotary": (["test_rotary.py"], ["rotary"]),
@@ -121,6 +121,9 @@ QUICK = {
         _ATT + "test_strided_operands_and_packed_gradients",
         _ATT + "test_fewer_queries_than_keys",
         _ATT + "test_scores_far_apart",
+        # a ring tile's arguments: diagonal shifts, global dropout counters, float32 accumulation
+        "test_attention_tiles.py::test_a_ring_tile_pair_on_the_kernels",
+        "test_attention_tiles.py::test_diagonal_shifts",
         *_scheduled("warp-reverse"), *_scheduled("random"),
         # unchecked build: a few grid cases (one query row; GQA 4 at 200 rows; 513 rows)
         *[f"{_ATT}test_attention_grid[emulated-{case}-{dt}]"

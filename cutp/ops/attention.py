@@ -141,7 +141,7 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
         if fused:
             raise ValueError(why)
         if kernels is not None and not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
-            _warn_unfused_once(why)
+            warn_unfused_once(why)
     xp = get_array_module(q, k, v)
     can_block = on_host(xp) and float(dropout_p) == 0.0
     if blocked is None:
@@ -184,7 +184,9 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
 _UNFUSED_WARNED: set = set()
 
 
-def _warn_unfused_once(why: str) -> None:
+def warn_unfused_once(why: str) -> None:
+    """Warns, once per reason (the one-rank attention's and the ring's tiles alike), that an
+    attention on a GPU runs unfused."""
     if why not in _UNFUSED_WARNED:
         _UNFUSED_WARNED.add(why)
         warnings.warn(f"cutp: {why}; attention runs unfused (its T x T probabilities in memory)", stacklevel=3)

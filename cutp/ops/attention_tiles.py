@@ -4,8 +4,10 @@ the merge of such partial results: the pieces of context parallelism's ring atte
 of the other ranks one at a time.
 
 Layout as in :mod:`cutp.ops.attention`: q [B, nkv, g, Tq, hd], k and v [B, nkv, Tk, hd]. A tile
-is either "full" (every query sees every key: the keys lie before the queries) or "causal"
-(the same positions on both sides, the diagonal block: key j > query i masked).
+has `positions` (q_pos, k_pos): query row i sits at global position q_pos + i, key j at k_pos + j,
+and a key after the query is masked. The ring's tiles are "full" (q_pos >= k_pos + Tk: every
+query sees every key) or "causal" (q_pos == k_pos, the diagonal block: key j > query i masked).
+Every query must see a key (q_pos >= k_pos).
 
 Forward of a tile: s = scale q k^T (masked), m = max s, l = sum exp(s - m), o = (exp(s - m) / l)
 (times the dropout factors) v, lse = m + log l. Two partial results of the same queries merge
@@ -18,34 +20,102 @@ Backward of a tile takes the merged o's row dot D = rowsum(do * o) and the merge
 tile's): P = exp(s - lse) is then the tile's part of the whole row's softmax, and dv = (P F)^T do,
 dS = P (F (do v^T) - D), dq = scale dS k, dk = scale dS^T q (F the dropout factors; dk and dv
 summed over the g query heads of each KV head): FlashAttention-2's backward, per tile.
+
+Dropout (`dropout`: None or (p, seed, offsets, T)): probability (h, i, j) of batch row b has
+counter offsets[b] + h T^2 + (q_pos + i) T + k_pos + j, the counter the one-rank attention over
+the whole T-token sequence gives it (offsets[b]: that of this rank's first head in batch row b).
+
+Two implementations, chosen per call as `causal_attention_forward` chooses: on a GPU with kernels
+on, CuPy arrays of float32 or bfloat16 and head dim 64 or 128, the fused kernels
+(kernels/attention.cu: the tile's positions are their diagonal shift, the dropout counters their
+global strides; o, dq, dk, dv come out in float32, the gradients added straight into the ring's
+float32 accumulators): nothing Tq x Tk in memory. Otherwise (the CPU, float64, other head dims)
+the array code below, which holds the tile's scores.
 """
 from __future__ import annotations
 
+import numpy as np
+
+from cutp.kernels import dispatch_views
+from cutp.kernels.attention import fused_attention_supported, kernel_layout
 from cutp.runtime.backend import get_array_module
 
+from .attention import warn_unfused_once
 from .common import as_dtype, compute_dtype
+from .dropout import dropout_mask_at
 
 
-def _scores(q, k, scale, causal, xp):
+def _fused_kernels(q, k, v):
+    """The launchers when the fused kernels take this tile (else None, with the one-rank
+    attention's warning once per reason on a GPU)."""
+    kernels = dispatch_views(q, k, v)
+    if kernels is None:
+        return None
+    why = fused_attention_supported(q, k, v)
+    if why is None:
+        return kernels
+    if not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
+        warn_unfused_once(why)
+    return None
+
+
+def _kernel_dropout(dropout):
+    """The launchers' dropout arguments ((p, seed, offsets), drop_strides) of a tile's dropout."""
+    if dropout is None or not dropout[0]:
+        return (0.0, 0, 0), None
+    p, seed, offsets, T = dropout
+    return (float(p), seed, [int(o) for o in offsets]), (T * T, T)
+
+
+def _scores(q, k, scale, positions, xp):
     s = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, nkv, g, Tq, Tk]
-    if causal:
-        tq, tk = s.shape[-2], s.shape[-1]
-        later = xp.arange(tk)[None, :] > xp.arange(tq)[:, None]
+    (q_pos, k_pos), (tq, tk) = positions, s.shape[-2:]
+    if k_pos + tk - 1 > q_pos:  # some key after some query
+        later = (k_pos + xp.arange(tk))[None, :] > (q_pos + xp.arange(tq))[:, None]
         s = xp.where(later, -xp.inf, s)
     return s
 
 
-def tile_forward(q, k, v, scale: float, causal: bool, keep=None, keep_scale: float = 1.0):
-    """(o, lse) of queries q against keys k, v (module docstring), in the compute dtype; keep:
-    the dropout keep-mask [B, nkv, g, Tq, Tk] (None: no dropout), keep_scale 1 / (1 - p)."""
+def _keep(xp, dropout, positions, shape):
+    """(keep-mask, 1 / (1 - p)) of the tile's probabilities [B, nkv, g, Tq, Tk] at their global
+    (head, query, key) places (module docstring); (None, 1) without dropout."""
+    if dropout is None or not dropout[0]:
+        return None, 1.0
+    p, seed, offsets, T = dropout
+    B, nkv, g, tq, tk = shape
+    q_pos, k_pos = positions
+    u = np.uint64
+    counters = (xp.asarray(np.asarray(offsets, dtype=u)).reshape(B, 1, 1, 1, 1)
+                + (xp.arange(nkv * g, dtype=u) * u(T * T)).reshape(1, nkv, g, 1, 1)
+                + (xp.arange(q_pos, q_pos + tq, dtype=u) * u(T)).reshape(tq, 1)
+                + xp.arange(k_pos, k_pos + tk, dtype=u))
+    return dropout_mask_at(xp, counters, p, seed), (0.0 if p == 1.0 else 1.0 / (1.0 - p))
+
+
+def _check_positions(positions, tq):
+    if tq and positions[0] < positions[1]:
+        raise ValueError(f"a tile's query row 0 at position {positions[0]} sees none of the keys from position "
+                         f"{positions[1]}: every query needs a visible key (q_pos >= k_pos)")
+
+
+def tile_forward(q, k, v, scale: float, positions, dropout=None):
+    """(o, lse) of queries q against keys k, v at `positions` (q_pos, k_pos), in the compute
+    dtype; dropout: None or (p, seed, offsets, T) (module docstring)."""
+    _check_positions(positions, q.shape[3])
+    kernels = _fused_kernels(q, k, v)
+    if kernels is not None:
+        drop, strides = _kernel_dropout(dropout)
+        return kernels.attention_forward(q, k, v, scale, *drop, positions=positions, drop_strides=strides,
+                                         out_dtype=np.float32)
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
-    s = _scores(qc, kc, scale, causal, xp)
+    s = _scores(qc, kc, scale, positions, xp)
     m = s.max(axis=-1, keepdims=True)
     p = xp.exp(s - m)
     total = p.sum(axis=-1, keepdims=True)
     p /= total
+    keep, keep_scale = _keep(xp, dropout, positions, s.shape)
     if keep is not None:
         p *= keep
         p *= keep_scale
@@ -63,15 +133,42 @@ def merge(o, lse, o_tile, lse_tile):
     return o * xp.exp(lse - new)[..., None] + o_tile * xp.exp(lse_tile - new)[..., None], new
 
 
-def tile_backward(do, q, k, v, rowdot, lse, scale: float, causal: bool, keep=None, keep_scale: float = 1.0):
+def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=None, out=None):
     """(dq, dk, dv) of one tile, in the compute dtype: do [B, nkv, g, Tq, hd] the output's
-    gradient, rowdot [B, nkv, g, Tq] = rowsum(do * o) and lse [B, nkv, g, Tq] of the merged
-    result; dk and dv [B, nkv, Tk, hd] summed over the g query heads."""
+    gradient (any dtype and strides), rowdot [B, nkv, g, Tq] = rowsum(do * o) and lse
+    [B, nkv, g, Tq] of the merged result (compute dtype); dk and dv [B, nkv, Tk, hd] summed over
+    the g query heads. out: optional (dq, dk, dv) arrays (compute dtype, any strides) the
+    gradients are added to, and returned."""
+    _check_positions(positions, q.shape[3])
+    kernels = _fused_kernels(q, k, v)
+    if kernels is not None:
+        xp = kernels.xp
+        do = as_dtype(do, q.dtype)
+        if not kernel_layout(do):
+            do = xp.ascontiguousarray(do)
+        drop, strides = _kernel_dropout(dropout)
+        args = dict(rowdot=xp.ascontiguousarray(rowdot), positions=positions, drop_strides=strides)
+        lse = xp.ascontiguousarray(lse)
+        if out is not None and all(kernel_layout(a, output=True) and a.dtype == np.float32 for a in out):
+            return kernels.attention_backward(do, q, k, v, None, lse, scale, out, *drop, accumulate=True, **args)
+        grads = tuple(xp.empty(a.shape, np.float32) for a in (q, k, v))
+        grads = kernels.attention_backward(do, q, k, v, None, lse, scale, grads, *drop, **args)
+    else:
+        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout)
+    if out is None:
+        return grads
+    for dst, grad in zip(out, grads):
+        dst += grad
+    return out
+
+
+def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout):
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
-    p = xp.exp(_scores(qc, kc, scale, causal, xp) - lse[..., None])  # masked scores: exp(-inf) = 0
+    p = xp.exp(_scores(qc, kc, scale, positions, xp) - lse[..., None])  # masked scores: exp(-inf) = 0
     dp = doc @ vc[:, :, None].swapaxes(-1, -2)
+    keep, keep_scale = _keep(xp, dropout, positions, p.shape)
     if keep is not None:
         pf = p * keep
         pf *= keep_scale

@@ -16,7 +16,8 @@ those after its compute, so the transfer overlaps the attention. A pair (query c
 chunk b) is a full tile when a > b, the diagonal (causal) tile when a == b, and skipped when
 a < b: with the zigzag every rank computes the same number of tiles (2 at step 0, 2 after).
 The tiles' partial outputs merge by their log-sum-exp (`cutp.ops.attention_tiles`) in float32
-(float64 for float64 models). The backward runs the ring again with the merged o and lse: dQ
+(float64 for float64 models); on a GPU each tile runs on the fused attention kernels (its
+positions their diagonal shift, nothing c x c in memory), elsewhere on array code. The backward runs the ring again with the merged o and lse: dQ
 stays local, and the dK,dV of each K,V travel with it (each rank adds its tiles' part to the
 partial it receives, and passes it on; after the last step one more shift brings every dK,dV
 home). One message group per step, both directions of the same size: forward cp-1 sends of the
@@ -45,7 +46,6 @@ import numpy as np
 from ..ops import attention_tiles as tiles
 from ..ops.attention import causal_attention_backward, causal_attention_forward
 from ..ops.common import as_dtype, compute_dtype
-from ..ops.dropout import dropout_mask_at
 from ..runtime.backend import get_array_module
 from ..runtime.errors import ConfigError
 
@@ -134,7 +134,8 @@ def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bo
 # ---- ring attention -----------------------------------------------------------------------
 class RingCtx:
     """What the ring attention's backward needs: the local q, k, v, the merged o (q's dtype) and
-    the log-sum-exp of each local query chunk, the scale and the dropout."""
+    the log-sum-exp of each local query chunk (a pair of [B, nkv, g, c] arrays, compute dtype),
+    the scale and the dropout."""
 
     fused = False
 
@@ -148,22 +149,6 @@ def _tile_kind(query_chunk: int, key_chunk: int):
     if query_chunk > key_chunk:
         return "full"
     return "causal" if query_chunk == key_chunk else None
-
-
-def _keep(xp, dropout, q_chunk: int, k_chunk: int, shape):
-    """(keep-mask, 1 / (1 - p)) of the tile's probabilities [B, nkv, g, c, c] at their global
-    (head, query, key) places: element (h, i, j) of batch row b has counter offsets[b] +
-    h T^2 + i T + j, the counter the one-rank attention gives it. (None, 1) without dropout."""
-    if dropout is None or not dropout[0]:
-        return None, 1.0
-    p, seed, offsets, T = dropout
-    B, nkv, g, c, _ = shape
-    u = np.uint64
-    counters = (xp.asarray(np.asarray(offsets, dtype=u)).reshape(B, 1, 1, 1, 1)
-                + (xp.arange(nkv * g, dtype=u) * u(T * T)).reshape(1, nkv, g, 1, 1)
-                + (xp.arange(q_chunk * c, (q_chunk + 1) * c, dtype=u) * u(T)).reshape(c, 1)
-                + xp.arange(k_chunk * c, (k_chunk + 1) * c, dtype=u))
-    return dropout_mask_at(xp, counters, p, seed), (0.0 if p == 1.0 else 1.0 / (1.0 - p))
 
 
 # ---- all-to-all (Ulysses) ---------------------------------------------------------------------
@@ -321,17 +306,15 @@ def ring_attention_forward(group, q, k, v, scale: float, dropout=None):
                     kind = _tile_kind(mine[a], theirs[b])
                     if kind is None:
                         continue
-                    keep, keep_scale = _keep(xp, dropout, mine[a], theirs[b], qa.shape[:4] + (c,))
                     o_t, lse_t = tiles.tile_forward(qa, kv[0][:, :, b * c:(b + 1) * c], kv[1][:, :, b * c:(b + 1) * c],
-                                                    scale, kind == "causal", keep, keep_scale)
+                                                    scale, (mine[a] * c, theirs[b] * c), dropout)
                     acc[a] = tiles.merge(*acc[a], o_t, lse_t)
 
         received = _ring_step(group, sends, recvs, compute)
         if received:
             kv = received[0]
     o = as_dtype(xp.concatenate([acc[0][0], acc[1][0]], axis=3), q.dtype)
-    lse = xp.concatenate([acc[0][1], acc[1][1]], axis=3)
-    return o, RingCtx(q, k, v, o, lse, scale, dropout)
+    return o, RingCtx(q, k, v, o, (acc[0][1], acc[1][1]), scale, dropout)
 
 
 def ring_attention_backward(group, do, ctx: RingCtx, out=None):
@@ -344,8 +327,9 @@ def ring_attention_backward(group, do, ctx: RingCtx, out=None):
     Tl = q.shape[3]
     c = Tl // 2
     mine = zigzag_chunks(cp, r)
-    doc = as_dtype(do, cdt)
-    rowdot = (doc * as_dtype(ctx.o, cdt)).sum(axis=-1)  # [B, nkv, g, Tl]
+    chunks = [slice(a * c, (a + 1) * c) for a in range(2)]
+    rowdot = [(as_dtype(do[..., rows, :], cdt) * as_dtype(ctx.o[..., rows, :], cdt)).sum(axis=-1)  # [B, nkv, g, c]
+              for rows in chunks]
     dq = xp.zeros(q.shape, cdt)
     kv = xp.ascontiguousarray(xp.stack((k, v)))
     partial = None  # dK,dV of the K,V held at the previous step, on its way to their owner
@@ -365,20 +349,14 @@ def ring_attention_backward(group, do, ctx: RingCtx, out=None):
         dkv = xp.zeros((2,) + k.shape, cdt)  # this rank's tiles' part of the held K,V's gradient
 
         def compute(kv=kv, theirs=theirs, dkv=dkv):
-            for a in range(2):
-                qa, rows = q[..., a * c:(a + 1) * c, :], slice(a * c, (a + 1) * c)
-                for b in range(2):
-                    kind = _tile_kind(mine[a], theirs[b])
-                    if kind is None:
+            for a, rows in enumerate(chunks):
+                for b, keys in enumerate(chunks):
+                    if _tile_kind(mine[a], theirs[b]) is None:
                         continue
-                    keys = slice(b * c, (b + 1) * c)
-                    keep, keep_scale = _keep(xp, ctx.dropout, mine[a], theirs[b], qa.shape[:4] + (c,))
-                    dq_t, dk_t, dv_t = tiles.tile_backward(doc[..., rows, :], qa, kv[0][:, :, keys], kv[1][:, :, keys],
-                                                           rowdot[..., rows], ctx.lse[..., rows], ctx.scale,
-                                                           kind == "causal", keep, keep_scale)
-                    dq[..., rows, :] += dq_t
-                    dkv[0][:, :, keys] += dk_t
-                    dkv[1][:, :, keys] += dv_t
+                    # the tile's gradients added into dq and the held K,V's dK,dV (fused: by the kernels)
+                    tiles.tile_backward(do[..., rows, :], q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys],
+                                        rowdot[a], ctx.lse[a], ctx.scale, (mine[a] * c, theirs[b] * c), ctx.dropout,
+                                        out=(dq[..., rows, :], dkv[0][:, :, keys], dkv[1][:, :, keys]))
 
         received = _ring_step(group, sends, recvs, compute)
         if step > 0:
