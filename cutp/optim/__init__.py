@@ -10,16 +10,17 @@ loss_scaler   LossScaler (static) and DynamicLossScaler (float16 training)
 schedule      the learning-rate schedule and the clipping factor
 buckets       GradBuckets: the DP gradient reduction in buckets started during the backward
               (--overlap-grad-reduce); ParamGather: the distributed optimizer's parameter
-              gather per bucket during the next forward (--overlap-param-gather)
+              gather per bucket during the next forward (--overlap-param-gather);
+              GradBucketGroups, ParamGathers: the dense and the expert sets as one (ep > 1)
 """
 from .adamw import GRAD_REDUCE_DTYPES, AdamW, DistributedAdamW
-from .buckets import GradBuckets, ParamGather, default_bucket_size
+from .buckets import GradBucketGroups, GradBuckets, ParamGather, ParamGathers, default_bucket_size
 from .expert_parallel import ExpertParallelAdamW, FlatParts
 from .flat import FlatParameters, grad_dtype_for, is_low_precision, state_dtype_for
 from .loss_scaler import DynamicLossScaler, LossScaler
 from .schedule import clip_scale, lr_schedule
 
-__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "GradBuckets",
-           "ParamGather", "default_bucket_size", "FlatParameters", "FlatParts",
+__all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "GradBucketGroups",
+           "GradBuckets", "ParamGather", "ParamGathers", "default_bucket_size", "FlatParameters", "FlatParts",
            "grad_dtype_for",
            "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "clip_scale", "lr_schedule"]

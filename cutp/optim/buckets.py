@@ -30,6 +30,13 @@ sizes: on GPUs a bucket's sum is the same value up to rounding.)
 update, each bucket's owner broadcasts its updated parameters (the same bytes per rank as the
 all-gather, one bucket at a time); before a unit's forward, the buckets of its parameters are
 waited for and the next bucket's broadcast started (one ahead, Megatron's prefetch).
+
+Expert parallelism (ep > 1; Megatron's expert-parallel buffers and bucket groups): the experts
+reduce over another group (expert-DP x CP), so they get buckets of their own, a `GradBuckets`
+over their range of the plain optimizer's buffer (`region`) or over the ExpertParallelAdamW's
+expert part, summed over that group and divided by dp x cp (`divide_by`: what the optimizers'
+own reductions do, so the bits are theirs); `GradBucketGroups` and `ParamGathers` run the dense
+and the expert sets as one, each starting its buckets in its own fixed order on its own group.
 """
 from __future__ import annotations
 
@@ -61,12 +68,15 @@ class Bucket:
         return self.stop - self.start
 
 
-def cut_buckets(flat, bucket_size: int, shards: int | None = None) -> list[Bucket]:
+def cut_buckets(flat, bucket_size: int, shards: int | None = None, region: tuple | None = None) -> list[Bucket]:
     """Buckets of flat's padded buffer in buffer order (module docstring); `shards`: the
-    distributed optimizer's DP size (each bucket inside one shard), None for the plain one."""
+    distributed optimizer's DP size (each bucket inside one shard), None for the plain one;
+    `region`: [lo, hi) of the buffer to cut (the plain one's; default all of it)."""
     n = flat.padded_size
-    regions = [(0, n, None)] if shards is None else [(r * n // shards, (r + 1) * n // shards, r)
-                                                    for r in range(shards)]
+    if region is not None and shards is not None and tuple(region) != (0, n):
+        raise ValueError("a distributed optimizer's buckets cover its whole buffer (its shards)")
+    regions = [(0, n, None) if region is None else (region[0], region[1], None)] if shards is None else \
+        [(r * n // shards, (r + 1) * n // shards, r) for r in range(shards)]
     bounds = sorted({s.start for s in flat.slices.values()} | {s.stop for s in flat.slices.values()})
     buckets = []
     for lo, hi, owner in regions:
@@ -97,19 +107,25 @@ class GradBuckets:
     """The DP gradient reduction of `optimizer` (AdamW or DistributedAdamW) over `group` (the
     gradient reduction group: the DP group, or whichever group the optimizer averages over),
     in buckets (module docstring). `units`: every unit of the model stage in the order their
-    backwards run in one micro-batch (chunks last to first); `tp`: the TP group."""
+    backwards run in one micro-batch (chunks last to first); `tp`: the TP group. `region`
+    ([lo, hi) of the plain optimizer's buffer) and `divide_by` (None: averaged over `group`;
+    n: summed over it, then divided by n) for the experts at ep > 1 (module docstring)."""
 
-    def __init__(self, optimizer, group, units, bucket_size: int, tp=None):
+    def __init__(self, optimizer, group, units, bucket_size: int, tp=None, *, region: tuple | None = None,
+                 divide_by: int | None = None):
         self.optimizer, self.group, self.tp = optimizer, group, tp
         self.flat = optimizer.flat
         self.distributed = bool(optimizer.distributed)
-        self.buckets = cut_buckets(self.flat, bucket_size, group.size if self.distributed else None)
-        self._units = [_unit_params(u) for u in units]
+        self.divide_by = divide_by
+        self.buckets = cut_buckets(self.flat, bucket_size, group.size if self.distributed else None, region)
+        mine = {id(p) for bucket in self.buckets for p in bucket.params}
+        self.params = [p for p in self.flat.params if id(p) in mine]  # (the region's only)
+        self._units = [[p for p in _unit_params(u) if id(p) in mine] for u in units]
         self._uses = {}  # id(param) -> how many units hold it (+1 for a grad_sync hook: run at finish)
         for params in self._units:
             for p in params:
                 self._uses[id(p)] = self._uses.get(id(p), 0) + 1
-        for p in self.flat.params:  # (a parameter no unit holds is final from the start: 0 uses)
+        for p in self.params:  # (a parameter no unit holds is final from the start: 0 uses)
             self._uses[id(p)] = self._uses.get(id(p), 0) + (1 if p.grad_sync is not None else 0)
         self._buckets_of = {}
         for bucket in self.buckets:
@@ -173,12 +189,21 @@ class GradBuckets:
         tp_grad_sync(todo, self.tp)  # grad_sync hooks, then the sequence-parallel sums over TP
         self.started_log.append((self.buckets.index(bucket), self._units_seen))
         g = self.flat.grad[bucket.start:bucket.stop]
+        if self.group.size == 1:  # nothing to reduce (nor to round: the optimizers skip it too)
+            self._divide(bucket, g)
+            return
         low = g if self.optimizer.reduce_dtype == g.dtype else g.astype(self.optimizer.reduce_dtype)
         bucket.low = low
+        op = "avg" if self.divide_by is None else "sum"
         if self.distributed:
-            bucket.request = self.group.start_reduce(low, bucket.owner, "avg")
+            bucket.request = self.group.start_reduce(low, bucket.owner, op)
         else:
-            bucket.request = self.group.start_all_reduce(low, "avg", out=low)
+            bucket.request = self.group.start_all_reduce(low, op, out=low)
+
+    def _divide(self, bucket: Bucket, g) -> None:
+        """The experts' sum / (dp x cp), on the ranks that keep the bucket (as the optimizers do)."""
+        if self.divide_by is not None and (not self.distributed or bucket.owner == self.group.rank):
+            g /= self.divide_by
 
     def poll(self) -> None:
         for bucket in self.order[:self._next]:
@@ -190,22 +215,69 @@ class GradBuckets:
         g = self.flat.grad[bucket.start:bucket.stop]
         if bucket.low is not g and (not self.distributed or bucket.owner == self.group.rank):
             g[...] = bucket.low
+        self._divide(bucket, g)
         bucket.request = bucket.low = None
 
     # ---- after it ---------------------------------------------------------------------------
     def finish(self) -> None:
         """Every bucket started (the grad_sync hooks run now), then waited for, in start order."""
-        for p in self.flat.params:
+        self.start_rest()
+        self.wait()
+
+    def start_rest(self) -> None:
+        """The buckets not started yet started (the grad_sync hooks run now)."""
+        for p in self.params:
             if p.grad_sync is not None:
                 self._release(p)
-        for p in self.flat.params:  # a step without the hook (overlap off): everything is final
+        for p in self.params:  # a step without the hook (overlap off): everything is final
             while self._left.get(id(p), 0) > 0:
                 self._release(p)
         self._start_ready()
         assert self._next == len(self.order), "a bucket did not start"
+
+    def wait(self) -> None:
+        """Every bucket waited for, in start order (all started: `start_rest`)."""
         for bucket in self.order:
             if bucket.request is not None:
                 self._land(bucket)
+
+
+class GradBucketGroups:
+    """Several GradBuckets driven as one (ep > 1: the dense parameters' over DP x CP, then the
+    experts' over expert-DP x CP; module docstring). Each starts its own buckets in its own
+    order on its own group; every rank calls them in the same order."""
+
+    def __init__(self, members):
+        self.members = list(members)
+        self.buckets = [b for m in self.members for b in m.buckets]
+
+    def reset(self) -> None:
+        for m in self.members:
+            m.reset()
+
+    def grads_final(self, unit) -> None:
+        for m in self.members:
+            m.grads_final(unit)
+
+    def poll(self) -> None:
+        for m in self.members:
+            m.poll()
+
+    def finish(self) -> None:
+        """Every member's buckets started, then every one waited for."""
+        for m in self.members:
+            m.start_rest()
+        for m in self.members:
+            m.wait()
+
+    @property
+    def started_log(self) -> list:
+        """The members' logs, bucket indices into `buckets` (tests)."""
+        out, offset = [], 0
+        for m in self.members:
+            out += [(k + offset, units) for k, units in m.started_log]
+            offset += len(m.buckets)
+        return out
 
 
 class ParamGather:
@@ -283,3 +355,24 @@ class ParamGather:
             self._wait(bucket)
         self._next = 0
         self._entered = 0
+
+
+class ParamGathers:
+    """Several ParamGathers driven as one (ep > 1: the dense part's and the experts' of an
+    ExpertParallelAdamW; each part's update starts its own)."""
+
+    def __init__(self, members):
+        self.members = list(members)
+
+    @property
+    def in_flight(self) -> bool:
+        return any(m.in_flight for m in self.members)
+
+    def before_forward(self, unit) -> None:
+        for m in self.members:
+            m.before_forward(unit)  # (both parts' updates started theirs)
+
+    def finish(self) -> None:
+        for m in self.members:
+            if m.in_flight:  # (a ParamGather's finish starts what has not started)
+                m.finish()

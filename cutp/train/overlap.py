@@ -13,13 +13,17 @@
     --link-bandwidth GB/s   every group's collectives timed as over a slower link
     --link-latency us       (cutp.comm.simulated: shared-memory MPI hides nothing worth seeing)
 
-None changes a bit of the losses or the weights (tests/train/test_overlap.py). Each step
+At ep > 1 the experts' gradients and parameters have buckets of their own over expert-DP
+(x CP) (`expert_buckets`). None changes a bit of the losses or the weights
+(tests/train/test_overlap.py). Each step
 reports `comm_ms` (its collectives' time in flight), `exposed_comm_ms` (the time this rank
 blocked on them) and `overlap_fraction` = 1 - exposed / comm (cutp.comm.counting).
 """
 from __future__ import annotations
 
-from ..optim import GradBuckets, ParamGather, default_bucket_size
+from ..optim import (ExpertParallelAdamW, GradBucketGroups, GradBuckets, ParamGather, ParamGathers,
+                     default_bucket_size)
+from ..optim.adamw import expert_replica_group, replica_size
 from ..runtime.errors import ConfigError
 
 
@@ -33,23 +37,48 @@ def check_overlap(cfg) -> None:
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
         raise ConfigError("`overlap_param_gather` overlaps the distributed optimizer's parameter gather: give "
                           "`distributed_optimizer` too, or omit `overlap_param_gather`")
-    if (cfg.overlap_grad_reduce or cfg.overlap_param_gather) and cfg.ep > 1:
-        raise ConfigError(f"`overlap_grad_reduce` and `overlap_param_gather` need ep 1 (the experts reduce over "
-                          f"another group), but ep is {cfg.ep}: omit them or use ep 1")
 
 
 def set_up_overlap(run, group) -> None:
     """The gradient buckets of --overlap-grad-reduce (and the parameter gathers of
     --overlap-param-gather) of `run` over `group`, the gradient reduction group (the DP group;
-    whatever group the gradients are averaged over)."""
+    whatever group the gradients are averaged over). At ep > 1 the experts get buckets of their
+    own over the expert-DP (x CP) group (`expert_buckets`)."""
     cfg, model = run.config, run.model
     size = cfg.bucket_size if cfg.bucket_size is not None else default_bucket_size(group.size)
     backward = [u for c in reversed(range(model.pp_virtual)) for u in reversed(model.units(c))]
-    run.grad_buckets = GradBuckets(run.optimizer, group, backward, size, tp=run.ctx.tp)
+    forward = [u for c in range(model.pp_virtual) for u in model.units(c)]
+    members = expert_buckets(run, group, backward, size) if cfg.ep > 1 else \
+        [GradBuckets(run.optimizer, group, backward, size, tp=run.ctx.tp)]
+    run.grad_buckets = members[0] if len(members) == 1 else GradBucketGroups(members)
     if cfg.overlap_param_gather:
-        forward = [u for c in range(model.pp_virtual) for u in model.units(c)]
-        run.param_gather = run.optimizer.param_gather = ParamGather(run.grad_buckets, forward)
+        gathers = []
+        for buckets in members:  # (each optimizer part's update starts its own)
+            buckets.optimizer.param_gather = ParamGather(buckets, forward)
+            gathers.append(buckets.optimizer.param_gather)
+        run.param_gather = gathers[0] if len(gathers) == 1 else ParamGathers(gathers)
     model.set_tp_comm_overlap(cfg.tp_comm_overlap)
+
+
+def expert_buckets(run, group, backward, size) -> list:
+    """ep > 1 (Megatron's expert-parallel buffers): [the dense parameters' GradBuckets over
+    `group`, the experts' over expert-DP x CP], the experts' summed and divided by dp x cp, as
+    the optimizers' own reductions do (AdamW.reduce_gradients, DistributedAdamW's); of the
+    ExpertParallelAdamW's two parts, or two regions of the plain AdamW's buffer. The bucket
+    size is the dense group's for both (Megatron's one bucket_size). A pipeline stage without
+    MoE layers has the dense buckets only."""
+    opt, ctx = run.optimizer, run.ctx
+    experts, n = expert_replica_group(ctx), replica_size(ctx)
+    if isinstance(opt, ExpertParallelAdamW):
+        out = [GradBuckets(opt.dense, group, backward, size, tp=ctx.tp)]
+        if opt.experts is not None:
+            out.append(GradBuckets(opt.experts, experts, backward, size, tp=ctx.tp, divide_by=n))
+        return out
+    e, end = opt.flat.expert_start, opt.flat.padded_size
+    out = [GradBuckets(opt, group, backward, size, tp=ctx.tp, region=(0, e))]
+    if e < opt.flat.size:
+        out.append(GradBuckets(opt, experts, backward, size, tp=ctx.tp, region=(e, end), divide_by=n))
+    return out
 
 
 def overlap_fraction(comm_ms: float, exposed_ms: float) -> float | None:

@@ -82,8 +82,8 @@ class TrainingRun:
     pipeline_in_flight: int = 0  # the most micro-batches this stage held at once in the last step
     run_dir_lock: RunDirLock | None = None  # rank 0's lock on config.out
     replaced: list = field(default_factory=list)  # another run's checkpoints in out, removed after our first (--overwrite)
-    grad_buckets: GradBuckets | None = None  # --overlap-grad-reduce (cutp.optim.buckets)
-    param_gather: ParamGather | None = None  # --overlap-param-gather
+    grad_buckets: GradBuckets | None = None  # --overlap-grad-reduce (cutp.optim.buckets; ep > 1: GradBucketGroups)
+    param_gather: ParamGather | None = None  # --overlap-param-gather (ParamGathers at ep > 1 with experts)
 
     def gather_params(self) -> None:
         """Waits for the parameter gathers in flight (--overlap-param-gather): before anything

@@ -55,7 +55,8 @@ LAYOUTS = [
     (MOE_GPT, dict(cp=2, dp=2, ep=2, micro_batch_size=1, recompute="full"), 16),
     (dict(MOE_LLAMA, moe_capacity_factor=0.75), dict(cp=2, tp=2, sequence_parallel=True, overlap_grad_reduce=True),
      16),  # (ep 1: the experts' gradients in the buckets over DP x CP)
-    (MOE_GPT, dict(cp=2, dp=2, ep=2, cp_comm="a2a", distributed_optimizer=True), 8),
+    (MOE_GPT, dict(cp=2, dp=2, ep=2, cp_comm="a2a", distributed_optimizer=True, overlap_grad_reduce=True,
+                   overlap_param_gather=True, bucket_size=200), 8),  # (the experts' buckets over expert-DP x CP)
 ]
 
 
@@ -77,6 +78,7 @@ def _step(cfg, comm):
     stats = [train_step(run) for _ in range(2)]
     losses = [(s.loss, s.grad_norm) + ((s.moe["aux_loss"], s.moe["z_loss"], s.moe["dropped"]) if s.moe else ())
               for s in stats]
+    run.gather_params()  # (--overlap-param-gather: the last update's broadcasts in flight)
     ctx = run.ctx
     full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
     grads = {p.name: full(p, p.grad) for p in run.model.parameters()}

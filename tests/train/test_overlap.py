@@ -6,6 +6,10 @@ cannot hang.
   several per rank), --tp-comm-overlap and, with ZeRO, --overlap-param-gather give the losses
   and the weights of the same run without them, tolerance 0; the buckets did start during the
   backward.
+- MoE at dp4 x ep2 (plain and ZeRO, float64 and float32) and tp2 + SP x dp2 x ep2 + ZeRO
+  (bfloat16): the experts' own buckets over expert-DP change no bit and start during the
+  backward; an instrumented expert-DP group shows the first expert bucket's reduction before
+  block 0's backward ends, and the experts' parameter broadcasts.
 - An instrumented DP communicator: the first bucket's reduction starts before the backward of
   the first layers has run; bucket k + 1's parameter broadcast starts before the forward of
   bucket k's layers ends.
@@ -29,16 +33,30 @@ N_LAYER = {"pp2 x dp2": 4}  # (two blocks per stage: a stage's buckets can start
 OVERLAP = dict(overlap_grad_reduce=True, bucket_size=600, tp_comm_overlap=True)
 
 
-def _config(dtype, layout, n_layer=2, **overlap):
-    model = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=61, block_size=8, dtype=dtype, vocab_multiple=1)
+def _config(dtype, layout, n_layer=2, moe=None, **overlap):
+    model = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, vocab_size=61, block_size=8, dtype=dtype, vocab_multiple=1,
+                      **(moe or {}))
     return RunConfig(model=model, batch_size=8, micro_batch_size=2, seq_len=8, steps=3, warmup=1, seed=3,
                      eval_every=0, quiet=True, save_on_signal=False, **layout, **overlap)
 
 
-def _train(cfg, comm, data):
+def _train(cfg, comm, data, expert_events=None):
+    """Two steps: losses, weights, the last step's bucket starts ((member, bucket, units seen):
+    member 1 the experts' buckets at ep > 1). `expert_events`: a list to log the expert-DP
+    group's starts and the blocks' backwards into."""
     run = build_run(cfg, comm, dataset=data)
+    buckets = run.grad_buckets
+    members = [] if buckets is None else getattr(buckets, "members", [buckets])
+    if expert_events is not None:
+        experts = members[1]
+        experts.group = _Recording(experts.group, expert_events, experts.flat)
+        if run.param_gather is not None:  # (the experts' parameter broadcasts, on the same group)
+            run.param_gather.members[1].group = experts.group
+        for block in run.model.layers:
+            block.layer = run.model.layers.index(block)
+            _logging(expert_events, block, "backward")
     losses = [train_step(run).loss for _ in range(2)]
-    starts = list(run.grad_buckets.started_log) if run.grad_buckets is not None else []
+    starts = [(k, b, units) for k, m in enumerate(members) for b, units in m.started_log]
     run.gather_params()
     weights = [run.ctx.to_numpy(p.data).copy() for p in run.model.parameters()]
     run.close()
@@ -60,11 +78,51 @@ def _worker():
                 assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), (name, dtype)
             assert len(starts) > 2, (name, starts)
             # some bucket started before the backward's last unit (the embeddings) had run
-            assert min(units for _, units in starts) < max(units for _, units in starts), (name, starts)
+            assert min(units for _, _, units in starts) < max(units for _, _, units in starts), (name, starts)
+
+
+MOE = dict(n_experts=4, moe_top_k=2, moe_ffn=32)
+MOE_LAYOUTS = {  # ep 2 carved from dp 4 (expert-DP 2); tp2 x dp2 at ep 2 (expert-DP 1, TP-partial experts)
+    "dp4 ep2": dict(dp=4, ep=2),
+    "dp4 ep2 + ZeRO": dict(dp=4, ep=2, distributed_optimizer=True),
+    "tp2 + SP x dp2 ep2 + ZeRO": dict(tp=2, dp=2, ep=2, sequence_parallel=True, distributed_optimizer=True),
+}
+MOE_DTYPES = {"tp2 + SP x dp2 ep2 + ZeRO": ("bfloat16",)}
+
+
+def _moe_worker():
+    """MoE at ep 2: the experts' own buckets over expert-DP (and, with ZeRO, their own parameter
+    broadcasts) change no bit; at dp4 ep2 + ZeRO (float32) an instrumented expert-DP group shows
+    the first expert bucket's reduction starting before block 0's backward has ended."""
+    from mpi4py import MPI
+
+    data = random_tokens(61, 4096, 0)
+    for name, layout in MOE_LAYOUTS.items():
+        for dtype in MOE_DTYPES.get(name, ("float64", "float32")):
+            extra = dict(OVERLAP, overlap_param_gather=bool(layout.get("distributed_optimizer")))
+            off_losses, off_weights, _ = _train(_config(dtype, layout, moe=MOE), MPI.COMM_WORLD, data)
+            events = [] if (name, dtype) == ("dp4 ep2 + ZeRO", "float32") else None
+            on_losses, on_weights, starts = _train(_config(dtype, layout, moe=MOE, **extra), MPI.COMM_WORLD, data,
+                                                   expert_events=events)
+            assert on_losses == off_losses, (name, dtype, on_losses, off_losses)
+            for a, b in zip(on_weights, off_weights):
+                assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), (name, dtype)
+            experts = [units for member, _, units in starts if member == 1]
+            assert len(experts) >= 2, (name, starts)
+            # an expert bucket started after the head's backward, before the last unit's (the embeddings)
+            assert any(0 < units < 4 for units in experts), (name, starts)
+            if events is not None:
+                last_backward = max(i for i, e in enumerate(events) if e == ("backward", "begin", 1))
+                first = next(i for i, e in enumerate(events) if i > last_backward and e[:2] == ("start", "reduce"))
+                block0_done = next(i for i, e in enumerate(events) if i > last_backward and e == ("backward", "end", 0))
+                assert first < block0_done, events[last_backward:block0_done + 1]
+                # the experts' updated parameters went out in broadcasts per bucket (the first step's update)
+                assert sum(e[:2] == ("start", "broadcast") for e in events) >= 2, events
 
 
 def _both_workers():
     _worker()
+    _moe_worker()
     _order_worker()
 
 
