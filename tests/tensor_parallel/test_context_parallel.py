@@ -90,7 +90,8 @@ def _worker_layouts(layouts):
 
 
 def test_every_layout_gives_one_ranks_loss_gradients_and_weights_and_the_ring_overlaps(tmp_path):
-    # one launch: the layouts, the ring's order and bytes at cp 4, a checkpoint resumed at other cp sizes
+    # one launch: the layouts, the ring's order and bytes at cp 4, the library's finish_grad_sync at
+    # cp 2 x dp 2, a checkpoint resumed at other cp sizes
     # and the activation memory of a 256-token sequence at cp 4 (<= 0.3x cp 1's, measured, and planned)
     run_mpi(4, "tests.tensor_parallel.test_context_parallel:_worker_all", LAYOUTS, 4, str(tmp_path / "run"),
             timeout=300, env={"CUTP_OP_THREADS": "1"})
@@ -171,9 +172,39 @@ def _worker_ring(cp):
     context_parallel.OVERLAP = True
 
 
+def _worker_library():
+    """The library's recipe (docs/library.md): forward, backward, finish_grad_sync at cp 2 x dp 2,
+    each DP rank on its half of the batch: every gradient one rank's (finish_grad_sync averages
+    over DP x CP, the ranks that hold the same weights; it once averaged over DP only)."""
+    import cutp
+    from cutp.models import GPT
+    from cutp.tensor_parallel import finish_grad_sync
+    from tests.tp_utils import full_grads, self_ctx
+
+    config = GPTConfig(**dict(GPT_TINY, dropout=0.0))
+    rng = np.random.default_rng(5)
+    idx, targets = rng.integers(0, 61, (2, 4, 16))
+
+    def reference():
+        model = GPT(self_ctx(), config, seed=2)
+        model.forward(idx, targets)
+        model.backward()
+        return full_grads(model, model.ctx)
+
+    ref = on_rank_0(reference)
+    ctx = cutp.init(cp=2, dp=2, device="cpu")
+    model = GPT(ctx, config, seed=2)
+    half = slice(2 * ctx.dp_rank, 2 * ctx.dp_rank + 2)
+    model.forward(idx[half], targets[half])
+    model.backward()
+    finish_grad_sync(model.parameters(), ctx)
+    assert_close(full_grads(model, ctx, sync=False), ref, 1e-10, "finish_grad_sync at cp 2 x dp 2")
+
+
 def _worker_all(layouts, cp, out):
     _worker_layouts(layouts)
     _worker_ring(cp)
+    _worker_library()
     _worker_checkpoint(out)
     _worker_memory(256)
 
