@@ -54,3 +54,20 @@ def test_the_command_line_plans_and_searches_cp_and_refuses_with_its_flags(capsy
     assert ("--cp-comm a2a splits each TP rank's query heads over the CP ranks, with their KV heads (or copies of "
             "one): n_head 32 and n_kv_head 8 / tp 8 leave 4 query and 1 KV head(s) a rank, and --cp 8 does not divide "
             "4; use a --cp from [1, 2, 4] or --cp-comm ring" in capsys.readouterr().err)
+
+
+def test_the_search_leaves_out_the_tp_x_cp_that_training_refuses():
+    # seq 1000 splits into 2cp chunks at cp <= 4, but 1000 / cp over tp with sequence parallelism
+    # fails at tp 8 x cp 2 and tp 4 x cp 4 (the search once stopped there with the refusal); the
+    # all-to-all at tp 8 (4 query heads a TP rank) takes cp <= 4
+    from cutp.plan import search as plan_search
+
+    a = pick_arch("8B")
+    rows = plan_search.search(a, gpus=64, capacities=(80e9,), seq_len=1000, batch_size=16, max_cp=8)
+    pairs = {(r["tp"], r["cp"]) for r in rows}
+    assert (8, 1) in pairs and (4, 2) in pairs and (1, 4) in pairs
+    assert not {(8, 2), (8, 4), (4, 4), (1, 8)} & pairs
+    rows = plan_search.search(a, gpus=64, capacities=(80e9,), seq_len=131072, batch_size=16, max_cp=8,
+                              cp_comm="a2a")
+    assert max(r["cp"] for r in rows if r["tp"] == 8) == 4
+    assert max(r["cp"] for r in rows if r["tp"] == 1) == 8
