@@ -44,6 +44,9 @@ def test_the_command_line_plans_and_searches_cp_and_refuses_with_its_flags(capsy
     assert cli.main(["--params", "8B", "--seq-len", "131072", "--tp", "8", "--cp", "8", "--sequence-parallel"]) == 0
     out = capsys.readouterr().out
     assert "tp 8 x cp 8 (ring) x dp 1 = 64 GPUs" in out and "CP ring send/recv (K,V; dK,dV)" in out
+    assert cli.main(["--params", "8B", "--seq-len", "32768", "--tp", "8", "--cp", "4", "--pp", "2", "--accum", "8",
+                     "--sequence-parallel"]) == 0  # a stage sends its CP rank's SP share: 32768 / (cp 4 x tp 8)
+    assert "8.39 MB each way ([1, 32768/32, 4096] bfloat16)" in capsys.readouterr().out
     assert cli.main(["--params", "8B", "--seq-len", "131072", "--search", "--cp", "8", "--gpus", "64",
                      "--batch-size", "16", "--gpu-memory", "80", "--markdown"]) == 0
     out = capsys.readouterr().out
