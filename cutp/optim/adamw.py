@@ -30,6 +30,7 @@ from .. import ops
 from ..runtime.backend import get_array_module
 from ..runtime.errors import ConfigError
 from ..tensor_parallel import global_grad_norm
+from ..tensor_parallel.grads import replica_group, replica_size
 from .flat import FlatParameters, is_low_precision, state_dtype_for
 
 # A DP collective moves at most this many elements per call (the distributed optimizer's
@@ -190,15 +191,6 @@ class AdamW:
         if self.master is not None:
             self.master[...] = self.flat.data[self.lo:self.hi]
 
-
-def replica_group(ctx):
-    """The ranks that hold the same weights and average their gradients: DP x CP (`ctx.dp_cp`;
-    a context of cutp before context parallelism, or a stand-in of one: its DP group)."""
-    return getattr(ctx, "dp_cp", None) or ctx.dp
-
-
-def replica_size(ctx) -> int:
-    return getattr(ctx, "dp_cp_size", ctx.dp_size)
 
 
 def expert_replica_group(ctx):

@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default 1f1b (interleaved with --pp-virtual)")
     p.add_argument("--pp-virtual", type=int, default=1, help="model chunks per rank (the interleaved schedule)")
     p.add_argument("--search", action="store_true",
-                   help="list the TP x PP x DP layouts of up to --gpus GPUs that fit (--params models)")
+                   help="list the TP x PP x DP layouts of up to --gpus GPUs that fit (--params models; with "
+                        "--cp N: x CP, the powers of two up to N that training takes, --cp-comm's attention)")
     p.add_argument("--gpus", type=int, default=64, help="--search: at most this many GPUs (default 64)")
     p.add_argument("--gpu-memory", type=float, action="append", default=None, metavar="GB",
                    help="--search: GB per GPU (repeatable; default 80 and 141)")

@@ -302,8 +302,9 @@ def run(args) -> Report:
     pipe = report.table("pipeline", [("what", "pipeline", "", "<"), ("value", "", "", "<")],
                         title="point to point and bubble")
     msg = r["p2p_bytes_per_micro_batch"]
+    split = cp * (args.tp if sp else 1)  # (this rank's tokens: the CP rank's chunks, then SP's TP share)
     pipe.add(what="p2p per micro-batch", value=f"{msg / 1e6:,.2f} MB each way ([{args.micro_batch}, {seq}"
-             + (f"/{cp}" if cp > 1 else "") + (f"/{args.tp}" if sp else "") + f", {a.n_embd}] {r['dtype']})")
+             + (f"/{split}" if split > 1 else "") + f", {a.n_embd}] {r['dtype']})")
     counted = r["p2p_bytes_per_step"]["forward"] > r["p2p_bytes_per_step"]["backward"]
     pipe.add(what="p2p per step and stage", value=f"{m * v} sends forward, {m * v} backward (the last stage "
              f"{m * (v - 1)} forward, the first {m * (v - 1)} backward): {r['p2p_bytes_per_step']['backward'] / 1e9:,.3f} GB each way"

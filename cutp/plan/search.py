@@ -1,6 +1,7 @@
 """`python -m cutp bench plan --params 70B --search [--gpus 64] [--gpu-memory 80]`: the TP x PP x
 DP layouts of up to --gpus GPUs on which a --params architecture trains within a GPU's memory
-(with `--cp N`: TP x CP x PP x DP, CP sizes the powers of two up to N, the ring attention).
+(with `--cp N`: TP x CP x PP x DP, CP sizes the powers of two up to N, with --cp-comm's attention,
+ring by default; a (TP, CP) that training refuses, `check_cp`, is left out).
 
 For each TP size in 1, 2, 4, 8 (inside a node; those the heads split over) and each PP size that
 divides the layers or is a power of two (then the layers split near-evenly, the larger stages
@@ -19,6 +20,7 @@ from ..models import near_even
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
 from ..train.reporting import Report
+from .context import check_cp
 from .layout import check_positive, model_of_args
 from .pipeline import plan_pipeline
 
@@ -35,7 +37,7 @@ def _powers(limit: int) -> list[int]:
 
 
 def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, micro_batch: int, seq_len: int,
-                batch_size: int, cp: int = 1, plans: dict | None = None) -> dict:
+                batch_size: int, cp: int = 1, cp_comm: str = "ring", plans: dict | None = None) -> dict:
     """The smallest DP (and the least recomputation) at which tp x pp fits `capacity` bytes:
     {"fits": bool, "dp", "recompute", "plan"}; when nothing fits, the layout that came closest.
     plans: a dict to keep the layouts' plans in, shared by calls that differ only in capacity
@@ -48,11 +50,12 @@ def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, 
         if m < pp:
             break
         for recompute in RECOMPUTE:
-            key = (tp, pp, dp, cp, recompute, micro_batch, seq_len, m, dtype)
+            key = (tp, pp, dp, cp, cp_comm, recompute, micro_batch, seq_len, m, dtype)
             if key not in plans:
                 plans[key] = plan_pipeline(a, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=m,
                                            pp_layers=layers, dtype=dtype, distributed_optimizer=True,
-                                           recompute=recompute, sequence_parallel=tp > 1, cp=cp)
+                                           recompute=recompute, sequence_parallel=tp > 1, cp=cp,
+                                           cp_comm=cp_comm)
             r = plans[key]
             peak = r["stages"][r["largest_stage"]]["total"]
             found = {"fits": peak <= capacity, "dp": dp, "recompute": recompute, "plan": r, "peak": peak}
@@ -64,16 +67,17 @@ def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, 
 
 
 def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat16", micro_batch: int = 1,
-           seq_len: int | None = None, batch_size: int | None = None, max_cp: int = 1) -> list[dict]:
+           seq_len: int | None = None, batch_size: int | None = None, max_cp: int = 1,
+           cp_comm: str = "ring") -> list[dict]:
     """One row per (tp, cp, pp) of up to `gpus` GPUs (cp: the powers of two up to `max_cp` that
-    split the sequence into 2*cp chunks): for each capacity its fewest-GPU fit (`fewest_gpus`)."""
+    training takes at that tp, `_trains`): for each capacity its fewest-GPU fit (`fewest_gpus`)."""
     seq = seq_len or a.seq
     batch = batch_size or max(1, (1 << 22) // seq)
     rows = []
     for tp in TPS:
         if tp > gpus or not _splits(a, tp):
             continue
-        for cp in [c for c in _powers(min(max_cp, gpus // tp)) if seq % (2 * c) == 0 or c == 1]:
+        for cp in [c for c in _powers(min(max_cp, gpus // tp)) if _trains(a, tp, c, cp_comm, seq)]:
             top = min(a.n_layer, gpus // (tp * cp))
             for pp in sorted(set(_powers(top)) | {d for d in range(1, top + 1) if a.n_layer % d == 0}):
                 counts = near_even(a.n_layer, pp)
@@ -83,9 +87,21 @@ def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat1
                 for cap in capacities:
                     row["fit"][cap] = fewest_gpus(a, tp=tp, pp=pp, gpus=gpus, capacity=cap, dtype=dtype,
                                                   micro_batch=micro_batch, seq_len=seq, batch_size=batch, cp=cp,
-                                                  plans=plans)
+                                                  cp_comm=cp_comm, plans=plans)
                 rows.append(row)
     return rows
+
+
+def _trains(a, tp: int, cp: int, cp_comm: str, seq: int) -> bool:
+    """Whether training takes tp x cp on `seq` tokens with the search's sequence parallelism (tp
+    > 1): the 2cp chunks, seq / cp over tp, a2a's heads over cp (`check_cp`)."""
+    if tp > 1 and seq % tp:  # (cp 1: sequence parallelism alone)
+        return False
+    try:
+        check_cp(a, cp=cp, cp_comm=cp_comm, tp=tp, seq_len=seq, sequence_parallel=tp > 1)
+    except ConfigError:
+        return False
+    return True
 
 
 def _splits(a, tp: int) -> bool:
@@ -143,7 +159,8 @@ def run(args) -> Report:
     max_cp = getattr(args, "cp", 1)  # with --search: the largest CP size tried
     check_positive("cp", max_cp)
     rows = search(a, gpus=args.gpus, capacities=caps, dtype=dtype, micro_batch=args.micro_batch,
-                  seq_len=args.seq_len, batch_size=args.batch_size, max_cp=max_cp)
+                  seq_len=args.seq_len, batch_size=args.batch_size, max_cp=max_cp,
+                  cp_comm=getattr(args, "cp_comm", "ring"))
     report = Report("plan", {})
     report.extra["search"] = [{**{k: v for k, v in r.items() if k != "fit"},
                                "fit": {f"{c / 1e9:g} GB": _cells(f, r["tp"], r["pp"], r.get("cp", 1))
@@ -164,6 +181,7 @@ def run(args) -> Report:
         for r in rows:
             t.add(tp=r["tp"], pp=r["pp"], layers=r["layers"], **({"cp": r["cp"]} if "cp" in r else {}),
                   **_cells(r["fit"][cap], r["tp"], r["pp"], r.get("cp", 1)))
-        t.notes.append(f"{dtype}, distributed optimizer, sequence parallelism at tp > 1, 1F1B, micro-batch "
+        comm = f", CP's {getattr(args, 'cp_comm', 'ring')} attention" if max_cp > 1 else ""
+        t.notes.append(f"{dtype}, distributed optimizer, sequence parallelism at tp > 1, 1F1B{comm}, micro-batch "
                        f"{args.micro_batch} x {seq}; the least recomputation that fits; 'no': the closest layout")
     return report

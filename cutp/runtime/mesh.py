@@ -212,8 +212,12 @@ def _size(name, v):
     return v
 
 
-def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=None, tp_suits=None) -> Mesh:
+def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=None, tp_suits=None, cp: int = 1) -> Mesh:
     """The mesh of `world_size` ranks from the sizes given (None: derived). Pure.
+
+    cp: the context-parallel factor already taken from the ranks (`with_context_parallel`):
+    world_size is what it left for tp x dp x pp, and the refusals name the whole world
+    (world_size x cp) and cp, as the user started and gave them. The mesh returned has no cp.
 
     pp and ep default to 1; dp = world / (tp * pp) when tp is given; tp = world / (dp * pp) when
     dp is given; when neither is, tp = pick_tp(n), a divisor of n = world / (pp * ep) (the
@@ -229,26 +233,27 @@ def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=Non
     if dp is not None:
         _size("dp", dp)
     if world_size % pp:
-        raise ConfigError(f"`pp` {pp} does not divide the {world_size} ranks; use a `pp` from "
-                          f"{_divisors(world_size)} or start a multiple of {pp} ranks")
+        raise ConfigError(f"`pp` {pp} does not divide the {_ranks(world_size, cp)}; use a `pp` from "
+                          f"{_divisors(world_size)} or start a multiple of {pp * cp} ranks")
     dp_derived = dp is None
     if tp is not None and dp is not None:
         if tp * dp * pp != world_size:
-            raise ConfigError(_product_mismatch(world_size, tp, dp, pp, ep, suits))
+            raise ConfigError(_product_mismatch(world_size, tp, dp, pp, ep, suits, cp))
     elif tp is not None:
         if world_size % (tp * pp):
-            raise ConfigError(_undividable(world_size, "tp", tp, pp, ep, suits))
+            raise ConfigError(_undividable(world_size, "tp", tp, pp, ep, suits, cp))
         dp = world_size // (tp * pp)
     elif dp is not None:
         if world_size % (dp * pp):
-            raise ConfigError(_undividable(world_size, "dp", dp, pp, ep, suits))
+            raise ConfigError(_undividable(world_size, "dp", dp, pp, ep, suits, cp))
         tp = world_size // (dp * pp)
     else:
         if (world_size // pp) % ep:
             options = [e for e in _divisors(world_size // pp)]
             raise ConfigError(f"`ep` {ep} does not divide the {world_size // pp} ranks of each pipeline stage "
-                              f"(world {world_size} / pp {pp}), so no dp is a multiple of it; use an `ep` from "
-                              f"{options} or start a multiple of {ep * pp} ranks")
+                              f"(world {world_size * cp}{f' / cp {cp}' if cp > 1 else ''} / pp {pp}), so no dp is "
+                              f"a multiple of it; use an `ep` from {options} or start a multiple of {ep * pp * cp} "
+                              "ranks")
         n = world_size // (pp * ep)
         tp = 1 if pick_tp is None else pick_tp(n)
         if n % tp:
@@ -261,14 +266,19 @@ def derive_mesh(world_size: int, tp=None, dp=None, pp=None, ep=None, pick_tp=Non
     return Mesh(tp, dp, pp, ep)
 
 
-def _product(tp, dp, pp) -> str:
-    if pp == 1:
-        return f"tp*dp = {tp}*{dp} = {tp * dp}"
-    return f"tp*dp*pp = {tp}*{dp}*{pp} = {tp * dp * pp}"
+def _ranks(world: int, cp: int) -> str:
+    """The ranks left for tp x dp x pp, named from the world started (`derive_mesh`'s cp)."""
+    return f"{world} ranks" if cp == 1 else f"{world * cp} ranks / cp {cp} = {world}"
 
 
-def _product_mismatch(world, tp, dp, pp, ep, suits) -> str:
-    n = tp * dp * pp
+def _product(tp, dp, pp, cp=1) -> str:
+    sizes = [("tp", tp)] + [("cp", cp)] * (cp > 1) + [("dp", dp)] + [("pp", pp)] * (pp > 1)  # the mesh's order
+    return (f"{'*'.join(n for n, _ in sizes)} = {'*'.join(str(v) for _, v in sizes)} = "
+            f"{tp * cp * dp * pp}")
+
+
+def _product_mismatch(world, tp, dp, pp, ep, suits, cp=1) -> str:
+    n = tp * cp * dp * pp
     fixes = []
     if dp % ep == 0:
         fixes.append(f"start {n} ranks (mpirun -np {n})")
@@ -276,21 +286,23 @@ def _product_mismatch(world, tp, dp, pp, ep, suits) -> str:
         fixes.append(f"omit `dp` (it would be {world // (tp * pp)})")
     if world % (dp * pp) == 0 and dp % ep == 0 and suits(world // (dp * pp)):
         fixes.append(f"omit `tp` (it would be {world // (dp * pp)})")
-    fix = "; ".join(fixes) if fixes else f"choose sizes whose product is {world}"
-    return f"{_product(tp, dp, pp)} but the communicator has {world} ranks; {fix}"
+    fix = "; ".join(fixes) if fixes else f"choose sizes whose product is {world * cp}"
+    return f"{_product(tp, dp, pp, cp)} but the communicator has {world * cp} ranks; {fix}"
 
 
-def _undividable(world, name, value, pp, ep, suits) -> str:
+def _undividable(world, name, value, pp, ep, suits, cp=1) -> str:
     """`name` (tp or dp) given alone does not divide the world: the other cannot be derived."""
     other = "dp" if name == "tp" else "tp"
-    what = f"{name}={value}" if pp == 1 else f"{name}*pp = {value}*{pp}"
+    sizes = [(name, value)] + [("cp", cp)] * (cp > 1) + [("pp", pp)] * (pp > 1)
+    what = (f"{name}={value}" if len(sizes) == 1 else
+            f"{'*'.join(n for n, _ in sizes)} = {'*'.join(str(v) for _, v in sizes)}")
     per_stage = world // pp
     if name == "tp":
         options = [t for t in _divisors(per_stage) if (per_stage // t) % ep == 0 and suits(t)]
     else:
         options = [d for d in _divisors(per_stage) if d % ep == 0 and suits(per_stage // d)]
-    start = f"start a multiple of {value * pp * (ep if name == 'tp' else 1)} ranks"
-    return (f"{what} does not divide the world size {world}, so {other} cannot be derived; "
+    start = f"start a multiple of {value * pp * cp * (ep if name == 'tp' else 1)} ranks"
+    return (f"{what} does not divide the world size {world * cp}, so {other} cannot be derived; "
             + (f"use a `{name}` from {options} or {start}" if options else start))
 
 
@@ -318,7 +330,7 @@ def validate_mesh(world_size: int, tp, dp, pp=1, ep=1, cp=1) -> Mesh:
     """Checks tp, cp, dp, pp and ep against the world size; returns the mesh (dp None: derived).
     Pure: no communication. (`cutp.init`'s check; `derive_mesh` also derives tp.)"""
     _size("tp", tp)
-    return add_context_parallel(derive_mesh(with_context_parallel(world_size, cp), tp, dp, pp, ep), cp)
+    return add_context_parallel(derive_mesh(with_context_parallel(world_size, cp), tp, dp, pp, ep, cp=cp), cp)
 
 
 def check_gpu_assignment(bus_ids: list, n_gpus: int) -> None:

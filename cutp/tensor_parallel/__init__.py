@@ -8,7 +8,7 @@ transformer    BlockSpec, ParallelMLP (GeLU or SwiGLU), ParallelTransformerBlock
 moe            MoEMLP (router, load-balancing and z-losses, capacity, experts)
 cross_entropy  VocabParallelCrossEntropy
 sharding       which slice of each full tensor a rank holds
-grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP), global_grad_norm
+grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP x CP), global_grad_norm
 """
 from .attention import ParallelAttention
 from .cross_entropy import VocabParallelCrossEntropy

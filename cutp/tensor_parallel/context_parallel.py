@@ -41,6 +41,8 @@ results.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..ops import attention_tiles as tiles
@@ -104,17 +106,29 @@ def _ulysses_fits(cp: int, local_q: int, local_kv: int) -> bool:
     return local_q % cp == 0 and (local_kv % cp == 0 or cp % local_kv == 0)
 
 
+def _split_fixes(seq_len: int, cp: int, tp: int, sequence_parallel: bool, fit_ranks) -> str:
+    """"a multiple of N, or a `cp` from [...]": the seq_len and the cp sizes (fit_ranks(c)) that
+    pass every rule: 2cp chunks (none at cp 1) and, under sequence parallelism, seq_len / cp over tp."""
+    multiple = math.lcm(2 * cp, cp * tp) if sequence_parallel else 2 * cp
+    options = [c for c in range(1, seq_len + 1) if (c == 1 or seq_len % (2 * c) == 0) and fit_ranks(c)
+               and (not sequence_parallel or (seq_len // c) % tp == 0)]
+    return f"a multiple of {multiple}" + (f", or a `cp` from {options}" if options else "")
+
+
 def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bool, comm: str = "ring",
-                           n_head: int = 1, n_kv_head: int | None = None) -> None:
-    """A run's context parallelism (RunConfig's check): ConfigError naming the numbers and a fix."""
+                           n_head: int = 1, n_kv_head: int | None = None, ranks: int | None = None) -> None:
+    """A run's context parallelism (RunConfig's check): ConfigError naming the numbers and a fix.
+    ranks: the run's cp x dp, which another cp would share (the cp sizes offered divide it; None:
+    any, the planner's)."""
     if cp == 1:
         return
+    fit_ranks = lambda c: ranks is None or ranks % c == 0  # noqa: E731
     if comm == "a2a":
         n_kv_head = n_kv_head or n_head
         local_q = n_head // tp
         local_kv = n_kv_head // tp if tp <= n_kv_head else 1  # (tp > n_kv_head: one replicated KV head a rank)
         if not _ulysses_fits(cp, local_q, local_kv):
-            fits = [c for c in range(1, local_q + 1) if _ulysses_fits(c, local_q, local_kv)]
+            fits = [c for c in range(1, local_q + 1) if _ulysses_fits(c, local_q, local_kv) and fit_ranks(c)]
             why = (f"does not divide {local_q}" if local_q % cp else
                    f"neither divides {local_kv} nor is a multiple of it")
             raise ConfigError(f"`cp_comm` a2a splits each TP rank's query heads over the CP ranks, with their KV heads "
@@ -122,13 +136,13 @@ def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bo
                               f"{local_q} query and {local_kv} KV head(s) a rank, and `cp` {cp} {why}; use a `cp` "
                               f"from {fits} or `cp_comm` ring")
     if seq_len % (2 * cp):
-        options = [c for c in range(1, seq_len + 1) if seq_len % (2 * c) == 0]
         raise ConfigError(f"`seq_len` {seq_len} is not divisible by 2*cp = {2 * cp}: context parallelism cuts each "
                           f"sequence into 2*cp chunks (CP rank r holds chunks r and 2cp-1-r); use a `seq_len` that is "
-                          f"a multiple of {2 * cp}, or a `cp` from {options}")
+                          + _split_fixes(seq_len, cp, tp, sequence_parallel, fit_ranks))
     if sequence_parallel and (seq_len // cp) % tp:
         raise ConfigError(f"`seq_len` {seq_len} / cp {cp} = {seq_len // cp} tokens per CP rank is not divisible by "
-                          f"`tp` {tp}: `sequence_parallel` splits them over the TP ranks; use a multiple of {cp * tp}")
+                          f"`tp` {tp}: `sequence_parallel` splits them over the TP ranks; use a `seq_len` that is "
+                          + _split_fixes(seq_len, cp, tp, sequence_parallel, fit_ranks))
 
 
 # ---- ring attention -----------------------------------------------------------------------

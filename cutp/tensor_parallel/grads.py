@@ -1,7 +1,9 @@
 """Once per optimizer step: finish the gradient reduction, then measure the global norm.
 
 finish_grad_sync: run each parameter's grad_sync hook (GQA-replicated KV columns summed over
-the ranks that hold them), sum the sequence-parallel parameters' gradients over TP, then average every gradient over the DP group in a few flat buckets.
+the ranks that hold them), sum the sequence-parallel parameters' gradients over TP, then
+average every gradient over the ranks that hold the same weights (DP x CP: `replica_group`) in
+a few flat buckets.
 
 global_grad_norm: each full parameter entry counts exactly once (Megatron's rule): shards of
 TP-split parameters are summed over the TP ranks, replicated parameters (LayerNorm, biases of
@@ -72,23 +74,35 @@ def sum_grad_over(group):
     return sync
 
 
+def replica_group(ctx):
+    """The ranks that hold the same weights and average their gradients: DP x CP (`ctx.dp_cp`:
+    with context parallelism each CP rank's gradient is its chunks' part; a context of cutp
+    before context parallelism, or a stand-in of one: its DP group)."""
+    return getattr(ctx, "dp_cp", None) or ctx.dp
+
+
+def replica_size(ctx) -> int:
+    return getattr(ctx, "dp_cp_size", ctx.dp_size)
+
+
 def finish_grad_sync(params, ctx, flat=None) -> None:
     """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
-    (Training reduces over DP through its optimizer: cutp.optim's reduce_gradients.)"""
+    (Training reduces over DP x CP through its optimizer: cutp.optim's reduce_gradients.)"""
     params = list(params)
     if any(p.expert_parallel for p in params):
-        raise ConfigError("finish_grad_sync averages every gradient over DP; expert-parallel experts (ep > 1) are "
-                          "reduced over the expert-DP group: use cutp.optim's AdamW.reduce_gradients")
+        raise ConfigError("finish_grad_sync averages every gradient over DP x CP; expert-parallel experts (ep > 1) are "
+                          "reduced over the expert-DP x CP group: use cutp.optim's AdamW.reduce_gradients")
     tp_grad_sync(params, ctx.tp)
-    if ctx.dp_size == 1:
+    if replica_size(ctx) == 1:
         return
+    group = replica_group(ctx)
     if flat is not None:
-        ctx.dp.all_reduce(flat.grad, "avg", out=flat.grad)
+        group.all_reduce(flat.grad, "avg", out=flat.grad)
         return
     for bucket in _buckets(params):
         xp = get_array_module(bucket[0].grad)
         flat = xp.concatenate([p.grad.reshape(-1) for p in bucket])
-        ctx.dp.all_reduce(flat, "avg", out=flat)
+        group.all_reduce(flat, "avg", out=flat)
         off = 0
         for p in bucket:
             n = p.grad.size

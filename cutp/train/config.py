@@ -238,12 +238,12 @@ class RunConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("`sequence_parallel` needs tp > 1 (it splits the activations over the TP ranks), but tp "
                               "is 1: give `tp` 2 or more, or omit `sequence_parallel`")
-        if self.sequence_parallel and self.seq_len % self.tp:
+        if self.sequence_parallel and self.seq_len % self.tp and self.cp == 1:  # (cp > 1: check_context_parallel)
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
         check_overlap(self)
         check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.cp_comm,
-                               self.model.n_head, self.model.n_kv_head)
+                               self.model.n_head, self.model.n_kv_head, ranks=self.cp * self.dp)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)
@@ -436,7 +436,7 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
 
     cp = c["cp"]
     world = with_context_parallel(world, cp)  # the ranks of tp x dp x pp (cp takes its factor first; checked)
-    mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp, tp_suits=tp_suits)
+    mesh = derive_mesh(world, c["tp"], c["dp"], c["pp"], c["ep"], pick_tp=pick_tp, tp_suits=tp_suits, cp=cp)
     tp, dp, pp = mesh.tp, mesh.dp, mesh.pp
     if c["tp"] is None and c["dp"] is not None and not tp_suits(tp):  # tp = world / (dp * pp) cannot be
         per_stage = world // pp
@@ -445,11 +445,12 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
             model.validate(tp)
         except ConfigError as e:
             why = str(e).split(";")[0]
-        raise ConfigError(f"`dp` {dp} leaves tp = {world} / (dp {dp} x pp {pp}) = {tp}, but {why}; use a `dp` from "
-                          f"{options}")
+        cp_x = f"cp {cp} x " if cp > 1 else ""
+        raise ConfigError(f"`dp` {dp} leaves tp = {world * cp} / ({cp_x}dp {dp} x pp {pp}) = {tp}, but {why}; use a "
+                          f"`dp` from {options}")
     model.validate(tp)  # (RunConfig checks it again; here its message comes before the rest)
     if c["sequence_parallel"] and tp == 1:
-        refuse_sequence_parallel(world, mesh, model, tp_chosen, c["dp"] is not None)
+        refuse_sequence_parallel(world, mesh, model, tp_chosen, c["dp"] is not None, cp)
     virtual = 1 if c["pp_virtual"] is None else c["pp_virtual"]
     schedule = c["pp_schedule"] or ("interleaved" if virtual > 1 else "1f1b")
     seq_len = run["seq_len"] or (min(model.block_size, 256) if device == "cpu" else model.block_size)

@@ -72,8 +72,9 @@ def default_micro_batch(per_rank: int, pp: int, schedule: str) -> int:
     return max(fits) if fits else per_rank
 
 
-def refuse_sequence_parallel(world: int, mesh, model: GPTConfig, tp_chosen: bool, dp_given: bool) -> None:
-    """sequence_parallel at tp 1 would do nothing: refused, with the tp sizes that would work."""
+def refuse_sequence_parallel(world: int, mesh, model: GPTConfig, tp_chosen: bool, dp_given: bool, cp: int = 1) -> None:
+    """sequence_parallel at tp 1 would do nothing: refused, with the tp sizes that would work
+    (world: the ranks cp left for tp x dp x pp)."""
     per_stage = world // mesh.pp
     options = []
     for t in divisors(per_stage)[1:]:
@@ -83,7 +84,7 @@ def refuse_sequence_parallel(world: int, mesh, model: GPTConfig, tp_chosen: bool
             continue
         if (per_stage // t) % mesh.ep == 0:
             options.append(f"`tp` {t} with `dp` {per_stage // t}" if dp_given else f"`tp` {t}")
-    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    ranks = f"{world} rank{'s' if world > 1 else ''}" if cp == 1 else f"{world * cp} ranks / cp {cp} = {world}"
     why = f"tp is 1 (chosen for {ranks})" if tp_chosen else "tp is 1"
     fix = f"give {either(options)}, or omit `sequence_parallel`" if options else \
         f"omit `sequence_parallel` (no tp > 1 suits the model and the mesh on {ranks})"

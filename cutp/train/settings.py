@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
+
+from mpi4py import MPI
 
 from ..runtime.errors import ConfigError
 
@@ -111,10 +114,22 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A flag argparse refuses (`--cp-comm bogus`, `--cp abc`) ends the program as a setting cutp
+    refuses does (`cutp.runtime.failure.config_errors_exit`): one line, `<prog>: error: ...`,
+    printed once (by rank 0: every rank parses the same command line), exit status 2; no usage
+    block from every rank."""
+
+    def error(self, message):
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
 def command_line_parser(settings: dict[str, tuple[Setting, object]], **parser_args) -> argparse.ArgumentParser:
     """The parser of every setting with a flag, by group, each defaulting to None ("not given":
     resolve_run_config derives or fills in the default, which --help states)."""
-    p = argparse.ArgumentParser(**parser_args)
+    p = OneLineParser(**parser_args)
     sections = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for name, (s, default) in settings.items():
         if not s.flag:

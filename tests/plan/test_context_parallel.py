@@ -44,6 +44,9 @@ def test_the_command_line_plans_and_searches_cp_and_refuses_with_its_flags(capsy
     assert cli.main(["--params", "8B", "--seq-len", "131072", "--tp", "8", "--cp", "8", "--sequence-parallel"]) == 0
     out = capsys.readouterr().out
     assert "tp 8 x cp 8 (ring) x dp 1 = 64 GPUs" in out and "CP ring send/recv (K,V; dK,dV)" in out
+    assert cli.main(["--params", "8B", "--seq-len", "32768", "--tp", "8", "--cp", "4", "--pp", "2", "--accum", "8",
+                     "--sequence-parallel"]) == 0  # a stage sends its CP rank's SP share: 32768 / (cp 4 x tp 8)
+    assert "8.39 MB each way ([1, 32768/32, 4096] bfloat16)" in capsys.readouterr().out
     assert cli.main(["--params", "8B", "--seq-len", "131072", "--search", "--cp", "8", "--gpus", "64",
                      "--batch-size", "16", "--gpu-memory", "80", "--markdown"]) == 0
     out = capsys.readouterr().out
@@ -67,3 +70,20 @@ def test_an_moe_model_at_cp_2_plans_half_the_all_to_all_and_its_experts_state_ov
     assert cli.main(["--preset", "tiny-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--cp", "2",
                      "--seq-len", "64"]) == 0
     assert "tp 1 x cp 2 (ring) x dp 2 = 4 GPUs" in capsys.readouterr().out
+
+
+def test_the_search_leaves_out_the_tp_x_cp_that_training_refuses():
+    # seq 1000 splits into 2cp chunks at cp <= 4, but 1000 / cp over tp with sequence parallelism
+    # fails at tp 8 x cp 2 and tp 4 x cp 4 (the search once stopped there with the refusal); the
+    # all-to-all at tp 8 (4 query heads a TP rank) takes cp <= 4
+    from cutp.plan import search as plan_search
+
+    a = pick_arch("8B")
+    rows = plan_search.search(a, gpus=64, capacities=(80e9,), seq_len=1000, batch_size=16, max_cp=8)
+    pairs = {(r["tp"], r["cp"]) for r in rows}
+    assert (8, 1) in pairs and (4, 2) in pairs and (1, 4) in pairs
+    assert not {(8, 2), (8, 4), (4, 4), (1, 8)} & pairs
+    rows = plan_search.search(a, gpus=64, capacities=(80e9,), seq_len=131072, batch_size=16, max_cp=8,
+                              cp_comm="a2a")
+    assert max(r["cp"] for r in rows if r["tp"] == 8) == 4
+    assert max(r["cp"] for r in rows if r["tp"] == 1) == 8

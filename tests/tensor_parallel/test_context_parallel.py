@@ -111,7 +111,8 @@ def _worker_layouts(layouts):
 
 
 def test_every_layout_gives_one_ranks_loss_gradients_and_weights_and_the_ring_overlaps(tmp_path):
-    # one launch: the layouts, the ring's order and bytes at cp 4, a checkpoint resumed at other cp sizes
+    # one launch: the layouts, the ring's order and bytes at cp 4, the library's finish_grad_sync at
+    # cp 2 x dp 2, a checkpoint resumed at other cp sizes
     # and the activation memory of a 256-token sequence at cp 4 (<= 0.3x cp 1's, measured, and planned)
     run_mpi(4, "tests.tensor_parallel.test_context_parallel:_worker_all", LAYOUTS, 4, str(tmp_path / "run"),
             timeout=300, env={"CUTP_OP_THREADS": "1"})
@@ -192,9 +193,39 @@ def _worker_ring(cp):
     context_parallel.OVERLAP = True
 
 
+def _worker_library():
+    """The library's recipe (docs/library.md): forward, backward, finish_grad_sync at cp 2 x dp 2,
+    each DP rank on its half of the batch: every gradient one rank's (finish_grad_sync averages
+    over DP x CP, the ranks that hold the same weights; it once averaged over DP only)."""
+    import cutp
+    from cutp.models import GPT
+    from cutp.tensor_parallel import finish_grad_sync
+    from tests.tp_utils import full_grads, self_ctx
+
+    config = GPTConfig(**dict(GPT_TINY, dropout=0.0))
+    rng = np.random.default_rng(5)
+    idx, targets = rng.integers(0, 61, (2, 4, 16))
+
+    def reference():
+        model = GPT(self_ctx(), config, seed=2)
+        model.forward(idx, targets)
+        model.backward()
+        return full_grads(model, model.ctx)
+
+    ref = on_rank_0(reference)
+    ctx = cutp.init(cp=2, dp=2, device="cpu")
+    model = GPT(ctx, config, seed=2)
+    half = slice(2 * ctx.dp_rank, 2 * ctx.dp_rank + 2)
+    model.forward(idx[half], targets[half])
+    model.backward()
+    finish_grad_sync(model.parameters(), ctx)
+    assert_close(full_grads(model, ctx, sync=False), ref, 1e-10, "finish_grad_sync at cp 2 x dp 2")
+
+
 def _worker_all(layouts, cp, out):
     _worker_layouts(layouts)
     _worker_ring(cp)
+    _worker_library()
     _worker_checkpoint(out)
     _worker_memory(256)
 
@@ -215,21 +246,37 @@ def test_refusals_name_the_numbers():
     from cutp.runtime.mesh import validate_mesh
     from cutp.train import RunConfig
 
+    # the cp sizes offered divide the run's cp x dp ranks (4 here: not 3 or 6, which split 12 tokens too)
     with pytest.raises(ConfigError, match=r"^seq_len 12 is not divisible by 2\*cp = 8: .* a multiple of 8, or a "
-                                          r"cp from \[1, 2, 3, 6\]$"):
+                                          r"cp from \[1, 2\]$"):
         RunConfig(model=GPTConfig(**GPT_TINY), cp=4, seq_len=12)
-    with pytest.raises(ConfigError, match=r"^seq_len 12 / cp 2 = 6 tokens per CP rank is not divisible by tp 4"):
+    with pytest.raises(ConfigError, match=r"^seq_len 12 / cp 2 = 6 tokens per CP rank is not divisible by tp 4: .* "
+                                          r"a multiple of 8, or a cp from \[1\]$"):
         RunConfig(model=GPTConfig(**dict(GPT_TINY, n_kv_head=4)), cp=2, tp=4, seq_len=12, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"^seq_len 4 / cp 2 = 2 tokens per CP rank is not divisible by tp 3: .* "
+                                          r"a multiple of 12$"):  # (12: 2cp chunks and 12 / cp over tp)
+        RunConfig(model=GPTConfig(**dict(GPT_TINY, n_head=3, n_kv_head=3, n_embd=12)), cp=2, tp=3, seq_len=4,
+                  sequence_parallel=True)
     with pytest.raises(ConfigError, match=r"^cp 3 does not divide the 8 ranks; use a cp from \[1, 2, 4, 8\]"):
         validate_mesh(8, 1, None, cp=3)
     assert repr(validate_mesh(8, 2, None, cp=2)) == "Mesh(tp=2, cp=2, dp=2, pp=1)"
+    # the mesh's refusals name the ranks started and cp (they once named world / cp: "tp*dp = 2*2 = 4
+    # but the communicator has 2 ranks; start 4 ranks" on 4 ranks)
+    with pytest.raises(ConfigError, match=r"^tp\*cp\*dp = 2\*2\*2 = 8 but the communicator has 4 ranks; start 8 ranks"):
+        validate_mesh(4, 2, 2, cp=2)
+    with pytest.raises(ConfigError, match=r"^tp\*cp = 4\*2 does not divide the world size 4, so dp cannot be derived; "
+                                          r"use a tp from \[1, 2\] or start a multiple of 8 ranks$"):
+        validate_mesh(4, 4, None, cp=2)
+    with pytest.raises(ConfigError, match=r"^pp 4 does not divide the 4 ranks / cp 2 = 2; use a pp from \[1, 2\] or "
+                                          r"start a multiple of 8 ranks$"):
+        validate_mesh(4, 1, None, pp=4, cp=2)
     with pytest.raises(ConfigError, match=r"^cp_comm a2a splits each TP rank's query heads over the CP ranks, .*: "
                                           r"n_head 4 and n_kv_head 2 / tp 1 leave 4 query and 2 KV head\(s\) a rank, "
                                           r"and cp 8 does not divide 4; use a cp from \[1, 2, 4\] or cp_comm ring$"):
         RunConfig(model=GPTConfig(**GPT_TINY), cp=8, seq_len=16, cp_comm="a2a")
     with pytest.raises(ConfigError, match=r"n_kv_head 2 / tp 1 leave 6 query and 2 KV head\(s\) a rank, and cp 3 "
                                           r"neither divides 2 nor is a multiple of it; use a cp from \[1, 2, 6\]"):
-        RunConfig(model=GPTConfig(**dict(GPT_TINY, n_head=6, n_embd=24)), cp=3, seq_len=12, cp_comm="a2a")
+        RunConfig(model=GPTConfig(**dict(GPT_TINY, n_head=6, n_embd=24)), cp=3, dp=2, seq_len=12, cp_comm="a2a")
 
 
 # ---- checkpoints: the cp size is a layout -------------------------------------------------------

@@ -50,6 +50,17 @@ def test_a_value_on_the_command_line_reaches_the_run_config():
     assert (cfg.log_every, cfg.max_skips, cfg.weight_decay, cfg.hysteresis) == (1, 5, 0.1, 2)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--cp-comm", "bogus"], "argument --cp-comm: invalid choice: 'bogus' (choose from 'ring', 'a2a')"),
+    (["--cp", "abc"], "argument --cp: invalid int value: 'abc'"),
+])
+def test_a_flag_argparse_refuses_is_one_line(argv, message, capsys):
+    # as a setting cutp refuses (config_errors_exit): no usage block (25 lines on every rank before)
+    with pytest.raises(SystemExit) as e:
+        train.command_line_parser(prog="train_gpt.py").parse_args(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == f"train_gpt.py: error: {message}\n"
+
+
 @pytest.mark.parametrize("name,bad,message", [
     ("eval_batches", 0, "eval_batches must be an integer >= 1, got 0"),
     ("grad_clip", -1.0, "grad_clip must be a finite number >= 0, got -1.0"),
