@@ -240,9 +240,9 @@ def test_gpt_stack_tp2_tp4():
     run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_gpt_stack", [2, 4], STACKS, timeout=240)
 
 
-def test_gpt_stack_tp8():
-    cases = [dict(STACKS[0], n_head=8), dict(STACKS[1], n_head=8), STACKS[2], STACKS[3], STACKS[4], STACKS[5]]
-    run_mpi(8, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 8, cases, timeout=300)
+# The GPT stacks at TP=8 (TP8_STACKS) run in one 8-rank launch with the sequence-parallel ones:
+# tests/tensor_parallel/test_sequence_parallel.py::test_gpt_stack_tp8_with_and_without_sequence_parallelism
+TP8_STACKS = [dict(STACKS[0], n_head=8), dict(STACKS[1], n_head=8), STACKS[2], STACKS[3], STACKS[4], STACKS[5]]
 
 
 # ---- communication counted -------------------------------------------------------------------

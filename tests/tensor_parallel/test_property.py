@@ -119,4 +119,4 @@ def _worker_property(max_examples):
 
 
 def test_random_compositions_tp_n_equals_tp_1():
-    run_mpi(N_RANKS, "tests.tensor_parallel.test_property:_worker_property", 60, timeout=300)
+    run_mpi(N_RANKS, "tests.tensor_parallel.test_property:_worker_property", 45, timeout=300)

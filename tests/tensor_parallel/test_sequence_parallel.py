@@ -17,7 +17,7 @@ from cutp.models import GPT, GPTConfig
 from cutp.tensor_parallel import gather_full, tp_grad_sync
 from cutp.tensor_parallel.mappings import gather_from_tp_forward
 from tests.mpirun import run_mpi
-from tests.tensor_parallel.test_layers import STACKS
+from tests.tensor_parallel.test_layers import STACKS, TP8_STACKS
 from tests.tp_utils import assert_close, full_grads, group_ctx, on_rank_0, self_ctx, tol
 
 TRAIN = "examples.train_gpt:main"
@@ -39,9 +39,10 @@ def test_gpt_stack_with_sequence_parallelism_tp2_tp4():
             timeout=240)
 
 
-def test_gpt_stack_with_sequence_parallelism_tp8():
-    # 16 tokens over 8 ranks (2 each), and 8 tokens: one token per rank
-    run_mpi(8, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 8, SP_STACKS, timeout=300)
+def test_gpt_stack_tp8_with_and_without_sequence_parallelism():
+    """One 8-rank launch: test_layers' stacks at TP=8, then the sequence-parallel ones (16 tokens
+    over 8 ranks, 2 each, and 8 tokens: one token per rank)."""
+    run_mpi(8, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 8, TP8_STACKS + SP_STACKS, timeout=300)
 
 
 # ---- TP2 x DP2 through the training step: every gradient, each recompute mode ---------------------
