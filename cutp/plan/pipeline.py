@@ -266,7 +266,7 @@ def run(args) -> Report:
     for k, val in (("layers x width", f"{a.n_layer} x {a.n_embd}"),
                    ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"),
                    ("mesh", f"tp {args.tp}" + (f" x cp {cp} ({r['cp_comm']})" if cp > 1 else "")
-                    + f" x pp {p} x dp {args.dp} = {r['gpus']} GPUs"),
+                    + f" x dp {args.dp} x pp {p} = {r['gpus']} GPUs"),
                    ("schedule", f"{r['schedule']}" + (f", {v} model chunks per rank" if v > 1 else "")
                     + f", {m} micro-batches of {args.micro_batch} x {seq} per step"),
                    ("dtype, optimizer", f"{r['dtype']}, {optimizer}"),
