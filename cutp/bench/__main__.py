@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     _common(c)
 
-    m = sub.add_parser("model", help="a training step (run under mpiexec -n tp*dp)")
+    m = sub.add_parser("model", help="a training step (run under mpiexec -n tp*cp*dp*pp)")
     m.add_argument("--preset", default="tiny")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a GPTConfig field")
     m.add_argument("--tp", type=int, default=1)
@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--pp-virtual", type=int, default=None, help="model chunks per stage (interleaved schedule)")
     m.add_argument("--pp-layers", default=None, help="layers of each stage (of each model chunk with --pp-virtual), "
                    "e.g. 8,4 (default: even)")
-    m.add_argument("--dp", type=int, default=None, help="default: world size / (tp * pp)")
+    m.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence over cp ranks")
+    m.add_argument("--cp-comm", default="ring", choices=["ring", "a2a"], help="context parallelism's attention")
+    m.add_argument("--dp", type=int, default=None, help="default: world size / (tp * cp * pp)")
     m.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     m.add_argument("--allow-tf32", action="store_true", help="float32 GEMMs round their operands to TF32")

@@ -1,4 +1,4 @@
-"""`[mpiexec -n tp*dp] python -m cutp bench model`: one training step of a GPT preset.
+"""`[mpiexec -n tp*cp*dp*pp] python -m cutp bench model`: one training step of a GPT preset.
 
 The step measured is `cutp.train.train_step`, the one examples/train_gpt.py runs (on random
 tokens, at a constant learning rate), with the device synchronised between phases.
@@ -237,7 +237,8 @@ def _overlap_table(report, world, times, name="overlap", title="communication hi
 def run(args) -> Report:
     device, xp = device_of(args.device)
     world = MPI.COMM_WORLD
-    dp = args.dp or max(1, world.Get_size() // (args.tp * args.pp))
+    cp = getattr(args, "cp", 1)
+    dp = args.dp or max(1, world.Get_size() // (args.tp * cp * args.pp))
     B = args.batch_size or 8  # sequences per DP rank
     model = GPTConfig.preset(args.preset, dtype=args.dtype).with_overrides(args.set)
     T = min(args.seq_len or (min(model.block_size, 256) if device == "cpu" else model.block_size), model.block_size)
@@ -245,7 +246,7 @@ def run(args) -> Report:
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
                              pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
-                             pp_layers=args.pp_layers,
+                             pp_layers=args.pp_layers, cp=cp, cp_comm=getattr(args, "cp_comm", "ring"),
                              micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
@@ -258,7 +259,8 @@ def run(args) -> Report:
         set_blas_threads(args.threads)
     report = Report("model", machine_info(xp) if ctx.rank == 0 else {})
     report.meta.update(device=device, preset=args.preset, overrides=list(args.set), tp=ctx.tp_size, dp=ctx.dp_size,
-                       pp=ctx.pp_size, batch_per_dp_rank=B, micro_batch=cfg.micro_batch_size, seq_len=T,
+                       pp=ctx.pp_size, cp=ctx.cp_size, cp_comm=cfg.cp_comm, batch_per_dp_rank=B,
+                       micro_batch=cfg.micro_batch_size, seq_len=T,
                        config=config.to_dict(), recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                        distributed_optimizer=cfg.distributed_optimizer, pp_schedule=cfg.pp_schedule,
                        pp_virtual=cfg.pp_virtual)
@@ -337,7 +339,8 @@ def run(args) -> Report:
                                 f"{pk} TFLOP/s per GPU (bf16 peak {peak['bf16_tflops']} TFLOP/s)")
         else:
             report.notes.append(f"no peak known for {info['gpu']!r} in {config.dtype}: MFU not computed")
-    t.add(preset=args.preset, mesh=f"{ctx.tp_size} x {ctx.dp_size}" + (f" x pp {ctx.pp_size}" if ctx.pp_size > 1 else ""), shape=f"{B} x {T}", tokens=tokens, ms=step_s * 1e3,
+    t.add(preset=args.preset, mesh=f"{ctx.tp_size}" + (f" x cp {ctx.cp_size}" if ctx.cp_size > 1 else "")
+          + f" x {ctx.dp_size}" + (f" x pp {ctx.pp_size}" if ctx.pp_size > 1 else ""), shape=f"{B} x {T}", tokens=tokens, ms=step_s * 1e3,
           tok_s=tok_s, gflops=flops / 1e9, gflops_dev=flops / n_dev / 1e9, mfu=mfu, loss=losses[-1])
     t.notes.append(f"FLOPs/token = 6*N + 12*L*h*T = 6*{matmul_parameters(config):,} + 12*{config.n_layer}*{config.n_embd}*{T} "
                    f"= {fpt:,} (N: parameters without position embeddings)")

@@ -380,6 +380,9 @@ def _mpi_suites(tmpdir):
             "--seq-len", "16", "--steps", "2", "--warmup", "1", "--quiet"]
     main(base + ["--json", os.path.join(tmpdir, "timed.json")])
     main(base + ["--no-comm-timing", "--json", os.path.join(tmpdir, "untimed.json")])
+    at = base.index("--tp")
+    cp = base[:at] + ["--tp", "1", "--cp", "2"] + base[at + 2:]
+    main(cp + ["--json", os.path.join(tmpdir, "cp.json")])
     if rank != 0:
         assert not os.path.exists(os.path.join(tmpdir, f"rank{rank}.json"))
 
@@ -403,6 +406,12 @@ def test_comm_and_model_suites_on_two_ranks(tmp_path):
     assert comm_rows["tp.all_reduce"]["calls"] == 4 * 2 + 2 + 2 + 1
     assert timed["result"]["comm_ms"]["forward"] > 0
     assert timed["meta"]["tp"] == 2
+    # --cp 2: the same model and tokens with each sequence over the two ranks (the ring's sends)
+    cp = json.loads((tmp_path / "cp.json").read_text())
+    assert cp["meta"]["cp"] == 2 and cp["meta"]["tp"] == 1
+    np.testing.assert_allclose(cp["result"]["losses"], timed["result"]["losses"], rtol=1e-5)
+    cp_rows = {r["key"]: r for r in cp["tables"]["comm"]["rows"]}
+    assert cp_rows["cp.send"]["calls"] == cp_rows["cp.recv"]["calls"] > 0 and "tp.all_reduce" not in cp_rows
 
 
 def test_compare_torch_skipped_or_same_loss():
