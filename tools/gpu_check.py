@@ -346,7 +346,8 @@ def nccl_parts(info: dict) -> None:
     elif not mpiexec:
         why = "no mpiexec on this machine: " + str(info.get("mpiexec"))
     if why:
-        for name in ("nccl 2-rank train", "nccl 2-rank bf16 ZeRO-1", "nccl 2-rank tests"):
+        for name in ("nccl 2-rank train", "nccl 2-rank cp 2 ring", "nccl cp 2 vs tp 2", "nccl 2-rank bf16 ZeRO-1",
+                     "nccl 2-rank tests"):
             PARTS.append(Part(name, "skipped", detail=why))
         return
     env = {**MPI_ENV, "NCCL_MULTI_RANK_GPU_ENABLE": "1",
@@ -359,6 +360,18 @@ def nccl_parts(info: dict) -> None:
     if res:
         part.detail = (f"gpt2 preset, tp=2 on one GPU: loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
                        f"{res['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
+    # context parallelism: the same gpt2 steps with each sequence over the two ranks (the ring on
+    # NCCL's side stream, its tiles on the fused attention kernels: head dim 64)
+    m = CACHE / "nccl_cp_train.jsonl"
+    part, _ = run("nccl 2-rank cp 2 ring", [mpiexec, "-n", "2", PY, "examples/train_gpt.py", "--device", "cuda",
+                                            "--tp", "1", "--cp", "2", "--steps", "5", "--metrics", str(m)], 120,
+                  env=env, min_needed=30)
+    cp = metrics(m)
+    part.info = cp
+    if cp:
+        part.detail = (f"gpt2 preset, cp=2 on one GPU: loss {cp['first_loss']:.4f} -> {cp['last_loss']:.4f}, "
+                       f"{cp['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
+    compare_trains(cp, res, "nccl cp 2 vs tp 2", tol=1e-2)  # (same model and tokens, another layout)
     m = CACHE / "nccl_zero_train.jsonl"
     part, _ = run("nccl 2-rank bf16 ZeRO-1", [mpiexec, "-n", "2", PY, "examples/train_gpt.py", "--device", "cuda",
                                               "--preset", "tiny", "--tp", "1", "--dp", "2", "--dtype", "bfloat16",
