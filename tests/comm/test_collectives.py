@@ -9,6 +9,7 @@ import pytest
 import cutp
 from cutp.comm import CommCounter, CommError
 from cutp.comm.context import check_gpu_assignment, validate_mesh
+from tests.comm.test_context import _worker_a_new_dimension
 from tests.mpirun import MpiRunError, run_mpi
 
 DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.float16, np.int32, np.int64]
@@ -172,8 +173,15 @@ def test_collectives_meshes_2x2_4x1_1x4():
     run_mpi(4, "tests.comm.test_collectives:_worker_collectives", [[2, 2], [4, 1], [1, 4]], timeout=120)
 
 
-def test_collectives_mesh_2x4_on_8_ranks():
-    run_mpi(8, "tests.comm.test_collectives:_worker_collectives", [[2, 4]], timeout=180)
+def _worker_eight_ranks():
+    """One 8-rank job: the collectives on a 2 x 4 mesh, then a mesh dimension between tp and dp
+    (tests/comm/test_context.py)."""
+    _worker_collectives([[2, 4]])
+    _worker_a_new_dimension()
+
+
+def test_collectives_mesh_2x4_and_a_new_dimension_on_8_ranks():
+    run_mpi(8, "tests.comm.test_collectives:_worker_eight_ranks", timeout=180)
 
 
 def test_collectives_single_rank():

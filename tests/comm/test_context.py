@@ -60,8 +60,8 @@ def _worker_a_new_dimension():
     ctx.close()
 
 
-def test_a_new_dimension_between_tp_and_dp_on_8_ranks():
-    run_mpi(8, "tests.comm.test_context:_worker_a_new_dimension", timeout=180)
+# (_worker_a_new_dimension runs in the 8-rank launch of
+# tests/comm/test_collectives.py::test_collectives_mesh_2x4_and_a_new_dimension_on_8_ranks)
 
 
 def test_a_mesh_of_another_size_than_the_communicator_is_refused():

@@ -216,9 +216,12 @@ def test_linear_mlp_embedding_tp2_tp4():
     run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_layers", [2, 4], timeout=180)
 
 
-def test_linear_mlp_embedding_and_cross_entropy_tp8():
-    # TP=8 on the vocabulary of 97: rank 7's shard (rows/columns 112..127) is all padding
-    run_mpi(8, "tests.tensor_parallel.test_layers:_worker_layers_and_cross_entropy", 8, timeout=180)
+def _worker_tp8(stacks):
+    """The TP=8 job (one 8-rank launch, tests/tensor_parallel/test_sequence_parallel.py): the
+    layers and the cross-entropy on the vocabulary of 97 (rank 7's shard, rows/columns 112..127,
+    is all padding), then the GPT stacks."""
+    _worker_layers_and_cross_entropy(8)
+    _worker_gpt_stack(8, stacks)
 
 
 def test_attention_and_block_gqa_cases_tp4():
@@ -240,8 +243,9 @@ def test_gpt_stack_tp2_tp4():
     run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_gpt_stack", [2, 4], STACKS, timeout=240)
 
 
-# The GPT stacks at TP=8 (TP8_STACKS) run in one 8-rank launch with the sequence-parallel ones:
-# tests/tensor_parallel/test_sequence_parallel.py::test_gpt_stack_tp8_with_and_without_sequence_parallelism
+# The layers, the cross-entropy and the GPT stacks at TP=8 (TP8_STACKS) run in one 8-rank launch
+# with the sequence-parallel stacks (`_worker_tp8`):
+# tests/tensor_parallel/test_sequence_parallel.py::test_tp8_layers_cross_entropy_and_gpt_stacks_with_and_without_sp
 TP8_STACKS = [dict(STACKS[0], n_head=8), dict(STACKS[1], n_head=8), STACKS[2], STACKS[3], STACKS[4], STACKS[5]]
 
 

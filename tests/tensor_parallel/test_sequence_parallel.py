@@ -39,10 +39,10 @@ def test_gpt_stack_with_sequence_parallelism_tp2_tp4():
             timeout=240)
 
 
-def test_gpt_stack_tp8_with_and_without_sequence_parallelism():
-    """One 8-rank launch: test_layers' stacks at TP=8, then the sequence-parallel ones (16 tokens
-    over 8 ranks, 2 each, and 8 tokens: one token per rank)."""
-    run_mpi(8, "tests.tensor_parallel.test_layers:_worker_gpt_stack", 8, TP8_STACKS + SP_STACKS, timeout=300)
+def test_tp8_layers_cross_entropy_and_gpt_stacks_with_and_without_sp():
+    """One 8-rank launch: test_layers' layers, cross-entropy and stacks at TP=8, then the
+    sequence-parallel stacks (16 tokens over 8 ranks, 2 each, and 8 tokens: one token per rank)."""
+    run_mpi(8, "tests.tensor_parallel.test_layers:_worker_tp8", TP8_STACKS + SP_STACKS, timeout=300)
 
 
 # ---- TP2 x DP2 through the training step: every gradient, each recompute mode ---------------------
