@@ -199,7 +199,7 @@ def test_plan_pp_command_line(tmp_path, capsys):
     r = json.loads(path.read_text())["plan"]
     assert r["schedule"] == "interleaved" and [st["in_flight"] for st in r["stages"]] == [11, 9, 7, 5]
     assert bench_main(["plan", "--params", "175B", "--search", "--gpus", "64", "--gpu-memory", "80",
-                       "--markdown"]) == 0
+                       "--batch-size", "256", "--markdown"]) == 0  # (256 sequences: up to 256 micro-batches)
     table = capsys.readouterr().out
     assert table.startswith("| TP | PP | layers/stage | 80 GB: fewest GPUs (DP) |") and "| 8 | 8 | 12 |" in table
 
