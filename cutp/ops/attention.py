@@ -131,17 +131,13 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
     if fused and blocked is not None:
         raise ValueError(f"fused=True excludes blocked={blocked}")
     if fused or (fused is None and blocked is None):
-        kernels = _attention_kernels(q, k, v)
-        why = "the fused attention needs CuPy arrays with kernels on" if kernels is None else \
-            fused_attention_supported(q, k, v)
-        if why is None:
+        kernels, why = fused_attention_kernels(q, k, v, warn=not fused)
+        if kernels is not None:
             drop = (float(dropout_p), seed, offset)
             o, lse = kernels.attention_forward(q, k, v, scale, *drop)
             return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels, dropout_args=drop)
         if fused:
             raise ValueError(why)
-        if kernels is not None and not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
-            warn_unfused_once(why)
     xp = get_array_module(q, k, v)
     can_block = on_host(xp) and float(dropout_p) == 0.0
     if blocked is None:
@@ -184,12 +180,21 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
 _UNFUSED_WARNED: set = set()
 
 
-def warn_unfused_once(why: str) -> None:
-    """Warns, once per reason (the one-rank attention's and the ring's tiles alike), that an
-    attention on a GPU runs unfused."""
-    if why not in _UNFUSED_WARNED:
+def fused_attention_kernels(q, k, v, warn: bool = True):
+    """(the launchers, None) when the fused kernels take q, k, v (CuPy arrays, kernels on,
+    `fused_attention_supported`), else (None, why not). On a GPU an unfused attention warns once
+    per reason (warn; the one-rank attention's and the ring's tiles alike; the planner's
+    shape-only arrays stay quiet)."""
+    kernels = _attention_kernels(q, k, v)
+    if kernels is None:
+        return None, "the fused attention needs CuPy arrays with kernels on"
+    why = fused_attention_supported(q, k, v)
+    if why is None:
+        return kernels, None
+    if warn and why not in _UNFUSED_WARNED and not getattr(kernels.xp, "shape_only", False):
         _UNFUSED_WARNED.add(why)
         warnings.warn(f"cutp: {why}; attention runs unfused (its T x T probabilities in memory)", stacklevel=3)
+    return None, why
 
 
 # ---- plain path --------------------------------------------------------------------------------

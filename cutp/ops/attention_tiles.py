@@ -36,27 +36,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from cutp.kernels import dispatch_views
-from cutp.kernels.attention import fused_attention_supported, kernel_layout
+from cutp.kernels.attention import kernel_layout
 from cutp.runtime.backend import get_array_module
 
-from .attention import warn_unfused_once
+from .attention import fused_attention_kernels
 from .common import as_dtype, compute_dtype
 from .dropout import dropout_mask_at
-
-
-def _fused_kernels(q, k, v):
-    """The launchers when the fused kernels take this tile (else None, with the one-rank
-    attention's warning once per reason on a GPU)."""
-    kernels = dispatch_views(q, k, v)
-    if kernels is None:
-        return None
-    why = fused_attention_supported(q, k, v)
-    if why is None:
-        return kernels
-    if not getattr(kernels.xp, "shape_only", False):  # (the planner's arrays: quiet)
-        warn_unfused_once(why)
-    return None
 
 
 def _kernel_dropout(dropout):
@@ -102,7 +87,7 @@ def tile_forward(q, k, v, scale: float, positions, dropout=None):
     """(o, lse) of queries q against keys k, v at `positions` (q_pos, k_pos), in the compute
     dtype; dropout: None or (p, seed, offsets, T) (module docstring)."""
     _check_positions(positions, q.shape[3])
-    kernels = _fused_kernels(q, k, v)
+    kernels, _ = fused_attention_kernels(q, k, v)
     if kernels is not None:
         drop, strides = _kernel_dropout(dropout)
         return kernels.attention_forward(q, k, v, scale, *drop, positions=positions, drop_strides=strides,
@@ -140,7 +125,7 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
     the g query heads. out: optional (dq, dk, dv) arrays (compute dtype, any strides) the
     gradients are added to, and returned."""
     _check_positions(positions, q.shape[3])
-    kernels = _fused_kernels(q, k, v)
+    kernels, _ = fused_attention_kernels(q, k, v)
     if kernels is not None:
         xp = kernels.xp
         do = as_dtype(do, q.dtype)
