@@ -30,7 +30,7 @@ from .. import ops
 from ..runtime.backend import get_array_module
 from ..runtime.errors import ConfigError
 from ..tensor_parallel import global_grad_norm
-from ..tensor_parallel.grads import replica_group, replica_size
+from ..tensor_parallel.grads import expert_replica_group, replica_group, replica_size
 from .flat import FlatParameters, is_low_precision, state_dtype_for
 
 # A DP collective moves at most this many elements per call (the distributed optimizer's
@@ -190,14 +190,6 @@ class AdamW:
         overwrite them at the next step)."""
         if self.master is not None:
             self.master[...] = self.flat.data[self.lo:self.hi]
-
-
-
-def expert_replica_group(ctx):
-    """The ranks that hold the same experts of an expert-parallel model (ep > 1) and sum their
-    gradients: expert-DP x CP (`ctx.expert_dp_cp`; the expert-DP group at cp 1 or in a context
-    of cutp before context parallelism)."""
-    return getattr(ctx, "expert_dp_cp", None) or ctx.expert_dp
 
 
 def finish_norm(ctx, acc) -> float:

@@ -16,7 +16,8 @@ from whichever part holds the name.
 """
 from __future__ import annotations
 
-from .adamw import DistributedAdamW, expert_replica_group, finish_norm, replica_size
+from ..tensor_parallel.grads import expert_replica_group, replica_size
+from .adamw import DistributedAdamW, finish_norm
 from .flat import FlatParameters
 
 

@@ -85,6 +85,13 @@ def replica_size(ctx) -> int:
     return getattr(ctx, "dp_cp_size", ctx.dp_size)
 
 
+def expert_replica_group(ctx):
+    """The ranks that hold the same experts of an expert-parallel model (ep > 1) and sum their
+    gradients: expert-DP x CP (`ctx.expert_dp_cp`; the expert-DP group at cp 1 or in a context
+    of cutp before context parallelism)."""
+    return getattr(ctx, "expert_dp_cp", None) or ctx.expert_dp
+
+
 def finish_grad_sync(params, ctx, flat=None) -> None:
     """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
     (Training reduces over DP x CP through its optimizer: cutp.optim's reduce_gradients.)"""

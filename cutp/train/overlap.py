@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..optim import (ExpertParallelAdamW, GradBucketGroups, GradBuckets, ParamGather, ParamGathers,
                      default_bucket_size)
-from ..optim.adamw import expert_replica_group, replica_size
+from ..tensor_parallel.grads import expert_replica_group, replica_size
 from ..runtime.errors import ConfigError
 
 

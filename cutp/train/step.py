@@ -43,7 +43,7 @@ from ..models import GPT
 from ..ops.gemm import allow_tf32
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
                      GradBuckets, LossScaler, ParamGather, clip_scale, lr_schedule)
-from ..optim.adamw import replica_group
+from ..tensor_parallel.grads import replica_group
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
