@@ -352,36 +352,26 @@ def nccl_parts(info: dict) -> None:
         return
     env = {**MPI_ENV, "NCCL_MULTI_RANK_GPU_ENABLE": "1",
            "PATH": os.path.dirname(mpiexec) + os.pathsep + os.environ.get("PATH", "")}
-    m = CACHE / "nccl_train.jsonl"
-    part, _ = run("nccl 2-rank train", [mpiexec, "-n", "2", PY, "examples/train_gpt.py", "--device", "cuda", "--tp",
-                                        "2", "--steps", "5", "--metrics", str(m)], 120, env=env, min_needed=30)
-    res = metrics(m)
-    part.info = res
-    if res:
-        part.detail = (f"gpt2 preset, tp=2 on one GPU: loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
-                       f"{res['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
+
+    def two_ranks(name: str, what: str, *args: str) -> dict:
+        """A 2-rank examples/train_gpt.py run on the one GPU; its metrics."""
+        m = CACHE / f"{name.replace(' ', '_')}.jsonl"
+        part, _ = run(name, [mpiexec, "-n", "2", PY, "examples/train_gpt.py", "--device", "cuda", *args,
+                             "--metrics", str(m)], 120, env=env, min_needed=30)
+        res = metrics(m)
+        part.info = res
+        if res:
+            part.detail = (f"{what} on one GPU: loss {res['first_loss']:.4f} -> {res['last_loss']:.4f}, "
+                           f"{res['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
+        return res
+
+    tp = two_ranks("nccl 2-rank train", "gpt2 preset, tp=2", "--tp", "2", "--steps", "5")
     # context parallelism: the same gpt2 steps with each sequence over the two ranks (the ring on
     # NCCL's side stream, its tiles on the fused attention kernels: head dim 64)
-    m = CACHE / "nccl_cp_train.jsonl"
-    part, _ = run("nccl 2-rank cp 2 ring", [mpiexec, "-n", "2", PY, "examples/train_gpt.py", "--device", "cuda",
-                                            "--tp", "1", "--cp", "2", "--steps", "5", "--metrics", str(m)], 120,
-                  env=env, min_needed=30)
-    cp = metrics(m)
-    part.info = cp
-    if cp:
-        part.detail = (f"gpt2 preset, cp=2 on one GPU: loss {cp['first_loss']:.4f} -> {cp['last_loss']:.4f}, "
-                       f"{cp['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
-    compare_trains(cp, res, "nccl cp 2 vs tp 2", tol=1e-2)  # (same model and tokens, another layout)
-    m = CACHE / "nccl_zero_train.jsonl"
-    part, _ = run("nccl 2-rank bf16 ZeRO-1", [mpiexec, "-n", "2", PY, "examples/train_gpt.py", "--device", "cuda",
-                                              "--preset", "tiny", "--tp", "1", "--dp", "2", "--dtype", "bfloat16",
-                                              "--distributed-optimizer", "--steps", "10", "--metrics", str(m)], 120,
-                  env=env, min_needed=30)
-    res = metrics(m)
-    part.info = res
-    if res:
-        part.detail = (f"tiny, bfloat16, distributed optimizer over dp=2 on one GPU: loss {res['first_loss']:.4f} -> "
-                       f"{res['last_loss']:.4f}, {res['median_ms']} ms/step" + (f"; {part.detail}" if part.detail else ""))
+    cp = two_ranks("nccl 2-rank cp 2 ring", "gpt2 preset, cp=2", "--tp", "1", "--cp", "2", "--steps", "5")
+    compare_trains(cp, tp, "nccl cp 2 vs tp 2", tol=1e-2)  # (same model and tokens, another layout)
+    two_ranks("nccl 2-rank bf16 ZeRO-1", "tiny, bfloat16, distributed optimizer over dp=2", "--preset", "tiny",
+              "--tp", "1", "--dp", "2", "--dtype", "bfloat16", "--distributed-optimizer", "--steps", "10")
     part, out = run("nccl 2-rank tests", [PY, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
                                           "tests/comm/test_nccl.py"], 120, env=env, min_needed=20)
     s = pytest_summary(out)
