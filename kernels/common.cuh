@@ -230,6 +230,57 @@ __device__ __forceinline__ void group_reduce_sum2(float& a, float& b) {
     }
 }
 
+// The norms' backward (layernorm.cu, rmsnorm.cu) runs 2-D blocks (threads per row, R): R "row
+// groups", the threads with one threadIdx.y (whole warps, as blockDim.x is a multiple of 32),
+// each on its own row. These reduce over a row group, every thread of it getting the sums; the
+// warps' sums added in a fixed order. A barrier for every thread of the block, then a trailing
+// one (back-to-back calls are safe).
+__device__ __forceinline__ float row_group_reduce_sum(float a) {
+    __shared__ float part[WARP_SIZE];  // one per warp; a block has at most 32 warps
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int nw = blockDim.x / WARP_SIZE;  // warps per row group
+    const int w0 = threadIdx.y * nw;  // the group's first warp in the block
+    a = warp_reduce_sum(a);
+    if (lane == 0) part[w0 + threadIdx.x / WARP_SIZE] = a;
+    __syncthreads();
+    a = 0.0f;
+    for (int i = 0; i < nw; ++i) a += part[w0 + i];
+    __syncthreads();
+    return a;
+}
+__device__ __forceinline__ void row_group_reduce_sum2(float& a, float& b) {
+    __shared__ float part[2][WARP_SIZE];  // one pair per warp
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int nw = blockDim.x / WARP_SIZE;
+    const int w0 = threadIdx.y * nw;
+    a = warp_reduce_sum(a);
+    b = warp_reduce_sum(b);
+    if (lane == 0) {
+        part[0][w0 + threadIdx.x / WARP_SIZE] = a;
+        part[1][w0 + threadIdx.x / WARP_SIZE] = b;
+    }
+    __syncthreads();
+    a = 0.0f;
+    b = 0.0f;
+    for (int i = 0; i < nw; ++i) {
+        a += part[0][w0 + i];
+        b += part[1][w0 + i];
+    }
+    __syncthreads();
+}
+
+// out[c] = the sum over the block's row groups y, in order, of acc[y * stride + c] (c < C): the
+// block's partial of a parameter gradient from its groups' accumulators in shared memory (call
+// after a barrier; every thread of the block takes a share of the columns).
+__device__ __forceinline__ void sum_row_groups(float* out, const float* acc, long long stride, int C) {
+    const int nthreads = blockDim.x * blockDim.y;
+    for (int c = threadIdx.y * blockDim.x + threadIdx.x; c < C; c += nthreads) {
+        float sum = 0.0f;
+        for (int y = 0; y < (int)blockDim.y; ++y) sum += acc[(long long)y * stride + c];
+        out[c] = sum;
+    }
+}
+
 // The row of this thread's group, its index in the group and the group size (1-D blocks).
 template <bool BLOCK>
 struct RowGroup {

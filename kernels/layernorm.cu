@@ -69,31 +69,6 @@ __device__ void forward(T* y, float* mean_out, float* rstd_out, const T* x, cons
     }
 }
 
-// sum(a) and sum(b) over the threads of one row group (the threads with this threadIdx.y: whole
-// warps, as blockDim.x is a multiple of 32), every thread of the group getting them; the warps'
-// sums are added in a fixed order. A barrier for every thread of the block, then a trailing one
-// (back-to-back calls are safe).
-__device__ __forceinline__ void row_group_reduce_sum2(float& a, float& b) {
-    __shared__ float part[2][WARP_SIZE];  // one pair per warp; a block has at most 32 warps
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int nw = blockDim.x / WARP_SIZE;  // warps per row group
-    const int w0 = threadIdx.y * (blockDim.x / WARP_SIZE);  // the group's first warp in the block
-    a = warp_reduce_sum(a);
-    b = warp_reduce_sum(b);
-    if (lane == 0) {
-        part[0][w0 + threadIdx.x / WARP_SIZE] = a;
-        part[1][w0 + threadIdx.x / WARP_SIZE] = b;
-    }
-    __syncthreads();
-    a = 0.0f;
-    b = 0.0f;
-    for (int i = 0; i < nw; ++i) {
-        a += part[0][w0 + i];
-        b += part[1][w0 + i];
-    }
-    __syncthreads();
-}
-
 // Block (threads per row, R): R row groups, each working on its own row at a time. The grid is a
 // few blocks per SM; block b takes the rows [b * n_rows / gridDim.x, (b + 1) * n_rows / gridDim.x),
 // R at a time. Each thread adds dy * xhat and dy of its own columns of its group's rows into its
@@ -159,18 +134,8 @@ __device__ void backward(T* dx, float* partial, const T* dy, const T* x, const T
     }
     if (params) {
         __syncthreads();  // the groups' accumulators, read across threads below
-        float* pw = partial + (long long)blockIdx.x * C;
-        float* pb = partial + ((long long)gridDim.x + blockIdx.x) * C;
-        const int nthreads = blockDim.x * blockDim.y;
-        for (int c = threadIdx.y * blockDim.x + threadIdx.x; c < C; c += nthreads) {
-            float sw = 0.0f, sb = 0.0f;
-            for (int y = 0; y < (int)blockDim.y; ++y) {
-                sw += acc[(long long)y * 2 * C + c];
-                sb += acc[(long long)y * 2 * C + C + c];
-            }
-            pw[c] = sw;
-            pb[c] = sb;
-        }
+        sum_row_groups(partial + (long long)blockIdx.x * C, acc, 2 * C, C);  // dweight's
+        sum_row_groups(partial + ((long long)gridDim.x + blockIdx.x) * C, acc + C, 2 * C, C);  // dbias's
     }
 }
 

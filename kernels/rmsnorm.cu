@@ -71,24 +71,6 @@ __device__ void forward(T* y, float* rstd_out, T* sum, const T* x, const T* bran
     if (g.tid == 0) rstd_out[g.row] = rstd;
 }
 
-// sum(a) over the threads of one row group (the threads with this threadIdx.y: whole warps, as
-// blockDim.x is a multiple of 32), every thread of the group getting it; the warps' sums added in
-// a fixed order. A barrier for every thread of the block, then a trailing one (back-to-back calls
-// are safe).
-__device__ __forceinline__ float row_group_reduce_sum(float a) {
-    __shared__ float part[16];  // one per warp: the backward's blocks have at most 512 threads (16 warps)
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int nw = blockDim.x / WARP_SIZE;  // warps per row group
-    const int w0 = threadIdx.y * (blockDim.x / WARP_SIZE);  // the group's first warp in the block
-    a = warp_reduce_sum(a);
-    if (lane == 0) part[w0 + threadIdx.x / WARP_SIZE] = a;
-    __syncthreads();
-    a = 0.0f;
-    for (int i = 0; i < nw; ++i) a += part[w0 + i];
-    __syncthreads();
-    return a;
-}
-
 // Block (threads per row, R): R row groups, each on its own row at a time. Block b takes the rows
 // [b * n_rows / gridDim.x, (b + 1) * n_rows / gridDim.x), R at a time; each thread adds dy * xhat
 // of its own columns into its group's accumulator acc[y][C] (no atomics); at the end the block
@@ -149,57 +131,36 @@ __device__ void backward(T* dx, float* partial, const T* dy, const T* x, const T
     }
     if (params) {
         __syncthreads();  // the groups' accumulators, read across threads below
-        float* pw = partial + (long long)blockIdx.x * C;
-        const int nthreads = blockDim.x * blockDim.y;
-        for (int c = threadIdx.y * blockDim.x + threadIdx.x; c < C; c += nthreads) {
-            float sw = 0.0f;
-            for (int y = 0; y < (int)blockDim.y; ++y) sw += acc[(long long)y * C + c];
-            pw[c] = sw;
-        }
+        sum_row_groups(partial + (long long)blockIdx.x * C, acc, C, C);
     }
 }
 
 }  // namespace rmsnorm_impl
 
 // weight may be null (no scale). block_per_row: 0 = a warp per row. Plain: sum and branch are null.
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_f32(
-    float* y, float* rstd, float* sum, const float* x, const float* branch, const float* weight, long long n_rows, int C,
-    float eps, int block_per_row) {
-    if (block_per_row) {
-        rmsnorm_impl::forward<float, true, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
-    } else {
-        rmsnorm_impl::forward<float, false, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
+#define RMSNORM_FWD_PARAMS(T)                                                                                  \
+    T *y, float *rstd, T *sum, const T *x, const T *branch, const T *weight, long long n_rows, int C, float eps, \
+        int block_per_row
+#define RMSNORM_FWD(T, RESIDUAL)                                                                               \
+    if (block_per_row) {                                                                                       \
+        rmsnorm_impl::forward<T, true, RESIDUAL>(y, rstd, sum, x, branch, weight, n_rows, C, eps);             \
+    } else {                                                                                                   \
+        rmsnorm_impl::forward<T, false, RESIDUAL>(y, rstd, sum, x, branch, weight, n_rows, C, eps);            \
     }
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_f32(RMSNORM_FWD_PARAMS(float)) {
+    RMSNORM_FWD(float, false)
 }
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_bf16(
-    __nv_bfloat16* y, float* rstd, __nv_bfloat16* sum, const __nv_bfloat16* x, const __nv_bfloat16* branch, const __nv_bfloat16* weight, long long n_rows, int C,
-    float eps, int block_per_row) {
-    if (block_per_row) {
-        rmsnorm_impl::forward<__nv_bfloat16, true, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
-    } else {
-        rmsnorm_impl::forward<__nv_bfloat16, false, false>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
-    }
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_forward_bf16(RMSNORM_FWD_PARAMS(__nv_bfloat16)) {
+    RMSNORM_FWD(__nv_bfloat16, false)
 }
 
 // The residual add fused before the norm: sum = x + branch (rounded to T), normalised. At most 512
 // threads: with 1024 (64 registers each) the bf16 path spills.
-extern "C" __global__ void __launch_bounds__(512) residual_rmsnorm_forward_f32(
-    float* y, float* rstd, float* sum, const float* x, const float* branch, const float* weight, long long n_rows, int C,
-    float eps, int block_per_row) {
-    if (block_per_row) {
-        rmsnorm_impl::forward<float, true, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
-    } else {
-        rmsnorm_impl::forward<float, false, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
-    }
+extern "C" __global__ void __launch_bounds__(512) residual_rmsnorm_forward_f32(RMSNORM_FWD_PARAMS(float)) {
+    RMSNORM_FWD(float, true)
 }
-extern "C" __global__ void __launch_bounds__(512) residual_rmsnorm_forward_bf16(
-    __nv_bfloat16* y, float* rstd, __nv_bfloat16* sum, const __nv_bfloat16* x, const __nv_bfloat16* branch, const __nv_bfloat16* weight, long long n_rows, int C,
-    float eps, int block_per_row) {
-    if (block_per_row) {
-        rmsnorm_impl::forward<__nv_bfloat16, true, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
-    } else {
-        rmsnorm_impl::forward<__nv_bfloat16, false, true>(y, rstd, sum, x, branch, weight, n_rows, C, eps);
-    }
+extern "C" __global__ void __launch_bounds__(512) residual_rmsnorm_forward_bf16(RMSNORM_FWD_PARAMS(__nv_bfloat16)) {
+    RMSNORM_FWD(__nv_bfloat16, true)
 }
 
 // Grid: a few blocks per SM, each over an even share of the rows; block (threads per row, R rows
