@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
 from ..runtime.errors import ConfigError
+from ..runtime.failure import config_errors_exit, mark_raised_on_every_rank
 
 # The --help sections, in their order.
 GROUPS = {
@@ -116,14 +116,13 @@ def flag_of(name: str) -> str:
 
 class OneLineParser(argparse.ArgumentParser):
     """A flag argparse refuses (`--cp-comm bogus`, `--cp abc`) ends the program as a setting cutp
-    refuses does (`cutp.runtime.failure.config_errors_exit`): one line, `<prog>: error: ...`,
-    printed once (by rank 0: every rank parses the same command line), exit status 2; no usage
-    block from every rank."""
+    refuses does, through the same exit (`cutp.runtime.failure.config_errors_exit`): one line,
+    `<prog>: error: ...`, printed once (by rank 0: every rank parses the same command line and
+    refuses it), exit status 2, the ranks leaving together; no usage block from every rank."""
 
     def error(self, message):
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
-        sys.exit(2)
+        with config_errors_exit(self.prog):
+            raise mark_raised_on_every_rank(ConfigError(message), MPI.COMM_WORLD, reporter=0)
 
 
 def command_line_parser(settings: dict[str, tuple[Setting, object]], **parser_args) -> argparse.ArgumentParser:
