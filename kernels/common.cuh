@@ -239,7 +239,7 @@ __device__ __forceinline__ float row_group_reduce_sum(float a) {
     __shared__ float part[WARP_SIZE];  // one per warp; a block has at most 32 warps
     const int lane = threadIdx.x % WARP_SIZE;
     const int nw = blockDim.x / WARP_SIZE;  // warps per row group
-    const int w0 = threadIdx.y * nw;  // the group's first warp in the block
+    const int w0 = threadIdx.y * (blockDim.x / WARP_SIZE);  // the group's first warp in the block
     a = warp_reduce_sum(a);
     if (lane == 0) part[w0 + threadIdx.x / WARP_SIZE] = a;
     __syncthreads();
@@ -252,7 +252,7 @@ __device__ __forceinline__ void row_group_reduce_sum2(float& a, float& b) {
     __shared__ float part[2][WARP_SIZE];  // one pair per warp
     const int lane = threadIdx.x % WARP_SIZE;
     const int nw = blockDim.x / WARP_SIZE;
-    const int w0 = threadIdx.y * nw;
+    const int w0 = threadIdx.y * (blockDim.x / WARP_SIZE);
     a = warp_reduce_sum(a);
     b = warp_reduce_sum(b);
     if (lane == 0) {
