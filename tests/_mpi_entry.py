@@ -11,6 +11,9 @@ def main():
     from cutp.runtime.failure import install_abort_on_error
 
     install_abort_on_error()
+    from tests.transformers_compat import hide_cutp_kernels_from_transformers
+
+    hide_cutp_kernels_from_transformers()
     target, args = sys.argv[1], json.loads(sys.argv[2])
     module, _, func = target.partition(":")
     fn = getattr(importlib.import_module(module), func)

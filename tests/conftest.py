@@ -25,3 +25,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+from tests.transformers_compat import hide_cutp_kernels_from_transformers  # noqa: E402
+
+hide_cutp_kernels_from_transformers()

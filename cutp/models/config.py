@@ -1,12 +1,13 @@
-"""The model's configuration: its fields, presets, validation and parameter count.
+"""The model's configuration: its fields, validation and parameter count.
 
-`GPTConfig` (alias `ModelConfig`) is the one config object the model is built from
-(cutp.models.gpt): a small spec of the transformer, whose defaults are GPT-2's (LayerNorm,
+`ModelConfig` (alias `GPTConfig`, its first name) is the one config object the model is built
+from (cutp.models.gpt): a small spec of the transformer, whose defaults are GPT-2's (LayerNorm,
 learned positions, GeLU MLP, biases everywhere, tied embeddings) and whose other values give
 the Llama family (RMSNorm, rotary positions, SwiGLU, no biases, untied), Qwen2 (the same with
-q/k/v biases), Mistral, and Mixtral (SwiGLU experts, softmax top-2 renormalised).
-`block_spec()` is the part each transformer block is built from (cutp.tensor_parallel's
-`BlockSpec`). `PRESETS` are the named shapes of `--preset`.
+q/k/v biases), Mistral, and Mixtral (SwiGLU experts, softmax top-2 renormalised); `family`
+names the Hugging Face family it is exported as. `block_spec()` is the part each transformer
+block is built from (cutp.tensor_parallel's `BlockSpec`). `PRESETS` are the named shapes of
+`--preset`, declared by the family modules (cutp.models.families).
 """
 from __future__ import annotations
 
@@ -22,50 +23,15 @@ from ..ops.rotary import RopeScaling
 from ..tensor_parallel import BlockSpec, check_moe, pad_vocab
 from ..tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
-# the Llama family's spec (Llama 2/3, TinyLlama, Mistral): RMSNorm, RoPE, SwiGLU, no biases, untied
-_LLAMA = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, tie_embeddings=False, ln_eps=1e-5)
-_LLAMA3_SCALING = dict(rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
-                       rope_high_freq_factor=4.0, rope_original_max_positions=8192)
-
 # Parameters and activations are stored in the model's dtype. bfloat16/float16 models compute
 # matmuls, LayerNorm statistics, softmax and the loss in float32 (cutp.ops' dtype policy) and are
 # trained through fp32 master weights and fp32 gradient buffers (cutp.optim).
 DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
-PRESETS = {
-    # trains on a 2-core CPU in minutes (byte-level vocabulary)
-    "tiny": dict(n_layer=4, n_head=8, n_embd=128, vocab_size=256, block_size=128, vocab_multiple=1),
-    # tiny with 8 experts of width 256 in every layer, 2 per token: tiny's active parameters
-    "tiny-moe": dict(n_layer=4, n_head=8, n_embd=128, vocab_size=256, block_size=128, vocab_multiple=1,
-                     n_experts=8, moe_top_k=2, moe_ffn=256),
-    # the Llama family's tiny: GQA (8 query heads, 2 KV heads), untied, SwiGLU 392 wide: within
-    # tiny's parameter budget (832,640 against tiny's 842,496, the untied head included)
-    "llama-tiny": dict(n_layer=4, n_head=8, n_kv_head=2, n_embd=128, mlp_hidden=392, vocab_size=256, block_size=128,
-                       vocab_multiple=1, **_LLAMA),
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-    # Hugging Face models' shapes (config.json of each; the planner and --init-from checks)
-    "llama3.2-1b": dict(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, mlp_hidden=8192, vocab_size=128256,
-                        block_size=131072, rope_theta=500000.0, **{**_LLAMA, "tie_embeddings": True},
-                        **_LLAMA3_SCALING),
-    "llama3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, mlp_hidden=14336, vocab_size=128256,
-                      block_size=8192, rope_theta=500000.0, **_LLAMA),
-    "llama3-70b": dict(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, mlp_hidden=28672, vocab_size=128256,
-                       block_size=8192, rope_theta=500000.0, **_LLAMA),
-    "qwen2-0.5b": dict(n_layer=24, n_head=14, n_kv_head=2, n_embd=896, mlp_hidden=4864, vocab_size=151936,
-                       block_size=32768, rope_theta=1000000.0, **{**_LLAMA, "tie_embeddings": True, "ln_eps": 1e-6},
-                       qkv_bias=True),
-    "tinyllama-1.1b": dict(n_layer=22, n_head=32, n_kv_head=4, n_embd=2048, mlp_hidden=5632, vocab_size=32000,
-                           block_size=2048, **_LLAMA),
-    # Mistral 7B v0.3 (no sliding window, vocabulary 32768, rope_theta 1e6)
-    "mistral-7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, mlp_hidden=14336, vocab_size=32768,
-                       block_size=32768, rope_theta=1000000.0, **_LLAMA),
-    "mixtral-8x7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, mlp_hidden=14336, vocab_size=32000,
-                         block_size=32768, rope_theta=1000000.0, n_experts=8, moe_top_k=2, moe_renormalize=True,
-                         moe_aux_loss_coeff=0.02, **_LLAMA),
-}
+# --preset name -> ModelConfig fields: each family module declares its own
+# (cutp.models.families registers them when cutp.models is imported)
+PRESETS: dict = {}
+FAMILY_NAMES: set = set()  # the registered families' names (ModelConfig.family)
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
@@ -114,6 +80,13 @@ class GPTConfig:
     qkv_bias: bool | None = None
     attn_out_bias: bool | None = None
     mlp_bias: bool | None = None
+    # the Hugging Face family whose class computes this model (cutp.models.families: gpt2, llama,
+    # qwen2, mistral, mixtral); None: the one the spec implies. Export writes its config.json.
+    family: str | None = None
+    # special token ids, written to config.json and generation_config.json on export (not the math)
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    pad_token_id: int | None = None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -215,6 +188,13 @@ class GPTConfig:
             if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
                 raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
             self.rope  # RopeScaling checks its own fields (ConfigError naming the field)
+        if self.family is not None and self.family not in FAMILY_NAMES:
+            raise ConfigError(f"family {self.family!r} is not one of cutp's families {sorted(FAMILY_NAMES)} "
+                              "(or None: the one norm, positions and mlp imply)")
+        for f in ("bos_token_id", "pad_token_id"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size):
+                raise ConfigError(f"{f} must be a token id in [0, {self.vocab_size}) or None, got {v!r}")
         check_attention(self.n_embd, self.n_head, self.kv_heads, tp, head_dim=self.head_dim)
         check_mlp(self.n_embd, self.hidden, tp)
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)

@@ -1,11 +1,11 @@
 """Hugging Face directories: finding config.json and the safetensors files (single, or sharded
 with model.safetensors.index.json), reading the config, opening the weights, and the dtypes a
-save writes. Shared by every family's adapter (cutp.models.hf for GPT-2, cutp.models.hf_llama
-for the Llama family)."""
+save writes, and the atomic writing of a directory. Shared by every family (cutp.models.hf)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -122,24 +122,53 @@ def load_checked(model, path: str, cfg, tensors, fields) -> None:
     load_streaming(model, tensors)
 
 
-def write_hf_dir(tensors: dict, hf_cfg: dict, path: str) -> None:
-    """Writes model.safetensors (`tensors` under the HF names, as they are) and config.json into
-    `path`, each to a temporary name first and renamed when complete, so a failed save leaves no
-    half-written file under the names transformers reads."""
-    os.makedirs(path, exist_ok=True)
-    tmp_w = os.path.join(path, f".{WEIGHTS_FILE}.tmp.{os.getpid()}")
-    tmp_c = os.path.join(path, f".{CONFIG_FILE}.tmp.{os.getpid()}")
+GENERATION_FILE = "generation_config.json"
+
+
+def _write_json(obj: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        save_file(tensors, tmp_w, metadata={"format": "pt"})  # "pt": what transformers checks for
-        with open(tmp_c, "w") as f:
-            json.dump(hf_cfg, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_w, os.path.join(path, WEIGHTS_FILE))
-        os.replace(tmp_c, os.path.join(path, CONFIG_FILE))
+        os.fsync(fd)
     finally:
-        for t in (tmp_w, tmp_c):
+        os.close(fd)
+
+
+def write_hf_dir(tensors: dict, hf_cfg: dict, path: str, generation: dict | None = None,
+                 tokenizer_files: dict | None = None) -> None:
+    """Writes model.safetensors (`tensors` under the HF names, as they are), config.json,
+    generation_config.json (when given) and the tokenizer files ({name: source file}, copied)
+    into `path`, each to a temporary name first, fsynced, and renamed when all are complete, so a
+    failed save leaves no half-written file under the names transformers reads."""
+    os.makedirs(path, exist_ok=True)
+    pending = {}  # final name -> temporary path
+
+    def tmp(name):
+        pending[name] = os.path.join(path, f".{name}.tmp.{os.getpid()}")
+        return pending[name]
+
+    try:
+        save_file(tensors, tmp(WEIGHTS_FILE), metadata={"format": "pt"})  # "pt": what transformers checks for
+        _fsync(pending[WEIGHTS_FILE])
+        _write_json(hf_cfg, tmp(CONFIG_FILE))
+        if generation is not None:
+            _write_json(generation, tmp(GENERATION_FILE))
+        for name, src in (tokenizer_files or {}).items():
+            with open(src, "rb") as f_in, open(tmp(name), "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out)
+                f_out.flush()
+                os.fsync(f_out.fileno())
+        for name, t in pending.items():
+            os.replace(t, os.path.join(path, name))
+        _fsync(path)  # the renames themselves
+    finally:
+        for t in pending.values():
             if os.path.exists(t):
                 os.remove(t)
-

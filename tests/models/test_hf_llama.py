@@ -15,7 +15,7 @@ import pytest
 import cutp
 from cutp.hf import HFFormatError, config_from_hf, from_hf, hf_state_dict, save_hf
 from cutp.models import GPT, GPTConfig
-from cutp.models.hf_llama import hf_shapes
+from cutp.models.hf import hf_shapes
 from tests.models.test_families import LLAMA, MIXTRAL, QWEN2
 from tests.mpirun import run_mpi
 
@@ -143,7 +143,9 @@ def _hf_model(family, torch, transformers, dtype):
     elif family == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=None, head_dim=8)
     else:
-        cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+        # (eager experts: transformers 5's grouped GEMM refuses float64)
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                         experts_implementation="eager")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     with torch.no_grad():  # biases and norm weights away from zero and one, so that each counts
@@ -183,9 +185,19 @@ def test_logits_and_greedy_generation_equal_transformers(family, tmp_path):
     with torch.no_grad():
         ref2 = again(torch.from_numpy(idx)).logits.numpy()
     assert np.abs(ref2 - ref).max() <= 1e-6 * np.abs(ref).max()
-    assert set(hf_state_dict(model.config, model.gather_state_dict())) == set(hf.state_dict()) - (
-        {"lm_head.weight"} if hf.config.tie_word_embeddings else set())
+    assert type(again) is type(hf), f"{family}: exported as {type(again).__name__}, not {type(hf).__name__}"
+    assert _file_keys(tmp_path / "cutp") == _file_keys(tmp_path)  # the names save_pretrained writes
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(again.config, k) == getattr(hf.config, k), k
+        assert getattr(again.generation_config, k) == getattr(hf.generation_config, k), k
     ctx.close()
+
+
+def _file_keys(path) -> set:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        return set(f.keys())
 
 
 def _lift_float32_casts(monkeypatch, torch, hf):
@@ -210,16 +222,27 @@ def _lift_float32_casts(monkeypatch, torch, hf):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
+    def router(self, hidden_states):  # transformers 5's MixtralTopKRouter, softmax in the model's dtype
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        top, indices = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), indices
+
     c = hf.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     for module in hf.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             monkeypatch.setattr(type(module), "forward", rmsnorm)
+        elif name == "MixtralTopKRouter":
+            monkeypatch.setattr(type(module), "forward", router)
         elif name.endswith("RotaryEmbedding"):
             monkeypatch.setattr(type(module), "forward", rotary)
-            module.inv_freq = torch.from_numpy(ops.rope_inv_freq(hd, c.rope_theta, getattr(c, "rope_scaling", None),
-                                                                 np.float64))
+            # (transformers 5 keeps theta and the scaling in rope_parameters; 4.x at the top level)
+            rope = getattr(c, "rope_parameters", None) or {}
+            theta = rope.get("rope_theta", getattr(c, "rope_theta", None))
+            scaling = rope if rope.get("rope_type", "default") != "default" else getattr(c, "rope_scaling", None)
+            module.inv_freq = torch.from_numpy(ops.rope_inv_freq(hd, theta, scaling, np.float64))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
@@ -245,9 +268,27 @@ def test_float64_logits_and_gradients_equal_transformers_without_its_float32_cas
     model.backward(aux_dloss=0.0)  # (transformers adds Mixtral's auxiliary loss only with output_router_logits)
     grads = hf_state_dict(model.config, {p.name: p.grad[:p.real_rows] for p in model.parameters()})
     for name, p in hf.named_parameters():
-        g, rg = grads[name], p.grad.numpy()
+        g, rg = _in_module_layout(grads, name), p.grad.numpy()
         assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), name
     ctx.close()
+
+
+def _in_module_layout(tensors: dict, name: str) -> np.ndarray:
+    """The tensor of module parameter `name` from tensors under the file's names: the same, or
+    (transformers 5's Mixtral) the experts fused: gate_up_proj [E, 2F, h] = [w1; w3] per expert,
+    down_proj [E, h, F] = w2, mlp.gate = block_sparse_moe.gate."""
+    if name in tensors:
+        return tensors[name]
+    layer, _, what = name.partition(".mlp.")
+    moe = layer + ".block_sparse_moe."
+    if what == "gate.weight":
+        return tensors[moe + "gate.weight"]
+    n = len({k.split(".experts.")[1].split(".")[0] for k in tensors if k.startswith(moe + "experts.")})
+    if what == "experts.gate_up_proj":
+        return np.stack([np.concatenate([tensors[f"{moe}experts.{e}.w1.weight"], tensors[f"{moe}experts.{e}.w3.weight"]])
+                         for e in range(n)])
+    assert what == "experts.down_proj", name
+    return np.stack([tensors[f"{moe}experts.{e}.w2.weight"] for e in range(n)])
 
 
 FAMILIES = ["llama", "qwen2", "mistral", "mixtral"]
@@ -303,7 +344,6 @@ def test_tp2_and_tp4_logits_generation_and_export_equal_transformers(tmp_path):
             np.save(d / "greedy.npy", hf.generate(torch.from_numpy(idx[:1, :6]), max_new_tokens=32, do_sample=False,
                                                   pad_token_id=0).numpy())
     run_mpi(4, "tests.models.test_hf_llama:_worker_tp_against_transformers", str(tmp_path), timeout=600)
-    from safetensors import safe_open
 
     for family, hf in models.items():
         ref = np.load(tmp_path / family / "logits.npy")
@@ -314,6 +354,6 @@ def test_tp2_and_tp4_logits_generation_and_export_equal_transformers(tmp_path):
             with torch.no_grad():
                 got = again(torch.from_numpy(idx)).logits.numpy()
             assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max(), (family, tp)
-            with safe_open(f"{out}/model.safetensors", framework="numpy") as f:
-                assert set(f.keys()) == set(hf.state_dict()) - (
-                    {"lm_head.weight"} if hf.config.tie_word_embeddings else set()), (family, tp)
+            assert type(again) is type(hf), (family, tp, type(again).__name__)
+            # the names save_pretrained writes
+            assert _file_keys(tmp_path / family / f"cutp-tp{tp}") == _file_keys(tmp_path / family / "hf"), (family, tp)
