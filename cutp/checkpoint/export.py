@@ -2,6 +2,7 @@
 checkpoint (offline, one process), and the check of every file."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -43,12 +44,9 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
         tensors = {}
         for name, info in meta["params"].items():
             rows = padded if info.get("real_rows") is not None else None
-            best = (full_from_shards(readers["optim"], "master." + name, info, rows) if saved_master
-                    else full_from_shards(readers["model"], name, info, rows))  # the most precise copy
+            best = most_precise(readers, saved_master, name, info, rows)
             if kind == "model":
-                tensors[name] = best.astype(DTYPES[dtype])
-                if not np.isfinite(tensors[name].astype(np.float32)).all() and np.isfinite(best).all():
-                    raise CheckpointError(f"export --dtype {dtype}: {name} has values beyond {dtype}'s range")
+                tensors[name] = in_dtype(best, dtype, name)
             else:
                 for key in ("exp_avg." + name, "exp_avg_sq." + name):
                     tensors[key] = full_from_shards(readers["optim"], key, info, rows)
@@ -75,6 +73,45 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
         raise CheckpointError(f"{dst} exists; export refuses to overwrite it")
     os.replace(tmp, dst)
     return dst
+
+
+def most_precise(readers: dict, saved_master: bool, name: str, info: dict, rows=None) -> np.ndarray:
+    """A parameter's full tensor from its most precise copy: the fp32 master weight when the
+    checkpoint has one (a bfloat16 run exported as float32 loses nothing), else the model's."""
+    if saved_master:
+        return full_from_shards(readers["optim"], "master." + name, info, rows)
+    return full_from_shards(readers["model"], name, info, rows)
+
+
+def in_dtype(full: np.ndarray, dtype: str, name: str) -> np.ndarray:
+    out = full.astype(DTYPES[dtype])
+    if not np.isfinite(out.astype(np.float32)).all() and np.isfinite(full).all():
+        raise CheckpointError(f"export --dtype {dtype}: {name} has values beyond {dtype}'s range")
+    return out
+
+
+def model_tensors(src: str, dtype: str | None = None) -> tuple[GPTConfig, dict]:
+    """(the model's config, {name: full tensor with its real rows, in `dtype`}) of checkpoint or
+    run directory `src`, every file verified first; one process, no communication, any layout
+    the run used (its TP, PP, DP, CP and EP shards joined)."""
+    src = resolve_checkpoint(src)
+    meta = read_meta(src)
+    problems = verify_checkpoint(src, meta)
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    config = GPTConfig.from_dict(meta["config"])
+    dtype = dtype or config.dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    has_optim = meta.get("optimizer") is not None
+    saved_master = has_optim and bool(meta["optimizer"].get("master_weights"))
+    readers = {kind: ShardReader(src, meta, kind) for kind in ["model"] + (["optim"] if saved_master else [])}
+    tensors = {}
+    for name, info in meta["params"].items():
+        full = most_precise(readers, saved_master, name, info)
+        real = info.get("real_rows")
+        tensors[name] = in_dtype(full[:real] if real is not None else full, dtype, name)
+    return dataclasses.replace(config, dtype=dtype), tensors
 
 
 def main(argv=None) -> int:

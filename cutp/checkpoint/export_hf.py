@@ -1,0 +1,167 @@
+"""`python -m cutp export-hf RUN_OR_CHECKPOINT --out DIR [--dtype bfloat16]`: a cutp run (its
+newest checkpoint) or checkpoint, at whatever layout it was trained, written as a Hugging Face
+directory that `AutoModelForCausalLM.from_pretrained` loads as the family's class and
+`AutoTokenizer.from_pretrained` loads the tokenizer of:
+
+    config.json                the family's (cutp.models.families), bos/eos/pad ids included
+    generation_config.json     the source model's when it had one, else made from the ids
+    model.safetensors          save_pretrained's names, the weights from the fp32 masters if saved
+    tokenizer.json, tokenizer_config.json (its chat template), special_tokens_map.json, ...
+                               copied from where the run's tokens came from: the Hugging Face
+                               model it was initialised from (`--init-from`, followed through
+                               cutp checkpoints), else the tokenizer its prepared data names
+
+A byte-level model (the embedded corpus) has no tokenizer: it is exported without tokenizer
+files, said in one line. One process, no MPI; DIR must not exist (nothing is overwritten): the
+files are written into DIR.tmp-export-hf and renamed to DIR when all are complete.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from ..data.shards import META_FILE
+from ..data.shards import read_meta as read_data_meta
+from ..data.tokenizer import MERGES_FILE, TOKENIZER_FILE, VOCAB_FILE
+from ..models.families import family_of
+from ..models.hf import generation_config, save_hf
+from ..models.hf_files import CONFIG_FILE, GENERATION_FILE, SAVE_DTYPES
+from ..runtime.errors import ConfigError, UserError
+from .export import model_tensors
+from .files import is_cutp_checkpoint, read_meta
+from .run_dir import resolve_checkpoint
+
+# what AutoTokenizer reads from a model directory (those present are copied)
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", VOCAB_FILE, MERGES_FILE,
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+_WORK = ".tmp-export-hf"
+
+
+def tokenizer_source(ckpt: str, seen=()) -> str | None:
+    """The directory holding the tokenizer files of the tokens checkpoint `ckpt` was trained on:
+    its `--init-from` Hugging Face directory (through cutp checkpoints it started from), else the
+    tokenizer directory its prepared data names; None for byte-level data (no tokenizer)."""
+    args = read_meta(ckpt).get("train_args") or {}
+    init_from, data = args.get("init_from"), args.get("data")
+    if isinstance(init_from, str) and os.path.isdir(init_from) and init_from not in seen:
+        if is_cutp_checkpoint(init_from):
+            found = tokenizer_source(resolve_checkpoint(init_from), seen + (init_from,))
+            if found:
+                return found
+        elif os.path.isfile(os.path.join(init_from, TOKENIZER_FILE)) or os.path.isfile(
+                os.path.join(init_from, VOCAB_FILE)):
+            return init_from
+    if isinstance(data, str) and os.path.isfile(os.path.join(data, META_FILE)):
+        path = (read_data_meta(data).get("tokenizer") or {}).get("path")
+        if isinstance(path, str) and os.path.isdir(path):
+            return path
+        if isinstance(path, str) and os.path.isfile(path):  # a tokenizer.json given as a file
+            return os.path.dirname(path)
+    return None
+
+
+def _special_token_texts(tokenizer_json: str, cfg) -> dict:
+    """{"bos_token": text, "eos_token": text, ...} of cfg's ids, looked up in tokenizer.json."""
+    with open(tokenizer_json) as f:
+        tok = json.load(f)
+    text_of = {t["id"]: t["content"] for t in tok.get("added_tokens") or []}
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        text_of = {**{i: t for t, i in vocab.items()}, **text_of}
+    out = {}
+    for what, ids in (("bos_token", cfg.bos_token_id), ("eos_token", cfg.eos_token_id), ("pad_token", cfg.pad_token_id)):
+        first = ids[0] if isinstance(ids, list) and ids else ids
+        if isinstance(first, int) and first in text_of:
+            out[what] = text_of[first]
+    return out
+
+
+def _tokenizer_files(source: str, cfg, work: str) -> dict:
+    """{file name: path} to copy from `source`; a tokenizer_config.json and special_tokens_map.json
+    written into `work` when the source (a prepare-data tokenizer.json alone) has none."""
+    found = {name: os.path.join(source, name) for name in TOKENIZER_FILES
+             if os.path.isfile(os.path.join(source, name))}
+    tokenizer_json = found.get(TOKENIZER_FILE)
+    if tokenizer_json and "tokenizer_config.json" not in found:
+        special = _special_token_texts(tokenizer_json, cfg)
+        made = {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces":
+                                          False, "model_max_length": cfg.block_size, **special},
+                "special_tokens_map.json": special}
+        for name, content in made.items():
+            if name not in found:
+                path = os.path.join(work, name)
+                with open(path, "w") as f:
+                    json.dump(content, f, indent=2)
+                found[name] = path
+    return found
+
+
+def export_hf(src: str, out: str, dtype: str | None = None, stream=None) -> str:
+    """Writes checkpoint (or run directory) `src` as a Hugging Face directory `out` (module
+    docstring). Returns `out`; raises ConfigError (HFFormatError, CheckpointError) naming the
+    problem and the fix before anything is written."""
+    stream = sys.stdout if stream is None else stream
+    if dtype is not None and dtype not in SAVE_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(SAVE_DTYPES)} (or omit it: the run's dtype)")
+    if os.path.lexists(out):
+        raise ConfigError(f"--out {out} exists; export-hf writes a new directory and never overwrites one: "
+                          "choose another --out or remove it")
+    ckpt = resolve_checkpoint(src)
+    cfg, tensors = model_tensors(ckpt, dtype)
+    cfg.validate(1)
+    family = family_of(cfg)  # refused here, naming why, when no family computes the model
+    work = out.rstrip("/") + _WORK
+    shutil.rmtree(work, ignore_errors=True)  # a previous, interrupted export's
+    os.makedirs(work)
+    try:
+        source = tokenizer_source(ckpt)
+        tokenizer = _tokenizer_files(source, cfg, work) if source else {}
+        save_hf(tensors, cfg, os.path.join(work, "model"), dtype, tokenizer_files=tokenizer)
+        model_dir = os.path.join(work, "model")
+        source_generation = os.path.join(source or "", GENERATION_FILE)
+        if source and os.path.isfile(source_generation) and _same_ids(source_generation, cfg):
+            shutil.copyfile(source_generation, os.path.join(model_dir, GENERATION_FILE))  # (sampling defaults too)
+        os.replace(model_dir, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    what = f"{family.architecture} ({cfg.num_parameters():,} parameters, {dtype or cfg.dtype})"
+    if source:
+        print(f"exported {ckpt} to {out}: {what}, tokenizer from {source}", file=stream)
+    else:
+        print(f"exported {ckpt} to {out}: {what}; no tokenizer files: the model was trained on byte-level "
+              "data (token id = byte value), which has no Hugging Face tokenizer", file=stream)
+    return out
+
+
+def _same_ids(path: str, cfg) -> bool:
+    """Whether a source's generation_config.json names the ids the export writes (else the export's own)."""
+    try:
+        with open(path) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError):
+        return False
+    ours = generation_config(cfg)
+    return all(theirs.get(k) == ours.get(k) for k in ("bos_token_id", "eos_token_id"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cutp export-hf",
+                                description="Write a cutp run or checkpoint as a Hugging Face model directory "
+                                            "(config, weights, generation config, tokenizer files).")
+    p.add_argument("src", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a checkpoint")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to create (must not exist)")
+    p.add_argument("--dtype", choices=SAVE_DTYPES, default=None,
+                   help="the weights' dtype (default: the run's; from the fp32 master weights when saved)")
+    args = p.parse_args(argv)
+    try:
+        export_hf(args.src, args.out, args.dtype)
+    except UserError as e:  # (ConfigError, HFFormatError, CheckpointError): one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["export_hf", "tokenizer_source", "TOKENIZER_FILES", "CONFIG_FILE"]

@@ -1,0 +1,129 @@
+"""`python -m cutp export-hf RUN_OR_CHECKPOINT --out DIR` (cutp/checkpoint/export_hf.py): a run at
+any layout written as the Hugging Face directory of its family, with the tokenizer its tokens came
+from; refusals in one line, nothing overwritten. With transformers installed: from_pretrained
+loads the source's class with the same logits, AutoTokenizer the same tokenizer."""
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import cutp
+from cutp.checkpoint import save_checkpoint
+from cutp.checkpoint.export_hf import export_hf, main
+from cutp.hf import from_hf, save_hf
+from cutp.models import GPT, GPTConfig
+from tests.data.tokenizer_files import sentencepiece_style
+from tests.mpirun import run_mpi
+
+
+def _tensors(path) -> dict:
+    with safe_open(os.path.join(path, "model.safetensors"), framework="numpy") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _mistral_source(root) -> str:
+    """A Hugging Face Mistral directory with a SentencePiece-style tokenizer (offline)."""
+    tok = sentencepiece_style(os.path.join(root, "tok"))
+    vocab = len(json.load(open(os.path.join(tok, "tokenizer.json")))["model"]["vocab"])
+    cfg = GPTConfig.preset("llama-tiny", n_layer=2, vocab_size=vocab, block_size=32, dtype="float64",
+                           family="mistral", bos_token_id=1, eos_token_id=2)
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, cfg, seed=5)
+    src = os.path.join(root, "hf")
+    save_hf(model, src, tokenizer_files={n: os.path.join(tok, n) for n in ("tokenizer.json", "tokenizer_config.json")})
+    ctx.close()
+    return src
+
+
+def _worker_checkpoint_at_tp2(src, run):
+    ctx = cutp.init(tp=2, device="cpu")
+    model = from_hf(ctx, src, dtype="float64")
+    save_checkpoint(run, 3, model, train_args={"init_from": src})
+    ctx.close()
+
+
+def test_a_tp2_run_of_a_mistral_model_exports_as_mistral_with_its_tokenizer(tmp_path, capsys):
+    src = _mistral_source(str(tmp_path))
+    run = str(tmp_path / "run")
+    run_mpi(2, "tests.checkpoint.test_export_hf:_worker_checkpoint_at_tp2", src, run)
+    out = str(tmp_path / "export")
+    assert main([run, "--out", out]) == 0
+    said = capsys.readouterr().out
+    assert "MistralForCausalLM" in said and f"tokenizer from {src}" in said, said
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert (config["model_type"], config["architectures"], config["bos_token_id"], config["eos_token_id"]) == \
+        ("mistral", ["MistralForCausalLM"], 1, 2)
+    generation = json.load(open(os.path.join(out, "generation_config.json")))
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert open(os.path.join(out, name), "rb").read() == open(os.path.join(src, name), "rb").read(), name
+    # the tp 2 shards joined: the source's tensors under the source's names, bit for bit
+    got, want = _tensors(out), _tensors(src)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+    assert not any(n.endswith("tmp-export-hf") for n in os.listdir(tmp_path))
+    # bfloat16 on request, from the same weights
+    assert main([run, "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    bf16 = _tensors(str(tmp_path / "bf16"))
+    assert all(str(a.dtype) == "bfloat16" for a in bf16.values())
+    assert json.load(open(tmp_path / "bf16" / "config.json"))["torch_dtype"] == "bfloat16"
+    _check_with_transformers(out, src)
+
+
+def _check_with_transformers(out, src):
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: the export's files were "
+                                                              "checked above; loading them needs transformers")
+    torch = pytest.importorskip("torch")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float64).eval()
+    assert type(model).__name__ == "MistralForCausalLM"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def read_config(path):\n    return path"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == 1 and ids == transformers.AutoTokenizer.from_pretrained(src)(text)["input_ids"]
+    ctx = cutp.init(device="cpu")
+    ours = from_hf(ctx, src, dtype="float64")
+    idx = np.array([ids[:16]])
+    with torch.no_grad():
+        ref = model(torch.from_numpy(idx)).logits.numpy()
+    got = ours.gather_logits(ours.forward(idx))
+    # (transformers rounds norms and rotary tables to float32 inside a float64 model: the f64
+    # comparison without those casts is tests/models/test_hf_llama.py's)
+    assert np.abs(got - ref).max() <= 1e-6 * np.abs(ref).max()
+    ctx.close()
+
+
+def test_a_byte_level_run_exports_without_tokenizer_files_and_says_so(tmp_path, capsys):
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, GPTConfig.preset("tiny", n_layer=1), seed=1)
+    save_checkpoint(str(tmp_path / "run"), 1, model)
+    ctx.close()
+    out = tmp_path / "export"
+    assert main([str(tmp_path / "run"), "--out", str(out)]) == 0
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "no tokenizer files" in said[0] and "byte-level" in said[0], said
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert json.load(open(out / "config.json"))["architectures"] == ["GPT2LMHeadModel"]
+
+
+def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, GPTConfig.preset("tiny-moe", n_layer=1), seed=1)
+    save_checkpoint(str(tmp_path / "moe"), 1, model)
+    ctx.close()
+    assert main([str(tmp_path / "moe"), "--out", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mixture-of-experts" in err[0] and "GPT-2" in err[0], err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp-export-hf").exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
+    assert main([str(tmp_path / "moe"), "--out", str(tmp_path / "taken")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists" in err[0] and "never overwrites" in err[0], err
+    assert os.listdir(tmp_path / "taken") == ["mine.txt"]
+    assert main([str(tmp_path / "nothing-here"), "--out", str(tmp_path / "y")]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
+    with pytest.raises(cutp.ConfigError, match="--dtype"):
+        export_hf(str(tmp_path / "moe"), str(tmp_path / "z"), dtype="int8")
