@@ -20,12 +20,12 @@ from .run_dir import resolve_checkpoint
 # GPTConfig fields that change the parameters' shapes or meaning: a checkpoint loads only into
 # a model with the same values (dropout, label smoothing and vocabulary padding may differ).
 ARCH_FIELDS = ("n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "block_size", "bias",
-               "tie_embeddings", "ln_eps", "gelu")
+               "tie_embeddings", "norm_eps", "gelu")
 
 
 
 def check_config_matches(meta: dict, config) -> None:
-    saved = meta["config"]
+    saved = type(config).from_dict(meta["config"]).to_dict()  # (fields under their earlier names read as today's)
     now = config.to_dict()
     diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {now.get(k)!r}" for k in ARCH_FIELDS if saved.get(k) != now.get(k)]
     if diff:

@@ -39,7 +39,7 @@ MLPS = ("gelu", "swiglu")
 
 
 @dataclass
-class GPTConfig:
+class ModelConfig:
     n_layer: int = 12
     n_head: int = 12
     n_kv_head: int | None = None  # None: n_head (multi-head attention, as GPT-2)
@@ -51,7 +51,7 @@ class GPTConfig:
     bias: bool = True
     tie_embeddings: bool = True
     dtype: str = "float32"
-    ln_eps: float = 1e-5
+    norm_eps: float = 1e-5
     gelu: str = "tanh"
     vocab_multiple: int = 128  # vocabulary padded to a multiple of this times tp
     label_smoothing: float = 0.0
@@ -65,7 +65,7 @@ class GPTConfig:
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE uses 1e-3)
     moe_renormalize: bool = False  # the k gates renormalised to sum to 1
     # the family's spec (defaults: GPT-2's)
-    norm: str = "layernorm"  # layernorm | rmsnorm (eps: ln_eps)
+    norm: str = "layernorm"  # layernorm | rmsnorm (eps: norm_eps, every norm's)
     positions: str = "learned"  # learned (a [block_size, n_embd] table) | rope
     rope_theta: float = 10000.0
     rope_scaling: str = "none"  # none | linear | llama3 (cutp.ops.RopeScaling, as transformers computes it)
@@ -89,18 +89,19 @@ class GPTConfig:
     pad_token_id: int | None = None
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "GPTConfig":
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
-    def with_overrides(self, items) -> "GPTConfig":
+    def with_overrides(self, items) -> "ModelConfig":
         """A copy with `KEY=VALUE` strings applied (the `--set` flag of the scripts), each value
         parsed as the field's type ('none' for None)."""
         fields = {f.name: f for f in dataclasses.fields(self)}
         changes = {}
         for item in items or ():
             key, sep, value = item.partition("=")
+            key = _RENAMED.get(key, key)
             if not sep or key not in fields:
                 raise ConfigError(f"`set` {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
             current = getattr(self, key)
@@ -116,6 +117,12 @@ class GPTConfig:
             else:
                 changes[key] = value
         return dataclasses.replace(self, **changes)
+
+    @property
+    def ln_eps(self) -> float:
+        """norm_eps's name before every norm shared it (configs and checkpoints written with it
+        are read: `from_dict`, `--set ln_eps=...`)."""
+        return self.norm_eps
 
     @property
     def kv_heads(self) -> int:
@@ -142,7 +149,7 @@ class GPTConfig:
     def block_spec(self, layer: int) -> BlockSpec:
         """What layer `layer`'s transformer block is built from."""
         return BlockSpec(n_embd=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_size,
-                         mlp_hidden=self.hidden, n_layer=self.n_layer, norm=self.norm, norm_eps=self.ln_eps,
+                         mlp_hidden=self.hidden, n_layer=self.n_layer, norm=self.norm, norm_eps=self.norm_eps,
                          norm_bias=self.bias, rope=self.positions == "rope", qkv_bias=self._bias("qkv_bias"),
                          attn_out_bias=self._bias("attn_out_bias"), mlp_bias=self._bias("mlp_bias"), mlp=self.mlp,
                          gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer))
@@ -168,8 +175,8 @@ class GPTConfig:
             raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not (isinstance(self.vocab_multiple, int) and self.vocab_multiple >= 1):
             raise ConfigError(f"vocab_multiple must be an integer >= 1, got {self.vocab_multiple!r}")
-        if not self.ln_eps > 0:
-            raise ConfigError(f"ln_eps must be > 0, got {self.ln_eps}")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.gelu not in ("tanh", "none"):
             raise ConfigError(f"gelu must be 'tanh' (GPT-2) or 'none' (exact erf), got {self.gelu!r}")
         for f, kinds in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
@@ -217,11 +224,12 @@ class GPTConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = {_RENAMED.get(k, k): v for k, v in d.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ConfigError(f"unknown GPTConfig fields {sorted(unknown)}; the fields are {sorted(known)} "
+            raise ConfigError(f"unknown ModelConfig fields {sorted(unknown)}; the fields are {sorted(known)} "
                               "(a checkpoint or config written by another cutp version?)")
         return cls(**d)
 
@@ -256,4 +264,6 @@ class GPTConfig:
         return json.dumps(self.to_dict())
 
 
-ModelConfig = GPTConfig  # the neutral name: the config of every family
+_RENAMED = {"ln_eps": "norm_eps"}  # fields' earlier names, read as today's
+
+GPTConfig = ModelConfig  # its first name, from when GPT-2 was the only family

@@ -158,7 +158,7 @@ class GPT(Module):
             self._chunk_blocks.append(self.layers[at:at + len(r)])
             at += len(r)
         if self.last_stage:
-            self.final_norm = make_norm(ctx, c.norm, c.n_embd, name="final_norm", eps=c.ln_eps, bias=c.bias, seed=seed, dtype=dt)
+            self.final_norm = make_norm(ctx, c.norm, c.n_embd, name="final_norm", eps=c.norm_eps, bias=c.bias, seed=seed, dtype=dt)
             if c.tie_embeddings:
                 self.lm_head = ParallelLMHead(ctx, self.tok_embed)
             else:

@@ -212,7 +212,7 @@ def load_hf_into(model: GPT, path: str) -> GPTConfig:
 
 # fields an override may not change: they are the checkpoint's function
 _FIXED = {"n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden", "vocab_size", "block_size", "bias",
-          "tie_embeddings", "ln_eps", "gelu", "dtype", "head_dim", "qkv_bias", "attn_out_bias", "mlp_bias", "norm",
+          "tie_embeddings", "norm_eps", "gelu", "dtype", "head_dim", "qkv_bias", "attn_out_bias", "mlp_bias", "norm",
           "positions", "mlp", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
           "rope_high_freq_factor", "rope_original_max_positions", "n_experts", "moe_top_k", "moe_renormalize",
           "family"}

@@ -1,7 +1,7 @@
 """`python -m cutp bench plan --pp P`: memory per pipeline stage, the point-to-point bytes and the
 predicted bubble (`cutp.plan.layout` plans one rank of a pipeline-free mesh; this plans each stage).
 
-Stages (cutp/model.py): the layers split evenly over the P stages, or `--pp-layers a,b,..`; the
+Stages (cutp/models/stages.py): the layers split evenly over the P stages, or `--pp-layers a,b,..`; the
 embeddings on the first stage, the final norm, the LM head and the loss on the last, which with tied
 embeddings holds its own copy of the token embedding (its parameters, gradients and optimizer
 state count there too). `--pp-virtual V` (the interleaved schedule, Megatron's interleaved 1F1B):

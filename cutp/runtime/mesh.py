@@ -71,11 +71,6 @@ class Mesh:
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
-    def names(self) -> tuple[str, ...]:
-        """Every dimension's name: the listed ones and the carved ones."""
-        return tuple(self._spans)
-
-    @property
     def size(self) -> int:
         n = 1
         for _, s in self.dims:
@@ -157,17 +152,8 @@ class Mesh:
         return self._index(fc, outside), self._index(fc, inside)
 
     # ---- the names cutp used before the dimensions were named ----------------------------------
-    def tp_rank(self, rank: int) -> int:
-        return self.coords(rank)["tp"]
-
     def dp_rank(self, rank: int) -> int:
         return self.coords(rank)["dp"]
-
-    def pp_rank(self, rank: int) -> int:
-        return self.coords(rank)["pp"]
-
-    def cp_rank(self, rank: int) -> int:
-        return self.coords(rank).get("cp", 0)
 
     def ep_rank(self, rank: int) -> int:
         return self.coords(rank).get("ep", 0)
@@ -180,9 +166,6 @@ class Mesh:
 
     def dp_group(self, rank: int) -> list[int]:
         return self.group(rank, "dp")
-
-    def pp_group(self, rank: int) -> list[int]:
-        return self.group(rank, "pp")
 
     # ---- value semantics -----------------------------------------------------------------------
     def _key(self):

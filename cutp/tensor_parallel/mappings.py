@@ -1,6 +1,7 @@
 """Communication operators of 1D tensor parallelism, kept apart from the layers that use them.
 
-Each is a forward/backward pair over the TP group `comm` (Megatron-LM's mappings.py):
+Each is a forward/backward pair over the TP group `comm` (Megatron-LM's mappings.py); an
+identity half has no function (the layers skip it):
 
     copy_to_tp       forward identity        backward all-reduce      (Megatron's `f`)
     reduce_from_tp   forward all-reduce      backward identity        (Megatron's `g`)
@@ -24,10 +25,6 @@ from __future__ import annotations
 from ..runtime.backend import get_array_module
 
 
-def copy_to_tp_forward(comm, x):
-    return x
-
-
 def copy_to_tp_backward(comm, dy):
     """Sums the input gradient over the TP group (in place on dy, which the caller owns)."""
     if comm.size == 1:
@@ -42,10 +39,6 @@ def reduce_from_tp_forward(comm, partial):
         return partial
     partial = _contiguous(partial)
     return comm.all_reduce(partial, "sum", out=partial)
-
-
-def reduce_from_tp_backward(comm, dy):
-    return dy
 
 
 def _last_dim_slice(comm, x):

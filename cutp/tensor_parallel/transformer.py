@@ -105,14 +105,10 @@ class ParallelMLP(Module):
 class ParallelTransformerBlock(Module):
     """Pre-norm block. Input and output: replicated [B, T, n_embd]."""
 
-    def __init__(self, ctx, spec, *legacy, layer: int = 0, name=None, rng: RNGTracker, seed=0, dtype=np.float32,
-                 rotary=None, **legacy_kw):
+    def __init__(self, ctx, spec: BlockSpec, *, layer: int = 0, name=None, rng: RNGTracker, seed=0, dtype=np.float32,
+                 rotary=None):
         """spec: a BlockSpec; name: the parameters' prefix (default layers.{layer}); rotary: the
-        model's (cos, sin) tables when spec.rope. (The keyword form of earlier versions,
-        (ctx, n_embd, n_head, n_kv_head, mlp_hidden, *, name, rng, n_layer, bias, dropout, gelu,
-        ln_eps, seed, dtype, moe), builds the GPT-2 block it always did.)"""
-        if not isinstance(spec, BlockSpec):
-            spec = _legacy_spec(spec, *legacy, **legacy_kw)
+        model's (cos, sin) tables when spec.rope."""
         s = spec
         name = f"layers.{layer}" if name is None else name
         self.spec = s
@@ -169,11 +165,3 @@ class ParallelTransformerBlock(Module):
         """Eval-mode incremental forward for generation (see ParallelAttention.forward_cached)."""
         x = x + self.attn.forward_cached(self.attn_norm.forward(x), cache)
         return x + self.mlp.forward(self.mlp_norm.forward(x))
-
-
-def _legacy_spec(n_embd, n_head, n_kv_head=None, mlp_hidden=None, *, n_layer=1, bias=True, dropout=0.0, gelu="tanh",
-                 ln_eps=1e-5, moe=None) -> BlockSpec:
-    """The GPT-2 BlockSpec of the keyword form of earlier versions."""
-    return BlockSpec(n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head, mlp_hidden=mlp_hidden, n_layer=n_layer,
-                     norm_eps=ln_eps, norm_bias=bias, qkv_bias=bias, attn_out_bias=bias, mlp_bias=bias, gelu=gelu,
-                     dropout=dropout, moe=moe)

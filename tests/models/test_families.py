@@ -19,9 +19,9 @@ from tests.mpirun import run_mpi
 LLAMA = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_size=97, block_size=16,
              dtype="float64", dropout=0.1, norm="rmsnorm", positions="rope", mlp="swiglu", bias=False,
              tie_embeddings=False, rope_theta=500.0, rope_scaling="llama3", rope_factor=8.0,
-             rope_original_max_positions=8, ln_eps=1e-5)
+             rope_original_max_positions=8, norm_eps=1e-5)
 # Qwen2: q/k/v biases only, tied; and a head_dim (12) apart from n_embd / n_head (8)
-QWEN2 = dict(LLAMA, qkv_bias=True, tie_embeddings=True, head_dim=12, rope_scaling="none", ln_eps=1e-6)
+QWEN2 = dict(LLAMA, qkv_bias=True, tie_embeddings=True, head_dim=12, rope_scaling="none", norm_eps=1e-6)
 # Mixtral: SwiGLU experts, softmax over the router logits, top-2, renormalised
 MIXTRAL = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True, rope_scaling="none")
 FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL}

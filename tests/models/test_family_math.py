@@ -21,7 +21,7 @@ def _plain_loss(c: GPTConfig, sd: dict, idx, targets):
     B, T = idx.shape
 
     def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + c.ln_eps) * w
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + c.norm_eps) * w
 
     inv_freq = ops.rope_inv_freq(hd, c.rope_theta, c.rope, np.float64)
     freqs = np.arange(T)[:, None] * inv_freq[None, :]

@@ -77,7 +77,7 @@ def test_fixture_matches_transformers_tp1():
     _check_against_reference(from_hf_gpt2(ctx, FIXTURE, dtype="float64"), "tp=1 float64")
     cfg, sd = load_hf_gpt2(FIXTURE)
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.gelu, cfg.tie_embeddings,
-            cfg.mlp_hidden, cfg.ln_eps, cfg.dropout) == (2, 4, 32, 32, 101, "tanh", True, None, 1e-5, 0.0)
+            cfg.mlp_hidden, cfg.norm_eps, cfg.dropout) == (2, 4, 32, 32, 101, "tanh", True, None, 1e-5, 0.0)
     assert "lm_head.weight" not in sd and all(a.dtype == np.float32 for a in sd.values())
 
 
@@ -97,7 +97,7 @@ def _worker_fixture_tp(tmpdir):
     # (b) export from a TP=2 x DP=2 model: gathered over TP, written once (world rank 0)
     ctx = cutp.init(tp=2, dp=2, device="cpu")
     for tie in (True, False):
-        model = _random_model(ctx, tie_embeddings=tie, mlp_hidden=48, gelu="none", ln_eps=1e-6)
+        model = _random_model(ctx, tie_embeddings=tie, mlp_hidden=48, gelu="none", norm_eps=1e-6)
         out = os.path.join(tmpdir, f"tp2-tie{tie}")
         save_hf_gpt2(model, None, out)
         assert os.path.isfile(os.path.join(out, "model.safetensors"))  # on every rank once it returns
@@ -105,7 +105,7 @@ def _worker_fixture_tp(tmpdir):
         want = model.gather_state_dict(rank=None)
         cfg, got = load_hf_gpt2(out)
         _assert_bitwise(got, want, f"tp=2 export tie={tie}")
-        assert (cfg.mlp_hidden, cfg.gelu, cfg.ln_eps, cfg.tie_embeddings) == (48, "none", 1e-6, tie)
+        assert (cfg.mlp_hidden, cfg.gelu, cfg.norm_eps, cfg.tie_embeddings) == (48, "none", 1e-6, tie)
         # and back into a TP=2 model: the same shards
         again = from_hf_gpt2(ctx, out)
         for p, q in zip(model.parameters(), again.parameters()):
@@ -125,7 +125,7 @@ def test_fixture_tp2_tp4_and_export_from_tp2(tmp_path):
 
 
 # ---- (b) round trip at TP=1, and the files are what save_pretrained writes ------------------------
-@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=False, mlp_hidden=40, gelu="none", ln_eps=1e-6),
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=False, mlp_hidden=40, gelu="none", norm_eps=1e-6),
                                 dict(dtype="float64")])
 def test_round_trip_tp1_bitwise(tmp_path, kw):
     ctx = self_ctx()
@@ -133,7 +133,7 @@ def test_round_trip_tp1_bitwise(tmp_path, kw):
     save_hf_gpt2(model, None, str(tmp_path))
     cfg, got = load_hf_gpt2(str(tmp_path), dtype=model.config.dtype)
     _assert_bitwise(got, model.gather_state_dict(), f"tp=1 {kw}")
-    for f in ("mlp_hidden", "gelu", "ln_eps", "tie_embeddings", "vocab_size", "block_size", "n_embd"):
+    for f in ("mlp_hidden", "gelu", "norm_eps", "tie_embeddings", "vocab_size", "block_size", "n_embd"):
         assert getattr(cfg, f) == getattr(model.config, f), f
     # the state-dict form writes the same thing
     save_hf_gpt2(model.gather_state_dict(), model.config, str(tmp_path / "sd"))

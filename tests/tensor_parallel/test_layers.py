@@ -9,8 +9,8 @@ import cutp
 import cutp.ops.attention as attention_op
 from cutp import ops
 from cutp.models import GPT, GPTConfig
-from cutp.tensor_parallel import (ColumnParallelLinear, ParallelAttention, ParallelMLP, ParallelTransformerBlock,
-                                  RNGTracker, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
+from cutp.tensor_parallel import (BlockSpec, ColumnParallelLinear, ParallelAttention, ParallelMLP,
+                                  ParallelTransformerBlock, RNGTracker, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
                                   gather_full, pad_vocab)
 from cutp.tensor_parallel.mappings import gather_from_tp_forward
 from tests.mpirun import run_mpi
@@ -89,8 +89,8 @@ def _worker_attention(n, cases):
         _compare(n, build, x, dtype, what=f"attention(n_head={n_head}, n_kv={n_kv})")
 
         def build_block(c, n_head=n_head, n_kv=n_kv, dtype=dtype):
-            return ParallelTransformerBlock(c, h, n_head, n_kv, name="layers.0", rng=RNGTracker(0, c.tp_rank), n_layer=2,
-                                            dtype=dtype, seed=8)
+            return ParallelTransformerBlock(c, BlockSpec(n_embd=h, n_head=n_head, n_kv_head=n_kv, n_layer=2),
+                                            name="layers.0", rng=RNGTracker(0, c.tp_rank), dtype=dtype, seed=8)
 
         _compare(n, build_block, x, dtype, what=f"block(n_head={n_head}, n_kv={n_kv})")
 
@@ -573,7 +573,7 @@ def test_config_rejects_out_of_range_fields():
                     (dict(mlp_hidden=0), "mlp_hidden must be a positive integer or None"),
                     (dict(label_smoothing=1.5), r"label_smoothing must be in \[0, 1\)"),
                     (dict(vocab_multiple=-3), "vocab_multiple must be an integer >= 1"),
-                    (dict(ln_eps=-1.0), "ln_eps must be > 0")):
+                    (dict(norm_eps=-1.0), "norm_eps must be > 0")):
         with pytest.raises(ConfigError, match=msg):
             GPTConfig(n_head=4, n_embd=16, **kw).validate(1)
 

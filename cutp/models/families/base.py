@@ -82,7 +82,7 @@ class Family:
     dtype_key: str = "torch_dtype"  # config.json's dtype field, as the family's transformers config writes it
     # ModelConfig fields an `init_from` directory must agree on with the model it loads into
     spec_fields: tuple = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "head_size", "vocab_size",
-                          "block_size", "tie_embeddings", "ln_eps", "norm", "positions", "mlp")
+                          "block_size", "tie_embeddings", "norm_eps", "norm", "positions", "mlp")
 
     def reads(self) -> tuple:
         return self.model_types or (self.name,)

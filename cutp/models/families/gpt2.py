@@ -8,7 +8,7 @@ original `gpt2` upload, has none: both are read). The non-parameter buffers of o
 save_pretrained leaves it out, and so does cutp unless the embeddings are untied.
 
 Configuration: n_layer, n_head, n_embd, n_positions -> block_size, vocab_size,
-layer_norm_epsilon -> ln_eps, n_inner -> mlp_hidden (None: 4*n_embd), activation_function
+layer_norm_epsilon -> norm_eps, n_inner -> mlp_hidden (None: 4*n_embd), activation_function
 ("gelu_new" / "gelu_pytorch_tanh" -> gelu "tanh", "gelu" -> "none", exact erf),
 tie_word_embeddings. HF's three dropout probabilities are training settings: loading sets cutp's
 single `dropout` from the caller, saving writes cutp's into all three. Refused by name:
@@ -41,7 +41,7 @@ class GPT2(Family):
     embedding_key = "wte.weight"
     dtype_key = "dtype"
     spec_fields = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "vocab_size", "block_size", "bias",
-                   "tie_embeddings", "ln_eps", "gelu")
+                   "tie_embeddings", "norm_eps", "gelu")
     presets = {
         # trains on a 2-core CPU in minutes (byte-level vocabulary)
         "tiny": dict(n_layer=4, n_head=8, n_embd=128, vocab_size=256, block_size=128, vocab_multiple=1),
@@ -74,7 +74,7 @@ class GPT2(Family):
         return dict(n_layer=hf["n_layer"], n_head=hf["n_head"], n_kv_head=None, n_embd=hf["n_embd"],
                     mlp_hidden=hf.get("n_inner"), vocab_size=hf["vocab_size"], block_size=block, bias=True,
                     tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                    ln_eps=float(hf.get("layer_norm_epsilon", 1e-5)), gelu=_ACTIVATIONS[act])
+                    norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), gelu=_ACTIVATIONS[act])
 
     def refusal(self, cfg) -> str | None:
         if not self.implies(cfg):
@@ -109,7 +109,7 @@ class GPT2(Family):
             "embd_pdrop": cfg.dropout,
             "eos_token_id": eos,
             "initializer_range": 0.02,
-            "layer_norm_epsilon": cfg.ln_eps,
+            "layer_norm_epsilon": cfg.norm_eps,
             "model_type": self.name,
             "n_embd": cfg.n_embd,
             "n_head": cfg.n_head,

@@ -19,7 +19,7 @@ Q and K load unpermuted: cutp's rotary op is HF's rotate_half layout. An old con
 `rotary_emb.inv_freq` buffers are skipped.
 
 Configuration: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-num_key_value_heads, head_dim, max_position_embeddings -> block_size, rms_norm_eps -> ln_eps,
+num_key_value_heads, head_dim, max_position_embeddings -> block_size, rms_norm_eps -> norm_eps,
 rope_theta and rope_scaling (none/default, linear, llama3; top-level as Llama 3.x on the Hub ships
 them, or transformers 5's rope_parameters), tie_word_embeddings, attention_bias / mlp_bias,
 bos/eos/pad ids. Refused, naming the field: other rope types, partial rotary, another hidden_act.
@@ -35,7 +35,7 @@ from .base import (CONCAT_BIASES, CONCAT_WEIGHTS, SAME, TRANSPOSED, Family, Reci
 _INV_FREQ = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 # the Llama family's spec (Llama 2/3, TinyLlama, Mistral, Qwen2): RMSNorm, RoPE, SwiGLU, no biases, untied
-LLAMA_SPEC = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, tie_embeddings=False, ln_eps=1e-5)
+LLAMA_SPEC = dict(norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, tie_embeddings=False, norm_eps=1e-5)
 LLAMA3_SCALING = dict(rope_scaling="llama3", rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                       rope_original_max_positions=8192)
 
@@ -64,7 +64,7 @@ class LlamaLike(Family):
                     n_embd=h, mlp_hidden=hf["intermediate_size"], vocab_size=hf["vocab_size"],
                     block_size=hf.get("max_position_embeddings", 2048), bias=False,
                     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                    ln_eps=float(hf.get("rms_norm_eps", 1e-6)), norm="rmsnorm", positions="rope", mlp="swiglu",
+                    norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm="rmsnorm", positions="rope", mlp="swiglu",
                     head_dim=hf.get("head_dim") or h // n_head, **rope_from_hf(hf, where))
 
     @staticmethod
@@ -78,7 +78,7 @@ class LlamaLike(Family):
         return {"architectures": [self.architecture], "model_type": self.name, "hidden_size": cfg.n_embd,
                 "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
                 "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
-                "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.ln_eps, "rope_theta": cfg.rope_theta,
+                "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
                 "rope_scaling": rope_to_hf(cfg), "vocab_size": cfg.vocab_size,
                 "tie_word_embeddings": bool(cfg.tie_embeddings), "hidden_act": "silu", "attention_dropout": 0.0,
                 "initializer_range": 0.02, "use_cache": True, "torch_dtype": cfg.dtype,

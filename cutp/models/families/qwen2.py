@@ -14,7 +14,7 @@ class Qwen2(LlamaLike):
     presets = {
         "qwen2-0.5b": dict(n_layer=24, n_head=14, n_kv_head=2, n_embd=896, mlp_hidden=4864, vocab_size=151936,
                            block_size=32768, rope_theta=1000000.0, **{**LLAMA_SPEC, "tie_embeddings": True,
-                                                                       "ln_eps": 1e-6},
+                                                                       "norm_eps": 1e-6},
                            qkv_bias=True, bos_token_id=151643, eos_token_id=151643),
     }
 
