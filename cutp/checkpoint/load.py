@@ -194,7 +194,12 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
 
 def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
     """Builds a GPT from a checkpoint's config at ctx's TP size (the stage of ctx's pipeline rank,
-    layers split evenly; at pp 1 the whole model, from every stage's files) and loads its weights."""
+    layers split evenly; at pp 1 the whole model, from every stage's files) and loads its weights.
+    Returns (model, meta): the model and the checkpoint's meta.json dict.
+
+        model, meta = load_model("out/run", ctx)      # a run directory: its newest checkpoint
+        cutp.hf.save_hf(model, "out/hf")              # (or: python -m cutp export-hf out/run --out out/hf)
+    """
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad checkpoint stops every rank alike
         ckpt = resolve_checkpoint(ckpt)
         meta = read_meta(ckpt)

@@ -75,6 +75,7 @@ class ModelConfig:
     rope_original_max_positions: int = 8192
     mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down)
     head_dim: int | None = None  # None: n_embd // n_head
+    qk_norm: bool = False  # an RMSNorm (eps norm_eps) over each query and key head before RoPE (Qwen3)
     # biases per projection (None: `bias`, which also gives the LayerNorms theirs): Qwen2 has
     # qkv_bias only, Llama none, GPT-2 all
     qkv_bias: bool | None = None
@@ -150,7 +151,8 @@ class ModelConfig:
         """What layer `layer`'s transformer block is built from."""
         return BlockSpec(n_embd=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_size,
                          mlp_hidden=self.hidden, n_layer=self.n_layer, norm=self.norm, norm_eps=self.norm_eps,
-                         norm_bias=self.bias, rope=self.positions == "rope", qkv_bias=self._bias("qkv_bias"),
+                         norm_bias=self.bias, rope=self.positions == "rope", qk_norm=bool(self.qk_norm),
+                         qkv_bias=self._bias("qkv_bias"),
                          attn_out_bias=self._bias("attn_out_bias"), mlp_bias=self._bias("mlp_bias"), mlp=self.mlp,
                          gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer))
 
@@ -182,6 +184,8 @@ class ModelConfig:
         for f, kinds in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
             if getattr(self, f) not in kinds:
                 raise ConfigError(f"{f} must be one of {', '.join(kinds)}, got {getattr(self, f)!r}")
+        if self.qk_norm not in (True, False):
+            raise ConfigError(f"qk_norm must be true or false, got {self.qk_norm!r}")
         for f in ("qkv_bias", "attn_out_bias", "mlp_bias"):
             if getattr(self, f) not in (None, True, False):
                 raise ConfigError(f"{f} must be true, false or None (follow `bias`), got {getattr(self, f)!r}")
@@ -246,7 +250,7 @@ class ModelConfig:
         q, kv = self.n_head * self.head_size, self.kv_heads * self.head_size
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
         attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
-        per_layer = 2 * norm + attention
+        per_layer = 2 * norm + attention + 2 * self.head_size * bool(self.qk_norm)
         # an MoE layer's router and experts
         moe = h * self.n_experts + self.n_experts * self._mlp_parameters(self.moe_ffn or self.hidden)
         n_moe = sum(self.is_moe_layer(i) for i in range(L))

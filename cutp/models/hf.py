@@ -273,6 +273,7 @@ def save_hf(model_or_state_dict, config: GPTConfig | str | None = None, path: st
         config, path = None, config
     if path is None:
         raise ConfigError("save_hf needs the directory to write: save_hf(model, path)")
+    _config_of(model_or_state_dict, config, "save_hf")  # (refuses a (model, meta) tuple by name)
     if dtype is not None and dtype not in SAVE_DTYPES:
         raise ConfigError(f"dtype {dtype!r} cannot be saved; use one of {SAVE_DTYPES} or None (keep)")
     if isinstance(model_or_state_dict, GPT):
@@ -298,6 +299,16 @@ def save_hf(model_or_state_dict, config: GPTConfig | str | None = None, path: st
     write_hf_dir(tensors, hf_cfg, path, generation_config(config), tokenizer_files)
 
 
+def _config_of(model_or_state_dict, config, who: str) -> GPTConfig:
+    if isinstance(model_or_state_dict, tuple):
+        raise ConfigError(f"{who} got a tuple: cutp.checkpoint.load_model returns (model, meta); pass the model "
+                          f"(model, meta = load_model(...); {who}(model, path))")
+    cfg = config if isinstance(config, GPTConfig) else getattr(model_or_state_dict, "config", None)
+    if cfg is None:
+        raise ConfigError(f"{who} needs the GPTConfig when given a state dict")
+    return cfg
+
+
 # ---- the entry points of one family (earlier releases' names) -----------------------------------
 def _only(family: str, cfg: GPTConfig) -> None:
     found = family_of(cfg).name
@@ -318,9 +329,7 @@ def from_hf_llama(ctx, path: str, dtype: str = "float32", dropout: float = 0.0, 
 def save_hf_gpt2(model_or_state_dict, config: GPTConfig | str | None = None, path: str | None = None,
                  dtype: str | None = None) -> None:
     """`save_hf` of a model GPT-2 computes (refused otherwise, naming why)."""
-    cfg = config if isinstance(config, GPTConfig) else getattr(model_or_state_dict, "config", None)
-    if cfg is None:
-        raise ConfigError("save_hf_gpt2 needs the GPTConfig when given a state dict")
+    cfg = _config_of(model_or_state_dict, config, "save_hf_gpt2")
     why = FAMILIES["gpt2"].refusal(cfg)
     if why:
         raise HFFormatError(why)
@@ -330,9 +339,7 @@ def save_hf_gpt2(model_or_state_dict, config: GPTConfig | str | None = None, pat
 def save_hf_llama(model_or_state_dict, config: GPTConfig | str | None = None, path: str | None = None,
                   dtype: str | None = None) -> None:
     """`save_hf` of a Llama-family model (llama, qwen2, mistral or mixtral, by `family_of`)."""
-    cfg = config if isinstance(config, GPTConfig) else getattr(model_or_state_dict, "config", None)
-    if cfg is None:
-        raise ConfigError("save_hf_llama needs the GPTConfig when given a state dict")
+    cfg = _config_of(model_or_state_dict, config, "save_hf_llama")
     _only("llama", cfg)
     return save_hf(model_or_state_dict, config, path, dtype)
 

@@ -106,6 +106,7 @@ class Arch:
     out_bias: bool | None = None
     mlp_bias: bool | None = None
     head_size: int = 0  # 0: n_embd / n_head
+    qk_norm: bool = False  # Qwen3: an RMSNorm weight [head_dim] for the query heads and one for the key heads
 
     @property
     def head_dim(self):
@@ -131,7 +132,8 @@ def arch_from_config(name: str, c) -> Arch:
                 gated_mlp=c.mlp == "swiglu", bias=c.bias, tied=c.tie_embeddings, layernorm=c.norm == "layernorm",
                 pos_emb=c.positions == "learned", n_experts=c.n_experts, moe_top_k=c.moe_top_k,
                 moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every, moe_load_balancing=c.moe_aux_loss_coeff > 0,
-                qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, mlp_bias=c.mlp_bias, head_size=c.head_size)
+                qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, mlp_bias=c.mlp_bias, head_size=c.head_size,
+                qk_norm=c.qk_norm)
 
 
 def pick_arch(params: str) -> Arch:
@@ -155,12 +157,12 @@ def param_count(a: Arch, tp: int = 1, ep: int = 1) -> dict:
     full = {
         "attention": h * qkv_out + bq * qkv_out + attn_in * h + bo * h,
         "mlp": mlp_mats * h * a.ffn + bm * ((2 if a.gated_mlp else 1) * a.ffn + h),
-        "norms": 2 * norm,
+        "norms": 2 * norm + 2 * hd * a.qk_norm,
     }
     local = {
         "attention": h * qkv_out_local + bq * qkv_out_local + (attn_in // tp) * h + bo * h,  # row bias replicated
         "mlp": mlp_mats * h * (a.ffn // tp) + bm * ((2 if a.gated_mlp else 1) * a.ffn // tp + h),
-        "norms": 2 * norm,
+        "norms": 2 * norm + 2 * hd * a.qk_norm,  # (the QK-norms replicated)
     }
     emb = a.vocab * h
     head = 0 if a.tied else a.vocab * h
@@ -185,6 +187,7 @@ def tp_gradient_elements(a: Arch, tp: int, sequence_parallel: bool, ep: int = 1)
     moe = moe_counts(a, tp, ep)
     n_dense = a.n_layer - moe["layers"]
     experts = moe["layers"] * (a.n_experts // ep) * moe["expert"]
+    experts += a.n_layer * 2 * a.head_dim * a.qk_norm  # (QK-norms: each TP rank normalises its own heads)
     if not sequence_parallel:
         return experts
     rows = a.n_layer * a.has_bias("out_bias") * h + n_dense * a.has_bias("mlp_bias") * h

@@ -29,6 +29,12 @@ the projection; arange(n0, n0 + Tn) for the KV cache, which stores rotated K as 
 caller such as context parallelism passes its chunks' ids). Backward turns the same view of
 dqkv back (the transpose rotation) before the projection's backward. V is never rotated.
 
+QK-norm (`qk_norm`, Qwen3 and Gemma 3): after the projection and its bias, before the rotation,
+each query head and each key head is RMS-normalised over its head_dim with one weight for all
+query heads (`q_norm`) and one for all key heads (`k_norm`), as transformers does. Both weights
+are replicated over TP while each rank normalises its own heads, so their gradients are summed
+over TP (`tp_partial`), replicated KV heads included (each copy adds its queries' share).
+
 Context parallelism (`context_shard = (cp_rank, cp)`, set by the model): x holds this CP
 rank's local sequence (`cutp.tensor_parallel.context_parallel`'s zigzag chunks; under sequence
 parallelism its TP shard, gathered by qkv as always); RoPE turns Q and K by the chunks'
@@ -54,7 +60,7 @@ from .. import ops
 from ..runtime.backend import get_array_module
 from .context_parallel import (RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
                                ulysses_attention_backward, ulysses_attention_forward, zigzag_chunks)
-from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
+from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
 from .parameter import Module, normal_init
 from .random import SHARDED, RNGTracker
 from .sharding import kv_heads_of_rank, qkv_sharding
@@ -64,10 +70,11 @@ from .validation import check_attention
 class ParallelAttention(Module):
     def __init__(self, ctx, n_embd, n_head, n_kv_head=None, *, name, rng: RNGTracker, n_layer=1, bias=True,
                  attn_dropout=0.0, seed=0, dtype=np.float32, head_dim=None, qkv_bias=None, out_bias=None,
-                 rotary=None):
+                 rotary=None, qk_norm=False, norm_eps=1e-6):
         """head_dim: each head's width (None: n_embd // n_head). qkv_bias / out_bias: the two
         projections' biases (None: `bias`). rotary: (cos, sin) tables [max_len, head_dim] for
-        rotary positions (None: none; the model adds learned positions before the blocks)."""
+        rotary positions (None: none; the model adds learned positions before the blocks).
+        qk_norm: an RMSNorm over each query and each key head (Qwen3, Gemma 3; module docstring)."""
         n_kv_head = n_kv_head or n_head
         tp = ctx.tp_size
         check_attention(n_embd, n_head, n_kv_head, tp, head_dim=head_dim)
@@ -89,6 +96,13 @@ class ParallelAttention(Module):
                                         bias=bias if out_bias is None else out_bias, seed=seed, dtype=dtype,
                                         init=normal_init(0.02 / math.sqrt(2 * n_layer)))
         self.n_head = n_head
+        # QK-norm: one weight [head_dim] for every query head, one for every key head; replicated,
+        # and each TP rank normalises its own heads: their gradients summed over TP (tp_partial)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = RMSNorm(ctx, self.hd, name=f"{name}.q_norm", eps=norm_eps, seed=seed, dtype=dtype)
+            self.k_norm = RMSNorm(ctx, self.hd, name=f"{name}.k_norm", eps=norm_eps, seed=seed, dtype=dtype)
+            self.q_norm.weight.tp_partial = self.k_norm.weight.tp_partial = True
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.recompute_core = False  # selective recomputation (module docstring)
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism (module docstring)
@@ -123,6 +137,25 @@ class ParallelAttention(Module):
         B, T, _ = qkv.shape
         return qkv[..., : (self.nq + self.nkv) * self.hd].reshape(B, T, self.nq + self.nkv, self.hd)
 
+    def _normalize_qk(self, qkv):
+        """QK-norm in place on the Q and K heads of a QKV buffer (after the projection and its
+        bias, before the rotation, as transformers' Qwen3 and Gemma 3 apply it)."""
+        B, T, _ = qkv.shape
+        xp = get_array_module(qkv)
+        for norm, cols in ((self.q_norm, slice(0, self.nq * self.hd)),
+                           (self.k_norm, slice(self.nq * self.hd, (self.nq + self.nkv) * self.hd))):
+            heads = xp.ascontiguousarray(qkv[..., cols]).reshape(B, T, -1, self.hd)
+            qkv[..., cols] = norm.forward(heads).reshape(B, T, -1)
+
+    def _normalize_qk_backward(self, dqkv):
+        """The QK-norm's backward in place on the Q and K columns of a QKV gradient buffer."""
+        B, T, _ = dqkv.shape
+        xp = get_array_module(dqkv)
+        for norm, cols in ((self.q_norm, slice(0, self.nq * self.hd)),
+                           (self.k_norm, slice(self.nq * self.hd, (self.nq + self.nkv) * self.hd))):
+            dheads = xp.ascontiguousarray(dqkv[..., cols]).reshape(B, T, -1, self.hd)
+            dqkv[..., cols] = norm.backward(dheads).reshape(B, T, -1)
+
     def _rotate(self, qkv, positions):
         """Turns the Q and K heads of qkv in place by `positions`; returns the op's context.
 
@@ -148,6 +181,8 @@ class ParallelAttention(Module):
         if self.context_shard is not None:
             return self._forward_context_parallel(x)
         qkv = self.qkv.forward(x)
+        if self.q_norm is not None:
+            self._normalize_qk(qkv)
         if self.rotary is not None:
             self._save("rotary", self._rotate(qkv, positions))
         q, k, v = self._split_heads(qkv)
@@ -166,6 +201,8 @@ class ParallelAttention(Module):
         """The forward of a CP rank's local sequence: the ring attention (module docstring)."""
         cp_rank, cp = self.context_shard
         qkv = self.qkv.forward(x)
+        if self.q_norm is not None:
+            self._normalize_qk(qkv)
         B, T_local = qkv.shape[0], qkv.shape[1]
         T = T_local * cp  # the whole sequence
         if self.rotary is not None:  # the two chunks' rows of the tables (slices: no gather, no value read)
@@ -199,6 +236,8 @@ class ParallelAttention(Module):
         if self.rotary is not None:
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
+        if self.q_norm is not None:
+            self._normalize_qk_backward(dqkv)
         return self.qkv.backward(dqkv)
 
     def _backward_context_parallel(self, dy, cp_ctx):
@@ -212,6 +251,8 @@ class ParallelAttention(Module):
         if self.rotary is not None:
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
+        if self.q_norm is not None:
+            self._normalize_qk_backward(dqkv)
         return self.qkv.backward(dqkv)
 
     # ---- incremental decoding (generation) -----------------------------------------------------
@@ -226,6 +267,8 @@ class ParallelAttention(Module):
         if self.training:
             raise RuntimeError("forward_cached is for generation: call model.eval() first")
         qkv = self.qkv.forward(x)
+        if self.q_norm is not None:
+            self._normalize_qk(qkv)
         n0, tn = cache["len"], x.shape[1]
         if self.rotary is not None and n0 + tn <= cache["k"].shape[2]:
             self._rotate(qkv, n0)

@@ -49,6 +49,7 @@ class BlockSpec:
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm's bias
     rope: bool = False  # rotary positions inside the attention
+    qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen3, Gemma 3)
     qkv_bias: bool = True
     attn_out_bias: bool = True
     mlp_bias: bool = True
@@ -120,7 +121,7 @@ class ParallelTransformerBlock(Module):
         self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
                                       n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
                                       head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
-                                      rotary=rotary if s.rope else None)
+                                      rotary=rotary if s.rope else None, qk_norm=s.qk_norm, norm_eps=s.norm_eps)
         self.attn_dropout = Dropout(s.dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
         self.mlp_norm = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.mlp_norm", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)

@@ -127,3 +127,5 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     with pytest.raises(cutp.ConfigError, match="--dtype"):
         export_hf(str(tmp_path / "moe"), str(tmp_path / "z"), dtype="int8")
+    with pytest.raises(cutp.ConfigError, match=r"load_model returns \(model, meta\); pass the model"):
+        save_hf((model, {}), str(tmp_path / "z"))

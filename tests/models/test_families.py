@@ -1,9 +1,10 @@
-"""Model families (issue 27): Llama-, Qwen2- and Mixtral-shaped tiny models on every layout.
+"""Model families (issues 27, 37): Llama-, Qwen2-, Mixtral- and Qwen3-shaped tiny models on every layout.
 
 float64, dropout 0.1: the losses, every gradient (unless ZeRO-1 kept only its shard) and the
 parameters after the step of a TP x DP x PP (x EP) mesh equal one rank's within 1e-10: tp 2
 and 4 (KV heads fewer than tp: replicated), sequence parallelism, 1F1B, GPipe and interleaved
-pipelines, ZeRO-1, expert parallelism, selective and full recomputation. One mpiexec launch
+pipelines, ZeRO-1, expert parallelism, context parallelism (ring and all-to-all), selective and full
+recomputation. One mpiexec launch
 runs them all.
 """
 import numpy as np
@@ -24,12 +25,15 @@ LLAMA = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_s
 QWEN2 = dict(LLAMA, qkv_bias=True, tie_embeddings=True, head_dim=12, rope_scaling="none", norm_eps=1e-6)
 # Mixtral: SwiGLU experts, softmax over the router logits, top-2, renormalised
 MIXTRAL = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True, rope_scaling="none")
-FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL}
+# Qwen3: QK-norm (its weights moved off 1 by the first step), head_dim (12) apart from n_embd / n_head
+QWEN3 = dict(LLAMA, qk_norm=True, head_dim=12, rope_scaling="none", norm_eps=1e-6)
+FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3}
 
 
 def _config(family, tp=1, dp=1, pp=1, ep=1, micro=2, schedule="1f1b", virtual=1, sp=False, recompute="none",
-            zero=False):
-    return RunConfig(model=GPTConfig(**FAMILIES[family]), tp=tp, dp=dp, pp=pp, ep=ep, pp_schedule=schedule,
+            zero=False, cp=1, cp_comm="ring"):
+    return RunConfig(model=GPTConfig(**FAMILIES[family]), tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
+                     pp_schedule=schedule,
                      pp_virtual=virtual, batch_size=8, micro_batch_size=micro, seq_len=16, steps=2, warmup=1,
                      seed=3, sequence_parallel=sp, recompute=recompute, distributed_optimizer=zero, eval_every=0,
                      quiet=True, save_on_signal=False)
@@ -70,7 +74,7 @@ def _worker_layouts_equal_one_rank(cases):
         assert seen == set(ref), (kw, sorted(set(ref) ^ seen))
 
 
-def test_llama_qwen2_mixtral_on_every_layout_equal_one_rank():
+def test_llama_qwen2_mixtral_qwen3_on_every_layout_equal_one_rank():
     cases = [dict(family="llama", tp=4, recompute="full"),  # 2 KV heads over 4 ranks: replicated
              dict(family="llama", tp=2, dp=2, sp=True),
              dict(family="llama", tp=2, pp=2, micro=1),  # 1F1B
@@ -79,5 +83,10 @@ def test_llama_qwen2_mixtral_on_every_layout_equal_one_rank():
              dict(family="qwen2", dp=2, pp=2, micro=1, schedule="gpipe"),
              dict(family="qwen2", tp=4),
              dict(family="qwen2", tp=2, pp=2, sp=True, micro=1, recompute="full"),
-             dict(family="mixtral", tp=2, dp=2, ep=2, micro=1)]
+             dict(family="mixtral", tp=2, dp=2, ep=2, micro=1),
+             dict(family="qwen3", tp=4, recompute="full"),  # QK-norm of replicated KV heads
+             dict(family="qwen3", tp=2, dp=2, sp=True, recompute="selective"),
+             dict(family="qwen3", tp=2, cp=2, cp_comm="a2a"),
+             dict(family="qwen3", cp=2, dp=2, zero=True),  # the ring
+             dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2)]
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

@@ -1,5 +1,5 @@
-"""Hugging Face interop of the Llama family (issue 27): LlamaForCausalLM, Qwen2ForCausalLM,
-MistralForCausalLM and MixtralForCausalLM directories read into cutp and written back.
+"""Hugging Face interop of the Llama family (issues 27, 37): LlamaForCausalLM, Qwen2ForCausalLM,
+MistralForCausalLM, MixtralForCausalLM and Qwen3ForCausalLM directories read into cutp and written back.
 
 Without torch: a cutp model written by save_hf reads back (at tp 1 and 2) to the same logits,
 under save_pretrained's tensor names, and what cutp cannot compute is refused naming the field.
@@ -16,12 +16,13 @@ import cutp
 from cutp.hf import HFFormatError, config_from_hf, from_hf, hf_state_dict, save_hf
 from cutp.models import GPT, GPTConfig
 from cutp.models.hf import hf_shapes
-from tests.models.test_families import LLAMA, MIXTRAL, QWEN2
+from tests.models.test_families import LLAMA, MIXTRAL, QWEN2, QWEN3
 from tests.mpirun import run_mpi
 
 SPECS = {"llama": dict(LLAMA, dropout=0.0),
          "qwen2": dict(QWEN2, dropout=0.0, head_dim=None),  # (Qwen2's config has no head_dim)
-         "mixtral": dict(MIXTRAL, dropout=0.0, moe_ffn=None)}
+         "mixtral": dict(MIXTRAL, dropout=0.0, moe_ffn=None),
+         "qwen3": dict(QWEN3, dropout=0.0)}
 
 
 def _logits(model, idx):
@@ -142,6 +143,8 @@ def _hf_model(family, torch, transformers, dtype):
         cfg = transformers.Qwen2Config(**dict(common, tie_word_embeddings=True), rope_theta=1000.0)
     elif family == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=None, head_dim=8)
+    elif family == "qwen3":  # head_dim 12, apart from hidden_size / heads (8)
+        cfg = transformers.Qwen3Config(**common, head_dim=12, rope_theta=1000.0)
     else:
         # (eager experts: transformers 5's grouped GEMM refuses float64)
         cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
@@ -155,7 +158,7 @@ def _hf_model(family, torch, transformers, dtype):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "mixtral", "qwen3"])
 def test_logits_and_greedy_generation_equal_transformers(family, tmp_path):
     torch, transformers = _transformers()
     hf = _hf_model(family, torch, transformers, torch.float32)
@@ -245,7 +248,7 @@ def _lift_float32_casts(monkeypatch, torch, hf):
             module.inv_freq = torch.from_numpy(ops.rope_inv_freq(hd, theta, scaling, np.float64))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral", "qwen3"])
 def test_float64_logits_and_gradients_equal_transformers_without_its_float32_casts(family, tmp_path, monkeypatch):
     torch, transformers = _transformers()
     hf = _hf_model(family, torch, transformers, torch.float64)
@@ -291,7 +294,7 @@ def _in_module_layout(tensors: dict, name: str) -> np.ndarray:
     return np.stack([tensors[f"{moe}experts.{e}.w2.weight"] for e in range(n)])
 
 
-FAMILIES = ["llama", "qwen2", "mistral", "mixtral"]
+FAMILIES = ["llama", "qwen2", "mistral", "mixtral", "qwen3"]
 
 
 def _greedy(model, prompt, n, cached):

@@ -3,6 +3,7 @@
     gpt2     GPT2LMHeadModel (and cutp's tiny presets)
     llama    LlamaForCausalLM (Llama 2/3/3.1/3.2, TinyLlama)
     qwen2    Qwen2ForCausalLM
+    qwen3    Qwen3ForCausalLM (QK-norm)
     mistral  MistralForCausalLM
     mixtral  MixtralForCausalLM
 
@@ -20,6 +21,7 @@ from .llama import Llama
 from .mistral import Mistral
 from .mixtral import Mixtral
 from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 
 FAMILIES: dict[str, Family] = {}  # family name -> its declarations
 _BY_MODEL_TYPE: dict[str, Family] = {}
@@ -40,7 +42,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (GPT2(), Llama(), Qwen2(), Mistral(), Mixtral()):
+for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral()):
     register(_family)
 
 

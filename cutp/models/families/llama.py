@@ -44,10 +44,12 @@ class LlamaLike(Family):
     """What Llama, Qwen2, Mistral and Mixtral share: the block's tensors and most of config.json."""
 
     embedding_key = "model.embed_tokens.weight"
-    spec_fields = Family.spec_fields + ("rope_theta", "rope_scaling", "rope_factor", "n_experts", "moe_top_k")
+    spec_fields = Family.spec_fields + ("rope_theta", "rope_scaling", "rope_factor", "n_experts", "moe_top_k",
+                                        "qk_norm")
+    qk_norm = False  # whether the family's attention normalises each query and key head (Qwen3)
 
     def implies(self, cfg) -> bool:
-        return (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu")
+        return (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu") and cfg.qk_norm == self.qk_norm
 
     # ---- configuration ---------------------------------------------------------------------------
     def common_from_hf(self, hf: dict, where: str) -> dict:
@@ -90,6 +92,9 @@ class LlamaLike(Family):
                     "(rmsnorm, rope, swiglu); GPT-2's adapter writes layernorm/learned/gelu models")
         if cfg.n_experts:
             return f"a mixture-of-experts model (n_experts={cfg.n_experts}) is written as Mixtral, not {self.name}"
+        if cfg.qk_norm != self.qk_norm:
+            return (f"qk_norm={cfg.qk_norm}: {self.architecture} {'normalises' if self.qk_norm else 'has no'} "
+                    f"query and key heads{'' if self.qk_norm else ' (a QK-norm model is written as Qwen3)'}")
         return self.bias_refusal(*self.biases(cfg), cfg)
 
     @staticmethod
@@ -120,6 +125,9 @@ class LlamaLike(Family):
                     Recipe(c + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                            CONCAT_WEIGHTS, ((q, h), (kv, h), (kv, h))),
                     Recipe(c + "attn.proj.weight", (a + "o_proj.weight",), TRANSPOSED, ((h, q),))]
+            if cfg.qk_norm:
+                out += [Recipe(c + "attn.q_norm.weight", (a + "q_norm.weight",), SAME, ((hd,),)),
+                        Recipe(c + "attn.k_norm.weight", (a + "k_norm.weight",), SAME, ((hd,),))]
             if qkv_bias:
                 out.append(Recipe(c + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                                   CONCAT_BIASES, ((q,), (kv,), (kv,))))

@@ -9,6 +9,8 @@ Refused by name: a sliding_window in use, router jitter.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..hf_files import HFFormatError
 from .base import CONCAT_WEIGHTS, TRANSPOSED, Recipe
 from .llama import LLAMA_SPEC, LlamaLike
@@ -24,7 +26,7 @@ class Mixtral(LlamaLike):
     }
 
     def implies(self, cfg) -> bool:
-        return LlamaLike.implies(self, cfg) and bool(cfg.n_experts)
+        return LlamaLike.implies(self, cfg) and bool(cfg.n_experts)  # (Qwen3-MoE, with qk_norm, is not Mixtral)
 
     def config_from_hf(self, hf: dict, where: str) -> dict:
         self.refuse_window(hf, hf.get("sliding_window") is not None, where)
@@ -37,7 +39,7 @@ class Mixtral(LlamaLike):
 
     def refusal(self, cfg) -> str | None:
         if not LlamaLike.implies(self, cfg):
-            return LlamaLike.refusal(self, cfg)
+            return LlamaLike.refusal(self, dataclasses.replace(cfg, n_experts=0))
         if not cfg.n_experts:
             return "Mixtral's MLPs are mixtures of experts; a dense model is written as Llama"
         if self.biases(cfg) != (False, False, False) or cfg.moe_every != 1 or not cfg.moe_renormalize \
