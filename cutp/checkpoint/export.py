@@ -16,13 +16,11 @@ from .load import ShardReader, full_from_shards, verify_checkpoint
 from .run_dir import resolve_checkpoint
 
 
-def export_full(src: str, dst: str, dtype: str | None = None) -> str:
-    """Writes a TP=1 copy of checkpoint `src` (model and optimizer state) into directory `dst`,
-    with parameters in `dtype` (default: the checkpoint's), taken from the fp32 master weights
-    when the checkpoint has them (a bfloat16 run exported as float32 loses nothing)."""
+def _verified(src: str, dtype: str | None):
+    """(checkpoint directory, meta, config, dtype: the asked one or the run's) of a checkpoint or
+    run directory whose every file was verified."""
     src = resolve_checkpoint(src)
     meta = read_meta(src)
-    saved_tp = int(meta["mesh"]["tp"])
     problems = verify_checkpoint(src, meta)
     if problems:
         raise CheckpointError("; ".join(problems))
@@ -30,6 +28,15 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
     dtype = dtype or config.dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"export --dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    return src, meta, config, dtype
+
+
+def export_full(src: str, dst: str, dtype: str | None = None) -> str:
+    """Writes a TP=1 copy of checkpoint `src` (model and optimizer state) into directory `dst`,
+    with parameters in `dtype` (default: the checkpoint's), taken from the fp32 master weights
+    when the checkpoint has them (a bfloat16 run exported as float32 loses nothing)."""
+    src, meta, config, dtype = _verified(src, dtype)
+    saved_tp = int(meta["mesh"]["tp"])
     padded = config.padded_vocab(1)
     tmp = dst.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -94,15 +101,7 @@ def model_tensors(src: str, dtype: str | None = None) -> tuple[GPTConfig, dict]:
     """(the model's config, {name: full tensor with its real rows, in `dtype`}) of checkpoint or
     run directory `src`, every file verified first; one process, no communication, any layout
     the run used (its TP, PP, DP, CP and EP shards joined)."""
-    src = resolve_checkpoint(src)
-    meta = read_meta(src)
-    problems = verify_checkpoint(src, meta)
-    if problems:
-        raise CheckpointError("; ".join(problems))
-    config = GPTConfig.from_dict(meta["config"])
-    dtype = dtype or config.dtype
-    if dtype not in DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    src, meta, config, dtype = _verified(src, dtype)
     has_optim = meta.get("optimizer") is not None
     saved_master = has_optim and bool(meta["optimizer"].get("master_weights"))
     readers = {kind: ShardReader(src, meta, kind) for kind in ["model"] + (["optim"] if saved_master else [])}

@@ -137,24 +137,16 @@ class ParallelAttention(Module):
         B, T, _ = qkv.shape
         return qkv[..., : (self.nq + self.nkv) * self.hd].reshape(B, T, self.nq + self.nkv, self.hd)
 
-    def _normalize_qk(self, qkv):
+    def _normalize_qk(self, qkv, backward: bool = False):
         """QK-norm in place on the Q and K heads of a QKV buffer (after the projection and its
-        bias, before the rotation, as transformers' Qwen3 and Gemma 3 apply it)."""
+        bias, before the rotation, as transformers' Qwen3 and Gemma 3 apply it); with
+        `backward`, its backward in place on the Q and K columns of the QKV gradient."""
         B, T, _ = qkv.shape
         xp = get_array_module(qkv)
         for norm, cols in ((self.q_norm, slice(0, self.nq * self.hd)),
                            (self.k_norm, slice(self.nq * self.hd, (self.nq + self.nkv) * self.hd))):
             heads = xp.ascontiguousarray(qkv[..., cols]).reshape(B, T, -1, self.hd)
-            qkv[..., cols] = norm.forward(heads).reshape(B, T, -1)
-
-    def _normalize_qk_backward(self, dqkv):
-        """The QK-norm's backward in place on the Q and K columns of a QKV gradient buffer."""
-        B, T, _ = dqkv.shape
-        xp = get_array_module(dqkv)
-        for norm, cols in ((self.q_norm, slice(0, self.nq * self.hd)),
-                           (self.k_norm, slice(self.nq * self.hd, (self.nq + self.nkv) * self.hd))):
-            dheads = xp.ascontiguousarray(dqkv[..., cols]).reshape(B, T, -1, self.hd)
-            dqkv[..., cols] = norm.backward(dheads).reshape(B, T, -1)
+            qkv[..., cols] = (norm.backward(heads) if backward else norm.forward(heads)).reshape(B, T, -1)
 
     def _rotate(self, qkv, positions):
         """Turns the Q and K heads of qkv in place by `positions`; returns the op's context.
@@ -237,7 +229,7 @@ class ParallelAttention(Module):
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
         if self.q_norm is not None:
-            self._normalize_qk_backward(dqkv)
+            self._normalize_qk(dqkv, backward=True)
         return self.qkv.backward(dqkv)
 
     def _backward_context_parallel(self, dy, cp_ctx):
@@ -252,7 +244,7 @@ class ParallelAttention(Module):
             dheads = self._qk_heads(dqkv)
             ops.rotary_backward(dheads, self._load("rotary"), out=dheads)
         if self.q_norm is not None:
-            self._normalize_qk_backward(dqkv)
+            self._normalize_qk(dqkv, backward=True)
         return self.qkv.backward(dqkv)
 
     # ---- incremental decoding (generation) -----------------------------------------------------
