@@ -86,8 +86,11 @@ def _check_with_transformers(out, src):
     ctx = cutp.init(device="cpu")
     ours = from_hf(ctx, src, dtype="float64")
     idx = np.array([ids[:16]])
+    source = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float64).eval()
     with torch.no_grad():
         ref = model(torch.from_numpy(idx)).logits.numpy()
+        assert np.array_equal(ref, source(torch.from_numpy(idx)).logits.numpy())  # the export is the source, bit for bit
+    assert model.generation_config.eos_token_id == source.generation_config.eos_token_id == 2
     got = ours.gather_logits(ours.forward(idx))
     # (transformers rounds norms and rotary tables to float32 inside a float64 model: the f64
     # comparison without those casts is tests/models/test_hf_llama.py's)
