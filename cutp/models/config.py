@@ -138,9 +138,12 @@ class ModelConfig:
         """Each attention head's width: head_dim, or n_embd // n_head."""
         return self.n_embd // self.n_head if self.head_dim is None else self.head_dim
 
-    def _bias(self, field: str) -> bool:
+    def has_bias(self, field: str) -> bool:
+        """Whether a projection has biases: field qkv_bias, attn_out_bias or mlp_bias (unset: `bias`)."""
         v = getattr(self, field)
         return self.bias if v is None else bool(v)
+
+    _bias = has_bias
 
     @property
     def rope(self) -> RopeScaling:

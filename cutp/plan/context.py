@@ -33,7 +33,7 @@ def check_cp(a, *, cp: int, cp_comm: str, tp: int, seq_len: int, sequence_parall
         raise ConfigError(f"--cp must be an integer >= 1, got {cp!r}")
     if cp_comm not in COMMS:
         raise ConfigError(f"--cp-comm {cp_comm!r}: use one of {', '.join(COMMS)}")
-    check_context_parallel(seq_len, cp, tp, sequence_parallel, cp_comm, a.n_head, a.n_kv_head)
+    check_context_parallel(seq_len, cp, tp, sequence_parallel, cp_comm, a.n_head, a.kv_heads)
 
 
 def formula_args(s: int, heads: int, mode: str, cp: int, cp_comm: str) -> tuple[int, int, str]:
@@ -47,7 +47,7 @@ def formula_args(s: int, heads: int, mode: str, cp: int, cp_comm: str) -> tuple[
 
 def kv_width(a, tp: int) -> int:
     """The K (or V) columns of one TP rank: its KV heads x the head dim."""
-    return (a.n_kv_head // tp if tp <= a.n_kv_head else 1) * a.head_dim
+    return (a.kv_heads // tp if tp <= a.kv_heads else 1) * a.head_size
 
 
 def cp_comm_bytes(a, *, s: int, b: int, tp: int, cp: int, cp_comm: str, layers: int, accum: int,
@@ -66,8 +66,8 @@ def cp_comm_bytes(a, *, s: int, b: int, tp: int, cp: int, cp_comm: str, layers: 
         elements = (forwards * (cp - 1) + backward * (cp - 1)) * kv + backward * cp * kv
         nbytes = (forwards * (cp - 1) + backward * (cp - 1)) * kv * itemsize + backward * cp * kv * max(itemsize, 4)
         return {"calls": calls, "elements": elements, "bytes": nbytes, "wire_bytes": float(nbytes)}
-    heads, kv_heads = a.n_head // tp, kv_width(a, tp) // a.head_dim
-    q = local * heads * a.head_dim
+    heads, kv_heads = a.n_head // tp, kv_width(a, tp) // a.head_size
+    q = local * heads * a.head_size
     copies = ulysses_heads(cp, kv_heads, heads // kv_heads)[2]  # of each of the TP rank's KV heads
     per_way = 2 * q + copies * kv  # q, k, v, then o (forward); do, then dq, dk, dv (backward)
     elements = (forwards + layers * accum) * per_way

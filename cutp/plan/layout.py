@@ -82,91 +82,52 @@ from .context import check_cp, cp_comm_bytes, cp_formula, formula_args
 from .run import ITEMSIZE, planned_parameters, planned_step
 
 
-@dataclass(frozen=True)
-class Arch:
-    name: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_kv_head: int
-    ffn: int
-    vocab: int
-    seq: int  # the model's context length
-    gated_mlp: bool = False  # SwiGLU: three ffn matrices
-    bias: bool = False
-    tied: bool = False
-    layernorm: bool = False  # LayerNorm (weight + bias) instead of RMSNorm (weight)
-    pos_emb: bool = False  # learned position embeddings [seq, h]
-    n_experts: int = 0  # mixture of experts (cutp.plan.moe): 0 = dense MLPs
-    moe_top_k: int = 2
-    moe_ffn: int = 0  # each expert's width (0: ffn)
-    moe_every: int = 1
-    moe_load_balancing: bool = True  # a load-balancing loss: a step of micro-batches counts first (cutp.train.moe)
-    qkv_bias: bool | None = None  # per projection (None: `bias`); Qwen2: q/k/v only
-    out_bias: bool | None = None
-    mlp_bias: bool | None = None
-    head_size: int = 0  # 0: n_embd / n_head
-    qk_norm: bool = False  # Qwen3: an RMSNorm weight [head_dim] for the query heads and one for the key heads
-
-    @property
-    def head_dim(self):
-        return self.head_size or self.n_embd // self.n_head
-
-    def has_bias(self, which: str) -> int:
-        own = getattr(self, which)
-        return int(self.bias if own is None else own)
+# `--params SIZE`: published architectures of that size, planned by formula (module docstring):
+# their ModelConfig presets (cutp.models.families), and the names the plan shows
+ARCHITECTURE_PRESETS = {"7B": ("Llama-2-7B", "llama2-7b"), "8B": ("Llama-3-8B", "llama3-8b"),
+                        "13B": ("Llama-2-13B", "llama2-13b"), "70B": ("Llama-2-70B", "llama2-70b"),
+                        "175B": ("GPT-3 175B", "gpt3-175b")}
+ARCHITECTURES = {size: GPTConfig.preset(preset) for size, (_, preset) in ARCHITECTURE_PRESETS.items()}
 
 
-ARCHITECTURES = {
-    "7B": Arch("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000, 4096, gated_mlp=True),
-    "8B": Arch("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, 8192, gated_mlp=True),
-    "13B": Arch("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000, 4096, gated_mlp=True),
-    "70B": Arch("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000, 4096, gated_mlp=True),
-    "175B": Arch("GPT-3 175B", 96, 12288, 96, 96, 4 * 12288, 50257, 2048, bias=True, tied=True, layernorm=True,
-                 pos_emb=True),
-}
-
-
-def arch_from_config(name: str, c) -> Arch:
-    return Arch(name, c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.hidden, c.vocab_size, c.block_size,
-                gated_mlp=c.mlp == "swiglu", bias=c.bias, tied=c.tie_embeddings, layernorm=c.norm == "layernorm",
-                pos_emb=c.positions == "learned", n_experts=c.n_experts, moe_top_k=c.moe_top_k,
-                moe_ffn=c.moe_ffn or 0, moe_every=c.moe_every, moe_load_balancing=c.moe_aux_loss_coeff > 0,
-                qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, mlp_bias=c.mlp_bias, head_size=c.head_size,
-                qk_norm=c.qk_norm)
-
-
-def pick_arch(params: str) -> Arch:
+def pick_arch(params: str) -> GPTConfig:
     """'70B' (or 70e9, 7e10): the listed architecture nearest in size."""
     want = parse_count(params)
-    best = min(ARCHITECTURES.values(), key=lambda a: abs(param_count(a)["total"] - want))
-    return best
+    return min(ARCHITECTURES.values(), key=lambda a: abs(a.num_parameters() - want))
 
 
-def param_count(a: Arch, tp: int = 1, ep: int = 1) -> dict:
+def model_name(args) -> str:
+    """The name the plan's tables show: the preset's, or the --params architecture's."""
+    if args.preset:
+        return args.preset
+    a = pick_arch(args.params or "70B")
+    return next(ARCHITECTURE_PRESETS[k][0] for k, v in ARCHITECTURES.items() if v is a)
+
+
+def param_count(a: GPTConfig, tp: int = 1, ep: int = 1) -> dict:
     """Parameters of the full model ('total'), of one TP (and EP) rank ('per_rank') and those a
     token runs through ('active'), by component ('layer': a dense layer's)."""
-    h, hd, L = a.n_embd, a.head_dim, a.n_layer
-    kv_local = max(1, a.n_kv_head // tp) if tp <= a.n_kv_head else 1
-    bq, bo, bm = a.has_bias("qkv_bias"), a.has_bias("out_bias"), a.has_bias("mlp_bias")
-    norm = (2 if (a.layernorm and a.bias) else 1) * h  # LayerNorm weight (+ bias) or RMSNorm weight
-    qkv_out = (a.n_head + 2 * a.n_kv_head) * hd
+    h, hd, L = a.n_embd, a.head_size, a.n_layer
+    kv_local = max(1, a.kv_heads // tp) if tp <= a.kv_heads else 1
+    bq, bo, bm = a.has_bias("qkv_bias"), a.has_bias("attn_out_bias"), a.has_bias("mlp_bias")
+    norm = (2 if ((a.norm == "layernorm") and a.bias) else 1) * h  # LayerNorm weight (+ bias) or RMSNorm weight
+    qkv_out = (a.n_head + 2 * a.kv_heads) * hd
     qkv_out_local = (a.n_head // tp + 2 * kv_local) * hd
     attn_in = a.n_head * hd  # the output projection's input
-    mlp_mats = 3 if a.gated_mlp else 2
+    mlp_mats = 3 if (a.mlp == "swiglu") else 2
     full = {
         "attention": h * qkv_out + bq * qkv_out + attn_in * h + bo * h,
-        "mlp": mlp_mats * h * a.ffn + bm * ((2 if a.gated_mlp else 1) * a.ffn + h),
+        "mlp": mlp_mats * h * a.hidden + bm * ((2 if (a.mlp == "swiglu") else 1) * a.hidden + h),
         "norms": 2 * norm + 2 * hd * a.qk_norm,
     }
     local = {
         "attention": h * qkv_out_local + bq * qkv_out_local + (attn_in // tp) * h + bo * h,  # row bias replicated
-        "mlp": mlp_mats * h * (a.ffn // tp) + bm * ((2 if a.gated_mlp else 1) * a.ffn // tp + h),
+        "mlp": mlp_mats * h * (a.hidden // tp) + bm * ((2 if (a.mlp == "swiglu") else 1) * a.hidden // tp + h),
         "norms": 2 * norm + 2 * hd * a.qk_norm,  # (the QK-norms replicated)
     }
-    emb = a.vocab * h
-    head = 0 if a.tied else a.vocab * h
-    pos = a.seq * h if a.pos_emb else 0
+    emb = a.vocab_size * h
+    head = 0 if a.tie_embeddings else a.vocab_size * h
+    pos = a.block_size * h if (a.positions == "learned") else 0
     moe = moe_counts(a, tp, ep)
     total = L * sum(full.values()) + emb + head + pos + norm + moe["total"]
     per_rank = L * sum(local.values()) + -(-emb // tp) + -(-head // tp) + pos + norm + moe["per_rank"]
@@ -175,7 +136,7 @@ def param_count(a: Arch, tp: int = 1, ep: int = 1) -> dict:
             "embedding": emb, "head": head, "position": pos, "final_norm": norm}
 
 
-def tp_gradient_elements(a: Arch, tp: int, sequence_parallel: bool, ep: int = 1) -> int:
+def tp_gradient_elements(a: GPTConfig, tp: int, sequence_parallel: bool, ep: int = 1) -> int:
     """Elements of the one TP all-reduce of gradients per step (`tp_grad_sync`): the replicated
     parameters used on sequence shards under sequence parallelism (both norms of each layer, the
     row biases, the MoE routers, the final norm, learned positions) and the MoE experts, which
@@ -183,15 +144,15 @@ def tp_gradient_elements(a: Arch, tp: int, sequence_parallel: bool, ep: int = 1)
     if tp == 1:
         return 0
     h = a.n_embd
-    norm = (2 if (a.layernorm and a.bias) else 1) * h
+    norm = (2 if ((a.norm == "layernorm") and a.bias) else 1) * h
     moe = moe_counts(a, tp, ep)
     n_dense = a.n_layer - moe["layers"]
     experts = moe["layers"] * (a.n_experts // ep) * moe["expert"]
-    experts += a.n_layer * 2 * a.head_dim * a.qk_norm  # (QK-norms: each TP rank normalises its own heads)
+    experts += a.n_layer * 2 * a.head_size * a.qk_norm  # (QK-norms: each TP rank normalises its own heads)
     if not sequence_parallel:
         return experts
-    rows = a.n_layer * a.has_bias("out_bias") * h + n_dense * a.has_bias("mlp_bias") * h
-    return (a.n_layer * 2 * norm + rows + moe["layers"] * moe["router"] + norm + (a.seq * h if a.pos_emb else 0)
+    rows = a.n_layer * a.has_bias("attn_out_bias") * h + n_dense * a.has_bias("mlp_bias") * h
+    return (a.n_layer * 2 * norm + rows + moe["layers"] * moe["router"] + norm + (a.block_size * h if (a.positions == "learned") else 0)
             + experts)
 
 
@@ -215,7 +176,7 @@ def state_bytes(n_local: int, *, dtype: str = "float32", dp: int = 1, distribute
             "padded": n, "shard": shard}
 
 
-def state_bytes_ep(a: Arch, n_local: int, n_moe: int, *, dtype: str, dp: int, ep: int,
+def state_bytes_ep(a: GPTConfig, n_local: int, n_moe: int, *, dtype: str, dp: int, ep: int,
                    distributed_optimizer: bool) -> dict:
     """`state_bytes` of n_local parameters among which the experts of n_moe MoE layers: with
     expert parallelism and the distributed optimizer, the experts' state is sharded over their
@@ -333,7 +294,7 @@ def resolve_dtype(dtype: str | None, precision: str | None) -> str:
     return dtype or PRECISION_DTYPE[precision or "mixed"]
 
 
-def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1, precision: str | None = None,
+def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1, precision: str | None = None,
          dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
          device: str = "cuda", threads: int = 1, recompute: str = "none", recompute_layers: int | None = None,
          sequence_parallel: bool = False, ep: int = 1, cp: int = 1, cp_comm: str = "ring") -> dict:
@@ -348,8 +309,8 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         raise ConfigError(f"--device {device!r}: use cuda or cpu")
     dtype = resolve_dtype(dtype, precision)
     check_moe_layout(a, ep, dp)
-    check_attention(a.n_embd, a.n_head, a.n_kv_head, tp)  # the rules training applies
-    check_mlp(a.n_embd, a.ffn, tp)
+    check_attention(a.n_embd, a.n_head, a.kv_heads, tp)  # the rules training applies
+    check_mlp(a.n_embd, a.hidden, tp)
     check_layout(n_layer=a.n_layer, tp=tp, seq_len=seq_len, recompute=recompute, recompute_layers=recompute_layers,
                  sequence_parallel=sequence_parallel)
     check_cp(a, cp=cp, cp_comm=cp_comm, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
@@ -382,7 +343,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
             if a.n_experts and i % a.moe_every == 0 and mode != "full":
                 stash[i] += (moe_layer_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel)
                              - dense_mlp_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel))
-        logits = 4 * (s // cp) * b * a.vocab / tp
+        logits = 4 * (s // cp) * b * a.vocab_size / tp
         act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
                "source": ("Korthikanti et al. 2022, Table 2, MoE layers with balanced routing (plan_moe)"
                           if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")}
@@ -400,7 +361,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     # `counted` 1 if the step's counting pass (cutp.train.moe: several micro-batches) does it first
     moe_recomputed = [int(recompute == "full" and i < (L if recompute_layers is None else recompute_layers))
                       for i in range(L) if a.n_experts and i % a.moe_every == 0]
-    counted = int(accum > 1 and a.moe_load_balancing)
+    counted = int(accum > 1 and (a.moe_aux_loss_coeff > 0))
     ring_ar = 2 * (tp - 1) / tp
     # the gradient buffers: at ep > 1 the experts' apart from the rest (cutp.optim.expert_parallel)
     expert_n = moe_layers(a) * (a.n_experts // ep) * moe_counts(a)["expert"] if ep > 1 else 0
@@ -409,7 +370,7 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
         expert_n = state_bytes(expert_n, dtype=dtype, dp=dpg // ep, distributed_optimizer=distributed_optimizer)["padded"]
     tp_grads = tp_gradient_elements(a, tp, sequence_parallel, ep)
     out = {
-        "arch": a.__dict__, "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
+        "arch": a.to_dict(), "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
         "cp": cp, "cp_comm": cp_comm,
         "cp_exchange": cp_comm_bytes(a, s=s, b=b, tp=tp, cp=cp, cp_comm=cp_comm, layers=L, accum=accum, itemsize=pb,
@@ -447,31 +408,20 @@ def plan(a: Arch, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: in
     return out
 
 
-def model_of_args(args) -> tuple[Arch, GPTConfig | None]:
+def model_of_args(args) -> tuple[GPTConfig, GPTConfig | None]:
+    """(the model, the same config when it is planned by running cutp's step (--preset), None
+    when by formula (--params: architectures cutp does not train as such))."""
     if args.params and args.preset:
         raise ConfigError("give --params or --preset, not both")
     if args.preset:
         c = GPTConfig.preset(args.preset).with_overrides(args.set)
-        return arch_from_config(args.preset, c), c
-    a = pick_arch(args.params or "70B")
-    if args.set:
-        fields = {f.name for f in dataclasses.fields(Arch)} - {"name"}
-        changes = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep or key not in fields:
-                raise ConfigError(f"--set {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
-            try:
-                changes[key] = int(value) if not isinstance(getattr(a, key), bool) else value.lower() in ("1", "true")
-            except ValueError:
-                raise ConfigError(f"--set {item!r}: {key} takes an integer") from None
-        a = replace(a, **changes)
-    return a, None
+        return c, c
+    return pick_arch(args.params or "70B").with_overrides(args.set), None
 
 
 def run(args) -> Report:
     a, config = model_of_args(args)
-    seq = args.seq_len or a.seq
+    seq = args.seq_len or a.block_size
     r = plan(a, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq, accum=args.accum,
              precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,
              config=config, device=args.device, threads=args.threads, recompute=args.recompute,
@@ -484,12 +434,12 @@ def run(args) -> Report:
     dt, dist = r["dtype"], r["distributed_optimizer"]
     over = f"dp={args.dp}" if args.cp == 1 else f"dp x cp = {args.dp * args.cp}"
     optimizer = (f"distributed AdamW (ZeRO-1 over {over})" if dist else "AdamW (state on every DP rank)")
-    arch = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=f"{a.name}")
-    for k, v in (("layers x width", f"{a.n_layer} x {a.n_embd}"), ("heads / kv heads", f"{a.n_head} / {a.n_kv_head}"),
-                 ("mlp", f"{a.ffn}{' (SwiGLU)' if a.gated_mlp else ''}"), ("vocab", f"{a.vocab:,}"),
+    arch = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=model_name(args))
+    for k, v in (("layers x width", f"{a.n_layer} x {a.n_embd}"), ("heads / kv heads", f"{a.n_head} / {a.kv_heads}"),
+                 ("mlp", f"{a.hidden}{' (SwiGLU)' if a.mlp == 'swiglu' else ''}"), ("vocab", f"{a.vocab_size:,}"),
                  ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"
                   + (f", {r['params_active']:,} active per token" if a.n_experts else "")),
-                 *([("experts", f"{a.n_experts} of width {a.moe_ffn or a.ffn} in "
+                 *([("experts", f"{a.n_experts} of width {a.moe_ffn or a.hidden} in "
                      + ("every layer" if a.moe_every == 1 else f"layers 0, {a.moe_every}, {2 * a.moe_every}, ...")
                      + f", top {a.moe_top_k}; ep {args.ep}: {a.n_experts // args.ep} per GPU")] if a.n_experts else []),
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),

@@ -33,12 +33,12 @@ def moe_layers(a) -> int:
 
 
 def expert_width(a) -> int:
-    return a.moe_ffn or a.ffn
+    return a.moe_ffn or a.hidden
 
 
 def expert_params(a) -> int:
     f, h, b = expert_width(a), a.n_embd, a.has_bias("mlp_bias")
-    return (3 if a.gated_mlp else 2) * h * f + b * ((2 if a.gated_mlp else 1) * f + h)
+    return (3 if (a.mlp == "swiglu") else 2) * h * f + b * ((2 if (a.mlp == "swiglu") else 1) * f + h)
 
 
 def check_moe_layout(a, ep: int, dp: int) -> None:
@@ -58,8 +58,8 @@ def moe_counts(a, tp: int = 1, ep: int = 1) -> dict:
     n = moe_layers(a)
     h, E = a.n_embd, a.n_experts
     b = a.has_bias("mlp_bias")
-    dense = (3 if a.gated_mlp else 2) * h * a.ffn + b * ((2 if a.gated_mlp else 1) * a.ffn + h)
-    dense_local = (3 if a.gated_mlp else 2) * h * (a.ffn // tp) + b * ((2 if a.gated_mlp else 1) * a.ffn // tp + h)
+    dense = (3 if (a.mlp == "swiglu") else 2) * h * a.hidden + b * ((2 if (a.mlp == "swiglu") else 1) * a.hidden + h)
+    dense_local = (3 if (a.mlp == "swiglu") else 2) * h * (a.hidden // tp) + b * ((2 if (a.mlp == "swiglu") else 1) * a.hidden // tp + h)
     router, expert = h * E, expert_params(a)
     return {"total": n * (router + E * expert - dense), "per_rank": n * (router + E // ep * expert - dense_local),
             "active": n * (router + a.moe_top_k * expert - dense), "router": router, "expert": expert,
@@ -76,7 +76,7 @@ def moe_layer_activation_bytes(a, s: int, b: int, t: int, act: int, sequence_par
 def dense_mlp_activation_bytes(a, s: int, b: int, t: int, act: int, sequence_parallel: bool) -> float:
     """The dense MLP's part of Korthikanti et al.'s per-layer figure (ffn = 4h there: 19 s b h)."""
     sp = t if sequence_parallel else 1
-    return 2 * s * b * a.n_embd * act / sp + 2 * s * b * a.ffn * act * 2 / t + s * b / sp
+    return 2 * s * b * a.n_embd * act / sp + 2 * s * b * a.hidden * act * 2 / t + s * b / sp
 
 
 def all_to_all_elements(a, s: int, b: int, t: int, ep: int) -> int:

@@ -73,7 +73,7 @@ def add_table(report, a, args, param_count) -> dict | None:
     """The plan's table of expected exposed DP communication (when --link-bandwidth is given)."""
     if getattr(args, "link_bandwidth", None) is None or args.dp <= 1:
         return None
-    seq = args.seq_len or a.seq
+    seq = args.seq_len or a.block_size
     size = args.bucket_size or default_bucket_size(args.dp)
     r = expected_exposed(backward_units(a, args.tp, args.micro_batch, seq, param_count), dp=args.dp,
                          bucket_size=size, bandwidth_gbs=args.link_bandwidth, latency_us=args.link_latency,

@@ -43,7 +43,7 @@ from ..runtime.errors import ConfigError
 from ..train.pipeline import SCHEDULES, pipeline_bubble
 from ..train.pipeline import plan as schedule_plan
 from ..train.reporting import Report
-from .layout import (GPUS, ITEMSIZE, Arch, check_positive, model_of_args, planned_ranks, check_layout,
+from .layout import (GPUS, ITEMSIZE, check_positive, model_name, model_of_args, planned_ranks, check_layout,
                      layer_activation_bytes,
                    param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
@@ -127,7 +127,7 @@ def check_pipeline(*, n_layer: int, pp: int, m: int, schedule: str | None, virtu
     return kind, chunks
 
 
-def stage_parameters(a: Arch, tp: int, n_layers: int, first: bool, last: bool) -> int:
+def stage_parameters(a: GPTConfig, tp: int, n_layers: int, first: bool, last: bool) -> int:
     """Parameters of one TP rank of a --params architecture's stage of n_layers layers."""
     pc = param_count(a, tp)
     n = n_layers * pc["layer_per_rank"]
@@ -135,11 +135,11 @@ def stage_parameters(a: Arch, tp: int, n_layers: int, first: bool, last: bool) -
     if first:
         n += emb + pc["position"]
     if last:
-        n += pc["final_norm"] + (-(-pc["head"] // tp) if not a.tied else (0 if first else emb))
+        n += pc["final_norm"] + (-(-pc["head"] // tp) if not a.tie_embeddings else (0 if first else emb))
     return n
 
 
-def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int,
+def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int,
                   schedule: str | None = None, virtual: int = 1, pp_layers=None, dtype: str | None = None,
                   precision: str | None = None, distributed_optimizer: bool = False,
                   config: GPTConfig | None = None, device: str = "cuda", threads: int = 1, recompute: str = "none",
@@ -198,7 +198,7 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                 if moe is not None and n % a.moe_every == 0 and modes[n] != "full":
                     per_layer[n] += (moe_layer_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel)
                                      - dense_mlp_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel))
-            logits = 4 * (s // cp) * b * a.vocab / tp
+            logits = 4 * (s // cp) * b * a.vocab_size / tp
             weights = [sum(per_layer[n] for n in ch.layers) + (logits if ch.last else 0) for ch in mine]
             count = peak_held(events, [1] * len(weights))
             act = {"bytes": peak_held(events, weights),
@@ -214,9 +214,9 @@ def plan_pipeline(a: Arch, *, pp: int, tp: int, dp: int, micro_batch: int, seq_l
                        "total": state + act["bytes"], "fits": {n: state + act["bytes"] <= cap for n, cap in GPUS}})
     largest = max(range(pp), key=lambda i: (stages[i]["total"], -i))
     message = b * (s // cp) * h * act_bytes // (tp if sp else 1)
-    counted = int(bool(a.n_experts) and a.moe_load_balancing and accum > 1)  # cutp.train.moe's counting pass:
+    counted = int(bool(a.n_experts) and (a.moe_aux_loss_coeff > 0) and accum > 1)  # cutp.train.moe's counting pass:
     # every micro-batch forward through the stages once more before the schedule
-    return {"arch": a.__dict__, "pp": pp, "tp": tp, "dp": dp, "cp": cp, "cp_comm": cp_comm, "gpus": pp * tp * cp * dp,
+    return {"arch": a.to_dict(), "pp": pp, "tp": tp, "dp": dp, "cp": cp, "cp_comm": cp_comm, "gpus": pp * tp * cp * dp,
             "schedule": kind,
             "virtual": virtual, "micro_batches": accum, "micro_batch": b, "seq_len": s, "dtype": dtype,
             "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
@@ -246,7 +246,7 @@ def micro_batches(args) -> int:
 
 def run(args) -> Report:
     a, config = model_of_args(args)
-    seq = args.seq_len or a.seq
+    seq = args.seq_len or a.block_size
     r = plan_pipeline(a, pp=args.pp, tp=args.tp, dp=args.dp, micro_batch=args.micro_batch, seq_len=seq,
                       accum=micro_batches(args), schedule=args.pp_schedule, virtual=args.pp_virtual,
                       pp_layers=parse_pp_layers(args.pp_layers), dtype=args.dtype, precision=args.precision,
@@ -262,7 +262,7 @@ def run(args) -> Report:
     cp = r["cp"]
     optimizer = (f"distributed AdamW (ZeRO-1 over dp={args.dp}" + (f" x cp {cp})" if cp > 1 else ")")
                  if r["distributed_optimizer"] else "AdamW")
-    t = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=a.name)
+    t = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=model_name(args))
     for k, val in (("layers x width", f"{a.n_layer} x {a.n_embd}"),
                    ("parameters", f"{r['params_total']:,} ({r['params_total'] / 1e9:.2f} B)"),
                    ("mesh", f"tp {args.tp}" + (f" x cp {cp} ({r['cp_comm']})" if cp > 1 else "")

@@ -21,7 +21,7 @@ from ..runtime.errors import ConfigError
 from ..tensor_parallel.validation import check_attention, check_mlp
 from ..train.reporting import Report
 from .context import check_cp
-from .layout import check_positive, model_of_args
+from .layout import check_positive, model_name, model_of_args
 from .pipeline import plan_pipeline
 
 TPS = (1, 2, 4, 8)
@@ -71,7 +71,7 @@ def search(a, *, gpus: int = 64, capacities=(80e9, 141e9), dtype: str = "bfloat1
            cp_comm: str = "ring") -> list[dict]:
     """One row per (tp, cp, pp) of up to `gpus` GPUs (cp: the powers of two up to `max_cp` that
     training takes at that tp, `_trains`): for each capacity its fewest-GPU fit (`fewest_gpus`)."""
-    seq = seq_len or a.seq
+    seq = seq_len or a.block_size
     batch = batch_size or max(1, (1 << 22) // seq)
     rows = []
     for tp in TPS:
@@ -107,8 +107,8 @@ def _trains(a, tp: int, cp: int, cp_comm: str, seq: int) -> bool:
 def _splits(a, tp: int) -> bool:
     """Whether training splits the model's heads and MLP over tp (the rules `plan` applies)."""
     try:
-        check_attention(a.n_embd, a.n_head, a.n_kv_head, tp)
-        check_mlp(a.n_embd, a.ffn, tp)
+        check_attention(a.n_embd, a.n_head, a.kv_heads, tp)
+        check_mlp(a.n_embd, a.hidden, tp)
     except ConfigError:
         return False
     return True
@@ -168,7 +168,7 @@ def run(args) -> Report:
                               for r in rows]
     if args.markdown:
         report.extra["markdown"] = markdown(a, rows, caps, args.gpus)
-    seq = args.seq_len or a.seq
+    seq = args.seq_len or a.block_size
     for cap in caps:
         g = f"{cap / 1e9:g} GB"
         t = report.table(f"layouts {g}", [("tp", "TP", "d"), *([("cp", "CP", "d")] if max_cp > 1 else []),
@@ -176,7 +176,7 @@ def run(args) -> Report:
                                           ("gpus", "GPUs", "d"), ("dp", "DP", "d"), ("recompute", "recompute", "", ">"),
                                           ("first", "stage 0 GB", ",.1f"), ("last", "last stage GB", ",.1f"),
                                           ("bubble", "bubble %", ".1f"), ("ok", g, "", ">")],
-                         title=f"{a.name} on {g} GPUs: the fewest GPUs (up to {args.gpus}) per TP x "
+                         title=f"{model_name(args)} on {g} GPUs: the fewest GPUs (up to {args.gpus}) per TP x "
                                + ("CP x " if max_cp > 1 else "") + "PP")
         for r in rows:
             t.add(tp=r["tp"], pp=r["pp"], layers=r["layers"], **({"cp": r["cp"]} if "cp" in r else {}),

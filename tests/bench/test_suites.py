@@ -113,9 +113,9 @@ def test_plan_70b_against_the_literature():
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_plan_parameter_count_equals_gptconfig(preset):
     c = GPTConfig.preset(preset)
-    assert plan.param_count(plan.arch_from_config(preset, c))["total"] == c.num_parameters()
+    assert plan.param_count(c)["total"] == c.num_parameters()
     v = GPTConfig.preset(preset, bias=False, tie_embeddings=False, n_kv_head=c.n_head // 2 if c.n_head % 2 == 0 else None)
-    assert plan.param_count(plan.arch_from_config(preset, v))["total"] == v.num_parameters()
+    assert plan.param_count(v)["total"] == v.num_parameters()
     assert GPTConfig.preset("gpt2").num_parameters() == 124_439_808  # GPT-2 small, 124M
 
 

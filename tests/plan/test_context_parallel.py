@@ -10,7 +10,7 @@ import pytest
 from cutp.models import GPTConfig
 from cutp.plan import cli
 from cutp.plan.context import cp_comm_bytes
-from cutp.plan.layout import arch_from_config, pick_arch, plan
+from cutp.plan.layout import pick_arch, plan
 from cutp.plan.run import planned_step
 
 TINY = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=512, block_size=1024, dtype="float32")
@@ -19,7 +19,7 @@ TINY = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=512, bl
 @pytest.mark.parametrize("comm,recompute,cp", [("ring", "none", 2), ("a2a", "none", 2), ("ring", "full", 2),
                                                ("a2a", "full", 2), ("a2a", "none", 4)])  # cp 4: 2 copies of a KV head
 def test_the_formula_counts_what_the_planned_step_sends(comm, recompute, cp):
-    a = arch_from_config("tiny", TINY)
+    a = TINY
     got = planned_step(TINY, cp=cp, cp_comm=comm, micro_batch=2, seq_len=256, device="cpu", recompute=recompute,
                        recompute_layers=1 if recompute == "full" else None)["comm"]
     sent = got["cp.send" if comm == "ring" else "cp.all_to_all"]
@@ -61,7 +61,7 @@ def test_the_command_line_plans_and_searches_cp_and_refuses_with_its_flags(capsy
 
 def test_an_moe_model_at_cp_2_plans_half_the_all_to_all_and_its_experts_state_over_expert_dp_x_cp(capsys):
     config = GPTConfig.preset("tiny-moe")
-    a = arch_from_config("tiny-moe", config)
+    a = config
     kw = dict(tp=1, ep=2, micro_batch=2, seq_len=64, config=config, dtype="float32", distributed_optimizer=True)
     one, two = plan(a, dp=2, **kw), plan(a, dp=2, cp=2, **kw)
     assert two["ep_all_to_all"]["bytes"] * 2 == one["ep_all_to_all"]["bytes"] > 0  # each rank routes s / cp tokens

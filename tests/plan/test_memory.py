@@ -48,7 +48,7 @@ def _measure_and_plan(comm, case: dict) -> dict:
     mine = train.memory_record(run, again.bytes)
     leftover = [k for m in run.model.modules() for k, v in vars(m).items() if k.startswith("_cache") and v is not None]
     assert not leftover, f"activations cached after the step: {leftover}"
-    planned = plan.plan(plan.arch_from_config("tiny", cfg.model), tp=tp, dp=dp, micro_batch=B, seq_len=T,
+    planned = plan.plan(cfg.model, tp=tp, dp=dp, micro_batch=B, seq_len=T,
                         accum=accum, dtype=case["dtype"], distributed_optimizer=bool(case.get("distributed")),
                         config=cfg.model, device="cpu", threads=1, **layout)
     mine_planned = planned_step(cfg.model, tp=tp, dp=dp, rank=run.ctx.rank, micro_batch=B, seq_len=T, accum=accum,
@@ -231,7 +231,7 @@ def test_plan_with_recomputation_and_sequence_parallelism():
     assert none["activations"]["stash_per_layer"] == [plan.activation_bytes_per_layer(4096, 1, 8192, 64, 8)] * 80
     assert part["act_bytes"] < none["act_bytes"]
     c = GPTConfig.preset("gpt2", n_layer=2)
-    a = plan.arch_from_config("gpt2", c)
+    a = c
     kept = {}
     for rc, sp in [("none", False), ("none", True), ("selective", False), ("selective", True), ("full", False),
                    ("full", True)]:
@@ -258,7 +258,7 @@ def test_plan_with_recomputation_and_sequence_parallelism():
 
 
 def test_plan_of_a_preset_fits_and_follows_the_mesh():
-    a = plan.arch_from_config("gpt2", GPTConfig.preset("gpt2"))
+    a = GPTConfig.preset("gpt2")
     one = plan.plan(a, tp=1, dp=1, micro_batch=4, seq_len=1024, dtype="float32", config=GPTConfig.preset("gpt2"))
     four = plan.plan(a, tp=4, dp=1, micro_batch=4, seq_len=1024, dtype="float32", config=GPTConfig.preset("gpt2"))
     assert one["params_per_gpu"] == GPTConfig.preset("gpt2").num_parameters() + (50304 - 50257) * 768

@@ -48,7 +48,7 @@ def _worker_stages_measured_equal_planned(cases):
         mine = memory_record(run, peak.bytes, stash[0])
         mine.update(stage=run.ctx.pp_rank, in_flight=run.pipeline_in_flight)
         ranks = comm.allgather(mine)
-        planned = plan_pp.plan_pipeline(plan.arch_from_config("tiny", cfg.model), pp=pp, tp=tp, dp=dp,
+        planned = plan_pp.plan_pipeline(cfg.model, pp=pp, tp=tp, dp=dp,
                                         micro_batch=B, seq_len=T, accum=m, schedule=case["schedule"],
                                         pp_layers=pp_layers, virtual=virtual,
                                         dtype=case["dtype"], config=cfg.model, device="cpu", threads=1, **layout)
@@ -156,12 +156,12 @@ def test_one_stage_is_the_whole_model_and_the_stages_add_up():
     assert one["params_local"] == whole["params_per_gpu"] and one["state"] == whole["model_state_bytes"]
     assert one["activations_peak"] == pytest.approx(whole["act_bytes"])
     r = plan_pp.plan_pipeline(a, pp=4, accum=8, **kw)
-    emb = -(-a.vocab * a.n_embd // 8)
+    emb = -(-a.vocab_size * a.n_embd // 8)
     assert sum(st["params_local"] for st in r["stages"]) == whole["params_per_gpu"] + emb
     assert [st["in_flight"] for st in r["stages"]] == [4, 3, 2, 1] and r["largest_stage"] == 0
     assert r["p2p_bytes_per_micro_batch"] == 2048 * 12288 * 2 // 8 and r["bubble"] == pytest.approx(3 / 11)
     config = GPTConfig.preset("tiny").with_overrides(["n_layer=4"])
-    arch = plan.arch_from_config("tiny", config)
+    arch = config
     stages = plan_pp.plan_pipeline(arch, pp=2, tp=2, dp=1, micro_batch=2, seq_len=32, accum=2, config=config,
                                    device="cpu")["stages"]
     tied = config.padded_vocab(2) // 2 * config.n_embd
@@ -232,7 +232,7 @@ def test_train_cli_memory_record_with_uneven_stages(tmp_path):
                                            "--metrics", str(path)], timeout=120, env={"CUTP_OP_THREADS": "1"})
     memory = json.loads(path.read_text().splitlines()[0])["memory"]
     config = GPTConfig.preset("tiny").with_overrides(["n_layer=3"])
-    planned = plan_pp.plan_pipeline(plan.arch_from_config("tiny", config), pp=2, tp=1, dp=1, micro_batch=2,
+    planned = plan_pp.plan_pipeline(config, pp=2, tp=1, dp=1, micro_batch=2,
                                     seq_len=32, accum=2, pp_layers=(1, 2), dtype=config.dtype, config=config,
                                     device="cpu")
     stash = [b for st in planned["stages"] for b in st["activations"]["stash_per_layer"]]

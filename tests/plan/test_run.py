@@ -13,7 +13,7 @@ def test_the_planned_communication_is_what_the_step_counts(tp, dp, dist, sp, acc
     kw = dict(tp=tp, dp=dp, micro_batch=2, seq_len=64, accum=accum, dtype="bfloat16", distributed_optimizer=dist,
               sequence_parallel=sp)
     counted = planned_step(c, device="cuda", **kw)["comm"]
-    plan = layout.plan(layout.arch_from_config("tiny", c), config=c, **kw)
+    plan = layout.plan(c, config=c, **kw)
     on, act, ce, grads = counted, plan["tp_allreduce"], plan["ce_allreduce"], plan["tp_grad_allreduce"]
     # besides the activations and cross-entropy statistics: the gradient norm's all-reduce of 2
     # float64 and, under sequence parallelism, the replicated parameters used on sequence shards

@@ -114,7 +114,7 @@ def _worker_equals_ep1(cases):
         if kw.get("moe_capacity_factor") is None:
             assert kept == cfg.batch_size * cfg.seq_len * cfg.model.moe_top_k * n_moe, kw
             if cfg.pp == 1:  # the planner's figure (balanced), over every rank
-                planned = plan.plan(plan.arch_from_config("test", cfg.model), tp=cfg.tp, dp=cfg.dp, ep=ep,
+                planned = plan.plan(cfg.model, tp=cfg.tp, dp=cfg.dp, ep=ep,
                                     micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len, accum=cfg.accum_steps,
                                     config=cfg.model, dtype="float64", recompute=cfg.recompute,
                                     sequence_parallel=cfg.sequence_parallel,

@@ -184,7 +184,7 @@ def _worker_generation_and_checkpoints(tmp):
     save(run)
     from cutp.plan import layout as plan  # the planner's parameters per rank: what the model holds
 
-    planned = plan.plan(plan.arch_from_config("test", cfg.model), tp=2, dp=1, micro_batch=2, seq_len=16,
+    planned = plan.plan(cfg.model, tp=2, dp=1, micro_batch=2, seq_len=16,
                         config=cfg.model, dtype="float64")
     assert planned["params_per_gpu"] == run.model.num_parameters_local(), planned["params_per_gpu"]
     with pytest.raises(HFFormatError, match="a mixture-of-experts model .* cannot be exported as GPT-2"):
@@ -207,7 +207,7 @@ def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
     from cutp.plan import layout as plan, moe as plan_moe
 
     config = GPTConfig.preset("tiny-moe")
-    a = plan.arch_from_config("tiny-moe", config)
+    a = config
     for tp in (1, 2):
         r = plan.plan(a, tp=tp, dp=1, micro_batch=2, seq_len=64, config=config, dtype="float32")
         assert r["params_total"] == config.num_parameters() and r["params_active"] == config.num_active_parameters()
@@ -216,7 +216,7 @@ def test_planner_counts_moe_parameters_per_rank_and_the_all_to_all():
         model = GPT(self_ctx(), config.with_overrides(["dtype=float32"])) if tp == 1 else None
         if model is not None:  # (tp 2: the experts are replicated, the rest as the dense model's)
             assert r["params_per_gpu"] == model.num_parameters_local()
-    dense = plan.plan(plan.arch_from_config("tiny", GPTConfig.preset("tiny")), tp=2, dp=1, micro_batch=2, seq_len=64,
+    dense = plan.plan(GPTConfig.preset("tiny"), tp=2, dp=1, micro_batch=2, seq_len=64,
                       config=GPTConfig.preset("tiny"), dtype="float32")
     per_expert = 2 * 128 * 256 + 256 + 128
     r2 = plan.plan(a, tp=2, dp=2, ep=2, micro_batch=2, seq_len=64, config=config, dtype="float32")
@@ -249,7 +249,7 @@ def _worker_pipeline_stages_planned(case):
     mine = memory_record(run)
     every = MPI.COMM_WORLD.allgather((run.ctx.pp_rank, mine))
     run.close()
-    planned = plan_pp.plan_pipeline(plan.arch_from_config("test", cfg.model), pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
+    planned = plan_pp.plan_pipeline(cfg.model, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
                                     ep=cfg.ep, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
                                     accum=cfg.accum_steps, config=cfg.model, dtype="float64",
                                     distributed_optimizer=cfg.distributed_optimizer)

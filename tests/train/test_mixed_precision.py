@@ -426,7 +426,7 @@ def test_dynamic_loss_scale_flags_are_refused_where_they_do_nothing():
 
 def _worker_dp_comm_against_the_plan():
     """A step's counted DP collectives equal `cutp bench plan`'s, plain and distributed, bf16."""
-    from cutp.plan.layout import arch_from_config, plan
+    from cutp.plan.layout import plan
 
     world = MPI.COMM_WORLD
     for distributed in (False, True):
@@ -440,7 +440,7 @@ def _worker_dp_comm_against_the_plan():
         train.train_step(run)
         got = {op: (c.calls(group="dp", op=op) - before[op][0], c.bytes(group="dp", op=op) - before[op][1])
                for op in ops}
-        p = plan(arch_from_config("tiny", cfg.model), tp=1, dp=2, micro_batch=cfg.micro_batch_size,
+        p = plan(cfg.model, tp=1, dp=2, micro_batch=cfg.micro_batch_size,
                  seq_len=cfg.seq_len, accum=cfg.accum_steps, dtype="bfloat16", distributed_optimizer=distributed,
                  config=cfg.model, device="cpu")
         if distributed:

@@ -152,7 +152,7 @@ def test_the_planner_books_the_counting_pass_point_to_point():
 
     def p2p(accum, **kw):
         cfg = _config(2, **kw).model
-        r = plan_pipeline(plan.arch_from_config("test", cfg), pp=2, tp=1, dp=1, micro_batch=2, seq_len=16,
+        r = plan_pipeline(cfg, pp=2, tp=1, dp=1, micro_batch=2, seq_len=16,
                           accum=accum, config=cfg, dtype="float64", schedule="gpipe")
         return r["p2p_bytes_per_step"]["forward"], r["p2p_bytes_per_step"]["backward"]
 

@@ -53,6 +53,8 @@ class GPT2(Family):
         "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
         "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
         "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+        # GPT-3 175B's shape (Brown et al. 2020; the planner's --params 175B)
+        "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288, block_size=2048),
     }
 
     def implies(self, cfg) -> bool:

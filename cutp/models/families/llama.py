@@ -171,6 +171,13 @@ class Llama(LlamaLike):
         "llama3-70b": dict(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, mlp_hidden=28672, vocab_size=128256,
                            block_size=8192, rope_theta=500000.0, **LLAMA_SPEC, bos_token_id=128000,
                            eos_token_id=128001),
+        # Llama 2 (the planner's --params 7B, 13B, 70B)
+        "llama2-7b": dict(n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008, vocab_size=32000, block_size=4096,
+                          **LLAMA_SPEC, bos_token_id=1, eos_token_id=2),
+        "llama2-13b": dict(n_layer=40, n_head=40, n_embd=5120, mlp_hidden=13824, vocab_size=32000, block_size=4096,
+                           **LLAMA_SPEC, bos_token_id=1, eos_token_id=2),
+        "llama2-70b": dict(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, mlp_hidden=28672, vocab_size=32000,
+                           block_size=4096, **LLAMA_SPEC, bos_token_id=1, eos_token_id=2),
         "tinyllama-1.1b": dict(n_layer=22, n_head=32, n_kv_head=4, n_embd=2048, mlp_hidden=5632, vocab_size=32000,
                                block_size=2048, **LLAMA_SPEC, bos_token_id=1, eos_token_id=2),
     }
