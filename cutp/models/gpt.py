@@ -44,7 +44,6 @@ from ..tensor_parallel import (
     ParallelLMHead,
     ParallelTransformerBlock,
     RNGTracker,
-    RowParallelLinear,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     gather_full,
@@ -72,6 +71,13 @@ class PositionEmbedding(Module):
                                      dtype=dtype, weight_decay=True)  # decayed, as in nanoGPT, Megatron, HF
         self.sequence_shard: tuple[int, int] | None = None
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): T is a CP rank's local sequence
+
+    def lay_out_sequence(self, on, shard):
+        self.sequence_shard = shard
+        self.weight.sequence_parallel = on  # replicated, added to this rank's tokens
+
+    def lay_out_context(self, shard):
+        self.context_shard = shard
 
     def forward(self, T):
         start, stop = 0, T
@@ -215,20 +221,9 @@ class GPT(Module):
 
     def _lay_out_sequence(self, on: bool) -> None:
         on = on and self.ctx.tp_size > 1
-        for m in self.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead, MoEMLP)):
-                m.sequence_parallel = on
         shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
-        for m in [self.drop, self.pos_embed] + [d for b in self.layers for d in (b.attn_dropout, b.mlp_dropout)]:
-            if m is not None:  # (the embeddings live on the first pipeline stage only)
-                m.sequence_shard = shard
-        # the replicated parameters used on sequence shards: positions, LayerNorms, row biases, routers
-        on_shards = [self.pos_embed, self.final_norm] + [m for b in self.layers for m in (b.attn_norm, b.mlp_norm, b.attn.proj)]
-        on_shards += [b.mlp.fc2 for b in self.layers if not isinstance(b.mlp, MoEMLP)]
-        used = {id(p) for m in on_shards if m is not None for p in m.own_parameters() if p.sharding is None}
-        used |= {id(m.router) for m in self.moe_layers}
-        for p in self.parameters():
-            p.sequence_parallel = on and id(p) in used
+        for m in self.modules():  # each layer marks itself and its own parameters
+            m.lay_out_sequence(on, shard)
 
     def set_tp_comm_overlap(self, on: bool = True) -> None:
         """Column-parallel backwards start their dX collective before the weight-gradient GEMM
@@ -247,10 +242,8 @@ class GPT(Module):
             return
         self._context_parallel = on
         shard = (self.ctx.cp_rank, self.ctx.cp_size) if on else None
-        blocks = [m for b in self.layers for m in (b.attn, b.attn_dropout, b.mlp_dropout)]
-        for m in [self.drop, self.pos_embed] + blocks + self.moe_layers:  # (MoE: statistics over DP x CP)
-            if m is not None:
-                m.context_shard = shard
+        for m in self.modules():  # each layer follows its chunks (Module.lay_out_context)
+            m.lay_out_context(shard)
 
     def set_context_parallel_comm(self, comm: str = "ring") -> None:
         """How context parallelism's attention meets the whole sequence: "ring" (K,V round the CP

@@ -115,6 +115,9 @@ class ParallelAttention(Module):
                 if p is not None:
                     p.grad_sync = _sum_columns_over(replicas, kv_from)
 
+    def lay_out_context(self, shard):
+        self.context_shard = shard  # the ring (or all-to-all) over the CP group
+
     # ---- forward / backward ------------------------------------------------------------------
     def _split_heads(self, qkv):
         """Views of a [B, T, (nq + 2 nkv) hd] QKV tensor (or its gradient buffer) in the op's

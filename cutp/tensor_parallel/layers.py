@@ -32,7 +32,7 @@ from .mappings import (
     scatter_to_tp_forward,
 )
 from .parameter import Module, make_parameter, normal_init, ones_init, zeros_init
-from .random import RNGTracker
+from .random import REPLICATED, RNGTracker
 from .sharding import Sharding, contiguous
 
 
@@ -69,6 +69,9 @@ class ColumnParallelLinear(Module):
         if bias:
             self.bias = make_parameter(ctx, f"{name}.bias", (out_features,), zeros_init, _bias_sharding(sharding),
                                        seed=seed, dtype=dtype)
+
+    def lay_out_sequence(self, on, shard):
+        self.sequence_parallel = on
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -137,6 +140,11 @@ class RowParallelLinear(Module):
         if bias:
             self.bias = make_parameter(ctx, f"{name}.bias", (out_features,), zeros_init, None, seed=seed, dtype=dtype)
 
+    def lay_out_sequence(self, on, shard):
+        self.sequence_parallel = on
+        if self.bias is not None:  # replicated, added to this rank's tokens' outputs
+            self.bias.sequence_parallel = on
+
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tp_forward(self.ctx.tp, x)
@@ -192,6 +200,9 @@ class VocabParallelEmbedding(Module):
         self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
         self.sequence_parallel = False
 
+    def lay_out_sequence(self, on, shard):
+        self.sequence_parallel = on
+
     def forward(self, ids):
         xp = self.ctx.xp
         if self.ctx.tp_size == 1:
@@ -239,6 +250,9 @@ class ParallelLMHead(Module):
     def table(self):
         return self._shared_weight if hasattr(self, "_shared_weight") else self.weight
 
+    def lay_out_sequence(self, on, shard):
+        self.sequence_parallel = on
+
     def forward(self, x):
         # cutp.ops.gemm: 16-bit inputs on cuBLAS with float32 accumulation on a GPU; on the CPU
         # multiplied in float32 (cutp.ops' dtype policy), never in NumPy's slow 16-bit loops
@@ -274,6 +288,10 @@ class LayerNorm(Module):
         self.weight = make_parameter(ctx, f"{name}.weight", (dim,), ones_init, None, seed=seed, dtype=dtype)
         self.bias = make_parameter(ctx, f"{name}.bias", (dim,), zeros_init, None, seed=seed, dtype=dtype) if bias else None
 
+    def lay_out_sequence(self, on, shard):
+        for p in self.own_parameters():  # (a QK-norm's are tp_partial already: it runs on heads, not tokens)
+            p.sequence_parallel = on and not p.tp_partial
+
     def forward(self, x):
         y, lctx = ops.layernorm_forward(x, self.weight.data, self.bias.data if self.bias is not None else None, self.eps)
         self._save("ln", lctx)
@@ -302,6 +320,10 @@ class RMSNorm(Module):
         self.eps = eps
         self.weight = make_parameter(ctx, f"{name}.weight", (dim,), ones_init, None, seed=seed, dtype=dtype)
         self.bias = None  # (no bias: the attribute LayerNorm's callers read)
+
+    def lay_out_sequence(self, on, shard):
+        for p in self.own_parameters():  # (a QK-norm's are tp_partial already: it runs on heads, not tokens)
+            p.sequence_parallel = on and not p.tp_partial
 
     def forward(self, x):
         y, rctx = ops.rmsnorm_forward(x, self.weight.data, self.eps)
@@ -360,6 +382,14 @@ class Dropout(Module):
         step, row0, batch = self.rng.position
         return self.p, self.rng.site_seed(self.site), [(step * batch + row0 + r) * per_row + first_elem
                                                        for r in range(rows)]
+
+    def lay_out_sequence(self, on, shard):
+        if self.stream == REPLICATED:  # the residual stream's (the attention's probabilities stay whole)
+            self.sequence_shard = shard
+
+    def lay_out_context(self, shard):
+        if self.stream == REPLICATED:
+            self.context_shard = shard
 
     def forward(self, x):
         if self.context_shard is not None:

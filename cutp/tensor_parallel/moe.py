@@ -247,6 +247,13 @@ class MoEMLP(Module):
         return groups
 
     # ---- forward -------------------------------------------------------------------------------
+    def lay_out_sequence(self, on, shard):
+        self.sequence_parallel = on
+        self.router.sequence_parallel = on  # replicated, used on this rank's tokens
+
+    def lay_out_context(self, shard):
+        self.context_shard = shard  # (the statistics over DP x CP)
+
     def forward(self, x):
         xp = self.ctx.xp
         shape, h = x.shape, x.shape[-1]

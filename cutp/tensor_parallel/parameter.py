@@ -207,6 +207,18 @@ class Module:
         for p in self.parameters():
             p.zero_grad()
 
+    # ---- layouts: each module marks itself and its own parameters (the model calls these on
+    # every module; the default is a module the layout does not change) ----------------------------
+    def lay_out_sequence(self, on: bool, shard: tuple[int, int] | None) -> None:
+        """Sequence parallelism on or off: `shard` (tp_rank, tp) when on. A layer that reads or
+        writes the residual stream takes this rank's tokens; a replicated parameter it uses on
+        them is marked `sequence_parallel` (its gradient covers these tokens only)."""
+
+    def lay_out_context(self, shard: tuple[int, int] | None) -> None:
+        """Context parallelism on (`shard` = (cp_rank, cp)) or off (None): a layer whose work
+        depends on the tokens' global positions (positions, dropout masks, the attention, MoE
+        statistics) follows this rank's zigzag chunks."""
+
     def train(self, mode: bool = True):
         """Training mode: dropout on, forward caches what backward needs. Eval: neither."""
         for m in self.modules():
