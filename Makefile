@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 STAMP  := $(VENV)/.installed
 
-.PHONY: test train bench gpu-check venv clean
+.PHONY: test test-device coverage train bench gpu-check venv clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The GPU code path (--device cuda) on the CPU: cutp's CuPy code run through the stand-in of
+# tests/device_path/standin (kernels in the CUDA emulator, gemmEx from pointers, NCCL over MPI,
+# streams with race checks), every configuration of issue 41 (< 15 minutes on 2 cores).
+test-device: $(STAMP)
+	$(PY) -m pytest -q -m device_path tests/device_path
 
 # The default job: the tiny GPT on the Python standard library's sources, 2 CPU ranks (TP=2).
 TRAIN_OUT ?= out/tiny

@@ -275,12 +275,24 @@ def to_device(a: np.ndarray) -> ndarray:
     return out
 
 
+_VIEWS = frozenset(("reshape", "view", "transpose", "swapaxes", "ravel", "squeeze", "diagonal", "moveaxis",
+                    "expand_dims", "broadcast_to", "atleast_1d", "atleast_2d"))
+
+
 def _call(fn, name, args, kwargs, *, unwrapped_first=False, in_place_first=False):
     """Runs NumPy's `fn` on the unwrapped arguments; records the reads, the writes (out=, an
     in-place first argument, a new result) on the current stream."""
     if _host_arrays(args[1:] if unwrapped_first else args) or _host_arrays(tuple(kwargs.values())):
         raise TypeError(f"Unsupported type <class 'numpy.ndarray'> (stand-in, as CuPy: a host array handed to {name} "
                         f"on device arrays at {tracking.place()}; move it with cupy.asarray first)")
+    if name in _VIEWS or (name == "__getitem__" and _is_basic(args[1])):
+        r = fn(*(_unwrap(args[1:]) if unwrapped_first else _unwrap(args)), **{k: _unwrap(v) for k, v in kwargs.items()})
+        if isinstance(r, np.ndarray) and allocation_of(r) is not None:
+            return wrap(r)  # a view: no device work
+        access(_device_arrays(args, []), "r")
+        res = wrap(r)
+        access(_device_arrays(res, []), "w")
+        return res
     reads = _device_arrays(args, [])
     reads = _device_arrays(tuple(v for k, v in kwargs.items() if k != "out"), reads)
     outs = _device_arrays(kwargs.get("out"), [])
@@ -292,8 +304,6 @@ def _call(fn, name, args, kwargs, *, unwrapped_first=False, in_place_first=False
     r = fn(*uargs, **ukw)
     if outs:
         access(outs, "w")
-    if name in ("__getitem__", "reshape", "view", "transpose", "swapaxes", "ravel", "squeeze", "diagonal"):
-        return wrap(r)  # views: no write
     res = wrap(r)
     new = _device_arrays(res, [])
     if new and not outs:

@@ -24,11 +24,12 @@ _TYPES = {CUDA_R_32F: np.dtype(np.float32), CUDA_R_64F: np.dtype(np.float64), CU
           CUDA_R_16BF: np.dtype(ml_dtypes.bfloat16)}
 _COMPUTE = {68: np.float32, 77: np.float32, 64: np.float16, 70: np.float64}
 _handles: dict[int, object] = {}
+_STATUS = {7: "INVALID_VALUE", 13: "EXECUTION_FAILED (an illegal address on a GPU)", 14: "INTERNAL_ERROR"}
 
 
 class CUBLASError(RuntimeError):
     def __init__(self, status: int, message: str):
-        super().__init__(f"CUBLAS_STATUS_{'INVALID_VALUE' if status == 7 else status}: {message}")
+        super().__init__(f"CUBLAS_STATUS_{_STATUS.get(status, status)}: {message}")
         self.status = status
 
 
@@ -61,11 +62,11 @@ def _matrix(what, ptr, dtype, rows, cols, ld, where):
     item = dtype.itemsize
     last = ptr + ((rows - 1) + (cols - 1) * ld + 1) * item
     if alloc is None:
-        raise CUBLASError(14, f"gemmEx at {where}: {what} = {ptr:#x} is not in device memory")
-    if last > alloc.ptr + alloc.size:
-        raise CUBLASError(14, f"gemmEx at {where}: {what} ({rows} x {cols}, ld{what} = {ld}, {dtype}) reaches "
-                              f"{last - alloc.ptr - alloc.size} bytes past the end of its {alloc.size}-byte allocation "
-                              "(a wrong leading dimension or size)")
+        raise CUBLASError(13, f"gemmEx at {where}: {what} = {ptr:#x} is not in device memory")
+    if last > alloc.ptr + alloc.requested:
+        raise CUBLASError(13, f"gemmEx at {where}: {what} ({rows} x {cols}, ld{what} = {ld}, {dtype}) reaches "
+                              f"{last - alloc.ptr - alloc.requested} bytes past the end of its {alloc.requested}-byte "
+                              "allocation (a wrong leading dimension or size)")
     if (ptr - alloc.ptr) % item:
         raise CUBLASError(7, f"gemmEx at {where}: {what} is not aligned to its {item}-byte type")
     return np.ndarray((rows, cols), dtype, buffer=alloc.buf, offset=ptr - alloc.ptr, strides=(item, ld * item))
@@ -101,3 +102,4 @@ def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb,
         r = r + np.float32(be) * c.astype(np.float32)
     tracking.access([c], "w", stream, where)
     c[...] = r.astype(ct)
+    tracking.CALLS["cublas gemmEx"] += 1

@@ -201,6 +201,7 @@ class RawKernel:
         arrays = [(v, k) for v, k in zip(views, self._kinds) if isinstance(v, np.ndarray)]
         tracking.access([v for v, _ in arrays], "r", s, where)
         self._k(grid, block, tuple(views), shared_mem=shared_mem)
+        tracking.CALLS[f"kernel {self.name}"] += 1
         tracking.access([v for v, k in arrays if k == "w"], "w", s, where)
 
 

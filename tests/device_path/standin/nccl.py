@@ -102,7 +102,7 @@ def _view(ptr, count, dtype_code, what, where):
     alloc = tracking.find(ptr)
     if alloc is None:
         raise NcclError(f"{what} at {where}: buffer {ptr:#x} is not device memory (ncclInvalidArgument)")
-    if ptr + count * dt.itemsize > alloc.ptr + alloc.size:
+    if ptr + count * dt.itemsize > alloc.ptr + alloc.requested:
         raise NcclError(f"{what} at {where}: {count} x {dt} from {ptr:#x} pass the end of its allocation")
     return np.ndarray((count,), dt, buffer=alloc.buf, offset=ptr - alloc.ptr)
 
@@ -191,6 +191,7 @@ class NcclCommunicator:
 
     # ---- the calls --------------------------------------------------------------------------
     def _enqueue(self, kind, run):
+        tracking.CALLS[f"nccl {kind}"] += 1
         if _depth[0] > 0:
             _group.append((kind, run))
         else:

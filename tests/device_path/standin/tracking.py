@@ -32,6 +32,11 @@ except ImportError:  # NumPy < 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+from collections import Counter
+
+CALLS: Counter = Counter()  # kernel launches, gemmEx and NCCL calls (by name): what a run exercised
+
+
 class RaceError(RuntimeError):
     """Two accesses to device memory without the ordering a GPU needs between them."""
 
@@ -43,12 +48,22 @@ class HostSyncError(RuntimeError):
 def place(skip_standin: bool = True) -> str:
     """The first frame outside the stand-in (and numpy): where cutp queued the work."""
     f = sys._getframe(1)
+    first = None
     while f is not None:
         fn = f.f_code.co_filename
         if not (fn.startswith(HERE) or os.sep + "numpy" + os.sep in fn or fn.startswith("<")):
-            return f"{_short(fn)}:{f.f_lineno} in {f.f_code.co_name}"
+            here = f"{_short(fn)}:{f.f_lineno} in {f.f_code.co_name}"
+            if first is None:
+                first = here
+                if _COMM not in fn:
+                    return first
+            elif _COMM not in fn:  # a collective: also who asked for it
+                return f"{first} (from {here})"
         f = f.f_back
-    return "<unknown>"
+    return first or "<unknown>"
+
+
+_COMM = os.sep + os.path.join("cutp", "comm") + os.sep
 
 
 def _short(fn: str) -> str:
@@ -215,9 +230,10 @@ _ALIGN = 512  # CuPy's pool rounds every allocation up to 512 bytes
 class Allocation:
     """One device allocation: a NumPy byte buffer and the accesses queued on it."""
 
-    __slots__ = ("buf", "ptr", "size", "accesses", "pool", "__weakref__")
+    __slots__ = ("buf", "ptr", "size", "requested", "accesses", "pool", "__weakref__")
 
     def __init__(self, size: int, pool):
+        self.requested = int(size)  # what the caller asked for: the bounds of gemmEx's and NCCL's checks
         self.size = max(_ALIGN, -(-int(size) // _ALIGN) * _ALIGN)
         owner = np.empty(self.size + 256, np.uint8)
         off = (-owner.ctypes.data) % 256  # cudaMalloc's alignment
