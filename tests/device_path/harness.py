@@ -42,7 +42,8 @@ def run_config(family: str, dtype: str, device: str, layout: dict, steps: int = 
     from cutp.train import RunConfig
 
     model = GPTConfig(**FAMILIES[family], dtype=dtype)
-    return RunConfig(model=model, device=device, batch_size=4, micro_batch_size=2, seq_len=8, steps=steps, warmup=1,
+    extra = dict(dict(micro_batch_size=2), **extra)
+    return RunConfig(model=model, device=device, batch_size=4, seq_len=8, steps=steps, warmup=1,
                      seed=3, eval_every=0, quiet=True, save_on_signal=False, **layout, **extra)
 
 
@@ -56,6 +57,7 @@ def train(cfg, comm, steps: int = 2, out: dict | None = None):
 
     from cutp.bench.model import random_tokens
     from cutp.train import build_run, train_step
+    from tests.device_path.standin.tracking import SYNCS
 
     run = build_run(cfg, comm, dataset=random_tokens(61, 4096, 0))
     ctx = run.ctx
@@ -65,10 +67,12 @@ def train(cfg, comm, steps: int = 2, out: dict | None = None):
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
         if cfg.device == "cuda":
-            cupy.cuda.Device().synchronize()  # (the comparison below reads every buffer)
             cupy.__standin_mark_step__()
+            SYNCS.paused = True  # (this test's own reads are no part of the step)
+            cupy.cuda.Device().synchronize()  # (the comparison below reads every buffer)
         if grads is None:
             grads = {p.name: ctx.to_numpy(p.grad).astype(np.float64) for p in run.model.parameters()}
+        SYNCS.paused = False
     run.gather_params()  # (--overlap-param-gather: the last update's broadcasts come with the next forward)
     state = {p.name: (grads[p.name], ctx.to_numpy(p.data).astype(np.float64)) for p in run.model.parameters()}
     if out is not None:
@@ -242,3 +246,47 @@ def worker_generate(family, dtype):
         tokens[device] = (greedy, sampled)
         out["run"].close()
     assert tokens["cuda"] == tokens["cpu"], tokens
+
+
+# ---- host synchronizations per training step ---------------------------------------------------
+# Every host synchronization a training step makes on the device path, by where it happens (line
+# numbers dropped), with the reason; a new one fails test_host_syncs_per_step_are_the_known_ones.
+KNOWN_SYNCS = {
+    "cutp/comm/context.py in synchronize (from cutp/train/step.py in train_step)":
+        "the end of the step: train_step waits for the device before it returns (its time)",
+    "cutp/tensor_parallel/cross_entropy.py in forward": "per micro-batch: the number of counted targets (int) and the "
+        "loss (float), two reads: model.forward returns the loss as a Python float",
+    "cutp/tensor_parallel/grads.py in global_grad_norm": "the gradient norm: two reads, float(acc[0]) and float(acc[1])",
+    "cutp/optim/adamw.py in finish_norm": "the gradient norm under the distributed optimizer: two reads, as above",
+    "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe.py in forward)":
+        "MoE: the routing statistics, once per MoE layer and forward",
+    "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe.py in finish_counting)":
+        "MoE with several micro-batches: the counting pass's tallies, once per MoE layer and step",
+    "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe_dispatch.py in dispatch)":
+        "expert parallelism: the received and the sent row counts of the all-to-all, two reads per dispatch",
+}
+
+
+def sync_key(place: str) -> str:
+    import re
+
+    return re.sub(r":\d+ in ", " in ", place)
+
+
+def worker_syncs(cases):
+    """The host synchronizations of each case's second step on the device path (rank 0 prints
+    the table); each one's place must be in KNOWN_SYNCS."""
+    from mpi4py import MPI
+
+    from tests.device_path.standin import tracking
+
+    for family, dtype, layout, extra in cases:
+        train(run_config(family, dtype, "cuda", layout, steps=2, **extra), MPI.COMM_WORLD)
+        step = tracking.SYNCS.steps[-1]
+        unknown = [(r, p) for (r, p) in step if sync_key(p) not in KNOWN_SYNCS]
+        assert not unknown, f"{family} {layout}: host synchronizations not in KNOWN_SYNCS: {unknown}"
+        assert step, "no host synchronization counted: the step's loss and norm must reach the host"
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"host syncs of one step, {family} {dtype} {layout} {sorted(extra)}, rank 0: {sum(step.values())}")
+            for (reason, where), n in sorted(step.items(), key=lambda kv: kv[0][1]):
+                print(f"  {n} x {reason} at {where}")

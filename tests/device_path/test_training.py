@@ -68,3 +68,11 @@ def test_a_planted_bug_fails_naming_the_place(plant):
     proc = run_device(n, "tests.device_path.harness:worker_planted", plant, case, expect_failure=True, timeout=120)
     for s in says:
         assert s in proc.stdout, (plant, s, proc.stdout[-3000:])
+
+
+def test_host_syncs_per_step_are_the_known_ones():
+    proc = run_device(4, "tests.device_path.harness:worker_syncs",
+                      [["gpt2", "float32", {"tp": 2, "dp": 2}, {}], ["llama", "float32", {"tp": 2, "dp": 2}, OVERLAP],
+                       ["mixtral", "float32", {"tp": 2, "dp": 2, "ep": 2}, {}], ["gpt2", "float32", {"pp": 2, "dp": 2}, {"micro_batch_size": 1}]])
+    print(proc.stdout)
+    assert "host syncs of one step" in proc.stdout

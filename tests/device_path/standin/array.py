@@ -285,7 +285,10 @@ def _call(fn, name, args, kwargs, *, unwrapped_first=False, in_place_first=False
     if _host_arrays(args[1:] if unwrapped_first else args) or _host_arrays(tuple(kwargs.values())):
         raise TypeError(f"Unsupported type <class 'numpy.ndarray'> (stand-in, as CuPy: a host array handed to {name} "
                         f"on device arrays at {tracking.place()}; move it with cupy.asarray first)")
-    if name in _VIEWS or (name == "__getitem__" and _is_basic(args[1])):
+    if name == "__getitem__" and _is_basic(args[1]):  # CuPy: a view, 0-d for a single element
+        idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return wrap(args[0]._a[idx + (Ellipsis,)] if Ellipsis not in idx else args[0]._a[idx])
+    if name in _VIEWS:
         r = fn(*(_unwrap(args[1:]) if unwrapped_first else _unwrap(args)), **{k: _unwrap(v) for k, v in kwargs.items()})
         if isinstance(r, np.ndarray) and allocation_of(r) is not None:
             return wrap(r)  # a view: no device work
