@@ -104,15 +104,16 @@ def full(shape, fill_value, dtype=None, order="C"):
     return a
 
 
-def _like(fn):
-    def f(a, dtype=None, order="K", subok=None, shape=None, **kw):
-        shape = a.shape if shape is None else shape
-        dtype = a.dtype if dtype is None else dtype
-        return fn(shape, dtype, **kw) if fn is not full else full(shape, kw.pop("fill_value"), dtype)
-    return f
+def empty_like(prototype, dtype=None, order="K", subok=None, shape=None):
+    return empty(prototype.shape if shape is None else shape, prototype.dtype if dtype is None else dtype)
 
 
-empty_like, zeros_like, ones_like = _like(empty), _like(zeros), _like(ones)
+def zeros_like(a, dtype=None, order="K", subok=None, shape=None):
+    return zeros(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def ones_like(a, dtype=None, order="K", subok=None, shape=None):
+    return ones(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
 
 
 def full_like(a, fill_value, dtype=None, order="K", subok=None, shape=None):
@@ -219,9 +220,7 @@ def _module(name, **attrs):
 
 def build() -> dict[str, types.ModuleType]:
     memory = _module("cupy.cuda.memory", MemoryPool=tracking.MemoryPool, MemoryPointer=tracking.MemoryPointer,
-                     PinnedMemoryPool=tracking.PinnedMemoryPool, alloc=tracking.alloc,
-                     set_allocator=tracking.set_allocator, get_allocator=tracking.get_allocator,
-                     using_allocator=tracking.using_allocator)
+                     alloc=tracking.alloc, set_allocator=tracking.set_allocator, get_allocator=tracking.get_allocator)
     nccl_m = _module("cupy.cuda.nccl", **{k: v for k, v in vars(nccl).items() if not k.startswith("_")})
     cublas_m = _module("cupy.cuda.cublas", **{k: v for k, v in vars(cublas).items()
                                               if not k.startswith("_") and k not in ("np", "ctypes", "tracking",

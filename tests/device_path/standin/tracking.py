@@ -110,7 +110,7 @@ class Stream:
     def __repr__(self):
         return f"<cupy.cuda.Stream {'null' if self.sid == 0 else self.sid}>"
 
-    def tick(self) -> int:
+    def _tick(self) -> int:
         self.seq += 1
         self.known[self.sid] = self.seq
         return self.seq
@@ -419,7 +419,7 @@ def access(arrays, kind: str, stream=None, where: str | None = None):
     if not CHECK:
         return
     stream = get_current_stream() if stream is None else stream
-    seq = stream.tick()
+    seq = stream._tick()
     where = where or place()
     for a in arrays:
         if a is None:
