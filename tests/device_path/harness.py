@@ -27,7 +27,8 @@ OVERLAP = dict(overlap_grad_reduce=True, bucket_size=600, tp_comm_overlap=True, 
 
 
 def device_env(extra: dict | None = None) -> dict:
-    env = {"CUTP_CUPY_STANDIN": "1", "PYTHONPATH": SHIM + os.pathsep + ROOT}
+    env = {"CUTP_CUPY_STANDIN": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (SHIM, ROOT, os.environ.get("PYTHONPATH", "")) if p)}
     env.update(extra or {})
     return env
 
