@@ -76,3 +76,18 @@ def test_host_syncs_per_step_are_the_known_ones():
                        ["mixtral", "float32", {"tp": 2, "dp": 2, "ep": 2}, {}], ["gpt2", "float32", {"pp": 2, "dp": 2}, {"micro_batch_size": 1}]])
     print(proc.stdout)
     assert "host syncs of one step" in proc.stdout
+
+
+MEMORY = [  # tests/plan/test_memory.py's cases, on the device path: the pool's counts against the plan
+    dict(tp=2, dp=1, B=4, T=64, dtype="float32", device="cuda"),
+    dict(tp=2, dp=1, B=4, T=32, dtype="bfloat16", device="cuda", set=["n_layer=2", "n_kv_head=1", "vocab_size=301"]),
+    dict(tp=1, dp=2, B=4, T=64, dtype="bfloat16", distributed=True, device="cuda"),
+    dict(preset="llama-tiny", tp=2, dp=1, B=2, T=64, dtype="float32", sequence_parallel=True, device="cuda"),
+    dict(tp=2, dp=1, B=2, T=64, dtype="float32", recompute="selective", device="cuda"),
+]
+
+
+def test_measured_memory_equals_the_plan_on_the_device_path():
+    """Parameters, gradients and optimizer state exactly, each layer's stash exactly, the step's
+    activation peak within 10%: measured through the pool (cutp.train.memory's CuPy hook)."""
+    run_device(2, "tests.plan.test_memory:_worker_measured_equals_planned", MEMORY, env={"CUTP_OP_THREADS": "1"})

@@ -10,6 +10,8 @@ one CuPy has: tests/device_path/test_fidelity.py) are provided.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
@@ -41,6 +43,9 @@ DTYPE_NAMES = ("bool_ int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 
                "generic bool ubyte byte short ushort intc uintc longlong ulonglong single double half").split()
 
 
+_owners: "weakref.WeakValueDictionary[int, ndarray]" = weakref.WeakValueDictionary()
+
+
 class ndarray(NDArrayOperatorsMixin):
     """cupy.ndarray(shape, dtype=float, memptr=None, strides=None, order='C')."""
 
@@ -57,6 +62,9 @@ class ndarray(NDArrayOperatorsMixin):
             strides = _c_strides(shape, dtype.itemsize) if order == "C" else _f_strides(shape, dtype.itemsize)
         self._a = np.ndarray(shape, dtype, buffer=memptr.mem.buf, offset=off, strides=strides)
         self._mem = memptr.mem
+        self._base = None
+        if id(memptr.mem) not in _owners:
+            _owners[id(memptr.mem)] = self  # the array owning the allocation: the base of its views
 
     # ---- construction from NumPy views --------------------------------------------------------
     @classmethod
@@ -66,6 +74,10 @@ class ndarray(NDArrayOperatorsMixin):
         self._mem = allocation_of(a) if mem is None else mem
         if self._mem is None:
             raise AssertionError("stand-in: a view of host memory taken for device memory")
+        owner = _owners.get(id(self._mem))
+        if owner is None:  # (its owner was never a stand-in array, or is gone): one over the whole allocation
+            owner = ndarray((self._mem.requested,), np.uint8, memptr=MemoryPointer(self._mem))
+        self._base = owner  # as in CuPy: a view keeps its base alive
         return self
 
     # ---- attributes ---------------------------------------------------------------------------
@@ -79,7 +91,7 @@ class ndarray(NDArrayOperatorsMixin):
     flags = property(lambda self: self._a.flags)
     T = property(lambda self: ndarray._view(self._a.T, self._mem))
     device = property(lambda self: _DEVICE0())
-    base = property(lambda self: None)
+    base = property(lambda self: self._base)
 
     @property
     def data(self) -> MemoryPointer:
