@@ -30,11 +30,12 @@ test-device: $(STAMP)
 # execute (every process, MPI ranks included); the report names the lines only a GPU runs apart.
 # Not part of `make test`: the suite under coverage, ~1.5x its time. Data and report in $(COV_OUT).
 COV_OUT ?= out/coverage
+COV_TESTS ?= tests
 coverage: $(STAMP)
 	$(PY) -m pip install -q 'coverage>=7'
 	rm -rf $(COV_OUT) && mkdir -p $(COV_OUT)
 	COVERAGE_PROCESS_START=$(CURDIR)/tools/coverage.ini COV_ROOT=$(CURDIR) COV_OUT=$(CURDIR)/$(COV_OUT) \
-		PYTHONPATH=$(CURDIR)/tests/device_path/shim $(PY) -m pytest -q tests -m "device_path or not device_path"
+		PYTHONPATH=$(CURDIR)/tests/device_path/shim $(PY) -m pytest -q $(COV_TESTS) -m "device_path or not device_path"
 	COV_ROOT=$(CURDIR) $(PY) tools/coverage_report.py $(COV_OUT) | tee $(COV_OUT)/report.txt
 
 # The default job: the tiny GPT on the Python standard library's sources, 2 CPU ranks (TP=2).
