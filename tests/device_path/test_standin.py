@@ -113,3 +113,14 @@ def _bf16():
     import ml_dtypes
 
     return np.dtype(ml_dtypes.bfloat16)
+
+
+def test_memory_freed_while_another_stream_still_uses_it_is_reported():
+    x = cp.zeros(64, np.float32)
+    side = cp.cuda.Stream(non_blocking=True)
+    side.wait_event(cp.cuda.get_current_stream().record())
+    with side:
+        x *= 2  # queued on the side stream
+    del x  # freed on the default stream with no wait: CuPy's pool could hand it out again at once
+    with pytest.raises(tracking.RaceError, match=r"freed on the default stream .* while stream \d+ may still write"):
+        cp.ones(4, np.float32)

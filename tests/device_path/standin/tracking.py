@@ -9,9 +9,10 @@ place in cutp that queued it). An access that overlaps an earlier one of another
 least one of them a write, with no wait between them, is a race (RaceError names both places);
 a host read of memory with device work the host has not synchronized with is one too.
 
-Device memory: each allocation is a NumPy byte buffer of its own (never reused, so a freed
-array's memory cannot be handed out again while another stream reads it: that hazard of CuPy's
-pool is not modelled); the pool counts used bytes, so that cutp's memory reports read them.
+Device memory: each allocation is a NumPy byte buffer of its own (never reused); one freed while
+another stream's access to it is not waited for is reported at the next device operation (CuPy's
+pool would hand it out again at once); the pool counts used bytes, so that cutp's memory reports
+read them.
 """
 from __future__ import annotations
 
@@ -264,10 +265,36 @@ def _register(a: Allocation):
         _by_ptr[a.ptr] = weakref.ref(a)
         bisect.insort(_sorted_ptrs, a.ptr)
         _by_buf[id(a.buf.base)] = weakref.ref(a)
-    weakref.finalize(a, _unregister, a.ptr, id(a.buf.base), a.pool, a.size)
+    holder = _Accesses(a)
+    holder.records = a.accesses
+    weakref.finalize(a, _unregister, a.ptr, id(a.buf.base), a.pool, a.size, holder)
 
 
-def _unregister(ptr, buf_id, pool, size):
+class _Accesses:
+    """What a finalizer may hold of an allocation: its access records (not the allocation)."""
+
+    def __init__(self, a):
+        self.alloc_ref = weakref.ref(a)
+        self.records: list = []
+
+
+_freed_in_use: list[str] = []  # reported at the next access or synchronization (a finalizer cannot raise)
+
+
+def _unregister(ptr, buf_id, pool, size, holder=None):
+    if holder is not None and CHECK:
+        stream = get_current_stream()
+        for rlo, rhi, rsid, rseq, rkind, rwhere in holder.records:
+            if rsid != stream.sid and stream.known.get(rsid, 0) < rseq and HOST.known.get(rsid, 0) < rseq:
+                _freed_in_use.append(
+                    f"device memory freed on {_sname(stream)} (at {place()}) while {_sname(rsid)} may still "
+                    f"{'write' if rkind == 'w' else 'read'} it (queued at {rwhere}): CuPy's pool hands it out again "
+                    "at once on the freeing stream (no record_stream); keep the array until an event wait")
+                break
+    _unregister_bytes(ptr, buf_id, pool, size)
+
+
+def _unregister_bytes(ptr, buf_id, pool, size):
     with _lock:
         _by_ptr.pop(ptr, None)
         i = bisect.bisect_left(_sorted_ptrs, ptr)
@@ -399,6 +426,12 @@ CHECK = os.environ.get("CUTP_STANDIN_RACES", "1") != "0"
 _open_groups: list = []  # NCCL groups begun and not ended (nccl.py appends)
 
 
+def _report_freed_in_use():
+    if _freed_in_use:
+        msg, _freed_in_use[:] = _freed_in_use[0], []
+        raise RaceError(msg)
+
+
 def _check_open_groups(what: str):
     if _open_groups:
         raise RaceError(f"{what} while an NCCL group begun at {_open_groups[-1]} was never ended (groupEnd missing): "
@@ -418,6 +451,7 @@ def access(arrays, kind: str, stream=None, where: str | None = None):
     the current stream); raises RaceError on an unordered overlap with another stream's access."""
     if not CHECK:
         return
+    _report_freed_in_use()
     stream = get_current_stream() if stream is None else stream
     seq = stream._tick()
     where = where or place()
@@ -451,7 +485,7 @@ def access_range(alloc: Allocation, lo: int, hi: int, kind: str, stream, seq: in
     keep.append((lo, hi, stream.sid, seq, kind, where))
     if len(keep) > 24:
         keep = [r for r in keep if not _known_everywhere(r[2], r[3])]
-    alloc.accesses = keep
+    alloc.accesses[:] = keep  # (in place: the finalizer's holder shares the list)
 
 
 def _known_everywhere(sid: int, seq: int) -> bool:
@@ -472,6 +506,7 @@ def host_read(arrays, reason: str):
     SYNCS.note(reason, where)
     stream = get_current_stream()
     _check_open_groups(f"{reason} at {where}")
+    _report_freed_in_use()
     _merge(HOST.known, stream.known)
     HOST.known[stream.sid] = max(HOST.known.get(stream.sid, 0), stream.seq)
     if not CHECK:
