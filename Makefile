@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 STAMP  := $(VENV)/.installed
 
-.PHONY: test train bench gpu-check venv clean
+.PHONY: test test-device coverage train bench gpu-check venv clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,24 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The GPU code path (--device cuda) on the CPU: cutp's CuPy code run through the stand-in of
+# tests/device_path/standin (kernels in the CUDA emulator, gemmEx from pointers, NCCL over MPI,
+# streams with race checks), every configuration of issue 41 (< 15 minutes on 2 cores).
+test-device: $(STAMP)
+	$(PY) -m pytest -q -m device_path tests/device_path
+
+# Which Python lines of cutp/ and kernels/*.py the whole suite and the device-path tests never
+# execute (every process, MPI ranks included); the report names the lines only a GPU runs apart.
+# Not part of `make test`: the suite under coverage, ~1.5x its time. Data and report in $(COV_OUT).
+COV_OUT ?= out/coverage
+COV_TESTS ?= tests
+coverage: $(STAMP)
+	$(PY) -m pip install -q 'coverage>=7'
+	rm -rf $(COV_OUT) && mkdir -p $(COV_OUT)
+	COVERAGE_PROCESS_START=$(CURDIR)/tools/coverage.ini COV_ROOT=$(CURDIR) COV_OUT=$(CURDIR)/$(COV_OUT) \
+		PYTHONPATH=$(CURDIR)/tests/device_path/shim $(PY) -m pytest -q $(COV_TESTS) -m "device_path or not device_path"
+	COV_ROOT=$(CURDIR) $(PY) tools/coverage_report.py $(COV_OUT) | tee $(COV_OUT)/report.txt
 
 # The default job: the tiny GPT on the Python standard library's sources, 2 CPU ranks (TP=2).
 TRAIN_OUT ?= out/tiny

@@ -37,6 +37,7 @@ Cheap when off: nothing is installed outside an `ActivationPeak` block.
 """
 from __future__ import annotations
 
+import gc
 import tracemalloc
 
 import numpy as np
@@ -307,6 +308,9 @@ class _CupyPoolPeak:
 
     def start(self):
         cuda = self.cupy.cuda
+        # garbage holding device arrays (reference cycles of an earlier run) collected inside the
+        # block would return its bytes to the pool there and hide as much of the block's peak
+        gc.collect()
         self.hook = PoolPeak(self.cupy.get_default_memory_pool())
         self.scope = cuda.using_allocator(self.hook.malloc)  # thread-local, restored on exit
         self.scope.__enter__()

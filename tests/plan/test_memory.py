@@ -39,7 +39,8 @@ def _measure_and_plan(comm, case: dict) -> dict:
     layout = {k: case[k] for k in ("recompute", "recompute_layers", "sequence_parallel") if k in case}
     cfg = train.resolve_run_config(comm, preset=case.get("preset", "tiny"), set=case.get("set", ["n_layer=2"]), dtype=case["dtype"],
                                    tp=tp, dp=dp, batch_size=B * dp * accum, micro_batch_size=B, seq_len=T, steps=4,
-                                   device="cpu", eval_every=0, quiet=True, save_on_signal=False, **extra, **layout)
+                                   device=case.get("device", "cpu"), eval_every=0, quiet=True, save_on_signal=False,
+                                   **extra, **layout)
     run = train.build_run(cfg, comm, dataset=random_tokens(cfg.model.vocab_size, 1 << 15, 0))
     stats, largest = train.measured_step(run)
     assert np.isfinite(stats.loss)
@@ -50,9 +51,9 @@ def _measure_and_plan(comm, case: dict) -> dict:
     assert not leftover, f"activations cached after the step: {leftover}"
     planned = plan.plan(cfg.model, tp=tp, dp=dp, micro_batch=B, seq_len=T,
                         accum=accum, dtype=case["dtype"], distributed_optimizer=bool(case.get("distributed")),
-                        config=cfg.model, device="cpu", threads=1, **layout)
+                        config=cfg.model, device=case.get("device", "cpu"), threads=1, **layout)
     mine_planned = planned_step(cfg.model, tp=tp, dp=dp, rank=run.ctx.rank, micro_batch=B, seq_len=T, accum=accum,
-                                dtype=case["dtype"], device="cpu", threads=1,
+                                dtype=case["dtype"], device=case.get("device", "cpu"), threads=1,
                                 distributed_optimizer=bool(case.get("distributed")), **layout)["activations_peak"]
     assert mine["params_local"] == run.model.num_parameters_local() == planned["params_per_gpu"]
     run.close()

@@ -1,0 +1,113 @@
+"""Fidelity of the CuPy stand-in to CuPy: every attribute of ``cupy`` (and of ``cupy.cuda``,
+its streams, events, devices, pool, ``cupy.ndarray`` and ``cupyx.scipy.special``) that the
+stand-in provides exists in the real package, and where both signatures can be read, the
+stand-in's parameters are CuPy's (names, in order). ``cupy.cuda.cublas`` and
+``cupy.cuda.nccl`` are checked when their libraries load (libcublas, libnccl), else reported.
+
+Runs where the real CuPy imports (``pip install cupy-cuda12x``: it imports without a GPU; or a
+directory holding it in ``$CUTP_REAL_CUPY``, searched first), in a child process without the
+stand-in; skipped with the reason elsewhere.
+"""
+import inspect
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from tests.device_path.standin import build
+
+pytestmark = [pytest.mark.device_path, pytest.mark.device_path_default]
+
+_CHECK = r'''
+import inspect, json, sys
+wanted = json.loads(sys.stdin.read())
+import cupy
+import cupyx.scipy.special
+report = {"version": cupy.__version__, "missing": [], "signatures": [], "unloaded": {}}
+for mod in ("cupy.cuda.cublas", "cupy.cuda.nccl"):
+    try:
+        lib = getattr(cupy.cuda, mod.rsplit(".", 1)[1])  # (loaded lazily by CuPy, from cupy_backends)
+        sys.modules[mod] = lib
+        if mod.endswith("nccl") and not lib.available:
+            raise ImportError("nccl.available is False (libnccl.so.2 not found)")
+    except Exception as e:
+        report["unloaded"][mod] = f"{type(e).__name__}: {e}"
+for name, params in wanted:
+    if any(name.startswith(m + ".") for m in report["unloaded"]):
+        continue
+    parts = name.split(".")
+    obj = sys.modules[parts[0]]
+    try:
+        for i, p in enumerate(parts[1:]):
+            prefix = ".".join(parts[:i + 2])
+            obj = sys.modules[prefix] if prefix in sys.modules and not hasattr(obj, p) else getattr(obj, p)
+    except AttributeError:
+        report["missing"].append(name)
+        continue
+    if params is None:
+        continue
+    try:
+        real = [q.name for q in inspect.signature(obj).parameters.values()
+                if q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD) and q.name != "self"]
+    except (TypeError, ValueError):
+        continue  # a Cython function without a readable signature: existence only
+    if real[:len(params)] != params and not set(params) <= set(real):
+        report["signatures"].append((name, params, real))
+print(json.dumps(report))
+'''
+
+
+def _params(obj):
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    return [q.name for q in sig.parameters.values()
+            if q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD) and q.name != "self"]
+
+
+def _provided():
+    """(dotted name, the stand-in's parameter names or None) of everything the stand-in provides."""
+    mods = build()
+    out = []
+    skip = {"__standin__", "__version__", "__file__", "__name__", "__doc__", "__loader__", "__package__", "__spec__"}
+    for mname, m in mods.items():
+        for k, v in vars(m).items():
+            if k in skip or isinstance(v, types.ModuleType):
+                continue
+            out.append((f"{mname}.{k}", _params(v) if callable(v) and not isinstance(v, type) else None))
+    cuda = mods["cupy.cuda"]
+    for cls_name in ("Stream", "Event", "Device", "MemoryPool"):
+        cls = getattr(cuda, cls_name)
+        for k, v in vars(cls).items():
+            if not k.startswith("_") and k != "null":
+                out.append((f"cupy.cuda.{cls_name}.{k}", _params(v) if inspect.isfunction(v) else None))
+    nd = mods["cupy"].ndarray
+    from tests.device_path.standin.array import METHODS
+
+    for k in sorted(set(k for k in vars(nd) if not k.startswith("_")) | METHODS):
+        v = vars(nd).get(k)
+        out.append((f"cupy.ndarray.{k}", _params(v) if inspect.isfunction(v) else None))
+    return out
+
+
+def test_every_attribute_the_stand_in_provides_is_cupys():
+    env = dict(os.environ)
+    env.pop("CUTP_CUPY_STANDIN", None)
+    real = os.environ.get("CUTP_REAL_CUPY")
+    if real:
+        env["PYTHONPATH"] = real + os.pathsep + env.get("PYTHONPATH", "")
+    probe = subprocess.run([sys.executable, "-c", "import cupy"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("the real CuPy does not import here (pip install cupy-cuda12x, or $CUTP_REAL_CUPY=<a directory "
+                    f"holding it>): {probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ''}")
+    proc = subprocess.run([sys.executable, "-c", _CHECK], env=env, input=json.dumps(_provided()), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"CuPy {report['version']}; not checked (library not loadable): {report['unloaded']}")
+    assert not report["missing"], f"the stand-in provides what CuPy {report['version']} has not: {report['missing']}"
+    assert not report["signatures"], f"signatures that differ from CuPy's: {report['signatures']}"

@@ -1,0 +1,100 @@
+"""The report of `make coverage`: the Python lines of cutp/ and kernels/*.py that no test ran.
+
+    python tools/coverage_report.py out/coverage
+
+Combines the data files every process wrote (MPI ranks included), prints per file the lines never
+executed (as ranges, with the function holding them), set apart: those of GPU_ONLY, code that
+only a real GPU can run, each with its reason. The goal is nothing outside that list.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (file, function): why only a real GPU runs it
+GPU_ONLY = {
+    ("cutp/runtime/backend.py", "cupy_status"): "asks the CUDA runtime for the devices (the stand-in answers in its place)",
+    ("kernels/runtime.py", "cupy_module_loader"): "NVRTC's options and compile (the emulator builds the kernels)",
+    ("kernels/runtime.py", "find_mma_include"): "the CUDA headers NVRTC needs for the tensor-core kernels",
+    ("cutp/bench/common.py", "gpu_info"): "device properties for the benchmarks' peak figures",
+}
+
+
+def _functions(path: str) -> list[tuple[int, int, str]]:
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.append((node.lineno, node.end_lineno or node.lineno, node.name))
+    return out
+
+
+def _owner(funcs, line):
+    best = None
+    for lo, hi, name in funcs:
+        if lo <= line <= hi and (best is None or lo > best[0]):
+            best = (lo, name)
+    return best[1] if best else "<module>"
+
+
+def _ranges(lines):
+    out, start, prev = [], None, None
+    for n in sorted(lines):
+        if start is None:
+            start = prev = n
+        elif n == prev + 1:
+            prev = n
+        else:
+            out.append((start, prev))
+            start = prev = n
+    if start is not None:
+        out.append((start, prev))
+    return out
+
+
+def main(out_dir: str) -> int:
+    import coverage
+
+    os.environ.setdefault("COV_ROOT", ROOT)
+    os.environ["COV_OUT"] = os.path.abspath(out_dir)
+    cov = coverage.Coverage(config_file=os.path.join(ROOT, "tools", "coverage.ini"))
+    cov.combine(keep=False)
+    cov.save()
+    cov.load()
+    total = missed = gpu_only = 0
+    lines_out = []
+    for path in sorted(cov.get_data().measured_files()):
+        rel = os.path.relpath(path, ROOT)
+        _, statements, _, missing, _ = cov.analysis2(path)
+        total += len(statements)
+        if not missing:
+            continue
+        funcs = _functions(path)
+        by_func: dict[str, list[int]] = {}
+        for n in missing:
+            by_func.setdefault(_owner(funcs, n), []).append(n)
+        for func, ns in by_func.items():
+            reason = GPU_ONLY.get((rel, func))
+            where = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in _ranges(ns))
+            if reason:
+                gpu_only += len(ns)
+            else:
+                missed += len(ns)
+                lines_out.append(f"{rel} {func}: {where}")
+    print(f"coverage of cutp/ and kernels/*.py: {total} statements; never executed: {missed} "
+          f"(+ {gpu_only} that only a GPU runs)")
+    print("\nnever executed (file, function: lines):")
+    for line in lines_out:
+        print("  " + line)
+    print("\nonly a real GPU runs (file, function: why):")
+    for (f, fn), why in GPU_ONLY.items():
+        print(f"  {f} {fn}: {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "out/coverage"))
