@@ -2,7 +2,7 @@
 
     mpirun -np 8 python examples/train_gpt.py                       # picks tp and a preset for the machine
     mpirun -np 2 python examples/train_gpt.py --preset tiny --steps 200 --out out/tiny
-    mpirun -np 4 python examples/train_gpt.py --tp 2 --dp 2 --resume out/tiny
+    mpirun -np 2 python examples/train_gpt.py --resume out/tiny --steps 400        # goes on in out/tiny, as it ran
     mpirun -np 2 python examples/train_gpt.py --init-from path/to/gpt2 --data train.bin --lr 3e-5  # fine-tune
 
 One optimizer step (cutp.train.train_step): `accum` micro-batches of forward + backward per DP
@@ -64,6 +64,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {run.blas}")
     origin = (f"resumed from {cfg.resume}" if cfg.resume else f"initialised from {cfg.init_from}" if cfg.init_from
               else f"preset {cfg.preset}") + (f" with {list(cfg.overrides)}" if cfg.overrides and not cfg.resume else "")
+    note = train.resume_note(cfg)
+    if note:
+        log(note)
     log(f"model: {origin}: {json.dumps(cfg.model.to_dict())}")
     log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
         f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")

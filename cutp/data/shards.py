@@ -216,6 +216,17 @@ class ShardedTokens:
                  for k in range(first, last + 1)]
         return np.asarray(parts[0]) if len(parts) == 1 else np.concatenate(parts)
 
+    def describe_bad_id(self, i: int, vocab: int, split: str) -> str:
+        """What to say of token i, an id outside the vocabulary: its shard, offset and the fix."""
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        at = i - int(self.starts[k])
+        where = self.paths[k] if self.paths is not None else f"{split} shard {k}"
+        directory = os.path.dirname(where) if self.paths is not None else "DIR"
+        return (f"{where}: token {at:,} (byte {HEADER_BYTES + at * self.dtype.itemsize:,}) is id "
+                f"{int(self[i])}, outside the data's vocabulary of {vocab:,}: the shard is damaged; check the "
+                f"data with python -m cutp verify-data {directory} and prepare it again with python -m cutp "
+                "prepare-data")
+
     def fingerprint_bytes(self) -> bytes:
         """What Dataset.fingerprint hashes for sharded data, read in milliseconds whatever the
         size: meta.json's digest of each shard, each shard's length and its first and last 64 KiB."""

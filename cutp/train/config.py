@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -56,8 +57,8 @@ from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
-from .defaults import (MAX_DEFAULT_TP, choose_tp, default_batch, default_micro_batch, divisors, either,
-                       refuse_sequence_parallel, schedule_takes)
+from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
+                       layout_text, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
 from .pipeline import SCHEDULES
 from .settings import Setting, declared, flag_of, setting
 from .settings import command_line_parser as command_line_parser_of
@@ -178,14 +179,16 @@ class RunConfig:
                               at_least=0)
     eval_batches: int = setting(4, "validation batches", "invocation", kind=int, at_least=1)
     out: str | None = setting(None, "run directory for the checkpoints", "invocation", optional=True, metavar="DIR",
-                              derived="none: no checkpoints")
+                              derived="with --resume, the resumed run's directory; else none: no checkpoints")
     overwrite: bool = setting(False, "--out may hold another run's checkpoints: they are removed once this run's "
                               "first one is saved", "invocation", kind=bool)
     save_every: int = setting(0, "a checkpoint every N steps (0: only at the end)", "invocation", kind=int,
                               at_least=0)
     keep: int = setting(3, "the newest healthy checkpoints kept in --out (0: all)", "invocation", kind=int,
                         at_least=0)
-    resume: str | None = setting(None, "run or checkpoint directory to continue from", "invocation", optional=True,
+    resume: str | None = setting(None, "run or checkpoint directory to continue from: the run goes on as it was (its "
+                                 "layout when the ranks are as many and no --tp/--dp/--pp/--cp/--ep is given, its "
+                                 "cadence, its directory for the checkpoints)", "invocation", optional=True,
                                  metavar="DIR")
     resumed_step: int | None = None  # its step
     init_from: str | None = setting(
@@ -381,6 +384,14 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     unknown = sorted(set(choices) - set(CHOICES))
     if unknown:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
+    _one_start(choices.get("resume"), choices.get("init_from"))
+    resume_dir, meta = None, None
+    if choices.get("resume"):  # the run goes on as it was: its layout, cadence and run directory
+        resume_dir = resolve_checkpoint(choices["resume"])
+        meta = read_meta(resume_dir)
+        choices = resumed_choices(choices, meta.get("train_args") or {}, world)
+        if choices.get("out") is None and re.fullmatch(r"step-\d+", os.path.basename(os.path.normpath(resume_dir))):
+            choices["out"] = os.path.dirname(os.path.normpath(resume_dir))
     c = {k: (v if v is not None else CHOICES[k]) for k, v in {**CHOICES, **choices}.items()}
     c["set"] = tuple(c["set"] or ())
     if c["metrics"]:  # its directory now, not at the first write after minutes of setup
@@ -392,11 +403,6 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
                               "choose a writable path") from None
     device = resolve_device(c["device"])
 
-    _one_start(c["resume"], c["init_from"])
-    resume_dir, meta = None, None
-    if c["resume"]:
-        resume_dir = resolve_checkpoint(c["resume"])
-        meta = read_meta(resume_dir)
     run = _run_settings(choices, meta)
     SETTINGS["dropout"][0].check("dropout", run["dropout"])
     if meta is None and c["model"] is not None and choices.get("dropout") is None:
@@ -479,6 +485,17 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
         **{k: c[k] for k in OVERLAP_SETTINGS})
+
+
+def resume_note(cfg: RunConfig) -> str | None:
+    """One line when a resumed run runs in another layout than the run it resumes (allowed: no
+    layout changes the math), else None."""
+    if cfg.resume is None:
+        return None
+    saved = read_meta(cfg.resume).get("train_args") or {}
+    if saved_world(saved) is None or all(saved.get(k, 1) == getattr(cfg, k) for k in RESUME_MESH):
+        return None
+    return f"layout: {layout_text(cfg)}, the resumed run's was {layout_text(saved)} (the math is the same)"
 
 
 def _layer_counts(value):
