@@ -152,12 +152,12 @@ class ShardWriter:
 def is_shard(path: str) -> bool:
     """Whether the file starts with a shard header whose count matches its size."""
     try:
-        return _header(path) is not None
+        return shard_header(path) is not None
     except OSError:
         return False
 
 
-def _header(path: str):
+def shard_header(path: str):
     """(dtype, count) of a shard, or None when the file is not one."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
@@ -174,7 +174,7 @@ def _header(path: str):
 def read_shard(path: str) -> np.ndarray:
     """The tokens of a shard, memory-mapped read-only. Raises ConfigError naming the file when
     it is not a complete shard."""
-    found = _header(path) if os.path.isfile(path) else None
+    found = shard_header(path) if os.path.isfile(path) else None
     if found is None:
         raise ConfigError(f"{path} is not a complete token shard (a 1 KiB llm.c header whose count matches the "
                           "file's size); prepare the data again with python -m cutp prepare-data")

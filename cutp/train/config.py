@@ -45,6 +45,7 @@ from mpi4py import MPI
 
 from ..checkpoint import read_meta, resolve_checkpoint
 from ..data import micro_batches
+from ..data.verify import fix_line, verify_prepared
 from ..models import DTYPES, GPT, PRESETS, GPTConfig, stage_layers
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
@@ -169,6 +170,9 @@ class RunConfig:
                                "memory-mapped), a text file (byte-level tokens), or a .bin of token ids (nanoGPT's "
                                "uint16, or one llm.c shard)", "run", optional=True, run=True, metavar="PATH|DIR",
                                derived="the Python standard library's sources")
+    verify_data: bool = setting(False, "before training, read every shard of a prepared --data whole and check it "
+                                "against meta.json's digests (as python -m cutp verify-data DIR; opening the data "
+                                "always checks each shard's header and size)", "run", kind=bool)
     # this invocation: how far, what stops it, evaluation, checkpoints, logging
     run_steps: int | None = setting(
         None, "stop (and checkpoint) after this many steps of this invocation, e.g. to fit a job's time limit",
@@ -360,15 +364,25 @@ def resolve_run_config(comm=None, *, source: str = "run settings", **choices) ->
     # (rather than surfacing as whatever it breaks on those ranks)
     check_same_on_all_ranks(comm, {k: _comparable(v) for k, v in choices.items()}, source)
     local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    ranks_per_node = local_ranks.Get_size()
+    ranks_per_node, local_rank = local_ranks.Get_size(), local_ranks.Get_rank()
     local_ranks.Free()
     # An error in the derivation, on any rank, is raised on every rank (so the job ends at once,
     # with one traceback, whether every rank or only one node sees the problem).
     with errors_raised_on_every_rank(comm):
         cfg = derive_run_config(choices, comm.Get_size(), ranks_per_node)
+        if cfg.verify_data and local_rank == 0:  # one reader per node (the files may be a node's own)
+            check_prepared_data(cfg.data)
     # and the same result (a stale `latest` read on one node would resume another step)
     check_same_on_all_ranks(comm, cfg.to_dict(), "training configuration")
     return cfg
+
+
+def check_prepared_data(data: str) -> None:
+    """`verify_data`: raises ConfigError naming the first damaged shard (cutp.data.verify)."""
+    problems, shards, _ = verify_prepared(data)
+    if problems:
+        more = f" (and {len(problems) - 1} more: python -m cutp verify-data {data})" if len(problems) > 1 else ""
+        raise ConfigError(f"{problems[0]}{more}; {fix_line(data)}")
 
 
 def _comparable(value):
@@ -404,6 +418,9 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     device = resolve_device(c["device"])
 
     run = _run_settings(choices, meta)
+    if c["verify_data"] and not (isinstance(run["data"], str) and os.path.isdir(run["data"])):
+        raise ConfigError(f"`verify_data` checks the digests of a directory written by python -m cutp prepare-data, "
+                          f"and `data` is {run['data'] or 'not given (the embedded corpus)'}: omit `verify_data`")
     SETTINGS["dropout"][0].check("dropout", run["dropout"])
     if meta is None and c["model"] is not None and choices.get("dropout") is None:
         run["dropout"] = as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
@@ -481,6 +498,7 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         eval_batches=c["eval_batches"], out=c["out"], overwrite=bool(c["overwrite"]), save_every=c["save_every"],
         keep=c["keep"],
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), init_from=init_from,
+        verify_data=bool(c["verify_data"]),
         metrics=c["metrics"],
         log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
