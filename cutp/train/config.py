@@ -58,8 +58,9 @@ from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
+from .fixes import with_working_fixes
 from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
-                       layout_text, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
+                       layout_text, refuse_ignored, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
 from .pipeline import SCHEDULES
 from .settings import Setting, declared, flag_of, setting
 from .settings import command_line_parser as command_line_parser_of
@@ -394,7 +395,17 @@ def _comparable(value):
 def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     """The RunConfig of `choices` on `world` ranks, `ranks_per_node` of them per node: every
     default derived from what was given. No communication (resolve_run_config's core; it reads
-    a checkpoint to resume). Raises ConfigError naming the settings by field."""
+    a checkpoint to resume). Raises ConfigError naming the settings by field, proposing only
+    fixes that are accepted (cutp.train.fixes)."""
+    try:
+        cfg = _derive_run_config(choices, world, ranks_per_node)
+        refuse_ignored({k for k, v in choices.items() if v is not None and v != [] and v is not False}, cfg)
+        return cfg
+    except ConfigError as e:
+        raise with_working_fixes(e, _derive_run_config, choices, world, ranks_per_node) from None
+
+
+def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     unknown = sorted(set(choices) - set(CHOICES))
     if unknown:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")

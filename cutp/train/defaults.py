@@ -130,3 +130,27 @@ def layout_text(settings) -> str:
     """`tp 2 x dp 2` (and the cp, pp and ep sizes above 1) of a RunConfig or a settings dict."""
     get = settings.get if isinstance(settings, dict) else (lambda k: getattr(settings, k, None))
     return " x ".join(f"{k} {get(k) or 1}" for k in ("tp", "cp", "dp", "pp", "ep") if k in ("tp", "dp") or (get(k) or 1) > 1)
+
+
+# Settings that do nothing without another: given alone, refused by name (`refuse_ignored`), so that
+# no choice is silently dropped. {setting: (what it needs, checked on the resolved RunConfig; the fix)}
+NEEDS = {
+    "link_latency": (lambda c: c.link_bandwidth is not None, "the latency of the link `link_bandwidth` simulates, "
+                     "and none is simulated", "give `link_bandwidth` GB/s too, or omit `link_latency`"),
+    "cp_comm": (lambda c: c.cp > 1, "context parallelism's attention, and `cp` is 1",
+                "give `cp` 2 or more, or omit `cp_comm`"),
+    "save_every": (lambda c: c.out is not None, "when checkpoints go into `out`, and no `out` is given",
+                   "give `out` DIR, or omit `save_every`"),
+    "keep": (lambda c: c.out is not None, "how many checkpoints `out` keeps, and no `out` is given",
+             "give `out` DIR, or omit `keep`"),
+    "overwrite": (lambda c: c.out is not None, "whether `out` may hold another run, and no `out` is given",
+                  "give `out` DIR, or omit `overwrite`"),
+}
+
+
+def refuse_ignored(given: set, cfg) -> None:
+    """Raises ConfigError naming a setting given (`given`: the names the user gave) that the
+    resolved config `cfg` would ignore (`NEEDS`)."""
+    for name, (ok, what, fix) in NEEDS.items():
+        if name in given and not ok(cfg):
+            raise ConfigError(f"`{name}` would be ignored: it sets {what}; {fix}")

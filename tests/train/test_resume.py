@@ -14,11 +14,11 @@ TINY = {"preset": "tiny", "device": "cpu", "set": ["n_layer=1"]}
 
 def _saved_run(tmp_path):
     """A run directory holding step 2 of a run whose settings say tp 2 x dp 2 on 4 ranks."""
+    out = str(tmp_path / "run")
     settings = derive_run_config({**TINY, "tp": 2, "dp": 2, "micro_batch_size": 2, "save_every": 2, "eval_every": 5,
-                                  "steps": 6, "seq_len": 16, "metrics": str(tmp_path / "m.jsonl")}, 4, 4)
+                                  "steps": 6, "seq_len": 16, "metrics": str(tmp_path / "m.jsonl"), "out": out}, 4, 4)
     ctx = self_ctx()
     model = GPT(ctx, GPTConfig.preset("tiny").with_overrides(["n_layer=1"]), seed=0)
-    out = str(tmp_path / "run")
     save_checkpoint(out, 2, model, train_args=settings.checkpoint_settings())
     ctx.close()
     return out
