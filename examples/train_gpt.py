@@ -89,6 +89,10 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         + (f" | context parallel over cp={cfg.cp} ({cfg.cp_comm}): {cfg.seq_len // cfg.cp} tokens per rank"
            if cfg.cp > 1 else ""))
 
+    buckets = train.bucket_line(run)
+    if buckets:
+        log(buckets)
+
     stop = train.StopOnSignal(cfg.save_on_signal)
     if cfg.save_on_signal and not cfg.out:
         log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")

@@ -125,7 +125,8 @@ class RunConfig:
     overlap_grad_reduce: bool = setting(False, "start each DP gradient bucket's reduction in the last micro-batch's "
                                         "backward, once its gradients are final", "mesh", kind=bool)
     bucket_size: int | None = setting(None, "elements per DP gradient bucket", "mesh", kind=int, at_least=1,
-                                      optional=True, derived="max(40M, 1M x dp) (Megatron's)")
+                                      optional=True, derived="max(40M, 1M x dp) (Megatron's), at most an eighth of the rank's gradient buffer, so "
+                                      "that some buckets reduce during the backward")
     overlap_param_gather: bool = setting(False, "ZeRO: each bucket's updated parameters gathered during the next "
                                          "forward, waited for before the first layer using them", "mesh", kind=bool)
     tp_comm_overlap: bool = setting(False, "column-parallel backward: the dX all-reduce (SP: reduce-scatter) runs "

@@ -73,6 +73,18 @@ def progress_line(record: dict) -> str:
             + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""))
 
 
+def bucket_line(run) -> str | None:
+    """How many DP gradient buckets --overlap-grad-reduce cut (None without it)."""
+    buckets = getattr(getattr(run, "grad_buckets", None), "buckets", None)
+    if not buckets:
+        return None
+    sizes = [b.size for b in buckets]
+    return (f"overlap: the DP gradient reduction in {len(sizes)} bucket{'s' if len(sizes) > 1 else ''} of "
+            f"{min(sizes):,} to {max(sizes):,} elements, started during the backward"
+            + (" (one bucket: it waits for the whole backward, nothing hidden; a smaller --bucket-size cuts more)"
+               if len(sizes) == 1 else ""))
+
+
 # ---------------------------------------------------------------------------------------------
 # Tables
 # ---------------------------------------------------------------------------------------------
