@@ -19,9 +19,9 @@ checks live in cutp.train.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+import time
 
 try:
     import cutp
@@ -34,6 +34,7 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
     arm_setup_deadline(timeout_from_argv(sys.argv[1:]))
 
 from cutp import train  # noqa: E402
+from cutp.models.flops import training_flops_per_token  # noqa: E402
 from cutp.runtime.errors import settings_named  # noqa: E402
 from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
 
@@ -67,7 +68,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     note = train.resume_note(cfg)
     if note:
         log(note)
-    log(f"model: {origin}: {json.dumps(cfg.model.to_dict())}")
+    log(f"model: {origin}: {train.model_summary(cfg.model)}")
     log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
         f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")
     state = train.max_over_ranks(ctx, train.memory_record(run))  # measured from the live arrays (collective)
@@ -98,6 +99,12 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")
     metrics = train.MetricsLog(cfg.metrics, ctx.rank, resumed_step=run.start_step if cfg.resume else None)
     history, first = [], True
+    peak = cfg.peak_tflops or train.known_peak_tflops(train.gpu_name(cfg.device), cfg.model.dtype, cfg.allow_tf32)
+    progress = train.Progress(training_flops_per_token(cfg.model, cfg.seq_len), peak, ctx.world_size, run.step,
+                              run.end_step)
+    log(f"MFU: {training_flops_per_token(cfg.model, cfg.seq_len) / 1e6:,.1f} MFLOP per token trained over "
+        + (f"{peak:g} TFLOP/s per rank" if peak else "an unknown peak (n/a; --peak-tflops gives it)"))
+    progress.start(time.perf_counter())
 
     def save():
         path = train.save(run)
@@ -112,7 +119,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         else:  # the first step also measures the memory per rank (its results are the same)
             stats, memory = train.measured_step(run, hooks)
             first = False
-        step, rec = stats.step, stats.record()
+        step, rec = stats.step, progress.add(stats.record(), time.perf_counter())
         if memory:
             rec["memory"] = memory
             log(f"memory per rank (largest of {ctx.world_size}): {train.memory.peak_line(memory, step)}")
@@ -122,7 +129,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
             history.append(rec)
         metrics.write(rec)
         if step % cfg.log_every == 0 or "val_loss" in rec:
-            log(train.progress_line(rec))
+            log(train.progress_line(rec, cfg.steps))
         if cfg.save_every and step % cfg.save_every == 0:
             save()
         if stop.agreed(ctx):

@@ -211,6 +211,10 @@ class RunConfig:
                                   metavar="PATH")
     log_every: int = setting(1, "a progress line every N steps", "logging", kind=int, at_least=1)
     quiet: bool = setting(False, "no progress lines (warnings are still printed)", "logging", kind=bool)
+    peak_tflops: float | None = setting(
+        None, "one device's peak TFLOP/s at the model's precision, for the MFU of the progress lines", "logging",
+        kind=float, above=0, optional=True, metavar="TFLOPS",
+        derived="known for H200, H100, A100 and V100 GPUs; else none: MFU n/a")
     overrides: tuple = ()  # the --set choices
 
     def __post_init__(self):
@@ -512,7 +516,8 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), init_from=init_from,
         verify_data=bool(c["verify_data"]),
         metrics=c["metrics"],
-        log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
+        log_every=c["log_every"], quiet=bool(c["quiet"]), peak_tflops=c["peak_tflops"],
+        save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
         **{k: c[k] for k in OVERLAP_SETTINGS})
 

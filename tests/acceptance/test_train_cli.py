@@ -72,8 +72,14 @@ def test_progress_lines_metrics_and_validation(tmp_path):
     assert all(np.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("step ")]
     assert len(lines) == 4, res.stdout
-    pattern = r"step +\d+ \| loss [\d.]+ \| lr [\d.e+-]+ \| norm [\d.]+ \| +[\d.]+ ms \| +[\d,]+ tok/s \| comm [\d.]+ MB"
+    pattern = (r"step +\d+/4 \| loss [\d.]+ \| lr [\d.e+-]+ \| norm [\d.]+ \| +[\d.]+ ms \| +[\d,]+ tok/s \| MFU n/a \| "
+               r"comm [\d.]+ MB \| \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d")  # (no known peak on the CPU)
     assert all(re.match(pattern, ln) for ln in lines), lines
+    assert all(r["mfu"] is None and r["elapsed_s"] > 0 and r["eta_s"] >= 0 for r in rows) and rows[-1]["eta_s"] == 0
+    # a short, readable header (issue 43): the model in a line of its family's fields, not a JSON dump
+    assert ("model: preset tiny with ['n_layer=1']: 1 layer, n_embd 128, 8 heads of 16, MLP gelu 512 (tanh), "
+            "LayerNorm" in res.stdout)
+    assert '"n_layer"' not in res.stdout and "experts" not in res.stdout, res.stdout
     assert [" | val " in ln for ln in lines] == [False, True, False, True]
     total = GPTConfig.preset("tiny").with_overrides(["n_layer=1"]).num_parameters()
     banner = re.search(r"parameters: ([\d,]+) total, ([\d,]+) on this rank", res.stdout)
