@@ -35,14 +35,17 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
 
 from cutp import train  # noqa: E402
 from cutp.models.flops import training_flops_per_token  # noqa: E402
+from cutp.train.config_file import add_config_flags, command_line_choices, config_text, save_config  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 from cutp.runtime.errors import settings_named  # noqa: E402
-from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
+from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank, install_abort_on_error  # noqa: E402
 
 
 def parse_args(argv=None):
     """Every flag is a run setting declared once in cutp.train.config (RunConfig's fields):
     its type, allowed values, default and help."""
     p = train.command_line_parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(p)
     return p.parse_args(argv)
 
 
@@ -56,11 +59,20 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
 
     # ---- configuration: every default derived, checked on every rank, before any allocation -----
     with settings_named(train.flag_name):  # their errors name the flags (the library's name the fields)
-        cfg = train.resolve_run_config(source="command line", **vars(args))
+        with errors_raised_on_every_rank(MPI.COMM_WORLD):  # --config FILE's settings, the flags over them
+            choices, print_config = command_line_choices(args)
+        cfg = train.resolve_run_config(source="command line", **choices)
+        if print_config:
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print(config_text(cfg, f"examples/train_gpt.py --config FILE (on {MPI.COMM_WORLD.Get_size()} "
+                                       "ranks) reproduces this run"), end="", flush=True)
+            return []
         setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
         run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
     disarm_setup_deadline()  # from here the collective watchdog watches every step
     ctx = run.ctx
+    if cfg.out and ctx.rank == 0:
+        save_config(cfg, cfg.out)  # the resolved settings beside the checkpoints
     log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {run.blas}")
     origin = (f"resumed from {cfg.resume}" if cfg.resume else f"initialised from {cfg.init_from}" if cfg.init_from
