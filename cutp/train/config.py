@@ -404,7 +404,8 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     fixes that are accepted (cutp.train.fixes)."""
     try:
         cfg = _derive_run_config(choices, world, ranks_per_node)
-        refuse_ignored({k for k, v in choices.items() if v is not None and v != [] and v is not False}, cfg)
+        # a setting given other than its default (the default is what happens anyway)
+        refuse_ignored({k for k, v in choices.items() if v not in (None, [], False) and v != CHOICES.get(k)}, cfg)
         return cfg
     except ConfigError as e:
         raise with_working_fixes(e, _derive_run_config, choices, world, ranks_per_node) from None
