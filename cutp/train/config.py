@@ -62,7 +62,7 @@ from .fixes import with_working_fixes
 from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
                        layout_text, refuse_ignored, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
 from .pipeline import SCHEDULES
-from .settings import Setting, declared, flag_of, setting
+from .settings import Setting, add_flag, declared, flag_of, setting
 from .settings import command_line_parser as command_line_parser_of
 
 
@@ -352,6 +352,15 @@ def command_line_parser(**parser_args) -> argparse.ArgumentParser:
     defaulting to None (not given); `vars(parser.parse_args())` goes to resolve_run_config.
     ConfigErrors name the flags when rendered with `flag_name`."""
     return command_line_parser_of(SETTINGS, **parser_args)
+
+
+def add_setting_flags(parser, defaults: dict, aliases: dict | None = None) -> None:
+    """Another command's flags for the training settings it takes (`cutp bench model`, `cutp
+    plan`): declared here once, so each has one name and one meaning in all of them; `defaults`:
+    {setting: that command's default} (None: not given), `aliases`: {setting: older spellings}."""
+    for name, default in defaults.items():
+        s, declared_default = SETTINGS[name]
+        add_flag(parser, name, s, declared_default, default, (aliases or {}).get(name, ()))
 
 
 def _one_start(resume, init_from) -> None:
