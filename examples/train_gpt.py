@@ -110,6 +110,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     if cfg.save_on_signal and not cfg.out:
         log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")
     metrics = train.MetricsLog(cfg.metrics, ctx.rank, resumed_step=run.start_step if cfg.resume else None)
+    board = train.TensorBoardLog(cfg.tensorboard, ctx.rank, resumed_step=run.start_step if cfg.resume else None)
     history, first = [], True
     peak = cfg.peak_tflops or train.known_peak_tflops(train.gpu_name(cfg.device), cfg.model.dtype, cfg.allow_tf32)
     progress = train.Progress(training_flops_per_token(cfg.model, cfg.seq_len), peak, ctx.world_size, run.step,
@@ -140,6 +141,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         if keep_history:
             history.append(rec)
         metrics.write(rec)
+        board.write(rec)
         if step % cfg.log_every == 0 or "val_loss" in rec:
             log(train.progress_line(rec, cfg.steps))
         if cfg.save_every and step % cfg.save_every == 0:
@@ -151,6 +153,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
             break
     save()
     metrics.close()
+    board.close()
     run.close()
     return history
 

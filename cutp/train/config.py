@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from .fixes import with_working_fixes
 from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
                        layout_text, refuse_ignored, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
 from .pipeline import SCHEDULES
+from .reporting import TENSORBOARD_HINT
 from .settings import Setting, add_flag, declared, flag_of, setting
 from .settings import command_line_parser as command_line_parser_of
 
@@ -209,6 +211,10 @@ class RunConfig:
         optional=True, metavar="SECONDS", derived="$CUTP_COLLECTIVE_TIMEOUT or 600")
     metrics: str | None = setting(None, "JSONL file, one object per step (rank 0 writes)", "logging", optional=True,
                                   metavar="PATH")
+    tensorboard: str | None = setting(None, "TensorBoard event files of each step's scalars (loss, val loss, lr, "
+                                      "grad norm, tokens/s, MFU, memory, MoE load, exposed communication), written "
+                                      "by rank 0 through tensorboardX (pip install -e '.[tensorboard]')", "logging",
+                                      optional=True, metavar="DIR")
     log_every: int = setting(1, "a progress line every N steps", "logging", kind=int, at_least=1)
     quiet: bool = setting(False, "no progress lines (warnings are still printed)", "logging", kind=bool)
     peak_tflops: float | None = setting(
@@ -444,6 +450,9 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
     device = resolve_device(c["device"])
 
     run = _run_settings(choices, meta)
+    if c["tensorboard"] and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(f"`tensorboard` writes through the tensorboardX package, which is not installed: "
+                          f"{TENSORBOARD_HINT}, or omit `tensorboard`")
     if c["verify_data"] and not (isinstance(run["data"], str) and os.path.isdir(run["data"])):
         raise ConfigError(f"`verify_data` checks the digests of a directory written by python -m cutp prepare-data, "
                           f"and `data` is {run['data'] or 'not given (the embedded corpus)'}: omit `verify_data`")
@@ -526,7 +535,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), init_from=init_from,
         verify_data=bool(c["verify_data"]),
         metrics=c["metrics"],
-        log_every=c["log_every"], quiet=bool(c["quiet"]), peak_tflops=c["peak_tflops"],
+        tensorboard=c["tensorboard"], log_every=c["log_every"], quiet=bool(c["quiet"]), peak_tflops=c["peak_tflops"],
         save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
         **{k: c[k] for k in OVERLAP_SETTINGS})

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runtime.errors import UserError
+
 
 class MetricsLog:
     """Rank 0's JSONL metrics file (no file on other ranks, or without a path)."""
@@ -58,6 +60,64 @@ class MetricsLog:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+# A metrics row's scalars as TensorBoard tags (TensorBoardLog): {row key: tag}; the MoE load and the
+# memory of the first step by their own keys under moe/ and memory/.
+TENSORBOARD_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                    "loss_scale": "train/loss_scale", "ms": "perf/step_ms", "tokens_per_s": "perf/tokens_per_s",
+                    "mfu": "perf/mfu", "comm_mb": "comm/mb", "comm_ms": "comm/ms", "exposed_comm_ms": "comm/exposed_ms",
+                    "overlap_fraction": "comm/overlap_fraction", "dp_overlap_fraction": "comm/dp_overlap_fraction",
+                    "link_exposed_ms": "comm/link_exposed_ms", "pipeline_wait_ms": "comm/pipeline_wait_ms"}
+TENSORBOARD_HINT = "pip install tensorboardX (cutp's extra: pip install -e '.[tensorboard]')"
+
+
+class TensorBoardLog:
+    """Rank 0's TensorBoard event files in `directory` (--tensorboard DIR), through tensorboardX's
+    writer: each metrics row's scalars (`TENSORBOARD_TAGS`; MoE load under moe/, memory under
+    memory/) at its step. A resumed run first drops the events after its checkpoint's step (a
+    crashed run wrote them; those steps run again). The JSONL file (MetricsLog) stays the record."""
+
+    def __init__(self, directory: str | None, rank: int, resumed_step: int | None = None):
+        self.writer = None
+        if not directory or rank != 0:
+            return
+        try:
+            from tensorboardX import SummaryWriter  # optional: the writer of --tensorboard, an extra
+        except ImportError:
+            raise UserError(f"--tensorboard needs the tensorboardX package: {TENSORBOARD_HINT}") from None
+        # (the file's name holds the first step: tensorboardX names it by the second it opened)
+        self.writer = SummaryWriter(directory, purge_step=None if resumed_step is None else resumed_step + 1,
+                                    filename_suffix=f".from-step-{(resumed_step or 0) + 1}")
+
+    def write(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = record["step"]
+        for key, value in tensorboard_scalars(record).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def tensorboard_scalars(record: dict) -> dict:
+    """{tag: value} of a metrics row (TensorBoardLog)."""
+    out = {tag: float(record[k]) for k, tag in TENSORBOARD_TAGS.items()
+           if isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)}
+    for k, v in record.items():
+        if k.startswith("moe_"):
+            if isinstance(v, list) and len(v) == 3:  # tokens per expert: min, mean, max
+                out.update({f"moe/{k[4:]}_{n}": float(x) for n, x in zip(("min", "mean", "max"), v)})
+            elif isinstance(v, (int, float)):
+                out[f"moe/{k[4:]}"] = float(v)
+    for k, v in (record.get("memory") or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("ranks", "params_local"):
+            out[f"memory/{k}"] = float(v)
+    return out
 
 
 def progress_line(record: dict, steps: int | None = None) -> str:

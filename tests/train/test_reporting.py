@@ -34,3 +34,37 @@ def test_the_peak_is_known_for_common_gpus_not_for_the_cpu():
     assert known_peak_tflops("NVIDIA A100-SXM4-80GB", "float32", True) == 156.0
     assert known_peak_tflops(None, "float32", False) is None
     assert known_peak_tflops("NVIDIA H100", "float64", False) is None
+
+
+def test_tensorboard_scalars_read_back_by_tensorboards_own_loader(tmp_path):
+    """The event files --tensorboard writes (tensorboardX), read with tensorboard's EventAccumulator;
+    a resumed run drops the events after its step."""
+    import pytest
+
+    pytest.importorskip("tensorboardX", reason="the tensorboardX writer is not installed (pip install -e '.[tensorboard]')")
+    pytest.importorskip("tensorboard", reason="the tensorboard reader is not installed (the test extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cutp.train.reporting import TensorBoardLog
+
+    rows = [{"step": s, "loss": 5.0 - s, "lr": 1e-3, "grad_norm": 2.0, "ms": 10.0, "tokens_per_s": 100.0 * s,
+             "mfu": 0.25, "comm_mb": 1.0, "exposed_comm_ms": 0.5, "moe_aux_loss": 0.01, "moe_dropped": 0.0,
+             "moe_tokens_per_expert": [1.0, 2.0, 3.0]} for s in (1, 2, 3)]
+    rows[0]["memory"] = {"params": 1000, "activations_peak": 5000, "ranks": 2}
+    rows[1]["val_loss"] = 3.5
+    log = TensorBoardLog(str(tmp_path), 0)
+    for r in rows:
+        log.write(r)
+    log.close()
+    resumed = TensorBoardLog(str(tmp_path), 0, resumed_step=2)  # step 3 again, another loss
+    resumed.write({**rows[2], "loss": 1.5})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "memory/params",
+            "memory/activations_peak", "moe/aux_loss", "moe/tokens_per_expert_max", "comm/exposed_ms"} <= tags, tags
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 4.0), (2, 3.0), (3, 1.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(2, 3.5)]
+    assert [e.value for e in acc.Scalars("perf/tokens_per_s")] == [100.0, 200.0, 300.0]
+    assert "memory/ranks" not in tags and TensorBoardLog(str(tmp_path / "x"), 1).writer is None  # rank 0 only
