@@ -176,7 +176,7 @@ class RunConfig:
                                derived="the Python standard library's sources")
     verify_data: bool = setting(False, "before training, read every shard of a prepared --data whole and check it "
                                 "against meta.json's digests (as python -m cutp verify-data DIR; opening the data "
-                                "always checks each shard's header and size)", "run", kind=bool)
+                                "always checks each shard's header and size)", "invocation", kind=bool)
     # this invocation: how far, what stops it, evaluation, checkpoints, logging
     run_steps: int | None = setting(
         None, "stop (and checkpoint) after this many steps of this invocation, e.g. to fit a job's time limit",
