@@ -31,15 +31,21 @@ def _fixes(text: str) -> list:
 
 
 def _grid():
-    """A deterministic fifth of rank counts x tp x cp x pp x dp x seq-len x heads."""
+    """A deterministic eleventh of rank counts x tp x cp x pp x dp x seq-len x heads (a stride prime to
+    every dimension's size, so that each value of each is sampled)."""
     cells = itertools.product((1, 2, 3, 4, 6, 7, 8), (None, 1, 2, 4), (None, 2, 4), (None, 2), (None, 2), (8, 12, 16),
                               (4, 6))
     for i, (world, tp, cp, pp, dp, seq, heads) in enumerate(cells):
-        if i % 5:
+        if i % 11:
             continue
         given = {k: v for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)) if v is not None}
         yield world, {"preset": "tiny", "device": "cpu", "set": [f"n_head={heads}", f"n_embd={8 * heads}"],
                       "seq_len": seq, **given}
+    # and all of the cells where cp divides the ranks, so that the sequence length is what is refused
+    for world, cp, seq, heads in itertools.product((2, 4, 8), (2, 4), (6, 8, 12), (4, 6)):
+        if world % cp == 0:
+            yield world, {"preset": "tiny", "device": "cpu", "set": [f"n_head={heads}", f"n_embd={8 * heads}"],
+                          "seq_len": seq, "cp": cp}
 
 
 def test_every_fix_a_refusal_proposes_is_accepted():
@@ -59,7 +65,7 @@ def test_every_fix_a_refusal_proposes_is_accepted():
             except ConfigError as e:
                 pytest.fail(f"on {world} ranks {choices}: {text!r} proposes {ranks or change}, refused: {e}")
             checked += 1
-    assert refused > 100 and checked > refused, (refused, checked)
+    assert refused > 60 and checked > refused, (refused, checked)
 
 
 @pytest.mark.parametrize("world,given,expect", [
