@@ -41,12 +41,20 @@ from cutp.runtime.errors import settings_named  # noqa: E402
 from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank, install_abort_on_error  # noqa: E402
 
 
-def parse_args(argv=None):
-    """Every flag is a run setting declared once in cutp.train.config (RunConfig's fields):
-    its type, allowed values, default and help."""
+def parse_command_line(argv=None) -> tuple[dict, bool]:
+    """(the settings of the command line: its --config file's, the flags given over them;
+    --print-config). Every flag is a run setting declared once in cutp.train.config (RunConfig's
+    fields): its type, allowed values, default and help. Collective (a file's error: every rank)."""
     p = train.command_line_parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    with errors_raised_on_every_rank(MPI.COMM_WORLD):
+        return command_line_choices(args)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The settings of the command line as a Namespace: vars() of it go to resolve_run_config."""
+    return argparse.Namespace(**parse_command_line(argv)[0])
 
 
 def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = True):
@@ -54,13 +62,13 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     (none kept with keep_history=False, as the script runs: a long run's memory must not grow with
     its steps; the rows are in the --metrics file). `hooks` reach inside each step (tests inject
     faults through them)."""
-    args = parse_args(argv)
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
 
     # ---- configuration: every default derived, checked on every rank, before any allocation -----
     with settings_named(train.flag_name):  # their errors name the flags (the library's name the fields)
-        with errors_raised_on_every_rank(MPI.COMM_WORLD):  # --config FILE's settings, the flags over them
-            choices, print_config = command_line_choices(args)
+        choices, print_config = parse_command_line(argv)  # --config FILE's settings, the flags over them
+        with errors_raised_on_every_rank(MPI.COMM_WORLD):  # --resume DIR: its checkpoints go on into DIR
+            choices = train.resume_out(choices)
         cfg = train.resolve_run_config(source="command line", **choices)
         if print_config:
             if MPI.COMM_WORLD.Get_rank() == 0:

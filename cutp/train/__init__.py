@@ -22,7 +22,7 @@ memory     memory per rank, measured: state_bytes (params, grads, optimizer), Ac
     run.close()
 """
 from .config import (CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_parser, flag_name, resolve_run_config,
-                     resume_note)
+                     resume_note, resume_out)
 from .defaults import choose_tp, default_preset
 from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
 from .reporting import MetricsLog, Progress, TensorBoardLog, bucket_line, gpu_name, known_peak_tflops, model_summary, progress_line
@@ -31,7 +31,7 @@ from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume
 
 __all__ = [
     "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",
-    "flag_name", "resolve_run_config", "resume_note",
+    "flag_name", "resolve_run_config", "resume_note", "resume_out",
     "MetricsLog", "Progress", "TensorBoardLog", "bucket_line", "gpu_name", "known_peak_tflops", "model_summary", "progress_line", "StopOnSignal",
     "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",
     "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",

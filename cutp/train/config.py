@@ -187,7 +187,7 @@ class RunConfig:
                               at_least=0)
     eval_batches: int = setting(4, "validation batches", "invocation", kind=int, at_least=1)
     out: str | None = setting(None, "run directory for the checkpoints", "invocation", optional=True, metavar="DIR",
-                              derived="with --resume, the resumed run's directory; else none: no checkpoints")
+                              derived="with --resume, the resumed run's directory (the command line's); else none: no checkpoints")
     overwrite: bool = setting(False, "--out may hold another run's checkpoints: they are removed once this run's "
                               "first one is saved", "invocation", kind=bool)
     save_every: int = setting(0, "a checkpoint every N steps (0: only at the end)", "invocation", kind=int,
@@ -436,8 +436,6 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         resume_dir = resolve_checkpoint(choices["resume"])
         meta = read_meta(resume_dir)
         choices = resumed_choices(choices, meta.get("train_args") or {}, world)
-        if choices.get("out") is None and re.fullmatch(r"step-\d+", os.path.basename(os.path.normpath(resume_dir))):
-            choices["out"] = os.path.dirname(os.path.normpath(resume_dir))
     c = {k: (v if v is not None else CHOICES[k]) for k, v in {**CHOICES, **choices}.items()}
     c["set"] = tuple(c["set"] or ())
     if c["metrics"]:  # its directory now, not at the first write after minutes of setup
@@ -539,6 +537,18 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
         **{k: c[k] for k in OVERLAP_SETTINGS})
+
+
+def resume_out(choices: dict) -> dict:
+    """A command line's `resume` without `out` (examples/train_gpt.py): the checkpoints go on into
+    the resumed run's directory (the step-* checkpoint's parent). A library caller's `out` None
+    stays None: no checkpoints (two sub-communicators may resume one checkpoint side by side)."""
+    if not choices.get("resume") or choices.get("out") is not None:
+        return choices
+    checkpoint = os.path.normpath(resolve_checkpoint(choices["resume"]))
+    if not re.fullmatch(r"step-\d+", os.path.basename(checkpoint)):
+        return choices
+    return {**choices, "out": os.path.dirname(checkpoint)}
 
 
 def resume_note(cfg: RunConfig) -> str | None:

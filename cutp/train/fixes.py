@@ -7,7 +7,9 @@ reads (`proposed`): "use a `cp` from [1, 2]", "use tp in [1, 2]", "omit `dp`", "
 "`tp` 2 with `dp` 2". When each of them works the refusal is left as written. Otherwise the fixes
 are written again (`with_working_fixes`): those proposed that work, and what a search finds: each
 mesh size or sequence length given, changed alone (`SEARCHED`) or omitted, and the smallest
-number of ranks that runs the settings as given. (Checked: tests/train/test_refusal_fixes.py
+number of ranks that runs the settings as given; when none of those runs, two given settings
+omitted together, or a proposed fix on the smallest number of ranks that runs it ("`tp` 2 on 2
+ranks"). (Checked: tests/train/test_refusal_fixes.py
 over a grid of rank counts x tp x cp x pp x dp x seq-len x heads.)
 """
 from __future__ import annotations
@@ -91,6 +93,10 @@ def _render(fixes: list) -> str:
     parts, lists = [], {}
     ranks_shown = False
     for ranks, change in fixes:
+        if ranks is not None and change:  # a change on another number of ranks
+            parts.append(" with ".join(f"`{k}` {v}" for k, v in change.items()) + f" on {ranks} rank"
+                         + ("s" if ranks > 1 else "") + f" (mpirun -np {ranks})")
+            continue
         if ranks is not None and ranks_shown:
             continue  # the smallest rank count only (the fixes come sorted)
         if ranks is not None:
@@ -137,11 +143,19 @@ def with_working_fixes(error: ConfigError, derive, choices: dict, world: int, ra
         given = [n for n in SEARCHED if choices.get(n) is not None]
         good = [f for f in ((None, {a: None, b: None}) for i, a in enumerate(given) for b in given[i + 1:])
                 if _works(derive, choices, world, ranks_per_node, f)]
+    if not good:  # a proposed fix on another number of ranks (the smallest that runs it)
+        for _, change in fixes:
+            if change:
+                n = next((n for n in range(1, 65) if n != world and _works(derive, choices, world, ranks_per_node,
+                                                                            (n, change))), None)
+                if n is not None:
+                    good.append((n, change))
     head = message.partition("; ")[0]
     if not good:
         text = f"{head}; no one change of the given settings or of the rank count runs: revise the layout"
     else:
-        text = f"{head}; {_render(sorted(good, key=lambda f: (f[0] is not None, f[0] or 0)))}"
+        rendered = _render(sorted(good, key=lambda f: (f[0] is not None, f[0] or 0)))
+        text = f"{head}; {'use ' if rendered.startswith('`') else ''}{rendered}"
     rebuilt = type(error)(text)
     rebuilt.__dict__.update(error.__dict__)
     return rebuilt

@@ -487,7 +487,7 @@ def test_resume_reproduces_steps_bit_identically(tmp_path):
     run_mpi(4, TRAIN, args + ["--steps", "20", "--save-every", "5", "--keep", "2", "--out", str(run),
                               "--metrics", str(full)], timeout=240)
     # --keep 2: the run directory keeps the two newest checkpoints and points `latest` at the last
-    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000015", "step-00000020"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.toml", "latest", "step-00000015", "step-00000020"]
     assert json.loads((run / "latest").read_text()) == {"step": 20, "path": "step-00000020"}
     ckpt = run / "step-00000015"
     run_mpi(4, TRAIN, args + ["--steps", "20", "--resume", str(ckpt), "--metrics", str(part), "--out", str(rerun)],

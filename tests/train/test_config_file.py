@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from cutp import train
 from cutp.runtime.errors import ConfigError
-from cutp.train.config_file import CONFIG_FILE, command_line_choices, config_text, read_config_file, save_config
+from cutp.train.config_file import CONFIG_FILE, config_text, read_config_file, save_config
 
 FILE = """
 [model]
@@ -41,7 +41,7 @@ def _script():
 
 
 def _config(script, argv):
-    choices, _ = command_line_choices(script.parse_args(argv + ["--device", "cpu"]))
+    choices, _ = script.parse_command_line(argv + ["--device", "cpu"])
     return train.resolve_run_config(MPI.COMM_SELF, **choices)
 
 

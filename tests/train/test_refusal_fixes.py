@@ -24,6 +24,9 @@ def _fixes(text: str) -> list:
     for multiple, n in re.findall(r"start (a multiple of )?(\d+) ranks", text):
         out += [(int(n), {})] + ([(2 * int(n), {})] if multiple else [])
     out += [(None, {"seq_len": int(n)}) for n in re.findall(r"--seq-len that is a multiple of (\d+)", text)]
+    for combo, n in re.findall(r"((?:--[a-z-]+ [0-9][0-9,]*(?: with )?)+) on (\d+) ranks?", text):
+        out.append((int(n), {k.replace("-", "_"): int(v) for k, v in re.findall(r"--([a-z-]+) ([0-9]+)", combo)}))
+    text = re.sub(r"((?:--[a-z-]+ [0-9][0-9,]*(?: with )?)+) on (\d+) ranks?", "", text)
     for combo in re.findall(r"(?:give|use|or|,) ((?:--[a-z-]+ [0-9][0-9,]*(?: with )?)+)", text):
         out.append((None, {k.replace("-", "_"): int(v) if v.isdigit() else v
                            for k, v in re.findall(r"--([a-z-]+) ([0-9]+(?:,[0-9]+)*)", combo)}))

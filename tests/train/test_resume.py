@@ -6,7 +6,7 @@ import os
 
 from cutp.checkpoint import save_checkpoint
 from cutp.models import GPT, GPTConfig
-from cutp.train.config import derive_run_config, resume_note
+from cutp.train.config import derive_run_config, resume_note, resume_out
 from tests.tp_utils import self_ctx
 
 TINY = {"preset": "tiny", "device": "cpu", "set": ["n_layer=1"]}
@@ -26,8 +26,9 @@ def _saved_run(tmp_path):
 
 def test_resume_keeps_the_run_directory_layout_and_cadence(tmp_path):
     run = _saved_run(tmp_path)
-    cfg = derive_run_config({"resume": run, "device": "cpu"}, 4, 4)
+    cfg = derive_run_config(resume_out({"resume": run, "device": "cpu"}), 4, 4)  # (the command line's out)
     assert cfg.out == run and cfg.resume == os.path.join(run, "step-00000002")  # checkpoints go on in run/
+    assert derive_run_config({"resume": run, "device": "cpu"}, 4, 4).out is None  # a library caller's: none
     assert (cfg.tp, cfg.dp, cfg.micro_batch_size) == (2, 2, 2)  # not tp 4, the machine's choice on 4 ranks
     assert (cfg.save_every, cfg.eval_every, cfg.metrics, cfg.steps, cfg.seq_len) == \
         (2, 5, str(tmp_path / "m.jsonl"), 6, 16)
@@ -37,7 +38,7 @@ def test_resume_keeps_the_run_directory_layout_and_cadence(tmp_path):
     assert other.out == str(tmp_path / "b") and (other.tp, other.dp) == (4, 1)
     assert resume_note(other) == "layout: tp 4 x dp 1, the resumed run's was tp 2 x dp 2 (the math is the same)"
     # on another number of ranks the layout cannot be the run's: derived, and said
-    two = derive_run_config({"resume": run, "device": "cpu"}, 2, 2)
+    two = derive_run_config(resume_out({"resume": run, "device": "cpu"}), 2, 2)
     assert (two.tp * two.dp, two.save_every) == (2, 2)
     assert resume_note(two).startswith(f"layout: tp {two.tp} x dp {two.dp}, the resumed run's was tp 2 x dp 2")
 
