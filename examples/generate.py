@@ -78,6 +78,13 @@ def load(ckpt: str, ctx, dtype: str):
     return from_hf(ctx, ckpt, dtype=dtype)  # by config.json's model_type
 
 
+def shown_text(tok, prompt: list, new: list) -> str:
+    """The prompt and its continuation as text, without the BOS the tokenizer's template put first
+    (a model's input, not the user's text)."""
+    bos = getattr(tok, "bos_id", None)
+    return tok.decode((prompt[1:] if prompt and bos is not None and prompt[0] == bos else prompt) + new)
+
+
 def main(argv=None):
     args = parse_args(argv)
     world = MPI.COMM_WORLD.Get_size()
@@ -110,7 +117,7 @@ def main(argv=None):
                    seed=args.seed, stop_token=stop)
     if ctx.rank == 0:
         if tok is not None:
-            print(tok.decode(prompt + new), flush=True)
+            print(shown_text(tok, prompt, new), flush=True)
         else:
             print(f"(printing token ids: {why})", file=sys.stderr)
             print(",".join(map(str, prompt + new)), flush=True)

@@ -2,7 +2,7 @@
 
     mpirun -np 8 python examples/train_gpt.py                       # picks tp and a preset for the machine
     mpirun -np 2 python examples/train_gpt.py --preset tiny --steps 200 --out out/tiny
-    mpirun -np 4 python examples/train_gpt.py --tp 2 --dp 2 --resume out/tiny
+    mpirun -np 2 python examples/train_gpt.py --resume out/tiny --steps 400        # goes on in out/tiny, as it ran
     mpirun -np 2 python examples/train_gpt.py --init-from path/to/gpt2 --data train.bin --lr 3e-5  # fine-tune
 
 One optimizer step (cutp.train.train_step): `accum` micro-batches of forward + backward per DP
@@ -19,9 +19,9 @@ checks live in cutp.train.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+import time
 
 try:
     import cutp
@@ -34,15 +34,27 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
     arm_setup_deadline(timeout_from_argv(sys.argv[1:]))
 
 from cutp import train  # noqa: E402
+from cutp.models.flops import training_flops_per_token  # noqa: E402
+from cutp.train.config_file import add_config_flags, command_line_choices, config_text, save_config  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 from cutp.runtime.errors import settings_named  # noqa: E402
-from cutp.runtime.failure import config_errors_exit, install_abort_on_error  # noqa: E402
+from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank, install_abort_on_error  # noqa: E402
 
 
-def parse_args(argv=None):
-    """Every flag is a run setting declared once in cutp.train.config (RunConfig's fields):
-    its type, allowed values, default and help."""
+def parse_command_line(argv=None) -> tuple[dict, bool]:
+    """(the settings of the command line: its --config file's, the flags given over them;
+    --print-config). Every flag is a run setting declared once in cutp.train.config (RunConfig's
+    fields): its type, allowed values, default and help. Collective (a file's error: every rank)."""
     p = train.command_line_parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return p.parse_args(argv)
+    add_config_flags(p)
+    args = p.parse_args(argv)
+    with errors_raised_on_every_rank(MPI.COMM_WORLD):
+        return command_line_choices(args)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The settings of the command line as a Namespace: vars() of it go to resolve_run_config."""
+    return argparse.Namespace(**parse_command_line(argv)[0])
 
 
 def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = True):
@@ -50,21 +62,33 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     (none kept with keep_history=False, as the script runs: a long run's memory must not grow with
     its steps; the rows are in the --metrics file). `hooks` reach inside each step (tests inject
     faults through them)."""
-    args = parse_args(argv)
     install_abort_on_error()  # an error on any rank ends the whole job, with that rank's traceback
 
     # ---- configuration: every default derived, checked on every rank, before any allocation -----
     with settings_named(train.flag_name):  # their errors name the flags (the library's name the fields)
-        cfg = train.resolve_run_config(source="command line", **vars(args))
+        choices, print_config = parse_command_line(argv)  # --config FILE's settings, the flags over them
+        with errors_raised_on_every_rank(MPI.COMM_WORLD):  # --resume DIR: its checkpoints go on into DIR
+            choices = train.resume_out(choices)
+        cfg = train.resolve_run_config(source="command line", **choices)
+        if print_config:
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print(config_text(cfg, f"examples/train_gpt.py --config FILE (on {MPI.COMM_WORLD.Get_size()} "
+                                       "ranks) reproduces this run"), end="", flush=True)
+            return []
         setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
         run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
     disarm_setup_deadline()  # from here the collective watchdog watches every step
     ctx = run.ctx
+    if cfg.out and ctx.rank == 0:
+        save_config(cfg, cfg.out)  # the resolved settings beside the checkpoints
     log = print if (ctx.rank == 0 and not cfg.quiet) else (lambda *a, **k: None)
     log(f"cutp {cutp.__version__} | {ctx.describe()} | {run.blas}")
     origin = (f"resumed from {cfg.resume}" if cfg.resume else f"initialised from {cfg.init_from}" if cfg.init_from
               else f"preset {cfg.preset}") + (f" with {list(cfg.overrides)}" if cfg.overrides and not cfg.resume else "")
-    log(f"model: {origin}: {json.dumps(cfg.model.to_dict())}")
+    note = train.resume_note(cfg)
+    if note:
+        log(note)
+    log(f"model: {origin}: {train.model_summary(cfg.model)}")
     log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
         f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")
     state = train.max_over_ranks(ctx, train.memory_record(run))  # measured from the live arrays (collective)
@@ -86,11 +110,22 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         + (f" | context parallel over cp={cfg.cp} ({cfg.cp_comm}): {cfg.seq_len // cfg.cp} tokens per rank"
            if cfg.cp > 1 else ""))
 
+    buckets = train.bucket_line(run)
+    if buckets:
+        log(buckets)
+
     stop = train.StopOnSignal(cfg.save_on_signal)
     if cfg.save_on_signal and not cfg.out:
         log("note: no --out: a SIGTERM/SIGINT stops the run after the current step without a checkpoint")
     metrics = train.MetricsLog(cfg.metrics, ctx.rank, resumed_step=run.start_step if cfg.resume else None)
+    board = train.TensorBoardLog(cfg.tensorboard, ctx.rank, resumed_step=run.start_step if cfg.resume else None)
     history, first = [], True
+    peak = cfg.peak_tflops or train.known_peak_tflops(train.gpu_name(cfg.device), cfg.model.dtype, cfg.allow_tf32)
+    progress = train.Progress(training_flops_per_token(cfg.model, cfg.seq_len), peak, ctx.world_size, run.step,
+                              run.end_step)
+    log(f"MFU: {training_flops_per_token(cfg.model, cfg.seq_len) / 1e6:,.1f} MFLOP per token trained over "
+        + (f"{peak:g} TFLOP/s per rank" if peak else "an unknown peak (n/a; --peak-tflops gives it)"))
+    progress.start(time.perf_counter())
 
     def save():
         path = train.save(run)
@@ -105,7 +140,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         else:  # the first step also measures the memory per rank (its results are the same)
             stats, memory = train.measured_step(run, hooks)
             first = False
-        step, rec = stats.step, stats.record()
+        step, rec = stats.step, progress.add(stats.record(), time.perf_counter())
         if memory:
             rec["memory"] = memory
             log(f"memory per rank (largest of {ctx.world_size}): {train.memory.peak_line(memory, step)}")
@@ -114,8 +149,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
         if keep_history:
             history.append(rec)
         metrics.write(rec)
+        board.write(rec)
         if step % cfg.log_every == 0 or "val_loss" in rec:
-            log(train.progress_line(rec))
+            log(train.progress_line(rec, cfg.steps))
         if cfg.save_every and step % cfg.save_every == 0:
             save()
         if stop.agreed(ctx):
@@ -125,6 +161,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
             break
     save()
     metrics.close()
+    board.close()
     run.close()
     return history
 

@@ -20,6 +20,7 @@ import sys
 from ..runtime import backend
 from ..runtime.errors import ConfigError
 from ..runtime.threads import available_cores
+from ..train.config import add_setting_flags
 from ..plan import cli as plan_cli
 from . import comm, compare_torch, kernels, model
 from .plot import plot_report
@@ -64,40 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     _common(c)
 
     m = sub.add_parser("model", help="a training step (run under mpiexec -n tp*cp*dp*pp)")
-    m.add_argument("--preset", default="tiny")
-    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a GPTConfig field")
-    m.add_argument("--tp", type=int, default=1)
-    m.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    m.add_argument("--pp-schedule", default=None, choices=["1f1b", "gpipe", "interleaved"],
-                   help="default 1f1b (interleaved with --pp-virtual > 1)")
-    m.add_argument("--pp-virtual", type=int, default=None, help="model chunks per stage (interleaved schedule)")
-    m.add_argument("--pp-layers", default=None, help="layers of each stage (of each model chunk with --pp-virtual), "
-                   "e.g. 8,4 (default: even)")
-    m.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence over cp ranks")
-    m.add_argument("--cp-comm", default="ring", choices=["ring", "a2a"], help="context parallelism's attention")
-    m.add_argument("--dp", type=int, default=None, help="default: world size / (tp * cp * pp)")
-    m.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    m.add_argument("--allow-tf32", action="store_true", help="float32 GEMMs round their operands to TF32")
-    m.add_argument("--distributed-optimizer", action="store_true", help="optimizer state sharded over DP (ZeRO-1)")
-    m.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="activation recomputation (selective: the core attention; full: whole layers)")
-    m.add_argument("--sequence-parallel", action="store_true", help="activations split along the sequence over TP")
-    m.add_argument("--batch-size", type=int, default=None, help="sequences per DP rank (default 8)")
-    m.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward (default: the batch)")
-    m.add_argument("--seq-len", type=int, default=None, help="default: block size (at most 256 on the CPU)")
+    # the training settings: declared once in cutp.train.config (train_gpt.py's flags, same names and meanings;
+    # --batch-size is the global batch), with this command's defaults
+    add_setting_flags(m, {"preset": "tiny", "set": [], "tp": 1, "pp": 1, "pp_schedule": None, "pp_virtual": None,
+                          "pp_layers": None, "cp": 1, "cp_comm": "ring", "dp": None, "device": "auto",
+                          "dtype": "float32", "allow_tf32": False, "distributed_optimizer": False, "recompute": "none",
+                          "sequence_parallel": False, "batch_size": None, "micro_batch_size": None, "seq_len": None,
+                          "overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
+                          "bucket_size": None, "link_bandwidth": None, "link_latency": 5.0})
+    # the benchmark's own
     m.add_argument("--steps", type=int, default=5, help="measured steps")
     m.add_argument("--warmup", type=int, default=2, help="steps before measuring")
     m.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--no-comm-timing", action="store_true", help="do not wrap the communicators")
-    m.add_argument("--overlap-grad-reduce", action="store_true", help="DP gradient buckets reduced during backward")
-    m.add_argument("--overlap-param-gather", action="store_true", help="ZeRO: parameters gathered during forward")
-    m.add_argument("--tp-comm-overlap", action="store_true", help="column-parallel dX collective under the wgrad GEMM")
-    m.add_argument("--bucket-size", type=int, default=None, help="elements per DP gradient bucket")
-    m.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
-                   help="simulate an interconnect of this bandwidth under every group")
-    m.add_argument("--link-latency", type=float, default=5.0, metavar="us", help="the simulated link's latency")
     _common(m)
 
     t = sub.add_parser("compare-torch", help="cutp vs PyTorch eager, CPU float32 (needs torch)")

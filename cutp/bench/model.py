@@ -239,12 +239,12 @@ def run(args) -> Report:
     world = MPI.COMM_WORLD
     cp = getattr(args, "cp", 1)
     dp = args.dp or max(1, world.Get_size() // (args.tp * cp * args.pp))
-    B = args.batch_size or 8  # sequences per DP rank
+    B = args.batch_size // dp if args.batch_size else 8  # sequences per DP rank (--batch-size: the global batch)
     model = GPTConfig.preset(args.preset, dtype=args.dtype).with_overrides(args.set)
     T = min(args.seq_len or (min(model.block_size, 256) if device == "cpu" else model.block_size), model.block_size)
     # the training step of cutp.train, at a constant learning rate, on random tokens
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
-                             dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=B * dp,
+                             dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=args.batch_size or B * dp,
                              pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
                              pp_layers=args.pp_layers, cp=cp, cp_comm=getattr(args, "cp_comm", "ring"),
                              micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,

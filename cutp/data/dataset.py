@@ -28,6 +28,7 @@ import numpy as np
 
 from ..runtime.errors import ConfigError
 from .shards import ShardedTokens, is_shard, load_split, read_meta, read_shard
+from .tokenizer import ByteTokenizer
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 DEFAULT_CORPUS_BYTES = 16 << 20  # cap, so start-up stays fast on any Python
@@ -40,7 +41,7 @@ class Dataset:
     val: np.ndarray | ShardedTokens
     vocab_size: int
     description: str
-    tokenizer: dict | None = None  # prepared data: its tokenizer's identity (cutp.data.tokenizer)
+    tokenizer: dict | None = None  # its tokenizer's identity (cutp.data.tokenizer): prepared data's, or bytes; None: unknown (a .bin)
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> str:
@@ -104,7 +105,8 @@ def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> Dataset:
     tr = np.frombuffer(b"\n".join(train), np.uint8)
     va = np.frombuffer(b"\n".join(val), np.uint8)
     return Dataset(tr, va, 256, f"Python {sysconfig.get_python_version()} standard library sources "
-                               f"({len(train) + len(val)} files, {total / 2**20:.1f} MiB, byte-level)")
+                               f"({len(train) + len(val)} files, {total / 2**20:.1f} MiB, byte-level)",
+                   tokenizer=ByteTokenizer().identity())
 
 
 def load_dataset(path: str | None) -> Dataset:
@@ -134,7 +136,8 @@ def load_dataset(path: str | None) -> Dataset:
         data = f.read()
     tokens = np.frombuffer(data, np.uint8)
     cut = int(len(tokens) * 0.9)
-    return Dataset(tokens[:cut], tokens[cut:], 256, f"{path} (byte-level, {len(tokens):,} bytes)")
+    return Dataset(tokens[:cut], tokens[cut:], 256, f"{path} (byte-level, {len(tokens):,} bytes)",
+                   tokenizer=ByteTokenizer().identity())
 
 
 def load_prepared(directory: str) -> Dataset:
@@ -184,7 +187,7 @@ class BatchSampler:
     """Deterministic global batches, sliced by micro-batch and DP rank (`first_row`)."""
 
     def __init__(self, dataset: Dataset, seq_len: int, global_batch: int, dp_size: int, dp_rank: int,
-                 micro_batch: int, seed: int = 0):
+                 micro_batch: int, seed: int = 0, every_rank=None):
         accum_steps = micro_batches(global_batch, dp_size, micro_batch)
         for name in ("train", "val"):
             n = len(dataset.split(name))
@@ -199,6 +202,9 @@ class BatchSampler:
         self.per_rank = global_batch // dp_size
         self.accum_steps = accum_steps
         self.seed = seed
+        # marks an error every rank reading these batches raises (cutp.runtime.failure's
+        # mark_raised_on_every_rank): a damaged batch ends the job with one line
+        self.every_rank = every_rank
 
     def global_offsets(self, step: int, split: str = "train") -> np.ndarray:
         tokens = self.dataset.split(split)
@@ -217,11 +223,23 @@ class BatchSampler:
         """Yields (x, y) int64 arrays [micro_batch, seq_len] of this DP rank for optimizer step `step`."""
         tokens = self.dataset.split(split)
         offs = self.global_offsets(step, split)
+        if isinstance(tokens, ShardedTokens):  # every rank checks the whole batch: all refuse it together
+            self._check_ids(tokens, offs, split)
         for k in range(self.accum_steps):
             first = self.first_row(k)
             chunk = offs[first:first + self.micro_batch]
             window = np.stack([np.asarray(tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in chunk])
             yield window[:, :-1], window[:, 1:]
+
+    def _check_ids(self, tokens: ShardedTokens, offs: np.ndarray, split: str) -> None:
+        """Raises ConfigError naming the shard, the offset and the fix when a window of the global
+        batch holds an id outside the data's vocabulary (a damaged shard; prepare-data writes none)."""
+        vocab = self.dataset.vocab_size
+        for o in np.sort(offs):
+            window = tokens[int(o):int(o) + self.seq_len + 1]
+            if window.size and int(window.max()) >= vocab:
+                error = ConfigError(tokens.describe_bad_id(int(o) + int(np.argmax(window >= vocab)), vocab, split))
+                raise error if self.every_rank is None else self.every_rank(error)
 
     def state(self, next_step: int) -> dict:
         return {"sampler": "random-windows", "seed": self.seed, "next_step": int(next_step),

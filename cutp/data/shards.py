@@ -152,12 +152,12 @@ class ShardWriter:
 def is_shard(path: str) -> bool:
     """Whether the file starts with a shard header whose count matches its size."""
     try:
-        return _header(path) is not None
+        return shard_header(path) is not None
     except OSError:
         return False
 
 
-def _header(path: str):
+def shard_header(path: str):
     """(dtype, count) of a shard, or None when the file is not one."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
@@ -174,7 +174,7 @@ def _header(path: str):
 def read_shard(path: str) -> np.ndarray:
     """The tokens of a shard, memory-mapped read-only. Raises ConfigError naming the file when
     it is not a complete shard."""
-    found = _header(path) if os.path.isfile(path) else None
+    found = shard_header(path) if os.path.isfile(path) else None
     if found is None:
         raise ConfigError(f"{path} is not a complete token shard (a 1 KiB llm.c header whose count matches the "
                           "file's size); prepare the data again with python -m cutp prepare-data")
@@ -215,6 +215,17 @@ class ShardedTokens:
         parts = [self.shards[k][max(a - self.starts[k], 0):min(b - self.starts[k], len(self.shards[k]))]
                  for k in range(first, last + 1)]
         return np.asarray(parts[0]) if len(parts) == 1 else np.concatenate(parts)
+
+    def describe_bad_id(self, i: int, vocab: int, split: str) -> str:
+        """What to say of token i, an id outside the vocabulary: its shard, offset and the fix."""
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        at = i - int(self.starts[k])
+        where = self.paths[k] if self.paths is not None else f"{split} shard {k}"
+        directory = os.path.dirname(where) if self.paths is not None else "DIR"
+        return (f"{where}: token {at:,} (byte {HEADER_BYTES + at * self.dtype.itemsize:,}) is id "
+                f"{int(self[i])}, outside the data's vocabulary of {vocab:,}: the shard is damaged; check the "
+                f"data with python -m cutp verify-data {directory} and prepare it again with python -m cutp "
+                "prepare-data")
 
     def fingerprint_bytes(self) -> bytes:
         """What Dataset.fingerprint hashes for sharded data, read in milliseconds whatever the

@@ -74,8 +74,9 @@ def add_table(report, a, args, param_count) -> dict | None:
     if getattr(args, "link_bandwidth", None) is None or args.dp <= 1:
         return None
     seq = args.seq_len or a.block_size
-    size = args.bucket_size or default_bucket_size(args.dp)
-    r = expected_exposed(backward_units(a, args.tp, args.micro_batch, seq, param_count), dp=args.dp,
+    units = backward_units(a, args.tp, args.micro_batch, seq, param_count)
+    size = args.bucket_size or default_bucket_size(args.dp, sum(n for _, n, _ in units))
+    r = expected_exposed(units, dp=args.dp,
                          bucket_size=size, bandwidth_gbs=args.link_bandwidth, latency_us=args.link_latency,
                          device_tflops=args.device_tflops, distributed_optimizer=args.distributed_optimizer)
     t = report.table("overlap", [("what", "DP gradient reduction", "", "<"), ("v", "", "", "<")],

@@ -21,17 +21,18 @@ memory     memory per rank, measured: state_bytes (params, grads, optimizer), Ac
     train.save(run)
     run.close()
 """
-from .config import CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_parser, flag_name, resolve_run_config
+from .config import (CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_parser, flag_name, resolve_run_config,
+                     resume_note, resume_out)
 from .defaults import choose_tp, default_preset
 from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
-from .reporting import MetricsLog, progress_line
+from .reporting import MetricsLog, Progress, TensorBoardLog, bucket_line, gpu_name, known_peak_tflops, model_summary, progress_line
 from .signals import StopOnSignal
 from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
 
 __all__ = [
     "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",
-    "flag_name", "resolve_run_config",
-    "MetricsLog", "progress_line", "StopOnSignal",
+    "flag_name", "resolve_run_config", "resume_note", "resume_out",
+    "MetricsLog", "Progress", "TensorBoardLog", "bucket_line", "gpu_name", "known_peak_tflops", "model_summary", "progress_line", "StopOnSignal",
     "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",
     "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",
 ]

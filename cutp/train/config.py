@@ -37,13 +37,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
 from ..checkpoint import read_meta, resolve_checkpoint
 from ..data import micro_batches
+from ..data.verify import fix_line, verify_prepared
 from ..models import DTYPES, GPT, PRESETS, GPTConfig, stage_layers
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
@@ -56,10 +59,12 @@ from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
-from .defaults import (MAX_DEFAULT_TP, choose_tp, default_batch, default_micro_batch, divisors, either,
-                       refuse_sequence_parallel, schedule_takes)
+from .fixes import with_working_fixes
+from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
+                       layout_text, refuse_ignored, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
 from .pipeline import SCHEDULES
-from .settings import Setting, declared, flag_of, setting
+from .reporting import TENSORBOARD_HINT
+from .settings import Setting, add_flag, declared, flag_of, setting
 from .settings import command_line_parser as command_line_parser_of
 
 
@@ -122,7 +127,8 @@ class RunConfig:
     overlap_grad_reduce: bool = setting(False, "start each DP gradient bucket's reduction in the last micro-batch's "
                                         "backward, once its gradients are final", "mesh", kind=bool)
     bucket_size: int | None = setting(None, "elements per DP gradient bucket", "mesh", kind=int, at_least=1,
-                                      optional=True, derived="max(40M, 1M x dp) (Megatron's)")
+                                      optional=True, derived="max(40M, 1M x dp) (Megatron's), at most an eighth of the rank's gradient buffer, so "
+                                      "that some buckets reduce during the backward")
     overlap_param_gather: bool = setting(False, "ZeRO: each bucket's updated parameters gathered during the next "
                                          "forward, waited for before the first layer using them", "mesh", kind=bool)
     tp_comm_overlap: bool = setting(False, "column-parallel backward: the dX all-reduce (SP: reduce-scatter) runs "
@@ -168,6 +174,9 @@ class RunConfig:
                                "memory-mapped), a text file (byte-level tokens), or a .bin of token ids (nanoGPT's "
                                "uint16, or one llm.c shard)", "run", optional=True, run=True, metavar="PATH|DIR",
                                derived="the Python standard library's sources")
+    verify_data: bool = setting(False, "before training, read every shard of a prepared --data whole and check it "
+                                "against meta.json's digests (as python -m cutp verify-data DIR; opening the data "
+                                "always checks each shard's header and size)", "invocation", kind=bool)
     # this invocation: how far, what stops it, evaluation, checkpoints, logging
     run_steps: int | None = setting(
         None, "stop (and checkpoint) after this many steps of this invocation, e.g. to fit a job's time limit",
@@ -178,14 +187,16 @@ class RunConfig:
                               at_least=0)
     eval_batches: int = setting(4, "validation batches", "invocation", kind=int, at_least=1)
     out: str | None = setting(None, "run directory for the checkpoints", "invocation", optional=True, metavar="DIR",
-                              derived="none: no checkpoints")
+                              derived="with --resume, the resumed run's directory (the command line's); else none: no checkpoints")
     overwrite: bool = setting(False, "--out may hold another run's checkpoints: they are removed once this run's "
                               "first one is saved", "invocation", kind=bool)
     save_every: int = setting(0, "a checkpoint every N steps (0: only at the end)", "invocation", kind=int,
                               at_least=0)
     keep: int = setting(3, "the newest healthy checkpoints kept in --out (0: all)", "invocation", kind=int,
                         at_least=0)
-    resume: str | None = setting(None, "run or checkpoint directory to continue from", "invocation", optional=True,
+    resume: str | None = setting(None, "run or checkpoint directory to continue from: the run goes on as it was (its "
+                                 "layout when the ranks are as many and no --tp/--dp/--pp/--cp/--ep is given, its "
+                                 "cadence, its directory for the checkpoints)", "invocation", optional=True,
                                  metavar="DIR")
     resumed_step: int | None = None  # its step
     init_from: str | None = setting(
@@ -200,8 +211,16 @@ class RunConfig:
         optional=True, metavar="SECONDS", derived="$CUTP_COLLECTIVE_TIMEOUT or 600")
     metrics: str | None = setting(None, "JSONL file, one object per step (rank 0 writes)", "logging", optional=True,
                                   metavar="PATH")
+    tensorboard: str | None = setting(None, "TensorBoard event files of each step's scalars (loss, val loss, lr, "
+                                      "grad norm, tokens/s, MFU, memory, MoE load, exposed communication), written "
+                                      "by rank 0 through tensorboardX (pip install -e '.[tensorboard]')", "logging",
+                                      optional=True, metavar="DIR")
     log_every: int = setting(1, "a progress line every N steps", "logging", kind=int, at_least=1)
     quiet: bool = setting(False, "no progress lines (warnings are still printed)", "logging", kind=bool)
+    peak_tflops: float | None = setting(
+        None, "one device's peak TFLOP/s at the model's precision, for the MFU of the progress lines", "logging",
+        kind=float, above=0, optional=True, metavar="TFLOPS",
+        derived="known for H200, H100, A100 and V100 GPUs; else none: MFU n/a")
     overrides: tuple = ()  # the --set choices
 
     def __post_init__(self):
@@ -341,6 +360,15 @@ def command_line_parser(**parser_args) -> argparse.ArgumentParser:
     return command_line_parser_of(SETTINGS, **parser_args)
 
 
+def add_setting_flags(parser, defaults: dict, aliases: dict | None = None) -> None:
+    """Another command's flags for the training settings it takes (`cutp bench model`, `cutp
+    plan`): declared here once, so each has one name and one meaning in all of them; `defaults`:
+    {setting: that command's default} (None: not given), `aliases`: {setting: older spellings}."""
+    for name, default in defaults.items():
+        s, declared_default = SETTINGS[name]
+        add_flag(parser, name, s, declared_default, default, (aliases or {}).get(name, ()))
+
+
 def _one_start(resume, init_from) -> None:
     if resume is not None and init_from is not None:
         raise ConfigError(f"`init_from` {init_from} starts a new run from its weights, `resume` {resume} continues "
@@ -357,15 +385,25 @@ def resolve_run_config(comm=None, *, source: str = "run settings", **choices) ->
     # (rather than surfacing as whatever it breaks on those ranks)
     check_same_on_all_ranks(comm, {k: _comparable(v) for k, v in choices.items()}, source)
     local_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    ranks_per_node = local_ranks.Get_size()
+    ranks_per_node, local_rank = local_ranks.Get_size(), local_ranks.Get_rank()
     local_ranks.Free()
     # An error in the derivation, on any rank, is raised on every rank (so the job ends at once,
     # with one traceback, whether every rank or only one node sees the problem).
     with errors_raised_on_every_rank(comm):
         cfg = derive_run_config(choices, comm.Get_size(), ranks_per_node)
+        if cfg.verify_data and local_rank == 0:  # one reader per node (the files may be a node's own)
+            check_prepared_data(cfg.data)
     # and the same result (a stale `latest` read on one node would resume another step)
     check_same_on_all_ranks(comm, cfg.to_dict(), "training configuration")
     return cfg
+
+
+def check_prepared_data(data: str) -> None:
+    """`verify_data`: raises ConfigError naming the first damaged shard (cutp.data.verify)."""
+    problems, shards, _ = verify_prepared(data)
+    if problems:
+        more = f" (and {len(problems) - 1} more: python -m cutp verify-data {data})" if len(problems) > 1 else ""
+        raise ConfigError(f"{problems[0]}{more}; {fix_line(data)}")
 
 
 def _comparable(value):
@@ -377,10 +415,27 @@ def _comparable(value):
 def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     """The RunConfig of `choices` on `world` ranks, `ranks_per_node` of them per node: every
     default derived from what was given. No communication (resolve_run_config's core; it reads
-    a checkpoint to resume). Raises ConfigError naming the settings by field."""
+    a checkpoint to resume). Raises ConfigError naming the settings by field, proposing only
+    fixes that are accepted (cutp.train.fixes)."""
+    try:
+        cfg = _derive_run_config(choices, world, ranks_per_node)
+        # a setting given other than its default (the default is what happens anyway)
+        refuse_ignored({k for k, v in choices.items() if v not in (None, [], False) and v != CHOICES.get(k)}, cfg)
+        return cfg
+    except ConfigError as e:
+        raise with_working_fixes(e, _derive_run_config, choices, world, ranks_per_node) from None
+
+
+def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
     unknown = sorted(set(choices) - set(CHOICES))
     if unknown:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
+    _one_start(choices.get("resume"), choices.get("init_from"))
+    resume_dir, meta = None, None
+    if choices.get("resume"):  # the run goes on as it was: its layout, cadence and run directory
+        resume_dir = resolve_checkpoint(choices["resume"])
+        meta = read_meta(resume_dir)
+        choices = resumed_choices(choices, meta.get("train_args") or {}, world)
     c = {k: (v if v is not None else CHOICES[k]) for k, v in {**CHOICES, **choices}.items()}
     c["set"] = tuple(c["set"] or ())
     if c["metrics"]:  # its directory now, not at the first write after minutes of setup
@@ -392,12 +447,13 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
                               "choose a writable path") from None
     device = resolve_device(c["device"])
 
-    _one_start(c["resume"], c["init_from"])
-    resume_dir, meta = None, None
-    if c["resume"]:
-        resume_dir = resolve_checkpoint(c["resume"])
-        meta = read_meta(resume_dir)
     run = _run_settings(choices, meta)
+    if c["tensorboard"] and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError(f"`tensorboard` writes through the tensorboardX package, which is not installed: "
+                          f"{TENSORBOARD_HINT}, or omit `tensorboard`")
+    if c["verify_data"] and not (isinstance(run["data"], str) and os.path.isdir(run["data"])):
+        raise ConfigError(f"`verify_data` checks the digests of a directory written by python -m cutp prepare-data, "
+                          f"and `data` is {run['data'] or 'not given (the embedded corpus)'}: omit `verify_data`")
     SETTINGS["dropout"][0].check("dropout", run["dropout"])
     if meta is None and c["model"] is not None and choices.get("dropout") is None:
         run["dropout"] = as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
@@ -475,10 +531,35 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
         eval_batches=c["eval_batches"], out=c["out"], overwrite=bool(c["overwrite"]), save_every=c["save_every"],
         keep=c["keep"],
         resume=resume_dir, resumed_step=None if meta is None else int(meta["step"]), init_from=init_from,
+        verify_data=bool(c["verify_data"]),
         metrics=c["metrics"],
-        log_every=c["log_every"], quiet=bool(c["quiet"]), save_on_signal=bool(c["save_on_signal"]),
+        tensorboard=c["tensorboard"], log_every=c["log_every"], quiet=bool(c["quiet"]), peak_tflops=c["peak_tflops"],
+        save_on_signal=bool(c["save_on_signal"]),
         collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
         **{k: c[k] for k in OVERLAP_SETTINGS})
+
+
+def resume_out(choices: dict) -> dict:
+    """A command line's `resume` without `out` (examples/train_gpt.py): the checkpoints go on into
+    the resumed run's directory (the step-* checkpoint's parent). A library caller's `out` None
+    stays None: no checkpoints (two sub-communicators may resume one checkpoint side by side)."""
+    if not choices.get("resume") or choices.get("out") is not None:
+        return choices
+    checkpoint = os.path.normpath(resolve_checkpoint(choices["resume"]))
+    if not re.fullmatch(r"step-\d+", os.path.basename(checkpoint)):
+        return choices
+    return {**choices, "out": os.path.dirname(checkpoint)}
+
+
+def resume_note(cfg: RunConfig) -> str | None:
+    """One line when a resumed run runs in another layout than the run it resumes (allowed: no
+    layout changes the math), else None."""
+    if cfg.resume is None:
+        return None
+    saved = read_meta(cfg.resume).get("train_args") or {}
+    if saved_world(saved) is None or all(saved.get(k, 1) == getattr(cfg, k) for k in RESUME_MESH):
+        return None
+    return f"layout: {layout_text(cfg)}, the resumed run's was {layout_text(saved)} (the math is the same)"
 
 
 def _layer_counts(value):

@@ -90,3 +90,67 @@ def refuse_sequence_parallel(world: int, mesh, model: GPTConfig, tp_chosen: bool
         f"omit `sequence_parallel` (no tp > 1 suits the model and the mesh on {ranks})"
     raise ConfigError(f"`sequence_parallel` needs tp > 1 (it splits the activations over the TP ranks), but {why}; "
                       f"{fix}")
+
+
+# What a resumed run keeps from its checkpoint's settings when they are not given again (besides
+# the run settings, which it always keeps): its layout, taken whole when no mesh size is given and
+# the world has the run's size (a layout given, or a world of another size: derived as for a new
+# run, and said in one line, `resume_note`); with that layout its overlap settings; its precision
+# and memory choices; its cadence of evaluation, checkpoints and logs.
+RESUME_MESH = ("tp", "dp", "pp", "cp", "ep")
+RESUME_LAYOUT = RESUME_MESH + ("cp_comm", "pp_layers", "pp_schedule", "pp_virtual", "micro_batch_size",
+                               "sequence_parallel", "overlap_grad_reduce", "bucket_size", "overlap_param_gather",
+                               "tp_comm_overlap")
+RESUME_KEPT = ("distributed_optimizer", "grad_reduce_dtype", "recompute", "recompute_layers", "save_every", "keep",
+               "eval_every", "eval_batches", "log_every", "metrics", "tensorboard", "peak_tflops", "max_skips")
+
+
+def saved_world(saved: dict) -> int | None:
+    """The ranks of a checkpoint's layout (tp x dp x pp x cp), None when it does not record it."""
+    sizes = [saved.get(k) for k in ("tp", "dp", "pp", "cp")]
+    if not all(isinstance(v, int) for v in sizes[:3]):
+        return None
+    return sizes[0] * sizes[1] * sizes[2] * (sizes[3] if isinstance(sizes[3], int) else 1)
+
+
+def resumed_choices(choices: dict, saved: dict, world: int) -> dict:
+    """`choices` with what a resumed run keeps from its checkpoint's settings (`saved`, its
+    train_args) filled in where not given (None)."""
+    out = dict(choices)
+    keep = list(RESUME_KEPT)
+    if not any(choices.get(k) is not None for k in RESUME_MESH) and saved_world(saved) == world:
+        keep += RESUME_LAYOUT
+    for k in keep:
+        if out.get(k) is None and saved.get(k) is not None:
+            out[k] = saved[k]
+    return out
+
+
+def layout_text(settings) -> str:
+    """`tp 2 x dp 2` (and the cp, pp and ep sizes above 1) of a RunConfig or a settings dict."""
+    get = settings.get if isinstance(settings, dict) else (lambda k: getattr(settings, k, None))
+    return " x ".join(f"{k} {get(k) or 1}" for k in ("tp", "cp", "dp", "pp", "ep") if k in ("tp", "dp") or (get(k) or 1) > 1)
+
+
+# Settings that do nothing without another: given alone, refused by name (`refuse_ignored`), so that
+# no choice is silently dropped. {setting: (what it needs, checked on the resolved RunConfig; the fix)}
+NEEDS = {
+    "link_latency": (lambda c: c.link_bandwidth is not None, "the latency of the link `link_bandwidth` simulates, "
+                     "and none is simulated", "give `link_bandwidth` GB/s too, or omit `link_latency`"),
+    "cp_comm": (lambda c: c.cp > 1, "context parallelism's attention, and `cp` is 1",
+                "give `cp` 2 or more, or omit `cp_comm`"),
+    "save_every": (lambda c: c.out is not None, "when checkpoints go into `out`, and no `out` is given",
+                   "give `out` DIR, or omit `save_every`"),
+    "keep": (lambda c: c.out is not None, "how many checkpoints `out` keeps, and no `out` is given",
+             "give `out` DIR, or omit `keep`"),
+    "overwrite": (lambda c: c.out is not None, "whether `out` may hold another run, and no `out` is given",
+                  "give `out` DIR, or omit `overwrite`"),
+}
+
+
+def refuse_ignored(given: set, cfg) -> None:
+    """Raises ConfigError naming a setting given (`given`: the names the user gave) that the
+    resolved config `cfg` would ignore (`NEEDS`)."""
+    for name, (ok, what, fix) in NEEDS.items():
+        if name in given and not ok(cfg):
+            raise ConfigError(f"`{name}` would be ignored: it sets {what}; {fix}")

@@ -45,7 +45,8 @@ def set_up_overlap(run, group) -> None:
     whatever group the gradients are averaged over). At ep > 1 the experts get buckets of their
     own over the expert-DP (x CP) group (`expert_buckets`)."""
     cfg, model = run.config, run.model
-    size = cfg.bucket_size if cfg.bucket_size is not None else default_bucket_size(group.size)
+    size = cfg.bucket_size if cfg.bucket_size is not None else \
+        default_bucket_size(group.size, sum(p.data.size for p in model.parameters()))
     backward = [u for c in reversed(range(model.pp_virtual)) for u in reversed(model.units(c))]
     forward = [u for c in range(model.pp_virtual) for u in model.units(c)]
     members = expert_buckets(run, group, backward, size) if cfg.ep > 1 else \

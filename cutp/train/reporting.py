@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..runtime.errors import UserError
+
 
 class MetricsLog:
     """Rank 0's JSONL metrics file (no file on other ranks, or without a path)."""
@@ -60,17 +62,178 @@ class MetricsLog:
             self.file = None
 
 
-def progress_line(record: dict) -> str:
-    """`step    10 | loss 4.7489 | lr 2.00e-04 | norm 2.811 |   161.0 ms |    12,720 tok/s | comm 18.90 MB`
-    (and `| val 2.5989` on evaluation steps, `| scale 65536` with a loss scale, `| skipped` when
-    the step was skipped)."""
+# A metrics row's scalars as TensorBoard tags (TensorBoardLog): {row key: tag}; the MoE load and the
+# memory of the first step by their own keys under moe/ and memory/.
+TENSORBOARD_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                    "loss_scale": "train/loss_scale", "ms": "perf/step_ms", "tokens_per_s": "perf/tokens_per_s",
+                    "mfu": "perf/mfu", "comm_mb": "comm/mb", "comm_ms": "comm/ms", "exposed_comm_ms": "comm/exposed_ms",
+                    "overlap_fraction": "comm/overlap_fraction", "dp_overlap_fraction": "comm/dp_overlap_fraction",
+                    "link_exposed_ms": "comm/link_exposed_ms", "pipeline_wait_ms": "comm/pipeline_wait_ms"}
+TENSORBOARD_HINT = "pip install tensorboardX (cutp's extra: pip install -e '.[tensorboard]')"
+
+
+class TensorBoardLog:
+    """Rank 0's TensorBoard event files in `directory` (--tensorboard DIR), through tensorboardX's
+    writer: each metrics row's scalars (`TENSORBOARD_TAGS`; MoE load under moe/, memory under
+    memory/) at its step. A resumed run first drops the events after its checkpoint's step (a
+    crashed run wrote them; those steps run again). The JSONL file (MetricsLog) stays the record."""
+
+    def __init__(self, directory: str | None, rank: int, resumed_step: int | None = None):
+        self.writer = None
+        if not directory or rank != 0:
+            return
+        try:
+            from tensorboardX import SummaryWriter  # optional: the writer of --tensorboard, an extra
+        except ImportError:
+            raise UserError(f"--tensorboard needs the tensorboardX package: {TENSORBOARD_HINT}") from None
+        # (the file's name holds the first step: tensorboardX names it by the second it opened)
+        self.writer = SummaryWriter(directory, purge_step=None if resumed_step is None else resumed_step + 1,
+                                    filename_suffix=f".from-step-{(resumed_step or 0) + 1}")
+
+    def write(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = record["step"]
+        for key, value in tensorboard_scalars(record).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def tensorboard_scalars(record: dict) -> dict:
+    """{tag: value} of a metrics row (TensorBoardLog)."""
+    out = {tag: float(record[k]) for k, tag in TENSORBOARD_TAGS.items()
+           if isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)}
+    for k, v in record.items():
+        if k.startswith("moe_"):
+            if isinstance(v, list) and len(v) == 3:  # tokens per expert: min, mean, max
+                out.update({f"moe/{k[4:]}_{n}": float(x) for n, x in zip(("min", "mean", "max"), v)})
+            elif isinstance(v, (int, float)):
+                out[f"moe/{k[4:]}"] = float(v)
+    for k, v in (record.get("memory") or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("ranks", "params_local"):
+            out[f"memory/{k}"] = float(v)
+    return out
+
+
+def progress_line(record: dict, steps: int | None = None) -> str:
+    """`step    10/200 | loss 4.7489 | lr 2.00e-04 | norm 2.811 |   161.0 ms |    12,720 tok/s | MFU 31.2% |
+    comm 18.90 MB | 0:00:02 elapsed, ETA 0:00:30` (MFU and the times where `Progress` added them;
+    `| val 2.5989` on evaluation steps, `| scale 65536` with a loss scale, `| skipped` when the step
+    was skipped)."""
     r = record
-    return (f"step {r['step']:5d} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | norm {r['grad_norm']:.3f} | "
-            f"{r['ms']:7.1f} ms | {r['tokens_per_s']:9,.0f} tok/s | comm {r['comm_mb']:.2f} MB"
+    mfu = "" if "mfu" not in r else " | MFU n/a" if r["mfu"] is None else f" | MFU {100 * r['mfu']:.1f}%"
+    times = (f" | {_clock(r['elapsed_s'])} elapsed, ETA {_clock(r['eta_s'])}" if "eta_s" in r else "")
+    return (f"step {r['step']:5d}{f'/{steps}' if steps else ''} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"norm {r['grad_norm']:.3f} | {r['ms']:7.1f} ms | {r['tokens_per_s']:9,.0f} tok/s{mfu} | "
+            f"comm {r['comm_mb']:.2f} MB{times}"
             + (f" | scale {r['loss_scale']:g}" if "loss_scale" in r else "")
             + (f" | aux {r['moe_aux_loss']:.4f} | dropped {100 * r['moe_dropped']:.1f}%" if "moe_aux_loss" in r else "")
             + (" | skipped" if r.get("skipped") else "")
             + (f" | val {r['val_loss']:.4f}" if "val_loss" in r else ""))
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# Dense peak TFLOP/s of one GPU (the datasheets' SXM figures, without sparsity), by the name's
+# model and the GEMMs' precision: 16-bit on tensor cores, float32 as TF32 (--allow-tf32) or plain.
+PEAK_TFLOPS = {"H200": {"16": 989.0, "tf32": 494.0, "32": 67.0}, "H100": {"16": 989.0, "tf32": 494.0, "32": 67.0},
+               "A100": {"16": 312.0, "tf32": 156.0, "32": 19.5}, "V100": {"16": 125.0, "tf32": 15.7, "32": 15.7}}
+
+
+def known_peak_tflops(device_name: str | None, dtype: str, tf32: bool) -> float | None:
+    """The table's peak for a GPU's name (None: unknown, a CPU, or float64)."""
+    kind = "16" if dtype in ("bfloat16", "float16") else ("tf32" if tf32 else "32") if dtype == "float32" else None
+    for model, peaks in PEAK_TFLOPS.items():
+        if device_name and model in device_name.upper() and kind:
+            return peaks[kind]
+    return None
+
+
+def gpu_name(device: str) -> str | None:
+    """The GPU's name on a cuda run (None on the CPU or when CuPy cannot say)."""
+    if device != "cuda":
+        return None
+    try:
+        import cupy  # optional: the GPU backend, installed only where there is one
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    except Exception:  # (the name only serves the MFU's peak: unknown is n/a)
+        return None
+
+
+class Progress:
+    """Adds to each step's metrics row the time since this invocation's first step began
+    (`elapsed_s`), the estimated time to the last step (`eta_s`, from the mean step time after the
+    first, which includes warm-ups) and the MFU (`mfu`: tokens/s x the model's training FLOPs per
+    token / (peak FLOP/s x ranks); None when the peak is unknown)."""
+
+    def __init__(self, flops_per_token: float, peak_tflops: float | None, ranks: int, start_step: int, end_step: int):
+        self.flops, self.peak, self.ranks = flops_per_token, peak_tflops, ranks
+        self.start_step, self.end_step = start_step, end_step
+        self.begin = None
+        self.first_end = None
+
+    def start(self, now: float) -> None:
+        self.begin = now
+
+    def add(self, record: dict, now: float) -> dict:
+        done = record["step"] - self.start_step
+        if self.first_end is None:
+            self.first_end = now
+        elapsed = now - self.begin
+        per_step = (now - self.first_end) / (done - 1) if done > 1 else elapsed / max(done, 1)
+        record["elapsed_s"] = elapsed
+        record["eta_s"] = per_step * max(self.end_step - record["step"], 0)
+        record["mfu"] = (None if not self.peak else
+                         record["tokens_per_s"] * self.flops / (self.peak * 1e12 * self.ranks))
+        return record
+
+
+def model_summary(config) -> str:
+    """The model in one line, only what its family uses: `4 layers, n_embd 128, 4 heads (2 KV) of
+    32, MLP swiglu 352, RMSNorm, RoPE (theta 500000), vocab 256, block 256, float32` (the MoE's
+    experts on an MoE model, GeLU's approximation on a GeLU MLP, biases and tying where they differ
+    from GPT-2's)."""
+    c = config
+    heads = f"{c.n_head} heads" + (f" ({c.kv_heads} KV)" if c.kv_heads != c.n_head else "") + f" of {c.head_size}"
+    mlp = f"MLP {c.mlp} {c.hidden}" + (f" ({c.gelu})" if c.mlp == "gelu" else "")
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.n_layer))
+    parts = [f"{c.n_layer} layer{'s' if c.n_layer != 1 else ''}", f"n_embd {c.n_embd}", heads] + ([mlp] if moe_layers < c.n_layer else [])
+    if moe_layers:
+        parts.append(f"MoE: {c.n_experts} {c.mlp} experts of {c.moe_ffn or c.hidden}, top-{c.moe_top_k}"
+                     + (f", in {moe_layers} of {c.n_layer} layers" if moe_layers < c.n_layer else "")
+                     + (f", capacity {c.moe_capacity_factor:g}" if c.moe_capacity_factor else ", dropless"))
+    parts.append("RMSNorm" if c.norm == "rmsnorm" else "LayerNorm")
+    if c.positions == "rope":
+        parts.append(f"RoPE (theta {c.rope_theta:g}" + (f", {c.rope_scaling} x{c.rope_factor:g}"
+                                                       if c.rope_scaling != "none" else "") + ")")
+    else:
+        parts.append("learned positions")
+    parts += [f"vocab {c.vocab_size:,}", f"block {c.block_size}", c.dtype]
+    parts += (["no biases"] if not c.bias else []) + (["untied head"] if not c.tie_embeddings else [])
+    parts += [f"dropout {c.dropout:g}"] if c.dropout else []
+    return ", ".join(parts)
+
+
+def bucket_line(run) -> str | None:
+    """How many DP gradient buckets --overlap-grad-reduce cut (None without it)."""
+    buckets = getattr(getattr(run, "grad_buckets", None), "buckets", None)
+    if not buckets:
+        return None
+    sizes = [b.size for b in buckets]
+    return (f"overlap: the DP gradient reduction in {len(sizes)} bucket{'s' if len(sizes) > 1 else ''} of "
+            f"{min(sizes):,} to {max(sizes):,} elements, started during the backward"
+            + (" (one bucket: it waits for the whole backward, nothing hidden; a smaller --bucket-size cuts more)"
+               if len(sizes) == 1 else ""))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ class Setting:
             return f"{self.help} (default: {'on' if default else 'off'})"
         if self.derived:
             shown = self.derived
-        elif default is None or default == ():
+        elif default is None or default == () or default == []:
             shown = "none"
         else:
             shown = f"{default:g}" if isinstance(default, float) else default
@@ -125,25 +125,35 @@ class OneLineParser(argparse.ArgumentParser):
             raise mark_raised_on_every_rank(ConfigError(message), MPI.COMM_WORLD, reporter=0)
 
 
+def add_flag(parser, name: str, s: Setting, default, command_default=None, aliases=()) -> None:
+    """Adds setting `name`'s flag to `parser` (or an argument group) as its declaration says:
+    type, choices, metavar, --help line. `command_default`: another command's own default for it
+    (`cutp bench model`, `cutp plan`: the flag then means what training's does, with that default
+    stated); None: the flag defaults to None, "not given". `aliases`: older spellings kept."""
+    shown = command_default if command_default is not None else (s.omitted if s.omitted is not None else default)
+    help_text = (s.help_text(shown) if command_default is None else
+                 dataclasses.replace(s, derived=None).help_text(shown))
+    kw = {"help": help_text, "default": command_default}
+    metavar = s.metavar or {int: "N", float: "X"}.get(s.kind)
+    if metavar and s.kind is not bool:
+        kw["metavar"] = metavar
+    if s.kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+    else:
+        kw["type"] = s.kind
+        if s.choices is not None:
+            kw["choices"] = list(s.choices)
+        if s.repeat:
+            kw.update(action="append", default=list(command_default or []))
+    parser.add_argument(flag_of(name), *aliases, **kw)
+
+
 def command_line_parser(settings: dict[str, tuple[Setting, object]], **parser_args) -> argparse.ArgumentParser:
     """The parser of every setting with a flag, by group, each defaulting to None ("not given":
     resolve_run_config derives or fills in the default, which --help states)."""
     p = OneLineParser(**parser_args)
     sections = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for name, (s, default) in settings.items():
-        if not s.flag:
-            continue
-        kw = {"help": s.help_text(s.omitted if s.omitted is not None else default), "default": None}
-        metavar = s.metavar or {int: "N", float: "X"}.get(s.kind)
-        if metavar and s.kind is not bool:
-            kw["metavar"] = metavar
-        if s.kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
-        else:
-            kw["type"] = s.kind
-            if s.choices is not None:
-                kw["choices"] = list(s.choices)
-            if s.repeat:
-                kw.update(action="append", default=[])
-        sections[s.group].add_argument(flag_of(name), **kw)
+        if s.flag:
+            add_flag(sections[s.group], name, s, default)
     return p

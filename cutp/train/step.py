@@ -48,7 +48,7 @@ from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
 from ..runtime.deadline import setup_progress
 from ..runtime.errors import ConfigError
-from ..runtime.failure import errors_raised_on_every_rank
+from ..runtime.failure import errors_raised_on_every_rank, mark_raised_on_every_rank
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
@@ -227,7 +227,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         check_data_fits_model(dataset, cfg.model, cfg.init_from, cfg.data)  # the tokenizer and the vocabulary
         dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp, cp=cfg.cp).dp_rank(world.Get_rank())  # the Context's, before it exists
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
-                               seed=cfg.seed)
+                               seed=cfg.seed, every_rank=lambda e: mark_raised_on_every_rank(e, world, reporter=0))
     check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
                             "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)

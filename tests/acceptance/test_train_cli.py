@@ -56,9 +56,13 @@ def test_progress_lines_metrics_and_validation(tmp_path):
     data.write_text(open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()[:20000])
     m = tmp_path / "m.jsonl"
     b, s, h = 4, 16, 128
+    import importlib.util
+
+    board = importlib.util.find_spec("tensorboardX") and importlib.util.find_spec("tensorboard")  # (the extras)
     res = run_mpi(2, TRAIN, ["--preset", "tiny", "--seq-len", str(s), "--batch-size", str(b), "--set", "n_layer=1",
                              "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--tp", "2",
-                             "--data", str(data), "--metrics", str(m), "--collective-timeout", "77"], timeout=120)
+                             "--data", str(data), "--metrics", str(m), "--collective-timeout", "77"]
+                  + (["--tensorboard", str(tmp_path / "tb")] if board else []), timeout=120)
     rows = _metrics(m)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
@@ -72,8 +76,21 @@ def test_progress_lines_metrics_and_validation(tmp_path):
     assert all(np.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("step ")]
     assert len(lines) == 4, res.stdout
-    pattern = r"step +\d+ \| loss [\d.]+ \| lr [\d.e+-]+ \| norm [\d.]+ \| +[\d.]+ ms \| +[\d,]+ tok/s \| comm [\d.]+ MB"
+    pattern = (r"step +\d+/4 \| loss [\d.]+ \| lr [\d.e+-]+ \| norm [\d.]+ \| +[\d.]+ ms \| +[\d,]+ tok/s \| MFU n/a \| "
+               r"comm [\d.]+ MB \| \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d")  # (no known peak on the CPU)
     assert all(re.match(pattern, ln) for ln in lines), lines
+    assert all(r["mfu"] is None and r["elapsed_s"] > 0 and r["eta_s"] >= 0 for r in rows) and rows[-1]["eta_s"] == 0
+    # a short, readable header (issue 43): the model in a line of its family's fields, not a JSON dump
+    assert ("model: preset tiny with ['n_layer=1']: 1 layer, n_embd 128, 8 heads of 16, MLP gelu 512 (tanh), "
+            "LayerNorm" in res.stdout)
+    assert '"n_layer"' not in res.stdout and "experts" not in res.stdout, res.stdout
+    if board:  # --tensorboard: the same rows' scalars, read back by TensorBoard's own loader
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(tmp_path / "tb"))
+        acc.Reload()
+        assert [e.value for e in acc.Scalars("train/loss")] == [np.float32(r["loss"]) for r in rows]
+        assert [e.step for e in acc.Scalars("val/loss")] == [2, 4] and "memory/activations_peak" in acc.Tags()["scalars"]
     assert [" | val " in ln for ln in lines] == [False, True, False, True]
     total = GPTConfig.preset("tiny").with_overrides(["n_layer=1"]).num_parameters()
     banner = re.search(r"parameters: ([\d,]+) total, ([\d,]+) on this rank", res.stdout)

@@ -468,12 +468,14 @@ def test_resume_takes_the_run_settings_from_the_checkpoint(tmp_path):
     # another mesh, no run flags: same batch, sequence length and learning rate
     res = run_mpi(4, TRAIN, ["--resume", out, "--tp", "2", "--dp", "2", "--eval-every", "0"], timeout=120)
     assert "batch 8 x 16 tokens" in res.stdout and "lr 0.002" in res.stdout and "steps 2..4" in res.stdout
+    assert "layout: tp 2 x dp 2, the resumed run's was tp 2 x dp 1" in res.stdout  # said in one line
+    assert f"saved {out}/step-00000004" in res.stdout  # no --out: into the resumed run's directory
     bad = run_mpi(2, TRAIN, ["--resume", out, "--lr", "0.1"], timeout=120, expect_failure=True)
     assert "--lr 0.1 differs from the resumed run's 0.002" in bad.stdout
     bad = run_mpi(2, TRAIN, ["--resume", out, "--set", "n_layer=2"], timeout=120, expect_failure=True)
     assert "n_layer: checkpoint 1, flags 2" in bad.stdout
     ok = run_mpi(2, TRAIN, ["--resume", out, "--set", "n_layer=1", "--steps", "5", "--eval-every", "0"], timeout=120)
-    assert "steps 2..5" in ok.stdout  # --steps may change: it extends the run
+    assert "steps 4..5" in ok.stdout  # --steps may change: it extends the run
 
 
 def test_resume_reproduces_steps_bit_identically(tmp_path):
@@ -485,7 +487,7 @@ def test_resume_reproduces_steps_bit_identically(tmp_path):
     run_mpi(4, TRAIN, args + ["--steps", "20", "--save-every", "5", "--keep", "2", "--out", str(run),
                               "--metrics", str(full)], timeout=240)
     # --keep 2: the run directory keeps the two newest checkpoints and points `latest` at the last
-    assert sorted(p.name for p in run.iterdir()) == ["latest", "step-00000015", "step-00000020"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.toml", "latest", "step-00000015", "step-00000020"]
     assert json.loads((run / "latest").read_text()) == {"step": 20, "path": "step-00000020"}
     ckpt = run / "step-00000015"
     run_mpi(4, TRAIN, args + ["--steps", "20", "--resume", str(ckpt), "--metrics", str(part), "--out", str(rerun)],

@@ -91,7 +91,7 @@ def test_mismatched_training_arguments_end_the_job(tmp_path):
 def test_tp_not_dividing_heads_is_refused_on_every_rank():
     # main() called directly (as a host code would): the ConfigError propagates, one traceback
     res = run_mpi(3, TRAIN, BASE + ["--steps", "1", "--tp", "3"], timeout=60, expect_failure=True)
-    assert "tp=3 does not divide n_head=8" in res.stdout and "use tp in [1, 2, 4, 8]" in res.stdout
+    assert "tp=3 does not divide n_head=8" in res.stdout and "--tp 2 on 2 ranks (mpirun -np 2)" in res.stdout
     assert res.stdout.count("Traceback (most recent call last)") == 1 and "MPI_Abort" not in res.stdout
     # the script: one line, no traceback, exit status 2
     out = subprocess.run(_train_cmd(3, BASE + ["--steps", "1", "--tp", "3"]), env=_env(), capture_output=True, text=True,

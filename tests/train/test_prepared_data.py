@@ -3,6 +3,8 @@ tp2 x dp2 in float64, a bit-identical resume, and the data's tokenizer checked a
 model's (--init-from a directory with another tokenizer is refused naming both)."""
 import io
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -105,3 +107,53 @@ def test_init_from_another_tokenizer_is_refused_naming_both(prepared, tmp_path):
                                           r"to 600 but the model's vocabulary is 500"):
         train.build_run(train.resolve_run_config(init_from=small, data=data, seq_len=16, batch_size=2, steps=1,
                                                  device="cpu"))
+
+
+def test_init_from_a_bpe_model_on_the_byte_corpus_is_refused_naming_both(tmp_path):
+    """`--init-from` a model with a BPE tokenizer and no `--data` (the embedded byte corpus) or a
+    text file: one line naming both tokenizers and the prepare-data command."""
+    from cutp.data import load_dataset
+    from cutp.data.dataset import default_corpus
+    from cutp.models import GPTConfig
+    from cutp.train.data_check import check_data_fits_model
+
+    bpe = _hf_dir(tmp_path / "gpt2-bpe", 640, tokenizer_files.gpt2_style)
+    model = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=640, block_size=32)
+    corpus = default_corpus(max_bytes=1 << 20)
+    with pytest.raises(ConfigError) as e:
+        check_data_fits_model(corpus, model, bpe, None)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("the embedded corpus (no data given) was tokenized by bytes (the byte "
+                                              f"tokenizer), but init_from {bpe} uses gpt2-bpe (sha256 ")
+    assert msg.endswith(f"python -m cutp prepare-data ... --tokenizer {bpe} --out DIR")
+    text = tmp_path / "notes.txt"
+    text.write_text("some text " * 100)
+    with pytest.raises(ConfigError, match=rf"data {text} was tokenized by bytes .* but init_from {bpe} uses"):
+        check_data_fits_model(load_dataset(str(text)), model, bpe, str(text))
+    check_data_fits_model(corpus, model, str(tmp_path / "no-such-model"), None)  # tokenizer unknown: not refused
+
+
+def test_an_id_outside_the_vocabulary_names_the_shard_the_offset_and_the_fix(prepared, tmp_path):
+    """Bytes overwritten in a shard: the step reading them is refused in one line (every rank
+    checks the whole global batch, so all refuse it together)."""
+    import shutil
+
+    from cutp.data import BatchSampler, load_dataset
+    from cutp.data.shards import HEADER_BYTES
+
+    data = str(tmp_path / "data")
+    shutil.copytree(prepared[2], data)
+    shard = os.path.join(data, "train_000001.bin")
+    with open(shard, "r+b") as f:  # every token of the shard after its 5th: 65535
+        size = f.seek(0, 2)
+        f.seek(HEADER_BYTES + 10)
+        f.write(b"\xff" * (size - HEADER_BYTES - 10))
+    sampler = BatchSampler(load_dataset(data), 64, 64, 2, 1, 32, seed=0)
+    with pytest.raises(ConfigError) as e:
+        list(sampler.micro_batches(0))
+    msg = str(e.value)
+    assert re.fullmatch(rf"{re.escape(shard)}: token [0-9,]+ \(byte [0-9,]+\) is id 65535, outside the data's "
+                        rf"vocabulary of 601: the shard is damaged; check the data with python -m cutp verify-data "
+                        rf"{re.escape(data)} and prepare it again with python -m cutp prepare-data", msg), msg
+    at = int(re.search(r"token ([0-9,]+)", msg).group(1).replace(",", ""))
+    assert at >= 5 and int(re.search(r"byte ([0-9,]+)", msg).group(1).replace(",", "")) == HEADER_BYTES + 2 * at

@@ -40,7 +40,7 @@ def test_every_setting_has_a_flag_whose_help_states_its_default():
 def test_a_value_on_the_command_line_reaches_the_run_config():
     args = train.command_line_parser().parse_args(
         ["--preset", "tiny", "--set", "n_layer=2", "--eval-batches", "7", "--grad-clip", "0.5", "--keep", "0",
-         "--recompute", "full", "--recompute-layers", "1", "--pp-layers", "2", "--no-save-on-signal", "--quiet",
+         "--out", "out/not-written", "--recompute", "full", "--recompute-layers", "1", "--pp-layers", "2", "--no-save-on-signal", "--quiet",
          "--seq-len", "16", "--warmup", "0", "--device", "cpu", "--tp", "1"])
     cfg = train.resolve_run_config(MPI.COMM_SELF, **vars(args))
     assert (cfg.eval_batches, cfg.grad_clip, cfg.keep, cfg.recompute, cfg.recompute_layers) == (7, 0.5, 0, "full", 1)

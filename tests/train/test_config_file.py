@@ -1,0 +1,88 @@
+"""Config files (issue 43): `--config run.toml` holds any setting in sections as --help groups
+them; flags override it; a config file and the equivalent flags give bit-identical runs;
+`--print-config` writes a file that gives the same run again; unknown keys are refused by name
+with the closest valid one. In process, through the script's own parser and the resolver."""
+import os
+
+import pytest
+from mpi4py import MPI
+
+from cutp import train
+from cutp.runtime.errors import ConfigError
+from cutp.train.config_file import CONFIG_FILE, config_text, read_config_file, save_config
+
+FILE = """
+[model]
+preset = "tiny"
+set = ["n_layer=1"]
+dtype = "float64"
+
+[mesh]
+tp = 1
+
+[run]
+steps = 3
+batch-size = 4
+seq_len = 16
+lr = 2e-3
+dropout = 0.1
+
+[invocation]
+eval_every = 0
+"""
+FLAGS = ["--preset", "tiny", "--set", "n_layer=1", "--dtype", "float64", "--tp", "1", "--steps", "3", "--batch-size",
+         "4", "--seq-len", "16", "--lr", "2e-3", "--dropout", "0.1", "--eval-every", "0"]
+
+
+def _script():
+    import examples.train_gpt as script
+
+    return script
+
+
+def _config(script, argv):
+    choices, _ = script.parse_command_line(argv + ["--device", "cpu"])
+    return train.resolve_run_config(MPI.COMM_SELF, **choices)
+
+
+def _losses(cfg):
+    run = train.build_run(cfg, MPI.COMM_SELF)
+    try:
+        return [train.train_step(run).loss for _ in range(2)]
+    finally:
+        run.close()
+
+
+def test_a_file_and_the_same_flags_give_the_same_run_and_print_config_gives_it_again(tmp_path):
+    script = _script()
+    path = tmp_path / "run.toml"
+    path.write_text(FILE)
+    from_file, from_flags = _config(script, ["--config", str(path)]), _config(script, FLAGS)
+    assert from_file == from_flags and from_file.lr == 2e-3 and from_file.model.dropout == 0.1
+    assert _losses(from_file) == _losses(from_flags)  # bit for bit
+    # flags override the file
+    assert _config(script, ["--config", str(path), "--lr", "1e-3"]).lr == 1e-3
+    # --print-config's file gives the same run
+    printed = tmp_path / "printed.toml"
+    printed.write_text(config_text(from_file))
+    assert _config(script, ["--config", str(printed)]) == from_file
+    # and a run directory keeps it
+    assert open(save_config(from_file, str(tmp_path))).read().endswith(config_text(from_file))
+    assert os.path.exists(tmp_path / CONFIG_FILE)
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("[run]\nlearning_rate = 1e-3\n", 'unknown setting "learning_rate" in [run]; did you mean "lr"?'),
+    ("[run]\nseq-lenght = 16\n", 'unknown setting "seq-lenght" in [run]; did you mean "seq_len"?'),
+    ("[mesh]\nlr = 1e-3\n", '"lr" belongs in [run], not [mesh]'),
+    ("[trainer]\nlr = 1e-3\n", 'unknown section [trainer]; the sections are [model], [mesh], [pipeline], [memory], '
+                               '[run], [invocation], [logging]'),
+    ("lr = 1e-3\n", '"lr" is outside any section; the settings go in the sections [model], [mesh], [pipeline], '
+                    '[memory], [run], [invocation], [logging] (it belongs in [run])'),
+])
+def test_an_unknown_or_misplaced_key_is_refused_by_name(tmp_path, text, expect):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        read_config_file(str(path))
+    assert str(e.value) == f"--config {path}: {expect}"

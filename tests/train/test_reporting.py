@@ -1,0 +1,70 @@
+"""What a run prints (issue 43): a one-line model summary of its family's fields, and step lines
+with the elapsed time, the ETA and the MFU (n/a without a known peak)."""
+from cutp.models import GPTConfig
+from cutp.train.reporting import Progress, known_peak_tflops, model_summary, progress_line
+
+
+def test_the_summary_holds_only_the_families_fields():
+    llama = model_summary(GPTConfig.preset("llama3-8b"))
+    assert llama.startswith("32 layers, n_embd 4096, 32 heads (8 KV) of 128, MLP swiglu 14336, RMSNorm, RoPE")
+    assert "gelu" not in llama and "MoE" not in llama and "tanh" not in llama and "{" not in llama
+    moe = model_summary(GPTConfig.preset("mixtral-8x7b"))
+    assert "MoE: 8 swiglu experts of 14336, top-2, dropless" in moe and "MLP" not in moe
+    assert "MLP gelu 3072 (tanh), LayerNorm, learned positions" in model_summary(GPTConfig.preset("gpt2"))
+
+
+def test_step_lines_say_the_time_the_eta_and_the_mfu():
+    p = Progress(flops_per_token=1e9, peak_tflops=100.0, ranks=4, start_step=10, end_step=20)
+    p.start(0.0)
+    base = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "ms": 1000.0, "comm_mb": 0.0}
+    first = p.add({**base, "step": 11, "tokens_per_s": 1e5}, 30.0)  # the first step: warm-ups included
+    second = p.add({**base, "step": 12, "tokens_per_s": 2e5}, 40.0)
+    assert (first["elapsed_s"], first["eta_s"]) == (30.0, 9 * 30.0)
+    assert (second["elapsed_s"], second["eta_s"]) == (40.0, 8 * 10.0)  # the steps after the first
+    assert second["mfu"] == 2e5 * 1e9 / (100e12 * 4)
+    line = progress_line(second, 20)
+    assert line.startswith("step    12/20 |") and "| MFU 50.0% |" in line and line.endswith("0:00:40 elapsed, ETA 0:01:20")
+    none = Progress(1e9, None, 1, 0, 5)
+    none.start(0.0)
+    assert "| MFU n/a |" in progress_line(none.add({**base, "step": 1, "tokens_per_s": 1.0}, 1.0))
+
+
+def test_the_peak_is_known_for_common_gpus_not_for_the_cpu():
+    assert known_peak_tflops("NVIDIA H200", "bfloat16", False) == 989.0
+    assert known_peak_tflops("NVIDIA A100-SXM4-80GB", "float32", True) == 156.0
+    assert known_peak_tflops(None, "float32", False) is None
+    assert known_peak_tflops("NVIDIA H100", "float64", False) is None
+
+
+def test_tensorboard_scalars_read_back_by_tensorboards_own_loader(tmp_path):
+    """The event files --tensorboard writes (tensorboardX), read with tensorboard's EventAccumulator;
+    a resumed run drops the events after its step."""
+    import pytest
+
+    pytest.importorskip("tensorboardX", reason="the tensorboardX writer is not installed (pip install -e '.[tensorboard]')")
+    pytest.importorskip("tensorboard", reason="the tensorboard reader is not installed (the test extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cutp.train.reporting import TensorBoardLog
+
+    rows = [{"step": s, "loss": 5.0 - s, "lr": 1e-3, "grad_norm": 2.0, "ms": 10.0, "tokens_per_s": 100.0 * s,
+             "mfu": 0.25, "comm_mb": 1.0, "exposed_comm_ms": 0.5, "moe_aux_loss": 0.01, "moe_dropped": 0.0,
+             "moe_tokens_per_expert": [1.0, 2.0, 3.0]} for s in (1, 2, 3)]
+    rows[0]["memory"] = {"params": 1000, "activations_peak": 5000, "ranks": 2}
+    rows[1]["val_loss"] = 3.5
+    log = TensorBoardLog(str(tmp_path), 0)
+    for r in rows:
+        log.write(r)
+    log.close()
+    resumed = TensorBoardLog(str(tmp_path), 0, resumed_step=2)  # step 3 again, another loss
+    resumed.write({**rows[2], "loss": 1.5})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "memory/params",
+            "memory/activations_peak", "moe/aux_loss", "moe/tokens_per_expert_max", "comm/exposed_ms"} <= tags, tags
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 4.0), (2, 3.0), (3, 1.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(2, 3.5)]
+    assert [e.value for e in acc.Scalars("perf/tokens_per_s")] == [100.0, 200.0, 300.0]
+    assert "memory/ranks" not in tags and TensorBoardLog(str(tmp_path / "x"), 1).writer is None  # rank 0 only
