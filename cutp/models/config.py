@@ -43,6 +43,7 @@ PRESETS = {
     "llama-tiny": dict(n_layer=4, n_head=8, n_kv_head=2, n_embd=128, mlp_hidden=392, vocab_size=256, block_size=128,
                        vocab_multiple=1, **_LLAMA),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "llama-gpt2": dict(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, mlp_hidden=2048, **_LLAMA),  # gpt2's size, Llama's spec
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
