@@ -137,7 +137,7 @@ def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
 
 
 @contextlib.contextmanager
-def _hub_kernels_visible():
+def hub_kernels_visible():
     """Run from a checkout's root, its top-level ``kernels/`` (cutp.kernels' sources) would shadow
     the Hub's ``kernels`` package that transformers imports: the checkout's root is left off
     sys.path while transformers loads."""
@@ -153,7 +153,7 @@ def _hub_kernels_visible():
 def transformers_missing_reason() -> str | None:
     """None when transformers' LlamaForCausalLM imports; else why not (its check is skipped)."""
     try:
-        with _hub_kernels_visible():
+        with hub_kernels_visible():
             from transformers import LlamaForCausalLM  # noqa: F401 (optional dependency)
     except Exception as e:  # ImportError, or a broken install
         return f"transformers is not importable ({type(e).__name__}: {e}): pip install transformers"
@@ -280,7 +280,7 @@ def build_transformers_llama(config, hf_state: dict):
     """transformers' LlamaForCausalLM with the same weights (SDPA attention), float32."""
     import torch  # optional dependency
 
-    with _hub_kernels_visible():
+    with hub_kernels_visible():
         from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency
 
     hf_cfg = {k: v for k, v in config_to_hf_llama(config, "float32").items() if k not in ("architectures", "model_type")}
