@@ -66,7 +66,7 @@ bench: $(STAMP)
 	$(PY) -m cutp bench model --device cpu --preset gpt2 --batch-size 4 --seq-len 256 --steps 3 --warmup 1 \
 		--json $(BENCH_OUT)/model-gpt2.json --plot $(BENCH_OUT)/model-gpt2.png
 	$(PY) -m cutp bench plan --params 70B --tp 8 --dp 4 --json $(BENCH_OUT)/plan-70b.json
-	$(PY) -m cutp bench compare-torch --presets tiny gpt2 --json $(BENCH_OUT)/compare-torch.json \
+	$(PY) -m cutp bench compare-torch --presets tiny gpt2 llama-tiny llama-gpt2 --json $(BENCH_OUT)/compare-torch.json \
 		--plot $(BENCH_OUT)/compare-torch.png
 
 clean:

@@ -1,20 +1,33 @@
 """`python -m cutp bench compare-torch`: cutp against PyTorch eager on the CPU, same model, same
 weights, same batch, same thread count.
 
-The PyTorch model is a plain nanoGPT-style GPT-2 (pre-LN blocks, tanh GeLU, tied embedding,
-``F.scaled_dot_product_attention`` with ``is_causal=True`` as nanoGPT uses it, or the explicit
-masked softmax with ``--torch-attention manual``) in float32, loaded with cutp's exact weights
-(``model.gather_state_dict()``: GPT-2 names, Conv1D [in, out] layout, transposed into
-``nn.Linear``'s [out, in]). Before any timing the two must agree on the loss and on a few
-gradients, so that the comparison is of the same work. Then forward+backward of both run
-interleaved, repeat after repeat, and the ratio of the medians cutp/torch is printed
-(< 1: cutp is faster).
+GPT-2 presets: the PyTorch model is a plain nanoGPT-style GPT-2 (pre-LN blocks, tanh GeLU, tied
+embedding, ``F.scaled_dot_product_attention`` with ``is_causal=True`` as nanoGPT uses it, or the
+explicit masked softmax with ``--torch-attention manual``) in float32, loaded with cutp's exact
+weights (``model.gather_state_dict()``: GPT-2 names, Conv1D [in, out] layout, transposed into
+``nn.Linear``'s [out, in]).
+
+Llama-family presets (RMSNorm, RoPE, SwiGLU, GQA, untied; ``llama-tiny``, ``llama-gpt2``): a
+plain torch module of the same math under transformers' names and layouts (cutp's weights through
+``cutp.models.hf_llama.hf_state_dict``): RMSNorm in float32, ``rotate_half`` RoPE, SDPA with
+``is_causal=True`` and ``enable_gqa=True`` (or the masked softmax with ``--torch-attention
+manual``), ``down(silu(gate(x)) * up(x))``. That module is always the one timed. Where
+transformers is installed, its ``LlamaForCausalLM`` with the same weights checks the module's
+loss and gradients first (transformers is never timed: its dispatch layers are not the eager
+baseline the issue compares against).
+
+Before any timing the two must agree on the loss and on a few gradients, so that the comparison
+is of the same work. Then forward+backward of both run interleaved, repeat after repeat, and the
+ratio of the medians cutp/torch is printed (< 1: cutp is faster).
 
 torch is an optional extra (``pip install torch``): it is imported only here.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
 
 import numpy as np
@@ -22,12 +35,13 @@ import numpy as np
 import cutp
 
 from ..models import GPT, GPTConfig
+from ..models.hf_llama import config_to_hf_llama, hf_state_dict
 from ..models.names import from_gpt2, to_gpt2
 from ..runtime.threads import get_blas_threads, set_blas_threads
 from ..train.reporting import Report
 from .common import Timing, machine_info
 
-DEFAULT_SHAPES = {"tiny": (16, 128), "gpt2": (4, 256)}
+DEFAULT_SHAPES = {"tiny": (16, 128), "gpt2": (4, 256), "llama-tiny": (16, 128), "llama-gpt2": (4, 256)}
 
 
 def torch_missing_reason() -> str | None:
@@ -122,6 +136,159 @@ def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
     return model
 
 
+@contextlib.contextmanager
+def hub_kernels_visible():
+    """Run from a checkout's root, its top-level ``kernels/`` (cutp.kernels' sources) would shadow
+    the Hub's ``kernels`` package that transformers imports: the checkout's root is left off
+    sys.path while transformers loads."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cutp.__file__)))
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != root]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def transformers_missing_reason() -> str | None:
+    """None when transformers' LlamaForCausalLM imports; else why not (its check is skipped)."""
+    try:
+        with hub_kernels_visible():
+            from transformers import LlamaForCausalLM  # noqa: F401 (optional dependency)
+    except Exception as e:  # ImportError, or a broken install
+        return f"transformers is not importable ({type(e).__name__}: {e}): pip install transformers"
+    return None
+
+
+def is_llama(config) -> bool:
+    return config.norm == "rmsnorm" and config.positions == "rope" and config.mlp == "swiglu"
+
+
+def build_torch_llama(config, hf_state: dict, attention: str = "sdpa"):
+    """A plain torch.nn.Module of the Llama family's math under transformers' names and layouts,
+    loaded from `hf_state` ({HF key: array}, `hf_state_dict`)."""
+    import torch  # optional dependency
+    import torch.nn as nn  # optional dependency
+    import torch.nn.functional as F  # optional dependency
+
+    c = config
+    if c.n_experts or c.rope_scaling != "none" or c.tie_embeddings or c.qkv_bias or c.mlp_bias or c.attn_out_bias:
+        raise ValueError("compare-torch supports dense, untied Llama configurations without biases or RoPE scaling")
+    h, nh, nkv, hd, F_ = c.n_embd, c.n_head, c.kv_heads, c.head_size, c.hidden
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(h))
+
+        def forward(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.ln_eps))
+
+    def rotate_half(x):
+        return torch.cat((-x[..., hd // 2:], x[..., :hd // 2]), dim=-1)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = nn.Linear(h, nh * hd, bias=False)
+            self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+            self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+            self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+        def forward(self, x, cos, sin):
+            B, T, _ = x.shape
+            q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)
+            k = self.k_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+            v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            if attention == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+            else:
+                k, v = (a.repeat_interleave(nh // nkv, dim=1) for a in (k, v))
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+                att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+                y = F.softmax(att, dim=-1) @ v
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, nh * hd))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(h, F_, bias=False)
+            self.up_proj = nn.Linear(h, F_, bias=False)
+            self.down_proj = nn.Linear(F_, h, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = RMSNorm()
+            self.self_attn = Attention()
+            self.post_attention_layernorm = RMSNorm()
+            self.mlp = MLP()
+
+        def forward(self, x, cos, sin):
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(c.vocab_size, h)
+            self.layers = nn.ModuleList([Layer() for _ in range(c.n_layer)])
+            self.norm = RMSNorm()
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Body()
+            self.lm_head = nn.Linear(h, c.vocab_size, bias=False)
+            inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+            freqs = torch.outer(torch.arange(c.block_size).float(), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
+
+        def forward(self, idx, targets):
+            T = idx.shape[1]
+            cos, sin = self.cos[:T], self.sin[:T]
+            x = self.model.embed_tokens(idx)
+            for layer in self.model.layers:
+                x = layer(x, cos, sin)
+            logits = self.lm_head(self.model.norm(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    model = Llama()
+    _load(model, hf_state)
+    return model
+
+
+def _load(model, hf_state: dict):
+    """Copies {HF key: array} into a torch module with those parameter names (every one needed)."""
+    import torch  # optional dependency
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            a = hf_state[name]
+            if tuple(a.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: cutp shape {a.shape} does not fit torch shape {tuple(p.shape)}")
+            p.copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
+
+
+def build_transformers_llama(config, hf_state: dict):
+    """transformers' LlamaForCausalLM with the same weights (SDPA attention), float32."""
+    import torch  # optional dependency
+
+    with hub_kernels_visible():
+        from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency
+
+    hf_cfg = {k: v for k, v in config_to_hf_llama(config, "float32").items() if k not in ("architectures", "model_type")}
+    model = LlamaForCausalLM(LlamaConfig(**hf_cfg, attn_implementation="sdpa")).to(torch.float32)
+    _load(model, hf_state)
+    return model
+
+
 def torch_grad(model, name):
     """The torch gradient of cutp's parameter `name`, in cutp's layout (Conv1D [in, out])."""
     name = to_gpt2(name)
@@ -133,6 +300,59 @@ def torch_grad(model, name):
 
 
 CHECKED_GRADS = ("tok_embed.weight", "layers.0.attn.qkv.weight", "layers.0.mlp.fc1.bias", "final_norm.weight")
+# the Llama module's: each of a layer's kinds of weight, the norms, the embedding and the head
+CHECKED_LLAMA_GRADS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                       "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                       "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                       "model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _rel(a, ref) -> float:
+    return float(np.max(np.abs(a - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def _torch_step(tmodel, idx, targets, hf: bool = False):
+    """loss (float) and {name: grad as NumPy} of one forward+backward of a torch module (hf:
+    transformers' model, whose logits are taken: its own loss would shift the targets)."""
+    import torch  # optional dependency
+    import torch.nn.functional as F  # optional dependency
+
+    tmodel.zero_grad(set_to_none=True)
+    idx, targets = torch.from_numpy(idx), torch.from_numpy(targets)
+    if hf:
+        logits = tmodel(input_ids=idx).logits
+        tloss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    else:
+        tloss = tmodel(idx, targets)
+    tloss.backward()
+    return float(tloss.detach()), {n: p.grad.detach().numpy() for n, p in tmodel.named_parameters()
+                                   if p.grad is not None}
+
+
+def check_same_llama(model, tmodel, idx, targets, *, reference=None, rtol_loss=1e-5, rtol_grad=1e-3) -> dict:
+    """`check_same_work` for the Llama module: cutp's loss and gradients (in transformers' names
+    and layouts) against the module's, and, with `reference` (transformers' LlamaForCausalLM),
+    the module's against it."""
+    model.zero_grad()
+    loss = model.forward(idx, targets)
+    model.backward()
+    grads = {}
+    for name, p in model.named_parameters().items():
+        g = model.ctx.to_numpy(p.grad)
+        grads[name] = g[: p.real_rows] if p.real_rows is not None else g
+    hf_grads = hf_state_dict(model.config, grads)
+    tl, tgrads = _torch_step(tmodel, idx, targets)
+    out = {"loss_cutp": float(loss), "loss_torch": tl, "loss_rel_diff": abs(loss - tl) / max(abs(tl), 1e-30),
+           "grads": {n: _rel(hf_grads[n], tgrads[n]) for n in CHECKED_LLAMA_GRADS if n in tgrads}}
+    ok = out["loss_rel_diff"] <= rtol_loss and max(out["grads"].values()) <= rtol_grad
+    if reference is not None:
+        hl, hgrads = _torch_step(reference, idx, targets, hf=True)
+        out["transformers"] = {"loss_rel_diff": abs(hl - tl) / max(abs(hl), 1e-30),
+                               "grads": {n: _rel(tgrads[n], hgrads[n]) for n in out["grads"]}}
+        ok = ok and out["transformers"]["loss_rel_diff"] <= rtol_loss \
+            and max(out["transformers"]["grads"].values()) <= rtol_grad
+    out["ok"] = bool(ok)
+    return out
 
 
 def check_same_work(model, tmodel, idx, targets, *, rtol_loss=1e-5, rtol_grad=1e-3) -> dict:
@@ -186,9 +406,16 @@ def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None
     try:
         model = GPT(ctx, config, seed=seed)
         state = model.gather_state_dict()
-        tmodel = build_torch_gpt(config, state, attention)
         idx, targets = _make_batch(config, B, T, seed)
-        check = check_same_work(model, tmodel, idx, targets)
+        if is_llama(config):
+            hf_state = hf_state_dict(config, state)
+            tmodel = build_torch_llama(config, hf_state, attention)
+            reference = None if transformers_missing_reason() else build_transformers_llama(config, hf_state)
+            check = check_same_llama(model, tmodel, idx, targets, reference=reference)
+            del reference
+        else:
+            tmodel = build_torch_gpt(config, state, attention)
+            check = check_same_work(model, tmodel, idx, targets)
         res = {"preset": preset, "config": config.to_dict(), "batch": B, "seq_len": T, "threads": threads,
                "blas_threads": get_blas_threads(), "torch_threads": torch.get_num_threads(),
                "torch": torch.__version__, "attention": attention, "check": check}
@@ -256,6 +483,12 @@ def run(args) -> Report:
               cutp_tok_s=r.get("cutp_tok_s"), torch_tok_s=r.get("torch_tok_s"))
         if not chk["ok"]:
             report.notes.append(f"{preset}: cutp and torch DISAGREE ({chk}); not timed")
+        if "transformers" in chk:
+            tr = chk["transformers"]
+            report.notes.append(f"{preset}: the torch module against transformers' LlamaForCausalLM: |dloss|/loss "
+                                f"{tr['loss_rel_diff']:.1e}, max grad rel diff {max(tr['grads'].values()):.1e}")
+        elif is_llama(GPTConfig.preset(preset)):
+            report.notes.append(f"{preset}: not checked against transformers ({transformers_missing_reason()})")
     t.notes.append("ratio < 1: cutp is faster. Same weights, batch and thread count (torch.set_num_threads and "
                    "cutp.runtime.threads.set_blas_threads); gradients zeroed outside the timed region.")
     report.extra["results"] = results

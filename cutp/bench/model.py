@@ -40,7 +40,9 @@ from mpi4py import MPI
 
 from ..data import Dataset
 from ..models import GPTConfig
+from .. import ops
 from ..ops import tf32_allowed
+from ..ops.profile import OpTimer, breakdown
 from ..runtime.threads import set_blas_threads
 from ..train import StepHooks, build_run, resolve_run_config, train_step
 from ..train.overlap import overlap_fraction
@@ -194,6 +196,25 @@ def _pipeline_table(report, ctx, cfg, waits, step_s):
                                 "ideal_bubble": ideal}
 
 
+def _op_table(report, world, op_steps, gpu):
+    """Where a step's time goes per op kind (cutp.ops.profile): the median over the profiled
+    steps of each kind's seconds, then the slowest rank."""
+    t = report.table("ops", [("kind", "op kind", "", "<"), ("ms", "ms/step", ",.1f"), ("pct", "% of step", ".1f")],
+                     title="where a step goes, per op kind (slowest rank)")
+    step_s = reduce_scalar(world, float(np.median([s for s, _, _ in op_steps])))
+    rows = [breakdown(s, ops_s, comm_s) for s, ops_s, comm_s in op_steps]
+    out = {}
+    for i, (kind, _) in enumerate(rows[0]):
+        sec = reduce_scalar(world, float(np.median([r[i][1] for r in rows])))
+        out[kind] = sec * 1e3
+        t.add(kind=kind, ms=sec * 1e3, pct=100 * sec / step_s)
+    t.add(kind="step", ms=step_s * 1e3, pct=100.0)
+    t.notes.append("gemm: linear layers and other matrix products; attention: the core attention, rotary, softmax; "
+                   "outside the ops: the step minus the ops and the communication (Python, residual adds, "
+                   "gradient norm, zero_grad)" + ("; a GPU: one extra step, every op synchronised" if gpu else ""))
+    report.extra["op_kinds_ms"] = out
+
+
 def random_tokens(vocab_size: int, n: int, seed: int) -> Dataset:
     """Uniform random token ids below the model's vocabulary: any vocabulary fits, and the
     work of a step does not depend on the data."""
@@ -247,7 +268,7 @@ def run(args) -> Report:
                              dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=args.batch_size or B * dp,
                              pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
                              pp_layers=args.pp_layers, cp=cp, cp_comm=getattr(args, "cp_comm", "ring"),
-                             micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps, lr=1e-4,
+                             micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps + (device != "cpu"), lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
                              recompute=args.recompute, sequence_parallel=args.sequence_parallel,
@@ -284,18 +305,34 @@ def run(args) -> Report:
     bytes_per_step = {}
     overlap_times, link_times = [], []  # per measured step: {group: (comm_ms, exposed_ms)}
     step_peak = 0
-    for step in range(args.warmup + args.steps):
-        measured = step >= args.warmup
+    # per op kind (cutp.ops.profile): on the CPU over the measured steps (the hook costs ~1 us a
+    # call); on a GPU, whose ops must be synchronised one by one to be timed, over one more step
+    # after them, kept out of the step's figures
+    gpu = xp is not np
+    op_timer = OpTimer(ops, sync=(lambda: xp.cuda.get_current_stream().synchronize()) if gpu else None)
+    op_steps = []  # per profiled step: (step seconds, {kind: seconds}, comm seconds)
+    by_op = []  # per profiled step: {op: seconds}
+    for step in range(args.warmup + args.steps + (1 if gpu else 0)):
+        measured = args.warmup <= step < args.warmup + args.steps
+        profiled = step == args.warmup + args.steps if gpu else measured
         # the activations are walked in the last warm-up step: the walk's time is not measured
         hooks.measure_activations = step == max(args.warmup - 1, 0)
         clock.reset()
         b0 = {k: v[2] for k, v in ctx.counter.totals.items()}
         c0 = {k: v[0] for k, v in ctx.counter.totals.items()}
-        with ActivationPeak(ctx) if hooks.measure_activations else _NOTHING as peak:
+        op_timer.reset()
+        with ActivationPeak(ctx) if hooks.measure_activations else _NOTHING as peak, \
+                op_timer if profiled else _NOTHING:
             stats = train_step(run, hooks, profile=True)
         if hooks.measure_activations:
             step_peak = peak.bytes
         clock.collect()
+        if profiled:
+            op_steps.append(((stats.forward_ms + stats.backward_ms + stats.optimizer_ms) / 1e3,
+                             dict(op_timer.seconds), sum(clock.seconds.values())))
+            by_op.append(dict(op_timer.by_op))
+        if step >= args.warmup + args.steps:  # the GPU's profiled step: in no other figure
+            continue
         losses.append(stats.loss)
         if measured and stats.pipeline_wait_ms is not None:
             waits.append(stats.pipeline_wait_ms / 1e3)
@@ -375,6 +412,9 @@ def run(args) -> Report:
     if not cm.rows:
         cm.notes.append("no collectives (tp = dp = 1)")
 
+    _op_table(report, world, op_steps, gpu)
+    report.extra["ops_ms"] = {k: 1e3 * float(np.median([d.get(k, 0.0) for d in by_op]))
+                              for k in sorted(set().union(*by_op), key=lambda k: -by_op[-1].get(k, 0.0))}
     if ctx.pp_size > 1:
         _pipeline_table(report, ctx, cfg, waits, step_s)
     over = _overlap_table(report, world, overlap_times)

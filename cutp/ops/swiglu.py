@@ -87,6 +87,7 @@ def swiglu_backward(dy, ctx: SwiGLUCtx):
     dy2 = dy.reshape(-1, F)
     N = a2.shape[0]
     d = xp.empty((N, 2 * F), dtype=gate_up.dtype)
+    direct = d.dtype == cdt  # float32/float64: the last products written into d's halves (no copies)
 
     def block(sl):
         g = as_dtype(a2[sl, :F], cdt)
@@ -99,11 +100,12 @@ def swiglu_backward(dy, ctx: SwiGLUCtx):
         e += 1.0
         e *= sig  # silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
         e *= as_dtype(a2[sl, F:], cdt)
-        e *= dyb
-        d[sl, :F] = e
+        xp.multiply(e, dyb, out=d[sl, :F] if direct else e)
         sig *= g  # silu(g)
-        sig *= dyb
-        d[sl, F:] = sig
+        xp.multiply(sig, dyb, out=d[sl, F:] if direct else sig)
+        if not direct:
+            d[sl, :F] = e
+            d[sl, F:] = sig
 
     parallel_map(xp, block, row_blocks(xp, N, 2 * F))
     return d.reshape(gate_up.shape)

@@ -367,6 +367,13 @@ def test_model_suite_tp1_in_process(tmp_path):
     assert [r["phase"] for r in d["tables"]["phases"]["rows"]] == ["forward", "backward", "optimizer", "step"]
     mem = {r["what"]: r["mib"] for r in d["tables"]["memory"]["rows"]}
     assert mem["parameters"] == pytest.approx(GPTConfig.preset("tiny", n_layer=1).num_parameters() * 4 / 2**20)
+    # where the step goes, per op kind: every kind that runs has time, and the parts add up to the step
+    kinds = {r["kind"]: r["ms"] for r in d["tables"]["ops"]["rows"]}
+    for kind in ("gemm", "attention", "norms", "activations", "cross-entropy", "optimizer"):
+        assert kinds[kind] > 0, kind
+    assert kinds["communication"] == 0  # one rank
+    parts = sum(ms for k, ms in kinds.items() if k != "step")
+    assert parts == pytest.approx(kinds["step"], rel=0.05)  # (medians per kind: near, not exact)
 
 
 def _mpi_suites(tmpdir):
@@ -414,16 +421,24 @@ def test_comm_and_model_suites_on_two_ranks(tmp_path):
     assert cp_rows["cp.send"]["calls"] == cp_rows["cp.recv"]["calls"] > 0 and "tp.all_reduce" not in cp_rows
 
 
-def test_compare_torch_skipped_or_same_loss():
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_compare_torch_skipped_or_same_loss(preset):
     from cutp.bench import compare_torch
 
     why = compare_torch.torch_missing_reason()
     if why:
         pytest.skip(f"compare-torch needs torch, an optional extra not installed here: {why}")
-    r = compare_torch.compare("tiny", batch=2, seq_len=16, threads=1, overrides=["n_layer=2"], check_only=True)
+    r = compare_torch.compare(preset, batch=2, seq_len=16, threads=1, overrides=["n_layer=1"], check_only=True)
     chk = r["check"]
     assert chk["ok"], chk
     assert chk["loss_rel_diff"] < 1e-5 and max(chk["grads"].values()) < 1e-3
+    if preset == "llama-tiny":
+        assert set(chk["grads"]) == set(compare_torch.CHECKED_LLAMA_GRADS)
+        if compare_torch.transformers_missing_reason():
+            assert "transformers" not in chk  # (the suite's note says why it was not checked)
+        else:  # the timed module is transformers' math: its loss and gradients as LlamaForCausalLM's
+            hf = chk["transformers"]
+            assert hf["loss_rel_diff"] < 1e-6 and max(hf["grads"].values()) < 1e-5
 
 
 def test_compare_torch_suite_reports_a_skip_without_torch(monkeypatch):

@@ -171,6 +171,10 @@ class Llama(LlamaLike):
         "llama3-70b": dict(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, mlp_hidden=28672, vocab_size=128256,
                            block_size=8192, rope_theta=500000.0, **LLAMA_SPEC, bos_token_id=128000,
                            eos_token_id=128001),
+        # GPT-2 small's size with Llama's spec (bench compare-torch: 12 query / 4 KV heads, SwiGLU 2,048,
+        # untied, GPT-2's vocabulary): 152.7M parameters
+        "llama-gpt2": dict(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, mlp_hidden=2048, vocab_size=50257,
+                           block_size=1024, **LLAMA_SPEC),
         # Llama 2 (the planner's --params 7B, 13B, 70B)
         "llama2-7b": dict(n_layer=32, n_head=32, n_embd=4096, mlp_hidden=11008, vocab_size=32000, block_size=4096,
                           **LLAMA_SPEC, bos_token_id=1, eos_token_id=2),
