@@ -31,14 +31,20 @@ def hf():
     except ImportError as e:
         pytest.skip(f"torch and transformers do not import here ({e}); run this file with a Python that has "
                     "both (pip install torch transformers) to compare against transformers itself")
+    if "default" not in ROPE_INIT_FUNCTIONS:  # transformers 5: the default lives in the rotary class
+        default = modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters
+        ROPE_INIT_FUNCTIONS = {**ROPE_INIT_FUNCTIONS, "default": lambda config, device: default(config)}
     return torch, LlamaConfig, ROPE_INIT_FUNCTIONS, modeling_llama
 
 
 def _hf_config(hf, head_dim, theta, rope_scaling, heads=4):
     _, LlamaConfig, _, _ = hf
-    return LlamaConfig(hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=2,
-                       head_dim=head_dim, rope_theta=theta, rope_scaling=rope_scaling,
-                       max_position_embeddings=131072, intermediate_size=32, rms_norm_eps=1e-5)
+    config = LlamaConfig(hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=2,
+                         head_dim=head_dim, rope_theta=theta, rope_scaling=rope_scaling,
+                         max_position_embeddings=131072, intermediate_size=32, rms_norm_eps=1e-5)
+    if isinstance(getattr(config, "rope_parameters", None), dict):  # transformers 5 reads theta and scaling there
+        config.rope_parameters = {**(rope_scaling or {"rope_type": "default"}), "rope_theta": theta}
+    return config
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA31, LLAMA32],
@@ -56,7 +62,7 @@ def test_inv_freq_and_tables_match_transformers(hf, scaling, head_dim, theta):
     # every step is the same float32 operation in the same order, except the pow: torch's float32
     # pow is within an ulp of a correctly rounded one (ours). Where the default inv_freq agree, the
     # scaling's result agrees bit for bit; elsewhere within an ulp or two
-    default_hf = ROPE_INIT_FUNCTIONS["default"](config, "cpu")[0].numpy()
+    default_hf = ROPE_INIT_FUNCTIONS["default"](_hf_config(hf, head_dim, theta, None), "cpu")[0].numpy()
     same = rope_inv_freq(head_dim, theta, None, np.float32) == default_hf
     assert same.mean() > 0.9
     assert np.array_equal(bits(ours[same]), bits(theirs[same]))
