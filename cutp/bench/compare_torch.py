@@ -9,7 +9,7 @@ weights (``model.gather_state_dict()``: GPT-2 names, Conv1D [in, out] layout, tr
 
 Llama-family presets (RMSNorm, RoPE, SwiGLU, GQA, untied; ``llama-tiny``, ``llama-gpt2``): a
 plain torch module of the same math under transformers' names and layouts (cutp's weights through
-``cutp.models.hf_llama.hf_state_dict``): RMSNorm in float32, ``rotate_half`` RoPE, SDPA with
+``cutp.models.hf.hf_state_dict``): RMSNorm in float32, ``rotate_half`` RoPE, SDPA with
 ``is_causal=True`` and ``enable_gqa=True`` (or the masked softmax with ``--torch-attention
 manual``), ``down(silu(gate(x)) * up(x))``. That module is always the one timed. Where
 transformers is installed, its ``LlamaForCausalLM`` with the same weights checks the module's
@@ -35,7 +35,7 @@ import numpy as np
 import cutp
 
 from ..models import GPT, GPTConfig
-from ..models.hf_llama import config_to_hf_llama, hf_state_dict
+from ..models.hf import config_to_hf, hf_state_dict
 from ..models.names import from_gpt2, to_gpt2
 from ..runtime.threads import get_blas_threads, set_blas_threads
 from ..train.reporting import Report
@@ -99,9 +99,9 @@ def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln_1 = nn.LayerNorm(h, eps=c.ln_eps, bias=c.bias)
+            self.ln_1 = nn.LayerNorm(h, eps=c.norm_eps, bias=c.bias)
             self.attn = Attention()
-            self.ln_2 = nn.LayerNorm(h, eps=c.ln_eps, bias=c.bias)
+            self.ln_2 = nn.LayerNorm(h, eps=c.norm_eps, bias=c.bias)
             self.mlp = MLP()
 
         def forward(self, x):
@@ -114,7 +114,7 @@ def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
             self.wte = nn.Embedding(c.vocab_size, h)
             self.wpe = nn.Embedding(c.block_size, h)
             self.h = nn.ModuleList([Block() for _ in range(c.n_layer)])
-            self.ln_f = nn.LayerNorm(h, eps=c.ln_eps, bias=c.bias)
+            self.ln_f = nn.LayerNorm(h, eps=c.norm_eps, bias=c.bias)
 
         def forward(self, idx, targets):
             T = idx.shape[1]
@@ -182,7 +182,7 @@ def build_torch_llama(config, hf_state: dict, attention: str = "sdpa"):
             self.weight = nn.Parameter(torch.ones(h))
 
         def forward(self, x):
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.ln_eps))
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.norm_eps))
 
     def rotate_half(x):
         return torch.cat((-x[..., hd // 2:], x[..., :hd // 2]), dim=-1)
@@ -283,7 +283,7 @@ def build_transformers_llama(config, hf_state: dict):
     with hub_kernels_visible():
         from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency
 
-    hf_cfg = {k: v for k, v in config_to_hf_llama(config, "float32").items() if k not in ("architectures", "model_type")}
+    hf_cfg = {k: v for k, v in config_to_hf(config, "float32").items() if k not in ("architectures", "model_type")}
     model = LlamaForCausalLM(LlamaConfig(**hf_cfg, attn_implementation="sdpa")).to(torch.float32)
     _load(model, hf_state)
     return model
