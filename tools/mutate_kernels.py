@@ -23,6 +23,13 @@ occurrence at a time:
   skipwrite   a store (``store_chunk(``, ``a[i] = ...``) guarded by ``if (false)``
   stride      ``WARP_SIZE`` -> ``16``, ``blockDim.x`` -> ``WARP_SIZE`` (wrong lane counts, strides)
   math        ``fmaxf`` <-> ``fminf``
+  round16     a float accumulation ``a += b;`` -> ``a = round_bf16(a + b);`` (a sum kept in 16 bits:
+              the weight and bias gradients' sources only)
+  halves      a rotary table's second half read as its first (``cr + hh + e0`` -> ``cr + e0``,
+              ``c2[k]`` <-> ``c1[k]``, ``s2[k]`` <-> ``s1[k]``)
+  fastmath    ``expf(`` -> ``__expf(`` (a fast-math intrinsic; the float32 activations only)
+  vecwidth    a bf16 kernel's 128-bit pack sized as float32's: ``% P == 0`` -> ``% 4 == 0``,
+              ``(n + P - 1) / P`` -> ``(n + 3) / 4``, ``count >= N`` -> ``count >= 4``
 
 Each mutant is compiled and tested in a private copy of tests/ and kernels/ (the working tree is
 never modified, so the campaign can run while you edit), with the emulated backend only, pytest
@@ -89,7 +96,8 @@ STAGES_OF = {
     "rmsnorm.cu": ["rmsnorm"],
     "swiglu.cu": ["swiglu"],
     "rotary.cu": ["rotary"],
-    "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout", "attention"],
+    "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout", "rmsnorm", "swiglu", "rotary",
+                   "attention"],
 }
 AUDIT_TESTS = ["test_index_width.py"]  # source-level checks that apply to every kernel source
 
@@ -135,7 +143,14 @@ QUICK = {
 
 LAUNCH_TIMEOUT = 10
 
-OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math")
+OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math",
+       "round16", "halves", "fastmath", "vecwidth")
+# Operators that apply to some sources only (the bug classes of issue 42): the others everywhere.
+OP_SOURCES = {
+    "round16": ("rmsnorm.cu", "layernorm.cu", "reduce.cu", "gelu.cu", "common.cuh"),  # the parameter gradients
+    "halves": ("rotary.cu",),
+    "fastmath": ("swiglu.cu", "gelu.cu"),  # the float32 activations
+}
 
 BOUND_NAMES = r"(?:n|C|W|L|Tk|Tq|n_valid|n_rows|count|nwarps|r1|n_chunks|P|N|size)"
 
@@ -223,11 +238,20 @@ PATTERNS = [
     ("stride", r"\bblockDim\.x\b", "WARP_SIZE", ""),
     ("math", r"\bfmaxf\b", "fminf", ""),
     ("math", r"\bfminf\b", "fmaxf", ""),
+    ("round16", r"(?<![\w.\]])(\w+(?:\[[^\];]*\])?) \+= ([^;=]+);",
+     lambda m: f"{m.group(1)} = to_float(from_float<__nv_bfloat16>({m.group(1)} + ({m.group(2)})));", ""),
+    ("halves", r"\b([cs])r \+ hh \+ e0", r"\1r + e0", "load_chunk"),
+    ("halves", r"\b([cs])([12])\[k\]", lambda m: f"{m.group(1)}{3 - int(m.group(2))}[k]", ""),
+    ("fastmath", r"(?<![\w])expf\(", "__expf(", ""),
+    ("vecwidth", r"% P == 0", "% 4 == 0", ""),
+    ("vecwidth", r"\+ P - 1\) / P", "+ 3) / 4", ""),
+    ("vecwidth", r"\bcount >= N\b", "count >= 4", ""),
 ]
 
 
-def _line_mutations(line: str):
-    """[(op, mutated line)] for one code line."""
+def _line_mutations(line: str, source: str = ""):
+    """[(op, mutated line)] for one code line of `source` (OP_SOURCES: some operators apply to
+    some sources only)."""
     code = _code_part(line)
     rest = line[len(code):]
     # a skipped write is a statement: not a declaration, loop header or function header
@@ -236,6 +260,8 @@ def _line_mutations(line: str):
     found = []
     for op, pattern, repl, needs in PATTERNS:
         if needs not in code or (op == "skipwrite" and not statement) or (op == "stride" and "constexpr" in code):
+            continue
+        if op in OP_SOURCES and source not in OP_SOURCES[op]:
             continue
         for a, b, r in _sub_each(pattern, repl, code):
             found.append((op, code[:a] + r + code[b:] + rest))
@@ -248,7 +274,7 @@ def generate(sources=SOURCES, ops=OPS) -> list[Mutant]:
         text = (KERNELS / source).read_text()
         seen = set()
         for i, line in _mutable_lines(text):
-            for op, new in _line_mutations(line):
+            for op, new in _line_mutations(line, source):
                 if op not in ops or new == line or (i, new) in seen:
                     continue
                 seen.add((i, new))
