@@ -352,10 +352,10 @@ def _killing_test(out: str) -> str:
 
 
 def prioritised(mutants):
-    """The categories the issue names first (a capped run still covers them), then relop and
-    bound; sources interleaved within a category."""
-    order = {op: i for i, op in enumerate(("barrier", "accumulate", "init", "shared", "skipwrite", "index32", "stride",
-                                           "math", "relop", "bound"))}
+    """The categories the issues name first (issue 42's, then the first review's: a capped run
+    still covers them), then relop and bound; sources interleaved within a category."""
+    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "barrier", "accumulate", "init",
+                                           "shared", "skipwrite", "index32", "stride", "math", "relop", "bound"))}
     rank = {}
     for m in mutants:
         rank[m.id] = sum(1 for o in mutants if o.op == m.op and o.source == m.source and o.line < m.line)
