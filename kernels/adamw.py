@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .family import KernelFamily, Target, Traffic
 from .runtime import KernelArgumentError, LauncherBase, check_array, dtype_suffix
 
 
@@ -44,3 +45,10 @@ class AdamWLaunchers(LauncherBase):
                      (p, m, v, g, decay_mask if decay else None, np.int64(n), f(beta1), f(1.0 - beta1), f(beta2),
                       f(1.0 - beta2), f(lr * weight_decay), np.int32(decay), f(eps), f(lr / bc1),
                       f(1.0 / np.sqrt(bc2)), f(grad_scale)))
+
+
+FAMILY = KernelFamily(
+    "adamw", ("adamw",), AdamWLaunchers,
+    targets={"adamw_update": Target(256, 4, "5 arrays x 128 bit in flight per thread; 50%")},
+    traffic={"adamw_update": Traffic(3, f32=4, ops=16, what="read p, g, m, v; write p, m, v (no decay mask)")},
+    tests=("test_adamw.py",))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .family import KernelFamily, Target, Traffic
 from .runtime import (
     WARP,
     KernelArgumentError,
@@ -99,3 +100,16 @@ class CrossEntropyLaunchers(LauncherBase):
                      (O, L, row_max, sum_exp, targets, row_scale, np.int64(N), int32_arg("W", W),
                       int32_arg("n_valid", int(n_valid)), smooth, np.float32(1.0 - eps)))
         return out
+
+
+FAMILY = KernelFamily(
+    "cross_entropy", ("cross_entropy",), CrossEntropyLaunchers,
+    targets={
+        "ce_shard_forward": Target(1024, 2, "block per row"),
+        "ce_shard_backward": Target(1024, 2, "block per row"),
+    },
+    traffic={
+        "ce_shard_forward": Traffic(1, ops=14, what="read a logit once (online max and sum of exp, sum, target)"),
+        "ce_shard_backward": Traffic(2, ops=14, what="read a logit, write its gradient"),
+    },
+    tests=("test_cross_entropy.py",))

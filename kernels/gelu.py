@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from .family import KernelFamily, Target, Traffic
 from .runtime import (
     ELEMENTWISE_THREADS,
     WARP,
@@ -106,3 +107,20 @@ class GeluLaunchers(LauncherBase):
                      (dx, partial, dy, pre, np.int64(n_rows), int32_arg("C", C),
                       int32_arg("rows per chunk", rows_per_chunk), exact))
         return dx, self._column_sum(partial, pre.dtype)
+
+
+FAMILY = KernelFamily(
+    "gelu", ("gelu", "reduce"), GeluLaunchers,
+    targets={
+        "gelu_forward": Target(256, 8, "elementwise, 2 arrays"),
+        "gelu_backward": Target(256, 6, "elementwise; bf16 holds 2 x 8 floats and the tanh/erfc terms: 75%"),
+        "bias_gelu_forward": Target(256, 8, "elementwise, 3 arrays"),
+        "bias_gelu_backward": Target(256, 5, "bf16 holds 8 column sums + 2 x 8 floats per thread: 62%"),
+    },
+    traffic={
+        "gelu_forward": Traffic(2, ops=20, what="read x, write y"),
+        "gelu_backward": Traffic(3, ops=30, what="read x, dy; write dx"),
+        "bias_gelu_forward": Traffic(3, ops=21, what="read x; write pre, y"),
+        "bias_gelu_backward": Traffic(3, ops=31, what="read pre, dy; write dx"),
+    },
+    tests=("test_gelu.py",), mutation_classes=("fastmath", "round16"))

@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from .family import DynamicShared, KernelFamily, Target, Traffic
 from .runtime import (
     DEFAULT_MAX_SHARED,
     WARP,
@@ -138,3 +139,18 @@ class LayerNormLaunchers(LauncherBase):
         dweight = self._column_sum(partial[0], weight.dtype) if want_dw else None
         dbias = self._column_sum(partial[1], np.dtype(bias_dtype)) if bias_dtype is not None else None
         return dx, dweight, dbias
+
+
+FAMILY = KernelFamily(
+    "layernorm", ("layernorm", "reduce"), LayerNormLaunchers,
+    targets={
+        "layernorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
+        "layernorm_backward": Target(512, 2, "3 arrays x 128 bit in flight per thread; 50%"),
+    },
+    traffic={
+        "layernorm_forward": Traffic(4, ops=8, what="read x 3 times (3 passes), write y"),
+        "layernorm_backward": Traffic(5, ops=20, what="read dy, x twice (2 passes), write dx"),
+    },
+    dynamic_shared={"layernorm_backward": DynamicShared("R * 2 * C * 4", layernorm_backward_shared_bytes, 768,
+                                                        LAYERNORM_BACKWARD_MAX_C)},
+    tests=("test_layernorm.py",), mutation_classes=("round16",))

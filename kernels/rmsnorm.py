@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from .family import DynamicShared, KernelFamily, Target, Traffic
 from .layernorm import LAYERNORM_BACKWARD_BLOCKS_PER_SM, layernorm_backward_threads
 from .runtime import (
     DEFAULT_MAX_SHARED,
@@ -128,3 +129,20 @@ class RMSNormLaunchers(LauncherBase):
                      (dx, partial, dy, x, weight, rstd, np.int64(n_rows), int32_arg("C", C)), shared_mem=smem)
         dweight = self._column_sum(partial, weight.dtype) if want_dw else None
         return dx, dweight
+
+
+FAMILY = KernelFamily(
+    "rmsnorm", ("rmsnorm", "reduce"), RMSNormLaunchers,
+    targets={
+        "rmsnorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
+        "residual_rmsnorm_forward": Target(512, 2, "a block of 512 threads per row beyond 2048 columns: 50%"),
+        "rmsnorm_backward": Target(512, 2, "LayerNorm's backward layout: 3 arrays x 128 bit in flight; 50%"),
+    },
+    traffic={
+        "rmsnorm_forward": Traffic(3, ops=5, what="read x twice (2 passes), write y"),
+        "residual_rmsnorm_forward": Traffic(5, ops=6, what="read x, branch; write s; read s; write y"),
+        "rmsnorm_backward": Traffic(5, ops=12, what="read dy, x twice (2 passes), write dx"),
+    },
+    dynamic_shared={"rmsnorm_backward": DynamicShared("R * C * 4", rmsnorm_backward_shared_bytes, 4096,
+                                                      RMSNORM_BACKWARD_MAX_C)},
+    tests=("test_rmsnorm.py",), mutation_classes=("round16",))

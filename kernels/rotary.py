@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .family import KernelFamily, Target, Traffic
 from .attention import kernel_layout, strided_span
 from .runtime import (
     ELEMENTWISE_THREADS,
@@ -101,3 +102,10 @@ class RotaryLaunchers(LauncherBase):
                       int32_arg("head dim", D), np.int32(rd), *xst[:3], *ost[:3], np.int64(pos_bs), np.int64(tab_bs),
                       np.int32(bool(transpose)), np.int32(not in_place)))
         return out
+
+
+FAMILY = KernelFamily(
+    "rotary", ("rotary",), RotaryLaunchers,
+    targets={"rotary": Target(256, 4, "6 chunks in flight (2 of x, 4 of the float tables: 48 floats in bf16): 50%")},
+    traffic={"rotary": Traffic(2, f32=2, ops=3, what="read x, cos, sin; write y (per element)")},
+    tests=("test_rotary.py",), mutation_classes=("halves",))

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from .family import KernelFamily, Target, Traffic
 from .runtime import KernelArgumentError, LauncherBase, ceil_div, check_array, dtype_suffix, int32_arg
 
 SOFTMAX_WARP_ROW_MAX = 1024  # rows up to this length: a warp per row; longer: a block per row
@@ -61,3 +62,16 @@ class SoftmaxLaunchers(LauncherBase):
         self._launch("softmax", f"softmax_backward_{dtype_suffix(y.dtype)}", (ceil_div(n_rows, rows_per_block),),
                      block, (dx, dy, y, np.int64(n_rows), int32_arg("Tk", Tk), np.float32(scale), block_per_row))
         return dx
+
+
+FAMILY = KernelFamily(
+    "softmax", ("softmax",), SoftmaxLaunchers,
+    targets={
+        "softmax_forward": Target(512, 3, "bf16 online max/sum over 8 floats per chunk: 75%"),
+        "softmax_backward": Target(512, 3, "bf16 2 x 8 floats per chunk: 75%"),
+    },
+    traffic={
+        "softmax_forward": Traffic(3, ops=12, what="read x twice (2 passes), write y"),
+        "softmax_backward": Traffic(5, ops=5, what="read dy, y twice (2 passes), write dx"),
+    },
+    tests=("test_softmax.py",))

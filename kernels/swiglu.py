@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from .family import KernelFamily, Target, Traffic
 from .runtime import KernelArgumentError, LauncherBase, check_array, dtype_suffix, int32_arg
 
 
@@ -53,3 +54,16 @@ class SwiGLULaunchers(LauncherBase):
         self._launch("swiglu", f"swiglu_backward_{dtype_suffix(dy.dtype)}", grid, block,
                      (d, dy, gate_up, np.int64(n_rows), int32_arg("F", F)))
         return d
+
+
+FAMILY = KernelFamily(
+    "swiglu", ("swiglu",), SwiGLULaunchers,
+    targets={
+        "swiglu_forward": Target(256, 6, "elementwise, 3 arrays; bf16 holds 3 x 8 floats and the exp: 75%"),
+        "swiglu_backward": Target(256, 5, "elementwise, 5 arrays; bf16 holds 5 x 8 floats: 62%"),
+    },
+    traffic={
+        "swiglu_forward": Traffic(3, ops=12, what="read gate, up; write y (per output element)"),
+        "swiglu_backward": Traffic(5, ops=18, what="read gate, up, dy; write d_gate, d_up (per output element)"),
+    },
+    tests=("test_swiglu.py",), mutation_classes=("fastmath",))
