@@ -13,7 +13,9 @@ iterate over it:
   ``dynamic_shared`` and ``traffic``;
 * ``tools/mutate_kernels.py`` runs, for a mutant of a source, the ``tests`` of every family whose
   ``sources`` name it (``mutation_classes``: the source-specific bug classes that apply,
-  ``quick_tests``: the fast selection of ``--quick``).
+  ``quick_tests``: the fast selection of ``--quick``);
+* ``cutp/bench/kernel_ops.py`` and ``kernel_variants.py`` add each ``bench`` case to
+  ``python -m cutp bench kernels`` (its reference and its kernel variant).
 
 So a new kernel family touches its ``.cu``, its ``kernels/<op>.py`` (launchers and FAMILY), its op
 (``cutp/ops/<op>.py``) and its tests; nothing here names a family.
@@ -74,6 +76,31 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class BenchCase:
+    """One op of ``python -m cutp bench kernels`` (cutp/bench/kernel_ops.py ``OpSpec``), declared by
+    the family that runs it. The callables that need ``cutp.ops`` (the reference, ctx objects)
+    receive it as their ``ops`` argument (``cutp.kernels`` must not import it); ``normal(xp, rng,
+    shape, dtype, scale=1.0)`` draws the inputs on the device.
+
+    cases(size preset dict) -> shape dicts; setup(ops, normal, xp, shape, dtype, rng) -> inputs;
+    reference(ops, inputs) -> zero-argument callable; kernel(launchers, inputs, ops) -> what the
+    reference returns (the benchmark's variant "cuda_kernels"); nbytes(shape, itemsize) -> the
+    bytes it must move at least; outputs(inputs, returned) -> the arrays compared (default: the
+    returned ones); label(shape) -> str."""
+
+    name: str
+    what: str
+    formula: str
+    cases: Callable
+    setup: Callable
+    reference: Callable
+    kernel: Callable
+    nbytes: Callable
+    outputs: Callable | None = None
+    label: Callable | None = None
+
+
+@dataclass(frozen=True)
 class KernelFamily:
     """One kernel family, declared once in its ``kernels/<op>.py``.
 
@@ -88,7 +115,9 @@ class KernelFamily:
     mutation_classes: the source-specific mutation classes of tools/mutate_kernels.py that apply
         to its own source (``OP_SOURCES``);
     quick_tests: ``--quick``'s fast selection of its tests (pytest node ids under tests/kernels/),
-        for a family whose files are too slow per mutant.
+        for a family whose files are too slow per mutant;
+    bench: its ops in ``python -m cutp bench kernels`` (:class:`BenchCase`; the families declared
+        before this existed keep theirs in cutp/bench/kernel_ops.py and kernel_variants.py).
     """
 
     name: str
@@ -101,6 +130,7 @@ class KernelFamily:
     tests: tuple[str, ...] = ()
     mutation_classes: tuple[str, ...] = ()
     quick_tests: tuple[str, ...] = ()
+    bench: tuple[BenchCase, ...] = ()
 
 
 def _declarations() -> tuple[KernelFamily, ...]:

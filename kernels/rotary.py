@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .family import KernelFamily, Target, Traffic
+from .family import BenchCase, KernelFamily, Target, Traffic
 from .attention import kernel_layout, strided_span
 from .runtime import (
     ELEMENTWISE_THREADS,
@@ -104,8 +104,30 @@ class RotaryLaunchers(LauncherBase):
         return out
 
 
+def _bench_cases(sz):
+    """q and k heads of a fused QKV buffer [B, T, (nq + 2 nkv) hd]: GQA 4 at head dims 64 and 128."""
+    T = sz["seq"]
+    return [dict(B=max(1, n // T), T=T, nq=nq, nkv=nq // 4, hd=hd) for n in sz["rows"]
+            for nq, hd in ((16, 64), (32, 128))]
+
+
+def _bench_setup(ops, normal, xp, s, dt, rng):
+    B, T, nq, nkv, hd = (s[k] for k in ("B", "T", "nq", "nkv", "hd"))
+    qkv = normal(xp, rng, (B, T, (nq + 2 * nkv) * hd), dt)
+    cos, sin = ops.rope_tables(hd, T, theta=500000.0, scaling=ops.RopeScaling("llama3", factor=8.0), xp=xp)
+    return dict(qkv=qkv, heads=qkv[..., :(nq + nkv) * hd].reshape(B, T, nq + nkv, hd), cos=cos, sin=sin)
+
+
+BENCH = (BenchCase(
+    "rotary_qk", "RoPE of the q and k heads in place in a fused QKV buffer (llama3 tables)",
+    "read and write the q, k heads: 2*B*T*(nq+nkv)*hd*s (the tables stay in L2)", _bench_cases, _bench_setup,
+    lambda ops, d: (lambda: ops.rotary_forward(d["heads"], d["cos"], d["sin"], out=d["heads"])),
+    lambda k, d, ops: k.rotary(d["heads"], d["cos"], d["sin"], out=d["heads"]),
+    lambda s, it: 2 * s["B"] * s["T"] * (s["nq"] + s["nkv"]) * s["hd"] * it, outputs=lambda d, r: (d["heads"],),
+    label=lambda s: f"{s['B']}x{s['T']}x({s['nq']}+{s['nkv']})x{s['hd']}"),)
+
 FAMILY = KernelFamily(
     "rotary", ("rotary",), RotaryLaunchers,
     targets={"rotary": Target(256, 4, "6 chunks in flight (2 of x, 4 of the float tables: 48 floats in bf16): 50%")},
     traffic={"rotary": Traffic(2, f32=2, ops=3, what="read x, cos, sin; write y (per element)")},
-    tests=("test_rotary.py",), mutation_classes=("halves",))
+    tests=("test_rotary.py",), mutation_classes=("halves",), bench=BENCH)

@@ -6,7 +6,9 @@ each output written once) and read its outputs for the check of a variant agains
 reference. The compute-bound attention ops also count their FLOPs (:func:`attention_flops`)
 and the working memory of the unfused and fused paths (:func:`attention_memory`).
 ``cutp.bench.kernels`` runs them; ``cutp.bench.kernel_variants`` registers the CUDA kernels of
-``cutp.kernels`` as variants of these ops, by name.
+``cutp.kernels`` as variants of these ops, by name. A kernel family may declare its ops with
+itself (``kernels/<op>.py`` FAMILY.bench, :class:`cutp.kernels.family.BenchCase`: SwiGLU, rotary):
+they are added here, after the others.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops
+from ..kernels.family import families
 
 WIDTHS = (768, 1024, 1280, 1600)
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128
@@ -96,20 +99,6 @@ def _llama_rows_width(sz):
     return _rows_width(sz) + [dict(N=n, C=c) for c in sz.get("llama_widths", ()) for n in sz["rows"][-1:]]
 
 
-def _swiglu_cases(sz):
-    """[N, 2F] gate_up: F = 4C at GPT-2's widths (tiny, cpu) / Llama's hidden widths (gpu: 8192, 14336)."""
-    hidden = {2048: 8192, 4096: 14336}
-    return [dict(N=n, F=4 * c) for c in sz["widths"][:2] for n in sz["rows"]] + [
-        dict(N=sz["rows"][-1], F=hidden[c]) for c in sz.get("llama_widths", ())]
-
-
-def _rotary_cases(sz):
-    """q and k heads of a fused QKV buffer [B, T, (nq + 2 nkv) hd]: GQA 4 at head dims 64 and 128."""
-    T = sz["seq"]
-    return [dict(B=max(1, n // T), T=T, nq=nq, nkv=nq // 4, hd=hd) for n in sz["rows"]
-            for nq, hd in ((16, 64), (32, 128))]
-
-
 def _adam_cases(sz):
     return [dict(n=n) for n in sz["adam"]]
 
@@ -153,20 +142,6 @@ def _setup_residual_rms(xp, s, dt, rng):
     d = _setup_rms(xp, s, dt, rng)
     d["branch"] = _normal(xp, rng, (s["N"], s["C"]), dt)
     return d
-
-
-def _setup_swiglu(xp, s, dt, rng, backward=False):
-    d = dict(gate_up=_normal(xp, rng, (s["N"], 2 * s["F"]), dt, 2.0))
-    if backward:
-        d["dy"] = _normal(xp, rng, (s["N"], s["F"]), dt)
-    return d
-
-
-def _setup_rotary(xp, s, dt, rng):
-    B, T, nq, nkv, hd = (s[k] for k in ("B", "T", "nq", "nkv", "hd"))
-    qkv = _normal(xp, rng, (B, T, (nq + 2 * nkv) * hd), dt)
-    cos, sin = ops.rope_tables(hd, T, theta=500000.0, scaling=ops.RopeScaling("llama3", factor=8.0), xp=xp)
-    return dict(qkv=qkv, heads=qkv[..., :(nq + nkv) * hd].reshape(B, T, nq + nkv, hd), cos=cos, sin=sin)
 
 
 def _setup_ce(xp, s, dt, rng, stage="forward"):
@@ -258,24 +233,6 @@ _add(OpSpec(
     lambda d: (lambda: ops.rmsnorm_backward(d["dy"], d["ctx"])),
     lambda s, it: 3 * s["N"] * s["C"] * it + 2 * s["C"] * it + s["N"] * STAT))
 _add(OpSpec(
-    "swiglu_fwd", "y = silu(gate) * up on [gate ; up]", "read gate_up; write y: 3*N*F*s",
-    _swiglu_cases, lambda xp, s, dt, rng: _setup_swiglu(xp, s, dt, rng),
-    lambda d: (lambda: ops.swiglu_forward(d["gate_up"])),
-    lambda s, it: 3 * s["N"] * s["F"] * it, outputs=lambda d, r: (r[0],), label=lambda s: f"{s['N']}x2x{s['F']}"))
-_add(OpSpec(
-    "swiglu_bwd", "d[gate ; up] of y = silu(gate) * up", "read gate_up, dy; write d_gate_up: 5*N*F*s",
-    _swiglu_cases, lambda xp, s, dt, rng: _setup_swiglu(xp, s, dt, rng, True),
-    lambda d: (lambda: ops.swiglu_backward(d["dy"], ops.SwiGLUCtx(d["gate_up"]))),
-    lambda s, it: 5 * s["N"] * s["F"] * it, outputs=lambda d, r: (r,), label=lambda s: f"{s['N']}x2x{s['F']}"))
-_add(OpSpec(
-    "rotary_qk", "RoPE of the q and k heads in place in a fused QKV buffer (llama3 tables)",
-    "read and write the q, k heads: 2*B*T*(nq+nkv)*hd*s (the tables stay in L2)",
-    _rotary_cases, _setup_rotary,
-    lambda d: (lambda: ops.rotary_forward(d["heads"], d["cos"], d["sin"], out=d["heads"])),
-    lambda s, it: 2 * s["B"] * s["T"] * (s["nq"] + s["nkv"]) * s["hd"] * it,
-    outputs=lambda d, r: (d["heads"],),
-    label=lambda s: f"{s['B']}x{s['T']}x({s['nq']}+{s['nkv']})x{s['hd']}"))
-_add(OpSpec(
     "ce_fwd", "vocab-parallel CE forward, one pass: row max, sum exp, target logit, sum of logits",
     "read logits (once), targets; write 4 stats: N*V*s + N*8 + 4*N*4",
     _ce_cases, lambda xp, s, dt, rng: _setup_ce(xp, s, dt, rng, "forward"),
@@ -293,6 +250,13 @@ _add(OpSpec(
     "read p, g, mask (s each), m, v (4 each); write p (s), m, v (4 each): n*(4*s + 16)",
     _adam_cases, _setup_adam, _adam_ref, lambda s, it: s["n"] * (4 * it + 16),
     outputs=lambda d, r: (d["p"], d["m"], d["v"]), label=lambda s: f"{s['n']:,}"))
+
+# the ops the kernel families declare with themselves (kernels/<op>.py FAMILY.bench)
+for _family in families():
+    for _case in _family.bench:
+        _add(OpSpec(_case.name, _case.what, _case.formula, _case.cases,
+                    lambda xp, s, dt, rng, c=_case: c.setup(ops, _normal, xp, s, dt, rng),
+                    lambda d, c=_case: c.reference(ops, d), _case.nbytes, outputs=_case.outputs, label=_case.label))
 
 
 # ---- attention: compute-bound (TFLOP/s, not GB/s) -------------------------------------------

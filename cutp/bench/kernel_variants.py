@@ -8,11 +8,12 @@ which the kernels below the ops must not import.
 """
 from __future__ import annotations
 
+from cutp import ops
 from cutp.kernels import cupy_launchers
+from cutp.kernels.family import families
 from cutp.ops.gelu import GeluCtx
 from cutp.ops.layernorm import LayerNormCtx
 from cutp.ops.rmsnorm import RMSNormCtx
-from cutp.ops.swiglu import SwiGLUCtx
 from cutp.ops.softmax import SoftmaxCtx
 from cutp.runtime.errors import BackendError
 
@@ -85,9 +86,10 @@ def register_bench_variants(register) -> None:
     variant("rmsnorm_fwd", rms_fwd)
     variant("residual_rmsnorm_fwd", residual_rms_fwd)
     variant("rmsnorm_bwd", rms_bwd)
-    variant("swiglu_fwd", lambda k, d: (k.swiglu_forward(d["gate_up"]), SwiGLUCtx(d["gate_up"])))
-    variant("swiglu_bwd", lambda k, d: k.swiglu_backward(d["dy"], d["gate_up"]))
-    variant("rotary_qk", lambda k, d: k.rotary(d["heads"], d["cos"], d["sin"], out=d["heads"]))
+    # the ops the kernel families declare with themselves (kernels/<op>.py FAMILY.bench)
+    for family in families():
+        for case in family.bench:
+            variant(case.name, lambda k, d, case=case: case.kernel(k, d, ops))
 
     # fused causal attention (kernels/attention.cu); the backward's forward runs once, untimed
     def attention(kind):
