@@ -39,8 +39,9 @@ references to float32 rounding (the reductions add in another order) and are det
 to run: no float atomics anywhere (column sums go through per-block partials and a fixed-order
 second pass).
 
-Nothing in this package imports ``cutp.ops``; the benchmark's variants of these kernels are in
-``cutp/bench/kernel_variants.py``.
+Nothing in this package imports ``cutp.ops``: the benchmark ops each family declares
+(``FAMILY.bench``) receive it as an argument from ``cutp/bench/kernel_ops.py`` and
+``kernel_variants.py``.
 """
 from __future__ import annotations
 

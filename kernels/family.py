@@ -116,8 +116,8 @@ class KernelFamily:
         to its own source (``OP_SOURCES``);
     quick_tests: ``--quick``'s fast selection of its tests (pytest node ids under tests/kernels/),
         for a family whose files are too slow per mutant;
-    bench: its ops in ``python -m cutp bench kernels`` (:class:`BenchCase`; the families declared
-        before this existed keep theirs in cutp/bench/kernel_ops.py and kernel_variants.py).
+    bench: its ops in ``python -m cutp bench kernels`` (:class:`BenchCase`; the fused attention's
+        compute-bound ops, with FLOPs and working memory, are written out in cutp/bench/kernel_ops.py).
     """
 
     name: str

@@ -8,7 +8,7 @@ One op, four places:
   calls these launchers through ``cutp.kernels.dispatch_views`` for the layouts
   :func:`rotary_supported` accepts;
 * tests: ``tests/kernels/test_rotary.py``; benchmark case ``rotary`` of ``python -m cutp bench
-  kernels`` (``cutp/bench/kernel_variants.py``).
+  kernels`` (declared below, with the family).
 
 Layout: x [B, T, H, D] (the op's ``seq_axis=1``), any non-negative strides in whole elements with a
 contiguous head dim, so the Q and K heads of a fused QKV buffer are rotated in place without a
