@@ -23,8 +23,9 @@ occurrence at a time:
   skipwrite   a store (``store_chunk(``, ``a[i] = ...``) guarded by ``if (false)``
   stride      ``WARP_SIZE`` -> ``16``, ``blockDim.x`` -> ``WARP_SIZE`` (wrong lane counts, strides)
   math        ``fmaxf`` <-> ``fminf``
-  round16     a float accumulation ``a += b;`` -> ``a = round_bf16(a + b);`` (a sum kept in 16 bits:
-              the weight and bias gradients' sources only)
+  round16     a float accumulation ``a += b;`` -> ``a = to_float(from_float<T>(a + b));``: in the
+              bf16 instantiation a sum kept in 16 bits, in float32's the same code (the weight
+              and bias gradients' sources only; outside a template on T, stillborn)
   halves      a rotary table's second half read as its first (``cr + hh + e0`` -> ``cr + e0``,
               ``c2[k]`` <-> ``c1[k]``, ``s2[k]`` <-> ``s1[k]``)
   fastmath    ``expf(`` -> ``__expf(`` (a fast-math intrinsic; the float32 activations only)
@@ -98,7 +99,7 @@ OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "
 # Operators that apply to some sources only (the bug classes of issue 42), as the families declare
 # them (FAMILY.mutation_classes, of their own source), and those of the shared header; the others
 # apply everywhere.
-COMMON_CLASSES = ("round16", "vecwidth")  # common.cuh: the row-group sums; load_chunk / store_chunk
+COMMON_CLASSES = ("vecwidth",)  # common.cuh: load_chunk / store_chunk (its sums are on no storage type T)
 SOURCE_CLASSES = ("round16", "halves", "fastmath")
 OP_SOURCES = {op: tuple(f"{f.sources[0]}.cu" for f in families() if op in f.mutation_classes)
               + (("common.cuh",) if op in COMMON_CLASSES else ()) for op in SOURCE_CLASSES}
@@ -190,7 +191,7 @@ PATTERNS = [
     ("math", r"\bfmaxf\b", "fminf", ""),
     ("math", r"\bfminf\b", "fmaxf", ""),
     ("round16", r"(?<![\w.\]])(\w+(?:\[[^\];]*\])?) \+= ([^;=]+);",
-     lambda m: f"{m.group(1)} = to_float(from_float<__nv_bfloat16>({m.group(1)} + ({m.group(2)})));", ""),
+     lambda m: f"{m.group(1)} = to_float(from_float<T>({m.group(1)} + ({m.group(2)})));", ""),
     ("halves", r"\b([cs])r \+ hh \+ e0", r"\1r + e0", "load_chunk"),
     ("halves", r"\b([cs])([12])\[k\]", lambda m: f"{m.group(1)}{3 - int(m.group(2))}[k]", ""),
     ("fastmath", r"(?<![\w])expf\(", "__expf(", ""),
