@@ -217,7 +217,8 @@ def test_layernorm_backward_partials_are_what_the_final_reduction_reads(backend,
 # Widths 12, 20 (4 mod 8) and 13 (odd) over 600 rows: each column of dweight and dbias is the
 # correctly rounded sum of its terms (dy * xhat, xhat = (x - mean) * rstd in float32; dy), element
 # by element. dy takes xhat's sign for dweight (positive terms: the float32 additions' own error far
-# below half a bf16 ulp) and is positive for dbias. The values at these widths, with and without
+# below half a bf16 ulp) and is positive for dbias; a large first row, then ~2^-10 ones that a
+# bf16 running sum drops. The values at these widths, with and without
 # weight and bias, in float32 and bf16.
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("C", BF16_PATH_WIDTHS)
@@ -226,7 +227,9 @@ def test_layernorm_parameter_gradients_are_the_correctly_rounded_sums(backend, k
     rows = 600
     x = randn((rows, C), dtype, seed=94, scale=2.0)
     w, b = randn((C,), dtype, seed=95), randn((C,), dtype, seed=96)
-    magnitude = np.abs(randn((rows, C), F32, seed=97)) + 0.1
+    k.sm_count = lambda: 1  # 2 blocks: each row group adds ~19 rows (on 132 SMs, one row each)
+    magnitude = np.abs(randn((rows, C), F32, seed=97)) * 2.0 ** -10 + 2.0 ** -10
+    magnitude[0] = 1.0  # a large first term in row group 0: a 16-bit running sum then drops the small ones
     _, mean, rstd = k.layernorm_forward(dev(x), dev(w), dev(b), 1e-5)
     xf = x.astype(np.float32)
     xhat = ((xf - backend.host(mean)[:, None]).astype(np.float32) * backend.host(rstd)[:, None]).astype(np.float32)

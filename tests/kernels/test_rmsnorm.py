@@ -156,16 +156,19 @@ def test_bf16_residual_rmsnorm_is_computed_from_the_saved_sum(backend, k):
 
 # Widths 12, 20 (4 mod 8) and 13 (odd) over 600 rows (several rounds of several blocks): in bf16
 # each column of the weight gradient is the correctly rounded sum of its terms dy * round(x * rstd),
-# element by element (a sum kept or rounded in 16 bits anywhere on the way is not); positive terms,
-# so the float32 accumulation's own error stays far below half a bf16 ulp. The same sums in
+# element by element (a sum kept or rounded in 16 bits anywhere on the way is not: a large first
+# term, then ~2^-10 ones that a bf16 running sum drops); positive terms, so the float32
+# accumulation's own error stays far below half a bf16 ulp. The same sums in
 # float32, and the values of dx at these widths, with and without a weight.
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("C", BF16_PATH_WIDTHS)
 def test_rmsnorm_weight_gradient_is_the_correctly_rounded_sum(backend, k, dtype, C):
     dev = backend.to_device
     rows = 600
+    k.sm_count = lambda: 1  # 2 blocks: each row group adds ~19 rows (on 132 SMs, one row each)
     x = (np.abs(randn((rows, C), F32, seed=90)) + 0.25).astype(dtype)
-    dy = (np.abs(randn((rows, C), F32, seed=91)) + 0.1).astype(dtype)
+    dy = (np.abs(randn((rows, C), F32, seed=91)) * 2.0 ** -10 + 2.0 ** -10).astype(dtype)
+    dy[0] = 1.0  # a large first term in row group 0: a 16-bit running sum then drops the small ones
     w = randn((C,), dtype, seed=92)
     _, rstd = k.rmsnorm_forward(dev(x), dev(w), 1e-6)
     dx, dw = k.rmsnorm_backward(dev(dy), dev(x), dev(w), rstd)
