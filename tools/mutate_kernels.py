@@ -221,18 +221,22 @@ def _line_mutations(line: str, source: str = ""):
 
 
 def generate(sources=SOURCES, ops=OPS) -> list[Mutant]:
+    """The mutants of `sources` by the operators `ops`, numbered per source over every operator
+    (an id names the same mutant whatever --ops selects, so --resume and --ids work across runs)."""
     mutants: list[Mutant] = []
     for source in sources:
         text = (KERNELS / source).read_text()
         seen = set()
+        n = 0
         for i, line in _mutable_lines(text):
             for op, new in _line_mutations(line, source):
-                if op not in ops or new == line or (i, new) in seen:
+                if new == line or (i, new) in seen:
                     continue
                 seen.add((i, new))
-                n = sum(1 for m in mutants if m.source == source)
-                mutants.append(Mutant(f"{source.split('.')[0]}-{n:03d}", source, i + 1, op, line.rstrip("\n"),
-                                      new.rstrip("\n")))
+                if op in ops:
+                    mutants.append(Mutant(f"{source.split('.')[0]}-{n:03d}", source, i + 1, op, line.rstrip("\n"),
+                                          new.rstrip("\n")))
+                n += 1
     return mutants
 
 
