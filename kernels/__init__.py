@@ -4,7 +4,8 @@ This directory (top-level ``kernels/``) is installed as the package ``cutp.kerne
 family is three files side by side, plus its NumPy reference and its tests::
 
     kernels/<op>.cu             the CUDA source (one cupy.RawModule)
-    kernels/<op>.py             its launchers (<Op>Launchers)
+    kernels/<op>.py             its launchers (<Op>Launchers) and its declaration (FAMILY:
+                                cutp.kernels.family, which every registry iterates over)
     cutp/ops/<op>.py            the NumPy/CuPy reference, which dispatches to the launchers
     tests/kernels/test_<op>.py  the tests, emulated on the CPU and on a GPU
 
@@ -38,8 +39,9 @@ references to float32 rounding (the reductions add in another order) and are det
 to run: no float atomics anywhere (column sums go through per-block partials and a fixed-order
 second pass).
 
-Nothing in this package imports ``cutp.ops``; the benchmark's variants of these kernels are in
-``cutp/bench/kernel_variants.py``.
+Nothing in this package imports ``cutp.ops``: the benchmark ops each family declares
+(``FAMILY.bench``) receive it as an argument from ``cutp/bench/kernel_ops.py`` and
+``kernel_variants.py``.
 """
 from __future__ import annotations
 
@@ -51,14 +53,7 @@ import numpy as np
 from cutp.runtime.backend import is_cupy_array, is_device_array
 from cutp.runtime.shape_only import ShapeArray, ShapeOnly
 
-from .adamw import AdamWLaunchers
-from .attention import AttentionLaunchers
-from .cross_entropy import CrossEntropyLaunchers
-from .dropout import DropoutLaunchers
-from .gelu import GeluLaunchers
-from .layernorm import LayerNormLaunchers
-from .rmsnorm import RMSNormLaunchers
-from .rotary import RotaryLaunchers
+from .family import KernelFamily, families
 from .runtime import (
     SOURCES,
     KernelArgumentError,
@@ -71,8 +66,6 @@ from .runtime import (
     nvrtc_options,
     use_kernels,
 )
-from .softmax import SoftmaxLaunchers
-from .swiglu import SwiGLULaunchers
 
 __all__ = [
     "Launchers",
@@ -94,13 +87,19 @@ __all__ = [
 ]
 
 
-class Launchers(GeluLaunchers, SoftmaxLaunchers, LayerNormLaunchers, CrossEntropyLaunchers, AdamWLaunchers,
-                DropoutLaunchers, AttentionLaunchers, RMSNormLaunchers, SwiGLULaunchers, RotaryLaunchers):
+def _launcher_classes(declared: tuple[KernelFamily, ...]) -> tuple[type, ...]:
+    """The families' launchers classes, less those another one derives from (LauncherBase, whose
+    column sum the reduce family declares): the bases of :class:`Launchers`."""
+    classes = list(dict.fromkeys(f.launchers for f in declared))
+    return tuple(c for c in classes if not any(d is not c and issubclass(d, c) for d in classes))
+
+
+class Launchers(*_launcher_classes(families())):
     """Host-side launch functions of every kernel, bound to a module loader and an array module.
 
     ``Launchers(load, xp)``: see :class:`cutp.kernels.runtime.LauncherBase` for ``load`` and
-    ``launches``; the launch functions come from the kernel families' classes in
-    ``kernels/<op>.py``.
+    ``launches``; the launch functions come from the kernel families' classes, each declared in
+    its ``kernels/<op>.py`` (``FAMILY``, :mod:`cutp.kernels.family`).
     """
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .dropout import MASK64, keep_threshold
+from .family import DynamicShared, KernelFamily, Target, Traffic
 from .runtime import KernelArgumentError, LauncherBase, ceil_div, dtype_suffix, int32_arg, is_kernel_dtype
 
 ATTENTION_HEAD_DIMS = (64, 128)
@@ -266,3 +267,68 @@ class AttentionLaunchers(LauncherBase):
                      (dk_t, dv_t, dk_f, dv_f, acc, *common, *dk_st[:3], *dv_st[:3], np.float32(scale), *drop),
                      shared_mem=attention_shared_bytes("backward_dkdv", q.dtype, D))
         return out
+
+
+# The mutation campaign's --quick selection (tools/mutate_kernels.py), pytest node ids under
+# tests/kernels/ run in this order: with -x a mutant stops at its first failure, so the checked
+# build's tests come first and the grid, which needs the second, unchecked build, last. ~10 s of
+# tests plus two 5 s builds, against ~40 s plus builds for the files; a mutant that survives it is
+# re-run on the files (--ids, without --quick) before it counts as a survivor.
+_ATT = "test_attention.py::"
+
+
+def _scheduled(schedule):  # (pytest drops an id that a later whole-function id repeats: ids only)
+    return [f"{_ATT}test_attention_under_each_schedule[emulated-{schedule}-{case}-{dt}]"
+            for case in ("B2-kv1-g2-T17-d64", "B1-kv2-g1-T70-d64", "B1-kv1-g2-T33-d128", "B1-kv1-g1-T70-d128")
+            for dt in ("f32", "bf16")]
+
+
+QUICK_TESTS = (
+    # tests written for survivors of the first attention campaign (cheap, checked build)
+    _ATT + "test_scores_far_below_zero",
+    # checked build (race detector, bounds): tile edges at head dims 64 / 128, the forward
+    # schedule first (most mutants die there), the other schedules after the launcher tests
+    *_scheduled("forward"),
+    # dropout in all three kernels (per-row offsets, Tq < Tk, p = 1), one schedule
+    *[f"{_ATT}test_attention_dropout[emulated-forward-{case}-{dt}]"
+      for case in ("p0.1-70x70-d64", "p0.5-33x33-d128", "p0.3-20x50-d64", "p1.0-24x24-d64")
+      for dt in ("f32", "bf16")],
+    _ATT + "test_strided_operands_and_packed_gradients",
+    _ATT + "test_fewer_queries_than_keys",
+    _ATT + "test_scores_far_apart",
+    # a ring tile's arguments: diagonal shifts, global dropout counters, float32 accumulation
+    "test_attention_tiles.py::test_a_ring_tile_pair_on_the_kernels",
+    "test_attention_tiles.py::test_diagonal_shifts",
+    *_scheduled("warp-reverse"), *_scheduled("random"),
+    # unchecked build: a few grid cases (one query row; GQA 4 at 200 rows; 513 rows)
+    *[f"{_ATT}test_attention_grid[emulated-{case}-{dt}]"
+      for case in ("B2-kv4-g1-T1-d64", "B2-kv1-g4-T1-d128", "B1-kv1-g4-T200-d128", "B1-kv1-g4-T200-d64",
+                   "B1-kv1-g1-T513-d64")
+      for dt in ("f32", "bf16")],
+)
+
+# Fused attention: shared memory (tiles of Q, K, V, scores, float accumulators) decides how many
+# blocks fit, 1-2 per SM; the targets say registers must not lower that. The tile kernels are
+# compute-bound (4 T^2 D / 2 multiply-adds per head against O(T D) bytes): their bound is TFLOP/s,
+# measured by `cutp bench kernels --ops attention`.
+_TILE_KERNELS = ("forward", "backward_dq", "backward_dkdv")
+FAMILY = KernelFamily(
+    "attention", ("attention",), AttentionLaunchers,
+    targets={
+        "attention_forward_d64": Target(128, 2, "84 KiB (f32) / 60 KiB (bf16) of tiles: 2 blocks per SM on sm_80"),
+        "attention_forward_d128": Target(128, 1, "150 KiB (f32) / 112 KiB (bf16) of tiles: 1 block per SM"),
+        "attention_backward_rowdot_d64": Target(256, 8, "a warp per row, elementwise"),
+        "attention_backward_rowdot_d128": Target(256, 8, "a warp per row, elementwise"),
+        "attention_backward_dq_d64": Target(128, 1, "119 KiB (f32) / 98 KiB (bf16) of tiles: 1 block per SM"),
+        "attention_backward_dq_d128": Target(64, 2, "92 KiB (f32) / 73 KiB (bf16) of 32-row tiles: 2 blocks on sm_90"),
+        "attention_backward_dkdv_d64": Target(128, 1, "136 KiB (f32) / 125 KiB (bf16) of tiles: 1 block per SM"),
+        "attention_backward_dkdv_d128": Target(64, 2, "109 KiB (f32) / 83 KiB (bf16) of 32-row tiles: 2 on sm_90"),
+    },
+    traffic={f"attention_backward_rowdot_d{d}": Traffic(2, ops=2, what="read o, do; a float per row")
+             for d in ATTENTION_HEAD_DIMS},
+    compute_bound=frozenset(f"attention_{kernel}_d{d}" for kernel in _TILE_KERNELS for d in ATTENTION_HEAD_DIMS),
+    dynamic_shared={f"attention_{kernel}_d{d}": DynamicShared(
+        "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
+            attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,
+        width="head dim") for kernel in _TILE_KERNELS for d in ATTENTION_HEAD_DIMS},
+    tests=("test_attention.py", "test_attention_tiles.py"), quick_tests=QUICK_TESTS)

@@ -9,12 +9,13 @@ collectives between them are ``cutp.ops.cross_entropy``'s). One op, four places:
 * NumPy/CuPy reference: ``cutp/ops/cross_entropy.py`` (``ce_shard_forward``,
   ``ce_shard_backward``), which calls these launchers through ``cutp.kernels.dispatch``;
 * tests: ``tests/kernels/test_cross_entropy.py``; benchmark cases ``ce_fwd`` and
-  ``ce_bwd_fused`` of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+  ``ce_bwd_fused`` of ``python -m cutp bench kernels`` (declared below, with the family).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .family import BenchCase, KernelFamily, Target, Traffic
 from .runtime import (
     WARP,
     KernelArgumentError,
@@ -99,3 +100,58 @@ class CrossEntropyLaunchers(LauncherBase):
                      (O, L, row_max, sum_exp, targets, row_scale, np.int64(N), int32_arg("W", W),
                       int32_arg("n_valid", int(n_valid)), smooth, np.float32(1.0 - eps)))
         return out
+
+
+IDX, STAT = 8, 4  # bytes of an int64 target and of a float32 row statistic (the benchmark's byte counts)
+
+
+def _bench_cases(sz):
+    return [dict(N=n, V=sz["vocab"]) for n in sz["ce_rows"]] + [dict(N=n, V=v) for n, v in sz.get("ce_llama", ())]
+
+
+def _bench_setup(stage):
+    def setup(ops, normal, xp, s, dt, rng):
+        N, V = s["N"], s["V"]
+        logits = normal(xp, rng, (N, V), dt, 2.0)
+        t = rng.integers(0, V, N).astype(np.int64)
+        d = dict(logits=logits, targets=t if xp is np else xp.asarray(t), n_valid=V)
+        if stage == "backward":
+            d["row_max"], d["sum_exp"] = ops.ce_shard_forward(logits, d["targets"], V)[:2]
+            d["row_scale"] = xp.full(N, 1.0 / N, dtype=np.float32)
+        return d
+
+    return setup
+
+
+def _bench_bwd(k, d, ops):
+    k.ce_shard_backward(d["logits"], d["row_max"], d["sum_exp"], d["targets"], d["n_valid"], d["row_scale"],
+                        out=d["logits"])
+
+
+BENCH = (
+    BenchCase("ce_fwd", "vocab-parallel CE forward, one pass: row max, sum exp, target logit, sum of logits",
+              "read logits (once), targets; write 4 stats: N*V*s + N*8 + 4*N*4", _bench_cases, _bench_setup("forward"),
+              lambda ops, d: (lambda: ops.ce_shard_forward(d["logits"], d["targets"], d["n_valid"])),
+              lambda k, d, ops: k.ce_shard_forward(d["logits"], d["targets"], d["n_valid"]),
+              lambda s, it: s["N"] * s["V"] * it + s["N"] * (IDX + 4 * STAT)),
+    BenchCase("ce_bwd_fused", "CE gradient written over the logits in place (llm.c's fused classifier)",
+              "read logits, max, sum, scale, targets; write dlogits: 2*N*V*s + 3*N*4 + N*8", _bench_cases,
+              _bench_setup("backward"),
+              lambda ops, d: (lambda: ops.ce_shard_backward(d["logits"], d["row_max"], d["sum_exp"], d["targets"],
+                                                            d["n_valid"], d["row_scale"], out=d["logits"])),
+              _bench_bwd, lambda s, it: 2 * s["N"] * s["V"] * it + s["N"] * (3 * STAT + IDX),
+              outputs=lambda d, r: (d["logits"],)),
+)
+
+
+FAMILY = KernelFamily(
+    "cross_entropy", ("cross_entropy",), CrossEntropyLaunchers,
+    targets={
+        "ce_shard_forward": Target(1024, 2, "block per row"),
+        "ce_shard_backward": Target(1024, 2, "block per row"),
+    },
+    traffic={
+        "ce_shard_forward": Traffic(1, ops=14, what="read a logit once (online max and sum of exp, sum, target)"),
+        "ce_shard_backward": Traffic(2, ops=14, what="read a logit, write its gradient"),
+    },
+    tests=("test_cross_entropy.py",), bench=BENCH)

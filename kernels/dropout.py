@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from .family import KernelFamily, Target, Traffic
 from .runtime import ELEMENTWISE_THREADS, LauncherBase, ceil_div, check_array, dtype_suffix
 
 MASK64 = (1 << 64) - 1  # seeds and offsets are taken modulo 2**64, as the kernel's uint64 arithmetic does
@@ -77,3 +78,18 @@ class DropoutLaunchers(LauncherBase):
         self._launch("dropout", f"dropout_apply_{dtype_suffix(x.dtype)}", grid, block,
                      (y, x, mask, np.int64(x.size), np.float32(scale)))
         return y
+
+
+FAMILY = KernelFamily(
+    "dropout", ("dropout",), DropoutLaunchers,
+    targets={
+        "dropout_mask_bool": Target(256, 8, "elementwise"),
+        "dropout_forward": Target(256, 8, "elementwise"),
+        "dropout_apply": Target(256, 8, "elementwise"),
+    },
+    traffic={
+        "dropout_mask_bool": Traffic(0, u8=1, ops=28, int=True, what="write the mask (SplitMix64)"),
+        "dropout_forward": Traffic(2, u8=1, ops=30, int=True, what="read x; write y, mask"),
+        "dropout_apply": Traffic(2, u8=1, ops=2, what="read x, mask; write y"),
+    },
+    tests=("test_dropout.py",))

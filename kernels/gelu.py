@@ -7,7 +7,7 @@ One op, four places:
 * NumPy/CuPy reference: ``cutp/ops/gelu.py`` (``gelu_forward``, ``bias_gelu_forward``, ...),
   which calls these launchers through ``cutp.kernels.dispatch``;
 * tests: ``tests/kernels/test_gelu.py``; benchmark cases ``bias_gelu_fwd`` and ``bias_gelu_bwd``
-  of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+  of ``python -m cutp bench kernels`` (declared below, with the family).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from .family import BenchCase, KernelFamily, Target, Traffic
 from .runtime import (
     ELEMENTWISE_THREADS,
     WARP,
@@ -106,3 +107,52 @@ class GeluLaunchers(LauncherBase):
                      (dx, partial, dy, pre, np.int64(n_rows), int32_arg("C", C),
                       int32_arg("rows per chunk", rows_per_chunk), exact))
         return dx, self._column_sum(partial, pre.dtype)
+
+
+def _bench_cases(sz):
+    return [dict(N=n, H=4 * c) for c in sz["widths"] for n in sz["rows"]]
+
+
+def _bench_setup(backward):
+    def setup(ops, normal, xp, s, dt, rng):
+        d = dict(x=normal(xp, rng, (s["N"], s["H"]), dt), b=normal(xp, rng, (s["H"],), dt, 0.1))
+        if backward:
+            _, d["ctx"] = ops.bias_gelu_forward(d["x"], d["b"])
+            d["dy"] = normal(xp, rng, (s["N"], s["H"]), dt)
+        return d
+
+    return setup
+
+
+def _bench_fwd(k, d, ops):
+    y, pre = k.bias_gelu_forward(d["x"], d["b"])
+    return y, ops.GeluCtx(pre, "tanh")
+
+
+BENCH = (
+    BenchCase("bias_gelu_fwd", "y = gelu_tanh(x + b), saves x + b", "read x, b; write y and x + b: 3*N*H*s + H*s",
+              _bench_cases, _bench_setup(False), lambda ops, d: (lambda: ops.bias_gelu_forward(d["x"], d["b"])),
+              _bench_fwd, lambda s, it: 3 * s["N"] * s["H"] * it + s["H"] * it,
+              outputs=lambda d, r: (r[0], r[1].x), label=lambda s: f"{s['N']}x{s['H']}"),
+    BenchCase("bias_gelu_bwd", "dx = dy * gelu'(x + b), db = sum(dx)", "read dy, x + b; write dx, db: 3*N*H*s + H*s",
+              _bench_cases, _bench_setup(True), lambda ops, d: (lambda: ops.bias_gelu_backward(d["dy"], d["ctx"])),
+              lambda k, d, ops: k.bias_gelu_backward(d["dy"], d["ctx"].x, d["ctx"].approximate),
+              lambda s, it: 3 * s["N"] * s["H"] * it + s["H"] * it, label=lambda s: f"{s['N']}x{s['H']}"),
+)
+
+
+FAMILY = KernelFamily(
+    "gelu", ("gelu", "reduce"), GeluLaunchers,
+    targets={
+        "gelu_forward": Target(256, 8, "elementwise, 2 arrays"),
+        "gelu_backward": Target(256, 6, "elementwise; bf16 holds 2 x 8 floats and the tanh/erfc terms: 75%"),
+        "bias_gelu_forward": Target(256, 8, "elementwise, 3 arrays"),
+        "bias_gelu_backward": Target(256, 5, "bf16 holds 8 column sums + 2 x 8 floats per thread: 62%"),
+    },
+    traffic={
+        "gelu_forward": Traffic(2, ops=20, what="read x, write y"),
+        "gelu_backward": Traffic(3, ops=30, what="read x, dy; write dx"),
+        "bias_gelu_forward": Traffic(3, ops=21, what="read x; write pre, y"),
+        "bias_gelu_backward": Traffic(3, ops=31, what="read pre, dy; write dx"),
+    },
+    tests=("test_gelu.py",), mutation_classes=("fastmath", "round16"), bench=BENCH)

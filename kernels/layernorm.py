@@ -8,7 +8,7 @@ One op, four places:
 * NumPy/CuPy reference: ``cutp/ops/layernorm.py`` (``layernorm_forward``,
   ``layernorm_backward``), which calls these launchers through ``cutp.kernels.dispatch``;
 * tests: ``tests/kernels/test_layernorm.py``; benchmark cases ``layernorm_fwd`` and
-  ``layernorm_bwd`` of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+  ``layernorm_bwd`` of ``python -m cutp bench kernels`` (declared below, with the family).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from .family import BenchCase, DynamicShared, KernelFamily, Target, Traffic
 from .runtime import (
     DEFAULT_MAX_SHARED,
     WARP,
@@ -138,3 +139,61 @@ class LayerNormLaunchers(LauncherBase):
         dweight = self._column_sum(partial[0], weight.dtype) if want_dw else None
         dbias = self._column_sum(partial[1], np.dtype(bias_dtype)) if bias_dtype is not None else None
         return dx, dweight, dbias
+
+
+STAT = 4  # bytes of a float32 statistic (means, rstd) in the benchmark's byte counts
+
+
+def bench_rows_width(sz):
+    """The benchmark's row-kernel shapes: each of the size preset's widths at each row count."""
+    return [dict(N=n, C=c) for c in sz["widths"] for n in sz["rows"]]
+
+
+def _bench_setup(backward):
+    def setup(ops, normal, xp, s, dt, rng):
+        d = dict(x=normal(xp, rng, (s["N"], s["C"]), dt), w=normal(xp, rng, (s["C"],), dt, 0.1) + 1,
+                 b=normal(xp, rng, (s["C"],), dt, 0.1))
+        if backward:
+            _, d["ctx"] = ops.layernorm_forward(d["x"], d["w"], d["b"])
+            d["dy"] = normal(xp, rng, (s["N"], s["C"]), dt)
+        return d
+
+    return setup
+
+
+def _bench_fwd(k, d, ops):
+    y, mean, rstd = k.layernorm_forward(d["x"], d["w"], d["b"])
+    return y, ops.LayerNormCtx(d["x"], d["w"], d["b"].dtype, mean, rstd)
+
+
+def _bench_bwd(k, d, ops):
+    c = d["ctx"]
+    return k.layernorm_backward(d["dy"], c.x, c.weight, c.mean.reshape(-1), c.rstd.reshape(-1), c.bias_dtype)
+
+
+BENCH = (
+    BenchCase("layernorm_fwd", "y = (x - mean) * rstd * w + b, saves mean, rstd (fp32)",
+              "read x, w, b; write y, mean, rstd: 2*N*C*s + 2*C*s + 2*N*4", bench_rows_width, _bench_setup(False),
+              lambda ops, d: (lambda: ops.layernorm_forward(d["x"], d["w"], d["b"])), _bench_fwd,
+              lambda s, it: 2 * s["N"] * s["C"] * it + 2 * s["C"] * it + 2 * s["N"] * STAT,
+              outputs=lambda d, r: (r[0], r[1].mean, r[1].rstd)),
+    BenchCase("layernorm_bwd", "dx, dw, db of the LayerNorm",
+              "read dy, x, w, mean, rstd; write dx, dw, db: 3*N*C*s + 3*C*s + 2*N*4", bench_rows_width,
+              _bench_setup(True), lambda ops, d: (lambda: ops.layernorm_backward(d["dy"], d["ctx"])), _bench_bwd,
+              lambda s, it: 3 * s["N"] * s["C"] * it + 3 * s["C"] * it + 2 * s["N"] * STAT),
+)
+
+
+FAMILY = KernelFamily(
+    "layernorm", ("layernorm", "reduce"), LayerNormLaunchers,
+    targets={
+        "layernorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
+        "layernorm_backward": Target(512, 2, "3 arrays x 128 bit in flight per thread; 50%"),
+    },
+    traffic={
+        "layernorm_forward": Traffic(4, ops=8, what="read x 3 times (3 passes), write y"),
+        "layernorm_backward": Traffic(5, ops=20, what="read dy, x twice (2 passes), write dx"),
+    },
+    dynamic_shared={"layernorm_backward": DynamicShared("R * 2 * C * 4", layernorm_backward_shared_bytes, 768,
+                                                        LAYERNORM_BACKWARD_MAX_C)},
+    tests=("test_layernorm.py",), mutation_classes=("round16",), bench=BENCH)

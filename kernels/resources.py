@@ -7,9 +7,10 @@ architectures, ``--resource-usage`` parsed by :func:`parse_ptxas`. Results are c
 the hash of the source text, the options and nvcc's version (``$CUTP_CACHE_DIR``), so a test
 session compiles each source once.
 
-* ``TARGETS``: per kernel family, the largest block its launcher uses and the blocks per SM
-  it must keep resident (its occupancy target); :func:`register_budget` turns that into the
-  registers per thread it may use.
+* ``TARGETS``: per kernel entry point, the largest block its launcher uses and the blocks per SM
+  it must keep resident (its occupancy target), as its family declares them (kernels/<op>.py
+  FAMILY, :mod:`cutp.kernels.family`); :func:`register_budget` turns that into the registers per
+  thread it may use.
 * ``LIMITS``: the per-SM and per-block limits of sm_80 (A100) and sm_90 (H100/H200).
 * :func:`occupancy`: CUDA's occupancy calculation (threads, blocks, registers, shared memory).
 
@@ -32,9 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from .attention import ATTENTION_HEAD_DIMS, attention_shared_bytes
-from .layernorm import LAYERNORM_BACKWARD_MAX_C, layernorm_backward_shared_bytes
-from .rmsnorm import RMSNORM_BACKWARD_MAX_C, rmsnorm_backward_shared_bytes
+from .family import DynamicShared, Target, families
 from .runtime import SOURCES, kernel_source
 
 ARCHS = ("sm_80", "sm_90")
@@ -63,81 +62,16 @@ LIMITS = {
 }
 
 
-@dataclass(frozen=True)
-class Target:
-    """A kernel family's launch shape and occupancy target.
-
-    threads: the largest block its launcher uses (= its ``__launch_bounds__``);
-    blocks_per_sm: resident blocks per SM it must reach at that block size (its register budget
-        follows: :func:`register_budget`).
-    """
-
-    threads: int
-    blocks_per_sm: int
-    why: str
-
-
-# One row per kernel family (entry point without _f32 / _bf16). Full occupancy (2048 threads per
-# SM) for the simple elementwise and reduction kernels; 50% for the kernels that keep a 128-bit
-# chunk of four or five arrays in flight per thread (kernels/README.md, "Registers": that is 2.7x
-# to 5x the bytes in flight an H100 SM needs to saturate HBM).
-TARGETS: dict[str, Target] = {
-    "gelu_forward": Target(256, 8, "elementwise, 2 arrays"),
-    "gelu_backward": Target(256, 6, "elementwise; bf16 holds 2 x 8 floats and the tanh/erfc terms: 75%"),
-    "bias_gelu_forward": Target(256, 8, "elementwise, 3 arrays"),
-    "bias_gelu_backward": Target(256, 5, "bf16 holds 8 column sums + 2 x 8 floats per thread: 62%"),
-    "column_sum": Target(256, 8, "block (32, 8)"),
-    "softmax_forward": Target(512, 3, "bf16 online max/sum over 8 floats per chunk: 75%"),
-    "softmax_backward": Target(512, 3, "bf16 2 x 8 floats per chunk: 75%"),
-    "layernorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
-    "layernorm_backward": Target(512, 2, "3 arrays x 128 bit in flight per thread; 50%"),
-    "rmsnorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
-    "residual_rmsnorm_forward": Target(512, 2, "a block of 512 threads per row beyond 2048 columns: 50%"),
-    "rmsnorm_backward": Target(512, 2, "LayerNorm's backward layout: 3 arrays x 128 bit in flight; 50%"),
-    "swiglu_forward": Target(256, 6, "elementwise, 3 arrays; bf16 holds 3 x 8 floats and the exp: 75%"),
-    "swiglu_backward": Target(256, 5, "elementwise, 5 arrays; bf16 holds 5 x 8 floats: 62%"),
-    "rotary": Target(256, 4, "6 chunks in flight (2 of x, 4 of the float tables: 48 floats in bf16): 50%"),
-    "ce_shard_forward": Target(1024, 2, "block per row"),
-    "ce_shard_backward": Target(1024, 2, "block per row"),
-    "adamw_update": Target(256, 4, "5 arrays x 128 bit in flight per thread; 50%"),
-    "dropout_mask_bool": Target(256, 8, "elementwise"),
-    "dropout_forward": Target(256, 8, "elementwise"),
-    "dropout_apply": Target(256, 8, "elementwise"),
-    # Fused attention: shared memory (tiles of Q, K, V, scores, float accumulators) decides how many
-    # blocks fit, 1-2 per SM; the targets say registers must not lower that.
-    "attention_forward_d64": Target(128, 2, "84 KiB (f32) / 60 KiB (bf16) of tiles: 2 blocks per SM on sm_80"),
-    "attention_forward_d128": Target(128, 1, "150 KiB (f32) / 112 KiB (bf16) of tiles: 1 block per SM"),
-    "attention_backward_rowdot_d64": Target(256, 8, "a warp per row, elementwise"),
-    "attention_backward_rowdot_d128": Target(256, 8, "a warp per row, elementwise"),
-    "attention_backward_dq_d64": Target(128, 1, "119 KiB (f32) / 98 KiB (bf16) of tiles: 1 block per SM"),
-    "attention_backward_dq_d128": Target(64, 2, "92 KiB (f32) / 73 KiB (bf16) of 32-row tiles: 2 blocks on sm_90"),
-    "attention_backward_dkdv_d64": Target(128, 1, "136 KiB (f32) / 125 KiB (bf16) of tiles: 1 block per SM"),
-    "attention_backward_dkdv_d128": Target(64, 2, "109 KiB (f32) / 83 KiB (bf16) of 32-row tiles: 2 on sm_90"),
-}
-
-
-@dataclass(frozen=True)
-class DynamicShared:
-    """A kernel family's dynamic shared memory: the launcher's formula of the row width C."""
-
-    formula: str
-    bytes_of: Callable[[int], int]
-    typical_c: int  # the width the README's occupancy is given at
-    biggest_c: int  # the widest row checked against the limits
-    width: str = "C"  # what the width is (attention: the head dim, fixed per entry point)
-
+# Per entry point without _f32 / _bf16 (attention's keep their head dim), from each family's
+# declaration (kernels/<op>.py FAMILY). Full occupancy (2048 threads per SM) for the simple
+# elementwise and reduction kernels; 50% for the kernels that keep a 128-bit chunk of four or five
+# arrays in flight per thread (kernels/README.md, "Registers": that is 2.7x to 5x the bytes in
+# flight an H100 SM needs to saturate HBM).
+TARGETS: dict[str, Target] = {k: t for f in families() for k, t in f.targets.items()}
 
 # Every kernel family that launches with dynamic shared memory (the others pass shared_mem=0;
 # tests/kernel_build/test_resources.py checks that no other launcher passes it).
-DYNAMIC_SHARED: dict[str, DynamicShared] = {
-    "layernorm_backward": DynamicShared("R * 2 * C * 4", layernorm_backward_shared_bytes, 768, LAYERNORM_BACKWARD_MAX_C),
-    "rmsnorm_backward": DynamicShared("R * C * 4", rmsnorm_backward_shared_bytes, 4096, RMSNORM_BACKWARD_MAX_C),
-    **{f"attention_{kernel}_d{d}": DynamicShared(
-        "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
-            attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,
-        width="head dim")
-       for kernel in ("forward", "backward_dq", "backward_dkdv") for d in ATTENTION_HEAD_DIMS},
-}
+DYNAMIC_SHARED: dict[str, DynamicShared] = {k: d for f in families() for k, d in f.dynamic_shared.items()}
 
 
 @dataclass(frozen=True)

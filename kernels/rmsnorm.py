@@ -8,7 +8,7 @@ One op, four places:
 * NumPy/CuPy reference: ``cutp/ops/rmsnorm.py`` (``rmsnorm_forward``, ``residual_rmsnorm_forward``,
   ``rmsnorm_backward``), which calls these launchers through ``cutp.kernels.dispatch``;
 * tests: ``tests/kernels/test_rmsnorm.py``; benchmark cases ``rmsnorm_fwd`` and ``rmsnorm_bwd`` of
-  ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+  ``python -m cutp bench kernels`` (declared below, with the family).
 
 The backward's launch shape is LayerNorm's (kernels/layernorm.py) with one accumulator per
 column instead of two: R * C floats of shared memory per block.
@@ -19,7 +19,8 @@ import math
 
 import numpy as np
 
-from .layernorm import LAYERNORM_BACKWARD_BLOCKS_PER_SM, layernorm_backward_threads
+from .family import BenchCase, DynamicShared, KernelFamily, Target, Traffic
+from .layernorm import LAYERNORM_BACKWARD_BLOCKS_PER_SM, STAT, bench_rows_width, layernorm_backward_threads
 from .runtime import (
     DEFAULT_MAX_SHARED,
     KernelArgumentError,
@@ -128,3 +129,71 @@ class RMSNormLaunchers(LauncherBase):
                      (dx, partial, dy, x, weight, rstd, np.int64(n_rows), int32_arg("C", C)), shared_mem=smem)
         dweight = self._column_sum(partial, weight.dtype) if want_dw else None
         return dx, dweight
+
+
+def _bench_cases(sz):
+    """RMSNorm's shapes: GPT-2's widths and (cpu, gpu) Llama's model widths."""
+    return bench_rows_width(sz) + [dict(N=n, C=c) for c in sz.get("llama_widths", ()) for n in sz["rows"][-1:]]
+
+
+def _bench_setup(backward=False, residual=False):
+    def setup(ops, normal, xp, s, dt, rng):
+        d = dict(x=normal(xp, rng, (s["N"], s["C"]), dt), w=normal(xp, rng, (s["C"],), dt, 0.1) + 1)
+        if backward:
+            _, d["ctx"] = ops.rmsnorm_forward(d["x"], d["w"])
+            d["dy"] = normal(xp, rng, (s["N"], s["C"]), dt)
+        if residual:
+            d["branch"] = normal(xp, rng, (s["N"], s["C"]), dt)
+        return d
+
+    return setup
+
+
+def _bench_fwd(k, d, ops):
+    y, rstd = k.rmsnorm_forward(d["x"], d["w"])
+    return y, ops.RMSNormCtx(d["x"], d["w"], rstd)
+
+
+def _bench_residual_fwd(k, d, ops):
+    s, y, rstd = k.residual_rmsnorm_forward(d["x"], d["branch"], d["w"])
+    return s, y, ops.RMSNormCtx(s, d["w"], rstd)
+
+
+def _bench_bwd(k, d, ops):
+    c = d["ctx"]
+    return k.rmsnorm_backward(d["dy"], c.x, c.weight, c.rstd.reshape(-1))
+
+
+BENCH = (
+    BenchCase("rmsnorm_fwd", "y = round(x * rstd) * w (HF's order), saves rstd (fp32)",
+              "read x, w; write y, rstd: 2*N*C*s + C*s + N*4", _bench_cases, _bench_setup(),
+              lambda ops, d: (lambda: ops.rmsnorm_forward(d["x"], d["w"])), _bench_fwd,
+              lambda s, it: 2 * s["N"] * s["C"] * it + s["C"] * it + s["N"] * STAT,
+              outputs=lambda d, r: (r[0], r[1].rstd)),
+    BenchCase("residual_rmsnorm_fwd", "s = x + branch; y = rmsnorm(s) (one kernel on the GPU)",
+              "read x, branch, w; write s, y, rstd: 4*N*C*s + C*s + N*4", _bench_cases, _bench_setup(residual=True),
+              lambda ops, d: (lambda: ops.residual_rmsnorm_forward(d["x"], d["branch"], d["w"])), _bench_residual_fwd,
+              lambda s, it: 4 * s["N"] * s["C"] * it + s["C"] * it + s["N"] * STAT,
+              outputs=lambda d, r: (r[0], r[1], r[2].rstd)),
+    BenchCase("rmsnorm_bwd", "dx, dw of the RMSNorm", "read dy, x, w, rstd; write dx, dw: 3*N*C*s + 2*C*s + N*4",
+              _bench_cases, _bench_setup(backward=True),
+              lambda ops, d: (lambda: ops.rmsnorm_backward(d["dy"], d["ctx"])), _bench_bwd,
+              lambda s, it: 3 * s["N"] * s["C"] * it + 2 * s["C"] * it + s["N"] * STAT),
+)
+
+
+FAMILY = KernelFamily(
+    "rmsnorm", ("rmsnorm", "reduce"), RMSNormLaunchers,
+    targets={
+        "rmsnorm_forward": Target(1024, 1, "a block of 1024 threads must fit (rows > 2048 columns)"),
+        "residual_rmsnorm_forward": Target(512, 2, "a block of 512 threads per row beyond 2048 columns: 50%"),
+        "rmsnorm_backward": Target(512, 2, "LayerNorm's backward layout: 3 arrays x 128 bit in flight; 50%"),
+    },
+    traffic={
+        "rmsnorm_forward": Traffic(3, ops=5, what="read x twice (2 passes), write y"),
+        "residual_rmsnorm_forward": Traffic(5, ops=6, what="read x, branch; write s; read s; write y"),
+        "rmsnorm_backward": Traffic(5, ops=12, what="read dy, x twice (2 passes), write dx"),
+    },
+    dynamic_shared={"rmsnorm_backward": DynamicShared("R * C * 4", rmsnorm_backward_shared_bytes, 4096,
+                                                      RMSNORM_BACKWARD_MAX_C)},
+    tests=("test_rmsnorm.py",), mutation_classes=("round16",), bench=BENCH)

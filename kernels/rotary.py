@@ -8,7 +8,7 @@ One op, four places:
   calls these launchers through ``cutp.kernels.dispatch_views`` for the layouts
   :func:`rotary_supported` accepts;
 * tests: ``tests/kernels/test_rotary.py``; benchmark case ``rotary`` of ``python -m cutp bench
-  kernels`` (``cutp/bench/kernel_variants.py``).
+  kernels`` (declared below, with the family).
 
 Layout: x [B, T, H, D] (the op's ``seq_axis=1``), any non-negative strides in whole elements with a
 contiguous head dim, so the Q and K heads of a fused QKV buffer are rotated in place without a
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .family import BenchCase, KernelFamily, Target, Traffic
 from .attention import kernel_layout, strided_span
 from .runtime import (
     ELEMENTWISE_THREADS,
@@ -101,3 +102,32 @@ class RotaryLaunchers(LauncherBase):
                       int32_arg("head dim", D), np.int32(rd), *xst[:3], *ost[:3], np.int64(pos_bs), np.int64(tab_bs),
                       np.int32(bool(transpose)), np.int32(not in_place)))
         return out
+
+
+def _bench_cases(sz):
+    """q and k heads of a fused QKV buffer [B, T, (nq + 2 nkv) hd]: GQA 4 at head dims 64 and 128."""
+    T = sz["seq"]
+    return [dict(B=max(1, n // T), T=T, nq=nq, nkv=nq // 4, hd=hd) for n in sz["rows"]
+            for nq, hd in ((16, 64), (32, 128))]
+
+
+def _bench_setup(ops, normal, xp, s, dt, rng):
+    B, T, nq, nkv, hd = (s[k] for k in ("B", "T", "nq", "nkv", "hd"))
+    qkv = normal(xp, rng, (B, T, (nq + 2 * nkv) * hd), dt)
+    cos, sin = ops.rope_tables(hd, T, theta=500000.0, scaling=ops.RopeScaling("llama3", factor=8.0), xp=xp)
+    return dict(qkv=qkv, heads=qkv[..., :(nq + nkv) * hd].reshape(B, T, nq + nkv, hd), cos=cos, sin=sin)
+
+
+BENCH = (BenchCase(
+    "rotary_qk", "RoPE of the q and k heads in place in a fused QKV buffer (llama3 tables)",
+    "read and write the q, k heads: 2*B*T*(nq+nkv)*hd*s (the tables stay in L2)", _bench_cases, _bench_setup,
+    lambda ops, d: (lambda: ops.rotary_forward(d["heads"], d["cos"], d["sin"], out=d["heads"])),
+    lambda k, d, ops: k.rotary(d["heads"], d["cos"], d["sin"], out=d["heads"]),
+    lambda s, it: 2 * s["B"] * s["T"] * (s["nq"] + s["nkv"]) * s["hd"] * it, outputs=lambda d, r: (d["heads"],),
+    label=lambda s: f"{s['B']}x{s['T']}x({s['nq']}+{s['nkv']})x{s['hd']}"),)
+
+FAMILY = KernelFamily(
+    "rotary", ("rotary",), RotaryLaunchers,
+    targets={"rotary": Target(256, 4, "6 chunks in flight (2 of x, 4 of the float tables: 48 floats in bf16): 50%")},
+    traffic={"rotary": Traffic(2, f32=2, ops=3, what="read x, cos, sin; write y (per element)")},
+    tests=("test_rotary.py",), mutation_classes=("halves",), bench=BENCH)

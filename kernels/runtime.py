@@ -1,6 +1,7 @@
 """What every kernel family's launchers share: loading, the switch, argument checks, launch plumbing.
 
-* ``SOURCES``: the kernel sources, one ``cupy.RawModule`` each (``kernels/<name>.cu``).
+* ``SOURCES``: the kernel sources, one ``cupy.RawModule`` each (every ``kernels/<name>.cu``).
+* ``FAMILY``: the declaration of the column sum (``reduce.cu``) the parameter gradients share.
 * :class:`KernelArgumentError`, :class:`KernelLoadError`.
 * The switch: :func:`kernels_enabled`, :class:`use_kernels`, ``$CUTP_KERNELS``.
 * The argument checks (:func:`check_array`, :func:`row_vector`, :func:`int32_arg`) and dtype
@@ -32,9 +33,11 @@ import numpy as np
 
 from cutp.runtime.errors import BackendError
 
-# One RawModule per source file (kernels/<name>.cu).
-SOURCES = ("adamw", "attention", "cross_entropy", "dropout", "gelu", "layernorm", "reduce", "rmsnorm", "rotary", "softmax",
-           "swiglu")
+from .family import KernelFamily, Target, Traffic
+
+# One RawModule per source file (kernels/<name>.cu): every .cu file of the package, in name order
+# (each family's declaration, kernels/<op>.py FAMILY, says which of them it launches).
+SOURCES = tuple(sorted(p.name[:-3] for p in importlib.resources.files(__package__).iterdir() if p.name.endswith(".cu")))
 
 ENV_SWITCH = "CUTP_KERNELS"
 
@@ -445,3 +448,12 @@ def cupy_module_loader() -> Callable[[str], Any]:
         return cupy.RawModule(code=kernel_source(name), options=tuple(options) + extra)
 
     return load
+
+
+# The column sum (reduce.cu) every parameter gradient's second pass launches (LauncherBase._column_sum):
+# the families that launch it name "reduce" among their sources, and their tests are its stages.
+FAMILY = KernelFamily(
+    "reduce", ("reduce",), LauncherBase,
+    targets={"column_sum": Target(256, 8, "block (32, 8)")},
+    traffic={"column_sum": Traffic(0, f32=1, ops=1, what="read a partial")},
+    mutation_classes=("round16",))

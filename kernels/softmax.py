@@ -7,7 +7,7 @@ One op, four places:
 * NumPy/CuPy reference: ``cutp/ops/softmax.py`` (``softmax_forward``, ``softmax_backward``),
   which calls these launchers through ``cutp.kernels.dispatch``;
 * tests: ``tests/kernels/test_softmax.py``; benchmark cases ``softmax_fwd`` and ``softmax_bwd``
-  of ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+  of ``python -m cutp bench kernels`` (declared below, with the family).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from .family import BenchCase, KernelFamily, Target, Traffic
 from .runtime import KernelArgumentError, LauncherBase, ceil_div, check_array, dtype_suffix, int32_arg
 
 SOFTMAX_WARP_ROW_MAX = 1024  # rows up to this length: a warp per row; longer: a block per row
@@ -61,3 +62,55 @@ class SoftmaxLaunchers(LauncherBase):
         self._launch("softmax", f"softmax_backward_{dtype_suffix(y.dtype)}", (ceil_div(n_rows, rows_per_block),),
                      block, (dx, dy, y, np.int64(n_rows), int32_arg("Tk", Tk), np.float32(scale), block_per_row))
         return dx
+
+
+def _bench_cases(sz):
+    T = sz["seq"]
+    return [dict(B=max(1, n // T), heads=max(1, c // 64), T=T) for c in sz["widths"] for n in sz["rows"]]
+
+
+def _bench_setup(backward):
+    def setup(ops, normal, xp, s, dt, rng):
+        shape = (s["B"], s["heads"], s["T"], s["T"])
+        d = dict(x=normal(xp, rng, shape, dt), scale=1.0 / 8.0)
+        if backward:
+            _, d["ctx"] = ops.softmax_forward(d["x"], d["scale"], causal=True)
+            d["dy"] = normal(xp, rng, shape, dt)
+        return d
+
+    return setup
+
+
+def _bench_fwd(k, d, ops):
+    y = k.softmax_forward(d["x"], d["scale"], True)
+    return y, ops.SoftmaxCtx(y, d["scale"])
+
+
+def _bench_label(s):
+    return f"{s['B']}x{s['heads']}x{s['T']}x{s['T']}"
+
+
+BENCH = (
+    BenchCase("softmax_fwd", "causal softmax(scale * x) over [B, heads, T, T]",
+              "read x, write y over the full T x T square: 2*B*heads*T*T*s", _bench_cases, _bench_setup(False),
+              lambda ops, d: (lambda: ops.softmax_forward(d["x"], d["scale"], causal=True)), _bench_fwd,
+              lambda s, it: 2 * s["B"] * s["heads"] * s["T"] ** 2 * it, outputs=lambda d, r: (r[0],),
+              label=_bench_label),
+    BenchCase("softmax_bwd", "dx = scale * y * (dy - sum(dy * y))", "read y, dy; write dx: 3*B*heads*T*T*s",
+              _bench_cases, _bench_setup(True), lambda ops, d: (lambda: ops.softmax_backward(d["dy"], d["ctx"])),
+              lambda k, d, ops: k.softmax_backward(d["dy"], d["ctx"].y, d["ctx"].scale),
+              lambda s, it: 3 * s["B"] * s["heads"] * s["T"] ** 2 * it, label=_bench_label),
+)
+
+
+FAMILY = KernelFamily(
+    "softmax", ("softmax",), SoftmaxLaunchers,
+    targets={
+        "softmax_forward": Target(512, 3, "bf16 online max/sum over 8 floats per chunk: 75%"),
+        "softmax_backward": Target(512, 3, "bf16 2 x 8 floats per chunk: 75%"),
+    },
+    traffic={
+        "softmax_forward": Traffic(3, ops=12, what="read x twice (2 passes), write y"),
+        "softmax_backward": Traffic(5, ops=5, what="read dy, y twice (2 passes), write dx"),
+    },
+    tests=("test_softmax.py",), bench=BENCH)

@@ -7,7 +7,7 @@ One op, four places:
 * NumPy/CuPy reference: ``cutp/ops/swiglu.py`` (``swiglu_forward``, ``swiglu_backward``), which
   calls these launchers through ``cutp.kernels.dispatch``;
 * tests: ``tests/kernels/test_swiglu.py``; benchmark cases ``swiglu_fwd`` and ``swiglu_bwd`` of
-  ``python -m cutp bench kernels`` (``cutp/bench/kernel_variants.py``).
+  ``python -m cutp bench kernels`` (declared below, with the family).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from .family import BenchCase, KernelFamily, Target, Traffic
 from .runtime import KernelArgumentError, LauncherBase, check_array, dtype_suffix, int32_arg
 
 
@@ -53,3 +54,49 @@ class SwiGLULaunchers(LauncherBase):
         self._launch("swiglu", f"swiglu_backward_{dtype_suffix(dy.dtype)}", grid, block,
                      (d, dy, gate_up, np.int64(n_rows), int32_arg("F", F)))
         return d
+
+
+def _bench_cases(sz):
+    """[N, 2F] gate_up: F = 4C at GPT-2's widths (tiny, cpu) / Llama's hidden widths (gpu: 8192, 14336)."""
+    hidden = {2048: 8192, 4096: 14336}
+    return [dict(N=n, F=4 * c) for c in sz["widths"][:2] for n in sz["rows"]] + [
+        dict(N=sz["rows"][-1], F=hidden[c]) for c in sz.get("llama_widths", ())]
+
+
+def _bench_setup(backward):
+    def setup(ops, normal, xp, s, dt, rng):
+        d = dict(gate_up=normal(xp, rng, (s["N"], 2 * s["F"]), dt, 2.0))
+        if backward:
+            d["dy"] = normal(xp, rng, (s["N"], s["F"]), dt)
+        return d
+
+    return setup
+
+
+def _bench_label(s):
+    return f"{s['N']}x2x{s['F']}"
+
+
+BENCH = (
+    BenchCase("swiglu_fwd", "y = silu(gate) * up on [gate ; up]", "read gate_up; write y: 3*N*F*s",
+              _bench_cases, _bench_setup(False), lambda ops, d: (lambda: ops.swiglu_forward(d["gate_up"])),
+              lambda k, d, ops: (k.swiglu_forward(d["gate_up"]), ops.SwiGLUCtx(d["gate_up"])),
+              lambda s, it: 3 * s["N"] * s["F"] * it, outputs=lambda d, r: (r[0],), label=_bench_label),
+    BenchCase("swiglu_bwd", "d[gate ; up] of y = silu(gate) * up", "read gate_up, dy; write d_gate_up: 5*N*F*s",
+              _bench_cases, _bench_setup(True),
+              lambda ops, d: (lambda: ops.swiglu_backward(d["dy"], ops.SwiGLUCtx(d["gate_up"]))),
+              lambda k, d, ops: k.swiglu_backward(d["dy"], d["gate_up"]),
+              lambda s, it: 5 * s["N"] * s["F"] * it, outputs=lambda d, r: (r,), label=_bench_label),
+)
+
+FAMILY = KernelFamily(
+    "swiglu", ("swiglu",), SwiGLULaunchers,
+    targets={
+        "swiglu_forward": Target(256, 6, "elementwise, 3 arrays; bf16 holds 3 x 8 floats and the exp: 75%"),
+        "swiglu_backward": Target(256, 5, "elementwise, 5 arrays; bf16 holds 5 x 8 floats: 62%"),
+    },
+    traffic={
+        "swiglu_forward": Traffic(3, ops=12, what="read gate, up; write y (per output element)"),
+        "swiglu_backward": Traffic(5, ops=18, what="read gate, up, dy; write d_gate, d_up (per output element)"),
+    },
+    tests=("test_swiglu.py",), mutation_classes=("fastmath",), bench=BENCH)

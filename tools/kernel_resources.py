@@ -7,18 +7,18 @@ and the roofline bound on H100 and H200.
 
 Registers, spills and static shared memory are ptxas's (``cutp.kernels.resources``, which
 compiles what NVRTC compiles); the block size and occupancy target are ``resources.TARGETS``;
-bytes and operations per element are the model in ``TRAFFIC`` below, counted from the sources.
+bytes and operations per element are ``TRAFFIC``, each family's declared model (kernels/<op>.py FAMILY).
 tests/kernel_build/test_resources.py checks that the README holds exactly what this prints.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cutp.kernels import resources as kr  # noqa: E402  (after the path set-up above)
+from cutp.kernels.family import Traffic, families  # noqa: E402
 
 BEGIN = "<!-- kernel_resources.py: begin -->"
 END = "<!-- kernel_resources.py: end -->"
@@ -29,56 +29,11 @@ FP32_TFLOPS = 67.0  # H100 and H200 (same GH100 chip, same clocks)
 INT32_TOPS = 16.7  # 64 INT32 lanes per SM x 132 SMs x 1.98 GHz (a 64-bit multiply is several ops)
 
 
-@dataclass(frozen=True)
-class Traffic:
-    """Global-memory traffic and arithmetic per element of the kernel's main tensor.
-
-    t: accesses of storage-type (T) elements (a re-read of the row by a later pass counts again);
-    f32: accesses of float32 elements; u8: accesses of one-byte elements (masks);
-    ops: arithmetic per element (a special function counted as ~8), int: ops are integer.
-    Per-row and per-column vectors (weights, statistics, partial sums) are left out: they are
-    amortised over the rows."""
-
-    t: int
-    f32: int = 0
-    u8: int = 0
-    ops: int = 1
-    int: bool = False
-    what: str = ""
-
-    def bytes_per_element(self, itemsize: int) -> int:
-        return self.t * itemsize + 4 * self.f32 + self.u8
-
-
-TRAFFIC: dict[str, Traffic] = {
-    "gelu_forward": Traffic(2, ops=20, what="read x, write y"),
-    "gelu_backward": Traffic(3, ops=30, what="read x, dy; write dx"),
-    "bias_gelu_forward": Traffic(3, ops=21, what="read x; write pre, y"),
-    "bias_gelu_backward": Traffic(3, ops=31, what="read pre, dy; write dx"),
-    "column_sum": Traffic(0, f32=1, ops=1, what="read a partial"),
-    "softmax_forward": Traffic(3, ops=12, what="read x twice (2 passes), write y"),
-    "softmax_backward": Traffic(5, ops=5, what="read dy, y twice (2 passes), write dx"),
-    "layernorm_forward": Traffic(4, ops=8, what="read x 3 times (3 passes), write y"),
-    "layernorm_backward": Traffic(5, ops=20, what="read dy, x twice (2 passes), write dx"),
-    "rmsnorm_forward": Traffic(3, ops=5, what="read x twice (2 passes), write y"),
-    "residual_rmsnorm_forward": Traffic(5, ops=6, what="read x, branch; write s; read s; write y"),
-    "rmsnorm_backward": Traffic(5, ops=12, what="read dy, x twice (2 passes), write dx"),
-    "swiglu_forward": Traffic(3, ops=12, what="read gate, up; write y (per output element)"),
-    "swiglu_backward": Traffic(5, ops=18, what="read gate, up, dy; write d_gate, d_up (per output element)"),
-    "rotary": Traffic(2, f32=2, ops=3, what="read x, cos, sin; write y (per element)"),
-    "ce_shard_forward": Traffic(1, ops=14, what="read a logit once (online max and sum of exp, sum, target)"),
-    "ce_shard_backward": Traffic(2, ops=14, what="read a logit, write its gradient"),
-    "adamw_update": Traffic(3, f32=4, ops=16, what="read p, g, m, v; write p, m, v (no decay mask)"),
-    "dropout_mask_bool": Traffic(0, u8=1, ops=28, int=True, what="write the mask (SplitMix64)"),
-    "dropout_forward": Traffic(2, u8=1, ops=30, int=True, what="read x; write y, mask"),
-    "dropout_apply": Traffic(2, u8=1, ops=2, what="read x, mask; write y"),
-    "attention_backward_rowdot_d64": Traffic(2, ops=2, what="read o, do; a float per row"),
-    "attention_backward_rowdot_d128": Traffic(2, ops=2, what="read o, do; a float per row"),
-}
-
-# The fused attention's tile kernels are compute-bound (4 T^2 D / 2 multiply-adds per head against
-# O(T D) bytes): their bound is TFLOP/s, measured by `cutp bench kernels --ops attention`.
-COMPUTE_BOUND = {f"attention_{kernel}_d{d}" for kernel in ("forward", "backward_dq", "backward_dkdv") for d in (64, 128)}
+# Global-memory traffic and arithmetic per element, as each family declares it (kernels/<op>.py
+# FAMILY.traffic, counted from its source); the compute-bound kernels (the fused attention's
+# tiles: their bound is TFLOP/s, measured by `cutp bench kernels --ops attention`) have none.
+TRAFFIC: dict[str, Traffic] = {k: t for f in families() for k, t in f.traffic.items()}
+COMPUTE_BOUND = {k for f in families() for k in f.compute_bound}
 
 
 def _itemsize(kernel: str) -> int:

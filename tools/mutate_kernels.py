@@ -23,6 +23,14 @@ occurrence at a time:
   skipwrite   a store (``store_chunk(``, ``a[i] = ...``) guarded by ``if (false)``
   stride      ``WARP_SIZE`` -> ``16``, ``blockDim.x`` -> ``WARP_SIZE`` (wrong lane counts, strides)
   math        ``fmaxf`` <-> ``fminf``
+  round16     a float accumulation ``a += b;`` -> ``a = to_float(from_float<T>(a + b));``: in the
+              bf16 instantiation a sum kept in 16 bits, in float32's the same code (the weight
+              and bias gradients' sources only; outside a template on T, stillborn)
+  halves      a rotary table's second half read as its first (``cr + hh + e0`` -> ``cr + e0``,
+              ``c2[k]`` <-> ``c1[k]``, ``s2[k]`` <-> ``s1[k]``)
+  fastmath    ``expf(`` -> ``__expf(`` (a fast-math intrinsic; the float32 activations only)
+  vecwidth    a bf16 kernel's 128-bit pack sized as float32's: ``% P == 0`` -> ``% 4 == 0``,
+              ``(n + P - 1) / P`` -> ``(n + 3) / 4``, ``count >= N`` -> ``count >= 4``
 
 Each mutant is compiled and tested in a private copy of tests/ and kernels/ (the working tree is
 never modified, so the campaign can run while you edit), with the emulated backend only, pytest
@@ -59,83 +67,42 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ROOT / "kernels"
-SOURCES = sorted(p.name for p in KERNELS.glob("*.cu")) + ["common.cuh"]
+sys.path.insert(0, str(ROOT))
 
-# A stage: kernel test files (tests/kernels/) and the kernel sources their emulated module builds
-# ($CUTP_EMU_KERNEL_SOURCES: one op's sources build in a quarter of the time of all of them).
-STAGES = {
-    "softmax": (["test_softmax.py"], ["softmax"]),
-    "layernorm": (["test_layernorm.py"], ["layernorm", "reduce"]),
-    "cross_entropy": (["test_cross_entropy.py"], ["cross_entropy"]),
-    "gelu": (["test_gelu.py"], ["gelu", "reduce"]),
-    "adamw": (["test_adamw.py"], ["adamw"]),
-    "dropout": (["test_dropout.py"], ["dropout"]),
-    "attention": (["test_attention.py", "test_attention_tiles.py"], ["attention"]),
-    "rmsnorm": (["test_rmsnorm.py"], ["rmsnorm", "reduce"]),
-    "swiglu": (["test_swiglu.py"], ["swiglu"]),
-    "rotary": (["test_rotary.py"], ["rotary"]),
-}
-# The stages that test each source, run in order until one fails (AUDIT_TESTS first, in the first).
-STAGES_OF = {
-    "adamw.cu": ["adamw"],
-    "cross_entropy.cu": ["cross_entropy"],
-    "dropout.cu": ["dropout"],
-    "gelu.cu": ["gelu"],
-    "layernorm.cu": ["layernorm"],
-    "reduce.cu": ["gelu", "layernorm", "rmsnorm"],
-    "softmax.cu": ["softmax"],
-    "attention.cu": ["attention"],
-    "rmsnorm.cu": ["rmsnorm"],
-    "swiglu.cu": ["swiglu"],
-    "rotary.cu": ["rotary"],
-    "common.cuh": ["softmax", "layernorm", "cross_entropy", "gelu", "adamw", "dropout", "attention"],
-}
+from cutp.kernels.family import families  # noqa: E402  (after the path set-up above)
+
+KERNELS = ROOT / "kernels"
+SOURCES_CU = sorted(p.stem for p in KERNELS.glob("*.cu"))
+SOURCES = [f"{name}.cu" for name in SOURCES_CU] + ["common.cuh"]
+
+# A stage: a kernel family's test files (tests/kernels/) and the kernel sources its emulated module
+# builds ($CUTP_EMU_KERNEL_SOURCES: one op's sources build in a quarter of the time of all of them),
+# as each family declares them (kernels/<op>.py FAMILY, cutp.kernels.family).
+STAGES = {f.name: (list(f.tests), list(f.sources)) for f in families() if f.tests}
+# The stages that test each source, run in order until one fails (AUDIT_TESTS first, in the first):
+# the families that launch it; common.cuh's, every family's, those with a --quick selection (slow) last.
+_BY_COST = sorted(STAGES, key=lambda name: (bool(next(f for f in families() if f.name == name).quick_tests), name))
+STAGES_OF = {f"{source}.cu": [name for name in _BY_COST if source in STAGES[name][1]] for source in SOURCES_CU}
+STAGES_OF["common.cuh"] = _BY_COST
 AUDIT_TESTS = ["test_index_width.py"]  # source-level checks that apply to every kernel source
 
-# --quick: a stage's fast selection, pytest node ids under tests/kernels/ run in this order (with -x a
-# mutant stops at its first failure, so the checked build's tests come first and the grid, which
-# needs the second, unchecked build, last). For a stage whose full file is too slow per mutant;
-# a mutant that survives its quick selection is re-run on the full file (--ids, without --quick)
-# before it counts as a survivor.
-_ATT = "test_attention.py::"
-
-
-def _scheduled(schedule):  # (pytest drops an id that a later whole-function id repeats: ids only)
-    return [f"{_ATT}test_attention_under_each_schedule[emulated-{schedule}-{case}-{dt}]"
-            for case in ("B2-kv1-g2-T17-d64", "B1-kv2-g1-T70-d64", "B1-kv1-g2-T33-d128", "B1-kv1-g1-T70-d128")
-            for dt in ("f32", "bf16")]
-
-
-QUICK = {
-    "attention": [  # ~10 s of tests plus two 5 s builds, against ~40 s plus builds for the file
-        # tests written for survivors of the first attention campaign (cheap, checked build)
-        _ATT + "test_scores_far_below_zero",
-        # checked build (race detector, bounds): tile edges at head dims 64 / 128, the forward
-        # schedule first (most mutants die there), the other schedules after the launcher tests
-        *_scheduled("forward"),
-        # dropout in all three kernels (per-row offsets, Tq < Tk, p = 1), one schedule
-        *[f"{_ATT}test_attention_dropout[emulated-forward-{case}-{dt}]"
-          for case in ("p0.1-70x70-d64", "p0.5-33x33-d128", "p0.3-20x50-d64", "p1.0-24x24-d64")
-          for dt in ("f32", "bf16")],
-        _ATT + "test_strided_operands_and_packed_gradients",
-        _ATT + "test_fewer_queries_than_keys",
-        _ATT + "test_scores_far_apart",
-        # a ring tile's arguments: diagonal shifts, global dropout counters, float32 accumulation
-        "test_attention_tiles.py::test_a_ring_tile_pair_on_the_kernels",
-        "test_attention_tiles.py::test_diagonal_shifts",
-        *_scheduled("warp-reverse"), *_scheduled("random"),
-        # unchecked build: a few grid cases (one query row; GQA 4 at 200 rows; 513 rows)
-        *[f"{_ATT}test_attention_grid[emulated-{case}-{dt}]"
-          for case in ("B2-kv4-g1-T1-d64", "B2-kv1-g4-T1-d128", "B1-kv1-g4-T200-d128", "B1-kv1-g4-T200-d64",
-                       "B1-kv1-g1-T513-d64")
-          for dt in ("f32", "bf16")],
-    ],
-}
+# --quick: a stage's fast selection, pytest node ids under tests/kernels/ run in this order (the
+# family's quick_tests: kernels/attention.py QUICK_TESTS), for a stage whose full files are too
+# slow per mutant; a mutant that survives its quick selection is re-run on the full files (--ids,
+# without --quick) before it counts as a survivor.
+QUICK = {f.name: list(f.quick_tests) for f in families() if f.quick_tests}
 
 LAUNCH_TIMEOUT = 10
 
-OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math")
+OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math",
+       "round16", "halves", "fastmath", "vecwidth")
+# Operators that apply to some sources only (the bug classes of issue 42), as the families declare
+# them (FAMILY.mutation_classes, of their own source), and those of the shared header; the others
+# apply everywhere.
+COMMON_CLASSES = ("vecwidth",)  # common.cuh: load_chunk / store_chunk (its sums are on no storage type T)
+SOURCE_CLASSES = ("round16", "halves", "fastmath")
+OP_SOURCES = {op: tuple(f"{f.sources[0]}.cu" for f in families() if op in f.mutation_classes)
+              + (("common.cuh",) if op in COMMON_CLASSES else ()) for op in SOURCE_CLASSES}
 
 BOUND_NAMES = r"(?:n|C|W|L|Tk|Tq|n_valid|n_rows|count|nwarps|r1|n_chunks|P|N|size)"
 
@@ -223,11 +190,20 @@ PATTERNS = [
     ("stride", r"\bblockDim\.x\b", "WARP_SIZE", ""),
     ("math", r"\bfmaxf\b", "fminf", ""),
     ("math", r"\bfminf\b", "fmaxf", ""),
+    ("round16", r"(?<![\w.\]])(\w+(?:\[[^\];]*\])?) \+= ([^;=]+);",
+     lambda m: f"{m.group(1)} = to_float(from_float<T>({m.group(1)} + ({m.group(2)})));", ""),
+    ("halves", r"\b([cs])r \+ hh \+ e0", r"\1r + e0", "load_chunk"),
+    ("halves", r"\b([cs])([12])\[k\]", lambda m: f"{m.group(1)}{3 - int(m.group(2))}[k]", ""),
+    ("fastmath", r"(?<![\w])expf\(", "__expf(", ""),
+    ("vecwidth", r"% P == 0", "% 4 == 0", ""),
+    ("vecwidth", r"\+ P - 1\) / P", "+ 3) / 4", ""),
+    ("vecwidth", r"\bcount >= N\b", "count >= 4", ""),
 ]
 
 
-def _line_mutations(line: str):
-    """[(op, mutated line)] for one code line."""
+def _line_mutations(line: str, source: str = ""):
+    """[(op, mutated line)] for one code line of `source` (OP_SOURCES: some operators apply to
+    some sources only)."""
     code = _code_part(line)
     rest = line[len(code):]
     # a skipped write is a statement: not a declaration, loop header or function header
@@ -237,24 +213,30 @@ def _line_mutations(line: str):
     for op, pattern, repl, needs in PATTERNS:
         if needs not in code or (op == "skipwrite" and not statement) or (op == "stride" and "constexpr" in code):
             continue
+        if op in OP_SOURCES and source not in OP_SOURCES[op]:
+            continue
         for a, b, r in _sub_each(pattern, repl, code):
             found.append((op, code[:a] + r + code[b:] + rest))
     return found
 
 
 def generate(sources=SOURCES, ops=OPS) -> list[Mutant]:
+    """The mutants of `sources` by the operators `ops`, numbered per source over every operator
+    (an id names the same mutant whatever --ops selects, so --resume and --ids work across runs)."""
     mutants: list[Mutant] = []
     for source in sources:
         text = (KERNELS / source).read_text()
         seen = set()
+        n = 0
         for i, line in _mutable_lines(text):
-            for op, new in _line_mutations(line):
-                if op not in ops or new == line or (i, new) in seen:
+            for op, new in _line_mutations(line, source):
+                if new == line or (i, new) in seen:
                     continue
                 seen.add((i, new))
-                n = sum(1 for m in mutants if m.source == source)
-                mutants.append(Mutant(f"{source.split('.')[0]}-{n:03d}", source, i + 1, op, line.rstrip("\n"),
-                                      new.rstrip("\n")))
+                if op in ops:
+                    mutants.append(Mutant(f"{source.split('.')[0]}-{n:03d}", source, i + 1, op, line.rstrip("\n"),
+                                          new.rstrip("\n")))
+                n += 1
     return mutants
 
 
@@ -285,14 +267,16 @@ def stage_tests(stage: str, quick: bool = False) -> list[str]:
     return QUICK[stage] if quick and stage in QUICK else STAGES[stage][0]
 
 
-def run_tests(box: Path, tests: list[str], sources: list[str], timeout: float) -> tuple[str, float, str]:
+def run_tests(box: Path, tests: list[str], sources: list[str], timeout: float,
+              launch_timeout: float = LAUNCH_TIMEOUT) -> tuple[str, float, str]:
     """('killed' | 'survived' | 'stillborn' | 'timeout', seconds, last lines of output); tests: files
     or node ids under tests/kernels/, run in this order."""
     tests = [t for t in tests if (box / "tests" / "kernels" / t.split("::")[0]).exists()]
     # One build cache for all mutants: the emulator's runtime object is compiled once; the
     # module of each mutant (keyed by its source text) is removed after its run.
-    # A launch over LAUNCH_TIMEOUT s is a hang (an infinite loop): the tests' longest launch takes ~1 s.
-    env = dict(os.environ, CUTP_KERNEL_BACKENDS="emulated", CUTP_EMU_TIMEOUT=str(LAUNCH_TIMEOUT),
+    # A launch over LAUNCH_TIMEOUT s is a hang (an infinite loop): the tests' longest launch takes ~1 s
+    # on an idle machine (on a loaded one, --launch-timeout: a baseline that times out says so).
+    env = dict(os.environ, CUTP_KERNEL_BACKENDS="emulated", CUTP_EMU_TIMEOUT=str(launch_timeout),
                PYTHONDONTWRITEBYTECODE="1", CUTP_CACHE_DIR=str(box / "cache"),
                CUTP_EMU_KERNEL_SOURCES=",".join(sources))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rfE",
@@ -326,17 +310,18 @@ def _killing_test(out: str) -> str:
 
 
 def prioritised(mutants):
-    """The categories the issue names first (a capped run still covers them), then relop and
-    bound; sources interleaved within a category."""
-    order = {op: i for i, op in enumerate(("barrier", "accumulate", "init", "shared", "skipwrite", "index32", "stride",
-                                           "math", "relop", "bound"))}
+    """The categories the issues name first (issue 42's, then the first review's: a capped run
+    still covers them), then relop and bound; sources interleaved within a category."""
+    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "barrier", "accumulate", "init",
+                                           "shared", "skipwrite", "index32", "stride", "math", "relop", "bound"))}
     rank = {}
     for m in mutants:
         rank[m.id] = sum(1 for o in mutants if o.op == m.op and o.source == m.source and o.line < m.line)
     return sorted(mutants, key=lambda m: (order[m.op], rank[m.id], m.source))
 
 
-def run_mutant(box: Path, m: Mutant, per_mutant: float, quick: bool = False) -> tuple[str, float, str]:
+def run_mutant(box: Path, m: Mutant, per_mutant: float, quick: bool = False,
+               launch_timeout: float = LAUNCH_TIMEOUT) -> tuple[str, float, str]:
     """The mutant's stages in its sandbox, until one fails; the source restored after."""
     src = box / "kernels" / m.source
     original = (KERNELS / m.source).read_text()
@@ -345,7 +330,8 @@ def run_mutant(box: Path, m: Mutant, per_mutant: float, quick: bool = False) -> 
     try:
         for i, stage in enumerate(STAGES_OF[m.source]):
             tests, sources = stage_tests(stage, quick), STAGES[stage][1]
-            status, secs, log = run_tests(box, (AUDIT_TESTS if i == 0 else []) + tests, sources, per_mutant)
+            status, secs, log = run_tests(box, (AUDIT_TESTS if i == 0 else []) + tests, sources, per_mutant,
+                                          launch_timeout)
             total += secs
             if status != "survived":
                 break
@@ -355,7 +341,7 @@ def run_mutant(box: Path, m: Mutant, per_mutant: float, quick: bool = False) -> 
 
 
 def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume: bool, jobs: int = 1,
-             quick: bool = False) -> None:
+             quick: bool = False, launch_timeout: float = LAUNCH_TIMEOUT) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.jsonl"
     done = set()
@@ -371,7 +357,7 @@ def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume:
         stages = [s for s in STAGES if any(s in STAGES_OF[m.source] for m in mutants)]
         for stage in stages:
             tests, sources = stage_tests(stage, quick), STAGES[stage][1]
-            base, dt, out = run_tests(boxes[0], tests + AUDIT_TESTS, sources, 1800)
+            base, dt, out = run_tests(boxes[0], tests + AUDIT_TESTS, sources, 1800, launch_timeout)
             if base != "survived":
                 raise SystemExit(f"the kernel tests ({stage}) fail without any mutation ({base}):\n{out}")
         print(f"baseline: the kernel tests pass on the unmutated sources ({time.monotonic() - t0:.0f} s)", flush=True)
@@ -390,7 +376,7 @@ def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume:
                 if nxt is None:
                     return
                 i, m = nxt
-                status, secs, log = run_mutant(box, m, per_mutant, quick)
+                status, secs, log = run_mutant(box, m, per_mutant, quick, launch_timeout)
                 rec = dict(dataclasses.asdict(m), status=status, seconds=round(secs, 1), quick=quick,
                            killed_by=_killing_test(log), log=log[-1500:] if status in ("stillborn", "survived") else "")
                 with lock:
@@ -446,6 +432,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "mutants")
     ap.add_argument("--max-time", type=float, default=4 * 3600, help="stop starting mutants after this many s")
     ap.add_argument("--per-mutant", type=float, default=300, help="time limit of one mutant's test run (s)")
+    ap.add_argument("--launch-timeout", type=float, default=LAUNCH_TIMEOUT,
+                    help="a launch past this many s is a hang (default %(default)s; more on a loaded machine)")
     ap.add_argument("--resume", action="store_true", help="skip the mutants already in results.jsonl")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (one sandbox each)")
     ap.add_argument("--quick", action="store_true",
@@ -468,7 +456,7 @@ def main(argv=None) -> int:
             print(f"{m.id:18s} {m.describe()}")
         print(f"{len(mutants)} mutants")
         return 0
-    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick)
+    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick, args.launch_timeout)
     summary = report(args.out / "results.jsonl", len(mutants))
     (args.out / "summary.md").write_text(summary)
     print(summary)

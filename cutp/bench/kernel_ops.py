@@ -6,7 +6,10 @@ each output written once) and read its outputs for the check of a variant agains
 reference. The compute-bound attention ops also count their FLOPs (:func:`attention_flops`)
 and the working memory of the unfused and fused paths (:func:`attention_memory`).
 ``cutp.bench.kernels`` runs them; ``cutp.bench.kernel_variants`` registers the CUDA kernels of
-``cutp.kernels`` as variants of these ops, by name.
+``cutp.kernels`` as variants of these ops, by name. A kernel family may declare its ops with
+itself (``kernels/<op>.py`` FAMILY.bench, :class:`cutp.kernels.family.BenchCase`): every
+memory-bound op is declared so and added here; the compute-bound attention ops (FLOPs, working
+memory, their unfused baseline) are below.
 """
 from __future__ import annotations
 
@@ -15,12 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops
+from ..kernels.family import families
 
 WIDTHS = (768, 1024, 1280, 1600)
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128
 LLAMA3_VOCAB = 128256  # Llama 3's vocabulary (a multiple of 128 and of 8: tp=8 shards of 16,032)
-STAT = 4  # bytes of a float32 statistic (means, rstd, row max, sums)
-IDX = 8  # bytes of an int64 target
 
 # rows (B*T) per size preset and device; "tiny" is for the tests
 SIZES = {
@@ -70,130 +72,6 @@ def _normal(xp, rng, shape, dtype, scale=1.0):
     return a.astype(dtype, copy=False)
 
 
-def _rows_width(sz):
-    return [dict(N=n, C=c) for c in sz["widths"] for n in sz["rows"]]
-
-
-def _gelu_cases(sz):
-    return [dict(N=n, H=4 * c) for c in sz["widths"] for n in sz["rows"]]
-
-
-def _softmax_cases(sz):
-    T = sz["seq"]
-    out = []
-    for c in sz["widths"]:
-        for n in sz["rows"]:
-            out.append(dict(B=max(1, n // T), heads=max(1, c // 64), T=T))
-    return out
-
-
-def _ce_cases(sz):
-    return [dict(N=n, V=sz["vocab"]) for n in sz["ce_rows"]] + [dict(N=n, V=v) for n, v in sz.get("ce_llama", ())]
-
-
-def _llama_rows_width(sz):
-    """RMSNorm's shapes: GPT-2's widths and (cpu, gpu) Llama's model widths."""
-    return _rows_width(sz) + [dict(N=n, C=c) for c in sz.get("llama_widths", ()) for n in sz["rows"][-1:]]
-
-
-def _swiglu_cases(sz):
-    """[N, 2F] gate_up: F = 4C at GPT-2's widths (tiny, cpu) / Llama's hidden widths (gpu: 8192, 14336)."""
-    hidden = {2048: 8192, 4096: 14336}
-    return [dict(N=n, F=4 * c) for c in sz["widths"][:2] for n in sz["rows"]] + [
-        dict(N=sz["rows"][-1], F=hidden[c]) for c in sz.get("llama_widths", ())]
-
-
-def _rotary_cases(sz):
-    """q and k heads of a fused QKV buffer [B, T, (nq + 2 nkv) hd]: GQA 4 at head dims 64 and 128."""
-    T = sz["seq"]
-    return [dict(B=max(1, n // T), T=T, nq=nq, nkv=nq // 4, hd=hd) for n in sz["rows"]
-            for nq, hd in ((16, 64), (32, 128))]
-
-
-def _adam_cases(sz):
-    return [dict(n=n) for n in sz["adam"]]
-
-
-# ---- setups --------------------------------------------------------------------------------
-def _setup_gelu(xp, s, dt, rng, backward=False):
-    d = dict(x=_normal(xp, rng, (s["N"], s["H"]), dt), b=_normal(xp, rng, (s["H"],), dt, 0.1))
-    if backward:
-        _, d["ctx"] = ops.bias_gelu_forward(d["x"], d["b"])
-        d["dy"] = _normal(xp, rng, (s["N"], s["H"]), dt)
-    return d
-
-
-def _setup_softmax(xp, s, dt, rng, backward=False):
-    shape = (s["B"], s["heads"], s["T"], s["T"])
-    d = dict(x=_normal(xp, rng, shape, dt), scale=1.0 / 8.0)
-    if backward:
-        _, d["ctx"] = ops.softmax_forward(d["x"], d["scale"], causal=True)
-        d["dy"] = _normal(xp, rng, shape, dt)
-    return d
-
-
-def _setup_ln(xp, s, dt, rng, backward=False):
-    d = dict(x=_normal(xp, rng, (s["N"], s["C"]), dt), w=_normal(xp, rng, (s["C"],), dt, 0.1) + 1,
-             b=_normal(xp, rng, (s["C"],), dt, 0.1))
-    if backward:
-        _, d["ctx"] = ops.layernorm_forward(d["x"], d["w"], d["b"])
-        d["dy"] = _normal(xp, rng, (s["N"], s["C"]), dt)
-    return d
-
-
-def _setup_rms(xp, s, dt, rng, backward=False):
-    d = dict(x=_normal(xp, rng, (s["N"], s["C"]), dt), w=_normal(xp, rng, (s["C"],), dt, 0.1) + 1)
-    if backward:
-        _, d["ctx"] = ops.rmsnorm_forward(d["x"], d["w"])
-        d["dy"] = _normal(xp, rng, (s["N"], s["C"]), dt)
-    return d
-
-
-def _setup_residual_rms(xp, s, dt, rng):
-    d = _setup_rms(xp, s, dt, rng)
-    d["branch"] = _normal(xp, rng, (s["N"], s["C"]), dt)
-    return d
-
-
-def _setup_swiglu(xp, s, dt, rng, backward=False):
-    d = dict(gate_up=_normal(xp, rng, (s["N"], 2 * s["F"]), dt, 2.0))
-    if backward:
-        d["dy"] = _normal(xp, rng, (s["N"], s["F"]), dt)
-    return d
-
-
-def _setup_rotary(xp, s, dt, rng):
-    B, T, nq, nkv, hd = (s[k] for k in ("B", "T", "nq", "nkv", "hd"))
-    qkv = _normal(xp, rng, (B, T, (nq + 2 * nkv) * hd), dt)
-    cos, sin = ops.rope_tables(hd, T, theta=500000.0, scaling=ops.RopeScaling("llama3", factor=8.0), xp=xp)
-    return dict(qkv=qkv, heads=qkv[..., :(nq + nkv) * hd].reshape(B, T, nq + nkv, hd), cos=cos, sin=sin)
-
-
-def _setup_ce(xp, s, dt, rng, stage="forward"):
-    N, V = s["N"], s["V"]
-    logits = _normal(xp, rng, (N, V), dt, 2.0)
-    t = rng.integers(0, V, N).astype(np.int64)
-    d = dict(logits=logits, targets=t if xp is np else xp.asarray(t), n_valid=V)
-    if stage == "backward":
-        d["row_max"], d["sum_exp"] = ops.ce_shard_forward(logits, d["targets"], V)[:2]
-        d["row_scale"] = xp.full(N, 1.0 / N, dtype=np.float32)
-    return d
-
-
-def _setup_adam(xp, s, dt, rng):
-    n = s["n"]
-    state = np.float32 if np.dtype(dt) != np.float64 else np.float64
-    v = _normal(xp, rng, (n,), state, 1e-3)
-    v *= v
-    return dict(p=_normal(xp, rng, (n,), dt, 0.02), g=_normal(xp, rng, (n,), dt, 1e-3),
-                m=_normal(xp, rng, (n,), state, 1e-3), v=v, mask=(xp.arange(n) % 3 != 0).astype(dt))
-
-
-def _adam_ref(d):
-    return lambda: ops.adamw_update(d["p"], d["g"], d["m"], d["v"], d["mask"], lr=6e-4, beta1=0.9, beta2=0.95,
-                                    eps=1e-8, weight_decay=0.1, step=10)
-
-
 OPS: dict[str, OpSpec] = {}
 
 
@@ -201,98 +79,12 @@ def _add(spec: OpSpec):
     OPS[spec.name] = spec
 
 
-_add(OpSpec(
-    "bias_gelu_fwd", "y = gelu_tanh(x + b), saves x + b", "read x, b; write y and x + b: 3*N*H*s + H*s",
-    _gelu_cases, lambda xp, s, dt, rng: _setup_gelu(xp, s, dt, rng),
-    lambda d: (lambda: ops.bias_gelu_forward(d["x"], d["b"])),
-    lambda s, it: 3 * s["N"] * s["H"] * it + s["H"] * it,
-    outputs=lambda d, r: (r[0], r[1].x), label=lambda s: f"{s['N']}x{s['H']}"))
-_add(OpSpec(
-    "bias_gelu_bwd", "dx = dy * gelu'(x + b), db = sum(dx)", "read dy, x + b; write dx, db: 3*N*H*s + H*s",
-    _gelu_cases, lambda xp, s, dt, rng: _setup_gelu(xp, s, dt, rng, True),
-    lambda d: (lambda: ops.bias_gelu_backward(d["dy"], d["ctx"])),
-    lambda s, it: 3 * s["N"] * s["H"] * it + s["H"] * it, label=lambda s: f"{s['N']}x{s['H']}"))
-_add(OpSpec(
-    "softmax_fwd", "causal softmax(scale * x) over [B, heads, T, T]",
-    "read x, write y over the full T x T square: 2*B*heads*T*T*s",
-    _softmax_cases, lambda xp, s, dt, rng: _setup_softmax(xp, s, dt, rng),
-    lambda d: (lambda: ops.softmax_forward(d["x"], d["scale"], causal=True)),
-    lambda s, it: 2 * s["B"] * s["heads"] * s["T"] ** 2 * it,
-    outputs=lambda d, r: (r[0],), label=lambda s: f"{s['B']}x{s['heads']}x{s['T']}x{s['T']}"))
-_add(OpSpec(
-    "softmax_bwd", "dx = scale * y * (dy - sum(dy * y))", "read y, dy; write dx: 3*B*heads*T*T*s",
-    _softmax_cases, lambda xp, s, dt, rng: _setup_softmax(xp, s, dt, rng, True),
-    lambda d: (lambda: ops.softmax_backward(d["dy"], d["ctx"])),
-    lambda s, it: 3 * s["B"] * s["heads"] * s["T"] ** 2 * it,
-    label=lambda s: f"{s['B']}x{s['heads']}x{s['T']}x{s['T']}"))
-_add(OpSpec(
-    "layernorm_fwd", "y = (x - mean) * rstd * w + b, saves mean, rstd (fp32)",
-    "read x, w, b; write y, mean, rstd: 2*N*C*s + 2*C*s + 2*N*4",
-    _rows_width, lambda xp, s, dt, rng: _setup_ln(xp, s, dt, rng),
-    lambda d: (lambda: ops.layernorm_forward(d["x"], d["w"], d["b"])),
-    lambda s, it: 2 * s["N"] * s["C"] * it + 2 * s["C"] * it + 2 * s["N"] * STAT,
-    outputs=lambda d, r: (r[0], r[1].mean, r[1].rstd)))
-_add(OpSpec(
-    "layernorm_bwd", "dx, dw, db of the LayerNorm", "read dy, x, w, mean, rstd; write dx, dw, db: "
-    "3*N*C*s + 3*C*s + 2*N*4",
-    _rows_width, lambda xp, s, dt, rng: _setup_ln(xp, s, dt, rng, True),
-    lambda d: (lambda: ops.layernorm_backward(d["dy"], d["ctx"])),
-    lambda s, it: 3 * s["N"] * s["C"] * it + 3 * s["C"] * it + 2 * s["N"] * STAT))
-_add(OpSpec(
-    "rmsnorm_fwd", "y = round(x * rstd) * w (HF's order), saves rstd (fp32)",
-    "read x, w; write y, rstd: 2*N*C*s + C*s + N*4",
-    _llama_rows_width, lambda xp, s, dt, rng: _setup_rms(xp, s, dt, rng),
-    lambda d: (lambda: ops.rmsnorm_forward(d["x"], d["w"])),
-    lambda s, it: 2 * s["N"] * s["C"] * it + s["C"] * it + s["N"] * STAT,
-    outputs=lambda d, r: (r[0], r[1].rstd)))
-_add(OpSpec(
-    "residual_rmsnorm_fwd", "s = x + branch; y = rmsnorm(s) (one kernel on the GPU)",
-    "read x, branch, w; write s, y, rstd: 4*N*C*s + C*s + N*4",
-    _llama_rows_width, _setup_residual_rms,
-    lambda d: (lambda: ops.residual_rmsnorm_forward(d["x"], d["branch"], d["w"])),
-    lambda s, it: 4 * s["N"] * s["C"] * it + s["C"] * it + s["N"] * STAT,
-    outputs=lambda d, r: (r[0], r[1], r[2].rstd)))
-_add(OpSpec(
-    "rmsnorm_bwd", "dx, dw of the RMSNorm", "read dy, x, w, rstd; write dx, dw: 3*N*C*s + 2*C*s + N*4",
-    _llama_rows_width, lambda xp, s, dt, rng: _setup_rms(xp, s, dt, rng, True),
-    lambda d: (lambda: ops.rmsnorm_backward(d["dy"], d["ctx"])),
-    lambda s, it: 3 * s["N"] * s["C"] * it + 2 * s["C"] * it + s["N"] * STAT))
-_add(OpSpec(
-    "swiglu_fwd", "y = silu(gate) * up on [gate ; up]", "read gate_up; write y: 3*N*F*s",
-    _swiglu_cases, lambda xp, s, dt, rng: _setup_swiglu(xp, s, dt, rng),
-    lambda d: (lambda: ops.swiglu_forward(d["gate_up"])),
-    lambda s, it: 3 * s["N"] * s["F"] * it, outputs=lambda d, r: (r[0],), label=lambda s: f"{s['N']}x2x{s['F']}"))
-_add(OpSpec(
-    "swiglu_bwd", "d[gate ; up] of y = silu(gate) * up", "read gate_up, dy; write d_gate_up: 5*N*F*s",
-    _swiglu_cases, lambda xp, s, dt, rng: _setup_swiglu(xp, s, dt, rng, True),
-    lambda d: (lambda: ops.swiglu_backward(d["dy"], ops.SwiGLUCtx(d["gate_up"]))),
-    lambda s, it: 5 * s["N"] * s["F"] * it, outputs=lambda d, r: (r,), label=lambda s: f"{s['N']}x2x{s['F']}"))
-_add(OpSpec(
-    "rotary_qk", "RoPE of the q and k heads in place in a fused QKV buffer (llama3 tables)",
-    "read and write the q, k heads: 2*B*T*(nq+nkv)*hd*s (the tables stay in L2)",
-    _rotary_cases, _setup_rotary,
-    lambda d: (lambda: ops.rotary_forward(d["heads"], d["cos"], d["sin"], out=d["heads"])),
-    lambda s, it: 2 * s["B"] * s["T"] * (s["nq"] + s["nkv"]) * s["hd"] * it,
-    outputs=lambda d, r: (d["heads"],),
-    label=lambda s: f"{s['B']}x{s['T']}x({s['nq']}+{s['nkv']})x{s['hd']}"))
-_add(OpSpec(
-    "ce_fwd", "vocab-parallel CE forward, one pass: row max, sum exp, target logit, sum of logits",
-    "read logits (once), targets; write 4 stats: N*V*s + N*8 + 4*N*4",
-    _ce_cases, lambda xp, s, dt, rng: _setup_ce(xp, s, dt, rng, "forward"),
-    lambda d: (lambda: ops.ce_shard_forward(d["logits"], d["targets"], d["n_valid"])),
-    lambda s, it: s["N"] * s["V"] * it + s["N"] * (IDX + 4 * STAT)))
-_add(OpSpec(
-    "ce_bwd_fused", "CE gradient written over the logits in place (llm.c's fused classifier)",
-    "read logits, max, sum, scale, targets; write dlogits: 2*N*V*s + 3*N*4 + N*8",
-    _ce_cases, lambda xp, s, dt, rng: _setup_ce(xp, s, dt, rng, "backward"),
-    lambda d: (lambda: ops.ce_shard_backward(d["logits"], d["row_max"], d["sum_exp"], d["targets"], d["n_valid"],
-                                             d["row_scale"], out=d["logits"])),
-    lambda s, it: 2 * s["N"] * s["V"] * it + s["N"] * (3 * STAT + IDX), outputs=lambda d, r: (d["logits"],)))
-_add(OpSpec(
-    "adamw", "AdamW over flat buffers (fp32 m, v)",
-    "read p, g, mask (s each), m, v (4 each); write p (s), m, v (4 each): n*(4*s + 16)",
-    _adam_cases, _setup_adam, _adam_ref, lambda s, it: s["n"] * (4 * it + 16),
-    outputs=lambda d, r: (d["p"], d["m"], d["v"]), label=lambda s: f"{s['n']:,}"))
+# the ops the kernel families declare with themselves (kernels/<op>.py FAMILY.bench)
+for _family in families():
+    for _case in _family.bench:
+        _add(OpSpec(_case.name, _case.what, _case.formula, _case.cases,
+                    lambda xp, s, dt, rng, c=_case: c.setup(ops, _normal, xp, s, dt, rng),
+                    lambda d, c=_case: c.reference(ops, d), _case.nbytes, outputs=_case.outputs, label=_case.label))
 
 
 # ---- attention: compute-bound (TFLOP/s, not GB/s) -------------------------------------------

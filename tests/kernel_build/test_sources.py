@@ -55,6 +55,26 @@ def test_launchers_name_only_existing_kernels():
                 assert n[:-4] + "_bf16" in names, n
 
 
+def test_every_family_is_declared_once_and_whole():
+    """Each source is some family's own (kernels/<op>.py FAMILY, its first source; reduce.cu the
+    column sum's, in runtime.py); each family's entry points are exactly its targets, its sources
+    exist, its test files and --quick node ids' files exist, and every launchers class is in
+    Launchers."""
+    from cutp.kernels.family import families
+
+    fams = families()
+    assert sorted(f.sources[0] for f in fams) == sorted(ck.SOURCES)
+    assert len({f.name for f in fams}) == len(fams)
+    for f in fams:
+        assert set(f.sources) <= set(ck.SOURCES), f.name
+        entry = {kernel_resources.family(k) for k in kernel_entry_points(KERNELS / f"{f.sources[0]}.cu")}
+        assert set(f.targets) == entry, (f.name, sorted(entry ^ set(f.targets)))
+        assert set(f.traffic) | set(f.compute_bound) == set(f.targets), f.name
+        for t in (*f.tests, *(q.split("::")[0] for q in f.quick_tests)):
+            assert (ROOT / "tests" / "kernels" / t).exists(), (f.name, t)
+        assert issubclass(ck.Launchers, f.launchers), f.name
+
+
 @pytest.mark.parametrize("name", ck.SOURCES)
 def test_kernel_source_inlines_common_and_keeps_line_numbers(name):
     src = ck.kernel_source(name)

@@ -249,3 +249,104 @@ class RecordingAllocations:
         return a
 
     ascontiguousarray = asarray  # (of host position ids: a copy to the device as well)
+
+
+# ------------------------------------------------------------------------------------------------
+# Element-wise bounds (issue 42): column sums against the correctly rounded sum, float32 formulas
+# in ulps of their operations, and the widths that take each vector path.
+# ------------------------------------------------------------------------------------------------
+# Row widths that take each path of a bf16 kernel (8 bf16 to a 128-bit pack, 4 floats): 12 and 20
+# are 4 mod 8 (whole float32 packs, a half pack at each bf16 row's end: a kernel that sizes its
+# bf16 chunks as float32's passes every float32 test and fails these), 13 is odd (the element path).
+BF16_PATH_WIDTHS = (12, 20, 13)
+
+
+def ulp(a, dtype) -> np.ndarray:
+    """The spacing of `dtype` (float32 or bfloat16) at each |a| (float64; normal numbers' spacing
+    below the smallest normal)."""
+    bits_ = 8 if np.dtype(dtype) == BF16 else 24
+    _, e = np.frexp(np.maximum(np.abs(np.asarray(a, np.float64)), np.finfo(np.float32).tiny))
+    return np.ldexp(1.0, e - bits_)
+
+
+def assert_correctly_rounded_column_sums(got, terms, dtype, term_error: float = 0.0):
+    """Each column sum `got` [C] (in `dtype`, added in float32 and rounded once) of `terms`
+    [rows, C] (float64, what the kernel adds) is the correctly rounded exact sum, element by
+    element: within half an ulp of `dtype` of it, plus the float32 additions' own error bound
+    (rows * 2^-24 * sum |terms|) and `term_error` * sum |terms| (terms the kernel computes in
+    float32 with an error the test cannot reproduce). A sum kept in 16 bits, or rounded twice,
+    is off by more than half an ulp."""
+    got = to_numpy(got)
+    assert got.dtype == dtype, (got.dtype, dtype)
+    exact = terms.sum(axis=0)
+    mag = np.abs(terms).sum(axis=0)
+    allowed = 0.5 * ulp(exact, dtype) + (terms.shape[0] * 2.0 ** -24 + term_error) * mag + 2.0 ** -149
+    err = np.abs(got.astype(np.float64) - exact)
+    bad = np.flatnonzero(err > allowed)
+    assert not bad.size, (f"{bad.size} of {got.size} column sums are not the correctly rounded sum; column "
+                          f"{bad[0]}: got {float(got[bad[0]])!r}, exact {exact[bad[0]]!r}, off by "
+                          f"{err[bad[0]] / ulp(exact[bad[0]], dtype):.2f} ulp (allowed "
+                          f"{allowed[bad[0]] / ulp(exact[bad[0]], dtype):.2f})")
+
+
+# A CUDA function's maximum error in ulps (CUDA C++ Programming Guide, "Single-precision
+# mathematical functions"; glibc's, under the emulator, are within these).
+CUDA_ULPS = {"expf": 2, "tanhf": 2, "erfcf": 4}
+
+
+class _Sites:
+    """The rounding sites of a float32 formula evaluated in float64: `r(v, ulps)` marks an
+    operation's result; the one numbered `moved` is moved by `ulps` ulps (relative 2^-23 each)."""
+
+    def __init__(self, moved=-1):
+        self.moved = moved
+        self.n = 0
+
+    def __call__(self, v, ulps=0.5):
+        i = self.n
+        self.n += 1
+        return v * (1.0 + ulps * 2.0 ** -23) if i == self.moved else v
+
+
+def float32_formula_bound(formula, *inputs):
+    """(exact, bound): a float32 kernel formula `formula(r, *inputs)` (float64 arrays, every
+    operation's result wrapped in r(value, ulps): 0.5 for a correctly rounded one, CUDA_ULPS for a
+    function) evaluated exactly, and element by element the first-order bound of the float32
+    evaluation's error: the sum over operations of the change in the result when that operation
+    alone is off by its bound (cancellations included, so the bound holds where a relative one
+    cannot). `formula` may return a tuple of outputs: then tuples of exacts and bounds."""
+    r = _Sites()
+    exact = formula(r, *inputs)
+    single = not isinstance(exact, tuple)
+    exact = (exact,) if single else exact
+    bound = [np.zeros_like(e) for e in exact]
+    for i in range(r.n):
+        moved = formula(_Sites(i), *inputs)
+        for b, e, m in zip(bound, exact, (moved,) if single else moved):
+            b += np.abs(m - e)
+    return (exact[0], bound[0]) if single else (exact, tuple(bound))
+
+
+def assert_within_float32_bound(got, exact, bound, what: str):
+    """float32 `got` within 1.25 x the first-order `bound` (second-order terms) plus half an ulp of
+    the exact result (the final rounding), element by element, and never closer than 2^-120 in
+    absolute (intermediates in float32's subnormal range lose relative precision the first-order
+    bound does not model); the message gives the worst element's error and allowance in ulps."""
+    got = to_numpy(got)
+    assert got.dtype == np.float32, got.dtype
+    unwritten = is_poison(got)
+    assert not unwritten.any(), f"{what}: {int(unwritten.sum())} elements never written"
+    got, exact, bound = (np.ravel(a).astype(np.float64) for a in (got, exact, bound))
+    u = ulp(exact, np.float32)
+    err = np.abs(got - exact)
+    allowed = 1.25 * bound + 0.5 * u + 2.0 ** -120
+    worst = int(np.argmax(err / allowed))
+    assert err[worst] <= allowed[worst], (
+        f"{what}: {int((err > allowed).sum())} of {got.size} elements out of bound; worst: got {got[worst]!r}, "
+        f"exact {exact[worst]!r}, off by {err[worst] / u[worst]:.1f} ulp, allowed {allowed[worst] / u[worst]:.1f}")
+
+
+def wide_range(n_linear: int = 800, lo: float = -40.0, hi: float = 40.0) -> np.ndarray:
+    """float32 inputs over a wide range: a linear sweep of [lo, hi] and +-logspace(1e-5 .. 30)."""
+    logs = np.logspace(-5, np.log10(30.0), 200)
+    return np.concatenate([np.linspace(lo, hi, n_linear), logs, -logs]).astype(np.float32)

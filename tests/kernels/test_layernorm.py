@@ -4,7 +4,8 @@ layernorm_forward / layernorm_backward with and without weight and bias (and the
 kernels/reduce.cu, the parameter gradients' second pass): a warp per row up to C = 2048 and a
 block per row beyond, more than 48 KiB of shared memory in the backward; float32 within ~1e-5
 relative, bfloat16 against the reference on the same bf16 inputs; the gradients bit-identical
-under every thread schedule and run to run.
+under every thread schedule and run to run, and element by element the correctly rounded sums of
+their terms; bf16 at widths that take each vector path.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from cutp.kernels.layernorm import (
 )
 from cutp.kernels.runtime import TARGET_SM_COUNT
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
+from .helpers import BF16, BF16_PATH_WIDTHS, DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
+from .helpers import assert_correctly_rounded_column_sums as assert_correctly_rounded
 
 # (5, 1): rows of one column (xhat == 0: y == bias, dx == 0); (1, 4999): one row, a block per row
 # whose threads loop over several 128-bit chunks, ending in a partial chunk, in the forward and
@@ -210,3 +212,40 @@ def test_layernorm_backward_partials_are_what_the_final_reduction_reads(backend,
     close(dx, dx_ref, F32, rtol=1e-4, atol=1e-5)
     close(dw, dw_ref, F32, rtol=1e-4, atol=1e-5)
     close(db, db_ref, F32, rtol=1e-5, atol=1e-5)
+
+
+# Widths 12, 20 (4 mod 8) and 13 (odd) over 600 rows: each column of dweight and dbias is the
+# correctly rounded sum of its terms (dy * xhat, xhat = (x - mean) * rstd in float32; dy), element
+# by element. dy takes xhat's sign for dweight (positive terms: the float32 additions' own error far
+# below half a bf16 ulp) and is positive for dbias; a large first row, then ~2^-10 ones that a
+# bf16 running sum drops. The values at these widths, with and without
+# weight and bias, in float32 and bf16.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("C", BF16_PATH_WIDTHS)
+def test_layernorm_parameter_gradients_are_the_correctly_rounded_sums(backend, k, dtype, C):
+    dev = backend.to_device
+    rows = 600
+    x = randn((rows, C), dtype, seed=94, scale=2.0)
+    w, b = randn((C,), dtype, seed=95), randn((C,), dtype, seed=96)
+    k.sm_count = lambda: 1  # 2 blocks: each row group adds ~19 rows (on 132 SMs, one row each)
+    magnitude = np.abs(randn((rows, C), F32, seed=97)) * 2.0 ** -10 + 2.0 ** -10
+    magnitude[0] = 1.0  # a large first term in row group 0: a 16-bit running sum then drops the small ones
+    _, mean, rstd = k.layernorm_forward(dev(x), dev(w), dev(b), 1e-5)
+    xf = x.astype(np.float32)
+    xhat = ((xf - backend.host(mean)[:, None]).astype(np.float32) * backend.host(rstd)[:, None]).astype(np.float32)
+    dy_w = (np.where(xhat < 0, -magnitude, magnitude)).astype(dtype)
+    _, dw, _ = k.layernorm_backward(dev(dy_w), dev(x), dev(w), mean, rstd, b.dtype)
+    assert_correctly_rounded(dw, dy_w.astype(np.float64) * xhat.astype(np.float64), dtype)
+    dy_b = magnitude.astype(dtype)
+    _, _, db = k.layernorm_backward(dev(dy_b), dev(x), dev(w), mean, rstd, b.dtype)
+    assert_correctly_rounded(db, dy_b.astype(np.float64), dtype)
+    xs = randn((5, C), dtype, seed=98, scale=2.0)
+    _check_layernorm(backend, k, xs, dtype, 99)
+    dys = randn((5, C), dtype, seed=100)
+    y, mean, rstd = k.layernorm_forward(dev(xs), None, None, 1e-5)
+    y_ref, lctx = ops.layernorm_forward(xs, None, None, 1e-5)
+    close(y, y_ref, dtype, atol=1e-5 if dtype == F32 else None)
+    dx, dw, db = k.layernorm_backward(dev(dys), dev(xs), None, mean, rstd, None)
+    assert dw is None and db is None
+    close(dx, ops.layernorm_backward(dys, lctx)[0], dtype, rtol=1e-4 if dtype == F32 else None,
+          atol=1e-5 if dtype == F32 else None)

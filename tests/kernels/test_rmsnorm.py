@@ -4,7 +4,8 @@ rmsnorm_forward / residual_rmsnorm_forward / rmsnorm_backward (and column_sum, t
 gradient's second pass): a warp per row up to C = 2048 and a block per row beyond, odd widths,
 row counts that are not multiples of a block's rows, with and without a weight; float32 within
 1e-5 normwise, bfloat16 within 2e-2 (HF's rounding order: xhat rounded before the weight); the
-weight gradient over 2 x the SM count's blocks, bit-identical under every thread schedule.
+weight gradient over 2 x the SM count's blocks, bit-identical under every thread schedule, and
+element by element the correctly rounded sum of its terms; bf16 at widths that take each vector path.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from cutp import ops
 from cutp.kernels.layernorm import LAYERNORM_BACKWARD_BLOCKS_PER_SM
 from cutp.kernels.rmsnorm import RMSNORM_WARP_ROW_MAX, rmsnorm_backward_grid, rmsnorm_backward_rows_per_block
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
+from .helpers import BF16, BF16_PATH_WIDTHS, DT_IDS, DTYPES, F32, bits, close, gpu_sized, randn
+from .helpers import assert_correctly_rounded_column_sums as assert_correctly_rounded
 
 
 def normwise(got, want, bound):
@@ -150,3 +152,27 @@ def test_bf16_residual_rmsnorm_is_computed_from_the_saved_sum(backend, k):
     s, y, rstd = k.residual_rmsnorm_forward(dev(x), dev(branch), dev(w))
     y_again, rstd_again = k.rmsnorm_forward(s, dev(w))
     assert (bits(y_again) == bits(y)).all() and (bits(rstd_again) == bits(rstd)).all()
+
+
+# Widths 12, 20 (4 mod 8) and 13 (odd) over 600 rows (several rounds of several blocks): in bf16
+# each column of the weight gradient is the correctly rounded sum of its terms dy * round(x * rstd),
+# element by element (a sum kept or rounded in 16 bits anywhere on the way is not: a large first
+# term, then ~2^-10 ones that a bf16 running sum drops); positive terms, so the float32
+# accumulation's own error stays far below half a bf16 ulp. The same sums in
+# float32, and the values of dx at these widths, with and without a weight.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("C", BF16_PATH_WIDTHS)
+def test_rmsnorm_weight_gradient_is_the_correctly_rounded_sum(backend, k, dtype, C):
+    dev = backend.to_device
+    rows = 600
+    k.sm_count = lambda: 1  # 2 blocks: each row group adds ~19 rows (on 132 SMs, one row each)
+    x = (np.abs(randn((rows, C), F32, seed=90)) + 0.25).astype(dtype)
+    dy = (np.abs(randn((rows, C), F32, seed=91)) * 2.0 ** -10 + 2.0 ** -10).astype(dtype)
+    dy[0] = 1.0  # a large first term in row group 0: a 16-bit running sum then drops the small ones
+    w = randn((C,), dtype, seed=92)
+    _, rstd = k.rmsnorm_forward(dev(x), dev(w), 1e-6)
+    dx, dw = k.rmsnorm_backward(dev(dy), dev(x), dev(w), rstd)
+    xhat = (x.astype(np.float32) * backend.host(rstd)[:, None]).astype(dtype).astype(np.float64)
+    assert_correctly_rounded(dw, dy.astype(np.float64) * xhat, dtype)
+    for weighted in (True, False):
+        check_rmsnorm(backend, k, (5, C), dtype, weighted, seed=93)

@@ -3,7 +3,9 @@
 The rotation of q and k heads in place in a fused QKV buffer (the attention's use: a strided view
 [B, T, nq + nkv, hd]) at head dims 64 and 128 and GQA groups 1, 2, 4, 8, from global position ids
 [T] and [B, T] into llama3-scaled tables; per-token tables; partial rotary with out= (the tail
-copied); the backward (R^T) undoing the forward; float32 within 1e-5, bfloat16 within 2e-2.
+copied); the backward (R^T) undoing the forward; tables whose two halves differ (the launch
+contract takes c1/c2 and s1/s2 separately) at half widths that take each vector path; float32
+within 1e-5, bfloat16 within 2e-2.
 """
 from __future__ import annotations
 
@@ -95,3 +97,29 @@ def test_rotary_refuses_what_it_cannot_take(backend, k):
     with pytest.raises(KernelArgumentError, match="do not match"):
         k.rotary(x, cos, sin, backend.xp.zeros(3, np.int64))
     assert BF16 in DTYPES and DT_IDS
+
+
+# cos/sin tables whose two halves differ (random: HF's are equal, so a kernel reading one half for
+# both passes every test built from rope_tables), forward and backward, from positions [T], [B, T]
+# and per-token tables [B, T, rd]; half widths 12, 20 (4 mod 8: a half 128-bit chunk in bf16) and
+# 13 (odd: the element path), the last with 6 elements past rd.
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("positions", ["T", "BT", "tables"])
+@pytest.mark.parametrize("hd,rd", [(24, 24), (40, 40), (32, 26)])
+def test_rotary_tables_with_different_halves(backend, k, dtype, positions, hd, rd):
+    B, T, H, L = 2, 3, 2, 16
+    g = rng(101)
+    shape = (B, T, rd) if positions == "tables" else (L, rd)
+    cos, sin = (g.uniform(-1.0, 1.0, shape).astype(np.float32) for _ in range(2))
+    h = rd // 2
+    assert (cos[..., :h] != cos[..., h:]).all() and (sin[..., :h] != sin[..., h:]).all()
+    pos = {"T": np.array([5, 0, 11], np.int64), "BT": g.integers(0, L, (B, T)), "tables": None}[positions]
+    x = randn((B, T, H, hd), dtype, seed=102)
+    dy = randn((B, T, H, hd), dtype, seed=103)
+    y_ref, rctx = ops.rotary_forward(x, cos, sin, pos)
+    dx_ref = ops.rotary_backward(dy, rctx)
+    dev = backend.to_device
+    c, s, p = dev(cos), dev(sin), None if pos is None else dev(pos.astype(np.int64))
+    tol = dict(atol=1e-5) if dtype == F32 else {}
+    close(k.rotary(dev(x), c, s, p), y_ref, dtype, **tol)
+    close(k.rotary(dev(dy), c, s, p, transpose=True), dx_ref, dtype, **tol)
