@@ -63,7 +63,7 @@ bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) -m cutp bench comm --device cpu --json $(BENCH_OUT)/comm.json --plot $(BENCH_OUT)/comm.png
 	$(MPIEXEC) -n 2 $(PY) -m cutp bench model --device cpu --preset tiny --tp 2 --batch-size 16 --seq-len 128 \
 		--json $(BENCH_OUT)/model-tiny-tp2.json --plot $(BENCH_OUT)/model-tiny-tp2.png
-	$(PY) -m cutp bench model --device cpu --preset gpt2 --batch-size 4 --seq-len 256 --steps 3 --warmup 1 \
+	$(PY) -m cutp bench model --device cpu --preset gpt2 --batch-size 4 --seq-len 256 --timed-steps 3 --untimed-steps 1 \
 		--json $(BENCH_OUT)/model-gpt2.json --plot $(BENCH_OUT)/model-gpt2.png
 	$(PY) -m cutp bench plan --params 70B --tp 8 --dp 4 --json $(BENCH_OUT)/plan-70b.json
 	$(PY) -m cutp bench compare-torch --presets tiny gpt2 llama-tiny llama-gpt2 --json $(BENCH_OUT)/compare-torch.json \

@@ -74,8 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                           "bucket_size": None, "link_bandwidth": None, "link_latency": 5.0})
     # the benchmark's own
-    m.add_argument("--steps", type=int, default=5, help="measured steps")
-    m.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    # (timed and untimed steps have names of their own: --steps and --warmup are a training run's
+    # length and its learning-rate warmup, and are refused here by name)
+    m.add_argument("--timed-steps", dest="steps", type=int, default=5, help="training steps measured (default 5)")
+    m.add_argument("--untimed-steps", dest="warmup", type=int, default=2,
+                   help="training steps run before measuring (default 2)")
+    for flag, instead in (("--steps", "--timed-steps"), ("--warmup", "--untimed-steps")):
+        m.add_argument(flag, action=_RenamedFlag, instead=instead, help=argparse.SUPPRESS)
     m.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks per node)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--no-comm-timing", action="store_true", help="do not wrap the communicators")
@@ -99,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.add_arguments(pl)
     _common(pl)
     return p
+
+
+class _RenamedFlag(argparse.Action):
+    """A training flag whose meaning this command does not have: refused, naming the one it has."""
+
+    def __init__(self, option_strings, dest, instead, **kw):
+        super().__init__(option_strings, dest, nargs=1, **kw)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is a training run's setting; bench model measures {self.instead} N steps")
 
 
 def run(args):

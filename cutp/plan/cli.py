@@ -20,21 +20,18 @@ from . import layout, overlap, pipeline, search
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", help="model size, e.g. 7B, 13B, 70B, 175B (a standard architecture of that size)")
     # the training settings a plan takes: declared once in cutp.train.config (train_gpt.py's flags, same names
-    # and meanings), with the planner's defaults
+    # and meanings: --batch-size the global sequences per step, --dtype the parameters', --device where the
+    # planned run computes), with the planner's defaults (bfloat16, cuda, --search: 4M tokens a step)
     add_setting_flags(p, {"preset": None, "set": [], "tp": 8, "dp": 1, "ep": 1, "cp": 1, "cp_comm": "ring",
                           "micro_batch_size": 1, "seq_len": None, "distributed_optimizer": False, "recompute": "none",
                           "recompute_layers": None, "sequence_parallel": False, "pp": 1, "pp_layers": None,
                           "pp_schedule": None, "pp_virtual": 1, "link_bandwidth": None, "link_latency": 5.0,
-                          "bucket_size": None},
+                          "bucket_size": None, "dtype": None, "device": "cuda", "batch_size": None},
                       aliases={"micro_batch_size": ("--micro-batch",)})  # (the planner's older spelling)
     p.add_argument("--accum", type=int, default=None,
                    help="micro-batches per optimizer step (and DP rank; default 1, with --pp: pp)")
-    p.add_argument("--dtype", default=None, choices=list(layout.DTYPES),
-                   help="parameter dtype (default bfloat16: fp32 gradients, master weights and Adam moments)")
     p.add_argument("--precision", default=None, choices=sorted(layout.PRECISION_DTYPE),
                    help="older name: mixed = --dtype bfloat16, fp32 = --dtype float32")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="whose activations a cutp preset plans (default cuda: the GPU code path)")
     p.add_argument("--threads", type=int, default=1, help="--device cpu: the ops' threads per rank")
     p.add_argument("--search", action="store_true",
                    help="list the TP x PP x DP layouts of up to --gpus GPUs that fit (--params models; with "
@@ -42,8 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=64, help="--search: at most this many GPUs (default 64)")
     p.add_argument("--gpu-memory", type=float, action="append", default=None, metavar="GB",
                    help="--search: GB per GPU (repeatable; default 80 and 141)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="--search: global sequences per step (default: 4M tokens, Llama-2's)")
     p.add_argument("--markdown", action="store_true", help="--search: print the layouts as a Markdown table")
     p.add_argument("--device-tflops", type=float, default=None, metavar="T",
                    help="with --link-bandwidth: the throughput a layer's FLOPs run at")
@@ -60,6 +55,10 @@ def flag_of(field: str) -> str:
 def run(args):
     """Plans what args describe; returns its Report (its errors name this command's flags)."""
     args.micro_batch = args.micro_batch_size  # (the planner's modules' name for it)
+    # the planner's own defaults of the shared settings: a GPU run (auto plans the GPU path), bfloat16
+    # (layout.resolve_dtype), the search's global batch 4M tokens (Llama 2's) when not given
+    if args.device == "auto":
+        args.device = "cuda"
     with settings_named(flag_of):
         return _run(args)
 

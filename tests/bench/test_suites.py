@@ -358,7 +358,7 @@ def test_plan_cli_json_and_plot(tmp_path, capsys):
 def test_model_suite_tp1_in_process(tmp_path):
     j = tmp_path / "model.json"
     assert main(["model", "--preset", "tiny", "--device", "cpu", "--set", "n_layer=1", "--batch-size", "2",
-                 "--seq-len", "16", "--steps", "2", "--warmup", "1", "--json", str(j), "--quiet"]) == 0
+                 "--seq-len", "16", "--timed-steps", "2", "--untimed-steps", "1", "--json", str(j), "--quiet"]) == 0
     d = json.loads(j.read_text())
     res = d["result"]
     c = GPTConfig.preset("tiny", n_layer=1)
@@ -384,7 +384,7 @@ def _mpi_suites(tmpdir):
     main(["comm", "--device", "cpu", "--max-size", "64K", "--iters", "3", "--warmup", "1", "--quiet",
           "--json", os.path.join(tmpdir, "comm.json")])
     base = ["model", "--preset", "tiny", "--device", "cpu", "--tp", "2", "--set", "n_layer=2", "--batch-size", "2",
-            "--seq-len", "16", "--steps", "2", "--warmup", "1", "--quiet"]
+            "--seq-len", "16", "--timed-steps", "2", "--untimed-steps", "1", "--quiet"]
     main(base + ["--json", os.path.join(tmpdir, "timed.json")])
     main(base + ["--no-comm-timing", "--json", os.path.join(tmpdir, "untimed.json")])
     at = base.index("--tp")

@@ -184,8 +184,8 @@ def _worker_bench_model_pp3(path):
     from cutp.bench.__main__ import main
 
     main(["model", "--preset", "tiny", "--device", "cpu", "--set", "n_layer=3", "--set", "n_embd=32", "--set",
-          "n_head=2", "--pp", "3", "--batch-size", "6", "--micro-batch-size", "1", "--seq-len", "16", "--steps", "2",
-          "--warmup", "1", "--quiet", "--json", path])
+          "n_head=2", "--pp", "3", "--batch-size", "6", "--micro-batch-size", "1", "--seq-len", "16", "--timed-steps", "2",
+          "--untimed-steps", "1", "--quiet", "--json", path])
 
 
 def test_bench_model_reports_each_stage_and_the_bubble(tmp_path):
