@@ -439,8 +439,8 @@ def gemm_throughput() -> None:
 def training_mfu() -> None:
     j = CACHE / "mfu.json"
     part, _ = run("training MFU", [PY, "-m", "cutp.bench", "model", "--device", "cuda", "--preset", "gpt2-medium",
-                                   "--dtype", "bfloat16", "--batch-size", "8", "--seq-len", "1024", "--steps", "3",
-                                   "--warmup", "2", "--json", str(j)], 90, min_needed=30)
+                                   "--dtype", "bfloat16", "--batch-size", "8", "--seq-len", "1024", "--timed-steps", "3",
+                                   "--untimed-steps", "2", "--json", str(j)], 90, min_needed=30)
     if j.exists():
         r = json.loads(j.read_text())
         mfu, ms = _find(r, "mfu_pct"), _find(r, "step_ms")

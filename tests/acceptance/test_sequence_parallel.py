@@ -345,7 +345,7 @@ def test_cli_refuses_seq_len_not_divisible_by_tp_in_one_line():
 def test_bench_model_sequence_parallel(tmp_path):
     j = tmp_path / "b.json"
     run_mpi(2, "cutp.bench.__main__:main", ["model", "--preset", "tiny", "--tp", "2", "--sequence-parallel",
-                                            "--steps", "1", "--warmup", "1", "--seq-len", "32", "--batch-size", "2",
+                                            "--timed-steps", "1", "--untimed-steps", "1", "--seq-len", "32", "--batch-size", "2",
                                             "--json", str(j)], timeout=60)
     text = j.read_text()
     assert "reduce_scatter" in text and "all_gather" in text, text[:2000]
