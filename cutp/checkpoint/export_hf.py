@@ -28,7 +28,7 @@ from ..data.shards import read_meta as read_data_meta
 from ..data.tokenizer import MERGES_FILE, TOKENIZER_FILE, VOCAB_FILE
 from ..models.families import family_of
 from ..models.hf import generation_config, save_hf
-from ..models.hf_files import CONFIG_FILE, GENERATION_FILE, SAVE_DTYPES
+from ..models.hf_files import GENERATION_FILE, SAVE_DTYPES
 from ..runtime.errors import ConfigError, UserError
 from .export import model_tensors
 from .files import is_cutp_checkpoint, read_meta
@@ -164,4 +164,4 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["export_hf", "tokenizer_source", "TOKENIZER_FILES", "CONFIG_FILE"]
+__all__ = ["export_hf", "tokenizer_source", "TOKENIZER_FILES"]

@@ -45,3 +45,18 @@ def test_the_plan_of_a_stage_is_that_stages_own_model():
     shared = next(iter(first & last))
     assert sum(p.numel for p in whole) == sum(p.numel for st in stages for p in st) - next(
         p.numel for p in whole if p.name == shared)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_qwen3s_qk_norm_gradients_are_planned_as_the_step_reduces_them(sp):
+    """The QK-norms' weights (replicated, each TP rank normalising its own heads) are summed over TP
+    every step, with or without sequence parallelism: counted = the planner's formula."""
+    c = GPTConfig.preset("qwen3-tiny", n_layer=2)
+    kw = dict(tp=2, dp=1, micro_batch=2, seq_len=32, dtype="float32", sequence_parallel=sp)
+    counted = planned_step(c, device="cuda", **kw)["comm"]["tp.all_reduce"]
+    plan = layout.plan(c, config=c, **kw)
+    grads = plan["tp_grad_allreduce"]
+    assert grads["calls"] == 2 and grads["elements"] >= 2 + 2 * 2 * c.head_size  # (the norm's 2 float64 too)
+    planned = grads["elements"] + plan["ce_allreduce"]["elements"] + (0 if sp else plan["tp_allreduce"]["elements"])
+    assert counted["elements"] == planned
+    assert plan["params_per_gpu"] == sum(p.numel for p in planned_parameters(c, tp=2))
