@@ -268,7 +268,8 @@ def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
     # suite). The fork server is a clean single-threaded process the workers fork from.
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    with ctx.Pool(workers, _init_worker, (spec, dtype.name)) as pool:
+    pool = ctx.Pool(workers, _init_worker, (spec, dtype.name))
+    try:
         flight = collections.deque()
         for first, texts, nbytes in batches:
             flight.append((first, pool.apply_async(_encode, (texts,)), nbytes))
@@ -278,6 +279,12 @@ def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
         while flight:
             f, r, b = flight.popleft()
             yield f, r.get(), b
+    finally:
+        # close and join, not terminate (the pool's `with`): the tasks in flight (at most 2 x workers
+        # batches) finish; workers killed mid-task could leave the pool's task thread blocked for ever
+        # on a pipe full of a large batch nobody reads any more (a hang seen when a run stops early)
+        pool.close()
+        pool.join()
 
 
 # ---- the output directory ------------------------------------------------------------------------
