@@ -76,6 +76,15 @@ class ModelConfig:
     mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down)
     head_dim: int | None = None  # None: n_embd // n_head
     qk_norm: bool = False  # an RMSNorm (eps norm_eps) over each query and key head before RoPE (Qwen3)
+    # local attention (Mistral v0.1, Gemma): a query at p sees keys s with p - window < s <= p, as
+    # transformers' `kv_idx > q_idx - sliding_window`; layer_types says which layers are local
+    # ("sliding_attention") and which global ("full_attention"), as HF's; None: every layer local
+    # when sliding_window is set
+    sliding_window: int | None = None
+    layer_types: tuple | None = None
+    # soft-capping, cap * tanh(x / cap): of the attention scores (after the scale) and of the logits
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     # biases per projection (None: `bias`, which also gives the LayerNorms theirs): Qwen2 has
     # qkv_bias only, Llama none, GPT-2 all
     qkv_bias: bool | None = None
@@ -157,7 +166,16 @@ class ModelConfig:
                          norm_bias=self.bias, rope=self.positions == "rope", qk_norm=bool(self.qk_norm),
                          qkv_bias=self._bias("qkv_bias"),
                          attn_out_bias=self._bias("attn_out_bias"), mlp_bias=self._bias("mlp_bias"), mlp=self.mlp,
-                         gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer))
+                         gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer),
+                         window=self.layer_window(layer), attn_softcap=self.attn_softcap)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (None: global attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def padded_vocab(self, tp: int) -> int:
         return pad_vocab(self.vocab_size, tp, self.vocab_multiple)
@@ -202,6 +220,7 @@ class ModelConfig:
             if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
                 raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
             self.rope  # RopeScaling checks its own fields (ConfigError naming the field)
+        self._validate_local_attention()
         if self.family is not None and self.family not in FAMILY_NAMES:
             raise ConfigError(f"family {self.family!r} is not one of cutp's families {sorted(FAMILY_NAMES)} "
                               "(or None: the one norm, positions and mlp imply)")
@@ -214,6 +233,26 @@ class ModelConfig:
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
         check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,
                   self.moe_aux_loss_coeff, self.moe_z_loss_coeff)
+
+    def _validate_local_attention(self) -> None:
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ConfigError(f"sliding_window must be a positive integer or None (global attention), got {w!r}")
+        if self.layer_types is not None:
+            kinds = ("full_attention", "sliding_attention")
+            if len(self.layer_types) != self.n_layer or any(t not in kinds for t in self.layer_types):
+                raise ConfigError(f"layer_types must list n_layer={self.n_layer} entries, each one of {kinds}, "
+                                  f"got {self.layer_types!r}")
+        for f in ("attn_softcap", "final_softcap"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
+                raise ConfigError(f"{f} must be a positive number or None (no soft-capping), got {v!r}")
+        # until every attention path applies them (issue 37), refused rather than ignored
+        if w is not None:
+            raise ConfigError("sliding_window is not implemented yet: local attention is refused rather than "
+                              "silently computed as global; set sliding_window=None")
+        if self.attn_softcap is not None or self.final_softcap is not None:
+            raise ConfigError("attn_softcap / final_softcap are not implemented yet; set them to None")
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_experts > 0 and i % self.moe_every == 0
@@ -238,6 +277,8 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown ModelConfig fields {sorted(unknown)}; the fields are {sorted(known)} "
                               "(a checkpoint or config written by another cutp version?)")
+        if d.get("layer_types") is not None:  # (JSON gives a list)
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
     def _mlp_parameters(self, width: int) -> int:

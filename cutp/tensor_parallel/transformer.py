@@ -57,6 +57,8 @@ class BlockSpec:
     gelu: str = "tanh"
     dropout: float = 0.0
     moe: dict | None = None  # MoEMLP's settings (n_experts, top_k, ffn, ...): a mixture-of-experts MLP
+    window: int | None = None  # local attention: keys within `window` positions of the query (None: global)
+    attn_softcap: float | None = None  # the attention scores soft-capped, cap * tanh(s / cap)
 
 
 class ParallelMLP(Module):
