@@ -20,7 +20,8 @@ LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=64, vocab_
              norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, tie_embeddings=False, rope_theta=500.0,
              vocab_multiple=1)
 MIXTRAL = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True)
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL}
+QWEN3 = dict(LLAMA, qk_norm=True, head_dim=32)  # the QK-norm kernels at head-dim rows; head_dim != n_embd / n_head
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 OVERLAP = dict(overlap_grad_reduce=True, bucket_size=600, tp_comm_overlap=True, overlap_param_gather=True,
                distributed_optimizer=True)

@@ -26,7 +26,7 @@ def test_gpt2_pp2_bfloat16_equals_numpy():
 
 def test_families_at_tp2_equal_numpy():
     run_device(2, COMPARE, [[f, dtype, {"tp": 2}, {}] for dtype in ("float32", "bfloat16")
-                            for f in ("gpt2", "llama", "mixtral")]
+                            for f in ("gpt2", "llama", "mixtral", "qwen3")]
                + [[f, "float32", {"tp": 2}, {"dropout": 0.1}] for f in ("gpt2", "llama")])  # the kernels' masks
 
 
