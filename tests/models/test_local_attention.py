@@ -176,3 +176,29 @@ def test_packed_rows_are_the_documents_apart_and_positions_restart():
                 count += sel.sum()
         assert abs(packed - total / count) <= 1e-12 * abs(packed), name
         assert abs(packed - model.forward(idx, targets)) > 1e-6  # the documents changed something
+
+
+def test_generation_with_the_kv_cache_sees_only_the_window():
+    """Greedy generation 36 tokens past the window (5) with the KV cache equals recomputing the whole
+    sequence every step, and the cached logits (a prompt fed in two pieces, then one token at a
+    time) equal the whole forward's rows within 1e-12."""
+    import cutp
+    from cutp.generate import generate
+    from cutp.models import GPT
+
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, GPTConfig(**dict(LOCAL, block_size=48, dropout=0.0)), seed=5)
+    model.eval()
+    idx = np.random.default_rng(6).integers(0, 97, (2, 40))
+    whole = model.gather_logits(model.forward(idx))
+    caches = model.new_kv_cache(2, 40)
+    got = [model.gather_logits(model.forward_cached(idx[:, :7], caches)),
+           model.gather_logits(model.forward_cached(idx[:, 7:12], caches))]
+    got += [model.gather_logits(model.forward_cached(idx[:, t:t + 1], caches)) for t in range(12, 40)]
+    np.testing.assert_allclose(np.concatenate(got, axis=1), whole, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(whole, model.gather_logits(GPT(ctx, GPTConfig(**dict(
+        LOCAL, block_size=48, dropout=0.0, sliding_window=None, layer_types=None)), seed=5).forward(idx)))
+    prompt = idx[:, :8]
+    cached = generate(model, prompt, 36, temperature=0.0)
+    assert cached == generate(model, prompt, 36, temperature=0.0, use_cache=False)
+    assert len(set(cached[0])) > 1
