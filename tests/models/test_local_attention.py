@@ -202,3 +202,50 @@ def test_generation_with_the_kv_cache_sees_only_the_window():
     cached = generate(model, prompt, 36, temperature=0.0)
     assert cached == generate(model, prompt, 36, temperature=0.0, use_cache=False)
     assert len(set(cached[0])) > 1
+
+
+# ---- families: Mistral's window, Qwen2's window layers ---------------------------------------
+HF_COMMON = dict(hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def test_windows_read_and_written_as_transformers_configs_have_them():
+    from cutp.hf import HFFormatError, config_from_hf
+    from cutp.models.families import family_of
+
+    cfg = config_from_hf(dict(HF_COMMON, model_type="mistral", sliding_window=7))
+    assert cfg.sliding_window == 7 and cfg.layer_types is None and [cfg.layer_window(i) for i in range(4)] == [7] * 4
+    assert config_from_hf(dict(HF_COMMON, model_type="mistral")).sliding_window == 4096  # MistralConfig's default
+    assert config_from_hf(dict(HF_COMMON, model_type="mistral", sliding_window=None)).sliding_window is None
+    assert family_of(cfg).config_to_hf(cfg)["sliding_window"] == 7
+    qwen = config_from_hf(dict(HF_COMMON, model_type="qwen2", use_sliding_window=True, sliding_window=5,
+                               max_window_layers=2))
+    assert [qwen.layer_window(i) for i in range(4)] == [None, None, 5, 5]
+    back = family_of(qwen).config_to_hf(qwen)
+    assert (back["use_sliding_window"], back["sliding_window"], back["max_window_layers"]) == (True, 5, 2)
+    assert config_from_hf(dict(HF_COMMON, model_type="qwen2", **{k: back[k] for k in (
+        "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")})).layer_types == qwen.layer_types
+    assert config_from_hf(dict(HF_COMMON, model_type="qwen2", sliding_window=5)).sliding_window is None  # not used
+    for bad, message in ((dict(cfg.to_dict(), family="llama"), "written as Mistral"),
+                         (dict(cfg.to_dict(), layer_types=("full_attention", "sliding_attention") * 2),
+                          "applies its window to every layer"),
+                         (dict(cfg.to_dict(), sliding_window=None, attn_softcap=5.0), "no attention soft-capping")):
+        with pytest.raises(HFFormatError, match=message):
+            family_of(GPTConfig.from_dict(bad))
+
+
+def test_the_mistral_v0_1_preset_counts_transformers_parameters():
+    preset = GPTConfig.preset("mistral-7b-v0.1")
+    assert preset.sliding_window == 4096 and preset.layer_window(31) == 4096
+    try:
+        import torch  # optional: the count from transformers itself
+        import transformers  # optional
+    except ImportError as e:
+        pytest.skip(f"torch and transformers do not import here ({e})")
+    from cutp.models.families import family_of
+
+    hf = transformers.MistralConfig(**{k: v for k, v in family_of(preset).config_to_hf(preset).items()
+                                       if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device("meta"):
+        model = transformers.MistralForCausalLM(hf)
+    assert preset.num_parameters() == sum(p.numel() for p in model.parameters())

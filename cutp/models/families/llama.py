@@ -47,6 +47,9 @@ class LlamaLike(Family):
     spec_fields = Family.spec_fields + ("rope_theta", "rope_scaling", "rope_factor", "n_experts", "moe_top_k",
                                         "qk_norm")
     qk_norm = False  # whether the family's attention normalises each query and key head (Qwen3)
+    # local attention the family's config expresses: None (none), "all" (one window for every layer:
+    # Mistral) or "layers" (a window on the layers layer_types names: Qwen2)
+    windows = None
 
     def implies(self, cfg) -> bool:
         return (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu") and cfg.qk_norm == self.qk_norm
@@ -86,7 +89,24 @@ class LlamaLike(Family):
                 "initializer_range": 0.02, "use_cache": True, "torch_dtype": cfg.dtype,
                 "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
 
+    def attention_refusal(self, cfg) -> str | None:
+        """Why the family's attention cannot express cfg's window or soft-capping (None: it can)."""
+        if cfg.attn_softcap is not None:
+            return f"attn_softcap={cfg.attn_softcap}: {self.architecture} has no attention soft-capping (Gemma 2 has)"
+        if cfg.sliding_window is None or self.windows == "layers":
+            return None
+        if self.windows is None:
+            return (f"sliding_window={cfg.sliding_window}: {self.architecture} attends globally (a Llama-shaped "
+                    "model with a window is written as Mistral)")
+        if cfg.layer_types is not None and "full_attention" in cfg.layer_types:
+            return (f"layer_types {list(cfg.layer_types)}: {self.architecture} applies its window to every layer "
+                    "(a model with global layers among local ones is written as Qwen2 or Gemma)")
+        return None
+
     def refusal(self, cfg) -> str | None:
+        why = self.attention_refusal(cfg)
+        if why:
+            return why
         if not LlamaLike.implies(self, cfg):
             return (f"norm={cfg.norm}, positions={cfg.positions}, mlp={cfg.mlp} is not a Llama-family model "
                     "(rmsnorm, rope, swiglu); GPT-2's adapter writes layernorm/learned/gelu models")

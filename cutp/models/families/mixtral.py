@@ -38,6 +38,8 @@ class Mixtral(LlamaLike):
                     moe_renormalize=True, moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))
 
     def refusal(self, cfg) -> str | None:
+        if self.attention_refusal(cfg):
+            return self.attention_refusal(cfg)
         if not LlamaLike.implies(self, cfg):
             return LlamaLike.refusal(self, dataclasses.replace(cfg, n_experts=0))
         if not cfg.n_experts:
