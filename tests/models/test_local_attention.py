@@ -249,3 +249,13 @@ def test_the_mistral_v0_1_preset_counts_transformers_parameters():
     with torch.device("meta"):
         model = transformers.MistralForCausalLM(hf)
     assert preset.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_a_local_layer_counts_the_window_s_keys_in_the_flops():
+    from cutp.models.flops import forward_flops_per_token
+
+    cfg = GPTConfig(**dict(LOCAL, block_size=64))
+    glob = GPTConfig(**dict(LOCAL, block_size=64, sliding_window=None, layer_types=None))
+    per_key = 2 * 2 * cfg.n_head * cfg.head_size  # scores and weighted sum, 2 FLOPs a multiply-add
+    assert forward_flops_per_token(glob, 64) - forward_flops_per_token(cfg, 64) == 2 * per_key * (64 - 5)
+    assert forward_flops_per_token(glob, 4) == forward_flops_per_token(cfg, 4)  # (a window past the sequence)
