@@ -47,8 +47,8 @@ Local attention and packing (issues 37, 38): `window` and `softcap` (the layer's
 and the forward's `documents` ([B, T] ids of the whole sequences, None: one document a row) are
 the op's mask rule (`cutp.ops.attention`), with global positions on every path: the whole
 sequence after sequence parallelism's gather, the ring's tiles and the all-to-all's whole
-sequences under context parallelism, the KV cache's absolute positions (a local layer reads only
-the window's last keys of its cache). RoPE then takes the tokens' positions inside their
+sequences under context parallelism, the KV cache's absolute positions (a local layer's cache holds
+only the window - 1 latest keys, all that later queries see). RoPE then takes the tokens' positions inside their
 documents (`positions`, from the model).
 
 Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
@@ -276,9 +276,12 @@ class ParallelAttention(Module):
 
     # ---- incremental decoding (generation) -----------------------------------------------------
     def new_kv_cache(self, batch, max_len, dtype):
+        """This rank's heads' K/V for up to max_len positions; a local layer's holds only the
+        window - 1 latest (all that later queries see)."""
         xp = self.ctx.xp
-        return {"k": xp.zeros((batch, self.nkv, max_len, self.hd), dtype),
-                "v": xp.zeros((batch, self.nkv, max_len, self.hd), dtype), "len": 0}
+        keep = max_len if self.window is None else min(max_len, self.window - 1)
+        return {"k": xp.zeros((batch, self.nkv, keep, self.hd), dtype),
+                "v": xp.zeros((batch, self.nkv, keep, self.hd), dtype), "len": 0, "max": max_len}
 
     def forward_cached(self, x, cache):
         """Eval-mode forward of new positions x [B, Tn, n_embd], appending this rank's heads' K/V
@@ -289,20 +292,36 @@ class ParallelAttention(Module):
         if self.q_norm is not None:
             self._normalize_qk(qkv)
         n0, tn = cache["len"], x.shape[1]
-        if self.rotary is not None and n0 + tn <= cache["k"].shape[2]:
+        if n0 + tn > cache["max"]:
+            raise ValueError(f"KV cache holds {cache['max']} positions; {n0 + tn} requested")
+        if self.rotary is not None:
             self._rotate(qkv, n0)
         q, k, v = self._split_heads(qkv)
-        if n0 + tn > cache["k"].shape[2]:
-            raise ValueError(f"KV cache holds {cache['k'].shape[2]} positions; {n0 + tn} requested")
+        if self.window is not None:
+            return self._forward_cached_window(q, k, v, cache)
         cache["k"][:, :, n0:n0 + tn] = k
         cache["v"][:, :, n0:n0 + tn] = v
         cache["len"] = n0 + tn
         # the plain op: generation keeps the whole-matrix numbers it always had (the blocked
-        # path agrees with them only to rounding); a local layer reads the window's keys only
-        lo = 0 if self.window is None else max(0, n0 - self.window + 1)  # the first new query's first key
-        o, _ = ops.causal_attention_forward(q, cache["k"][:, :, lo: n0 + tn], cache["v"][:, :, lo: n0 + tn],
-                                            scale=self.scale, blocked=False, window=self.window,
-                                            softcap=self.softcap, q_first=n0, k_first=lo)
+        # path agrees with them only to rounding)
+        o, _ = ops.causal_attention_forward(q, cache["k"][:, :, : n0 + tn], cache["v"][:, :, : n0 + tn],
+                                            scale=self.scale, blocked=False, softcap=self.softcap)
+        return self.proj.forward(self._merge_heads(o))
+
+    def _forward_cached_window(self, q, k, v, cache):
+        """A local layer's cached forward: the held keys (the window - 1 before position n0) and
+        the new ones, at their global indices; then the latest window - 1 held."""
+        xp = self.ctx.xp
+        n0, tn, keep = cache["len"], q.shape[3], cache["k"].shape[2]
+        held = min(n0, keep)
+        ks = xp.concatenate([cache["k"][:, :, :held], k], axis=2)  # positions n0 - held .. n0 + tn - 1
+        vs = xp.concatenate([cache["v"][:, :, :held], v], axis=2)
+        o, _ = ops.causal_attention_forward(q, ks, vs, scale=self.scale, blocked=False, window=self.window,
+                                            softcap=self.softcap, q_first=n0, k_first=n0 - held)
+        now = min(n0 + tn, keep)
+        cache["k"][:, :, :now] = ks[:, :, ks.shape[2] - now:]
+        cache["v"][:, :, :now] = vs[:, :, vs.shape[2] - now:]
+        cache["len"] = n0 + tn
         return self.proj.forward(self._merge_heads(o))
 
 

@@ -172,13 +172,26 @@ def _tile_kind(query_chunk: int, key_chunk: int):
     return "causal" if query_chunk == key_chunk else None
 
 
+_LAST_IDS: list = [None, None]  # the last documents array seen and its host copy
+
+
+def _host_ids(documents):
+    """A host copy of the documents (a device array read once: every layer of a forward gets the
+    same one, which the model makes afresh for each forward)."""
+    if isinstance(documents, np.ndarray):
+        return documents
+    if _LAST_IDS[0] is not documents:
+        _LAST_IDS[:] = [documents, to_numpy(documents)]
+    return _LAST_IDS[1]
+
+
 class MaskRule:
     """The ring's window, soft-cap and documents (the whole sequences' ids [B, T], and a host
     copy of them for the skipping decisions), per chunk of c tokens."""
 
     def __init__(self, window=None, softcap=None, documents=None):
         self.window, self.softcap, self.documents = window, softcap, documents
-        self.host = None if documents is None else to_numpy(documents)  # (one copy a layer's forward on a GPU)
+        self.host = None if documents is None else _host_ids(documents)
 
     def visible(self, query_chunk: int, key_chunk: int, c: int) -> bool:
         """Whether any query of the chunk may see any key of the other (else the tile is skipped)."""

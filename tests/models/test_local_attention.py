@@ -181,7 +181,7 @@ def test_packed_rows_are_the_documents_apart_and_positions_restart():
 def test_generation_with_the_kv_cache_sees_only_the_window():
     """Greedy generation 36 tokens past the window (5) with the KV cache equals recomputing the whole
     sequence every step, and the cached logits (a prompt fed in two pieces, then one token at a
-    time) equal the whole forward's rows within 1e-12."""
+    time) equal the whole forward's rows within 1e-12; the local layers' caches hold 4 positions."""
     import cutp
     from cutp.generate import generate
     from cutp.models import GPT
@@ -196,6 +196,7 @@ def test_generation_with_the_kv_cache_sees_only_the_window():
            model.gather_logits(model.forward_cached(idx[:, 7:12], caches))]
     got += [model.gather_logits(model.forward_cached(idx[:, t:t + 1], caches)) for t in range(12, 40)]
     np.testing.assert_allclose(np.concatenate(got, axis=1), whole, rtol=1e-12, atol=1e-12)
+    assert [c["k"].shape[2] for c in caches] == [4, 40, 4, 40]  # a local layer holds window - 1 positions
     assert not np.allclose(whole, model.gather_logits(GPT(ctx, GPTConfig(**dict(
         LOCAL, block_size=48, dropout=0.0, sliding_window=None, layer_types=None)), seed=5).forward(idx)))
     prompt = idx[:, :8]
