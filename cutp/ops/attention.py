@@ -123,11 +123,16 @@ class AttentionMask:
         """Whether this is the plain rule (query row i sees keys 0 .. Tk - Tq + i) and nothing else."""
         return self.window is None and self.documents is None and self.q_first - self.k_first == Tk - Tq
 
-    def key_range(self, r0: int, r1: int, Tk: int) -> tuple[int, int]:
-        """Keys [lo, hi) that query rows [r0, r1) may see by their positions (lo >= hi: none)."""
+    def key_range(self, r0: int, r1: int, Tk: int, batch=slice(None)) -> tuple[int, int]:
+        """Keys [lo, hi) that query rows [r0, r1) (of batch rows `batch`) may see by their
+        positions and, for host arrays of documents, their documents (lo >= hi: none)."""
         shift = self.q_first - self.k_first  # query row i's own index among the keys
         hi = min(Tk, shift + r1)
         lo = 0 if self.window is None else max(0, shift + r0 - self.window + 1)
+        if self.documents is not None and isinstance(self.documents[1], np.ndarray) and r1 > r0:
+            q_docs, k_docs = self.documents[0][batch], self.documents[1][batch]
+            # ids are non-decreasing: no row's queries see a key before its first row's document
+            lo = max(lo, min(int(np.searchsorted(kd, qd[r0])) for qd, kd in zip(q_docs, k_docs)))
         return lo, hi
 
     def hidden(self, xp, rows: tuple[int, int], keys: tuple[int, int], batch=slice(None)):
@@ -373,7 +378,7 @@ def _forward_blocked(q, k, v, scale, rule=None):
         qp, kp, vp = (as_dtype(a, cdt) for a in (q[bs, hs], k[bs, hs, None], v[bs, hs, None]))
         blocks = []
         for r0, r1 in _query_blocks(qp.shape[0] * qp.shape[1] * g * Tq * Tk, Tq, Tk):
-            lo, hi = mask.key_range(r0, r1, Tk)  # the keys the block's queries may see
+            lo, hi = mask.key_range(r0, r1, Tk, bs)  # the keys the block's queries may see
             if hi <= lo:  # none: zeros
                 o_tokens[bs, r0:r1, hs] = 0
                 blocks.append((r0, r1, lo, hi, None, None))

@@ -124,14 +124,12 @@ def _worker_layouts_equal_one_rank(cases):
 
 
 def test_local_attention_and_packing_on_every_layout_equal_one_rank():
-    cases = [dict(model="local", packed=False, tp=2),
-             dict(model="local", packed=True, tp=2, sp=True),
+    cases = [dict(model="local", packed=True, tp=2, sp=True),
              dict(model="local", packed=False, cp=2),
              dict(model="local", packed=True, cp=2),
              dict(model="local", packed=True, cp=2, cp_comm="a2a"),
-             dict(model="local", packed=False, cp=2, cp_comm="a2a"),
              dict(model="local", packed=True, pp=2),
-             dict(model="local", packed=False, pp=2),
+             dict(model="local", packed=False, tp=2, recompute="full"),
              dict(model="local", packed=True, tp=2, recompute="full"),
              dict(model="local", packed=True, tp=2, recompute="selective"),
              dict(model="gpt2", packed=True, tp=2, sp=True),

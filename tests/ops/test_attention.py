@@ -320,6 +320,15 @@ def test_mask_rule_with_dropout_and_the_default_rule_spelled_out():
 
     check_gradients(lambda q, k, v: causal_attention_forward(q, k, v, dropout_p=0.25, seed=3, offset=10, **kw),
                     dict(q=q, k=k, v=v), backward, tol=1e-7, max_elements=12)
+    # float32 follows float64 on both paths
+    do = np.random.default_rng(4).standard_normal(q.shape)
+    for blocked in (True, False):
+        o64, ctx64 = causal_attention_forward(q, k, v, blocked=blocked, **kw)
+        o32, ctx32 = causal_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), blocked=blocked, **kw)
+        assert o32.dtype == np.float32
+        np.testing.assert_allclose(o32, o64, rtol=1e-4, atol=1e-5)
+        for a, b in zip(causal_attention_backward(do.astype(np.float32), ctx32), causal_attention_backward(do, ctx64)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     q, k, v = qkv(SHAPES[4])
     for blocked in (True, False):
         a, _ = causal_attention_forward(q, k, v, blocked=blocked)
@@ -329,3 +338,15 @@ def test_mask_rule_with_dropout_and_the_default_rule_spelled_out():
         causal_attention_forward(q, k, v, window=0)
     with pytest.raises(ValueError, match="fused attention kernels do not take"):
         causal_attention_forward(q, k, v, window=3, fused=True)
+
+
+def test_a_blocked_query_block_of_packed_rows_skips_the_keys_before_its_documents(monkeypatch):
+    """Query blocks start at their first row's document (the earliest over a piece's batch rows)."""
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 9)
+    monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
+    q, k, v = qkv((2, 1, 1, 40, 40, 4))
+    docs = np.repeat(np.arange(4, dtype=np.int32), 10)[None].repeat(2, axis=0)
+    docs[1, 15:] += 1  # row 1: documents [0, 10), [10, 15), [15, 20), ...
+    _, ctx = causal_attention_forward(q, k, v, documents=(docs, docs))
+    starts = {(r0, lo) for blocks in ctx.piece_blocks for r0, _, lo, *_ in blocks}
+    assert starts == {(0, 0), (16, 10), (16, 15), (32, 30)}, starts  # (pieces of one row: row 16 of row 1 from 15)
