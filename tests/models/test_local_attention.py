@@ -225,6 +225,12 @@ def test_windows_read_and_written_as_transformers_configs_have_them():
     assert config_from_hf(dict(HF_COMMON, model_type="qwen2", **{k: back[k] for k in (
         "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")})).layer_types == qwen.layer_types
     assert config_from_hf(dict(HF_COMMON, model_type="qwen2", sliding_window=5)).sliding_window is None  # not used
+    qwen3 = config_from_hf(dict(HF_COMMON, model_type="qwen3", use_sliding_window=True, sliding_window=3,
+                                layer_types=["sliding_attention", "full_attention"] * 2))
+    assert [qwen3.layer_window(i) for i in range(4)] == [3, None, 3, None]
+    assert family_of(qwen3).config_to_hf(qwen3)["layer_types"] == list(qwen3.layer_types)
+    mixtral = config_from_hf(dict(HF_COMMON, model_type="mixtral", sliding_window=6))
+    assert mixtral.sliding_window == 6 and family_of(mixtral).config_to_hf(mixtral)["sliding_window"] == 6
     for bad, message in ((dict(cfg.to_dict(), family="llama"), "written as Mistral"),
                          (dict(cfg.to_dict(), layer_types=("full_attention", "sliding_attention") * 2),
                           "applies its window to every layer"),

@@ -7,7 +7,6 @@ max_window_layers on); written back with layer_types and the max_window_layers t
 """
 from __future__ import annotations
 
-from ..hf_files import HFFormatError
 from .llama import LLAMA_SPEC, LlamaLike
 
 
@@ -27,23 +26,9 @@ class Qwen2(LlamaLike):
     def config_from_hf(self, hf: dict, where: str) -> dict:
         # q/k/v biases, no o_proj or MLP bias (Qwen2's modelling code)
         return dict(self.common_from_hf(hf, where), qkv_bias=True, attn_out_bias=False, mlp_bias=False,
-                    **self._windows_from_hf(hf, where))
+                    **self.layer_windows_from_hf(hf, where))
 
     windows = "layers"
-
-    @staticmethod
-    def _windows_from_hf(hf: dict, where: str) -> dict:
-        if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
-            return dict(sliding_window=None, layer_types=None)
-        n, window = hf["num_hidden_layers"], hf.get("sliding_window", 4096)
-        types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else
-                                          "full_attention" for i in range(n)]
-        if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
-            raise HFFormatError(f"{where}: layer_types {types!r} must list num_hidden_layers={n} entries of "
-                                "full_attention / sliding_attention")
-        if "sliding_attention" not in types:
-            return dict(sliding_window=None, layer_types=None)
-        return dict(sliding_window=window, layer_types=tuple(types))
 
     def bias_refusal(self, qkv, out, mlp, cfg) -> str | None:
         if (qkv, out, mlp) != (True, False, False):
@@ -54,10 +39,4 @@ class Qwen2(LlamaLike):
         return None
 
     def config_to_hf(self, cfg) -> dict:
-        if cfg.sliding_window is None:
-            return dict(self.common_to_hf(cfg), use_sliding_window=False, sliding_window=None,
-                        max_window_layers=cfg.n_layer)
-        types = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention" for i in range(cfg.n_layer)]
-        first = types.index("sliding_attention")
-        return dict(self.common_to_hf(cfg), use_sliding_window=True, sliding_window=cfg.sliding_window,
-                    max_window_layers=first, layer_types=types)
+        return dict(self.common_to_hf(cfg), **self.layer_windows_to_hf(cfg))
