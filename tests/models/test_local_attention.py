@@ -256,7 +256,7 @@ def test_the_mistral_v0_1_preset_counts_transformers_parameters():
     assert preset.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
-def test_a_local_layer_counts_the_window_s_keys_in_the_flops():
+def test_a_local_layer_counts_the_window_s_keys_in_the_flops_and_the_planner_s_backward_units():
     from cutp.models.flops import forward_flops_per_token
 
     cfg = GPTConfig(**dict(LOCAL, block_size=64))
@@ -264,3 +264,8 @@ def test_a_local_layer_counts_the_window_s_keys_in_the_flops():
     per_key = 2 * 2 * cfg.n_head * cfg.head_size  # scores and weighted sum, 2 FLOPs a multiply-add
     assert forward_flops_per_token(glob, 64) - forward_flops_per_token(cfg, 64) == 2 * per_key * (64 - 5)
     assert forward_flops_per_token(glob, 4) == forward_flops_per_token(cfg, 4)  # (a window past the sequence)
+    from cutp.plan.layout import param_count
+    from cutp.plan.overlap import backward_units
+
+    flops = {name: f for name, _, f in backward_units(cfg, 1, 1, 64, param_count)}
+    assert flops["layer 1"] - flops["layer 0"] == 4 * 64 * (64 - 5) * cfg.n_embd  # the global layer's extra keys
