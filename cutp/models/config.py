@@ -247,12 +247,9 @@ class ModelConfig:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
                 raise ConfigError(f"{f} must be a positive number or None (no soft-capping), got {v!r}")
-        # until every attention path applies them (issue 37), refused rather than ignored
-        if w is not None:
-            raise ConfigError("sliding_window is not implemented yet: local attention is refused rather than "
-                              "silently computed as global; set sliding_window=None")
-        if self.attn_softcap is not None or self.final_softcap is not None:
-            raise ConfigError("attn_softcap / final_softcap are not implemented yet; set them to None")
+        # until the logits' soft-capping is applied (issue 37), refused rather than ignored
+        if self.final_softcap is not None:
+            raise ConfigError("final_softcap is not implemented yet; set it to None")
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_experts > 0 and i % self.moe_every == 0

@@ -6,7 +6,8 @@ Counted as PaLM's appendix B and Megatron's MFU do: the matrix multiplications o
 activations, softmax and the optimizer are a few percent), 2 FLOPs per multiply-add, a
 training step 3 times the forward (the backward computes the gradients of the activations and
 of the weights); attention's scores and weighted sum over the whole sequence (2 x 2 x heads x
-head_size x seq_len per token and layer; no causal discount, as PaLM counts), an MoE layer's
+head_size x seq_len per token and layer, min(seq_len, window) for a local layer; no causal
+discount, as PaLM counts), an MoE layer's
 router and its top_k experts (the active parameters), the LM head over the whole vocabulary.
 Recomputation is not counted (MFU, not hardware FLOPs utilisation).
 """
@@ -25,7 +26,9 @@ def forward_flops_per_token(config, seq_len: int) -> float:
     per_layer = h * (q + 2 * kv) + q * h  # Q, K, V and the output projection
     total = 0
     for i in range(config.n_layer):
-        total += per_layer + 2 * config.n_head * config.head_size * seq_len  # scores, weighted sum
+        window = config.layer_window(i) if hasattr(config, "layer_window") else None
+        keys = seq_len if window is None else min(seq_len, window)  # a local layer's queries see `window` keys
+        total += per_layer + 2 * config.n_head * config.head_size * keys  # scores, weighted sum
         if config.is_moe_layer(i):
             total += h * config.n_experts + config.moe_top_k * _mlp_matmul(config, config.moe_ffn or config.hidden)
         else:

@@ -59,6 +59,7 @@ from ..tensor_parallel.context_parallel import (COMMS, check_context_parallel, c
 from ..tensor_parallel.mappings import gather_from_tp_forward
 from ..tensor_parallel.moe import MoEMLP
 from .config import DTYPES, GPTConfig
+from .packing import check_documents, document_positions
 from .stages import stage_layers, virtual_stage_layers
 
 
@@ -79,7 +80,16 @@ class PositionEmbedding(Module):
     def lay_out_context(self, shard):
         self.context_shard = shard
 
-    def forward(self, T):
+    def forward(self, T, ids=None):
+        """ids: None (positions 0..T-1) or the tokens' own positions [B, T] (packed sequences:
+        restarting at each document; a CP rank's local sequence's), this rank's taken under SP."""
+        if ids is not None:
+            if self.sequence_shard is not None:
+                rank, size = self.sequence_shard
+                ids = ids[:, rank * T // size:(rank + 1) * T // size]
+            y, ectx = ops.embedding_forward(ids, self.weight.data)
+            self._save("rows", ectx)
+            return y
         start, stop = 0, T
         if self.sequence_shard is not None:
             rank, size = self.sequence_shard
@@ -95,6 +105,9 @@ class PositionEmbedding(Module):
 
     def backward(self, dy):
         runs = self._load("rows")
+        if isinstance(runs, ops.EmbeddingCtx):  # per-token rows
+            ops.embedding_backward(dy, runs, self.weight.grad)
+            return
         dy = as_dtype(dy, compute_dtype(dy.dtype))  # 16-bit dy: summed over the batch in float32
         dy = dy.reshape(-1, sum(n for _, _, n in runs), dy.shape[-1]).sum(axis=0)
         for at, first, n in runs:
@@ -344,16 +357,28 @@ class GPT(Module):
                 return self.hidden_states(idx)
         return self.final_norm.forward(self._blocks(self._embed(idx)))
 
-    def _embed(self, idx):
+    def _embed(self, idx, positions=None):
         x = self.tok_embed.forward(idx)
         if self.pos_embed is not None:  # (rotary models turn Q and K in the attention instead)
-            x += self.pos_embed.forward(idx.shape[1])
+            x += self.pos_embed.forward(idx.shape[1], positions)
         return self.drop.forward(x)
 
     def _blocks(self, x):
         for block in self.layers:
             x = block.forward(x)
         return x
+
+    def _packing(self, documents, context: bool):
+        """(positions, documents) for the blocks of packed rows (cutp.models.packing): the tokens'
+        positions inside their documents (this CP rank's tokens' under context parallelism) and the
+        whole rows' document ids, on the model's device; (None, None) for one document a row."""
+        if documents is None:
+            return None, None
+        host = to_numpy(documents).astype(np.int32)
+        positions = document_positions(host)
+        if context:
+            positions = take_local(positions, self.ctx.cp_size, self.ctx.cp_rank)
+        return self.ctx.asarray(positions), self.ctx.asarray(host)
 
     def takes_tokens(self, chunk: int = 0) -> bool:
         """Whether model chunk `chunk` of this stage starts the model (embeds token ids)."""
@@ -363,14 +388,15 @@ class GPT(Module):
         """Whether model chunk `chunk` of this stage ends the model (LM head and loss)."""
         return self.last_stage and chunk == self.pp_virtual - 1
 
-    def stage_forward(self, inp, targets=None, chunk: int = 0, *, head: bool = True):
+    def stage_forward(self, inp, targets=None, chunk: int = 0, *, head: bool = True, documents=None):
         """One micro-batch through this pipeline stage (its model chunk `chunk` with
         --pp-virtual): `inp` is the token ids [B, T] where the model starts (`takes_tokens`),
         else the previous chunk's output (replicated [B, T, h], or [B, T/tp, h] under sequence
         parallelism). Returns the output for the next chunk, or where the model ends
         (`gives_loss`) the mean loss (with targets, replicated over TP) or the logits shard.
         At pp 1, `forward`. `head=False`: the blocks only, the last one's output where the model
-        ends (the MoE counting pass of cutp.train.moe needs no LM head)."""
+        ends (the MoE counting pass of cutp.train.moe needs no LM head). documents: the
+        micro-batch's document ids [B, T] (packed rows, `forward`; every stage gets them)."""
         units = self.units(chunk) if self.before_unit_forward is not None else None
         # (CP off only for the logits of whole sequences; the MoE counting pass, head=False, runs
         # on the CP chunks as the step's forwards do)
@@ -381,16 +407,17 @@ class GPT(Module):
             inp = take_local(inp, self.ctx.cp_size, self.ctx.cp_rank)
         if context and targets is not None:
             targets = take_local(targets, self.ctx.cp_size, self.ctx.cp_rank)
+        positions, documents = self._packing(documents, context)
         if self.takes_tokens(chunk):
             if units:
                 self._unit_next(units[0])
-            x = self._embed(inp)
+            x = self._embed(inp, positions)
         else:
             x = inp
         for block in self._chunk_blocks[chunk]:
             if units:
                 self._unit_next([block])
-            x = block.forward(x)
+            x = block.forward(x, positions, documents)
         if not self.gives_loss(chunk) or not head:
             return x
         if units:
@@ -449,7 +476,7 @@ class GPT(Module):
         for m, k, v in kept:
             setattr(m, k, v)
 
-    def forward(self, idx, targets=None, check=True):
+    def forward(self, idx, targets=None, check=True, *, documents=None):
         """Sharded logits [B, T, padded_vocab/tp] when targets is None (this rank's columns of
         the padded vocabulary, the padding columns -inf; `gather_logits` gives [B, T, vocab_size]),
         else the mean loss (float) over the targets that are not ignore_index (-100). (An MoE model's
@@ -457,18 +484,24 @@ class GPT(Module):
 
         `targets` are already shifted: targets[:, t] is the token that follows idx[:, t] (nanoGPT's
         convention). Hugging Face's `labels=input_ids` are not: pass
-        `targets=model.targets_from_labels(labels)`."""
+        `targets=model.targets_from_labels(labels)`.
+
+        `documents`: None (one document a row) or packed rows' document ids [B, T], non-decreasing
+        along each row (cutp.models.packing): positions restart at each document, the attention
+        never crosses one."""
         self._whole_model("GPT.forward")
         if check:
             self.check_inputs(idx, targets)
+            if documents is not None:
+                check_documents(documents, idx)
         idx = self.ctx.asarray(idx)  # host ids on a GPU model: moved once here (a no-op on the CPU)
         if self.sequence_parallel and not self._splits_sequence(idx.shape[1]) and not (self.training and targets
                                                                                         is not None):
             with self.without_sequence_parallel():  # the LM head's input is whole then too
-                return self.forward(idx, targets, check=False)
+                return self.forward(idx, targets, check=False, documents=documents)
         if targets is None:
-            return self._mask_padding(self.stage_forward(idx))
-        return self.stage_forward(idx, self.ctx.asarray(targets))
+            return self._mask_padding(self.stage_forward(idx, documents=documents))
+        return self.stage_forward(idx, self.ctx.asarray(targets), documents=documents)
 
     def _mask_padding(self, logits):
         """Sets this rank's vocabulary-padding columns to -inf (in place; the loss masks its own)."""

@@ -8,6 +8,14 @@ under it; k and v are [B, nkv, Tk, hd]. A KV head meets its g query heads by bro
 (the last Tq positions, as with a KV cache) and attends keys ``0 .. Tk - Tq + i``; training
 has ``Tq == Tk``. o and the gradients have q's, k's and v's shapes.
 
+The whole mask rule (:class:`AttentionMask`, the same on every path: the ring's tiles, the KV
+cache, the fused kernels): query row i sits at global index ``p = q_first + i`` and key j at
+``s = k_first + j`` (defaults ``Tk - Tq`` and 0: the rule above); the key is visible iff
+``s <= p``, and with ``window`` ``s > p - window`` (transformers' sliding window), and with
+``documents = (q_docs [B, Tq], k_docs [B, Tk])`` both carry the same document id (packed
+sequences). ``softcap``: the scores are ``softcap * tanh(scale * q.k / softcap)`` before the mask
+and the softmax (Gemma 2's order). A query row that sees no key outputs zeros.
+
 Two implementations of one formula, chosen per call:
 
 * the plain composition, on any array module and with or without attention dropout: whole
@@ -25,6 +33,9 @@ Two implementations of one formula, chosen per call:
 algorithm in array code (tiles, online softmax, log-sum-exp, recomputation in the backward): the
 kernels' reference. :func:`causal_attention_reference` is the formula written out in the simplest
 way, for tests.
+
+(It runs over 500 lines on purpose: the op's paths, the mask rule they share and the fused
+kernels' array mirrors stay side by side, so that one reading checks they compute one formula.)
 """
 from __future__ import annotations
 
@@ -39,7 +50,7 @@ from cutp.runtime.backend import get_array_module, on_host
 
 from .common import as_dtype, compute_dtype, parallel_map
 from .dropout import dropout_backward, dropout_forward_rows, dropout_mask
-from .softmax import softmax_backward, softmax_forward
+from .softmax import SoftmaxCtx, softmax_backward, softmax_forward
 
 # ---- Blocked NumPy path ------------------------------------------------------------------------
 # The attention runs in pieces of (batch rows, KV heads), and each piece in blocks of query rows:
@@ -61,18 +72,22 @@ class AttentionCtx:
 
     * the plain path: the softmax ctx (its probabilities), the dropout ctx, and the
       probabilities after dropout (``probs``; the softmax's own when nothing was dropped);
+      with soft-capping, ``tanh`` (the capped scores over the cap);
     * the blocked path: the pieces ((batch rows, KV heads) slice pairs) and, per piece, its
-      query blocks as ``(r0, r1, softmax ctx)``;
+      query blocks as ``(r0, r1, lo, hi, softmax ctx, tanh)`` (keys [lo, hi); softmax ctx None:
+      the block sees no key);
+    * ``rule``: None (the plain causal rule) or (:class:`AttentionMask`, softcap);
     * the fused kernels: o, the rows' log-sum-exp ``lse`` [B, nkv, g, Tq] (float32), the scale,
       the dropout's (p, seed, offsets) and the kernels' launchers.
     """
 
     __slots__ = ("q", "k", "v", "softmax", "dropout", "probs", "pieces", "piece_blocks", "o", "lse", "scale",
-                 "kernels", "dropout_args")
+                 "kernels", "dropout_args", "rule", "tanh")
 
     def __init__(self, q, k, v, *, softmax=None, dropout=None, probs=None, pieces=None, piece_blocks=None, o=None,
-                 lse=None, scale=None, kernels=None, dropout_args=None):
+                 lse=None, scale=None, kernels=None, dropout_args=None, rule=None, tanh=None):
         self.q, self.k, self.v = q, k, v
+        self.rule, self.tanh = rule, tanh
         self.softmax, self.dropout, self.probs = softmax, dropout, probs
         self.pieces, self.piece_blocks = pieces, piece_blocks
         self.o, self.lse, self.scale, self.kernels = o, lse, scale, kernels
@@ -89,6 +104,59 @@ class AttentionCtx:
         return self.pieces is not None
 
 
+class AttentionMask:
+    """Contract 1's mask of one call (module docstring): query row i at global index
+    ``q_first + i``, key j at ``k_first + j``; ``window`` None or >= 1; ``documents`` None or
+    ``(q_docs [B, Tq], k_docs [B, Tk])`` of integer document ids."""
+
+    __slots__ = ("q_first", "k_first", "window", "documents")
+
+    def __init__(self, Tq: int, Tk: int, q_first=None, k_first=None, window=None, documents=None):
+        self.k_first = 0 if k_first is None else int(k_first)
+        self.q_first = Tk - Tq + self.k_first if q_first is None else int(q_first)
+        if window is not None and not (int(window) == window and window >= 1):
+            raise ValueError(f"the attention window must be an integer >= 1 or None, got {window!r}")
+        self.window = None if window is None else int(window)
+        self.documents = documents
+
+    def causal_only(self, Tq: int, Tk: int) -> bool:
+        """Whether this is the plain rule (query row i sees keys 0 .. Tk - Tq + i) and nothing else."""
+        return self.window is None and self.documents is None and self.q_first - self.k_first == Tk - Tq
+
+    def key_range(self, r0: int, r1: int, Tk: int, batch=slice(None)) -> tuple[int, int]:
+        """Keys [lo, hi) that query rows [r0, r1) (of batch rows `batch`) may see by their
+        positions and, for host arrays of documents, their documents (lo >= hi: none)."""
+        shift = self.q_first - self.k_first  # query row i's own index among the keys
+        hi = min(Tk, shift + r1)
+        lo = 0 if self.window is None else max(0, shift + r0 - self.window + 1)
+        if self.documents is not None and isinstance(self.documents[1], np.ndarray) and r1 > r0:
+            q_docs, k_docs = self.documents[0][batch], self.documents[1][batch]
+            # ids are non-decreasing: no row's queries see a key before its first row's document
+            lo = max(lo, min(int(np.searchsorted(kd, qd[r0])) for qd, kd in zip(q_docs, k_docs)))
+        return lo, hi
+
+    def hidden(self, xp, rows: tuple[int, int], keys: tuple[int, int], batch=slice(None)):
+        """Bool [b or 1, 1, 1, r1 - r0, k1 - k0]: True where key j of keys [k0, k1) is hidden from
+        query row i of rows [r0, r1) (of batch rows `batch` where documents are given)."""
+        (r0, r1), (k0, k1) = rows, keys
+        p = xp.arange(self.q_first + r0, self.q_first + r1).reshape(-1, 1)
+        s = xp.arange(self.k_first + k0, self.k_first + k1).reshape(1, -1)
+        h = s > p
+        if self.window is not None:
+            h = h | (s <= p - self.window)
+        h = h.reshape((1, 1, 1) + h.shape)
+        if self.documents is not None:
+            q_docs, k_docs = self.documents
+            other = q_docs[batch, r0:r1, None] != k_docs[batch, None, k0:k1]  # [b, rows, keys]
+            h = h | other[:, None, None]
+        return h
+
+
+# masked scores before the softmax: exp(NEG * scale - max) is exactly 0 beside any visible score,
+# and a row with none stays finite (its probabilities are then zeroed)
+NEG = -1e30
+
+
 def _check_shapes(q, k, v):
     if q.ndim != 5 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"causal attention needs q [B, nkv, g, Tq, hd] and k, v [B, nkv, Tk, hd]; got q {q.shape}, "
@@ -100,7 +168,8 @@ def _check_shapes(q, k, v):
 
 
 def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                             blocked=None, fused=None):
+                             blocked=None, fused=None, window=None, softcap=None, q_first=None, k_first=None,
+                             documents=None):
     """``o = dropout(softmax(scale * q k^T, causal)) @ v`` per query head and its KV head.
 
     Args:
@@ -119,6 +188,8 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             float32/bfloat16, head dim 64 or 128; otherwise a warning once per reason, then the
             other paths); ``False`` never (a ``blocked`` of True or False implies it); ``True``
             requires them (``ValueError`` with the reason).
+        window, softcap, q_first, k_first, documents: the mask rule and the soft-capping of the
+            module docstring (:class:`AttentionMask`); defaults: the plain causal rule, no cap.
 
     Returns ``(o, ctx)``: o [B, nkv, g, Tq, hd] in q's dtype. The blocked path writes o's memory
     token-major, [B, Tq, nkv, g, hd], so merging the heads afterwards,
@@ -130,6 +201,21 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
         scale = 1.0 / math.sqrt(q.shape[-1])
     if fused and blocked is not None:
         raise ValueError(f"fused=True excludes blocked={blocked}")
+    Tq, Tk = q.shape[3], k.shape[2]
+    mask = AttentionMask(Tq, Tk, q_first, k_first, window, documents)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"the attention softcap must be a positive number or None, got {softcap!r}")
+    plain_rule = softcap is None and mask.causal_only(Tq, Tk)
+    if not plain_rule and (fused or (fused is None and blocked is None)):
+        # (the fused kernels take the rule's arguments in the attn-kernels work; until then the array paths)
+        why = "the fused attention kernels do not take a window, softcap, q_first/k_first or documents yet"
+        if fused:
+            raise ValueError(why)
+        kernels = _attention_kernels(q, k, v)
+        if kernels is not None and why not in _UNFUSED_WARNED and not getattr(kernels.xp, "shape_only", False):
+            _UNFUSED_WARNED.add(why)
+            warnings.warn(f"cutp: {why}; attention runs unfused (its T x T probabilities in memory)", stacklevel=2)
+        fused = False
     if fused or (fused is None and blocked is None):
         kernels, why = fused_attention_kernels(q, k, v, warn=not fused)
         if kernels is not None:
@@ -144,9 +230,10 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
         blocked = can_block
     elif blocked and not can_block:
         raise ValueError("the blocked attention needs NumPy arrays and no dropout")
+    rule = None if plain_rule else (mask, softcap)
     if blocked:
-        return _forward_blocked(q, k, v, scale)
-    return _forward_plain(q, k, v, scale, dropout_p, seed, offset)
+        return _forward_blocked(q, k, v, scale, rule)
+    return _forward_plain(q, k, v, scale, dropout_p, seed, offset, rule)
 
 
 def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
@@ -198,14 +285,43 @@ def fused_attention_kernels(q, k, v, warn: bool = True):
 
 
 # ---- plain path --------------------------------------------------------------------------------
-def _forward_plain(q, k, v, scale, dropout_p, seed, offset):
+def _masked_softmax(s, scale, rule, hidden):
+    """``(probs, softmax ctx, tanh)`` of raw scores s (compute dtype) under rule = (mask, softcap):
+    soft-capped (tanh kept for the backward), hidden keys NEG, rows that see nothing zeroed."""
+    xp = get_array_module(s)
+    _, softcap = rule
+    t = None
+    if softcap is not None:
+        t = xp.tanh(s * (scale / softcap))
+        s, scale = t * softcap, 1.0
+    p, _ = softmax_forward(xp.where(hidden, NEG, s), scale=scale)
+    p = xp.where(hidden, 0.0, p).astype(p.dtype, copy=False)
+    return p, SoftmaxCtx(p, scale), t
+
+
+def _scores_grad(dp, softmax_ctx, t, scale):
+    """The raw scores' gradient from the probabilities' (softmax, then the soft-cap's tanh')."""
+    ds = softmax_backward(dp, softmax_ctx)  # includes the softmax's scale (1 under a soft-cap)
+    if t is not None:
+        ds *= (1.0 - t * t) * scale
+    return ds
+
+
+def _forward_plain(q, k, v, scale, dropout_p, seed, offset, rule=None):
     cdt = compute_dtype(q.dtype)  # 16-bit inputs: scores, softmax and products in float32
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
     scores = qc @ kc[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
-    probs, softmax_ctx = softmax_forward(scores, scale=scale, causal=True)
+    t = None
+    if rule is None:
+        probs, softmax_ctx = softmax_forward(scores, scale=scale, causal=True)
+    else:
+        xp = get_array_module(scores)
+        hidden = rule[0].hidden(xp, (0, scores.shape[-2]), (0, scores.shape[-1]))
+        probs, softmax_ctx, t = _masked_softmax(scores, scale, rule, hidden)
     dropped, dropout_ctx = dropout_forward_rows(probs, dropout_p, seed, _row_offsets(offset, probs.shape))
     o = as_dtype(dropped @ vc[:, :, None], q.dtype)  # [B, nkv, g, Tq, hd]
-    return o, AttentionCtx(q, k, v, softmax=softmax_ctx, dropout=dropout_ctx, probs=dropped)
+    return o, AttentionCtx(q, k, v, softmax=softmax_ctx, dropout=dropout_ctx, probs=dropped, scale=scale, rule=rule,
+                           tanh=t)
 
 
 def _backward_plain(do, ctx, out):
@@ -214,7 +330,7 @@ def _backward_plain(do, ctx, out):
     dv = (ctx.probs.swapaxes(-1, -2) @ do).sum(axis=2)  # [B, nkv, Tk, hd]
     dp = do @ v[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
     dp = dropout_backward(dp, ctx.dropout)
-    ds = softmax_backward(dp, ctx.softmax)  # includes the scale
+    ds = _scores_grad(dp, ctx.softmax, ctx.tanh, ctx.scale)  # includes the scale
     dq = ds @ k[:, :, None]  # [B, nkv, g, Tq, hd]
     dk = (ds.swapaxes(-1, -2) @ q).sum(axis=2)  # [B, nkv, Tk, hd]
     if out is None:
@@ -247,12 +363,13 @@ def _query_blocks(piece_elems, Tq, Tk):
     return [(r, min(r + rows, Tq)) for r in range(0, Tq, rows)]
 
 
-def _forward_blocked(q, k, v, scale):
+def _forward_blocked(q, k, v, scale, rule=None):
     B, nkv, g, Tq, hd = q.shape
     Tk = k.shape[2]
     xp = get_array_module(q)  # NumPy (or the planner's shape-only stand-in of it)
     o_tokens = xp.empty((B, Tq, nkv, g, hd), q.dtype)  # token-major: see causal_attention_forward
     pieces = _pieces(B, nkv, g, Tq, Tk)
+    mask = AttentionMask(Tq, Tk) if rule is None else rule[0]
 
     cdt = compute_dtype(q.dtype)  # 16-bit inputs: each piece is multiplied in float32
 
@@ -261,17 +378,25 @@ def _forward_blocked(q, k, v, scale):
         qp, kp, vp = (as_dtype(a, cdt) for a in (q[bs, hs], k[bs, hs, None], v[bs, hs, None]))
         blocks = []
         for r0, r1 in _query_blocks(qp.shape[0] * qp.shape[1] * g * Tq * Tk, Tq, Tk):
-            keys = Tk - Tq + r1  # the block's last query sees keys [0, keys)
-            s = qp[..., r0:r1, :] @ kp[..., :keys, :].swapaxes(-1, -2)  # [b, h, g, r1 - r0, keys]
-            p, softmax_ctx = softmax_forward(s, scale=scale, causal=True)
-            o_block = p @ vp[..., :keys, :]  # [b, h, g, r1 - r0, hd]
+            lo, hi = mask.key_range(r0, r1, Tk, bs)  # the keys the block's queries may see
+            if hi <= lo:  # none: zeros
+                o_tokens[bs, r0:r1, hs] = 0
+                blocks.append((r0, r1, lo, hi, None, None))
+                continue
+            s = qp[..., r0:r1, :] @ kp[..., lo:hi, :].swapaxes(-1, -2)  # [b, h, g, r1 - r0, hi - lo]
+            t = None
+            if rule is None:  # (lo = 0: the block's own causal rule is exactly the mask's)
+                p, softmax_ctx = softmax_forward(s, scale=scale, causal=True)
+            else:
+                p, softmax_ctx, t = _masked_softmax(s, scale, rule, mask.hidden(xp, (r0, r1), (lo, hi), bs))
+            o_block = p @ vp[..., lo:hi, :]  # [b, h, g, r1 - r0, hd]
             o_tokens[bs, r0:r1, hs] = o_block.transpose(0, 3, 1, 2, 4)
-            blocks.append((r0, r1, softmax_ctx))
+            blocks.append((r0, r1, lo, hi, softmax_ctx, t))
         return blocks
 
     piece_blocks = parallel_map(xp, run, pieces)
     o = o_tokens.transpose(0, 2, 3, 1, 4)  # [B, nkv, g, Tq, hd]
-    return o, AttentionCtx(q, k, v, pieces=pieces, piece_blocks=piece_blocks)
+    return o, AttentionCtx(q, k, v, pieces=pieces, piece_blocks=piece_blocks, scale=scale, rule=rule)
 
 
 def _backward_blocked(do, ctx, out):
@@ -291,15 +416,17 @@ def _backward_blocked(do, ctx, out):
         b, h = qp.shape[:2]
         dk = xp.zeros((b, h, Tk, hd), cdt)
         dv = xp.zeros((b, h, Tk, hd), cdt)
-        for r0, r1, softmax_ctx in ctx.piece_blocks[i]:  # in order: dk, dv sum the blocks deterministically
-            keys = Tk - Tq + r1
+        for r0, r1, lo, hi, softmax_ctx, t in ctx.piece_blocks[i]:  # in order: dk, dv sum the blocks deterministically
+            if softmax_ctx is None:  # the block saw no key
+                dq_out[bs, hs, :, r0:r1] = 0
+                continue
             do_block = dop[..., r0:r1, :]  # [b, h, g, r1 - r0, hd]
-            part = softmax_ctx.y.swapaxes(-1, -2) @ do_block  # [b, h, g, keys, hd]
-            dv[:, :, :keys] += part[:, :, 0] if g == 1 else part.sum(axis=2)
-            ds = softmax_backward(do_block @ vp[..., :keys, :].swapaxes(-1, -2), softmax_ctx)  # incl. the scale
-            dq_out[bs, hs, :, r0:r1] = ds @ kp[..., :keys, :]  # [b, h, g, r1 - r0, hd]
-            part = ds.swapaxes(-1, -2) @ qp[..., r0:r1, :]  # [b, h, g, keys, hd]
-            dk[:, :, :keys] += part[:, :, 0] if g == 1 else part.sum(axis=2)
+            part = softmax_ctx.y.swapaxes(-1, -2) @ do_block  # [b, h, g, hi - lo, hd]
+            dv[:, :, lo:hi] += part[:, :, 0] if g == 1 else part.sum(axis=2)
+            ds = _scores_grad(do_block @ vp[..., lo:hi, :].swapaxes(-1, -2), softmax_ctx, t, ctx.scale)
+            dq_out[bs, hs, :, r0:r1] = ds @ kp[..., lo:hi, :]  # [b, h, g, r1 - r0, hd]
+            part = ds.swapaxes(-1, -2) @ qp[..., r0:r1, :]  # [b, h, g, hi - lo, hd]
+            dk[:, :, lo:hi] += part[:, :, 0] if g == 1 else part.sum(axis=2)
         dk_out[bs, hs] = dk
         dv_out[bs, hs] = dv
 
@@ -405,20 +532,35 @@ def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_
 
 
 # ---- reference -----------------------------------------------------------------------------------
-def causal_attention_reference(q, k, v, scale=None, dropout_p: float = 0.0, seed: int = 0, offset: int = 0):
+def causal_attention_reference(q, k, v, scale=None, dropout_p: float = 0.0, seed: int = 0, offset: int = 0, *,
+                               window=None, softcap=None, q_first=None, k_first=None, documents=None):
     """The forward's formula written out in the simplest way, for tests (float64 friendly): every
-    query head against its KV head by einsum, masked scores set to -inf, a max-subtracted softmax,
-    and with ``dropout_p`` the probabilities times the keep-mask ``dropout_mask`` draws for them
-    under ``(seed, offset)``, over ``1 - dropout_p``. Shapes as in :func:`causal_attention_forward`."""
+    query head against its KV head by einsum, soft-capped (``softcap``), hidden scores set to -inf
+    by the mask rule of the module docstring, a max-subtracted softmax (a row that sees no key:
+    zeros), and with ``dropout_p`` the probabilities times the keep-mask ``dropout_mask`` draws for
+    them under ``(seed, offset)``, over ``1 - dropout_p``. Shapes as in :func:`causal_attention_forward`."""
     xp = get_array_module(q, k, v)
     Tq, Tk = q.shape[-2], k.shape[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = xp.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    later_key = xp.arange(Tk)[None, :] > xp.arange(Tq)[:, None] + (Tk - Tq)
-    scores = xp.where(later_key, -xp.inf, scores)
-    probs = xp.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = probs / probs.sum(axis=-1, keepdims=True)
+    if softcap is not None:
+        scores = softcap * xp.tanh(scores / softcap)
+    k_first = 0 if k_first is None else k_first
+    q_first = Tk - Tq + k_first if q_first is None else q_first
+    query = (q_first + xp.arange(Tq))[:, None]
+    key = (k_first + xp.arange(Tk))[None, :]
+    seen = key <= query
+    if window is not None:
+        seen = seen & (key > query - window)
+    seen = seen[None, None, None]
+    if documents is not None:
+        seen = seen & (documents[0][:, None, None, :, None] == documents[1][:, None, None, None, :])
+    scores = xp.where(seen, scores, -xp.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    probs = xp.where(seen, xp.exp(scores - xp.where(xp.isfinite(top), top, 0.0)), 0.0)
+    total = probs.sum(axis=-1, keepdims=True)
+    probs = probs / xp.where(total > 0, total, 1.0)
     if dropout_p:
         probs = probs * _dropout_factors(xp, probs.shape, dropout_p, seed, offset)
     return xp.einsum("bhgqk,bhkd->bhgqd", probs, v)

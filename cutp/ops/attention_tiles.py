@@ -25,6 +25,10 @@ Dropout (`dropout`: None or (p, seed, offsets, T)): probability (h, i, j) of bat
 counter offsets[b] + h T^2 + (q_pos + i) T + k_pos + j, the counter the one-rank attention over
 the whole T-token sequence gives it (offsets[b]: that of this rank's first head in batch row b).
 
+The mask rule and soft-capping of `cutp.ops.attention` (window, documents: the tile's own
+(q_docs [B, Tq], k_docs [B, Tk]), softcap): the ring's tiles that they leave partly visible. A row
+of a tile that sees no key gives o = 0 and lse = -inf, which `merge` weighs 0.
+
 Two implementations, chosen per call as `causal_attention_forward` chooses: on a GPU with kernels
 on, CuPy arrays of float32 or bfloat16 and head dim 64 or 128, the fused kernels
 (kernels/attention.cu: the tile's positions are their diagonal shift, the dropout counters their
@@ -39,7 +43,7 @@ import numpy as np
 from cutp.kernels.attention import kernel_layout
 from cutp.runtime.backend import get_array_module
 
-from .attention import fused_attention_kernels
+from .attention import AttentionMask, fused_attention_kernels
 from .common import as_dtype, compute_dtype
 from .dropout import dropout_mask_at
 
@@ -52,13 +56,31 @@ def _kernel_dropout(dropout):
     return (float(p), seed, [int(o) for o in offsets]), (T * T, T)
 
 
-def _scores(q, k, scale, positions, xp):
-    s = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, nkv, g, Tq, Tk]
+def _scores(q, k, scale, positions, xp, rule=None):
+    """(scores, tanh): the tile's scaled scores [B, nkv, g, Tq, Tk], soft-capped and masked by
+    rule = (window, softcap, documents) (None: the causal rule alone), hidden ones -inf; tanh the
+    soft-cap's (None without one)."""
+    window, softcap, documents = rule or (None, None, None)
+    s = q @ k[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
+    t = None
+    if softcap is None:
+        s = s * scale
+    else:
+        t = xp.tanh(s * (scale / softcap))
+        s = t * softcap
     (q_pos, k_pos), (tq, tk) = positions, s.shape[-2:]
-    if k_pos + tk - 1 > q_pos:  # some key after some query
+    if rule is not None:
+        mask = AttentionMask(tq, tk, q_pos, k_pos, window, documents)
+        s = xp.where(mask.hidden(xp, (0, tq), (0, tk)), -xp.inf, s)
+    elif k_pos + tk - 1 > q_pos:  # some key after some query
         later = (k_pos + xp.arange(tk))[None, :] > (q_pos + xp.arange(tq))[:, None]
         s = xp.where(later, -xp.inf, s)
-    return s
+    return s, t
+
+
+def _rule(window, softcap, documents):
+    """The tile's rule for `_scores`, None when it is the causal rule alone."""
+    return None if window is None and softcap is None and documents is None else (window, softcap, documents)
 
 
 def _keep(xp, dropout, positions, shape):
@@ -83,11 +105,13 @@ def _check_positions(positions, tq):
                          f"{positions[1]}: every query needs a visible key (q_pos >= k_pos)")
 
 
-def tile_forward(q, k, v, scale: float, positions, dropout=None):
+def tile_forward(q, k, v, scale: float, positions, dropout=None, *, window=None, softcap=None, documents=None):
     """(o, lse) of queries q against keys k, v at `positions` (q_pos, k_pos), in the compute
-    dtype; dropout: None or (p, seed, offsets, T) (module docstring)."""
+    dtype; dropout: None or (p, seed, offsets, T); window, softcap, documents (the tile's): the
+    mask rule (module docstring)."""
     _check_positions(positions, q.shape[3])
-    kernels, _ = fused_attention_kernels(q, k, v)
+    rule = _rule(window, softcap, documents)
+    kernels, _ = fused_attention_kernels(q, k, v) if rule is None else (None, None)  # (the kernels' rule: to come)
     if kernels is not None:
         drop, strides = _kernel_dropout(dropout)
         return kernels.attention_forward(q, k, v, scale, *drop, positions=positions, drop_strides=strides,
@@ -95,17 +119,23 @@ def tile_forward(q, k, v, scale: float, positions, dropout=None):
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
-    s = _scores(qc, kc, scale, positions, xp)
+    s, _ = _scores(qc, kc, scale, positions, xp, rule)
     m = s.max(axis=-1, keepdims=True)
+    if rule is not None:  # rows that see no key: o 0, lse -inf
+        m = xp.where(m == -xp.inf, xp.inf, m)  # (then exp(s - m) = 0: no NaN)
     p = xp.exp(s - m)
     total = p.sum(axis=-1, keepdims=True)
+    if rule is not None:
+        seen = total > 0
+        o_lse = xp.where(seen, m + xp.log(xp.where(seen, total, 1.0)), -xp.inf)
+        total = xp.where(seen, total, 1.0)
     p /= total
     keep, keep_scale = _keep(xp, dropout, positions, s.shape)
     if keep is not None:
         p *= keep
         p *= keep_scale
     o = p @ vc[:, :, None]
-    return o, (m + xp.log(total))[..., 0]
+    return o, ((m + xp.log(total)) if rule is None else o_lse)[..., 0]
 
 
 def merge(o, lse, o_tile, lse_tile):
@@ -114,18 +144,21 @@ def merge(o, lse, o_tile, lse_tile):
     if o is None:
         return o_tile, lse_tile
     xp = get_array_module(o)
-    new = xp.logaddexp(lse, lse_tile)
+    new = xp.logaddexp(lse, lse_tile)  # (a row that saw nothing yet, lse -inf, weighs 0; the ring meets a row's
+    # own key before a second tile of nothing)
     return o * xp.exp(lse - new)[..., None] + o_tile * xp.exp(lse_tile - new)[..., None], new
 
 
-def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=None, out=None):
+def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=None, out=None, *, window=None,
+                  softcap=None, documents=None):
     """(dq, dk, dv) of one tile, in the compute dtype: do [B, nkv, g, Tq, hd] the output's
     gradient (any dtype and strides), rowdot [B, nkv, g, Tq] = rowsum(do * o) and lse
     [B, nkv, g, Tq] of the merged result (compute dtype); dk and dv [B, nkv, Tk, hd] summed over
     the g query heads. out: optional (dq, dk, dv) arrays (compute dtype, any strides) the
-    gradients are added to, and returned."""
+    gradients are added to, and returned. window, softcap, documents: as the forward's."""
     _check_positions(positions, q.shape[3])
-    kernels, _ = fused_attention_kernels(q, k, v)
+    rule = _rule(window, softcap, documents)
+    kernels, _ = fused_attention_kernels(q, k, v) if rule is None else (None, None)
     if kernels is not None:
         xp = kernels.xp
         do = as_dtype(do, q.dtype)
@@ -139,7 +172,7 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
         grads = tuple(xp.empty(a.shape, np.float32) for a in (q, k, v))
         grads = kernels.attention_backward(do, q, k, v, None, lse, scale, grads, *drop, **args)
     else:
-        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout)
+        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, rule)
     if out is None:
         return grads
     for dst, grad in zip(out, grads):
@@ -147,11 +180,12 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
     return out
 
 
-def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout):
+def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, rule=None):
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
-    p = xp.exp(_scores(qc, kc, scale, positions, xp) - lse[..., None])  # masked scores: exp(-inf) = 0
+    s, t = _scores(qc, kc, scale, positions, xp, rule)
+    p = xp.exp(s - lse[..., None])  # masked scores: exp(-inf) = 0
     dp = doc @ vc[:, :, None].swapaxes(-1, -2)
     keep, keep_scale = _keep(xp, dropout, positions, p.shape)
     if keep is not None:
@@ -163,6 +197,8 @@ def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout):
         pf = p
     dv = (pf.swapaxes(-1, -2) @ doc).sum(axis=2)
     ds = p * (dp - rowdot[..., None])
+    if t is not None:  # through the soft-cap: d(cap tanh(scale x / cap)) = scale (1 - tanh^2) dx
+        ds *= 1.0 - t * t
     dq = (ds @ kc[:, :, None]) * scale
     dk = (ds.swapaxes(-1, -2) @ qc).sum(axis=2) * scale
     return dq, dk, dv

@@ -3,7 +3,8 @@
 
 The last micro-batch's backward runs the units of the model in reverse (the LM head with the
 final norm, the layers last to first, the embeddings), each taking its FLOPs (a layer's
-forward: 2 x its parameters per rank x tokens + the attention's 4 x s^2 x h / tp per sequence;
+forward: 2 x its parameters per rank x tokens + the attention's 4 x s^2 x h / tp per sequence,
+4 x s x min(s, window) x h / tp for a local layer;
 backward twice the forward) divided by the device throughput. The gradient buckets
 (cutp.optim.buckets) are cut in that order, `bucket_size` elements each, a unit's parameters
 never split; a tied embedding's gradient is final only after the embeddings' backward. Each
@@ -30,8 +31,9 @@ def backward_units(a, tp: int, micro_batch: int, seq_len: int, param_count) -> l
     tokens = micro_batch * seq_len
     head_params = -(-p["head"] // tp) if p["head"] else -(-p["embedding"] // tp)  # tied: the embedding's table
     units = [("head + final norm", p["final_norm"] + (-(-p["head"] // tp)), 2 * head_params * tokens)]
-    attention = 4 * micro_batch * seq_len * seq_len * a.n_embd // tp  # scores and their product with V
     for i in reversed(range(a.n_layer)):
+        keys = seq_len if a.layer_window(i) is None else min(seq_len, a.layer_window(i))  # a local layer's
+        attention = 4 * micro_batch * seq_len * keys * a.n_embd // tp  # scores and their product with V
         units.append((f"layer {i}", p["layer_per_rank"], 2 * p["layer_per_rank"] * tokens + attention))
     units.append(("embeddings", -(-p["embedding"] // tp) + p["position"], 0.0))
     return units

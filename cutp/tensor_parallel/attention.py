@@ -43,6 +43,14 @@ global (head, query, key) as the one-rank attention's (`cp_comm` "a2a": the all-
 attention instead, on whole sequences of a cp-th of the heads). The ring's context is O(T) (q, k, v, o, the
 log-sum-exp): selective recomputation has nothing to recompute there either.
 
+Local attention and packing (issues 37, 38): `window` and `softcap` (the layer's BlockSpec's)
+and the forward's `documents` ([B, T] ids of the whole sequences, None: one document a row) are
+the op's mask rule (`cutp.ops.attention`), with global positions on every path: the whole
+sequence after sequence parallelism's gather, the ring's tiles and the all-to-all's whole
+sequences under context parallelism, the KV cache's absolute positions (a local layer's cache holds
+only the window - 1 latest keys, all that later queries see). RoPE then takes the tokens' positions inside their
+documents (`positions`, from the model).
+
 Selective recomputation (`recompute_core`): forward keeps Q, K, V (views of the QKV projection's
 output) and the dropout's (p, seed, offset), not the attention's probabilities (the T x T part);
 backward recomputes them with the same op and the same mask, so the gradients are bit-identical.
@@ -58,7 +66,7 @@ import numpy as np
 
 from .. import ops
 from ..runtime.backend import get_array_module
-from .context_parallel import (RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
+from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
                                ulysses_attention_backward, ulysses_attention_forward, zigzag_chunks)
 from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
 from .parameter import Module, normal_init
@@ -70,11 +78,13 @@ from .validation import check_attention
 class ParallelAttention(Module):
     def __init__(self, ctx, n_embd, n_head, n_kv_head=None, *, name, rng: RNGTracker, n_layer=1, bias=True,
                  attn_dropout=0.0, seed=0, dtype=np.float32, head_dim=None, qkv_bias=None, out_bias=None,
-                 rotary=None, qk_norm=False, norm_eps=1e-6):
+                 rotary=None, qk_norm=False, norm_eps=1e-6, window=None, softcap=None):
         """head_dim: each head's width (None: n_embd // n_head). qkv_bias / out_bias: the two
         projections' biases (None: `bias`). rotary: (cos, sin) tables [max_len, head_dim] for
         rotary positions (None: none; the model adds learned positions before the blocks).
-        qk_norm: an RMSNorm over each query and each key head (Qwen3, Gemma 3; module docstring)."""
+        qk_norm: an RMSNorm over each query and each key head (Qwen3, Gemma 3; module docstring).
+        window: local attention, keys within `window` positions (None: global); softcap: the
+        scores soft-capped (None: not)."""
         n_kv_head = n_kv_head or n_head
         tp = ctx.tp_size
         check_attention(n_embd, n_head, n_kv_head, tp, head_dim=head_dim)
@@ -86,6 +96,7 @@ class ParallelAttention(Module):
         self.nkv = len(self.kv_heads)
         self.group = self.nq // self.nkv  # local query heads per local KV head
         self.scale = 1.0 / math.sqrt(self.hd)
+        self.window, self.softcap = window, softcap
         qkv_out = (n_head + 2 * n_kv_head) * self.hd
         self.qkv = ColumnParallelLinear(
             ctx, n_embd, qkv_out, name=f"{name}.qkv", bias=bias if qkv_bias is None else qkv_bias, seed=seed,
@@ -170,11 +181,17 @@ class ParallelAttention(Module):
             _, rctx = ops.rotary_forward(heads, cos, sin, positions, out=heads)
         return rctx
 
-    def forward(self, x, positions=None):
+    def _mask(self, documents) -> dict:
+        """The op's mask keyword arguments for the whole sequences' documents [B, T] (or None)."""
+        return dict(window=self.window, softcap=self.softcap,
+                    documents=None if documents is None else (documents, documents))
+
+    def forward(self, x, positions=None, documents=None):
         """positions: the tokens' global positions for rotary attention (`_rotate`: None for
-        arange(T) of the whole sequence, an offset, or ids [T] / [B, T]); unused without rotary."""
+        arange(T) of the whole sequence, an offset, or ids [T] / [B, T]); unused without rotary.
+        documents: None or the whole sequences' document ids [B, T] (module docstring)."""
         if self.context_shard is not None:
-            return self._forward_context_parallel(x)
+            return self._forward_context_parallel(x, positions, documents)
         qkv = self.qkv.forward(x)
         if self.q_norm is not None:
             self._normalize_qk(qkv)
@@ -186,21 +203,27 @@ class ParallelAttention(Module):
         # row's [n_head, T, T] (p 0: none, in eval or without dropout)
         p, seed, offset = self.attn_dropout.draw_rows(B, self.nq * T * T, first_elem=self.ctx.tp_rank * self.nq * T * T,
                                                       global_row_elems=self.n_head * T * T)
-        o, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offset)
+        mask = self._mask(documents)
+        o, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offset,
+                                                   **mask)
         # the fused kernels' context holds O(T) (o and the log-sum-exp, no probabilities): kept
         recompute = self.recompute_core and not attn_ctx.fused
-        self._save("attn", ((q, k, v), (p, seed, offset)) if recompute else attn_ctx)
+        self._save("attn", ((q, k, v), (p, seed, offset), mask) if recompute else attn_ctx)
         return self.proj.forward(self._merge_heads(o))
 
-    def _forward_context_parallel(self, x):
-        """The forward of a CP rank's local sequence: the ring attention (module docstring)."""
+    def _forward_context_parallel(self, x, positions=None, documents=None):
+        """The forward of a CP rank's local sequence: the ring attention (module docstring).
+        positions: None (the zigzag chunks' global positions) or the local tokens' ids [B, T/cp];
+        documents: the whole sequences' [B, T]."""
         cp_rank, cp = self.context_shard
         qkv = self.qkv.forward(x)
         if self.q_norm is not None:
             self._normalize_qk(qkv)
         B, T_local = qkv.shape[0], qkv.shape[1]
         T = T_local * cp  # the whole sequence
-        if self.rotary is not None:  # the two chunks' rows of the tables (slices: no gather, no value read)
+        if self.rotary is not None and positions is not None:
+            self._save("rotary", self._rotate(qkv, positions))
+        elif self.rotary is not None:  # the two chunks' rows of the tables (slices: no gather, no value read)
             c, (first, second) = T_local // 2, zigzag_chunks(cp, cp_rank)
             cos, sin = (self.ctx.xp.concatenate([t[first * c:(first + 1) * c], t[second * c:(second + 1) * c]])
                         for t in self.rotary)
@@ -211,7 +234,8 @@ class ParallelAttention(Module):
                                                        first_elem=self.ctx.tp_rank * self.nq * T * T,
                                                        global_row_elems=self.n_head * T * T)
         attend = ulysses_attention_forward if self.cp_comm == "a2a" else ring_attention_forward
-        o, cp_ctx = attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None)
+        o, cp_ctx = attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None,
+                           MaskRule(self.window, self.softcap, documents))
         self._save("attn", cp_ctx)
         return self.proj.forward(self._merge_heads(o))
 
@@ -220,9 +244,9 @@ class ParallelAttention(Module):
         if isinstance(attn_ctx, (RingCtx, UlyssesCtx)):
             return self._backward_context_parallel(dy, attn_ctx)
         if isinstance(attn_ctx, tuple):  # recompute_core: the attention again, from Q, K, V and the same mask
-            (q, k, v), (p, seed, offset) = attn_ctx
+            (q, k, v), (p, seed, offset), mask = attn_ctx
             _, attn_ctx = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed,
-                                                       offset=offset)
+                                                       offset=offset, **mask)
         B, nkv, g, T, hd = attn_ctx.q.shape
         do = self.proj.backward(dy)  # [B, T, nq*hd], sharded like the heads
         do = do.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, nkv, g, T, hd]
@@ -252,9 +276,12 @@ class ParallelAttention(Module):
 
     # ---- incremental decoding (generation) -----------------------------------------------------
     def new_kv_cache(self, batch, max_len, dtype):
+        """This rank's heads' K/V for up to max_len positions; a local layer's holds only the
+        window - 1 latest (all that later queries see)."""
         xp = self.ctx.xp
-        return {"k": xp.zeros((batch, self.nkv, max_len, self.hd), dtype),
-                "v": xp.zeros((batch, self.nkv, max_len, self.hd), dtype), "len": 0}
+        keep = max_len if self.window is None else min(max_len, self.window - 1)
+        return {"k": xp.zeros((batch, self.nkv, keep, self.hd), dtype),
+                "v": xp.zeros((batch, self.nkv, keep, self.hd), dtype), "len": 0, "max": max_len}
 
     def forward_cached(self, x, cache):
         """Eval-mode forward of new positions x [B, Tn, n_embd], appending this rank's heads' K/V
@@ -265,18 +292,36 @@ class ParallelAttention(Module):
         if self.q_norm is not None:
             self._normalize_qk(qkv)
         n0, tn = cache["len"], x.shape[1]
-        if self.rotary is not None and n0 + tn <= cache["k"].shape[2]:
+        if n0 + tn > cache["max"]:
+            raise ValueError(f"KV cache holds {cache['max']} positions; {n0 + tn} requested")
+        if self.rotary is not None:
             self._rotate(qkv, n0)
         q, k, v = self._split_heads(qkv)
-        if n0 + tn > cache["k"].shape[2]:
-            raise ValueError(f"KV cache holds {cache['k'].shape[2]} positions; {n0 + tn} requested")
+        if self.window is not None:
+            return self._forward_cached_window(q, k, v, cache)
         cache["k"][:, :, n0:n0 + tn] = k
         cache["v"][:, :, n0:n0 + tn] = v
         cache["len"] = n0 + tn
         # the plain op: generation keeps the whole-matrix numbers it always had (the blocked
         # path agrees with them only to rounding)
         o, _ = ops.causal_attention_forward(q, cache["k"][:, :, : n0 + tn], cache["v"][:, :, : n0 + tn],
-                                            scale=self.scale, blocked=False)
+                                            scale=self.scale, blocked=False, softcap=self.softcap)
+        return self.proj.forward(self._merge_heads(o))
+
+    def _forward_cached_window(self, q, k, v, cache):
+        """A local layer's cached forward: the held keys (the window - 1 before position n0) and
+        the new ones, at their global indices; then the latest window - 1 held."""
+        xp = self.ctx.xp
+        n0, tn, keep = cache["len"], q.shape[3], cache["k"].shape[2]
+        held = min(n0, keep)
+        ks = xp.concatenate([cache["k"][:, :, :held], k], axis=2)  # positions n0 - held .. n0 + tn - 1
+        vs = xp.concatenate([cache["v"][:, :, :held], v], axis=2)
+        o, _ = ops.causal_attention_forward(q, ks, vs, scale=self.scale, blocked=False, window=self.window,
+                                            softcap=self.softcap, q_first=n0, k_first=n0 - held)
+        now = min(n0 + tn, keep)
+        cache["k"][:, :, :now] = ks[:, :, ks.shape[2] - now:]
+        cache["v"][:, :, :now] = vs[:, :, vs.shape[2] - now:]
+        cache["len"] = n0 + tn
         return self.proj.forward(self._merge_heads(o))
 
 

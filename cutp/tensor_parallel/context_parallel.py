@@ -35,6 +35,13 @@ to the cp / nkv ranks of its query heads (`ulysses_heads`, as TP copies a KV hea
 n_kv_head) and its dK,dV come back as the sum of theirs. Bytes per layer each way: q, k, v (k, v
 once per copy) and o of the local sequence, (cp-1)/cp of them leaving.
 
+Local attention and packed sequences (the mask rule of `cutp.ops.attention`: `window`,
+`softcap`, `documents` [B, T] of the whole sequence, non-decreasing ids): each ring tile carries
+its chunks' global first indices and its rows' and keys' document ids (`_tile_rule`); a tile whose
+chunks lie wholly outside the window, or share no document in any batch row, is skipped in both
+directions (no compute; its K,V still pass on). The all-to-all attention runs whole sequences, the
+one-rank op with the whole documents.
+
 `OVERLAP = False` (a module switch, for tests and measurements) posts each exchange after the
 step's compute and finishes it at once: the same arithmetic in the same order, so bit-identical
 results.
@@ -48,7 +55,7 @@ import numpy as np
 from ..ops import attention_tiles as tiles
 from ..ops.attention import causal_attention_backward, causal_attention_forward
 from ..ops.common import as_dtype, compute_dtype
-from ..runtime.backend import get_array_module
+from ..runtime.backend import get_array_module, to_numpy
 from ..runtime.errors import ConfigError
 
 # Exchanges posted before each ring step's compute and waited after it (False: after it, at once).
@@ -149,13 +156,13 @@ def check_context_parallel(seq_len: int, cp: int, tp: int, sequence_parallel: bo
 class RingCtx:
     """What the ring attention's backward needs: the local q, k, v, the merged o (q's dtype) and
     the log-sum-exp of each local query chunk (a pair of [B, nkv, g, c] arrays, compute dtype),
-    the scale and the dropout."""
+    the scale, the dropout and the mask rule (`MaskRule`)."""
 
     fused = False
 
-    def __init__(self, q, k, v, o, lse, scale, dropout):
+    def __init__(self, q, k, v, o, lse, scale, dropout, rule=None):
         self.q, self.k, self.v, self.o, self.lse = q, k, v, o, lse
-        self.scale, self.dropout = scale, dropout
+        self.scale, self.dropout, self.rule = scale, dropout, rule
 
 
 def _tile_kind(query_chunk: int, key_chunk: int):
@@ -163,6 +170,49 @@ def _tile_kind(query_chunk: int, key_chunk: int):
     if query_chunk > key_chunk:
         return "full"
     return "causal" if query_chunk == key_chunk else None
+
+
+_LAST_IDS: list = [None, None]  # the last documents array seen and its host copy
+
+
+def _host_ids(documents):
+    """A host copy of the documents (a device array read once: every layer of a forward gets the
+    same one, which the model makes afresh for each forward)."""
+    if isinstance(documents, np.ndarray):
+        return documents
+    if _LAST_IDS[0] is not documents:
+        _LAST_IDS[:] = [documents, to_numpy(documents)]
+    return _LAST_IDS[1]
+
+
+class MaskRule:
+    """The ring's window, soft-cap and documents (the whole sequences' ids [B, T], and a host
+    copy of them for the skipping decisions), per chunk of c tokens."""
+
+    def __init__(self, window=None, softcap=None, documents=None):
+        self.window, self.softcap, self.documents = window, softcap, documents
+        self.host = None if documents is None else _host_ids(documents)
+
+    def visible(self, query_chunk: int, key_chunk: int, c: int) -> bool:
+        """Whether any query of the chunk may see any key of the other (else the tile is skipped)."""
+        if _tile_kind(query_chunk, key_chunk) is None:
+            return False
+        if self.window is not None and query_chunk * c - ((key_chunk + 1) * c - 1) >= self.window:
+            return False  # the chunk's first query is past its last key's window
+        if self.host is not None:  # ids are non-decreasing: the key chunk's last against the query chunk's first
+            q_first = self.host[:, query_chunk * c]
+            k_last = self.host[:, (key_chunk + 1) * c - 1]
+            if query_chunk != key_chunk and not (q_first == k_last).any():
+                return False
+        return True
+
+    def tile(self, query_chunk: int, key_chunk: int, c: int) -> dict:
+        """The tile's keyword arguments for `attention_tiles` (window, softcap, its documents)."""
+        docs = None
+        if self.documents is not None:
+            docs = (self.documents[:, query_chunk * c:(query_chunk + 1) * c],
+                    self.documents[:, key_chunk * c:(key_chunk + 1) * c])
+        return dict(window=self.window, softcap=self.softcap, documents=docs)
 
 
 # ---- all-to-all (Ulysses) ---------------------------------------------------------------------
@@ -242,11 +292,11 @@ class UlyssesCtx:
         self.attention, self.rep = attention_ctx, rep
 
 
-def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None):
+def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: MaskRule | None = None):
     """(o, UlyssesCtx): q [B, nkv, g, Tl, hd], k and v [B, nkv, Tl, hd] this rank's tokens of
     the TP-local heads (nkv g divisible by cp, and cp dividing nkv or nkv dividing cp) -> o of
     q's shape; dropout: None or (p, seed, per-batch-row counter offsets of this rank's first
-    head, global T)."""
+    head, global T); rule: the window, soft-cap and whole documents (`MaskRule`)."""
     cp = group.size
     B, nkv, g, Tl, hd = q.shape
     nkv_r, g_r, rep = ulysses_heads(cp, nkv, g)
@@ -258,7 +308,12 @@ def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None):
         T = dropout[3]
         first = group.rank * nkv_r * g_r * T * T
         offsets = [o + first for o in offsets]
-    o, attention_ctx = causal_attention_forward(qh, kh, vh, scale=scale, dropout_p=p, seed=seed, offset=offsets)
+    mask = {}
+    if rule is not None:
+        docs = rule.documents
+        mask = dict(window=rule.window, softcap=rule.softcap, documents=None if docs is None else (docs, docs))
+    o, attention_ctx = causal_attention_forward(qh, kh, vh, scale=scale, dropout_p=p, seed=seed, offset=offsets,
+                                                **mask)
     (o,) = _heads_to_seq(group, [(o, 1)])
     return o.reshape(q.shape), UlyssesCtx(attention_ctx, rep)
 
@@ -294,11 +349,13 @@ def _ring_step(group, sends, recvs, compute):
     return group.exchange(sends, recvs)
 
 
-def ring_attention_forward(group, q, k, v, scale: float, dropout=None):
+def ring_attention_forward(group, q, k, v, scale: float, dropout=None, rule: MaskRule | None = None):
     """(o, RingCtx): causal attention of this CP rank's queries against the whole sequence's
     keys, over `group` (the CP group; module docstring). q [B, nkv, g, Tl, hd], k and v
     [B, nkv, Tl, hd] this rank's local sequence; dropout: None or (p, seed, per-batch-row
-    counter offsets of this rank's first head, global T)."""
+    counter offsets of this rank's first head, global T); rule: the window, soft-cap and
+    documents (`MaskRule`; None: the causal rule alone)."""
+    rule = rule or MaskRule()
     xp = get_array_module(q, k, v)
     cp, r = group.size, group.rank
     Tl = q.shape[3]
@@ -317,18 +374,18 @@ def ring_attention_forward(group, q, k, v, scale: float, dropout=None):
             for a in range(2):
                 qa = q[..., a * c:(a + 1) * c, :]
                 for b in range(2):
-                    kind = _tile_kind(mine[a], theirs[b])
-                    if kind is None:
+                    if not rule.visible(mine[a], theirs[b], c):
                         continue
                     o_t, lse_t = tiles.tile_forward(qa, kv[0][:, :, b * c:(b + 1) * c], kv[1][:, :, b * c:(b + 1) * c],
-                                                    scale, (mine[a] * c, theirs[b] * c), dropout)
+                                                    scale, (mine[a] * c, theirs[b] * c), dropout,
+                                                    **rule.tile(mine[a], theirs[b], c))
                     acc[a] = tiles.merge(*acc[a], o_t, lse_t)
 
         received = _ring_step(group, sends, recvs, compute)
         if received:
             kv = received[0]
     o = as_dtype(xp.concatenate([acc[0][0], acc[1][0]], axis=3), q.dtype)
-    return o, RingCtx(q, k, v, o, (acc[0][1], acc[1][1]), scale, dropout)
+    return o, RingCtx(q, k, v, o, (acc[0][1], acc[1][1]), scale, dropout, rule)
 
 
 def ring_attention_backward(group, do, ctx: RingCtx, out=None):
@@ -365,12 +422,13 @@ def ring_attention_backward(group, do, ctx: RingCtx, out=None):
         def compute(kv=kv, theirs=theirs, dkv=dkv):
             for a, rows in enumerate(chunks):
                 for b, keys in enumerate(chunks):
-                    if _tile_kind(mine[a], theirs[b]) is None:
+                    if not ctx.rule.visible(mine[a], theirs[b], c):
                         continue
                     # the tile's gradients added into dq and the held K,V's dK,dV (fused: by the kernels)
                     tiles.tile_backward(do[..., rows, :], q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys],
                                         rowdot[a], ctx.lse[a], ctx.scale, (mine[a] * c, theirs[b] * c), ctx.dropout,
-                                        out=(dq[..., rows, :], dkv[0][:, :, keys], dkv[1][:, :, keys]))
+                                        out=(dq[..., rows, :], dkv[0][:, :, keys], dkv[1][:, :, keys]),
+                                        **ctx.rule.tile(mine[a], theirs[b], c))
 
         received = _ring_step(group, sends, recvs, compute)
         if step > 0:

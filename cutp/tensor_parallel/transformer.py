@@ -123,7 +123,8 @@ class ParallelTransformerBlock(Module):
         self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
                                       n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
                                       head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
-                                      rotary=rotary if s.rope else None, qk_norm=s.qk_norm, norm_eps=s.norm_eps)
+                                      rotary=rotary if s.rope else None, qk_norm=s.qk_norm, norm_eps=s.norm_eps,
+                                      window=s.window, softcap=s.attn_softcap)
         self.attn_dropout = Dropout(s.dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
         self.mlp_norm = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.mlp_norm", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)
@@ -137,27 +138,28 @@ class ParallelTransformerBlock(Module):
         self.rng = rng
         self.recompute = False  # full recomputation: keep only the input (module docstring)
 
-    def _forward(self, x, positions=None):
-        branch = self.attn_dropout.forward(self.attn.forward(self.attn_norm.forward(x), positions))
+    def _forward(self, x, positions=None, documents=None):
+        branch = self.attn_dropout.forward(self.attn.forward(self.attn_norm.forward(x), positions, documents))
         x, h = self.mlp_norm.forward_residual(x, branch)  # (RMSNorm: the add and the norm, one kernel)
         return x + self.mlp_dropout.forward(self.mlp.forward(h))
 
-    def forward(self, x, positions=None):
-        """positions: the tokens' global position ids for rotary attention (None: arange(T))."""
+    def forward(self, x, positions=None, documents=None):
+        """positions: the tokens' global position ids for rotary attention (None: arange(T));
+        documents: the whole sequences' document ids [B, T] (None: one a row; packed sequences)."""
         if not (self.recompute and self.training):
-            return self._forward(x, positions)
-        # the input, its positions, and where the dropout draws stood
-        self._save("input", (x, positions, dict(self.rng.offsets), self.rng.position))
+            return self._forward(x, positions, documents)
+        # the input, its positions and documents, and where the dropout draws stood
+        self._save("input", (x, positions, documents, dict(self.rng.offsets), self.rng.position))
         with not_stashed(self):
-            return self._forward(x, positions)
+            return self._forward(x, positions, documents)
 
     def backward(self, dy):
         if self.recompute:
-            x, positions, offsets, position = self._load("input")
+            x, positions, documents, offsets, position = self._load("input")
             after = self.rng.offsets, self.rng.position
             self.rng.offsets, self.rng.position = dict(offsets), position
             try:
-                self._forward(x, positions)  # the first pass again, this time stashed
+                self._forward(x, positions, documents)  # the first pass again, this time stashed
             finally:
                 self.rng.offsets, self.rng.position = after
         # dy flows into both the residual and the MLP branch

@@ -93,8 +93,8 @@ LLAMA_HF = dict(model_type="llama", hidden_size=32, intermediate_size=24, num_hi
 
 @pytest.mark.parametrize("change, message", [
     (dict(model_type="gemma"), r"model_type is 'gemma'"),
-    (dict(model_type="mistral", sliding_window=4096), r"sliding_window=4096 is set"),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=32), r"sliding_window=32 is set"),
+    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=32, layer_types=["sliding"] * 2),
+     r"layer_types \['sliding', 'sliding'\] must list"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling type 'yarn' is not supported"),
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
@@ -140,9 +140,12 @@ def _hf_model(family, torch, transformers, dtype):
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8})
     elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**dict(common, tie_word_embeddings=True), rope_theta=1000.0)
+        # layer 0 global, layer 1 local with a 7-token window (use_sliding_window from max_window_layers on)
+        cfg = transformers.Qwen2Config(**dict(common, tie_word_embeddings=True), rope_theta=1000.0,
+                                       use_sliding_window=True, sliding_window=7, max_window_layers=1)
     elif family == "mistral":
-        cfg = transformers.MistralConfig(**common, sliding_window=None, head_dim=8)
+        # Mistral v0.1's window, shorter than the tests' 24 tokens and their 38 of generation
+        cfg = transformers.MistralConfig(**common, sliding_window=7, head_dim=8)
     elif family == "qwen3":  # head_dim 12, apart from hidden_size / heads (8)
         cfg = transformers.Qwen3Config(**common, head_dim=12, rope_theta=1000.0)
     else:
@@ -248,7 +251,7 @@ def _lift_float32_casts(monkeypatch, torch, hf):
             module.inv_freq = torch.from_numpy(ops.rope_inv_freq(hd, theta, scaling, np.float64))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mixtral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "mixtral", "qwen3"])
 def test_float64_logits_and_gradients_equal_transformers_without_its_float32_casts(family, tmp_path, monkeypatch):
     torch, transformers = _transformers()
     hf = _hf_model(family, torch, transformers, torch.float64)

@@ -89,8 +89,8 @@ def test_blocked_path_really_is_blocked(monkeypatch):
     _, ctx = causal_attention_forward(q, k, v)
     assert ctx.blocked and len(ctx.pieces) == 4
     for blocks in ctx.piece_blocks:
-        assert [(r0, r1) for r0, r1, _ in blocks] == [(0, 16), (16, 32), (32, 40)]
-        assert [sctx.y.shape[-2:] for _, _, sctx in blocks] == [(16, 16), (16, 32), (8, 40)]
+        assert [(r0, r1) for r0, r1, *_ in blocks] == [(0, 16), (16, 32), (32, 40)]
+        assert [b[4].y.shape[-2:] for b in blocks] == [(16, 16), (16, 32), (8, 40)]
 
 
 @pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "plain"])
@@ -223,3 +223,130 @@ def test_shape_errors():
         causal_attention_forward(q[:, :1], k, v)
     with pytest.raises(ValueError, match="Tq <= Tk"):
         causal_attention_forward(q, k[:, :, :10], v[:, :, :10])
+
+
+# ---- the mask rule: windows, soft-capping, the rows' global indices, documents (issues 37, 38) ----
+def loop_masked(q, k, v, scale, q_first, k_first, window, softcap, documents):
+    """Contract 1 one query row at a time: key s visible from query p iff s <= p, s > p - window,
+    and the same document; scores soft-capped before the mask; a row seeing nothing: zeros."""
+    B, nkv, g, Tq, hd = q.shape
+    Tk = k.shape[2]
+    o = np.zeros_like(q)
+    for b, h, j, i in np.ndindex(B, nkv, g, Tq):
+        p = q_first + i
+        seen = [t for t in range(Tk) if k_first + t <= p and (window is None or k_first + t > p - window)
+                and (documents is None or documents[0][b, i] == documents[1][b, t])]
+        if seen:
+            s = np.array([q[b, h, j, i] @ k[b, h, t] for t in seen]) * scale
+            s = s if softcap is None else softcap * np.tanh(s / softcap)
+            w = np.exp(s - s.max())
+            o[b, h, j, i] = (w / w.sum()) @ v[b, h, seen]
+    return o
+
+
+def _docs(B, T, seed):
+    """Non-decreasing document ids [B, T]: several documents a row, one-token ones among them."""
+    rng = np.random.default_rng(seed)
+    starts = rng.random((B, T)) < 0.3
+    starts[:, 0] = False
+    starts[0, 1] = starts[0, 2] = True  # a one-token document
+    return np.cumsum(starts, axis=1).astype(np.int32)
+
+
+# (window, softcap, q_first, k_first, documents?) on [B=2, nkv=2, g=2, Tq, Tk, hd=4]
+MASKS = [dict(window=5), dict(window=1), dict(softcap=0.7), dict(window=7, softcap=0.5),
+         dict(documents=True), dict(documents=True, window=4, softcap=1.5),
+         dict(q_first=24, k_first=8, window=9),  # a ring tile: rows of chunk 3 against keys of chunk 1
+         dict(q_first=13, k_first=10, window=6)]  # keys after some queries: those rows see nothing
+MASK_IDS = ["w5", "w1", "cap", "w7-cap", "docs", "docs-w4-cap", "tile", "rows-seeing-nothing"]
+
+
+def _masked_case(kw, T=40):
+    kw = dict(kw)
+    Tq = T if "q_first" not in kw else 16
+    Tk = T if "q_first" not in kw else 16
+    q, k, v = qkv((2, 2, 2, Tq, Tk, 4), seed=5)
+    if kw.pop("documents", False):
+        docs = _docs(2, T, 1)
+        kw["documents"] = (docs, docs)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("kw", MASKS, ids=MASK_IDS)
+def test_mask_rule_on_every_array_path(kw, monkeypatch):
+    """The plain path, the blocked one (many pieces and query blocks) and the reference equal the
+    row-by-row rule in float64, and the gradients of both paths are the reference's (central
+    differences) and each other's."""
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 9)
+    monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
+    q, k, v, kw = _masked_case(kw)
+    Tq, Tk = q.shape[3], k.shape[2]
+    rule = dict(q_first=kw.get("q_first", Tk - Tq), k_first=kw.get("k_first", 0), window=kw.get("window"),
+                softcap=kw.get("softcap"), documents=kw.get("documents"))
+    want = loop_masked(q, k, v, 0.5, **rule)
+    np.testing.assert_allclose(causal_attention_reference(q, k, v, 0.5, **kw), want, rtol=1e-12, atol=1e-14)
+    do = np.random.default_rng(2).standard_normal(q.shape)
+    grads = []
+    for blocked in (True, False):
+        o, ctx = causal_attention_forward(q, k, v, scale=0.5, blocked=blocked, **kw)
+        assert ctx.blocked == blocked
+        np.testing.assert_allclose(o, want, rtol=1e-12, atol=1e-14, err_msg=str(blocked))
+        grads.append(causal_attention_backward(do, ctx))
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-13)
+    assert not np.allclose(want, causal_attention_reference(q, k, v, 0.5))  # the rule changed something
+
+    if kw.get("softcap") is None and kw.get("q_first") is None:
+        return  # (the paths' gradients agree above; central differences where the soft-cap or a tile's rows change them)
+
+    def backward(d, ctx):
+        return dict(zip("qkv", causal_attention_backward(d, ctx)))
+
+    check_gradients(lambda q, k, v: (causal_attention_reference(q, k, v, 0.5, **kw),
+                                     causal_attention_forward(q, k, v, scale=0.5, **kw)[1]),
+                    dict(q=q, k=k, v=v), backward, tol=1e-7, max_elements=12)
+
+
+def test_mask_rule_with_dropout_and_the_default_rule_spelled_out():
+    """Dropout on the masked probabilities draws the plain path's masks; q_first / k_first spelling
+    out the default rule give the default numbers bit for bit."""
+    q, k, v, kw = _masked_case(dict(documents=True, window=6, softcap=2.0))
+    o, ctx = causal_attention_forward(q, k, v, dropout_p=0.25, seed=3, offset=10, **kw)
+    np.testing.assert_allclose(o, causal_attention_reference(q, k, v, dropout_p=0.25, seed=3, offset=10, **kw),
+                               rtol=1e-12, atol=1e-14)
+
+    def backward(d, ctx):
+        return dict(zip("qkv", causal_attention_backward(d, ctx)))
+
+    check_gradients(lambda q, k, v: causal_attention_forward(q, k, v, dropout_p=0.25, seed=3, offset=10, **kw),
+                    dict(q=q, k=k, v=v), backward, tol=1e-7, max_elements=12)
+    # float32 follows float64 on both paths
+    do = np.random.default_rng(4).standard_normal(q.shape)
+    for blocked in (True, False):
+        o64, ctx64 = causal_attention_forward(q, k, v, blocked=blocked, **kw)
+        o32, ctx32 = causal_attention_forward(*(a.astype(np.float32) for a in (q, k, v)), blocked=blocked, **kw)
+        assert o32.dtype == np.float32
+        np.testing.assert_allclose(o32, o64, rtol=1e-4, atol=1e-5)
+        for a, b in zip(causal_attention_backward(do.astype(np.float32), ctx32), causal_attention_backward(do, ctx64)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    q, k, v = qkv(SHAPES[4])
+    for blocked in (True, False):
+        a, _ = causal_attention_forward(q, k, v, blocked=blocked)
+        b, _ = causal_attention_forward(q, k, v, blocked=blocked, q_first=k.shape[2] - q.shape[3], k_first=0)
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        causal_attention_forward(q, k, v, window=0)
+    with pytest.raises(ValueError, match="fused attention kernels do not take"):
+        causal_attention_forward(q, k, v, window=3, fused=True)
+
+
+def test_a_blocked_query_block_of_packed_rows_skips_the_keys_before_its_documents(monkeypatch):
+    """Query blocks start at their first row's document (the earliest over a piece's batch rows)."""
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 9)
+    monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
+    q, k, v = qkv((2, 1, 1, 40, 40, 4))
+    docs = np.repeat(np.arange(4, dtype=np.int32), 10)[None].repeat(2, axis=0)
+    docs[1, 15:] += 1  # row 1: documents [0, 10), [10, 15), [15, 20), ...
+    _, ctx = causal_attention_forward(q, k, v, documents=(docs, docs))
+    starts = {(r0, lo) for blocks in ctx.piece_blocks for r0, _, lo, *_ in blocks}
+    assert starts == {(0, 0), (16, 10), (16, 15), (32, 30)}, starts  # (pieces of one row: row 16 of row 1 from 15)

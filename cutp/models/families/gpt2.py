@@ -79,6 +79,9 @@ class GPT2(Family):
                     norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), gelu=_ACTIVATIONS[act])
 
     def refusal(self, cfg) -> str | None:
+        if cfg.sliding_window is not None or cfg.attn_softcap is not None:
+            return (f"sliding_window={cfg.sliding_window}, attn_softcap={cfg.attn_softcap}: GPT-2's attention is "
+                    "global and uncapped")
         if not self.implies(cfg):
             return (f"norm={cfg.norm}, positions={cfg.positions}, mlp={cfg.mlp}: GPT-2 is layernorm, learned "
                     "positions and a GeLU MLP")

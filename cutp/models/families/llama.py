@@ -47,6 +47,9 @@ class LlamaLike(Family):
     spec_fields = Family.spec_fields + ("rope_theta", "rope_scaling", "rope_factor", "n_experts", "moe_top_k",
                                         "qk_norm")
     qk_norm = False  # whether the family's attention normalises each query and key head (Qwen3)
+    # local attention the family's config expresses: None (none), "all" (one window for every layer:
+    # Mistral) or "layers" (a window on the layers layer_types names: Qwen2)
+    windows = None
 
     def implies(self, cfg) -> bool:
         return (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu") and cfg.qk_norm == self.qk_norm
@@ -70,11 +73,31 @@ class LlamaLike(Family):
                     head_dim=hf.get("head_dim") or h // n_head, **rope_from_hf(hf, where))
 
     @staticmethod
-    def refuse_window(hf: dict, in_use: bool, where: str) -> None:
-        if in_use:
-            raise HFFormatError(f"{where}: sliding_window={hf.get('sliding_window')!r} is set; cutp's attention is "
-                                "full causal (set sliding_window to null, or use_sliding_window to false, for a model "
-                                "trained without it)")
+    def layer_windows_from_hf(hf: dict, where: str) -> dict:
+        """sliding_window and layer_types of a Qwen2 / Qwen3 config.json, as transformers reads it:
+        with use_sliding_window, the window on the layers layer_types names "sliding_attention"
+        (without layer_types: the layers from max_window_layers on)."""
+        if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
+            return dict(sliding_window=None, layer_types=None)
+        n, window = hf["num_hidden_layers"], hf.get("sliding_window", 4096)
+        types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else
+                                          "full_attention" for i in range(n)]
+        if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise HFFormatError(f"{where}: layer_types {types!r} must list num_hidden_layers={n} entries of "
+                                "full_attention / sliding_attention")
+        if "sliding_attention" not in types:
+            return dict(sliding_window=None, layer_types=None)
+        return dict(sliding_window=window, layer_types=tuple(types))
+
+    @staticmethod
+    def layer_windows_to_hf(cfg) -> dict:
+        """The inverse of `layer_windows_from_hf`: layer_types written out, and the
+        max_window_layers that gives them where they are global layers, then local ones."""
+        if cfg.sliding_window is None:
+            return dict(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+        types = ["full_attention" if cfg.layer_window(i) is None else "sliding_attention" for i in range(cfg.n_layer)]
+        return dict(use_sliding_window=True, sliding_window=cfg.sliding_window,
+                    max_window_layers=types.index("sliding_attention"), layer_types=types)
 
     def common_to_hf(self, cfg) -> dict:
         return {"architectures": [self.architecture], "model_type": self.name, "hidden_size": cfg.n_embd,
@@ -86,7 +109,24 @@ class LlamaLike(Family):
                 "initializer_range": 0.02, "use_cache": True, "torch_dtype": cfg.dtype,
                 "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
 
+    def attention_refusal(self, cfg) -> str | None:
+        """Why the family's attention cannot express cfg's window or soft-capping (None: it can)."""
+        if cfg.attn_softcap is not None:
+            return f"attn_softcap={cfg.attn_softcap}: {self.architecture} has no attention soft-capping (Gemma 2 has)"
+        if cfg.sliding_window is None or self.windows == "layers":
+            return None
+        if self.windows is None:
+            return (f"sliding_window={cfg.sliding_window}: {self.architecture} attends globally (a Llama-shaped "
+                    "model with a window is written as Mistral)")
+        if cfg.layer_types is not None and "full_attention" in cfg.layer_types:
+            return (f"layer_types {list(cfg.layer_types)}: {self.architecture} applies its window to every layer "
+                    "(a model with global layers among local ones is written as Qwen2 or Gemma)")
+        return None
+
     def refusal(self, cfg) -> str | None:
+        why = self.attention_refusal(cfg)
+        if why:
+            return why
         if not LlamaLike.implies(self, cfg):
             return (f"norm={cfg.norm}, positions={cfg.positions}, mlp={cfg.mlp} is not a Llama-family model "
                     "(rmsnorm, rope, swiglu); GPT-2's adapter writes layernorm/learned/gelu models")

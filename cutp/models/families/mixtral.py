@@ -5,7 +5,7 @@ router_aux_loss_coef the load-balancing loss's weight.
     block_sparse_moe.gate.weight [E, h]        layers.i.mlp.router.weight [h, E]
     block_sparse_moe.experts.e.w1 / w3 / w2    layers.i.mlp.experts.e.fc1 [gate | up] / fc2
 
-Refused by name: a sliding_window in use, router jitter.
+sliding_window: every layer's window, as Mistral's. Refused by name: router jitter.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from .llama import LLAMA_SPEC, LlamaLike
 
 
 class Mixtral(LlamaLike):
+    windows = "all"  # (sliding_window: every layer's, as Mistral's)
     name = "mixtral"
     architecture = "MixtralForCausalLM"
     presets = {
@@ -29,15 +30,17 @@ class Mixtral(LlamaLike):
         return LlamaLike.implies(self, cfg) and bool(cfg.n_experts)  # (Qwen3-MoE, with qk_norm, is not Mixtral)
 
     def config_from_hf(self, hf: dict, where: str) -> dict:
-        self.refuse_window(hf, hf.get("sliding_window") is not None, where)
         if float(hf.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
             raise HFFormatError(f"{where}: router_jitter_noise={hf['router_jitter_noise']!r} is not supported; "
                                 "cutp's router is deterministic")
         return dict(self.common_from_hf(hf, where), qkv_bias=False, attn_out_bias=False, mlp_bias=False,
                     n_experts=hf.get("num_local_experts", 8), moe_top_k=hf.get("num_experts_per_tok", 2),
-                    moe_renormalize=True, moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)))
+                    moe_renormalize=True, moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.02)),
+                    sliding_window=hf.get("sliding_window"))  # (every layer's, as Mistral's; MixtralConfig: None)
 
     def refusal(self, cfg) -> str | None:
+        if self.attention_refusal(cfg):
+            return self.attention_refusal(cfg)
         if not LlamaLike.implies(self, cfg):
             return LlamaLike.refusal(self, dataclasses.replace(cfg, n_experts=0))
         if not cfg.n_experts:
@@ -52,7 +55,7 @@ class Mixtral(LlamaLike):
     def config_to_hf(self, cfg) -> dict:
         return dict(self.common_to_hf(cfg), head_dim=cfg.head_size, num_local_experts=cfg.n_experts,
                     num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_loss_coeff,
-                    output_router_logits=False, sliding_window=None, router_jitter_noise=0.0)
+                    output_router_logits=False, sliding_window=cfg.sliding_window, router_jitter_noise=0.0)
 
     def mlp_recipes(self, cfg, i: int, p: str, c: str) -> list:
         h, F, E = cfg.n_embd, cfg.hidden, cfg.n_experts

@@ -1,7 +1,9 @@
 """Qwen2 (`Qwen2ForCausalLM`, Qwen2 and Qwen2.5): Llama's block with biases on the q, k and v
 projections only (none on o_proj or the MLP), tied or untied embeddings, head_dim n_embd / n_head
 (Qwen2's config has no head_dim). Tensors: Llama's names (cutp.models.families.llama).
-Refused by name: use_sliding_window true.
+Windows as transformers' Qwen2Config has them: with use_sliding_window, sliding_window on the
+layers `layer_types` names "sliding_attention" (without layer_types: the layers from
+max_window_layers on); written back with layer_types and the max_window_layers that gives them.
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ class Qwen2(LlamaLike):
         return super().implies(cfg) and not cfg.n_experts and self.biases(cfg) == (True, False, False)
 
     def config_from_hf(self, hf: dict, where: str) -> dict:
-        self.refuse_window(hf, bool(hf.get("use_sliding_window", False)), where)
         # q/k/v biases, no o_proj or MLP bias (Qwen2's modelling code)
-        return dict(self.common_from_hf(hf, where), qkv_bias=True, attn_out_bias=False, mlp_bias=False)
+        return dict(self.common_from_hf(hf, where), qkv_bias=True, attn_out_bias=False, mlp_bias=False,
+                    **self.layer_windows_from_hf(hf, where))
+
+    windows = "layers"
 
     def bias_refusal(self, qkv, out, mlp, cfg) -> str | None:
         if (qkv, out, mlp) != (True, False, False):
@@ -35,5 +39,4 @@ class Qwen2(LlamaLike):
         return None
 
     def config_to_hf(self, cfg) -> dict:
-        return dict(self.common_to_hf(cfg), use_sliding_window=False, sliding_window=None,
-                    max_window_layers=cfg.n_layer)
+        return dict(self.common_to_hf(cfg), **self.layer_windows_to_hf(cfg))

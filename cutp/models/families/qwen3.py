@@ -6,7 +6,7 @@ the small models. Tensors: Llama's names (cutp.models.families.llama) plus
     self_attn.q_norm.weight [head_dim]     layers.i.attn.q_norm.weight
     self_attn.k_norm.weight [head_dim]     layers.i.attn.k_norm.weight
 
-Refused by name: use_sliding_window true (Qwen3's window layers).
+Window layers (use_sliding_window, max_window_layers, layer_types) as Qwen2's.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class Qwen3(Llama):
     name = "qwen3"
     architecture = "Qwen3ForCausalLM"
     qk_norm = True
+    windows = "layers"  # (use_sliding_window, max_window_layers, layer_types: as Qwen2's)
     presets = {
         "qwen3-0.6b": dict(n_layer=28, n_head=16, n_kv_head=8, head_dim=128, n_embd=1024, mlp_hidden=3072,
                            vocab_size=151936, block_size=40960, **{**_QWEN3, "tie_embeddings": True}),
@@ -33,13 +34,12 @@ class Qwen3(Llama):
     }
 
     def config_from_hf(self, hf: dict, where: str) -> dict:
-        self.refuse_window(hf, bool(hf.get("use_sliding_window", False)), where)
-        return dict(super().config_from_hf(hf, where), qk_norm=True)
+        return dict(super().config_from_hf(hf, where), qk_norm=True, **self.layer_windows_from_hf(hf, where))
 
     def config_to_hf(self, cfg) -> dict:
         d = super().config_to_hf(cfg)
         del d["mlp_bias"], d["pretraining_tp"]
-        return dict(d, use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
+        return dict(d, **self.layer_windows_to_hf(cfg))
 
     def bias_refusal(self, qkv, out, mlp, cfg) -> str | None:
         if mlp:
