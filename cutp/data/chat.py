@@ -51,8 +51,8 @@ def _environment():
     """transformers' chat-template environment (chat_template_utils._cached_compile_jinja_template)."""
     try:
         import jinja2  # optional: only chat data needs it
-        from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2.ext import Extension, loopcontrols  # optional (jinja2)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional (jinja2)
     except ImportError:
         raise ConfigError(f"chat templates need the jinja2 library: {JINJA_HINT}") from None
 
