@@ -203,6 +203,12 @@ class ChatTemplate:
         raise ChatError(f"message {len(before)} (assistant): the conversation before it renders differently from the "
                         "start of the whole conversation; the template cannot be used with --train-on assistant")
 
+    def prompt_ids(self, tok, text: str, system: str | None = None) -> list:
+        """The ids of a conversation of one user message (after `system`'s, if given), ready for
+        the assistant's answer: rendered with the generation prompt, tokenized as `encode_chat` does."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return tok.tokenizer.encode(self.render(messages, add_generation_prompt=True), add_special_tokens=False).ids
+
     def end_of_turn(self, tok) -> int | None:
         """The token the template writes right after an assistant message's text (Llama 3's
         <|eot_id|>, Qwen's <|im_end|>, Gemma's <end_of_turn>), or None when it writes none."""

@@ -255,7 +255,7 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
             start += n
         for key, v in found.items():
             counts[key] += v
-        next_doc = first + len(lengths)
+        next_doc = first + len(dropped)
         for name in finished:
             if after_shard is not None:
                 after_shard(name)
@@ -269,8 +269,11 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
         if after_shard is not None:
             after_shard(name)
     if documents_in["train"] == 0:
-        raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation); "
-                          f"give more documents (a text file is one document)")
+        dropped = counts["no_target"] + counts["too_long"] - counts["truncated"]
+        raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation"
+                          + (f"; {dropped} dropped: {counts['no_target']} without a target, "
+                             f"{counts['too_long'] - counts['truncated']} longer than `max_seq_len`" if dropped else "")
+                          + "); give more documents (a text file is one document)")
     meta = {**settings, "vocab_size": tok.vocab_size, "documents": sum(documents_in.values()),
             "tokens": sum(w.tokens for w in writers.values()),
             "splits": {n: {"documents": documents_in[n], "tokens": w.tokens, "shards": w.shards,

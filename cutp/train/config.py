@@ -270,6 +270,12 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp and self.cp == 1:  # (cp > 1: check_context_parallel)
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
+        if self.sample_every and self.sample_prompt is None:
+            raise ConfigError("`sample_every` prints a generation from `sample_prompt`: give `sample_prompt` TEXT too")
+        if self.sample_every and max(self.pp, self.cp, self.ep) > 1:
+            raise ConfigError(f"`sample_every` generates on each TP group with the whole model, which pp {self.pp} / cp "
+                              f"{self.cp} / ep {self.ep} split; omit `sample_every` and sample after training with "
+                              "examples/generate.py")
         check_overlap(self)
         check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.cp_comm,
                                self.model.n_head, self.model.n_kv_head, ranks=self.cp * self.dp)

@@ -5,6 +5,7 @@ byte-level BPE tokenizer directory holding each family's special tokens, trained
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 from tests.data import tokenizer_files
 
@@ -105,13 +106,20 @@ FAMILIES = {
 }
 
 
+@lru_cache(maxsize=None)
+def _trained(vocab_size: int) -> str:
+    """A byte-level BPE trained once per test process (as JSON text: each directory edits a copy)."""
+    from tokenizers import models, pre_tokenizers
+
+    return json.dumps(tokenizer_files._train(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False),
+                                             vocab_size))
+
+
 def chat_tokenizer(d, family: str, marked: bool = False, vocab_size: int = 500) -> str:
     """A byte-level BPE tokenizer directory with `family`'s special tokens and chat template
     (with {% generation %} marks when `marked`; the family's own template otherwise)."""
-    from tokenizers import models, pre_tokenizers
-
     template, bos, eos, others = FAMILIES[family]
-    spec = tokenizer_files._train(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False), vocab_size)
+    spec = json.loads(_trained(vocab_size))
     n = len(spec["model"]["vocab"])
     specials = [t for t in [bos, eos] + others if t]
     spec["added_tokens"] = [tokenizer_files._added(n + i, t) for i, t in enumerate(specials)]
