@@ -236,3 +236,19 @@ def test_packing_places_whole_documents_with_their_ids(prepared):
         np.testing.assert_array_equal(y[r], want)  # -100 at each document's last token, padding, untrained
     with pytest.raises(ConfigError, match=r"longer than seq_len 64 .* --max-seq-len 64"):
         BatchSampler(d, 64, 4, 1, 0, 4, pack=True)
+
+
+def test_verify_data_checks_the_masks_and_document_lengths(prepared, tmp_path):
+    import shutil
+
+    from cutp.data.verify import verify_prepared
+
+    root = prepared[0]
+    shutil.copytree(root / "out", tmp_path / "out")
+    assert verify_prepared(str(tmp_path / "out")) == ([], 2, prepared[2]["tokens"])
+    mask = tmp_path / "out" / "train_000000.mask"
+    raw = bytearray(mask.read_bytes())
+    raw[-1] ^= 1  # one target flag flipped
+    mask.write_bytes(bytes(raw))
+    problems, _, _ = verify_prepared(str(tmp_path / "out"))
+    assert problems == [f"{mask}: its blake2b digest differs from meta.json's (the file was changed after prepare-data)"]
