@@ -252,3 +252,25 @@ def test_verify_data_checks_the_masks_and_document_lengths(prepared, tmp_path):
     mask.write_bytes(bytes(raw))
     problems, _, _ = verify_prepared(str(tmp_path / "out"))
     assert problems == [f"{mask}: its blake2b digest differs from meta.json's (the file was changed after prepare-data)"]
+
+
+def test_a_killed_chat_preparation_resumes_to_the_same_files(prepared, tmp_path):
+    """Masks and document lengths resume with the tokens: the same bytes as an uninterrupted run."""
+    root, tok_dir = prepared[0], prepared[1]
+    settings = dict(val_fraction=0.2, shard_tokens=300, batch_bytes=2000, stream=io.StringIO(),
+                    records=RecordSettings("chat", max_seq_len=96))
+    prepare([str(root / "chat.jsonl")], tok_dir, str(tmp_path / "ref"), workers=1, **settings)
+    finished = []
+
+    def kill_at_the_second(name):
+        finished.append(name)
+        if len(finished) == 2:
+            raise KeyboardInterrupt  # after the rename, before progress.json records the shard
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(root / "chat.jsonl")], tok_dir, str(tmp_path / "out"), workers=1, after_shard=kill_at_the_second,
+                **settings)
+    meta = prepare([str(root / "chat.jsonl")], tok_dir, str(tmp_path / "out"), workers=1, **settings)
+    files = {p.name: p.read_bytes() for p in sorted((tmp_path / "ref").iterdir())}
+    assert len(meta["splits"]["train"]["masks"]) >= 3 and any(n.endswith(".mask") for n in files)
+    assert {p.name: p.read_bytes() for p in sorted((tmp_path / "out").iterdir())} == files
