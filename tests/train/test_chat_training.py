@@ -175,3 +175,32 @@ def test_a_packed_batch_is_each_document_alone():
             count += n
     assert abs(loss - total / count) <= 1e-12 * abs(loss)
     ctx.close()
+
+
+def test_generate_script_chat_templates_the_prompt_and_stops_at_the_end_of_turn(tmp_path, capsys):
+    from cutp.data.chat import ChatTemplate
+    from cutp.data.tokenizer import load_tokenizer
+    from cutp.generate import generate
+    from cutp.hf import from_hf_gpt2, save_hf_gpt2
+    from tests.acceptance.test_hugging_face_user import _load_example, _random_model
+    from tests.data.chat_templates import chat_tokenizer
+    from tests.tp_utils import self_ctx
+
+    d = chat_tokenizer(str(tmp_path / "m"), "llama3")
+    tok, template = load_tokenizer(d), ChatTemplate.from_dir(d)
+    eot = tok.tokenizer.token_to_id("<|eot_id|>")
+    ctx = self_ctx()
+    model = _random_model(ctx, vocab_size=tok.vocab_size, tie_embeddings=False, block_size=64)
+    prompt = template.prompt_ids(tok, "Hi there")
+    head = model.gather_state_dict()["lm_head.weight"]
+    head[eot] = 1.5 * head[generate(model, prompt, 3, temperature=0)[2]]  # <|eot_id|> the argmax by the third
+    model.load_full_state_dict({"lm_head.weight": head}, strict=False)
+    save_hf_gpt2(model, d)
+    greedy = generate(from_hf_gpt2(ctx, d, dtype="float64"), prompt, 6, temperature=0)
+    assert eot in greedy[1:] and greedy.index(eot) < 5, greedy
+    _load_example("generate.py").main(["--ckpt", d, "--device", "cpu", "--chat", "--prompt", "Hi there",
+                                       "--temperature", "0", "--print-ids", "--max-new-tokens", "6", "--dtype",
+                                       "float64"])
+    text, ids = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    new = greedy[:greedy.index(eot) + 1]
+    assert [int(i) for i in ids[len("ids:"):].split(",")] == new and text == tok.decode(new[:-1])
