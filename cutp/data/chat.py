@@ -40,6 +40,7 @@ from ..runtime.errors import ConfigError
 TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves the template here
 JINJA_HINT = "pip install jinja2 (transformers' chat templates are Jinja)"
 TRAIN_ON = ("assistant", "all")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' _REASONING_FIELDS
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -259,4 +260,11 @@ def check_messages(messages, where: str) -> list:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise ConfigError(f"{where}: \"messages\" must be a non-empty list of objects with a string \"role\"")
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]  # (transformers drops None values)
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}  # (transformers drops None values)
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:  # and fills the names templates read the reasoning under, as transformers does
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
