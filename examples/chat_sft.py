@@ -36,6 +36,7 @@ from cutp.data.prepare import RecordSettings, prepare  # noqa: E402
 from cutp.models import GPT  # noqa: E402
 from cutp.train.step import takes_documents  # noqa: E402
 
+# after the trained tokens, in this order: BOS is vocab_size - 5, <|eot_id|> (the model's EOS) vocab_size - 1
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 LLAMA3_TEMPLATE = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
                    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
     metrics = os.path.join(args.out, "metrics.jsonl")
     subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, os.path.join(HERE, "train_gpt.py"),
                     "--preset", "llama-tiny", "--set", f"vocab_size={args.vocab_size}", "--set",
-                    f"block_size={args.seq_len}", "--tp", str(args.ranks), "--data", data, "--seq-len",
+                    f"block_size={args.seq_len}", "--set", f"bos_token_id={args.vocab_size - len(SPECIALS)}", "--set",
+                    f"eos_token_id={args.vocab_size - 1}", "--tp", str(args.ranks), "--data", data, "--seq-len",
                     str(args.seq_len), *(["--pack"] if takes_documents(GPT) else []), "--batch-size", "16", "--steps", str(args.steps), "--lr", "3e-3",
                     "--eval-every", str(args.eval_every), "--eval-batches", "4", "--log-every", str(args.eval_every),
                     "--sample-every", str(args.steps), "--sample-prompt", "Which line follows `import os`?",
