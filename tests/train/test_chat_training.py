@@ -1,9 +1,10 @@
 """Issue 38: training on chat data. float64, prepared Llama-3-style chat records (their prompt tokens
--100): the step's loss and gradients at DP 2 with one-row micro-batches, whose target counts
-differ, equal one rank's with the whole batch (loss 1e-12, gradients 1e-10), and so does the
-validation loss (the sum over its targets / their count); likewise packed (`pack`), where the
-step hands each micro-batch's document ids to the model's forward (`documents=`, contract 2;
-the model is wrapped here to take them where this build's does not); --sample-every's prompt is
+-100), packed (`pack`): the step's loss and gradients at DP 2 with one-row micro-batches, whose
+target counts differ, equal one rank's with the whole batch (loss 1e-12, gradients 1e-10), and so
+does the validation loss (the sum over its targets / their count); the step hands each
+micro-batch's document ids to the model's forward (`documents=`, contract 2; the model is
+wrapped here to take them where this build's does not; unpacked masked batches:
+tests/train/test_loss_average.py); --sample-every's prompt is
 the chat template's. With a model that keeps attention inside documents, a packed batch's loss
 equals each document's summed target losses computed alone, over the total target count."""
 import io
@@ -81,22 +82,18 @@ def _worker(data):
     from mpi4py import MPI
 
     seen = _model_takes_documents()
-    for pack in (False, True):
-        if seen is not None:
-            seen.clear()
-        losses, grads, val, counts, docs = _train(_config(data, dp=2, micro=1, pack=pack), MPI.COMM_WORLD)
-        if seen is not None:  # the step's forwards got the sampler's ids (and the evaluation's)
-            assert all(d is not None for d in seen) == pack and len(seen) == 4 + 4
-            if pack:
-                for got, want in zip(seen[:4], docs):
-                    np.testing.assert_array_equal(got, want)
-        assert len(set(counts)) > 1  # micro-batches of different target counts: the weighting matters
-        ref_losses, ref_grads, ref_val, _, _ = on_rank_0(
-            lambda: _train(_config(data, dp=1, micro=8, pack=pack), MPI.COMM_SELF))
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0)
-        np.testing.assert_allclose(val, ref_val, rtol=1e-12, atol=0)
-        for name, g in ref_grads.items():
-            assert float(np.abs(grads[name] - g).max()) <= 1e-10 * float(np.abs(g).max()), name
+    losses, grads, val, counts, docs = _train(_config(data, dp=2, micro=1, pack=True), MPI.COMM_WORLD)
+    if seen is not None:  # the step's forwards got the sampler's ids (and the evaluation's)
+        assert len(seen) == 4 + 4 and all(d is not None for d in seen)
+        for got, want in zip(seen[:4], docs):
+            np.testing.assert_array_equal(got, want)
+    assert len(set(counts)) > 1  # micro-batches of different target counts: the weighting matters
+    ref_losses, ref_grads, ref_val, _, _ = on_rank_0(lambda: _train(_config(data, dp=1, micro=8, pack=True),
+                                                                    MPI.COMM_SELF))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(val, ref_val, rtol=1e-12, atol=0)
+    for name, g in ref_grads.items():
+        assert float(np.abs(grads[name] - g).max()) <= 1e-10 * float(np.abs(g).max()), name
 
 
 def test_masked_loss_and_gradients_at_dp2_equal_one_rank(chat_data):
