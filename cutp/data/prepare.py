@@ -6,7 +6,15 @@ Inputs: text files (one document each), JSONL files (one document a line, its `-
 string; blank lines skipped) and folders of them (walked in sorted order, hidden names skipped;
 `.jsonl` files read as JSONL, all others as text). Everything is UTF-8.
 
-Each document is encoded by the tokenizer (`cutp.data.tokenizer.load_tokenizer`) with its
+`--format chat|instruct` reads JSONL records of messages (cutp.data.records) and renders each
+with the tokenizer's chat template (cutp.data.chat: ids as transformers' apply_chat_template
+gives them, no EOS appended: the template ends each turn); `--train-on` decides the targets,
+stored as one uint8 flag per token beside the shards (`<split>_NNNNNN.mask`). A record without a
+target, or longer than `--max-seq-len`, is counted, reported and dropped or truncated
+(`--too-long`; meta.json's "dropped"). Every preparation also stores each document's length
+(`<split>_NNNNNN.docs`, for packing). Both streams are cut, synced and resumed as the tokens are.
+
+Each text document is encoded by the tokenizer (`cutp.data.tokenizer.load_tokenizer`) with its
 template's BOS where it adds one (Llama, Mistral) and EOS appended (the byte tokenizer has none:
 its documents are concatenated as they are). Special tokens written in a document's text are
 encoded as text, never as their ids (a document cannot forge an EOS). Document i (counting from
