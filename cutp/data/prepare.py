@@ -279,8 +279,10 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
     if documents_in["train"] == 0:
         dropped = counts["no_target"] + counts["too_long"] - counts["truncated"]
         raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation"
-                          + (f"; {dropped} dropped: {counts['no_target']} without a target, "
-                             f"{counts['too_long'] - counts['truncated']} longer than `max_seq_len`" if dropped else "")
+                          + (f"; {dropped} dropped: {counts['no_target']} without a target token"
+                             + (" (truncated ones included)" if counts["truncated"] else "")
+                             + f", {counts['too_long'] - counts['truncated']} longer than `max_seq_len`"
+                             if dropped else "")
                           + "); give more documents (a text file is one document)")
     meta = {**settings, "vocab_size": tok.vocab_size, "documents": sum(documents_in.values()),
             "tokens": sum(w.tokens for w in writers.values()),
@@ -420,7 +422,8 @@ class _Progress:
                           f"worker(s){resumed} -> {out}\n")
         dropped, limit = meta["dropped"], meta["records"]["max_seq_len"]
         if dropped["no_target"] or dropped["too_long"]:
-            self.stream.write(f"prepare-data: {dropped['no_target']:,} record(s) with no target token dropped; "
+            self.stream.write(f"prepare-data: {dropped['no_target']:,} record(s) with no target token dropped"
+                              + (" (truncated ones included)" if dropped["truncated"] else "") + "; "
                               f"{dropped['too_long']:,} longer than --max-seq-len {limit} "
                               f"({dropped['truncated']:,} truncated, {dropped['too_long'] - dropped['truncated']:,} "
                               "dropped)\n")
