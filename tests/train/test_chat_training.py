@@ -34,7 +34,7 @@ def chat_data(tmp_path_factory):
     return str(root / "data")
 
 
-def _config(data, dp, micro, pack=False, **kw):
+def _config(data, dp=1, micro=8, pack=False, **kw):
     from cutp.data import load_dataset
     from cutp.models import GPTConfig
     from cutp.train import RunConfig
@@ -78,26 +78,35 @@ def _train(cfg, comm):
     return losses, grads, val, counts, docs
 
 
-def _worker(data):
+# every layout matches one rank (checked on demand: _worker(data, LAYOUTS)); the suite runs DP 2's
+LAYOUTS = [dict(dp=2, micro=1), dict(dp=1, tp=2, sequence_parallel=True, micro=2),
+           dict(dp=1, cp=2, cp_comm="ring", micro=2), dict(dp=1, cp=2, cp_comm="a2a", micro=4)]
+
+
+def _worker(data, layouts):
     from mpi4py import MPI
 
     seen = _model_takes_documents()
-    losses, grads, val, counts, docs = _train(_config(data, dp=2, micro=1, pack=True), MPI.COMM_WORLD)
-    if seen is not None:  # the step's forwards got the sampler's ids (and the evaluation's)
-        assert len(seen) == 4 + 4 and all(d is not None for d in seen)
-        for got, want in zip(seen[:4], docs):
-            np.testing.assert_array_equal(got, want)
-    assert len(set(counts)) > 1  # micro-batches of different target counts: the weighting matters
     ref_losses, ref_grads, ref_val, _, _ = on_rank_0(lambda: _train(_config(data, dp=1, micro=8, pack=True),
                                                                     MPI.COMM_SELF))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0)
-    np.testing.assert_allclose(val, ref_val, rtol=1e-12, atol=0)
-    for name, g in ref_grads.items():
-        assert float(np.abs(grads[name] - g).max()) <= 1e-10 * float(np.abs(g).max()), name
+    for layout in layouts:
+        if seen is not None:
+            seen.clear()
+        losses, grads, val, counts, docs = _train(_config(data, pack=True, **layout), MPI.COMM_WORLD)
+        if seen is not None and layout["dp"] == 2:  # the step's forwards got the sampler's ids (and the evaluation's)
+            assert len(seen) == 4 + 4 and all(d is not None for d in seen)
+            for got, want in zip(seen[:4], docs):
+                np.testing.assert_array_equal(got, want)
+            assert len(set(counts)) > 1  # micro-batches of different target counts: the weighting matters
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0, err_msg=str(layout))
+        np.testing.assert_allclose(val, ref_val, rtol=1e-12, atol=0, err_msg=str(layout))
+        for name, g in ref_grads.items():
+            if grads[name].shape == g.shape:  # (tp 2: the replicated parameters' gradients)
+                assert float(np.abs(grads[name] - g).max()) <= 1e-10 * float(np.abs(g).max()), (layout, name)
 
 
 def test_masked_loss_and_gradients_at_dp2_equal_one_rank(chat_data):
-    run_mpi(2, "tests.train.test_chat_training:_worker", chat_data, timeout=180)
+    run_mpi(2, "tests.train.test_chat_training:_worker", chat_data, LAYOUTS[:1], timeout=180)
 
 
 def test_the_validation_loss_is_the_mean_over_the_masked_targets(chat_data):
