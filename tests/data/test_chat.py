@@ -274,3 +274,17 @@ def test_a_killed_chat_preparation_resumes_to_the_same_files(prepared, tmp_path)
     files = {p.name: p.read_bytes() for p in sorted((tmp_path / "ref").iterdir())}
     assert len(meta["splits"]["train"]["masks"]) >= 3 and any(n.endswith(".mask") for n in files)
     assert {p.name: p.read_bytes() for p in sorted((tmp_path / "out").iterdir())} == files
+
+
+def test_the_command_line_takes_the_chat_flags(prepared, tmp_path, capsys):
+    from cutp.data.prepare import main
+
+    root, tok_dir = prepared[0], prepared[1]
+    out = str(tmp_path / "cli")
+    assert main([str(root / "chat.jsonl"), "--format", "chat", "--tokenizer", tok_dir, "--out", out, "--workers", "1",
+                 "--train-on", "all", "--max-seq-len", "50", "--too-long", "truncate", "--val-fraction", "0.2"]) == 0
+    meta = read_meta(out)
+    assert meta["records"] == {**RecordSettings("chat", train_on="all", max_seq_len=50, too_long="truncate").__dict__}
+    assert np.asarray(load_dataset(out).masks["train"][:]).all()  # every token a target
+    assert main([str(root / "chat.jsonl"), "--format", "chat", "--tokenizer", "bytes", "--out", str(tmp_path / "b")]) \
+        == 2 and "give a tokenizer directory with one, not 'bytes'" in capsys.readouterr().err
