@@ -488,5 +488,6 @@ def evaluate(run: TrainingRun) -> float:
 
 
 def takes_documents(model_class) -> bool:
-    """Whether the model's forward takes packed rows' document ids (contract 2's documents=)."""
-    return "documents" in inspect.signature(model_class.forward).parameters
+    """Whether the model's forward and stage_forward take packed rows' document ids (contract 2's documents=)."""
+    return all("documents" in inspect.signature(getattr(model_class, f)).parameters
+               for f in ("forward", "stage_forward"))

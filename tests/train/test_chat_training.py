@@ -40,7 +40,7 @@ def _config(data, dp=1, micro=8, pack=False, **kw):
     from cutp.train import RunConfig
 
     vocab = load_dataset(data).vocab_size
-    model = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, block_size=96, dtype="float64",
+    model = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=vocab, block_size=96, dtype="float64",
                       vocab_multiple=1)
     settings = dict(model=model, dp=dp, batch_size=8, micro_batch_size=micro, seq_len=96 if pack else 40, steps=3,
                     warmup=1, seed=2, eval_every=0, eval_batches=1, quiet=True, save_on_signal=False, data=data,
@@ -49,19 +49,22 @@ def _config(data, dp=1, micro=8, pack=False, **kw):
 
 
 def _model_takes_documents():
-    """GPT.forward wrapped to take documents= (and record them) where this build's does not."""
+    """GPT.forward (recording them) and stage_forward wrapped to take documents= where this build's do not."""
     from cutp.models import GPT
     from cutp.train.step import takes_documents
 
     if takes_documents(GPT):
         return None
-    plain, seen = GPT.forward, []
+    plain, plain_stage, seen = GPT.forward, GPT.stage_forward, []
 
     def forward(self, idx, targets=None, check=True, *, documents=None):
         seen.append(None if documents is None else np.asarray(documents))
         return plain(self, idx, targets, check)
 
-    GPT.forward = forward
+    def stage_forward(self, *args, documents=None, **kw):
+        return plain_stage(self, *args, **kw)
+
+    GPT.forward, GPT.stage_forward = forward, stage_forward
     return seen
 
 
@@ -80,7 +83,7 @@ def _train(cfg, comm):
 
 # every layout matches one rank (checked on demand: _worker(data, LAYOUTS)); the suite runs DP 2's
 LAYOUTS = [dict(dp=2, micro=1), dict(dp=1, tp=2, sequence_parallel=True, micro=2),
-           dict(dp=1, cp=2, cp_comm="ring", micro=2), dict(dp=1, cp=2, cp_comm="a2a", micro=4)]
+           dict(dp=1, cp=2, cp_comm="ring", micro=2), dict(dp=1, cp=2, cp_comm="a2a", micro=4), dict(dp=1, pp=2, micro=2)]
 
 
 def _worker(data, layouts):
@@ -101,7 +104,7 @@ def _worker(data, layouts):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0, err_msg=str(layout))
         np.testing.assert_allclose(val, ref_val, rtol=1e-12, atol=0, err_msg=str(layout))
         for name, g in ref_grads.items():
-            if grads[name].shape == g.shape:  # (tp 2: the replicated parameters' gradients)
+            if name in grads and grads[name].shape == g.shape:  # (tp 2: the replicated ones; pp 2: the stage's)
                 assert float(np.abs(grads[name] - g).max()) <= 1e-10 * float(np.abs(g).max()), (layout, name)
 
 
