@@ -13,6 +13,12 @@ files; without them, a 256-token model uses the byte tokenizer; any other model 
 --prompt-ids, and the output is printed as ids. A text prompt starts with BOS where the
 tokenizer's template adds one (Llama's), as transformers encodes it.
 
+--chat applies the tokenizer directory's chat template (its tokenizer_config.json or
+chat_template.jinja, rendered as transformers' apply_chat_template renders it: cutp.data.chat) to
+the prompt, a one-turn conversation ending in the generation prompt, and stops at the template's
+end-of-turn token (Llama 3's <|eot_id|>, Qwen's <|im_end|>, Gemma's <end_of_turn>); rank 0 then
+prints the assistant's reply alone.
+
 --temperature 0 is greedy decoding (argmax; --top-k and --seed then change nothing).
 Generation stops after the tokenizer's EOS (GPT-2's <|endoftext|>, id 50256) when the
 tokenizer has one, kept in the output; --stop-token ID stops at another id, --no-stop
@@ -39,6 +45,7 @@ from cutp.checkpoint.files import is_cutp_checkpoint
 from cutp.generate import generate
 from cutp.hf import from_hf
 from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank
+from cutp.data.chat import ChatTemplate
 from cutp.data.tokenizer import get_tokenizer
 
 
@@ -50,6 +57,9 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json, or 'bytes' "
                    "(default: --ckpt's tokenizer files)")
+    p.add_argument("--chat", action="store_true", help="the prompt is a user's message: rendered with the tokenizer's "
+                   "chat template, generation stopped at its end-of-turn token")
+    p.add_argument("--system", default=None, help="--chat: a system message before the prompt")
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (argmax)")
     p.add_argument("--top-k", type=int, default=None)
@@ -67,6 +77,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.temperature >= 0:
         p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.chat and args.prompt is None:
+        p.error("--chat needs a text --prompt (the user's message)")
     return args
 
 
@@ -101,14 +113,20 @@ def main(argv=None):
         if args.prompt is not None:
             raise
         tok, why = None, e
-    if args.prompt is not None:
+    end_of_turn = None
+    if args.chat:
+        with errors_raised_on_every_rank(ctx.world.mpi_comm):  # one line, every rank alike
+            template = ChatTemplate.from_dir(args.tokenizer or args.ckpt)
+            prompt, end_of_turn = template.prompt_ids(tok, args.prompt, args.system), template.end_of_turn(tok)
+    elif args.prompt is not None:
         prompt = tok.encode(args.prompt)
     else:
         try:
             prompt = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t]
         except ValueError:
             raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    stop = None if args.no_stop else args.stop_token if args.stop_token is not None else getattr(tok, "eos_id", None)
+    stop = None if args.no_stop else args.stop_token if args.stop_token is not None else \
+        end_of_turn if end_of_turn is not None else getattr(tok, "eos_id", None)
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # one line, every rank alike
         if stop is not None and not 0 <= stop < V:
             raise cutp.ConfigError(f"--stop-token {stop} is outside the model's vocabulary [0, {V}); "
@@ -116,7 +134,9 @@ def main(argv=None):
     new = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    seed=args.seed, stop_token=stop)
     if ctx.rank == 0:
-        if tok is not None:
+        if args.chat:
+            print(tok.decode(new[:-1] if new and new[-1] == stop else new), flush=True)
+        elif tok is not None:
             print(shown_text(tok, prompt, new), flush=True)
         else:
             print(f"(printing token ids: {why})", file=sys.stderr)

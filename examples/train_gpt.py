@@ -77,6 +77,8 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
             return []
         setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
         run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
+        with errors_raised_on_every_rank(MPI.COMM_WORLD):  # --sample-every: the prompt encoded (chat: templated)
+            sampler = train.PromptSampler.for_run(run)
     disarm_setup_deadline()  # from here the collective watchdog watches every step
     ctx = run.ctx
     if cfg.out and ctx.rank == 0:
@@ -146,6 +148,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
             log(f"memory per rank (largest of {ctx.world_size}): {train.memory.peak_line(memory, step)}")
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             rec["val_loss"] = train.evaluate(run)
+        if sampler is not None and (step % cfg.sample_every == 0 or step == cfg.steps):
+            rec["sample"] = sampler.sample(run)
+            log(f"sample after step {step}: {rec['sample']!r}")
         if keep_history:
             history.append(rec)
         metrics.write(rec)

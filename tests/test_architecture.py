@@ -30,7 +30,7 @@ LAYERS = [
 # Imported inside functions because the package may be missing or broken on a machine that
 # still runs cutp (CuPy and NVIDIA's wheels without a GPU, torch/transformers for comparisons,
 # matplotlib for plots, tokenizers for model tokenizers).
-OPTIONAL = {"cupy", "cupyx", "nvidia", "torch", "transformers", "matplotlib", "tokenizers", "tensorboardX"}
+OPTIONAL = {"cupy", "cupyx", "nvidia", "torch", "transformers", "matplotlib", "tokenizers", "tensorboardX", "jinja2"}
 # `python -m cutp info` reports a broken MPI instead of failing to start.
 LATE_ALLOWED = {("cutp.info", "mpi4py")}
 MAX_LINES = 500

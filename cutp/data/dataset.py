@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..runtime.errors import ConfigError
-from .shards import ShardedTokens, is_shard, load_split, read_meta, read_shard
+from .packing import IGNORE, PackedSplit
+from .shards import ShardedTokens, is_shard, load_side, load_split, read_meta, read_shard
 from .tokenizer import ByteTokenizer
 
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
@@ -42,6 +43,11 @@ class Dataset:
     vocab_size: int
     description: str
     tokenizer: dict | None = None  # its tokenizer's identity (cutp.data.tokenizer): prepared data's, or bytes; None: unknown (a .bin)
+    # prepared data (format version 2): each split's target flags (uint8 per token; chat data only)
+    # and document lengths, and how its records were made (meta.json's "records": format, train_on, ...)
+    masks: dict | None = None
+    doc_lengths: dict | None = None
+    records: dict | None = None
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> str:
@@ -52,7 +58,8 @@ class Dataset:
         the ends of each shard (ShardedTokens.fingerprint_bytes)."""
         if self._fingerprint is None:
             h = hashlib.blake2b(digest_size=16)
-            for a in (self.train, self.val):
+            side = [self.masks[s] for s in ("train", "val")] if self.masks else []
+            for a in [self.train, self.val] + side:
                 if isinstance(a, ShardedTokens):
                     h.update(a.fingerprint_bytes())
                     continue
@@ -145,11 +152,18 @@ def load_prepared(directory: str) -> Dataset:
     tokenizer's identity from its meta.json."""
     meta = read_meta(directory)
     train, val = (load_split(directory, meta, s) for s in ("train", "val"))
+    masks = {s: load_side(directory, meta, s, "masks") for s in ("train", "val")}
+    lengths = {s: load_side(directory, meta, s, "docs") for s in ("train", "val")}
     tok = meta["tokenizer"]
     sizes = ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens in {len(meta['splits'][s]['shards'])} shard(s)"
                       for s in ("train", "val"))
-    return Dataset(train, val, int(meta["vocab_size"]), f"{directory} ({tok['name']} {train.dtype.name} tokens: "
-                                                           f"{sizes})", tokenizer=tok)
+    records = meta.get("records")
+    kind = f"{records['format']} records, targets: {records['train_on']}, " if records and records["format"] != "text" \
+        else ""
+    return Dataset(train, val, int(meta["vocab_size"]), f"{directory} ({kind}{tok['name']} {train.dtype.name} "
+                                                        f"tokens: {sizes})", tokenizer=tok,
+                   masks=masks if masks["train"] is not None else None,
+                   doc_lengths=lengths if lengths["train"] is not None else None, records=records)
 
 
 def _token_file(path: str) -> np.ndarray:
@@ -183,13 +197,40 @@ def micro_batches(batch_size: int, dp: int, micro_batch_size: int) -> int:
     return per_rank // micro_batch_size
 
 
+class MicroBatch(tuple):
+    """(x, y) int64 arrays [micro_batch, seq_len], unpacked as a pair; `documents`: with
+    packing, the rows' document ids (int32 [micro_batch, seq_len], contract 2), else None."""
+
+    documents = None
+
+    def __new__(cls, x, y, documents=None):
+        out = super().__new__(cls, (x, y))
+        out.documents = documents
+        return out
+
+
+def model_kwargs(batch, asarray) -> dict:
+    """The keywords the model's forward takes for a micro-batch beyond (x, y): {"documents": ...}
+    for packed rows (a MicroBatch's, contract 2), else none; `asarray` moves the array to the device."""
+    documents = getattr(batch, "documents", None)
+    return {} if documents is None else {"documents": asarray(documents)}
+
+
 class BatchSampler:
-    """Deterministic global batches, sliced by micro-batch and DP rank (`first_row`)."""
+    """Deterministic global batches, sliced by micro-batch and DP rank (`first_row`). Targets
+    that are not trained on (chat data's masks) are IGNORE (-100). With `pack`, each row is a
+    window of whole documents (cutp.data.packing), its document ids in the batch's `documents`."""
 
     def __init__(self, dataset: Dataset, seq_len: int, global_batch: int, dp_size: int, dp_rank: int,
-                 micro_batch: int, seed: int = 0, every_rank=None):
+                 micro_batch: int, seed: int = 0, every_rank=None, pack: bool = False):
         accum_steps = micro_batches(global_batch, dp_size, micro_batch)
-        for name in ("train", "val"):
+        self.packed = None
+        if pack:
+            if dataset.doc_lengths is None:
+                raise ConfigError("`pack` needs each document's length: give `data` a directory written by this "
+                                  "version's python -m cutp prepare-data (format version 2)")
+            self.packed = {s: PackedSplit(dataset.doc_lengths[s], seq_len, s) for s in ("train", "val")}
+        for name in ("train", "val") if not pack else ():
             n = len(dataset.split(name))
             if n < seq_len + 2:
                 raise ConfigError(f"the {name} split has {n} tokens, fewer than seq_len+2 = {seq_len + 2}; "
@@ -207,8 +248,11 @@ class BatchSampler:
         self.every_rank = every_rank
 
     def global_offsets(self, step: int, split: str = "train") -> np.ndarray:
-        tokens = self.dataset.split(split)
+        """The step's rows: offsets into the split's tokens (or, packed, window indices)."""
         rng = np.random.default_rng([self.seed, step, 0 if split == "train" else 1])
+        if self.packed is not None:
+            return rng.integers(0, len(self.packed[split]), self.global_batch)
+        tokens = self.dataset.split(split)
         return rng.integers(0, len(tokens) - self.seq_len - 1, self.global_batch)
 
     def first_row(self, micro: int) -> int:
@@ -220,27 +264,39 @@ class BatchSampler:
         return (micro * self.dp_size + self.dp_rank) * self.micro_batch
 
     def micro_batches(self, step: int, split: str = "train"):
-        """Yields (x, y) int64 arrays [micro_batch, seq_len] of this DP rank for optimizer step `step`."""
+        """Yields MicroBatch (x, y) int64 arrays [micro_batch, seq_len] of this DP rank for optimizer step `step`."""
         tokens = self.dataset.split(split)
+        masks = self.dataset.masks[split] if self.dataset.masks else None
         offs = self.global_offsets(step, split)
+        packed = self.packed[split] if self.packed is not None else None
+        spans = [packed.span(int(w)) for w in offs] if packed is not None else [(int(o), int(o) + self.seq_len + 1)
+                                                                              for o in offs]
         if isinstance(tokens, ShardedTokens):  # every rank checks the whole batch: all refuse it together
-            self._check_ids(tokens, offs, split)
+            self._check_ids(tokens, spans, split)
         for k in range(self.accum_steps):
             first = self.first_row(k)
             chunk = offs[first:first + self.micro_batch]
+            if packed is not None:
+                rows = [packed.row(tokens, masks, int(w)) for w in chunk]
+                yield MicroBatch(*(np.stack(r) for r in zip(*rows)))
+                continue
             window = np.stack([np.asarray(tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in chunk])
-            yield window[:, :-1], window[:, 1:]
+            y = window[:, 1:]
+            if masks is not None:
+                flags = np.stack([np.asarray(masks[o + 1:o + self.seq_len + 1]) for o in chunk])
+                y = np.where(flags == 0, IGNORE, y)
+            yield MicroBatch(window[:, :-1], y)
 
-    def _check_ids(self, tokens: ShardedTokens, offs: np.ndarray, split: str) -> None:
+    def _check_ids(self, tokens: ShardedTokens, spans: list, split: str) -> None:
         """Raises ConfigError naming the shard, the offset and the fix when a window of the global
         batch holds an id outside the data's vocabulary (a damaged shard; prepare-data writes none)."""
         vocab = self.dataset.vocab_size
-        for o in np.sort(offs):
-            window = tokens[int(o):int(o) + self.seq_len + 1]
+        for a, b in sorted(spans):
+            window = tokens[a:b]
             if window.size and int(window.max()) >= vocab:
-                error = ConfigError(tokens.describe_bad_id(int(o) + int(np.argmax(window >= vocab)), vocab, split))
+                error = ConfigError(tokens.describe_bad_id(a + int(np.argmax(window >= vocab)), vocab, split))
                 raise error if self.every_rank is None else self.every_rank(error)
 
     def state(self, next_step: int) -> dict:
-        return {"sampler": "random-windows", "seed": self.seed, "next_step": int(next_step),
-                "seq_len": self.seq_len, "global_batch": self.global_batch}
+        return {"sampler": "packed-windows" if self.packed is not None else "random-windows", "seed": self.seed,
+                "next_step": int(next_step), "seq_len": self.seq_len, "global_batch": self.global_batch}

@@ -6,7 +6,15 @@ Inputs: text files (one document each), JSONL files (one document a line, its `-
 string; blank lines skipped) and folders of them (walked in sorted order, hidden names skipped;
 `.jsonl` files read as JSONL, all others as text). Everything is UTF-8.
 
-Each document is encoded by the tokenizer (`cutp.data.tokenizer.load_tokenizer`) with its
+`--format chat|instruct` reads JSONL records of messages (cutp.data.records) and renders each
+with the tokenizer's chat template (cutp.data.chat: ids as transformers' apply_chat_template
+gives them, no EOS appended: the template ends each turn); `--train-on` decides the targets,
+stored as one uint8 flag per token beside the shards (`<split>_NNNNNN.mask`). A record without a
+target, or longer than `--max-seq-len`, is counted, reported and dropped or truncated
+(`--too-long`; meta.json's "dropped"). Every preparation also stores each document's length
+(`<split>_NNNNNN.docs`, for packing). Both streams are cut, synced and resumed as the tokens are.
+
+Each text document is encoded by the tokenizer (`cutp.data.tokenizer.load_tokenizer`) with its
 template's BOS where it adds one (Llama, Mistral) and EOS appended (the byte tokenizer has none:
 its documents are concatenated as they are). Special tokens written in a document's text are
 encoded as text, never as their ids (a document cannot forge an EOS). Document i (counting from
@@ -41,12 +49,16 @@ import multiprocessing
 import os
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 
 from ..runtime.errors import ConfigError, UserError
-from .shards import FORMAT, FORMAT_VERSION, META_FILE, SPLITS, ShardWriter, token_dtype
+from .chat import ChatError, ChatTemplate, encode_chat
+from .records import FORMATS, TOO_LONG, TRAIN_ON, RecordSettings, documents, input_files, records_of  # noqa: F401
+from .shards import DOCS_EXT, FORMAT, FORMAT_VERSION, MASK_EXT, META_FILE, SPLITS, ShardWriter, token_dtype
 from .tokenizer import BYTES, ByteTokenizer, load_tokenizer
+
 
 PROGRESS_FILE = "progress.json"
 BATCH_BYTES = 1 << 20  # text per task sent to a worker
@@ -62,6 +74,23 @@ def parse_args(argv=None):
                    "vocab.json + merges.txt), or 'bytes'")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (meta.json and the shards)")
     p.add_argument("--text-key", default="text", metavar="KEY", help="the key of a JSONL line's text (default: text)")
+    p.add_argument("--format", default="text", choices=FORMATS, help="text: documents; chat: JSONL records of "
+                   "\"messages\": [{role, content}, ...]; instruct: JSONL records of a prompt and a response; chat "
+                   "and instruct are rendered with the tokenizer's chat template (default: text)")
+    p.add_argument("--messages-key", default="messages", metavar="KEY", help="--format chat: the key of a record's "
+                   "messages (default: messages)")
+    p.add_argument("--prompt-key", default="prompt", metavar="KEY", help="--format instruct: the prompt's key "
+                   "(default: prompt)")
+    p.add_argument("--response-key", default="response", metavar="KEY", help="--format instruct: the response's "
+                   "key (default: response)")
+    p.add_argument("--system-key", default=None, metavar="KEY", help="--format instruct: a system message's key, "
+                   "when records have one (default: none)")
+    p.add_argument("--train-on", default="assistant", choices=TRAIN_ON, help="chat and instruct: the tokens that "
+                   "are targets: the assistant turns' (the rest get -100) or all (default: assistant)")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N", help="records of more tokens are counted "
+                   "and dropped or truncated (--too-long); for --pack, the training's --seq-len (default: no limit)")
+    p.add_argument("--too-long", default="drop", choices=TOO_LONG, help="what happens to a record longer than "
+                   "--max-seq-len (default: drop)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N", help="tokens per shard (default: 100M)")
     p.add_argument("--val-fraction", type=float, default=0.01, metavar="F",
                    help="the share of documents in the validation split, in (0, 1) (default: 0.01)")
@@ -74,60 +103,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:  # (no MPI here: cutp.runtime.failure's handler would start it, and the workers fork)
         prepare(args.inputs, args.tokenizer, args.out, text_key=args.text_key, shard_tokens=args.shard_tokens,
-                val_fraction=args.val_fraction, workers=args.workers, overwrite=args.overwrite)
+                val_fraction=args.val_fraction, workers=args.workers, overwrite=args.overwrite,
+                records=RecordSettings(args.format, args.messages_key, args.prompt_key, args.response_key,
+                                       args.system_key, args.train_on, args.max_seq_len, args.too_long))
     except UserError as e:  # its settings named as this command's flags
         print(f"prepare-data: error: {e.render(lambda name: '--' + name.replace('_', '-'))}", file=sys.stderr)
         return e.exit_status
     return 0
 
 
-# ---- inputs --------------------------------------------------------------------------------------
-def input_files(inputs: list, exclude: str | None = None) -> list:
-    """The files of `inputs` in order: each file as given, each folder's files walked sorted
-    (but not folder `exclude`: the output, when it lies inside an input folder)."""
-    out, exclude = [], os.path.abspath(exclude) if exclude else None
-    for path in inputs:
-        if os.path.isfile(path):
-            out.append(os.path.abspath(path))
-        elif os.path.isdir(path):
-            found = []
-            for dirpath, dirnames, filenames in os.walk(path):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
-                                     and os.path.abspath(os.path.join(dirpath, d)) != exclude)
-                found += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
-            if not found:
-                raise ConfigError(f"input folder {path} holds no files")
-            out += [os.path.abspath(f) for f in found]
-        else:
-            raise ConfigError(f"input {path}: no such file or folder")
-    return out
-
-
-def documents(files: list, text_key: str):
-    """(text, bytes read) of each document of the files, in order."""
-    for path in files:
-        if path.endswith(".jsonl"):
-            with open(path, "rb") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)[text_key]
-                    except (ValueError, KeyError, TypeError, IndexError):
-                        raise ConfigError(f"{path}:{n}: not a JSON object with a string {text_key!r}; fix the "
-                                          f"line or give the key with `text_key`") from None
-                    if not isinstance(text, str):
-                        raise ConfigError(f"{path}:{n}: {text_key!r} is a {type(text).__name__}, not a string")
-                    yield text, len(line)
-        else:
-            with open(path, "rb") as f:
-                raw = f.read()
-            try:
-                yield raw.decode("utf-8"), len(raw)
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); convert it or leave it out") from None
-
-
+# ---- inputs (cutp.data.records reads them) -------------------------------------------------------
 def is_val(i: int, fraction: float) -> bool:
     return math.ceil((i + 1) * fraction) > math.ceil(i * fraction)
 
@@ -136,39 +121,75 @@ def is_val(i: int, fraction: float) -> bool:
 _WORKER = {}
 
 
-def _init_worker(spec, dtype: str) -> None:
+def _init_worker(spec, dtype: str, rs: RecordSettings = RecordSettings(), template: tuple | None = None) -> None:
     """spec: the --tokenizer argument (a worker process), or the tokenizer loaded (one worker:
-    this process)."""
+    this process); template: the chat template's (source, variables) for chat records."""
     if isinstance(spec, str):  # a worker: one thread (before its first encode), --workers says how many
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(spec) if isinstance(spec, str) else spec
     if not isinstance(tok, ByteTokenizer):
-        tok.tokenizer.encode_special_tokens = True  # a document's "<|endoftext|>" is text
-    _WORKER.update(tok=tok, dtype=np.dtype(dtype))
+        # a document's "<|endoftext|>" is text; a chat template's special tokens are tokens (transformers')
+        tok.tokenizer.encode_special_tokens = not rs.chat
+    _WORKER.update(tok=tok, dtype=np.dtype(dtype), rs=rs,
+                   template=ChatTemplate(*template) if template is not None else None)
 
 
-def _encode(texts: list) -> tuple:
-    """(all tokens of the documents, one after the other, with EOS; each document's length)."""
-    tok, dtype = _WORKER["tok"], _WORKER["dtype"]
-    ids = tok.encode_batch(texts)
-    eos = tok.eos_id
-    if eos is not None:
-        for d in ids:
-            if not d or d[-1] != eos:  # (a template may end a document with EOS already)
-                d.append(eos)
-    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    return np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())), lengths
+def _encode(batch: list) -> tuple:
+    """(all kept records' tokens, one after the other; each record's length; their target masks
+    one after the other (chat records) or None; which records were dropped; the counts of
+    dropped and truncated records). batch: [(record, where)]."""
+    tok, dtype, rs = _WORKER["tok"], _WORKER["dtype"], _WORKER["rs"]
+    counts = dict.fromkeys(("no_target", "too_long", "truncated"), 0)
+    if rs.chat:
+        ids, masks = [], []
+        for messages, where in batch:
+            try:
+                i, m = encode_chat(tok, _WORKER["template"], messages, rs.train_on)
+            except ChatError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            ids.append(i)
+            masks.append(m)
+    else:
+        ids, masks = tok.encode_batch([text for text, _ in batch]), None
+        eos = tok.eos_id
+        if eos is not None:
+            for d in ids:
+                if not d or d[-1] != eos:  # (a template may end a document with EOS already)
+                    d.append(eos)
+    dropped = np.zeros(len(ids), bool)
+    for k, d in enumerate(ids):
+        if rs.max_seq_len is not None and len(d) > rs.max_seq_len:
+            counts["too_long"] += 1
+            if rs.too_long == "drop":
+                dropped[k] = True
+                continue
+            counts["truncated"] += 1
+            ids[k] = d[:rs.max_seq_len]
+            if masks is not None:
+                masks[k] = masks[k][:rs.max_seq_len]
+        if masks is not None and not masks[k].any():
+            counts["no_target"] += 1
+            dropped[k] = True
+    kept = [d for d, x in zip(ids, dropped) if not x]
+    lengths = np.fromiter(map(len, kept), np.int64, len(kept))
+    flat = np.fromiter(itertools.chain.from_iterable(kept), dtype, int(lengths.sum()))
+    mask = None if masks is None else (np.concatenate([m for m, x in zip(masks, dropped) if not x])
+                                       if len(kept) else np.zeros(0, np.uint8))
+    return flat, lengths, mask, dropped, counts
 
 
 # ---- the run -------------------------------------------------------------------------------------
 def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", shard_tokens: int = 100_000_000,
             val_fraction: float = 0.01, workers: int | None = None, overwrite: bool = False,
-            batch_bytes: int = BATCH_BYTES, after_shard=None, stream=None) -> dict:
+            batch_bytes: int = BATCH_BYTES, after_shard=None, stream=None,
+            records: RecordSettings | None = None) -> dict:
     """Writes the shards and meta.json of `inputs` into `out`; returns the meta dict (see the
     module's docstring). `batch_bytes`: text per worker task (and so how often progress can be
     recorded); `after_shard(name)` runs after each shard is renamed into place, before
     progress.json records it (a test's kill point); `stream` gets the progress (default stderr)."""
     stream = sys.stderr if stream is None else stream
+    rs = records or RecordSettings()
+    rs.check()
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ConfigError(f"`shard_tokens` must be an integer >= 1, got {shard_tokens!r}")
     if not 0 < val_fraction < 1:
@@ -179,6 +200,13 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
         raise ConfigError(f"`workers` must be >= 1, got {workers}")
     files = input_files(inputs, exclude=out)
     tok = load_tokenizer(tokenizer)
+    template = None
+    if rs.chat:
+        if tokenizer == BYTES:
+            raise ConfigError(f"--format {rs.format} renders records with a tokenizer's chat template; give a "
+                              "tokenizer directory with one, not 'bytes'")
+        chat = ChatTemplate.from_dir(tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer))
+        template = (chat.source, chat.variables)
     identity = tok.identity()
     if tokenizer != BYTES:
         identity["path"] = os.path.abspath(tokenizer)
@@ -188,34 +216,54 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
     settings = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": identity, "dtype": dtype.name,
                 "text_key": text_key, "shard_tokens": shard_tokens, "val_fraction": val_fraction,
                 "inputs": [os.path.abspath(p) for p in inputs], "files": len(files),
-                "bytes": sum(st.st_size for st in stats)}
+                "bytes": sum(st.st_size for st in stats), "records": asdict(rs)}
+    if template is not None:
+        settings["chat_template_sha256"] = hashlib.sha256(template[0].encode()).hexdigest()
     # a rerun resumes only over the same files, unchanged (names, sizes, modification times)
     resume_key = {**settings, "files_sha256": hashlib.sha256(listing).hexdigest()}
-    state = _claim_out(out, resume_key, overwrite) or {"next_doc": 0, "documents": {s: 0 for s in SPLITS},
-                                                      "splits": {s: None for s in SPLITS}}
+    state = _claim_out(out, resume_key, overwrite) or {
+        "next_doc": 0, "documents": {s: 0 for s in SPLITS}, "splits": {s: None for s in SPLITS},
+        "masks": {s: None for s in SPLITS}, "docs": {s: None for s in SPLITS},
+        "counts": dict.fromkeys(("no_target", "too_long", "truncated"), 0)}
     writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["splits"][s]) for s in SPLITS}
-    documents_in = dict(state["documents"])
+    # beside the tokens: each document's length, and each token's target flag (chat records)
+    lengths_out = {s: ShardWriter(out, s, dtype, shard_tokens, state["docs"][s], ext=DOCS_EXT) for s in SPLITS}
+    masks_out = {s: ShardWriter(out, s, dtype, shard_tokens, state["masks"][s], ext=MASK_EXT) for s in SPLITS} \
+        if rs.chat else {}
+    side = [*lengths_out.values(), *masks_out.values()]
+    documents_in, counts = dict(state["documents"]), dict(state["counts"])
     start_doc = next_doc = state["next_doc"]
     progress = _Progress(stream, settings["bytes"], workers)
 
     def save():
-        for w in writers.values():
+        for w in [*writers.values(), *side]:
             w.sync()
         _write_json(os.path.join(out, PROGRESS_FILE), {
-            "settings": resume_key, "next_doc": next_doc, "documents": documents_in,
-            "splits": {n: w.state() for n, w in writers.items()}})
+            "settings": resume_key, "next_doc": next_doc, "documents": documents_in, "counts": counts,
+            "splits": {n: w.state() for n, w in writers.items()},
+            "docs": {n: w.state() for n, w in lengths_out.items()},
+            "masks": {n: (masks_out[n].state() if masks_out else None) for n in SPLITS}})
 
     save()  # from here on, a rerun of the same command resumes
     saved = time.perf_counter()
-    for first, (flat, lengths), nbytes in _encoded(_batches(files, text_key, start_doc, batch_bytes, progress),
-                                                   tokenizer, tok, dtype, workers):
-        finished, start = [], 0
-        for k, n in enumerate(lengths):
+    batches = _batches(records_of(files, rs, text_key), start_doc, batch_bytes, progress)
+    for first, (flat, lengths, mask, dropped, found), nbytes in _encoded(batches, tokenizer, tok, dtype, workers, rs,
+                                                                          template):
+        finished, start, kept = [], 0, iter(lengths)
+        for k in range(len(dropped)):
+            if dropped[k]:
+                continue
+            n = next(kept)
             split = "val" if is_val(first + k, val_fraction) else "train"
             finished += writers[split].write(flat[start:start + n])
+            lengths_out[split].write(np.array([n], np.uint32))
+            if masks_out:
+                masks_out[split].write(mask[start:start + n])
             documents_in[split] += 1
             start += n
-        next_doc = first + len(lengths)
+        for key, v in found.items():
+            counts[key] += v
+        next_doc = first + len(dropped)
         for name in finished:
             if after_shard is not None:
                 after_shard(name)
@@ -223,31 +271,39 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
             save()
             saved = time.perf_counter()
         progress.done(nbytes, len(flat))
+    for w in side:
+        w.close()
     for name in [n for w in writers.values() for n in w.close()]:
         if after_shard is not None:
             after_shard(name)
     if documents_in["train"] == 0:
-        raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation); "
-                          f"give more documents (a text file is one document)")
+        dropped = counts["no_target"] + counts["too_long"] - counts["truncated"]
+        raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation"
+                          + (f"; {dropped} dropped: {counts['no_target']} without a target token"
+                             + (" (truncated ones included)" if counts["truncated"] else "")
+                             + f", {counts['too_long'] - counts['truncated']} longer than `max_seq_len`"
+                             if dropped else "")
+                          + "); give more documents (a text file is one document)")
     meta = {**settings, "vocab_size": tok.vocab_size, "documents": sum(documents_in.values()),
             "tokens": sum(w.tokens for w in writers.values()),
-            "splits": {n: {"documents": documents_in[n], "tokens": w.tokens, "shards": w.shards}
-                       for n, w in writers.items()}}
+            "splits": {n: {"documents": documents_in[n], "tokens": w.tokens, "shards": w.shards,
+                           "docs": lengths_out[n].shards, **({"masks": masks_out[n].shards} if masks_out else {})}
+                       for n, w in writers.items()}, "dropped": counts}
     _write_json(os.path.join(out, META_FILE), meta)
     os.remove(os.path.join(out, PROGRESS_FILE))
     progress.summary(meta, out)
     return meta
 
 
-def _batches(files: list, text_key: str, start_doc: int, batch_bytes: int, progress):
-    """(index of the first document, texts, bytes) of about batch_bytes of text at a time, from
-    document start_doc on (those before it are read, not encoded: a resumed run has them)."""
+def _batches(found, start_doc: int, batch_bytes: int, progress):
+    """(index of the first record, [(record, where)], bytes) of about batch_bytes of input at a
+    time, from record start_doc on (those before it are read, not encoded: a resumed run has them)."""
     batch, size, first = [], 0, start_doc
-    for i, (text, nbytes) in enumerate(documents(files, text_key)):
+    for i, (record, nbytes, where) in enumerate(found):
         if i < start_doc:
             progress.skipped(nbytes)
             continue
-        batch.append(text)
+        batch.append((record, where))
         size += nbytes
         if size >= batch_bytes:
             yield first, batch, size
@@ -256,10 +312,10 @@ def _batches(files: list, text_key: str, start_doc: int, batch_bytes: int, progr
         yield first, batch, size
 
 
-def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
-    """(first document, encode(batch), bytes) per batch, in order; at most 2 x workers batches in flight."""
+def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int, rs: RecordSettings, template):
+    """(first record, _encode(batch), bytes) per batch, in order; at most 2 x workers batches in flight."""
     if workers == 1:
-        _init_worker(tok, dtype.name)
+        _init_worker(tok, dtype.name, rs, template)
         for first, texts, nbytes in batches:
             yield first, _encode(texts), nbytes
         return
@@ -268,7 +324,7 @@ def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
     # suite). The fork server is a clean single-threaded process the workers fork from.
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    pool = ctx.Pool(workers, _init_worker, (spec, dtype.name))
+    pool = ctx.Pool(workers, _init_worker, (spec, dtype.name, rs, template))
     try:
         flight = collections.deque()
         for first, texts, nbytes in batches:
@@ -290,7 +346,9 @@ def _encoded(batches, spec: str, tok, dtype: np.dtype, workers: int):
 # ---- the output directory ------------------------------------------------------------------------
 def _ours(name: str) -> bool:
     return name in (META_FILE, PROGRESS_FILE, META_FILE + ".tmp", PROGRESS_FILE + ".tmp") or any(
-        name.startswith(s + "_") and (name.endswith(".bin") or name.endswith(".bin.tmp")) for s in SPLITS)
+        name.startswith(s + "_") and any(name.endswith(e) or name.endswith(e + ".tmp") for e in (".bin", MASK_EXT,
+                                                                                                 DOCS_EXT))
+        for s in SPLITS)
 
 
 def _claim_out(out: str, settings: dict, overwrite: bool) -> dict | None:
@@ -362,4 +420,11 @@ class _Progress:
                           f"{sp['val']['tokens']:,} in {len(sp['val']['shards'])}) from {self.bytes / 1e6:,.1f} MB in "
                           f"{secs:.1f} s: {self.tokens / max(secs, 1e-9):,.0f} tokens/s with {self.workers} "
                           f"worker(s){resumed} -> {out}\n")
+        dropped, limit = meta["dropped"], meta["records"]["max_seq_len"]
+        if dropped["no_target"] or dropped["too_long"]:
+            self.stream.write(f"prepare-data: {dropped['no_target']:,} record(s) with no target token dropped"
+                              + (" (truncated ones included)" if dropped["truncated"] else "") + "; "
+                              f"{dropped['too_long']:,} longer than --max-seq-len {limit} "
+                              f"({dropped['truncated']:,} truncated, {dropped['too_long'] - dropped['truncated']:,} "
+                              "dropped)\n")
         self.stream.flush()

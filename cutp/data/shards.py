@@ -31,8 +31,14 @@ HEADER_BYTES = HEADER_INTS * 4
 MAGIC_VERSION = {np.dtype(np.uint16): (20240520, 1), np.dtype(np.uint32): (20240801, 7)}  # llm.c's
 META_FILE = "meta.json"
 FORMAT = "cutp-token-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: document lengths (.docs) and, for chat data, target masks (.mask) beside the shards
+READABLE_VERSIONS = (1, 2)
 SPLITS = ("train", "val")
+# the streams beside the token shards (version 2): a cutp header (its own magic, so that no llm.c
+# reader takes them for tokens) over uint8 target flags / uint32 document lengths
+MASK_EXT, DOCS_EXT = ".mask", ".docs"
+SIDE_MAGIC = {MASK_EXT: (20261205, 1), DOCS_EXT: (20261205, 2)}
+SIDE_DTYPE = {MASK_EXT: np.dtype(np.uint8), DOCS_EXT: np.dtype(np.uint32)}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -40,8 +46,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def shard_name(split: str, index: int) -> str:
-    return f"{split}_{index:06d}.bin"
+def shard_name(split: str, index: int, ext: str = ".bin") -> str:
+    return f"{split}_{index:06d}{ext}"
 
 
 def write_shard(path: str, tokens: np.ndarray) -> str:
@@ -58,8 +64,8 @@ def write_shard(path: str, tokens: np.ndarray) -> str:
     return hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
 
 
-def _header_bytes(dtype: np.dtype, count: int) -> bytes:
-    magic, version = MAGIC_VERSION[np.dtype(dtype)]
+def _header_bytes(dtype: np.dtype, count: int, ext: str = ".bin") -> bytes:
+    magic, version = SIDE_MAGIC[ext] if ext in SIDE_MAGIC else MAGIC_VERSION[np.dtype(dtype)]
     header = np.zeros(HEADER_INTS, "<i4")
     header[:4] = magic, version, count, np.dtype(dtype).itemsize
     return header.tobytes()
@@ -70,9 +76,13 @@ class ShardWriter:
     temporary file (`<split>_NNNNNN.bin.tmp`, its header zero until the end), which becomes the
     shard (header written, fsync, rename) when full. `state()` is what a rerun needs to go on
     from the last `sync()`: the finished shards and the tokens in the temporary file (a rerun
-    cuts it back to those, or takes back a shard renamed after the sync, and deletes later ones)."""
+    cuts it back to those, or takes back a shard renamed after the sync, and deletes later ones).
+    `ext`: ".bin" for tokens, MASK_EXT / DOCS_EXT for the streams beside them (their dtype)."""
 
-    def __init__(self, directory: str, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None):
+    def __init__(self, directory: str, split: str, dtype: np.dtype, shard_tokens: int, state: dict | None = None,
+                 ext: str = ".bin"):
+        self.ext = ext
+        dtype = SIDE_DTYPE.get(ext, dtype)
         self.directory, self.split, self.dtype = directory, split, np.dtype(dtype).newbyteorder("<")
         self.shard_tokens = shard_tokens
         state = state or {"shards": [], "tmp_tokens": 0}
@@ -94,14 +104,16 @@ class ShardWriter:
                 self._hash.update(block)
 
     def _path(self, index: int | None = None) -> str:
-        return os.path.join(self.directory, shard_name(self.split, len(self.shards) if index is None else index))
+        return os.path.join(self.directory, shard_name(self.split, len(self.shards) if index is None else index,
+                                                       self.ext))
 
     def _delete_after(self, first: int) -> None:
         """Removes this split's shard and temporary files from index `first` on (a killed run's)."""
+        n = len(self.ext)
         for name in os.listdir(self.directory):
             stem = name[:-4] if name.endswith(".tmp") else name
-            if stem.startswith(self.split + "_") and stem.endswith(".bin") and stem[len(self.split) + 1:-4].isdigit() \
-                    and int(stem[len(self.split) + 1:-4]) >= first:
+            if stem.startswith(self.split + "_") and stem.endswith(self.ext) and stem[len(self.split) + 1:-n].isdigit() \
+                    and int(stem[len(self.split) + 1:-n]) >= first:
                 os.remove(os.path.join(self.directory, name))
 
     def write(self, tokens: np.ndarray) -> list:
@@ -123,7 +135,7 @@ class ShardWriter:
     def _finish_shard(self) -> str:
         f, path = self._file, self._path()
         f.seek(0)
-        f.write(_header_bytes(self.dtype, self.count))
+        f.write(_header_bytes(self.dtype, self.count, self.ext))
         f.flush()
         os.fsync(f.fileno())
         f.close()
@@ -259,9 +271,9 @@ def read_meta(directory: str) -> dict:
         raise ConfigError(f"`data` {directory}: {META_FILE} is not readable JSON ({e}); prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ConfigError(f"`data` {directory}: {META_FILE} is not prepare-data's (no \"format\": \"{FORMAT}\")")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise ConfigError(f"`data` {directory}: format version {meta.get('version')!r}, this cutp reads "
-                          f"{FORMAT_VERSION}; prepare the data again with this version")
+                          f"{' and '.join(map(str, READABLE_VERSIONS))}; prepare the data again with this version")
     return meta
 
 
@@ -282,3 +294,38 @@ def load_split(directory: str, meta: dict, split: str) -> ShardedTokens:
         raise ConfigError(f"`data` {directory}: the {split} shards hold {len(out):,} tokens, meta.json says "
                           f"{info['tokens']:,}; prepare the data again")
     return out
+
+
+def read_side(path: str, ext: str) -> np.ndarray:
+    """A mask (MASK_EXT) or document-length (DOCS_EXT) file beside the shards, memory-mapped."""
+    dtype = SIDE_DTYPE[ext]
+    size = os.path.getsize(path) if os.path.isfile(path) else -1
+    header = None
+    if size >= HEADER_BYTES:
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(16), "<i4")
+    if header is None or (int(header[0]), int(header[1])) != SIDE_MAGIC[ext] \
+            or size != HEADER_BYTES + int(header[2]) * dtype.itemsize:
+        raise ConfigError(f"{path} is not a complete {ext} file of prepare-data (header or size wrong); prepare the "
+                          "data again with python -m cutp prepare-data")
+    count = int(header[2])
+    if count == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def load_side(directory: str, meta: dict, split: str, key: str):
+    """The split's target masks (key "masks": a ShardedTokens of uint8, aligned with its tokens) or
+    document lengths (key "docs": an int64 array); None when the preparation has none."""
+    entries = meta["splits"][split].get(key)
+    if entries is None:
+        return None
+    ext = MASK_EXT if key == "masks" else DOCS_EXT
+    arrays = [read_side(os.path.join(directory, e["file"]), ext) for e in entries]
+    for e, a in zip(entries, arrays):
+        if len(a) != e["tokens"]:
+            raise ConfigError(f"{os.path.join(directory, e['file'])} holds {len(a):,} entries, meta.json says "
+                              f"{e['tokens']:,}; prepare the data again")
+    if key == "docs":
+        return np.concatenate([np.asarray(a, np.int64) for a in arrays]) if arrays else np.zeros(0, np.int64)
+    return ShardedTokens(arrays, [e["blake2b"] for e in entries])

@@ -1,6 +1,8 @@
 """`python -m cutp verify-data DIR`: every shard of a prepared directory read whole and checked
 against its meta.json: the header and the size (as opening the data always checks), the token
-count, the blake2b digest prepare-data recorded, and every id below the vocabulary size. One line
+count, the blake2b digest prepare-data recorded, and every id below the vocabulary size; the
+document lengths and target masks beside them (format version 2) by their headers, counts and
+digests. One line
 per damaged shard, then one summary line; exit status 0 when all is intact, 1 otherwise.
 `--verify-data` runs the same check before a training run (cutp.train.config).
 
@@ -16,8 +18,8 @@ import sys
 
 import numpy as np
 
-from ..runtime.errors import UserError
-from .shards import HEADER_BYTES, SPLITS, read_meta, shard_header
+from ..runtime.errors import ConfigError, UserError
+from .shards import DOCS_EXT, HEADER_BYTES, MASK_EXT, SPLITS, read_meta, read_side, shard_header
 
 BLOCK_BYTES = 16 << 20
 
@@ -56,6 +58,21 @@ def shard_problem(path: str, expected: dict, vocab_size: int) -> str | None:
     return None
 
 
+def side_problem(path: str, expected: dict, ext: str) -> str | None:
+    """What is wrong with a mask or document-length file beside the shards (format version 2), or None."""
+    try:
+        values = read_side(path, ext)
+    except ConfigError as e:
+        return str(e).split(";")[0]
+    if len(values) != expected["tokens"]:
+        return f"{path}: {len(values):,} entries, meta.json says {expected['tokens']:,}"
+    if hashlib.blake2b(np.ascontiguousarray(values).tobytes(), digest_size=16).hexdigest() != expected.get("blake2b"):
+        return f"{path}: its blake2b digest differs from meta.json's (the file was changed after prepare-data)"
+    if ext == MASK_EXT and len(values) and int(values.max()) > 1:
+        return f"{path}: a target flag is {int(values.max())}, not 0 or 1"
+    return None
+
+
 def verify_prepared(directory: str) -> tuple[list, int, int]:
     """(the problems, one line per damaged shard; the shards; the tokens) of a prepared directory.
     Raises ConfigError when meta.json itself cannot be read."""
@@ -68,6 +85,11 @@ def verify_prepared(directory: str) -> tuple[list, int, int]:
             problem = shard_problem(os.path.join(directory, shard["file"]), shard, int(meta["vocab_size"]))
             if problem:
                 problems.append(problem)
+        for key, ext in (("docs", DOCS_EXT), ("masks", MASK_EXT)):
+            for entry in meta["splits"][split].get(key) or []:
+                problem = side_problem(os.path.join(directory, entry["file"]), entry, ext)
+                if problem:
+                    problems.append(problem)
     return problems, shards, tokens
 
 

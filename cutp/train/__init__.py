@@ -9,6 +9,7 @@ step       build_run (context, model, optimizer, data; resumed), train_step -> S
            evaluate, save, resume, StepHooks
 signals    StopOnSignal: SIGTERM/SIGINT end the run after the current step, on every rank
 reporting  MetricsLog (the JSONL metrics file) and progress_line
+sampling   PromptSampler: --sample-every's generations (chat data: the prompt templated)
 memory     memory per rank, measured: state_bytes (params, grads, optimizer), ActivationPeak
            (the peak of a step), stash_per_layer (what each layer keeps for backward), measured_step,
            memory_record, max_over_ranks
@@ -26,6 +27,7 @@ from .config import (CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_pa
 from .defaults import choose_tp, default_preset
 from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
 from .reporting import MetricsLog, Progress, TensorBoardLog, bucket_line, gpu_name, known_peak_tflops, model_summary, progress_line
+from .sampling import PromptSampler
 from .signals import StopOnSignal
 from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
 
@@ -33,6 +35,7 @@ __all__ = [
     "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",
     "flag_name", "resolve_run_config", "resume_note", "resume_out",
     "MetricsLog", "Progress", "TensorBoardLog", "bucket_line", "gpu_name", "known_peak_tflops", "model_summary", "progress_line", "StopOnSignal",
+    "PromptSampler",
     "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",
     "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",
 ]

@@ -174,6 +174,9 @@ class RunConfig:
                                "memory-mapped), a text file (byte-level tokens), or a .bin of token ids (nanoGPT's "
                                "uint16, or one llm.c shard)", "run", optional=True, run=True, metavar="PATH|DIR",
                                derived="the Python standard library's sources")
+    pack: bool = setting(False, "place whole documents into each sequence (a prepared `data` directory's document "
+                         "lengths), positions restarting and attention kept inside each document; the target at a "
+                         "document's last token ignored (cutp.data.packing)", "run", kind=bool, run=True)
     verify_data: bool = setting(False, "before training, read every shard of a prepared --data whole and check it "
                                 "against meta.json's digests (as python -m cutp verify-data DIR; opening the data "
                                 "always checks each shard's header and size)", "invocation", kind=bool)
@@ -216,6 +219,13 @@ class RunConfig:
                                       "by rank 0 through tensorboardX (pip install -e '.[tensorboard]')", "logging",
                                       optional=True, metavar="DIR")
     log_every: int = setting(1, "a progress line every N steps", "logging", kind=int, at_least=1)
+    sample_every: int = setting(0, "print a generation from `sample_prompt` every N steps and at the last (0: "
+                                "never); chat data's prompt goes through the tokenizer's chat template", "logging",
+                                kind=int, at_least=0)
+    sample_prompt: str | None = setting(None, "the prompt of `sample_every`'s generations (chat data: the user's "
+                                        "message)", "logging", optional=True, metavar="TEXT")
+    sample_tokens: int = setting(48, "new tokens of each `sample_every` generation (greedy)", "logging", kind=int,
+                                 at_least=1)
     quiet: bool = setting(False, "no progress lines (warnings are still printed)", "logging", kind=bool)
     peak_tflops: float | None = setting(
         None, "one device's peak TFLOP/s at the model's precision, for the MFU of the progress lines", "logging",
@@ -260,6 +270,12 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp and self.cp == 1:  # (cp > 1: check_context_parallel)
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
+        if self.sample_every and self.sample_prompt is None:
+            raise ConfigError("`sample_every` prints a generation from `sample_prompt`: give `sample_prompt` TEXT too")
+        if self.sample_every and max(self.pp, self.cp, self.ep) > 1:
+            raise ConfigError(f"`sample_every` generates on each TP group with the whole model, which pp {self.pp} / cp "
+                              f"{self.cp} / ep {self.ep} split; omit `sample_every` and sample after training with "
+                              "examples/generate.py")
         check_overlap(self)
         check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.cp_comm,
                                self.model.n_head, self.model.n_kv_head, ranks=self.cp * self.dp)
@@ -521,6 +537,8 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         min_lr=run["min_lr"],
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
+        pack=bool(run["pack"]), sample_every=c["sample_every"], sample_prompt=c["sample_prompt"],
+        sample_tokens=c["sample_tokens"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
         allow_tf32=bool(c["allow_tf32"]),
         recompute=c["recompute"], recompute_layers=c["recompute_layers"],

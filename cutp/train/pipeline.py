@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 
+from ..data import model_kwargs
 from ..models import DTYPES
 from ..runtime.backend import get_array_module
 
@@ -219,7 +220,8 @@ class Schedule:
             model.check_inputs(x, y)  # on the host arrays
         model.rng.set_position(self.step, self.first_row(i), self.run.config.batch_size)
         inp = ctx.asarray(x) if model.takes_tokens(c) else self._take(self.inputs, (i, c))
-        out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) else None, chunk=c)
+        out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) else None, chunk=c,
+                                  **model_kwargs(self.batches[i], ctx.asarray))
         if model.gives_loss(c):
             self.loss_sum += self.weights[i] * out
         else:
@@ -311,7 +313,7 @@ def forwards_only(run, batches, *, step: int | None = None, first_row=None) -> l
                 model.rng.set_position(step, first_row(i), run.config.batch_size)
             inp = ctx.asarray(x) if model.takes_tokens(c) else sched._take(sched.inputs, (i, c))
             out = model.stage_forward(inp, ctx.asarray(y) if model.gives_loss(c) and head else None, chunk=c,
-                                      head=head)
+                                      head=head, **model_kwargs(batches[i], ctx.asarray))
             if model.gives_loss(c):
                 if head:
                     losses.append(out)

@@ -47,3 +47,11 @@ def dp_mean(ctx: Context, value: float, what: str, per_cp_rank: bool = False) ->
     with ctx.watchdog.guard(f"{what} (host all-reduce on {group.name})"):
         group.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
     return float(buf[0]) / group.size
+
+
+def dp_sums(ctx: Context, values: list, what: str) -> list[float]:
+    """Host floats summed over the DP group (evaluation: each DP rank's loss sum and target count)."""
+    buf = np.array(values, dtype=np.float64)
+    with ctx.watchdog.guard(f"{what} (host all-reduce on {ctx.dp.name})"):
+        ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
+    return [float(v) for v in buf]

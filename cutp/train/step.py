@@ -25,6 +25,7 @@ watchdog watches the step once, as a whole: it aborts the job when the step make
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import shutil
@@ -37,7 +38,7 @@ from mpi4py import MPI
 from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
 from ..checkpoint.files import is_cutp_checkpoint
 from ..comm.context import Context, init
-from ..data import BatchSampler, Dataset, load_dataset
+from ..data import BatchSampler, Dataset, load_dataset, model_kwargs
 from ..models.hf import load_hf_into
 from ..models import GPT
 from ..ops.gemm import allow_tf32
@@ -52,7 +53,7 @@ from ..runtime.failure import errors_raised_on_every_rank, mark_raised_on_every_
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
-from .reductions import dp_mean, from_last_stage, loss_weights
+from .reductions import dp_mean, dp_sums, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
@@ -227,7 +228,11 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         check_data_fits_model(dataset, cfg.model, cfg.init_from, cfg.data)  # the tokenizer and the vocabulary
         dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp, cp=cfg.cp).dp_rank(world.Get_rank())  # the Context's, before it exists
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
-                               seed=cfg.seed, every_rank=lambda e: mark_raised_on_every_rank(e, world, reporter=0))
+                               seed=cfg.seed, every_rank=lambda e: mark_raised_on_every_rank(e, world, reporter=0),
+                               pack=cfg.pack)
+        if cfg.pack and not takes_documents(GPT):
+            raise ConfigError("`pack` needs a model whose forward keeps attention inside documents (GPT.forward's "
+                              "documents=), which this build lacks; omit `pack`")
     check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
                             "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
@@ -381,12 +386,14 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                 run.pipeline_in_flight = schedule.max_in_flight
                 wait_ms = schedule.wait_s * 1000
             else:
-                for micro, (x, y) in enumerate(batches):
+                for micro, batch in enumerate(batches):
+                    x, y = batch
                     clock.enter("forward")
                     model.rng.set_position(n, first_row(micro), cfg.batch_size)
                     model.check_inputs(x, y)  # on the host arrays: no device round trip
                     model.before_unit_forward = gather.before_forward if gather is not None and micro == 0 else None
-                    loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False)
+                    loss_sum += weights[micro] * model.forward(ctx.asarray(x), ctx.asarray(y), check=False,
+                                                               **model_kwargs(batch, ctx.asarray))
                     model.before_unit_forward = None
                     ctx.watchdog.progress()
                     hooks.after_forward(run, micro)
@@ -451,21 +458,36 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
 
 
 def evaluate(run: TrainingRun) -> float:
-    """Mean loss over `eval_batches` validation batches (the same ones at every evaluation), in
-    eval mode (no dropout). Collective."""
+    """The loss over the targets of `eval_batches` validation batches (the same ones at every
+    evaluation; chat data: its masked targets, each counted once, whatever the layout), in eval
+    mode (no dropout). Collective."""
     cfg, ctx, model = run.config, run.ctx, run.model
     run.gather_params()
     with ctx.watchdog.watch_progress(f"the evaluation after step {run.step}"):
         model.eval()
-        losses = []
+        total, count = 0.0, 0
         for i in range(cfg.eval_batches):
+            batches = list(run.sampler.micro_batches(i, "val"))
+            counts = [int((y != model.ignore_index).sum()) for _, y in batches]
             if ctx.pp_size > 1:
-                losses += eval_losses(run, list(run.sampler.micro_batches(i, "val")))
-                continue
-            for x, y in run.sampler.micro_batches(i, "val"):
-                model.check_inputs(x, y)
-                losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False))
-                ctx.watchdog.progress()
+                losses = eval_losses(run, batches)  # (none off the last stage)
+            else:
+                losses = []
+                for batch in batches:
+                    x, y = batch
+                    model.check_inputs(x, y)
+                    losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False,
+                                                **model_kwargs(batch, ctx.asarray)))
+                    ctx.watchdog.progress()
+            total += sum(float(loss) * c for loss, c in zip(losses, counts) if c)
+            count += sum(counts)
         model.train()
-        loss = dp_mean(ctx, sum(losses) / len(losses) if losses else 0.0, "the validation-loss average")
+        total, count = dp_sums(ctx, [total, count], "the validation-loss sum")
+        loss = total / count if count else 0.0
         return from_last_stage(ctx, loss) if ctx.pp_size > 1 else loss
+
+
+def takes_documents(model_class) -> bool:
+    """Whether the model's forward and stage_forward take packed rows' document ids (contract 2's documents=)."""
+    return all("documents" in inspect.signature(getattr(model_class, f)).parameters
+               for f in ("forward", "stage_forward"))

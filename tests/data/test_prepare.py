@@ -12,7 +12,7 @@ import pytest
 
 from cutp.data import BatchSampler, ShardedTokens, load_dataset, read_shard, write_shard
 from cutp.data.prepare import prepare
-from cutp.data.shards import HEADER_BYTES, is_shard
+from cutp.data.shards import HEADER_BYTES, is_shard, load_side
 from cutp.data.tokenizer import load_tokenizer
 from cutp.runtime.errors import ConfigError
 from tests.data import tokenizer_files
@@ -80,7 +80,11 @@ def test_shards_hold_what_meta_json_counts(corpus):
         np.testing.assert_array_equal(stream, want)
     assert meta["tokens"] == meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
     assert len(meta["splits"]["train"]["shards"]) >= 4 and sorted(_files(ref)) == sorted(
-        ["meta.json"] + [s["file"] for sp in meta["splits"].values() for s in sp["shards"]])
+        ["meta.json"] + [s["file"] for sp in meta["splits"].values() for s in sp["shards"] + sp["docs"]])
+    for split in ("train", "val"):  # each document's length beside the tokens (version 2), no masks for text
+        info = meta["splits"][split]
+        lengths = load_side(str(ref), meta, split, "docs")
+        assert len(lengths) == info["documents"] and int(lengths.sum()) == info["tokens"] and "masks" not in info
 
 
 def test_the_loader_maps_the_shards_as_one_stream(corpus):
