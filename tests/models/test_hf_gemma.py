@@ -12,7 +12,7 @@ lifted), float64 gradients (1e-10), greedy generation with and without the KV ca
 and 4, and export-hf's directory loads as the same class with the same names and logits.
 
 The window and the attention soft-cap are applied by the attention paths (issue 37's other
-part): until cutp's config accepts them (`WINDOW_APPLIED`), the models here have windows no
+part): until cutp's config accepts them (test_families.WINDOW_APPLIED), the models here have windows no
 shorter than the sequence and no attention soft-cap, and the tests of a window shorter than the
 sequence with the attention soft-cap set skip, saying so.
 """
@@ -25,22 +25,11 @@ import cutp
 from cutp.hf import HFFormatError, config_from_hf, from_hf, hf_state_dict, save_hf
 from cutp.models import GPT, GPTConfig
 from cutp.models.hf import config_to_hf, hf_shapes
-from cutp.runtime.errors import ConfigError
+from tests.models.test_families import WINDOW_APPLIED
 from tests.models.test_hf_llama import _file_keys, _greedy, _logits, _transformers
 from tests.mpirun import run_mpi
 
 
-def _window_applied() -> bool:
-    """Whether cutp computes a window shorter than the sequence and the attention soft-cap."""
-    try:
-        GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=8, block_size=16, sliding_window=4,
-                  attn_softcap=20.0).validate()
-    except ConfigError:
-        return False
-    return True
-
-
-WINDOW_APPLIED = _window_applied()
 needs_window = pytest.mark.skipif(not WINDOW_APPLIED, reason="needs the attention window (attn-paths)")
 
 V, T = 97, 24  # vocabulary, the test sequence
@@ -266,10 +255,12 @@ def _lift_float32_casts(monkeypatch, torch, hf):
                 setattr(module, f"{layer_type}_inv_freq" if layer_type in params else "inv_freq", inv)
 
 
+@pytest.mark.parametrize("windowed", [False, pytest.param(True, marks=needs_window)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float64_logits_and_gradients_equal_transformers_without_its_float32_casts(family, tmp_path, monkeypatch):
+def test_float64_logits_and_gradients_equal_transformers_without_its_float32_casts(family, windowed, tmp_path,
+                                                                                     monkeypatch):
     torch, transformers = _transformers()
-    hf = _hf_model(family, torch, transformers, torch.float64)
+    hf = _hf_model(family, torch, transformers, torch.float64, windowed)
     hf.save_pretrained(str(tmp_path))
     _lift_float32_casts(monkeypatch, torch, hf)
     ctx = cutp.init(device="cpu")
