@@ -158,6 +158,43 @@ def test_presets_count_transformers_parameters(preset):
         fields["num_hidden_layers"], fields["hidden_size"], fields["intermediate_size"])
 
 
+# config.json of google/gemma-2-2b and google/gemma-3-1b-pt as the Hub ships them (transformers 4.x:
+# top-level rope fields, no layer_types, sliding_window_pattern)
+HUB = {"gemma2-2b": dict(architectures=["Gemma2ForCausalLM"], attention_bias=False, attention_dropout=0.0,
+                         attn_logit_softcapping=50.0, bos_token_id=2, cache_implementation="hybrid", eos_token_id=1,
+                         final_logit_softcapping=30.0, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                         hidden_activation="gelu_pytorch_tanh", hidden_size=2304, initializer_range=0.02,
+                         intermediate_size=9216, max_position_embeddings=8192, model_type="gemma2",
+                         num_attention_heads=8, num_hidden_layers=26, num_key_value_heads=4, pad_token_id=0,
+                         query_pre_attn_scalar=256, rms_norm_eps=1e-06, rope_theta=10000.0, sliding_window=4096,
+                         torch_dtype="float32", use_cache=True, vocab_size=256000),
+       "gemma3-1b": dict(architectures=["Gemma3ForCausalLM"], attention_bias=False, attention_dropout=0.0,
+                         attn_logit_softcapping=None, bos_token_id=2, cache_implementation="hybrid", eos_token_id=1,
+                         final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                         hidden_size=1152, initializer_range=0.02, intermediate_size=6912,
+                         max_position_embeddings=32768, model_type="gemma3_text", num_attention_heads=4,
+                         num_hidden_layers=26, num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256,
+                         rms_norm_eps=1e-06, rope_local_base_freq=10000, rope_scaling=None, rope_theta=1000000,
+                         sliding_window=512, sliding_window_pattern=6, torch_dtype="bfloat16", use_cache=True,
+                         vocab_size=262144)}
+
+
+@pytest.mark.parametrize("preset", sorted(HUB))
+def test_the_hub_s_config_json_reads_as_the_preset_and_writes_back(preset):
+    from cutp.models.families import family_for_hf
+
+    hub = HUB[preset]
+    family = family_for_hf(hub)
+    fields = dict(family.config_from_hf(hub, "config.json"), **family.special_tokens(hub), family=family.name)
+    assert GPTConfig(**fields) == GPTConfig.preset(preset)
+    back = family.config_to_hf(GPTConfig.preset(preset))
+    for k in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+              "hidden_activation", "head_dim", "tie_word_embeddings" if "tie_word_embeddings" in hub else "vocab_size"):
+        assert back[k] == hub[k], k
+    again = dict(family.config_from_hf(back, "config.json"), **family.special_tokens(back), family=family.name)
+    assert GPTConfig(**again) == GPTConfig.preset(preset)
+
+
 def test_preset_counts_are_transformers_own():
     torch, transformers = _transformers()
     for preset, (family, fields) in PRESET_HF.items():

@@ -26,7 +26,8 @@ from .llama import LlamaLike
 
 # the Gemma block's spec, every Gemma (2, 3)
 GEMMA_SPEC = dict(norm="rmsnorm", positions="rope", mlp="geglu", gelu="tanh", bias=False, tie_embeddings=True,
-                  norm_eps=1e-6, norm_offset=True, embed_scale=True, post_norms=True)
+                  norm_eps=1e-6, norm_offset=True, embed_scale=True, post_norms=True, qkv_bias=False,
+                  attn_out_bias=False, mlp_bias=False)
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
 
