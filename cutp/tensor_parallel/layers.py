@@ -346,7 +346,8 @@ class RMSNorm(Module):
 
     offset (Gemma): the scale is (1 + weight), the weight stored as transformers stores it and
     initialised to zeros; 1 + weight is formed in the compute dtype (float32 for 16-bit models, as
-    Gemma's `1.0 + weight.float()`), and its gradient is the weight's."""
+    Gemma's `1.0 + weight.float()`), 16-bit outputs rounded once after it (Gemma's order, not
+    Llama's), and its gradient is the weight's."""
 
     def __init__(self, ctx, dim, *, name, eps=1e-6, seed=0, dtype=np.float32, offset=False):
         self.ctx = ctx
@@ -365,7 +366,7 @@ class RMSNorm(Module):
             p.sequence_parallel = on and not p.tp_partial
 
     def forward(self, x):
-        y, rctx = ops.rmsnorm_forward(x, self._scale(), self.eps)
+        y, rctx = ops.rmsnorm_forward(x, self._scale(), self.eps, round_first=not self.offset)
         self._save("rms", rctx)
         return y
 
@@ -373,7 +374,7 @@ class RMSNorm(Module):
         """(s, y): the residual add s = x + branch and this norm of s in one pass (on a GPU one
         kernel reading x and branch once: llm.c's fused_residual_forward); `backward` is the
         norm's (the add's is the identity)."""
-        s, y, rctx = ops.residual_rmsnorm_forward(x, branch, self._scale(), self.eps)
+        s, y, rctx = ops.residual_rmsnorm_forward(x, branch, self._scale(), self.eps, round_first=not self.offset)
         self._save("rms", rctx)
         return s, y
 

@@ -63,3 +63,35 @@ def test_softcap_16bit_agrees_with_float32(rng):
     y32, c32 = softcap_forward(x.astype(np.float32), 30.0)
     assert np.array_equal(y, y32.astype(ml_dtypes.bfloat16))  # computed in float32, rounded once
     np.testing.assert_allclose(d.astype(np.float32), softcap_backward(dy.astype(np.float32), c32), rtol=1e-2, atol=1e-2)
+
+
+def hf_gemma_rmsnorm(x, weight, eps):
+    """transformers' Gemma2RMSNorm / Gemma3RMSNorm.forward, line by line, in NumPy + ml_dtypes."""
+    x32 = x.astype(np.float32)
+    output = x32 * (1.0 / np.sqrt(np.mean(x32 ** 2, axis=-1, keepdims=True) + eps))  # torch.rsqrt
+    output = output * (1.0 + weight.astype(np.float32))
+    return output.astype(x.dtype)
+
+
+def test_gemma_rmsnorm_16bit_scales_by_one_plus_w_and_rounds_once_as_transformers(rng):
+    """The (1 + w) norm in bfloat16: bit for bit transformers' (not Llama's order, which rounds
+    the normalised value first); its gradients agree with float32's."""
+    import cutp
+    from cutp.tensor_parallel import RMSNorm
+
+    ctx = cutp.init(device="cpu")
+    norm = RMSNorm(ctx, 64, name="n", eps=1e-5, dtype=ml_dtypes.bfloat16, offset=True)
+    assert not norm.weight.data.any()  # zeros: scale 1
+    norm.weight.data[...] = (0.5 * rng.standard_normal(64)).astype(ml_dtypes.bfloat16)
+    x = (rng.standard_normal((6, 5, 64)) * 3).astype(ml_dtypes.bfloat16)
+    y = norm.forward(x)
+    assert y.dtype == ml_dtypes.bfloat16
+    assert np.array_equal(y.view(np.uint16), hf_gemma_rmsnorm(x, norm.weight.data, 1e-5).view(np.uint16))
+    dy = rng.standard_normal(x.shape).astype(ml_dtypes.bfloat16)
+    dx = norm.backward(dy)
+    ref = RMSNorm(ctx, 64, name="r", eps=1e-5, dtype=np.float32, offset=True)
+    ref.weight.data[...] = norm.weight.data.astype(np.float32)
+    ref.forward(x.astype(np.float32))
+    np.testing.assert_allclose(dx.astype(np.float32), ref.backward(dy.astype(np.float32)), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(norm.weight.grad.astype(np.float32), ref.weight.grad, rtol=1e-2, atol=1e-2)
+    ctx.close()
