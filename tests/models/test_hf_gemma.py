@@ -1,9 +1,11 @@
 """Hugging Face interop of Gemma 2 and Gemma 3 (issue 37): Gemma2ForCausalLM and Gemma3ForCausalLM
 (gemma3_text) directories read into cutp and written back.
 
-Without torch: a cutp Gemma written by save_hf reads back to the same logits under
-save_pretrained's names, the presets count transformers' parameters (checked against
-transformers where it imports), and what cutp cannot compute is refused naming the field.
+Without torch: cutp's Gemma 2 and 3 logits equal a plain float64 NumPy transcription of
+transformers' modeling code (1e-12), a cutp Gemma written by save_hf reads back to the same logits
+under save_pretrained's names, the Hub's config.json files read as the presets, whose parameter
+counts are transformers' (checked against transformers where it imports), and what cutp cannot
+compute is refused naming the field.
 Against transformers (where torch and transformers import; skipped with the reason otherwise):
 random small models with every Gemma piece ((1 + w) norms before and after each branch, GeGLU,
 scaled embeddings, query_pre_attn_scalar, the final soft-cap, Gemma 3's QK-norm and two ropes, one
@@ -17,11 +19,13 @@ shorter than the sequence and no attention soft-cap, and the tests of a window s
 sequence with the attention soft-cap set skip, saying so.
 """
 import json
+import math
 
 import numpy as np
 import pytest
 
 import cutp
+from cutp import ops
 from cutp.hf import HFFormatError, config_from_hf, from_hf, hf_state_dict, save_hf
 from cutp.models import GPT, GPTConfig
 from cutp.models.hf import config_to_hf, hf_shapes
@@ -92,6 +96,72 @@ def test_save_hf_then_from_hf_gives_the_same_model(family, tmp_path):
     for k in ("norm_offset", "embed_scale", "post_norms", "query_pre_attn_scalar", "rope_local_theta", "final_softcap",
               "layer_types", "sliding_window", "qk_norm", "rope_scaling", "rope_factor", "mlp", "gelu"):
         assert getattr(back.config, k) == getattr(cfg, k), k
+    ctx.close()
+
+
+def _plain_logits(c: GPTConfig, sd: dict, idx) -> np.ndarray:
+    """The logits, written out from transformers' modeling_gemma2 / modeling_gemma3 (float64)."""
+    nh, nkv, hd, B, T = c.n_head, c.kv_heads, c.head_size, idx.shape[0], idx.shape[1]
+
+    def rms(x, w):  # Gemma's: scale 1 + w
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + c.norm_eps) * (1.0 + w)
+
+    def gelu_tanh(x):
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+    def rope(x, inv_freq):  # x [B, T, heads, hd]; rotate_half pairs i with i + hd/2
+        freqs = np.arange(T)[:, None] * inv_freq[None, :]
+        cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
+        half = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos[None, :, None] + half * sin[None, :, None]
+
+    x = sd["tok_embed.weight"][idx] * math.sqrt(c.n_embd)
+    pos = np.arange(T)
+    for i in range(c.n_layer):
+        p, local = f"layers.{i}.", c.is_local_layer(i)
+        inv_freq = (ops.rope_inv_freq(hd, c.rope_local_theta, None, np.float64) if local and c.rope_local_theta
+                    else ops.rope_inv_freq(hd, c.rope_theta, c.rope, np.float64))
+        qkv = rms(x, sd[p + "attn_norm.weight"]) @ sd[p + "attn.qkv.weight"]
+        q = qkv[..., : nh * hd].reshape(B, T, nh, hd)
+        k = qkv[..., nh * hd:(nh + nkv) * hd].reshape(B, T, nkv, hd)
+        v = qkv[..., (nh + nkv) * hd:].reshape(B, T, nkv, hd)
+        if c.qk_norm:
+            q, k = rms(q, sd[p + "attn.q_norm.weight"]), rms(k, sd[p + "attn.k_norm.weight"])
+        q, k = rope(q, inv_freq), rope(k, inv_freq)
+        k, v = np.repeat(k, nh // nkv, axis=2), np.repeat(v, nh // nkv, axis=2)
+        s = np.einsum("bqhd,bkhd->bhqk", q, k) * c.query_pre_attn_scalar ** -0.5
+        if c.attn_softcap:
+            s = c.attn_softcap * np.tanh(s / c.attn_softcap)
+        see = pos[None, :] <= pos[:, None]
+        if local and c.sliding_window:
+            see &= pos[None, :] > pos[:, None] - c.sliding_window
+        s = np.where(see, s, -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        o = np.einsum("bhqk,bkhd->bqhd", s, v).reshape(B, T, nh * hd)
+        x = x + rms(o @ sd[p + "attn.proj.weight"], sd[p + "post_attn_norm.weight"])
+        gate_up = rms(x, sd[p + "mlp_norm.weight"]) @ sd[p + "mlp.fc1.weight"]
+        m = (gelu_tanh(gate_up[..., : c.hidden]) * gate_up[..., c.hidden:]) @ sd[p + "mlp.fc2.weight"]
+        x = x + rms(m, sd[p + "post_mlp_norm.weight"])
+    logits = rms(x, sd["final_norm.weight"]) @ sd["tok_embed.weight"].T
+    return c.final_softcap * np.tanh(logits / c.final_softcap) if c.final_softcap else logits
+
+
+@pytest.mark.parametrize("family, over", [
+    ("gemma2", {}), ("gemma3_text", {}),
+    pytest.param("gemma2", dict(sliding_window=4, attn_softcap=3.0), marks=needs_window, id="gemma2-windowed"),
+    pytest.param("gemma3_text", dict(sliding_window=4), marks=needs_window, id="gemma3-windowed")])
+def test_logits_equal_a_plain_transcription_of_transformers_gemma(family, over):
+    c = _cutp_config(family, **over)
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, c, seed=1).eval()
+    rng = np.random.default_rng(0)
+    sd = {k: v + (0.1 * rng.standard_normal(v.shape) if v.ndim == 1 else 0)  # norms away from zero
+          for k, v in model.gather_state_dict().items()}
+    model.load_full_state_dict(sd)
+    idx = rng.integers(0, V, (2, 16))
+    got, ref = _logits(model, idx), _plain_logits(c, sd, idx)
+    assert np.abs(got - ref).max() <= 1e-12 * np.abs(ref).max(), np.abs(got - ref).max()
     ctx.close()
 
 
