@@ -154,7 +154,9 @@ class Gemma2(GemmaLike):
 
     def config_to_hf(self, cfg) -> dict:
         rope = dict(rope_to_hf(cfg) or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
-        return dict(self.common_to_hf(cfg), rope_parameters=rope)
+        # (transformers 5's rope_parameters, and 4.x's top-level fields, which 5 reads as the same)
+        return dict(self.common_to_hf(cfg), rope_parameters=rope, rope_theta=cfg.rope_theta,
+                    rope_scaling=rope_to_hf(cfg))
 
     def refusal(self, cfg) -> str | None:
         why = super().refusal(cfg)

@@ -60,7 +60,16 @@ class Gemma3(GemmaLike):
                                 "local layers turn by an unscaled rope (rope_type default)")
         return dict(self.common_from_hf(hf, where), **rope, rope_local_theta=float(local["rope_theta"]), qk_norm=True)
 
+    def refusal(self, cfg) -> str | None:
+        why = super().refusal(cfg)
+        if why is None and cfg.rope_local_theta is None and cfg.rope_scaling != "none":
+            return (f"rope_scaling={cfg.rope_scaling} on every layer: Gemma 3's local layers turn by an unscaled rope "
+                    "of their own; set rope_local_theta (transformers' rope_local_base_freq)")
+        return why
+
     def config_to_hf(self, cfg) -> dict:
         full = dict(rope_to_hf(cfg) or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
         local = full if cfg.rope_local_theta is None else {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
-        return dict(self.common_to_hf(cfg), rope_parameters={"full_attention": full, "sliding_attention": local})
+        # (transformers 5's rope_parameters by layer type, and 4.x's top-level fields, which 5 reads as the same)
+        return dict(self.common_to_hf(cfg), rope_parameters={"full_attention": full, "sliding_attention": local},
+                    rope_theta=cfg.rope_theta, rope_scaling=rope_to_hf(cfg), rope_local_base_freq=local["rope_theta"])
