@@ -51,7 +51,7 @@ def step_gemms(config: GPTConfig, tokens: int, tp: int = 1) -> list[Gemm]:
     kv = config.n_kv_head or heads
     ffn = config.mlp_hidden or 4 * h
     projections = [("qkv", h, (heads + 2 * kv) * hd // tp), ("attn_out", heads * hd // tp, h),
-                   ("mlp_in", h, (2 if config.mlp == "swiglu" else 1) * ffn // tp), ("mlp_out", ffn // tp, h)]
+                   ("mlp_in", h, (2 if config.mlp in ("swiglu", "geglu") else 1) * ffn // tp), ("mlp_out", ffn // tp, h)]
     out = []
     for name, k_in, n_out in projections:
         L = config.n_layer

@@ -4,7 +4,8 @@
 from (cutp.models.gpt): a small spec of the transformer, whose defaults are GPT-2's (LayerNorm,
 learned positions, GeLU MLP, biases everywhere, tied embeddings) and whose other values give
 the Llama family (RMSNorm, rotary positions, SwiGLU, no biases, untied), Qwen2 (the same with
-q/k/v biases), Mistral, and Mixtral (SwiGLU experts, softmax top-2 renormalised); `family`
+q/k/v biases), Mistral, Mixtral (SwiGLU experts, softmax top-2 renormalised), and Gemma 2 / 3
+((1 + w) RMSNorms before and after each branch, GeGLU, scaled embeddings, soft-capping); `family`
 names the Hugging Face family it is exported as. `block_spec()` is the part each transformer
 block is built from (cutp.tensor_parallel's `BlockSpec`). `PRESETS` are the named shapes of
 `--preset`, declared by the family modules (cutp.models.families).
@@ -35,7 +36,7 @@ FAMILY_NAMES: set = set()  # the registered families' names (ModelConfig.family)
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "geglu")
 
 
 @dataclass
@@ -73,7 +74,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
-    mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down)
+    mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down) | geglu (gelu(gate) * up)
     head_dim: int | None = None  # None: n_embd // n_head
     qk_norm: bool = False  # an RMSNorm (eps norm_eps) over each query and key head before RoPE (Qwen3)
     # local attention (Mistral v0.1, Gemma): a query at p sees keys s with p - window < s <= p, as
@@ -85,6 +86,16 @@ class ModelConfig:
     # soft-capping, cap * tanh(x / cap): of the attention scores (after the scale) and of the logits
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # Gemma 2 and 3: RMSNorms scaling by (1 + weight) (weights stored as transformers stores them,
+    # zeros-initialised), the token embedding multiplied by sqrt(n_embd) in the model's dtype, a norm
+    # after the attention and after the MLP too (post_norms), the scores scaled by
+    # query_pre_attn_scalar ** -0.5 (None: head_size's), and (Gemma 3) the local layers' own rope
+    # theta, unscaled (rope_local_theta; None: rope_theta and rope_scaling for every layer)
+    norm_offset: bool = False
+    embed_scale: bool = False
+    post_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
     # biases per projection (None: `bias`, which also gives the LayerNorms theirs): Qwen2 has
     # qkv_bias only, Llama none, GPT-2 all
     qkv_bias: bool | None = None
@@ -167,7 +178,16 @@ class ModelConfig:
                          qkv_bias=self._bias("qkv_bias"),
                          attn_out_bias=self._bias("attn_out_bias"), mlp_bias=self._bias("mlp_bias"), mlp=self.mlp,
                          gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer),
-                         window=self.layer_window(layer), attn_softcap=self.attn_softcap)
+                         window=self.layer_window(layer), attn_softcap=self.attn_softcap,
+                         norm_offset=bool(self.norm_offset), post_norms=bool(self.post_norms),
+                         attn_scale=None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5)
+
+    def is_local_layer(self, layer: int) -> bool:
+        """Whether layer `layer` is a local ("sliding_attention") one: by layer_types, else every
+        layer when sliding_window is set (its rope is rope_local_theta's when that is set)."""
+        if self.layer_types is not None:
+            return self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window is not None
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: global attention)."""
@@ -205,8 +225,22 @@ class ModelConfig:
         for f, kinds in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
             if getattr(self, f) not in kinds:
                 raise ConfigError(f"{f} must be one of {', '.join(kinds)}, got {getattr(self, f)!r}")
-        if self.qk_norm not in (True, False):
-            raise ConfigError(f"qk_norm must be true or false, got {self.qk_norm!r}")
+        for f in ("qk_norm", "norm_offset", "embed_scale", "post_norms"):
+            if getattr(self, f) not in (True, False):
+                raise ConfigError(f"{f} must be true or false, got {getattr(self, f)!r}")
+        if self.norm_offset and self.norm != "rmsnorm":
+            raise ConfigError(f"norm_offset=True scales an RMSNorm by (1 + weight); norm is {self.norm!r}: "
+                              "set norm=rmsnorm or norm_offset=False")
+        if self.mlp == "geglu" and self.n_experts:
+            raise ConfigError("mlp=geglu with experts: cutp's experts are GeLU or SwiGLU MLPs; set mlp=swiglu "
+                              "or n_experts=0")
+        for f in ("query_pre_attn_scalar", "rope_local_theta"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
+                raise ConfigError(f"{f} must be a positive number or None, got {v!r}")
+        if self.rope_local_theta is not None and self.positions != "rope":
+            raise ConfigError("rope_local_theta is the local layers' rotary theta; positions is "
+                              f"{self.positions!r}: set positions=rope or rope_local_theta=None")
         for f in ("qkv_bias", "attn_out_bias", "mlp_bias"):
             if getattr(self, f) not in (None, True, False):
                 raise ConfigError(f"{f} must be true, false or None (follow `bias`), got {getattr(self, f)!r}")
@@ -247,9 +281,6 @@ class ModelConfig:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0):
                 raise ConfigError(f"{f} must be a positive number or None (no soft-capping), got {v!r}")
-        # until the logits' soft-capping is applied (issue 37), refused rather than ignored
-        if self.final_softcap is not None:
-            raise ConfigError("final_softcap is not implemented yet; set it to None")
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_experts > 0 and i % self.moe_every == 0
@@ -281,7 +312,7 @@ class ModelConfig:
     def _mlp_parameters(self, width: int) -> int:
         """One MLP (or expert) of `width`: GeLU's two matrices or SwiGLU's three, and their biases."""
         h, b = self.n_embd, 1 if self._bias("mlp_bias") else 0
-        if self.mlp == "swiglu":
+        if self.mlp in ("swiglu", "geglu"):
             return 3 * h * width + b * (2 * width + h)
         return 2 * h * width + b * (width + h)
 
@@ -291,7 +322,7 @@ class ModelConfig:
         q, kv = self.n_head * self.head_size, self.kv_heads * self.head_size
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
         attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
-        per_layer = 2 * norm + attention + 2 * self.head_size * bool(self.qk_norm)
+        per_layer = (4 if self.post_norms else 2) * norm + attention + 2 * self.head_size * bool(self.qk_norm)
         # an MoE layer's router and experts
         moe = h * self.n_experts + self.n_experts * self._mlp_parameters(self.moe_ffn or self.hidden)
         n_moe = sum(self.is_moe_layer(i) for i in range(L))

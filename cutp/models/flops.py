@@ -16,7 +16,7 @@ from __future__ import annotations
 
 def _mlp_matmul(config, width: int) -> int:
     """Multiply-adds per token of one MLP (or expert) of `width`: GeLU's two matrices, SwiGLU's three."""
-    return (3 if config.mlp == "swiglu" else 2) * config.n_embd * width
+    return (3 if config.mlp in ("swiglu", "geglu") else 2) * config.n_embd * width
 
 
 def forward_flops_per_token(config, seq_len: int) -> float:

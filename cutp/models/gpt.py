@@ -21,8 +21,10 @@ logits and generation run whole sequences on every CP rank.
 Parameters have cutp's neutral names (`cutp.models.names`); `gather_state_dict` returns full, unpadded
 tensors under them.
 Rotary models (positions="rope") have no position table: the model builds the (cos, sin)
-tables once (`rotary`, [block_size, head_dim] in the model's table dtype) and every block's
-attention turns Q and K by the tokens' global positions.
+tables once (`rotary`, [block_size, head_dim] in the model's table dtype; with rope_local_theta,
+Gemma 3, a second one, `rotary_local`, for the local layers) and every block's attention turns Q
+and K by the tokens' global positions. Gemma: the embedding scaled by sqrt(n_embd)
+(`embed_scale`), and the logits soft-capped on each rank's vocabulary shard (`final_softcap`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from ..tensor_parallel import (
     REPLICATED,
     ColumnParallelLinear,
     Dropout,
+    LogitSoftcap,
     Module,
     ParallelLMHead,
     ParallelTransformerBlock,
@@ -159,25 +162,30 @@ class GPT(Module):
         self.tok_embed = self.pos_embed = self.drop = self.final_norm = self.lm_head = self.loss_fn = None
         if self.first_stage or (self.last_stage and c.tie_embeddings):
             self.tok_embed = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="tok_embed", seed=seed,
-                                              dtype=dt)
+                                              dtype=dt, scale=c.n_embd ** 0.5 if c.embed_scale else None)
         if self.first_stage:
             if c.positions == "learned":
                 self.pos_embed = PositionEmbedding(ctx, c.block_size, c.n_embd, name="pos_embed", seed=seed, dtype=dt)
             self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
         # rotary positions: one (cos, sin) table for every layer, positions 0..block_size-1
-        self.rotary = None
+        # (Gemma 3: the local layers' own, rope_local_theta unscaled)
+        self.rotary = self.rotary_local = None
         if c.positions == "rope":
             self.rotary = ops.rope_tables(c.head_size, c.block_size, c.rope_theta, c.rope, dt, xp=ctx.xp)
+            if c.rope_local_theta is not None:
+                self.rotary_local = ops.rope_tables(c.head_size, c.block_size, c.rope_local_theta, None, dt,
+                                                    xp=ctx.xp)
         self.layers = [ParallelTransformerBlock(ctx, c.block_spec(i), layer=i, rng=self.rng, seed=seed, dtype=dt,
-                                           rotary=self.rotary)
-                  for i in self.layer_ids]
+                                                rotary=self._layer_rotary(i))
+                       for i in self.layer_ids]
         self.moe_layers = [b.mlp for b in self.layers if isinstance(b.mlp, MoEMLP)]
         self._chunk_blocks, at = [], 0  # each chunk's blocks, out of self.layers
         for r in self.chunks:
             self._chunk_blocks.append(self.layers[at:at + len(r)])
             at += len(r)
         if self.last_stage:
-            self.final_norm = make_norm(ctx, c.norm, c.n_embd, name="final_norm", eps=c.norm_eps, bias=c.bias, seed=seed, dtype=dt)
+            self.final_norm = make_norm(ctx, c.norm, c.n_embd, name="final_norm", eps=c.norm_eps, bias=c.bias, seed=seed,
+                                        dtype=dt, offset=c.norm_offset)
             if c.tie_embeddings:
                 self.lm_head = ParallelLMHead(ctx, self.tok_embed)
             else:
@@ -185,6 +193,7 @@ class GPT(Module):
                                               dim=c.n_embd, name="lm_head", seed=seed, dtype=dt)
             self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
                                                      ignore_index=self.ignore_index, label_smoothing=c.label_smoothing)
+        self.logit_softcap = LogitSoftcap(c.final_softcap) if self.last_stage and c.final_softcap else None
         if c.tie_embeddings and ctx.pp_size > 1 and self.tok_embed is not None:
             # the tied table on the first and the last stage: one gradient, summed over both
             self.tok_embed.weight.grad_sync = sum_grad_over(ctx.embedding)
@@ -197,6 +206,17 @@ class GPT(Module):
         self.before_unit_forward = None
 
         self._context_parallel = False
+
+    def _layer_rotary(self, i: int):
+        """Layer i's (cos, sin) tables: the local layers' own when the config has them."""
+        if self.rotary_local is not None and self.config.is_local_layer(i):
+            return self.rotary_local
+        return self.rotary
+
+    def _head(self, x):
+        """The final norm, the LM head and (Gemma) the logits' soft-cap: this rank's logit shard."""
+        logits = self.lm_head.forward(self.final_norm.forward(x))
+        return logits if self.logit_softcap is None else self.logit_softcap.forward(logits)
 
     # ---- units: the steps of a chunk's forward, whose parameters the overlap hooks follow --------
     def units(self, chunk: int = 0) -> list[list]:
@@ -422,7 +442,7 @@ class GPT(Module):
             return x
         if units:
             self._unit_next(units[-1])
-        logits = self.lm_head.forward(self.final_norm.forward(x))
+        logits = self._head(x)
         if targets is None:
             return logits
         return self.loss_fn.forward(logits, targets, inplace_backward=True)
@@ -442,7 +462,10 @@ class GPT(Module):
         for m in moe:
             m.aux_grad = aux_grad
         if self.gives_loss(chunk):
-            dx = self.final_norm.backward(self.lm_head.backward(self.loss_fn.backward(grad)))
+            dlogits = self.loss_fn.backward(grad)
+            if self.logit_softcap is not None:
+                dlogits = self.logit_softcap.backward(dlogits)
+            dx = self.final_norm.backward(self.lm_head.backward(dlogits))
             self._unit_done([self.final_norm, self.lm_head])
         else:
             dx = grad
@@ -579,7 +602,7 @@ class GPT(Module):
             x += self.pos_embed.weight.data[n0:n0 + T]
         for block, cache in zip(self.layers, caches):
             x = block.forward_cached(x, cache)
-        return self._mask_padding(self.lm_head.forward(self.final_norm.forward(x)))
+        return self._mask_padding(self._head(x))
 
     # ---- state -------------------------------------------------------------------------------
     def named_parameters(self) -> dict:

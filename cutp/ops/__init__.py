@@ -38,6 +38,7 @@ from .erf import erf, erfc  # the functions: `cutp.ops.erf` names erf, not its m
 from .gemm import allow_tf32, column_sums, gemm, on_cublas, tf32_allowed
 from .gemm import operand as gemm_operand
 from .gelu import GeluCtx, bias_gelu_backward, bias_gelu_forward, gelu_backward, gelu_forward
+from .geglu import GeGLUCtx, geglu_backward, geglu_forward
 from .layernorm import LayerNormCtx, layernorm_backward, layernorm_forward
 from .linear import LinearCtx, linear_backward, linear_forward
 from .rmsnorm import RMSNormCtx, residual_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward
@@ -50,6 +51,7 @@ from .rotary import (
     rotary_backward,
     rotary_forward,
 )
+from .softcap import SoftcapCtx, softcap_backward, softcap_forward
 from .softmax import SoftmaxCtx, causal_mask, softmax_backward, softmax_forward
 from .swiglu import SwiGLUCtx, swiglu_backward, swiglu_forward
 
@@ -66,10 +68,12 @@ __all__ = [
     "erf", "erfc",
     "allow_tf32", "column_sums", "gemm", "gemm_operand", "on_cublas", "tf32_allowed",
     "GeluCtx", "bias_gelu_backward", "bias_gelu_forward", "gelu_backward", "gelu_forward",
+    "GeGLUCtx", "geglu_backward", "geglu_forward",
     "LayerNormCtx", "layernorm_backward", "layernorm_forward",
     "LinearCtx", "linear_backward", "linear_forward",
     "RMSNormCtx", "residual_rmsnorm_forward", "rmsnorm_backward", "rmsnorm_forward",
     "ROPE_TYPES", "RopeScaling", "RotaryCtx", "rope_inv_freq", "rope_tables", "rotary_backward", "rotary_forward",
+    "SoftcapCtx", "softcap_backward", "softcap_forward",
     "SoftmaxCtx", "causal_mask", "softmax_backward", "softmax_forward",
     "SwiGLUCtx", "swiglu_backward", "swiglu_forward",
 ]

@@ -9,6 +9,8 @@ so for bfloat16/float16 the normalised value is rounded to ``dt`` first and the 
 happens in ``dt`` (the exact product of two 16-bit values, rounded once to ``dt``). This op does the
 same: the multiply is done in float32 on the rounded value and rounded once, which is what a
 16-bit multiply is (the product of two 16-bit values is exact in float32). float32/float64 inputs are computed in their own precision (no rounding step).
+With ``round_first=False`` (Gemma's order: ``(x32 * rsqrt(...) * (1 + weight.float())).to(dt)``)
+the normalised value is not rounded before the scale: the product is rounded once.
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ class RMSNormCtx:
     non-affine) and the per-row ``rstd = 1 / sqrt(mean(x^2) + eps)`` (shape ``x.shape[:-1]``,
     float32 for 16-bit and float32 inputs, float64 for float64)."""
 
-    __slots__ = ("x", "weight", "rstd")
+    __slots__ = ("x", "weight", "rstd", "round_first")
 
-    def __init__(self, x, weight, rstd):
+    def __init__(self, x, weight, rstd, round_first=True):
         self.x = x
         self.weight = weight
         self.rstd = rstd
+        self.round_first = round_first  # 16-bit: x * rstd rounded before the weight (HF's Llama order)
 
 
 def _check_shapes(x, weight):
@@ -39,7 +42,7 @@ def _check_shapes(x, weight):
                          "(one scale per element of x's last axis)")
 
 
-def rmsnorm_forward(x, weight=None, eps: float = 1e-6):
+def rmsnorm_forward(x, weight=None, eps: float = 1e-6, round_first: bool = True):
     """``y = weight * (x * rstd)`` over the last axis of ``x`` [..., C], ``rstd = 1/sqrt(mean(x^2) + eps)``.
 
     ``weight`` [C] may be None (no scale). For bfloat16/float16 ``x * rstd`` is rounded to ``x``'s
@@ -48,16 +51,19 @@ def rmsnorm_forward(x, weight=None, eps: float = 1e-6):
     live in the optimizer) that is bit for bit HF's 16-bit multiply. An fp32 weight is not
     rounded first (HF would keep that product in fp32; here it is rounded to ``x``'s dtype).
 
+    ``round_first=False``: not rounded before the weight (Gemma's order; module docstring).
+
     Returns ``(y, ctx)``: ``y`` in ``x``'s dtype; ``ctx`` (:class:`RMSNormCtx`) exposes ``ctx.rstd``.
     """
     _check_shapes(x, weight)
-    k = _kernels(x, weight)  # CuPy float32/bfloat16: the CUDA kernel (kernels/rmsnorm.cu)
+    low = is_low_precision(x.dtype)
+    # CuPy float32/bfloat16: the CUDA kernel (kernels/rmsnorm.cu), which rounds first in 16 bits
+    k = _kernels(x, weight) if round_first or not low else None
     if k is not None:
         y, rstd = k.rmsnorm_forward(x, weight, eps)
         return y, RMSNormCtx(x, weight, rstd.reshape(x.shape[:-1]))
     xp = get_array_module(x, weight)
     cdt = compute_dtype(x.dtype)
-    low = is_low_precision(x.dtype)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     N = x2.shape[0]
@@ -74,7 +80,7 @@ def rmsnorm_forward(x, weight=None, eps: float = 1e-6):
         xp.divide(1.0, r, out=r)
         # float32/float64: y's rows are written in place (one pass fewer, no temporary)
         h = xp.multiply(xb, r[:, None], out=None if low else y[sl])
-        if low:
+        if low and round_first:
             h = h.astype(x.dtype).astype(cdt)  # HF's `.to(input_dtype)` before the weight
         if w is not None:
             h *= w
@@ -83,10 +89,10 @@ def rmsnorm_forward(x, weight=None, eps: float = 1e-6):
         rstd[sl] = r
 
     parallel_map(xp, block, row_blocks(xp, N, C))
-    return y.reshape(x.shape), RMSNormCtx(x, weight, rstd.reshape(x.shape[:-1]))
+    return y.reshape(x.shape), RMSNormCtx(x, weight, rstd.reshape(x.shape[:-1]), round_first)
 
 
-def residual_rmsnorm_forward(x, branch, weight=None, eps: float = 1e-6):
+def residual_rmsnorm_forward(x, branch, weight=None, eps: float = 1e-6, round_first: bool = True):
     """``s = x + branch`` (the residual stream after a pre-norm block's branch, in ``x``'s dtype)
     and ``rmsnorm_forward(s, weight, eps)``: on the GPU one kernel that reads ``x`` and ``branch``
     once and writes ``s`` once (llm.c's fused_residual_forward); elsewhere the two ops.
@@ -97,12 +103,12 @@ def residual_rmsnorm_forward(x, branch, weight=None, eps: float = 1e-6):
     if tuple(branch.shape) != tuple(x.shape):
         raise ValueError(f"residual_rmsnorm_forward: branch shape {tuple(branch.shape)} != x shape {tuple(x.shape)}")
     _check_shapes(x, weight)
-    k = _kernels(x, branch, weight)
+    k = _kernels(x, branch, weight) if round_first or not is_low_precision(x.dtype) else None
     if k is not None:
         s, y, rstd = k.residual_rmsnorm_forward(x, branch, weight, eps)
         return s, y, RMSNormCtx(s, weight, rstd.reshape(x.shape[:-1]))
     s = x + branch
-    y, ctx = rmsnorm_forward(s, weight, eps)
+    y, ctx = rmsnorm_forward(s, weight, eps, round_first)
     return s, y, ctx
 
 
@@ -121,13 +127,13 @@ def rmsnorm_backward(dy, ctx: RMSNormCtx):
     x, weight = ctx.x, ctx.weight
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"rmsnorm_backward: dy shape {tuple(dy.shape)} != x shape {tuple(x.shape)}")
-    k = _kernels(dy, x, weight)
+    low = is_low_precision(x.dtype)
+    k = _kernels(dy, x, weight) if ctx.round_first or not low else None
     if k is not None:
         dx, dweight = k.rmsnorm_backward(dy, x, weight, ctx.rstd.reshape(-1))
         return dx, dweight
     xp = get_array_module(dy, x, weight)
     cdt = compute_dtype(x.dtype)
-    low = is_low_precision(x.dtype)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     dy2 = dy.reshape(-1, C)
@@ -143,7 +149,7 @@ def rmsnorm_backward(dy, ctx: RMSNormCtx):
         dyb = as_dtype(dy2[sl], cdt)
         dw_part = None
         if w is not None:
-            used = xhat.astype(x.dtype).astype(cdt) if low else xhat
+            used = xhat.astype(x.dtype).astype(cdt) if low and ctx.round_first else xhat
             dw_part = xp.einsum("ij,ij->j", dyb, used)
             g = dyb * w
         else:

@@ -33,7 +33,7 @@ def _exp_neg(xp, g):
     return xp.exp(t, out=t)
 
 
-def _halves(gate_up, what):
+def gate_up_halves(gate_up, what):
     if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
         raise ValueError(f"{what}: the last axis of gate_up {tuple(gate_up.shape)} must be even "
                          "([gate columns ; up columns] of equal width)")
@@ -45,7 +45,7 @@ def swiglu_forward(gate_up):
 
     Returns ``(y, ctx)``: ``y`` [..., F] in ``gate_up``'s dtype (16-bit computed in float32).
     """
-    F = _halves(gate_up, "swiglu_forward")
+    F = gate_up_halves(gate_up, "swiglu_forward")
     k = _kernels(gate_up)  # CuPy float32/bfloat16: the CUDA kernel (kernels/swiglu.cu)
     if k is not None:
         return k.swiglu_forward(gate_up), SwiGLUCtx(gate_up)

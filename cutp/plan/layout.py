@@ -114,16 +114,18 @@ def param_count(a: GPTConfig, tp: int = 1, ep: int = 1) -> dict:
     qkv_out = (a.n_head + 2 * a.kv_heads) * hd
     qkv_out_local = (a.n_head // tp + 2 * kv_local) * hd
     attn_in = a.n_head * hd  # the output projection's input
-    mlp_mats = 3 if (a.mlp == "swiglu") else 2
+    mlp_mats = 3 if (a.mlp in ("swiglu", "geglu")) else 2
+    gated = 2 if (a.mlp in ("swiglu", "geglu")) else 1
+    norms = 4 if a.post_norms else 2  # (Gemma: a norm after each branch too)
     full = {
         "attention": h * qkv_out + bq * qkv_out + attn_in * h + bo * h,
-        "mlp": mlp_mats * h * a.hidden + bm * ((2 if (a.mlp == "swiglu") else 1) * a.hidden + h),
-        "norms": 2 * norm + 2 * hd * a.qk_norm,
+        "mlp": mlp_mats * h * a.hidden + bm * (gated * a.hidden + h),
+        "norms": norms * norm + 2 * hd * a.qk_norm,
     }
     local = {
         "attention": h * qkv_out_local + bq * qkv_out_local + (attn_in // tp) * h + bo * h,  # row bias replicated
-        "mlp": mlp_mats * h * (a.hidden // tp) + bm * ((2 if (a.mlp == "swiglu") else 1) * a.hidden // tp + h),
-        "norms": 2 * norm + 2 * hd * a.qk_norm,  # (the QK-norms replicated)
+        "mlp": mlp_mats * h * (a.hidden // tp) + bm * (gated * a.hidden // tp + h),
+        "norms": norms * norm + 2 * hd * a.qk_norm,  # (the QK-norms replicated)
     }
     emb = a.vocab_size * h
     head = 0 if a.tie_embeddings else a.vocab_size * h
@@ -152,7 +154,8 @@ def tp_gradient_elements(a: GPTConfig, tp: int, sequence_parallel: bool, ep: int
     if not sequence_parallel:
         return experts
     rows = a.n_layer * a.has_bias("attn_out_bias") * h + n_dense * a.has_bias("mlp_bias") * h
-    return (a.n_layer * 2 * norm + rows + moe["layers"] * moe["router"] + norm + (a.block_size * h if (a.positions == "learned") else 0)
+    norms = a.n_layer * (4 if a.post_norms else 2) * norm  # (Gemma: a norm after each branch too)
+    return (norms + rows + moe["layers"] * moe["router"] + norm + (a.block_size * h if (a.positions == "learned") else 0)
             + experts)
 
 

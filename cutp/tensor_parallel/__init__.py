@@ -2,7 +2,7 @@
 
 mappings       the communication operators (copy-to-TP, reduce-from-TP, scatter, gather)
 layers         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead,
-               LayerNorm, RMSNorm, Dropout
+               LayerNorm, RMSNorm, Dropout, LogitSoftcap
 attention      ParallelAttention (heads split, GQA)
 transformer    BlockSpec, ParallelMLP (GeLU or SwiGLU), ParallelTransformerBlock
 moe            MoEMLP (router, load-balancing and z-losses, capacity, experts)
@@ -13,8 +13,8 @@ grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP x CP), global_grad
 from .attention import ParallelAttention
 from .cross_entropy import VocabParallelCrossEntropy
 from .grads import finish_grad_sync, global_grad_norm, sum_grad_over, tp_grad_sync
-from .layers import (ColumnParallelLinear, Dropout, LayerNorm, ParallelLMHead, RMSNorm, RowParallelLinear,
-                     VocabParallelEmbedding, make_norm, pad_vocab)
+from .layers import (ColumnParallelLinear, Dropout, LayerNorm, LogitSoftcap, ParallelLMHead, RMSNorm,
+                     RowParallelLinear, VocabParallelEmbedding, make_norm, pad_vocab)
 from .moe import MoEMLP, check_moe
 from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
 from .random import REPLICATED, SHARDED, RNGTracker
@@ -28,5 +28,5 @@ __all__ = [
     "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
     "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",
     "take_shard", "pad_rows", "ParallelMLP", "ParallelTransformerBlock", "MoEMLP", "check_moe",
-    "BlockSpec", "RMSNorm", "make_norm",
+    "BlockSpec", "RMSNorm", "make_norm", "LogitSoftcap",
 ]

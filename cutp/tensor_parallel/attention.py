@@ -78,13 +78,15 @@ from .validation import check_attention
 class ParallelAttention(Module):
     def __init__(self, ctx, n_embd, n_head, n_kv_head=None, *, name, rng: RNGTracker, n_layer=1, bias=True,
                  attn_dropout=0.0, seed=0, dtype=np.float32, head_dim=None, qkv_bias=None, out_bias=None,
-                 rotary=None, qk_norm=False, norm_eps=1e-6, window=None, softcap=None):
+                 rotary=None, qk_norm=False, norm_eps=1e-6, window=None, softcap=None, scale=None,
+                 norm_offset=False):
         """head_dim: each head's width (None: n_embd // n_head). qkv_bias / out_bias: the two
         projections' biases (None: `bias`). rotary: (cos, sin) tables [max_len, head_dim] for
         rotary positions (None: none; the model adds learned positions before the blocks).
-        qk_norm: an RMSNorm over each query and each key head (Qwen3, Gemma 3; module docstring).
-        window: local attention, keys within `window` positions (None: global); softcap: the
-        scores soft-capped (None: not)."""
+        qk_norm: an RMSNorm over each query and each key head (Qwen3, Gemma 3; module docstring),
+        its scale 1 + weight with `norm_offset` (Gemma 3). scale: the scores' scale (None:
+        1/sqrt(head_dim); Gemma: query_pre_attn_scalar ** -0.5). window: local attention, keys
+        within `window` positions (None: global); softcap: the scores soft-capped (None: not)."""
         n_kv_head = n_kv_head or n_head
         tp = ctx.tp_size
         check_attention(n_embd, n_head, n_kv_head, tp, head_dim=head_dim)
@@ -95,7 +97,7 @@ class ParallelAttention(Module):
         self.kv_heads = kv_heads_of_rank(n_head, n_kv_head, tp, ctx.tp_rank)
         self.nkv = len(self.kv_heads)
         self.group = self.nq // self.nkv  # local query heads per local KV head
-        self.scale = 1.0 / math.sqrt(self.hd)
+        self.scale = 1.0 / math.sqrt(self.hd) if scale is None else float(scale)
         self.window, self.softcap = window, softcap
         qkv_out = (n_head + 2 * n_kv_head) * self.hd
         self.qkv = ColumnParallelLinear(
@@ -111,8 +113,10 @@ class ParallelAttention(Module):
         # and each TP rank normalises its own heads: their gradients summed over TP (tp_partial)
         self.q_norm = self.k_norm = None
         if qk_norm:
-            self.q_norm = RMSNorm(ctx, self.hd, name=f"{name}.q_norm", eps=norm_eps, seed=seed, dtype=dtype)
-            self.k_norm = RMSNorm(ctx, self.hd, name=f"{name}.k_norm", eps=norm_eps, seed=seed, dtype=dtype)
+            self.q_norm = RMSNorm(ctx, self.hd, name=f"{name}.q_norm", eps=norm_eps, seed=seed, dtype=dtype,
+                                  offset=norm_offset)
+            self.k_norm = RMSNorm(ctx, self.hd, name=f"{name}.k_norm", eps=norm_eps, seed=seed, dtype=dtype,
+                                  offset=norm_offset)
             self.q_norm.weight.tp_partial = self.k_norm.weight.tp_partial = True
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.recompute_core = False  # selective recomputation (module docstring)

@@ -189,8 +189,12 @@ class VocabParallelEmbedding(Module):
     the cross-entropy masks their logits, they never receive gradient.
     """
 
-    def __init__(self, ctx, vocab_size, padded_vocab, dim, *, name, init=None, seed=0, dtype=np.float32):
+    def __init__(self, ctx, vocab_size, padded_vocab, dim, *, name, init=None, seed=0, dtype=np.float32,
+                 scale=None):
+        """scale: the rows multiplied by this number (Gemma's sqrt(dim)) rounded to the table's dtype,
+        as transformers' scaled embedding does; None: no scaling."""
         self.ctx = ctx
+        self.scale = None if scale is None else np.asarray(scale, dtype=dtype)
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab
         sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
@@ -213,10 +217,19 @@ class VocabParallelEmbedding(Module):
             y, ectx = ops.embedding_forward(local, self.weight.data, mask)
         self._save("emb", ectx)
         if self.sequence_parallel:
-            return reduce_scatter_to_sp_forward(self.ctx.tp, y)
-        return reduce_from_tp_forward(self.ctx.tp, y)
+            y = reduce_scatter_to_sp_forward(self.ctx.tp, y)
+        else:
+            y = reduce_from_tp_forward(self.ctx.tp, y)
+        return y if self.scale is None else self._scaled(y)
+
+    def _scaled(self, a):
+        """a * scale, in a's dtype (16-bit: the product rounded once, as a 16-bit multiply)."""
+        cdt = compute_dtype(a.dtype)
+        return as_dtype(as_dtype(a, cdt) * cdt.type(self.scale), a.dtype)
 
     def backward(self, dy):
+        if self.scale is not None:
+            dy = self._scaled(dy)
         if self.sequence_parallel:
             dy = reduce_scatter_to_sp_backward(self.ctx.tp, dy)
         ops.embedding_backward(dy, self._load("emb"), self.weight.grad)
@@ -276,6 +289,22 @@ class ParallelLMHead(Module):
         return copy_to_tp_backward(self.ctx.tp, dx)
 
 
+class LogitSoftcap(Module):
+    """Soft-capped logits, cap * tanh(x / cap) (Gemma 2's final_logit_softcapping): elementwise on
+    this rank's vocabulary-parallel shard, so no communication; its own tanh kept for backward."""
+
+    def __init__(self, cap: float):
+        self.cap = float(cap)
+
+    def forward(self, logits):
+        y, sctx = ops.softcap_forward(logits, self.cap)
+        self._save("softcap", sctx)
+        return y
+
+    def backward(self, dy):
+        return ops.softcap_backward(dy, self._load("softcap"))
+
+
 class LayerNorm(Module):
     """LayerNorm over the last dimension, replicated: identical inputs, parameters and gradients
     on every TP rank (no communication; each rank computes the same gradient). On sequence
@@ -313,20 +342,31 @@ class LayerNorm(Module):
 class RMSNorm(Module):
     """RMSNorm over the last dimension (Llama, Qwen2, Mistral: `cutp.ops.rmsnorm_forward`, HF's
     rounding order), replicated like LayerNorm (its weight summed over TP under sequence
-    parallelism, as LayerNorm's)."""
+    parallelism, as LayerNorm's).
 
-    def __init__(self, ctx, dim, *, name, eps=1e-6, seed=0, dtype=np.float32):
+    offset (Gemma): the scale is (1 + weight), the weight stored as transformers stores it and
+    initialised to zeros; 1 + weight is formed in the compute dtype (float32 for 16-bit models, as
+    Gemma's `1.0 + weight.float()`), 16-bit outputs rounded once after it (Gemma's order, not
+    Llama's), and its gradient is the weight's."""
+
+    def __init__(self, ctx, dim, *, name, eps=1e-6, seed=0, dtype=np.float32, offset=False):
         self.ctx = ctx
         self.eps = eps
-        self.weight = make_parameter(ctx, f"{name}.weight", (dim,), ones_init, None, seed=seed, dtype=dtype)
+        self.offset = bool(offset)
+        self.weight = make_parameter(ctx, f"{name}.weight", (dim,), zeros_init if offset else ones_init, None,
+                                     seed=seed, dtype=dtype)
         self.bias = None  # (no bias: the attribute LayerNorm's callers read)
+
+    def _scale(self):
+        w = self.weight.data
+        return as_dtype(w, compute_dtype(w.dtype)) + 1.0 if self.offset else w
 
     def lay_out_sequence(self, on, shard):
         for p in self.own_parameters():  # (a QK-norm's are tp_partial already: it runs on heads, not tokens)
             p.sequence_parallel = on and not p.tp_partial
 
     def forward(self, x):
-        y, rctx = ops.rmsnorm_forward(x, self.weight.data, self.eps)
+        y, rctx = ops.rmsnorm_forward(x, self._scale(), self.eps, round_first=not self.offset)
         self._save("rms", rctx)
         return y
 
@@ -334,7 +374,7 @@ class RMSNorm(Module):
         """(s, y): the residual add s = x + branch and this norm of s in one pass (on a GPU one
         kernel reading x and branch once: llm.c's fused_residual_forward); `backward` is the
         norm's (the add's is the identity)."""
-        s, y, rctx = ops.residual_rmsnorm_forward(x, branch, self.weight.data, self.eps)
+        s, y, rctx = ops.residual_rmsnorm_forward(x, branch, self._scale(), self.eps, round_first=not self.offset)
         self._save("rms", rctx)
         return s, y
 
@@ -344,10 +384,11 @@ class RMSNorm(Module):
         return dx
 
 
-def make_norm(ctx, kind: str, dim, *, name, eps, bias, seed, dtype):
-    """A LayerNorm (with a bias when `bias`) or an RMSNorm, by the spec's `norm`."""
+def make_norm(ctx, kind: str, dim, *, name, eps, bias, seed, dtype, offset=False):
+    """A LayerNorm (with a bias when `bias`) or an RMSNorm (its scale 1 + weight when `offset`:
+    Gemma's), by the spec's `norm`."""
     if kind == "rmsnorm":
-        return RMSNorm(ctx, dim, name=name, eps=eps, seed=seed, dtype=dtype)
+        return RMSNorm(ctx, dim, name=name, eps=eps, seed=seed, dtype=dtype, offset=offset)
     return LayerNorm(ctx, dim, name=name, eps=eps, bias=bias, seed=seed, dtype=dtype)
 
 

@@ -20,8 +20,13 @@ LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=64, vocab_
              norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, tie_embeddings=False, rope_theta=500.0,
              vocab_multiple=1)
 MIXTRAL = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True)
+# Gemma 3's block (the (1 + w) norms, GeGLU, QK-norm, two ropes, the scaled embedding, the logits
+# soft-capped): its 16-bit norms take the array path (their scale, 1 + w, is float32)
+GEMMA = dict(LLAMA, mlp="geglu", norm_offset=True, embed_scale=True, post_norms=True, qk_norm=True,
+             query_pre_attn_scalar=48.0, final_softcap=5.0, rope_local_theta=50.0, tie_embeddings=True,
+             layer_types=("sliding_attention", "full_attention"), sliding_window=16)
 QWEN3 = dict(LLAMA, qk_norm=True, head_dim=32)  # the QK-norm kernels at head-dim rows; head_dim != n_embd / n_head
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3}
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "gemma": GEMMA}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 OVERLAP = dict(overlap_grad_reduce=True, bucket_size=600, tp_comm_overlap=True, overlap_param_gather=True,
                distributed_optimizer=True)

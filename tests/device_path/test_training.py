@@ -30,6 +30,10 @@ def test_families_at_tp2_equal_numpy():
                + [[f, "float32", {"tp": 2}, {"dropout": 0.1}] for f in ("gpt2", "llama")])  # the kernels' masks
 
 
+def test_gemma_at_tp2_equals_numpy():
+    run_device(2, COMPARE, [["gemma", dtype, {"tp": 2}, {}] for dtype in ("float32", "bfloat16")])
+
+
 def test_tp2_dp2_overlap_gpt2_and_mixtral_equal_numpy():
     run_device(4, COMPARE, [[f, "float32", {"tp": 2, "dp": 2}, OVERLAP] for f in ("gpt2", "mixtral")]
                + [["llama", "bfloat16", {"tp": 2, "dp": 2}, OVERLAP]])

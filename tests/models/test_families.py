@@ -1,4 +1,4 @@
-"""Model families (issues 27, 37): Llama-, Qwen2-, Mixtral- and Qwen3-shaped tiny models on every layout.
+"""Model families (issues 27, 37): Llama-, Qwen2-, Mixtral-, Qwen3- and Gemma-shaped tiny models on every layout.
 
 float64, dropout 0.1: the losses, every gradient (unless ZeRO-1 kept only its shard) and the
 parameters after the step of a TP x DP x PP (x EP) mesh equal one rank's within 1e-10: tp 2
@@ -11,6 +11,7 @@ import numpy as np
 
 from cutp.bench.model import random_tokens
 from cutp.models import GPTConfig
+from cutp.runtime.errors import ConfigError
 from cutp.tensor_parallel import gather_full
 from cutp.train import RunConfig, build_run, train_step
 from tests.mpirun import run_mpi
@@ -27,7 +28,27 @@ QWEN2 = dict(LLAMA, qkv_bias=True, tie_embeddings=True, head_dim=12, rope_scalin
 MIXTRAL = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True, rope_scaling="none")
 # Qwen3: QK-norm (its weights moved off 1 by the first step), head_dim (12) apart from n_embd / n_head
 QWEN3 = dict(LLAMA, qk_norm=True, head_dim=12, rope_scaling="none", norm_eps=1e-6)
-FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3}
+def _window_applied() -> bool:
+    """Whether cutp computes a window shorter than the sequence and the attention soft-cap (issue
+    37's attention paths); until then a config with them is refused."""
+    try:
+        GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=8, block_size=16, sliding_window=4,
+                  attn_softcap=20.0).validate()
+    except ConfigError:
+        return False
+    return True
+
+
+WINDOW_APPLIED = _window_applied()
+# Gemma 3 (and 2's pieces): (1 + w) norms (zeros at first) before and after each branch, GeGLU, the
+# embedding scaled, query_pre_attn_scalar, QK-norm, local layers with their own rope, the global
+# ones' linearly scaled, the logits soft-capped, tied; the window shorter than the sequence once
+# the attention applies it (WINDOW_APPLIED; until then the sequence's, which leaves no key out)
+GEMMA = dict(LLAMA, mlp="geglu", norm_offset=True, embed_scale=True, post_norms=True, query_pre_attn_scalar=10.0,
+             final_softcap=5.0, qk_norm=True, head_dim=12, rope_scaling="linear", rope_factor=4.0,
+             rope_local_theta=100.0, layer_types=("sliding_attention", "full_attention") * 2, tie_embeddings=True,
+             norm_eps=1e-6, sliding_window=8 if WINDOW_APPLIED else 16)
+FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "gemma": GEMMA}
 
 
 def _config(family, tp=1, dp=1, pp=1, ep=1, micro=2, schedule="1f1b", virtual=1, sp=False, recompute="none",
@@ -74,7 +95,7 @@ def _worker_layouts_equal_one_rank(cases):
         assert seen == set(ref), (kw, sorted(set(ref) ^ seen))
 
 
-def test_llama_qwen2_mixtral_qwen3_on_every_layout_equal_one_rank():
+def test_llama_qwen2_mixtral_qwen3_gemma_on_every_layout_equal_one_rank():
     cases = [dict(family="llama", tp=4, recompute="full"),  # 2 KV heads over 4 ranks: replicated
              dict(family="llama", tp=2, dp=2, sp=True),
              dict(family="llama", tp=2, pp=2, micro=1),  # 1F1B
@@ -88,5 +109,8 @@ def test_llama_qwen2_mixtral_qwen3_on_every_layout_equal_one_rank():
              dict(family="qwen3", tp=2, dp=2, sp=True, recompute="selective"),
              dict(family="qwen3", tp=2, cp=2, cp_comm="a2a"),
              dict(family="qwen3", cp=2, dp=2, zero=True),  # the ring
-             dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2)]
+             dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2),
+             dict(family="gemma", tp=4, recompute="full"),  # (every config here has dropout 0.1)
+             dict(family="gemma", tp=2, pp=2, micro=1, schedule="interleaved", virtual=2, sp=True),
+             dict(family="gemma", cp=2, dp=2, zero=True)]  # the ring
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

@@ -116,7 +116,10 @@ def test_preset_parameter_counts_are_exact():
     (dict(n_head=12, n_kv_head=4, head_dim=8), 6, r"tp=6 and n_kv_head=4: KV heads are either split"),
     (dict(norm="batchnorm"), 1, r"norm must be one of layernorm, rmsnorm"),
     (dict(positions="alibi"), 1, r"positions must be one of learned, rope"),
-    (dict(mlp="geglu"), 1, r"mlp must be one of gelu, swiglu"),
+    (dict(mlp="reglu"), 1, r"mlp must be one of gelu, swiglu, geglu"),
+    (dict(norm="layernorm", norm_offset=True), 1, r"norm_offset=True scales an RMSNorm"),
+    (dict(mlp="geglu", n_experts=4), 1, r"mlp=geglu with experts"),
+    (dict(positions="learned", rope_local_theta=10.0), 1, r"rope_local_theta is the local layers' rotary theta"),
     (dict(rope_scaling="yarn"), 1, r"rope scaling type 'yarn' is not supported"),
     (dict(mlp_hidden=25), 2, r"tp=2 does not divide the MLP width 25"),
 ])

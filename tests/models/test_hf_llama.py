@@ -315,14 +315,15 @@ def _greedy(model, prompt, n, cached):
     return out
 
 
-def _worker_tp_against_transformers(root):
+def _worker_tp_against_transformers(root, families=None):
     """At tp 2 (x dp 2) and tp 4 (2 KV heads: replicated), each family's HF directory gives the
-    logits and the greedy tokens transformers gave, and save_hf writes it back from the shards."""
+    logits and the greedy tokens transformers gave, and save_hf writes it back from the shards
+    (families: FAMILIES, or test_hf_gemma's)."""
     import os
 
     for tp in (2, 4):
         ctx = cutp.init(tp=tp, device="cpu")
-        for family in FAMILIES:
+        for family in families or FAMILIES:
             d = os.path.join(root, family)
             model = from_hf(ctx, os.path.join(d, "hf"), dtype="float32")
             ref = np.load(os.path.join(d, "logits.npy"))

@@ -47,11 +47,18 @@ def test_the_plan_of_a_stage_is_that_stages_own_model():
         p.numel for p in whole if p.name == shared)
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_qwen3s_qk_norm_gradients_are_planned_as_the_step_reduces_them(sp):
+# (gemma-tiny: its four norms per layer, post-branch ones included; the window no shorter than the
+# sequence, which the planner's formulas do not read)
+GEMMA_TINY = dict(n_layer=2, layer_types=("sliding_attention", "full_attention"), sliding_window=128)
+
+
+@pytest.mark.parametrize("preset, over, sp", [("qwen3-tiny", dict(n_layer=2), False),
+                                              ("qwen3-tiny", dict(n_layer=2), True),
+                                              ("gemma-tiny", GEMMA_TINY, True)])
+def test_qwen3s_qk_norm_gradients_are_planned_as_the_step_reduces_them(preset, over, sp):
     """The QK-norms' weights (replicated, each TP rank normalising its own heads) are summed over TP
     every step, with or without sequence parallelism: counted = the planner's formula."""
-    c = GPTConfig.preset("qwen3-tiny", n_layer=2)
+    c = GPTConfig.preset(preset, **over)
     kw = dict(tp=2, dp=1, micro_batch=2, seq_len=32, dtype="float32", sequence_parallel=sp)
     counted = planned_step(c, device="cuda", **kw)["comm"]["tp.all_reduce"]
     plan = layout.plan(c, config=c, **kw)

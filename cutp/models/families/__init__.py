@@ -4,6 +4,8 @@
     llama    LlamaForCausalLM (Llama 2/3/3.1/3.2, TinyLlama)
     qwen2    Qwen2ForCausalLM
     qwen3    Qwen3ForCausalLM (QK-norm)
+    gemma2   Gemma2ForCausalLM
+    gemma3_text  Gemma3ForCausalLM (text)
     mistral  MistralForCausalLM
     mixtral  MixtralForCausalLM
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 from ..config import FAMILY_NAMES, PRESETS
 from ..hf_files import HFFormatError
 from .base import Family, Recipe
+from .gemma2 import Gemma2
+from .gemma3 import Gemma3
 from .gpt2 import GPT2
 from .llama import Llama
 from .mistral import Mistral
@@ -42,7 +46,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral()):
+for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral(), Gemma2(), Gemma3()):
     register(_family)
 
 
@@ -74,7 +78,7 @@ def family_of(cfg) -> Family:
                                 "computes this model (GPT-2 is layernorm/learned/gelu, the Llama family "
                                 "rmsnorm/rope/swiglu)")
         family = implied[0]
-    why = family.refusal(cfg)
+    why = family.refusal(cfg) or family.pieces_refusal(cfg)
     if why:
         raise HFFormatError(why)
     return family

@@ -31,6 +31,11 @@ CONCAT_WEIGHTS = "cat"  # several HF [out, in] weights transposed and side by si
 CONCAT_BIASES = "catb"  # several HF biases one after the other
 
 
+# ModelConfig fields of Gemma's block that no other family computes (`Family.pieces_refusal`)
+GEMMA_PIECES = ("norm_offset", "embed_scale", "post_norms", "query_pre_attn_scalar", "rope_local_theta",
+                "final_softcap")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """One cutp parameter (its full, unpadded tensor) and the HF tensors it is made of."""
@@ -80,6 +85,8 @@ class Family:
     embedding_key: str = ""  # the HF key of the token embedding (a tied head saved anyway must equal it)
     head_key: str = "lm_head.weight"
     dtype_key: str = "torch_dtype"  # config.json's dtype field, as the family's transformers config writes it
+    # the pieces of the block beyond Llama's and GPT-2's (`GEMMA_PIECES`) this family computes
+    pieces: tuple = ()
     # ModelConfig fields an `init_from` directory must agree on with the model it loads into
     spec_fields: tuple = ("n_layer", "n_head", "kv_heads", "n_embd", "hidden", "head_size", "vocab_size",
                           "block_size", "tie_embeddings", "norm_eps", "norm", "positions", "mlp")
@@ -106,6 +113,14 @@ class Family:
         """Whether a config with no `family` set is this family's (hand-built configs; checkpoints
         written before ModelConfig had the field)."""
         return False
+
+    def pieces_refusal(self, cfg) -> str | None:
+        """Why this family cannot compute cfg's Gemma pieces (None: it computes those cfg uses)."""
+        used = [f for f in GEMMA_PIECES if f not in self.pieces and getattr(cfg, f) not in (None, False)]
+        if used:
+            return (f"{self.architecture} has no {', '.join(used)} (Gemma's: a model with them is written as "
+                    "Gemma2ForCausalLM or Gemma3ForCausalLM)")
+        return None
 
     # ---- tensors -----------------------------------------------------------------------------
     def recipes(self, cfg) -> list:
