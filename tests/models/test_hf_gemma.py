@@ -47,6 +47,8 @@ def _hf_config(family, transformers, windowed=False):
                   query_pre_attn_scalar=10, final_logit_softcapping=5.0, attn_implementation="eager",
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                   **(WINDOWED if windowed else UNWINDOWED))
+    if family != "gemma2":  # (Gemma 3 keeps attn_logit_softcapping in its config but never applies it)
+        common["attn_logit_softcapping"] = None
     if family == "gemma2":
         return transformers.Gemma2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     # Gemma 3: the global layers' rope linearly scaled (as gemma-3-4b and larger), the local layers' own theta
@@ -200,7 +202,9 @@ def test_what_cutp_cannot_compute_is_refused_naming_the_field(change, message):
 
 
 def test_the_other_families_refuse_gemma_s_pieces():
-    for family, over in (("llama", dict(mlp="swiglu", norm_offset=False, post_norms=False, qk_norm=False)),
+    # (Llama without the window, which it refuses first: it attends globally)
+    for family, over in (("llama", dict(mlp="swiglu", norm_offset=False, post_norms=False, qk_norm=False,
+                                        sliding_window=None, layer_types=None)),
                          ("qwen3", dict(mlp="swiglu", norm_offset=False, post_norms=False, qk_norm=True)),
                          ("gemma2", dict(qk_norm=False))):
         cfg = _cutp_config(family, **dict(over, rope_local_theta=100.0, rope_scaling="none"))

@@ -58,10 +58,15 @@ class Gemma3(GemmaLike):
         if local.get("rope_type", local.get("type", "default")) != "default":
             raise HFFormatError(f"{where}: rope_parameters.sliding_attention={local!r} is not supported; cutp's "
                                 "local layers turn by an unscaled rope (rope_type default)")
-        return dict(self.common_from_hf(hf, where), **rope, rope_local_theta=float(local["rope_theta"]), qk_norm=True)
+        # (Gemma3Attention keeps attn_logit_softcapping but never applies it: nor does cutp)
+        return dict(self.common_from_hf(hf, where), **rope, rope_local_theta=float(local["rope_theta"]), qk_norm=True,
+                    attn_softcap=None)
 
     def refusal(self, cfg) -> str | None:
         why = super().refusal(cfg)
+        if why is None and cfg.attn_softcap is not None:
+            return (f"attn_softcap={cfg.attn_softcap}: Gemma3ForCausalLM does not soft-cap the attention scores "
+                    "(transformers ignores its attn_logit_softcapping); write the model as Gemma 2 (family=gemma2)")
         if why is None and cfg.rope_local_theta is None and cfg.rope_scaling != "none":
             return (f"rope_scaling={cfg.rope_scaling} on every layer: Gemma 3's local layers turn by an unscaled rope "
                     "of their own; set rope_local_theta (transformers' rope_local_base_freq)")
@@ -71,5 +76,5 @@ class Gemma3(GemmaLike):
         full = dict(rope_to_hf(cfg) or {"rope_type": "default"}, rope_theta=cfg.rope_theta)
         local = full if cfg.rope_local_theta is None else {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
         # (transformers 5's rope_parameters by layer type, and 4.x's top-level fields, which 5 reads as the same)
-        return dict(self.common_to_hf(cfg), rope_parameters={"full_attention": full, "sliding_attention": local},
+        return dict(self.common_to_hf(cfg), attn_logit_softcapping=None, rope_parameters={"full_attention": full, "sliding_attention": local},
                     rope_theta=cfg.rope_theta, rope_scaling=rope_to_hf(cfg), rope_local_base_freq=local["rope_theta"])
