@@ -59,6 +59,7 @@ from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
+from .zero import check_zero, normalise_zero
 from .fixes import with_working_fixes
 from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
                        layout_text, refuse_ignored, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
@@ -117,6 +118,13 @@ class RunConfig:
     # through float32 master weights and float32 gradients)
     distributed_optimizer: bool = setting(
         False, "shard the optimizer state (fp32 master weights, Adam moments) over DP (ZeRO-1)", "memory", kind=bool)
+    zero: int = setting(
+        0, "ZeRO stage: 1 shards the optimizer state over DP (as --distributed-optimizer), 2 the fp32 gradients "
+        "too (reduce-scattered unit by unit in every micro-batch's backward), 3 the parameters too (each unit "
+        "all-gathered before its forward and its backward)", "memory", kind=int, choices=(0, 1, 2, 3))
+    reshard_after_forward: bool = setting(
+        True, "zero 3: free each unit's gathered parameters after its forward (off: kept to its backward, one "
+        "gather per micro-batch instead of two)", "memory", kind=bool)
     grad_reduce_dtype: str = setting(
         "float32", "dtype of the DP gradient reduction: bfloat16 halves the bytes, with sums rounded to bf16",
         "memory", choices=GRAD_REDUCE_DTYPES)
@@ -260,7 +268,9 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp and self.cp == 1:  # (cp > 1: check_context_parallel)
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
+        normalise_zero(self)
         check_overlap(self)
+        check_zero(self)
         check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.cp_comm,
                                self.model.n_head, self.model.n_kv_head, ranks=self.cp * self.dp)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
@@ -522,6 +532,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
+        zero=c["zero"], reshard_after_forward=bool(c["reshard_after_forward"]),
         allow_tf32=bool(c["allow_tf32"]),
         recompute=c["recompute"], recompute_layers=c["recompute_layers"],
         sequence_parallel=bool(c["sequence_parallel"]),

@@ -1,0 +1,125 @@
+"""Issue 39: ZeRO-2 and ZeRO-3 (`--zero 2|3`) change no math and overlap changes no bit.
+
+Float64, a GPT-2-shaped and a Llama-shaped tiny model, dropout 0.1: at dp4, dp2, tp2 x dp2 with
+sequence parallelism, cp2 x dp2, pp2 x dp2 (1F1B, tied embeddings: the deferred sum over the
+two stages) and pp2 x dp2 interleaved, with full recomputation in some, two steps give the
+losses, every gradient (put together from the ranks' shards) and every updated parameter of one
+rank within 1e-10; --overlap-grad-reduce and --overlap-param-gather (zero 3: the next unit's
+gather in flight; with --no-reshard-after-forward too) give the same bits as without. ZeRO-3
+holds whole at most two units at a time with prefetch, one without.
+"""
+import numpy as np
+import pytest
+
+from cutp.bench.model import random_tokens
+from cutp.models import GPTConfig
+from cutp.optim import ShardedAdamW
+from cutp.tensor_parallel import gather_full
+from cutp.train import RunConfig, build_run, train_step
+from tests.mpirun import run_mpi
+from tests.tp_utils import on_rank_0
+
+GPT2 = dict(n_head=4, n_embd=16)
+LLAMA = dict(n_head=4, n_kv_head=2, n_embd=16, mlp_hidden=40, norm="rmsnorm", positions="rope", mlp="swiglu",
+             bias=False, tie_embeddings=False)
+OVERLAP = dict(overlap_grad_reduce=True, overlap_param_gather=True)
+LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks, side by side)
+    (GPT2, 2, dict(dp=4, zero=2, recompute="full")),
+    (LLAMA, 2, dict(dp=4, zero=3)),
+    (GPT2, 2, dict(dp=2, zero=3, reshard_after_forward=False)),
+    (LLAMA, 2, dict(tp=2, dp=2, sequence_parallel=True, zero=2)),
+    (GPT2, 2, dict(tp=2, dp=2, sequence_parallel=True, zero=3, recompute="full")),
+    (LLAMA, 2, dict(cp=2, dp=2, zero=3)),
+    (GPT2, 2, dict(pp=2, dp=2, zero=2, recompute="full")),
+    (LLAMA, 4, dict(pp=2, dp=2, zero=3, pp_virtual=2, pp_schedule="interleaved", micro_batch_size=1,
+                    reshard_after_forward=False)),
+]
+BITS = {1, 4, 7}  # also run with OVERLAP: the same bits
+DEFAULT = (0, 4, 6)  # what `make test` runs (one one-rank reference for the three) (the rest: pytest -m zero_full tests/optim)
+
+
+def _config(model, n_layer, **layout):
+    m = dict(model, n_layer=n_layer, vocab_size=61, block_size=16, dtype="float64", dropout=0.1)
+    layout.setdefault("micro_batch_size", 2)
+    return RunConfig(model=GPTConfig(**m), batch_size=8, seq_len=16, steps=4, warmup=1, seed=3, eval_every=0,
+                     quiet=True, save_on_signal=False, **layout)
+
+
+def _full_grads(run) -> dict:
+    """Every parameter's gradient, whole: from the optimizer's shards (ZeRO 2/3) or the parameters."""
+    ctx, opt = run.ctx, run.optimizer
+    out = {}
+    for p in run.model.parameters():
+        if isinstance(opt, ShardedAdamW):
+            mine = (*opt.owned_part(p.name), ctx.to_numpy(opt.owned_grad(p.name)).copy())
+            flat = np.zeros(p.data.size)
+            for a, b, g in opt.group.mpi_comm.allgather(mine):
+                flat[a:b] = g
+            g = flat.reshape(p.data.shape)
+        else:
+            g = ctx.to_numpy(p.grad)
+        out[p.name] = np.asarray(gather_full(ctx.tp, ctx.asarray(g), p.sharding))[:p.real_rows]
+    return out
+
+
+def _train(cfg, comm, steps=2):
+    """Losses, and every stage's gradients and parameters, whole, after `steps` steps; the
+    most bytes of gathered units held at once (zero 3)."""
+    run = build_run(cfg, comm, dataset=random_tokens(61, 4096, 0))
+    losses = [train_step(run).loss for _ in range(steps)]
+    grads = _full_grads(run)
+    peak = getattr(run.optimizer, "peak_gathered_bytes", 0)
+    run.gather_params()
+    ctx = run.ctx
+    weights = {p.name: np.asarray(gather_full(ctx.tp, p.data, p.sharding))[:p.real_rows].copy()
+               for p in run.model.parameters()}
+    stages = ctx.pp.mpi_comm.allgather((grads, weights))
+    run.close()
+    grads = {k: v for g, _ in stages for k, v in g.items()}
+    weights = {k: v for _, w in stages for k, v in w.items()}
+    return losses, grads, weights, peak
+
+
+def _worker(which):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    refs = {}
+    for k in which:
+        model, n_layer, layout = LAYOUTS[k]
+        two = layout.get("dp") == 2 and all(layout.get(m, 1) == 1 for m in ("tp", "cp", "pp"))
+        comm = world.Split(world.rank // 2, world.rank) if two else world  # (dp2: two runs side by side)
+        key = (id(model), n_layer, layout.get("recompute", "none"))
+        if key not in refs:
+            one = {k2: v for k2, v in layout.items() if k2 == "recompute"}
+            refs[key] = on_rank_0(lambda: _train(_config(model, n_layer, **one), MPI.COMM_SELF)[:3])
+        ref_losses, ref_grads, ref_weights = refs[key]
+        cfg = _config(model, n_layer, **layout)
+        losses, grads, weights, peak = _train(cfg, comm)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(layout))
+        assert set(grads) == set(ref_grads) == set(weights), layout
+        for name in ref_grads:
+            g, rg, w, rw = grads[name], ref_grads[name], weights[name], ref_weights[name]
+            assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), (layout, name, np.abs(g - rg).max())
+            assert np.abs(w - rw).max() <= 1e-10 * np.abs(rw).max(), (layout, name)
+        if k in BITS:
+            overlap = dict(OVERLAP, overlap_param_gather=layout["zero"] == 3)
+            on_losses, on_grads, on_weights, on_peak = _train(_config(model, n_layer, **layout, **overlap), comm)
+            assert on_losses == losses, (layout, on_losses, losses)
+            for name in grads:
+                assert np.array_equal(on_grads[name], grads[name]) and np.array_equal(on_weights[name],
+                                                                                      weights[name]), (layout, name)
+            if cfg.zero == 3 and cfg.reshard_after_forward:  # the largest unit is a block here: one whole at a time, two with prefetch
+                assert 0 < peak < on_peak <= 2 * peak, (layout, peak, on_peak)
+        if comm is not world:
+            comm.Free()
+
+
+def test_zero_2_and_3_equal_one_rank_and_overlap_changes_no_bit():
+    """dp4 zero 2 with recomputation, tp2 + SP x dp2 zero 3 with recomputation, pp2 x dp2 zero 2 (tied)."""
+    run_mpi(4, "tests.optim.test_zero:_worker", list(DEFAULT), timeout=300)
+
+
+@pytest.mark.zero_full
+def test_zero_every_layout_of_the_grid():
+    run_mpi(4, "tests.optim.test_zero:_worker", [k for k in range(len(LAYOUTS)) if k not in DEFAULT], timeout=600)
