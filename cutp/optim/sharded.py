@@ -28,6 +28,10 @@ added in micro-batch order either way, and MPI's non-blocking reductions sum in 
 the first and last pipeline stages: a segment of its own, the same layout on both) has its
 grad_sync hook run on its shard at the end of the step (a sum: it commutes with the average).
 
+HSDP (--dp-replicate R): the DP x CP group split into R replicas of consecutive ranks; every
+shard, gather and reduce-scatter stays inside a replica, and at the end of the step each
+rank's gradient shard is averaged with its replicas' (one all-reduce across the replicas).
+
 The model calls the hooks (`GPT.unit_hooks`) around each unit's forward and backward; outside
 training (evaluation, a checkpoint) `gather_all()` makes every parameter whole until the next
 `begin_step()`, which takes each rank's piece back from the whole parameters (a checkpoint
@@ -54,13 +58,15 @@ def _absent(xp, shape, dtype):
 
 class ShardedAdamW:
     """AdamW of ZeRO stage `zero` (2 or 3) over `model`'s units, sharded over `group` (default:
-    the DP x CP group). `deferred`: parameters whose grad_sync hook runs at the end of the
+    the DP x CP group; HSDP: one replica's ranks, `replicas` the group across replicas, over
+    which the gradient shards are averaged at the end of the step). `deferred`: parameters whose grad_sync hook runs at the end of the
     step, on the shard. The module docstring says what it does."""
 
     distributed = True
     reduces_in_backward = True
 
-    def __init__(self, model, ctx, *, zero: int, group=None, deferred=(), reshard_after_forward: bool = True,
+    def __init__(self, model, ctx, *, zero: int, group=None, replicas=None, deferred=(),
+                 reshard_after_forward: bool = True,
                  overlap: bool = False, prefetch: bool = False, lr=6e-4, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay=0.1, grad_reduce_dtype: str | None = None):
         if zero not in (2, 3):
@@ -69,6 +75,7 @@ class ShardedAdamW:
             raise ValueError(f"grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES}, got {grad_reduce_dtype!r}")
         self.model, self.ctx, self.zero = model, ctx, zero
         self.group = replica_group(ctx) if group is None else group
+        self.replicas = replicas  # HSDP: the group of the replicas of this rank's shard (None: no replicas)
         self.reshard, self.overlap, self.prefetch = bool(reshard_after_forward), bool(overlap), bool(prefetch)
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.step_count = 0
@@ -275,6 +282,11 @@ class ShardedAdamW:
         for s in self.segments:
             self._land_all(s)
             assert s.grad is None and s.left == s.uses, f"segment {s.index}: a backward did not complete"
+        if self.replicas is not None and self.replicas.size > 1:  # HSDP: the replicas' shards averaged
+            low = self.grad if self.reduce_dtype == self.grad.dtype else self.grad.astype(self.reduce_dtype)
+            self.replicas.start_all_reduce(low, "avg", out=low).wait()  # (rank-ordered sums, as the optimizers')
+            if low is not self.grad:
+                self.grad[...] = low
         for s in self.segments:
             if s.deferred:
                 mine = self.grad[s.shard_at:s.shard_at + s.chunk]
@@ -309,7 +321,7 @@ class ShardedAdamW:
         return acc
 
     def grad_norm(self, ctx) -> float:
-        return finish_norm(ctx, self.norm_terms(ctx))
+        return finish_norm(ctx, self.norm_terms(ctx), self.group)  # (HSDP: a replica's shards)
 
     # ---- the update -------------------------------------------------------------------------------
     def _pieces(self):
@@ -391,7 +403,11 @@ class ShardedAdamW:
         return self.grad[at:at + b - a]
 
     def state_pieces(self) -> tuple[dict, dict]:
+        """This rank's pieces of the state, per parameter, with their [a, b) (as DistributedAdamW's:
+        a checkpoint of them loads at any layout and stage). HSDP: the first replica's only."""
         pieces, offsets = {}, {}
+        if self.replicas is not None and self.replicas.rank != 0:
+            return pieces, offsets
         for name, (s, p) in self._by_name.items():
             a, b = self.owned_part(name)
             if b > a:
@@ -430,7 +446,8 @@ class ShardedAdamW:
     def hyperparameters(self) -> dict:
         return {"step": self.step_count, "lr": self.lr, "betas": [self.beta1, self.beta2], "eps": self.eps,
                 "weight_decay": self.weight_decay, "distributed": True, "master_weights": self.master is not None,
-                "dp": self.ctx.dp_size, "zero": self.zero}
+                "dp": self.ctx.dp_size, "zero": self.zero,
+                "dp_replicate": 1 if self.replicas is None else self.replicas.size}
 
 
 class _GradOf:

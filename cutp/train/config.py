@@ -125,6 +125,9 @@ class RunConfig:
     reshard_after_forward: bool = setting(
         True, "zero 3: free each unit's gathered parameters after its forward (off: kept to its backward, one "
         "gather per micro-batch instead of two)", "memory", kind=bool)
+    dp_replicate: int = setting(
+        1, "HSDP: DP split into R replicas of dp/R ranks; zero 2 and 3 shard inside a replica, the gradients are "
+        "all-reduced across replicas (the big collectives stay inside a node)", "memory", kind=int, at_least=1)
     grad_reduce_dtype: str = setting(
         "float32", "dtype of the DP gradient reduction: bfloat16 halves the bytes, with sums rounded to bf16",
         "memory", choices=GRAD_REDUCE_DTYPES)
@@ -532,7 +535,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
-        zero=c["zero"], reshard_after_forward=bool(c["reshard_after_forward"]),
+        zero=c["zero"], reshard_after_forward=bool(c["reshard_after_forward"]), dp_replicate=c["dp_replicate"],
         allow_tf32=bool(c["allow_tf32"]),
         recompute=c["recompute"], recompute_layers=c["recompute_layers"],
         sequence_parallel=bool(c["sequence_parallel"]),

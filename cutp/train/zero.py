@@ -5,11 +5,13 @@
     zero 2   the float32 gradients too, reduce-scattered unit by unit in every micro-batch
     zero 3   the parameters too, each unit gathered for its forward and its backward
              (cutp.optim.sharded.ShardedAdamW for both)
+    --dp-replicate R   HSDP: zero 2/3 shard inside each of R replicas, gradients all-reduced across them
 """
 from __future__ import annotations
 
 from ..optim import ShardedAdamW
 from ..runtime.errors import ConfigError
+from ..tensor_parallel.grads import replica_group
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -29,6 +31,13 @@ def check_zero(cfg) -> None:
     if not cfg.reshard_after_forward and z != 3:
         raise ConfigError(f"`reshard_after_forward` off keeps zero 3's gathered units to their backward, and `zero` "
                           f"is {z}; use `zero` 3, or omit `reshard_after_forward`")
+    if cfg.dp_replicate > 1 and z < 2:
+        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} shards zero 2 or 3 inside each of its replicas, and "
+                          f"`zero` is {z}; use `zero` 3, or omit `dp_replicate`")
+    if cfg.dp % cfg.dp_replicate:
+        ok = [r for r in range(1, cfg.dp + 1) if cfg.dp % r == 0]
+        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} must divide dp={cfg.dp} (R replicas of dp / R shards "
+                          f"each); use a `dp_replicate` from [{', '.join(map(str, ok))}]")
     if z < 2:
         return
     if cfg.ep > 1:
@@ -49,7 +58,13 @@ def sharded_optimizer(cfg, ctx, model, **kw) -> ShardedAdamW:
     stages runs on the shards at the end of the step."""
     deferred = [model.tok_embed.weight] if (ctx.pp_size > 1 and cfg.model.tie_embeddings
                                             and model.tok_embed is not None) else []
-    optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, deferred=deferred,
+    group = replicas = None
+    if cfg.dp_replicate > 1:  # HSDP: R replicas of consecutive DP x CP ranks
+        whole = replica_group(ctx)
+        n = whole.size // cfg.dp_replicate
+        group = ctx.subgroup("hsdp_shard", color=whole.rank // n, key=whole.rank, of=whole)
+        replicas = ctx.subgroup("hsdp_replicas", color=whole.rank % n, key=whole.rank, of=whole)
+    optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, group=group, replicas=replicas, deferred=deferred,
                              reshard_after_forward=cfg.reshard_after_forward, overlap=cfg.overlap_grad_reduce,
                              prefetch=cfg.overlap_param_gather, **kw)
     model.unit_hooks = optimizer

@@ -31,11 +31,12 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     (GPT2, 2, dict(tp=2, dp=2, sequence_parallel=True, zero=3, recompute="full")),
     (LLAMA, 2, dict(cp=2, dp=2, zero=3)),
     (GPT2, 2, dict(pp=2, dp=2, zero=2, recompute="full")),
+    (GPT2, 2, dict(dp=4, zero=3, dp_replicate=2, recompute="full")),
     (LLAMA, 4, dict(pp=2, dp=2, zero=3, pp_virtual=2, pp_schedule="interleaved", micro_batch_size=1,
                     reshard_after_forward=False)),
 ]
-BITS = {1, 4, 7}  # also run with OVERLAP: the same bits
-DEFAULT = (0, 4, 6)  # what `make test` runs (one one-rank reference for the three) (the rest: pytest -m zero_full tests/optim)
+BITS = {1, 4, 8}  # also run with OVERLAP: the same bits
+DEFAULT = (4, 6, 7)  # what `make test` runs (one one-rank reference for the three) (the rest: pytest -m zero_full tests/optim)
 
 
 def _config(model, n_layer, **layout):
@@ -116,10 +117,47 @@ def _worker(which):
 
 
 def test_zero_2_and_3_equal_one_rank_and_overlap_changes_no_bit():
-    """dp4 zero 2 with recomputation, tp2 + SP x dp2 zero 3 with recomputation, pp2 x dp2 zero 2 (tied)."""
+    """tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), dp4 zero 3 as 2 replicas (HSDP), each with
+    full recomputation."""
     run_mpi(4, "tests.optim.test_zero:_worker", list(DEFAULT), timeout=300)
 
 
 @pytest.mark.zero_full
 def test_zero_every_layout_of_the_grid():
     run_mpi(4, "tests.optim.test_zero:_worker", [k for k in range(len(LAYOUTS)) if k not in DEFAULT], timeout=600)
+
+
+def _resume_worker(out):
+    """zero 3 at dp 4 in 2 replicas (HSDP) saves at step 2 of 3: resumed at the same layout its
+    losses are the uninterrupted run's bits; at zero 1 dp 2 and at one rank (zero 0), within 1e-10."""
+    from mpi4py import MPI
+
+    from cutp.train import save
+
+    world = MPI.COMM_WORLD
+    data = random_tokens(61, 4096, 0)
+    layout = dict(dp=4, zero=3, dp_replicate=2, overlap_param_gather=True)
+    run = build_run(_config(GPT2, 2, out=out, **layout), world, dataset=data)
+    losses = []
+    for _ in range(3):
+        losses.append(train_step(run).loss)
+        if run.step == 2:
+            save(run)
+    run.close()
+    ckpt = f"{out}/step-00000002"
+
+    def resumed(comm, **at):
+        run = build_run(_config(GPT2, 2, resume=ckpt, resumed_step=2, **at), comm, dataset=data)
+        got = [train_step(run).loss]
+        run.close()
+        return got
+
+    assert resumed(world, **layout) == losses[2:], losses
+    half = world.Split(world.rank // 2, world.rank)
+    np.testing.assert_allclose(resumed(half, dp=2, zero=1), losses[2:], rtol=1e-10, atol=0)
+    half.Free()
+    np.testing.assert_allclose(on_rank_0(lambda: resumed(MPI.COMM_SELF)), losses[2:], rtol=1e-10, atol=0)
+
+
+def test_a_zero_3_checkpoint_resumes_bit_identically_and_at_zero_1_and_one_rank(tmp_path):
+    run_mpi(4, "tests.optim.test_zero:_resume_worker", str(tmp_path), timeout=300)
