@@ -270,6 +270,7 @@ class ShardedAdamW:
                     self.data[s.shard_at:s.shard_at + s.chunk] = s.full[r * s.chunk:(r + 1) * s.chunk]
             self.all_gathered = False
         self._free_gathered()
+        self.peak_gathered_bytes = 0  # (this step's, from here)
 
     def _free_gathered(self) -> None:
         for s in self.segments:

@@ -73,6 +73,9 @@ def memory_record(run, activations_peak: int | None = None, stash: list[int] | N
     rec.update(params_local=n, bytes_per_param=state / n)
     if activations_peak is not None:
         rec["activations_peak"] = int(activations_peak)
+    gathered = getattr(run.optimizer, "peak_gathered_bytes", None)
+    if activations_peak is not None and gathered is not None and run.config.zero == 3:
+        rec["gathered_units_peak"] = int(gathered)  # (part of activations_peak: whole units held at once)
     if stash is not None:
         rec["stash_per_layer"] = [int(b) for b in stash]
     ctx = run.ctx

@@ -62,8 +62,10 @@ def sharded_optimizer(cfg, ctx, model, **kw) -> ShardedAdamW:
     if cfg.dp_replicate > 1:  # HSDP: R replicas of consecutive DP x CP ranks
         whole = replica_group(ctx)
         n = whole.size // cfg.dp_replicate
-        group = ctx.subgroup("hsdp_shard", color=whole.rank // n, key=whole.rank, of=whole)
-        replicas = ctx.subgroup("hsdp_replicas", color=whole.rank % n, key=whole.rank, of=whole)
+        group = ctx.subgroup("hsdp_shard", color=whole.rank // n, key=whole.rank, of=whole,
+                             expect=(whole.rank % n, n))
+        replicas = ctx.subgroup("hsdp_replicas", color=whole.rank % n, key=whole.rank, of=whole,
+                                expect=(whole.rank // n, cfg.dp_replicate))
     optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, group=group, replicas=replicas, deferred=deferred,
                              reshard_after_forward=cfg.reshard_after_forward, overlap=cfg.overlap_grad_reduce,
                              prefetch=cfg.overlap_param_gather, **kw)

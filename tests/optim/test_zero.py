@@ -40,7 +40,7 @@ DEFAULT = (4, 6, 7)  # what `make test` runs (one one-rank reference for the thr
 
 
 def _config(model, n_layer, **layout):
-    m = dict(model, n_layer=n_layer, vocab_size=61, block_size=16, dtype="float64", dropout=0.1)
+    m = dict(dict(dtype="float64", dropout=0.1), **model, n_layer=n_layer, vocab_size=61, block_size=16)
     layout.setdefault("micro_batch_size", 2)
     return RunConfig(model=GPTConfig(**m), batch_size=8, seq_len=16, steps=4, warmup=1, seed=3, eval_every=0,
                      quiet=True, save_on_signal=False, **layout)
@@ -159,5 +159,46 @@ def _resume_worker(out):
     np.testing.assert_allclose(on_rank_0(lambda: resumed(MPI.COMM_SELF)), losses[2:], rtol=1e-10, atol=0)
 
 
-def test_a_zero_3_checkpoint_resumes_bit_identically_and_at_zero_1_and_one_rank(tmp_path):
-    run_mpi(4, "tests.optim.test_zero:_resume_worker", str(tmp_path), timeout=300)
+PLANNED = [  # (model, dtype, layout): measured = planned (cutp.plan.zero) at four layouts
+    (GPT2, "bfloat16", dict(dp=4, zero=3, overlap_param_gather=True)),
+    (LLAMA, "float32", dict(tp=2, dp=2, sequence_parallel=True, zero=2, grad_reduce_dtype="bfloat16")),
+    (GPT2, "float32", dict(dp=4, zero=3, dp_replicate=2)),
+    (LLAMA, "bfloat16", dict(pp=2, dp=2, zero=3, reshard_after_forward=False)),
+]
+
+
+def _plan_worker():
+    """Each rank's state bytes, the step's peak of gathered units (zero 3) and its counted
+    collectives over the sharding groups equal the plan's, to the byte."""
+    from mpi4py import MPI
+
+    from cutp.plan.zero import zero_plan
+    from cutp.train import memory_record
+
+    for model, dtype, layout in PLANNED:
+        cfg = _config(dict(model, dtype=dtype), 2, **layout)
+        run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+        run.ctx.counter.reset()
+        train_step(run)
+        mem = memory_record(run, 0)
+        comm = run.ctx.counter.summary()
+        got = zero_plan(cfg.model, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, rank=run.ctx.rank, zero=cfg.zero,
+                        accum=cfg.accum_steps, reshard_after_forward=cfg.reshard_after_forward,
+                        prefetch=cfg.overlap_param_gather, dp_replicate=cfg.dp_replicate,
+                        grad_reduce_dtype=cfg.grad_reduce_dtype)
+        run.close()
+        assert {k: mem[k] for k in ("params", "grads", "optimizer")} == got["state"], (layout, mem, got)
+        assert mem.get("gathered_units_peak", 0) == got["gathered_peak"], (layout, mem, got)
+        sharding = {k: v for k, v in comm.items() if k.split(".")[0] in ("dp", "hsdp_shard", "hsdp_replicas")}
+        assert sharding == got["comm"], (layout, sharding, got["comm"])
+
+
+def _resume_and_plan_worker(out):
+    _resume_worker(out)
+    _plan_worker()
+
+
+def test_a_zero_3_checkpoint_resumes_bit_identically_and_at_zero_1_and_one_rank_and_measured_equals_planned(
+        tmp_path):
+    """(One launch for both: the checkpoint, then measured = planned at the four PLANNED layouts.)"""
+    run_mpi(4, "tests.optim.test_zero:_resume_and_plan_worker", str(tmp_path), timeout=300)
