@@ -202,3 +202,37 @@ def test_a_zero_3_checkpoint_resumes_bit_identically_and_at_zero_1_and_one_rank_
         tmp_path):
     """(One launch for both: the checkpoint, then measured = planned at the four PLANNED layouts.)"""
     run_mpi(4, "tests.optim.test_zero:_resume_and_plan_worker", str(tmp_path), timeout=300)
+
+
+def test_zero_refusals_name_fixes_that_are_accepted():
+    """`zero` with what it cannot serve (ep > 1, zero 2's parameter prefetch, bucket sizes,
+    --no-reshard-after-forward below zero 3) and `dp_replicate` below zero 2 or not dividing
+    dp: one line, and every fix it proposes is accepted (the grid of tests/train/test_refusal_fixes)."""
+    import itertools
+
+    from cutp.runtime.errors import ConfigError
+    from cutp.train.config import derive_run_config
+    from cutp.train.settings import flag_of
+    from tests.train.test_refusal_fixes import _fixes
+
+    refused = checked = 0
+    for world, zero, replicate, extra in itertools.product(
+            (2, 4), (None, 2, 3), (None, 3),
+            ({}, {"preset": "tiny-moe", "ep": 2}, {"overlap_param_gather": True}, {"bucket_size": 1000},
+             {"reshard_after_forward": False})):
+        choices = {"preset": "tiny", "device": "cpu", "tp": 1, "zero": zero, "dp_replicate": replicate, **extra}
+        try:
+            derive_run_config(choices, world, world)
+            continue
+        except ConfigError as e:
+            text = e.render(flag_of)
+        refused += 1
+        assert "\n" not in text and "; " in text, text
+        for ranks, change in _fixes(text):
+            n = ranks or world
+            try:
+                derive_run_config({**choices, **change}, n, n)
+            except ConfigError as e:
+                pytest.fail(f"on {world} ranks {choices}: {text!r} proposes {ranks or change}, refused: {e}")
+            checked += 1
+    assert refused > 30 and checked > refused, (refused, checked)
