@@ -111,3 +111,55 @@ def _first_in_flight(p: int, s: int, m: int, V: int, schedule: str | None) -> li
         elif op[0] == "B":
             flying[op[2]] -= 1
     return starts
+
+
+def zero_state_bytes(n_local: int, *, dtype: str, d: int, zero: int) -> dict:
+    """`cutp.plan.layout.state_bytes` at zero 2 or 3 by formula, for models the planner does not
+    build (--params): the rank's n_local parameters padded as one segment to d x 64 elements
+    (the run pads each unit's: at most (units - 1) x d x 64 elements more)."""
+    item = np.dtype(DTYPES[dtype])
+    pb, gb, sb = item.itemsize, grad_dtype_for(item).itemsize, state_dtype_for(item).itemsize
+    shard = -(-int(n_local) // (64 * d)) * 64
+    return {"params": (shard if zero == 3 else d * shard) * pb, "grads": shard * gb,
+            "optimizer": shard * (2 * sb + (4 if is_low_precision(item) else 0)), "padded": d * shard,
+            "shard": shard}
+
+
+def zero_collectives(n_padded: int, *, d: int, replicas: int, zero: int, accum: int, dtype: str, units: int,
+                     reshard_after_forward: bool = True, grad_reduce_dtype: str = "float32",
+                     counted: dict | None = None, group: str = "dp") -> dict:
+    """The plan's DP collectives at zero 2 or 3 (cutp.plan.layout's `coll` entries): dp_reduce_scatter
+    (accum x the padded buffer, in the reduction dtype, one call per unit), dp_all_gather (zero 3:
+    2 x accum x the rank's shard with resharding, accum x without; zero 2: once after the update),
+    dp_allreduce (none), dp_replicas_allreduce (HSDP: the shard, once per step). `counted`: a
+    `zero_plan`'s comm (exact, from the model's units; `group` its shard group's name) instead."""
+    item = np.dtype(DTYPES[dtype])
+    pb = item.itemsize
+    rb = 2 if grad_reduce_dtype == "bfloat16" else grad_dtype_for(item).itemsize
+    shard = n_padded // d
+    times = (2 * accum if reshard_after_forward else accum) if zero == 3 else int(d > 1)
+    formula = {"reduce_scatter": (accum * units * (d > 1), accum * n_padded * (d > 1), rb),
+               "all_gather": (times * units, times * shard, pb),
+               "all_reduce": (int(replicas > 1), shard * (replicas > 1), rb)}
+    if counted is not None:
+        formula = {op: (c["calls"], c["elements"], c["bytes"] // max(1, c["elements"]))
+                   for op, c in ((op, counted.get(f"{g}.{op}", {"calls": 0, "elements": 0, "bytes": 0}))
+                                 for op, g in (("reduce_scatter", group), ("all_gather", group),
+                                               ("all_reduce", "hsdp_replicas")))}
+
+    def coll(op, factor):
+        calls, elements, itemsize = formula[op]
+        return {"calls": calls, "elements": elements, "bytes": elements * itemsize,
+                "wire_bytes": elements * itemsize * factor}
+
+    return {"dp_allreduce": {"calls": 0, "elements": 0, "bytes": 0, "wire_bytes": 0.0},
+            "dp_reduce_scatter": coll("reduce_scatter", (d - 1) / d),
+            "dp_all_gather": coll("all_gather", d - 1),
+            "dp_replicas_allreduce": coll("all_reduce", 2 * (replicas - 1) / replicas)}
+
+
+def gathered_units_bytes(unit_params: int, n_local: int, *, dtype: str, reshard_after_forward: bool = True) -> int:
+    """zero 3's whole units at once, by formula: two of the largest (`unit_params` elements: the
+    one computing and the next in flight) with resharding, every parameter without."""
+    pb = np.dtype(DTYPES[dtype]).itemsize
+    return (2 * unit_params if reshard_after_forward else n_local) * pb

@@ -116,10 +116,6 @@ def _worker(which):
             comm.Free()
 
 
-def test_zero_2_and_3_equal_one_rank_and_overlap_changes_no_bit():
-    """tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), dp4 zero 3 as 2 replicas (HSDP), each with
-    full recomputation."""
-    run_mpi(4, "tests.optim.test_zero:_worker", list(DEFAULT), timeout=300)
 
 
 @pytest.mark.zero_full
@@ -193,15 +189,17 @@ def _plan_worker():
         assert sharding == got["comm"], (layout, sharding, got["comm"])
 
 
-def _resume_and_plan_worker(out):
+def _default_worker(out):
+    _worker(list(DEFAULT))
     _resume_worker(out)
     _plan_worker()
 
 
-def test_a_zero_3_checkpoint_resumes_bit_identically_and_at_zero_1_and_one_rank_and_measured_equals_planned(
-        tmp_path):
-    """(One launch for both: the checkpoint, then measured = planned at the four PLANNED layouts.)"""
-    run_mpi(4, "tests.optim.test_zero:_resume_and_plan_worker", str(tmp_path), timeout=300)
+def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tmp_path):
+    """One launch: tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), dp4 zero 3 as 2 replicas (HSDP),
+    each with full recomputation, equal to one rank (overlap bit-identical at tp2 + SP); a zero 3
+    checkpoint resumed; measured = planned at the four PLANNED layouts."""
+    run_mpi(4, "tests.optim.test_zero:_default_worker", str(tmp_path), timeout=400)
 
 
 def test_zero_refusals_name_fixes_that_are_accepted():
@@ -236,3 +234,28 @@ def test_zero_refusals_name_fixes_that_are_accepted():
                 pytest.fail(f"on {world} ranks {choices}: {text!r} proposes {ranks or change}, refused: {e}")
             checked += 1
     assert refused > 30 and checked > refused, (refused, checked)
+
+
+def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units():
+    """`cutp plan --zero`: a preset's state and DP collectives are cutp.plan.zero's (the model's
+    units); the table's bytes per parameter; --params architectures by formula, at 1/dp."""
+    from cutp.plan.layout import pick_arch, plan, table_bytes_per_param
+    from cutp.plan.zero import zero_plan
+
+    config = GPTConfig(**dict(GPT2, n_layer=2, vocab_size=61, block_size=32))  # (planned in bfloat16)
+    for zero, replicas, dp in ((2, 1, 2), (3, 2, 4)):
+        r = plan(config, config=config, tp=1, dp=dp, micro_batch=2, seq_len=32, accum=2, dtype="bfloat16",
+                 zero=zero, dp_replicate=replicas, device="cpu")
+        z = zero_plan(GPTConfig(**dict(config.to_dict(), dtype="bfloat16")), dp=dp, zero=zero, accum=2,
+                      dp_replicate=replicas, prefetch=True)
+        assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == z["state"], (zero, replicas)
+        group = "hsdp_shard" if replicas > 1 else "dp"
+        for key, op in (("dp_reduce_scatter", "reduce_scatter"), ("dp_all_gather", "all_gather")):
+            assert r[key]["bytes"] == z["comm"][f"{group}.{op}"]["bytes"], (zero, key)
+    assert table_bytes_per_param("bfloat16", 8, True, 3) == 18 / 8 and table_bytes_per_param("bfloat16", 8, True, 2) \
+        == 2 + 16 / 8
+    a = pick_arch("70B")
+    one = plan(a, tp=8, dp=8, micro_batch=1, seq_len=4096, dtype="bfloat16", zero=1)
+    three = plan(a, tp=8, dp=8, micro_batch=1, seq_len=4096, dtype="bfloat16", zero=3)
+    assert three["param_bytes"] * 8 == pytest.approx(one["param_bytes"], rel=1e-3)
+    assert three["dp_all_gather"]["calls"] == 2 * (a.n_layer + 2) and three["dp_allreduce"]["calls"] == 0
