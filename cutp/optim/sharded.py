@@ -45,7 +45,7 @@ import numpy as np
 from .. import ops
 from ..runtime.backend import get_array_module
 from ..tensor_parallel import tp_grad_sync
-from ..tensor_parallel.grads import replica_group
+from ..tensor_parallel.grads import expert_replica_group, replica_group, replica_size
 from .adamw import GRAD_REDUCE_DTYPES, finish_norm
 from .flat import grad_dtype_for, is_low_precision, state_dtype_for
 from .units import Segment, unit_key, unit_layout
@@ -84,13 +84,22 @@ class ShardedAdamW:
         self.grad_dtype = grad_dtype_for(self.dtype)
         self.reduce_dtype = np.dtype(ml_dtypes.bfloat16 if grad_reduce_dtype == "bfloat16" else self.grad_dtype)
         self.xp = xp = get_array_module(params[0].data)
+        # at ep > 1 the experts in segments of their own, over the expert-DP (x CP) group, whose sums
+        # are divided by dp x cp (the optimizers' rule: cutp.optim.expert_parallel)
+        experts = expert_replica_group(ctx) if getattr(ctx, "ep_size", 1) > 1 else None
+        self.divide_by = replica_size(ctx)
         self.segments, self.unit_segments, self._next, self._prev = unit_layout(
-            model, self.group.size, {id(p) for p in deferred})
+            model, self.group.size, {id(p) for p in deferred}, None if experts is None else experts.size)
+        for s in self.segments:
+            s.group = experts if s.expert else self.group
+        # the model's last unit (the final norm and LM head) is not resharded after its forward: its
+        # backward comes next (torchtitan's rule for the output layer)
+        last = model.pp_virtual - 1
+        self._kept = {unit_key(model.units(last)[-1])} if model.gives_loss(last) else set()
         self._by_param = {id(p): s for s in self.segments for p in s.params}
         self._by_name = {p.name: (s, p) for s in self.segments for p in s.params}
-        d, r = self.group.size, self.group.rank
         self.shard_size = sum(s.chunk for s in self.segments)
-        self.full_size = d * self.shard_size
+        self.full_size = sum(s.group.size * s.chunk for s in self.segments)
         state = state_dtype_for(self.dtype)
         self.m = xp.zeros(self.shard_size, state)
         self.v = xp.zeros(self.shard_size, state)
@@ -99,12 +108,12 @@ class ShardedAdamW:
         if zero == 2:
             self.data = xp.zeros(self.full_size, self.dtype)
             for s, w in zip(self.segments, wholes):
-                self.data[s.full_at:s.full_at + d * s.chunk] = w
-            for s in self.segments:
-                self._point_data(s, self.data[s.full_at:s.full_at + d * s.chunk])
+                self.data[s.full_at:s.full_at + w.size] = w
+                self._point_data(s, self.data[s.full_at:s.full_at + w.size])
         else:
             self.data = xp.zeros(self.shard_size, self.dtype)
             for s, w in zip(self.segments, wholes):
+                r = s.group.rank
                 self.data[s.shard_at:s.shard_at + s.chunk] = w[r * s.chunk:(r + 1) * s.chunk]
                 self._point_data(s, None)
         del wholes
@@ -117,9 +126,10 @@ class ShardedAdamW:
         self.all_gathered = False
         self.gathered_bytes = self.peak_gathered_bytes = 0  # zero 3: the whole units held now, and at most
         self.flat = self  # (what TrainingRun.flat and the step's zero_grad use)
+        self.size = self.padded_size = int(self.data.size)  # (FlatParameters' names: the elements this rank holds)
 
     def _whole(self, s: Segment):
-        w = self.xp.zeros(self.group.size * s.chunk, self.dtype)
+        w = self.xp.zeros(s.group.size * s.chunk, self.dtype)
         for p in s.params:
             a, b = s.where[id(p)]
             w[a:b] = p.data.reshape(-1)
@@ -135,12 +145,12 @@ class ShardedAdamW:
         """This rank's piece of segment s's parameters (a view: of the whole buffer at zero 2)."""
         if self.zero == 3:
             return self.data[s.shard_at:s.shard_at + s.chunk]
-        at = s.full_at + self.group.rank * s.chunk
+        at = s.full_at + s.group.rank * s.chunk
         return self.data[at:at + s.chunk]
 
     def _mine(self, s: Segment, a: int, b: int) -> tuple[int, int]:
         """[a, b) of segment s (its coordinates) cut to this rank's piece, in shard coordinates."""
-        lo = self.group.rank * s.chunk
+        lo = s.group.rank * s.chunk
         a, b = max(a, lo), min(b, lo + s.chunk)
         return (s.shard_at + a - lo, s.shard_at + b - lo) if b > a else (0, 0)
 
@@ -148,8 +158,8 @@ class ShardedAdamW:
     def _start_gather(self, s: Segment) -> None:
         if s.full is not None:
             return
-        s.full = self.xp.empty(self.group.size * s.chunk, self.dtype)
-        s.gather = self.group.start_all_gather(self.data[s.shard_at:s.shard_at + s.chunk], out=s.full)
+        s.full = self.xp.empty(s.group.size * s.chunk, self.dtype)
+        s.gather = s.group.start_all_gather(self.data[s.shard_at:s.shard_at + s.chunk], out=s.full)
         self._point_data(s, s.full)
         self.gathered_bytes += s.full.nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -192,9 +202,13 @@ class ShardedAdamW:
             if self.prefetch:
                 self._prefetch(self._next.get(key))
 
+    def _held_to_backward(self, key) -> bool:
+        return not self.reshard or key in self._kept
+
     def after_forward(self, unit) -> None:
-        if self._gathering() and (self.reshard or not self.model.training):
-            for s in self.unit_segments[unit_key(unit)]:
+        key = unit_key(unit)
+        if self._gathering() and (not self._held_to_backward(key) or not self.model.training):
+            for s in self.unit_segments[key]:
                 self._release(s)
 
     def before_backward(self, unit) -> None:
@@ -206,20 +220,21 @@ class ShardedAdamW:
                 self._prefetch(self._prev.get(key))
         for s in self.unit_segments[key]:
             if s.grad is None:
-                s.grad = self.xp.zeros(self.group.size * s.chunk, self.grad_dtype)
+                s.grad = self.xp.zeros(s.group.size * s.chunk, self.grad_dtype)
                 for p in s.params:
                     a, b = s.where[id(p)]
                     p.grad = s.grad[a:b].reshape(p.data.shape)
 
     def after_backward(self, unit) -> None:
-        for s in self.unit_segments[unit_key(unit)]:
+        key = unit_key(unit)
+        for s in self.unit_segments[key]:
             s.left -= 1
             if s.left == 0:
                 self._reduce(s)
                 s.left = s.uses
             if self._gathering():
                 self._release(s)
-                if not self.reshard:
+                if self._held_to_backward(key):
                     self._release(s)  # (the forward's hold)
 
     # ---- gradients ------------------------------------------------------------------------------
@@ -238,18 +253,20 @@ class ShardedAdamW:
             p.grad = _absent(self.xp, p.data.shape, self.grad_dtype)
         self._land_all(s)  # (the previous micro-batch's first: its pieces are added in order)
         mine = self.grad[s.shard_at:s.shard_at + s.chunk]
-        if self.group.size == 1:  # nothing to reduce (nor to round)
-            mine += g
+        if s.group.size == 1:  # nothing to reduce (nor to round)
+            mine += g / self.divide_by if s.expert else g
             return
         low = g if self.reduce_dtype == g.dtype else g.astype(self.reduce_dtype)
-        s.pending.append(self.group.start_reduce_scatter(low, "avg"))
+        s.pending.append(s.group.start_reduce_scatter(low, "sum" if s.expert else "avg"))
         if not self.overlap:
             self._land_all(s)
 
     def _land_all(self, s: Segment) -> None:
         for request in s.pending:
-            got = request.wait()
-            self.grad[s.shard_at:s.shard_at + s.chunk] += got.astype(self.grad_dtype, copy=False)
+            got = request.wait().astype(self.grad_dtype, copy=False)
+            if s.expert:  # (an expert's sum over expert-DP x CP / (dp x cp): its DP x CP average)
+                got = got / self.divide_by
+            self.grad[s.shard_at:s.shard_at + s.chunk] += got
         s.pending = []
 
     def poll(self) -> None:
@@ -264,9 +281,9 @@ class ShardedAdamW:
         """Before a step's first forward: the whole parameters of `gather_all` given back (each
         rank's piece taken from them), nothing gathered."""
         if self.zero == 3 and self.all_gathered:
-            r = self.group.rank
             for s in self.segments:
                 if s.full is not None:
+                    r = s.group.rank
                     self.data[s.shard_at:s.shard_at + s.chunk] = s.full[r * s.chunk:(r + 1) * s.chunk]
             self.all_gathered = False
         self._free_gathered()
@@ -313,7 +330,7 @@ class ShardedAdamW:
                 if p.norm_mask is not None:
                     shape, axis = p.data.shape, p.sharding.axis
                     stride = int(np.prod(shape[axis + 1:], dtype=np.int64))
-                    first = a - s.shard_at + self.group.rank * s.chunk - a0
+                    first = a - s.shard_at + s.group.rank * s.chunk - a0
                     index = (xp.arange(first, first + (b - a)) // stride) % shape[axis]
                     g = g[p.norm_mask[index]]
                 g64 = g.astype(np.float64)
@@ -345,9 +362,8 @@ class ShardedAdamW:
             local = self._local(s)
             if self.master is not None:
                 local[...] = self.master[s.shard_at:s.shard_at + s.chunk]  # rounded to nearest even
-            if self.zero == 2 and self.group.size > 1:  # every rank's updated piece, in place
-                self.group.start_all_gather(local, out=self.data[s.full_at:s.full_at + self.group.size * s.chunk]
-                                            ).wait()
+            if self.zero == 2 and s.group.size > 1:  # every rank's updated piece, in place
+                s.group.start_all_gather(local, out=self.data[s.full_at:s.full_at + s.group.size * s.chunk]).wait()
 
     def resync_masters(self) -> None:
         if self.master is not None:
@@ -392,15 +408,19 @@ class ShardedAdamW:
         a, b = self._mine(s, a0, b0)
         if b <= a:
             return 0, 0
-        first = a - s.shard_at + self.group.rank * s.chunk - a0
+        first = a - s.shard_at + s.group.rank * s.chunk - a0
         return first, first + (b - a)
+
+    def group_of(self, name: str):
+        """The communicator parameter `name` is sharded over (an expert's: expert-DP x CP)."""
+        return self._by_name[name][0].group
 
     def owned_grad(self, name: str):
         """This rank's piece of parameter `name`'s reduced gradient: the elements `owned_part`
         names (a view of the gradient shard)."""
         s, p = self._by_name[name]
         a, b = self.owned_part(name)
-        at = s.shard_at + s.where[id(p)][0] + a - self.group.rank * s.chunk
+        at = s.shard_at + s.where[id(p)][0] + a - s.group.rank * s.chunk
         return self.grad[at:at + b - a]
 
     def state_pieces(self) -> tuple[dict, dict]:
@@ -413,7 +433,7 @@ class ShardedAdamW:
             a, b = self.owned_part(name)
             if b > a:
                 offsets[name] = [a, b]
-                at = s.shard_at + s.where[id(p)][0] + a - self.group.rank * s.chunk
+                at = s.shard_at + s.where[id(p)][0] + a - s.group.rank * s.chunk
                 for prefix, buf in self._state_buffers().items():
                     pieces[prefix + name] = buf[at:at + b - a]
         return pieces, offsets
@@ -421,7 +441,7 @@ class ShardedAdamW:
     def state_dict(self) -> dict:
         """Per parameter, at a group of one rank (the shard is everything); a group of several
         writes `state_pieces` (cutp.checkpoint)."""
-        if self.group.size != 1:
+        if any(s.group.size != 1 for s in self.segments):
             raise ValueError("ShardedAdamW.state_dict needs a group of one rank: use state_pieces")
         pieces, _ = self.state_pieces()
         return {k: v.reshape(self._by_name[k.split(".", 1)[1]][1].data.shape) for k, v in pieces.items()}
@@ -430,7 +450,7 @@ class ShardedAdamW:
         for name, (s, p) in self._by_name.items():
             a, b = self.owned_part(name)
             n = s.where[id(p)][1] - s.where[id(p)][0]
-            at = s.shard_at + s.where[id(p)][0] + a - self.group.rank * s.chunk
+            at = s.shard_at + s.where[id(p)][0] + a - s.group.rank * s.chunk
             for prefix, buf in self._state_buffers().items():
                 key = prefix + name
                 if key not in tensors:

@@ -25,6 +25,8 @@ class Segment:
     n_decay: int
     uses: int = 0  # units holding it (its backwards per micro-batch)
     deferred: bool = False
+    expert: bool = False  # an expert-parallel MoE layer's experts (ep > 1: sharded over expert-DP x CP)
+    group: object = None  # the communicator it is sharded over (cutp.optim.sharded sets it)
     # during a step
     refs: int = 0
     full: object = None  # zero 3: the gathered segment
@@ -50,10 +52,11 @@ def unit_params(unit) -> list:
     return out
 
 
-def unit_layout(model, d: int, deferred: set):
+def unit_layout(model, d: int, deferred: set, d_experts: int | None = None):
     """(segments, {unit key: its segments}, {unit key: the next unit of its chunk's forward},
     {unit key: the previous one}) of `model`'s units over `d` ranks; `deferred`: ids of the
-    parameters that get a segment of their own."""
+    parameters that get a segment of their own. `d_experts` (ep > 1): a unit's expert-parallel
+    parameters are a segment of their own, over that many ranks."""
     chunks = [model.units(c) for c in range(model.pp_virtual)]
     units = [u for c in chunks for u in c]
     held, order = {}, []  # id(param) -> how many units hold it; the parameters in forward order
@@ -70,9 +73,12 @@ def unit_layout(model, d: int, deferred: set):
     groups, home = [], set()
     for u in units:
         mine = [p for p in unit_params(u) if id(p) not in alone and id(p) not in home]
-        if mine:
-            home.update(id(p) for p in mine)
-            groups.append(mine)
+        home.update(id(p) for p in mine)
+        split = d_experts is not None
+        for part in ([p for p in mine if not (split and p.expert_parallel)],
+                     [p for p in mine if split and p.expert_parallel]):
+            if part:
+                groups.append(part)
     groups += [[p] for p in order if id(p) in alone]
     segments, shard_at, full_at = [], 0, 0
     for k, group in enumerate(groups):
@@ -81,12 +87,14 @@ def unit_layout(model, d: int, deferred: set):
         for p in ps:
             where[id(p)] = (off, off + p.data.size)
             off += p.data.size
-        chunk = -(-off // (d * ALIGN)) * ALIGN
+        expert = d_experts is not None and ps[0].expert_parallel
+        ranks = d_experts if expert else d
+        chunk = -(-off // (ranks * ALIGN)) * ALIGN
         n_decay = sum(p.data.size for p in ps if p.weight_decay)
         segments.append(Segment(k, ps, where, off, chunk, shard_at, full_at, n_decay,
-                                deferred=any(id(p) in deferred for p in ps)))
+                                deferred=any(id(p) in deferred for p in ps), expert=expert))
         shard_at += chunk
-        full_at += d * chunk
+        full_at += ranks * chunk
     by_param = {id(p): s for s in segments for p in s.params}
     unit_segments, after, before = {}, {}, {}
     for c in chunks:

@@ -15,7 +15,8 @@ models) of optimizer state.
 Communication per step, the counters' way (an all-gather's bytes: this rank's contribution, C;
 on the wire x (d - 1)); m micro-batches:
     zero 3 all-gathers   m x 2 x the segments of every unit, each unit's gathered for its
-                         forward and again for its backward, in the model's dtype; without
+                         forward and again for its backward (but the model's last unit, the
+                         LM head, kept from its forward to its backward), in the model's dtype; without
                          resharding 1 x each segment whenever a forward finds none of its
                          chunk's micro-batches in flight (m times at pp 1, once per step on
                          the first stages of 1F1B)
@@ -68,8 +69,11 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
             c["bytes"] += elements * itemsize
 
     used = [s for segs in unit_segments.values() for s in segs]
-    if zero == 3 and reshard_after_forward:
-        add("all_gather", 2 * accum * len(used), 2 * accum * sum(s.chunk for s in used), pb)
+    if zero == 3 and reshard_after_forward:  # (the model's last unit once: kept from its forward to its backward)
+        last = model.units(pp_virtual - 1)[-1] if model.gives_loss(pp_virtual - 1) else None
+        kept = unit_segments[unit_key(last)] if last is not None else []
+        add("all_gather", accum * (2 * len(used) - len(kept)),
+            accum * (2 * sum(s.chunk for s in used) - sum(s.chunk for s in kept)), pb)
     elif zero == 3:  # each chunk's segments gathered when its first micro-batch in flight starts
         for c, gathers in enumerate(_first_in_flight(pp, ctx.pp_rank, accum, pp_virtual, schedule)):
             segs = list({id(s): s for u in model.units(c) for s in unit_segments[unit_key(u)]}.values())

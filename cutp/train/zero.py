@@ -40,9 +40,9 @@ def check_zero(cfg) -> None:
                           f"each); use a `dp_replicate` from [{', '.join(map(str, ok))}]")
     if z < 2:
         return
-    if cfg.ep > 1:
-        raise ConfigError(f"`zero` {z} shards each unit over DP x CP, and at `ep` {cfg.ep} the experts reduce over "
-                          "the expert-DP group; use `zero` 1, or omit `ep`")
+    if cfg.ep > 1 and cfg.dp_replicate > 1:
+        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} splits DP x CP into replicas, and at `ep` {cfg.ep} the "
+                          "experts are sharded over their expert-DP group; omit `dp_replicate`, or omit `ep`")
     if z == 2 and cfg.overlap_param_gather:
         raise ConfigError("`overlap_param_gather` prefetches the parameter gathers of zero 3 (and zero 1's), and "
                           "zero 2 gathers its updated parameters after the update; use `zero` 3, or omit "

@@ -2,7 +2,8 @@
 
 Float64, a GPT-2-shaped and a Llama-shaped tiny model, dropout 0.1: at dp4, dp2, tp2 x dp2 with
 sequence parallelism, cp2 x dp2, pp2 x dp2 (1F1B, tied embeddings: the deferred sum over the
-two stages) and pp2 x dp2 interleaved, with full recomputation in some, two steps give the
+two stages), pp2 x dp2 interleaved, dp4 in 2 HSDP replicas, MoE at dp4 x ep2 and tp2 + SP x dp2
+x ep2 (the experts sharded over expert-DP), with full recomputation in some, two steps give the
 losses, every gradient (put together from the ranks' shards) and every updated parameter of one
 rank within 1e-10; --overlap-grad-reduce and --overlap-param-gather (zero 3: the next unit's
 gather in flight; with --no-reshard-after-forward too) give the same bits as without. ZeRO-3
@@ -32,10 +33,12 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     (LLAMA, 2, dict(cp=2, dp=2, zero=3)),
     (GPT2, 2, dict(pp=2, dp=2, zero=2, recompute="full")),
     (GPT2, 2, dict(dp=4, zero=3, dp_replicate=2, recompute="full")),
+    (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3)),
+    (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, zero=2)),
     (LLAMA, 4, dict(pp=2, dp=2, zero=3, pp_virtual=2, pp_schedule="interleaved", micro_batch_size=1,
                     reshard_after_forward=False)),
 ]
-BITS = {1, 4, 8}  # also run with OVERLAP: the same bits
+BITS = {1, 4, 10}  # also run with OVERLAP: the same bits
 DEFAULT = (4, 6, 7)  # what `make test` runs (one one-rank reference for the three) (the rest: pytest -m zero_full tests/optim)
 
 
@@ -54,7 +57,7 @@ def _full_grads(run) -> dict:
         if isinstance(opt, ShardedAdamW):
             mine = (*opt.owned_part(p.name), ctx.to_numpy(opt.owned_grad(p.name)).copy())
             flat = np.zeros(p.data.size)
-            for a, b, g in opt.group.mpi_comm.allgather(mine):
+            for a, b, g in opt.group_of(p.name).mpi_comm.allgather(mine):
                 flat[a:b] = g
             g = flat.reshape(p.data.shape)
         else:
@@ -74,7 +77,7 @@ def _train(cfg, comm, steps=2):
     ctx = run.ctx
     weights = {p.name: np.asarray(gather_full(ctx.tp, p.data, p.sharding))[:p.real_rows].copy()
                for p in run.model.parameters()}
-    stages = ctx.pp.mpi_comm.allgather((grads, weights))
+    stages = ctx.world.mpi_comm.allgather((grads, weights))  # (every stage's, every EP rank's experts)
     run.close()
     grads = {k: v for g, _ in stages for k, v in g.items()}
     weights = {k: v for _, w in stages for k, v in w.items()}
@@ -90,7 +93,7 @@ def _worker(which):
         model, n_layer, layout = LAYOUTS[k]
         two = layout.get("dp") == 2 and all(layout.get(m, 1) == 1 for m in ("tp", "cp", "pp"))
         comm = world.Split(world.rank // 2, world.rank) if two else world  # (dp2: two runs side by side)
-        key = (id(model), n_layer, layout.get("recompute", "none"))
+        key = (repr(model), n_layer, layout.get("recompute", "none"))
         if key not in refs:
             one = {k2: v for k2, v in layout.items() if k2 == "recompute"}
             refs[key] = on_rank_0(lambda: _train(_config(model, n_layer, **one), MPI.COMM_SELF)[:3])
