@@ -96,6 +96,10 @@ class ShardedAdamW:
         # backward comes next (torchtitan's rule for the output layer)
         last = model.pp_virtual - 1
         self._kept = {unit_key(model.units(last)[-1])} if model.gives_loss(last) else set()
+        # and the first (the embeddings) stays gathered from its backward to the next forward, which
+        # starts with it (the step's next micro-batch), or the end of the step
+        self._first = unit_key(model.units(0)[0]) if model.takes_tokens(0) else None
+        self._lazy = []
         self._by_param = {id(p): s for s in self.segments for p in s.params}
         self._by_name = {p.name: (s, p) for s in self.segments for p in s.params}
         self.shard_size = sum(s.chunk for s in self.segments)
@@ -199,6 +203,9 @@ class ShardedAdamW:
             key = unit_key(unit)
             for s in self.unit_segments[key]:
                 self._acquire(s)
+            lazy, self._lazy = self._lazy, []
+            for s in lazy:  # (the embeddings' hold from their last backward)
+                self._release(s)
             if self.prefetch:
                 self._prefetch(self._next.get(key))
 
@@ -233,9 +240,12 @@ class ShardedAdamW:
                 self._reduce(s)
                 s.left = s.uses
             if self._gathering():
-                self._release(s)
-                if self._held_to_backward(key):
-                    self._release(s)  # (the forward's hold)
+                holds = 1 + self._held_to_backward(key)  # (this backward's, and the forward's)
+                if key == self._first:
+                    holds -= 1
+                    self._lazy.append(s)
+                for _ in range(holds):
+                    self._release(s)
 
     # ---- gradients ------------------------------------------------------------------------------
     def _reduce(self, s: Segment) -> None:
@@ -290,6 +300,7 @@ class ShardedAdamW:
         self.peak_gathered_bytes = 0  # (this step's, from here)
 
     def _free_gathered(self) -> None:
+        self._lazy = []
         for s in self.segments:
             if s.full is not None:
                 self._free(s)

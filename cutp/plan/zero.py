@@ -14,19 +14,19 @@ models) of optimizer state.
 
 Communication per step, the counters' way (an all-gather's bytes: this rank's contribution, C;
 on the wire x (d - 1)); m micro-batches:
-    zero 3 all-gathers   m x 2 x the segments of every unit, each unit's gathered for its
-                         forward and again for its backward (but the model's last unit, the
-                         LM head, kept from its forward to its backward), in the model's dtype; without
-                         resharding 1 x each segment whenever a forward finds none of its
-                         chunk's micro-batches in flight (m times at pp 1, once per step on
-                         the first stages of 1F1B)
+    zero 3 all-gathers   in the model's dtype, replayed over the stage's forwards and backwards
+                         in its schedule's order (`_simulate`): a unit's segments are gathered
+                         before its forward and its backward unless held (without resharding
+                         from the forward to the backward; the LM head always; the embeddings
+                         from their backward to the next forward): at pp 1 about 2 m x every
+                         unit, less m x the head and (m - 1) x the embeddings
     reduce-scatters      m x each segment, d C elements, in the reduction dtype (float32 unless
                          --grad-reduce-dtype bfloat16)
     zero 2 all-gathers   1 x each segment after the update
     HSDP                 1 all-reduce of the S gradient shard over the replicas
     the norm             1 all-reduce of 2 float64 over the shard group
-Gathered peak (zero 3): with resharding, the largest unit (with --overlap-param-gather two
-consecutive units of a chunk, their shared segments once); without, every segment.
+Gathered peak (zero 3): the most bytes whole at once in that replay, the next unit's prefetch
+(--overlap-param-gather) included.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
     d = whole // dp_replicate
     deferred = {id(model.tok_embed.weight)} if pp > 1 and config.tie_embeddings and model.tok_embed is not None \
         else set()
-    segments, unit_segments, after, _ = unit_layout(model, d, deferred)
+    segments, unit_segments, _, _ = unit_layout(model, d, deferred)
     dtype = np.dtype(DTYPES[config.dtype])
     pb, gb = dtype.itemsize, grad_dtype_for(dtype).itemsize
     rb = 2 if grad_reduce_dtype == "bfloat16" else gb
@@ -68,16 +68,13 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
             c["elements"] += elements
             c["bytes"] += elements * itemsize
 
-    used = [s for segs in unit_segments.values() for s in segs]
-    if zero == 3 and reshard_after_forward:  # (the model's last unit once: kept from its forward to its backward)
-        last = model.units(pp_virtual - 1)[-1] if model.gives_loss(pp_virtual - 1) else None
-        kept = unit_segments[unit_key(last)] if last is not None else []
-        add("all_gather", accum * (2 * len(used) - len(kept)),
-            accum * (2 * sum(s.chunk for s in used) - sum(s.chunk for s in kept)), pb)
-    elif zero == 3:  # each chunk's segments gathered when its first micro-batch in flight starts
-        for c, gathers in enumerate(_first_in_flight(pp, ctx.pp_rank, accum, pp_virtual, schedule)):
-            segs = list({id(s): s for u in model.units(c) for s in unit_segments[unit_key(u)]}.values())
-            add("all_gather", gathers * len(segs), gathers * sum(s.chunk for s in segs), pb)
+    peak = 0
+    if zero == 3:  # the stage's forwards and backwards in the order its schedule runs them
+        kind = schedule or ("interleaved" if pp_virtual > 1 else "1f1b")
+        ops = ([op for i in range(accum) for op in (("F", i, 0), ("B", i, 0))] if pp == 1 else
+               [op for op in pipeline_plan(kind, pp, ctx.pp_rank, accum, pp_virtual) if op[0] in "FB"])
+        gathers, peak = _simulate(model, unit_segments, ops, reshard_after_forward, prefetch, d * pb)
+        add("all_gather", sum(gathers.values()), sum(gathers.get(id(s), 0) * s.chunk for s in segments), pb)
     if d > 1:
         add("reduce_scatter", accum * len(segments), accum * d * S, rb)
         if zero == 2:
@@ -85,36 +82,53 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
     if dp_replicate > 1:
         add("all_reduce", 1, S, rb, "hsdp_replicas")
     add("all_reduce", 1, 2, 8)  # the norm's [sum of squares, non-finite entries]
-
-    def held(segs):
-        return sum(d * s.chunk * pb for s in {id(s): s for s in segs}.values())
-
-    peak = 0
-    if zero == 3:
-        if not reshard_after_forward:
-            peak = held(used)
-        else:
-            for key, segs in unit_segments.items():
-                nxt = after.get(key)
-                peak = max(peak, held(segs + (unit_segments[nxt] if prefetch and nxt is not None else [])))
     return {"state": state, "gathered_peak": peak, "comm": comm, "segments": len(segments), "shard_elements": S}
 
 
-def _first_in_flight(p: int, s: int, m: int, V: int, schedule: str | None) -> list[int]:
-    """Per model chunk of stage s: how often a forward starts with none of the chunk's micro-
-    batches in flight (what a zero 3 gather costs without resharding: a unit stays whole from
-    a micro-batch's forward to its backward, so while any is in flight)."""
-    if p == 1:
-        return [m]
-    kind = schedule or ("interleaved" if V > 1 else "1f1b")
-    flying, starts = [0] * V, [0] * V
-    for op in pipeline_plan(kind, p, s, m, V):
-        if op[0] == "F":
-            starts[op[2]] += flying[op[2]] == 0
-            flying[op[2]] += 1
-        elif op[0] == "B":
-            flying[op[2]] -= 1
-    return starts
+def _simulate(model, unit_segments, ops, reshard: bool, prefetch: bool, bytes_per_chunk: int):
+    """cutp.optim.sharded's gathers replayed over a stage's forwards and backwards (`ops`:
+    ("F"|"B", micro-batch, chunk)): each segment's all-gathers, and the most bytes held whole at
+    once. A unit's segments are acquired before its forward and backward (gathered when no one
+    holds them), released after them; the forward's hold lasts to the backward without
+    resharding and for the model's last unit; the first unit's backward hold lasts to the next
+    forward (or the step's end); the prefetched next unit counts as held."""
+    V = model.pp_virtual
+    last = unit_key(model.units(V - 1)[-1]) if model.gives_loss(V - 1) else None
+    first = unit_key(model.units(0)[0]) if model.takes_tokens(0) else None
+    refs, count, lazy, peak = {}, {}, [], 0
+
+    def acquire(s):
+        if refs.get(id(s), 0) == 0:
+            count[id(s)] = count.get(id(s), 0) + 1
+        refs[id(s)] = refs.get(id(s), 0) + 1
+
+    def held(extra):
+        segs = {id(s): s for k in unit_segments for s in unit_segments[k] if refs.get(id(s), 0) > 0}
+        segs.update({id(s): s for s in extra})
+        return sum(s.chunk for s in segs.values()) * bytes_per_chunk
+
+    for kind, _, c in ops:
+        keys = [unit_key(u) for u in model.units(c)]
+        order = keys if kind == "F" else keys[::-1]
+        for k, key in enumerate(order):
+            for s in unit_segments[key]:
+                acquire(s)
+            if kind == "F":
+                for s in lazy:
+                    refs[id(s)] -= 1
+                lazy = []
+            nxt = unit_segments[order[k + 1]] if prefetch and k + 1 < len(order) else []
+            peak = max(peak, held(nxt))
+            keep = not reshard or key == last
+            for s in unit_segments[key]:
+                if kind == "F":
+                    refs[id(s)] -= 0 if keep else 1
+                else:
+                    holds = 1 + keep - (key == first)
+                    refs[id(s)] -= holds
+                    if key == first:
+                        lazy.append(s)
+    return count, peak
 
 
 def zero_state_bytes(n_local: int, *, dtype: str, d: int, zero: int) -> dict:

@@ -334,5 +334,7 @@ def peak_line(rec: dict, step: int) -> str:
                 f" (layers keep {format_bytes(lo)}-{format_bytes(hi)} each for backward)")
     flight = rec.get("pipeline_in_flight")
     held = "" if not flight else f"; forwards in flight at most: {', '.join(map(str, flight))} (stages 0..{len(flight) - 1})"
-    return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}{kept}, "
+    units = rec.get("gathered_units_peak")
+    whole = "" if units is None else f" (of which zero 3's whole units at most {format_bytes(units)})"
+    return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}{kept}{whole}, "
             f"total {format_bytes(rec['total'])}{held}")
