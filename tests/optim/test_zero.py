@@ -2,7 +2,7 @@
 
 Float64, a GPT-2-shaped and a Llama-shaped tiny model, dropout 0.1: at dp4, dp2, tp2 x dp2 with
 sequence parallelism, cp2 x dp2, pp2 x dp2 (1F1B, tied embeddings: the deferred sum over the
-two stages), pp2 x dp2 interleaved, dp4 in 2 HSDP replicas, MoE at dp4 x ep2 and tp2 + SP x dp2
+two stages), pp2 x dp2 GPipe and interleaved, dp4 in 2 HSDP replicas, MoE at dp4 x ep2 and tp2 + SP x dp2
 x ep2 (the experts sharded over expert-DP), with full recomputation in some, two steps give the
 losses, every gradient (put together from the ranks' shards) and every updated parameter of one
 rank within 1e-10; --overlap-grad-reduce and --overlap-param-gather (zero 3: the next unit's
@@ -33,12 +33,13 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     (LLAMA, 2, dict(cp=2, dp=2, zero=3)),
     (GPT2, 2, dict(pp=2, dp=2, zero=2, recompute="full")),
     (GPT2, 2, dict(dp=4, zero=3, dp_replicate=2, recompute="full")),
+    (GPT2, 2, dict(pp=2, dp=2, zero=3, pp_schedule="gpipe", overlap_grad_reduce=True)),
     (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3)),
     (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, zero=2)),
     (LLAMA, 4, dict(pp=2, dp=2, zero=3, pp_virtual=2, pp_schedule="interleaved", micro_batch_size=1,
                     reshard_after_forward=False)),
 ]
-BITS = {1, 4, 10}  # also run with OVERLAP: the same bits
+BITS = {1, 4, 11}  # also run with OVERLAP: the same bits
 DEFAULT = (4, 6, 7)  # what `make test` runs (one one-rank reference for the three) (the rest: pytest -m zero_full tests/optim)
 
 
