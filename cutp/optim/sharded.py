@@ -123,11 +123,11 @@ class ShardedAdamW:
         del wholes
         for p in params:
             p.grad = _absent(xp, p.data.shape, self.grad_dtype)
+        self.all_gathered = False
         self.master = None
         if is_low_precision(self.dtype):
             self.master = xp.zeros(self.shard_size, np.float32)
             self.resync_masters()
-        self.all_gathered = False
         self.gathered_bytes = self.peak_gathered_bytes = 0  # zero 3: the whole units held now, and at most
         self.flat = self  # (what TrainingRun.flat and the step's zero_grad use)
         self.size = self.padded_size = int(self.data.size)  # (FlatParameters' names: the elements this rank holds)
@@ -290,14 +290,19 @@ class ShardedAdamW:
     def begin_step(self) -> None:
         """Before a step's first forward: the whole parameters of `gather_all` given back (each
         rank's piece taken from them), nothing gathered."""
+        self._adopt_gathered()
+        self.all_gathered = False
+        self._free_gathered()
+        self.peak_gathered_bytes = 0  # (this step's, from here)
+
+    def _adopt_gathered(self) -> None:
+        """zero 3 after `gather_all`: each rank's piece taken from the whole parameters (which a
+        checkpoint, or a caller, may have written)."""
         if self.zero == 3 and self.all_gathered:
             for s in self.segments:
                 if s.full is not None:
                     r = s.group.rank
                     self.data[s.shard_at:s.shard_at + s.chunk] = s.full[r * s.chunk:(r + 1) * s.chunk]
-            self.all_gathered = False
-        self._free_gathered()
-        self.peak_gathered_bytes = 0  # (this step's, from here)
 
     def _free_gathered(self) -> None:
         self._lazy = []
@@ -377,6 +382,9 @@ class ShardedAdamW:
                 s.group.start_all_gather(local, out=self.data[s.full_at:s.full_at + s.group.size * s.chunk]).wait()
 
     def resync_masters(self) -> None:
+        """Master weights := the parameters (after they were written outside the optimizer; at
+        zero 3 into the whole parameters of `gather_all`)."""
+        self._adopt_gathered()
         if self.master is not None:
             for s in self.segments:
                 self.master[s.shard_at:s.shard_at + s.chunk] = self._local(s)

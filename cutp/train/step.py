@@ -443,6 +443,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                       f"({run.consecutive_skips} in a row; the run stops at {cfg.max_skips})", file=sys.stderr,
                       flush=True)
             if run.consecutive_skips >= cfg.max_skips:
+                run.gather_params()  # (zero 3: the whole parameters, to name a non-finite one)
                 bad = next((p.name for p in model.parameters() if not bool(ctx.xp.isfinite(p.data).all())), None)
                 cause = (f"parameter {bad} holds NaN or Inf values on rank {ctx.rank}: the weights diverged"
                          if bad else "the weights are finite (perhaps too large): the loss or the gradients are not")
