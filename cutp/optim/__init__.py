@@ -26,4 +26,5 @@ from .schedule import clip_scale, lr_schedule
 __all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "GradBucketGroups",
            "GradBuckets", "ParamGather", "ParamGathers", "default_bucket_size", "FlatParameters", "FlatParts",
            "grad_dtype_for",
-           "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "ShardedAdamW", "clip_scale", "lr_schedule"]
+           "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "ShardedAdamW", "clip_scale",
+           "lr_schedule"]

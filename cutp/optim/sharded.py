@@ -59,8 +59,8 @@ def _absent(xp, shape, dtype):
 class ShardedAdamW:
     """AdamW of ZeRO stage `zero` (2 or 3) over `model`'s units, sharded over `group` (default:
     the DP x CP group; HSDP: one replica's ranks, `replicas` the group across replicas, over
-    which the gradient shards are averaged at the end of the step). `deferred`: parameters whose grad_sync hook runs at the end of the
-    step, on the shard. The module docstring says what it does."""
+    which the gradient shards are averaged at the end of the step). `deferred`: parameters whose
+    grad_sync hook runs at the end of the step, on the shard. (The module docstring.)"""
 
     distributed = True
     reduces_in_backward = True
@@ -478,7 +478,8 @@ class ShardedAdamW:
                 if t.size == n:
                     t = t[a:b]
                 elif t.size != b - a:
-                    raise ValueError(f"optimizer state {key} has {t.size} elements, expected {n} (or this rank's {b - a})")
+                    raise ValueError(f"optimizer state {key} has {t.size} elements, expected {n} "
+                                     f"(or this rank's {b - a})")
                 if b > a:
                     buf[at:at + b - a] = t
         self.step_count = int(step)

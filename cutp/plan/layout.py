@@ -374,7 +374,8 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         st = zero_state_bytes(P, dtype=dtype, d=d, zero=zero)
         if config is not None and not a.n_experts:  # exact: the model's own units, the largest rank's
             mesh = Mesh(tp, dp, cp=cp)
-            zplan = max((zero_plan(dataclasses.replace(config, dtype=dtype), tp=tp, dp=dp, cp=cp, rank=mesh.rank_of(r, 0), zero=zero, accum=accum,
+            planned = dataclasses.replace(config, dtype=dtype)
+            zplan = max((zero_plan(planned, tp=tp, dp=dp, cp=cp, rank=mesh.rank_of(r, 0), zero=zero, accum=accum,
                                    reshard_after_forward=reshard_after_forward, prefetch=True,
                                    dp_replicate=dp_replicate) for r in planned_ranks(tp)),
                         key=lambda z: sum(z["state"].values()))

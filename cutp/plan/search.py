@@ -9,7 +9,9 @@ last: the first stage keeps the most micro-batches in flight under 1F1B), the fe
 4, ... with tp * pp * dp <= --gpus, the least recomputation that fits (none, then selective,
 then full), the least sharding that fits (ZeRO-1 over DP, then ZeRO-3 in replicas of a node
 (HSDP) when DP spans nodes, then ZeRO-3 over all DP; under PP the gathered units kept from the
-forward to the backward first, as torchtitan, then resharded: "kept" in the ZeRO column), sequence parallelism (when tp > 1) and the 1F1B schedule, micro-batch --micro-batch x the model's context, bf16 (--dtype).
+forward to the backward first, as torchtitan, then resharded: "kept" in the ZeRO column),
+sequence parallelism (when tp > 1) and the 1F1B schedule, micro-batch --micro-batch x the
+model's context, bf16 (--dtype).
 A layout fits when its largest stage (`plan_pp.plan_pipeline`) fits --gpu-memory GB (1e9 bytes;
 the CUDA context, NCCL and the allocator need some GB more). m = --batch-size / (dp x
 micro-batch) micro-batches per step (default 4M tokens: Llama-2's batch), at least pp for 1F1B;
@@ -193,7 +195,8 @@ def run(args) -> Report:
         t = report.table(f"layouts {g}", [("tp", "TP", "d"), *([("cp", "CP", "d")] if max_cp > 1 else []),
                                           ("pp", "PP", "d"), ("layers", "layers/stage", "", ">"),
                                           ("gpus", "GPUs", "d"), ("dp", "DP", "d"), ("recompute", "recompute", "", ">"),
-                                          ("zero", "ZeRO", "", ">"), ("first", "stage 0 GB", ",.1f"), ("last", "last stage GB", ",.1f"),
+                                          ("zero", "ZeRO", "", ">"), ("first", "stage 0 GB", ",.1f"),
+                                          ("last", "last stage GB", ",.1f"),
                                           ("bubble", "bubble %", ".1f"), ("ok", g, "", ">")],
                          title=f"{model_name(args)} on {g} GPUs: the fewest GPUs (up to {args.gpus}) per TP x "
                                + ("CP x " if max_cp > 1 else "") + "PP")
