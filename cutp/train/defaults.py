@@ -101,7 +101,7 @@ RESUME_MESH = ("tp", "dp", "pp", "cp", "ep")
 RESUME_LAYOUT = RESUME_MESH + ("cp_comm", "pp_layers", "pp_schedule", "pp_virtual", "micro_batch_size",
                                "sequence_parallel", "overlap_grad_reduce", "bucket_size", "overlap_param_gather",
                                "tp_comm_overlap")
-RESUME_KEPT = ("distributed_optimizer", "zero", "reshard_after_forward", "grad_reduce_dtype", "recompute",
+RESUME_KEPT = ("distributed_optimizer", "zero", "grad_reduce_dtype", "recompute",
                "recompute_layers", "save_every", "keep", "eval_every", "eval_batches", "log_every", "metrics", "tensorboard", "peak_tflops", "max_skips")
 
 
