@@ -244,7 +244,7 @@ def test_zero_refusals_name_fixes_that_are_accepted():
     assert refused > 30 and checked > refused, (refused, checked)
 
 
-def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units():
+def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units(capsys):
     """`cutp plan --zero`: a preset's state and DP collectives are cutp.plan.zero's (the model's
     units); the table's bytes per parameter; --params architectures by formula, at 1/dp."""
     from cutp.plan.layout import pick_arch, plan, table_bytes_per_param
@@ -267,3 +267,9 @@ def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units():
     three = plan(a, tp=8, dp=8, micro_batch=1, seq_len=4096, dtype="bfloat16", zero=3)
     assert three["param_bytes"] * 8 == pytest.approx(one["param_bytes"], rel=1e-3)
     assert three["dp_all_gather"]["calls"] == 2 * (a.n_layer + 2) and three["dp_allreduce"]["calls"] == 0
+    from cutp.plan import cli
+    assert cli.main(["--params", "8B", "--tp", "1", "--dp", "8", "--zero", "3", "--dp-replicate", "2", "--seq-len",
+                     "8192", "--micro-batch-size", "2", "--recompute", "selective"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3 over dp=8 in 2 replicas (HSDP)" in out and "HSDP all-reduce (gradient shards)" in out, out
+    assert cli.main(["--params", "8B", "--dp", "6", "--dp-replicate", "4", "--zero", "3"]) == 2
