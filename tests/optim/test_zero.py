@@ -223,7 +223,7 @@ def test_zero_refusals_name_fixes_that_are_accepted():
 
     refused = checked = 0
     for world, zero, replicate, extra in itertools.product(
-            (2, 4), (None, 2, 3), (None, 3),
+            (4,), (None, 2, 3), (None, 3),
             ({}, {"preset": "tiny-moe", "ep": 2}, {"overlap_param_gather": True}, {"bucket_size": 1000},
              {"reshard_after_forward": False})):
         choices = {"preset": "tiny", "device": "cpu", "tp": 1, "zero": zero, "dp_replicate": replicate, **extra}
@@ -241,7 +241,7 @@ def test_zero_refusals_name_fixes_that_are_accepted():
             except ConfigError as e:
                 pytest.fail(f"on {world} ranks {choices}: {text!r} proposes {ranks or change}, refused: {e}")
             checked += 1
-    assert refused > 30 and checked > refused, (refused, checked)
+    assert refused > 15 and checked > refused, (refused, checked)
 
 
 def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units(capsys):
