@@ -105,7 +105,10 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
                        if run.loss_scaler.dynamic or run.loss_scaler.scale != 1.0 else "")
         + (f" | optimizer: AdamW, state sharded over {ctx.dp_cp.name}={ctx.dp_cp_size}"
            + (f", the experts' over {ctx.expert_dp_cp.name}={ctx.expert_dp_cp.size}" if ctx.ep_size > 1 else "")
-           + " (distributed)" if opt.distributed else " | optimizer: AdamW")
+           + (f" (ZeRO-{cfg.zero}" + (", gradients" if cfg.zero == 2 else ", gradients and parameters by unit"
+                                        if cfg.zero == 3 else "")
+              + (f", {cfg.dp_replicate} HSDP replicas" if cfg.dp_replicate > 1 else "") + ")")
+           if opt.distributed else " | optimizer: AdamW")
         + (f" | recompute: {cfg.recompute}" + (f" (first {cfg.recompute_layers} layers)" if cfg.recompute_layers else "")
            if cfg.recompute != "none" else "")
         + (f" | sequence parallel over tp={cfg.tp}" if cfg.sequence_parallel and cfg.tp > 1 else "")

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     # --batch-size is the global batch), with this command's defaults
     add_setting_flags(m, {"preset": "tiny", "set": [], "tp": 1, "pp": 1, "pp_schedule": None, "pp_virtual": None,
                           "pp_layers": None, "cp": 1, "cp_comm": "ring", "dp": None, "device": "auto",
-                          "dtype": "float32", "allow_tf32": False, "distributed_optimizer": False, "recompute": "none",
+                          "dtype": "float32", "allow_tf32": False, "distributed_optimizer": False, "zero": 0,
+                          "reshard_after_forward": True, "dp_replicate": 1, "recompute": "none",
                           "sequence_parallel": False, "batch_size": None, "micro_batch_size": None, "seq_len": None,
                           "overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                           "bucket_size": None, "link_bandwidth": None, "link_latency": 5.0})

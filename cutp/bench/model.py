@@ -271,6 +271,8 @@ def run(args) -> Report:
                              micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps + (device != "cpu"), lr=1e-4,
                              min_lr=1e-4, warmup=0, seed=args.seed, eval_every=0, quiet=True,
                              save_on_signal=False, distributed_optimizer=args.distributed_optimizer,
+                             zero=getattr(args, "zero", 0), dp_replicate=getattr(args, "dp_replicate", 1),
+                             reshard_after_forward=getattr(args, "reshard_after_forward", True),
                              recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                              allow_tf32=getattr(args, "allow_tf32", False), **_overlap_settings(args))
     run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),

@@ -149,17 +149,22 @@ class Context:
             comm = WatchdogCommunicator(comm, self.watchdog)
         return CountingCommunicator(comm, self.counter)
 
-    def subgroup(self, name: str, color: int, key: int):
-        """A counted communicator over the TP group's ranks of equal `color` (collective over TP).
+    def subgroup(self, name: str, color: int, key: int, of=None, expect: tuple | None = None):
+        """A counted communicator over the ranks of equal `color` of group `of` (default the TP
+        group; collective over it). `expect`: the (rank, size) it must have (checked here; what
+        the planner's shape-only context makes it).
 
         Used for GQA, where a KV head replicated on several TP ranks has its gradient summed over
-        exactly those ranks. Cached by name.
+        exactly those ranks, and for HSDP's shard and replica groups inside DP x CP. Cached by name.
         """
         if name not in self._extra_groups:
-            mpi = self.tp.mpi_comm.Split(color=color, key=key)
+            mpi = (self.tp if of is None else of).mpi_comm.Split(color=color, key=key)
             self._owned_mpi.append(mpi)
             self._extra_groups[name] = self._wrap(self._make_comm(mpi, name))
-        return self._extra_groups[name]
+        group = self._extra_groups[name]
+        if expect is not None and (group.rank, group.size) != tuple(expect):
+            raise ValueError(f"group {name}: rank {group.rank} of {group.size}, expected {tuple(expect)}")
+        return group
 
     def simulate_link(self, bandwidth_gbs: float, latency_us: float) -> None:
         """Every group's collectives timed as over one link of this rank of `bandwidth_gbs` GB/s

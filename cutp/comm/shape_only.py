@@ -205,9 +205,9 @@ class ShapeOnlyContext:
                 else MpiCommunicator(peers, name))
         return CountingCommunicator(comm, self.counter)
 
-    def subgroup(self, name: str, color: int, key: int):
-        if name not in self._extra_groups:
-            self._extra_groups[name] = self._group(name, 0, 1)
+    def subgroup(self, name: str, color: int, key: int, of=None, expect: tuple | None = None):
+        if name not in self._extra_groups:  # (sized by `expect`; else one rank)
+            self._extra_groups[name] = self._group(name, *(expect or (0, 1)))
         return self._extra_groups[name]
 
     def asarray(self, a, dtype=None):

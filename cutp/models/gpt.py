@@ -204,6 +204,9 @@ class GPT(Module):
         # (a list of modules) after its backward / before its forward; None: nothing to call
         self.after_unit_backward = None
         self.before_unit_forward = None
+        # ZeRO 2/3 (cutp.optim.sharded): an object whose before_forward, after_forward,
+        # before_backward and after_backward take each unit; None: no sharding
+        self.unit_hooks = None
 
         self._context_parallel = False
 
@@ -232,12 +235,24 @@ class GPT(Module):
         return out
 
     def _unit_done(self, unit) -> None:
+        if self.unit_hooks is not None:
+            self.unit_hooks.after_backward(unit)
         if self.after_unit_backward is not None:
             self.after_unit_backward(unit)
 
     def _unit_next(self, unit) -> None:
         if self.before_unit_forward is not None:
             self.before_unit_forward(unit)
+        if self.unit_hooks is not None:
+            self.unit_hooks.before_forward(unit)
+
+    def _unit_forward_done(self, unit) -> None:
+        if self.unit_hooks is not None:
+            self.unit_hooks.after_forward(unit)
+
+    def _unit_backward_next(self, unit) -> None:
+        if self.unit_hooks is not None:
+            self.unit_hooks.before_backward(unit)
 
     # ---- sequence parallelism ------------------------------------------------------------------
     def set_sequence_parallel(self, on: bool = True) -> None:
@@ -417,7 +432,7 @@ class GPT(Module):
         At pp 1, `forward`. `head=False`: the blocks only, the last one's output where the model
         ends (the MoE counting pass of cutp.train.moe needs no LM head). documents: the
         micro-batch's document ids [B, T] (packed rows, `forward`; every stage gets them)."""
-        units = self.units(chunk) if self.before_unit_forward is not None else None
+        units = self.units(chunk) if (self.before_unit_forward or self.unit_hooks) is not None else None
         # (CP off only for the logits of whole sequences; the MoE counting pass, head=False, runs
         # on the CP chunks as the step's forwards do)
         context = self.ctx.cp_size > 1 and self.training and (targets is not None or not self.gives_loss(chunk)
@@ -432,20 +447,26 @@ class GPT(Module):
             if units:
                 self._unit_next(units[0])
             x = self._embed(inp, positions)
+            if units:
+                self._unit_forward_done(units[0])
         else:
             x = inp
         for block in self._chunk_blocks[chunk]:
             if units:
                 self._unit_next([block])
             x = block.forward(x, positions, documents)
+            if units:
+                self._unit_forward_done([block])
         if not self.gives_loss(chunk) or not head:
             return x
         if units:
             self._unit_next(units[-1])
         logits = self._head(x)
-        if targets is None:
-            return logits
-        return self.loss_fn.forward(logits, targets, inplace_backward=True)
+        if targets is not None:
+            logits = self.loss_fn.forward(logits, targets, inplace_backward=True)  # (the loss)
+        if units:
+            self._unit_forward_done(units[-1])
+        return logits
 
     def stage_backward(self, grad, chunk: int = 0, aux_grad: float | None = None):
         """Backward of the micro-batch whose stage_forward (of `chunk`) ran last (its activations
@@ -462,6 +483,7 @@ class GPT(Module):
         for m in moe:
             m.aux_grad = aux_grad
         if self.gives_loss(chunk):
+            self._unit_backward_next([self.final_norm, self.lm_head])
             dlogits = self.loss_fn.backward(grad)
             if self.logit_softcap is not None:
                 dlogits = self.logit_softcap.backward(dlogits)
@@ -470,10 +492,12 @@ class GPT(Module):
         else:
             dx = grad
         for block in reversed(blocks):
+            self._unit_backward_next([block])
             dx = block.backward(dx)
             self._unit_done([block])
         if not self.takes_tokens(chunk):
             return dx
+        self._unit_backward_next([m for m in (self.tok_embed, self.pos_embed, self.drop) if m is not None])
         dx = self.drop.backward(dx)
         if self.pos_embed is not None:
             self.pos_embed.backward(dx)

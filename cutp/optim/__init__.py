@@ -8,6 +8,8 @@ expert_parallel  ExpertParallelAdamW: the distributed optimizer of an expert-par
               (dense state sharded over DP, the experts' over the expert-DP group)
 loss_scaler   LossScaler (static) and DynamicLossScaler (float16 training)
 schedule      the learning-rate schedule and the clipping factor
+sharded       ShardedAdamW: ZeRO-2 (gradients sharded too, reduce-scattered unit by unit in every
+              micro-batch) and ZeRO-3 (parameters too, each unit gathered for its forward and backward)
 buckets       GradBuckets: the DP gradient reduction in buckets started during the backward
               (--overlap-grad-reduce); ParamGather: the distributed optimizer's parameter
               gather per bucket during the next forward (--overlap-param-gather);
@@ -18,9 +20,11 @@ from .buckets import GradBucketGroups, GradBuckets, ParamGather, ParamGathers, d
 from .expert_parallel import ExpertParallelAdamW, FlatParts
 from .flat import FlatParameters, grad_dtype_for, is_low_precision, state_dtype_for
 from .loss_scaler import DynamicLossScaler, LossScaler
+from .sharded import ShardedAdamW
 from .schedule import clip_scale, lr_schedule
 
 __all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAdamW", "GradBucketGroups",
            "GradBuckets", "ParamGather", "ParamGathers", "default_bucket_size", "FlatParameters", "FlatParts",
            "grad_dtype_for",
-           "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "clip_scale", "lr_schedule"]
+           "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "ShardedAdamW", "clip_scale",
+           "lr_schedule"]

@@ -192,12 +192,13 @@ class AdamW:
             self.master[...] = self.flat.data[self.lo:self.hi]
 
 
-def finish_norm(ctx, acc) -> float:
+def finish_norm(ctx, acc, group=None) -> float:
     """The L2 norm from [sum of squares, non-finite entries] of each rank's shard, all-reduced
-    over TP, DP and PP; NaN when any entry anywhere is not finite."""
+    over TP, `group` (default DP x CP, the group the optimizer shards over; HSDP: a replica's
+    shard group) and PP; NaN when any entry anywhere is not finite."""
     if ctx.tp_size > 1:
         ctx.tp.all_reduce(acc, "sum", out=acc)
-    replica_group(ctx).all_reduce(acc, "sum", out=acc)  # (the DP x CP group the optimizer shards over)
+    (replica_group(ctx) if group is None else group).all_reduce(acc, "sum", out=acc)
     if ctx.pp_size > 1:  # every pipeline stage's parameters
         ctx.pp.all_reduce(acc, "sum", out=acc)
     total, bad = float(acc[0]), float(acc[1])

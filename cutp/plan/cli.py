@@ -6,6 +6,7 @@ GPU for a model and a layout, from the model's shape, no hardware needed.
     python -m cutp plan --params 70B --search --gpu-memory 80  # the TP x PP x DP layouts that fit
     python -m cutp plan --params 8B --seq-len 131072 --tp 8 --cp 8 --recompute full  # long context
     python -m cutp plan --preset gpt2 --tp 2 --micro-batch-size 8 --seq-len 1024 --device cpu
+    python -m cutp plan --params 8B --tp 1 --dp 8 --zero 3 --seq-len 8192 --micro-batch-size 2  # FSDP
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # and meanings: --batch-size the global sequences per step, --dtype the parameters', --device where the
     # planned run computes), with the planner's defaults (bfloat16, cuda, --search: 4M tokens a step)
     add_setting_flags(p, {"preset": None, "set": [], "tp": 8, "dp": 1, "ep": 1, "cp": 1, "cp_comm": "ring",
-                          "micro_batch_size": 1, "seq_len": None, "distributed_optimizer": False, "recompute": "none",
+                          "micro_batch_size": 1, "seq_len": None, "distributed_optimizer": False, "zero": 0,
+                          "reshard_after_forward": True, "dp_replicate": 1, "recompute": "none",
                           "recompute_layers": None, "sequence_parallel": False, "pp": 1, "pp_layers": None,
                           "pp_schedule": None, "pp_virtual": 1, "link_bandwidth": None, "link_latency": 5.0,
                           "bucket_size": None, "dtype": None, "device": "cuda", "batch_size": None},

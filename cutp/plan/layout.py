@@ -80,6 +80,7 @@ from ..runtime.mesh import Mesh
 from . import overlap
 from .context import check_cp, cp_comm_bytes, cp_formula, formula_args
 from .run import ITEMSIZE, planned_parameters, planned_step
+from .zero import gathered_units_bytes, zero_collectives, zero_plan, zero_state_bytes
 
 
 # `--params SIZE`: published architectures of that size, planned by formula (module docstring):
@@ -211,11 +212,18 @@ def _gradient_reduction(group: str, size: int, n: int, grad_bytes: int, param_by
             f"{group}_all_gather": coll(int(on and zero), n // size if on and zero else 0, param_bytes, size - 1)}
 
 
-def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool = False) -> float:
-    """Megatron's bytes/param without padding: 16 (fp32), 18 (bf16), 8 + 8/d, 6 + 12/d."""
+def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool = False, zero: int = 0) -> float:
+    """Megatron's bytes/param without padding: 16 (fp32), 18 (bf16), 8 + 8/d, 6 + 12/d; zero 2:
+    2 + 16/d, zero 3: 18/d (bf16)."""
     pb = ITEMSIZE[dtype]
     grad, state = (4, 12) if pb == 2 else (pb, 2 * pb)
+    if zero >= 2:
+        return (pb if zero == 2 else pb / dp) + (grad + state) / dp
     return pb + grad + (state / dp if distributed_optimizer else state)
+
+
+def _shard_group(cp: int, dp_replicate: int) -> str:
+    return "hsdp_shard" if dp_replicate > 1 else ("dp_cp" if cp > 1 else "dp")
 
 
 def parameters_per_rank(config: GPTConfig, tp: int) -> int:
@@ -300,11 +308,22 @@ def resolve_dtype(dtype: str | None, precision: str | None) -> str:
 def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accum: int = 1, precision: str | None = None,
          dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
          device: str = "cuda", threads: int = 1, recompute: str = "none", recompute_layers: int | None = None,
-         sequence_parallel: bool = False, ep: int = 1, cp: int = 1, cp_comm: str = "ring") -> dict:
+         sequence_parallel: bool = False, ep: int = 1, cp: int = 1, cp_comm: str = "ring", zero: int = 0,
+         reshard_after_forward: bool = True, dp_replicate: int = 1) -> dict:
     """Every figure of the plan as plain numbers (bytes, elements, calls). `config`: the cutp
     model `a` describes (exact parameters, simulated activations); None: a --params
     architecture. Raises ConfigError (one line naming the fix) for settings that cannot run,
-    e.g. a mesh the model cannot be split over."""
+    e.g. a mesh the model cannot be split over. `zero` 2 or 3 (`dp_replicate` R: HSDP): the
+    state, the gathered units and the DP collectives of cutp.plan.zero."""
+    zero = max(zero, int(bool(distributed_optimizer)))
+    distributed_optimizer = zero >= 1
+    if zero >= 2 and ep > 1:
+        raise ConfigError(f"--zero {zero} shards each unit over DP x CP, and at --ep {ep} the experts reduce over the "
+                          "expert-DP group; use --zero 1, or omit --ep")
+    if dp % dp_replicate or (dp_replicate > 1 and zero < 2):
+        raise ConfigError(f"--dp-replicate {dp_replicate} needs --zero 2 or 3 and must divide --dp {dp}; use --zero 3 "
+                          "with a --dp it divides, or omit --dp-replicate")
+    sharding = dict(zero=zero, reshard_after_forward=reshard_after_forward, dp_replicate=dp_replicate)
     for name, v in (("tp", tp), ("dp", dp), ("micro_batch", micro_batch), ("seq_len", seq_len), ("accum", accum),
                     ("threads", threads)):
         check_positive(name, v)
@@ -329,7 +348,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         mesh = Mesh(tp, dp, cp=cp)  # (every CP rank holds as much: its zigzag chunks)
         peaks = [planned_step(config, tp=tp, dp=dp, ep=ep, cp=cp, cp_comm=cp_comm, rank=mesh.rank_of(r, d),
                               micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
-                              distributed_optimizer=distributed_optimizer, **layout)
+                              distributed_optimizer=distributed_optimizer, **sharding, **layout)
                  for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
         worst = max(peaks, key=lambda p: p["activations_peak"])
         stash = [max(col) for col in zip(*(p["stash_per_layer"] for p in peaks))]
@@ -352,6 +371,23 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
                           if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")}
     dpg = dp * cp  # the gradients' and ZeRO's group: DP x CP
     st = state_bytes_ep(a, P, moe_layers(a), dtype=dtype, dp=dpg, ep=ep, distributed_optimizer=distributed_optimizer)
+    zplan = None
+    if zero >= 2:  # sharded unit by unit over one replica's ranks (cutp.plan.zero)
+        d = dpg // dp_replicate
+        st = zero_state_bytes(P, dtype=dtype, d=d, zero=zero)
+        if config is not None and not a.n_experts:  # exact: the model's own units, the largest rank's
+            mesh = Mesh(tp, dp, cp=cp)
+            planned = dataclasses.replace(config, dtype=dtype)
+            zplan = max((zero_plan(planned, tp=tp, dp=dp, cp=cp, rank=mesh.rank_of(r, 0), zero=zero, accum=accum,
+                                   reshard_after_forward=reshard_after_forward, prefetch=True,
+                                   dp_replicate=dp_replicate) for r in planned_ranks(tp)),
+                        key=lambda z: sum(z["state"].values()))
+            st = dict(zplan["state"], padded=d * zplan["shard_elements"], shard=zplan["shard_elements"])
+        elif zero == 3:  # whole units held in the step (the simulated step has them in its peak)
+            unit = param_count(a, tp, ep)["layer_per_rank"]
+            act["gathered_units"] = gathered_units_bytes(unit, st["padded"], dtype=dtype,
+                                                         reshard_after_forward=reshard_after_forward)
+            act["bytes"] += act["gathered_units"]
     N = st["padded"]
     gb = st["grads"] // N if N else 4
     bsh = b * (s // cp) * h  # this CP rank's tokens
@@ -396,7 +432,10 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         "tp_grad_allreduce": {**coll((1 + bool(tp_grads)) if tp > 1 else 0, tp_grads + 2 * (tp > 1), gb, ring_ar),
                               "bytes": tp_grads * gb + 16 * (tp > 1),
                               "wire_bytes": (tp_grads * gb + 16 * (tp > 1)) * ring_ar},
-        **_gradient_reduction("dp", dpg, dense_n, gb, pb, distributed_optimizer),
+        **(_gradient_reduction("dp", dpg, dense_n, gb, pb, distributed_optimizer) if zero < 2 else zero_collectives(
+            st["padded"], d=dpg // dp_replicate, replicas=dp_replicate, zero=zero, accum=accum, dtype=dtype,
+            units=L + 2, reshard_after_forward=reshard_after_forward,
+            counted=None if zplan is None else zplan["comm"], group=_shard_group(cp, dp_replicate))),
         # at ep > 1 the experts' own buffer, over expert-DP (x CP)
         **_gradient_reduction("expert_dp", dpg // ep, expert_n, gb, pb, distributed_optimizer),
     }
@@ -404,7 +443,8 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     out["model_state_bytes"] = state
     out["total_bytes"] = state + act["bytes"]
     out["bytes_per_param"] = state / P
-    out["table_bytes_per_param"] = table_bytes_per_param(dtype, dpg, distributed_optimizer)
+    out["table_bytes_per_param"] = table_bytes_per_param(dtype, dpg // dp_replicate, distributed_optimizer, zero)
+    out.update(zero=zero, reshard_after_forward=reshard_after_forward, dp_replicate=dp_replicate)
     out["memory"] = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
                      "activations_peak": act["bytes"], "params_local": P, "stash_per_layer": act["stash_per_layer"]}
     out["fits"] = {name: out["total_bytes"] <= cap for name, cap in GPUS}
@@ -429,14 +469,19 @@ def run(args) -> Report:
              precision=args.precision, dtype=args.dtype, distributed_optimizer=args.distributed_optimizer,
              config=config, device=args.device, threads=args.threads, recompute=args.recompute,
              recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel, ep=args.ep,
-             cp=getattr(args, "cp", 1), cp_comm=getattr(args, "cp_comm", "ring"))
+             cp=getattr(args, "cp", 1), cp_comm=getattr(args, "cp_comm", "ring"), zero=getattr(args, "zero", 0),
+             reshard_after_forward=getattr(args, "reshard_after_forward", True),
+             dp_replicate=getattr(args, "dp_replicate", 1))
     args.cp, args.cp_comm = r["cp"], r["cp_comm"]
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9
     dt, dist = r["dtype"], r["distributed_optimizer"]
     over = f"dp={args.dp}" if args.cp == 1 else f"dp x cp = {args.dp * args.cp}"
-    optimizer = (f"distributed AdamW (ZeRO-1 over {over})" if dist else "AdamW (state on every DP rank)")
+    z = r["zero"]
+    optimizer = (f"ZeRO-{z} over {over}" + (f" in {r['dp_replicate']} replicas (HSDP)" if r["dp_replicate"] > 1 else "")
+                 + (", gradients" if z == 2 else ", gradients and parameters by unit") if z >= 2 else
+                 f"distributed AdamW (ZeRO-1 over {over})" if dist else "AdamW (state on every DP rank)")
     arch = report.table("model", [("k", "model", "", "<"), ("v", "", "", "<")], title=model_name(args))
     for k, v in (("layers x width", f"{a.n_layer} x {a.n_embd}"), ("heads / kv heads", f"{a.n_head} / {a.kv_heads}"),
                  ("mlp", f"{a.hidden}{' (SwiGLU)' if a.mlp == 'swiglu' else ''}"), ("vocab", f"{a.vocab_size:,}"),
@@ -460,11 +505,14 @@ def run(args) -> Report:
     P, N, pb = r["params_per_gpu"], r["padded_params"], ITEMSIZE[dt]
     low = pb == 2
     pad = f", padded to {N:,}" if N != P else ""
-    shard = f" of a 1/{args.dp * args.cp} shard" if dist else ""
+    shard = f" of a 1/{args.dp * args.cp // r['dp_replicate']} shard" if dist else ""
     sd = "fp64" if dt == "float64" else "fp32"
-    mem.add(what="parameters", gb=r["param_bytes"] / GB, bpp=r["param_bytes"] / P, formula=f"{P:,}{pad} x {pb} B ({dt})")
+    whole = "" if z < 3 else f", a 1/{args.dp * args.cp // r['dp_replicate']} shard"
+    mem.add(what="parameters", gb=r["param_bytes"] / GB, bpp=r["param_bytes"] / P,
+            formula=f"{P:,}{pad} x {pb} B ({dt}){whole}")
     mem.add(what="gradients", gb=r["grad_bytes"] / GB, bpp=r["grad_bytes"] / P,
-            formula=f"x {r['grad_bytes'] // N} B ({'fp32 main grads' if low else dt})")
+            formula=f"x {4 if low else pb} B ({'fp32 main grads' if low else dt})"
+            + (f", a 1/{args.dp * args.cp // r['dp_replicate']} shard" if z >= 2 else ""))
     mem.add(what="optimizer state", gb=r["optim_bytes"] / GB, bpp=r["optim_bytes"] / P,
             formula=f"Adam m, v ({sd}){' + fp32 master' if low else ''}{shard}")
     mem.add(what="activations (peak)", gb=r["act_bytes"] / GB, bpp=None, formula=r["activations"]["source"])
@@ -497,7 +545,13 @@ def run(args) -> Report:
                 ["the gradient norm's 2 float64"] + (["the norms, row biases, routers, positions on sequence shards"]
                                                      if sp else []) + (["the experts' (each TP rank's tokens)"]
                                                                        if a.n_experts else [])) + ", once per step")]
-    if dist:
+    if z >= 2:
+        rows += [("DP reduce-scatter (gradients)", "dp_reduce_scatter", "each unit's, in every micro-batch"),
+                 ("DP all-gather (parameters)", "dp_all_gather",
+                  f"each unit before its forward and backward, {dt}" if z == 3 else "after the update, {dt}")]
+        if r["dp_replicate"] > 1:
+            rows += [("HSDP all-reduce (gradient shards)", "dp_replicas_allreduce", "across the replicas, once")]
+    elif dist:
         rows += [("DP reduce-scatter (gradients)", "dp_reduce_scatter", "padded gradient buffer, once per step"),
                  ("DP all-gather (parameters)", "dp_all_gather", f"this rank's 1/dp of the padded parameters, {dt}")]
     else:

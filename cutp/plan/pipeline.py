@@ -49,6 +49,7 @@ from .layout import (GPUS, ITEMSIZE, check_positive, model_name, model_of_args, 
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from ..runtime.mesh import Mesh
 from .run import planned_parameters, planned_step
+from .zero import gathered_units_bytes, zero_state_bytes
 
 class Chunk:
     """One model chunk of a rank: its layers' global indices, whether it holds the embedding
@@ -144,7 +145,8 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                   precision: str | None = None, distributed_optimizer: bool = False,
                   config: GPTConfig | None = None, device: str = "cuda", threads: int = 1, recompute: str = "none",
                   recompute_layers: int | None = None, sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
-                  cp_comm: str = "ring") -> dict:
+                  cp_comm: str = "ring", zero: int = 0, reshard_after_forward: bool = True,
+                  dp_replicate: int = 1) -> dict:
     """Each stage's memory (state exact, activations per the schedule), the point-to-point bytes
     and the bubble (the module docstring). The mesh, recomputation and dtype checks are
     `plan.plan`'s (run at pp 1 first, on the whole model). An MoE model's stages: their dense
@@ -155,9 +157,12 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
     check_layout(n_layer=a.n_layer, tp=tp, seq_len=seq_len, recompute=recompute, recompute_layers=recompute_layers,
                  sequence_parallel=sequence_parallel)
     layout = dict(recompute=recompute, recompute_layers=recompute_layers, sequence_parallel=sequence_parallel)
+    sharding = dict(zero=max(zero, int(bool(distributed_optimizer))), reshard_after_forward=reshard_after_forward,
+                    dp_replicate=dp_replicate)
+    distributed_optimizer = sharding["zero"] >= 1
     whole = plan(a, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=1, dtype=dtype,
                  distributed_optimizer=distributed_optimizer, config=config, device=device, threads=threads, ep=ep,
-                 cp=cp, cp_comm=cp_comm, **layout)  # (the mesh's and the model's checks)
+                 cp=cp, cp_comm=cp_comm, **sharding, **layout)  # (the mesh's and the model's checks)
     moe = moe_counts(a, tp, ep) if a.n_experts else None
     moe_delta = 0 if moe is None else moe["per_rank"] // moe["layers"]  # per MoE layer, in place of a dense MLP
     s, b, h = seq_len, micro_batch, a.n_embd
@@ -180,7 +185,7 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                                   micro_batch=b,
                                   seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
                                   distributed_optimizer=distributed_optimizer, pp_layers=pp_layers,
-                                  pp_schedule=kind, pp_virtual=virtual, **layout)
+                                  pp_schedule=kind, pp_virtual=virtual, **sharding, **layout)
                      for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
             n_local = max(w["params_local"] for w in walks)
             worst = max(walks, key=lambda w: w["activations_peak"])
@@ -206,6 +211,11 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                    "stash_per_micro_batch": max(weights)}
         st = state_bytes_ep(a, n_local, n_moe, dtype=dtype, dp=dp * cp, ep=ep,  # (ZeRO over DP x CP)
                             distributed_optimizer=distributed_optimizer)
+        if sharding["zero"] >= 2:  # (the stage's parameters as one segment: cutp.plan.zero)
+            st = zero_state_bytes(n_local, dtype=dtype, d=dp * cp // dp_replicate, zero=sharding["zero"])
+            if sharding["zero"] == 3 and config is None:  # whole units held in the step
+                act["bytes"] += gathered_units_bytes(param_count(a, tp, ep)["layer_per_rank"], n_local, dtype=dtype,
+                                                     reshard_after_forward=reshard_after_forward)
         state = st["params"] + st["grads"] + st["optimizer"]
         stages.append({"stage": rank, "layers": [len(ch.layers) for ch in mine], "first": first, "last": last,
                        "params_local": n_local, "padded_params": st["padded"], "params": st["params"],
@@ -219,7 +229,7 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
     return {"arch": a.to_dict(), "pp": pp, "tp": tp, "dp": dp, "cp": cp, "cp_comm": cp_comm, "gpus": pp * tp * cp * dp,
             "schedule": kind,
             "virtual": virtual, "micro_batches": accum, "micro_batch": b, "seq_len": s, "dtype": dtype,
-            "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
+            "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout, **sharding,
             "params_total": whole["params_total"], "params_per_gpu_pp1": whole["params_per_gpu"],
             "stages": stages, "largest_stage": largest, "bubble": pipeline_bubble(pp, accum, virtual),
             "p2p_bytes_per_micro_batch": message,
@@ -253,7 +263,9 @@ def run(args) -> Report:
                       distributed_optimizer=args.distributed_optimizer, config=config, device=args.device,
                       threads=args.threads, recompute=args.recompute, recompute_layers=args.recompute_layers, ep=args.ep,
                       sequence_parallel=args.sequence_parallel, cp=getattr(args, "cp", 1),
-                      cp_comm=getattr(args, "cp_comm", "ring"))
+                      cp_comm=getattr(args, "cp_comm", "ring"), zero=getattr(args, "zero", 0),
+                      reshard_after_forward=getattr(args, "reshard_after_forward", True),
+                      dp_replicate=getattr(args, "dp_replicate", 1))
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9

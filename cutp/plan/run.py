@@ -86,7 +86,8 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
                  micro_batch: int, seq_len: int, accum: int = 1, dtype: str | None = None, device: str = "cuda",
                  threads: int = 1, kernels: bool = True, distributed_optimizer: bool = False,
                  recompute: str = "none", recompute_layers: int | None = None, sequence_parallel: bool = False,
-                 pp_layers=None, pp_schedule: str | None = None, pp_virtual: int = 1, cp_comm: str = "ring") -> dict:
+                 pp_layers=None, pp_schedule: str | None = None, pp_virtual: int = 1, cp_comm: str = "ring",
+                 zero: int = 0, reshard_after_forward: bool = True, dp_replicate: int = 1) -> dict:
     """One training step of `config` on world rank `rank` of the mesh tp x cp x dp x pp, planned by
     running it on shape-only arrays. Returns {"activations_peak", "where", "stash_per_layer" (by
     global layer index; 0 for another stage's layers), "parameters" ([PlannedParameter], this
@@ -103,7 +104,8 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
     cfg = RunConfig(model=model, device=device, tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
                     micro_batch_size=micro_batch,
                     batch_size=micro_batch * accum * dp, seq_len=seq_len, steps=2, warmup=0,
-                    distributed_optimizer=distributed_optimizer, recompute=recompute,
+                    distributed_optimizer=distributed_optimizer, zero=zero, reshard_after_forward=reshard_after_forward,
+                    dp_replicate=dp_replicate, recompute=recompute,
                     recompute_layers=recompute_layers, sequence_parallel=sequence_parallel,
                     pp_layers=None if pp_layers is None else tuple(pp_layers), pp_schedule=schedule,
                     pp_virtual=pp_virtual, eval_every=0, quiet=True, save_on_signal=False, collective_timeout=0)

@@ -7,8 +7,11 @@ For each TP size in 1, 2, 4, 8 (inside a node; those the heads split over) and e
 divides the layers or is a power of two (then the layers split near-evenly, the larger stages
 last: the first stage keeps the most micro-batches in flight under 1F1B), the fewest GPUs that fit: DP = 1, 2,
 4, ... with tp * pp * dp <= --gpus, the least recomputation that fits (none, then selective,
-then full), always with the distributed optimizer (ZeRO-1 over DP), sequence parallelism (when
-tp > 1) and the 1F1B schedule, micro-batch --micro-batch x the model's context, bf16 (--dtype).
+then full), the least sharding that fits (ZeRO-1 over DP, then ZeRO-3 in replicas of a node
+(HSDP) when DP spans nodes, then ZeRO-3 over all DP; under PP the gathered units kept from the
+forward to the backward first, as torchtitan, then resharded: "kept" in the ZeRO column),
+sequence parallelism (when tp > 1) and the 1F1B schedule, micro-batch --micro-batch x the
+model's context, bf16 (--dtype).
 A layout fits when its largest stage (`plan_pp.plan_pipeline`) fits --gpu-memory GB (1e9 bytes;
 the CUDA context, NCCL and the allocator need some GB more). m = --batch-size / (dp x
 micro-batch) micro-batches per step (default 4M tokens: Llama-2's batch), at least pp for 1F1B;
@@ -36,6 +39,18 @@ def _powers(limit: int) -> list[int]:
     return out
 
 
+def _sharding(inner: int, dp: int, pp: int) -> list[tuple[int, int, bool]]:
+    """(zero, dp_replicate, reshard_after_forward) to try, the least communication first: ZeRO-1,
+    ZeRO-3 with HSDP replicas of one node (8 GPUs: dp / R x tp x cp = 8) when DP spans nodes,
+    ZeRO-3 over all DP; under PP without resharding first (torchtitan's default there), then with."""
+    out = [(1, 1, True)]
+    if dp > 1:
+        per_node = max(1, 8 // inner)
+        for replicas in ([dp // per_node] if dp > per_node and dp % per_node == 0 else []) + [1]:
+            out += [(3, replicas, False), (3, replicas, True)] if pp > 1 else [(3, replicas, True)]
+    return out
+
+
 def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, micro_batch: int, seq_len: int,
                 batch_size: int, cp: int = 1, cp_comm: str = "ring", plans: dict | None = None) -> dict:
     """The smallest DP (and the least recomputation) at which tp x pp fits `capacity` bytes:
@@ -49,16 +64,18 @@ def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, 
         m = batch_size // (dp * micro_batch)
         if m < pp:
             break
-        for recompute in RECOMPUTE:
-            key = (tp, pp, dp, cp, cp_comm, recompute, micro_batch, seq_len, m, dtype)
+        for recompute, (zero, replicas, reshard) in ((r, z) for r in RECOMPUTE for z in _sharding(tp * cp, dp, pp)):
+            key = (tp, pp, dp, cp, cp_comm, recompute, micro_batch, seq_len, m, dtype, zero, replicas, reshard)
             if key not in plans:
                 plans[key] = plan_pipeline(a, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=m,
                                            pp_layers=layers, dtype=dtype, distributed_optimizer=True,
                                            recompute=recompute, sequence_parallel=tp > 1, cp=cp,
-                                           cp_comm=cp_comm)
+                                           cp_comm=cp_comm, zero=zero, dp_replicate=replicas,
+                                           reshard_after_forward=reshard)
             r = plans[key]
             peak = r["stages"][r["largest_stage"]]["total"]
-            found = {"fits": peak <= capacity, "dp": dp, "recompute": recompute, "plan": r, "peak": peak}
+            found = {"fits": peak <= capacity, "dp": dp, "recompute": recompute, "plan": r, "peak": peak,
+                     "zero": zero, "dp_replicate": replicas, "reshard": reshard}
             if found["fits"]:
                 return found
             if best is None or peak < best["peak"]:
@@ -116,9 +133,13 @@ def _splits(a, tp: int) -> bool:
 
 def _cells(f: dict, tp: int, pp: int, cp: int = 1) -> dict:
     if f["plan"] is None:
-        return {"dp": None, "gpus": None, "recompute": "-", "first": None, "last": None, "bubble": None, "ok": "no"}
+        return {"dp": None, "gpus": None, "recompute": "-", "zero": "-", "first": None, "last": None, "bubble": None,
+                "ok": "no"}
     st, r = f["plan"]["stages"], f["plan"]
-    return {"dp": f["dp"], "gpus": tp * cp * pp * f["dp"], "recompute": f["recompute"], "first": st[0]["total"] / 1e9,
+    zero = (f"{f['zero']}" + (f" (HSDP x{f['dp_replicate']})" if f["dp_replicate"] > 1 else "")
+            + ("" if f["reshard"] or f["zero"] < 3 else ", kept"))
+    return {"dp": f["dp"], "gpus": tp * cp * pp * f["dp"], "recompute": f["recompute"], "zero": zero,
+            "first": st[0]["total"] / 1e9,
             "last": st[-1]["total"] / 1e9, "bubble": 100 * r["bubble"], "ok": "fits" if f["fits"] else "no"}
 
 
@@ -128,7 +149,7 @@ def markdown(a, rows, capacities, gpus: int) -> str:
     head = ["TP"] + (["CP"] if with_cp else []) + ["PP", "layers/stage"]
     for cap in capacities:
         g = f"{cap / 1e9:g} GB"
-        head += [f"{g}: fewest GPUs (DP)", "recompute", "stage 0 / last GB", "bubble"]
+        head += [f"{g}: fewest GPUs (DP)", "recompute", "stage 0 / last GB", "bubble", "ZeRO"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
         cells = [str(row["tp"])] + ([str(row["cp"])] if with_cp else []) + [str(row["pp"]), row["layers"]]
@@ -136,10 +157,10 @@ def markdown(a, rows, capacities, gpus: int) -> str:
             c = _cells(row["fit"][cap], row["tp"], row["pp"], row.get("cp", 1))
             if c["ok"] != "fits":
                 cells += [f"no (> {gpus})", "-", "-" if c["first"] is None else
-                          f"{c['first']:.0f} / {c['last']:.0f} at {c['gpus']}", "-"]
+                          f"{c['first']:.0f} / {c['last']:.0f} at {c['gpus']}", "-", "-"]
             else:
                 cells += [f"{c['gpus']} ({c['dp']})", c["recompute"], f"{c['first']:.1f} / {c['last']:.1f}",
-                          f"{c['bubble']:.1f}%"]
+                          f"{c['bubble']:.1f}%", c["zero"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -174,7 +195,8 @@ def run(args) -> Report:
         t = report.table(f"layouts {g}", [("tp", "TP", "d"), *([("cp", "CP", "d")] if max_cp > 1 else []),
                                           ("pp", "PP", "d"), ("layers", "layers/stage", "", ">"),
                                           ("gpus", "GPUs", "d"), ("dp", "DP", "d"), ("recompute", "recompute", "", ">"),
-                                          ("first", "stage 0 GB", ",.1f"), ("last", "last stage GB", ",.1f"),
+                                          ("zero", "ZeRO", "", ">"), ("first", "stage 0 GB", ",.1f"),
+                                          ("last", "last stage GB", ",.1f"),
                                           ("bubble", "bubble %", ".1f"), ("ok", g, "", ">")],
                          title=f"{model_name(args)} on {g} GPUs: the fewest GPUs (up to {args.gpus}) per TP x "
                                + ("CP x " if max_cp > 1 else "") + "PP")

@@ -59,6 +59,7 @@ from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
+from .zero import check_zero, normalise_zero
 from .fixes import with_working_fixes
 from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
                        layout_text, refuse_ignored, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
@@ -117,6 +118,16 @@ class RunConfig:
     # through float32 master weights and float32 gradients)
     distributed_optimizer: bool = setting(
         False, "shard the optimizer state (fp32 master weights, Adam moments) over DP (ZeRO-1)", "memory", kind=bool)
+    zero: int = setting(
+        0, "ZeRO stage: 1 shards the optimizer state over DP (as --distributed-optimizer), 2 the fp32 gradients "
+        "too (reduce-scattered unit by unit in every micro-batch's backward), 3 the parameters too (each unit "
+        "all-gathered before its forward and its backward)", "memory", kind=int, choices=(0, 1, 2, 3))
+    reshard_after_forward: bool = setting(
+        True, "zero 3: free each unit's gathered parameters after its forward (off: kept to its backward, one "
+        "gather per micro-batch instead of two)", "memory", kind=bool)
+    dp_replicate: int = setting(
+        1, "HSDP: DP split into R replicas of dp/R ranks; zero 2 and 3 shard inside a replica, the gradients are "
+        "all-reduced across replicas (the big collectives stay inside a node)", "memory", kind=int, at_least=1)
     grad_reduce_dtype: str = setting(
         "float32", "dtype of the DP gradient reduction: bfloat16 halves the bytes, with sums rounded to bf16",
         "memory", choices=GRAD_REDUCE_DTYPES)
@@ -276,7 +287,9 @@ class RunConfig:
             raise ConfigError(f"`sample_every` generates on each TP group with the whole model, which pp {self.pp} / cp "
                               f"{self.cp} / ep {self.ep} split; omit `sample_every` and sample after training with "
                               "examples/generate.py")
+        normalise_zero(self)
         check_overlap(self)
+        check_zero(self)
         check_context_parallel(self.seq_len, self.cp, self.tp, self.sequence_parallel, self.cp_comm,
                                self.model.n_head, self.model.n_kv_head, ranks=self.cp * self.dp)
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
@@ -540,6 +553,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         pack=bool(run["pack"]), sample_every=c["sample_every"], sample_prompt=c["sample_prompt"],
         sample_tokens=c["sample_tokens"],
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
+        zero=c["zero"], reshard_after_forward=bool(c["reshard_after_forward"]), dp_replicate=c["dp_replicate"],
         allow_tf32=bool(c["allow_tf32"]),
         recompute=c["recompute"], recompute_layers=c["recompute_layers"],
         sequence_parallel=bool(c["sequence_parallel"]),

@@ -101,8 +101,8 @@ RESUME_MESH = ("tp", "dp", "pp", "cp", "ep")
 RESUME_LAYOUT = RESUME_MESH + ("cp_comm", "pp_layers", "pp_schedule", "pp_virtual", "micro_batch_size",
                                "sequence_parallel", "overlap_grad_reduce", "bucket_size", "overlap_param_gather",
                                "tp_comm_overlap")
-RESUME_KEPT = ("distributed_optimizer", "grad_reduce_dtype", "recompute", "recompute_layers", "save_every", "keep",
-               "eval_every", "eval_batches", "log_every", "metrics", "tensorboard", "peak_tflops", "max_skips")
+RESUME_KEPT = ("distributed_optimizer", "zero", "grad_reduce_dtype", "recompute",
+               "recompute_layers", "save_every", "keep", "eval_every", "eval_batches", "log_every", "metrics", "tensorboard", "peak_tflops", "max_skips")
 
 
 def saved_world(saved: dict) -> int | None:

@@ -73,6 +73,9 @@ def memory_record(run, activations_peak: int | None = None, stash: list[int] | N
     rec.update(params_local=n, bytes_per_param=state / n)
     if activations_peak is not None:
         rec["activations_peak"] = int(activations_peak)
+    gathered = getattr(run.optimizer, "peak_gathered_bytes", None)
+    if activations_peak is not None and gathered is not None and run.config.zero == 3:
+        rec["gathered_units_peak"] = int(gathered)  # (part of activations_peak: whole units held at once)
     if stash is not None:
         rec["stash_per_layer"] = [int(b) for b in stash]
     ctx = run.ctx
@@ -331,5 +334,7 @@ def peak_line(rec: dict, step: int) -> str:
                 f" (layers keep {format_bytes(lo)}-{format_bytes(hi)} each for backward)")
     flight = rec.get("pipeline_in_flight")
     held = "" if not flight else f"; forwards in flight at most: {', '.join(map(str, flight))} (stages 0..{len(flight) - 1})"
-    return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}{kept}, "
+    units = rec.get("gathered_units_peak")
+    whole = "" if units is None else f" (of which zero 3's whole units at most {format_bytes(units)})"
+    return (f"activations peak {format_bytes(rec['activations_peak'])} in step {step}{kept}{whole}, "
             f"total {format_bytes(rec['total'])}{held}")

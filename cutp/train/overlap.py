@@ -35,8 +35,8 @@ OVERLAP_SETTINGS = ("overlap_grad_reduce", "bucket_size", "overlap_param_gather"
 def check_overlap(cfg) -> None:
     """ConfigError for overlap settings a RunConfig cannot take."""
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
-        raise ConfigError("`overlap_param_gather` overlaps the distributed optimizer's parameter gather: give "
-                          "`distributed_optimizer` too, or omit `overlap_param_gather`")
+        raise ConfigError("`overlap_param_gather` overlaps the gathers of ZeRO's parameters, and `zero` is 0; use "
+                          "`zero` 1, or omit `overlap_param_gather`")
 
 
 def set_up_overlap(run, group) -> None:

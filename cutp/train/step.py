@@ -43,7 +43,8 @@ from ..models.hf import load_hf_into
 from ..models import GPT
 from ..ops.gemm import allow_tf32
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
-                     GradBuckets, LossScaler, ParamGather, clip_scale, lr_schedule)
+                     GradBuckets, LossScaler, ParamGather, ShardedAdamW, clip_scale, lr_schedule)
+
 from ..tensor_parallel.grads import replica_group
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
 from ..runtime.consistency import check_same_on_all_ranks
@@ -57,6 +58,7 @@ from .reductions import dp_mean, dp_sums, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .moe import moe_step, moe_step_stats
+from .zero import sharded_optimizer
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
                       set_up_overlap)
 from .pipeline import Schedule, eval_losses
@@ -88,8 +90,11 @@ class TrainingRun:
 
     def gather_params(self) -> None:
         """Waits for the parameter gathers in flight (--overlap-param-gather): before anything
-        but the next training forward reads the parameters (evaluation, a checkpoint)."""
+        but the next training forward reads the parameters (evaluation, a checkpoint); zero 3:
+        every parameter made whole until the next step."""
         finish_param_gather(self)
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.gather_all()
 
     @property
     def end_step(self) -> int:
@@ -98,7 +103,9 @@ class TrainingRun:
         return cfg.steps if cfg.run_steps is None else min(cfg.steps, self.start_step + cfg.run_steps)
 
     def close(self) -> None:
-        self.gather_params()  # (no request left in flight on a communicator being freed)
+        finish_param_gather(self)  # (no request left in flight on a communicator being freed)
+        if isinstance(self.optimizer, ShardedAdamW):
+            self.optimizer.drain()
         self.ctx.close()
         if self.run_dir_lock is not None:
             self.run_dir_lock.release()
@@ -268,7 +275,9 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     if cfg.cp > 1:
         model.set_context_parallel_comm(cfg.cp_comm)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
-    if cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
+    if cfg.zero >= 2:  # gradients (and parameters) sharded unit by unit; the model calls its hooks
+        optimizer = flat = sharded_optimizer(cfg, ctx, model, **kw)
+    elif cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
         optimizer = ExpertParallelAdamW(model.parameters(), ctx, **kw)
         flat = optimizer.flat
     elif cfg.distributed_optimizer:
@@ -278,10 +287,10 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
         flat = FlatParameters(model.parameters())
         optimizer = AdamW(flat, **kw)
     run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
-    if cfg.overlap_grad_reduce or cfg.overlap_param_gather:
+    if (cfg.overlap_grad_reduce or cfg.overlap_param_gather) and cfg.zero < 2:
         set_up_overlap(run, replica_group(ctx))  # DP x CP: the ranks that average the gradients
     elif cfg.tp_comm_overlap:
-        model.set_tp_comm_overlap(True)
+        model.set_tp_comm_overlap(True)  # (zero 2 and 3 overlap their own reductions and gathers)
     return run
 
 
@@ -317,6 +326,7 @@ def resume(run: TrainingRun, checkpoint: str) -> dict:
             raise ConfigError(f"the run's settings differ from those of the checkpoint {path}: "
                               + "; ".join(conflicts) + ". A resumed run continues the same training: "
                               "resolve_run_config(resume=...) takes them from the checkpoint")
+    run.gather_params()  # (zero 3: the whole parameters to load into; the next step takes its pieces)
     meta = load_checkpoint(path, run.model, run.optimizer)
     run.step = run.start_step = run.last_saved = int(meta["step"])
     rng = meta.get("rng")
@@ -367,6 +377,8 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         times0 = comm_snapshot(ctx)
         wait_ms = None
         clock.enter("optimizer")  # clearing the gradients counts with their use at the end
+        if isinstance(run.optimizer, ShardedAdamW):
+            run.optimizer.begin_step()
         run.flat.zero_grad()
         clock.enter("forward")  # reading the step's batch counts with the forward
         batches = list(run.sampler.micro_batches(n))
@@ -410,7 +422,8 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         if buckets is not None:  # (the TP sums and grad_sync hooks per bucket, as each starts)
             buckets.finish()
         else:
-            tp_grad_sync(model.parameters(), ctx.tp)
+            if not isinstance(run.optimizer, ShardedAdamW):  # (zero 2/3: unit by unit, in the backward)
+                tp_grad_sync(model.parameters(), ctx.tp)
             run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
@@ -437,6 +450,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                       f"({run.consecutive_skips} in a row; the run stops at {cfg.max_skips})", file=sys.stderr,
                       flush=True)
             if run.consecutive_skips >= cfg.max_skips:
+                run.gather_params()  # (zero 3: the whole parameters, to name a non-finite one)
                 bad = next((p.name for p in model.parameters() if not bool(ctx.xp.isfinite(p.data).all())), None)
                 cause = (f"parameter {bad} holds NaN or Inf values on rank {ctx.rank}: the weights diverged"
                          if bad else "the weights are finite (perhaps too large): the loss or the gradients are not")

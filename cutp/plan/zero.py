@@ -1,0 +1,183 @@
+"""ZeRO-2, ZeRO-3 and HSDP planned by formula from the model's units (cutp.optim.units).
+
+    got = zero_plan(config, dp=4, zero=3, accum=2)
+    got["state"]           {"params", "grads", "optimizer"}: bytes per rank
+    got["gathered_peak"]   zero 3: the most bytes of whole units held at once
+    got["comm"]            {"GROUP.OP": {"calls", "elements", "bytes"}} as cutp.comm.counting counts them
+
+The layout is the one cutp.optim.sharded allocates: each unit a segment (a parameter two units
+use, or the tied embedding across pipeline stages, one of its own), padded to d x C elements,
+C a multiple of 64; d the ranks a segment is sharded over (DP x CP, or one of R HSDP replicas).
+Per rank: S = sum of C. zero 2 holds the parameters whole (d S elements), zero 3 its S; both
+hold S float32 gradients (float64 for float64 models) and S x (m, v, fp32 master of 16-bit
+models) of optimizer state.
+
+Communication per step, the counters' way (an all-gather's bytes: this rank's contribution, C;
+on the wire x (d - 1)); m micro-batches:
+    zero 3 all-gathers   in the model's dtype, replayed over the stage's forwards and backwards
+                         in its schedule's order (`_simulate`): a unit's segments are gathered
+                         before its forward and its backward unless held (without resharding
+                         from the forward to the backward; the LM head always; the embeddings
+                         from their backward to the next forward): at pp 1 about 2 m x every
+                         unit, less m x the head and (m - 1) x the embeddings
+    reduce-scatters      m x each segment, d C elements, in the reduction dtype (float32 unless
+                         --grad-reduce-dtype bfloat16)
+    zero 2 all-gathers   1 x each segment after the update
+    HSDP                 1 all-reduce of the S gradient shard over the replicas
+    the norm             1 all-reduce of 2 float64 over the shard group
+Gathered peak (zero 3): the most bytes whole at once in that replay, the next unit's prefetch
+(--overlap-param-gather) included.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm.shape_only import ShapeOnlyContext
+from ..models import DTYPES, GPT, GPTConfig
+from ..optim.flat import grad_dtype_for, is_low_precision, state_dtype_for
+from ..optim.units import unit_key, unit_layout
+from ..train.pipeline import plan as pipeline_plan
+
+
+def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, rank: int = 0,
+              zero: int = 3, accum: int = 1, reshard_after_forward: bool = True, prefetch: bool = False,
+              dp_replicate: int = 1, grad_reduce_dtype: str = "float32", pp_layers=None, pp_virtual: int = 1,
+              schedule: str | None = None) -> dict:
+    """The state, gathered peak and communication of world rank `rank` (module docstring)."""
+    ctx = ShapeOnlyContext(tp=tp, dp=dp, pp=pp, cp=cp, rank=rank, device="cpu")
+    model = GPT(ctx, config, init=False, pp_layers=pp_layers, pp_virtual=pp_virtual)
+    whole = dp * cp
+    d = whole // dp_replicate
+    deferred = {id(model.tok_embed.weight)} if pp > 1 and config.tie_embeddings and model.tok_embed is not None \
+        else set()
+    segments, unit_segments, _, _ = unit_layout(model, d, deferred)
+    dtype = np.dtype(DTYPES[config.dtype])
+    pb, gb = dtype.itemsize, grad_dtype_for(dtype).itemsize
+    rb = 2 if grad_reduce_dtype == "bfloat16" else gb
+    sb = state_dtype_for(dtype).itemsize
+    S = sum(s.chunk for s in segments)
+    state = {"params": (S if zero == 3 else d * S) * pb, "grads": S * gb,
+             "optimizer": S * (2 * sb + (4 if is_low_precision(dtype) else 0))}
+    group = "hsdp_shard" if dp_replicate > 1 else ("dp_cp" if cp > 1 else "dp")
+    comm = {}
+
+    def add(op, calls, elements, itemsize, name=group):
+        if calls:
+            c = comm.setdefault(f"{name}.{op}", {"calls": 0, "elements": 0, "bytes": 0})
+            c["calls"] += calls
+            c["elements"] += elements
+            c["bytes"] += elements * itemsize
+
+    peak = 0
+    if zero == 3:  # the stage's forwards and backwards in the order its schedule runs them
+        kind = schedule or ("interleaved" if pp_virtual > 1 else "1f1b")
+        ops = ([op for i in range(accum) for op in (("F", i, 0), ("B", i, 0))] if pp == 1 else
+               [op for op in pipeline_plan(kind, pp, ctx.pp_rank, accum, pp_virtual) if op[0] in "FB"])
+        gathers, peak = _simulate(model, unit_segments, ops, reshard_after_forward, prefetch, d * pb)
+        add("all_gather", sum(gathers.values()), sum(gathers.get(id(s), 0) * s.chunk for s in segments), pb)
+    if d > 1:
+        add("reduce_scatter", accum * len(segments), accum * d * S, rb)
+        if zero == 2:
+            add("all_gather", len(segments), S, pb)
+    if dp_replicate > 1:
+        add("all_reduce", 1, S, rb, "hsdp_replicas")
+    add("all_reduce", 1, 2, 8)  # the norm's [sum of squares, non-finite entries]
+    return {"state": state, "gathered_peak": peak, "comm": comm, "segments": len(segments), "shard_elements": S}
+
+
+def _simulate(model, unit_segments, ops, reshard: bool, prefetch: bool, bytes_per_chunk: int):
+    """cutp.optim.sharded's gathers replayed over a stage's forwards and backwards (`ops`:
+    ("F"|"B", micro-batch, chunk)): each segment's all-gathers, and the most bytes held whole at
+    once. A unit's segments are acquired before its forward and backward (gathered when no one
+    holds them), released after them; the forward's hold lasts to the backward without
+    resharding and for the model's last unit; the first unit's backward hold lasts to the next
+    forward (or the step's end); the prefetched next unit counts as held."""
+    V = model.pp_virtual
+    last = unit_key(model.units(V - 1)[-1]) if model.gives_loss(V - 1) else None
+    first = unit_key(model.units(0)[0]) if model.takes_tokens(0) else None
+    refs, count, lazy, peak = {}, {}, [], 0
+
+    def acquire(s):
+        if refs.get(id(s), 0) == 0:
+            count[id(s)] = count.get(id(s), 0) + 1
+        refs[id(s)] = refs.get(id(s), 0) + 1
+
+    def held(extra):
+        segs = {id(s): s for k in unit_segments for s in unit_segments[k] if refs.get(id(s), 0) > 0}
+        segs.update({id(s): s for s in extra})
+        return sum(s.chunk for s in segs.values()) * bytes_per_chunk
+
+    for kind, _, c in ops:
+        keys = [unit_key(u) for u in model.units(c)]
+        order = keys if kind == "F" else keys[::-1]
+        for k, key in enumerate(order):
+            for s in unit_segments[key]:
+                acquire(s)
+            if kind == "F":
+                for s in lazy:
+                    refs[id(s)] -= 1
+                lazy = []
+            nxt = unit_segments[order[k + 1]] if prefetch and k + 1 < len(order) else []
+            peak = max(peak, held(nxt))
+            keep = not reshard or key == last
+            for s in unit_segments[key]:
+                if kind == "F":
+                    refs[id(s)] -= 0 if keep else 1
+                else:
+                    holds = 1 + keep - (key == first)
+                    refs[id(s)] -= holds
+                    if key == first:
+                        lazy.append(s)
+    return count, peak
+
+
+def zero_state_bytes(n_local: int, *, dtype: str, d: int, zero: int) -> dict:
+    """`cutp.plan.layout.state_bytes` at zero 2 or 3 by formula, for models the planner does not
+    build (--params): the rank's n_local parameters padded as one segment to d x 64 elements
+    (the run pads each unit's: at most (units - 1) x d x 64 elements more)."""
+    item = np.dtype(DTYPES[dtype])
+    pb, gb, sb = item.itemsize, grad_dtype_for(item).itemsize, state_dtype_for(item).itemsize
+    shard = -(-int(n_local) // (64 * d)) * 64
+    return {"params": (shard if zero == 3 else d * shard) * pb, "grads": shard * gb,
+            "optimizer": shard * (2 * sb + (4 if is_low_precision(item) else 0)), "padded": d * shard,
+            "shard": shard}
+
+
+def zero_collectives(n_padded: int, *, d: int, replicas: int, zero: int, accum: int, dtype: str, units: int,
+                     reshard_after_forward: bool = True, grad_reduce_dtype: str = "float32",
+                     counted: dict | None = None, group: str = "dp") -> dict:
+    """The plan's DP collectives at zero 2 or 3 (cutp.plan.layout's `coll` entries): dp_reduce_scatter
+    (accum x the padded buffer, in the reduction dtype, one call per unit), dp_all_gather (zero 3:
+    2 x accum x the rank's shard with resharding, accum x without; zero 2: once after the update),
+    dp_allreduce (none), dp_replicas_allreduce (HSDP: the shard, once per step). `counted`: a
+    `zero_plan`'s comm (exact, from the model's units; `group` its shard group's name) instead."""
+    item = np.dtype(DTYPES[dtype])
+    pb = item.itemsize
+    rb = 2 if grad_reduce_dtype == "bfloat16" else grad_dtype_for(item).itemsize
+    shard = n_padded // d
+    times = (2 * accum if reshard_after_forward else accum) if zero == 3 else int(d > 1)
+    formula = {"reduce_scatter": (accum * units * (d > 1), accum * n_padded * (d > 1), rb),
+               "all_gather": (times * units, times * shard, pb),
+               "all_reduce": (int(replicas > 1), shard * (replicas > 1), rb)}
+    if counted is not None:
+        formula = {op: (c["calls"], c["elements"], c["bytes"] // max(1, c["elements"]))
+                   for op, c in ((op, counted.get(f"{g}.{op}", {"calls": 0, "elements": 0, "bytes": 0}))
+                                 for op, g in (("reduce_scatter", group), ("all_gather", group),
+                                               ("all_reduce", "hsdp_replicas")))}
+
+    def coll(op, factor):
+        calls, elements, itemsize = formula[op]
+        return {"calls": calls, "elements": elements, "bytes": elements * itemsize,
+                "wire_bytes": elements * itemsize * factor}
+
+    return {"dp_allreduce": {"calls": 0, "elements": 0, "bytes": 0, "wire_bytes": 0.0},
+            "dp_reduce_scatter": coll("reduce_scatter", (d - 1) / d),
+            "dp_all_gather": coll("all_gather", d - 1),
+            "dp_replicas_allreduce": coll("all_reduce", 2 * (replicas - 1) / replicas)}
+
+
+def gathered_units_bytes(unit_params: int, n_local: int, *, dtype: str, reshard_after_forward: bool = True) -> int:
+    """zero 3's whole units at once, by formula: two of the largest (`unit_params` elements: the
+    one computing and the next in flight) with resharding, every parameter without."""
+    pb = np.dtype(DTYPES[dtype]).itemsize
+    return (2 * unit_params if reshard_after_forward else n_local) * pb

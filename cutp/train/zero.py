@@ -1,0 +1,73 @@
+"""The ZeRO stage of a run (--zero 1|2|3, --reshard-after-forward): its checks and its optimizer.
+
+    zero 1   the optimizer state sharded over DP x CP (--distributed-optimizer: DistributedAdamW,
+             ExpertParallelAdamW at ep > 1)
+    zero 2   the float32 gradients too, reduce-scattered unit by unit in every micro-batch
+    zero 3   the parameters too, each unit gathered for its forward and its backward
+             (cutp.optim.sharded.ShardedAdamW for both)
+    --dp-replicate R   HSDP: zero 2/3 shard inside each of R replicas, gradients all-reduced across them
+"""
+from __future__ import annotations
+
+from ..optim import ShardedAdamW
+from ..runtime.errors import ConfigError
+from ..tensor_parallel.grads import replica_group
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def normalise_zero(cfg) -> None:
+    """RunConfig's zero and distributed_optimizer made one: --distributed-optimizer is zero 1,
+    and every stage from 1 shards the optimizer state (`distributed_optimizer` True)."""
+    if cfg.distributed_optimizer and cfg.zero == 0:
+        object.__setattr__(cfg, "zero", 1)
+    if cfg.zero >= 1:
+        object.__setattr__(cfg, "distributed_optimizer", True)
+
+
+def check_zero(cfg) -> None:
+    """ConfigError for a ZeRO stage the other settings cannot go with (one line, the fix)."""
+    z = cfg.zero
+    if not cfg.reshard_after_forward and z != 3:
+        raise ConfigError(f"`reshard_after_forward` off keeps zero 3's gathered units to their backward, and `zero` "
+                          f"is {z}; use `zero` 3, or omit `reshard_after_forward`")
+    if cfg.dp_replicate > 1 and z < 2:
+        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} shards zero 2 or 3 inside each of its replicas, and "
+                          f"`zero` is {z}; use `zero` 3, or omit `dp_replicate`")
+    if cfg.dp % cfg.dp_replicate:
+        ok = [r for r in range(1, cfg.dp + 1) if cfg.dp % r == 0]
+        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} must divide dp={cfg.dp} (R replicas of dp / R shards "
+                          f"each); use a `dp_replicate` from [{', '.join(map(str, ok))}]")
+    if z < 2:
+        return
+    if cfg.ep > 1 and cfg.dp_replicate > 1:
+        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} splits DP x CP into replicas, and at `ep` {cfg.ep} the "
+                          "experts are sharded over their expert-DP group; omit `dp_replicate`, or omit `ep`")
+    if z == 2 and cfg.overlap_param_gather:
+        raise ConfigError("`overlap_param_gather` prefetches the parameter gathers of zero 3 (and zero 1's), and "
+                          "zero 2 gathers its updated parameters after the update; use `zero` 3, or omit "
+                          "`overlap_param_gather`")
+    if cfg.bucket_size is not None:
+        raise ConfigError(f"`bucket_size` cuts the gradient buckets of zero 0 and 1, and zero {z} reduces unit by "
+                          "unit; omit `bucket_size`, or use `zero` 1")
+
+
+def sharded_optimizer(cfg, ctx, model, **kw) -> ShardedAdamW:
+    """zero 2 or 3: the ShardedAdamW of `model`, whose hooks it becomes (GPT.unit_hooks). The tied
+    token embedding on the first and last pipeline stages is deferred: its sum over the two
+    stages runs on the shards at the end of the step."""
+    deferred = [model.tok_embed.weight] if (ctx.pp_size > 1 and cfg.model.tie_embeddings
+                                            and model.tok_embed is not None) else []
+    group = replicas = None
+    if cfg.dp_replicate > 1:  # HSDP: R replicas of consecutive DP x CP ranks
+        whole = replica_group(ctx)
+        n = whole.size // cfg.dp_replicate
+        group = ctx.subgroup("hsdp_shard", color=whole.rank // n, key=whole.rank, of=whole,
+                             expect=(whole.rank % n, n))
+        replicas = ctx.subgroup("hsdp_replicas", color=whole.rank % n, key=whole.rank, of=whole,
+                                expect=(whole.rank // n, cfg.dp_replicate))
+    optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, group=group, replicas=replicas, deferred=deferred,
+                             reshard_after_forward=cfg.reshard_after_forward, overlap=cfg.overlap_grad_reduce,
+                             prefetch=cfg.overlap_param_gather, **kw)
+    model.unit_hooks = optimizer
+    return optimizer
