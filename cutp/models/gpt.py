@@ -95,6 +95,8 @@ class PositionEmbedding(Module):
 
     def backward(self, dy):
         runs = self._load("rows")
+        if not self.weight.trainable:
+            return
         dy = as_dtype(dy, compute_dtype(dy.dtype))  # 16-bit dy: summed over the batch in float32
         dy = dy.reshape(-1, sum(n for _, _, n in runs), dy.shape[-1]).sum(axis=0)
         for at, first, n in runs:

@@ -52,9 +52,11 @@ from ..runtime.failure import errors_raised_on_every_rank, mark_raised_on_every_
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
+from ..tensor_parallel.parameter import trainable_parameters
 from .reductions import dp_mean, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
+from .finetune import set_up_trainable
 from .moe import moe_step, moe_step_stats
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
                       set_up_overlap)
@@ -257,20 +259,22 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
                 pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
         init_weights(model, cfg.init_from)
+    set_up_trainable(model, cfg)  # --freeze, LoRA (refusals alike on every rank): before any layout and optimizer
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
     if cfg.cp > 1:
         model.set_context_parallel_comm(cfg.cp_comm)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
+    params = trainable_parameters(model.parameters())  # frozen ones: no gradient, master or state
     if cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
-        optimizer = ExpertParallelAdamW(model.parameters(), ctx, **kw)
+        optimizer = ExpertParallelAdamW(params, ctx, **kw)
         flat = optimizer.flat
     elif cfg.distributed_optimizer:
-        flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp * cfg.cp))
+        flat = FlatParameters(params, pad_to=DistributedAdamW.pad_multiple(cfg.dp * cfg.cp))
         optimizer = DistributedAdamW(flat, ctx, **kw)
     else:
-        flat = FlatParameters(model.parameters())
+        flat = FlatParameters(params)
         optimizer = AdamW(flat, **kw)
     run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
     if cfg.overlap_grad_reduce or cfg.overlap_param_gather:

@@ -1,0 +1,78 @@
+"""What trains: --freeze's groups and LoRA's adapters (cutp.tensor_parallel.lora) on a run's model.
+
+    --freeze embeddings,norms          those parameters frozen (no gradient, master or state)
+    --lora-rank 8 --lora-alpha 16      every parameter frozen, rank-8 adapters on --lora-targets
+    --lora-dropout 0.05 --lora-targets q,k,v,o,gate,up,down
+
+Both are run settings (a resumed run keeps them). A run with frozen parameters saves only the
+trainable ones in its checkpoints (`trainable_only` in meta.json, with `base`: where the frozen
+weights come from, the run's init_from or None for the seed's initial weights); resuming or
+exporting reads the base from there and the trainable tensors from the checkpoint.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..runtime.errors import ConfigError
+from ..tensor_parallel.lora import TARGETS, LoraSpec, apply_lora, freeze, parse_targets
+
+FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+DEFAULT_TARGETS = ",".join(TARGETS)
+
+
+def lora_spec(cfg) -> LoraSpec | None:
+    """The run's LoRA (None without `lora_rank`)."""
+    if cfg.lora_rank is None:
+        return None
+    alpha = float(cfg.lora_rank) if cfg.lora_alpha is None else float(cfg.lora_alpha)
+    return LoraSpec(int(cfg.lora_rank), alpha, float(cfg.lora_dropout), parse_targets(cfg.lora_targets))
+
+
+def freeze_groups(cfg) -> tuple:
+    return tuple(g.strip() for g in (cfg.freeze or "").split(",") if g.strip())
+
+
+def check_finetune(cfg) -> None:
+    """ConfigError naming the setting: LoRA settings without `lora_rank`, bad values, dropout on
+    MoE experts' adapters."""
+    if cfg.lora_rank is None:
+        given = [k for k, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", DEFAULT_TARGETS))
+                 if getattr(cfg, k) != default]
+        if given:
+            raise ConfigError(f"`{given[0]}` sets up LoRA adapters, which need `lora_rank`: give `lora_rank` R "
+                              f"(e.g. 8), or omit `{given[0]}`")
+    spec = lora_spec(cfg)
+    if cfg.freeze is not None and not freeze_groups(cfg):
+        raise ConfigError(f"`freeze` {cfg.freeze!r} names no group; give some of embeddings, norms, head, attention, "
+                          "mlp or parameter-name globs, comma-separated")
+    if spec is not None and spec.dropout and cfg.model.n_experts and {"gate", "up", "down"} & set(spec.targets):
+        raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs are "
+                          "routed tokens); use `lora_dropout` 0, or `lora_targets` q,k,v,o on an MoE model")
+
+
+def set_up_trainable(model, cfg) -> None:
+    """Freezes `cfg.freeze`'s groups and adds `cfg`'s LoRA adapters (before any layout is set and
+    before the optimizer takes the parameters). A group matching no parameter of any pipeline
+    stage, or nothing left to train, is refused on every rank. Collective over TP and PP."""
+    groups, spec = freeze_groups(cfg), lora_spec(cfg)
+    if spec is not None:
+        apply_lora(model, spec, seed=cfg.seed)
+    if groups:
+        hits = np.array([len(freeze(model, [g], missing_ok=True)) for g in groups], np.int64)
+        ctx = model.ctx
+        if ctx.pp_size > 1:
+            ctx.pp.mpi_comm.Allreduce(hits.copy(), hits)
+        none = [g for g, n in zip(groups, hits) if n == 0]
+        if none:
+            raise ConfigError(f"`freeze` {none[0]!r} matches no parameter of this model; use a group of "
+                              "embeddings, norms, head, attention, mlp, or a glob of parameter names such as "
+                              "'layers.0.*'")
+    left = np.array([sum(p.trainable for p in model.parameters())], np.int64)
+    if model.ctx.pp_size > 1:
+        model.ctx.pp.mpi_comm.Allreduce(left.copy(), left)
+    if (groups or spec is not None) and left[0] == 0:
+        raise ConfigError(f"`freeze` {cfg.freeze} leaves no parameter to train; freeze fewer groups")
+
+
+def has_frozen(model) -> bool:
+    return any(not p.trainable for p in model.parameters())

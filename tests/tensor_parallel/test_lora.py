@@ -1,0 +1,162 @@
+"""LoRA adapters and frozen parameters (issue 38; cutp.tensor_parallel.lora, cutp.train.finetune).
+
+float64 llama-tiny with adapters on q, k, v, o, gate, up, down (dropout 0.1): on tp 1/2/4 (KV heads
+fewer than tp: replicated), tp 2 + SP, pp 2, dp 2 + ZeRO-1, cp 2 (ring and all-to-all), full
+recomputation and a Mixtral-shaped ep 2 (adapters on the experts too), the losses of two steps
+and every adapter's gradient equal one rank's within 1e-10, the frozen base weights are
+bit-identical to their initial values, and the optimizer holds state (and gradients) for the
+adapters alone. One rank, no MPI: the adapters' output equals the merged weights' model, and
+their gradients equal central differences; --freeze's groups and refusals.
+"""
+import numpy as np
+import pytest
+
+from cutp.bench.model import random_tokens
+from cutp.models import GPTConfig
+from cutp.runtime.errors import ConfigError
+from cutp.tensor_parallel import gather_full
+from cutp.tensor_parallel.lora import LoraSpec, apply_lora, freeze
+from cutp.train import RunConfig, build_run, train_step
+from tests.mpirun import run_mpi
+
+LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_size=97, block_size=16,
+             dtype="float64", dropout=0.1, norm="rmsnorm", positions="rope", mlp="swiglu", bias=False,
+             tie_embeddings=False, norm_eps=1e-5)
+MIXTRAL = dict(LLAMA, dropout=0.0, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True)
+FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL}
+
+
+def _config(family="llama", tp=1, dp=1, pp=1, ep=1, cp=1, micro=2, sp=False, zero=False, recompute="none",
+            cp_comm="ring", **kw):
+    lora = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0 if family == "mixtral" else 0.1)
+    return RunConfig(model=GPTConfig(**FAMILIES[family]), tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
+                     batch_size=4, micro_batch_size=micro, seq_len=16, steps=3, warmup=1, lr=1e-2, seed=3,
+                     sequence_parallel=sp, recompute=recompute, distributed_optimizer=zero, eval_every=0, quiet=True,
+                     save_on_signal=False, **{**lora, **kw})
+
+
+def _train(cfg, comm, steps=2):
+    """Losses; every rank's {name: (full gradient or None, full parameter)}; the base weights
+    unchanged bit for bit on every rank; the optimizer's and gradients' elements."""
+    run = build_run(cfg, comm, dataset=random_tokens(97, 4096, 0))
+    ctx = run.ctx
+    before = {p.name: np.array(p.data) for p in run.model.parameters() if not p.trainable}
+    losses = [train_step(run).loss for _ in range(steps)]
+    full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
+    mine = {p.name: (full(p, p.grad) if p.trainable else None, full(p, p.data)) for p in run.model.parameters()}
+    for p in run.model.parameters():
+        if not p.trainable:
+            assert p.grad is None and np.array_equal(p.data, before[p.name]), p.name
+    trainable = sum(p.data.size for p in run.model.parameters() if p.trainable)
+    mem = run.optimizer.memory_bytes()
+    assert mem["grads"] <= 8 * (trainable + 64 * ctx.dp_cp_size), (mem, trainable)  # the adapters' only (+ padding)
+    assert mem["optimizer"] <= 16 * (trainable + 64 * ctx.dp_cp_size), (mem, trainable)
+    everyone = comm.allgather(mine)
+    run.close()
+    return losses, everyone
+
+
+def _worker_layouts_equal_one_rank(cases):
+    from mpi4py import MPI
+
+    refs = {}  # one rank's run of each (family, micro-batch), shared by the layouts
+    for kw in cases:
+        cfg = _config(**kw)
+        losses, everyone = _train(cfg, MPI.COMM_WORLD)
+        key = (kw.get("family", "llama"), cfg.micro_batch_size * (cfg.dp if cfg.model.n_experts else 1))
+        if key not in refs:
+            refs[key] = _train(_config(key[0], micro=key[1]), MPI.COMM_SELF)
+        ref_losses, (ref,) = refs[key]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(kw))
+        seen = set()
+        for rank in everyone:
+            for name, (g, w) in rank.items():
+                seen.add(name)
+                rg, rw = ref[name]
+                assert (g is None) == (rg is None), (kw, name)
+                if g is not None and not cfg.distributed_optimizer:  # (ZeRO-1: its shard of the reduced gradient)
+                    assert np.abs(g).max() > 0, (kw, name)  # (B is no longer 0 after the first step)
+                    assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), (kw, name)
+                if g is None:
+                    assert np.array_equal(w, rw), (kw, name)  # the frozen base: bit for bit
+                else:
+                    assert np.abs(w - rw).max() <= 1e-10 * np.abs(rw).max(), (kw, name)
+        assert seen == set(ref), (kw, sorted(set(ref) ^ seen))
+
+
+def test_lora_on_every_layout_equals_one_rank():
+    cases = [dict(tp=4, recompute="full"),  # 2 KV heads over 4 ranks: replicated, their B columns too
+             dict(tp=2, dp=2, sp=True), dict(tp=2, pp=2, micro=1), dict(dp=2, pp=2, micro=1, zero=True),
+             dict(tp=2, cp=2), dict(cp=2, dp=2, cp_comm="a2a"),
+             dict(family="mixtral", tp=2, dp=2, ep=2, micro=1)]
+    run_mpi(4, "tests.tensor_parallel.test_lora:_worker_layouts_equal_one_rank", cases, timeout=400)
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+def _model(family="llama", **kw):
+    from mpi4py import MPI
+    from cutp.comm.context import init
+    from cutp.models import GPT
+
+    ctx = init(comm=MPI.COMM_SELF, tp=1, device="cpu")
+    return GPT(ctx, GPTConfig(**dict(FAMILIES[family], dropout=0.0, **kw)), seed=5)
+
+
+def _randomize_adapters(model, seed=0):
+    rng = np.random.default_rng(seed)
+    for p in model.parameters():
+        if p.trainable:
+            p.data[...] = rng.standard_normal(p.data.shape) * 0.3
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_adapters_equal_the_merged_weights_and_central_differences(family):
+    kw = dict(moe_aux_loss_coeff=0.0) if family == "mixtral" else {}  # (backward includes the auxiliary losses)
+    model, plain = _model(family, **kw), _model(family, **kw)
+    spec = LoraSpec(rank=3, alpha=6.0)
+    pairs = apply_lora(model, spec)
+    assert {p.proj for p in pairs} == {"q", "k", "v", "o", "gate", "up", "down"}
+    _randomize_adapters(model)
+    weights = {p.name: p for p in plain.parameters()}
+    for pair in pairs:  # W[:, cols] += scale * A @ B, in the fused weights' columns
+        base = weights[pair.A.name.split(".lora_A.")[0] + ".weight"]
+        width, start = pair.B.data.shape[1], pair.out.start  # (one rank: the shard's columns are the whole's)
+        base.data[:, start:start + width] += spec.scale * pair.A.data @ pair.B.data
+    idx = np.random.default_rng(1).integers(0, 97, (2, 16))
+    tgt = np.roll(idx, -1, axis=1)
+    a = model.gather_logits(model.forward(idx))
+    b = plain.gather_logits(plain.forward(idx))
+    assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max()
+    model.train()
+    model.forward(idx, tgt)
+    model.backward()
+    rng = np.random.default_rng(2)
+    for pair in pairs[:3] + pairs[-2:]:
+        for p in (pair.A, pair.B):
+            assert p.grad is not None and np.abs(p.grad).max() > 0
+            i = tuple(int(rng.integers(0, n)) for n in p.data.shape)
+            h, keep = 1e-5, p.data[i]
+            p.data[i] = keep + h
+            up = model.forward(idx, tgt)
+            p.data[i] = keep - h
+            down = model.forward(idx, tgt)
+            p.data[i] = keep
+            assert abs((up - down) / (2 * h) - p.grad[i]) <= 1e-7 * max(1.0, abs(p.grad[i])), (p.name, i)
+    for p in model.parameters():
+        assert p.trainable == (".lora_" in p.name) and (p.grad is None) == (not p.trainable)
+
+
+def test_freeze_groups_and_refusals():
+    model = _model()
+    frozen = freeze(model, ["embeddings", "norms", "layers.1.mlp.*"])
+    assert "tok_embed.weight" in frozen and "final_norm.weight" in frozen and "layers.1.mlp.fc2.weight" in frozen
+    assert "layers.0.mlp.fc1.weight" not in frozen and "lm_head.weight" not in frozen
+    assert all((p.grad is None) == (p.name in frozen) for p in model.parameters())
+    with pytest.raises(ConfigError, match="freeze 'decoder' matches no parameter"):
+        freeze(model, ["decoder"])
+    with pytest.raises(ConfigError, match="lora_targets q,qq: .*qq.* is no projection"):
+        LoraSpec(4, 8.0, targets=("q", "qq"))
+    with pytest.raises(ConfigError, match="lora_alpha sets up LoRA adapters, which need lora_rank"):
+        _config(lora_rank=None, lora_alpha=16.0, lora_dropout=0.0)
+    with pytest.raises(ConfigError, match="adapters on MoE experts take no dropout"):
+        _config("mixtral", lora_dropout=0.1)
