@@ -113,6 +113,15 @@ def full_from_shards(reader, key, info, rows=None):
     return full
 
 
+def loaded_parameters(model, meta: dict) -> list:
+    """The model's parameters a checkpoint holds: all of them, or of a checkpoint saved with frozen
+    parameters (`trainable_only`: --freeze, LoRA) the trainable ones (the frozen come from the
+    run's base: its init_from, or its seed's initial weights)."""
+    if meta.get("trainable_only"):
+        return [p for p in model.parameters() if p.trainable]
+    return model.parameters()
+
+
 def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> dict:
     """Collective over the model's context. Loads parameters (and optimizer state) into the
     model, resharding when the checkpoint's TP size differs. Returns the metadata."""
@@ -125,7 +134,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         if check_config:
             check_config_matches(meta, model.config)
         saved_tp = int(meta["mesh"]["tp"])
-        params = model.parameters()
+        params = loaded_parameters(model, meta)
         missing = [p.name for p in params if p.name not in meta["params"]]
         if missing:
             raise CheckpointError(f"{ckpt}/meta.json lacks parameters {missing[:5]}")
@@ -167,7 +176,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             full = full_from_shards(readers[kind], key, info, p.full_shape[0])
             return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
 
-        for p in model.parameters():
+        for p in params:
             a = (fetch("optim", "master." + p.name, p.name, p) if masters_as_weights
                  else fetch("model", p.name, p.name, p))
             if tuple(a.shape) != tuple(p.data.shape):
@@ -185,7 +194,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
     agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
 
-    for p in model.parameters():
+    for p in params:
         p.data[...] = ctx.asarray(model_tensors.pop(p.name).astype(p.data.dtype, copy=False))
     if optimizer is not None:
         optimizer.load_state({k: ctx.asarray(v) for k, v in optim_tensors.items()}, int(meta["optimizer"]["step"]))

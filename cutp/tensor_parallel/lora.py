@@ -88,6 +88,31 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+def spec_of(settings: dict) -> LoraSpec | None:
+    """The LoRA of a run's settings (RunConfig's fields, or a checkpoint's train_args): None
+    without lora_rank; alpha defaults to the rank (scale 1)."""
+    rank = settings.get("lora_rank")
+    if rank is None:
+        return None
+    alpha = settings.get("lora_alpha")
+    return LoraSpec(int(rank), float(rank if alpha is None else alpha), float(settings.get("lora_dropout") or 0.0),
+                    parse_targets(settings.get("lora_targets") or ",".join(TARGETS)))
+
+
+def freeze_groups(settings: dict) -> tuple:
+    """--freeze's groups of a run's settings ("embeddings,norms" -> ("embeddings", "norms"))."""
+    return tuple(g.strip() for g in (settings.get("freeze") or "").split(",") if g.strip())
+
+
+def set_up_trainable(model, settings: dict, seed: int | None = None) -> list:
+    """The adapters (`apply_lora`) and frozen groups (`freeze`, each allowed to match nothing on
+    this pipeline stage) of a run's settings; returns how many parameters each group froze here."""
+    spec = spec_of(settings)
+    if spec is not None:
+        apply_lora(model, spec, seed=seed)
+    return [len(freeze(model, [g], missing_ok=True)) for g in freeze_groups(settings)]
+
+
 def parse_targets(text) -> tuple:
     """"q,k,v" (or a sequence) -> ("q", "k", "v"), order and repeats as TARGETS has them."""
     items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]

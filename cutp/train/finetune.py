@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checkpoint import read_meta
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.lora import TARGETS, LoraSpec, apply_lora, freeze, parse_targets
+from ..tensor_parallel.lora import TARGETS, LoraSpec, freeze_groups, set_up_trainable as set_up, spec_of
 
 FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 DEFAULT_TARGETS = ",".join(TARGETS)
 
 
+def settings_of(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in FINETUNE_SETTINGS}
+
+
 def lora_spec(cfg) -> LoraSpec | None:
     """The run's LoRA (None without `lora_rank`)."""
-    if cfg.lora_rank is None:
-        return None
-    alpha = float(cfg.lora_rank) if cfg.lora_alpha is None else float(cfg.lora_alpha)
-    return LoraSpec(int(cfg.lora_rank), alpha, float(cfg.lora_dropout), parse_targets(cfg.lora_targets))
-
-
-def freeze_groups(cfg) -> tuple:
-    return tuple(g.strip() for g in (cfg.freeze or "").split(",") if g.strip())
+    return spec_of(settings_of(cfg))
 
 
 def check_finetune(cfg) -> None:
@@ -42,7 +40,7 @@ def check_finetune(cfg) -> None:
             raise ConfigError(f"`{given[0]}` sets up LoRA adapters, which need `lora_rank`: give `lora_rank` R "
                               f"(e.g. 8), or omit `{given[0]}`")
     spec = lora_spec(cfg)
-    if cfg.freeze is not None and not freeze_groups(cfg):
+    if cfg.freeze is not None and not freeze_groups(settings_of(cfg)):
         raise ConfigError(f"`freeze` {cfg.freeze!r} names no group; give some of embeddings, norms, head, attention, "
                           "mlp or parameter-name globs, comma-separated")
     if spec is not None and spec.dropout and cfg.model.n_experts and {"gate", "up", "down"} & set(spec.targets):
@@ -54,12 +52,10 @@ def set_up_trainable(model, cfg) -> None:
     """Freezes `cfg.freeze`'s groups and adds `cfg`'s LoRA adapters (before any layout is set and
     before the optimizer takes the parameters). A group matching no parameter of any pipeline
     stage, or nothing left to train, is refused on every rank. Collective over TP and PP."""
-    groups, spec = freeze_groups(cfg), lora_spec(cfg)
-    if spec is not None:
-        apply_lora(model, spec, seed=cfg.seed)
+    groups, spec = freeze_groups(settings_of(cfg)), lora_spec(cfg)
+    hits = np.array(set_up(model, settings_of(cfg), seed=cfg.seed), np.int64)
+    ctx = model.ctx
     if groups:
-        hits = np.array([len(freeze(model, [g], missing_ok=True)) for g in groups], np.int64)
-        ctx = model.ctx
         if ctx.pp_size > 1:
             ctx.pp.mpi_comm.Allreduce(hits.copy(), hits)
         none = [g for g, n in zip(groups, hits) if n == 0]
@@ -74,5 +70,14 @@ def set_up_trainable(model, cfg) -> None:
         raise ConfigError(f"`freeze` {cfg.freeze} leaves no parameter to train; freeze fewer groups")
 
 
-def has_frozen(model) -> bool:
-    return any(not p.trainable for p in model.parameters())
+def resumed_base(cfg) -> tuple[bool, str | None]:
+    """(init, init_from) of the model a run builds: a resumed checkpoint saved with frozen
+    parameters (`trainable_only`) holds only what trains, so the frozen base comes from the
+    resumed run's init_from, or, without one, its seed's initial weights."""
+    if cfg.resume is None:
+        return cfg.init_from is None, cfg.init_from
+    meta = read_meta(cfg.resume)
+    if not meta.get("trainable_only"):
+        return False, None
+    base = (meta.get("train_args") or {}).get("init_from")
+    return base is None, base

@@ -56,7 +56,7 @@ from ..tensor_parallel.parameter import trainable_parameters
 from .reductions import dp_mean, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
-from .finetune import set_up_trainable
+from .finetune import resumed_base, set_up_trainable
 from .moe import moe_step, moe_step_stats
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
                       set_up_overlap)
@@ -242,7 +242,8 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
-    run = assemble_run(cfg, ctx, dataset, sampler, init=cfg.resume is None and cfg.init_from is None, blas=blas)
+    draw, base = resumed_base(cfg)  # (a checkpoint without its frozen base: that from its init_from or seed)
+    run = assemble_run(cfg, ctx, dataset, sampler, init=draw, blas=blas, base=base)
     if cfg.resume is not None:
         resume(run, cfg.resume)
         setup_progress()
@@ -250,15 +251,16 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
 
 
 def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *, init: bool = True,
-                 blas: str = "") -> TrainingRun:
+                 blas: str = "", base: str | None = None) -> TrainingRun:
     """The model (its weights drawn, or with init=False zeros to be loaded; `cfg.init_from`'s
     loaded), its layout (recomputation, sequence parallelism), the flat buffers and the optimizer
     of `cfg` on context `ctx`: the run `build_run` makes, and the one the planner (cutp.plan)
     makes on a shape-only context. Collective over ctx."""
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
                 pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
-    if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
-        init_weights(model, cfg.init_from)
+    base = cfg.init_from if base is None else base  # (`base`: a resumed run's frozen weights' source)
+    if base is not None:  # before the optimizer copies any weight (fp32 master weights)
+        init_weights(model, base)
     set_up_trainable(model, cfg)  # --freeze, LoRA (refusals alike on every rank): before any layout and optimizer
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)

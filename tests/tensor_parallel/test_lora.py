@@ -160,3 +160,33 @@ def test_freeze_groups_and_refusals():
         _config(lora_rank=None, lora_alpha=16.0, lora_dropout=0.0)
     with pytest.raises(ConfigError, match="adapters on MoE experts take no dropout"):
         _config("mixtral", lora_dropout=0.1)
+
+
+def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
+    import dataclasses
+
+    from mpi4py import MPI
+    from cutp.checkpoint import read_meta
+    from cutp.train.step import save
+
+    cfg = _config(lora_targets="q,v,down", freeze=None)
+    run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    straight = [train_step(run).loss for _ in range(3)]
+    want = {p.name: np.array(p.data) for p in run.model.parameters()}
+    run.close()
+    run = build_run(dataclasses.replace(cfg, out=str(tmp_path), run_steps=2), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    first = [train_step(run).loss for _ in range(2)]
+    path = save(run)
+    run.close()
+    meta = read_meta(path)
+    assert meta["trainable_only"] and sorted(meta["params"]) == sorted(
+        p.name for p in run.model.parameters() if p.trainable)
+    assert {n.rsplit(".", 1)[1] for n in meta["params"]} == {"q", "v", "down"}
+    run = build_run(dataclasses.replace(cfg, resume=path, resumed_step=2), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    last = train_step(run).loss
+    assert first + [last] == straight
+    for p in run.model.parameters():
+        assert np.array_equal(p.data, want[p.name]), p.name
+    run.close()
