@@ -11,11 +11,15 @@ exporting reads the base from there and the trainable tensors from the checkpoin
 """
 from __future__ import annotations
 
+import fnmatch
+
 import numpy as np
 
 from ..checkpoint import read_meta
+from ..models.hf import expected_shapes
+from ..models.hf_files import HFFormatError
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.lora import TARGETS, LoraSpec, freeze_groups, set_up_trainable as set_up, spec_of
+from ..tensor_parallel.lora import FREEZE_GROUPS, TARGETS, LoraSpec, freeze_groups, set_up_trainable as set_up, spec_of
 
 FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 DEFAULT_TARGETS = ",".join(TARGETS)
@@ -43,9 +47,29 @@ def check_finetune(cfg) -> None:
     if cfg.freeze is not None and not freeze_groups(settings_of(cfg)):
         raise ConfigError(f"`freeze` {cfg.freeze!r} names no group; give some of embeddings, norms, head, attention, "
                           "mlp or parameter-name globs, comma-separated")
+    _check_freeze_names(cfg, spec)
     if spec is not None and spec.dropout and cfg.model.n_experts and {"gate", "up", "down"} & set(spec.targets):
         raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs are "
                           "routed tokens); use `lora_dropout` 0, or `lora_targets` q,k,v,o on an MoE model")
+
+
+def _check_freeze_names(cfg, spec) -> None:
+    """--freeze's groups against the model's parameter names, before anything is built (a model no
+    Hugging Face family lists, such as GPT-2 with experts, is checked once built instead)."""
+    groups = freeze_groups(settings_of(cfg))
+    try:
+        names = list(expected_shapes(cfg.model))
+    except HFFormatError:
+        return
+    frozen = set()
+    for g in groups:
+        hit = {n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in FREEZE_GROUPS.get(g, (g,)))}
+        if not hit:
+            raise ConfigError(f"`freeze` {g!r} matches no parameter of this model; use a group of "
+                              f"{', '.join(FREEZE_GROUPS)}, or a glob of parameter names such as 'layers.0.*'")
+        frozen |= hit
+    if groups and spec is None and frozen == set(names):
+        raise ConfigError(f"`freeze` {cfg.freeze} leaves no parameter to train; freeze fewer groups")
 
 
 def set_up_trainable(model, cfg) -> None:
@@ -81,3 +105,17 @@ def resumed_base(cfg) -> tuple[bool, str | None]:
         return False, None
     base = (meta.get("train_args") or {}).get("init_from")
     return base is None, base
+
+
+def trainable_line(cfg, model) -> str | None:
+    """The banner's line of a run with frozen parameters (None without): what trains on this rank."""
+    params = model.parameters()
+    frozen = [p for p in params if not p.trainable]
+    if not frozen:
+        return None
+    spec = lora_spec(cfg)
+    what = [f"LoRA rank {spec.rank}, alpha {spec.alpha:g} on {','.join(spec.targets)}"] if spec else []
+    what += [f"--freeze {cfg.freeze}"] if cfg.freeze else []
+    n = sum(p.data.size for p in params if p.trainable)
+    return (f"trainable: {n:,} of {n + sum(p.data.size for p in frozen):,} parameters on this rank ({'; '.join(what)});"
+            " the frozen ones have no gradients, masters or optimizer state")

@@ -158,6 +158,10 @@ def test_freeze_groups_and_refusals():
         LoraSpec(4, 8.0, targets=("q", "qq"))
     with pytest.raises(ConfigError, match="lora_alpha sets up LoRA adapters, which need lora_rank"):
         _config(lora_rank=None, lora_alpha=16.0, lora_dropout=0.0)
+    with pytest.raises(ConfigError, match="freeze 'decoder' matches no parameter"):  # (before anything is built)
+        _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, freeze="norms,decoder")
+    with pytest.raises(ConfigError, match="leaves no parameter to train"):
+        _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, freeze="embeddings,head,norms,attention,mlp")
     with pytest.raises(ConfigError, match="adapters on MoE experts take no dropout"):
         _config("mixtral", lora_dropout=0.1)
 
