@@ -42,6 +42,7 @@ def _train(cfg, comm, steps=2):
     ctx = run.ctx
     before = {p.name: np.array(p.data) for p in run.model.parameters() if not p.trainable}
     losses = [train_step(run).loss for _ in range(steps)]
+    run.gather_params()  # (--overlap-param-gather: the last update's gathers)
     full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
     mine = {p.name: (full(p, p.grad) if p.trainable else None, full(p, p.data)) for p in run.model.parameters()}
     for p in run.model.parameters():
@@ -86,7 +87,8 @@ def _worker_layouts_equal_one_rank(cases):
 
 def test_lora_on_every_layout_equals_one_rank():
     cases = [dict(tp=4, recompute="full"),  # 2 KV heads over 4 ranks: replicated, their B columns too
-             dict(tp=2, dp=2, sp=True), dict(tp=2, pp=2, micro=1), dict(dp=2, pp=2, micro=1, zero=True),
+             dict(tp=2, dp=2, sp=True, tp_comm_overlap=True), dict(tp=2, pp=2, micro=1),
+             dict(dp=2, pp=2, micro=1, zero=True, overlap_grad_reduce=True, overlap_param_gather=True),
              dict(tp=2, cp=2), dict(cp=2, dp=2, cp_comm="a2a"),
              dict(family="mixtral", tp=2, dp=2, ep=2, micro=1)]
     run_mpi(4, "tests.tensor_parallel.test_lora:_worker_layouts_equal_one_rank", cases, timeout=400)
