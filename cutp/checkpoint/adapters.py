@@ -26,12 +26,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm.context import init
-from ..models import GPT, GPTConfig
-from ..models.hf import load_hf_into
+from ..models import GPT
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.lora import LoraAdapter, LoraPair, set_up_trainable, spec_of
-from .files import is_cutp_checkpoint, write_safetensors
-from .load import load_checkpoint
+from ..tensor_parallel.lora import LoraAdapter, LoraPair, spec_of
+from .files import write_safetensors
+from .load import model_with_base
 
 HF_PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -40,20 +39,8 @@ PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")  # HF's q_proj
 
 def trained_model(ckpt: str, meta: dict) -> GPT:
     """The run's model on this process alone (TP 1): its base (init_from, or the seed's weights),
-    its adapters and frozen groups, the checkpoint's trainable tensors loaded. No communication
-    beyond this process."""
-    args = meta.get("train_args") or {}
-    base = args.get("init_from")
-    ctx = init(comm=MPI.COMM_SELF, tp=1, device="cpu")
-    model = GPT(ctx, GPTConfig.from_dict(meta["config"]), seed=meta.get("seed", 0), init=base is None)
-    if base is not None:
-        if not os.path.isdir(base):
-            raise ConfigError(f"{ckpt} holds only the trainable tensors; its frozen base, the run's init_from {base}, "
-                              "is gone: restore that directory to export the run")
-        load_checkpoint(base, model) if is_cutp_checkpoint(base) else load_hf_into(model, base)
-    set_up_trainable(model, args, seed=args.get("seed"))
-    load_checkpoint(ckpt, model)
-    return model
+    its adapters and frozen groups, the checkpoint's trainable tensors loaded."""
+    return model_with_base(ckpt, meta, init(comm=MPI.COMM_SELF, tp=1, device="cpu"))
 
 
 def lora_pairs(model) -> list[tuple[str, LoraPair]]:

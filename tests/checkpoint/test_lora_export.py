@@ -21,6 +21,7 @@ import cutp
 from cutp.bench.model import random_tokens
 from cutp.checkpoint.adapters import lora_pairs, trained_model, write_peft_adapter
 from cutp.checkpoint.export_hf import export_hf, main
+from cutp.checkpoint import load_model
 from cutp.checkpoint.files import read_meta
 from cutp.hf import from_hf, save_hf
 from cutp.models.hf import config_from_hf
@@ -84,6 +85,8 @@ def test_export_writes_the_base_the_peft_adapter_and_the_merged_weights(tmp_path
     idx = np.random.default_rng(1).integers(0, 97, (2, 16))
     want = model.gather_logits(model.forward(idx))
     assert np.abs(again.gather_logits(again.forward(idx)) - want).max() <= 1e-12 * np.abs(want).max()
+    loaded, _ = load_model(ckpt, ctx)  # (the library's loader: the base from init_from, the adapters from the run)
+    assert np.array_equal(loaded.gather_logits(loaded.forward(idx)), want)
     ctx.close()
     _peft_loads_the_adapter(str(tmp_path / "hf"), want, idx)
 
