@@ -262,9 +262,7 @@ def apply_lora(model, spec: LoraSpec, seed: int | None = None) -> list:
             _attach(m.proj, _row_pair(m.proj, "o", spec, ctx, rng, seed, dtype))
             pairs += [p for a in (m.qkv, m.proj) if a.lora is not None for p in a.lora.pairs]
         elif isinstance(m, ParallelMLP):
-            width = m.fc1.weight.full_shape[1]
-            names = (("gate", (0, width // 2)), ("up", (width // 2, width))) if m.kind == "swiglu" else \
-                (("up", (0, width)),)
+            names = _fc1_projections(m.fc1.weight, m.fc2.weight)
             _attach(m.fc1, _column_pairs(m.fc1, names, spec, ctx, rng, seed, dtype))
             _attach(m.fc2, _row_pair(m.fc2, "down", spec, ctx, rng, seed, dtype))
             pairs += [p for a in (m.fc1, m.fc2) if a.lora is not None for p in a.lora.pairs]
@@ -274,6 +272,15 @@ def apply_lora(model, spec: LoraSpec, seed: int | None = None) -> list:
     if not pairs:
         raise ConfigError(f"`lora_targets` {','.join(spec.targets)} matches no projection of this model")
     return pairs
+
+
+def _fc1_projections(fc1, fc2) -> tuple:
+    """An MLP's first linear: a fused [gate | up] (twice the width fc2 takes: SwiGLU, GeGLU) holds
+    gate and up; else it is "up" (GPT-2's GeLU MLP)."""
+    width = fc1.full_shape[1]
+    if width == 2 * fc2.full_shape[0]:
+        return ("gate", (0, width // 2)), ("up", (width // 2, width))
+    return (("up", (0, width)),)
 
 
 def _row_pair(base, proj, spec, ctx, rng, seed, dtype):
@@ -293,9 +300,7 @@ def _expert_pairs(expert: ExpertMLP, spec, ctx, rng, seed, dtype) -> list:
         raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs "
                           "are routed tokens); use `lora_dropout` 0, or leave gate, up and down out of "
                           "`lora_targets` on an MoE model")
-    width = expert.fc1.full_shape[1]
-    names = (("gate", (0, width // 2)), ("up", (width // 2, width))) if expert.kind == "swiglu" else \
-        (("up", (0, width)),)
+    names = _fc1_projections(expert.fc1, expert.fc2)
     fc1 = [LoraPair(ctx, expert.fc1, p, "expert", c, spec, rng, seed=seed, dtype=dtype)
            for p, c in names if p in spec.targets]
     fc2 = [LoraPair(ctx, expert.fc2, "down", "expert", (0, expert.fc2.full_shape[1]), spec, rng, seed=seed,
