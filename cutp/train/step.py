@@ -290,6 +290,11 @@ def init_weights(model: GPT, path: str) -> None:
     """Loads the weights (only) of a Hugging Face GPT-2 directory or a cutp checkpoint into
     `model`, whose architecture must be theirs. Collective; an error is raised on every rank."""
     if is_cutp_checkpoint(path):
+        with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
+            if read_meta(resolve_checkpoint(path)).get("trainable_only"):
+                raise ConfigError(f"`init_from` {path} holds only what its run trained (frozen parameters or LoRA "
+                                  "adapters, not its base): write it whole with `python -m cutp export-hf "
+                                  f"{path} --out DIR --merge-lora` and give `init_from` DIR, or resume it")
         load_checkpoint(path, model)
         return
     with errors_raised_on_every_rank(model.ctx.world.mpi_comm):

@@ -220,3 +220,19 @@ def test_the_planner_plans_frozen_parameters_without_gradients_masters_or_moment
     assert trains == tiny.n_layer * (2 * 128 * 8 + 8 * (64 + 16))  # A whole, B's columns of this rank's heads
     assert lora["state"] == {"params": plain["state"]["params"] + 2 * trains, "grads": 4 * trains,
                              "optimizer": 12 * trains}  # (bf16 weights; fp32 gradients, master, m, v)
+
+
+def test_a_run_saved_without_its_base_is_refused_as_init_from(tmp_path):
+    import dataclasses
+
+    from mpi4py import MPI
+    from cutp.train.step import save
+
+    cfg = _config(lora_targets="q", out=str(tmp_path / "run"))
+    run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    train_step(run)
+    path = save(run)
+    run.close()
+    again = dataclasses.replace(cfg, out=None, init_from=path)
+    with pytest.raises(ConfigError, match="holds only what its run trained.*--merge-lora"):
+        build_run(again, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
