@@ -74,10 +74,10 @@ def write_peft_adapter(model, meta: dict, family: str, path: str, base_path: str
     experts = sorted({name for name, pair in pairs if pair.kind == "expert"})
     if experts:
         raise ConfigError(f"the run has LoRA adapters on MoE experts ({experts[0]}, ...), which PEFT's adapter format "
-                          "cannot hold: export them merged with `export-hf --merge-lora`")
+                          "cannot hold: export them merged with export-hf --merge-lora")
     if family not in PEFT_FAMILIES:
         raise ConfigError(f"PEFT names the adapters of a {family} model's fused projections otherwise than cutp's "
-                          "q, k, v, o, gate, up, down: export the run merged with `export-hf --merge-lora`")
+                          "q, k, v, o, gate, up, down: export the run merged with export-hf --merge-lora")
     spec = spec_of(meta.get("train_args") or {})
     tensors, targets = {}, []
     for name, pair in pairs:

@@ -107,7 +107,7 @@ def _peft_loads_the_adapter(hf_dir, want, idx):
 def test_adapters_on_moe_experts_export_merged_only(tmp_path):
     moe = dict(SPECS["mixtral"], rope_scaling="none")
     ckpt = _lora_run(tmp_path, moe, lora_targets="q,down")
-    with pytest.raises(ConfigError, match="adapters on MoE experts.*export-hf --merge-lora"):
+    with pytest.raises(ConfigError, match="adapters on MoE experts.*merged with export-hf --merge-lora"):
         export_hf(ckpt, str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
 
