@@ -87,11 +87,17 @@ def set_up_trainable(model, cfg) -> None:
             raise ConfigError(f"`freeze` {none[0]!r} matches no parameter of this model; use a group of "
                               "embeddings, norms, head, attention, mlp, or a glob of parameter names such as "
                               "'layers.0.*'")
-    left = np.array([sum(p.trainable for p in model.parameters())], np.int64)
-    if model.ctx.pp_size > 1:
-        model.ctx.pp.mpi_comm.Allreduce(left.copy(), left)
-    if (groups or spec is not None) and left[0] == 0:
+    if not (groups or spec is not None):
+        return
+    mine = (sum(p.trainable for p in model.parameters()), list(model.layer_ids))
+    every = model.ctx.pp.mpi_comm.allgather(mine) if ctx.pp_size > 1 else [mine]
+    counts = [n for n, _ in every]
+    if sum(counts) == 0:
         raise ConfigError(f"`freeze` {cfg.freeze} leaves no parameter to train; freeze fewer groups")
+    if 0 in counts:  # (its optimizer would hold nothing: not supported)
+        stage = counts.index(0)
+        raise ConfigError(f"`freeze` {cfg.freeze} leaves pipeline stage {stage} (layers {every[stage][1]}) nothing "
+                          "to train; freeze fewer of its parameters, or use fewer pipeline stages (`pp`)")
 
 
 def resumed_base(cfg) -> tuple[bool, str | None]:

@@ -27,10 +27,17 @@ GPT2 = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=16, dtype=
 FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
 
 
+# what trains: LoRA (no dropout on the experts' adapters), or (GPT-2, tied embeddings) --freeze alone
+TRAINS = {"llama": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1),
+          "mixtral": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0),
+          "gpt2": dict(freeze="embeddings,norms,layers.1.mlp.*")}
+
+
 def _config(family="llama", tp=1, dp=1, pp=1, ep=1, cp=1, micro=2, sp=False, zero=False, recompute="none",
             cp_comm="ring", **kw):
-    lora = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0 if family == "mixtral" else 0.1)
-    return RunConfig(model=GPTConfig(**FAMILIES[family]), tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
+    lora = TRAINS[family]
+    return RunConfig(model=GPTConfig(**dict(FAMILIES[family], dropout=0.1 if family == "gpt2" else
+                                            FAMILIES[family]["dropout"])), tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
                      batch_size=4, micro_batch_size=micro, seq_len=16, steps=3, warmup=1, lr=1e-2, seed=3,
                      sequence_parallel=sp, recompute=recompute, distributed_optimizer=zero, eval_every=0, quiet=True,
                      save_on_signal=False, **{**lora, **kw})
@@ -95,11 +102,12 @@ def test_lora_on_every_layout_equals_one_rank(tmp_path):
              dict(tp=2, dp=2, sp=True, tp_comm_overlap=True), dict(tp=2, pp=2, micro=1),
              dict(dp=2, pp=2, micro=1, zero=True, overlap_grad_reduce=True, overlap_param_gather=True),
              dict(tp=2, cp=2), dict(cp=2, dp=2, cp_comm="a2a"),
-             dict(family="mixtral", tp=2, dp=2, ep=2, micro=1)]
+             dict(family="mixtral", tp=2, dp=2, ep=2, micro=1),
+             dict(family="gpt2", tp=2, pp=2, micro=1)]  # the frozen tied table on both pipeline ends
     # one rank with the same global batch (an MoE model's auxiliary losses cover the DP group's
     # micro-batch: its reference takes it whole)
     refs = {family: (lambda r: (r[0], r[1][0]))(_train(_config(family, micro=2), MPI.COMM_SELF))
-            for family in ("llama", "mixtral")}
+            for family in TRAINS}
     with open(tmp_path / "refs.pkl", "wb") as f:
         pickle.dump(refs, f)
     run_mpi(4, "tests.tensor_parallel.test_lora:_worker_layouts_equal_one_rank", cases, str(tmp_path / "refs.pkl"),
@@ -220,6 +228,20 @@ def test_the_planner_plans_frozen_parameters_without_gradients_masters_or_moment
     assert trains == tiny.n_layer * (2 * 128 * 8 + 8 * (64 + 16))  # A whole, B's columns of this rank's heads
     assert lora["state"] == {"params": plain["state"]["params"] + 2 * trains, "grads": 4 * trains,
                              "optimizer": 12 * trains}  # (bf16 weights; fp32 gradients, master, m, v)
+
+
+def test_a_pipeline_stage_left_with_nothing_to_train_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from cutp.train.finetune import set_up_trainable
+
+    model = _model("gpt2")  # this rank's stage, all of whose parameters the groups below freeze
+    pp = SimpleNamespace(Allreduce=lambda a, b: None, allgather=lambda mine: [mine, (5, [2, 3])])
+    model.ctx = SimpleNamespace(pp_size=2, pp=SimpleNamespace(mpi_comm=pp))
+    run = SimpleNamespace(freeze="embeddings,norms,layers.*", lora_rank=None, lora_alpha=None, lora_dropout=0.0,
+                          lora_targets="q", seed=0)
+    with pytest.raises(ConfigError, match=r"leaves pipeline stage 0 \(layers \[0, 1\]\) nothing to train"):
+        set_up_trainable(model, run)
 
 
 def test_a_run_saved_without_its_base_is_refused_as_init_from(tmp_path):
