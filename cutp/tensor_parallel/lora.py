@@ -44,9 +44,9 @@ import numpy as np
 from .. import ops
 from ..runtime.errors import ConfigError
 from .attention import ParallelAttention
-from .grads import sum_grad_over
 from .context_parallel import local_segments
-from .layers import ColumnParallelLinear, Dropout, RowParallelLinear
+from .grads import sum_grad_over
+from .layers import Dropout
 from .moe import ExpertMLP, MoEMLP
 from .parameter import Module, make_parameter, zeros_init
 from .random import REPLICATED
@@ -114,7 +114,8 @@ def set_up_trainable(model, settings: dict, seed: int | None = None) -> list:
 
 
 def parse_targets(text) -> tuple:
-    """"q,k,v" (or a sequence) -> ("q", "k", "v"), order and repeats as TARGETS has them."""
+    """"q,k,v" (or a sequence) -> ("q", "k", "v"): TARGETS' order, each once; unknown names after
+    them (LoraSpec refuses them by name)."""
     items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
     return tuple(t for t in TARGETS if t in items) + tuple(t for t in items if t not in TARGETS)
 
@@ -308,18 +309,6 @@ def _expert_pairs(expert: ExpertMLP, spec, ctx, rng, seed, dtype) -> list:
     expert.fc1_lora = LoraAdapter(fc1) if fc1 else None
     expert.fc2_lora = LoraAdapter(fc2) if fc2 else None
     return fc1 + fc2
-
-
-def lora_parameters(model) -> list:
-    """The adapters' parameters (A, B of every pair), in the model's order."""
-    return [p for p in model.parameters() if ".lora_A." in p.name or ".lora_B." in p.name]
-
-
-def merged_weight(base_full, a_full, b_full, cols, scale):
-    """The base's full [in, out] weight with one pair merged into its columns [start, stop)."""
-    out = np.array(base_full, copy=True)
-    out[:, cols[0]:cols[1]] += scale * (a_full.astype(np.float64) @ b_full.astype(np.float64)).astype(out.dtype)
-    return out
 
 
 def freeze(model, groups, missing_ok: bool = False) -> list:
