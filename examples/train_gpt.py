@@ -93,6 +93,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     log(f"model: {origin}: {train.model_summary(cfg.model)}")
     log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
         f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")
+    trains = train.finetune.trainable_line(cfg, run.model)
+    if trains:
+        log(trains)
     state = train.max_over_ranks(ctx, train.memory_record(run))  # measured from the live arrays (collective)
     log(f"memory per rank (largest of {ctx.world_size}): {train.memory.state_line(state)}")
     log(f"batch {cfg.batch_size} x {cfg.seq_len} tokens = {cfg.tokens_per_step:,} tokens/step | micro-batch "

@@ -11,6 +11,10 @@ directory that `AutoModelForCausalLM.from_pretrained` loads as the family's clas
                                model it was initialised from (`--init-from`, followed through
                                cutp checkpoints), else the tokenizer its prepared data names
 
+A LoRA run (cutp.checkpoint.adapters): `--merge-lora` writes the weights with the adapters merged;
+without it DIR holds the frozen base model and DIR/adapter the adapters in PEFT's format
+(`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR), DIR + "/adapter")`).
+
 A byte-level model (the embedded corpus) has no tokenizer: it is exported without tokenizer
 files, said in one line. One process, no MPI; DIR must not exist (nothing is overwritten): the
 files are written into DIR.tmp-export-hf and renamed to DIR when all are complete.
@@ -18,6 +22,7 @@ files are written into DIR.tmp-export-hf and renamed to DIR when all are complet
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -30,7 +35,8 @@ from ..models.families import family_of
 from ..models.hf import generation_config, save_hf
 from ..models.hf_files import GENERATION_FILE, SAVE_DTYPES
 from ..runtime.errors import ConfigError, UserError
-from .export import model_tensors
+from .adapters import full_tensors, trained_model, write_peft_adapter
+from .export import in_dtype, model_tensors
 from .files import is_cutp_checkpoint, read_meta
 from .run_dir import resolve_checkpoint
 
@@ -38,6 +44,7 @@ from .run_dir import resolve_checkpoint
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", VOCAB_FILE, MERGES_FILE,
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 _WORK = ".tmp-export-hf"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapters (PEFT's adapter_config.json, adapter_model.safetensors)
 
 
 def tokenizer_source(ckpt: str, seen=()) -> str | None:
@@ -99,7 +106,7 @@ def _tokenizer_files(source: str, cfg, work: str) -> dict:
     return found
 
 
-def export_hf(src: str, out: str, dtype: str | None = None, stream=None) -> str:
+def export_hf(src: str, out: str, dtype: str | None = None, stream=None, merge_lora: bool = False) -> str:
     """Writes checkpoint (or run directory) `src` as a Hugging Face directory `out` (module
     docstring). Returns `out`; raises ConfigError (HFFormatError, CheckpointError) naming the
     problem and the fix before anything is written."""
@@ -110,7 +117,16 @@ def export_hf(src: str, out: str, dtype: str | None = None, stream=None) -> str:
         raise ConfigError(f"--out {out} exists; export-hf writes a new directory and never overwrites one: "
                           "choose another --out or remove it")
     ckpt = resolve_checkpoint(src)
-    cfg, tensors = model_tensors(ckpt, dtype)
+    meta, model = read_meta(ckpt), None
+    has_lora = (meta.get("train_args") or {}).get("lora_rank") is not None
+    if merge_lora and not has_lora:
+        raise ConfigError(f"--merge-lora: {ckpt} is not of a LoRA run (no adapters to merge); omit --merge-lora")
+    if meta.get("trainable_only"):  # its frozen base from the run's init_from (cutp.checkpoint.adapters)
+        model = trained_model(ckpt, meta)
+        cfg = dataclasses.replace(model.config, dtype=dtype or model.config.dtype)
+        tensors = {k: in_dtype(v, cfg.dtype, k) for k, v in full_tensors(model, merge_lora).items()}
+    else:
+        cfg, tensors = model_tensors(ckpt, dtype)
     cfg.validate(1)
     family = family_of(cfg)  # refused here, naming why, when no family computes the model
     work = out.rstrip("/") + _WORK
@@ -121,6 +137,8 @@ def export_hf(src: str, out: str, dtype: str | None = None, stream=None) -> str:
         tokenizer = _tokenizer_files(source, cfg, work) if source else {}
         save_hf(tensors, cfg, os.path.join(work, "model"), dtype, tokenizer_files=tokenizer)
         model_dir = os.path.join(work, "model")
+        if has_lora and not merge_lora:  # the base as it was, and the adapters alone in PEFT's format
+            write_peft_adapter(model, meta, family.name, os.path.join(model_dir, ADAPTER_DIR), os.path.abspath(out))
         source_generation = os.path.join(source or "", GENERATION_FILE)
         if source and os.path.isfile(source_generation) and _same_ids(source_generation, cfg):
             shutil.copyfile(source_generation, os.path.join(model_dir, GENERATION_FILE))  # (sampling defaults too)
@@ -128,6 +146,9 @@ def export_hf(src: str, out: str, dtype: str | None = None, stream=None) -> str:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     what = f"{family.architecture} ({cfg.num_parameters():,} parameters, {dtype or cfg.dtype})"
+    if has_lora:
+        what += (", LoRA merged" if merge_lora else f", the frozen base; LoRA adapters in {out}/{ADAPTER_DIR} "
+                 "(PEFT's format)")
     if source:
         print(f"exported {ckpt} to {out}: {what}, tokenizer from {source}", file=stream)
     else:
@@ -153,11 +174,14 @@ def main(argv=None) -> int:
                                             "(config, weights, generation config, tokenizer files).")
     p.add_argument("src", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a checkpoint")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to create (must not exist)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run: the adapters merged into the weights (default: the base model, and the "
+                        f"adapters in DIR/{ADAPTER_DIR} in PEFT's format)")
     p.add_argument("--dtype", choices=SAVE_DTYPES, default=None,
                    help="the weights' dtype (default: the run's; from the fp32 master weights when saved)")
     args = p.parse_args(argv)
     try:
-        export_hf(args.src, args.out, args.dtype)
+        export_hf(args.src, args.out, args.dtype, merge_lora=args.merge_lora)
     except UserError as e:  # (ConfigError, HFFormatError, CheckpointError): one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 1

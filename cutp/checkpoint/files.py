@@ -17,6 +17,8 @@ against the files); saving it again (resume, save) protects it. A checkpoint wri
 named its parameters neutrally (GPT-2's wte, h.{i}.attn.c_attn, ...; `cutp.models.names`) is read
 under today's names: `read_meta` renames its parameters and keeps the names its files use in
 `meta["stored_names"]`, through which every tensor is looked up (`cutp.checkpoint.names`).
+(It runs over 500 lines: every field of meta.json, LoRA's column shardings included, is checked
+here, in one place, before any is used.)
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from ..models import GPTConfig, stage_layers
 from ..models.names import from_gpt2
 from .names import neutral_key, stored_names_view
 from ..runtime.errors import ConfigError, UserError
+from ..tensor_parallel.sharding import sharding_from_spec
 
 FORMAT = "cutp-checkpoint"
 VERSION = 1
@@ -295,7 +298,7 @@ def _meta_problem(meta: dict) -> str | None:
             return (f"parameter {name!r}: {shape[0]} rows ({real} real) differ from the config's vocabulary "
                     f"({config.vocab_size}, padded to {config.padded_vocab(tp)} at tp {tp})")
         total += int(np.prod([real or shape[0]] + shape[1:], dtype=object))
-    if total != config.num_parameters():
+    if total != config.num_parameters() and meta.get("trainable_only") is not True:  # (frozen ones: not saved)
         return (f"its parameters' shapes hold {total} values, but its config describes a model of "
                 f"{config.num_parameters()}: the config and the shapes do not match")
     # every file must be large enough for the tensors meta.json says it holds (bounds every allocation)
@@ -325,7 +328,8 @@ def expected_files(tp: int, optim_shards: int | None, pp: int = 1) -> list:
 
 
 _SPEC_KEYS = {"contiguous": ("axis", "tp"), "qkv": ("axis", "n_head", "n_kv_head", "head_dim", "tp"),
-              "gate_up": ("axis", "tp")}  # (SwiGLU's fused [gate | up]: each rank [gate_r ; up_r])
+              "gate_up": ("axis", "tp"),  # (SwiGLU's fused [gate | up]: each rank [gate_r ; up_r])
+              "part": ("axis", "tp", "start", "stop")}  # (a LoRA B: columns [start, stop) of a base's sharding)
 
 
 def _param_entry_problem(info, tp=None, config=None) -> str | None:
@@ -352,6 +356,13 @@ def _param_entry_problem(info, tp=None, config=None) -> str | None:
     if tp is not None and spec["tp"] != tp:
         return f"sharding tp {spec['tp']} differs from mesh.tp {tp}"
     n = shape[spec["axis"]]
+    if spec["kind"] == "part":
+        base = spec.get("base_shape")
+        problem = _param_entry_problem({"full_shape": base, "dtype": info["dtype"], "sharding": spec.get("of")}, tp,
+                                       config)
+        if problem or spec["axis"] != 1 or len(shape) != 2 or not spec["start"] < spec["stop"] <= base[1] \
+                or spec["stop"] - spec["start"] != n or (spec.get("of") or {}).get("axis") != 1:
+            return f"sharding {spec!r} is not columns of its base's sharding ({problem or 'they do not fit'})"
     if spec["kind"] == "contiguous" and n % spec["tp"]:
         return f"sharding splits a dimension of {n} over tp {spec['tp']}, which does not divide it"
     if spec["kind"] == "gate_up" and n % (2 * spec["tp"]):
@@ -375,6 +386,8 @@ def shard_shape(info: dict) -> tuple:
     if spec is None:
         return tuple(shape)
     tp = spec["tp"]
+    if spec["kind"] == "part":
+        return sharding_from_spec(spec, tuple(shape)).shard_shape(0)
     if spec["kind"] in ("contiguous", "gate_up"):  # (gate_up: half of each half per rank)
         shape[spec["axis"]] //= tp
     else:

@@ -9,11 +9,13 @@ import numpy as np
 from safetensors import safe_open
 
 from ..models import GPT, GPTConfig
+from ..models.hf import load_hf_into
 from ..runtime.errors import ConfigError
 from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
+from ..tensor_parallel.lora import set_up_trainable
 from ..tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
-from .files import (CheckpointError, mesh_pp, model_file, optim_file, param_stage, read_meta, shard_shape,
-                    unlisted_files, verify_file)
+from .files import (CheckpointError, is_cutp_checkpoint, mesh_pp, model_file, optim_file, param_stage, read_meta,
+                    shard_shape, unlisted_files, verify_file)
 from .names import stored_key
 from .run_dir import resolve_checkpoint
 
@@ -113,6 +115,15 @@ def full_from_shards(reader, key, info, rows=None):
     return full
 
 
+def loaded_parameters(model, meta: dict) -> list:
+    """The model's parameters a checkpoint holds: all of them, or of a checkpoint saved with frozen
+    parameters (`trainable_only`: --freeze, LoRA) the trainable ones (the frozen come from the
+    run's base: its init_from, or its seed's initial weights)."""
+    if meta.get("trainable_only"):
+        return [p for p in model.parameters() if p.trainable]
+    return model.parameters()
+
+
 def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> dict:
     """Collective over the model's context. Loads parameters (and optimizer state) into the
     model, resharding when the checkpoint's TP size differs. Returns the metadata."""
@@ -125,7 +136,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         if check_config:
             check_config_matches(meta, model.config)
         saved_tp = int(meta["mesh"]["tp"])
-        params = model.parameters()
+        params = loaded_parameters(model, meta)
         missing = [p.name for p in params if p.name not in meta["params"]]
         if missing:
             raise CheckpointError(f"{ckpt}/meta.json lacks parameters {missing[:5]}")
@@ -167,7 +178,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             full = full_from_shards(readers[kind], key, info, p.full_shape[0])
             return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
 
-        for p in model.parameters():
+        for p in params:
             a = (fetch("optim", "master." + p.name, p.name, p) if masters_as_weights
                  else fetch("model", p.name, p.name, p))
             if tuple(a.shape) != tuple(p.data.shape):
@@ -185,7 +196,7 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
     agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
 
-    for p in model.parameters():
+    for p in params:
         p.data[...] = ctx.asarray(model_tensors.pop(p.name).astype(p.data.dtype, copy=False))
     if optimizer is not None:
         optimizer.load_state({k: ctx.asarray(v) for k, v in optim_tensors.items()}, int(meta["optimizer"]["step"]))
@@ -204,9 +215,34 @@ def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
         ckpt = resolve_checkpoint(ckpt)
         meta = read_meta(ckpt)
         config = GPTConfig.from_dict({**meta["config"], **config_overrides})
+    if meta.get("trainable_only"):  # the frozen base from the run's init_from or seed, then what trained
+        return model_with_base(ckpt, meta, ctx, config), meta
     model = GPT(ctx, config, seed=meta.get("seed", 0) if seed is None else seed, init=False)
     load_checkpoint(ckpt, model)
     return model, meta
+
+
+def model_with_base(ckpt: str, meta: dict, ctx, config=None):
+    """The model of a checkpoint saved with frozen parameters (`trainable_only`: --freeze, LoRA) on
+    `ctx`: its frozen base from the run's init_from (a Hugging Face directory or a cutp
+    checkpoint), or without one its seed's initial weights; the run's adapters and frozen groups
+    (its train_args); then the checkpoint's trainable tensors. Collective over ctx."""
+    args = meta.get("train_args") or {}
+    base = args.get("init_from")
+    with errors_raised_on_every_rank(ctx.world.mpi_comm):
+        if base is not None and not os.path.isdir(base):
+            raise ConfigError(f"{ckpt} holds only the trainable tensors; its frozen base, the run's init_from {base}, "
+                              "is gone: restore that directory to load the run")
+    model = GPT(ctx, config or GPTConfig.from_dict(meta["config"]), seed=meta.get("seed", 0), init=base is None)
+    if base is not None:
+        if is_cutp_checkpoint(base):
+            load_checkpoint(base, model)
+        else:
+            with errors_raised_on_every_rank(ctx.world.mpi_comm):
+                load_hf_into(model, base)
+    set_up_trainable(model, args, seed=args.get("seed"))
+    load_checkpoint(ckpt, model)
+    return model
 
 
 def verify_checkpoint(ckpt: str, meta: dict) -> list:

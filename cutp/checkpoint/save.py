@@ -41,6 +41,10 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     sharded = optimizer is not None and optimizer.distributed and ctx.dp_cp_size > 1
     s, pp = ctx.pp_rank, ctx.pp_size
     params = [p for p in model.parameters() if not (p.name == "tok_embed.weight" and not model.first_stage)]
+    # frozen parameters (--freeze, LoRA's base) are not saved: resuming re-reads them from the
+    # run's init_from (train_args), or draws them from its seed
+    trainable_only = any(not p.trainable for p in model.parameters())
+    params = [p for p in params if p.trainable]
     kept = {p.name for p in params}
     mine = []  # (file name, tensors, offsets or None) this rank writes
     param_info = {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
@@ -116,6 +120,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                               if optimizer is not None else None),
                 "rng": rng_state, "data": data_state, "train_args": train_args, "files": file_info,
                 "loss_scaler": loss_scaler,
+                **({"trainable_only": True} if trainable_only else {}),
             }
             write_meta(os.path.join(tmp, "meta.json"), meta)
             fsync_dir(tmp)

@@ -108,6 +108,8 @@ class PositionEmbedding(Module):
 
     def backward(self, dy):
         runs = self._load("rows")
+        if not self.weight.trainable:
+            return
         if isinstance(runs, ops.EmbeddingCtx):  # per-token rows
             ops.embedding_backward(dy, runs, self.weight.grad)
             return

@@ -52,7 +52,7 @@ def linear_forward(x, w, b=None):
     return y.reshape(x.shape[:-1] + (n_out,)), LinearCtx(x, w, None if b is None else b.dtype)
 
 
-def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None, wgrad_out=None):
+def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None, wgrad_out=None, need_dw: bool = True):
     """Gradients of :func:`linear_forward`.
 
     Args:
@@ -66,6 +66,7 @@ def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None, 
         wgrad_out: the weight's gradient buffer [in, out]: ``dw`` is added into it (on a GPU
             with a float32 buffer in the GEMM itself, beta = 1: Megatron's
             gradient_accumulation_fusion, no [in, out] temporary) and returned as ``dw``.
+        need_dw: when False (a frozen weight), ``dw`` is not computed (None).
 
     Returns:
         ``(dx, dw, db)``: ``dx`` [..., in] in ``x``'s dtype (None unless ``need_dx``),
@@ -77,7 +78,9 @@ def linear_backward(dy, ctx: LinearCtx, need_dx: bool = True, wgrad_dtype=None, 
     n_in, n_out = w.shape
     dy2 = operand(dy.reshape(-1, n_out))
     x2 = operand(x.reshape(-1, n_in))
-    if wgrad_out is not None:
+    if not need_dw:
+        dw = None
+    elif wgrad_out is not None:
         dw = gemm(x2, dy2, trans_a=True, out=wgrad_out, accumulate=True)
     else:
         dw = gemm(x2, dy2, trans_a=True, out_dtype=w.dtype if wgrad_dtype is None else wgrad_dtype)

@@ -87,14 +87,16 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
                  threads: int = 1, kernels: bool = True, distributed_optimizer: bool = False,
                  recompute: str = "none", recompute_layers: int | None = None, sequence_parallel: bool = False,
                  pp_layers=None, pp_schedule: str | None = None, pp_virtual: int = 1, cp_comm: str = "ring",
-                 zero: int = 0, reshard_after_forward: bool = True, dp_replicate: int = 1) -> dict:
+                 zero: int = 0, reshard_after_forward: bool = True, dp_replicate: int = 1,
+                 finetune: dict | None = None) -> dict:
     """One training step of `config` on world rank `rank` of the mesh tp x cp x dp x pp, planned by
     running it on shape-only arrays. Returns {"activations_peak", "where", "stash_per_layer" (by
     global layer index; 0 for another stage's layers), "parameters" ([PlannedParameter], this
     rank's, in the model's order), "params_local", "state" ({"params", "grads", "optimizer"}
     bytes), "comm" (this step's collectives, `CommCounter.summary()`), "in_flight" (a pipeline
     stage's most micro-batches in flight), "left" (bytes still live after the step, other than
-    the state), "seconds"}."""
+    the state), "seconds"}. `finetune`: RunConfig's freeze / lora_* settings (cutp.train.finetune):
+    frozen parameters then count in "params" only (no gradients, masters or optimizer state)."""
     if config.n_experts:
         raise ConfigError("planned_step does not follow MoE routing (data-dependent shapes); MoE layers are "
                           "planned by formula (cutp.plan.moe)")
@@ -108,7 +110,8 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
                     dp_replicate=dp_replicate, recompute=recompute,
                     recompute_layers=recompute_layers, sequence_parallel=sequence_parallel,
                     pp_layers=None if pp_layers is None else tuple(pp_layers), pp_schedule=schedule,
-                    pp_virtual=pp_virtual, eval_every=0, quiet=True, save_on_signal=False, collective_timeout=0)
+                    pp_virtual=pp_virtual, eval_every=0, quiet=True, save_on_signal=False, collective_timeout=0,
+                    **(finetune or {}))
     ctx = ShapeOnlyContext(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, rank=rank, device=device, threads=threads)
     dataset = _tokens(model.vocab_size, seq_len, cfg.batch_size)
     sampler = BatchSampler(dataset, seq_len, cfg.batch_size, dp, ctx.dp_rank, micro_batch, seed=cfg.seed)

@@ -9,6 +9,7 @@ moe            MoEMLP (router, load-balancing and z-losses, capacity, experts)
 cross_entropy  VocabParallelCrossEntropy
 sharding       which slice of each full tensor a rank holds
 grads          tp_grad_sync (GQA), finish_grad_sync (GQA + DP x CP), global_grad_norm
+lora           LoRA adapters on the parallel linears (PEFT's, sharded as its LoraParallelLinear), freeze
 """
 from .attention import ParallelAttention
 from .cross_entropy import VocabParallelCrossEntropy

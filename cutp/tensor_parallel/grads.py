@@ -30,7 +30,7 @@ def tp_grad_sync(params, tp=None) -> None:
     LayerNorm too, Megatron's bug #1446) and those marked `tp_partial` (MoE experts, whose
     tokens are split over TP) summed over the TP group `tp`, in one all-reduce per dtype, so
     that every TP rank holds the same full gradient."""
-    params = list(params)
+    params = [p for p in params if p.trainable]  # (frozen: no gradient)
     for p in params:
         if p.grad_sync is not None:
             p.grad_sync(p)
@@ -61,7 +61,7 @@ def sum_grad_over(group):
     the first and last pipeline stages)."""
 
     def sync(param):
-        if group is None or group.size == 1:
+        if group is None or group.size == 1 or not param.trainable:
             return
         g = param.grad
         if g.flags.c_contiguous:
@@ -95,7 +95,7 @@ def expert_replica_group(ctx):
 def finish_grad_sync(params, ctx, flat=None) -> None:
     """`flat`: a FlatParameters holding every gradient; then one in-place all-reduce suffices.
     (Training reduces over DP x CP through its optimizer: cutp.optim's reduce_gradients.)"""
-    params = list(params)
+    params = [p for p in params if p.trainable]
     if any(p.expert_parallel for p in params):
         raise ConfigError("finish_grad_sync averages every gradient over DP x CP; expert-parallel experts (ep > 1) are "
                           "reduced over the expert-DP x CP group: use cutp.optim's AdamW.reduce_gradients")
@@ -141,6 +141,8 @@ def global_grad_norm(params, ctx) -> float:
     acc = xp.zeros(2, np.float64)  # [sum of squares, non-finite entries not already counted]
     experts = xp.zeros(2, np.float64)  # the same for this rank's expert-parallel experts
     for p in params:
+        if not p.trainable:
+            continue
         a = experts if p.expert_parallel else acc
         s = p.grad_sq_sum()
         if s is not None:

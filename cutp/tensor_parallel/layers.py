@@ -62,6 +62,7 @@ class ColumnParallelLinear(Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = False
         self.comm_overlap = False  # --tp-comm-overlap: dX's collective under the weight-gradient GEMM
+        self.lora = None  # LoRA pairs on its output columns (cutp.tensor_parallel.lora)
         sharding = sharding or contiguous((in_features, out_features), 1, ctx.tp_size)
         self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
                                      sharding, seed=seed, dtype=dtype, weight_decay=True)
@@ -79,6 +80,8 @@ class ColumnParallelLinear(Module):
         add_bias = self.bias is not None and not self.skip_bias_add
         y, lctx = ops.linear_forward(x, self.weight.data, self.bias.data if add_bias else None)
         self._save("linear", lctx)
+        if self.lora is not None:  # its columns of the low-rank products, before any gather
+            self._save("lora", self.lora.forward(x, y))
         if self.gather_output:
             y = gather_from_tp_forward(self.ctx.tp, y)
         if self.skip_bias_add:
@@ -86,16 +89,21 @@ class ColumnParallelLinear(Module):
         return y
 
     def accumulate_bias_grad(self, db):
-        self.bias.grad += db
+        if self.bias.trainable:
+            self.bias.grad += db
 
     def backward(self, dy, need_dx=True):
         if self.gather_output:
             dy = gather_from_tp_backward(self.ctx.tp, dy)
         if self.comm_overlap and need_dx and self.ctx.tp_size > 1:
             return self._backward_overlapped(dy)
-        dx, _, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad)
-        if db is not None:
+        dx, _, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad,
+                                        need_dw=self.weight.trainable)
+        if db is not None and self.bias.trainable:
             self.bias.grad += db
+        if self.lora is not None:  # its part of dx joins the base's before their one TP sum
+            dx_lora = self.lora.backward(dy, self._load("lora"), need_dx)
+            dx = dx + dx_lora if need_dx else dx
         if need_dx:
             sum_over_tp = gather_from_sp_backward if self.sequence_parallel else copy_to_tp_backward
             dx = sum_over_tp(self.ctx.tp, dx)
@@ -108,9 +116,12 @@ class ColumnParallelLinear(Module):
         the same operands: the same bits, tests/train/test_overlap.py)."""
         lctx = self._load("linear")
         dx, _ = ops.linear_forward(dy, lctx.w.T)
+        if self.lora is not None:
+            dx = dx + self.lora.backward(dy, self._load("lora"))
         finish = start_input_grad_sum(self.ctx.tp, dx, self.sequence_parallel)
-        _, _, db = ops.linear_backward(dy, lctx, need_dx=False, wgrad_out=self.weight.grad)
-        if db is not None:
+        _, _, db = ops.linear_backward(dy, lctx, need_dx=False, wgrad_out=self.weight.grad,
+                                       need_dw=self.weight.trainable)
+        if db is not None and self.bias.trainable:
             self.bias.grad += db
         return finish()
 
@@ -133,6 +144,7 @@ class RowParallelLinear(Module):
         self.name = name
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = False
+        self.lora = None  # LoRA pairs: their partial products reduced with the base's (cutp.tensor_parallel.lora)
         sharding = contiguous((in_features, out_features), 0, ctx.tp_size)
         self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
                                      sharding, seed=seed, dtype=dtype, weight_decay=True)
@@ -150,6 +162,8 @@ class RowParallelLinear(Module):
             x = scatter_to_tp_forward(self.ctx.tp, x)
         y, lctx = ops.linear_forward(x, self.weight.data)
         self._save("linear", lctx)
+        if self.lora is not None:  # this rank's x_r A_r B, summed over TP with the base's x_r W_r
+            self._save("lora", self.lora.forward(x, y))
         if self.sequence_parallel:
             y = reduce_scatter_to_sp_forward(self.ctx.tp, y)
         else:
@@ -159,7 +173,7 @@ class RowParallelLinear(Module):
         return y
 
     def backward(self, dy, need_dx=True):
-        if self.bias is not None:  # 16-bit dy: summed over the rows in float32, not row by row in 16 bits
+        if self.bias is not None and self.bias.trainable:  # 16-bit dy: summed in float32, not row by row in 16 bits
             dy2 = dy.reshape(-1, dy.shape[-1])
             if ops.on_cublas(dy2):  # a GEMM ones @ dy2 adding into the float32 main_grad
                 ops.column_sums(dy2, out=self.bias.grad)
@@ -167,7 +181,11 @@ class RowParallelLinear(Module):
                 self.bias.grad += as_dtype(dy2, compute_dtype(dy.dtype)).sum(axis=0)
         if self.sequence_parallel:
             dy = reduce_scatter_to_sp_backward(self.ctx.tp, dy)
-        dx, _, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad)
+        dx, _, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad,
+                                       need_dw=self.weight.trainable)
+        if self.lora is not None:
+            dx_lora = self.lora.backward(dy, self._load("lora"), need_dx)
+            dx = dx + dx_lora if need_dx else dx
         if need_dx and not self.input_is_parallel:
             dx = scatter_to_tp_backward(self.ctx.tp, dx)
         return dx
@@ -232,7 +250,9 @@ class VocabParallelEmbedding(Module):
             dy = self._scaled(dy)
         if self.sequence_parallel:
             dy = reduce_scatter_to_sp_backward(self.ctx.tp, dy)
-        ops.embedding_backward(dy, self._load("emb"), self.weight.grad)
+        ectx = self._load("emb")
+        if self.weight.trainable:
+            ops.embedding_backward(dy, ectx, self.weight.grad)
         return None
 
 
@@ -282,7 +302,8 @@ class ParallelLMHead(Module):
         w = self.table
         d2 = ops.gemm_operand(dlogits.reshape(-1, dlogits.shape[-1]))
         # float32 main_grad: the product added unrounded (on a GPU inside the GEMM, beta = 1)
-        ops.gemm(d2, ops.gemm_operand(x2), trans_a=True, out=w.grad, accumulate=True)
+        if w.trainable:
+            ops.gemm(d2, ops.gemm_operand(x2), trans_a=True, out=w.grad, accumulate=True)
         dx = ops.gemm(d2, ops.gemm_operand(w.data), out_dtype=x2.dtype).reshape(dlogits.shape[:-1] + (x2.shape[1],))
         if self.sequence_parallel:
             return gather_from_sp_backward(self.ctx.tp, dx)
@@ -333,8 +354,9 @@ class LayerNorm(Module):
 
     def backward(self, dy):
         dx, dw, db = ops.layernorm_backward(dy, self._load("ln"))
-        self.weight.grad += dw
-        if self.bias is not None:
+        if self.weight.trainable:
+            self.weight.grad += dw
+        if self.bias is not None and self.bias.trainable:
             self.bias.grad += db
         return dx
 
@@ -380,7 +402,8 @@ class RMSNorm(Module):
 
     def backward(self, dy):
         dx, dw = ops.rmsnorm_backward(dy, self._load("rms"))
-        self.weight.grad += dw
+        if self.weight.trainable:
+            self.weight.grad += dw
         return dx
 
 

@@ -126,37 +126,59 @@ class ExpertMLP(Module):
                                               dtype=dtype)
         for p in self.own_parameters():
             p.tp_partial = True  # each TP rank runs its own tokens through the expert
+        self.fc1_lora = self.fc2_lora = None  # LoRA pairs (cutp.tensor_parallel.lora)
 
     def forward(self, x):
+        lora = [None, None]  # the adapters' contexts (fc1's, fc2's)
+        y, saved = self._forward(x, lora)
+        if self.fc1_lora is None and self.fc2_lora is None:
+            return y, saved
+        return y, saved + (lora,)
+
+    def _forward(self, x, lora):
         if self.kind == "swiglu":
             h, fc = ops.linear_forward(x, self.fc1.data, None if self.fc1_bias is None else self.fc1_bias.data)
+            if self.fc1_lora is not None:
+                lora[0] = self.fc1_lora.forward(x, h)
             a, g = ops.swiglu_forward(h)
             y, proj = ops.linear_forward(a, self.fc2.data,
                                          None if self.fc2_bias is None else self.fc2_bias.data)
+            if self.fc2_lora is not None:
+                lora[1] = self.fc2_lora.forward(a, y)
             return y, (fc, g, proj)
         h, fc = ops.linear_forward(x, self.fc1.data)
+        if self.fc1_lora is not None:
+            lora[0] = self.fc1_lora.forward(x, h)
         if self.fc1_bias is not None:
             a, g = ops.bias_gelu_forward(h, self.fc1_bias.data, approximate=self.gelu)
         else:
             a, g = ops.gelu_forward(h, approximate=self.gelu)
         y, proj = ops.linear_forward(a, self.fc2.data, None if self.fc2_bias is None else self.fc2_bias.data)
+        if self.fc2_lora is not None:
+            lora[1] = self.fc2_lora.forward(a, y)
         return y, (fc, g, proj)
 
     def backward(self, dy, saved):
-        fc, g, proj = saved
-        da, _, db = ops.linear_backward(dy, proj, wgrad_out=self.fc2.grad)
-        if db is not None:
+        fc, g, proj = saved[:3]
+        lora = saved[3] if len(saved) > 3 else (None, None)
+        da, _, db = ops.linear_backward(dy, proj, wgrad_out=self.fc2.grad, need_dw=self.fc2.trainable)
+        if db is not None and self.fc2_bias.trainable:
             self.fc2_bias.grad += db
+        if lora[1] is not None:
+            da = da + self.fc2_lora.backward(dy, lora[1])
         if self.kind == "swiglu":
             dh = ops.swiglu_backward(da, g)
         elif self.fc1_bias is not None:
             dh, db = ops.bias_gelu_backward(da, g)
-            self.fc1_bias.grad += db
+            if self.fc1_bias.trainable:
+                self.fc1_bias.grad += db
         else:
             dh = ops.gelu_backward(da, g)
-        dx, _, db = ops.linear_backward(dh, fc, wgrad_out=self.fc1.grad)
-        if self.kind == "swiglu" and db is not None:
+        dx, _, db = ops.linear_backward(dh, fc, wgrad_out=self.fc1.grad, need_dw=self.fc1.trainable)
+        if self.kind == "swiglu" and db is not None and self.fc1_bias.trainable:
             self.fc1_bias.grad += db
+        if lora[0] is not None:
+            dx = dx + self.fc1_lora.backward(dh, lora[0])
         return dx
 
 
@@ -447,7 +469,8 @@ class MoEMLP(Module):
         d_probs += self.aux_grad * self.aux_loss_coeff * E / n_all * f[None, :]  # load balancing: f_i P_i
         d_logits = probs * (d_probs - (d_probs * probs).sum(axis=1, keepdims=True))
         d_logits += (self.aux_grad * self.z_loss_coeff * 2.0 / n_all) * lse[:, None] * probs  # z-loss
-        self.router.grad += as_dtype(as_dtype(x2, cdt).T @ d_logits, self.router.grad.dtype)
+        if self.router.trainable:
+            self.router.grad += as_dtype(as_dtype(x2, cdt).T @ d_logits, self.router.grad.dtype)
         dx = as_dtype(d_logits @ as_dtype(self.router.data, cdt).T, dy.dtype) + dx_experts
         return dx.reshape(shape)
 

@@ -40,6 +40,9 @@ class Parameter:
     expert_parallel  an MoE expert held by one rank of the EP group (ep > 1): its gradient is
                  reduced over the expert-DP group (sum / dp), and the EP group's ranks each count
                  their own experts in the gradient norm
+    trainable    False: frozen (`--freeze`, LoRA's base weights): no gradient buffer (`grad` None:
+                 the layers skip its gradient), no fp32 master, no optimizer state, no gradient
+                 reduction, not in the gradient norm, not saved in run checkpoints
     """
 
     real_rows: int | None = None
@@ -61,7 +64,20 @@ class Parameter:
             # kept beside the data (on the GPU there), so the per-step norm copies nothing
             self.norm_mask = None if owned.all() else get_array_module(data).asarray(owned)
         self.grad_sync: Callable | None = None
+        self._trainable = True
         self.zero_grad()
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, on: bool) -> None:
+        """Freezing drops the gradient buffer; unfreezing allocates a zero one."""
+        self._trainable = bool(on)
+        self.grad = None
+        if self._trainable:
+            self.zero_grad()
 
     @property
     def shape(self):
@@ -72,6 +88,8 @@ class Parameter:
         return self.data.shape if self.sharding is None else self.sharding.full_shape
 
     def zero_grad(self):
+        if not self._trainable:
+            return
         if self.grad is None:
             self.grad = self.data * 0  # same module, dtype and shape as data
         else:
@@ -79,7 +97,7 @@ class Parameter:
 
     def grad_sq_sum(self):
         """Sum of squared gradient entries this rank counts toward the global norm (float64 scalar array)."""
-        if self.norm_mask is False:
+        if self.norm_mask is False or not self._trainable:
             return None
         g = self.grad
         xp = get_array_module(g)
@@ -112,6 +130,12 @@ def _sq_sum_host(g):
     for p in parallel_map(get_array_module(g), part, range(0, n, _SQ_BLOCK)):
         total += p
     return total
+
+
+def trainable_parameters(params) -> list:
+    """The parameters that train (what the optimizer, its flat buffers and the gradient
+    reduction take): frozen ones have no gradient to reduce, no master and no state."""
+    return [p for p in params if p.trainable]
 
 
 # ---- initialisation independent of TP size ------------------------------------------------

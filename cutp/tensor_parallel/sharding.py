@@ -105,6 +105,16 @@ def gate_up_sharding(full_shape, axis: int, tp: int) -> Sharding:
                     {"kind": "gate_up", "axis": axis, "tp": tp})
 
 
+def part_sharding(base: Sharding, start: int, stop: int, rows: int) -> Sharding:
+    """The sharding of a [rows, stop - start] matrix whose columns are the base's output columns
+    [start, stop) (a LoRA B of one projection of a fused qkv or gate_up linear): each rank holds
+    those of its base columns, in the base's order."""
+    indices = tuple(np.asarray(i)[(np.asarray(i) >= start) & (np.asarray(i) < stop)] - start for i in base.indices)
+    spec = {"kind": "part", "axis": 1, "tp": base.tp, "of": base.spec, "base_shape": list(base.full_shape), "start": int(start),
+            "stop": int(stop)}
+    return Sharding(1, (rows, stop - start), indices, spec)
+
+
 def sharding_from_spec(spec: dict | None, full_shape) -> Sharding | None:
     """Rebuilds a Sharding from its spec (as stored in a checkpoint's metadata)."""
     if spec is None:
@@ -117,6 +127,9 @@ def sharding_from_spec(spec: dict | None, full_shape) -> Sharding | None:
                             int(spec["head_dim"]), int(spec["tp"]))
     if kind == "gate_up":
         return gate_up_sharding(tuple(full_shape), int(spec["axis"]), int(spec["tp"]))
+    if kind == "part":
+        base = sharding_from_spec(spec["of"], tuple(spec["base_shape"]))
+        return part_sharding(base, int(spec["start"]), int(spec["stop"]), int(full_shape[0]))
     raise ValueError(f"unknown sharding kind {kind!r}")
 
 

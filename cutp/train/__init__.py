@@ -13,6 +13,7 @@ sampling   PromptSampler: --sample-every's generations (chat data: the prompt te
 memory     memory per rank, measured: state_bytes (params, grads, optimizer), ActivationPeak
            (the peak of a step), stash_per_layer (what each layer keeps for backward), measured_step,
            memory_record, max_over_ranks
+finetune   what trains: --freeze's groups and LoRA adapters (cutp.tensor_parallel.lora) on a run's model
 
     from cutp import train
     cfg = train.resolve_run_config(preset="tiny", steps=100, tp=2)
@@ -24,6 +25,7 @@ memory     memory per rank, measured: state_bytes (params, grads, optimizer), Ac
 """
 from .config import (CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_parser, flag_name, resolve_run_config,
                      resume_note, resume_out)
+from . import finetune
 from .defaults import choose_tp, default_preset
 from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
 from .reporting import MetricsLog, Progress, TensorBoardLog, bucket_line, gpu_name, known_peak_tflops, model_summary, progress_line

@@ -57,6 +57,7 @@ from ..runtime.mesh import derive_mesh, with_context_parallel
 from ..tensor_parallel.context_parallel import check_context_parallel
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
+from .finetune import FINETUNE_SETTINGS, check_finetune
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
 from .zero import check_zero, normalise_zero
@@ -179,6 +180,19 @@ class RunConfig:
                           derived="steps / 20, at least 1")
     weight_decay: float = setting(0.1, "AdamW's weight decay", "run", kind=float, at_least=0, run=True)
     grad_clip: float = setting(1.0, "global gradient-norm clipping (0: none)", "run", kind=float, at_least=0, run=True)
+    # what trains (cutp.train.finetune): frozen groups, LoRA adapters on the frozen base
+    freeze: str | None = setting(None, "freeze parameter groups (no gradients, masters or optimizer state): "
+                                 "embeddings, norms, head, attention, mlp, or name globs, comma-separated",
+                                 "run", optional=True, run=True, metavar="GROUP,...")
+    lora_rank: int | None = setting(None, "LoRA: freeze the model and train rank-R adapters on --lora-targets "
+                                    "(PEFT's LoraModel)", "run", kind=int, at_least=1, optional=True, run=True,
+                                    metavar="R")
+    lora_alpha: float | None = setting(None, "LoRA's alpha: the adapters' output scaled by alpha / rank", "run",
+                                       kind=float, above=0, optional=True, run=True, derived="the rank (scale 1)")
+    lora_dropout: float = setting(0.0, "LoRA: dropout on the adapters' input", "run", kind=float, at_least=0,
+                                  below=1, run=True)
+    lora_targets: str = setting("q,k,v,o,gate,up,down", "LoRA: the Hugging Face projections that get adapters",
+                                "run", run=True, metavar="PROJ,...")
     seed: int = setting(1337, "seed of the initial weights, the batches and dropout", "run", kind=int, at_least=0,
                         run=True)
     data: str | None = setting(None, "a directory written by `python -m cutp prepare-data` (its shards "
@@ -295,6 +309,7 @@ class RunConfig:
         micro_batches(self.batch_size, self.dp, self.micro_batch_size)
         self._check_pipeline()
         check_expert_parallel(self)
+        check_finetune(self)
 
     def _check_pipeline(self) -> None:
         if self.pp_layers is not None and self.pp == 1 and len(self.pp_layers) != 1:
@@ -552,6 +567,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],
         pack=bool(run["pack"]), sample_every=c["sample_every"], sample_prompt=c["sample_prompt"],
         sample_tokens=c["sample_tokens"],
+        **{k: run[k] for k in FINETUNE_SETTINGS},
         distributed_optimizer=bool(c["distributed_optimizer"]), grad_reduce_dtype=c["grad_reduce_dtype"],
         zero=c["zero"], reshard_after_forward=bool(c["reshard_after_forward"]), dp_replicate=c["dp_replicate"],
         allow_tf32=bool(c["allow_tf32"]),

@@ -54,13 +54,16 @@ def state_bytes(run) -> dict:
     """Bytes of this rank's parameters, gradients and optimizer state, from the live arrays:
     `run.optimizer.memory_bytes()` (cutp.optim's optimizers: the flat buffers, Adam's moments and
     the fp32 master weights of 16-bit models; a shard of them with the distributed optimizer),
-    else the flat buffers and whichever of `m`, `v`, `master` the optimizer holds."""
+    else the flat buffers and whichever of `m`, `v`, `master` the optimizer holds; frozen
+    parameters count in `params` only (no gradient, no state)."""
     opt, flat = run.optimizer, run.flat
+    # frozen parameters (--freeze, LoRA's base) are outside the flat buffers: held, never trained
+    frozen = sum(int(p.data.nbytes) for p in run.model.parameters() if not p.trainable)
     if hasattr(opt, "memory_bytes"):
         got = opt.memory_bytes()
-        return {k: int(got[k]) for k in STATE_KEYS}
+        return {k: int(got[k]) + (frozen if k == "params" else 0) for k in STATE_KEYS}
     optim = sum(int(a.nbytes) for a in (getattr(opt, k, None) for k in ("m", "v", "master")) if a is not None)
-    return {"params": int(flat.data.nbytes), "grads": int(flat.grad.nbytes), "optimizer": optim}
+    return {"params": int(flat.data.nbytes) + frozen, "grads": int(flat.grad.nbytes), "optimizer": optim}
 
 
 def memory_record(run, activations_peak: int | None = None, stash: list[int] | None = None) -> dict:

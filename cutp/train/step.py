@@ -54,9 +54,11 @@ from ..runtime.failure import errors_raised_on_every_rank, mark_raised_on_every_
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
+from ..tensor_parallel.parameter import trainable_parameters
 from .reductions import dp_mean, dp_sums, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
+from .finetune import resumed_base, set_up_trainable
 from .moe import moe_step, moe_step_stats
 from .zero import sharded_optimizer
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
@@ -252,7 +254,8 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
-    run = assemble_run(cfg, ctx, dataset, sampler, init=cfg.resume is None and cfg.init_from is None, blas=blas)
+    draw, base = resumed_base(cfg)  # (a checkpoint without its frozen base: that from its init_from or seed)
+    run = assemble_run(cfg, ctx, dataset, sampler, init=draw, blas=blas, base=base)
     if cfg.resume is not None:
         resume(run, cfg.resume)
         setup_progress()
@@ -260,31 +263,34 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
 
 
 def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *, init: bool = True,
-                 blas: str = "") -> TrainingRun:
+                 blas: str = "", base: str | None = None) -> TrainingRun:
     """The model (its weights drawn, or with init=False zeros to be loaded; `cfg.init_from`'s
     loaded), its layout (recomputation, sequence parallelism), the flat buffers and the optimizer
     of `cfg` on context `ctx`: the run `build_run` makes, and the one the planner (cutp.plan)
     makes on a shape-only context. Collective over ctx."""
     model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
                 pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
-    if cfg.init_from is not None:  # before the optimizer copies any weight (fp32 master weights)
-        init_weights(model, cfg.init_from)
+    base = cfg.init_from if base is None else base  # (`base`: a resumed run's frozen weights' source)
+    if base is not None:  # before the optimizer copies any weight (fp32 master weights)
+        init_weights(model, base)
+    set_up_trainable(model, cfg)  # --freeze, LoRA (refusals alike on every rank): before any layout and optimizer
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
     model.set_sequence_parallel(cfg.sequence_parallel)
     if cfg.cp > 1:
         model.set_context_parallel_comm(cfg.cp_comm)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
+    params = trainable_parameters(model.parameters())  # frozen ones: no gradient, master or state
     if cfg.zero >= 2:  # gradients (and parameters) sharded unit by unit; the model calls its hooks
         optimizer = flat = sharded_optimizer(cfg, ctx, model, **kw)
     elif cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
-        optimizer = ExpertParallelAdamW(model.parameters(), ctx, **kw)
+        optimizer = ExpertParallelAdamW(params, ctx, **kw)
         flat = optimizer.flat
     elif cfg.distributed_optimizer:
-        flat = FlatParameters(model.parameters(), pad_to=DistributedAdamW.pad_multiple(cfg.dp * cfg.cp))
+        flat = FlatParameters(params, pad_to=DistributedAdamW.pad_multiple(cfg.dp * cfg.cp))
         optimizer = DistributedAdamW(flat, ctx, **kw)
     else:
-        flat = FlatParameters(model.parameters())
+        flat = FlatParameters(params)
         optimizer = AdamW(flat, **kw)
     run = TrainingRun(cfg, ctx, model, flat, optimizer, dataset, sampler, blas=blas, loss_scaler=make_loss_scaler(cfg))
     if (cfg.overlap_grad_reduce or cfg.overlap_param_gather) and cfg.zero < 2:
@@ -298,6 +304,11 @@ def init_weights(model: GPT, path: str) -> None:
     """Loads the weights (only) of a Hugging Face GPT-2 directory or a cutp checkpoint into
     `model`, whose architecture must be theirs. Collective; an error is raised on every rank."""
     if is_cutp_checkpoint(path):
+        with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
+            if read_meta(resolve_checkpoint(path)).get("trainable_only"):
+                raise ConfigError(f"`init_from` {path} holds only what its run trained (frozen parameters or LoRA "
+                                  "adapters, not its base): write it whole with `python -m cutp export-hf "
+                                  f"{path} --out DIR --merge-lora` and give `init_from` DIR, or resume it")
         load_checkpoint(path, model)
         return
     with errors_raised_on_every_rank(model.ctx.world.mpi_comm):

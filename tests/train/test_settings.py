@@ -103,6 +103,7 @@ def test_the_choices_and_run_settings_come_from_the_declarations():
     assert train.CHOICES["eval_batches"] == 4 and train.CHOICES["tp"] is None  # derived when not given
     assert train.CHOICES["device"] == "auto" and train.CHOICES["set"] == ()
     assert set(train.RUN_SETTINGS) == {"steps", "batch_size", "seq_len", "lr", "min_lr", "warmup", "weight_decay",
-                                       "grad_clip", "dropout", "seed", "data", "pack"}
+                                       "grad_clip", "dropout", "seed", "data", "pack", "freeze", "lora_rank", "lora_alpha",
+                                       "lora_dropout", "lora_targets"}
     with pytest.raises(ConfigError, match=r"unknown run settings \['bogus'\]"):
         train.resolve_run_config(MPI.COMM_SELF, bogus=1)

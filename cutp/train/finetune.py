@@ -1,0 +1,131 @@
+"""What trains: --freeze's groups and LoRA's adapters (cutp.tensor_parallel.lora) on a run's model.
+
+    --freeze embeddings,norms          those parameters frozen (no gradient, master or state)
+    --lora-rank 8 --lora-alpha 16      every parameter frozen, rank-8 adapters on --lora-targets
+    --lora-dropout 0.05 --lora-targets q,k,v,o,gate,up,down
+
+Both are run settings (a resumed run keeps them). A run with frozen parameters saves only the
+trainable ones in its checkpoints (`trainable_only` in meta.json, with `base`: where the frozen
+weights come from, the run's init_from or None for the seed's initial weights); resuming or
+exporting reads the base from there and the trainable tensors from the checkpoint.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+
+from ..checkpoint import read_meta
+from ..models.hf import expected_shapes
+from ..models.hf_files import HFFormatError
+from ..runtime.errors import ConfigError
+from ..tensor_parallel.lora import FREEZE_GROUPS, TARGETS, LoraSpec, freeze_groups, set_up_trainable as set_up, spec_of
+
+FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+DEFAULT_TARGETS = ",".join(TARGETS)
+
+
+def settings_of(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in FINETUNE_SETTINGS}
+
+
+def lora_spec(cfg) -> LoraSpec | None:
+    """The run's LoRA (None without `lora_rank`)."""
+    return spec_of(settings_of(cfg))
+
+
+def check_finetune(cfg) -> None:
+    """ConfigError naming the setting: LoRA settings without `lora_rank`, bad values, dropout on
+    MoE experts' adapters."""
+    if cfg.lora_rank is None:
+        given = [k for k, default in (("lora_alpha", None), ("lora_dropout", 0.0), ("lora_targets", DEFAULT_TARGETS))
+                 if getattr(cfg, k) != default]
+        if given:
+            raise ConfigError(f"`{given[0]}` sets up LoRA adapters, which need `lora_rank`: give `lora_rank` R "
+                              f"(e.g. 8), or omit `{given[0]}`")
+    spec = lora_spec(cfg)
+    if (spec is not None or cfg.freeze is not None) and getattr(cfg, "zero", 0) >= 2:
+        what = "lora_rank" if spec is not None else "freeze"
+        raise ConfigError(f"`{what}` with `zero` {cfg.zero}: the sharded optimizer of zero 2 and 3 does not yet leave "
+                          "frozen parameters out of its shards; use `zero` 1 (or 0)")
+    if cfg.freeze is not None and not freeze_groups(settings_of(cfg)):
+        raise ConfigError(f"`freeze` {cfg.freeze!r} names no group; give some of embeddings, norms, head, attention, "
+                          "mlp or parameter-name globs, comma-separated")
+    _check_freeze_names(cfg, spec)
+    if spec is not None and spec.dropout and cfg.model.n_experts and {"gate", "up", "down"} & set(spec.targets):
+        raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs are "
+                          "routed tokens); use `lora_dropout` 0, or `lora_targets` q,k,v,o on an MoE model")
+
+
+def _check_freeze_names(cfg, spec) -> None:
+    """--freeze's groups against the model's parameter names, before anything is built (a model no
+    Hugging Face family lists, such as GPT-2 with experts, is checked once built instead)."""
+    groups = freeze_groups(settings_of(cfg))
+    try:
+        names = list(expected_shapes(cfg.model))
+    except HFFormatError:
+        return
+    frozen = set()
+    for g in groups:
+        hit = {n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in FREEZE_GROUPS.get(g, (g,)))}
+        if not hit:
+            raise ConfigError(f"`freeze` {g!r} matches no parameter of this model; use a group of "
+                              f"{', '.join(FREEZE_GROUPS)}, or a glob of parameter names such as 'layers.0.*'")
+        frozen |= hit
+    if groups and spec is None and frozen == set(names):
+        raise ConfigError(f"`freeze` {cfg.freeze} leaves no parameter to train; freeze fewer groups")
+
+
+def set_up_trainable(model, cfg) -> None:
+    """Freezes `cfg.freeze`'s groups and adds `cfg`'s LoRA adapters (before any layout is set and
+    before the optimizer takes the parameters). A group matching no parameter of any pipeline
+    stage, or nothing left to train, is refused on every rank. Collective over TP and PP."""
+    groups, spec = freeze_groups(settings_of(cfg)), lora_spec(cfg)
+    hits = np.array(set_up(model, settings_of(cfg), seed=cfg.seed), np.int64)
+    ctx = model.ctx
+    if groups:
+        if ctx.pp_size > 1:
+            ctx.pp.mpi_comm.Allreduce(hits.copy(), hits)
+        none = [g for g, n in zip(groups, hits) if n == 0]
+        if none:
+            raise ConfigError(f"`freeze` {none[0]!r} matches no parameter of this model; use a group of "
+                              "embeddings, norms, head, attention, mlp, or a glob of parameter names such as "
+                              "'layers.0.*'")
+    if not (groups or spec is not None):
+        return
+    mine = (sum(p.trainable for p in model.parameters()), list(model.layer_ids))
+    every = model.ctx.pp.mpi_comm.allgather(mine) if ctx.pp_size > 1 else [mine]
+    counts = [n for n, _ in every]
+    if sum(counts) == 0:
+        raise ConfigError(f"`freeze` {cfg.freeze} leaves no parameter to train; freeze fewer groups")
+    if 0 in counts:  # (its optimizer would hold nothing: not supported)
+        stage = counts.index(0)
+        raise ConfigError(f"`freeze` {cfg.freeze} leaves pipeline stage {stage} (layers {every[stage][1]}) nothing "
+                          "to train; freeze fewer of its parameters, or use fewer pipeline stages (`pp`)")
+
+
+def resumed_base(cfg) -> tuple[bool, str | None]:
+    """(init, init_from) of the model a run builds: a resumed checkpoint saved with frozen
+    parameters (`trainable_only`) holds only what trains, so the frozen base comes from the
+    resumed run's init_from, or, without one, its seed's initial weights."""
+    if cfg.resume is None:
+        return cfg.init_from is None, cfg.init_from
+    meta = read_meta(cfg.resume)
+    if not meta.get("trainable_only"):
+        return False, None
+    base = (meta.get("train_args") or {}).get("init_from")
+    return base is None, base
+
+
+def trainable_line(cfg, model) -> str | None:
+    """The banner's line of a run with frozen parameters (None without): what trains on this rank."""
+    params = model.parameters()
+    frozen = [p for p in params if not p.trainable]
+    if not frozen:
+        return None
+    spec = lora_spec(cfg)
+    what = [f"LoRA rank {spec.rank}, alpha {spec.alpha:g} on {','.join(spec.targets)}"] if spec else []
+    what += [f"--freeze {cfg.freeze}"] if cfg.freeze else []
+    n = sum(p.data.size for p in params if p.trainable)
+    return (f"trainable: {n:,} of {n + sum(p.data.size for p in frozen):,} parameters on this rank ({'; '.join(what)});"
+            " the frozen ones have no gradients, masters or optimizer state")

@@ -1,0 +1,260 @@
+"""LoRA adapters and frozen parameters (issue 38; cutp.tensor_parallel.lora, cutp.train.finetune).
+
+float64 llama-tiny with adapters on q, k, v, o, gate, up, down (dropout 0.1): on tp 1/2/4 (KV heads
+fewer than tp: replicated), tp 2 + SP, pp 2, dp 2 + ZeRO-1, cp 2, full
+recomputation and a Mixtral-shaped ep 2 (adapters on the experts too), the losses of two steps
+and every adapter's gradient equal one rank's within 1e-10, the frozen base weights are
+bit-identical to their initial values, and the optimizer holds state (and gradients) for the
+adapters alone. One rank, no MPI: the adapters' output equals the merged weights' model, and
+their gradients equal central differences; --freeze's groups and refusals.
+"""
+import numpy as np
+import pytest
+
+from cutp.bench.model import random_tokens
+from cutp.models import GPTConfig
+from cutp.runtime.errors import ConfigError
+from cutp.tensor_parallel import gather_full
+from cutp.tensor_parallel.lora import LoraSpec, apply_lora, freeze
+from cutp.train import RunConfig, build_run, train_step
+from tests.mpirun import run_mpi
+
+LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_size=97, block_size=16,
+             dtype="float64", dropout=0.1, norm="rmsnorm", positions="rope", mlp="swiglu", bias=False,
+             tie_embeddings=False, norm_eps=1e-5)
+MIXTRAL = dict(LLAMA, dropout=0.0, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True)
+GPT2 = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=16, dtype="float64", dropout=0.0)  # GeLU, biases
+FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
+
+
+# what trains: LoRA (no dropout on the experts' adapters), or (GPT-2, tied embeddings) --freeze alone
+TRAINS = {"llama": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1),
+          "mixtral": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0),
+          "gpt2": dict(freeze="embeddings,norms,layers.1.mlp.*")}
+
+
+def _config(family="llama", tp=1, dp=1, pp=1, ep=1, cp=1, micro=2, sp=False, zero=False, recompute="none",
+            cp_comm="ring", **kw):
+    lora = TRAINS[family]
+    return RunConfig(model=GPTConfig(**dict(FAMILIES[family], dropout=0.1 if family == "gpt2" else
+                                            FAMILIES[family]["dropout"])), tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
+                     batch_size=4, micro_batch_size=micro, seq_len=16, steps=3, warmup=1, lr=1e-2, seed=3,
+                     sequence_parallel=sp, recompute=recompute, distributed_optimizer=zero, eval_every=0, quiet=True,
+                     save_on_signal=False, **{**lora, **kw})
+
+
+def _train(cfg, comm, steps=2):
+    """Losses; every rank's {name: (full gradient or None, full parameter)}; the base weights
+    unchanged bit for bit on every rank; the optimizer's and gradients' elements."""
+    run = build_run(cfg, comm, dataset=random_tokens(97, 4096, 0))
+    ctx = run.ctx
+    before = {p.name: np.array(p.data) for p in run.model.parameters() if not p.trainable}
+    losses = [train_step(run).loss for _ in range(steps)]
+    run.gather_params()  # (--overlap-param-gather: the last update's gathers)
+    full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
+    mine = {p.name: (full(p, p.grad) if p.trainable else None, full(p, p.data)) for p in run.model.parameters()}
+    for p in run.model.parameters():
+        if not p.trainable:
+            assert p.grad is None and np.array_equal(p.data, before[p.name]), p.name
+    trainable = sum(p.data.size for p in run.model.parameters() if p.trainable)
+    mem = run.optimizer.memory_bytes()
+    assert mem["grads"] <= 8 * (trainable + 64 * ctx.dp_cp_size), (mem, trainable)  # the adapters' only (+ padding)
+    assert mem["optimizer"] <= 16 * (trainable + 64 * ctx.dp_cp_size), (mem, trainable)
+    everyone = comm.allgather(mine)
+    run.close()
+    return losses, everyone
+
+
+def _worker_layouts_equal_one_rank(cases, refs_path):
+    import pickle
+
+    from mpi4py import MPI
+
+    with open(refs_path, "rb") as f:
+        refs = pickle.load(f)  # one rank's run of each family (the test's own process ran them)
+    for kw in cases:
+        cfg = _config(**kw)
+        losses, everyone = _train(cfg, MPI.COMM_WORLD)
+        ref_losses, ref = refs[kw.get("family", "llama")]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(kw))
+        seen = set()
+        for rank in everyone:
+            for name, (g, w) in rank.items():
+                seen.add(name)
+                rg, rw = ref[name]
+                assert (g is None) == (rg is None), (kw, name)
+                if g is not None and not cfg.distributed_optimizer:  # (ZeRO-1: its shard of the reduced gradient)
+                    assert np.abs(g).max() > 0, (kw, name)  # (B is no longer 0 after the first step)
+                    assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), (kw, name)
+                if g is None:
+                    assert np.array_equal(w, rw), (kw, name)  # the frozen base: bit for bit
+                else:
+                    assert np.abs(w - rw).max() <= 1e-10 * np.abs(rw).max(), (kw, name)
+        assert seen == set(ref), (kw, sorted(set(ref) ^ seen))
+
+
+def test_lora_on_every_layout_equals_one_rank(tmp_path):
+    import pickle
+
+    from mpi4py import MPI
+
+    cases = [dict(tp=4, recompute="full"),  # 2 KV heads over 4 ranks: replicated, their B columns too
+             dict(tp=2, dp=2, sp=True, tp_comm_overlap=True), dict(tp=2, pp=2, micro=1),
+             dict(dp=2, pp=2, micro=1, zero=True, overlap_grad_reduce=True, overlap_param_gather=True),
+             dict(tp=2, cp=2),  # (the ring: the all-to-all changes the attention only, not the linears)
+             dict(family="mixtral", tp=2, dp=2, ep=2, micro=1),
+             dict(family="gpt2", tp=2, pp=2, micro=1)]  # the frozen tied table on both pipeline ends
+    # one rank with the same global batch (an MoE model's auxiliary losses cover the DP group's
+    # micro-batch: its reference takes it whole)
+    refs = {family: (lambda r: (r[0], r[1][0]))(_train(_config(family, micro=2), MPI.COMM_SELF))
+            for family in TRAINS}
+    with open(tmp_path / "refs.pkl", "wb") as f:
+        pickle.dump(refs, f)
+    run_mpi(4, "tests.tensor_parallel.test_lora:_worker_layouts_equal_one_rank", cases, str(tmp_path / "refs.pkl"),
+            timeout=400)
+
+
+# ---- one rank ------------------------------------------------------------------------------------
+def _model(family="llama", **kw):
+    from mpi4py import MPI
+    from cutp.comm.context import init
+    from cutp.models import GPT
+
+    ctx = init(comm=MPI.COMM_SELF, tp=1, device="cpu")
+    return GPT(ctx, GPTConfig(**dict(FAMILIES[family], dropout=0.0, **kw)), seed=5)
+
+
+def _randomize_adapters(model, seed=0):
+    rng = np.random.default_rng(seed)
+    for p in model.parameters():
+        if p.trainable:
+            p.data[...] = rng.standard_normal(p.data.shape) * 0.3
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
+def test_adapters_equal_the_merged_weights_and_central_differences(family):
+    kw = dict(moe_aux_loss_coeff=0.0) if family == "mixtral" else {}  # (backward includes the auxiliary losses)
+    model, plain = _model(family, **kw), _model(family, **kw)
+    spec = LoraSpec(rank=3, alpha=6.0)
+    pairs = apply_lora(model, spec)
+    assert {p.proj for p in pairs} == {"q", "k", "v", "o", "up", "down"} | ({"gate"} if family != "gpt2" else set())
+    _randomize_adapters(model)
+    weights = {p.name: p for p in plain.parameters()}
+    for pair in pairs:  # W[:, cols] += scale * A @ B, in the fused weights' columns
+        base = weights[pair.A.name.split(".lora_A.")[0] + ".weight"]
+        width, start = pair.B.data.shape[1], pair.out.start  # (one rank: the shard's columns are the whole's)
+        base.data[:, start:start + width] += spec.scale * pair.A.data @ pair.B.data
+    idx = np.random.default_rng(1).integers(0, 97, (2, 16))
+    tgt = np.roll(idx, -1, axis=1)
+    a = model.gather_logits(model.forward(idx))
+    b = plain.gather_logits(plain.forward(idx))
+    assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max()
+    model.train()
+    model.forward(idx, tgt)
+    model.backward()
+    rng = np.random.default_rng(2)
+    for pair in pairs[:3] + pairs[-2:]:
+        for p in (pair.A, pair.B):
+            assert p.grad is not None and np.abs(p.grad).max() > 0
+            i = tuple(int(rng.integers(0, n)) for n in p.data.shape)
+            h, keep = 1e-5, p.data[i]
+            p.data[i] = keep + h
+            up = model.forward(idx, tgt)
+            p.data[i] = keep - h
+            down = model.forward(idx, tgt)
+            p.data[i] = keep
+            assert abs((up - down) / (2 * h) - p.grad[i]) <= 1e-7 * max(1.0, abs(p.grad[i])), (p.name, i)
+    for p in model.parameters():
+        assert p.trainable == (".lora_" in p.name) and (p.grad is None) == (not p.trainable)
+
+
+def test_freeze_groups_and_refusals():
+    model = _model()
+    frozen = freeze(model, ["embeddings", "norms", "layers.1.mlp.*"])
+    assert "tok_embed.weight" in frozen and "final_norm.weight" in frozen and "layers.1.mlp.fc2.weight" in frozen
+    assert "layers.0.mlp.fc1.weight" not in frozen and "lm_head.weight" not in frozen
+    assert all((p.grad is None) == (p.name in frozen) for p in model.parameters())
+    with pytest.raises(ConfigError, match="freeze 'decoder' matches no parameter"):
+        freeze(model, ["decoder"])
+    with pytest.raises(ConfigError, match="lora_targets q,qq: .*qq.* is no projection"):
+        LoraSpec(4, 8.0, targets=("q", "qq"))
+    with pytest.raises(ConfigError, match="lora_alpha sets up LoRA adapters, which need lora_rank"):
+        _config(lora_rank=None, lora_alpha=16.0, lora_dropout=0.0)
+    with pytest.raises(ConfigError, match="freeze 'decoder' matches no parameter"):  # (before anything is built)
+        _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, freeze="norms,decoder")
+    with pytest.raises(ConfigError, match="leaves no parameter to train"):
+        _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, freeze="embeddings,head,norms,attention,mlp")
+    with pytest.raises(ConfigError, match="adapters on MoE experts take no dropout"):
+        _config("mixtral", lora_dropout=0.1)
+
+
+def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
+    import dataclasses
+
+    from mpi4py import MPI
+    from cutp.checkpoint import read_meta
+    from cutp.train.step import save
+
+    cfg = _config(lora_targets="q,v,down", freeze=None)
+    run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    straight = [train_step(run).loss for _ in range(3)]
+    want = {p.name: np.array(p.data) for p in run.model.parameters()}
+    run.close()
+    run = build_run(dataclasses.replace(cfg, out=str(tmp_path), run_steps=2), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    first = [train_step(run).loss for _ in range(2)]
+    path = save(run)
+    run.close()
+    meta = read_meta(path)
+    assert meta["trainable_only"] and sorted(meta["params"]) == sorted(
+        p.name for p in run.model.parameters() if p.trainable)
+    assert {n.rsplit(".", 1)[1] for n in meta["params"]} == {"q", "v", "down"}
+    run = build_run(dataclasses.replace(cfg, resume=path, resumed_step=2), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    last = train_step(run).loss
+    assert first + [last] == straight
+    for p in run.model.parameters():
+        assert np.array_equal(p.data, want[p.name]), p.name
+    run.close()
+
+
+def test_the_planner_plans_frozen_parameters_without_gradients_masters_or_moments():
+    from cutp.plan.run import planned_step
+
+    tiny = GPTConfig.preset("llama-tiny")
+    plain, lora = (planned_step(tiny, tp=2, micro_batch=1, seq_len=32, device="cpu", dtype="bfloat16", finetune=ft)
+                   for ft in (None, dict(lora_rank=8, lora_targets="q,v")))
+    trains = sum(p.numel for p in lora["parameters"] if ".lora_" in p.name)
+    assert trains == tiny.n_layer * (2 * 128 * 8 + 8 * (64 + 16))  # A whole, B's columns of this rank's heads
+    assert lora["state"] == {"params": plain["state"]["params"] + 2 * trains, "grads": 4 * trains,
+                             "optimizer": 12 * trains}  # (bf16 weights; fp32 gradients, master, m, v)
+
+
+def test_a_pipeline_stage_left_with_nothing_to_train_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from cutp.train.finetune import set_up_trainable
+
+    model = _model("gpt2")  # this rank's stage, all of whose parameters the groups below freeze
+    pp = SimpleNamespace(Allreduce=lambda a, b: None, allgather=lambda mine: [mine, (5, [2, 3])])
+    model.ctx = SimpleNamespace(pp_size=2, pp=SimpleNamespace(mpi_comm=pp))
+    run = SimpleNamespace(freeze="embeddings,norms,layers.*", lora_rank=None, lora_alpha=None, lora_dropout=0.0,
+                          lora_targets="q", seed=0)
+    with pytest.raises(ConfigError, match=r"leaves pipeline stage 0 \(layers \[0, 1\]\) nothing to train"):
+        set_up_trainable(model, run)
+
+
+def test_a_run_saved_without_its_base_is_refused_as_init_from(tmp_path):
+    import dataclasses
+
+    from mpi4py import MPI
+    from cutp.train.step import save
+
+    cfg = _config(lora_targets="q", out=str(tmp_path / "run"))
+    run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    train_step(run)
+    path = save(run)
+    run.close()
+    again = dataclasses.replace(cfg, out=None, init_from=path)
+    with pytest.raises(ConfigError, match="holds only what its run trained.*--merge-lora"):
+        build_run(again, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
