@@ -494,5 +494,7 @@ class ShardedAdamW:
 class _GradOf:
     """A stand-in parameter whose grad is a shard (a deferred grad_sync hook runs on it)."""
 
+    trainable = True  # (the hooks skip frozen parameters; a shard's stand-in always trains)
+
     def __init__(self, grad):
         self.grad = grad
