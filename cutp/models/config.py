@@ -129,6 +129,8 @@ class ModelConfig:
             optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
             if value.lower() in ("none", "null") and optional:
                 changes[key] = None
+            elif "tuple" in str(fields[key].type):  # comma-separated: layer_types=sliding_attention,full_attention
+                changes[key] = tuple(v.strip() for v in value.split(","))
             elif isinstance(current, bool) or (current is None and "bool" in str(fields[key].type)):
                 changes[key] = value.lower() in ("1", "true", "yes")
             elif isinstance(current, float) or (current is None and "float" in str(fields[key].type)):

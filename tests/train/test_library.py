@@ -310,3 +310,11 @@ def test_set_gelu_none_is_the_string_and_optional_fields_take_none():
     c = GPTConfig.preset("tiny").with_overrides(["gelu=none", "n_kv_head=none", "mlp_hidden=256"])
     assert c.gelu == "none" and c.n_kv_head is None and c.mlp_hidden == 256
     c.validate(1)
+
+
+def test_set_takes_a_tuple_field_comma_separated():
+    c = GPTConfig.preset("gemma-tiny").with_overrides(["layer_types=full_attention,sliding_attention,"
+                                                       "full_attention,full_attention", "sliding_window=16"])
+    assert c.layer_types == ("full_attention", "sliding_attention", "full_attention", "full_attention")
+    assert [c.layer_window(i) for i in range(4)] == [None, 16, None, None]
+    c.validate(1)
