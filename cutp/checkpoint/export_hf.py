@@ -86,6 +86,31 @@ def _special_token_texts(tokenizer_json: str, cfg) -> dict:
     return out
 
 
+def ids_from_tokenizer(found: dict, cfg):
+    """cfg with the bos/eos/pad ids it lacks filled from the tokenizer's tokenizer_config.json
+    (its special tokens' texts, looked up in tokenizer.json): a model trained from a preset knows no
+    ids, and without an eos id transformers' generate would run past the end of a turn."""
+    config_json, tokenizer_json = found.get("tokenizer_config.json"), found.get(TOKENIZER_FILE)
+    if not (config_json and tokenizer_json):
+        return cfg
+    with open(config_json) as f:
+        special = json.load(f)
+    with open(tokenizer_json) as f:
+        tok = json.load(f)
+    id_of = {t["content"]: t["id"] for t in tok.get("added_tokens") or []}
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        id_of = {**vocab, **id_of}
+    filled = {}
+    for what in ("bos", "eos", "pad"):
+        text = special.get(f"{what}_token")
+        text = text.get("content") if isinstance(text, dict) else text
+        if getattr(cfg, f"{what}_token_id") is None and isinstance(text, str) and id_of.get(text) is not None \
+                and 0 <= id_of[text] < cfg.vocab_size:
+            filled[f"{what}_token_id"] = int(id_of[text])
+    return dataclasses.replace(cfg, **filled) if filled else cfg
+
+
 def _tokenizer_files(source: str, cfg, work: str) -> dict:
     """{file name: path} to copy from `source`; a tokenizer_config.json and special_tokens_map.json
     written into `work` when the source (a prepare-data tokenizer.json alone) has none."""
@@ -135,6 +160,7 @@ def export_hf(src: str, out: str, dtype: str | None = None, stream=None, merge_l
     try:
         source = tokenizer_source(ckpt)
         tokenizer = _tokenizer_files(source, cfg, work) if source else {}
+        cfg = ids_from_tokenizer(tokenizer, cfg)
         save_hf(tensors, cfg, os.path.join(work, "model"), dtype, tokenizer_files=tokenizer)
         model_dir = os.path.join(work, "model")
         if has_lora and not merge_lora:  # the base as it was, and the adapters alone in PEFT's format

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 import cutp
 from cutp.checkpoint import save_checkpoint
-from cutp.checkpoint.export_hf import export_hf, main
+from cutp.checkpoint.export_hf import export_hf, ids_from_tokenizer, main
 from cutp.hf import from_hf, save_hf
 from cutp.models import GPT, GPTConfig
 from tests.data.tokenizer_files import sentencepiece_style
@@ -132,3 +132,18 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys):
         export_hf(str(tmp_path / "moe"), str(tmp_path / "z"), dtype="int8")
     with pytest.raises(cutp.ConfigError, match=r"load_model returns \(model, meta\); pass the model"):
         save_hf((model, {}), str(tmp_path / "z"))
+
+
+def test_ids_the_config_lacks_come_from_the_tokenizers_special_tokens(tmp_path):
+    """A run from a preset knows no bos/eos ids: the export takes them from the tokenizer it ships
+    (else transformers' generate runs past the end of a turn); ids the config has are kept."""
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "model": {"vocab": {"a": 0, "b": 1}},
+        "added_tokens": [{"id": 250, "content": "<|begin|>"}, {"id": 251, "content": "<|eot|>"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin|>", "eos_token": {"content": "<|eot|>"}, "pad_token": "<|missing|>"}))
+    found = {n: str(tmp_path / n) for n in ("tokenizer.json", "tokenizer_config.json")}
+    cfg = ids_from_tokenizer(found, GPTConfig.preset("llama-tiny"))
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (250, 251, None)
+    kept = ids_from_tokenizer(found, GPTConfig.preset("llama-tiny", eos_token_id=7))
+    assert (kept.bos_token_id, kept.eos_token_id) == (250, 7)
