@@ -112,5 +112,6 @@ def test_llama_qwen2_mixtral_qwen3_gemma_on_every_layout_equal_one_rank():
              dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2),
              dict(family="gemma", tp=4, recompute="full"),  # (every config here has dropout 0.1)
              dict(family="gemma", tp=2, pp=2, micro=1, schedule="interleaved", virtual=2, sp=True),
-             dict(family="gemma", cp=2, dp=2, zero=True)]  # the ring
+             dict(family="gemma", cp=2, dp=2, zero=True),  # the ring
+             dict(family="gemma", tp=2, cp=2, cp_comm="a2a")]
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)
