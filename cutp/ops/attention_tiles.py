@@ -90,7 +90,8 @@ def tile_forward(q, k, v, scale: float, positions, dropout=None):
     kernels, _ = fused_attention_kernels(q, k, v)
     if kernels is not None:
         drop, strides = _kernel_dropout(dropout)
-        return kernels.attention_forward(q, k, v, scale, *drop, positions=positions, drop_strides=strides,
+        return kernels.attention_forward(q, k, v, scale, *drop, q_first=positions[0], k_first=positions[1],
+                                         drop_strides=strides,
                                          out_dtype=np.float32)
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
@@ -132,7 +133,8 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
         if not kernel_layout(do):
             do = xp.ascontiguousarray(do)
         drop, strides = _kernel_dropout(dropout)
-        args = dict(rowdot=xp.ascontiguousarray(rowdot), positions=positions, drop_strides=strides)
+        args = dict(rowdot=xp.ascontiguousarray(rowdot), q_first=positions[0], k_first=positions[1],
+                    drop_strides=strides)
         lse = xp.ascontiguousarray(lse)
         if out is not None and all(kernel_layout(a, output=True) and a.dtype == np.float32 for a in out):
             return kernels.attention_backward(do, q, k, v, None, lse, scale, out, *drop, accumulate=True, **args)

@@ -1,5 +1,5 @@
 """kernels/attention.cu on the tiles of context parallelism's ring attention, through its
-launchers' tile arguments (positions, drop_strides, out_dtype, rowdot, accumulate) and through
+launchers' tile arguments (q_first / k_first, drop_strides, out_dtype, rowdot, accumulate) and through
 cutp.ops.attention_tiles, against attention_tiles' array code in float64 on the same inputs.
 
 * A ring tile pair in miniature: queries of chunk 2 of a 4-chunk sequence against chunk 0 (a full
@@ -52,8 +52,8 @@ def test_a_ring_tile_pair_on_the_kernels(backend, k, dtype, p):
     acc, acc_ref = (None, None), (None, None)
     for j in (0, 2):  # the full tile, then the diagonal
         pos = (2 * c, j * c)
-        o, lse = k.attention_forward(dev(q), dev(kv[j][0]), dev(kv[j][1]), scale, *drop, positions=pos,
-                                     drop_strides=strides, out_dtype=np.float32)
+        o, lse = k.attention_forward(dev(q), dev(kv[j][0]), dev(kv[j][1]), scale, *drop, q_first=pos[0],
+                                     k_first=pos[1], drop_strides=strides, out_dtype=np.float32)
         assert o.dtype == np.float32 and lse.dtype == np.float32
         o_ref, lse_ref = tiles.tile_forward(*_f64(q, *kv[j]), scale, pos, dropout)
         assert normwise_error(backend.host(o), o_ref) <= TOL[dtype]
@@ -70,7 +70,8 @@ def test_a_ring_tile_pair_on_the_kernels(backend, k, dtype, p):
         pos = (2 * c, j * c)
         out = (dq, dev(start[1]), dev(start[2]))
         res = k.attention_backward(dev(do), dev(q), dev(kv[j][0]), dev(kv[j][1]), None, dev(acc[1]), scale, out,
-                                   *drop, rowdot=dev(rowdot), positions=pos, drop_strides=strides, accumulate=True)
+                                   *drop, rowdot=dev(rowdot), q_first=pos[0], k_first=pos[1],
+                                   drop_strides=strides, accumulate=True)
         assert all(r is o for r, o in zip(res, out))
         got_kv[j] = [backend.host(a) - s for a, s in zip(out[1:], start[1:])]
         ref = tiles.tile_backward(*_f64(do, q, *kv[j]), rowdot_ref, acc_ref[1], scale, pos, dropout)
@@ -92,11 +93,11 @@ EDGES = [  # Tq, Tk, positions
 def test_diagonal_shifts(backend, k, dtype, Tq, Tk, pos):
     q, k_, v, do = attention_inputs(1, 1, 2, Tq, Tk, 64, dtype, seed=Tq + Tk)
     dev = [backend.to_device(a) for a in (q, k_, v, do)]
-    o, lse = k.attention_forward(*dev[:3], 0.125, positions=pos)
+    o, lse = k.attention_forward(*dev[:3], 0.125, q_first=pos[0], k_first=pos[1])
     o_ref, lse_ref = tiles.tile_forward(*_f64(q, k_, v), 0.125, pos)
     assert normwise_error(backend.host(o), o_ref) <= TOL[dtype]
     assert normwise_error(backend.host(lse), lse_ref) <= 1e-6
-    grads = k.attention_backward(dev[3], *dev[:3], o, lse, 0.125, positions=pos)
+    grads = k.attention_backward(dev[3], *dev[:3], o, lse, 0.125, q_first=pos[0], k_first=pos[1])
     rowdot = (do.astype(f64) * o_ref).sum(axis=-1)
     for name, got, want in zip(("dq", "dk", "dv"), grads, tiles.tile_backward(*_f64(do, q, k_, v), rowdot, lse_ref,
                                                                                0.125, pos)):
@@ -113,7 +114,7 @@ def test_the_defaults_are_the_one_rank_attentions(backend, k):
     offsets = [10 ** 5, 7 * 10 ** 6]
     o, lse = k.attention_forward(*dev[:3], 0.125, 0.3, 9, offsets)
     shifted = [x - (Tk - Tq) * Tk for x in offsets]
-    kw = dict(positions=(Tk - Tq, 0), drop_strides=(Tq * Tk, Tk))
+    kw = dict(q_first=Tk - Tq, k_first=0, drop_strides=(Tq * Tk, Tk))
     o2, lse2 = k.attention_forward(*dev[:3], 0.125, 0.3, 9, shifted, **kw)
     np.testing.assert_array_equal(backend.host(o), backend.host(o2))
     np.testing.assert_array_equal(backend.host(lse), backend.host(lse2))
@@ -127,8 +128,6 @@ def test_the_defaults_are_the_one_rank_attentions(backend, k):
 
 def test_tile_refusals(backend, k):
     q, k_, v, do = (backend.to_device(a) for a in attention_inputs(1, 1, 1, 8, 8, 64, F32))
-    with pytest.raises(KernelArgumentError, match="sees none of the 8 keys from position 9"):
-        k.attention_forward(q, k_, v, 0.1, positions=(8, 9))
     with pytest.raises(KernelArgumentError, match="out_dtype"):
         k.attention_forward(q, k_, v, 0.1, out_dtype=np.float64)
     o, lse = k.attention_forward(q, k_, v, 0.1)
