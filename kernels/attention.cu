@@ -1,24 +1,30 @@
 // Fused causal attention (the FlashAttention-2 algorithm), forward and backward, with grouped
 // query heads (GQA): cutp.ops.causal_attention_forward/backward's kernels on a GPU.
 //
-//   o = softmax(scale * q k^T, causal) v     per query head and the KV head of its group
+//   o = softmax(mask(cap(scale * q k^T))) v     per query head and the KV head of its group
+//
+// The mask is cutp's attention mask rule (struct Mask): causal, an optional sliding window, and
+// optional documents (packed sequences: a key is seen only from a query of its document); cap is
+// the optional logit soft cap, softcap * tanh(x / softcap).
 //
 // Nothing T x T is ever stored: the forward walks the key/value tiles of a query tile with an
 // online softmax (running row max m and sum l, the accumulated output rescaled by exp(m_old -
 // m_new) when the max grows) and writes o and the row's log-sum-exp lse = m + log(l); the
 // backward recomputes each tile's probabilities from q k^T and lse.
-//   attention_forward     grid (B * Hkv * G, query tiles); tiles above the causal diagonal are
-//                         never visited, the diagonal tile is masked; the longest rows first.
+//   attention_forward     grid (B * Hkv * G, query tiles); key tiles outside the causal band or
+//                         the window, or with none of the query tile's documents, are never
+//                         visited, the others masked; the longest rows first.
 //   attention_backward_rowdot  D[row] = sum(dO * O) over the head dim (FA-2's precompute).
 //   attention_backward_dq grid (B * Hkv * G, query tiles): per query tile, over its key tiles,
 //                         dS = P * (dP - D) with dP = dO v^T, dq = scale * dS k.
 //   attention_backward_dkdv grid (B * Hkv, key tiles): per key tile of a KV head, over the G
-//                         query heads of its group and their query tiles from the diagonal on,
+//                         query heads of its group and their query tiles that see its keys,
 //                         dv = P^T dO, dk = scale * dS^T q: a shared KV head's gradient is summed
 //                         in the block, never copied per query head, and never needs atomics.
 // One tile of context parallelism's ring attention runs on the same kernels: the causal rule is a
 // diagonal shift (query row i sees keys j <= diag + i: Tk - Tq for the one-rank attention, 0 for
-// a ring's diagonal tile, Tk for a full one), the dropout counters take the whole sequence's
+// a ring's diagonal tile, Tk for a full one; a row that sees no key gets o = 0, lse = -inf), the
+// dropout counters take the whole sequence's
 // strides, the backward takes the merged lse and rowdot, and the outputs may be float32 for
 // 16-bit inputs, added to the ring's accumulators (Out).
 // dq and dk/dv in two kernels rather than dq by float atomics: deterministic results (the
@@ -181,7 +187,7 @@ struct Mask {
         return softcap * t;
     }
     // The document id of row t of batch row b of a [B, n] table (0 without documents).
-    __device__ __forceinline__ static int doc(const int* docs, long long b, int n, int t) {
+    __device__ __forceinline__ static int doc(const int* docs, long long b, long long n, int t) {
         return docs == nullptr ? 0 : docs[b * n + t];
     }
     // Whether a tile's query rows [q0, q1] and keys [k0, k1] (inclusive, in range) can meet a
@@ -510,8 +516,9 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
 // ---- entry points: {forward, backward_dq, backward_dkdv} x {f32, bf16} x head dim {64, 128} -----
 // Tile rows R: 64 for the forward; 64 (head dim 64) or 32 (head dim 128) for the backward, whose
 // blocks hold twice the tiles (kernels/attention.py, ATTENTION_TILE_ROWS). Threads: 2 x R.
-// diag >= 0: query row i sees keys j <= diag + i (Tk - Tq: the last Tq positions; 0: a ring's
-// diagonal tile; Tk: every key). Outputs: one of the T pointer and the float32 one (*_f32) is
+// The mask (attn_impl::Mask): query row i sees keys diag + i - window < j <= diag + i (Tk - Tq:
+// the last Tq positions; 0: a ring's diagonal tile; Tk: every key), of its document when q_docs,
+// k_docs are given; softcap > 0 caps the scores. Outputs: one of the T pointer and the float32 one (*_f32) is
 // null; accumulate adds the result to the output instead of overwriting it.
 #define ATTN_DROP_PARAMS                                                                                        \
     const long long *drop_offsets, unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale, \

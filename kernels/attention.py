@@ -319,9 +319,19 @@ def _scheduled(schedule):  # (pytest drops an id that a later whole-function id 
             for dt in ("f32", "bf16")]
 
 
+_MASK = "test_attention_mask.py::"
+
 QUICK_TESTS = (
     # tests written for survivors of the first attention campaign (cheap, checked build)
     _ATT + "test_scores_far_below_zero",
+    # the mask rule (window, soft cap, documents, ring tiles; tiles skipped, not masked)
+    _MASK + "test_tiles_outside_the_window_are_skipped",
+    _MASK + "test_tiles_of_other_documents_are_skipped",
+    *[f"{_MASK}test_the_mask_rule_on_the_kernels[emulated-{case}]"
+      for case in ("ring-rows-see-nothing-f32", "documents-ring-tile-f32", "window37-T70-gqa-f32",
+                   "window30-dropout-kvcache-20x90-f32", "softcap-T70-d128-f32",
+                   "documents-window-softcap-dropout-d128-f32", "documents-T130-f32", "window70-softcap-T100-f32",
+                   "ring-window-40x40-f32", "window37-T70-gqa-bf16", "softcap-T70-d128-bf16", "documents-T130-bf16")],
     # checked build (race detector, bounds): tile edges at head dims 64 / 128, the forward
     # schedule first (most mutants die there), the other schedules after the launcher tests
     *_scheduled("forward"),
@@ -367,4 +377,5 @@ FAMILY = KernelFamily(
         "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
             attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,
         width="head dim") for kernel in _TILE_KERNELS for d in ATTENTION_HEAD_DIMS},
-    tests=("test_attention.py", "test_attention_tiles.py"), quick_tests=QUICK_TESTS)
+    tests=("test_attention.py", "test_attention_tiles.py", "test_attention_mask.py"),
+    mutation_classes=("skiptile", "softcap"), quick_tests=QUICK_TESTS)

@@ -7,7 +7,11 @@ Layout as in :mod:`cutp.ops.attention`: q [B, nkv, g, Tq, hd], k and v [B, nkv, 
 has `positions` (q_pos, k_pos): query row i sits at global position q_pos + i, key j at k_pos + j,
 and a key after the query is masked. The ring's tiles are "full" (q_pos >= k_pos + Tk: every
 query sees every key) or "causal" (q_pos == k_pos, the diagonal block: key j > query i masked).
-Every query must see a key (q_pos >= k_pos).
+Every query must see a key (q_pos >= k_pos). The rest of the attention mask rule (cutp.ops.attention):
+`window` (a key at s is seen from a query at p only if s > p - window), `documents` (q_docs
+[B, Tq], k_docs [B, Tk] int32 ids of the tile's queries and keys: a key is seen only from a
+query of its document) and `softcap` (scores softcap * tanh(s / softcap) before the mask); a row
+of a tile that sees none of its keys has o = 0 and lse = -inf, which `merge` takes as "nothing".
 
 Forward of a tile: s = scale q k^T (masked), m = max s, l = sum exp(s - m), o = (exp(s - m) / l)
 (times the dropout factors) v, lse = m + log l. Two partial results of the same queries merge
@@ -52,13 +56,24 @@ def _kernel_dropout(dropout):
     return (float(p), seed, [int(o) for o in offsets]), (T * T, T)
 
 
-def _scores(q, k, scale, positions, xp):
+def _scores(q, k, scale, positions, xp, window=None, softcap=None, documents=None):
+    """(the tile's scaled, capped, masked scores [B, nkv, g, Tq, Tk], the cap's derivative
+    1 - tanh^2 or 1)."""
     s = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, nkv, g, Tq, Tk]
+    dcap = 1.0
+    if softcap is not None:
+        t = xp.tanh(s / softcap)
+        s, dcap = softcap * t, 1.0 - t * t
     (q_pos, k_pos), (tq, tk) = positions, s.shape[-2:]
+    key, query = (k_pos + xp.arange(tk))[None, :], (q_pos + xp.arange(tq))[:, None]
     if k_pos + tk - 1 > q_pos:  # some key after some query
-        later = (k_pos + xp.arange(tk))[None, :] > (q_pos + xp.arange(tq))[:, None]
-        s = xp.where(later, -xp.inf, s)
-    return s
+        s = xp.where(key > query, -xp.inf, s)
+    if window is not None and k_pos <= q_pos + tq - 1 - window:  # some key before some query's window
+        s = xp.where(key <= query - window, -xp.inf, s)
+    if documents is not None:
+        q_docs, k_docs = (xp.asarray(d) for d in documents)
+        s = xp.where(q_docs[:, None, None, :, None] != k_docs[:, None, None, None, :], -xp.inf, s)
+    return s, dcap
 
 
 def _keep(xp, dropout, positions, shape):
@@ -83,30 +98,38 @@ def _check_positions(positions, tq):
                          f"{positions[1]}: every query needs a visible key (q_pos >= k_pos)")
 
 
-def tile_forward(q, k, v, scale: float, positions, dropout=None):
+def _fused_mask(kernels, window, softcap, documents) -> dict:
+    docs = None if documents is None else tuple(kernels.xp.ascontiguousarray(d, dtype=np.int32) for d in documents)
+    return dict(window=window, softcap=softcap, documents=docs)
+
+
+def tile_forward(q, k, v, scale: float, positions, dropout=None, *, window=None, softcap=None, documents=None):
     """(o, lse) of queries q against keys k, v at `positions` (q_pos, k_pos), in the compute
-    dtype; dropout: None or (p, seed, offsets, T) (module docstring)."""
+    dtype; dropout: None or (p, seed, offsets, T); window, softcap, documents: the mask (module
+    docstring)."""
     _check_positions(positions, q.shape[3])
     kernels, _ = fused_attention_kernels(q, k, v)
     if kernels is not None:
         drop, strides = _kernel_dropout(dropout)
         return kernels.attention_forward(q, k, v, scale, *drop, q_first=positions[0], k_first=positions[1],
-                                         drop_strides=strides,
-                                         out_dtype=np.float32)
+                                         drop_strides=strides, out_dtype=np.float32,
+                                         **_fused_mask(kernels, window, softcap, documents))
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
-    s = _scores(qc, kc, scale, positions, xp)
+    s, _ = _scores(qc, kc, scale, positions, xp, window, softcap, documents)
     m = s.max(axis=-1, keepdims=True)
+    m = xp.where(m == -xp.inf, 0.0, m)  # a row that sees none of the tile's keys: p = 0
     p = xp.exp(s - m)
     total = p.sum(axis=-1, keepdims=True)
-    p /= total
+    seen = total > 0
+    p /= xp.where(seen, total, 1.0)
     keep, keep_scale = _keep(xp, dropout, positions, s.shape)
     if keep is not None:
         p *= keep
         p *= keep_scale
     o = p @ vc[:, :, None]
-    return o, (m + xp.log(total))[..., 0]
+    return o, xp.where(seen, m + xp.log(xp.where(seen, total, 1.0)), -xp.inf)[..., 0]
 
 
 def merge(o, lse, o_tile, lse_tile):
@@ -116,15 +139,17 @@ def merge(o, lse, o_tile, lse_tile):
         return o_tile, lse_tile
     xp = get_array_module(o)
     new = xp.logaddexp(lse, lse_tile)
-    return o * xp.exp(lse - new)[..., None] + o_tile * xp.exp(lse_tile - new)[..., None], new
+    ref = xp.where(new == -xp.inf, 0.0, new)  # rows neither part sees a key of: o = 0, lse = -inf
+    return o * xp.exp(lse - ref)[..., None] + o_tile * xp.exp(lse_tile - ref)[..., None], new
 
 
-def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=None, out=None):
+def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=None, out=None, *, window=None,
+                  softcap=None, documents=None):
     """(dq, dk, dv) of one tile, in the compute dtype: do [B, nkv, g, Tq, hd] the output's
     gradient (any dtype and strides), rowdot [B, nkv, g, Tq] = rowsum(do * o) and lse
     [B, nkv, g, Tq] of the merged result (compute dtype); dk and dv [B, nkv, Tk, hd] summed over
     the g query heads. out: optional (dq, dk, dv) arrays (compute dtype, any strides) the
-    gradients are added to, and returned."""
+    gradients are added to, and returned. window, softcap, documents: the forward's mask."""
     _check_positions(positions, q.shape[3])
     kernels, _ = fused_attention_kernels(q, k, v)
     if kernels is not None:
@@ -134,14 +159,14 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
             do = xp.ascontiguousarray(do)
         drop, strides = _kernel_dropout(dropout)
         args = dict(rowdot=xp.ascontiguousarray(rowdot), q_first=positions[0], k_first=positions[1],
-                    drop_strides=strides)
+                    drop_strides=strides, **_fused_mask(kernels, window, softcap, documents))
         lse = xp.ascontiguousarray(lse)
         if out is not None and all(kernel_layout(a, output=True) and a.dtype == np.float32 for a in out):
             return kernels.attention_backward(do, q, k, v, None, lse, scale, out, *drop, accumulate=True, **args)
         grads = tuple(xp.empty(a.shape, np.float32) for a in (q, k, v))
         grads = kernels.attention_backward(do, q, k, v, None, lse, scale, grads, *drop, **args)
     else:
-        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout)
+        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, window, softcap, documents)
     if out is None:
         return grads
     for dst, grad in zip(out, grads):
@@ -149,11 +174,13 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
     return out
 
 
-def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout):
+def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, window=None, softcap=None,
+                         documents=None):
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
-    p = xp.exp(_scores(qc, kc, scale, positions, xp) - lse[..., None])  # masked scores: exp(-inf) = 0
+    s, dcap = _scores(qc, kc, scale, positions, xp, window, softcap, documents)
+    p = xp.exp(s - xp.where(lse == -xp.inf, 0.0, lse)[..., None])  # masked scores: exp(-inf) = 0
     dp = doc @ vc[:, :, None].swapaxes(-1, -2)
     keep, keep_scale = _keep(xp, dropout, positions, p.shape)
     if keep is not None:
@@ -164,7 +191,7 @@ def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout):
     else:
         pf = p
     dv = (pf.swapaxes(-1, -2) @ doc).sum(axis=2)
-    ds = p * (dp - rowdot[..., None])
+    ds = p * (dp - rowdot[..., None]) * dcap
     dq = (ds @ kc[:, :, None]) * scale
     dk = (ds.swapaxes(-1, -2) @ qc).sum(axis=2) * scale
     return dq, dk, dv

@@ -253,3 +253,71 @@ def test_the_planners_gpu_walk_books_the_fused_tiles(dtype):
     got = tiles.tile_backward(do, q, k_, v, rowdot, lse, 0.125, (2 * c, c), dropout, out=out)
     assert all(g is a for g, a in zip(got, out))
     assert heap.peak - heap.cur == offsets
+
+
+# ---- the mask rule on a ring's tiles ---------------------------------------------------------------
+# Queries of chunk 2 of a 96-token sequence (3 chunks of 32) against each chunk's keys, window 50,
+# soft cap 2, documents [0, 10), [10, 70), [70] (one token), [71, 96): against chunk 0 rows 64..69
+# see keys, rows 70.. none (lse -inf, merged as nothing); the merge of the three tiles and the sum of
+# their gradients are the reference attention of those queries against the whole sequence.
+RING_MASK = dict(window=50, softcap=2.0)
+RING_DOCS = np.searchsorted(np.array([10, 70, 71]), np.arange(96), side="right").astype(np.int32)[None]
+
+
+def _ring_tiles_under_the_mask(dtype, run_tiles):
+    from .test_attention_mask import reference, reference_mask
+
+    B, Hkv, G, T, c, D = 1, 1, 2, 96, 32, 64
+    q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, dtype, seed=12)
+    rows = slice(2 * c, 3 * c)
+    qc, doc = q[..., rows, :], do[..., rows, :]
+    mask = reference_mask(B, c, T, 2 * c, 0, documents=(RING_DOCS[:, rows], RING_DOCS), window=RING_MASK["window"])
+    o_ref, lse_ref, (dq_ref, dk_ref, dv_ref) = reference(qc, k_, v, doc, 0.125, mask, RING_MASK["softcap"])
+    chunks = [slice(j * c, (j + 1) * c) for j in range(3)]
+    kw = [dict(RING_MASK, documents=(RING_DOCS[:, rows], RING_DOCS[:, keys])) for keys in chunks]
+    o, lse = None, None
+    for j, keys in enumerate(chunks):
+        o_t, lse_t = run_tiles.forward(qc, k_[..., keys, :], v[..., keys, :], (2 * c, j * c), kw[j])
+        if j == 0:
+            assert np.isneginf(np.asarray(lse_t)[..., 6:]).all() and np.isfinite(np.asarray(lse_t)[..., :6]).all()
+        o, lse = tiles.merge(o, lse, np.asarray(o_t, f64), np.asarray(lse_t, f64))
+    tol = 1e-12 if dtype == f64 else TOL[dtype]
+    assert normwise_error(o, o_ref) <= tol and normwise_error(lse, lse_ref) <= tol
+    rowdot = (np.asarray(doc, f64) * o).sum(axis=-1)
+    dq = 0.0
+    for j, keys in enumerate(chunks):
+        dq_t, dk_t, dv_t = run_tiles.backward(doc, qc, k_[..., keys, :], v[..., keys, :], rowdot, lse,
+                                              (2 * c, j * c), kw[j])
+        dq = dq + np.asarray(dq_t, f64)
+        assert normwise_error(dk_t, dk_ref[..., keys, :]) <= tol, f"dk of chunk {j}"
+        assert normwise_error(dv_t, dv_ref[..., keys, :]) <= tol, f"dv of chunk {j}"
+    assert normwise_error(dq, dq_ref) <= tol
+
+
+class _Tiles:
+    """attention_tiles' tile_forward / tile_backward at scale 0.125, in dtype."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def forward(self, q, k, v, pos, kw):
+        return tiles.tile_forward(q, k, v, 0.125, pos, **kw)
+
+    def backward(self, do, q, k, v, rowdot, lse, pos, kw):
+        cast = (lambda a: np.asarray(a, f64)) if self.dtype == f64 else (lambda a: np.asarray(a, np.float32))
+        return tiles.tile_backward(do, q, k, v, cast(rowdot), cast(lse), 0.125, pos, **kw)
+
+
+def test_ring_tiles_under_the_mask_in_array_code():
+    """attention_tiles' array code (the CPU's ring) with window, soft cap and documents, float64."""
+    _ring_tiles_under_the_mask(f64, _Tiles(f64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_ring_tiles_under_the_mask_on_the_kernels(backend, tile_kernels, dtype):
+    """The same tiles through attention_tiles on the kernels (q_first / k_first of each chunk, the
+    merged lse and rowdot in the backward)."""
+    if not backend.emulated:
+        pytest.skip("NumPy stand-ins")
+    _ring_tiles_under_the_mask(dtype, _Tiles(dtype))
+    assert tile_kernels.launches[f"attention_forward_{'f32' if dtype == F32 else 'bf16'}_d64"] == 3
