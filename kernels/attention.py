@@ -8,7 +8,8 @@ One op, four places:
 * NumPy reference: ``cutp/ops/attention.py`` (``flash_attention_forward`` /
   ``flash_attention_backward``, the same tiled algorithm; ``causal_attention_forward`` dispatches
   here for CuPy arrays, see :func:`fused_attention_supported`);
-* tests: ``tests/kernels/test_attention.py``; benchmark case ``attention`` of
+* tests: ``tests/kernels/test_attention.py`` (``test_attention_tiles.py``: a ring's tiles;
+  ``test_attention_mask.py``: the mask rule and the soft cap); benchmark case ``attention`` of
   ``python -m cutp bench kernels``.
 
 Layouts (the op's): q [B, Hkv, G, Tq, D] (the G query heads of each KV head), k, v

@@ -380,6 +380,10 @@ def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume:
             base, dt, out = run_tests(boxes[0], tests + AUDIT_TESTS, sources, 1800, launch_timeout)
             if base != "survived":
                 raise SystemExit(f"the kernel tests ({stage}) fail without any mutation ({base}):\n{out}")
+            if dt > per_mutant / 2:  # a survivor (same tests, plus a build) past the limit would count as killed
+                raise SystemExit(f"the kernel tests ({stage}) take {dt:.0f} s without any mutation: over half of "
+                                 f"--per-mutant {per_mutant:.0f} s, a surviving mutant would count as a timeout "
+                                 "(killed); raise --per-mutant or choose fewer tests (--quick, --tests)")
         print(f"baseline: the kernel tests pass on the unmutated sources ({time.monotonic() - t0:.0f} s)", flush=True)
         todo = prioritised([m for m in mutants if m.id not in done])
         lock = threading.Lock()
@@ -462,6 +466,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="run each stage's fast selection (QUICK: attention) instead of its whole test file; "
                          "re-run the survivors without it")
+    ap.add_argument("--tests", nargs="*", default=None, metavar="NODEID",
+                    help="run these tests (pytest node ids under tests/kernels/, in order) for every stage instead "
+                         "of its files, as --quick does (e.g. a change's own tests; re-run the survivors without it)")
     ap.add_argument("--report", type=Path, default=None, help="summarise a results.jsonl and exit")
     args = ap.parse_args(argv)
     if args.report:
@@ -482,7 +489,11 @@ def main(argv=None) -> int:
             print(f"{m.id:18s} {m.describe()}")
         print(f"{len(mutants)} mutants")
         return 0
-    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick, args.launch_timeout)
+    if args.tests:
+        for stage in STAGES:
+            QUICK[stage] = list(args.tests)
+    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick or bool(args.tests),
+             args.launch_timeout)
     summary = report(args.out / "results.jsonl", len(mutants))
     (args.out / "summary.md").write_text(summary)
     print(summary)

@@ -189,19 +189,23 @@ def test_the_mask_rule_under_each_schedule(backend, ks, dtype):
 
 # ---- skipped, not masked ----------------------------------------------------------------------------
 def test_tiles_outside_the_window_are_skipped(backend, k):
-    """Window 10 over 200 tokens: query tile [0, 64) never meets keys [128, 192), key tile [0, 64)
-    never meets queries [128, 192). NaN there leaves o, lse, dq of queries [0, 64) and dk, dv of
-    keys [0, 64) finite and right: the forward and dq kernels skip those key tiles and the dk/dv
-    kernel those query tiles (a masked tile would multiply 0 by NaN)."""
-    name = "window10-T200"
-    CASES[name] = ((1, 1, 1, 200, 200, 64), dict(window=10), (0.0, 0, 0))
+    """Window 10 over 150 tokens (tiles of 64): query tile [128, 150) sees keys from 119 on, and
+    key tile [0, 64) is seen by queries up to 72. NaN in keys and values [0, 64) leaves o, lse and
+    dq of queries [128, 150) finite and right (the forward and dq kernels skip key tile 0 for that
+    query tile); NaN in queries and output gradients [128, 150) leaves dk, dv of keys [0, 64) finite
+    and right (the dk/dv kernel skips that query tile). A tile masked instead of skipped would
+    multiply 0 by NaN."""
+    name = "window10-T150"
+    CASES[name] = ((1, 1, 1, 150, 150, 64), dict(window=10), (0.0, 0, 0))
     try:
-        q, k_, v, do = attention_inputs(1, 1, 1, 200, 200, 64, F32, seed=4)
-        poisoned = [a.copy() for a in (q, k_, v, do)]
-        for a in poisoned:
-            a[..., 128:192, :] = np.nan
-        got, want = run_case(k, backend, name, F32, inputs=poisoned, ref_inputs=(q, k_, v, do))
-        assert_close(got, want, F32, rows=slice(0, 64), keys=slice(0, 64))
+        clean = attention_inputs(1, 1, 1, 150, 150, 64, F32, seed=4)
+        for poisoned_inputs, rows, keys in (((1, 2), slice(128, 150), slice(0, 0)),
+                                            ((0, 3), slice(0, 0), slice(0, 64))):
+            poisoned = [a.copy() for a in clean]
+            for i in poisoned_inputs:
+                poisoned[i][..., (slice(0, 64) if i in (1, 2) else slice(128, 150)), :] = np.nan
+            got, want = run_case(k, backend, name, F32, inputs=poisoned, ref_inputs=clean)
+            assert_close(got, want, F32, rows=rows, keys=keys)
     finally:
         del CASES[name]
 
