@@ -327,12 +327,14 @@ QUICK_TESTS = (
     _ATT + "test_scores_far_below_zero",
     # the mask rule (window, soft cap, documents, ring tiles; tiles skipped, not masked)
     _MASK + "test_tiles_outside_the_window_are_skipped",
+    _MASK + "test_tiles_above_the_diagonal_are_skipped",
     _MASK + "test_tiles_of_other_documents_are_skipped",
     *[f"{_MASK}test_the_mask_rule_on_the_kernels[emulated-{case}]"
       for case in ("ring-rows-see-nothing-f32", "documents-ring-tile-f32", "window37-T70-gqa-f32",
-                   "window30-dropout-kvcache-20x90-f32", "softcap-T70-d128-f32",
+                   "window30-dropout-kvcache-20x129-f32", "softcap-T70-d128-f32",
                    "documents-window-softcap-dropout-d128-f32", "documents-T130-f32", "window70-softcap-T100-f32",
-                   "ring-window-40x40-f32", "window37-T70-gqa-bf16", "softcap-T70-d128-bf16", "documents-T130-bf16")],
+                   "ring-window-40x40-f32", "documents-negative-ids-full-tile-f32", "window37-T70-gqa-bf16",
+                   "softcap-T70-d128-bf16", "documents-T130-bf16")],
     # checked build (race detector, bounds): tile edges at head dims 64 / 128, the forward
     # schedule first (most mutants die there), the other schedules after the launcher tests
     *_scheduled("forward"),

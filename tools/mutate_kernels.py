@@ -331,8 +331,8 @@ def _killing_test(out: str) -> str:
 def prioritised(mutants):
     """The categories the issues name first (issue 42's, then the first review's: a capped run
     still covers them), then relop and bound; sources interleaved within a category."""
-    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap", "barrier",
-                                           "accumulate", "init",
+    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap",
+                                           "barrier", "accumulate", "init",
                                            "shared", "skipwrite", "index32", "stride", "math", "relop", "bound"))}
     rank = {}
     for m in mutants:

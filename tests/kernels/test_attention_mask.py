@@ -125,7 +125,7 @@ CASES = {  # name: ((B, Hkv, G, Tq, Tk, D), mask keywords, dropout)
     "window37-T70-gqa": ((1, 1, 2, 70, 70, 64), dict(window=37), (0.0, 0, 0)),
     "window70-softcap-T100": ((1, 2, 1, 100, 100, 64), dict(window=70, softcap=2.0), (0.0, 0, 0)),
     "softcap-T70-d128": ((1, 1, 2, 70, 70, 128), dict(softcap=1.5), (0.0, 0, 0)),
-    "window30-dropout-kvcache-20x90": ((1, 1, 2, 20, 90, 64), dict(window=30), (0.2, 7, 100)),
+    "window30-dropout-kvcache-20x129": ((1, 1, 2, 20, 129, 64), dict(window=30), (0.2, 7, 100)),
     "ring-window-40x40": ((1, 1, 2, 40, 40, 64), dict(q_first=150, k_first=100, window=60), (0.0, 0, 0)),
     "ring-rows-see-nothing": ((1, 1, 1, 40, 40, 64), dict(q_first=200, k_first=100, window=70), (0.0, 0, 0)),
     "documents-T130": ((2, 1, 1, 130, 130, 64), dict(documents=DOCS_130), (0.0, 0, 0)),
@@ -134,8 +134,11 @@ CASES = {  # name: ((B, Hkv, G, Tq, Tk, D), mask keywords, dropout)
     "documents-ring-tile": ((1, 1, 2, 50, 60, 64), dict(q_first=80, k_first=40, documents=(
         docs_from_starts(130, [0, 45, 46, 100])[None, 80:], docs_from_starts(130, [0, 45, 46, 100])[None, 40:100])),
         (0.0, 0, 0)),
+    # ids need not be non-negative: a full tile (every query after every key) of one document -1
+    "documents-negative-ids-full-tile": ((1, 1, 2, 40, 40, 64), dict(q_first=100, k_first=40, documents=(
+        np.full((1, 40), -1, np.int32), np.full((1, 40), -1, np.int32))), (0.0, 0, 0)),
 }
-BF16_CASES = ("window37-T70-gqa", "documents-T130", "window30-dropout-kvcache-20x90", "softcap-T70-d128")
+BF16_CASES = ("window37-T70-gqa", "documents-T130", "window30-dropout-kvcache-20x129", "softcap-T70-d128")
 
 
 def run_case(kern, backend, name, dtype, inputs=None, ref_inputs=None):
@@ -188,44 +191,53 @@ def test_the_mask_rule_under_each_schedule(backend, ks, dtype):
 
 
 # ---- skipped, not masked ----------------------------------------------------------------------------
-def test_tiles_outside_the_window_are_skipped(backend, k):
-    """Window 10 over 150 tokens (tiles of 64): query tile [128, 150) sees keys from 119 on, and
-    key tile [0, 64) is seen by queries up to 72. NaN in keys and values [0, 64) leaves o, lse and
-    dq of queries [128, 150) finite and right (the forward and dq kernels skip key tile 0 for that
-    query tile); NaN in queries and output gradients [128, 150) leaves dk, dv of keys [0, 64) finite
-    and right (the dk/dv kernel skips that query tile). A tile masked instead of skipped would
-    multiply 0 by NaN."""
-    name = "window10-T150"
-    CASES[name] = ((1, 1, 1, 150, 150, 64), dict(window=10), (0.0, 0, 0))
+def _poisoned_runs(k, backend, name, shape, mask_kw, runs):
+    """Case `name` with NaN in the inputs' rows a tile skip must never read, one run per
+    (inputs, their poisoned rows, [(query rows, keys) whose results must stay right])."""
+    CASES[name] = (shape, mask_kw, (0.0, 0, 0))
     try:
-        clean = attention_inputs(1, 1, 1, 150, 150, 64, F32, seed=4)
-        for poisoned_inputs, rows, keys in (((1, 2), slice(128, 150), slice(0, 0)),
-                                            ((0, 3), slice(0, 0), slice(0, 64))):
+        clean = attention_inputs(*shape, F32, seed=4)
+        for inputs, poisoned_rows, checks in runs:
             poisoned = [a.copy() for a in clean]
-            for i in poisoned_inputs:
-                poisoned[i][..., (slice(0, 64) if i in (1, 2) else slice(128, 150)), :] = np.nan
+            for i in inputs:
+                poisoned[i][..., poisoned_rows, :] = np.nan
             got, want = run_case(k, backend, name, F32, inputs=poisoned, ref_inputs=clean)
-            assert_close(got, want, F32, rows=rows, keys=keys)
+            for rows, keys in checks:
+                assert_close(got, want, F32, rows=rows, keys=keys)
     finally:
         del CASES[name]
+
+
+Q, K, V, DO = range(4)
+NONE = slice(0, 0)
+
+
+def test_tiles_above_the_diagonal_are_skipped(backend, k):
+    """150 tokens (tiles of 64): NaN in keys and values [64, 150) leaves o, lse and dq of queries
+    [0, 64) finite and right (their key tiles end at the diagonal); NaN in queries and output
+    gradients [0, 64) leaves dk, dv of keys [64, 150) right (their query tiles start at the
+    diagonal). A tile masked instead of skipped would multiply 0 by NaN."""
+    _poisoned_runs(k, backend, "causal-T150", (1, 1, 1, 150, 150, 64), {},
+                   [((K, V), slice(64, 150), [(slice(0, 64), NONE)]),
+                    ((Q, DO), slice(0, 64), [(NONE, slice(64, 150))])])
+
+
+def test_tiles_outside_the_window_are_skipped(backend, k):
+    """Window 65 over 150 tokens: query tile [128, 150) sees keys from 64 on, and key tile [0, 64)
+    is seen by queries up to 127. NaN in keys and values [0, 64) leaves o, lse and dq of queries
+    [128, 150) right (the forward and dq kernels skip key tile 0 for them); NaN in queries and
+    output gradients [128, 150) leaves dk, dv of keys [0, 64) right (the dk/dv kernel skips that
+    query tile). Both window edges fall on tile edges: one key or query row more is a tile more."""
+    _poisoned_runs(k, backend, "window65-T150", (1, 1, 1, 150, 150, 64), dict(window=65),
+                   [((K, V), slice(0, 64), [(slice(128, 150), NONE)]),
+                    ((Q, DO), slice(128, 150), [(NONE, slice(0, 64))])])
 
 
 def test_tiles_of_other_documents_are_skipped(backend, k):
     """Documents [0, 64), [64, 128), [128, 150): NaN in the second one's queries, keys, values and
     output gradients leaves the others' results finite and right (no tile of theirs meets it)."""
-    name = "documents-T150"
-    docs = packed(1, 150, [0, 64, 128])
-    CASES[name] = ((1, 1, 1, 150, 150, 64), dict(documents=docs), (0.0, 0, 0))
-    try:
-        q, k_, v, do = attention_inputs(1, 1, 1, 150, 150, 64, F32, seed=6)
-        poisoned = [a.copy() for a in (q, k_, v, do)]
-        for a in poisoned:
-            a[..., 64:128, :] = np.nan
-        got, want = run_case(k, backend, name, F32, inputs=poisoned, ref_inputs=(q, k_, v, do))
-        for part in (slice(0, 64), slice(128, 150)):
-            assert_close(got, want, F32, rows=part, keys=part)
-    finally:
-        del CASES[name]
+    _poisoned_runs(k, backend, "documents-T150", (1, 1, 1, 150, 150, 64), dict(documents=packed(1, 150, [0, 64, 128])),
+                   [((Q, K, V, DO), slice(64, 128), [(slice(0, 64),) * 2, (slice(128, 150),) * 2])])
 
 
 # ---- the array code, the launchers' arguments, the op -----------------------------------------------
