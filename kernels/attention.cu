@@ -1,24 +1,30 @@
 // Fused causal attention (the FlashAttention-2 algorithm), forward and backward, with grouped
 // query heads (GQA): cutp.ops.causal_attention_forward/backward's kernels on a GPU.
 //
-//   o = softmax(scale * q k^T, causal) v     per query head and the KV head of its group
+//   o = softmax(mask(cap(scale * q k^T))) v     per query head and the KV head of its group
+//
+// The mask is cutp's attention mask rule (struct Mask): causal, an optional sliding window, and
+// optional documents (packed sequences: a key is seen only from a query of its document); cap is
+// the optional logit soft cap, softcap * tanh(x / softcap).
 //
 // Nothing T x T is ever stored: the forward walks the key/value tiles of a query tile with an
 // online softmax (running row max m and sum l, the accumulated output rescaled by exp(m_old -
 // m_new) when the max grows) and writes o and the row's log-sum-exp lse = m + log(l); the
 // backward recomputes each tile's probabilities from q k^T and lse.
-//   attention_forward     grid (B * Hkv * G, query tiles); tiles above the causal diagonal are
-//                         never visited, the diagonal tile is masked; the longest rows first.
+//   attention_forward     grid (B * Hkv * G, query tiles); key tiles outside the causal band or
+//                         the window, or with none of the query tile's documents, are never
+//                         visited, the others masked; the longest rows first.
 //   attention_backward_rowdot  D[row] = sum(dO * O) over the head dim (FA-2's precompute).
 //   attention_backward_dq grid (B * Hkv * G, query tiles): per query tile, over its key tiles,
 //                         dS = P * (dP - D) with dP = dO v^T, dq = scale * dS k.
 //   attention_backward_dkdv grid (B * Hkv, key tiles): per key tile of a KV head, over the G
-//                         query heads of its group and their query tiles from the diagonal on,
+//                         query heads of its group and their query tiles that see its keys,
 //                         dv = P^T dO, dk = scale * dS^T q: a shared KV head's gradient is summed
 //                         in the block, never copied per query head, and never needs atomics.
 // One tile of context parallelism's ring attention runs on the same kernels: the causal rule is a
 // diagonal shift (query row i sees keys j <= diag + i: Tk - Tq for the one-rank attention, 0 for
-// a ring's diagonal tile, Tk for a full one), the dropout counters take the whole sequence's
+// a ring's diagonal tile, Tk for a full one; a row that sees no key gets o = 0, lse = -inf), the
+// dropout counters take the whole sequence's
 // strides, the backward takes the merged lse and rowdot, and the outputs may be float32 for
 // 16-bit inputs, added to the ring's accumulators (Out).
 // dq and dk/dv in two kernels rather than dq by float atomics: deterministic results (the
@@ -154,6 +160,51 @@ struct ProbDropout {
     }
 };
 
+// Which keys a query row sees, and the scores' soft cap (cutp's attention mask rule, in a tile's
+// local rows): key j is visible from query row i iff diag + i - window < j <= diag + i (diag =
+// q_first - k_first, the global places of the first query and key; window >= 1, the launcher's
+// "no window" is one no row reaches) and, with documents, q_docs[b][i] == k_docs[b][j] (int32
+// document ids of the batch row, non-decreasing along the sequence). softcap > 0: a score x =
+// scale q.k becomes softcap tanh(x / softcap) before the mask and the softmax.
+struct Mask {
+    int diag, window;
+    float softcap;
+    const int* q_docs;  // [B, Tq] and [B, Tk], or both null: one document per row
+    const int* k_docs;
+
+    // Key j of document kdoc seen from query row i of document qdoc.
+    __device__ __forceinline__ bool visible(int i, int j, int qdoc, int kdoc) const {
+        return j <= diag + i && j > diag + i - window && qdoc == kdoc;
+    }
+    // The capped score of x, and in dcap its derivative (1 - tanh^2; 1 without a cap).
+    __device__ __forceinline__ float capped(float x, float& dcap) const {
+        if (softcap <= 0.0f) {
+            dcap = 1.0f;
+            return x;
+        }
+        const float t = tanhf(x / softcap);
+        dcap = 1.0f - t * t;
+        return softcap * t;
+    }
+    // The document id of row t of batch row b of a [B, n] table (0 without documents).
+    __device__ __forceinline__ static int doc(const int* docs, long long b, long long n, int t) {
+        return docs == nullptr ? 0 : docs[b * n + t];
+    }
+    // Whether a tile's query rows [q0, q1] and keys [k0, k1] (inclusive, in range) can meet a
+    // document: ids are non-decreasing, so a tile's documents are those from its first row's to
+    // its last row's. Block-uniform.
+    __device__ __forceinline__ bool docs_meet(long long b, int Tq, int Tk, int q0, int q1, int k0, int k1) const {
+        if (q_docs == nullptr) return true;
+        return doc(k_docs, b, Tk, k1) >= doc(q_docs, b, Tq, q0) && doc(k_docs, b, Tk, k0) <= doc(q_docs, b, Tq, q1);
+    }
+    // The first key any of query rows [q0, q1] sees (may be <= 0), and one past the last (may be < 1).
+    __device__ __forceinline__ int first_key(int q0) const { return diag + q0 - window + 1; }
+    __device__ __forceinline__ int end_key(int q1) const { return diag + q1 + 1; }
+    // The first query row that sees any of keys [k0, k1], and one past the last.
+    __device__ __forceinline__ int first_query(int k0) const { return k0 - diag; }
+    __device__ __forceinline__ int end_query(int k1) const { return k1 - diag + window; }
+};
+
 // Where a kernel writes an output: storage of the input type (t), or float32 (f, for 16-bit inputs:
 // the ring attention's float32 tiles and accumulators), overwritten or, with acc, added to (one
 // thread per element: deterministic). Exactly one of t, f is non-null.
@@ -173,7 +224,7 @@ struct Out {
 
 template <typename T, int D, int R>
 __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v, int Hkv, int G, int Tq, int Tk,
-                        int diag,
+                        Mask mask,
                         long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh,
                         long long k_st, long long v_sb, long long v_sh, long long v_st, float scale,
                         ProbDropout drop) {
@@ -186,6 +237,7 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
     float* Os = Ss + R * SLD;
     T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(Os + R * OLD) : reinterpret_cast<T*>(Ss);
     constexpr int PLD = ProbTile<T>::ld(R);
+    int* kdoc_s = reinterpret_cast<int*>(ProbTile<T>::separate ? reinterpret_cast<float*>(Ps + R * PLD) : Os + R * OLD);
 
     const long long bh = blockIdx.x;  // (b, hk, g) of the query head: on x, whose limit is 2^31 - 1
     const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
@@ -197,7 +249,7 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int r = lane >> 1, half = lane & 1;  // this lane's row of the warp's band, and which columns
     const int row = warp * BAND + r;
-    const int qpos = diag + q0 + row;  // query row i sees keys j <= diag + i (diag >= 0: key 0 at least)
+    const int qdoc = q0 + row < Tq ? Mask::doc(mask.q_docs, b, Tq, q0 + row) : 0;
     float* Ob = Os + warp * BAND * OLD;
     float* Sb = Ss + warp * BAND * SLD;
     T* Pb = Ps + warp * BAND * PLD;
@@ -205,11 +257,16 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
     load_tile<T, D, R>(Qs, qb, q_st, q0, Tq);
     for (int e = lane; e < BAND * D; e += WARP_SIZE) Ob[(e / D) * OLD + e % D] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    const int k_end = min(Tk, diag + min(q0 + R, Tq));  // the tile's last query sees keys 0 .. k_end - 1
-    for (int k0 = 0; k0 < k_end; k0 += R) {
+    // Key tiles [k_begin, k_end) hold every key a row of this tile sees: those wholly outside the
+    // causal band or the window are never visited, nor (below) those with none of its documents.
+    const int q_last = min(q0 + R, Tq) - 1;
+    const int k_begin = max(0, mask.first_key(q0)), k_end = min(Tk, mask.end_key(q_last));
+    for (int k0 = k_begin - k_begin % R; k0 < k_end; k0 += R) {
+        if (!mask.docs_meet(b, Tq, Tk, q0, q_last, k0, min(k0 + R, Tk) - 1)) continue;
         __syncthreads();  // every warp is done with the previous K, V tiles
         load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
         load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
+        for (int i = threadIdx.x; i < R; i += blockDim.x) kdoc_s[i] = k0 + i < Tk ? Mask::doc(mask.k_docs, b, Tk, k0 + i) : -1;
         __syncthreads();
         band_gemm<R, D, true, false, SLD, LD, LD>(Sb, Qs + warp * BAND * LD, Ks);
         __syncwarp();
@@ -219,22 +276,26 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
 #pragma unroll
         for (int j = 0; j < R / 2; ++j) {
             const int c = 2 * j + half, key = k0 + c;
-            const float x = (key <= qpos && key < Tk) ? Sb[r * SLD + c] * scale : -INFINITY;
-            s[j] = x;
-            tile_max = fmaxf(tile_max, x);
+            float dcap;
+            const float x = mask.capped(Sb[r * SLD + c] * scale, dcap);
+            s[j] = (key < Tk && mask.visible(q0 + row, key, qdoc, kdoc_s[c])) ? x : -INFINITY;
+            tile_max = fmaxf(tile_max, s[j]);
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
-        const float m_new = fmaxf(m, tile_max);  // finite: key 0 (first tile) is visible to every row
+        // -inf while the row has seen no key (a window or a document can hide a whole tile from
+        // it): its p and alpha are then exp(-inf) = 0, never exp(-inf + inf)
+        const float m_new = fmaxf(m, tile_max);
+        const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
         float row_sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < R / 2; ++j) {
-            const float p = expf(s[j] - m_new);
+            const float p = expf(s[j] - m_ref);
             row_sum += p;  // the softmax's sum: before dropout
             const float f = drop.factor(b, hk * G + g, q0 + row, k0 + 2 * j + half);
             Pb[r * PLD + 2 * j + half] = from_float<T>(p * f);
         }
         row_sum += __shfl_xor_sync(FULL_MASK, row_sum, 1);
-        const float alpha = expf(m - m_new);  // 0 on the first tile (m = -inf)
+        const float alpha = expf(m - m_ref);  // 0 on the row's first seen tile (m = -inf)
         l = l * alpha + row_sum;
         m = m_new;
         // O rows *= alpha, a row at a time (the lanes over its columns)
@@ -246,7 +307,7 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
         band_gemm<D, R, false, true, OLD, PLD, LD>(Ob, Pb, Vs);
     }
     __syncwarp();
-    const float inv_l = 1.0f / l;
+    const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row that sees no key: o = 0, lse = -inf
     for (int rr = 0; rr < BAND; ++rr) {
         const float inv = __shfl_sync(FULL_MASK, inv_l, 2 * rr);
         const int t = q0 + warp * BAND + rr;
@@ -255,7 +316,7 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
             for (int d = lane; d < D; d += WARP_SIZE) o.store(orow + d, Ob[rr * OLD + d] * inv);
         }
     }
-    if (half == 0 && q0 + row < Tq) lse[bh * Tq + q0 + row] = m + logf(l);
+    if (half == 0 && q0 + row < Tq) lse[bh * Tq + q0 + row] = l > 0.0f ? m + logf(l) : -INFINITY;
 }
 
 // D[row] = sum_d dO[row, d] * O[row, d] in float: a warp per (query head, row).
@@ -278,7 +339,7 @@ __device__ void backward_rowdot(float* out, const T* o, const T* dout, int Hkv, 
 
 template <typename T, int D, int R>
 __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                            const float* rowdot, int Hkv, int G, int Tq, int Tk, int diag, long long q_sb,
+                            const float* rowdot, int Hkv, int G, int Tq, int Tk, Mask mask, long long q_sb,
                             long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
                             long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
                             long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,
@@ -294,6 +355,7 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
     float* dQs = dPs + R * SLD;
     T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(dQs + R * OLD) : reinterpret_cast<T*>(Ss);
     constexpr int PLD = ProbTile<T>::ld(R);
+    int* kdoc_s = reinterpret_cast<int*>(ProbTile<T>::separate ? reinterpret_cast<float*>(Ps + R * PLD) : dQs + R * OLD);
 
     const long long bh = blockIdx.x;
     const long long b = bh / ((long long)Hkv * G), hk = (bh / G) % Hkv, g = bh % G;
@@ -304,7 +366,7 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int r = lane >> 1, half = lane & 1;
     const int t = q0 + warp * BAND + r;
-    const int qpos = diag + t;
+    const int qdoc = t < Tq ? Mask::doc(mask.q_docs, b, Tq, t) : 0;
     const float row_lse = t < Tq ? lse[bh * Tq + t] : 0.0f;
     const float row_dot = t < Tq ? rowdot[bh * Tq + t] : 0.0f;
     float* dQb = dQs + warp * BAND * OLD;
@@ -315,11 +377,14 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
     load_tile<T, D, R>(Qs, q + b * q_sb + hk * q_sh + g * q_sg, q_st, q0, Tq);
     load_tile<T, D, R>(dOs, dout + b * do_sb + hk * do_sh + g * do_sg, do_st, q0, Tq);
     for (int e = lane; e < BAND * D; e += WARP_SIZE) dQb[(e / D) * OLD + e % D] = 0.0f;
-    const int k_end = min(Tk, diag + min(q0 + R, Tq));
-    for (int k0 = 0; k0 < k_end; k0 += R) {
+    const int q_last = min(q0 + R, Tq) - 1;  // the forward's key tiles
+    const int k_begin = max(0, mask.first_key(q0)), k_end = min(Tk, mask.end_key(q_last));
+    for (int k0 = k_begin - k_begin % R; k0 < k_end; k0 += R) {
+        if (!mask.docs_meet(b, Tq, Tk, q0, q_last, k0, min(k0 + R, Tk) - 1)) continue;
         __syncthreads();
         load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
         load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
+        for (int i = threadIdx.x; i < R; i += blockDim.x) kdoc_s[i] = k0 + i < Tk ? Mask::doc(mask.k_docs, b, Tk, k0 + i) : -1;
         __syncthreads();
         band_gemm<R, D, true, false, SLD, LD, LD>(Sb, Qs + warp * BAND * LD, Ks);
         band_gemm<R, D, true, false, SLD, LD, LD>(dPb, dOs + warp * BAND * LD, Vs);
@@ -327,10 +392,12 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
 #pragma unroll
         for (int j = 0; j < R / 2; ++j) {
             const int c = 2 * j + half, key = k0 + c;
-            const bool seen = key <= qpos && key < Tk && t < Tq;
-            const float p = seen ? expf(Sb[r * SLD + c] * scale - row_lse) : 0.0f;
+            const bool seen = key < Tk && t < Tq && mask.visible(t, key, qdoc, kdoc_s[c]);
+            float dcap;  // the soft cap's derivative: dS of the raw score = dS of the capped one * dcap
+            const float x = mask.capped(Sb[r * SLD + c] * scale, dcap);
+            const float p = seen ? expf(x - row_lse) : 0.0f;
             const float f = drop.factor(b, hk * G + g, t, key);  // dropout's gradient: dP * factor
-            Pb[r * PLD + c] = from_float<T>(p * (dPb[r * SLD + c] * f - row_dot));
+            Pb[r * PLD + c] = from_float<T>(p * (dPb[r * SLD + c] * f - row_dot) * dcap);
         }
         __syncwarp();
         band_gemm<D, R, false, true, OLD, PLD, LD>(dQb, Pb, Ks);
@@ -347,7 +414,7 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
 
 template <typename T, int D, int R>
 __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, const T* v, const T* dout,
-                              const float* lse, const float* rowdot, int Hkv, int G, int Tq, int Tk, int diag,
+                              const float* lse, const float* rowdot, int Hkv, int G, int Tq, int Tk, Mask mask,
                               long long q_sb, long long q_sh,
                               long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
                               long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
@@ -368,6 +435,7 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
     T* PTs = ProbTile<T>::separate ? reinterpret_cast<T*>(dot_s + R) : reinterpret_cast<T*>(STs);
     T* dSTs = ProbTile<T>::separate ? PTs + R * prob_ld(R) : reinterpret_cast<T*>(dPTs);
     constexpr int PLD = ProbTile<T>::ld(R);
+    int* qdoc_s = reinterpret_cast<int*>(ProbTile<T>::separate ? reinterpret_cast<float*>(dSTs + R * PLD) : dot_s + R);
 
     const long long bk = blockIdx.x;  // (b, hk)
     const long long b = bk / Hkv, hk = bk % Hkv;
@@ -376,6 +444,7 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int r = lane >> 1, half = lane & 1;
     const int kpos = k0 + warp * BAND + r;
+    const int kdoc = kpos < Tk ? Mask::doc(mask.k_docs, b, Tk, kpos) : 0;
     float* STb = STs + warp * BAND * SLD;
     float* dPTb = dPTs + warp * BAND * SLD;
     float* dKb = dKs + warp * BAND * OLD;
@@ -389,18 +458,23 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
         dKb[(e / D) * OLD + e % D] = 0.0f;
         dVb[(e / D) * OLD + e % D] = 0.0f;
     }
-    const int first_row = max(0, k0 - diag);  // queries before it see none of these keys
+    // Query tiles [q_begin, q_end) hold every query row that sees a key of this tile (those outside
+    // the causal band or the window never visited, nor those with none of its documents).
+    const int k_last = min(k0 + R, Tk) - 1;
+    const int q_begin = max(0, mask.first_query(k0)), q_end = min(Tq, mask.end_query(k_last));
     for (int g = 0; g < G; ++g) {
         const long long bh = bk * G + g;
         const T* qb = q + b * q_sb + hk * q_sh + g * q_sg;
         const T* db = dout + b * do_sb + hk * do_sh + g * do_sg;
-        for (int q0 = first_row - first_row % R; q0 < Tq; q0 += R) {
+        for (int q0 = q_begin - q_begin % R; q0 < q_end; q0 += R) {
+            if (!mask.docs_meet(b, Tq, Tk, q0, min(q0 + R, Tq) - 1, k0, k_last)) continue;
             __syncthreads();  // every warp is done with the previous Q, dO tiles
             load_tile<T, D, R>(Qs, qb, q_st, q0, Tq);
             load_tile<T, D, R>(dOs, db, do_st, q0, Tq);
             for (int i = threadIdx.x; i < R; i += blockDim.x) {
                 lse_s[i] = q0 + i < Tq ? lse[bh * Tq + q0 + i] : 0.0f;
                 dot_s[i] = q0 + i < Tq ? rowdot[bh * Tq + q0 + i] : 0.0f;
+                qdoc_s[i] = q0 + i < Tq ? Mask::doc(mask.q_docs, b, Tq, q0 + i) : -1;
             }
             __syncthreads();
             band_gemm<R, D, true, false, SLD, LD, LD>(STb, Ks + warp * BAND * LD, Qs);
@@ -409,10 +483,12 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
 #pragma unroll
             for (int j = 0; j < R / 2; ++j) {
                 const int c = 2 * j + half, t = q0 + c;
-                const bool seen = t < Tq && kpos <= diag + t && kpos < Tk;
-                const float p = seen ? expf(STb[r * SLD + c] * scale - lse_s[c]) : 0.0f;
+                const bool seen = t < Tq && kpos < Tk && mask.visible(t, kpos, qdoc_s[c], kdoc);
+                float dcap;
+                const float x = mask.capped(STb[r * SLD + c] * scale, dcap);
+                const float p = seen ? expf(x - lse_s[c]) : 0.0f;
                 const float f = drop.factor(b, hk * G + g, t, kpos);
-                const float ds = p * (dPTb[r * SLD + c] * f - dot_s[c]);
+                const float ds = p * (dPTb[r * SLD + c] * f - dot_s[c]) * dcap;
                 PTb[r * PLD + c] = from_float<T>(p * f);
                 dSTb[r * PLD + c] = from_float<T>(ds);
             }
@@ -440,22 +516,25 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
 // ---- entry points: {forward, backward_dq, backward_dkdv} x {f32, bf16} x head dim {64, 128} -----
 // Tile rows R: 64 for the forward; 64 (head dim 64) or 32 (head dim 128) for the backward, whose
 // blocks hold twice the tiles (kernels/attention.py, ATTENTION_TILE_ROWS). Threads: 2 x R.
-// diag >= 0: query row i sees keys j <= diag + i (Tk - Tq: the last Tq positions; 0: a ring's
-// diagonal tile; Tk: every key). Outputs: one of the T pointer and the float32 one (*_f32) is
+// The mask (attn_impl::Mask): query row i sees keys diag + i - window < j <= diag + i (Tk - Tq:
+// the last Tq positions; 0: a ring's diagonal tile; Tk: every key), of its document when q_docs,
+// k_docs are given; softcap > 0 caps the scores. Outputs: one of the T pointer and the float32 one (*_f32) is
 // null; accumulate adds the result to the output instead of overwriting it.
 #define ATTN_DROP_PARAMS                                                                                        \
     const long long *drop_offsets, unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale, \
         long long drop_head_stride, long long drop_row_stride
 #define ATTN_DROPOUT                                                                                            \
     attn_impl::ProbDropout{drop_offsets, drop_seed, drop_threshold, drop_scale, drop_head_stride, drop_row_stride}
+#define ATTN_MASK_PARAMS int diag, int window, float softcap, const int *q_docs, const int *k_docs
+#define ATTN_MASK attn_impl::Mask{diag, window, softcap, q_docs, k_docs}
 
 #define ATTN_FWD_PARAMS(T)                                                                                      \
     T *o, float *o_f32, float *lse, const T *q, const T *k, const T *v, int Hkv, int G, int Tq, int Tk,        \
-        int diag, long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb,              \
+        ATTN_MASK_PARAMS, long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb,              \
         long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st, float scale,          \
         ATTN_DROP_PARAMS
 #define ATTN_FWD_ARGS(T)                                                                                        \
-    attn_impl::Out<T>{o, o_f32, 0}, lse, q, k, v, Hkv, G, Tq, Tk, diag, q_sb, q_sh, q_sg, q_st, k_sb, k_sh,   \
+    attn_impl::Out<T>{o, o_f32, 0}, lse, q, k, v, Hkv, G, Tq, Tk, ATTN_MASK, q_sb, q_sh, q_sg, q_st, k_sb, k_sh,   \
         k_st, v_sb, v_sh, v_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d64(ATTN_FWD_PARAMS(float)) {
@@ -494,12 +573,13 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_bf16
 
 #define ATTN_DQ_PARAMS(T)                                                                                       \
     T *dq, float *dq_f32, int accumulate, const T *q, const T *k, const T *v, const T *dout, const float *lse, \
-        const float *rowdot, int Hkv, int G, int Tq, int Tk, int diag, long long q_sb, long long q_sh,         \
+        const float *rowdot, int Hkv, int G, int Tq, int Tk, ATTN_MASK_PARAMS, long long q_sb, long long q_sh, \
         long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st, long long v_sb,        \
         long long v_sh, long long v_st, long long do_sb, long long do_sh, long long do_sg, long long do_st,    \
         long long dq_sb, long long dq_sh, long long dq_sg, long long dq_st, float scale, ATTN_DROP_PARAMS
 #define ATTN_DQ_ARGS(T)                                                                                         \
-    attn_impl::Out<T>{dq, dq_f32, accumulate}, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, diag, q_sb, q_sh,   \
+    attn_impl::Out<T>{dq, dq_f32, accumulate}, q, k, v, dout, lse, rowdot, Hkv, G, Tq, Tk, ATTN_MASK, q_sb,     \
+        q_sh,                                                                                                   \
         q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, do_sb, do_sh, do_sg, do_st, dq_sb, dq_sh, dq_sg, dq_st, \
         scale, ATTN_DROPOUT
 
@@ -518,14 +598,14 @@ extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_bf16_d128
 
 #define ATTN_DKDV_PARAMS(T)                                                                                     \
     T *dk, T *dv, float *dk_f32, float *dv_f32, int accumulate, const T *q, const T *k, const T *v,            \
-        const T *dout, const float *lse, const float *rowdot, int Hkv, int G, int Tq, int Tk, int diag,        \
+        const T *dout, const float *lse, const float *rowdot, int Hkv, int G, int Tq, int Tk, ATTN_MASK_PARAMS, \
         long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh,        \
         long long k_st, long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,      \
         long long do_sg, long long do_st, long long dk_sb, long long dk_sh, long long dk_st, long long dv_sb,  \
         long long dv_sh, long long dv_st, float scale, ATTN_DROP_PARAMS
 #define ATTN_DKDV_ARGS(T)                                                                                       \
     attn_impl::Out<T>{dk, dk_f32, accumulate}, attn_impl::Out<T>{dv, dv_f32, accumulate}, q, k, v, dout, lse, \
-        rowdot, Hkv, G, Tq, Tk, diag, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, do_sb,      \
+        rowdot, Hkv, G, Tq, Tk, ATTN_MASK, q_sb, q_sh, q_sg, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, do_sb,      \
         do_sh, do_sg, do_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_f32_d64(ATTN_DKDV_PARAMS(float)) {

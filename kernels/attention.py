@@ -8,7 +8,8 @@ One op, four places:
 * NumPy reference: ``cutp/ops/attention.py`` (``flash_attention_forward`` /
   ``flash_attention_backward``, the same tiled algorithm; ``causal_attention_forward`` dispatches
   here for CuPy arrays, see :func:`fused_attention_supported`);
-* tests: ``tests/kernels/test_attention.py``; benchmark case ``attention`` of
+* tests: ``tests/kernels/test_attention.py`` (``test_attention_tiles.py``: a ring's tiles;
+  ``test_attention_mask.py``: the mask rule and the soft cap); benchmark case ``attention`` of
   ``python -m cutp bench kernels``.
 
 Layouts (the op's): q [B, Hkv, G, Tq, D] (the G query heads of each KV head), k, v
@@ -17,12 +18,19 @@ go in as they are: no copy); query row i sits at position Tk - Tq + i. The forwa
 o, token-major [B, Tq, Hkv, G, D] (returned as the [B, Hkv, G, Tq, D] view, so merging the heads
 is a view) and the log-sum-exp lse [B, Hkv, G, Tq] in float32: O(T) memory, nothing T x T.
 
+The mask (cutp's attention mask rule): query row i sits at global index ``q_first + i`` (default
+Tk - Tq), key j at ``k_first + j`` (default 0); a query at p sees a key at s iff s <= p, and with
+``window`` s > p - window, and with ``documents=(q_docs [B, Tq], k_docs [B, Tk])`` (int32 ids,
+non-decreasing along the sequence: packed sequences) both carry the same id. ``softcap``: scores
+softcap * tanh(scale q.k / softcap) before the mask and the softmax. Tiles wholly outside the
+causal band, the window or the documents are skipped in all three tile kernels. A row that sees
+no key (a ring tile's, under a window or documents) gets o = 0 and lse = -inf.
+
 One tile of context parallelism's ring attention (``cutp.ops.attention_tiles``) runs on the same
-kernels: ``positions=(q_pos0, k_pos0)`` puts query row i at position q_pos0 + i and key j at
-k_pos0 + j (a key after the query is masked: q_pos0 == k_pos0 is a diagonal tile, q_pos0 >=
-k_pos0 + Tk - 1 a full one), ``drop_strides`` puts the dropout counters at the whole sequence's
-places, the backward takes the merged result's ``rowdot`` and lse, and writes float32 outputs
-(for bfloat16 inputs too) or adds to them (``accumulate``).
+kernels: ``q_first``, ``k_first`` place its queries and keys (q_first == k_first is a diagonal
+tile, q_first >= k_first + Tk - 1 a full one), ``drop_strides`` puts the dropout counters at the
+whole sequence's places, the backward takes the merged result's ``rowdot`` and lse, and writes
+float32 outputs (for bfloat16 inputs too) or adds to them (``accumulate``).
 """
 from __future__ import annotations
 
@@ -47,18 +55,37 @@ def attention_tile_rows(kernel: str, head_dim: int) -> int:
 def attention_shared_bytes(kernel: str, dtype, head_dim: int) -> int:
     """Dynamic shared memory of a block of attention_{forward,backward_dq,backward_dkdv}: the
     layout of kernels/attention.cu (input tiles of rows D + 1 floats or D + 8 bf16, float score
-    tiles of R + 4, bf16 probability tiles of R + 8, float accumulators of D + 4)."""
+    tiles of R + 4, bf16 probability tiles of R + 8, float accumulators of D + 4, R int32
+    document ids)."""
     R, D = attention_tile_rows(kernel, head_dim), head_dim
     bf16 = np.dtype(dtype).itemsize == 2
     tile = R * (D + 8 if bf16 else D + 1) * (2 if bf16 else 4)
-    score, prob, accum = R * (R + 4) * 4, R * (R + 8) * 2, R * (D + 4) * 4
-    if kernel == "forward":  # Q, K, V, S, O (+ P)
-        return 3 * tile + score + accum + (prob if bf16 else 0)
-    if kernel == "backward_dq":  # Q, dO, K, V, S, dP, dQ (+ dS)
-        return 4 * tile + 2 * score + accum + (prob if bf16 else 0)
-    if kernel == "backward_dkdv":  # K, V, Q, dO, S^T, dP^T, dK, dV, lse, D (+ P^T, dS^T)
-        return 4 * tile + 2 * score + 2 * accum + 2 * R * 4 + (2 * prob if bf16 else 0)
+    score, prob, accum, docs = R * (R + 4) * 4, R * (R + 8) * 2, R * (D + 4) * 4, R * 4
+    if kernel == "forward":  # Q, K, V, S, O (+ P), the key tile's document ids
+        return 3 * tile + score + accum + (prob if bf16 else 0) + docs
+    if kernel == "backward_dq":  # Q, dO, K, V, S, dP, dQ (+ dS), the key tile's document ids
+        return 4 * tile + 2 * score + accum + (prob if bf16 else 0) + docs
+    if kernel == "backward_dkdv":  # K, V, Q, dO, S^T, dP^T, dK, dV, lse, D (+ P^T, dS^T), query document ids
+        return 4 * tile + 2 * score + 2 * accum + 2 * R * 4 + (2 * prob if bf16 else 0) + docs
     raise ValueError(f"unknown attention kernel {kernel!r}")
+
+
+def mask_band(Tq: int, Tk: int, diag: int, window: int | None) -> tuple[int, int]:
+    """The kernels' (diag, window) int32 arguments for query row i seeing key j iff
+    diag + i - window < j <= diag + i (window None: no lower bound), 0 <= i < Tq, 0 <= j < Tk:
+    the same visible pairs with both in [-Tq, Tk + Tq] (positions of any size, no overflow in the
+    kernels' int arithmetic; a window no row reaches is passed as one)."""
+    if window is not None and window < 1:
+        raise KernelArgumentError(f"window={window}: a window holds at least the query's own key (window >= 1)")
+    if window is None or window >= diag + Tq:  # no row's window starts after key 0
+        diag = max(-Tq, min(diag, Tk))  # <= -Tq: no row sees a key; >= Tk: every row every key
+        return diag, max(diag + Tq, 1)
+    if diag - window >= Tk - 1:  # every row's window starts after the last key
+        return -Tq, 1
+    if diag > Tk:  # the causal bound past the last key for every row: shift it with the window
+        window -= diag - Tk
+        diag = Tk
+    return diag, window
 
 
 def kernel_layout(a, output: bool = False) -> bool:
@@ -105,13 +132,13 @@ class AttentionLaunchers(LauncherBase):
     mask is stored.
     """
 
-    def _attention_dropout_args(self, dropout_p, seed, offsets, dims, positions, drop_strides):
+    def _attention_dropout_args(self, dropout_p, seed, offsets, dims, firsts, drop_strides):
         """The kernels' dropout arguments (offsets, seed, threshold, scale, head stride, row stride):
         counter offsets[b] + h head_stride + i row_stride + j of probability (h, i, j) of batch row
         b; drop_strides None: (Tq Tk, Tk), the [H, Tq, Tk] probabilities' own places; given: the
-        whole sequence's, with the tile's first query's and key's positions folded into offsets[b]
-        (q_pos0 row_stride + k_pos0). offsets an int: batch rows follow each other (H head_stride
-        apart)."""
+        whole sequence's, with the tile's first query's and key's global indices firsts = (q_first,
+        k_first) folded into offsets[b] (q_first row_stride + k_first). offsets an int: batch rows
+        follow each other (H head_stride apart)."""
         B, Hkv, G, Tq, Tk, _ = dims
         p = float(dropout_p)
         if not 0.0 <= p <= 1.0:
@@ -124,25 +151,33 @@ class AttentionLaunchers(LauncherBase):
         if len(rows) != B:
             raise KernelArgumentError(f"{len(rows)} dropout offsets for {B} batch rows")
         if drop_strides is not None:
-            q_pos0, k_pos0 = (Tk - Tq, 0) if positions is None else positions
-            rows = [int(o) + int(q_pos0) * row_stride + int(k_pos0) for o in rows]
+            rows = [int(o) + int(firsts[0]) * row_stride + int(firsts[1]) for o in rows]
         wrapped = np.array([int(o) & MASK64 for o in rows], dtype=np.uint64).view(np.int64)
         return (self.xp.asarray(wrapped), np.uint64(int(seed) & MASK64), np.uint32(keep_threshold(p)),
                 np.float32(0.0 if p == 1.0 else 1.0 / (1.0 - p)), np.int64(head_stride), np.int64(row_stride))
 
-    @staticmethod
-    def _diagonal(positions, Tq, Tk) -> int:
-        """The kernels' diag (query row i sees keys j <= diag + i) of positions (q_pos0, k_pos0),
-        default (Tk - Tq, 0); a diag past the last key is Tk (the same mask, no overflow)."""
-        if positions is None:
-            if Tq > Tk:
-                raise KernelArgumentError(f"causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk}")
-            return Tk - Tq
-        q_pos0, k_pos0 = (int(p) for p in positions)
-        if Tq and (q_pos0 < k_pos0 or Tk == 0):
-            raise KernelArgumentError(f"query row 0 at position {q_pos0} sees none of the {Tk} keys from position "
-                                      f"{k_pos0}: every query needs a visible key (q_pos0 >= k_pos0, Tk >= 1)")
-        return min(q_pos0 - k_pos0, Tk)
+    def _mask(self, dims, q_first, k_first, window, softcap, documents):
+        """((q_first, k_first), the kernels' mask arguments (diag, window, softcap, q_docs,
+        k_docs)) of the module docstring's rule; defaults: the last Tq of Tk positions."""
+        B, _, _, Tq, Tk, _ = dims
+        if q_first is None and k_first is None and Tq > Tk:
+            raise KernelArgumentError(f"causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk} (or q_first, k_first)")
+        q_first = Tk - Tq if q_first is None else int(q_first)
+        k_first = 0 if k_first is None else int(k_first)
+        diag, win = mask_band(Tq, Tk, q_first - k_first, None if window is None else int(window))
+        if softcap is not None and not float(softcap) > 0.0:
+            raise KernelArgumentError(f"softcap={softcap}: the soft cap is a positive number (or None)")
+        docs = (None, None)
+        if documents is not None:
+            xp = self.xp
+            docs = tuple(documents)
+            for name, d, n in zip(("q_docs", "k_docs"), docs, (Tq, Tk)):
+                if not isinstance(d, xp.ndarray) or d.dtype != np.int32 or d.shape != (B, n) \
+                        or not d.flags.c_contiguous:
+                    raise KernelArgumentError(f"documents: {name} must be a contiguous int32 {xp.__name__} array of "
+                                              f"shape {(B, n)} (ids non-decreasing along the sequence), got "
+                                              f"{getattr(d, 'dtype', type(d).__name__)} {getattr(d, 'shape', '')}")
+        return (q_first, k_first), (np.int32(diag), np.int32(win), np.float32(softcap or 0.0), *docs)
 
     @staticmethod
     def _outputs(xp, name, a, like):
@@ -178,20 +213,21 @@ class AttentionLaunchers(LauncherBase):
         return q.shape[:4] + (k.shape[2], q.shape[4])
 
     def attention_forward(self, q, k, v, scale: float, dropout_p: float = 0.0, seed: int = 0, offsets=0, *,
-                          positions=None, drop_strides=None, out_dtype=None):
-        """(o, lse): o = dropout(softmax(scale * q k^T, causal)) v in q's dtype (out_dtype float32:
-        in float32), [B, Hkv, G, Tq, D] (a view of token-major memory [B, Tq, Hkv, G, D]), lse
-        [B, Hkv, G, Tq] float32, the rows' log-sum-exp of the scaled scores (what the backward
-        recomputes the probabilities from). positions, drop_strides: a tile's (module docstring;
-        :meth:`_diagonal`, :meth:`_attention_dropout_args`). Allocates o and lse (and, with
-        dropout, the B offsets)."""
+                          q_first=None, k_first=None, window=None, softcap=None, documents=None,
+                          drop_strides=None, out_dtype=None):
+        """(o, lse): o = dropout(softmax(scores, masked)) v in q's dtype (out_dtype float32: in
+        float32), [B, Hkv, G, Tq, D] (a view of token-major memory [B, Tq, Hkv, G, D]), lse
+        [B, Hkv, G, Tq] float32, the rows' log-sum-exp of the (capped) scaled scores (what the
+        backward recomputes the probabilities from). q_first, k_first, window, softcap, documents:
+        the mask (module docstring); drop_strides: a tile's (:meth:`_attention_dropout_args`).
+        Allocates o and lse (and, with dropout, the B offsets)."""
         xp = self.xp
         dims = B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
-        diag = self._diagonal(positions, Tq, Tk)
+        firsts, mask = self._mask(dims, q_first, k_first, window, softcap, documents)
         out_dtype = q.dtype if out_dtype is None else np.dtype(out_dtype)
         if out_dtype not in (q.dtype, np.float32):
             raise KernelArgumentError(f"out_dtype {out_dtype}: the forward writes o in q's dtype {q.dtype} or float32")
-        drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, positions, drop_strides)
+        drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, firsts, drop_strides)
         o_tokens = xp.empty((B, Tq, Hkv, G, D), dtype=out_dtype)
         lse = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
         if o_tokens.size:
@@ -203,14 +239,15 @@ class AttentionLaunchers(LauncherBase):
                          (2 * R,),
                          (*((o_tokens, None) if out_dtype == q.dtype else (None, o_tokens)), lse, qs, ks, vs,
                           int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq), int32_arg("Tk", Tk),
-                          np.int32(diag), *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale), *drop),
+                          *mask, *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale), *drop),
                          shared_mem=attention_shared_bytes("forward", q.dtype, D))
         return o_tokens.transpose(0, 2, 3, 1, 4), lse
 
     def attention_backward(self, do, q, k, v, o, lse, scale: float, out=None, dropout_p: float = 0.0, seed: int = 0,
-                           offsets=0, *, rowdot=None, positions=None, drop_strides=None, accumulate: bool = False):
+                           offsets=0, *, rowdot=None, q_first=None, k_first=None, window=None, softcap=None,
+                           documents=None, drop_strides=None, accumulate: bool = False):
         """(dq, dk, dv) of attention_forward's (o, lse) for do shaped like o (any strides with a
-        contiguous head dim), with the forward's dropout, positions and drop_strides. out:
+        contiguous head dim), with the forward's dropout, mask and drop_strides. out:
         optional (dq, dk, dv) arrays of q's, k's, v's shapes, each in q's dtype or float32, to
         write (views of one packed buffer are fine) or, with accumulate, to add the gradients to;
         new contiguous arrays otherwise. rowdot: the rows' sum(do * o), float32 [B, Hkv, G, Tq]
@@ -218,7 +255,7 @@ class AttentionLaunchers(LauncherBase):
         the launcher computes it (scratch of that shape) from o."""
         xp = self.xp
         dims = B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
-        diag = self._diagonal(positions, Tq, Tk)
+        firsts, mask = self._mask(dims, q_first, k_first, window, softcap, documents)
         rows_shape = (B, Hkv, G, Tq)
         for name, a in (("do", do), ("o", o)):
             if name == "o" and rowdot is not None:
@@ -244,7 +281,7 @@ class AttentionLaunchers(LauncherBase):
                 dk[...] = 0
                 dv[...] = 0
             return out
-        drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, positions, drop_strides)
+        drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, firsts, drop_strides)
         sfx = f"{dtype_suffix(q.dtype)}_d{D}"
         dims = (int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq))
         (qs, q_st), (ks, k_st), (vs, v_st) = strided_span(xp, q), strided_span(xp, k), strided_span(xp, v)
@@ -255,7 +292,7 @@ class AttentionLaunchers(LauncherBase):
             os_, o_st = strided_span(xp, o)
             self._launch("attention", f"attention_backward_rowdot_{sfx}", (ceil_div(n_rows, ROWDOT_WARPS),),
                          (32 * ROWDOT_WARPS,), (rowdot, os_, dos, *dims, *o_st[:4], *do_st[:4], np.int64(n_rows)))
-        common = (qs, ks, vs, dos, lse, rowdot, *dims, int32_arg("Tk", Tk), np.int32(diag), *q_st[:4], *k_st[:3],
+        common = (qs, ks, vs, dos, lse, rowdot, *dims, int32_arg("Tk", Tk), *mask, *q_st[:4], *k_st[:3],
                   *v_st[:3], *do_st[:4])
         acc = np.int32(bool(accumulate))
         R = attention_tile_rows("backward_dq", D)
@@ -283,9 +320,21 @@ def _scheduled(schedule):  # (pytest drops an id that a later whole-function id 
             for dt in ("f32", "bf16")]
 
 
+_MASK = "test_attention_mask.py::"
+
 QUICK_TESTS = (
     # tests written for survivors of the first attention campaign (cheap, checked build)
     _ATT + "test_scores_far_below_zero",
+    # the mask rule (window, soft cap, documents, ring tiles; tiles skipped, not masked)
+    _MASK + "test_tiles_outside_the_window_are_skipped",
+    _MASK + "test_tiles_above_the_diagonal_are_skipped",
+    _MASK + "test_tiles_of_other_documents_are_skipped",
+    *[f"{_MASK}test_the_mask_rule_on_the_kernels[emulated-{case}]"
+      for case in ("ring-rows-see-nothing-f32", "documents-ring-tile-f32", "window37-T70-gqa-f32",
+                   "window30-dropout-kvcache-20x129-f32", "softcap-T70-d128-f32",
+                   "documents-window-softcap-dropout-d128-f32", "documents-T130-f32", "window70-softcap-T100-f32",
+                   "ring-window-40x40-f32", "documents-negative-ids-full-tile-f32", "window37-T70-gqa-bf16",
+                   "softcap-T70-d128-bf16", "documents-T130-bf16")],
     # checked build (race detector, bounds): tile edges at head dims 64 / 128, the forward
     # schedule first (most mutants die there), the other schedules after the launcher tests
     *_scheduled("forward"),
@@ -331,4 +380,5 @@ FAMILY = KernelFamily(
         "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
             attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,
         width="head dim") for kernel in _TILE_KERNELS for d in ATTENTION_HEAD_DIMS},
-    tests=("test_attention.py", "test_attention_tiles.py"), quick_tests=QUICK_TESTS)
+    tests=("test_attention.py", "test_attention_tiles.py", "test_attention_mask.py"),
+    mutation_classes=("skiptile", "softcap"), quick_tests=QUICK_TESTS)

@@ -6,6 +6,7 @@ kernel tests against each; a mutant the tests fail is *killed*, one they pass *s
     python tools/mutate_kernels.py --only softmax.cu --ops barrier,relop
     python tools/mutate_kernels.py --only attention.cu --quick --jobs 2   # a stage's fast selection
     python tools/mutate_kernels.py --ids attention-042 attention-049     # re-run chosen mutants
+    python tools/mutate_kernels.py --only attention.cu --since main      # the lines changed since a revision
     python tools/mutate_kernels.py --report out/mutants/results.jsonl
 
 The mutants are generated from patterns over every code line of kernels/*.cu and
@@ -31,6 +32,9 @@ occurrence at a time:
   fastmath    ``expf(`` -> ``__expf(`` (a fast-math intrinsic; the float32 activations only)
   vecwidth    a bf16 kernel's 128-bit pack sized as float32's: ``% P == 0`` -> ``% 4 == 0``,
               ``(n + P - 1) / P`` -> ``(n + 3) / 4``, ``count >= N`` -> ``count >= 4``
+  skiptile    a tile skip ``if (...) continue;`` made empty: the tile is visited and masked
+              instead of skipped (the fused attention's window and documents)
+  softcap     the soft cap's ``tanhf(`` -> ``(`` (no cap) and its derivative `` * dcap`` dropped
 
 Each mutant is compiled and tested in a private copy of tests/ and kernels/ (the working tree is
 never modified, so the campaign can run while you edit), with the emulated backend only, pytest
@@ -95,12 +99,12 @@ QUICK = {f.name: list(f.quick_tests) for f in families() if f.quick_tests}
 LAUNCH_TIMEOUT = 10
 
 OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math",
-       "round16", "halves", "fastmath", "vecwidth")
+       "round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap")
 # Operators that apply to some sources only (the bug classes of issue 42), as the families declare
 # them (FAMILY.mutation_classes, of their own source), and those of the shared header; the others
 # apply everywhere.
 COMMON_CLASSES = ("vecwidth",)  # common.cuh: load_chunk / store_chunk (its sums are on no storage type T)
-SOURCE_CLASSES = ("round16", "halves", "fastmath")
+SOURCE_CLASSES = ("round16", "halves", "fastmath", "skiptile", "softcap")
 OP_SOURCES = {op: tuple(f"{f.sources[0]}.cu" for f in families() if op in f.mutation_classes)
               + (("common.cuh",) if op in COMMON_CLASSES else ()) for op in SOURCE_CLASSES}
 
@@ -198,6 +202,9 @@ PATTERNS = [
     ("vecwidth", r"% P == 0", "% 4 == 0", ""),
     ("vecwidth", r"\+ P - 1\) / P", "+ 3) / 4", ""),
     ("vecwidth", r"\bcount >= N\b", "count >= 4", ""),
+    ("skiptile", r"(?<=\)) continue;", " {}", ""),
+    ("softcap", r"\btanhf\(", "(", ""),
+    ("softcap", r" \* dcap\b", "", ""),
 ]
 
 
@@ -238,6 +245,18 @@ def generate(sources=SOURCES, ops=OPS) -> list[Mutant]:
                                           new.rstrip("\n")))
                 n += 1
     return mutants
+
+
+def changed_lines(source: str, rev: str) -> set[int]:
+    """The 1-based line numbers of kernels/<source> that differ from git revision `rev` (added
+    or changed lines of `git diff -U0`): a campaign over a change's new code (--since)."""
+    out = subprocess.run(["git", "diff", "-U0", rev, "--", f"kernels/{source}"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    lines = set()
+    for m in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", out, re.M):
+        start, count = int(m.group(1)), int(m.group(2) or 1)
+        lines.update(range(start, start + count))
+    return lines
 
 
 def apply(mutant: Mutant, text: str) -> str:
@@ -312,7 +331,8 @@ def _killing_test(out: str) -> str:
 def prioritised(mutants):
     """The categories the issues name first (issue 42's, then the first review's: a capped run
     still covers them), then relop and bound; sources interleaved within a category."""
-    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "barrier", "accumulate", "init",
+    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap",
+                                           "barrier", "accumulate", "init",
                                            "shared", "skipwrite", "index32", "stride", "math", "relop", "bound"))}
     rank = {}
     for m in mutants:
@@ -360,6 +380,10 @@ def campaign(mutants, out_dir: Path, max_time: float, per_mutant: float, resume:
             base, dt, out = run_tests(boxes[0], tests + AUDIT_TESTS, sources, 1800, launch_timeout)
             if base != "survived":
                 raise SystemExit(f"the kernel tests ({stage}) fail without any mutation ({base}):\n{out}")
+            if dt > per_mutant / 2:  # a survivor (same tests, plus a build) past the limit would count as killed
+                raise SystemExit(f"the kernel tests ({stage}) take {dt:.0f} s without any mutation: over half of "
+                                 f"--per-mutant {per_mutant:.0f} s, a surviving mutant would count as a timeout "
+                                 "(killed); raise --per-mutant or choose fewer tests (--quick, --tests)")
         print(f"baseline: the kernel tests pass on the unmutated sources ({time.monotonic() - t0:.0f} s)", flush=True)
         todo = prioritised([m for m in mutants if m.id not in done])
         lock = threading.Lock()
@@ -429,6 +453,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="sources to mutate (e.g. softmax.cu common.cuh)")
     ap.add_argument("--ops", default=",".join(OPS), help="comma-separated operators (default: all)")
     ap.add_argument("--ids", nargs="*", default=None, help="run only these mutant ids")
+    ap.add_argument("--since", default=None, metavar="REV",
+                    help="only mutants of lines added or changed since git revision REV (ids stay those of the "
+                         "whole source)")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "mutants")
     ap.add_argument("--max-time", type=float, default=4 * 3600, help="stop starting mutants after this many s")
     ap.add_argument("--per-mutant", type=float, default=300, help="time limit of one mutant's test run (s)")
@@ -439,6 +466,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="run each stage's fast selection (QUICK: attention) instead of its whole test file; "
                          "re-run the survivors without it")
+    ap.add_argument("--tests", nargs="*", default=None, metavar="NODEID",
+                    help="run these tests (pytest node ids under tests/kernels/, in order) for every stage instead "
+                         "of its files, as --quick does (e.g. a change's own tests; re-run the survivors without it)")
     ap.add_argument("--report", type=Path, default=None, help="summarise a results.jsonl and exit")
     args = ap.parse_args(argv)
     if args.report:
@@ -451,12 +481,19 @@ def main(argv=None) -> int:
     mutants = generate(args.only or SOURCES, ops)
     if args.ids:
         mutants = [m for m in mutants if m.id in set(args.ids)]
+    if args.since:
+        changed = {source: changed_lines(source, args.since) for source in {m.source for m in mutants}}
+        mutants = [m for m in mutants if m.line in changed[m.source]]
     if args.list:
         for m in mutants:
             print(f"{m.id:18s} {m.describe()}")
         print(f"{len(mutants)} mutants")
         return 0
-    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick, args.launch_timeout)
+    if args.tests:
+        for stage in STAGES:
+            QUICK[stage] = list(args.tests)
+    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick or bool(args.tests),
+             args.launch_timeout)
     summary = report(args.out / "results.jsonl", len(mutants))
     (args.out / "summary.md").write_text(summary)
     print(summary)

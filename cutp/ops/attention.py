@@ -78,20 +78,21 @@ class AttentionCtx:
       the block sees no key);
     * ``rule``: None (the plain causal rule) or (:class:`AttentionMask`, softcap);
     * the fused kernels: o, the rows' log-sum-exp ``lse`` [B, nkv, g, Tq] (float32), the scale,
-      the dropout's (p, seed, offsets) and the kernels' launchers.
+      the dropout's (p, seed, offsets), the mask's keywords and the kernels' launchers.
     """
 
     __slots__ = ("q", "k", "v", "softmax", "dropout", "probs", "pieces", "piece_blocks", "o", "lse", "scale",
-                 "kernels", "dropout_args", "rule", "tanh")
+                 "kernels", "dropout_args", "rule", "tanh", "fused_mask")
 
     def __init__(self, q, k, v, *, softmax=None, dropout=None, probs=None, pieces=None, piece_blocks=None, o=None,
-                 lse=None, scale=None, kernels=None, dropout_args=None, rule=None, tanh=None):
+                 lse=None, scale=None, kernels=None, dropout_args=None, rule=None, tanh=None, fused_mask=None):
         self.q, self.k, self.v = q, k, v
         self.rule, self.tanh = rule, tanh
         self.softmax, self.dropout, self.probs = softmax, dropout, probs
         self.pieces, self.piece_blocks = pieces, piece_blocks
         self.o, self.lse, self.scale, self.kernels = o, lse, scale, kernels
         self.dropout_args = dropout_args  # the fused path's (dropout_p, seed, offsets)
+        self.fused_mask = fused_mask  # and its mask keywords (window, softcap, q_first, k_first, documents)
 
     @property
     def fused(self) -> bool:
@@ -206,22 +207,14 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
     if softcap is not None and not softcap > 0:
         raise ValueError(f"the attention softcap must be a positive number or None, got {softcap!r}")
     plain_rule = softcap is None and mask.causal_only(Tq, Tk)
-    if not plain_rule and (fused or (fused is None and blocked is None)):
-        # (the fused kernels take the rule's arguments in the attn-kernels work; until then the array paths)
-        why = "the fused attention kernels do not take a window, softcap, q_first/k_first or documents yet"
-        if fused:
-            raise ValueError(why)
-        kernels = _attention_kernels(q, k, v)
-        if kernels is not None and why not in _UNFUSED_WARNED and not getattr(kernels.xp, "shape_only", False):
-            _UNFUSED_WARNED.add(why)
-            warnings.warn(f"cutp: {why}; attention runs unfused (its T x T probabilities in memory)", stacklevel=2)
-        fused = False
     if fused or (fused is None and blocked is None):
         kernels, why = fused_attention_kernels(q, k, v, warn=not fused)
         if kernels is not None:
             drop = (float(dropout_p), seed, offset)
-            o, lse = kernels.attention_forward(q, k, v, scale, *drop)
-            return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels, dropout_args=drop)
+            mask = _fused_mask(kernels.xp, window, softcap, q_first, k_first, documents)
+            o, lse = kernels.attention_forward(q, k, v, scale, *drop, **mask)
+            return o, AttentionCtx(q, k, v, o=o, lse=lse, scale=scale, kernels=kernels, dropout_args=drop,
+                                   fused_mask=mask)
         if fused:
             raise ValueError(why)
     xp = get_array_module(q, k, v)
@@ -253,7 +246,7 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
         direct = out is None or all(kernel_layout(a, output=True) and a.dtype == like.dtype
                                     for a, like in zip(out, (ctx.q, ctx.k, ctx.v)))
         grads = ctx.kernels.attention_backward(do, ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, ctx.scale,
-                                               out if direct else None, *ctx.dropout_args)
+                                               out if direct else None, *ctx.dropout_args, **ctx.fused_mask)
         if direct:
             return grads
         for dst, grad in zip(out, grads):  # like the plain path: any strides, any dtype
@@ -265,6 +258,14 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
 
 
 _UNFUSED_WARNED: set = set()
+
+
+def _fused_mask(xp, window, softcap, q_first, k_first, documents) -> dict:
+    """The fused launchers' mask keywords (contract 1's rule; kernels/attention.py): documents as
+    contiguous int32 arrays of the kernels' array module."""
+    if documents is not None:
+        documents = tuple(xp.ascontiguousarray(xp.asarray(d), dtype=np.int32) for d in documents)
+    return dict(window=window, softcap=softcap, q_first=q_first, k_first=k_first, documents=documents)
 
 
 def fused_attention_kernels(q, k, v, warn: bool = True):
@@ -455,59 +456,114 @@ def _dropout_factors(xp, shape, dropout_p, seed, offset):
     return xp.stack([dropout_mask(xp, shape[1:], dropout_p, seed, o) for o in _row_offsets(offset, shape)]) * keep_scale
 
 
+def _flash_mask(xp, Tq, Tk, q_first, k_first, window, documents):
+    """The fused kernels' mask and tile ranges in array code: (visible (q0, q1, k0, k1) -> the
+    [B or 1, 1, 1, q1 - q0, k1 - k0] pairs of a tile that meet, key_range (q0, q1) -> the keys
+    [lo, hi) some of those query rows see, query_range (k0, k1) -> the query rows [lo, hi) that
+    see some of those keys, meet (q0, q1, k0, k1) -> whether the tile's documents can meet)."""
+    q_first = Tk - Tq if q_first is None else int(q_first)
+    k_first = 0 if k_first is None else int(k_first)
+    diag = q_first - k_first  # query row i sees keys j <= diag + i (and j > diag + i - window)
+    q_docs, k_docs = (None, None) if documents is None else (xp.asarray(d) for d in documents)
+
+    def visible(q0, q1, k0, k1):
+        i, j = xp.arange(q0, q1)[:, None], xp.arange(k0, k1)[None, :]
+        vis = j <= diag + i
+        if window is not None:
+            vis = vis & (j > diag + i - window)
+        vis = vis[None, None, None]
+        if q_docs is not None:
+            vis = vis & (q_docs[:, None, None, q0:q1, None] == k_docs[:, None, None, None, k0:k1])
+        return vis
+
+    def key_range(q0, q1):
+        return max(0, diag + q0 - window + 1) if window is not None else 0, min(Tk, diag + q1)
+
+    def query_range(k0, k1):
+        return max(0, k0 - diag), min(Tq, k1 - 1 - diag + window) if window is not None else Tq
+
+    def meet(q0, q1, k0, k1):  # ids are non-decreasing: a tile's documents are its first row's to its last's
+        if q_docs is None:
+            return True
+        return bool(((k_docs[:, k1 - 1] >= q_docs[:, q0]) & (k_docs[:, k0] <= q_docs[:, q1 - 1])).any())
+
+    return visible, key_range, query_range, meet
+
+
+def _capped(xp, s, softcap):
+    """(softcap tanh(s / softcap), its derivative 1 - tanh^2) of the scaled scores s; (s, 1)
+    without a cap."""
+    if softcap is None:
+        return s, 1.0
+    t = xp.tanh(s / softcap)
+    return softcap * t, 1.0 - t * t
+
+
 def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE, dropout_p: float = 0.0, seed: int = 0,
-                            offset=0):
+                            offset=0, *, window=None, softcap=None, q_first=None, k_first=None, documents=None):
     """``(o, lse)`` by kernels/attention.cu's forward algorithm, on any array module: per query
-    tile, the key tiles up to the causal diagonal with an online softmax (running max m, sum l,
-    the output rescaled by exp(m_old - m_new)), then o = acc / l and lse = m + log(l) (natural
-    log of the scaled scores' sum of exps). No T x T array: tile x tile scores at a time (but the
-    dropout mask, when there is one). Dropout as in :func:`causal_attention_forward`, applied to
-    the probabilities after the row sum. Shapes as there; o in q's dtype, lse [B, nkv, g, Tq] in
-    the compute dtype (float32 for 16-bit inputs)."""
-    _check_shapes(q, k, v)
+    tile, the key tiles that hold a key one of its rows sees (causal band, window; tiles whose
+    documents cannot meet skipped) with an online softmax (running max m, sum l, the output
+    rescaled by exp(m_old - m_new)), then o = acc / l and lse = m + log(l) (natural log of the
+    scaled, capped scores' sum of exps; a row that sees no key: o = 0, lse = -inf). No T x T
+    array: tile x tile scores at a time (but the dropout mask, when there is one). Dropout as in
+    :func:`causal_attention_forward`, applied to the probabilities after the row sum. The mask
+    (window, softcap, q_first, k_first, documents) as the fused launchers take it
+    (kernels/attention.py). Shapes as there; o in q's dtype, lse [B, nkv, g, Tq] in the compute
+    dtype (float32 for 16-bit inputs)."""
+    if q_first is None and k_first is None:
+        _check_shapes(q, k, v)
     xp = get_array_module(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     cdt = compute_dtype(q.dtype)
-    Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
+    Tq, Tk = q.shape[3], k.shape[2]
+    visible, key_range, _, meet = _flash_mask(xp, Tq, Tk, q_first, k_first, window, documents)
     drop = _dropout_factors(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
     o = xp.empty(q.shape, cdt)
     lse = xp.empty(q.shape[:4], cdt)
     for q0 in range(0, Tq, tile):
         q1 = min(q0 + tile, Tq)
         qt = as_dtype(q[..., q0:q1, :], cdt)
-        qpos = xp.arange(off + q0, off + q1)[:, None]
         m = xp.full(qt.shape[:4], -xp.inf, cdt)
         l_sum = xp.zeros(qt.shape[:4], cdt)
         acc = xp.zeros(qt.shape, cdt)
-        for k0 in range(0, off + q1, tile):  # key tiles up to the last query's position
+        lo, hi = key_range(q0, q1)
+        for k0 in range(lo - lo % tile, hi, tile):
             k1 = min(k0 + tile, Tk)
-            s = (qt @ as_dtype(k[:, :, None, k0:k1], cdt).swapaxes(-1, -2)) * scale
-            s = xp.where(xp.arange(k0, k1)[None, :] > qpos, -xp.inf, s)
+            if not meet(q0, q1, k0, k1):
+                continue
+            s, _ = _capped(xp, (qt @ as_dtype(k[:, :, None, k0:k1], cdt).swapaxes(-1, -2)) * scale, softcap)
+            s = xp.where(visible(q0, q1, k0, k1), s, -xp.inf)
             m_new = xp.maximum(m, s.max(axis=-1))
-            p = xp.exp(s - m_new[..., None])
-            alpha = xp.exp(m - m_new)
+            m_ref = xp.where(m_new == -xp.inf, 0.0, m_new)  # a row that has seen no key yet: p = alpha = 0
+            p = xp.exp(s - m_ref[..., None])
+            alpha = xp.exp(m - m_ref)
             l_sum = l_sum * alpha + p.sum(axis=-1)
             if drop is not None:
                 p = p * drop[..., q0:q1, k0:k1]
             acc = acc * alpha[..., None] + p @ as_dtype(v[:, :, None, k0:k1], cdt)
             m = m_new
-        o[..., q0:q1, :] = acc / l_sum[..., None]
-        lse[..., q0:q1] = m + xp.log(l_sum)
+        seen = l_sum > 0
+        o[..., q0:q1, :] = acc / xp.where(seen, l_sum, 1.0)[..., None]
+        lse[..., q0:q1] = xp.where(seen, m + xp.log(xp.where(seen, l_sum, 1.0)), -xp.inf)
     return as_dtype(o, q.dtype), lse
 
 
 def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_TILE, dropout_p: float = 0.0,
-                             seed: int = 0, offset=0):
+                             seed: int = 0, offset=0, *, window=None, softcap=None, q_first=None, k_first=None,
+                             documents=None):
     """``(dq, dk, dv)`` by kernels/attention.cu's backward algorithm: D = rowsum(do * o); per key
-    tile and query tile at or below the diagonal, P = exp(scale q k^T - lse) recomputed,
-    dv += P^T do, dS = P (do v^T - D), dq += scale dS k, dk += scale dS^T q (dk, dv summed over
-    the g query heads of each KV head); with dropout's factors F (mask / (1 - p)), dv += (P F)^T do
-    and dS = P (F do v^T - D). Shapes as in :func:`causal_attention_backward`; results in q's
-    dtype."""
+    tile and the query tiles with a row that sees one of its keys (tiles whose documents cannot
+    meet skipped), P = exp(x - lse) recomputed from the scaled, capped scores x, dv += P^T do,
+    dS = P (do v^T - D) c (c = 1 - tanh^2 of the cap, 1 without), dq += scale dS k, dk += scale
+    dS^T q (dk, dv summed over the g query heads of each KV head); with dropout's factors F
+    (mask / (1 - p)), dv += (P F)^T do and dS = P (F do v^T - D) c. Shapes and mask as in
+    :func:`flash_attention_forward`; results in q's dtype."""
     xp = get_array_module(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     cdt = compute_dtype(q.dtype)
-    Tq, Tk, off = q.shape[3], k.shape[2], k.shape[2] - q.shape[3]
+    Tq, Tk = q.shape[3], k.shape[2]
+    visible, _, query_range, meet = _flash_mask(xp, Tq, Tk, q_first, k_first, window, documents)
     qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
     rowdot = (doc * as_dtype(o, cdt)).sum(axis=-1)  # [B, nkv, g, Tq]
     drop = _dropout_factors(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
@@ -517,15 +573,17 @@ def flash_attention_backward(do, q, k, v, o, lse, scale=None, tile: int = FLASH_
     for k0 in range(0, Tk, tile):
         k1 = min(k0 + tile, Tk)
         kt, vt = kc[:, :, None, k0:k1], vc[:, :, None, k0:k1]
-        first = max(0, k0 - off)  # queries before it see none of these keys
-        for q0 in range(first - first % tile, Tq, tile):
+        lo, hi = query_range(k0, k1)
+        for q0 in range(lo - lo % tile, hi, tile):
             q1 = min(q0 + tile, Tq)
-            s = (qc[..., q0:q1, :] @ kt.swapaxes(-1, -2)) * scale
-            later = xp.arange(k0, k1)[None, :] > xp.arange(off + q0, off + q1)[:, None]
-            p = xp.where(later, 0.0, xp.exp(s - lse[..., q0:q1, None]))
+            if not meet(q0, q1, k0, k1):
+                continue
+            x, dcap = _capped(xp, (qc[..., q0:q1, :] @ kt.swapaxes(-1, -2)) * scale, softcap)
+            vis = visible(q0, q1, k0, k1)  # (a row that sees no key has lse = -inf: never exp(x + inf))
+            p = xp.exp(xp.where(vis, x - xp.where(vis, lse[..., q0:q1, None], 0.0), -xp.inf))
             f = 1.0 if drop is None else drop[..., q0:q1, k0:k1]
             dv[:, :, k0:k1] += ((p * f).swapaxes(-1, -2) @ doc[..., q0:q1, :]).sum(axis=2)
-            ds = p * ((doc[..., q0:q1, :] @ vt.swapaxes(-1, -2)) * f - rowdot[..., q0:q1, None])
+            ds = p * ((doc[..., q0:q1, :] @ vt.swapaxes(-1, -2)) * f - rowdot[..., q0:q1, None]) * dcap
             dq[..., q0:q1, :] += (ds @ kt) * scale
             dk[:, :, k0:k1] += (ds.swapaxes(-1, -2) @ qc[..., q0:q1, :]).sum(axis=2) * scale
     return tuple(as_dtype(a, q.dtype) for a in (dq, dk, dv))

@@ -7,7 +7,11 @@ Layout as in :mod:`cutp.ops.attention`: q [B, nkv, g, Tq, hd], k and v [B, nkv, 
 has `positions` (q_pos, k_pos): query row i sits at global position q_pos + i, key j at k_pos + j,
 and a key after the query is masked. The ring's tiles are "full" (q_pos >= k_pos + Tk: every
 query sees every key) or "causal" (q_pos == k_pos, the diagonal block: key j > query i masked).
-Every query must see a key (q_pos >= k_pos).
+Every query must see a key (q_pos >= k_pos). The rest of the attention mask rule (cutp.ops.attention):
+`window` (a key at s is seen from a query at p only if s > p - window), `documents` (q_docs
+[B, Tq], k_docs [B, Tk] int32 ids of the tile's queries and keys: a key is seen only from a
+query of its document) and `softcap` (scores softcap * tanh(s / softcap) before the mask); a row
+of a tile that sees none of its keys has o = 0 and lse = -inf, which `merge` takes as "nothing".
 
 Forward of a tile: s = scale q k^T (masked), m = max s, l = sum exp(s - m), o = (exp(s - m) / l)
 (times the dropout factors) v, lse = m + log l. Two partial results of the same queries merge
@@ -25,10 +29,6 @@ Dropout (`dropout`: None or (p, seed, offsets, T)): probability (h, i, j) of bat
 counter offsets[b] + h T^2 + (q_pos + i) T + k_pos + j, the counter the one-rank attention over
 the whole T-token sequence gives it (offsets[b]: that of this rank's first head in batch row b).
 
-The mask rule and soft-capping of `cutp.ops.attention` (window, documents: the tile's own
-(q_docs [B, Tq], k_docs [B, Tk]), softcap): the ring's tiles that they leave partly visible. A row
-of a tile that sees no key gives o = 0 and lse = -inf, which `merge` weighs 0.
-
 Two implementations, chosen per call as `causal_attention_forward` chooses: on a GPU with kernels
 on, CuPy arrays of float32 or bfloat16 and head dim 64 or 128, the fused kernels
 (kernels/attention.cu: the tile's positions are their diagonal shift, the dropout counters their
@@ -43,7 +43,7 @@ import numpy as np
 from cutp.kernels.attention import kernel_layout
 from cutp.runtime.backend import get_array_module
 
-from .attention import AttentionMask, fused_attention_kernels
+from .attention import fused_attention_kernels
 from .common import as_dtype, compute_dtype
 from .dropout import dropout_mask_at
 
@@ -56,31 +56,24 @@ def _kernel_dropout(dropout):
     return (float(p), seed, [int(o) for o in offsets]), (T * T, T)
 
 
-def _scores(q, k, scale, positions, xp, rule=None):
-    """(scores, tanh): the tile's scaled scores [B, nkv, g, Tq, Tk], soft-capped and masked by
-    rule = (window, softcap, documents) (None: the causal rule alone), hidden ones -inf; tanh the
-    soft-cap's (None without one)."""
-    window, softcap, documents = rule or (None, None, None)
-    s = q @ k[:, :, None].swapaxes(-1, -2)  # [B, nkv, g, Tq, Tk]
-    t = None
-    if softcap is None:
-        s = s * scale
-    else:
-        t = xp.tanh(s * (scale / softcap))
-        s = t * softcap
+def _scores(q, k, scale, positions, xp, window=None, softcap=None, documents=None):
+    """(the tile's scaled, capped, masked scores [B, nkv, g, Tq, Tk], the cap's derivative
+    1 - tanh^2 or 1)."""
+    s = (q @ k[:, :, None].swapaxes(-1, -2)) * scale  # [B, nkv, g, Tq, Tk]
+    dcap = 1.0
+    if softcap is not None:
+        t = xp.tanh(s / softcap)
+        s, dcap = softcap * t, 1.0 - t * t
     (q_pos, k_pos), (tq, tk) = positions, s.shape[-2:]
-    if rule is not None:
-        mask = AttentionMask(tq, tk, q_pos, k_pos, window, documents)
-        s = xp.where(mask.hidden(xp, (0, tq), (0, tk)), -xp.inf, s)
-    elif k_pos + tk - 1 > q_pos:  # some key after some query
-        later = (k_pos + xp.arange(tk))[None, :] > (q_pos + xp.arange(tq))[:, None]
-        s = xp.where(later, -xp.inf, s)
-    return s, t
-
-
-def _rule(window, softcap, documents):
-    """The tile's rule for `_scores`, None when it is the causal rule alone."""
-    return None if window is None and softcap is None and documents is None else (window, softcap, documents)
+    key, query = (k_pos + xp.arange(tk))[None, :], (q_pos + xp.arange(tq))[:, None]
+    if k_pos + tk - 1 > q_pos:  # some key after some query
+        s = xp.where(key > query, -xp.inf, s)
+    if window is not None and k_pos <= q_pos + tq - 1 - window:  # some key before some query's window
+        s = xp.where(key <= query - window, -xp.inf, s)
+    if documents is not None:
+        q_docs, k_docs = (xp.asarray(d) for d in documents)
+        s = xp.where(q_docs[:, None, None, :, None] != k_docs[:, None, None, None, :], -xp.inf, s)
+    return s, dcap
 
 
 def _keep(xp, dropout, positions, shape):
@@ -105,37 +98,38 @@ def _check_positions(positions, tq):
                          f"{positions[1]}: every query needs a visible key (q_pos >= k_pos)")
 
 
+def _fused_mask(kernels, window, softcap, documents) -> dict:
+    docs = None if documents is None else tuple(kernels.xp.ascontiguousarray(d, dtype=np.int32) for d in documents)
+    return dict(window=window, softcap=softcap, documents=docs)
+
+
 def tile_forward(q, k, v, scale: float, positions, dropout=None, *, window=None, softcap=None, documents=None):
     """(o, lse) of queries q against keys k, v at `positions` (q_pos, k_pos), in the compute
-    dtype; dropout: None or (p, seed, offsets, T); window, softcap, documents (the tile's): the
-    mask rule (module docstring)."""
+    dtype; dropout: None or (p, seed, offsets, T); window, softcap, documents: the mask (module
+    docstring)."""
     _check_positions(positions, q.shape[3])
-    rule = _rule(window, softcap, documents)
-    kernels, _ = fused_attention_kernels(q, k, v) if rule is None else (None, None)  # (the kernels' rule: to come)
+    kernels, _ = fused_attention_kernels(q, k, v)
     if kernels is not None:
         drop, strides = _kernel_dropout(dropout)
-        return kernels.attention_forward(q, k, v, scale, *drop, positions=positions, drop_strides=strides,
-                                         out_dtype=np.float32)
+        return kernels.attention_forward(q, k, v, scale, *drop, q_first=positions[0], k_first=positions[1],
+                                         drop_strides=strides, out_dtype=np.float32,
+                                         **_fused_mask(kernels, window, softcap, documents))
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc = (as_dtype(a, cdt) for a in (q, k, v))
-    s, _ = _scores(qc, kc, scale, positions, xp, rule)
+    s, _ = _scores(qc, kc, scale, positions, xp, window, softcap, documents)
     m = s.max(axis=-1, keepdims=True)
-    if rule is not None:  # rows that see no key: o 0, lse -inf
-        m = xp.where(m == -xp.inf, xp.inf, m)  # (then exp(s - m) = 0: no NaN)
+    m = xp.where(m == -xp.inf, 0.0, m)  # a row that sees none of the tile's keys: p = 0
     p = xp.exp(s - m)
     total = p.sum(axis=-1, keepdims=True)
-    if rule is not None:
-        seen = total > 0
-        o_lse = xp.where(seen, m + xp.log(xp.where(seen, total, 1.0)), -xp.inf)
-        total = xp.where(seen, total, 1.0)
-    p /= total
+    seen = total > 0
+    p /= xp.where(seen, total, 1.0)
     keep, keep_scale = _keep(xp, dropout, positions, s.shape)
     if keep is not None:
         p *= keep
         p *= keep_scale
     o = p @ vc[:, :, None]
-    return o, ((m + xp.log(total)) if rule is None else o_lse)[..., 0]
+    return o, xp.where(seen, m + xp.log(xp.where(seen, total, 1.0)), -xp.inf)[..., 0]
 
 
 def merge(o, lse, o_tile, lse_tile):
@@ -144,9 +138,9 @@ def merge(o, lse, o_tile, lse_tile):
     if o is None:
         return o_tile, lse_tile
     xp = get_array_module(o)
-    new = xp.logaddexp(lse, lse_tile)  # (a row that saw nothing yet, lse -inf, weighs 0; the ring meets a row's
-    # own key before a second tile of nothing)
-    return o * xp.exp(lse - new)[..., None] + o_tile * xp.exp(lse_tile - new)[..., None], new
+    new = xp.logaddexp(lse, lse_tile)
+    ref = xp.where(new == -xp.inf, 0.0, new)  # rows neither part sees a key of: o = 0, lse = -inf
+    return o * xp.exp(lse - ref)[..., None] + o_tile * xp.exp(lse_tile - ref)[..., None], new
 
 
 def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=None, out=None, *, window=None,
@@ -155,24 +149,24 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
     gradient (any dtype and strides), rowdot [B, nkv, g, Tq] = rowsum(do * o) and lse
     [B, nkv, g, Tq] of the merged result (compute dtype); dk and dv [B, nkv, Tk, hd] summed over
     the g query heads. out: optional (dq, dk, dv) arrays (compute dtype, any strides) the
-    gradients are added to, and returned. window, softcap, documents: as the forward's."""
+    gradients are added to, and returned. window, softcap, documents: the forward's mask."""
     _check_positions(positions, q.shape[3])
-    rule = _rule(window, softcap, documents)
-    kernels, _ = fused_attention_kernels(q, k, v) if rule is None else (None, None)
+    kernels, _ = fused_attention_kernels(q, k, v)
     if kernels is not None:
         xp = kernels.xp
         do = as_dtype(do, q.dtype)
         if not kernel_layout(do):
             do = xp.ascontiguousarray(do)
         drop, strides = _kernel_dropout(dropout)
-        args = dict(rowdot=xp.ascontiguousarray(rowdot), positions=positions, drop_strides=strides)
+        args = dict(rowdot=xp.ascontiguousarray(rowdot), q_first=positions[0], k_first=positions[1],
+                    drop_strides=strides, **_fused_mask(kernels, window, softcap, documents))
         lse = xp.ascontiguousarray(lse)
         if out is not None and all(kernel_layout(a, output=True) and a.dtype == np.float32 for a in out):
             return kernels.attention_backward(do, q, k, v, None, lse, scale, out, *drop, accumulate=True, **args)
         grads = tuple(xp.empty(a.shape, np.float32) for a in (q, k, v))
         grads = kernels.attention_backward(do, q, k, v, None, lse, scale, grads, *drop, **args)
     else:
-        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, rule)
+        grads = _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, window, softcap, documents)
     if out is None:
         return grads
     for dst, grad in zip(out, grads):
@@ -180,12 +174,13 @@ def tile_backward(do, q, k, v, rowdot, lse, scale: float, positions, dropout=Non
     return out
 
 
-def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, rule=None):
+def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, window=None, softcap=None,
+                         documents=None):
     xp = get_array_module(q, k, v)
     cdt = compute_dtype(q.dtype)
     qc, kc, vc, doc = (as_dtype(a, cdt) for a in (q, k, v, do))
-    s, t = _scores(qc, kc, scale, positions, xp, rule)
-    p = xp.exp(s - lse[..., None])  # masked scores: exp(-inf) = 0
+    s, dcap = _scores(qc, kc, scale, positions, xp, window, softcap, documents)
+    p = xp.exp(s - xp.where(lse == -xp.inf, 0.0, lse)[..., None])  # masked scores: exp(-inf) = 0
     dp = doc @ vc[:, :, None].swapaxes(-1, -2)
     keep, keep_scale = _keep(xp, dropout, positions, p.shape)
     if keep is not None:
@@ -196,9 +191,7 @@ def _tile_backward_array(do, q, k, v, rowdot, lse, scale, positions, dropout, ru
     else:
         pf = p
     dv = (pf.swapaxes(-1, -2) @ doc).sum(axis=2)
-    ds = p * (dp - rowdot[..., None])
-    if t is not None:  # through the soft-cap: d(cap tanh(scale x / cap)) = scale (1 - tanh^2) dx
-        ds *= 1.0 - t * t
+    ds = p * (dp - rowdot[..., None]) * dcap
     dq = (ds @ kc[:, :, None]) * scale
     dk = (ds.swapaxes(-1, -2) @ qc).sum(axis=2) * scale
     return dq, dk, dv

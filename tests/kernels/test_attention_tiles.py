@@ -1,5 +1,5 @@
 """kernels/attention.cu on the tiles of context parallelism's ring attention, through its
-launchers' tile arguments (positions, drop_strides, out_dtype, rowdot, accumulate) and through
+launchers' tile arguments (q_first / k_first, drop_strides, out_dtype, rowdot, accumulate) and through
 cutp.ops.attention_tiles, against attention_tiles' array code in float64 on the same inputs.
 
 * A ring tile pair in miniature: queries of chunk 2 of a 4-chunk sequence against chunk 0 (a full
@@ -52,8 +52,8 @@ def test_a_ring_tile_pair_on_the_kernels(backend, k, dtype, p):
     acc, acc_ref = (None, None), (None, None)
     for j in (0, 2):  # the full tile, then the diagonal
         pos = (2 * c, j * c)
-        o, lse = k.attention_forward(dev(q), dev(kv[j][0]), dev(kv[j][1]), scale, *drop, positions=pos,
-                                     drop_strides=strides, out_dtype=np.float32)
+        o, lse = k.attention_forward(dev(q), dev(kv[j][0]), dev(kv[j][1]), scale, *drop, q_first=pos[0],
+                                     k_first=pos[1], drop_strides=strides, out_dtype=np.float32)
         assert o.dtype == np.float32 and lse.dtype == np.float32
         o_ref, lse_ref = tiles.tile_forward(*_f64(q, *kv[j]), scale, pos, dropout)
         assert normwise_error(backend.host(o), o_ref) <= TOL[dtype]
@@ -70,7 +70,8 @@ def test_a_ring_tile_pair_on_the_kernels(backend, k, dtype, p):
         pos = (2 * c, j * c)
         out = (dq, dev(start[1]), dev(start[2]))
         res = k.attention_backward(dev(do), dev(q), dev(kv[j][0]), dev(kv[j][1]), None, dev(acc[1]), scale, out,
-                                   *drop, rowdot=dev(rowdot), positions=pos, drop_strides=strides, accumulate=True)
+                                   *drop, rowdot=dev(rowdot), q_first=pos[0], k_first=pos[1],
+                                   drop_strides=strides, accumulate=True)
         assert all(r is o for r, o in zip(res, out))
         got_kv[j] = [backend.host(a) - s for a, s in zip(out[1:], start[1:])]
         ref = tiles.tile_backward(*_f64(do, q, *kv[j]), rowdot_ref, acc_ref[1], scale, pos, dropout)
@@ -92,11 +93,11 @@ EDGES = [  # Tq, Tk, positions
 def test_diagonal_shifts(backend, k, dtype, Tq, Tk, pos):
     q, k_, v, do = attention_inputs(1, 1, 2, Tq, Tk, 64, dtype, seed=Tq + Tk)
     dev = [backend.to_device(a) for a in (q, k_, v, do)]
-    o, lse = k.attention_forward(*dev[:3], 0.125, positions=pos)
+    o, lse = k.attention_forward(*dev[:3], 0.125, q_first=pos[0], k_first=pos[1])
     o_ref, lse_ref = tiles.tile_forward(*_f64(q, k_, v), 0.125, pos)
     assert normwise_error(backend.host(o), o_ref) <= TOL[dtype]
     assert normwise_error(backend.host(lse), lse_ref) <= 1e-6
-    grads = k.attention_backward(dev[3], *dev[:3], o, lse, 0.125, positions=pos)
+    grads = k.attention_backward(dev[3], *dev[:3], o, lse, 0.125, q_first=pos[0], k_first=pos[1])
     rowdot = (do.astype(f64) * o_ref).sum(axis=-1)
     for name, got, want in zip(("dq", "dk", "dv"), grads, tiles.tile_backward(*_f64(do, q, k_, v), rowdot, lse_ref,
                                                                                0.125, pos)):
@@ -113,7 +114,7 @@ def test_the_defaults_are_the_one_rank_attentions(backend, k):
     offsets = [10 ** 5, 7 * 10 ** 6]
     o, lse = k.attention_forward(*dev[:3], 0.125, 0.3, 9, offsets)
     shifted = [x - (Tk - Tq) * Tk for x in offsets]
-    kw = dict(positions=(Tk - Tq, 0), drop_strides=(Tq * Tk, Tk))
+    kw = dict(q_first=Tk - Tq, k_first=0, drop_strides=(Tq * Tk, Tk))
     o2, lse2 = k.attention_forward(*dev[:3], 0.125, 0.3, 9, shifted, **kw)
     np.testing.assert_array_equal(backend.host(o), backend.host(o2))
     np.testing.assert_array_equal(backend.host(lse), backend.host(lse2))
@@ -127,8 +128,6 @@ def test_the_defaults_are_the_one_rank_attentions(backend, k):
 
 def test_tile_refusals(backend, k):
     q, k_, v, do = (backend.to_device(a) for a in attention_inputs(1, 1, 1, 8, 8, 64, F32))
-    with pytest.raises(KernelArgumentError, match="sees none of the 8 keys from position 9"):
-        k.attention_forward(q, k_, v, 0.1, positions=(8, 9))
     with pytest.raises(KernelArgumentError, match="out_dtype"):
         k.attention_forward(q, k_, v, 0.1, out_dtype=np.float64)
     o, lse = k.attention_forward(q, k_, v, 0.1)
@@ -254,3 +253,71 @@ def test_the_planners_gpu_walk_books_the_fused_tiles(dtype):
     got = tiles.tile_backward(do, q, k_, v, rowdot, lse, 0.125, (2 * c, c), dropout, out=out)
     assert all(g is a for g, a in zip(got, out))
     assert heap.peak - heap.cur == offsets
+
+
+# ---- the mask rule on a ring's tiles ---------------------------------------------------------------
+# Queries of chunk 2 of a 96-token sequence (3 chunks of 32) against each chunk's keys, window 50,
+# soft cap 2, documents [0, 10), [10, 70), [70] (one token), [71, 96): against chunk 0 rows 64..69
+# see keys, rows 70.. none (lse -inf, merged as nothing); the merge of the three tiles and the sum of
+# their gradients are the reference attention of those queries against the whole sequence.
+RING_MASK = dict(window=50, softcap=2.0)
+RING_DOCS = np.searchsorted(np.array([10, 70, 71]), np.arange(96), side="right").astype(np.int32)[None]
+
+
+def _ring_tiles_under_the_mask(dtype, run_tiles):
+    from .test_attention_mask import reference, reference_mask
+
+    B, Hkv, G, T, c, D = 1, 1, 2, 96, 32, 64
+    q, k_, v, do = attention_inputs(B, Hkv, G, T, T, D, dtype, seed=12)
+    rows = slice(2 * c, 3 * c)
+    qc, doc = q[..., rows, :], do[..., rows, :]
+    mask = reference_mask(B, c, T, 2 * c, 0, documents=(RING_DOCS[:, rows], RING_DOCS), window=RING_MASK["window"])
+    o_ref, lse_ref, (dq_ref, dk_ref, dv_ref) = reference(qc, k_, v, doc, 0.125, mask, RING_MASK["softcap"])
+    chunks = [slice(j * c, (j + 1) * c) for j in range(3)]
+    kw = [dict(RING_MASK, documents=(RING_DOCS[:, rows], RING_DOCS[:, keys])) for keys in chunks]
+    o, lse = None, None
+    for j, keys in enumerate(chunks):
+        o_t, lse_t = run_tiles.forward(qc, k_[..., keys, :], v[..., keys, :], (2 * c, j * c), kw[j])
+        if j == 0:
+            assert np.isneginf(np.asarray(lse_t)[..., 6:]).all() and np.isfinite(np.asarray(lse_t)[..., :6]).all()
+        o, lse = tiles.merge(o, lse, np.asarray(o_t, f64), np.asarray(lse_t, f64))
+    tol = 1e-12 if dtype == f64 else TOL[dtype]
+    assert normwise_error(o, o_ref) <= tol and normwise_error(lse, lse_ref) <= tol
+    rowdot = (np.asarray(doc, f64) * o).sum(axis=-1)
+    dq = 0.0
+    for j, keys in enumerate(chunks):
+        dq_t, dk_t, dv_t = run_tiles.backward(doc, qc, k_[..., keys, :], v[..., keys, :], rowdot, lse,
+                                              (2 * c, j * c), kw[j])
+        dq = dq + np.asarray(dq_t, f64)
+        assert normwise_error(dk_t, dk_ref[..., keys, :]) <= tol, f"dk of chunk {j}"
+        assert normwise_error(dv_t, dv_ref[..., keys, :]) <= tol, f"dv of chunk {j}"
+    assert normwise_error(dq, dq_ref) <= tol
+
+
+class _Tiles:
+    """attention_tiles' tile_forward / tile_backward at scale 0.125, in dtype."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def forward(self, q, k, v, pos, kw):
+        return tiles.tile_forward(q, k, v, 0.125, pos, **kw)
+
+    def backward(self, do, q, k, v, rowdot, lse, pos, kw):
+        cast = (lambda a: np.asarray(a, f64)) if self.dtype == f64 else (lambda a: np.asarray(a, np.float32))
+        return tiles.tile_backward(do, q, k, v, cast(rowdot), cast(lse), 0.125, pos, **kw)
+
+
+def test_ring_tiles_under_the_mask_in_array_code():
+    """attention_tiles' array code (the CPU's ring) with window, soft cap and documents, float64."""
+    _ring_tiles_under_the_mask(f64, _Tiles(f64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_ring_tiles_under_the_mask_on_the_kernels(backend, tile_kernels, dtype):
+    """The same tiles through attention_tiles on the kernels (q_first / k_first of each chunk, the
+    merged lse and rowdot in the backward)."""
+    if not backend.emulated:
+        pytest.skip("NumPy stand-ins")
+    _ring_tiles_under_the_mask(dtype, _Tiles(dtype))
+    assert tile_kernels.launches[f"attention_forward_{'f32' if dtype == F32 else 'bf16'}_d64"] == 3
