@@ -26,7 +26,9 @@ GEMMA = dict(LLAMA, mlp="geglu", norm_offset=True, embed_scale=True, post_norms=
              query_pre_attn_scalar=48.0, final_softcap=5.0, rope_local_theta=50.0, tie_embeddings=True,
              layer_types=("sliding_attention", "full_attention"), sliding_window=16)
 QWEN3 = dict(LLAMA, qk_norm=True, head_dim=32)  # the QK-norm kernels at head-dim rows; head_dim != n_embd / n_head
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "gemma": GEMMA}
+# local layers (a window shorter than the sequence) and soft-capped scores: the fused kernels' mask
+WINDOWED = dict(LLAMA, sliding_window=5, layer_types=("sliding_attention", "full_attention"), attn_softcap=20.0)
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "gemma": GEMMA, "windowed": WINDOWED}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 OVERLAP = dict(overlap_grad_reduce=True, bucket_size=600, tp_comm_overlap=True, overlap_param_gather=True,
                distributed_optimizer=True)

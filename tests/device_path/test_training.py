@@ -34,6 +34,12 @@ def test_gemma_at_tp2_equals_numpy():
     run_device(2, COMPARE, [["gemma", dtype, {"tp": 2}, {}] for dtype in ("float32", "bfloat16")])
 
 
+def test_windows_and_soft_capping_on_the_fused_kernels_equal_numpy():
+    """Local layers and capped scores through the fused kernels' mask, one rank and the CP ring."""
+    run_device(2, COMPARE, [["windowed", dtype, {"tp": 2}, {}] for dtype in ("float32", "bfloat16")]
+               + [["windowed", "float32", {"cp": 2}, {"cp_comm": "ring"}]])
+
+
 def test_tp2_dp2_overlap_gpt2_and_mixtral_equal_numpy():
     run_device(4, COMPARE, [[f, "float32", {"tp": 2, "dp": 2}, OVERLAP] for f in ("gpt2", "mixtral")]
                + [["llama", "bfloat16", {"tp": 2, "dp": 2}, OVERLAP]])
