@@ -24,7 +24,8 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
                token order, so neither SP nor CP changes what is dropped
     experts    E GPT-2 MLPs (h -> moe_ffn -> h, bias + GeLU), or with kind "swiglu" E Llama
                MLPs (Mixtral: a fused [gate | up] h -> 2 moe_ffn, silu(gate) * up, down to h),
-               each run once on its tokens;
+               run together over their tokens sorted by expert (`moe_grouped`: batched matmuls,
+               not a loop over the experts);
                y = sum over the k slots, in slot order, of gate * expert output
 
 With tensor parallelism the experts are replicated and the tokens split over the TP ranks
@@ -83,6 +84,7 @@ from ..ops.common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
 from .context_parallel import zigzag_positions
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
+from .moe_grouped import GroupedExperts
 from .parameter import Module, make_parameter, normal_init, zeros_init
 
 
@@ -106,9 +108,9 @@ def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff)
 
 
 class ExpertMLP(Module):
-    """One expert: GPT-2's MLP (or with kind "swiglu" Llama's: fc1 the fused [gate | up]) with
-    replicated weights (x [n, h] -> [n, h]); the caller keeps what backward needs (`forward`
-    returns it) and calls `backward` with it."""
+    """One expert's parameters: GPT-2's MLP (or with kind "swiglu" Llama's: fc1 the fused
+    [gate | up]), replicated; the MoE layer's local experts are computed together
+    (`moe_grouped.GroupedExperts`)."""
 
     def __init__(self, ctx, n_embd, ffn, *, name, n_layer, bias, gelu, seed, dtype, kind="gelu"):
         self.gelu = gelu
@@ -126,38 +128,6 @@ class ExpertMLP(Module):
                                               dtype=dtype)
         for p in self.own_parameters():
             p.tp_partial = True  # each TP rank runs its own tokens through the expert
-
-    def forward(self, x):
-        if self.kind == "swiglu":
-            h, fc = ops.linear_forward(x, self.fc1.data, None if self.fc1_bias is None else self.fc1_bias.data)
-            a, g = ops.swiglu_forward(h)
-            y, proj = ops.linear_forward(a, self.fc2.data,
-                                         None if self.fc2_bias is None else self.fc2_bias.data)
-            return y, (fc, g, proj)
-        h, fc = ops.linear_forward(x, self.fc1.data)
-        if self.fc1_bias is not None:
-            a, g = ops.bias_gelu_forward(h, self.fc1_bias.data, approximate=self.gelu)
-        else:
-            a, g = ops.gelu_forward(h, approximate=self.gelu)
-        y, proj = ops.linear_forward(a, self.fc2.data, None if self.fc2_bias is None else self.fc2_bias.data)
-        return y, (fc, g, proj)
-
-    def backward(self, dy, saved):
-        fc, g, proj = saved
-        da, _, db = ops.linear_backward(dy, proj, wgrad_out=self.fc2.grad)
-        if db is not None:
-            self.fc2_bias.grad += db
-        if self.kind == "swiglu":
-            dh = ops.swiglu_backward(da, g)
-        elif self.fc1_bias is not None:
-            dh, db = ops.bias_gelu_backward(da, g)
-            self.fc1_bias.grad += db
-        else:
-            dh = ops.gelu_backward(da, g)
-        dx, _, db = ops.linear_backward(dh, fc, wgrad_out=self.fc1.grad)
-        if self.kind == "swiglu" and db is not None:
-            self.fc1_bias.grad += db
-        return dx
 
 
 class MoEMLP(Module):
@@ -180,6 +150,7 @@ class MoEMLP(Module):
                         for e in range(self.expert_lo, self.expert_lo + local)]
         for p in (p for x in self.experts for p in x.own_parameters()):
             p.expert_parallel = ep > 1
+        self.grouped = GroupedExperts(self.experts)
         self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)
         self.context_shard = None  # (cp_rank, cp): the input is a CP rank's zigzag chunks (GPT sets it)
         self.aux_grad = 1.0  # d(objective)/d(auxiliary losses) for the next backward (GPT sets it)
@@ -365,33 +336,22 @@ class MoEMLP(Module):
         return a.reshape(-1, k)
 
     def _experts_forward(self, x, idx, gates, keep):
-        """This rank's tokens through their experts, combined in slot order: y [n, h]."""
+        """This rank's tokens through their experts, combined in slot order: y [n, h]. The kept
+        assignments sorted by expert (and at ep > 1 sent to the experts' EP ranks and back) run
+        through the local experts in one grouped pass (`moe_grouped`)."""
         xp = self.ctx.xp
         n, k = idx.shape
         outs = xp.zeros((n, k, x.shape[1]), x.dtype)
+        rows, slots, counts = assignments(xp, idx, keep, self.n_experts)
         if self.ctx.ep_size > 1:  # the rows travel to their experts' EP ranks and back
-            ep = self.ctx.ep
-            rows, slots, counts = assignments(xp, idx, keep, self.n_experts)
-            xe, ex = dispatch(ep, x[rows], counts, xp)
-            ye, caches = xp.empty_like(xe), []
-            for i, expert in enumerate(self.experts):
-                a, b = ex.bounds[i], ex.bounds[i + 1]
-                caches.append(None)
-                if b > a:
-                    ye[a:b], caches[i] = expert.forward(xe[a:b])
-            outs[rows, slots] = combine(ep, ye, ex, xp)
-            return _combine(outs, gates), (outs, (rows, slots, ex, caches))
-        saved = []
-        for e, expert in enumerate(self.experts):
-            rows, slots = xp.nonzero((idx == e) & keep)
-            if rows.size == 0:
-                saved.append(None)
-                continue
-            o, s = expert.forward(x[rows])
-            outs[rows, slots] = o
-            saved.append((rows, slots, s))
-        y = _combine(outs, gates)
-        return y, (outs, saved)
+            xe, ex = dispatch(self.ctx.ep, x[rows], counts, xp)
+            bounds = ex.bounds
+        else:
+            xe, ex = x[rows], None
+            bounds = np.concatenate([[0], np.cumsum(self.ctx.to_numpy(counts))]).tolist()
+        ye, cache = self.grouped.forward(xe, bounds)
+        outs[rows, slots] = ye if ex is None else combine(self.ctx.ep, ye, ex, xp)
+        return _combine(outs, gates), (outs, (rows, slots, ex, cache))
 
     def _gather_rows(self, part, rows, n):
         """The TP ranks' row blocks (each padded to c rows) all-gathered: [n, h] on every rank."""
@@ -414,23 +374,12 @@ class MoEMLP(Module):
         # the combine: y = sum_j gates_j * outs_j
         d_gates = xp.einsum("nkh,nh->nk", as_dtype(outs, cdt), as_dtype(dy_mine, cdt))
         dx_slots = xp.zeros(outs.shape, dy.dtype)
-        if self.ctx.ep_size > 1:  # output gradients to the experts' EP ranks, input gradients back
-            r, j, ex, caches = saved
-            ep = self.ctx.ep
-            de = dispatch_rows(ep, as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype), ex,
-                               xp)
-            dxe = xp.empty_like(de)
-            for i, (expert, cache) in enumerate(zip(self.experts, caches)):
-                if cache is not None:
-                    dxe[ex.bounds[i]:ex.bounds[i + 1]] = expert.backward(de[ex.bounds[i]:ex.bounds[i + 1]], cache)
-            dx_slots[r, j] = combine(ep, dxe, ex, xp)
-        else:
-            for expert, s in zip(self.experts, saved):
-                if s is None:
-                    continue
-                r, j, cache = s
-                do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
-                dx_slots[r, j] = expert.backward(do, cache)
+        r, j, ex, cache = saved
+        do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
+        if ex is not None:  # output gradients to the experts' EP ranks, input gradients back
+            do = dispatch_rows(self.ctx.ep, do, ex, xp)
+        dxe = self.grouped.backward(do, cache)
+        dx_slots[r, j] = dxe if ex is None else combine(self.ctx.ep, dxe, ex, xp)
         dx_experts = _sum_slots(dx_slots)
         if rows is not None:
             dx_experts = self._gather_rows(dx_experts, rows, n)
