@@ -59,6 +59,9 @@ class ModelConfig:
     n_experts: int = 0
     moe_top_k: int = 2
     moe_every: int = 1  # an MoE MLP in layers 0, k, 2k, ...
+    # layers whose MLP stays dense though moe_every picks them (Qwen3-MoE's mlp_only_layers and
+    # decoder_sparse_step, DeepSeek's first_k_dense_replace); their width is mlp_hidden
+    moe_dense_layers: tuple | None = None
     moe_ffn: int | None = None  # each expert's width (None: the MLP's, mlp_hidden)
     moe_capacity_factor: float | None = None  # None: dropless
     moe_aux_loss_coeff: float = 1e-2  # load balancing (Switch/GShard)
@@ -118,6 +121,8 @@ class ModelConfig:
             optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
             if value.lower() in ("none", "null") and optional:
                 changes[key] = None
+            elif key == "moe_dense_layers":  # a comma-separated list of layers
+                changes[key] = tuple(int(v) for v in value.split(",") if v.strip())
             elif isinstance(current, bool) or (current is None and "bool" in str(fields[key].type)):
                 changes[key] = value.lower() in ("1", "true", "yes")
             elif isinstance(current, float) or (current is None and "float" in str(fields[key].type)):
@@ -233,6 +238,11 @@ class ModelConfig:
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
         check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,
                   self.moe_aux_loss_coeff, self.moe_z_loss_coeff)
+        dense = self.moe_dense_layers
+        if dense is not None and (not isinstance(dense, tuple)
+                                  or any(not isinstance(i, int) or not 0 <= i < self.n_layer for i in dense)):
+            raise ConfigError(f"moe_dense_layers must be a tuple of layer indices in [0, n_layer={self.n_layer}) "
+                              f"(the layers whose MLP stays dense), or None; got {dense!r}")
 
     def _validate_local_attention(self) -> None:
         w = self.sliding_window
@@ -255,7 +265,7 @@ class ModelConfig:
             raise ConfigError("attn_softcap / final_softcap are not implemented yet; set them to None")
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.n_experts > 0 and i % self.moe_every == 0
+        return self.n_experts > 0 and i % self.moe_every == 0 and i not in (self.moe_dense_layers or ())
 
     def moe_settings(self, i: int) -> dict | None:
         """Layer i's MoEMLP settings, or None for a dense MLP."""
@@ -277,8 +287,9 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown ModelConfig fields {sorted(unknown)}; the fields are {sorted(known)} "
                               "(a checkpoint or config written by another cutp version?)")
-        if d.get("layer_types") is not None:  # (JSON gives a list)
-            d["layer_types"] = tuple(d["layer_types"])
+        for f in ("layer_types", "moe_dense_layers"):
+            if d.get(f) is not None:  # (JSON gives a list)
+                d[f] = tuple(d[f])
         return cls(**d)
 
     def _mlp_parameters(self, width: int) -> int:

@@ -1,4 +1,4 @@
-"""Model families (issues 27, 37): Llama-, Qwen2-, Mixtral- and Qwen3-shaped tiny models on every layout.
+"""Model families (issues 27, 37, 40): Llama-, Qwen2-, Mixtral-, Qwen3- and Qwen3-MoE-shaped tiny models on every layout.
 
 float64, dropout 0.1: the losses, every gradient (unless ZeRO-1 kept only its shard) and the
 parameters after the step of a TP x DP x PP (x EP) mesh equal one rank's within 1e-10: tp 2
@@ -27,7 +27,10 @@ QWEN2 = dict(LLAMA, qkv_bias=True, tie_embeddings=True, head_dim=12, rope_scalin
 MIXTRAL = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True, rope_scaling="none")
 # Qwen3: QK-norm (its weights moved off 1 by the first step), head_dim (12) apart from n_embd / n_head
 QWEN3 = dict(LLAMA, qk_norm=True, head_dim=12, rope_scaling="none", norm_eps=1e-6)
-FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3}
+# Qwen3-MoE: QK-norm, 8 narrow experts, top-2 renormalised, layer 1 dense (mlp_only_layers)
+QWEN3_MOE = dict(QWEN3, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize=True, moe_dense_layers=(1,),
+                 family="qwen3_moe")
+FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 
 def _config(family, tp=1, dp=1, pp=1, ep=1, micro=2, schedule="1f1b", virtual=1, sp=False, recompute="none",
@@ -88,5 +91,9 @@ def test_llama_qwen2_mixtral_qwen3_on_every_layout_equal_one_rank():
              dict(family="qwen3", tp=2, dp=2, sp=True, recompute="selective"),
              dict(family="qwen3", tp=2, cp=2, cp_comm="a2a"),
              dict(family="qwen3", cp=2, dp=2, zero=True),  # the ring
-             dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2)]
+             dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2),
+             dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1),
+             dict(family="qwen3_moe", dp=4, ep=4, micro=1),
+             dict(family="qwen3_moe", tp=2, pp=2, micro=1),
+             dict(family="qwen3_moe", tp=2, cp=2)]
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

@@ -16,13 +16,14 @@ import cutp
 from cutp.hf import HFFormatError, config_from_hf, from_hf, hf_state_dict, save_hf
 from cutp.models import GPT, GPTConfig
 from cutp.models.hf import hf_shapes
-from tests.models.test_families import LLAMA, MIXTRAL, QWEN2, QWEN3
+from tests.models.test_families import LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 from tests.mpirun import run_mpi
 
 SPECS = {"llama": dict(LLAMA, dropout=0.0),
          "qwen2": dict(QWEN2, dropout=0.0, head_dim=None),  # (Qwen2's config has no head_dim)
          "mixtral": dict(MIXTRAL, dropout=0.0, moe_ffn=None),
-         "qwen3": dict(QWEN3, dropout=0.0)}
+         "qwen3": dict(QWEN3, dropout=0.0),
+         "qwen3_moe": dict(QWEN3_MOE, dropout=0.0)}
 
 
 def _logits(model, idx):
@@ -46,7 +47,8 @@ def test_save_hf_then_from_hf_gives_the_same_model(family, tmp_path):
     back = from_hf(ctx, str(tmp_path), dtype="float64")
     idx = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
     np.testing.assert_array_equal(_logits(back, idx), _logits(model, idx))
-    for k in ("norm", "positions", "mlp", "kv_heads", "head_size", "rope_scaling", "n_experts", "moe_renormalize"):
+    for k in ("norm", "positions", "mlp", "kv_heads", "head_size", "rope_scaling", "n_experts", "moe_renormalize",
+              "moe_dense_layers"):
         assert getattr(back.config, k) == getattr(cfg, k), k
     assert back.config._bias("qkv_bias") == cfg._bias("qkv_bias")
     assert cfg.rope_scaling == "none" or back.config.rope == cfg.rope
@@ -256,11 +258,19 @@ def test_float64_logits_and_gradients_equal_transformers_without_its_float32_cas
     _lift_float32_casts(monkeypatch, torch, hf)
     ctx = cutp.init(device="cpu")
     model = from_hf(ctx, str(tmp_path), dtype="float64")
-    idx = np.random.default_rng(2).integers(0, 97, (2, 24))
+    check_float64_against(torch, hf, model, np.random.default_rng(2).integers(0, 97, (2, 24)), _in_module_layout)
+    ctx.close()
+
+
+def check_float64_against(torch, hf, model, idx, layout):
+    """float64 logits (1e-12), the loss (1e-12) and every gradient (1e-10) of cutp's `model`
+    against transformers' `hf`; `layout(file tensors, module parameter name)` finds a module
+    parameter's tensor among the file's."""
     ids = torch.from_numpy(idx)
     logits = hf(ids).logits
     # (transformers' own loss upcasts the logits to float32: the shifted cross-entropy in float64 here)
-    hf_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    hf_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, hf.config.vocab_size),
+                                                ids[:, 1:].reshape(-1))
     hf_loss.backward()
     got = _logits(model, idx)
     ref = logits.detach().numpy()
@@ -268,12 +278,11 @@ def test_float64_logits_and_gradients_equal_transformers_without_its_float32_cas
     model.train()
     loss = model.forward(idx, model.targets_from_labels(idx))
     assert abs(loss - hf_loss.item()) <= 1e-12 * abs(hf_loss.item())
-    model.backward(aux_dloss=0.0)  # (transformers adds Mixtral's auxiliary loss only with output_router_logits)
+    model.backward(aux_dloss=0.0)  # (transformers adds the MoE auxiliary loss only with output_router_logits)
     grads = hf_state_dict(model.config, {p.name: p.grad[:p.real_rows] for p in model.parameters()})
     for name, p in hf.named_parameters():
-        g, rg = _in_module_layout(grads, name), p.grad.numpy()
+        g, rg = layout(grads, name), p.grad.numpy()
         assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), name
-    ctx.close()
 
 
 def _in_module_layout(tensors: dict, name: str) -> np.ndarray:

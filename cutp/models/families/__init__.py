@@ -4,6 +4,7 @@
     llama    LlamaForCausalLM (Llama 2/3/3.1/3.2, TinyLlama)
     qwen2    Qwen2ForCausalLM
     qwen3    Qwen3ForCausalLM (QK-norm)
+    qwen3_moe  Qwen3MoeForCausalLM (QK-norm, many narrow experts)
     mistral  MistralForCausalLM
     mixtral  MixtralForCausalLM
 
@@ -22,6 +23,7 @@ from .mistral import Mistral
 from .mixtral import Mixtral
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
+from .qwen3_moe import Qwen3Moe
 
 FAMILIES: dict[str, Family] = {}  # family name -> its declarations
 _BY_MODEL_TYPE: dict[str, Family] = {}
@@ -42,7 +44,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral()):
+for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral(), Qwen3Moe()):
     register(_family)
 
 

@@ -1,0 +1,127 @@
+"""Qwen3-MoE against transformers (issue 40): Qwen3MoeForCausalLM with 8 experts of 16, top-2,
+norm_topk_prob, one dense layer (mlp_only_layers), its routers scaled up so that every decision
+is away from ties. float32 logits within 1e-5 and greedy generation (32 tokens, with the KV cache
+and without); float64 logits within 1e-12 and every gradient within 1e-10 (transformers' float32
+casts lifted); export-hf loads back as the same class under save_pretrained's names, at tp 1
+and 2. Skipped with the reason where torch or transformers do not import (CI)."""
+import os
+
+import numpy as np
+
+import cutp
+from cutp.hf import from_hf, save_hf
+from cutp.models import GPTConfig
+from tests.models.test_hf_llama import (_file_keys, _greedy, _lift_float32_casts, _logits, _transformers,
+                                        check_float64_against)
+from tests.mpirun import run_mpi
+
+
+def _qwen3_moe(torch, transformers, dtype):
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=24, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-6,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
+        rope_theta=1000.0, attn_implementation="eager", experts_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:  # norm weights away from one, so that each counts
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # decisive routers
+                p.mul_(20.0)
+    return model
+
+
+def _margins(hf, torch, ids) -> float:
+    """The smallest gap between the 2nd and 3rd router probability over the tokens and layers."""
+    gaps = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: gaps.append(out[0].softmax(-1).sort(-1).values))
+             for n, m in hf.named_modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    with torch.no_grad():
+        hf(ids)
+    for h in hooks:
+        h.remove()
+    return min(float((p[:, -2] - p[:, -3]).min()) for p in gaps)
+
+
+def test_qwen3_moe_logits_generation_gradients_and_export_equal_transformers(tmp_path, monkeypatch):
+    torch, transformers = _transformers()
+    hf = _qwen3_moe(torch, transformers, torch.float32)
+    hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    idx = np.random.default_rng(1).integers(0, 97, (2, 24))
+    ids = torch.from_numpy(idx)
+    assert _margins(hf, torch, ids) > 1e-4  # (away from ties)
+    with torch.no_grad():
+        ref = hf(ids).logits.numpy()
+        want = hf.generate(ids[:1, :6], max_new_tokens=32, do_sample=False, pad_token_id=0).numpy()
+    ctx = cutp.init(device="cpu")
+    model = from_hf(ctx, str(tmp_path / "hf"), dtype="float32")
+    cfg = model.config
+    assert (cfg.family, cfg.n_experts, cfg.moe_top_k, cfg.moe_ffn, cfg.moe_dense_layers, cfg.moe_renormalize) == (
+        "qwen3_moe", 8, 2, 16, (1,), True)
+    got = _logits(model, idx)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
+    for cached in (True, False):
+        assert _greedy(model, idx[:1, :6], 32, cached) == list(want[0]), cached
+    save_hf(model, str(tmp_path / "cutp"))
+    np.save(tmp_path / "idx.npy", idx)
+    np.save(tmp_path / "logits.npy", ref)
+    np.save(tmp_path / "greedy.npy", want)
+    ctx.close()
+    run_mpi(2, "tests.models.test_hf_moe:_worker_tp2", str(tmp_path), timeout=300)
+    for out in ("cutp", "cutp-tp2"):
+        again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+        with torch.no_grad():
+            back = again(ids).logits.numpy()
+        assert type(again) is type(hf), (out, type(again).__name__)
+        assert np.abs(back - ref).max() <= 1e-6 * np.abs(ref).max(), out
+        assert _file_keys(tmp_path / out) == _file_keys(tmp_path / "hf"), out
+
+    # float64, transformers' float32 casts lifted: logits, loss and every gradient
+    hf64 = _qwen3_moe(torch, transformers, torch.float64)
+    hf64.save_pretrained(str(tmp_path / "hf64"), safe_serialization=True)
+    _lift_float32_casts(monkeypatch, torch, hf64)
+    ctx = cutp.init(device="cpu")
+    model = from_hf(ctx, str(tmp_path / "hf64"), dtype="float64")
+    check_float64_against(torch, hf64, model, idx, _fused)
+    ctx.close()
+
+
+def _fused(tensors: dict, name: str) -> np.ndarray:
+    """Module parameter `name` from the file's tensors: the same, or transformers 5's fused
+    experts: gate_up_proj [E, 2F, h] = [gate; up] per expert, down_proj [E, h, F]."""
+    if name in tensors:
+        return tensors[name]
+    prefix, _, what = name.rpartition(".")
+    n = len({k for k in tensors if k.startswith(prefix + ".") and k.endswith(".down_proj.weight")})
+    if what == "gate_up_proj":
+        return np.stack([np.concatenate([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]])
+                         for e in range(n)])
+    assert what == "down_proj", name
+    return np.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
+
+
+def _worker_tp2(root):
+    ctx = cutp.init(tp=2, device="cpu")
+    model = from_hf(ctx, os.path.join(root, "hf"), dtype="float32")
+    ref = np.load(os.path.join(root, "logits.npy"))
+    got = _logits(model, np.load(os.path.join(root, "idx.npy")))
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
+    want = list(np.load(os.path.join(root, "greedy.npy"))[0])
+    for cached in (True, False):
+        assert _greedy(model, np.array([want[:6]]), 32, cached) == want, cached
+    save_hf(model, os.path.join(root, "cutp-tp2"))
+    ctx.close()
+
+
+def test_qwen3_30b_a3b_preset_counts_transformers_parameters():
+    torch, transformers = _transformers()
+    hf = transformers.Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, tie_word_embeddings=False, norm_topk_prob=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert GPTConfig.preset("qwen3-30b-a3b").num_parameters() == sum(p.numel() for p in model.parameters())
