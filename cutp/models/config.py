@@ -67,6 +67,17 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 1e-2  # load balancing (Switch/GShard)
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE uses 1e-3)
     moe_renormalize: bool = False  # the k gates renormalised to sum to 1
+    # DeepSeekMoE (cutp.tensor_parallel.moe): sigmoid scores, group-limited choice (the topk_group of
+    # n_group groups by their two best scores), the gates scaled; a correction bias that only chooses,
+    # moved by bias_update_rate * sign(mean load - load) after each step; shared experts (a dense
+    # SwiGLU of moe_shared_experts * moe_ffn) beside the routed ones
+    moe_scoring: str = "softmax"  # softmax | sigmoid
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling: float = 1.0
+    moe_score_bias: bool = False
+    moe_bias_update_rate: float = 0.0
+    moe_shared_experts: int = 0
     # the family's spec (defaults: GPT-2's)
     norm: str = "layernorm"  # layernorm | rmsnorm (eps: norm_eps, every norm's)
     positions: str = "learned"  # learned (a [block_size, n_embd] table) | rope
@@ -237,7 +248,10 @@ class ModelConfig:
         check_mlp(self.n_embd, self.hidden, tp)
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
         check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,
-                  self.moe_aux_loss_coeff, self.moe_z_loss_coeff)
+                  self.moe_aux_loss_coeff, self.moe_z_loss_coeff, scoring=self.moe_scoring,
+                  n_group=self.moe_n_group, topk_group=self.moe_topk_group, score_bias=self.moe_score_bias,
+                  bias_update_rate=self.moe_bias_update_rate, shared=self.moe_shared_experts,
+                  low_precision=self.dtype in ("bfloat16", "float16"))
         dense = self.moe_dense_layers
         if dense is not None and (not isinstance(dense, tuple)
                                   or any(not isinstance(i, int) or not 0 <= i < self.n_layer for i in dense)):
@@ -273,7 +287,10 @@ class ModelConfig:
             return None
         return dict(n_experts=self.n_experts, top_k=self.moe_top_k, ffn=self.moe_ffn or self.hidden,
                     capacity_factor=self.moe_capacity_factor, aux_loss_coeff=self.moe_aux_loss_coeff,
-                    z_loss_coeff=self.moe_z_loss_coeff, renormalize=self.moe_renormalize)
+                    z_loss_coeff=self.moe_z_loss_coeff, renormalize=self.moe_renormalize, scoring=self.moe_scoring,
+                    n_group=self.moe_n_group, topk_group=self.moe_topk_group, routed_scaling=self.moe_routed_scaling,
+                    score_bias=self.moe_score_bias, bias_update_rate=self.moe_bias_update_rate,
+                    shared_experts=self.moe_shared_experts)
 
 
     def to_dict(self) -> dict:
@@ -307,7 +324,9 @@ class ModelConfig:
         attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
         per_layer = 2 * norm + attention + 2 * self.head_size * bool(self.qk_norm)
         # an MoE layer's router and experts
-        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(self.moe_ffn or self.hidden)
+        ffn = self.moe_ffn or self.hidden
+        moe = (h + bool(self.moe_score_bias)) * self.n_experts + self.n_experts * self._mlp_parameters(ffn)
+        moe += self._mlp_parameters(self.moe_shared_experts * ffn) if self.moe_shared_experts else 0
         n_moe = sum(self.is_moe_layer(i) for i in range(L))
         head = 0 if self.tie_embeddings else V * h
         positions = self.block_size * h if self.positions == "learned" else 0

@@ -88,7 +88,8 @@ from .moe_grouped import GroupedExperts
 from .parameter import Module, make_parameter, normal_init, zeros_init
 
 
-def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff) -> None:
+def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff, *, scoring="softmax", n_group=1,
+              topk_group=1, score_bias=False, bias_update_rate=0.0, shared=0, low_precision=False) -> None:
     """GPTConfig's MoE fields; raises ConfigError naming the fix."""
     if not (isinstance(n_experts, int) and n_experts >= 0):
         raise ConfigError(f"n_experts must be an integer >= 0 (0: a dense MLP), got {n_experts!r}")
@@ -105,6 +106,34 @@ def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff)
     for name, v in (("moe_aux_loss_coeff", aux_coeff), ("moe_z_loss_coeff", z_coeff)):
         if not v >= 0:
             raise ConfigError(f"{name} must be >= 0, got {v!r}")
+    check_routing(n_experts, top_k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_bias, bias_update_rate,
+                  shared, low_precision)
+
+
+def check_routing(E, k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_bias, rate, shared,
+                  low_precision) -> None:
+    """DeepSeekMoE's routing fields (ConfigError naming the fix)."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"moe_scoring must be softmax or sigmoid, got {scoring!r}")
+    if scoring == "sigmoid" and (aux_coeff or z_coeff):
+        raise ConfigError("sigmoid scores (moe_scoring=sigmoid) have no load-balancing or z-loss here: set "
+                          "moe_aux_loss_coeff=0 and moe_z_loss_coeff=0 (balance with moe_bias_update_rate)")
+    if not (isinstance(n_group, int) and n_group >= 1 and E % n_group == 0 and (n_group == 1 or E // n_group >= 2)):
+        raise ConfigError(f"moe_n_group={n_group!r} must divide n_experts={E} into groups of at least 2 experts")
+    if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group and k <= topk_group * E // n_group):
+        raise ConfigError(f"moe_topk_group={topk_group!r} must be in [1, moe_n_group={n_group}] and its groups must "
+                          f"hold moe_top_k={k} experts")
+    if n_group > 1 and scoring != "sigmoid":
+        raise ConfigError("group-limited routing (moe_n_group > 1) is DeepSeek's, with moe_scoring=sigmoid")
+    if score_bias and scoring != "sigmoid":
+        raise ConfigError("the correction bias (moe_score_bias) chooses among sigmoid scores: set moe_scoring=sigmoid")
+    if not rate >= 0 or (rate and not score_bias):
+        raise ConfigError(f"moe_bias_update_rate={rate!r} must be >= 0 and needs moe_score_bias=true")
+    if rate and low_precision:
+        raise ConfigError("moe_bias_update_rate moves the correction bias outside the optimizer, which a 16-bit "
+                          "model's float32 master weights would undo; train in float32, or set the rate to 0")
+    if not (isinstance(shared, int) and shared >= 0):
+        raise ConfigError(f"moe_shared_experts must be an integer >= 0, got {shared!r}")
 
 
 class ExpertMLP(Module):
@@ -133,12 +162,22 @@ class ExpertMLP(Module):
 class MoEMLP(Module):
     def __init__(self, ctx, n_embd, *, n_experts, top_k, ffn, capacity_factor=None, aux_loss_coeff=1e-2,
                  z_loss_coeff=0.0, renormalize=False, name, n_layer=1, bias=True, gelu="tanh", seed=0,
-                 dtype=np.float32, kind="gelu"):
+                 dtype=np.float32, kind="gelu", scoring="softmax", n_group=1, topk_group=1, routed_scaling=1.0,
+                 score_bias=False, bias_update_rate=0.0, shared_experts=None):
+        """shared_experts: DeepSeekMoE's shared experts, a dense MLP the caller builds (one
+        SwiGLU of their total width, split over TP), run on every token beside the routed ones."""
         self.ctx = ctx
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff, self.renormalize = aux_loss_coeff, z_loss_coeff, renormalize
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.routed_scaling, self.bias_update_rate = routed_scaling, bias_update_rate
         self.router = make_parameter(ctx, f"{name}.router.weight", (n_embd, n_experts), normal_init(0.02), seed=seed,
                                      dtype=dtype, weight_decay=True)
+        # DeepSeek-V3's correction bias: added to the scores to choose the experts, never to weigh
+        # them; no gradient, moved after each step by `update_score_bias` (module docstring)
+        self.score_bias = make_parameter(ctx, f"{name}.router.score_bias", (n_experts,), zeros_init, seed=seed,
+                                         dtype=dtype) if score_bias else None
+        self.shared_experts = shared_experts
         ep = ctx.ep_size
         if n_experts % ep:
             raise ConfigError(f"ep={ep} does not divide n_experts={n_experts}: each EP rank holds n_experts / ep "
@@ -232,14 +271,7 @@ class MoEMLP(Module):
         n, E, k = x2.shape[0], self.n_experts, self.top_k
         cdt = compute_dtype(x.dtype)
         logits = as_dtype(x2, cdt) @ as_dtype(self.router.data, cdt)
-        top = logits.max(axis=1, keepdims=True)
-        ex = xp.exp(logits - top)
-        total = ex.sum(axis=1, keepdims=True)
-        probs = ex / total
-        lse = top[:, 0] + xp.log(total[:, 0])
-        idx = xp.argsort(-probs, axis=1, kind="stable")[:, :k]
-        top_p = xp.take_along_axis(probs, idx, axis=1)
-        gates = top_p / top_p.sum(axis=1, keepdims=True) if self.renormalize else top_p
+        probs, lse, idx, top_p, gates = self._route(logits)
         keep = self._capacity_keep(top_p, idx, shape)
         counts = xp.bincount(idx.reshape(-1), minlength=E)
         if self._tally is not None:  # the counting pass: only the assignments (module docstring)
@@ -274,7 +306,53 @@ class MoEMLP(Module):
 
         y, saved = self._experts_output(x2, idx, gates, keep, shape)
         self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts.forward(x)
         return y
+
+    def _route(self, logits):
+        """(scores [n, E], lse [n], the top-k experts [n, k], their scores, the gates): softmax
+        over the logits, or (sigmoid) the logits' sigmoids with the correction bias added to
+        choose (and with n_group > 1 only among the topk_group groups whose two best biased
+        scores sum highest); ties to the lower index; the gates renormalised (sigmoid: over the
+        sum + 1e-20, as DeepSeek-V3) and scaled by routed_scaling."""
+        xp, k = self.ctx.xp, self.top_k
+        if self.scoring == "sigmoid":
+            probs = 1.0 / (1.0 + xp.exp(-logits))
+            lse = xp.zeros(logits.shape[0], logits.dtype)
+            choice = probs if self.score_bias is None else probs + as_dtype(self.score_bias.data, logits.dtype)
+            if self.n_group > 1:
+                n, E = logits.shape
+                by_group = choice.reshape(n, self.n_group, E // self.n_group)
+                best2 = xp.sort(by_group, axis=2)[:, :, -2:].sum(axis=2)
+                chosen = xp.argsort(-best2, axis=1, kind="stable")[:, :self.topk_group]
+                allowed = xp.zeros(best2.shape, bool)
+                allowed[xp.arange(n)[:, None], chosen] = True
+                choice = xp.where(xp.repeat(allowed, E // self.n_group, axis=1), choice, -xp.inf)
+            idx = xp.argsort(-choice, axis=1, kind="stable")[:, :k]
+        else:
+            top = logits.max(axis=1, keepdims=True)
+            ex = xp.exp(logits - top)
+            total = ex.sum(axis=1, keepdims=True)
+            probs = ex / total
+            lse = top[:, 0] + xp.log(total[:, 0])
+            idx = xp.argsort(-probs, axis=1, kind="stable")[:, :k]
+        top_p = xp.take_along_axis(probs, idx, axis=1)
+        gates = top_p
+        if self.renormalize:
+            gates = top_p / (top_p.sum(axis=1, keepdims=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        if self.routed_scaling != 1.0:
+            gates = gates * self.routed_scaling
+        return probs, lse, idx, top_p, gates
+
+    def update_score_bias(self, assigned) -> None:
+        """After a step: bias += rate * sign(mean load - load), `assigned` the step's assignments
+        per expert over its whole global batch (the same on every rank of every layout)."""
+        if self.score_bias is None or not self.bias_update_rate:
+            return
+        load = np.asarray(assigned, np.float64)
+        step = self.bias_update_rate * np.sign(load.mean() - load)
+        self.score_bias.data += self.ctx.asarray(step.astype(self.score_bias.data.dtype))
 
     def _experts_output(self, x2, idx, gates, keep, shape):
         """(y [shape], what the experts' backward needs): this rank's rows through their experts,
@@ -362,6 +440,7 @@ class MoEMLP(Module):
 
     # ---- backward ------------------------------------------------------------------------------
     def backward(self, dy):
+        d_shared = None if self.shared_experts is None else self.shared_experts.backward(dy)
         x2, probs, lse, idx, top_p, gates, keep, f, n_all, (outs, saved) = self._load("moe")
         xp = self.ctx.xp
         shape, h = dy.shape, dy.shape[-1]
@@ -384,21 +463,25 @@ class MoEMLP(Module):
         if rows is not None:
             dx_experts = self._gather_rows(dx_experts, rows, n)
             d_gates = self._gather_rows(d_gates, rows, n)
-        # the gates (renormalised: g_j = p_j / S), then the probabilities of the k experts
+        # the gates (renormalised: g_j = r p_j / S, r the routed scaling), then the scores of the k experts
+        r = self.routed_scaling
         if self.renormalize:
-            S = top_p.sum(axis=1, keepdims=True)
-            d_top = (d_gates - (d_gates * gates).sum(axis=1, keepdims=True)) / S
+            S = top_p.sum(axis=1, keepdims=True) + (1e-20 if self.scoring == "sigmoid" else 0.0)
+            d_top = (r * d_gates - (d_gates * gates).sum(axis=1, keepdims=True)) / S
         else:
-            d_top = d_gates
+            d_top = r * d_gates if r != 1.0 else d_gates
         d_probs = xp.zeros_like(probs)
         d_probs[xp.arange(n)[:, None], idx] = d_top
         E = self.n_experts
-        d_probs += self.aux_grad * self.aux_loss_coeff * E / n_all * f[None, :]  # load balancing: f_i P_i
-        d_logits = probs * (d_probs - (d_probs * probs).sum(axis=1, keepdims=True))
-        d_logits += (self.aux_grad * self.z_loss_coeff * 2.0 / n_all) * lse[:, None] * probs  # z-loss
+        if self.scoring == "sigmoid":  # (no auxiliary losses: check_moe)
+            d_logits = d_probs * probs * (1.0 - probs)
+        else:
+            d_probs += self.aux_grad * self.aux_loss_coeff * E / n_all * f[None, :]  # load balancing: f_i P_i
+            d_logits = probs * (d_probs - (d_probs * probs).sum(axis=1, keepdims=True))
+            d_logits += (self.aux_grad * self.z_loss_coeff * 2.0 / n_all) * lse[:, None] * probs  # z-loss
         self.router.grad += as_dtype(as_dtype(x2, cdt).T @ d_logits, self.router.grad.dtype)
         dx = as_dtype(d_logits @ as_dtype(self.router.data, cdt).T, dy.dtype) + dx_experts
-        return dx.reshape(shape)
+        return dx.reshape(shape) if d_shared is None else dx.reshape(shape) + d_shared
 
 
 def _combine(outs, gates):

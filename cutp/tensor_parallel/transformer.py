@@ -128,8 +128,12 @@ class ParallelTransformerBlock(Module):
         self.mlp_norm = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.mlp_norm", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)
         if s.moe:
-            self.mlp = MoEMLP(ctx, s.n_embd, **s.moe, name=f"{name}.mlp", n_layer=s.n_layer, bias=s.mlp_bias,
-                              gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)
+            shared = s.moe.get("shared_experts", 0)  # DeepSeekMoE: a dense MLP of their total width
+            shared = ParallelMLP(ctx, s.n_embd, shared * s.moe["ffn"], name=f"{name}.mlp.shared_experts",
+                                 n_layer=s.n_layer, bias=s.mlp_bias, gelu=s.gelu, seed=seed, dtype=dtype,
+                                 kind=s.mlp) if shared else None
+            self.mlp = MoEMLP(ctx, s.n_embd, **{**s.moe, "shared_experts": shared}, name=f"{name}.mlp",
+                              n_layer=s.n_layer, bias=s.mlp_bias, gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)
         else:
             self.mlp = ParallelMLP(ctx, s.n_embd, hidden, name=f"{name}.mlp", n_layer=s.n_layer, bias=s.mlp_bias,
                                    gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)

@@ -30,7 +30,15 @@ QWEN3 = dict(LLAMA, qk_norm=True, head_dim=12, rope_scaling="none", norm_eps=1e-
 # Qwen3-MoE: QK-norm, 8 narrow experts, top-2 renormalised, layer 1 dense (mlp_only_layers)
 QWEN3_MOE = dict(QWEN3, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize=True, moe_dense_layers=(1,),
                  family="qwen3_moe")
-FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+# DeepSeekMoE routing on Llama's attention: sigmoid scores, 4 groups of 2 with 2 kept, top-2 renormalised
+# and scaled, a shared expert, layer 0 dense, and the correction bias moved after each step by the
+# step's global counts (compared with the parameters: the same on every layout)
+DEEPSEEK_MOE = dict(LLAMA, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize=True, moe_scoring="sigmoid",
+                    moe_n_group=4, moe_topk_group=2, moe_routed_scaling=2.5, moe_score_bias=True,
+                    moe_bias_update_rate=0.01, moe_shared_experts=1, moe_aux_loss_coeff=0.0, moe_dense_layers=(0,),
+                    rope_scaling="none")
+FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE,
+            "deepseek_moe": DEEPSEEK_MOE}
 
 
 def _config(family, tp=1, dp=1, pp=1, ep=1, micro=2, schedule="1f1b", virtual=1, sp=False, recompute="none",
@@ -94,6 +102,6 @@ def test_llama_qwen2_mixtral_qwen3_on_every_layout_equal_one_rank():
              dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2),
              dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1),
              dict(family="qwen3_moe", dp=4, ep=4, micro=1),
-             dict(family="qwen3_moe", tp=2, pp=2, micro=1),
-             dict(family="qwen3_moe", tp=2, cp=2)]
+             dict(family="deepseek_moe", tp=2, pp=2, micro=1),
+             dict(family="deepseek_moe", dp=2, ep=2, cp=2, micro=1)]
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

@@ -125,3 +125,78 @@ def test_qwen3_30b_a3b_preset_counts_transformers_parameters():
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf)
     assert GPTConfig.preset("qwen3-30b-a3b").num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+# ---- DeepSeekMoE: transformers' DeepseekV3MoE block -------------------------------------------
+def _router_in_float64(self, hidden_states):
+    """DeepseekV3TopkRouter.forward without its float32 casts (transformers 5.25's code otherwise)."""
+    import torch
+
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    scores = torch.nn.functional.linear(hidden_states, self.weight).sigmoid()
+    choice = scores + self.e_score_correction_bias
+    group_scores = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(
+        -1, self.num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return None, topk_weights * self.routed_scaling_factor, topk_indices
+
+
+def test_deepseek_moe_block_equals_transformers_in_float64(monkeypatch):
+    """Sigmoid scores, a non-zero correction bias, 4 groups of 4 with 2 kept, top-4 renormalised
+    and scaled by 2.5, one shared expert: the output, the input gradient and every weight's
+    gradient within 1e-12 of DeepseekV3MoE's (its router's float32 casts lifted)."""
+    torch, transformers = _transformers()
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    hf_cfg = transformers.DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=16,
+                                           num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                           norm_topk_prob=True, n_shared_experts=1, experts_implementation="eager")
+    torch.manual_seed(0)
+    block = m.DeepseekV3MoE(hf_cfg).to(torch.float64)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+        block.gate.e_score_correction_bias.normal_(0, 0.1)
+    monkeypatch.setattr(m.DeepseekV3TopkRouter, "forward", _router_in_float64)
+    from cutp.models import GPT
+
+    cfg = GPTConfig(n_layer=1, n_head=4, n_embd=32, vocab_size=16, block_size=8, dtype="float64", norm="rmsnorm",
+                    positions="rope", mlp="swiglu", bias=False, n_experts=16, moe_top_k=4, moe_ffn=16,
+                    moe_renormalize=True, moe_scoring="sigmoid", moe_n_group=4, moe_topk_group=2,
+                    moe_routed_scaling=2.5, moe_score_bias=True, moe_shared_experts=1, moe_aux_loss_coeff=0.0)
+    ctx = cutp.init(device="cpu")
+    moe = GPT(ctx, cfg, seed=0).moe_layers[0]
+    moe.router.data[...] = block.gate.weight.detach().numpy().T
+    moe.score_bias.data[...] = block.gate.e_score_correction_bias.numpy()
+    for e, ex in enumerate(moe.experts):
+        ex.fc1.data[...] = block.experts.gate_up_proj[e].detach().numpy().T
+        ex.fc2.data[...] = block.experts.down_proj[e].detach().numpy().T
+    s = block.shared_experts
+    moe.shared_experts.fc1.weight.data[...] = torch.cat([s.gate_proj.weight, s.up_proj.weight]).detach().numpy().T
+    moe.shared_experts.fc2.weight.data[...] = s.down_proj.weight.detach().numpy().T
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((2, 8, 32)), rng.standard_normal((2, 8, 32))
+    xt = torch.from_numpy(x).requires_grad_(True)
+    ref = block(xt)
+    ref.backward(torch.from_numpy(dy))
+    moe.train()
+    y = moe.forward(x)
+    dx = moe.backward(dy)
+    assert np.abs(y - ref.detach().numpy()).max() <= 1e-12 * np.abs(y).max()
+    assert np.abs(dx - xt.grad.numpy()).max() <= 1e-12 * np.abs(dx).max()
+    pairs = [(moe.router.grad.T, block.gate.weight.grad),
+             (np.stack([ex.fc1.grad.T for ex in moe.experts]), block.experts.gate_up_proj.grad),
+             (np.stack([ex.fc2.grad.T for ex in moe.experts]), block.experts.down_proj.grad),
+             (moe.shared_experts.fc1.weight.grad.T, torch.cat([s.gate_proj.weight.grad, s.up_proj.weight.grad])),
+             (moe.shared_experts.fc2.weight.grad.T, s.down_proj.weight.grad)]
+    for got, want in pairs:
+        want = want.numpy()
+        assert np.abs(got - want).max() <= 1e-10 * np.abs(want).max()
+    ctx.close()

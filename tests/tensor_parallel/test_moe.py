@@ -38,7 +38,11 @@ def _model_config(**kw):
 
 # ---- gradients against finite differences ---------------------------------------------------------
 @pytest.mark.parametrize("settings", [dict(), dict(moe_renormalize=True, moe_top_k=3),
-                                      dict(moe_capacity_factor=1.0, moe_every=2), dict(moe_top_k=1)])
+                                      dict(moe_capacity_factor=1.0, moe_every=2), dict(moe_top_k=1),
+                                      # DeepSeekMoE: sigmoid, 2 groups of 2 with 1 kept, scaled, a shared expert
+                                      dict(moe_scoring="sigmoid", moe_n_group=2, moe_topk_group=1, moe_renormalize=True,
+                                           moe_routed_scaling=2.5, moe_score_bias=True, moe_shared_experts=1,
+                                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)])
 def test_moe_gradients_match_finite_differences(settings):
     ctx = self_ctx()
     model = GPT(ctx, _model_config(dropout=0.0, **settings), seed=1)
