@@ -90,6 +90,16 @@ class ModelConfig:
     mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down)
     head_dim: int | None = None  # None: n_embd // n_head
     qk_norm: bool = False  # an RMSNorm (eps norm_eps) over each query and key head before RoPE (Qwen3)
+    # multi-head latent attention (DeepSeek-V2/V3, cutp.tensor_parallel.mla) when kv_lora_rank is set:
+    # queries through q_lora_rank (None: a plain projection), keys and values through the latent,
+    # heads of qk_nope_head_dim + qk_rope_head_dim (rotary on the last qk_rope_head_dim) and values of
+    # v_head_dim; the softmax scale times mla_softmax_factor (YaRN's mscale^2)
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    mla_softmax_factor: float = 1.0
     # local attention (Mistral v0.1, Gemma): a query at p sees keys s with p - window < s <= p, as
     # transformers' `kv_idx > q_idx - sliding_window`; layer_types says which layers are local
     # ("sliding_attention") and which global ("full_attention"), as HF's; None: every layer local
@@ -183,7 +193,21 @@ class ModelConfig:
                          qkv_bias=self._bias("qkv_bias"),
                          attn_out_bias=self._bias("attn_out_bias"), mlp_bias=self._bias("mlp_bias"), mlp=self.mlp,
                          gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer),
-                         window=self.layer_window(layer), attn_softcap=self.attn_softcap)
+                         window=self.layer_window(layer), attn_softcap=self.attn_softcap, mla=self.mla_settings())
+
+    def mla_settings(self) -> dict | None:
+        """MultiLatentAttention's settings, or None for the multi-head attention."""
+        if self.kv_lora_rank is None:
+            return None
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        return dict(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim, softmax_scale=self.mla_softmax_factor / qk ** 0.5)
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotary tables' width: each head's (MLA: its rope part's)."""
+        return self.head_size if self.kv_lora_rank is None else self.qk_rope_head_dim
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: global attention)."""
@@ -230,8 +254,8 @@ class ModelConfig:
                                           or self.head_dim < 1):
             raise ConfigError(f"head_dim must be a positive integer or None (n_embd // n_head), got {self.head_dim!r}")
         if self.positions == "rope":
-            if self.head_size % 2:
-                raise ConfigError(f"head_dim={self.head_size} is odd: rotary positions turn pairs of each head's "
+            if self.rope_dim % 2:
+                raise ConfigError(f"head_dim={self.rope_dim} is odd: rotary positions turn pairs of each head's "
                                   "elements; use an even head_dim (or positions=learned)")
             if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
                 raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
@@ -244,7 +268,10 @@ class ModelConfig:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size):
                 raise ConfigError(f"{f} must be a token id in [0, {self.vocab_size}) or None, got {v!r}")
-        check_attention(self.n_embd, self.n_head, self.kv_heads, tp, head_dim=self.head_dim)
+        if self.kv_lora_rank is None:
+            check_attention(self.n_embd, self.n_head, self.kv_heads, tp, head_dim=self.head_dim)
+        else:
+            self._validate_mla(tp)
         check_mlp(self.n_embd, self.hidden, tp)
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
         check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,
@@ -257,6 +284,21 @@ class ModelConfig:
                                   or any(not isinstance(i, int) or not 0 <= i < self.n_layer for i in dense)):
             raise ConfigError(f"moe_dense_layers must be a tuple of layer indices in [0, n_layer={self.n_layer}) "
                               f"(the layers whose MLP stays dense), or None; got {dense!r}")
+
+    def _validate_mla(self, tp: int) -> None:
+        dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for f in dims + ("q_lora_rank",):
+            v = getattr(self, f)
+            if (v is not None or f != "q_lora_rank") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{f} must be a positive integer with kv_lora_rank set (multi-head latent "
+                                  f"attention){' or None' if f == 'q_lora_rank' else ''}, got {v!r}")
+        if self.positions != "rope":
+            raise ConfigError("multi-head latent attention rotates its rope part: set positions=rope")
+        if self.n_head % tp:
+            raise ConfigError(f"tp={tp} must divide n_head={self.n_head} (MLA splits its heads over TP)")
+        if self.dropout:
+            raise ConfigError(f"dropout={self.dropout}: multi-head latent attention has no attention dropout yet; "
+                              "set dropout=0")
 
     def _validate_local_attention(self) -> None:
         w = self.sliding_window
@@ -322,16 +364,26 @@ class ModelConfig:
         q, kv = self.n_head * self.head_size, self.kv_heads * self.head_size
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
         attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
+        if self.kv_lora_rank is not None:
+            attention = self._mla_parameters()
         per_layer = 2 * norm + attention + 2 * self.head_size * bool(self.qk_norm)
         # an MoE layer's router and experts
         ffn = self.moe_ffn or self.hidden
-        moe = (h + bool(self.moe_score_bias)) * self.n_experts + self.n_experts * self._mlp_parameters(ffn)
+        # (DeepSeek's correction bias is not counted: no gradient trains it, a buffer in transformers)
+        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(ffn)
         moe += self._mlp_parameters(self.moe_shared_experts * ffn) if self.moe_shared_experts else 0
         n_moe = sum(self.is_moe_layer(i) for i in range(L))
         head = 0 if self.tie_embeddings else V * h
         positions = self.block_size * h if self.positions == "learned" else 0
         return (V * h + positions + L * per_layer + (L - n_moe) * self._mlp_parameters(self.hidden) + n_moe * moe
                 + norm + head)
+
+    def _mla_parameters(self) -> int:
+        h, H, r, rq = self.n_embd, self.n_head, self.kv_lora_rank, self.q_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = h * rq + rq + rq * H * qk if rq else h * H * qk
+        return q + h * (r + self.qk_rope_head_dim) + r + r * H * (self.qk_nope_head_dim + self.v_head_dim) \
+            + H * self.v_head_dim * h
 
     def num_active_parameters(self) -> int:
         """Parameters a token runs through: top_k of each MoE layer's experts (all of a dense model)."""

@@ -154,7 +154,7 @@ class GPT(Module):
         # rotary positions: one (cos, sin) table for every layer, positions 0..block_size-1
         self.rotary = None
         if c.positions == "rope":
-            self.rotary = ops.rope_tables(c.head_size, c.block_size, c.rope_theta, c.rope, dt, xp=ctx.xp)
+            self.rotary = ops.rope_tables(c.rope_dim, c.block_size, c.rope_theta, c.rope, dt, xp=ctx.xp)
         self.layers = [ParallelTransformerBlock(ctx, c.block_spec(i), layer=i, rng=self.rng, seed=seed, dtype=dt,
                                            rotary=self.rotary)
                   for i in self.layer_ids]

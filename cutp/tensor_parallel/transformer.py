@@ -27,6 +27,7 @@ import numpy as np
 from .. import ops
 from .attention import ParallelAttention
 from .layers import ColumnParallelLinear, Dropout, RowParallelLinear, make_norm
+from .mla import MultiLatentAttention
 from .moe import MoEMLP
 from .parameter import Module, normal_init, not_stashed
 from .random import REPLICATED, RNGTracker
@@ -59,6 +60,7 @@ class BlockSpec:
     moe: dict | None = None  # MoEMLP's settings (n_experts, top_k, ffn, ...): a mixture-of-experts MLP
     window: int | None = None  # local attention: keys within `window` positions of the query (None: global)
     attn_softcap: float | None = None  # the attention scores soft-capped, cap * tanh(s / cap)
+    mla: dict | None = None  # MultiLatentAttention's settings: multi-head latent attention (DeepSeek)
 
 
 class ParallelMLP(Module):
@@ -120,10 +122,14 @@ class ParallelTransformerBlock(Module):
             raise ValueError("a rotary block needs the model's rotary tables (rotary=(cos, sin))")
         self.attn_norm = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.attn_norm", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)
-        self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
-                                      n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
-                                      head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
-                                      rotary=rotary if s.rope else None, qk_norm=s.qk_norm, norm_eps=s.norm_eps)
+        if s.mla:  # DeepSeek's multi-head latent attention
+            self.attn = MultiLatentAttention(ctx, s.n_embd, s.n_head, name=f"{name}.attn", rotary=rotary, **s.mla,
+                                             norm_eps=s.norm_eps, n_layer=s.n_layer, seed=seed, dtype=dtype)
+        else:
+            self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
+                                          n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
+                                          head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
+                                          rotary=rotary if s.rope else None, qk_norm=s.qk_norm, norm_eps=s.norm_eps)
         self.attn_dropout = Dropout(s.dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
         self.mlp_norm = make_norm(ctx, s.norm, s.n_embd, name=f"{name}.mlp_norm", eps=s.norm_eps, bias=s.norm_bias, seed=seed,
                               dtype=dtype)

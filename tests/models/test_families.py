@@ -37,8 +37,12 @@ DEEPSEEK_MOE = dict(LLAMA, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize
                     moe_n_group=4, moe_topk_group=2, moe_routed_scaling=2.5, moe_score_bias=True,
                     moe_bias_update_rate=0.01, moe_shared_experts=1, moe_aux_loss_coeff=0.0, moe_dense_layers=(0,),
                     rope_scaling="none")
+# DeepSeek-V3: that routing with multi-head latent attention (q through its low rank, v's head dim 6 apart
+# from q and k's 8; no attention dropout yet)
+DEEPSEEK_V3 = dict(DEEPSEEK_MOE, dropout=0.0, n_kv_head=None, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+                   qk_rope_head_dim=4, v_head_dim=6, family="deepseek_v3")
 FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE,
-            "deepseek_moe": DEEPSEEK_MOE}
+            "deepseek_moe": DEEPSEEK_MOE, "deepseek_v3": DEEPSEEK_V3}
 
 
 def _config(family, tp=1, dp=1, pp=1, ep=1, micro=2, schedule="1f1b", virtual=1, sp=False, recompute="none",
@@ -102,6 +106,7 @@ def test_llama_qwen2_mixtral_qwen3_on_every_layout_equal_one_rank():
              dict(family="qwen3", dp=2, pp=2, micro=1, schedule="interleaved", virtual=2),
              dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1),
              dict(family="qwen3_moe", dp=4, ep=4, micro=1),
-             dict(family="deepseek_moe", tp=2, pp=2, micro=1),
+             dict(family="deepseek_v3", tp=2, pp=2, micro=1),
+             dict(family="deepseek_v3", tp=2, dp=2, ep=2, zero=True, micro=1),
              dict(family="deepseek_moe", dp=2, ep=2, cp=2, micro=1)]
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

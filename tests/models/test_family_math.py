@@ -107,6 +107,17 @@ def test_preset_parameter_counts_are_exact():
         ctx.close()
     assert GPTConfig.preset("llama-tiny").num_parameters() <= GPTConfig.preset("tiny").num_parameters()
     assert ModelConfig is GPTConfig
+    # transformers' counts (tests/models/test_hf_moe.py checks them against its classes), DeepSeek-V3
+    # without its multi-token prediction layer; the correction bias (a buffer there) not counted
+    assert GPTConfig.preset("qwen3-30b-a3b").num_parameters() == 30_532_122_624
+    v3 = GPTConfig.preset("deepseek-v3")
+    assert (v3.num_parameters(), v3.num_active_parameters()) == (671_026_404_352, 37_552_282_624)
+    for name in ("qwen3-moe-tiny", "deepseek-tiny"):
+        ctx = cutp.init(device="cpu")
+        params = GPT(ctx, GPTConfig.preset(name, dropout=0.0)).parameters()
+        assert sum(p.data.size for p in params if not p.name.endswith("score_bias")) == \
+            GPTConfig.preset(name).num_parameters(), name
+        ctx.close()
 
 
 @pytest.mark.parametrize("change, tp, message", [

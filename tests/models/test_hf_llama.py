@@ -16,14 +16,15 @@ import cutp
 from cutp.hf import HFFormatError, config_from_hf, from_hf, hf_state_dict, save_hf
 from cutp.models import GPT, GPTConfig
 from cutp.models.hf import hf_shapes
-from tests.models.test_families import LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
+from tests.models.test_families import DEEPSEEK_V3, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 from tests.mpirun import run_mpi
 
 SPECS = {"llama": dict(LLAMA, dropout=0.0),
          "qwen2": dict(QWEN2, dropout=0.0, head_dim=None),  # (Qwen2's config has no head_dim)
          "mixtral": dict(MIXTRAL, dropout=0.0, moe_ffn=None),
          "qwen3": dict(QWEN3, dropout=0.0),
-         "qwen3_moe": dict(QWEN3_MOE, dropout=0.0)}
+         "qwen3_moe": dict(QWEN3_MOE, dropout=0.0),
+         "deepseek_v3": DEEPSEEK_V3}
 
 
 def _logits(model, idx):

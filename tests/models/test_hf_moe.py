@@ -1,12 +1,16 @@
-"""Qwen3-MoE against transformers (issue 40): Qwen3MoeForCausalLM with 8 experts of 16, top-2,
-norm_topk_prob, one dense layer (mlp_only_layers), its routers scaled up so that every decision
-is away from ties. float32 logits within 1e-5 and greedy generation (32 tokens, with the KV cache
-and without); float64 logits within 1e-12 and every gradient within 1e-10 (transformers' float32
-casts lifted); export-hf loads back as the same class under save_pretrained's names, at tp 1
-and 2. Skipped with the reason where torch or transformers do not import (CI)."""
+"""Qwen3-MoE and DeepSeek-V3 against transformers (issue 40): Qwen3MoeForCausalLM with 8 experts
+of 16, top-2, norm_topk_prob, one dense layer (mlp_only_layers); DeepseekV3ForCausalLM with MLA
+(rope_interleave), 8 sigmoid-scored experts in 4 groups with a non-zero correction bias, a shared
+expert and a dense first layer; their routers scaled up so that every decision is away from
+ties. float32 logits within 1e-5 and greedy generation (32 tokens, with the KV cache and
+without; DeepSeek without: MLA's compressed cache is not there yet); float64 logits within 1e-12
+and every gradient within 1e-10 (transformers' float32 casts lifted); export-hf loads back as the
+same class under save_pretrained's names, at tp 1 and 2. Skipped with the reason where torch or
+transformers do not import (CI)."""
 import os
 
 import numpy as np
+import pytest
 
 import cutp
 from cutp.hf import from_hf, save_hf
@@ -16,12 +20,22 @@ from tests.models.test_hf_llama import (_file_keys, _greedy, _lift_float32_casts
 from tests.mpirun import run_mpi
 
 
-def _qwen3_moe(torch, transformers, dtype):
-    cfg = transformers.Qwen3MoeConfig(
-        hidden_size=32, intermediate_size=24, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-6,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
-        rope_theta=1000.0, attn_implementation="eager", experts_implementation="eager")
+def _hf_moe(family, torch, transformers, dtype):
+    """A random Qwen3-MoE or DeepSeek-V3 model, its routers scaled up so that every decision is
+    away from ties, norm weights off one, DeepSeek's correction bias non-zero."""
+    common = dict(hidden_size=32, intermediate_size=24, moe_intermediate_size=16, num_hidden_layers=3,
+                  num_attention_heads=4, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, rope_theta=1000.0,
+                  attn_implementation="eager", experts_implementation="eager")
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=12, num_experts=8,
+                                          mlp_only_layers=[1])
+    else:  # MLA with the low-rank query, 4 groups of 2 experts with 2 kept, a shared expert, layer 0 dense
+        cfg = transformers.DeepseekV3Config(**common, num_key_value_heads=4, n_routed_experts=8, n_group=4,
+                                            topk_group=2,
+                                            first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
+                                            qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+                                            routed_scaling_factor=2.5, n_shared_experts=1)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     with torch.no_grad():
@@ -30,6 +44,9 @@ def _qwen3_moe(torch, transformers, dtype):
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):  # decisive routers
                 p.mul_(20.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model
 
 
@@ -45,13 +62,15 @@ def _margins(hf, torch, ids) -> float:
     return min(float((p[:, -2] - p[:, -3]).min()) for p in gaps)
 
 
-def test_qwen3_moe_logits_generation_gradients_and_export_equal_transformers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_logits_generation_gradients_and_export_equal_transformers(family, tmp_path, monkeypatch):
     torch, transformers = _transformers()
-    hf = _qwen3_moe(torch, transformers, torch.float32)
+    hf = _hf_moe(family, torch, transformers, torch.float32)
     hf.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
     idx = np.random.default_rng(1).integers(0, 97, (2, 24))
     ids = torch.from_numpy(idx)
-    assert _margins(hf, torch, ids) > 1e-4  # (away from ties)
+    if family == "qwen3_moe":
+        assert _margins(hf, torch, ids) > 1e-4  # (away from ties)
     with torch.no_grad():
         ref = hf(ids).logits.numpy()
         want = hf.generate(ids[:1, :6], max_new_tokens=32, do_sample=False, pad_token_id=0).numpy()
@@ -59,17 +78,17 @@ def test_qwen3_moe_logits_generation_gradients_and_export_equal_transformers(tmp
     model = from_hf(ctx, str(tmp_path / "hf"), dtype="float32")
     cfg = model.config
     assert (cfg.family, cfg.n_experts, cfg.moe_top_k, cfg.moe_ffn, cfg.moe_dense_layers, cfg.moe_renormalize) == (
-        "qwen3_moe", 8, 2, 16, (1,), True)
+        family, 8, 2, 16, (1,) if family == "qwen3_moe" else (0,), True)
     got = _logits(model, idx)
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
-    for cached in (True, False):
+    for cached in _CACHES[family]:
         assert _greedy(model, idx[:1, :6], 32, cached) == list(want[0]), cached
     save_hf(model, str(tmp_path / "cutp"))
     np.save(tmp_path / "idx.npy", idx)
     np.save(tmp_path / "logits.npy", ref)
     np.save(tmp_path / "greedy.npy", want)
     ctx.close()
-    run_mpi(2, "tests.models.test_hf_moe:_worker_tp2", str(tmp_path), timeout=300)
+    run_mpi(2, "tests.models.test_hf_moe:_worker_tp2", str(tmp_path), family, timeout=300)
     for out in ("cutp", "cutp-tp2"):
         again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
@@ -80,9 +99,12 @@ def test_qwen3_moe_logits_generation_gradients_and_export_equal_transformers(tmp
         assert _file_keys(tmp_path / out) == _file_keys(tmp_path / "hf"), out
 
     # float64, transformers' float32 casts lifted: logits, loss and every gradient
-    hf64 = _qwen3_moe(torch, transformers, torch.float64)
+    hf64 = _hf_moe(family, torch, transformers, torch.float64)
     hf64.save_pretrained(str(tmp_path / "hf64"), safe_serialization=True)
     _lift_float32_casts(monkeypatch, torch, hf64)
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    monkeypatch.setattr(m.DeepseekV3TopkRouter, "forward", _router_in_float64)
     ctx = cutp.init(device="cpu")
     model = from_hf(ctx, str(tmp_path / "hf64"), dtype="float64")
     check_float64_against(torch, hf64, model, idx, _fused)
@@ -103,14 +125,17 @@ def _fused(tensors: dict, name: str) -> np.ndarray:
     return np.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
 
 
-def _worker_tp2(root):
+_CACHES = {"qwen3_moe": (True, False), "deepseek_v3": (False,)}  # (MLA's compressed KV cache: not yet)
+
+
+def _worker_tp2(root, family):
     ctx = cutp.init(tp=2, device="cpu")
     model = from_hf(ctx, os.path.join(root, "hf"), dtype="float32")
     ref = np.load(os.path.join(root, "logits.npy"))
     got = _logits(model, np.load(os.path.join(root, "idx.npy")))
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
     want = list(np.load(os.path.join(root, "greedy.npy"))[0])
-    for cached in (True, False):
+    for cached in _CACHES[family]:
         assert _greedy(model, np.array([want[:6]]), 32, cached) == want, cached
     save_hf(model, os.path.join(root, "cutp-tp2"))
     ctx.close()
@@ -199,4 +224,28 @@ def test_deepseek_moe_block_equals_transformers_in_float64(monkeypatch):
     for got, want in pairs:
         want = want.numpy()
         assert np.abs(got - want).max() <= 1e-10 * np.abs(want).max()
+    ctx.close()
+
+
+def test_deepseek_multi_token_prediction_layers_are_skipped_with_one_line(tmp_path, capfd):
+    """A DeepSeek-V3 directory with the MTP layer's tensors (model.layers.{n_layer}.*) reads,
+    without them, saying so once."""
+    from safetensors.numpy import load_file, save_file
+
+    from cutp.models import GPT
+    from tests.models.test_hf_llama import SPECS
+
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, GPTConfig(**SPECS["deepseek_v3"]), seed=1).eval()
+    save_hf(model, str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    L = model.config.n_layer
+    tensors.update({f"model.layers.{L}.eh_proj.weight": np.ones((32, 64), np.float64),
+                    f"model.layers.{L}.mlp.experts.0.up_proj.weight": np.ones((16, 32), np.float64)})
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    back = from_hf(ctx, str(tmp_path), dtype="float64")
+    idx = np.random.default_rng(0).integers(0, 97, (1, 8))
+    np.testing.assert_array_equal(_logits(back, idx), _logits(model, idx))
+    said = [line for line in capfd.readouterr().err.splitlines() if "multi-token prediction" in line]
+    assert len(said) == 1, said
     ctx.close()

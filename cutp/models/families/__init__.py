@@ -5,6 +5,7 @@
     qwen2    Qwen2ForCausalLM
     qwen3    Qwen3ForCausalLM (QK-norm)
     qwen3_moe  Qwen3MoeForCausalLM (QK-norm, many narrow experts)
+    deepseek_v3  DeepseekV3ForCausalLM (multi-head latent attention, DeepSeekMoE)
     mistral  MistralForCausalLM
     mixtral  MixtralForCausalLM
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from ..config import FAMILY_NAMES, PRESETS
 from ..hf_files import HFFormatError
 from .base import Family, Recipe
+from .deepseek_v3 import DeepseekV3
 from .gpt2 import GPT2
 from .llama import Llama
 from .mistral import Mistral
@@ -44,7 +46,7 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral(), Qwen3Moe()):
+for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral(), Qwen3Moe(), DeepseekV3()):
     register(_family)
 
 

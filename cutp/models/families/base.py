@@ -39,6 +39,7 @@ class Recipe:
     keys: tuple  # the HF keys, in the order `how` joins them
     how: str  # SAME, TRANSPOSED, CONCAT_WEIGHTS or CONCAT_BIASES
     shapes: tuple  # each key's shape in the HF file
+    columns: tuple | None = None  # cutp's column j is the joined tensor's columns[j] (DeepSeek's interleaved rope)
 
     @property
     def full_shape(self) -> tuple:
@@ -53,6 +54,9 @@ class Recipe:
 
     def combine(self, arrays: list) -> np.ndarray:
         """The HF arrays (in `keys` order) -> cutp's full array."""
+        if self.columns is not None:
+            joined = Recipe(self.name, self.keys, self.how, self.shapes).combine(arrays)
+            return np.ascontiguousarray(joined[:, self.columns])
         if self.how == SAME:
             return arrays[0]
         if self.how == TRANSPOSED:
@@ -63,6 +67,8 @@ class Recipe:
 
     def split(self, full: np.ndarray) -> dict:
         """cutp's full array -> {HF key: array} (the inverse of `combine`)."""
+        if self.columns is not None:
+            return Recipe(self.name, self.keys, self.how, self.shapes).split(full[:, np.argsort(self.columns)])
         if self.how in (SAME, TRANSPOSED):
             return {self.keys[0]: np.ascontiguousarray(full.T if self.how == TRANSPOSED else full)}
         parts = np.split(full, np.cumsum([s[0] for s in self.shapes])[:-1], axis=full.ndim - 1)
@@ -116,6 +122,9 @@ class Family:
         """The key `recipes` use for a key found in a file; None: not a parameter, skipped (buffers
         old converters saved)."""
         return file_key
+
+    def reading(self, cfg) -> None:
+        """A directory of config `cfg` is about to be read (its keys next go through `key_of`)."""
 
     def file_key(self, key: str) -> str:
         """The key written for a recipe's key (what save_pretrained writes)."""
