@@ -6,7 +6,8 @@ active width, on one rank (issue 40).
 
 The MoE layer (router, softmax top-k, the grouped experts of `moe_grouped`, the combine) and a
 dense SwiGLU MLP of width top_k x expert width (the FLOPs a token spends in the experts) each run
-forward and backward on the same random input; reported per path: the time of one forward +
+forward and backward on the same random input, their parameters in the optimizer's flat buffers
+as in training (so the experts' stacked weights are views, not copies); reported per path: the time of one forward +
 backward (median), the ratio to the dense MLP, and the peak memory the call allocated beyond its
 inputs and weights (host: tracemalloc, which NumPy reports to; GPU: the memory pool's peak),
 with the tokens x top-k x hidden bytes beside it (what O(tokens x k) means here).
@@ -18,6 +19,7 @@ import tracemalloc
 import numpy as np
 
 import cutp
+from ..optim.flat import FlatParameters
 from ..tensor_parallel.moe import MoEMLP
 from ..tensor_parallel.transformer import ParallelMLP
 from ..train.reporting import Report, human_bytes
@@ -57,6 +59,8 @@ def run(args) -> Report:
     moe = MoEMLP(ctx, h, n_experts=E, top_k=k, ffn=F, aux_loss_coeff=0.0, renormalize=True, name="moe", bias=False,
                  dtype=dtype, kind="swiglu")
     dense = ParallelMLP(ctx, h, k * F, name="dense", bias=False, dtype=dtype, kind="swiglu")
+    for m in (moe, dense):  # training's layout: the experts' stacked weights are views of the flat buffer
+        FlatParameters(m.parameters())
     x = ctx.asarray(np.random.default_rng(0).standard_normal((1, N, h)).astype(dtype))
     dy = ctx.asarray(np.random.default_rng(1).standard_normal((1, N, h)).astype(dtype) * 1e-3)
     report = Report("moe", {"tokens": N, "hidden": h, "experts": E, "expert_width": F, "top_k": k,

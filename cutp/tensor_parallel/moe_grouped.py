@@ -23,6 +23,7 @@ import numpy as np
 from .. import ops
 from ..ops.common import as_dtype, compute_dtype
 from ..runtime.backend import get_array_module, on_host
+from ..runtime.threads import op_threads, parallel_map
 
 
 def _address(a) -> int:
@@ -55,8 +56,22 @@ def stacked(arrays):
 
 
 def _bmm(a, b, dtype):
-    """a @ b batched, in the compute dtype (float32 for 16-bit), the result in `dtype`."""
-    return as_dtype(as_dtype(a, compute_dtype(a.dtype)) @ as_dtype(b, compute_dtype(b.dtype)), dtype)
+    """a @ b batched, in the compute dtype (float32 for 16-bit), the result in `dtype`. On the host
+    the batch is split over the ops' threads, each running single-threaded BLAS: a multi-threaded
+    OpenBLAS synchronises its workers on every one of the E small GEMMs (measured on 2 busy cores:
+    0.2 GFLOP/s for [32, 1024] x [1024, 512], against 14 for one [4096, 1024] x [1024, 512])."""
+    xp = get_array_module(a)
+    a, b = as_dtype(a, compute_dtype(a.dtype)), as_dtype(b, compute_dtype(b.dtype))
+    if not on_host(xp):
+        return as_dtype(a @ b, dtype)
+    out = np.empty(a.shape[:-1] + b.shape[-1:], dtype)
+
+    def part(sl):
+        out[sl] = a[sl] @ b[sl]
+
+    step = max(1, -(-a.shape[0] // (4 * op_threads())))
+    parallel_map(xp, part, [slice(i, i + step) for i in range(0, a.shape[0], step)])
+    return out
 
 
 def groups(counts: np.ndarray) -> list:
