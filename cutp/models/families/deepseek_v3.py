@@ -52,7 +52,7 @@ class DeepseekV3(LlamaLike):
         "deepseek-v3": dict(n_layer=61, n_head=128, n_embd=7168, mlp_hidden=18432, vocab_size=129280,
                             block_size=163840, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                             qk_rope_head_dim=64, v_head_dim=128, n_experts=256, moe_top_k=8, moe_ffn=2048,
-                            moe_n_group=8, moe_topk_group=4, moe_dense_layers=(0, 1, 2), moe_bias_update_rate=1e-3,
+                            moe_n_group=8, moe_topk_group=4, moe_dense_layers=(0, 1, 2),
                             bos_token_id=0, eos_token_id=1, **_V3),
         # byte vocabulary, trains on the embedded corpus: MLA, one shared + 16 routed experts of 32 in
         # 4 groups (2 kept), 4 per token, layer 0 dense
