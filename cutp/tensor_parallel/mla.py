@@ -21,8 +21,10 @@ rotate-half layout only.
 TP: the down-projections and their norms are replicated; the column-parallel up-projections'
 backward all-reduces the latent's gradient, so their gradients are the same on every rank
 (replicated, nothing to sum), and the shared k_rope's gradient, each rank's heads' share, is
-all-reduced over TP before its backward. Not yet (refused by name): sequence and context
-parallelism, attention dropout, the KV cache.
+all-reduced over TP before its backward. Generation's KV cache holds the compressed latent
+(normalised) and the rotated shared key per token, kv_lora_rank + qk_rope_head_dim values per
+layer, and expands the latents into heads at each step. Not yet (refused by name): sequence and
+context parallelism, attention dropout.
 """
 from __future__ import annotations
 
@@ -81,31 +83,75 @@ class MultiLatentAttention(Module):
             raise ValueError(f"rotary positions {n0}..{n0 + T - 1} lie past the tables' {cos.shape[0]} (block_size)")
         return cos[n0:n0 + T], sin[n0:n0 + T]
 
+    def _queries(self, x):
+        """[B, T, H, d_nope + d_rope] of this rank's heads, and the low-rank path's linear context."""
+        B, T, _ = x.shape
+        if self.q_a is None:
+            return self.q_b.forward(x).reshape(B, T, self.nh, -1), None
+        cq, qa_ctx = ops.linear_forward(x, self.q_a.data)
+        return self.q_b.forward(self.q_a_norm.forward(cq)).reshape(B, T, self.nh, -1), qa_ctx
+
+    def _attend(self, q_nope, q_pe, kv, k_pe):
+        """The attention of queries [B, Tq, H, .] over keys and values from kv [B, Tk, H, d_nope +
+        d_v] and the shared k_pe [B, Tk, 1, d_rope] (the op's layout: q [B, H, 1, Tq, d_qk],
+        k [B, H, Tk, d_qk], v [B, H, Tk, d_v]): (o [B, H, 1, Tq, d_v], the op's context)."""
+        xp = self.ctx.xp
+        B, Tk, H, _ = kv.shape
+        dn, dr, dv = self.nope, self.rope, self.vd
+        qf = xp.concatenate([q_nope, q_pe], axis=-1)
+        kf = xp.concatenate([kv[..., :dn], xp.broadcast_to(k_pe, (B, Tk, H, dr))], axis=-1)
+        return ops.causal_attention_forward(qf.transpose(0, 2, 1, 3)[:, :, None], kf.transpose(0, 2, 1, 3),
+                                            kv[..., dn:].transpose(0, 2, 1, 3), scale=self.scale,
+                                            blocked=None if dv == dn + dr else False)
+
+    def _output(self, o):
+        B, H, _, T, dv = o.shape
+        return self.proj.forward(o[:, :, 0].transpose(0, 2, 1, 3).reshape(B, T, H * dv))
+
     def forward(self, x, positions=None):
         """positions: None (arange(T)) or an offset n0 (arange(n0, n0 + T))."""
         xp = self.ctx.xp
         B, T, _ = x.shape
-        H, dn, dr, dv, r = self.nh, self.nope, self.rope, self.vd, self.r
-        qa_ctx = None
-        if self.q_a is not None:
-            cq, qa_ctx = ops.linear_forward(x, self.q_a.data)
-            q = self.q_b.forward(self.q_a_norm.forward(cq))
-        else:
-            q = self.q_b.forward(x)
-        q = q.reshape(B, T, H, dn + dr)
+        H, dn, dv, r = self.nh, self.nope, self.vd, self.r
+        q, qa_ctx = self._queries(x)
         ckv, kva_ctx = ops.linear_forward(x, self.kv_a.data)
         kv = self.kv_b.forward(self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))).reshape(B, T, H, dn + dv)
         cos, sin = self._tables(T, positions)
         q_pe, rq = ops.rotary_forward(xp.ascontiguousarray(q[..., dn:]), cos, sin)
         k_pe, rk = ops.rotary_forward(xp.ascontiguousarray(ckv[..., None, r:]), cos, sin)
-        qf = xp.concatenate([q[..., :dn], q_pe], axis=-1)
-        kf = xp.concatenate([kv[..., :dn], xp.broadcast_to(k_pe, (B, T, H, dr))], axis=-1)
-        # the op's layout: q [B, H, 1, T, d_qk], k [B, H, T, d_qk], v [B, H, T, d_v]
-        o, attn = ops.causal_attention_forward(qf.transpose(0, 2, 1, 3)[:, :, None], kf.transpose(0, 2, 1, 3),
-                                               kv[..., dn:].transpose(0, 2, 1, 3), scale=self.scale,
-                                               blocked=None if dv == dn + dr else False)
+        o, attn = self._attend(q[..., :dn], q_pe, kv, k_pe)
         self._save("mla", (qa_ctx, kva_ctx, rq, rk, attn, (B, T)))
-        return self.proj.forward(o[:, :, 0].transpose(0, 2, 1, 3).reshape(B, T, H * dv))
+        return self._output(o)
+
+    # ---- generation: the compressed KV cache -----------------------------------------------------
+    def new_kv_cache(self, batch, max_len, dtype):
+        """Per token the normalised latent and the rotated shared key: kv_lora_rank +
+        qk_rope_head_dim values per layer (not the expanded heads), the same on every TP rank."""
+        xp = self.ctx.xp
+        return {"latent": xp.zeros((batch, max_len, self.r), dtype),
+                "k_rope": xp.zeros((batch, max_len, self.rope), dtype), "len": 0}
+
+    def forward_cached(self, x, cache):
+        """Eval-mode forward of new positions x [B, Tn, n_embd] after the cached n0: their latents
+        and rope keys appended, every cached latent expanded into this rank's heads' keys and values."""
+        if self.training:
+            raise RuntimeError("forward_cached is for generation: call model.eval() first")
+        xp = self.ctx.xp
+        B, tn, _ = x.shape
+        n0, r, dn, dv = cache["len"], self.r, self.nope, self.vd
+        if n0 + tn > cache["latent"].shape[1]:
+            raise ValueError(f"KV cache holds {cache['latent'].shape[1]} positions; {n0 + tn} requested")
+        q, _ = self._queries(x)
+        ckv, _ = ops.linear_forward(x, self.kv_a.data)
+        cos, sin = self._tables(tn, n0)
+        cache["latent"][:, n0:n0 + tn] = self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))
+        k_pe, _ = ops.rotary_forward(xp.ascontiguousarray(ckv[..., None, r:]), cos, sin)
+        cache["k_rope"][:, n0:n0 + tn] = k_pe[:, :, 0]
+        n = cache["len"] = n0 + tn
+        kv = self.kv_b.forward(cache["latent"][:, :n]).reshape(B, n, self.nh, dn + dv)
+        q_pe, _ = ops.rotary_forward(xp.ascontiguousarray(q[..., dn:]), cos, sin)
+        o, _ = self._attend(q[..., :dn], q_pe, kv, cache["k_rope"][:, :n, None])
+        return self._output(o)
 
     def backward(self, dy):
         xp = self.ctx.xp
@@ -124,7 +170,8 @@ class MultiLatentAttention(Module):
             dx, _, _ = ops.linear_backward(self.q_a_norm.backward(dcq), qa_ctx, wgrad_out=self.q_a.grad)
         else:
             dx = dcq
-        dlat = self.kv_a_norm.backward(self.kv_b.backward(xp.concatenate([dk[..., :dn], dvv], axis=-1).reshape(B, T, -1)))
+        dkv_b = xp.concatenate([dk[..., :dn], dvv], axis=-1).reshape(B, T, -1)
+        dlat = self.kv_a_norm.backward(self.kv_b.backward(dkv_b))
         dkv, _, _ = ops.linear_backward(xp.concatenate([dlat, dk_pe[:, :, 0]], axis=-1), kva_ctx,
                                         wgrad_out=self.kv_a.grad)
         return dx + dkv

@@ -140,3 +140,14 @@ def test_mla_equals_transformers_deepseek_v3_attention_in_float64(monkeypatch):
              (m.kv_a_norm.weight.grad, hf.kv_a_layernorm.weight.grad.numpy())]
     for got, want in pairs:
         assert np.abs(got - want).max() <= 1e-10 * np.abs(want).max()
+
+
+def test_the_compressed_kv_cache_gives_the_whole_sequence_s_outputs():
+    """Eval: 3 then 5 tokens through the cache (the latent and the rope key per token, nothing
+    per head) equal the forward of all 8."""
+    m = _mla(self_ctx(), 5).eval()
+    x, _ = _inputs()
+    cache = m.new_kv_cache(2, 16, np.float64)
+    assert cache["latent"].shape[2] + cache["k_rope"].shape[2] == SHAPE["kv_lora_rank"] + SHAPE["qk_rope_head_dim"]
+    y = np.concatenate([m.forward_cached(x[:, :3], cache), m.forward_cached(x[:, 3:], cache)], axis=1)
+    np.testing.assert_allclose(y, m.forward(x), rtol=0, atol=1e-13)
