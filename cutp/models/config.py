@@ -378,6 +378,12 @@ class ModelConfig:
         return (V * h + positions + L * per_layer + (L - n_moe) * self._mlp_parameters(self.hidden) + n_moe * moe
                 + norm + head)
 
+    def num_stored_values(self) -> int:
+        """Every value the model holds (a checkpoint's tensors): its parameters and DeepSeek's
+        correction biases, which `num_parameters` leaves out as transformers does (buffers there)."""
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.n_layer))
+        return self.num_parameters() + (self.n_experts * moe_layers if self.moe_score_bias else 0)
+
     def _mla_parameters(self) -> int:
         h, H, r, rq = self.n_embd, self.n_head, self.kv_lora_rank, self.q_lora_rank
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim

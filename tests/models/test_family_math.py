@@ -114,9 +114,9 @@ def test_preset_parameter_counts_are_exact():
     assert (v3.num_parameters(), v3.num_active_parameters()) == (671_026_404_352, 37_552_282_624)
     for name in ("qwen3-moe-tiny", "deepseek-tiny"):
         ctx = cutp.init(device="cpu")
-        params = GPT(ctx, GPTConfig.preset(name, dropout=0.0)).parameters()
-        assert sum(p.data.size for p in params if not p.name.endswith("score_bias")) == \
-            GPTConfig.preset(name).num_parameters(), name
+        params, cfg = GPT(ctx, GPTConfig.preset(name, dropout=0.0)).parameters(), GPTConfig.preset(name)
+        assert sum(p.data.size for p in params if not p.name.endswith("score_bias")) == cfg.num_parameters(), name
+        assert sum(p.data.size for p in params) == cfg.num_stored_values(), name
         ctx.close()
 
 

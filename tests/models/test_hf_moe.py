@@ -226,7 +226,7 @@ def test_deepseek_moe_block_equals_transformers_in_float64(monkeypatch):
 
 def test_deepseek_multi_token_prediction_layers_are_skipped_with_one_line(tmp_path, capfd):
     """A DeepSeek-V3 directory with the MTP layer's tensors (model.layers.{n_layer}.*) reads,
-    without them, saying so once."""
+    without them, saying so once; the correction biases are written and read back."""
     from safetensors.numpy import load_file, save_file
 
     from cutp.models import GPT
@@ -234,6 +234,8 @@ def test_deepseek_multi_token_prediction_layers_are_skipped_with_one_line(tmp_pa
 
     ctx = cutp.init(device="cpu")
     model = GPT(ctx, GPTConfig(**SPECS["deepseek_v3"]), seed=1).eval()
+    for m in model.moe_layers:  # a trained correction bias: exported (e_score_correction_bias) and read back
+        m.score_bias.data[...] = np.random.default_rng(2).standard_normal(m.score_bias.data.shape) * 0.1
     save_hf(model, str(tmp_path))
     tensors = load_file(str(tmp_path / "model.safetensors"))
     L = model.config.n_layer
@@ -243,6 +245,8 @@ def test_deepseek_multi_token_prediction_layers_are_skipped_with_one_line(tmp_pa
     back = from_hf(ctx, str(tmp_path), dtype="float64")
     idx = np.random.default_rng(0).integers(0, 97, (1, 8))
     np.testing.assert_array_equal(_logits(back, idx), _logits(model, idx))
+    for m, b in zip(model.moe_layers, back.moe_layers):
+        np.testing.assert_array_equal(b.score_bias.data, m.score_bias.data)
     said = [line for line in capfd.readouterr().err.splitlines() if "multi-token prediction" in line]
     assert len(said) == 1, said
     ctx.close()
