@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from ..runtime.errors import ConfigError
-from ..ops.rotary import RopeScaling
+from ..ops.rotary import RopeScaling, yarn_mscale
 from ..tensor_parallel import BlockSpec, check_moe, pad_vocab
 from ..tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
@@ -82,24 +82,27 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm (eps: norm_eps, every norm's)
     positions: str = "learned"  # learned (a [block_size, n_embd] table) | rope
     rope_theta: float = 10000.0
-    rope_scaling: str = "none"  # none | linear | llama3 (cutp.ops.RopeScaling, as transformers computes it)
+    rope_scaling: str = "none"  # none | linear | llama3 | yarn (cutp.ops.RopeScaling, as transformers computes it)
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_beta_fast: float = 32.0  # yarn's (cutp.ops.RopeScaling)
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down)
     head_dim: int | None = None  # None: n_embd // n_head
     qk_norm: bool = False  # an RMSNorm (eps norm_eps) over each query and key head before RoPE (Qwen3)
     # multi-head latent attention (DeepSeek-V2/V3, cutp.tensor_parallel.mla) when kv_lora_rank is set:
     # queries through q_lora_rank (None: a plain projection), keys and values through the latent,
     # heads of qk_nope_head_dim + qk_rope_head_dim (rotary on the last qk_rope_head_dim) and values of
-    # v_head_dim; the softmax scale times mla_softmax_factor (YaRN's mscale^2)
+    # v_head_dim; the softmax scale times `mla_softmax_factor()` (YaRN's mscale^2)
     kv_lora_rank: int | None = None
     q_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
-    mla_softmax_factor: float = 1.0
     # local attention (Mistral v0.1, Gemma): a query at p sees keys s with p - window < s <= p, as
     # transformers' `kv_idx > q_idx - sliding_window`; layer_types says which layers are local
     # ("sliding_attention") and which global ("full_attention"), as HF's; None: every layer local
@@ -183,7 +186,8 @@ class ModelConfig:
     @property
     def rope(self) -> RopeScaling:
         return RopeScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                           self.rope_original_max_positions)
+                           self.rope_original_max_positions, self.rope_beta_fast, self.rope_beta_slow,
+                           self.rope_mscale, self.rope_mscale_all_dim)
 
     def block_spec(self, layer: int) -> BlockSpec:
         """What layer `layer`'s transformer block is built from."""
@@ -202,7 +206,14 @@ class ModelConfig:
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         return dict(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-                    v_head_dim=self.v_head_dim, softmax_scale=self.mla_softmax_factor / qk ** 0.5)
+                    v_head_dim=self.v_head_dim, softmax_scale=self.mla_softmax_factor() / qk ** 0.5)
+
+    def mla_softmax_factor(self) -> float:
+        """MLA's softmax scale factor: YaRN's mscale(factor, mscale_all_dim)^2 whenever the rope is
+        scaled and mscale_all_dim is set, as transformers' yarn_apply_mscale (1 otherwise)."""
+        if self.rope_scaling == "none" or not self.rope_mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
 
     @property
     def rope_dim(self) -> int:

@@ -98,7 +98,7 @@ LLAMA_HF = dict(model_type="llama", hidden_size=32, intermediate_size=24, num_hi
     (dict(model_type="gemma"), r"model_type is 'gemma'"),
     (dict(model_type="mistral", sliding_window=4096), r"sliding_window=4096 is set"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=32), r"sliding_window=32 is set"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), r"rope_scaling type 'dynamic' is not supported"),
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     (dict(num_key_value_heads=3), r"n_kv_head=3 must divide n_head=4"),
@@ -225,8 +225,8 @@ def _lift_float32_casts(monkeypatch, torch, hf):
 
     def rotary(self, x, position_ids):
         freqs = position_ids[..., None].to(torch.float64) * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (YaRN's attention factor as transformers applies it)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
     def router(self, hidden_states):  # transformers 5's MixtralTopKRouter, softmax in the model's dtype
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)

@@ -1,6 +1,6 @@
 """Qwen3-MoE and DeepSeek-V3 against transformers (issue 40): Qwen3MoeForCausalLM with 8 experts
 of 16, top-2, norm_topk_prob, one dense layer (mlp_only_layers); DeepseekV3ForCausalLM with MLA
-(rope_interleave), 8 sigmoid-scored experts in 4 groups with a non-zero correction bias, a shared
+(rope_interleave, YaRN), 8 sigmoid-scored experts in 4 groups with a non-zero correction bias, a shared
 expert and a dense first layer; their routers scaled up so that every decision is away from
 ties. float32 logits within 1e-5 and greedy generation (32 tokens, with the KV cache, MLA's
 holding the compressed latent and rope key per token, and without); float64 logits within 1e-12
@@ -31,7 +31,11 @@ def _hf_moe(family, torch, transformers, dtype):
         cfg = transformers.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=12, num_experts=8,
                                           mlp_only_layers=[1])
     else:  # MLA with the low-rank query, 4 groups of 2 experts with 2 kept, a shared expert, layer 0 dense
-        cfg = transformers.DeepseekV3Config(**common, num_key_value_heads=4, n_routed_experts=8, n_group=4,
+        # YaRN over 16 original positions (the 24-token inputs reach past them), mscale apart from mscale_all_dim
+        yarn = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}
+        cfg = transformers.DeepseekV3Config(**{k: v for k, v in common.items() if k != "rope_theta"},
+                                            rope_parameters=yarn, num_key_value_heads=4, n_routed_experts=8, n_group=4,
                                             topk_group=2,
                                             first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
                                             qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
@@ -119,7 +123,7 @@ def _fused(tensors: dict, name: str) -> np.ndarray:
     prefix, _, what = name.rpartition(".")
     n = len({k for k in tensors if k.startswith(prefix + ".") and k.endswith(".down_proj.weight")})
     if what == "gate_up_proj":
-        return np.stack([np.concatenate([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]])
+        return np.stack([np.concatenate([tensors[f"{prefix}.{e}.{w}_proj.weight"] for w in ("gate", "up")])
                          for e in range(n)])
     assert what == "down_proj", name
     return np.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])

@@ -163,9 +163,13 @@ def rope_from_hf(hf: dict, where: str) -> dict:
         sc = RopeScaling.from_hf(scaling)
     except ConfigError as e:
         raise HFFormatError(f"{where}: {e}") from None
-    return dict(rope_theta=float(theta), rope_scaling=sc.rope_type, rope_factor=sc.factor,
-                rope_low_freq_factor=sc.low_freq_factor, rope_high_freq_factor=sc.high_freq_factor,
-                rope_original_max_positions=sc.original_max_position_embeddings)
+    out = dict(rope_theta=float(theta), rope_scaling=sc.rope_type, rope_factor=sc.factor,
+               rope_low_freq_factor=sc.low_freq_factor, rope_high_freq_factor=sc.high_freq_factor,
+               rope_original_max_positions=sc.original_max_position_embeddings)
+    if sc.rope_type == "yarn":
+        out.update(rope_beta_fast=sc.beta_fast, rope_beta_slow=sc.beta_slow, rope_mscale=sc.mscale,
+                   rope_mscale_all_dim=sc.mscale_all_dim)
+    return out
 
 
 def rope_to_hf(cfg) -> dict | None:
@@ -174,6 +178,10 @@ def rope_to_hf(cfg) -> dict | None:
         return None
     if cfg.rope_scaling == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "yarn":
+        return {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
+                "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
+                "original_max_position_embeddings": cfg.rope_original_max_positions}
     return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_positions}

@@ -16,8 +16,10 @@ With rope_interleave (every DeepSeek-V3 checkpoint) the rope columns of q_b (q_p
 interleaved pairs: read, they are permuted to the rotate-half layout cutp computes (evens, then
 odds: what transformers does before rotating), and written back interleaved. The multi-token
 prediction layers (keys of layers past num_hidden_layers) are skipped on load, as transformers
-skips them (one line says so). Refused by name: scoring other than sigmoid, topk_method other
-than noaux_tc, rope scaling other than none / linear (YaRN is not there yet), attention_bias.
+skips them (one line says so). YaRN rope scaling as transformers computes it: its frequencies,
+cos and sin times its attention factor, and MLA's softmax scale times mscale(factor,
+mscale_all_dim)^2 (ModelConfig.mla_softmax_factor). Refused by name: scoring other than
+sigmoid, topk_method other than noaux_tc, attention_bias.
 """
 from __future__ import annotations
 
@@ -47,12 +49,14 @@ class DeepseekV3(LlamaLike):
                                            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_n_group",
                                            "moe_topk_group", "moe_shared_experts")
     presets = {
-        # deepseek-ai/DeepSeek-V3's config.json, without its multi-token prediction layer and with
-        # default rope (its YaRN factor 40 is not there yet; the parameters are the same)
+        # deepseek-ai/DeepSeek-V3's config.json (YaRN factor 40 over 4096 positions), without its
+        # multi-token prediction layer
         "deepseek-v3": dict(n_layer=61, n_head=128, n_embd=7168, mlp_hidden=18432, vocab_size=129280,
                             block_size=163840, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                             qk_rope_head_dim=64, v_head_dim=128, n_experts=256, moe_top_k=8, moe_ffn=2048,
-                            moe_n_group=8, moe_topk_group=4, moe_dense_layers=(0, 1, 2),
+                            moe_n_group=8, moe_topk_group=4, moe_dense_layers=(0, 1, 2), rope_scaling="yarn",
+                            rope_factor=40.0, rope_original_max_positions=4096, rope_mscale=1.0,
+                            rope_mscale_all_dim=1.0,
                             bos_token_id=0, eos_token_id=1, **_V3),
         # byte vocabulary, trains on the embedded corpus: MLA, one shared + 16 routed experts of 32 in
         # 4 groups (2 kept), 4 per token, layer 0 dense
@@ -89,8 +93,8 @@ class DeepseekV3(LlamaLike):
         dense = tuple(i for i in range(cfg.n_layer) if not cfg.is_moe_layer(i))
         if dense != tuple(range(len(dense))) or cfg.moe_capacity_factor is not None:
             return "DeepSeek-V3's dense layers are the first ones (first_k_dense_replace) and it is dropless"
-        if LlamaLike.biases(cfg) != (False, False, False) or cfg.rope_scaling not in ("none", "linear"):
-            return "DeepSeek-V3 here has no biases and default or linear rope scaling"
+        if LlamaLike.biases(cfg) != (False, False, False) or cfg.rope_scaling not in ("none", "linear", "yarn"):
+            return "DeepSeek-V3 has no biases and default, linear or yarn rope scaling"
         return None
 
     def config_to_hf(self, cfg) -> dict:
