@@ -128,7 +128,7 @@ def test_preset_parameter_counts_are_exact():
     (dict(norm="batchnorm"), 1, r"norm must be one of layernorm, rmsnorm"),
     (dict(positions="alibi"), 1, r"positions must be one of learned, rope"),
     (dict(mlp="geglu"), 1, r"mlp must be one of gelu, swiglu"),
-    (dict(rope_scaling="yarn"), 1, r"rope scaling type 'yarn' is not supported"),
+    (dict(rope_scaling="dynamic"), 1, r"rope scaling type 'dynamic' is not supported"),
     (dict(mlp_hidden=25), 2, r"tp=2 does not divide the MLP width 25"),
 ])
 def test_bad_specs_are_refused_naming_the_field(change, tp, message):
