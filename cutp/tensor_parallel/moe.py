@@ -156,6 +156,7 @@ class MoEMLP(Module):
         self.score_bias = make_parameter(ctx, f"{name}.router.score_bias", (n_experts,), zeros_init, seed=seed,
                                          dtype=dtype) if score_bias else None
         self.shared_experts = shared_experts
+        self._bias_move = None  # the step's planned correction-bias move (`plan_score_bias`)
         ep = ctx.ep_size
         if n_experts % ep:
             raise ConfigError(f"ep={ep} does not divide n_experts={n_experts}: each EP rank holds n_experts / ep "
@@ -323,14 +324,19 @@ class MoEMLP(Module):
             gates = gates * self.routed_scaling
         return probs, lse, idx, top_p, gates
 
-    def update_score_bias(self, assigned) -> None:
-        """After a step: bias += rate * sign(mean load - load), `assigned` the step's assignments
-        per expert over its whole global batch (the same on every rank of every layout)."""
-        if self.score_bias is None or not self.bias_update_rate:
-            return
-        load = np.asarray(assigned, np.float64)
-        step = self.bias_update_rate * np.sign(load.mean() - load)
-        self.score_bias.data += self.ctx.asarray(step.astype(self.score_bias.data.dtype))
+    def plan_score_bias(self, assigned) -> None:
+        """The step's bias move, rate * sign(mean load - load), `assigned` the step's assignments
+        per expert over its whole global batch (the same on every rank of every layout); applied
+        by `apply_score_bias` once the optimizer has stepped (a skipped step moves nothing)."""
+        self._bias_move = None
+        if self.score_bias is not None and self.bias_update_rate:
+            load = np.asarray(assigned, np.float64)
+            self._bias_move = self.bias_update_rate * np.sign(load.mean() - load)
+
+    def apply_score_bias(self) -> None:
+        move, self._bias_move = self._bias_move, None
+        if move is not None:
+            self.score_bias.data += self.ctx.asarray(move.astype(self.score_bias.data.dtype))
 
     def _experts_output(self, x2, idx, gates, keep, shape):
         """(y [shape], what the experts' backward needs): this rank's rows through their experts,
