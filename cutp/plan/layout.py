@@ -340,7 +340,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         modes = [recompute if (recompute != "full" or i < full) else "none" for i in range(L)]
         stash = [layer_activation_bytes(a, s, b, tp, pb, mode, sequence_parallel, cp, cp_comm) for mode in modes]
         for i, mode in enumerate(modes):  # an MoE layer's MLP in place of the dense one
-            if a.n_experts and i % a.moe_every == 0 and mode != "full":
+            if a.is_moe_layer(i) and mode != "full":
                 stash[i] += (moe_layer_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel)
                              - dense_mlp_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel))
         logits = 4 * (s // cp) * b * a.vocab_size / tp
@@ -360,7 +360,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward;
     # `counted` 1 if the step's counting pass (cutp.train.moe: several micro-batches) does it first
     moe_recomputed = [int(recompute == "full" and i < (L if recompute_layers is None else recompute_layers))
-                      for i in range(L) if a.n_experts and i % a.moe_every == 0]
+                      for i in range(L) if a.is_moe_layer(i)]
     counted = int(accum > 1 and (a.moe_aux_loss_coeff > 0))
     ring_ar = 2 * (tp - 1) / tp
     # the gradient buffers: at ep > 1 the experts' apart from the rest (cutp.optim.expert_parallel)
@@ -441,6 +441,8 @@ def run(args) -> Report:
                   + (f", {r['params_active']:,} active per token" if a.n_experts else "")),
                  *([("experts", f"{a.n_experts} of width {a.moe_ffn or a.hidden} in "
                      + ("every layer" if a.moe_every == 1 else f"layers 0, {a.moe_every}, {2 * a.moe_every}, ...")
+                     + (f" but {len(a.moe_dense_layers)} dense" if a.moe_dense_layers else "")
+                     + (f", {a.moe_shared_experts} shared" if a.moe_shared_experts else "")
                      + f", top {a.moe_top_k}; ep {args.ep}: {a.n_experts // args.ep} per GPU")] if a.n_experts else []),
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
                  ("mesh", f"tp {args.tp}" + (f" x cp {args.cp} ({args.cp_comm})" if args.cp > 1 else "")
