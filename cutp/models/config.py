@@ -376,7 +376,7 @@ class ModelConfig:
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
         attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
         if self.kv_lora_rank is not None:
-            attention = self._mla_parameters()
+            attention = self.mla_parameters()
         per_layer = 2 * norm + attention + 2 * self.head_size * bool(self.qk_norm)
         # an MoE layer's router and experts
         ffn = self.moe_ffn or self.hidden
@@ -395,7 +395,15 @@ class ModelConfig:
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.n_layer))
         return self.num_parameters() + (self.n_experts * moe_layers if self.moe_score_bias else 0)
 
-    def _mla_parameters(self) -> int:
+    def kv_cache_values_per_token(self) -> int:
+        """Values generation's KV cache holds per token, all layers: K and V of every KV head, or
+        (MLA) the compressed latent and the shared rope key."""
+        per_layer = (2 * self.kv_heads * self.head_size if self.kv_lora_rank is None
+                     else self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.n_layer * per_layer
+
+    def mla_parameters(self) -> int:
+        """One layer's multi-head latent attention parameters."""
         h, H, r, rq = self.n_embd, self.n_head, self.kv_lora_rank, self.q_lora_rank
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         q = h * rq + rq + rq * H * qk if rq else h * H * qk

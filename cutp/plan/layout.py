@@ -125,6 +125,11 @@ def param_count(a: GPTConfig, tp: int = 1, ep: int = 1) -> dict:
         "mlp": mlp_mats * h * (a.hidden // tp) + bm * ((2 if (a.mlp == "swiglu") else 1) * a.hidden // tp + h),
         "norms": 2 * norm + 2 * hd * a.qk_norm,  # (the QK-norms replicated)
     }
+    if a.kv_lora_rank is not None:  # multi-head latent attention: the down-projections and norms replicated
+        full["attention"] = a.mla_parameters()
+        down = h * (a.q_lora_rank or 0) + (a.q_lora_rank or 0) + h * (a.kv_lora_rank + a.qk_rope_head_dim) \
+            + a.kv_lora_rank
+        local["attention"] = down + (full["attention"] - down) // tp
     emb = a.vocab_size * h
     head = 0 if a.tie_embeddings else a.vocab_size * h
     pos = a.block_size * h if (a.positions == "learned") else 0
@@ -445,6 +450,8 @@ def run(args) -> Report:
                      + (f", {a.moe_shared_experts} shared" if a.moe_shared_experts else "")
                      + f", top {a.moe_top_k}; ep {args.ep}: {a.n_experts // args.ep} per GPU")] if a.n_experts else []),
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
+                 ("KV cache / token", f"{a.kv_cache_values_per_token() * ITEMSIZE[dt]:,} bytes ({dt}, all layers"
+                  + (", MLA's latent + rope key)" if a.kv_lora_rank is not None else ")")),
                  ("mesh", f"tp {args.tp}" + (f" x cp {args.cp} ({args.cp_comm})" if args.cp > 1 else "")
                   + f" x dp {args.dp} = {args.tp * args.cp * args.dp} GPUs"),
                  ("micro-batch x seq", f"{args.micro_batch} x {seq}, {args.accum} micro-batch(es) per step"),

@@ -112,6 +112,9 @@ def test_preset_parameter_counts_are_exact():
     assert GPTConfig.preset("qwen3-30b-a3b").num_parameters() == 30_532_122_624
     v3 = GPTConfig.preset("deepseek-v3")
     assert (v3.num_parameters(), v3.num_active_parameters()) == (671_026_404_352, 37_552_282_624)
+    # generation's cache per token: MLA's 512-value latent and 64-value rope key (DeepSeek-V2's 576 per layer)
+    assert v3.kv_cache_values_per_token() == 61 * 576
+    assert GPTConfig.preset("llama3-8b").kv_cache_values_per_token() == 32 * 2 * 8 * 128
     for name in ("qwen3-moe-tiny", "deepseek-tiny"):
         ctx = cutp.init(device="cpu")
         params, cfg = GPT(ctx, GPTConfig.preset(name, dropout=0.0)).parameters(), GPTConfig.preset(name)
