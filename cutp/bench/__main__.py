@@ -8,6 +8,7 @@
     python -m cutp bench plan --params 70B --tp 8    # memory and communication per GPU, no hardware needed
     python -m cutp bench plan --params 70B --tp 8 --pp 4 --accum 8   # memory per pipeline stage, p2p, bubble
     python -m cutp bench plan --params 70B --search --gpu-memory 80  # the TP x PP x DP layouts that fit
+    python -m cutp bench moe                         # grouped experts vs the dense SwiGLU MLP, one rank
 
 Every suite prints tables; --json PATH writes them (and the raw measurements) for machines,
 --plot PATH.png draws them for people. Under mpiexec only rank 0 prints and writes.
@@ -23,9 +24,10 @@ from ..runtime.threads import available_cores
 from ..train.config import add_setting_flags
 from ..plan import cli as plan_cli
 from . import comm, compare_torch, kernels, model
+from . import moe as moe_bench
 from .plot import plot_report
 
-SUITES = ("kernels", "comm", "model", "compare-torch", "plan")
+SUITES = ("kernels", "comm", "model", "compare-torch", "plan", "moe")
 
 
 def _common(p):
@@ -104,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory and communication per GPU, from the model's shape")
     plan_cli.add_arguments(pl)
     _common(pl)
+
+    mo = sub.add_parser("moe", help="the grouped expert path against the dense SwiGLU MLP, one rank")
+    moe_bench.add_arguments(mo)
+    _common(mo)
     return p
 
 
@@ -131,6 +137,8 @@ def run(args):
         return comm.run(args)
     if args.suite == "model":
         return model.run(args)
+    if args.suite == "moe":
+        return moe_bench.run(args)
     if args.suite == "compare-torch":
         args.threads = args.threads or available_cores()
         return compare_torch.run(args)

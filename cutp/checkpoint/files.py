@@ -298,9 +298,9 @@ def _meta_problem(meta: dict) -> str | None:
             return (f"parameter {name!r}: {shape[0]} rows ({real} real) differ from the config's vocabulary "
                     f"({config.vocab_size}, padded to {config.padded_vocab(tp)} at tp {tp})")
         total += int(np.prod([real or shape[0]] + shape[1:], dtype=object))
-    if total != config.num_parameters() and meta.get("trainable_only") is not True:  # (frozen ones: not saved)
+    if total != config.num_stored_values() and meta.get("trainable_only") is not True:  # (frozen ones: not saved)
         return (f"its parameters' shapes hold {total} values, but its config describes a model of "
-                f"{config.num_parameters()}: the config and the shapes do not match")
+                f"{config.num_stored_values()}: the config and the shapes do not match")
     # every file must be large enough for the tensors meta.json says it holds (bounds every allocation)
     for s in range(pp):
         stage = [info for info in meta["params"].values() if param_stage(info) == s]

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from ..runtime.errors import ConfigError
-from ..ops.rotary import RopeScaling
+from ..ops.rotary import RopeScaling, yarn_mscale
 from ..tensor_parallel import BlockSpec, check_moe, pad_vocab
 from ..tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
@@ -60,23 +60,50 @@ class ModelConfig:
     n_experts: int = 0
     moe_top_k: int = 2
     moe_every: int = 1  # an MoE MLP in layers 0, k, 2k, ...
+    # layers whose MLP stays dense though moe_every picks them (Qwen3-MoE's mlp_only_layers and
+    # decoder_sparse_step, DeepSeek's first_k_dense_replace); their width is mlp_hidden
+    moe_dense_layers: tuple | None = None
     moe_ffn: int | None = None  # each expert's width (None: the MLP's, mlp_hidden)
     moe_capacity_factor: float | None = None  # None: dropless
     moe_aux_loss_coeff: float = 1e-2  # load balancing (Switch/GShard)
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE uses 1e-3)
     moe_renormalize: bool = False  # the k gates renormalised to sum to 1
+    # DeepSeekMoE (cutp.tensor_parallel.moe): sigmoid scores, group-limited choice (the topk_group of
+    # n_group groups by their two best scores), the gates scaled; a correction bias that only chooses,
+    # moved by bias_update_rate * sign(mean load - load) after each step; shared experts (a dense
+    # SwiGLU of moe_shared_experts * moe_ffn) beside the routed ones
+    moe_scoring: str = "softmax"  # softmax | sigmoid
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scaling: float = 1.0
+    moe_score_bias: bool = False
+    moe_bias_update_rate: float = 0.0
+    moe_shared_experts: int = 0
     # the family's spec (defaults: GPT-2's)
     norm: str = "layernorm"  # layernorm | rmsnorm (eps: norm_eps, every norm's)
     positions: str = "learned"  # learned (a [block_size, n_embd] table) | rope
     rope_theta: float = 10000.0
-    rope_scaling: str = "none"  # none | linear | llama3 (cutp.ops.RopeScaling, as transformers computes it)
+    rope_scaling: str = "none"  # none | linear | llama3 | yarn (cutp.ops.RopeScaling, as transformers computes it)
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_beta_fast: float = 32.0  # yarn's (cutp.ops.RopeScaling)
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     mlp: str = "gelu"  # gelu (h -> hidden -> h) | swiglu (silu(gate) * up, then down) | geglu (gelu(gate) * up)
     head_dim: int | None = None  # None: n_embd // n_head
     qk_norm: bool = False  # an RMSNorm (eps norm_eps) over each query and key head before RoPE (Qwen3)
+    # multi-head latent attention (DeepSeek-V2/V3, cutp.tensor_parallel.mla) when kv_lora_rank is set:
+    # queries through q_lora_rank (None: a plain projection), keys and values through the latent,
+    # heads of qk_nope_head_dim + qk_rope_head_dim (rotary on the last qk_rope_head_dim) and values of
+    # v_head_dim; the softmax scale times `mla_softmax_factor()` (YaRN's mscale^2)
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     # local attention (Mistral v0.1, Gemma): a query at p sees keys s with p - window < s <= p, as
     # transformers' `kv_idx > q_idx - sliding_window`; layer_types says which layers are local
     # ("sliding_attention") and which global ("full_attention"), as HF's; None: every layer local
@@ -129,6 +156,8 @@ class ModelConfig:
             optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
             if value.lower() in ("none", "null") and optional:
                 changes[key] = None
+            elif key == "moe_dense_layers":  # a comma-separated list of layers
+                changes[key] = tuple(int(v) for v in value.split(",") if v.strip())
             elif "tuple" in str(fields[key].type):  # comma-separated: layer_types=sliding_attention,full_attention
                 changes[key] = tuple(v.strip() for v in value.split(","))
             elif isinstance(current, bool) or (current is None and "bool" in str(fields[key].type)):
@@ -170,7 +199,8 @@ class ModelConfig:
     @property
     def rope(self) -> RopeScaling:
         return RopeScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                           self.rope_original_max_positions)
+                           self.rope_original_max_positions, self.rope_beta_fast, self.rope_beta_slow,
+                           self.rope_mscale, self.rope_mscale_all_dim)
 
     def block_spec(self, layer: int) -> BlockSpec:
         """What layer `layer`'s transformer block is built from."""
@@ -182,7 +212,8 @@ class ModelConfig:
                          gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer),
                          window=self.layer_window(layer), attn_softcap=self.attn_softcap,
                          norm_offset=bool(self.norm_offset), post_norms=bool(self.post_norms),
-                         attn_scale=None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5)
+                         attn_scale=None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5,
+                         mla=self.mla_settings())
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether layer `layer` is a local ("sliding_attention") one: by layer_types, else every
@@ -190,6 +221,27 @@ class ModelConfig:
         if self.layer_types is not None:
             return self.layer_types[layer] == "sliding_attention"
         return self.sliding_window is not None
+
+    def mla_settings(self) -> dict | None:
+        """MultiLatentAttention's settings, or None for the multi-head attention."""
+        if self.kv_lora_rank is None:
+            return None
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        return dict(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                    qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim, softmax_scale=self.mla_softmax_factor() / qk ** 0.5)
+
+    def mla_softmax_factor(self) -> float:
+        """MLA's softmax scale factor: YaRN's mscale(factor, mscale_all_dim)^2 whenever the rope is
+        scaled and mscale_all_dim is set, as transformers' yarn_apply_mscale (1 otherwise)."""
+        if self.rope_scaling == "none" or not self.rope_mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotary tables' width: each head's (MLA: its rope part's)."""
+        return self.head_size if self.kv_lora_rank is None else self.qk_rope_head_dim
 
     def layer_window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: global attention)."""
@@ -250,8 +302,8 @@ class ModelConfig:
                                           or self.head_dim < 1):
             raise ConfigError(f"head_dim must be a positive integer or None (n_embd // n_head), got {self.head_dim!r}")
         if self.positions == "rope":
-            if self.head_size % 2:
-                raise ConfigError(f"head_dim={self.head_size} is odd: rotary positions turn pairs of each head's "
+            if self.rope_dim % 2:
+                raise ConfigError(f"head_dim={self.rope_dim} is odd: rotary positions turn pairs of each head's "
                                   "elements; use an even head_dim (or positions=learned)")
             if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
                 raise ConfigError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
@@ -264,11 +316,37 @@ class ModelConfig:
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size):
                 raise ConfigError(f"{f} must be a token id in [0, {self.vocab_size}) or None, got {v!r}")
-        check_attention(self.n_embd, self.n_head, self.kv_heads, tp, head_dim=self.head_dim)
+        if self.kv_lora_rank is None:
+            check_attention(self.n_embd, self.n_head, self.kv_heads, tp, head_dim=self.head_dim)
+        else:
+            self._validate_mla(tp)
         check_mlp(self.n_embd, self.hidden, tp)
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
         check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,
-                  self.moe_aux_loss_coeff, self.moe_z_loss_coeff)
+                  self.moe_aux_loss_coeff, self.moe_z_loss_coeff, scoring=self.moe_scoring,
+                  n_group=self.moe_n_group, topk_group=self.moe_topk_group, score_bias=self.moe_score_bias,
+                  bias_update_rate=self.moe_bias_update_rate, shared=self.moe_shared_experts,
+                  low_precision=self.dtype in ("bfloat16", "float16"))
+        dense = self.moe_dense_layers
+        if dense is not None and (not isinstance(dense, tuple)
+                                  or any(not isinstance(i, int) or not 0 <= i < self.n_layer for i in dense)):
+            raise ConfigError(f"moe_dense_layers must be a tuple of layer indices in [0, n_layer={self.n_layer}) "
+                              f"(the layers whose MLP stays dense), or None; got {dense!r}")
+
+    def _validate_mla(self, tp: int) -> None:
+        dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for f in dims + ("q_lora_rank",):
+            v = getattr(self, f)
+            if (v is not None or f != "q_lora_rank") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{f} must be a positive integer with kv_lora_rank set (multi-head latent "
+                                  f"attention){' or None' if f == 'q_lora_rank' else ''}, got {v!r}")
+        if self.positions != "rope":
+            raise ConfigError("multi-head latent attention rotates its rope part: set positions=rope")
+        if self.n_head % tp:
+            raise ConfigError(f"tp={tp} must divide n_head={self.n_head} (MLA splits its heads over TP)")
+        if self.dropout:
+            raise ConfigError(f"dropout={self.dropout}: multi-head latent attention has no attention dropout yet; "
+                              "set dropout=0")
 
     def _validate_local_attention(self) -> None:
         w = self.sliding_window
@@ -285,7 +363,7 @@ class ModelConfig:
                 raise ConfigError(f"{f} must be a positive number or None (no soft-capping), got {v!r}")
 
     def is_moe_layer(self, i: int) -> bool:
-        return self.n_experts > 0 and i % self.moe_every == 0
+        return self.n_experts > 0 and i % self.moe_every == 0 and i not in (self.moe_dense_layers or ())
 
     def moe_settings(self, i: int) -> dict | None:
         """Layer i's MoEMLP settings, or None for a dense MLP."""
@@ -293,7 +371,10 @@ class ModelConfig:
             return None
         return dict(n_experts=self.n_experts, top_k=self.moe_top_k, ffn=self.moe_ffn or self.hidden,
                     capacity_factor=self.moe_capacity_factor, aux_loss_coeff=self.moe_aux_loss_coeff,
-                    z_loss_coeff=self.moe_z_loss_coeff, renormalize=self.moe_renormalize)
+                    z_loss_coeff=self.moe_z_loss_coeff, renormalize=self.moe_renormalize, scoring=self.moe_scoring,
+                    n_group=self.moe_n_group, topk_group=self.moe_topk_group, routed_scaling=self.moe_routed_scaling,
+                    score_bias=self.moe_score_bias, bias_update_rate=self.moe_bias_update_rate,
+                    shared_experts=self.moe_shared_experts)
 
 
     def to_dict(self) -> dict:
@@ -307,8 +388,9 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown ModelConfig fields {sorted(unknown)}; the fields are {sorted(known)} "
                               "(a checkpoint or config written by another cutp version?)")
-        if d.get("layer_types") is not None:  # (JSON gives a list)
-            d["layer_types"] = tuple(d["layer_types"])
+        for f in ("layer_types", "moe_dense_layers"):
+            if d.get(f) is not None:  # (JSON gives a list)
+                d[f] = tuple(d[f])
         return cls(**d)
 
     def _mlp_parameters(self, width: int) -> int:
@@ -324,14 +406,40 @@ class ModelConfig:
         q, kv = self.n_head * self.head_size, self.kv_heads * self.head_size
         norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
         attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
+        if self.kv_lora_rank is not None:
+            attention = self.mla_parameters()
         per_layer = (4 if self.post_norms else 2) * norm + attention + 2 * self.head_size * bool(self.qk_norm)
         # an MoE layer's router and experts
-        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(self.moe_ffn or self.hidden)
+        ffn = self.moe_ffn or self.hidden
+        # (DeepSeek's correction bias is not counted: no gradient trains it, a buffer in transformers)
+        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(ffn)
+        moe += self._mlp_parameters(self.moe_shared_experts * ffn) if self.moe_shared_experts else 0
         n_moe = sum(self.is_moe_layer(i) for i in range(L))
         head = 0 if self.tie_embeddings else V * h
         positions = self.block_size * h if self.positions == "learned" else 0
         return (V * h + positions + L * per_layer + (L - n_moe) * self._mlp_parameters(self.hidden) + n_moe * moe
                 + norm + head)
+
+    def num_stored_values(self) -> int:
+        """Every value the model holds (a checkpoint's tensors): its parameters and DeepSeek's
+        correction biases, which `num_parameters` leaves out as transformers does (buffers there)."""
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.n_layer))
+        return self.num_parameters() + (self.n_experts * moe_layers if self.moe_score_bias else 0)
+
+    def kv_cache_values_per_token(self) -> int:
+        """Values generation's KV cache holds per token, all layers: K and V of every KV head, or
+        (MLA) the compressed latent and the shared rope key."""
+        per_layer = (2 * self.kv_heads * self.head_size if self.kv_lora_rank is None
+                     else self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.n_layer * per_layer
+
+    def mla_parameters(self) -> int:
+        """One layer's multi-head latent attention parameters."""
+        h, H, r, rq = self.n_embd, self.n_head, self.kv_lora_rank, self.q_lora_rank
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = h * rq + rq + rq * H * qk if rq else h * H * qk
+        return q + h * (r + self.qk_rope_head_dim) + r + r * H * (self.qk_nope_head_dim + self.v_head_dim) \
+            + H * self.v_head_dim * h
 
     def num_active_parameters(self) -> int:
         """Parameters a token runs through: top_k of each MoE layer's experts (all of a dense model)."""

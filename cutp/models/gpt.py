@@ -173,9 +173,9 @@ class GPT(Module):
         # (Gemma 3: the local layers' own, rope_local_theta unscaled)
         self.rotary = self.rotary_local = None
         if c.positions == "rope":
-            self.rotary = ops.rope_tables(c.head_size, c.block_size, c.rope_theta, c.rope, dt, xp=ctx.xp)
+            self.rotary = ops.rope_tables(c.rope_dim, c.block_size, c.rope_theta, c.rope, dt, xp=ctx.xp)
             if c.rope_local_theta is not None:
-                self.rotary_local = ops.rope_tables(c.head_size, c.block_size, c.rope_local_theta, None, dt,
+                self.rotary_local = ops.rope_tables(c.rope_dim, c.block_size, c.rope_local_theta, None, dt,
                                                     xp=ctx.xp)
         self.layers = [ParallelTransformerBlock(ctx, c.block_spec(i), layer=i, rng=self.rng, seed=seed, dtype=dt,
                                                 rotary=self._layer_rotary(i))

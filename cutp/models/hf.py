@@ -138,6 +138,7 @@ def _plan(path: str, dtype: str, dropout: float):
     cfg = config_from_hf(read_hf_config(path), dtype=dtype, dropout=dropout, where=cfg_file)
     family = FAMILIES[cfg.family]
     recipes = family.recipes(cfg)
+    family.reading(cfg)
     where_of, shapes, tied_head, found = {}, {}, None, set()
     for w_file in w_files:
         with open_weights(w_file) as f:

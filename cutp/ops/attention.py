@@ -159,7 +159,7 @@ NEG = -1e30
 
 
 def _check_shapes(q, k, v):
-    if q.ndim != 5 or k.ndim != 4 or v.shape != k.shape:
+    if q.ndim != 5 or k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:  # (v's head dim may differ: MLA)
         raise ValueError(f"causal attention needs q [B, nkv, g, Tq, hd] and k, v [B, nkv, Tk, hd]; got q {q.shape}, "
                          f"k {k.shape}, v {v.shape}")
     if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:

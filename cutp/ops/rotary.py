@@ -36,8 +36,8 @@ from cutp.runtime.errors import ConfigError
 
 from .common import as_dtype, compute_dtype, parallel_map, row_blocks
 
-ROPE_TYPES = ("none", "linear", "llama3")
-_HF_NAMES = {"default": "none", "none": "none", "linear": "linear", "llama3": "llama3"}
+ROPE_TYPES = ("none", "linear", "llama3", "yarn")
+_HF_NAMES = {"default": "none", "none": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,22 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (DeepSeek-V3: factor 40, original 4096, beta 32 / 1, mscale 1 / 1): the frequencies
+    # blended between interpolation and extrapolation over the band beta_fast..beta_slow rotations,
+    # the tables multiplied by `attention_factor` (0: unset, as transformers' None)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    @property
+    def attention_factor(self) -> float:
+        """What transformers multiplies cos and sin by (YaRN's; 1 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return float(yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim))
+        return yarn_mscale(self.factor)
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -70,6 +86,10 @@ class RopeScaling:
             object.__setattr__(self, "original_max_position_embeddings", int(self.original_max_position_embeddings))
         if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor >= 1.0):
             raise ConfigError(f"rope scaling factor must be a number >= 1, got {self.factor!r}")
+        if self.rope_type == "yarn" and not (isinstance(self.original_max_position_embeddings, int)
+                                             and self.original_max_position_embeddings > 0):
+            raise ConfigError("yarn rope scaling needs original_max_position_embeddings a positive integer, got "
+                              f"{self.original_max_position_embeddings!r} (DeepSeek-V3 ships 4096)")
         if self.rope_type == "llama3":
             if not self.high_freq_factor > self.low_freq_factor > 0:
                 raise ConfigError("llama3 rope scaling needs high_freq_factor > low_freq_factor > 0, got "
@@ -94,12 +114,24 @@ class RopeScaling:
             raise ConfigError(f"rope_scaling type {name!r} is not supported; cutp implements "
                               f"{sorted(_HF_NAMES)} (set rope_scaling to null or one of these)")
         kind = _HF_NAMES[name]
-        need = {"none": (), "linear": ("factor",),
+        need = {"none": (), "linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
-        missing = [k for k in need if k not in rope_scaling]
+        missing = [k for k in need if rope_scaling.get(k) is None]
         if missing:
             raise ConfigError(f"rope_scaling of type {name!r} lacks {missing}; add them to config.json's rope_scaling")
+        if kind == "yarn":
+            if rope_scaling.get("attention_factor") is not None or rope_scaling.get("truncate", True) is not True:
+                raise ConfigError("yarn rope_scaling with attention_factor or truncate=false is not supported; "
+                                  "cutp derives the factor from mscale / mscale_all_dim, as DeepSeek-V3's")
+            defaults = (("beta_fast", 32.0), ("beta_slow", 1.0), ("mscale", 0.0), ("mscale_all_dim", 0.0))
+            extra = {k: float(rope_scaling.get(k) or default) for k, default in defaults}
+            return cls(kind, **{k: rope_scaling[k] for k in need}, **extra)
         return cls(kind, **{k: rope_scaling[k] for k in need})
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 * mscale * log(scale) + 1 (1 for scale <= 1), as transformers' yarn_get_mscale."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _as_scaling(scaling) -> RopeScaling:
@@ -157,6 +189,19 @@ def rope_inv_freq(rotary_dim: int, theta: float = 10000.0, scaling=None, dtype=n
         smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         inv_freq = np.where(is_medium, smoothed, inv_freq_llama)
+    elif sc.rope_type == "yarn":  # transformers' _compute_yarn_parameters (truncate=True)
+        def correction_dim(rotations):
+            return (rotary_dim * math.log(sc.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(sc.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(sc.beta_slow)), rotary_dim - 1)
+        pos_freqs = (theta ** exponents.astype(np.float64)).astype(fdt)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (sc.factor * pos_freqs)
+        ramp = np.clip((np.arange(rotary_dim // 2, dtype=fdt) - low) / ((high + 0.001 if low == high else high) - low),
+                       0, 1)
+        kept = 1 - ramp  # the extrapolation's share
+        inv_freq = interpolation * (1 - kept) + extrapolation * kept
     return inv_freq.astype(fdt)
 
 
@@ -188,6 +233,9 @@ def rope_tables(head_dim: int, positions, theta: float = 10000.0, scaling=None, 
     # HF: inv_freq (float32) @ positions.float() -- a K=1 product, one rounding per element
     freqs = pos.astype(fdt)[..., None] * xp.asarray(inv_freq)
     c, s = xp.cos(freqs), xp.sin(freqs)
+    factor = _as_scaling(scaling).attention_factor
+    if factor != 1.0:  # (YaRN: transformers multiplies cos and sin)
+        c, s = c * factor, s * factor
     return xp.concatenate((c, c), axis=-1), xp.concatenate((s, s), axis=-1)
 
 

@@ -128,6 +128,11 @@ def param_count(a: GPTConfig, tp: int = 1, ep: int = 1) -> dict:
         "mlp": mlp_mats * h * (a.hidden // tp) + bm * (gated * a.hidden // tp + h),
         "norms": norms * norm + 2 * hd * a.qk_norm,  # (the QK-norms replicated)
     }
+    if a.kv_lora_rank is not None:  # multi-head latent attention: the down-projections and norms replicated
+        full["attention"] = a.mla_parameters()
+        down = h * (a.q_lora_rank or 0) + (a.q_lora_rank or 0) + h * (a.kv_lora_rank + a.qk_rope_head_dim) \
+            + a.kv_lora_rank
+        local["attention"] = down + (full["attention"] - down) // tp
     emb = a.vocab_size * h
     head = 0 if a.tie_embeddings else a.vocab_size * h
     pos = a.block_size * h if (a.positions == "learned") else 0
@@ -362,7 +367,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         modes = [recompute if (recompute != "full" or i < full) else "none" for i in range(L)]
         stash = [layer_activation_bytes(a, s, b, tp, pb, mode, sequence_parallel, cp, cp_comm) for mode in modes]
         for i, mode in enumerate(modes):  # an MoE layer's MLP in place of the dense one
-            if a.n_experts and i % a.moe_every == 0 and mode != "full":
+            if a.is_moe_layer(i) and mode != "full":
                 stash[i] += (moe_layer_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel)
                              - dense_mlp_activation_bytes(a, s // cp, b, tp, pb, sequence_parallel))
         logits = 4 * (s // cp) * b * a.vocab_size / tp
@@ -399,7 +404,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     # each MoE layer: 1 if full recomputation dispatches and combines its rows again in backward;
     # `counted` 1 if the step's counting pass (cutp.train.moe: several micro-batches) does it first
     moe_recomputed = [int(recompute == "full" and i < (L if recompute_layers is None else recompute_layers))
-                      for i in range(L) if a.n_experts and i % a.moe_every == 0]
+                      for i in range(L) if a.is_moe_layer(i)]
     counted = int(accum > 1 and (a.moe_aux_loss_coeff > 0))
     ring_ar = 2 * (tp - 1) / tp
     # the gradient buffers: at ep > 1 the experts' apart from the rest (cutp.optim.expert_parallel)
@@ -489,8 +494,12 @@ def run(args) -> Report:
                   + (f", {r['params_active']:,} active per token" if a.n_experts else "")),
                  *([("experts", f"{a.n_experts} of width {a.moe_ffn or a.hidden} in "
                      + ("every layer" if a.moe_every == 1 else f"layers 0, {a.moe_every}, {2 * a.moe_every}, ...")
+                     + (f" but {len(a.moe_dense_layers)} dense" if a.moe_dense_layers else "")
+                     + (f", {a.moe_shared_experts} shared" if a.moe_shared_experts else "")
                      + f", top {a.moe_top_k}; ep {args.ep}: {a.n_experts // args.ep} per GPU")] if a.n_experts else []),
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
+                 ("KV cache / token", f"{a.kv_cache_values_per_token() * ITEMSIZE[dt]:,} bytes ({dt}, all layers"
+                  + (", MLA's latent + rope key)" if a.kv_lora_rank is not None else ")")),
                  ("mesh", f"tp {args.tp}" + (f" x cp {args.cp} ({args.cp_comm})" if args.cp > 1 else "")
                   + f" x dp {args.dp} = {args.tp * args.cp * args.dp} GPUs"),
                  ("micro-batch x seq", f"{args.micro_batch} x {seq}, {args.accum} micro-batch(es) per step"),

@@ -1,8 +1,9 @@
 """The planner's mixture-of-experts arithmetic (`cutp bench plan` with n_experts > 0).
 
-Parameters. An MoE layer (every `moe_every`-th, from layer 0) replaces the MLP by a router
-(h x E, replicated) and E experts, each an MLP of width f = moe_ffn (default: the MLP's): 2 h f
-weights (3 h f gated) + biases f + h. Experts are replicated over TP (cutp splits the tokens, not
+Parameters. An MoE layer (every `moe_every`-th, from layer 0, but moe_dense_layers) replaces the
+MLP by a router (h x E, replicated) and E experts, each an MLP of width f = moe_ffn (default: the
+MLP's): 2 h f weights (3 h f gated) + biases f + h; DeepSeekMoE's shared experts add one MLP of
+moe_shared_experts x f, split over TP. Experts are replicated over TP (cutp splits the tokens, not
 the experts, over the TP ranks) and divided over the EP group: a rank holds E / ep of them. A
 token runs through top_k experts: the active parameters count top_k of them.
 
@@ -28,8 +29,8 @@ from ..runtime.errors import ConfigError
 
 
 def moe_layers(a) -> int:
-    """How many of a's layers are MoE layers."""
-    return sum(1 for i in range(a.n_layer) if a.n_experts and i % a.moe_every == 0)
+    """How many of a's layers are MoE layers (moe_dense_layers excepted)."""
+    return sum(1 for i in range(a.n_layer) if a.is_moe_layer(i))
 
 
 def expert_width(a) -> int:
@@ -61,8 +62,14 @@ def moe_counts(a, tp: int = 1, ep: int = 1) -> dict:
     dense = (3 if (a.mlp == "swiglu") else 2) * h * a.hidden + b * ((2 if (a.mlp == "swiglu") else 1) * a.hidden + h)
     dense_local = (3 if (a.mlp == "swiglu") else 2) * h * (a.hidden // tp) + b * ((2 if (a.mlp == "swiglu") else 1) * a.hidden // tp + h)
     router, expert = h * E, expert_params(a)
-    return {"total": n * (router + E * expert - dense), "per_rank": n * (router + E // ep * expert - dense_local),
-            "active": n * (router + a.moe_top_k * expert - dense), "router": router, "expert": expert,
+    # DeepSeekMoE's shared experts: one dense MLP of their total width, split over TP like the dense MLP
+    S = a.moe_shared_experts * expert_width(a)
+    kinds = 3 if a.mlp == "swiglu" else 2
+    shared = kinds * h * S + b * ((kinds - 1) * S + h) if S else 0
+    shared_local = kinds * h * (S // tp) + b * ((kinds - 1) * S // tp + h) if S else 0
+    return {"total": n * (router + E * expert + shared - dense),
+            "per_rank": n * (router + E // ep * expert + shared_local - dense_local),
+            "active": n * (router + a.moe_top_k * expert + shared - dense), "router": router, "expert": expert,
             "layers": n}
 
 

@@ -173,7 +173,7 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
         events = _schedule_events(kind, pp, rank, accum, virtual)
         layers = [n for ch in mine for n in ch.layers]
         first, last = mine[0].first, mine[-1].last
-        n_moe = sum(1 for n in layers if a.n_experts and n % a.moe_every == 0)
+        n_moe = sum(1 for n in layers if a.is_moe_layer(n))
         if config is not None and moe is not None:  # the dense stage's exact shards, the MoE layers' own
             dense = dataclasses.replace(config, n_experts=0)
             n_local = max(sum(p.numel for p in planned_parameters(dense, tp=tp, pp=pp, rank=rank * tp + r,
@@ -200,7 +200,7 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
             per_layer = {n: layer_activation_bytes(a, s, b, tp, act_bytes, modes[n], sequence_parallel, cp, cp_comm)
                          for n in layers}
             for n in layers:  # an MoE layer's MLP in place of the dense one
-                if moe is not None and n % a.moe_every == 0 and modes[n] != "full":
+                if moe is not None and a.is_moe_layer(n) and modes[n] != "full":
                     per_layer[n] += (moe_layer_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel)
                                      - dense_mlp_activation_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel))
             logits = 4 * (s // cp) * b * a.vocab_size / tp

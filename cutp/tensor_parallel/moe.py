@@ -6,7 +6,10 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
     router     logits = x @ W_r (W_r [h, E], replicated, computed in float32 (float64 for float64
                models)), probs = softmax(logits), the top-k experts of each token (ties to the
                lower expert index); gates = their probabilities (renormalised to sum to 1 with
-               moe_renormalize)
+               moe_renormalize). DeepSeekMoE (`_route`): sigmoid scores, a correction bias
+               added only to choose (moved after each step by `update_score_bias`), the choice
+               limited to the best groups, the gates scaled; shared experts (a dense MLP the
+               block builds) added to the routed output. docs/moe.md
     losses     load balancing (Switch/GShard): coeff * E * sum_i f_i * P_i, f_i the fraction of
                the k * N assignments routed to expert i, P_i the mean probability of expert i;
                z-loss: coeff * mean(logsumexp(logits)^2). N: every token of the optimizer step
@@ -24,7 +27,8 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
                token order, so neither SP nor CP changes what is dropped
     experts    E GPT-2 MLPs (h -> moe_ffn -> h, bias + GeLU), or with kind "swiglu" E Llama
                MLPs (Mixtral: a fused [gate | up] h -> 2 moe_ffn, silu(gate) * up, down to h),
-               each run once on its tokens;
+               run together over their tokens sorted by expert (`moe_grouped`: batched matmuls,
+               not a loop over the experts);
                y = sum over the k slots, in slot order, of gate * expert output
 
 With tensor parallelism the experts are replicated and the tokens split over the TP ranks
@@ -83,10 +87,13 @@ from ..ops.common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
 from .context_parallel import zigzag_positions
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
+from .moe_grouped import GroupedExperts
 from .parameter import Module, make_parameter, normal_init, zeros_init
+from .validation import check_routing
 
 
-def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff) -> None:
+def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff, *, scoring="softmax", n_group=1,
+              topk_group=1, score_bias=False, bias_update_rate=0.0, shared=0, low_precision=False) -> None:
     """GPTConfig's MoE fields; raises ConfigError naming the fix."""
     if not (isinstance(n_experts, int) and n_experts >= 0):
         raise ConfigError(f"n_experts must be an integer >= 0 (0: a dense MLP), got {n_experts!r}")
@@ -103,12 +110,14 @@ def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff)
     for name, v in (("moe_aux_loss_coeff", aux_coeff), ("moe_z_loss_coeff", z_coeff)):
         if not v >= 0:
             raise ConfigError(f"{name} must be >= 0, got {v!r}")
+    check_routing(n_experts, top_k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_bias, bias_update_rate,
+                  shared, low_precision)
 
 
 class ExpertMLP(Module):
-    """One expert: GPT-2's MLP (or with kind "swiglu" Llama's: fc1 the fused [gate | up]) with
-    replicated weights (x [n, h] -> [n, h]); the caller keeps what backward needs (`forward`
-    returns it) and calls `backward` with it."""
+    """One expert's parameters: GPT-2's MLP (or with kind "swiglu" Llama's: fc1 the fused
+    [gate | up]), replicated; the MoE layer's local experts are computed together
+    (`moe_grouped.GroupedExperts`)."""
 
     def __init__(self, ctx, n_embd, ffn, *, name, n_layer, bias, gelu, seed, dtype, kind="gelu"):
         self.gelu = gelu
@@ -185,12 +194,23 @@ class ExpertMLP(Module):
 class MoEMLP(Module):
     def __init__(self, ctx, n_embd, *, n_experts, top_k, ffn, capacity_factor=None, aux_loss_coeff=1e-2,
                  z_loss_coeff=0.0, renormalize=False, name, n_layer=1, bias=True, gelu="tanh", seed=0,
-                 dtype=np.float32, kind="gelu"):
+                 dtype=np.float32, kind="gelu", scoring="softmax", n_group=1, topk_group=1, routed_scaling=1.0,
+                 score_bias=False, bias_update_rate=0.0, shared_experts=None):
+        """shared_experts: DeepSeekMoE's shared experts, a dense MLP the caller builds (one
+        SwiGLU of their total width, split over TP), run on every token beside the routed ones."""
         self.ctx = ctx
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff, self.renormalize = aux_loss_coeff, z_loss_coeff, renormalize
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.routed_scaling, self.bias_update_rate = routed_scaling, bias_update_rate
         self.router = make_parameter(ctx, f"{name}.router.weight", (n_embd, n_experts), normal_init(0.02), seed=seed,
                                      dtype=dtype, weight_decay=True)
+        # DeepSeek-V3's correction bias: added to the scores to choose the experts, never to weigh
+        # them; no gradient, moved after each step by `update_score_bias` (module docstring)
+        self.score_bias = make_parameter(ctx, f"{name}.router.score_bias", (n_experts,), zeros_init, seed=seed,
+                                         dtype=dtype) if score_bias else None
+        self.shared_experts = shared_experts
+        self._bias_move = None  # the step's planned correction-bias move (`plan_score_bias`)
         ep = ctx.ep_size
         if n_experts % ep:
             raise ConfigError(f"ep={ep} does not divide n_experts={n_experts}: each EP rank holds n_experts / ep "
@@ -202,6 +222,7 @@ class MoEMLP(Module):
                         for e in range(self.expert_lo, self.expert_lo + local)]
         for p in (p for x in self.experts for p in x.own_parameters()):
             p.expert_parallel = ep > 1
+        self.grouped = GroupedExperts(self.experts)
         self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)
         self.context_shard = None  # (cp_rank, cp): the input is a CP rank's zigzag chunks (GPT sets it)
         self.aux_grad = 1.0  # d(objective)/d(auxiliary losses) for the next backward (GPT sets it)
@@ -283,14 +304,7 @@ class MoEMLP(Module):
         n, E, k = x2.shape[0], self.n_experts, self.top_k
         cdt = compute_dtype(x.dtype)
         logits = as_dtype(x2, cdt) @ as_dtype(self.router.data, cdt)
-        top = logits.max(axis=1, keepdims=True)
-        ex = xp.exp(logits - top)
-        total = ex.sum(axis=1, keepdims=True)
-        probs = ex / total
-        lse = top[:, 0] + xp.log(total[:, 0])
-        idx = xp.argsort(-probs, axis=1, kind="stable")[:, :k]
-        top_p = xp.take_along_axis(probs, idx, axis=1)
-        gates = top_p / top_p.sum(axis=1, keepdims=True) if self.renormalize else top_p
+        probs, lse, idx, top_p, gates = self._route(logits)
         keep = self._capacity_keep(top_p, idx, shape)
         counts = xp.bincount(idx.reshape(-1), minlength=E)
         if self._tally is not None:  # the counting pass: only the assignments (module docstring)
@@ -325,7 +339,58 @@ class MoEMLP(Module):
 
         y, saved = self._experts_output(x2, idx, gates, keep, shape)
         self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts.forward(x)
         return y
+
+    def _route(self, logits):
+        """(scores [n, E], lse [n], the top-k experts [n, k], their scores, the gates): softmax
+        over the logits, or (sigmoid) the logits' sigmoids with the correction bias added to
+        choose (and with n_group > 1 only among the topk_group groups whose two best biased
+        scores sum highest); ties to the lower index; the gates renormalised (sigmoid: over the
+        sum + 1e-20, as DeepSeek-V3) and scaled by routed_scaling."""
+        xp, k = self.ctx.xp, self.top_k
+        if self.scoring == "sigmoid":
+            probs = 1.0 / (1.0 + xp.exp(-logits))
+            lse = xp.zeros(logits.shape[0], logits.dtype)
+            choice = probs if self.score_bias is None else probs + as_dtype(self.score_bias.data, logits.dtype)
+            if self.n_group > 1:
+                n, E = logits.shape
+                by_group = choice.reshape(n, self.n_group, E // self.n_group)
+                best2 = xp.sort(by_group, axis=2)[:, :, -2:].sum(axis=2)
+                chosen = xp.argsort(-best2, axis=1, kind="stable")[:, :self.topk_group]
+                allowed = xp.zeros(best2.shape, bool)
+                allowed[xp.arange(n)[:, None], chosen] = True
+                choice = xp.where(xp.repeat(allowed, E // self.n_group, axis=1), choice, -xp.inf)
+            idx = xp.argsort(-choice, axis=1, kind="stable")[:, :k]
+        else:
+            top = logits.max(axis=1, keepdims=True)
+            ex = xp.exp(logits - top)
+            total = ex.sum(axis=1, keepdims=True)
+            probs = ex / total
+            lse = top[:, 0] + xp.log(total[:, 0])
+            idx = xp.argsort(-probs, axis=1, kind="stable")[:, :k]
+        top_p = xp.take_along_axis(probs, idx, axis=1)
+        gates = top_p
+        if self.renormalize:
+            gates = top_p / (top_p.sum(axis=1, keepdims=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        if self.routed_scaling != 1.0:
+            gates = gates * self.routed_scaling
+        return probs, lse, idx, top_p, gates
+
+    def plan_score_bias(self, assigned) -> None:
+        """The step's bias move, rate * sign(mean load - load), `assigned` the step's assignments
+        per expert over its whole global batch (the same on every rank of every layout); applied
+        by `apply_score_bias` once the optimizer has stepped (a skipped step moves nothing)."""
+        self._bias_move = None
+        if self.score_bias is not None and self.bias_update_rate:
+            load = np.asarray(assigned, np.float64)
+            self._bias_move = self.bias_update_rate * np.sign(load.mean() - load)
+
+    def apply_score_bias(self) -> None:
+        move, self._bias_move = self._bias_move, None
+        if move is not None:
+            self.score_bias.data += self.ctx.asarray(move.astype(self.score_bias.data.dtype))
 
     def _experts_output(self, x2, idx, gates, keep, shape):
         """(y [shape], what the experts' backward needs): this rank's rows through their experts,
@@ -387,33 +452,47 @@ class MoEMLP(Module):
         return a.reshape(-1, k)
 
     def _experts_forward(self, x, idx, gates, keep):
-        """This rank's tokens through their experts, combined in slot order: y [n, h]."""
+        """This rank's tokens through their experts, combined in slot order: y [n, h]. The kept
+        assignments sorted by expert (and at ep > 1 sent to the experts' EP ranks and back) run
+        through the local experts in one grouped pass (`moe_grouped`)."""
         xp = self.ctx.xp
         n, k = idx.shape
         outs = xp.zeros((n, k, x.shape[1]), x.dtype)
+        rows, slots, counts = assignments(xp, idx, keep, self.n_experts)
         if self.ctx.ep_size > 1:  # the rows travel to their experts' EP ranks and back
-            ep = self.ctx.ep
-            rows, slots, counts = assignments(xp, idx, keep, self.n_experts)
-            xe, ex = dispatch(ep, x[rows], counts, xp)
-            ye, caches = xp.empty_like(xe), []
-            for i, expert in enumerate(self.experts):
-                a, b = ex.bounds[i], ex.bounds[i + 1]
-                caches.append(None)
-                if b > a:
-                    ye[a:b], caches[i] = expert.forward(xe[a:b])
-            outs[rows, slots] = combine(ep, ye, ex, xp)
-            return _combine(outs, gates), (outs, (rows, slots, ex, caches))
-        saved = []
-        for e, expert in enumerate(self.experts):
-            rows, slots = xp.nonzero((idx == e) & keep)
-            if rows.size == 0:
-                saved.append(None)
-                continue
-            o, s = expert.forward(x[rows])
-            outs[rows, slots] = o
-            saved.append((rows, slots, s))
-        y = _combine(outs, gates)
-        return y, (outs, saved)
+            xe, ex = dispatch(self.ctx.ep, x[rows], counts, xp)
+            bounds = ex.bounds
+        else:
+            xe, ex = x[rows], None
+            bounds = np.concatenate([[0], np.cumsum(self.ctx.to_numpy(counts))]).tolist()
+        ye, cache = self._run_experts(xe, bounds)
+        outs[rows, slots] = ye if ex is None else combine(self.ctx.ep, ye, ex, xp)
+        return _combine(outs, gates), (outs, (rows, slots, ex, cache))
+
+    def _run_experts(self, xe, bounds):
+        """The rows sorted by local expert (expert i's are xe[bounds[i]:bounds[i + 1]]) through
+        their experts: in one grouped pass, or expert by expert where adapters or frozen weights
+        (LoRA, --freeze) change an expert's own forward and backward (`ExpertMLP.forward`)."""
+        if not any(e.fc1_lora is not None or e.fc2_lora is not None or not all(p.trainable for p in e.own_parameters())
+                   for e in self.experts):
+            return self.grouped.forward(xe, bounds)
+        ye, caches = self.ctx.xp.empty_like(xe), []
+        for i, expert in enumerate(self.experts):
+            a, b = bounds[i], bounds[i + 1]
+            caches.append(None)
+            if b > a:
+                ye[a:b], caches[i] = expert.forward(xe[a:b])
+        return ye, ("expert by expert", bounds, caches)
+
+    def _run_experts_backward(self, do, cache):
+        if not (isinstance(cache, tuple) and cache and cache[0] == "expert by expert"):
+            return self.grouped.backward(do, cache)
+        _, bounds, caches = cache
+        dxe = self.ctx.xp.empty_like(do)
+        for i, (expert, saved) in enumerate(zip(self.experts, caches)):
+            if saved is not None:
+                dxe[bounds[i]:bounds[i + 1]] = expert.backward(do[bounds[i]:bounds[i + 1]], saved)
+        return dxe
 
     def _gather_rows(self, part, rows, n):
         """The TP ranks' row blocks (each padded to c rows) all-gathered: [n, h] on every rank."""
@@ -424,6 +503,7 @@ class MoEMLP(Module):
 
     # ---- backward ------------------------------------------------------------------------------
     def backward(self, dy):
+        d_shared = None if self.shared_experts is None else self.shared_experts.backward(dy)
         x2, probs, lse, idx, top_p, gates, keep, f, n_all, (outs, saved) = self._load("moe")
         xp = self.ctx.xp
         shape, h = dy.shape, dy.shape[-1]
@@ -436,43 +516,36 @@ class MoEMLP(Module):
         # the combine: y = sum_j gates_j * outs_j
         d_gates = xp.einsum("nkh,nh->nk", as_dtype(outs, cdt), as_dtype(dy_mine, cdt))
         dx_slots = xp.zeros(outs.shape, dy.dtype)
-        if self.ctx.ep_size > 1:  # output gradients to the experts' EP ranks, input gradients back
-            r, j, ex, caches = saved
-            ep = self.ctx.ep
-            de = dispatch_rows(ep, as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype), ex,
-                               xp)
-            dxe = xp.empty_like(de)
-            for i, (expert, cache) in enumerate(zip(self.experts, caches)):
-                if cache is not None:
-                    dxe[ex.bounds[i]:ex.bounds[i + 1]] = expert.backward(de[ex.bounds[i]:ex.bounds[i + 1]], cache)
-            dx_slots[r, j] = combine(ep, dxe, ex, xp)
-        else:
-            for expert, s in zip(self.experts, saved):
-                if s is None:
-                    continue
-                r, j, cache = s
-                do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
-                dx_slots[r, j] = expert.backward(do, cache)
+        r, j, ex, cache = saved
+        do = as_dtype(gates[lo:hi][r, j][:, None] * as_dtype(dy_mine[r], cdt), dy.dtype)
+        if ex is not None:  # output gradients to the experts' EP ranks, input gradients back
+            do = dispatch_rows(self.ctx.ep, do, ex, xp)
+        dxe = self._run_experts_backward(do, cache)
+        dx_slots[r, j] = dxe if ex is None else combine(self.ctx.ep, dxe, ex, xp)
         dx_experts = _sum_slots(dx_slots)
         if rows is not None:
             dx_experts = self._gather_rows(dx_experts, rows, n)
             d_gates = self._gather_rows(d_gates, rows, n)
-        # the gates (renormalised: g_j = p_j / S), then the probabilities of the k experts
+        # the gates (renormalised: g_j = r p_j / S, r the routed scaling), then the scores of the k experts
+        r = self.routed_scaling
         if self.renormalize:
-            S = top_p.sum(axis=1, keepdims=True)
-            d_top = (d_gates - (d_gates * gates).sum(axis=1, keepdims=True)) / S
+            S = top_p.sum(axis=1, keepdims=True) + (1e-20 if self.scoring == "sigmoid" else 0.0)
+            d_top = (r * d_gates - (d_gates * gates).sum(axis=1, keepdims=True)) / S
         else:
-            d_top = d_gates
+            d_top = r * d_gates if r != 1.0 else d_gates
         d_probs = xp.zeros_like(probs)
         d_probs[xp.arange(n)[:, None], idx] = d_top
         E = self.n_experts
-        d_probs += self.aux_grad * self.aux_loss_coeff * E / n_all * f[None, :]  # load balancing: f_i P_i
-        d_logits = probs * (d_probs - (d_probs * probs).sum(axis=1, keepdims=True))
-        d_logits += (self.aux_grad * self.z_loss_coeff * 2.0 / n_all) * lse[:, None] * probs  # z-loss
+        if self.scoring == "sigmoid":  # (no auxiliary losses: check_moe)
+            d_logits = d_probs * probs * (1.0 - probs)
+        else:
+            d_probs += self.aux_grad * self.aux_loss_coeff * E / n_all * f[None, :]  # load balancing: f_i P_i
+            d_logits = probs * (d_probs - (d_probs * probs).sum(axis=1, keepdims=True))
+            d_logits += (self.aux_grad * self.z_loss_coeff * 2.0 / n_all) * lse[:, None] * probs  # z-loss
         if self.router.trainable:
             self.router.grad += as_dtype(as_dtype(x2, cdt).T @ d_logits, self.router.grad.dtype)
         dx = as_dtype(d_logits @ as_dtype(self.router.data, cdt).T, dy.dtype) + dx_experts
-        return dx.reshape(shape)
+        return dx.reshape(shape) if d_shared is None else dx.reshape(shape) + d_shared
 
 
 def _combine(outs, gates):

@@ -30,6 +30,7 @@ import numpy as np
 from .. import ops
 from .attention import ParallelAttention
 from .layers import ColumnParallelLinear, Dropout, RowParallelLinear, make_norm
+from .mla import MultiLatentAttention
 from .moe import MoEMLP
 from .parameter import Module, normal_init, not_stashed
 from .random import REPLICATED, RNGTracker
@@ -65,6 +66,7 @@ class BlockSpec:
     norm_offset: bool = False  # RMSNorms scale by (1 + weight), weights zeros-initialised (Gemma)
     post_norms: bool = False  # a norm after the attention and after the MLP too (Gemma 2 and 3)
     attn_scale: float | None = None  # the attention scores' scale (None: 1 / sqrt(head_dim))
+    mla: dict | None = None  # MultiLatentAttention's settings: multi-head latent attention (DeepSeek)
 
 
 class ParallelMLP(Module):
@@ -136,18 +138,26 @@ class ParallelTransformerBlock(Module):
                              dtype=dtype, offset=s.norm_offset)
 
         self.attn_norm = norm("attn_norm")
-        self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
-                                      n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
-                                      head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
-                                      rotary=rotary if s.rope else None, qk_norm=s.qk_norm, norm_eps=s.norm_eps,
-                                      window=s.window, softcap=s.attn_softcap, scale=s.attn_scale,
-                                      norm_offset=s.norm_offset)
+        if s.mla:  # DeepSeek's multi-head latent attention
+            self.attn = MultiLatentAttention(ctx, s.n_embd, s.n_head, name=f"{name}.attn", rotary=rotary, **s.mla,
+                                             norm_eps=s.norm_eps, n_layer=s.n_layer, seed=seed, dtype=dtype)
+        else:
+            self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
+                                          n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,
+                                          head_dim=s.head_dim, qkv_bias=s.qkv_bias, out_bias=s.attn_out_bias,
+                                          rotary=rotary if s.rope else None, qk_norm=s.qk_norm, norm_eps=s.norm_eps,
+                                          window=s.window, softcap=s.attn_softcap, scale=s.attn_scale,
+                                          norm_offset=s.norm_offset)
         self.post_attn_norm = norm("post_attn_norm") if s.post_norms else None
         self.attn_dropout = Dropout(s.dropout, rng, REPLICATED, site=f"{name}.attn_resid_dropout")
         self.mlp_norm = norm("mlp_norm")
         if s.moe:
-            self.mlp = MoEMLP(ctx, s.n_embd, **s.moe, name=f"{name}.mlp", n_layer=s.n_layer, bias=s.mlp_bias,
-                              gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)
+            shared = s.moe.get("shared_experts", 0)  # DeepSeekMoE: a dense MLP of their total width
+            shared = ParallelMLP(ctx, s.n_embd, shared * s.moe["ffn"], name=f"{name}.mlp.shared_experts",
+                                 n_layer=s.n_layer, bias=s.mlp_bias, gelu=s.gelu, seed=seed, dtype=dtype,
+                                 kind=s.mlp) if shared else None
+            self.mlp = MoEMLP(ctx, s.n_embd, **{**s.moe, "shared_experts": shared}, name=f"{name}.mlp",
+                              n_layer=s.n_layer, bias=s.mlp_bias, gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)
         else:
             self.mlp = ParallelMLP(ctx, s.n_embd, hidden, name=f"{name}.mlp", n_layer=s.n_layer, bias=s.mlp_bias,
                                    gelu=s.gelu, seed=seed, dtype=dtype, kind=s.mlp)

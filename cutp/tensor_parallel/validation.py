@@ -43,3 +43,29 @@ def check_vocab(vocab_size: int, padded_vocab: int, tp: int) -> None:
     if padded_vocab < vocab_size or padded_vocab % tp:
         raise ConfigError(f"padded vocabulary {padded_vocab} must be >= vocab_size={vocab_size} and divisible by "
                           f"tp={tp}; use cutp.tensor_parallel.pad_vocab({vocab_size}, {tp})")
+
+
+def check_routing(E, k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_bias, rate, shared,
+                  low_precision) -> None:
+    """DeepSeekMoE's routing fields (ConfigError naming the fix)."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"moe_scoring must be softmax or sigmoid, got {scoring!r}")
+    if scoring == "sigmoid" and (aux_coeff or z_coeff):
+        raise ConfigError("sigmoid scores (moe_scoring=sigmoid) have no load-balancing or z-loss here: set "
+                          "moe_aux_loss_coeff=0 and moe_z_loss_coeff=0 (balance with moe_bias_update_rate)")
+    if not (isinstance(n_group, int) and n_group >= 1 and E % n_group == 0 and (n_group == 1 or E // n_group >= 2)):
+        raise ConfigError(f"moe_n_group={n_group!r} must divide n_experts={E} into groups of at least 2 experts")
+    if not (isinstance(topk_group, int) and 1 <= topk_group <= n_group and k <= topk_group * E // n_group):
+        raise ConfigError(f"moe_topk_group={topk_group!r} must be in [1, moe_n_group={n_group}] and its groups must "
+                          f"hold moe_top_k={k} experts")
+    if n_group > 1 and scoring != "sigmoid":
+        raise ConfigError("group-limited routing (moe_n_group > 1) is DeepSeek's, with moe_scoring=sigmoid")
+    if score_bias and scoring != "sigmoid":
+        raise ConfigError("the correction bias (moe_score_bias) chooses among sigmoid scores: set moe_scoring=sigmoid")
+    if not rate >= 0 or (rate and not score_bias):
+        raise ConfigError(f"moe_bias_update_rate={rate!r} must be >= 0 and needs moe_score_bias=true")
+    if rate and low_precision:
+        raise ConfigError("moe_bias_update_rate moves the correction bias outside the optimizer, which a 16-bit "
+                          "model's float32 master weights would undo; train in float32, or set the rate to 0")
+    if not (isinstance(shared, int) and shared >= 0):
+        raise ConfigError(f"moe_shared_experts must be an integer >= 0, got {shared!r}")

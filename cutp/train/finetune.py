@@ -48,6 +48,13 @@ def check_finetune(cfg) -> None:
         what = "lora_rank" if spec is not None else "freeze"
         raise ConfigError(f"`{what}` with `zero` {cfg.zero}: the sharded optimizer of zero 2 and 3 does not yet leave "
                           "frozen parameters out of its shards; use `zero` 1 (or 0)")
+    if (spec is not None or cfg.freeze is not None) and cfg.model.kv_lora_rank is not None:
+        raise ConfigError(f"`{'lora_rank' if spec is not None else 'freeze'}` on a model with multi-head latent "
+                          "attention (kv_lora_rank set): its projections take no adapters and no frozen weights "
+                          "yet; fine-tune it fully (omit lora_rank and freeze)")
+    if (spec is not None or cfg.freeze is not None) and cfg.model.n_experts and cfg.model.moe_bias_update_rate:
+        raise ConfigError("`lora_rank` / `freeze` with `moe_bias_update_rate` set: a frozen correction bias is not "
+                          "saved, so its moves would be lost at a resume; set moe_bias_update_rate=0")
     if cfg.freeze is not None and not freeze_groups(settings_of(cfg)):
         raise ConfigError(f"`freeze` {cfg.freeze!r} names no group; give some of embeddings, norms, head, attention, "
                           "mlp or parameter-name globs, comma-separated")

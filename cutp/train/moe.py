@@ -14,7 +14,10 @@ Each MoEMLP sums, over the step's training forwards (a recomputed forward is not
 its parts of the load-balancing and z-losses and, per expert, the assignments the router made and
 those the capacity dropped; all of them over the DP (x CP) group's micro-batches already.
 `moe_step_stats` adds the layers of every pipeline stage and resets the sums: the step's losses
-(summed over the layers) and token counts.
+(summed over the layers) and token counts; before, each layer with a correction bias and a
+moe_bias_update_rate plans its bias move from the step's assignments (DeepSeek-V3's
+auxiliary-loss-free balancing), which `apply_moe_bias_updates` makes after the optimizer step
+(a skipped step moves nothing; the bias has no gradient, so the optimizer leaves it as it is).
 
 `check_expert_parallel` checks a run's ep against the model and the rest of the layout.
 """
@@ -96,7 +99,8 @@ def moe_step_stats(ctx, model) -> dict | None:
         return None
     mine = [(m.step_stats["aux_loss"], m.step_stats["z_loss"], m.step_stats["assigned"], m.step_stats["dropped"])
             for m in model.moe_layers]
-    for m in model.moe_layers:
+    for m in model.moe_layers:  # (DeepSeek's correction bias: from the step's global counts, every layout alike)
+        m.plan_score_bias(m.step_stats["assigned"])
         m.reset_step_stats()
     if ctx.pp_size > 1:  # (host objects: a stage may hold no MoE layer)
         with ctx.watchdog.guard("the MoE statistics of the pipeline stages (host all-gather on pp)"):
@@ -106,3 +110,9 @@ def moe_step_stats(ctx, model) -> dict | None:
             "z_loss": sum(z for _, z, _, _ in mine),
             "dropped": float(sum(d for _, _, _, d in mine) / max(counts.sum(), 1.0)),
             "tokens_per_expert": [float(counts.min()), float(counts.mean()), float(counts.max())]}
+
+
+def apply_moe_bias_updates(model) -> None:
+    """After the optimizer step: every MoE layer's planned correction-bias move (`moe_step_stats`)."""
+    for m in model.moe_layers:
+        m.apply_score_bias()

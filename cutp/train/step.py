@@ -59,7 +59,7 @@ from .reductions import dp_mean, dp_sums, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .finetune import resumed_base, set_up_trainable
-from .moe import moe_step, moe_step_stats
+from .moe import apply_moe_bias_updates, moe_step, moe_step_stats
 from .zero import sharded_optimizer
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
                       set_up_overlap)
@@ -449,6 +449,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         scaler.update(not math.isfinite(norm))
         if not skipped:
             run.optimizer.step(lr, grad_scale=clip_scale(norm, cfg.grad_clip) / scale)
+            apply_moe_bias_updates(model)  # (DeepSeek's correction bias, from the step's counts)
             run.consecutive_skips = 0
         elif absorbed:
             if ctx.rank == 0 and not cfg.quiet:

@@ -1,4 +1,4 @@
-"""Model families (issues 27, 37): Llama-, Qwen2-, Mixtral-, Qwen3- and Gemma-shaped tiny models on every layout.
+"""Model families (issues 27, 37, 40): Llama-, Qwen2-, Mixtral-, Qwen3-, Gemma-, Qwen3-MoE- and DeepSeek-shaped tiny models on every layout.
 
 float64, dropout 0.1: the losses, every gradient (unless ZeRO-1 kept only its shard) and the
 parameters after the step of a TP x DP x PP (x EP) mesh equal one rank's within 1e-10: tp 2
@@ -48,7 +48,22 @@ GEMMA = dict(LLAMA, mlp="geglu", norm_offset=True, embed_scale=True, post_norms=
              final_softcap=5.0, qk_norm=True, head_dim=12, rope_scaling="linear", rope_factor=4.0,
              rope_local_theta=100.0, layer_types=("sliding_attention", "full_attention") * 2, tie_embeddings=True,
              norm_eps=1e-6, sliding_window=8 if WINDOW_APPLIED else 16)
-FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "gemma": GEMMA}
+# Qwen3-MoE: QK-norm, 8 narrow experts, top-2 renormalised, layer 1 dense (mlp_only_layers)
+QWEN3_MOE = dict(QWEN3, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize=True, moe_dense_layers=(1,),
+                 family="qwen3_moe")
+# DeepSeekMoE routing on Llama's attention: sigmoid scores, 4 groups of 2 with 2 kept, top-2 renormalised
+# and scaled, a shared expert, layer 0 dense, and the correction bias moved after each step by the
+# step's global counts (compared with the parameters: the same on every layout)
+DEEPSEEK_MOE = dict(LLAMA, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize=True, moe_scoring="sigmoid",
+                    moe_n_group=4, moe_topk_group=2, moe_routed_scaling=2.5, moe_score_bias=True,
+                    moe_bias_update_rate=0.01, moe_shared_experts=1, moe_aux_loss_coeff=0.0, moe_dense_layers=(0,),
+                    rope_scaling="none")
+# DeepSeek-V3: that routing with multi-head latent attention (q through its low rank, v's head dim 6 apart
+# from q and k's 8; no attention dropout yet)
+DEEPSEEK_V3 = dict(DEEPSEEK_MOE, dropout=0.0, n_kv_head=None, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+                   qk_rope_head_dim=4, v_head_dim=6, family="deepseek_v3")
+FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE,
+            "deepseek_moe": DEEPSEEK_MOE, "deepseek_v3": DEEPSEEK_V3, "gemma": GEMMA}
 
 
 def _config(family, tp=1, dp=1, pp=1, ep=1, micro=2, schedule="1f1b", virtual=1, sp=False, recompute="none",
@@ -113,5 +128,9 @@ def test_llama_qwen2_mixtral_qwen3_gemma_on_every_layout_equal_one_rank():
              dict(family="gemma", tp=4, recompute="full"),  # (every config here has dropout 0.1)
              dict(family="gemma", tp=2, pp=2, micro=1, schedule="interleaved", virtual=2, sp=True),
              dict(family="gemma", cp=2, dp=2, zero=True),  # the ring
-             dict(family="gemma", tp=2, cp=2, cp_comm="a2a")]
+             dict(family="gemma", tp=2, cp=2, cp_comm="a2a"),
+             # (issue 40: grouped experts and their routing; EP 4 is tests/tensor_parallel/test_expert_parallel.py's)
+             dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1),
+             dict(family="deepseek_v3", tp=2, pp=2, micro=1),  # MLA by heads, the bias over the pipeline
+             dict(family="deepseek_moe", dp=2, ep=2, cp=2, micro=1)]  # the bias from every CP and EP rank
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

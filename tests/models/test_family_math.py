@@ -107,6 +107,20 @@ def test_preset_parameter_counts_are_exact():
         ctx.close()
     assert GPTConfig.preset("llama-tiny").num_parameters() <= GPTConfig.preset("tiny").num_parameters()
     assert ModelConfig is GPTConfig
+    # transformers' counts (tests/models/test_hf_moe.py checks them against its classes), DeepSeek-V3
+    # without its multi-token prediction layer; the correction bias (a buffer there) not counted
+    assert GPTConfig.preset("qwen3-30b-a3b").num_parameters() == 30_532_122_624
+    v3 = GPTConfig.preset("deepseek-v3")
+    assert (v3.num_parameters(), v3.num_active_parameters()) == (671_026_404_352, 37_552_282_624)
+    # generation's cache per token: MLA's 512-value latent and 64-value rope key (DeepSeek-V2's 576 per layer)
+    assert v3.kv_cache_values_per_token() == 61 * 576
+    assert GPTConfig.preset("llama3-8b").kv_cache_values_per_token() == 32 * 2 * 8 * 128
+    for name in ("qwen3-moe-tiny", "deepseek-tiny"):
+        ctx = cutp.init(device="cpu")
+        params, cfg = GPT(ctx, GPTConfig.preset(name, dropout=0.0)).parameters(), GPTConfig.preset(name)
+        assert sum(p.data.size for p in params if not p.name.endswith("score_bias")) == cfg.num_parameters(), name
+        assert sum(p.data.size for p in params) == cfg.num_stored_values(), name
+        ctx.close()
 
 
 @pytest.mark.parametrize("change, tp, message", [
@@ -120,7 +134,7 @@ def test_preset_parameter_counts_are_exact():
     (dict(norm="layernorm", norm_offset=True), 1, r"norm_offset=True scales an RMSNorm"),
     (dict(mlp="geglu", n_experts=4), 1, r"mlp=geglu with experts"),
     (dict(positions="learned", rope_local_theta=10.0), 1, r"rope_local_theta is the local layers' rotary theta"),
-    (dict(rope_scaling="yarn"), 1, r"rope scaling type 'yarn' is not supported"),
+    (dict(rope_scaling="dynamic"), 1, r"rope scaling type 'dynamic' is not supported"),
     (dict(mlp_hidden=25), 2, r"tp=2 does not divide the MLP width 25"),
 ])
 def test_bad_specs_are_refused_naming_the_field(change, tp, message):

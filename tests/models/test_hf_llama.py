@@ -16,13 +16,15 @@ import cutp
 from cutp.hf import HFFormatError, config_from_hf, from_hf, hf_state_dict, save_hf
 from cutp.models import GPT, GPTConfig
 from cutp.models.hf import hf_shapes
-from tests.models.test_families import LLAMA, MIXTRAL, QWEN2, QWEN3
+from tests.models.test_families import DEEPSEEK_V3, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 from tests.mpirun import run_mpi
 
 SPECS = {"llama": dict(LLAMA, dropout=0.0),
          "qwen2": dict(QWEN2, dropout=0.0, head_dim=None),  # (Qwen2's config has no head_dim)
          "mixtral": dict(MIXTRAL, dropout=0.0, moe_ffn=None),
-         "qwen3": dict(QWEN3, dropout=0.0)}
+         "qwen3": dict(QWEN3, dropout=0.0),
+         "qwen3_moe": dict(QWEN3_MOE, dropout=0.0),
+         "deepseek_v3": DEEPSEEK_V3}
 
 
 def _logits(model, idx):
@@ -46,7 +48,8 @@ def test_save_hf_then_from_hf_gives_the_same_model(family, tmp_path):
     back = from_hf(ctx, str(tmp_path), dtype="float64")
     idx = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16))
     np.testing.assert_array_equal(_logits(back, idx), _logits(model, idx))
-    for k in ("norm", "positions", "mlp", "kv_heads", "head_size", "rope_scaling", "n_experts", "moe_renormalize"):
+    for k in ("norm", "positions", "mlp", "kv_heads", "head_size", "rope_scaling", "n_experts", "moe_renormalize",
+              "moe_dense_layers"):
         assert getattr(back.config, k) == getattr(cfg, k), k
     assert back.config._bias("qkv_bias") == cfg._bias("qkv_bias")
     assert cfg.rope_scaling == "none" or back.config.rope == cfg.rope
@@ -95,7 +98,7 @@ LLAMA_HF = dict(model_type="llama", hidden_size=32, intermediate_size=24, num_hi
     (dict(model_type="gemma"), r"model_type is 'gemma'"),
     (dict(model_type="qwen3", use_sliding_window=True, sliding_window=32, layer_types=["sliding"] * 2),
      r"layer_types \['sliding', 'sliding'\] must list"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), r"rope_scaling type 'dynamic' is not supported"),
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu'"),
     (dict(num_key_value_heads=3), r"n_kv_head=3 must divide n_head=4"),
@@ -225,8 +228,8 @@ def _lift_float32_casts(monkeypatch, torch, hf):
 
     def rotary(self, x, position_ids):
         freqs = position_ids[..., None].to(torch.float64) * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (YaRN's attention factor as transformers applies it)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
     def router(self, hidden_states):  # transformers 5's MixtralTopKRouter, softmax in the model's dtype
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -259,11 +262,19 @@ def test_float64_logits_and_gradients_equal_transformers_without_its_float32_cas
     _lift_float32_casts(monkeypatch, torch, hf)
     ctx = cutp.init(device="cpu")
     model = from_hf(ctx, str(tmp_path), dtype="float64")
-    idx = np.random.default_rng(2).integers(0, 97, (2, 24))
+    check_float64_against(torch, hf, model, np.random.default_rng(2).integers(0, 97, (2, 24)), _in_module_layout)
+    ctx.close()
+
+
+def check_float64_against(torch, hf, model, idx, layout):
+    """float64 logits (1e-12), the loss (1e-12) and every gradient (1e-10) of cutp's `model`
+    against transformers' `hf`; `layout(file tensors, module parameter name)` finds a module
+    parameter's tensor among the file's."""
     ids = torch.from_numpy(idx)
     logits = hf(ids).logits
     # (transformers' own loss upcasts the logits to float32: the shifted cross-entropy in float64 here)
-    hf_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    hf_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, hf.config.vocab_size),
+                                                ids[:, 1:].reshape(-1))
     hf_loss.backward()
     got = _logits(model, idx)
     ref = logits.detach().numpy()
@@ -271,12 +282,11 @@ def test_float64_logits_and_gradients_equal_transformers_without_its_float32_cas
     model.train()
     loss = model.forward(idx, model.targets_from_labels(idx))
     assert abs(loss - hf_loss.item()) <= 1e-12 * abs(hf_loss.item())
-    model.backward(aux_dloss=0.0)  # (transformers adds Mixtral's auxiliary loss only with output_router_logits)
+    model.backward(aux_dloss=0.0)  # (transformers adds the MoE auxiliary loss only with output_router_logits)
     grads = hf_state_dict(model.config, {p.name: p.grad[:p.real_rows] for p in model.parameters()})
     for name, p in hf.named_parameters():
-        g, rg = _in_module_layout(grads, name), p.grad.numpy()
+        g, rg = layout(grads, name), p.grad.numpy()
         assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), name
-    ctx.close()
 
 
 def _in_module_layout(tensors: dict, name: str) -> np.ndarray:

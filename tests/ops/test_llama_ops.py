@@ -259,8 +259,25 @@ def test_linear_scaling_divides_inv_freq_by_the_factor():
     assert np.array_equal(rope_inv_freq(32, 10000.0, RopeScaling("linear", factor=4.0)), lin)
 
 
+def test_yarn_keeps_the_fast_dims_interpolates_the_slow_ones_and_scales_the_tables():
+    """YaRN (DeepSeek-V3's, issue 40): dims rotating more than beta_fast times over the original
+    context keep their frequency, those under beta_slow are divided by the factor, the tables are
+    multiplied by 0.1 ln(factor) + 1 (transformers checks the band between: tests/models/test_hf_moe.py)."""
+    base = rope_inv_freq(64, 10000.0, None, np.float64)
+    sc = RopeScaling.from_hf({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096})
+    yarn = rope_inv_freq(64, 10000.0, sc, np.float64)
+    turns = 4096 * base / (2 * np.pi)  # rotations over the original context
+    assert np.array_equal(yarn[turns > 32 * 1.5], base[turns > 32 * 1.5])
+    np.testing.assert_allclose(yarn[turns < 0.5], base[turns < 0.5] / 40.0, rtol=1e-15)
+    assert sc.attention_factor == pytest.approx(0.1 * np.log(40.0) + 1)
+    cos, _ = rope_tables(64, 8, 10000.0, sc, np.float64)
+    assert np.abs(cos[0]).max() == pytest.approx(sc.attention_factor)
+
+
 def test_rope_scaling_errors_are_config_errors_naming_the_fix():
-    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+    with pytest.raises(ConfigError, match="'dynamic' is not supported"):
+        RopeScaling.from_hf({"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ConfigError, match=r"'yarn' lacks \['original_max_position_embeddings'\]"):
         RopeScaling.from_hf({"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match=r"lacks \['low_freq_factor', 'high_freq_factor'\]"):
         RopeScaling.from_hf({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192})

@@ -38,7 +38,11 @@ def _model_config(**kw):
 
 # ---- gradients against finite differences ---------------------------------------------------------
 @pytest.mark.parametrize("settings", [dict(), dict(moe_renormalize=True, moe_top_k=3),
-                                      dict(moe_capacity_factor=1.0, moe_every=2), dict(moe_top_k=1)])
+                                      dict(moe_capacity_factor=1.0, moe_every=2), dict(moe_top_k=1),
+                                      # DeepSeekMoE: sigmoid, 2 groups of 2 with 1 kept, scaled, a shared expert
+                                      dict(moe_scoring="sigmoid", moe_n_group=2, moe_topk_group=1, moe_renormalize=True,
+                                           moe_routed_scaling=2.5, moe_score_bias=True, moe_shared_experts=1,
+                                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)])
 def test_moe_gradients_match_finite_differences(settings):
     ctx = self_ctx()
     model = GPT(ctx, _model_config(dropout=0.0, **settings), seed=1)
@@ -79,6 +83,19 @@ def test_moe_settings_are_checked():
         _model_config(moe_top_k=5).validate()
     with pytest.raises(cutp.ConfigError, match="moe_capacity_factor must be > 0"):
         _model_config(moe_capacity_factor=0.0).validate()
+    # DeepSeekMoE's routing fields
+    sigmoid = dict(moe_scoring="sigmoid", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+    for change, message in ((dict(moe_scoring="sigmoid"), "have no load-balancing or z-loss here"),
+                            (dict(sigmoid, moe_n_group=3), "moe_n_group=3 must divide n_experts=4"),
+                            (dict(sigmoid, moe_n_group=2, moe_topk_group=3), r"moe_topk_group=3 must be in \[1, "),
+                            (dict(moe_score_bias=True), "chooses among sigmoid scores"),
+                            (dict(sigmoid, moe_bias_update_rate=1e-3), "needs moe_score_bias=true"),
+                            (dict(sigmoid, moe_score_bias=True, moe_bias_update_rate=1e-3, dtype="bfloat16"),
+                             "float32 master weights would undo"),
+                            (dict(moe_dense_layers=(5,)), r"moe_dense_layers must be a tuple of layer indices")):
+        with pytest.raises(cutp.ConfigError, match=message):
+            _model_config(**change).validate()
+    assert GPTConfig.preset("tiny-moe").with_overrides(["moe_dense_layers=0,2"]).moe_dense_layers == (0, 2)
     cfg = GPTConfig.preset("tiny").with_overrides(["n_experts=8", "moe_capacity_factor=1.25", "moe_renormalize=true"])
     assert (cfg.n_experts, cfg.moe_capacity_factor, cfg.moe_renormalize) == (8, 1.25, True)
     tiny, moe = GPTConfig.preset("tiny"), GPTConfig.preset("tiny-moe")

@@ -6,6 +6,8 @@
     qwen3    Qwen3ForCausalLM (QK-norm)
     gemma2   Gemma2ForCausalLM
     gemma3_text  Gemma3ForCausalLM (text)
+    qwen3_moe  Qwen3MoeForCausalLM (QK-norm, many narrow experts)
+    deepseek_v3  DeepseekV3ForCausalLM (multi-head latent attention, DeepSeekMoE)
     mistral  MistralForCausalLM
     mixtral  MixtralForCausalLM
 
@@ -20,12 +22,14 @@ from ..hf_files import HFFormatError
 from .base import Family, Recipe
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
+from .deepseek_v3 import DeepseekV3
 from .gpt2 import GPT2
 from .llama import Llama
 from .mistral import Mistral
 from .mixtral import Mixtral
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
+from .qwen3_moe import Qwen3Moe
 
 FAMILIES: dict[str, Family] = {}  # family name -> its declarations
 _BY_MODEL_TYPE: dict[str, Family] = {}
@@ -46,7 +50,8 @@ def register(family: Family) -> Family:
     return family
 
 
-for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral(), Gemma2(), Gemma3()):
+for _family in (GPT2(), Llama(), Qwen2(), Qwen3(), Mistral(), Mixtral(), Gemma2(), Gemma3(), Qwen3Moe(),
+                DeepseekV3()):
     register(_family)
 
 

@@ -44,6 +44,7 @@ class Recipe:
     keys: tuple  # the HF keys, in the order `how` joins them
     how: str  # SAME, TRANSPOSED, CONCAT_WEIGHTS or CONCAT_BIASES
     shapes: tuple  # each key's shape in the HF file
+    columns: tuple | None = None  # cutp's column j is the joined tensor's columns[j] (DeepSeek's interleaved rope)
 
     @property
     def full_shape(self) -> tuple:
@@ -58,6 +59,9 @@ class Recipe:
 
     def combine(self, arrays: list) -> np.ndarray:
         """The HF arrays (in `keys` order) -> cutp's full array."""
+        if self.columns is not None:
+            joined = Recipe(self.name, self.keys, self.how, self.shapes).combine(arrays)
+            return np.ascontiguousarray(joined[:, self.columns])
         if self.how == SAME:
             return arrays[0]
         if self.how == TRANSPOSED:
@@ -68,6 +72,8 @@ class Recipe:
 
     def split(self, full: np.ndarray) -> dict:
         """cutp's full array -> {HF key: array} (the inverse of `combine`)."""
+        if self.columns is not None:
+            return Recipe(self.name, self.keys, self.how, self.shapes).split(full[:, np.argsort(self.columns)])
         if self.how in (SAME, TRANSPOSED):
             return {self.keys[0]: np.ascontiguousarray(full.T if self.how == TRANSPOSED else full)}
         parts = np.split(full, np.cumsum([s[0] for s in self.shapes])[:-1], axis=full.ndim - 1)
@@ -132,6 +138,9 @@ class Family:
         old converters saved)."""
         return file_key
 
+    def reading(self, cfg) -> None:
+        """A directory of config `cfg` is about to be read (its keys next go through `key_of`)."""
+
     def file_key(self, key: str) -> str:
         """The key written for a recipe's key (what save_pretrained writes)."""
         return key
@@ -169,9 +178,13 @@ def rope_from_hf(hf: dict, where: str) -> dict:
         sc = RopeScaling.from_hf(scaling)
     except ConfigError as e:
         raise HFFormatError(f"{where}: {e}") from None
-    return dict(rope_theta=float(theta), rope_scaling=sc.rope_type, rope_factor=sc.factor,
-                rope_low_freq_factor=sc.low_freq_factor, rope_high_freq_factor=sc.high_freq_factor,
-                rope_original_max_positions=sc.original_max_position_embeddings)
+    out = dict(rope_theta=float(theta), rope_scaling=sc.rope_type, rope_factor=sc.factor,
+               rope_low_freq_factor=sc.low_freq_factor, rope_high_freq_factor=sc.high_freq_factor,
+               rope_original_max_positions=sc.original_max_position_embeddings)
+    if sc.rope_type == "yarn":
+        out.update(rope_beta_fast=sc.beta_fast, rope_beta_slow=sc.beta_slow, rope_mscale=sc.mscale,
+                   rope_mscale_all_dim=sc.mscale_all_dim)
+    return out
 
 
 def rope_to_hf(cfg) -> dict | None:
@@ -180,6 +193,10 @@ def rope_to_hf(cfg) -> dict | None:
         return None
     if cfg.rope_scaling == "linear":
         return {"rope_type": "linear", "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "yarn":
+        return {"rope_type": "yarn", "factor": cfg.rope_factor, "beta_fast": cfg.rope_beta_fast,
+                "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim,
+                "original_max_position_embeddings": cfg.rope_original_max_positions}
     return {"rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_positions}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .llama import LLAMA_SPEC, Llama
 
-_QWEN3 = dict(**{**LLAMA_SPEC, "norm_eps": 1e-6}, qk_norm=True, rope_theta=1000000.0, bos_token_id=151643,
+QWEN3_SPEC = dict(**{**LLAMA_SPEC, "norm_eps": 1e-6}, qk_norm=True, rope_theta=1000000.0, bos_token_id=151643,
               eos_token_id=151645)
 
 
@@ -23,13 +23,13 @@ class Qwen3(Llama):
     windows = "layers"  # (use_sliding_window, max_window_layers, layer_types: as Qwen2's)
     presets = {
         "qwen3-0.6b": dict(n_layer=28, n_head=16, n_kv_head=8, head_dim=128, n_embd=1024, mlp_hidden=3072,
-                           vocab_size=151936, block_size=40960, **{**_QWEN3, "tie_embeddings": True}),
+                           vocab_size=151936, block_size=40960, **{**QWEN3_SPEC, "tie_embeddings": True}),
         "qwen3-8b": dict(n_layer=36, n_head=32, n_kv_head=8, head_dim=128, n_embd=4096, mlp_hidden=12288,
-                         vocab_size=151936, block_size=40960, **_QWEN3),
+                         vocab_size=151936, block_size=40960, **QWEN3_SPEC),
         # byte vocabulary, trains on the embedded corpus: 8 query heads of 32 over n_embd 128 (head_dim
         # apart from n_embd / n_head, as in every Qwen3), 2 KV heads
         "qwen3-tiny": dict(n_layer=4, n_head=8, n_kv_head=2, head_dim=32, n_embd=128, mlp_hidden=320, vocab_size=256,
-                           block_size=128, vocab_multiple=1, **{**_QWEN3, "rope_theta": 10000.0,
+                           block_size=128, vocab_multiple=1, **{**QWEN3_SPEC, "rope_theta": 10000.0,
                                                                  "bos_token_id": None, "eos_token_id": None}),
     }
 
