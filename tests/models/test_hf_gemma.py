@@ -194,7 +194,7 @@ GEMMA_HF = dict(model_type="gemma2", hidden_size=32, intermediate_size=24, num_h
     (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True"),
     (dict(model_type="gemma3_text", rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
      r"rope_parameters.sliding_attention=.* is not supported"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling type 'yarn' is not supported"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0}), r"rope_scaling type 'dynamic' is not supported"),
 ])
 def test_what_cutp_cannot_compute_is_refused_naming_the_field(change, message):
     with pytest.raises(HFFormatError, match=message):
