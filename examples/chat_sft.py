@@ -11,7 +11,7 @@
 3. `python -m cutp prepare-data --format chat` (assistant-only targets, --max-seq-len the
    training's sequence length) into DIR/data.
 4. llama-tiny (its vocabulary the tokenizer's) trained at --ranks ranks of TP (2 by default) from
-   scratch (with --pack where the model takes documents=: cutp.train.step.takes_documents), the masked validation loss printed every --eval-every steps and a
+   scratch (packed: --pack), the masked validation loss printed every --eval-every steps and a
    sample of the chat template's reply (DIR/run).
 5. `python -m cutp export-hf` of the run with its tokenizer and template (DIR/hf).
 
@@ -33,8 +33,6 @@ sys.path.insert(0, ROOT)
 
 from cutp.data import default_corpus  # noqa: E402
 from cutp.data.prepare import RecordSettings, prepare  # noqa: E402
-from cutp.models import GPT  # noqa: E402
-from cutp.train.step import takes_documents  # noqa: E402
 
 # after the trained tokens, in this order: BOS is vocab_size - 5, <|eot_id|> (the model's EOS) vocab_size - 1
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -112,7 +110,7 @@ def main(argv=None) -> int:
                     "--preset", "llama-tiny", "--set", f"vocab_size={args.vocab_size}", "--set",
                     f"block_size={args.seq_len}", "--set", f"bos_token_id={args.vocab_size - len(SPECIALS)}", "--set",
                     f"eos_token_id={args.vocab_size - 1}", "--tp", str(args.ranks), "--data", data, "--seq-len",
-                    str(args.seq_len), *(["--pack"] if takes_documents(GPT) else []), "--batch-size", "16", "--steps", str(args.steps), "--lr", "3e-3",
+                    str(args.seq_len), "--pack", "--batch-size", "16", "--steps", str(args.steps), "--lr", "3e-3",
                     "--eval-every", str(args.eval_every), "--eval-batches", "4", "--log-every", str(args.eval_every),
                     "--sample-every", str(args.steps), "--sample-prompt", "Which line follows `import os`?",
                     "--out", run, "--metrics", metrics], check=True, cwd=ROOT)

@@ -47,7 +47,8 @@ from .attention import ParallelAttention
 from .context_parallel import local_segments
 from .grads import sum_grad_over
 from .layers import Dropout
-from .moe import ExpertMLP, MoEMLP
+from .moe import MoEMLP
+from .moe_experts import ExpertMLP
 from .parameter import Module, make_parameter, zeros_init
 from .random import REPLICATED
 from .sharding import contiguous, part_sharding

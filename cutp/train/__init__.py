@@ -31,7 +31,8 @@ from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record
 from .reporting import MetricsLog, Progress, TensorBoardLog, bucket_line, gpu_name, known_peak_tflops, model_summary, progress_line
 from .sampling import PromptSampler
 from .signals import StopOnSignal
-from .step import StepHooks, StepStats, TrainingRun, build_run, evaluate, resume, save, train_step
+from .evaluation import evaluate
+from .step import StepHooks, StepStats, TrainingRun, build_run, resume, save, train_step
 
 __all__ = [
     "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",

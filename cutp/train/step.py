@@ -4,7 +4,7 @@
     while run.step < run.end_step:
         stats = train_step(run)             # StepStats: loss, grad norm, lr, skipped, timings, bytes
         if run.step % 100 == 0:
-            val = evaluate(run)
+            val = evaluate(run)       # (cutp.train.evaluation)
     save(run)                               # a checkpoint of run.step into cfg.out
     run.close()
 
@@ -25,7 +25,6 @@ watchdog watches the step once, as a whole: it aborts the job when the step make
 """
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import shutil
@@ -55,7 +54,7 @@ from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
 from ..tensor_parallel.parameter import trainable_parameters
-from .reductions import dp_mean, dp_sums, from_last_stage, loss_weights
+from .reductions import dp_mean, from_last_stage, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .finetune import resumed_base, set_up_trainable
@@ -63,7 +62,7 @@ from .moe import apply_moe_bias_updates, moe_step, moe_step_stats
 from .zero import sharded_optimizer
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
                       set_up_overlap)
-from .pipeline import Schedule, eval_losses
+from .pipeline import Schedule
 
 
 @dataclass
@@ -239,9 +238,6 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
                                seed=cfg.seed, every_rank=lambda e: mark_raised_on_every_rank(e, world, reporter=0),
                                pack=cfg.pack)
-        if cfg.pack and not takes_documents(GPT):
-            raise ConfigError("`pack` needs a model whose forward keeps attention inside documents (GPT.forward's "
-                              "documents=), which this build lacks; omit `pack`")
     check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
                             "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
@@ -482,38 +478,3 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                      loss_scale=scale if (scaler.dynamic or scale != 1.0) else None, overflow=overflow,
                      pipeline_wait_ms=wait_ms, moe=moe, **comm_times(ctx, times0))
 
-
-def evaluate(run: TrainingRun) -> float:
-    """The loss over the targets of `eval_batches` validation batches (the same ones at every
-    evaluation; chat data: its masked targets, each counted once, whatever the layout), in eval
-    mode (no dropout). Collective."""
-    cfg, ctx, model = run.config, run.ctx, run.model
-    run.gather_params()
-    with ctx.watchdog.watch_progress(f"the evaluation after step {run.step}"):
-        model.eval()
-        total, count = 0.0, 0
-        for i in range(cfg.eval_batches):
-            batches = list(run.sampler.micro_batches(i, "val"))
-            counts = [int((y != model.ignore_index).sum()) for _, y in batches]
-            if ctx.pp_size > 1:
-                losses = eval_losses(run, batches)  # (none off the last stage)
-            else:
-                losses = []
-                for batch in batches:
-                    x, y = batch
-                    model.check_inputs(x, y)
-                    losses.append(model.forward(ctx.asarray(x), ctx.asarray(y), check=False,
-                                                **model_kwargs(batch, ctx.asarray)))
-                    ctx.watchdog.progress()
-            total += sum(float(loss) * c for loss, c in zip(losses, counts) if c)
-            count += sum(counts)
-        model.train()
-        total, count = dp_sums(ctx, [total, count], "the validation-loss sum")
-        loss = total / count if count else 0.0
-        return from_last_stage(ctx, loss) if ctx.pp_size > 1 else loss
-
-
-def takes_documents(model_class) -> bool:
-    """Whether the model's forward and stage_forward take packed rows' document ids (contract 2's documents=)."""
-    return all("documents" in inspect.signature(getattr(model_class, f)).parameters
-               for f in ("forward", "stage_forward"))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cutp import ops
-from cutp.tensor_parallel.moe import ExpertMLP
+from cutp.tensor_parallel.moe_experts import ExpertMLP
 from cutp.tensor_parallel.moe_grouped import GroupedExperts, groups, stacked
 from tests.tp_utils import self_ctx
 
