@@ -10,10 +10,14 @@
    file, and the assistant answers with it (DIR/chat.jsonl, --records of them).
 3. `python -m cutp prepare-data --format chat` (assistant-only targets, --max-seq-len the
    training's sequence length) into DIR/data.
-4. llama-tiny (its vocabulary the tokenizer's) trained at --ranks ranks of TP (2 by default) from
-   scratch (packed: --pack), the masked validation loss printed every --eval-every steps and a
-   sample of the chat template's reply (DIR/run).
-5. `python -m cutp export-hf` of the run with its tokenizer and template (DIR/hf).
+4. llama-tiny (its vocabulary the tokenizer's) trained whole at --ranks ranks of TP (2 by default)
+   from scratch for --base-steps (packed: --pack): the base (DIR/base).
+5. LoRA SFT of that base (--lora-rank R on q, k, v, o, gate, up, down; the base frozen) for --steps,
+   the masked validation loss printed every --eval-every steps and a sample of the chat template's
+   reply (DIR/run; --lora-rank 0: the base trained whole instead).
+6. `python -m cutp export-hf` of the run with its tokenizer and template (DIR/hf: the base, and the
+   adapter in PEFT's format in DIR/hf/adapter); with peft installed, the adapter is loaded onto the
+   exported base and its logits compared with the merged export's.
 
 Needs `tokenizers` and `jinja2`; the training runs under the mpiexec beside this Python.
 """
@@ -81,13 +85,41 @@ def chat_records(lines: list, n: int, seed: int = 0) -> list:
     return records
 
 
+def compare_with_peft(hf: str, merged: str, vocab_size: int) -> None:
+    """The PEFT adapter loaded onto the exported base gives the merged export's logits (skipped,
+    saying so, without torch, transformers and peft)."""
+    try:
+        import torch
+        import transformers.utils as hf_utils
+        import transformers.utils.import_utils as hf_import_utils
+
+        # (transformers looks for the hub's `kernels` package by name: from this checkout's root that
+        # name is cutp's kernels/ directory; told it is absent, it runs its own PyTorch code)
+        os.environ.setdefault("USE_HUB_KERNELS", "NO")
+        hf_import_utils.is_kernels_available = hf_utils.is_kernels_available = lambda *_a, **_k: False
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        print(f"peft check skipped: {e}")
+        return
+    ids = torch.randint(0, vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        got = PeftModel.from_pretrained(base, os.path.join(hf, "adapter")).eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(ids).logits
+    print(f"peft: the adapter on the exported base gives the merged export's logits within "
+          f"{float((got - want).abs().max() / want.abs().max()):.1e} (relative)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="a new directory for the tokenizer, data, run and export")
     p.add_argument("--records", type=int, default=600)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--ranks", type=int, default=2, help="TP size of the training (default 2)")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--base-steps", type=int, default=100, help="the base model's full training first")
+    p.add_argument("--steps", type=int, default=150, help="then the LoRA SFT's")
+    p.add_argument("--lora-rank", type=int, default=8, help="the adapters' rank (0: train the base whole instead)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--seq-len", type=int, default=128)
     args = p.parse_args(argv)
@@ -104,18 +136,28 @@ def main(argv=None) -> int:
             records=RecordSettings("chat", max_seq_len=args.seq_len))
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec") or "mpiexec"
-    run = os.path.join(args.out, "run")
+    base, run = os.path.join(args.out, "base"), os.path.join(args.out, "run")
     metrics = os.path.join(args.out, "metrics.jsonl")
-    subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, os.path.join(HERE, "train_gpt.py"),
-                    "--preset", "llama-tiny", "--set", f"vocab_size={args.vocab_size}", "--set",
-                    f"block_size={args.seq_len}", "--set", f"bos_token_id={args.vocab_size - len(SPECIALS)}", "--set",
-                    f"eos_token_id={args.vocab_size - 1}", "--tp", str(args.ranks), "--data", data, "--seq-len",
-                    str(args.seq_len), "--pack", "--batch-size", "16", "--steps", str(args.steps), "--lr", "3e-3",
-                    "--eval-every", str(args.eval_every), "--eval-batches", "4", "--log-every", str(args.eval_every),
-                    "--sample-every", str(args.steps), "--sample-prompt", "Which line follows `import os`?",
-                    "--out", run, "--metrics", metrics], check=True, cwd=ROOT)
-    subprocess.run([sys.executable, "-m", "cutp", "export-hf", run, "--out", os.path.join(args.out, "hf")], check=True,
-                   cwd=ROOT)
+    common = ["--tp", str(args.ranks), "--data", data, "--seq-len", str(args.seq_len), "--pack", "--batch-size", "16",
+              "--eval-every", str(args.eval_every), "--eval-batches", "4", "--log-every", str(args.eval_every)]
+
+    def train(*flags):
+        subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, os.path.join(HERE, "train_gpt.py"), *common,
+                        *flags], check=True, cwd=ROOT)
+
+    train("--preset", "llama-tiny", "--set", f"vocab_size={args.vocab_size}", "--set", f"block_size={args.seq_len}",
+          "--set", f"bos_token_id={args.vocab_size - len(SPECIALS)}", "--set", f"eos_token_id={args.vocab_size - 1}",
+          "--steps", str(args.base_steps), "--lr", "3e-3", "--out", base)
+    lora = ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(2 * args.lora_rank), "--lora-targets",
+            "q,k,v,o,gate,up,down"] if args.lora_rank else []
+    train("--init-from", base, *lora, "--steps", str(args.steps), "--lr", "3e-3", "--sample-every", str(args.steps),
+          "--sample-prompt", "Which line follows `import os`?", "--out", run, "--metrics", metrics)
+    hf = os.path.join(args.out, "hf")
+    subprocess.run([sys.executable, "-m", "cutp", "export-hf", run, "--out", hf], check=True, cwd=ROOT)
+    if args.lora_rank:
+        subprocess.run([sys.executable, "-m", "cutp", "export-hf", run, "--out", hf + "-merged", "--merge-lora"],
+                       check=True, cwd=ROOT)
+        compare_with_peft(hf, hf + "-merged", args.vocab_size)
     with open(metrics, encoding="utf-8") as f:
         val = [(r["step"], r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
     print("masked validation loss: " + ", ".join(f"step {s}: {v:.3f}" for s, v in val))
