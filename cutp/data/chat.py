@@ -36,6 +36,7 @@ from datetime import datetime
 import numpy as np
 
 from ..runtime.errors import ConfigError
+from .tokenizer import read_json_object
 
 TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves the template here
 JINJA_HINT = "pip install jinja2 (transformers' chat templates are Jinja)"
@@ -123,7 +124,7 @@ class ChatTemplate:
     @classmethod
     def from_dir(cls, directory: str) -> "ChatTemplate":
         """The template of a tokenizer directory; ConfigError naming the directory when it has none."""
-        config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        config = read_json_object(os.path.join(directory, "tokenizer_config.json"))
         source = None
         path = os.path.join(directory, TEMPLATE_FILE)
         if os.path.isfile(path):
@@ -222,17 +223,6 @@ class ChatTemplate:
         after = [i for i, (a, _) in zip(enc.ids, enc.offsets) if a >= at + len(marker)]
         specials = set(tok.tokenizer.get_added_tokens_decoder())
         return after[0] if after and after[0] in specials else None
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is not readable JSON ({e}); fix or remove it") from None
-    return data if isinstance(data, dict) else {}
 
 
 def encode_chat(tok, template: ChatTemplate, messages: list, train_on: str = "assistant"):

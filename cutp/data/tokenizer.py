@@ -140,7 +140,8 @@ def _gpt2_from_vocab_merges(tokenizers, directory: str):
     return tok
 
 
-def _read_json(path: str) -> dict:
+def read_json_object(path: str) -> dict:
+    """A JSON file's object ({} when the file is absent or not an object); ConfigError when unreadable."""
     if not os.path.isfile(path):
         return {}
     try:
@@ -154,8 +155,8 @@ def _read_json(path: str) -> dict:
 def _special_ids(directory: str, tok) -> tuple:
     """(BOS id, EOS id) of a model directory: tokenizer_config.json's tokens, else config.json's
     or generation_config.json's ids, else a special token with a usual EOS name."""
-    tcfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
-    cfgs = [_read_json(os.path.join(directory, f)) for f in ("config.json", "generation_config.json")]
+    tcfg = read_json_object(os.path.join(directory, "tokenizer_config.json"))
+    cfgs = [read_json_object(os.path.join(directory, f)) for f in ("config.json", "generation_config.json")]
 
     def find(kind):
         token = tcfg.get(f"{kind}_token")

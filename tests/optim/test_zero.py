@@ -216,31 +216,16 @@ def test_zero_refusals_name_fixes_that_are_accepted():
     dp: one line, and every fix it proposes is accepted (the grid of tests/train/test_refusal_fixes)."""
     import itertools
 
-    from cutp.runtime.errors import ConfigError
-    from cutp.train.config import derive_run_config
-    from cutp.train.settings import flag_of
-    from tests.train.test_refusal_fixes import _fixes
+    from tests.train.test_refusal_fixes import check_every_fix_is_accepted
 
-    refused = checked = 0
+    cases = []
     for world, zero, replicate, extra in itertools.product(
             (4,), (None, 2, 3), (None, 3),
             ({}, {"preset": "tiny-moe", "ep": 2}, {"overlap_param_gather": True}, {"bucket_size": 1000},
              {"reshard_after_forward": False})):
-        choices = {"preset": "tiny", "device": "cpu", "tp": 1, "zero": zero, "dp_replicate": replicate, **extra}
-        try:
-            derive_run_config(choices, world, world)
-            continue
-        except ConfigError as e:
-            text = e.render(flag_of)
-        refused += 1
-        assert "\n" not in text and "; " in text, text
-        for ranks, change in _fixes(text):
-            n = ranks or world
-            try:
-                derive_run_config({**choices, **change}, n, n)
-            except ConfigError as e:
-                pytest.fail(f"on {world} ranks {choices}: {text!r} proposes {ranks or change}, refused: {e}")
-            checked += 1
+        cases.append((world, {"preset": "tiny", "device": "cpu", "tp": 1, "zero": zero, "dp_replicate": replicate,
+                              **extra}))
+    refused, checked = check_every_fix_is_accepted(cases)
     assert refused > 15 and checked > refused, (refused, checked)
 
 

@@ -51,9 +51,11 @@ def _grid():
                           "seq_len": seq, "cp": cp}
 
 
-def test_every_fix_a_refusal_proposes_is_accepted():
+def check_every_fix_is_accepted(cases) -> tuple[int, int]:
+    """For each (world, choices) the resolver refuses: one line, and each fix it proposes (other
+    settings or another rank count) accepted. Returns (refusals, fixes checked)."""
     refused = checked = 0
-    for world, choices in _grid():
+    for world, choices in cases:
         try:
             derive_run_config(choices, world, world)
             continue
@@ -68,6 +70,11 @@ def test_every_fix_a_refusal_proposes_is_accepted():
             except ConfigError as e:
                 pytest.fail(f"on {world} ranks {choices}: {text!r} proposes {ranks or change}, refused: {e}")
             checked += 1
+    return refused, checked
+
+
+def test_every_fix_a_refusal_proposes_is_accepted():
+    refused, checked = check_every_fix_is_accepted(_grid())
     assert refused > 60 and checked > refused, (refused, checked)
 
 
