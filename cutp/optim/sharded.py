@@ -28,6 +28,11 @@ added in micro-batch order either way, and MPI's non-blocking reductions sum in 
 the first and last pipeline stages: a segment of its own, the same layout on both) has its
 grad_sync hook run on its shard at the end of the step (a sum: it commutes with the average).
 
+Frozen parameters (--freeze, LoRA's base weights; `Parameter.trainable` False) are segments of
+their own (cutp.optim.units): sharded and gathered like the rest at zero 3 (whole at zero 2),
+never reduced nor updated, with no gradient, master or optimizer state: those shards cover the
+trainable segments only (the first `state_size` elements of the parameter shard).
+
 HSDP (--dp-replicate R): the DP x CP group split into R replicas of consecutive ranks; every
 shard, gather and reduce-scatter stays inside a replica, and at the end of the step each
 rank's gradient shard is averaged with its replicas' (one all-reduce across the replicas).
@@ -48,6 +53,7 @@ from ..tensor_parallel import tp_grad_sync
 from ..tensor_parallel.grads import expert_replica_group, replica_group, replica_size
 from .adamw import GRAD_REDUCE_DTYPES, finish_norm
 from .flat import grad_dtype_for, is_low_precision, state_dtype_for
+from .shard_state import ShardState
 from .units import Segment, unit_key, unit_layout
 
 
@@ -56,7 +62,7 @@ def _absent(xp, shape, dtype):
     return xp.broadcast_to(xp.full((), np.nan, dtype), shape)
 
 
-class ShardedAdamW:
+class ShardedAdamW(ShardState):
     """AdamW of ZeRO stage `zero` (2 or 3) over `model`'s units, sharded over `group` (default:
     the DP x CP group; HSDP: one replica's ranks, `replicas` the group across replicas, over
     which the gradient shards are averaged at the end of the step). `deferred`: parameters whose
@@ -100,14 +106,15 @@ class ShardedAdamW:
         # starts with it (the step's next micro-batch), or the end of the step
         self._first = unit_key(model.units(0)[0]) if model.takes_tokens(0) else None
         self._lazy = []
-        self._by_param = {id(p): s for s in self.segments for p in s.params}
-        self._by_name = {p.name: (s, p) for s in self.segments for p in s.params}
+        self.trained = [s for s in self.segments if not s.frozen]
+        self._by_name = {p.name: (s, p) for s in self.trained for p in s.params}  # (the state's: trainable only)
         self.shard_size = sum(s.chunk for s in self.segments)
+        self.state_size = sum(s.chunk for s in self.trained)  # (the trainable segments: first in the shard)
         self.full_size = sum(s.group.size * s.chunk for s in self.segments)
         state = state_dtype_for(self.dtype)
-        self.m = xp.zeros(self.shard_size, state)
-        self.v = xp.zeros(self.shard_size, state)
-        self.grad = xp.zeros(self.shard_size, self.grad_dtype)  # the float32 gradient shard
+        self.m = xp.zeros(self.state_size, state)
+        self.v = xp.zeros(self.state_size, state)
+        self.grad = xp.zeros(self.state_size, self.grad_dtype)  # the float32 gradient shard
         wholes = [self._whole(s) for s in self.segments]  # each segment's current values (the model's)
         if zero == 2:
             self.data = xp.zeros(self.full_size, self.dtype)
@@ -121,12 +128,13 @@ class ShardedAdamW:
                 self.data[s.shard_at:s.shard_at + s.chunk] = w[r * s.chunk:(r + 1) * s.chunk]
                 self._point_data(s, None)
         del wholes
-        for p in params:
-            p.grad = _absent(xp, p.data.shape, self.grad_dtype)
+        for s in self.trained:
+            for p in s.params:
+                p.grad = _absent(xp, p.data.shape, self.grad_dtype)
         self.all_gathered = False
         self.master = None
         if is_low_precision(self.dtype):
-            self.master = xp.zeros(self.shard_size, np.float32)
+            self.master = xp.zeros(self.state_size, np.float32)
             self.resync_masters()
         self.gathered_bytes = self.peak_gathered_bytes = 0  # zero 3: the whole units held now, and at most
         self.flat = self  # (what TrainingRun.flat and the step's zero_grad use)
@@ -226,7 +234,7 @@ class ShardedAdamW:
             if self.prefetch:
                 self._prefetch(self._prev.get(key))
         for s in self.unit_segments[key]:
-            if s.grad is None:
+            if s.grad is None and not s.frozen:
                 s.grad = self.xp.zeros(s.group.size * s.chunk, self.grad_dtype)
                 for p in s.params:
                     a, b = s.where[id(p)]
@@ -235,7 +243,7 @@ class ShardedAdamW:
     def after_backward(self, unit) -> None:
         key = unit_key(unit)
         for s in self.unit_segments[key]:
-            s.left -= 1
+            s.left -= 0 if s.frozen else 1
             if s.left == 0:
                 self._reduce(s)
                 s.left = s.uses
@@ -321,7 +329,7 @@ class ShardedAdamW:
             self.replicas.start_all_reduce(low, "avg", out=low).wait()  # (rank-ordered sums, as the optimizers')
             if low is not self.grad:
                 self.grad[...] = low
-        for s in self.segments:
+        for s in self.trained:
             if s.deferred:
                 mine = self.grad[s.shard_at:s.shard_at + s.chunk]
                 for p in s.params:
@@ -334,7 +342,7 @@ class ShardedAdamW:
         """[sum of squares, non-finite entries] of this rank's shard, each full entry once."""
         xp = self.xp
         acc = xp.zeros(2, np.float64)
-        for s in self.segments:
+        for s in self.trained:
             for p in s.params:
                 if p.norm_mask is False:
                     continue
@@ -360,7 +368,7 @@ class ShardedAdamW:
     # ---- the update -------------------------------------------------------------------------------
     def _pieces(self):
         """(segment, [a, b) in shard coordinates, decays) over this rank's real elements."""
-        for s in self.segments:
+        for s in self.trained:
             for lo, hi, decays in ((0, s.n_decay, True), (s.n_decay, s.size, False)):
                 a, b = self._mine(s, lo, hi)
                 if b > a:
@@ -374,7 +382,7 @@ class ShardedAdamW:
                              beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                              weight_decay=self.weight_decay if decays else 0.0, step=self.step_count,
                              grad_scale=grad_scale)
-        for s in self.segments:
+        for s in self.trained:
             local = self._local(s)
             if self.master is not None:
                 local[...] = self.master[s.shard_at:s.shard_at + s.chunk]  # rounded to nearest even
@@ -386,7 +394,7 @@ class ShardedAdamW:
         zero 3 into the whole parameters of `gather_all`)."""
         self._adopt_gathered()
         if self.master is not None:
-            for s in self.segments:
+            for s in self.trained:
                 self.master[s.shard_at:s.shard_at + s.chunk] = self._local(s)
 
     def gather_all(self) -> None:
@@ -409,86 +417,6 @@ class ShardedAdamW:
             if s.gather is not None:
                 s.gather.wait()
                 s.gather = None
-
-    # ---- state (per parameter, as the other optimizers': checkpoints reshard it) ---------------------
-    def memory_bytes(self) -> dict:
-        optim = self.m.nbytes + self.v.nbytes + (self.master.nbytes if self.master is not None else 0)
-        return {"params": int(self.data.nbytes), "grads": int(self.grad.nbytes), "optimizer": int(optim)}
-
-    def _state_buffers(self) -> dict:
-        out = {"exp_avg.": self.m, "exp_avg_sq.": self.v}
-        if self.master is not None:
-            out["master."] = self.master
-        return out
-
-    def owned_part(self, name: str) -> tuple[int, int]:
-        s, p = self._by_name[name]
-        a0, b0 = s.where[id(p)]
-        a, b = self._mine(s, a0, b0)
-        if b <= a:
-            return 0, 0
-        first = a - s.shard_at + s.group.rank * s.chunk - a0
-        return first, first + (b - a)
-
-    def group_of(self, name: str):
-        """The communicator parameter `name` is sharded over (an expert's: expert-DP x CP)."""
-        return self._by_name[name][0].group
-
-    def owned_grad(self, name: str):
-        """This rank's piece of parameter `name`'s reduced gradient: the elements `owned_part`
-        names (a view of the gradient shard)."""
-        s, p = self._by_name[name]
-        a, b = self.owned_part(name)
-        at = s.shard_at + s.where[id(p)][0] + a - s.group.rank * s.chunk
-        return self.grad[at:at + b - a]
-
-    def state_pieces(self) -> tuple[dict, dict]:
-        """This rank's pieces of the state, per parameter, with their [a, b) (as DistributedAdamW's:
-        a checkpoint of them loads at any layout and stage). HSDP: the first replica's only."""
-        pieces, offsets = {}, {}
-        if self.replicas is not None and self.replicas.rank != 0:
-            return pieces, offsets
-        for name, (s, p) in self._by_name.items():
-            a, b = self.owned_part(name)
-            if b > a:
-                offsets[name] = [a, b]
-                at = s.shard_at + s.where[id(p)][0] + a - s.group.rank * s.chunk
-                for prefix, buf in self._state_buffers().items():
-                    pieces[prefix + name] = buf[at:at + b - a]
-        return pieces, offsets
-
-    def state_dict(self) -> dict:
-        """Per parameter, at a group of one rank (the shard is everything); a group of several
-        writes `state_pieces` (cutp.checkpoint)."""
-        if any(s.group.size != 1 for s in self.segments):
-            raise ValueError("ShardedAdamW.state_dict needs a group of one rank: use state_pieces")
-        pieces, _ = self.state_pieces()
-        return {k: v.reshape(self._by_name[k.split(".", 1)[1]][1].data.shape) for k, v in pieces.items()}
-
-    def load_state(self, tensors: dict, step: int) -> None:
-        for name, (s, p) in self._by_name.items():
-            a, b = self.owned_part(name)
-            n = s.where[id(p)][1] - s.where[id(p)][0]
-            at = s.shard_at + s.where[id(p)][0] + a - s.group.rank * s.chunk
-            for prefix, buf in self._state_buffers().items():
-                key = prefix + name
-                if key not in tensors:
-                    raise ValueError(f"optimizer state is missing {key}")
-                t = tensors[key].reshape(-1)
-                if t.size == n:
-                    t = t[a:b]
-                elif t.size != b - a:
-                    raise ValueError(f"optimizer state {key} has {t.size} elements, expected {n} "
-                                     f"(or this rank's {b - a})")
-                if b > a:
-                    buf[at:at + b - a] = t
-        self.step_count = int(step)
-
-    def hyperparameters(self) -> dict:
-        return {"step": self.step_count, "lr": self.lr, "betas": [self.beta1, self.beta2], "eps": self.eps,
-                "weight_decay": self.weight_decay, "distributed": True, "master_weights": self.master is not None,
-                "dp": self.ctx.dp_size, "zero": self.zero,
-                "dp_replicate": 1 if self.replicas is None else self.replicas.size}
 
 
 class _GradOf:

@@ -2,9 +2,12 @@
 
 Each unit of the model (`GPT.units`, every chunk's, in forward order) becomes a segment of its
 parameters, weight-decayed ones first; a parameter two units use (the tied token embedding at
-pp 1), or a deferred one, gets a segment of its own. A segment of n elements is padded to d x C
-elements, C a multiple of ALIGN: rank r owns [r C, (r + 1) C) of it, at `shard_at` of its shard
-buffers (zero 2 holds it whole at `full_at` of its parameter buffer).
+pp 1), or a deferred one, gets a segment of its own. A unit's frozen parameters (--freeze,
+LoRA's base: `Parameter.trainable` False) are a segment apart from its trainable ones. A segment
+of n elements is padded to d x C elements, C a multiple of ALIGN: rank r owns [r C, (r + 1) C) of
+it, at `shard_at` of its shard buffers (zero 2 holds it whole at `full_at` of its parameter
+buffer). The trainable segments come first in both: the gradient and optimizer-state shards
+are the parameter shard's first `sum(C of the trainable segments)` elements, frozen ones having none.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class Segment:
     uses: int = 0  # units holding it (its backwards per micro-batch)
     deferred: bool = False
     expert: bool = False  # an expert-parallel MoE layer's experts (ep > 1: sharded over expert-DP x CP)
+    frozen: bool = False  # frozen parameters: gathered like the rest, never reduced nor updated, no state
     group: object = None  # the communicator it is sharded over (cutp.optim.sharded sets it)
     # during a step
     refs: int = 0
@@ -75,12 +79,13 @@ def unit_layout(model, d: int, deferred: set, d_experts: int | None = None):
         mine = [p for p in unit_params(u) if id(p) not in alone and id(p) not in home]
         home.update(id(p) for p in mine)
         split = d_experts is not None
-        for part in ([p for p in mine if not (split and p.expert_parallel)],
-                     [p for p in mine if split and p.expert_parallel]):
-            if part:
-                groups.append(part)
+        for trains in (True, False):
+            for part in ([p for p in mine if not (split and p.expert_parallel) and p.trainable == trains],
+                         [p for p in mine if split and p.expert_parallel and p.trainable == trains]):
+                if part:
+                    groups.append(part)
     groups += [[p] for p in order if id(p) in alone]
-    segments, shard_at, full_at = [], 0, 0
+    segments = []
     for k, group in enumerate(groups):
         ps = [p for p in group if p.weight_decay] + [p for p in group if not p.weight_decay]
         where, off = {}, 0
@@ -91,10 +96,14 @@ def unit_layout(model, d: int, deferred: set, d_experts: int | None = None):
         ranks = d_experts if expert else d
         chunk = -(-off // (ranks * ALIGN)) * ALIGN
         n_decay = sum(p.data.size for p in ps if p.weight_decay)
-        segments.append(Segment(k, ps, where, off, chunk, shard_at, full_at, n_decay,
-                                deferred=any(id(p) in deferred for p in ps), expert=expert))
-        shard_at += chunk
-        full_at += ranks * chunk
+        frozen = not ps[0].trainable
+        segments.append(Segment(k, ps, where, off, chunk, 0, 0, n_decay, expert=expert, frozen=frozen,
+                                deferred=not frozen and any(id(p) in deferred for p in ps)))
+    shard_at = full_at = 0
+    for s in sorted(segments, key=lambda s: s.frozen):  # (the trainable first: module docstring)
+        s.shard_at, s.full_at = shard_at, full_at
+        shard_at += s.chunk
+        full_at += s.chunk * (d_experts if s.expert else d)
     by_param = {id(p): s for s in segments for p in s.params}
     unit_segments, after, before = {}, {}, {}
     for c in chunks:

@@ -8,9 +8,10 @@
 The layout is the one cutp.optim.sharded allocates: each unit a segment (a parameter two units
 use, or the tied embedding across pipeline stages, one of its own), padded to d x C elements,
 C a multiple of 64; d the ranks a segment is sharded over (DP x CP, or one of R HSDP replicas).
-Per rank: S = sum of C. zero 2 holds the parameters whole (d S elements), zero 3 its S; both
-hold S float32 gradients (float64 for float64 models) and S x (m, v, fp32 master of 16-bit
-models) of optimizer state.
+Per rank: S = sum of C, T = that of the trainable segments (`finetune`: --freeze, LoRA; frozen
+parameters are segments of their own). zero 2 holds the parameters whole (d S elements), zero 3
+its S; both hold T float32 gradients (float64 for float64 models) and T x (m, v, fp32 master of
+16-bit models) of optimizer state.
 
 Communication per step, the counters' way (an all-gather's bytes: this rank's contribution, C;
 on the wire x (d - 1)); m micro-batches:
@@ -20,10 +21,10 @@ on the wire x (d - 1)); m micro-batches:
                          from the forward to the backward; the LM head always; the embeddings
                          from their backward to the next forward): at pp 1 about 2 m x every
                          unit, less m x the head and (m - 1) x the embeddings
-    reduce-scatters      m x each segment, d C elements, in the reduction dtype (float32 unless
+    reduce-scatters      m x each trainable segment, d C elements, in the reduction dtype (float32 unless
                          --grad-reduce-dtype bfloat16)
-    zero 2 all-gathers   1 x each segment after the update
-    HSDP                 1 all-reduce of the S gradient shard over the replicas
+    zero 2 all-gathers   1 x each trainable segment after the update
+    HSDP                 1 all-reduce of the T gradient shard over the replicas
     the norm             1 all-reduce of 2 float64 over the shard group
 Gathered peak (zero 3): the most bytes whole at once in that replay, the next unit's prefetch
 (--overlap-param-gather) included.
@@ -36,16 +37,20 @@ from ..comm.shape_only import ShapeOnlyContext
 from ..models import DTYPES, GPT, GPTConfig
 from ..optim.flat import grad_dtype_for, is_low_precision, state_dtype_for
 from ..optim.units import unit_key, unit_layout
+from ..tensor_parallel.lora import set_up_trainable
 from ..train.pipeline import plan as pipeline_plan
 
 
 def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: int = 1, rank: int = 0,
               zero: int = 3, accum: int = 1, reshard_after_forward: bool = True, prefetch: bool = False,
               dp_replicate: int = 1, grad_reduce_dtype: str = "float32", pp_layers=None, pp_virtual: int = 1,
-              schedule: str | None = None) -> dict:
-    """The state, gathered peak and communication of world rank `rank` (module docstring)."""
+              schedule: str | None = None, finetune: dict | None = None) -> dict:
+    """The state, gathered peak and communication of world rank `rank` (module docstring);
+    `finetune`: RunConfig's freeze / lora_* settings (cutp.train.finetune.settings_of)."""
     ctx = ShapeOnlyContext(tp=tp, dp=dp, pp=pp, cp=cp, rank=rank, device="cpu")
     model = GPT(ctx, config, init=False, pp_layers=pp_layers, pp_virtual=pp_virtual)
+    if finetune:
+        set_up_trainable(model, finetune)
     whole = dp * cp
     d = whole // dp_replicate
     deferred = {id(model.tok_embed.weight)} if pp > 1 and config.tie_embeddings and model.tok_embed is not None \
@@ -55,9 +60,10 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
     pb, gb = dtype.itemsize, grad_dtype_for(dtype).itemsize
     rb = 2 if grad_reduce_dtype == "bfloat16" else gb
     sb = state_dtype_for(dtype).itemsize
-    S = sum(s.chunk for s in segments)
-    state = {"params": (S if zero == 3 else d * S) * pb, "grads": S * gb,
-             "optimizer": S * (2 * sb + (4 if is_low_precision(dtype) else 0))}
+    trained = [s for s in segments if not s.frozen]
+    S, T = sum(s.chunk for s in segments), sum(s.chunk for s in trained)
+    state = {"params": (S if zero == 3 else d * S) * pb, "grads": T * gb,
+             "optimizer": T * (2 * sb + (4 if is_low_precision(dtype) else 0))}
     group = "hsdp_shard" if dp_replicate > 1 else ("dp_cp" if cp > 1 else "dp")
     comm = {}
 
@@ -76,11 +82,11 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
         gathers, peak = _simulate(model, unit_segments, ops, reshard_after_forward, prefetch, d * pb)
         add("all_gather", sum(gathers.values()), sum(gathers.get(id(s), 0) * s.chunk for s in segments), pb)
     if d > 1:
-        add("reduce_scatter", accum * len(segments), accum * d * S, rb)
+        add("reduce_scatter", accum * len(trained), accum * d * T, rb)
         if zero == 2:
-            add("all_gather", len(segments), S, pb)
+            add("all_gather", len(trained), T, pb)
     if dp_replicate > 1:
-        add("all_reduce", 1, S, rb, "hsdp_replicas")
+        add("all_reduce", 1, T, rb, "hsdp_replicas")
     add("all_reduce", 1, 2, 8)  # the norm's [sum of squares, non-finite entries]
     return {"state": state, "gathered_peak": peak, "comm": comm, "segments": len(segments), "shard_elements": S}
 

@@ -44,10 +44,6 @@ def check_finetune(cfg) -> None:
             raise ConfigError(f"`{given[0]}` sets up LoRA adapters, which need `lora_rank`: give `lora_rank` R "
                               f"(e.g. 8), or omit `{given[0]}`")
     spec = lora_spec(cfg)
-    if (spec is not None or cfg.freeze is not None) and getattr(cfg, "zero", 0) >= 2:
-        what = "lora_rank" if spec is not None else "freeze"
-        raise ConfigError(f"`{what}` with `zero` {cfg.zero}: the sharded optimizer of zero 2 and 3 does not yet leave "
-                          "frozen parameters out of its shards; use `zero` 1 (or 0)")
     if (spec is not None or cfg.freeze is not None) and cfg.model.kv_lora_rank is not None:
         raise ConfigError(f"`{'lora_rank' if spec is not None else 'freeze'}` on a model with multi-head latent "
                           "attention (kv_lora_rank set): its projections take no adapters and no frozen weights "

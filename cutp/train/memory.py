@@ -58,7 +58,9 @@ def state_bytes(run) -> dict:
     parameters count in `params` only (no gradient, no state)."""
     opt, flat = run.optimizer, run.flat
     # frozen parameters (--freeze, LoRA's base) are outside the flat buffers: held, never trained
-    frozen = sum(int(p.data.nbytes) for p in run.model.parameters() if not p.trainable)
+    # (zero 2 and 3 shard them with the rest: in the optimizer's params, `holds_frozen`)
+    frozen = 0 if getattr(opt, "holds_frozen", False) else \
+        sum(int(p.data.nbytes) for p in run.model.parameters() if not p.trainable)
     if hasattr(opt, "memory_bytes"):
         got = opt.memory_bytes()
         return {k: int(got[k]) + (frozen if k == "params" else 0) for k in STATE_KEYS}

@@ -8,8 +8,10 @@ checkpoints move between stages and layouts, and what they cost is what the plan
   give the losses, every gradient (put together from the ranks' shards) and every updated
   parameter of one rank within 1e-10; --overlap-grad-reduce and --overlap-param-gather give
   the same bits as without, and the prefetch holds more whole units, at most two.
+- Frozen parameters (LoRA, llama-shaped) at dp2 zero 2, dp2 zero 3 and tp2 x dp2 zero 3: within
+  1e-10 of one rank, the frozen base bit-identical.
 - A zero 3 (HSDP) checkpoint resumes bit-identically, and at zero 1 dp 2 and one rank within 1e-10.
-- Measured = planned (cutp.plan.zero) at four layouts: state bytes, the peak of whole units,
+- Measured = planned (cutp.plan.zero) at five layouts (one with LoRA): state bytes, the peak of whole units,
   every collective of the sharding groups, to the byte; `cutp plan --zero` agrees.
 - Refusals in one line whose every fix is accepted.
 """
@@ -59,6 +61,9 @@ def _full_grads(run) -> dict:
     ctx, opt = run.ctx, run.optimizer
     out = {}
     for p in run.model.parameters():
+        if not p.trainable:  # (frozen: no gradient)
+            out[p.name] = None
+            continue
         if isinstance(opt, ShardedAdamW):
             mine = (*opt.owned_part(p.name), ctx.to_numpy(opt.owned_grad(p.name)).copy())
             flat = np.zeros(p.data.size)
@@ -89,6 +94,21 @@ def _train(cfg, comm, steps=2):
     return losses, grads, weights, peak
 
 
+def _compare(got, ref, layout):
+    """(losses, grads, weights) of a layout against one rank's: within 1e-10; frozen parameters
+    (no gradient) bit-identical."""
+    (losses, grads, weights), (ref_losses, ref_grads, ref_weights) = got[:3], ref[:3]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(layout))
+    assert set(grads) == set(ref_grads) == set(weights), layout
+    for name in ref_grads:
+        g, rg, w, rw = grads[name], ref_grads[name], weights[name], ref_weights[name]
+        if rg is None:
+            assert g is None and np.array_equal(w, rw), (layout, name)
+            continue
+        assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), (layout, name, np.abs(g - rg).max())
+        assert np.abs(w - rw).max() <= 1e-10 * np.abs(rw).max(), (layout, name)
+
+
 def _worker(which):
     from mpi4py import MPI
 
@@ -102,15 +122,9 @@ def _worker(which):
         if key not in refs:
             one = {k2: v for k2, v in layout.items() if k2 == "recompute"}
             refs[key] = on_rank_0(lambda: _train(_config(model, n_layer, **one), MPI.COMM_SELF)[:3])
-        ref_losses, ref_grads, ref_weights = refs[key]
         cfg = _config(model, n_layer, **layout)
         losses, grads, weights, peak = _train(cfg, comm)
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(layout))
-        assert set(grads) == set(ref_grads) == set(weights), layout
-        for name in ref_grads:
-            g, rg, w, rw = grads[name], ref_grads[name], weights[name], ref_weights[name]
-            assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), (layout, name, np.abs(g - rg).max())
-            assert np.abs(w - rw).max() <= 1e-10 * np.abs(rw).max(), (layout, name)
+        _compare((losses, grads, weights), refs[key], layout)
         if k in BITS:
             overlap = dict(OVERLAP, overlap_param_gather=layout["zero"] == 3)
             on_losses, on_grads, on_weights, on_peak = _train(_config(model, n_layer, **layout, **overlap), comm)
@@ -168,6 +182,7 @@ PLANNED = [  # (model, dtype, layout): measured = planned (cutp.plan.zero) at fo
     (LLAMA, "float32", dict(tp=2, dp=2, sequence_parallel=True, zero=2, grad_reduce_dtype="bfloat16")),
     (GPT2, "float32", dict(dp=4, zero=3, dp_replicate=2)),
     (LLAMA, "bfloat16", dict(pp=2, dp=2, zero=3, reshard_after_forward=False)),
+    (LLAMA, "bfloat16", dict(dp=4, zero=3, lora_rank=4, lora_alpha=8.0)),  # (frozen base: no gradient, no state)
 ]
 
 
@@ -178,6 +193,7 @@ def _plan_worker():
 
     from cutp.plan.zero import zero_plan
     from cutp.train import memory_record
+    from cutp.train.finetune import settings_of
 
     for model, dtype, layout in PLANNED:
         cfg = _config(dict(model, dtype=dtype), 2, **layout)
@@ -189,7 +205,7 @@ def _plan_worker():
         got = zero_plan(cfg.model, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, rank=run.ctx.rank, zero=cfg.zero,
                         accum=cfg.accum_steps, reshard_after_forward=cfg.reshard_after_forward,
                         prefetch=cfg.overlap_param_gather, dp_replicate=cfg.dp_replicate,
-                        grad_reduce_dtype=cfg.grad_reduce_dtype)
+                        grad_reduce_dtype=cfg.grad_reduce_dtype, finetune=settings_of(cfg))
         run.close()
         assert {k: mem[k] for k in ("params", "grads", "optimizer")} == got["state"], (layout, mem, got)
         assert mem.get("gathered_units_peak", 0) == got["gathered_peak"], (layout, mem, got)
@@ -197,8 +213,28 @@ def _plan_worker():
         assert sharding == got["comm"], (layout, sharding, got["comm"])
 
 
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1)
+
+
+def _frozen_worker():
+    """LoRA (llama-shaped, adapters on every projection, dropout 0.1): dp2 zero 2 beside dp2 zero 3
+    (two runs of two ranks), then tp2 x dp2 zero 3 with full recomputation, equal to one rank;
+    the frozen base bit-identical to one rank's (and never changed)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    ref = on_rank_0(lambda: _train(_config(LLAMA, 2, **LORA), MPI.COMM_SELF)[:3])
+    assert any(g is None for g in ref[1].values()) and any(g is not None for g in ref[1].values())
+    half = world.Split(world.rank // 2, world.rank)
+    for comm, layout in ((half, dict(dp=2, zero=2 if world.rank < 2 else 3)),
+                         (world, dict(tp=2, dp=2, zero=3, recompute="full"))):
+        _compare(_train(_config(LLAMA, 2, **LORA, **layout), comm), ref, layout)
+    half.Free()
+
+
 def _default_worker(out):
     _worker(list(DEFAULT))
+    _frozen_worker()
     _resume_worker(out)
     _plan_worker()
 
