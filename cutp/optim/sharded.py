@@ -19,10 +19,14 @@ the float32 gradient accumulator live there only.
              backward), gathered again before its backward (a recomputed forward uses that
              gather), its gradients reduce-scattered right after. `prefetch`
              (--overlap-param-gather) starts the next unit's gather (the previous one's in the
-             backward) before this one computes: at most two units whole at a time.
+             backward) before this one computes: at most two units whole at a time; and across
+             steps, the next step's first unit's gather starts as soon as the update has written
+             that unit's pieces (they are updated first), hidden behind the rest of the update
+             (torchtitan's and Megatron-FSDP's prefetch of the next iteration's first gather).
 
 `overlap` (--overlap-grad-reduce) leaves each reduce-scatter in flight until the segment's
-next one, or the end of the step; off, each is waited for at once. Each segment's pieces are
+next one, or the end of the step (the step's last ones land while the norm sums the
+segments already landed: `norm_terms`); off, each is waited for at once. Each segment's pieces are
 added in micro-batch order either way, and MPI's non-blocking reductions sum in rank order
 (cutp.comm.mpi), so overlap changes no bit. A deferred parameter (the tied token embedding on
 the first and last pipeline stages: a segment of its own, the same layout on both) has its
@@ -105,6 +109,8 @@ class ShardedAdamW(ShardState):
         # and the first (the embeddings) stays gathered from its backward to the next forward, which
         # starts with it (the step's next micro-batch), or the end of the step
         self._first = unit_key(model.units(0)[0]) if model.takes_tokens(0) else None
+        self._opening = unit_key(model.units(0)[0])  # (this stage's first forward: prefetched across steps)
+        self._ahead = set()  # ids of the segments gathered for the next step's first forward
         self._lazy = []
         self.trained = [s for s in self.segments if not s.frozen]
         self._by_name = {p.name: (s, p) for s in self.trained for p in s.params}  # (the state's: trainable only)
@@ -297,11 +303,14 @@ class ShardedAdamW(ShardState):
 
     def begin_step(self) -> None:
         """Before a step's first forward: the whole parameters of `gather_all` given back (each
-        rank's piece taken from them), nothing gathered."""
+        rank's piece taken from them), nothing gathered but the first unit's gather that the
+        last update started (with --overlap-param-gather)."""
         self._adopt_gathered()
+        keep = set() if self.all_gathered else self._ahead
         self.all_gathered = False
-        self._free_gathered()
-        self.peak_gathered_bytes = 0  # (this step's, from here)
+        self._free_gathered(keep)
+        self._ahead = set()
+        self.peak_gathered_bytes = self.gathered_bytes  # (this step's, from here)
 
     def _adopt_gathered(self) -> None:
         """zero 3 after `gather_all`: each rank's piece taken from the whole parameters (which a
@@ -312,19 +321,22 @@ class ShardedAdamW(ShardState):
                     r = s.group.rank
                     self.data[s.shard_at:s.shard_at + s.chunk] = s.full[r * s.chunk:(r + 1) * s.chunk]
 
-    def _free_gathered(self) -> None:
+    def _free_gathered(self, keep=()) -> None:
         self._lazy = []
         for s in self.segments:
-            if s.full is not None:
+            if s.full is not None and id(s) not in keep:
                 self._free(s)
 
     def reduce_gradients(self, ctx) -> None:
-        """After the step's backwards: every reduce-scatter landed, the deferred hooks run on
-        their shards, nothing gathered any more."""
+        """After the step's backwards: every reduce-scatter landed (with `overlap`, but for HSDP,
+        those of segments without a deferred hook land in `norm_terms`), the deferred hooks run
+        on their shards, nothing gathered any more."""
+        hsdp = self.replicas is not None and self.replicas.size > 1
         for s in self.segments:
-            self._land_all(s)
+            if hsdp or s.deferred or not self.overlap:
+                self._land_all(s)
             assert s.grad is None and s.left == s.uses, f"segment {s.index}: a backward did not complete"
-        if self.replicas is not None and self.replicas.size > 1:  # HSDP: the replicas' shards averaged
+        if hsdp:  # HSDP: the replicas' shards averaged
             low = self.grad if self.reduce_dtype == self.grad.dtype else self.grad.astype(self.reduce_dtype)
             self.replicas.start_all_reduce(low, "avg", out=low).wait()  # (rank-ordered sums, as the optimizers')
             if low is not self.grad:
@@ -339,55 +351,82 @@ class ShardedAdamW(ShardState):
         self.gathered_bytes = 0
 
     def norm_terms(self, ctx):
-        """[sum of squares, non-finite entries] of this rank's shard, each full entry once."""
+        """[sum of squares, non-finite entries] of this rank's shard, each full entry once. The
+        segments whose reduce-scatters are still in flight are landed and counted last (the
+        others' terms hide them); the terms are added in segment order all the same."""
         xp = self.xp
-        acc = xp.zeros(2, np.float64)
+        sq, acc = {}, xp.zeros(2, np.float64)
+        for s in sorted(self.trained, key=lambda s: bool(s.pending)):
+            self._land_all(s)
+            acc[1] += (~xp.isfinite(self.grad[s.shard_at:s.shard_at + s.chunk])).sum()
+            sq.update(self._square_sums(s))
         for s in self.trained:
             for p in s.params:
-                if p.norm_mask is False:
-                    continue
-                a0, b0 = s.where[id(p)]
-                a, b = self._mine(s, a0, b0)
-                if b <= a:
-                    continue
-                g = self.grad[a:b]
-                if p.norm_mask is not None:
-                    shape, axis = p.data.shape, p.sharding.axis
-                    stride = int(np.prod(shape[axis + 1:], dtype=np.int64))
-                    first = a - s.shard_at + s.group.rank * s.chunk - a0
-                    index = (xp.arange(first, first + (b - a)) // stride) % shape[axis]
-                    g = g[p.norm_mask[index]]
-                g64 = g.astype(np.float64)
-                acc[0] += g64 @ g64
-        acc[1] = (~xp.isfinite(self.grad)).sum()
+                if (s.index, id(p)) in sq:
+                    acc[0] += sq[s.index, id(p)]
         return acc
+
+    def _square_sums(self, s: Segment) -> dict:
+        """{(segment index, id(param)): the sum of squares of its entries in this rank's piece}."""
+        xp, out = self.xp, {}
+        for p in s.params:
+            if p.norm_mask is False:
+                continue
+            a0, b0 = s.where[id(p)]
+            a, b = self._mine(s, a0, b0)
+            if b <= a:
+                continue
+            g = self.grad[a:b]
+            if p.norm_mask is not None:
+                shape, axis = p.data.shape, p.sharding.axis
+                stride = int(np.prod(shape[axis + 1:], dtype=np.int64))
+                first = a - s.shard_at + s.group.rank * s.chunk - a0
+                index = (xp.arange(first, first + (b - a)) // stride) % shape[axis]
+                g = g[p.norm_mask[index]]
+            g64 = g.astype(np.float64)
+            out[s.index, id(p)] = g64 @ g64
+        return out
 
     def grad_norm(self, ctx) -> float:
         return finish_norm(ctx, self.norm_terms(ctx), self.group)  # (HSDP: a replica's shards)
 
     # ---- the update -------------------------------------------------------------------------------
-    def _pieces(self):
-        """(segment, [a, b) in shard coordinates, decays) over this rank's real elements."""
-        for s in self.trained:
-            for lo, hi, decays in ((0, s.n_decay, True), (s.n_decay, s.size, False)):
-                a, b = self._mine(s, lo, hi)
-                if b > a:
-                    yield s, a, b, decays
+    def _pieces(self, s: Segment):
+        """([a, b) in shard coordinates, decays) over this rank's real elements of segment s."""
+        for lo, hi, decays in ((0, s.n_decay, True), (s.n_decay, s.size, False)):
+            a, b = self._mine(s, lo, hi)
+            if b > a:
+                yield a, b, decays
 
     def step(self, lr=None, grad_scale=1.0) -> None:
+        """The update, segment by segment; zero 3 with `prefetch`: this stage's first unit's
+        segments first, then their gather for the next step started (module docstring)."""
         self.step_count += 1
-        for s, a, b, decays in self._pieces():
-            p = self.master[a:b] if self.master is not None else self._local(s)[a - s.shard_at:b - s.shard_at]
-            ops.adamw_update(p, self.grad[a:b], self.m[a:b], self.v[a:b], None, lr=self.lr if lr is None else lr,
-                             beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                             weight_decay=self.weight_decay if decays else 0.0, step=self.step_count,
-                             grad_scale=grad_scale)
-        for s in self.trained:
+        ahead = self.zero == 3 and self.prefetch and not self.all_gathered
+        opening = [s for s in self.unit_segments[self._opening] if not s.frozen] if ahead else []
+        order = opening + [s for s in self.trained if s not in opening]
+        if ahead and not opening:  # (nothing of it trains: its gather at once)
+            self._gather_ahead()
+        for k, s in enumerate(order):
+            self._land_all(s)
+            for a, b, decays in self._pieces(s):
+                p = self.master[a:b] if self.master is not None else self._local(s)[a - s.shard_at:b - s.shard_at]
+                ops.adamw_update(p, self.grad[a:b], self.m[a:b], self.v[a:b], None, lr=self.lr if lr is None else lr,
+                                 beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                                 weight_decay=self.weight_decay if decays else 0.0, step=self.step_count,
+                                 grad_scale=grad_scale)
             local = self._local(s)
             if self.master is not None:
                 local[...] = self.master[s.shard_at:s.shard_at + s.chunk]  # rounded to nearest even
             if self.zero == 2 and s.group.size > 1:  # every rank's updated piece, in place
                 s.group.start_all_gather(local, out=self.data[s.full_at:s.full_at + s.group.size * s.chunk]).wait()
+            if opening and k == len(opening) - 1:
+                self._gather_ahead()
+
+    def _gather_ahead(self) -> None:
+        """The next step's first unit's gathers started (kept by `begin_step`)."""
+        self._prefetch(self._opening)
+        self._ahead = {id(s) for s in self.unit_segments[self._opening]}
 
     def resync_masters(self) -> None:
         """Master weights := the parameters (after they were written outside the optimizer; at
