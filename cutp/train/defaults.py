@@ -115,11 +115,18 @@ def saved_world(saved: dict) -> int | None:
 
 def resumed_choices(choices: dict, saved: dict, world: int) -> dict:
     """`choices` with what a resumed run keeps from its checkpoint's settings (`saved`, its
-    train_args) filled in where not given (None)."""
-    out = dict(choices)
+    train_args) filled in where not given (None). The ZeRO stage is `zero` and
+    `distributed_optimizer` together: either given, neither is taken from the checkpoint (a
+    zero 3 run resumed with --distributed-optimizer continues at zero 1; at zero 0 or 2, without
+    the checkpoint's --overlap-param-gather, which they do not take)."""
+    out, drop = dict(choices), set()
     keep = list(RESUME_KEPT)
+    if choices.get("zero") is not None or choices.get("distributed_optimizer"):  # one setting: the given wins
+        keep = [k for k in keep if k not in ("zero", "distributed_optimizer")]  # (--distributed-optimizer: zero 1)
+        if choices.get("zero") in (0, 2):
+            drop.add("overlap_param_gather")  # (the checkpoint's: zero 0 and 2 gather no parameters to overlap)
     if not any(choices.get(k) is not None for k in RESUME_MESH) and saved_world(saved) == world:
-        keep += RESUME_LAYOUT
+        keep += [k for k in RESUME_LAYOUT if k not in drop]
     for k in keep:
         if out.get(k) is None and saved.get(k) is not None:
             out[k] = saved[k]

@@ -10,7 +10,9 @@ checkpoints move between stages and layouts, and what they cost is what the plan
   the same bits as without, and the prefetch holds more whole units, at most two.
 - Frozen parameters (LoRA, llama-shaped) at dp2 zero 2, dp2 zero 3 and tp2 x dp2 zero 3: within
   1e-10 of one rank, the frozen base bit-identical.
-- A zero 3 (HSDP) checkpoint resumes bit-identically, and at zero 1 dp 2 and one rank within 1e-10.
+- A zero 3 (HSDP) checkpoint resumes bit-identically in the loss, at zero 3 and at zero 1 (dp 4), and
+  at zero 1 dp 2 and one rank within 1e-10; a stage given at the resume (--distributed-optimizer:
+  zero 1) wins over the checkpoint's.
 - Measured = planned (cutp.plan.zero) at five layouts (one with LoRA): state bytes, the peak of whole units,
   every collective of the sharding groups, to the byte; `cutp plan --zero` agrees.
 - Refusals in one line whose every fix is accepted.
@@ -146,8 +148,10 @@ def test_zero_every_layout_of_the_grid():
 
 
 def _resume_worker(out):
-    """zero 3 at dp 4 in 2 replicas (HSDP) saves at step 2 of 3: resumed at the same layout its
-    losses are the uninterrupted run's bits; at zero 1 dp 2 and at one rank (zero 0), within 1e-10."""
+    """zero 3 at dp 4 in 2 replicas (HSDP) saves at step 2 of 4: resumed at the same layout, and at
+    zero 1 (dp 4, no replicas), its next two losses are the uninterrupted run's bits; at zero 1
+    dp 2 and at one rank (zero 0), within 1e-10 (another DP size sums the gradients in another
+    order: docs/parallelism.md)."""
     from mpi4py import MPI
 
     from cutp.train import save
@@ -157,7 +161,7 @@ def _resume_worker(out):
     layout = dict(dp=4, zero=3, dp_replicate=2, overlap_param_gather=True)
     run = build_run(_config(GPT2, 2, out=out, **layout), world, dataset=data)
     losses = []
-    for _ in range(3):
+    for _ in range(4):
         losses.append(train_step(run).loss)
         if run.step == 2:
             save(run)
@@ -166,11 +170,12 @@ def _resume_worker(out):
 
     def resumed(comm, **at):
         run = build_run(_config(GPT2, 2, resume=ckpt, resumed_step=2, **at), comm, dataset=data)
-        got = [train_step(run).loss]
+        got = [train_step(run).loss for _ in range(2)]
         run.close()
         return got
 
     assert resumed(world, **layout) == losses[2:], losses
+    assert resumed(world, dp=4, zero=1) == losses[2:], losses
     half = world.Split(world.rank // 2, world.rank)
     np.testing.assert_allclose(resumed(half, dp=2, zero=1), losses[2:], rtol=1e-10, atol=0)
     half.Free()
@@ -242,9 +247,16 @@ def _default_worker(out):
 
 def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tmp_path):
     """One launch: tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), dp4 zero 3 as 2 replicas (HSDP),
-    each with full recomputation, equal to one rank (overlap bit-identical at tp2 + SP); a zero 3
-    checkpoint resumed; measured = planned at the four PLANNED layouts."""
+    each with full recomputation, equal to one rank (overlap bit-identical at tp2 + SP); LoRA at
+    dp2 zero 2 and 3 and tp2 x dp2 zero 3 equal to one rank; a zero 3 checkpoint resumed at zero 3
+    and zero 1 bit-identically; measured = planned at the five PLANNED layouts."""
     run_mpi(4, "tests.optim.test_zero:_default_worker", str(tmp_path), timeout=400)
+    # resumed with the other spelling of a stage given, that stage (the checkpoint's is zero 3)
+    from cutp.train.config import derive_run_config
+
+    for given, zero in ((dict(distributed_optimizer=True), 1), (dict(zero=2), 2), (dict(zero=0), 0), ({}, 3)):
+        cfg = derive_run_config(dict(resume=str(tmp_path / "step-00000002"), **given), 4, 4)
+        assert (cfg.zero, cfg.distributed_optimizer) == (zero, zero > 0), (given, cfg.zero)
 
 
 def test_zero_refusals_name_fixes_that_are_accepted():
