@@ -8,8 +8,9 @@ checkpoints move between stages and layouts, and what they cost is what the plan
   give the losses, every gradient (put together from the ranks' shards) and every updated
   parameter of one rank within 1e-10; --overlap-grad-reduce and --overlap-param-gather give
   the same bits as without, and the prefetch holds more whole units, at most two.
-- Frozen parameters (LoRA, llama-shaped) at dp2 zero 2, dp2 zero 3 and tp2 x dp2 zero 3: within
-  1e-10 of one rank, the frozen base bit-identical.
+- Frozen parameters (LoRA, llama-shaped) at dp2 zero 2, dp2 zero 3 and tp2 x dp2 zero 3 (the grid:
+  also LoRA on MoE experts at dp4 x ep2 zero 3, and --freeze of the tied embedding at pp2 x dp2
+  zero 3): within 1e-10 of one rank, the frozen base bit-identical.
 - A zero 3 (HSDP) checkpoint resumes bit-identically in the loss, at zero 3 and at zero 1 (dp 4), and
   at zero 1 dp 2 and one rank within 1e-10; a stage given at the resume (--distributed-optimizer:
   zero 1) wins over the checkpoint's.
@@ -46,6 +47,10 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(tp=2, dp=2, ep=2, sequence_parallel=True, zero=2)),
     (LLAMA, 4, dict(pp=2, dp=2, zero=3, pp_virtual=2, pp_schedule="interleaved", micro_batch_size=1,
                     reshard_after_forward=False)),
+    # frozen parameters: LoRA on the experts too (sharded over expert-DP), and the frozen tied
+    # embedding on both pipeline ends
+    (dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3, lora_rank=4, lora_alpha=8.0)),
+    (GPT2, 2, dict(pp=2, dp=2, zero=3, freeze="embeddings,norms", overlap_grad_reduce=True)),
 ]
 BITS = {1, 4, 11}  # also run with OVERLAP: the same bits
 DEFAULT = (4, 6, 7)  # what `make test` runs, one one-rank reference for the three (all: -m zero_full)
@@ -120,9 +125,9 @@ def _worker(which):
         model, n_layer, layout = LAYOUTS[k]
         two = layout.get("dp") == 2 and all(layout.get(m, 1) == 1 for m in ("tp", "cp", "pp"))
         comm = world.Split(world.rank // 2, world.rank) if two else world  # (dp2: two runs side by side)
-        key = (repr(model), n_layer, layout.get("recompute", "none"))
+        one = {k2: v for k2, v in layout.items() if k2 in ("recompute", "freeze") or k2.startswith("lora_")}
+        key = (repr(model), n_layer, repr(sorted(one.items())))
         if key not in refs:
-            one = {k2: v for k2, v in layout.items() if k2 == "recompute"}
             refs[key] = on_rank_0(lambda: _train(_config(model, n_layer, **one), MPI.COMM_SELF)[:3])
         cfg = _config(model, n_layer, **layout)
         losses, grads, weights, peak = _train(cfg, comm)
