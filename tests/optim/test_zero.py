@@ -266,7 +266,7 @@ def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tm
 
 def test_zero_refusals_name_fixes_that_are_accepted():
     """`zero` with what it cannot serve (ep > 1, zero 2's parameter prefetch, bucket sizes,
-    --no-reshard-after-forward below zero 3) and `dp_replicate` below zero 2 or not dividing
+    --no-reshard-after-forward below zero 3, zero 3 with DeepSeek's moving correction bias) and `dp_replicate` below zero 2 or not dividing
     dp: one line, and every fix it proposes is accepted (the grid of tests/train/test_refusal_fixes)."""
     import itertools
 
@@ -276,7 +276,7 @@ def test_zero_refusals_name_fixes_that_are_accepted():
     for world, zero, replicate, extra in itertools.product(
             (4,), (None, 2, 3), (None, 3),
             ({}, {"preset": "tiny-moe", "ep": 2}, {"overlap_param_gather": True}, {"bucket_size": 1000},
-             {"reshard_after_forward": False})):
+             {"reshard_after_forward": False}, {"preset": "deepseek-tiny"})):
         cases.append((world, {"preset": "tiny", "device": "cpu", "tp": 1, "zero": zero, "dp_replicate": replicate,
                               **extra}))
     refused, checked = check_every_fix_is_accepted(cases)
