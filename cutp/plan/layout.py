@@ -79,6 +79,7 @@ from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_by
 from ..runtime.mesh import Mesh
 from . import overlap
 from .context import check_cp, cp_comm_bytes, cp_formula, formula_args
+from .mla import mha_attention_bytes, mla_attention_bytes
 from .run import ITEMSIZE, planned_parameters, planned_step
 from .zero import gathered_units_bytes, zero_collectives, zero_plan, zero_state_bytes
 
@@ -269,9 +270,14 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes
 
 
 def layer_activation_bytes(a, s, b, tp, act_bytes, mode, sequence_parallel, cp=1, cp_comm="ring") -> float:
-    """`activation_bytes_per_layer` of one of a CP rank's layers (cutp.plan.context)."""
+    """`activation_bytes_per_layer` of one of a CP rank's layers (cutp.plan.context); with
+    multi-head latent attention, its own figure in place of the attention's (cutp.plan.mla)."""
     tokens, heads, kept = formula_args(s, a.n_head, mode, cp, cp_comm)
-    return activation_bytes_per_layer(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
+    layer = activation_bytes_per_layer(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
+    if a.kv_lora_rank is None or mode == "full":
+        return layer
+    return (layer - mha_attention_bytes(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
+            + mla_attention_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel, cp=cp, cp_comm=cp_comm))
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -373,7 +379,8 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         logits = 4 * (s // cp) * b * a.vocab_size / tp
         act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
                "source": ("Korthikanti et al. 2022, Table 2, MoE layers with balanced routing (plan_moe)"
-                          if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")}
+                          if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")
+               + (", multi-head latent attention's own (plan.mla)" if a.kv_lora_rank is not None else "")}
     dpg = dp * cp  # the gradients' and ZeRO's group: DP x CP
     st = state_bytes_ep(a, P, moe_layers(a), dtype=dtype, dp=dpg, ep=ep, distributed_optimizer=distributed_optimizer)
     zplan = None
