@@ -56,7 +56,7 @@ import numpy as np
 from ..ops import attention_tiles as tiles
 from ..ops.attention import causal_attention_backward, causal_attention_forward
 from ..ops.common import as_dtype, compute_dtype
-from ..runtime.backend import get_array_module, to_numpy
+from ..runtime.backend import get_array_module, on_host, to_numpy
 from ..runtime.errors import ConfigError
 
 # Exchanges posted before each ring step's compute and waited after it (False: after it, at once).
@@ -293,6 +293,13 @@ class UlyssesCtx:
         self.attention, self.rep = attention_ctx, rep
 
 
+def array_path_for(q, v) -> dict:
+    """The op's path keyword for q and v: {"blocked": False} (the plain path) for NumPy arrays
+    whose v head dim differs from q's (MLA's: the blocked path takes one head dim), else none
+    (the op's own choice: the fused kernels on a GPU where they take the head dims)."""
+    return {"blocked": False} if v.shape[-1] != q.shape[-1] and on_host(get_array_module(q)) else {}
+
+
 def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: MaskRule | None = None):
     """(o, UlyssesCtx): q [B, nkv, g, Tl, hd], k and v [B, nkv, Tl, hd] (v's head dim may differ)
     this rank's tokens of the TP-local heads (nkv g divisible by cp, and cp dividing nkv or nkv dividing cp) -> o of
@@ -313,10 +320,8 @@ def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: 
     if rule is not None:
         docs = rule.documents
         mask = dict(window=rule.window, softcap=rule.softcap, documents=None if docs is None else (docs, docs))
-    if vh.shape[-1] != qh.shape[-1]:  # (MLA's v head dim: the op's blocked path takes one head dim)
-        mask["blocked"] = False
     o, attention_ctx = causal_attention_forward(qh, kh, vh, scale=scale, dropout_p=p, seed=seed, offset=offsets,
-                                                **mask)
+                                                **mask, **array_path_for(qh, vh))
     (o,) = _heads_to_seq(group, [(o, 1)])
     return o.reshape(q.shape[:-1] + (v.shape[-1],)), UlyssesCtx(attention_ctx, rep)
 

@@ -54,8 +54,9 @@ import numpy as np
 
 from .. import ops
 from ..runtime.errors import ConfigError
-from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
-                               ulysses_attention_backward, ulysses_attention_forward, zigzag_chunks)
+from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, array_path_for, ring_attention_backward,
+                               ring_attention_forward, ulysses_attention_backward, ulysses_attention_forward,
+                               zigzag_chunks)
 from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
 from .mappings import gather_from_sp_backward, gather_from_sp_forward
 from .parameter import Module, make_parameter, normal_init
@@ -165,7 +166,7 @@ class MultiLatentAttention(Module):
             return attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None,
                           MaskRule(documents=documents))
         return ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offsets,
-                                            blocked=None if v.shape[-1] == q.shape[-1] else False,
+                                            **array_path_for(q, v),
                                             documents=None if documents is None else (documents, documents))
 
     def _output(self, o):
