@@ -277,7 +277,8 @@ def layer_activation_bytes(a, s, b, tp, act_bytes, mode, sequence_parallel, cp=1
     if a.kv_lora_rank is None or mode == "full":
         return layer
     return (layer - mha_attention_bytes(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
-            + mla_attention_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel, cp=cp, cp_comm=cp_comm))
+            + mla_attention_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel, cp=cp, cp_comm=cp_comm,
+                                  recompute=mode))
 
 
 RECOMPUTE = ("none", "selective", "full")

@@ -13,7 +13,8 @@ with sequence parallelism, else s: the tokens the down-projections and their nor
     expanded q, k            2 n s b d_qk act     (the rope key broadcast into every head)
     kv_b's output            n s b (d_nope + d_v) act   (v is a view of it)
     scores (plain path)      n s^2 b c            (probabilities; with dropout the mask, 1 byte, and
-                                                  the dropped ones, c, besides)
+                                                  the dropped ones, c, besides; none under selective
+                                                  recomputation, which recomputes them)
     or, the ring (CP)        n s b d_v act + n s b c   (o and the log-sum-exp)
     output projection input  n s b d_v act
     CP's rope tables         4 s d_rope c         (this rank's zigzag rows of cos and sin, for q and
@@ -21,9 +22,10 @@ with sequence parallelism, else s: the tokens the down-projections and their nor
 
 The all-to-all (cp_comm a2a) keeps the whole sequence's q, k, v of n / cp heads (S = s cp tokens:
 n S b (2 d_qk + d_v) act / cp) and its scores (n S^2 b c / cp) in place of the expanded q, k, kv_b's
-output and the scores. Full recomputation keeps the layer's input only (Korthikanti et al.'s
-figure, unchanged). MLA keeps its attention under selective recomputation too (it does not
-recompute its core).
+output and the scores, under selective recomputation too (as multi-head attention's all-to-all).
+Full recomputation keeps the layer's input only (Korthikanti et al.'s figure, unchanged). The
+plain path's figures: with the fused kernels (a GPU, head dims they take) o and the log-sum-exp,
+O(s), take the scores' place, which the figure does not model (nor does Korthikanti et al.'s).
 
 `mla_attention_bytes` is that sum; `mha_attention_bytes` the multi-head attention's share of
 Korthikanti et al.'s per-layer figure (its input 2 s b h, Q, K, V and the output projection's
@@ -39,10 +41,12 @@ def _compute_bytes(act: int) -> int:
 
 
 def mla_attention_bytes(a, s: int, b: int, t: int, act: int, sequence_parallel: bool = False, *, cp: int = 1,
-                        cp_comm: str = "ring", dropout: bool | None = None, packed: bool = False) -> float:
+                        cp_comm: str = "ring", recompute: str = "none", dropout: bool | None = None,
+                        packed: bool = False) -> float:
     """What one MLA module keeps for backward on one rank (module docstring); s: the CP rank's
-    tokens (seq_len / cp). dropout: the attention dropout is on (None: a.dropout > 0); packed: the
-    rows' positions come as ids (no CP rope tables)."""
+    tokens (seq_len / cp). recompute: "none" or "selective" (full: the caller's, the layer's
+    input); dropout: the attention dropout is on (None: a.dropout > 0); packed: the rows'
+    positions come as ids (no CP rope tables)."""
     c = _compute_bytes(act)
     h, n = a.n_embd, a.n_head // t
     dqk, dv, dn = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim, a.qk_nope_head_dim
@@ -65,6 +69,8 @@ def mla_attention_bytes(a, s: int, b: int, t: int, act: int, sequence_parallel: 
     total += n * s * b * (2 * dqk + dn + dv) * act
     if cp > 1:  # the ring: o and the log-sum-exp
         return total + n * s * b * (dv * act + c)
+    if recompute == "selective":
+        return total
     return total + n * s * s * b * (c + (1 + c if drop else 0))
 
 

@@ -41,6 +41,10 @@ into each head, v of width d_v) or the all-to-all (`cutp.tensor_parallel.context
 takes v's head dim apart from k's). The shared key's gradient stays on its CP rank (the ring
 brings each dK home).
 
+Selective recomputation (`recompute_core`): as ParallelAttention's, forward keeps q, k, v and the
+dropout's (p, seed, offsets), not the probabilities, and backward recomputes them (the fused
+kernels' and the ring's contexts are O(T) already: kept).
+
 Attention dropout (`attn_dropout`): ParallelAttention's rule, probability (head, query, key) of
 a batch row keyed by its global head, query and key (this rank's heads at their global places),
 so that no TP, SP or CP layout changes the masks. Packed rows (`documents`): the op's mask rule,
@@ -97,7 +101,7 @@ class MultiLatentAttention(Module):
         self.sequence_parallel = False  # x is this rank's T/tp tokens (module docstring)
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism
         self.cp_comm = "ring"  # or "a2a"
-        self.recompute_core = False  # (selective recomputation: the block may set it; MLA keeps its attention)
+        self.recompute_core = False  # selective recomputation (module docstring)
 
     def lay_out_sequence(self, on, shard):
         """The down-projections run on this rank's tokens: their weights' gradients cover those
@@ -152,22 +156,27 @@ class MultiLatentAttention(Module):
         kf = xp.concatenate([kv[..., :dn], xp.broadcast_to(k_pe, (B, Tk, H, dr))], axis=-1)
         return qf.transpose(0, 2, 1, 3)[:, :, None], kf.transpose(0, 2, 1, 3), kv[..., dn:].transpose(0, 2, 1, 3)
 
-    def _attend(self, q, k, v, documents=None):
+    def _attend(self, q, k, v, documents=None, dropout=None):
         """(o [B, H, 1, Tq, d_v], the attention's context): the op's, or under context
         parallelism the ring's or the all-to-all's; the dropout's masks at the heads' global
-        places of the whole sequence (ParallelAttention's rule)."""
+        places of the whole sequence (ParallelAttention's rule). Selective recomputation: the
+        context is (q, k, v, the dropout's (p, seed, offsets), documents), and `dropout` those
+        again in backward."""
         B, H, _, Tq, _ = q.shape
         cp = 1 if self.context_shard is None else self.context_shard[1]
         T = Tq * cp
-        p, seed, offsets = self.attn_dropout.draw_rows(B, H * T * T, first_elem=self.ctx.tp_rank * H * T * T,
-                                                       global_row_elems=self.n_head * T * T)
-        if self.context_shard is not None:
+        p, seed, offsets = dropout or self.attn_dropout.draw_rows(
+            B, H * T * T, first_elem=self.ctx.tp_rank * H * T * T, global_row_elems=self.n_head * T * T)
+        if self.context_shard is not None:  # (the ring's context is O(T): nothing to recompute)
             attend = ulysses_attention_forward if self.cp_comm == "a2a" else ring_attention_forward
             return attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None,
                           MaskRule(documents=documents))
-        return ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offsets,
-                                            **array_path_for(q, v),
-                                            documents=None if documents is None else (documents, documents))
+        o, attn = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offsets,
+                                               **array_path_for(q, v),
+                                               documents=None if documents is None else (documents, documents))
+        if self.recompute_core and dropout is None and not attn.fused:  # (the fused kernels' context is O(T))
+            attn = (q, k, v, (p, seed, offsets), documents)
+        return o, attn
 
     def _output(self, o):
         B, H, _, T, dv = o.shape
@@ -230,6 +239,9 @@ class MultiLatentAttention(Module):
         do = self.proj.backward(dy)  # [B, T, H * d_v] (the whole sequence under SP: proj gathers dy)
         B, T = do.shape[:2]
         do = do.reshape(B, T, H, dv).transpose(0, 2, 1, 3)[:, :, None]
+        if isinstance(attn, tuple):  # selective recomputation: the attention again, with the same masks
+            q, k, v, dropout, documents = attn
+            _, attn = self._attend(q, k, v, documents, dropout)
         if isinstance(attn, RingCtx):
             dq, dk, dvv = ring_attention_backward(self.ctx.cp, do, attn)
         elif isinstance(attn, UlyssesCtx):

@@ -1,7 +1,8 @@
 """The planner's multi-head latent attention (issue 40): what cutp's MLA keeps for backward, counted
 from its caches after a training forward on shape-only arrays (the rope tables, the model's, left
 out), equals `cutp.plan.mla.mla_attention_bytes` to the byte at tp 1 and 2, with and without
-sequence parallelism, the low-rank query or not, dropout, cp 2 ring and all-to-all, float32,
+sequence parallelism, the low-rank query or not, dropout, selective recomputation, cp 2 ring and
+all-to-all, float32,
 bfloat16 and float64; the planner's per-layer figure of an MLA model is Korthikanti et al.'s with
 that in place of multi-head attention's share."""
 import dataclasses
@@ -22,11 +23,12 @@ MLA = GPTConfig(n_layer=1, n_head=8, n_embd=64, mlp_hidden=96, vocab_size=128, b
                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, family="deepseek_v3")
 
 
-def _counted(config, *, tp=1, sp=False, cp=1, cp_comm="ring", b=2, s=32):
+def _counted(config, *, tp=1, sp=False, cp=1, cp_comm="ring", recompute="none", b=2, s=32):
     ctx = ShapeOnlyContext(tp=tp, cp=cp, rank=0, device="cpu")
     model = GPT(ctx, config, init=False)
     model.train()
     model.set_sequence_parallel(sp)
+    model.set_recompute(recompute)
     if cp > 1:
         model.set_context_parallel_comm(cp_comm)
     idx = np.zeros((b, s), np.int64)
@@ -36,20 +38,22 @@ def _counted(config, *, tp=1, sp=False, cp=1, cp_comm="ring", b=2, s=32):
 
 
 CASES = [dict(), dict(tp=2), dict(tp=2, sp=True), dict(tp=2, sp=True, q_lora_rank=None), dict(q_lora_rank=None),
-         dict(tp=2, dropout=0.1), dict(cp=2), dict(tp=2, sp=True, cp=2), dict(cp=2, cp_comm="a2a"),
-         dict(tp=2, cp=2, cp_comm="a2a", dropout=0.1)]
+         dict(tp=2, dropout=0.1), dict(tp=2, dropout=0.1, recompute="selective"), dict(cp=2),
+         dict(tp=2, sp=True, cp=2, recompute="selective"), dict(cp=2, cp_comm="a2a"),
+         dict(tp=2, cp=2, cp_comm="a2a", dropout=0.1, recompute="selective")]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 def test_mla_keeps_what_the_planner_s_formula_says(dtype):
     for case in CASES:
         case = dict(case)
-        layout_kw = {k: case.pop(k) for k in ("tp", "sp", "cp", "cp_comm") if k in case}
+        layout_kw = {k: case.pop(k) for k in ("tp", "sp", "cp", "cp_comm", "recompute") if k in case}
         config = dataclasses.replace(MLA, dtype=dtype, **case)
         counted = _counted(config, **layout_kw)
         tp, cp = layout_kw.get("tp", 1), layout_kw.get("cp", 1)
         planned = mla_attention_bytes(config, 32 // cp, 2, tp, ITEMSIZE[dtype], layout_kw.get("sp", False), cp=cp,
-                                      cp_comm=layout_kw.get("cp_comm", "ring"))
+                                      cp_comm=layout_kw.get("cp_comm", "ring"),
+                                      recompute=layout_kw.get("recompute", "none"))
         assert counted == planned, (dtype, layout_kw, case, counted, planned)
 
 
@@ -65,6 +69,6 @@ def test_an_mla_layer_is_planned_with_its_own_attention():
             assert got == plain
             continue
         share = mha_attention_bytes(64, 2, 64, 8, 2, 2, mode, sp)
-        assert 0 < share < plain and got == plain - share + mla_attention_bytes(MLA, 64, 2, 2, 2, sp)
+        assert 0 < share < plain and got == plain - share + mla_attention_bytes(MLA, 64, 2, 2, 2, sp, recompute=mode)
     # at tp 1: Table 2's attention block (11 s b h + 5 a s^2 b) but its residual dropout's mask (s b h)
     assert mha_attention_bytes(64, 2, 64, 8, 1, 2, "none", False) == 64 * 2 * 64 * 10 + 5 * 8 * 64 * 64 * 2

@@ -82,14 +82,16 @@ def _worker_tp2_equals_one_rank(model_cases=()):
 # DeepSeek-V3-shaped models (tests/models/test_local_attention.py's MLA: float64, dropout 0.1, YaRN,
 # DeepSeekMoE), with and without packed rows: sequence parallelism (the latents gathered, the
 # down-projections' gradients summed over TP), context parallelism by the ring and the all-to-all
-# (k's head dim 8, v's 6), each against one rank (loss and every gradient within 1e-10)
+# (k's head dim 8, v's 6), full and selective recomputation, each against one rank (loss and every
+# gradient within 1e-10)
 MODEL_CASES = [dict(model="mla", packed=False, tp=2, sp=True),
                dict(model="mla", packed=True, tp=2, sp=True),
                dict(model="mla_plain_q", packed=True, tp=2, sp=True),  # (q_proj gathers the hidden state)
                dict(model="mla", packed=False, cp=2),
                dict(model="mla", packed=True, cp=2),
                dict(model="mla", packed=True, cp=2, cp_comm="a2a"),
-               dict(model="mla", packed=True, tp=2, recompute="full")]
+               dict(model="mla", packed=True, tp=2, recompute="full"),
+               dict(model="mla", packed=True, tp=2, sp=True, recompute="selective")]
 
 
 def test_mla_tp2_and_deepseek_shaped_models_on_every_layout_equal_one_rank():
