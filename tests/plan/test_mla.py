@@ -4,7 +4,7 @@ out), equals `cutp.plan.mla.mla_attention_bytes` to the byte at tp 1 and 2, with
 sequence parallelism, the low-rank query or not, dropout, selective recomputation, cp 2 ring and
 all-to-all, float32,
 bfloat16 and float64; the planner's per-layer figure of an MLA model is Korthikanti et al.'s with
-that in place of multi-head attention's share."""
+that in place of multi-head attention's share; the CP traffic formula counts MLA's head dims."""
 import dataclasses
 
 import numpy as np
@@ -14,7 +14,8 @@ from cutp.comm.shape_only import ShapeOnlyContext
 from cutp.models import GPT, GPTConfig
 from cutp.plan import layout
 from cutp.plan.mla import mha_attention_bytes, mla_attention_bytes
-from cutp.plan.run import ITEMSIZE
+from cutp.plan.context import cp_comm_bytes
+from cutp.plan.run import ITEMSIZE, planned_step
 from cutp.train.memory import cached_activation_bytes
 
 # DeepSeek-V3-shaped, dense: q's and k's head dim 24 apart from v's 16
@@ -72,3 +73,13 @@ def test_an_mla_layer_is_planned_with_its_own_attention():
         assert 0 < share < plain and got == plain - share + mla_attention_bytes(MLA, 64, 2, 2, 2, sp, recompute=mode)
     # at tp 1: Table 2's attention block (11 s b h + 5 a s^2 b) but its residual dropout's mask (s b h)
     assert mha_attention_bytes(64, 2, 64, 8, 1, 2, "none", False) == 64 * 2 * 64 * 10 + 5 * 8 * 64 * 64 * 2
+
+
+@pytest.mark.parametrize("comm", ["ring", "a2a"])
+def test_the_cp_formula_counts_what_mla_sends(comm):
+    """Every head's k (d_qk) and v (d_v) round the ring, or q, k, v and o through the all-to-all:
+    the formula equals what the planned step's counters count."""
+    got = planned_step(MLA, tp=2, cp=2, cp_comm=comm, micro_batch=2, seq_len=32, device="cpu")["comm"]
+    sent = got["cp.send" if comm == "ring" else "cp.all_to_all"]
+    formula = cp_comm_bytes(MLA, s=32, b=2, tp=2, cp=2, cp_comm=comm, layers=1, accum=1, itemsize=4)
+    assert formula["bytes"] == sent["bytes"] > 0 and formula["calls"] == sent["calls"]
