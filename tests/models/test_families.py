@@ -131,6 +131,6 @@ def test_llama_qwen2_mixtral_qwen3_gemma_on_every_layout_equal_one_rank():
              dict(family="gemma", tp=2, cp=2, cp_comm="a2a"),
              # (issue 40: grouped experts and their routing; EP 4 is tests/tensor_parallel/test_expert_parallel.py's)
              dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1),
-             dict(family="deepseek_v3", tp=2, pp=2, micro=1),  # MLA by heads, the bias over the pipeline
+             dict(family="deepseek_v3", tp=2, pp=2, sp=True, micro=1),  # MLA by heads (+ SP), the bias over the pipeline
              dict(family="deepseek_moe", dp=2, ep=2, cp=2, micro=1)]  # the bias from every CP and EP rank
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)
