@@ -2,7 +2,9 @@
 v's head dim (6) apart from q and k's (8): gradients against central finite differences; at tp 2
 the output, the input gradient and every parameter's full gradient equal one rank's within
 1e-12; against transformers' DeepseekV3Attention (where torch imports; rope_interleave, its
-interleaved rope columns permuted once as a reader would) within 1e-12 and 1e-10."""
+interleaved rope columns permuted once as a reader would) within 1e-12 and 1e-10. The same
+launch runs DeepSeek-shaped models (float64, dropout 0.1, packed rows or not) at tp2 + SP, cp2
+ring and all-to-all, full and selective recomputation against one rank (1e-10)."""
 import zlib
 
 import numpy as np
