@@ -32,6 +32,13 @@ Korthikanti et al.'s per-layer figure (its input 2 s b h, Q, K, V and the output
 input 8 s b h / t, scores, dropout mask and dropped probabilities 5 a s^2 b / t; the mask 1 byte),
 which the planner replaces by it. tests/plan/test_mla.py counts the caches of cutp's MLA on
 shape-only arrays against them.
+
+TP collectives (`mla_tp_collectives`): where multi-head attention all-reduces b s h twice (the
+output projection forward, the QKV input gradient backward), MLA all-reduces b s h forward and,
+backward, the input gradients of q_b (b s r_q; q_proj's: b s h), kv_b (b s r_kv) and of the
+shared rope key (b s d_rope): 4 collectives. Under sequence parallelism each is a reduce-scatter
+and an all-gather of the same size, and the down-projections' weights and their norms, used on
+the rank's tokens, join the TP gradient sum (`mla_sequence_parallel_elements`).
 """
 from __future__ import annotations
 
@@ -90,3 +97,17 @@ def mha_attention_bytes(s: int, b: int, h: int, heads: int, t: int, act: int, re
     if act == 2:
         return base
     return (base - masks) * (act / 2) + masks
+
+
+def mla_tp_collectives(a, tokens: int) -> tuple[int, int]:
+    """(calls, elements) of one MLA layer's activation collectives beyond multi-head attention's
+    2 of `tokens` x h (module docstring); tokens: b s of the CP rank."""
+    q_width = a.q_lora_rank or a.n_embd
+    return 2, tokens * (q_width + a.kv_lora_rank + a.qk_rope_head_dim - a.n_embd)
+
+
+def mla_sequence_parallel_elements(a) -> int:
+    """One MLA layer's replicated parameters used on sequence shards: q_a and its norm (with
+    q_lora_rank), kv_a and its norm."""
+    h, rq, r = a.n_embd, a.q_lora_rank or 0, a.kv_lora_rank
+    return h * rq + rq + h * (r + a.qk_rope_head_dim) + r
