@@ -85,21 +85,20 @@ def test_the_cp_formula_counts_what_mla_sends(comm):
     assert formula["bytes"] == sent["bytes"] > 0 and formula["calls"] == sent["calls"]
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_the_tp_collectives_of_mla_are_planned_as_the_step_counts_them(sp):
+@pytest.mark.parametrize("sp, q_lora_rank", [(False, 32), (True, None)])
+def test_the_tp_collectives_of_mla_are_planned_as_the_step_counts_them(sp, q_lora_rank):
     """One all-reduce of b s h forward and the input gradients of q_b (or q_proj), kv_b and the
     rope key backward per MLA layer (under SP: a reduce-scatter and an all-gather each), and the
     down-projections' and their norms' gradients summed over TP under SP: formula = counted."""
-    for q_lora_rank in (32, None):
-        c = dataclasses.replace(MLA, q_lora_rank=q_lora_rank, n_layer=2)
-        kw = dict(tp=2, dp=1, micro_batch=2, seq_len=32, accum=2, dtype="float32", sequence_parallel=sp)
-        on = planned_step(c, device="cpu", **kw)["comm"]
-        plan = layout.plan(c, config=c, device="cpu", **kw)
-        act, ce, grads = plan["tp_allreduce"], plan["ce_allreduce"], plan["tp_grad_allreduce"]
-        if sp:
-            assert on["tp.reduce_scatter"]["calls"] == on["tp.all_gather"]["calls"] == act["calls"]
-            assert on["tp.reduce_scatter"]["elements"] == act["elements"] == 2 * on["tp.all_gather"]["elements"]
-            act = {"calls": 0, "elements": 0}
-        assert grads["elements"] > 2 * sp * 64 * 16  # (under SP: kv_a's weights at least)
-        assert on["tp.all_reduce"]["calls"] == act["calls"] + ce["calls"] + grads["calls"]
-        assert on["tp.all_reduce"]["elements"] == act["elements"] + ce["elements"] + grads["elements"]
+    c = dataclasses.replace(MLA, q_lora_rank=q_lora_rank, n_layer=2)
+    kw = dict(tp=2, dp=1, micro_batch=2, seq_len=32, accum=2, dtype="float32", sequence_parallel=sp)
+    on = planned_step(c, device="cpu", **kw)["comm"]
+    plan = layout.plan(c, config=c, device="cpu", **kw)
+    act, ce, grads = plan["tp_allreduce"], plan["ce_allreduce"], plan["tp_grad_allreduce"]
+    if sp:
+        assert on["tp.reduce_scatter"]["calls"] == on["tp.all_gather"]["calls"] == act["calls"]
+        assert on["tp.reduce_scatter"]["elements"] == act["elements"] == 2 * on["tp.all_gather"]["elements"]
+        act = {"calls": 0, "elements": 0}
+    assert grads["elements"] > 2 * sp * 64 * 16  # (under SP: kv_a's weights at least)
+    assert on["tp.all_reduce"]["calls"] == act["calls"] + ce["calls"] + grads["calls"]
+    assert on["tp.all_reduce"]["elements"] == act["elements"] + ce["elements"] + grads["elements"]
