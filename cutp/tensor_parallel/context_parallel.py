@@ -56,7 +56,7 @@ import numpy as np
 from ..ops import attention_tiles as tiles
 from ..ops.attention import causal_attention_backward, causal_attention_forward
 from ..ops.common import as_dtype, compute_dtype
-from ..runtime.backend import get_array_module, on_host, to_numpy
+from ..runtime.backend import get_array_module, to_numpy
 from ..runtime.errors import ConfigError
 
 # Exchanges posted before each ring step's compute and waited after it (False: after it, at once).
@@ -294,10 +294,11 @@ class UlyssesCtx:
 
 
 def array_path_for(q, v) -> dict:
-    """The op's path keyword for q and v: {"blocked": False} (the plain path) for NumPy arrays
-    whose v head dim differs from q's (MLA's: the blocked path takes one head dim), else none
-    (the op's own choice: the fused kernels on a GPU where they take the head dims)."""
-    return {"blocked": False} if v.shape[-1] != q.shape[-1] and on_host(get_array_module(q)) else {}
+    """The op's path keyword for q and v: {"blocked": False} (the plain path) where v's head dim
+    differs from q's (MLA's: the blocked path takes one head dim, and the fused kernels' check,
+    `fused_attention_supported`, reads q's alone), else none (the op's own choice). Once the
+    fused kernels take v's head dim apart, a GPU's may: then only the host's needs this."""
+    return {"blocked": False} if v.shape[-1] != q.shape[-1] else {}
 
 
 def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: MaskRule | None = None):
