@@ -344,9 +344,6 @@ class ModelConfig:
             raise ConfigError("multi-head latent attention rotates its rope part: set positions=rope")
         if self.n_head % tp:
             raise ConfigError(f"tp={tp} must divide n_head={self.n_head} (MLA splits its heads over TP)")
-        if self.dropout:
-            raise ConfigError(f"dropout={self.dropout}: multi-head latent attention has no attention dropout yet; "
-                              "set dropout=0")
 
     def _validate_local_attention(self) -> None:
         w = self.sliding_window

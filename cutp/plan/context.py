@@ -20,6 +20,8 @@ head dim, or one replicated head when t > n_kv_head):
                     one). Where cp is a multiple of the TP rank's KV heads, each KV head's K,V
                     (and dK,dV) go to the cp / (its KV heads) CP ranks of its query heads: k, v
                     that many times
+Multi-head latent attention: every head's k (d_nope + d_rope, the shared rope key broadcast) and
+v (d_v) travel, and q of d_qk, o of d_v (cutp.tensor_parallel.mla).
 """
 from __future__ import annotations
 
@@ -58,7 +60,9 @@ def cp_comm_bytes(a, *, s: int, b: int, tp: int, cp: int, cp_comm: str, layers: 
     if cp == 1:
         return {"calls": 0, "elements": 0, "bytes": 0, "wire_bytes": 0.0}
     local = b * (s // cp)
-    kv = 2 * local * kv_width(a, tp)
+    mla = a.kv_lora_rank is not None  # (multi-head latent attention: every head's k of d_qk, v of d_v)
+    kv = local * (a.n_head // tp * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) if mla
+                  else 2 * kv_width(a, tp))
     forwards = (layers + recomputed) * accum
     if cp_comm == "ring":
         backward = layers * accum
@@ -67,9 +71,9 @@ def cp_comm_bytes(a, *, s: int, b: int, tp: int, cp: int, cp_comm: str, layers: 
         nbytes = (forwards * (cp - 1) + backward * (cp - 1)) * kv * itemsize + backward * cp * kv * max(itemsize, 4)
         return {"calls": calls, "elements": elements, "bytes": nbytes, "wire_bytes": float(nbytes)}
     heads, kv_heads = a.n_head // tp, kv_width(a, tp) // a.head_size
-    q = local * heads * a.head_size
-    copies = ulysses_heads(cp, kv_heads, heads // kv_heads)[2]  # of each of the TP rank's KV heads
-    per_way = 2 * q + copies * kv  # q, k, v, then o (forward); do, then dq, dk, dv (backward)
+    q_and_o = local * heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim if mla else 2 * a.head_size)
+    copies = 1 if mla else ulysses_heads(cp, kv_heads, heads // kv_heads)[2]  # of each of the TP rank's KV heads
+    per_way = q_and_o + copies * kv  # q, k, v, then o (forward); do, then dq, dk, dv (backward)
     elements = (forwards + layers * accum) * per_way
     nbytes = elements * itemsize
     return {"calls": (forwards + layers * accum) * 2, "elements": elements, "bytes": nbytes,

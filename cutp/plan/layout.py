@@ -79,6 +79,7 @@ from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_by
 from ..runtime.mesh import Mesh
 from . import overlap
 from .context import check_cp, cp_comm_bytes, cp_formula, formula_args
+from .mla import mha_attention_bytes, mla_attention_bytes, mla_sequence_parallel_elements, mla_tp_collectives
 from .run import ITEMSIZE, planned_parameters, planned_step
 from .zero import gathered_units_bytes, zero_collectives, zero_plan, zero_state_bytes
 
@@ -161,8 +162,9 @@ def tp_gradient_elements(a: GPTConfig, tp: int, sequence_parallel: bool, ep: int
         return experts
     rows = a.n_layer * a.has_bias("attn_out_bias") * h + n_dense * a.has_bias("mlp_bias") * h
     norms = a.n_layer * (4 if a.post_norms else 2) * norm  # (Gemma: a norm after each branch too)
+    mla = a.n_layer * mla_sequence_parallel_elements(a) if a.kv_lora_rank is not None else 0
     return (norms + rows + moe["layers"] * moe["router"] + norm + (a.block_size * h if (a.positions == "learned") else 0)
-            + experts)
+            + experts + mla)
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -269,9 +271,15 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int, act_bytes
 
 
 def layer_activation_bytes(a, s, b, tp, act_bytes, mode, sequence_parallel, cp=1, cp_comm="ring") -> float:
-    """`activation_bytes_per_layer` of one of a CP rank's layers (cutp.plan.context)."""
+    """`activation_bytes_per_layer` of one of a CP rank's layers (cutp.plan.context); with
+    multi-head latent attention, its own figure in place of the attention's (cutp.plan.mla)."""
     tokens, heads, kept = formula_args(s, a.n_head, mode, cp, cp_comm)
-    return activation_bytes_per_layer(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
+    layer = activation_bytes_per_layer(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
+    if a.kv_lora_rank is None or mode == "full":
+        return layer
+    return (layer - mha_attention_bytes(tokens, b, a.n_embd, heads, tp, act_bytes, kept, sequence_parallel)
+            + mla_attention_bytes(a, s // cp, b, tp, act_bytes, sequence_parallel, cp=cp, cp_comm=cp_comm,
+                                  recompute=mode))
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -373,7 +381,8 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         logits = 4 * (s // cp) * b * a.vocab_size / tp
         act = {"bytes": sum(stash) + logits, "stash_per_layer": stash, "layers": sum(stash), "logits": logits,
                "source": ("Korthikanti et al. 2022, Table 2, MoE layers with balanced routing (plan_moe)"
-                          if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")}
+                          if a.n_experts else "Korthikanti et al. 2022, Table 2; not a cutp model")
+               + (", multi-head latent attention's own (plan.mla)" if a.kv_lora_rank is not None else "")}
     dpg = dp * cp  # the gradients' and ZeRO's group: DP x CP
     st = state_bytes_ep(a, P, moe_layers(a), dtype=dtype, dp=dpg, ep=ep, distributed_optimizer=distributed_optimizer)
     zplan = None
@@ -398,6 +407,9 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     bsh = b * (s // cp) * h  # this CP rank's tokens
     tp_calls = (4 * L + 2) * accum if tp > 1 else 0
     tp_elems = bsh * tp_calls
+    if tp > 1 and a.kv_lora_rank is not None:  # multi-head latent attention's own (cutp.plan.mla)
+        calls, elems = mla_tp_collectives(a, b * (s // cp))
+        tp_calls, tp_elems = tp_calls + calls * L * accum, tp_elems + elems * L * accum
     ce_elems = 3 * b * (s // cp) * accum if tp > 1 else 0  # max, then (sum of exps, target logit); +b*s with smoothing
     ce_calls = 2 * accum if tp > 1 else 0
 
@@ -548,6 +560,8 @@ def run(args) -> Report:
     rows = [("TP all-gather + reduce-scatter (activations; counted as the all-reduces they replace)" if sp
              else "TP all-reduce (activations)", "tp_allreduce",
              f"(4 per layer x {L} + 2) x b*s*h = {bsh:,} elements, x {args.accum} micro-batches"
+             + ("; MLA: + 2 a layer, its q_b, kv_b and rope-key input gradients (b*s*(r_q + r_kv + d_rope)) in "
+                "place of QKV's b*s*h" if a.kv_lora_rank is not None else "")
              + ("; sequence parallel: each is an all-gather and a reduce-scatter, the same wire bytes" if sp else "")),
             ("TP all-reduce (CE stats)", "ce_allreduce", "max (b*s) + sums (2*b*s; 3*b*s with label smoothing), fp32"),
             ("TP all-reduce (gradients)", "tp_grad_allreduce", "; ".join(

@@ -20,7 +20,8 @@ The tiles' partial outputs merge by their log-sum-exp (`cutp.ops.attention_tiles
 positions their diagonal shift, nothing c x c in memory), elsewhere on array code. The backward runs the ring again with the merged o and lse: dQ
 stays local, and the dK,dV of each K,V travel with it (each rank adds its tiles' part to the
 partial it receives, and passes it on; after the last step one more shift brings every dK,dV
-home). One message group per step, both directions of the same size: forward cp-1 sends of the
+home). K and V travel as one flat message (`_pack_kv`; V's head dim may differ from K's, as MLA's
+does). One message group per step, both directions of the same size: forward cp-1 sends of the
 local K,V per layer ((cp-1)/cp of a sequence's K,V bytes each way), backward cp-1 of K,V and cp
 of dK,dV.
 
@@ -292,9 +293,17 @@ class UlyssesCtx:
         self.attention, self.rep = attention_ctx, rep
 
 
+def array_path_for(q, v) -> dict:
+    """The op's path keyword for q and v: {"blocked": False} (the plain path) where v's head dim
+    differs from q's (MLA's: the blocked path takes one head dim, and the fused kernels' check,
+    `fused_attention_supported`, reads q's alone), else none (the op's own choice). Once the
+    fused kernels take v's head dim apart, a GPU's may: then only the host's needs this."""
+    return {"blocked": False} if v.shape[-1] != q.shape[-1] else {}
+
+
 def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: MaskRule | None = None):
-    """(o, UlyssesCtx): q [B, nkv, g, Tl, hd], k and v [B, nkv, Tl, hd] this rank's tokens of
-    the TP-local heads (nkv g divisible by cp, and cp dividing nkv or nkv dividing cp) -> o of
+    """(o, UlyssesCtx): q [B, nkv, g, Tl, hd], k and v [B, nkv, Tl, hd] (v's head dim may differ)
+    this rank's tokens of the TP-local heads (nkv g divisible by cp, and cp dividing nkv or nkv dividing cp) -> o of
     q's shape; dropout: None or (p, seed, per-batch-row counter offsets of this rank's first
     head, global T); rule: the window, soft-cap and whole documents (`MaskRule`)."""
     cp = group.size
@@ -302,7 +311,7 @@ def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: 
     nkv_r, g_r, rep = ulysses_heads(cp, nkv, g)
     qh, kh, vh = _seq_to_heads(group, [(q.reshape(B, cp, nkv_r, g_r, Tl, hd), 1),
                                        (k.reshape(B, cp // rep, nkv_r, Tl, hd), rep),
-                                       (v.reshape(B, cp // rep, nkv_r, Tl, hd), rep)])
+                                       (v.reshape(B, cp // rep, nkv_r, Tl, v.shape[-1]), rep)])
     p, seed, offsets = (0.0, 0, 0) if dropout is None else dropout[:3]
     if p:  # this rank's query heads (a contiguous block of the TP rank's) start cp_rank * nkv g / cp heads in
         T = dropout[3]
@@ -313,26 +322,40 @@ def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: 
         docs = rule.documents
         mask = dict(window=rule.window, softcap=rule.softcap, documents=None if docs is None else (docs, docs))
     o, attention_ctx = causal_attention_forward(qh, kh, vh, scale=scale, dropout_p=p, seed=seed, offset=offsets,
-                                                **mask)
+                                                **mask, **array_path_for(qh, vh))
     (o,) = _heads_to_seq(group, [(o, 1)])
-    return o.reshape(q.shape), UlyssesCtx(attention_ctx, rep)
+    return o.reshape(q.shape[:-1] + (v.shape[-1],)), UlyssesCtx(attention_ctx, rep)
 
 
 def ulysses_attention_backward(group, do, ctx: UlyssesCtx, out=None):
     """(dq, dk, dv) of the forward that made ctx (out: optional arrays to write them into); dk, dv
     of a replicated KV head: the sum of its copies' parts."""
     cp, rep = group.size, ctx.rep
-    B, nkv, g, Tl, hd = do.shape
+    B, nkv, g, Tl, dv_dim = do.shape  # (v's head dim, which may differ from q's and k's: MLA)
     nkv_r, g_r, _ = ulysses_heads(cp, nkv, g)
-    (doh,) = _seq_to_heads(group, [(do.reshape(B, cp, nkv_r, g_r, Tl, hd), 1)])
+    (doh,) = _seq_to_heads(group, [(do.reshape(B, cp, nkv_r, g_r, Tl, dv_dim), 1)])
     dq, dk, dv = causal_attention_backward(doh, ctx.attention)
     dq, dk, dv = _heads_to_seq(group, [(dq, 1), (dk, rep), (dv, rep)])
-    grads = (dq.reshape(do.shape), dk.reshape(B, nkv, Tl, hd), dv.reshape(B, nkv, Tl, hd))
+    grads = (dq.reshape(B, nkv, g, Tl, -1), dk.reshape(B, nkv, Tl, -1), dv.reshape(B, nkv, Tl, dv_dim))
     if out is None:
         return grads
     for dst, grad in zip(out, grads):
         dst[...] = grad
     return out
+
+
+def _pack_kv(xp, k, v, dtype):
+    """k and v in one flat buffer (one message; v's head dim may differ from k's: MLA)."""
+    kv = xp.empty(k.size + v.size, dtype)
+    kv[:k.size].reshape(k.shape)[...] = k
+    kv[k.size:].reshape(v.shape)[...] = v
+    return kv
+
+
+def _unpack_kv(kv, k_shape, v_shape):
+    """The (k, v) views of a `_pack_kv` buffer (each contiguous)."""
+    n = int(np.prod(k_shape))
+    return kv[:n].reshape(k_shape), kv[n:].reshape(v_shape)
 
 
 def _ring_step(group, sends, recvs, compute):
@@ -361,7 +384,7 @@ def ring_attention_forward(group, q, k, v, scale: float, dropout=None, rule: Mas
     Tl = q.shape[3]
     c = Tl // 2
     mine = zigzag_chunks(cp, r)
-    kv = xp.ascontiguousarray(xp.stack((k, v)))  # [2, B, nkv, Tl, hd]: one message
+    kv = _pack_kv(xp, k, v, k.dtype)  # one message
     acc = [(None, None), (None, None)]
     for step in range(cp):
         theirs = zigzag_chunks(cp, (r - step) % cp)
@@ -371,12 +394,13 @@ def ring_attention_forward(group, q, k, v, scale: float, dropout=None, rule: Mas
             sends, recvs = [(kv, (r + 1) % cp, TAG_KV)], [(incoming, (r - 1) % cp, TAG_KV)]
 
         def compute(kv=kv, theirs=theirs):
+            held_k, held_v = _unpack_kv(kv, k.shape, v.shape)
             for a in range(2):
                 qa = q[..., a * c:(a + 1) * c, :]
                 for b in range(2):
                     if not rule.visible(mine[a], theirs[b], c):
                         continue
-                    o_t, lse_t = tiles.tile_forward(qa, kv[0][:, :, b * c:(b + 1) * c], kv[1][:, :, b * c:(b + 1) * c],
+                    o_t, lse_t = tiles.tile_forward(qa, held_k[:, :, b * c:(b + 1) * c], held_v[:, :, b * c:(b + 1) * c],
                                                     scale, (mine[a] * c, theirs[b] * c), dropout,
                                                     **rule.tile(mine[a], theirs[b], c))
                     acc[a] = tiles.merge(*acc[a], o_t, lse_t)
@@ -402,7 +426,7 @@ def ring_attention_backward(group, do, ctx: RingCtx, out=None):
     rowdot = [(as_dtype(do[..., rows, :], cdt) * as_dtype(ctx.o[..., rows, :], cdt)).sum(axis=-1)  # [B, nkv, g, c]
               for rows in chunks]
     dq = xp.zeros(q.shape, cdt)
-    kv = xp.ascontiguousarray(xp.stack((k, v)))
+    kv = _pack_kv(xp, k, v, k.dtype)
     partial = None  # dK,dV of the K,V held at the previous step, on its way to their owner
     for step in range(cp):
         theirs = zigzag_chunks(cp, (r - step) % cp)
@@ -410,24 +434,25 @@ def ring_attention_backward(group, do, ctx: RingCtx, out=None):
         # the previous step's partial dK,dV first, then the next K,V
         sends, recvs = [], []
         if step > 0:
-            partial_in = xp.empty((2,) + k.shape, cdt)
+            partial_in = xp.empty(k.size + v.size, cdt)
             sends.append((partial, (r + 1) % cp, TAG_DKV))
             recvs.append((partial_in, (r - 1) % cp, TAG_DKV))
         if step < cp - 1:
             incoming = xp.empty_like(kv)
             sends.append((kv, (r + 1) % cp, TAG_KV))
             recvs.append((incoming, (r - 1) % cp, TAG_KV))
-        dkv = xp.zeros((2,) + k.shape, cdt)  # this rank's tiles' part of the held K,V's gradient
+        dkv = xp.zeros(k.size + v.size, cdt)  # this rank's tiles' part of the held K,V's gradient
 
         def compute(kv=kv, theirs=theirs, dkv=dkv):
+            (held_k, held_v), (dk_t, dv_t) = _unpack_kv(kv, k.shape, v.shape), _unpack_kv(dkv, k.shape, v.shape)
             for a, rows in enumerate(chunks):
                 for b, keys in enumerate(chunks):
                     if not ctx.rule.visible(mine[a], theirs[b], c):
                         continue
                     # the tile's gradients added into dq and the held K,V's dK,dV (fused: by the kernels)
-                    tiles.tile_backward(do[..., rows, :], q[..., rows, :], kv[0][:, :, keys], kv[1][:, :, keys],
+                    tiles.tile_backward(do[..., rows, :], q[..., rows, :], held_k[:, :, keys], held_v[:, :, keys],
                                         rowdot[a], ctx.lse[a], ctx.scale, (mine[a] * c, theirs[b] * c), ctx.dropout,
-                                        out=(dq[..., rows, :], dkv[0][:, :, keys], dkv[1][:, :, keys]),
+                                        out=(dq[..., rows, :], dk_t[:, :, keys], dv_t[:, :, keys]),
                                         **ctx.rule.tile(mine[a], theirs[b], c))
 
         received = _ring_step(group, sends, recvs, compute)
@@ -437,9 +462,9 @@ def ring_attention_backward(group, do, ctx: RingCtx, out=None):
             kv = received[-1]
         partial = dkv
     # the last partial belongs to rank r + 1: one more shift brings every rank's own home
-    mine_total = xp.empty((2,) + k.shape, cdt)
+    mine_total = xp.empty(k.size + v.size, cdt)
     group.exchange([(partial, (r + 1) % cp, TAG_DKV)], [(mine_total, (r - 1) % cp, TAG_DKV)])
-    grads = (dq, mine_total[0], mine_total[1])
+    grads = (dq,) + _unpack_kv(mine_total, k.shape, v.shape)
     if out is None:
         return tuple(as_dtype(g, q.dtype) for g in grads)
     for dst, g in zip(out, grads):

@@ -21,10 +21,34 @@ rotate-half layout only.
 TP: the down-projections and their norms are replicated; the column-parallel up-projections'
 backward all-reduces the latent's gradient, so their gradients are the same on every rank
 (replicated, nothing to sum), and the shared k_rope's gradient, each rank's heads' share, is
-all-reduced over TP before its backward. Generation's KV cache holds the compressed latent
+all-reduced over TP after its backward rotation. Generation's KV cache holds the compressed latent
 (normalised) and the rotated shared key per token, kv_lora_rank + qk_rope_head_dim values per
-layer, and expands the latents into heads at each step. Not yet (refused by name): sequence and
-context parallelism, attention dropout.
+layer, and expands the latents into heads at each step.
+
+Sequence parallelism (`lay_out_sequence`): x is this rank's T/tp tokens. The down-projections and
+their norms run on them, and what the up-projections need is gathered after: the normalised q
+latent (by q_b, column-parallel under SP), the normalised kv latent (by kv_b) and the raw rope key
+(here), r_q + r_kv + d_rope values per token (2,112 in V3) instead of the hidden state (7,168),
+and no rank repeats another's down-projection. (Without q_lora_rank, q_proj gathers x itself.)
+Backward reduce-scatters the three gradients back to this rank's tokens, so the down-projections'
+and norms' weight gradients cover these tokens only: they are marked `sequence_parallel` and
+summed over TP as SP's norms are (`tp_grad_sync`). o_proj reduce-scatters its output.
+
+Context parallelism (`lay_out_context`, `cp_comm`): everything but the attention works on this
+CP rank's zigzag chunks; RoPE takes their global positions; the expanded heads meet the whole
+sequence by the ring (K,V travel: k of width d_nope + d_rope with the shared rope key broadcast
+into each head, v of width d_v) or the all-to-all (`cutp.tensor_parallel.context_parallel`, which
+takes v's head dim apart from k's). The shared key's gradient stays on its CP rank (the ring
+brings each dK home).
+
+Selective recomputation (`recompute_core`): as ParallelAttention's, forward keeps q, k, v and the
+dropout's (p, seed, offsets), not the probabilities, and backward recomputes them (the fused
+kernels' and the ring's contexts are O(T) already: kept).
+
+Attention dropout (`attn_dropout`): ParallelAttention's rule, probability (head, query, key) of
+a batch row keyed by its global head, query and key (this rank's heads at their global places),
+so that no TP, SP or CP layout changes the masks. Packed rows (`documents`): the op's mask rule,
+RoPE by the positions inside the documents (the model's `positions` ids).
 """
 from __future__ import annotations
 
@@ -34,19 +58,26 @@ import numpy as np
 
 from .. import ops
 from ..runtime.errors import ConfigError
-from .layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, array_path_for, ring_attention_backward,
+                               ring_attention_forward, ulysses_attention_backward, ulysses_attention_forward,
+                               zigzag_chunks)
+from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
+from .mappings import gather_from_sp_backward, gather_from_sp_forward
 from .parameter import Module, make_parameter, normal_init
+from .random import SHARDED
 
 
 class MultiLatentAttention(Module):
     def __init__(self, ctx, n_embd, n_head, *, name, rotary, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
                  qk_rope_head_dim, v_head_dim, softmax_scale=None, norm_eps=1e-6, n_layer=1, seed=0,
-                 dtype=np.float32):
+                 dtype=np.float32, rng=None, attn_dropout=0.0):
+        """rng: the model's RNGTracker (its SHARDED stream for the attention dropout; None only
+        with attn_dropout 0)."""
         tp = ctx.tp_size
         if n_head % tp:
             raise ConfigError(f"tp={tp} must divide n_head={n_head}: MLA splits its heads over the TP ranks")
         self.ctx, self.rotary = ctx, rotary
-        self.nh = n_head // tp
+        self.n_head, self.nh = n_head, n_head // tp
         self.nope, self.rope, self.vd, self.r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
         self.scale = 1.0 / math.sqrt(qk) if softmax_scale is None else softmax_scale
@@ -66,65 +97,109 @@ class MultiLatentAttention(Module):
                                          name=f"{name}.kv_b", bias=False, **kw)
         self.proj = RowParallelLinear(ctx, n_head * v_head_dim, n_embd, name=f"{name}.proj", bias=False,
                                       init=normal_init(0.02 / math.sqrt(2 * n_layer)), **kw)
+        self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
+        self.sequence_parallel = False  # x is this rank's T/tp tokens (module docstring)
+        self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism
+        self.cp_comm = "ring"  # or "a2a"
+        self.recompute_core = False  # selective recomputation (module docstring)
 
     def lay_out_sequence(self, on, shard):
-        if on:
-            raise ConfigError("multi-head latent attention has no sequence parallelism yet; drop "
-                              "--sequence-parallel")
+        """The down-projections run on this rank's tokens: their weights' gradients cover those
+        only (summed over TP by `tp_grad_sync`). The norms and up-projections mark themselves."""
+        self.sequence_parallel = on
+        for p in (self.q_a, self.kv_a):
+            if p is not None:
+                p.sequence_parallel = on
 
     def lay_out_context(self, shard):
-        if shard is not None:
-            raise ConfigError("multi-head latent attention has no context parallelism yet; use cp=1")
+        self.context_shard = shard
 
-    def _tables(self, T, positions):
+    def _sp(self) -> bool:
+        return self.sequence_parallel and self.ctx.tp_size > 1
+
+    def _rotate(self, a, positions):
+        """(a [B, T, heads, d_rope] rotated, the op's context) by `positions`: None (arange(T), or
+        under context parallelism this rank's zigzag chunks' positions), an offset n0, or ids
+        [T] / [B, T] (packed rows' positions inside their documents, this rank's under CP)."""
         cos, sin = self.rotary
+        T = a.shape[1]
+        if positions is not None and not isinstance(positions, (int, np.integer)):
+            return ops.rotary_forward(a, cos, sin, positions)
+        if self.context_shard is not None and positions is None:  # the two chunks' rows (slices: no gather)
+            cp_rank, cp = self.context_shard
+            c, (first, second) = T // 2, zigzag_chunks(cp, cp_rank)
+            cos, sin = (self.ctx.xp.concatenate([t[first * c:(first + 1) * c], t[second * c:(second + 1) * c]])
+                        for t in self.rotary)
+            return ops.rotary_forward(a, cos, sin)
         n0 = int(positions or 0)
         if not 0 <= n0 <= cos.shape[0] - T:
             raise ValueError(f"rotary positions {n0}..{n0 + T - 1} lie past the tables' {cos.shape[0]} (block_size)")
-        return cos[n0:n0 + T], sin[n0:n0 + T]
+        return ops.rotary_forward(a, cos[n0:n0 + T], sin[n0:n0 + T])
 
     def _queries(self, x):
-        """[B, T, H, d_nope + d_rope] of this rank's heads, and the low-rank path's linear context."""
-        B, T, _ = x.shape
+        """[B, T, H, d_nope + d_rope] of this rank's heads (T: the whole sequence, q_b gathering
+        under sequence parallelism), and the low-rank path's linear context."""
+        B = x.shape[0]
         if self.q_a is None:
-            return self.q_b.forward(x).reshape(B, T, self.nh, -1), None
+            return self.q_b.forward(x).reshape(B, -1, self.nh, self.nope + self.rope), None
         cq, qa_ctx = ops.linear_forward(x, self.q_a.data)
-        return self.q_b.forward(self.q_a_norm.forward(cq)).reshape(B, T, self.nh, -1), qa_ctx
+        return self.q_b.forward(self.q_a_norm.forward(cq)).reshape(B, -1, self.nh, self.nope + self.rope), qa_ctx
 
-    def _attend(self, q_nope, q_pe, kv, k_pe):
-        """The attention of queries [B, Tq, H, .] over keys and values from kv [B, Tk, H, d_nope +
-        d_v] and the shared k_pe [B, Tk, 1, d_rope] (the op's layout: q [B, H, 1, Tq, d_qk],
-        k [B, H, Tk, d_qk], v [B, H, Tk, d_v]): (o [B, H, 1, Tq, d_v], the op's context)."""
+    def _heads(self, q_nope, q_pe, kv, k_pe):
+        """The op's layout of queries [B, Tq, H, .], keys and values from kv [B, Tk, H, d_nope +
+        d_v] and the shared k_pe [B, Tk, 1, d_rope]: q [B, H, 1, Tq, d_qk], k [B, H, Tk, d_qk],
+        v [B, H, Tk, d_v]."""
         xp = self.ctx.xp
         B, Tk, H, _ = kv.shape
-        dn, dr, dv = self.nope, self.rope, self.vd
+        dn, dr = self.nope, self.rope
         qf = xp.concatenate([q_nope, q_pe], axis=-1)
         kf = xp.concatenate([kv[..., :dn], xp.broadcast_to(k_pe, (B, Tk, H, dr))], axis=-1)
-        return ops.causal_attention_forward(qf.transpose(0, 2, 1, 3)[:, :, None], kf.transpose(0, 2, 1, 3),
-                                            kv[..., dn:].transpose(0, 2, 1, 3), scale=self.scale,
-                                            blocked=None if dv == dn + dr else False)
+        return qf.transpose(0, 2, 1, 3)[:, :, None], kf.transpose(0, 2, 1, 3), kv[..., dn:].transpose(0, 2, 1, 3)
+
+    def _attend(self, q, k, v, documents=None, dropout=None):
+        """(o [B, H, 1, Tq, d_v], the attention's context): the op's, or under context
+        parallelism the ring's or the all-to-all's; the dropout's masks at the heads' global
+        places of the whole sequence (ParallelAttention's rule). Selective recomputation: the
+        context is (q, k, v, the dropout's (p, seed, offsets), documents), and `dropout` those
+        again in backward."""
+        B, H, _, Tq, _ = q.shape
+        cp = 1 if self.context_shard is None else self.context_shard[1]
+        T = Tq * cp
+        p, seed, offsets = dropout or self.attn_dropout.draw_rows(
+            B, H * T * T, first_elem=self.ctx.tp_rank * H * T * T, global_row_elems=self.n_head * T * T)
+        if self.context_shard is not None:  # (the ring's context is O(T): nothing to recompute)
+            attend = ulysses_attention_forward if self.cp_comm == "a2a" else ring_attention_forward
+            return attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None,
+                          MaskRule(documents=documents))
+        o, attn = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offsets,
+                                               **array_path_for(q, v),
+                                               documents=None if documents is None else (documents, documents))
+        if self.recompute_core and dropout is None and not attn.fused:  # (the fused kernels' context is O(T))
+            attn = (q, k, v, (p, seed, offsets), documents)
+        return o, attn
 
     def _output(self, o):
         B, H, _, T, dv = o.shape
         return self.proj.forward(o[:, :, 0].transpose(0, 2, 1, 3).reshape(B, T, H * dv))
 
     def forward(self, x, positions=None, documents=None):
-        """positions: None (arange(T)) or an offset n0 (arange(n0, n0 + T)); documents: packed rows,
-        not taken by MLA yet (ValueError; `pack` is refused for such models before a run starts)."""
-        if documents is not None:
-            raise ValueError("multi-head latent attention does not take packed rows (documents) yet; "
-                             "train this model without packing")
+        """x: [B, T, n_embd] (this rank's tokens: T/tp under sequence parallelism, its CP chunks
+        under context parallelism); positions: None, an offset n0, or the tokens' position ids
+        (`_rotate`); documents: None or the whole sequences' document ids [B, T] (packed rows)."""
         xp = self.ctx.xp
-        B, T, _ = x.shape
-        H, dn, dv, r = self.nh, self.nope, self.vd, self.r
+        B = x.shape[0]
+        dn, dv, r = self.nope, self.vd, self.r
         q, qa_ctx = self._queries(x)
         ckv, kva_ctx = ops.linear_forward(x, self.kv_a.data)
-        kv = self.kv_b.forward(self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))).reshape(B, T, H, dn + dv)
-        cos, sin = self._tables(T, positions)
-        q_pe, rq = ops.rotary_forward(xp.ascontiguousarray(q[..., dn:]), cos, sin)
-        k_pe, rk = ops.rotary_forward(xp.ascontiguousarray(ckv[..., None, r:]), cos, sin)
-        o, attn = self._attend(q[..., :dn], q_pe, kv, k_pe)
-        self._save("mla", (qa_ctx, kva_ctx, rq, rk, attn, (B, T)))
+        kv = self.kv_b.forward(self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))).reshape(B, -1, self.nh,
+                                                                                                     dn + dv)
+        k_pe = xp.ascontiguousarray(ckv[..., None, r:])  # [B, T, 1, d_rope]: this rank's tokens
+        if self._sp():  # (the small rope key gathered, as q_b and kv_b gather their latents)
+            k_pe = gather_from_sp_forward(self.ctx.tp, k_pe)
+        q_pe, rq = self._rotate(xp.ascontiguousarray(q[..., dn:]), positions)
+        k_pe, rk = self._rotate(k_pe, positions)
+        o, attn = self._attend(*self._heads(q[..., :dn], q_pe, kv, k_pe), documents)
+        self._save("mla", (qa_ctx, kva_ctx, rq, rk, attn))
         return self._output(o)
 
     # ---- generation: the compressed KV cache -----------------------------------------------------
@@ -147,28 +222,40 @@ class MultiLatentAttention(Module):
             raise ValueError(f"KV cache holds {cache['latent'].shape[1]} positions; {n0 + tn} requested")
         q, _ = self._queries(x)
         ckv, _ = ops.linear_forward(x, self.kv_a.data)
-        cos, sin = self._tables(tn, n0)
         cache["latent"][:, n0:n0 + tn] = self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))
-        k_pe, _ = ops.rotary_forward(xp.ascontiguousarray(ckv[..., None, r:]), cos, sin)
+        k_pe, _ = self._rotate(xp.ascontiguousarray(ckv[..., None, r:]), n0)
         cache["k_rope"][:, n0:n0 + tn] = k_pe[:, :, 0]
         n = cache["len"] = n0 + tn
         kv = self.kv_b.forward(cache["latent"][:, :n]).reshape(B, n, self.nh, dn + dv)
-        q_pe, _ = ops.rotary_forward(xp.ascontiguousarray(q[..., dn:]), cos, sin)
-        o, _ = self._attend(q[..., :dn], q_pe, kv, cache["k_rope"][:, :n, None])
+        q_pe, _ = self._rotate(xp.ascontiguousarray(q[..., dn:]), n0)
+        o, _ = ops.causal_attention_forward(*self._heads(q[..., :dn], q_pe, kv, cache["k_rope"][:, :n, None]),
+                                            scale=self.scale, blocked=False)
         return self._output(o)
 
     def backward(self, dy):
         xp = self.ctx.xp
-        qa_ctx, kva_ctx, rq, rk, attn, (B, T) = self._load("mla")
+        qa_ctx, kva_ctx, rq, rk, attn = self._load("mla")
         H, dn, dv = self.nh, self.nope, self.vd
-        do = self.proj.backward(dy).reshape(B, T, H, dv).transpose(0, 2, 1, 3)[:, :, None]
-        dq, dk, dvv = ops.causal_attention_backward(do, attn)
+        do = self.proj.backward(dy)  # [B, T, H * d_v] (the whole sequence under SP: proj gathers dy)
+        B, T = do.shape[:2]
+        do = do.reshape(B, T, H, dv).transpose(0, 2, 1, 3)[:, :, None]
+        if isinstance(attn, tuple):  # selective recomputation: the attention again, with the same masks
+            q, k, v, dropout, documents = attn
+            _, attn = self._attend(q, k, v, documents, dropout)
+        if isinstance(attn, RingCtx):
+            dq, dk, dvv = ring_attention_backward(self.ctx.cp, do, attn)
+        elif isinstance(attn, UlyssesCtx):
+            dq, dk, dvv = ulysses_attention_backward(self.ctx.cp, do, attn)
+        else:
+            dq, dk, dvv = ops.causal_attention_backward(do, attn)
         dq, dk, dvv = dq[:, :, 0].transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dvv.transpose(0, 2, 1, 3)
         dq_pe = ops.rotary_backward(xp.ascontiguousarray(dq[..., dn:]), rq)
-        dk_pe = xp.ascontiguousarray(dk[..., dn:].sum(axis=2, keepdims=True))  # the shared key: every head's share
-        if self.ctx.tp_size > 1:  # (and every TP rank's heads')
+        # the shared key: every head's share, then every TP rank's heads' (SP: and back to this rank's tokens)
+        dk_pe = ops.rotary_backward(xp.ascontiguousarray(dk[..., dn:].sum(axis=2, keepdims=True)), rk)
+        if self._sp():
+            dk_pe = gather_from_sp_backward(self.ctx.tp, dk_pe)
+        elif self.ctx.tp_size > 1:
             self.ctx.tp.all_reduce(dk_pe, "sum", out=dk_pe)
-        dk_pe = ops.rotary_backward(dk_pe, rk)
         dcq = self.q_b.backward(xp.concatenate([dq[..., :dn], dq_pe], axis=-1).reshape(B, T, -1))
         if self.q_a is not None:
             dx, _, _ = ops.linear_backward(self.q_a_norm.backward(dcq), qa_ctx, wgrad_out=self.q_a.grad)

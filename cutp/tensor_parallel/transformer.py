@@ -140,7 +140,8 @@ class ParallelTransformerBlock(Module):
         self.attn_norm = norm("attn_norm")
         if s.mla:  # DeepSeek's multi-head latent attention
             self.attn = MultiLatentAttention(ctx, s.n_embd, s.n_head, name=f"{name}.attn", rotary=rotary, **s.mla,
-                                             norm_eps=s.norm_eps, n_layer=s.n_layer, seed=seed, dtype=dtype)
+                                             norm_eps=s.norm_eps, n_layer=s.n_layer, seed=seed, dtype=dtype, rng=rng,
+                                             attn_dropout=s.dropout)
         else:
             self.attn = ParallelAttention(ctx, s.n_embd, s.n_head, s.n_kv_head, name=f"{name}.attn", rng=rng,
                                           n_layer=s.n_layer, attn_dropout=s.dropout, seed=seed, dtype=dtype,

@@ -295,9 +295,6 @@ class RunConfig:
         if self.sequence_parallel and self.seq_len % self.tp and self.cp == 1:  # (cp > 1: check_context_parallel)
             raise ConfigError(f"`seq_len` {self.seq_len} is not divisible by `tp` {self.tp}: `sequence_parallel` "
                               f"splits each sequence over the TP ranks; use a multiple of {self.tp}")
-        if self.pack and self.model.kv_lora_rank is not None:
-            raise ConfigError("`pack`: multi-head latent attention (kv_lora_rank set) does not take packed rows yet; "
-                              "omit `pack`")
         if self.sample_every and self.sample_prompt is None:
             raise ConfigError("`sample_every` prints a generation from `sample_prompt`: give `sample_prompt` TEXT too")
         if self.sample_every and max(self.pp, self.cp, self.ep) > 1:

@@ -59,8 +59,8 @@ DEEPSEEK_MOE = dict(LLAMA, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize
                     moe_bias_update_rate=0.01, moe_shared_experts=1, moe_aux_loss_coeff=0.0, moe_dense_layers=(0,),
                     rope_scaling="none")
 # DeepSeek-V3: that routing with multi-head latent attention (q through its low rank, v's head dim 6 apart
-# from q and k's 8; no attention dropout yet)
-DEEPSEEK_V3 = dict(DEEPSEEK_MOE, dropout=0.0, n_kv_head=None, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+# from q and k's 8; its SP and CP layouts: tests/tensor_parallel/test_mla.py)
+DEEPSEEK_V3 = dict(DEEPSEEK_MOE, n_kv_head=None, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
                    qk_rope_head_dim=4, v_head_dim=6, family="deepseek_v3")
 FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE,
             "deepseek_moe": DEEPSEEK_MOE, "deepseek_v3": DEEPSEEK_V3, "gemma": GEMMA}
@@ -131,6 +131,6 @@ def test_llama_qwen2_mixtral_qwen3_gemma_on_every_layout_equal_one_rank():
              dict(family="gemma", tp=2, cp=2, cp_comm="a2a"),
              # (issue 40: grouped experts and their routing; EP 4 is tests/tensor_parallel/test_expert_parallel.py's)
              dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1),
-             dict(family="deepseek_v3", tp=2, pp=2, micro=1),  # MLA by heads, the bias over the pipeline
+             dict(family="deepseek_v3", tp=2, pp=2, sp=True, micro=1),  # MLA by heads (+ SP), the bias over the pipeline
              dict(family="deepseek_moe", dp=2, ep=2, cp=2, micro=1)]  # the bias from every CP and EP rank
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

@@ -16,6 +16,7 @@ from cutp.models.packing import check_documents, document_positions
 from cutp.ops.attention import AttentionMask
 from cutp.tensor_parallel.context_parallel import MaskRule
 from tests.mpirun import run_mpi
+from tests.tp_utils import rel_err
 
 LOCAL = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_size=97, block_size=16,
              dtype="float64", dropout=0.1, norm="rmsnorm", positions="rope", mlp="swiglu", bias=False,
@@ -24,7 +25,17 @@ LOCAL = dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_s
 # learned positions (per token rows when packed), LayerNorm, GeLU, every layer local
 GPT2 = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=16, dtype="float64", dropout=0.1,
             sliding_window=6)
-MODELS = {"local": LOCAL, "gpt2": GPT2}
+# DeepSeek-V3-shaped (issue 40, the cases: tests/tensor_parallel/test_mla.py): multi-head latent attention
+# (q through its low rank, v's head dim 6 apart from q and k's 8, YaRN's mscale^2 in the scale) with
+# DeepSeekMoE (sigmoid group-limited routing, a shared expert, layer 0 dense); and with a plain q projection
+MLA = dict(n_layer=2, n_head=4, n_embd=32, mlp_hidden=24, vocab_size=97, block_size=16, dtype="float64", dropout=0.1,
+           norm="rmsnorm", positions="rope", mlp="swiglu", bias=False, tie_embeddings=False, rope_theta=500.0,
+           rope_scaling="yarn", rope_factor=4.0, rope_original_max_positions=8, rope_mscale=1.0,
+           rope_mscale_all_dim=1.0, norm_eps=1e-6, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4,
+           qk_rope_head_dim=4, v_head_dim=6, n_experts=8, moe_top_k=2, moe_ffn=16, moe_renormalize=True,
+           moe_scoring="sigmoid", moe_n_group=4, moe_topk_group=2, moe_routed_scaling=2.5, moe_score_bias=True,
+           moe_shared_experts=1, moe_aux_loss_coeff=0.0, moe_dense_layers=(0,), family="deepseek_v3")
+MODELS = {"local": LOCAL, "gpt2": GPT2, "mla": MLA, "mla_plain_q": dict(MLA, q_lora_rank=None)}
 B, T = 4, 16
 
 
@@ -118,7 +129,7 @@ def _worker_layouts_equal_one_rank(cases):
         for rank in world.allgather(grads):
             for k, g in rank.items():
                 seen.add(k)
-                err = np.abs(g - ref[k]).max() / np.abs(ref[k]).max()
+                err = rel_err(g, ref[k])  # (relative to the largest; a zero one exactly: MoE's correction bias)
                 assert err <= 1e-10, (case, k, err)
         assert seen == set(ref), case
 

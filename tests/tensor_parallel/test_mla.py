@@ -2,7 +2,9 @@
 v's head dim (6) apart from q and k's (8): gradients against central finite differences; at tp 2
 the output, the input gradient and every parameter's full gradient equal one rank's within
 1e-12; against transformers' DeepseekV3Attention (where torch imports; rope_interleave, its
-interleaved rope columns permuted once as a reader would) within 1e-12 and 1e-10."""
+interleaved rope columns permuted once as a reader would) within 1e-12 and 1e-10. The same
+launch runs DeepSeek-shaped models (float64, dropout 0.1, packed rows or not) at tp2 + SP, cp2
+ring and all-to-all, full and selective recomputation against one rank (1e-10)."""
 import zlib
 
 import numpy as np
@@ -53,9 +55,11 @@ def test_mla_gradients_match_finite_differences(q_lora_rank):
         assert relative_error(p.grad.reshape(-1)[idx], num) < 1e-7, p.name
 
 
-def _worker_tp2_equals_one_rank():
+def _worker_tp2_equals_one_rank(model_cases=()):
     import cutp
     from mpi4py import MPI
+
+    from tests.models.test_local_attention import _worker_layouts_equal_one_rank
 
     ctx = cutp.init(tp=2, device="cpu")
     x, w = _inputs()
@@ -74,10 +78,26 @@ def _worker_tp2_equals_one_rank():
             assert np.abs(g - grads[p.name]).max() <= 1e-12 * np.abs(grads[p.name]).max(), (q_lora_rank, p.name)
     MPI.COMM_WORLD.Barrier()
     ctx.close()
+    _worker_layouts_equal_one_rank(model_cases)
 
 
-def test_mla_tp2_equals_one_rank():
-    run_mpi(2, "tests.tensor_parallel.test_mla:_worker_tp2_equals_one_rank", timeout=120)
+# DeepSeek-V3-shaped models (tests/models/test_local_attention.py's MLA: float64, dropout 0.1, YaRN,
+# DeepSeekMoE), with and without packed rows: sequence parallelism (the latents gathered, the
+# down-projections' gradients summed over TP), context parallelism by the ring and the all-to-all
+# (k's head dim 8, v's 6), full and selective recomputation, each against one rank (loss and every
+# gradient within 1e-10)
+MODEL_CASES = [dict(model="mla", packed=False, tp=2, sp=True),
+               dict(model="mla", packed=True, tp=2, sp=True),
+               dict(model="mla_plain_q", packed=True, tp=2, sp=True),  # (q_proj gathers the hidden state)
+               dict(model="mla", packed=False, cp=2),
+               dict(model="mla", packed=True, cp=2),
+               dict(model="mla", packed=True, cp=2, cp_comm="a2a"),
+               dict(model="mla", packed=True, tp=2, recompute="full"),
+               dict(model="mla", packed=True, tp=2, sp=True, recompute="selective")]
+
+
+def test_mla_tp2_and_deepseek_shaped_models_on_every_layout_equal_one_rank():
+    run_mpi(2, "tests.tensor_parallel.test_mla:_worker_tp2_equals_one_rank", MODEL_CASES, timeout=240)
 
 
 def interleaved_rope_columns(d_rope: int) -> np.ndarray:
