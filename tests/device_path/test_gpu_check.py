@@ -25,13 +25,17 @@ def test_planted_race():
 '''
 
 
-def _results(tmp_path, monkeypatch, name, backend, broken, figures):
+def _pytest(tmp_path, name, broken):
+    """pytest on TESTS writing its junit file to tmp_path/name (started, not waited for)."""
+    (tmp_path / name).mkdir()
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_case.py",
+                             f"--junitxml={tmp_path / name / 'junit.xml'}"], cwd=tmp_path,
+                            env=dict(os.environ, BREAK=broken), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _results(tmp_path, monkeypatch, name, backend, figures):
     out = tmp_path / name
-    out.mkdir()
     (out / "backend").write_text(backend)
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_case.py",
-                    f"--junitxml={out / 'junit.xml'}"], cwd=tmp_path, env=dict(os.environ, BREAK=broken),
-                   capture_output=True, check=False)
     monkeypatch.setenv(harness.FIGURES, str(out / "figures.jsonl"))
     for case, values in figures.items():
         harness.record(case, **values)
@@ -40,10 +44,12 @@ def _results(tmp_path, monkeypatch, name, backend, broken, figures):
 
 def test_the_summary_names_what_differs_between_two_runs(tmp_path, monkeypatch, capsys):
     (tmp_path / "test_case.py").write_text(TESTS)
-    a = _results(tmp_path, monkeypatch, "a", "standin", "0",
+    for run in [_pytest(tmp_path, "a", "0"), _pytest(tmp_path, "b", "1")]:  # (side by side)
+        run.wait()
+    a = _results(tmp_path, monkeypatch, "a", "standin",
                  {"llama float32": dict(losses=[4.0, 3.5], grad_norm=2.0, kernel_launches=120),
                   "gpt2 pp2": dict(losses=[4.1], grad_norm=1.0)})
-    b = _results(tmp_path, monkeypatch, "b", "gpu", "1",
+    b = _results(tmp_path, monkeypatch, "b", "gpu",
                  {"llama float32": dict(losses=[4.0, 3.5000035], grad_norm=2.0),
                   "mixtral ep2": dict(losses=[4.2])})
     main = runpy.run_path(os.path.join(ROOT, "tools", "device_path_check.py"))["main"]
