@@ -23,19 +23,21 @@ test: $(STAMP)
 # The GPU code path (--device cuda) on the CPU: cutp's CuPy code run through the stand-in of
 # tests/device_path/standin (kernels in the CUDA emulator, gemmEx from pointers, NCCL over MPI,
 # streams with race checks), every configuration of issue 41 (< 15 minutes on 2 cores).
+# Results (pytest's junit file, each case's figures) kept in $(DEVICE_OUT)/standin for gpu-check.
+DEVICE_OUT ?= out/device-path
 test-device: $(STAMP)
-	$(PY) -m pytest -q -m device_path tests/device_path
+	$(PY) tools/device_path_check.py run standin $(DEVICE_OUT)/standin
 
 # Which Python lines of cutp/ and kernels/*.py the whole suite and the device-path tests never
 # execute (every process, MPI ranks included); the report names the lines only a GPU runs apart.
-# Not part of `make test`: the suite under coverage, ~1.5x its time. Data and report in $(COV_OUT).
+# Not part of `make test`. The suite runs in parts (each directory of tests/), each resumable: a
+# `make coverage` stopped half-way goes on from the first part not done (COV_FRESH=1 starts over;
+# COV_PARTS="device_path ops" runs only those). Data and report in $(COV_OUT).
 COV_OUT ?= out/coverage
-COV_TESTS ?= tests
+COV_PARTS ?=
 coverage: $(STAMP)
 	$(PY) -m pip install -q 'coverage>=7'
-	rm -rf $(COV_OUT) && mkdir -p $(COV_OUT)
-	COVERAGE_PROCESS_START=$(CURDIR)/tools/coverage.ini COV_ROOT=$(CURDIR) COV_OUT=$(CURDIR)/$(COV_OUT) \
-		PYTHONPATH=$(CURDIR)/tests/device_path/shim $(PY) -m pytest -q $(COV_TESTS) -m "device_path or not device_path"
+	$(PY) tools/coverage_run.py $(COV_OUT) $(if $(COV_FRESH),--fresh) $(if $(COV_PARTS),--parts $(COV_PARTS))
 	COV_ROOT=$(CURDIR) $(PY) tools/coverage_report.py $(COV_OUT) | tee $(COV_OUT)/report.txt
 
 # The default job: the tiny GPT on the Python standard library's sources, 2 CPU ranks (TP=2).
@@ -50,9 +52,12 @@ train: $(STAMP)
 # so no venv and no pip here. GPU kernel tests, a short GPU training run (kernels on and off), the
 # 2-rank NCCL checks on one GPU (NCCL >= 2.30), the attention benchmark (fused vs unfused: TFLOP/s,
 # speed-up), the kernel benchmark; < 5 minutes. The summary
-# goes to stdout and, when OUT is set, to $(OUT)/gpu_check_summary.txt.
+# goes to stdout and, when OUT is set, to $(OUT)/gpu_check_summary.txt. Then the device-path tests
+# on the GPU (CUTP_DEVICE_PATH=gpu) and what differs from the stand-in's run (make test-device's
+# results in $(DEVICE_OUT)/standin, else run there first): $(DEVICE_OUT)/summary.txt.
 gpu-check:
-	PYTHONPATH=$(CURDIR) python3 tools/gpu_check.py
+	PYTHONPATH=$(CURDIR) python3 tools/gpu_check.py; status=$$?; \
+	PYTHONPATH=$(CURDIR) python3 tools/device_path_check.py gpu $(DEVICE_OUT) || status=1; exit $$status
 
 # The CPU benchmark suites, all tables on stdout (< 5 minutes on 2 cores); JSON and PNG figures in
 # $(BENCH_OUT). compare-torch needs the optional torch (it prints why it skipped otherwise).

@@ -2,13 +2,16 @@
 
     python tools/coverage_report.py out/coverage
 
-Combines the data files every process wrote (MPI ranks included), prints per file the lines never
+Combines the data files every process of every part wrote (tools/coverage_run.py: OUT/parts/NAME,
+MPI ranks included), says which parts ran (and which did not yet), prints per file the lines never
 executed (as ranges, with the function holding them), set apart: those of GPU_ONLY, code that
 only a real GPU can run, each with its reason. The goal is nothing outside that list.
 """
 from __future__ import annotations
 
 import ast
+import glob
+import json
 import os
 import sys
 
@@ -62,9 +65,17 @@ def main(out_dir: str) -> int:
     os.environ.setdefault("COV_ROOT", ROOT)
     os.environ["COV_OUT"] = os.path.abspath(out_dir)
     cov = coverage.Coverage(config_file=os.path.join(ROOT, "tools", "coverage.ini"))
-    cov.combine(keep=False)
+    cov.erase()  # the combination of an earlier report; the parts keep their own data
+    parts = sorted(glob.glob(os.path.join(out_dir, "parts", "*")))
+    cov.combine(data_paths=parts, keep=True)
     cov.save()
     cov.load()
+    print("parts (tools/coverage_run.py):")
+    for part in parts:
+        marker = os.path.join(part, "done")
+        state = json.load(open(marker)) if os.path.exists(marker) else None
+        print(f"  {os.path.basename(part):16s} " + (f"exit {state['rc']}, {state['seconds']} s" if state else
+                                                    "NOT finished: its lines so far only"))
     total = missed = gpu_only = 0
     lines_out = []
     for path in sorted(cov.get_data().measured_files()):

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import ops
-from ..runtime.backend import get_array_module
+from ..runtime.backend import get_array_module, host_values
 from ..runtime.errors import ConfigError
 from ..tensor_parallel import global_grad_norm
 from ..tensor_parallel.grads import expert_replica_group, replica_group, replica_size
@@ -201,7 +201,7 @@ def finish_norm(ctx, acc, group=None) -> float:
     (replica_group(ctx) if group is None else group).all_reduce(acc, "sum", out=acc)
     if ctx.pp_size > 1:  # every pipeline stage's parameters
         ctx.pp.all_reduce(acc, "sum", out=acc)
-    total, bad = float(acc[0]), float(acc[1])
+    total, bad = host_values(acc)  # one read of the pair
     if bad or not math.isfinite(total):
         return float("nan")
     return math.sqrt(total)

@@ -58,6 +58,15 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def host_values(a) -> list:
+    """A small array's values as Python numbers in ONE device-to-host copy (a float() of each
+    entry would be a synchronization each). Shape-only arrays without values (the planner's) give
+    each entry's hint, as float() of it would."""
+    if isinstance(a, ShapeArray) and a.values is None:
+        return [a[i].item() for i in range(a.shape[0])]
+    return to_numpy(a).tolist()
+
+
 def cupy_status() -> tuple[bool, str]:
     """(usable, reason): whether CuPy imports and sees at least one GPU."""
     try:

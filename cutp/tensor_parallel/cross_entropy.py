@@ -16,8 +16,14 @@ implementation uses the local shard's mean instead: its issue 737). Columns of p
 are masked: they never win the softmax and get zero gradient.
 
 Backward needs no communication: each rank writes (softmax - one-hot) * scale over its shard.
+
+Host synchronizations: the target count stays on the device (the backward's scale is computed
+there); the loss is read once per forward, or not at all with `defer_loss` (the training step
+sums the micro-batches' device losses and reads the sum once per step).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from .. import ops
 from .parameter import Module
@@ -36,9 +42,13 @@ class VocabParallelCrossEntropy(Module):
         self.start = ctx.tp_rank * per
         self.width = per
         self.n_valid = max(0, min(vocab_size - self.start, per))
+        # True: forward returns the loss as a float64 0-d array on the logits' device, unread
+        # (cutp.train.step sets it for its micro-batches: one read of their sum per step)
+        self.defer_loss = False
 
     def forward(self, logits, targets, inplace_backward: bool = False):
-        """Mean loss over non-ignored targets (0.0 if there are none), as a float.
+        """Mean loss over non-ignored targets (0.0 if there are none), as a float (`defer_loss`: a
+        float64 0-d device array, the same value).
 
         With inplace_backward the logits buffer is overwritten by its gradient in backward
         (llm.c's fused classifier): the caller must not use the logits afterwards.
@@ -70,18 +80,19 @@ class VocabParallelCrossEntropy(Module):
             per_row = (1.0 - eps) * nll + eps * smooth
         else:
             per_row = nll
-        count = int(valid.sum())
+        count = xp.maximum(valid.sum(), 1)  # on the device (no target counted: the sum below is 0)
         per_row = xp.where(valid, per_row, 0.0)
-        loss = float(per_row.sum()) / count if count else 0.0
+        loss = per_row.sum().astype(np.float64) / count  # (the float of the sum, divided in float64)
         self._save("ce", (z, row_max, sum_exp, local_t, valid, count, logits.shape, inplace_backward))
-        return loss
+        return loss if self.defer_loss else float(loss)
 
     def backward(self, dloss: float = 1.0):
         """Gradient of the mean loss w.r.t. this rank's logits shard, shaped like the logits."""
         z, row_max, sum_exp, local_t, valid, count, shape, inplace = self._load("ce")
         xp = self.ctx.xp
-        scale = (float(dloss) / count) if count else 0.0
-        row_scale = valid.astype(z.dtype if z.dtype.kind == "f" and z.dtype.itemsize >= 4 else xp.float32) * scale
+        dtype = z.dtype if z.dtype.kind == "f" and z.dtype.itemsize >= 4 else xp.float32
+        scale = (float(dloss) / count).astype(dtype)  # divided in float64, then rounded (no host read)
+        row_scale = valid.astype(dtype) * scale
         d = ops.ce_shard_backward(z, row_max, sum_exp, local_t, self.n_valid, row_scale, self.label_smoothing,
                                   self.vocab_size, out=z if inplace else None)
         return d.reshape(shape)

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ..runtime.backend import get_array_module
+from ..runtime.backend import get_array_module, host_values
 from ..runtime.errors import ConfigError
 
 BUCKET_ELEMENTS = 1 << 24  # 16M elements (64 MB of float32) per DP all-reduce
@@ -156,7 +156,7 @@ def global_grad_norm(params, ctx) -> float:
         ctx.tp.all_reduce(acc, "sum", out=acc)
     if getattr(ctx, "pp_size", 1) > 1:  # every pipeline stage's parameters (a tied copy counted once)
         ctx.pp.all_reduce(acc, "sum", out=acc)
-    total, bad = float(acc[0]), float(acc[1])
+    total, bad = host_values(acc)  # one read of the pair
     if bad or not math.isfinite(total):
         return float("nan")
     return math.sqrt(total)

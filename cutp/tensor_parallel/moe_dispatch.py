@@ -45,8 +45,10 @@ def dispatch(ep, rows_x, counts, xp):
     size = ep.size
     local = counts.shape[0] // size
     counts = xp.ascontiguousarray(counts)
-    got = to_numpy(ep.all_to_all(counts, [local] * size, [local] * size)).reshape(size, local)
-    send = to_numpy(counts).reshape(size, local).sum(axis=1).tolist()
+    got = ep.all_to_all(counts, [local] * size, [local] * size)
+    both = to_numpy(xp.concatenate([counts, got]))  # (one device-to-host copy: the sent and received counts)
+    got = both[counts.shape[0]:].reshape(size, local)
+    send = both[:counts.shape[0]].reshape(size, local).sum(axis=1).tolist()
     recv = got.sum(axis=1).tolist()
     start = np.cumsum(np.concatenate([[0], got.reshape(-1)]))[:-1].reshape(size, local)  # in the received rows
     order = [np.arange(start[s, i], start[s, i] + got[s, i]) for i in range(local) for s in range(size)]

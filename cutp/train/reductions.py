@@ -3,6 +3,8 @@ mean over the global count of non-ignored targets, over DP x CP), the DP mean of
 last pipeline stage's value on every stage. Each is one host collective named for the watchdog."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 from mpi4py import MPI
 
@@ -55,3 +57,18 @@ def dp_sums(ctx: Context, values: list, what: str) -> list[float]:
     with ctx.watchdog.guard(f"{what} (host all-reduce on {ctx.dp.name})"):
         ctx.dp.mpi_comm.Allreduce(MPI.IN_PLACE, buf)
     return [float(v) for v in buf]
+
+
+@contextmanager
+def losses_on_device(model):
+    """The step's micro-batch losses kept on the device (`VocabParallelCrossEntropy.defer_loss`):
+    the step sums them there and reads the sum once, after the gradient norm's read."""
+    loss_fn = getattr(model, "loss_fn", None)  # (None on a pipeline stage without the LM head)
+    if loss_fn is None:
+        yield
+        return
+    loss_fn.defer_loss = True
+    try:
+        yield
+    finally:
+        loss_fn.defer_loss = False

@@ -54,7 +54,7 @@ from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_
 from ..runtime.mesh import Mesh
 from ..tensor_parallel import tp_grad_sync
 from ..tensor_parallel.parameter import trainable_parameters
-from .reductions import dp_mean, from_last_stage, loss_weights
+from .reductions import dp_mean, from_last_stage, losses_on_device, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .finetune import resumed_base, set_up_trainable
@@ -398,7 +398,8 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         # share, and DP x CP averages it: x dp x cp
         aux_weight = ctx.dp_cp_size
         gather, buckets = overlap_for_step(run)
-        with moe_step(run, batches, n, first_row):  # (MoE: a counting pass first, with several micro-batches)
+        # (MoE: a counting pass first, with several micro-batches; the losses stay on the device)
+        with moe_step(run, batches, n, first_row), losses_on_device(model):
             if ctx.pp_size > 1:  # the schedule interleaves the stages' forwards and backwards
                 schedule = Schedule(run, batches, weights, n, first_row, scaler.scale, hooks, aux_weight)
                 loss_sum = schedule.run_step(cfg.pp_schedule)
@@ -434,7 +435,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             run.optimizer.reduce_gradients(ctx)
         scale = scaler.scale
         norm = run.optimizer.grad_norm(ctx) / scale  # of the unscaled gradients
-        loss = dp_mean(ctx, loss_sum, "the loss average", per_cp_rank=True)
+        loss = dp_mean(ctx, float(loss_sum), "the loss average", per_cp_rank=True)  # (the step's one read)
         if ctx.pp_size > 1:
             loss = from_last_stage(ctx, loss)
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)

@@ -31,7 +31,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def emulated_kernels():
-    """The emulator's build of every kernel source (what the stand-in's RawModule runs)."""
+    """The emulator's build of every kernel source (what the stand-in's RawModule runs); on a
+    real GPU (CUTP_DEVICE_PATH=gpu) NVRTC builds them instead."""
+    from tests.device_path.harness import ON_GPU
+
+    if ON_GPU:
+        return None
     cxx = os.environ.get("CUTP_EMU_CXX", "g++")
     if shutil.which(cxx) is None:
         pytest.skip(f"the device path runs its kernels in the CUDA emulator, which needs a C++ compiler (g++ >= 12, or "

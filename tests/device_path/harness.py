@@ -8,12 +8,20 @@ which :func:`run_device` sets): ``device="cpu"`` takes NumPy, ``device="cuda"`` 
 from __future__ import annotations
 
 import os
+from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 
 from tests.mpirun import ROOT, run_mpi
 
 SHIM = os.path.join(ROOT, "tests", "device_path", "shim")
+# $CUTP_DEVICE_PATH=gpu (make gpu-check, on a lent GPU): the same tests on the real CuPy and GPU,
+# the stand-in not installed; its own counters (kernel launches, host syncs, races) are then absent
+ON_GPU = os.environ.get("CUTP_DEVICE_PATH", "standin") == "gpu"
+# $CUTP_DEVICE_PATH_FIGURES: a JSON-lines file rank 0 appends each case's figures to
+# (tools/device_path_check.py compares a stand-in run's with a GPU run's)
+FIGURES = "CUTP_DEVICE_PATH_FIGURES"
 
 GPT2 = dict(n_layer=2, n_head=2, n_embd=128, vocab_size=61, block_size=16, dropout=0.0, vocab_multiple=1)
 LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, mlp_hidden=64, vocab_size=61, block_size=16, dropout=0.0,
@@ -28,17 +36,39 @@ GEMMA = dict(LLAMA, mlp="geglu", norm_offset=True, embed_scale=True, post_norms=
 QWEN3 = dict(LLAMA, qk_norm=True, head_dim=32)  # the QK-norm kernels at head-dim rows; head_dim != n_embd / n_head
 # local layers (a window shorter than the sequence) and soft-capped scores: the fused kernels' mask
 WINDOWED = dict(LLAMA, sliding_window=5, layer_types=("sliding_attention", "full_attention"), attn_softcap=20.0)
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "gemma": GEMMA, "windowed": WINDOWED}
+# DeepSeek-V3's block (deepseek-tiny's shapes, two layers): MLA (low-rank Q and KV, the decoupled
+# rope head, v head dim != q/k's), layer 0 dense, layer 1 one shared + 8 routed experts in 4 groups
+# (2 kept), sigmoid scores with the correction bias, run by the grouped pass
+DEEPSEEK = dict(LLAMA, n_kv_head=None, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, n_experts=8, moe_top_k=2, moe_ffn=16, moe_n_group=4, moe_topk_group=2,
+                moe_dense_layers=(0,), moe_renormalize=True, moe_scoring="sigmoid", moe_score_bias=True,
+                moe_aux_loss_coeff=0.0, moe_routed_scaling=2.5, moe_shared_experts=1, family="deepseek_v3")
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "gemma": GEMMA, "windowed": WINDOWED,
+            "deepseek": DEEPSEEK}
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 OVERLAP = dict(overlap_grad_reduce=True, bucket_size=600, tp_comm_overlap=True, overlap_param_gather=True,
                distributed_optimizer=True)
+# ZeRO-3 with its overlap: each unit gathered before its forward and again before its backward
+# (resharded after the forward), the next step's gathers during the forward, the gradient shards'
+# reduce-scatters during the backward
+ZERO3 = dict(zero=3, reshard_after_forward=True, overlap_param_gather=True, overlap_grad_reduce=True)
 
 
 def device_env(extra: dict | None = None) -> dict:
-    env = {"CUTP_CUPY_STANDIN": "1",
+    env = {"CUTP_CUPY_STANDIN": "0" if ON_GPU else "1",
            "PYTHONPATH": os.pathsep.join(p for p in (SHIM, ROOT, os.environ.get("PYTHONPATH", "")) if p)}
     env.update(extra or {})
     return env
+
+
+def record(case: str, **figures) -> None:
+    """Appends {"case": case, **figures} to $CUTP_DEVICE_PATH_FIGURES (when set)."""
+    import json
+
+    path = os.environ.get(FIGURES)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(dict(case=case, **figures)) + "\n")
 
 
 def run_device(nprocs: int, target: str, *args, timeout: float = 300, env: dict | None = None, **kw):
@@ -64,31 +94,56 @@ def train(cfg, comm, steps: int = 2, out: dict | None = None):
     follow them."""
     import cupy
 
-    from cutp.bench.model import random_tokens
     from cutp.train import build_run, train_step
     from tests.device_path.standin.tracking import SYNCS
 
-    run = build_run(cfg, comm, dataset=random_tokens(61, 4096, 0))
+    standin = cfg.device == "cuda" and not ON_GPU
+    run = build_run(cfg, comm, dataset=dataset(cfg))
     ctx = run.ctx
     losses, norms, grads = [], [], None
     for _ in range(steps):
         stats = train_step(run)
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
-        if cfg.device == "cuda":
+        if standin:
             cupy.__standin_mark_step__()
             SYNCS.paused = True  # (this test's own reads are no part of the step)
+        if cfg.device == "cuda":
             cupy.cuda.Device().synchronize()  # (the comparison below reads every buffer)
         if grads is None:
-            grads = {p.name: ctx.to_numpy(p.grad).astype(np.float64) for p in run.model.parameters()}
+            grads = rank_grads(run)
         SYNCS.paused = False
     run.gather_params()  # (--overlap-param-gather: the last update's broadcasts come with the next forward)
-    state = {p.name: (grads[p.name], ctx.to_numpy(p.data).astype(np.float64)) for p in run.model.parameters()}
+    state = {p.name: (grads.get(p.name), ctx.to_numpy(p.data).astype(np.float64)) for p in run.model.parameters()}
     if out is not None:
         out["run"] = run
     else:
         run.close()
     return losses, norms, state
+
+
+def dataset(cfg):
+    """Random tokens; with `pack`, in documents of 1 to seq_len tokens (packed rows: the
+    attention's document mask and the positions restarting at each document)."""
+    from cutp.bench.model import random_tokens
+
+    data = random_tokens(61, 4096, 0)
+    if cfg.pack:
+        lengths = np.random.default_rng(1).integers(1, cfg.seq_len + 1, 4096)
+        lengths = lengths[:np.searchsorted(np.cumsum(lengths), 4096, side="right")]
+        data.doc_lengths = {"train": lengths, "val": lengths}
+    return data
+
+
+def rank_grads(run) -> dict:
+    """This rank's gradients, as host float64: the parameters' own, or under ZeRO 2/3 (where the
+    parameters hold none) the part of each reduced gradient the rank's optimizer shard owns; none
+    for a frozen parameter (LoRA's base)."""
+    from cutp.optim import ShardedAdamW
+
+    opt = run.optimizer
+    return {p.name: run.ctx.to_numpy(opt.owned_grad(p.name) if isinstance(opt, ShardedAdamW) else p.grad)
+            .astype(np.float64) for p in run.model.parameters() if p.trainable}
 
 
 def rel(a, b) -> float:
@@ -101,8 +156,10 @@ def compare(name, cpu, dev, tol):
         assert abs(a - b) <= tol * abs(b), f"{name}: step {i + 1} loss {a} on the device path, {b} on NumPy's"
     assert abs(n1[0] - n0[0]) <= tol * abs(n0[0]), f"{name}: step 1 grad norm {n1[0]} on the device path, {n0[0]} on NumPy's"
     assert s0.keys() == s1.keys()
+    assert [k for k in s0 if s0[k][0] is None] == [k for k in s1 if s1[k][0] is None], f"{name}: the frozen parameters"
+    assert any(s0[k][0] is not None for k in s0), f"{name}: nothing trains"
     worst = 0.0
-    for k in s0:
+    for k in (k for k in s0 if s0[k][0] is not None):
         g = rel(s1[k][0], s0[k][0])
         assert g <= tol, f"{name}: step 1 gradient of {k} differs by {g:.2e} (normwise) between the device path and NumPy's"
         worst = max(worst, g)
@@ -115,6 +172,25 @@ def compare(name, cpu, dev, tol):
     return worst
 
 
+@contextmanager
+def _counting_fused_documents():
+    """[n]: how many fused attention forwards got a document mask (packed rows) meanwhile."""
+    from cutp.ops import attention
+
+    seen, real = [], attention._fused_mask
+
+    def counting(xp, window, softcap, q_first, k_first, documents):
+        if documents is not None:
+            seen.append(1)
+        return real(xp, window, softcap, q_first, k_first, documents)
+
+    attention._fused_mask = counting
+    try:
+        yield seen
+    finally:
+        attention._fused_mask = real
+
+
 def worker_compare(cases):
     """cases: [(family, dtype, layout, extra)]; each trained on both paths and compared."""
     from mpi4py import MPI
@@ -125,14 +201,19 @@ def worker_compare(cases):
         from tests.device_path.standin.tracking import CALLS
 
         CALLS.clear()
-        dev = train(run_config(family, dtype, "cuda", layout, **extra), MPI.COMM_WORLD)
+        with _counting_fused_documents() as documents:
+            dev = train(run_config(family, dtype, "cuda", layout, **extra), MPI.COMM_WORLD)
+        assert not extra.get("pack") or documents, f"{name}: packed rows never reached the fused attention kernels"
         kernels = sum(v for k, v in CALLS.items() if k.startswith("kernel "))
-        assert kernels and CALLS["cublas gemmEx"], f"{name}: the device path ran no kernels or GEMMs: {dict(CALLS)}"
+        counts = {} if ON_GPU else dict(kernel_launches=kernels, gemms=CALLS["cublas gemmEx"],
+                                        nccl_calls=sum(v for k, v in CALLS.items() if k.startswith("nccl")))
+        assert ON_GPU or (kernels and CALLS["cublas gemmEx"]), f"{name}: the device path ran no kernels or GEMMs: {dict(CALLS)}"
         worst = compare(name, cpu, dev, TOLERANCE[dtype])
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"device path = NumPy path: {name}: losses {dev[0]}, largest gradient difference {worst:.1e}; "
-                  f"{kernels} kernel launches, {CALLS['cublas gemmEx']} GEMMs, "
-                  f"{sum(v for k, v in CALLS.items() if k.startswith('nccl'))} NCCL calls")
+                  + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items()))
+            record(name, losses=dev[0], numpy_losses=cpu[0], grad_norm=dev[1][0], largest_gradient_difference=worst,
+                   **counts)
 
 
 # ---- planted bugs: each must make the device path fail, naming the place ---------------------
@@ -265,17 +346,22 @@ def worker_generate(family, dtype):
 KNOWN_SYNCS = {
     "cutp/comm/context.py in synchronize (from cutp/train/step.py in train_step)":
         "the end of the step: train_step waits for the device before it returns (its time)",
-    "cutp/tensor_parallel/cross_entropy.py in forward": "per micro-batch: the number of counted targets (int) and the "
-        "loss (float), two reads: model.forward returns the loss as a Python float",
-    "cutp/tensor_parallel/grads.py in global_grad_norm": "the gradient norm: two reads, float(acc[0]) and float(acc[1])",
-    "cutp/optim/adamw.py in finish_norm": "the gradient norm under the distributed optimizer: two reads, as above",
+    "cutp/train/step.py in train_step": "the loss: the micro-batches' losses summed on the device "
+        "(VocabParallelCrossEntropy.defer_loss), read once, after the gradient norm",
+    "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/grads.py in global_grad_norm)":
+        "the gradient norm: its sum of squares and non-finite count, one read of the pair",
+    "cutp/runtime/backend.py in to_numpy (from cutp/optim/adamw.py in finish_norm)":
+        "the gradient norm under the distributed optimizer (and ZeRO 2/3): one read of the pair, as above",
     "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe.py in forward)":
         "MoE: the routing statistics, once per MoE layer and forward",
     "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe.py in finish_counting)":
         "MoE with several micro-batches: the counting pass's tallies, once per MoE layer and step",
     "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe_dispatch.py in dispatch)":
-        "expert parallelism: the received and the sent row counts of the all-to-all, two reads per dispatch",
+        "expert parallelism: the sent and received row counts of the all-to-all (they size its buffers), one read",
 }
+# what a step without MoE layers reads: each at most once (the goal: the loss and the norm, and
+# the step's end)
+ONCE_PER_STEP = [k for k in KNOWN_SYNCS if "moe" not in k]
 
 
 def sync_key(place: str) -> str:
@@ -297,7 +383,14 @@ def worker_syncs(cases):
         unknown = [(r, p) for (r, p) in step if sync_key(p) not in KNOWN_SYNCS]
         assert not unknown, f"{family} {layout}: host synchronizations not in KNOWN_SYNCS: {unknown}"
         assert step, "no host synchronization counted: the step's loss and norm must reach the host"
+        per_place = Counter()
+        for (_, where), n in step.items():
+            per_place[sync_key(where)] += n
+        if not FAMILIES[family].get("n_experts"):
+            assert set(per_place) <= set(ONCE_PER_STEP) and max(per_place.values()) == 1, \
+                f"{family} {layout}: a step without MoE reads the host more than the loss and the norm once: {per_place}"
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"host syncs of one step, {family} {dtype} {layout} {sorted(extra)}, rank 0: {sum(step.values())}")
+            record(f"host syncs {family} {dtype} {layout} {sorted(extra)}", host_syncs_rank0=sum(step.values()))
             for (reason, where), n in sorted(step.items(), key=lambda kv: kv[0][1]):
                 print(f"  {n} x {reason} at {where}")
