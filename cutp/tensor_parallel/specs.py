@@ -134,6 +134,10 @@ class AttentionSpec:
             out += [ParamDecl(f"{which}.weight", (hd,), tp_partial=True) for which in ("q_norm", "k_norm")]
         return out
 
+    def scores_per_key(self) -> int:
+        """Multiply-adds per query token and key: the scores q.k and the weighted sum of v."""
+        return 2 * self.n_head * self.head_dim
+
     def build(self, ctx, *, name, rng, seed, dtype, rotary):
         if self.rope and rotary is None:
             raise ValueError("a rotary block needs the model's rotary tables (rotary=(cos, sin))")
@@ -173,6 +177,11 @@ class MLASpec:
         return q + [ParamDecl("kv_a.weight", (h, r + self.qk_rope_head_dim)), ParamDecl("kv_a_norm.weight", (r,)),
                     ParamDecl("kv_b.weight", (r, H * (self.qk_nope_head_dim + self.v_head_dim)), "column"),
                     ParamDecl("proj.weight", (H * self.v_head_dim, h), "row")]
+
+    def scores_per_key(self) -> int:
+        """Multiply-adds per query token and key: the scores (query-key heads of nope + rope) and
+        the weighted sum of v (heads of v_head_dim)."""
+        return self.n_head * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
 
     def build(self, ctx, *, name, rng, seed, dtype, rotary):
         return MultiLatentAttention(ctx, self.n_embd, self.n_head, name=name, rotary=rotary,
