@@ -248,7 +248,7 @@ class ModelConfig:
         """Every parameter of the model as its modules declare it (cutp.tensor_parallel.specs),
         named as the model names them: the counts below, and the planner's, sum these."""
         h = self.n_embd
-        vocab = [ParamDecl("weight", (self.vocab_size, h), "vocab", heads=(self.vocab_multiple,))]
+        vocab = [ParamDecl("weight", (self.vocab_size, h), "vocab", layout=(self.vocab_multiple,))]
         out = prefixed("tok_embed", vocab)
         if self.positions == "learned":
             out.append(ParamDecl("pos_embed.weight", (self.block_size, h), sp=True))

@@ -46,12 +46,12 @@ class ParamDecl:
     tp_partial: bool = False  # replicated, each TP rank's own tokens through it: always summed over TP
     count: int = 1  # copies of it (a layer's experts: one per expert)
     grad: bool = True  # trained (False: a buffer-like value no gradient reaches, not counted as a parameter)
-    heads: tuple | None = None  # "qkv": (n_head, n_kv_head, head_dim); "vocab": (vocab_multiple,)
+    layout: tuple | None = None  # how to split it: "qkv" (n_head, n_kv_head, head_dim), "vocab" (vocab_multiple,)
 
     def prefixed(self, prefix: str) -> "ParamDecl":
         # (the constructor, not dataclasses.replace: a large model's declarations are made in milliseconds)
         return ParamDecl(f"{prefix}.{self.name}", self.shape, self.split, self.sp, self.tp_partial, self.count,
-                         self.grad, self.heads)
+                         self.grad, self.layout)
 
     @property
     def numel(self) -> int:
@@ -64,11 +64,11 @@ class ParamDecl:
         if self.split in ("column", "row", "gate_up"):
             return n // tp * self.count
         if self.split == "qkv":
-            n_head, n_kv_head, hd = self.heads
+            n_head, n_kv_head, hd = self.layout
             cols = (n_head // tp + 2 * len(kv_heads_of_rank(n_head, n_kv_head, tp, 0))) * hd
             return n // self.shape[-1] * cols * self.count
         if self.split == "vocab":
-            rows = pad_vocab(self.shape[0], tp, self.heads[0]) // tp
+            rows = pad_vocab(self.shape[0], tp, self.layout[0]) // tp
             return rows * (n // self.shape[0]) * self.count
         if self.split == "expert":
             return n * (self.count // ep)
@@ -124,9 +124,9 @@ class AttentionSpec:
         h, hd = self.n_embd, self.head_dim
         width = (self.n_head + 2 * self.n_kv_head) * hd
         heads = (self.n_head, self.n_kv_head, hd)
-        out = [ParamDecl("qkv.weight", (h, width), "qkv", heads=heads)]
+        out = [ParamDecl("qkv.weight", (h, width), "qkv", layout=heads)]
         if self.qkv_bias:
-            out.append(ParamDecl("qkv.bias", (width,), "qkv", heads=heads))
+            out.append(ParamDecl("qkv.bias", (width,), "qkv", layout=heads))
         out.append(ParamDecl("proj.weight", (self.n_head * hd, h), "row"))
         if self.out_bias:
             out.append(ParamDecl("proj.bias", (h,), sp=True))

@@ -72,16 +72,15 @@ def test_every_parameter_is_declared_as_the_model_allocates_it(preset, overrides
 def test_the_planners_moe_counts_are_the_moe_layers_declarations():
     """plan/moe.py's figures, from the MoE layers' declarations alone (no model built): a dense
     model's count plus the MoE deltas is the MoE model's, total and active, at any TP and EP."""
-    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"):
+    for name in ("tiny-moe", "qwen3-moe-tiny", "deepseek-tiny"):
         c = GPTConfig.preset(name)
         dense = GPTConfig.preset(name, n_experts=0)
-        m = moe_counts(c, tp=8, ep=8)
+        m = moe_counts(c, tp=4, ep=2)
         assert dense.num_parameters() + m["total"] == c.num_parameters()
         assert dense.num_parameters() + m["active"] == c.num_active_parameters() < c.num_parameters()
-        assert layout.param_count(dense, 8)["per_rank"] + m["per_rank"] == layout.param_count(c, 8, 8)["per_rank"]
-        last = c.mlp_spec(c.n_layer - 1)  # (an MoE layer in all three)
+        assert layout.param_count(dense, 4)["per_rank"] + m["per_rank"] == layout.param_count(c, 4, 2)["per_rank"]
+        last = c.mlp_spec(c.n_layer - 2)  # (an MoE layer in all three)
         assert m["expert"] == sum(math.prod(d.shape) for d in last.expert.parameters()) > 0
         assert m["router"] == c.n_embd * c.n_experts and m["layers"] == sum(map(c.is_moe_layer, range(c.n_layer)))
-    v3 = GPTConfig.preset("deepseek-v3")
-    assert (v3.num_parameters(), v3.num_active_parameters()) == (671_026_404_352, 37_552_282_624)
+    v3 = GPTConfig.preset("deepseek-v3")  # (its counts: tests/models/test_family_math.py)
     assert v3.num_stored_values() == v3.num_parameters() + 58 * 256  # the correction biases
