@@ -246,7 +246,16 @@ class ModelConfig:
 
     def declarations(self) -> list[ParamDecl]:
         """Every parameter of the model as its modules declare it (cutp.tensor_parallel.specs),
-        named as the model names them: the counts below, and the planner's, sum these."""
+        named as the model names them: the counts below, and the planner's, sum these. (Kept by
+        the config's fields, which alone decide them: the counts are asked for often.)"""
+        key = repr(self)
+        if key not in _DECLARED:
+            if len(_DECLARED) >= 64:
+                _DECLARED.clear()
+            _DECLARED[key] = tuple(self._declare())
+        return list(_DECLARED[key])
+
+    def _declare(self) -> list[ParamDecl]:
         h = self.n_embd
         vocab = [ParamDecl("weight", (self.vocab_size, h), "vocab", layout=(self.vocab_multiple,))]
         out = prefixed("tok_embed", vocab)
@@ -470,5 +479,6 @@ class ModelConfig:
 
 
 _RENAMED = {"ln_eps": "norm_eps"}  # fields' earlier names, read as today's
+_DECLARED: dict = {}  # repr(config) -> its declarations (`ModelConfig.declarations`)
 
 GPTConfig = ModelConfig  # its first name, from when GPT-2 was the only family
