@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from cutp.tensor_parallel import BlockSpec, ParallelMLP, ParallelTransformerBlock, RNGTracker
+from cutp.tensor_parallel.specs import AttentionSpec, MLPSpec, NormSpec
 
 
 def host_data(seed, shape):
@@ -36,7 +37,8 @@ def run_half(ctx, which, x_host):
     """Runs this half's model forward and backward; returns (y, dx) as host NumPy arrays."""
     h = x_host.shape[-1]
     if which == 0:
-        layer = ParallelTransformerBlock(ctx, BlockSpec(n_embd=h, n_head=4), name="host.block",
+        spec = BlockSpec(h, NormSpec(), AttentionSpec(h, 4, 4, h // 4), MLPSpec(h, 4 * h))  # a GPT-2 block
+        layer = ParallelTransformerBlock(ctx, spec, name="host.block",
                                          rng=RNGTracker(0, ctx.tp_rank), dtype=np.float64, seed=11)
     else:
         layer = ParallelMLP(ctx, h, 4 * h, name="host.mlp", dtype=np.float64, seed=12)

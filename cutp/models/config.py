@@ -6,8 +6,10 @@ learned positions, GeLU MLP, biases everywhere, tied embeddings) and whose other
 the Llama family (RMSNorm, rotary positions, SwiGLU, no biases, untied), Qwen2 (the same with
 q/k/v biases), Mistral, Mixtral (SwiGLU experts, softmax top-2 renormalised), and Gemma 2 / 3
 ((1 + w) RMSNorms before and after each branch, GeGLU, scaled embeddings, soft-capping); `family`
-names the Hugging Face family it is exported as. `block_spec()` is the part each transformer
-block is built from (cutp.tensor_parallel's `BlockSpec`). `PRESETS` are the named shapes of
+names the Hugging Face family it is exported as. `block_spec()` is what each transformer block
+is built from (cutp.tensor_parallel's `BlockSpec`: the norm, attention and MLP specs these fields
+choose); `declarations()` lists every parameter as those specs declare it, and the parameter
+counts here and in the planner are its sums. `PRESETS` are the named shapes of
 `--preset`, declared by the family modules (cutp.models.families).
 """
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 from ..runtime.errors import ConfigError
 from ..ops.rotary import RopeScaling, yarn_mscale
 from ..tensor_parallel import BlockSpec, check_moe, pad_vocab
+from ..tensor_parallel.specs import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, ParamDecl, count,
+                                     prefixed)
 from ..tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
 # Parameters and activations are stored in the model's dtype. bfloat16/float16 models compute
@@ -203,17 +207,71 @@ class ModelConfig:
                            self.rope_mscale, self.rope_mscale_all_dim)
 
     def block_spec(self, layer: int) -> BlockSpec:
-        """What layer `layer`'s transformer block is built from."""
-        return BlockSpec(n_embd=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_size,
-                         mlp_hidden=self.hidden, n_layer=self.n_layer, norm=self.norm, norm_eps=self.norm_eps,
-                         norm_bias=self.bias, rope=self.positions == "rope", qk_norm=bool(self.qk_norm),
-                         qkv_bias=self._bias("qkv_bias"),
-                         attn_out_bias=self._bias("attn_out_bias"), mlp_bias=self._bias("mlp_bias"), mlp=self.mlp,
-                         gelu=self.gelu, dropout=self.dropout, moe=self.moe_settings(layer),
-                         window=self.layer_window(layer), attn_softcap=self.attn_softcap,
-                         norm_offset=bool(self.norm_offset), post_norms=bool(self.post_norms),
-                         attn_scale=None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5,
-                         mla=self.mla_settings())
+        """What layer `layer`'s transformer block is built from: its submodules' specs
+        (cutp.tensor_parallel.specs), as the family's fields choose them."""
+        return BlockSpec(n_embd=self.n_embd, norm=self.norm_spec(), attention=self.attention_spec(layer),
+                         mlp=self.mlp_spec(layer), post_norm=self.norm_spec() if self.post_norms else None,
+                         dropout=self.dropout)
+
+    def norm_spec(self) -> NormSpec:
+        """Every norm's (the blocks', Gemma's post-norms, the final one): `norm`, norm_eps, a
+        LayerNorm's bias with `bias`, Gemma's (1 + w) with norm_offset."""
+        return NormSpec(self.norm, self.norm_eps, bias=self.bias, offset=bool(self.norm_offset))
+
+    def attention_spec(self, layer: int) -> AttentionSpec | MLASpec:
+        """Layer `layer`'s attention: multi-head latent (kv_lora_rank set), else multi-head or
+        grouped-query with the family's biases, rope, QK-norm, window, soft-cap and scale."""
+        if self.kv_lora_rank is not None:
+            return MLASpec(self.n_embd, self.n_head, **self.mla_settings(), norm_eps=self.norm_eps, n_layer=self.n_layer,
+                           dropout=self.dropout)
+        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+        return AttentionSpec(self.n_embd, self.n_head, self.kv_heads, self.head_size, n_layer=self.n_layer,
+                             qkv_bias=self._bias("qkv_bias"), out_bias=self._bias("attn_out_bias"),
+                             rope=self.positions == "rope",
+                             qk_norm=NormSpec("rmsnorm", self.norm_eps, offset=bool(self.norm_offset))
+                             if self.qk_norm else None,
+                             window=self.layer_window(layer), softcap=self.attn_softcap, scale=scale,
+                             dropout=self.dropout)
+
+    def mlp_spec(self, layer: int) -> MLPSpec | MoESpec:
+        """Layer `layer`'s MLP: dense (`mlp`, `hidden`), or with moe_settings(layer) a router and
+        experts of that kind (DeepSeekMoE: and the shared experts, one MLP of their total width)."""
+        dense = MLPSpec(self.n_embd, self.hidden, self.mlp, bias=self._bias("mlp_bias"), gelu=self.gelu,
+                        n_layer=self.n_layer)
+        moe = self.moe_settings(layer)
+        if moe is None:
+            return dense
+        ffn, n_experts, shared = moe.pop("ffn"), moe.pop("n_experts"), moe.pop("shared_experts")
+        return MoESpec(self.n_embd, n_experts, dataclasses.replace(dense, hidden=ffn),
+                       shared=dataclasses.replace(dense, hidden=shared * ffn) if shared else None, routing=moe)
+
+    def declarations(self) -> list[ParamDecl]:
+        """Every parameter of the model as its modules declare it (cutp.tensor_parallel.specs),
+        named as the model names them: the counts below, and the planner's, sum these. (Kept by
+        the config's fields, which alone decide them: the counts are asked for often.)"""
+        key = repr(self)
+        if key not in _DECLARED:
+            if len(_DECLARED) >= 64:
+                _DECLARED.clear()
+            _DECLARED[key] = tuple(self._declare())
+        return list(_DECLARED[key])
+
+    def _declare(self) -> list[ParamDecl]:
+        h = self.n_embd
+        vocab = [ParamDecl("weight", (self.vocab_size, h), "vocab", layout=(self.vocab_multiple,))]
+        out = prefixed("tok_embed", vocab)
+        if self.positions == "learned":
+            out.append(ParamDecl("pos_embed.weight", (self.block_size, h), sp=True))
+        blocks = []  # [(spec, its declarations)]: layers alike declare alike (a window changes none)
+        for i in range(self.n_layer):
+            spec = dataclasses.replace(self.block_spec(i), attention=self.attention_spec(0))
+            same = next((decls for s, decls in blocks if s == spec), None)
+            if same is None:
+                same = spec.parameters()
+                blocks.append((spec, same))
+            out += prefixed(f"layers.{i}", same)
+        out += prefixed("final_norm", self.norm_spec().parameters(h))
+        return out + ([] if self.tie_embeddings else prefixed("lm_head", vocab))
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether layer `layer` is a local ("sliding_attention") one: by layer_types, else every
@@ -390,38 +448,16 @@ class ModelConfig:
                 d[f] = tuple(d[f])
         return cls(**d)
 
-    def _mlp_parameters(self, width: int) -> int:
-        """One MLP (or expert) of `width`: GeLU's two matrices or SwiGLU's three, and their biases."""
-        h, b = self.n_embd, 1 if self._bias("mlp_bias") else 0
-        if self.mlp in ("swiglu", "geglu"):
-            return 3 * h * width + b * (2 * width + h)
-        return 2 * h * width + b * (width + h)
-
     def num_parameters(self) -> int:
-        """Parameters of the full model (unpadded vocabulary, tied head counted once)."""
-        h, L, V = self.n_embd, self.n_layer, self.vocab_size
-        q, kv = self.n_head * self.head_size, self.kv_heads * self.head_size
-        norm = h * (2 if self.norm == "layernorm" and self.bias else 1)  # weight (+ LayerNorm's bias)
-        attention = h * (q + 2 * kv) + q * h + self._bias("qkv_bias") * (q + 2 * kv) + self._bias("attn_out_bias") * h
-        if self.kv_lora_rank is not None:
-            attention = self.mla_parameters()
-        per_layer = (4 if self.post_norms else 2) * norm + attention + 2 * self.head_size * bool(self.qk_norm)
-        # an MoE layer's router and experts
-        ffn = self.moe_ffn or self.hidden
-        # (DeepSeek's correction bias is not counted: no gradient trains it, a buffer in transformers)
-        moe = h * self.n_experts + self.n_experts * self._mlp_parameters(ffn)
-        moe += self._mlp_parameters(self.moe_shared_experts * ffn) if self.moe_shared_experts else 0
-        n_moe = sum(self.is_moe_layer(i) for i in range(L))
-        head = 0 if self.tie_embeddings else V * h
-        positions = self.block_size * h if self.positions == "learned" else 0
-        return (V * h + positions + L * per_layer + (L - n_moe) * self._mlp_parameters(self.hidden) + n_moe * moe
-                + norm + head)
+        """Parameters of the full model (unpadded vocabulary, tied head counted once): the sum of
+        its declarations (DeepSeek's correction bias is not counted: no gradient trains it, a
+        buffer in transformers)."""
+        return count(self.declarations())
 
     def num_stored_values(self) -> int:
         """Every value the model holds (a checkpoint's tensors): its parameters and DeepSeek's
         correction biases, which `num_parameters` leaves out as transformers does (buffers there)."""
-        moe_layers = sum(self.is_moe_layer(i) for i in range(self.n_layer))
-        return self.num_parameters() + (self.n_experts * moe_layers if self.moe_score_bias else 0)
+        return sum(d.numel for d in self.declarations())
 
     def kv_cache_values_per_token(self) -> int:
         """Values generation's KV cache holds per token, all layers: K and V of every KV head, or
@@ -430,23 +466,17 @@ class ModelConfig:
                      else self.kv_lora_rank + self.qk_rope_head_dim)
         return self.n_layer * per_layer
 
-    def mla_parameters(self) -> int:
-        """One layer's multi-head latent attention parameters."""
-        h, H, r, rq = self.n_embd, self.n_head, self.kv_lora_rank, self.q_lora_rank
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        q = h * rq + rq + rq * H * qk if rq else h * H * qk
-        return q + h * (r + self.qk_rope_head_dim) + r + r * H * (self.qk_nope_head_dim + self.v_head_dim) \
-            + H * self.v_head_dim * h
-
     def num_active_parameters(self) -> int:
         """Parameters a token runs through: top_k of each MoE layer's experts (all of a dense model)."""
-        idle = (self.n_experts - self.moe_top_k) * self._mlp_parameters(self.moe_ffn or self.hidden)
-        return self.num_parameters() - sum(self.is_moe_layer(i) for i in range(self.n_layer)) * idle
+        decls = self.declarations()
+        idle = sum(d.numel // d.count * (d.count - self.moe_top_k) for d in decls if d.split == "expert")
+        return count(decls) - idle
 
     def __str__(self):
         return json.dumps(self.to_dict())
 
 
 _RENAMED = {"ln_eps": "norm_eps"}  # fields' earlier names, read as today's
+_DECLARED: dict = {}  # repr(config) -> its declarations (`ModelConfig.declarations`)
 
 GPTConfig = ModelConfig  # its first name, from when GPT-2 was the only family

@@ -1,39 +1,33 @@
-"""A model's training FLOPs per token, from its config's public declarations only (n_layer,
-n_embd, n_head, kv_heads, head_size, hidden, vocab_size, mlp, n_experts, moe_top_k, moe_ffn,
-is_moe_layer), for the MFU a run reports (cutp.train.reporting).
+"""A model's training FLOPs per token, from its parameter declarations (`ModelConfig.declarations`,
+cutp.tensor_parallel.specs) and its layers' attention specs, for the MFU a run reports
+(cutp.train.reporting).
 
 Counted as PaLM's appendix B and Megatron's MFU do: the matrix multiplications only (norms,
 activations, softmax and the optimizer are a few percent), 2 FLOPs per multiply-add, a
 training step 3 times the forward (the backward computes the gradients of the activations and
-of the weights); attention's scores and weighted sum over the whole sequence (2 x 2 x heads x
-head_size x seq_len per token and layer, min(seq_len, window) for a local layer; no causal
-discount, as PaLM counts), an MoE layer's
-router and its top_k experts (the active parameters), the LM head over the whole vocabulary.
-Recomputation is not counted (MFU, not hardware FLOPs utilisation).
+of the weights). Every declared matrix multiplies each token once (MLA's down- and
+up-projections, DeepSeekMoE's shared experts, an MoE layer's router), a routed expert's top_k
+times of its count (the active parameters); the embedding tables are looked up, the LM head
+multiplies over the whole vocabulary (tied or not). Attention's scores and weighted sum over the
+whole sequence (`scores_per_key`: 2 x heads x head_size per token, key and layer, MLA's heads of
+its query-key and value widths; min(seq_len, window) keys for a local layer; no causal discount,
+as PaLM counts). Recomputation is not counted (MFU, not hardware FLOPs utilisation).
 """
 from __future__ import annotations
 
-
-def _mlp_matmul(config, width: int) -> int:
-    """Multiply-adds per token of one MLP (or expert) of `width`: GeLU's two matrices, SwiGLU's three."""
-    return (3 if config.mlp in ("swiglu", "geglu") else 2) * config.n_embd * width
+_LOOKED_UP = ("tok_embed.", "pos_embed.", "lm_head.")
 
 
 def forward_flops_per_token(config, seq_len: int) -> float:
     """The forward's FLOPs per token of a sequence of `seq_len` tokens."""
-    h, q = config.n_embd, config.n_head * config.head_size
-    kv = config.kv_heads * config.head_size
-    per_layer = h * (q + 2 * kv) + q * h  # Q, K, V and the output projection
-    total = 0
+    total = config.n_embd * config.vocab_size  # the LM head
+    for d in config.declarations():
+        if len(d.shape) == 2 and not d.name.startswith(_LOOKED_UP):
+            total += d.numel // d.count * (config.moe_top_k if d.split == "expert" else d.count)
     for i in range(config.n_layer):
-        window = config.layer_window(i) if hasattr(config, "layer_window") else None
-        keys = seq_len if window is None else min(seq_len, window)  # a local layer's queries see `window` keys
-        total += per_layer + 2 * config.n_head * config.head_size * keys  # scores, weighted sum
-        if config.is_moe_layer(i):
-            total += h * config.n_experts + config.moe_top_k * _mlp_matmul(config, config.moe_ffn or config.hidden)
-        else:
-            total += _mlp_matmul(config, config.hidden)
-    total += h * config.vocab_size  # the LM head
+        attention = config.attention_spec(i)
+        keys = seq_len if getattr(attention, "window", None) is None else min(seq_len, attention.window)
+        total += attention.scores_per_key() * keys
     return 2.0 * total
 
 

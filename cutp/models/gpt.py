@@ -50,7 +50,6 @@ from ..tensor_parallel import (
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     gather_full,
-    make_norm,
     make_parameter,
     normal_init,
     pad_rows,
@@ -186,8 +185,7 @@ class GPT(Module):
             self._chunk_blocks.append(self.layers[at:at + len(r)])
             at += len(r)
         if self.last_stage:
-            self.final_norm = make_norm(ctx, c.norm, c.n_embd, name="final_norm", eps=c.norm_eps, bias=c.bias, seed=seed,
-                                        dtype=dt, offset=c.norm_offset)
+            self.final_norm = c.norm_spec().build(ctx, c.n_embd, name="final_norm", seed=seed, dtype=dt)
             if c.tie_embeddings:
                 self.lm_head = ParallelLMHead(ctx, self.tok_embed)
             else:

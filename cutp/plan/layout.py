@@ -72,6 +72,7 @@ from dataclasses import dataclass, replace
 
 from ..models import GPTConfig
 from ..runtime.errors import ConfigError
+from ..tensor_parallel.specs import count, tp_summed
 from ..tensor_parallel.validation import check_attention, check_mlp
 from ..train.reporting import Report, parse_count
 from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
@@ -79,8 +80,8 @@ from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_by
 from ..runtime.mesh import Mesh
 from . import overlap
 from .context import check_cp, cp_comm_bytes, cp_formula, formula_args
-from .mla import mha_attention_bytes, mla_attention_bytes, mla_sequence_parallel_elements, mla_tp_collectives
-from .run import ITEMSIZE, planned_parameters, planned_step
+from .mla import mha_attention_bytes, mla_attention_bytes, mla_tp_collectives
+from .run import ITEMSIZE, planned_step
 from .zero import gathered_units_bytes, zero_collectives, zero_plan, zero_state_bytes
 
 
@@ -107,64 +108,30 @@ def model_name(args) -> str:
 
 
 def param_count(a: GPTConfig, tp: int = 1, ep: int = 1) -> dict:
-    """Parameters of the full model ('total'), of one TP (and EP) rank ('per_rank') and those a
-    token runs through ('active'), by component ('layer': a dense layer's)."""
-    h, hd, L = a.n_embd, a.head_size, a.n_layer
-    kv_local = max(1, a.kv_heads // tp) if tp <= a.kv_heads else 1
-    bq, bo, bm = a.has_bias("qkv_bias"), a.has_bias("attn_out_bias"), a.has_bias("mlp_bias")
-    norm = (2 if ((a.norm == "layernorm") and a.bias) else 1) * h  # LayerNorm weight (+ bias) or RMSNorm weight
-    qkv_out = (a.n_head + 2 * a.kv_heads) * hd
-    qkv_out_local = (a.n_head // tp + 2 * kv_local) * hd
-    attn_in = a.n_head * hd  # the output projection's input
-    mlp_mats = 3 if (a.mlp in ("swiglu", "geglu")) else 2
-    gated = 2 if (a.mlp in ("swiglu", "geglu")) else 1
-    norms = 4 if a.post_norms else 2  # (Gemma: a norm after each branch too)
-    full = {
-        "attention": h * qkv_out + bq * qkv_out + attn_in * h + bo * h,
-        "mlp": mlp_mats * h * a.hidden + bm * (gated * a.hidden + h),
-        "norms": norms * norm + 2 * hd * a.qk_norm,
-    }
-    local = {
-        "attention": h * qkv_out_local + bq * qkv_out_local + (attn_in // tp) * h + bo * h,  # row bias replicated
-        "mlp": mlp_mats * h * (a.hidden // tp) + bm * (gated * a.hidden // tp + h),
-        "norms": norms * norm + 2 * hd * a.qk_norm,  # (the QK-norms replicated)
-    }
-    if a.kv_lora_rank is not None:  # multi-head latent attention: the down-projections and norms replicated
-        full["attention"] = a.mla_parameters()
-        down = h * (a.q_lora_rank or 0) + (a.q_lora_rank or 0) + h * (a.kv_lora_rank + a.qk_rope_head_dim) \
-            + a.kv_lora_rank
-        local["attention"] = down + (full["attention"] - down) // tp
-    emb = a.vocab_size * h
-    head = 0 if a.tie_embeddings else a.vocab_size * h
-    pos = a.block_size * h if (a.positions == "learned") else 0
-    moe = moe_counts(a, tp, ep)
-    total = L * sum(full.values()) + emb + head + pos + norm + moe["total"]
-    per_rank = L * sum(local.values()) + -(-emb // tp) + -(-head // tp) + pos + norm + moe["per_rank"]
-    return {"total": total, "per_rank": per_rank, "active": total - moe["total"] + moe["active"],
-            "layer": sum(full.values()), "layer_per_rank": sum(local.values()),
-            "embedding": emb, "head": head, "position": pos, "final_norm": norm}
+    """Parameters of the full model ('total'), of one TP (and EP) rank ('per_rank': its shards, the
+    vocabulary padded as `padded_vocab(tp)` pads it) and those a token runs through ('active'), by
+    component ('layer': a dense layer's); each `*_per_rank` one rank's. The sums of the model's
+    declarations (`GPTConfig.declarations`, cutp.tensor_parallel.specs): no array is built."""
+    decls = a.declarations()
+    layer = dataclasses.replace(a, n_experts=0).block_spec(0).parameters()  # (a dense layer)
+    out = {"total": count(decls), "per_rank": count(decls, tp=tp, ep=ep), "active": a.num_active_parameters(),
+           "layer": count(layer), "layer_per_rank": count(layer, tp=tp)}
+    for key, prefix in (("embedding", "tok_embed."), ("head", "lm_head."), ("position", "pos_embed."),
+                        ("final_norm", "final_norm.")):
+        out[key] = count(decls, where=lambda d: d.name.startswith(prefix))
+        out[f"{key}_per_rank"] = count(decls, tp=tp, where=lambda d: d.name.startswith(prefix))
+    return out
 
 
 def tp_gradient_elements(a: GPTConfig, tp: int, sequence_parallel: bool, ep: int = 1) -> int:
-    """Elements of the one TP all-reduce of gradients per step (`tp_grad_sync`): the replicated
-    parameters used on sequence shards under sequence parallelism (both norms of each layer, the
-    row biases, the MoE routers, the final norm, learned positions) and the MoE experts, which
-    each TP rank runs on its own tokens (`tp_partial`). 0 at tp 1."""
+    """Elements of the one TP all-reduce of gradients per step (`tp_grad_sync`): the parameters
+    declared `tp_partial` (the MoE experts and the QK-norms, which each TP rank runs on its own
+    tokens or heads) and, under sequence parallelism, those declared `sp` (the replicated
+    parameters used on sequence shards: the norms, the row biases, the MoE routers, learned
+    positions). 0 at tp 1."""
     if tp == 1:
         return 0
-    h = a.n_embd
-    norm = (2 if ((a.norm == "layernorm") and a.bias) else 1) * h
-    moe = moe_counts(a, tp, ep)
-    n_dense = a.n_layer - moe["layers"]
-    experts = moe["layers"] * (a.n_experts // ep) * moe["expert"]
-    experts += a.n_layer * 2 * a.head_size * a.qk_norm  # (QK-norms: each TP rank normalises its own heads)
-    if not sequence_parallel:
-        return experts
-    rows = a.n_layer * a.has_bias("attn_out_bias") * h + n_dense * a.has_bias("mlp_bias") * h
-    norms = a.n_layer * (4 if a.post_norms else 2) * norm  # (Gemma: a norm after each branch too)
-    mla = a.n_layer * mla_sequence_parallel_elements(a) if a.kv_lora_rank is not None else 0
-    return (norms + rows + moe["layers"] * moe["router"] + norm + (a.block_size * h if (a.positions == "learned") else 0)
-            + experts + mla)
+    return count(a.declarations(), tp=tp, ep=ep, where=lambda d: tp_summed(d, sequence_parallel))
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -234,9 +201,9 @@ def _shard_group(cp: int, dp_replicate: int) -> str:
 
 
 def parameters_per_rank(config: GPTConfig, tp: int) -> int:
-    """Parameters on the TP rank holding the most (they all hold the same number today): what
-    `GPT(ctx, config).num_parameters_local()` counts there (the model's own declarations)."""
-    return max(sum(p.numel for p in planned_parameters(config, tp=tp, rank=r)) for r in planned_ranks(tp))
+    """Parameters on one TP rank (they all hold the same number): what `GPT(ctx,
+    config).num_parameters_local()` counts there, summed from the model's declarations."""
+    return count(config.declarations(), tp=tp)
 
 
 def planned_ranks(n: int, every: int = 16) -> list[int]:
@@ -368,9 +335,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         act = {"bytes": worst["activations_peak"], "where": worst["where"], "stash_per_layer": stash,
                "source": f"cutp's training step, run on shape-only arrays ({'GPU' if device == 'cuda' else f'CPU, {threads} thread(s)'})"}
     else:
-        P = param_count(a, tp, ep)["per_rank"]
-        if config is not None:  # exact: the dense model's shards (padded vocabulary) and the MoE layers' own
-            P = parameters_per_rank(dataclasses.replace(config, n_experts=0), tp) + moe_counts(a, tp, ep)["per_rank"]
+        P = param_count(a, tp, ep)["per_rank"]  # (the declarations' sum: exact for any model)
         full = L if recompute_layers is None else recompute_layers
         modes = [recompute if (recompute != "full" or i < full) else "none" for i in range(L)]
         stash = [layer_activation_bytes(a, s, b, tp, pb, mode, sequence_parallel, cp, cp_comm) for mode in modes]
@@ -432,8 +397,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         "cp_exchange": cp_comm_bytes(a, s=s, b=b, tp=tp, cp=cp, cp_comm=cp_comm, layers=L, accum=accum, itemsize=pb,
                                      recomputed=(L if recompute_layers is None else recompute_layers)
                                      if recompute == "full" else 0),
-        "params_total": config.num_parameters() if config is not None else param_count(a)["total"],
-        "params_active": config.num_active_parameters() if config is not None else param_count(a)["active"], "ep": ep,
+        "params_total": a.num_parameters(), "params_active": a.num_active_parameters(), "ep": ep,
         "ep_all_to_all": coll(sum(5 + 3 * (r + counted) for r in moe_recomputed) * accum if ep > 1 else 0,
                               sum(2 + r + counted for r in moe_recomputed) * accum
                               * all_to_all_elements(a, s // cp, b, tp, ep), pb, (ep - 1) / ep),

@@ -38,7 +38,7 @@ output projection forward, the QKV input gradient backward), MLA all-reduces b s
 backward, the input gradients of q_b (b s r_q; q_proj's: b s h), kv_b (b s r_kv) and of the
 shared rope key (b s d_rope): 4 collectives. Under sequence parallelism each is a reduce-scatter
 and an all-gather of the same size, and the down-projections' weights and their norms, used on
-the rank's tokens, join the TP gradient sum (`mla_sequence_parallel_elements`).
+the rank's tokens, join the TP gradient sum (MLASpec declares them `sp`).
 """
 from __future__ import annotations
 
@@ -105,9 +105,3 @@ def mla_tp_collectives(a, tokens: int) -> tuple[int, int]:
     q_width = a.q_lora_rank or a.n_embd
     return 2, tokens * (q_width + a.kv_lora_rank + a.qk_rope_head_dim - a.n_embd)
 
-
-def mla_sequence_parallel_elements(a) -> int:
-    """One MLA layer's replicated parameters used on sequence shards: q_a and its norm (with
-    q_lora_rank), kv_a and its norm."""
-    h, rq, r = a.n_embd, a.q_lora_rank or 0, a.kv_lora_rank
-    return h * rq + rq + h * (r + a.qk_rope_head_dim) + r

@@ -5,7 +5,8 @@ MLP by a router (h x E, replicated) and E experts, each an MLP of width f = moe_
 MLP's): 2 h f weights (3 h f gated) + biases f + h; DeepSeekMoE's shared experts add one MLP of
 moe_shared_experts x f, split over TP. Experts are replicated over TP (cutp splits the tokens, not
 the experts, over the TP ranks) and divided over the EP group: a rank holds E / ep of them. A
-token runs through top_k experts: the active parameters count top_k of them.
+token runs through top_k experts: the active parameters count top_k of them. The counts are
+sums of the layers' declarations (`MoESpec.parameters`), not formulas of their own.
 
 Activations an MoE layer keeps for backward (cutp.tensor_parallel.moe; act: the activation
 item size, routing assumed balanced, so every expert sees n k / E of the n tokens' assignments,
@@ -25,7 +26,10 @@ it with the counted bytes).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..runtime.errors import ConfigError
+from ..tensor_parallel.specs import count
 
 
 def moe_layers(a) -> int:
@@ -37,9 +41,21 @@ def expert_width(a) -> int:
     return a.moe_ffn or a.hidden
 
 
+def _dense_mlp(a):
+    """The MLP spec of a's dense layers (cutp.tensor_parallel.specs.MLPSpec)."""
+    return dataclasses.replace(a, n_experts=0).mlp_spec(0)
+
+
+def _moe_mlp(a):
+    """The MLP spec of a's MoE layers (all alike), or None without any."""
+    return next((a.mlp_spec(i) for i in range(a.n_layer) if a.is_moe_layer(i)), None)
+
+
 def expert_params(a) -> int:
-    f, h, b = expert_width(a), a.n_embd, a.has_bias("mlp_bias")
-    return (3 if (a.mlp == "swiglu") else 2) * h * f + b * ((2 if (a.mlp == "swiglu") else 1) * f + h)
+    """One routed expert's parameters: its declarations' sum."""
+    spec = _moe_mlp(a)
+    expert = spec.expert if spec is not None else dataclasses.replace(_dense_mlp(a), hidden=expert_width(a))
+    return count(expert.parameters())
 
 
 def check_moe_layout(a, ep: int, dp: int) -> None:
@@ -55,22 +71,17 @@ def check_moe_layout(a, ep: int, dp: int) -> None:
 
 def moe_counts(a, tp: int = 1, ep: int = 1) -> dict:
     """Parameters of a's MoE layers in place of their dense MLPs: {"total", "per_rank", "active"}
-    to add to a dense count, and the MoE layers' own {"router", "expert"}."""
-    n = moe_layers(a)
-    h, E = a.n_embd, a.n_experts
-    b = a.has_bias("mlp_bias")
-    dense = (3 if (a.mlp == "swiglu") else 2) * h * a.hidden + b * ((2 if (a.mlp == "swiglu") else 1) * a.hidden + h)
-    dense_local = (3 if (a.mlp == "swiglu") else 2) * h * (a.hidden // tp) + b * ((2 if (a.mlp == "swiglu") else 1) * a.hidden // tp + h)
-    router, expert = h * E, expert_params(a)
-    # DeepSeekMoE's shared experts: one dense MLP of their total width, split over TP like the dense MLP
-    S = a.moe_shared_experts * expert_width(a)
-    kinds = 3 if a.mlp == "swiglu" else 2
-    shared = kinds * h * S + b * ((kinds - 1) * S + h) if S else 0
-    shared_local = kinds * h * (S // tp) + b * ((kinds - 1) * S // tp + h) if S else 0
-    return {"total": n * (router + E * expert + shared - dense),
-            "per_rank": n * (router + E // ep * expert + shared_local - dense_local),
-            "active": n * (router + a.moe_top_k * expert + shared - dense), "router": router, "expert": expert,
-            "layers": n}
+    to add to a dense count, and the MoE layers' own {"router", "expert"}: sums of the layers'
+    declarations (`MoESpec.parameters`, cutp.tensor_parallel.specs)."""
+    n, spec, expert = moe_layers(a), _moe_mlp(a), expert_params(a)
+    if spec is None:
+        return {"total": 0, "per_rank": 0, "active": 0, "router": 0, "expert": expert, "layers": 0}
+    moe, dense = spec.parameters(), _dense_mlp(a).parameters()
+    routed = count(moe, where=lambda d: d.split == "expert")
+    return {"total": n * (count(moe) - count(dense)),
+            "per_rank": n * (count(moe, tp=tp, ep=ep) - count(dense, tp=tp)),
+            "active": n * (count(moe) - routed + spec.top_k * expert - count(dense)),
+            "router": count(moe, where=lambda d: d.name.startswith("router.")), "expert": expert, "layers": n}
 
 
 def moe_layer_activation_bytes(a, s: int, b: int, t: int, act: int, sequence_parallel: bool) -> float:

@@ -29,13 +29,13 @@ def backward_units(a, tp: int, micro_batch: int, seq_len: int, param_count) -> l
     """(name, gradient elements final after it, forward FLOPs) per unit, in backward order."""
     p = param_count(a, tp)
     tokens = micro_batch * seq_len
-    head_params = -(-p["head"] // tp) if p["head"] else -(-p["embedding"] // tp)  # tied: the embedding's table
-    units = [("head + final norm", p["final_norm"] + (-(-p["head"] // tp)), 2 * head_params * tokens)]
+    head_params = p["head_per_rank"] or p["embedding_per_rank"]  # tied: the embedding's table
+    units = [("head + final norm", p["final_norm"] + p["head_per_rank"], 2 * head_params * tokens)]
     for i in reversed(range(a.n_layer)):
         keys = seq_len if a.layer_window(i) is None else min(seq_len, a.layer_window(i))  # a local layer's
         attention = 4 * micro_batch * seq_len * keys * a.n_embd // tp  # scores and their product with V
         units.append((f"layer {i}", p["layer_per_rank"], 2 * p["layer_per_rank"] * tokens + attention))
-    units.append(("embeddings", -(-p["embedding"] // tp) + p["position"], 0.0))
+    units.append(("embeddings", p["embedding_per_rank"] + p["position"], 0.0))
     return units
 
 

@@ -132,11 +132,11 @@ def stage_parameters(a: GPTConfig, tp: int, n_layers: int, first: bool, last: bo
     """Parameters of one TP rank of a --params architecture's stage of n_layers layers."""
     pc = param_count(a, tp)
     n = n_layers * pc["layer_per_rank"]
-    emb = -(-pc["embedding"] // tp)
+    emb = pc["embedding_per_rank"]
     if first:
         n += emb + pc["position"]
     if last:
-        n += pc["final_norm"] + (-(-pc["head"] // tp) if not a.tie_embeddings else (0 if first else emb))
+        n += pc["final_norm"] + (pc["head_per_rank"] if not a.tie_embeddings else (0 if first else emb))
     return n
 
 

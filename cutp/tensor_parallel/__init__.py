@@ -4,7 +4,10 @@ mappings       the communication operators (copy-to-TP, reduce-from-TP, scatter,
 layers         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead,
                LayerNorm, RMSNorm, Dropout, LogitSoftcap
 attention      ParallelAttention (heads split, GQA)
-transformer    BlockSpec, ParallelMLP (GeLU or SwiGLU), ParallelTransformerBlock
+mlp            ParallelMLP (GeLU, SwiGLU or GeGLU)
+specs          the submodules' specs a block is built from (NormSpec, AttentionSpec, MLASpec, MLPSpec,
+               MoESpec), each declaring its parameters (ParamDecl: shape, TP split, count)
+transformer    BlockSpec (the chosen specs), ParallelTransformerBlock
 moe            MoEMLP (router, load-balancing and z-losses, capacity, experts)
 cross_entropy  VocabParallelCrossEntropy
 sharding       which slice of each full tensor a rank holds

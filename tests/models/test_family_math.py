@@ -168,10 +168,11 @@ def test_rotary_attention_takes_global_position_ids():
     """What context parallelism will pass: per-token global ids ([T] or [B, T]) turn Q and K as
     the default arange(T) does, and an offset as the ids it stands for."""
     from cutp.tensor_parallel import BlockSpec, ParallelTransformerBlock, RNGTracker
+    from cutp.tensor_parallel.specs import AttentionSpec, MLPSpec, NormSpec
 
     ctx = cutp.init(device="cpu")
-    spec = BlockSpec(n_embd=32, n_head=4, n_kv_head=2, mlp_hidden=24, norm="rmsnorm", rope=True, qkv_bias=True,
-                     attn_out_bias=False, mlp_bias=False, mlp="swiglu")
+    spec = BlockSpec(32, NormSpec("rmsnorm"), AttentionSpec(32, 4, 2, 8, qkv_bias=True, out_bias=False, rope=True),
+                     MLPSpec(32, 24, "swiglu", bias=False))
     tables = ops.rope_tables(8, 64, 500.0, None, np.float64)
     block = ParallelTransformerBlock(ctx, spec, layer=0, rng=RNGTracker(0), seed=1, dtype=np.float64,
                                      rotary=tables).eval()

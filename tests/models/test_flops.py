@@ -24,3 +24,15 @@ def test_swiglu_counts_three_matrices_and_moe_its_active_experts():
     assert forward_flops_per_token(gelu, 8) - forward_flops_per_token(moe, 8) == 2 * 2 * (2 * 64 * 128 - per_layer_moe)
     gqa = dataclasses.replace(gelu, n_kv_head=1)  # K and V: one head of 16 instead of four
     assert forward_flops_per_token(gelu, 8) - forward_flops_per_token(gqa, 8) == 2 * 2 * 2 * 64 * 48
+
+
+def test_latent_attention_and_shared_experts_count_as_declared():
+    """DeepSeek: every matrix a token runs through (MLA's down- and up-projections, the shared and
+    top-k routed experts, the routers, the untied head) is its active parameters less the
+    vectors and the looked-up embedding; the scores use MLA's query-key and value widths."""
+    c = GPTConfig.preset("deepseek-tiny")
+    assert c.moe_shared_experts and c.q_lora_rank and not c.tie_embeddings
+    vectors = sum(d.numel for d in c.declarations() if len(d.shape) == 1 and d.grad)  # norms (no biases)
+    matmul = c.num_active_parameters() - vectors - c.vocab_size * c.n_embd
+    per_key = c.n_head * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+    assert forward_flops_per_token(c, 8) == 2 * (matmul + c.n_layer * per_key * 8)

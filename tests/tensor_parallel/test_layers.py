@@ -13,6 +13,7 @@ from cutp.tensor_parallel import (BlockSpec, ColumnParallelLinear, ParallelAtten
                                   ParallelTransformerBlock, RNGTracker, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
                                   gather_full, pad_vocab)
 from cutp.tensor_parallel.mappings import gather_from_tp_forward
+from cutp.tensor_parallel.specs import AttentionSpec, MLPSpec, NormSpec
 from tests.mpirun import run_mpi
 from tests.tp_utils import assert_close, full_grads, group_ctx, self_ctx, tol
 
@@ -89,7 +90,9 @@ def _worker_attention(n, cases):
         _compare(n, build, x, dtype, what=f"attention(n_head={n_head}, n_kv={n_kv})")
 
         def build_block(c, n_head=n_head, n_kv=n_kv, dtype=dtype):
-            return ParallelTransformerBlock(c, BlockSpec(n_embd=h, n_head=n_head, n_kv_head=n_kv, n_layer=2),
+            spec = BlockSpec(h, NormSpec(), AttentionSpec(h, n_head, n_kv, h // n_head, n_layer=2),
+                             MLPSpec(h, 4 * h, n_layer=2))
+            return ParallelTransformerBlock(c, spec,
                                             name="layers.0", rng=RNGTracker(0, c.tp_rank), dtype=dtype, seed=8)
 
         _compare(n, build_block, x, dtype, what=f"block(n_head={n_head}, n_kv={n_kv})")
