@@ -122,7 +122,8 @@ class ShardedAdamW:
                 self._point_data(s, None)
         del wholes
         for p in params:
-            p.grad = _absent(xp, p.data.shape, self.grad_dtype)
+            if not p.buffer:  # (a buffer, outside the units, has no gradient)
+                p.grad = _absent(xp, p.data.shape, self.grad_dtype)
         self.all_gathered = False
         self.master = None
         if is_low_precision(self.dtype):

@@ -88,6 +88,7 @@ def _train(cfg, comm, steps=2):
     for _ in range(steps):
         s = train_step(run)
         losses.append((s.loss, s.moe["seq_aux_loss"]) if s.moe else s.loss)
+    run.gather_params()  # (ZeRO-3: every parameter whole)
     ctx = run.ctx
     full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
     mine = {p.name: (None if p.grad is None else full(p, p.grad), full(p, p.data)) for p in run.model.parameters()}

@@ -7,7 +7,7 @@ correction biases included, equal one rank's within 1e-10.
     ep 4; pp 2 (x ep 2); ep 2 with tp 2 + SP; dp 2 x ep 2 + ZeRO-1 and ZeRO-3 (the bias a buffer
     outside the units); cp 2 (ring, and all-to-all x tp 2)
 
-Behind the marker `moe_full` (pytest -m moe_full tests/models: about N minutes on 2 cores);
+Behind the marker `moe_full` (pytest -m moe_full tests/models: 2 minutes on 2 busy cores);
 `make test` runs tests/models/test_families.py's MoE cases (tp2 x dp2 x ep2 + SP + ZeRO-1, tp2 x
 pp2 with MLA, dp2 x ep2 x cp2 with the bias and the sequence-wise loss).
 """
