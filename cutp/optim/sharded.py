@@ -121,9 +121,8 @@ class ShardedAdamW:
                 self.data[s.shard_at:s.shard_at + s.chunk] = w[r * s.chunk:(r + 1) * s.chunk]
                 self._point_data(s, None)
         del wholes
-        for p in params:
-            if not p.buffer:  # (a buffer, outside the units, has no gradient)
-                p.grad = _absent(xp, p.data.shape, self.grad_dtype)
+        for p in (p for p in params if not p.buffer):  # (a buffer, outside the units, has no gradient)
+            p.grad = _absent(xp, p.data.shape, self.grad_dtype)
         self.all_gathered = False
         self.master = None
         if is_low_precision(self.dtype):
