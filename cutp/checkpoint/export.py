@@ -52,16 +52,18 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
         for name, info in meta["params"].items():
             rows = padded if info.get("real_rows") is not None else None
             best = most_precise(readers, saved_master, name, info, rows)
+            kept = info["dtype"] if info.get("buffer") else dtype  # (a buffer keeps its float32)
             if kind == "model":
-                tensors[name] = in_dtype(best, dtype, name)
-            else:
+                tensors[name] = in_dtype(best, kept, name)
+            elif not info.get("buffer"):  # (a buffer has no optimizer state)
                 for key in ("exp_avg." + name, "exp_avg_sq." + name):
                     tensors[key] = full_from_shards(readers["optim"], key, info, rows)
                 if want_master:
                     tensors["master." + name] = best.astype(np.float32)
             spec = info["sharding"]
-            new_params[name] = {"full_shape": list(best.shape), "dtype": dtype, "real_rows": info.get("real_rows"),
-                                "sharding": None if spec is None else dict(spec, tp=1)}  # (pp 1: no stage)
+            new_params[name] = {"full_shape": list(best.shape), "dtype": kept, "real_rows": info.get("real_rows"),
+                                "sharding": None if spec is None else dict(spec, tp=1),  # (pp 1: no stage)
+                                **({"buffer": True} if info.get("buffer") else {})}
         fname = (model_file if kind == "model" else optim_file)(0, 1)
         path = os.path.join(tmp, fname)
         write_safetensors(path, tensors, {"format": FORMAT})
@@ -85,7 +87,7 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
 def most_precise(readers: dict, saved_master: bool, name: str, info: dict, rows=None) -> np.ndarray:
     """A parameter's full tensor from its most precise copy: the fp32 master weight when the
     checkpoint has one (a bfloat16 run exported as float32 loses nothing), else the model's."""
-    if saved_master:
+    if saved_master and not info.get("buffer"):  # (a buffer: float32 in the model's file)
         return full_from_shards(readers["optim"], "master." + name, info, rows)
     return full_from_shards(readers["model"], name, info, rows)
 
@@ -109,7 +111,8 @@ def model_tensors(src: str, dtype: str | None = None) -> tuple[GPTConfig, dict]:
     for name, info in meta["params"].items():
         full = most_precise(readers, saved_master, name, info)
         real = info.get("real_rows")
-        tensors[name] = in_dtype(full[:real] if real is not None else full, dtype, name)
+        kept = info["dtype"] if info.get("buffer") else dtype  # (a buffer keeps its float32)
+        tensors[name] = in_dtype(full[:real] if real is not None else full, kept, name)
     return dataclasses.replace(config, dtype=dtype), tensors
 
 

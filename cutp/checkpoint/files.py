@@ -460,7 +460,8 @@ def _header_problem(header: dict, meta: dict, fname: str) -> str | None:
                 and piece[0] < piece[1] <= shard_numel(params[name]) and t["shape"] == [piece[1] - piece[0]]):
             return f"the piece {piece!r} of {key!r} does not fit its shape {t['shape']} or its parameter"
     if not sharded:
-        missing = [f"{p}.{n}" for n in params for p in ("exp_avg", "exp_avg_sq") if f"{p}.{n}" not in tensors]
+        missing = [f"{p}.{n}" for n in params for p in ("exp_avg", "exp_avg_sq")
+                   if f"{p}.{n}" not in tensors and not params[n].get("buffer")]  # (a buffer has no state)
         if missing:
             return f"lacks tensors {missing[:3]}"
     return None

@@ -99,7 +99,8 @@ def read_shard(ckpt: str, kind: str, tp_rank: int = 0) -> dict:
         raise CheckpointError("; ".join(problems))
     prefixes = [""] if kind == "model" else ["exp_avg.", "exp_avg_sq."] + (
         ["master."] if meta["optimizer"].get("master_weights") else [])
-    return {p + name: reader.get(tp_rank, p + name) for name in meta["params"] for p in prefixes}
+    return {p + name: reader.get(tp_rank, p + name) for name, info in meta["params"].items() for p in prefixes
+            if kind == "model" or not info.get("buffer")}  # (a buffer has no optimizer state)
 
 
 def full_from_shards(reader, key, info, rows=None):
@@ -120,7 +121,7 @@ def loaded_parameters(model, meta: dict) -> list:
     parameters (`trainable_only`: --freeze, LoRA) the trainable ones (the frozen come from the
     run's base: its init_from, or its seed's initial weights)."""
     if meta.get("trainable_only"):
-        return [p for p in model.parameters() if p.trainable]
+        return [p for p in model.parameters() if p.trainable or p.buffer]
     return model.parameters()
 
 
@@ -179,13 +180,13 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
             return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
 
         for p in params:
-            a = (fetch("optim", "master." + p.name, p.name, p) if masters_as_weights
-                 else fetch("model", p.name, p.name, p))
+            a = (fetch("optim", "master." + p.name, p.name, p) if masters_as_weights and p.trainable
+                 else fetch("model", p.name, p.name, p))  # (a buffer has no master: it is kept in float32)
             if tuple(a.shape) != tuple(p.data.shape):
                 raise CheckpointError(f"{p.name}: the checkpoint holds shape {tuple(a.shape)} for this rank, "
                                       f"the model {tuple(p.data.shape)}")
             model_tensors[p.name] = a
-            if optimizer is not None:  # only the part of each tensor this rank's optimizer holds
+            if optimizer is not None and p.trainable:  # only the part of each tensor this rank's optimizer holds
                 lo, hi = optimizer.owned_part(p.name)
                 for prefix in ("exp_avg.", "exp_avg_sq."):
                     optim_tensors[prefix + p.name] = fetch("optim", prefix + p.name, p.name, p).reshape(-1)[lo:hi].copy()

@@ -42,14 +42,16 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     s, pp = ctx.pp_rank, ctx.pp_size
     params = [p for p in model.parameters() if not (p.name == "tok_embed.weight" and not model.first_stage)]
     # frozen parameters (--freeze, LoRA's base) are not saved: resuming re-reads them from the
-    # run's init_from (train_args), or draws them from its seed
-    trainable_only = any(not p.trainable for p in model.parameters())
-    params = [p for p in params if p.trainable]
+    # run's init_from (train_args), or draws them from its seed; buffers (changed by their module,
+    # the MoE correction bias) are, as the weights
+    trainable_only = any(not (p.trainable or p.buffer) for p in model.parameters())
+    params = [p for p in params if p.trainable or p.buffer]
     kept = {p.name for p in params}
     mine = []  # (file name, tensors, offsets or None) this rank writes
     param_info = {p.name: {"full_shape": list(p.full_shape), "dtype": str(p.data.dtype),
                            "sharding": p.sharding.spec if p.sharding is not None else None, "real_rows": p.real_rows,
-                           **({"stage": s} if pp > 1 else {})} for p in params}
+                           **({"stage": s} if pp > 1 else {}), **({"buffer": True} if p.buffer else {})}
+                  for p in params}  # (a buffer: no optimizer state)
     # expert parallelism: the other EP ranks' experts, written by DP rank 0 too (cutp.checkpoint.experts)
     e_model, e_optim, e_info = gather_experts(ctx, params, optimizer, param_info)
     param_info = in_model_order(param_info, e_info, [p.name for p in params if p.expert_parallel])

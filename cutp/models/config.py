@@ -83,6 +83,7 @@ class ModelConfig:
     moe_score_bias: bool = False
     moe_bias_update_rate: float = 0.0
     moe_shared_experts: int = 0
+    moe_seq_aux_loss: float = 0.0  # DeepSeek-V3's sequence-wise balance loss's alpha (cutp.tensor_parallel.moe_seq_aux)
     # the family's spec (defaults: GPT-2's)
     norm: str = "layernorm"  # layernorm | rmsnorm (eps: norm_eps, every norm's)
     positions: str = "learned"  # learned (a [block_size, n_embd] table) | rope
@@ -384,7 +385,7 @@ class ModelConfig:
                   self.moe_aux_loss_coeff, self.moe_z_loss_coeff, scoring=self.moe_scoring,
                   n_group=self.moe_n_group, topk_group=self.moe_topk_group, score_bias=self.moe_score_bias,
                   bias_update_rate=self.moe_bias_update_rate, shared=self.moe_shared_experts,
-                  low_precision=self.dtype in ("bfloat16", "float16"))
+                  seq_aux=self.moe_seq_aux_loss)
         dense = self.moe_dense_layers
         if dense is not None and (not isinstance(dense, tuple)
                                   or any(not isinstance(i, int) or not 0 <= i < self.n_layer for i in dense)):
@@ -429,7 +430,7 @@ class ModelConfig:
                     z_loss_coeff=self.moe_z_loss_coeff, renormalize=self.moe_renormalize, scoring=self.moe_scoring,
                     n_group=self.moe_n_group, topk_group=self.moe_topk_group, routed_scaling=self.moe_routed_scaling,
                     score_bias=self.moe_score_bias, bias_update_rate=self.moe_bias_update_rate,
-                    shared_experts=self.moe_shared_experts)
+                    shared_experts=self.moe_shared_experts, seq_aux_coeff=self.moe_seq_aux_loss)
 
 
     def to_dict(self) -> dict:

@@ -591,7 +591,7 @@ class GPT(Module):
         """The last forward's auxiliary losses of this stage's MoE layers, summed: {"aux_loss",
         "z_loss"} (zeros for a dense model). Training forwards: over the DP group's micro-batch
         (inside cutp.train's step: that micro-batch's part of the step's losses)."""
-        return {k: sum(m.last.get(k, 0.0) for m in self.moe_layers) for k in ("aux_loss", "z_loss")}
+        return {k: sum(m.last.get(k, 0.0) for m in self.moe_layers) for k in ("aux_loss", "z_loss", "seq_aux_loss")}
 
     def targets_from_labels(self, labels):
         """Hugging Face-style labels (the input ids themselves, -100 where ignored) -> `forward`'s

@@ -171,6 +171,9 @@ def _plan(path: str, dtype: str, dropout: float):
     return cfg, recipes, where_of, tied_head
 
 
+BUFFER_SUFFIXES = (".router.score_bias",)  # the parameters made by `make_buffer`: kept in float32
+
+
 def _iter_tensors(path: str, dtype: str, dropout: float):
     """(cfg, generator of (cutp name, full array in dtype)): one recipe's tensors in memory at a time."""
     cfg, recipes, where_of, tied_head = _plan(path, dtype, dropout)
@@ -190,7 +193,9 @@ def _iter_tensors(path: str, dtype: str, dropout: float):
             del embedding, head
         for r in recipes:
             full = r.combine([read(*where_of[k]) for k in r.keys])
-            yield r.name, np.ascontiguousarray(full.astype(target, copy=False))
+            # (a buffer, DeepSeek's correction bias, stays float32 in a 16-bit model, as transformers keeps it)
+            kept = np.float32 if r.name.endswith(BUFFER_SUFFIXES) and target != np.float64 else target
+            yield r.name, np.ascontiguousarray(full.astype(kept, copy=False))
 
     return cfg, tensors()
 

@@ -50,7 +50,7 @@ def unit_params(unit) -> list:
     for m in unit:
         shared = getattr(m, "_shared_weight", None)
         for p in m.parameters() + ([shared] if shared is not None else []):
-            if id(p) not in seen:
+            if id(p) not in seen and not p.buffer:  # (a buffer stays whole, outside the optimizer)
                 seen.add(id(p))
                 out.append(p)
     return out
@@ -69,8 +69,8 @@ def unit_layout(model, d: int, deferred: set, d_experts: int | None = None):
             if id(p) not in held:
                 order.append(p)
             held[id(p)] = held.get(id(p), 0) + 1
-    for p in model.parameters():  # (none today: every parameter is in a unit)
-        if id(p) not in held:
+    for p in model.parameters():  # (none today: every parameter but the buffers is in a unit)
+        if id(p) not in held and not p.buffer:
             order.append(p)
             held[id(p)] = 0
     alone = {id(p) for p in order if held[id(p)] != 1 or id(p) in deferred}

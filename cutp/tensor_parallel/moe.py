@@ -7,12 +7,13 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
                models)), probs = softmax(logits), the top-k experts of each token (ties to the
                lower expert index); gates = their probabilities (renormalised to sum to 1 with
                moe_renormalize). DeepSeekMoE (`_route`): sigmoid scores, a correction bias
-               added only to choose (moved after each step by `update_score_bias`), the choice
+               added only to choose (moved after each step by `apply_score_bias`), the choice
                limited to the best groups, the gates scaled; shared experts (a dense MLP the
                block builds) added to the routed output. docs/moe.md
     losses     load balancing (Switch/GShard): coeff * E * sum_i f_i * P_i, f_i the fraction of
                the k * N assignments routed to expert i, P_i the mean probability of expert i;
-               z-loss: coeff * mean(logsumexp(logits)^2). N: every token of the optimizer step
+               z-loss: coeff * mean(logsumexp(logits)^2); DeepSeek-V3's sequence-wise loss
+               (`moe_seq_aux`: its sequences' statistics, exact at any layout). N: every token of the optimizer step
                (all its micro-batches, over the whole DP group (DP x CP with context
                parallelism), and the TP group's shards under sequence parallelism), so the
                losses, and their gradients, are those of one rank
@@ -89,12 +90,13 @@ from .context_parallel import zigzag_positions
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
 from .moe_experts import ExpertMLP
 from .moe_grouped import GroupedExperts
-from .parameter import Module, make_parameter, normal_init, zeros_init
+from .moe_seq_aux import seq_balance, seq_balance_grad
+from .parameter import Module, make_buffer, make_parameter, normal_init, zeros_init
 from .validation import check_routing
 
 
 def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff, *, scoring="softmax", n_group=1,
-              topk_group=1, score_bias=False, bias_update_rate=0.0, shared=0, low_precision=False) -> None:
+              topk_group=1, score_bias=False, bias_update_rate=0.0, shared=0, seq_aux=0.0) -> None:
     """GPTConfig's MoE fields; raises ConfigError naming the fix."""
     if not (isinstance(n_experts, int) and n_experts >= 0):
         raise ConfigError(f"n_experts must be an integer >= 0 (0: a dense MLP), got {n_experts!r}")
@@ -108,31 +110,32 @@ def check_moe(n_experts, top_k, every, ffn, capacity_factor, aux_coeff, z_coeff,
         raise ConfigError(f"moe_ffn must be a positive integer or None (the MLP width), got {ffn!r}")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ConfigError(f"moe_capacity_factor must be > 0, or None (no dropping), got {capacity_factor!r}")
-    for name, v in (("moe_aux_loss_coeff", aux_coeff), ("moe_z_loss_coeff", z_coeff)):
+    for name, v in (("moe_aux_loss_coeff", aux_coeff), ("moe_z_loss_coeff", z_coeff), ("moe_seq_aux_loss", seq_aux)):
         if not v >= 0:
             raise ConfigError(f"{name} must be >= 0, got {v!r}")
     check_routing(n_experts, top_k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_bias, bias_update_rate,
-                  shared, low_precision)
+                  shared)
 
 
 class MoEMLP(Module):
     def __init__(self, ctx, n_embd, *, n_experts, top_k, ffn, capacity_factor=None, aux_loss_coeff=1e-2,
                  z_loss_coeff=0.0, renormalize=False, name, n_layer=1, bias=True, gelu="tanh", seed=0,
                  dtype=np.float32, kind="gelu", scoring="softmax", n_group=1, topk_group=1, routed_scaling=1.0,
-                 score_bias=False, bias_update_rate=0.0, shared_experts=None):
+                 score_bias=False, bias_update_rate=0.0, shared_experts=None, seq_aux_coeff=0.0):
         """shared_experts: DeepSeekMoE's shared experts, a dense MLP the caller builds (one
-        SwiGLU of their total width, split over TP), run on every token beside the routed ones."""
+        SwiGLU of their total width, split over TP), run on every token beside the routed ones.
+        seq_aux_coeff: DeepSeek-V3's sequence-wise balance loss's alpha (`moe_seq_aux`)."""
         self.ctx = ctx
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff, self.renormalize = aux_loss_coeff, z_loss_coeff, renormalize
         self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
-        self.routed_scaling, self.bias_update_rate = routed_scaling, bias_update_rate
+        self.routed_scaling, self.bias_update_rate, self.seq_aux_coeff = routed_scaling, bias_update_rate, seq_aux_coeff
         self.router = make_parameter(ctx, f"{name}.router.weight", (n_embd, n_experts), normal_init(0.02), seed=seed,
                                      dtype=dtype, weight_decay=True)
-        # DeepSeek-V3's correction bias: added to the scores to choose the experts, never to weigh
-        # them; no gradient, moved after each step by `update_score_bias` (module docstring)
-        self.score_bias = make_parameter(ctx, f"{name}.router.score_bias", (n_experts,), zeros_init, seed=seed,
-                                         dtype=dtype) if score_bias else None
+        # DeepSeek-V3's correction bias: added to the scores to choose the experts, never to weigh them;
+        # a buffer (float32, outside the optimizer), moved after each step by `apply_score_bias`
+        self.score_bias = make_buffer(ctx, f"{name}.router.score_bias", (n_experts,), zeros_init, seed=seed,
+                                      dtype=dtype) if score_bias else None
         self.shared_experts = shared_experts
         self._bias_move = None  # the step's planned correction-bias move (`plan_score_bias`)
         ep = ctx.ep_size
@@ -160,8 +163,8 @@ class MoEMLP(Module):
     # ---- metrics ---------------------------------------------------------------------------------
     def reset_step_stats(self) -> None:
         """Sums over one optimizer step's training forwards (train_step reads and resets them)."""
-        self.step_stats = {"aux_loss": 0.0, "z_loss": 0.0, "assigned": np.zeros(self.n_experts), "dropped": 0.0,
-                           "forwards": 0}
+        self.step_stats = {"aux_loss": 0.0, "z_loss": 0.0, "seq_aux_loss": 0.0, "assigned": np.zeros(self.n_experts),
+                           "dropped": 0.0, "forwards": 0}
 
     # ---- the step's statistics (module docstring) ------------------------------------------------
     def begin_step(self, tokens: float) -> None:
@@ -235,15 +238,18 @@ class MoEMLP(Module):
             mine = xp.concatenate([counts.astype(np.float64), xp.full(1, n, np.float64)])
             self._tally = mine + self._tally
             return self._experts_output(x2, idx, gates, keep, shape)[0]
-        # statistics over the micro-batch of the whole DP group: [assigned per expert, probability
-        # sums, tokens, sum of lse^2, dropped assignments] (under SP each rank adds its own shard's)
-        scalars = [xp.asarray(n, cdt), (lse * lse).sum().astype(cdt), (~keep).sum().astype(cdt)]  # (device arrays:
+        # statistics over the micro-batch of the whole DP group: [assigned per expert, probability sums,
+        # tokens, sum of lse^2, dropped assignments, sequences' sum f_i P_i] (SP: each rank its shard's)
+        seq = (xp.zeros((), cdt), None, None) if not (self.seq_aux_coeff and self.training) else \
+            seq_balance(self, probs, idx, shape)
+        scalars = [xp.asarray(n, cdt), (lse * lse).sum().astype(cdt), (~keep).sum().astype(cdt),  # (device arrays:
+                   seq[0].astype(cdt)]
         stats = xp.concatenate([counts.astype(cdt), probs.sum(axis=0),  # CuPy builds no array from a list
                                 xp.stack(scalars)])  # mixing host numbers and arrays)
         for g in self._stats_groups():
             g.all_reduce(stats, "sum", out=stats)
         host = self.ctx.to_numpy(stats)  # (one device-to-host copy per MoE layer and forward)
-        n_all, z_sum, dropped = (float(v) for v in host[2 * E:])
+        n_all, z_sum, dropped, seq_sum = (float(v) for v in host[2 * E:])
         if self.step_tokens is not None and self.training:  # the step's T (and c from the counting pass)
             n_all = self.step_tokens
         if self.step_fractions is not None and self.training:
@@ -252,17 +258,21 @@ class MoEMLP(Module):
             f, f_host = stats[:E] / (n_all * k), host[:E] / (n_all * k)  # (f on the device: the backward's)
         aux = self.aux_loss_coeff * E * float((f_host * host[E:2 * E]).sum()) / n_all
         z = self.z_loss_coeff * z_sum / n_all
-        self.last = {"aux_loss": aux, "z_loss": z, "assigned": host[:E].copy(), "dropped": dropped}
+        # the sequence-wise loss: alpha * sum_i f_i P_i averaged over the step's n_all / T sequences
+        seq_loss = 0.0 if seq[1] is None else self.seq_aux_coeff * seq_sum * seq[2] / n_all
+        self.last = {"aux_loss": aux, "z_loss": z, "seq_aux_loss": seq_loss, "assigned": host[:E].copy(),
+                     "dropped": dropped}
         if self.training and self.stash:  # (full recomputation's first pass is not counted twice)
             s = self.step_stats
             s["aux_loss"] += aux
             s["z_loss"] += z
+            s["seq_aux_loss"] += seq_loss
             s["assigned"] = s["assigned"] + self.last["assigned"]
             s["dropped"] += dropped
             s["forwards"] += 1
 
         y, saved = self._experts_output(x2, idx, gates, keep, shape)
-        self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved))
+        self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved, seq[1:]))
         if self.shared_experts is not None:
             y = y + self.shared_experts.forward(x)
         return y
@@ -428,7 +438,7 @@ class MoEMLP(Module):
     # ---- backward ------------------------------------------------------------------------------
     def backward(self, dy):
         d_shared = None if self.shared_experts is None else self.shared_experts.backward(dy)
-        x2, probs, lse, idx, top_p, gates, keep, f, n_all, (outs, saved) = self._load("moe")
+        x2, probs, lse, idx, top_p, gates, keep, f, n_all, (outs, saved), (seq_f, seq_T) = self._load("moe")
         xp = self.ctx.xp
         shape, h = dy.shape, dy.shape[-1]
         dy2 = dy.reshape(-1, h)
@@ -460,7 +470,9 @@ class MoEMLP(Module):
         d_probs = xp.zeros_like(probs)
         d_probs[xp.arange(n)[:, None], idx] = d_top
         E = self.n_experts
-        if self.scoring == "sigmoid":  # (no auxiliary losses: check_moe)
+        if seq_f is not None:  # the sequence-wise loss over the step's n_all / T sequences
+            d_probs += seq_balance_grad(self, probs, seq_f, seq_T, self.aux_grad * self.seq_aux_coeff * seq_T / n_all)
+        if self.scoring == "sigmoid":  # (no load-balancing or z-losses: check_moe)
             d_logits = d_probs * probs * (1.0 - probs)
         else:
             d_probs += self.aux_grad * self.aux_loss_coeff * E / n_all * f[None, :]  # load balancing: f_i P_i

@@ -43,9 +43,13 @@ class Parameter:
     trainable    False: frozen (`--freeze`, LoRA's base weights): no gradient buffer (`grad` None:
                  the layers skip its gradient), no fp32 master, no optimizer state, no gradient
                  reduction, not in the gradient norm, not saved in run checkpoints
+    buffer       state its module changes itself, outside the optimizer (DeepSeek's correction
+                 bias, `make_buffer`): frozen as above (no gradient, master or optimizer state;
+                 in no ZeRO unit), but saved and loaded with the model's weights, and exported
     """
 
     real_rows: int | None = None
+    buffer: bool = False
     sequence_parallel: bool = False
     tp_partial: bool = False
     expert_parallel: bool = False
@@ -183,6 +187,17 @@ def make_parameter(ctx, name, full_shape, init, sharding=None, *, seed=0, dtype=
         del full
     p = Parameter(name, data, sharding, ctx.tp_rank, weight_decay)
     p.real_rows = real_rows
+    return p
+
+
+def make_buffer(ctx, name, full_shape, init, *, seed=0, dtype=np.float32) -> Parameter:
+    """A replicated `Parameter.buffer`: what its module changes in place (never the optimizer),
+    kept in float32 (float64 in a float64 model) whatever the model's dtype, so that a 16-bit
+    model neither rounds the module's small moves away nor has float32 masters undo them."""
+    kept = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    p = make_parameter(ctx, name, full_shape, init, seed=seed, dtype=kept)
+    p.trainable = False
+    p.buffer = True
     return p
 
 

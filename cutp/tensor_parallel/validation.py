@@ -45,8 +45,7 @@ def check_vocab(vocab_size: int, padded_vocab: int, tp: int) -> None:
                           f"tp={tp}; use cutp.tensor_parallel.pad_vocab({vocab_size}, {tp})")
 
 
-def check_routing(E, k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_bias, rate, shared,
-                  low_precision) -> None:
+def check_routing(E, k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_bias, rate, shared) -> None:
     """DeepSeekMoE's routing fields (ConfigError naming the fix)."""
     if scoring not in ("softmax", "sigmoid"):
         raise ConfigError(f"moe_scoring must be softmax or sigmoid, got {scoring!r}")
@@ -64,8 +63,5 @@ def check_routing(E, k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_
         raise ConfigError("the correction bias (moe_score_bias) chooses among sigmoid scores: set moe_scoring=sigmoid")
     if not rate >= 0 or (rate and not score_bias):
         raise ConfigError(f"moe_bias_update_rate={rate!r} must be >= 0 and needs moe_score_bias=true")
-    if rate and low_precision:
-        raise ConfigError("moe_bias_update_rate moves the correction bias outside the optimizer, which a 16-bit "
-                          "model's float32 master weights would undo; train in float32, or set the rate to 0")
     if not (isinstance(shared, int) and shared >= 0):
         raise ConfigError(f"moe_shared_experts must be an integer >= 0, got {shared!r}")

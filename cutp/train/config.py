@@ -376,11 +376,21 @@ EXTRA_CHOICES = {
                       derived="float32; on resume or fine-tuning the checkpoint's"), None),
     "dropout": (Setting("dropout probability of the attention, residual and embedding dropouts", "run", kind=float,
                         at_least=0, below=1, run=True), 0.0),
+    # the MoE model fields with a flag of their own (each as --set FIELD=VALUE: MOE_FLAGS)
+    "moe_bias_update_rate": (Setting(
+        "DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every MoE layer's correction bias "
+        "moves by R x sign(mean load - expert load), from the step's global counts (a model with moe_score_bias)",
+        "model", kind=float, at_least=0, metavar="R", derived="the preset's"), None),
+    "moe_seq_aux_loss": (Setting(
+        "DeepSeek-V3's sequence-wise balance loss: ALPHA x sum_i f_i P_i per sequence, averaged over the step's "
+        "sequences (docs/moe.md)", "model", kind=float, at_least=0, metavar="ALPHA", derived="the preset's"),
+        None),
 }
+MOE_FLAGS = ("moe_bias_update_rate", "moe_seq_aux_loss")
 FIELD_SETTINGS = declared(RunConfig)
 # Every setting, in --help's order within each group (an extra choice after the field it goes
 # with): {name: (Setting, default)}.
-_AFTER = {"preset": ("model", "set", "dtype"), "grad_clip": ("dropout",)}
+_AFTER = {"preset": ("model", "set", "dtype") + MOE_FLAGS, "grad_clip": ("dropout",)}
 SETTINGS = {k: v for name, entry in FIELD_SETTINGS.items()
             for k, v in ((name, entry), *((e, EXTRA_CHOICES[e]) for e in _AFTER.get(name, ())))}
 # What resolve_run_config takes, and its value when not given (None: derived, see derive_run_config).
@@ -481,7 +491,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         meta = read_meta(resume_dir)
         choices = resumed_choices(choices, meta.get("train_args") or {}, world)
     c = {k: (v if v is not None else CHOICES[k]) for k, v in {**CHOICES, **choices}.items()}
-    c["set"] = tuple(c["set"] or ())
+    c["set"] = tuple(c["set"] or ()) + tuple(f"{k}={c[k]!r}" for k in MOE_FLAGS if c[k] is not None)
     if c["metrics"]:  # its directory now, not at the first write after minutes of setup
         parent = os.path.dirname(os.path.abspath(c["metrics"]))
         try:

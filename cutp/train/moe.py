@@ -92,23 +92,24 @@ def _count_assignments(run, batches, step: int, first_row) -> None:
 
 
 def moe_step_stats(ctx, model) -> dict | None:
-    """{"aux_loss", "z_loss" (the step's, summed over the MoE layers), "dropped" (fraction of the
+    """{"aux_loss", "z_loss", "seq_aux_loss" (the step's, summed over the MoE layers), "dropped" (fraction of the
     assignments), "tokens_per_expert" [min, mean, max] (assignments per expert and layer)} of the
     step, or None for a dense model. Collective over the pipeline when pp > 1."""
     if not model.config.n_experts:
         return None
-    mine = [(m.step_stats["aux_loss"], m.step_stats["z_loss"], m.step_stats["assigned"], m.step_stats["dropped"])
-            for m in model.moe_layers]
+    mine = [(m.step_stats["aux_loss"], m.step_stats["z_loss"], m.step_stats["assigned"], m.step_stats["dropped"],
+             m.step_stats["seq_aux_loss"]) for m in model.moe_layers]
     for m in model.moe_layers:  # (DeepSeek's correction bias: from the step's global counts, every layout alike)
         m.plan_score_bias(m.step_stats["assigned"])
         m.reset_step_stats()
     if ctx.pp_size > 1:  # (host objects: a stage may hold no MoE layer)
         with ctx.watchdog.guard("the MoE statistics of the pipeline stages (host all-gather on pp)"):
             mine = [layer for stage in ctx.pp.mpi_comm.allgather(mine) for layer in stage]
-    counts = np.concatenate([a for _, _, a, _ in mine])
-    return {"aux_loss": sum(a for a, _, _, _ in mine),
-            "z_loss": sum(z for _, z, _, _ in mine),
-            "dropped": float(sum(d for _, _, _, d in mine) / max(counts.sum(), 1.0)),
+    counts = np.concatenate([layer[2] for layer in mine])
+    return {"aux_loss": sum(layer[0] for layer in mine),
+            "z_loss": sum(layer[1] for layer in mine),
+            "seq_aux_loss": sum(layer[4] for layer in mine),
+            "dropped": float(sum(layer[3] for layer in mine) / max(counts.sum(), 1.0)),
             "tokens_per_expert": [float(counts.min()), float(counts.mean()), float(counts.max())]}
 
 

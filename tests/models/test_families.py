@@ -66,37 +66,48 @@ FAMILIES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL, "qwen3": QWEN3, 
             "deepseek_moe": DEEPSEEK_MOE, "deepseek_v3": DEEPSEEK_V3, "gemma": GEMMA}
 
 
+LAYOUT = ("tp", "dp", "pp", "ep", "micro", "schedule", "virtual", "sp", "recompute", "zero", "cp", "cp_comm")
+
+
 def _config(family, tp=1, dp=1, pp=1, ep=1, micro=2, schedule="1f1b", virtual=1, sp=False, recompute="none",
-            zero=False, cp=1, cp_comm="ring"):
-    return RunConfig(model=GPTConfig(**FAMILIES[family]), tp=tp, dp=dp, pp=pp, ep=ep, cp=cp, cp_comm=cp_comm,
-                     pp_schedule=schedule,
-                     pp_virtual=virtual, batch_size=8, micro_batch_size=micro, seq_len=16, steps=2, warmup=1,
-                     seed=3, sequence_parallel=sp, recompute=recompute, distributed_optimizer=zero, eval_every=0,
-                     quiet=True, save_on_signal=False)
+            zero=False, cp=1, cp_comm="ring", **model):
+    """`zero`: False, True (ZeRO-1) or a stage; `model`: fields over the family's."""
+    stage = {} if isinstance(zero, bool) else {"zero": zero}
+    return RunConfig(model=GPTConfig(**dict(FAMILIES[family], **model)), tp=tp, dp=dp, pp=pp, ep=ep, cp=cp,
+                     cp_comm=cp_comm, pp_schedule=schedule,
+                     pp_virtual=virtual, batch_size=8, micro_batch_size=micro, seq_len=16, steps=3, warmup=1,
+                     seed=3, sequence_parallel=sp, recompute=recompute, distributed_optimizer=zero is True,
+                     eval_every=0, quiet=True, save_on_signal=False, **stage)
 
 
 def _train(cfg, comm, steps=2):
-    """The losses, and every rank's {name: (full gradient, full parameter)} after `steps` steps."""
+    """The losses (with an MoE model's sequence-wise balance loss), and every rank's {name: (full
+    gradient or None (a buffer), full parameter)} after `steps` steps."""
     run = build_run(cfg, comm, dataset=random_tokens(97, 4096, 0))
-    losses = [train_step(run).loss for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        s = train_step(run)
+        losses.append((s.loss, s.moe["seq_aux_loss"]) if s.moe else s.loss)
+    run.gather_params()  # (ZeRO-3: every parameter whole)
     ctx = run.ctx
     full = lambda p, a: np.asarray(gather_full(ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
-    mine = {p.name: (full(p, p.grad), full(p, p.data)) for p in run.model.parameters()}
+    mine = {p.name: (None if p.grad is None else full(p, p.grad), full(p, p.data)) for p in run.model.parameters()}
     everyone = comm.allgather(mine)
     run.close()
     return losses, everyone
 
 
-def _worker_layouts_equal_one_rank(cases):
+def _worker_layouts_equal_one_rank(cases, steps=2):
     from mpi4py import MPI
 
     for kw in cases:
         cfg = _config(**kw)
-        losses, everyone = _train(cfg, MPI.COMM_WORLD)
+        losses, everyone = _train(cfg, MPI.COMM_WORLD, steps)
         # one rank with the same global batch (an MoE model's auxiliary losses cover the DP group's
         # micro-batch: the reference takes it whole)
         micro = cfg.micro_batch_size * (cfg.dp if cfg.model.n_experts else 1)
-        ref_losses, ref = _train(_config(kw["family"], micro=micro), MPI.COMM_SELF)
+        model = {k: v for k, v in kw.items() if k not in LAYOUT + ("family",)}
+        ref_losses, ref = _train(_config(kw["family"], micro=micro, **model), MPI.COMM_SELF, steps)
         ref = ref[0]
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0, err_msg=str(kw))
         seen = set()
@@ -104,7 +115,9 @@ def _worker_layouts_equal_one_rank(cases):
             for name, (g, w) in rank.items():
                 seen.add(name)
                 rg, rw = ref[name]
-                if not cfg.distributed_optimizer:  # (ZeRO-1 keeps only its shard of the reduced gradient)
+                assert (g is None) == (rg is None), (kw, name)
+                # (ZeRO keeps only its shard of the reduced gradient)
+                if g is not None and not (cfg.distributed_optimizer or cfg.zero):
                     assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), (kw, name)
                 assert np.abs(w - rw).max() <= 1e-10 * np.abs(rw).max(), (kw, name)
         assert seen == set(ref), (kw, sorted(set(ref) ^ seen))
@@ -130,7 +143,9 @@ def test_llama_qwen2_mixtral_qwen3_gemma_on_every_layout_equal_one_rank():
              dict(family="gemma", cp=2, dp=2, zero=True),  # the ring
              dict(family="gemma", tp=2, cp=2, cp_comm="a2a"),
              # (issue 40: grouped experts and their routing; EP 4 is tests/tensor_parallel/test_expert_parallel.py's)
-             dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1),
+             # the sequence-wise balance loss with sequences split by SP, and by CP (zigzag chunks)
+             dict(family="qwen3_moe", tp=2, dp=2, ep=2, sp=True, zero=True, micro=1, moe_seq_aux_loss=0.01),
              dict(family="deepseek_v3", tp=2, pp=2, sp=True, micro=1),  # MLA by heads (+ SP), the bias over the pipeline
-             dict(family="deepseek_moe", dp=2, ep=2, cp=2, micro=1)]  # the bias from every CP and EP rank
+             dict(family="deepseek_moe", dp=2, ep=2, cp=2, micro=1, moe_seq_aux_loss=0.01)]  # the bias from every
+    # CP and EP rank
     run_mpi(4, "tests.models.test_families:_worker_layouts_equal_one_rank", cases, timeout=400)

@@ -283,7 +283,8 @@ def check_float64_against(torch, hf, model, idx, layout):
     loss = model.forward(idx, model.targets_from_labels(idx))
     assert abs(loss - hf_loss.item()) <= 1e-12 * abs(hf_loss.item())
     model.backward(aux_dloss=0.0)  # (transformers adds the MoE auxiliary loss only with output_router_logits)
-    grads = hf_state_dict(model.config, {p.name: p.grad[:p.real_rows] for p in model.parameters()})
+    grads = hf_state_dict(model.config, {p.name: (p.data * 0 if p.grad is None else p.grad)[:p.real_rows]
+                                         for p in model.parameters()})  # (a buffer has no gradient)
     for name, p in hf.named_parameters():
         g, rg = layout(grads, name), p.grad.numpy()
         assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), name

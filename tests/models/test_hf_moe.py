@@ -5,15 +5,16 @@ expert and a dense first layer; their routers scaled up so that every decision i
 ties. float32 logits within 1e-5 and greedy generation (32 tokens, with the KV cache, MLA's
 holding the compressed latent and rope key per token, and without); float64 logits within 1e-12
 and every gradient within 1e-10 (transformers' float32 casts lifted); export-hf loads back as the
-same class under save_pretrained's names, at tp 1 and 2. Skipped with the reason where torch or
-transformers do not import (CI)."""
+same class under save_pretrained's names, at tp 1 and 2 (x dp 2), and at tp 4 the float32 logits,
+the float64 logits, loss and every gradient. Skipped with the reason where torch
+or transformers do not import (CI)."""
 import os
 
 import numpy as np
 import pytest
 
 import cutp
-from cutp.hf import from_hf, save_hf
+from cutp.hf import from_hf, hf_state_dict, save_hf
 from cutp.models import GPTConfig
 from tests.models.test_hf_llama import (_file_keys, _greedy, _lift_float32_casts, _logits, _transformers,
                                         check_float64_against)
@@ -92,15 +93,6 @@ def test_logits_generation_gradients_and_export_equal_transformers(family, tmp_p
     np.save(tmp_path / "logits.npy", ref)
     np.save(tmp_path / "greedy.npy", want)
     ctx.close()
-    run_mpi(2, "tests.models.test_hf_moe:_worker_tp2", str(tmp_path), family, timeout=300)
-    for out in ("cutp", "cutp-tp2"):
-        again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32,
-                                                                 attn_implementation="eager").eval()
-        with torch.no_grad():
-            back = again(ids).logits.numpy()
-        assert type(again) is type(hf), (out, type(again).__name__)
-        assert np.abs(back - ref).max() <= 1e-6 * np.abs(ref).max(), out
-        assert _file_keys(tmp_path / out) == _file_keys(tmp_path / "hf"), out
 
     # float64, transformers' float32 casts lifted: logits, loss and every gradient
     hf64 = _hf_moe(family, torch, transformers, torch.float64)
@@ -113,6 +105,23 @@ def test_logits_generation_gradients_and_export_equal_transformers(family, tmp_p
     model = from_hf(ctx, str(tmp_path / "hf64"), dtype="float64")
     check_float64_against(torch, hf64, model, idx, _fused)
     ctx.close()
+    with torch.no_grad():  # (the gradients: check_float64_against's backward)
+        logits = hf64(ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+        np.save(tmp_path / "logits64.npy", logits.numpy())
+        np.save(tmp_path / "loss64.npy", loss.numpy())
+    np.savez(tmp_path / "grads64.npz", **{name: p.grad.numpy() for name, p in hf64.named_parameters()})
+
+    # tp 2 x dp 2 and tp 4 in one launch
+    run_mpi(4, "tests.models.test_hf_moe:_worker_tp", str(tmp_path), family, timeout=600)
+    for out in ("cutp", "cutp-tp2"):
+        again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
+        with torch.no_grad():
+            back = again(ids).logits.numpy()
+        assert type(again) is type(hf), (out, type(again).__name__)
+        assert np.abs(back - ref).max() <= 1e-6 * np.abs(ref).max(), out
+        assert _file_keys(tmp_path / out) == _file_keys(tmp_path / "hf"), out
 
 
 def _fused(tensors: dict, name: str) -> np.ndarray:
@@ -129,17 +138,45 @@ def _fused(tensors: dict, name: str) -> np.ndarray:
     return np.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(n)])
 
 
-def _worker_tp2(root, family):
-    ctx = cutp.init(tp=2, device="cpu")
-    model = from_hf(ctx, os.path.join(root, "hf"), dtype="float32")
-    ref = np.load(os.path.join(root, "logits.npy"))
-    got = _logits(model, np.load(os.path.join(root, "idx.npy")))
-    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(got - ref).max()
-    want = list(np.load(os.path.join(root, "greedy.npy"))[0])
-    for cached in (True, False):
-        assert _greedy(model, np.array([want[:6]]), 32, cached) == want, cached
-    save_hf(model, os.path.join(root, "cutp-tp2"))
-    ctx.close()
+def _worker_tp(root, family):
+    """tp 2 x dp 2 and tp 4: the float32 logits; tp 2: the greedy tokens and export-hf from the
+    shards; tp 4: the float64 logits (1e-12), loss (1e-12) and every gradient (1e-10) of
+    transformers with its float32 casts lifted (the main process's)."""
+    from cutp.tensor_parallel import gather_full, tp_grad_sync
+
+    idx = np.load(os.path.join(root, "idx.npy"))
+    for tp in (2, 4):
+        ctx = cutp.init(tp=tp, device="cpu")
+        model = from_hf(ctx, os.path.join(root, "hf"), dtype="float32")
+        ref = np.load(os.path.join(root, "logits.npy"))
+        got = _logits(model, idx)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (tp, np.abs(got - ref).max())
+        if tp == 2:
+            want = list(np.load(os.path.join(root, "greedy.npy"))[0])
+            for cached in (True, False):
+                assert _greedy(model, np.array([want[:6]]), 32, cached) == want, (tp, cached)
+            save_hf(model, os.path.join(root, "cutp-tp2"))
+            ctx.close()
+            continue
+        model = from_hf(ctx, os.path.join(root, "hf64"), dtype="float64")
+        ref = np.load(os.path.join(root, "logits64.npy"))
+        got = _logits(model, idx)
+        assert np.abs(got - ref).max() <= 1e-12 * np.abs(ref).max(), np.abs(got - ref).max()
+        model.train()
+        loss = model.forward(idx, model.targets_from_labels(idx))
+        ref_loss = float(np.load(os.path.join(root, "loss64.npy")))
+        assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss), (loss, ref_loss)
+        model.backward(aux_dloss=0.0)  # (transformers adds no auxiliary loss without output_router_logits)
+        tp_grad_sync(model.parameters(), ctx.tp)  # (as a step: replicated KV heads' and the experts' TP sums)
+        full = {p.name: np.asarray(gather_full(ctx.tp, p.data * 0 if p.grad is None else p.grad, p.sharding))
+                [:p.real_rows] for p in model.parameters()}
+        grads = hf_state_dict(model.config, full)
+        hf_grads = np.load(os.path.join(root, "grads64.npz"))
+        assert len(hf_grads.files) > 20
+        for name in hf_grads.files:
+            g, rg = _fused(grads, name), hf_grads[name]
+            assert np.abs(g - rg).max() <= 1e-10 * np.abs(rg).max(), (tp, name)
+        ctx.close()
 
 
 def test_qwen3_30b_a3b_preset_counts_transformers_parameters():
@@ -253,4 +290,8 @@ def test_deepseek_multi_token_prediction_layers_are_skipped_with_one_line(tmp_pa
         np.testing.assert_array_equal(b.score_bias.data, m.score_bias.data)
     said = [line for line in capfd.readouterr().err.splitlines() if "multi-token prediction" in line]
     assert len(said) == 1, said
+    half = from_hf(ctx, str(tmp_path), dtype="bfloat16")  # the bias stays float32, as transformers keeps it
+    for m, b in zip(model.moe_layers, half.moe_layers):
+        assert b.score_bias.data.dtype == np.float32
+        np.testing.assert_array_equal(b.score_bias.data, m.score_bias.data.astype(np.float32))
     ctx.close()

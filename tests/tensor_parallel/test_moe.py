@@ -38,11 +38,13 @@ def _model_config(**kw):
 
 # ---- gradients against finite differences ---------------------------------------------------------
 @pytest.mark.parametrize("settings", [dict(), dict(moe_renormalize=True, moe_top_k=3),
-                                      dict(moe_capacity_factor=1.0, moe_every=2), dict(moe_top_k=1),
-                                      # DeepSeekMoE: sigmoid, 2 groups of 2 with 1 kept, scaled, a shared expert
+                                      dict(moe_capacity_factor=1.0, moe_every=2),
+                                      dict(moe_top_k=1, moe_seq_aux_loss=0.5),  # the sequence-wise loss too
+                                      # DeepSeekMoE: sigmoid, 2 groups of 2 with 1 kept, scaled, a shared expert,
+                                      # DeepSeek-V3's sequence-wise loss (over normalised sigmoid scores)
                                       dict(moe_scoring="sigmoid", moe_n_group=2, moe_topk_group=1, moe_renormalize=True,
                                            moe_routed_scaling=2.5, moe_score_bias=True, moe_shared_experts=1,
-                                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)])
+                                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0, moe_seq_aux_loss=0.5)])
 def test_moe_gradients_match_finite_differences(settings):
     ctx = self_ctx()
     model = GPT(ctx, _model_config(dropout=0.0, **settings), seed=1)
@@ -54,7 +56,7 @@ def test_moe_gradients_match_finite_differences(settings):
     def objective():
         loss = model.forward(x, y)
         aux = model.moe_losses()
-        return loss + aux["aux_loss"] + aux["z_loss"]
+        return loss + aux["aux_loss"] + aux["z_loss"] + aux["seq_aux_loss"]
 
     objective()
     k = model.config.moe_top_k
@@ -64,11 +66,13 @@ def test_moe_gradients_match_finite_differences(settings):
     model.backward(1.0)
     if settings.get("moe_capacity_factor"):
         assert sum(m.last["dropped"] for m in model.moe_layers) > 0  # the capacity drops some
-    grads = {name: p.grad.copy() for name, p in model.named_parameters().items()}
+    if settings.get("moe_seq_aux_loss"):
+        assert sum(m.last["seq_aux_loss"] for m in model.moe_layers) > 0
+    grads = {name: p.grad.copy() for name, p in model.named_parameters().items() if p.trainable}
     model.free_cache()
     checked = 0
     for name, p in model.named_parameters().items():
-        if not (".mlp." in name or name in ("layers.0.mlp_norm.weight", "tok_embed.weight")):
+        if not p.trainable or not (".mlp." in name or name in ("layers.0.mlp_norm.weight", "tok_embed.weight")):
             continue
         idx = np.random.default_rng(2).choice(p.data.size, min(12, p.data.size), replace=False)
         num = numeric_grad(objective, p.data, indices=idx).reshape(-1)[idx]
@@ -90,8 +94,7 @@ def test_moe_settings_are_checked():
                             (dict(sigmoid, moe_n_group=2, moe_topk_group=3), r"moe_topk_group=3 must be in \[1, "),
                             (dict(moe_score_bias=True), "chooses among sigmoid scores"),
                             (dict(sigmoid, moe_bias_update_rate=1e-3), "needs moe_score_bias=true"),
-                            (dict(sigmoid, moe_score_bias=True, moe_bias_update_rate=1e-3, dtype="bfloat16"),
-                             "float32 master weights would undo"),
+                            (dict(moe_seq_aux_loss=-1.0), "moe_seq_aux_loss must be >= 0"),
                             (dict(moe_dense_layers=(5,)), r"moe_dense_layers must be a tuple of layer indices")):
         with pytest.raises(cutp.ConfigError, match=message):
             _model_config(**change).validate()

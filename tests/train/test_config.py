@@ -179,3 +179,19 @@ def test_a_tp_proposed_suits_the_model():
     assert _cli(e.value) == ("--dp 1 leaves tp = 4 / (dp 1 x pp 1) = 4, but tp=4 does not divide n_head=6: attention "
                              "is split by whole heads; use a --dp from [2, 4]")
     assert _derive(4, dp=2, set=["n_head=6", "n_embd=48"]).tp == 2
+
+
+def test_the_moe_balance_flags_set_the_model_fields():
+    """--moe-bias-update-rate R and --moe-seq-aux-loss ALPHA are --set moe_bias_update_rate=R and
+    --set moe_seq_aux_loss=ALPHA; a bias rate on a model without the correction bias is refused."""
+    from cutp.train.config import command_line_parser
+
+    args = vars(command_line_parser().parse_args(["--preset", "deepseek-tiny", "--moe-bias-update-rate", "0.002",
+                                                  "--moe-seq-aux-loss", "1e-4"]))
+    cfg = derive_run_config({**args, "device": "cpu"}, 1, 1)
+    assert (cfg.model.moe_bias_update_rate, cfg.model.moe_seq_aux_loss) == (0.002, 1e-4)
+    same = derive_run_config({**TINY, "preset": "deepseek-tiny", "set": ["moe_bias_update_rate=0.002",
+                                                                        "moe_seq_aux_loss=1e-4"]}, 1, 1)
+    assert same.model == cfg.model
+    with pytest.raises(ConfigError, match="needs moe_score_bias=true"):
+        derive_run_config({**MOE, "moe_bias_update_rate": 0.01}, 1, 1)
