@@ -43,10 +43,6 @@ def check_zero(cfg) -> None:
     if cfg.ep > 1 and cfg.dp_replicate > 1:
         raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} splits DP x CP into replicas, and at `ep` {cfg.ep} the "
                           "experts are sharded over their expert-DP group; omit `dp_replicate`, or omit `ep`")
-    if z == 3 and cfg.model.n_experts and cfg.model.moe_bias_update_rate:
-        raise ConfigError(f"`zero` 3 shards the parameters, and the MoE correction bias moves after each update "
-                          f"(moe_bias_update_rate {cfg.model.moe_bias_update_rate:g}) on whole parameters; use `zero` "
-                          "2, or set moe_bias_update_rate=0")
     if z == 2 and cfg.overlap_param_gather:
         raise ConfigError("`overlap_param_gather` prefetches the parameter gathers of zero 3 (and zero 1's), and "
                           "zero 2 gathers its updated parameters after the update; use `zero` 3, or omit "

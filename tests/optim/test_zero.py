@@ -266,7 +266,7 @@ def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tm
 
 def test_zero_refusals_name_fixes_that_are_accepted():
     """`zero` with what it cannot serve (ep > 1, zero 2's parameter prefetch, bucket sizes,
-    --no-reshard-after-forward below zero 3, zero 3 with DeepSeek's moving correction bias) and `dp_replicate` below zero 2 or not dividing
+    --no-reshard-after-forward below zero 3) and `dp_replicate` below zero 2 or not dividing
     dp: one line, and every fix it proposes is accepted (the grid of tests/train/test_refusal_fixes)."""
     import itertools
 
