@@ -218,18 +218,6 @@ def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     run.close()
 
 
-def test_the_planner_plans_frozen_parameters_without_gradients_masters_or_moments():
-    from cutp.plan.run import planned_step
-
-    tiny = GPTConfig.preset("llama-tiny")
-    plain, lora = (planned_step(tiny, tp=2, micro_batch=1, seq_len=32, device="cpu", dtype="bfloat16", finetune=ft)
-                   for ft in (None, dict(lora_rank=8, lora_targets="q,v")))
-    trains = sum(p.numel for p in lora["parameters"] if ".lora_" in p.name)
-    assert trains == tiny.n_layer * (2 * 128 * 8 + 8 * (64 + 16))  # A whole, B's columns of this rank's heads
-    assert lora["state"] == {"params": plain["state"]["params"] + 2 * trains, "grads": 4 * trains,
-                             "optimizer": 12 * trains}  # (bf16 weights; fp32 gradients, master, m, v)
-
-
 def test_a_pipeline_stage_left_with_nothing_to_train_is_refused_naming_it():
     from types import SimpleNamespace
 
