@@ -66,6 +66,7 @@ class MultiLatentAttention(Module):
                                          name=f"{name}.kv_b", bias=False, **kw)
         self.proj = RowParallelLinear(ctx, n_head * v_head_dim, n_embd, name=f"{name}.proj", bias=False,
                                       init=normal_init(0.02 / math.sqrt(2 * n_layer)), **kw)
+        self.q_a_lora = self.kv_a_lora = None  # LoRA on the down-projections (cutp.tensor_parallel.lora)
 
     def lay_out_sequence(self, on, shard):
         if on:
@@ -88,8 +89,18 @@ class MultiLatentAttention(Module):
         B, T, _ = x.shape
         if self.q_a is None:
             return self.q_b.forward(x).reshape(B, T, self.nh, -1), None
-        cq, qa_ctx = ops.linear_forward(x, self.q_a.data)
+        cq, qa_ctx = self._down(x, self.q_a, self.q_a_lora)
         return self.q_b.forward(self.q_a_norm.forward(cq)).reshape(B, T, self.nh, -1), qa_ctx
+
+    def _down(self, x, weight, lora):
+        """A replicated down-projection x @ W (+ its LoRA pairs): (y, what `_down_backward` needs)."""
+        y, ctx = ops.linear_forward(x, weight.data)
+        return y, (ctx, None if lora is None else lora.forward(x, y))
+
+    def _down_backward(self, dy, saved, weight, lora):
+        ctx, lora_saved = saved
+        dx, _, _ = ops.linear_backward(dy, ctx, wgrad_out=weight.grad, need_dw=weight.trainable)
+        return dx if lora is None else dx + lora.backward(dy, lora_saved)
 
     def _attend(self, q_nope, q_pe, kv, k_pe):
         """The attention of queries [B, Tq, H, .] over keys and values from kv [B, Tk, H, d_nope +
@@ -118,7 +129,7 @@ class MultiLatentAttention(Module):
         B, T, _ = x.shape
         H, dn, dv, r = self.nh, self.nope, self.vd, self.r
         q, qa_ctx = self._queries(x)
-        ckv, kva_ctx = ops.linear_forward(x, self.kv_a.data)
+        ckv, kva_ctx = self._down(x, self.kv_a, self.kv_a_lora)
         kv = self.kv_b.forward(self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))).reshape(B, T, H, dn + dv)
         cos, sin = self._tables(T, positions)
         q_pe, rq = ops.rotary_forward(xp.ascontiguousarray(q[..., dn:]), cos, sin)
@@ -146,7 +157,7 @@ class MultiLatentAttention(Module):
         if n0 + tn > cache["latent"].shape[1]:
             raise ValueError(f"KV cache holds {cache['latent'].shape[1]} positions; {n0 + tn} requested")
         q, _ = self._queries(x)
-        ckv, _ = ops.linear_forward(x, self.kv_a.data)
+        ckv, _ = self._down(x, self.kv_a, self.kv_a_lora)
         cos, sin = self._tables(tn, n0)
         cache["latent"][:, n0:n0 + tn] = self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))
         k_pe, _ = ops.rotary_forward(xp.ascontiguousarray(ckv[..., None, r:]), cos, sin)
@@ -171,11 +182,10 @@ class MultiLatentAttention(Module):
         dk_pe = ops.rotary_backward(dk_pe, rk)
         dcq = self.q_b.backward(xp.concatenate([dq[..., :dn], dq_pe], axis=-1).reshape(B, T, -1))
         if self.q_a is not None:
-            dx, _, _ = ops.linear_backward(self.q_a_norm.backward(dcq), qa_ctx, wgrad_out=self.q_a.grad)
+            dx = self._down_backward(self.q_a_norm.backward(dcq), qa_ctx, self.q_a, self.q_a_lora)
         else:
             dx = dcq
         dkv_b = xp.concatenate([dk[..., :dn], dvv], axis=-1).reshape(B, T, -1)
         dlat = self.kv_a_norm.backward(self.kv_b.backward(dkv_b))
-        dkv, _, _ = ops.linear_backward(xp.concatenate([dlat, dk_pe[:, :, 0]], axis=-1), kva_ctx,
-                                        wgrad_out=self.kv_a.grad)
+        dkv = self._down_backward(xp.concatenate([dlat, dk_pe[:, :, 0]], axis=-1), kva_ctx, self.kv_a, self.kv_a_lora)
         return dx + dkv

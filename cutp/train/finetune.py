@@ -19,10 +19,10 @@ from ..checkpoint import read_meta
 from ..models.hf import expected_shapes
 from ..models.hf_files import HFFormatError
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.lora import FREEZE_GROUPS, TARGETS, LoraSpec, freeze_groups, set_up_trainable as set_up, spec_of
+from ..tensor_parallel.lora import (DEFAULT_TARGETS, DENSE_TARGETS, FREEZE_GROUPS, LoraSpec, freeze_groups,
+                                    set_up_trainable as set_up, spec_of)
 
 FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
-DEFAULT_TARGETS = ",".join(TARGETS)
 
 
 def settings_of(cfg) -> dict:
@@ -48,10 +48,8 @@ def check_finetune(cfg) -> None:
         what = "lora_rank" if spec is not None else "freeze"
         raise ConfigError(f"`{what}` with `zero` {cfg.zero}: the sharded optimizer of zero 2 and 3 does not yet leave "
                           "frozen parameters out of its shards; use `zero` 1 (or 0)")
-    if (spec is not None or cfg.freeze is not None) and cfg.model.kv_lora_rank is not None:
-        raise ConfigError(f"`{'lora_rank' if spec is not None else 'freeze'}` on a model with multi-head latent "
-                          "attention (kv_lora_rank set): its projections take no adapters and no frozen weights "
-                          "yet; fine-tune it fully (omit lora_rank and freeze)")
+    if spec is not None:
+        _check_targets(cfg.model, spec)
     if (spec is not None or cfg.freeze is not None) and cfg.model.n_experts and cfg.model.moe_bias_update_rate:
         raise ConfigError("`lora_rank` / `freeze` with `moe_bias_update_rate` set: a frozen correction bias is not "
                           "saved, so its moves would be lost at a resume; set moe_bias_update_rate=0")
@@ -62,6 +60,20 @@ def check_finetune(cfg) -> None:
     if spec is not None and spec.dropout and cfg.model.n_experts and {"gate", "up", "down"} & set(spec.targets):
         raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs are "
                           "routed tokens); use `lora_dropout` 0, or `lora_targets` q,k,v,o on an MoE model")
+
+
+def _check_targets(model, spec) -> None:
+    """`lora_targets` against the model's attention: q, k, v, o, or multi-head latent attention's
+    q_a, q_b (q without q_lora_rank), kv_a, kv_b, o (PEFT's names for DeepseekV3, less `_proj`)."""
+    if model.kv_lora_rank is None:
+        own, kind = DENSE_TARGETS, "has no multi-head latent attention"
+    else:
+        own = ("q_a", "q_b") if model.q_lora_rank else ("q",)
+        own, kind = own + ("kv_a", "kv_b", "o", "gate", "up", "down"), "has multi-head latent attention"
+    bad = [t for t in spec.targets if t not in own]
+    if bad:
+        raise ConfigError(f"`lora_targets` {','.join(spec.targets)}: {','.join(bad)} is no projection of this model "
+                          f"(it {kind}); use some of {','.join(own)}, e.g. `lora_targets` {','.join(own)}")
 
 
 def _check_freeze_names(cfg, spec) -> None:

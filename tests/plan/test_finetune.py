@@ -20,6 +20,7 @@ MIXTRAL = dict(n_layer=2, n_experts=4, moe_top_k=2, moe_ffn=48)
     ("llama-tiny", {}, "q,k,v,o,gate,up,down", (1, 2, 4)),  # tp 4 > 2 KV heads: one replicated head's B
     ("tiny", dict(n_layer=2), "q,v,o,up,down", (1, 2)),  # GPT-2's GeLU MLP: up and down
     ("llama-tiny", MIXTRAL, "q,o,gate,up,down", (1, 2)),  # the experts' pairs, replicated over TP
+    ("deepseek-tiny", dict(n_layer=2), "q_a,q_b,kv_a,kv_b,o,gate,up,down", (1, 2)),  # MLA; shared + routed experts
 ])
 def test_lora_elements_per_rank_are_the_adapters_the_model_declares(preset, over, targets, tps):
     config = GPTConfig.preset(preset, **over)

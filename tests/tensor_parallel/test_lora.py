@@ -24,13 +24,20 @@ LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_s
              tie_embeddings=False, norm_eps=1e-5)
 MIXTRAL = dict(LLAMA, dropout=0.0, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True)
 GPT2 = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=16, dtype="float64", dropout=0.0)  # GeLU, biases
-FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
+# DeepSeek-V3-shaped: multi-head latent attention (low-rank q), a dense layer, then shared + routed experts
+DEEPSEEK = GPTConfig.preset("deepseek-tiny", n_layer=2, n_head=4, n_embd=32, mlp_hidden=24, vocab_size=97,
+                            block_size=16, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                            v_head_dim=8, n_experts=4, moe_top_k=2, moe_ffn=16, moe_n_group=2, moe_topk_group=1,
+                            moe_bias_update_rate=0.0, dtype="float64").to_dict()
+FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2, "deepseek": DEEPSEEK}
+MLA_TARGETS = "q_a,q_b,kv_a,kv_b,o,gate,up,down"  # PEFT's names for DeepseekV3, less _proj
 
 
 # what trains: LoRA (no dropout on the experts' adapters), or (GPT-2, tied embeddings) --freeze alone
 TRAINS = {"llama": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1),
           "mixtral": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0),
-          "gpt2": dict(freeze="embeddings,norms,layers.1.mlp.*")}
+          "gpt2": dict(freeze="embeddings,norms,layers.1.mlp.*"),
+          "deepseek": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=MLA_TARGETS)}
 
 
 def _config(family="llama", tp=1, dp=1, pp=1, ep=1, cp=1, micro=2, sp=False, zero=False, recompute="none",
@@ -103,7 +110,8 @@ def test_lora_on_every_layout_equals_one_rank(tmp_path):
              dict(dp=2, pp=2, micro=1, zero=True, overlap_grad_reduce=True, overlap_param_gather=True),
              dict(tp=2, cp=2),  # (the ring: the all-to-all changes the attention only, not the linears)
              dict(family="mixtral", tp=2, dp=2, ep=2, micro=1),
-             dict(family="gpt2", tp=2, pp=2, micro=1)]  # the frozen tied table on both pipeline ends
+             dict(family="gpt2", tp=2, pp=2, micro=1),  # the frozen tied table on both pipeline ends
+             dict(family="deepseek", tp=2, dp=2, micro=1)]  # MLA: replicated q_a / kv_a pairs, column, row
     # one rank with the same global batch (an MoE model's auxiliary losses cover the DP group's
     # micro-batch: its reference takes it whole)
     refs = {family: (lambda r: (r[0], r[1][0]))(_train(_config(family, micro=2), MPI.COMM_SELF))
@@ -131,13 +139,14 @@ def _randomize_adapters(model, seed=0):
             p.data[...] = rng.standard_normal(p.data.shape) * 0.3
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2", "deepseek"])
 def test_adapters_equal_the_merged_weights_and_central_differences(family):
     kw = dict(moe_aux_loss_coeff=0.0) if family == "mixtral" else {}  # (backward includes the auxiliary losses)
     model, plain = _model(family, **kw), _model(family, **kw)
-    spec = LoraSpec(rank=3, alpha=6.0)
+    spec = LoraSpec(rank=3, alpha=6.0, **(dict(targets=tuple(MLA_TARGETS.split(","))) if family == "deepseek" else {}))
     pairs = apply_lora(model, spec)
-    assert {p.proj for p in pairs} == {"q", "k", "v", "o", "up", "down"} | ({"gate"} if family != "gpt2" else set())
+    assert {p.proj for p in pairs} == (set(MLA_TARGETS.split(",")) if family == "deepseek" else
+                                       {"q", "k", "v", "o", "up", "down"} | ({"gate"} if family != "gpt2" else set()))
     _randomize_adapters(model)
     weights = {p.name: p for p in plain.parameters()}
     for pair in pairs:  # W[:, cols] += scale * A @ B, in the fused weights' columns
@@ -186,6 +195,11 @@ def test_freeze_groups_and_refusals():
         _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, freeze="embeddings,head,norms,attention,mlp")
     with pytest.raises(ConfigError, match="adapters on MoE experts take no dropout"):
         _config("mixtral", lora_dropout=0.1)
+    with pytest.raises(ConfigError, match="lora_targets q,k,v,o,gate,up,down: q,k,v is no projection of this model "
+                                          r"\(it has multi-head latent attention\); use some of q_a,q_b,kv_a,kv_b,o"):
+        _config("deepseek", lora_targets="q,k,v,o,gate,up,down")
+    with pytest.raises(ConfigError, match="q_a is no projection of this model"):
+        _config(lora_targets="q_a,o")
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
