@@ -12,10 +12,11 @@ exporting reads the base from there and the trainable tensors from the checkpoin
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import numpy as np
 
-from ..checkpoint import read_meta
+from ..checkpoint import read_meta, resolve_checkpoint
 from ..models.hf import expected_shapes
 from ..models.hf_files import HFFormatError
 from ..runtime.errors import ConfigError
@@ -123,15 +124,39 @@ def set_up_trainable(model, cfg) -> None:
                           "to train; freeze fewer of its parameters, or use fewer pipeline stages (`pp`)")
 
 
+def resumed_without_base(resume: str) -> bool:
+    """Whether checkpoint (or run directory) `resume` holds only what its run trained."""
+    try:
+        return bool(read_meta(resolve_checkpoint(resume)).get("trainable_only"))
+    except (OSError, ValueError, ConfigError):
+        return False
+
+
+def check_base_of(ckpt: str, meta: dict, init_from: str | None) -> str | None:
+    """The frozen base of a resumed checkpoint holding only what trained: `init_from` when given
+    (the base moved there), else its run's init_from (None: the seed's initial weights), refused
+    in one line naming the fix when that directory is gone."""
+    base = init_from if init_from is not None else (meta.get("train_args") or {}).get("init_from")
+    if base is not None and not os.path.isdir(base):
+        fix = ("give the directory it moved to as `init_from` together with `resume`" if init_from is None
+               else "give the directory that holds it")
+        raise ConfigError(f"`resume` {ckpt} holds only what its run trained; its frozen base {base} is not a "
+                          f"directory (moved or deleted): {fix}")
+    return base
+
+
 def resumed_base(cfg) -> tuple[bool, str | None]:
     """(init, init_from) of the model a run builds: a resumed checkpoint saved with frozen
-    parameters (`trainable_only`) holds only what trains, so the frozen base comes from the
-    resumed run's init_from, or, without one, its seed's initial weights."""
+    parameters (`trainable_only`) holds only what trains, so the frozen base comes from
+    `cfg.init_from` (given with the resume: the base moved there), else the resumed run's
+    init_from, or, without one, its seed's initial weights."""
     if cfg.resume is None:
         return cfg.init_from is None, cfg.init_from
     meta = read_meta(cfg.resume)
     if not meta.get("trainable_only"):
         return False, None
+    if cfg.init_from is not None:
+        return False, cfg.init_from
     base = (meta.get("train_args") or {}).get("init_from")
     return base is None, base
 

@@ -260,3 +260,39 @@ def test_a_run_saved_without_its_base_is_refused_as_init_from(tmp_path):
     again = dataclasses.replace(cfg, out=None, init_from=path)
     with pytest.raises(ConfigError, match="holds only what its run trained.*--merge-lora"):
         build_run(again, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+
+
+def test_a_lora_run_whose_base_moved_is_refused_naming_the_fix_or_resumes_from_init_from(tmp_path):
+    import dataclasses
+    import os
+
+    from mpi4py import MPI
+    from cutp.train import resolve_run_config
+    from cutp.train.step import save
+
+    plain = _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, out=str(tmp_path / "base"))
+    run = build_run(plain, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    base = save(run)  # (the frozen base: a cutp checkpoint)
+    run.close()
+    cfg = _config(lora_targets="q,v", init_from=base)
+    run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    straight = [train_step(run).loss for _ in range(2)]
+    run.close()
+    run = build_run(dataclasses.replace(cfg, out=str(tmp_path / "lora"), run_steps=1), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    train_step(run)
+    path = save(run)
+    run.close()
+    moved = str(tmp_path / "moved")
+    os.rename(tmp_path / "base", moved)
+    with pytest.raises(ConfigError, match=r"holds only what its run trained; its frozen base .* is not a directory "
+                                          r"\(moved or deleted\): give the directory it moved to as init_from"):
+        resolve_run_config(MPI.COMM_SELF, resume=path, device="cpu")
+    again = os.path.join(moved, os.path.basename(base))
+    assert resolve_run_config(MPI.COMM_SELF, resume=path, init_from=again, device="cpu").init_from == again
+    run = build_run(dataclasses.replace(cfg, init_from=again, resume=path, resumed_step=1), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    assert train_step(run).loss == straight[1]  # the adapters on the base, found where it moved
+    run.close()
+    with pytest.raises(ConfigError, match="starts a new run from its weights"):  # (a whole checkpoint: refused)
+        resolve_run_config(MPI.COMM_SELF, resume=again, init_from=again, device="cpu")
