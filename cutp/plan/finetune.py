@@ -24,12 +24,11 @@ import dataclasses
 
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.lora import LoraSpec, freeze_groups, spec_of
-from ..train.finetune import FINETUNE_SETTINGS
+from ..train.finetune import FINETUNE_DEFAULTS, FINETUNE_SETTINGS
 from .moe import expert_params, expert_width, moe_layers
 from .run import planned_parameters
 
-DEFAULTS = {"freeze": None, "lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0,
-            "lora_targets": "q,k,v,o,gate,up,down"}
+DEFAULTS = FINETUNE_DEFAULTS
 
 
 def settings_of(args) -> dict | None:

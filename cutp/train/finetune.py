@@ -24,6 +24,9 @@ from ..tensor_parallel.lora import (DEFAULT_TARGETS, DENSE_TARGETS, FREEZE_GROUP
                                     set_up_trainable as set_up, spec_of)
 
 FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+# their values when not given (what another command's flags default to: `cutp plan`, `cutp bench model`)
+FINETUNE_DEFAULTS = {"freeze": None, "lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0,
+                     "lora_targets": DEFAULT_TARGETS}
 
 
 def settings_of(cfg) -> dict:

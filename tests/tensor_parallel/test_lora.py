@@ -296,3 +296,35 @@ def test_a_lora_run_whose_base_moved_is_refused_naming_the_fix_or_resumes_from_i
     run.close()
     with pytest.raises(ConfigError, match="starts a new run from its weights"):  # (a whole checkpoint: refused)
         resolve_run_config(MPI.COMM_SELF, resume=again, init_from=again, device="cpu")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_backward_skips_the_leading_layers_nothing_before_trains_bit_for_bit(recompute, monkeypatch):
+    """LoRA with --freeze embeddings,layers.0.* (layer 0's adapters frozen too): layer 0's
+    and the embeddings' backward is skipped; every gradient is bit-identical to the full backward."""
+    from mpi4py import MPI
+    from cutp.models import GPT
+
+    cfg = _config(lora_targets="q,v,down", freeze="embeddings,layers.0.*", recompute=recompute)  # (its adapters too)
+    grads = []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(GPT, "_frozen_lead", lambda self, chunk: 0)
+        run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+        assert not any(p.trainable for p in run.model.layers[0].parameters())
+        calls = []
+        block = run.model.layers[0]
+        monkeypatch.setattr(block, "backward", lambda dy, _b=block.backward: calls.append(1) or _b(dy))
+        run.model.train()
+        idx = np.random.default_rng(1).integers(0, 97, (2, 16))
+        run.model.forward(idx, np.roll(idx, -1, axis=1))
+        for p in run.model.parameters():
+            if p.trainable:
+                p.grad[...] = 0
+        run.model.backward()
+        assert bool(calls) != skip and run.model._frozen_lead(0) == (1 if skip else 0)
+        assert not [k for m in run.model.modules() for k, v in vars(m).items() if k.startswith("_cache") and v]
+        grads.append({p.name: np.array(p.grad) for p in run.model.parameters() if p.trainable})
+        run.close()
+    assert grads[0].keys() == grads[1].keys() and any(".lora_" in n for n in grads[0])
+    assert all(np.array_equal(grads[0][n], grads[1][n]) for n in grads[0])
