@@ -525,8 +525,9 @@ class GPT(Module):
             return 0
         n = 0
         for block in self._chunk_blocks[chunk]:
-            if any(p.trainable for p in block.parameters()):
-                break
+            if any(p.trainable for p in block.parameters()) or (
+                    self.ctx.ep_size > 1 and isinstance(block.mlp, MoEMLP)):  # (EP ranks hold other experts:
+                break                                                         # their all-to-alls must pair)
             n += 1
         return n
 
