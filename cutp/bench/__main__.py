@@ -22,6 +22,7 @@ from ..runtime import backend
 from ..runtime.errors import ConfigError
 from ..runtime.threads import available_cores
 from ..train.config import add_setting_flags
+from ..train.finetune import FINETUNE_DEFAULTS
 from ..plan import cli as plan_cli
 from . import comm, compare_torch, kernels, model
 from . import moe as moe_bench
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "reshard_after_forward": True, "dp_replicate": 1, "recompute": "none",
                           "sequence_parallel": False, "batch_size": None, "micro_batch_size": None, "seq_len": None,
                           "overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
-                          "bucket_size": None, "link_bandwidth": None, "link_latency": 5.0})
+                          "bucket_size": None, "link_bandwidth": None, "link_latency": 5.0, **FINETUNE_DEFAULTS})
     # the benchmark's own
     # (timed and untimed steps have names of their own: --steps and --warmup are a training run's
     # length and its learning-rate warmup, and are refused here by name)

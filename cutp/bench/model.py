@@ -45,6 +45,7 @@ from ..ops import tf32_allowed
 from ..ops.profile import OpTimer, breakdown
 from ..runtime.threads import set_blas_threads
 from ..train import StepHooks, build_run, resolve_run_config, train_step
+from ..train.finetune import FINETUNE_DEFAULTS
 from ..train.overlap import overlap_fraction
 from ..train.memory import ActivationPeak, cached_activation_bytes, stash_per_layer, state_bytes
 from ..train.pipeline import pipeline_bubble
@@ -274,7 +275,8 @@ def run(args) -> Report:
                              zero=getattr(args, "zero", 0), dp_replicate=getattr(args, "dp_replicate", 1),
                              reshard_after_forward=getattr(args, "reshard_after_forward", True),
                              recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                             allow_tf32=getattr(args, "allow_tf32", False), **_overlap_settings(args))
+                             allow_tf32=getattr(args, "allow_tf32", False), **_overlap_settings(args),
+                             **{k: getattr(args, k, v) for k, v in FINETUNE_DEFAULTS.items()})  # (LoRA, --freeze)
     run = build_run(cfg, world, dataset=random_tokens(model.vocab_size, max(1 << 16, 4 * B * dp * (T + 1)),
                                                       args.seed))
     ctx, config, T = run.ctx, cfg.model, cfg.seq_len

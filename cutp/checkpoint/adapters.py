@@ -13,6 +13,9 @@ name of the projection it adapts, lora_A.weight [r, in] and lora_B.weight [out, 
 
     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight
     base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+    base_model.model.model.layers.{i}.self_attn.{q_a,q_b,kv_a,kv_b}_proj.lora_{A,B}.weight   (DeepSeek-V3's
+        multi-head latent attention; kv_a_proj_with_mqa for kv_a, rope rows of q_b's and kv_a's B interleaved
+        back as the base weights are)
 
 PEFT has no format for adapters on MoE experts, nor for GPT-2's fused c_attn: those export
 merged only (refused by name otherwise).
@@ -27,14 +30,18 @@ from mpi4py import MPI
 
 from ..comm.context import init
 from ..models import GPT
+from ..models.families import family_of
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.lora import LoraAdapter, LoraPair, spec_of
 from .files import write_safetensors
 from .load import model_with_base
 
 HF_PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")  # HF's q_proj ... down_proj names
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+           # multi-head latent attention (DeepseekV3)
+           "q_a": "self_attn.q_a_proj", "q_b": "self_attn.q_b_proj", "kv_a": "self_attn.kv_a_proj_with_mqa",
+           "kv_b": "self_attn.kv_b_proj"}
+PEFT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "deepseek_v3")  # HF's q_proj ... down_proj names
 
 
 def trained_model(ckpt: str, meta: dict) -> GPT:
@@ -47,7 +54,8 @@ def lora_pairs(model) -> list[tuple[str, LoraPair]]:
     """(the base weight's name, pair) of every adapter of a model, in the model's order."""
     out = []
     for m in model.modules():
-        for attr, weight in (("lora", "weight"), ("fc1_lora", "fc1"), ("fc2_lora", "fc2")):
+        for attr, weight in (("lora", "weight"), ("fc1_lora", "fc1"), ("fc2_lora", "fc2"), ("q_a_lora", "q_a"),
+                             ("kv_a_lora", "kv_a")):
             adapter = getattr(m, attr, None)
             if isinstance(adapter, LoraAdapter):
                 out += [(getattr(m, weight).name, pair) for pair in adapter.pairs]
@@ -79,12 +87,18 @@ def write_peft_adapter(model, meta: dict, family: str, path: str, base_path: str
         raise ConfigError(f"PEFT names the adapters of a {family} model's fused projections otherwise than cutp's "
                           "q, k, v, o, gate, up, down: export the run merged with export-hf --merge-lora")
     spec = spec_of(meta.get("train_args") or {})
+    # (DeepSeek's rope columns: cutp's column j of a base is the file's columns[j], so are B's rows)
+    columns = {r.name: r.columns for r in family_of(model.config).recipes(model.config) if r.columns is not None}
     tensors, targets = {}, []
     for name, pair in pairs:
         layer = name.split(".")[1]
         prefix = f"base_model.model.model.layers.{layer}.{HF_PROJ[pair.proj]}"
+        b = np.asarray(pair.B.data).T
+        if name in columns:
+            b = np.empty_like(b)
+            b[np.asarray(columns[name])] = np.asarray(pair.B.data).T
         tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(np.asarray(pair.A.data).T)
-        tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(np.asarray(pair.B.data).T)
+        tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(b)
         targets.append(HF_PROJ[pair.proj].split(".")[1])
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
               "lora_dropout": spec.dropout, "target_modules": sorted(set(targets)), "bias": "none",

@@ -20,7 +20,7 @@ template with {% generation %} blocks marks them: a token is a target when its c
 overlap a block's output (transformers' `return_assistant_tokens_mask`). Without marks (Llama 3's,
 Qwen's and Gemma's templates have none) the prefix method finds each assistant message's span:
 it starts where the conversation before it, rendered with the generation prompt, ends (so the
-role header is no target), and ends where the conversation up to and including it ends (so the
+role header is no target; a conversation the assistant opens: where its text starts), and ends where the conversation up to and including it ends (so the
 end-of-turn the template writes after the message is a target). A template that renders a turn
 differently once later turns follow (Qwen3 drops an earlier turn's empty <think></think>) is
 aligned by the longest tail of that span which the whole conversation continues with at the
@@ -176,6 +176,10 @@ class ChatTemplate:
             if message.get("role") != "assistant":
                 continue
             start = self._start_of(messages[:i], full)
+            content = message.get("content")
+            if i == 0 and isinstance(content, str) and content.strip():  # (the template's BOS and role header)
+                at = full.find(content, start)
+                start = at if at >= 0 else max(start, full.find(content.strip(), start))
             upto = self.render(messages[:i + 1])
             turn = upto[start:] if upto.startswith(full[:start]) else None
             if turn is None:
@@ -186,7 +190,6 @@ class ChatTemplate:
                     break
             else:
                 k = len(turn)
-            content = message.get("content")
             if k == len(turn) or k and isinstance(content, str) and content.strip() not in turn[k:]:
                 raise ChatError(f"message {i} (assistant): its span in the rendered conversation cannot be found by "
                                 "the prefix method; add {% generation %} marks to the template")

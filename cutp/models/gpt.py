@@ -491,19 +491,43 @@ class GPT(Module):
             self._unit_done([self.final_norm, self.lm_head])
         else:
             dx = grad
-        for block in reversed(blocks):
-            self._unit_backward_next([block])
-            dx = block.backward(dx)
-            self._unit_done([block])
+        frozen = self._frozen_lead(chunk)  # leading blocks nothing before trains: no gradient flows back to them
+        for i in reversed(range(len(blocks))):
+            self._unit_backward_next([blocks[i]])
+            if i >= frozen:
+                dx = blocks[i].backward(dx)
+            else:
+                blocks[i].free_cache()
+            self._unit_done([blocks[i]])
         if not self.takes_tokens(chunk):
             return dx
-        self._unit_backward_next([m for m in (self.tok_embed, self.pos_embed, self.drop) if m is not None])
-        dx = self.drop.backward(dx)
-        if self.pos_embed is not None:
-            self.pos_embed.backward(dx)
-        self.tok_embed.backward(dx)
-        self._unit_done([m for m in (self.tok_embed, self.pos_embed, self.drop) if m is not None])
+        embeddings = [m for m in (self.tok_embed, self.pos_embed, self.drop) if m is not None]
+        self._unit_backward_next(embeddings)
+        if frozen:
+            for m in embeddings:
+                m.free_cache()
+        else:
+            dx = self.drop.backward(dx)
+            if self.pos_embed is not None:
+                self.pos_embed.backward(dx)
+            self.tok_embed.backward(dx)
+        self._unit_done(embeddings)
         return None
+
+    def _frozen_lead(self, chunk: int) -> int:
+        """How many of the chunk's first blocks have no trainable parameter when the embeddings
+        before them have none either (--freeze, LoRA on later layers): their backward would only
+        carry dx to nothing that trains, so it is skipped (the gradients are bit-identical)."""
+        if not self.takes_tokens(chunk) or any(p.trainable for m in (self.tok_embed, self.pos_embed) if m is not None
+                                               for p in m.parameters()):
+            return 0
+        n = 0
+        for block in self._chunk_blocks[chunk]:
+            if any(p.trainable for p in block.parameters()) or (
+                    self.ctx.ep_size > 1 and isinstance(block.mlp, MoEMLP)):  # (EP ranks hold other experts:
+                break                                                         # their all-to-alls must pair)
+            n += 1
+        return n
 
     def take_activations(self) -> list:
         """Everything the stage keeps for one micro-batch's backward, taken out of its modules (a

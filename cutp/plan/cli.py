@@ -7,6 +7,7 @@ GPU for a model and a layout, from the model's shape, no hardware needed.
     python -m cutp plan --params 8B --seq-len 131072 --tp 8 --cp 8 --recompute full  # long context
     python -m cutp plan --preset gpt2 --tp 2 --micro-batch-size 8 --seq-len 1024 --device cpu
     python -m cutp plan --params 8B --tp 1 --dp 8 --zero 3 --seq-len 8192 --micro-batch-size 2  # FSDP
+    python -m cutp plan --preset llama3-8b --tp 2 --lora-rank 16 --lora-alpha 32 --seq-len 4096  # LoRA
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 
 from ..runtime.errors import ConfigError, settings_named
 from ..train.config import add_setting_flags
-from . import layout, overlap, pipeline, search
+from . import finetune, layout, overlap, pipeline, search
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "reshard_after_forward": True, "dp_replicate": 1, "recompute": "none",
                           "recompute_layers": None, "sequence_parallel": False, "pp": 1, "pp_layers": None,
                           "pp_schedule": None, "pp_virtual": 1, "link_bandwidth": None, "link_latency": 5.0,
-                          "bucket_size": None, "dtype": None, "device": "cuda", "batch_size": None},
+                          "bucket_size": None, "dtype": None, "device": "cuda", "batch_size": None,
+                          **finetune.DEFAULTS},  # (what trains: --freeze, --lora-*)
                       aliases={"micro_batch_size": ("--micro-batch",)})  # (the planner's older spelling)
     p.add_argument("--accum", type=int, default=None,
                    help="micro-batches per optimizer step (and DP rank; default 1, with --pp: pp)")
@@ -67,6 +69,9 @@ def run(args):
 
 def _run(args):
     overlap.check_args(args)
+    if finetune.settings_of(args) and (args.search or args.pp > 1 or args.pp_virtual > 1):
+        raise ConfigError(f"{'--search' if args.search else '--pp'} with --lora-rank or --freeze: fine-tuning is "
+                          "planned for one pipeline stage yet; plan without --pp and --search")
     if args.search:
         return search.run(args)
     if args.pp > 1 or args.pp_virtual > 1:

@@ -69,19 +69,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from ..models import GPTConfig
 from ..runtime.errors import ConfigError
 from ..tensor_parallel.specs import count, tp_summed
 from ..tensor_parallel.validation import check_attention, check_mlp
+from ..train.finetune import check_finetune
 from ..train.reporting import Report, parse_count
 from .moe import (all_to_all_elements, check_moe_layout, dense_mlp_activation_bytes, moe_counts,
                        moe_layer_activation_bytes, moe_layers)
 from ..runtime.mesh import Mesh
 from . import overlap
 from .context import check_cp, cp_comm_bytes, cp_formula, formula_args
+from .finetune import DEFAULTS as FINETUNE_DEFAULTS, settings_of, trainable_split
 from .mla import mha_attention_bytes, mla_attention_bytes, mla_tp_collectives
-from .run import ITEMSIZE, planned_step
+from .run import ITEMSIZE, planned_parameters, planned_step
 from .zero import gathered_units_bytes, zero_collectives, zero_plan, zero_state_bytes
 
 
@@ -166,6 +169,20 @@ def state_bytes_ep(a: GPTConfig, n_local: int, n_moe: int, *, dtype: str, dp: in
     dense, own = (state_bytes(n, dtype=dtype, dp=d, distributed_optimizer=True)
                   for n, d in ((n_local - experts, dp), (experts, dp // ep)))
     return {k: dense[k] + own[k] for k in st}
+
+
+def state_bytes_trainable(trains: dict, n_local: int, *, dtype: str, dp: int, ep: int,
+                          distributed_optimizer: bool) -> dict:
+    """`state_bytes` of a rank holding n_local parameters of which trains["trainable"] train
+    (trains["experts"] of them on routed experts: with expert parallelism and the distributed
+    optimizer their state sharded over expert-DP): gradients, masters and moments of those, the
+    frozen rest counted in "params" only (outside the flat buffers: cutp.train.memory.state_bytes)."""
+    n, experts = trains["trainable"], trains["experts"] if ep > 1 and distributed_optimizer else 0
+    dense, own = (state_bytes(k, dtype=dtype, dp=d, distributed_optimizer=distributed_optimizer)
+                  for k, d in ((n - experts, dp), (experts, max(1, dp // ep))))
+    st = {k: dense[k] + own[k] for k in dense}
+    st["params"] += (n_local - n) * ITEMSIZE[dtype]
+    return st
 
 
 def coll(calls: int, elems: int, itemsize: int, factor: float) -> dict:
@@ -289,12 +306,13 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
          dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
          device: str = "cuda", threads: int = 1, recompute: str = "none", recompute_layers: int | None = None,
          sequence_parallel: bool = False, ep: int = 1, cp: int = 1, cp_comm: str = "ring", zero: int = 0,
-         reshard_after_forward: bool = True, dp_replicate: int = 1) -> dict:
+         reshard_after_forward: bool = True, dp_replicate: int = 1, finetune: dict | None = None) -> dict:
     """Every figure of the plan as plain numbers (bytes, elements, calls). `config`: the cutp
     model `a` describes (exact parameters, simulated activations); None: a --params
     architecture. Raises ConfigError (one line naming the fix) for settings that cannot run,
     e.g. a mesh the model cannot be split over. `zero` 2 or 3 (`dp_replicate` R: HSDP): the
-    state, the gathered units and the DP collectives of cutp.plan.zero."""
+    state, the gathered units and the DP collectives of cutp.plan.zero. `finetune`: RunConfig's
+    freeze / lora_* settings: the state of the trainable elements only (cutp.plan.finetune)."""
     zero = max(zero, int(bool(distributed_optimizer)))
     distributed_optimizer = zero >= 1
     if zero >= 2 and ep > 1:
@@ -310,6 +328,9 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"--device {device!r}: use cuda or cpu")
     dtype = resolve_dtype(dtype, precision)
+    if finetune:  # training's rules (cutp.train.finetune)
+        finetune = {**FINETUNE_DEFAULTS, **finetune}
+        check_finetune(SimpleNamespace(model=a, zero=zero, **finetune))
     check_moe_layout(a, ep, dp)
     check_attention(a.n_embd, a.n_head, a.kv_heads, tp)  # the rules training applies
     check_mlp(a.n_embd, a.hidden, tp)
@@ -328,7 +349,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         mesh = Mesh(tp, dp, cp=cp)  # (every CP rank holds as much: its zigzag chunks)
         peaks = [planned_step(config, tp=tp, dp=dp, ep=ep, cp=cp, cp_comm=cp_comm, rank=mesh.rank_of(r, d),
                               micro_batch=b, seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
-                              distributed_optimizer=distributed_optimizer, **sharding, **layout)
+                              distributed_optimizer=distributed_optimizer, finetune=finetune, **sharding, **layout)
                  for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
         worst = max(peaks, key=lambda p: p["activations_peak"])
         stash = [max(col) for col in zip(*(p["stash_per_layer"] for p in peaks))]
@@ -350,6 +371,13 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
                + (", multi-head latent attention's own (plan.mla)" if a.kv_lora_rank is not None else "")}
     dpg = dp * cp  # the gradients' and ZeRO's group: DP x CP
     st = state_bytes_ep(a, P, moe_layers(a), dtype=dtype, dp=dpg, ep=ep, distributed_optimizer=distributed_optimizer)
+    trains = None
+    if finetune:  # gradients, masters and moments of the trainable elements; the frozen ones held only
+        moe_share = moe_counts(a, tp, ep)["per_rank"] if a.n_experts else 0
+        trains = trainable_split(a, config, finetune, tp=tp, ep=ep, params=P, ranks=planned_ranks(tp),
+                                 moe_per_rank=moe_share)
+        P = trains["params"]
+        st = state_bytes_trainable(trains, P, dtype=dtype, dp=dpg, ep=ep, distributed_optimizer=distributed_optimizer)
     zplan = None
     if zero >= 2:  # sharded unit by unit over one replica's ranks (cutp.plan.zero)
         d = dpg // dp_replicate
@@ -386,10 +414,15 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     ring_ar = 2 * (tp - 1) / tp
     # the gradient buffers: at ep > 1 the experts' apart from the rest (cutp.optim.expert_parallel)
     expert_n = moe_layers(a) * (a.n_experts // ep) * moe_counts(a)["expert"] if ep > 1 else 0
-    dense_n = state_bytes(P - expert_n, dtype=dtype, dp=dpg, distributed_optimizer=distributed_optimizer)["padded"]
+    reduced = P  # (the gradients' elements)
+    if trains is not None:
+        reduced, expert_n = trains["trainable"], trains["experts"] if ep > 1 else 0
+    dense_n = state_bytes(reduced - expert_n, dtype=dtype, dp=dpg, distributed_optimizer=distributed_optimizer)["padded"]
     if expert_n:
         expert_n = state_bytes(expert_n, dtype=dtype, dp=dpg // ep, distributed_optimizer=distributed_optimizer)["padded"]
     tp_grads = tp_gradient_elements(a, tp, sequence_parallel, ep)
+    if trains is not None and trains["tp_partial"] is not None and tp > 1:  # LoRA: the adapters' summed factors
+        tp_grads = trains["tp_partial"]
     out = {
         "arch": a.to_dict(), "tp": tp, "dp": dp, "micro_batch": b, "seq_len": s, "accum": accum, "dtype": dtype,
         "precision": precision, "distributed_optimizer": bool(distributed_optimizer), "device": device, **layout,
@@ -426,10 +459,17 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     out["bytes_per_param"] = state / P
     out["table_bytes_per_param"] = table_bytes_per_param(dtype, dpg // dp_replicate, distributed_optimizer, zero)
     out.update(zero=zero, reshard_after_forward=reshard_after_forward, dp_replicate=dp_replicate)
+    out["trainable_per_gpu"] = P if trains is None else trains["trainable"]
     out["memory"] = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
                      "activations_peak": act["bytes"], "params_local": P, "stash_per_layer": act["stash_per_layer"]}
     out["fits"] = {name: out["total_bytes"] <= cap for name, cap in GPUS}
     return out
+
+
+def _what_trains(args) -> str:
+    spec = f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on {args.lora_targets}" \
+        if args.lora_rank is not None else ""
+    return "; ".join(w for w in (spec, f"--freeze {args.freeze}" if args.freeze else "") if w)
 
 
 def model_of_args(args) -> tuple[GPTConfig, GPTConfig | None]:
@@ -452,7 +492,7 @@ def run(args) -> Report:
              recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel, ep=args.ep,
              cp=getattr(args, "cp", 1), cp_comm=getattr(args, "cp_comm", "ring"), zero=getattr(args, "zero", 0),
              reshard_after_forward=getattr(args, "reshard_after_forward", True),
-             dp_replicate=getattr(args, "dp_replicate", 1))
+             dp_replicate=getattr(args, "dp_replicate", 1), finetune=settings_of(args))
     args.cp, args.cp_comm = r["cp"], r["cp_comm"]
     report = Report("plan", {})
     report.extra["plan"] = r
@@ -474,6 +514,9 @@ def run(args) -> Report:
                      + (f", {a.moe_shared_experts} shared" if a.moe_shared_experts else "")
                      + f", top {a.moe_top_k}; ep {args.ep}: {a.n_experts // args.ep} per GPU")] if a.n_experts else []),
                  (f"per GPU (tp={args.tp})", f"{r['params_per_gpu']:,}"),
+                 *([("trains per GPU", f"{r['trainable_per_gpu']:,} ({_what_trains(args)}); the frozen "
+                     f"{r['params_per_gpu'] - r['trainable_per_gpu']:,}: no gradients, masters or moments")]
+                   if settings_of(args) else []),
                  ("KV cache / token", f"{a.kv_cache_values_per_token() * ITEMSIZE[dt]:,} bytes ({dt}, all layers"
                   + (", MLA's latent + rope key)" if a.kv_lora_rank is not None else ")")),
                  ("mesh", f"tp {args.tp}" + (f" x cp {args.cp} ({args.cp_comm})" if args.cp > 1 else "")
@@ -489,17 +532,19 @@ def run(args) -> Report:
                        title="memory per GPU (GB = 1e9 bytes)")
     P, N, pb = r["params_per_gpu"], r["padded_params"], ITEMSIZE[dt]
     low = pb == 2
-    pad = f", padded to {N:,}" if N != P else ""
+    T = r["trainable_per_gpu"]
+    pad = "" if N == T else f", padded to {N:,}" if T == P else f", the trainable padded to {N:,}"
     shard = f" of a 1/{args.dp * args.cp // r['dp_replicate']} shard" if dist else ""
     sd = "fp64" if dt == "float64" else "fp32"
     whole = "" if z < 3 else f", a 1/{args.dp * args.cp // r['dp_replicate']} shard"
     mem.add(what="parameters", gb=r["param_bytes"] / GB, bpp=r["param_bytes"] / P,
             formula=f"{P:,}{pad} x {pb} B ({dt}){whole}")
+    of = "" if T == P else f"the {T:,} trainable "
     mem.add(what="gradients", gb=r["grad_bytes"] / GB, bpp=r["grad_bytes"] / P,
-            formula=f"x {4 if low else pb} B ({'fp32 main grads' if low else dt})"
+            formula=f"{of}x {4 if low else pb} B ({'fp32 main grads' if low else dt})"
             + (f", a 1/{args.dp * args.cp // r['dp_replicate']} shard" if z >= 2 else ""))
     mem.add(what="optimizer state", gb=r["optim_bytes"] / GB, bpp=r["optim_bytes"] / P,
-            formula=f"Adam m, v ({sd}){' + fp32 master' if low else ''}{shard}")
+            formula=f"{of}Adam m, v ({sd}){' + fp32 master' if low else ''}{shard}")
     mem.add(what="activations (peak)", gb=r["act_bytes"] / GB, bpp=None, formula=r["activations"]["source"])
     kept = r["activations"]["stash_per_layer"]
     lo, hi = min(kept), max(kept)

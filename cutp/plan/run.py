@@ -27,6 +27,7 @@ from ..data import BatchSampler, Dataset
 from ..kernels import use_kernels
 from ..models import DTYPES, GPT, GPTConfig
 from ..runtime.errors import ConfigError
+from ..tensor_parallel.lora import set_up_trainable
 from ..train.config import RunConfig
 from ..train.memory import measure_step, state_bytes
 from ..train.step import StepHooks, assemble_run
@@ -57,6 +58,7 @@ class PlannedParameter:
     numel: int
     kind: str  # "sharded" (this rank's own elements), "replicated" (the same on every TP rank) or "partial"
     decays: bool  # AdamW's weight decay applies
+    trainable: bool = True  # False: frozen (--freeze, LoRA's base): no gradient, master or optimizer state
 
 
 def _kind(p) -> str:
@@ -72,14 +74,21 @@ def _tokens(vocab_size: int, seq_len: int, batch: int) -> Dataset:
     return Dataset(train=ids, val=ids[: seq_len + 2].copy(), vocab_size=vocab_size, description="planned")
 
 
+def _planned(params) -> list[PlannedParameter]:
+    return [PlannedParameter(p.name, tuple(int(d) for d in p.data.shape), int(p.data.size), _kind(p),
+                             bool(p.weight_decay), bool(p.trainable)) for p in params]
+
+
 def planned_parameters(config: GPTConfig, *, tp: int = 1, pp: int = 1, rank: int = 0, pp_layers=None,
-                       pp_virtual: int = 1) -> list[PlannedParameter]:
+                       pp_virtual: int = 1, finetune: dict | None = None) -> list[PlannedParameter]:
     """The parameters world rank `rank` of a tp x pp mesh holds (TP rank rank % tp, pipeline
-    stage rank // tp), as the model declares them: the model built on a shape-only context."""
+    stage rank // tp), as the model declares them: the model built on a shape-only context;
+    `finetune`: RunConfig's freeze / lora_* settings applied (LoRA's adapters, frozen groups)."""
     ctx = ShapeOnlyContext(tp=tp, dp=1, pp=pp, rank=rank, device="cpu")
     model = GPT(ctx, config, init=False, pp_layers=pp_layers, pp_virtual=pp_virtual)
-    return [PlannedParameter(p.name, tuple(int(d) for d in p.data.shape), int(p.data.size), _kind(p),
-                             bool(p.weight_decay)) for p in model.parameters()]
+    if finetune:
+        set_up_trainable(model, finetune)
+    return _planned(model.parameters())
 
 
 def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, rank: int = 0,
@@ -126,8 +135,7 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
                                f"{stats.grad_norm}): a value the shape-only arrays computed is not finite")
         comm = ctx.counter.summary()
     heap = ctx.xp.heap
-    params = [PlannedParameter(p.name, tuple(int(d) for d in p.data.shape), int(p.data.size), _kind(p),
-                               bool(p.weight_decay)) for p in run.model.parameters()]
+    params = _planned(run.model.parameters())
     out = {"activations_peak": int(peak), "where": heap.where, "stash_per_layer": [int(b) for b in stash],
            "parameters": params, "params_local": int(run.model.num_parameters_local()), "state": state,
            "comm": comm, "in_flight": getattr(run, "pipeline_in_flight", None), "left": int(heap.cur - live),

@@ -24,6 +24,11 @@ Sharding follows PEFT's LoraParallelLinear for Megatron layers:
   each rank's part, is summed over TP (`tp_partial`).
 - experts: A and B replicated over TP like the expert (`tp_partial`), held by its EP rank
   (`expert_parallel`).
+- multi-head latent attention (cutp.tensor_parallel.mla; PEFT's DeepseekV3 targets q_a_proj,
+  q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj: `--lora-targets q_a,q_b,kv_a,kv_b,o`):
+  q_b / q_proj and kv_b are column-parallel, o_proj row-parallel, as above; on the replicated
+  down-projections q_a and kv_a, A and B are replicated too, their gradients whole on every TP
+  rank (the up-projections' backward all-reduces the latents' gradients), so nothing is summed.
 
 Dropout on the adapter input draws by global position (a site per pair, the element's global
 token and input feature: `Dropout.draw_rows`, `cutp.ops.dropout_mask_at`), so TP, SP, CP, DP and
@@ -47,6 +52,7 @@ from .attention import ParallelAttention
 from .context_parallel import local_segments
 from .grads import sum_grad_over
 from .layers import Dropout
+from .mla import MultiLatentAttention
 from .moe import MoEMLP
 from .moe_experts import ExpertMLP
 from .parameter import Module, make_parameter, zeros_init
@@ -54,7 +60,10 @@ from .random import REPLICATED
 from .sharding import contiguous, part_sharding
 from .transformer import ParallelMLP
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+DENSE_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+MLA_TARGETS = ("q_a", "q_b", "kv_a", "kv_b")  # DeepSeek's q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj
+TARGETS = DENSE_TARGETS + MLA_TARGETS
+DEFAULT_TARGETS = ",".join(DENSE_TARGETS)
 FREEZE_GROUPS = {  # --freeze GROUP: the parameter names it covers (fnmatch globs)
     "embeddings": ("tok_embed.*", "pos_embed.*"),
     "norms": ("*norm.*",),
@@ -97,7 +106,7 @@ def spec_of(settings: dict) -> LoraSpec | None:
         return None
     alpha = settings.get("lora_alpha")
     return LoraSpec(int(rank), float(rank if alpha is None else alpha), float(settings.get("lora_dropout") or 0.0),
-                    parse_targets(settings.get("lora_targets") or ",".join(TARGETS)))
+                    parse_targets(settings.get("lora_targets") or DEFAULT_TARGETS))
 
 
 def freeze_groups(settings: dict) -> tuple:
@@ -158,7 +167,8 @@ class LoraPair(Module):
         self.B = make_parameter(ctx, f"{name}.lora_B.{proj}", (r, cols[1] - cols[0]), zeros_init, b_sharding,
                                 seed=0, dtype=dtype, weight_decay=True)
         # the replicated factor sees part of the use on each TP rank: its gradient summed over TP
-        (self.B if kind == "row" else self.A).tp_partial = True
+        if kind != "replicated":  # (a replicated base sees its whole use on every rank: nothing to sum)
+            (self.B if kind == "row" else self.A).tp_partial = True
         if kind == "expert":
             self.B.tp_partial = True
             self.A.expert_parallel = self.B.expert_parallel = base.expert_parallel
@@ -263,6 +273,8 @@ def apply_lora(model, spec: LoraSpec, seed: int | None = None) -> list:
             _attach(m.qkv, new)
             _attach(m.proj, _row_pair(m.proj, "o", spec, ctx, rng, seed, dtype))
             pairs += [p for a in (m.qkv, m.proj) if a.lora is not None for p in a.lora.pairs]
+        elif isinstance(m, MultiLatentAttention):
+            pairs += _mla_pairs(m, spec, ctx, rng, seed, dtype)
         elif isinstance(m, ParallelMLP):
             names = _fc1_projections(m.fc1.weight, m.fc2.weight)
             _attach(m.fc1, _column_pairs(m.fc1, names, spec, ctx, rng, seed, dtype))
@@ -274,6 +286,25 @@ def apply_lora(model, spec: LoraSpec, seed: int | None = None) -> list:
     if not pairs:
         raise ConfigError(f"`lora_targets` {','.join(spec.targets)} matches no projection of this model")
     return pairs
+
+
+def _mla_pairs(m, spec, ctx, rng, seed, dtype) -> list:
+    """Multi-head latent attention's pairs (PEFT's names for DeepseekV3): the replicated
+    down-projections q_a and kv_a (A and B replicated; their input and output gradients are whole
+    on every TP rank, so are theirs), the column-parallel q_b (q_proj without q_lora_rank) and
+    kv_b, the row-parallel o_proj."""
+    pairs = []
+    q = "q_b" if m.q_a is not None else "q"
+    for base, proj in ((m.q_b, q), (m.kv_b, "kv_b")):
+        _attach(base, _column_pairs(base, ((proj, (0, base.weight.full_shape[1])),), spec, ctx, rng, seed, dtype))
+    _attach(m.proj, _row_pair(m.proj, "o", spec, ctx, rng, seed, dtype))
+    for weight, proj in ((m.q_a, "q_a"), (m.kv_a, "kv_a")):
+        if weight is not None and proj in spec.targets:
+            pair = LoraPair(ctx, weight, proj, "replicated", (0, weight.full_shape[1]), spec, rng, seed=seed,
+                            dtype=dtype)
+            setattr(m, f"{proj}_lora", LoraAdapter([pair]))
+            pairs.append(pair)
+    return pairs + [p for a in (m.q_b, m.kv_b, m.proj) if a.lora is not None for p in a.lora.pairs]
 
 
 def _fc1_projections(fc1, fc2) -> tuple:

@@ -102,6 +102,7 @@ class MultiLatentAttention(Module):
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism
         self.cp_comm = "ring"  # or "a2a"
         self.recompute_core = False  # selective recomputation (module docstring)
+        self.q_a_lora = self.kv_a_lora = None  # LoRA on the down-projections (cutp.tensor_parallel.lora)
 
     def lay_out_sequence(self, on, shard):
         """The down-projections run on this rank's tokens: their weights' gradients cover those
@@ -110,6 +111,13 @@ class MultiLatentAttention(Module):
         for p in (self.q_a, self.kv_a):
             if p is not None:
                 p.sequence_parallel = on
+        for adapter in (self.q_a_lora, self.kv_a_lora):  # (their LoRA pairs run on the same tokens)
+            for pair in [] if adapter is None else adapter.pairs:
+                if on and pair.dropout.p > 0:  # (its masks are drawn at whole-sequence token places)
+                    raise ConfigError("`lora_dropout` on q_a / kv_a of multi-head latent attention runs on each "
+                                      "rank's tokens under sequence parallelism; set lora_dropout=0, or drop "
+                                      "q_a,kv_a from lora_targets, or omit sequence_parallel")
+                pair.A.sequence_parallel = pair.B.sequence_parallel = on
 
     def lay_out_context(self, shard):
         self.context_shard = shard
@@ -142,8 +150,19 @@ class MultiLatentAttention(Module):
         B = x.shape[0]
         if self.q_a is None:
             return self.q_b.forward(x).reshape(B, -1, self.nh, self.nope + self.rope), None
-        cq, qa_ctx = ops.linear_forward(x, self.q_a.data)
+        cq, qa_ctx = self._down(x, self.q_a, self.q_a_lora)
         return self.q_b.forward(self.q_a_norm.forward(cq)).reshape(B, -1, self.nh, self.nope + self.rope), qa_ctx
+
+
+    def _down(self, x, weight, lora):
+        """A replicated down-projection x @ W (+ its LoRA pairs): (y, what `_down_backward` needs)."""
+        y, ctx = ops.linear_forward(x, weight.data)
+        return y, (ctx, None if lora is None else lora.forward(x, y))
+
+    def _down_backward(self, dy, saved, weight, lora):
+        ctx, lora_saved = saved
+        dx, _, _ = ops.linear_backward(dy, ctx, wgrad_out=weight.grad, need_dw=weight.trainable)
+        return dx if lora is None else dx + lora.backward(dy, lora_saved)
 
     def _heads(self, q_nope, q_pe, kv, k_pe):
         """The op's layout of queries [B, Tq, H, .], keys and values from kv [B, Tk, H, d_nope +
@@ -190,7 +209,7 @@ class MultiLatentAttention(Module):
         B = x.shape[0]
         dn, dv, r = self.nope, self.vd, self.r
         q, qa_ctx = self._queries(x)
-        ckv, kva_ctx = ops.linear_forward(x, self.kv_a.data)
+        ckv, kva_ctx = self._down(x, self.kv_a, self.kv_a_lora)
         kv = self.kv_b.forward(self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))).reshape(B, -1, self.nh,
                                                                                                      dn + dv)
         k_pe = xp.ascontiguousarray(ckv[..., None, r:])  # [B, T, 1, d_rope]: this rank's tokens
@@ -221,7 +240,7 @@ class MultiLatentAttention(Module):
         if n0 + tn > cache["latent"].shape[1]:
             raise ValueError(f"KV cache holds {cache['latent'].shape[1]} positions; {n0 + tn} requested")
         q, _ = self._queries(x)
-        ckv, _ = ops.linear_forward(x, self.kv_a.data)
+        ckv, _ = self._down(x, self.kv_a, self.kv_a_lora)
         cache["latent"][:, n0:n0 + tn] = self.kv_a_norm.forward(xp.ascontiguousarray(ckv[..., :r]))
         k_pe, _ = self._rotate(xp.ascontiguousarray(ckv[..., None, r:]), n0)
         cache["k_rope"][:, n0:n0 + tn] = k_pe[:, :, 0]
@@ -258,11 +277,10 @@ class MultiLatentAttention(Module):
             self.ctx.tp.all_reduce(dk_pe, "sum", out=dk_pe)
         dcq = self.q_b.backward(xp.concatenate([dq[..., :dn], dq_pe], axis=-1).reshape(B, T, -1))
         if self.q_a is not None:
-            dx, _, _ = ops.linear_backward(self.q_a_norm.backward(dcq), qa_ctx, wgrad_out=self.q_a.grad)
+            dx = self._down_backward(self.q_a_norm.backward(dcq), qa_ctx, self.q_a, self.q_a_lora)
         else:
             dx = dcq
         dkv_b = xp.concatenate([dk[..., :dn], dvv], axis=-1).reshape(B, T, -1)
         dlat = self.kv_a_norm.backward(self.kv_b.backward(dkv_b))
-        dkv, _, _ = ops.linear_backward(xp.concatenate([dlat, dk_pe[:, :, 0]], axis=-1), kva_ctx,
-                                        wgrad_out=self.kv_a.grad)
+        dkv = self._down_backward(xp.concatenate([dlat, dk_pe[:, :, 0]], axis=-1), kva_ctx, self.kv_a, self.kv_a_lora)
         return dx + dkv

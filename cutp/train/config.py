@@ -57,7 +57,7 @@ from ..runtime.mesh import derive_mesh, with_context_parallel
 from ..tensor_parallel.context_parallel import check_context_parallel
 from ..runtime.watchdog import check_timeout
 from .model_choice import as_gpt_config, init_from_model, model_config
-from .finetune import FINETUNE_SETTINGS, check_finetune
+from .finetune import FINETUNE_SETTINGS, check_base_of, check_finetune, resumed_without_base
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
 from .zero import check_zero, normalise_zero
@@ -424,7 +424,9 @@ def add_setting_flags(parser, defaults: dict, aliases: dict | None = None) -> No
 
 
 def _one_start(resume, init_from) -> None:
-    if resume is not None and init_from is not None:
+    """Refuses `init_from` with `resume`, unless the resumed checkpoint holds only what its run
+    trained (--freeze, LoRA): `init_from` then says where its frozen base is now (it moved)."""
+    if resume is not None and init_from is not None and not resumed_without_base(resume):
         raise ConfigError(f"`init_from` {init_from} starts a new run from its weights, `resume` {resume} continues "
                           "a run; give only one of them")
 
@@ -512,11 +514,13 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
     if meta is None and c["model"] is not None and choices.get("dropout") is None:
         run["dropout"] = as_gpt_config(c["model"]).dropout  # a model given whole keeps its dropout
     init_from = None
-    if c["init_from"]:
+    if c["init_from"] and meta is None:
         init_from, model = init_from_model(c, run["dropout"])
         preset = None
     else:
         model, preset = model_config(c, run["dropout"], device, meta)
+    if meta is not None and meta.get("trainable_only"):  # the frozen base: where the run's is, or `init_from`
+        init_from = check_base_of(resume_dir, meta, c["init_from"])
 
     dynamic = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
                if choices.get(k) is not None]

@@ -12,17 +12,21 @@ exporting reads the base from there and the trainable tensors from the checkpoin
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import numpy as np
 
-from ..checkpoint import read_meta
+from ..checkpoint import read_meta, resolve_checkpoint
 from ..models.hf import expected_shapes
 from ..models.hf_files import HFFormatError
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.lora import FREEZE_GROUPS, TARGETS, LoraSpec, freeze_groups, set_up_trainable as set_up, spec_of
+from ..tensor_parallel.lora import (DEFAULT_TARGETS, DENSE_TARGETS, FREEZE_GROUPS, LoraSpec, freeze_groups,
+                                    set_up_trainable as set_up, spec_of)
 
 FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
-DEFAULT_TARGETS = ",".join(TARGETS)
+# their values when not given (what another command's flags default to: `cutp plan`, `cutp bench model`)
+FINETUNE_DEFAULTS = {"freeze": None, "lora_rank": None, "lora_alpha": None, "lora_dropout": 0.0,
+                     "lora_targets": DEFAULT_TARGETS}
 
 
 def settings_of(cfg) -> dict:
@@ -44,10 +48,8 @@ def check_finetune(cfg) -> None:
             raise ConfigError(f"`{given[0]}` sets up LoRA adapters, which need `lora_rank`: give `lora_rank` R "
                               f"(e.g. 8), or omit `{given[0]}`")
     spec = lora_spec(cfg)
-    if (spec is not None or cfg.freeze is not None) and cfg.model.kv_lora_rank is not None:
-        raise ConfigError(f"`{'lora_rank' if spec is not None else 'freeze'}` on a model with multi-head latent "
-                          "attention (kv_lora_rank set): its projections take no adapters and no frozen weights "
-                          "yet; fine-tune it fully (omit lora_rank and freeze)")
+    if spec is not None:
+        _check_targets(cfg.model, spec)
     if (spec is not None or cfg.freeze is not None) and cfg.model.n_experts and cfg.model.moe_bias_update_rate:
         raise ConfigError("`lora_rank` / `freeze` with `moe_bias_update_rate` set: a frozen correction bias is not "
                           "saved, so its moves would be lost at a resume; set moe_bias_update_rate=0")
@@ -58,6 +60,20 @@ def check_finetune(cfg) -> None:
     if spec is not None and spec.dropout and cfg.model.n_experts and {"gate", "up", "down"} & set(spec.targets):
         raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs are "
                           "routed tokens); use `lora_dropout` 0, or `lora_targets` q,k,v,o on an MoE model")
+
+
+def _check_targets(model, spec) -> None:
+    """`lora_targets` against the model's attention: q, k, v, o, or multi-head latent attention's
+    q_a, q_b (q without q_lora_rank), kv_a, kv_b, o (PEFT's names for DeepseekV3, less `_proj`)."""
+    if model.kv_lora_rank is None:
+        own, kind = DENSE_TARGETS, "has no multi-head latent attention"
+    else:
+        own = ("q_a", "q_b") if model.q_lora_rank else ("q",)
+        own, kind = own + ("kv_a", "kv_b", "o", "gate", "up", "down"), "has multi-head latent attention"
+    bad = [t for t in spec.targets if t not in own]
+    if bad:
+        raise ConfigError(f"`lora_targets` {','.join(spec.targets)}: {','.join(bad)} is no projection of this model "
+                          f"(it {kind}); use some of {','.join(own)}, e.g. `lora_targets` {','.join(own)}")
 
 
 def _check_freeze_names(cfg, spec) -> None:
@@ -107,15 +123,39 @@ def set_up_trainable(model, cfg) -> None:
                           "to train; freeze fewer of its parameters, or use fewer pipeline stages (`pp`)")
 
 
+def resumed_without_base(resume: str) -> bool:
+    """Whether checkpoint (or run directory) `resume` holds only what its run trained."""
+    try:
+        return bool(read_meta(resolve_checkpoint(resume)).get("trainable_only"))
+    except (OSError, ValueError, ConfigError):
+        return False
+
+
+def check_base_of(ckpt: str, meta: dict, init_from: str | None) -> str | None:
+    """The frozen base of a resumed checkpoint holding only what trained: `init_from` when given
+    (the base moved there), else its run's init_from (None: the seed's initial weights), refused
+    in one line naming the fix when that directory is gone."""
+    base = init_from if init_from is not None else (meta.get("train_args") or {}).get("init_from")
+    if base is not None and not os.path.isdir(base):
+        fix = ("give the directory it moved to as `init_from` together with `resume`" if init_from is None
+               else "give the directory that holds it")
+        raise ConfigError(f"`resume` {ckpt} holds only what its run trained; its frozen base {base} is not a "
+                          f"directory (moved or deleted): {fix}")
+    return base
+
+
 def resumed_base(cfg) -> tuple[bool, str | None]:
     """(init, init_from) of the model a run builds: a resumed checkpoint saved with frozen
-    parameters (`trainable_only`) holds only what trains, so the frozen base comes from the
-    resumed run's init_from, or, without one, its seed's initial weights."""
+    parameters (`trainable_only`) holds only what trains, so the frozen base comes from
+    `cfg.init_from` (given with the resume: the base moved there), else the resumed run's
+    init_from, or, without one, its seed's initial weights."""
     if cfg.resume is None:
         return cfg.init_from is None, cfg.init_from
     meta = read_meta(cfg.resume)
     if not meta.get("trainable_only"):
         return False, None
+    if cfg.init_from is not None:
+        return False, cfg.init_from
     base = (meta.get("train_args") or {}).get("init_from")
     return base is None, base
 

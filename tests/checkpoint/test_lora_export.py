@@ -31,7 +31,9 @@ from cutp.runtime.errors import ConfigError
 from cutp.tensor_parallel.lora import LoraSpec, apply_lora
 from cutp.train import RunConfig, build_run, train_step
 from cutp.train.step import save
+from cutp.models.families import family_of
 from tests.models.test_hf_llama import SPECS, _hf_model, _lift_float32_casts, _transformers
+from tests.models.test_hf_moe import _hf_moe, _router_in_float64
 
 SPEC = dict(SPECS["llama"], rope_scaling="none")
 HF_PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -112,23 +114,36 @@ def test_adapters_on_moe_experts_export_merged_only(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_peft_lora_model_equals_cutp_in_float64(tmp_path, monkeypatch):
+# DeepSeek-V3: multi-head latent attention's projections (the low-rank query; rope columns
+# interleaved in the file), PEFT's names q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+MLA_PROJ = {"q_a": "self_attn.q_a_proj", "q_b": "self_attn.q_b_proj", "kv_a": "self_attn.kv_a_proj_with_mqa",
+            "kv_b": "self_attn.kv_b_proj", "o": "self_attn.o_proj"}
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_peft_lora_model_equals_cutp_in_float64(family, tmp_path, monkeypatch):
     torch, transformers = _transformers()
     peft = pytest.importorskip("peft", reason="peft not installed: the comparison with PEFT's LoraModel needs it")
-    hf = _hf_model("llama", torch, transformers, torch.float64)
+    if family == "llama":
+        hf, projections = _hf_model("llama", torch, transformers, torch.float64), HF_PROJ
+    else:
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+        hf, projections = _hf_moe(family, torch, transformers, torch.float64), MLA_PROJ
+        monkeypatch.setattr(m.DeepseekV3TopkRouter, "forward", _router_in_float64)
     hf.save_pretrained(str(tmp_path / "base"), safe_serialization=True)
     _lift_float32_casts(monkeypatch, torch, hf)
     ctx = cutp.init(comm=MPI.COMM_SELF, device="cpu")
     model = from_hf(ctx, str(tmp_path / "base"), dtype="float64")
-    apply_lora(model, LoraSpec(4, 8.0))
+    apply_lora(model, LoraSpec(4, 8.0, targets=tuple(projections)))
     rng = np.random.default_rng(0)
     for p in model.parameters():
         if p.trainable:
             p.data[...] = 0.3 * rng.standard_normal(p.data.shape)
-    write_peft_adapter(model, {"train_args": {"lora_rank": 4, "lora_alpha": 8.0}}, "llama", str(tmp_path / "adapter"),
+    write_peft_adapter(model, {"train_args": {"lora_rank": 4, "lora_alpha": 8.0}}, family, str(tmp_path / "adapter"),
                        str(tmp_path / "base"))
     lora = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=sorted(
-        p.split(".")[1] for p in HF_PROJ.values())))
+        p.split(".")[1] for p in projections.values())))
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     with torch.no_grad():
         for name, p in lora.named_parameters():
@@ -146,11 +161,18 @@ def test_peft_lora_model_equals_cutp_in_float64(tmp_path, monkeypatch):
     assert abs(model.forward(idx, model.targets_from_labels(idx)) - loss.item()) <= 1e-12 * loss.item()
     model.backward()
     grads = dict(lora.named_parameters())
+    columns = {r.name: r.columns for r in family_of(model.config).recipes(model.config) if r.columns is not None}
     for base_name, pair in lora_pairs(model):
-        prefix = f"base_model.model.model.layers.{base_name.split('.')[1]}.{HF_PROJ[pair.proj]}"
+        prefix = f"base_model.model.model.layers.{base_name.split('.')[1]}.{projections[pair.proj]}"
+        mine_b = pair.B.grad.T.copy()
+        if base_name in columns:  # (DeepSeek's rope rows: the file's interleaved order)
+            mine_b[np.asarray(columns[base_name])] = pair.B.grad.T
         for mine, theirs in ((pair.A.grad.T, grads[prefix + ".lora_A.default.weight"].grad.numpy()),
-                             (pair.B.grad.T, grads[prefix + ".lora_B.default.weight"].grad.numpy())):
+                             (mine_b, grads[prefix + ".lora_B.default.weight"].grad.numpy())):
             assert np.abs(mine - theirs).max() <= 1e-12 * np.abs(theirs).max(), prefix
+    ctx.close()
+    if family != "llama":  # (PEFT's model above already held the saved file's A and B)
+        return
     # the adapter as saved loads onto the base with PeftModel.from_pretrained: the same logits
     fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), torch_dtype=torch.float64,
                                                               attn_implementation="eager").eval()
@@ -159,5 +181,4 @@ def test_peft_lora_model_equals_cutp_in_float64(tmp_path, monkeypatch):
     with torch.no_grad():
         again = loaded(ids).logits.numpy()
     assert np.abs(again - ref).max() <= 1e-12 * np.abs(ref).max()
-    ctx.close()
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cutp.data import BatchSampler, load_dataset
-from cutp.data.chat import ChatTemplate, encode_chat
+from cutp.data.chat import ChatError, ChatTemplate, encode_chat
 from cutp.data.packing import IGNORE, PackedSplit
 from cutp.data.prepare import RecordSettings, prepare
 from cutp.data.shards import load_side, read_meta
@@ -73,14 +73,26 @@ def test_qwen3_earlier_turns_are_found_although_rendered_otherwise_when_last(tok
         "Blue<|im_end|>\n", "<think>\n\n</think>\n\n Green, or red.\n<|im_end|>\n"]
 
 
+# a conversation the assistant opens: its first turn starts after the template's BOS and role header
+ASSISTANT_FIRST = [{"role": "assistant", "content": "Hello! What shall we add?"},
+                   {"role": "user", "content": "2 and 2."}, {"role": "assistant", "content": "4."}]
+
+
 def test_generation_marks_and_the_prefix_method_agree(tokenizers_dir):
     for family in FAMILIES:
         marked, plain = (ChatTemplate.from_dir(tokenizers_dir[(family, m)]) for m in (True, False))
         tok = load_tokenizer(tokenizers_dir[(family, False)])
         assert marked.marked
-        for conv in conversations_for(family):
-            a, b = encode_chat(tok, marked, conv), encode_chat(tok, plain, conv)
+        for conv in conversations_for(family) + [ASSISTANT_FIRST]:
+            try:
+                a = encode_chat(tok, marked, conv)
+            except ChatError:  # (Gemma's template refuses a conversation the user does not open)
+                assert conv is ASSISTANT_FIRST and family == "gemma"
+                continue
+            b = encode_chat(tok, plain, conv)
             assert a[0] == b[0] and np.array_equal(a[1], b[1]), family
+            if conv is ASSISTANT_FIRST:  # (BOS and the first role header are no targets)
+                assert not b[1][:3].any() and b[1].sum() > 0, family
         assert plain.end_of_turn(tok) == tok.tokenizer.token_to_id(FAMILIES[family][2] if family != "gemma"
                                                                    else "<end_of_turn>")
 

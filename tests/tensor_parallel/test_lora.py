@@ -24,13 +24,20 @@ LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp_hidden=24, vocab_s
              tie_embeddings=False, norm_eps=1e-5)
 MIXTRAL = dict(LLAMA, dropout=0.0, n_experts=4, moe_top_k=2, moe_ffn=16, moe_renormalize=True)
 GPT2 = dict(n_layer=2, n_head=4, n_embd=32, vocab_size=97, block_size=16, dtype="float64", dropout=0.0)  # GeLU, biases
-FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2}
+# DeepSeek-V3-shaped: multi-head latent attention (low-rank q), a dense layer, then shared + routed experts
+DEEPSEEK = GPTConfig.preset("deepseek-tiny", n_layer=2, n_head=4, n_embd=32, mlp_hidden=24, vocab_size=97,
+                            block_size=16, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                            v_head_dim=8, n_experts=4, moe_top_k=2, moe_ffn=16, moe_n_group=2, moe_topk_group=1,
+                            moe_bias_update_rate=0.0, dtype="float64").to_dict()
+FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2, "deepseek": DEEPSEEK}
+MLA_TARGETS = "q_a,q_b,kv_a,kv_b,o,gate,up,down"  # PEFT's names for DeepseekV3, less _proj
 
 
 # what trains: LoRA (no dropout on the experts' adapters), or (GPT-2, tied embeddings) --freeze alone
 TRAINS = {"llama": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1),
           "mixtral": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0),
-          "gpt2": dict(freeze="embeddings,norms,layers.1.mlp.*")}
+          "gpt2": dict(freeze="embeddings,norms,layers.1.mlp.*"),
+          "deepseek": dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=MLA_TARGETS)}
 
 
 def _config(family="llama", tp=1, dp=1, pp=1, ep=1, cp=1, micro=2, sp=False, zero=False, recompute="none",
@@ -103,7 +110,8 @@ def test_lora_on_every_layout_equals_one_rank(tmp_path):
              dict(dp=2, pp=2, micro=1, zero=True, overlap_grad_reduce=True, overlap_param_gather=True),
              dict(tp=2, cp=2),  # (the ring: the all-to-all changes the attention only, not the linears)
              dict(family="mixtral", tp=2, dp=2, ep=2, micro=1),
-             dict(family="gpt2", tp=2, pp=2, micro=1)]  # the frozen tied table on both pipeline ends
+             dict(family="gpt2", tp=2, pp=2, micro=1),  # the frozen tied table on both pipeline ends
+             dict(family="deepseek", tp=2, dp=2, micro=1)]  # MLA: replicated q_a / kv_a pairs, column, row
     # one rank with the same global batch (an MoE model's auxiliary losses cover the DP group's
     # micro-batch: its reference takes it whole)
     refs = {family: (lambda r: (r[0], r[1][0]))(_train(_config(family, micro=2), MPI.COMM_SELF))
@@ -131,13 +139,14 @@ def _randomize_adapters(model, seed=0):
             p.data[...] = rng.standard_normal(p.data.shape) * 0.3
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2", "deepseek"])
 def test_adapters_equal_the_merged_weights_and_central_differences(family):
     kw = dict(moe_aux_loss_coeff=0.0) if family == "mixtral" else {}  # (backward includes the auxiliary losses)
     model, plain = _model(family, **kw), _model(family, **kw)
-    spec = LoraSpec(rank=3, alpha=6.0)
+    spec = LoraSpec(rank=3, alpha=6.0, **(dict(targets=tuple(MLA_TARGETS.split(","))) if family == "deepseek" else {}))
     pairs = apply_lora(model, spec)
-    assert {p.proj for p in pairs} == {"q", "k", "v", "o", "up", "down"} | ({"gate"} if family != "gpt2" else set())
+    assert {p.proj for p in pairs} == (set(MLA_TARGETS.split(",")) if family == "deepseek" else
+                                       {"q", "k", "v", "o", "up", "down"} | ({"gate"} if family != "gpt2" else set()))
     _randomize_adapters(model)
     weights = {p.name: p for p in plain.parameters()}
     for pair in pairs:  # W[:, cols] += scale * A @ B, in the fused weights' columns
@@ -186,6 +195,11 @@ def test_freeze_groups_and_refusals():
         _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, freeze="embeddings,head,norms,attention,mlp")
     with pytest.raises(ConfigError, match="adapters on MoE experts take no dropout"):
         _config("mixtral", lora_dropout=0.1)
+    with pytest.raises(ConfigError, match="lora_targets q,k,v,o,gate,up,down: q,k,v is no projection of this model "
+                                          r"\(it has multi-head latent attention\); use some of q_a,q_b,kv_a,kv_b,o"):
+        _config("deepseek", lora_targets="q,k,v,o,gate,up,down")
+    with pytest.raises(ConfigError, match="q_a is no projection of this model"):
+        _config(lora_targets="q_a,o")
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
@@ -218,18 +232,6 @@ def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     run.close()
 
 
-def test_the_planner_plans_frozen_parameters_without_gradients_masters_or_moments():
-    from cutp.plan.run import planned_step
-
-    tiny = GPTConfig.preset("llama-tiny")
-    plain, lora = (planned_step(tiny, tp=2, micro_batch=1, seq_len=32, device="cpu", dtype="bfloat16", finetune=ft)
-                   for ft in (None, dict(lora_rank=8, lora_targets="q,v")))
-    trains = sum(p.numel for p in lora["parameters"] if ".lora_" in p.name)
-    assert trains == tiny.n_layer * (2 * 128 * 8 + 8 * (64 + 16))  # A whole, B's columns of this rank's heads
-    assert lora["state"] == {"params": plain["state"]["params"] + 2 * trains, "grads": 4 * trains,
-                             "optimizer": 12 * trains}  # (bf16 weights; fp32 gradients, master, m, v)
-
-
 def test_a_pipeline_stage_left_with_nothing_to_train_is_refused_naming_it():
     from types import SimpleNamespace
 
@@ -258,3 +260,71 @@ def test_a_run_saved_without_its_base_is_refused_as_init_from(tmp_path):
     again = dataclasses.replace(cfg, out=None, init_from=path)
     with pytest.raises(ConfigError, match="holds only what its run trained.*--merge-lora"):
         build_run(again, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+
+
+def test_a_lora_run_whose_base_moved_is_refused_naming_the_fix_or_resumes_from_init_from(tmp_path):
+    import dataclasses
+    import os
+
+    from mpi4py import MPI
+    from cutp.train import resolve_run_config
+    from cutp.train.step import save
+
+    plain = _config(lora_rank=None, lora_alpha=None, lora_dropout=0.0, out=str(tmp_path / "base"))
+    run = build_run(plain, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    base = save(run)  # (the frozen base: a cutp checkpoint)
+    run.close()
+    cfg = _config(lora_targets="q,v", init_from=base)
+    run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    straight = [train_step(run).loss for _ in range(2)]
+    run.close()
+    run = build_run(dataclasses.replace(cfg, out=str(tmp_path / "lora"), run_steps=1), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    train_step(run)
+    path = save(run)
+    run.close()
+    moved = str(tmp_path / "moved")
+    os.rename(tmp_path / "base", moved)
+    with pytest.raises(ConfigError, match=r"holds only what its run trained; its frozen base .* is not a directory "
+                                          r"\(moved or deleted\): give the directory it moved to as init_from"):
+        resolve_run_config(MPI.COMM_SELF, resume=path, device="cpu")
+    again = os.path.join(moved, os.path.basename(base))
+    assert resolve_run_config(MPI.COMM_SELF, resume=path, init_from=again, device="cpu").init_from == again
+    run = build_run(dataclasses.replace(cfg, init_from=again, resume=path, resumed_step=1), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))
+    assert train_step(run).loss == straight[1]  # the adapters on the base, found where it moved
+    run.close()
+    with pytest.raises(ConfigError, match="starts a new run from its weights"):  # (a whole checkpoint: refused)
+        resolve_run_config(MPI.COMM_SELF, resume=again, init_from=again, device="cpu")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_backward_skips_the_leading_layers_nothing_before_trains_bit_for_bit(recompute, monkeypatch):
+    """LoRA with --freeze embeddings,layers.0.* (layer 0's adapters frozen too): layer 0's
+    and the embeddings' backward is skipped; every gradient is bit-identical to the full backward."""
+    from mpi4py import MPI
+    from cutp.models import GPT
+
+    cfg = _config(lora_targets="q,v,down", freeze="embeddings,layers.0.*", recompute=recompute)  # (its adapters too)
+    grads = []
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(GPT, "_frozen_lead", lambda self, chunk: 0)
+        run = build_run(cfg, MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+        assert not any(p.trainable for p in run.model.layers[0].parameters())
+        calls = []
+        block = run.model.layers[0]
+        monkeypatch.setattr(block, "backward", lambda dy, _b=block.backward: calls.append(1) or _b(dy))
+        run.model.train()
+        idx = np.random.default_rng(1).integers(0, 97, (2, 16))
+        run.model.forward(idx, np.roll(idx, -1, axis=1))
+        for p in run.model.parameters():
+            if p.trainable:
+                p.grad[...] = 0
+        run.model.backward()
+        assert bool(calls) != skip and run.model._frozen_lead(0) == (1 if skip else 0)
+        assert not [k for m in run.model.modules() for k, v in vars(m).items() if k.startswith("_cache") and v]
+        grads.append({p.name: np.array(p.grad) for p in run.model.parameters() if p.trainable})
+        run.close()
+    assert grads[0].keys() == grads[1].keys() and any(".lora_" in n for n in grads[0])
+    assert all(np.array_equal(grads[0][n], grads[1][n]) for n in grads[0])
