@@ -50,9 +50,6 @@ def check_finetune(cfg) -> None:
     spec = lora_spec(cfg)
     if spec is not None:
         _check_targets(cfg.model, spec)
-    if (spec is not None or cfg.freeze is not None) and cfg.model.n_experts and cfg.model.moe_bias_update_rate:
-        raise ConfigError("`lora_rank` / `freeze` with `moe_bias_update_rate` set: a frozen correction bias is not "
-                          "saved, so its moves would be lost at a resume; set moe_bias_update_rate=0")
     if cfg.freeze is not None and not freeze_groups(settings_of(cfg)):
         raise ConfigError(f"`freeze` {cfg.freeze!r} names no group; give some of embeddings, norms, head, attention, "
                           "mlp or parameter-name globs, comma-separated")

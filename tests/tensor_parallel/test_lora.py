@@ -111,7 +111,7 @@ def test_lora_on_every_layout_equals_one_rank(tmp_path):
              dict(tp=2, cp=2),  # (the ring: the all-to-all changes the attention only, not the linears)
              dict(family="mixtral", tp=2, dp=2, ep=2, micro=1),
              dict(family="gpt2", tp=2, pp=2, micro=1),  # the frozen tied table on both pipeline ends
-             dict(family="deepseek", tp=2, dp=2, micro=1)]  # MLA: replicated q_a / kv_a pairs, column, row
+             dict(family="deepseek", tp=2, dp=2, sp=True, micro=1)]  # MLA: replicated q_a / kv_a pairs (+ SP), column, row
     # one rank with the same global batch (an MoE model's auxiliary losses cover the DP group's
     # micro-batch: its reference takes it whole)
     refs = {family: (lambda r: (r[0], r[1][0]))(_train(_config(family, micro=2), MPI.COMM_SELF))
