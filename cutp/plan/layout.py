@@ -382,12 +382,15 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     if zero >= 2:  # sharded unit by unit over one replica's ranks (cutp.plan.zero)
         d = dpg // dp_replicate
         st = zero_state_bytes(P, dtype=dtype, d=d, zero=zero)
+        if trains is not None:  # (the frozen parameters sharded or whole alike, their state none)
+            st = dict(st, **{k: zero_state_bytes(trains["trainable"], dtype=dtype, d=d, zero=zero)[k]
+                             for k in ("grads", "optimizer")})
         if config is not None and not a.n_experts:  # exact: the model's own units, the largest rank's
             mesh = Mesh(tp, dp, cp=cp)
             planned = dataclasses.replace(config, dtype=dtype)
             zplan = max((zero_plan(planned, tp=tp, dp=dp, cp=cp, rank=mesh.rank_of(r, 0), zero=zero, accum=accum,
                                    reshard_after_forward=reshard_after_forward, prefetch=True,
-                                   dp_replicate=dp_replicate) for r in planned_ranks(tp)),
+                                   dp_replicate=dp_replicate, finetune=finetune) for r in planned_ranks(tp)),
                         key=lambda z: sum(z["state"].values()))
             st = dict(zplan["state"], padded=d * zplan["shard_elements"], shard=zplan["shard_elements"])
         elif zero == 3:  # whole units held in the step (the simulated step has them in its peak)

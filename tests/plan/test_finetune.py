@@ -64,3 +64,22 @@ def test_cutp_plan_plans_lora_and_freeze_from_what_trains(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--lora-alpha sets up LoRA adapters, which need --lora-rank" in err
     assert "--pp with --lora-rank or --freeze" in err
+
+
+def test_zero_3_plans_the_state_of_what_trains_from_the_models_units():
+    """At zero 2/3 the plan's state is cutp.plan.zero's, with the frozen base sharded (zero 3)
+    but given no gradient shard, master or moments; the formula path likewise."""
+    from cutp.plan.zero import zero_plan
+
+    config = GPTConfig.preset("llama-tiny", dtype="bfloat16")
+    lora = dict(lora_rank=8)
+    for zero in (2, 3):
+        whole, tuned = (layout.plan(config, config=config, tp=1, dp=4, micro_batch=1, seq_len=64, dtype="bfloat16",
+                                    zero=zero, device="cpu", finetune=ft)["memory"] for ft in (None, lora))
+        want = zero_plan(config, dp=4, zero=zero, finetune={**layout.FINETUNE_DEFAULTS, **lora}, prefetch=True)
+        assert {k: tuned[k] for k in ("params", "grads", "optimizer")} == want["state"], zero
+        assert tuned["grads"] < whole["grads"] / 5 and tuned["params"] >= whole["params"], zero
+    a = layout.pick_arch("8B")  # (by formula: the trainable elements' shard)
+    whole, tuned = (layout.plan(a, tp=1, dp=8, micro_batch=1, seq_len=512, dtype="bfloat16", zero=3,
+                                finetune=ft)["memory"] for ft in (None, dict(lora_rank=16)))
+    assert tuned["grads"] < whole["grads"] / 50 and tuned["optimizer"] < whole["optimizer"] / 50
