@@ -69,9 +69,9 @@ def run(args):
 
 def _run(args):
     overlap.check_args(args)
-    if finetune.settings_of(args) and (args.search or args.pp > 1 or args.pp_virtual > 1):
-        raise ConfigError(f"{'--search' if args.search else '--pp'} with --lora-rank or --freeze: fine-tuning is "
-                          "planned for one pipeline stage yet; plan without --pp and --search")
+    if finetune.settings_of(args) and args.search:
+        raise ConfigError("--search with --lora-rank or --freeze: the search plans full training only; plan the "
+                          "fine-tuning layout it suggests without --search")
     if args.search:
         return search.run(args)
     if args.pp > 1 or args.pp_virtual > 1:

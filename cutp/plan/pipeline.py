@@ -46,6 +46,7 @@ from ..train.reporting import Report
 from .layout import (GPUS, ITEMSIZE, check_positive, model_name, model_of_args, planned_ranks, check_layout,
                      layer_activation_bytes,
                    param_count, plan, resolve_dtype, state_bytes, state_bytes_ep)
+from .finetune import settings_of
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from ..runtime.mesh import Mesh
 from .run import planned_parameters, planned_step
@@ -146,11 +147,13 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                   config: GPTConfig | None = None, device: str = "cuda", threads: int = 1, recompute: str = "none",
                   recompute_layers: int | None = None, sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
                   cp_comm: str = "ring", zero: int = 0, reshard_after_forward: bool = True,
-                  dp_replicate: int = 1) -> dict:
+                  dp_replicate: int = 1, finetune: dict | None = None) -> dict:
     """Each stage's memory (state exact, activations per the schedule), the point-to-point bytes
     and the bubble (the module docstring). The mesh, recomputation and dtype checks are
     `plan.plan`'s (run at pp 1 first, on the whole model). An MoE model's stages: their dense
-    parameters exact, their MoE layers' from `plan_moe`, the activations by the formula."""
+    parameters exact, their MoE layers' from `plan_moe`, the activations by the formula.
+    `finetune`: RunConfig's freeze / lora_* settings: each stage's state of what trains there, from
+    cutp's step on that stage (a dense cutp model; MoE and --params architectures are refused)."""
     dtype = resolve_dtype(dtype, precision)
     kind, chunks = check_pipeline(n_layer=a.n_layer, pp=pp, m=accum, schedule=schedule, virtual=virtual,
                                   pp_layers=pp_layers)
@@ -160,9 +163,12 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
     sharding = dict(zero=max(zero, int(bool(distributed_optimizer))), reshard_after_forward=reshard_after_forward,
                     dp_replicate=dp_replicate)
     distributed_optimizer = sharding["zero"] >= 1
+    if finetune and (config is None or a.n_experts):
+        raise ConfigError("--pp with --lora-rank or --freeze is planned stage by stage from cutp's own dense models; "
+                          "plan this one without --pp (or fine-tune a dense --preset)")
     whole = plan(a, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=1, dtype=dtype,
                  distributed_optimizer=distributed_optimizer, config=config, device=device, threads=threads, ep=ep,
-                 cp=cp, cp_comm=cp_comm, **sharding, **layout)  # (the mesh's and the model's checks)
+                 cp=cp, cp_comm=cp_comm, finetune=finetune, **sharding, **layout)  # (the mesh's and the model's checks)
     moe = moe_counts(a, tp, ep) if a.n_experts else None
     moe_delta = 0 if moe is None else moe["per_rank"] // moe["layers"]  # per MoE layer, in place of a dense MLP
     s, b, h = seq_len, micro_batch, a.n_embd
@@ -185,7 +191,7 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                                   micro_batch=b,
                                   seq_len=s, accum=accum, dtype=dtype, device=device, threads=threads,
                                   distributed_optimizer=distributed_optimizer, pp_layers=pp_layers,
-                                  pp_schedule=kind, pp_virtual=virtual, **sharding, **layout)
+                                  pp_schedule=kind, pp_virtual=virtual, finetune=finetune, **sharding, **layout)
                      for r in planned_ranks(tp) for d in (planned_ranks(dp) if distributed_optimizer else (0,))]
             n_local = max(w["params_local"] for w in walks)
             worst = max(walks, key=lambda w: w["activations_peak"])
@@ -213,6 +219,8 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                             distributed_optimizer=distributed_optimizer)
         if sharding["zero"] >= 2:  # (the stage's parameters as one segment: cutp.plan.zero)
             st = zero_state_bytes(n_local, dtype=dtype, d=dp * cp // dp_replicate, zero=sharding["zero"])
+        if finetune:  # (what trains on the stage: its step's own state, the rank holding the most)
+            st = dict(st, **max((w["state"] for w in walks), key=lambda x: sum(x.values())))
             if sharding["zero"] == 3 and config is None:  # whole units held in the step
                 act["bytes"] += gathered_units_bytes(param_count(a, tp, ep)["layer_per_rank"], n_local, dtype=dtype,
                                                      reshard_after_forward=reshard_after_forward)
@@ -265,7 +273,7 @@ def run(args) -> Report:
                       sequence_parallel=args.sequence_parallel, cp=getattr(args, "cp", 1),
                       cp_comm=getattr(args, "cp_comm", "ring"), zero=getattr(args, "zero", 0),
                       reshard_after_forward=getattr(args, "reshard_after_forward", True),
-                      dp_replicate=getattr(args, "dp_replicate", 1))
+                      dp_replicate=getattr(args, "dp_replicate", 1), finetune=settings_of(args))
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9

@@ -36,10 +36,11 @@ def _worker_stages_measured_equal_planned(cases):
         layout = {k: case[k] for k in ("sequence_parallel", "recompute", "distributed_optimizer") if k in case}
         pp_layers = case.get("pp_layers")
         virtual = case.get("virtual", 1)
+        finetune = case.get("finetune", {})  # what trains (LoRA, --freeze): each stage's state of it
         cfg = train.resolve_run_config(comm, preset="tiny", set=case["set"], dtype=case["dtype"], tp=tp, pp=pp, dp=dp,
                                        pp_schedule=case["schedule"], pp_layers=pp_layers, pp_virtual=virtual, batch_size=B * m * dp, micro_batch_size=B,
                                        seq_len=T, steps=4, device="cpu", eval_every=0, quiet=True,
-                                       save_on_signal=False, **layout)
+                                       save_on_signal=False, **layout, **finetune)
         run = train.build_run(cfg, comm, dataset=random_tokens(cfg.model.vocab_size, 1 << 15, 0))
         train.train_step(run)  # (the first step allocates the optimizer's state)
         stash = []
@@ -51,7 +52,8 @@ def _worker_stages_measured_equal_planned(cases):
         planned = plan_pp.plan_pipeline(cfg.model, pp=pp, tp=tp, dp=dp,
                                         micro_batch=B, seq_len=T, accum=m, schedule=case["schedule"],
                                         pp_layers=pp_layers, virtual=virtual,
-                                        dtype=case["dtype"], config=cfg.model, device="cpu", threads=1, **layout)
+                                        dtype=case["dtype"], config=cfg.model, device="cpu", threads=1,
+                                        finetune=finetune or None, **layout)
         run.close()
         for st in planned["stages"]:
             got = [r for r in ranks if r["stage"] == st["stage"]]
@@ -87,7 +89,9 @@ PP2 = [  # untied (the head's own weight) and tied (the last stage's embedding c
 PP2_TP2 = [dict(tp=2, pp=2, B=2, T=64, m=2, dtype="float32", schedule="1f1b", sequence_parallel=True,
                 set=["n_layer=2", "dropout=0.1"]),
            dict(tp=1, dp=2, pp=2, B=2, T=64, m=2, dtype="bfloat16", schedule="1f1b", distributed_optimizer=True,
-                recompute="full", set=["n_layer=2"])]  # (ZeRO-1: each stage's buffer padded to 64 x dp)
+                recompute="full", set=["n_layer=2"]),  # (ZeRO-1: each stage's buffer padded to 64 x dp)
+           dict(tp=2, pp=2, B=2, T=64, m=2, dtype="bfloat16", schedule="1f1b", set=["n_layer=2"],
+                finetune=dict(lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,down"))]  # LoRA's state per stage
 
 
 def test_each_stage_measured_equals_the_plan_pp2():
