@@ -39,7 +39,6 @@ that computes nothing: what it books is what the GPU allocates (the outputs, no 
 """
 from __future__ import annotations
 
-import ctypes
 import types
 
 import numpy as np
@@ -47,7 +46,6 @@ import numpy as np
 from cutp.kernels import kernels_enabled
 from cutp.runtime.backend import get_array_module, is_device_array
 from cutp.runtime.shape_only import ShapeArray
-from cutp.runtime.threads import blas_library
 
 from .common import as_dtype, col_sum, compute_dtype
 
@@ -147,8 +145,6 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out=None, out_dt
         cdt, given_dtype = compute_dtype(a.dtype), a.dtype
         lhs, rhs = as_dtype(a, cdt), as_dtype(b, cdt)
         del a, b  # (the float32 copies go before the product is rounded, as they always went)
-        if accumulate and _host_accumulate(lhs.T if trans_a else lhs, rhs.T if trans_b else rhs, out):
-            return out
         c = (lhs.T if trans_a else lhs) @ (rhs.T if trans_b else rhs)
         del lhs, rhs
         if out is None:
@@ -158,71 +154,6 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out=None, out_dt
     else:
         out[...] = c
     return out
-
-
-# ---- the host's accumulating GEMM ------------------------------------------------------------
-# NumPy's matmul has no beta: ``out += a @ b`` makes the [m, n] product in a temporary, then adds
-# it in a second pass (for a weight gradient of gpt2's size, 9-154 MB a layer: the temporary's
-# page faults plus three passes over memory). The loaded BLAS's own cblas ?gemm with beta = 1
-# accumulates into ``out`` in the GEMM itself, like cuBLAS above. Into a zeroed buffer (one
-# micro-batch: every step of `make train`) it is the same to the bit: OpenBLAS adds its K blocks
-# into C starting from C's zeros exactly as it does into the temporary. Accumulated over
-# micro-batches it rounds once less (the product is added block by block, not rounded first).
-# The cost in readability: this ctypes call, used only when the operands are laid out as BLAS
-# reads them (else the temporary, as before).
-_CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS, _CBLAS_TRANS = 101, 111, 112
-_cblas: dict | None = None
-
-
-def _cblas_gemms() -> dict:
-    """{dtype: (function, integer type)} of the loaded BLAS's cblas_sgemm/dgemm ({} if none)."""
-    global _cblas
-    if _cblas is None:
-        _cblas = {}
-        blas = blas_library()
-        for dtype, scalar, stem in ((np.dtype(np.float32), ctypes.c_float, "sgemm"),
-                                    (np.dtype(np.float64), ctypes.c_double, "dgemm")):
-            for name, index in ((f"scipy_cblas_{stem}64_", ctypes.c_int64), (f"cblas_{stem}64_", ctypes.c_int64),
-                                (f"cblas_{stem}", ctypes.c_int)):
-                fn = None if blas is None else getattr(blas.lib, name, None)
-                if fn is not None:
-                    fn.restype = None
-                    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, index, index, index, scalar,
-                                   ctypes.c_void_p, index, ctypes.c_void_p, index, scalar, ctypes.c_void_p, index]
-                    _cblas[dtype] = (fn, index)
-                    break
-    return _cblas
-
-
-def _blas_layout(x):
-    """(CBLAS transpose flag, leading dimension) under which BLAS reads the 2-D view ``x`` as it
-    is (row-major, or the transpose of a row-major array), or None (a copy would be needed)."""
-    rows, cols = x.shape
-    item = x.itemsize
-    if x.strides[1] == item and x.strides[0] % item == 0 and x.strides[0] >= max(1, cols) * item:
-        return _CBLAS_NO_TRANS, x.strides[0] // item
-    if x.strides[0] == item and x.strides[1] % item == 0 and x.strides[1] >= max(1, rows) * item:
-        return _CBLAS_TRANS, x.strides[1] // item
-    return None
-
-
-def _host_accumulate(a, b, out) -> bool:
-    """``out += a @ b`` by the BLAS with beta = 1 when it can (NumPy arrays of out's dtype, float32
-    or float64, out C-contiguous, each operand readable as it is, all dimensions > 1); False:
-    nothing done, the caller takes the temporary."""
-    if not (type(a) is np.ndarray and type(b) is np.ndarray and type(out) is np.ndarray):
-        return False
-    if not (a.dtype == b.dtype == out.dtype and out.flags.c_contiguous and min(*a.shape, b.shape[1]) > 1):
-        return False
-    gemm_fn = _cblas_gemms().get(out.dtype)
-    la, lb = _blas_layout(a), _blas_layout(b)
-    if gemm_fn is None or la is None or lb is None:
-        return False
-    fn, index = gemm_fn
-    (m, k), n = a.shape, b.shape[1]
-    fn(_CBLAS_ROW_MAJOR, la[0], lb[0], m, n, k, 1.0, a.ctypes.data, la[1], b.ctypes.data, lb[1], 1.0,
-       out.ctypes.data, max(1, n))
-    return True
 
 
 def _leading_dimension(x) -> int:
