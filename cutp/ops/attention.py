@@ -364,6 +364,12 @@ def _query_blocks(piece_elems, Tq, Tk):
     return [(r, min(r + rows, Tq)) for r in range(0, Tq, rows)]
 
 
+def _folds_scale(xp, scale, rule) -> bool:
+    """Whether the blocked path folds the (power-of-two) scale into q and k instead of passing
+    over the scores with it (see _forward_blocked)."""
+    return xp is np and math.frexp(scale)[0] == 0.5 and rule is None
+
+
 def _forward_blocked(q, k, v, scale, rule=None):
     B, nkv, g, Tq, hd = q.shape
     Tk = k.shape[2]
@@ -377,8 +383,7 @@ def _forward_blocked(q, k, v, scale, rule=None):
     # so q·k of the scaled q is the scaled q·k to the bit (barring subnormals), and the softmax then
     # runs in place on the product's own buffer with no scaling pass over the [r, keys] scores (a
     # [Tq, hd] copy of q instead; measured ~10% of the tiny preset's attention forward).
-    mantissa, _ = math.frexp(scale)
-    fold = xp is np and mantissa == 0.5 and rule is None
+    fold = _folds_scale(xp, scale, rule)
 
     def run(piece):
         bs, hs = piece
@@ -421,10 +426,15 @@ def _backward_blocked(do, ctx, out):
     dq_out, dk_out, dv_out = out
 
     cdt = compute_dtype(q.dtype)
+    # as in the forward: a power-of-two scale multiplies q and k ([T, hd] copies), not the scores'
+    # gradient ([r, keys]); ds @ (k s) and ds^T @ (q s) are (ds s) @ k and (ds s)^T @ q to the bit
+    fold = _folds_scale(xp, ctx.scale, ctx.rule)
 
     def run(i):
         bs, hs = ctx.pieces[i]
         qp, kp, vp, dop = (as_dtype(a, cdt) for a in (q[bs, hs], k[bs, hs, None], v[bs, hs, None], do[bs, hs]))
+        if fold:
+            qp, kp = xp.multiply(qp, cdt.type(ctx.scale)), xp.multiply(kp, cdt.type(ctx.scale))
         b, h = qp.shape[:2]
         dk = xp.zeros((b, h, Tk, hd), cdt)
         dv = xp.zeros((b, h, Tk, hd), cdt)
@@ -435,7 +445,10 @@ def _backward_blocked(do, ctx, out):
             do_block = dop[..., r0:r1, :]  # [b, h, g, r1 - r0, hd]
             part = softmax_ctx.y.swapaxes(-1, -2) @ do_block  # [b, h, g, hi - lo, hd]
             dv[:, :, lo:hi] += part[:, :, 0] if g == 1 else part.sum(axis=2)
-            ds = _scores_grad(do_block @ vp[..., lo:hi, :].swapaxes(-1, -2), softmax_ctx, t, ctx.scale)
+            if fold:
+                ds = softmax_backward(do_block @ vp[..., lo:hi, :].swapaxes(-1, -2), SoftmaxCtx(softmax_ctx.y, 1.0))
+            else:
+                ds = _scores_grad(do_block @ vp[..., lo:hi, :].swapaxes(-1, -2), softmax_ctx, t, ctx.scale)
             dq_out[bs, hs, :, r0:r1] = ds @ kp[..., lo:hi, :]  # [b, h, g, r1 - r0, hd]
             part = ds.swapaxes(-1, -2) @ qp[..., r0:r1, :]  # [b, h, g, hi - lo, hd]
             dk[:, :, lo:hi] += part[:, :, 0] if g == 1 else part.sum(axis=2)
