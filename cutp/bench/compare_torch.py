@@ -37,7 +37,7 @@ import cutp
 from ..models import GPT, GPTConfig
 from ..models.hf import config_to_hf, hf_state_dict
 from ..models.names import from_gpt2, to_gpt2
-from ..runtime.threads import get_blas_threads, set_blas_threads
+from ..runtime.threads import get_blas_threads, keep_freed_host_memory, set_blas_threads
 from ..train.reporting import Report
 from .common import Timing, machine_info
 
@@ -402,6 +402,9 @@ def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None
     B, T = batch or dB, min(seq_len or dT, config.block_size)
     set_blas_threads(threads)
     torch.set_num_threads(threads)
+    # as `cutp train` runs (train/step.py): freed step memory stays in the heap for the next step
+    # (process-wide, so torch's CPU allocator, which is malloc, gets the same)
+    keep_freed_host_memory()
     ctx = cutp.init(tp=1, device="cpu", abort_on_error=False)
     try:
         model = GPT(ctx, config, seed=seed)

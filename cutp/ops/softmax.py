@@ -47,7 +47,7 @@ def _blocks(xp, m: int, tq: int, tk: int):
     return [(slice(i, i + 1), slice(r, min(r + rb, tq))) for i in range(m) for r in range(0, tq, rb)]
 
 
-def softmax_forward(x, scale: float = 1.0, causal: bool = False):
+def softmax_forward(x, scale: float = 1.0, causal: bool = False, out=None):
     """``y = softmax(scale * x)`` over the last axis of ``x`` [..., Tq, Tk].
 
     When ``causal``, query row i (absolute position ``Tk - Tq + i``) masks keys
@@ -55,6 +55,10 @@ def softmax_forward(x, scale: float = 1.0, causal: bool = False):
     (otherwise some rows would have no key at all). Numerically stable (the row max is
     subtracted). Float32/64 in their own precision, bfloat16 in float32 with a bfloat16 ``y``.
     A 1-D ``x`` is treated as one row.
+
+    ``out``: NumPy only, a C-contiguous array of ``x``'s shape and dtype that receives ``y``:
+    ``x`` itself (the scores' own buffer, no second [Tq, Tk] array; with ``scale == 1`` the pass
+    that copied the scaled scores is skipped) or an array not overlapping ``x``.
 
     Returns ``(y, ctx)``; ``ctx`` (:class:`SoftmaxCtx`) saves ``y`` and ``scale``.
     """
@@ -73,23 +77,31 @@ def softmax_forward(x, scale: float = 1.0, causal: bool = False):
         return y, SoftmaxCtx(y, scale)
     bias = None
     if causal and tq > 1:  # with tq == 1 the single query sees every key
-        bias = xp.zeros((tq, tk), dtype=cdt)
-        bias[causal_mask(xp, tq, tk)] = -xp.inf
+        # only the last tq keys are hidden from any row: the -inf bias covers those columns
+        # (keys [0, tk - tq) are seen by every row; adding zeros there was a pass for nothing)
+        bias = xp.zeros((tq, tq), dtype=cdt)
+        bias[causal_mask(xp, tq, tq)] = -xp.inf
     x3 = x.reshape(-1, tq, tk)
-    y = xp.empty(x3.shape, dtype=x.dtype)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous
+                            or not on_host(xp)):
+        raise ValueError("softmax_forward: out must be a C-contiguous NumPy array of x's shape and dtype")
+    y = xp.empty(x3.shape, dtype=x.dtype) if out is None else out.reshape(x3.shape)
     direct = y.dtype == cdt
+    in_place = out is x
 
     def block(b):
         mi, ri = b
         xb = x3[mi, ri]
         if direct:
-            s = xp.multiply(xb, scale, out=y[mi, ri])
+            s = y[mi, ri]
+            if not (in_place and scale == 1.0):
+                xp.multiply(xb, scale, out=s)
         else:
             s = xb.astype(cdt)
             if scale != 1.0:
                 s *= scale
         if bias is not None:
-            s += bias[ri]
+            s[..., tk - tq:] += bias[ri]
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
         s /= common.row_sums(xp, s)

@@ -12,23 +12,26 @@ less than that. The derivative uses ``1 - sigmoid(g) = e / (1 + e)``, which has 
 from __future__ import annotations
 
 from cutp.kernels import dispatch as _kernels
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 
 from .common import as_dtype, compute_dtype, parallel_map, row_blocks
 
 
 class SwiGLUCtx:
-    """The fused pre-activation ``gate_up`` (a reference): all the backward needs."""
+    """The fused pre-activation ``gate_up`` (a reference): all the backward needs; on the host in
+    float32/64 also ``exp_neg``, the forward's ``exp(-gate)`` [..., F] (else None)."""
 
-    __slots__ = ("gate_up",)
+    __slots__ = ("gate_up", "exp_neg")
 
-    def __init__(self, gate_up):
+    def __init__(self, gate_up, exp_neg=None):
         self.gate_up = gate_up
+        self.exp_neg = exp_neg
 
 
-def _exp_neg(xp, g):
-    """``exp(-g)``, its argument clamped where it would overflow (module docstring); a new array."""
-    t = xp.negative(g)
+def _exp_neg(xp, g, out=None):
+    """``exp(-g)``, its argument clamped where it would overflow (module docstring); a new array
+    (or ``out``)."""
+    t = xp.negative(g, out=out)
     xp.minimum(t, 80.0 if g.dtype.itemsize <= 4 else 700.0, out=t)
     return xp.exp(t, out=t)
 
@@ -56,18 +59,24 @@ def swiglu_forward(gate_up):
     y = xp.empty((N, F), dtype=gate_up.dtype)
 
     direct = y.dtype == cdt
+    # Host float32/64: exp(-gate) is kept for the backward (one more array of y's size per layer),
+    # which then skips its three costliest passes (NumPy's exp, ~8x a multiply); same bits.
+    kept = xp.empty((N, F), dtype=cdt) if direct and on_host(xp) else None
 
     def block(sl):
         g = as_dtype(a2[sl, :F], cdt)
-        t = _exp_neg(xp, g)
-        t += 1.0
+        if kept is None:
+            t = _exp_neg(xp, g)
+            t += 1.0
+        else:
+            t = xp.add(_exp_neg(xp, g, out=kept[sl]), 1.0)
         xp.divide(g, t, out=t)  # silu(g)
         xp.multiply(t, as_dtype(a2[sl, F:], cdt), out=y[sl] if direct else t)
         if not direct:
             y[sl] = t
 
     parallel_map(xp, block, row_blocks(xp, N, 2 * F))
-    return y.reshape(gate_up.shape[:-1] + (F,)), SwiGLUCtx(gate_up)
+    return y.reshape(gate_up.shape[:-1] + (F,)), SwiGLUCtx(gate_up, kept)
 
 
 def swiglu_backward(dy, ctx: SwiGLUCtx):
@@ -89,13 +98,15 @@ def swiglu_backward(dy, ctx: SwiGLUCtx):
     d = xp.empty((N, 2 * F), dtype=gate_up.dtype)
     direct = d.dtype == cdt  # float32/float64: the last products written into d's halves (no copies)
 
+    kept = ctx.exp_neg
+
     def block(sl):
         g = as_dtype(a2[sl, :F], cdt)
         dyb = as_dtype(dy2[sl], cdt)
-        e = _exp_neg(xp, g)
+        e = _exp_neg(xp, g) if kept is None else kept[sl]
         sig = e + 1.0
         xp.divide(1.0, sig, out=sig)  # sigmoid(g)
-        e *= sig  # 1 - sigmoid(g)
+        e = xp.multiply(e, sig, out=e if kept is None else None)  # 1 - sigmoid(g) (the kept one unchanged)
         e *= g
         e += 1.0
         e *= sig  # silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))

@@ -350,3 +350,22 @@ def test_a_blocked_query_block_of_packed_rows_skips_the_keys_before_its_document
     _, ctx = causal_attention_forward(q, k, v, documents=(docs, docs))
     starts = {(r0, lo) for blocks in ctx.piece_blocks for r0, _, lo, *_ in blocks}
     assert starts == {(0, 0), (16, 10), (16, 15), (32, 30)}, starts  # (pieces of one row: row 16 of row 1 from 15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_power_of_two_scale_folded_into_q_and_k_changes_no_bit(dtype, monkeypatch):
+    """The blocked path multiplies q and k by a power-of-two scale (head dims 4, 16, 64) instead
+    of passing over the scores and their gradient with it: outputs and gradients equal, bit for
+    bit, those of the same path scaling the scores (a scale of 2^e is exact either way)."""
+    monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 10)
+    monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
+    q, k, v = qkv((2, 3, 2, 48, 48, 16), dtype)
+    do = np.random.default_rng(1).standard_normal(q.shape).astype(dtype)
+    runs = []
+    for folds in (True, False):
+        monkeypatch.setattr(attention_op, "_folds_scale", lambda xp, scale, rule, folds=folds: folds)
+        o, ctx = causal_attention_forward(q, k, v)
+        runs.append((o, *causal_attention_backward(do, ctx)))
+    for a, b in zip(*runs):
+        assert a.dtype == b.dtype == dtype and np.array_equal(a, b)
+    assert not np.array_equal(runs[0][0], causal_attention_forward(q, k, v, scale=0.3)[0])  # (the scale is used)

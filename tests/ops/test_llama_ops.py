@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cutp.ops import (
+    SwiGLUCtx,
     RopeScaling,
     common as _common,
     rmsnorm_backward,
@@ -448,6 +449,19 @@ def test_swiglu_is_silu_gate_times_up_and_its_gradient(rng, blocks):
     assert_unchanged(snap)
     check_gradients(swiglu_forward, {"gate_up": a}, lambda dy, ctx: {"gate_up": swiglu_backward(dy, ctx)},
                     tol=TOL, max_elements=None)
+
+
+def test_swiglu_backward_from_the_kept_exp_equals_recomputing_it(rng):
+    """On the host the forward keeps exp(-gate) for the backward; the backward from it and the one
+    recomputing it (a ctx without it) agree to the bit, and the kept array is left as it was."""
+    for dtype in (np.float32, np.float64):
+        a = (rng.standard_normal((50, 12)) * 3).astype(dtype)
+        dy = rng.standard_normal((50, 6)).astype(dtype)
+        _, ctx = swiglu_forward(a)
+        kept = ctx.exp_neg.copy()
+        d = swiglu_backward(dy, ctx)
+        assert np.array_equal(d, swiglu_backward(dy, SwiGLUCtx(a))) and d.dtype == dtype
+        assert np.array_equal(ctx.exp_neg, kept)
 
 
 def test_swiglu_is_stable_for_huge_gates():

@@ -9,6 +9,7 @@ import pytest
 
 from cutp import ops
 from cutp.ops import (
+    GeluCtx,
     common as _common,
     bias_gelu_backward,
     bias_gelu_forward,
@@ -294,6 +295,34 @@ def test_softmax_big_blocks(rng):
         yr = _softmax_ref(x, 0.3, True)
         ref = 0.3 * yr * (dy - (dy * yr).sum(-1, keepdims=True))
         np.testing.assert_allclose(dx, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_softmax_in_place_equals_out_of_place(rng):
+    """out=x (the scores' own buffer; scale 1 skips the scaling pass) and out= a separate array give
+    the same bits as a new output, causal with Tq < Tk (the bias on the last Tq keys only)."""
+    for scale in (1.0, 0.3):
+        x = rng.standard_normal((3, 6, 11)).astype(np.float32)
+        y, _ = softmax_forward(x, scale, causal=True)
+        other = np.empty_like(x)
+        assert softmax_forward(x, scale, causal=True, out=other)[0].base is other and np.array_equal(other, y)
+        softmax_forward(x, scale, causal=True, out=x)
+        assert np.array_equal(x, y) and np.all(x[:, 0, 7:] == 0) and np.all(x[:, 0, :6] > 0)
+    with pytest.raises(ValueError, match="out must be"):
+        softmax_forward(x, out=np.empty((3, 6, 11), np.float64))
+
+
+def test_tanh_gelu_backward_from_the_kept_tanh_equals_recomputing_it(rng):
+    """The fused bias+GeLU keeps its tanh for the backward on the host; the backward from it and
+    the backward recomputing it (a ctx without it) agree to the bit, in float32 and float64."""
+    for dtype in (np.float32, np.float64):
+        x, b = (rng.standard_normal(s).astype(dtype) * 2 for s in ((300, 40), (40,)))
+        dy = rng.standard_normal((300, 40)).astype(dtype)
+        _, ctx = bias_gelu_forward(x, b, "tanh")
+        assert ctx.tanh is not None and ctx.tanh.shape == x.shape
+        kept = bias_gelu_backward(dy, ctx)
+        again = bias_gelu_backward(dy, GeluCtx(ctx.x, "tanh"))
+        assert all(np.array_equal(a, c) and a.dtype == dtype for a, c in zip(kept, again))
+        assert np.array_equal(bias_gelu_backward(dy, ctx)[0], kept[0])  # the kept tanh is not consumed
 
 
 def test_softmax_precisions_and_errors(rng):
