@@ -97,12 +97,11 @@ class MultiLatentAttention(Module):
         k [B, H, Tk, d_qk], v [B, H, Tk, d_v]): (o [B, H, 1, Tq, d_v], the op's context)."""
         xp = self.ctx.xp
         B, Tk, H, _ = kv.shape
-        dn, dr, dv = self.nope, self.rope, self.vd
+        dn, dr = self.nope, self.rope
         qf = xp.concatenate([q_nope, q_pe], axis=-1)
         kf = xp.concatenate([kv[..., :dn], xp.broadcast_to(k_pe, (B, Tk, H, dr))], axis=-1)
         return ops.causal_attention_forward(qf.transpose(0, 2, 1, 3)[:, :, None], kf.transpose(0, 2, 1, 3),
-                                            kv[..., dn:].transpose(0, 2, 1, 3), scale=self.scale,
-                                            blocked=None if dv == dn + dr else False)
+                                            kv[..., dn:].transpose(0, 2, 1, 3), scale=self.scale)
 
     def _output(self, o):
         B, H, _, T, dv = o.shape
