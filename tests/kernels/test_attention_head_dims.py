@@ -27,7 +27,7 @@ from cutp.kernels import KernelArgumentError
 from cutp.kernels.attention import fused_attention_supported
 from cutp.ops import attention_tiles as tiles
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, randn
+from .helpers import BF16, DT_IDS, DTYPES, F32, gpu_sized, randn
 from .test_attention import TOL, fused_attention, normwise_error  # noqa: F401 (a fixture)
 from .test_attention_mask import docs_from_starts, reference, reference_mask
 
@@ -42,12 +42,17 @@ def mla_inputs(B, Hkv, G, Tq, Tk, D, DV, dtype, seed=0):
 
 DOCS_70 = docs_from_starts(70, [0, 20, 21, 32, 50])[None]
 CASES = {  # name: ((B, Hkv, G, Tq, Tk), mask keywords, dropout); D, DV = 192, 128
-    "gqa-T40": ((1, 2, 2, 40, 40), {}, (0.0, 0, 0)),
+    "gqa-T40": ((1, 1, 2, 40, 40), {}, (0.0, 0, 0)),
     "window-documents-dropout-T70": ((1, 1, 2, 70, 70), dict(window=37, documents=(DOCS_70, DOCS_70)),
                                      (0.2, 7, [100])),
     "softcap-kvcache-20x50": ((2, 1, 1, 20, 50), dict(softcap=2.0), (0.0, 0, 0)),
 }
-KERNEL_CASES = [(name, F32) for name in CASES] + [("gqa-T40", BF16), ("window-documents-dropout-T70", BF16)]
+# MLA's own layout (a KV head per query head: Hkv = H, G = 1) at a GPU's size: the cuda backend only
+CASES["mla-16-heads-T1024"] = ((1, 16, 1, 1024, 1024), dict(window=700), (0.1, 3, [5]))
+_RUNS = [(name, F32) for name in CASES if name != "mla-16-heads-T1024"] + [
+    ("gqa-T40", BF16), ("window-documents-dropout-T70", BF16), ("mla-16-heads-T1024", F32), ("mla-16-heads-T1024", BF16)]
+KERNEL_CASES = [(gpu_sized if n == "mla-16-heads-T1024" else pytest.param)(n, d, id=f"{n}-{DT_IDS[DTYPES.index(d)]}")
+                for n, d in _RUNS]
 
 
 def run_case(kern, backend, name, dtype, D=192, DV=128):
@@ -71,7 +76,7 @@ def run_case(kern, backend, name, dtype, D=192, DV=128):
         assert err <= TOL[dtype], f"{gname}: normwise error {err:.2e}"
 
 
-@pytest.mark.parametrize("name,dtype", KERNEL_CASES, ids=[f"{n}-{DT_IDS[DTYPES.index(d)]}" for n, d in KERNEL_CASES])
+@pytest.mark.parametrize("name,dtype", KERNEL_CASES)
 def test_mla_head_dims_on_the_kernels(backend, k, dtype, name):
     run_case(k, backend, name, dtype)
 
@@ -131,10 +136,10 @@ def test_the_op_runs_mla_head_dims_fused(backend, fused_attention):
     """causal_attention_forward / _backward at (192, 128) run the fused kernels (o of v's head
     dim); (128, 64), which no entry point takes, runs unfused, saying why, and equals the
     reference too; the launchers refuse it by name."""
-    q, k_, v, do = mla_inputs(1, 1, 2, 33, 33, 192, 128, F32, seed=4)
+    q, k_, v, do = mla_inputs(1, 1, 1, 33, 33, 192, 128, F32, seed=4)
     dev = [backend.to_device(a) for a in (q, k_, v, do)]
     o, ctx = ops.causal_attention_forward(*dev[:3], window=20)
-    assert ctx.fused and o.shape == (1, 1, 2, 33, 128)
+    assert ctx.fused and o.shape == (1, 1, 1, 33, 128)
     grads = ops.causal_attention_backward(dev[3], ctx)
     mask = reference_mask(1, 33, 33, window=20)
     o_ref, _, grads_ref = reference(q, k_, v, do, 1.0 / np.sqrt(192), mask)
