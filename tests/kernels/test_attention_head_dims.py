@@ -43,7 +43,7 @@ def mla_inputs(B, Hkv, G, Tq, Tk, D, DV, dtype, seed=0):
 DOCS_70 = docs_from_starts(70, [0, 20, 21, 32, 50])[None]
 CASES = {  # name: ((B, Hkv, G, Tq, Tk), mask keywords, dropout); D, DV = 192, 128
     "gqa-T40": ((1, 1, 2, 40, 40), {}, (0.0, 0, 0)),
-    "window-documents-dropout-T70": ((1, 1, 2, 70, 70), dict(window=37, documents=(DOCS_70, DOCS_70)),
+    "window-documents-dropout-T70": ((1, 1, 1, 70, 70), dict(window=37, documents=(DOCS_70, DOCS_70)),
                                      (0.2, 7, [100])),
     "softcap-kvcache-20x50": ((2, 1, 1, 20, 50), dict(softcap=2.0), (0.0, 0, 0)),
 }
