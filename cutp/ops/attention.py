@@ -223,7 +223,7 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
     if blocked is None:
         blocked = can_block
     elif blocked and not can_block:
-        raise ValueError("the blocked attention needs NumPy arrays, no dropout and v's head dim equal to q's")
+        raise ValueError("the blocked attention needs NumPy arrays and no dropout (and v's head dim equal to q's)")
     rule = None if plain_rule else (mask, softcap)
     if blocked:
         return _forward_blocked(q, k, v, scale, rule)
