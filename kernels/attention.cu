@@ -31,6 +31,8 @@
 // price: S and dP computed twice). Attention-probability dropout is applied in place (the masks of
 // cutp.ops.dropout_forward_rows, recomputed from the counter hash in the backward: no mask stored).
 //
+// Head dims: D of q and k (the scores' sum), DV of v, o and dO (MLA's differ: 192 and 128); every
+// tile, accumulator and loop over a head dim takes the operand's own.
 // Layout: a tile is R rows (R = 16 x the block's warps); each warp owns a band of 16 rows of
 // every tile product ("band_gemm"): float32 inputs multiply on the CUDA cores (each lane two or
 // four columns of the band, all 16 rows, in registers), bfloat16 inputs on the tensor cores
@@ -222,18 +224,18 @@ struct Out {
     }
 };
 
-template <typename T, int D, int R>
+template <typename T, int D, int DV, int R>
 __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v, int Hkv, int G, int Tq, int Tk,
                         Mask mask,
                         long long q_sb, long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh,
                         long long k_st, long long v_sb, long long v_sh, long long v_st, float scale,
                         ProbDropout drop) {
-    constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
+    constexpr int LD = input_ld<T>(D), VLD = input_ld<T>(DV), SLD = score_ld(R), OLD = accum_ld(DV);
     extern __shared__ __align__(32) unsigned char smem[];
     T* Qs = reinterpret_cast<T*>(smem);
     T* Ks = Qs + R * LD;
     T* Vs = Ks + R * LD;
-    float* Ss = reinterpret_cast<float*>(Vs + R * LD);
+    float* Ss = reinterpret_cast<float*>(Vs + R * VLD);
     float* Os = Ss + R * SLD;
     T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(Os + R * OLD) : reinterpret_cast<T*>(Ss);
     constexpr int PLD = ProbTile<T>::ld(R);
@@ -255,7 +257,7 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
     T* Pb = Ps + warp * BAND * PLD;
 
     load_tile<T, D, R>(Qs, qb, q_st, q0, Tq);
-    for (int e = lane; e < BAND * D; e += WARP_SIZE) Ob[(e / D) * OLD + e % D] = 0.0f;
+    for (int e = lane; e < BAND * DV; e += WARP_SIZE) Ob[(e / DV) * OLD + e % DV] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     // Key tiles [k_begin, k_end) hold every key a row of this tile sees: those wholly outside the
     // causal band or the window are never visited, nor (below) those with none of its documents.
@@ -265,7 +267,7 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
         if (!mask.docs_meet(b, Tq, Tk, q0, q_last, k0, min(k0 + R, Tk) - 1)) continue;
         __syncthreads();  // every warp is done with the previous K, V tiles
         load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
-        load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
+        load_tile<T, DV, R>(Vs, vb, v_st, k0, Tk);
         for (int i = threadIdx.x; i < R; i += blockDim.x) kdoc_s[i] = k0 + i < Tk ? Mask::doc(mask.k_docs, b, Tk, k0 + i) : -1;
         __syncthreads();
         band_gemm<R, D, true, false, SLD, LD, LD>(Sb, Qs + warp * BAND * LD, Ks);
@@ -301,10 +303,10 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
         // O rows *= alpha, a row at a time (the lanes over its columns)
         for (int rr = 0; rr < BAND; ++rr) {
             const float a = __shfl_sync(FULL_MASK, alpha, 2 * rr);
-            for (int d = lane; d < D; d += WARP_SIZE) Ob[rr * OLD + d] *= a;
+            for (int d = lane; d < DV; d += WARP_SIZE) Ob[rr * OLD + d] *= a;
         }
         __syncwarp();
-        band_gemm<D, R, false, true, OLD, PLD, LD>(Ob, Pb, Vs);
+        band_gemm<DV, R, false, true, OLD, PLD, VLD>(Ob, Pb, Vs);
     }
     __syncwarp();
     const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // a row that sees no key: o = 0, lse = -inf
@@ -312,8 +314,8 @@ __device__ void forward(Out<T> o, float* lse, const T* q, const T* k, const T* v
         const float inv = __shfl_sync(FULL_MASK, inv_l, 2 * rr);
         const int t = q0 + warp * BAND + rr;
         if (t < Tq) {
-            const long long orow = (((b * Tq + t) * Hkv + hk) * G + g) * D;  // token-major [B, Tq, Hkv, G, D]
-            for (int d = lane; d < D; d += WARP_SIZE) o.store(orow + d, Ob[rr * OLD + d] * inv);
+            const long long orow = (((b * Tq + t) * Hkv + hk) * G + g) * DV;  // token-major [B, Tq, Hkv, G, DV]
+            for (int d = lane; d < DV; d += WARP_SIZE) o.store(orow + d, Ob[rr * OLD + d] * inv);
         }
     }
     if (half == 0 && q0 + row < Tq) lse[bh * Tq + q0 + row] = l > 0.0f ? m + logf(l) : -INFINITY;
@@ -337,20 +339,20 @@ __device__ void backward_rowdot(float* out, const T* o, const T* dout, int Hkv, 
     if (lane == 0) out[row] = acc;
 }
 
-template <typename T, int D, int R>
+template <typename T, int D, int DV, int R>
 __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const T* dout, const float* lse,
                             const float* rowdot, int Hkv, int G, int Tq, int Tk, Mask mask, long long q_sb,
                             long long q_sh, long long q_sg, long long q_st, long long k_sb, long long k_sh, long long k_st,
                             long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
                             long long do_sg, long long do_st, long long dq_sb, long long dq_sh, long long dq_sg,
                             long long dq_st, float scale, ProbDropout drop) {
-    constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
+    constexpr int LD = input_ld<T>(D), VLD = input_ld<T>(DV), SLD = score_ld(R), OLD = accum_ld(D);
     extern __shared__ __align__(32) unsigned char smem[];
     T* Qs = reinterpret_cast<T*>(smem);
     T* dOs = Qs + R * LD;
-    T* Ks = dOs + R * LD;
+    T* Ks = dOs + R * VLD;
     T* Vs = Ks + R * LD;
-    float* Ss = reinterpret_cast<float*>(Vs + R * LD);
+    float* Ss = reinterpret_cast<float*>(Vs + R * VLD);
     float* dPs = Ss + R * SLD;
     float* dQs = dPs + R * SLD;
     T* Ps = ProbTile<T>::separate ? reinterpret_cast<T*>(dQs + R * OLD) : reinterpret_cast<T*>(Ss);
@@ -375,7 +377,7 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
     T* Pb = Ps + warp * BAND * PLD;
 
     load_tile<T, D, R>(Qs, q + b * q_sb + hk * q_sh + g * q_sg, q_st, q0, Tq);
-    load_tile<T, D, R>(dOs, dout + b * do_sb + hk * do_sh + g * do_sg, do_st, q0, Tq);
+    load_tile<T, DV, R>(dOs, dout + b * do_sb + hk * do_sh + g * do_sg, do_st, q0, Tq);
     for (int e = lane; e < BAND * D; e += WARP_SIZE) dQb[(e / D) * OLD + e % D] = 0.0f;
     const int q_last = min(q0 + R, Tq) - 1;  // the forward's key tiles
     const int k_begin = max(0, mask.first_key(q0)), k_end = min(Tk, mask.end_key(q_last));
@@ -383,11 +385,11 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
         if (!mask.docs_meet(b, Tq, Tk, q0, q_last, k0, min(k0 + R, Tk) - 1)) continue;
         __syncthreads();
         load_tile<T, D, R>(Ks, kb, k_st, k0, Tk);
-        load_tile<T, D, R>(Vs, vb, v_st, k0, Tk);
+        load_tile<T, DV, R>(Vs, vb, v_st, k0, Tk);
         for (int i = threadIdx.x; i < R; i += blockDim.x) kdoc_s[i] = k0 + i < Tk ? Mask::doc(mask.k_docs, b, Tk, k0 + i) : -1;
         __syncthreads();
         band_gemm<R, D, true, false, SLD, LD, LD>(Sb, Qs + warp * BAND * LD, Ks);
-        band_gemm<R, D, true, false, SLD, LD, LD>(dPb, dOs + warp * BAND * LD, Vs);
+        band_gemm<R, DV, true, false, SLD, VLD, VLD>(dPb, dOs + warp * BAND * VLD, Vs);
         __syncwarp();
 #pragma unroll
         for (int j = 0; j < R / 2; ++j) {
@@ -412,7 +414,7 @@ __device__ void backward_dq(Out<T> dq, const T* q, const T* k, const T* v, const
     }
 }
 
-template <typename T, int D, int R>
+template <typename T, int D, int DV, int R>
 __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, const T* v, const T* dout,
                               const float* lse, const float* rowdot, int Hkv, int G, int Tq, int Tk, Mask mask,
                               long long q_sb, long long q_sh,
@@ -420,17 +422,18 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
                               long long v_sb, long long v_sh, long long v_st, long long do_sb, long long do_sh,
                               long long do_sg, long long do_st, long long dk_sb, long long dk_sh, long long dk_st,
                               long long dv_sb, long long dv_sh, long long dv_st, float scale, ProbDropout drop) {
-    constexpr int LD = input_ld<T>(D), SLD = score_ld(R), OLD = accum_ld(D);
+    constexpr int LD = input_ld<T>(D), VLD = input_ld<T>(DV), SLD = score_ld(R), OLD = accum_ld(D),
+                  VOLD = accum_ld(DV);
     extern __shared__ __align__(32) unsigned char smem[];
     T* Ks = reinterpret_cast<T*>(smem);
     T* Vs = Ks + R * LD;
-    T* Qs = Vs + R * LD;
+    T* Qs = Vs + R * VLD;
     T* dOs = Qs + R * LD;
-    float* STs = reinterpret_cast<float*>(dOs + R * LD);  // S^T: [keys][queries]
+    float* STs = reinterpret_cast<float*>(dOs + R * VLD);  // S^T: [keys][queries]
     float* dPTs = STs + R * SLD;
     float* dKs = dPTs + R * SLD;
     float* dVs = dKs + R * OLD;
-    float* lse_s = dVs + R * OLD;
+    float* lse_s = dVs + R * VOLD;
     float* dot_s = lse_s + R;
     T* PTs = ProbTile<T>::separate ? reinterpret_cast<T*>(dot_s + R) : reinterpret_cast<T*>(STs);
     T* dSTs = ProbTile<T>::separate ? PTs + R * prob_ld(R) : reinterpret_cast<T*>(dPTs);
@@ -448,16 +451,14 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
     float* STb = STs + warp * BAND * SLD;
     float* dPTb = dPTs + warp * BAND * SLD;
     float* dKb = dKs + warp * BAND * OLD;
-    float* dVb = dVs + warp * BAND * OLD;
+    float* dVb = dVs + warp * BAND * VOLD;
     T* PTb = PTs + warp * BAND * PLD;
     T* dSTb = dSTs + warp * BAND * PLD;
 
     load_tile<T, D, R>(Ks, k + b * k_sb + hk * k_sh, k_st, k0, Tk);
-    load_tile<T, D, R>(Vs, v + b * v_sb + hk * v_sh, v_st, k0, Tk);
-    for (int e = lane; e < BAND * D; e += WARP_SIZE) {
-        dKb[(e / D) * OLD + e % D] = 0.0f;
-        dVb[(e / D) * OLD + e % D] = 0.0f;
-    }
+    load_tile<T, DV, R>(Vs, v + b * v_sb + hk * v_sh, v_st, k0, Tk);
+    for (int e = lane; e < BAND * D; e += WARP_SIZE) dKb[(e / D) * OLD + e % D] = 0.0f;
+    for (int e = lane; e < BAND * DV; e += WARP_SIZE) dVb[(e / DV) * VOLD + e % DV] = 0.0f;
     // Query tiles [q_begin, q_end) hold every query row that sees a key of this tile (those outside
     // the causal band or the window never visited, nor those with none of its documents).
     const int k_last = min(k0 + R, Tk) - 1;
@@ -470,7 +471,7 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
             if (!mask.docs_meet(b, Tq, Tk, q0, min(q0 + R, Tq) - 1, k0, k_last)) continue;
             __syncthreads();  // every warp is done with the previous Q, dO tiles
             load_tile<T, D, R>(Qs, qb, q_st, q0, Tq);
-            load_tile<T, D, R>(dOs, db, do_st, q0, Tq);
+            load_tile<T, DV, R>(dOs, db, do_st, q0, Tq);
             for (int i = threadIdx.x; i < R; i += blockDim.x) {
                 lse_s[i] = q0 + i < Tq ? lse[bh * Tq + q0 + i] : 0.0f;
                 dot_s[i] = q0 + i < Tq ? rowdot[bh * Tq + q0 + i] : 0.0f;
@@ -478,7 +479,7 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
             }
             __syncthreads();
             band_gemm<R, D, true, false, SLD, LD, LD>(STb, Ks + warp * BAND * LD, Qs);
-            band_gemm<R, D, true, false, SLD, LD, LD>(dPTb, Vs + warp * BAND * LD, dOs);
+            band_gemm<R, DV, true, false, SLD, VLD, VLD>(dPTb, Vs + warp * BAND * VLD, dOs);
             __syncwarp();
 #pragma unroll
             for (int j = 0; j < R / 2; ++j) {
@@ -493,7 +494,7 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
                 dSTb[r * PLD + c] = from_float<T>(ds);
             }
             __syncwarp();
-            band_gemm<D, R, false, true, OLD, PLD, LD>(dVb, PTb, dOs);
+            band_gemm<DV, R, false, true, VOLD, PLD, VLD>(dVb, PTb, dOs);
             band_gemm<D, R, false, true, OLD, PLD, LD>(dKb, dSTb, Qs);
         }
     }
@@ -503,19 +504,19 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
         if (key < Tk) {
             const long long dkrow = b * dk_sb + hk * dk_sh + key * dk_st;
             const long long dvrow = b * dv_sb + hk * dv_sh + key * dv_st;
-            for (int d = lane; d < D; d += WARP_SIZE) {
-                dk.store(dkrow + d, dKb[rr * OLD + d] * scale);
-                dv.store(dvrow + d, dVb[rr * OLD + d]);
-            }
+            for (int d = lane; d < D; d += WARP_SIZE) dk.store(dkrow + d, dKb[rr * OLD + d] * scale);
+            for (int d = lane; d < DV; d += WARP_SIZE) dv.store(dvrow + d, dVb[rr * VOLD + d]);
         }
     }
 }
 
 }  // namespace attn_impl
 
-// ---- entry points: {forward, backward_dq, backward_dkdv} x {f32, bf16} x head dim {64, 128} -----
-// Tile rows R: 64 for the forward; 64 (head dim 64) or 32 (head dim 128) for the backward, whose
-// blocks hold twice the tiles (kernels/attention.py, ATTENTION_TILE_ROWS). Threads: 2 x R.
+// ---- entry points: {forward, backward_dq, backward_dkdv} x {f32, bf16} x head dims -------------
+// Head dims (D of q, k; DV of v, o): 64 and 128 (DV = D: *_d64, *_d128), and MLA's D = 192, DV =
+// 128 (*_d192v128; its rowdot is *_d128's, over o's DV). Tile rows R: 64 for the forward up to
+// D = 128, 32 beyond; 64 (head dim 64) or 32 (larger) for the backward, whose blocks hold twice
+// the tiles (kernels/attention.py, attention_tile_rows). Threads: 2 x R.
 // The mask (attn_impl::Mask): query row i sees keys diag + i - window < j <= diag + i (Tk - Tq:
 // the last Tq positions; 0: a ring's diagonal tile; Tk: every key), of its document when q_docs,
 // k_docs are given; softcap > 0 caps the scores. Outputs: one of the T pointer and the float32 one (*_f32) is
@@ -538,16 +539,24 @@ __device__ void backward_dkdv(Out<T> dk, Out<T> dv, const T* q, const T* k, cons
         k_st, v_sb, v_sh, v_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d64(ATTN_FWD_PARAMS(float)) {
-    attn_impl::forward<float, 64, 64>(ATTN_FWD_ARGS(float));
+    attn_impl::forward<float, 64, 64, 64>(ATTN_FWD_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_forward_f32_d128(ATTN_FWD_PARAMS(float)) {
-    attn_impl::forward<float, 128, 64>(ATTN_FWD_ARGS(float));
+    attn_impl::forward<float, 128, 128, 64>(ATTN_FWD_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_d64(ATTN_FWD_PARAMS(__nv_bfloat16)) {
-    attn_impl::forward<__nv_bfloat16, 64, 64>(ATTN_FWD_ARGS(__nv_bfloat16));
+    attn_impl::forward<__nv_bfloat16, 64, 64, 64>(ATTN_FWD_ARGS(__nv_bfloat16));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_d128(ATTN_FWD_PARAMS(__nv_bfloat16)) {
-    attn_impl::forward<__nv_bfloat16, 128, 64>(ATTN_FWD_ARGS(__nv_bfloat16));
+    attn_impl::forward<__nv_bfloat16, 128, 128, 64>(ATTN_FWD_ARGS(__nv_bfloat16));
+}
+// MLA (DeepSeek-V3): q, k of head dim 192 (128 + the rotary 64), v and o of 128; 32-row tiles
+// (64 rows of three 192-wide float tiles would pass sm_80's 163 KiB of shared memory).
+extern "C" __global__ void __launch_bounds__(64) attention_forward_f32_d192v128(ATTN_FWD_PARAMS(float)) {
+    attn_impl::forward<float, 192, 128, 32>(ATTN_FWD_ARGS(float));
+}
+extern "C" __global__ void __launch_bounds__(64) attention_forward_bf16_d192v128(ATTN_FWD_PARAMS(__nv_bfloat16)) {
+    attn_impl::forward<__nv_bfloat16, 192, 128, 32>(ATTN_FWD_ARGS(__nv_bfloat16));
 }
 
 #define ATTN_ROWDOT_PARAMS(T)                                                                                   \
@@ -584,16 +593,23 @@ extern "C" __global__ void __launch_bounds__(256) attention_backward_rowdot_bf16
         scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_f32_d64(ATTN_DQ_PARAMS(float)) {
-    attn_impl::backward_dq<float, 64, 64>(ATTN_DQ_ARGS(float));
+    attn_impl::backward_dq<float, 64, 64, 64>(ATTN_DQ_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_f32_d128(ATTN_DQ_PARAMS(float)) {
-    attn_impl::backward_dq<float, 128, 32>(ATTN_DQ_ARGS(float));
+    attn_impl::backward_dq<float, 128, 128, 32>(ATTN_DQ_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_bf16_d64(ATTN_DQ_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dq<__nv_bfloat16, 64, 64>(ATTN_DQ_ARGS(__nv_bfloat16));
+    attn_impl::backward_dq<__nv_bfloat16, 64, 64, 64>(ATTN_DQ_ARGS(__nv_bfloat16));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_bf16_d128(ATTN_DQ_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dq<__nv_bfloat16, 128, 32>(ATTN_DQ_ARGS(__nv_bfloat16));
+    attn_impl::backward_dq<__nv_bfloat16, 128, 128, 32>(ATTN_DQ_ARGS(__nv_bfloat16));
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_f32_d192v128(ATTN_DQ_PARAMS(float)) {
+    attn_impl::backward_dq<float, 192, 128, 32>(ATTN_DQ_ARGS(float));
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_bf16_d192v128(
+    ATTN_DQ_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_dq<__nv_bfloat16, 192, 128, 32>(ATTN_DQ_ARGS(__nv_bfloat16));
 }
 
 #define ATTN_DKDV_PARAMS(T)                                                                                     \
@@ -609,15 +625,22 @@ extern "C" __global__ void __launch_bounds__(64) attention_backward_dq_bf16_d128
         do_sh, do_sg, do_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st, scale, ATTN_DROPOUT
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_f32_d64(ATTN_DKDV_PARAMS(float)) {
-    attn_impl::backward_dkdv<float, 64, 64>(ATTN_DKDV_ARGS(float));
+    attn_impl::backward_dkdv<float, 64, 64, 64>(ATTN_DKDV_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_f32_d128(ATTN_DKDV_PARAMS(float)) {
-    attn_impl::backward_dkdv<float, 128, 32>(ATTN_DKDV_ARGS(float));
+    attn_impl::backward_dkdv<float, 128, 128, 32>(ATTN_DKDV_ARGS(float));
 }
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkdv_bf16_d64(ATTN_DKDV_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dkdv<__nv_bfloat16, 64, 64>(ATTN_DKDV_ARGS(__nv_bfloat16));
+    attn_impl::backward_dkdv<__nv_bfloat16, 64, 64, 64>(ATTN_DKDV_ARGS(__nv_bfloat16));
 }
 extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_bf16_d128(
     ATTN_DKDV_PARAMS(__nv_bfloat16)) {
-    attn_impl::backward_dkdv<__nv_bfloat16, 128, 32>(ATTN_DKDV_ARGS(__nv_bfloat16));
+    attn_impl::backward_dkdv<__nv_bfloat16, 128, 128, 32>(ATTN_DKDV_ARGS(__nv_bfloat16));
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_f32_d192v128(ATTN_DKDV_PARAMS(float)) {
+    attn_impl::backward_dkdv<float, 192, 128, 32>(ATTN_DKDV_ARGS(float));
+}
+extern "C" __global__ void __launch_bounds__(64) attention_backward_dkdv_bf16_d192v128(
+    ATTN_DKDV_PARAMS(__nv_bfloat16)) {
+    attn_impl::backward_dkdv<__nv_bfloat16, 192, 128, 32>(ATTN_DKDV_ARGS(__nv_bfloat16));
 }

@@ -9,13 +9,14 @@ One op, four places:
   ``flash_attention_backward``, the same tiled algorithm; ``causal_attention_forward`` dispatches
   here for CuPy arrays, see :func:`fused_attention_supported`);
 * tests: ``tests/kernels/test_attention.py`` (``test_attention_tiles.py``: a ring's tiles;
-  ``test_attention_mask.py``: the mask rule and the soft cap); benchmark case ``attention`` of
+  ``test_attention_mask.py``: the mask rule and the soft cap; ``test_attention_head_dims.py``:
+  MLA's head dims); benchmark case ``attention`` of
   ``python -m cutp bench kernels``.
 
-Layouts (the op's): q [B, Hkv, G, Tq, D] (the G query heads of each KV head), k, v
-[B, Hkv, Tk, D], any strides with a contiguous head dim (views of a fused QKV projection's output
+Layouts (the op's): q [B, Hkv, G, Tq, D] (the G query heads of each KV head), k [B, Hkv, Tk, D],
+v [B, Hkv, Tk, DV] (DV = D but for MLA's (192, 128): ``ATTENTION_HEAD_DIMS``), any strides with a contiguous head dim (views of a fused QKV projection's output
 go in as they are: no copy); query row i sits at position Tk - Tq + i. The forward allocates only
-o, token-major [B, Tq, Hkv, G, D] (returned as the [B, Hkv, G, Tq, D] view, so merging the heads
+o, token-major [B, Tq, Hkv, G, DV] (returned as the [B, Hkv, G, Tq, DV] view, so merging the heads
 is a view) and the log-sum-exp lse [B, Hkv, G, Tq] in float32: O(T) memory, nothing T x T.
 
 The mask (cutp's attention mask rule): query row i sits at global index ``q_first + i`` (default
@@ -40,33 +41,51 @@ from .dropout import MASK64, keep_threshold
 from .family import DynamicShared, KernelFamily, Target, Traffic
 from .runtime import KernelArgumentError, LauncherBase, ceil_div, dtype_suffix, int32_arg, is_kernel_dtype
 
-ATTENTION_HEAD_DIMS = (64, 128)
+# (D of q and k, DV of v and o) pairs with kernels: 64 and 128, and MLA's (DeepSeek-V3: 128 + a
+# rotary 64 for q, k; 128 for v)
+ATTENTION_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 ROWDOT_WARPS = 8  # rows (warps) per block of attention_backward_rowdot
 MAX_GRID_X, MAX_GRID_Y = 2**31 - 1, 65535  # CUDA's grid limits: heads go on x, tiles on y
 
 
 def attention_tile_rows(kernel: str, head_dim: int) -> int:
-    """R, the query/key rows of a tile (a warp per 16 rows, 2 x R threads): 64, but 32 for the
-    backward at head dim 128, whose blocks hold four input tiles, two score tiles and
-    accumulators (kernels/attention.cu's entry points are instantiated with the same numbers)."""
-    return 32 if kernel != "forward" and head_dim == 128 else 64
+    """R, the query/key rows of a tile (a warp per 16 rows, 2 x R threads) at q's head dim: 64,
+    but 32 for the backward beyond head dim 64, whose blocks hold four input tiles, two score
+    tiles and accumulators, and for the forward beyond 128 (kernels/attention.cu's entry points
+    are instantiated with the same numbers)."""
+    return 32 if head_dim > 128 or (kernel != "forward" and head_dim > 64) else 64
 
 
-def attention_shared_bytes(kernel: str, dtype, head_dim: int) -> int:
+def head_dims_suffix(head_dim: int, v_dim: int | None = None) -> str:
+    """The entry points' head-dim suffix: d<D>, or d<D>v<DV> where v's head dim differs (MLA)."""
+    return f"d{head_dim}" if v_dim in (None, head_dim) else f"d{head_dim}v{v_dim}"
+
+
+def attention_shared_bytes(kernel: str, dtype, head_dim: int, v_dim: int | None = None) -> int:
     """Dynamic shared memory of a block of attention_{forward,backward_dq,backward_dkdv}: the
     layout of kernels/attention.cu (input tiles of rows D + 1 floats or D + 8 bf16, float score
     tiles of R + 4, bf16 probability tiles of R + 8, float accumulators of D + 4, R int32
-    document ids)."""
-    R, D = attention_tile_rows(kernel, head_dim), head_dim
+    document ids; D of q and k, DV = v_dim (default D) of v, dO and their accumulators)."""
+    D = head_dim
+    DV = D if v_dim is None else v_dim
+    R = attention_tile_rows(kernel, D)
     bf16 = np.dtype(dtype).itemsize == 2
-    tile = R * (D + 8 if bf16 else D + 1) * (2 if bf16 else 4)
-    score, prob, accum, docs = R * (R + 4) * 4, R * (R + 8) * 2, R * (D + 4) * 4, R * 4
+
+    def tile(d):
+        return R * (d + 8 if bf16 else d + 1) * (2 if bf16 else 4)
+
+    score, prob, docs = R * (R + 4) * 4, R * (R + 8) * 2, R * 4
+
+    def accum(d):
+        return R * (d + 4) * 4
+
     if kernel == "forward":  # Q, K, V, S, O (+ P), the key tile's document ids
-        return 3 * tile + score + accum + (prob if bf16 else 0) + docs
+        return 2 * tile(D) + tile(DV) + score + accum(DV) + (prob if bf16 else 0) + docs
     if kernel == "backward_dq":  # Q, dO, K, V, S, dP, dQ (+ dS), the key tile's document ids
-        return 4 * tile + 2 * score + accum + (prob if bf16 else 0) + docs
+        return 2 * tile(D) + 2 * tile(DV) + 2 * score + accum(D) + (prob if bf16 else 0) + docs
     if kernel == "backward_dkdv":  # K, V, Q, dO, S^T, dP^T, dK, dV, lse, D (+ P^T, dS^T), query document ids
-        return 4 * tile + 2 * score + 2 * accum + 2 * R * 4 + (2 * prob if bf16 else 0) + docs
+        return (2 * tile(D) + 2 * tile(DV) + 2 * score + accum(D) + accum(DV) + 2 * R * 4 + (2 * prob if bf16 else 0)
+                + docs)
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
@@ -100,12 +119,14 @@ def kernel_layout(a, output: bool = False) -> bool:
 
 
 def fused_attention_supported(q, k, v) -> str | None:
-    """None when the fused kernels take these operands, else why not (one line): head dims 64
-    and 128, float32 or bfloat16, one dtype, a contiguous head dim."""
+    """None when the fused kernels take these operands, else why not (one line): (q/k, v) head
+    dims of ATTENTION_HEAD_DIMS (64, 128; MLA's 192 and 128), float32 or bfloat16, one dtype, a
+    contiguous head dim."""
     if not (q.dtype == k.dtype == v.dtype) or not is_kernel_dtype(q.dtype):
         return f"the fused attention takes float32 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.shape[-1] not in ATTENTION_HEAD_DIMS:
-        return f"the fused attention takes head dims {ATTENTION_HEAD_DIMS}, got {q.shape[-1]}"
+    if (q.shape[-1], v.shape[-1]) not in ATTENTION_HEAD_DIMS:
+        return (f"the fused attention takes (q/k, v) head dims {', '.join(f'({d}, {dv})' for d, dv in ATTENTION_HEAD_DIMS)}"
+                f", got ({q.shape[-1]}, {v.shape[-1]})")
     if not all(kernel_layout(a) for a in (q, k, v)):
         return "the fused attention needs a contiguous head dim and non-negative strides"
     return None
@@ -139,7 +160,7 @@ class AttentionLaunchers(LauncherBase):
         whole sequence's, with the tile's first query's and key's global indices firsts = (q_first,
         k_first) folded into offsets[b] (q_first row_stride + k_first). offsets an int: batch rows
         follow each other (H head_stride apart)."""
-        B, Hkv, G, Tq, Tk, _ = dims
+        B, Hkv, G, Tq, Tk, _, _ = dims
         p = float(dropout_p)
         if not 0.0 <= p <= 1.0:
             raise KernelArgumentError(f"dropout_p={p} outside [0, 1]")
@@ -159,7 +180,7 @@ class AttentionLaunchers(LauncherBase):
     def _mask(self, dims, q_first, k_first, window, softcap, documents):
         """((q_first, k_first), the kernels' mask arguments (diag, window, softcap, q_docs,
         k_docs)) of the module docstring's rule; defaults: the last Tq of Tk positions."""
-        B, _, _, Tq, Tk, _ = dims
+        B, _, _, Tq, Tk, _, _ = dims
         if q_first is None and k_first is None and Tq > Tk:
             raise KernelArgumentError(f"causal attention needs Tq <= Tk, got Tq={Tq}, Tk={Tk} (or q_first, k_first)")
         q_first = Tk - Tq if q_first is None else int(q_first)
@@ -197,9 +218,10 @@ class AttentionLaunchers(LauncherBase):
         for name, a in (("q", q), ("k", k), ("v", v)):
             if not isinstance(a, xp.ndarray):
                 raise KernelArgumentError(f"{name} must be a {xp.__name__} array, got {type(a).__name__}")
-        if q.ndim != 5 or k.ndim != 4 or v.shape != k.shape or q.shape[:2] != k.shape[:2] or q.shape[4] != k.shape[3]:
-            raise KernelArgumentError(f"attention needs q [B, Hkv, G, Tq, D] and k, v [B, Hkv, Tk, D]; got q {q.shape}, "
-                                      f"k {k.shape}, v {v.shape}")
+        if q.ndim != 5 or k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3] or q.shape[:2] != k.shape[:2] \
+                or q.shape[4] != k.shape[3]:
+            raise KernelArgumentError(f"attention needs q [B, Hkv, G, Tq, D], k [B, Hkv, Tk, D] and v [B, Hkv, Tk, DV]; "
+                                      f"got q {q.shape}, k {k.shape}, v {v.shape}")
         why = fused_attention_supported(q, k, v)
         if why:
             raise KernelArgumentError(why)
@@ -210,43 +232,44 @@ class AttentionLaunchers(LauncherBase):
                                            ceil_div(Tk, attention_tile_rows("backward_dkdv", D))) > MAX_GRID_Y:
             raise KernelArgumentError(f"attention of {B * Hkv * G} heads of Tq={Tq}, Tk={Tk} exceeds the kernels' "
                                       "grid limits")
-        return q.shape[:4] + (k.shape[2], q.shape[4])
+        return q.shape[:4] + (k.shape[2], q.shape[4], v.shape[3])
 
     def attention_forward(self, q, k, v, scale: float, dropout_p: float = 0.0, seed: int = 0, offsets=0, *,
                           q_first=None, k_first=None, window=None, softcap=None, documents=None,
                           drop_strides=None, out_dtype=None):
         """(o, lse): o = dropout(softmax(scores, masked)) v in q's dtype (out_dtype float32: in
-        float32), [B, Hkv, G, Tq, D] (a view of token-major memory [B, Tq, Hkv, G, D]), lse
+        float32), [B, Hkv, G, Tq, DV] (a view of token-major memory [B, Tq, Hkv, G, DV]), lse
         [B, Hkv, G, Tq] float32, the rows' log-sum-exp of the (capped) scaled scores (what the
         backward recomputes the probabilities from). q_first, k_first, window, softcap, documents:
         the mask (module docstring); drop_strides: a tile's (:meth:`_attention_dropout_args`).
         Allocates o and lse (and, with dropout, the B offsets)."""
         xp = self.xp
-        dims = B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        dims = B, Hkv, G, Tq, Tk, D, DV = self._check(q, k, v)
         firsts, mask = self._mask(dims, q_first, k_first, window, softcap, documents)
         out_dtype = q.dtype if out_dtype is None else np.dtype(out_dtype)
         if out_dtype not in (q.dtype, np.float32):
             raise KernelArgumentError(f"out_dtype {out_dtype}: the forward writes o in q's dtype {q.dtype} or float32")
         drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, firsts, drop_strides)
-        o_tokens = xp.empty((B, Tq, Hkv, G, D), dtype=out_dtype)
+        o_tokens = xp.empty((B, Tq, Hkv, G, DV), dtype=out_dtype)
         lse = xp.empty((B, Hkv, G, Tq), dtype=np.float32)
         if o_tokens.size:
             qs, q_st = strided_span(xp, q)
             ks, k_st = strided_span(xp, k)
             vs, v_st = strided_span(xp, v)
             R = attention_tile_rows("forward", D)
-            self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_d{D}", (B * Hkv * G, ceil_div(Tq, R)),
+            self._launch("attention", f"attention_forward_{dtype_suffix(q.dtype)}_{head_dims_suffix(D, DV)}",
+                         (B * Hkv * G, ceil_div(Tq, R)),
                          (2 * R,),
                          (*((o_tokens, None) if out_dtype == q.dtype else (None, o_tokens)), lse, qs, ks, vs,
                           int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq), int32_arg("Tk", Tk),
                           *mask, *q_st[:4], *k_st[:3], *v_st[:3], np.float32(scale), *drop),
-                         shared_mem=attention_shared_bytes("forward", q.dtype, D))
+                         shared_mem=attention_shared_bytes("forward", q.dtype, D, DV))
         return o_tokens.transpose(0, 2, 3, 1, 4), lse
 
     def attention_backward(self, do, q, k, v, o, lse, scale: float, out=None, dropout_p: float = 0.0, seed: int = 0,
                            offsets=0, *, rowdot=None, q_first=None, k_first=None, window=None, softcap=None,
                            documents=None, drop_strides=None, accumulate: bool = False):
-        """(dq, dk, dv) of attention_forward's (o, lse) for do shaped like o (any strides with a
+        """(dq, dk, dv) of attention_forward's (o, lse) for do shaped like o ([B, Hkv, G, Tq, DV]; any strides with a
         contiguous head dim), with the forward's dropout, mask and drop_strides. out:
         optional (dq, dk, dv) arrays of q's, k's, v's shapes, each in q's dtype or float32, to
         write (views of one packed buffer are fine) or, with accumulate, to add the gradients to;
@@ -254,14 +277,15 @@ class AttentionLaunchers(LauncherBase):
         contiguous (a ring tile's: of the merged o; o is then unused, may be None); without it
         the launcher computes it (scratch of that shape) from o."""
         xp = self.xp
-        dims = B, Hkv, G, Tq, Tk, D = self._check(q, k, v)
+        dims = B, Hkv, G, Tq, Tk, D, DV = self._check(q, k, v)
         firsts, mask = self._mask(dims, q_first, k_first, window, softcap, documents)
+        o_shape = q.shape[:4] + (DV,)
         rows_shape = (B, Hkv, G, Tq)
         for name, a in (("do", do), ("o", o)):
             if name == "o" and rowdot is not None:
                 continue
-            if not isinstance(a, xp.ndarray) or a.shape != q.shape or a.dtype != q.dtype:
-                raise KernelArgumentError(f"{name} must be a {xp.__name__} array of q's shape {q.shape} and dtype "
+            if not isinstance(a, xp.ndarray) or a.shape != o_shape or a.dtype != q.dtype:
+                raise KernelArgumentError(f"{name} must be a {xp.__name__} array of o's shape {o_shape} and q's dtype "
                                           f"{q.dtype}, got {getattr(a, 'shape', type(a).__name__)}")
         for name, a in (("lse", lse), ("rowdot", rowdot)):
             if name == "rowdot" and a is None:
@@ -282,7 +306,7 @@ class AttentionLaunchers(LauncherBase):
                 dv[...] = 0
             return out
         drop = self._attention_dropout_args(dropout_p, seed, offsets, dims, firsts, drop_strides)
-        sfx = f"{dtype_suffix(q.dtype)}_d{D}"
+        sfx = f"{dtype_suffix(q.dtype)}_{head_dims_suffix(D, DV)}"
         dims = (int32_arg("Hkv", Hkv), int32_arg("G", G), int32_arg("Tq", Tq))
         (qs, q_st), (ks, k_st), (vs, v_st) = strided_span(xp, q), strided_span(xp, k), strided_span(xp, v)
         dos, do_st = strided_span(xp, do)
@@ -290,7 +314,8 @@ class AttentionLaunchers(LauncherBase):
             n_rows = B * Hkv * G * Tq
             rowdot = xp.empty(rows_shape, dtype=np.float32)
             os_, o_st = strided_span(xp, o)
-            self._launch("attention", f"attention_backward_rowdot_{sfx}", (ceil_div(n_rows, ROWDOT_WARPS),),
+            self._launch("attention", f"attention_backward_rowdot_{dtype_suffix(q.dtype)}_d{DV}",
+                         (ceil_div(n_rows, ROWDOT_WARPS),),
                          (32 * ROWDOT_WARPS,), (rowdot, os_, dos, *dims, *o_st[:4], *do_st[:4], np.int64(n_rows)))
         common = (qs, ks, vs, dos, lse, rowdot, *dims, int32_arg("Tk", Tk), *mask, *q_st[:4], *k_st[:3],
                   *v_st[:3], *do_st[:4])
@@ -298,11 +323,11 @@ class AttentionLaunchers(LauncherBase):
         R = attention_tile_rows("backward_dq", D)
         self._launch("attention", f"attention_backward_dq_{sfx}", (B * Hkv * G, ceil_div(Tq, R)), (2 * R,),
                      (dq_t, dq_f, acc, *common, *dq_st[:4], np.float32(scale), *drop),
-                     shared_mem=attention_shared_bytes("backward_dq", q.dtype, D))
+                     shared_mem=attention_shared_bytes("backward_dq", q.dtype, D, DV))
         R = attention_tile_rows("backward_dkdv", D)
         self._launch("attention", f"attention_backward_dkdv_{sfx}", (B * Hkv, ceil_div(Tk, R)), (2 * R,),
                      (dk_t, dv_t, dk_f, dv_f, acc, *common, *dk_st[:3], *dv_st[:3], np.float32(scale), *drop),
-                     shared_mem=attention_shared_bytes("backward_dkdv", q.dtype, D))
+                     shared_mem=attention_shared_bytes("backward_dkdv", q.dtype, D, DV))
         return out
 
 
@@ -349,7 +374,15 @@ QUICK_TESTS = (
     "test_attention_tiles.py::test_a_ring_tile_pair_on_the_kernels",
     "test_attention_tiles.py::test_diagonal_shifts",
     *_scheduled("warp-reverse"), *_scheduled("random"),
-    # unchecked build: a few grid cases (one query row; GQA 4 at 200 rows; 513 rows)
+    # MLA's head dims (q, k 192; v 128): every kernel's D / DV tiles, the mask, a ring tile
+    *[f"test_attention_head_dims.py::test_mla_head_dims_on_the_kernels[emulated-{case}]"
+      for case in ("gqa-T40-f32", "window-documents-dropout-T70-f32", "softcap-kvcache-20x50-f32", "gqa-T40-bf16",
+                   "window-documents-dropout-T70-bf16")],
+    "test_attention_head_dims.py::test_mla_head_dims_under_each_schedule",
+    "test_attention_head_dims.py::test_a_ring_tile_at_mla_head_dims",
+    # unchecked build: issue 42's element-wise class (fastmath), a few grid cases (one query row;
+    # GQA 4 at 200 rows; 513 rows)
+    _ATT + "test_probabilities_within_ulps_of_expf",
     *[f"{_ATT}test_attention_grid[emulated-{case}-{dt}]"
       for case in ("B2-kv4-g1-T1-d64", "B2-kv1-g4-T1-d128", "B1-kv1-g4-T200-d128", "B1-kv1-g4-T200-d64",
                    "B1-kv1-g1-T513-d64")
@@ -361,24 +394,28 @@ QUICK_TESTS = (
 # compute-bound (4 T^2 D / 2 multiply-adds per head against O(T D) bytes): their bound is TFLOP/s,
 # measured by `cutp bench kernels --ops attention`.
 _TILE_KERNELS = ("forward", "backward_dq", "backward_dkdv")
+_DIMS = {head_dims_suffix(d, dv): (d, dv) for d, dv in ATTENTION_HEAD_DIMS}  # d64, d128, d192v128
 FAMILY = KernelFamily(
     "attention", ("attention",), AttentionLaunchers,
     targets={
         "attention_forward_d64": Target(128, 2, "84 KiB (f32) / 60 KiB (bf16) of tiles: 2 blocks per SM on sm_80"),
         "attention_forward_d128": Target(128, 1, "150 KiB (f32) / 112 KiB (bf16) of tiles: 1 block per SM"),
+        "attention_forward_d192v128": Target(64, 2, "86 KiB (f32) / 57 KiB (bf16) of 32-row tiles: 2 blocks on sm_90"),
         "attention_backward_rowdot_d64": Target(256, 8, "a warp per row, elementwise"),
         "attention_backward_rowdot_d128": Target(256, 8, "a warp per row, elementwise"),
         "attention_backward_dq_d64": Target(128, 1, "119 KiB (f32) / 98 KiB (bf16) of tiles: 1 block per SM"),
         "attention_backward_dq_d128": Target(64, 2, "92 KiB (f32) / 73 KiB (bf16) of 32-row tiles: 2 blocks on sm_90"),
+        "attention_backward_dq_d192v128": Target(64, 1, "114 KiB (f32) / 78 KiB (bf16) of 32-row tiles: 1 block per SM"),
         "attention_backward_dkdv_d64": Target(128, 1, "136 KiB (f32) / 125 KiB (bf16) of tiles: 1 block per SM"),
         "attention_backward_dkdv_d128": Target(64, 2, "109 KiB (f32) / 83 KiB (bf16) of 32-row tiles: 2 on sm_90"),
+        "attention_backward_dkdv_d192v128": Target(64, 1, "131 KiB (f32) / 97 KiB (bf16) of 32-row tiles: 1 per SM"),
     },
     traffic={f"attention_backward_rowdot_d{d}": Traffic(2, ops=2, what="read o, do; a float per row")
-             for d in ATTENTION_HEAD_DIMS},
-    compute_bound=frozenset(f"attention_{kernel}_d{d}" for kernel in _TILE_KERNELS for d in ATTENTION_HEAD_DIMS),
-    dynamic_shared={f"attention_{kernel}_d{d}": DynamicShared(
-        "attention_shared_bytes", lambda _d, kernel=kernel, d=d: max(
-            attention_shared_bytes(kernel, np.float32, d), attention_shared_bytes(kernel, np.uint16, d)), d, d,
-        width="head dim") for kernel in _TILE_KERNELS for d in ATTENTION_HEAD_DIMS},
-    tests=("test_attention.py", "test_attention_tiles.py", "test_attention_mask.py"),
-    mutation_classes=("skiptile", "softcap"), quick_tests=QUICK_TESTS)
+             for d in (64, 128)},
+    compute_bound=frozenset(f"attention_{kernel}_{sfx}" for kernel in _TILE_KERNELS for sfx in _DIMS),
+    dynamic_shared={f"attention_{kernel}_{sfx}": DynamicShared(
+        "attention_shared_bytes", lambda _d, kernel=kernel, d=d, dv=dv: max(
+            attention_shared_bytes(kernel, np.float32, d, dv), attention_shared_bytes(kernel, np.uint16, d, dv)), d, d,
+        width="head dim") for kernel in _TILE_KERNELS for sfx, (d, dv) in _DIMS.items()},
+    tests=("test_attention.py", "test_attention_tiles.py", "test_attention_mask.py", "test_attention_head_dims.py"),
+    mutation_classes=("skiptile", "softcap", "fastmath", "headdim"), quick_tests=QUICK_TESTS)

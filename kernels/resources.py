@@ -91,7 +91,7 @@ class KernelResources:
 def family(kernel: str) -> str:
     """The TARGETS key of an entry point: its name without the storage suffix (attention's keep
     their head dim: attention_forward_f32_d64 -> attention_forward_d64)."""
-    return re.sub(r"_(f32|bf16)(_d\d+)?$", r"\2", kernel)
+    return re.sub(r"_(f32|bf16)(_d\d+(?:v\d+)?)?$", r"\2", kernel)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -99,12 +99,12 @@ QUICK = {f.name: list(f.quick_tests) for f in families() if f.quick_tests}
 LAUNCH_TIMEOUT = 10
 
 OPS = ("accumulate", "relop", "bound", "barrier", "init", "index32", "shared", "skipwrite", "stride", "math",
-       "round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap")
+       "round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap", "headdim")
 # Operators that apply to some sources only (the bug classes of issue 42), as the families declare
 # them (FAMILY.mutation_classes, of their own source), and those of the shared header; the others
 # apply everywhere.
 COMMON_CLASSES = ("vecwidth",)  # common.cuh: load_chunk / store_chunk (its sums are on no storage type T)
-SOURCE_CLASSES = ("round16", "halves", "fastmath", "skiptile", "softcap")
+SOURCE_CLASSES = ("round16", "halves", "fastmath", "skiptile", "softcap", "headdim")
 OP_SOURCES = {op: tuple(f"{f.sources[0]}.cu" for f in families() if op in f.mutation_classes)
               + (("common.cuh",) if op in COMMON_CLASSES else ()) for op in SOURCE_CLASSES}
 
@@ -205,6 +205,14 @@ PATTERNS = [
     ("skiptile", r"(?<=\)) continue;", " {}", ""),
     ("softcap", r"\btanhf\(", "(", ""),
     ("softcap", r" \* dcap\b", "", ""),
+    # MLA's head dims: v's (DV, its tiles' VLD, accumulators' VOLD) taken for q/k's, and on the
+    # lines that name both, q/k's for v's
+    ("headdim", r"\bDV\b", "D", ""),
+    ("headdim", r"\bVLD\b", "LD", ""),
+    ("headdim", r"\bVOLD\b", "OLD", ""),
+    ("headdim", r"\bD\b", "DV", "DV"),
+    ("headdim", r"\bLD\b", "VLD", "VLD"),
+    ("headdim", r"\bOLD\b", "VOLD", "VOLD"),
 ]
 
 
@@ -331,7 +339,7 @@ def _killing_test(out: str) -> str:
 def prioritised(mutants):
     """The categories the issues name first (issue 42's, then the first review's: a capped run
     still covers them), then relop and bound; sources interleaved within a category."""
-    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap",
+    order = {op: i for i, op in enumerate(("round16", "halves", "fastmath", "vecwidth", "skiptile", "softcap", "headdim",
                                            "barrier", "accumulate", "init",
                                            "shared", "skipwrite", "index32", "stride", "math", "relop", "bound"))}
     rank = {}

@@ -23,8 +23,8 @@ Two implementations of one formula, chosen per call:
   (the dropout mask is drawn for the whole probability tensor: on the CPU dropout needs this path);
 * the blocked NumPy path, without dropout (see "Blocked NumPy path" below);
 * on a GPU with kernels on, the fused kernels (``kernels/attention.cu``, FlashAttention-2):
-  CuPy arrays of float32 or bfloat16, head dims 64 or 128 (another head dim: the plain
-  composition, with a warning once), attention dropout included (the same masks as the plain
+  CuPy arrays of float32 or bfloat16, head dims 64 or 128, or MLA's q/k 192 and v 128
+  (another head dim: the plain composition, with a warning once), attention dropout included (the same masks as the plain
   path, evaluated from the counter hash in the kernels). The context then keeps q, k, v, o and
   the rows' log-sum-exp: O(T) memory, nothing T x T, so selective recomputation has nothing left
   to recompute.
@@ -182,17 +182,18 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             stream and advances it by ``B * nkv * g * Tq * Tk``. ``dropout_p == 0``: none.
             ``offset`` may also be a sequence of B offsets, one per batch row (each row's mask
             drawn at its own place: ``dropout_forward_rows``).
-        blocked: ``None`` picks the blocked path for NumPy arrays without dropout, the plain
-            one otherwise; ``False`` forces the plain path; ``True`` the blocked one (NumPy,
-            no dropout, else ``ValueError``).
+        blocked: ``None`` picks the blocked path for NumPy arrays without dropout (and v's
+            head dim q's), the plain one otherwise; ``False`` forces the plain path; ``True``
+            the blocked one (NumPy, no dropout, one head dim, else ``ValueError``).
         fused: ``None`` runs the fused kernels where they apply (CuPy arrays, kernels on,
-            float32/bfloat16, head dim 64 or 128; otherwise a warning once per reason, then the
+            float32/bfloat16, head dims 64 or 128, or q/k 192 with v 128 (MLA); otherwise a
+            warning once per reason, then the
             other paths); ``False`` never (a ``blocked`` of True or False implies it); ``True``
             requires them (``ValueError`` with the reason).
         window, softcap, q_first, k_first, documents: the mask rule and the soft-capping of the
             module docstring (:class:`AttentionMask`); defaults: the plain causal rule, no cap.
 
-    Returns ``(o, ctx)``: o [B, nkv, g, Tq, hd] in q's dtype. The blocked path writes o's memory
+    Returns ``(o, ctx)``: o [B, nkv, g, Tq, hd of v] in q's dtype. The blocked path writes o's memory
     token-major, [B, Tq, nkv, g, hd], so merging the heads afterwards,
     ``o.transpose(0, 3, 1, 2, 4).reshape(B, Tq, nkv * g * hd)``, is a view there (a copy after
     the plain path). ``ctx`` (:class:`AttentionCtx`) keeps q, k, v and the probabilities.
@@ -218,11 +219,11 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
         if fused:
             raise ValueError(why)
     xp = get_array_module(q, k, v)
-    can_block = on_host(xp) and float(dropout_p) == 0.0
+    can_block = on_host(xp) and float(dropout_p) == 0.0 and v.shape[-1] == q.shape[-1]  # (MLA's v: plain)
     if blocked is None:
         blocked = can_block
     elif blocked and not can_block:
-        raise ValueError("the blocked attention needs NumPy arrays and no dropout")
+        raise ValueError("the blocked attention needs NumPy arrays and no dropout (and v's head dim equal to q's)")
     rule = None if plain_rule else (mask, softcap)
     if blocked:
         return _forward_blocked(q, k, v, scale, rule)
@@ -543,14 +544,14 @@ def flash_attention_forward(q, k, v, scale=None, tile: int = FLASH_TILE, dropout
     Tq, Tk = q.shape[3], k.shape[2]
     visible, key_range, _, meet = _flash_mask(xp, Tq, Tk, q_first, k_first, window, documents)
     drop = _dropout_factors(xp, q.shape[:4] + (Tk,), dropout_p, seed, offset)
-    o = xp.empty(q.shape, cdt)
+    o = xp.empty(q.shape[:4] + v.shape[-1:], cdt)  # v's head dim (MLA's differs from q's)
     lse = xp.empty(q.shape[:4], cdt)
     for q0 in range(0, Tq, tile):
         q1 = min(q0 + tile, Tq)
         qt = as_dtype(q[..., q0:q1, :], cdt)
         m = xp.full(qt.shape[:4], -xp.inf, cdt)
         l_sum = xp.zeros(qt.shape[:4], cdt)
-        acc = xp.zeros(qt.shape, cdt)
+        acc = xp.zeros(qt.shape[:4] + v.shape[-1:], cdt)
         lo, hi = key_range(q0, q1)
         for k0 in range(lo - lo % tile, hi, tile):
             k1 = min(k0 + tile, Tk)

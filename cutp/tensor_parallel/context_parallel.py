@@ -293,14 +293,6 @@ class UlyssesCtx:
         self.attention, self.rep = attention_ctx, rep
 
 
-def array_path_for(q, v) -> dict:
-    """The op's path keyword for q and v: {"blocked": False} (the plain path) where v's head dim
-    differs from q's (MLA's: the blocked path takes one head dim, and the fused kernels' check,
-    `fused_attention_supported`, reads q's alone), else none (the op's own choice). Once the
-    fused kernels take v's head dim apart, a GPU's may: then only the host's needs this."""
-    return {"blocked": False} if v.shape[-1] != q.shape[-1] else {}
-
-
 def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: MaskRule | None = None):
     """(o, UlyssesCtx): q [B, nkv, g, Tl, hd], k and v [B, nkv, Tl, hd] (v's head dim may differ)
     this rank's tokens of the TP-local heads (nkv g divisible by cp, and cp dividing nkv or nkv dividing cp) -> o of
@@ -322,7 +314,7 @@ def ulysses_attention_forward(group, q, k, v, scale: float, dropout=None, rule: 
         docs = rule.documents
         mask = dict(window=rule.window, softcap=rule.softcap, documents=None if docs is None else (docs, docs))
     o, attention_ctx = causal_attention_forward(qh, kh, vh, scale=scale, dropout_p=p, seed=seed, offset=offsets,
-                                                **mask, **array_path_for(qh, vh))
+                                                **mask)
     (o,) = _heads_to_seq(group, [(o, 1)])
     return o.reshape(q.shape[:-1] + (v.shape[-1],)), UlyssesCtx(attention_ctx, rep)
 

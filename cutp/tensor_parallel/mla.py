@@ -58,7 +58,7 @@ import numpy as np
 
 from .. import ops
 from ..runtime.errors import ConfigError
-from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, array_path_for, ring_attention_backward,
+from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, ring_attention_backward,
                                ring_attention_forward, ulysses_attention_backward, ulysses_attention_forward,
                                zigzag_chunks)
 from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
@@ -191,7 +191,6 @@ class MultiLatentAttention(Module):
             return attend(self.ctx.cp, q, k, v, self.scale, (p, seed, offsets, T) if p else None,
                           MaskRule(documents=documents))
         o, attn = ops.causal_attention_forward(q, k, v, scale=self.scale, dropout_p=p, seed=seed, offset=offsets,
-                                               **array_path_for(q, v),
                                                documents=None if documents is None else (documents, documents))
         if self.recompute_core and dropout is None and not attn.fused:  # (the fused kernels' context is O(T))
             attn = (q, k, v, (p, seed, offsets), documents)

@@ -49,9 +49,9 @@ GPU_SIZED_REASON = ("GPU-sized case: seconds of CPU time under the emulator; the
                     "code paths at the smaller sizes of this test")
 
 
-def gpu_sized(*values):
+def gpu_sized(*values, id=None):  # noqa: A002 (pytest.param's name)
     """A parameter set run on the cuda backend only: the emulated backend reports it skipped."""
-    return pytest.param(*values, marks=pytest.mark.cuda_only(GPU_SIZED_REASON))
+    return pytest.param(*values, marks=pytest.mark.cuda_only(GPU_SIZED_REASON), id=id)
 
 
 # The poison of unwritten outputs, the emulator's shared-memory pattern (tests/cuda_emu): 0xffa5 in

@@ -33,14 +33,15 @@ from mpi4py import MPI
 import cutp
 from cutp import kernels, ops
 from cutp.kernels import KernelArgumentError, KernelLoadError, Launchers
-from cutp.kernels.attention import attention_shared_bytes, attention_tile_rows
+from cutp.kernels.attention import ATTENTION_HEAD_DIMS, attention_shared_bytes, attention_tile_rows
 from cutp.kernels.runtime import find_mma_include
 from cutp.kernels import shape_only_launchers
 from cutp.runtime.shape_only import ShapeOnly
 from cutp.models import GPT, GPTConfig
 from tests.cuda_emu import KERNELS_DIR, EmulatedModule
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, PoisonedAllocations, RecordingAllocations, bits, is_poison, randn
+from .helpers import (BF16, DT_IDS, DTYPES, F32, PoisonedAllocations, RecordingAllocations, bits, is_poison, randn,
+                      ulp)
 
 TOL = {F32: 1e-5, BF16: 2e-2}
 attention_op = importlib.import_module("cutp.ops.attention")
@@ -266,10 +267,10 @@ def test_shared_memory_fits_the_devices():
     """Every block's dynamic shared memory within sm_80's opt-in limit (163 KiB), and the tile
     rows a multiple of a warp's 16-row band."""
     for kernel in ("forward", "backward_dq", "backward_dkdv"):
-        for D in (64, 128):
+        for D, DV in ATTENTION_HEAD_DIMS:  # (64, 64), (128, 128), MLA's (192, 128)
             assert attention_tile_rows(kernel, D) % 16 == 0
             for dtype in DTYPES:
-                assert attention_shared_bytes(kernel, dtype, D) <= 166_912, (kernel, D, dtype)
+                assert attention_shared_bytes(kernel, dtype, D, DV) <= 166_912, (kernel, D, DV, dtype)
 
 
 # ---- the array-code reference ---------------------------------------------------------------------
@@ -459,6 +460,53 @@ def test_scores_far_below_zero(backend, k, dtype):
     k_ = (u + rng.integers(-2, 3, (1, 1, 70, 64)) / 16.0).astype(dtype)  # scores -128 +- a few
     q = np.ascontiguousarray(np.broadcast_to(-16.0 * u, (1, 1, 1, 70, 64)), dtype=dtype)
     check_against_reference(k, backend, q, k_, v, do, dtype)
+
+
+def exp_probe_inputs(Hkv, G, D, DV):
+    """Scores whose probabilities come each from one exp of a large negative argument, in separate
+    output columns (issue 42's element-wise class for the attention: float32 probabilities within
+    a few ulps, as expf gives them, where a fast-math __expf is off by up to 2 + 1.16 |x| ulps).
+    Three query rows at positions 63, 64, 65 of 66 keys (two key tiles): keys 1..63 at score
+    -1000 c (probability exactly 0); key 0 at gap_a c, key 64 at 0, key 65 at gap_b c (gaps in
+    [-24, -16], per KV head; c per query head). Row 65's running max grows from gap_a c to 0 in
+    the second tile: its o = (alpha e0 + e1 + p65 e2) / l with alpha = exp(gap_a c) (the
+    rescale's exp) and p65 = exp(gap_b c) (the probability's); the backward's recomputed
+    probabilities exp(x - lse) reach dv of keys 0 and 65 (dO rows one-hot in their own columns)
+    and dq, dk. Every product is exact (dyadic values), lse is below half an ulp of the scores."""
+    e = np.eye(max(D, DV))
+    gap_a = -16.0 - np.arange(Hkv)
+    gap_b = -16.5 - np.arange(Hkv)[::-1]
+    k = np.zeros((1, Hkv, 66, D))
+    k[0, :, 1:64] = -1000.0 * e[0, :D]
+    k[0, :, 0] = gap_a[:, None] * e[0, :D]
+    k[0, :, 65] = gap_b[:, None] * e[0, :D]
+    c = 1.0 + 0.125 * np.arange(G)
+    q = np.broadcast_to((c[:, None] * e[0, :D])[None, None, :, None, :], (1, Hkv, G, 3, D)).copy()
+    v = np.zeros((1, Hkv, 66, DV))
+    v[0, :, 0], v[0, :, 64], v[0, :, 65] = e[0, :DV], e[1, :DV], e[2, :DV]
+    do = np.zeros((1, Hkv, G, 3, DV))
+    do[..., 0, :], do[..., 1, :], do[..., 2, :] = e[3, :DV], e[4, :DV], e[0, :DV]
+    return tuple(a.astype(F32) for a in (q, k, v, do))
+
+
+def test_probabilities_within_ulps_of_expf(backend, fast):
+    """o, dq, dk, dv element by element within 8 float32 ulps (+ 2^-140) of the float64 formula
+    on exp_probe_inputs, in all three tile kernels (the forward's probabilities and rescale, the
+    backward's recomputed probabilities; the kernels' templates are one code at every head dim:
+    MLA's here; the unchecked build, as the grid's): a normwise bound lets a fast-math exp through."""
+    q, k_, v, do = exp_probe_inputs(4, 2, 192, 128)
+    dev = [backend.to_device(a) for a in (q, k_, v, do)]
+    o, lse = fast.attention_forward(*dev[:3], 1.0)
+    grads = fast.attention_backward(dev[3], *dev[:3], o, lse, 1.0)
+    want_o = ops.causal_attention_reference(*(a.astype(np.float64) for a in (q, k_, v)), scale=1.0)
+    _, ctx = ops.causal_attention_forward(*(a.astype(np.float64) for a in (q, k_, v)), scale=1.0, blocked=False)
+    want = ops.causal_attention_backward(do.astype(np.float64), ctx)
+    assert want_o[..., 2, 0].max() > 1e-12 and want[2][:, :, 0, 0].min() > 1e-12  # the probes are not 0
+    for name, got, w in zip(("o", "dq", "dk", "dv"), (o, *grads), (want_o, *want)):
+        got = backend.host(got).astype(np.float64)
+        bad = np.abs(got - w) > 8 * ulp(w, F32) + 2.0 ** -140
+        assert not bad.any(), (f"{name}: {int(bad.sum())} elements off by more than 8 ulps, e.g. "
+                               f"{got[bad][:3]} vs {w[bad][:3]}")
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

@@ -39,7 +39,8 @@ ALL_KERNELS = [
     "swiglu_forward_f32", "swiglu_forward_bf16", "swiglu_backward_f32", "swiglu_backward_bf16",
     "rotary_f32", "rotary_bf16",
 ] + [f"attention_{kernel}_{dt}_d{d}" for kernel in ("forward", "backward_rowdot", "backward_dq", "backward_dkdv")
-     for dt in ("f32", "bf16") for d in (64, 128)]
+     for dt in ("f32", "bf16") for d in (64, 128)] + [
+    f"attention_{kernel}_{dt}_d192v128" for kernel in ("forward", "backward_dq", "backward_dkdv") for dt in ("f32", "bf16")]
 
 
 # ================================================================================================
@@ -190,11 +191,12 @@ def test_every_kernel_is_launched_by_its_launcher(backend, k):
         k.swiglu_backward(k.swiglu_forward(x), x)
         cs = backend.to_device(np.ones((3, 8), np.float32))
         k.rotary(x.reshape(1, 3, 5, 8), cs, cs)
-        for d in (64, 128):
+        for d, dv in ((64, 64), (128, 128), (192, 128)):
             q = backend.to_device(randn((1, 1, 2, 5, d), dtype, seed=41))
-            kv = backend.to_device(randn((1, 1, 5, d), dtype, seed=42))
-            o, lse = k.attention_forward(q, kv, kv, 0.1)
-            k.attention_backward(q, q, kv, kv, o, lse, 0.1)
+            kk = backend.to_device(randn((1, 1, 5, d), dtype, seed=42))
+            v = backend.to_device(randn((1, 1, 5, dv), dtype, seed=43))
+            o, lse = k.attention_forward(q, kk, v, 0.1)
+            k.attention_backward(o, q, kk, v, o, lse, 0.1)
     k.dropout_mask((5,), 0.5, 1, 2)
     assert set(k.launches) == defined, sorted(defined - set(k.launches))
 
