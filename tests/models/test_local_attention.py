@@ -51,11 +51,12 @@ def _batch(seed=0):
 
 
 def _grads(model, ctx):
-    """Every parameter's full gradient, the vocabulary padding dropped."""
+    """Every parameter's full gradient, the vocabulary padding dropped (none for a buffer: the
+    DeepSeek correction bias)."""
     from tests.tp_utils import full_grads
 
-    real = {p.name: p.real_rows for p in model.parameters()}
-    return {k: g[:real[k]] for k, g in full_grads(model, ctx).items()}
+    real = {p.name: p.real_rows for p in model.parameters() if p.grad is not None}
+    return {k: g[:real[k]] for k, g in full_grads(model, ctx).items() if k in real}
 
 
 def _one_rank(model_name, packed):
