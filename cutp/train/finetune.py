@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from ..checkpoint import read_meta, resolve_checkpoint
+from ..checkpoint import CheckpointError, read_meta, resolve_checkpoint
 from ..models.hf import expected_shapes
 from ..models.hf_files import HFFormatError
 from ..runtime.errors import ConfigError
@@ -124,7 +124,7 @@ def resumed_without_base(resume: str) -> bool:
     """Whether checkpoint (or run directory) `resume` holds only what its run trained."""
     try:
         return bool(read_meta(resolve_checkpoint(resume)).get("trainable_only"))
-    except (OSError, ValueError, ConfigError):
+    except (OSError, ValueError, ConfigError, CheckpointError):  # (not a cutp checkpoint: the refusal names both)
         return False
 
 
