@@ -29,3 +29,30 @@ if _ROOT not in sys.path:
 from tests.transformers_compat import hide_cutp_kernels_from_transformers  # noqa: E402
 
 hide_cutp_kernels_from_transformers()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """When the session runs the nvcc compile test, its compiles start in the background now:
+    pytest runs on one core, and the other compiles while the early tests run. The compiles fill
+    the resource cache (cutp.kernels.resources, this session's CUTP_CACHE_DIR), which the test
+    then reads; a source that fails is not cached, so the test compiles it again and raises with
+    nvcc's log."""
+    if not any(item.name == "test_sources_compile_with_nvcc" for item in items):
+        return
+    import threading
+
+    from cutp.kernels import resources
+
+    nvcc = resources.find_nvcc()
+    if nvcc is None:
+        return
+
+    def warm():
+        try:
+            version = resources._nvcc_version(nvcc)
+            for source in resources.SOURCES:
+                resources.compile_source(source, nvcc, resources.ARCHS, version)
+        except Exception:  # (the test reports it)
+            pass
+
+    threading.Thread(target=warm, name="nvcc-warm-up", daemon=True).start()

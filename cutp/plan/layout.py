@@ -114,7 +114,20 @@ def param_count(a: GPTConfig, tp: int = 1, ep: int = 1) -> dict:
     """Parameters of the full model ('total'), of one TP (and EP) rank ('per_rank': its shards, the
     vocabulary padded as `padded_vocab(tp)` pads it) and those a token runs through ('active'), by
     component ('layer': a dense layer's); each `*_per_rank` one rank's. The sums of the model's
-    declarations (`GPTConfig.declarations`, cutp.tensor_parallel.specs): no array is built."""
+    declarations (`GPTConfig.declarations`, cutp.tensor_parallel.specs): no array is built.
+    (Kept per config and layout: the search asks for the same counts thousands of times.)"""
+    key = (repr(a), tp, ep)
+    if key not in _PARAM_COUNTS:
+        if len(_PARAM_COUNTS) >= 256:
+            _PARAM_COUNTS.clear()
+        _PARAM_COUNTS[key] = _param_count(a, tp, ep)
+    return dict(_PARAM_COUNTS[key])
+
+
+_PARAM_COUNTS: dict = {}
+
+
+def _param_count(a: GPTConfig, tp: int, ep: int) -> dict:
     decls = a.declarations()
     layer = dataclasses.replace(a, n_experts=0).block_spec(0).parameters()  # (a dense layer)
     out = {"total": count(decls), "per_rank": count(decls, tp=tp, ep=ep), "active": a.num_active_parameters(),

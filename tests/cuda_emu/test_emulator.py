@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -1156,6 +1157,8 @@ def test_sources_compile_with_nvcc(tmp_path):
     samples here (sm_80); kernels/ (sm_80 and sm_90) through kernel_resources.compile_all, the compile the
     resource tests read (with common.cuh inlined, as cutp hands NVRTC the source; cached per
     source text, so this session compiles each kernel once)."""
+    for warm_up in [t for t in threading.enumerate() if t.name == "nvcc-warm-up"]:
+        warm_up.join()  # (tests/conftest.py: the same compiles, started at collection)
     kernel_resources.compile_all(_nvcc())  # raises with nvcc's log on an error or a warning
     # (the emulator's samples only need to be valid CUDA: one architecture; kernels/ gets both)
     jobs = [(src, "sm_80") for src in (SAMPLES, BROKEN)]
