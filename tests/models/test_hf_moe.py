@@ -114,7 +114,7 @@ def test_logits_generation_gradients_and_export_equal_transformers(family, tmp_p
 
     # tp 2 x dp 2 and tp 4 in one launch
     run_mpi(4, "tests.models.test_hf_moe:_worker_tp", str(tmp_path), family, timeout=600)
-    for out in ("cutp", "cutp-tp2"):
+    for out in ("cutp", "cutp-tp2", "cutp-tp4"):
         again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / out), dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
         with torch.no_grad():
@@ -139,8 +139,8 @@ def _fused(tensors: dict, name: str) -> np.ndarray:
 
 
 def _worker_tp(root, family):
-    """tp 2 x dp 2 and tp 4: the float32 logits; tp 2: the greedy tokens and export-hf from the
-    shards; tp 4: the float64 logits (1e-12), loss (1e-12) and every gradient (1e-10) of
+    """tp 2 x dp 2 and tp 4: the float32 logits, the greedy tokens (cached and not) and export-hf
+    from the shards; tp 4: the float64 logits (1e-12), loss (1e-12) and every gradient (1e-10) of
     transformers with its float32 casts lifted (the main process's)."""
     from cutp.tensor_parallel import gather_full, tp_grad_sync
 
@@ -151,11 +151,11 @@ def _worker_tp(root, family):
         ref = np.load(os.path.join(root, "logits.npy"))
         got = _logits(model, idx)
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (tp, np.abs(got - ref).max())
+        want = list(np.load(os.path.join(root, "greedy.npy"))[0])
+        for cached in (True, False):
+            assert _greedy(model, np.array([want[:6]]), 32, cached) == want, (tp, cached)
+        save_hf(model, os.path.join(root, f"cutp-tp{tp}"))
         if tp == 2:
-            want = list(np.load(os.path.join(root, "greedy.npy"))[0])
-            for cached in (True, False):
-                assert _greedy(model, np.array([want[:6]]), 32, cached) == want, (tp, cached)
-            save_hf(model, os.path.join(root, "cutp-tp2"))
             ctx.close()
             continue
         model = from_hf(ctx, os.path.join(root, "hf64"), dtype="float64")
