@@ -1,7 +1,7 @@
 """Marker ``zero_full``: the whole ZeRO layout grid (tests/optim/test_zero.py), run with
 ``pytest -m zero_full tests/optim``; `make test` runs its representative part and reports the
 rest skipped."""
-import pytest
+from tests.markers import skip_unless_chosen
 
 REASON = "the whole ZeRO layout grid: pytest -m zero_full tests/optim"
 
@@ -11,8 +11,4 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if "zero_full" in (config.getoption("markexpr", "") or ""):
-        return
-    for item in items:
-        if item.get_closest_marker("zero_full"):
-            item.add_marker(pytest.mark.skip(reason=REASON))
+    skip_unless_chosen(config, items, "zero_full", REASON)
