@@ -495,7 +495,11 @@ class ShapeOnly:
         a = np.asarray(a, dtype=dtype)
         return self._new(a.shape, a.dtype, a.copy() if a.nbytes <= KEEP_VALUES_BYTES else None)
 
-    array = asarray
+    def array(self, a, dtype=None, copy=True, order=None):
+        # np.array copies unless told not to; a copy is an allocation the plan must count
+        if not copy or not isinstance(a, ShapeArray):
+            return self.asarray(a, dtype)
+        return a.astype(a.dtype if dtype is None else dtype, copy=True)
 
     def ascontiguousarray(self, a, dtype=None):
         a = self.asarray(a, dtype)

@@ -5,6 +5,8 @@ count when the planner runs cutp's own step at that cp; the activations per rank
 cp; the gradients and ZeRO's shards are over DP x CP; --search tries the CP sizes up to --cp;
 the refusals name the planner's flags.
 """
+import dataclasses
+
 import pytest
 
 from cutp.models import GPTConfig
@@ -27,6 +29,16 @@ def test_the_formula_counts_what_the_planned_step_sends(comm, recompute, cp):
                             recomputed=int(recompute == "full"))
     assert formula["bytes"] == sent["bytes"] > 0 and formula["calls"] == sent["calls"]
     assert got.get("cp.recv", {"bytes": 0})["bytes"] == (sent["bytes"] if comm == "ring" else 0)  # as much arrives
+
+
+def test_the_ring_with_dropout_is_planned():
+    """The ring draws each tile's dropout mask at its global positions (`dropout_mask_at` copies the
+    counters with np.array(copy=True)): the shape-only arrays follow that path too."""
+    drop = dataclasses.replace(TINY, dropout=0.1)
+    got = planned_step(drop, cp=2, cp_comm="ring", micro_batch=2, seq_len=64, device="cpu")
+    plain = planned_step(TINY, cp=2, cp_comm="ring", micro_batch=2, seq_len=64, device="cpu")
+    assert got["comm"]["cp.send"] == plain["comm"]["cp.send"]
+    assert got["left"] == 0 and sum(got["stash_per_layer"]) > sum(plain["stash_per_layer"])  # the masks kept
 
 
 def test_activations_per_rank_shrink_with_cp_and_the_state_shards_over_dp_x_cp():

@@ -40,7 +40,7 @@ def _counted(config, *, tp=1, sp=False, cp=1, cp_comm="ring", recompute="none", 
 
 CASES = [dict(), dict(tp=2), dict(tp=2, sp=True), dict(tp=2, sp=True, q_lora_rank=None), dict(q_lora_rank=None),
          dict(tp=2, dropout=0.1), dict(tp=2, dropout=0.1, recompute="selective"), dict(cp=2),
-         dict(tp=2, sp=True, cp=2, recompute="selective"), dict(cp=2, cp_comm="a2a"),
+         dict(tp=2, sp=True, cp=2, recompute="selective"), dict(cp=2, dropout=0.1), dict(cp=2, cp_comm="a2a"),
          dict(tp=2, cp=2, cp_comm="a2a", dropout=0.1, recompute="selective")]
 
 
