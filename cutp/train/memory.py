@@ -186,9 +186,12 @@ def cached_activation_bytes(model, exclude=()) -> int:
 def stash_per_layer(model) -> list[int]:
     """Bytes each transformer layer (`model.layers[i]`) keeps for backward, measured from its
     modules' caches right after a training forward (parameters excluded): its own
-    `cached_activation_bytes`. A buffer two layers' caches share (none today) counts in both."""
-    weights = [p.data for p in model.parameters()]
-    return [cached_activation_bytes(block, exclude=weights) for block in model.layers]
+    `cached_activation_bytes`. A buffer two layers' caches share counts in both, except the
+    model's rotary (cos, sin) tables: every layer refers to them, the model holds them once."""
+    held = [p.data for p in model.parameters()]
+    for tables in (getattr(model, "rotary", None), getattr(model, "rotary_local", None)):
+        held += list(tables or ())
+    return [cached_activation_bytes(block, exclude=held) for block in model.layers]
 
 
 class _StashProbe(StepHooks):
