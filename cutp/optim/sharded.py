@@ -121,19 +121,19 @@ class ShardedAdamW(ShardState):
         self.m = xp.zeros(self.state_size, state)
         self.v = xp.zeros(self.state_size, state)
         self.grad = xp.zeros(self.state_size, self.grad_dtype)  # the float32 gradient shard
-        wholes = [self._whole(s) for s in self.segments]  # each segment's current values (the model's)
-        if zero == 2:
-            self.data = xp.zeros(self.full_size, self.dtype)
-            for s, w in zip(self.segments, wholes):
+        # each segment's values (the model's, or drawn now: cutp.tensor_parallel.deferred_parameters),
+        # one segment whole at a time
+        self.data = xp.zeros(self.full_size if zero == 2 else self.shard_size, self.dtype)
+        for s in self.segments:
+            w = self._whole(s)
+            if zero == 2:
                 self.data[s.full_at:s.full_at + w.size] = w
                 self._point_data(s, self.data[s.full_at:s.full_at + w.size])
-        else:
-            self.data = xp.zeros(self.shard_size, self.dtype)
-            for s, w in zip(self.segments, wholes):
+            else:
                 r = s.group.rank
                 self.data[s.shard_at:s.shard_at + s.chunk] = w[r * s.chunk:(r + 1) * s.chunk]
                 self._point_data(s, None)
-        del wholes
+            del w
         for s in self.trained:
             for p in s.params:
                 p.grad = _absent(xp, p.data.shape, self.grad_dtype)
@@ -147,10 +147,12 @@ class ShardedAdamW(ShardState):
         self.size = self.padded_size = int(self.data.size)  # (FlatParameters' names: the elements this rank holds)
 
     def _whole(self, s: Segment):
+        """Segment s whole: its parameters' values, a deferred one's drawn (and its `draw` dropped)."""
         w = self.xp.zeros(s.group.size * s.chunk, self.dtype)
         for p in s.params:
             a, b = s.where[id(p)]
-            w[a:b] = p.data.reshape(-1)
+            w[a:b] = (p.data if p.draw is None else p.draw()).reshape(-1)
+            p.draw = None
         return w
 
     def _point_data(self, s: Segment, whole) -> None:

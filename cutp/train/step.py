@@ -25,6 +25,7 @@ watchdog watches the step once, as a whole: it aborts the job when the step make
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -52,7 +53,7 @@ from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank, mark_raised_on_every_rank
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
-from ..tensor_parallel import tp_grad_sync
+from ..tensor_parallel import deferred_parameters, tp_grad_sync
 from ..tensor_parallel.parameter import trainable_parameters
 from .reductions import dp_mean, from_last_stage, losses_on_device, loss_weights
 from .config import RunConfig, checkpoint_conflicts
@@ -264,9 +265,12 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     loaded), its layout (recomputation, sequence parallelism), the flat buffers and the optimizer
     of `cfg` on context `ctx`: the run `build_run` makes, and the one the planner (cutp.plan)
     makes on a shape-only context. Collective over ctx."""
-    model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
-                pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     base = cfg.init_from if base is None else base  # (`base`: a resumed run's frozen weights' source)
+    # zero 3 without weights to load first: nothing drawn until the optimizer draws each unit, keeping
+    # this rank's piece (no rank holds the whole model)
+    with deferred_parameters() if cfg.zero == 3 and base is None else contextlib.nullcontext():
+        model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
+                    pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     if base is not None:  # before the optimizer copies any weight (fp32 master weights)
         init_weights(model, base)
     set_up_trainable(model, cfg)  # --freeze, LoRA (refusals alike on every rank): before any layout and optimizer
