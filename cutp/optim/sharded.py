@@ -41,10 +41,11 @@ HSDP (--dp-replicate R): the DP x CP group split into R replicas of consecutive 
 shard, gather and reduce-scatter stays inside a replica, and at the end of the step each
 rank's gradient shard is averaged with its replicas' (one all-reduce across the replicas).
 
-The model calls the hooks (`GPT.unit_hooks`) around each unit's forward and backward; outside
-training (evaluation, a checkpoint) `gather_all()` makes every parameter whole until the next
-`begin_step()`, which takes each rank's piece back from the whole parameters (a checkpoint
-loaded into them, say).
+The model calls the hooks (`GPT.unit_hooks`) around each unit's forward and backward, in
+evaluation too (each unit gathered for its forward, freed after it); a checkpoint's save takes
+the parameters unit by unit (`whole_parameters`). `gather_all()` makes every parameter whole
+until the next `begin_step()`, which takes each rank's piece back from the whole parameters (a
+checkpoint loaded into them, say; generation).
 """
 from __future__ import annotations
 
@@ -450,6 +451,32 @@ class ShardedAdamW(ShardState):
                     s.gather.wait()
                     s.gather = None
             self.all_gathered = True
+
+    def nonfinite_parameter(self, names) -> str | None:
+        """zero 3: a parameter of `names` with a non-finite entry in this rank's pieces, or None
+        (every rank checks its own shard: the whole is finite when every shard is)."""
+        for s in self.segments:
+            for p in s.params:
+                a, b = self._mine(s, *s.where[id(p)]) if p.name in names else (0, 0)
+                if b > a and not bool(self.xp.isfinite(self.data[a:b]).all()):
+                    return p.name
+        return None
+
+    def whole_parameters(self, names):
+        """zero 3 outside a step: yields (name, whole values) of the parameters of `names`, each
+        segment holding one gathered in turn (a collective over its group, the same segments in
+        the same order on each of its ranks) and freed after its parameters were taken: one
+        unit whole at a time (a checkpoint's save)."""
+        for s in self.segments:
+            mine = [p for p in s.params if p.name in names]
+            if not mine:
+                continue
+            self._acquire(s)
+            try:
+                for p in mine:
+                    yield p.name, p.data
+            finally:
+                self._release(s)
 
     def drain(self) -> None:
         """Nothing in flight (before the communicators close)."""

@@ -98,6 +98,11 @@ class TrainingRun:
         if isinstance(self.optimizer, ShardedAdamW):
             self.optimizer.gather_all()
 
+    def settle_params(self) -> None:
+        """Waits for the parameter gathers in flight (--overlap-param-gather), zero 3's parameters
+        left sharded: evaluation's forward gathers each unit as training's does."""
+        finish_param_gather(self)
+
     @property
     def end_step(self) -> int:
         """The step this invocation stops after: `steps`, or sooner with `run_steps`."""
@@ -358,10 +363,16 @@ def save(run: TrainingRun) -> str | None:
     cfg = run.config
     if not cfg.out or run.last_saved == run.step:
         return None
-    run.gather_params()
+    opt = run.optimizer  # zero 3 (ep 1): its units written one at a time, never the whole model
+    by_unit = isinstance(opt, ShardedAdamW) and opt.zero == 3 and not opt.all_gathered and run.ctx.ep_size == 1
+    if by_unit:
+        run.settle_params()
+    else:
+        run.gather_params()
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
                            data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
-                           keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict())
+                           keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict(),
+                           by_unit=by_unit)
     run.last_saved = run.step
     if run.replaced:  # rank 0, --overwrite: the other run's checkpoints go once one of ours is complete
         for old in run.replaced:

@@ -272,6 +272,59 @@ def _init_worker():
         run.close()
 
 
+def _save_eval_worker(out):
+    """zero 3 at dp 4 (bfloat16, 8 layers, the prefetch on) evaluates and saves without the whole
+    model: evaluation gathers each unit for its forward (at most two whole, with the prefetch),
+    the save one unit at a time (one whole at most; tracemalloc: the whole-model path's peak is
+    above it by the whole model but one unit at least); the validation loss, the model file's
+    bytes and every optimizer file's tensors are those of the whole-model path (gather_params,
+    then the same calls). (The optimizer files' bytes may differ: safetensors writes their two
+    metadata keys in hash order.)"""
+    import tracemalloc
+
+    from mpi4py import MPI
+    from safetensors import safe_open
+
+    from cutp.checkpoint import read_meta, save_checkpoint
+    from cutp.train import evaluate, save
+
+    cfg = _config(dict(GPT2, n_embd=64, dtype="bfloat16"), 8, dp=4, zero=3, overlap_param_gather=True,
+                  eval_batches=2, out=f"{out}/units")
+    run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+    train_step(run)
+    opt = run.optimizer
+    unit = max(s.group.size * s.chunk for s in opt.segments) * opt.dtype.itemsize
+    whole = sum(s.group.size * s.chunk for s in opt.segments) * opt.dtype.itemsize
+    opt.peak_gathered_bytes = opt.gathered_bytes
+    loss = evaluate(run)
+    assert 0 < opt.peak_gathered_bytes <= 2 * unit < whole / 2, (opt.peak_gathered_bytes, unit, whole)
+    assert opt.gathered_bytes == 0
+    opt.peak_gathered_bytes = 0
+    tracemalloc.start()
+    save(run)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert 0 < opt.peak_gathered_bytes <= unit and not opt.all_gathered and opt.gathered_bytes == 0
+    tracemalloc.start()
+    run.gather_params()  # today's path: the whole model
+    save_checkpoint(f"{out}/whole", run.step, run.model, opt, rng_state=run.model.rng.state_dict(),
+                    data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
+                    loss_scaler=run.loss_scaler.state_dict())
+    top = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert top - peak >= whole - unit, (top, peak, whole, unit)
+    assert evaluate(run) == loss
+    run.close()
+    got, ref = (f"{out}/{d}/step-00000001" for d in ("units", "whole"))
+    assert read_meta(got)["files"]["model-tp00-of-01.safetensors"] == read_meta(ref)["files"][
+        "model-tp00-of-01.safetensors"]
+    for name in read_meta(ref)["files"]:
+        with safe_open(f"{got}/{name}", "np") as g, safe_open(f"{ref}/{name}", "np") as r:
+            assert g.metadata() == r.metadata() and set(g.keys()) == set(r.keys()), name
+            for k in r.keys():
+                assert np.array_equal(g.get_tensor(k), r.get_tensor(k)), (name, k)
+
+
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1)
 
 
@@ -293,6 +346,7 @@ def _frozen_worker():
 
 def _default_worker(out):
     _init_worker()
+    _save_eval_worker(out)
     _worker(list(DEFAULT))
     _frozen_worker()
     _resume_worker(out)
