@@ -39,7 +39,9 @@ trainable segments only (the first `state_size` elements of the parameter shard)
 
 HSDP (--dp-replicate R): the DP x CP group split into R replicas of consecutive ranks; every
 shard, gather and reduce-scatter stays inside a replica, and at the end of the step each
-rank's gradient shard is averaged with its replicas' (one all-reduce across the replicas).
+rank's gradient shard is averaged with its replicas' (one all-reduce across the replicas). At
+ep > 1 the experts' segments are sharded over the expert-DP (x CP) ranks inside the replica
+(`expert_group`) and their pieces summed across the replicas (`expert_replicas`), apart.
 
 The model calls the hooks (`GPT.unit_hooks`) around each unit's forward and backward, in
 evaluation too (each unit gathered for its forward, freed after it); a checkpoint's save takes
@@ -76,7 +78,8 @@ class ShardedAdamW(ShardState):
     distributed = True
     reduces_in_backward = True
 
-    def __init__(self, model, ctx, *, zero: int, group=None, replicas=None, deferred=(),
+    def __init__(self, model, ctx, *, zero: int, group=None, replicas=None, expert_group=None,
+                 expert_replicas=None, deferred=(),
                  reshard_after_forward: bool = True,
                  overlap: bool = False, prefetch: bool = False, lr=6e-4, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay=0.1, grad_reduce_dtype: str | None = None):
@@ -97,7 +100,9 @@ class ShardedAdamW(ShardState):
         self.xp = xp = get_array_module(params[0].data)
         # at ep > 1 the experts in segments of their own, over the expert-DP (x CP) group, whose sums
         # are divided by dp x cp (the optimizers' rule: cutp.optim.expert_parallel)
-        experts = expert_replica_group(ctx) if getattr(ctx, "ep_size", 1) > 1 else None
+        experts = None if getattr(ctx, "ep_size", 1) == 1 else (
+            expert_replica_group(ctx) if expert_group is None else expert_group)
+        self.expert_replicas = expert_replicas  # HSDP at ep > 1: the experts' pieces summed over it
         self.divide_by = replica_size(ctx)
         self.segments, self.unit_segments, self._next, self._prev = unit_layout(
             model, self.group.size, {id(p) for p in deferred}, None if experts is None else experts.size)
@@ -339,11 +344,20 @@ class ShardedAdamW(ShardState):
             if hsdp or s.deferred or not self.overlap:
                 self._land_all(s)
             assert s.grad is None and s.left == s.uses, f"segment {s.index}: a backward did not complete"
-        if hsdp:  # HSDP: the replicas' shards averaged
-            low = self.grad if self.reduce_dtype == self.grad.dtype else self.grad.astype(self.reduce_dtype)
-            self.replicas.start_all_reduce(low, "avg", out=low).wait()  # (rank-ordered sums, as the optimizers')
-            if low is not self.grad:
-                self.grad[...] = low
+        if hsdp:  # HSDP: the replicas' shards averaged (the experts' pieces, divided already, summed)
+            experts = [s for s in self.trained if s.expert]
+            if not experts:
+                self._across(self.grad, self.replicas, "avg")
+            else:
+                for group, op, segs in ((self.replicas, "avg", [s for s in self.trained if not s.expert]),
+                                        (self.expert_replicas, "sum", experts)):
+                    if segs:
+                        both = self.xp.concatenate([self.grad[s.shard_at:s.shard_at + s.chunk] for s in segs])
+                        self._across(both, group, op)
+                        at = 0
+                        for s in segs:
+                            self.grad[s.shard_at:s.shard_at + s.chunk] = both[at:at + s.chunk]
+                            at += s.chunk
         for s in self.trained:
             if s.deferred:
                 mine = self.grad[s.shard_at:s.shard_at + s.chunk]
@@ -352,6 +366,13 @@ class ShardedAdamW(ShardState):
                         p.grad_sync(_GradOf(mine))
         self._free_gathered()
         self.gathered_bytes = 0
+
+    def _across(self, buf, group, op: str) -> None:
+        """buf all-reduced in place over `group` (HSDP's replicas), in the reduction dtype."""
+        low = buf if self.reduce_dtype == buf.dtype else buf.astype(self.reduce_dtype)
+        group.start_all_reduce(low, op, out=low).wait()  # (rank-ordered sums, as the optimizers')
+        if low is not buf:
+            buf[...] = low
 
     def norm_terms(self, ctx):
         """[sum of squares, non-finite entries] of this rank's shard, each full entry once. The
@@ -451,32 +472,6 @@ class ShardedAdamW(ShardState):
                     s.gather.wait()
                     s.gather = None
             self.all_gathered = True
-
-    def nonfinite_parameter(self, names) -> str | None:
-        """zero 3: a parameter of `names` with a non-finite entry in this rank's pieces, or None
-        (every rank checks its own shard: the whole is finite when every shard is)."""
-        for s in self.segments:
-            for p in s.params:
-                a, b = self._mine(s, *s.where[id(p)]) if p.name in names else (0, 0)
-                if b > a and not bool(self.xp.isfinite(self.data[a:b]).all()):
-                    return p.name
-        return None
-
-    def whole_parameters(self, names):
-        """zero 3 outside a step: yields (name, whole values) of the parameters of `names`, each
-        segment holding one gathered in turn (a collective over its group, the same segments in
-        the same order on each of its ranks) and freed after its parameters were taken: one
-        unit whole at a time (a checkpoint's save)."""
-        for s in self.segments:
-            mine = [p for p in s.params if p.name in names]
-            if not mine:
-                continue
-            self._acquire(s)
-            try:
-                for p in mine:
-                    yield p.name, p.data
-            finally:
-                self._release(s)
 
     def drain(self) -> None:
         """Nothing in flight (before the communicators close)."""

@@ -4,7 +4,8 @@ checkpoints move between stages and layouts, and what they cost is what the plan
 - Float64, a GPT-2-shaped and a Llama-shaped tiny model, dropout 0.1: at dp4, dp2, tp2 x dp2
   with sequence parallelism, cp2 x dp2, pp2 x dp2 (1F1B, tied embeddings: the deferred sum over
   the two stages; GPipe; interleaved), dp4 in 2 HSDP replicas, MoE at dp4 x ep2 and tp2 + SP x
-  dp2 x ep2 (the experts sharded over expert-DP), with full recomputation in some, two steps
+  dp2 x ep2 (the experts sharded over expert-DP), and dp4 x ep2 in 2 HSDP replicas (the experts
+  summed across replicas apart), with full recomputation in some, two steps
   give the losses, every gradient (put together from the ranks' shards) and every updated
   parameter of one rank within 1e-10; --overlap-grad-reduce and --overlap-param-gather give
   the same bits as without, and the prefetch holds more whole units, at most two.
@@ -53,9 +54,12 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     # embedding on both pipeline ends
     (dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3, lora_rank=4, lora_alpha=8.0)),
     (GPT2, 2, dict(pp=2, dp=2, zero=3, freeze="embeddings,norms", overlap_grad_reduce=True)),
+    # HSDP at ep 2: the experts summed across the replicas apart from the dense parameters
+    (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3, dp_replicate=2,
+                                                                recompute="full")),
 ]
 BITS = {1, 4, 11}  # also run with OVERLAP: the same bits
-DEFAULT = (4, 6, 7)  # what `make test` runs, one one-rank reference for the three (all: -m zero_full)
+DEFAULT = (4, 6, 14)  # what `make test` runs (all: -m zero_full); 14's HSDP runs the dense path of 7 too
 
 
 def _config(model, n_layer, **layout):
@@ -354,10 +358,12 @@ def _default_worker(out):
 
 
 def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tmp_path):
-    """One launch: tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), dp4 zero 3 as 2 replicas (HSDP),
-    each with full recomputation, equal to one rank (overlap bit-identical at tp2 + SP); LoRA at
-    dp2 zero 2 and 3 and tp2 x dp2 zero 3 equal to one rank; a zero 3 checkpoint resumed at zero 3
-    and zero 1 bit-identically; measured = planned at the four PLANNED layouts."""
+    """One launch: zero 3's setup unit by unit (bits, memory); its evaluation and save without the
+    whole model (bits, memory); tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), MoE dp4 x ep2 zero 3
+    as 2 replicas (HSDP), each with full recomputation, equal to one rank (overlap bit-identical at
+    tp2 + SP); LoRA at dp2 zero 2 and 3 and tp2 x dp2 zero 3 equal to one rank; a zero 3 checkpoint
+    resumed at zero 3 and zero 1 bit-identically, and along zero 1 dp 2 to one rank within 1e-10;
+    measured = planned at the four PLANNED layouts."""
     run_mpi(4, "tests.optim.test_zero:_default_worker", str(tmp_path), timeout=400)
     # resumed with the other spelling of a stage given, that stage (the checkpoint's is zero 3)
     from cutp.train.config import derive_run_config
@@ -368,9 +374,10 @@ def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tm
 
 
 def test_zero_refusals_name_fixes_that_are_accepted():
-    """`zero` with what it cannot serve (ep > 1, zero 2's parameter prefetch, bucket sizes,
-    --no-reshard-after-forward below zero 3) and `dp_replicate` below zero 2 or not dividing
-    dp: one line, and every fix it proposes is accepted (the grid of tests/train/test_refusal_fixes)."""
+    """`zero` with what it cannot serve (zero 2's parameter prefetch, bucket sizes,
+    --no-reshard-after-forward below zero 3) and `dp_replicate` below zero 2, not dividing dp, or
+    at ep > 1 leaving replicas without whole EP groups: one line, and every fix it proposes is
+    accepted (the grid of tests/train/test_refusal_fixes)."""
     import itertools
 
     from tests.train.test_refusal_fixes import check_every_fix_is_accepted
@@ -382,6 +389,7 @@ def test_zero_refusals_name_fixes_that_are_accepted():
              {"reshard_after_forward": False}, {"preset": "deepseek-tiny"})):
         cases.append((world, {"preset": "tiny", "device": "cpu", "tp": 1, "zero": zero, "dp_replicate": replicate,
                               **extra}))
+    cases.append((4, {"preset": "tiny-moe", "device": "cpu", "tp": 1, "ep": 2, "zero": 3, "dp_replicate": 4}))
     refused, checked = check_every_fix_is_accepted(cases)
     assert refused > 15 and checked > refused, (refused, checked)
 
