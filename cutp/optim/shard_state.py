@@ -113,6 +113,29 @@ class ShardState:
             finally:
                 self._release(s)
 
+    @property
+    def params_sharded(self) -> bool:
+        """zero 3 with no parameter whole (outside `gather_all`): a checkpoint loads into the shards."""
+        return self.zero == 3 and not self.all_gathered
+
+    def piece_of(self, p, values):
+        """zero 3: this rank's piece of parameter p's whole `values` (flat, a copy), or None for a
+        parameter in no segment (a buffer: whole on every rank)."""
+        s = self._segment_of.get(id(p))
+        if s is None:
+            return None
+        a0, b0 = s.where[id(p)]
+        a, b = self._mine(s, a0, b0)
+        lo = a - s.shard_at + s.group.rank * s.chunk - a0 if b > a else 0
+        return values.reshape(-1)[lo:lo + max(0, b - a)].copy()
+
+    def put_piece(self, p, piece) -> None:
+        """The piece `piece_of` took, written into this rank's parameter shard."""
+        s = self._segment_of[id(p)]
+        a, b = self._mine(s, *s.where[id(p)])
+        if b > a:
+            self.data[a:b] = piece
+
     def hyperparameters(self) -> dict:
         return {"step": self.step_count, "lr": self.lr, "betas": [self.beta1, self.beta2], "eps": self.eps,
                 "weight_decay": self.weight_decay, "distributed": True, "master_weights": self.master is not None,

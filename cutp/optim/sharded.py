@@ -120,6 +120,7 @@ class ShardedAdamW(ShardState):
         self._lazy = []
         self.trained = [s for s in self.segments if not s.frozen]
         self._by_name = {p.name: (s, p) for s in self.trained for p in s.params}  # (the state's: trainable only)
+        self._segment_of = {id(p): s for s in self.segments for p in s.params}
         self.shard_size = sum(s.chunk for s in self.segments)
         self.state_size = sum(s.chunk for s in self.trained)  # (the trainable segments: first in the shard)
         self.full_size = sum(s.group.size * s.chunk for s in self.segments)

@@ -342,7 +342,10 @@ def resume(run: TrainingRun, checkpoint: str) -> dict:
             raise ConfigError(f"the run's settings differ from those of the checkpoint {path}: "
                               + "; ".join(conflicts) + ". A resumed run continues the same training: "
                               "resolve_run_config(resume=...) takes them from the checkpoint")
-    run.gather_params()  # (zero 3: the whole parameters to load into; the next step takes its pieces)
+    if getattr(run.optimizer, "params_sharded", False):
+        run.settle_params()  # (zero 3: each rank loads its pieces, one parameter whole at a time)
+    else:
+        run.gather_params()
     meta = load_checkpoint(path, run.model, run.optimizer)
     run.step = run.start_step = run.last_saved = int(meta["step"])
     rng = meta.get("rng")

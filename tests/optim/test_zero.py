@@ -165,7 +165,8 @@ def _weights(run) -> dict:
 
 def _resume_worker(out):
     """zero 3 at dp 4 in 2 replicas (HSDP) saves at step 2 of 4: resumed at the same layout, and at
-    zero 1 (dp 4, no replicas), its next two losses are the uninterrupted run's bits. At another
+    zero 1 (dp 4, no replicas), its next two losses are the uninterrupted run's bits (at zero 3
+    loaded into each rank's shards, nothing gathered). At another
     dp size the rule is 1e-10 (another DP size sums the gradients in another order:
     docs/checkpoints.md): the chain zero 3 dp 4 -> zero 1 dp 2 (step 3, saved) -> one rank (step
     4) gives the uninterrupted run's losses and final weights within 1e-10."""
@@ -188,6 +189,8 @@ def _resume_worker(out):
 
     def resumed(comm, steps=2, at=ckpt, **kw):
         run = build_run(_config(GPT2, 2, resume=at, resumed_step=int(at[-8:]), **kw), comm, dataset=data)
+        if kw.get("zero") == 3:  # loaded into the shards: nothing gathered
+            assert run.optimizer.peak_gathered_bytes == 0 and not run.optimizer.all_gathered
         got = [train_step(run).loss for _ in range(steps)]
         if kw.get("out"):
             save(run)
@@ -407,6 +410,7 @@ def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units(capsys):
         z = zero_plan(GPTConfig(**dict(config.to_dict(), dtype="bfloat16")), dp=dp, zero=zero, accum=2,
                       dp_replicate=replicas, prefetch=True)
         assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == z["state"], (zero, replicas)
+        assert r["init_above_state"] == z["init_above_state"] and (zero == 3) == (z["init_above_state"] is not None)
         group = "hsdp_shard" if replicas > 1 else "dp"
         for key, op in (("dp_reduce_scatter", "reduce_scatter"), ("dp_all_gather", "all_gather")):
             assert r[key]["bytes"] == z["comm"][f"{group}.{op}"]["bytes"], (zero, key)
