@@ -166,7 +166,9 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
     # Every rank has verified its files. Read everything this rank needs into host memory first,
     # and only then assign: a tensor missing from a shard (or any other surprise) leaves the
     # model and optimizer untouched on every rank.
-    model_tensors, optim_tensors, error = {}, {}, None
+    model_tensors, optim_tensors, pieced, error = {}, {}, {}, None
+    # zero 3 with its parameters sharded: each rank keeps its pieces only (one parameter whole at a time)
+    pieces = optimizer is not None and getattr(optimizer, "params_sharded", False)
     try:
         readers = {"model": ShardReader(ckpt, meta, "model")}
         if optimizer is not None or masters_as_weights:
@@ -193,12 +195,18 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
                 if optimizer.master is not None:  # a checkpoint without master weights: its parameters
                     master = fetch("optim", "master." + p.name, p.name, p) if saved_master else a.astype(np.float32)
                     optim_tensors["master." + p.name] = master.reshape(-1)[lo:hi].copy()
+            piece = optimizer.piece_of(p, a) if pieces else None
+            if piece is not None:
+                model_tensors[p.name], pieced[p.name] = None, piece
     except Exception as e:
         error = f"CheckpointError: reading {ckpt} failed on rank {ctx.rank}: {type(e).__name__}: {e} -- nothing was loaded"
     agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
 
     for p in params:
-        p.data[...] = ctx.asarray(model_tensors.pop(p.name).astype(p.data.dtype, copy=False))
+        if p.name in pieced:
+            optimizer.put_piece(p, ctx.asarray(pieced.pop(p.name).astype(p.data.dtype, copy=False)))
+        else:
+            p.data[...] = ctx.asarray(model_tensors.pop(p.name).astype(p.data.dtype, copy=False))
     if optimizer is not None:
         optimizer.load_state({k: ctx.asarray(v) for k, v in optim_tensors.items()}, int(meta["optimizer"]["step"]))
     return meta

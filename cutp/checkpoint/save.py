@@ -12,9 +12,51 @@ import numpy as np
 from .. import __version__
 from ..runtime.failure import agree_on_error
 from .experts import gather_experts, in_model_order
-from .files import (FORMAT, VERSION, CheckpointError, fsync_dir, model_file, optim_file, sha256_file, write_json_atomic,
-                    write_meta, write_safetensors)
+from .files import (FORMAT, TENSOR_DTYPES, VERSION, CheckpointError, fsync_dir, model_file, optim_file, sha256_file,
+                    write_json_atomic, write_meta, write_safetensors)
 from .run_dir import prune_checkpoints
+
+
+_ALIGNMENT = {"F64": 3, "F32": 2, "BF16": 1, "F16": 0}  # (safetensors writes the larger dtypes first)
+
+
+class StreamedSafetensors:
+    """A safetensors file written a tensor at a time, in any order (`put`), each at its place:
+    the bytes `safetensors.numpy.save_file` writes for the same tensors (its header: tensors by
+    dtype, larger first, then by name; compact JSON padded with spaces to 8 bytes)."""
+
+    def __init__(self, path: str, entries: dict, metadata: dict):
+        """entries: {name: (shape, numpy dtype name)}."""
+        order = sorted(entries, key=lambda k: (-_ALIGNMENT[TENSOR_DTYPES[entries[k][1]][0]], k))
+        header, self.where, at = {"__metadata__": metadata}, {}, 0
+        for k in order:
+            shape, dtype = entries[k]
+            code, size = TENSOR_DTYPES[dtype]
+            n = int(np.prod(shape, dtype=np.int64)) * size
+            header[k] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [at, at + n]}
+            self.where[k] = (at, n, dtype)
+            at += n
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        self.start, self.left = 8 + len(text), set(order)
+        self.f = open(path, "wb")
+        self.f.write(len(text).to_bytes(8, "little") + text)
+
+    def put(self, name: str, array) -> None:
+        at, n, dtype = self.where[name]
+        data = np.ascontiguousarray(array)
+        if str(data.dtype) != dtype or data.nbytes != n:
+            raise ValueError(f"{name}: {data.dtype} of {data.nbytes} bytes, the header says {dtype} of {n}")
+        self.f.seek(self.start + at)
+        self.f.write(data.tobytes())
+        self.left.discard(name)
+
+    def close(self) -> None:
+        if self.left:
+            raise ValueError(f"tensors never written: {sorted(self.left)[:3]}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
 
 
 def checkpoint_name(step: int) -> str:
@@ -22,8 +64,10 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_state=None, data_state=None,
-                    train_args=None, keep: int | None = None, loss_scaler=None) -> str:
-    """Collective over the model's context. Returns the checkpoint directory."""
+                    train_args=None, keep: int | None = None, loss_scaler=None, by_unit: bool = False) -> str:
+    """Collective over the model's context. Returns the checkpoint directory. `by_unit` (zero 3,
+    its parameters sharded, ep 1): the model files written from each unit gathered in turn
+    (`ShardedAdamW.whole_parameters`), no rank holding the whole model: the same bytes."""
     ctx = model.ctx
     world = ctx.world.mpi_comm
     name = checkpoint_name(step)
@@ -56,9 +100,10 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     e_model, e_optim, e_info = gather_experts(ctx, params, optimizer, param_info)
     param_info = in_model_order(param_info, e_info, [p.name for p in params if p.expert_parallel])
     kept |= set(e_info)
+    streamed = {p.name for p in params if not p.buffer} if by_unit else set()  # (a buffer: whole, in no unit)
     if ctx.dp_cp_rank == 0:
         mine.append((model_file(ctx.tp_rank, ctx.tp_size, s, pp),
-                     {**{p.name: ctx.to_numpy(p.data) for p in params}, **e_model}, None))
+                     {**{p.name: ctx.to_numpy(p.data) for p in params if p.name not in streamed}, **e_model}, None))
     if sharded:
         pieces, offsets = optimizer.state_pieces()
         mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_cp_rank, ctx.dp_cp_size, s, pp),
@@ -70,6 +115,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                       **e_optim}, None))
     # never a checkpoint of non-finite weights (it would replace, and --keep prune, a healthy one)
     bad = next((k for _, tensors, _ in mine for k, v in tensors.items() if not np.isfinite(v).all()), None)
+    bad = bad or (optimizer.nonfinite_parameter(streamed) if streamed else None)
     error = None if bad is None else (
         f"step {step}: {'optimizer tensor' if bad.startswith(('exp_avg.', 'exp_avg_sq.', 'master.')) else 'parameter'} "
         f"{bad} holds NaN or Inf values (rank {ctx.rank}): the weights diverged, so no checkpoint was written; "
@@ -83,15 +129,40 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
         except Exception as e:  # OSError, and anything else: every rank must hear of it
             error = f"cannot create checkpoint directory {tmp}: {type(e).__name__}: {e}"
     agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
-    digests, sizes, error = np.zeros((2, 64), np.uint8), np.zeros(2, np.int64), None
+    digests, sizes, error, writer = np.zeros((2, 64), np.uint8), np.zeros(2, np.int64), None, None
     try:
         for i, (fname, tensors, offsets) in enumerate(mine):
             path = os.path.join(tmp, fname)
-            write_safetensors(path, tensors, {"format": FORMAT, **({"offsets": json.dumps(offsets)} if offsets else {})})
+            metadata = {"format": FORMAT, **({"offsets": json.dumps(offsets)} if offsets else {})}
+            if streamed and i == 0 and ctx.dp_cp_rank == 0:  # (the model file: its streamed tensors come next)
+                head = {p.name: (p.data.shape, str(p.data.dtype)) for p in params if p.name in streamed}
+                head.update({k: (v.shape, str(v.dtype)) for k, v in tensors.items()})
+                writer = StreamedSafetensors(path, head, metadata)
+                for k, v in tensors.items():
+                    writer.put(k, v)
+                continue
+            write_safetensors(path, tensors, metadata)
             digests[i] = np.frombuffer(sha256_file(path).encode(), np.uint8)
             sizes[i] = os.path.getsize(path)
     except Exception as e:  # safetensors raises its own SafetensorError for I/O failures
         error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+    if streamed:  # every rank in the gathers, the model file's writer taking each parameter
+        for name, values in optimizer.whole_parameters(streamed):
+            if writer is not None and error is None:
+                try:
+                    writer.put(name, ctx.to_numpy(values))
+                except Exception as e:
+                    error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+        if writer is not None and error is not None:
+            writer.f.close()
+        elif writer is not None:
+            try:
+                writer.close()
+                path = os.path.join(tmp, mine[0][0])
+                digests[0] = np.frombuffer(sha256_file(path).encode(), np.uint8)
+                sizes[0] = os.path.getsize(path)
+            except Exception as e:
+                error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
     agree_on_error(world, error, CheckpointError, what="the checkpoint save agreement")
     names = [fname for fname, _, _ in mine] + [""] * (2 - len(mine))
     with ctx.watchdog.guard("checkpoint checksum exchange (host all-gather on the world)"):

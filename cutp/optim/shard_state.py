@@ -3,7 +3,8 @@ each parameter's state this rank owns, written and read by checkpoints (cutp.che
 DistributedAdamW's are, so that a checkpoint loads at any layout and stage.
 
 A mixin: it reads ShardedAdamW's segments (`_by_name`: the trainable parameters'), its shard
-buffers (`m`, `v`, `master`, `grad`, `data`) and `_mine`.
+buffers (`m`, `v`, `master`, `grad`, `data`) and `_mine`; a zero 3 save gathers each unit in
+turn through its `_acquire` and `_release`.
 """
 from __future__ import annotations
 
@@ -85,6 +86,55 @@ class ShardState:
                 if b > a:
                     buf[at:at + b - a] = t
         self.step_count = int(step)
+
+    def nonfinite_parameter(self, names) -> str | None:
+        """zero 3: a parameter of `names` with a non-finite entry in this rank's pieces, or None
+        (every rank checks its own shard: the whole is finite when every shard is)."""
+        for s in self.segments:
+            for p in s.params:
+                a, b = self._mine(s, *s.where[id(p)]) if p.name in names else (0, 0)
+                if b > a and not bool(self.xp.isfinite(self.data[a:b]).all()):
+                    return p.name
+        return None
+
+    def whole_parameters(self, names):
+        """zero 3 outside a step: yields (name, whole values) of the parameters of `names`, each
+        segment holding one gathered in turn (a collective over its group, the same segments in
+        the same order on each of its ranks) and freed after its parameters were taken: one
+        unit whole at a time (a checkpoint's save)."""
+        for s in self.segments:
+            mine = [p for p in s.params if p.name in names]
+            if not mine:
+                continue
+            self._acquire(s)
+            try:
+                for p in mine:
+                    yield p.name, p.data
+            finally:
+                self._release(s)
+
+    @property
+    def params_sharded(self) -> bool:
+        """zero 3 with no parameter whole (outside `gather_all`): a checkpoint loads into the shards."""
+        return self.zero == 3 and not self.all_gathered
+
+    def piece_of(self, p, values):
+        """zero 3: this rank's piece of parameter p's whole `values` (flat, a copy), or None for a
+        parameter in no segment (a buffer: whole on every rank)."""
+        s = self._segment_of.get(id(p))
+        if s is None:
+            return None
+        a0, b0 = s.where[id(p)]
+        a, b = self._mine(s, a0, b0)
+        lo = a - s.shard_at + s.group.rank * s.chunk - a0 if b > a else 0
+        return values.reshape(-1)[lo:lo + max(0, b - a)].copy()
+
+    def put_piece(self, p, piece) -> None:
+        """The piece `piece_of` took, written into this rank's parameter shard."""
+        s = self._segment_of[id(p)]
+        a, b = self._mine(s, *s.where[id(p)])
+        if b > a:
+            self.data[a:b] = piece
 
     def hyperparameters(self) -> dict:
         return {"step": self.step_count, "lr": self.lr, "betas": [self.beta1, self.beta2], "eps": self.eps,

@@ -39,12 +39,15 @@ trainable segments only (the first `state_size` elements of the parameter shard)
 
 HSDP (--dp-replicate R): the DP x CP group split into R replicas of consecutive ranks; every
 shard, gather and reduce-scatter stays inside a replica, and at the end of the step each
-rank's gradient shard is averaged with its replicas' (one all-reduce across the replicas).
+rank's gradient shard is averaged with its replicas' (one all-reduce across the replicas). At
+ep > 1 the experts' segments are sharded over the expert-DP (x CP) ranks inside the replica
+(`expert_group`) and their pieces summed across the replicas (`expert_replicas`), apart.
 
-The model calls the hooks (`GPT.unit_hooks`) around each unit's forward and backward; outside
-training (evaluation, a checkpoint) `gather_all()` makes every parameter whole until the next
-`begin_step()`, which takes each rank's piece back from the whole parameters (a checkpoint
-loaded into them, say).
+The model calls the hooks (`GPT.unit_hooks`) around each unit's forward and backward, in
+evaluation too (each unit gathered for its forward, freed after it); a checkpoint's save takes
+the parameters unit by unit (`whole_parameters`). `gather_all()` makes every parameter whole
+until the next `begin_step()`, which takes each rank's piece back from the whole parameters (a
+checkpoint loaded into them, say; generation).
 """
 from __future__ import annotations
 
@@ -75,7 +78,8 @@ class ShardedAdamW(ShardState):
     distributed = True
     reduces_in_backward = True
 
-    def __init__(self, model, ctx, *, zero: int, group=None, replicas=None, deferred=(),
+    def __init__(self, model, ctx, *, zero: int, group=None, replicas=None, expert_group=None,
+                 expert_replicas=None, deferred=(),
                  reshard_after_forward: bool = True,
                  overlap: bool = False, prefetch: bool = False, lr=6e-4, betas=(0.9, 0.95), eps=1e-8,
                  weight_decay=0.1, grad_reduce_dtype: str | None = None):
@@ -96,7 +100,9 @@ class ShardedAdamW(ShardState):
         self.xp = xp = get_array_module(params[0].data)
         # at ep > 1 the experts in segments of their own, over the expert-DP (x CP) group, whose sums
         # are divided by dp x cp (the optimizers' rule: cutp.optim.expert_parallel)
-        experts = expert_replica_group(ctx) if getattr(ctx, "ep_size", 1) > 1 else None
+        experts = None if getattr(ctx, "ep_size", 1) == 1 else (
+            expert_replica_group(ctx) if expert_group is None else expert_group)
+        self.expert_replicas = expert_replicas  # HSDP at ep > 1: the experts' pieces summed over it
         self.divide_by = replica_size(ctx)
         self.segments, self.unit_segments, self._next, self._prev = unit_layout(
             model, self.group.size, {id(p) for p in deferred}, None if experts is None else experts.size)
@@ -114,6 +120,7 @@ class ShardedAdamW(ShardState):
         self._lazy = []
         self.trained = [s for s in self.segments if not s.frozen]
         self._by_name = {p.name: (s, p) for s in self.trained for p in s.params}  # (the state's: trainable only)
+        self._segment_of = {id(p): s for s in self.segments for p in s.params}
         self.shard_size = sum(s.chunk for s in self.segments)
         self.state_size = sum(s.chunk for s in self.trained)  # (the trainable segments: first in the shard)
         self.full_size = sum(s.group.size * s.chunk for s in self.segments)
@@ -121,19 +128,19 @@ class ShardedAdamW(ShardState):
         self.m = xp.zeros(self.state_size, state)
         self.v = xp.zeros(self.state_size, state)
         self.grad = xp.zeros(self.state_size, self.grad_dtype)  # the float32 gradient shard
-        wholes = [self._whole(s) for s in self.segments]  # each segment's current values (the model's)
-        if zero == 2:
-            self.data = xp.zeros(self.full_size, self.dtype)
-            for s, w in zip(self.segments, wholes):
+        # each segment's values (the model's, or drawn now: cutp.tensor_parallel.deferred_parameters),
+        # one segment whole at a time
+        self.data = xp.zeros(self.full_size if zero == 2 else self.shard_size, self.dtype)
+        for s in self.segments:
+            w = self._whole(s)
+            if zero == 2:
                 self.data[s.full_at:s.full_at + w.size] = w
                 self._point_data(s, self.data[s.full_at:s.full_at + w.size])
-        else:
-            self.data = xp.zeros(self.shard_size, self.dtype)
-            for s, w in zip(self.segments, wholes):
+            else:
                 r = s.group.rank
                 self.data[s.shard_at:s.shard_at + s.chunk] = w[r * s.chunk:(r + 1) * s.chunk]
                 self._point_data(s, None)
-        del wholes
+            del w
         for s in self.trained:
             for p in s.params:
                 p.grad = _absent(xp, p.data.shape, self.grad_dtype)
@@ -147,10 +154,12 @@ class ShardedAdamW(ShardState):
         self.size = self.padded_size = int(self.data.size)  # (FlatParameters' names: the elements this rank holds)
 
     def _whole(self, s: Segment):
+        """Segment s whole: its parameters' values, a deferred one's drawn (and its `draw` dropped)."""
         w = self.xp.zeros(s.group.size * s.chunk, self.dtype)
         for p in s.params:
             a, b = s.where[id(p)]
-            w[a:b] = p.data.reshape(-1)
+            w[a:b] = (p.data if p.draw is None else p.draw()).reshape(-1)
+            p.draw = None
         return w
 
     def _point_data(self, s: Segment, whole) -> None:
@@ -336,11 +345,20 @@ class ShardedAdamW(ShardState):
             if hsdp or s.deferred or not self.overlap:
                 self._land_all(s)
             assert s.grad is None and s.left == s.uses, f"segment {s.index}: a backward did not complete"
-        if hsdp:  # HSDP: the replicas' shards averaged
-            low = self.grad if self.reduce_dtype == self.grad.dtype else self.grad.astype(self.reduce_dtype)
-            self.replicas.start_all_reduce(low, "avg", out=low).wait()  # (rank-ordered sums, as the optimizers')
-            if low is not self.grad:
-                self.grad[...] = low
+        if hsdp:  # HSDP: the replicas' shards averaged (the experts' pieces, divided already, summed)
+            experts = [s for s in self.trained if s.expert]
+            if not experts:
+                self._across(self.grad, self.replicas, "avg")
+            else:
+                for group, op, segs in ((self.replicas, "avg", [s for s in self.trained if not s.expert]),
+                                        (self.expert_replicas, "sum", experts)):
+                    if segs:
+                        both = self.xp.concatenate([self.grad[s.shard_at:s.shard_at + s.chunk] for s in segs])
+                        self._across(both, group, op)
+                        at = 0
+                        for s in segs:
+                            self.grad[s.shard_at:s.shard_at + s.chunk] = both[at:at + s.chunk]
+                            at += s.chunk
         for s in self.trained:
             if s.deferred:
                 mine = self.grad[s.shard_at:s.shard_at + s.chunk]
@@ -349,6 +367,13 @@ class ShardedAdamW(ShardState):
                         p.grad_sync(_GradOf(mine))
         self._free_gathered()
         self.gathered_bytes = 0
+
+    def _across(self, buf, group, op: str) -> None:
+        """buf all-reduced in place over `group` (HSDP's replicas), in the reduction dtype."""
+        low = buf if self.reduce_dtype == buf.dtype else buf.astype(self.reduce_dtype)
+        group.start_all_reduce(low, op, out=low).wait()  # (rank-ordered sums, as the optimizers')
+        if low is not buf:
+            buf[...] = low
 
     def norm_terms(self, ctx):
         """[sum of squares, non-finite entries] of this rank's shard, each full entry once. The

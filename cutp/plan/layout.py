@@ -479,6 +479,7 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     out["memory"] = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
                      "activations_peak": act["bytes"], "params_local": P, "stash_per_layer": act["stash_per_layer"]}
     out["fits"] = {name: out["total_bytes"] <= cap for name, cap in GPUS}
+    out["init_above_state"] = None if zplan is None else zplan["init_above_state"]  # (zero 3's setup)
     return out
 
 
@@ -577,6 +578,9 @@ def run(args) -> Report:
     mem.notes.append("the CUDA context, NCCL and cuBLAS workspaces and fragmentation need some GB more")
     if "where" in r["activations"]:
         mem.notes.append(f"activation peak reached in: {r['activations']['where']}")
+    if r.get("init_above_state") is not None:
+        mem.notes.append(f"setup (zero 3, built unit by unit): at most {r['init_above_state'] / GB:,.3f} GB above the "
+                         "state, one unit whole and one parameter drawn")
     cm = report.table("comm", [("what", "collective per step", "", "<"), ("calls", "calls", ",d"),
                                ("elements", "elements", ",d"), ("gb", "GB buffers", ",.3f"), ("wire", "GB on the wire/GPU", ",.3f"),
                                ("formula", "formula", "", "<")], title="communication per optimizer step and GPU")

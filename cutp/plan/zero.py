@@ -3,6 +3,7 @@
     got = zero_plan(config, dp=4, zero=3, accum=2)
     got["state"]           {"params", "grads", "optimizer"}: bytes per rank
     got["gathered_peak"]   zero 3: the most bytes of whole units held at once
+    got["init_above_state"]  zero 3: the most bytes its setup holds above the state (one unit whole)
     got["comm"]            {"GROUP.OP": {"calls", "elements", "bytes"}} as cutp.comm.counting counts them
 
 The layout is the one cutp.optim.sharded allocates: each unit a segment (a parameter two units
@@ -88,7 +89,25 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
     if dp_replicate > 1:
         add("all_reduce", 1, T, rb, "hsdp_replicas")
     add("all_reduce", 1, 2, 8)  # the norm's [sum of squares, non-finite entries]
-    return {"state": state, "gathered_peak": peak, "comm": comm, "segments": len(segments), "shard_elements": S}
+    return {"state": state, "gathered_peak": peak, "comm": comm, "segments": len(segments), "shard_elements": S,
+            "init_above_state": _init_above_state(segments, d, dtype) if zero == 3 else None}
+
+
+def _init_above_state(segments, d: int, dtype) -> int:
+    """zero 3's setup (cutp.optim.sharded, the model built deferred): the most bytes it holds
+    above the state, one segment whole (d C elements) while one of its parameters is drawn:
+    the TP-whole tensor in the generator's dtype (float64 for float64 models, else float32), its
+    TP shard taken from it (a copy when the parameter is TP-split) and cast to the model's
+    dtype (a copy when that differs)."""
+    gen = 8 if dtype == np.float64 else 4
+
+    def drawn(p):
+        full = int(np.prod(p.full_shape, dtype=np.int64))
+        shard = p.data.size
+        return full * gen + (shard * gen if p.sharding is not None else 0) + (shard * dtype.itemsize
+                                                                             if dtype.itemsize != gen else 0)
+
+    return max(d * s.chunk * dtype.itemsize + max(drawn(p) for p in s.params) for s in segments)
 
 
 def _simulate(model, unit_segments, ops, reshard: bool, prefetch: bool, bytes_per_chunk: int):

@@ -20,7 +20,7 @@ from .grads import finish_grad_sync, global_grad_norm, sum_grad_over, tp_grad_sy
 from .layers import (ColumnParallelLinear, Dropout, LayerNorm, LogitSoftcap, ParallelLMHead, RMSNorm,
                      RowParallelLinear, VocabParallelEmbedding, make_norm, pad_vocab)
 from .moe import MoEMLP, check_moe
-from .parameter import Module, Parameter, make_parameter, normal_init, ones_init, zeros_init
+from .parameter import Module, Parameter, deferred_parameters, make_parameter, normal_init, ones_init, zeros_init
 from .random import REPLICATED, SHARDED, RNGTracker
 from .sharding import Sharding, gather_full, pad_rows, take_shard
 from .transformer import BlockSpec, ParallelMLP, ParallelTransformerBlock
@@ -29,7 +29,7 @@ __all__ = [
     "ParallelAttention", "VocabParallelCrossEntropy", "finish_grad_sync", "global_grad_norm", "tp_grad_sync",
     "sum_grad_over",
     "ColumnParallelLinear", "Dropout", "LayerNorm", "ParallelLMHead", "RowParallelLinear",
-    "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "make_parameter", "normal_init",
+    "VocabParallelEmbedding", "pad_vocab", "Module", "Parameter", "deferred_parameters", "make_parameter", "normal_init",
     "ones_init", "zeros_init", "REPLICATED", "SHARDED", "RNGTracker", "Sharding", "gather_full",
     "take_shard", "pad_rows", "ParallelMLP", "ParallelTransformerBlock", "MoEMLP", "check_moe",
     "BlockSpec", "RMSNorm", "make_norm", "LogitSoftcap",

@@ -49,6 +49,7 @@ class Parameter:
     """
 
     real_rows: int | None = None
+    draw: Callable | None = None  # made inside `deferred_parameters`: returns its values (data a stand-in till then)
     buffer: bool = False
     sequence_parallel: bool = False
     tp_partial: bool = False
@@ -167,25 +168,53 @@ def ones_init(rng, shape, dtype):
     return np.ones(shape, np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 
+_deferring = []  # non-empty inside `deferred_parameters`
+
+
+@contextlib.contextmanager
+def deferred_parameters():
+    """Inside, `make_parameter` keeps no values: a parameter's data and gradient are stand-ins of
+    its shard's shape (no memory, NaN if read, read-only on the CPU) and `p.draw()` returns the
+    shard it would have kept, bit for bit (drawn then, from the same generator). ZeRO-3 builds
+    its model so and draws one unit at a time, keeping each rank's piece (cutp.optim.sharded):
+    no rank holds the whole model. Buffers (`make_buffer`) are made at once."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+
+
+def _stand_in(xp, shape, dtype):
+    return xp.broadcast_to(xp.full((), np.nan, dtype), shape)
+
+
 def make_parameter(ctx, name, full_shape, init, sharding=None, *, seed=0, dtype=np.float32,
-                   weight_decay=False, real_rows=None) -> Parameter:
+                   weight_decay=False, real_rows=None, defer: bool = True) -> Parameter:
     """Builds the full tensor on the host from its own seeded generator, keeps this rank's shard.
 
     Only one full tensor exists at a time (it is dropped before the next parameter is made).
     real_rows: rows [real_rows:] are vocabulary padding: zero, and left out of full state dicts.
     seed=None skips initialisation: the shard is allocated as zeros (for weights about to be
-    loaded from a checkpoint or a Hugging Face file).
+    loaded from a checkpoint or a Hugging Face file). Inside `deferred_parameters` (and `defer`),
+    nothing is drawn nor allocated until `p.draw()`.
     """
-    if seed is None:
-        shape = tuple(full_shape) if sharding is None else sharding.shard_shape(ctx.tp_rank)
-        data = ctx.xp.zeros(shape, dtype)
-    else:
+    shape = tuple(full_shape) if sharding is None else sharding.shard_shape(ctx.tp_rank)
+
+    def draw():
+        if seed is None:
+            return ctx.xp.zeros(shape, dtype)
         full = init(param_rng(seed, name), tuple(full_shape), dtype)
         if real_rows is not None:
             full[real_rows:] = 0
-        data = ctx.asarray(np.ascontiguousarray(take_shard(full, sharding, ctx.tp_rank), dtype=dtype))
-        del full
-    p = Parameter(name, data, sharding, ctx.tp_rank, weight_decay)
+        return ctx.asarray(np.ascontiguousarray(take_shard(full, sharding, ctx.tp_rank), dtype=dtype))
+
+    if _deferring and defer:
+        p = Parameter(name, _stand_in(ctx.xp, shape, dtype), sharding, ctx.tp_rank, weight_decay)
+        p.grad = _stand_in(ctx.xp, shape, dtype)
+        p.draw = draw
+    else:
+        p = Parameter(name, draw(), sharding, ctx.tp_rank, weight_decay)
     p.real_rows = real_rows
     return p
 
@@ -195,7 +224,7 @@ def make_buffer(ctx, name, full_shape, init, *, seed=0, dtype=np.float32) -> Par
     kept in float32 (float64 in a float64 model) whatever the model's dtype, so that a 16-bit
     model neither rounds the module's small moves away nor has float32 masters undo them."""
     kept = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-    p = make_parameter(ctx, name, full_shape, init, seed=seed, dtype=kept)
+    p = make_parameter(ctx, name, full_shape, init, seed=seed, dtype=kept, defer=False)
     p.trainable = False
     p.buffer = True
     return p

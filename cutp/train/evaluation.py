@@ -12,7 +12,7 @@ def evaluate(run) -> float:
     evaluation; chat data: its masked targets, each counted once, whatever the layout), in eval
     mode (no dropout). Collective."""
     cfg, ctx, model = run.config, run.ctx, run.model
-    run.gather_params()
+    run.settle_params()  # (zero 3: each unit gathered for its forward, as in training)
     with ctx.watchdog.watch_progress(f"the evaluation after step {run.step}"):
         model.eval()
         total, count = 0.0, 0

@@ -25,6 +25,7 @@ watchdog watches the step once, as a whole: it aborts the job when the step make
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -52,7 +53,7 @@ from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank, mark_raised_on_every_rank
 from ..runtime.threads import keep_freed_host_memory, set_blas_threads, threads_per_rank
 from ..runtime.mesh import Mesh
-from ..tensor_parallel import tp_grad_sync
+from ..tensor_parallel import deferred_parameters, tp_grad_sync
 from ..tensor_parallel.parameter import trainable_parameters
 from .reductions import dp_mean, from_last_stage, losses_on_device, loss_weights
 from .config import RunConfig, checkpoint_conflicts
@@ -96,6 +97,11 @@ class TrainingRun:
         finish_param_gather(self)
         if isinstance(self.optimizer, ShardedAdamW):
             self.optimizer.gather_all()
+
+    def settle_params(self) -> None:
+        """Waits for the parameter gathers in flight (--overlap-param-gather), zero 3's parameters
+        left sharded: evaluation's forward gathers each unit as training's does."""
+        finish_param_gather(self)
 
     @property
     def end_step(self) -> int:
@@ -264,9 +270,12 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     loaded), its layout (recomputation, sequence parallelism), the flat buffers and the optimizer
     of `cfg` on context `ctx`: the run `build_run` makes, and the one the planner (cutp.plan)
     makes on a shape-only context. Collective over ctx."""
-    model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
-                pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     base = cfg.init_from if base is None else base  # (`base`: a resumed run's frozen weights' source)
+    # zero 3 without weights to load first: nothing drawn until the optimizer draws each unit, keeping
+    # this rank's piece (no rank holds the whole model)
+    with deferred_parameters() if cfg.zero == 3 and base is None else contextlib.nullcontext():
+        model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
+                    pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     if base is not None:  # before the optimizer copies any weight (fp32 master weights)
         init_weights(model, base)
     set_up_trainable(model, cfg)  # --freeze, LoRA (refusals alike on every rank): before any layout and optimizer
@@ -333,7 +342,10 @@ def resume(run: TrainingRun, checkpoint: str) -> dict:
             raise ConfigError(f"the run's settings differ from those of the checkpoint {path}: "
                               + "; ".join(conflicts) + ". A resumed run continues the same training: "
                               "resolve_run_config(resume=...) takes them from the checkpoint")
-    run.gather_params()  # (zero 3: the whole parameters to load into; the next step takes its pieces)
+    if getattr(run.optimizer, "params_sharded", False):
+        run.settle_params()  # (zero 3: each rank loads its pieces, one parameter whole at a time)
+    else:
+        run.gather_params()
     meta = load_checkpoint(path, run.model, run.optimizer)
     run.step = run.start_step = run.last_saved = int(meta["step"])
     rng = meta.get("rng")
@@ -354,10 +366,16 @@ def save(run: TrainingRun) -> str | None:
     cfg = run.config
     if not cfg.out or run.last_saved == run.step:
         return None
-    run.gather_params()
+    opt = run.optimizer  # zero 3 (ep 1): its units written one at a time, never the whole model
+    by_unit = isinstance(opt, ShardedAdamW) and opt.zero == 3 and not opt.all_gathered and run.ctx.ep_size == 1
+    if by_unit:
+        run.settle_params()
+    else:
+        run.gather_params()
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
                            data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
-                           keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict())
+                           keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict(),
+                           by_unit=by_unit)
     run.last_saved = run.step
     if run.replaced:  # rank 0, --overwrite: the other run's checkpoints go once one of ours is complete
         for old in run.replaced:

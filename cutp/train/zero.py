@@ -6,12 +6,13 @@
     zero 3   the parameters too, each unit gathered for its forward and its backward
              (cutp.optim.sharded.ShardedAdamW for both)
     --dp-replicate R   HSDP: zero 2/3 shard inside each of R replicas, gradients all-reduced across them
+                       (at ep > 1 the experts over the expert-DP ranks inside a replica, summed across them)
 """
 from __future__ import annotations
 
 from ..optim import ShardedAdamW
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.grads import replica_group
+from ..tensor_parallel.grads import expert_replica_group, replica_group
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -40,9 +41,11 @@ def check_zero(cfg) -> None:
                           f"each); use a `dp_replicate` from [{', '.join(map(str, ok))}]")
     if z < 2:
         return
-    if cfg.ep > 1 and cfg.dp_replicate > 1:
-        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} splits DP x CP into replicas, and at `ep` {cfg.ep} the "
-                          "experts are sharded over their expert-DP group; omit `dp_replicate`, or omit `ep`")
+    if cfg.ep > 1 and (cfg.dp // cfg.dp_replicate) % cfg.ep:
+        ok = [r for r in range(1, cfg.dp + 1) if cfg.dp % r == 0 and (cfg.dp // r) % cfg.ep == 0]
+        raise ConfigError(f"`dp_replicate` {cfg.dp_replicate} leaves {cfg.dp // cfg.dp_replicate} DP rank(s) in each "
+                          f"replica, and at `ep` {cfg.ep} a replica holds whole expert-parallel groups; use a "
+                          f"`dp_replicate` from [{', '.join(map(str, ok))}]")
     if z == 2 and cfg.overlap_param_gather:
         raise ConfigError("`overlap_param_gather` prefetches the parameter gathers of zero 3 (and zero 1's), and "
                           "zero 2 gathers its updated parameters after the update; use `zero` 3, or omit "
@@ -58,15 +61,18 @@ def sharded_optimizer(cfg, ctx, model, **kw) -> ShardedAdamW:
     stages runs on the shards at the end of the step."""
     deferred = [model.tok_embed.weight] if (ctx.pp_size > 1 and cfg.model.tie_embeddings
                                             and model.tok_embed is not None) else []
-    group = replicas = None
-    if cfg.dp_replicate > 1:  # HSDP: R replicas of consecutive DP x CP ranks
-        whole = replica_group(ctx)
-        n = whole.size // cfg.dp_replicate
-        group = ctx.subgroup("hsdp_shard", color=whole.rank // n, key=whole.rank, of=whole,
-                             expect=(whole.rank % n, n))
-        replicas = ctx.subgroup("hsdp_replicas", color=whole.rank % n, key=whole.rank, of=whole,
-                                expect=(whole.rank // n, cfg.dp_replicate))
-    optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, group=group, replicas=replicas, deferred=deferred,
+    R, groups = cfg.dp_replicate, {}
+    if R > 1:  # HSDP: R replicas of consecutive DP x CP ranks (at ep > 1, of expert-DP x CP ranks too:
+        # the same replicas, as each holds whole EP groups)
+        experts = expert_replica_group(ctx) if getattr(ctx, "ep_size", 1) > 1 else None
+        for name, of in (("", replica_group(ctx)), ("expert_", experts)):
+            if of is not None:
+                n = of.size // R
+                groups[f"{name}group"] = ctx.subgroup(f"hsdp_{name}shard", color=of.rank // n, key=of.rank, of=of,
+                                                      expect=(of.rank % n, n))
+                groups[f"{name}replicas"] = ctx.subgroup(f"hsdp_{name}replicas", color=of.rank % n, key=of.rank,
+                                                         of=of, expect=(of.rank // n, R))
+    optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, **groups, deferred=deferred,
                              reshard_after_forward=cfg.reshard_after_forward, overlap=cfg.overlap_grad_reduce,
                              prefetch=cfg.overlap_param_gather, **kw)
     model.unit_hooks = optimizer

@@ -4,16 +4,19 @@ checkpoints move between stages and layouts, and what they cost is what the plan
 - Float64, a GPT-2-shaped and a Llama-shaped tiny model, dropout 0.1: at dp4, dp2, tp2 x dp2
   with sequence parallelism, cp2 x dp2, pp2 x dp2 (1F1B, tied embeddings: the deferred sum over
   the two stages; GPipe; interleaved), dp4 in 2 HSDP replicas, MoE at dp4 x ep2 and tp2 + SP x
-  dp2 x ep2 (the experts sharded over expert-DP), with full recomputation in some, two steps
+  dp2 x ep2 (the experts sharded over expert-DP), and dp4 x ep2 in 2 HSDP replicas (the experts
+  summed across replicas apart), with full recomputation in some, two steps
   give the losses, every gradient (put together from the ranks' shards) and every updated
   parameter of one rank within 1e-10; --overlap-grad-reduce and --overlap-param-gather give
   the same bits as without, and the prefetch holds more whole units, at most two.
 - Frozen parameters (LoRA, llama-shaped) at dp2 zero 2, dp2 zero 3 and tp2 x dp2 zero 3 (the grid:
   also LoRA on MoE experts at dp4 x ep2 zero 3, and --freeze of the tied embedding at pp2 x dp2
   zero 3): within 1e-10 of one rank, the frozen base bit-identical.
-- A zero 3 (HSDP) checkpoint resumes bit-identically in the loss, at zero 3 and at zero 1 (dp 4), and
-  at zero 1 dp 2 and one rank within 1e-10; a stage given at the resume (--distributed-optimizer:
-  zero 1) wins over the checkpoint's.
+- A zero 3 (HSDP) checkpoint resumes bit-identically in the loss, at zero 3 and at zero 1 (dp 4); the
+  chain zero 3 dp 4 -> zero 1 dp 2 -> one rank is within 1e-10 in the losses and final weights; a stage
+  given at the resume (--distributed-optimizer: zero 1) wins over the checkpoint's.
+- zero 3 builds its model unit by unit: the shards bit-identical to the whole model's, the setup's
+  memory peak the plan's (the state, one unit whole, one parameter drawn).
 - Measured = planned (cutp.plan.zero) at four layouts (one with LoRA): state bytes, the peak of whole units,
   every collective of the sharding groups, to the byte; `cutp plan --zero` agrees.
 - Refusals in one line whose every fix is accepted.
@@ -51,9 +54,12 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     # embedding on both pipeline ends
     (dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3, lora_rank=4, lora_alpha=8.0)),
     (GPT2, 2, dict(pp=2, dp=2, zero=3, freeze="embeddings,norms", overlap_grad_reduce=True)),
+    # HSDP at ep 2: the experts summed across the replicas apart from the dense parameters
+    (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3, dp_replicate=2,
+                                                                recompute="full")),
 ]
 BITS = {1, 4, 11}  # also run with OVERLAP: the same bits
-DEFAULT = (4, 6, 7)  # what `make test` runs, one one-rank reference for the three (all: -m zero_full)
+DEFAULT = (4, 6, 14)  # what `make test` runs (all: -m zero_full); 14's HSDP runs the dense path of 7 too
 
 
 def _config(model, n_layer, **layout):
@@ -152,11 +158,18 @@ def test_zero_every_layout_of_the_grid():
     run_mpi(4, "tests.optim.test_zero:_worker", [k for k in range(len(LAYOUTS)) if k not in DEFAULT], timeout=600)
 
 
+def _weights(run) -> dict:
+    run.gather_params()
+    return {p.name: run.ctx.to_numpy(p.data).copy() for p in run.model.parameters()}
+
+
 def _resume_worker(out):
     """zero 3 at dp 4 in 2 replicas (HSDP) saves at step 2 of 4: resumed at the same layout, and at
-    zero 1 (dp 4, no replicas), its next two losses are the uninterrupted run's bits; at zero 1
-    dp 2 and at one rank (zero 0), within 1e-10 (another DP size sums the gradients in another
-    order: docs/parallelism.md)."""
+    zero 1 (dp 4, no replicas), its next two losses are the uninterrupted run's bits (at zero 3
+    loaded into each rank's shards, nothing gathered). At another
+    dp size the rule is 1e-10 (another DP size sums the gradients in another order:
+    docs/checkpoints.md): the chain zero 3 dp 4 -> zero 1 dp 2 (step 3, saved) -> one rank (step
+    4) gives the uninterrupted run's losses and final weights within 1e-10."""
     from mpi4py import MPI
 
     from cutp.train import save
@@ -170,21 +183,31 @@ def _resume_worker(out):
         losses.append(train_step(run).loss)
         if run.step == 2:
             save(run)
+    final = _weights(run)
     run.close()
     ckpt = f"{out}/step-00000002"
 
-    def resumed(comm, steps=2, **at):
-        run = build_run(_config(GPT2, 2, resume=ckpt, resumed_step=2, **at), comm, dataset=data)
+    def resumed(comm, steps=2, at=ckpt, **kw):
+        run = build_run(_config(GPT2, 2, resume=at, resumed_step=int(at[-8:]), **kw), comm, dataset=data)
+        if kw.get("zero") == 3:  # loaded into the shards: nothing gathered
+            assert run.optimizer.peak_gathered_bytes == 0 and not run.optimizer.all_gathered
         got = [train_step(run).loss for _ in range(steps)]
+        if kw.get("out"):
+            save(run)
+        weights = _weights(run)
         run.close()
-        return got
+        return got, weights
 
-    assert resumed(world, **layout) == losses[2:], losses
-    assert resumed(world, dp=4, zero=1) == losses[2:], losses
-    half = world.Split(world.rank // 2, world.rank)
-    np.testing.assert_allclose(resumed(half, 1, dp=2, zero=1), losses[2:3], rtol=1e-10, atol=0)
+    assert resumed(world, **layout)[0] == losses[2:], losses
+    assert resumed(world, dp=4, zero=1)[0] == losses[2:], losses
+    half = world.Split(world.rank // 2, world.rank)  # (two dp 2 runs side by side, each saving its own)
+    mid = f"{out}/dp2-{world.rank // 2}"
+    third = resumed(half, 1, dp=2, zero=1, out=mid)[0]
     half.Free()
-    np.testing.assert_allclose(on_rank_0(lambda: resumed(MPI.COMM_SELF, 1)), losses[2:3], rtol=1e-10, atol=0)
+    last, weights = on_rank_0(lambda: resumed(MPI.COMM_SELF, 1, at=f"{mid}/step-00000003"))
+    np.testing.assert_allclose(third + last, losses[2:], rtol=1e-10, atol=0)
+    for name, w in final.items():
+        assert np.abs(weights[name] - w).max() <= 1e-10 * np.abs(w).max(), name
 
 
 PLANNED = [  # (model, dtype, layout): measured = planned (cutp.plan.zero) at four layouts
@@ -224,6 +247,91 @@ def _plan_worker():
         assert sharding == got["comm"], (layout, sharding, got["comm"])
 
 
+def _init_worker():
+    """zero 3 builds its model unit by unit (cutp.tensor_parallel.deferred_parameters): every
+    parameter, gathered from the shards, is bit-identical to the model built whole (float64 at
+    dp 4, float32 at tp2 x dp2); at dp 4 the setup's tracemalloc peak is the state and what was
+    live, plus the plan's one unit whole and one parameter drawn (cutp.plan.zero), within 64 KiB:
+    far below one whole model (8 layers)."""
+    import tracemalloc
+
+    from mpi4py import MPI
+
+    from cutp.models import GPT
+    from cutp.plan.zero import zero_plan
+
+    data = random_tokens(61, 4096, 0)
+    for model, dtype, layout in ((dict(GPT2, n_embd=64), "float64", dict(dp=4)),
+                                 (LLAMA, "float32", dict(tp=2, dp=2))):
+        cfg = _config(dict(model, dtype=dtype), 8, zero=3, **layout)
+        tracemalloc.start()
+        run = build_run(cfg, MPI.COMM_WORLD, dataset=data)
+        after, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        if cfg.tp == 1:
+            planned = zero_plan(cfg.model, dp=cfg.dp, zero=3, rank=run.ctx.rank)["init_above_state"]
+            whole = sum(p.data.size for p in run.model.parameters()) * 8
+            assert planned <= peak - after <= planned + 65536 and planned < whole / 4, (peak, after, planned, whole)
+        run.gather_params()
+        ref = {p.name: p.data for p in GPT(run.ctx, cfg.model, seed=cfg.seed).parameters()}
+        for p in run.model.parameters():
+            assert p.data.dtype == ref[p.name].dtype and np.array_equal(p.data, ref[p.name]), (layout, p.name)
+        run.close()
+
+
+def _save_eval_worker(out):
+    """zero 3 at dp 4 (bfloat16, 8 layers, the prefetch on) evaluates and saves without the whole
+    model: evaluation gathers each unit for its forward (at most two whole, with the prefetch),
+    the save one unit at a time (one whole at most; tracemalloc: the whole-model path's peak is
+    above it by the whole model but one unit at least); the validation loss, the model file's
+    bytes and every optimizer file's tensors are those of the whole-model path (gather_params,
+    then the same calls). (The optimizer files' bytes may differ: safetensors writes their two
+    metadata keys in hash order.)"""
+    import tracemalloc
+
+    from mpi4py import MPI
+    from safetensors import safe_open
+
+    from cutp.checkpoint import read_meta, save_checkpoint
+    from cutp.train import evaluate, save
+
+    cfg = _config(dict(GPT2, n_embd=64, dtype="bfloat16"), 8, dp=4, zero=3, overlap_param_gather=True,
+                  eval_batches=2, out=f"{out}/units")
+    run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+    train_step(run)
+    opt = run.optimizer
+    unit = max(s.group.size * s.chunk for s in opt.segments) * opt.dtype.itemsize
+    whole = sum(s.group.size * s.chunk for s in opt.segments) * opt.dtype.itemsize
+    opt.peak_gathered_bytes = opt.gathered_bytes
+    loss = evaluate(run)
+    assert 0 < opt.peak_gathered_bytes <= 2 * unit < whole / 2, (opt.peak_gathered_bytes, unit, whole)
+    assert opt.gathered_bytes == 0
+    opt.peak_gathered_bytes = 0
+    tracemalloc.start()
+    save(run)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert 0 < opt.peak_gathered_bytes <= unit and not opt.all_gathered and opt.gathered_bytes == 0
+    tracemalloc.start()
+    run.gather_params()  # today's path: the whole model
+    save_checkpoint(f"{out}/whole", run.step, run.model, opt, rng_state=run.model.rng.state_dict(),
+                    data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
+                    loss_scaler=run.loss_scaler.state_dict())
+    top = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert top - peak >= whole - unit, (top, peak, whole, unit)
+    assert evaluate(run) == loss
+    run.close()
+    got, ref = (f"{out}/{d}/step-00000001" for d in ("units", "whole"))
+    assert read_meta(got)["files"]["model-tp00-of-01.safetensors"] == read_meta(ref)["files"][
+        "model-tp00-of-01.safetensors"]
+    for name in read_meta(ref)["files"]:
+        with safe_open(f"{got}/{name}", "np") as g, safe_open(f"{ref}/{name}", "np") as r:
+            assert g.metadata() == r.metadata() and set(g.keys()) == set(r.keys()), name
+            for k in r.keys():
+                assert np.array_equal(g.get_tensor(k), r.get_tensor(k)), (name, k)
+
+
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1)
 
 
@@ -244,6 +352,8 @@ def _frozen_worker():
 
 
 def _default_worker(out):
+    _init_worker()
+    _save_eval_worker(out)
     _worker(list(DEFAULT))
     _frozen_worker()
     _resume_worker(out)
@@ -251,10 +361,12 @@ def _default_worker(out):
 
 
 def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tmp_path):
-    """One launch: tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), dp4 zero 3 as 2 replicas (HSDP),
-    each with full recomputation, equal to one rank (overlap bit-identical at tp2 + SP); LoRA at
-    dp2 zero 2 and 3 and tp2 x dp2 zero 3 equal to one rank; a zero 3 checkpoint resumed at zero 3
-    and zero 1 bit-identically; measured = planned at the four PLANNED layouts."""
+    """One launch: zero 3's setup unit by unit (bits, memory); its evaluation and save without the
+    whole model (bits, memory); tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), MoE dp4 x ep2 zero 3
+    as 2 replicas (HSDP), each with full recomputation, equal to one rank (overlap bit-identical at
+    tp2 + SP); LoRA at dp2 zero 2 and 3 and tp2 x dp2 zero 3 equal to one rank; a zero 3 checkpoint
+    resumed at zero 3 and zero 1 bit-identically, and along zero 1 dp 2 to one rank within 1e-10;
+    measured = planned at the four PLANNED layouts."""
     run_mpi(4, "tests.optim.test_zero:_default_worker", str(tmp_path), timeout=400)
     # resumed with the other spelling of a stage given, that stage (the checkpoint's is zero 3)
     from cutp.train.config import derive_run_config
@@ -265,20 +377,22 @@ def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tm
 
 
 def test_zero_refusals_name_fixes_that_are_accepted():
-    """`zero` with what it cannot serve (ep > 1, zero 2's parameter prefetch, bucket sizes,
-    --no-reshard-after-forward below zero 3) and `dp_replicate` below zero 2 or not dividing
-    dp: one line, and every fix it proposes is accepted (the grid of tests/train/test_refusal_fixes)."""
+    """`zero` with what it cannot serve (zero 2's parameter prefetch, bucket sizes,
+    --no-reshard-after-forward below zero 3) and `dp_replicate` below zero 2, not dividing dp, or
+    at ep > 1 leaving replicas without whole EP groups: one line, and every fix it proposes is
+    accepted (the grid of tests/train/test_refusal_fixes)."""
     import itertools
 
     from tests.train.test_refusal_fixes import check_every_fix_is_accepted
 
     cases = []
     for world, zero, replicate, extra in itertools.product(
-            (4,), (None, 2, 3), (None, 3),
+            (4,), (None, 2, 3), (None, 2, 3),
             ({}, {"preset": "tiny-moe", "ep": 2}, {"overlap_param_gather": True}, {"bucket_size": 1000},
              {"reshard_after_forward": False}, {"preset": "deepseek-tiny"})):
         cases.append((world, {"preset": "tiny", "device": "cpu", "tp": 1, "zero": zero, "dp_replicate": replicate,
                               **extra}))
+    cases.append((4, {"preset": "tiny-moe", "device": "cpu", "tp": 1, "ep": 2, "zero": 3, "dp_replicate": 4}))
     refused, checked = check_every_fix_is_accepted(cases)
     assert refused > 15 and checked > refused, (refused, checked)
 
@@ -296,6 +410,7 @@ def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units(capsys):
         z = zero_plan(GPTConfig(**dict(config.to_dict(), dtype="bfloat16")), dp=dp, zero=zero, accum=2,
                       dp_replicate=replicas, prefetch=True)
         assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == z["state"], (zero, replicas)
+        assert r["init_above_state"] == z["init_above_state"] and (zero == 3) == (z["init_above_state"] is not None)
         group = "hsdp_shard" if replicas > 1 else "dp"
         for key, op in (("dp_reduce_scatter", "reduce_scatter"), ("dp_all_gather", "all_gather")):
             assert r[key]["bytes"] == z["comm"][f"{group}.{op}"]["bytes"], (zero, key)
