@@ -398,3 +398,12 @@ def worker_syncs(cases):
             record(f"host syncs {family} {dtype} {layout} {sorted(extra)}", host_syncs_rank0=sum(step.values()))
             for (reason, where), n in sorted(step.items(), key=lambda kv: kv[0][1]):
                 print(f"  {n} x {reason} at {where}")
+
+
+def worker_train(cases):
+    """Each case trained two steps on the device path, nothing compared: a test reads what ran
+    from the stand-in's report ($CUTP_STANDIN_REPORT)."""
+    from mpi4py import MPI
+
+    for family, dtype, layout, extra in cases:
+        train(run_config(family, dtype, "cuda", layout, steps=2, **extra), MPI.COMM_WORLD)

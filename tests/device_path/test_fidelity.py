@@ -20,9 +20,10 @@ import types
 
 import pytest
 
+from tests.device_path.harness import ON_GPU
 from tests.device_path.standin import build
 
-pytestmark = [pytest.mark.device_path, pytest.mark.device_path_default]
+pytestmark = [pytest.mark.device_path]
 
 _CHECK = r'''
 import importlib, inspect, json, sys
@@ -106,6 +107,23 @@ def _provided():
     return out
 
 
+def _real_cupy():
+    """(the Python that imports the real CuPy, its environment), or the test skipped with the reason."""
+    env = dict(os.environ)
+    env.pop("CUTP_CUPY_STANDIN", None)
+    real, python = os.environ.get("CUTP_REAL_CUPY"), sys.executable
+    if real and os.path.isfile(real):  # a Python that has CuPy (its own environment: its nvidia-* libraries)
+        python = real
+    elif real:
+        env["PYTHONPATH"] = real + os.pathsep + env.get("PYTHONPATH", "")
+    probe = subprocess.run([python, "-c", "import cupy"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ""
+        pytest.skip("the real CuPy does not import here (pip install cupy-cuda12x, or $CUTP_REAL_CUPY=<a directory "
+                    f"holding it, or the Python of an environment that has it>): {why}")
+    return python, env
+
+
 def _cutp_constants():
     """(CuPy's name, cutp's value) of the enum values cutp writes itself (cuBLAS's operations,
     compute types and algorithm, the CUDA data types, NCCL's data types and reductions)."""
@@ -120,19 +138,9 @@ def _cutp_constants():
     return out
 
 
+@pytest.mark.device_path_default
 def test_every_attribute_the_stand_in_provides_is_cupys():
-    env = dict(os.environ)
-    env.pop("CUTP_CUPY_STANDIN", None)
-    real, python = os.environ.get("CUTP_REAL_CUPY"), sys.executable
-    if real and os.path.isfile(real):  # a Python that has CuPy (its own environment: its nvidia-* libraries)
-        python = real
-    elif real:
-        env["PYTHONPATH"] = real + os.pathsep + env.get("PYTHONPATH", "")
-    probe = subprocess.run([python, "-c", "import cupy"], env=env, capture_output=True, text=True)
-    if probe.returncode != 0:
-        why = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else ""
-        pytest.skip("the real CuPy does not import here (pip install cupy-cuda12x, or $CUTP_REAL_CUPY=<a directory "
-                    f"holding it, or the Python of an environment that has it>): {why}")
+    python, env = _real_cupy()
     proc = subprocess.run([python, "-c", _CHECK], env=env, input=json.dumps(_provided() + _cutp_constants()),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -140,3 +148,54 @@ def test_every_attribute_the_stand_in_provides_is_cupys():
     print(f"CuPy {report['version']}; not checked (library not loadable): {report['unloaded']}")
     assert not report["missing"], f"the stand-in provides what CuPy {report['version']} has not: {report['missing']}"
     assert not report["signatures"], f"signatures that differ from CuPy's: {report['signatures']}"
+
+
+_LOOPS = r'''
+import json, sys
+import numpy, ml_dtypes, cupy
+bf = numpy.dtype(ml_dtypes.bfloat16)
+def dt(c):
+    return bf if c == bf.char else numpy.dtype(c)
+out = {"version": cupy.__version__, "refused": [], "unchecked": []}
+for name, dtypes in json.loads(sys.stdin.read()):
+    u = getattr(cupy, name.split(".")[0], None)
+    if not isinstance(u, cupy.ufunc):
+        out["unchecked"].append(name)
+        continue
+    ins = [bf if d == "bfloat16" else numpy.dtype(d) for d in dtypes]
+    if "." in name:  # reduce / accumulate / at: the array's dtype for every input
+        ins = ins[:1]
+    ins = (ins + [ins[0]] * u.nin)[:u.nin]  # (a Python scalar operand takes the array's dtype)
+    loops = [[dt(c) for c in t.split("->")[0]] for t in u.types if isinstance(t, str)]
+    if not any(all(numpy.can_cast(i, o) for i, o in zip(ins, loop)) for loop in loops):
+        out["refused"].append([name, dtypes])
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(ON_GPU, reason="reads what the stand-in ran: on a GPU, CuPy itself refuses what it lacks")
+@pytest.mark.usefixtures("emulated_kernels")
+def test_cupy_has_the_bfloat16_loops_cutp_runs(tmp_path):
+    """The elementwise routines (CuPy's ufuncs) that bfloat16 training runs on device arrays with
+    a bfloat16 operand, on the stand-in: CuPy has a type loop for each (what CuPy refuses, the
+    stand-in must refuse). The other routines (reductions, sorts, copies) have no type table
+    readable without a GPU: listed, not checked."""
+    python, env = _real_cupy()
+    from tests.device_path.harness import OVERLAP, run_device
+
+    report = tmp_path / "standin"
+    run_device(4, "tests.device_path.harness:worker_train",
+               [["llama", "bfloat16", {"tp": 2, "dp": 2}, OVERLAP], ["mixtral", "bfloat16", {"tp": 2, "dp": 2, "ep": 2}, {}],
+                ["gpt2", "bfloat16", {"pp": 2, "dp": 2}, {"micro_batch_size": 1}]],
+               env={"CUTP_STANDIN_REPORT": str(report)}, timeout=300)
+    ran = {(n, tuple(d)) for rank in range(4)
+           for n, d in json.loads((tmp_path / f"standin.{rank}").read_text())["routines"]}
+    bf16 = sorted([n, list(d)] for n, d in ran if "bfloat16" in d)
+    assert bf16, "a bfloat16 run ran no array routine on a bfloat16 operand"
+    proc = subprocess.run([python, "-c", _LOOPS], env=env, input=json.dumps(bf16), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"CuPy {out['version']}: routines run with a bfloat16 operand: {bf16}; not checkable here: "
+          f"{sorted(set(out['unchecked']))}")
+    assert not out["refused"], f"CuPy {out['version']} has no loop for these, which the stand-in ran: {out['refused']}"

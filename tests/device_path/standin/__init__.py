@@ -15,8 +15,8 @@ tests/device_path/shim/sitecustomize.py calls it in every process (MPI ranks inc
   two streams, or host reads of unsynchronized device memory, raise RaceError/HostSyncError
   naming both places; host synchronizations are counted per step (``SYNCS``).
 
-``$CUTP_STANDIN_REPORT=path`` writes, at exit, the host syncs per step and the pool's peak as
-JSON (path gets ``.<world rank>`` appended).
+``$CUTP_STANDIN_REPORT=path`` writes, at exit, the host syncs per step, the pool's peak and the
+array routines run with their operands' dtypes as JSON (path gets ``.<world rank>`` appended).
 """
 from __future__ import annotations
 
@@ -287,4 +287,5 @@ def _write_report(path):
     steps = [[{"reason": r, "place": p, "count": c} for (r, p), c in sorted(s.items())]
              for s in tracking.SYNCS.steps + [tracking.SYNCS.current]]
     with open(f"{path}.{rank}", "w") as f:
-        json.dump({"host_syncs_per_step": steps, "pool_used_bytes": tracking.DEFAULT_POOL.used_bytes()}, f, indent=1)
+        json.dump({"host_syncs_per_step": steps, "pool_used_bytes": tracking.DEFAULT_POOL.used_bytes(),
+                   "routines": sorted([n, list(d)] for n, d in tracking.ROUTINES)}, f, indent=1)
