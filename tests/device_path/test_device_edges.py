@@ -4,6 +4,9 @@
   k == 0, with and without accumulate), a 16-bit gradient buffer accumulated through an unfused
   product, an `out` cuBLAS cannot write, the 32-bit dimension limit, `column_sums` into a buffer
   that is not float32;
+- `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
+  library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
+  device array for the host;
 - `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
   abort, a host array refused, and a unique id whose making failed on the first rank reported on
   every rank.
@@ -73,6 +76,41 @@ def test_gemm_edge_cases_on_cublas(cp):
     column_sums(x, out=acc)
     sums = x.get().astype(np.float32).sum(axis=0)
     np.testing.assert_allclose(acc.get().astype(np.float32), (1 + sums).astype(BF16).astype(np.float32), atol=1e-7)
+
+
+class _Exporter:
+    """Another library's array: only the protocols (as Numba's or PyTorch's would give)."""
+
+    def __init__(self, a, *, device):
+        self._a, self._device = a, device
+
+    @property
+    def __cuda_array_interface__(self):
+        if self._device != "cuda":
+            raise AttributeError("__cuda_array_interface__")
+        return self._a.__cuda_array_interface__
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_backend_with_cupy_present(cp):
+    from cutp.runtime.backend import as_array, nccl_status
+
+    ok, why = nccl_status()
+    assert ok and why == "NCCL 2.27.3", why  # (the stand-in's get_version, 22703)
+    dev = cp.arange(6, dtype=np.float32).reshape(2, 3)
+    view = as_array(cp, _Exporter(dev, device="cuda"))  # no copy: the same device memory
+    assert view.data.ptr == dev.data.ptr and view.get().tolist() == dev.get().tolist()
+    host = np.arange(4, dtype=np.float64)
+    moved = as_array(cp, _Exporter(host, device="cpu"), np.float32)  # host DLPack: through NumPy, then copied
+    assert type(moved).__name__ == "ndarray" and type(moved).__module__ == "cupy" and moved.get().tolist() == [0, 1, 2, 3]
+    assert as_array(np, dev).tolist() == [[0, 1, 2], [3, 4, 5]]  # (for the host: a device-to-host copy)
 
 
 def _worker_nccl():

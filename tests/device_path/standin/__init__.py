@@ -123,6 +123,14 @@ def full_like(a, fill_value, dtype=None, order="K", subok=None, shape=None):
 def asarray(a, dtype=None, order=None, *, blocking=False):
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is not None:  # another library's device array: CuPy views its memory, no copy
+        alloc = tracking.find(cai["data"][0])
+        if alloc is None:
+            raise ValueError(f"stand-in: __cuda_array_interface__ at {cai['data'][0]:#x} is not in device memory")
+        view = ndarray._view(np.ndarray(cai["shape"], np.dtype(cai["typestr"]), buffer=alloc.buf,
+                                        offset=cai["data"][0] - alloc.ptr, strides=cai.get("strides")), alloc)
+        return asarray(view, dtype)
     h = np.asarray(a, dtype=dtype)
     out = ndarray(h.shape, h.dtype)
     tracking.access([out._a], "w")  # a host-to-device copy on the current stream
