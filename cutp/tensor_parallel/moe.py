@@ -90,6 +90,7 @@ from .context_parallel import zigzag_positions
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
 from .moe_experts import ExpertMLP
 from .moe_grouped import GroupedExperts
+from . import moe_stats
 from .moe_seq_aux import seq_balance, seq_balance_grad
 from .parameter import Module, make_buffer, make_parameter, normal_init, zeros_init
 from .validation import check_routing
@@ -161,6 +162,8 @@ class MoEMLP(Module):
         self.reset_step_stats()
 
     # ---- metrics ---------------------------------------------------------------------------------
+    pending: tuple = ()  # the step's forwards' statistics still on the device (moe_stats)
+
     def reset_step_stats(self) -> None:
         """Sums over one optimizer step's training forwards (train_step reads and resets them)."""
         self.step_stats = {"aux_loss": 0.0, "z_loss": 0.0, "seq_aux_loss": 0.0, "assigned": np.zeros(self.n_experts),
@@ -182,19 +185,21 @@ class MoEMLP(Module):
 
     def finish_counting(self) -> None:
         """The counting pass ends: the step's assignment fractions, summed over the DP (x CP)
-        group (and TP under sequence parallelism). Collective over those groups."""
-        tally, self._tally = self._tally, None
-        xp, E = self.ctx.xp, self.n_experts
-        if isinstance(tally, float):  # (no forward ran: a stage of no micro-batch; not reached by train_step)
-            tally = xp.zeros(E + 1, np.float64)
-        for g in self._stats_groups():
-            g.all_reduce(tally, "sum", out=tally)
-        host = self.ctx.to_numpy(tally)
-        if self.step_tokens is not None and host[E] != self.step_tokens:
-            raise RuntimeError(f"the counting pass routed {host[E]:g} tokens; the step has {self.step_tokens:g}")
-        cdt = compute_dtype(self.router.data.dtype)
-        f = host[:E] / (host[E] * self.top_k)
-        self.step_fractions = (self.ctx.asarray(f.astype(cdt)), f.astype(cdt))
+        group (and TP under sequence parallelism). Collective over those groups
+        (`moe_stats.finish_counting` does every layer's in one host read)."""
+        moe_stats.finish_counting([self])
+
+    @property
+    def last(self) -> dict:
+        """The last forward's losses and counts (the metrics): read from the device now if the
+        step has not read them yet (`moe_stats.read_pending`)."""
+        if self.pending:
+            moe_stats.read_pending([self])
+        return self._last
+
+    @last.setter
+    def last(self, value: dict) -> None:
+        self._last = value
 
     # ---- the token layout --------------------------------------------------------------------
     def _split_rows(self, n) -> tuple[int, int, int] | None:
@@ -248,29 +253,19 @@ class MoEMLP(Module):
                                 xp.stack(scalars)])  # mixing host numbers and arrays)
         for g in self._stats_groups():
             g.all_reduce(stats, "sum", out=stats)
-        host = self.ctx.to_numpy(stats)  # (one device-to-host copy per MoE layer and forward)
-        n_all, z_sum, dropped, seq_sum = (float(v) for v in host[2 * E:])
-        if self.step_tokens is not None and self.training:  # the step's T (and c from the counting pass)
-            n_all = self.step_tokens
+        # inside a training step the statistics stay on the device until the step reads every
+        # layer's at once (moe_stats); elsewhere the token count n_all is one of them: read now
+        host = None if self.training and self.step_tokens is not None else self.ctx.to_numpy(stats)
+        n_all = self.step_tokens if host is None else float(host[2 * E])
         if self.step_fractions is not None and self.training:
             f, f_host = self.step_fractions
         else:
-            f, f_host = stats[:E] / (n_all * k), host[:E] / (n_all * k)  # (f on the device: the backward's)
-        aux = self.aux_loss_coeff * E * float((f_host * host[E:2 * E]).sum()) / n_all
-        z = self.z_loss_coeff * z_sum / n_all
-        # the sequence-wise loss: alpha * sum_i f_i P_i averaged over the step's n_all / T sequences
-        seq_loss = 0.0 if seq[1] is None else self.seq_aux_coeff * seq_sum * seq[2] / n_all
-        self.last = {"aux_loss": aux, "z_loss": z, "seq_aux_loss": seq_loss, "assigned": host[:E].copy(),
-                     "dropped": dropped}
-        if self.training and self.stash:  # (full recomputation's first pass is not counted twice)
-            s = self.step_stats
-            s["aux_loss"] += aux
-            s["z_loss"] += z
-            s["seq_aux_loss"] += seq_loss
-            s["assigned"] = s["assigned"] + self.last["assigned"]
-            s["dropped"] += dropped
-            s["forwards"] += 1
-
+            f, f_host = stats[:E] / (n_all * k), None  # (f on the device: the backward's)
+        record = (stats, n_all, f_host, None if seq[1] is None else seq[2], self.training and self.stash)
+        if host is None:
+            self.pending += (record,)
+        else:
+            moe_stats.settle(self, host, *record[1:])
         y, saved = self._experts_output(x2, idx, gates, keep, shape)
         self._save("moe", (x2, probs, lse, idx, top_p, gates, keep, f, n_all, saved, seq[1:]))
         if self.shared_experts is not None:

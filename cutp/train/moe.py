@@ -28,6 +28,7 @@ import contextlib
 import numpy as np
 
 from ..runtime.errors import ConfigError
+from ..tensor_parallel.moe_stats import finish_counting, read_pending
 from ..tensor_parallel.parameter import not_stashed
 from .pipeline import forwards_only
 
@@ -87,8 +88,7 @@ def _count_assignments(run, batches, step: int, first_row) -> None:
                 model.stage_forward(ctx.asarray(x), head=False)
                 ctx.watchdog.progress()
     model.rng.offsets = streams
-    for layer in model.moe_layers:
-        layer.finish_counting()
+    finish_counting(model.moe_layers)  # (every layer's tallies in one host read)
 
 
 def moe_step_stats(ctx, model) -> dict | None:
@@ -97,6 +97,7 @@ def moe_step_stats(ctx, model) -> dict | None:
     step, or None for a dense model. Collective over the pipeline when pp > 1."""
     if not model.config.n_experts:
         return None
+    read_pending(model.moe_layers)  # (the step's routing statistics, every layer's in one host read)
     mine = [(m.step_stats["aux_loss"], m.step_stats["z_loss"], m.step_stats["assigned"], m.step_stats["dropped"],
              m.step_stats["seq_aux_loss"]) for m in model.moe_layers]
     for m in model.moe_layers:  # (DeepSeek's correction bias: from the step's global counts, every layout alike)

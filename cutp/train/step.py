@@ -442,7 +442,6 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
                     model.after_unit_backward = None
                     ctx.watchdog.progress()
         model.rng.position = None  # a forward outside train_step draws from its streams again
-        moe = moe_step_stats(ctx, model)
         clock.enter("optimizer")
         hooks.before_grad_sync(run)
         if buckets is not None:  # (the TP sums and grad_sync hooks per bucket, as each starts)
@@ -456,6 +455,7 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         loss = dp_mean(ctx, float(loss_sum), "the loss average", per_cp_rank=True)  # (the step's one read)
         if ctx.pp_size > 1:
             loss = from_last_stage(ctx, loss)
+        moe = moe_step_stats(ctx, model)  # (its one read of the routing statistics: the device is idle by now)
         lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         # the decision above comes from all-reduced values: every rank updates its scaler alike

@@ -15,8 +15,8 @@ tests/device_path/shim/sitecustomize.py calls it in every process (MPI ranks inc
   two streams, or host reads of unsynchronized device memory, raise RaceError/HostSyncError
   naming both places; host synchronizations are counted per step (``SYNCS``).
 
-``$CUTP_STANDIN_REPORT=path`` writes, at exit, the host syncs per step and the pool's peak as
-JSON (path gets ``.<world rank>`` appended).
+``$CUTP_STANDIN_REPORT=path`` writes, at exit, the host syncs per step, the pool's peak and the
+array routines run with their operands' dtypes as JSON (path gets ``.<world rank>`` appended).
 """
 from __future__ import annotations
 
@@ -123,6 +123,14 @@ def full_like(a, fill_value, dtype=None, order="K", subok=None, shape=None):
 def asarray(a, dtype=None, order=None, *, blocking=False):
     if isinstance(a, ndarray):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is not None:  # another library's device array: CuPy views its memory, no copy
+        alloc = tracking.find(cai["data"][0])
+        if alloc is None:
+            raise ValueError(f"stand-in: __cuda_array_interface__ at {cai['data'][0]:#x} is not in device memory")
+        view = ndarray._view(np.ndarray(cai["shape"], np.dtype(cai["typestr"]), buffer=alloc.buf,
+                                        offset=cai["data"][0] - alloc.ptr, strides=cai.get("strides")), alloc)
+        return asarray(view, dtype)
     h = np.asarray(a, dtype=dtype)
     out = ndarray(h.shape, h.dtype)
     tracking.access([out._a], "w")  # a host-to-device copy on the current stream
@@ -287,4 +295,5 @@ def _write_report(path):
     steps = [[{"reason": r, "place": p, "count": c} for (r, p), c in sorted(s.items())]
              for s in tracking.SYNCS.steps + [tracking.SYNCS.current]]
     with open(f"{path}.{rank}", "w") as f:
-        json.dump({"host_syncs_per_step": steps, "pool_used_bytes": tracking.DEFAULT_POOL.used_bytes()}, f, indent=1)
+        json.dump({"host_syncs_per_step": steps, "pool_used_bytes": tracking.DEFAULT_POOL.used_bytes(),
+                   "routines": sorted([n, list(d)] for n, d in tracking.ROUTINES)}, f, indent=1)

@@ -310,6 +310,7 @@ def _call(fn, name, args, kwargs, *, unwrapped_first=False, in_place_first=False
         return res
     reads = _device_arrays(args, [])
     reads = _device_arrays(tuple(v for k, v in kwargs.items() if k != "out"), reads)
+    tracking.ROUTINES.add((name, tuple(a.dtype.name for a in reads)))
     outs = _device_arrays(kwargs.get("out"), [])
     if in_place_first and reads:
         outs.append(reads[0])

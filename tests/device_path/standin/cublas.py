@@ -19,9 +19,10 @@ from . import tracking
 
 CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_OP_C = 0, 1, 2
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
-CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_16BF = 0, 1, 2, 14
-_TYPES = {CUDA_R_32F: np.dtype(np.float32), CUDA_R_64F: np.dtype(np.float64), CUDA_R_16F: np.dtype(np.float16),
-          CUDA_R_16BF: np.dtype(ml_dtypes.bfloat16)}
+# the CUDA data types (cupy.cuda.runtime's CUDA_R_*: CuPy's cublas module has none)
+_R_32F, _R_64F, _R_16F, _R_16BF = 0, 1, 2, 14
+_TYPES = {_R_32F: np.dtype(np.float32), _R_64F: np.dtype(np.float64), _R_16F: np.dtype(np.float16),
+          _R_16BF: np.dtype(ml_dtypes.bfloat16)}
 _COMPUTE = {68: np.float32, 77: np.float32, 64: np.float16, 70: np.float64}
 _handles: dict[int, object] = {}
 _STATUS = {7: "INVALID_VALUE", 13: "EXECUTION_FAILED (an illegal address on a GPU)", 14: "INTERNAL_ERROR"}
@@ -82,7 +83,7 @@ def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb,
             raise CUBLASError(7, f"gemmEx at {where}: {what} = {t} is not a CUDA data type the stand-in knows")
     if Atype != Btype:
         raise CUBLASError(7, f"gemmEx at {where}: Atype {Atype} != Btype {Btype} (not a supported combination)")
-    if Ctype not in (Atype, CUDA_R_32F) or computeType not in _COMPUTE:
+    if Ctype not in (Atype, _R_32F) or computeType not in _COMPUTE:
         raise CUBLASError(7, f"gemmEx at {where}: Ctype {Ctype} / computeType {computeType} not supported for Atype "
                              f"{Atype}")
     at, ct = _TYPES[Atype], _TYPES[Ctype]

@@ -83,6 +83,7 @@ class Device:
 class runtime:
     """cupy.cuda.runtime (the functions cutp calls)."""
 
+    CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_16BF = 0, 1, 2, 14  # (the data types gemmEx takes)
     CUDARuntimeError = CUDARuntimeError
 
     @staticmethod

@@ -36,6 +36,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 from collections import Counter
 
 CALLS: Counter = Counter()  # kernel launches, gemmEx and NCCL calls (by name): what a run exercised
+# the array routines run on device arrays, with their operands' dtypes: {(name, (dtype names))}
+# (test_fidelity checks the bfloat16 ones against CuPy's type loops)
+ROUTINES: set = set()
 
 
 class RaceError(RuntimeError):

@@ -1,0 +1,148 @@
+"""The device path's edge cases that no training run reaches (found by `make coverage`):
+
+- `cutp.ops.gemm` on cuBLAS (the stand-in's gemmEx, in this process): empty products (m == 0,
+  k == 0, with and without accumulate), a 16-bit gradient buffer accumulated through an unfused
+  product, an `out` cuBLAS cannot write, the 32-bit dimension limit, `column_sums` into a buffer
+  that is not float32;
+- `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
+  library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
+  device array for the host;
+- `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
+  abort, a host array refused, and a unique id whose making failed on the first rank reported on
+  every rank.
+"""
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.device_path.harness import ON_GPU, run_device
+from tests.device_path.standin import build
+
+pytestmark = [pytest.mark.device_path]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    """The stand-in as `cupy` for this test only (cutp's gemm imports cupy.cuda.cublas)."""
+    mods = build()
+    for name, m in mods.items():
+        monkeypatch.setitem(sys.modules, name, m)
+    return mods["cupy"]
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_gemm_edge_cases_on_cublas(cp):
+    from cutp.ops.gemm import INT_MAX, column_sums, gemm, on_cublas
+
+    rng = np.random.default_rng(0)
+    a_h, b_h = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((4, 5)).astype(np.float32)
+    a, b = cp.asarray(a_h), cp.asarray(b_h)
+    assert on_cublas(a, b)
+    np.testing.assert_allclose(gemm(a, b).get(), a_h @ b_h, rtol=1e-6)
+    # empty products: nothing to compute (gemmEx is not called with a zero dimension)
+    assert gemm(cp.zeros((0, 4), np.float32), b).shape == (0, 5)
+    assert float(abs(gemm(cp.zeros((3, 0), np.float32), cp.zeros((0, 5), np.float32))).sum()) == 0.0
+    out = cp.ones((3, 5), np.float32)
+    gemm(cp.zeros((3, 0), np.float32), cp.zeros((0, 5), np.float32), out=out, accumulate=True)
+    assert out.get().tolist() == np.ones((3, 5)).tolist()  # k == 0 adds nothing
+    # a bfloat16 gradient buffer: the product rounded to bfloat16, then added (not fused)
+    a16, b16 = a.astype(BF16), b.astype(BF16)
+    grad = cp.asarray(np.full((3, 5), 0.5, BF16))
+    gemm(a16, b16, out=grad, accumulate=True)
+    want = (np.full((3, 5), 0.5, np.float32) + (a16.get().astype(np.float32) @ b16.get().astype(np.float32))
+            .astype(BF16).astype(np.float32)).astype(BF16)
+    assert grad.get().tolist() == want.tolist()
+    # what cuBLAS cannot write, and what it cannot address
+    with pytest.raises(ValueError, match="C-contiguous"):
+        gemm(a, b, out=cp.zeros((5, 3), np.float32).T)
+    with pytest.raises(ValueError, match="op\\(a\\) is 3 x 4, op\\(b\\) is 5 x 4"):
+        gemm(a, b, trans_b=True)
+    with pytest.raises(ValueError, match="accumulate=True adds into `out`"):
+        gemm(a, b, accumulate=True)
+    with pytest.raises(ValueError, match="out has shape"):
+        gemm(a, b, out=cp.zeros((3, 4), np.float32))
+    one = cp.zeros(1, np.float32)  # k = 2^31: one element's memory, broadcast
+    wide, tall = (cp.ndarray(shape, np.float32, memptr=one.data, strides=(0, 0))
+                  for shape in ((3, INT_MAX + 1), (INT_MAX + 1, 5)))
+    with pytest.raises(ValueError, match="32-bit dimensions"):
+        gemm(wide, tall)
+    # column sums of bfloat16 rows into a bfloat16 buffer: float32 sums added, the total rounded
+    x = cp.asarray(rng.standard_normal((6, 5)).astype(BF16))
+    acc = cp.asarray(np.ones(5, BF16))
+    column_sums(x, out=acc)
+    sums = x.get().astype(np.float32).sum(axis=0)
+    np.testing.assert_allclose(acc.get().astype(np.float32), (1 + sums).astype(BF16).astype(np.float32), atol=1e-7)
+
+
+class _Exporter:
+    """Another library's array: only the protocols (as Numba's or PyTorch's would give)."""
+
+    def __init__(self, a, *, device):
+        self._a, self._device = a, device
+
+    @property
+    def __cuda_array_interface__(self):
+        if self._device != "cuda":
+            raise AttributeError("__cuda_array_interface__")
+        return self._a.__cuda_array_interface__
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_backend_with_cupy_present(cp):
+    from cutp.runtime.backend import as_array, nccl_status
+
+    ok, why = nccl_status()
+    assert ok and why == "NCCL 2.27.3", why  # (the stand-in's get_version, 22703)
+    dev = cp.arange(6, dtype=np.float32).reshape(2, 3)
+    view = as_array(cp, _Exporter(dev, device="cuda"))  # no copy: the same device memory
+    assert view.data.ptr == dev.data.ptr and view.get().tolist() == dev.get().tolist()
+    host = np.arange(4, dtype=np.float64)
+    moved = as_array(cp, _Exporter(host, device="cpu"), np.float32)  # host DLPack: through NumPy, then copied
+    assert type(moved).__name__ == "ndarray" and type(moved).__module__ == "cupy" and moved.get().tolist() == [0, 1, 2, 3]
+    assert as_array(np, dev).tolist() == [[0, 1, 2], [3, 4, 5]]  # (for the host: a device-to-host copy)
+
+
+def _worker_nccl():
+    import cupy
+    from mpi4py import MPI
+
+    from cutp.comm.base import CommError
+    from cutp.comm.nccl import NcclCommunicator, broadcast_unique_id, check_array
+
+    comm = MPI.COMM_WORLD
+    r = comm.Get_rank()
+    c = NcclCommunicator(comm, "edges")
+    x = cupy.arange(4, dtype=np.float32) + 10 * r
+    assert c.broadcast(x, root=1).get().tolist() == [10.0, 11.0, 12.0, 13.0]
+    if r == 0:
+        c.send(cupy.full(3, 7, np.float32), 1)
+    else:
+        assert c.recv(cupy.zeros(3, np.float32), 0).get().tolist() == [7.0] * 3
+    c.barrier()
+    with pytest.raises(CommError, match="takes CuPy arrays, got numpy.ndarray"):
+        check_array(np.zeros(2, np.float32), "all_reduce on edges")
+
+    def broken():
+        raise RuntimeError("no id today")
+
+    with pytest.raises(CommError, match="failed on the group's first rank: RuntimeError: no id today"):
+        broadcast_unique_id(comm, broken)  # (every rank: rank 1 learns it from rank 0)
+    c.close()
+    c.abort()
+    print(f"rank {r}: nccl edges ok", flush=True)
+
+
+def test_nccl_broadcast_send_recv_barrier_and_failures():
+    proc = run_device(2, "tests.device_path.test_device_edges:_worker_nccl", timeout=120)
+    assert proc.stdout.count("nccl edges ok") == 2, proc.stdout[-2000:]
