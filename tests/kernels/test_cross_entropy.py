@@ -175,6 +175,25 @@ def test_ce_backward_in_place_over_the_logits(backend, k, dtype):
     close(buf, ref, dtype, atol=1e-7 if dtype == F32 else 1e-4)
 
 
+def test_ce_targets_outside_the_shard_give_zero(backend, k):
+    """The launcher's contract: a target outside [0, n_valid) has target logit 0 and no one-hot
+    term. Target n_valid (the shard's first padding column, whose logit is not 0), the last padding
+    column, past W, and 0 and n_valid - 1 at the edges of the valid range; outputs start as poison,
+    so a bound that lets n_valid through leaves poison behind."""
+    dev = backend.to_device
+    W, n_valid = 72, 70
+    t = np.array([n_valid, W - 1, W + 5, 0, n_valid - 1, -1], np.int64)
+    logits = randn((len(t), W), F32, seed=31, scale=3.0)
+    logits[:, n_valid:] = 5.0
+    inside = (t >= 0) & (t < n_valid)
+    lt = np.where(inside, t, -1)
+    ref = ops.ce_shard_forward(logits, lt, n_valid, need_sum_logits=False)  # the reference takes -1 only
+    assert np.count_nonzero(ref[2]) == 2
+    _check_forward(backend, k.ce_shard_forward(dev(logits), dev(t), n_valid, need_sum_logits=False), ref, n_valid)
+    g = k.ce_shard_backward(dev(logits), dev(ref[0]), dev(ref[1]), dev(t), n_valid, 1.0)
+    close(g, ops.ce_shard_backward(logits, ref[0], ref[1], lt, n_valid, np.float32(1.0)), F32, atol=1e-7)
+
+
 def test_ce_row_vectors_of_other_dtypes_are_converted(backend, k):
     dev = backend.to_device
     logits = randn((4, 10), F32, seed=28)
