@@ -14,7 +14,7 @@ import pytest
 from cutp import ops
 from cutp.kernels import KernelArgumentError
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, close, gpu_sized, randn, rng
+from .helpers import BF16, DT_IDS, DTYPES, F32, assert_within_ulps, close, gpu_sized, randn, rng
 
 CE_CASES = [
     # N, W, n_valid
@@ -33,6 +33,8 @@ CE_CASES = [
     # the kernel tests' widths: around a warp (31, 33), GPT-2's 768, 6144, and one unpadded row of
     # GPT-2's 50257 classes (a 1024-thread block reduction: 32 warps' partials)
     (4, 31, 31),
+    (4, 12, 12),  # bf16's vector paths: rows of 12 and 20 (4 mod 8), 13 valid (odd)
+    (3, 20, 13),
     (4, 33, 32),
     (3, 768, 768),
     (2, 6144, 6100),
@@ -192,6 +194,22 @@ def test_ce_targets_outside_the_shard_give_zero(backend, k):
     _check_forward(backend, k.ce_shard_forward(dev(logits), dev(t), n_valid, need_sum_logits=False), ref, n_valid)
     g = k.ce_shard_backward(dev(logits), dev(ref[0]), dev(ref[1]), dev(t), n_valid, 1.0)
     close(g, ops.ce_shard_backward(logits, ref[0], ref[1], lt, n_valid, np.float32(1.0)), F32, atol=1e-7)
+
+
+def test_ce_float32_gradient_within_ulps_of_expf(backend, k):
+    """With sum_exp 1, row scale 1, no smoothing and no target in the shard, each gradient element
+    is expf(logit - max) itself (the subtraction reproduced in float32): within expf's 2 ulps,
+    element by element, for exponents down to -80, where __expf may be off by 94 ulps."""
+    W, n_valid = 72, 70
+    logits = rng(32).uniform(-80.0, 0.0, (3, W)).astype(np.float32)
+    logits[:, 3] = 0.0
+    m = logits[:, :n_valid].max(axis=1)
+    one, none = np.ones(3, np.float32), np.full(3, -1, np.int64)
+    dev = backend.to_device
+    g = backend.host(k.ce_shard_backward(dev(logits), dev(m), dev(one), dev(none), n_valid, dev(one)))
+    assert_within_ulps(g[:, :n_valid], np.exp((logits[:, :n_valid] - m[:, None]).astype(np.float64)), 2,
+                       "dlogits")
+    assert not g[:, n_valid:].any()
 
 
 def test_ce_row_vectors_of_other_dtypes_are_converted(backend, k):
