@@ -154,4 +154,4 @@ FAMILY = KernelFamily(
         "ce_shard_forward": Traffic(1, ops=14, what="read a logit once (online max and sum of exp, sum, target)"),
         "ce_shard_backward": Traffic(2, ops=14, what="read a logit, write its gradient"),
     },
-    tests=("test_cross_entropy.py",), bench=BENCH)
+    tests=("test_cross_entropy.py",), mutation_classes=("fastmath",), bench=BENCH)

@@ -113,4 +113,4 @@ FAMILY = KernelFamily(
         "softmax_forward": Traffic(3, ops=12, what="read x twice (2 passes), write y"),
         "softmax_backward": Traffic(5, ops=5, what="read dy, y twice (2 passes), write dx"),
     },
-    tests=("test_softmax.py",), bench=BENCH)
+    tests=("test_softmax.py",), mutation_classes=("fastmath",), bench=BENCH)

@@ -7,6 +7,7 @@ kernel tests against each; a mutant the tests fail is *killed*, one they pass *s
     python tools/mutate_kernels.py --only attention.cu --quick --jobs 2   # a stage's fast selection
     python tools/mutate_kernels.py --ids attention-042 attention-049     # re-run chosen mutants
     python tools/mutate_kernels.py --only attention.cu --since main      # the lines changed since a revision
+    python tools/mutate_kernels.py --only common.cuh --stages layernorm rmsnorm   # only these families' tests
     python tools/mutate_kernels.py --report out/mutants/results.jsonl
 
 The mutants are generated from patterns over every code line of kernels/*.cu and
@@ -477,6 +478,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tests", nargs="*", default=None, metavar="NODEID",
                     help="run these tests (pytest node ids under tests/kernels/, in order) for every stage instead "
                          "of its files, as --quick does (e.g. a change's own tests; re-run the survivors without it)")
+    ap.add_argument("--stages", nargs="*", default=None, metavar="FAMILY",
+                    help="run only these stages (kernel families, e.g. layernorm rmsnorm) of each mutated source, "
+                         "in their usual order: a common.cuh change's users (re-run the survivors without it)")
     ap.add_argument("--report", type=Path, default=None, help="summarise a results.jsonl and exit")
     args = ap.parse_args(argv)
     if args.report:
@@ -497,11 +501,18 @@ def main(argv=None) -> int:
             print(f"{m.id:18s} {m.describe()}")
         print(f"{len(mutants)} mutants")
         return 0
+    if args.stages:
+        unknown = set(args.stages) - set(STAGES)
+        if unknown:
+            ap.error(f"unknown stages {sorted(unknown)}; choose from {sorted(STAGES)}")
+        for source in STAGES_OF:
+            STAGES_OF[source] = [name for name in STAGES_OF[source] if name in args.stages]
+        mutants = [m for m in mutants if STAGES_OF[m.source]]
     if args.tests:
         for stage in STAGES:
             QUICK[stage] = list(args.tests)
-    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs, args.quick or bool(args.tests),
-             args.launch_timeout)
+    campaign(mutants, args.out, args.max_time, args.per_mutant, args.resume, args.jobs,
+             args.quick or bool(args.tests) or bool(args.stages), args.launch_timeout)
     summary = report(args.out / "results.jsonl", len(mutants))
     (args.out / "summary.md").write_text(summary)
     print(summary)

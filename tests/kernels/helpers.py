@@ -346,6 +346,18 @@ def assert_within_float32_bound(got, exact, bound, what: str):
         f"exact {exact[worst]!r}, off by {err[worst] / u[worst]:.1f} ulp, allowed {allowed[worst] / u[worst]:.1f}")
 
 
+def assert_within_ulps(got, exact, ulps: float, what: str, floor: float = 0.0):
+    """float32 `got` within `ulps` float32 ulps of the float64 `exact` (plus `floor` in absolute),
+    element by element: the bound of a formula whose every rounding the test reproduces but a
+    function's (expf: 2 ulps), which a fast-math intrinsic (__expf: 2 + 1.16 |x| ulps) exceeds."""
+    got = np.ravel(to_numpy(got)).astype(np.float64)
+    exact = np.ravel(np.asarray(exact, np.float64))
+    err = np.abs(got - exact)
+    bad = err > ulps * ulp(exact, np.float32) + floor
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {got.size} elements off by more than {ulps} ulps, e.g. "
+                           f"{got[bad][:3]} vs {exact[bad][:3]}")
+
+
 def wide_range(n_linear: int = 800, lo: float = -40.0, hi: float = 40.0) -> np.ndarray:
     """float32 inputs over a wide range: a linear sweep of [lo, hi] and +-logspace(1e-5 .. 30)."""
     logs = np.logspace(-5, np.log10(30.0), 200)

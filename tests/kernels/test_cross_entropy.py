@@ -14,7 +14,7 @@ import pytest
 from cutp import ops
 from cutp.kernels import KernelArgumentError
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, close, gpu_sized, randn, rng
+from .helpers import BF16, DT_IDS, DTYPES, F32, assert_within_ulps, close, gpu_sized, randn, rng
 
 CE_CASES = [
     # N, W, n_valid
@@ -33,6 +33,8 @@ CE_CASES = [
     # the kernel tests' widths: around a warp (31, 33), GPT-2's 768, 6144, and one unpadded row of
     # GPT-2's 50257 classes (a 1024-thread block reduction: 32 warps' partials)
     (4, 31, 31),
+    (4, 12, 12),  # bf16's vector paths: rows of 12 and 20 (4 mod 8), 13 valid (odd)
+    (3, 20, 13),
     (4, 33, 32),
     (3, 768, 768),
     (2, 6144, 6100),
@@ -173,6 +175,41 @@ def test_ce_backward_in_place_over_the_logits(backend, k, dtype):
     out = k.ce_shard_backward(buf, dev(m), dev(se), dev(t), n_valid, 0.25, out=buf)  # scalar row_scale broadcasts
     assert out is buf
     close(buf, ref, dtype, atol=1e-7 if dtype == F32 else 1e-4)
+
+
+def test_ce_targets_outside_the_shard_give_zero(backend, k):
+    """The launcher's contract: a target outside [0, n_valid) has target logit 0 and no one-hot
+    term. Target n_valid (the shard's first padding column, whose logit is not 0), the last padding
+    column, past W, and 0 and n_valid - 1 at the edges of the valid range; outputs start as poison,
+    so a bound that lets n_valid through leaves poison behind."""
+    dev = backend.to_device
+    W, n_valid = 72, 70
+    t = np.array([n_valid, W - 1, W + 5, 0, n_valid - 1, -1], np.int64)
+    logits = randn((len(t), W), F32, seed=31, scale=3.0)
+    logits[:, n_valid:] = 5.0
+    inside = (t >= 0) & (t < n_valid)
+    lt = np.where(inside, t, -1)
+    ref = ops.ce_shard_forward(logits, lt, n_valid, need_sum_logits=False)  # the reference takes -1 only
+    assert np.count_nonzero(ref[2]) == 2
+    _check_forward(backend, k.ce_shard_forward(dev(logits), dev(t), n_valid, need_sum_logits=False), ref, n_valid)
+    g = k.ce_shard_backward(dev(logits), dev(ref[0]), dev(ref[1]), dev(t), n_valid, 1.0)
+    close(g, ops.ce_shard_backward(logits, ref[0], ref[1], lt, n_valid, np.float32(1.0)), F32, atol=1e-7)
+
+
+def test_ce_float32_gradient_within_ulps_of_expf(backend, k):
+    """With sum_exp 1, row scale 1, no smoothing and no target in the shard, each gradient element
+    is expf(logit - max) itself (the subtraction reproduced in float32): within expf's 2 ulps,
+    element by element, for exponents down to -80, where __expf may be off by 94 ulps."""
+    W, n_valid = 72, 70
+    logits = rng(32).uniform(-80.0, 0.0, (3, W)).astype(np.float32)
+    logits[:, 3] = 0.0
+    m = logits[:, :n_valid].max(axis=1)
+    one, none = np.ones(3, np.float32), np.full(3, -1, np.int64)
+    dev = backend.to_device
+    g = backend.host(k.ce_shard_backward(dev(logits), dev(m), dev(one), dev(none), n_valid, dev(one)))
+    assert_within_ulps(g[:, :n_valid], np.exp((logits[:, :n_valid] - m[:, None]).astype(np.float64)), 2,
+                       "dlogits")
+    assert not g[:, n_valid:].any()
 
 
 def test_ce_row_vectors_of_other_dtypes_are_converted(backend, k):

@@ -12,7 +12,7 @@ import pytest
 
 from cutp import ops
 
-from .helpers import DT_IDS, DTYPES, F32, bits, close, randn
+from .helpers import DT_IDS, DTYPES, F32, assert_within_ulps, bits, close, randn, rng
 
 SOFTMAX_CASES = [
     # shape, causal, scale
@@ -40,6 +40,11 @@ SOFTMAX_CASES = [
     # the kernel tests' widths (tests/kernels/README): 31 and 33 around a warp's 32 lanes, GPT-2's
     # 768 and 1024 in warp-per-row mode, 6144 and a GPT-2 vocabulary row (50257) in block-per-row mode
     ((3, 31), False, 1.0),
+    # bf16's vector paths in a warp per row (tests/kernels/helpers.BF16_PATH_WIDTHS): 12 and 20 are
+    # 4 mod 8 (every other bf16 row starts half a 128-bit pack off), 13 is odd
+    ((3, 12), False, 1.0),
+    ((2, 20, 20), True, 0.5),
+    ((3, 13), False, 0.5),
     ((2, 33, 33), True, 0.5),
     ((5, 768), False, 0.125),
     ((2, 1, 3, 1024), False, 0.125),
@@ -104,6 +109,21 @@ def test_softmax_running_max_of_exactly_zero(backend, ks, dtype, width):
     x = x.astype(dtype)
     close(ks.softmax_forward(backend.to_device(x), 1.0), ops.softmax_forward(x, 1.0)[0], dtype,
           atol=1e-7 if dtype == F32 else 1e-4)
+
+
+@pytest.mark.parametrize("width", [131, 1100])  # a warp per row; a block per row
+def test_float32_probabilities_within_ulps_of_expf(backend, k, width):
+    """Each float32 probability over its row's largest, element by element: the quotient is
+    exp(a) / exp(0), free of the row's sum, with a = x * scale - max rounded as the kernel rounds
+    it, so within expf's 2 ulps and the two divisions' half ulps (4 allowed). Exponents down to
+    -80, where __expf may be off by 94 ulps: a normwise bound lets a fast-math exp through."""
+    scale = np.float32(0.5)
+    x = rng(51).uniform(-150.0, 10.0, (3, width)).astype(np.float32)
+    x[:, [5, width - 2, width // 2]] = 10.0  # the max: a = 0 exactly, y = 1 / S
+    a = x * scale - x.max(axis=1, keepdims=True) * scale  # float32, as the kernel's __fmul_rn and subtraction
+    y = backend.host(k.softmax_forward(backend.to_device(x), float(scale))).astype(np.float64)
+    assert a.min() < -70
+    assert_within_ulps(y / y[:, 5:6], np.exp(a.astype(np.float64)), 4, "p / p_max")
 
 
 def test_softmax_extreme_values_stay_finite(backend, k):
