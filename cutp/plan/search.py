@@ -41,14 +41,24 @@ def _powers(limit: int) -> list[int]:
 
 def _sharding(inner: int, dp: int, pp: int) -> list[tuple[int, int, bool]]:
     """(zero, dp_replicate, reshard_after_forward) to try, the least communication first: ZeRO-1,
-    ZeRO-3 with HSDP replicas of one node (8 GPUs: dp / R x tp x cp = 8) when DP spans nodes,
+    ZeRO-2 (the gradients sharded too: a reduce-scatter per micro-batch), ZeRO-3 with HSDP replicas of one node (8 GPUs: dp / R x tp x cp = 8) when DP spans nodes,
     ZeRO-3 over all DP; under PP without resharding first (torchtitan's default there), then with."""
     out = [(1, 1, True)]
     if dp > 1:
+        out.append((2, 1, True))
         per_node = max(1, 8 // inner)
         for replicas in ([dp // per_node] if dp > per_node and dp % per_node == 0 else []) + [1]:
             out += [(3, replicas, False), (3, replicas, True)] if pp > 1 else [(3, replicas, True)]
     return out
+
+
+def _zero2_may_fit(zero1: dict | None, shards: int, capacity: float) -> bool:
+    """Whether ZeRO-2 could fit where ZeRO-1 did not: it keeps 1/shards of ZeRO-1's gradient
+    buffer and the rest as ZeRO-1 (1% slack for the shards' padding); no ZeRO-1 plan: try it."""
+    if zero1 is None:
+        return True
+    st = zero1["stages"][zero1["largest_stage"]]
+    return st["total"] - st["grads"] * (1 - 1 / shards) <= capacity * 1.01
 
 
 def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, micro_batch: int, seq_len: int,
@@ -66,6 +76,9 @@ def fewest_gpus(a, *, tp: int, pp: int, gpus: int, capacity: float, dtype: str, 
             break
         for recompute, (zero, replicas, reshard) in ((r, z) for r in RECOMPUTE for z in _sharding(tp * cp, dp, pp)):
             key = (tp, pp, dp, cp, cp_comm, recompute, micro_batch, seq_len, m, dtype, zero, replicas, reshard)
+            if zero == 2 and key not in plans and not _zero2_may_fit(plans.get(key[:10] + (1, 1, True)), dp * cp,
+                                                                     capacity):
+                continue  # ZeRO-1 minus the gradients' (dp-1)/dp shares still over: not worth a plan
             if key not in plans:
                 plans[key] = plan_pipeline(a, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch, seq_len=seq_len, accum=m,
                                            pp_layers=layers, dtype=dtype, distributed_optimizer=True,

@@ -187,6 +187,17 @@ def test_tp8_alone_does_not_fit_70b_on_80gb_tp8_pp4_with_the_distributed_optimiz
     assert rows[(8, 4)]["fits"] and rows[(8, 4)]["dp"] == 1
 
 
+def test_the_search_tries_zero_2_between_zero_1_and_zero_3():
+    """ZeRO-2 (gradients sharded too) is the search's choice where ZeRO-1 does not fit and ZeRO-2
+    does, before ZeRO-3 (more communication): Llama-2-70B at tp 2 x pp 4 on 80 GB GPUs."""
+    a, plans = plan.pick_arch("70B"), {}
+    found = plan_search.fewest_gpus(a, tp=2, pp=4, gpus=64, capacity=80e9, dtype="bfloat16", micro_batch=1,
+                                    seq_len=4096, batch_size=1024, plans=plans)
+    assert found["fits"] and found["zero"] == 2 and found["dp"] == 4, {k: found[k] for k in ("zero", "dp")}
+    same = [r for k, r in plans.items() if k[2] == 4 and k[5] == found["recompute"] and k[10] == 1]
+    assert same and all(r["stages"][r["largest_stage"]]["total"] > 80e9 for r in same)  # ZeRO-1 at dp 4 did not
+
+
 # ---- the command line ---------------------------------------------------------------------------
 def test_plan_pp_command_line(tmp_path, capsys):
     path = tmp_path / "pp.json"
