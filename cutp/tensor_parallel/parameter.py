@@ -33,6 +33,8 @@ class Parameter:
                  the gradient of KV heads replicated over several TP ranks)
     real_rows    for vocabulary tables: the full tensor's rows [real_rows:] are padding (zero,
                  never trained, left out of full state dicts); None otherwise
+    sp           declared so (`cutp.tensor_parallel.declare`): replicated and used on sequence
+                 shards, so the model marks it `sequence_parallel` when sequence parallelism is on
     sequence_parallel  replicated, but used on sequence shards (sequence parallelism): each TP
                  rank's gradient covers its tokens only, so `tp_grad_sync` sums it over TP
     tp_partial   replicated, and each TP rank runs its own tokens through it whatever the layout
@@ -50,6 +52,7 @@ class Parameter:
 
     real_rows: int | None = None
     buffer: bool = False
+    sp: bool = False
     sequence_parallel: bool = False
     tp_partial: bool = False
     expert_parallel: bool = False
