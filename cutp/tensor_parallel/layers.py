@@ -198,12 +198,12 @@ class VocabParallelEmbedding(Module):
         as transformers' scaled embedding does; None: no scaling. params: {"weight"} from the
         model's declarations (None: its own, `vocab_parameters`)."""
         self.ctx = ctx
-        self.scale = None if scale is None else np.asarray(scale, dtype=dtype)
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab
         params = params or build_parameters(ctx, vocab_parameters(vocab_size, padded_vocab, dim, ctx.tp_size), name,
                                             seed=seed, dtype=dtype)
         self.weight = params["weight"]
+        self.scale = None if scale is None else np.asarray(scale, dtype=self.weight.data.dtype)  # (the table's)
         per = padded_vocab // ctx.tp_size
         self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
         self.sequence_parallel = False
