@@ -1,6 +1,6 @@
 """The submodules a transformer block is built from, each declared as data: which kind, its
-settings, its parameters. A family picks one of each (`ModelConfig.block_spec` from the family's
-fields) and `BlockSpec` (cutp.tensor_parallel.transformer) holds them; the block builds each
+settings, its parameters. A family picks one of each from its config's fields (its `Blocks`,
+cutp.models.blocks; `ModelConfig.block_spec` asks it) and `BlockSpec` (cutp.tensor_parallel.transformer) holds them; the block builds each
 with its `build` and never branches on a kind.
 
     NormSpec       LayerNorm (with or without a bias) or RMSNorm (scale w, or 1 + w: Gemma)
