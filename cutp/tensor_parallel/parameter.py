@@ -249,12 +249,13 @@ class Module:
         for p in self.parameters():
             p.zero_grad()
 
-    # ---- layouts: each module marks itself and its own parameters (the model calls these on
-    # every module; the default is a module the layout does not change) ----------------------------
+    # ---- layouts: each module lays itself out (the model calls these on every module; the
+    # default is a module the layout does not change) ------------------------------------------
     def lay_out_sequence(self, on: bool, shard: tuple[int, int] | None) -> None:
         """Sequence parallelism on or off: `shard` (tp_rank, tp) when on. A layer that reads or
-        writes the residual stream takes this rank's tokens; a replicated parameter it uses on
-        them is marked `sequence_parallel` (its gradient covers these tokens only)."""
+        writes the residual stream takes this rank's tokens; the replicated parameters used on
+        them are declared `sp`, and the model marks those `sequence_parallel` (their gradients
+        cover these tokens only)."""
 
     def lay_out_context(self, shard: tuple[int, int] | None) -> None:
         """Context parallelism on (`shard` = (cp_rank, cp)) or off (None): a layer whose work
