@@ -7,8 +7,9 @@ the Llama family (RMSNorm, rotary positions, SwiGLU, no biases, untied), Qwen2 (
 q/k/v biases), Mistral, Mixtral (SwiGLU experts, softmax top-2 renormalised), and Gemma 2 / 3
 ((1 + w) RMSNorms before and after each branch, GeGLU, scaled embeddings, soft-capping); `family`
 names the Hugging Face family it is exported as. `block_spec()` is what each transformer block
-is built from (cutp.tensor_parallel's `BlockSpec`: the norm, attention and MLP specs these fields
-choose); `declarations()` lists every parameter as those specs declare it, and the parameter
+is built from (cutp.tensor_parallel's `BlockSpec`: the norm, attention and MLP specs its family
+chooses from these fields, cutp.models.blocks); `declarations()` lists every parameter as those
+specs declare it, and the parameter
 counts here and in the planner are its sums. `PRESETS` are the named shapes of
 `--preset`, declared by the family modules (cutp.models.families).
 """
@@ -24,8 +25,8 @@ import numpy as np
 from ..runtime.errors import ConfigError
 from ..ops.rotary import RopeScaling, yarn_mscale
 from ..tensor_parallel import BlockSpec, check_moe, pad_vocab
-from ..tensor_parallel.specs import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, ParamDecl, count,
-                                     prefixed)
+from ..tensor_parallel.specs import ParamDecl, count, prefixed
+from .blocks import Blocks, blocks_of
 from ..tensor_parallel.validation import check_attention, check_mlp, check_vocab
 
 # Parameters and activations are stored in the model's dtype. bfloat16/float16 models compute
@@ -207,44 +208,15 @@ class ModelConfig:
                            self.rope_original_max_positions, self.rope_beta_fast, self.rope_beta_slow,
                            self.rope_mscale, self.rope_mscale_all_dim)
 
+    def blocks(self) -> Blocks:
+        """Its family's choice of the blocks' submodules (cutp.models.blocks: cfg.family's, else the
+        family its fields imply)."""
+        return blocks_of(self)
+
     def block_spec(self, layer: int) -> BlockSpec:
         """What layer `layer`'s transformer block is built from: its submodules' specs
-        (cutp.tensor_parallel.specs), as the family's fields choose them."""
-        return BlockSpec(n_embd=self.n_embd, norm=self.norm_spec(), attention=self.attention_spec(layer),
-                         mlp=self.mlp_spec(layer), post_norm=self.norm_spec() if self.post_norms else None,
-                         dropout=self.dropout)
-
-    def norm_spec(self) -> NormSpec:
-        """Every norm's (the blocks', Gemma's post-norms, the final one): `norm`, norm_eps, a
-        LayerNorm's bias with `bias`, Gemma's (1 + w) with norm_offset."""
-        return NormSpec(self.norm, self.norm_eps, bias=self.bias, offset=bool(self.norm_offset))
-
-    def attention_spec(self, layer: int) -> AttentionSpec | MLASpec:
-        """Layer `layer`'s attention: multi-head latent (kv_lora_rank set), else multi-head or
-        grouped-query with the family's biases, rope, QK-norm, window, soft-cap and scale."""
-        if self.kv_lora_rank is not None:
-            return MLASpec(self.n_embd, self.n_head, **self.mla_settings(), norm_eps=self.norm_eps, n_layer=self.n_layer,
-                           dropout=self.dropout)
-        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
-        return AttentionSpec(self.n_embd, self.n_head, self.kv_heads, self.head_size, n_layer=self.n_layer,
-                             qkv_bias=self._bias("qkv_bias"), out_bias=self._bias("attn_out_bias"),
-                             rope=self.positions == "rope",
-                             qk_norm=NormSpec("rmsnorm", self.norm_eps, offset=bool(self.norm_offset))
-                             if self.qk_norm else None,
-                             window=self.layer_window(layer), softcap=self.attn_softcap, scale=scale,
-                             dropout=self.dropout)
-
-    def mlp_spec(self, layer: int) -> MLPSpec | MoESpec:
-        """Layer `layer`'s MLP: dense (`mlp`, `hidden`), or with moe_settings(layer) a router and
-        experts of that kind (DeepSeekMoE: and the shared experts, one MLP of their total width)."""
-        dense = MLPSpec(self.n_embd, self.hidden, self.mlp, bias=self._bias("mlp_bias"), gelu=self.gelu,
-                        n_layer=self.n_layer)
-        moe = self.moe_settings(layer)
-        if moe is None:
-            return dense
-        ffn, n_experts, shared = moe.pop("ffn"), moe.pop("n_experts"), moe.pop("shared_experts")
-        return MoESpec(self.n_embd, n_experts, dataclasses.replace(dense, hidden=ffn),
-                       shared=dataclasses.replace(dense, hidden=shared * ffn) if shared else None, routing=moe)
+        (cutp.tensor_parallel.specs), as the family chooses them (`blocks`)."""
+        return blocks_of(self).block_spec(self, layer)
 
     def declarations(self) -> list[ParamDecl]:
         """Every parameter of the model as its modules declare it (cutp.tensor_parallel.specs),
@@ -257,22 +229,30 @@ class ModelConfig:
             _DECLARED[key] = tuple(self._declare())
         return list(_DECLARED[key])
 
-    def _declare(self) -> list[ParamDecl]:
+    def outer_declarations(self) -> list[ParamDecl]:
+        """The parameters outside the blocks: the token (and learned position) embeddings, the final
+        norm and the untied LM head."""
         h = self.n_embd
         vocab = [ParamDecl("weight", (self.vocab_size, h), "vocab", layout=(self.vocab_multiple,))]
         out = prefixed("tok_embed", vocab)
         if self.positions == "learned":
             out.append(ParamDecl("pos_embed.weight", (self.block_size, h), sp=True))
+        out += prefixed("final_norm", self.blocks().norm_spec(self).parameters(h))
+        return out + ([] if self.tie_embeddings else prefixed("lm_head", vocab))
+
+    def _declare(self) -> list[ParamDecl]:
+        outer = self.outer_declarations()
+        out = [d for d in outer if d.name.startswith(("tok_embed.", "pos_embed."))]
+        chooser = self.blocks()
         blocks = []  # [(spec, its declarations)]: layers alike declare alike (a window changes none)
         for i in range(self.n_layer):
-            spec = dataclasses.replace(self.block_spec(i), attention=self.attention_spec(0))
+            spec = dataclasses.replace(chooser.block_spec(self, i), attention=chooser.attention_spec(self, 0))
             same = next((decls for s, decls in blocks if s == spec), None)
             if same is None:
                 same = spec.parameters()
                 blocks.append((spec, same))
             out += prefixed(f"layers.{i}", same)
-        out += prefixed("final_norm", self.norm_spec().parameters(h))
-        return out + ([] if self.tie_embeddings else prefixed("lm_head", vocab))
+        return out + [d for d in outer if d.name.startswith(("final_norm.", "lm_head."))]
 
     def is_local_layer(self, layer: int) -> bool:
         """Whether layer `layer` is a local ("sliding_attention") one: by layer_types, else every

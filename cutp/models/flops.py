@@ -25,7 +25,7 @@ def forward_flops_per_token(config, seq_len: int) -> float:
         if len(d.shape) == 2 and not d.name.startswith(_LOOKED_UP):
             total += d.numel // d.count * (config.moe_top_k if d.split == "expert" else d.count)
     for i in range(config.n_layer):
-        attention = config.attention_spec(i)
+        attention = config.block_spec(i).attention
         keys = seq_len if getattr(attention, "window", None) is None else min(seq_len, attention.window)
         total += attention.scores_per_key() * keys
     return 2.0 * total

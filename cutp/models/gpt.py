@@ -50,12 +50,12 @@ from ..tensor_parallel import (
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     gather_full,
-    make_parameter,
-    normal_init,
+    make_norm,
     pad_rows,
     sum_grad_over,
     take_shard,
 )
+from ..tensor_parallel.declare import below, build_parameters
 from ..tensor_parallel.context_parallel import (COMMS, check_context_parallel, check_sequence_splits, local_segments,
                                                 take_local)
 from ..tensor_parallel.mappings import gather_from_tp_forward
@@ -69,15 +69,15 @@ class PositionEmbedding(Module):
     """Learned positions, replicated on every TP rank. Input: T. Output: [T, n_embd], or with
     `sequence_shard = (rank, size)` this rank's positions [T/size, n_embd] of the T."""
 
-    def __init__(self, ctx, block_size, dim, *, name, seed, dtype):
-        self.weight = make_parameter(ctx, f"{name}.weight", (block_size, dim), normal_init(0.02), None, seed=seed,
-                                     dtype=dtype, weight_decay=True)  # decayed, as in nanoGPT, Megatron, HF
+    def __init__(self, params):
+        """params: {"weight"} built from the model's declarations (`pos_embed.weight`: replicated,
+        decayed as in nanoGPT, Megatron and HF, summed over TP under sequence parallelism)."""
+        self.weight = params["weight"]
         self.sequence_shard: tuple[int, int] | None = None
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): T is a CP rank's local sequence
 
     def lay_out_sequence(self, on, shard):
         self.sequence_shard = shard
-        self.weight.sequence_parallel = on  # replicated, added to this rank's tokens
 
     def lay_out_context(self, shard):
         self.context_shard = shard
@@ -161,12 +161,19 @@ class GPT(Module):
         self.rng = RNGTracker(seed, ctx.tp_rank, ctx.dp_rank)
         seed = seed if init else None
         self.tok_embed = self.pos_embed = self.drop = self.final_norm = self.lm_head = self.loss_fn = None
+        outer = c.outer_declarations()  # the embeddings', the final norm's and the untied head's
+
+        def declared(module):  # that module's parameters, built from its declarations
+            return below(build_parameters(ctx, [d for d in outer if d.name.startswith(module + ".")], "", seed=seed,
+                                          dtype=dt), module)
+
         if self.first_stage or (self.last_stage and c.tie_embeddings):
-            self.tok_embed = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="tok_embed", seed=seed,
-                                              dtype=dt, scale=c.n_embd ** 0.5 if c.embed_scale else None)
+            self.tok_embed = VocabParallelEmbedding(ctx, c.vocab_size, self.padded_vocab, c.n_embd, name="tok_embed",
+                                                    scale=c.n_embd ** 0.5 if c.embed_scale else None,
+                                                    params=declared("tok_embed"))
         if self.first_stage:
             if c.positions == "learned":
-                self.pos_embed = PositionEmbedding(ctx, c.block_size, c.n_embd, name="pos_embed", seed=seed, dtype=dt)
+                self.pos_embed = PositionEmbedding(declared("pos_embed"))
             self.drop = Dropout(c.dropout, self.rng, REPLICATED, site="drop")
         # rotary positions: one (cos, sin) table for every layer, positions 0..block_size-1
         # (Gemma 3: the local layers' own, rope_local_theta unscaled)
@@ -185,12 +192,14 @@ class GPT(Module):
             self._chunk_blocks.append(self.layers[at:at + len(r)])
             at += len(r)
         if self.last_stage:
-            self.final_norm = c.norm_spec().build(ctx, c.n_embd, name="final_norm", seed=seed, dtype=dt)
+            norm = c.blocks().norm_spec(c)
+            self.final_norm = make_norm(ctx, norm.kind, c.n_embd, name="final_norm", eps=norm.eps, bias=norm.bias,
+                                        offset=norm.offset, seed=seed, dtype=dt, params=declared("final_norm"))
             if c.tie_embeddings:
                 self.lm_head = ParallelLMHead(ctx, self.tok_embed)
             else:
                 self.lm_head = ParallelLMHead(ctx, vocab_size=c.vocab_size, padded_vocab=self.padded_vocab,
-                                              dim=c.n_embd, name="lm_head", seed=seed, dtype=dt)
+                                              dim=c.n_embd, params=declared("lm_head"))
             self.loss_fn = VocabParallelCrossEntropy(ctx, c.vocab_size, self.padded_vocab,
                                                      ignore_index=self.ignore_index, label_smoothing=c.label_smoothing)
         self.logit_softcap = LogitSoftcap(c.final_softcap) if self.last_stage and c.final_softcap else None
@@ -270,8 +279,11 @@ class GPT(Module):
     def _lay_out_sequence(self, on: bool) -> None:
         on = on and self.ctx.tp_size > 1
         shard = (self.ctx.tp_rank, self.ctx.tp_size) if on else None
-        for m in self.modules():  # each layer marks itself and its own parameters
+        for m in self.modules():  # each layer lays itself out
             m.lay_out_sequence(on, shard)
+        for p in self.parameters():  # the parameters declared `sp` (used on this rank's tokens: summed over TP)
+            if p.sp:
+                p.sequence_parallel = on
 
     def set_tp_comm_overlap(self, on: bool = True) -> None:
         """Column-parallel backwards start their dX collective before the weight-gradient GEMM

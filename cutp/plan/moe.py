@@ -43,12 +43,12 @@ def expert_width(a) -> int:
 
 def _dense_mlp(a):
     """The MLP spec of a's dense layers (cutp.tensor_parallel.specs.MLPSpec)."""
-    return dataclasses.replace(a, n_experts=0).mlp_spec(0)
+    return dataclasses.replace(a, n_experts=0).block_spec(0).mlp
 
 
 def _moe_mlp(a):
     """The MLP spec of a's MoE layers (all alike), or None without any."""
-    return next((a.mlp_spec(i) for i in range(a.n_layer) if a.is_moe_layer(i)), None)
+    return next((a.block_spec(i).mlp for i in range(a.n_layer) if a.is_moe_layer(i)), None)
 
 
 def expert_params(a) -> int:

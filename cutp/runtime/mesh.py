@@ -155,17 +155,8 @@ class Mesh:
     def dp_rank(self, rank: int) -> int:
         return self.coords(rank)["dp"]
 
-    def ep_rank(self, rank: int) -> int:
-        return self.coords(rank).get("ep", 0)
-
     def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int = 0) -> int:
         return self.rank_at(tp=tp_rank, dp=dp_rank, pp=pp_rank)
-
-    def tp_group(self, rank: int) -> list[int]:
-        return self.group(rank, "tp")
-
-    def dp_group(self, rank: int) -> list[int]:
-        return self.group(rank, "dp")
 
     # ---- value semantics -----------------------------------------------------------------------
     def _key(self):

@@ -18,11 +18,11 @@ from .attention import ParallelAttention
 from .cross_entropy import VocabParallelCrossEntropy
 from .grads import finish_grad_sync, global_grad_norm, sum_grad_over, tp_grad_sync
 from .layers import (ColumnParallelLinear, Dropout, LayerNorm, LogitSoftcap, ParallelLMHead, RMSNorm,
-                     RowParallelLinear, VocabParallelEmbedding, make_norm, pad_vocab)
+                     RowParallelLinear, VocabParallelEmbedding, make_norm)
 from .moe import MoEMLP, check_moe
 from .parameter import Module, Parameter, deferred_parameters, make_parameter, normal_init, ones_init, zeros_init
 from .random import REPLICATED, SHARDED, RNGTracker
-from .sharding import Sharding, gather_full, pad_rows, take_shard
+from .sharding import Sharding, gather_full, pad_rows, pad_vocab, take_shard
 from .transformer import BlockSpec, ParallelMLP, ParallelTransformerBlock
 
 __all__ = [

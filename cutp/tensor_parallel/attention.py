@@ -68,25 +68,43 @@ from .. import ops
 from ..runtime.backend import get_array_module
 from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, ring_attention_backward, ring_attention_forward,
                                ulysses_attention_backward, ulysses_attention_forward, zigzag_chunks)
+from .declare import below, build_parameters, linear_parameters, norm_parameters, prefixed
 from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
-from .parameter import Module, normal_init
+from .parameter import Module
 from .random import SHARDED, RNGTracker
-from .sharding import kv_heads_of_rank, qkv_sharding
+from .sharding import kv_heads_of_rank
 from .validation import check_attention
+
+
+def attention_parameters(n_embd, n_head, n_kv_head, head_dim, *, n_layer=1, qkv_bias=True, out_bias=True,
+                         qk_norm=False, norm_offset=False) -> list:
+    """The attention's declarations (`cutp.tensor_parallel.declare`): the fused [q | k | v]
+    projection split by heads, the row projection (GPT-2's 0.02 / sqrt(2 n_layer)), QK-norm's
+    per-head RMSNorm weights (replicated, summed over TP)."""
+    width = (n_head + 2 * n_kv_head) * head_dim
+    out = prefixed("qkv", linear_parameters(n_embd, width, bias=qkv_bias, split="qkv",
+                                            layout=(n_head, n_kv_head, head_dim)))
+    out += prefixed("proj", linear_parameters(n_head * head_dim, n_embd, bias=out_bias, split="row",
+                                              init=0.02 / math.sqrt(2 * n_layer)))
+    if qk_norm:
+        for which in ("q_norm", "k_norm"):
+            out += prefixed(which, norm_parameters("rmsnorm", head_dim, offset=norm_offset, per_head=True))
+    return out
 
 
 class ParallelAttention(Module):
     def __init__(self, ctx, n_embd, n_head, n_kv_head=None, *, name, rng: RNGTracker, n_layer=1, bias=True,
                  attn_dropout=0.0, seed=0, dtype=np.float32, head_dim=None, qkv_bias=None, out_bias=None,
                  rotary=None, qk_norm=False, norm_eps=1e-6, window=None, softcap=None, scale=None,
-                 norm_offset=False):
+                 norm_offset=False, params=None):
         """head_dim: each head's width (None: n_embd // n_head). qkv_bias / out_bias: the two
         projections' biases (None: `bias`). rotary: (cos, sin) tables [max_len, head_dim] for
         rotary positions (None: none; the model adds learned positions before the blocks).
         qk_norm: an RMSNorm over each query and each key head (Qwen3, Gemma 3; module docstring),
         its scale 1 + weight with `norm_offset` (Gemma 3). scale: the scores' scale (None:
         1/sqrt(head_dim); Gemma: query_pre_attn_scalar ** -0.5). window: local attention, keys
-        within `window` positions (None: global); softcap: the scores soft-capped (None: not)."""
+        within `window` positions (None: global); softcap: the scores soft-capped (None: not).
+        params: its parameters, built from `attention_parameters` (None: built here)."""
         n_kv_head = n_kv_head or n_head
         tp = ctx.tp_size
         check_attention(n_embd, n_head, n_kv_head, tp, head_dim=head_dim)
@@ -99,25 +117,23 @@ class ParallelAttention(Module):
         self.group = self.nq // self.nkv  # local query heads per local KV head
         self.scale = 1.0 / math.sqrt(self.hd) if scale is None else float(scale)
         self.window, self.softcap = window, softcap
+        qkv_bias, out_bias = bias if qkv_bias is None else qkv_bias, bias if out_bias is None else out_bias
+        if params is None:
+            params = build_parameters(ctx, attention_parameters(n_embd, n_head, n_kv_head, self.hd, n_layer=n_layer,
+                                                                qkv_bias=qkv_bias, out_bias=out_bias, qk_norm=qk_norm,
+                                                                norm_offset=norm_offset), name, seed=seed, dtype=dtype)
         qkv_out = (n_head + 2 * n_kv_head) * self.hd
-        self.qkv = ColumnParallelLinear(
-            ctx, n_embd, qkv_out, name=f"{name}.qkv", bias=bias if qkv_bias is None else qkv_bias, seed=seed,
-            dtype=dtype,
-            sharding=qkv_sharding((n_embd, qkv_out), 1, n_head, n_kv_head, self.hd, tp))
-        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
-        self.proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.proj",
-                                        bias=bias if out_bias is None else out_bias, seed=seed, dtype=dtype,
-                                        init=normal_init(0.02 / math.sqrt(2 * n_layer)))
+        self.qkv = ColumnParallelLinear(ctx, n_embd, qkv_out, name=f"{name}.qkv", params=below(params, "qkv"))
+        self.proj = RowParallelLinear(ctx, n_head * self.hd, n_embd, name=f"{name}.proj", params=below(params, "proj"))
         self.n_head = n_head
         # QK-norm: one weight [head_dim] for every query head, one for every key head; replicated,
-        # and each TP rank normalises its own heads: their gradients summed over TP (tp_partial)
+        # and each TP rank normalises its own heads: their gradients summed over TP (declared tp_partial)
         self.q_norm = self.k_norm = None
         if qk_norm:
-            self.q_norm = RMSNorm(ctx, self.hd, name=f"{name}.q_norm", eps=norm_eps, seed=seed, dtype=dtype,
-                                  offset=norm_offset)
-            self.k_norm = RMSNorm(ctx, self.hd, name=f"{name}.k_norm", eps=norm_eps, seed=seed, dtype=dtype,
-                                  offset=norm_offset)
-            self.q_norm.weight.tp_partial = self.k_norm.weight.tp_partial = True
+            self.q_norm = RMSNorm(ctx, self.hd, name=f"{name}.q_norm", eps=norm_eps, offset=norm_offset,
+                                  params=below(params, "q_norm"))
+            self.k_norm = RMSNorm(ctx, self.hd, name=f"{name}.k_norm", eps=norm_eps, offset=norm_offset,
+                                  params=below(params, "k_norm"))
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.recompute_core = False  # selective recomputation (module docstring)
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism (module docstring)

@@ -31,15 +31,9 @@ from .mappings import (
     scatter_to_tp_backward,
     scatter_to_tp_forward,
 )
-from .parameter import Module, make_parameter, normal_init, ones_init, zeros_init
+from .declare import build_parameters, linear_parameters, norm_parameters, vocab_parameters
+from .parameter import Module
 from .random import REPLICATED, RNGTracker
-from .sharding import Sharding, contiguous
-
-
-def _bias_sharding(weight_sharding: Sharding) -> Sharding:
-    """The bias of a column-split weight is split like the weight's columns."""
-    spec = dict(weight_sharding.spec, axis=0) if weight_sharding.spec else None
-    return Sharding(0, (weight_sharding.full_shape[1],), weight_sharding.indices, spec)
 
 
 class ColumnParallelLinear(Module):
@@ -55,7 +49,9 @@ class ColumnParallelLinear(Module):
     """
 
     def __init__(self, ctx, in_features, out_features, *, name, bias=True, gather_output=False,
-                 skip_bias_add=False, init=None, seed=0, dtype=np.float32, sharding=None):
+                 skip_bias_add=False, init=None, seed=0, dtype=np.float32, params=None):
+        """init: the weight's std (None: 0.02). params: {"weight", "bias"} its owner built from its
+        declarations (a fused qkv or gate_up projection's); None: its own, column-split."""
         self.ctx = ctx
         self.name = name
         self.gather_output = gather_output
@@ -63,13 +59,10 @@ class ColumnParallelLinear(Module):
         self.sequence_parallel = False
         self.comm_overlap = False  # --tp-comm-overlap: dX's collective under the weight-gradient GEMM
         self.lora = None  # LoRA pairs on its output columns (cutp.tensor_parallel.lora)
-        sharding = sharding or contiguous((in_features, out_features), 1, ctx.tp_size)
-        self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
-                                     sharding, seed=seed, dtype=dtype, weight_decay=True)
-        self.bias = None
-        if bias:
-            self.bias = make_parameter(ctx, f"{name}.bias", (out_features,), zeros_init, _bias_sharding(sharding),
-                                       seed=seed, dtype=dtype)
+        if params is None:
+            params = build_parameters(ctx, linear_parameters(in_features, out_features, bias=bias, init=init), name,
+                                      seed=seed, dtype=dtype)
+        self.weight, self.bias = params["weight"], params.get("bias")
 
     def lay_out_sequence(self, on, shard):
         self.sequence_parallel = on
@@ -139,23 +132,21 @@ class RowParallelLinear(Module):
     """
 
     def __init__(self, ctx, in_features, out_features, *, name, bias=True, input_is_parallel=True,
-                 init=None, seed=0, dtype=np.float32):
+                 init=None, seed=0, dtype=np.float32, params=None):
+        """init: the weight's std (None: 0.02); params: {"weight", "bias"} from its owner's
+        declarations (None: its own)."""
         self.ctx = ctx
         self.name = name
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = False
         self.lora = None  # LoRA pairs: their partial products reduced with the base's (cutp.tensor_parallel.lora)
-        sharding = contiguous((in_features, out_features), 0, ctx.tp_size)
-        self.weight = make_parameter(ctx, f"{name}.weight", (in_features, out_features), init or normal_init(0.02),
-                                     sharding, seed=seed, dtype=dtype, weight_decay=True)
-        self.bias = None
-        if bias:
-            self.bias = make_parameter(ctx, f"{name}.bias", (out_features,), zeros_init, None, seed=seed, dtype=dtype)
+        if params is None:
+            params = build_parameters(ctx, linear_parameters(in_features, out_features, bias=bias, split="row",
+                                                             init=init), name, seed=seed, dtype=dtype)
+        self.weight, self.bias = params["weight"], params.get("bias")  # (the bias: added to this rank's tokens)
 
     def lay_out_sequence(self, on, shard):
         self.sequence_parallel = on
-        if self.bias is not None:  # replicated, added to this rank's tokens' outputs
-            self.bias.sequence_parallel = on
 
     def forward(self, x):
         if not self.input_is_parallel:
@@ -191,12 +182,6 @@ class RowParallelLinear(Module):
         return dx
 
 
-def pad_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
-    """Vocabulary padded to a multiple of multiple*tp (Megatron's make-vocab-size-divisible-by)."""
-    step = max(1, multiple) * tp
-    return -(-vocab_size // step) * step
-
-
 class VocabParallelEmbedding(Module):
     """Token embedding with the vocabulary split into contiguous ranges over TP.
 
@@ -207,17 +192,18 @@ class VocabParallelEmbedding(Module):
     the cross-entropy masks their logits, they never receive gradient.
     """
 
-    def __init__(self, ctx, vocab_size, padded_vocab, dim, *, name, init=None, seed=0, dtype=np.float32,
-                 scale=None):
+    def __init__(self, ctx, vocab_size, padded_vocab, dim, *, name, seed=0, dtype=np.float32, scale=None,
+                 params=None):
         """scale: the rows multiplied by this number (Gemma's sqrt(dim)) rounded to the table's dtype,
-        as transformers' scaled embedding does; None: no scaling."""
+        as transformers' scaled embedding does; None: no scaling. params: {"weight"} from the
+        model's declarations (None: its own, `vocab_parameters`)."""
         self.ctx = ctx
-        self.scale = None if scale is None else np.asarray(scale, dtype=dtype)
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab
-        sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
-        self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), init or normal_init(0.02), sharding,
-                                     seed=seed, dtype=dtype, weight_decay=True, real_rows=vocab_size)
+        params = params or build_parameters(ctx, vocab_parameters(vocab_size, padded_vocab, dim, ctx.tp_size), name,
+                                            seed=seed, dtype=dtype)
+        self.weight = params["weight"]
+        self.scale = None if scale is None else np.asarray(scale, dtype=self.weight.data.dtype)  # (the table's)
         per = padded_vocab // ctx.tp_size
         self.start, self.end = ctx.tp_rank * per, (ctx.tp_rank + 1) * per
         self.sequence_parallel = False
@@ -267,16 +253,16 @@ class ParallelLMHead(Module):
     """
 
     def __init__(self, ctx, embedding: VocabParallelEmbedding | None = None, *, vocab_size=None, padded_vocab=None,
-                 dim=None, name="lm_head", seed=0, dtype=np.float32):
+                 dim=None, name="lm_head", seed=0, dtype=np.float32, params=None):
         self.ctx = ctx
         self.sequence_parallel = False
         if embedding is not None:
             self._shared_weight = embedding.weight  # tied: counted once, as the embedding's
             self.vocab_size, self.padded_vocab = embedding.vocab_size, embedding.padded_vocab
         else:
-            sharding = contiguous((padded_vocab, dim), 0, ctx.tp_size)
-            self.weight = make_parameter(ctx, f"{name}.weight", (padded_vocab, dim), normal_init(0.02), sharding,
-                                         seed=seed, dtype=dtype, weight_decay=True, real_rows=vocab_size)
+            params = params or build_parameters(ctx, vocab_parameters(vocab_size, padded_vocab, dim, ctx.tp_size),
+                                                name, seed=seed, dtype=dtype)
+            self.weight = params["weight"]
             self.vocab_size, self.padded_vocab = vocab_size, padded_vocab
 
     @property
@@ -332,15 +318,13 @@ class LayerNorm(Module):
     shards (sequence parallelism) each rank's gradient covers its tokens only: the parameters
     are then marked `sequence_parallel` and summed over TP by `tp_grad_sync`."""
 
-    def __init__(self, ctx, dim, *, name, eps=1e-5, bias=True, seed=0, dtype=np.float32):
+    def __init__(self, ctx, dim, *, name, eps=1e-5, bias=True, seed=0, dtype=np.float32, params=None):
+        """params: {"weight", "bias"} from its owner's declarations (None: its own, `norm_parameters`)."""
         self.ctx = ctx
         self.eps = eps
-        self.weight = make_parameter(ctx, f"{name}.weight", (dim,), ones_init, None, seed=seed, dtype=dtype)
-        self.bias = make_parameter(ctx, f"{name}.bias", (dim,), zeros_init, None, seed=seed, dtype=dtype) if bias else None
-
-    def lay_out_sequence(self, on, shard):
-        for p in self.own_parameters():  # (a QK-norm's are tp_partial already: it runs on heads, not tokens)
-            p.sequence_parallel = on and not p.tp_partial
+        params = params or build_parameters(ctx, norm_parameters("layernorm", dim, bias=bias), name, seed=seed,
+                                            dtype=dtype)
+        self.weight, self.bias = params["weight"], params.get("bias")
 
     def forward(self, x):
         y, lctx = ops.layernorm_forward(x, self.weight.data, self.bias.data if self.bias is not None else None, self.eps)
@@ -371,21 +355,19 @@ class RMSNorm(Module):
     Gemma's `1.0 + weight.float()`), 16-bit outputs rounded once after it (Gemma's order, not
     Llama's), and its gradient is the weight's."""
 
-    def __init__(self, ctx, dim, *, name, eps=1e-6, seed=0, dtype=np.float32, offset=False):
+    def __init__(self, ctx, dim, *, name, eps=1e-6, seed=0, dtype=np.float32, offset=False, params=None):
+        """params: {"weight"} from its owner's declarations (None: its own, `norm_parameters`)."""
         self.ctx = ctx
         self.eps = eps
         self.offset = bool(offset)
-        self.weight = make_parameter(ctx, f"{name}.weight", (dim,), zeros_init if offset else ones_init, None,
-                                     seed=seed, dtype=dtype)
+        params = params or build_parameters(ctx, norm_parameters("rmsnorm", dim, offset=offset), name, seed=seed,
+                                            dtype=dtype)
+        self.weight = params["weight"]
         self.bias = None  # (no bias: the attribute LayerNorm's callers read)
 
     def _scale(self):
         w = self.weight.data
         return as_dtype(w, compute_dtype(w.dtype)) + 1.0 if self.offset else w
-
-    def lay_out_sequence(self, on, shard):
-        for p in self.own_parameters():  # (a QK-norm's are tp_partial already: it runs on heads, not tokens)
-            p.sequence_parallel = on and not p.tp_partial
 
     def forward(self, x):
         y, rctx = ops.rmsnorm_forward(x, self._scale(), self.eps, round_first=not self.offset)
@@ -407,12 +389,12 @@ class RMSNorm(Module):
         return dx
 
 
-def make_norm(ctx, kind: str, dim, *, name, eps, bias, seed, dtype, offset=False):
+def make_norm(ctx, kind: str, dim, *, name, eps, bias, seed=0, dtype=np.float32, offset=False, params=None):
     """A LayerNorm (with a bias when `bias`) or an RMSNorm (its scale 1 + weight when `offset`:
     Gemma's), by the spec's `norm`."""
     if kind == "rmsnorm":
-        return RMSNorm(ctx, dim, name=name, eps=eps, seed=seed, dtype=dtype, offset=offset)
-    return LayerNorm(ctx, dim, name=name, eps=eps, bias=bias, seed=seed, dtype=dtype)
+        return RMSNorm(ctx, dim, name=name, eps=eps, seed=seed, dtype=dtype, offset=offset, params=params)
+    return LayerNorm(ctx, dim, name=name, eps=eps, bias=bias, seed=seed, dtype=dtype, params=params)
 
 
 class Dropout(Module):

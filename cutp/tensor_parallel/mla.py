@@ -61,18 +61,39 @@ from ..runtime.errors import ConfigError
 from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, ring_attention_backward,
                                ring_attention_forward, ulysses_attention_backward, ulysses_attention_forward,
                                zigzag_chunks)
+from .declare import ParamDecl, below, build_parameters, linear_parameters, norm_parameters, prefixed
 from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
 from .mappings import gather_from_sp_backward, gather_from_sp_forward
-from .parameter import Module, make_parameter, normal_init
+from .parameter import Module
 from .random import SHARDED
+
+
+def mla_parameters(n_embd, n_head, *, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+                   n_layer=1) -> list:
+    """MLA's declarations (`cutp.tensor_parallel.declare`): the down-projections and their norms
+    replicated (run on each rank's tokens under sequence parallelism: `sp`), the up-projections
+    split by heads, the output row-parallel."""
+    h, H, r = n_embd, n_head, kv_lora_rank
+    qk = qk_nope_head_dim + qk_rope_head_dim
+    if q_lora_rank:
+        q = ([ParamDecl("q_a.weight", (h, q_lora_rank), sp=True)]
+             + prefixed("q_a_norm", norm_parameters("rmsnorm", q_lora_rank))
+             + prefixed("q_b", linear_parameters(q_lora_rank, H * qk, bias=False)))
+    else:
+        q = prefixed("q_proj", linear_parameters(h, H * qk, bias=False))
+    return q + ([ParamDecl("kv_a.weight", (h, r + qk_rope_head_dim), sp=True)]
+                + prefixed("kv_a_norm", norm_parameters("rmsnorm", r))
+                + prefixed("kv_b", linear_parameters(r, H * (qk_nope_head_dim + v_head_dim), bias=False))
+                + prefixed("proj", linear_parameters(H * v_head_dim, h, bias=False, split="row",
+                                                     init=0.02 / math.sqrt(2 * n_layer))))
 
 
 class MultiLatentAttention(Module):
     def __init__(self, ctx, n_embd, n_head, *, name, rotary, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
                  qk_rope_head_dim, v_head_dim, softmax_scale=None, norm_eps=1e-6, n_layer=1, seed=0,
-                 dtype=np.float32, rng=None, attn_dropout=0.0):
+                 dtype=np.float32, rng=None, attn_dropout=0.0, params=None):
         """rng: the model's RNGTracker (its SHARDED stream for the attention dropout; None only
-        with attn_dropout 0)."""
+        with attn_dropout 0). params: its parameters, built from `mla_parameters` (None: built here)."""
         tp = ctx.tp_size
         if n_head % tp:
             raise ConfigError(f"tp={tp} must divide n_head={n_head}: MLA splits its heads over the TP ranks")
@@ -81,22 +102,26 @@ class MultiLatentAttention(Module):
         self.nope, self.rope, self.vd, self.r = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
         self.scale = 1.0 / math.sqrt(qk) if softmax_scale is None else softmax_scale
-        kw = dict(seed=seed, dtype=dtype)
+        if params is None:
+            params = build_parameters(ctx, mla_parameters(n_embd, n_head, q_lora_rank=q_lora_rank,
+                                                          kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                                                          qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+                                                          n_layer=n_layer), name, seed=seed, dtype=dtype)
         self.q_a = self.q_a_norm = self.q_proj = None
         if q_lora_rank:
-            self.q_a = make_parameter(ctx, f"{name}.q_a.weight", (n_embd, q_lora_rank), normal_init(0.02),
-                                      weight_decay=True, **kw)
-            self.q_a_norm = RMSNorm(ctx, q_lora_rank, name=f"{name}.q_a_norm", eps=norm_eps, **kw)
-            self.q_b = ColumnParallelLinear(ctx, q_lora_rank, n_head * qk, name=f"{name}.q_b", bias=False, **kw)
+            self.q_a = params["q_a.weight"]
+            self.q_a_norm = RMSNorm(ctx, q_lora_rank, name=f"{name}.q_a_norm", eps=norm_eps,
+                                    params=below(params, "q_a_norm"))
+            self.q_b = ColumnParallelLinear(ctx, q_lora_rank, n_head * qk, name=f"{name}.q_b", params=below(params, "q_b"))
         else:
-            self.q_b = ColumnParallelLinear(ctx, n_embd, n_head * qk, name=f"{name}.q_proj", bias=False, **kw)
-        self.kv_a = make_parameter(ctx, f"{name}.kv_a.weight", (n_embd, kv_lora_rank + qk_rope_head_dim),
-                                   normal_init(0.02), weight_decay=True, **kw)
-        self.kv_a_norm = RMSNorm(ctx, kv_lora_rank, name=f"{name}.kv_a_norm", eps=norm_eps, **kw)
+            self.q_b = ColumnParallelLinear(ctx, n_embd, n_head * qk, name=f"{name}.q_proj",
+                                            params=below(params, "q_proj"))
+        self.kv_a = params["kv_a.weight"]
+        self.kv_a_norm = RMSNorm(ctx, kv_lora_rank, name=f"{name}.kv_a_norm", eps=norm_eps,
+                                 params=below(params, "kv_a_norm"))
         self.kv_b = ColumnParallelLinear(ctx, kv_lora_rank, n_head * (qk_nope_head_dim + v_head_dim),
-                                         name=f"{name}.kv_b", bias=False, **kw)
-        self.proj = RowParallelLinear(ctx, n_head * v_head_dim, n_embd, name=f"{name}.proj", bias=False,
-                                      init=normal_init(0.02 / math.sqrt(2 * n_layer)), **kw)
+                                         name=f"{name}.kv_b", params=below(params, "kv_b"))
+        self.proj = RowParallelLinear(ctx, n_head * v_head_dim, n_embd, name=f"{name}.proj", params=below(params, "proj"))
         self.attn_dropout = Dropout(attn_dropout, rng, SHARDED, site=f"{name}.attn_dropout")
         self.sequence_parallel = False  # x is this rank's T/tp tokens (module docstring)
         self.context_shard: tuple[int, int] | None = None  # (cp_rank, cp): context parallelism
@@ -106,11 +131,9 @@ class MultiLatentAttention(Module):
 
     def lay_out_sequence(self, on, shard):
         """The down-projections run on this rank's tokens: their weights' gradients cover those
-        only (summed over TP by `tp_grad_sync`). The norms and up-projections mark themselves."""
+        only (declared `sp`: the model marks them, and the norms', summed over TP by
+        `tp_grad_sync`); so do their LoRA pairs' (marked here)."""
         self.sequence_parallel = on
-        for p in (self.q_a, self.kv_a):
-            if p is not None:
-                p.sequence_parallel = on
         for adapter in (self.q_a_lora, self.kv_a_lora):  # (their LoRA pairs run on the same tokens)
             for pair in [] if adapter is None else adapter.pairs:
                 if on and pair.dropout.p > 0:  # (its masks are drawn at whole-sequence token places)

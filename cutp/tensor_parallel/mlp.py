@@ -14,31 +14,43 @@ import math
 import numpy as np
 
 from .. import ops
+from .declare import below, build_parameters, linear_parameters, prefixed
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .parameter import Module, normal_init
-from .sharding import gate_up_sharding
+from .parameter import Module
 from .validation import check_mlp
+
+GATED = ("swiglu", "geglu")
+
+
+def mlp_parameters(n_embd, hidden, *, kind="gelu", bias=True, n_layer=1) -> list:
+    """The MLP's declarations (`cutp.tensor_parallel.declare`): fc1 h -> hidden column-split (gated
+    kinds: h -> 2 hidden, [gate | up] split gate_r ; up_r), fc2 hidden -> h row-split (GPT-2's
+    0.02 / sqrt(2 n_layer))."""
+    gated = kind in GATED
+    return (prefixed("fc1", linear_parameters(n_embd, 2 * hidden if gated else hidden, bias=bias,
+                                              split="gate_up" if gated else "column"))
+            + prefixed("fc2", linear_parameters(hidden, n_embd, bias=bias, split="row",
+                                                init=0.02 / math.sqrt(2 * n_layer))))
 
 
 class ParallelMLP(Module):
     def __init__(self, ctx, n_embd, hidden, *, name, n_layer=1, bias=True, gelu="tanh", seed=0, dtype=np.float32,
-                 kind="gelu"):
+                 kind="gelu", params=None):
         """kind: "gelu" (GPT-2), "swiglu" (Llama: hidden is the gate's and the up's width) or "geglu"
-        (Gemma: swiglu's layout, gelu(gate) * up with `gelu`'s approximation)."""
+        (Gemma: swiglu's layout, gelu(gate) * up with `gelu`'s approximation). params: its
+        parameters, built from `mlp_parameters` (None: built here)."""
         check_mlp(n_embd, hidden, ctx.tp_size)
         self.ctx = ctx
         self.gelu = gelu
         self.kind = kind
         self.has_bias = bias
-        if kind in ("swiglu", "geglu"):
-            self.fc1 = ColumnParallelLinear(ctx, n_embd, 2 * hidden, name=f"{name}.fc1", bias=bias, seed=seed,
-                                             dtype=dtype,
-                                             sharding=gate_up_sharding((n_embd, 2 * hidden), 1, ctx.tp_size))
-        else:
-            self.fc1 = ColumnParallelLinear(ctx, n_embd, hidden, name=f"{name}.fc1", bias=bias, skip_bias_add=True,
-                                             seed=seed, dtype=dtype)
-        self.fc2 = RowParallelLinear(ctx, hidden, n_embd, name=f"{name}.fc2", bias=bias, seed=seed, dtype=dtype,
-                                        init=normal_init(0.02 / math.sqrt(2 * n_layer)))
+        if params is None:
+            params = build_parameters(ctx, mlp_parameters(n_embd, hidden, kind=kind, bias=bias, n_layer=n_layer), name,
+                                      seed=seed, dtype=dtype)
+        width = 2 * hidden if kind in GATED else hidden
+        self.fc1 = ColumnParallelLinear(ctx, n_embd, width, name=f"{name}.fc1", skip_bias_add=kind not in GATED,
+                                        params=below(params, "fc1"))
+        self.fc2 = RowParallelLinear(ctx, hidden, n_embd, name=f"{name}.fc2", params=below(params, "fc2"))
 
     def forward(self, x):
         if self.kind == "swiglu":

@@ -87,12 +87,13 @@ from .. import ops
 from ..ops.common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
 from .context_parallel import zigzag_positions
+from .declare import below, build_parameters
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
-from .moe_experts import ExpertMLP
+from .moe_experts import ExpertMLP, moe_parameters
 from .moe_grouped import GroupedExperts
 from . import moe_stats
 from .moe_seq_aux import seq_balance, seq_balance_grad
-from .parameter import Module, make_buffer, make_parameter, normal_init, zeros_init
+from .parameter import Module
 from .validation import check_routing
 
 
@@ -122,34 +123,34 @@ class MoEMLP(Module):
     def __init__(self, ctx, n_embd, *, n_experts, top_k, ffn, capacity_factor=None, aux_loss_coeff=1e-2,
                  z_loss_coeff=0.0, renormalize=False, name, n_layer=1, bias=True, gelu="tanh", seed=0,
                  dtype=np.float32, kind="gelu", scoring="softmax", n_group=1, topk_group=1, routed_scaling=1.0,
-                 score_bias=False, bias_update_rate=0.0, shared_experts=None, seq_aux_coeff=0.0):
+                 score_bias=False, bias_update_rate=0.0, shared_experts=None, seq_aux_coeff=0.0, params=None):
         """shared_experts: DeepSeekMoE's shared experts, a dense MLP the caller builds (one
         SwiGLU of their total width, split over TP), run on every token beside the routed ones.
-        seq_aux_coeff: DeepSeek-V3's sequence-wise balance loss's alpha (`moe_seq_aux`)."""
+        seq_aux_coeff: DeepSeek-V3's sequence-wise balance loss's alpha (`moe_seq_aux`). params: its
+        router's and routed experts' parameters, built from `moe_parameters` (None: built here)."""
         self.ctx = ctx
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff, self.renormalize = aux_loss_coeff, z_loss_coeff, renormalize
         self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
         self.routed_scaling, self.bias_update_rate, self.seq_aux_coeff = routed_scaling, bias_update_rate, seq_aux_coeff
-        self.router = make_parameter(ctx, f"{name}.router.weight", (n_embd, n_experts), normal_init(0.02), seed=seed,
-                                     dtype=dtype, weight_decay=True)
-        # DeepSeek-V3's correction bias: added to the scores to choose the experts, never to weigh them;
-        # a buffer (float32, outside the optimizer), moved after each step by `apply_score_bias`
-        self.score_bias = make_buffer(ctx, f"{name}.router.score_bias", (n_experts,), zeros_init, seed=seed,
-                                      dtype=dtype) if score_bias else None
-        self.shared_experts = shared_experts
-        self._bias_move = None  # the step's planned correction-bias move (`plan_score_bias`)
         ep = ctx.ep_size
         if n_experts % ep:
             raise ConfigError(f"ep={ep} does not divide n_experts={n_experts}: each EP rank holds n_experts / ep "
                               f"experts; use an ep that divides both dp={ctx.dp_size} and {n_experts}")
+        if params is None:
+            params = build_parameters(ctx, moe_parameters(n_embd, n_experts=n_experts, ffn=ffn, kind=kind, bias=bias,
+                                      n_layer=n_layer, score_bias=score_bias), name, seed=seed, dtype=dtype)
+        self.router = params["router.weight"]
+        # DeepSeek-V3's correction bias: added to the scores to choose the experts, never to weigh them;
+        # a buffer (float32, outside the optimizer), moved after each step by `apply_score_bias`
+        self.score_bias = params.get("router.score_bias")
+        self.shared_experts = shared_experts
+        self._bias_move = None  # the step's planned correction-bias move (`plan_score_bias`)
         local = n_experts // ep
         self.expert_lo = ctx.ep_rank * local  # this rank's experts: [expert_lo, expert_lo + local)
         self.experts = [ExpertMLP(ctx, n_embd, ffn, name=f"{name}.experts.{e}", n_layer=n_layer, bias=bias, gelu=gelu,
-                                  seed=seed, dtype=dtype, kind=kind)
+                                  seed=seed, dtype=dtype, kind=kind, params=below(params, f"experts.{e}"))
                         for e in range(self.expert_lo, self.expert_lo + local)]
-        for p in (p for x in self.experts for p in x.own_parameters()):
-            p.expert_parallel = ep > 1
         self.grouped = GroupedExperts(self.experts)
         self.sequence_parallel = False  # the input is this rank's sequence shard (GPT sets it)
         self.context_shard = None  # (cp_rank, cp): the input is a CP rank's zigzag chunks (GPT sets it)
@@ -223,8 +224,7 @@ class MoEMLP(Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def lay_out_sequence(self, on, shard):
-        self.sequence_parallel = on
-        self.router.sequence_parallel = on  # replicated, used on this rank's tokens
+        self.sequence_parallel = on  # (the router, used on this rank's tokens, is declared `sp`)
 
     def lay_out_context(self, shard):
         self.context_shard = shard  # (the statistics over DP x CP)

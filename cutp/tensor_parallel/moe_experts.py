@@ -1,12 +1,37 @@
 """One expert of an MoE layer (cutp.tensor_parallel.moe): its parameters, replicated, and its own
-forward and backward, which LoRA adapters and frozen weights take (the layer otherwise runs its
+forward and backward (and the MoE layer's declarations, `moe_parameters`), which LoRA adapters and frozen weights take (the layer otherwise runs its
 local experts together in one grouped pass, `moe_grouped.GroupedExperts`)."""
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
 from .. import ops
-from .parameter import Module, make_parameter, normal_init, zeros_init
+from .declare import ParamDecl, build_parameters, prefixed
+from .mlp import mlp_parameters
+from .parameter import Module
+
+
+def expert_parameters(n_embd, ffn, *, kind, bias, n_layer, n_experts=None) -> list:
+    """One expert's declarations (`cutp.tensor_parallel.declare`): a dense MLP's tensors whole on
+    every TP rank, each rank's tokens through them (`tp_partial`); with n_experts, a layer's
+    routed experts' ("experts.*.", n_experts of each, divided over EP)."""
+    decls = mlp_parameters(n_embd, ffn, kind=kind, bias=bias, n_layer=n_layer)
+    if n_experts is None:
+        return [replace(d, split="replicated", sp=False, tp_partial=True) for d in decls]
+    return [replace(d, name=f"experts.*.{d.name}", split="expert", sp=False, tp_partial=True, count=n_experts)
+            for d in decls]
+
+
+def moe_parameters(n_embd, *, n_experts, ffn, kind="gelu", bias=True, n_layer=1, score_bias=False,
+                   shared=None) -> list:
+    """The MoE layer's declarations (`cutp.tensor_parallel.declare`): the router [h, E]
+    (replicated, summed over TP under sequence parallelism), DeepSeek's correction bias (a buffer:
+    no gradient), the shared experts' (`shared`: their MLP's declarations) and the routed experts'."""
+    out = [ParamDecl("router.weight", (n_embd, n_experts), sp=True)]
+    if score_bias:
+        out.append(ParamDecl("router.score_bias", (n_experts,), grad=False, init="zeros"))
+    return (out + prefixed("shared_experts", shared or [])
+            + expert_parameters(n_embd, ffn, kind=kind, bias=bias, n_layer=n_layer, n_experts=n_experts))
 
 
 class ExpertMLP(Module):
@@ -14,22 +39,15 @@ class ExpertMLP(Module):
     [gate | up]), replicated; the MoE layer's local experts are computed together
     (`moe_grouped.GroupedExperts`)."""
 
-    def __init__(self, ctx, n_embd, ffn, *, name, n_layer, bias, gelu, seed, dtype, kind="gelu"):
+    def __init__(self, ctx, n_embd, ffn, *, name, n_layer, bias, gelu, seed, dtype, kind="gelu", params=None):
+        """params: its parameters, the MoE layer's built from `expert_parameters` (None: built here)."""
         self.gelu = gelu
         self.kind = kind
-        fc = 2 * ffn if kind == "swiglu" else ffn
-        self.fc1 = make_parameter(ctx, f"{name}.fc1.weight", (n_embd, fc), normal_init(0.02), seed=seed, dtype=dtype,
-                                   weight_decay=True)
-        self.fc2 = make_parameter(ctx, f"{name}.fc2.weight", (ffn, n_embd),
-                                     normal_init(0.02 / math.sqrt(2 * n_layer)), seed=seed, dtype=dtype,
-                                     weight_decay=True)
-        self.fc1_bias = self.fc2_bias = None
-        if bias:
-            self.fc1_bias = make_parameter(ctx, f"{name}.fc1.bias", (fc,), zeros_init, seed=seed, dtype=dtype)
-            self.fc2_bias = make_parameter(ctx, f"{name}.fc2.bias", (n_embd,), zeros_init, seed=seed,
-                                              dtype=dtype)
-        for p in self.own_parameters():
-            p.tp_partial = True  # each TP rank runs its own tokens through the expert
+        if params is None:
+            params = build_parameters(ctx, expert_parameters(n_embd, ffn, kind=kind, bias=bias, n_layer=n_layer), name,
+                                      seed=seed, dtype=dtype)
+        self.fc1, self.fc2 = params["fc1.weight"], params["fc2.weight"]
+        self.fc1_bias, self.fc2_bias = params.get("fc1.bias"), params.get("fc2.bias")
         self.fc1_lora = self.fc2_lora = None  # LoRA pairs (cutp.tensor_parallel.lora)
 
     def forward(self, x):

@@ -33,6 +33,8 @@ class Parameter:
                  the gradient of KV heads replicated over several TP ranks)
     real_rows    for vocabulary tables: the full tensor's rows [real_rows:] are padding (zero,
                  never trained, left out of full state dicts); None otherwise
+    sp           declared so (`cutp.tensor_parallel.declare`): replicated and used on sequence
+                 shards, so the model marks it `sequence_parallel` when sequence parallelism is on
     sequence_parallel  replicated, but used on sequence shards (sequence parallelism): each TP
                  rank's gradient covers its tokens only, so `tp_grad_sync` sums it over TP
     tp_partial   replicated, and each TP rank runs its own tokens through it whatever the layout
@@ -51,6 +53,7 @@ class Parameter:
     real_rows: int | None = None
     draw: Callable | None = None  # made inside `deferred_parameters`: returns its values (data a stand-in till then)
     buffer: bool = False
+    sp: bool = False
     sequence_parallel: bool = False
     tp_partial: bool = False
     expert_parallel: bool = False
@@ -275,12 +278,13 @@ class Module:
         for p in self.parameters():
             p.zero_grad()
 
-    # ---- layouts: each module marks itself and its own parameters (the model calls these on
-    # every module; the default is a module the layout does not change) ----------------------------
+    # ---- layouts: each module lays itself out (the model calls these on every module; the
+    # default is a module the layout does not change) ------------------------------------------
     def lay_out_sequence(self, on: bool, shard: tuple[int, int] | None) -> None:
         """Sequence parallelism on or off: `shard` (tp_rank, tp) when on. A layer that reads or
-        writes the residual stream takes this rank's tokens; a replicated parameter it uses on
-        them is marked `sequence_parallel` (its gradient covers these tokens only)."""
+        writes the residual stream takes this rank's tokens; the replicated parameters used on
+        them are declared `sp`, and the model marks those `sequence_parallel` (their gradients
+        cover these tokens only)."""
 
     def lay_out_context(self, shard: tuple[int, int] | None) -> None:
         """Context parallelism on (`shard` = (cp_rank, cp)) or off (None): a layer whose work

@@ -144,6 +144,12 @@ def assemble_full(shards: list, sharding: Sharding | None):
     return np.moveaxis(full, 0, sharding.axis)
 
 
+def pad_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Vocabulary padded to a multiple of multiple*tp (Megatron's make-vocab-size-divisible-by)."""
+    step = max(1, multiple) * tp
+    return -(-vocab_size // step) * step
+
+
 def pad_rows(a, rows: int):
     """`a` with zero rows appended up to `rows` (vocabulary padding)."""
     if a.shape[0] == rows:

@@ -19,7 +19,7 @@ from cutp.plan import layout as plan
 from cutp.train import reporting
 from cutp.bench import model as bmodel
 from cutp.bench.__main__ import build_parser, main
-from cutp.models import PRESETS, GPTConfig
+from cutp.models import GPTConfig
 from tests.mpirun import run_mpi
 
 
@@ -108,15 +108,6 @@ def test_plan_70b_against_the_literature():
         pytest.approx(2 * sbh * 34 / t - 2 * sbh / t)
     assert plan.activation_bytes_per_layer(**kw, act_bytes=4, recompute="full") == 4 * sbh
     assert plan.param_count(plan.ARCHITECTURES["175B"])["total"] / 1e9 == pytest.approx(174.6, abs=0.1)
-
-
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_plan_parameter_count_equals_gptconfig(preset):
-    c = GPTConfig.preset(preset)
-    assert plan.param_count(c)["total"] == c.num_parameters()
-    v = GPTConfig.preset(preset, bias=False, tie_embeddings=False, n_kv_head=c.n_head // 2 if c.n_head % 2 == 0 else None)
-    assert plan.param_count(v)["total"] == v.num_parameters()
-    assert GPTConfig.preset("gpt2").num_parameters() == 124_439_808  # GPT-2 small, 124M
 
 
 def test_gpu_peak_table():

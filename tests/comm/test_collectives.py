@@ -23,10 +23,8 @@ def _data(world_rank, group, dtype, shape=(4, 3)):
 
 
 def _members(ctx, name):
-    if name == "tp":
-        return ctx.mesh.tp_group(ctx.rank)
-    if name == "dp":
-        return ctx.mesh.dp_group(ctx.rank)
+    if name in ("tp", "dp"):
+        return ctx.mesh.group(ctx.rank, name)
     return list(range(ctx.world_size))
 
 

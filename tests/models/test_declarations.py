@@ -12,6 +12,8 @@ import pytest
 
 from cutp.comm.shape_only import ShapeOnlyContext
 from cutp.models import GPT, GPTConfig
+from cutp.models.families import FAMILIES, family_of
+from cutp.runtime.errors import ConfigError
 from cutp.plan import layout
 from cutp.plan.moe import moe_counts
 from cutp.tensor_parallel.specs import count, tp_summed
@@ -79,8 +81,56 @@ def test_the_planners_moe_counts_are_the_moe_layers_declarations():
         assert dense.num_parameters() + m["total"] == c.num_parameters()
         assert dense.num_parameters() + m["active"] == c.num_active_parameters() < c.num_parameters()
         assert layout.param_count(dense, 4)["per_rank"] + m["per_rank"] == layout.param_count(c, 4, 2)["per_rank"]
-        last = c.mlp_spec(c.n_layer - 2)  # (an MoE layer in all three)
+        last = c.block_spec(c.n_layer - 2).mlp  # (an MoE layer in all three)
         assert m["expert"] == sum(math.prod(d.shape) for d in last.expert.parameters()) > 0
         assert m["router"] == c.n_embd * c.n_experts and m["layers"] == sum(map(c.is_moe_layer, range(c.n_layer)))
     v3 = GPTConfig.preset("deepseek-v3")  # (its counts: tests/models/test_family_math.py)
     assert v3.num_stored_values() == v3.num_parameters() + 58 * 256  # the correction biases
+
+
+def _named(decls):
+    """name -> declaration, a routed expert's named for every expert."""
+    return _expanded(decls, 0, 1)
+
+
+# each family's smallest preset, and the biases, heads and attentions the presets leave out
+RECIPE_MODELS = [(min(f.presets, key=lambda p: GPTConfig.preset(p).num_parameters()), []) for f in FAMILIES.values()] + \
+    [("llama-tiny", ["n_kv_head=1", "tie_embeddings=true", "rope_scaling=llama3"]), ("llama-tiny", ["qkv_bias=true"]),
+     ("llama-tiny", ["bias=true"]), ("deepseek-tiny", ["q_lora_rank=none"]), ("qwen3-tiny", ["tie_embeddings=false"]),
+     ("mixtral-8x7b", ["n_layer=2"]), ("gpt2", ["n_layer=2"])]
+
+
+def test_every_family_reads_and_writes_exactly_the_declared_parameters():
+    """Each family's HF tensor recipes against the declarations: every declared parameter has
+    exactly one recipe and every recipe makes a declared parameter, of the declared shape (so a
+    family's recipes cannot drift from its block); every HF key is in one recipe only; and at tp
+    1, 2 and 4 the declared split of that shape is what each rank's shard is read into."""
+    for preset, overrides in RECIPE_MODELS:
+        cfg = GPTConfig.preset(preset).with_overrides(overrides)
+        family = family_of(cfg)
+        recipes = family.recipes(cfg)
+        declared = _named(cfg.declarations())
+        by_name = {r.name: r for r in recipes}
+        assert len(by_name) == len(recipes), (preset, overrides, "two recipes make one parameter")
+        assert sorted(by_name) == sorted(declared), (preset, overrides, sorted(set(by_name) ^ set(declared))[:4])
+        keys = [k for r in recipes for k in r.keys]
+        assert len(keys) == len(set(keys)), (preset, overrides, "an HF tensor in two recipes")
+        for name, d in declared.items():
+            assert tuple(by_name[name].full_shape) == tuple(d.shape), (preset, name)
+        for tp in (1, 2, 4):
+            try:
+                cfg.validate(tp)
+            except ConfigError:
+                continue  # (a shape this tp does not split: refused before any read)
+            for d in set(declared.values()):  # (each kind of tensor once)
+                s, full = d.sharding(tp), d.full_shape(tp)
+                assert full[1:] == tuple(d.shape[1:]) and full[0] >= d.shape[0], (preset, d.name, tp)
+                assert s is None or (s.full_shape == full and sum(len(i) for i in s.indices) >= full[s.axis]), d.name
+
+
+def test_counts_are_the_published_ones():
+    """The declarations' sums against the counts the models' authors and transformers report (the
+    figures a family's presets must reproduce)."""
+    published = {"gpt2": 124_439_808, "llama2-7b": 6_738_415_616, "llama3-8b": 8_030_261_248,
+                 "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624, "deepseek-v3": 671_026_404_352}
+    assert {p: GPTConfig.preset(p).num_parameters() for p in published} == published

@@ -301,4 +301,4 @@ def test_refusals(kw, message):
 def test_mesh_refuses_an_ep_that_does_not_divide_dp():
     with pytest.raises(cutp.ConfigError, match=r"ep=3 does not divide dp=4"):
         validate_mesh(4, 1, 4, 1, 3)
-    assert validate_mesh(8, 2, 4, 1, 2).ep_rank(7) == 1  # rank 7: tp 1, dp 3, ep_rank 1
+    assert validate_mesh(8, 2, 4, 1, 2).coords(7)["ep"] == 1  # rank 7: tp 1, dp 3, ep_rank 1

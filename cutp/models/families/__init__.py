@@ -11,12 +11,13 @@
     mistral  MistralForCausalLM
     mixtral  MixtralForCausalLM
 
-A family module declares its HF names, its config mapping both ways, its tensor recipes both ways
-and its presets (`base.Family`); `cutp.models.hf` reads and writes every family's directories
+A family module declares its HF names, its config mapping both ways, its tensor recipes both ways,
+its presets and the submodules of its block (`base.Family`, a `cutp.models.blocks.Blocks`); `cutp.models.hf` reads and writes every family's directories
 from those declarations. Adding a family: docs/extending.md.
 """
 from __future__ import annotations
 
+from ..blocks import CHOOSERS
 from ..config import FAMILY_NAMES, PRESETS
 from ..hf_files import HFFormatError
 from .base import Family, Recipe
@@ -47,6 +48,7 @@ def register(family: Family) -> Family:
     _BY_MODEL_TYPE.update({mt: family for mt in family.reads()})
     PRESETS.update(family.presets)
     FAMILY_NAMES.add(family.name)
+    CHOOSERS[family.name] = family
     return family
 
 

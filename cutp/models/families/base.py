@@ -22,6 +22,7 @@ import numpy as np
 
 from ...ops.rotary import RopeScaling
 from ...runtime.errors import ConfigError
+from ..blocks import Blocks
 from ..hf_files import HFFormatError
 
 # How a cutp tensor is made from its HF tensors (HF's Linear weights are [out, in], cutp's [in, out]):
@@ -80,9 +81,10 @@ class Recipe:
         return {k: np.ascontiguousarray(a.T if self.how == CONCAT_WEIGHTS else a) for k, a in zip(self.keys, parts)}
 
 
-class Family:
+class Family(Blocks):
     """A model family's declarations (subclassed once per family, registered by
-    `cutp.models.families.register`)."""
+    `cutp.models.families.register`), and its blocks' submodules (`Blocks`: the choice from the
+    config's fields, which a family with a new piece overrides in its module)."""
 
     name: str = ""  # the HF model_type written; also what ModelConfig.family holds
     model_types: tuple = ()  # the HF model_types read (default: (name,))
