@@ -139,17 +139,53 @@ def test_bf16_losses_at_tp4_match_tp1_within_1e_2(tmp_path):
 
 
 # ---- checkpoints: bit-identical resume, another DP size, export precision -------------------------
-@pytest.mark.parametrize("dtype,n,mesh", [
+RESUME_CASES = [
     ("bfloat16", 2, ["--tp", "2"]),
     ("bfloat16", 2, ["--tp", "1", "--dp", "2", "--distributed-optimizer"]),
     ("float16", 2, ["--tp", "1", "--dp", "2", "--distributed-optimizer"]),
-])
-def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimizer(tmp_path, dtype, n, mesh):
-    args = BASE + ["--dtype", dtype, "--batch-size", "8", "--steps", "6"] + mesh
-    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
-    run_mpi(n, TRAIN, args + ["--save-every", "3", "--keep", "0", "--out", str(tmp_path / "run"),
-                              "--metrics", str(full)], timeout=180)
-    ckpt = tmp_path / "run" / "step-00000003"
+]
+
+
+def _resume_args(dtype, mesh):
+    return BASE + ["--dtype", dtype, "--batch-size", "8", "--steps", "6"] + mesh
+
+
+def _worker_resume_cases(d):
+    """Every case of RESUME_CASES (all on 2 ranks) in one launch, each in d/case<i>: 6 steps saving
+    at step 3, a copy of that checkpoint as saved (the resume writes beside it), then the resume
+    from it. A case that fails names itself."""
+    from mpi4py import MPI
+
+    from examples.train_gpt import main
+
+    for i, (dtype, n, mesh) in enumerate(RESUME_CASES):
+        assert n == MPI.COMM_WORLD.size
+        case, args = f"{d}/case{i}", _resume_args(dtype, mesh)
+        try:
+            main(args + ["--save-every", "3", "--keep", "0", "--out", f"{case}/run", "--metrics", f"{case}/full.jsonl"])
+            MPI.COMM_WORLD.Barrier()
+            if MPI.COMM_WORLD.rank == 0:
+                shutil.copytree(f"{case}/run/step-00000003", f"{case}/saved")
+            MPI.COMM_WORLD.Barrier()
+            main(args + ["--resume", f"{case}/run/step-00000003", "--metrics", f"{case}/part.jsonl"])
+        except BaseException as e:
+            raise RuntimeError(f"resume case {i} {dtype} {mesh} failed: {e}") from e
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    run_mpi(2, "tests.train.test_mixed_precision:_worker_resume_cases", str(d), timeout=300)
+    return d
+
+
+@pytest.mark.parametrize("case", range(len(RESUME_CASES)), ids=[
+    f"{dtype}-{n}-mesh{i}" for i, (dtype, n, _) in enumerate(RESUME_CASES)])
+def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimizer(resume_runs, tmp_path, case):
+    """The runs are _worker_resume_cases' (one launch for the three cases)."""
+    dtype, n, mesh = RESUME_CASES[case]
+    full, part = resume_runs / f"case{case}" / "full.jsonl", resume_runs / f"case{case}" / "part.jsonl"
+    ckpt = resume_runs / f"case{case}" / "saved"  # step-00000003 as saved
     meta = read_meta(str(ckpt))
     assert meta["config"]["dtype"] == dtype and meta["optimizer"]["master_weights"]
     model = load_file(str(ckpt / f"model-tp00-of-{meta['mesh']['tp']:02d}.safetensors"))
@@ -170,7 +206,6 @@ def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimiz
     assert not np.array_equal(master, w.astype(np.float32))  # and the masters keep more bits
     if dtype == "float16":
         assert meta["loss_scaler"]["kind"] == "dynamic" and meta["loss_scaler"]["scale"] == 2.0 ** 16
-    run_mpi(n, TRAIN, args + ["--resume", str(ckpt), "--metrics", str(part)], timeout=180)
     a, b = _metrics(full), _metrics(part)
     assert [r["step"] for r in b] == [4, 5, 6]
     for key in ("loss", "grad_norm"):
