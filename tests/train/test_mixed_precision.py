@@ -20,7 +20,7 @@ from cutp.checkpoint import CheckpointError, export_full, load_model, read_meta,
 from cutp.hf import save_hf_gpt2
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler
-from tests.mpirun import run_mpi
+from tests.mpirun import SharedLaunch, run_mpi
 
 TRAIN = "examples.train_gpt:main"
 BASE = ["--preset", "tiny", "--seq-len", "32", "--eval-every", "0", "--quiet", "--set", "n_layer=2"]
@@ -103,22 +103,37 @@ def _worker_distributed_matches_plain(meshes, batch, reference, overrides, bucke
                 np.testing.assert_allclose([getattr(s, key) for s in dist], ref[key], rtol=1e-10, err_msg=key)
 
 
-@pytest.mark.parametrize("ranks,meshes,batch,overrides,bucket", [
+DIST_CASES = [
     (2, [(1, 2)], 8, [], 0),
     # an odd DP size (Megatron #792): shards padded to 64 * 3 elements; buckets of 1000 elements,
     # 333 columns of the [3, shard] view per collective
     (3, [(1, 3)], 6, [], 1000),
     (4, [(2, 2), (1, 4)], 8, [], 0),
     (4, [(2, 2)], 8, ["n_kv_head=1"], 0),  # the KV head replicated over the TP pair: the norm's masks
-])
-def test_distributed_optimizer_gives_the_plain_optimizers_losses_and_weights(tmp_path, ranks, meshes, batch,
+]
+
+
+@pytest.mark.parametrize("ranks,meshes,batch,overrides,bucket", DIST_CASES)
+def test_distributed_optimizer_gives_the_plain_optimizers_losses_and_weights(request, ranks, meshes, batch,
                                                                               overrides, bucket):
-    reference = ""
-    if ranks == 4 and not overrides:  # (the one-rank reference is of the preset itself)
-        reference = str(tmp_path / "one_rank.json")
-        run_mpi(1, "tests.train.test_mixed_precision:_worker_one_rank_reference", batch, reference, timeout=120)
-    run_mpi(ranks, "tests.train.test_mixed_precision:_worker_distributed_matches_plain", meshes, batch, reference,
+    if ranks == 4:  # the 4-rank cases share a launch
+        request.getfixturevalue("four_rank_distributed").check(" ".join(overrides) or "preset")
+        return
+    run_mpi(ranks, "tests.train.test_mixed_precision:_worker_distributed_matches_plain", meshes, batch, "",
             overrides, bucket, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_rank_distributed(tmp_path_factory):
+    """The 4-rank cases above in one launch (SharedLaunch), the preset's against a one-rank
+    reference run first (the one-rank reference is of the preset itself)."""
+    reference = str(tmp_path_factory.mktemp("dist") / "one_rank.json")
+    (batch,) = {batch for ranks, _, batch, overrides, _ in DIST_CASES if ranks == 4 and not overrides}
+    run_mpi(1, "tests.train.test_mixed_precision:_worker_one_rank_reference", batch, reference, timeout=120)
+    return SharedLaunch(4, {
+        " ".join(overrides) or "preset": ("tests.train.test_mixed_precision:_worker_distributed_matches_plain",
+                                          [meshes, batch, "" if overrides else reference, overrides, bucket])
+        for ranks, meshes, batch, overrides, bucket in DIST_CASES if ranks == 4}, timeout=600)
 
 
 # ---- bfloat16: every layout within Megatron's tolerance of one rank ------------------------------
