@@ -3,6 +3,28 @@ import importlib
 import json
 import os
 import sys
+import tempfile
+
+
+def run_cases(cases):
+    """SharedLaunch's worker: each [name, "module:function", args] in turn, every rank finishing a
+    case before any starts the next (a barrier); this rank marks each case done, or failed, in the
+    launch's marker directory (`<name>.rank<r>`, `<name>.failed.rank<r>`)."""
+    from mpi4py import MPI
+
+    done = os.environ.get("CUTP_TEST_DONE_DIR") or tempfile.mkdtemp()
+    rank = MPI.COMM_WORLD.Get_rank()
+    for name, target, args in cases:
+        if rank == 0:
+            print(f"--- shared launch: case {name!r} ({target}) ---", flush=True)
+        module, _, func = target.partition(":")
+        try:
+            getattr(importlib.import_module(module), func)(*args)
+        except BaseException:
+            open(os.path.join(done, f"{name}.failed.rank{rank}"), "w").close()
+            raise
+        MPI.COMM_WORLD.Barrier()
+        open(os.path.join(done, f"{name}.rank{rank}"), "w").close()
 
 
 def main():

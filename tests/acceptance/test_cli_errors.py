@@ -23,7 +23,7 @@ def _run(cmd, timeout=120):
     return out.returncode, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("flags,expect", [
+BAD_FLAGS = [
     (["--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
     (["--batch-size", "-4"], "--batch-size must be an integer >= 1, got -4"),
     (["--seq-len", "-5"], "--seq-len must be an integer >= 1, got -5"),
@@ -35,9 +35,27 @@ def _run(cmd, timeout=120):
     (["--keep", "-3"], "--keep must be an integer >= 0, got -3"),
     (["--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
     (["--tp", "0"], "--tp must be an integer >= 1, got 0"),
-])
-def test_a_bad_flag_is_one_line_and_exit_status_2(flags, expect):
-    rc, text = _run([sys.executable, TRAIN_PY] + BASE + flags)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """Each command line of BAD_FLAGS in its own process, all started at once (each is mostly
+    start-up: side by side they fill the cores): {index: (exit status, output)}."""
+    procs = [subprocess.Popen([sys.executable, TRAIN_PY] + BASE + flags, env=_env(), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for flags, _ in BAD_FLAGS]
+    results = {}
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=120)
+        results[i] = (p.returncode, out + err)
+    return results
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[
+    f"flags{i}-{expect}" for i, (_, expect) in enumerate(BAD_FLAGS)])
+def test_a_bad_flag_is_one_line_and_exit_status_2(bad_flag_runs, case):
+    expect = BAD_FLAGS[case][1]
+    rc, text = bad_flag_runs[case]
     lines = text.strip().splitlines()
     assert rc == 2 and "Traceback" not in text, (rc, text)
     assert lines == [f"train_gpt.py: error: {expect}"] or (len(lines) == 1 and lines[0].startswith(

@@ -20,7 +20,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.mpirun import SharedLaunch, run_mpi
 
 TRAIN = "examples.train_gpt:main"
 HERE = "tests.acceptance.test_sequence_parallel"
@@ -113,13 +113,16 @@ def _worker_grads_equal_tp1(tp, modes, cases):
             assert "final_norm.weight" in names
 
 
-@pytest.mark.parametrize("n,tp,modes", [
+GRAD_LAYOUTS = [
     (2, 2, ["none", "selective", "full"]),
     (4, 4, ["none", "full"]),
     (4, 2, ["none", "selective", "full"]),  # tp 2 x dp 2
-])
+]
+
+
+@pytest.mark.parametrize("n,tp,modes", GRAD_LAYOUTS)
 def test_loss_and_every_gradient_equal_tp1(n, tp, modes):
-    run_mpi(n, f"{HERE}:_worker_grads_equal_tp1", tp, modes, list(CASES), timeout=120)
+    (FOUR_RANKS if n == 4 else TWO_RANKS).check(f"grads tp{tp}")
 
 
 def test_tp8_gradients_equal_tp1():
@@ -175,7 +178,7 @@ def _worker_comm_per_layer():
 
 
 def test_two_all_gathers_and_two_reduce_scatters_of_sbh_per_layer():
-    run_mpi(2, f"{HERE}:_worker_comm_per_layer", timeout=60)
+    TWO_RANKS.check("comm_per_layer")
 
 
 # ---- float32 recompute bitwise; errors; eval; generation ---------------------------------------
@@ -245,7 +248,19 @@ def _worker_library_misc():
 
 
 def test_float32_recompute_bitwise_errors_eval_and_generation():
-    run_mpi(2, f"{HERE}:_worker_library_misc", timeout=90)
+    TWO_RANKS.check("library_misc")
+
+
+# The library tests above, on 4 and on 2 ranks, each set in one launch (the ranks' start-up is most
+# of each one's time); each test checks its case.
+FOUR_RANKS = SharedLaunch(4, {f"grads tp{tp}": (f"{HERE}:_worker_grads_equal_tp1", [tp, modes, list(CASES)])
+                              for n, tp, modes in GRAD_LAYOUTS if n == 4}, timeout=240)
+TWO_RANKS = SharedLaunch(2, {
+    **{f"grads tp{tp}": (f"{HERE}:_worker_grads_equal_tp1", [tp, modes, list(CASES)])
+       for n, tp, modes in GRAD_LAYOUTS if n == 2},
+    "comm_per_layer": (f"{HERE}:_worker_comm_per_layer", []),
+    "library_misc": (f"{HERE}:_worker_library_misc", []),
+}, timeout=270)
 
 
 # ---- bf16 + distributed optimizer + SP + recompute + micro-batches through cutp.train -----------

@@ -21,11 +21,15 @@ def _metrics(path):
 def test_twenty_steps_same_losses_at_tp1_tp2_tp4_and_tp2xdp2(tmp_path):
     runs = {"tp1": (1, ["--tp", "1"]), "tp2": (2, ["--tp", "2"]), "tp4": (4, ["--tp", "4"]),
             "tp2dp2": (4, ["--tp", "2", "--dp", "2", "--micro-batch-size", "2"])}
+    argv = {name: BASE + ["--steps", "20", "--metrics", str(tmp_path / f"{name}.jsonl")] + extra
+            for name, (_, extra) in runs.items()}
+    run_mpi(1, TRAIN, argv["tp1"], timeout=240)
+    run_mpi(2, TRAIN, argv["tp2"], timeout=240)
+    run_mpi(4, "tests.acceptance.test_mixed_precision:_worker_two_mains", str(tmp_path / "h.json"),
+            [(name, argv[name]) for name in ("tp4", "tp2dp2")], timeout=480)  # the 4-rank runs in one launch
     losses = {}
-    for name, (n, extra) in runs.items():
-        m = tmp_path / f"{name}.jsonl"
-        run_mpi(n, TRAIN, BASE + ["--steps", "20", "--metrics", str(m)] + extra, timeout=240)
-        rows = _metrics(m)
+    for name in runs:
+        rows = _metrics(tmp_path / f"{name}.jsonl")
         assert [r["step"] for r in rows] == list(range(1, 21))
         losses[name] = np.array([r["loss"] for r in rows])
         norms = np.array([r["grad_norm"] for r in rows])

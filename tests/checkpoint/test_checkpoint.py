@@ -484,14 +484,16 @@ def test_resume_reproduces_steps_bit_identically(tmp_path):
     args = BASE + ["--dropout", "0.1", "--tp", "2", "--dp", "2", "--micro-batch-size", "2"]
     full, part = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
     run, rerun = tmp_path / "run", tmp_path / "rerun"
-    run_mpi(4, TRAIN, args + ["--steps", "20", "--save-every", "5", "--keep", "2", "--out", str(run),
-                              "--metrics", str(full)], timeout=240)
+    ckpt = run / "step-00000015"
+    # one launch: the run, then the resume from its step 15 into another directory
+    run_mpi(4, "tests.acceptance.test_mixed_precision:_worker_two_mains", str(tmp_path / "histories.json"),
+            [("run", args + ["--steps", "20", "--save-every", "5", "--keep", "2", "--out", str(run),
+                             "--metrics", str(full)]),
+             ("resume", args + ["--steps", "20", "--resume", str(ckpt), "--metrics", str(part), "--out", str(rerun)])],
+            timeout=480)
     # --keep 2: the run directory keeps the two newest checkpoints and points `latest` at the last
     assert sorted(p.name for p in run.iterdir()) == ["config.toml", "latest", "step-00000015", "step-00000020"]
     assert json.loads((run / "latest").read_text()) == {"step": 20, "path": "step-00000020"}
-    ckpt = run / "step-00000015"
-    run_mpi(4, TRAIN, args + ["--steps", "20", "--resume", str(ckpt), "--metrics", str(part), "--out", str(rerun)],
-            timeout=240)
     a, b = _metrics(full)[15:], _metrics(part)
     assert [r["step"] for r in b] == list(range(16, 21))
     for ra, rb in zip(a, b):

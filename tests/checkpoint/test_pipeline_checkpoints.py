@@ -193,10 +193,10 @@ def test_train_gpt_resumes_a_pipeline_run_bit_identically(tmp_path):
     args = base + ["--tp", "2", "--pp", "2"]
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     run, rerun = tmp_path / "run", tmp_path / "rerun"
-    run_mpi(4, "examples.train_gpt:main", args + ["--steps", "4", "--save-every", "2", "--keep", "0",
-                                                  "--out", str(run), "--metrics", str(full)], timeout=120)
-    run_mpi(4, "examples.train_gpt:main", args + ["--steps", "4", "--resume", str(run / "step-00000002"),
-                                                  "--out", str(rerun), "--metrics", str(part)], timeout=120)
+    run_mpi(4, "tests.acceptance.test_mixed_precision:_worker_two_mains", str(tmp_path / "h.json"), [  # one launch
+        ("run", args + ["--steps", "4", "--save-every", "2", "--keep", "0", "--out", str(run), "--metrics", str(full)]),
+        ("resume", args + ["--steps", "4", "--resume", str(run / "step-00000002"), "--out", str(rerun),
+                           "--metrics", str(part)])], timeout=240)
     read = lambda p: [json.loads(line) for line in open(p)]  # noqa: E731
     a, b = read(full)[2:], read(part)
     assert [r["step"] for r in b] == [3, 4] and [r["loss"] for r in a] == [r["loss"] for r in b], (a, b)

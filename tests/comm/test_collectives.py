@@ -10,7 +10,7 @@ import cutp
 from cutp.comm import CommCounter, CommError
 from cutp.comm.context import check_gpu_assignment, validate_mesh
 from tests.comm.test_context import _worker_a_new_dimension
-from tests.mpirun import MpiRunError, run_mpi
+from tests.mpirun import MpiRunError, SharedLaunch, run_mpi
 
 DTYPES = [np.float32, np.float64, ml_dtypes.bfloat16, np.float16, np.int32, np.int64]
 
@@ -168,7 +168,7 @@ def _worker_collectives(meshes):
 
 
 def test_collectives_meshes_2x2_4x1_1x4():
-    run_mpi(4, "tests.comm.test_collectives:_worker_collectives", [[2, 2], [4, 1], [1, 4]], timeout=120)
+    FOUR_RANKS.check("collectives")
 
 
 def _worker_eight_ranks():
@@ -296,7 +296,7 @@ def _worker_mesh_refused_on_every_rank():
 
 
 def test_mesh_refused_on_every_rank():
-    run_mpi(4, "tests.comm.test_collectives:_worker_mesh_refused_on_every_rank", timeout=60)
+    FOUR_RANKS.check("mesh_refused_on_every_rank")
 
 
 # ---- failure handling --------------------------------------------------------------------------
@@ -360,7 +360,7 @@ def _worker_two_contexts():
 
 
 def test_two_contexts_coexist():
-    run_mpi(4, "tests.comm.test_collectives:_worker_two_contexts", timeout=60)
+    FOUR_RANKS.check("two_contexts")
 
 
 def test_embed_example_runs_two_independent_contexts_at_4_ranks():
@@ -377,3 +377,12 @@ def test_embed_example_runs_two_independent_contexts_at_4_ranks():
     assert "transformer block, TP=2" in lines[0] and "MLP, TP=2" in lines[3]
     # the two halves ran different layers on different data
     assert lines[0].split("|y|_1 = ")[1] != lines[3].split("|y|_1 = ")[1]
+
+
+# The passing 4-rank tests above in one launch (the ranks' start-up is most of each one's time);
+# each test checks its case.
+FOUR_RANKS = SharedLaunch(4, {
+    "collectives": ("tests.comm.test_collectives:_worker_collectives", [[[2, 2], [4, 1], [1, 4]]]),
+    "mesh_refused_on_every_rank": ("tests.comm.test_collectives:_worker_mesh_refused_on_every_rank", []),
+    "two_contexts": ("tests.comm.test_collectives:_worker_two_contexts", []),
+}, timeout=240)

@@ -311,7 +311,17 @@ def _hash_included_files(h: "hashlib._Hash", sources: Sequence[Path], include_di
         h.update(str(p).encode() + b"\0" + p.read_bytes() + b"\0")
 
 
-_build_lock = threading.Lock()
+_build_lock = threading.Lock()  # loading a library
+# One build per cache key at a time: a second thread asking for a build in progress waits for it
+# and then finds it in the cache; builds of different keys run side by side (tests/conftest.py's
+# warm-up builds in a thread while the tests build what they need now).
+_key_locks: dict[str, threading.Lock] = {}
+_key_locks_guard = threading.Lock()
+
+
+def _key_lock(name: str) -> threading.Lock:
+    with _key_locks_guard:
+        return _key_locks.setdefault(name, threading.Lock())
 
 
 def _runtime_object(cxx: str, extra_flags: Sequence[str]) -> Path:
@@ -321,14 +331,16 @@ def _runtime_object(cxx: str, extra_flags: Sequence[str]) -> Path:
         h.update(part.encode() + b"\0")
     h.update(RUNTIME_SOURCE.read_bytes() + HEADER.read_bytes())
     obj = _cache_dir() / f"runtime-{h.hexdigest()[:24]}.o"
-    if not obj.exists():
-        with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
-            out = Path(tmp) / "runtime.o"
-            _run(
-                [cxx, *CXX_FLAGS, *extra_flags, "-U_FORTIFY_SOURCE", "-I", str(HERE), "-c", str(RUNTIME_SOURCE), "-o", str(out)],
-                "compiling the emulator runtime",
-            )
-            os.replace(out, obj)
+    with _key_lock(obj.name):
+        if not obj.exists():
+            with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
+                out = Path(tmp) / "runtime.o"
+                _run(
+                    [cxx, *CXX_FLAGS, *extra_flags, "-U_FORTIFY_SOURCE", "-I", str(HERE), "-c", str(RUNTIME_SOURCE),
+                     "-o", str(out)],
+                    "compiling the emulator runtime",
+                )
+                os.replace(out, obj)
     return obj
 
 
@@ -523,10 +535,16 @@ def _build(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: s
     key = h.hexdigest()[:24]
     cache = _cache_dir()
     lib, meta = cache / f"module-{key}.so", cache / f"module-{key}.json"
-    if lib.exists() and meta.exists():
-        m = json.loads(meta.read_text())
-        return _Build(lib, m["kernels"], m["shared_vars"], m["static_smem"])
+    with _key_lock(key):
+        if lib.exists() and meta.exists():
+            m = json.loads(meta.read_text())
+            return _Build(lib, m["kernels"], m["shared_vars"], m["static_smem"])
+        return _build_into(sources, defines, cxx_flags, cxx, checks, lib, meta)
 
+
+def _build_into(sources: list[Path], defines: list[str], cxx_flags: list[str], cxx: str, checks: bool,
+                lib: Path, meta: Path) -> _Build:
+    cache = lib.parent
     runtime = _runtime_object(cxx, cxx_flags)
     incs = ["-I", str(KERNELS_DIR), "-I", str(HERE)]
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -1149,6 +1167,39 @@ class EmulatedKernel:
             g.host_view()[:] = new
 
 
+def _source_paths(code: str | None, path) -> list[Path]:
+    """The .cu files of EmulatedModule(code=, path=): path's files (relative to the working
+    directory, else to the repository), then code written to a file of the cache named by its hash."""
+    paths: list[Path] = []
+    if path is not None:
+        for p in [path] if isinstance(path, (str, os.PathLike)) else list(path):
+            pp = Path(p)
+            if not pp.is_absolute():
+                pp = (Path.cwd() / pp) if (Path.cwd() / pp).exists() else REPO_ROOT / pp
+            if not pp.is_file():
+                raise FileNotFoundError(f"kernel source {p} not found")
+            paths.append(pp.resolve())
+    if code is not None:
+        src = _cache_dir() / f"code-{hashlib.sha256(code.encode()).hexdigest()[:24]}.cu"
+        if not src.exists():
+            _atomic_write_bytes(src, code.encode())
+        paths.append(src)
+    if not paths:
+        raise ValueError("EmulatedModule needs code= or path=")
+    return paths
+
+
+def prebuild(code: str | None = None, path=None, options: Sequence[str] = (), cxx_flags: Sequence[str] = (),
+             checks: bool | None = None) -> None:
+    """Builds into the cache what EmulatedModule with the same arguments loads, without loading
+    it: the test session's background warm-up (tests/conftest.py), so a test's module is built
+    while earlier tests run. A build in progress makes another of the same key wait for it."""
+    if checks is None:
+        checks = os.environ.get("CUTP_EMU_CHECKS", "1").strip().lower() not in ("0", "false", "no", "off")
+    _build(_source_paths(code, path), _translate_options(options), list(cxx_flags),
+           os.environ.get("CUTP_EMU_CXX", "g++"), bool(checks))
+
+
 class EmulatedModule:
     """Stand-in for cupy.RawModule that runs the kernels on the CPU.
 
@@ -1182,22 +1233,7 @@ class EmulatedModule:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if checks is None:
             checks = os.environ.get("CUTP_EMU_CHECKS", "1").strip().lower() not in ("0", "false", "no", "off")
-        paths: list[Path] = []
-        if path is not None:
-            for p in [path] if isinstance(path, (str, os.PathLike)) else list(path):
-                pp = Path(p)
-                if not pp.is_absolute():
-                    pp = (Path.cwd() / pp) if (Path.cwd() / pp).exists() else REPO_ROOT / pp
-                if not pp.is_file():
-                    raise FileNotFoundError(f"kernel source {p} not found")
-                paths.append(pp.resolve())
-        if code is not None:
-            src = _cache_dir() / f"code-{hashlib.sha256(code.encode()).hexdigest()[:24]}.cu"
-            if not src.exists():
-                _atomic_write_bytes(src, code.encode())
-            paths.append(src)
-        if not paths:
-            raise ValueError("EmulatedModule needs code= or path=")
+        paths = _source_paths(code, path)
         self.code = code
         self.sources = tuple(paths)
         self.options = tuple(options)
@@ -1208,8 +1244,8 @@ class EmulatedModule:
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
         self.stack_kb = DEFAULT_STACK_KB if stack_kb is None else int(stack_kb)
         cxx = os.environ.get("CUTP_EMU_CXX", "g++")
+        build = _build(list(paths), _translate_options(options), list(cxx_flags), cxx, self.checks)
         with _build_lock:
-            build = _build(list(paths), _translate_options(options), list(cxx_flags), cxx, self.checks)
             self._lib = _load(build.library, build.shared_vars)
         self.library_path = build.library
         self._kernels_found = dict(build.kernels)

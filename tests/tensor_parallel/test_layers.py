@@ -14,7 +14,7 @@ from cutp.tensor_parallel import (BlockSpec, ColumnParallelLinear, ParallelAtten
                                   gather_full, pad_vocab)
 from cutp.tensor_parallel.mappings import gather_from_tp_forward
 from cutp.tensor_parallel.specs import AttentionSpec, MLPSpec, NormSpec
-from tests.mpirun import run_mpi
+from tests.mpirun import SharedLaunch, run_mpi
 from tests.tp_utils import assert_close, full_grads, group_ctx, self_ctx, tol
 
 B, T = 2, 5
@@ -216,7 +216,7 @@ def _worker_at_sizes(worker, sizes, *args):
 
 # ---- tests -------------------------------------------------------------------------------------
 def test_linear_mlp_embedding_tp2_tp4():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_layers", [2, 4], timeout=180)
+    FOUR_RANKS.check("layers")
 
 
 def _worker_tp8(stacks):
@@ -229,8 +229,7 @@ def _worker_tp8(stacks):
 
 def test_attention_and_block_gqa_cases_tp4():
     # n_kv < TP (replicated KV heads), = TP, > TP; float64 and float32
-    cases = [(4, 2, "float64"), (4, 4, "float64"), (8, 8, "float64"), (8, 2, "float32"), (4, 1, "float64")]
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_attention", 4, cases, timeout=180)
+    FOUR_RANKS.check("attention")
 
 
 def test_attention_gqa_tp2():
@@ -239,11 +238,11 @@ def test_attention_gqa_tp2():
 
 
 def test_vocab_parallel_cross_entropy_tp2_tp4():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_cross_entropy", [4, 2], timeout=180)
+    FOUR_RANKS.check("cross_entropy")
 
 
 def test_gpt_stack_tp2_tp4():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_gpt_stack", [2, 4], STACKS, timeout=240)
+    FOUR_RANKS.check("gpt_stack")
 
 
 # The layers, the cross-entropy and the GPT stacks at TP=8 (TP8_STACKS) run in one 8-rank launch
@@ -296,7 +295,7 @@ def _worker_comm_counts():
 
 
 def test_communication_counts():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_comm_counts", timeout=120)
+    FOUR_RANKS.check("comm_counts")
 
 
 # ---- dropout streams ---------------------------------------------------------------------------
@@ -324,7 +323,7 @@ def _worker_dropout_streams():
 
 
 def test_dropout_masks_shared_and_distinct():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_dropout_streams", timeout=60)
+    FOUR_RANKS.check("dropout_streams")
 
 
 # ---- the same model at every TP size; state_dict holds this rank's shards -----------------------
@@ -406,16 +405,18 @@ def _worker_same_model_at_every_tp(sizes, cases):
             sub.Free()
 
 
+SAME_MODEL_CASES = [
+    # GQA: KV heads replicated at TP=4 (> n_kv_head), split at TP=2; untied head; default vocab padding
+    dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, mlp_hidden=24, vocab_size=97, block_size=8,
+         dtype="float32", tie_embeddings=False),
+    # MHA, no biases, tied embeddings, padding that differs by TP (50 -> 52 at TP=4)
+    dict(n_layer=1, n_head=8, n_embd=32, vocab_size=50, block_size=8, dtype="float64", bias=False,
+         vocab_multiple=1),
+]
+
+
 def test_same_model_at_tp1_tp2_tp4_and_state_dict_holds_shards():
-    cases = [
-        # GQA: KV heads replicated at TP=4 (> n_kv_head), split at TP=2; untied head; default vocab padding
-        dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, mlp_hidden=24, vocab_size=97, block_size=8,
-             dtype="float32", tie_embeddings=False),
-        # MHA, no biases, tied embeddings, padding that differs by TP (50 -> 52 at TP=4)
-        dict(n_layer=1, n_head=8, n_embd=32, vocab_size=50, block_size=8, dtype="float64", bias=False,
-             vocab_multiple=1),
-    ]
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_same_model_at_every_tp", [4, 2], cases, timeout=120)
+    FOUR_RANKS.check("same_model")
 
 
 # ---- in-process: validation, sharding, finite differences ---------------------------------
@@ -566,7 +567,23 @@ def _worker_two_gqa_layouts_on_one_context():
 
 
 def test_gqa_replica_groups_per_layout_on_one_context():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_two_gqa_layouts_on_one_context", timeout=120)
+    FOUR_RANKS.check("gqa_layouts")
+
+
+HERE = "tests.tensor_parallel.test_layers"
+# The 4-rank tests above in one launch (the ranks' start-up is most of each one's time); each test
+# checks its case: n_kv < TP (replicated KV heads), = TP, > TP in the attention cases, f64 and f32.
+FOUR_RANKS = SharedLaunch(4, {
+    "layers": (f"{HERE}:_worker_at_sizes", ["_worker_layers", [2, 4]]),
+    "attention": (f"{HERE}:_worker_attention", [4, [(4, 2, "float64"), (4, 4, "float64"), (8, 8, "float64"),
+                                                  (8, 2, "float32"), (4, 1, "float64")]]),
+    "cross_entropy": (f"{HERE}:_worker_at_sizes", ["_worker_cross_entropy", [4, 2]]),
+    "gpt_stack": (f"{HERE}:_worker_at_sizes", ["_worker_gpt_stack", [2, 4], STACKS]),
+    "comm_counts": (f"{HERE}:_worker_comm_counts", []),
+    "dropout_streams": (f"{HERE}:_worker_dropout_streams", []),
+    "same_model": (f"{HERE}:_worker_same_model_at_every_tp", [[4, 2], SAME_MODEL_CASES]),
+    "gqa_layouts": (f"{HERE}:_worker_two_gqa_layouts_on_one_context", []),
+}, timeout=900)
 
 
 def test_config_rejects_out_of_range_fields():

@@ -23,7 +23,7 @@ from cutp.bench.model import random_tokens
 from cutp.models import GPT, GPTConfig
 from cutp.train import RunConfig, build_run, train_step
 from tests.gradcheck import numeric_grad, relative_error
-from tests.mpirun import run_mpi
+from tests.mpirun import SharedLaunch, run_mpi
 from tests.tp_utils import self_ctx
 
 TRAIN = "examples.train_gpt:main"
@@ -153,23 +153,17 @@ def _worker_equals_one_rank(cases):
 
 
 def test_moe_tp2_dp2_pp2_equal_one_rank():
-    run_mpi(2, "tests.tensor_parallel.test_moe:_worker_equals_one_rank",
-            [dict(tp=2), dict(tp=2, moe_capacity_factor=1.0, moe_top_k=1), dict(dp=2, micro=1),
-             dict(pp=2, moe_every=2, recompute="full")], timeout=300)
+    TWO_RANKS.check("tp2 dp2 pp2")
 
 
 def test_moe_tp2_sequence_parallel_with_dp2_and_the_distributed_optimizer_equal_one_rank():
-    run_mpi(4, "tests.tensor_parallel.test_moe:_worker_equals_one_rank",
-            [dict(tp=2, dp=2, sp=True, micro=1, moe_renormalize=True),
-             dict(tp=2, sp=True, pp=2, moe_capacity_factor=1.25, recompute="selective"),
-             dict(dp=4, micro=1, zero=True)], timeout=300)
+    FOUR_RANKS.check("tp2_sp dp2 dp4_zero")
 
 
 def test_dropping_is_per_source_rank_the_same_at_any_tp():
     """With a capacity, each DP rank's micro-batch decides what it drops: tp 2 (with and without
     sequence parallelism) drops what tp 1 drops (the test above checks losses and parameters)."""
-    run_mpi(2, "tests.tensor_parallel.test_moe:_worker_equals_one_rank",
-            [dict(tp=2, sp=True, moe_capacity_factor=0.75)], timeout=180)
+    TWO_RANKS.check("dropping")
 
 
 # ---- the command line ----------------------------------------------------------------------------
@@ -280,10 +274,32 @@ def _worker_pipeline_stages_planned(case):
             assert st[key] == got[key], (case, stage, key, st[key], got[key])
 
 
-@pytest.mark.parametrize("case", [dict(pp=2, moe_every=3, n_layer=4, tie_embeddings=False),
-                                  dict(pp=2, dp=2, ep=2, zero=True, micro=1, n_layer=4, moe_every=4)])
+PLANNED_STAGES = [dict(pp=2, moe_every=3, n_layer=4, tie_embeddings=False),
+                  dict(pp=2, dp=2, ep=2, zero=True, micro=1, n_layer=4, moe_every=4)]
+
+
+@pytest.mark.parametrize("case", PLANNED_STAGES)
 def test_planned_pipeline_stages_of_an_moe_model_hold_what_training_holds(case):
     """The planner's state per stage (the dense part exact, the MoE layers' routers and this
     rank's experts) equals what each stage of a training run holds, at EP 1 and 2 (there with
     the distributed optimizer and a stage without MoE layers: no expert part at all)."""
-    run_mpi(2 * case.get("dp", 1), "tests.tensor_parallel.test_moe:_worker_pipeline_stages_planned", case, timeout=120)
+    (FOUR_RANKS if case.get("dp", 1) == 2 else TWO_RANKS).check(f"planned stages {PLANNED_STAGES.index(case)}")
+
+
+# The library tests above on 2 and on 4 ranks, each set in one launch (the ranks' start-up is a good
+# part of each one's time); each test checks its case.
+HERE = "tests.tensor_parallel.test_moe"
+TWO_RANKS = SharedLaunch(2, {
+    "tp2 dp2 pp2": (f"{HERE}:_worker_equals_one_rank", [[
+        dict(tp=2), dict(tp=2, moe_capacity_factor=1.0, moe_top_k=1), dict(dp=2, micro=1),
+        dict(pp=2, moe_every=2, recompute="full")]]),
+    "dropping": (f"{HERE}:_worker_equals_one_rank", [[dict(tp=2, sp=True, moe_capacity_factor=0.75)]]),
+    "planned stages 0": (f"{HERE}:_worker_pipeline_stages_planned", [PLANNED_STAGES[0]]),
+}, timeout=600)
+FOUR_RANKS = SharedLaunch(4, {
+    "tp2_sp dp2 dp4_zero": (f"{HERE}:_worker_equals_one_rank", [[
+        dict(tp=2, dp=2, sp=True, micro=1, moe_renormalize=True),
+        dict(tp=2, sp=True, pp=2, moe_capacity_factor=1.25, recompute="selective"),
+        dict(dp=4, micro=1, zero=True)]]),
+    "planned stages 1": (f"{HERE}:_worker_pipeline_stages_planned", [PLANNED_STAGES[1]]),
+}, timeout=420)

@@ -16,7 +16,7 @@ import cutp
 from cutp.models import GPT, GPTConfig
 from cutp.tensor_parallel import gather_full, tp_grad_sync
 from cutp.tensor_parallel.mappings import gather_from_tp_forward
-from tests.mpirun import run_mpi
+from tests.mpirun import SharedLaunch, run_mpi
 from tests.tensor_parallel.test_layers import STACKS, TP8_STACKS
 from tests.tp_utils import assert_close, full_grads, group_ctx, on_rank_0, self_ctx, tol
 
@@ -35,8 +35,7 @@ SP_STACKS = [
 
 
 def test_gpt_stack_with_sequence_parallelism_tp2_tp4():
-    run_mpi(4, "tests.tensor_parallel.test_layers:_worker_at_sizes", "_worker_gpt_stack", [2, 4], SP_STACKS,
-            timeout=240)
+    FOUR_RANKS.check("gpt_stack")
 
 
 def test_tp8_layers_cross_entropy_and_gpt_stacks_with_and_without_sp():
@@ -87,7 +86,7 @@ def _worker_tp2_dp2_training_step():
 
 
 def test_tp2_x_dp2_training_step_every_gradient_equals_one_rank():
-    run_mpi(4, "tests.tensor_parallel.test_sequence_parallel:_worker_tp2_dp2_training_step", timeout=300)
+    FOUR_RANKS.check("tp2_dp2_training_step")
 
 
 # ---- communication counted per layer ----------------------------------------------------------
@@ -137,8 +136,8 @@ def _worker_comm_counts(tp):
 
 
 def test_two_all_gathers_and_two_reduce_scatters_per_layer_each_way():
-    run_mpi(4, "tests.tensor_parallel.test_sequence_parallel:_worker_comm_counts", 4, timeout=120)
-    run_mpi(2, "tests.tensor_parallel.test_sequence_parallel:_worker_comm_counts", 2, timeout=120)
+    FOUR_RANKS.check("comm_counts")
+    TWO_RANKS.check("comm_counts")
 
 
 # ---- replicated parameters on sequence shards: gradients summed over TP (Megatron #1446) -------
@@ -180,7 +179,7 @@ def _worker_replicated_grads_summed():
 
 
 def test_replicated_parameters_get_the_sum_over_tp_final_layernorm_included():
-    run_mpi(2, "tests.tensor_parallel.test_sequence_parallel:_worker_replicated_grads_summed", timeout=120)
+    TWO_RANKS.check("replicated_grads_summed")
 
 
 def _metrics(path):
@@ -208,7 +207,7 @@ def _worker_replicas_after_training(out):
 
 
 def test_layernorm_replicas_stay_bit_identical_through_training():
-    run_mpi(2, "tests.tensor_parallel.test_sequence_parallel:_worker_replicas_after_training", "", timeout=120)
+    TWO_RANKS.check("replicas_after_training")
 
 
 # ---- the command line --------------------------------------------------------------------------
@@ -258,7 +257,7 @@ def _worker_library_forward_checks():
 
 
 def test_a_training_forward_whose_sequence_does_not_split_is_refused():
-    run_mpi(2, "tests.tensor_parallel.test_sequence_parallel:_worker_library_forward_checks", timeout=60)
+    TWO_RANKS.check("library_forward_checks")
 
 
 # ---- generation and evaluation ------------------------------------------------------------------
@@ -288,7 +287,7 @@ def _worker_generation_without_sequence_parallelism():
 
 
 def test_generation_runs_without_sequence_parallelism():
-    run_mpi(2, "tests.tensor_parallel.test_sequence_parallel:_worker_generation_without_sequence_parallelism", timeout=120)
+    TWO_RANKS.check("generation_without_sequence_parallelism")
 
 
 # ---- activation memory ------------------------------------------------------------------------
@@ -316,4 +315,22 @@ def _worker_layernorm_dropout_residual_bytes(tp):
 
 
 def test_sequence_parallelism_divides_the_layernorm_and_dropout_stash_by_tp():
-    run_mpi(4, "tests.tensor_parallel.test_sequence_parallel:_worker_layernorm_dropout_residual_bytes", 4, timeout=120)
+    FOUR_RANKS.check("layernorm_dropout_residual_bytes")
+
+
+# The passing 4-rank and 2-rank tests above, each set in one launch (the ranks' start-up is most of
+# each one's time); each test checks its case.
+HERE = "tests.tensor_parallel.test_sequence_parallel"
+FOUR_RANKS = SharedLaunch(4, {
+    "gpt_stack": ("tests.tensor_parallel.test_layers:_worker_at_sizes", ["_worker_gpt_stack", [2, 4], SP_STACKS]),
+    "tp2_dp2_training_step": (f"{HERE}:_worker_tp2_dp2_training_step", []),
+    "comm_counts": (f"{HERE}:_worker_comm_counts", [4]),
+    "layernorm_dropout_residual_bytes": (f"{HERE}:_worker_layernorm_dropout_residual_bytes", [4]),
+}, timeout=780)
+TWO_RANKS = SharedLaunch(2, {
+    "comm_counts": (f"{HERE}:_worker_comm_counts", [2]),
+    "replicated_grads_summed": (f"{HERE}:_worker_replicated_grads_summed", []),
+    "replicas_after_training": (f"{HERE}:_worker_replicas_after_training", [""]),
+    "library_forward_checks": (f"{HERE}:_worker_library_forward_checks", []),
+    "generation_without_sequence_parallelism": (f"{HERE}:_worker_generation_without_sequence_parallelism", []),
+}, timeout=540)

@@ -20,7 +20,7 @@ from cutp.checkpoint import CheckpointError, export_full, load_model, read_meta,
 from cutp.hf import save_hf_gpt2
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, DistributedAdamW, DynamicLossScaler, FlatParameters, LossScaler
-from tests.mpirun import run_mpi
+from tests.mpirun import SharedLaunch, run_mpi
 
 TRAIN = "examples.train_gpt:main"
 BASE = ["--preset", "tiny", "--seq-len", "32", "--eval-every", "0", "--quiet", "--set", "n_layer=2"]
@@ -103,22 +103,37 @@ def _worker_distributed_matches_plain(meshes, batch, reference, overrides, bucke
                 np.testing.assert_allclose([getattr(s, key) for s in dist], ref[key], rtol=1e-10, err_msg=key)
 
 
-@pytest.mark.parametrize("ranks,meshes,batch,overrides,bucket", [
+DIST_CASES = [
     (2, [(1, 2)], 8, [], 0),
     # an odd DP size (Megatron #792): shards padded to 64 * 3 elements; buckets of 1000 elements,
     # 333 columns of the [3, shard] view per collective
     (3, [(1, 3)], 6, [], 1000),
     (4, [(2, 2), (1, 4)], 8, [], 0),
     (4, [(2, 2)], 8, ["n_kv_head=1"], 0),  # the KV head replicated over the TP pair: the norm's masks
-])
-def test_distributed_optimizer_gives_the_plain_optimizers_losses_and_weights(tmp_path, ranks, meshes, batch,
+]
+
+
+@pytest.mark.parametrize("ranks,meshes,batch,overrides,bucket", DIST_CASES)
+def test_distributed_optimizer_gives_the_plain_optimizers_losses_and_weights(request, ranks, meshes, batch,
                                                                               overrides, bucket):
-    reference = ""
-    if ranks == 4 and not overrides:  # (the one-rank reference is of the preset itself)
-        reference = str(tmp_path / "one_rank.json")
-        run_mpi(1, "tests.train.test_mixed_precision:_worker_one_rank_reference", batch, reference, timeout=120)
-    run_mpi(ranks, "tests.train.test_mixed_precision:_worker_distributed_matches_plain", meshes, batch, reference,
+    if ranks == 4:  # the 4-rank cases share a launch
+        request.getfixturevalue("four_rank_distributed").check(" ".join(overrides) or "preset")
+        return
+    run_mpi(ranks, "tests.train.test_mixed_precision:_worker_distributed_matches_plain", meshes, batch, "",
             overrides, bucket, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_rank_distributed(tmp_path_factory):
+    """The 4-rank cases above in one launch (SharedLaunch), the preset's against a one-rank
+    reference run first (the one-rank reference is of the preset itself)."""
+    reference = str(tmp_path_factory.mktemp("dist") / "one_rank.json")
+    (batch,) = {batch for ranks, _, batch, overrides, _ in DIST_CASES if ranks == 4 and not overrides}
+    run_mpi(1, "tests.train.test_mixed_precision:_worker_one_rank_reference", batch, reference, timeout=120)
+    return SharedLaunch(4, {
+        " ".join(overrides) or "preset": ("tests.train.test_mixed_precision:_worker_distributed_matches_plain",
+                                          [meshes, batch, "" if overrides else reference, overrides, bucket])
+        for ranks, meshes, batch, overrides, bucket in DIST_CASES if ranks == 4}, timeout=600)
 
 
 # ---- bfloat16: every layout within Megatron's tolerance of one rank ------------------------------
@@ -139,17 +154,53 @@ def test_bf16_losses_at_tp4_match_tp1_within_1e_2(tmp_path):
 
 
 # ---- checkpoints: bit-identical resume, another DP size, export precision -------------------------
-@pytest.mark.parametrize("dtype,n,mesh", [
+RESUME_CASES = [
     ("bfloat16", 2, ["--tp", "2"]),
     ("bfloat16", 2, ["--tp", "1", "--dp", "2", "--distributed-optimizer"]),
     ("float16", 2, ["--tp", "1", "--dp", "2", "--distributed-optimizer"]),
-])
-def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimizer(tmp_path, dtype, n, mesh):
-    args = BASE + ["--dtype", dtype, "--batch-size", "8", "--steps", "6"] + mesh
-    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
-    run_mpi(n, TRAIN, args + ["--save-every", "3", "--keep", "0", "--out", str(tmp_path / "run"),
-                              "--metrics", str(full)], timeout=180)
-    ckpt = tmp_path / "run" / "step-00000003"
+]
+
+
+def _resume_args(dtype, mesh):
+    return BASE + ["--dtype", dtype, "--batch-size", "8", "--steps", "6"] + mesh
+
+
+def _worker_resume_cases(d):
+    """Every case of RESUME_CASES (all on 2 ranks) in one launch, each in d/case<i>: 6 steps saving
+    at step 3, a copy of that checkpoint as saved (the resume writes beside it), then the resume
+    from it. A case that fails names itself."""
+    from mpi4py import MPI
+
+    from examples.train_gpt import main
+
+    for i, (dtype, n, mesh) in enumerate(RESUME_CASES):
+        assert n == MPI.COMM_WORLD.size
+        case, args = f"{d}/case{i}", _resume_args(dtype, mesh)
+        try:
+            main(args + ["--save-every", "3", "--keep", "0", "--out", f"{case}/run", "--metrics", f"{case}/full.jsonl"])
+            MPI.COMM_WORLD.Barrier()
+            if MPI.COMM_WORLD.rank == 0:
+                shutil.copytree(f"{case}/run/step-00000003", f"{case}/saved")
+            MPI.COMM_WORLD.Barrier()
+            main(args + ["--resume", f"{case}/run/step-00000003", "--metrics", f"{case}/part.jsonl"])
+        except BaseException as e:
+            raise RuntimeError(f"resume case {i} {dtype} {mesh} failed: {e}") from e
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("resume")
+    run_mpi(2, "tests.train.test_mixed_precision:_worker_resume_cases", str(d), timeout=300)
+    return d
+
+
+@pytest.mark.parametrize("case", range(len(RESUME_CASES)), ids=[
+    f"{dtype}-{n}-mesh{i}" for i, (dtype, n, _) in enumerate(RESUME_CASES)])
+def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimizer(resume_runs, tmp_path, case):
+    """The runs are _worker_resume_cases' (one launch for the three cases)."""
+    dtype, n, mesh = RESUME_CASES[case]
+    full, part = resume_runs / f"case{case}" / "full.jsonl", resume_runs / f"case{case}" / "part.jsonl"
+    ckpt = resume_runs / f"case{case}" / "saved"  # step-00000003 as saved
     meta = read_meta(str(ckpt))
     assert meta["config"]["dtype"] == dtype and meta["optimizer"]["master_weights"]
     model = load_file(str(ckpt / f"model-tp00-of-{meta['mesh']['tp']:02d}.safetensors"))
@@ -170,7 +221,6 @@ def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimiz
     assert not np.array_equal(master, w.astype(np.float32))  # and the masters keep more bits
     if dtype == "float16":
         assert meta["loss_scaler"]["kind"] == "dynamic" and meta["loss_scaler"]["scale"] == 2.0 ** 16
-    run_mpi(n, TRAIN, args + ["--resume", str(ckpt), "--metrics", str(part)], timeout=180)
     a, b = _metrics(full), _metrics(part)
     assert [r["step"] for r in b] == [4, 5, 6]
     for key in ("loss", "grad_norm"):

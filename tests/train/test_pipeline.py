@@ -16,7 +16,7 @@ from cutp.bench.model import random_tokens
 from cutp.models import GPT, GPTConfig, stage_layers
 from cutp.tensor_parallel import gather_full
 from cutp.train import RunConfig, build_run, train_step
-from tests.mpirun import run_mpi
+from tests.mpirun import SharedLaunch, run_mpi
 from tests.tp_utils import on_rank_0
 
 TRAIN = "examples.train_gpt:main"
@@ -79,8 +79,7 @@ def _worker_equals_one_rank(cases):
 
 
 def test_pp2_1f1b_and_gpipe_untied_equal_one_rank():
-    run_mpi(2, "tests.train.test_pipeline:_worker_equals_one_rank",
-            [dict(pp=2), dict(pp=2, schedule="gpipe", tie_embeddings=False, micro=1)], timeout=240)
+    TWO_RANKS.check("pp2")
 
 
 def test_uneven_stages_pp3():
@@ -89,10 +88,7 @@ def test_uneven_stages_pp3():
 
 
 def test_pp4_tp2_pp2_with_sequence_parallelism_and_dp2_pp2():
-    run_mpi(4, "tests.train.test_pipeline:_worker_equals_one_rank",
-            [dict(pp=4, micro=1),
-             dict(tp=2, pp=2, sp=True, recompute="full", micro=1),
-             dict(dp=2, pp=2, schedule="gpipe", recompute="selective", micro=1)], timeout=300)
+    FOUR_RANKS.check("pp4 tp2_pp2 dp2_pp2")
 
 
 def test_tp2_dp2_pp2_with_the_distributed_optimizer():
@@ -127,7 +123,7 @@ def _worker_whole_model_calls_refused():
 
 
 def test_a_stage_refuses_whole_model_calls():
-    run_mpi(2, "tests.train.test_pipeline:_worker_whole_model_calls_refused", timeout=60)
+    TWO_RANKS.check("whole_model_calls_refused")
 
 
 # ---- point to point, counted -------------------------------------------------------------------
@@ -149,7 +145,23 @@ def _worker_p2p_bytes():
 
 
 def test_each_stage_sends_one_activation_or_gradient_per_micro_batch_sp_sends_a_shard():
-    run_mpi(4, "tests.train.test_pipeline:_worker_p2p_bytes", timeout=120)
+    FOUR_RANKS.check("p2p_bytes")
+
+
+# The library tests above on 4 and on 2 ranks, each set in one launch (the ranks' start-up is a good
+# part of each one's time); each test checks its case.
+FOUR_RANKS = SharedLaunch(4, {
+    "pp4 tp2_pp2 dp2_pp2": ("tests.train.test_pipeline:_worker_equals_one_rank", [[
+        dict(pp=4, micro=1),
+        dict(tp=2, pp=2, sp=True, recompute="full", micro=1),
+        dict(dp=2, pp=2, schedule="gpipe", recompute="selective", micro=1)]]),
+    "p2p_bytes": ("tests.train.test_pipeline:_worker_p2p_bytes", []),
+}, timeout=420)
+TWO_RANKS = SharedLaunch(2, {
+    "pp2": ("tests.train.test_pipeline:_worker_equals_one_rank",
+            [[dict(pp=2), dict(pp=2, schedule="gpipe", tie_embeddings=False, micro=1)]]),
+    "whole_model_calls_refused": ("tests.train.test_pipeline:_worker_whole_model_calls_refused", []),
+}, timeout=300)
 
 
 # ---- the command line --------------------------------------------------------------------------
@@ -162,15 +174,15 @@ def test_cli_losses_with_pipeline_parallelism_equal_one_rank(tmp_path):
     base = ["--preset", "tiny", "--set", "n_layer=4", "--set", "n_kv_head=2", "--set", "vocab_size=259",
             "--dtype", "float64", "--seq-len", "32", "--batch-size", "8", "--dropout", "0.1", "--steps", "8",
             "--eval-every", "4", "--eval-batches", "1", "--quiet"]
-    rows = {}
-    for name, n, extra in (("tp1", 1, ["--tp", "1"]),
-                           ("pp2tp2", 4, ["--tp", "2", "--pp", "2", "--micro-batch-size", "2",
-                                          "--sequence-parallel"]),
-                           ("pp4", 4, ["--tp", "1", "--pp", "4", "--micro-batch-size", "1", "--pp-schedule",
-                                       "gpipe", "--pp-layers", "1,1,1,1"])):
-        m = tmp_path / f"{name}.jsonl"
-        run_mpi(n, TRAIN, base + ["--metrics", str(m)] + extra, timeout=300)
-        rows[name] = _metrics(m)
+    layouts = {"tp1": ["--tp", "1"],
+               "pp2tp2": ["--tp", "2", "--pp", "2", "--micro-batch-size", "2", "--sequence-parallel"],
+               "pp4": ["--tp", "1", "--pp", "4", "--micro-batch-size", "1", "--pp-schedule", "gpipe",
+                       "--pp-layers", "1,1,1,1"]}
+    argv = {name: base + ["--metrics", str(tmp_path / f"{name}.jsonl")] + extra for name, extra in layouts.items()}
+    run_mpi(1, TRAIN, argv["tp1"], timeout=300)
+    run_mpi(4, "tests.acceptance.test_mixed_precision:_worker_two_mains", str(tmp_path / "h.json"),
+            [(name, argv[name]) for name in ("pp2tp2", "pp4")], timeout=600)  # the 4-rank runs in one launch
+    rows = {name: _metrics(tmp_path / f"{name}.jsonl") for name in layouts}
     ref = [r["loss"] for r in rows["tp1"]]
     ref_val = [r["val_loss"] for r in rows["tp1"] if "val_loss" in r]
     assert len(ref) == 8 and len(ref_val) == 2
