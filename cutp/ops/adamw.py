@@ -42,18 +42,15 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
     dt = m.dtype.type
 
     # Each block makes one pass after another over block-sized arrays that stay in cache, in the
-    # order of the formula above (each NumPy pass rounds once, so the order is the bits). The
-    # gradient is read in place when it needs no cast or scale (no copy of it), and one scratch
-    # array t per block carries (1 - beta1) g, then (1 - beta2) g^2, then the update.
-    same_g = g.dtype == m.dtype and grad_scale == 1.0
-
+    # order of the formula above (each NumPy pass rounds once, so the order is the bits): g (its
+    # copy, or its scaled copy in one pass) and one scratch array t carrying (1 - beta1) g, then
+    # (1 - beta2) g^2, then the update. (Two block-sized arrays whatever grad_scale is: the
+    # planner books the step's memory from the shapes, never from values.)
     def block(s):
-        if same_g:
-            gb = g[s]  # read only
+        if grad_scale != 1.0:
+            gb = xp.multiply(g[s], dt(grad_scale), dtype=m.dtype)
         else:
             gb = g[s].astype(m.dtype, copy=True)
-            if grad_scale != 1.0:
-                gb *= dt(grad_scale)
         mb, vb, pb = m[s], v[s], p[s]
         t = xp.multiply(gb, dt(1.0 - beta1))
         mb *= dt(beta1)

@@ -84,6 +84,22 @@ def row_blocks(xp, n_rows: int, width: int):
     return [slice(r, min(r + rb, n_rows)) for r in range(0, n_rows, rb)]
 
 
+def even_row_blocks(xp, n_rows: int, width: int):
+    """:func:`row_blocks`' count of blocks made even (when there are rows for it) and the rows
+    shared out equally, for ops whose results do not depend on the split (each row or element
+    computed alone, no sum across blocks): the pool's threads then get equal work. (row_blocks'
+    own split stays as it is where blocks' partial sums are added, to keep their bits: e.g. 3
+    blocks of [16, 24576] q/k heads gave two threads 10 and 6 rows; 4 blocks of 1024 x 768 rows
+    341, 341, 341 and 1.)"""
+    n = len(row_blocks(xp, n_rows, width))
+    if n < 2:
+        return [slice(0, n_rows)]
+    n = min(n_rows, n + n % 2)
+    rb, extra = divmod(n_rows, n)
+    bounds = [i * rb + min(i, extra) for i in range(n + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
 # Elementwise NumPy ops walk the flattened arrays in blocks of this many elements, so their
 # chains of in-place passes run in cache (measured ~25% faster than whole-array passes for
 # GeLU on 6M elements) and bfloat16 casts need only block-sized float32 temporaries.
