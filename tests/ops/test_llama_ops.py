@@ -356,6 +356,43 @@ def test_rotary_is_the_plain_rotation_and_its_gradient(rng, case, blocks):
     np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-13)
 
 
+@pytest.mark.parametrize("positions", ["[T]", "[B, T]"])
+def test_rotary_float32_is_the_pairwise_formula_to_the_bit(rng, blocks, positions):
+    """The host path computes x * cos + swap(x) * (signed, swapped sin) over tiled tables: each
+    element must be exactly the pairwise formula's two products and one sum (the bits the
+    fused kernel and the earlier code gave), forward (R) and backward (R^T), in place on a
+    fused QKV buffer as the attention layer calls it."""
+    B, T, H, hd = 3, 7, 5, 16
+    h = hd // 2
+    qkv = rng.standard_normal((B, T, H + 2, hd)).astype(np.float32)
+    pos = rng.integers(0, 40, (B, T)) if positions == "[B, T]" else np.arange(4, 4 + T)
+    cos, sin = rope_tables(hd, 40, 10000.0, LLAMA31, np.float32)
+    c, s = cos[pos], sin[pos]
+    c, s = (c[:, :, None] if c.ndim == 3 else c[None, :, None]), (s[:, :, None] if s.ndim == 3 else s[None, :, None])
+    x1, x2 = qkv[:, :, :H, :h], qkv[:, :, :H, h:]
+    c1, c2, s1, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+    want_fwd = np.concatenate([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], axis=-1)
+    want_bwd = np.concatenate([x1 * c1 + x2 * s2, x2 * c2 - x1 * s1], axis=-1)
+    heads = qkv.copy()[:, :, :H]  # a strided view, as the layer's q/k heads of its fused buffer
+    _, ctx = rotary_forward(heads, cos, sin, pos, out=heads)
+    assert np.array_equal(heads, want_fwd)
+    heads = qkv.copy()[:, :, :H]
+    rotary_backward(heads, ctx, out=heads)
+    assert np.array_equal(heads, want_bwd)
+
+
+def test_even_row_blocks_share_the_rows_equally_in_an_even_number_of_blocks():
+    for rows, width in ((16, 24576), (1024, 768), (4, 1 << 20), (3, 1 << 20), (2048, 128), (5, 10), (1, 1 << 22)):
+        blocks = _common.even_row_blocks(np, rows, width)
+        sizes = [b.stop - b.start for b in blocks]
+        assert blocks[0].start == 0 and blocks[-1].stop == rows and all(
+            a.stop == b.start for a, b in zip(blocks, blocks[1:])), (rows, width, blocks)
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1, (rows, width, sizes)
+        n = len(_common.row_blocks(np, rows, width))
+        assert len(blocks) == (1 if n == 1 else min(rows, n + n % 2)), (rows, width, sizes)
+    assert [b.stop - b.start for b in _common.even_row_blocks(np, 16, 24576)] == [4, 4, 4, 4]  # row_blocks: 6, 6, 4
+
+
 def test_rotary_scores_depend_only_on_the_distance_of_positions(rng):
     hd = 16
     cos, sin = rope_tables(hd, 200, 10000.0, None, np.float64)
