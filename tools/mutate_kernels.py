@@ -30,7 +30,7 @@ occurrence at a time:
               and bias gradients' sources only; outside a template on T, stillborn)
   halves      a rotary table's second half read as its first (``cr + hh + e0`` -> ``cr + e0``,
               ``c2[k]`` <-> ``c1[k]``, ``s2[k]`` <-> ``s1[k]``)
-  fastmath    ``expf(`` -> ``__expf(`` (a fast-math intrinsic; the float32 activations only)
+  fastmath    ``expf(`` -> ``__expf(`` (a fast-math intrinsic; the float32 activations, softmax, cross-entropy)
   vecwidth    a bf16 kernel's 128-bit pack sized as float32's: ``% P == 0`` -> ``% 4 == 0``,
               ``(n + P - 1) / P`` -> ``(n + 3) / 4``, ``count >= N`` -> ``count >= 4``
   skiptile    a tile skip ``if (...) continue;`` made empty: the tile is visited and masked
