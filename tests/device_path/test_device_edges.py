@@ -7,17 +7,23 @@
 - `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
   library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
   device array for the host;
+- `cutp bench kernels --device cuda` (every op, float32 and bfloat16, tiny shapes): each CUDA
+  kernel variant agrees with its CuPy reference, and the GPU timing path (events, the copy
+  bandwidth) runs;
 - `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
   abort, a host array refused, and a unique id whose making failed on the first rank reported on
   every rank.
 """
+import json
+import os
+import subprocess
 import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.device_path.harness import ON_GPU, run_device
+from tests.device_path.harness import ON_GPU, ROOT, device_env, run_device
 from tests.device_path.standin import build
 
 pytestmark = [pytest.mark.device_path]
@@ -146,3 +152,20 @@ def _worker_nccl():
 def test_nccl_broadcast_send_recv_barrier_and_failures():
     proc = run_device(2, "tests.device_path.test_device_edges:_worker_nccl", timeout=120)
     assert proc.stdout.count("nccl edges ok") == 2, proc.stdout[-2000:]
+
+
+@pytest.mark.usefixtures("emulated_kernels")
+def test_kernel_benchmarks_check_every_variant_on_the_device_path(tmp_path):
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run([sys.executable, "-m", "cutp", "bench", "kernels", "--device", "cuda", "--size", "tiny",
+                           "--repeat", "1", "--warmup", "0", "--budget", "0", "--copy-mib", "1",
+                           "--dtypes", "float32", "bfloat16", "--json", str(out), "--quiet"],
+                          env=dict(os.environ, **device_env()), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = [r for name in ("kernels", "attention") for r in report["tables"][name]["rows"]]
+    variants = [r for r in rows if r["impl"] == "cuda_kernels"]
+    assert len({r["op"] for r in variants}) >= 15, sorted({r["op"] for r in rows})  # every op has its kernel
+    bad = [(r["op"], r["dtype"], r["shape"], r["check"]) for r in rows if not r["check"].startswith(("ok", "ref"))]
+    assert not bad, bad
+    assert report["copy"]["gbs"] > 0
