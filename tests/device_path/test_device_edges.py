@@ -7,6 +7,8 @@
 - `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
   library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
   device array for the host;
+- `python -m cutp info` with CuPy present (the CUDA runtime and driver versions, the devices,
+  NCCL);
 - `cutp bench kernels --device cuda` (every op, float32 and bfloat16, tiny shapes): each CUDA
   kernel variant agrees with its CuPy reference, and the GPU timing path (events, the copy
   bandwidth) runs;
@@ -117,6 +119,18 @@ def test_backend_with_cupy_present(cp):
     moved = as_array(cp, _Exporter(host, device="cpu"), np.float32)  # host DLPack: through NumPy, then copied
     assert type(moved).__name__ == "ndarray" and type(moved).__module__ == "cupy" and moved.get().tolist() == [0, 1, 2, 3]
     assert as_array(np, dev).tolist() == [[0, 1, 2], [3, 4, 5]]  # (for the host: a device-to-host copy)
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="the stand-in's devices")
+def test_cutp_info_with_cupy_present():
+    """`python -m cutp info` with the stand-in as CuPy: versions, devices, NCCL, backend usable."""
+    proc = subprocess.run([sys.executable, "-m", "cutp", "info"], env=dict(os.environ, **device_env()), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = dict(line.strip().split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert info["backend cuda"] == "usable (CuPy + NCCL)" and info["NCCL"] == "NCCL 2.27.3", info
+    assert info["CUDA runtime"] == "12.4" and info["GPU 0"].endswith("80.0 GiB, sm_90"), info
 
 
 def _worker_nccl():
