@@ -4,6 +4,7 @@
   k == 0, with and without accumulate), a 16-bit gradient buffer accumulated through an unfused
   product, an `out` cuBLAS cannot write, the 32-bit dimension limit, `column_sums` into a buffer
   that is not float32;
+- CuPy present without a usable GPU (`cupy_status`), NVRTC without the tensor-core header;
 - `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
   library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
   device array for the host;
@@ -131,6 +132,28 @@ def test_cutp_info_with_cupy_present():
     info = dict(line.strip().split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
     assert info["backend cuda"] == "usable (CuPy + NCCL)" and info["NCCL"] == "NCCL 2.27.3", info
     assert info["CUDA runtime"] == "12.4" and info["GPU 0"].endswith("80.0 GiB, sm_90"), info
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_cupy_without_a_usable_gpu_and_nvrtc_without_its_headers(cp, monkeypatch, tmp_path):
+    """CuPy importing where the CUDA runtime fails or sees no GPU: cupy_status says which, and
+    NVRTC's tensor-core header missing: the error names the wheels to install."""
+    from cutp.kernels.runtime import KernelLoadError, find_mma_include
+    from cutp.runtime.backend import cupy_status
+
+    def broken():
+        raise RuntimeError("cudaErrorNoDevice")
+
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", broken)
+    assert cupy_status() == (False, "cupy imports but the CUDA runtime sees no usable GPU (RuntimeError: "
+                                    "cudaErrorNoDevice)")
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 0)
+    assert cupy_status() == (False, "cupy imports but the CUDA runtime reports 0 GPUs")
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # (no NVIDIA wheel installed)
+    with pytest.raises(KernelLoadError, match="need crt/mma.h for NVRTC.*nvidia-cuda-nvcc-cu12.*Searched: " +
+                       str(tmp_path)):
+        find_mma_include(str(tmp_path), candidates=[], environ={})
 
 
 def _worker_nccl():
