@@ -17,12 +17,11 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (file, function): why only a real GPU runs it. (Session 11: cupy_status's no-GPU answers,
-# find_mma_include's error and gpu_info now run on the stand-in, tests/device_path/test_device_edges.py.)
-GPU_ONLY = {
-    ("kernels/runtime.py", "cupy_module_loader"): "NVRTC's version unreadable (a broken CUDA install) before the "
-                                                  "first compile; the rest of it runs on the stand-in",
-}
+# (file, function): why only a real GPU runs it. Empty since session 11: every function that was
+# here (cupy_status's no-GPU answers, find_mma_include's error, gpu_info, cupy_module_loader) now
+# runs in the suite or on the stand-in (tests/device_path/test_device_edges.py); what only a real
+# GPU can settle is behaviour, not lines (docs/device-path.md, "Not done yet").
+GPU_ONLY: dict[tuple[str, str], str] = {}
 
 
 def _functions(path: str) -> list[tuple[int, int, str]]:
