@@ -86,12 +86,12 @@ import numpy as np
 from .. import ops
 from ..ops.common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
+from . import moe_stats
 from .context_parallel import zigzag_positions
 from .declare import below, build_parameters
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
 from .moe_experts import ExpertMLP, moe_parameters
 from .moe_grouped import GroupedExperts
-from . import moe_stats
 from .moe_seq_aux import seq_balance, seq_balance_grad
 from .parameter import Module
 from .validation import check_routing

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.backend import to_numpy
 from ..ops.common import compute_dtype
+from ..runtime.backend import to_numpy
 
 
 def losses(layer, host, n_all: float, f_host, seq_T) -> dict:
@@ -57,8 +57,8 @@ def read_pending(layers) -> None:
     for layer in layers:
         layer.pending = ()
     for layer, (stats, n_all, f_host, seq_T, counted) in pending:
-        size = stats.shape[0]
-        settle(layer, host[at:at + size], n_all, f_host, seq_T, counted)
+        size = stats.shape[0]  # (its own dtype again: the figures a read of it alone gives)
+        settle(layer, host[at:at + size].astype(stats.dtype), n_all, f_host, seq_T, counted)
         at += size
 
 

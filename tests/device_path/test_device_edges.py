@@ -4,20 +4,29 @@
   k == 0, with and without accumulate), a 16-bit gradient buffer accumulated through an unfused
   product, an `out` cuBLAS cannot write, the 32-bit dimension limit, `column_sums` into a buffer
   that is not float32;
+- CuPy present without a usable GPU (`cupy_status`), NVRTC without the tensor-core header;
 - `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
   library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
   device array for the host;
+- `python -m cutp info` with CuPy present (the CUDA runtime and driver versions, the devices,
+  NCCL);
+- `cutp bench kernels --device cuda` (every op, float32 and bfloat16, tiny shapes): each CUDA
+  kernel variant agrees with its CuPy reference, and the GPU timing path (events, the copy
+  bandwidth) runs;
 - `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
   abort, a host array refused, and a unique id whose making failed on the first rank reported on
   every rank.
 """
+import json
+import os
+import subprocess
 import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from tests.device_path.harness import ON_GPU, run_device
+from tests.device_path.harness import ON_GPU, ROOT, device_env, run_device
 from tests.device_path.standin import build
 
 pytestmark = [pytest.mark.device_path]
@@ -113,6 +122,40 @@ def test_backend_with_cupy_present(cp):
     assert as_array(np, dev).tolist() == [[0, 1, 2], [3, 4, 5]]  # (for the host: a device-to-host copy)
 
 
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="the stand-in's devices")
+def test_cutp_info_with_cupy_present():
+    """`python -m cutp info` with the stand-in as CuPy: versions, devices, NCCL, backend usable."""
+    proc = subprocess.run([sys.executable, "-m", "cutp", "info"], env=dict(os.environ, **device_env()), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = dict(line.strip().split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert info["backend cuda"] == "usable (CuPy + NCCL)" and info["NCCL"] == "NCCL 2.27.3", info
+    assert info["CUDA runtime"] == "12.4" and info["GPU 0"].endswith("80.0 GiB, sm_90"), info
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_cupy_without_a_usable_gpu_and_nvrtc_without_its_headers(cp, monkeypatch, tmp_path):
+    """CuPy importing where the CUDA runtime fails or sees no GPU: cupy_status says which, and
+    NVRTC's tensor-core header missing: the error names the wheels to install."""
+    from cutp.kernels.runtime import KernelLoadError, find_mma_include
+    from cutp.runtime.backend import cupy_status
+
+    def broken():
+        raise RuntimeError("cudaErrorNoDevice")
+
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", broken)
+    assert cupy_status() == (False, "cupy imports but the CUDA runtime sees no usable GPU (RuntimeError: "
+                                    "cudaErrorNoDevice)")
+    monkeypatch.setattr(cp.cuda.runtime, "getDeviceCount", lambda: 0)
+    assert cupy_status() == (False, "cupy imports but the CUDA runtime reports 0 GPUs")
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # (no NVIDIA wheel installed)
+    with pytest.raises(KernelLoadError, match="need crt/mma.h for NVRTC.*nvidia-cuda-nvcc-cu12.*Searched: " +
+                       str(tmp_path)):
+        find_mma_include(str(tmp_path), candidates=[], environ={})
+
+
 def _worker_nccl():
     import cupy
     from mpi4py import MPI
@@ -146,3 +189,20 @@ def _worker_nccl():
 def test_nccl_broadcast_send_recv_barrier_and_failures():
     proc = run_device(2, "tests.device_path.test_device_edges:_worker_nccl", timeout=120)
     assert proc.stdout.count("nccl edges ok") == 2, proc.stdout[-2000:]
+
+
+@pytest.mark.usefixtures("emulated_kernels")
+def test_kernel_benchmarks_check_every_variant_on_the_device_path(tmp_path):
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run([sys.executable, "-m", "cutp", "bench", "kernels", "--device", "cuda", "--size", "tiny",
+                           "--repeat", "1", "--warmup", "0", "--budget", "0", "--copy-mib", "1",
+                           "--dtypes", "float32", "bfloat16", "--json", str(out), "--quiet"],
+                          env=dict(os.environ, **device_env()), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = [r for name in ("kernels", "attention") for r in report["tables"][name]["rows"]]
+    variants = [r for r in rows if r["impl"] == "cuda_kernels"]
+    assert len({r["op"] for r in variants}) >= 15, sorted({r["op"] for r in rows})  # every op has its kernel
+    bad = [(r["op"], r["dtype"], r["shape"], r["check"]) for r in rows if not r["check"].startswith(("ok", "ref"))]
+    assert not bad, bad
+    assert report["copy"]["gbs"] > 0
