@@ -22,6 +22,26 @@ from tests.cuda_emu.test_emulator import kernel_entry_points
 
 from .helpers import ADAMW_KW, BF16, DTYPES, F32, randn
 
+# Every entry point of kernels/*.cu, by name (tests/cuda_emu/test_emulator.py's coverage check reads them
+# here), and a test that each one is really launched by its host launcher.
+ALL_KERNELS = [
+    "gelu_forward_f32", "gelu_forward_bf16", "gelu_backward_f32", "gelu_backward_bf16",
+    "bias_gelu_forward_f32", "bias_gelu_forward_bf16", "bias_gelu_backward_f32", "bias_gelu_backward_bf16",
+    "column_sum_f32", "column_sum_bf16",
+    "softmax_forward_f32", "softmax_forward_bf16", "softmax_backward_f32", "softmax_backward_bf16",
+    "layernorm_forward_f32", "layernorm_forward_bf16", "layernorm_backward_f32", "layernorm_backward_bf16",
+    "ce_shard_forward_f32", "ce_shard_forward_bf16",
+    "ce_shard_backward_f32", "ce_shard_backward_bf16",
+    "adamw_update_f32", "adamw_update_bf16",
+    "dropout_mask_bool", "dropout_forward_f32", "dropout_forward_bf16", "dropout_apply_f32", "dropout_apply_bf16",
+    "rmsnorm_forward_f32", "rmsnorm_forward_bf16", "residual_rmsnorm_forward_f32", "residual_rmsnorm_forward_bf16",
+    "rmsnorm_backward_f32", "rmsnorm_backward_bf16",
+    "swiglu_forward_f32", "swiglu_forward_bf16", "swiglu_backward_f32", "swiglu_backward_bf16",
+    "rotary_f32", "rotary_bf16",
+] + [f"attention_{kernel}_{dt}_d{d}" for kernel in ("forward", "backward_rowdot", "backward_dq", "backward_dkdv")
+     for dt in ("f32", "bf16") for d in (64, 128)] + [
+    f"attention_{kernel}_{dt}_d192v128" for kernel in ("forward", "backward_dq", "backward_dkdv") for dt in ("f32", "bf16")]
+
 
 # ================================================================================================
 # Argument checks: a clear error, never a silent wrong answer
@@ -146,11 +166,10 @@ def test_layernorm_backward_at_6144_columns_needs_the_opt_in(emulated_module):
 # Every kernel, launched; launch shapes within bounds
 # ================================================================================================
 def test_every_kernel_is_launched_by_its_launcher(backend, k):
-    """Every entry point the sources define (read from kernels/*.cu, no list to keep) is launched
-    by one of the host launchers called here."""
     backend.require_bf16()
     xp = backend.xp
     defined = {n for s in SOURCES for n in kernel_entry_points(KERNELS_DIR / f"{s}.cu")}
+    assert set(ALL_KERNELS) == defined
     for dtype in DTYPES:
         x = backend.to_device(randn((3, 40), dtype, seed=40))
         targets = xp.asarray(np.array([1, -1, 38]))
