@@ -29,7 +29,7 @@ from cutp.ops import attention_tiles as tiles
 
 from .helpers import BF16, DT_IDS, DTYPES, F32, gpu_sized, randn
 from .test_attention import TOL, fused_attention, normwise_error  # noqa: F401 (a fixture)
-from .test_attention_mask import docs_from_starts, reference, reference_mask
+from .test_attention_mask import docs_from_starts, reference, reference_mask, run_kernels
 
 f64 = np.float64
 
@@ -60,13 +60,8 @@ def run_case(kern, backend, name, dtype, D=192, DV=128):
     B, Hkv, G, Tq, Tk = shape
     q, k_, v, do = mla_inputs(*shape, D, DV, dtype, seed=Tq + Tk)
     scale = 1.0 / np.sqrt(D)
-    dev = [backend.to_device(a) for a in (q, k_, v, do)]
-    kw = dict(mask_kw)
-    if "documents" in kw:
-        kw["documents"] = tuple(backend.to_device(np.ascontiguousarray(d, np.int32)) for d in kw["documents"])
-    o, lse = kern.attention_forward(*dev[:3], scale, *drop, **kw)
+    o, lse, grads = run_kernels(kern, backend, q, k_, v, do, scale, mask_kw, drop)
     assert o.shape == (B, Hkv, G, Tq, DV)
-    grads = kern.attention_backward(dev[3], *dev[:3], o, lse, scale, None, *drop, **kw)
     mask = reference_mask(B, Tq, Tk, window=mask_kw.get("window"), documents=mask_kw.get("documents"))
     o_ref, lse_ref, grads_ref = reference(q, k_, v, do, scale, mask, mask_kw.get("softcap"), drop)
     assert normwise_error(backend.host(o), o_ref) <= TOL[dtype], "o"

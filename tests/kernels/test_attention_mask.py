@@ -141,18 +141,24 @@ CASES = {  # name: ((B, Hkv, G, Tq, Tk, D), mask keywords, dropout)
 BF16_CASES = ("window37-T70-gqa", "documents-T130", "window30-dropout-kvcache-20x129", "softcap-T70-d128")
 
 
+def run_kernels(kern, backend, q, k, v, do, scale, mask_kw, drop):
+    """The fused kernels' (o, lse, (dq, dk, dv)) on the device for host inputs and a case's mask
+    keywords (its document ids moved to the device too)."""
+    dev = [backend.to_device(a) for a in (q, k, v, do)]
+    kw = dict(mask_kw)
+    if "documents" in kw:
+        kw["documents"] = tuple(backend.to_device(np.ascontiguousarray(d, np.int32)) for d in kw["documents"])
+    o, lse = kern.attention_forward(*dev[:3], scale, *drop, **kw)
+    return o, lse, kern.attention_backward(dev[3], *dev[:3], o, lse, scale, None, *drop, **kw)
+
+
 def run_case(kern, backend, name, dtype, inputs=None, ref_inputs=None):
     """The kernels' (o, lse, grads) of case `name` and the reference's, checked."""
     shape, mask_kw, drop = CASES[name]
     B, Hkv, G, Tq, Tk, D = shape
     q, k_, v, do = inputs if inputs is not None else attention_inputs(*shape, dtype, seed=Tq + Tk + D)
     scale = 1.0 / np.sqrt(D)
-    dev = [backend.to_device(a) for a in (q, k_, v, do)]
-    kw = dict(mask_kw)
-    if "documents" in kw:
-        kw["documents"] = tuple(backend.to_device(np.ascontiguousarray(d, np.int32)) for d in kw["documents"])
-    o, lse = kern.attention_forward(*dev[:3], scale, *drop, **kw)
-    grads = kern.attention_backward(dev[3], *dev[:3], o, lse, scale, None, *drop, **kw)
+    o, lse, grads = run_kernels(kern, backend, q, k_, v, do, scale, mask_kw, drop)
     rq, rk, rv, rdo = ref_inputs if ref_inputs is not None else (q, k_, v, do)
     mask = reference_mask(B, Tq, Tk, mask_kw.get("q_first"), mask_kw.get("k_first"), mask_kw.get("window"),
                           mask_kw.get("documents"))
