@@ -428,6 +428,45 @@ def _transformers_worker(root, families):
             run.close()
 
 
+def _init_compositions_worker(out):
+    """zero 3 `init_from` a Hugging Face directory (cutp-written, float64) at pp2 x dp2 (1F1B, the
+    tied embedding read on both ends), dp4 x ep2 (Mixtral-shaped: each EP rank's experts by their
+    global names), tp2 x dp2 with LoRA (the frozen base read deferred) and dp4 in 2 HSDP replicas:
+    the loaded weights bit-identical to the whole-load path's (zero 1; zero 2 for HSDP), and two
+    steps' losses within 1e-10."""
+    from mpi4py import MPI
+
+    from cutp.hf import save_hf
+
+    world = MPI.COMM_WORLD
+    data = random_tokens(61, 4096, 0)
+    moe = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=40, moe_renormalize=True)
+    for k, (model, layout) in enumerate(((GPT2, dict(pp=2, dp=2)), (moe, dict(dp=4, ep=2)),
+                                         (LLAMA, dict(tp=2, dp=2, **LORA)), (GPT2, dict(dp=4, dp_replicate=2)))):
+        path = f"{out}/hf-{k}"
+        if world.rank == 0:
+            run = build_run(_config(model, 2), MPI.COMM_SELF, dataset=data)
+            save_hf(run.model, path)
+            run.close()
+        world.Barrier()
+        got = []
+        for zero in (3, 2 if "dp_replicate" in layout else 1):
+            run = build_run(_config(model, 2, zero=zero, init_from=path, **layout), world, dataset=data)
+            run.gather_params()
+            weights = {p.name: np.asarray(gather_full(run.ctx.tp, p.data, p.sharding)).copy()
+                       for p in run.model.parameters()}
+            got.append((weights, [train_step(run).loss for _ in range(2)]))
+            run.close()
+        (w3, l3), (w, losses) = got
+        assert set(w3) == set(w) and all(np.array_equal(w3[n], w[n]) for n in w), layout
+        np.testing.assert_allclose(l3, losses, rtol=1e-10, atol=0, err_msg=str(layout))
+
+
+@pytest.mark.zero_full
+def test_zero_3_init_from_in_every_composition(tmp_path):
+    run_mpi(4, "tests.optim.test_zero:_init_compositions_worker", str(tmp_path), timeout=300)
+
+
 def test_zero_3_init_from_a_transformers_directory_reads_each_shard(tmp_path):
     """`init_from` at zero 3 of directories transformers saved (Llama; Qwen2: tied, q/k/v biases;
     Mixtral: experts), read parameter by parameter through the families' recipes, equal to the
