@@ -57,6 +57,15 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     # HSDP at ep 2: the experts summed across the replicas apart from the dense parameters
     (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3, dp_replicate=2,
                                                                 recompute="full")),
+    # each stage at each of the issue's layouts (the rows above leave these out)
+    (GPT2, 2, dict(dp=2, zero=2, recompute="full")),
+    (LLAMA, 2, dict(tp=2, dp=2, zero=3)),
+    (GPT2, 2, dict(tp=2, dp=2, zero=2)),
+    (GPT2, 2, dict(cp=2, dp=2, zero=2, recompute="full")),
+    (LLAMA, 4, dict(pp=2, dp=2, zero=2, pp_virtual=2, pp_schedule="interleaved", micro_batch_size=1)),
+    (LLAMA, 2, dict(dp=4, zero=2, dp_replicate=2, recompute="full")),
+    (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=2)),
+    (LLAMA, 2, dict(pp=2, dp=2, zero=3, recompute="full")),
 ]
 BITS = {1, 4, 11}  # also run with OVERLAP: the same bits
 DEFAULT = (4, 6, 14)  # what `make test` runs (all: -m zero_full); 14's HSDP runs the dense path of 7 too
