@@ -39,19 +39,20 @@ distributed optimizer. Only safetensors and JSON are read: loading never execute
 `python -m cutp.checkpoint export SRC DST [--dtype D]` writes a single-shard (TP=1, PP=1) copy of a
 checkpoint, its parameters in the precision asked for (from the fp32 master weights when saved).
 
-The package: `save` (save_checkpoint), `load` (load_checkpoint, load_model, read_shard),
+The package: `save` (save_checkpoint), `load` (load_checkpoint, load_model, read_shard; load_weights:
+a run's `init_from`, read per parameter into ZeRO-3's deferred parameters),
 `export` (export_full and the command line), `files` (names, checksums, meta.json and the checks
 of every field), `run_dir` (listing, `latest`, pruning, the lock), `experts` (expert-parallel
 shards gathered for a save).
 """
 from .export import export_full, main
 from .files import CheckpointError, is_cutp_checkpoint, read_meta, sha256_file, verify_file
-from .load import (ARCH_FIELDS, check_config_matches, load_checkpoint, load_model, read_shard,
+from .load import (ARCH_FIELDS, check_config_matches, load_checkpoint, load_model, load_weights, read_shard,
                    verify_checkpoint)
 from .run_dir import list_checkpoints, lock_run_dir, prepare_run_dir, prune_checkpoints, resolve_checkpoint
 from .save import checkpoint_name, save_checkpoint
 
 __all__ = ["ARCH_FIELDS", "CheckpointError", "check_config_matches", "checkpoint_name", "export_full",
-           "is_cutp_checkpoint", "list_checkpoints", "load_checkpoint", "load_model", "lock_run_dir", "main",
+           "is_cutp_checkpoint", "list_checkpoints", "load_checkpoint", "load_model", "load_weights", "lock_run_dir", "main",
            "prepare_run_dir", "prune_checkpoints", "read_meta", "read_shard", "resolve_checkpoint",
            "save_checkpoint", "sha256_file", "verify_checkpoint", "verify_file"]

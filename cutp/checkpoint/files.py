@@ -128,11 +128,21 @@ def open_regular(path: str, max_bytes: int | None = None):
 
 
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
     with open_regular(path) as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return _sha256_of(f)
+
+
+def _sha256_of(f, chunk: int = 1 << 16) -> str:
+    """The sha256 of a binary file object's rest, read into one reused buffer of `chunk` bytes (so
+    verifying a checkpoint holds 64 KiB, not a 4 MiB read each time: a ZeRO-3 load's peak stays
+    near the one parameter it reads)."""
+    h, buf = hashlib.sha256(), bytearray(chunk)
+    view = memoryview(buf)
+    while True:
+        n = f.readinto(buf)
+        if not n:
+            return h.hexdigest()
+        h.update(view[:n])
 
 
 def fsync_dir(path):
@@ -144,9 +154,61 @@ def fsync_dir(path):
 
 
 def write_safetensors(path, tensors: dict, metadata=None):
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, path, metadata=metadata)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    """The file `safetensors.numpy.save_file` writes, fsynced, its metadata's keys in the order
+    given (save_file writes them in hash order, so two saves of the same state differed in their
+    bytes): through StreamedSafetensors, but for tensors of other dtypes or no metadata."""
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if metadata is None or any(str(v.dtype) not in TENSOR_DTYPES for v in tensors.values()):
+        save_file(tensors, path, metadata=metadata)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        return
+    writer = StreamedSafetensors(path, {k: (v.shape, str(v.dtype)) for k, v in tensors.items()}, metadata)
+    for k, v in tensors.items():
+        writer.put(k, v)
+    writer.close()
+
+
+_ALIGNMENT = {"F64": 3, "F32": 2, "BF16": 1, "F16": 0}  # (safetensors writes the larger dtypes first)
+
+
+class StreamedSafetensors:
+    """A safetensors file written a tensor at a time, in any order (`put`), each at its place:
+    the bytes `safetensors.numpy.save_file` writes for the same tensors (its header: tensors by
+    dtype, larger first, then by name; compact JSON padded with spaces to 8 bytes)."""
+
+    def __init__(self, path: str, entries: dict, metadata: dict):
+        """entries: {name: (shape, numpy dtype name)}."""
+        order = sorted(entries, key=lambda k: (-_ALIGNMENT[TENSOR_DTYPES[entries[k][1]][0]], k))
+        header, self.where, at = {"__metadata__": metadata}, {}, 0
+        for k in order:
+            shape, dtype = entries[k]
+            code, size = TENSOR_DTYPES[dtype]
+            n = int(np.prod(shape, dtype=np.int64)) * size
+            header[k] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [at, at + n]}
+            self.where[k] = (at, n, dtype)
+            at += n
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        self.start, self.left = 8 + len(text), set(order)
+        self.f = open(path, "wb")
+        self.f.write(len(text).to_bytes(8, "little") + text)
+
+    def put(self, name: str, array) -> None:
+        at, n, dtype = self.where[name]
+        data = np.ascontiguousarray(array)
+        if str(data.dtype) != dtype or data.nbytes != n:
+            raise ValueError(f"{name}: {data.dtype} of {data.nbytes} bytes, the header says {dtype} of {n}")
+        self.f.seek(self.start + at)
+        self.f.write(data.tobytes())
+        self.left.discard(name)
+
+    def close(self) -> None:
+        if self.left:
+            raise ValueError(f"tensors never written: {sorted(self.left)[:3]}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
 
 
 def write_json_atomic(path, obj):
@@ -487,11 +549,9 @@ def verify_file(ckpt: str, meta: dict, fname: str) -> str | None:
         size = os.fstat(f.fileno()).st_size
         if size != info["bytes"]:
             return f"{path} is truncated or has the wrong size: {size} bytes, meta.json says {info['bytes']}"
-        h = hashlib.sha256()
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-        if h.hexdigest() != info["sha256"]:
-            return (f"{path} is corrupted: sha256 {h.hexdigest()[:16]}... differs from meta.json's "
+        digest = _sha256_of(f)
+        if digest != info["sha256"]:
+            return (f"{path} is corrupted: sha256 {digest[:16]}... differs from meta.json's "
                     f"{info['sha256'][:16]}...")
         try:
             problem = _header_problem(safetensors_header(f, size), meta, fname)

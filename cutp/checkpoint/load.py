@@ -2,6 +2,7 @@
 it needs is verified on every rank; reading one TP rank's shards whole."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -9,7 +10,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ..models import GPT, GPTConfig
-from ..models.hf import load_hf_into
+from ..models.hf import hf_shards, load_hf_into
 from ..runtime.errors import ConfigError
 from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
 from ..tensor_parallel.lora import set_up_trainable
@@ -125,12 +126,12 @@ def loaded_parameters(model, meta: dict) -> list:
     return model.parameters()
 
 
-def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> dict:
-    """Collective over the model's context. Loads parameters (and optimizer state) into the
-    model, resharding when the checkpoint's TP size differs. Returns the metadata."""
+def _checked(ckpt: str, model, optimizer, check_config: bool):
+    """(path, meta, the parameters loaded, whether this rank's shards are read as saved, whether the
+    weights are the saved float32 masters): the metadata and every file this rank reads verified,
+    agreed on every rank (CheckpointError everywhere, nothing loaded). Collective."""
     ctx = model.ctx
-    world = ctx.world.mpi_comm
-    error, meta = None, None
+    error, out = None, None
     try:
         ckpt = resolve_checkpoint(ckpt)
         meta = read_meta(ckpt)
@@ -157,11 +158,58 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
         problems = unlisted_files(ckpt, meta) + [m for m in (verify_file(ckpt, meta, f) for f in needed) if m]
         if problems:
             raise CheckpointError("; ".join(problems) + " -- nothing was loaded")
+        out = ckpt, meta, params, direct, masters_as_weights
     except (CheckpointError, ConfigError) as e:
         error = f"{type(e).__name__}: {e}"
     except Exception as e:  # anything unexpected in the metadata: still a clear, agreed error
         error = f"CheckpointError: {ckpt}/meta.json cannot be used ({type(e).__name__}: {e}) -- nothing was loaded"
-    agree_on_error(world, error, CheckpointError, what="the checkpoint load agreement")
+    agree_on_error(ctx.world.mpi_comm, error, CheckpointError, what="the checkpoint load agreement")
+    return out
+
+
+def _fetcher(ckpt: str, meta: dict, direct: bool, tp_rank: int, kinds=("model", "optim")):
+    """fetch(kind, key, name, p): this TP rank's shard of tensor `key` (of parameter `name`, the
+    model's `p`), read from the files of `kind`: as saved, or put together whole and cut again."""
+    readers = {kind: ShardReader(ckpt, meta, kind) for kind in kinds}
+
+    def fetch(kind, key, name, p):
+        if direct:
+            return readers[kind].get(tp_rank, key)
+        full = full_from_shards(readers[kind], key, meta["params"][name], p.full_shape[0])
+        return np.ascontiguousarray(take_shard(full, p.sharding, tp_rank))
+
+    return fetch
+
+
+def checkpoint_shards(ckpt: str, model):
+    """The weights of `load_checkpoint(ckpt, model)` read one parameter at a time when asked: the
+    checkpoint verified now (every rank, before any read), then shard(p) returns this rank's TP
+    shard of p (the float32 masters of a 16-bit run into a float32/float64 model) in p's dtype, on
+    the host. A ZeRO-3 run's deferred parameters draw so (`load_weights`)."""
+    ckpt, meta, params, direct, masters = _checked(ckpt, model, None, True)
+    fetch = _fetcher(ckpt, meta, direct, model.ctx.tp_rank, ("model", "optim") if masters else ("model",))
+    loaded = {p.name for p in params}
+
+    def shard(p):
+        if p.name not in loaded:
+            raise CheckpointError(f"{ckpt} does not hold {p.name}")
+        a = fetch("optim", "master." + p.name, p.name, p) if masters and p.trainable else fetch("model", p.name,
+                                                                                                 p.name, p)
+        if tuple(a.shape) != tuple(p.data.shape):
+            raise CheckpointError(f"{p.name}: the checkpoint holds shape {tuple(a.shape)} for this rank, "
+                                  f"the model {tuple(p.data.shape)}")
+        return np.ascontiguousarray(a, dtype=p.data.dtype)
+
+    return shard
+
+
+def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> dict:
+    """Collective over the model's context. Loads parameters (and optimizer state) into the
+    model, resharding when the checkpoint's TP size differs. Returns the metadata."""
+    ctx = model.ctx
+    world = ctx.world.mpi_comm
+    ckpt, meta, params, direct, masters_as_weights = _checked(ckpt, model, optimizer, check_config)
+    saved_master = bool((meta.get("optimizer") or {}).get("master_weights"))
 
     # Every rank has verified its files. Read everything this rank needs into host memory first,
     # and only then assign: a tensor missing from a shard (or any other surprise) leaves the
@@ -170,17 +218,8 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
     # zero 3 with its parameters sharded: each rank keeps its pieces only (one parameter whole at a time)
     pieces = optimizer is not None and getattr(optimizer, "params_sharded", False)
     try:
-        readers = {"model": ShardReader(ckpt, meta, "model")}
-        if optimizer is not None or masters_as_weights:
-            readers["optim"] = ShardReader(ckpt, meta, "optim")
-
-        def fetch(kind, key, name, p):
-            info = meta["params"][name]
-            if direct:
-                return readers[kind].get(ctx.tp_rank, key)
-            full = full_from_shards(readers[kind], key, info, p.full_shape[0])
-            return np.ascontiguousarray(take_shard(full, p.sharding, ctx.tp_rank))
-
+        fetch = _fetcher(ckpt, meta, direct, ctx.tp_rank, ("model", "optim") if optimizer is not None or
+                         masters_as_weights else ("model",))
         for p in params:
             a = (fetch("optim", "master." + p.name, p.name, p) if masters_as_weights and p.trainable
                  else fetch("model", p.name, p.name, p))  # (a buffer has no master: it is kept in float32)
@@ -210,6 +249,37 @@ def load_checkpoint(ckpt: str, model, optimizer=None, *, check_config=True) -> d
     if optimizer is not None:
         optimizer.load_state({k: ctx.asarray(v) for k, v in optim_tensors.items()}, int(meta["optimizer"]["step"]))
     return meta
+
+
+def load_weights(model, path: str) -> None:
+    """Loads the weights (only) of a Hugging Face directory or a cutp checkpoint into `model`, whose
+    architecture must be theirs (a run's `init_from`). A parameter made inside `deferred_parameters`
+    (ZeRO-3's model) is not loaded now: its `draw` reads this rank's TP shard of it from the files
+    when the optimizer takes it (`checkpoint_shards`, `hf_shards`: one unit whole at a time, no rank
+    holding the whole model); the others are loaded at once. Collective; errors on every rank."""
+    world = model.ctx.world.mpi_comm
+    cutp = is_cutp_checkpoint(path)
+    if cutp:
+        with errors_raised_on_every_rank(world):
+            if read_meta(resolve_checkpoint(path)).get("trainable_only"):
+                raise ConfigError(f"`init_from` {path} holds only what its run trained (frozen parameters or LoRA "
+                                  "adapters, not its base): write it whole with `python -m cutp export-hf "
+                                  f"{path} --out DIR --merge-lora` and give `init_from` DIR, or resume it")
+    if not any(p.draw is not None for p in model.parameters()):
+        if cutp:
+            load_checkpoint(path, model)
+        else:
+            with errors_raised_on_every_rank(world):
+                load_hf_into(model, path)
+        return
+    shard = checkpoint_shards(path, model) if cutp else hf_shards(model, path)
+    ctx = model.ctx
+    with errors_raised_on_every_rank(world):
+        for p in model.parameters():
+            if p.draw is not None:
+                p.draw = functools.partial(lambda p: ctx.asarray(shard(p)), p)
+            else:  # (a buffer: made whole at once)
+                p.data[...] = ctx.asarray(shard(p))
 
 
 def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):

@@ -11,52 +11,10 @@ import numpy as np
 
 from .. import __version__
 from ..runtime.failure import agree_on_error
-from .experts import gather_experts, in_model_order
-from .files import (FORMAT, TENSOR_DTYPES, VERSION, CheckpointError, fsync_dir, model_file, optim_file, sha256_file,
-                    write_json_atomic, write_meta, write_safetensors)
+from .experts import gather_experts, in_model_order, with_experts
+from .files import (FORMAT, VERSION, CheckpointError, StreamedSafetensors, fsync_dir, model_file, optim_file,
+                    sha256_file, write_json_atomic, write_meta, write_safetensors)
 from .run_dir import prune_checkpoints
-
-
-_ALIGNMENT = {"F64": 3, "F32": 2, "BF16": 1, "F16": 0}  # (safetensors writes the larger dtypes first)
-
-
-class StreamedSafetensors:
-    """A safetensors file written a tensor at a time, in any order (`put`), each at its place:
-    the bytes `safetensors.numpy.save_file` writes for the same tensors (its header: tensors by
-    dtype, larger first, then by name; compact JSON padded with spaces to 8 bytes)."""
-
-    def __init__(self, path: str, entries: dict, metadata: dict):
-        """entries: {name: (shape, numpy dtype name)}."""
-        order = sorted(entries, key=lambda k: (-_ALIGNMENT[TENSOR_DTYPES[entries[k][1]][0]], k))
-        header, self.where, at = {"__metadata__": metadata}, {}, 0
-        for k in order:
-            shape, dtype = entries[k]
-            code, size = TENSOR_DTYPES[dtype]
-            n = int(np.prod(shape, dtype=np.int64)) * size
-            header[k] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [at, at + n]}
-            self.where[k] = (at, n, dtype)
-            at += n
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        text += b" " * (-len(text) % 8)
-        self.start, self.left = 8 + len(text), set(order)
-        self.f = open(path, "wb")
-        self.f.write(len(text).to_bytes(8, "little") + text)
-
-    def put(self, name: str, array) -> None:
-        at, n, dtype = self.where[name]
-        data = np.ascontiguousarray(array)
-        if str(data.dtype) != dtype or data.nbytes != n:
-            raise ValueError(f"{name}: {data.dtype} of {data.nbytes} bytes, the header says {dtype} of {n}")
-        self.f.seek(self.start + at)
-        self.f.write(data.tobytes())
-        self.left.discard(name)
-
-    def close(self) -> None:
-        if self.left:
-            raise ValueError(f"tensors never written: {sorted(self.left)[:3]}")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
 
 
 def checkpoint_name(step: int) -> str:
@@ -66,8 +24,9 @@ def checkpoint_name(step: int) -> str:
 def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_state=None, data_state=None,
                     train_args=None, keep: int | None = None, loss_scaler=None, by_unit: bool = False) -> str:
     """Collective over the model's context. Returns the checkpoint directory. `by_unit` (zero 3,
-    its parameters sharded, ep 1): the model files written from each unit gathered in turn
-    (`ShardedAdamW.whole_parameters`), no rank holding the whole model: the same bytes."""
+    its parameters sharded): the model files written from each unit gathered in turn
+    (`ShardedAdamW.whole_parameters`; at ep > 1 the other EP ranks' experts handed to the writer
+    one parameter at a time: `with_experts`), no rank holding the whole model: the same bytes."""
     ctx = model.ctx
     world = ctx.world.mpi_comm
     name = checkpoint_name(step)
@@ -97,13 +56,15 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
                            **({"stage": s} if pp > 1 else {}), **({"buffer": True} if p.buffer else {})}
                   for p in params}  # (a buffer: no optimizer state)
     # expert parallelism: the other EP ranks' experts, written by DP rank 0 too (cutp.checkpoint.experts)
-    e_model, e_optim, e_info = gather_experts(ctx, params, optimizer, param_info)
+    e_model, e_optim, e_info = gather_experts(ctx, params, optimizer, param_info, streamed=by_unit)
     param_info = in_model_order(param_info, e_info, [p.name for p in params if p.expert_parallel])
     kept |= set(e_info)
     streamed = {p.name for p in params if not p.buffer} if by_unit else set()  # (a buffer: whole, in no unit)
+    later = e_model if by_unit else {}  # (the other EP ranks' experts: (shape, dtype), values streamed)
     if ctx.dp_cp_rank == 0:
         mine.append((model_file(ctx.tp_rank, ctx.tp_size, s, pp),
-                     {**{p.name: ctx.to_numpy(p.data) for p in params if p.name not in streamed}, **e_model}, None))
+                     {**{p.name: ctx.to_numpy(p.data) for p in params if p.name not in streamed},
+                      **({} if by_unit else e_model)}, None))
     if sharded:
         pieces, offsets = optimizer.state_pieces()
         mine.append((optim_file(ctx.tp_rank, ctx.tp_size, ctx.dp_cp_rank, ctx.dp_cp_size, s, pp),
@@ -120,6 +81,8 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
         f"step {step}: {'optimizer tensor' if bad.startswith(('exp_avg.', 'exp_avg_sq.', 'master.')) else 'parameter'} "
         f"{bad} holds NaN or Inf values (rank {ctx.rank}): the weights diverged, so no checkpoint was written; "
         f"the newest healthy checkpoint in {out_root} is kept: resume from it with a lower `lr`")
+    if streamed and ctx.dp_cp_rank == 0 and not (optimizer.leads_its_groups() and ctx.ep_rank == 0):
+        error = f"rank {ctx.rank} writes the model file but is not rank 0 of the groups ZeRO-3 shards over (a bug)"
     if ctx.rank == 0 and error is None:
         try:
             os.makedirs(out_root, exist_ok=True)
@@ -137,6 +100,7 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
             if streamed and i == 0 and ctx.dp_cp_rank == 0:  # (the model file: its streamed tensors come next)
                 head = {p.name: (p.data.shape, str(p.data.dtype)) for p in params if p.name in streamed}
                 head.update({k: (v.shape, str(v.dtype)) for k, v in tensors.items()})
+                head.update(later)
                 writer = StreamedSafetensors(path, head, metadata)
                 for k, v in tensors.items():
                     writer.put(k, v)
@@ -147,12 +111,14 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
     except Exception as e:  # safetensors raises its own SafetensorError for I/O failures
         error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
     if streamed:  # every rank in the gathers, the model file's writer taking each parameter
-        for name, values in optimizer.whole_parameters(streamed):
+        experts = {p.name for p in params if p.expert_parallel}
+        for name, values in with_experts(ctx, optimizer.whole_parameters(streamed), experts):
             if writer is not None and error is None:
                 try:
                     writer.put(name, ctx.to_numpy(values))
                 except Exception as e:
                     error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
+            del values  # (a view of its unit, which would stay whole while the next one is gathered)
         if writer is not None and error is not None:
             writer.f.close()
         elif writer is not None:

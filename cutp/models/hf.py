@@ -30,14 +30,16 @@ import numpy as np
 from ..runtime.backend import to_numpy
 from ..runtime.errors import ConfigError
 from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
+from ..tensor_parallel.sharding import pad_rows, take_shard
 from .config import DTYPES, GPTConfig
 from .families import FAMILIES, family_for_hf, family_of
 from .gpt import GPT
-from .hf_files import (CONFIG_FILE, FLOAT_DTYPES, INDEX_FILE, SAVE_DTYPES, HFFormatError, files, load_checked,
-                       load_streaming, open_weights, read_hf_config, to_save_dtype, write_hf_dir)
+from .hf_files import (CONFIG_FILE, FLOAT_DTYPES, INDEX_FILE, SAVE_DTYPES, HFFormatError, check_same_fields, files,
+                       load_checked, load_streaming, open_weights, read_hf_config, to_save_dtype, write_hf_dir)
 
 __all__ = ["HFFormatError", "check_state_dict", "config_from_hf", "config_to_hf", "expected_shapes",
-           "from_hf", "generation_config", "hf_shapes", "hf_state_dict", "load_hf", "load_hf_into", "read_hf_config", "save_hf"]
+           "from_hf", "generation_config", "hf_shapes", "hf_shards", "hf_state_dict", "load_hf", "load_hf_into",
+           "read_hf_config", "save_hf"]
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -174,30 +176,50 @@ def _plan(path: str, dtype: str, dropout: float):
 BUFFER_SUFFIXES = (".router.score_bias",)  # the parameters made by `make_buffer`: kept in float32
 
 
-def _iter_tensors(path: str, dtype: str, dropout: float):
-    """(cfg, generator of (cutp name, full array in dtype)): one recipe's tensors in memory at a time."""
+def _source(path: str, dtype: str, dropout: float):
+    """(cfg, {cutp name: recipe}, full(name): that recipe's full array in dtype, read when called): the
+    headers checked (`_plan`), and a tied head saved anyway compared with the embedding, a block of
+    rows at a time."""
     cfg, recipes, where_of, tied_head = _plan(path, dtype, dropout)
     family, target = FAMILIES[cfg.family], DTYPES[dtype]
+    if tied_head is not None and not _same_tensor(where_of[family.embedding_key], tied_head):
+        raise HFFormatError(f"{tied_head[0]}: {tied_head[1]} differs from {family.embedding_key} but "
+                            f"tie_word_embeddings is true in {path}/{CONFIG_FILE}; set it to false to load "
+                            "an untied head")
 
     def read(w_file, file_key):
         with open_weights(w_file) as f:
             return f.get_tensor(file_key)
 
-    def tensors():
-        if tied_head is not None:  # a tied head that was saved anyway must equal the embedding
-            embedding, head = read(*where_of[family.embedding_key]), read(*tied_head)
-            if embedding.shape != head.shape or not np.array_equal(embedding, head):
-                raise HFFormatError(f"{tied_head[0]}: {tied_head[1]} differs from {family.embedding_key} but "
-                                    f"tie_word_embeddings is true in {path}/{CONFIG_FILE}; set it to false to load "
-                                    "an untied head")
-            del embedding, head
-        for r in recipes:
-            full = r.combine([read(*where_of[k]) for k in r.keys])
-            # (a buffer, DeepSeek's correction bias, stays float32 in a 16-bit model, as transformers keeps it)
-            kept = np.float32 if r.name.endswith(BUFFER_SUFFIXES) and target != np.float64 else target
-            yield r.name, np.ascontiguousarray(full.astype(kept, copy=False))
+    by_name = {r.name: r for r in recipes}
 
-    return cfg, tensors()
+    def full(name):
+        r = by_name[name]
+        a = r.combine([read(*where_of[k]) for k in r.keys])
+        # (a buffer, DeepSeek's correction bias, stays float32 in a 16-bit model, as transformers keeps it)
+        kept = np.float32 if r.name.endswith(BUFFER_SUFFIXES) and target != np.float64 else target
+        return np.ascontiguousarray(a.astype(kept, copy=False))
+
+    return cfg, by_name, full
+
+
+def _same_tensor(a: tuple, b: tuple, block: int = 1 << 20) -> bool:
+    """Whether two (file, key) tensors are equal, compared ~`block` elements at a time."""
+    with open_weights(a[0]) as fa, open_weights(b[0]) as fb:
+        sa, sb = fa.get_slice(a[1]), fb.get_slice(b[1])
+        shape = tuple(sa.get_shape())
+        if shape != tuple(sb.get_shape()):
+            return False
+        if not shape:
+            return np.array_equal(fa.get_tensor(a[1]), fb.get_tensor(b[1]))
+        n, step = shape[0], max(1, block // max(1, int(np.prod(shape[1:]))))
+        return all(np.array_equal(sa[i:min(i + step, n)], sb[i:min(i + step, n)]) for i in range(0, n, step))
+
+
+def _iter_tensors(path: str, dtype: str, dropout: float):
+    """(cfg, generator of (cutp name, full array in dtype)): one recipe's tensors in memory at a time."""
+    cfg, recipes, full = _source(path, dtype, dropout)
+    return cfg, ((name, full(name)) for name in recipes)
 
 
 def load_hf(path: str, dtype: str = "float32", dropout: float = 0.0) -> tuple[GPTConfig, dict]:
@@ -205,6 +227,31 @@ def load_hf(path: str, dtype: str = "float32", dropout: float = 0.0) -> tuple[GP
     array in dtype}). Raises HFFormatError. (For a model of this rank's shards: `from_hf`.)"""
     cfg, tensors = _iter_tensors(path, dtype, dropout)
     return cfg, dict(tensors)
+
+
+def hf_shards(model: GPT, path: str):
+    """`load_hf_into` read one parameter at a time when asked: the directory checked against the
+    model now (HFFormatError on every rank alike, as `load_hf_into`), then shard(p) reads p's
+    tensors (its recipe's: a fused qkv's q, k and v) and returns this rank's TP shard of p in p's
+    dtype, on the host (peak: the recipe's tensors and one full tensor). No communication. A
+    ZeRO-3 run's deferred parameters draw so (cutp.checkpoint.load_weights)."""
+    with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
+        cfg, recipes, full = _source(path, model.config.dtype, model.config.dropout)
+        check_same_fields(model, path, cfg, FAMILIES[cfg.family].spec_fields)
+        missing = sorted(p.name for p in model.parameters() if p.name not in recipes)
+        if missing:
+            raise HFFormatError(f"the checkpoint has no tensors for {missing[:8]}{'...' if len(missing) > 8 else ''}")
+    tp_rank = model.ctx.tp_rank
+
+    def shard(p):
+        a = full(p.name)
+        if p.real_rows is not None and a.shape[0] == p.real_rows:
+            a = pad_rows(a, p.full_shape[0])
+        if tuple(a.shape) != tuple(p.full_shape):
+            raise HFFormatError(f"{p.name}: expected full shape {tuple(p.full_shape)}, got {tuple(a.shape)}")
+        return np.ascontiguousarray(take_shard(a, p.sharding, tp_rank), dtype=p.data.dtype)
+
+    return shard
 
 
 def load_hf_into(model: GPT, path: str) -> GPTConfig:

@@ -112,13 +112,19 @@ def load_streaming(model, tensors) -> None:
         raise HFFormatError(f"the checkpoint has no tensors for {missing[:8]}{'...' if len(missing) > 8 else ''}")
 
 
-def load_checked(model, path: str, cfg, tensors, fields) -> None:
-    """`load_streaming` of a directory's tensors into an existing model whose configuration must
-    agree with the directory's (`cfg`) on `fields` (HFFormatError naming those that differ)."""
+def check_same_fields(model, path: str, cfg, fields) -> None:
+    """HFFormatError naming the `fields` on which the model's configuration and a directory's
+    (`cfg`) differ."""
     diff = [f"{k}: model {getattr(model.config, k)!r} vs {path} {getattr(cfg, k)!r}"
             for k in fields if getattr(model.config, k) != getattr(cfg, k)]
     if diff:
         raise HFFormatError("the model's configuration differs from the checkpoint's: " + "; ".join(diff))
+
+
+def load_checked(model, path: str, cfg, tensors, fields) -> None:
+    """`load_streaming` of a directory's tensors into an existing model whose configuration must
+    agree with the directory's (`cfg`) on `fields` (`check_same_fields`)."""
+    check_same_fields(model, path, cfg, fields)
     load_streaming(model, tensors)
 
 

@@ -113,6 +113,12 @@ class ShardState:
             finally:
                 self._release(s)
 
+    def leads_its_groups(self) -> bool:
+        """Whether this rank is rank 0 of every group it shards over (each segment's, and the
+        replicas'): the rank a checkpoint's model file is written by (DP x CP rank 0) must be."""
+        groups = [s.group for s in self.segments] + [g for g in (self.replicas, self.expert_replicas) if g is not None]
+        return all(g.rank == 0 for g in groups)
+
     @property
     def params_sharded(self) -> bool:
         """zero 3 with no parameter whole (outside `gather_all`): a checkpoint loads into the shards."""

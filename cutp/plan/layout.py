@@ -479,7 +479,8 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     out["memory"] = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
                      "activations_peak": act["bytes"], "params_local": P, "stash_per_layer": act["stash_per_layer"]}
     out["fits"] = {name: out["total_bytes"] <= cap for name, cap in GPUS}
-    out["init_above_state"] = None if zplan is None else zplan["init_above_state"]  # (zero 3's setup)
+    for key in ("init_above_state", "load_above_state"):  # (zero 3's setup: drawn, or read from --init-from)
+        out[key] = None if zplan is None else zplan[key]
     return out
 
 
@@ -580,7 +581,8 @@ def run(args) -> Report:
         mem.notes.append(f"activation peak reached in: {r['activations']['where']}")
     if r.get("init_above_state") is not None:
         mem.notes.append(f"setup (zero 3, built unit by unit): at most {r['init_above_state'] / GB:,.3f} GB above the "
-                         "state, one unit whole and one parameter drawn")
+                         "state, one unit whole and one parameter drawn (with --init-from, read: "
+                         f"{r['load_above_state'] / GB:,.3f} GB)")
     cm = report.table("comm", [("what", "collective per step", "", "<"), ("calls", "calls", ",d"),
                                ("elements", "elements", ",d"), ("gb", "GB buffers", ",.3f"), ("wire", "GB on the wire/GPU", ",.3f"),
                                ("formula", "formula", "", "<")], title="communication per optimizer step and GPU")

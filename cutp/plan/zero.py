@@ -4,6 +4,7 @@
     got["state"]           {"params", "grads", "optimizer"}: bytes per rank
     got["gathered_peak"]   zero 3: the most bytes of whole units held at once
     got["init_above_state"]  zero 3: the most bytes its setup holds above the state (one unit whole)
+    got["load_above_state"]  zero 3 with --init-from: the same, each parameter read from its file
     got["comm"]            {"GROUP.OP": {"calls", "elements", "bytes"}} as cutp.comm.counting counts them
 
 The layout is the one cutp.optim.sharded allocates: each unit a segment (a parameter two units
@@ -90,7 +91,8 @@ def zero_plan(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, cp: i
         add("all_reduce", 1, T, rb, "hsdp_replicas")
     add("all_reduce", 1, 2, 8)  # the norm's [sum of squares, non-finite entries]
     return {"state": state, "gathered_peak": peak, "comm": comm, "segments": len(segments), "shard_elements": S,
-            "init_above_state": _init_above_state(segments, d, dtype) if zero == 3 else None}
+            "init_above_state": _init_above_state(segments, d, dtype) if zero == 3 else None,
+            "load_above_state": _load_above_state(segments, d, dtype) if zero == 3 else None}
 
 
 def _init_above_state(segments, d: int, dtype) -> int:
@@ -108,6 +110,20 @@ def _init_above_state(segments, d: int, dtype) -> int:
                                                                              if dtype.itemsize != gen else 0)
 
     return max(d * s.chunk * dtype.itemsize + max(drawn(p) for p in s.params) for s in segments)
+
+
+def _load_above_state(segments, d: int, dtype) -> int:
+    """zero 3's setup loading `init_from` (cutp.checkpoint.load_weights: each deferred parameter
+    read when its segment is made whole): one segment whole (d C elements) while one of its
+    parameters is read: its file tensors whole, cutp's layout of them (a copy where the recipe
+    joins, transposes or casts them), and this rank's TP shard of it (a copy when TP-split); the
+    files in the model's dtype. (A cutp checkpoint at the same TP size reads the shard alone.)"""
+    item = dtype.itemsize
+
+    def read(p):
+        return 2 * int(np.prod(p.full_shape, dtype=np.int64)) * item + (p.data.size * item if p.sharding is not None else 0)
+
+    return max(d * s.chunk * item + max(read(p) for p in s.params) for s in segments)
 
 
 def _simulate(model, unit_segments, ops, reshard: bool, prefetch: bool, bytes_per_chunk: int):

@@ -35,11 +35,9 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from ..checkpoint import load_checkpoint, read_meta, resolve_checkpoint, save_checkpoint
-from ..checkpoint.files import is_cutp_checkpoint
+from ..checkpoint import load_checkpoint, load_weights, read_meta, resolve_checkpoint, save_checkpoint
 from ..comm.context import Context, init
 from ..data import BatchSampler, Dataset, load_dataset, model_kwargs
-from ..models.hf import load_hf_into
 from ..models import GPT
 from ..ops.gemm import allow_tf32
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
@@ -271,13 +269,13 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     of `cfg` on context `ctx`: the run `build_run` makes, and the one the planner (cutp.plan)
     makes on a shape-only context. Collective over ctx."""
     base = cfg.init_from if base is None else base  # (`base`: a resumed run's frozen weights' source)
-    # zero 3 without weights to load first: nothing drawn until the optimizer draws each unit, keeping
-    # this rank's piece (no rank holds the whole model)
-    with deferred_parameters() if cfg.zero == 3 and base is None else contextlib.nullcontext():
+    # zero 3: nothing drawn (nor read from `base`) until the optimizer draws each unit, keeping this
+    # rank's piece (no rank holds the whole model)
+    with deferred_parameters() if cfg.zero == 3 else contextlib.nullcontext():
         model = GPT(ctx, cfg.model, seed=cfg.seed, init=init, pp_layers=cfg.pp_layers,
                     pp_virtual=cfg.pp_virtual)  # resumed or initial weights are loaded next
     if base is not None:  # before the optimizer copies any weight (fp32 master weights)
-        init_weights(model, base)
+        load_weights(model, base)
     set_up_trainable(model, cfg)  # --freeze, LoRA (refusals alike on every rank): before any layout and optimizer
     setup_progress()
     model.set_recompute(cfg.recompute, cfg.recompute_layers)
@@ -287,7 +285,7 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_reduce_dtype=cfg.grad_reduce_dtype)
     params = trainable_parameters(model.parameters())  # frozen ones: no gradient, master or state
     if cfg.zero >= 2:  # gradients (and parameters) sharded unit by unit; the model calls its hooks
-        optimizer = flat = sharded_optimizer(cfg, ctx, model, **kw)
+        optimizer = flat = sharded_optimizer(cfg, ctx, model, reads=base is not None, **kw)
     elif cfg.distributed_optimizer and cfg.ep > 1:  # the experts' state sharded over another group
         optimizer = ExpertParallelAdamW(params, ctx, **kw)
         flat = optimizer.flat
@@ -303,21 +301,6 @@ def assemble_run(cfg: RunConfig, ctx, dataset: Dataset, sampler: BatchSampler, *
     elif cfg.tp_comm_overlap:
         model.set_tp_comm_overlap(True)  # (zero 2 and 3 overlap their own reductions and gathers)
     return run
-
-
-def init_weights(model: GPT, path: str) -> None:
-    """Loads the weights (only) of a Hugging Face GPT-2 directory or a cutp checkpoint into
-    `model`, whose architecture must be theirs. Collective; an error is raised on every rank."""
-    if is_cutp_checkpoint(path):
-        with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
-            if read_meta(resolve_checkpoint(path)).get("trainable_only"):
-                raise ConfigError(f"`init_from` {path} holds only what its run trained (frozen parameters or LoRA "
-                                  "adapters, not its base): write it whole with `python -m cutp export-hf "
-                                  f"{path} --out DIR --merge-lora` and give `init_from` DIR, or resume it")
-        load_checkpoint(path, model)
-        return
-    with errors_raised_on_every_rank(model.ctx.world.mpi_comm):
-        load_hf_into(model, path)
 
 
 def make_loss_scaler(cfg: RunConfig) -> LossScaler:
@@ -366,8 +349,8 @@ def save(run: TrainingRun) -> str | None:
     cfg = run.config
     if not cfg.out or run.last_saved == run.step:
         return None
-    opt = run.optimizer  # zero 3 (ep 1): its units written one at a time, never the whole model
-    by_unit = isinstance(opt, ShardedAdamW) and opt.zero == 3 and not opt.all_gathered and run.ctx.ep_size == 1
+    opt = run.optimizer  # zero 3: its units written one at a time, never the whole model
+    by_unit = isinstance(opt, ShardedAdamW) and opt.zero == 3 and not opt.all_gathered
     if by_unit:
         run.settle_params()
     else:

@@ -10,8 +10,11 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 from ..optim import ShardedAdamW
 from ..runtime.errors import ConfigError
+from ..runtime.failure import errors_raised_on_every_rank
 from ..tensor_parallel.grads import expert_replica_group, replica_group
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -55,10 +58,12 @@ def check_zero(cfg) -> None:
                           "unit; omit `bucket_size`, or use `zero` 1")
 
 
-def sharded_optimizer(cfg, ctx, model, **kw) -> ShardedAdamW:
+def sharded_optimizer(cfg, ctx, model, *, reads: bool = False, **kw) -> ShardedAdamW:
     """zero 2 or 3: the ShardedAdamW of `model`, whose hooks it becomes (GPT.unit_hooks). The tied
     token embedding on the first and last pipeline stages is deferred: its sum over the two
-    stages runs on the shards at the end of the step."""
+    stages runs on the shards at the end of the step. `reads`: the deferred parameters' draws read
+    files (`init_from`: cutp.checkpoint.load_weights), so a failed read is raised on every rank
+    (the optimizer's setup calls no collective)."""
     deferred = [model.tok_embed.weight] if (ctx.pp_size > 1 and cfg.model.tie_embeddings
                                             and model.tok_embed is not None) else []
     R, groups = cfg.dp_replicate, {}
@@ -72,8 +77,9 @@ def sharded_optimizer(cfg, ctx, model, **kw) -> ShardedAdamW:
                                                       expect=(of.rank % n, n))
                 groups[f"{name}replicas"] = ctx.subgroup(f"hsdp_{name}replicas", color=of.rank % n, key=of.rank,
                                                          of=of, expect=(of.rank // n, R))
-    optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, **groups, deferred=deferred,
-                             reshard_after_forward=cfg.reshard_after_forward, overlap=cfg.overlap_grad_reduce,
-                             prefetch=cfg.overlap_param_gather, **kw)
+    with errors_raised_on_every_rank(ctx.world.mpi_comm) if reads else contextlib.nullcontext():
+        optimizer = ShardedAdamW(model, ctx, zero=cfg.zero, **groups, deferred=deferred,
+                                 reshard_after_forward=cfg.reshard_after_forward, overlap=cfg.overlap_grad_reduce,
+                                 prefetch=cfg.overlap_param_gather, **kw)
     model.unit_hooks = optimizer
     return optimizer

@@ -57,6 +57,15 @@ LAYOUTS = [  # (model, n_layer, layout; 4 ranks; "dp2": two groups of two ranks,
     # HSDP at ep 2: the experts summed across the replicas apart from the dense parameters
     (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=3, dp_replicate=2,
                                                                 recompute="full")),
+    # each stage at each of the issue's layouts (the rows above leave these out)
+    (GPT2, 2, dict(dp=2, zero=2, recompute="full")),
+    (LLAMA, 2, dict(tp=2, dp=2, zero=3)),
+    (GPT2, 2, dict(tp=2, dp=2, zero=2)),
+    (GPT2, 2, dict(cp=2, dp=2, zero=2, recompute="full")),
+    (LLAMA, 4, dict(pp=2, dp=2, zero=2, pp_virtual=2, pp_schedule="interleaved", micro_batch_size=1)),
+    (LLAMA, 2, dict(dp=4, zero=2, dp_replicate=2, recompute="full")),
+    (dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=32), 2, dict(dp=4, ep=2, zero=2)),
+    (LLAMA, 2, dict(pp=2, dp=2, zero=3, recompute="full")),
 ]
 BITS = {1, 4, 11}  # also run with OVERLAP: the same bits
 DEFAULT = (4, 6, 14)  # what `make test` runs (all: -m zero_full); 14's HSDP runs the dense path of 7 too
@@ -247,89 +256,115 @@ def _plan_worker():
         assert sharding == got["comm"], (layout, sharding, got["comm"])
 
 
-def _init_worker():
+def _init_worker(out):
     """zero 3 builds its model unit by unit (cutp.tensor_parallel.deferred_parameters): every
     parameter, gathered from the shards, is bit-identical to the model built whole (float64 at
     dp 4, float32 at tp2 x dp2); at dp 4 the setup's tracemalloc peak is the state and what was
     live, plus the plan's one unit whole and one parameter drawn (cutp.plan.zero), within 64 KiB:
-    far below one whole model (8 layers)."""
+    far below one whole model (8 layers). So with `init_from` a cutp checkpoint and a Hugging
+    Face directory of those weights (the Llama-shaped one's recipes fuse q, k, v and gate, up):
+    each deferred parameter reads its shard from the files, bit-identical to the whole-load path
+    (cutp.checkpoint.load_weights into a model built whole), its peak above the state one unit
+    whole and at most the plan's `load_above_state` (one parameter read) + 64 KiB."""
     import tracemalloc
 
     from mpi4py import MPI
 
+    from cutp.checkpoint import load_weights
+    from cutp.hf import save_hf
     from cutp.models import GPT
     from cutp.plan.zero import zero_plan
+    from cutp.train import save
 
+    world = MPI.COMM_WORLD
     data = random_tokens(61, 4096, 0)
-    for model, dtype, layout in ((dict(GPT2, n_embd=64), "float64", dict(dp=4)),
-                                 (LLAMA, "float32", dict(tp=2, dp=2))):
-        cfg = _config(dict(model, dtype=dtype), 8, zero=3, **layout)
+
+    def built(cfg):
         tracemalloc.start()
-        run = build_run(cfg, MPI.COMM_WORLD, dataset=data)
+        run = build_run(cfg, world, dataset=data)
         after, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
+        return run, peak - after
+
+    for model, dtype, layout in ((dict(GPT2, n_embd=64), "float64", dict(dp=4)),
+                                 (LLAMA, "float32", dict(tp=2, dp=2))):
+        cfg = _config(dict(model, dtype=dtype), 8, zero=3, out=f"{out}/init-{dtype}", **layout)
+        run, above = built(cfg)
+        planned = zero_plan(cfg.model, tp=cfg.tp, dp=cfg.dp, zero=3, rank=run.ctx.rank)
+        whole = sum(p.data.size for p in run.model.parameters()) * 8
         if cfg.tp == 1:
-            planned = zero_plan(cfg.model, dp=cfg.dp, zero=3, rank=run.ctx.rank)["init_above_state"]
-            whole = sum(p.data.size for p in run.model.parameters()) * 8
-            assert planned <= peak - after <= planned + 65536 and planned < whole / 4, (peak, after, planned, whole)
+            assert planned["init_above_state"] <= above <= planned["init_above_state"] + 65536 and \
+                planned["init_above_state"] < whole / 4, (above, planned, whole)
         run.gather_params()
         ref = {p.name: p.data for p in GPT(run.ctx, cfg.model, seed=cfg.seed).parameters()}
         for p in run.model.parameters():
             assert p.data.dtype == ref[p.name].dtype and np.array_equal(p.data, ref[p.name]), (layout, p.name)
+        sources = (save(run), f"{out}/hf-{dtype}")
+        save_hf(run.model, sources[1])
+        unit = max(s.group.size * s.chunk for s in run.optimizer.segments) * run.optimizer.dtype.itemsize
         run.close()
+        for src in sources:
+            run, above = built(_config(dict(model, dtype=dtype), 8, zero=3, init_from=src, **layout))
+            assert unit < above <= planned["load_above_state"] + 65536, (src, above, unit, planned)
+            assert cfg.tp > 1 or above < whole / 4, (src, above, whole)
+            run.gather_params()
+            loaded = GPT(run.ctx, cfg.model, init=False)
+            load_weights(loaded, src)  # (the whole-load path: every parameter made whole at once)
+            loaded = {p.name: p.data for p in loaded.parameters()}
+            for p in run.model.parameters():
+                assert np.array_equal(p.data, loaded[p.name]) and np.array_equal(p.data, ref[p.name]), (src, p.name)
+            run.close()
 
 
 def _save_eval_worker(out):
     """zero 3 at dp 4 (bfloat16, 8 layers, the prefetch on) evaluates and saves without the whole
     model: evaluation gathers each unit for its forward (at most two whole, with the prefetch),
     the save one unit at a time (one whole at most; tracemalloc: the whole-model path's peak is
-    above it by the whole model but one unit at least); the validation loss, the model file's
-    bytes and every optimizer file's tensors are those of the whole-model path (gather_params,
-    then the same calls). (The optimizer files' bytes may differ: safetensors writes their two
-    metadata keys in hash order.)"""
+    above it by the whole model but one unit, within 64 KiB: the two paths' other allocations,
+    meta.json's among them, differ a little); so at dp 4 x ep 2 (MoE, 4 layers: the other EP
+    rank's experts handed to the writer one parameter at a time). The validation loss and every
+    file's bytes (the optimizer files' metadata keys in a fixed order) are those of the
+    whole-model path (gather_params, then the same calls)."""
     import tracemalloc
 
     from mpi4py import MPI
-    from safetensors import safe_open
 
     from cutp.checkpoint import read_meta, save_checkpoint
     from cutp.train import evaluate, save
 
-    cfg = _config(dict(GPT2, n_embd=64, dtype="bfloat16"), 8, dp=4, zero=3, overlap_param_gather=True,
-                  eval_batches=2, out=f"{out}/units")
-    run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
-    train_step(run)
-    opt = run.optimizer
-    unit = max(s.group.size * s.chunk for s in opt.segments) * opt.dtype.itemsize
-    whole = sum(s.group.size * s.chunk for s in opt.segments) * opt.dtype.itemsize
-    opt.peak_gathered_bytes = opt.gathered_bytes
-    loss = evaluate(run)
-    assert 0 < opt.peak_gathered_bytes <= 2 * unit < whole / 2, (opt.peak_gathered_bytes, unit, whole)
-    assert opt.gathered_bytes == 0
-    opt.peak_gathered_bytes = 0
-    tracemalloc.start()
-    save(run)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert 0 < opt.peak_gathered_bytes <= unit and not opt.all_gathered and opt.gathered_bytes == 0
-    tracemalloc.start()
-    run.gather_params()  # today's path: the whole model
-    save_checkpoint(f"{out}/whole", run.step, run.model, opt, rng_state=run.model.rng.state_dict(),
-                    data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
-                    loss_scaler=run.loss_scaler.state_dict())
-    top = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert top - peak >= whole - unit, (top, peak, whole, unit)
-    assert evaluate(run) == loss
-    run.close()
-    got, ref = (f"{out}/{d}/step-00000001" for d in ("units", "whole"))
-    assert read_meta(got)["files"]["model-tp00-of-01.safetensors"] == read_meta(ref)["files"][
-        "model-tp00-of-01.safetensors"]
-    for name in read_meta(ref)["files"]:
-        with safe_open(f"{got}/{name}", "np") as g, safe_open(f"{ref}/{name}", "np") as r:
-            assert g.metadata() == r.metadata() and set(g.keys()) == set(r.keys()), name
-            for k in r.keys():
-                assert np.array_equal(g.get_tensor(k), r.get_tensor(k)), (name, k)
+    for name, model, n_layer, layout in (("units", GPT2, 8, {}),
+                                         ("experts", dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=64), 4,
+                                          dict(ep=2))):
+        cfg = _config(dict(model, n_embd=64, dtype="bfloat16"), n_layer, dp=4, zero=3, overlap_param_gather=True,
+                      eval_batches=2, out=f"{out}/{name}", **layout)
+        run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+        train_step(run)
+        opt = run.optimizer  # (a block of the MoE model: two segments, the dense and the experts)
+        unit = max(sum(s.group.size * s.chunk for s in u) for u in opt.unit_segments.values()) * opt.dtype.itemsize
+        whole = sum(s.group.size * s.chunk for s in opt.segments) * opt.dtype.itemsize
+        opt.peak_gathered_bytes = opt.gathered_bytes
+        assert opt.leads_its_groups() == (run.ctx.dp_cp_rank == 0)  # (the writer leads every group; save checks it)
+        loss = evaluate(run)
+        assert 0 < opt.peak_gathered_bytes <= 2 * unit < whole / 2, (opt.peak_gathered_bytes, unit, whole)
+        assert opt.gathered_bytes == 0
+        opt.peak_gathered_bytes = 0
+        tracemalloc.start()
+        save(run)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert 0 < opt.peak_gathered_bytes <= unit and not opt.all_gathered and opt.gathered_bytes == 0
+        tracemalloc.start()
+        run.gather_params()  # the whole-model path
+        save_checkpoint(f"{out}/{name}-whole", run.step, run.model, opt, rng_state=run.model.rng.state_dict(),
+                        data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
+                        loss_scaler=run.loss_scaler.state_dict())
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert top - peak >= whole - unit - 65536, (name, top, peak, whole, unit)
+        assert evaluate(run) == loss
+        run.close()
+        got, ref = (read_meta(f"{out}/{d}/step-00000001")["files"] for d in (name, f"{name}-whole"))
+        assert got == ref and len(ref) == 5, (got, ref)  # (the model file and four optimizer files)
 
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1)
@@ -352,7 +387,7 @@ def _frozen_worker():
 
 
 def _default_worker(out):
-    _init_worker()
+    _init_worker(out)
     _save_eval_worker(out)
     _worker(list(DEFAULT))
     _frozen_worker()
@@ -374,6 +409,86 @@ def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tm
     for given, zero in ((dict(distributed_optimizer=True), 1), (dict(zero=2), 2), (dict(zero=0), 0), ({}, 3)):
         cfg = derive_run_config(dict(resume=str(tmp_path / "step-00000002"), **given), 4, 4)
         assert (cfg.zero, cfg.distributed_optimizer) == (zero, zero > 0), (given, cfg.zero)
+
+
+def _transformers_worker(root, families):
+    """zero 3 `init_from` each Hugging Face directory transformers wrote (float32): float64 at dp 4
+    and float32 at tp2 x dp2, every deferred parameter's shard read from the files, gathered,
+    bit-identical to the whole-load path's."""
+    from mpi4py import MPI
+
+    from cutp.checkpoint import load_weights
+    from cutp.hf import config_from_hf, read_hf_config
+    from cutp.models import GPT
+
+    for family in families:
+        path = f"{root}/{family}"
+        for dtype, layout in (("float64", dict(dp=4)), ("float32", dict(tp=2, dp=2))):
+            model = config_from_hf(read_hf_config(path), dtype=dtype, dropout=0.1)
+            cfg = RunConfig(model=model, init_from=path, zero=3, batch_size=8, seq_len=16, steps=1, seed=3,
+                            eval_every=0, quiet=True, save_on_signal=False, micro_batch_size=2, **layout)
+            run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(model.vocab_size, 4096, 0))
+            run.gather_params()
+            whole = GPT(run.ctx, model, init=False)
+            load_weights(whole, path)
+            whole = {p.name: p.data for p in whole.parameters()}
+            for p in run.model.parameters():
+                assert np.array_equal(p.data, whole[p.name]), (family, layout, p.name)
+            run.close()
+
+
+def _init_compositions_worker(out):
+    """zero 3 `init_from` a Hugging Face directory (cutp-written, float64) at pp2 x dp2 (1F1B, the
+    tied embedding read on both ends), dp4 x ep2 (Mixtral-shaped: each EP rank's experts by their
+    global names), tp2 x dp2 with LoRA (the frozen base read deferred) and dp4 in 2 HSDP replicas:
+    the loaded weights bit-identical to the whole-load path's (zero 1; zero 2 for HSDP), and two
+    steps' losses within 1e-10."""
+    from mpi4py import MPI
+
+    from cutp.hf import save_hf
+
+    world = MPI.COMM_WORLD
+    data = random_tokens(61, 4096, 0)
+    moe = dict(LLAMA, n_experts=4, moe_top_k=2, moe_ffn=40, moe_renormalize=True)
+    for k, (model, layout) in enumerate(((GPT2, dict(pp=2, dp=2)), (moe, dict(dp=4, ep=2)),
+                                         (LLAMA, dict(tp=2, dp=2, **LORA)), (GPT2, dict(dp=4, dp_replicate=2)))):
+        path = f"{out}/hf-{k}"
+        if world.rank == 0:
+            run = build_run(_config(model, 2), MPI.COMM_SELF, dataset=data)
+            save_hf(run.model, path)
+            run.close()
+        world.Barrier()
+        got = []
+        for zero in (3, 2 if "dp_replicate" in layout else 1):
+            run = build_run(_config(model, 2, zero=zero, init_from=path, **layout), world, dataset=data)
+            run.gather_params()
+            weights = {p.name: np.asarray(gather_full(run.ctx.tp, p.data, p.sharding)).copy()
+                       for p in run.model.parameters()}
+            got.append((weights, [train_step(run).loss for _ in range(2)]))
+            run.close()
+        (w3, l3), (w, losses) = got
+        assert set(w3) == set(w) and all(np.array_equal(w3[n], w[n]) for n in w), layout
+        np.testing.assert_allclose(l3, losses, rtol=1e-10, atol=0, err_msg=str(layout))
+
+
+@pytest.mark.zero_full
+def test_zero_3_init_from_in_every_composition(tmp_path):
+    run_mpi(4, "tests.optim.test_zero:_init_compositions_worker", str(tmp_path), timeout=300)
+
+
+def test_zero_3_init_from_a_transformers_directory_reads_each_shard(tmp_path):
+    """`init_from` at zero 3 of directories transformers saved (Llama; Qwen2: tied, q/k/v biases;
+    Mixtral: experts), read parameter by parameter through the families' recipes, equal to the
+    whole-load path (`_transformers_worker`). (CI has no transformers: the cutp-written directories
+    of `_init_worker` cover the same path there.)"""
+    from tests.models.test_hf_llama import _hf_model, _transformers
+
+    torch, transformers = _transformers()
+    families = ["llama", "qwen2", "mixtral"]
+    for family in families:
+        _hf_model(family, torch, transformers, torch.float32).save_pretrained(str(tmp_path / family),
+                                                                              safe_serialization=True)
+    run_mpi(4, "tests.optim.test_zero:_transformers_worker", str(tmp_path), families, timeout=300)
 
 
 def test_zero_refusals_name_fixes_that_are_accepted():
