@@ -360,6 +360,13 @@ inline float __expf(float x) {
     const uint32_t b = bound < 1e6f ? static_cast<uint32_t>(bound) : 1000000u;
     return ::cuda_emu::detail::step_ulps(r, ::cuda_emu::detail::ulp_error(std::bit_cast<uint32_t>(x), b));
 }
+// __tanhf (CUDA 13: PTX tanh.approx.f32, maximum relative error about 2^-11), only the mutation
+// campaign's fast-math class calls it (tools/mutate_kernels.py): the exact result moved by up to
+// 4096 ulps (2^-12 to 2^-11 of it), drawn from the operand's bits as __expf's.
+inline float __tanhf(float x) {
+    return ::cuda_emu::detail::step_ulps(tanhf(x),
+                                         ::cuda_emu::detail::ulp_error(std::bit_cast<uint32_t>(x) ^ 0x5851f42d4c957f2dull, 4096));
+}
 inline float __fdividef(float a, float b) {
     const float ab = fabsf(b);
     if (ab > 0x1p126f && ab < INFINITY) return isinf(a) ? NAN : 0.0f;

@@ -362,3 +362,37 @@ def wide_range(n_linear: int = 800, lo: float = -40.0, hi: float = 40.0) -> np.n
     """float32 inputs over a wide range: a linear sweep of [lo, hi] and +-logspace(1e-5 .. 30)."""
     logs = np.logspace(-5, np.log10(30.0), 200)
     return np.concatenate([np.linspace(lo, hi, n_linear), logs, -logs]).astype(np.float32)
+
+
+# The online softmax's rescale (softmax.cu and cross_entropy.cu's forward): a thread multiplies its
+# running sum s by expf(m_old - m_new) when a chunk raises its max. A fast exp there (__expf: 2 +
+# floor(1.16 |x|) ulps) errs by more than expf's 2 ulps only for a large rise a, and weighs on the
+# row's sum by the rescaled part's share, s e^-a / S: separable only on rows where each thread
+# holds many more than e^a terms below its later max. RESCALE_RISE = 5.5452 (just under 8 ln 2):
+# e^-a lies just above 2^-8, where one ulp is 2^-23 of the value (the most), and the emulator's
+# __expf model draws +8 ulps, its documented maximum, at -a (tests/cuda_emu/cuda_emu.h): a kernel
+# with __expf there is off by ~0.8 x 8 x 2^-23 of the sum on late_max_row(T, 1024), which the bound
+# of the real kernel (expf's 2 ulps on the same share: ~7 x 2^-24 in all) does not allow.
+RESCALE_RISE = np.float32(5.545175552368164)
+
+
+def late_max_row(threads: int, zeros_per_thread: int, out=lambda r, s: s):
+    """(row, exact, bound): a float32 row over which each of `threads` threads (chunks of 4 floats
+    dealt round-robin, as the block-per-row kernels read them) reads `zeros_per_thread` zeros, then
+    a last chunk [a, -inf, -inf, -inf] (a = RESCALE_RISE), so that every thread's running max rises
+    from 0 to a once, rescaling its sum n = zeros_per_thread by expf(-a); and `out(r, S)` (a float32
+    formula of the row's sum S = sum exp(x - a), rounding sites r as float32_formula_bound's) exact
+    with the first-order bound of its float32 evaluation. The kernel's S: per thread
+    s = (n * expf(-a)) + 1 (n ones summed exactly, expf(0) = 1 and expf(-inf) = 0 exactly by CUDA's
+    math API), then the threads' equal sums added pairwise (exact)."""
+    p = 4
+    row = np.zeros(threads * p * (zeros_per_thread // p + 1), np.float32)
+    tail = row[-threads * p:]
+    tail[:] = -np.inf
+    tail[::p] = RESCALE_RISE
+
+    def formula(r, e):
+        return out(r, threads * r(r(zeros_per_thread * r(e, CUDA_ULPS["expf"])) + 1.0))
+
+    exact, bound = float32_formula_bound(formula, np.exp(-np.array([RESCALE_RISE], np.float64)))
+    return row, exact, bound

@@ -462,7 +462,7 @@ def test_scores_far_below_zero(backend, k, dtype):
     check_against_reference(k, backend, q, k_, v, do, dtype)
 
 
-def exp_probe_inputs(Hkv, G, D, DV):
+def exp_probe_inputs(Hkv, G, D, DV, hidden=0):
     """Scores whose probabilities come each from one exp of a large negative argument, in separate
     output columns (issue 42's element-wise class for the attention: float32 probabilities within
     a few ulps, as expf gives them, where a fast-math __expf is off by up to 2 + 1.16 |x| ulps).
@@ -472,18 +472,21 @@ def exp_probe_inputs(Hkv, G, D, DV):
     the second tile: its o = (alpha e0 + e1 + p65 e2) / l with alpha = exp(gap_a c) (the
     rescale's exp) and p65 = exp(gap_b c) (the probability's); the backward's recomputed
     probabilities exp(x - lse) reach dv of keys 0 and 65 (dO rows one-hot in their own columns)
-    and dq, dk. Every product is exact (dyadic values), lse is below half an ulp of the scores."""
+    and dq, dk. Every product is exact (dyadic values), lse is below half an ulp of the scores.
+    hidden > 0: keys 0..hidden-1 at score 0 (as heavy as key 64: a mask must hide them), key
+    hidden + 2 in key 0's place (keys hidden, hidden + 1 at -1000 c: a window's edge)."""
     e = np.eye(max(D, DV))
     gap_a = -16.0 - np.arange(Hkv)
     gap_b = -16.5 - np.arange(Hkv)[::-1]
+    probe = hidden + 2 if hidden else 0
     k = np.zeros((1, Hkv, 66, D))
-    k[0, :, 1:64] = -1000.0 * e[0, :D]
-    k[0, :, 0] = gap_a[:, None] * e[0, :D]
+    k[0, :, hidden:64] = -1000.0 * e[0, :D]
+    k[0, :, probe] = gap_a[:, None] * e[0, :D]
     k[0, :, 65] = gap_b[:, None] * e[0, :D]
     c = 1.0 + 0.125 * np.arange(G)
     q = np.broadcast_to((c[:, None] * e[0, :D])[None, None, :, None, :], (1, Hkv, G, 3, D)).copy()
     v = np.zeros((1, Hkv, 66, DV))
-    v[0, :, 0], v[0, :, 64], v[0, :, 65] = e[0, :DV], e[1, :DV], e[2, :DV]
+    v[0, :, probe], v[0, :, 64], v[0, :, 65] = e[0, :DV], e[1, :DV], e[2, :DV]
     do = np.zeros((1, Hkv, G, 3, DV))
     do[..., 0, :], do[..., 1, :], do[..., 2, :] = e[3, :DV], e[4, :DV], e[0, :DV]
     return tuple(a.astype(F32) for a in (q, k, v, do))
@@ -502,11 +505,17 @@ def test_probabilities_within_ulps_of_expf(backend, fast):
     _, ctx = ops.causal_attention_forward(*(a.astype(np.float64) for a in (q, k_, v)), scale=1.0, blocked=False)
     want = ops.causal_attention_backward(do.astype(np.float64), ctx)
     assert want_o[..., 2, 0].max() > 1e-12 and want[2][:, :, 0, 0].min() > 1e-12  # the probes are not 0
-    for name, got, w in zip(("o", "dq", "dk", "dv"), (o, *grads), (want_o, *want)):
-        got = backend.host(got).astype(np.float64)
-        bad = np.abs(got - w) > 8 * ulp(w, F32) + 2.0 ** -140
+    assert_probes_within_ulps(backend, (o, *grads), (want_o, *want))
+
+
+def assert_probes_within_ulps(backend, got, want):
+    """o, dq, dk, dv (device) element by element within 8 float32 ulps (+ 2^-140) of the float64
+    `want` on exp_probe_inputs."""
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        g = backend.host(g).astype(np.float64)
+        bad = np.abs(g - w) > 8 * ulp(w, F32) + 2.0 ** -140
         assert not bad.any(), (f"{name}: {int(bad.sum())} elements off by more than 8 ulps, e.g. "
-                               f"{got[bad][:3]} vs {w[bad][:3]}")
+                               f"{g[bad][:3]} vs {w[bad][:3]}")
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])

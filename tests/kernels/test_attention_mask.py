@@ -27,8 +27,9 @@ from cutp.kernels import KernelArgumentError
 from cutp.kernels.attention import mask_band
 from cutp.ops.dropout import dropout_mask
 
-from .helpers import BF16, DT_IDS, DTYPES, F32
-from .test_attention import TOL, attention_inputs, fused_attention, normwise_error  # noqa: F401 (a fixture)
+from .helpers import BF16, CUDA_ULPS, DT_IDS, DTYPES, F32, float32_formula_bound
+from .test_attention import (TOL, assert_probes_within_ulps, attention_inputs, exp_probe_inputs,  # noqa: F401
+                             fused_attention, normwise_error)  # (fused_attention: a fixture)
 
 f64 = np.float64
 
@@ -194,6 +195,53 @@ def test_the_mask_rule_on_the_kernels(backend, k, dtype, name):
 def test_the_mask_rule_under_each_schedule(backend, ks, dtype):
     """The checked build under each thread schedule (the documents' shared ids: races, bounds)."""
     assert_close(*run_case(ks, backend, "documents-ring-tile", dtype), dtype)
+
+
+# ---- element by element (issue 42: float32 within ulps, as expf gives them) --------------------------
+@pytest.mark.parametrize("mask_kw", [dict(window=26), dict(documents=(np.ones((1, 3), np.int32), np.repeat(
+    np.array([[0, 1]], np.int32), [38, 28], axis=1)))], ids=["window", "documents"])
+def test_masked_probabilities_within_ulps_of_expf(backend, k, mask_kw):
+    """exp_probe_inputs with keys 0..37 as heavy as the row's max, hidden from the three query rows
+    (63, 64, 65) by a window of 26 or by their document: o, dq, dk, dv element by element within 8
+    ulps of the float64 rule (the hidden keys' dk, dv exactly 0), through the window's and the
+    documents' code (first visible key, tile bounds, document ids in shared memory)."""
+    q, k_, v, do = exp_probe_inputs(1, 1, 64, 64, hidden=38)
+    mask = reference_mask(1, 3, 66, window=mask_kw.get("window"), documents=mask_kw.get("documents"))
+    assert not mask[..., :38].any() and mask[..., 40:64].all()
+    o, lse, grads = run_kernels(k, backend, q, k_, v, do, 1.0, mask_kw, (0.0, 0, 0))
+    o_ref, _, want = reference(q, k_, v, do, 1.0, mask)
+    assert o_ref[..., 2, 0].min() > 1e-12 and want[2][:, :, 40, 0].min() > 1e-12  # the probes are not 0
+    assert_probes_within_ulps(backend, (o, *grads), (o_ref, *want))
+
+
+def test_soft_capped_probabilities_within_their_float32_bound(backend, k):
+    """Soft-capped scores x = cap tanhf(s / cap), cap 10, over one key tile (its max the row's, no
+    rescale): each probability over its row's largest, exp(x_j - x_max) free of the row's sum,
+    element by element within the first-order bound of its float32 evaluation (s / cap and cap t
+    rounded, tanhf's and expf's 2 ulps, the two divisions by l). Scores q.k exact (dyadic, one
+    dimension) from -32 to 31; v one-hot, so o[i, j] is p_ij. A fast tanh (__tanhf, ~2^-11
+    relative) moves a capped score by up to ~5e-3, far past the bound."""
+    T, cap = 64, 10.0
+    c, s = 1.0 + np.arange(T) / 64.0, np.arange(T) / 2.0 - 16.0
+    q, k_ = np.zeros((1, 1, 1, T, 64), F32), np.zeros((1, 1, T, 64), F32)
+    q[..., 0], k_[..., 0] = c, s
+    v = np.eye(T, dtype=F32)[None, None]
+    o, _ = k.attention_forward(*(backend.to_device(a) for a in (q, k_, v)), 1.0, softcap=cap)
+    o = backend.host(o)[0, 0, 0].astype(f64)
+    assert not o[np.triu_indices(T, 1)].any()  # the causal mask: exact zeros
+    rows, cols = np.tril_indices(T)
+    raw = np.outer(c, s)  # exact in float32; the row's max at its diagonal key (s increases)
+
+    def formula(r, raw_j, raw_max):
+        def capped(x):
+            return r(cap * r(np.tanh(r(x / cap)), CUDA_ULPS["tanhf"]))
+        return r(r(np.exp(r(capped(raw_j) - capped(raw_max))), CUDA_ULPS["expf"]) / 3.0) / r(1.0 / 3.0)
+
+    exact, bound = float32_formula_bound(formula, raw[rows, cols], raw[rows, rows])
+    err, allowed = np.abs(o[rows, cols] / o[rows, rows] - exact), 1.25 * bound + 2.0 ** -140
+    worst = int(np.argmax(err / allowed))
+    assert err[worst] <= allowed[worst], (f"p / p_max of row {rows[worst]}, key {cols[worst]}: off by {err[worst]:.3g}, "
+                                          f"allowed {allowed[worst]:.3g}")
 
 
 # ---- skipped, not masked ----------------------------------------------------------------------------

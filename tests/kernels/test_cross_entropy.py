@@ -14,7 +14,8 @@ import pytest
 from cutp import ops
 from cutp.kernels import KernelArgumentError
 
-from .helpers import BF16, DT_IDS, DTYPES, F32, assert_within_ulps, close, gpu_sized, randn, rng
+from .helpers import (BF16, DT_IDS, DTYPES, F32, assert_within_float32_bound, assert_within_ulps, close, gpu_sized,
+                      late_max_row, randn, rng)
 
 CE_CASES = [
     # N, W, n_valid
@@ -330,3 +331,16 @@ def test_cross_entropy_offsets_beyond_2_31_elements(backend, k):
     close(logits[-3:], ref, dtype, atol=1e-12 if dtype == F32 else 1e-7)
     del logits, m, se, tl, t, scale
     cp.get_default_memory_pool().free_all_blocks()
+
+
+def test_ce_float32_sum_with_a_late_max_within_its_bound(backend, k):
+    """The running sum's rescale: every one of a 1024-thread block's threads reads 1024 zero logits,
+    then its row maximum a = 5.545 (helpers.late_max_row), and rescales its sum by expf(-a); sum_exp
+    within the first-order bound of that float32 evaluation (expf's 2 ulps, the roundings' half
+    ulps). A fast exp there (__expf: 8 ulps at this argument, its documented bound, which the
+    emulator draws) moves it by ~13 x 2^-24, past the ~7 allowed."""
+    row, s, bound = late_max_row(1024, 1024)
+    assert k._row_block(row.size, F32) == 1024  # the layout assumed
+    out = k.ce_shard_forward(backend.to_device(row[None]), backend.to_device(np.zeros(1, np.int64)), row.size)
+    assert backend.host(out[0])[0] == row.max()
+    assert_within_float32_bound(backend.host(out[1]), s, bound, "sum_exp")

@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from cutp import ops
+from cutp.kernels.softmax import SOFTMAX_WARP_ROW_MAX
 
-from .helpers import DT_IDS, DTYPES, F32, assert_within_ulps, bits, close, randn, rng
+from .helpers import (DT_IDS, DTYPES, F32, assert_within_float32_bound, assert_within_ulps, bits, close, late_max_row,
+                      randn, rng)
 
 SOFTMAX_CASES = [
     # shape, causal, scale
@@ -137,3 +139,18 @@ def test_softmax_is_deterministic(backend):
     ys = [kk.softmax_forward(x, 0.7) for kk in backend.launchers_for_determinism()]
     for y in ys[1:]:
         np.testing.assert_array_equal(bits(y), bits(ys[0]))
+
+
+def test_float32_sum_with_a_late_max_within_its_bound(backend, k):
+    """The running sum's rescale: every one of a 512-thread block's threads reads 1024 zeros, then
+    its row maximum a = 5.545 (helpers.late_max_row), and rescales its sum by expf(-a); the maximum's
+    probability 1 / S within the first-order bound of that float32 evaluation (expf's 2 ulps, the
+    roundings' half ulps). A fast exp there (__expf: 8 ulps at this argument, its documented
+    bound, which the emulator draws) moves S by ~13 x 2^-24, past the ~8 allowed."""
+    row, p_max, bound = late_max_row(512, 1024, out=lambda r, s: r(1.0 / s))
+    assert k._row_shape(row.size, F32, SOFTMAX_WARP_ROW_MAX, max_threads=512)[1] == (512,)  # the layout assumed
+    y = backend.host(k.softmax_forward(backend.to_device(row[None])))[0]
+    top = row == row.max()
+    assert_within_float32_bound(y[top], np.full(int(top.sum()), p_max[0]), np.full(int(top.sum()), bound[0]),
+                                "p of the row max")
+    assert not y[row == -np.inf].any()
