@@ -359,10 +359,13 @@ KNOWN_SYNCS = {
         "MoE with several micro-batches: the counting pass's tallies of every MoE layer, one read per step",
     "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe_dispatch.py in dispatch)":
         "expert parallelism: the sent and received row counts of the all-to-all (they size its buffers), one read",
+    "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe.py in _experts_forward)":
+        "MoE without expert parallelism: each expert's row count (they bound the grouped pass's GEMMs), one read",
 }
-# read at most once per step: all but the all-to-all's counts (once per MoE layer and forward);
+# read at most once per step: all but the row counts (once per MoE layer and forward: the all-to-all's
+# at ep > 1, the grouped pass's at ep 1);
 # a step without MoE layers reads only the loss, the norm and the step's end
-ONCE_PER_STEP = [k for k in KNOWN_SYNCS if "moe_dispatch" not in k]
+ONCE_PER_STEP = [k for k in KNOWN_SYNCS if "moe_dispatch" not in k and "_experts_forward" not in k]
 DENSE = [k for k in KNOWN_SYNCS if "moe" not in k]
 
 

@@ -111,6 +111,7 @@ def test_host_syncs_per_step_are_the_known_ones():
     proc = run_device(4, "tests.device_path.harness:worker_syncs",
                       [["gpt2", "float32", {"tp": 2, "dp": 2}, {}], ["llama", "float32", {"tp": 2, "dp": 2}, OVERLAP],
                        ["mixtral", "float32", {"tp": 2, "dp": 2, "ep": 2}, {}], ["gpt2", "float32", {"pp": 2, "dp": 2}, {"micro_batch_size": 1}],
+                       ["mixtral", "float32", {"tp": 2, "dp": 2}, {}],  # (ep 1: the grouped pass's row counts)
                        # two micro-batches: the counting pass, and the routing statistics of 2 x 2 forwards read once
                        ["mixtral", "float32", {"tp": 2, "dp": 2, "ep": 2}, {"micro_batch_size": 1}]])
     print(proc.stdout)
