@@ -87,6 +87,13 @@ def test_a_device_checkpoint_loads_on_the_cpu_and_back_bit_for_bit(tmp_path):
     assert "same bits" in proc.stdout
 
 
+def test_a_zero3_device_checkpoint_loads_on_the_cpu_and_back_bit_for_bit(tmp_path):
+    """ZeRO-3 (each rank's parameter shards, gathered to save) at tp2 x dp2 with its overlap."""
+    proc = run_device(4, "tests.device_path.harness:worker_checkpoint", str(tmp_path), "llama", "float32",
+                      {"tp": 2, "dp": 2}, ZERO3)
+    assert "same bits" in proc.stdout
+
+
 PLANTED = {  # the bug, the layout it shows in, what the failure must say
     "missing event wait": (4, ["llama", "float32", {"tp": 2, "dp": 2}, OVERLAP],
                            ["RaceError", "does not wait for", "cutp/comm/nccl.py", "cutp/optim/buckets.py"]),
