@@ -13,6 +13,8 @@ import importlib.util
 import os
 import sys
 
+sys._cutp_device_shim = True  # (tools/coverage_run.py's root sitecustomize: loaded, not again)
+
 # cutp's functions after which the process may end by MPI_Abort (or the launcher's SIGKILL that
 # follows it): {module: names}; the data collected until the call is saved first (what runs after
 # it, MPI_Abort's own lines, stays unmeasured: tools/coverage_report.py lists them apart)
