@@ -9,6 +9,10 @@ device_path"``) and coverage started in every Python process, MPI ranks included
 to OUT/parts/NAME; a part that finished leaves OUT/parts/NAME/done (its exit status and time), and
 a later run skips it: an interrupted `make coverage` resumes where it stopped (`--fresh` starts
 over). tools/coverage_report.py combines every part's data.
+
+Tests that start a process with ``PYTHONPATH`` set to the checkout alone (the CLI's and the
+failure paths' tests) drop the shim's directory; for the run, a ``sitecustomize.py`` at the
+checkout's root (`ROOT_HOOK`, git-ignored, removed at the end) loads the shim there too.
 """
 from __future__ import annotations
 
@@ -25,6 +29,18 @@ TESTS = os.path.join(ROOT, "tests")
 SHIM = os.path.join(TESTS, "device_path", "shim")
 TOP = "top"  # the test files directly in tests/
 FINISHED = (0, 1, 5)  # pytest's exit statuses of a run that went through (5: nothing collected)
+ROOT_HOOK = os.path.join(ROOT, "sitecustomize.py")
+ROOT_HOOK_TEXT = '''# Written by tools/coverage_run.py for the run of `make coverage`, removed after it (git-ignored):
+# a test process whose PYTHONPATH is the checkout alone loads the coverage shim all the same.
+import importlib.util
+import os
+import sys
+
+if not getattr(sys, "_cutp_device_shim", False) and os.environ.get("COVERAGE_PROCESS_START"):
+    _spec = importlib.util.spec_from_file_location("_cutp_device_shim", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "tests", "device_path", "shim", "sitecustomize.py"))
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+'''
 
 
 def parts() -> dict[str, list[str]]:
@@ -90,13 +106,21 @@ def main(argv=None) -> int:
             print(f"{n:16s} {'done ' + open(marker).read() if os.path.exists(marker) else 'to run'}")
         return 0
     failed = []
-    for n in chosen:
-        marker = os.path.join(out, "parts", n, "done")
-        if os.path.exists(marker):
-            print(f"[coverage] {n}: done before, kept ({marker})", flush=True)
-            continue
-        if run_part(n, table[n], out, extra)["rc"] != 0:
-            failed.append(n)
+    if os.path.exists(ROOT_HOOK) and open(ROOT_HOOK).read() != ROOT_HOOK_TEXT:
+        print(f"coverage_run: {ROOT_HOOK} exists and is not this tool's; move it away first")
+        return 2
+    with open(ROOT_HOOK, "w") as f:
+        f.write(ROOT_HOOK_TEXT)
+    try:
+        for n in chosen:
+            marker = os.path.join(out, "parts", n, "done")
+            if os.path.exists(marker):
+                print(f"[coverage] {n}: done before, kept ({marker})", flush=True)
+                continue
+            if run_part(n, table[n], out, extra)["rc"] != 0:
+                failed.append(n)
+    finally:
+        os.remove(ROOT_HOOK)
     if failed:
         print(f"[coverage] parts with failing tests (their lines are still counted; exit 2-4: not finished, run again): {', '.join(failed)}")
     return 0

@@ -14,14 +14,13 @@ with the tokens x top-k x hidden bytes beside it (what O(tokens x k) means here)
 """
 from __future__ import annotations
 
-import tracemalloc
-
 import numpy as np
 
 import cutp
 from ..optim.flat import FlatParameters
 from ..tensor_parallel.moe import MoEMLP
 from ..tensor_parallel.transformer import ParallelMLP
+from ..train.memory import ActivationPeak
 from ..train.reporting import Report, human_bytes
 from .common import time_cpu
 
@@ -38,18 +37,11 @@ def add_arguments(p) -> None:
 
 
 def _peak(ctx, fn) -> int:
-    """Bytes allocated at the peak of one fn() beyond what was allocated before it."""
-    if ctx.device == "cuda":
-        pool = ctx.xp.get_default_memory_pool()
-        before = pool.used_bytes()
+    """Bytes allocated at the peak of one fn() beyond what was allocated before it (on a GPU the
+    pool's used bytes at each allocation: its total_bytes also counts blocks cached by earlier calls)."""
+    with ActivationPeak(ctx) as peak:
         fn()
-        return int(pool.total_bytes() - before)
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    return peak.bytes
 
 
 def run(args) -> Report:

@@ -657,7 +657,7 @@ class ShapeOnly:
         return self._new(a.shape if axis is not None else (a.size,), dtype or a.dtype)
 
     def count_nonzero(self, a, axis=None):
-        return self.asarray(a).astype(np.int64).sum(axis=axis)
+        return (self.asarray(a) != 0).astype(np.int64).sum(axis=axis)  # (known values: counted, not summed)
 
     # ---- shapes --------------------------------------------------------------------------------
     def reshape(self, a, shape):

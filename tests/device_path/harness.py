@@ -286,9 +286,10 @@ def _tensors(directory: str) -> dict:
     return out
 
 
-def worker_checkpoint(tmp, family, dtype):
+def worker_checkpoint(tmp, family, dtype, layout=None, extra=None):
     """A checkpoint saved on the device path loads on the NumPy path bit for bit, and the NumPy
-    path's save of it loads on the device path bit for bit; the files hold the same tensors."""
+    path's save of it loads on the device path bit for bit; the files hold the same tensors
+    (at `layout` with `extra` settings: tp 2 by default)."""
     from mpi4py import MPI
 
     from cutp.bench.model import random_tokens
@@ -296,19 +297,21 @@ def worker_checkpoint(tmp, family, dtype):
 
     comm, data = MPI.COMM_WORLD, random_tokens(61, 4096, 0)
     dev_dir, cpu_dir = os.path.join(tmp, "device"), os.path.join(tmp, "cpu")
-    run = build_run(run_config(family, dtype, "cuda", {"tp": 2}, out=dev_dir), comm, dataset=data)
+    layout, extra = layout or {"tp": 2}, extra or {}
+    run = build_run(run_config(family, dtype, "cuda", layout, out=dev_dir, **extra), comm, dataset=data)
     for _ in range(2):
         train_step(run)
     saved = save(run)
     dev = _host_params(run)
     run.close()
-    run = build_run(run_config(family, dtype, "cpu", {"tp": 2}, resume=saved, resumed_step=2, out=cpu_dir, overwrite=True), comm,
-                    dataset=data)
+    run = build_run(run_config(family, dtype, "cpu", layout, resume=saved, resumed_step=2, out=cpu_dir, overwrite=True,
+                               **extra), comm, dataset=data)
     _same_bits(_host_params(run), dev, "device checkpoint loaded on the CPU")
     run.last_saved = None
     saved_cpu = save(run)
     run.close()
-    run = build_run(run_config(family, dtype, "cuda", {"tp": 2}, resume=saved_cpu, resumed_step=2), comm, dataset=data)
+    run = build_run(run_config(family, dtype, "cuda", layout, resume=saved_cpu, resumed_step=2, **extra), comm,
+                    dataset=data)
     _same_bits(_host_params(run), dev, "the CPU's checkpoint loaded back on the device")
     run.close()
     comm.Barrier()
@@ -359,10 +362,13 @@ KNOWN_SYNCS = {
         "MoE with several micro-batches: the counting pass's tallies of every MoE layer, one read per step",
     "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe_dispatch.py in dispatch)":
         "expert parallelism: the sent and received row counts of the all-to-all (they size its buffers), one read",
+    "cutp/runtime/backend.py in to_numpy (from cutp/tensor_parallel/moe.py in _experts_forward)":
+        "MoE without expert parallelism: each expert's row count (they bound the grouped pass's GEMMs), one read",
 }
-# read at most once per step: all but the all-to-all's counts (once per MoE layer and forward);
+# read at most once per step: all but the row counts (once per MoE layer and forward: the all-to-all's
+# at ep > 1, the grouped pass's at ep 1);
 # a step without MoE layers reads only the loss, the norm and the step's end
-ONCE_PER_STEP = [k for k in KNOWN_SYNCS if "moe_dispatch" not in k]
+ONCE_PER_STEP = [k for k in KNOWN_SYNCS if "moe_dispatch" not in k and "_experts_forward" not in k]
 DENSE = [k for k in KNOWN_SYNCS if "moe" not in k]
 
 

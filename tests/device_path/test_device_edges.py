@@ -13,6 +13,9 @@
 - `cutp bench kernels --device cuda` (every op, float32 and bfloat16, tiny shapes): each CUDA
   kernel variant agrees with its CuPy reference, and the GPU timing path (events, the copy
   bandwidth) runs;
+- `python -m cutp.bench.gemm` (the step's GEMMs timed in bfloat16, float32 and TF32, cuBLAS
+  against `cupy.matmul`) and `cutp bench moe --device cuda` (the memory pool's peak of each path)
+  at tiny sizes;
 - `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
   abort, a host array refused, and a unique id whose making failed on the first rank reported on
   every rank.
@@ -206,3 +209,39 @@ def test_kernel_benchmarks_check_every_variant_on_the_device_path(tmp_path):
     bad = [(r["op"], r["dtype"], r["shape"], r["check"]) for r in rows if not r["check"].startswith(("ok", "ref"))]
     assert not bad, bad
     assert report["copy"]["gbs"] > 0
+
+
+def _benches_on_the_device(out):
+    """(In a process with the stand-in as CuPy) the GEMM benchmark and the MoE one on the GPU path."""
+    from cutp import ops
+    from cutp.bench import gemm
+    from cutp.bench.__main__ import main
+
+    tf32 = ops.tf32_allowed()
+    assert gemm.main(["--preset", "tiny", "--tokens", "16", "--repeat", "1", "--warmup", "0",
+                      "--json", os.path.join(out, "gemm.json")]) == 0
+    assert ops.tf32_allowed() == tf32  # (restored after the TF32 pass)
+    assert main(["moe", "--device", "cuda", "--tokens", "16", "--hidden", "8", "--experts", "4", "--expert-width",
+                 "4", "--top-k", "2", "--repeat", "1", "--quiet", "--json", os.path.join(out, "moe.json")]) == 0
+
+
+@pytest.mark.usefixtures("emulated_kernels")
+def test_gemm_and_moe_benchmarks_on_the_device_path(tmp_path):
+    from cutp.bench.gemm import LABELS, step_gemms
+    from cutp.models import GPTConfig
+
+    proc = subprocess.run([sys.executable, "-c", "import sys; from tests.device_path.test_device_edges import "
+                           "_benches_on_the_device as f; f(sys.argv[1])", str(tmp_path)],
+                          env=dict(os.environ, **device_env()), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("GEMMs of a tiny step, 16 tokens, tp 1, on ") and all(
+        f"  {label}: " in proc.stdout for label in LABELS), proc.stdout
+    g = json.loads((tmp_path / "gemm.json").read_text())
+    names = [x.name for x in step_gemms(GPTConfig.preset("tiny"), 16, 1)]
+    assert [x["name"] for x in g["gemms"]] == names
+    assert all(list(g["per_gemm"][label]) == names for label in ("bfloat16", "float32", "float32+tf32"))
+    moe = json.loads((tmp_path / "moe.json").read_text())
+    assert moe["meta"]["device"] == "cuda"
+    peaks = {r["path"]: r["peak"] for r in moe["tables"]["moe"]["rows"]}
+    # the pool's peak of each forward + backward (its used bytes at each allocation: never 0 B)
+    assert set(peaks) == {"dense SwiGLU", "grouped experts"} and all(float(p.split()[0]) > 0 for p in peaks.values())

@@ -87,6 +87,13 @@ def test_a_device_checkpoint_loads_on_the_cpu_and_back_bit_for_bit(tmp_path):
     assert "same bits" in proc.stdout
 
 
+def test_a_zero3_device_checkpoint_loads_on_the_cpu_and_back_bit_for_bit(tmp_path):
+    """ZeRO-3 (each rank's parameter shards, gathered to save) at tp2 x dp2 with its overlap."""
+    proc = run_device(4, "tests.device_path.harness:worker_checkpoint", str(tmp_path), "llama", "float32",
+                      {"tp": 2, "dp": 2}, ZERO3)
+    assert "same bits" in proc.stdout
+
+
 PLANTED = {  # the bug, the layout it shows in, what the failure must say
     "missing event wait": (4, ["llama", "float32", {"tp": 2, "dp": 2}, OVERLAP],
                            ["RaceError", "does not wait for", "cutp/comm/nccl.py", "cutp/optim/buckets.py"]),
@@ -111,6 +118,7 @@ def test_host_syncs_per_step_are_the_known_ones():
     proc = run_device(4, "tests.device_path.harness:worker_syncs",
                       [["gpt2", "float32", {"tp": 2, "dp": 2}, {}], ["llama", "float32", {"tp": 2, "dp": 2}, OVERLAP],
                        ["mixtral", "float32", {"tp": 2, "dp": 2, "ep": 2}, {}], ["gpt2", "float32", {"pp": 2, "dp": 2}, {"micro_batch_size": 1}],
+                       ["mixtral", "float32", {"tp": 2, "dp": 2}, {}],  # (ep 1: the grouped pass's row counts)
                        # two micro-batches: the counting pass, and the routing statistics of 2 x 2 forwards read once
                        ["mixtral", "float32", {"tp": 2, "dp": 2, "ep": 2}, {"micro_batch_size": 1}]])
     print(proc.stdout)

@@ -206,6 +206,16 @@ class _Generator:
         return draw
 
 
+_LEGACY = np.random.default_rng(0)  # (CuPy's module-level draws: its global RandomState)
+
+
+def _standard_normal(size=None, dtype=float):
+    """cupy.random.standard_normal: float32 and float64 only, as CuPy's generator refuses others."""
+    if np.dtype(dtype) not in (np.float32, np.float64):
+        raise TypeError("cupy.random only supports float32 and float64")
+    return wrap(np.asarray(_LEGACY.standard_normal(size, dtype=np.dtype(dtype).type)))
+
+
 def _erf(x):
     v = np.frompyfunc(math.erf, 1, 1)(x._a.astype(np.float64)).astype(x.dtype)
     tracking.access([x._a], "r")
@@ -243,7 +253,7 @@ def build() -> dict[str, types.ModuleType]:
         alloc=tracking.alloc, set_allocator=tracking.set_allocator, get_allocator=tracking.get_allocator,
         using_allocator=tracking.using_allocator, runtime=runtime_m, nvrtc=nvrtc_m, nccl=nccl_m, cublas=cublas_m,
         memory=memory, is_available=lambda: True)
-    random_m = _module("cupy.random", default_rng=_Generator, Generator=_Generator)
+    random_m = _module("cupy.random", default_rng=_Generator, Generator=_Generator, standard_normal=_standard_normal)
     stride_m = _module("cupy.lib.stride_tricks", as_strided=_as_strided)
     lib_m = _module("cupy.lib", stride_tricks=stride_m)
     fns = {name: _function(name) for name in FUNCTIONS if hasattr(np, name)}
