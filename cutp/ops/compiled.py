@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from cutp import kernels as _kernel_package
+from cutp.runtime.backend import get_array_module, on_host
 
 SOURCE_DIR = Path(_kernel_package.__file__).resolve().parent / "cpu"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
@@ -144,6 +145,28 @@ def library(name: str, symbols=()) -> ctypes.CDLL | None:
 
 
 # ---- calling ------------------------------------------------------------------------------------
+def host_library(name: str, symbols, *arrays) -> ctypes.CDLL | None:
+    """The library of ``kernels/cpu/<name>.c`` when ``arrays`` are C-contiguous host arrays (NumPy,
+    or the planner's shape-only ones: their ops book the same buffers and make no call) of one
+    dtype, float32 or float64; else None (the op's array code runs)."""
+    dtype = arrays[0].dtype
+    if suffix(dtype) is None or any(a.dtype != dtype or not a.flags.c_contiguous for a in arrays):
+        return None
+    if not on_host(get_array_module(*arrays)):
+        return None
+    return library(name, symbols)
+
+
+def entry(lib, name: str, dtype):
+    """The entry point ``<name>_f32`` / ``_f64`` of ``lib`` for ``dtype``."""
+    return getattr(lib, f"{name}_{suffix(dtype)}")
+
+
+def pointers(*arrays):
+    """ctypes pointers to the arrays' data (None: a NULL pointer)."""
+    return [ctypes.c_void_p(None) if a is None else ctypes.c_void_p(a.ctypes.data) for a in arrays]
+
+
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 _REAL = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
 

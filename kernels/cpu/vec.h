@@ -85,3 +85,12 @@ static inline VEC SUF(exp_vec)(VEC x) {
 #endif
     return (VEC)((IVEC)(p * (VEC)two_n) & ~hidden);
 }
+
+/* the first m (< VL) lanes of p, the rest zero / store only the first m lanes: a row's tail */
+static inline VEC SUF(load_n)(const REAL *p, int64_t m) {
+    VEC v = {0};
+    memcpy(&v, p, sizeof(REAL) * m);
+    return v;
+}
+
+static inline void SUF(store_n)(REAL *p, VEC v, int64_t m) { memcpy(p, &v, sizeof(REAL) * m); }

@@ -7,11 +7,13 @@ one line, the NumPy path).
 Tolerances: a kernel and its reference sum the same terms in other orders (and the kernels
 contract a * b + c into one rounding). The error of a sum of n terms is at most ~n eps, typically
 ~sqrt(n) eps, so normwise relative differences within 64 eps cover the sums of <= 64 terms here
-(rows of <= 50 keys, head dims <= 16)."""
+(rows of <= 50 keys, head dims <= 16; the elementwise ops' few roundings: a few eps)."""
 import numpy as np
 import pytest
 
 import cutp.ops.attention as attention_op
+import cutp.ops.gelu as gelu_op
+import cutp.ops.swiglu as swiglu_op
 from cutp.ops import causal_attention_backward, causal_attention_forward, compiled
 from tests.gradcheck import check_gradients
 
@@ -26,7 +28,8 @@ IDS = [f"B{b}-nkv{h}-g{g}-Tq{tq}-Tk{tk}-hd{d}" for b, h, g, tq, tk, d in SHAPES]
 
 
 def normwise(a, b):
-    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-300))
+    a, b = (np.asarray(v, np.float64).ravel() for v in (a, b))  # (float32 squares of 1e34 overflow)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 def qkv_views(shape, dtype, seed=0):
@@ -121,6 +124,69 @@ def test_the_kernels_exp_is_within_one_ulp_of_the_true_exp(dtype, lo):
     out = np.empty_like(edge)
     fn(compiled.ptr(edge), compiled.ptr(out), *compiled.int64s(edge.size))
     assert out[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(out[3])
+
+
+# ---- GeLU and SwiGLU (kernels/cpu/activations.c) -------------------------------------------------
+ACT = compiled.library("activations", gelu_op._GELU_SYMBOLS + swiglu_op._SYMBOLS)
+needs_activations = pytest.mark.skipif(ACT is None, reason="the compiled CPU kernels are not built here (no C "
+                                                           "compiler or CUTP_CPU_KERNELS=0): the NumPy path runs")
+
+
+def numpy_path(monkeypatch, fn):
+    """fn() on the NumPy reference path (the compiled kernels off for the call)."""
+    monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
+    monkeypatch.setattr(compiled, "_said", {"CUTP_CPU_KERNELS=0: the CPU ops run their NumPy code"})
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv("CUTP_CPU_KERNELS")
+
+
+@needs_activations
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows,cols", [(37, 53), (1, 7), (300, 520)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_compiled_gelu_equals_the_numpy_path(rows, cols, dtype, bias, monkeypatch):
+    """Forward, the kept tanh, dx and db (summed over the row blocks in order) of the tanh form; x
+    spread to where tanh saturates (|x| up to ~12)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((rows, cols)) * 4).astype(dtype)
+    b = rng.standard_normal(cols).astype(dtype)
+    dy = rng.standard_normal((rows, cols)).astype(dtype)
+
+    def run():
+        if bias:
+            y, ctx = gelu_op.bias_gelu_forward(x, b)
+            return (y, ctx.tanh) + tuple(gelu_op.bias_gelu_backward(dy, ctx))
+        y, ctx = gelu_op.gelu_forward(x)
+        return y, ctx.tanh, gelu_op.gelu_backward(dy, ctx)
+
+    ours, ref = run(), numpy_path(monkeypatch, run)
+    assert ref[1] is None or not bias or ref[1].shape == x.shape
+    eps = np.finfo(dtype).eps
+    for what, a, r in zip(("y", "tanh", "dx", "db"), ours, ref):
+        if r is None:  # (the NumPy gelu_forward keeps no tanh; the compiled one does: np.tanh is the reference)
+            r = np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))
+        assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (what, normwise(a, r))
+
+
+@needs_activations
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows,F", [(37, 53), (1, 3), (300, 392)])
+def test_compiled_swiglu_equals_the_numpy_path(rows, F, dtype, monkeypatch):
+    """Forward, the kept exp(-gate) and both halves of the backward; gates out to +-100 (the clamp)."""
+    rng = np.random.default_rng(1)
+    gate_up = (rng.standard_normal((rows, 2 * F)) * 6).astype(dtype)
+    gate_up[0, 0], gate_up[-1, 0] = -100, 100
+    dy = rng.standard_normal((rows, F)).astype(dtype)
+
+    def run():
+        y, ctx = swiglu_op.swiglu_forward(gate_up)
+        return y, ctx.exp_neg, swiglu_op.swiglu_backward(dy, ctx)
+
+    eps = np.finfo(dtype).eps
+    for what, a, r in zip(("y", "exp(-gate)", "d"), run(), numpy_path(monkeypatch, run)):
+        assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (what, normwise(a, r))
 
 
 # ---- the loader ---------------------------------------------------------------------------------
