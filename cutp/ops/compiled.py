@@ -115,33 +115,39 @@ def _open(path: Path, symbols) -> ctypes.CDLL | None:
 def library(name: str, symbols=()) -> ctypes.CDLL | None:
     """The loaded library of ``kernels/cpu/<name>.c`` (built into the cache first if needed), or
     None (off, no compiler, a failed build: said once on stderr). ``symbols``: entry points it must
-    export (a cached file without them is built again)."""
+    export (a cached file without them is built again). The ops ask on every call: after the first
+    answer for a name (and the same CC, cache and source directories) a dict lookup."""
     if not enabled():
         _say_once("CUTP_CPU_KERNELS=0: the CPU ops run their NumPy code")
         return None
+    key = (name, os.environ.get("CC"), os.environ.get("XDG_CACHE_HOME"), SOURCE_DIR)
+    try:
+        return _loaded[key]
+    except KeyError:
+        pass
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = _find_or_build(name, symbols)
+    return _loaded[key]
+
+
+def _find_or_build(name: str, symbols) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
         _say_once(f"no C compiler ({os.environ.get('CC') or 'cc'}) found: the CPU ops run their NumPy code "
                   "(install one, or set CC, for the compiled kernels)")
         return None
     path = library_path(name, cc)
-    key = (name, str(path))
-    if key in _loaded:
-        return _loaded[key]
-    with _lock:
-        if key not in _loaded:
-            lib = _open(path, symbols) if path.exists() else None
-            if lib is None:  # absent, or corrupt / half written by a crashed build: build it (again)
-                try:
-                    _build(name, cc, path)
-                    lib = _open(path, symbols)
-                    if lib is None:
-                        raise OSError(f"the built {path} does not load or lacks {', '.join(symbols)}")
-                except OSError as e:
-                    _say_once(f"{e}; the CPU ops run their NumPy code")
-                    lib = None
-            _loaded[key] = lib
-    return _loaded[key]
+    lib = _open(path, symbols) if path.exists() else None
+    if lib is None:  # absent, or corrupt / half written by a crashed build: build it (again)
+        try:
+            _build(name, cc, path)
+            lib = _open(path, symbols)
+            if lib is None:
+                raise OSError(f"the built {path} does not load or lacks {', '.join(symbols)}")
+        except OSError as e:
+            _say_once(f"{e}; the CPU ops run their NumPy code")
+    return lib
 
 
 # ---- calling ------------------------------------------------------------------------------------

@@ -94,3 +94,12 @@ static inline VEC SUF(load_n)(const REAL *p, int64_t m) {
 }
 
 static inline void SUF(store_n)(REAL *p, VEC v, int64_t m) { memcpy(p, &v, sizeof(REAL) * m); }
+
+/* 0, 1, ..., VL - 1 */
+static inline VEC SUF(ramp)(void) {
+#if REAL_IS_DOUBLE
+    return (VEC){0, 1, 2, 3};
+#else
+    return (VEC){0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+}

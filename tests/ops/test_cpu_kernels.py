@@ -13,6 +13,8 @@ import pytest
 
 import cutp.ops.attention as attention_op
 import cutp.ops.gelu as gelu_op
+import cutp.ops.layernorm as layernorm_op
+import cutp.ops.rmsnorm as rmsnorm_op
 import cutp.ops.swiglu as swiglu_op
 from cutp.ops import causal_attention_backward, causal_attention_forward, compiled
 from tests.gradcheck import check_gradients
@@ -189,6 +191,40 @@ def test_compiled_swiglu_equals_the_numpy_path(rows, F, dtype, monkeypatch):
         assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (what, normwise(a, r))
 
 
+# ---- LayerNorm and RMSNorm (kernels/cpu/norms.c) -------------------------------------------------
+NORMS = compiled.library("norms", layernorm_op.NORM_SYMBOLS)
+needs_norms = pytest.mark.skipif(NORMS is None, reason="the compiled CPU kernels are not built here (no C "
+                                                       "compiler or CUTP_CPU_KERNELS=0): the NumPy path runs")
+
+
+@needs_norms
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows,cols", [(37, 53), (3, 5), (600, 768)])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_compiled_norms_equal_the_numpy_path(rows, cols, dtype, affine, monkeypatch):
+    """LayerNorm (weight and bias, or neither; weight without bias) and RMSNorm: y, the statistics,
+    dx and the parameter gradients (each row block's part, added in block order); rows whose mean
+    is far from 0 (LayerNorm's centring matters)."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((rows, cols)) * 2 + 3).astype(dtype)
+    w, b = (rng.standard_normal(cols).astype(dtype) if affine else None for _ in range(2))
+    dy = rng.standard_normal((rows, cols)).astype(dtype)
+
+    def run():
+        y, ln = layernorm_op.layernorm_forward(x, w, b)
+        y_nb, ln_nb = layernorm_op.layernorm_forward(x, w, None)  # (a weight, no bias)
+        z, rms = rmsnorm_op.rmsnorm_forward(x, w)
+        return (y, ln.mean, ln.rstd, *layernorm_op.layernorm_backward(dy, ln), y_nb,
+                *layernorm_op.layernorm_backward(dy, ln_nb), z, rms.rstd, *rmsnorm_op.rmsnorm_backward(dy, rms))
+
+    ours, ref = run(), numpy_path(monkeypatch, run)
+    eps = np.finfo(dtype).eps
+    for i, (a, r) in enumerate(zip(ours, ref)):
+        assert (a is None) == (r is None), i
+        if r is not None:
+            assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (i, normwise(a, r))
+
+
 # ---- the loader ---------------------------------------------------------------------------------
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
@@ -224,6 +260,7 @@ def test_the_cache_builds_once_and_rebuilds_a_corrupt_file(fresh_loader, monkeyp
     assert compiled.library("two", ("two",)).two() == 2 and len(built) == 1
     assert other.read_bytes()[:4] == b"\x7fELF"
     (fresh_loader / "one.c").write_text("int one(void) { return 3; }\n")  # a changed source: another file
+    monkeypatch.setattr(compiled, "_loaded", {})  # (seen by a new process)
     assert compiled.library_path("one", compiled.compiler()) != path
     assert compiled.library("one", ("one",)).one() == 3 and len(built) == 2
 
