@@ -48,6 +48,7 @@ from cutp.kernels import dispatch_views as _attention_kernels
 from cutp.kernels.attention import fused_attention_supported, kernel_layout
 from cutp.runtime.backend import get_array_module, on_host
 
+from . import compiled
 from .common import as_dtype, compute_dtype, parallel_map
 from .dropout import dropout_backward, dropout_forward_rows, dropout_mask
 from .softmax import SoftmaxCtx, softmax_backward, softmax_forward
@@ -82,11 +83,13 @@ class AttentionCtx:
     """
 
     __slots__ = ("q", "k", "v", "softmax", "dropout", "probs", "pieces", "piece_blocks", "o", "lse", "scale",
-                 "kernels", "dropout_args", "rule", "tanh", "fused_mask")
+                 "kernels", "dropout_args", "rule", "tanh", "fused_mask", "packed")
 
     def __init__(self, q, k, v, *, softmax=None, dropout=None, probs=None, pieces=None, piece_blocks=None, o=None,
-                 lse=None, scale=None, kernels=None, dropout_args=None, rule=None, tanh=None, fused_mask=None):
+                 lse=None, scale=None, kernels=None, dropout_args=None, rule=None, tanh=None, fused_mask=None,
+                 packed=None):
         self.q, self.k, self.v = q, k, v
+        self.packed = packed  # the compiled path's probabilities (packed causal rows)
         self.rule, self.tanh = rule, tanh
         self.softmax, self.dropout, self.probs = softmax, dropout, probs
         self.pieces, self.piece_blocks = pieces, piece_blocks
@@ -98,6 +101,11 @@ class AttentionCtx:
     def fused(self) -> bool:
         """Whether the forward ran the fused kernels (the context holds O(T) memory)."""
         return self.lse is not None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the forward ran the compiled CPU kernels (kernels/cpu/attention.c)."""
+        return self.packed is not None
 
     @property
     def blocked(self) -> bool:
@@ -220,11 +228,14 @@ def causal_attention_forward(q, k, v, *, scale=None, dropout_p: float = 0.0, see
             raise ValueError(why)
     xp = get_array_module(q, k, v)
     can_block = on_host(xp) and float(dropout_p) == 0.0 and v.shape[-1] == q.shape[-1]  # (MLA's v: plain)
+    blocked_default = blocked is None
     if blocked is None:
         blocked = can_block
     elif blocked and not can_block:
         raise ValueError("the blocked attention needs NumPy arrays and no dropout (and v's head dim equal to q's)")
     rule = None if plain_rule else (mask, softcap)
+    if blocked and plain_rule and blocked_default and _compiled_library(q, k, v) is not None:
+        return _forward_compiled(q, k, v, scale)
     if blocked:
         return _forward_blocked(q, k, v, scale, rule)
     return _forward_plain(q, k, v, scale, dropout_p, seed, offset, rule)
@@ -253,6 +264,8 @@ def causal_attention_backward(do, ctx: AttentionCtx, *, out=None):
         for dst, grad in zip(out, grads):  # like the plain path: any strides, any dtype
             dst[...] = grad
         return out
+    if ctx.compiled:
+        return _backward_compiled(do, ctx, out)
     if ctx.blocked:
         return _backward_blocked(do, ctx, out)
     return _backward_plain(do, ctx, out)
@@ -457,6 +470,91 @@ def _backward_blocked(do, ctx, out):
         dv_out[bs, hs] = dv
 
     parallel_map(xp, run, range(len(ctx.pieces)))
+    return out
+
+
+# ---- compiled CPU path ---------------------------------------------------------------------------
+# kernels/cpu/attention.c: per KV head, each query row's scores, softmax and output in one pass,
+# keeping the probabilities packed (row i of a head: its Tk - Tq + i + 1 visible keys, nothing
+# above the diagonal) for the backward. Taken by default (blocked=None) for float32 / float64 host
+# arrays whose head dim is contiguous, under the plain causal rule without dropout; the blocked
+# NumPy path above is its reference (blocked=True forces it). The planner's shape-only arrays take
+# this path too (the same buffers booked, no call made), so planned memory equals measured.
+_ATTENTION_SYMBOLS = ("attention_forward_f32", "attention_backward_f32", "attention_forward_f64",
+                      "attention_backward_f64")
+
+
+def _compiled_library(q, k, v):
+    """The compiled attention's library when it takes q, k, v, else None."""
+    if compiled.suffix(q.dtype) is None or not (q.dtype == k.dtype == v.dtype) or not compiled.rows_contiguous(q, k, v):
+        return None
+    return compiled.library("attention", _ATTENTION_SYMBOLS)
+
+
+def _packed_rows(Tq, Tk) -> int:
+    """Probabilities kept per query head: rows of Tk - Tq + 1, ..., Tk keys."""
+    return Tq * (Tk - Tq + 1) + Tq * (Tq - 1) // 2
+
+
+def _kv_head_chunks(n):
+    """[first, last) ranges of the n = B x nkv KV heads for the pool (at most 16: few ctypes calls;
+    the results do not depend on the split)."""
+    step = -(-n // 16)
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _forward_compiled(q, k, v, scale):
+    B, nkv, g, Tq, hd = q.shape
+    Tk = k.shape[2]
+    xp = get_array_module(q)
+    o_tokens = xp.empty((B, Tq, nkv, g, hd), q.dtype)  # token-major, as the blocked path's
+    o = o_tokens.transpose(0, 2, 3, 1, 4)
+    packed = xp.empty((B, nkv, g, _packed_rows(Tq, Tk)), q.dtype)
+    if xp is np:
+        lib = _compiled_library(q, k, v)
+        fn = getattr(lib, "attention_forward_" + compiled.suffix(q.dtype))
+        args = (compiled.ptr(q), compiled.strides(q), compiled.ptr(k), compiled.strides(k), compiled.ptr(v),
+                compiled.strides(v), compiled.ptr(o), compiled.strides(o), compiled.ptr(packed),
+                *compiled.int64s(B, nkv, g, Tq, Tk, hd), compiled.real(q.dtype, scale))
+
+        def run(span):
+            if fn(*args, *compiled.int64s(*span)):
+                raise MemoryError("the compiled attention could not allocate its scratch rows")
+
+        parallel_map(xp, run, _kv_head_chunks(B * nkv))
+    return o, AttentionCtx(q, k, v, scale=scale, packed=packed)
+
+
+def _backward_compiled(do, ctx, out):
+    q, k, v = ctx.q, ctx.k, ctx.v
+    B, nkv, g, Tq, hd = q.shape
+    Tk = k.shape[2]
+    xp = get_array_module(q)
+    do = as_dtype(do, q.dtype)
+    direct = out is not None and all(a.dtype == q.dtype for a in out) and compiled.rows_contiguous(*out)
+    grads = out if direct else tuple(xp.empty(a.shape, q.dtype) for a in (q, k, v))
+    if not compiled.rows_contiguous(do):
+        do = xp.ascontiguousarray(do)
+    if xp is np:
+        fn = getattr(_compiled_library(q, k, v), "attention_backward_" + compiled.suffix(q.dtype))
+        dq, dk, dv = grads
+        args = [compiled.ptr(do), compiled.strides(do)]
+        for a in (q, k, v):
+            args += [compiled.ptr(a), compiled.strides(a)]
+        args.append(compiled.ptr(ctx.packed))
+        for a in (dq, dk, dv):
+            args += [compiled.ptr(a), compiled.strides(a)]
+        args += [*compiled.int64s(B, nkv, g, Tq, Tk, hd), compiled.real(q.dtype, ctx.scale)]
+
+        def run(span):
+            if fn(*args, *compiled.int64s(*span)):
+                raise MemoryError("the compiled attention could not allocate its scratch rows")
+
+        parallel_map(xp, run, _kv_head_chunks(B * nkv))
+    if out is None or direct:
+        return grads
+    for dst, grad in zip(out, grads):
+        dst[...] = grad
     return out
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from cutp.runtime.backend import get_array_module, on_host
 from cutp.kernels import dispatch as _kernels
 
+from . import compiled
 from .common import as_dtype, col_sum, compute_dtype, flat_blocks, parallel_map, row_blocks
 from .erf import erfc
 
@@ -122,6 +123,54 @@ def _blocked(kernel, xp, out_dtype, shape, *arrays):
     return out
 
 
+# ---- compiled CPU path (kernels/cpu/activations.c) ------------------------------------------------
+# The tanh form in one pass per element (the NumPy code above: ~10 passes), for C-contiguous
+# float32 / float64 host arrays; it keeps the tanh for the backward as the fused NumPy path does
+# (the same buffers: planned memory equals measured). The erf form, other dtypes and layouts: NumPy.
+_GELU_SYMBOLS = ("gelu_tanh_forward_f32", "gelu_tanh_backward_f32", "gelu_tanh_forward_f64", "gelu_tanh_backward_f64")
+
+
+def _compiled_gelu(approximate, *arrays):
+    return compiled.host_library("activations", _GELU_SYMBOLS, *arrays) if approximate == "tanh" else None
+
+
+def _gelu_compiled_forward(lib, x2, b):
+    """(y, pre, tanh) [N, C] of x2 [N, C] (+ b [C], or None: pre is x2)."""
+    xp = get_array_module(x2)
+    N, C = x2.shape
+    y, t = xp.empty(x2.shape, x2.dtype), xp.empty(x2.shape, x2.dtype)
+    pre = x2 if b is None else xp.empty(x2.shape, x2.dtype)
+    if xp is np:
+        fn = compiled.entry(lib, "gelu_tanh_forward", x2.dtype)
+        args = compiled.pointers(x2, b, None if b is None else pre, t, y)
+        parallel_map(xp, lambda sl: fn(*args, *compiled.int64s(C, sl.start, sl.stop)), row_blocks(xp, N, C))
+    return y, pre, t
+
+
+def _gelu_compiled_backward(lib, pre2, t2, dy2, with_bias: bool):
+    """(dx [N, C], db [C] or None): db the blocks' column sums added in block order."""
+    xp = get_array_module(pre2)
+    N, C = pre2.shape
+    dx = xp.empty(pre2.shape, pre2.dtype)
+    blocks = row_blocks(xp, N, C)
+    parts = xp.empty((len(blocks), C), pre2.dtype) if with_bias else None
+    if xp is np:
+        fn = compiled.entry(lib, "gelu_tanh_backward", pre2.dtype)
+        args = compiled.pointers(pre2, t2, dy2, dx)
+
+        def run(i):
+            fn(*args, *compiled.pointers(None if parts is None else parts[i]), *compiled.int64s(C, blocks[i].start,
+                                                                                                 blocks[i].stop))
+
+        parallel_map(xp, run, range(len(blocks)))
+    if parts is None:
+        return dx, None
+    db = xp.zeros(C, pre2.dtype)
+    for part in parts:  # in block order
+        db += part
+    return dx, db
+
+
 def gelu_forward(x, approximate: str = "tanh"):
     """GeLU.
 
@@ -137,6 +186,10 @@ def gelu_forward(x, approximate: str = "tanh"):
     if k is not None:
         return k.gelu_forward(x, approximate), GeluCtx(x, approximate)
     xp = get_array_module(x)
+    lib = _compiled_gelu(approximate, x) if x.ndim >= 1 else None
+    if lib is not None:
+        y, _, t = _gelu_compiled_forward(lib, x.reshape(-1, x.shape[-1]), None)
+        return y.reshape(x.shape), GeluCtx(x, approximate, t.reshape(x.shape))
     kernel = _gelu_tanh if approximate == "tanh" else _gelu_erf
     y = _blocked(kernel, xp, x.dtype, x.shape, x)
     return y, GeluCtx(x, approximate)
@@ -151,6 +204,11 @@ def gelu_backward(dy, ctx: GeluCtx):
     k = _kernels(dy, x)
     if k is not None:
         return k.gelu_backward(dy, x, ctx.approximate)
+    if ctx.tanh is not None and _compiled_gelu(ctx.approximate, x, ctx.tanh, dy) is not None:
+        C = x.shape[-1]
+        lib = _compiled_gelu(ctx.approximate, x)
+        dx, _ = _gelu_compiled_backward(lib, x.reshape(-1, C), ctx.tanh.reshape(-1, C), dy.reshape(-1, C), False)
+        return dx.reshape(x.shape)
 
     def kernel(xb, dyb, xp, out):
         return _gelu_grad(xb, dyb, ctx.approximate, xp, out)
@@ -171,6 +229,10 @@ def bias_gelu_forward(x, b, approximate: str = "tanh"):
         y, pre = k.bias_gelu_forward(x, b, approximate)
         return y, GeluCtx(pre, approximate)
     xp = get_array_module(x, b)
+    lib = _compiled_gelu(approximate, x, b) if x.ndim >= 1 and b.shape == x.shape[-1:] else None
+    if lib is not None:
+        y, pre, t = _gelu_compiled_forward(lib, x.reshape(-1, x.shape[-1]), b)
+        return y.reshape(x.shape), GeluCtx(pre.reshape(x.shape), approximate, t.reshape(x.shape))
     cdt = compute_dtype(x.dtype)
     kernel = _gelu_tanh if approximate == "tanh" else _gelu_erf
     C = x.shape[-1]
@@ -208,6 +270,11 @@ def bias_gelu_backward(dy, ctx: GeluCtx):
     k = _kernels(dy, pre)
     if k is not None and dy.shape == pre.shape:
         return k.bias_gelu_backward(dy, pre, ctx.approximate)
+    if ctx.tanh is not None and dy.shape == pre.shape and _compiled_gelu(ctx.approximate, pre, ctx.tanh, dy) is not None:
+        C = pre.shape[-1]
+        lib = _compiled_gelu(ctx.approximate, pre)
+        dx, db = _gelu_compiled_backward(lib, pre.reshape(-1, C), ctx.tanh.reshape(-1, C), dy.reshape(-1, C), True)
+        return dx.reshape(pre.shape), db
     xp = get_array_module(dy, pre)
     cdt = compute_dtype(pre.dtype)
     C = pre.shape[-1]

@@ -14,7 +14,24 @@ from __future__ import annotations
 from cutp.kernels import dispatch as _kernels
 from cutp.runtime.backend import get_array_module, on_host
 
+import numpy as np
+
+from . import compiled
 from .common import as_dtype, compute_dtype, parallel_map, row_blocks
+
+# The compiled CPU path (kernels/cpu/activations.c): forward and backward in one pass per element
+# for C-contiguous float32 / float64 host arrays, keeping exp(-gate) as the NumPy path does (the
+# same buffers); the NumPy code below is its reference.
+_SYMBOLS = ("swiglu_forward_f32", "swiglu_backward_f32", "swiglu_forward_f64", "swiglu_backward_f64")
+
+
+def _run_rows(xp, lib, name, dtype, arrays, N, F):
+    """The kernel ``name`` over row blocks of N rows in the ops' pool (NumPy only: shape-only arrays
+    book their buffers and stop here)."""
+    if xp is np:
+        fn = compiled.entry(lib, name, dtype)
+        args = compiled.pointers(*arrays)
+        parallel_map(xp, lambda sl: fn(*args, *compiled.int64s(F, sl.start, sl.stop)), row_blocks(xp, N, 2 * F))
 
 
 class SwiGLUCtx:
@@ -57,6 +74,11 @@ def swiglu_forward(gate_up):
     a2 = gate_up.reshape(-1, 2 * F)
     N = a2.shape[0]
     y = xp.empty((N, F), dtype=gate_up.dtype)
+    lib = compiled.host_library("activations", _SYMBOLS, gate_up)
+    if lib is not None:
+        kept = xp.empty((N, F), dtype=cdt)
+        _run_rows(xp, lib, "swiglu_forward", cdt, (gate_up, y, kept), N, F)
+        return y.reshape(gate_up.shape[:-1] + (F,)), SwiGLUCtx(gate_up, kept)
 
     direct = y.dtype == cdt
     # Host float32/64: exp(-gate) is kept for the backward (one more array of y's size per layer),
@@ -96,6 +118,10 @@ def swiglu_backward(dy, ctx: SwiGLUCtx):
     dy2 = dy.reshape(-1, F)
     N = a2.shape[0]
     d = xp.empty((N, 2 * F), dtype=gate_up.dtype)
+    lib = None if ctx.exp_neg is None else compiled.host_library("activations", _SYMBOLS, gate_up, ctx.exp_neg, dy)
+    if lib is not None:
+        _run_rows(xp, lib, "swiglu_backward", cdt, (gate_up, ctx.exp_neg, dy, d), N, F)
+        return d.reshape(gate_up.shape)
     direct = d.dtype == cdt  # float32/float64: the last products written into d's halves (no copies)
 
     kept = ctx.exp_neg

@@ -275,6 +275,8 @@ def test_wheel_ships_every_kernel_source_and_package(wheel):
         assert rel in names, f"package {init.parent.relative_to(ROOT)} is missing from the wheel: add it to setup.cfg"
     for f in sorted(KERNELS.glob("*.py")):  # the launchers beside their sources
         assert f"cutp/kernels/{f.name}" in names, f"{f.name} is missing from the wheel"
+    for f in sorted((KERNELS / "cpu").iterdir()):  # the compiled CPU kernels' C sources (cutp.ops.compiled)
+        assert f"cutp/kernels/cpu/{f.name}" in names, f"cpu/{f.name} is missing from the wheel"
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     listed = set(cfg["options"]["packages"].split())

@@ -86,7 +86,7 @@ def test_blocked_path_really_is_blocked(monkeypatch):
     monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 8)
     monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 8)
     q, k, v = qkv((2, 2, 2, 40, 40, 8))
-    _, ctx = causal_attention_forward(q, k, v)
+    _, ctx = causal_attention_forward(q, k, v, blocked=True)  # (blocked=None: the compiled kernels where built)
     assert ctx.blocked and len(ctx.pieces) == 4
     for blocks in ctx.piece_blocks:
         assert [(r0, r1) for r0, r1, *_ in blocks] == [(0, 16), (16, 32), (32, 40)]
@@ -364,8 +364,8 @@ def test_a_power_of_two_scale_folded_into_q_and_k_changes_no_bit(dtype, monkeypa
     runs = []
     for folds in (True, False):
         monkeypatch.setattr(attention_op, "_folds_scale", lambda xp, scale, rule, folds=folds: folds)
-        o, ctx = causal_attention_forward(q, k, v)
+        o, ctx = causal_attention_forward(q, k, v, blocked=True)
         runs.append((o, *causal_attention_backward(do, ctx)))
     for a, b in zip(*runs):
         assert a.dtype == b.dtype == dtype and np.array_equal(a, b)
-    assert not np.array_equal(runs[0][0], causal_attention_forward(q, k, v, scale=0.3)[0])  # (the scale is used)
+    assert not np.array_equal(runs[0][0], causal_attention_forward(q, k, v, scale=0.3, blocked=True)[0])  # (the scale is used)

@@ -311,9 +311,12 @@ def test_softmax_in_place_equals_out_of_place(rng):
         softmax_forward(x, out=np.empty((3, 6, 11), np.float64))
 
 
-def test_tanh_gelu_backward_from_the_kept_tanh_equals_recomputing_it(rng):
+def test_tanh_gelu_backward_from_the_kept_tanh_equals_recomputing_it(rng, monkeypatch):
     """The fused bias+GeLU keeps its tanh for the backward on the host; the backward from it and
-    the backward recomputing it (a ctx without it) agree to the bit, in float32 and float64."""
+    the backward recomputing it (a ctx without it) agree to the bit, in float32 and float64 (the
+    NumPy path's property: the compiled kernels, whose tanh is their own, are off here;
+    tests/ops/test_cpu_kernels.py compares them with this path)."""
+    monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
     for dtype in (np.float32, np.float64):
         x, b = (rng.standard_normal(s).astype(dtype) * 2 for s in ((300, 40), (40,)))
         dy = rng.standard_normal((300, 40)).astype(dtype)

@@ -8,6 +8,7 @@ import pytest
 import cutp
 import cutp.ops.attention as attention_op
 from cutp import ops
+from cutp.ops import compiled as compiled_ops
 from cutp.models import GPT, GPTConfig
 from cutp.tensor_parallel import (BlockSpec, ColumnParallelLinear, ParallelAttention, ParallelMLP,
                                   ParallelTransformerBlock, RNGTracker, RowParallelLinear, VocabParallelCrossEntropy, VocabParallelEmbedding,
@@ -534,26 +535,29 @@ def test_init_false_allocates_zeros_of_the_shard_shapes():
 
 @pytest.mark.parametrize("B,T,nh,nkv,h", [(2, 64, 4, 2, 32), (3, 100, 4, 4, 16), (1, 40, 2, 1, 8), (2, 160, 8, 2, 32)])
 def test_blocked_cpu_attention_equals_the_plain_path(B, T, nh, nkv, h, monkeypatch):
-    """The CPU attention op splits long sequences into pieces and causal query blocks, and the
-    layer packs its gradients in place; the layer must equal the one-shot path (forward, dx and
-    the weight gradients)."""
+    """The CPU attention op splits long sequences into pieces and causal query blocks (or runs the
+    compiled kernels on the QKV buffer's strided views), and the layer packs its gradients in
+    place; the layer must equal the one-shot path (forward, dx and the weight gradients)."""
     ctx = self_ctx()
     plain_forward = ops.causal_attention_forward
     res = []
-    for blocked in (True, False):
+    built = compiled_ops.library("attention", attention_op._ATTENTION_SYMBOLS)  # (tests/ops/test_cpu_kernels: why not)
+    paths = ("blocked", "plain") + (("compiled",) if built else ())
+    for path in paths:
         m = ParallelAttention(ctx, h, nh, nkv, name="attn", rng=RNGTracker(0), dtype=np.float64, seed=1)
-        if blocked:  # force several pieces and query blocks
+        if path == "blocked":  # force several pieces and query blocks
             monkeypatch.setattr(attention_op, "PIECE_ELEMS", 1 << 12)
             monkeypatch.setattr(attention_op, "QBLOCK_ELEMS", 1 << 10)
-        else:
-            monkeypatch.setattr(ops, "causal_attention_forward", functools.partial(plain_forward, blocked=False))
+        monkeypatch.setattr(ops, "causal_attention_forward",
+                            functools.partial(plain_forward, blocked={"blocked": True, "plain": False}.get(path)))
         x = np.random.default_rng(0).standard_normal((B, T, h))
         y = m.forward(x)
-        assert m._cache_attn[0].blocked == blocked
+        assert (m._cache_attn[0].blocked, m._cache_attn[0].compiled) == (path == "blocked", path == "compiled")
         dx = m.backward(np.random.default_rng(1).standard_normal(y.shape))
         res.append((y, dx, m.qkv.weight.grad.copy(), m.qkv.bias.grad.copy(), m.proj.weight.grad.copy()))
-    for a, b, what in zip(res[0], res[1], ("y", "dx", "dW_qkv", "db_qkv", "dW_proj")):
-        assert_close(a, b, 1e-12, f"blocked attention {what}")
+    for other, path in zip(res[:1] + res[2:], paths[:1] + paths[2:]):
+        for a, b, what in zip(other, res[1], ("y", "dx", "dW_qkv", "db_qkv", "dW_proj")):
+            assert_close(a, b, 1e-12, f"{path} attention {what}")
 
 
 def _worker_two_gqa_layouts_on_one_context():

@@ -1,0 +1,289 @@
+"""The compiled CPU kernels (kernels/cpu/*.c, cutp.ops.compiled): each against its NumPy reference,
+forward and backward, float32 and float64, odd shapes; bit-identical at any thread count; the
+vectorised exp against libm in ulps; the loader's cache (a second load compiles nothing, a
+corrupt file is built again) and its fallbacks (CUTP_CPU_KERNELS=0, no compiler, a failed build:
+one line, the NumPy path).
+
+Tolerances: a kernel and its reference sum the same terms in other orders (and the kernels
+contract a * b + c into one rounding). The error of a sum of n terms is at most ~n eps, typically
+~sqrt(n) eps, so normwise relative differences within 64 eps cover the sums of <= 64 terms here
+(rows of <= 50 keys, head dims <= 16; the elementwise ops' few roundings: a few eps)."""
+import numpy as np
+import pytest
+
+import cutp.ops.attention as attention_op
+import cutp.ops.gelu as gelu_op
+import cutp.ops.layernorm as layernorm_op
+import cutp.ops.rmsnorm as rmsnorm_op
+import cutp.ops.swiglu as swiglu_op
+from cutp.ops import causal_attention_backward, causal_attention_forward, compiled
+from tests.gradcheck import check_gradients
+
+LIB = compiled.library("attention", attention_op._ATTENTION_SYMBOLS)
+needs_kernels = pytest.mark.skipif(LIB is None, reason="the compiled CPU kernels are not built here (no C compiler "
+                                                       "or CUTP_CPU_KERNELS=0): the NumPy path runs")
+
+# (B, nkv, g, Tq, Tk, hd): GQA, head dims below / at / above one vector, Tq < Tk (a KV cache's rows)
+SHAPES = [(2, 2, 2, 40, 40, 8), (3, 2, 1, 50, 50, 16), (1, 1, 3, 37, 37, 5), (2, 2, 2, 5, 23, 8), (1, 2, 1, 1, 9, 4),
+          (1, 1, 1, 9, 9, 12)]
+IDS = [f"B{b}-nkv{h}-g{g}-Tq{tq}-Tk{tk}-hd{d}" for b, h, g, tq, tk, d in SHAPES]
+
+
+def normwise(a, b):
+    a, b = (np.asarray(v, np.float64).ravel() for v in (a, b))  # (float32 squares of 1e34 overflow)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def qkv_views(shape, dtype, seed=0):
+    """q, k, v as the layer makes them: strided views of one [B, T, (nq + 2 nkv) hd] buffer (Tq ==
+    Tk), else separate arrays."""
+    B, nkv, g, Tq, Tk, hd = shape
+    rng = np.random.default_rng(seed)
+    if Tq == Tk:
+        buf = rng.standard_normal((B, Tq, (nkv * g + 2 * nkv) * hd)).astype(dtype)
+        q = buf[..., : nkv * g * hd].reshape(B, Tq, nkv, g, hd).transpose(0, 2, 3, 1, 4)
+        k = buf[..., nkv * g * hd:(nkv * g + nkv) * hd].reshape(B, Tq, nkv, hd).transpose(0, 2, 1, 3)
+        v = buf[..., (nkv * g + nkv) * hd:].reshape(B, Tq, nkv, hd).transpose(0, 2, 1, 3)
+        return q, k, v
+    return (rng.standard_normal((B, nkv, g, Tq, hd)).astype(dtype), rng.standard_normal((B, nkv, Tk, hd)).astype(dtype),
+            rng.standard_normal((B, nkv, Tk, hd)).astype(dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_compiled_attention_equals_the_numpy_path(shape, dtype):
+    q, k, v = qkv_views(shape, dtype)
+    do = np.random.default_rng(1).standard_normal(q.shape).astype(dtype)
+    o, ctx = causal_attention_forward(q, k, v)
+    o_ref, ctx_ref = causal_attention_forward(q, k, v, blocked=True)
+    assert ctx.compiled and not ctx.blocked and o.dtype == dtype
+    grads = causal_attention_backward(do, ctx)
+    grads_ref = causal_attention_backward(do, ctx_ref)
+    eps = np.finfo(dtype).eps
+    for what, a, b in zip(("o", "dq", "dk", "dv"), (o,) + tuple(grads), (o_ref,) + tuple(grads_ref)):
+        assert a.shape == b.shape and a.dtype == dtype
+        assert normwise(a, b) <= 64 * eps, (what, normwise(a, b))
+    # the packed probabilities: row i keeps its Tk - Tq + i + 1 keys, and each row sums to 1
+    B, nkv, g, Tq, Tk, _ = shape
+    assert ctx.packed.shape == (B, nkv, g, Tq * (Tk - Tq + 1) + Tq * (Tq - 1) // 2)
+    ends = np.cumsum(Tk - Tq + 1 + np.arange(Tq))
+    np.testing.assert_allclose(np.add.reduceat(ctx.packed, np.r_[0, ends[:-1]], axis=-1), 1.0, rtol=64 * eps)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=[IDS[0], IDS[3]])
+def test_compiled_attention_backward_against_central_differences(shape):
+    q, k, v = qkv_views(shape, np.float64)
+    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+
+    def backward(do, ctx):
+        assert ctx.compiled
+        return dict(zip("qkv", causal_attention_backward(do, ctx)))
+
+    check_gradients(lambda q, k, v: causal_attention_forward(q, k, v), dict(q=q, k=k, v=v), backward, tol=1e-7,
+                    max_elements=48)
+
+
+@needs_kernels
+def test_compiled_attention_writes_strided_outputs_and_is_the_same_at_any_thread_count(monkeypatch):
+    """Gradients written straight into strided views of one packed buffer (the layer's dqkv), and the
+    same bits with 1 or 2 pool threads (each KV head computed alone, in a fixed order)."""
+    shape = (3, 2, 2, 33, 33, 16)
+    B, nkv, g, T, _, hd = shape
+    q, k, v = qkv_views(shape, np.float32)
+    do = np.random.default_rng(2).standard_normal(q.shape).astype(np.float32)
+    runs = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("CUTP_OP_THREADS", threads)
+        o, ctx = causal_attention_forward(q, k, v)
+        buf = np.full((B, T, (nkv * g + 2 * nkv) * hd), np.nan, np.float32)
+        out = (buf[..., : nkv * g * hd].reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4),
+               buf[..., nkv * g * hd:(nkv * g + nkv) * hd].reshape(B, T, nkv, hd).transpose(0, 2, 1, 3),
+               buf[..., (nkv * g + nkv) * hd:].reshape(B, T, nkv, hd).transpose(0, 2, 1, 3))
+        causal_attention_backward(do, ctx, out=out)
+        assert not np.isnan(buf).any()
+        runs.append((o.copy(), buf))
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+    ref = causal_attention_backward(do, causal_attention_forward(q, k, v, blocked=True)[1])
+    assert all(normwise(a, b) <= 64 * np.finfo(np.float32).eps for a, b in zip(out, ref))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,lo", [(np.float32, -87.0), (np.float64, -708.0)])
+def test_the_kernels_exp_is_within_one_ulp_of_the_true_exp(dtype, lo):
+    """exp_vec (kernels/cpu/vec.h) over its whole range, against exp in long double: <= 1 ulp
+    (measured 0.91 and 0.87); below the range 0, NaN stays NaN."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(lo, -lo, 200_001), rng.uniform(-20, 5, 20_000), [0.0, -0.0, 1.0]]).astype(dtype)
+    y = np.empty_like(x)
+    fn = getattr(LIB, "exp_array_" + compiled.suffix(dtype))
+    fn(compiled.ptr(x), compiled.ptr(y), *compiled.int64s(x.size))
+    ref = np.exp(x.astype(np.longdouble))
+    ulps = np.abs(y - ref) / np.spacing(ref.astype(dtype)).astype(np.longdouble)
+    assert ulps.max() <= 1.0, (float(ulps.max()), x[ulps.argmax()])
+    edge = np.array([lo - 1, -1e30, -np.inf, np.nan], dtype)
+    out = np.empty_like(edge)
+    fn(compiled.ptr(edge), compiled.ptr(out), *compiled.int64s(edge.size))
+    assert out[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(out[3])
+
+
+# ---- GeLU and SwiGLU (kernels/cpu/activations.c) -------------------------------------------------
+ACT = compiled.library("activations", gelu_op._GELU_SYMBOLS + swiglu_op._SYMBOLS)
+needs_activations = pytest.mark.skipif(ACT is None, reason="the compiled CPU kernels are not built here (no C "
+                                                           "compiler or CUTP_CPU_KERNELS=0): the NumPy path runs")
+
+
+def numpy_path(monkeypatch, fn):
+    """fn() on the NumPy reference path (the compiled kernels off for the call)."""
+    monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
+    monkeypatch.setattr(compiled, "_said", {"CUTP_CPU_KERNELS=0: the CPU ops run their NumPy code"})
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv("CUTP_CPU_KERNELS")
+
+
+@needs_activations
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows,cols", [(37, 53), (1, 7), (300, 520)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_compiled_gelu_equals_the_numpy_path(rows, cols, dtype, bias, monkeypatch):
+    """Forward, the kept tanh, dx and db (summed over the row blocks in order) of the tanh form; x
+    spread to where tanh saturates (|x| up to ~12)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((rows, cols)) * 4).astype(dtype)
+    b = rng.standard_normal(cols).astype(dtype)
+    dy = rng.standard_normal((rows, cols)).astype(dtype)
+
+    def run():
+        if bias:
+            y, ctx = gelu_op.bias_gelu_forward(x, b)
+            return (y, ctx.tanh) + tuple(gelu_op.bias_gelu_backward(dy, ctx))
+        y, ctx = gelu_op.gelu_forward(x)
+        return y, ctx.tanh, gelu_op.gelu_backward(dy, ctx)
+
+    ours, ref = run(), numpy_path(monkeypatch, run)
+    assert ref[1] is None or not bias or ref[1].shape == x.shape
+    eps = np.finfo(dtype).eps
+    for what, a, r in zip(("y", "tanh", "dx", "db"), ours, ref):
+        if r is None:  # (the NumPy gelu_forward keeps no tanh; the compiled one does: np.tanh is the reference)
+            r = np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))
+        assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (what, normwise(a, r))
+
+
+@needs_activations
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows,F", [(37, 53), (1, 3), (300, 392)])
+def test_compiled_swiglu_equals_the_numpy_path(rows, F, dtype, monkeypatch):
+    """Forward, the kept exp(-gate) and both halves of the backward; gates out to +-100 (the clamp)."""
+    rng = np.random.default_rng(1)
+    gate_up = (rng.standard_normal((rows, 2 * F)) * 6).astype(dtype)
+    gate_up[0, 0], gate_up[-1, 0] = -100, 100
+    dy = rng.standard_normal((rows, F)).astype(dtype)
+
+    def run():
+        y, ctx = swiglu_op.swiglu_forward(gate_up)
+        return y, ctx.exp_neg, swiglu_op.swiglu_backward(dy, ctx)
+
+    eps = np.finfo(dtype).eps
+    for what, a, r in zip(("y", "exp(-gate)", "d"), run(), numpy_path(monkeypatch, run)):
+        assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (what, normwise(a, r))
+
+
+# ---- LayerNorm and RMSNorm (kernels/cpu/norms.c) -------------------------------------------------
+NORMS = compiled.library("norms", layernorm_op.NORM_SYMBOLS)
+needs_norms = pytest.mark.skipif(NORMS is None, reason="the compiled CPU kernels are not built here (no C "
+                                                       "compiler or CUTP_CPU_KERNELS=0): the NumPy path runs")
+
+
+@needs_norms
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows,cols", [(37, 53), (3, 5), (600, 768)])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_compiled_norms_equal_the_numpy_path(rows, cols, dtype, affine, monkeypatch):
+    """LayerNorm (weight and bias, or neither; weight without bias) and RMSNorm: y, the statistics,
+    dx and the parameter gradients (each row block's part, added in block order); rows whose mean
+    is far from 0 (LayerNorm's centring matters)."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((rows, cols)) * 2 + 3).astype(dtype)
+    w, b = (rng.standard_normal(cols).astype(dtype) if affine else None for _ in range(2))
+    dy = rng.standard_normal((rows, cols)).astype(dtype)
+
+    def run():
+        y, ln = layernorm_op.layernorm_forward(x, w, b)
+        y_nb, ln_nb = layernorm_op.layernorm_forward(x, w, None)  # (a weight, no bias)
+        z, rms = rmsnorm_op.rmsnorm_forward(x, w)
+        return (y, ln.mean, ln.rstd, *layernorm_op.layernorm_backward(dy, ln), y_nb,
+                *layernorm_op.layernorm_backward(dy, ln_nb), z, rms.rstd, *rmsnorm_op.rmsnorm_backward(dy, rms))
+
+    ours, ref = run(), numpy_path(monkeypatch, run)
+    eps = np.finfo(dtype).eps
+    for i, (a, r) in enumerate(zip(ours, ref)):
+        assert (a is None) == (r is None), i
+        if r is not None:
+            assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (i, normwise(a, r))
+
+
+# ---- the loader ---------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """A cache in tmp_path, a one-function source in its own directory, nothing loaded or said yet."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "one.c").write_text("int one(void) { return 1; }\n")
+    monkeypatch.setattr(compiled, "SOURCE_DIR", src)
+    monkeypatch.setattr(compiled, "_loaded", {})
+    monkeypatch.setattr(compiled, "_said", set())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("CUTP_CPU_KERNELS", raising=False)
+    return src
+
+
+@pytest.mark.skipif(compiled.compiler() is None, reason="no C compiler (cc or $CC) on this machine")
+def test_the_cache_builds_once_and_rebuilds_a_corrupt_file(fresh_loader, monkeypatch, tmp_path):
+    lib = compiled.library("one", ("one",))
+    assert lib is not None and lib.one() == 1
+    path = compiled.library_path("one", compiled.compiler())
+    assert path.exists() and path.parent == tmp_path / "cache" / "cutp"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    built = []
+    real_build = compiled._build
+    monkeypatch.setattr(compiled, "_build", lambda *a: (built.append(a), real_build(*a)))
+    monkeypatch.setattr(compiled, "_loaded", {})  # a new process: the cached file is loaded, not built
+    assert compiled.library("one", ("one",)).one() == 1 and built == []
+    # a crashed writer's leftovers under the final name (of a library this process has not loaded:
+    # dlopen would hand back the loaded one by its name)
+    (fresh_loader / "two.c").write_text("int two(void) { return 2; }\n")
+    other = compiled.library_path("two", compiled.compiler())
+    other.write_bytes(b"half a library")
+    assert compiled.library("two", ("two",)).two() == 2 and len(built) == 1
+    assert other.read_bytes()[:4] == b"\x7fELF"
+    (fresh_loader / "one.c").write_text("int one(void) { return 3; }\n")  # a changed source: another file
+    monkeypatch.setattr(compiled, "_loaded", {})  # (seen by a new process)
+    assert compiled.library_path("one", compiled.compiler()) != path
+    assert compiled.library("one", ("one",)).one() == 3 and len(built) == 2
+
+
+@pytest.mark.parametrize("why", ["off", "no compiler", "build fails"])
+def test_without_the_kernels_the_ops_run_numpy_and_say_so_once(why, fresh_loader, monkeypatch, capsys):
+    if why == "off":
+        monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
+        expect = "CUTP_CPU_KERNELS=0"
+    elif why == "no compiler":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        expect = "no C compiler (/nonexistent/cc)"
+    else:
+        if compiled.compiler() is None:
+            pytest.skip("no C compiler (cc or $CC) on this machine")
+        (fresh_loader / "one.c").write_text("int one(void) { return }\n")
+        expect = "failed on kernels/cpu/one.c"
+    assert compiled.library("one", ("one",)) is None
+    assert compiled.library("one", ("one",)) is None
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and expect in err[0] and "NumPy" in err[0], err
+    if why != "build fails":  # the attention then takes the blocked NumPy path
+        q, k, v = qkv_views(SHAPES[0], np.float32)
+        _, ctx = causal_attention_forward(q, k, v)
+        assert ctx.blocked and not ctx.compiled
+
