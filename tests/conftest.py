@@ -21,6 +21,13 @@ def pytest_sessionfinish(session, exitstatus):
 os.environ.setdefault("CUPY_CACHE_DIR", os.path.join(_SESSION_TMP, "cupy-cache"))
 os.environ.setdefault("CUTP_CACHE_DIR", os.path.join(_SESSION_TMP, "cutp-cache"))
 os.environ.setdefault("MPLCONFIGDIR", os.path.join(_SESSION_TMP, "mpl"))
+# Where the environment says PYTHONDONTWRITEBYTECODE, every process the tests start (each MPI
+# rank, each CLI run) would compile cutp's ~150 modules from source again (~0.3 CPU-s a process,
+# some thousand processes a session): they keep their bytecode in this session's directory
+# instead, so still nothing is written into the checkout.
+if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = os.path.join(_SESSION_TMP, "pycache")
 # Ranks share the machine's cores; one BLAS thread per process keeps multi-rank tests fast.
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
