@@ -526,7 +526,8 @@ def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units(capsys):
         z = zero_plan(GPTConfig(**dict(config.to_dict(), dtype="bfloat16")), dp=dp, zero=zero, accum=2,
                       dp_replicate=replicas, prefetch=True)
         assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == z["state"], (zero, replicas)
-        assert r["init_above_state"] == z["init_above_state"] and (zero == 3) == (z["init_above_state"] is not None)
+        for key in ("init_above_state", "load_above_state"):
+            assert r[key] == z[key] and (zero == 3) == (z[key] is not None), (key, zero)
         group = "hsdp_shard" if replicas > 1 else "dp"
         for key, op in (("dp_reduce_scatter", "reduce_scatter"), ("dp_all_gather", "all_gather")):
             assert r[key]["bytes"] == z["comm"][f"{group}.{op}"]["bytes"], (zero, key)
