@@ -261,9 +261,10 @@ def _init_worker(out):
     parameter, gathered from the shards, is bit-identical to the model built whole (float64 at
     dp 4, float32 at tp2 x dp2); at dp 4 the setup's tracemalloc peak is the state and what was
     live, plus the plan's one unit whole and one parameter drawn (cutp.plan.zero), within 64 KiB:
-    far below one whole model (8 layers). So with `init_from` a cutp checkpoint and a Hugging
-    Face directory of those weights (the Llama-shaped one's recipes fuse q, k, v and gate, up):
-    each deferred parameter reads its shard from the files, bit-identical to the whole-load path
+    far below one whole model (8 layers; 2 at tp2 x dp2, where only bits are checked). So with
+    `init_from` a cutp checkpoint and a Hugging Face directory of those weights (the Llama-shaped
+    one's recipes fuse q, k, v and gate, up): each deferred parameter reads its shard from the
+    files, bit-identical to the whole-load path
     (cutp.checkpoint.load_weights into a model built whole), its peak above the state one unit
     whole and at most the plan's `load_above_state` (one parameter read) + 64 KiB."""
     import tracemalloc
@@ -287,9 +288,9 @@ def _init_worker(out):
         tracemalloc.stop()
         return run, peak - after
 
-    for model, dtype, layout in ((dict(GPT2, n_embd=64), "float64", dict(dp=4)),
-                                 (LLAMA, "float32", dict(tp=2, dp=2))):
-        cfg = _config(dict(model, dtype=dtype), 8, zero=3, **layout)
+    for model, dtype, n_layer, layout in ((dict(GPT2, n_embd=64), "float64", 8, dict(dp=4)),
+                                          (LLAMA, "float32", 2, dict(tp=2, dp=2))):
+        cfg = _config(dict(model, dtype=dtype), n_layer, zero=3, **layout)
         run, above = built(cfg)
         planned = zero_plan(cfg.model, tp=cfg.tp, dp=cfg.dp, zero=3, rank=run.ctx.rank)
         whole = sum(p.data.size for p in run.model.parameters()) * 8
@@ -305,7 +306,7 @@ def _init_worker(out):
         unit = max(s.group.size * s.chunk for s in run.optimizer.segments) * run.optimizer.dtype.itemsize
         run.close()
         for src in sources:
-            run, above = built(_config(dict(model, dtype=dtype), 8, zero=3, init_from=src, **layout))
+            run, above = built(_config(dict(model, dtype=dtype), n_layer, zero=3, init_from=src, **layout))
             assert cfg.tp > 1 or unit < above <= planned["load_above_state"] + 65536 and above < whole / 4, (
                 src, above, planned, whole)
             run.gather_params()
