@@ -12,7 +12,8 @@ module does the rest once for all of them:
   (every file inside the directory), each key, dtype and shape checked from the files' headers
   before any tensor is read; float16/bfloat16/float32/float64 tensors read one recipe at a time
   and converted to the model's dtype, each rank keeping its shard (peak host memory: one full
-  tensor); a tied head saved anyway must equal the embedding;
+  tensor), or one parameter when asked (`hf_shards`: ZeRO-3's deferred parameters); a tied head
+  saved anyway must equal the embedding (compared a block of rows at a time);
 - writing: the TP groups gather the full tensors, world rank 0 writes config.json,
   generation_config.json, model.safetensors (save_pretrained's names) and, when given, the
   tokenizer files, each to a temporary name, fsynced and renamed into place; every rank returns
