@@ -31,9 +31,10 @@ from .plot import plot_report
 SUITES = ("kernels", "comm", "model", "compare-torch", "plan", "moe")
 
 
-def _common(p):
+def _common(p, plot: bool = True):
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG figure (matplotlib)")
+    if plot:  # (suites without a figure refuse --plot before they run, not after)
+        p.add_argument("--plot", metavar="PATH", help="write a PNG figure (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no tables on stdout")
 
 
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mo = sub.add_parser("moe", help="the grouped expert path against the dense SwiGLU MLP, one rank")
     moe_bench.add_arguments(mo)
-    _common(mo)
+    _common(mo, plot=False)
     return p
 
 
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     if not _is_rank0(report):
         return 0
     report.publish(args.json, args.quiet)
-    if args.plot:
+    if getattr(args, "plot", None):
         plot_report(report, args.plot)
         if not args.quiet:
             print(f"wrote {args.plot}")

@@ -3,6 +3,8 @@ SwiGLU MLP, their peak memory measured, every expert's assignments counted, the 
 (No timing assertions; the GPU side, the memory pool's peak: tests/device_path/test_device_edges.py.)"""
 import json
 
+import pytest
+
 from cutp.bench.__main__ import main
 
 
@@ -21,3 +23,13 @@ def test_moe_bench_tiny_on_the_cpu(tmp_path, capsys):
     assert 0 <= lo <= 16 * 2 / 4 <= hi <= 16  # 32 assignments over 4 experts; a token picks an expert once
     assert all(r["peak"].endswith(("B", "KiB")) and float(r["peak"].split()[0]) > 0 for r in (dense, moe))
     assert d["notes"] == ["tokens x top-k x hidden = 1 KiB (one copy of the routed rows); dense width 8"]
+
+
+def test_moe_bench_has_no_figure_and_refuses_plot_before_running(capsys):
+    """The moe suite draws no figure: --plot is refused by the parser, before any work (it used to
+    run the benchmark, then end in a ValueError traceback)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["moe", "--tokens", "16", "--plot", "x.png"])
+    assert e.value.code == 2 and "unrecognized arguments: --plot" in capsys.readouterr().err
