@@ -31,21 +31,8 @@
 
 #define QR 4 /* query rows per tile: each key row loaded serves QR queries */
 
-#define REAL float
-#define SUF(name) name##_f32
-#define EXP_LO (-87.0f)
-#define REAL_IS_DOUBLE 0
-#include "attention.c"
-#undef REAL
-#undef SUF
-#undef EXP_LO
-#undef REAL_IS_DOUBLE
-
-#define REAL double
-#define SUF(name) name##_f64
-#define EXP_LO (-708.0)
-#define REAL_IS_DOUBLE 1
-#include "attention.c"
+#define SELF "attention.c"
+#include "twice.h"
 
 #else /* ---- the body, once per REAL ------------------------------------------------------- */
 

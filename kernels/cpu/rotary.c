@@ -14,21 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define REAL float
-#define SUF(name) name##_f32
-#define EXP_LO (-87.0f)
-#define REAL_IS_DOUBLE 0
-#include "rotary.c"
-#undef REAL
-#undef SUF
-#undef EXP_LO
-#undef REAL_IS_DOUBLE
-
-#define REAL double
-#define SUF(name) name##_f64
-#define EXP_LO (-708.0)
-#define REAL_IS_DOUBLE 1
-#include "rotary.c"
+#define SELF "rotary.c"
+#include "twice.h"
 
 #else /* ---- the body, once per REAL ------------------------------------------------------- */
 
