@@ -499,7 +499,7 @@ def _packed_rows(Tq, Tk) -> int:
 def _kv_head_chunks(n):
     """[first, last) ranges of the n = B x nkv KV heads for the pool (at most 16: few ctypes calls;
     the results do not depend on the split)."""
-    step = -(-n // 16)
+    step = max(1, -(-n // 16))
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 

@@ -78,6 +78,15 @@ def _cpu_flags() -> str:
         return ""
 
 
+def source_flags(name: str) -> tuple:
+    """Flags a source asks for beyond :data:`FLAGS`, on a line ``/* cflags: ... */`` of its own
+    (rotary.c: ``-ffp-contract=off``, so that its two products and one sum round as NumPy's do)."""
+    for line in (SOURCE_DIR / f"{name}.c").read_text().splitlines():
+        if line.startswith("/* cflags:") and line.endswith("*/"):
+            return tuple(line[len("/* cflags:"):-2].split())
+    return ()
+
+
 def library_path(name: str, cc: str) -> Path:
     """The cache file of source ``kernels/cpu/<name>.c`` built by ``cc``: named by the hash of
     everything that makes the binary what it is."""
@@ -94,7 +103,8 @@ def _build(name: str, cc: str, path: Path):
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE_DIR / f"{name}.c")], capture_output=True, text=True)
+        r = subprocess.run([cc, *FLAGS, *source_flags(name), "-o", tmp, str(SOURCE_DIR / f"{name}.c")],
+                           capture_output=True, text=True)
         if r.returncode != 0:
             first = next((line for line in r.stderr.splitlines() if "error" in line), r.stderr.strip()[:200])
             raise OSError(f"{cc} failed on kernels/cpu/{name}.c: {first}")

@@ -24,6 +24,7 @@ For 16-bit inputs the rotation is computed in float32 from the float32 tables an
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 
@@ -31,9 +32,10 @@ import numpy as np
 
 from cutp.kernels import dispatch_views as _kernels_views
 from cutp.kernels.rotary import rotary_supported
-from cutp.runtime.backend import get_array_module
+from cutp.runtime.backend import get_array_module, on_host
 from cutp.runtime.errors import ConfigError
 
+from . import compiled
 from .common import as_dtype, compute_dtype, even_row_blocks, parallel_map
 
 ROPE_TYPES = ("none", "linear", "llama3", "yarn")
@@ -389,6 +391,37 @@ def _rotary_kernel(x, ctx: RotaryCtx, out, transpose):
     return k.rotary(x, ctx.cos, ctx.sin, ctx.positions, out=out, transpose=transpose)
 
 
+# The compiled CPU path (kernels/cpu/rotary.c): both halves of each pair in one pass over x, in
+# place on the QKV buffer's heads, for float32 / float64 host x [B, T, heads, hd] with a contiguous
+# head dim and tables of x's dtype shared by the batch rows (positions None or [T]); the NumPy code
+# above is its reference (per-row tables, other layouts and dtypes stay there).
+_SYMBOLS = ("rotary_f32", "rotary_f64")
+
+
+def _rotate_compiled(xp, x, ctx: RotaryCtx, out, transpose):
+    """The compiled rotation's result when it takes these operands, else None."""
+    if x.ndim != 4 or ctx.seq_axis != 1 or compiled.suffix(x.dtype) is None or ctx.cos.dtype != x.dtype or (
+            ctx.positions is not None and ctx.positions.ndim != 1) or (ctx.positions is None and ctx.cos.ndim != 2):
+        return None
+    if not on_host(xp) or not compiled.rows_contiguous(x, *(() if out is None else (out,))):
+        return None
+    lib = compiled.host_library("rotary", _SYMBOLS, ctx.cos, ctx.sin)
+    if lib is None:
+        return None
+    y = _output(xp, x, out, "rotary")
+    _check_tables(x.shape, ctx.cos, ctx.sin, ctx.positions, ctx.seq_axis)
+    c, s = (ctx.cos, ctx.sin) if ctx.positions is None else (ctx.cos[ctx.positions], ctx.sin[ctx.positions])
+    B, T, heads, hd = x.shape
+    if xp is np:
+        fn = compiled.entry(lib, "rotary", x.dtype)
+        args = [compiled.ptr(x), compiled.strides(x), compiled.ptr(y), compiled.strides(y),
+                *compiled.pointers(np.ascontiguousarray(c), np.ascontiguousarray(s)),
+                *compiled.int64s(T, heads, hd, c.shape[-1]), ctypes.c_int(int(transpose))]
+        parallel_map(xp, lambda sl: fn(*args, *compiled.int64s(sl.start, sl.stop)),
+                     even_row_blocks(xp, B * T, heads * hd))
+    return y
+
+
 def rotary_forward(x, cos, sin, positions=None, *, seq_axis: int = 1, out=None):
     """Rotate the head dim of ``x`` [B, T, *heads, head_dim] by its tokens' positions.
 
@@ -407,6 +440,8 @@ def rotary_forward(x, cos, sin, positions=None, *, seq_axis: int = 1, out=None):
         positions = xp.asarray(positions)  # host ids index device tables as device ids
     ctx = RotaryCtx(cos, sin, positions, seq_axis, x.dtype, tuple(x.shape))
     y = _rotary_kernel(x, ctx, out, transpose=False)
+    if y is None:
+        y = _rotate_compiled(xp, x, ctx, out, transpose=False)
     if y is not None:
         return y, ctx
     c, s = _per_token(x.shape, cos, sin, positions, seq_axis)
@@ -422,6 +457,8 @@ def rotary_backward(dy, ctx: RotaryCtx, *, out=None):
     if dy.dtype != ctx.dtype:
         dy = dy.astype(ctx.dtype)
     y = _rotary_kernel(dy, ctx, out, transpose=True)
+    if y is None:
+        y = _rotate_compiled(xp, dy, ctx, out, transpose=True)
     if y is not None:
         return y
     c, s = _per_token(dy.shape, ctx.cos, ctx.sin, ctx.positions, ctx.seq_axis)

@@ -18,28 +18,19 @@
 #include <stdint.h>
 #include <string.h>
 
-#define REAL float
-#define SUF(name) name##_f32
-#define EXP_LO (-87.0f)
-#define REAL_IS_DOUBLE 0
-#define EXP_CLAMP 80.0f
-#include "activations.c"
-#undef REAL
-#undef SUF
-#undef EXP_LO
-#undef REAL_IS_DOUBLE
-#undef EXP_CLAMP
-
-#define REAL double
-#define SUF(name) name##_f64
-#define EXP_LO (-708.0)
-#define REAL_IS_DOUBLE 1
-#define EXP_CLAMP 700.0
-#include "activations.c"
+#define SELF "activations.c"
+#include "twice.h"
 
 #else /* ---- the body, once per REAL ------------------------------------------------------- */
 
 #include "vec.h"
+
+#undef EXP_CLAMP
+#if REAL_IS_DOUBLE
+#define EXP_CLAMP 700.0 /* exp(-gate) clamped as the NumPy path does */
+#else
+#define EXP_CLAMP 80.0f
+#endif
 
 #define GELU_K ((REAL)0.7978845608028654)  /* sqrt(2 / pi) */
 #define GELU_C ((REAL)0.044715)

@@ -31,21 +31,8 @@
 
 #define QR 4 /* query rows per tile: each key row loaded serves QR queries */
 
-#define REAL float
-#define SUF(name) name##_f32
-#define EXP_LO (-87.0f)
-#define REAL_IS_DOUBLE 0
-#include "attention.c"
-#undef REAL
-#undef SUF
-#undef EXP_LO
-#undef REAL_IS_DOUBLE
-
-#define REAL double
-#define SUF(name) name##_f64
-#define EXP_LO (-708.0)
-#define REAL_IS_DOUBLE 1
-#include "attention.c"
+#define SELF "attention.c"
+#include "twice.h"
 
 #else /* ---- the body, once per REAL ------------------------------------------------------- */
 
@@ -163,6 +150,9 @@ static void SUF(copy_tile)(const REAL *x, int64_t xs, int64_t i0, int rows, int6
     for (int r = 0; r < rows; r++) memcpy(t + r * hp, x + (i0 + r) * xs, sizeof(REAL) * hd);
 }
 
+/* n REALs of scratch, 64-byte aligned (aligned_alloc wants a multiple of the alignment) */
+static REAL *SUF(scratch)(int64_t n) { return aligned_alloc(64, (sizeof(REAL) * n + 63) / 64 * 64); }
+
 static int64_t SUF(packed_at)(int64_t i, int64_t shift) { return i * (shift + 1) + i * (i - 1) / 2; }
 
 /* y = exp(x) for n elements by exp_vec (the tests' window on it: its ulps against libm's) */
@@ -185,7 +175,7 @@ int SUF(attention_forward)(const REAL *q, const int64_t *qs, const REAL *k, cons
     (void)B;
     const int64_t shift = Tk - Tq, ld = (Tk + W - 1) / W * W, hp = (hd + W - 1) / W * W;
     const int64_t per_head = SUF(packed_at)(Tq, shift);
-    REAL *kt = aligned_alloc(64, sizeof(REAL) * (hp * ld + Tk * hp + QR * ld + 2 * QR * hp) + 64);
+    REAL *kt = SUF(scratch)(hp * ld + Tk * hp + QR * ld + 2 * QR * hp);
     if (!kt) return 1;
     REAL *vp = kt + hp * ld, *s = vp + Tk * hp, *qt = s + QR * ld, *out = qt + QR * hp;
     for (int64_t bh = first; bh < last; bh++) {
@@ -231,7 +221,7 @@ int SUF(attention_backward)(const REAL *dout, const int64_t *dos, const REAL *q,
     (void)B;
     const int64_t shift = Tk - Tq, ld = (Tk + W - 1) / W * W, hp = (hd + W - 1) / W * W;
     const int64_t per_head = SUF(packed_at)(Tq, shift);
-    REAL *vt = aligned_alloc(64, sizeof(REAL) * (hp * ld + 3 * Tk * hp + 2 * QR * ld + 3 * QR * hp) + 64);
+    REAL *vt = SUF(scratch)(hp * ld + 3 * Tk * hp + 2 * QR * ld + 3 * QR * hp);
     if (!vt) return 1;
     REAL *kp = vt + hp * ld, *gk = kp + Tk * hp, *gv = gk + Tk * hp, *dp = gv + Tk * hp, *pt = dp + QR * ld,
          *qt = pt + QR * ld, *dot = qt + QR * hp, *gq = dot + QR * hp;

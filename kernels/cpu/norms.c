@@ -16,28 +16,19 @@
 #include <stdint.h>
 #include <string.h>
 
-#define REAL float
-#define SUF(name) name##_f32
-#define EXP_LO (-87.0f)
-#define REAL_IS_DOUBLE 0
-#define SQRT sqrtf
-#include "norms.c"
-#undef REAL
-#undef SUF
-#undef EXP_LO
-#undef REAL_IS_DOUBLE
-#undef SQRT
-
-#define REAL double
-#define SUF(name) name##_f64
-#define EXP_LO (-708.0)
-#define REAL_IS_DOUBLE 1
-#define SQRT sqrt
-#include "norms.c"
+#define SELF "norms.c"
+#include "twice.h"
 
 #else /* ---- the body, once per REAL ------------------------------------------------------- */
 
 #include "vec.h"
+
+#undef SQRT
+#if REAL_IS_DOUBLE
+#define SQRT sqrt
+#else
+#define SQRT sqrtf
+#endif
 
 /* x[c .. c + VL) of a row of C, zeros past its end */
 static inline VEC SUF(at)(const REAL *x, int64_t c, int64_t C) {

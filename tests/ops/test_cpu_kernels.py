@@ -15,6 +15,7 @@ import cutp.ops.attention as attention_op
 import cutp.ops.gelu as gelu_op
 import cutp.ops.layernorm as layernorm_op
 import cutp.ops.rmsnorm as rmsnorm_op
+import cutp.ops.rotary as rotary_op
 import cutp.ops.swiglu as swiglu_op
 from cutp.ops import causal_attention_backward, causal_attention_forward, compiled
 from tests.gradcheck import check_gradients
@@ -223,6 +224,37 @@ def test_compiled_norms_equal_the_numpy_path(rows, cols, dtype, affine, monkeypa
         assert (a is None) == (r is None), i
         if r is not None:
             assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (i, normwise(a, r))
+
+
+# ---- rotary (kernels/cpu/rotary.c) ----------------------------------------------------------------
+ROT = compiled.library("rotary", rotary_op._SYMBOLS)
+
+
+@pytest.mark.skipif(ROT is None, reason="the compiled CPU kernels are not built here (no C compiler or "
+                                        "CUTP_CPU_KERNELS=0): the NumPy path runs")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("B,T,heads,hd,rd", [(2, 7, 3, 16, 16), (3, 5, 2, 12, 8), (1, 9, 4, 64, 64)])
+def test_compiled_rotary_equals_the_numpy_path(B, T, heads, hd, rd, dtype, monkeypatch):
+    """In place on the heads of a QKV-like buffer (a KV cache's offset tables), the backward into a
+    new array, and gathered position ids; partial rotary (rd < hd) leaves the rest as it was. Bit for
+    bit: rotary.c is built without fused multiply-adds, so its two products and one sum are NumPy's."""
+    cos, sin = rotary_op.rope_tables(rd, 32, dtype=dtype)
+    buf0 = np.random.default_rng(3).standard_normal((B, T, (heads + 2) * hd)).astype(dtype)
+    dy = np.random.default_rng(4).standard_normal((B, T, heads, hd)).astype(dtype)
+
+    def run():
+        buf = buf0.copy()
+        q = buf[..., : heads * hd].reshape(B, T, heads, hd)
+        _, ctx = rotary_op.rotary_forward(q, cos[3:3 + T], sin[3:3 + T], out=q)
+        back = rotary_op.rotary_backward(dy, ctx)
+        y, _ = rotary_op.rotary_forward(buf0[..., : heads * hd].reshape(B, T, heads, hd), cos, sin,
+                                        np.arange(T)[::-1] + 2)
+        return buf, back, y
+
+    ours = run()
+    assert np.array_equal(ours[0][..., heads * hd:], buf0[..., heads * hd:])  # K/V columns untouched
+    for what, a, r in zip(("in place", "backward", "positions"), ours, numpy_path(monkeypatch, run)):
+        assert a.dtype == dtype and np.array_equal(a, r), what
 
 
 # ---- the loader ---------------------------------------------------------------------------------
