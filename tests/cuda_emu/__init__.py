@@ -52,6 +52,7 @@ in $CUTP_CACHE_DIR/cuda_emu (or a temporary directory).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -84,6 +85,7 @@ __all__ = [
     "ArrayTraffic",
     "LaunchTraffic",
     "record_traffic",
+    "LAUNCH_COUNTS",
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -918,6 +920,9 @@ class LaunchTraffic:
 
 
 _recorders: list[list[LaunchTraffic]] = []
+# Completed launches of every EmulatedModule of this process, by kernel name (tests/kernels/conftest.py
+# notes which test launched each kernel: the check that every kernel ran in an emulated test).
+LAUNCH_COUNTS: collections.Counter[str] = collections.Counter()
 
 
 @contextlib.contextmanager
@@ -1081,6 +1086,7 @@ class EmulatedKernel:
             msg = _resolve_pcs(err.value.decode(errors="replace"), mod.library_path)
             raise cls(f"kernel {self.name} (grid {g3}, block {b3}, {mod.schedule} schedule): {msg}")
         self._finish(groups, g3, b3)
+        LAUNCH_COUNTS[self.name] += 1
         self.last_traffic = traffic
         if _recorders:
             if traffic is None:

@@ -26,9 +26,9 @@ import pytest
 
 from cutp.kernels import SOURCES
 from cutp.runtime.backend import cupy_status
-from tests.cuda_emu import KERNELS_DIR, EmulatedModule
+from tests.cuda_emu import KERNELS_DIR, LAUNCH_COUNTS, EmulatedModule
 
-from .helpers import BF16, DEVICE_SCHEDULE, EMULATED_SCHEDULES, cuda_backend, emulated_backend
+from .helpers import BF16, DEVICE_SCHEDULE, EMULATED_SCHEDULES, LAUNCHED_BY, cuda_backend, emulated_backend
 
 BACKENDS = ("emulated", "cuda")
 SELECTED = tuple(b.strip() for b in os.environ.get("CUTP_KERNEL_BACKENDS", ",".join(BACKENDS)).split(",")
@@ -40,6 +40,23 @@ if not SELECTED or not set(SELECTED) <= set(BACKENDS):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda_only(reason): runs on the cuda kernel backend only (tests/kernels)")
+
+
+LAST = "test_every_kernel_ran_in_an_emulated_test"  # test_launchers.py: reads what every other test launched
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) == LAST)  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True)
+def _note_emulated_launches(request):
+    """Which emulated kernels each test launched (helpers.LAUNCHED_BY)."""
+    before = dict(LAUNCH_COUNTS)
+    yield
+    for name, n in LAUNCH_COUNTS.items():
+        if n != before.get(name, 0):
+            LAUNCHED_BY.setdefault(name, set()).add(request.node.nodeid)
 
 
 def pytest_generate_tests(metafunc):

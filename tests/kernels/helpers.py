@@ -49,6 +49,11 @@ GPU_SIZED_REASON = ("GPU-sized case: seconds of CPU time under the emulator; the
                     "code paths at the smaller sizes of this test")
 
 
+# kernel name -> node ids of the tests that launched it on the emulator in this session (filled by
+# tests/kernels/conftest.py; read by test_launchers.py's test_every_kernel_ran_in_an_emulated_test).
+LAUNCHED_BY: dict[str, set[str]] = {}
+
+
 def gpu_sized(*values, id=None):  # noqa: A002 (pytest.param's name)
     """A parameter set run on the cuda backend only: the emulated backend reports it skipped."""
     return pytest.param(*values, marks=pytest.mark.cuda_only(GPU_SIZED_REASON), id=id)

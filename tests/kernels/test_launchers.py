@@ -9,6 +9,8 @@ kernels/README.md says what a passing emulated test does and does not establish.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,28 +22,7 @@ from tests.cuda_emu import KernelArgumentError as EmulatorArgumentError
 from tests.cuda_emu import LaunchConfigError as EmulatorLaunchConfigError
 from tests.cuda_emu.test_emulator import kernel_entry_points
 
-from .helpers import ADAMW_KW, BF16, DTYPES, F32, randn
-
-# Every entry point of kernels/*.cu, by name (tests/cuda_emu/test_emulator.py's coverage check reads them
-# here), and a test that each one is really launched by its host launcher.
-ALL_KERNELS = [
-    "gelu_forward_f32", "gelu_forward_bf16", "gelu_backward_f32", "gelu_backward_bf16",
-    "bias_gelu_forward_f32", "bias_gelu_forward_bf16", "bias_gelu_backward_f32", "bias_gelu_backward_bf16",
-    "column_sum_f32", "column_sum_bf16",
-    "softmax_forward_f32", "softmax_forward_bf16", "softmax_backward_f32", "softmax_backward_bf16",
-    "layernorm_forward_f32", "layernorm_forward_bf16", "layernorm_backward_f32", "layernorm_backward_bf16",
-    "ce_shard_forward_f32", "ce_shard_forward_bf16",
-    "ce_shard_backward_f32", "ce_shard_backward_bf16",
-    "adamw_update_f32", "adamw_update_bf16",
-    "dropout_mask_bool", "dropout_forward_f32", "dropout_forward_bf16", "dropout_apply_f32", "dropout_apply_bf16",
-    "rmsnorm_forward_f32", "rmsnorm_forward_bf16", "residual_rmsnorm_forward_f32", "residual_rmsnorm_forward_bf16",
-    "rmsnorm_backward_f32", "rmsnorm_backward_bf16",
-    "swiglu_forward_f32", "swiglu_forward_bf16", "swiglu_backward_f32", "swiglu_backward_bf16",
-    "rotary_f32", "rotary_bf16",
-] + [f"attention_{kernel}_{dt}_d{d}" for kernel in ("forward", "backward_rowdot", "backward_dq", "backward_dkdv")
-     for dt in ("f32", "bf16") for d in (64, 128)] + [
-    f"attention_{kernel}_{dt}_d192v128" for kernel in ("forward", "backward_dq", "backward_dkdv") for dt in ("f32", "bf16")]
-
+from .helpers import ADAMW_KW, BF16, DTYPES, F32, LAUNCHED_BY, randn
 
 # ================================================================================================
 # Argument checks: a clear error, never a silent wrong answer
@@ -168,8 +149,7 @@ def test_layernorm_backward_at_6144_columns_needs_the_opt_in(emulated_module):
 def test_every_kernel_is_launched_by_its_launcher(backend, k):
     backend.require_bf16()
     xp = backend.xp
-    defined = {n for s in SOURCES for n in kernel_entry_points(KERNELS_DIR / f"{s}.cu")}
-    assert set(ALL_KERNELS) == defined
+    defined = set(entry_points())
     for dtype in DTYPES:
         x = backend.to_device(randn((3, 40), dtype, seed=40))
         targets = xp.asarray(np.array([1, -1, 38]))
@@ -199,6 +179,46 @@ def test_every_kernel_is_launched_by_its_launcher(backend, k):
             k.attention_backward(o, q, kk, v, o, lse, 0.1)
     k.dropout_mask((5,), 0.5, 1, 2)
     assert set(k.launches) == defined, sorted(defined - set(k.launches))
+
+
+def entry_points() -> dict[str, str]:
+    """Every extern "C" __global__ entry point of kernels/*.cu: {name: 'file.cu'}."""
+    return {name: f"{s}.cu" for s in SOURCES for name in kernel_entry_points(KERNELS_DIR / f"{s}.cu")}
+
+
+def kernels_without_an_emulated_test(defined: dict[str, str], launched_by: dict[str, set[str]]) -> list[str]:
+    """'name (file.cu)' for each of `defined` that no test in `launched_by` (kernel name -> node ids
+    of the tests that launched it on the emulator) launched, the launch test above not counted (it
+    launches every kernel by design, checking no value)."""
+    return sorted(f"{name} ({src})" for name, src in defined.items()
+                  if not {t for t in launched_by.get(name, ()) if "::test_every_kernel_is_launched_by" not in t})
+
+
+def test_every_kernel_ran_in_an_emulated_test(request):
+    """Every extern "C" __global__ entry point of kernels/*.cu was launched on the emulator by a test
+    of this session (what ran, recorded by the emulator: helpers.LAUNCHED_BY), not only by the launch
+    test. Runs last (tests/kernels/conftest.py), after a session that ran every test file here
+    unfiltered; and the check names a planted kernel that nothing launched."""
+    here = Path(__file__).parent
+    items = [item for item in request.session.items if item.path.parent == here]
+    if request.config.option.keyword or request.config.option.markexpr or not any(
+            "[emulated" in item.nodeid for item in items) or {i.path.name for i in items} != {
+            p.name for p in here.glob("test_*.py")}:
+        pytest.skip("reads what the whole of tests/kernels launched on the emulator: runs in a session of all of it "
+                    "(no -k, no -m, the emulated backend)")
+    defined = entry_points()
+    missing = kernels_without_an_emulated_test(defined, LAUNCHED_BY)
+    assert not missing, "kernels no emulated test launched (test them in tests/kernels/test_<op>.py): " + \
+        ", ".join(missing)
+    planted = {**defined, "planted_unlaunched_f32": "planted.cu"}
+    assert kernels_without_an_emulated_test(planted, LAUNCHED_BY) == ["planted_unlaunched_f32 (planted.cu)"]
+
+
+def test_the_coverage_check_does_not_count_the_launch_test():
+    launched = {"a_f32": {"tests/kernels/test_a.py::test_values[emulated]"},
+                "b_f32": {"tests/kernels/test_launchers.py::test_every_kernel_is_launched_by_its_launcher[emulated]"}}
+    assert kernels_without_an_emulated_test({"a_f32": "a.cu", "b_f32": "b.cu", "c_f32": "c.cu"}, launched) == [
+        "b_f32 (b.cu)", "c_f32 (c.cu)"]
 
 
 def test_launch_shapes_stay_within_the_kernels_launch_bounds(emulated_module, monkeypatch):
