@@ -17,7 +17,7 @@ from cutp.runtime.failure import install_abort_on_error
 from cutp.runtime.threads import get_blas_threads, set_blas_threads
 from tests.transformers_compat import hide_cutp_kernels_from_transformers
 
-POLL_S = 0.005  # how often an idle rank of a pool looks for the next case
+POLL_S = (0.001, 0.05)  # an idle rank of a pool looks for the next case after 1 ms, then less and less often
 PACKAGES = ("cutp", "tests", "examples")  # whose module state a pooled case must leave as it found it
 
 
@@ -84,14 +84,15 @@ def serve(control, session_pid):
     rank = comm.Get_rank()
     env, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
     blas, errors, filters = get_blas_threads(), np.geterr(), list(warnings.filters)
-    k, idle = 0, 0.0
+    k = 0
     while True:
         request = os.path.join(control, f"{k}.json")
+        wait, checked = POLL_S[0], time.monotonic()
         while not os.path.exists(request):
-            time.sleep(POLL_S)
-            idle += POLL_S
-            if idle > 1.0:  # the session ended without stopping the pool (killed, say)
-                idle = 0.0
+            time.sleep(wait)
+            wait = min(POLL_S[1], wait * 1.5)
+            if time.monotonic() - checked > 1.0:  # the session ended without stopping the pool (killed, say)
+                checked = time.monotonic()
                 try:
                     os.kill(session_pid, 0)
                 except OSError:
@@ -141,7 +142,7 @@ def serve(control, session_pid):
             with open(os.path.join(case["dir"], f"rank{rank}.retire"), "w") as f:
                 f.write(" ".join(changed[:20]))
         open(os.path.join(case["dir"], f"rank{rank}.done"), "w").close()
-        k, idle = k + 1, 0.0
+        k += 1
 
 
 def main():

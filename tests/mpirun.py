@@ -170,7 +170,7 @@ class RankPool:
         os.replace(os.path.join(self.dir, "next.json"), os.path.join(self.dir, f"{self.cases}.json"))
         earlier, self.cases = self.cases, self.cases + 1
         done = {f"rank{r}.done" for r in range(self.nprocs)}
-        deadline = time.monotonic() + timeout
+        deadline, wait = time.monotonic() + timeout, 0.001
         while True:
             names = set(os.listdir(case))
             if done <= names:
@@ -183,7 +183,8 @@ class RankPool:
             if time.monotonic() > deadline:
                 status = None
                 break
-            time.sleep(0.005)
+            time.sleep(wait)
+            wait = min(0.02, wait * 1.5)
         out = ""
         if "output" in names:
             with open(os.path.join(case, "output"), errors="replace") as f:
