@@ -31,7 +31,7 @@ def test_the_step_gemms_are_the_models_weights(preset, tp):
     assert sum(g.flops for g in gemms) == 6 * tokens * n_weights
     for g in gemms:
         sa, sb = operand_shapes(g)
-        a, b = np.empty(sa), np.empty(sb)
+        a, b = np.zeros(sa), np.zeros(sb)  # (the shapes are checked; zeros: no garbage values for matmul to warn about)
         assert ((a.T if g.trans_a else a) @ (b.T if g.trans_b else b)).shape == (g.m, g.n)
     assert all(g.accumulate == g.name.endswith("dW") for g in gemms)
 
