@@ -4,6 +4,7 @@ the cases written to DIR one after another until the pool is stopped or the test
 import importlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -18,6 +19,7 @@ from cutp.runtime.threads import get_blas_threads, set_blas_threads
 from tests.transformers_compat import hide_cutp_kernels_from_transformers
 
 POLL_S = (0.001, 0.05)  # an idle rank of a pool looks for the next case after 1 ms, then less and less often
+RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)  # a launch's handlers are put back after it
 PACKAGES = ("cutp", "tests", "examples")  # whose module state a pooled case must leave as it found it
 
 
@@ -84,6 +86,7 @@ def serve(control, session_pid):
     rank = comm.Get_rank()
     env, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
     blas, errors, filters = get_blas_threads(), np.geterr(), list(warnings.filters)
+    handlers = {sig: signal.getsignal(sig) for sig in RESTORED_SIGNALS}  # (StopOnSignal installs its own)
     k = 0
     while True:
         request = os.path.join(control, f"{k}.json")
@@ -137,6 +140,9 @@ def serve(control, session_pid):
             set_blas_threads(blas)
         np.seterr(**errors)
         warnings.filters[:] = filters
+        for sig, handler in handlers.items():
+            if handler is not None and signal.getsignal(sig) is not handler:  # (None: set outside Python)
+                signal.signal(sig, handler)
         changed = sorted(f"{m}.{n}" for (m, n), i in module_state().items() if (m, n) in before and before[(m, n)] != i)
         if changed:
             with open(os.path.join(case["dir"], f"rank{rank}.retire"), "w") as f:

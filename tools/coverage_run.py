@@ -64,7 +64,8 @@ def run_part(name: str, paths: list[str], out: str, extra: list[str]) -> dict:
     data = os.path.join(out, "parts", name)
     shutil.rmtree(data, ignore_errors=True)  # an interrupted earlier try's data
     os.makedirs(data)
-    env = dict(os.environ, COVERAGE_PROCESS_START=os.path.join(ROOT, "tools", "coverage.ini"), COV_ROOT=ROOT,
+    # CUTP_TEST_POOL=0: a pooled rank ends with os._exit, so coverage would never save its data.
+    env = dict(os.environ, CUTP_TEST_POOL="0", COVERAGE_PROCESS_START=os.path.join(ROOT, "tools", "coverage.ini"), COV_ROOT=ROOT,
                COV_OUT=data, PYTHONPATH=os.pathsep.join(p for p in (SHIM, os.environ.get("PYTHONPATH", "")) if p))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths,
            "-m", "device_path or not device_path", *extra]

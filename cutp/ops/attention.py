@@ -486,7 +486,8 @@ _ATTENTION_SYMBOLS = ("attention_forward_f32", "attention_backward_f32", "attent
 
 def _compiled_library(q, k, v):
     """The compiled attention's library when it takes q, k, v, else None."""
-    if compiled.suffix(q.dtype) is None or not (q.dtype == k.dtype == v.dtype) or not compiled.rows_contiguous(q, k, v):
+    if (compiled.suffix(q.dtype) is None or not (q.dtype == k.dtype == v.dtype) or not compiled.rows_contiguous(q, k, v)
+            or 0 in (q.size, k.size)):
         return None
     return compiled.library("attention", _ATTENTION_SYMBOLS)
 
@@ -531,7 +532,8 @@ def _backward_compiled(do, ctx, out):
     Tk = k.shape[2]
     xp = get_array_module(q)
     do = as_dtype(do, q.dtype)
-    direct = out is not None and all(a.dtype == q.dtype for a in out) and compiled.rows_contiguous(*out)
+    direct = (out is not None and all(a.dtype == q.dtype for a in out) and compiled.rows_contiguous(*out)
+              and compiled.writable(*out))
     grads = out if direct else tuple(xp.empty(a.shape, q.dtype) for a in (q, k, v))
     if not compiled.rows_contiguous(do):
         do = xp.ascontiguousarray(do)

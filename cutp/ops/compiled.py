@@ -12,7 +12,7 @@ Build: ``$CC`` (else ``cc``) with :data:`FLAGS`: ``-O3 -march=native`` for the v
 this machine, ``-fno-math-errno`` so that a comparison or a square root needs no errno handling;
 NOT ``-ffast-math``: that would let the compiler reassociate sums, whose order we fix (the
 kernels sum in written orders, so a result never depends on the thread count). The library goes
-to a per-user cache, ``$XDG_CACHE_HOME/cutp`` or ``~/.cache/cutp``, named by a hash of the
+to a per-user cache, ``$CUTP_CACHE_DIR``, else ``$XDG_CACHE_HOME/cutp`` or ``~/.cache/cutp``, named by a hash of the
 source, its headers, the compiler, the flags and this CPU's feature flags (``-march=native``), so a
 changed source or machine builds anew and a second load compiles nothing. It is written under a
 temporary name and renamed into place: ranks that build at once never load a half-written file;
@@ -55,6 +55,10 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
+    """``$CUTP_CACHE_DIR`` (cutp's cache setting, as for the CUDA resources: the tests point it at
+    their session's directory), else the per-user ``$XDG_CACHE_HOME/cutp`` (``~/.cache/cutp``)."""
+    if os.environ.get("CUTP_CACHE_DIR"):
+        return Path(os.environ["CUTP_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cutp"
 
@@ -130,7 +134,7 @@ def library(name: str, symbols=()) -> ctypes.CDLL | None:
     if not enabled():
         _say_once("CUTP_CPU_KERNELS=0: the CPU ops run their NumPy code")
         return None
-    key = (name, os.environ.get("CC"), os.environ.get("XDG_CACHE_HOME"), SOURCE_DIR)
+    key = (name, os.environ.get("CC"), cache_dir(), SOURCE_DIR)
     try:
         return _loaded[key]
     except KeyError:
@@ -166,8 +170,8 @@ def host_library(name: str, symbols, *arrays) -> ctypes.CDLL | None:
     or the planner's shape-only ones: their ops book the same buffers and make no call) of one
     dtype, float32 or float64; else None (the op's array code runs)."""
     dtype = arrays[0].dtype
-    if suffix(dtype) is None or any(a.dtype != dtype or not a.flags.c_contiguous for a in arrays):
-        return None
+    if suffix(dtype) is None or any(a.dtype != dtype or not a.flags.c_contiguous or a.size == 0 for a in arrays):
+        return None  # (empty arrays too: nothing to compute, and their rows do not reshape)
     if not on_host(get_array_module(*arrays)):
         return None
     return library(name, symbols)
@@ -211,6 +215,13 @@ def strides(a, ndim: int | None = None):
     st = [s // a.itemsize for s in a.strides]
     st = st[:-1] if ndim is None else st[: ndim - 1]
     return (ctypes.c_int64 * max(len(st), 1))(*st)
+
+
+def writable(*outputs) -> bool:
+    """Whether the kernels may write each of ``outputs``: writeable, and no axis of more than one
+    element at stride 0 (a broadcast view: threads would race on its one element). Otherwise the
+    NumPy path runs, which raises where NumPy does."""
+    return all(a.flags.writeable and all(st != 0 for n, st in zip(a.shape, a.strides) if n > 1) for a in outputs)
 
 
 def rows_contiguous(*arrays) -> bool:

@@ -403,7 +403,8 @@ def _rotate_compiled(xp, x, ctx: RotaryCtx, out, transpose):
     if x.ndim != 4 or ctx.seq_axis != 1 or compiled.suffix(x.dtype) is None or ctx.cos.dtype != x.dtype or (
             ctx.positions is not None and ctx.positions.ndim != 1) or (ctx.positions is None and ctx.cos.ndim != 2):
         return None
-    if not on_host(xp) or not compiled.rows_contiguous(x, *(() if out is None else (out,))):
+    outs = () if out is None else (out,)
+    if not on_host(xp) or not compiled.rows_contiguous(x, *outs) or not compiled.writable(*outs):
         return None
     lib = compiled.host_library("rotary", _SYMBOLS, ctx.cos, ctx.sin)
     if lib is None:
@@ -414,8 +415,8 @@ def _rotate_compiled(xp, x, ctx: RotaryCtx, out, transpose):
     B, T, heads, hd = x.shape
     if xp is np:
         fn = compiled.entry(lib, "rotary", x.dtype)
-        args = [compiled.ptr(x), compiled.strides(x), compiled.ptr(y), compiled.strides(y),
-                *compiled.pointers(np.ascontiguousarray(c), np.ascontiguousarray(s)),
+        c, s = np.ascontiguousarray(c), np.ascontiguousarray(s)  # (named: the pointers must outlive the call)
+        args = [compiled.ptr(x), compiled.strides(x), compiled.ptr(y), compiled.strides(y), *compiled.pointers(c, s),
                 *compiled.int64s(T, heads, hd, c.shape[-1]), ctypes.c_int(int(transpose))]
         parallel_map(xp, lambda sl: fn(*args, *compiled.int64s(sl.start, sl.stop)),
                      even_row_blocks(xp, B * T, heads * hd))

@@ -28,8 +28,6 @@ def test_moe_bench_tiny_on_the_cpu(tmp_path, capsys):
 def test_moe_bench_has_no_figure_and_refuses_plot_before_running(capsys):
     """The moe suite draws no figure: --plot is refused by the parser, before any work (it used to
     run the benchmark, then end in a ValueError traceback)."""
-    import pytest
-
     with pytest.raises(SystemExit) as e:
         main(["moe", "--tokens", "16", "--plot", "x.png"])
     assert e.value.code == 2 and "unrecognized arguments: --plot" in capsys.readouterr().err

@@ -1091,7 +1091,7 @@ extern "C" __global__ void wild(float* x) { x[threadIdx.x + (1ll << 42)] = 1.0f;
 
 # ================================================================================================
 # Kernel sources: compile with the real CUDA compilers (that every kernel ran in an emulated test:
-# tests/kernels/test_launchers.py's test_every_kernel_ran_in_an_emulated_test)
+# tests/kernels/test_launchers.py's test_every_kernel_ran_in_a_test_on_the_emulator)
 # ================================================================================================
 _KERNEL_DEF = re.compile(
     r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'

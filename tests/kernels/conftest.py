@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from cutp.kernels import SOURCES
+from cutp.ops import compiled
 from cutp.runtime.backend import cupy_status
 from tests.cuda_emu import KERNELS_DIR, LAUNCH_COUNTS, EmulatedModule
 
@@ -42,7 +43,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda_only(reason): runs on the cuda kernel backend only (tests/kernels)")
 
 
-LAST = "test_every_kernel_ran_in_an_emulated_test"  # test_launchers.py: reads what every other test launched
+LAST = "test_every_kernel_ran_in_a_test_on_the_emulator"  # test_launchers.py: reads what every other test launched
 
 
 def pytest_collection_modifyitems(config, items):
@@ -136,3 +137,11 @@ def _skip_what_the_backend_cannot_run(request):
     dtype = callspec.params.get("dtype") if callspec is not None else None
     if dtype is not None and np.dtype(dtype) == BF16:
         backend.require_bf16()
+
+
+@pytest.fixture(autouse=True)
+def _references_run_the_plain_numpy_code(monkeypatch):
+    """The CUDA kernels are checked against the plain NumPy references of cutp.ops (llm.c's habit),
+    not against the compiled CPU kernels, which sum in orders of their own (tests/ops/test_cpu_kernels
+    checks those against the same references)."""
+    monkeypatch.setattr(compiled, "library", lambda *_, **__: None)

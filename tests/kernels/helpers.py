@@ -50,7 +50,7 @@ GPU_SIZED_REASON = ("GPU-sized case: seconds of CPU time under the emulator; the
 
 
 # kernel name -> node ids of the tests that launched it on the emulator in this session (filled by
-# tests/kernels/conftest.py; read by test_launchers.py's test_every_kernel_ran_in_an_emulated_test).
+# tests/kernels/conftest.py; read by test_launchers.py's test_every_kernel_ran_in_a_test_on_the_emulator).
 LAUNCHED_BY: dict[str, set[str]] = {}
 
 

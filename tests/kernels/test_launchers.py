@@ -194,7 +194,7 @@ def kernels_without_an_emulated_test(defined: dict[str, str], launched_by: dict[
                   if not {t for t in launched_by.get(name, ()) if "::test_every_kernel_is_launched_by" not in t})
 
 
-def test_every_kernel_ran_in_an_emulated_test(request):
+def test_every_kernel_ran_in_a_test_on_the_emulator(request):
     """Every extern "C" __global__ entry point of kernels/*.cu was launched on the emulator by a test
     of this session (what ran, recorded by the emulator: helpers.LAUNCHED_BY), not only by the launch
     test. Runs last (tests/kernels/conftest.py), after a session that ran every test file here

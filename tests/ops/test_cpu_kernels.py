@@ -267,6 +267,7 @@ def fresh_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(compiled, "SOURCE_DIR", src)
     monkeypatch.setattr(compiled, "_loaded", {})
     monkeypatch.setattr(compiled, "_said", set())
+    monkeypatch.delenv("CUTP_CACHE_DIR", raising=False)  # (the per-user default; CUTP_CACHE_DIR: below)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("CUTP_CPU_KERNELS", raising=False)
     return src
@@ -319,3 +320,55 @@ def test_without_the_kernels_the_ops_run_numpy_and_say_so_once(why, fresh_loader
         _, ctx = causal_attention_forward(q, k, v)
         assert ctx.blocked and not ctx.compiled
 
+
+
+def test_the_cache_follows_cutp_cache_dir(monkeypatch, tmp_path):
+    """CUTP_CACHE_DIR (cutp's cache setting, the tests' session directory) wins over the per-user
+    default, as it does for the CUDA resources."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("CUTP_CACHE_DIR", str(tmp_path / "mine"))
+    assert compiled.cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("CUTP_CACHE_DIR")
+    assert compiled.cache_dir() == tmp_path / "xdg" / "cutp"
+
+
+@needs_kernels
+def test_outputs_the_kernels_must_not_write_take_the_numpy_path():
+    """A read-only out, or a broadcast one (stride 0: the threads would race on one element), is
+    left to the NumPy path, which refuses it as NumPy does; the kernels never write it."""
+    shape = (1, 2, 1, 9, 9, 4)
+    q, k, v = qkv_views(shape, np.float64)
+    do = np.random.default_rng(1).standard_normal(q.shape)
+    _, ctx = causal_attention_forward(q, k, v)
+    assert compiled.writable(np.empty((2, 3))) and not compiled.writable(np.broadcast_to(np.empty(3), (2, 3)))
+    frozen = [np.zeros(a.shape) for a in (q, k, v)]
+    for a in frozen:
+        a.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        causal_attention_backward(do, ctx, out=tuple(frozen))
+    assert all(not a.any() for a in frozen)
+    x = np.random.default_rng(2).standard_normal((2, 5, 3, 8))
+    cos, sin = (np.random.default_rng(3).standard_normal((5, 8)) for _ in range(2))
+    out = np.zeros_like(x)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        rotary_op.rotary_forward(x, cos, sin, out=out)
+    assert not out.any()
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 8), (3, 0)], ids=["empty", "no-rows", "no-columns"])
+def test_empty_arrays_take_the_numpy_path(shape):
+    """Nothing to compute: the ops answer empty arrays of the right shapes (the compiled path is not
+    asked: empty rows do not reshape)."""
+    x = np.zeros(shape, np.float32)
+    y, ctx = gelu_op.gelu_forward(x)
+    assert y.shape == shape and gelu_op.gelu_backward(y, ctx).shape == shape
+    if len(shape) == 2 and shape[1] > 0:
+        h, sctx = swiglu_op.swiglu_forward(x)
+        assert h.shape == (shape[0], shape[1] // 2) and swiglu_op.swiglu_backward(h, sctx).shape == shape
+    if len(shape) == 2 and shape[1] > 0:
+        w = np.ones(shape[1], np.float32)
+        y, lctx = layernorm_op.layernorm_forward(x, w, w)
+        assert y.shape == shape and layernorm_op.layernorm_backward(y, lctx)[0].shape == shape
+        y, rctx = rmsnorm_op.rmsnorm_forward(x, w)
+        assert y.shape == shape and rmsnorm_op.rmsnorm_backward(y, rctx)[0].shape == shape
