@@ -221,7 +221,8 @@ def writable(*outputs) -> bool:
     """Whether the kernels may write each of ``outputs``: writeable, and no axis of more than one
     element at stride 0 (a broadcast view: threads would race on its one element). Otherwise the
     NumPy path runs, which raises where NumPy does."""
-    return all(a.flags.writeable and all(st != 0 for n, st in zip(a.shape, a.strides) if n > 1) for a in outputs)
+    return all(getattr(a.flags, "writeable", True)  # (the planner's shape-only arrays: nothing is written)
+               and all(st != 0 for n, st in zip(a.shape, a.strides) if n > 1) for a in outputs)
 
 
 def rows_contiguous(*arrays) -> bool:
