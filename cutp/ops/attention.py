@@ -513,7 +513,7 @@ def _forward_compiled(q, k, v, scale):
     packed = xp.empty((B, nkv, g, _packed_rows(Tq, Tk)), q.dtype)
     if xp is np:
         lib = _compiled_library(q, k, v)
-        fn = getattr(lib, "attention_forward_" + compiled.suffix(q.dtype))
+        fn = compiled.entry(lib, "attention_forward", q.dtype)
         args = (compiled.ptr(q), compiled.strides(q), compiled.ptr(k), compiled.strides(k), compiled.ptr(v),
                 compiled.strides(v), compiled.ptr(o), compiled.strides(o), compiled.ptr(packed),
                 *compiled.int64s(B, nkv, g, Tq, Tk, hd), compiled.real(q.dtype, scale))
@@ -538,7 +538,7 @@ def _backward_compiled(do, ctx, out):
     if not compiled.rows_contiguous(do):
         do = xp.ascontiguousarray(do)
     if xp is np:
-        fn = getattr(_compiled_library(q, k, v), "attention_backward_" + compiled.suffix(q.dtype))
+        fn = compiled.entry(_compiled_library(q, k, v), "attention_backward", q.dtype)
         dq, dk, dv = grads
         args = [compiled.ptr(do), compiled.strides(do)]
         for a in (q, k, v):

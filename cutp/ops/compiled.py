@@ -41,6 +41,8 @@ import numpy as np
 from cutp import kernels as _kernel_package
 from cutp.runtime.backend import get_array_module, on_host
 
+from .common import parallel_map, row_blocks
+
 SOURCE_DIR = Path(_kernel_package.__file__).resolve().parent / "cpu"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC")
 
@@ -134,7 +136,7 @@ def library(name: str, symbols=()) -> ctypes.CDLL | None:
     if not enabled():
         _say_once("CUTP_CPU_KERNELS=0: the CPU ops run their NumPy code")
         return None
-    key = (name, os.environ.get("CC"), cache_dir(), SOURCE_DIR)
+    key = (name, os.environ.get("CC"), os.environ.get("CUTP_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"), SOURCE_DIR)
     try:
         return _loaded[key]
     except KeyError:
@@ -230,3 +232,32 @@ def rows_contiguous(*arrays) -> bool:
     kernels' stride arguments describe)."""
     return all(a.shape[-1] <= 1 or a.strides[-1] == a.itemsize for a in arrays) and all(
         s % a.itemsize == 0 for a in arrays for s in a.strides)
+
+
+def run_rows(xp, lib, name, dtype, arrays, scalars, N, C, parts=(), width=None):
+    """The kernel ``name`` of ``lib`` over the row blocks of N rows in the ops' pool (NumPy only:
+    shape-only arrays book their buffers and stop here), called as ``name(*arrays, *parts, C,
+    *scalars, first_row, end_row)``; ``width``: the row width that sizes the blocks (default C).
+    ``parts``: one flag per parameter-gradient argument after ``arrays`` (False: NULL, the
+    parameter is absent); each present one gets a [blocks, C] array of the blocks' parts, summed
+    in block order (so the result never depends on the thread count): returns those sums, None
+    for the absent ones."""
+    blocks = row_blocks(xp, N, C if width is None else width)
+    part_arrays = [xp.empty((len(blocks), C), dtype) if present else None for present in parts]
+    if xp is np:
+        fn = entry(lib, name, dtype)
+        args = pointers(*arrays)
+        tail = [real(dtype, v) for v in scalars]
+
+        def run(i):
+            own = pointers(*(None if p is None else p[i] for p in part_arrays))
+            fn(*args, *own, *int64s(C), *tail, *int64s(blocks[i].start, blocks[i].stop))
+
+        parallel_map(xp, run, range(len(blocks)))
+    sums = []
+    for p in part_arrays:
+        total = None if p is None else xp.zeros(C, dtype)
+        for part in () if p is None else p:  # in block order
+            total += part
+        sums.append(total)
+    return sums

@@ -140,10 +140,7 @@ def _gelu_compiled_forward(lib, x2, b):
     N, C = x2.shape
     y, t = xp.empty(x2.shape, x2.dtype), xp.empty(x2.shape, x2.dtype)
     pre = x2 if b is None else xp.empty(x2.shape, x2.dtype)
-    if xp is np:
-        fn = compiled.entry(lib, "gelu_tanh_forward", x2.dtype)
-        args = compiled.pointers(x2, b, None if b is None else pre, t, y)
-        parallel_map(xp, lambda sl: fn(*args, *compiled.int64s(C, sl.start, sl.stop)), row_blocks(xp, N, C))
+    compiled.run_rows(xp, lib, "gelu_tanh_forward", x2.dtype, (x2, b, None if b is None else pre, t, y), (), N, C)
     return y, pre, t
 
 
@@ -152,22 +149,8 @@ def _gelu_compiled_backward(lib, pre2, t2, dy2, with_bias: bool):
     xp = get_array_module(pre2)
     N, C = pre2.shape
     dx = xp.empty(pre2.shape, pre2.dtype)
-    blocks = row_blocks(xp, N, C)
-    parts = xp.empty((len(blocks), C), pre2.dtype) if with_bias else None
-    if xp is np:
-        fn = compiled.entry(lib, "gelu_tanh_backward", pre2.dtype)
-        args = compiled.pointers(pre2, t2, dy2, dx)
-
-        def run(i):
-            fn(*args, *compiled.pointers(None if parts is None else parts[i]), *compiled.int64s(C, blocks[i].start,
-                                                                                                 blocks[i].stop))
-
-        parallel_map(xp, run, range(len(blocks)))
-    if parts is None:
-        return dx, None
-    db = xp.zeros(C, pre2.dtype)
-    for part in parts:  # in block order
-        db += part
+    (db,) = compiled.run_rows(xp, lib, "gelu_tanh_backward", pre2.dtype, (pre2, t2, dy2, dx), (), N, C,
+                              parts=(with_bias,))
     return dx, db
 
 

@@ -22,32 +22,6 @@ def norm_library(*arrays):
     return compiled.host_library("norms", NORM_SYMBOLS, *(a for a in arrays if a is not None))
 
 
-def run_norm_rows(xp, lib, name, dtype, arrays, scalars, N, C, parts=()):
-    """The kernel ``name`` over the row blocks of N rows (NumPy only). ``parts``: one flag per
-    parameter-gradient argument after ``arrays`` (False: NULL, the parameter is absent); each
-    present one gets a [blocks, C] array of the blocks' parts, summed in block order: returns
-    those sums, None for the absent ones."""
-    blocks = row_blocks(xp, N, C)
-    part_arrays = [xp.empty((len(blocks), C), dtype) if present else None for present in parts]
-    if xp is np:
-        fn = compiled.entry(lib, name, dtype)
-        args = compiled.pointers(*arrays)
-        tail = [compiled.real(dtype, v) for v in scalars]
-
-        def run(i):
-            own = compiled.pointers(*(None if p is None else p[i] for p in part_arrays))
-            fn(*args, *own, *compiled.int64s(C), *tail, *compiled.int64s(blocks[i].start, blocks[i].stop))
-
-        parallel_map(xp, run, range(len(blocks)))
-    sums = []
-    for p in part_arrays:
-        total = None if p is None else xp.zeros(C, dtype)
-        for part in () if p is None else p:  # in block order
-            total += part
-        sums.append(total)
-    return sums
-
-
 class LayerNormCtx:
     """What ``layernorm_backward`` needs: the input ``x`` (a reference), the ``weight`` (None
     when non-affine), the bias dtype (None: no bias), and the per-row statistics ``mean`` and
@@ -94,7 +68,7 @@ def layernorm_forward(x, weight=None, bias=None, eps: float = 1e-5):
     direct = y.dtype == cdt
     lib = norm_library(x, weight, bias)
     if lib is not None:
-        run_norm_rows(xp, lib, "layernorm_forward", cdt, (x2, weight, bias, y, mean, rstd), (eps,), N, C)
+        compiled.run_rows(xp, lib, "layernorm_forward", cdt, (x2, weight, bias, y, mean, rstd), (eps,), N, C)
         lead = x.shape[:-1]
         ctx = LayerNormCtx(x, weight, None if bias is None else bias.dtype, mean.reshape(lead), rstd.reshape(lead))
         return y.reshape(x.shape), ctx
@@ -151,7 +125,7 @@ def layernorm_backward(dy, ctx: LayerNormCtx):
     lib = norm_library(x, weight, dy, mean, rstd) if ctx.bias_dtype in (None, x.dtype) else None
     if lib is not None:
         dx = xp.empty((N, C), dtype=x.dtype)
-        dw, db = run_norm_rows(xp, lib, "layernorm_backward", cdt, (x2, weight, mean, rstd, dy2, dx), (), N, C,
+        dw, db = compiled.run_rows(xp, lib, "layernorm_backward", cdt, (x2, weight, mean, rstd, dy2, dx), (), N, C,
                                parts=(weight is not None, ctx.bias_dtype is not None))
         return dx.reshape(x.shape), dw, db
     w = None if weight is None else as_dtype(weight, cdt)

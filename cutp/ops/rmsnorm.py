@@ -17,8 +17,9 @@ from __future__ import annotations
 from cutp.kernels import dispatch as _kernels
 from cutp.runtime.backend import get_array_module
 
+from . import compiled
 from .common import as_dtype, compute_dtype, is_low_precision, parallel_map, row_blocks
-from .layernorm import norm_library, run_norm_rows  # (the compiled path: kernels/cpu/norms.c)
+from .layernorm import norm_library  # (the compiled path: kernels/cpu/norms.c)
 
 
 class RMSNormCtx:
@@ -73,7 +74,7 @@ def rmsnorm_forward(x, weight=None, eps: float = 1e-6, round_first: bool = True)
     rstd = xp.empty(N, dtype=cdt)
     lib = norm_library(x, weight)  # (float32 / float64 only: no rounding step to mirror)
     if lib is not None:
-        run_norm_rows(xp, lib, "rmsnorm_forward", cdt, (x2, weight, y, rstd), (eps,), N, C)
+        compiled.run_rows(xp, lib, "rmsnorm_forward", cdt, (x2, weight, y, rstd), (eps,), N, C)
         return y.reshape(x.shape), RMSNormCtx(x, weight, rstd.reshape(x.shape[:-1]), round_first)
 
     def block(sl):
@@ -148,7 +149,7 @@ def rmsnorm_backward(dy, ctx: RMSNormCtx):
     dx = xp.empty((N, C), dtype=x.dtype)
     lib = norm_library(x, weight, dy, rstd)
     if lib is not None:
-        (dw,) = run_norm_rows(xp, lib, "rmsnorm_backward", cdt, (x2, weight, rstd, dy2, dx), (), N, C,
+        (dw,) = compiled.run_rows(xp, lib, "rmsnorm_backward", cdt, (x2, weight, rstd, dy2, dx), (), N, C,
                               parts=(weight is not None,))
         return dx.reshape(x.shape), dw
     inv_c = 1.0 / C

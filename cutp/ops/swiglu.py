@@ -25,15 +25,6 @@ from .common import as_dtype, compute_dtype, parallel_map, row_blocks
 _SYMBOLS = ("swiglu_forward_f32", "swiglu_backward_f32", "swiglu_forward_f64", "swiglu_backward_f64")
 
 
-def _run_rows(xp, lib, name, dtype, arrays, N, F):
-    """The kernel ``name`` over row blocks of N rows in the ops' pool (NumPy only: shape-only arrays
-    book their buffers and stop here)."""
-    if xp is np:
-        fn = compiled.entry(lib, name, dtype)
-        args = compiled.pointers(*arrays)
-        parallel_map(xp, lambda sl: fn(*args, *compiled.int64s(F, sl.start, sl.stop)), row_blocks(xp, N, 2 * F))
-
-
 class SwiGLUCtx:
     """The fused pre-activation ``gate_up`` (a reference): all the backward needs; on the host in
     float32/64 also ``exp_neg``, the forward's ``exp(-gate)`` [..., F] (else None)."""
@@ -77,7 +68,7 @@ def swiglu_forward(gate_up):
     lib = compiled.host_library("activations", _SYMBOLS, gate_up)
     if lib is not None:
         kept = xp.empty((N, F), dtype=cdt)
-        _run_rows(xp, lib, "swiglu_forward", cdt, (gate_up, y, kept), N, F)
+        compiled.run_rows(xp, lib, "swiglu_forward", cdt, (gate_up, y, kept), (), N, F, width=2 * F)
         return y.reshape(gate_up.shape[:-1] + (F,)), SwiGLUCtx(gate_up, kept)
 
     direct = y.dtype == cdt
@@ -120,7 +111,8 @@ def swiglu_backward(dy, ctx: SwiGLUCtx):
     d = xp.empty((N, 2 * F), dtype=gate_up.dtype)
     lib = None if ctx.exp_neg is None else compiled.host_library("activations", _SYMBOLS, gate_up, ctx.exp_neg, dy)
     if lib is not None:
-        _run_rows(xp, lib, "swiglu_backward", cdt, (gate_up, ctx.exp_neg, dy, d), N, F)
+        compiled.run_rows(xp, lib, "swiglu_backward", cdt, (gate_up, ctx.exp_neg, dy, d), (), N, F,
+                          width=2 * F)
         return d.reshape(gate_up.shape)
     direct = d.dtype == cdt  # float32/float64: the last products written into d's halves (no copies)
 
