@@ -200,7 +200,7 @@ class StreamedSafetensors:
         if str(data.dtype) != dtype or data.nbytes != n:
             raise ValueError(f"{name}: {data.dtype} of {data.nbytes} bytes, the header says {dtype} of {n}")
         self.f.seek(self.start + at)
-        self.f.write(data.tobytes())
+        self.f.write(data.reshape(-1).view(np.uint8))  # its own bytes: tobytes() would copy them (2x peak)
         self.left.discard(name)
 
     def close(self) -> None:
