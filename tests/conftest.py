@@ -45,7 +45,9 @@ def _every_kernel():
     from cutp.kernels import SOURCES
     from tests.cuda_emu import KERNELS_DIR
 
-    return dict(path=[KERNELS_DIR / f"{s}.cu" for s in SOURCES])
+    # what tests/kernels/conftest.py's emulated_module loads: $CUTP_EMU_KERNEL_SOURCES where set
+    only = [s.strip() for s in os.environ.get("CUTP_EMU_KERNEL_SOURCES", "").split(",") if s.strip()]
+    return dict(path=[KERNELS_DIR / f"{s}.cu" for s in (only or SOURCES)])
 
 
 def _attention(**kwargs):
