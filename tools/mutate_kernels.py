@@ -360,6 +360,37 @@ def prioritised(mutants):
     return sorted(mutants, key=lambda m: (order[m.op], rank[m.id], m.source))
 
 
+_DEVICE_FUNCTION = re.compile(r"__device__[^(]*?\b(\w+)\s*\(")
+
+
+def enclosing_function(text: str, line: int) -> str | None:
+    """The name of the __device__ function whose definition starts at or above `line` (1-based)
+    last, in a header of device functions (common.cuh); None above the first."""
+    for t in reversed(text.splitlines()[:line]):
+        m = _DEVICE_FUNCTION.search(t)
+        if m:
+            return m.group(1)
+    return None
+
+
+def stages_for(m: Mutant) -> list[str]:
+    """The stages a mutant runs, in order: STAGES_OF its source; for a common.cuh mutant, the
+    stages whose sources call its enclosing function by name first (the rest after, in their
+    order). Only the order changes, so only the time a mutant takes to die: it survives only
+    if every stage passes either way (the campaign's common.cuh mutants in row_group_reduce_*,
+    used by the norms alone, went through four other families' builds and tests first)."""
+    stages = STAGES_OF[m.source]
+    if m.source != "common.cuh":
+        return stages
+    name = enclosing_function((KERNELS / m.source).read_text(), m.line)
+    if name is None:
+        return stages
+    texts = {src: (KERNELS / f"{src}.cu").read_text() for stage in stages for src in STAGES[stage][1]}
+    users = [st for st in stages if st not in QUICK  # a slow --quick stage keeps its place, last
+             and any(re.search(rf"\b{name}\b", texts[src]) for src in STAGES[st][1])]
+    return users + [st for st in stages if st not in users]
+
+
 def run_mutant(box: Path, m: Mutant, per_mutant: float, quick: bool = False,
                launch_timeout: float = LAUNCH_TIMEOUT) -> tuple[str, float, str]:
     """The mutant's stages in its sandbox, until one fails; the source restored after."""
@@ -368,7 +399,7 @@ def run_mutant(box: Path, m: Mutant, per_mutant: float, quick: bool = False,
     src.write_text(apply(m, original))
     total = 0.0
     try:
-        for i, stage in enumerate(STAGES_OF[m.source]):
+        for i, stage in enumerate(stages_for(m)):
             tests, sources = stage_tests(stage, quick), STAGES[stage][1]
             status, secs, log = run_tests(box, (AUDIT_TESTS if i == 0 else []) + tests, sources, per_mutant,
                                           launch_timeout)
