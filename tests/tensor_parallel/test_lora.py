@@ -202,6 +202,25 @@ def test_freeze_groups_and_refusals():
         _config(lora_targets="q_a,o")
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(rank=0), "lora_rank 0: the adapters' rank is an integer >= 1"),
+    (dict(rank=2.0), "lora_rank 2.0: the adapters' rank is an integer >= 1"),
+    (dict(alpha=0.0), "lora_alpha 0.0: use a number > 0"),
+    (dict(dropout=1.0), r"lora_dropout 1.0: use a probability in \[0, 1\)"),
+])
+def test_a_lora_spec_refuses_its_bad_fields(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        LoraSpec(**{**dict(rank=4, alpha=8.0), **kw})
+
+
+def test_apply_lora_refuses_what_the_run_settings_refuse_earlier():
+    """An API caller's spec (the run's settings refuse these before any model is built)."""
+    with pytest.raises(ConfigError, match="lora_targets q_a matches no projection of this model"):
+        apply_lora(_model(), LoraSpec(4, 8.0, targets=("q_a",)))
+    with pytest.raises(ConfigError, match="lora_dropout 0.1: adapters on MoE experts take no dropout"):
+        apply_lora(_model("mixtral"), LoraSpec(4, 8.0, dropout=0.1, targets=("up",)))
+
+
 def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     import dataclasses
 
