@@ -77,24 +77,20 @@ def _every_rank(exit_comm, spans_job):
     return every
 
 
-def test_an_agreed_error_whose_ranks_do_not_meet_ends_the_job(two_ranks, capsys, monkeypatch):
+@pytest.mark.parametrize("meet,spans_job,ended", [
+    (False, True, "[rank 0] not every rank stopped on this error within 0.05 s; aborting the job\n"),
+    (True, False, ""),  # part of the job: the ranks meet, then end the job
+])
+def test_an_agreed_error_ends_the_job_when_its_ranks_cannot_exit_alone(two_ranks, capsys, monkeypatch, meet,
+                                                                       spans_job, ended):
     monkeypatch.setattr(failure, "EXIT_BARRIER_TIMEOUT", 0.05)
     error = ConfigError("--tp 3 does not divide 4 heads")
-    error.cutp_every_rank = _every_rank(_Barrier(False), spans_job=True)
+    error.cutp_every_rank = _every_rank(_Barrier(meet), spans_job=spans_job)
     with pytest.raises(_Ended):
         with failure.config_errors_exit("cutp"):
             raise error
-    assert two_ranks == [("[rank 0] not every rank stopped on this error within 0.05 s; aborting the job\n", 2)]
+    assert two_ranks == [(ended, 2)]
     assert capsys.readouterr().err == "cutp: error: --tp 3 does not divide 4 heads\n"  # printed once, first
-
-
-def test_an_agreed_error_on_part_of_the_job_ends_the_job_after_meeting(two_ranks):
-    error = ConfigError("bad input on this half")
-    error.cutp_every_rank = _every_rank(_Barrier(True), spans_job=False)
-    with pytest.raises(_Ended):
-        with failure.config_errors_exit("cutp"):
-            raise error
-    assert two_ranks == [("", 2)]
 
 
 def test_ranks_cannot_meet_on_a_communicator_that_fails():
