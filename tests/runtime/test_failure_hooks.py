@@ -150,3 +150,24 @@ def test_a_collective_whose_completion_test_fails_counts_as_still_in_flight(monk
     finally:
         wd.close()
     assert messages[0].startswith("[rank 3] cutp watchdog: all_reduce on tp has not completed after")
+
+
+def test_output_drain_skips_what_is_no_pipe_and_waits_for_a_pipes_reader(tmp_path):
+    import os
+    import time
+
+    from cutp.runtime.abort import wait_for_output_to_drain
+
+    with open(tmp_path / "log", "w") as f:
+        t0 = time.monotonic()
+        wait_for_output_to_drain(timeout=5.0, fds=(f.fileno(), 10 ** 6))  # a file, a closed descriptor
+        assert time.monotonic() - t0 < 1.0
+    r, w = os.pipe()
+    try:
+        os.write(w, b"unread")
+        t0 = time.monotonic()
+        wait_for_output_to_drain(timeout=0.2, fds=(w,))  # nobody reads: up to the timeout
+        assert time.monotonic() - t0 >= 0.2
+    finally:
+        os.close(r)
+        os.close(w)
