@@ -29,7 +29,8 @@ DEEPSEEK = GPTConfig.preset("deepseek-tiny", n_layer=2, n_head=4, n_embd=32, mlp
                             block_size=16, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
                             v_head_dim=8, n_experts=4, moe_top_k=2, moe_ffn=16, moe_n_group=2, moe_topk_group=1,
                             moe_bias_update_rate=0.0, dtype="float64").to_dict()
-FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2, "deepseek": DEEPSEEK}
+GPT2_MOE = dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=16)  # GeLU experts with biases
+FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2, "deepseek": DEEPSEEK, "gpt2-moe": GPT2_MOE}
 MLA_TARGETS = "q_a,q_b,kv_a,kv_b,o,gate,up,down"  # PEFT's names for DeepseekV3, less _proj
 
 
@@ -139,14 +140,14 @@ def _randomize_adapters(model, seed=0):
             p.data[...] = rng.standard_normal(p.data.shape) * 0.3
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2", "deepseek"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2", "deepseek", "gpt2-moe"])
 def test_adapters_equal_the_merged_weights_and_central_differences(family):
-    kw = dict(moe_aux_loss_coeff=0.0) if family == "mixtral" else {}  # (backward includes the auxiliary losses)
+    kw = dict(moe_aux_loss_coeff=0.0) if "n_experts" in FAMILIES[family] else {}  # (backward includes the auxiliary losses)
     model, plain = _model(family, **kw), _model(family, **kw)
     spec = LoraSpec(rank=3, alpha=6.0, **(dict(targets=tuple(MLA_TARGETS.split(","))) if family == "deepseek" else {}))
     pairs = apply_lora(model, spec)
     assert {p.proj for p in pairs} == (set(MLA_TARGETS.split(",")) if family == "deepseek" else
-                                       {"q", "k", "v", "o", "up", "down"} | ({"gate"} if family != "gpt2" else set()))
+                                       {"q", "k", "v", "o", "up", "down"} | ({"gate"} if "gpt2" not in family else set()))
     _randomize_adapters(model)
     weights = {p.name: p for p in plain.parameters()}
     for pair in pairs:  # W[:, cols] += scale * A @ B, in the fused weights' columns
