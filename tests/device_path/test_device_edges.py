@@ -245,3 +245,14 @@ def test_gemm_and_moe_benchmarks_on_the_device_path(tmp_path):
     peaks = {r["path"]: r["peak"] for r in moe["tables"]["moe"]["rows"]}
     # the pool's peak of each forward + backward (its used bytes at each allocation: never 0 B)
     assert set(peaks) == {"dense SwiGLU", "grouped experts"} and all(float(p.split()[0]) > 0 for p in peaks.values())
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_erf_and_erfc_of_device_arrays_are_cupyxs(cp):
+    from cutp import ops
+
+    x_h = np.linspace(-6.0, 6.0, 97)
+    for fn in (ops.erf, ops.erfc):
+        got = fn(cp.asarray(x_h))
+        assert isinstance(got, cp.ndarray)  # computed on the device (cupyx.scipy.special), not the host
+        np.testing.assert_allclose(got.get(), fn(x_h), rtol=1e-13, atol=0)
