@@ -222,6 +222,17 @@ def test_apply_lora_refuses_what_the_run_settings_refuse_earlier():
         apply_lora(_model("mixtral"), LoraSpec(4, 8.0, dropout=0.1, targets=("up",)))
 
 
+def test_lora_dropout_on_an_moe_models_attention_alone_is_accepted():
+    """The fix the refusal names (and the run's settings accept): adapters with dropout on the
+    attention of an MoE model, none on its experts."""
+    model = _model("mixtral")
+    pairs = apply_lora(model, LoraSpec(4, 8.0, dropout=0.1, targets=("q", "k", "v", "o")))
+    assert {p.proj for p in pairs} == {"q", "k", "v", "o"} and all(p.dropout.p == 0.1 for p in pairs)
+    experts = [e for layer in model.moe_layers for e in layer.experts]
+    assert experts and all(e.fc1_lora is None and e.fc2_lora is None for e in experts)
+    _config("mixtral", lora_dropout=0.1, lora_targets="q,k,v,o")  # (the settings' check: accepted too)
+
+
 def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     import dataclasses
 
