@@ -233,6 +233,16 @@ def test_lora_dropout_on_an_moe_models_attention_alone_is_accepted():
     _config("mixtral", lora_dropout=0.1, lora_targets="q,k,v,o")  # (the settings' check: accepted too)
 
 
+def test_lora_dropout_on_mlas_down_projections_is_refused_under_sequence_parallelism():
+    model = _model("deepseek")
+    apply_lora(model, LoraSpec(4, 8.0, dropout=0.1, targets=("q_a", "kv_a")))
+    attn = model.layers[0].attn
+    attn.lay_out_sequence(False, None)  # (whole sequences: accepted)
+    with pytest.raises(ConfigError, match="lora_dropout on q_a / kv_a of multi-head latent attention runs on each "
+                                          "rank's tokens under sequence parallelism; set lora_dropout=0"):
+        attn.lay_out_sequence(True, None)
+
+
 def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     import dataclasses
 
