@@ -14,12 +14,13 @@ from cutp.tensor_parallel import context_parallel, grads, mappings
 from cutp.tensor_parallel.attention import ParallelAttention
 from cutp.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from cutp.tensor_parallel.declare import below
+from cutp.tensor_parallel.lora import LoraPair, LoraSpec
 from cutp.tensor_parallel.mla import MultiLatentAttention
 from cutp.tensor_parallel.moe import MoEMLP, check_moe
 from cutp.tensor_parallel.moe_experts import expert_parameters
 from cutp.tensor_parallel.parameter import Parameter
 from cutp.tensor_parallel.random import RNGTracker
-from cutp.tensor_parallel.sharding import assemble_full, contiguous, sharding_from_spec
+from cutp.tensor_parallel.sharding import Sharding, assemble_full, contiguous, sharding_from_spec
 from cutp.tensor_parallel.specs import AttentionSpec, MLPSpec
 from cutp.tensor_parallel.validation import check_attention, check_routing, check_vocab
 from tests.tp_utils import self_ctx
@@ -46,6 +47,14 @@ def _mla(training=False):
 
 def _x(n_embd, T):
     return np.random.default_rng(0).standard_normal((1, T, n_embd))
+
+
+def _lora_on_interleaved_columns():
+    """A column layer whose shard interleaves its projections' columns (no layer of cutp does):
+    a LoRA B cannot cover one projection's columns as one run."""
+    interleaved = Sharding(1, (4, 6), (np.array([0, 3, 1, 4, 2, 5]),), {"kind": "interleaved"})
+    base = Parameter("attn.qkv.weight", np.zeros((4, 6)), interleaved, 0, weight_decay=False)
+    LoraPair(self_ctx(), base, "q", "column", (0, 3), LoraSpec(2, 4.0), RNGTracker(0), seed=0, dtype=np.float64)
 
 
 def _cache_then(m, n_embd, first, then, max_len):
@@ -97,6 +106,7 @@ REFUSALS = [
     (lambda: _mla().forward_cached(_x(16, 4), _mla().new_kv_cache(1, 3, np.float64)), ValueError,
      "KV cache holds 3 positions; 4 requested"),
     (lambda: _cache_then(_mla(), 16, 4, 2, 8), ValueError, r"rotary positions 4..5 lie past the tables' 4"),
+    (_lora_on_interleaved_columns, ConfigError, "attn.qkv.weight: the columns of q are not one run of this rank's shard"),
 ]
 
 
