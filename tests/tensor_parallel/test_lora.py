@@ -230,7 +230,12 @@ def test_lora_dropout_on_an_moe_models_attention_alone_is_accepted():
     assert {p.proj for p in pairs} == {"q", "k", "v", "o"} and all(p.dropout.p == 0.1 for p in pairs)
     experts = [e for layer in model.moe_layers for e in layer.experts]
     assert experts and all(e.fc1_lora is None and e.fc2_lora is None for e in experts)
-    _config("mixtral", lora_dropout=0.1, lora_targets="q,k,v,o")  # (the settings' check: accepted too)
+    from mpi4py import MPI
+
+    run = build_run(_config("mixtral", lora_dropout=0.1, lora_targets="q,k,v,o"), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))  # (and the run's settings, and a run: it trains)
+    assert all(np.isfinite(train_step(run).loss) for _ in range(2))
+    assert all(".lora_" in p.name for p in run.model.parameters() if p.trainable)
 
 
 def test_lora_dropout_on_mlas_down_projections_is_refused_under_sequence_parallelism():
