@@ -246,6 +246,12 @@ def test_lora_dropout_on_mlas_down_projections_is_refused_under_sequence_paralle
     with pytest.raises(ConfigError, match="lora_dropout on q_a / kv_a of multi-head latent attention runs on each "
                                           "rank's tokens under sequence parallelism; set lora_dropout=0"):
         attn.lay_out_sequence(True, None)
+    # the run's settings refuse it before anything is built (every rank alike: one line, no abort), and take each fix
+    with pytest.raises(ConfigError, match="lora_dropout 0.1 on q_a / kv_a of multi-head latent attention .* set "
+                                          "lora_dropout 0, or drop q_a,kv_a from lora_targets, or omit sequence_parallel"):
+        _config("deepseek", tp=2, sp=True, lora_dropout=0.1, lora_targets="q_a,kv_a,o")
+    for fix in (dict(lora_dropout=0.0), dict(lora_targets="o"), dict(sp=False)):
+        _config("deepseek", **{**dict(tp=2, sp=True, lora_dropout=0.1, lora_targets="q_a,kv_a,o"), **fix})
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
