@@ -160,8 +160,8 @@ def test_output_drain_skips_what_is_no_pipe_and_waits_for_a_pipes_reader(tmp_pat
 
     with open(tmp_path / "log", "w") as f:
         t0 = time.monotonic()
-        wait_for_output_to_drain(timeout=5.0, fds=(f.fileno(), 10 ** 6))  # a file, a closed descriptor
-        assert time.monotonic() - t0 < 1.0
+        wait_for_output_to_drain(timeout=60.0, fds=(f.fileno(), 10 ** 6))  # a file, a closed descriptor
+        assert time.monotonic() - t0 < 30.0  # (not the timeout: nothing to wait for)
     r, w = os.pipe()
     try:
         os.write(w, b"unread")
