@@ -14,11 +14,10 @@ bytes": all_reduce 2 (n-1)/n of its input, reduce_scatter (n-1)/n of its input, 
 reduce-scatter plus an all-gather of the same tensor cost exactly one all-reduce's wire bytes
 (sequence parallelism's claim, asserted from these numbers).
 
-Time per group: `comm_s`, how long its collectives were in flight (a blocking one: its call; a
-non-blocking one: from its start until it was seen finished, by a test() or its wait()), and
-`blocked_s`, how long this
-rank waited for them (a blocking call, a wait()): the exposed communication. What overlaps
-computation is the difference.
+Time per group (`times[group]`: [comm_s, blocked_s]): `comm_s`, how long its collectives were
+in flight (a blocking one: its call; a non-blocking one: from its start until it was seen
+finished, by a test() or its wait()), and `blocked_s`, how long this rank waited for them (a
+blocking call, a wait()): the exposed communication. What overlaps computation is the difference.
 """
 from __future__ import annotations
 
@@ -83,12 +82,6 @@ class CommCounter:
         t[0] += comm_s
         t[1] += blocked_s
 
-    def comm_s(self, group=None) -> float:
-        return sum(v[0] for g, v in self.times.items() if group in (None, g))
-
-    def blocked_s(self, group=None) -> float:
-        return sum(v[1] for g, v in self.times.items() if group in (None, g))
-
     def calls(self, group=None, op=None) -> int:
         return sum(v[0] for (g, o), v in self.totals.items() if group in (None, g) and op in (None, o))
 
@@ -97,9 +90,6 @@ class CommCounter:
 
     def bytes(self, group=None, op=None) -> int:
         return sum(v[2] for (g, o), v in self.totals.items() if group in (None, g) and op in (None, o))
-
-    def wire_bytes(self, group=None, op=None) -> float:
-        return sum(v[3] for (g, o), v in self.totals.items() if group in (None, g) and op in (None, o))
 
     def reset(self):
         self.totals.clear()

@@ -329,7 +329,7 @@ def _attach(base, pairs) -> None:
 
 
 def _expert_pairs(expert: ExpertMLP, spec, ctx, rng, seed, dtype) -> list:
-    if spec.dropout:
+    if spec.dropout and {"gate", "up", "down"} & set(spec.targets):
         raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs "
                           "are routed tokens); use `lora_dropout` 0, or leave gate, up and down out of "
                           "`lora_targets` on an MoE model")

@@ -57,6 +57,11 @@ def check_finetune(cfg) -> None:
     if spec is not None and spec.dropout and cfg.model.n_experts and {"gate", "up", "down"} & set(spec.targets):
         raise ConfigError(f"`lora_dropout` {spec.dropout}: adapters on MoE experts take no dropout (their inputs are "
                           "routed tokens); use `lora_dropout` 0, or `lora_targets` q,k,v,o on an MoE model")
+    if spec is not None and spec.dropout and cfg.sequence_parallel and {"q_a", "kv_a"} & set(spec.targets):
+        # (the layer refuses it too, MultiLatentAttention.lay_out_sequence: here before anything is built, on every rank)
+        raise ConfigError(f"`lora_dropout` {spec.dropout} on q_a / kv_a of multi-head latent attention runs on each "
+                          "rank's tokens under sequence parallelism; set `lora_dropout` 0, or drop q_a,kv_a from "
+                          "`lora_targets`, or omit `sequence_parallel`")
 
 
 def _check_targets(model, spec) -> None:

@@ -71,3 +71,25 @@ def test_a_mesh_of_another_size_than_the_communicator_is_refused():
     ctx = cutp.init(mesh=Mesh(dims=(("tp", 1), ("cp", 1), ("dp", 1))), device="cpu")
     assert ctx.pp_size == 1 and ctx.pp_rank == 0 and ctx.pp.size == 1  # a dimension the mesh lacks: size 1
     ctx.close()
+
+
+def test_a_simulated_link_wraps_every_group_once_inside_the_counting():
+    from cutp.comm.simulated import SimulatedLinkCommunicator
+
+    ctx = cutp.init(comm=MPI.COMM_SELF, tp=1, device="cpu")
+    try:
+        gqa = ctx.subgroup("gqa", 0, 0, expect=(0, 1))
+        with pytest.raises(ValueError, match=r"group gqa: rank 0 of 1, expected \(0, 2\)"):
+            ctx.subgroup("gqa", 0, 0, expect=(0, 2))
+        ctx.simulate_link(100.0, 5.0)
+        groups = [ctx.world, gqa] + [getattr(ctx, name) for name, _ in Context.GROUPS]
+        for group in (g for g in groups if g is not None):
+            assert isinstance(group.inner, SimulatedLinkCommunicator) and group.inner.link is ctx.link
+            assert not isinstance(group.inner.inner, SimulatedLinkCommunicator)  # (shared groups: wrapped once)
+        x = np.arange(4.0)
+        np.testing.assert_array_equal(ctx.world.all_reduce(x, "sum"), x)  # one rank: nothing sent
+        assert repr(ctx) == f"<cutp.Context {ctx.describe()}>" and "mesh tp=1" in repr(ctx)
+    finally:
+        ctx.close()
+    ctx.close()  # a second close does nothing
+    assert ctx.closed

@@ -65,3 +65,11 @@ def test_host_data_as_if_every_rank_sent_this_ones():
     one, dup = peers.Split(0, 0), peers.Dup()
     assert (one.Get_rank(), one.Get_size()) == (0, 1) and (dup.Get_rank(), dup.Get_size()) == (1, 4)
     assert dup.Free() is None
+
+
+def test_the_shape_only_context_closes_as_a_context():
+    with ShapeOnlyContext(tp=2, device="cuda") as ctx:
+        assert ctx.tp.close() is None  # (NCCL's shape-only group: nothing to tear down)
+        host = np.arange(3.0)
+        assert ctx.to_numpy(host) is host
+    assert ctx.closed

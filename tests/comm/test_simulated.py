@@ -44,6 +44,13 @@ class _Instant(Communicator):
 
         return _Slow("all_reduce", x)
 
+    def exchange(self, sends, recvs):
+        self.clock.t += self.real
+        return [r for r, _, _ in recvs]
+
+    def barrier(self):
+        self.clock.t += self.real
+
 
 @pytest.fixture
 def link(monkeypatch):
@@ -87,3 +94,24 @@ def test_the_link_carries_one_transfer_at_a_time(link):
     first.wait()
     second.wait()
     assert comm.link.times["dp"] == pytest.approx([2e-3, 0.5e-3])
+
+
+def test_point_to_point_transfers_and_barriers_on_the_link(link):
+    clock, inner, comm = link
+    got = np.zeros_like(MB)
+    t0 = clock.t
+    assert comm.exchange([(MB, 1, 0)], [(got, 1, 0)])[0] is got  # 1 MB sent: 1 ms
+    assert clock.t - t0 == pytest.approx(1e-3)
+    req = comm.start_exchange([(MB, 1, 0)], [(got, 1, 0)])
+    clock.t += 5e-3  # computing for 5 ms hides the second
+    assert req.test() and req.wait()[0] is got
+    assert comm.link.times["dp"] == pytest.approx([2e-3, 1e-3])
+    t0, inner.real = clock.t, 0.5e-3
+    comm.barrier()  # no data: the real barrier's time only, nothing on the link
+    assert clock.t - t0 == pytest.approx(0.5e-3) and comm.link.times["dp"] == pytest.approx([2e-3, 1e-3])
+
+
+@pytest.mark.parametrize("bandwidth,latency", [(0.0, 1.0), (10.0, -1.0)])
+def test_a_link_needs_a_bandwidth_and_a_latency(bandwidth, latency):
+    with pytest.raises(ValueError, match="a simulated link needs bandwidth > 0 GB/s and latency >= 0 us"):
+        simulated.Link(bandwidth, latency)

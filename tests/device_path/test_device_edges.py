@@ -16,6 +16,8 @@
 - `python -m cutp.bench.gemm` (the step's GEMMs timed in bfloat16, float32 and TF32, cuBLAS
   against `cupy.matmul`) and `cutp bench moe --device cuda` (the memory pool's peak of each path)
   at tiny sizes;
+- `cutp.ops.erf` / `erfc` of device arrays (cupyx.scipy.special) and the rotary kernel's refusal
+  of an `out` of another shape;
 - `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
   abort, a host array refused, and a unique id whose making failed on the first rank reported on
   every rank.
@@ -245,3 +247,26 @@ def test_gemm_and_moe_benchmarks_on_the_device_path(tmp_path):
     peaks = {r["path"]: r["peak"] for r in moe["tables"]["moe"]["rows"]}
     # the pool's peak of each forward + backward (its used bytes at each allocation: never 0 B)
     assert set(peaks) == {"dense SwiGLU", "grouped experts"} and all(float(p.split()[0]) > 0 for p in peaks.values())
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_erf_and_erfc_of_device_arrays_are_cupyxs(cp):
+    from cutp import ops
+
+    x_h = np.linspace(-6.0, 6.0, 97)
+    for fn in (ops.erf, ops.erfc):
+        got = fn(cp.asarray(x_h))
+        assert isinstance(got, cp.ndarray)  # computed on the device (cupyx.scipy.special), not the host
+        np.testing.assert_allclose(got.get(), fn(x_h), rtol=1e-13, atol=0)
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_the_rotary_kernels_refuse_an_out_of_another_shape_or_dtype(cp):
+    from cutp import ops
+
+    x = cp.asarray(np.ones((1, 4, 2, 8), np.float32))
+    cos, sin = (cp.asarray(t) for t in ops.rope_tables(8, 4, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"rotary: out \(1, 4, 2, 6\) float32 must match the input \(1, 4, 2, 8\)"):
+        ops.rotary_forward(x, cos, sin, out=cp.empty((1, 4, 2, 6), np.float32))  # (the kernel's own check)
+    with pytest.raises(ValueError, match=r"rotary_forward: out \(1, 4, 2, 8\) float64 must match the input"):
+        ops.rotary_forward(x, cos, sin, out=cp.empty((1, 4, 2, 8), np.float64))  # (not the kernel's: the array path's)

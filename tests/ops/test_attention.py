@@ -257,14 +257,16 @@ def _docs(B, T, seed):
 MASKS = [dict(window=5), dict(window=1), dict(softcap=0.7), dict(window=7, softcap=0.5),
          dict(documents=True), dict(documents=True, window=4, softcap=1.5),
          dict(q_first=24, k_first=8, window=9),  # a ring tile: rows of chunk 3 against keys of chunk 1
-         dict(q_first=13, k_first=10, window=6)]  # keys after some queries: those rows see nothing
-MASK_IDS = ["w5", "w1", "cap", "w7-cap", "docs", "docs-w4-cap", "tile", "rows-seeing-nothing"]
+         dict(q_first=13, k_first=10, window=6),  # keys after some queries: those rows see nothing
+         dict(q_first=0, k_first=24, tile=48)]  # a whole query block (rows 0-15) before every key
+MASK_IDS = ["w5", "w1", "cap", "w7-cap", "docs", "docs-w4-cap", "tile", "rows-seeing-nothing", "block-seeing-nothing"]
 
 
 def _masked_case(kw, T=40):
     kw = dict(kw)
-    Tq = T if "q_first" not in kw else 16
-    Tk = T if "q_first" not in kw else 16
+    tile = kw.pop("tile", 16)  # (a ring tile's rows and keys)
+    Tq = T if "q_first" not in kw else tile
+    Tk = T if "q_first" not in kw else tile
     q, k, v = qkv((2, 2, 2, Tq, Tk, 4), seed=5)
     if kw.pop("documents", False):
         docs = _docs(2, T, 1)

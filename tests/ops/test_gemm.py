@@ -176,6 +176,15 @@ def test_gemm_refuses_mismatched_shapes_and_a_missing_accumulator():
     assert ops.gemm(a, b, trans_b=True, out=out, accumulate=True) is out and (out == 4).all()
 
 
+@pytest.mark.parametrize("dtype,out_dtype", [(F32, F32), (BF16, F32), (BF16, BF16)], ids=str)
+def test_the_cpu_path_writes_a_given_out_as_it_returns_a_new_one(dtype, out_dtype):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 4)).astype(dtype), rng.standard_normal((5, 4)).astype(dtype)
+    out = np.full((3, 5), 7.0, out_dtype)  # (overwritten, not added to)
+    assert ops.gemm(a, b, trans_b=True, out=out) is out
+    assert np.array_equal(out, ops.gemm(a, b, trans_b=True, out_dtype=out_dtype))
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16, F32, np.dtype(np.float64)], ids=str)
 def test_the_cpu_path_computes_bit_for_bit_what_the_upcast_code_did(dtype):
     """The formulas the ops had before cutp.ops.gemm (float32 copies, one matmul, one rounding;

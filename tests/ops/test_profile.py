@@ -54,3 +54,12 @@ def test_breakdown_is_the_step_split_with_the_rest_outside_the_ops():
     assert rows["gemm"] == 0.5 and rows["communication"] == 0.2 and rows["attention"] == 0.0
     assert rows["outside the ops"] == pytest.approx(0.2)
     assert dict(breakdown(0.5, {"gemm": 0.5}, 0.2))["outside the ops"] == 0.0  # overlap: never negative
+
+
+def test_the_device_is_synchronised_before_and_after_each_timed_op():
+    events = []
+    x = np.ones((2, 3), np.float32)
+    with OpTimer(ops, sync=lambda: events.append("sync")) as t:
+        ops.gelu_forward(x)
+        ops.linear_forward(x, np.ones((3, 2), np.float32))
+    assert events == ["sync"] * 4 and t.calls == {"activations": 1, "gemm": 1}

@@ -64,6 +64,13 @@ def _worker_mismatched_config():
     assert "lr: ranks 0-2 have 0.2, ranks 3 have 0.1" in msg, msg
     assert "n_layer" not in msg
     check_same_on_all_ranks(MPI.COMM_WORLD, {"same": 1})  # and an identical config passes
+    # a field only rank 1 has: the ranks grouped by their set of fields
+    with pytest.raises(cutp.ConfigError, match=r"has different fields on different ranks \(rank groups "
+                                               r"\['0,2-3', '1'\]\); launch the same cutp version"):
+        check_same_on_all_ranks(MPI.COMM_WORLD, {"n_layer": 2, **({"extra": 1} if r == 1 else {})})
+    # values that differ past the bytes compared: said so
+    with pytest.raises(cutp.ConfigError, match="values differ beyond their first 96 bytes"):
+        check_same_on_all_ranks(MPI.COMM_WORLD, {"path": "/data/" + "x" * 100 + str(r // 2)})
 
 
 def test_mismatched_configuration_names_fields_and_ranks():

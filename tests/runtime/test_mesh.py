@@ -163,3 +163,18 @@ def test_a_refusal_names_settings_in_the_callers_terms():
         derive_mesh(4, tp=4, dp=4)
     flags = e.value.render(lambda name: "--" + name.replace("_", "-"))
     assert "omit --dp (it would be 1); omit --tp (it would be 1)" in flags and "omit dp" in str(e.value)
+
+
+def test_a_mesh_refuses_what_it_cannot_be_and_hashes_by_its_dimensions():
+    with pytest.raises(ValueError, match=r"mesh dimensions named twice: \['tp', 'tp'\]"):
+        Mesh(dims=(("tp", 2), ("tp", 2)))
+    with pytest.raises(ValueError, match="ep=3 does not divide dp=4"):
+        Mesh(dp=4, ep=3)
+    mesh = Mesh(tp=2, dp=2)
+    with pytest.raises(AttributeError, match=r"this mesh has no dimension .cp. \(it has tp, dp, ep, expert_dp, pp\)"):
+        mesh.cp
+    with pytest.raises(ValueError, match="rank 4 is outside a mesh of 4 ranks"):
+        mesh.coords(4)
+    assert {Mesh(tp=2, dp=2): "a"}[mesh] == "a" and hash(mesh) != hash(Mesh(tp=4))
+    with pytest.raises(ValueError, match=r"pick_tp\(8\) returned 3, which does not divide 8"):
+        derive_mesh(8, pick_tp=lambda n: 3)

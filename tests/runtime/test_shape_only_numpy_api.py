@@ -60,10 +60,19 @@ CASES = {  # name: (the call, whether it needs the values of `a` / of the mask)
     "isfinite": lambda xp, a, **_: xp.isfinite(a),
     "np.add": lambda xp, a, **_: np.add(a, a),  # (a NumPy ufunc on a shape-only array: routed)
     "np.sum": lambda xp, a, **_: np.sum(a, axis=0),  # (a NumPy function: routed)
+    "gather host rows": lambda xp, a, **_: a[np.array([2, 0, 2])],
+    "mask rows": lambda xp, a, m, **_: a[m],
+    "np.matmul host first": lambda xp, a, **_: np.matmul(np.ones((2, 6), np.float32), a),
+    "divmod": lambda xp, a, **_: xp.divmod(a, 2.0),
+    "where 1": lambda xp, m, **_: xp.where(m),
+    "sum dtype": lambda xp, a, **_: xp.sum(a, axis=0, dtype=np.float64),
+    "mean of ints": lambda xp, a, **_: xp.mean(a.astype(np.int32), axis=1),
+    "array of a list": lambda xp, **_: xp.array([1.5, 2.5]),
+    "positional out None": lambda xp, a, **_: xp.multiply(a, 2.0, None),
 }
 # Calls whose result the shape-only arrays do not compute even from known values (the planner
 # needs only their shapes); every other call keeps what it was given known.
-SHAPES_ONLY = {"repeat scalar", "repeat flat", "dot", "view", "take method", "take flat", "take_along_axis", "clip",
+SHAPES_ONLY = {"np.matmul host first", "divmod", "repeat scalar", "repeat flat", "dot", "view", "take method", "take flat", "take_along_axis", "clip",
                "compress axis", "compress flat", "searchsorted", "full_like"}
 NEEDS_VALUES = {  # what depends on the data: refused by name without its values
     "nonzero": lambda xp, a, **_: a.nonzero(),
@@ -127,3 +136,16 @@ def test_the_arrays_python_side():
     with pytest.raises(ShapeOnlyError, match="repeat by counts of a shape-only array"):
         xp.repeat(big, xp.empty((KEEP_VALUES_BYTES,), np.int64))
     assert xp.diff(big, append=big[:1]).shape == big.shape  # (unknown values: the shape alone)
+
+
+def test_what_numpy_refuses_is_refused_by_name():
+    xp = ShapeOnly("cpu")
+    with pytest.raises(ValueError, match="device 'tpu': cpu or cuda"):
+        ShapeOnly("tpu")
+    a = xp.zeros((3, 2), np.float32)
+    with pytest.raises(ShapeOnlyError, match=r"bitwise_and of \[dtype\('float32'\), dtype\('float32'\)\]"):
+        xp.bitwise_and(a, a)
+    big = xp.empty((KEEP_VALUES_BYTES,), np.float32)
+    with pytest.raises(ShapeOnlyError, match="compress with a shape-only condition without values"):
+        xp.compress(big > 0, big)
+    assert xp.finfo(np.float32).eps == np.finfo(np.float32).eps and xp.iinfo is np.iinfo

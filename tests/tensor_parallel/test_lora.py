@@ -29,7 +29,8 @@ DEEPSEEK = GPTConfig.preset("deepseek-tiny", n_layer=2, n_head=4, n_embd=32, mlp
                             block_size=16, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
                             v_head_dim=8, n_experts=4, moe_top_k=2, moe_ffn=16, moe_n_group=2, moe_topk_group=1,
                             moe_bias_update_rate=0.0, dtype="float64").to_dict()
-FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2, "deepseek": DEEPSEEK}
+GPT2_MOE = dict(GPT2, n_experts=4, moe_top_k=2, moe_ffn=16)  # GeLU experts with biases
+FAMILIES = {"llama": LLAMA, "mixtral": MIXTRAL, "gpt2": GPT2, "deepseek": DEEPSEEK, "gpt2-moe": GPT2_MOE}
 MLA_TARGETS = "q_a,q_b,kv_a,kv_b,o,gate,up,down"  # PEFT's names for DeepseekV3, less _proj
 
 
@@ -139,14 +140,14 @@ def _randomize_adapters(model, seed=0):
             p.data[...] = rng.standard_normal(p.data.shape) * 0.3
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2", "deepseek"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2", "deepseek", "gpt2-moe"])
 def test_adapters_equal_the_merged_weights_and_central_differences(family):
-    kw = dict(moe_aux_loss_coeff=0.0) if family == "mixtral" else {}  # (backward includes the auxiliary losses)
+    kw = dict(moe_aux_loss_coeff=0.0) if "n_experts" in FAMILIES[family] else {}  # (backward includes the auxiliary losses)
     model, plain = _model(family, **kw), _model(family, **kw)
     spec = LoraSpec(rank=3, alpha=6.0, **(dict(targets=tuple(MLA_TARGETS.split(","))) if family == "deepseek" else {}))
     pairs = apply_lora(model, spec)
     assert {p.proj for p in pairs} == (set(MLA_TARGETS.split(",")) if family == "deepseek" else
-                                       {"q", "k", "v", "o", "up", "down"} | ({"gate"} if family != "gpt2" else set()))
+                                       {"q", "k", "v", "o", "up", "down"} | ({"gate"} if "gpt2" not in family else set()))
     _randomize_adapters(model)
     weights = {p.name: p for p in plain.parameters()}
     for pair in pairs:  # W[:, cols] += scale * A @ B, in the fused weights' columns
@@ -200,6 +201,57 @@ def test_freeze_groups_and_refusals():
         _config("deepseek", lora_targets="q,k,v,o,gate,up,down")
     with pytest.raises(ConfigError, match="q_a is no projection of this model"):
         _config(lora_targets="q_a,o")
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rank=0), "lora_rank 0: the adapters' rank is an integer >= 1"),
+    (dict(rank=2.0), "lora_rank 2.0: the adapters' rank is an integer >= 1"),
+    (dict(alpha=0.0), "lora_alpha 0.0: use a number > 0"),
+    (dict(dropout=1.0), r"lora_dropout 1.0: use a probability in \[0, 1\)"),
+])
+def test_a_lora_spec_refuses_its_bad_fields(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        LoraSpec(**{**dict(rank=4, alpha=8.0), **kw})
+
+
+def test_apply_lora_refuses_what_the_run_settings_refuse_earlier():
+    """An API caller's spec (the run's settings refuse these before any model is built)."""
+    with pytest.raises(ConfigError, match="lora_targets q_a matches no projection of this model"):
+        apply_lora(_model(), LoraSpec(4, 8.0, targets=("q_a",)))
+    with pytest.raises(ConfigError, match="lora_dropout 0.1: adapters on MoE experts take no dropout"):
+        apply_lora(_model("mixtral"), LoraSpec(4, 8.0, dropout=0.1, targets=("up",)))
+
+
+def test_lora_dropout_on_an_moe_models_attention_alone_is_accepted():
+    """The fix the refusal names (and the run's settings accept): adapters with dropout on the
+    attention of an MoE model, none on its experts."""
+    model = _model("mixtral")
+    pairs = apply_lora(model, LoraSpec(4, 8.0, dropout=0.1, targets=("q", "k", "v", "o")))
+    assert {p.proj for p in pairs} == {"q", "k", "v", "o"} and all(p.dropout.p == 0.1 for p in pairs)
+    experts = [e for layer in model.moe_layers for e in layer.experts]
+    assert experts and all(e.fc1_lora is None and e.fc2_lora is None for e in experts)
+    from mpi4py import MPI
+
+    run = build_run(_config("mixtral", lora_dropout=0.1, lora_targets="q,k,v,o"), MPI.COMM_SELF,
+                    dataset=random_tokens(97, 4096, 0))  # (and the run's settings, and a run: it trains)
+    assert all(np.isfinite(train_step(run).loss) for _ in range(2))
+    assert all(".lora_" in p.name for p in run.model.parameters() if p.trainable)
+
+
+def test_lora_dropout_on_mlas_down_projections_is_refused_under_sequence_parallelism():
+    model = _model("deepseek")
+    apply_lora(model, LoraSpec(4, 8.0, dropout=0.1, targets=("q_a", "kv_a")))
+    attn = model.layers[0].attn
+    attn.lay_out_sequence(False, None)  # (whole sequences: accepted)
+    with pytest.raises(ConfigError, match="lora_dropout on q_a / kv_a of multi-head latent attention runs on each "
+                                          "rank's tokens under sequence parallelism; set lora_dropout=0"):
+        attn.lay_out_sequence(True, None)
+    # the run's settings refuse it before anything is built (every rank alike: one line, no abort), and take each fix
+    with pytest.raises(ConfigError, match="lora_dropout 0.1 on q_a / kv_a of multi-head latent attention .* set "
+                                          "lora_dropout 0, or drop q_a,kv_a from lora_targets, or omit sequence_parallel"):
+        _config("deepseek", tp=2, sp=True, lora_dropout=0.1, lora_targets="q_a,kv_a,o")
+    for fix in (dict(lora_dropout=0.0), dict(lora_targets="o"), dict(sp=False)):
+        _config("deepseek", **{**dict(tp=2, sp=True, lora_dropout=0.1, lora_targets="q_a,kv_a,o"), **fix})
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):

@@ -303,3 +303,30 @@ FOUR_RANKS = SharedLaunch(4, {
         dict(dp=4, micro=1, zero=True)]]),
     "planned stages 1": (f"{HERE}:_worker_pipeline_stages_planned", [PLANNED_STAGES[1]]),
 }, timeout=420)
+
+
+def test_a_layers_counting_pass_and_metrics_on_one_rank():
+    """A layer driven alone (no train_step): its counting pass's fractions, its metrics read when
+    asked (`last`), and a counting pass that routed nothing refused naming both counts."""
+    from cutp.tensor_parallel.moe import MoEMLP
+
+    m = MoEMLP(self_ctx(), 8, n_experts=4, top_k=2, ffn=8, name="moe", dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((2, 4, 8))
+    m.reset_step_stats()
+    m.begin_step(8)
+    m.start_counting()
+    m.forward(x)
+    tally = np.array(m._tally)
+    assert tally[:4].sum() == 8 * 2 and tally[4] == 8
+    m.finish_counting()
+    np.testing.assert_array_equal(m.step_fractions[1], tally[:4] / 16)
+    m.forward(x)
+    assert len(m.pending) == 1
+    last = m.last  # read from the device now
+    assert m.pending == () and np.array_equal(last["assigned"], tally[:4]) and last["dropped"] == 0.0
+    assert m.step_stats["forwards"] == 1 and last["aux_loss"] > 0
+    m.end_step()
+    m.begin_step(8)
+    m.start_counting()
+    with pytest.raises(RuntimeError, match="the counting pass routed 0 tokens; the step has 8"):
+        m.finish_counting()

@@ -77,3 +77,22 @@ def test_padding_stays_within_twice_the_rows():
         counts = rng.integers(0, 40, 16) * (rng.random(16) < 0.5) ** rng.integers(0, 2)
         padded = sum((len(counts) if ids is None else len(ids)) * C for ids, C in groups(counts))
         assert padded <= 2 * counts.sum() + len(counts)
+
+
+@pytest.mark.parametrize("kind,bias", [("gelu", True), ("gelu", False), ("swiglu", True), ("swiglu", False)])
+def test_an_experts_own_pass_equals_its_mlp(kind, bias):
+    """ExpertMLP's own forward and backward (the path LoRA adapters and frozen weights take, one
+    expert at a time) equal the expert's MLP: GeLU with and without biases, SwiGLU with them."""
+    expert = _experts(kind, bias, E=1)[0]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 6))
+    dy = rng.standard_normal(x.shape)
+    y_ref, dx_ref, g_ref = _reference([expert], x, [0, 7], dy)
+    y, saved = expert.forward(x)
+    dx = expert.backward(dy, saved)
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=1e-13)
+    params = list(expert.own_parameters())
+    assert len(params) == (4 if bias else 2)
+    for p in params:
+        np.testing.assert_allclose(p.grad, g_ref[p.name], rtol=0, atol=1e-12, err_msg=p.name)
