@@ -83,3 +83,12 @@ def test_a_state_dict_that_does_not_fit_is_refused_naming_the_tensor(ctx):
     with pytest.raises(ValueError, match=r"final_norm.weight: expected full shape \(128,\), got \(129,\)"):
         model.load_full_state_dict(wrong)
     model.load_full_state_dict(missing, strict=False)  # (the rest loads)
+
+
+def test_packed_documents_must_be_an_integer_array(ctx):
+    model = GPT(ctx, TINY)
+    idx = np.zeros((1, 4), dtype=np.int64)
+    for bad, kind in (([[0, 0, 1, 1]], "list of dtype None"), (np.zeros((1, 4)), "ndarray of dtype float64")):
+        with pytest.raises(ValueError, match=rf"documents must be an integer array \[batch, seq\] of document ids, "
+                                             rf"got {kind}"):
+            model.forward(idx, idx, documents=bad)
