@@ -50,7 +50,7 @@ from .finetune import settings_of
 from .moe import dense_mlp_activation_bytes, moe_counts, moe_layer_activation_bytes
 from ..runtime.mesh import Mesh
 from .run import planned_parameters, planned_step
-from .zero import zero_state_bytes
+from .zero import gathered_units_bytes, zero_state_bytes
 
 class Chunk:
     """One model chunk of a rank: its layers' global indices, whether it holds the embedding
@@ -219,6 +219,9 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                             distributed_optimizer=distributed_optimizer)
         if sharding["zero"] >= 2:  # (the stage's parameters as one segment: cutp.plan.zero)
             st = zero_state_bytes(n_local, dtype=dtype, d=dp * cp // dp_replicate, zero=sharding["zero"])
+            if sharding["zero"] == 3 and config is None:  # whole units held in the step (a preset's walk has them)
+                act["bytes"] += gathered_units_bytes(param_count(a, tp, ep)["layer_per_rank"], n_local, dtype=dtype,
+                                                     reshard_after_forward=reshard_after_forward)
         if finetune:  # (what trains on the stage: its step's own state, the rank holding the most)
             st = dict(st, **max((w["state"] for w in walks), key=lambda x: sum(x.values())))
         state = st["params"] + st["grads"] + st["optimizer"]

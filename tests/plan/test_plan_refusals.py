@@ -20,6 +20,7 @@ from cutp.plan.moe import check_moe_layout, moe_counts
 from cutp.plan.pipeline import check_pipeline
 from cutp.plan.run import planned_step
 from cutp.plan.search import _zero2_may_fit
+from cutp.plan.zero import gathered_units_bytes
 from cutp.runtime.errors import ConfigError
 
 
@@ -148,3 +149,19 @@ def test_a_frozen_moe_model_and_a_float32_mla_model_are_planned(capsys, tmp_path
         stash[dtype] = json.loads((tmp_path / f"{dtype}.json").read_text())["plan"]["activations"]["stash_per_layer"][0]
     # float32 activations twice bfloat16's, but for the 1-byte dropout masks (float32: not quite twice)
     assert stash["bfloat16"] < stash["float32"] < 2 * stash["bfloat16"]
+
+
+def test_a_zero_3_pipeline_stage_of_a_params_model_holds_its_gathered_units(tmp_path):
+    """(A regression: fine-tuning by stage put this under `if finetune:`, where no --params model
+    reaches, so a --params ZeRO-3 stage's peak left out the units it gathers.)"""
+    stages = {}
+    for zero in (2, 3):
+        out = tmp_path / f"zero{zero}.json"
+        assert main(["--params", "7B", "--tp", "8", "--dp", "2", "--pp", "2", "--zero", str(zero), "--json", str(out),
+                     "--quiet"]) == 0
+        stages[zero] = json.loads(out.read_text())["plan"]["stages"]
+    a = layout.pick_arch("7B")
+    for two, three in zip(stages[2], stages[3]):
+        units = gathered_units_bytes(layout.param_count(a, 8, 1)["layer_per_rank"], three["params_local"],
+                                     dtype="bfloat16")
+        assert units > 0 and three["activations"]["bytes"] == two["activations"]["bytes"] + units
