@@ -15,6 +15,7 @@ from cutp.optim.adamw import DistributedAdamW
 from cutp.optim.expert_parallel import ExpertParallelAdamW
 from cutp.optim.loss_scaler import DynamicLossScaler
 from cutp.optim.sharded import ShardedAdamW
+from cutp.optim.units import unit_layout
 from cutp.runtime.errors import ConfigError
 from tests.tp_utils import self_ctx
 
@@ -118,3 +119,13 @@ def test_expert_parallel_adamw_sums_its_parts_and_resyncs_their_masters(ctx):
     opt.flat.parts[0].data[...] = np.asarray(1.5, dtype=ml_dtypes.bfloat16)  # (weights loaded outside the optimizer)
     opt.resync_masters()
     assert np.all(opt.dense.master == 1.5) and opt.step_count == opt.dense.step_count == 0
+
+
+def test_a_parameter_no_unit_holds_still_gets_a_segment(ctx, monkeypatch):
+    model = GPT(ctx, TINY)
+    units = model.units()
+    monkeypatch.setattr(model, "units", lambda chunk=0: units[:-1] + [[model.lm_head]])  # (the final norm left out)
+    segments = unit_layout(model, 2, set())[0]
+    held = [p.name for s in segments for p in s.params]
+    assert sorted(held) == sorted(p.name for p in model.parameters() if not p.buffer)
+    assert [p.name for p in segments[-1].params] == ["final_norm.bias"]  # (each alone, after the units')
