@@ -2,7 +2,8 @@
 in process: FlatParameters, the loss scaler, AdamW / DistributedAdamW and ShardedAdamW refuse bad
 arguments and state naming them; a ZeRO state dict on one rank reads back what was loaded;
 ZeRO-3's per-parameter helpers (the non-finite check, one unit whole at a time, a buffer's piece);
-ExpertParallelAdamW's parts summed."""
+ExpertParallelAdamW's parts summed; a parameter no unit holds; the groups of buckets (ep > 1)
+numbering their members' buckets in order."""
 import types
 
 import ml_dtypes
@@ -12,6 +13,7 @@ import pytest
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
 from cutp.optim.adamw import DistributedAdamW
+from cutp.optim.buckets import GradBucketGroups, ParamGathers, cut_buckets
 from cutp.optim.expert_parallel import ExpertParallelAdamW
 from cutp.optim.loss_scaler import DynamicLossScaler
 from cutp.optim.sharded import ShardedAdamW
@@ -129,3 +131,23 @@ def test_a_parameter_no_unit_holds_still_gets_a_segment(ctx, monkeypatch):
     held = [p.name for s in segments for p in s.params]
     assert sorted(held) == sorted(p.name for p in model.parameters() if not p.buffer)
     assert [p.name for p in segments[-1].params] == ["final_norm.bias"]  # (each alone, after the units')
+
+
+def test_bucket_groups_number_their_members_buckets_in_order(ctx):
+    flat = FlatParameters(GPT(ctx, TINY).parameters())
+    with pytest.raises(ValueError, match=r"a distributed optimizer's buckets cover its whole buffer \(its shards\)"):
+        cut_buckets(flat, 64, shards=2, region=(0, 8))
+    calls = []
+
+    def member(name, n_buckets, log):
+        return types.SimpleNamespace(buckets=[f"{name}{k}" for k in range(n_buckets)], started_log=log,
+                                     poll=lambda: calls.append(("poll", name)),
+                                     before_forward=lambda unit: calls.append(("before_forward", name, unit)))
+
+    groups = GradBucketGroups([member("dense", 3, [(2, ["u0"]), (0, ["u1"])]), member("experts", 2, [(1, ["u1"])])])
+    assert groups.buckets == ["dense0", "dense1", "dense2", "experts0", "experts1"]
+    assert groups.started_log == [(2, ["u0"]), (0, ["u1"]), (4, ["u1"])]  # (the experts' after the dense 3)
+    groups.poll()
+    ParamGathers(groups.members).before_forward("u0")
+    assert calls == [("poll", "dense"), ("poll", "experts"), ("before_forward", "dense", "u0"),
+                     ("before_forward", "experts", "u0")]
