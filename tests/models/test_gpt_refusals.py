@@ -1,6 +1,7 @@
 """The GPT model's API refusals on one rank (cutp.models.gpt): a bad `pp_virtual`, CP
 communication, gather rank, state dict or generation past block_size is refused naming the
-value and what is accepted; `hidden_states` is the output the LM head reads."""
+value and what is accepted; `hidden_states` is the output the LM head reads; on the planner's
+shape-only arrays, a tp x cp layout's sequence checks and sequence-parallel evaluation."""
 import dataclasses
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 import cutp
 from cutp.models import GPT, GPTConfig
+from cutp.plan.run import ShapeOnlyContext
 
 TINY = GPTConfig.preset("tiny", n_layer=2, dtype="float64")
 
@@ -92,3 +94,23 @@ def test_packed_documents_must_be_an_integer_array(ctx):
         with pytest.raises(ValueError, match=rf"documents must be an integer array \[batch, seq\] of document ids, "
                                              rf"got {kind}"):
             model.forward(idx, idx, documents=bad)
+
+
+def test_layouts_of_several_ranks_check_the_sequence_on_shape_only_arrays():
+    """(The planner's shape-only context: a tp 4 x cp 2 model on one process, no data.)"""
+    ctx = ShapeOnlyContext(tp=4, cp=2, rank=0, device="cpu")
+    model = GPT(ctx, GPTConfig.preset("tiny", n_layer=1), init=False)
+    model.set_sequence_parallel(True)
+    model.train()
+    idx = ctx.xp.zeros((1, 12), dtype=np.int64)
+    with pytest.raises(ValueError, match=r"sequence length 12 / cp 2 = 6 tokens per CP rank is not divisible by "
+                                         r"tp=4: sequence parallelism splits them over the TP ranks; use a multiple "
+                                         r"of 8"):
+        model.forward(idx, idx)
+    model.check_inputs(ctx.xp.zeros((1, 16), dtype=np.int64), ctx.xp.zeros((1, 16), dtype=np.int64))  # (the fix)
+    two = ShapeOnlyContext(tp=2, rank=0, device="cpu")
+    model = GPT(two, GPTConfig.preset("tiny", n_layer=1), init=False)
+    model.set_sequence_parallel(True)
+    model.eval()
+    assert model.hidden_states(two.xp.zeros((1, 4), dtype=np.int64)).shape == (1, 2, 128)  # this rank's tokens
+    assert model.hidden_states(two.xp.zeros((1, 5), dtype=np.int64)).shape == (1, 5, 128)  # 5 do not split: whole
