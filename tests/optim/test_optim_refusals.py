@@ -141,13 +141,13 @@ def test_bucket_groups_number_their_members_buckets_in_order(ctx):
 
     def member(name, n_buckets, log):
         return types.SimpleNamespace(buckets=[f"{name}{k}" for k in range(n_buckets)], started_log=log,
-                                     poll=lambda: calls.append(("poll", name)),
+                                     grads_final=lambda unit: calls.append(("grads_final", name, unit)),
                                      before_forward=lambda unit: calls.append(("before_forward", name, unit)))
 
     groups = GradBucketGroups([member("dense", 3, [(2, ["u0"]), (0, ["u1"])]), member("experts", 2, [(1, ["u1"])])])
     assert groups.buckets == ["dense0", "dense1", "dense2", "experts0", "experts1"]
     assert groups.started_log == [(2, ["u0"]), (0, ["u1"]), (4, ["u1"])]  # (the experts' after the dense 3)
-    groups.poll()
+    groups.grads_final("u1")  # (each member's grads_final polls its own requests)
     ParamGathers(groups.members).before_forward("u0")
-    assert calls == [("poll", "dense"), ("poll", "experts"), ("before_forward", "dense", "u0"),
-                     ("before_forward", "experts", "u0")]
+    assert calls == [("grads_final", "dense", "u1"), ("grads_final", "experts", "u1"),
+                     ("before_forward", "dense", "u0"), ("before_forward", "experts", "u0")]

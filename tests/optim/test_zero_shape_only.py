@@ -2,6 +2,7 @@
 context (cutp.comm.shape_only: every collective counted, no values): HSDP's replica all-reduce in
 the gradient-reduction dtype, and the prefetch of a first unit that trains nothing (frozen
 embeddings), counted against the same step without them."""
+from cutp.comm.counting import TimedRequest
 from cutp.comm.shape_only import ShapeOnlyContext
 from cutp.data import BatchSampler
 from cutp.models import GPTConfig
@@ -13,7 +14,8 @@ LLAMA = GPTConfig.preset("llama-tiny", n_layer=2)
 
 
 def _second_step_collectives(dp: int, **settings) -> dict:
-    cfg = RunConfig(model=LLAMA, device="cpu", tp=1, dp=dp, zero=3, micro_batch_size=1, batch_size=2 * dp, seq_len=16,
+    settings = {"zero": 3, **settings}
+    cfg = RunConfig(model=LLAMA, device="cpu", tp=1, dp=dp, micro_batch_size=1, batch_size=2 * dp, seq_len=16,
                     steps=2, warmup=0, eval_every=0, quiet=True, save_on_signal=False, collective_timeout=0, **settings)
     ctx = ShapeOnlyContext(dp=dp, rank=0, device="cpu")
     data = _tokens(LLAMA.vocab_size, 16, cfg.batch_size)
@@ -40,3 +42,16 @@ def test_a_first_unit_that_trains_nothing_is_still_gathered_ahead():
     embedding = LLAMA.vocab_size * LLAMA.n_embd  # (not reduced: 2 micro-batches of it fewer)
     assert trained["dp.reduce_scatter"]["calls"] - frozen["dp.reduce_scatter"]["calls"] == 2
     assert trained["dp.reduce_scatter"]["elements"] - frozen["dp.reduce_scatter"]["elements"] == 2 * embedding
+
+
+def test_overlapped_reductions_are_polled_between_layers(monkeypatch):
+    """(MPI progresses a request only inside MPI calls: each unit's backward tests the reductions
+    in flight, as the DDP buckets do. ZeRO's poll was written but never called.)"""
+    polled = []
+    test = TimedRequest.test
+    monkeypatch.setattr(TimedRequest, "test", lambda self: polled.append(self.op) or test(self))
+    _second_step_collectives(2, zero=2, overlap_grad_reduce=True)
+    assert polled and set(polled) == {"reduce_scatter"}
+    polled.clear()
+    _second_step_collectives(2, zero=2)  # (without overlap each reduction is waited for at once)
+    assert not polled
