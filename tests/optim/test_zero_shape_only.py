@@ -1,11 +1,15 @@
 """ZeRO-3's paths that only several ranks take, run in one process on the planner's shape-only
 context (cutp.comm.shape_only: every collective counted, no values): HSDP's replica all-reduce in
 the gradient-reduction dtype, and the prefetch of a first unit that trains nothing (frozen
-embeddings), counted against the same step without them."""
+embeddings), counted against the same step without them; the reductions polled between layers;
+a state dict of several ranks refused."""
+import pytest
+
 from cutp.comm.counting import TimedRequest
 from cutp.comm.shape_only import ShapeOnlyContext
 from cutp.data import BatchSampler
-from cutp.models import GPTConfig
+from cutp.models import GPT, GPTConfig
+from cutp.optim.sharded import ShardedAdamW
 from cutp.plan.run import _tokens
 from cutp.train.config import RunConfig
 from cutp.train.step import assemble_run, train_step
@@ -55,3 +59,12 @@ def test_overlapped_reductions_are_polled_between_layers(monkeypatch):
     polled.clear()
     _second_step_collectives(2, zero=2)  # (without overlap each reduction is waited for at once)
     assert not polled
+
+
+def test_a_state_dict_of_several_ranks_names_state_pieces():
+    ctx = ShapeOnlyContext(dp=2, rank=0, device="cpu")
+    opt = ShardedAdamW(GPT(ctx, LLAMA, init=False), ctx, zero=2)
+    with pytest.raises(ValueError, match=r"ShardedAdamW.state_dict needs a group of one rank: use state_pieces"):
+        opt.state_dict()
+    pieces, _ = opt.state_pieces()
+    assert {k.split(".", 1)[0] for k in pieces} == {"exp_avg", "exp_avg_sq"}
