@@ -151,3 +151,21 @@ def test_bucket_groups_number_their_members_buckets_in_order(ctx):
     ParamGathers(groups.members).before_forward("u0")
     assert calls == [("grads_final", "dense", "u1"), ("grads_final", "experts", "u1"),
                      ("before_forward", "dense", "u0"), ("before_forward", "experts", "u0")]
+
+
+def test_a_zero_norm_counts_only_the_entries_a_norm_mask_owns(ctx):
+    """(At TP, a parameter's copies of replicated KV heads enter the norm once: `norm_mask` marks
+    the indices along its split axis this rank counts. Here one rank, the mask set by hand.)"""
+    model = GPT(ctx, TINY)
+    opt = ShardedAdamW(model, ctx, zero=2)
+    opt.grad[...] = np.random.default_rng(1).standard_normal(opt.grad.shape)
+    split = [p for p in model.parameters() if p.sharding is not None and p.data.ndim == 2]
+    for axis in (0, 1):  # (a row- and a column-parallel weight)
+        p = next(p for p in split if p.sharding.axis == axis)
+        p.norm_mask = np.arange(p.data.shape[axis]) % 3 == 0
+        s = opt._segment_of[id(p)]
+        a0, b0 = s.where[id(p)]
+        g = opt.grad[s.shard_at + a0:s.shard_at + b0].reshape(p.data.shape)
+        want = float((np.compress(p.norm_mask, g, axis=axis) ** 2).sum())
+        assert opt._square_sums(s)[s.index, id(p)] == pytest.approx(want, rel=1e-12), p.name
+        assert want < float((g ** 2).sum())
