@@ -340,6 +340,8 @@ class ModelConfig:
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool)
                                           or self.head_dim < 1):
             raise ConfigError(f"head_dim must be a positive integer or None (n_embd // n_head), got {self.head_dim!r}")
+        if self.kv_lora_rank is not None:  # (before the rope checks: MLA's rope_dim is qk_rope_head_dim)
+            self._validate_mla(tp)
         if self.positions == "rope":
             if self.rope_dim % 2:
                 raise ConfigError(f"head_dim={self.rope_dim} is odd: rotary positions turn pairs of each head's "
@@ -357,8 +359,6 @@ class ModelConfig:
                 raise ConfigError(f"{f} must be a token id in [0, {self.vocab_size}) or None, got {v!r}")
         if self.kv_lora_rank is None:
             check_attention(self.n_embd, self.n_head, self.kv_heads, tp, head_dim=self.head_dim)
-        else:
-            self._validate_mla(tp)
         check_mlp(self.n_embd, self.hidden, tp)
         check_vocab(self.vocab_size, self.padded_vocab(tp), tp)
         check_moe(self.n_experts, self.moe_top_k, self.moe_every, self.moe_ffn, self.moe_capacity_factor,

@@ -327,12 +327,11 @@ def save_hf(model_or_state_dict, config: GPTConfig | str | None = None, path: st
         config, path = None, config
     if path is None:
         raise ConfigError("save_hf needs the directory to write: save_hf(model, path)")
-    _config_of(model_or_state_dict, config, "save_hf")  # (refuses a (model, meta) tuple by name)
+    cfg = _config_of(model_or_state_dict, config, "save_hf")  # (refuses a (model, meta) tuple by name)
     if dtype is not None and dtype not in SAVE_DTYPES:
         raise ConfigError(f"dtype {dtype!r} cannot be saved; use one of {SAVE_DTYPES} or None (keep)")
     if isinstance(model_or_state_dict, GPT):
         model = model_or_state_dict
-        cfg = config or model.config
         config_to_hf(cfg)  # refused on every rank before any collective
         full = model.gather_state_dict(rank=0)
         err = None
@@ -345,12 +344,10 @@ def save_hf(model_or_state_dict, config: GPTConfig | str | None = None, path: st
                 err = f"save_hf could not write {path}: {type(e).__name__}: {e}"
         agree_on_error(model.ctx.world.mpi_comm, err, RuntimeError)
         return
-    if config is None:
-        raise ConfigError("save_hf needs the GPTConfig when given a state dict")
     full = {k: to_numpy(v) for k, v in model_or_state_dict.items()}
-    check_state_dict(config, full, where="state dict")
-    tensors, hf_cfg = _hf_files(config, full, dtype)
-    write_hf_dir(tensors, hf_cfg, path, generation_config(config), tokenizer_files)
+    check_state_dict(cfg, full, where="state dict")
+    tensors, hf_cfg = _hf_files(cfg, full, dtype)
+    write_hf_dir(tensors, hf_cfg, path, generation_config(cfg), tokenizer_files)
 
 
 def _config_of(model_or_state_dict, config, who: str) -> GPTConfig:

@@ -265,10 +265,6 @@ class GradBucketGroups:
         for m in self.members:
             m.grads_final(unit)
 
-    def poll(self) -> None:
-        for m in self.members:
-            m.poll()
-
     def finish(self) -> None:
         """Every member's buckets started, then every one waited for."""
         for m in self.members:

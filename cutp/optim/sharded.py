@@ -269,6 +269,8 @@ class ShardedAdamW(ShardState):
                     self._lazy.append(s)
                 for _ in range(holds):
                     self._release(s)
+        if self.overlap:  # the reductions in flight progressed between layers (docs/parallelism.md, Backends)
+            self.poll()
 
     # ---- gradients ------------------------------------------------------------------------------
     def _reduce(self, s: Segment) -> None:

@@ -84,10 +84,8 @@ def mla_attention_bytes(a, s: int, b: int, t: int, act: int, sequence_parallel: 
 def mha_attention_bytes(s: int, b: int, h: int, heads: int, t: int, act: int, recompute: str,
                         sequence_parallel: bool) -> float:
     """Multi-head attention's share of `activation_bytes_per_layer` (module docstring): what the
-    planner takes out of Korthikanti et al.'s figure for an MLA layer; 0 under full
-    recomputation (the layer keeps its input, whatever its attention)."""
-    if recompute == "full":
-        return 0.0
+    planner takes out of Korthikanti et al.'s figure for an MLA layer (`recompute` none or
+    selective: under full recomputation the layer keeps its input, and no share is taken)."""
     sbh = s * b * h
     base = sbh * (2 / (t if sequence_parallel else 1) + 8 / t)
     masks = 0.0

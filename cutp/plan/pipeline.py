@@ -219,11 +219,11 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                             distributed_optimizer=distributed_optimizer)
         if sharding["zero"] >= 2:  # (the stage's parameters as one segment: cutp.plan.zero)
             st = zero_state_bytes(n_local, dtype=dtype, d=dp * cp // dp_replicate, zero=sharding["zero"])
-        if finetune:  # (what trains on the stage: its step's own state, the rank holding the most)
-            st = dict(st, **max((w["state"] for w in walks), key=lambda x: sum(x.values())))
-            if sharding["zero"] == 3 and config is None:  # whole units held in the step
+            if sharding["zero"] == 3 and config is None:  # whole units held in the step (a preset's walk has them)
                 act["bytes"] += gathered_units_bytes(param_count(a, tp, ep)["layer_per_rank"], n_local, dtype=dtype,
                                                      reshard_after_forward=reshard_after_forward)
+        if finetune:  # (what trains on the stage: its step's own state, the rank holding the most)
+            st = dict(st, **max((w["state"] for w in walks), key=lambda x: sum(x.values())))
         state = st["params"] + st["grads"] + st["optimizer"]
         stages.append({"stage": rank, "layers": [len(ch.layers) for ch in mine], "first": first, "last": last,
                        "params_local": n_local, "padded_params": st["padded"], "params": st["params"],

@@ -360,12 +360,12 @@ def _jsonable(v):
 
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB' (powers of two)."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    n, unit = float(n), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            break
+        n, unit = n / 1024, larger
+    return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
 
 
 def parse_size(text: str) -> int:

@@ -86,3 +86,24 @@ def test_an_unknown_or_misplaced_key_is_refused_by_name(tmp_path, text, expect):
     with pytest.raises(ConfigError) as e:
         read_config_file(str(path))
     assert str(e.value) == f"--config {path}: {expect}"
+
+
+@pytest.mark.parametrize("text,expect", [
+    (None, "cannot be read (No such file or directory)"),
+    ("[run\nlr = 1\n", "is not TOML: "),
+    ('[model]\nset = "n_layer=2"\n', '"set" is a list of strings, e.g. ["n_layer=2"], got \'n_layer=2\''),
+])
+def test_a_file_that_cannot_be_read_or_a_list_given_as_a_string_is_refused(tmp_path, text, expect):
+    path = tmp_path / "run.toml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        read_config_file(str(path))
+    assert str(e.value).startswith(f"--config {path}") and expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_values_take_the_settings_types(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nlr = 1\n[model]\nset = ["n_layer=2"]\n[pipeline]\npp_layers = [1, 3]\n')
+    choices = read_config_file(str(path))
+    assert choices == {"lr": 1.0, "set": ["n_layer=2"], "pp_layers": (1, 3)} and isinstance(choices["lr"], float)

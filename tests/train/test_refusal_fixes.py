@@ -9,6 +9,7 @@ import pytest
 
 from cutp.runtime.errors import ConfigError
 from cutp.train.config import derive_run_config
+from cutp.train.fixes import _render, proposed
 from cutp.train.settings import flag_of
 
 
@@ -103,3 +104,10 @@ def test_a_setting_that_would_be_ignored_is_refused_by_name(given, expect):
         derive_run_config({"preset": "tiny", "device": "cpu", **given}, 2, 2)
     assert e.value.render(flag_of) == expect
     derive_run_config({"preset": "tiny", "device": "cpu", "link_bandwidth": 10.0, "link_latency": 2.0}, 1, 1)
+
+
+def test_fixes_written_again_read_back_as_the_same_fixes():
+    fixes = [(None, {"tp": 2, "dp": 2}), (None, {"cp": None}), (None, {"cp": None, "tp": None}), (4, {})]
+    text = _render(fixes)
+    assert text == "use `tp` 2 with `dp` 2, omit `cp`, omit both `cp` and `tp` or start 4 ranks (mpirun -np 4)"
+    assert sorted(map(repr, proposed("problem; " + text))) == sorted(map(repr, fixes))

@@ -1,7 +1,15 @@
 """What a run prints (issue 43): a one-line model summary of its family's fields, and step lines
-with the elapsed time, the ETA and the MFU (n/a without a known peak)."""
+with the elapsed time, the ETA and the MFU (n/a without a known peak); the metrics file of a
+resumed run, the GPU's name, and the tables' cells and formats."""
+import json
+import sys
+import types
+
+import pytest
+
 from cutp.models import GPTConfig
-from cutp.train.reporting import Progress, known_peak_tflops, model_summary, progress_line
+from cutp.train.reporting import (MetricsLog, Progress, Report, Table, gpu_name, human_bytes, known_peak_tflops,
+                                  model_summary, parse_count, parse_size, progress_line)
 
 
 def test_the_summary_holds_only_the_families_fields():
@@ -68,3 +76,48 @@ def test_tensorboard_scalars_read_back_by_tensorboards_own_loader(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("val/loss")] == [(2, 3.5)]
     assert [e.value for e in acc.Scalars("perf/tokens_per_s")] == [100.0, 200.0, 300.0]
     assert "memory/ranks" not in tags and TensorBoardLog(str(tmp_path / "x"), 1).writer is None  # rank 0 only
+
+
+def test_a_resumed_metrics_file_keeps_its_rows_up_to_the_step_and_skips_blank_lines(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3}\n')
+    log = MetricsLog(str(path), rank=0, resumed_step=2)
+    log.write({"step": 3, "loss": 1.0})
+    log.close()
+    assert [json.loads(ln) for ln in path.read_text().splitlines()] == [{"step": 1}, {"step": 2},
+                                                                        {"step": 3, "loss": 1.0}]
+
+
+def test_the_gpu_name_comes_from_cupy_and_is_none_where_cupy_cannot_say(monkeypatch):
+    assert gpu_name("cpu") is None
+    props = {"name": b"NVIDIA H100 80GB HBM3"}
+    cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceProperties=lambda i: props),
+                                 Device=lambda: types.SimpleNamespace(id=0))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    assert gpu_name("cuda") == "NVIDIA H100 80GB HBM3"
+    props["name"] = "NVIDIA A100-SXM4-80GB"  # (a str where CuPy gives one)
+    assert gpu_name("cuda") == "NVIDIA A100-SXM4-80GB"
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not installed
+    assert gpu_name("cuda") is None
+
+
+def test_cells_sizes_and_counts_format_as_the_tables_print_them():
+    assert [Table.cell(v, ".2f") for v in (None, float("nan"), float("inf"), -float("inf"), 1.5, True)] == \
+        ["-", "-", "inf", "-inf", "1.50", "True"]
+    assert [human_bytes(n) for n in (512, 1536, 1 << 20, 3 << 40, 5 << 50)] == \
+        ["512 B", "1.5 KiB", "1 MiB", "3 TiB", "5120 TiB"]
+    assert (parse_size("4K"), parse_size("1.5GiB"), parse_size("4096")) == (4096, 3 << 29, 4096)
+    with pytest.raises(ValueError, match=r"negative size '-1M'"):
+        parse_size("-1M")
+    assert (parse_count("70B"), parse_count("1.5T"), parse_count("12345")) == (7e10, 1.5e12, 12345.0)
+
+
+def test_a_report_finds_its_tables_by_name_and_writes_other_values_as_text(tmp_path):
+    report = Report("plan")
+    report.table("memory", [("what", "what", "", "<")]).add(what="params")
+    assert report.get("memory").rows == [{"what": "params"}]
+    with pytest.raises(KeyError, match="overlap"):
+        report.get("overlap")
+    report.extra["where"] = tmp_path  # (a Path: written as its text)
+    report.write_json(str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text())["where"] == str(tmp_path)

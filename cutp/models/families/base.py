@@ -117,11 +117,6 @@ class Family(Blocks):
         """Why this family cannot express `cfg` (None: it can)."""
         raise NotImplementedError
 
-    def implies(self, cfg) -> bool:
-        """Whether a config with no `family` set is this family's (hand-built configs; checkpoints
-        written before ModelConfig had the field)."""
-        return False
-
     def pieces_refusal(self, cfg) -> str | None:
         """Why this family cannot compute cfg's Gemma pieces (None: it computes those cfg uses)."""
         used = [f for f in GEMMA_PIECES if f not in self.pieces and getattr(cfg, f) not in (None, False)]

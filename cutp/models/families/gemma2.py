@@ -107,15 +107,15 @@ class GemmaLike(LlamaLike):
                 "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
 
     def refusal(self, cfg) -> str | None:
+        if cfg.qk_norm != self.qk_norm:  # (first: `implies` below asks for the family's qk_norm too)
+            return (f"qk_norm={cfg.qk_norm}: {self.architecture} {'normalises' if self.qk_norm else 'has no'} "
+                    f"query and key heads{'' if self.qk_norm else ' (a QK-norm Gemma is written as Gemma 3)'}")
         if not GemmaLike.implies(self, cfg) or not (cfg.embed_scale and cfg.post_norms):
             return (f"norm={cfg.norm}, positions={cfg.positions}, mlp={cfg.mlp}, norm_offset={cfg.norm_offset}, "
                     f"embed_scale={cfg.embed_scale}, post_norms={cfg.post_norms} is not a Gemma model (rmsnorm, "
                     "rope, geglu, and each of the three true)")
         if cfg.n_experts:
             return f"a mixture-of-experts model (n_experts={cfg.n_experts}) cannot be written as {self.architecture}"
-        if cfg.qk_norm != self.qk_norm:
-            return (f"qk_norm={cfg.qk_norm}: {self.architecture} {'normalises' if self.qk_norm else 'has no'} "
-                    f"query and key heads{'' if self.qk_norm else ' (a QK-norm Gemma is written as Gemma 3)'}")
         qkv, out, mlp = self.biases(cfg)
         if qkv != out or mlp:
             return (f"qkv_bias={qkv}, attn_out_bias={out}, mlp_bias={mlp}: Gemma's attention_bias sets the four "

@@ -66,7 +66,8 @@ class Gemma3(GemmaLike):
         why = super().refusal(cfg)
         if why is None and cfg.attn_softcap is not None:
             return (f"attn_softcap={cfg.attn_softcap}: Gemma3ForCausalLM does not soft-cap the attention scores "
-                    "(transformers ignores its attn_logit_softcapping); write the model as Gemma 2 (family=gemma2)")
+                    "(transformers ignores its attn_logit_softcapping), and Gemma2ForCausalLM, which does, has no "
+                    "QK-norm; set attn_softcap=None")
         if why is None and cfg.rope_local_theta is None and cfg.rope_scaling != "none":
             return (f"rope_scaling={cfg.rope_scaling} on every layer: Gemma 3's local layers turn by an unscaled rope "
                     "of their own; set rope_local_theta (transformers' rope_local_base_freq)")

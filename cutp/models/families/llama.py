@@ -127,14 +127,15 @@ class LlamaLike(Family):
         why = self.attention_refusal(cfg)
         if why:
             return why
+        if cfg.qk_norm != self.qk_norm:  # (first: `implies` below asks for the family's qk_norm too)
+            written = "" if self.qk_norm else " (a QK-norm model is written as Qwen3, with experts Qwen3-MoE)"
+            return (f"qk_norm={cfg.qk_norm}: {self.architecture} {'normalises' if self.qk_norm else 'has no'} "
+                    f"query and key heads{written}")
         if not LlamaLike.implies(self, cfg):
             return (f"norm={cfg.norm}, positions={cfg.positions}, mlp={cfg.mlp} is not a Llama-family model "
                     "(rmsnorm, rope, swiglu); GPT-2's adapter writes layernorm/learned/gelu models")
         if cfg.n_experts:
             return f"a mixture-of-experts model (n_experts={cfg.n_experts}) is written as Mixtral, not {self.name}"
-        if cfg.qk_norm != self.qk_norm:
-            return (f"qk_norm={cfg.qk_norm}: {self.architecture} {'normalises' if self.qk_norm else 'has no'} "
-                    f"query and key heads{'' if self.qk_norm else ' (a QK-norm model is written as Qwen3)'}")
         return self.bias_refusal(*self.biases(cfg), cfg)
 
     @staticmethod
