@@ -5,6 +5,8 @@
   product, an `out` cuBLAS cannot write, the 32-bit dimension limit, `column_sums` into a buffer
   that is not float32;
 - CuPy present without a usable GPU (`cupy_status`), NVRTC without the tensor-core header;
+- the kernels' dispatch with CuPy (`dispatch_xp`, `launch_counts` over devices), the SM count
+  when the device cannot say, the module loader's CUDA headers with and without NVRTC's version;
 - `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
   library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
   device array for the host;
@@ -157,6 +159,54 @@ def test_cupy_without_a_usable_gpu_and_nvrtc_without_its_headers(cp, monkeypatch
     with pytest.raises(KernelLoadError, match="need crt/mma.h for NVRTC.*nvidia-cuda-nvcc-cu12.*Searched: " +
                        str(tmp_path)):
         find_mma_include(str(tmp_path), candidates=[], environ={})
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_kernel_dispatch_launch_counts_and_module_loading_on_cupy(cp, monkeypatch, tmp_path):
+    """With CuPy: dispatch_xp hands out the current device's launchers (none with the kernels off),
+    launch_counts sums every device's, the SM count falls back to the target's when the device
+    cannot say, and the module loader finds the CUDA headers without NVRTC's version (the first
+    candidate) and with it (the candidate of NVRTC's major version)."""
+    from cutp import kernels
+    from cutp.kernels.runtime import TARGET_SM_COUNT, cupy_module_loader, kernel_source
+
+    monkeypatch.setattr(kernels, "_cupy_launchers", {})  # (this test's launchers, gone after it)
+    k0 = kernels.dispatch_xp(cp)
+    assert k0 is kernels.cupy_launchers(0) and k0.xp is cp and repr(k0).endswith("cupy device 0>")
+    with kernels.use_kernels(False):
+        assert kernels.dispatch_xp(cp) is None
+    k0.launches["gelu_forward_f32"] += 2
+    kernels.cupy_launchers(1).launches.update(gelu_forward_f32=1, softmax_forward_f32=1)
+    assert kernels.launch_counts() == {"gelu_forward_f32": 3, "softmax_forward_f32": 1}
+    assert k0.sm_count() == 132  # (the stand-in's H100-like device)
+
+    class NoAttributes:
+        @property
+        def attributes(self):
+            raise RuntimeError("cudaErrorInvalidValue")
+
+    monkeypatch.setattr(cp.cuda, "Device", NoAttributes)
+    assert kernels.Launchers(lambda s: None, cp).sm_count() == TARGET_SM_COUNT
+    built = []
+    monkeypatch.setattr(cp, "RawModule", lambda code, options: built.append((code, options)) or "module")
+    for version, dirname in ((13, "wheel"), (12, "toolkit")):
+        d = tmp_path / dirname / "include"
+        d.mkdir(parents=True)
+        for header in ("cuda_bf16.h", "cuda_fp16.h"):
+            (d / header).write_text("")
+        (d / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {version}000\n")
+    monkeypatch.setenv("CUTP_CUDA_INCLUDE", str(tmp_path / "wheel" / "include"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
+    assert cupy_module_loader()("gelu") == "module"  # NVRTC 12 (the stand-in's): the CUDA 12 headers
+    assert built[-1] == (kernel_source("gelu"), ("--std=c++17", f"-I{tmp_path / 'toolkit' / 'include'}"))
+
+    def no_version():
+        raise RuntimeError("nvrtc: symbol not found")
+
+    monkeypatch.setattr(cp.cuda.nvrtc, "getVersion", no_version)
+    cupy_module_loader()("gelu")  # NVRTC's version unknown: the first candidate
+    assert built[-1][1] == ("--std=c++17", f"-I{tmp_path / 'wheel' / 'include'}")
 
 
 def _worker_nccl():
