@@ -1,0 +1,205 @@
+"""Checkpoints at their edges, in one process (issue 41's coverage): a save that cannot create
+its directory, write a shard or finish is one agreed CheckpointError and leaves the previous
+checkpoint in use; a leftover of a killed save is replaced; a load that cannot use the metadata,
+lacks the parameters or optimizer state asked for, or fails reading after verification names it
+and loads nothing; files that cannot be opened, listed, named or parsed (after a matching digest)
+are named; the run directory's lock under a symlink, a lock file that keeps being replaced, a
+damaged checkpoint neither counted nor pruned; `python -m cutp.checkpoint` usage; export's dtype
+range and a destination taken meanwhile."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from cutp.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from cutp.checkpoint import export, files, load, run_dir, save
+from cutp.checkpoint.files import StreamedSafetensors, read_meta, unlisted_files, verify_file, write_meta
+from cutp.models import GPT, GPTConfig
+from cutp.optim import AdamW, FlatParameters
+from cutp.runtime.errors import ConfigError
+from tests.tp_utils import self_ctx
+
+CFG = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6)
+MODEL = "model-tp00-of-01.safetensors"
+
+
+@pytest.fixture
+def run(tmp_path):
+    """(the run directory, its checkpoint of step 1, the model saved)"""
+    model = GPT(self_ctx(), CFG, seed=0)
+    return str(tmp_path / "run"), save_checkpoint(str(tmp_path / "run"), 1, model), model
+
+
+def _weights(model):
+    return {p.name: np.array(p.data) for p in model.parameters()}
+
+
+def test_a_save_that_cannot_write_is_one_error_and_the_previous_checkpoint_stays(run, tmp_path, monkeypatch):
+    out, first, model = run
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match=r"cannot create checkpoint directory .*file/run/\.tmp-step-00000002: "
+                                              "NotADirectoryError: "):
+        save_checkpoint(str(tmp_path / "file" / "run"), 2, model)
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(save, "write_safetensors", disk_full)
+        with pytest.raises(CheckpointError, match=r"writing checkpoint shards into .*\.tmp-step-00000002 failed on "
+                                                  r"rank 0: OSError: \[Errno 28\] No space left on device$"):
+            save_checkpoint(out, 2, model)
+    with monkeypatch.context() as m:
+        m.setattr(save, "write_meta", disk_full)
+        with pytest.raises(CheckpointError, match=r"^finishing checkpoint .*step-00000002 failed: OSError: "):
+            save_checkpoint(out, 2, model)
+    assert resolve_checkpoint(out) == first and not os.path.exists(os.path.join(out, "step-00000002"))
+    # the leftover of a killed save is replaced by the next save of that step
+    os.makedirs(os.path.join(out, ".tmp-step-00000002"), exist_ok=True)
+    with open(os.path.join(out, ".tmp-step-00000002", "junk"), "w") as f:
+        f.write("x")
+    second = save_checkpoint(out, 2, model)
+    assert resolve_checkpoint(out) == second and not os.path.exists(os.path.join(out, ".tmp-step-00000002"))
+    assert sorted(os.listdir(second)) == ["meta.json", MODEL]
+
+
+def test_a_load_that_cannot_be_done_names_why_and_loads_nothing(run, monkeypatch):
+    out, ckpt, _ = run
+    other = GPT(self_ctx(), CFG, seed=5)
+    before = _weights(other)
+    with pytest.raises(CheckpointError, match=r"has no optimizer state; it cannot resume training \(load it for "
+                                              r"inference or fine-tuning without resume\)"):
+        load_checkpoint(ckpt, other, AdamW(FlatParameters(other.parameters())))
+    deeper = GPT(self_ctx(), GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=6), seed=0)
+    with pytest.raises(CheckpointError, match=r"meta.json lacks parameters \['layers.1\."):
+        load_checkpoint(ckpt, deeper, check_config=False)
+    with monkeypatch.context() as m:
+        m.setattr(load, "loaded_parameters", lambda model, meta: meta["no such field"])
+        with pytest.raises(CheckpointError, match=r"meta.json cannot be used \(KeyError: 'no such field'\) -- "
+                                                  "nothing was loaded$"):
+            load_checkpoint(ckpt, other)
+
+    def failing_read(self, r, key):  # (a disk error after the files were verified)
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(load.ShardReader, "get", failing_read)
+        with pytest.raises(CheckpointError, match=r"reading .* failed on rank 0: OSError: \[Errno 5\] Input/output "
+                                                  "error -- nothing was loaded$"):
+            load_checkpoint(ckpt, other)
+    assert all(np.array_equal(before[k], v) for k, v in _weights(other).items())
+    # a shard without a tensor meta.json names (what the file check would have refused before)
+    meta = read_meta(ckpt)
+    first = next(iter(meta["params"]))
+    renamed = dict(meta, params={("x." + k if k == first else k): v for k, v in meta["params"].items()})
+    with pytest.raises(CheckpointError, match=rf"^{MODEL} has no tensor 'x.{first}'$"):
+        load.ShardReader(ckpt, renamed, "model").get(0, "x." + first)
+
+
+def test_files_that_cannot_be_opened_listed_named_or_parsed_are_named(run, tmp_path):
+    out, ckpt, _ = run
+    meta = read_meta(ckpt)
+    assert verify_file(ckpt, meta, MODEL) is None and unlisted_files(ckpt, meta) == []
+    assert verify_file(ckpt, meta, "../model.safetensors") == (
+        f"{ckpt}: file name '../model.safetensors' is not a plain file name inside the checkpoint directory; the "
+        "metadata was edited or damaged: use another checkpoint")
+    assert verify_file(ckpt, meta, "optim-tp00-of-01.safetensors") == (
+        f"{ckpt}/optim-tp00-of-01.safetensors: not listed in meta.json (the checkpoint's mesh does not have this shard)")
+    assert unlisted_files(str(tmp_path / "gone"), meta) == [f"{tmp_path / 'gone'} cannot be listed (No such file or "
+                                                            "directory)"]
+    with pytest.raises(CheckpointError, match=r"^.*meta.json/x cannot be opened \(Not a directory\)$"):
+        files.open_regular(os.path.join(ckpt, "meta.json", "x"))
+    # a header damaged and meta.json's digest and size made to match: the header is still read
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(ckpt, damaged)
+    path = os.path.join(damaged, MODEL)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"[")
+    meta = json.load(open(os.path.join(damaged, "meta.json")))
+    meta["files"][MODEL] = {"sha256": files.sha256_file(path), "bytes": os.path.getsize(path)}
+    write_meta(os.path.join(damaged, "meta.json"), meta)
+    assert verify_file(damaged, read_meta(damaged), MODEL).startswith(
+        f"{path} is not a readable safetensors file (")
+    # meta.json missing, of another version; 'latest' larger than any cutp writes
+    os.remove(os.path.join(damaged, "meta.json"))
+    with pytest.raises(CheckpointError, match=rf"^{damaged}/meta.json is missing: {damaged} is not a complete "
+                                              "checkpoint$"):
+        read_meta(damaged)
+    versioned = dict(json.load(open(os.path.join(ckpt, "meta.json"))), version=99)
+    write_meta(os.path.join(damaged, "meta.json"), versioned)
+    with pytest.raises(CheckpointError, match=r"has format version 99; this cutp reads version \d+$"):
+        read_meta(damaged)
+    with open(os.path.join(out, "latest"), "w") as f:
+        f.write(" " * (1 << 17))
+    with pytest.raises(CheckpointError, match=r"latest is malformed or unsafe \(.*latest is 131072 bytes, more than "
+                                              r"the 65536 cutp writes; it is not cutp's: use another checkpoint\); "
+                                              "pass a step-\\* directory explicitly$"):
+        resolve_checkpoint(out)
+
+
+def test_a_streamed_file_refuses_a_tensor_unlike_its_header_and_closes_only_when_complete(tmp_path):
+    w = StreamedSafetensors(str(tmp_path / "s.safetensors"), {"a": ((2, 3), "float32"), "b": ((4,), "float64")},
+                            {"format": "x"})
+    with pytest.raises(ValueError, match=r"^a: float64 of 48 bytes, the header says float32 of 24$"):
+        w.put("a", np.zeros((2, 3)))
+    w.put("a", np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"^tensors never written: \['b'\]$"):
+        w.close()
+    w.put("b", np.arange(4.0))
+    w.close()
+    assert load_file(str(tmp_path / "s.safetensors"))["b"].tolist() == [0, 1, 2, 3]
+
+
+def test_the_run_directory_lock_refuses_a_symlink_and_a_file_that_keeps_being_replaced(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(str(tmp_path / "elsewhere"), str(out / run_dir.LOCK_FILE))
+    with pytest.raises(ConfigError, match=rf"^out {out}: cannot create its lock file {out / run_dir.LOCK_FILE} "
+                                          r"\(Too many levels of symbolic links\); choose a writable directory$"):
+        run_dir.lock_run_dir(str(out))
+    os.remove(out / run_dir.LOCK_FILE)
+    real_stat = os.stat
+
+    def replaced(path, *a, **k):  # the lock file is gone each time we look: its holder removed it
+        if str(path).endswith(run_dir.LOCK_FILE):
+            raise FileNotFoundError(2, "No such file or directory")
+        return real_stat(path, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(run_dir.os, "stat", replaced)
+        with pytest.raises(ConfigError, match=r"its lock file .* keeps being replaced; choose another out$"):
+            run_dir.lock_run_dir(str(out))
+    lock = run_dir.lock_run_dir(str(out))
+    os.remove(out / run_dir.LOCK_FILE)  # (removed under it: releasing still drops the lock)
+    lock.release()
+    assert lock.fd is None
+    run_dir.lock_run_dir(str(out)).release()
+
+
+def test_a_damaged_checkpoint_is_neither_counted_nor_pruned(run):
+    out, first, model = run
+    second, third = (save_checkpoint(out, s, model) for s in (2, 3))
+    with open(os.path.join(second, "meta.json"), "w") as f:
+        f.write("{")
+    run_dir.prune_checkpoints(out, 1, newest_step=3)
+    assert not os.path.exists(first) and os.path.isdir(second) and os.path.isdir(third)
+
+
+def test_checkpoint_command_usage_export_dtype_range_and_a_taken_destination(run, tmp_path, capsys):
+    out, ckpt, model = run
+    assert export.main(["inspect", ckpt]) == 2
+    assert capsys.readouterr().err.startswith("usage: python -m cutp.checkpoint export SRC DST [--dtype ")
+    with pytest.raises(CheckpointError, match=r"^export --dtype float16: w has values beyond float16's range$"), \
+            np.errstate(over="ignore"):
+        export.in_dtype(np.array([1.0, 1e6]), "float16", "w")
+    assert export.in_dtype(np.array([1.0, np.inf]), "float16", "w")[1] == np.inf  # (already not finite: kept)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("keep")
+    with pytest.raises(CheckpointError, match=rf"^{taken} exists; export refuses to overwrite it$"):
+        export.export_full(ckpt, str(taken))
+    assert sorted(os.listdir(tmp_path)) == ["run", "taken"] and os.listdir(taken) == ["mine.txt"]  # (no temporary left)
