@@ -5,7 +5,8 @@ lacks the parameters or optimizer state asked for, or fails reading after verifi
 and loads nothing; files that cannot be opened, listed, named or parsed (after a matching digest)
 are named; the run directory's lock under a symlink, a lock file that keeps being replaced, a
 damaged checkpoint neither counted nor pruned; `python -m cutp.checkpoint` usage; export's dtype
-range and a destination taken meanwhile."""
+range and an existing destination; dp-sharded optimizer pieces that do not fit or cover their
+tensor; PEFT adapters of a family PEFT names otherwise."""
 import json
 import os
 import shutil
@@ -15,7 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from cutp.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
-from cutp.checkpoint import export, files, load, run_dir, save
+from cutp.checkpoint import export, files, load, names, run_dir, save
+from cutp.checkpoint.adapters import write_peft_adapter
 from cutp.checkpoint.files import StreamedSafetensors, read_meta, unlisted_files, verify_file, write_meta
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
@@ -203,3 +205,33 @@ def test_checkpoint_command_usage_export_dtype_range_and_a_taken_destination(run
     with pytest.raises(CheckpointError, match=rf"^{taken} exists; export refuses to overwrite it$"):
         export.export_full(ckpt, str(taken))
     assert sorted(os.listdir(tmp_path)) == ["run", "taken"] and os.listdir(taken) == ["mine.txt"]  # (no temporary left)
+
+
+def test_dp_sharded_optimizer_pieces_that_do_not_fit_or_cover_a_tensor_are_named():
+    """(the pieces' offsets of a real dp 2 checkpoint, read against a meta.json whose shape is
+    another: what a file check cannot see once meta.json and the files disagree so)"""
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_gpt2_names")
+    meta, name = read_meta(fixture), "layers.0.attn.qkv.weight"
+    assert load.ShardReader(fixture, meta, "optim").get(0, "exp_avg." + name).shape == (16, 48)
+    for rows, problem in ((32, "the optimizer shards of TP rank 0 hold 768 of the 1536 elements of exp_avg." + name),
+                          (8, "optim-tp00-of-01-dp00-of-02.safetensors: the piece [0, 768) of exp_avg." + name +
+                           " is missing or does not fit")):
+        other = json.loads(json.dumps(meta))
+        other["params"][name]["full_shape"] = [rows, 48]
+        with pytest.raises(CheckpointError) as e:
+            load.ShardReader(fixture, other, "optim").get(0, "exp_avg." + name)
+        assert str(e.value) == problem
+    # both namings of one parameter: the metadata is left as it is, for its checks to name
+    with open(os.path.join(fixture, "meta.json")) as f:
+        raw = json.load(f)
+    both = dict(raw, params={**raw["params"], "tok_embed.weight": raw["params"]["wte.weight"]})
+    assert names.stored_names_view(both) is both
+
+
+def test_peft_adapters_of_a_family_peft_names_otherwise_are_refused_with_the_fix(tmp_path):
+    model = GPT(self_ctx(), CFG, seed=0)  # (GPT-2's fused c_attn: PEFT's names are not cutp's q, k, v)
+    with pytest.raises(ConfigError, match=r"^PEFT names the adapters of a gpt2 model's fused projections otherwise "
+                                          "than cutp's q, k, v, o, gate, up, down: export the run merged with "
+                                          "export-hf --merge-lora$"):
+        write_peft_adapter(model, {}, "gpt2", str(tmp_path / "adapter"), str(tmp_path))
+    assert not (tmp_path / "adapter").exists()
