@@ -16,14 +16,16 @@
   kernel variant agrees with its CuPy reference, and the GPU timing path (events, the copy
   bandwidth) runs;
 - `python -m cutp.bench.gemm` (the step's GEMMs timed in bfloat16, float32 and TF32, cuBLAS
-  against `cupy.matmul`) and `cutp bench moe --device cuda` (the memory pool's peak of each path)
-  at tiny sizes;
+  against `cupy.matmul`), `cutp bench moe --device cuda` (the memory pool's peak of each path)
+  and `cutp bench model --device cuda` (per-op CUDA events, the pool's high-water mark, MFU on a
+  device the peak table knows) at tiny sizes;
 - `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
   abort, a host array refused, and a unique id whose making failed on the first rank reported on
   every rank.
 """
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -209,6 +211,17 @@ def test_kernel_dispatch_launch_counts_and_module_loading_on_cupy(cp, monkeypatc
     assert built[-1][1] == ("--std=c++17", f"-I{tmp_path / 'wheel' / 'include'}")
 
 
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_time_gpu_runs_setup_and_the_flush_untimed_before_every_call(cp):
+    from cutp.bench.common import time_gpu
+
+    order = []
+    t = time_gpu(lambda: order.append("fn"), warmup=1, repeat=2, setup=lambda: order.append("setup"),
+                 flush=lambda: order.append("flush"))
+    assert order == ["setup", "fn"] + ["setup", "flush", "fn"] * 2 and len(t.times) == 2 and min(t.times) >= 0
+
+
 def _worker_nccl():
     import cupy
     from mpi4py import MPI
@@ -262,21 +275,35 @@ def test_kernel_benchmarks_check_every_variant_on_the_device_path(tmp_path):
 
 
 def _benches_on_the_device(out):
-    """(In a process with the stand-in as CuPy) the GEMM benchmark and the MoE one on the GPU path."""
+    """(In a process with the stand-in as CuPy) the GEMM, MoE and model benchmarks on the GPU path."""
+    import cupy
+
     from cutp import ops
     from cutp.bench import gemm
     from cutp.bench.__main__ import main
 
     tf32 = ops.tf32_allowed()
-    assert gemm.main(["--preset", "tiny", "--tokens", "16", "--repeat", "1", "--warmup", "0",
-                      "--json", os.path.join(out, "gemm.json")]) == 0
+    sys.argv = ["python -m cutp.bench.gemm", "--preset", "tiny", "--tokens", "16", "--repeat", "1", "--warmup", "1",
+                "--json", os.path.join(out, "gemm.json")]
+    try:
+        runpy.run_module("cutp.bench.gemm", run_name="__main__")
+    except SystemExit as e:
+        assert e.code == 0, e.code
     assert ops.tf32_allowed() == tf32  # (restored after the TF32 pass)
     assert main(["moe", "--device", "cuda", "--tokens", "16", "--hidden", "8", "--experts", "4", "--expert-width",
                  "4", "--top-k", "2", "--repeat", "1", "--quiet", "--json", os.path.join(out, "moe.json")]) == 0
+    # bench model on the GPU path (its per-op events, the pool's high-water mark, the profiled extra
+    # step), on the stand-in's device (no peak known: no MFU) and named as an H100 (MFU computed)
+    model = ["model", "--device", "cuda", "--preset", "tiny", "--set", "n_layer=1", "--batch-size", "2", "--seq-len",
+             "16", "--timed-steps", "1", "--untimed-steps", "0", "--quiet"]
+    assert main(model + ["--json", os.path.join(out, "model.json")]) == 0
+    props = cupy.cuda.runtime.getDeviceProperties
+    cupy.cuda.runtime.getDeviceProperties = lambda device: dict(props(device), name=b"NVIDIA H100 80GB HBM3")
+    assert main(model + ["--json", os.path.join(out, "model_h100.json")]) == 0
 
 
 @pytest.mark.usefixtures("emulated_kernels")
-def test_gemm_and_moe_benchmarks_on_the_device_path(tmp_path):
+def test_gemm_moe_and_model_benchmarks_on_the_device_path(tmp_path):
     from cutp.bench.gemm import LABELS, step_gemms
     from cutp.models import GPTConfig
 
@@ -290,6 +317,13 @@ def test_gemm_and_moe_benchmarks_on_the_device_path(tmp_path):
     names = [x.name for x in step_gemms(GPTConfig.preset("tiny"), 16, 1)]
     assert [x["name"] for x in g["gemms"]] == names
     assert all(list(g["per_gemm"][label]) == names for label in ("bfloat16", "float32", "float32+tf32"))
+    for name, mfu in (("model.json", None), ("model_h100.json", "MFU against H100 SXM dense float32 peak 66.9")):
+        m = json.loads((tmp_path / name).read_text())
+        assert m["meta"]["device"] == "cuda" and (m["result"]["mfu_pct"] is None) == (mfu is None), m["result"]
+        assert any(n.startswith(mfu or "no peak known for 'CuPy stand-in (NumPy on the CPU)' in float32") for n in m["notes"])
+        mem = {r["what"]: r["mib"] for r in m["tables"]["memory"]["rows"]}
+        kinds = {r["kind"]: r["ms"] for r in m["tables"]["ops"]["rows"]}
+        assert mem["CuPy pool high-water"] > 0 and kinds["gemm"] > 0 and kinds["attention"] > 0, (mem, kinds)
     moe = json.loads((tmp_path / "moe.json").read_text())
     assert moe["meta"]["device"] == "cuda"
     peaks = {r["path"]: r["peak"] for r in moe["tables"]["moe"]["rows"]}
