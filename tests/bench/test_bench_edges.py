@@ -3,7 +3,8 @@ of a message size or factor and an unknown kernel op (one line, exit 2); the com
 rank with its default sizes and repeats; the kernels suite's defaults on the CPU and on a GPU,
 its plug-ins (absent, broken, without or with a failing hook), a variant that raises, a time
 budget that stops it, glibc's freed-memory setting; the timing helpers' setup; the machine facts
-when /proc/cpuinfo or the load average cannot be read; the correctness check's edge cases."""
+when /proc/cpuinfo or the load average cannot be read; the correctness check's edge cases;
+compare-torch's thread default; the CUDA kernel variants refused off CuPy."""
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ import pytest
 
 from cutp.bench import __main__ as bench_main
 from cutp.bench import comm as bcomm
-from cutp.bench import common, kernels
-from cutp.runtime.threads import get_blas_threads, set_blas_threads
+from cutp.bench import common, compare_torch, kernel_variants, kernels
+from cutp.runtime.errors import BackendError
+from cutp.runtime.threads import available_cores, get_blas_threads, set_blas_threads
 
 
 @pytest.fixture
@@ -202,3 +204,14 @@ def test_python_m_cutp_bench_runs_a_suite(capsys):
     finally:
         sys.argv = sys_argv
     assert e.value.code == 0
+
+
+def test_compare_torch_runs_on_every_core_unless_told_and_the_kernel_variants_need_cupy(monkeypatch):
+    seen = []
+    monkeypatch.setattr(compare_torch, "run", lambda args: seen.append(args.threads) or "report")
+    parse = bench_main.build_parser().parse_args
+    assert bench_main.run(parse(["compare-torch"])) == "report" and bench_main.run(parse(["compare-torch", "--threads",
+                                                                                       "1"])) == "report"
+    assert seen == [available_cores(), 1]
+    with pytest.raises(BackendError, match="^the CUDA kernels run on CuPy arrays, not numpy$"):
+        kernel_variants._bench_launchers(np)

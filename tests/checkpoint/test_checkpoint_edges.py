@@ -6,7 +6,8 @@ and loads nothing; files that cannot be opened, listed, named or parsed (after a
 are named; the run directory's lock under a symlink, a lock file that keeps being replaced, a
 damaged checkpoint neither counted nor pruned; `python -m cutp.checkpoint` usage; export's dtype
 range and an existing destination; dp-sharded optimizer pieces that do not fit or cover their
-tensor; PEFT adapters of a family PEFT names otherwise."""
+tensor; PEFT adapters of a family PEFT names otherwise; a frozen run over its cutp base, and the
+base gone."""
 import json
 import os
 import shutil
@@ -15,13 +16,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from cutp.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
+from cutp.checkpoint import CheckpointError, load_checkpoint, load_model, resolve_checkpoint, save_checkpoint
 from cutp.checkpoint import export, files, load, names, run_dir, save
 from cutp.checkpoint.adapters import write_peft_adapter
 from cutp.checkpoint.files import StreamedSafetensors, read_meta, unlisted_files, verify_file, write_meta
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
 from cutp.runtime.errors import ConfigError
+from cutp.tensor_parallel.lora import set_up_trainable
 from tests.tp_utils import self_ctx
 
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, block_size=6)
@@ -235,3 +237,25 @@ def test_peft_adapters_of_a_family_peft_names_otherwise_are_refused_with_the_fix
                                           "export-hf --merge-lora$"):
         write_peft_adapter(model, {}, "gpt2", str(tmp_path / "adapter"), str(tmp_path))
     assert not (tmp_path / "adapter").exists()
+
+
+def test_a_frozen_run_loads_over_its_cutp_base_and_is_refused_once_the_base_is_gone(tmp_path):
+    base = save_checkpoint(str(tmp_path / "base"), 1, GPT(self_ctx(), CFG, seed=3))
+    tuned = GPT(self_ctx(), CFG, seed=4)
+    load_checkpoint(base, tuned)
+    args = {"init_from": str(tmp_path / "base"), "freeze": "embeddings"}
+    set_up_trainable(tuned, args)
+    for p in tuned.parameters():
+        if p.trainable:
+            p.data += 0.5  # (what training changed)
+    ckpt = save_checkpoint(str(tmp_path / "tuned"), 2, tuned, train_args=args)
+    assert read_meta(ckpt)["trainable_only"] and "tok_embed.weight" not in read_meta(ckpt)["params"]
+    loaded, _ = load_model(ckpt, self_ctx())
+    want = _weights(tuned)
+    assert all(np.array_equal(want[k], v) for k, v in _weights(loaded).items()) and len(want) == len(_weights(loaded))
+    assert not loaded.tok_embed.weight.trainable  # (frozen as the run had it)
+    shutil.rmtree(tmp_path / "base")
+    with pytest.raises(ConfigError, match=rf"^{ckpt} holds only the trainable tensors; its frozen base, the run's "
+                                          rf"init_from {tmp_path / 'base'}, is gone: restore that directory to load "
+                                          "the run$"):
+        load_model(ckpt, self_ctx())
