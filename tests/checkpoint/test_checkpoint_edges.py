@@ -7,7 +7,7 @@ are named; the run directory's lock under a symlink, a lock file that keeps bein
 damaged checkpoint neither counted nor pruned; `python -m cutp.checkpoint` usage; export's dtype
 range and an existing destination; dp-sharded optimizer pieces that do not fit or cover their
 tensor; PEFT adapters of a family PEFT names otherwise; a frozen run over its cutp base, and the
-base gone."""
+base gone; a ZeRO-3 save whose streamed model file fails."""
 import json
 import os
 import shutil
@@ -22,6 +22,7 @@ from cutp.checkpoint.adapters import write_peft_adapter
 from cutp.checkpoint.files import StreamedSafetensors, read_meta, unlisted_files, verify_file, write_meta
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
+from cutp.optim.sharded import ShardedAdamW
 from cutp.runtime.errors import ConfigError
 from cutp.tensor_parallel.lora import set_up_trainable
 from tests.tp_utils import self_ctx
@@ -259,3 +260,34 @@ def test_a_frozen_run_loads_over_its_cutp_base_and_is_refused_once_the_base_is_g
                                           rf"init_from {tmp_path / 'base'}, is gone: restore that directory to load "
                                           "the run$"):
         load_model(ckpt, self_ctx())
+
+
+@pytest.mark.parametrize("failing", ["put", "close"])
+def test_a_zero_3_save_whose_streamed_model_file_fails_is_one_error_and_writes_nothing(tmp_path, monkeypatch, failing):
+    """(ZeRO-3 at dp 1: the model file streamed a unit at a time, as at any dp; its buffer, the
+    router's score bias, written first, whole)"""
+    cfg = GPTConfig.preset("tiny-moe", n_layer=1, n_embd=16, n_head=2, moe_score_bias=True, moe_scoring="sigmoid",
+                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0, moe_bias_update_rate=0.001)
+    model = GPT(self_ctx(), cfg, seed=0)
+    out = str(tmp_path / "run")
+    whole = save_checkpoint(out, 1, model)
+    opt = ShardedAdamW(model, model.ctx, zero=3)
+
+    class Failing(StreamedSafetensors):  # (the model file's writer only: the optimizer's file is written whole)
+        def put(self, name, array):
+            if failing == "put" and not name.endswith("score_bias"):
+                raise OSError(28, "No space left on device")
+            super().put(name, array)
+
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(save, "StreamedSafetensors", Failing)
+        with pytest.raises(CheckpointError, match=r"writing checkpoint shards into .*\.tmp-step-00000002 failed on "
+                                                  r"rank 0: OSError: \[Errno 28\] No space left on device$"):
+            save_checkpoint(out, 2, model, opt, by_unit=True)
+    assert resolve_checkpoint(out) == whole
+    streamed = save_checkpoint(out, 2, model, opt, by_unit=True)
+    with open(os.path.join(streamed, MODEL), "rb") as a, open(os.path.join(whole, MODEL), "rb") as b:
+        assert a.read() == b.read()  # (the same bytes as the whole model written at once)
