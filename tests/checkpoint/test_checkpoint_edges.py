@@ -81,6 +81,10 @@ def test_a_load_that_cannot_be_done_names_why_and_loads_nothing(run, monkeypatch
     deeper = GPT(self_ctx(), GPTConfig(n_layer=2, n_head=2, n_embd=8, vocab_size=11, block_size=6), seed=0)
     with pytest.raises(CheckpointError, match=r"meta.json lacks parameters \['layers.1\."):
         load_checkpoint(ckpt, deeper, check_config=False)
+    wider = GPT(self_ctx(), GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=11, block_size=6), seed=0)
+    with pytest.raises(CheckpointError, match=r"reading .* failed on rank 0: CheckpointError: .*: the checkpoint holds "
+                                              r"shape \(.*\) for this rank, the model \(.*\) -- nothing was loaded$"):
+        load_checkpoint(ckpt, wider, check_config=False)  # (without the config check: the shapes are compared)
     with monkeypatch.context() as m:
         m.setattr(load, "loaded_parameters", lambda model, meta: meta["no such field"])
         with pytest.raises(CheckpointError, match=r"meta.json cannot be used \(KeyError: 'no such field'\) -- "
@@ -194,7 +198,7 @@ def test_a_damaged_checkpoint_is_neither_counted_nor_pruned(run):
     assert not os.path.exists(first) and os.path.isdir(second) and os.path.isdir(third)
 
 
-def test_checkpoint_command_usage_export_dtype_range_and_a_taken_destination(run, tmp_path, capsys):
+def test_checkpoint_command_usage_export_dtype_range_and_a_taken_destination(run, tmp_path, capsys, monkeypatch):
     out, ckpt, model = run
     assert export.main(["inspect", ckpt]) == 2
     assert capsys.readouterr().err.startswith("usage: python -m cutp.checkpoint export SRC DST [--dtype ")
@@ -208,6 +212,17 @@ def test_checkpoint_command_usage_export_dtype_range_and_a_taken_destination(run
     with pytest.raises(CheckpointError, match=rf"^{taken} exists; export refuses to overwrite it$"):
         export.export_full(ckpt, str(taken))
     assert sorted(os.listdir(tmp_path)) == ["run", "taken"] and os.listdir(taken) == ["mine.txt"]  # (no temporary left)
+    late = str(tmp_path / "late")
+    real_write_meta = export.write_meta
+
+    def made_meanwhile(path, meta):  # another process creates the destination while the copy is written
+        real_write_meta(path, meta)
+        os.makedirs(late)
+
+    monkeypatch.setattr(export, "write_meta", made_meanwhile)
+    with pytest.raises(CheckpointError, match=rf"^{late} exists; export refuses to overwrite it$"):
+        export.export_full(ckpt, late)
+    assert sorted(os.listdir(tmp_path)) == ["late", "run", "taken"] and not os.listdir(late)
 
 
 def test_dp_sharded_optimizer_pieces_that_do_not_fit_or_cover_a_tensor_are_named():
