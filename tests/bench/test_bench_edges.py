@@ -118,8 +118,8 @@ def test_a_raising_variant_a_time_budget_and_kept_freed_memory(monkeypatch):
     kernels.register_variant("layernorm_fwd", "test_raising", raising, devices=("cpu",), dtypes=("float32",))
     monkeypatch.setattr(kernels, "keep_freed_memory", lambda: "freed memory kept (test)")
     args = bench_main.build_parser().parse_args(["kernels", "--device", "cpu", "--size", "tiny", "--ops",
-                                                 "layernorm_fwd", "--repeat", "1", "--warmup", "0", "--min-time", "0", "--copy-mib",
-                                                 "1"])
+                                                 "layernorm_fwd", "--repeat", "1", "--warmup", "0", "--min-time", "0",
+                                                 "--copy-mib", "1"])
     args.keep_freed_memory, args.budget = True, 0.0
     try:
         report = kernels.run(args)

@@ -14,12 +14,13 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from cutp.checkpoint import CheckpointError, load_checkpoint, load_model, resolve_checkpoint, save_checkpoint
 from cutp.checkpoint import export, files, load, names, run_dir, save
 from cutp.checkpoint.adapters import write_peft_adapter
-from cutp.checkpoint.files import StreamedSafetensors, read_meta, unlisted_files, verify_file, write_meta
+from cutp.checkpoint.files import (StreamedSafetensors, read_meta, unlisted_files, verify_file, write_meta,
+                                   write_safetensors)
 from cutp.models import GPT, GPTConfig
 from cutp.optim import AdamW, FlatParameters
 from cutp.optim.sharded import ShardedAdamW
@@ -150,7 +151,7 @@ def test_files_that_cannot_be_opened_listed_named_or_parsed_are_named(run, tmp_p
         resolve_checkpoint(out)
 
 
-def test_a_streamed_file_refuses_a_tensor_unlike_its_header_and_closes_only_when_complete(tmp_path):
+def test_a_streamed_file_refuses_a_tensor_unlike_its_header_and_closes_only_when_complete_and_is_safetensors(tmp_path):
     w = StreamedSafetensors(str(tmp_path / "s.safetensors"), {"a": ((2, 3), "float32"), "b": ((4,), "float64")},
                             {"format": "x"})
     with pytest.raises(ValueError, match=r"^a: float64 of 48 bytes, the header says float32 of 24$"):
@@ -161,6 +162,15 @@ def test_a_streamed_file_refuses_a_tensor_unlike_its_header_and_closes_only_when
     w.put("b", np.arange(4.0))
     w.close()
     assert load_file(str(tmp_path / "s.safetensors"))["b"].tolist() == [0, 1, 2, 3]
+    # write_safetensors: safetensors' own bytes, streamed (float tensors with metadata) or through save_file
+    floats = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(2)}
+    write_safetensors(str(tmp_path / "streamed.safetensors"), floats, {"format": "pt"})
+    save_file(floats, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+    ids = {"ids": np.arange(5, dtype=np.int64)}  # (a dtype checkpoints never hold, or no metadata: save_file's)
+    for metadata in (None, {"format": "pt"}):
+        write_safetensors(str(tmp_path / "ids.safetensors"), ids, metadata)
+        assert load_file(str(tmp_path / "ids.safetensors"))["ids"].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_the_run_directory_lock_refuses_a_symlink_and_a_file_that_keeps_being_replaced(tmp_path, monkeypatch):

@@ -28,7 +28,8 @@ def _digest(values) -> str:
 
 def _side(path, ext, values) -> str:
     values = np.asarray(values, {MASK_EXT: np.uint8, DOCS_EXT: np.uint32}[ext])
-    path.write_bytes(_header_bytes(values.dtype, values.size, ext) + values.astype(values.dtype.newbyteorder("<")).tobytes())
+    path.write_bytes(_header_bytes(values.dtype, values.size, ext) + values.astype(values.dtype.newbyteorder("<"),
+                                                                                    copy=False).tobytes())
     return str(path)
 
 

@@ -320,7 +320,8 @@ def test_gemm_moe_and_model_benchmarks_on_the_device_path(tmp_path):
     for name, mfu in (("model.json", None), ("model_h100.json", "MFU against H100 SXM dense float32 peak 66.9")):
         m = json.loads((tmp_path / name).read_text())
         assert m["meta"]["device"] == "cuda" and (m["result"]["mfu_pct"] is None) == (mfu is None), m["result"]
-        assert any(n.startswith(mfu or "no peak known for 'CuPy stand-in (NumPy on the CPU)' in float32") for n in m["notes"])
+        said = mfu or "no peak known for 'CuPy stand-in (NumPy on the CPU)' in float32"
+        assert any(n.startswith(said) for n in m["notes"]), m["notes"]
         mem = {r["what"]: r["mib"] for r in m["tables"]["memory"]["rows"]}
         kinds = {r["kind"]: r["ms"] for r in m["tables"]["ops"]["rows"]}
         assert mem["CuPy pool high-water"] > 0 and kinds["gemm"] > 0 and kinds["attention"] > 0, (mem, kinds)

@@ -120,7 +120,8 @@ def test_row_kernels_refuse_arrays_without_a_channel_axis_and_wrong_modes(k):
 def test_rotary_names_what_it_cannot_take(k):
     x, t = _zeros(2, 3, 4, 8), _zeros(3, 8)
     assert rotary_supported(x, t, t, None, 1, None) is None
-    assert rotary_supported(x.astype(F64), t, t, None, 1, None) == "the rotary kernel takes float32 or bfloat16 x, got float64"
+    assert rotary_supported(x.astype(F64), t, t, None, 1, None) == (
+        "the rotary kernel takes float32 or bfloat16 x, got float64")
     gapped = _zeros(2, 3, 4, 16)[..., ::2]
     assert rotary_supported(gapped, t, t, None, 1, None) == rotary_supported(x, t, t, None, 1, gapped) == (
         "the rotary kernel needs a contiguous head dim and non-negative strides (an output: non-zero ones)")
@@ -141,7 +142,8 @@ def test_rotary_names_what_it_cannot_take(k):
             k.rotary(*args, **kw)
     empty = _zeros(2, 0, 4, 8)
     out = np.full((2, 0, 4, 8), np.nan, F32)
-    assert k.rotary(empty, _zeros(0, 8), _zeros(0, 8), out=out) is out and k.rotary(empty, t, t, positions[:0]).shape == empty.shape
+    assert k.rotary(empty, _zeros(0, 8), _zeros(0, 8), out=out) is out
+    assert k.rotary(empty, t, t, positions[:0]).shape == empty.shape
     assert not k.launches
 
 
