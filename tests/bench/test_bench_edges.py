@@ -47,7 +47,8 @@ def test_a_message_size_or_factor_that_cannot_be_used_is_refused_in_one_line(arg
 
 def test_the_comm_suite_on_one_rank_with_its_default_repeats(blas_threads):
     args = bench_main.build_parser().parse_args(["comm", "--device", "cpu", "--min-size", "16M", "--warmup", "0",
-                                                 "--ops", "all_reduce", "broadcast", "--quiet"])
+                                                 "--factor", "4", "--ops", "all_reduce", "broadcast", "--quiet"])
+    assert (args.min_size, args.max_size, args.factor) == (16 << 20, None, 4)
     report = bcomm.run(args)
     rows = report.get("comm").rows
     assert [(r["op"], r["size"], r["iters"], r["check"]) for r in rows] == [
