@@ -79,3 +79,11 @@ def test_a_conversation_before_the_turn_that_the_template_refuses_starts_the_tur
                      "{% endif %}" + TURNS)
     text, spans = t.assistant_spans([USER, ASSISTANT])
     assert text == "user:U;assistant:A;" and spans == [(0, len(text))]
+
+
+def test_a_template_that_refuses_the_generation_prompt_starts_the_turn_after_the_conversation_before_it():
+    """(rendered without the prompt, the conversation before the turn is the start of the whole one: the
+    turn starts there, not at the text's start, which would make the user's turn a target)"""
+    t = ChatTemplate("{% if add_generation_prompt %}{{ raise_exception('no generation prompt') }}{% endif %}" + TURNS)
+    text, spans = t.assistant_spans([USER, ASSISTANT])
+    assert [text[a:b] for a, b in spans] == ["assistant:A;"]
