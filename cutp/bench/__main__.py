@@ -23,6 +23,7 @@ from ..runtime.errors import ConfigError
 from ..runtime.threads import available_cores
 from ..train.config import add_setting_flags
 from ..train.finetune import FINETUNE_DEFAULTS
+from ..train.reporting import parse_size
 from ..plan import cli as plan_cli
 from . import comm, compare_torch, kernels, model
 from . import moe as moe_bench
@@ -36,6 +37,20 @@ def _common(p, plot: bool = True):
     if plot:  # (suites without a figure refuse --plot before they run, not after)
         p.add_argument("--plot", metavar="PATH", help="write a PNG figure (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no tables on stdout")
+
+
+def _size(text: str) -> int:
+    """A message size as argparse's type: 4K, 256M, 1G or bytes (a refusal names the flag, one line)."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes or a number with K, M or G") from None
+
+
+def _factor(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: each message size is the previous one times an integer >= 2")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("comm", help="collectives over message sizes (run under mpiexec)")
     c.add_argument("--device", default="auto", choices=["cpu", "cuda", "auto"])
     c.add_argument("--ops", nargs="+", choices=["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
-    c.add_argument("--min-size", default="4K", help="smallest message (default 4K)")
-    c.add_argument("--max-size", default=None, help="largest message (default 256M on GPUs, 16M on the CPU)")
-    c.add_argument("--factor", type=int, default=None, help="size step (default 2 on GPUs, 4 on the CPU)")
+    c.add_argument("--min-size", default="4K", type=_size, help="smallest message (default 4K)")
+    c.add_argument("--max-size", default=None, type=_size, help="largest message (default 256M on GPUs, 16M on the CPU)")
+    c.add_argument("--factor", type=_factor, default=None, help="size step (default 2 on GPUs, 4 on the CPU)")
     c.add_argument("--iters", type=int, default=None, help="timed calls per size (default: by size, 5..200)")
     c.add_argument("--warmup", type=int, default=3)
     c.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])

@@ -195,12 +195,6 @@ def keep_freed_memory() -> str | None:
     return "glibc mallopt: freed memory kept for reuse (M_MMAP_THRESHOLD 1 GiB, no trim)" if ok else None
 
 
-def sync(xp) -> None:
-    """Waits for the device (no-op on NumPy)."""
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
-
-
 def copy_bandwidth(xp, nbytes: int = 256 << 20, *, repeat: int = 10, warmup: int = 2) -> dict:
     """Device copy bandwidth: a buffer of `nbytes` copied into another; each copy moves
     2 * nbytes (one read, one write). On the GPU a device-to-device copy timed with events

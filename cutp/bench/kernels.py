@@ -51,6 +51,7 @@ import numpy as np
 
 from ..kernels import use_kernels
 from ..runtime.backend import get_array_module
+from ..runtime.errors import ConfigError
 from ..train.reporting import Report, human_bytes
 from .common import (L2Flusher, copy_bandwidth, device_of, keep_freed_memory, machine_info, peak_tflops,
                      time_cpu, time_gpu)
@@ -245,7 +246,8 @@ def run(args) -> Report:
     selected = [o for o in dict.fromkeys(requested) if o in OPS]
     unknown = [o for o in requested if o not in OPS]
     if unknown:
-        raise SystemExit(f"unknown op(s) {unknown}; choose from {sorted(OPS)} or the groups {sorted(OP_GROUPS)}")
+        raise ConfigError(f"`ops`: unknown op(s) {unknown}; choose from {sorted(OPS)} or the groups "
+                          f"{sorted(OP_GROUPS)}")
     memory_bound = [o for o in selected if OPS[o].flops is None]
     dtypes = []
     for d in args.dtypes:

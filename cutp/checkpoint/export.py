@@ -36,6 +36,8 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
     with parameters in `dtype` (default: the checkpoint's), taken from the fp32 master weights
     when the checkpoint has them (a bfloat16 run exported as float32 loses nothing)."""
     src, meta, config, dtype = _verified(src, dtype)
+    if os.path.exists(dst):  # (before the work; checked again before the rename)
+        raise CheckpointError(f"{dst} exists; export refuses to overwrite it")
     saved_tp = int(meta["mesh"]["tp"])
     padded = config.padded_vocab(1)
     tmp = dst.rstrip("/") + ".tmp-export"
@@ -78,7 +80,8 @@ def export_full(src: str, dst: str, dtype: str | None = None) -> str:
                exported_from={"path": os.path.abspath(src), "tp": saved_tp, **({"pp": mesh_pp(meta)}
                                                                                  if mesh_pp(meta) > 1 else {})})
     write_meta(os.path.join(tmp, "meta.json"), out)
-    if os.path.exists(dst):
+    if os.path.exists(dst):  # made meanwhile: the copy is not left behind
+        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{dst} exists; export refuses to overwrite it")
     os.replace(tmp, dst)
     return dst

@@ -198,13 +198,17 @@ class ChatTemplate:
 
     def _start_of(self, before: list, full: str) -> int:
         """Where an assistant message after `before` starts in `full`: after the generation prompt."""
+        refused = False
         for agp in (True, False):
             try:
                 text = self.render(before, add_generation_prompt=agp) if before else ""
-            except ChatError:
-                text = ""
+            except ChatError:  # (refused with the prompt: without it, then)
+                refused = True
+                continue
             if full.startswith(text):
                 return len(text)
+        if refused:  # the conversation before it renders in no way that starts the whole: from the start
+            return 0
         raise ChatError(f"message {len(before)} (assistant): the conversation before it renders differently from the "
                         "start of the whole conversation; the template cannot be used with --train-on assistant")
 

@@ -20,3 +20,23 @@ def test_python_m_cutp_info_reports_versions_and_backends():
 def test_unknown_subcommand_prints_usage():
     out = subprocess.run([sys.executable, "-m", "cutp", "nope"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "usage" in out.stderr
+
+
+def test_a_broken_mpi_is_reported_not_raised(monkeypatch, capsys):
+    """(in this process: mpi4py unimportable, as where its MPI library fails to load)"""
+    from cutp import info
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    facts = info.collect()
+    assert facts["mpi4py"].startswith("not importable (ModuleNotFoundError: ")
+    assert facts["MPI library"].startswith("unusable (ModuleNotFoundError: ") and "MPI standard" not in facts
+    assert facts["backend cpu"] == "usable (NumPy + MPI)" and "backend cuda" in facts  # (the rest still reported)
+    assert info.main([]) == 0 and "MPI library: unusable (ModuleNotFoundError: " in capsys.readouterr().out
+
+
+def test_the_package_lists_its_lazy_names():
+    import cutp
+
+    names = dir(cutp)
+    assert {"init", "Context", "Mesh", "ConfigError", "__version__"} <= set(names) and names == sorted(names)
+    assert all(name in names for name in cutp.__all__)

@@ -19,6 +19,7 @@ from cutp.plan import layout as plan
 from cutp.train import reporting
 from cutp.bench import model as bmodel
 from cutp.bench.__main__ import build_parser, main
+from cutp.runtime.threads import get_blas_threads
 from cutp.models import GPTConfig
 from tests.mpirun import run_mpi
 
@@ -348,9 +349,14 @@ def test_plan_cli_json_and_plot(tmp_path, capsys):
 
 def test_model_suite_tp1_in_process(tmp_path):
     j = tmp_path / "model.json"
+    threads = get_blas_threads() or 1  # (--threads: the count the process has already, so later tests keep it)
     assert main(["model", "--preset", "tiny", "--device", "cpu", "--set", "n_layer=1", "--batch-size", "2",
-                 "--seq-len", "16", "--timed-steps", "2", "--untimed-steps", "1", "--json", str(j), "--quiet"]) == 0
+                 "--seq-len", "16", "--timed-steps", "2", "--untimed-steps", "1", "--json", str(j), "--quiet",
+                 "--threads", str(threads), "--link-bandwidth", "10", "--link-latency", "2"]) == 0
     d = json.loads(j.read_text())
+    # --threads: the process's BLAS threads; --link-bandwidth: a simulated link under every group (one rank: idle)
+    assert d["meta"]["blas_threads"] == threads and d["meta"]["link_bandwidth"] == 10.0 and "link" in d["tables"]
+    assert "simulated link under every group: 10 GB/s, 2 us (cutp.comm.simulated)" in d["notes"]
     res = d["result"]
     c = GPTConfig.preset("tiny", n_layer=1)
     assert res["flops_per_token"] == bmodel.flops_per_token(c, 16)

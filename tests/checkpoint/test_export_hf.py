@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 import cutp
 from cutp.checkpoint import save_checkpoint
-from cutp.checkpoint.export_hf import export_hf, ids_from_tokenizer, main
+from cutp.checkpoint.export_hf import export_hf, ids_from_tokenizer, main, tokenizer_source
 from cutp.hf import from_hf, save_hf
 from cutp.models import GPT, GPTConfig
 from tests.data.tokenizer_files import sentencepiece_style
@@ -147,3 +147,43 @@ def test_ids_the_config_lacks_come_from_the_tokenizers_special_tokens(tmp_path):
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (250, 251, None)
     kept = ids_from_tokenizer(found, GPTConfig.preset("llama-tiny", eos_token_id=7))
     assert (kept.bos_token_id, kept.eos_token_id) == (250, 7)
+
+
+def test_the_tokenizer_of_prepared_data_reached_through_a_cutp_init_from_is_exported_with_a_config(tmp_path, capsys):
+    """A run fine-tuned from a cutp run that was trained on prepared data: the tokenizer is the
+    one the data's meta.json names (a tokenizer.json given as a file), found through the first
+    run; with no tokenizer_config.json beside it, one (and special_tokens_map.json) is written
+    from the config's special ids; a source generation_config.json that does not read is not
+    copied (the export writes its own)."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
+                                                    "added_tokens": [{"id": 9, "content": "<|end|>"}]}))
+    (tok / "generation_config.json").write_text("{")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"format": "cutp-token-shards", "version": 2,
+                                                "tokenizer": {"path": str(tok / "tokenizer.json")}}))
+    ctx = cutp.init(device="cpu")
+    model = GPT(ctx, GPTConfig.preset("tiny", n_layer=1, vocab_size=16, eos_token_id=9, bos_token_id=0), seed=1)
+    first = save_checkpoint(str(tmp_path / "first"), 1, model, train_args={"data": str(data)})
+    save_checkpoint(str(tmp_path / "second"), 2, model, train_args={"init_from": str(tmp_path / "first")})
+    ctx.close()
+    assert tokenizer_source(first) == str(tok)
+    out = tmp_path / "export"
+    assert main([str(tmp_path / "second"), "--out", str(out)]) == 0
+    assert f"tokenizer from {tok}" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                       "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    made = json.load(open(out / "tokenizer_config.json"))
+    assert (made["bos_token"], made["eos_token"], made["model_max_length"]) == ("a", "<|end|>", model.config.block_size)
+    assert "pad_token" not in made and json.load(open(out / "special_tokens_map.json")) == {
+        "bos_token": "a", "eos_token": "<|end|>"}
+    assert json.load(open(out / "generation_config.json"))["eos_token_id"] == 9
+    # a directory named by the data is the tokenizer's directory; --merge-lora of a run without adapters is refused
+    (data / "meta.json").write_text(json.dumps({"format": "cutp-token-shards", "version": 2,
+                                                "tokenizer": {"path": str(tok)}}))
+    assert tokenizer_source(first) == str(tok)
+    with pytest.raises(cutp.ConfigError, match=r"^--merge-lora: .*step-00000002 is not of a LoRA run \(no adapters to "
+                                               r"merge\); omit --merge-lora$"):
+        export_hf(str(tmp_path / "second"), str(tmp_path / "merged"), merge_lora=True)

@@ -1,29 +1,16 @@
 """`python -m cutp verify-data DIR` and `--verify-data` (issue 43): bytes overwritten in the middle
 of a shard are found by its digest and named with the fix; intact data passes; `verify_data`
 without prepared data is refused by name. `python -m cutp` lists its commands."""
-import io
 import shutil
 
 import pytest
 
 from cutp.__main__ import COMMANDS
 from cutp.__main__ import main as cutp_main
-from cutp.data.prepare import prepare
 from cutp.data.shards import HEADER_BYTES
 from cutp.runtime.errors import ConfigError
 from cutp.train.config import check_prepared_data, derive_run_config
 from cutp.train.settings import flag_of
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("verify")
-    (root / "in").mkdir()
-    for i in range(6):
-        (root / "in" / f"{i}.txt").write_text(f"document {i}: " + "some words of text, " * 200)
-    prepare([str(root / "in")], "bytes", str(root / "data"), shard_tokens=5_000, val_fraction=0.3, workers=1,
-            stream=io.StringIO())
-    return root / "data"
 
 
 def test_intact_data_passes_and_a_changed_shard_is_named_with_the_fix(prepared, tmp_path, capsys):

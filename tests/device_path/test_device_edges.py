@@ -5,6 +5,8 @@
   product, an `out` cuBLAS cannot write, the 32-bit dimension limit, `column_sums` into a buffer
   that is not float32;
 - CuPy present without a usable GPU (`cupy_status`), NVRTC without the tensor-core header;
+- the kernels' dispatch with CuPy (`dispatch_xp`, `launch_counts` over devices), the SM count
+  when the device cannot say, the module loader's CUDA headers with and without NVRTC's version;
 - `cutp.runtime.backend` with CuPy present: NCCL's status and version, `as_array` of another
   library's device array (`__cuda_array_interface__`), of a host DLPack exporter, and of a
   device array for the host;
@@ -14,8 +16,9 @@
   kernel variant agrees with its CuPy reference, and the GPU timing path (events, the copy
   bandwidth) runs;
 - `python -m cutp.bench.gemm` (the step's GEMMs timed in bfloat16, float32 and TF32, cuBLAS
-  against `cupy.matmul`) and `cutp bench moe --device cuda` (the memory pool's peak of each path)
-  at tiny sizes;
+  against `cupy.matmul`), `cutp bench moe --device cuda` (the memory pool's peak of each path)
+  and `cutp bench model --device cuda` (per-op CUDA events, the pool's high-water mark, MFU on a
+  device the peak table knows) at tiny sizes;
 - `cutp.ops.erf` / `erfc` of device arrays (cupyx.scipy.special) and the rotary kernel's refusal
   of an `out` of another shape;
 - `cutp.comm.nccl` on 2 ranks (NCCL over MPI): broadcast, send and receive, barrier, close and
@@ -24,6 +27,7 @@
 """
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -161,6 +165,65 @@ def test_cupy_without_a_usable_gpu_and_nvrtc_without_its_headers(cp, monkeypatch
         find_mma_include(str(tmp_path), candidates=[], environ={})
 
 
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_kernel_dispatch_launch_counts_and_module_loading_on_cupy(cp, monkeypatch, tmp_path):
+    """With CuPy: dispatch_xp hands out the current device's launchers (none with the kernels off),
+    launch_counts sums every device's, the SM count falls back to the target's when the device
+    cannot say, and the module loader finds the CUDA headers without NVRTC's version (the first
+    candidate) and with it (the candidate of NVRTC's major version)."""
+    from cutp import kernels
+    from cutp.kernels.runtime import TARGET_SM_COUNT, cupy_module_loader, kernel_source
+
+    monkeypatch.setattr(kernels, "_cupy_launchers", {})  # (this test's launchers, gone after it)
+    k0 = kernels.dispatch_xp(cp)
+    assert k0 is kernels.cupy_launchers(0) and k0.xp is cp and repr(k0).endswith("cupy device 0>")
+    with kernels.use_kernels(False):
+        assert kernels.dispatch_xp(cp) is None
+    k0.launches["gelu_forward_f32"] += 2
+    kernels.cupy_launchers(1).launches.update(gelu_forward_f32=1, softmax_forward_f32=1)
+    assert kernels.launch_counts() == {"gelu_forward_f32": 3, "softmax_forward_f32": 1}
+    assert k0.sm_count() == 132  # (the stand-in's H100-like device)
+
+    class NoAttributes:
+        @property
+        def attributes(self):
+            raise RuntimeError("cudaErrorInvalidValue")
+
+    monkeypatch.setattr(cp.cuda, "Device", NoAttributes)
+    assert kernels.Launchers(lambda s: None, cp).sm_count() == TARGET_SM_COUNT
+    built = []
+    monkeypatch.setattr(cp, "RawModule", lambda code, options: built.append((code, options)) or "module")
+    for version, dirname in ((13, "wheel"), (12, "toolkit")):
+        d = tmp_path / dirname / "include"
+        d.mkdir(parents=True)
+        for header in ("cuda_bf16.h", "cuda_fp16.h"):
+            (d / header).write_text("")
+        (d / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {version}000\n")
+    monkeypatch.setenv("CUTP_CUDA_INCLUDE", str(tmp_path / "wheel" / "include"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
+    assert cupy_module_loader()("gelu") == "module"  # NVRTC 12 (the stand-in's): the CUDA 12 headers
+    assert built[-1] == (kernel_source("gelu"), ("--std=c++17", f"-I{tmp_path / 'toolkit' / 'include'}"))
+
+    def no_version():
+        raise RuntimeError("nvrtc: symbol not found")
+
+    monkeypatch.setattr(cp.cuda.nvrtc, "getVersion", no_version)
+    cupy_module_loader()("gelu")  # NVRTC's version unknown: the first candidate
+    assert built[-1][1] == ("--std=c++17", f"-I{tmp_path / 'wheel' / 'include'}")
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_time_gpu_runs_setup_and_the_flush_untimed_before_every_call(cp):
+    from cutp.bench.common import time_gpu
+
+    order = []
+    t = time_gpu(lambda: order.append("fn"), warmup=1, repeat=2, setup=lambda: order.append("setup"),
+                 flush=lambda: order.append("flush"))
+    assert order == ["setup", "fn"] + ["setup", "flush", "fn"] * 2 and len(t.times) == 2 and min(t.times) >= 0
+
+
 def _worker_nccl():
     import cupy
     from mpi4py import MPI
@@ -214,21 +277,35 @@ def test_kernel_benchmarks_check_every_variant_on_the_device_path(tmp_path):
 
 
 def _benches_on_the_device(out):
-    """(In a process with the stand-in as CuPy) the GEMM benchmark and the MoE one on the GPU path."""
+    """(In a process with the stand-in as CuPy) the GEMM, MoE and model benchmarks on the GPU path."""
+    import cupy
+
     from cutp import ops
     from cutp.bench import gemm
     from cutp.bench.__main__ import main
 
     tf32 = ops.tf32_allowed()
-    assert gemm.main(["--preset", "tiny", "--tokens", "16", "--repeat", "1", "--warmup", "0",
-                      "--json", os.path.join(out, "gemm.json")]) == 0
+    sys.argv = ["python -m cutp.bench.gemm", "--preset", "tiny", "--tokens", "16", "--repeat", "1", "--warmup", "1",
+                "--json", os.path.join(out, "gemm.json")]
+    try:
+        runpy.run_module("cutp.bench.gemm", run_name="__main__")
+    except SystemExit as e:
+        assert e.code == 0, e.code
     assert ops.tf32_allowed() == tf32  # (restored after the TF32 pass)
     assert main(["moe", "--device", "cuda", "--tokens", "16", "--hidden", "8", "--experts", "4", "--expert-width",
                  "4", "--top-k", "2", "--repeat", "1", "--quiet", "--json", os.path.join(out, "moe.json")]) == 0
+    # bench model on the GPU path (its per-op events, the pool's high-water mark, the profiled extra
+    # step), on the stand-in's device (no peak known: no MFU) and named as an H100 (MFU computed)
+    model = ["model", "--device", "cuda", "--preset", "tiny", "--set", "n_layer=1", "--batch-size", "2", "--seq-len",
+             "16", "--timed-steps", "1", "--untimed-steps", "0", "--quiet"]
+    assert main(model + ["--json", os.path.join(out, "model.json")]) == 0
+    props = cupy.cuda.runtime.getDeviceProperties
+    cupy.cuda.runtime.getDeviceProperties = lambda device: dict(props(device), name=b"NVIDIA H100 80GB HBM3")
+    assert main(model + ["--json", os.path.join(out, "model_h100.json")]) == 0
 
 
 @pytest.mark.usefixtures("emulated_kernels")
-def test_gemm_and_moe_benchmarks_on_the_device_path(tmp_path):
+def test_gemm_moe_and_model_benchmarks_on_the_device_path(tmp_path):
     from cutp.bench.gemm import LABELS, step_gemms
     from cutp.models import GPTConfig
 
@@ -242,6 +319,14 @@ def test_gemm_and_moe_benchmarks_on_the_device_path(tmp_path):
     names = [x.name for x in step_gemms(GPTConfig.preset("tiny"), 16, 1)]
     assert [x["name"] for x in g["gemms"]] == names
     assert all(list(g["per_gemm"][label]) == names for label in ("bfloat16", "float32", "float32+tf32"))
+    for name, mfu in (("model.json", None), ("model_h100.json", "MFU against H100 SXM dense float32 peak 66.9")):
+        m = json.loads((tmp_path / name).read_text())
+        assert m["meta"]["device"] == "cuda" and (m["result"]["mfu_pct"] is None) == (mfu is None), m["result"]
+        said = mfu or "no peak known for 'CuPy stand-in (NumPy on the CPU)' in float32"
+        assert any(n.startswith(said) for n in m["notes"]), m["notes"]
+        mem = {r["what"]: r["mib"] for r in m["tables"]["memory"]["rows"]}
+        kinds = {r["kind"]: r["ms"] for r in m["tables"]["ops"]["rows"]}
+        assert mem["CuPy pool high-water"] > 0 and kinds["gemm"] > 0 and kinds["attention"] > 0, (mem, kinds)
     moe = json.loads((tmp_path / "moe.json").read_text())
     assert moe["meta"]["device"] == "cuda"
     peaks = {r["path"]: r["peak"] for r in moe["tables"]["moe"]["rows"]}

@@ -88,6 +88,24 @@ def test_block_size_and_argument_errors():
         generate(model, [1], 3, top_k=0)
     with pytest.raises(ValueError, match=r"token id 37 is outside the vocabulary \[0, 37\)"):
         generate(model, [1, 37], 3)
+    with pytest.raises(ValueError, match=r"^prompt_ids must be a list of ids or a \[batch, seq\] array, got shape "
+                                         r"\(1, 1, 2\)$"):
+        generate(model, [[[1, 2]]], 3)
+    with pytest.raises(ValueError, match="^prompt_ids must be integers, got dtype float64$"):
+        generate(model, [1.0, 2.0], 3)
+    with pytest.raises(ValueError, match="^max_new_tokens must be an integer >= 0, got -1$"):
+        generate(model, [1], -1)
+
+
+def test_a_draw_at_the_top_of_the_distribution_lands_on_the_last_token_kept():
+    """u = r * total rounds to the total for r close to 1: the search then passes the last
+    token, masked here by top_k; the draw steps back to the last token kept."""
+    class Top:
+        def random(self, n):
+            return np.ones(n)
+
+    logits = np.array([[3.0, 1.0, 2.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    assert sample_next(logits, Top(), top_k=2).tolist() == [2, 3]
 
 
 def test_sample_next_follows_softmax_and_top_k():
