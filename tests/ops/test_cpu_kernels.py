@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 import cutp.ops.attention as attention_op
+import cutp.ops.cblas as cblas_op
 import cutp.ops.gelu as gelu_op
 import cutp.ops.layernorm as layernorm_op
 import cutp.ops.rmsnorm as rmsnorm_op
 import cutp.ops.rotary as rotary_op
 import cutp.ops.swiglu as swiglu_op
-from cutp.ops import causal_attention_backward, causal_attention_forward, compiled
+from cutp.ops import causal_attention_backward, causal_attention_forward, compiled, gemm
 from tests.gradcheck import check_gradients
 
 LIB = compiled.library("attention", attention_op._ATTENTION_SYMBOLS)
@@ -372,3 +373,65 @@ def test_empty_arrays_take_the_numpy_path(shape):
         assert y.shape == shape and layernorm_op.layernorm_backward(y, lctx)[0].shape == shape
         y, rctx = rmsnorm_op.rmsnorm_forward(x, w)
         assert y.shape == shape and rmsnorm_op.rmsnorm_backward(y, rctx)[0].shape == shape
+
+
+# ---- the weight gradient accumulated by the BLAS itself (cutp.ops.cblas) ---------------------------
+CBLAS = cblas_op._routine(np.float32) is not None
+needs_cblas = pytest.mark.skipif(not CBLAS, reason="NumPy's BLAS has no ILP64 cblas_sgemm symbol here (not "
+                                                   "scipy-openblas): gemm accumulates through NumPy")
+
+
+@needs_cblas
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("k", [37, 700])
+def test_gemm_accumulates_in_the_blas_as_numpy_does(dtype, trans_a, trans_b, k, monkeypatch):
+    """out += op(a) @ op(b) with beta = 1: within the rounding of a sum of k terms of NumPy's
+    out += a.T @ b (the reference, CUTP_CPU_KERNELS=0), and to the bit while k fits one of the
+    BLAS's K blocks (k = 37; 700 is past them here: other bits); added to what out held, not
+    written over it."""
+    rng = np.random.default_rng(k)
+    m, n = 29, 45
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+    start = rng.standard_normal((m, n)).astype(dtype)
+    out = start.copy()
+    assert cblas_op.accumulates(a, b, out)
+    assert gemm(a, b, trans_a=trans_a, trans_b=trans_b, out=out, accumulate=True) is out
+    ref = start.copy()
+    numpy_path(monkeypatch, lambda: gemm(a, b, trans_a=trans_a, trans_b=trans_b, out=ref, accumulate=True))
+    assert np.array_equal(ref, start + (a.T if trans_a else a) @ (b.T if trans_b else b))
+    if k == 37:
+        assert np.array_equal(out, ref)
+    else:
+        assert normwise(out, ref) <= 8 * np.finfo(dtype).eps
+
+
+@needs_cblas
+def test_gemm_reads_strided_operands_and_leaves_the_rest_to_numpy():
+    """Row-major operands with a row stride longer than their columns (a slice of columns) go to
+    the BLAS as they are; a column stride, another dtype (bfloat16's float32 main_grad), a
+    non-contiguous or read-only out take NumPy's path, with the same result."""
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((64, 50))
+    a, b = wide[:, :20], wide[:, 30:]
+    out = np.zeros((20, 20))
+    assert cblas_op.accumulates(a, b, out)
+    gemm(a, b, trans_a=True, out=out, accumulate=True)
+    np.testing.assert_allclose(out, a.T @ b, rtol=1e-13, atol=1e-13)
+    every_other = wide[:, ::2][:, :20]
+    frozen = np.zeros((20, 20))
+    frozen.flags.writeable = False
+    for args in ((every_other, b, np.zeros((20, 20))), (a.astype(np.float32), b.astype(np.float32), np.zeros((20, 20))),
+                 (a, b, np.zeros((20, 40))[:, ::2]), (a, b, frozen)):
+        assert not cblas_op.accumulates(*args)
+    out = np.zeros((20, 40))[:, ::2]
+    gemm(every_other, b, trans_a=True, out=out, accumulate=True)
+    np.testing.assert_allclose(out, every_other.T @ b, rtol=1e-13, atol=1e-13)
+
+
+def test_gemm_accumulates_through_numpy_with_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
+    a = np.ones((4, 3), np.float32)
+    assert not cblas_op.accumulates(a, a, np.zeros((3, 3), np.float32))
+
