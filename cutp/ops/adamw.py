@@ -16,6 +16,8 @@ NumPy passes below do (their bits; CUTP_CPU_KERNELS=0: the NumPy passes). Measur
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from cutp.runtime.backend import get_array_module, on_host
@@ -24,7 +26,7 @@ from cutp.kernels import dispatch as _kernels
 from . import compiled
 from .common import ELEMENTWISE_BLOCK, parallel_map
 
-_SYMBOLS = ("adamw_f32", "adamw_f64")
+_SYMBOLS = ("adamw_f32", "adamw_f64", "sum_squares_f32", "sum_squares_f64")
 ADAMW_BLOCK = 1 << 20  # the compiled kernel's share of the pool: each element alone, any split gives the same bits
 
 
@@ -96,3 +98,24 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
         pb -= t.astype(p.dtype, copy=False)
 
     parallel_map(xp, block, blocks)
+
+
+def sum_of_squares(g):
+    """``sum(g**2)`` of a float32 / float64 host array in float64 through kernels/cpu/adamw.c (one
+    pass; blocks of ADAMW_BLOCK elements on the ops' pool, their sums added in block order: the
+    same bits at any thread count), or None where the kernel does not take ``g`` (the caller's
+    NumPy code runs). The planner's shape-only arrays: 0.0, nothing booked (nothing allocated)."""
+    flat = g.reshape(-1)
+    lib = compiled.host_library("adamw", _SYMBOLS, flat)
+    if lib is None:
+        return None
+    if type(flat) is not np.ndarray:
+        return np.float64(0.0)
+    fn = compiled.entry(lib, "sum_squares", flat.dtype)
+    fn.restype = ctypes.c_double
+    data = compiled.ptr(flat)
+    parts = parallel_map(np, lambda s: fn(data, *compiled.int64s(s.start, s.stop)), _adamw_blocks(flat.size))
+    total = np.float64(0.0)
+    for part in parts:  # in block order
+        total += part
+    return total

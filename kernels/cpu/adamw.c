@@ -7,7 +7,8 @@
  *   gs = g * grad_scale (scale 1: g)     m = m b1 + gs (1 - b1)      v = v b2 + (gs gs) (1 - b2)
  *   p = p decay (decay 1: skipped)       p -= (m / (sqrt(v) inv_sqrt_bc2 + eps)) step_size
  *
- * Elements [i0, i1) per call. Flags and the self-inclusion as in attention.c.
+ * Elements [i0, i1) per call. Also the sum of squares of the gradient norm (below). Flags and the
+ * self-inclusion as in attention.c.
  */
 /* cflags: -ffp-contract=off */
 #ifndef REAL
@@ -42,5 +43,25 @@ void SUF(adamw)(REAL *restrict p, const REAL *restrict g, REAL *restrict m, REAL
         m[i] = mi;
         v[i] = vi;
     }
+}
+
+/* sum of x[i]^2 over [i0, i1) in double (the gradient norm's terms): each square formed in double
+ * (exact for float32), summed over 8 lanes (lane l: i0 + l, i0 + 8 + l, ... in order), then the
+ * lanes pairwise: a fixed order */
+double SUF(sum_squares)(const REAL *restrict x, int64_t i0, int64_t i1) {
+    double l[8] = {0};
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8)
+        for (int j = 0; j < 8; j++) {
+            const double v = (double)x[i + j];
+            l[j] = l[j] + v * v;
+        }
+    for (int j = 0; i + j < i1; j++) {
+        const double v = (double)x[i + j];
+        l[j] = l[j] + v * v;
+    }
+    for (int w = 4; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) l[j] += l[j + w];
+    return l[0];
 }
 #endif

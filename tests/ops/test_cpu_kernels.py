@@ -20,6 +20,7 @@ import cutp.ops.layernorm as layernorm_op
 import cutp.ops.rmsnorm as rmsnorm_op
 import cutp.ops.rotary as rotary_op
 import cutp.ops.swiglu as swiglu_op
+import cutp.tensor_parallel.parameter as parameter_mod
 from cutp.ops import causal_attention_backward, causal_attention_forward, compiled, gemm
 from tests.gradcheck import check_gradients
 
@@ -532,3 +533,18 @@ def test_compiled_adamw_is_the_numpy_path_to_the_bit(dtype, grad_scale, weight_d
     got, ref = run(), numpy_path(monkeypatch, run)
     assert all(np.array_equal(a, b) for a, b in zip(got, ref))
     assert not np.array_equal(got[0], start[0])
+
+
+@needs_adamw
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_sum_of_squares_is_the_gradient_norms_sum(dtype, monkeypatch):
+    """The gradient norm's sum of squares (cutp.tensor_parallel.parameter._sq_sum_host): the NumPy
+    path's float64 sum within float64 rounding, the same bits at 1 and 2 pool threads."""
+    monkeypatch.setattr(adamw_op, "ADAMW_BLOCK", 1000)
+    g = np.random.default_rng(9).standard_normal((37, 171)).astype(dtype) * 1e3
+    got = parameter_mod._sq_sum_host(g)
+    ref = numpy_path(monkeypatch, lambda: parameter_mod._sq_sum_host(g))
+    assert got.dtype == np.float64 and abs(got - ref) <= 1e-14 * ref
+    assert abs(got - float((g.astype(np.float64) ** 2).sum())) <= 1e-14 * ref
+    monkeypatch.setenv("CUTP_OP_THREADS", "2")
+    assert parameter_mod._sq_sum_host(g) == got
