@@ -69,12 +69,15 @@ def _leading(x) -> int:
 def accumulates(a, b, out) -> bool:
     """Whether :func:`gemm_accumulate` takes these arrays: NumPy (or the planner's shape-only host
     arrays: the same branch, nothing computed) float32 / float64, one dtype, ``out`` C-contiguous
-    and writable, the operands row-major as they are, the BLAS routine found, the kernels on."""
+    and writable, not overlapping an operand, the operands row-major as they are, the BLAS routine
+    found, the kernels on."""
     dtype = np.dtype(out.dtype)
     if dtype not in _NAMES or a.dtype != dtype or b.dtype != dtype or min(out.shape) == 0 or a.size == 0:
         return False
     if not (out.flags.c_contiguous and compiled.writable(out) and _row_major(a) and _row_major(b)):
         return False
+    if type(out) is np.ndarray and (np.may_share_memory(out, a) or np.may_share_memory(out, b)):
+        return False  # (the BLAS would read what it writes; NumPy's product is made first)
     return compiled.enabled() and _routine(dtype) is not None
 
 

@@ -436,7 +436,8 @@ def test_gemm_accumulates_in_the_blas_as_numpy_does(dtype, trans_a, trans_b, k, 
 def test_gemm_reads_strided_operands_and_leaves_the_rest_to_numpy():
     """Row-major operands with a row stride longer than their columns (a slice of columns) go to
     the BLAS as they are; a column stride, another dtype (bfloat16's float32 main_grad), a
-    non-contiguous or read-only out take NumPy's path, with the same result."""
+    non-contiguous or read-only out, an out that is an operand take NumPy's path, with the same
+    result."""
     rng = np.random.default_rng(3)
     wide = rng.standard_normal((64, 50))
     a, b = wide[:, :20], wide[:, 30:]
@@ -447,9 +448,13 @@ def test_gemm_reads_strided_operands_and_leaves_the_rest_to_numpy():
     every_other = wide[:, ::2][:, :20]
     frozen = np.zeros((20, 20))
     frozen.flags.writeable = False
+    square = rng.standard_normal((20, 20))
     for args in ((every_other, b, np.zeros((20, 20))), (a.astype(np.float32), b.astype(np.float32), np.zeros((20, 20))),
-                 (a, b, np.zeros((20, 40))[:, ::2]), (a, b, frozen)):
+                 (a, b, np.zeros((20, 40))[:, ::2]), (a, b, frozen), (square, square, square)):
         assert not cblas_op.accumulates(*args)
+    expected = square + square.T @ square
+    gemm(square, square, trans_a=True, out=square, accumulate=True)  # out is an operand: NumPy's product first
+    np.testing.assert_allclose(square, expected, rtol=1e-13, atol=1e-13)
     out = np.zeros((20, 40))[:, ::2]
     gemm(every_other, b, trans_a=True, out=out, accumulate=True)
     np.testing.assert_allclose(out, every_other.T @ b, rtol=1e-13, atol=1e-13)
