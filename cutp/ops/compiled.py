@@ -234,16 +234,18 @@ def rows_contiguous(*arrays) -> bool:
         s % a.itemsize == 0 for a in arrays for s in a.strides)
 
 
-def run_rows(xp, lib, name, dtype, arrays, scalars, N, C, parts=(), width=None):
+def run_rows(xp, lib, name, dtype, arrays, scalars, N, C, parts=(), width=None, part_dtype=None):
     """The kernel ``name`` of ``lib`` over the row blocks of N rows in the ops' pool (NumPy only:
     shape-only arrays book their buffers and stop here), called as ``name(*arrays, *parts, C,
     *scalars, first_row, end_row)``; ``width``: the row width that sizes the blocks (default C).
     ``parts``: one flag per parameter-gradient argument after ``arrays`` (False: NULL, the
     parameter is absent); each present one gets a [blocks, C] array of the blocks' parts, summed
     in block order (so the result never depends on the thread count): returns those sums, None
-    for the absent ones."""
+    for the absent ones. ``part_dtype``: the parts' and their sum's dtype (the kernel's; default
+    ``dtype``), the sums returned rounded to ``dtype``."""
     blocks = row_blocks(xp, N, C if width is None else width)
-    part_arrays = [xp.empty((len(blocks), C), dtype) if present else None for present in parts]
+    wide = dtype if part_dtype is None else part_dtype
+    part_arrays = [xp.empty((len(blocks), C), wide) if present else None for present in parts]
     if xp is np:
         fn = entry(lib, name, dtype)
         args = pointers(*arrays)
@@ -256,8 +258,8 @@ def run_rows(xp, lib, name, dtype, arrays, scalars, N, C, parts=(), width=None):
         parallel_map(xp, run, range(len(blocks)))
     sums = []
     for p in part_arrays:
-        total = None if p is None else xp.zeros(C, dtype)
+        total = None if p is None else xp.zeros(C, wide)
         for part in () if p is None else p:  # in block order
             total += part
-        sums.append(total)
+        sums.append(None if total is None else total.astype(dtype, copy=False))
     return sums

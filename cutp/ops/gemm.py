@@ -17,7 +17,9 @@ Everywhere else (NumPy, float64, ``CUTP_KERNELS=0``) the operands are cast to th
 rounded once to the output dtype: what cuBLAS computes, up to the order of the float32
 additions. Callers that reuse an operand pass :func:`operand` of it, which is that float32 copy on
 the CPU (made once) and the array itself on a GPU, so the CPU's arithmetic, and its bits, are the
-ones the ops had before this module.
+ones the ops had before this module. One exception: ``accumulate`` into a float32 / float64 NumPy
+``out`` of its own dtype is one call of NumPy's BLAS with beta = 1 (cutp.ops.cblas: no temporary,
+no second pass; the same math, rounded per K block), unless ``CUTP_CPU_KERNELS=0``.
 
 Why here and not in ``kernels/``: there is no cutp CUDA source, no launcher, no emulated kernel,
 only a library call; ``kernels/`` holds cutp's own CUDA kernels. The switch is the kernels' one
@@ -47,6 +49,7 @@ from cutp.kernels import kernels_enabled
 from cutp.runtime.backend import get_array_module, is_device_array
 from cutp.runtime.shape_only import ShapeArray
 
+from .cblas import accumulates, gemm_accumulate
 from .common import as_dtype, col_sum, compute_dtype
 
 # cuBLAS's and CUDA's enums (cublas_api.h: cublasOperation_t, cublasComputeType_t,
@@ -141,6 +144,8 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out=None, out_dt
                 out = get_array_module(a, b).empty((m, n), dtype if out_dtype is None else out_dtype)
             return _cublas_gemm(a, b, trans_a, trans_b, out, accumulate)
         c = _cublas_gemm(a, b, trans_a, trans_b, get_array_module(a, b).empty((m, n), out.dtype), False)
+    elif accumulate and accumulates(a, b, out):  # NumPy float32/64: beta = 1 in NumPy's BLAS (cutp.ops.cblas)
+        return gemm_accumulate(a, b, trans_a, trans_b, out)
     else:
         cdt, given_dtype = compute_dtype(a.dtype), a.dtype
         lhs, rhs = as_dtype(a, cdt), as_dtype(b, cdt)

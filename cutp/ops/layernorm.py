@@ -126,7 +126,7 @@ def layernorm_backward(dy, ctx: LayerNormCtx):
     if lib is not None:
         dx = xp.empty((N, C), dtype=x.dtype)
         dw, db = compiled.run_rows(xp, lib, "layernorm_backward", cdt, (x2, weight, mean, rstd, dy2, dx), (), N, C,
-                               parts=(weight is not None, ctx.bias_dtype is not None))
+                               parts=(weight is not None, ctx.bias_dtype is not None), part_dtype=np.float64)
         return dx.reshape(x.shape), dw, db
     w = None if weight is None else as_dtype(weight, cdt)
     has_bias = ctx.bias_dtype is not None

@@ -14,6 +14,8 @@ the normalised value is not rounded before the scale: the product is rounded onc
 """
 from __future__ import annotations
 
+import numpy as np
+
 from cutp.kernels import dispatch as _kernels
 from cutp.runtime.backend import get_array_module
 
@@ -150,7 +152,7 @@ def rmsnorm_backward(dy, ctx: RMSNormCtx):
     lib = norm_library(x, weight, dy, rstd)
     if lib is not None:
         (dw,) = compiled.run_rows(xp, lib, "rmsnorm_backward", cdt, (x2, weight, rstd, dy2, dx), (), N, C,
-                              parts=(weight is not None,))
+                              parts=(weight is not None,), part_dtype=np.float64)
         return dx.reshape(x.shape), dw
     inv_c = 1.0 / C
 

@@ -108,11 +108,7 @@ static void SUF(tile_spread)(const REAL *restrict c, int64_t ld, const REAL *res
 static REAL SUF(lane_sum)(const REAL *x, int64_t nv) {
     VEC acc = {0};
     for (int64_t c = 0; c < nv; c++) acc += SUF(load)(x + c * VL);
-    REAL l[VL];
-    memcpy(l, &acc, sizeof acc);
-    for (int w = VL / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) l[i] += l[i + w];
-    return l[0];
+    return SUF(lanes)(acc);
 }
 
 /* row sr[0 .. L) (room for whole vectors) into its softmax; sr[L .. n) zero */

@@ -3,7 +3,7 @@
  * and the exp below runs on whole vectors (a loop calling a scalar exp with its range checks is
  * not vectorised without -ffast-math). Included inside a REAL body: VEC, IVEC (the integer vector
  * of its comparisons), VL (lanes), W (2 VL: the width of a tile's column block), SUF(load) /
- * SUF(store) (unaligned), SUF(splat), SUF(select), SUF(vmax) and SUF(exp_vec). */
+ * SUF(store) (unaligned), SUF(splat), SUF(select), SUF(vmax), SUF(exp_vec) and SUF(lanes). */
 #undef VEC
 #undef IVEC
 #undef VL
@@ -84,6 +84,15 @@ static inline VEC SUF(exp_vec)(VEC x) {
     const IVEC two_n = ((IVEC)t + 127) << 23;
 #endif
     return (VEC)((IVEC)(p * (VEC)two_n) & ~hidden);
+}
+
+/* the sum of acc's lanes, pairwise (lane l + VL/2 into lane l, ...): a fixed order */
+static inline REAL SUF(lanes)(VEC acc) {
+    REAL l[VL];
+    memcpy(l, &acc, sizeof acc);
+    for (int w = VL / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) l[i] += l[i + w];
+    return l[0];
 }
 
 /* the first m (< VL) lanes of p, the rest zero / store only the first m lanes: a row's tail */

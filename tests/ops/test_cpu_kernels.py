@@ -11,13 +11,17 @@ contract a * b + c into one rounding). The error of a sum of n terms is at most 
 import numpy as np
 import pytest
 
+import cutp.ops.adamw as adamw_op
 import cutp.ops.attention as attention_op
+import cutp.ops.cblas as cblas_op
+import cutp.ops.cross_entropy as ce_op
 import cutp.ops.gelu as gelu_op
 import cutp.ops.layernorm as layernorm_op
 import cutp.ops.rmsnorm as rmsnorm_op
 import cutp.ops.rotary as rotary_op
 import cutp.ops.swiglu as swiglu_op
-from cutp.ops import causal_attention_backward, causal_attention_forward, compiled
+import cutp.tensor_parallel.parameter as parameter_mod
+from cutp.ops import causal_attention_backward, causal_attention_forward, compiled, gemm
 from tests.gradcheck import check_gradients
 
 LIB = compiled.library("attention", attention_op._ATTENTION_SYMBOLS)
@@ -226,6 +230,28 @@ def test_compiled_norms_equal_the_numpy_path(rows, cols, dtype, affine, monkeypa
             assert a.dtype == dtype and a.shape == r.shape and normwise(a, r) <= 64 * eps, (i, normwise(a, r))
 
 
+@needs_norms
+def test_compiled_norms_sum_float32_parameter_gradients_in_double():
+    """dw and db of float32 LayerNorm / RMSNorm over 5,000 rows: within 1 eps (normwise) of the same
+    products summed in float64 (measured 0.22-0.26 eps: the final rounding): each row's product
+    rounds to float32, its sum over rows does not. Summed in float32, LayerNorm's dw was 4.8 eps
+    off here (NumPy's GEMV column sums: 4.6)."""
+    rng = np.random.default_rng(11)
+    rows, cols = 5000, 96
+    x = (rng.standard_normal((rows, cols)) + 2).astype(np.float32)
+    w, b = rng.standard_normal(cols).astype(np.float32), rng.standard_normal(cols).astype(np.float32)
+    dy = (rng.standard_normal((rows, cols)) + 1).astype(np.float32)
+    _, ln = layernorm_op.layernorm_forward(x, w, b)
+    _, dw, db = layernorm_op.layernorm_backward(dy, ln)
+    xh = (x - ln.mean.reshape(-1, 1)) * ln.rstd.reshape(-1, 1)  # float32 as the kernel forms it
+    eps = np.finfo(np.float32).eps
+    exact = (dy * xh).astype(np.float64).sum(axis=0)
+    assert normwise(dw, exact) <= eps and normwise(db, dy.astype(np.float64).sum(axis=0)) <= eps
+    _, rms = rmsnorm_op.rmsnorm_forward(x, w)
+    _, dw = rmsnorm_op.rmsnorm_backward(dy, rms)
+    assert normwise(dw, (dy * (x * rms.rstd.reshape(-1, 1))).astype(np.float64).sum(axis=0)) <= eps
+
+
 # ---- rotary (kernels/cpu/rotary.c) ----------------------------------------------------------------
 ROT = compiled.library("rotary", rotary_op._SYMBOLS)
 
@@ -372,3 +398,158 @@ def test_empty_arrays_take_the_numpy_path(shape):
         assert y.shape == shape and layernorm_op.layernorm_backward(y, lctx)[0].shape == shape
         y, rctx = rmsnorm_op.rmsnorm_forward(x, w)
         assert y.shape == shape and rmsnorm_op.rmsnorm_backward(y, rctx)[0].shape == shape
+
+
+# ---- the weight gradient accumulated by the BLAS itself (cutp.ops.cblas) ---------------------------
+CBLAS = cblas_op._routine(np.float32) is not None
+needs_cblas = pytest.mark.skipif(not CBLAS, reason="NumPy's BLAS has no ILP64 cblas_sgemm symbol here (not "
+                                                   "scipy-openblas): gemm accumulates through NumPy")
+
+
+@needs_cblas
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("trans_a,trans_b", [(True, False), (False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("k", [37, 700])
+def test_gemm_accumulates_in_the_blas_as_numpy_does(dtype, trans_a, trans_b, k, monkeypatch):
+    """out += op(a) @ op(b) with beta = 1: within the rounding of a sum of k terms of NumPy's
+    out += a.T @ b (the reference, CUTP_CPU_KERNELS=0), and to the bit while k fits one of the
+    BLAS's K blocks (k = 37; 700 is past them here: other bits); added to what out held, not
+    written over it."""
+    rng = np.random.default_rng(k)
+    m, n = 29, 45
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+    start = rng.standard_normal((m, n)).astype(dtype)
+    out = start.copy()
+    assert cblas_op.accumulates(a, b, out)
+    assert gemm(a, b, trans_a=trans_a, trans_b=trans_b, out=out, accumulate=True) is out
+    ref = start.copy()
+    numpy_path(monkeypatch, lambda: gemm(a, b, trans_a=trans_a, trans_b=trans_b, out=ref, accumulate=True))
+    assert np.array_equal(ref, start + (a.T if trans_a else a) @ (b.T if trans_b else b))
+    if k == 37:
+        assert np.array_equal(out, ref)
+    else:
+        assert normwise(out, ref) <= 8 * np.finfo(dtype).eps
+
+
+@needs_cblas
+def test_gemm_reads_strided_operands_and_leaves_the_rest_to_numpy():
+    """Row-major operands with a row stride longer than their columns (a slice of columns) go to
+    the BLAS as they are; a column stride, another dtype (bfloat16's float32 main_grad), a
+    non-contiguous or read-only out, an out that is an operand take NumPy's path, with the same
+    result."""
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((64, 50))
+    a, b = wide[:, :20], wide[:, 30:]
+    out = np.zeros((20, 20))
+    assert cblas_op.accumulates(a, b, out)
+    gemm(a, b, trans_a=True, out=out, accumulate=True)
+    np.testing.assert_allclose(out, a.T @ b, rtol=1e-13, atol=1e-13)
+    every_other = wide[:, ::2][:, :20]
+    frozen = np.zeros((20, 20))
+    frozen.flags.writeable = False
+    square = rng.standard_normal((20, 20))
+    for args in ((every_other, b, np.zeros((20, 20))), (a.astype(np.float32), b.astype(np.float32), np.zeros((20, 20))),
+                 (a, b, np.zeros((20, 40))[:, ::2]), (a, b, frozen), (square, square, square)):
+        assert not cblas_op.accumulates(*args)
+    expected = square + square.T @ square
+    gemm(square, square, trans_a=True, out=square, accumulate=True)  # out is an operand: NumPy's product first
+    np.testing.assert_allclose(square, expected, rtol=1e-13, atol=1e-13)
+    out = np.zeros((20, 40))[:, ::2]
+    gemm(every_other, b, trans_a=True, out=out, accumulate=True)
+    np.testing.assert_allclose(out, every_other.T @ b, rtol=1e-13, atol=1e-13)
+
+
+def test_gemm_accumulates_through_numpy_with_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
+    a = np.ones((4, 3), np.float32)
+    assert not cblas_op.accumulates(a, a, np.zeros((3, 3), np.float32))
+
+
+# ---- cross-entropy and AdamW (kernels/cpu/cross_entropy.c, adamw.c) --------------------------------
+CE = compiled.library("cross_entropy", ce_op._SYMBOLS)
+ADAMW = compiled.library("adamw", adamw_op._SYMBOLS)
+needs_ce = pytest.mark.skipif(CE is None, reason="the compiled CPU kernels are not built here (no C compiler or "
+                                                 "CUTP_CPU_KERNELS=0): the NumPy path runs")
+needs_adamw = pytest.mark.skipif(ADAMW is None, reason="the compiled CPU kernels are not built here (no C compiler "
+                                                       "or CUTP_CPU_KERNELS=0): the NumPy path runs")
+
+
+@needs_ce
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,V,n_classes,eps", [(37, 101, 101, 0.0), (16, 5003, 5000, 0.1), (5, 7, 5, 0.0)])
+def test_compiled_cross_entropy_equals_the_numpy_path(N, V, n_classes, eps, dtype, monkeypatch):
+    """Loss, row statistics and dlogits (in place over the logits, as the head calls it) against
+    the NumPy path; ignored rows and padded columns exactly 0; a row of -inf logits in a shard
+    (another shard holds its classes) gives max -inf and sum 0, never NaN."""
+    rng = np.random.default_rng(N)
+    logits = (rng.standard_normal((N, V)) * 4).astype(dtype)
+    t = rng.integers(0, n_classes, N)
+    t[::4] = -100
+
+    def run():
+        loss, ctx = ce_op.cross_entropy_forward(logits, t, n_classes=n_classes, label_smoothing=eps)
+        d = ce_op.cross_entropy_backward(np.asarray(1.7, dtype), ctx, out=ctx.logits.copy())
+        return loss, ctx.row_max, ctx.sum_exp, d
+
+    got, ref = run(), numpy_path(monkeypatch, run)
+    e = np.finfo(dtype).eps
+    assert np.array_equal(got[1], ref[1])  # the max: exact
+    assert normwise(got[0], ref[0]) <= 8 * e and normwise(got[2], ref[2]) <= 8 * e and normwise(got[3], ref[3]) <= 8 * e
+    assert not got[3][::4].any() and not got[3][:, n_classes:].any()
+    shard = np.full((3, 9), -np.inf, dtype)
+    m, s, _, _ = ce_op.ce_shard_forward(shard, np.full(3, -1), 9)
+    assert np.all(m == -np.inf) and not s.any()
+
+
+@needs_ce
+def test_compiled_cross_entropy_sums_a_wide_row_in_double():
+    """A row of 50,257 float32 logits: sum_exp within 2 eps of the float64 sum (a float sum over 8
+    lanes of 6,282 terms each would drift further), and the same bits at 1 and 2 pool threads."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, 50257)).astype(np.float32)
+    m, s, _, _ = ce_op.ce_shard_forward(logits, np.zeros(6, np.int64), 50257)
+    exact = np.exp(logits.astype(np.float64) - m[:, None].astype(np.float64)).sum(axis=1)
+    assert np.abs(s / exact - 1).max() <= 4 * np.finfo(np.float32).eps
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUTP_OP_THREADS", "2")
+        assert np.array_equal(ce_op.ce_shard_forward(logits, np.zeros(6, np.int64), 50257)[1], s)
+
+
+@needs_adamw
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("grad_scale,weight_decay", [(1.0, 0.1), (0.37, 0.0)])
+def test_compiled_adamw_is_the_numpy_path_to_the_bit(dtype, grad_scale, weight_decay, monkeypatch):
+    """The same operations in the same order, each rounded once, no fused multiply-adds: p, m and v
+    equal the NumPy path's bits over three steps (so make train's curve keeps its optimizer bits)."""
+    rng = np.random.default_rng(7)
+    monkeypatch.setattr(adamw_op, "ADAMW_BLOCK", 1024)
+    n = 5 * 1024 + 7  # six of the pool's blocks, the last one short
+    start = [rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype),
+             (rng.standard_normal(n) * 0.1).astype(dtype), (np.abs(rng.standard_normal(n)) * 0.01).astype(dtype)]
+
+    def run():
+        p, g, m, v = (a.copy() for a in start)
+        for step in (1, 2, 3):
+            adamw_op.adamw_update(p, g, m, v, None, lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                                  weight_decay=weight_decay, step=step, grad_scale=grad_scale)
+        return p, m, v
+
+    got, ref = run(), numpy_path(monkeypatch, run)
+    assert all(np.array_equal(a, b) for a, b in zip(got, ref))
+    assert not np.array_equal(got[0], start[0])
+
+
+@needs_adamw
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_sum_of_squares_is_the_gradient_norms_sum(dtype, monkeypatch):
+    """The gradient norm's sum of squares (cutp.tensor_parallel.parameter._sq_sum_host): the NumPy
+    path's float64 sum within float64 rounding, the same bits at 1 and 2 pool threads."""
+    monkeypatch.setattr(adamw_op, "ADAMW_BLOCK", 1000)
+    g = np.random.default_rng(9).standard_normal((37, 171)).astype(dtype) * 1e3
+    got = parameter_mod._sq_sum_host(g)
+    ref = numpy_path(monkeypatch, lambda: parameter_mod._sq_sum_host(g))
+    assert got.dtype == np.float64 and abs(got - ref) <= 1e-14 * ref
+    assert abs(got - float((g.astype(np.float64) ** 2).sum())) <= 1e-14 * ref
+    monkeypatch.setenv("CUTP_OP_THREADS", "2")
+    assert parameter_mod._sq_sum_host(g) == got
