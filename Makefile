@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpich,test,plot,tokenizers,tensorboard]'
+	$(PY) -m pip install -q -e '.[mpich,test,plot,tokenizers,tensorboard,chat]'
 	touch $(STAMP)
 
 venv: $(STAMP)
