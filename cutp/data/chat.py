@@ -39,7 +39,7 @@ from ..runtime.errors import ConfigError
 from .tokenizer import read_json_object
 
 TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves the template here
-JINJA_HINT = "pip install jinja2, or cutp's chat extra (transformers' chat templates are Jinja)"
+JINJA_HINT = "pip install jinja2 (or cutp's chat extra; transformers' chat templates are Jinja)"
 TRAIN_ON = ("assistant", "all")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' _REASONING_FIELDS
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
