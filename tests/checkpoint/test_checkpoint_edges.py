@@ -143,6 +143,15 @@ def test_files_that_cannot_be_opened_listed_named_or_parsed_are_named(run, tmp_p
     write_meta(os.path.join(damaged, "meta.json"), versioned)
     with pytest.raises(CheckpointError, match=r"has format version 99; this cutp reads version \d+$"):
         read_meta(damaged)
+    for other, shown in ((dict(versioned, format="other"), "'other'"), ([1, 2], "None")):
+        if isinstance(other, dict):
+            write_meta(os.path.join(damaged, "meta.json"), other)
+        else:
+            with open(os.path.join(damaged, "meta.json"), "w") as f:
+                json.dump(other, f)
+        with pytest.raises(CheckpointError, match=rf"^{damaged}/meta.json is not cutp checkpoint metadata \(format "
+                                                  rf"{shown}\)$"):
+            read_meta(damaged)
     with open(os.path.join(out, "latest"), "w") as f:
         f.write(" " * (1 << 17))
     with pytest.raises(CheckpointError, match=r"latest is malformed or unsafe \(.*latest is 131072 bytes, more than "

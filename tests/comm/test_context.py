@@ -93,3 +93,6 @@ def test_a_simulated_link_wraps_every_group_once_inside_the_counting():
         ctx.close()
     ctx.close()  # a second close does nothing
     assert ctx.closed
+    with cutp.init(comm=MPI.COMM_SELF, tp=1, device="cpu") as ctx:  # a with block closes it
+        assert not ctx.closed
+    assert ctx.closed

@@ -111,7 +111,9 @@ def test_opening_data_refuses_what_meta_json_does_not_say(prepared, tmp_path):
     with pytest.raises(ConfigError, match=r"val_000000\.docs holds 2 entries, meta\.json says 3; prepare the data again$"):
         load_side(d, docs, "val", "docs")
     for text, problem in (("[1, 2]", 'meta.json is not prepare-data\'s \\(no "format": "cutp-token-shards"\\)$'),
-                          ("{", "meta.json is not readable JSON .*; prepare the data again$")):
+                          ("{", "meta.json is not readable JSON .*; prepare the data again$"),
+                          ('{"format": "cutp-token-shards", "version": 99}',
+                           "format version 99, this cutp reads .*; prepare the data again with this version$")):
         bad = tmp_path / f"bad{len(text)}"
         bad.mkdir()
         (bad / "meta.json").write_text(text)
@@ -135,6 +137,9 @@ def test_sharded_tokens_reads_an_index_or_a_contiguous_slice_only():
     whole = np.concatenate(parts)
     assert [int(tokens[i]) for i in (0, 4, 5, 11, -1, -12)] == [int(whole[i]) for i in (0, 4, 5, 11, -1, -12)]
     assert np.array_equal(tokens[3:9], whole[3:9]) and tokens[7:7].size == 0
+    # in memory (no files): the fingerprint hashes each part's digest, length, first and last block
+    assert ShardedTokens(parts, ["d0", "d1"]).fingerprint_bytes() == (
+        b"<u2:12;d0:5;" + parts[0].tobytes() * 2 + b"d1:7;" + parts[1].tobytes() * 2)
     for i in (12, -13):
         with pytest.raises(IndexError, match=f"token {i} of a split of 12"):
             tokens[i]
