@@ -52,6 +52,11 @@ def test_an_exception_in_a_thread_ends_the_job_naming_the_thread(two_ranks, monk
     message, code = two_ranks[0]
     assert message.startswith("[rank 0] exception in thread cutp-loader:\n") and code == 1
     assert "ValueError: the loader's file vanished" in message
+    with pytest.raises(_Ended):  # the same error in the main thread, raised on this rank only
+        sys.excepthook(ValueError, args.exc_value, args.exc_traceback)
+    message, code = two_ranks[1]
+    assert message.startswith("[rank 0] Traceback (most recent call last):\n") and code == 1
+    assert message.endswith("[rank 0] ValueError: the loader's file vanished\n")
 
 
 def test_a_one_line_error_only_this_rank_raised_ends_the_job_with_it(two_ranks):

@@ -63,7 +63,9 @@ if os.environ.get("COVERAGE_PROCESS_START"):
     try:
         import coverage
 
-        _cov = coverage.process_startup()
+        # (coverage 7.10+ installs a .pth that starts it before any sitecustomize: process_startup
+        # then returns None, and the measurement already running is the one to save)
+        _cov = coverage.process_startup() or coverage.Coverage.current()
         if _cov is not None:
             sys.meta_path.insert(0, _SaveBeforeAbort(_cov))
     except ImportError:
