@@ -123,6 +123,17 @@ def test_the_hub_s_llama3_config_layout_and_transformers5_rope_parameters():
     assert config_from_hf(dict(LLAMA_HF, model_type="qwen2")).qkv_bias is True
 
 
+def test_a_yarn_rope_scaling_reads_and_writes_back_unchanged():
+    from cutp.models.families.base import rope_to_hf
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 24.0, "beta_slow": 2.0, "mscale": 1.0,
+            "mscale_all_dim": 0.5, "original_max_position_embeddings": 4096}
+    c = config_from_hf(dict(LLAMA_HF, rope_scaling=yarn))
+    assert (c.rope_scaling, c.rope_factor, c.rope_beta_fast, c.rope_beta_slow, c.rope_mscale, c.rope_mscale_all_dim,
+            c.rope_original_max_positions) == ("yarn", 40.0, 24.0, 2.0, 1.0, 0.5, 4096)
+    assert rope_to_hf(c) == yarn
+
+
 # ---- against transformers ---------------------------------------------------------------------
 def _transformers():
     try:
