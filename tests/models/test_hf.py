@@ -8,6 +8,7 @@
 (c) with torch + transformers installed, a live comparison both ways (else skipped);
 (d) clear errors for what cannot be read or written.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -320,6 +321,32 @@ def test_errors_shapes_and_keys(tmp_path):
     with pytest.raises(HFFormatError, match=r"final_norm.weight has shape \(3,\)"):  # (a state dict: cutp's names)
         cfg, sd = load_hf_gpt2(FIXTURE)
         check_state_dict(cfg, {**sd, "final_norm.weight": np.zeros(3)})
+
+
+def test_per_parameter_reads_refuse_a_model_unlike_the_checked_one_and_tied_heads_compare_whole(tmp_path):
+    from safetensors.numpy import save_file
+
+    from cutp.models.hf import _same_tensor, hf_shards
+
+    ctx = self_ctx()
+    model = GPT(ctx, config_from_hf(json.load(open(os.path.join(FIXTURE, "config.json")))), seed=0)
+    shard = hf_shards(model, FIXTURE)  # checked now; each parameter read when asked
+    p = model.parameters()[0]
+    full = load_hf_gpt2(FIXTURE)[1][p.name]
+    np.testing.assert_array_equal(shard(p)[:len(full)], full)  # (the vocabulary's rows padded past the file's)
+    # (an API caller that reads another model's parameter: each read refuses what it cannot place)
+    q = GPT(ctx, dataclasses.replace(model.config, n_embd=64), seed=0).parameters()[0]
+    with pytest.raises(HFFormatError, match=rf"^{q.name}: expected full shape \({q.full_shape[0]}, 64\), got \("):
+        shard(q)
+    p.name = "h.9.extra.weight"
+    with pytest.raises(HFFormatError, match=r"^the checkpoint has no tensors for \['h\.9\.extra\.weight'\]$"):
+        hf_shards(model, FIXTURE)
+    # a tied head compared with the embedding: another shape is another tensor; 0-d tensors whole
+    save_file({"a": np.zeros((2, 3), np.float32), "b": np.zeros((3, 2), np.float32), "s": np.array(2.0, np.float32),
+               "t": np.array(2.0, np.float32), "u": np.array(3.0, np.float32)}, str(tmp_path / "w.safetensors"))
+    w = str(tmp_path / "w.safetensors")
+    assert not _same_tensor((w, "a"), (w, "b"))
+    assert _same_tensor((w, "s"), (w, "t")) and not _same_tensor((w, "s"), (w, "u"))
 
 
 def test_errors_unsupported_config():
