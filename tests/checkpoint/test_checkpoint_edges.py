@@ -8,8 +8,10 @@ damaged checkpoint neither counted nor pruned; `python -m cutp.checkpoint` usage
 range and an existing destination; dp-sharded optimizer pieces that do not fit or cover their
 tensor; PEFT adapters of a family PEFT names otherwise; a frozen run over its cutp base, and the
 base gone; a ZeRO-3 save whose streamed model file fails."""
+import dataclasses
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -107,6 +109,24 @@ def test_a_load_that_cannot_be_done_names_why_and_loads_nothing(run, monkeypatch
     renamed = dict(meta, params={("x." + k if k == first else k): v for k, v in meta["params"].items()})
     with pytest.raises(CheckpointError, match=rf"^{MODEL} has no tensor 'x.{first}'$"):
         load.ShardReader(ckpt, renamed, "model").get(0, "x." + first)
+
+
+def test_per_parameter_reads_refuse_a_parameter_the_checkpoint_cannot_place(run):
+    _, ckpt, model = run
+    shard = load.checkpoint_shards(ckpt, model)  # checked now; each parameter read when asked
+    p = model.parameters()[0]
+    np.testing.assert_array_equal(shard(p), p.data)
+    # (an API caller that reads another model's parameters: what the checkpoint lacks, another shape)
+    deeper = GPT(self_ctx(), dataclasses.replace(CFG, n_layer=2), seed=0)
+    extra = next(q for q in deeper.parameters() if q.name.startswith("layers.1."))
+    with pytest.raises(CheckpointError, match=rf"^{ckpt} does not hold {extra.name}$"):
+        shard(extra)
+    wide = next(q for q in GPT(self_ctx(), dataclasses.replace(CFG, n_embd=16), seed=0).parameters()
+                if q.name == p.name)
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{p.name}: the checkpoint holds shape "
+                                                              f"{tuple(p.data.shape)} for this rank, the model "
+                                                              f"{tuple(wide.data.shape)}") + "$"):
+        shard(wide)
 
 
 def test_files_that_cannot_be_opened_listed_named_or_parsed_are_named(run, tmp_path):
