@@ -8,18 +8,20 @@ import dataclasses
 import importlib.util
 import io
 import json
+import sys
 
 import pytest
 from mpi4py import MPI
 
 from cutp import train
 from cutp.data.prepare import prepare
-from cutp.runtime.errors import ConfigError
+from cutp.runtime.errors import ConfigError, UserError
 from cutp.train import config as config_module
 from cutp.train.config import derive_run_config, resume_out
 from cutp.train.defaults import saved_world
 from cutp.train.model_choice import as_gpt_config
 from cutp.train.pipeline import plan
+from cutp.train.reporting import TensorBoardLog
 from cutp.train.settings import Setting, flag_of
 from tests.train.test_refusal_fixes import check_every_fix_is_accepted
 
@@ -73,6 +75,12 @@ def test_tensorboard_without_its_package_is_refused_naming_the_install(monkeypat
     assert e.value.render(flag_of) == ("--tensorboard writes through the tensorboardX package, which is not "
                                        "installed: pip install tensorboardX (cutp's extra: pip install -e "
                                        "'.[tensorboard]'), or omit --tensorboard")
+    # the writer itself, for an API caller that skipped the check: the same install named
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # (its import fails)
+    assert TensorBoardLog("tb", 1).writer is None  # (rank 0 alone writes: nothing imported elsewhere)
+    with pytest.raises(UserError, match=r"^--tensorboard needs the tensorboardX package: pip install tensorboardX "
+                                        r"\(cutp's extra: pip install -e '\.\[tensorboard\]'\)$"):
+        TensorBoardLog("tb", 0)
 
 
 def test_verify_data_checks_the_prepared_directory_once_per_node(tmp_path):
