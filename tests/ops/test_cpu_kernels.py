@@ -115,6 +115,31 @@ def test_compiled_attention_writes_strided_outputs_and_is_the_same_at_any_thread
 
 
 @needs_kernels
+def test_compiled_attention_takes_a_strided_do_fills_outputs_of_another_dtype_and_names_a_failed_allocation(
+        monkeypatch):
+    """A do whose rows are not contiguous is copied first; out arrays of another dtype get the
+    gradients copied in (and are returned); a kernel that could not allocate its scratch rows
+    (non-zero return) is a MemoryError naming it, forward and backward."""
+    shape = SHAPES[0]
+    q, k, v = qkv_views(shape, np.float32)
+    wide = np.random.default_rng(3).standard_normal(q.shape + (2,)).astype(np.float32)
+    do = wide[..., 0]  # (each element 8 bytes from the next)
+    assert not compiled.rows_contiguous(do)
+    o, ctx = causal_attention_forward(q, k, v)
+    assert ctx.compiled
+    ref = causal_attention_backward(np.ascontiguousarray(do), ctx)
+    out = tuple(np.full(a.shape, np.nan, np.float64) for a in (q, k, v))
+    got = causal_attention_backward(do, ctx, out=out)
+    assert all(g is o_ for g, o_ in zip(got, out))
+    assert all(np.array_equal(g, r.astype(np.float64)) for g, r in zip(got, ref))
+    monkeypatch.setattr(compiled, "entry", lambda lib, name, dtype: lambda *args: 1)
+    with pytest.raises(MemoryError, match=r"^the compiled attention could not allocate its scratch rows$"):
+        causal_attention_forward(q, k, v)
+    with pytest.raises(MemoryError, match=r"^the compiled attention could not allocate its scratch rows$"):
+        causal_attention_backward(do, ctx)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype,lo", [(np.float32, -87.0), (np.float64, -708.0)])
 def test_the_kernels_exp_is_within_one_ulp_of_the_true_exp(dtype, lo):
     """exp_vec (kernels/cpu/vec.h) over its whole range, against exp in long double: <= 1 ulp
