@@ -349,7 +349,7 @@ def test_the_cache_builds_once_and_rebuilds_a_corrupt_file(fresh_loader, monkeyp
     assert compiled.library("one", ("one",)).one() == 3 and len(built) == 2
 
 
-@pytest.mark.parametrize("why", ["off", "no compiler", "build fails"])
+@pytest.mark.parametrize("why", ["off", "no compiler", "build fails", "lacks a symbol"])
 def test_without_the_kernels_the_ops_run_numpy_and_say_so_once(why, fresh_loader, monkeypatch, capsys):
     if why == "off":
         monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
@@ -360,17 +360,28 @@ def test_without_the_kernels_the_ops_run_numpy_and_say_so_once(why, fresh_loader
     else:
         if compiled.compiler() is None:
             pytest.skip("no C compiler (cc or $CC) on this machine")
-        (fresh_loader / "one.c").write_text("int one(void) { return }\n")
-        expect = "failed on kernels/cpu/one.c"
-    assert compiled.library("one", ("one",)) is None
-    assert compiled.library("one", ("one",)) is None
+        (fresh_loader / "one.c").write_text("int one(void) { return }\n" if why == "build fails" else
+                                            "int one(void) { return 1; }\n")
+        expect = "failed on kernels/cpu/one.c" if why == "build fails" else "does not load or lacks one, two"
+    symbols = ("one", "two") if why == "lacks a symbol" else ("one",)
+    assert compiled.library("one", symbols) is None
+    assert compiled.library("one", symbols) is None
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and expect in err[0] and "NumPy" in err[0], err
-    if why != "build fails":  # the attention then takes the blocked NumPy path
+    if why in ("off", "no compiler"):  # the attention then takes the blocked NumPy path
         q, k, v = qkv_views(SHAPES[0], np.float32)
         _, ctx = causal_attention_forward(q, k, v)
         assert ctx.blocked and not ctx.compiled
 
+
+
+def test_a_machine_without_proc_cpuinfo_names_its_cache_files_without_cpu_flags(monkeypatch):
+    def no_file(*args, **kwargs):
+        raise FileNotFoundError("/proc/cpuinfo")
+
+    monkeypatch.setattr(compiled, "open", no_file, raising=False)  # (the module's open: builtins' elsewhere)
+    assert compiled._cpu_flags() == ""
+    assert compiled.library_path("attention", "cc").name.startswith("cpu-attention-")
 
 
 def test_the_cache_follows_cutp_cache_dir(monkeypatch, tmp_path):
