@@ -73,6 +73,20 @@ def test_cache_equals_no_cache_and_sampling_is_seeded():
     assert generate(model, prompt, 3, temperature=0) == greedy[:3] and not model.training
 
 
+def test_cache_equals_no_cache_with_normalized_queries_and_keys():
+    """Qwen3's and Gemma 3's qk_norm: the cached path normalizes each new position's q and k as the
+    full forward does."""
+    model = _gen_model(self_ctx(), dict(GEN_CFG, qk_norm=True))
+    norms = [p for p in model.parameters() if p.name.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 2 * GEN_CFG["n_layer"]
+    rng = np.random.default_rng(3)
+    model.load_full_state_dict({p.name: 1.0 + 0.5 * rng.standard_normal(p.full_shape) for p in norms}, strict=False)
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=4)):
+        a = generate(model, [1, 2, 3, 36], 10, **kw)
+        assert a == generate(model, [1, 2, 3, 36], 10, use_cache=False, **kw), kw
+        assert len(set(a)) > 1  # (a sequence, not one token repeated)
+
+
 def test_block_size_and_argument_errors():
     ctx = self_ctx()
     model = _gen_model(ctx)
