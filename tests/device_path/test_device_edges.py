@@ -30,6 +30,7 @@ import os
 import runpy
 import subprocess
 import sys
+import types
 
 import ml_dtypes
 import numpy as np
@@ -163,6 +164,12 @@ def test_cupy_without_a_usable_gpu_and_nvrtc_without_its_headers(cp, monkeypatch
     with pytest.raises(KernelLoadError, match="need crt/mma.h for NVRTC.*nvidia-cuda-nvcc-cu12.*Searched: " +
                        str(tmp_path)):
         find_mma_include(str(tmp_path), candidates=[], environ={})
+    # CUDA 12's nvcc wheel (nvidia/cuda_nvcc/include) found through the nvidia namespace package
+    wheel = tmp_path / "site" / "nvidia"
+    (wheel / "cuda_nvcc" / "include" / "crt").mkdir(parents=True)
+    (wheel / "cuda_nvcc" / "include" / "crt" / "mma.h").write_text("")
+    monkeypatch.setitem(sys.modules, "nvidia", types.SimpleNamespace(__path__=[str(wheel)]))
+    assert find_mma_include(str(tmp_path), candidates=[], environ={}) == str(wheel / "cuda_nvcc" / "include")
 
 
 @pytest.mark.device_path_default
