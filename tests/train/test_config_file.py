@@ -2,13 +2,16 @@
 them; flags override it; a config file and the equivalent flags give bit-identical runs;
 `--print-config` writes a file that gives the same run again; unknown keys are refused by name
 with the closest valid one. In process, through the script's own parser and the resolver."""
+import importlib.util
 import os
+import sys
 
 import pytest
 from mpi4py import MPI
 
 from cutp import train
 from cutp.runtime.errors import ConfigError
+from cutp.train import config_file
 from cutp.train.config_file import CONFIG_FILE, config_text, read_config_file, save_config
 
 FILE = """
@@ -107,3 +110,18 @@ def test_values_take_the_settings_types(tmp_path):
     path.write_text('[run]\nlr = 1\n[model]\nset = ["n_layer=2"]\n[pipeline]\npp_layers = [1, 3]\n')
     choices = read_config_file(str(path))
     assert choices == {"lr": 1.0, "set": ["n_layer=2"], "pp_layers": (1, 3)} and isinstance(choices["lr"], float)
+
+
+def test_python_3_10_reads_the_file_through_tomli(tmp_path, monkeypatch):
+    """Python 3.10 has no tomllib: the module takes tomli (setup.cfg installs it there), the same
+    parser, and reads a file as on 3.11+ (simulated: tomllib unimportable, tomli its module)."""
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11: the fallback is what runs here already")
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", tomllib)
+    spec = importlib.util.spec_from_file_location("cutp.train._config_file_py310", config_file.__file__)
+    py310 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(py310)
+    assert py310.tomllib is tomllib
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nlr = 1\n[model]\nset = ["n_layer=2"]\n')
+    assert py310.read_config_file(str(path)) == read_config_file(str(path)) == {"lr": 1.0, "set": ["n_layer=2"]}
