@@ -30,6 +30,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 import types
 
 import ml_dtypes
@@ -50,6 +51,30 @@ def cp(monkeypatch):
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
     return mods["cupy"]
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_the_benchmarks_comm_clock_times_collectives_by_gpu_events(cp):
+    """On CuPy a collective is timed by an event pair on the current stream, read at `collect`
+    (after synchronising), into the phase it ran in and its group.op."""
+    from cutp.bench.model import CommClock, TimedCommunicator
+
+    def all_reduce(x, op="sum"):
+        time.sleep(0.02)  # (the stand-in's events: the host time between the records)
+        return x * 2
+
+    inner = types.SimpleNamespace(name="dp", rank=0, size=1, kind="nccl", all_reduce=all_reduce)
+    clock = CommClock(cp)
+    timed = TimedCommunicator(inner, clock)
+    clock.phase = "backward"
+    assert timed.all_reduce(3, op="sum") == 6
+    assert clock.seconds == {} and len(clock._events) == 1  # (read only at collect)
+    clock.collect()
+    assert set(clock.seconds) == {"backward"} and set(clock.by_op) == {"dp.all_reduce"}
+    assert 0.02 <= clock.seconds["backward"] == clock.by_op["dp.all_reduce"] < 1.0 and clock._events == []
+    clock.collect()  # nothing new: nothing added
+    assert set(clock.seconds) == {"backward"}
 
 
 @pytest.mark.device_path_default
