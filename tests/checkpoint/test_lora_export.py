@@ -120,6 +120,35 @@ MLA_PROJ = {"q_a": "self_attn.q_a_proj", "q_b": "self_attn.q_b_proj", "kv_a": "s
             "kv_b": "self_attn.kv_b_proj", "o": "self_attn.o_proj"}
 
 
+def test_deepseek_adapters_write_b_rows_in_the_files_interleaved_rope_order(tmp_path):
+    """(Without torch: the rows PEFT's comparison below checks.) The rope rows of q_b's and kv_a's
+    B are written in the file's order, the others as cutp holds them."""
+    ctx = cutp.init(comm=MPI.COMM_SELF, device="cpu")
+    model = GPT(ctx, GPTConfig(**dict(SPECS["deepseek_v3"], dtype="float64")), seed=1)
+    save_hf(model, str(tmp_path / "base"))
+    apply_lora(model, LoraSpec(4, 8.0, targets=tuple(MLA_PROJ)))
+    rng = np.random.default_rng(0)
+    for p in model.parameters():
+        if p.trainable:
+            p.data[...] = rng.standard_normal(p.data.shape)
+    write_peft_adapter(model, {"train_args": {"lora_rank": 4, "lora_alpha": 8.0}}, "deepseek_v3",
+                       str(tmp_path / "adapter"), str(tmp_path / "base"))
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    columns = {r.name: r.columns for r in family_of(model.config).recipes(model.config) if r.columns is not None}
+    permuted = 0
+    for base_name, pair in lora_pairs(model):
+        prefix = f"base_model.model.model.layers.{base_name.split('.')[1]}.{MLA_PROJ[pair.proj]}"
+        b = saved[prefix + ".lora_B.weight"]
+        np.testing.assert_array_equal(saved[prefix + ".lora_A.weight"], pair.A.data.T)
+        if base_name in columns:
+            np.testing.assert_array_equal(b[np.asarray(columns[base_name])], pair.B.data.T)
+            permuted += not np.array_equal(b, pair.B.data.T)
+        else:
+            np.testing.assert_array_equal(b, pair.B.data.T)
+    assert permuted == len(columns) > 0
+    ctx.close()
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_peft_lora_model_equals_cutp_in_float64(family, tmp_path, monkeypatch):
     torch, transformers = _transformers()
