@@ -234,3 +234,19 @@ def test_a_rank_stuck_with_a_bucket_pending_ends_the_job_naming_the_wait():
     assert time.monotonic() - t0 < 20
     assert "[rank 0] cutp watchdog: waiting for the non-blocking all_reduce on group 'dp' (rank 0 of 2" \
            in res.stdout, res.stdout[-3000:]
+
+
+def test_param_gather_overlap_alone_reduces_every_bucket_at_the_end_and_changes_no_bit():
+    """--overlap-param-gather without --overlap-grad-reduce: the buckets exist (for the gathers) but
+    no backward hook releases their gradients; every bucket starts at the end of the step, after
+    every unit (in process: one rank, ZeRO 1)."""
+    from mpi4py import MPI
+
+    data = random_tokens(61, 4096, 0)
+    layout = dict(distributed_optimizer=True)
+    off_losses, off_weights, _ = _train(_config("float32", layout, 1), MPI.COMM_SELF, data)
+    on_losses, on_weights, starts = _train(_config("float32", layout, 1, overlap_param_gather=True), MPI.COMM_SELF,
+                                           data)
+    assert on_losses == off_losses
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(on_weights, off_weights))
+    assert len(starts) > 2 and {units for _, _, units in starts} == {0}  # (no unit's hook ran: all at finish)
