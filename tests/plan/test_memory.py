@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from cutp import train
 from cutp.plan import layout as plan
+from cutp.plan import run as plan_run
 from cutp.plan.run import planned_parameters, planned_step
 from cutp.bench.__main__ import main as bench_main
 from cutp.bench.model import random_tokens
@@ -330,6 +331,22 @@ def test_pool_peak_reads_the_used_bytes_after_every_allocation():
     w = hook.malloc(10_000)
     assert hook.bytes_above_start() == 10_240
     pool.free(w)
+
+
+def test_a_planned_step_the_optimizer_skipped_is_refused_not_planned(monkeypatch):
+    """A shape-only value that is not finite would skip the optimizer's update and leave it out
+    of the plan: the planned step says so instead of returning a plan without it."""
+    real = plan_run.measure_step
+
+    def skipped(run, phases):
+        stats, peak, stash = real(run, phases)
+        stats.skipped = True
+        return stats, peak, stash
+
+    monkeypatch.setattr(plan_run, "measure_step", skipped)
+    with pytest.raises(RuntimeError, match=r"^the planned step of .* was skipped \(loss .*, grad norm .*\): a value "
+                                           r"the shape-only arrays computed is not finite$"):
+        planned_step(GPTConfig.preset("tiny", n_layer=1), rank=0, micro_batch=1, seq_len=8)
 
 
 def test_the_planned_step_frees_every_array_it_allocates():
