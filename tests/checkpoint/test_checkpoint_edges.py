@@ -129,6 +129,21 @@ def test_per_parameter_reads_refuse_a_parameter_the_checkpoint_cannot_place(run)
         shard(wide)
 
 
+def test_init_weights_of_a_model_with_deferred_parameters_load_the_rest_now(run):
+    """load_weights (a run's init_from) into a model of which some parameters are deferred (ZeRO-3's
+    model: their draw reads them from the files later) and some not (a buffer): those now."""
+    _, ckpt, saved = run
+    other = GPT(self_ctx(), CFG, seed=5)
+    deferred, *rest = other.parameters()
+    before = np.array(deferred.data)
+    deferred.draw = lambda: None  # (what deferred_parameters sets; load_weights replaces it)
+    load.load_weights(other, ckpt)
+    want = _weights(saved)
+    assert all(np.array_equal(p.data, want[p.name]) for p in rest)
+    assert np.array_equal(deferred.data, before)  # not read yet: drawn when the optimizer takes it
+    np.testing.assert_array_equal(deferred.draw(), want[deferred.name])
+
+
 def test_files_that_cannot_be_opened_listed_named_or_parsed_are_named(run, tmp_path):
     out, ckpt, _ = run
     meta = read_meta(ckpt)
