@@ -357,6 +357,12 @@ def test_a_zero_3_save_whose_streamed_model_file_fails_is_one_error_and_writes_n
                                                   r"rank 0: OSError: \[Errno 28\] No space left on device$"):
             save_checkpoint(out, 2, model, opt, by_unit=True)
     assert resolve_checkpoint(out) == whole
+    with monkeypatch.context() as m:  # (an invariant: the model file's writer leads the groups ZeRO-3 shards over)
+        m.setattr(opt, "leads_its_groups", lambda: False)
+        with pytest.raises(CheckpointError, match=r"^rank 0 writes the model file but is not rank 0 of the groups "
+                                                  r"ZeRO-3 shards over \(a bug\)"):
+            save_checkpoint(out, 2, model, opt, by_unit=True)
+    assert resolve_checkpoint(out) == whole
     streamed = save_checkpoint(out, 2, model, opt, by_unit=True)
     with open(os.path.join(streamed, MODEL), "rb") as a, open(os.path.join(whole, MODEL), "rb") as b:
         assert a.read() == b.read()  # (the same bytes as the whole model written at once)
