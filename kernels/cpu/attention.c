@@ -38,44 +38,25 @@
 
 #include "vec.h"
 
-/* s[r][j] = scale * (a_r . bt[:, j]) for the QR rows a_r (row stride hp) and keys j < n (in
- * blocks of W), bt the keys transposed [hd][ld] (ld a multiple of W, zero-padded). */
-static void SUF(tile_dots)(const REAL *restrict a, int64_t hp, int64_t hd, const REAL *restrict bt, int64_t ld,
-                           int64_t n, REAL scale, REAL *restrict s) {
+/* c[r][j] = scale * sum over i < k, in i order, of a[r][i] b[i][j], for the QR rows of a (row
+ * stride lda) and the columns j < n of b (row stride ldb, a multiple of W, zero-padded past n),
+ * c's rows at b's stride. The scores (a = q, b = k transposed, k = hd) and the mixes (a = p,
+ * b = v or k, k = the keys, scale 1: exact) are both this product. */
+static void SUF(tile_product)(const REAL *restrict a, int64_t lda, int64_t k, const REAL *restrict b, int64_t ldb,
+                              int64_t n, REAL scale, REAL *restrict c) {
     for (int64_t j0 = 0; j0 < n; j0 += W) {
         VEC acc[QR][2] = {{{0}}};
-        for (int64_t d = 0; d < hd; d++) {
-            const VEC b0 = SUF(load)(bt + d * ld + j0), b1 = SUF(load)(bt + d * ld + j0 + VL);
+        for (int64_t i = 0; i < k; i++) {
+            const VEC b0 = SUF(load)(b + i * ldb + j0), b1 = SUF(load)(b + i * ldb + j0 + VL);
             for (int r = 0; r < QR; r++) {
-                const VEC x = SUF(splat)(a[r * hp + d]);
+                const VEC x = SUF(splat)(a[r * lda + i]);
                 acc[r][0] += x * b0;
                 acc[r][1] += x * b1;
             }
         }
         for (int r = 0; r < QR; r++) {
-            SUF(store)(s + r * ld + j0, acc[r][0] * SUF(splat)(scale));
-            SUF(store)(s + r * ld + j0 + VL, acc[r][1] * SUF(splat)(scale));
-        }
-    }
-}
-
-/* out[r][:] = sum over j < n, in j order, of p[r][j] m[j][:] (m [n][hp] row-major, hp a multiple
- * of W), the QR rows' outputs ([r][hp]) */
-static void SUF(tile_mix)(const REAL *restrict p, int64_t ld, const REAL *restrict m, int64_t hp, int64_t n,
-                          REAL *restrict out) {
-    for (int64_t d0 = 0; d0 < hp; d0 += W) {
-        VEC acc[QR][2] = {{{0}}};
-        for (int64_t j = 0; j < n; j++) {
-            const VEC m0 = SUF(load)(m + j * hp + d0), m1 = SUF(load)(m + j * hp + d0 + VL);
-            for (int r = 0; r < QR; r++) {
-                const VEC x = SUF(splat)(p[r * ld + j]);
-                acc[r][0] += x * m0;
-                acc[r][1] += x * m1;
-            }
-        }
-        for (int r = 0; r < QR; r++) {
-            SUF(store)(out + r * hp + d0, acc[r][0]);
-            SUF(store)(out + r * hp + d0 + VL, acc[r][1]);
+            SUF(store)(c + r * ldb + j0, acc[r][0] * SUF(splat)(scale));
+            SUF(store)(c + r * ldb + j0 + VL, acc[r][1] * SUF(splat)(scale));
         }
     }
 }
@@ -186,7 +167,7 @@ int SUF(attention_forward)(const REAL *q, const int64_t *qs, const REAL *k, cons
                 const int rows = Tq - i0 < QR ? (int)(Tq - i0) : QR;
                 SUF(copy_tile)(qb, qs[3], i0, rows, hd, qt, hp);  /* (a short last tile: zero rows) */
                 const int64_t n = shift + i0 + rows;  /* keys the tile's last row sees */
-                SUF(tile_dots)(qt, hp, hd, kt, ld, n, scale, s);
+                SUF(tile_product)(qt, hp, hd, kt, ld, n, scale, s);
                 for (int r = 0; r < QR; r++) {
                     REAL *sr = s + r * ld;
                     const int64_t L = r < rows ? shift + i0 + r + 1 : 0;  /* the keys row r sees */
@@ -197,7 +178,7 @@ int SUF(attention_forward)(const REAL *q, const int64_t *qs, const REAL *k, cons
                         for (int64_t j = 0; j < n; j++) sr[j] = 0;  /* past the last query row */
                     }
                 }
-                SUF(tile_mix)(s, ld, vp, hp, n, out);
+                SUF(tile_product)(s, ld, n, vp, hp, hp, 1, out);
                 for (int r = 0; r < rows; r++)
                     for (int64_t d = 0; d < hd; d++) ob[(i0 + r) * os[3] + d] = out[r * hp + d];
             }
@@ -236,7 +217,7 @@ int SUF(attention_backward)(const REAL *dout, const int64_t *dos, const REAL *q,
                 SUF(copy_tile)(db, dos[3], i0, rows, hd, dot, hp);
                 SUF(copy_tile)(qb, qs[3], i0, rows, hd, qt, hp);
                 const int64_t n = shift + i0 + rows;
-                SUF(tile_dots)(dot, hp, hd, vt, ld, n, 1, dp);  /* dp = do v^T */
+                SUF(tile_product)(dot, hp, hd, vt, ld, n, 1, dp);  /* dp = do v^T */
                 for (int r = 0; r < QR; r++) {
                     REAL *pr = pt + r * ld, *dr = dp + r * ld;
                     const int64_t L = r < rows ? shift + i0 + r + 1 : 0;
@@ -251,7 +232,7 @@ int SUF(attention_backward)(const REAL *dout, const int64_t *dos, const REAL *q,
                         SUF(store)(dr + c * VL, (SUF(load)(dr + c * VL) - SUF(load)(pr + c * VL) * D) * sc);
                     for (int64_t j = nv * VL; j < n; j++) dr[j] = 0;
                 }
-                SUF(tile_mix)(dp, ld, kp, hp, n, gq);    /* dq = ds k */
+                SUF(tile_product)(dp, ld, n, kp, hp, hp, 1, gq);    /* dq = ds k */
                 SUF(tile_spread)(dp, ld, qt, hp, n, gk); /* dk += ds^T q */
                 SUF(tile_spread)(pt, ld, dot, hp, n, gv); /* dv += p^T do */
                 for (int r = 0; r < rows; r++)
