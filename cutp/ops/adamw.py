@@ -20,18 +20,14 @@ import ctypes
 
 import numpy as np
 
-from cutp.runtime.backend import get_array_module, on_host
+from cutp.runtime.backend import get_array_module
 from cutp.kernels import dispatch as _kernels
 
 from . import compiled
-from .common import ELEMENTWISE_BLOCK, parallel_map
+from .common import flat_blocks, parallel_map
 
 _SYMBOLS = ("adamw_f32", "adamw_f64", "sum_squares_f32", "sum_squares_f64")
 ADAMW_BLOCK = 1 << 20  # the compiled kernel's share of the pool: each element alone, any split gives the same bits
-
-
-def _adamw_blocks(n: int):
-    return [slice(i, min(i + ADAMW_BLOCK, n)) for i in range(0, n, ADAMW_BLOCK)]
 
 
 def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):
@@ -50,8 +46,7 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
     step_size = lr / bc1
     inv_sqrt_bc2 = 1.0 / np.sqrt(bc2)
     n = p.size
-    blocks = [slice(i, min(i + ELEMENTWISE_BLOCK, n)) for i in range(0, n, ELEMENTWISE_BLOCK)] if on_host(xp) \
-        else [slice(0, n)]
+    blocks = flat_blocks(xp, n)
     dt = m.dtype.type
     lib = compiled.host_library("adamw", _SYMBOLS, p, g, m, v) if decay_mask is None else None
     if lib is not None and compiled.writable(p, m, v):
@@ -64,7 +59,7 @@ def adamw_update(p, g, m, v, decay_mask, *, lr, beta1, beta2, eps, weight_decay,
                       dt(step_size)]
             args = compiled.pointers(p, g, m, v) + [c if isinstance(c, int) else compiled.real(m.dtype, c)
                                                     for c in consts]
-            parallel_map(xp, lambda s: fn(*args, *compiled.int64s(s.start, s.stop)), _adamw_blocks(n))
+            parallel_map(xp, lambda s: fn(*args, *compiled.int64s(s.start, s.stop)), flat_blocks(xp, n, ADAMW_BLOCK))
         return
 
     # Each block makes one pass after another over block-sized arrays that stay in cache, in the
@@ -114,7 +109,7 @@ def sum_of_squares(g):
     fn = compiled.entry(lib, "sum_squares", flat.dtype)
     fn.restype = ctypes.c_double
     data = compiled.ptr(flat)
-    parts = parallel_map(np, lambda s: fn(data, *compiled.int64s(s.start, s.stop)), _adamw_blocks(flat.size))
+    parts = parallel_map(np, lambda s: fn(data, *compiled.int64s(s.start, s.stop)), flat_blocks(np, flat.size, ADAMW_BLOCK))
     total = np.float64(0.0)
     for part in parts:  # in block order
         total += part

@@ -29,6 +29,7 @@ import numpy as np
 from cutp.runtime.threads import blas_library
 
 from . import compiled
+from .common import leading_dimension
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112  # cblas.h's CBLAS_ORDER / CBLAS_TRANSPOSE
 _NAMES = {np.dtype(np.float32): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
@@ -61,11 +62,6 @@ def _row_major(x) -> bool:
         x.strides[0] >= cols * x.itemsize and x.strides[0] % x.itemsize == 0))
 
 
-def _leading(x) -> int:
-    rows, cols = x.shape
-    return max(1, cols) if rows <= 1 else x.strides[0] // x.itemsize
-
-
 def accumulates(a, b, out) -> bool:
     """Whether :func:`gemm_accumulate` takes these arrays: NumPy (or the planner's shape-only host
     arrays: the same branch, nothing computed) float32 / float64, one dtype, ``out`` C-contiguous
@@ -89,5 +85,5 @@ def gemm_accumulate(a, b, trans_a: bool, trans_b: bool, out):
     m, n = out.shape
     k = a.shape[0] if trans_a else a.shape[1]
     _routine(out.dtype)(ROW_MAJOR, TRANS if trans_a else NO_TRANS, TRANS if trans_b else NO_TRANS, m, n, k, 1.0,
-                        a.ctypes.data, _leading(a), b.ctypes.data, _leading(b), 1.0, out.ctypes.data, n)
+                        a.ctypes.data, leading_dimension(a), b.ctypes.data, leading_dimension(b), 1.0, out.ctypes.data, n)
     return out

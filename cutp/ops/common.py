@@ -107,12 +107,19 @@ def even_row_blocks(xp, n_rows: int, width: int):
 ELEMENTWISE_BLOCK = 1 << 17
 
 
-def flat_blocks(xp, n: int):
-    """Slices covering ``range(n)`` for blocked elementwise loops (one slice off NumPy)."""
-    if not on_host(xp) or n <= ELEMENTWISE_BLOCK:
+def flat_blocks(xp, n: int, block: int = ELEMENTWISE_BLOCK):
+    """Slices of ``block`` elements covering ``range(n)`` for blocked elementwise loops (one
+    slice off NumPy)."""
+    if not on_host(xp) or n <= block:
         return [slice(0, n)]
-    b = ELEMENTWISE_BLOCK
-    return [slice(s, min(s + b, n)) for s in range(0, n, b)]
+    return [slice(s, min(s + block, n)) for s in range(0, n, block)]
+
+
+def leading_dimension(x) -> int:
+    """The row stride in elements of a 2-D operand whose rows are contiguous (a BLAS's lda, or a
+    compiled kernel's row stride; a single row: its width, at least 1)."""
+    rows, cols = x.shape
+    return max(1, cols) if rows <= 1 else x.strides[0] // x.itemsize
 
 
 def row_sums(xp, a):

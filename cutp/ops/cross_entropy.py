@@ -35,7 +35,7 @@ from cutp.runtime.backend import get_array_module, on_host
 from cutp.kernels import dispatch as _kernels
 
 from . import compiled
-from .common import as_dtype, compute_dtype, parallel_map, row_blocks
+from .common import as_dtype, compute_dtype, leading_dimension, parallel_map, row_blocks
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -87,7 +87,7 @@ def ce_shard_forward(logits, local_targets, n_valid, need_sum_logits=True):
     sum_logits = xp.zeros(N, dtype=cdt) if need_sum_logits else None
     lib = _compiled(L) if n_valid > 0 else None
     if lib is not None:  # kernels/cpu/cross_entropy.c: a row's two passes while it is in cache
-        _run_compiled(xp, lib, "ce_forward", L, N, (L, _ld(L), n_valid, row_max, sum_exp, sum_logits))
+        _run_compiled(xp, lib, "ce_forward", L, N, (L, leading_dimension(L), n_valid, row_max, sum_exp, sum_logits))
     elif n_valid > 0:
         parallel_map(xp, _forward_block(xp, L, cdt, n_valid, row_max, sum_exp, sum_logits), row_blocks(xp, N, n_valid))
     t = local_targets.reshape(-1)
@@ -138,10 +138,6 @@ def _compiled(L, out=None):
     if not on_host(get_array_module(*given)):
         return None
     return compiled.library("cross_entropy", _SYMBOLS)
-
-
-def _ld(a) -> int:
-    return a.strides[0] // a.itemsize if a.shape[0] > 1 else a.shape[1]
 
 
 def _run_compiled(xp, lib, name, L, N, args):
@@ -225,7 +221,7 @@ def ce_shard_backward(logits, row_max, sum_exp, local_targets, n_valid, row_scal
     if lib is not None:  # kernels/cpu/cross_entropy.c: one pass, padding and ignored rows included
         t64 = xp.ascontiguousarray(t, dtype=np.int64)
         _run_compiled(xp, lib, "ce_backward", L, N,
-                      (L, _ld(L), O, _ld(O), n_valid, W, t64,
+                      (L, leading_dimension(L), O, leading_dimension(O), n_valid, W, t64,
                        *(None if a is None else xp.ascontiguousarray(a, dtype=L.dtype)
                          for a in (row_max, row_scale, coef, smooth, hit))))
         return out

@@ -50,7 +50,7 @@ from cutp.runtime.backend import get_array_module, is_device_array
 from cutp.runtime.shape_only import ShapeArray
 
 from .cblas import accumulates, gemm_accumulate
-from .common import as_dtype, col_sum, compute_dtype
+from .common import as_dtype, col_sum, compute_dtype, leading_dimension
 
 # cuBLAS's and CUDA's enums (cublas_api.h: cublasOperation_t, cublasComputeType_t,
 # cublasGemmAlgo_t; library_types.h: cudaDataType_t). ABI-stable values, written here so that the
@@ -161,12 +161,6 @@ def gemm(a, b, *, trans_a: bool = False, trans_b: bool = False, out=None, out_dt
     return out
 
 
-def _leading_dimension(x) -> int:
-    """The row stride of a 2-D row-major operand in elements (cuBLAS's lda of its transpose)."""
-    rows, cols = x.shape
-    return max(1, cols) if rows <= 1 else x.strides[0] // x.itemsize
-
-
 def _as_operand(x):
     """``x`` itself when cuBLAS can read it (unit stride along rows, row stride >= columns), else a
     C-contiguous copy (same dtype)."""
@@ -198,8 +192,8 @@ def _cublas_gemm(a, b, trans_a, trans_b, out, accumulate):
     beta = np.array(1.0 if accumulate else 0.0, np.float32)
     operand_type = CUDA_DATA_TYPES[np.dtype(a.dtype).name]
     lib.gemmEx(lib.handle(), CUBLAS_OP_T if trans_b else CUBLAS_OP_N, CUBLAS_OP_T if trans_a else CUBLAS_OP_N,
-               n, m, k, alpha.ctypes.data, b.data.ptr, operand_type, _leading_dimension(b),
-               a.data.ptr, operand_type, _leading_dimension(a), beta.ctypes.data,
+               n, m, k, alpha.ctypes.data, b.data.ptr, operand_type, leading_dimension(b),
+               a.data.ptr, operand_type, leading_dimension(a), beta.ctypes.data,
                out.data.ptr, CUDA_DATA_TYPES[np.dtype(out.dtype).name], n, compute, CUBLAS_GEMM_DEFAULT)
     return out
 

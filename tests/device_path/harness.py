@@ -234,8 +234,8 @@ def _plant_wrong_leading_dimension():
     import importlib
 
     gemm = importlib.import_module("cutp.ops.gemm")
-    right = gemm._leading_dimension
-    gemm._leading_dimension = lambda x: right(x) + 1
+    right = gemm.leading_dimension
+    gemm.leading_dimension = lambda x: right(x) + 1
 
 
 def _plant_missing_group_end():
