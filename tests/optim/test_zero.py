@@ -27,6 +27,7 @@ import pytest
 from cutp.bench.model import random_tokens
 from cutp.models import GPTConfig
 from cutp.optim import ShardedAdamW
+from cutp.optim.units import unit_key
 from cutp.tensor_parallel import gather_full
 from cutp.train import RunConfig, build_run, train_step
 from tests.mpirun import run_mpi
@@ -371,6 +372,54 @@ def _save_eval_worker(out):
         assert got == ref and len(ref) == 5, (got, ref)  # (the model file and four optimizer files)
 
 
+def _interrupted_worker():
+    """zero 3 with the prefetch (dp 4, 4 layers): a forward that fails half-way (an out-of-memory
+    a caller catches to retry, say) leaves the next unit's gather in flight; the next step's
+    `begin_step` waits for it before dropping its buffer, and that step's loss and gradients are
+    those of a run never interrupted, to the bit."""
+    from mpi4py import MPI
+
+    cfg = _config(dict(GPT2, n_embd=64, dtype="float32"), 4, dp=4, zero=3, overlap_param_gather=True)
+    ref = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+    want = train_step(ref).loss, _full_grads(ref)
+    ref.close()
+    run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
+    opt, model, block = run.optimizer, run.model, run.model.layers[1]
+
+    def out_of_memory(*args, **kw):
+        raise MemoryError("out of memory (planted)")
+
+    started = []  # every gather the optimizer starts, and whether the run saw it finish
+
+    class Watched:
+        def __init__(self, request):
+            self.request, self.finished = request, False
+            started.append(self)
+
+        def test(self):
+            self.finished = self.finished or self.request.test()
+            return self.finished
+
+        def wait(self):
+            self.finished = True
+            return self.request.wait()
+
+    for group in {id(s.group): s.group for s in opt.segments}.values():
+        group.start_all_gather = lambda x, out=None, start=group.start_all_gather: Watched(start(x, out=out))
+    block.forward = out_of_memory
+    idx = run.ctx.asarray(np.zeros((2, 16), np.int64))
+    with pytest.raises(MemoryError, match="planted"):
+        model.forward(idx, idx)
+    del block.forward
+    ahead = [s for s in opt.unit_segments[unit_key([model.layers[2]])] if s.gather is not None]
+    assert ahead and opt.gathered_bytes > 0  # (layer 2's gather started, not waited)
+    got = train_step(run).loss, _full_grads(run)
+    assert all(w.finished for w in started[:-len(opt.unit_segments[opt._opening])]), \
+        "a gather's buffer dropped while the gather was in flight"  # (the last: the next step's, ahead)
+    assert got[0] == want[0] and all(np.array_equal(got[1][k], want[1][k]) for k in want[1])
+    run.close()
+
+
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.1)
 
 
@@ -393,6 +442,7 @@ def _frozen_worker():
 def _default_worker(out):
     _init_worker(out)
     _save_eval_worker(out)
+    _interrupted_worker()
     _worker(list(DEFAULT))
     _frozen_worker()
     _resume_worker(out)
@@ -401,7 +451,8 @@ def _default_worker(out):
 
 def test_zero_equals_one_rank_resumes_at_other_stages_and_measures_as_planned(tmp_path):
     """One launch: zero 3's setup unit by unit (bits, memory); its evaluation and save without the
-    whole model (bits, memory); tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), MoE dp4 x ep2 zero 3
+    whole model (bits, memory); a step after an interrupted forward (the prefetched gather waited,
+    bits); tp2 + SP x dp2 zero 3, pp2 x dp2 zero 2 (tied), MoE dp4 x ep2 zero 3
     as 2 replicas (HSDP), each with full recomputation, equal to one rank (overlap bit-identical at
     tp2 + SP); LoRA at dp2 zero 2 and 3 and tp2 x dp2 zero 3 equal to one rank; a zero 3 checkpoint
     resumed at zero 3 and zero 1 bit-identically, and along zero 1 dp 2 to one rank within 1e-10;
