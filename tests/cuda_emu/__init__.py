@@ -52,6 +52,7 @@ in $CUTP_CACHE_DIR/cuda_emu (or a temporary directory).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import ctypes
@@ -59,6 +60,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import tempfile
 import threading
@@ -271,14 +273,38 @@ def _compiler_id(cxx: str) -> str:
     return _compiler_id_cache[cxx]
 
 
+_compiling: set = set()  # the compiler runs in progress (the session's warm-up thread's among them)
+
+
+@atexit.register
+def _stop_compiling() -> None:
+    """A session that ends early (pytest -x, a failure) stops the compiles still running: the
+    warm-up thread is a daemon and dies with the process, its compiler would not (each was left
+    running, orphaned; a mutation campaign's runs piled up 33 of them)."""
+    for proc in list(_compiling):
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (the driver and the cc1plus / as it started)
+
+
 def _run(cmd: list[str], what: str, cwd: Path | None = None) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    # a process group of its own, so that _stop_compiling reaches the compiler's children too
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=True)
+    _compiling.add(proc)
+    try:
+        out, err = proc.communicate()
+    except BaseException:  # (Ctrl-C: its own session does not get the terminal's signal)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        _compiling.discard(proc)
     if proc.returncode != 0:
-        diag = (proc.stderr or proc.stdout).strip()
+        diag = (err or out).strip()
         if len(diag) > 12000:
             diag = diag[:12000] + "\n... (truncated)"
         raise CompileError(f"{what} failed:\n{diag}\n\ncommand: {' '.join(cmd)}")
-    return proc.stdout
+    return out
 
 
 def _atomic_write_bytes(dest: Path, data: bytes) -> None:

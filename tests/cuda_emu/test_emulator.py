@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -998,6 +999,26 @@ def test_warnings_are_compile_errors(private_cache, tmp_path, monkeypatch):
         EmulatedModule(path=src)
     assert len(compiles) == 1 and "-Werror" in compiles[0]
     assert not list(private_cache.glob("module-*")), "a failed build must not be cached"
+
+
+def test_a_session_that_ends_stops_its_compiles_and_their_children():
+    """A process that exits with a compile in progress on a daemon thread (a session stopped by
+    -x, with its warm-up's g++ running) kills that compile with its whole process group on the
+    way out: before, the g++ ran on, orphaned. A shell that starts a child stands in for g++ and
+    its cc1plus."""
+    code = ("import sys, threading, time; import tests.cuda_emu as e\n"
+            "threading.Thread(target=e._run, args=(['sh', '-c', 'sleep 60 & wait'], 'a compile'), daemon=True).start()\n"
+            "while not e._compiling: time.sleep(0.01)\n"
+            "print(next(iter(e._compiling)).pid, flush=True); sys.exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    group = int(out.stdout)
+    for _ in range(200):  # (the kernel may take a moment to reap them)
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError(f"the compile's process group {group} outlived its session")
 
 
 def test_builds_are_cached_by_the_contents_of_sources_and_headers(private_cache, tmp_path, monkeypatch):
