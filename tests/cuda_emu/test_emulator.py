@@ -24,6 +24,7 @@ import pytest
 
 import tests.cuda_emu as cuda_emu
 from cutp.kernels import resources as kernel_resources
+from cutp.kernels import runtime as kernel_runtime
 from tests.cuda_emu import (
     SCHEDULES,
     BarrierError,
@@ -1206,12 +1207,17 @@ def nvrtc_compile(lib, source: bytes, name: str, options: list[str]) -> str | No
 @pytest.mark.skipif(_find_nvrtc() is None, reason="NVRTC (nvidia-cuda-nvrtc) not installed")
 def test_sources_compile_with_nvrtc():
     """The production path: NVRTC, no standard library headers, common.cuh's __CUDACC_RTC__ branch."""
-    lib_path, include = _find_nvrtc()
+    lib_path, _ = _find_nvrtc()
     lib = load_nvrtc(lib_path)
+    # the headers as the runtime finds them (kernels.runtime): a wheel's include directory may lack
+    # crt/mma.h (torch's CUDA 13 wheels: no nvidia-cuda-crt), found then in a toolkit
+    include = kernel_runtime.find_cuda_include()
     failures = []
     for src in _cuda_sources():
+        mma = kernel_runtime.find_mma_include(include) if src.stem in kernel_runtime.TENSOR_CORE_SOURCES else include
         for arch in ("sm_80", "sm_90"):
             opts = [f"-arch={arch}", "--std=c++17", f"-I{ROOT / 'kernels'}", f"-I{include}"]
+            opts += [f"-I{mma}"] if mma != include else []
             log = nvrtc_compile(lib, src.read_bytes(), src.name, opts)
             if log is not None:
                 failures.append(f"{src.name} ({arch}):\n{log}")
