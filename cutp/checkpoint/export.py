@@ -96,7 +96,8 @@ def most_precise(readers: dict, saved_master: bool, name: str, info: dict, rows=
 
 
 def in_dtype(full: np.ndarray, dtype: str, name: str) -> np.ndarray:
-    out = full.astype(DTYPES[dtype])
+    with np.errstate(over="ignore"):  # (an overflow is refused below, in one line; no NumPy warning first)
+        out = full.astype(DTYPES[dtype])
     if not np.isfinite(out.astype(np.float32)).all() and np.isfinite(full).all():
         raise CheckpointError(f"export --dtype {dtype}: {name} has values beyond {dtype}'s range")
     return out

@@ -11,6 +11,7 @@ base gone; a ZeRO-3 save whose streamed model file fails."""
 import dataclasses
 import json
 import os
+import warnings
 import re
 import shutil
 
@@ -257,7 +258,8 @@ def test_checkpoint_command_usage_export_dtype_range_and_a_taken_destination(run
     assert export.main(["inspect", ckpt]) == 2
     assert capsys.readouterr().err.startswith("usage: python -m cutp.checkpoint export SRC DST [--dtype ")
     with pytest.raises(CheckpointError, match=r"^export --dtype float16: w has values beyond float16's range$"), \
-            np.errstate(over="ignore"):
+            np.errstate(all="raise"), warnings.catch_warnings():  # (the refusal only: no NumPy warning first)
+        warnings.simplefilter("error")
         export.in_dtype(np.array([1.0, 1e6]), "float16", "w")
     assert export.in_dtype(np.array([1.0, np.inf]), "float16", "w")[1] == np.inf  # (already not finite: kept)
     taken = tmp_path / "taken"
