@@ -378,6 +378,26 @@ def test_erf_and_erfc_of_device_arrays_are_cupyxs(cp):
 
 
 @pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_float64_cross_entropy_on_the_device_takes_the_array_path_not_the_hosts_c(cp):
+    """float64 device logits: no CUDA kernel takes them and the host's compiled C must not be
+    handed device pointers: the array code runs, on the device, with the host's results."""
+    from cutp import ops
+
+    rng = np.random.default_rng(0)
+    logits, targets = rng.standard_normal((6, 10)), np.array([0, 3, -1, 8, 2, 5])
+    want = ops.ce_shard_forward(logits, targets, 9)
+    got = ops.ce_shard_forward(cp.asarray(logits), cp.asarray(targets), 9)
+    for g, w in zip(got[:3], want[:3]):
+        assert isinstance(g, cp.ndarray)
+        np.testing.assert_allclose(g.get(), w, rtol=1e-14, atol=0)
+    scale = np.full(6, 0.5)
+    want_d = ops.ce_shard_backward(logits, *want[:2], targets, 9, scale)
+    got_d = ops.ce_shard_backward(cp.asarray(logits), *got[:2], cp.asarray(targets), 9, cp.asarray(scale))
+    assert isinstance(got_d, cp.ndarray)
+    np.testing.assert_allclose(got_d.get(), want_d, rtol=1e-13, atol=1e-16)
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
 def test_the_rotary_kernels_refuse_an_out_of_another_shape_or_dtype(cp):
     from cutp import ops
 

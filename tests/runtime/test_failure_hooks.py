@@ -157,6 +157,25 @@ def test_a_collective_whose_completion_test_fails_counts_as_still_in_flight(monk
     assert messages[0].startswith("[rank 3] cutp watchdog: all_reduce on tp has not completed after")
 
 
+def test_the_host_watchdog_turned_off_while_its_thread_runs_fires_no_more(monkeypatch):
+    """A newer cutp.init(collective_timeout=0) turns the host watchdog off while its thread runs
+    (configure_host_watchdog): what is in flight then never fires, however long it waits."""
+    import time
+
+    fired = threading.Event()
+    monkeypatch.setattr(watchdog, "abort_job", lambda message: fired.set())
+    monkeypatch.setattr(watchdog, "_host_timeout", watchdog._host_timeout)  # (restored after)
+    monkeypatch.setattr(watchdog, "_host_watchdog", watchdog.Watchdog(0.3, rank=0))
+    wd = watchdog.host_watchdog()
+    try:
+        wd.begin("the configuration check (host all-gather)")  # (its thread polls every 0.04 s)
+        watchdog.configure_host_watchdog(0)
+        time.sleep(0.8)  # (past the 0.3 s it had)
+        assert not fired.is_set() and wd.timeout == 0
+    finally:
+        wd.close()
+
+
 def test_output_drain_skips_what_is_no_pipe_and_waits_for_a_pipes_reader(tmp_path):
     import os
     import time

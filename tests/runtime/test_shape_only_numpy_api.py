@@ -69,6 +69,7 @@ CASES = {  # name: (the call, whether it needs the values of `a` / of the mask)
     "mean of ints": lambda xp, a, **_: xp.mean(a.astype(np.int32), axis=1),
     "array of a list": lambda xp, **_: xp.array([1.5, 2.5]),
     "positional out None": lambda xp, a, **_: xp.multiply(a, 2.0, None),
+    "ufunc dtype": lambda xp, a, **_: xp.add(a, a, dtype=np.float64),  # (the result in the dtype asked)
 }
 # Calls whose result the shape-only arrays do not compute even from known values (the planner
 # needs only their shapes); every other call keeps what it was given known.
