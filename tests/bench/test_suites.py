@@ -446,6 +446,43 @@ def test_compare_torch_suite_reports_a_skip_without_torch(monkeypatch):
     assert report.extra["skipped"] and "skipped" in report.render()
 
 
+def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build(tmp_path, monkeypatch):
+    """The command end to end (torch only: CI has none, `make bench` runs it): each preset
+    checked, then timed interleaved (both attentions of the torch module), a row with both
+    times and their ratio, the transformers check's note for the Llama one, the JSON written;
+    configurations the plain torch modules do not implement refused by name; a torch or
+    transformers that does not import named as the reason."""
+    import json
+    import sys
+
+    from cutp.bench import __main__ as bench_main
+    from cutp.bench import compare_torch
+    from cutp.models import GPTConfig
+
+    if compare_torch.torch_missing_reason():
+        pytest.skip(f"compare-torch needs torch, an optional extra not installed here: "
+                    f"{compare_torch.torch_missing_reason()}")
+    for attention in ("sdpa", "manual"):
+        out = tmp_path / f"{attention}.json"
+        assert bench_main.main(["compare-torch", "--presets", "tiny", "llama-tiny", "--set", "n_layer=1",
+                                "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--repeat", "2",
+                                "--warmup", "1", "--gap", "0", "--torch-attention", attention, "--quiet",
+                                "--json", str(out)]) == 0
+        results = json.loads(out.read_text())["results"]
+        assert [r["preset"] for r in results] == ["tiny", "llama-tiny"] and all(r["check"]["ok"] for r in results)
+        for r in results:
+            assert r["cutp"]["repeats"] == r["torch_timing"]["repeats"] == 2 and r["attention"] == attention
+            assert r["ratio"] == pytest.approx(r["cutp_ms"] / r["torch_ms"]) and r["cutp_ms"] > 0
+    with pytest.raises(ValueError, match="supports GPT-2 configurations"):
+        compare_torch.build_torch_gpt(GPTConfig.preset("llama-tiny"), {})
+    with pytest.raises(ValueError, match="supports dense, untied Llama configurations"):
+        compare_torch.build_torch_llama(dataclasses.replace(GPTConfig.preset("llama-tiny"), tie_embeddings=True), {})
+    monkeypatch.setitem(sys.modules, "torch", None)  # (import torch raises ModuleNotFoundError)
+    assert compare_torch.torch_missing_reason().startswith("torch is not importable (ModuleNotFoundError")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert compare_torch.transformers_missing_reason().startswith("transformers is not importable (ModuleNotFoundError")
+
+
 def test_plan_refuses_a_mesh_the_model_cannot_take_with_one_line():
     import subprocess
     import sys
