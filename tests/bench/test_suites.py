@@ -20,7 +20,7 @@ from cutp.train import reporting
 from cutp.bench import model as bmodel
 from cutp.bench.__main__ import build_parser, main
 from cutp.runtime.threads import get_blas_threads
-from cutp.models import GPTConfig
+from cutp.models import GPT, GPTConfig
 from tests.mpirun import run_mpi
 
 
@@ -457,7 +457,6 @@ def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build
 
     from cutp.bench import __main__ as bench_main
     from cutp.bench import compare_torch
-    from cutp.models import GPTConfig
 
     if compare_torch.torch_missing_reason():
         pytest.skip(f"compare-torch needs torch, an optional extra not installed here: "
@@ -473,6 +472,29 @@ def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build
         for r in results:
             assert r["cutp"]["repeats"] == r["torch_timing"]["repeats"] == 2 and r["attention"] == attention
             assert r["ratio"] == pytest.approx(r["cutp_ms"] / r["torch_ms"]) and r["cutp_ms"] > 0
+    # a GPT-2 without biases: the checked bias gradient is absent, the rest still checked
+    r = compare_torch.compare("tiny", batch=2, seq_len=16, threads=1, overrides=["n_layer=1", "bias=False"],
+                              check_only=True)
+    assert r["check"]["ok"] and "layers.0.mlp.fc1.bias" not in r["check"]["grads"] and r["check"]["grads"]
+    # a disagreement is reported and not timed; a Llama without transformers says it was not checked
+    monkeypatch.setattr(compare_torch, "check_same_work", lambda *a, **k: dict(r["check"], ok=False))
+    monkeypatch.setattr(compare_torch, "transformers_missing_reason", lambda: "transformers is not importable (test)")
+    report = compare_torch.run(argparse.Namespace(
+        presets=["tiny", "llama-tiny"], batch_size=2, seq_len=16, threads=1, repeat=1, warmup=0,
+        torch_attention="sdpa", set=["n_layer=1"], check_only=False, gap=0.0))
+    assert any(n.startswith("tiny: cutp and torch DISAGREE") and n.endswith("not timed") for n in report.notes)
+    assert "llama-tiny: not checked against transformers (transformers is not importable (test))" in report.notes
+    assert "cutp_ms" not in report.extra["results"][0] and "cutp_ms" in report.extra["results"][1]
+    monkeypatch.undo()
+    ctx = cutp.init(tp=1, device="cpu", abort_on_error=False)
+    tiny, llama = GPTConfig.preset("tiny"), GPTConfig.preset("llama-tiny")
+    state = dict(GPT(ctx, tiny).gather_state_dict(), **{"tok_embed.weight": np.zeros((3, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"wte.weight: cutp shape \(3, 3\) does not fit torch shape"):
+        compare_torch.build_torch_gpt(tiny, state)
+    tmodel = compare_torch.build_torch_llama(llama, compare_torch.hf_state_dict(llama, GPT(ctx, llama).gather_state_dict()))
+    ctx.close()
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight: cutp shape \(3,\) does not fit torch shape"):
+        compare_torch._load(tmodel, {name: np.zeros(3, np.float32) for name, _ in tmodel.named_parameters()})
     with pytest.raises(ValueError, match="supports GPT-2 configurations"):
         compare_torch.build_torch_gpt(GPTConfig.preset("llama-tiny"), {})
     with pytest.raises(ValueError, match="supports dense, untied Llama configurations"):
