@@ -377,6 +377,7 @@ def test_erf_and_erfc_of_device_arrays_are_cupyxs(cp):
         np.testing.assert_allclose(got.get(), fn(x_h), rtol=1e-13, atol=0)
 
 
+@pytest.mark.device_path_default
 @pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
 def test_float64_cross_entropy_on_the_device_takes_the_array_path_not_the_hosts_c(cp):
     """float64 device logits: no CUDA kernel takes them and the host's compiled C must not be
