@@ -64,6 +64,7 @@ from .runtime import (
     kernel_source,
     kernels_enabled,
     nvrtc_options,
+    source_options,
     use_kernels,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "launch_counts",
     "kernel_source",
     "nvrtc_options",
+    "source_options",
     "find_cuda_include",
     "cupy_launchers",
     "shape_only_launchers",

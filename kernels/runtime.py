@@ -425,27 +425,33 @@ def nvrtc_options(include_dir: str) -> tuple[str, ...]:
     return ("--std=c++17", f"-I{include_dir}")
 
 
+def source_options(name: str, include_dir: str) -> tuple[str, ...]:
+    """NVRTC options of kernel module `name`: :func:`nvrtc_options`, and for the tensor-core sources
+    the directory of crt/mma.h where it is not `include_dir` (:func:`find_mma_include`: a
+    wheel's headers may lack it, a toolkit's then has it)."""
+    options = nvrtc_options(include_dir)
+    if name in TENSOR_CORE_SOURCES:
+        mma = find_mma_include(include_dir)
+        options += () if mma == include_dir else (f"-I{mma}",)
+    return options
+
+
 def cupy_module_loader() -> Callable[[str], Any]:
     """``load(source_name) -> cupy.RawModule`` for :class:`LauncherBase`: compiles
-    :func:`kernel_source` with :func:`nvrtc_options`, looking the CUDA headers up once, at the
+    :func:`kernel_source` with :func:`source_options`, looking the CUDA headers up once, at the
     first load (so a machine without them fails only when a kernel is first needed)."""
-    options: list = []
+    include: list = []  # (the CUDA headers' directory, once found)
 
     def load(name: str):
         import cupy  # optional dependency: only a GPU machine has it
 
-        if not options:
+        if not include:
             try:
                 major = cupy.cuda.nvrtc.getVersion()[0]
             except Exception:
                 major = None
-            options.extend(nvrtc_options(find_cuda_include(major)))
-        extra = ()
-        if name in TENSOR_CORE_SOURCES:
-            include = options[-1][len("-I"):]
-            mma = find_mma_include(include)
-            extra = () if mma == include else (f"-I{mma}",)
-        return cupy.RawModule(code=kernel_source(name), options=tuple(options) + extra)
+            include.append(find_cuda_include(major))
+        return cupy.RawModule(code=kernel_source(name), options=source_options(name, include[0]))
 
     return load
 

@@ -79,7 +79,11 @@ def pytest_collection_modifyitems(session, config, items):
     they use the core a single-process test leaves idle, and are in the build cache
     (tests/cuda_emu, this session's CUTP_CACHE_DIR) when their tests come. A test that comes
     first builds its own; a build in progress is waited for, not repeated; a failed build is not
-    cached, so the test builds again and reports g++'s message. Set CUTP_TEST_WARM_UP=0 to skip."""
+    cached, so the test builds again and reports g++'s message. Set CUTP_TEST_WARM_UP=0 to skip.
+    SIGTERM / SIGHUP (`timeout`, a cancelled job) stop the session's compiles before it ends."""
+    from tests.cuda_emu import stop_compiles_on_signals
+
+    stop_compiles_on_signals()
     _warm_up_emulator_builds(items)
     _warm_up_nvcc(items)
 

@@ -96,10 +96,17 @@ class Watchdog:
         finally:
             self.end(token)
 
+    def _poll_s(self, timeout: float) -> float:
+        return min(max(timeout / 8, 0.05), 5.0) if timeout > 0 else 5.0
+
     def _run(self):
-        # the timeout may change while the thread runs (configure_host_watchdog): poll after it
-        while not self._stop.wait(min(max(self.timeout / 8, 0.05), 5.0) if self.enabled else 5.0):
-            if not self.enabled:
+        # the timeout may change while the thread runs (configure_host_watchdog): read once a round,
+        # so that a round never compares with a timeout it did not check was on
+        poll = self._poll_s(self.timeout)
+        while not self._stop.wait(poll):
+            timeout = self.timeout
+            poll = self._poll_s(timeout)
+            if timeout <= 0:
                 continue
             with self._lock:
                 items = list(self._inflight.items())
@@ -116,15 +123,15 @@ class Watchdog:
                         continue
                 now = time.monotonic()
                 waited = now - (max(t0, self._last_progress) if scope else t0)
-                if waited > self.timeout:
-                    self._fire(desc, waited, scope, [d for t, (d, *_) in items if t != token])
+                if waited > timeout:
+                    self._fire(desc, waited, timeout, scope, [d for t, (d, *_) in items if t != token])
 
-    def _fire(self, desc, waited, scope=False, others=()):
+    def _fire(self, desc, waited, timeout, scope=False, others=()):
         what = "has made no progress for" if scope else "has not completed after"
         inside = "".join(f"; also in flight: {d}" for d in others)
         cause = ("A peer rank is probably dead or stuck (or this rank computed that long between two "
                  "collectives)" if scope else "A peer rank is probably dead or stuck")
-        abort_job(f"[rank {self.rank}] cutp watchdog: {desc} {what} {waited:.1f} s (timeout {self.timeout:g} s)"
+        abort_job(f"[rank {self.rank}] cutp watchdog: {desc} {what} {waited:.1f} s (timeout {timeout:g} s)"
                   f"{inside}. {cause}; aborting the job. Set "
                   "CUTP_COLLECTIVE_TIMEOUT (or cutp.init(collective_timeout=...), --collective-timeout) to "
                   "change the limit.\n")

@@ -8,18 +8,19 @@ import dataclasses
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import cutp
 from cutp.bench import comm as bcomm
-from cutp.bench import common, kernels
+from cutp.bench import common, compare_torch, kernels
 from cutp.plan import layout as plan
 from cutp.train import reporting
 from cutp.bench import model as bmodel
 from cutp.bench.__main__ import build_parser, main
-from cutp.runtime.threads import get_blas_threads
+from cutp.runtime.threads import get_blas_threads, set_blas_threads
 from cutp.models import GPT, GPTConfig
 from tests.mpirun import run_mpi
 
@@ -446,27 +447,32 @@ def test_compare_torch_suite_reports_a_skip_without_torch(monkeypatch):
     assert report.extra["skipped"] and "skipped" in report.render()
 
 
-def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build(tmp_path, monkeypatch):
+@pytest.fixture
+def threads_kept():
+    """The BLAS's (and torch's, where installed) thread counts as they were, after the test."""
+    blas = get_blas_threads() or 1
+    torch = None if compare_torch.torch_missing_reason() else sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    set_blas_threads(blas)
+    if torch is not None:
+        torch.set_num_threads(before)
+
+
+def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build(tmp_path, monkeypatch, threads_kept):
     """The command end to end (torch only: CI has none, `make bench` runs it): each preset
     checked, then timed interleaved (both attentions of the torch module), a row with both
     times and their ratio, the transformers check's note for the Llama one, the JSON written;
     configurations the plain torch modules do not implement refused by name; a torch or
     transformers that does not import named as the reason."""
-    import json
-    import sys
-
-    from cutp.bench import __main__ as bench_main
-    from cutp.bench import compare_torch
-
     if compare_torch.torch_missing_reason():
         pytest.skip(f"compare-torch needs torch, an optional extra not installed here: "
                     f"{compare_torch.torch_missing_reason()}")
     for attention in ("sdpa", "manual"):
         out = tmp_path / f"{attention}.json"
-        assert bench_main.main(["compare-torch", "--presets", "tiny", "llama-tiny", "--set", "n_layer=1",
-                                "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--repeat", "2",
-                                "--warmup", "1", "--gap", "0", "--torch-attention", attention, "--quiet",
-                                "--json", str(out)]) == 0
+        assert main(["compare-torch", "--presets", "tiny", "llama-tiny", "--set", "n_layer=1", "--batch-size", "2",
+                     "--seq-len", "16", "--threads", "1", "--repeat", "2", "--warmup", "1", "--gap", "0",
+                     "--torch-attention", attention, "--quiet", "--json", str(out)]) == 0
         results = json.loads(out.read_text())["results"]
         assert [r["preset"] for r in results] == ["tiny", "llama-tiny"] and all(r["check"]["ok"] for r in results)
         for r in results:
@@ -477,28 +483,28 @@ def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build
                               check_only=True)
     assert r["check"]["ok"] and "layers.0.mlp.fc1.bias" not in r["check"]["grads"] and r["check"]["grads"]
     # a disagreement is reported and not timed; a Llama without transformers says it was not checked
-    monkeypatch.setattr(compare_torch, "check_same_work", lambda *a, **k: dict(r["check"], ok=False))
-    monkeypatch.setattr(compare_torch, "transformers_missing_reason", lambda: "transformers is not importable (test)")
-    report = compare_torch.run(argparse.Namespace(
-        presets=["tiny", "llama-tiny"], batch_size=2, seq_len=16, threads=1, repeat=1, warmup=0,
-        torch_attention="sdpa", set=["n_layer=1"], check_only=False, gap=0.0))
+    with monkeypatch.context() as m:
+        m.setattr(compare_torch, "check_same_work", lambda *a, **k: dict(r["check"], ok=False))
+        m.setattr(compare_torch, "transformers_missing_reason", lambda: "transformers is not importable (test)")
+        report = compare_torch.run(argparse.Namespace(
+            presets=["tiny", "llama-tiny"], batch_size=2, seq_len=16, threads=1, repeat=1, warmup=0,
+            torch_attention="sdpa", set=["n_layer=1"], check_only=False, gap=0.0))
     assert any(n.startswith("tiny: cutp and torch DISAGREE") and n.endswith("not timed") for n in report.notes)
     assert "llama-tiny: not checked against transformers (transformers is not importable (test))" in report.notes
     assert "cutp_ms" not in report.extra["results"][0] and "cutp_ms" in report.extra["results"][1]
-    monkeypatch.undo()
-    ctx = cutp.init(tp=1, device="cpu", abort_on_error=False)
     tiny, llama = GPTConfig.preset("tiny"), GPTConfig.preset("llama-tiny")
-    state = dict(GPT(ctx, tiny).gather_state_dict(), **{"tok_embed.weight": np.zeros((3, 3), np.float32)})
+    with cutp.init(tp=1, device="cpu", abort_on_error=False) as ctx:
+        state = dict(GPT(ctx, tiny).gather_state_dict(), **{"tok_embed.weight": np.zeros((3, 3), np.float32)})
+        hf_state = compare_torch.hf_state_dict(llama, GPT(ctx, llama).gather_state_dict())
     with pytest.raises(ValueError, match=r"wte.weight: cutp shape \(3, 3\) does not fit torch shape"):
         compare_torch.build_torch_gpt(tiny, state)
-    tmodel = compare_torch.build_torch_llama(llama, compare_torch.hf_state_dict(llama, GPT(ctx, llama).gather_state_dict()))
-    ctx.close()
+    tmodel = compare_torch.build_torch_llama(llama, hf_state)
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight: cutp shape \(3,\) does not fit torch shape"):
         compare_torch._load(tmodel, {name: np.zeros(3, np.float32) for name, _ in tmodel.named_parameters()})
     with pytest.raises(ValueError, match="supports GPT-2 configurations"):
-        compare_torch.build_torch_gpt(GPTConfig.preset("llama-tiny"), {})
+        compare_torch.build_torch_gpt(llama, {})
     with pytest.raises(ValueError, match="supports dense, untied Llama configurations"):
-        compare_torch.build_torch_llama(dataclasses.replace(GPTConfig.preset("llama-tiny"), tie_embeddings=True), {})
+        compare_torch.build_torch_llama(dataclasses.replace(llama, tie_embeddings=True), {})
     monkeypatch.setitem(sys.modules, "torch", None)  # (import torch raises ModuleNotFoundError)
     assert compare_torch.torch_missing_reason().startswith("torch is not importable (ModuleNotFoundError")
     monkeypatch.setitem(sys.modules, "transformers", None)

@@ -11,9 +11,9 @@ base gone; a ZeRO-3 save whose streamed model file fails."""
 import dataclasses
 import json
 import os
-import warnings
 import re
 import shutil
+import warnings
 
 import numpy as np
 import pytest

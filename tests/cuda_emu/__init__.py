@@ -273,32 +273,68 @@ def _compiler_id(cxx: str) -> str:
     return _compiler_id_cache[cxx]
 
 
-_compiling: set = set()  # the compiler runs in progress (the session's warm-up thread's among them)
+# The compiler runs in progress (the session's warm-up thread's among them). Each runs in a process
+# group of its own, so that stopping it stops the cc1plus / as its driver started too.
+_compiling: set = set()
+_compiling_lock = threading.Lock()
+_stopping = False  # (set on the way out: no compile starts after the last ones were stopped)
 
 
 @atexit.register
 def _stop_compiling() -> None:
-    """A session that ends early (pytest -x, a failure) stops the compiles still running: the
-    warm-up thread is a daemon and dies with the process, its compiler would not (each was left
-    running, orphaned; a mutation campaign's runs piled up 33 of them)."""
-    for proc in list(_compiling):
+    """A session that ends early (pytest -x, a failure, SIGTERM / SIGHUP: `stop_compiles_on_signals`)
+    stops the compiles still running: the warm-up thread is a daemon and dies with the process,
+    its compiler would not (each was left running, orphaned; a mutation campaign's runs piled up
+    33 of them)."""
+    global _stopping
+    with _compiling_lock:
+        _stopping = True
+        running = list(_compiling)
+    for proc in running:
+        _kill_group(proc)
+
+
+def _kill_group(proc) -> None:
+    if proc.returncode is None:  # (a reaped process's group id may belong to another by now)
         with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)  # (the driver and the cc1plus / as it started)
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def stop_compiles_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)) -> None:
+    """Makes these signals stop the compiles first, then act as they did (the handler that was
+    there, or the default: end the process). A compile's own process group no longer gets the
+    signals its session's group gets (`timeout`, a hang-up, a cancelled CI job), so they are
+    passed on here. Main thread only (Python's signal handlers)."""
+    for sig in signals:
+        before = signal.getsignal(sig)
+
+        def handler(signum, frame, before=before):
+            _stop_compiling()
+            if callable(before):
+                before(signum, frame)
+            elif before != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
 
 
 def _run(cmd: list[str], what: str, cwd: Path | None = None) -> str:
-    # a process group of its own, so that _stop_compiling reaches the compiler's children too
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            start_new_session=True)
-    _compiling.add(proc)
+    with _compiling_lock:
+        if _stopping:
+            raise CompileError(f"{what}: not started, the process is ending")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                                start_new_session=True)
+        _compiling.add(proc)
     try:
         out, err = proc.communicate()
-    except BaseException:  # (Ctrl-C: its own session does not get the terminal's signal)
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException:  # (Ctrl-C: its own process group does not get the terminal's signal)
+        _kill_group(proc)
+        proc.wait()
         raise
     finally:
-        _compiling.discard(proc)
+        with _compiling_lock:
+            _compiling.discard(proc)
     if proc.returncode != 0:
         diag = (err or out).strip()
         if len(diag) > 12000:

@@ -7,11 +7,13 @@ that every kernel in kernels/*.cu has an emulated test.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -1002,24 +1004,42 @@ def test_warnings_are_compile_errors(private_cache, tmp_path, monkeypatch):
     assert not list(private_cache.glob("module-*")), "a failed build must not be cached"
 
 
-def test_a_session_that_ends_stops_its_compiles_and_their_children():
-    """A process that exits with a compile in progress on a daemon thread (a session stopped by
-    -x, with its warm-up's g++ running) kills that compile with its whole process group on the
-    way out: before, the g++ ran on, orphaned. A shell that starts a child stands in for g++ and
-    its cc1plus."""
-    code = ("import sys, threading, time; import tests.cuda_emu as e\n"
-            "threading.Thread(target=e._run, args=(['sh', '-c', 'sleep 60 & wait'], 'a compile'), daemon=True).start()\n"
-            "while not e._compiling: time.sleep(0.01)\n"
-            "print(next(iter(e._compiling)).pid, flush=True); sys.exit(0)\n")
+def _gone(pid: int) -> bool:
+    """Whether process pid has ended (a zombie its parent has not reaped yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("ending", ["exit", "SIGTERM"])
+def test_a_session_that_ends_stops_its_compiles_and_their_children(tmp_path, ending):
+    """A process that ends with a compile in progress on a daemon thread (a session stopped by
+    -x, or by `timeout`'s SIGTERM, with its warm-up's g++ running) kills that compile with its
+    whole process group on the way out: before, the g++ ran on, orphaned. A shell that starts a
+    child stands in for g++ and its cc1plus; SIGTERM still ends the process (its default)."""
+    child = tmp_path / "child.pid"
+    code = ("import os, signal, sys, threading, time; import tests.cuda_emu as e\n"
+            "e.stop_compiles_on_signals()\n"
+            f"cmd = ['sh', '-c', 'sleep 60 & echo $! > {child}; wait']\n"
+            "threading.Thread(target=e._run, args=(cmd, 'a compile'), daemon=True).start()\n"
+            f"while not os.path.exists('{child}') or not open('{child}').read().strip(): time.sleep(0.01)\n"
+            "print(next(iter(e._compiling)).pid, flush=True)\n"
+            + ("os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n" if ending == "SIGTERM" else "sys.exit(0)\n"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    group = int(out.stdout)
-    for _ in range(200):  # (the kernel may take a moment to reap them)
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return
-        threading.Event().wait(0.05)
-    raise AssertionError(f"the compile's process group {group} outlived its session")
+    shell, sleeper = int(out.stdout), int(child.read_text())
+    assert out.returncode == (-signal.SIGTERM if ending == "SIGTERM" else 0), out.stderr
+    try:
+        for _ in range(200):  # (the kernel may take a moment)
+            if _gone(shell) and _gone(sleeper):
+                return
+            threading.Event().wait(0.05)
+        raise AssertionError(f"the compile ({shell}) or its child ({sleeper}) outlived its session")
+    finally:  # (a failure leaves nothing running either)
+        if not (_gone(shell) and _gone(sleeper)):
+            with contextlib.suppress(OSError):
+                os.killpg(shell, signal.SIGKILL)
 
 
 def test_builds_are_cached_by_the_contents_of_sources_and_headers(private_cache, tmp_path, monkeypatch):
@@ -1209,15 +1229,15 @@ def test_sources_compile_with_nvrtc():
     """The production path: NVRTC, no standard library headers, common.cuh's __CUDACC_RTC__ branch."""
     lib_path, _ = _find_nvrtc()
     lib = load_nvrtc(lib_path)
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     # the headers as the runtime finds them (kernels.runtime): a wheel's include directory may lack
     # crt/mma.h (torch's CUDA 13 wheels: no nvidia-cuda-crt), found then in a toolkit
-    include = kernel_runtime.find_cuda_include()
+    include = kernel_runtime.find_cuda_include(major.value)
     failures = []
     for src in _cuda_sources():
-        mma = kernel_runtime.find_mma_include(include) if src.stem in kernel_runtime.TENSOR_CORE_SOURCES else include
         for arch in ("sm_80", "sm_90"):
-            opts = [f"-arch={arch}", "--std=c++17", f"-I{ROOT / 'kernels'}", f"-I{include}"]
-            opts += [f"-I{mma}"] if mma != include else []
+            opts = [f"-arch={arch}", f"-I{ROOT / 'kernels'}", *kernel_runtime.source_options(src.stem, include)]
             log = nvrtc_compile(lib, src.read_bytes(), src.name, opts)
             if log is not None:
                 failures.append(f"{src.name} ({arch}):\n{log}")

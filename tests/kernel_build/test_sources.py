@@ -132,14 +132,15 @@ def test_inlined_sources_compile_with_nvcc():
 
 @pytest.mark.skipif(_find_nvrtc() is None, reason="NVRTC (nvidia-cuda-nvrtc) not installed")
 def test_inlined_sources_compile_with_nvrtc_and_our_options():
-    """The production path minus the GPU: kernel_source() + nvrtc_options(find_cuda_include())."""
+    """The production path minus the GPU: kernel_source() + source_options(find_cuda_include())."""
     lib_path, _ = _find_nvrtc()
     lib = load_nvrtc(lib_path)
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    opts = ck.nvrtc_options(ck.find_cuda_include(major.value))
+    include = ck.find_cuda_include(major.value)
     failures = []
     for name in ck.SOURCES:
+        opts = ck.source_options(name, include)
         for arch in ("compute_80", "compute_90"):
             log = nvrtc_compile(lib, ck.kernel_source(name).encode(), f"{name}.cu", [f"-arch={arch}", *opts])
             if log is not None:

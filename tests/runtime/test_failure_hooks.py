@@ -168,8 +168,9 @@ def test_the_host_watchdog_turned_off_while_its_thread_runs_fires_no_more(monkey
     monkeypatch.setattr(watchdog, "_host_watchdog", watchdog.Watchdog(0.3, rank=0))
     wd = watchdog.host_watchdog()
     try:
-        wd.begin("the configuration check (host all-gather)")  # (its thread polls every 0.04 s)
+        wd.end(wd.begin("a first check"))  # (its thread started, polling every 0.05 s)
         watchdog.configure_host_watchdog(0)
+        wd.begin("the configuration check (host all-gather)")  # (never ends)
         time.sleep(0.8)  # (past the 0.3 s it had)
         assert not fired.is_set() and wd.timeout == 0
     finally:
