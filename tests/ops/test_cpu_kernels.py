@@ -539,6 +539,27 @@ def test_compiled_cross_entropy_equals_the_numpy_path(N, V, n_classes, eps, dtyp
 
 
 @needs_ce
+def test_cross_entropy_logits_the_kernel_cannot_read_take_the_numpy_path(monkeypatch):
+    """Logits whose columns are strided (a view of every other column) or an `out` that is not
+    writable: the NumPy code runs (the C kernel reads rows of unit stride and writes `out`), with
+    the NumPy path's results; a read-only `out` is refused by NumPy, not written through."""
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((7, 22)).astype(np.float32)
+    strided, t = wide[:, ::2], rng.integers(0, 11, 7)
+    got = ce_op.ce_shard_forward(strided, t, 11)
+    ref = numpy_path(monkeypatch, lambda: ce_op.ce_shard_forward(np.ascontiguousarray(strided), t, 11))
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g, r)
+    scale = np.full(7, 0.5, np.float32)
+    ref_d = numpy_path(monkeypatch, lambda: ce_op.ce_shard_backward(strided.copy(), *ref[:2], t, 11, scale))
+    np.testing.assert_array_equal(ce_op.ce_shard_backward(strided, *got[:2], t, 11, scale), ref_d)
+    frozen = np.zeros_like(ref_d)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ce_op.ce_shard_backward(strided.copy(), *got[:2], t, 11, scale, out=frozen)
+
+
+@needs_ce
 def test_compiled_cross_entropy_sums_a_wide_row_in_double():
     """A row of 50,257 float32 logits: sum_exp within 2 eps of the float64 sum (a float sum over 8
     lanes of 6,282 terms each would drift further), and the same bits at 1 and 2 pool threads."""
