@@ -181,7 +181,7 @@ def test_resume_takes_the_run_settings_and_refuses_contradictions(tmp_path):
 # ---- the watchdog over a whole step -------------------------------------------------------------------
 def _watch(monkeypatch, timeout, body):
     fired = []
-    monkeypatch.setattr(Watchdog, "_fire", lambda self, desc, waited, scope=False, others=(): fired.append(
+    monkeypatch.setattr(Watchdog, "_fire", lambda self, desc, waited, timeout, scope=False, others=(): fired.append(
         (desc, scope, list(others))))
     wd = Watchdog(timeout, rank=0)
     try:
