@@ -314,8 +314,9 @@ def run_tests(box: Path, tests: list[str], sources: list[str], timeout: float,
     # on an idle machine (on a loaded one, --launch-timeout: a baseline that times out says so).
     env = dict(os.environ, CUTP_KERNEL_BACKENDS="emulated", CUTP_EMU_TIMEOUT=str(launch_timeout),
                PYTHONDONTWRITEBYTECODE="1", CUTP_CACHE_DIR=str(box / "cache"),
-               # no background warm-up builds: pytest -x ending early left them running, orphaned
-               # (33 g++ at once after 18 mutants of common.cuh); the fixture builds what it loads
+               # no background warm-up builds: a mutant's pytest -x ends at its first failure, and the
+               # warm-up's builds of what it never reaches were wasted (and, before the emulator
+               # killed its compiles at exit, left running: 33 g++ after 18 mutants of common.cuh)
                CUTP_TEST_WARM_UP="0",
                CUTP_EMU_KERNEL_SOURCES=",".join(sources))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rfE",

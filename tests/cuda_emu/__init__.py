@@ -304,15 +304,18 @@ def stop_compiles_on_signals(signals=(signal.SIGTERM, signal.SIGHUP)) -> None:
     """Makes these signals stop the compiles first, then act as they did (the handler that was
     there, or the default: end the process). A compile's own process group no longer gets the
     signals its session's group gets (`timeout`, a hang-up, a cancelled CI job), so they are
-    passed on here. Main thread only (Python's signal handlers)."""
+    passed on here. A signal the process ignores (nohup's SIGHUP) stays ignored. Main thread only
+    (Python's signal handlers)."""
     for sig in signals:
         before = signal.getsignal(sig)
+        if before == signal.SIG_IGN:
+            continue
 
         def handler(signum, frame, before=before):
             _stop_compiling()
             if callable(before):
                 before(signum, frame)
-            elif before != signal.SIG_IGN:
+            else:
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
 

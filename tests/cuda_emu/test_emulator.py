@@ -1042,6 +1042,20 @@ def test_a_session_that_ends_stops_its_compiles_and_their_children(tmp_path, end
                 os.killpg(shell, signal.SIGKILL)
 
 
+def test_a_signal_the_process_ignores_stays_ignored():
+    """Under nohup (SIGHUP ignored) a hang-up must neither end the session nor stop its compiles:
+    only the signals that would end the process get the compiles stopped first."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        cuda_emu.stop_compiles_on_signals()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is not saved[signal.SIGTERM]  # (wrapped)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def test_builds_are_cached_by_the_contents_of_sources_and_headers(private_cache, tmp_path, monkeypatch):
     """The cache key hashes the source and the headers it includes (next to it, or in an -I
     directory): a changed source or header builds anew; the same contents (even rewritten, or restored after
