@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sdpa: F.scaled_dot_product_attention (nanoGPT's default); manual: masked softmax")
     t.add_argument("--check-only", action="store_true", help="only check that both compute the same loss and grads")
     t.add_argument("--gap", type=float, default=0.01, help="seconds of pause before each timed step")
+    t.add_argument("--profile-repeats", type=int, default=1, metavar="N",
+                   help="profiled steps of each after the timed ones, for the GEMM / rest split (medians; "
+                        "0: none)")
     _common(t)
 
     pl = sub.add_parser("plan", help="memory and communication per GPU, from the model's shape")

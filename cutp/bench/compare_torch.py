@@ -20,7 +20,16 @@ Before any timing the two must agree on the loss and on a few gradients, so that
 is of the same work. Then forward+backward of both run interleaved, repeat after repeat, and the
 ratio of the medians cutp/torch is printed (< 1: cutp is faster).
 
+After the timed repeats, more steps of each are profiled (``--profile-repeats``, kept out of the
+timed medians): cutp's under `cutp.ops.profile.OpTimer`, torch's GEMMs (``aten.mm`` /
+``aten.addmm``: the linear layers') timed in a dispatch mode. Both spend most of a step in the
+same GEMMs of the same shapes, so cutp's GEMM time over torch's whole step is the ratio cutp
+would reach with nothing but its GEMMs: the floor below which only faster GEMMs take it.
+
 torch is an optional extra (``pip install torch``): it is imported only here.
+
+(It runs over 500 lines on purpose: the two plain torch modules are part of what is compared,
+read here beside the checks that prove they do cutp's math and the timing that uses them.)
 """
 from __future__ import annotations
 
@@ -36,7 +45,9 @@ import cutp
 
 from ..models import GPT, GPTConfig
 from ..models.hf import config_to_hf, hf_state_dict
+from .. import ops
 from ..models.names import from_gpt2, to_gpt2
+from ..ops.profile import OP_KINDS, OpTimer
 from ..runtime.threads import get_blas_threads, keep_freed_host_memory, set_blas_threads
 from ..train.reporting import Report
 from .common import Timing, machine_info
@@ -384,6 +395,51 @@ def check_same_work(model, tmodel, idx, targets, *, rtol_loss=1e-5, rtol_grad=1e
     return out
 
 
+# torch's ops that are the linear layers' GEMMs (forward and both backward products); SDPA's own
+# products run inside its kernel, the manual attention's in aten.bmm: not these
+TORCH_GEMM_OPS = ("aten.mm", "aten.addmm")
+
+
+def _profiled_split(step_cutp, step_torch, cutp_ops) -> dict:
+    """One profiled step of each (outside the timed ones): {"cutp": {kind: ms, "step": ms},
+    "torch": {"gemm": ms, "step": ms}}, cutp's kinds as `cutp.ops.profile.OP_KINDS`. torch's GEMMs
+    are timed in a dispatch mode (every aten op then passes through Python, a cost outside its
+    GEMMs' times; torch.profiler would do it too, with log lines of its own on stderr); a torch
+    without it (a private module) leaves "gemm" out."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode  # optional dependency
+    except ImportError:
+        TorchDispatchMode = None
+
+    with OpTimer(cutp_ops) as timer:
+        t0 = time.perf_counter()
+        step_cutp()
+        cutp_step = time.perf_counter() - t0
+    cutp_ms = {kind: s * 1e3 for kind, s in timer.seconds.items()}
+    cutp_ms["step"] = cutp_step * 1e3
+    if TorchDispatchMode is None:
+        t0 = time.perf_counter()
+        step_torch()
+        return {"cutp": cutp_ms, "torch": {"step": (time.perf_counter() - t0) * 1e3}}
+
+    class GemmTimer(TorchDispatchMode):
+        seconds = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket) not in TORCH_GEMM_OPS:
+                return func(*args, **(kwargs or {}))
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            self.seconds += time.perf_counter() - t0
+            return out
+
+    with GemmTimer() as gemms:
+        t0 = time.perf_counter()
+        step_torch()
+        torch_step = time.perf_counter() - t0
+    return {"cutp": cutp_ms, "torch": {"gemm": gemms.seconds * 1e3, "step": torch_step * 1e3}}
+
+
 def _make_batch(config, B, T, seed=0):
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, config.vocab_size, (B, T), dtype=np.int64)
@@ -393,7 +449,7 @@ def _make_batch(config, B, T, seed=0):
 
 def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None, threads: int = 2,
             repeat: int = 5, warmup: int = 1, attention: str = "sdpa", overrides=(), check_only: bool = False,
-            gap: float = 0.01, seed: int = 0) -> dict:
+            gap: float = 0.01, seed: int = 0, profile_repeats: int = 1) -> dict:
     """Runs the check and (unless check_only) the interleaved timing for one configuration."""
     import torch  # optional dependency
 
@@ -448,6 +504,15 @@ def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None
                 dt = time.perf_counter() - t0
                 if i >= warmup:
                     acc.times.append(dt)
+        splits = []
+        for _ in range(profile_repeats):
+            model.zero_grad()
+            tmodel.zero_grad(set_to_none=True)
+            splits.append(_profiled_split(step_cutp, step_torch, ops))
+        if splits:
+            res["profiled_ms"] = {side: {key: float(np.median([s[side].get(key, 0.0) for s in splits]))
+                                         for key in splits[0][side]} for side in ("cutp", "torch")}
+            res["gemm_floor"] = res["profiled_ms"]["cutp"].get("gemm", 0.0) / (tt.median * 1e3)
         tokens = B * T
         res.update({"cutp": tc.as_dict(), "torch_timing": tt.as_dict(),
                     "cutp_ms": tc.median * 1e3, "torch_ms": tt.median * 1e3, "ratio": tc.median / tt.median,
@@ -473,17 +538,30 @@ def run(args) -> Report:
         ("dgrad", "max grad rel diff", ".1e"), ("cutp_ms", "cutp ms", ".1f"), ("torch_ms", "torch ms", ".1f"),
         ("ratio", "cutp/torch", ".3f"), ("cutp_tok_s", "cutp tok/s", ",.0f"), ("torch_tok_s", "torch tok/s", ",.0f"),
     ], title="forward+backward, float32, median of interleaved repeats")
+    split = report.table("split", [
+        ("preset", "preset", "", "<"), ("cutp_gemm", "cutp gemm ms", ".1f"), ("cutp_rest", "cutp rest ms", ".1f"),
+        ("cutp_top", "cutp's largest rest", "", "<"), ("torch_gemm", "torch gemm ms", ".1f"),
+        ("torch_rest", "torch rest ms", ".1f"), ("floor", "cutp gemm / torch step", ".3f"),
+    ], title="where a step goes: profiled steps after the timed ones (medians)")
     results = []
     for preset in args.presets:
         r = compare(preset, batch=args.batch_size, seq_len=args.seq_len, threads=args.threads, repeat=args.repeat,
                     warmup=args.warmup, attention=args.torch_attention, overrides=args.set,
-                    check_only=args.check_only, gap=args.gap)
+                    check_only=args.check_only, gap=args.gap, profile_repeats=args.profile_repeats)
         results.append(r)
         chk = r["check"]
         t.add(preset=preset, shape=f"{r['batch']} x {r['seq_len']}", threads=r["threads"], attention=r["attention"],
               loss=chk["loss_cutp"], dloss=chk["loss_rel_diff"], dgrad=max(chk["grads"].values(), default=None),
               cutp_ms=r.get("cutp_ms"), torch_ms=r.get("torch_ms"), ratio=r.get("ratio"),
               cutp_tok_s=r.get("cutp_tok_s"), torch_tok_s=r.get("torch_tok_s"))
+        if "profiled_ms" in r:
+            c, tp = r["profiled_ms"]["cutp"], r["profiled_ms"]["torch"]
+            rest = {kind: c.get(kind, 0.0) for kind in OP_KINDS if kind != "gemm"}
+            rest["outside the ops"] = max(0.0, c["step"] - sum(rest.values()) - c.get("gemm", 0.0))
+            top = sorted(rest.items(), key=lambda kv: -kv[1])[:3]
+            split.add(preset=preset, cutp_gemm=c.get("gemm", 0.0), cutp_rest=r["cutp_ms"] - c.get("gemm", 0.0),
+                      cutp_top=", ".join(f"{kind} {ms:.0f}" for kind, ms in top), torch_gemm=tp.get("gemm"),
+                      torch_rest=r["torch_ms"] - tp["gemm"] if "gemm" in tp else None, floor=r["gemm_floor"])
         if not chk["ok"]:
             report.notes.append(f"{preset}: cutp and torch DISAGREE ({chk}); not timed")
         if "transformers" in chk:
@@ -494,5 +572,9 @@ def run(args) -> Report:
             report.notes.append(f"{preset}: not checked against transformers ({transformers_missing_reason()})")
     t.notes.append("ratio < 1: cutp is faster. Same weights, batch and thread count (torch.set_num_threads and "
                    "cutp.runtime.threads.set_blas_threads); gradients zeroed outside the timed region.")
+    split.notes.append("gemm: the linear layers' GEMMs (cutp: ops.profile's gemm kind; torch: aten.mm and "
+                       "aten.addmm timed in a dispatch mode); rest: the timed median minus the profiled step's GEMMs "
+                       "(cutp's largest rest: in its profiled step). cutp gemm / torch step: the ratio cutp would "
+                       "reach with nothing but its GEMMs, against the timed torch median.")
     report.extra["results"] = results
     return report

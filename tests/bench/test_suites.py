@@ -472,12 +472,22 @@ def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build
         out = tmp_path / f"{attention}.json"
         assert main(["compare-torch", "--presets", "tiny", "llama-tiny", "--set", "n_layer=1", "--batch-size", "2",
                      "--seq-len", "16", "--threads", "1", "--repeat", "2", "--warmup", "1", "--gap", "0",
-                     "--torch-attention", attention, "--quiet", "--json", str(out)]) == 0
+                     "--profile-repeats", "2", "--torch-attention", attention, "--quiet", "--json", str(out)]) == 0
         results = json.loads(out.read_text())["results"]
         assert [r["preset"] for r in results] == ["tiny", "llama-tiny"] and all(r["check"]["ok"] for r in results)
         for r in results:
             assert r["cutp"]["repeats"] == r["torch_timing"]["repeats"] == 2 and r["attention"] == attention
             assert r["ratio"] == pytest.approx(r["cutp_ms"] / r["torch_ms"]) and r["cutp_ms"] > 0
+            # the profiled split: both sides' GEMMs timed (each a part of its own step), the floor
+            # cutp's GEMMs over torch's timed step
+            cut, tor = r["profiled_ms"]["cutp"], r["profiled_ms"]["torch"]
+            assert 0 < cut["gemm"] < cut["step"] and cut["attention"] > 0 and cut["norms"] > 0
+            assert 0 < tor["gemm"] < tor["step"]
+            assert r["gemm_floor"] == pytest.approx(cut["gemm"] / r["torch_ms"])
+        split = json.loads(out.read_text())["tables"]["split"]["rows"]
+        assert [row["preset"] for row in split] == ["tiny", "llama-tiny"]
+        assert all(row["cutp_rest"] == pytest.approx(r["cutp_ms"] - r["profiled_ms"]["cutp"]["gemm"])
+                   for row, r in zip(split, results))
     # a GPT-2 without biases: the checked bias gradient is absent, the rest still checked
     r = compare_torch.compare("tiny", batch=2, seq_len=16, threads=1, overrides=["n_layer=1", "bias=False"],
                               check_only=True)
@@ -488,10 +498,19 @@ def test_compare_torch_times_both_at_tiny_sizes_and_refuses_what_it_cannot_build
         m.setattr(compare_torch, "transformers_missing_reason", lambda: "transformers is not importable (test)")
         report = compare_torch.run(argparse.Namespace(
             presets=["tiny", "llama-tiny"], batch_size=2, seq_len=16, threads=1, repeat=1, warmup=0,
-            torch_attention="sdpa", set=["n_layer=1"], check_only=False, gap=0.0))
+            torch_attention="sdpa", set=["n_layer=1"], check_only=False, gap=0.0, profile_repeats=1))
     assert any(n.startswith("tiny: cutp and torch DISAGREE") and n.endswith("not timed") for n in report.notes)
     assert "llama-tiny: not checked against transformers (transformers is not importable (test))" in report.notes
     assert "cutp_ms" not in report.extra["results"][0] and "cutp_ms" in report.extra["results"][1]
+    # a torch without the dispatch mode (a private module): the split without torch's GEMMs
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "torch.utils._python_dispatch", None)
+        report = compare_torch.run(argparse.Namespace(
+            presets=["tiny"], batch_size=2, seq_len=16, threads=1, repeat=1, warmup=0, torch_attention="sdpa",
+            set=["n_layer=1"], check_only=False, gap=0.0, profile_repeats=1))
+    r, = report.extra["results"]
+    assert "gemm" not in r["profiled_ms"]["torch"] and r["profiled_ms"]["torch"]["step"] > 0
+    assert r["gemm_floor"] > 0 and {t.name: t for t in report.tables}["split"].rows[0]["torch_gemm"] is None
     tiny, llama = GPTConfig.preset("tiny"), GPTConfig.preset("llama-tiny")
     with cutp.init(tp=1, device="cpu", abort_on_error=False) as ctx:
         state = dict(GPT(ctx, tiny).gather_state_dict(), **{"tok_embed.weight": np.zeros((3, 3), np.float32)})
