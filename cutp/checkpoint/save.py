@@ -112,10 +112,10 @@ def save_checkpoint(out_root: str, step: int, model, optimizer=None, *, rng_stat
         error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
     if streamed:  # every rank in the gathers, the model file's writer taking each parameter
         experts = {p.name for p in params if p.expert_parallel}
-        for name, values in with_experts(ctx, optimizer.whole_parameters(streamed), experts):
+        for param_name, values in with_experts(ctx, optimizer.whole_parameters(streamed), experts):
             if writer is not None and error is None:
                 try:
-                    writer.put(name, ctx.to_numpy(values))
+                    writer.put(param_name, ctx.to_numpy(values))
                 except Exception as e:
                     error = f"writing checkpoint shards into {tmp} failed on rank {ctx.rank}: {type(e).__name__}: {e}"
             del values  # (a view of its unit, which would stay whole while the next one is gathered)

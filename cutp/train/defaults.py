@@ -100,8 +100,8 @@ def refuse_sequence_parallel(world: int, mesh, model: GPTConfig, tp_chosen: bool
 RESUME_MESH = ("tp", "dp", "pp", "cp", "ep")
 RESUME_LAYOUT = RESUME_MESH + ("cp_comm", "pp_layers", "pp_schedule", "pp_virtual", "micro_batch_size",
                                "sequence_parallel", "overlap_grad_reduce", "bucket_size", "overlap_param_gather",
-                               "tp_comm_overlap")
-RESUME_KEPT = ("distributed_optimizer", "zero", "grad_reduce_dtype", "recompute",
+                               "tp_comm_overlap", "dp_replicate")
+RESUME_KEPT = ("distributed_optimizer", "zero", "reshard_after_forward", "grad_reduce_dtype", "recompute",
                "recompute_layers", "save_every", "keep", "eval_every", "eval_batches", "log_every", "metrics", "tensorboard", "peak_tflops", "max_skips")
 
 
@@ -118,13 +118,19 @@ def resumed_choices(choices: dict, saved: dict, world: int) -> dict:
     train_args) filled in where not given (None). The ZeRO stage is `zero` and
     `distributed_optimizer` together: either given, neither is taken from the checkpoint (a
     zero 3 run resumed with --distributed-optimizer continues at zero 1; at zero 0 or 2, without
-    the checkpoint's --overlap-param-gather, which they do not take)."""
+    the checkpoint's --overlap-param-gather, which they do not take; below zero 3 without its
+    reshard choice, below zero 2 without its HSDP replicas)."""
     out, drop = dict(choices), set()
     keep = list(RESUME_KEPT)
     if choices.get("zero") is not None or choices.get("distributed_optimizer"):  # one setting: the given wins
         keep = [k for k in keep if k not in ("zero", "distributed_optimizer")]  # (--distributed-optimizer: zero 1)
-        if choices.get("zero") in (0, 2):
+        stage = choices["zero"] if choices.get("zero") is not None else 1
+        if stage in (0, 2):
             drop.add("overlap_param_gather")  # (the checkpoint's: zero 0 and 2 gather no parameters to overlap)
+        if stage != 3:
+            keep.remove("reshard_after_forward")  # (only zero 3 gathers parameters to reshard)
+        if stage < 2:
+            drop.add("dp_replicate")  # (HSDP's replicas shard the gradients or parameters: zero 2 and 3)
     if not any(choices.get(k) is not None for k in RESUME_MESH) and saved_world(saved) == world:
         keep += [k for k in RESUME_LAYOUT if k not in drop]
     for k in keep:

@@ -368,3 +368,6 @@ def test_a_zero_3_save_whose_streamed_model_file_fails_is_one_error_and_writes_n
     streamed = save_checkpoint(out, 2, model, opt, by_unit=True)
     with open(os.path.join(streamed, MODEL), "rb") as a, open(os.path.join(whole, MODEL), "rb") as b:
         assert a.read() == b.read()  # (the same bytes as the whole model written at once)
+    # `latest` names the step written (not the last parameter streamed): a run resumes by its directory
+    assert os.path.basename(streamed) == "step-00000002" and resolve_checkpoint(out) == streamed
+    assert json.loads((tmp_path / "run" / "latest").read_text())["path"] == "step-00000002"

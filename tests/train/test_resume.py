@@ -47,3 +47,23 @@ def test_the_help_example_of_resume_keeps_its_checkpoints():
     import examples.train_gpt as script
 
     assert "--resume out/tiny" in script.__doc__ and "--tp 2 --dp 2 --resume" not in script.__doc__
+
+
+def test_resume_keeps_zero_3s_replicas_and_reshard_choice_unless_another_stage_is_given(tmp_path):
+    """HSDP's replicas and zero 3's reshard choice are the run's memory layout: a resume without
+    them keeps them (a silently plain zero 3 changes memory and communication), a stage given
+    that does not take them drops them instead of being refused for them."""
+    out = str(tmp_path / "run")
+    settings = derive_run_config({**TINY, "dp": 4, "zero": 3, "dp_replicate": 2, "reshard_after_forward": False,
+                                  "steps": 4, "seq_len": 16, "out": out}, 4, 4)
+    ctx = self_ctx()
+    save_checkpoint(out, 2, GPT(ctx, GPTConfig.preset("tiny").with_overrides(["n_layer=1"]), seed=0),
+                    train_args=settings.checkpoint_settings())
+    ctx.close()
+    resumed = derive_run_config(resume_out({"resume": out, "device": "cpu"}), 4, 4)
+    assert (resumed.zero, resumed.dp, resumed.dp_replicate, resumed.reshard_after_forward) == (3, 4, 2, False)
+    two = derive_run_config(resume_out({"resume": out, "device": "cpu", "zero": 2}), 4, 4)
+    assert (two.zero, two.dp_replicate, two.reshard_after_forward) == (2, 2, True)
+    for given in ({"zero": 1}, {"distributed_optimizer": True}, {"zero": 0}):
+        lower = derive_run_config(resume_out({"resume": out, "device": "cpu", **given}), 4, 4)
+        assert (lower.zero, lower.dp_replicate, lower.reshard_after_forward) == (given.get("zero", 1), 1, True)
