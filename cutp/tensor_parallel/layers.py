@@ -36,6 +36,27 @@ from .parameter import Module
 from .random import REPLICATED, RNGTracker
 
 
+def without_weight(op_ctx):
+    """A linear or norm op's forward context, to keep for the backward, without the weight it
+    refers to: ZeRO-3 frees each unit's gathered parameters after its forward, and a view of them
+    kept here would hold the whole unit until its backward (every unit whole by the end of the
+    forward). The backward hands the weight back (`with_weight`), gathered again by then."""
+    if hasattr(op_ctx, "w"):
+        op_ctx.w = None
+    else:
+        op_ctx.weight = None
+    return op_ctx
+
+
+def with_weight(op_ctx, weight):
+    """`without_weight`'s context with its weight back, as the parameter now holds it."""
+    if hasattr(op_ctx, "w"):
+        op_ctx.w = weight
+    else:
+        op_ctx.weight = weight
+    return op_ctx
+
+
 class ColumnParallelLinear(Module):
     """y = x @ W + b with W [in, out] split by output columns.
 
@@ -72,7 +93,7 @@ class ColumnParallelLinear(Module):
             x = gather_from_sp_forward(self.ctx.tp, x)
         add_bias = self.bias is not None and not self.skip_bias_add
         y, lctx = ops.linear_forward(x, self.weight.data, self.bias.data if add_bias else None)
-        self._save("linear", lctx)
+        self._save("linear", without_weight(lctx))
         if self.lora is not None:  # its columns of the low-rank products, before any gather
             self._save("lora", self.lora.forward(x, y))
         if self.gather_output:
@@ -90,7 +111,8 @@ class ColumnParallelLinear(Module):
             dy = gather_from_tp_backward(self.ctx.tp, dy)
         if self.comm_overlap and need_dx and self.ctx.tp_size > 1:
             return self._backward_overlapped(dy)
-        dx, _, db = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad,
+        lctx = with_weight(self._load("linear"), self.weight.data)
+        dx, _, db = ops.linear_backward(dy, lctx, need_dx=need_dx, wgrad_out=self.weight.grad,
                                         need_dw=self.weight.trainable)
         if db is not None and self.bias.trainable:
             self.bias.grad += db
@@ -107,7 +129,7 @@ class ColumnParallelLinear(Module):
         collective started, the weight-gradient GEMM while it runs, then the wait. dX = dy @ W^T
         is linear_forward(dy, W^T), the product linear_backward computes (the same matmul of
         the same operands: the same bits, tests/train/test_overlap.py)."""
-        lctx = self._load("linear")
+        lctx = with_weight(self._load("linear"), self.weight.data)
         dx, _ = ops.linear_forward(dy, lctx.w.T)
         if self.lora is not None:
             dx = dx + self.lora.backward(dy, self._load("lora"))
@@ -152,7 +174,7 @@ class RowParallelLinear(Module):
         if not self.input_is_parallel:
             x = scatter_to_tp_forward(self.ctx.tp, x)
         y, lctx = ops.linear_forward(x, self.weight.data)
-        self._save("linear", lctx)
+        self._save("linear", without_weight(lctx))
         if self.lora is not None:  # this rank's x_r A_r B, summed over TP with the base's x_r W_r
             self._save("lora", self.lora.forward(x, y))
         if self.sequence_parallel:
@@ -172,7 +194,8 @@ class RowParallelLinear(Module):
                 self.bias.grad += as_dtype(dy2, compute_dtype(dy.dtype)).sum(axis=0)
         if self.sequence_parallel:
             dy = reduce_scatter_to_sp_backward(self.ctx.tp, dy)
-        dx, _, _ = ops.linear_backward(dy, self._load("linear"), need_dx=need_dx, wgrad_out=self.weight.grad,
+        lctx = with_weight(self._load("linear"), self.weight.data)
+        dx, _, _ = ops.linear_backward(dy, lctx, need_dx=need_dx, wgrad_out=self.weight.grad,
                                        need_dw=self.weight.trainable)
         if self.lora is not None:
             dx_lora = self.lora.backward(dy, self._load("lora"), need_dx)
@@ -328,7 +351,7 @@ class LayerNorm(Module):
 
     def forward(self, x):
         y, lctx = ops.layernorm_forward(x, self.weight.data, self.bias.data if self.bias is not None else None, self.eps)
-        self._save("ln", lctx)
+        self._save("ln", without_weight(lctx))
         return y
 
     def forward_residual(self, x, branch):
@@ -337,7 +360,7 @@ class LayerNorm(Module):
         return s, self.forward(s)
 
     def backward(self, dy):
-        dx, dw, db = ops.layernorm_backward(dy, self._load("ln"))
+        dx, dw, db = ops.layernorm_backward(dy, with_weight(self._load("ln"), self.weight.data))
         if self.weight.trainable:
             self.weight.grad += dw
         if self.bias is not None and self.bias.trainable:
@@ -371,7 +394,7 @@ class RMSNorm(Module):
 
     def forward(self, x):
         y, rctx = ops.rmsnorm_forward(x, self._scale(), self.eps, round_first=not self.offset)
-        self._save("rms", rctx)
+        self._save("rms", without_weight(rctx))
         return y
 
     def forward_residual(self, x, branch):
@@ -379,11 +402,11 @@ class RMSNorm(Module):
         kernel reading x and branch once: llm.c's fused_residual_forward); `backward` is the
         norm's (the add's is the identity)."""
         s, y, rctx = ops.residual_rmsnorm_forward(x, branch, self._scale(), self.eps, round_first=not self.offset)
-        self._save("rms", rctx)
+        self._save("rms", without_weight(rctx))
         return s, y
 
     def backward(self, dy):
-        dx, dw = ops.rmsnorm_backward(dy, self._load("rms"))
+        dx, dw = ops.rmsnorm_backward(dy, with_weight(self._load("rms"), self._scale()))
         if self.weight.trainable:
             self.weight.grad += dw
         return dx

@@ -51,7 +51,7 @@ from ..runtime.errors import ConfigError
 from .attention import ParallelAttention
 from .context_parallel import local_segments
 from .grads import sum_grad_over
-from .layers import Dropout
+from .layers import Dropout, with_weight, without_weight
 from .mla import MultiLatentAttention
 from .moe import MoEMLP
 from .moe_experts import ExpertMLP
@@ -202,14 +202,16 @@ class LoraPair(Module):
         h, a_ctx = ops.linear_forward(xd, self.A.data)
         y, b_ctx = ops.linear_forward(h, self.B.data)
         y *= self.scale
-        return y, (dctx, a_ctx, b_ctx)
+        return y, (dctx, without_weight(a_ctx), without_weight(b_ctx))
 
     def backward(self, dy, saved, need_dx=True):
         """dy: the gradient of this pair's output columns. Returns its part of dx (or None)."""
         dctx, a_ctx, b_ctx = saved
         dy = dy * self.scale
-        dh, _, _ = ops.linear_backward(dy, b_ctx, wgrad_out=self.B.grad, need_dw=self.B.trainable)
-        dx, _, _ = ops.linear_backward(dh, a_ctx, need_dx=need_dx, wgrad_out=self.A.grad, need_dw=self.A.trainable)
+        dh, _, _ = ops.linear_backward(dy, with_weight(b_ctx, self.B.data), wgrad_out=self.B.grad,
+                                       need_dw=self.B.trainable)
+        dx, _, _ = ops.linear_backward(dh, with_weight(a_ctx, self.A.data), need_dx=need_dx, wgrad_out=self.A.grad,
+                                       need_dw=self.A.trainable)
         if dx is not None and dctx is not None:
             dx = ops.dropout_backward(dx, dctx)
         return dx

@@ -62,7 +62,7 @@ from .context_parallel import (MaskRule, RingCtx, UlyssesCtx, ring_attention_bac
                                ring_attention_forward, ulysses_attention_backward, ulysses_attention_forward,
                                zigzag_chunks)
 from .declare import ParamDecl, below, build_parameters, linear_parameters, norm_parameters, prefixed
-from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear
+from .layers import ColumnParallelLinear, Dropout, RMSNorm, RowParallelLinear, with_weight, without_weight
 from .mappings import gather_from_sp_backward, gather_from_sp_forward
 from .parameter import Module
 from .random import SHARDED
@@ -180,11 +180,12 @@ class MultiLatentAttention(Module):
     def _down(self, x, weight, lora):
         """A replicated down-projection x @ W (+ its LoRA pairs): (y, what `_down_backward` needs)."""
         y, ctx = ops.linear_forward(x, weight.data)
-        return y, (ctx, None if lora is None else lora.forward(x, y))
+        return y, (without_weight(ctx), None if lora is None else lora.forward(x, y))
 
     def _down_backward(self, dy, saved, weight, lora):
         ctx, lora_saved = saved
-        dx, _, _ = ops.linear_backward(dy, ctx, wgrad_out=weight.grad, need_dw=weight.trainable)
+        dx, _, _ = ops.linear_backward(dy, with_weight(ctx, weight.data), wgrad_out=weight.grad,
+                                       need_dw=weight.trainable)
         return dx if lora is None else dx + lora.backward(dy, lora_saved)
 
     def _heads(self, q_nope, q_pe, kv, k_pe):

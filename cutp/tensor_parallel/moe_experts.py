@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from .. import ops
 from .declare import ParamDecl, build_parameters, prefixed
+from .layers import with_weight, without_weight
 from .mlp import mlp_parameters
 from .parameter import Module
 
@@ -67,7 +68,7 @@ class ExpertMLP(Module):
                                          None if self.fc2_bias is None else self.fc2_bias.data)
             if self.fc2_lora is not None:
                 lora[1] = self.fc2_lora.forward(a, y)
-            return y, (fc, g, proj)
+            return y, (without_weight(fc), g, without_weight(proj))
         h, fc = ops.linear_forward(x, self.fc1.data)
         if self.fc1_lora is not None:
             lora[0] = self.fc1_lora.forward(x, h)
@@ -78,12 +79,13 @@ class ExpertMLP(Module):
         y, proj = ops.linear_forward(a, self.fc2.data, None if self.fc2_bias is None else self.fc2_bias.data)
         if self.fc2_lora is not None:
             lora[1] = self.fc2_lora.forward(a, y)
-        return y, (fc, g, proj)
+        return y, (without_weight(fc), g, without_weight(proj))
 
     def backward(self, dy, saved):
         fc, g, proj = saved[:3]
         lora = saved[3] if len(saved) > 3 else (None, None)
-        da, _, db = ops.linear_backward(dy, proj, wgrad_out=self.fc2.grad, need_dw=self.fc2.trainable)
+        da, _, db = ops.linear_backward(dy, with_weight(proj, self.fc2.data), wgrad_out=self.fc2.grad,
+                                        need_dw=self.fc2.trainable)
         if db is not None and self.fc2_bias.trainable:
             self.fc2_bias.grad += db
         if lora[1] is not None:
@@ -96,7 +98,8 @@ class ExpertMLP(Module):
                 self.fc1_bias.grad += db
         else:
             dh = ops.gelu_backward(da, g)
-        dx, _, db = ops.linear_backward(dh, fc, wgrad_out=self.fc1.grad, need_dw=self.fc1.trainable)
+        dx, _, db = ops.linear_backward(dh, with_weight(fc, self.fc1.data), wgrad_out=self.fc1.grad,
+                                        need_dw=self.fc1.trainable)
         if self.kind == "swiglu" and db is not None and self.fc1_bias.trainable:
             self.fc1_bias.grad += db
         if lora[0] is not None:

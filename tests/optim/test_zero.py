@@ -598,3 +598,32 @@ def test_the_planner_plans_zero_2_and_3_and_hsdp_from_the_models_units(capsys):
     out = capsys.readouterr().out
     assert "ZeRO-3 over dp=8 in 2 replicas (HSDP)" in out and "HSDP all-reduce (gradient shards)" in out, out
     assert cli.main(["--params", "8B", "--dp", "6", "--dp-replicate", "4", "--zero", "3"]) == 2
+
+
+@pytest.mark.parametrize("preset, settings", [
+    ("tiny", {}), ("llama-tiny", {}), ("gemma-tiny", {}), ("deepseek-tiny", {}),
+    ("llama-tiny", dict(lora_rank=2)),  # LoRA's pairs keep their A and B too
+    ("qwen3-moe-tiny", dict(lora_rank=2)),  # (LoRA on experts: the per-expert path's linears)
+    ("deepseek-tiny", dict(lora_rank=2, lora_targets="q_a,kv_a,o,gate")),  # MLA's replicated down-projections
+])
+def test_zero_3_keeps_no_gathered_weights_for_backward(preset, settings):
+    """Resharding after the forward frees each unit's gathered parameters: what the layers keep
+    for backward holds no view of them (a linear's, a norm's, a LoRA pair's weight in its op
+    context kept the whole unit alive to the backward, every unit whole by the end of the
+    forward), so zero 3 keeps per layer what zero 2 keeps. One rank: the units are gathered
+    into buffers of their own as at any dp."""
+    from mpi4py import MPI
+
+    from cutp.train.memory import measure_step
+
+    stash = {}
+    for zero in (2, 3):
+        model = GPTConfig.preset(preset, dtype="float64").with_overrides(
+            ["vocab_size=61", "block_size=8", "n_embd=32", "n_layer=2"]
+            + (["layer_types=sliding_attention,full_attention"] if preset == "gemma-tiny" else []))
+        cfg = RunConfig(model=model, batch_size=1, seq_len=8, steps=1, warmup=0, seed=3, eval_every=0, quiet=True,
+                        save_on_signal=False, zero=zero, micro_batch_size=1, device="cpu", **settings)
+        run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 512, 0))
+        stash[zero] = measure_step(run)[2]
+        run.close()
+    assert stash[3] == stash[2] and min(stash[2]) > 0, stash
