@@ -40,6 +40,7 @@ import dataclasses
 import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -60,7 +61,7 @@ from .model_choice import as_gpt_config, init_from_model, model_config
 from .finetune import FINETUNE_SETTINGS, check_base_of, check_finetune, resumed_without_base
 from .moe import check_expert_parallel
 from .overlap import OVERLAP_SETTINGS, check_overlap
-from .zero import check_zero, normalise_zero
+from .zero import check_one_stage, check_zero, normalise_zero, sharding_nothing
 from .fixes import with_working_fixes
 from .defaults import (MAX_DEFAULT_TP, RESUME_MESH, choose_tp, default_batch, default_micro_batch, divisors, either,
                        layout_text, refuse_ignored, refuse_sequence_parallel, resumed_choices, saved_world, schedule_takes)
@@ -451,6 +452,9 @@ def resolve_run_config(comm=None, *, source: str = "run settings", **choices) ->
             check_prepared_data(cfg.data)
     # and the same result (a stale `latest` read on one node would resume another step)
     check_same_on_all_ranks(comm, cfg.to_dict(), "training configuration")
+    idle = sharding_nothing(cfg)
+    if idle and comm.Get_rank() == 0:  # (it runs: a layout that may be meant, said once)
+        print(idle, file=sys.stderr, flush=True)
     return cfg
 
 
@@ -487,6 +491,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
     if unknown:
         raise ConfigError(f"unknown run settings {unknown}; the settings are {sorted(CHOICES)}")
     _one_start(choices.get("resume"), choices.get("init_from"))
+    check_one_stage(choices.get("zero"), choices.get("distributed_optimizer"))
     resume_dir, meta = None, None
     if choices.get("resume"):  # the run goes on as it was: its layout, cadence and run directory
         resume_dir = resolve_checkpoint(choices["resume"])

@@ -16,6 +16,7 @@ from ..optim import ShardedAdamW
 from ..runtime.errors import ConfigError
 from ..runtime.failure import errors_raised_on_every_rank
 from ..tensor_parallel.grads import expert_replica_group, replica_group
+from .defaults import layout_text
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -27,6 +28,28 @@ def normalise_zero(cfg) -> None:
         object.__setattr__(cfg, "zero", 1)
     if cfg.zero >= 1:
         object.__setattr__(cfg, "distributed_optimizer", True)
+
+
+def check_one_stage(zero, distributed_optimizer) -> None:
+    """`distributed_optimizer` is zero 1 (normalise_zero): given with `zero` 2 or 3, two stages are
+    asked for, and neither can be chosen silently (ConfigError, one line)."""
+    if distributed_optimizer and zero is not None and zero >= 2:
+        raise ConfigError(f"`distributed_optimizer` is zero 1, and `zero` {zero} is given too: two ZeRO stages; omit "
+                          f"`distributed_optimizer` (zero {zero} shards the optimizer state as well), or give `zero` 1")
+
+
+def sharding_nothing(cfg) -> str | None:
+    """The warning line of a ZeRO stage whose shard group is one rank (dp x cp / dp_replicate = 1):
+    it runs, and shards nothing; None otherwise."""
+    if cfg.zero < 1:
+        return None
+    ranks = cfg.dp * cfg.cp // (cfg.dp_replicate if cfg.zero >= 2 else 1)
+    if ranks > 1:
+        return None
+    if cfg.dp_replicate > 1:
+        return (f"warning: zero {cfg.zero} shards inside each of {cfg.dp_replicate} replicas of one rank (dp x cp = "
+                f"{cfg.dp * cfg.cp}): nothing is sharded; fewer replicas would shard")
+    return f"warning: zero {cfg.zero} shards over dp x cp, which is 1 here ({layout_text(cfg)}): nothing is sharded"
 
 
 def check_zero(cfg) -> None:
