@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="a training step (run under mpiexec -n tp*cp*dp*pp)")
     # the training settings: declared once in cutp.train.config (train_gpt.py's flags, same names and meanings;
     # --batch-size is the global batch), with this command's defaults
-    add_setting_flags(m, {"preset": "tiny", "set": [], "tp": 1, "pp": 1, "pp_schedule": None, "pp_virtual": None,
+    add_setting_flags(m, {"preset": "tiny", "set": [], "tp": 1, "ep": 1, "pp": 1, "pp_schedule": None, "pp_virtual": None,
                           "pp_layers": None, "cp": 1, "cp_comm": "ring", "dp": None, "device": "auto",
                           "dtype": "float32", "allow_tf32": False, "distributed_optimizer": False, "zero": 0,
                           "reshard_after_forward": True, "dp_replicate": 1, "recompute": "none",

@@ -44,6 +44,8 @@ from .. import ops
 from ..ops import tf32_allowed
 from ..ops.profile import OpTimer, breakdown
 from ..runtime.threads import set_blas_threads
+from ..optim import ShardedAdamW
+from ..tensor_parallel.grads import replica_size
 from ..train import StepHooks, build_run, resolve_run_config, train_step
 from ..train.finetune import FINETUNE_DEFAULTS
 from ..train.overlap import overlap_fraction
@@ -256,6 +258,12 @@ def _overlap_table(report, world, times, name="overlap", title="communication hi
     return out
 
 
+def _shards(opt, ctx) -> int:
+    """The ranks the optimizer state is sharded over: ZeRO 2/3's shard group (one HSDP replica's
+    ranks), else DP x CP (ZeRO 1; at ep > 1 the experts' over DP x CP / ep)."""
+    return opt.group.size if isinstance(opt, ShardedAdamW) else replica_size(ctx)
+
+
 def run(args) -> Report:
     device, xp = device_of(args.device)
     world = MPI.COMM_WORLD
@@ -266,7 +274,7 @@ def run(args) -> Report:
     T = min(args.seq_len or (min(model.block_size, 256) if device == "cpu" else model.block_size), model.block_size)
     # the training step of cutp.train, at a constant learning rate, on random tokens
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,
-                             dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, batch_size=args.batch_size or B * dp,
+                             dtype=args.dtype, device=device, tp=args.tp, dp=args.dp, ep=getattr(args, "ep", 1), batch_size=args.batch_size or B * dp,
                              pp=args.pp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
                              pp_layers=args.pp_layers, cp=cp, cp_comm=getattr(args, "cp_comm", "ring"),
                              micro_batch_size=args.micro_batch_size or B, seq_len=T, steps=args.warmup + args.steps + (device != "cpu"), lr=1e-4,
@@ -444,7 +452,7 @@ def run(args) -> Report:
     mem.add(what="gradients", mib=g_b / 2**20, how=f"{flat.padded_size:,} x {flat.grad.dtype.itemsize} B")
     mem.add(what="optimizer state", mib=o_b / 2**20,
             how="AdamW m, v" + (" + fp32 master weights" if opt.master is not None else "")
-                + (f", 1/{ctx.dp_size} of them (distributed)" if opt.distributed else ""))
+                + (f", 1/{_shards(opt, ctx)} of them (distributed)" if opt.distributed else ""))
     mem.add(what="cached activations", mib=act / 2**20, how="modules' _cache_* buffers after forward (max over ranks)")
     layer = int(reduce_scalar(world, max(hooks.per_layer, default=0)))
     mem.add(what="kept per layer", mib=layer / 2**20, how="the largest layer's cached buffers after forward (max over ranks)")
