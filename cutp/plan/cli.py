@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 from ..runtime.errors import ConfigError, settings_named
 from ..train.config import add_setting_flags
+from ..train.overlap import check_overlap
+from ..train.zero import check_one_stage, check_zero
 from . import finetune, layout, overlap, pipeline, search
 
 
@@ -29,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "reshard_after_forward": True, "dp_replicate": 1, "recompute": "none",
                           "recompute_layers": None, "sequence_parallel": False, "pp": 1, "pp_layers": None,
                           "pp_schedule": None, "pp_virtual": 1, "link_bandwidth": None, "link_latency": 5.0,
-                          "bucket_size": None, "dtype": None, "device": "cuda", "batch_size": None,
+                          "bucket_size": None, "overlap_param_gather": False, "dtype": None, "device": "cuda", "batch_size": None,
                           **finetune.DEFAULTS},  # (what trains: --freeze, --lora-*)
                       aliases={"micro_batch_size": ("--micro-batch",)})  # (the planner's older spelling)
     p.add_argument("--accum", type=int, default=None,
@@ -69,6 +72,15 @@ def run(args):
 
 def _run(args):
     overlap.check_args(args)
+    # training's refusals of these ZeRO settings, in its words (cutp.train.zero, cutp.train.overlap);
+    # HSDP's and resharding's have the planner's own checks (cutp.plan.layout.plan)
+    check_one_stage(args.zero, args.distributed_optimizer)
+    stage = max(args.zero, int(bool(args.distributed_optimizer)))
+    settings = SimpleNamespace(zero=stage, distributed_optimizer=stage >= 1, reshard_after_forward=True,
+                               dp_replicate=1, dp=args.dp, ep=1, overlap_param_gather=args.overlap_param_gather,
+                               bucket_size=args.bucket_size)
+    check_overlap(settings)
+    check_zero(settings)
     if finetune.settings_of(args) and args.search:
         raise ConfigError("--search with --lora-rank or --freeze: the search plans full training only; plan the "
                           "fine-tuning layout it suggests without --search")

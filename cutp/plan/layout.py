@@ -226,6 +226,21 @@ def table_bytes_per_param(dtype: str, dp: int = 1, distributed_optimizer: bool =
     return pb + grad + (state / dp if distributed_optimizer else state)
 
 
+def _expert_counted(comm: dict, size: int, replicas: int, cp: int) -> dict:
+    """zero 2/3 at ep > 1: the experts' collectives of a `zero_plan` (its `comm`), under the keys of
+    `_gradient_reduction("expert_dp", ...)`, and expert_dp_replicas_allreduce (HSDP)."""
+    group = "hsdp_expert_shard" if replicas > 1 else ("expert_dp_cp" if cp > 1 else "expert_dp")
+    none = {"calls": 0, "elements": 0, "bytes": 0}
+
+    def of(key, factor):
+        c = comm.get(key, none)
+        return {**c, "wire_bytes": c["bytes"] * factor}
+
+    return {"expert_dp_allreduce": of("", 0), "expert_dp_reduce_scatter": of(f"{group}.reduce_scatter", (size - 1) / size),
+            "expert_dp_all_gather": of(f"{group}.all_gather", size - 1),
+            "expert_dp_replicas_allreduce": of("hsdp_expert_replicas.all_reduce", 2 * (replicas - 1) / replicas)}
+
+
 def _shard_group(cp: int, dp_replicate: int) -> str:
     return "hsdp_shard" if dp_replicate > 1 else ("dp_cp" if cp > 1 else "dp")
 
@@ -319,7 +334,8 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
          dtype: str | None = None, distributed_optimizer: bool = False, config: GPTConfig | None = None,
          device: str = "cuda", threads: int = 1, recompute: str = "none", recompute_layers: int | None = None,
          sequence_parallel: bool = False, ep: int = 1, cp: int = 1, cp_comm: str = "ring", zero: int = 0,
-         reshard_after_forward: bool = True, dp_replicate: int = 1, finetune: dict | None = None) -> dict:
+         reshard_after_forward: bool = True, dp_replicate: int = 1, overlap_param_gather: bool = False,
+         finetune: dict | None = None) -> dict:
     """Every figure of the plan as plain numbers (bytes, elements, calls). `config`: the cutp
     model `a` describes (exact parameters, simulated activations); None: a --params
     architecture. Raises ConfigError (one line naming the fix) for settings that cannot run,
@@ -328,13 +344,12 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
     freeze / lora_* settings: the state of the trainable elements only (cutp.plan.finetune)."""
     zero = max(zero, int(bool(distributed_optimizer)))
     distributed_optimizer = zero >= 1
-    if zero >= 2 and ep > 1:
-        raise ConfigError(f"--zero {zero} shards each unit over DP x CP, and at --ep {ep} the experts reduce over the "
-                          "expert-DP group; use --zero 1, or omit --ep")
     if dp % dp_replicate or (dp_replicate > 1 and zero < 2):
         raise ConfigError(f"--dp-replicate {dp_replicate} needs --zero 2 or 3 and must divide --dp {dp}; use --zero 3 "
                           "with a --dp it divides, or omit --dp-replicate")
-    sharding = dict(zero=zero, reshard_after_forward=reshard_after_forward, dp_replicate=dp_replicate)
+    prefetch = bool(overlap_param_gather) and zero == 3  # (zero 3's: the next unit gathered ahead)
+    sharding = dict(zero=zero, reshard_after_forward=reshard_after_forward, dp_replicate=dp_replicate,
+                    overlap_param_gather=bool(overlap_param_gather))
     for name, v in (("tp", tp), ("dp", dp), ("micro_batch", micro_batch), ("seq_len", seq_len), ("accum", accum),
                     ("threads", threads)):
         check_positive(name, v)
@@ -398,21 +413,29 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
         if trains is not None:  # (the frozen parameters sharded or whole alike, their state none)
             st = dict(st, **{k: zero_state_bytes(trains["trainable"], dtype=dtype, d=d, zero=zero)[k]
                              for k in ("grads", "optimizer")})
-        if config is not None and not a.n_experts:  # exact: the model's own units, the largest rank's
-            mesh = Mesh(tp, dp, cp=cp)
+        elif ep > 1 and a.n_experts:  # the experts over a replica's expert-DP x CP ranks (d / ep), apart
+            local = moe_counts(a, tp, ep)["per_rank"]
+            dense, experts = (zero_state_bytes(n, dtype=dtype, d=k, zero=zero)
+                              for n, k in ((P - local, d), (local, d // ep)))
+            st = {k: dense[k] + experts[k] for k in dense}
+        if config is not None:  # exact: the model's own units (and experts), the largest rank's
+            mesh = Mesh(tp, dp, ep=ep, cp=cp)
             planned = dataclasses.replace(config, dtype=dtype)
-            zplan = max((zero_plan(planned, tp=tp, dp=dp, cp=cp, rank=mesh.rank_of(r, 0), zero=zero, accum=accum,
-                                   reshard_after_forward=reshard_after_forward, prefetch=True,
+            zplan = max((zero_plan(planned, tp=tp, dp=dp, cp=cp, ep=ep, rank=mesh.rank_of(r, 0), zero=zero,
+                                   accum=accum, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
                                    dp_replicate=dp_replicate, finetune=finetune) for r in planned_ranks(tp)),
                         key=lambda z: sum(z["state"].values()))
-            st = dict(zplan["state"], padded=d * zplan["shard_elements"], shard=zplan["shard_elements"])
+            st = dict(zplan["state"], padded=zplan["whole_elements"], shard=zplan["shard_elements"])
+            if zero == 3 and a.n_experts:  # (an MoE model's step is planned by formula: its whole units added)
+                act["gathered_units"] = zplan["gathered_peak"]
+                act["bytes"] += act["gathered_units"]
         elif zero == 3:  # whole units held in the step (the simulated step has them in its peak)
             unit = param_count(a, tp, ep)["layer_per_rank"]
             act["gathered_units"] = gathered_units_bytes(unit, st["padded"], dtype=dtype,
                                                          reshard_after_forward=reshard_after_forward)
             act["bytes"] += act["gathered_units"]
     N = st["padded"]
-    gb = st["grads"] // N if N else 4
+    gb = 4 if pb == 2 else pb  # (the gradients' itemsize: fp32 main grads of 16-bit models; ZeRO 2/3 shard them)
     bsh = b * (s // cp) * h  # this CP rank's tokens
     tp_calls = (4 * L + 2) * accum if tp > 1 else 0
     tp_elems = bsh * tp_calls
@@ -466,8 +489,9 @@ def plan(a: GPTConfig, *, tp: int, dp: int, micro_batch: int, seq_len: int, accu
             st["padded"], d=dpg // dp_replicate, replicas=dp_replicate, zero=zero, accum=accum, dtype=dtype,
             units=L + 2, reshard_after_forward=reshard_after_forward,
             counted=None if zplan is None else zplan["comm"], group=_shard_group(cp, dp_replicate))),
-        # at ep > 1 the experts' own buffer, over expert-DP (x CP)
-        **_gradient_reduction("expert_dp", dpg // ep, expert_n, gb, pb, distributed_optimizer),
+        # at ep > 1 the experts' own buffer, over expert-DP (x CP); zero 2/3: their segments, counted
+        **(_gradient_reduction("expert_dp", dpg // ep, expert_n, gb, pb, distributed_optimizer) if zplan is None
+           else _expert_counted(zplan["comm"], dpg // ep // dp_replicate, dp_replicate, cp)),
     }
     state = st["params"] + st["grads"] + st["optimizer"]
     out["model_state_bytes"] = state
@@ -510,7 +534,8 @@ def run(args) -> Report:
              recompute_layers=args.recompute_layers, sequence_parallel=args.sequence_parallel, ep=args.ep,
              cp=getattr(args, "cp", 1), cp_comm=getattr(args, "cp_comm", "ring"), zero=getattr(args, "zero", 0),
              reshard_after_forward=getattr(args, "reshard_after_forward", True),
-             dp_replicate=getattr(args, "dp_replicate", 1), finetune=settings_of(args))
+             dp_replicate=getattr(args, "dp_replicate", 1),
+             overlap_param_gather=getattr(args, "overlap_param_gather", False), finetune=settings_of(args))
     args.cp, args.cp_comm = r["cp"], r["cp_comm"]
     report = Report("plan", {})
     report.extra["plan"] = r
@@ -602,7 +627,7 @@ def run(args) -> Report:
     if z >= 2:
         rows += [("DP reduce-scatter (gradients)", "dp_reduce_scatter", "each unit's, in every micro-batch"),
                  ("DP all-gather (parameters)", "dp_all_gather",
-                  f"each unit before its forward and backward, {dt}" if z == 3 else "after the update, {dt}")]
+                  f"each unit before its forward and backward, {dt}" if z == 3 else f"after the update, {dt}")]
         if r["dp_replicate"] > 1:
             rows += [("HSDP all-reduce (gradient shards)", "dp_replicas_allreduce", "across the replicas, once")]
     elif dist:
@@ -610,7 +635,16 @@ def run(args) -> Report:
                  ("DP all-gather (parameters)", "dp_all_gather", f"this rank's 1/dp of the padded parameters, {dt}")]
     else:
         rows += [("DP all-reduce (gradients)", "dp_allreduce", "the gradient buffer, once per step")]
-    if r["expert_dp_allreduce"]["calls"] + r["expert_dp_reduce_scatter"]["calls"]:
+    if z >= 2 and r["ep"] > 1 and a.n_experts:
+        rows += [("expert-DP reduce-scatter (experts' gradients)", "expert_dp_reduce_scatter",
+                  "each MoE layer's experts, in every micro-batch, over dp x cp / ep"),
+                 ("expert-DP all-gather (experts)", "expert_dp_all_gather",
+                  f"each MoE layer's experts before its forward and backward, {dt}" if z == 3 else
+                  f"after the update, {dt}")]
+        if r["dp_replicate"] > 1:
+            rows += [("HSDP all-reduce (experts' gradient shards)", "expert_dp_replicas_allreduce",
+                      "across the replicas, once")]
+    elif r["expert_dp_allreduce"]["calls"] + r["expert_dp_reduce_scatter"]["calls"]:
         rows += ([("expert-DP reduce-scatter (experts' gradients)", "expert_dp_reduce_scatter",
                    "the experts' padded gradient buffer, over dp x cp / ep"),
                   ("expert-DP all-gather (experts)", "expert_dp_all_gather", "this rank's 1/(dp cp / ep) of them")]

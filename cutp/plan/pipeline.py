@@ -147,7 +147,8 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                   config: GPTConfig | None = None, device: str = "cuda", threads: int = 1, recompute: str = "none",
                   recompute_layers: int | None = None, sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
                   cp_comm: str = "ring", zero: int = 0, reshard_after_forward: bool = True,
-                  dp_replicate: int = 1, finetune: dict | None = None) -> dict:
+                  dp_replicate: int = 1, overlap_param_gather: bool = False,
+                  finetune: dict | None = None) -> dict:
     """Each stage's memory (state exact, activations per the schedule), the point-to-point bytes
     and the bubble (the module docstring). The mesh, recomputation and dtype checks are
     `plan.plan`'s (run at pp 1 first, on the whole model). An MoE model's stages: their dense
@@ -161,7 +162,7 @@ def plan_pipeline(a: GPTConfig, *, pp: int, tp: int, dp: int, micro_batch: int, 
                  sequence_parallel=sequence_parallel)
     layout = dict(recompute=recompute, recompute_layers=recompute_layers, sequence_parallel=sequence_parallel)
     sharding = dict(zero=max(zero, int(bool(distributed_optimizer))), reshard_after_forward=reshard_after_forward,
-                    dp_replicate=dp_replicate)
+                    dp_replicate=dp_replicate, overlap_param_gather=bool(overlap_param_gather))
     distributed_optimizer = sharding["zero"] >= 1
     if finetune and (config is None or a.n_experts):
         raise ConfigError("--pp with --lora-rank or --freeze is planned stage by stage from cutp's own dense models; "
@@ -258,8 +259,21 @@ def parse_pp_layers(text: str | None):
 
 
 def micro_batches(args) -> int:
-    """--accum, by default 1 without a pipeline and pp (the fewest 1F1B runs) with one."""
-    return args.accum if args.accum is not None else (args.pp if args.pp > 1 or args.pp_virtual > 1 else 1)
+    """--accum; from --batch-size as training derives it (batch / (dp x micro-batch size), which must
+    divide it); by default 1 without a pipeline and pp (the fewest 1F1B runs) with one."""
+    batch = getattr(args, "batch_size", None)
+    if batch is None:
+        return args.accum if args.accum is not None else (args.pp if args.pp > 1 or args.pp_virtual > 1 else 1)
+    per = args.dp * args.micro_batch_size
+    check_positive("batch_size", batch)
+    if batch % per:
+        raise ConfigError(f"--batch-size {batch} is not a multiple of --dp {args.dp} x --micro-batch-size "
+                          f"{args.micro_batch_size} = {per} (a step runs batch / (dp x micro-batch) micro-batches per "
+                          f"DP rank); use --batch-size {max(per, batch - batch % per)} or {batch - batch % per + per}")
+    if args.accum is not None and args.accum != batch // per:
+        raise ConfigError(f"--batch-size {batch} at --dp {args.dp} x --micro-batch-size {args.micro_batch_size} is "
+                          f"{batch // per} micro-batches per step, and --accum {args.accum} is given; give one of them")
+    return batch // per
 
 
 def run(args) -> Report:
@@ -273,7 +287,8 @@ def run(args) -> Report:
                       sequence_parallel=args.sequence_parallel, cp=getattr(args, "cp", 1),
                       cp_comm=getattr(args, "cp_comm", "ring"), zero=getattr(args, "zero", 0),
                       reshard_after_forward=getattr(args, "reshard_after_forward", True),
-                      dp_replicate=getattr(args, "dp_replicate", 1), finetune=settings_of(args))
+                      dp_replicate=getattr(args, "dp_replicate", 1),
+                      overlap_param_gather=getattr(args, "overlap_param_gather", False), finetune=settings_of(args))
     report = Report("plan", {})
     report.extra["plan"] = r
     GB = 1e9

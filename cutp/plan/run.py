@@ -97,7 +97,7 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
                  recompute: str = "none", recompute_layers: int | None = None, sequence_parallel: bool = False,
                  pp_layers=None, pp_schedule: str | None = None, pp_virtual: int = 1, cp_comm: str = "ring",
                  zero: int = 0, reshard_after_forward: bool = True, dp_replicate: int = 1,
-                 finetune: dict | None = None) -> dict:
+                 overlap_param_gather: bool = False, finetune: dict | None = None) -> dict:
     """One training step of `config` on world rank `rank` of the mesh tp x cp x dp x pp, planned by
     running it on shape-only arrays. Returns {"activations_peak", "where", "stash_per_layer" (by
     global layer index; 0 for another stage's layers), "parameters" ([PlannedParameter], this
@@ -105,7 +105,8 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
     bytes), "comm" (this step's collectives, `CommCounter.summary()`), "in_flight" (a pipeline
     stage's most micro-batches in flight), "left" (bytes still live after the step, other than
     the state), "seconds"}. `finetune`: RunConfig's freeze / lora_* settings (cutp.train.finetune):
-    frozen parameters then count in "params" only (no gradients, masters or optimizer state)."""
+    frozen parameters then count in "params" only (no gradients, masters or optimizer state).
+    `overlap_param_gather`: zero 3's prefetch of the next unit (its whole units in the peak)."""
     if config.n_experts:
         raise ConfigError("planned_step does not follow MoE routing (data-dependent shapes); MoE layers are "
                           "planned by formula (cutp.plan.moe)")
@@ -116,7 +117,7 @@ def planned_step(config: GPTConfig, *, tp: int = 1, dp: int = 1, pp: int = 1, ep
                     micro_batch_size=micro_batch,
                     batch_size=micro_batch * accum * dp, seq_len=seq_len, steps=2, warmup=0,
                     distributed_optimizer=distributed_optimizer, zero=zero, reshard_after_forward=reshard_after_forward,
-                    dp_replicate=dp_replicate, recompute=recompute,
+                    dp_replicate=dp_replicate, overlap_param_gather=overlap_param_gather, recompute=recompute,
                     recompute_layers=recompute_layers, sequence_parallel=sequence_parallel,
                     pp_layers=None if pp_layers is None else tuple(pp_layers), pp_schedule=schedule,
                     pp_virtual=pp_virtual, eval_every=0, quiet=True, save_on_signal=False, collective_timeout=0,

@@ -35,9 +35,21 @@ def _plan(capsys, *argv):
     (("--params", "7B", "--preset", "tiny"), "give --params or --preset, not both"),
     (("--preset", "tiny", "--tp", "1", "--dp", "2", "--ep", "2"),
      "--ep 2: the model has no experts (n_experts=0); drop --ep or --set n_experts=N"),
-    (("--preset", "tiny-moe", "--tp", "1", "--dp", "2", "--ep", "2", "--zero", "2"),
-     "--zero 2 shards each unit over DP x CP, and at --ep 2 the experts reduce over the expert-DP group; use --zero "
-     "1, or omit --ep"),
+    # training's refusals, in its words (cutp.train.zero)
+    (("--preset", "tiny", "--tp", "1", "--dp", "4", "--zero", "3", "--bucket-size", "1000"),
+     "--bucket-size cuts the gradient buckets of zero 0 and 1, and zero 3 reduces unit by unit; omit --bucket-size, "
+     "or use --zero 1"),
+    (("--preset", "tiny", "--tp", "1", "--dp", "4", "--zero", "3", "--distributed-optimizer"),
+     "--distributed-optimizer is zero 1, and --zero 3 is given too: two ZeRO stages; omit --distributed-optimizer"),
+    (("--preset", "tiny", "--tp", "1", "--dp", "4", "--zero", "2", "--overlap-param-gather"),
+     "--overlap-param-gather prefetches the parameter gathers of zero 3"),
+    # --batch-size: the micro-batches training derives from it, or what would do
+    (("--preset", "tiny", "--tp", "1", "--dp", "4", "--batch-size", "10"),
+     "--batch-size 10 is not a multiple of --dp 4 x --micro-batch-size 1 = 4 (a step runs batch / (dp x "
+     "micro-batch) micro-batches per DP rank); use --batch-size 8 or 12"),
+    (("--preset", "tiny", "--tp", "1", "--dp", "4", "--batch-size", "8", "--accum", "3"),
+     "--batch-size 8 at --dp 4 x --micro-batch-size 1 is 2 micro-batches per step, and --accum 3 is given; give one "
+     "of them"),
     (("--preset", "tiny-moe", "--tp", "1", "--freeze", "layers.0.*,mlp"),
      "freeze 'layers.0.*': the plan of an MoE model counts its experts by formula and matches groups only"),
 ])
