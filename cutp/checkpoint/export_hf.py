@@ -70,6 +70,26 @@ def tokenizer_source(ckpt: str, seen=()) -> str | None:
     return None
 
 
+def unfound_tokenizer_records(ckpt: str, seen=()) -> list:
+    """The paths the run of `ckpt` recorded that could name its tokenizer (its init_from, its
+    data, the data's tokenizer, through cutp checkpoints it started from) and that are not found
+    from here: a relative path of a run started elsewhere, or a directory since moved. When
+    `tokenizer_source` finds nothing, these say why, rather than "byte-level data"."""
+    args = read_meta(ckpt).get("train_args") or {}
+    out = []
+    for path in (args.get("init_from"), args.get("data")):
+        if isinstance(path, str) and not os.path.exists(path):
+            out.append(path)
+    init_from, data = args.get("init_from"), args.get("data")
+    if isinstance(init_from, str) and init_from not in seen and is_cutp_checkpoint(init_from):
+        out += unfound_tokenizer_records(resolve_checkpoint(init_from), seen + (init_from,))
+    if isinstance(data, str) and os.path.isfile(os.path.join(data, META_FILE)):
+        path = (read_data_meta(data).get("tokenizer") or {}).get("path")
+        if isinstance(path, str) and not os.path.exists(path):
+            out.append(path)
+    return out
+
+
 def _special_token_texts(tokenizer_json: str, cfg) -> dict:
     """{"bos_token": text, "eos_token": text, ...} of cfg's ids, looked up in tokenizer.json."""
     with open(tokenizer_json) as f:
@@ -175,8 +195,13 @@ def export_hf(src: str, out: str, dtype: str | None = None, stream=None, merge_l
     if has_lora:
         what += (", LoRA merged" if merge_lora else f", the frozen base; LoRA adapters in {out}/{ADAPTER_DIR} "
                  "(PEFT's format)")
+    lost = [] if source else unfound_tokenizer_records(ckpt)
     if source:
         print(f"exported {ckpt} to {out}: {what}, tokenizer from {source}", file=stream)
+    elif lost:  # (not byte-level: the run names where its tokens came from, which is not found from here)
+        print(f"exported {ckpt} to {out}: {what}; no tokenizer files: {', '.join(lost)}, recorded by the run, not "
+              f"found from {os.getcwd()}: export from the directory the run was started in, or copy the tokenizer "
+              f"files into {out}", file=stream)
     else:
         print(f"exported {ckpt} to {out}: {what}; no tokenizer files: the model was trained on byte-level "
               "data (token id = byte value), which has no Hugging Face tokenizer", file=stream)

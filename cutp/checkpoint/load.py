@@ -15,6 +15,7 @@ from ..runtime.errors import ConfigError
 from ..runtime.failure import agree_on_error, errors_raised_on_every_rank
 from ..tensor_parallel.lora import set_up_trainable
 from ..tensor_parallel.sharding import assemble_full, pad_rows, sharding_from_spec, take_shard
+from .base_identity import check_same_base
 from .files import (CheckpointError, is_cutp_checkpoint, mesh_pp, model_file, optim_file, param_stage, read_meta,
                     shard_shape, unlisted_files, verify_file)
 from .names import stored_key
@@ -310,8 +311,12 @@ def model_with_base(ckpt: str, meta: dict, ctx, config=None):
     base = args.get("init_from")
     with errors_raised_on_every_rank(ctx.world.mpi_comm):
         if base is not None and not os.path.isdir(base):
+            relative = ("" if os.path.isabs(base) else " (a relative path, found from the directory the run was "
+                        "started in: load it from there)")
             raise ConfigError(f"{ckpt} holds only the trainable tensors; its frozen base, the run's init_from {base}, "
-                              "is gone: restore that directory to load the run")
+                              f"is gone{relative}: restore that directory to load the run")
+        if base is not None:  # (its run's base, not whatever that directory holds now)
+            check_same_base(ckpt, args, base, f"put the run's base back at {base} to load the run")
     model = GPT(ctx, config or GPTConfig.from_dict(meta["config"]), seed=meta.get("seed", 0), init=base is None)
     if base is not None:
         if is_cutp_checkpoint(base):

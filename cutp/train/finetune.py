@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from ..checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from ..checkpoint.base_identity import base_record, check_same_base
 from ..models.hf import expected_shapes
 from ..models.hf_files import HFFormatError
 from ..runtime.errors import ConfigError
@@ -134,32 +135,50 @@ def resumed_without_base(resume: str) -> bool:
 
 
 def check_base_of(ckpt: str, meta: dict, init_from: str | None) -> str | None:
-    """The frozen base of a resumed checkpoint holding only what trained: `init_from` when given
-    (the base moved there), else its run's init_from (None: the seed's initial weights), refused
-    in one line naming the fix when that directory is gone."""
-    base = init_from if init_from is not None else (meta.get("train_args") or {}).get("init_from")
-    if base is not None and not os.path.isdir(base):
+    """The frozen base of a resumed checkpoint holding only what trained, as an absolute path:
+    `init_from` when given (the base moved there), else its run's init_from (None: the seed's
+    initial weights; an older checkpoint's relative path is resolved from here). Refused in one
+    line naming the fix when that directory is gone, or holds other weights than the run's base
+    (the fingerprint its run recorded, cutp.checkpoint.base_identity)."""
+    args = meta.get("train_args") or {}
+    base = init_from if init_from is not None else args.get("init_from")
+    if base is None:
+        return None
+    if not os.path.isdir(base):
         fix = ("give the directory it moved to as `init_from` together with `resume`" if init_from is None
                else "give the directory that holds it")
+        relative = ("; a relative path, found from the directory the run was started in" if init_from is None
+                    and not os.path.isabs(base) else "")
         raise ConfigError(f"`resume` {ckpt} holds only what its run trained; its frozen base {base} is not a "
-                          f"directory (moved or deleted): {fix}")
-    return base
+                          f"directory (moved or deleted{relative}): {fix}")
+    check_same_base(f"`resume` {ckpt}", args, base,
+                    "give the directory that holds the run's base as `init_from` together with `resume`, or put "
+                    f"the run's base back at {args.get('init_from')}")
+    return os.path.abspath(base)
 
 
 def resumed_base(cfg) -> tuple[bool, str | None]:
     """(init, init_from) of the model a run builds: a resumed checkpoint saved with frozen
     parameters (`trainable_only`) holds only what trains, so the frozen base comes from
     `cfg.init_from` (given with the resume: the base moved there), else the resumed run's
-    init_from, or, without one, its seed's initial weights."""
+    init_from (checked as `check_base_of` checks it), or, without one, its seed's initial weights."""
     if cfg.resume is None:
         return cfg.init_from is None, cfg.init_from
     meta = read_meta(cfg.resume)
     if not meta.get("trainable_only"):
         return False, None
-    if cfg.init_from is not None:
-        return False, cfg.init_from
-    base = (meta.get("train_args") or {}).get("init_from")
+    base = check_base_of(cfg.resume, meta, cfg.init_from)
     return base is None, base
+
+
+def frozen_base_record(cfg, base: str | None) -> dict:
+    """What a run with frozen parameters records in its checkpoints' train_args about `base`, the
+    directory its frozen weights were read from: its absolute path and weights' fingerprint
+    (cutp.checkpoint.base_identity), so a resume or export finds that base or refuses another.
+    Empty for a run without frozen parameters (its checkpoints are whole) or without a base."""
+    if base is None or not (cfg.freeze or cfg.lora_rank is not None):
+        return {}
+    return base_record(base)
 
 
 def trainable_line(cfg, model) -> str | None:

@@ -56,7 +56,9 @@ def init_from_model(c: dict, dropout: float) -> tuple[str, GPTConfig]:
     if diff:
         raise ConfigError(f"`preset`/`set` change the model of `init_from` {path}: " + "; ".join(diff)
                           + "; omit them (dropout, dtype and label_smoothing may change)")
-    return path, asked
+    # absolute: the run's checkpoints record it, and a resume or export from another directory
+    # must find the same base (and tokenizer), not whatever that relative path names there
+    return os.path.abspath(path), asked
 
 
 def asked_model(c: dict, dropout: float, preset: str | None, dtype: str) -> GPTConfig:

@@ -56,7 +56,7 @@ from ..tensor_parallel.parameter import trainable_parameters
 from .reductions import dp_mean, from_last_stage, losses_on_device, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
-from .finetune import resumed_base, set_up_trainable
+from .finetune import frozen_base_record, resumed_base, set_up_trainable
 from .moe import apply_moe_bias_updates, moe_step, moe_step_stats
 from .zero import sharded_optimizer
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
@@ -85,6 +85,8 @@ class TrainingRun:
     pipeline_in_flight: int = 0  # the most micro-batches this stage held at once in the last step
     run_dir_lock: RunDirLock | None = None  # rank 0's lock on config.out
     replaced: list = field(default_factory=list)  # another run's checkpoints in out, removed after our first (--overwrite)
+    frozen_base: dict = field(default_factory=dict)  # where a run with frozen parameters read them, and their
+    # fingerprint: its checkpoints' train_args record it (cutp.train.finetune.frozen_base_record)
     grad_buckets: GradBuckets | None = None  # --overlap-grad-reduce (cutp.optim.buckets; ep > 1: GradBucketGroups)
     param_gather: ParamGather | None = None  # --overlap-param-gather (ParamGathers at ep > 1 with experts)
 
@@ -254,8 +256,11 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
     if cfg.device == "cpu":
         keep_freed_host_memory()  # backward frees activations early: keep them for the next step
     setup_progress()
-    draw, base = resumed_base(cfg)  # (a checkpoint without its frozen base: that from its init_from or seed)
+    with errors_raised_on_every_rank(world):  # (a base that moved, or holds other weights: refused alike)
+        draw, base = resumed_base(cfg)  # (a checkpoint without its frozen base: that from its init_from or seed)
+        frozen_base = frozen_base_record(cfg, cfg.init_from if base is None else base)  # (read before it is loaded)
     run = assemble_run(cfg, ctx, dataset, sampler, init=draw, blas=blas, base=base)
+    run.frozen_base = frozen_base
     if cfg.resume is not None:
         resume(run, cfg.resume)
         setup_progress()
@@ -356,7 +361,7 @@ def save(run: TrainingRun) -> str | None:
     else:
         run.gather_params()
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
-                           data_state=run.sampler.state(run.step), train_args=cfg.checkpoint_settings(),
+                           data_state=run.sampler.state(run.step), train_args={**cfg.checkpoint_settings(), **run.frozen_base},
                            keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict(),
                            by_unit=by_unit)
     run.last_saved = run.step
