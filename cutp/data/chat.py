@@ -147,9 +147,11 @@ class ChatTemplate:
                 variables[key] = value
         return cls(source, variables)
 
-    def render(self, messages: list, add_generation_prompt: bool = False, spans: list | None = None) -> str:
-        """The conversation as text; `spans` (a list) receives the {% generation %} blocks' spans."""
-        kw = dict(self.variables, messages=messages, tools=None, documents=None,
+    def render(self, messages: list, add_generation_prompt: bool = False, spans: list | None = None,
+               tools: list | None = None, documents: list | None = None) -> str:
+        """The conversation as text; `spans` (a list) receives the {% generation %} blocks' spans;
+        `tools` and `documents` reach the template as apply_chat_template's tools= and documents=."""
+        kw = dict(self.variables, messages=messages, tools=tools, documents=documents,
                   add_generation_prompt=add_generation_prompt)
         try:
             if spans is None:
@@ -164,23 +166,31 @@ class ChatTemplate:
             return "".join(blocks)
         except self._jinja.exceptions.TemplateError as e:
             raise ChatError(f"the chat template refuses the conversation: {e}") from None
+        # the template's own Python errors on a record's values (Qwen's `content + '<|im_end|>'` on a
+        # number: TypeError) are the record's problem too, named by its line as the refusals above
+        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as e:
+            raise ChatError(f"the chat template fails on the conversation ({type(e).__name__}: {e}); fix the "
+                            "record or the template") from None
 
-    def assistant_spans(self, messages: list) -> tuple[str, list]:
-        """(the rendered conversation, the character spans of its assistant turns)."""
+    def assistant_spans(self, messages: list, tools: list | None = None,
+                        documents: list | None = None) -> tuple[str, list]:
+        """(the rendered conversation, the character spans of its assistant turns); every partial
+        rendering of the prefix method is given the same `tools` and `documents` as the whole."""
+        context = dict(tools=tools, documents=documents)
         if self.marked:
             spans = []
-            return self.render(messages, spans=spans), spans
-        full = self.render(messages)
+            return self.render(messages, spans=spans, **context), spans
+        full = self.render(messages, **context)
         spans = []
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = self._start_of(messages[:i], full)
+            start = self._start_of(messages[:i], full, context)
             content = message.get("content")
             if i == 0 and isinstance(content, str) and content.strip():  # (the template's BOS and role header)
                 at = full.find(content, start)
                 start = at if at >= 0 else max(start, full.find(content.strip(), start))
-            upto = self.render(messages[:i + 1])
+            upto = self.render(messages[:i + 1], **context)
             turn = upto[start:] if upto.startswith(full[:start]) else None
             if turn is None:
                 raise ChatError(f"message {i} (assistant): the conversation rendered up to it does not begin as the "
@@ -196,12 +206,12 @@ class ChatTemplate:
             spans.append((start, start + len(turn) - k))
         return full, spans
 
-    def _start_of(self, before: list, full: str) -> int:
+    def _start_of(self, before: list, full: str, context: dict) -> int:
         """Where an assistant message after `before` starts in `full`: after the generation prompt."""
         refused = False
         for agp in (True, False):
             try:
-                text = self.render(before, add_generation_prompt=agp) if before else ""
+                text = self.render(before, add_generation_prompt=agp, **context) if before else ""
             except ChatError:  # (refused with the prompt: without it, then)
                 refused = True
                 continue
@@ -232,13 +242,15 @@ class ChatTemplate:
         return after[0] if after and after[0] in specials else None
 
 
-def encode_chat(tok, template: ChatTemplate, messages: list, train_on: str = "assistant"):
-    """(ids, mask): the conversation's token ids (int list) and uint8 mask (1: a target)."""
+def encode_chat(tok, template: ChatTemplate, messages: list, train_on: str = "assistant", *,
+                tools: list | None = None, documents: list | None = None):
+    """(ids, mask): the conversation's token ids (int list) and uint8 mask (1: a target);
+    `tools` and `documents` go to the template as apply_chat_template passes them."""
     if train_on == "all":
-        text = template.render(messages)
+        text = template.render(messages, tools=tools, documents=documents)
         ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
         return ids, np.ones(len(ids), np.uint8)
-    text, spans = template.assistant_spans(messages)
+    text, spans = template.assistant_spans(messages, tools=tools, documents=documents)
     enc = tok.tokenizer.encode(text, add_special_tokens=False)
     return enc.ids, span_mask(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans)
 

@@ -142,9 +142,10 @@ def _encode(batch: list) -> tuple:
     counts = dict.fromkeys(("no_target", "too_long", "truncated"), 0)
     if rs.chat:
         ids, masks = [], []
-        for messages, where in batch:
+        for record, where in batch:
             try:
-                i, m = encode_chat(tok, _WORKER["template"], messages, rs.train_on)
+                i, m = encode_chat(tok, _WORKER["template"], record.messages, rs.train_on, tools=record.tools,
+                                   documents=record.documents)
             except ChatError as e:
                 raise ConfigError(f"{where}: {e}") from None
             ids.append(i)

@@ -5,6 +5,10 @@
 - instruct: each line holds a prompt and a response (and optionally a system message) under the
   keys given, made into the messages system / user / assistant.
 
+A chat or instruct record's `tools` (function schemas) and `documents` (lists), when it has them,
+go to the template with its messages, as transformers' apply_chat_template(messages, tools=...,
+documents=...) and TRL's SFT pass a dataset's columns of those names (`Conversation`).
+
 Chat and instruct records are rendered by the tokenizer's chat template (cutp.data.chat) in the
 workers; `RecordSettings` also says which tokens are targets and what happens to a record longer
 than `max_seq_len`.
@@ -20,6 +24,17 @@ from .chat import TRAIN_ON, check_messages
 
 FORMATS = ("text", "chat", "instruct")
 TOO_LONG = ("drop", "truncate")
+CONTEXT_KEYS = ("tools", "documents")  # a record's keys the template is given besides the messages
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat or instruct record: its messages, and its `tools` and `documents` (None when it has
+    none), which the template renders as apply_chat_template(messages, tools=, documents=) does."""
+
+    messages: list
+    tools: list | None = None
+    documents: list | None = None
 
 
 def input_files(inputs: list, exclude: str | None = None) -> list:
@@ -98,7 +113,7 @@ class RecordSettings:
 
 def records_of(files: list, rs: RecordSettings, text_key: str = "text"):
     """(record, bytes read, where) of each record of the files, in order: a text (--format
-    text), or a list of messages (chat; instruct: its system, prompt and response as messages)."""
+    text), or a Conversation (chat; instruct: its system, prompt and response as messages)."""
     if not rs.chat:
         for text, nbytes in documents(files, text_key):
             yield text, nbytes, None
@@ -118,7 +133,15 @@ def records_of(files: list, rs: RecordSettings, text_key: str = "text"):
                     raise ConfigError(f"{where}: not a JSON object; fix the line") from None
                 if not isinstance(obj, dict):
                     raise ConfigError(f"{where}: not a JSON object; fix the line")
-                yield _messages(obj, rs, where), len(line), where
+                yield _conversation(obj, rs, where), len(line), where
+
+
+def _conversation(obj: dict, rs: RecordSettings, where: str) -> Conversation:
+    for key in CONTEXT_KEYS:
+        if obj.get(key) is not None and not isinstance(obj[key], list):
+            raise ConfigError(f"{where}: {key!r} is a {type(obj[key]).__name__}; the chat template takes a record's "
+                              f"{key} as a list (of JSON objects, as apply_chat_template's {key}=): fix the record")
+    return Conversation(_messages(obj, rs, where), **{k: obj.get(k) for k in CONTEXT_KEYS})
 
 
 def _messages(obj: dict, rs: RecordSettings, where: str) -> list:
