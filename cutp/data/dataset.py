@@ -219,24 +219,23 @@ def model_kwargs(batch, asarray) -> dict:
 class BatchSampler:
     """Deterministic global batches, sliced by micro-batch and DP rank (`first_row`). Targets
     that are not trained on (chat data's masks) are IGNORE (-100). With `pack`, each row is a
-    window of whole documents (cutp.data.packing), its document ids in the batch's `documents`."""
+    window of whole documents (cutp.data.packing), its document ids in the batch's `documents`.
+    `evaluate` False (a run with `eval_every` 0): the validation split is neither needed nor
+    checked now (it may be empty: prepare-data dropped every record chosen for it); it is set
+    up, or refused, when first asked for."""
 
     def __init__(self, dataset: Dataset, seq_len: int, global_batch: int, dp_size: int, dp_rank: int,
-                 micro_batch: int, seed: int = 0, every_rank=None, pack: bool = False):
+                 micro_batch: int, seed: int = 0, every_rank=None, pack: bool = False, evaluate: bool = True):
         accum_steps = micro_batches(global_batch, dp_size, micro_batch)
-        self.packed = None
-        if pack:
-            if dataset.doc_lengths is None:
-                raise ConfigError("`pack` needs each document's length: give `data` a directory written by this "
-                                  "version's python -m cutp prepare-data (format version 2)")
-            self.packed = {s: PackedSplit(dataset.doc_lengths[s], seq_len, s) for s in ("train", "val")}
-        for name in ("train", "val") if not pack else ():
-            n = len(dataset.split(name))
-            if n < seq_len + 2:
-                raise ConfigError(f"the {name} split has {n} tokens, fewer than seq_len+2 = {seq_len + 2}; "
-                                 "use a shorter `seq_len` or more data")
+        if pack and dataset.doc_lengths is None:
+            raise ConfigError("`pack` needs each document's length: give `data` a directory written by this "
+                              "version's python -m cutp prepare-data (format version 2)")
+        self.packed = {} if pack else None
         self.dataset = dataset
         self.seq_len = seq_len
+        self._ready = set()
+        for split in ("train", "val") if evaluate else ("train",):
+            self._set_up(split)
         self.global_batch = global_batch
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.micro_batch = micro_batch
@@ -247,8 +246,27 @@ class BatchSampler:
         # mark_raised_on_every_rank): a damaged batch ends the job with one line
         self.every_rank = every_rank
 
+    def _set_up(self, split: str) -> None:
+        """Checks `split` holds a row (packed: its windows of documents), once; ConfigError naming the fix."""
+        if split in self._ready:
+            return
+        without = ", or `eval_every` 0 to train without validation" if split == "val" else ""
+        if self.packed is not None:
+            lengths = self.dataset.doc_lengths[split]
+            if split == "val" and not len(lengths):
+                raise ConfigError(f"`pack`: the val split has no documents{without}; give more data "
+                                  "(prepare-data --val-fraction)")
+            self.packed[split] = PackedSplit(lengths, self.seq_len, split)
+        else:
+            n = len(self.dataset.split(split))
+            if n < self.seq_len + 2:
+                raise ConfigError(f"the {split} split has {n} tokens, fewer than seq_len+2 = {self.seq_len + 2}; "
+                                  f"use a shorter `seq_len` or more data{without}")
+        self._ready.add(split)
+
     def global_offsets(self, step: int, split: str = "train") -> np.ndarray:
         """The step's rows: offsets into the split's tokens (or, packed, window indices)."""
+        self._set_up(split)
         rng = np.random.default_rng([self.seed, step, 0 if split == "train" else 1])
         if self.packed is not None:
             return rng.integers(0, len(self.packed[split]), self.global_batch)
@@ -265,9 +283,9 @@ class BatchSampler:
 
     def micro_batches(self, step: int, split: str = "train"):
         """Yields MicroBatch (x, y) int64 arrays [micro_batch, seq_len] of this DP rank for optimizer step `step`."""
+        offs = self.global_offsets(step, split)
         tokens = self.dataset.split(split)
         masks = self.dataset.masks[split] if self.dataset.masks else None
-        offs = self.global_offsets(step, split)
         packed = self.packed[split] if self.packed is not None else None
         spans = [packed.span(int(w)) for w in offs] if packed is not None else [(int(o), int(o) + self.seq_len + 1)
                                                                               for o in offs]

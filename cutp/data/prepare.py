@@ -428,4 +428,8 @@ class _Progress:
                               f"{dropped['too_long']:,} longer than --max-seq-len {limit} "
                               f"({dropped['truncated']:,} truncated, {dropped['too_long'] - dropped['truncated']:,} "
                               "dropped)\n")
+        if not sp["val"]["documents"]:  # (a warning: a run with --eval-every 0 trains on it as it is)
+            self.stream.write("prepare-data: warning: the val split is empty: every record chosen for validation was "
+                              "dropped; train on this data with --eval-every 0 (no validation), or prepare it again "
+                              "with a larger --max-seq-len or --val-fraction\n")
         self.stream.flush()

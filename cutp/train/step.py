@@ -243,7 +243,7 @@ def _build_run(cfg: RunConfig, world, dataset: Dataset | None) -> TrainingRun:
         dp_rank = Mesh(cfg.tp, cfg.dp, cfg.pp, cp=cfg.cp).dp_rank(world.Get_rank())  # the Context's, before it exists
         sampler = BatchSampler(dataset, cfg.seq_len, cfg.batch_size, cfg.dp, dp_rank, cfg.micro_batch_size,
                                seed=cfg.seed, every_rank=lambda e: mark_raised_on_every_rank(e, world, reporter=0),
-                               pack=cfg.pack)
+                               pack=cfg.pack, evaluate=cfg.eval_every > 0)  # (no validation: none needed)
     check_same_on_all_ranks(world, {"data": dataset.description, "data_blake2b": dataset.fingerprint()},
                             "training data")  # the same path may hold other bytes on another node
     setup_progress()  # each phase of setup gets the whole deadline (cutp.runtime.deadline)
