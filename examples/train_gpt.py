@@ -96,6 +96,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     trains = train.finetune.trainable_line(cfg, run.model)
     if trains:
         log(trains)
+    oversized = train.finetune.oversized_rank_line(cfg, run.model)  # (collective over PP: every rank asks)
+    if oversized and ctx.rank == 0:  # (a warning: printed under --quiet too)
+        print(oversized, file=sys.stderr, flush=True)
     state = train.max_over_ranks(ctx, train.memory_record(run))  # measured from the live arrays (collective)
     log(f"memory per rank (largest of {ctx.world_size}): {train.memory.state_line(state)}")
     log(f"batch {cfg.batch_size} x {cfg.seq_len} tokens = {cfg.tokens_per_step:,} tokens/step | micro-batch "

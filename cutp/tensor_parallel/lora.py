@@ -88,8 +88,11 @@ class LoraSpec:
                               "scales the adapters' output)")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"`lora_dropout` {self.dropout!r}: use a probability in [0, 1)")
+        if not self.targets:  # (`--lora-targets ""`: not "all of them", which is what omitting it means)
+            raise ConfigError(f"`lora_targets` is empty: give the projections to adapt, some of {','.join(TARGETS)} "
+                              f"(e.g. q,v), or omit `lora_targets` for {DEFAULT_TARGETS}")
         bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
+        if bad:
             raise ConfigError(f"`lora_targets` {','.join(self.targets)}: {bad or 'none given'} is no projection; "
                               f"use some of {','.join(TARGETS)} (Hugging Face's q_proj ... down_proj)")
 
@@ -104,9 +107,9 @@ def spec_of(settings: dict) -> LoraSpec | None:
     rank = settings.get("lora_rank")
     if rank is None:
         return None
-    alpha = settings.get("lora_alpha")
+    alpha, targets = settings.get("lora_alpha"), settings.get("lora_targets")
     return LoraSpec(int(rank), float(rank if alpha is None else alpha), float(settings.get("lora_dropout") or 0.0),
-                    parse_targets(settings.get("lora_targets") or DEFAULT_TARGETS))
+                    parse_targets(DEFAULT_TARGETS if targets is None else targets))  # ("": refused, not the default)
 
 
 def freeze_groups(settings: dict) -> tuple:
@@ -151,7 +154,7 @@ class LoraPair(Module):
         n_in = base.full_shape[0]
         r = spec.rank
         self.proj, self.kind, self.scale = proj, kind, spec.scale
-        self.n_in, self.ctx = n_in, ctx
+        self.n_in, self.n_out, self.ctx = n_in, cols[1] - cols[0], ctx
         a_sharding = contiguous((n_in, r), 0, ctx.tp_size) if kind == "row" else None
         if kind == "column":
             b_sharding = part_sharding(base.sharding, cols[0], cols[1], r)

@@ -21,8 +21,8 @@ from ..checkpoint.base_identity import base_record, check_same_base
 from ..models.hf import expected_shapes
 from ..models.hf_files import HFFormatError
 from ..runtime.errors import ConfigError
-from ..tensor_parallel.lora import (DEFAULT_TARGETS, DENSE_TARGETS, FREEZE_GROUPS, LoraSpec, freeze_groups,
-                                    set_up_trainable as set_up, spec_of)
+from ..tensor_parallel.lora import (DEFAULT_TARGETS, DENSE_TARGETS, FREEZE_GROUPS, TARGETS, LoraPair, LoraSpec,
+                                    freeze_groups, set_up_trainable as set_up, spec_of)
 
 FINETUNE_SETTINGS = ("freeze", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 # their values when not given (what another command's flags default to: `cutp plan`, `cutp bench model`)
@@ -179,6 +179,46 @@ def frozen_base_record(cfg, base: str | None) -> dict:
     if base is None or not (cfg.freeze or cfg.lora_rank is not None):
         return {}
     return base_record(base)
+
+
+def oversized_rank_line(cfg, model) -> str | None:
+    """A warning line (None without cause) when `lora_rank` exceeds min(in, out) of targeted
+    projections, naming them and their layers: PEFT accepts such a rank, and so does cutp, but
+    the update B A of such a projection cannot exceed rank min(in, out), so the rest of its
+    adapter is memory and compute for nothing (a typo's `--lora-rank 256` for 16). Collective
+    over PP (each stage holds its own layers' projections)."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        return None
+    mine = sorted({(p.proj, p.n_in, p.n_out, _layer_of(p.A.name)) for p in model.modules()
+                   if isinstance(p, LoraPair) and spec.rank > min(p.n_in, p.n_out)})
+    if model.ctx.pp_size > 1:
+        mine = sorted({x for stage in model.ctx.pp.mpi_comm.allgather(mine) for x in stage})
+    if not mine:
+        return None
+    layers = {}
+    for proj, n_in, n_out, layer in mine:
+        layers.setdefault((proj, n_in, n_out), set()).add(layer)
+    named = [f"{proj} ({n_in} -> {n_out}) of layers {_ranges(sorted(at))}" for (proj, n_in, n_out), at in
+             sorted(layers.items(), key=lambda kv: TARGETS.index(kv[0][0]))]
+    return (f"warning: --lora-rank {spec.rank} exceeds min(in, out) of {', '.join(named)}: their updates cannot "
+            f"exceed that rank, so the rest of those adapters is memory and compute for nothing; --lora-rank "
+            f"{min(min(n_in, n_out) for _, n_in, n_out, _ in mine)} or less avoids it")
+
+
+def _layer_of(name: str) -> int:
+    """The layer index of a parameter name (layers.3.attn.qkv.lora_A.q -> 3)."""
+    return int(name.split(".")[1])
+
+
+def _ranges(numbers: list) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], numbers[0]
+    for prev, n in zip(numbers, numbers[1:] + [None]):
+        if n is None or n != prev + 1:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = n
+    return ", ".join(out)
 
 
 def trainable_line(cfg, model) -> str | None:

@@ -203,6 +203,35 @@ def test_freeze_groups_and_refusals():
         _config(lora_targets="q_a,o")
 
 
+def test_empty_lora_targets_are_refused_not_taken_for_all_projections():
+    with pytest.raises(ConfigError, match=r"^lora_targets is empty: give the projections to adapt, some of "
+                                          r"q,k,v,o,gate,up,down,q_a,q_b,kv_a,kv_b \(e.g. q,v\), or omit lora_targets "
+                                          "for q,k,v,o,gate,up,down$"):
+        _config(lora_targets="")
+    with pytest.raises(ConfigError, match="lora_targets is empty"):
+        LoraSpec(4, 8.0, targets=())
+    assert _config(lora_targets=None).lora_targets is None  # (not given: every projection)
+
+
+def test_a_rank_above_a_projections_dimensions_is_accepted_with_one_warning_naming_them():
+    from mpi4py import MPI
+
+    from cutp.train.finetune import _ranges, oversized_rank_line
+
+    # LLAMA: n_embd 32; q and o 32 -> 32, k and v 32 -> 16 (2 KV heads of 8), gate and up 32 -> 24, down 24 -> 32
+    run = build_run(_config(lora_rank=20, lora_dropout=0.0), MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    assert np.isfinite(train_step(run).loss)  # (accepted, as PEFT accepts it)
+    assert oversized_rank_line(run.config, run.model) == (
+        "warning: --lora-rank 20 exceeds min(in, out) of k (32 -> 16) of layers 0-1, v (32 -> 16) of layers 0-1: "
+        "their updates cannot exceed that rank, so the rest of those adapters is memory and compute for nothing; "
+        "--lora-rank 16 or less avoids it")  # (gate, up, down: min 24, q and o 32: not named)
+    run.close()
+    run = build_run(_config(lora_rank=16, lora_dropout=0.0), MPI.COMM_SELF, dataset=random_tokens(97, 4096, 0))
+    assert oversized_rank_line(run.config, run.model) is None  # (16 = min(32, 16): a full-rank update, no waste)
+    run.close()
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(rank=0), "lora_rank 0: the adapters' rank is an integer >= 1"),
     (dict(rank=2.0), "lora_rank 2.0: the adapters' rank is an integer >= 1"),
