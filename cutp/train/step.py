@@ -361,7 +361,8 @@ def save(run: TrainingRun) -> str | None:
     else:
         run.gather_params()
     path = save_checkpoint(cfg.out, run.step, run.model, run.optimizer, rng_state=run.model.rng.state_dict(),
-                           data_state=run.sampler.state(run.step), train_args={**cfg.checkpoint_settings(), **run.frozen_base},
+                           data_state=run.sampler.state(run.step),
+                           train_args={**cfg.checkpoint_settings(), **run.frozen_base},
                            keep=0 if run.replaced else cfg.keep, loss_scaler=run.loss_scaler.state_dict(),
                            by_unit=by_unit)
     run.last_saved = run.step

@@ -28,7 +28,8 @@ pytest.importorskip("jinja2", reason="jinja2 is not installed (pip install jinja
 WITH_TOOLS = (
     "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for tool in tools %}{{ '\\n' + tool | tojson }}"
     "{%- endfor %}{{ '\\n</tools><|im_end|>\\n' }}{%- endif %}"
-    "{%- if documents %}{{ '<|im_start|>system\\n' }}{%- for d in documents %}{{ '[' + d.title + '] ' + d.text + '\\n' }}"
+    "{%- if documents %}{{ '<|im_start|>system\\n' }}"
+    "{%- for d in documents %}{{ '[' + d.title + '] ' + d.text + '\\n' }}"
     "{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
     "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
@@ -106,7 +107,8 @@ def test_prepare_data_renders_a_records_tools_and_refuses_tools_that_are_no_list
 def test_a_python_error_inside_the_template_names_the_record():
     template = ChatTemplate("{% for m in messages %}{{ m.content + '<|im_end|>' }}{% endfor %}")
     with pytest.raises(ChatError, match=r"^the chat template fails on the conversation \(TypeError: unsupported "
-                                        r"operand type\(s\) for \+: 'int' and 'str'\); fix the record or the template$"):
+                                        r"operand type\(s\) for \+: 'int' and 'str'\); fix the record or the "
+                                        "template$"):
         template.render([{"role": "user", "content": 5}])
     with pytest.raises(ChatError, match=r"\(ZeroDivisionError: integer division or modulo by zero\)"):
         ChatTemplate("{{ 1 // (messages | length - 1) }}").render([{"role": "user", "content": "x"}])
