@@ -110,6 +110,9 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # the checkpoint's layout of MLA's rope columns (q_b's and kv_a's): interleaved pairs (every
+    # DeepSeek-V3 checkpoint, HF's rope_interleave) or already rotate-half; cutp computes rotate-half
+    rope_interleave: bool = True
     # local attention (Mistral v0.1, Gemma): a query at p sees keys s with p - window < s <= p, as
     # transformers' `kv_idx > q_idx - sliding_window`; layer_types says which layers are local
     # ("sliding_attention") and which global ("full_attention"), as HF's; None: every layer local
@@ -342,6 +345,10 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be a positive integer or None (n_embd // n_head), got {self.head_dim!r}")
         if self.kv_lora_rank is not None:  # (before the rope checks: MLA's rope_dim is qk_rope_head_dim)
             self._validate_mla(tp)
+        elif self.rope_interleave is not True:
+            raise ConfigError(f"rope_interleave={self.rope_interleave!r} is the layout of multi-head latent "
+                              "attention's rope columns in a checkpoint, and this model has none (kv_lora_rank "
+                              "unset); omit rope_interleave")
         if self.positions == "rope":
             if self.rope_dim % 2:
                 raise ConfigError(f"head_dim={self.rope_dim} is odd: rotary positions turn pairs of each head's "
@@ -373,6 +380,8 @@ class ModelConfig:
                               f"(the layers whose MLP stays dense), or None; got {dense!r}")
 
     def _validate_mla(self, tp: int) -> None:
+        if not isinstance(self.rope_interleave, bool):
+            raise ConfigError(f"rope_interleave must be true or false, got {self.rope_interleave!r}")
         dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         for f in dims + ("q_lora_rank",):
             v = getattr(self, f)

@@ -8,6 +8,7 @@ and every gradient within 1e-10 (transformers' float32 casts lifted); export-hf 
 same class under save_pretrained's names, at tp 1 and 2 (x dp 2), and at tp 4 the float32 logits,
 the float64 logits, loss and every gradient. Skipped with the reason where torch
 or transformers do not import (CI)."""
+import json
 import os
 
 import numpy as np
@@ -295,3 +296,51 @@ def test_deepseek_multi_token_prediction_layers_are_skipped_with_one_line(tmp_pa
         assert b.score_bias.data.dtype == np.float32
         np.testing.assert_array_equal(b.score_bias.data, m.score_bias.data.astype(np.float32))
     ctx.close()
+
+
+def test_deepseek_rope_columns_as_rope_interleave_says(tmp_path):
+    """transformers' DeepseekV3 with rope_interleave false rotates q_b's and kv_a's rope columns as
+    they are (rotate-half), true as interleaved pairs: cutp reads either as the config says (the
+    float32 logits within 1e-5; read with the other layout they differ), and export writes the flag
+    and the columns back as they were (the same bytes)."""
+    from safetensors.numpy import load_file
+
+    torch, transformers = _transformers()
+    idx = np.random.default_rng(2).integers(0, 97, (1, 12))
+    for interleave in (False, True):
+        cfg = transformers.DeepseekV3Config(
+            hidden_size=32, intermediate_size=24, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, vocab_size=97, max_position_embeddings=64,
+            num_experts_per_tok=2, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1,
+            q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6,
+            tie_word_embeddings=False, rope_interleave=interleave, attn_implementation="eager")
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        src = tmp_path / f"hf-{interleave}"
+        hf.save_pretrained(str(src), safe_serialization=True)
+        with torch.no_grad():
+            ref = hf(torch.from_numpy(idx)).logits.numpy()
+        ctx = cutp.init(device="cpu")
+        model = from_hf(ctx, str(src), dtype="float32")
+        assert model.config.rope_interleave is interleave
+        got = _logits(model, idx)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (interleave, np.abs(got - ref).max())
+        save_hf(model, str(tmp_path / f"out-{interleave}"))
+        ctx.close()
+        assert json.loads((tmp_path / f"out-{interleave}" / "config.json").read_text())["rope_interleave"] is interleave
+        before, after = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / f"out-{interleave}" /
+                                                                                    "model.safetensors"))
+        for key in ("model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+            assert np.array_equal(before[key], after[key]), (interleave, key)
+        # the other layout's reading is another model
+        with cutp.init(device="cpu") as ctx:
+            cfg_json = json.loads((src / "config.json").read_text())
+            (src / "config.json").write_text(json.dumps(dict(cfg_json, rope_interleave=not interleave)))
+            wrong = _logits(from_hf(ctx, str(src), dtype="float32"), idx)
+        assert np.abs(wrong - ref).max() > 1e-4 * np.abs(ref).max(), interleave  # (ten times the tolerance)
+
+
+def test_rope_interleave_is_refused_without_latent_attention():
+    with pytest.raises(cutp.ConfigError, match=r"^rope_interleave=False is the layout of multi-head latent "
+                                               r"attention's rope columns in a checkpoint, and this model has none"):
+        GPTConfig.preset("llama-tiny", rope_interleave=False).validate(1)

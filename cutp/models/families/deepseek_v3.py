@@ -14,8 +14,9 @@ n_shared_experts always-on experts (one SwiGLU of their total width). Tensors:
 
 With rope_interleave (every DeepSeek-V3 checkpoint) the rope columns of q_b (q_proj) and kv_a are
 interleaved pairs: read, they are permuted to the rotate-half layout cutp computes (evens, then
-odds: what transformers does before rotating), and written back interleaved. The multi-token
-prediction layers (keys of layers past num_hidden_layers) are skipped on load, as transformers
+odds: what transformers does before rotating), and written back interleaved; with
+rope_interleave false (transformers' plain rotate-half) they are read and written as they are.
+The multi-token prediction layers (keys of layers past num_hidden_layers) are skipped on load, as transformers
 skips them (one line says so). YaRN rope scaling as transformers computes it: its frequencies,
 cos and sin times its attention factor, and MLA's softmax scale times mscale(factor,
 mscale_all_dim)^2 (ModelConfig.mla_softmax_factor). Refused by name: scoring other than
@@ -84,7 +85,8 @@ class DeepseekV3(LlamaLike):
                     moe_dense_layers=tuple(range(min(k, L))) or None, moe_renormalize=bool(hf.get("norm_topk_prob")),
                     moe_scoring="sigmoid", moe_n_group=hf.get("n_group", 1), moe_topk_group=hf.get("topk_group", 1),
                     moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), moe_score_bias=True,
-                    moe_shared_experts=hf.get("n_shared_experts") or 0, moe_aux_loss_coeff=0.0)
+                    moe_shared_experts=hf.get("n_shared_experts") or 0, moe_aux_loss_coeff=0.0,
+                    rope_interleave=bool(hf.get("rope_interleave", True)))  # (transformers' default: True)
 
     def refusal(self, cfg) -> str | None:
         if cfg.kv_lora_rank is None or not cfg.n_experts or cfg.moe_scoring != "sigmoid" or not cfg.moe_score_bias:
@@ -106,7 +108,7 @@ class DeepseekV3(LlamaLike):
                     moe_intermediate_size=cfg.moe_ffn or cfg.hidden, first_k_dense_replace=dense,
                     norm_topk_prob=bool(cfg.moe_renormalize), n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
                     routed_scaling_factor=cfg.moe_routed_scaling, n_shared_experts=cfg.moe_shared_experts,
-                    rope_interleave=True, attention_bias=False, num_nextn_predict_layers=0)
+                    rope_interleave=cfg.rope_interleave, attention_bias=False, num_nextn_predict_layers=0)
 
     # ---- tensors -----------------------------------------------------------------------------
     def recipes(self, cfg) -> list:
@@ -127,7 +129,7 @@ class DeepseekV3(LlamaLike):
     def attention_recipes(cfg, a: str, c: str) -> list:
         h, H, r, rq = cfg.n_embd, cfg.n_head, cfg.kv_lora_rank, cfg.q_lora_rank
         dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        rope = interleaved_rope_columns(dr)
+        rope = interleaved_rope_columns(dr) if cfg.rope_interleave else np.arange(dr)
         q_cols = tuple(np.concatenate([np.r_[j * (dn + dr):j * (dn + dr) + dn, j * (dn + dr) + dn + rope]
                                        for j in range(H)]).tolist())
         out = []
