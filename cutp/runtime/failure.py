@@ -201,6 +201,7 @@ def agree_on_error(mpi_comm, error: str | None, exc_type=RuntimeError,
     before any further collective, instead of leaving the others waiting. `what` names the
     agreement in the watchdog's message if a rank never comes to it.
     """
+    install_abort_on_error()
     reported = _first_error(mpi_comm, error, what)
     if reported is None:
         return
@@ -241,6 +242,7 @@ def errors_raised_on_every_rank(mpi_comm):
     everywhere. The block must not call collectives: a rank that failed before one would leave
     the others waiting in it.
     """
+    install_abort_on_error()  # raised uncaught on a sub-communicator, it must still end the host's other ranks
     error = None
     try:
         yield

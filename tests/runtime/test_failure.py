@@ -564,3 +564,29 @@ def test_an_error_every_rank_raises_exits_cleanly_every_time():
         for mode, ok, text in pool.map(run, range(8)):
             outcomes.setdefault((mode, ok), []).append(text[-500:])
     assert set(outcomes) == {("hook", True), ("cli", True)}, {k: (len(v), v[0]) for k, v in outcomes.items()}
+
+
+_HALF_REFUSED = """
+from mpi4py import MPI
+from cutp import train
+world = MPI.COMM_WORLD
+half = world.Split(color=world.rank // 2, key=world.rank)
+if world.rank // 2 == 0:  # refused before any Context exists (no hook installed by cutp.init)
+    train.resolve_run_config(half, preset="tiny", tp=3, device="cpu")
+world.Barrier()  # the other half waits in a collective of the whole job
+"""
+
+
+def test_a_config_refused_on_one_half_of_the_job_ends_the_whole_job():
+    """docs/library.md's pattern (cutp on a sub-communicator): an error every rank of one half
+    raises before any Context exists must abort the job, not leave the other half in a world
+    collective (it hung until an external timeout: the excepthook was only installed by Context)."""
+    proc = subprocess.Popen([find_mpiexec(), "-n", "4", sys.executable, "-c", _HALF_REFUSED], env=_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole launch: no rank is left spinning on the shared machine
+        pytest.fail(f"the job hung: {proc.communicate()[0][-2000:]}")
+    assert proc.returncode != 0, text[-2000:]
+    assert text.count("ConfigError: tp=3") == 1, text[-2000:]  # one report, by the half's reporting rank
