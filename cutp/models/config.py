@@ -161,23 +161,33 @@ class ModelConfig:
             key = _RENAMED.get(key, key)
             if not sep or key not in fields:
                 raise ConfigError(f"`set` {item!r}: expected KEY=VALUE with KEY one of {sorted(fields)}")
-            current = getattr(self, key)
-            optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
-            if value.lower() in ("none", "null") and optional:
-                changes[key] = None
-            elif key == "moe_dense_layers":  # a comma-separated list of layers
-                changes[key] = tuple(int(v) for v in value.split(",") if v.strip())
-            elif "tuple" in str(fields[key].type):  # comma-separated: layer_types=sliding_attention,full_attention
-                changes[key] = tuple(v.strip() for v in value.split(","))
-            elif isinstance(current, bool) or (current is None and "bool" in str(fields[key].type)):
-                changes[key] = value.lower() in ("1", "true", "yes")
-            elif isinstance(current, float) or (current is None and "float" in str(fields[key].type)):
-                changes[key] = float(value)
-            elif isinstance(current, int) or current is None:
-                changes[key] = int(value)
-            else:
-                changes[key] = value
+            try:
+                changes[key] = self._parse_override(key, value, fields)
+            except ValueError:
+                kind = fields[key].type
+                kind = f"{kind}: true or false" if kind == "bool" else kind  # the spellings a bool takes
+                raise ConfigError(f"`set` {item!r}: {value!r} is not a value of {key} ({kind})") from None
         return dataclasses.replace(self, **changes)
+
+    def _parse_override(self, key, value, fields):
+        current = getattr(self, key)
+        optional = "None" in str(fields[key].type)  # (gelu=none is the string "none", exact erf)
+        if value.lower() in ("none", "null") and optional:
+            return None
+        elif key == "moe_dense_layers":  # a comma-separated list of layers
+            return tuple(int(v) for v in value.split(",") if v.strip())
+        elif "tuple" in str(fields[key].type):  # comma-separated: layer_types=sliding_attention,full_attention
+            return tuple(v.strip() for v in value.split(","))
+        elif isinstance(current, bool) or (current is None and "bool" in str(fields[key].type)):
+            if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                raise ValueError(value)  # a typo (bias=ture) must not read as False
+            return value.lower() in ("1", "true", "yes")
+        elif isinstance(current, float) or (current is None and "float" in str(fields[key].type)):
+            return float(value)
+        elif isinstance(current, int) or current is None:
+            return int(value)
+        else:
+            return value
 
     @property
     def ln_eps(self) -> float:

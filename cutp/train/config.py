@@ -534,7 +534,7 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         raise ConfigError(f"`{dynamic[0]}` {choices[dynamic[0]]} sets the dynamic float16 loss scale, "
                           f"but {why}; omit it")
     # None is "not given" (the default is derived); any value given, 0 included, is checked as given
-    for name in ("micro_batch_size", "batch_size", "seq_len", "pp_virtual"):
+    for name in ("micro_batch_size", "batch_size", "seq_len", "pp_virtual", "steps", "warmup"):
         value = run[name] if name in run else c[name]
         if value is not None:
             SETTINGS[name][0].check(name, value)

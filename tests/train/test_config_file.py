@@ -125,3 +125,12 @@ def test_python_3_10_reads_the_file_through_tomli(tmp_path, monkeypatch):
     path = tmp_path / "run.toml"
     path.write_text('[run]\nlr = 1\n[model]\nset = ["n_layer=2"]\n')
     assert py310.read_config_file(str(path)) == read_config_file(str(path)) == {"lr": 1.0, "set": ["n_layer=2"]}
+
+
+def test_a_count_of_the_wrong_type_in_a_file_is_refused_in_one_line(tmp_path):
+    """`steps = "ten"` reached a `steps // 20` before the check of steps and warmup: a TypeError
+    traceback (found by a review helper, F4)."""
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match="^steps must be an integer >= 0, got 'ten'$"):
+        _config(_script(), ["--config", str(path), "--preset", "tiny"])

@@ -318,3 +318,17 @@ def test_set_takes_a_tuple_field_comma_separated():
     assert c.layer_types == ("full_attention", "sliding_attention", "full_attention", "full_attention")
     assert [c.layer_window(i) for i in range(4)] == [None, 16, None, None]
     c.validate(1)
+
+
+@pytest.mark.parametrize("item,expect", [
+    ("n_layer=abc", "set 'n_layer=abc': 'abc' is not a value of n_layer (int)"),
+    ("norm_eps=x", "set 'norm_eps=x': 'x' is not a value of norm_eps (float)"),
+    ("bias=ture", "set 'bias=ture': 'ture' is not a value of bias (bool: true or false)"),  # a typo was silently False
+])
+def test_set_refuses_a_value_of_the_wrong_type_in_one_line(item, expect):
+    """A value int()/float() cannot read was a traceback (ValueError), and any bool other than
+    1/true/yes was False (found by a review helper, F3)."""
+    with pytest.raises(cutp.ConfigError) as e:
+        GPTConfig.preset("tiny").with_overrides([item])
+    assert str(e.value) == expect
+    assert GPTConfig.preset("tiny").with_overrides(["bias=No"]).bias is False
