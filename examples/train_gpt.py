@@ -35,7 +35,8 @@ if __name__ == "__main__":  # the script: setup has a deadline, MPI's initialisa
 
 from cutp import train  # noqa: E402
 from cutp.models.flops import training_flops_per_token  # noqa: E402
-from cutp.train.config_file import add_config_flags, command_line_choices, config_text, save_config  # noqa: E402
+from cutp.train.config_file import (add_config_flags, check_saved_config, command_line_choices,  # noqa: E402
+                                    config_text, save_config)
 from mpi4py import MPI  # noqa: E402
 from cutp.runtime.errors import settings_named  # noqa: E402
 from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank, install_abort_on_error  # noqa: E402
@@ -75,6 +76,9 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
                 print(config_text(cfg, f"examples/train_gpt.py --config FILE (on {MPI.COMM_WORLD.Get_size()} "
                                        "ranks) reproduces this run"), end="", flush=True)
             return []
+        with errors_raised_on_every_rank(MPI.COMM_WORLD):  # a config.toml of the user's in --out is never replaced
+            if cfg.out and MPI.COMM_WORLD.Get_rank() == 0:
+                check_saved_config(cfg.out)
         setup_progress(cfg.collective_timeout)  # the run's timeout from here on (None: the one armed)
         run = train.build_run(cfg)  # context, model, optimizer, data; the checkpoint's state on resume
         with errors_raised_on_every_rank(MPI.COMM_WORLD):  # --sample-every: the prompt encoded (chat: templated)

@@ -602,7 +602,9 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
         metrics=c["metrics"],
         tensorboard=c["tensorboard"], log_every=c["log_every"], quiet=bool(c["quiet"]), peak_tflops=c["peak_tflops"],
         save_on_signal=bool(c["save_on_signal"]),
-        collective_timeout=c["collective_timeout"], preset=preset, overrides=c["set"],
+        collective_timeout=c["collective_timeout"], preset=preset,
+        # a resume given no `set` keeps the checkpoint's: its config.toml and checkpoints name the model as it was made
+        overrides=c["set"] if meta is None or c["set"] else tuple((meta.get("train_args") or {}).get("set") or ()),
         **{k: c[k] for k in OVERLAP_SETTINGS})
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 
 try:
     import tomllib
@@ -36,6 +37,9 @@ from .config import CHOICES, SETTINGS, RunConfig
 from .settings import GROUPS
 
 CONFIG_FILE = "config.toml"  # the resolved settings in a run directory
+# The first line of the config.toml cutp writes: only a file that starts with it is cutp's to replace
+SAVED_HEADER = "# the resolved settings of this run:"
+_STEP_DIR = re.compile(r"step-\d+")
 
 
 # What other trainers call some settings (Megatron, torchtitan, nanoGPT, HF Trainer): named as the fix
@@ -126,8 +130,9 @@ def resolved_choices(cfg: RunConfig) -> dict:
     default (the derived ones always), the model as its preset, overrides, dtype and dropout."""
     values = {name: getattr(cfg, name) for name in SETTINGS if hasattr(cfg, name) and name != "model"}
     values.update(set=list(cfg.overrides), dtype=cfg.model.dtype, dropout=cfg.model.dropout)
-    if cfg.resume is not None:  # (the checkpoint's model: preset and overrides are the run's)
-        values.update(preset=None, set=[])
+    if cfg.resume is not None and _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(cfg.resume))):
+        # the run directory (its `latest`), not the step resumed: --keep may prune that one
+        values.update(resume=os.path.dirname(os.path.normpath(cfg.resume)))
     out = {}
     for name, value in values.items():
         s, default = SETTINGS[name]
@@ -150,12 +155,27 @@ def config_text(cfg: RunConfig, header: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_saved_config(directory: str) -> None:
+    """Refuses a `directory`/config.toml that cutp did not write (it lacks SAVED_HEADER): the
+    user's own file, which save_config would replace. Run before any work."""
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.lexists(path):
+        return
+    try:
+        with open(path, errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        first = ""  # (a directory or an unreadable file by that name is not cutp's either)
+    if not first.startswith(SAVED_HEADER):
+        raise ConfigError(f"`out` {directory} holds a {CONFIG_FILE} that cutp did not write ({path}): the run "
+                          "would replace it with its settings; rename or move that file, or choose another `out`")
+
+
 def save_config(cfg: RunConfig, directory: str) -> str:
     """Writes `config_text(cfg)` as `directory`/config.toml (atomically); returns the path."""
     path = os.path.join(directory, CONFIG_FILE)
     with open(path + ".tmp", "w") as f:
-        f.write(config_text(cfg, "the resolved settings of this run: train_gpt.py --config " + path
-                            + " reproduces it"))
+        f.write(config_text(cfg, SAVED_HEADER[2:] + " train_gpt.py --config " + path + " reproduces it"))
     os.replace(path + ".tmp", path)
     return path
 

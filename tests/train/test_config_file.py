@@ -134,3 +134,41 @@ def test_a_count_of_the_wrong_type_in_a_file_is_refused_in_one_line(tmp_path):
     path.write_text('[run]\nsteps = "ten"\n')
     with pytest.raises(ConfigError, match="^steps must be an integer >= 0, got 'ten'$"):
         _config(_script(), ["--config", str(path), "--preset", "tiny"])
+
+
+SMALL = ["--device", "cpu", "--preset", "tiny", "--set", "n_layer=1", "--seq-len", "16", "--batch-size", "4",
+         "--eval-every", "0", "--quiet"]
+
+
+def test_a_config_toml_in_out_that_cutp_did_not_write_is_refused_before_any_work(tmp_path):
+    """`--out DIR` replaced the user's own DIR/config.toml with the run's settings, silently (found
+    by a review helper, F2): now refused in one line, and nothing in DIR is touched."""
+    from tests.mpirun import run_mpi
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / CONFIG_FILE).write_text("# my notes\n[run]\nsteps = 3\n")
+    res = run_mpi(1, "examples.train_gpt:main", SMALL + ["--steps", "2", "--out", str(out)], timeout=120,
+                  expect_failure=True)
+    assert (f"holds a config.toml that cutp did not write ({out / CONFIG_FILE}): the run would replace it with its "
+            "settings; rename or move that file, or choose another --out") in res.stdout, res.stdout[-2000:]
+    assert os.listdir(out) == [CONFIG_FILE] and (out / CONFIG_FILE).read_text() == "# my notes\n[run]\nsteps = 3\n"
+    config_file.check_saved_config(str(tmp_path))  # none there: nothing to refuse
+    save_config(_config(_script(), SMALL), str(tmp_path))
+    config_file.check_saved_config(str(tmp_path))  # cutp's own file is cutp's to replace
+
+
+def test_a_resumed_runs_config_toml_still_reproduces_it(tmp_path):
+    """On resume, config.toml dropped the model's preset and `set` and named the resumed step
+    directory, which --keep then pruned: fed back, the file failed (found by a review helper, F2)."""
+    from tests.mpirun import run_mpi
+
+    out = str(tmp_path / "run")
+    run_mpi(1, "examples.train_gpt:main", SMALL + ["--steps", "4", "--run-steps", "2", "--save-every", "1", "--keep",
+                                                    "1", "--out", out], timeout=120)
+    run_mpi(1, "examples.train_gpt:main", ["--device", "cpu", "--resume", out, "--steps", "3", "--quiet"], timeout=120)
+    choices = read_config_file(os.path.join(out, CONFIG_FILE))
+    assert (choices["preset"], choices["set"], choices["resume"]) == ("tiny", ["n_layer=1"], out)
+    assert not os.path.exists(os.path.join(out, "step-00000002"))  # (pruned: the file must not name it)
+    cfg = _config(_script(), ["--config", os.path.join(out, CONFIG_FILE), "--steps", "4"])
+    assert cfg.resumed_step == 3 and cfg.model.n_layer == 1 and cfg.overrides == ("n_layer=1",)
