@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
@@ -222,78 +223,81 @@ def prepare(inputs: list, tokenizer: str, out: str, *, text_key: str = "text", s
         settings["chat_template_sha256"] = hashlib.sha256(template[0].encode()).hexdigest()
     # a rerun resumes only over the same files, unchanged (names, sizes, modification times)
     resume_key = {**settings, "files_sha256": hashlib.sha256(listing).hexdigest()}
-    state = _claim_out(out, resume_key, overwrite) or {
-        "next_doc": 0, "documents": {s: 0 for s in SPLITS}, "splits": {s: None for s in SPLITS},
-        "masks": {s: None for s in SPLITS}, "docs": {s: None for s in SPLITS},
-        "counts": dict.fromkeys(("no_target", "too_long", "truncated"), 0)}
-    writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["splits"][s]) for s in SPLITS}
-    # beside the tokens: each document's length, and each token's target flag (chat records)
-    lengths_out = {s: ShardWriter(out, s, dtype, shard_tokens, state["docs"][s], ext=DOCS_EXT) for s in SPLITS}
-    masks_out = {s: ShardWriter(out, s, dtype, shard_tokens, state["masks"][s], ext=MASK_EXT) for s in SPLITS} \
-        if rs.chat else {}
-    side = [*lengths_out.values(), *masks_out.values()]
-    documents_in, counts = dict(state["documents"]), dict(state["counts"])
-    start_doc = next_doc = state["next_doc"]
-    progress = _Progress(stream, settings["bytes"], workers)
+    existed = os.path.exists(out)
+    claimed = _claim_out(out, resume_key, overwrite)
+    with _removed_on_input_error(out, fresh=claimed is None, created=not existed):
+        state = claimed or {
+            "next_doc": 0, "documents": {s: 0 for s in SPLITS}, "splits": {s: None for s in SPLITS},
+            "masks": {s: None for s in SPLITS}, "docs": {s: None for s in SPLITS},
+            "counts": dict.fromkeys(("no_target", "too_long", "truncated"), 0)}
+        writers = {s: ShardWriter(out, s, dtype, shard_tokens, state["splits"][s]) for s in SPLITS}
+        # beside the tokens: each document's length, and each token's target flag (chat records)
+        lengths_out = {s: ShardWriter(out, s, dtype, shard_tokens, state["docs"][s], ext=DOCS_EXT) for s in SPLITS}
+        masks_out = {s: ShardWriter(out, s, dtype, shard_tokens, state["masks"][s], ext=MASK_EXT) for s in SPLITS} \
+            if rs.chat else {}
+        side = [*lengths_out.values(), *masks_out.values()]
+        documents_in, counts = dict(state["documents"]), dict(state["counts"])
+        start_doc = next_doc = state["next_doc"]
+        progress = _Progress(stream, settings["bytes"], workers)
 
-    def save():
-        for w in [*writers.values(), *side]:
-            w.sync()
-        _write_json(os.path.join(out, PROGRESS_FILE), {
-            "settings": resume_key, "next_doc": next_doc, "documents": documents_in, "counts": counts,
-            "splits": {n: w.state() for n, w in writers.items()},
-            "docs": {n: w.state() for n, w in lengths_out.items()},
-            "masks": {n: (masks_out[n].state() if masks_out else None) for n in SPLITS}})
+        def save():
+            for w in [*writers.values(), *side]:
+                w.sync()
+            _write_json(os.path.join(out, PROGRESS_FILE), {
+                "settings": resume_key, "next_doc": next_doc, "documents": documents_in, "counts": counts,
+                "splits": {n: w.state() for n, w in writers.items()},
+                "docs": {n: w.state() for n, w in lengths_out.items()},
+                "masks": {n: (masks_out[n].state() if masks_out else None) for n in SPLITS}})
 
-    save()  # from here on, a rerun of the same command resumes
-    saved = time.perf_counter()
-    batches = _batches(records_of(files, rs, text_key), start_doc, batch_bytes, progress)
-    for first, (flat, lengths, mask, dropped, found), nbytes in _encoded(batches, tokenizer, tok, dtype, workers, rs,
-                                                                          template):
-        finished, start, kept = [], 0, iter(lengths)
-        for k in range(len(dropped)):
-            if dropped[k]:
-                continue
-            n = next(kept)
-            split = "val" if is_val(first + k, val_fraction) else "train"
-            finished += writers[split].write(flat[start:start + n])
-            lengths_out[split].write(np.array([n], np.uint32))
-            if masks_out:
-                masks_out[split].write(mask[start:start + n])
-            documents_in[split] += 1
-            start += n
-        for key, v in found.items():
-            counts[key] += v
-        next_doc = first + len(dropped)
-        for name in finished:
+        save()  # from here on, a rerun of the same command resumes
+        saved = time.perf_counter()
+        batches = _batches(records_of(files, rs, text_key), start_doc, batch_bytes, progress)
+        encoded = _encoded(batches, tokenizer, tok, dtype, workers, rs, template)
+        for first, (flat, lengths, mask, dropped, found), nbytes in encoded:
+            finished, start, kept = [], 0, iter(lengths)
+            for k in range(len(dropped)):
+                if dropped[k]:
+                    continue
+                n = next(kept)
+                split = "val" if is_val(first + k, val_fraction) else "train"
+                finished += writers[split].write(flat[start:start + n])
+                lengths_out[split].write(np.array([n], np.uint32))
+                if masks_out:
+                    masks_out[split].write(mask[start:start + n])
+                documents_in[split] += 1
+                start += n
+            for key, v in found.items():
+                counts[key] += v
+            next_doc = first + len(dropped)
+            for name in finished:
+                if after_shard is not None:
+                    after_shard(name)
+            if finished or time.perf_counter() - saved > PROGRESS_SECONDS:
+                save()
+                saved = time.perf_counter()
+            progress.done(nbytes, len(flat))
+        for w in side:
+            w.close()
+        for name in [n for w in writers.values() for n in w.close()]:
             if after_shard is not None:
                 after_shard(name)
-        if finished or time.perf_counter() - saved > PROGRESS_SECONDS:
-            save()
-            saved = time.perf_counter()
-        progress.done(nbytes, len(flat))
-    for w in side:
-        w.close()
-    for name in [n for w in writers.values() for n in w.close()]:
-        if after_shard is not None:
-            after_shard(name)
-    if documents_in["train"] == 0:
-        dropped = counts["no_target"] + counts["too_long"] - counts["truncated"]
-        raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation"
-                          + (f"; {dropped} dropped: {counts['no_target']} without a target token"
-                             + (" (truncated ones included)" if counts["truncated"] else "")
-                             + f", {counts['too_long'] - counts['truncated']} longer than `max_seq_len`"
-                             if dropped else "")
-                          + "); give more documents (a text file is one document)")
-    meta = {**settings, "vocab_size": tok.vocab_size, "documents": sum(documents_in.values()),
-            "tokens": sum(w.tokens for w in writers.values()),
-            "splits": {n: {"documents": documents_in[n], "tokens": w.tokens, "shards": w.shards,
-                           "docs": lengths_out[n].shards, **({"masks": masks_out[n].shards} if masks_out else {})}
-                       for n, w in writers.items()}, "dropped": counts}
-    _write_json(os.path.join(out, META_FILE), meta)
-    os.remove(os.path.join(out, PROGRESS_FILE))
-    progress.summary(meta, out)
-    return meta
+        if documents_in["train"] == 0:
+            dropped = counts["no_target"] + counts["too_long"] - counts["truncated"]
+            raise ConfigError(f"the train split has no documents ({next_doc} in all, the first going to validation"
+                              + (f"; {dropped} dropped: {counts['no_target']} without a target token"
+                                 + (" (truncated ones included)" if counts["truncated"] else "")
+                                 + f", {counts['too_long'] - counts['truncated']} longer than `max_seq_len`"
+                                 if dropped else "")
+                              + "); give more documents (a text file is one document)")
+        meta = {**settings, "vocab_size": tok.vocab_size, "documents": sum(documents_in.values()),
+                "tokens": sum(w.tokens for w in writers.values()),
+                "splits": {n: {"documents": documents_in[n], "tokens": w.tokens, "shards": w.shards,
+                               "docs": lengths_out[n].shards, **({"masks": masks_out[n].shards} if masks_out else {})}
+                           for n, w in writers.items()}, "dropped": counts}
+        _write_json(os.path.join(out, META_FILE), meta)
+        os.remove(os.path.join(out, PROGRESS_FILE))
+        progress.summary(meta, out)
+        return meta
 
 
 def _batches(found, start_doc: int, batch_bytes: int, progress):
@@ -352,9 +356,32 @@ def _ours(name: str) -> bool:
         for s in SPLITS)
 
 
+@contextlib.contextmanager
+def _removed_on_input_error(out: str, fresh: bool, created: bool):
+    """A preparation started afresh that stops on its inputs (a UserError: no documents for the
+    train split, a record without its text key) leaves no half-made `out`: its progress.json would
+    make the corrected command refuse to start, and `--data` call it unfinished. An interruption
+    (Ctrl-C, a kill) keeps it, to be resumed; so does a resumed preparation."""
+    try:
+        yield
+    except UserError:
+        if fresh:
+            for name in os.listdir(out):
+                if _ours(name):
+                    os.remove(os.path.join(out, name))
+            if created and not os.listdir(out):
+                os.rmdir(out)
+        raise
+
+
 def _claim_out(out: str, settings: dict, overwrite: bool) -> dict | None:
     """The progress to resume from (None: start afresh), after the checks on `out`."""
-    os.makedirs(out, exist_ok=True)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"`out` {out} is a file, not a directory; choose a new or empty directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"`out` {out} cannot be created ({e.strerror}); choose a writable directory") from None
     names = os.listdir(out)
     others = [n for n in names if not _ours(n)]
     if others:

@@ -68,6 +68,7 @@ reduce-scatter and all-gather): what each GPU sends (and receives) with a ring.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -98,7 +99,12 @@ ARCHITECTURES = {size: GPTConfig.preset(preset) for size, (_, preset) in ARCHITE
 
 def pick_arch(params: str) -> GPTConfig:
     """'70B' (or 70e9, 7e10): the listed architecture nearest in size."""
-    want = parse_count(params)
+    try:
+        want = parse_count(params)
+    except ValueError:
+        want = math.nan  # refused below, in the terms of the flag
+    if not want > 0 or math.isinf(want):
+        raise ConfigError(f"`params` {params!r} is not a parameter count; give one like 124M, 7B, 70B, 1.5T or 7e9")
     return min(ARCHITECTURES.values(), key=lambda a: abs(a.num_parameters() - want))
 
 

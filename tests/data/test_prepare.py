@@ -155,6 +155,28 @@ def test_output_directory_rules(corpus, tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("x")
     with pytest.raises(ConfigError, match="holds files prepare-data did not write"):
         prepare(inputs, tok, str(tmp_path / "mine"), workers=1, overwrite=True, stream=io.StringIO())
+    # an existing file as `out`: a FileExistsError traceback before (found by a review helper, F6)
+    with pytest.raises(ConfigError, match="notes.txt is a file, not a directory; choose a new or empty directory"):
+        prepare(inputs, tok, str(tmp_path / "mine" / "notes.txt"), workers=1, stream=io.StringIO())
+
+
+def test_a_preparation_refused_on_its_inputs_leaves_no_half_made_out(corpus, tmp_path):
+    """It left progress.json (and shards): the corrected command was then refused as "an unfinished
+    preparation with other inputs", and --data called the directory unfinished (found by a review
+    helper, F6). A directory that was there stays, emptied of what this run wrote."""
+    root, tok = corpus[0], "bytes"
+    one = [str(root / "in" / "f00.txt")]  # one document: the train split has none
+    with pytest.raises(ConfigError, match="the train split has no documents"):
+        prepare(one, tok, str(tmp_path / "new"), workers=1, stream=io.StringIO())
+    assert not os.path.exists(tmp_path / "new")
+    (tmp_path / "there").mkdir()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
+    with pytest.raises(ConfigError, match="not a JSON object with a string 'text'"):
+        prepare([str(bad)], tok, str(tmp_path / "there"), workers=1, stream=io.StringIO())
+    assert os.listdir(tmp_path / "there") == []
+    inputs = one + [str(root / "in" / "f01.txt")]  # corrected: it starts afresh
+    assert prepare(inputs, tok, str(tmp_path / "new"), workers=1, stream=io.StringIO(), val_fraction=0.5)["documents"] == 2
 
 
 def test_bad_inputs_are_named(corpus, tmp_path, capsys):

@@ -52,6 +52,10 @@ def _plan(capsys, *argv):
      "of them"),
     (("--preset", "tiny-moe", "--tp", "1", "--freeze", "layers.0.*,mlp"),
      "freeze 'layers.0.*': the plan of an MoE model counts its experts by formula and matches groups only"),
+    # a traceback of float() before (found by a review helper, F6)
+    (("--params", "abc"), "--params 'abc' is not a parameter count; give one like 124M, 7B, 70B, 1.5T or 7e9"),
+    (("--params", "0"), "--params '0' is not a parameter count"),
+    (("--preset", "tiny", "--set", "n_layer=abc"), "--set 'n_layer=abc': 'abc' is not a value of n_layer (int)"),
 ])
 def test_a_setting_the_plan_cannot_take_is_refused_in_one_line(capsys, argv, message):
     rc, err = _plan(capsys, *argv)
