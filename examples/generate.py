@@ -42,11 +42,11 @@ from mpi4py import MPI
 
 from cutp.checkpoint import load_model
 from cutp.checkpoint.files import is_cutp_checkpoint
-from cutp.generate import generate
+from cutp.generate import check_request, generate
 from cutp.hf import from_hf
 from cutp.runtime.failure import config_errors_exit, errors_raised_on_every_rank
 from cutp.data.chat import ChatTemplate
-from cutp.data.tokenizer import get_tokenizer
+from cutp.data.tokenizer import BYTES, MERGES_FILE, TOKENIZER_FILE, VOCAB_FILE, get_tokenizer, has_tokenizer_files
 
 
 def parse_args(argv=None):
@@ -74,12 +74,49 @@ def parse_args(argv=None):
                       help="stop after this token id (default: the tokenizer's EOS, if any)")
     stop.add_argument("--no-stop", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--print-ids", action="store_true", help="also print the generated ids")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def check_args(args) -> list | None:
+    """The checks of the arguments alone, before any work (ConfigError, one line); returns the
+    --prompt-ids as a list (None for a text prompt). Raised under errors_raised_on_every_rank, so
+    the line is printed once, not by every rank (argparse's error was, with its usage block)."""
     if not args.temperature >= 0:
-        p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+        raise cutp.ConfigError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.chat and args.prompt is None:
-        p.error("--chat needs a text --prompt (the user's message)")
-    return args
+        raise cutp.ConfigError("--chat needs a text --prompt (the user's message)")
+    if args.max_new_tokens < 0:
+        raise cutp.ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.top_k is not None and args.top_k < 1:
+        raise cutp.ConfigError(f"--top-k must be >= 1 (the tokens sampled from), got {args.top_k}; omit it to "
+                               "sample from every token")
+    # a --tokenizer given is used or refused, never silently replaced by the byte tokenizer
+    if args.tokenizer not in (None, BYTES) and not (has_tokenizer_files(args.tokenizer)
+                                                    or os.path.isfile(args.tokenizer)):
+        raise cutp.ConfigError(f"--tokenizer {args.tokenizer}: no such directory with {TOKENIZER_FILE} (or "
+                               f"{VOCAB_FILE} + {MERGES_FILE}); give one, or {BYTES!r} for the byte tokenizer")
+    if args.prompt_ids is None:
+        return None
+    try:
+        return [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise cutp.ConfigError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+
+
+def check_prompt(prompt: list, args, config) -> None:
+    """The prompt against the model: non-empty, its ids in the vocabulary, it and the new tokens
+    within block_size (cutp.generate's ValueError, a traceback from the script before)."""
+    what = "--prompt-ids" if args.prompt is None else "--prompt"
+    if not prompt:
+        raise cutp.ConfigError(f"{what} holds no token; give a prompt of at least one")
+    outside = [t for t in prompt if not 0 <= t < config.vocab_size]
+    if outside:
+        raise cutp.ConfigError(f"{what}: token id {outside[0]} is outside the model's vocabulary [0, "
+                               f"{config.vocab_size}); use ids below {config.vocab_size}")
+    try:
+        check_request(config, len(prompt), args.max_new_tokens)
+    except ValueError as e:
+        raise cutp.ConfigError(str(e).replace("max_new_tokens", "--max-new-tokens")) from None
 
 
 def load(ckpt: str, ctx, dtype: str):
@@ -99,6 +136,8 @@ def shown_text(tok, prompt: list, new: list) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    with errors_raised_on_every_rank(MPI.COMM_WORLD):  # one line, before any work
+        prompt = check_args(args)
     world = MPI.COMM_WORLD.Get_size()
     ctx = cutp.init(tp=args.tp or world, device=args.device)
     if args.pp > 1 and ctx.rank == 0:
@@ -107,12 +146,13 @@ def main(argv=None):
               file=sys.stderr, flush=True)
     model = load(args.ckpt, ctx, args.dtype)
     V = model.config.vocab_size
-    try:
-        tok = get_tokenizer(args.tokenizer or args.ckpt, V)
-    except cutp.ConfigError as e:
-        if args.prompt is not None:
-            raise
-        tok, why = None, e
+    with errors_raised_on_every_rank(ctx.world.mpi_comm):  # one line, every rank alike
+        try:
+            tok = get_tokenizer(args.tokenizer or args.ckpt, V)
+        except cutp.ConfigError as e:
+            if args.prompt is not None:
+                raise
+            tok, why = None, e
     end_of_turn = None
     if args.chat:
         with errors_raised_on_every_rank(ctx.world.mpi_comm):  # one line, every rank alike
@@ -120,14 +160,10 @@ def main(argv=None):
             prompt, end_of_turn = template.prompt_ids(tok, args.prompt, args.system), template.end_of_turn(tok)
     elif args.prompt is not None:
         prompt = tok.encode(args.prompt)
-    else:
-        try:
-            prompt = [int(t) for t in args.prompt_ids.replace(" ", "").split(",") if t]
-        except ValueError:
-            raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     stop = None if args.no_stop else args.stop_token if args.stop_token is not None else \
         end_of_turn if end_of_turn is not None else getattr(tok, "eos_id", None)
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # one line, every rank alike
+        check_prompt(prompt, args, model.config)
         if stop is not None and not 0 <= stop < V:
             raise cutp.ConfigError(f"--stop-token {stop} is outside the model's vocabulary [0, {V}); "
                                    f"use an id below {V} or --no-stop")

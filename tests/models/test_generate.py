@@ -334,3 +334,36 @@ def test_example_arguments():
     assert args.prompt_ids == "1,2" and args.top_k == 3 and args.prompt is None and args.device == "auto"
     with pytest.raises(SystemExit):
         mod.parse_args(["--ckpt", "x", "--prompt", "a", "--prompt-ids", "1"])  # one or the other
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "500"], "prompt (2 tokens) + --max-new-tokens (500) = 502 exceeds the model's block_size "
+                                  "(32); use at most 30 new tokens or a shorter prompt"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
+    (["--top-k", "0"], "--top-k must be >= 1 (the tokens sampled from), got 0; omit it to sample from every token"),
+    (["--prompt-ids", "1,999,3"], "--prompt-ids: token id 999 is outside the model's vocabulary [0, 101); use ids "
+                                  "below 101"),
+    (["--prompt-ids", ","], "--prompt-ids holds no token; give a prompt of at least one"),
+    (["--tokenizer", "nope"], "--tokenizer nope: no such directory with tokenizer.json (or vocab.json + merges.txt); "
+                              "give one, or 'bytes' for the byte tokenizer"),  # was ignored: byte tokens
+])
+def test_example_refuses_a_bad_argument_in_one_line(args, message):
+    """Each was a ValueError traceback from cutp.generate (or, for --tokenizer, silently ignored)
+    (found by a review helper, F5)."""
+    mod = _load_example_module()
+    with pytest.raises(ConfigError) as e:
+        mod.main(["--ckpt", FIXTURE, "--device", "cpu", "--prompt-ids", "1,2", *args])
+    assert str(e.value) == message
+
+
+def test_example_prints_a_refusal_once_on_two_ranks():
+    """The line is printed by one rank, exit status 2, no traceback (argparse's error printed the
+    usage block on every rank)."""
+    for bad in (["--temperature", "-1"], ["--prompt-ids", "1,999"]):  # before the model, and after it loads
+        cmd = [find_mpiexec(), "-n", "2", sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--ckpt",
+               FIXTURE, "--device", "cpu", "--prompt-ids", "1,2", *bad]
+        r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                           timeout=60)
+        lines = (r.stdout + r.stderr).strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("generate.py: error: "), (r.returncode,
+                                                                                                      lines)
