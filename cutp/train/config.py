@@ -576,11 +576,18 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
     batch = run["batch_size"] or default_batch(dp, pp, schedule, c["micro_batch_size"])
     micro = c["micro_batch_size"] or default_micro_batch(batch // dp if batch % dp == 0 else batch, pp, schedule)
     steps = run["steps"]
+    lr = (1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"]
+    if run["min_lr"] is not None and run["min_lr"] > lr:  # the "decay" would raise the learning rate
+        raise ConfigError(f"`min_lr` {run['min_lr']:g} is above `lr` {lr:g}: the cosine decay ends at `min_lr`; "
+                          f"give `min_lr` <= {lr:g}, or omit it (lr / 10)")
+    if meta is not None and steps <= int(meta["step"]):  # it exited 0 having done nothing (and rewrote config.toml)
+        raise ConfigError(f"the resumed run is at step {int(meta['step'])}, and `steps` {steps} leaves nothing to "
+                          f"train; give `steps` above {int(meta['step'])} to continue it")
     return RunConfig(
         model=model, device=device, tp=tp, dp=dp, pp=pp, ep=mesh.ep, cp=cp, cp_comm=c["cp_comm"],
         pp_layers=_layer_counts(c["pp_layers"]),
         pp_schedule=schedule, pp_virtual=virtual, steps=steps, batch_size=batch, micro_batch_size=micro,
-        seq_len=seq_len, lr=(1e-3 if model.n_embd <= 256 else 6e-4) if run["lr"] is None else run["lr"],
+        seq_len=seq_len, lr=lr,
         min_lr=run["min_lr"],
         warmup=run["warmup"] if run["warmup"] is not None else max(1, steps // 20),
         weight_decay=run["weight_decay"], grad_clip=run["grad_clip"], seed=run["seed"], data=run["data"],

@@ -120,3 +120,28 @@ def test_an_unbounded_number_setting_says_a_finite_number():
 def test_an_unknown_pipeline_schedule_is_refused_by_name():
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'"):
         plan("zigzag", 2, 0, 4)
+
+
+def test_min_lr_above_lr_is_refused():
+    """The cosine "decay" raised the learning rate to min_lr, and the loss jumped (found by a review
+    helper, F7)."""
+    with pytest.raises(ConfigError, match=r"^min_lr 1 is above lr 0.001: the cosine decay ends at min_lr; give "
+                                          r"min_lr <= 0.001, or omit it \(lr / 10\)$"):
+        train.resolve_run_config(MPI.COMM_SELF, preset="tiny", device="cpu", lr=1e-3, min_lr=1.0)
+    assert train.resolve_run_config(MPI.COMM_SELF, preset="tiny", device="cpu", lr=1e-3, min_lr=1e-3).min_lr == 1e-3
+
+
+def test_a_resume_with_nothing_left_to_train_is_refused(tmp_path):
+    """--resume with --steps at or below the checkpoint's step exited 0 having trained nothing (and
+    rewrote config.toml with the lower steps) (found by a review helper, F7)."""
+    small = dict(preset="tiny", set=["n_layer=1"], device="cpu", batch_size=2, seq_len=8, eval_every=0)
+    run = train.build_run(train.resolve_run_config(MPI.COMM_SELF, steps=3, out=str(tmp_path), **small), MPI.COMM_SELF)
+    try:
+        train.train_step(run)
+        train.save(run)
+    finally:
+        run.close()
+    with pytest.raises(ConfigError, match="^the resumed run is at step 1, and steps 1 leaves nothing to train; "
+                                          "give steps above 1 to continue it$"):
+        train.resolve_run_config(MPI.COMM_SELF, resume=str(tmp_path), steps=1, device="cpu")
+    assert train.resolve_run_config(MPI.COMM_SELF, resume=str(tmp_path), device="cpu").steps == 3  # its own: goes on
