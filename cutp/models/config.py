@@ -182,12 +182,11 @@ class ModelConfig:
             if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
                 raise ValueError(value)  # a typo (bias=ture) must not read as False
             return value.lower() in ("1", "true", "yes")
+        elif isinstance(current, str) or (current is None and "str" in str(fields[key].type)):
+            return value  # (family=mistral: a field whose default is None takes its declared type)
         elif isinstance(current, float) or (current is None and "float" in str(fields[key].type)):
             return float(value)
-        elif isinstance(current, int) or current is None:
-            return int(value)
-        else:
-            return value
+        return int(value)
 
     @property
     def ln_eps(self) -> float:

@@ -41,19 +41,12 @@ def without_weight(op_ctx):
     refers to: ZeRO-3 frees each unit's gathered parameters after its forward, and a view of them
     kept here would hold the whole unit until its backward (every unit whole by the end of the
     forward). The backward hands the weight back (`with_weight`), gathered again by then."""
-    if hasattr(op_ctx, "w"):
-        op_ctx.w = None
-    else:
-        op_ctx.weight = None
-    return op_ctx
+    return with_weight(op_ctx, None)
 
 
 def with_weight(op_ctx, weight):
     """`without_weight`'s context with its weight back, as the parameter now holds it."""
-    if hasattr(op_ctx, "w"):
-        op_ctx.w = weight
-    else:
-        op_ctx.weight = weight
+    setattr(op_ctx, "w" if hasattr(op_ctx, "w") else "weight", weight)  # (LinearCtx's w; the norms' weight)
     return op_ctx
 
 

@@ -20,7 +20,7 @@ from tests.models.test_families import DEEPSEEK_V3, LLAMA, MIXTRAL, QWEN2, QWEN3
 from tests.mpirun import run_mpi
 
 SPECS = {"llama": dict(LLAMA, dropout=0.0),
-         "qwen2": dict(QWEN2, dropout=0.0, head_dim=None),  # (Qwen2's config has no head_dim)
+         "qwen2": dict(QWEN2, dropout=0.0),  # (head_dim 12 apart from n_embd / n_head: config.json's head_dim)
          "mixtral": dict(MIXTRAL, dropout=0.0, moe_ffn=None),
          "qwen3": dict(QWEN3, dropout=0.0),
          "qwen3_moe": dict(QWEN3_MOE, dropout=0.0),

@@ -34,9 +34,10 @@ class Qwen2(LlamaLike):
         if (qkv, out, mlp) != (True, False, False):
             return (f"Qwen2 has biases on q, k and v only; this model has qkv_bias={qkv}, attn_out_bias={out}, "
                     f"mlp_bias={mlp}")
-        if cfg.head_size * cfg.n_head != cfg.n_embd:
-            return f"Qwen2's config has no head_dim: head_dim={cfg.head_size} must be n_embd / n_head"
         return None
 
     def config_to_hf(self, cfg) -> dict:
-        return dict(self.common_to_hf(cfg), **self.layer_windows_to_hf(cfg))
+        d = dict(self.common_to_hf(cfg), **self.layer_windows_to_hf(cfg))
+        if cfg.head_size * cfg.n_head != cfg.n_embd:  # (transformers' Qwen2Attention reads config.head_dim)
+            d["head_dim"] = cfg.head_size
+        return d
