@@ -291,6 +291,9 @@ def load_model(ckpt: str, ctx, seed: int | None = None, **config_overrides):
         model, meta = load_model("out/run", ctx)      # a run directory: its newest checkpoint
         cutp.hf.save_hf(model, "out/hf")              # (or: python -m cutp export-hf out/run --out out/hf)
     """
+    if isinstance(ctx, (str, os.PathLike)) and not isinstance(ckpt, (str, os.PathLike)):
+        raise TypeError("load_model takes the checkpoint first, then the context: load_model(ckpt, ctx) "
+                        "(cutp.hf.from_hf takes them the other way round, from_hf(ctx, dir))")
     with errors_raised_on_every_rank(ctx.world.mpi_comm):  # a bad checkpoint stops every rank alike
         ckpt = resolve_checkpoint(ckpt)
         meta = read_meta(ckpt)

@@ -307,7 +307,9 @@ def _hf_files(cfg: GPTConfig, full: dict, dtype: str | None) -> tuple[dict, dict
         saved = str(kinds.pop()) if len(kinds) == 1 else cfg.dtype
     else:
         saved = dtype
-    tensors = {k: to_save_dtype(np.asarray(a), dtype) for k, a in hf_state_dict(cfg, full).items()}
+    keep = family_of(cfg).keep_in_float32 if saved in ("bfloat16", "float16") else ()
+    tensors = {k: to_save_dtype(np.asarray(a), "float32" if k.endswith(keep) else dtype)
+               for k, a in hf_state_dict(cfg, full).items()}
     return tensors, config_to_hf(cfg, saved)
 
 

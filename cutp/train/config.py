@@ -49,6 +49,7 @@ from ..checkpoint import read_meta, resolve_checkpoint
 from ..data import micro_batches
 from ..data.verify import fix_line, verify_prepared
 from ..models import DTYPES, GPT, PRESETS, GPTConfig, stage_layers
+from ..models.families import export_refusal
 from ..optim import GRAD_REDUCE_DTYPES
 from ..runtime.backend import resolve_device
 from ..runtime.consistency import check_same_on_all_ranks
@@ -455,6 +456,12 @@ def resolve_run_config(comm=None, *, source: str = "run settings", **choices) ->
     idle = sharding_nothing(cfg)
     if idle and comm.Get_rank() == 0:  # (it runs: a layout that may be meant, said once)
         print(idle, file=sys.stderr, flush=True)
+    # a model of a named family that the family cannot write (export-hf refuses it at the end): it
+    # trains, as cutp computes it, and is said now rather than after the training
+    unexportable = export_refusal(cfg.model) if cfg.model.family is not None else None
+    if unexportable and comm.Get_rank() == 0:
+        print(f"warning: export-hf will refuse this {cfg.model.family} model: {unexportable}", file=sys.stderr,
+              flush=True)
     return cfg
 
 
@@ -560,6 +567,8 @@ def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunCon
     if c["tp"] is None and c["dp"] is not None and not tp_suits(tp):  # tp = world / (dp * pp) cannot be
         per_stage = world // pp
         options = [d for d in divisors(per_stage) if d % mesh.ep == 0 and tp_suits(per_stage // d)]
+        if not options:  # no dp helps: the model's own error, as without --dp
+            model.validate(tp)
         try:
             model.validate(tp)
         except ConfigError as e:

@@ -371,3 +371,11 @@ def test_a_zero_3_save_whose_streamed_model_file_fails_is_one_error_and_writes_n
     # `latest` names the step written (not the last parameter streamed): a run resumes by its directory
     assert os.path.basename(streamed) == "step-00000002" and resolve_checkpoint(out) == streamed
     assert json.loads((tmp_path / "run" / "latest").read_text())["path"] == "step-00000002"
+
+
+def test_load_model_with_its_arguments_swapped_says_the_order(tmp_path):
+    """load_model(ckpt, ctx) and from_hf(ctx, dir) take them the other way round: swapped, one
+    TypeError naming the order (was AttributeError: 'str' object has no attribute 'world')."""
+    ctx = self_ctx()
+    with pytest.raises(TypeError, match=r"^load_model takes the checkpoint first, then the context"):
+        load_model(ctx, str(tmp_path))

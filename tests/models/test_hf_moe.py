@@ -16,7 +16,7 @@ import pytest
 
 import cutp
 from cutp.hf import from_hf, hf_state_dict, save_hf
-from cutp.models import GPTConfig
+from cutp.models import GPT, GPTConfig
 from tests.models.test_hf_llama import (_file_keys, _greedy, _lift_float32_casts, _logits, _transformers,
                                         check_float64_against)
 from tests.mpirun import run_mpi
@@ -344,3 +344,21 @@ def test_rope_interleave_is_refused_without_latent_attention():
     with pytest.raises(cutp.ConfigError, match=r"^rope_interleave=False is the layout of multi-head latent "
                                                r"attention's rope columns in a checkpoint, and this model has none"):
         GPTConfig.preset("llama-tiny", rope_interleave=False).validate(1)
+
+
+def test_a_16_bit_deepseek_export_keeps_the_router_in_float32(tmp_path):
+    """transformers keeps DeepSeek-V3's router weight and correction bias in float32
+    (_keep_in_fp32_modules_strict); a bfloat16 export writes them so, the rest in bfloat16 (a bias
+    rounded to 8 bits can change which experts a token gets)."""
+    from safetensors import safe_open
+
+    from tests.models.test_families import DEEPSEEK_V3
+
+    with cutp.init(device="cpu") as ctx:
+        model = GPT(ctx, GPTConfig(**DEEPSEEK_V3), seed=1)
+        save_hf(model, str(tmp_path), dtype="bfloat16")
+    with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+        kinds = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    router = {k for k in kinds if k.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))}
+    assert router and {kinds[k] for k in router} == {"F32"}, kinds
+    assert {v for k, v in kinds.items() if k not in router} == {"BF16"}

@@ -179,6 +179,10 @@ def test_a_tp_proposed_suits_the_model():
     assert _cli(e.value) == ("--dp 1 leaves tp = 4 / (dp 1 x pp 1) = 4, but tp=4 does not divide n_head=6: attention "
                              "is split by whole heads; use a --dp from [2, 4]")
     assert _derive(4, dp=2, set=["n_head=6", "n_embd=48"]).tp == 2
+    # a model no dp makes valid: its own error, as without --dp (was "... use a --dp from []")
+    with pytest.raises(ConfigError) as e:
+        _derive(2, dp=2, set=["bos_token_id=999"])
+    assert _cli(e.value).startswith("bos_token_id must be a token id in [0, 256) or None, got 999")
 
 
 def test_the_moe_balance_flags_set_the_model_fields():

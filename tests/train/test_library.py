@@ -341,3 +341,19 @@ def test_set_takes_a_string_field_whose_default_is_none():
     c = GPTConfig.preset("llama-tiny").with_overrides(["family=mistral", "n_kv_head=2"])
     assert c.family == "mistral"
     c.validate(1)
+
+def test_a_model_its_family_cannot_export_is_said_at_the_start(capsys):
+    """deepseek-tiny with its dense layer last trains (cutp computes it) but export-hf refuses it
+    (DeepSeek-V3's dense layers are the first ones): one warning line at the start, not a surprise
+    after the training (found by a review helper)."""
+    from mpi4py import MPI
+
+    from cutp.train import resolve_run_config
+
+    common = dict(preset="deepseek-tiny", device="cpu", steps=1, quiet=True, save_on_signal=False)
+    capsys.readouterr()
+    resolve_run_config(MPI.COMM_SELF, **common, set=["moe_dense_layers=3"])
+    assert capsys.readouterr().err == ("warning: export-hf will refuse this deepseek_v3 model: DeepSeek-V3's dense "
+                                       "layers are the first ones (first_k_dense_replace) and it is dropless\n")
+    resolve_run_config(MPI.COMM_SELF, **common)
+    assert capsys.readouterr().err == ""

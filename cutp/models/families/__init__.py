@@ -91,4 +91,13 @@ def family_of(cfg) -> Family:
     return family
 
 
-__all__ = ["FAMILIES", "Family", "Recipe", "family_for_hf", "family_of", "model_types", "register"]
+def export_refusal(cfg) -> str | None:
+    """Why `family_of(cfg)` would refuse cfg (an export-hf of the run would), None when it would not."""
+    try:
+        family_of(cfg)
+    except HFFormatError as e:
+        return str(e)
+    return None
+
+
+__all__ = ["FAMILIES", "Family", "Recipe", "export_refusal", "family_for_hf", "family_of", "model_types", "register"]

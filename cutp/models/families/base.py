@@ -93,6 +93,9 @@ class Family(Blocks):
     embedding_key: str = ""  # the HF key of the token embedding (a tied head saved anyway must equal it)
     head_key: str = "lm_head.weight"
     dtype_key: str = "torch_dtype"  # config.json's dtype field, as the family's transformers config writes it
+    # HF keys (by suffix) written in float32 when the rest is saved in 16 bits: the modules the family's
+    # transformers model keeps in float32 (its _keep_in_fp32_modules_strict)
+    keep_in_float32: tuple = ()
     # the pieces of the block beyond Llama's and GPT-2's (`GEMMA_PIECES`) this family computes
     pieces: tuple = ()
     # ModelConfig fields an `init_from` directory must agree on with the model it loads into

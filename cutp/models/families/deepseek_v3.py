@@ -67,6 +67,10 @@ class DeepseekV3(LlamaLike):
                               moe_topk_group=2, moe_dense_layers=(0,), moe_bias_update_rate=1e-3, **_V3),
     }
 
+    # the router's weight and correction bias, as transformers' DeepseekV3 keeps them (its scores
+    # are float32; a bias rounded to 8 bits can change which experts a token gets)
+    keep_in_float32 = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+
     def implies(self, cfg) -> bool:
         return cfg.kv_lora_rank is not None and cfg.moe_scoring == "sigmoid"
 
