@@ -284,6 +284,11 @@ class MpiCommunicator(Communicator):
         self.mpi_comm.Barrier()
 
     # ---- non-blocking, summed in rank order (module docstring) ---------------------------------
+    # The planner's shape-only arrays take these same paths over a group without peers (cutp.comm.
+    # shape_only.NoPeersComm: nothing moves), so that it books the buffers a run allocates when and
+    # for as long as the run holds them: the pieces received from the start to the wait, the sum
+    # (in float32 for 16-bit data) from the wait; a blocking stand-in booked others (a copy of the
+    # input, a second result) and held them to the request's end.
     def _exchange_pieces(self, flat, counts):
         """Ialltoallv: piece r of `flat` (counts[r] elements) to rank r; returns (request, rows
         [size, counts[rank]]: every rank's piece of this rank, in rank order)."""
@@ -295,19 +300,7 @@ class MpiCommunicator(Communicator):
                                        [rbuf, ([mine] * self.size, [mine * r for r in range(self.size)]), rtype])
         return req, rows
 
-    def _booked(self, request, x, piece):
-        """The planner's shape-only arrays move nothing; `request` (finished at once) holds what
-        the rank-ordered sum holds until its wait, so that the planner books it: every rank's
-        piece of this rank's part, [size, piece], and their sum (float32 for 16-bit types)."""
-        xp = get_array_module(x)
-        acc = np.float32 if np.dtype(x.dtype).name in _HALF else x.dtype
-        request.held = (xp.empty((self.size, piece), x.dtype), xp.empty(piece, acc))
-        return request
-
     def start_reduce_scatter(self, x, op="sum", out=None):
-        if not isinstance(x, np.ndarray):  # the planner's shape-only arrays: nothing to move
-            piece = int(np.prod(self._scatter_shape(x), dtype=np.int64))
-            return self._booked(super().start_reduce_scatter(x, op, out), x, piece)
         check_array(x, f"reduce_scatter on {self.name}")
         check_op(op)
         shape = self._scatter_shape(x)
@@ -330,9 +323,6 @@ class MpiCommunicator(Communicator):
         return request
 
     def start_all_reduce(self, x, op="sum", out=None):
-        if not isinstance(x, np.ndarray):  # the planner's shape-only arrays: nothing to move
-            piece = _split_counts(int(np.prod(x.shape, dtype=np.int64)), self.size)[self.rank]
-            return self._booked(super().start_all_reduce(x, op, out), x, piece)
         check_array(x, f"all_reduce on {self.name}")
         check_op(op)
         self._check_out(out, x.shape, x.dtype, f"all_reduce on {self.name}")
@@ -354,8 +344,6 @@ class MpiCommunicator(Communicator):
         return AllReduceRequest(self._gathers_to_post, req, add_then_gather, out)
 
     def start_reduce(self, x, root, op="sum"):
-        if not isinstance(x, np.ndarray):  # the planner's shape-only arrays: nothing to move
-            return super().start_reduce(x, root, op)
         check_array(x, f"reduce on {self.name}")
         check_op(op)
         xp = get_array_module(x)
