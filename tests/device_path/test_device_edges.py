@@ -58,7 +58,7 @@ def cp(monkeypatch):
 def test_the_benchmarks_comm_clock_times_collectives_by_gpu_events(cp):
     """On CuPy a collective is timed by an event pair on the current stream, read at `collect`
     (after synchronising), into the phase it ran in and its group.op."""
-    from cutp.bench.model import CommClock, TimedCommunicator
+    from cutp.bench.comm_timing import CommClock, TimedCommunicator
 
     def all_reduce(x, op="sum"):
         time.sleep(0.02)  # (the stand-in's events: the host time between the records)
@@ -75,6 +75,41 @@ def test_the_benchmarks_comm_clock_times_collectives_by_gpu_events(cp):
     assert 0.02 <= clock.seconds["backward"] == clock.by_op["dp.all_reduce"] < 1.0 and clock._events == []
     clock.collect()  # nothing new: nothing added
     assert set(clock.seconds) == {"backward"}
+
+
+@pytest.mark.device_path_default
+@pytest.mark.skipif(ON_GPU, reason="runs the stand-in in this process")
+def test_the_benchmarks_comm_clock_times_a_non_blocking_collective_at_its_wait(cp):
+    """On CuPy a start_* collective's start is not timed (it only queues the collective); its wait
+    is, by an event pair on the current stream (the stall of the computation), into the phase
+    current at the wait and the blocking collective's group.op."""
+    from cutp.bench.comm_timing import CommClock, TimedCommunicator
+
+    class Request:
+        op, result = "all_gather", "gathered"
+
+        def test(self):
+            return True
+
+        def wait(self):
+            time.sleep(0.02)  # (the stand-in's events: the host time between the records)
+            return self.result
+
+    def start_all_gather(x, out=None):
+        time.sleep(0.02)  # not timed on the GPU: a start returns at once there
+        return Request()
+
+    inner = types.SimpleNamespace(name="dp", rank=0, size=2, kind="nccl", start_all_gather=start_all_gather)
+    clock = CommClock(cp)
+    timed = TimedCommunicator(inner, clock)
+    clock.phase = "forward"
+    request = timed.start_all_gather(3)
+    assert clock._events == [] and request.op == "all_gather" and request.test()
+    clock.phase = "backward"
+    assert request.wait() == "gathered" and request.result == "gathered"
+    clock.collect()
+    assert set(clock.seconds) == {"backward"} and set(clock.by_op) == {"dp.all_gather"}
+    assert 0.02 <= clock.seconds["backward"] == clock.by_op["dp.all_gather"] < 0.04
 
 
 @pytest.mark.device_path_default
