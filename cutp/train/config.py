@@ -301,8 +301,8 @@ class RunConfig:
             raise ConfigError("`sample_every` prints a generation from `sample_prompt`: give `sample_prompt` TEXT too")
         if self.sample_every and max(self.pp, self.cp, self.ep) > 1:
             raise ConfigError(f"`sample_every` generates on each TP group with the whole model, which pp {self.pp} / cp "
-                              f"{self.cp} / ep {self.ep} split; omit `sample_every` and sample after training with "
-                              "examples/generate.py")
+                              f"{self.cp} / ep {self.ep} split; omit both `sample_every` and `sample_prompt` (then sample "
+                              "after training with examples/generate.py)")
         normalise_zero(self)
         check_overlap(self)
         check_zero(self)
@@ -485,12 +485,18 @@ def derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConf
     a checkpoint to resume). Raises ConfigError naming the settings by field, proposing only
     fixes that are accepted (cutp.train.fixes)."""
     try:
-        cfg = _derive_run_config(choices, world, ranks_per_node)
-        # a setting given other than its default (the default is what happens anyway)
-        refuse_ignored({k for k, v in choices.items() if v not in (None, [], False) and v != CHOICES.get(k)}, cfg)
-        return cfg
+        return _derive_and_refuse_ignored(choices, world, ranks_per_node)
     except ConfigError as e:
-        raise with_working_fixes(e, _derive_run_config, choices, world, ranks_per_node) from None
+        raise with_working_fixes(e, _derive_and_refuse_ignored, choices, world, ranks_per_node) from None
+
+
+def _derive_and_refuse_ignored(choices: dict, world: int, ranks_per_node: int) -> RunConfig:
+    """`_derive_run_config`, then a setting given that the result would ignore refused (a fix is
+    tried through both: one that leaves a given setting ignored is no fix)."""
+    cfg = _derive_run_config(choices, world, ranks_per_node)
+    # a setting given other than its default (the default is what happens anyway)
+    refuse_ignored({k for k, v in choices.items() if v not in (None, [], False) and v != CHOICES.get(k)}, cfg)
+    return cfg
 
 
 def _derive_run_config(choices: dict, world: int, ranks_per_node: int) -> RunConfig:

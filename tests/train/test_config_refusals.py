@@ -35,8 +35,8 @@ TINY = {"preset": "tiny", "device": "cpu"}
     (1, dict(recompute="full", recompute_layers=5), "--recompute-layers 5 needs --recompute full"),
     (1, dict(sample_every=10), "--sample-every prints a generation from --sample-prompt: give --sample-prompt TEXT"),
     (2, dict(sample_every=10, sample_prompt="Hi", pp=2),
-     "--sample-every generates on each TP group with the whole model, which pp 2 / cp 1 / ep 1 split; omit "
-     "--sample-every"),
+     "--sample-every generates on each TP group with the whole model, which pp 2 / cp 1 / ep 1 split; omit both "
+     "--sample-every and --sample-prompt"),  # (the prompt alone is ignored without --sample-every: refused)
     (1, dict(pp=1, pp_layers="2,2"), "--pp-layers 2,2 needs --pp 2"),
     (1, dict(pp_layers="2,x"), "--pp-layers '2,x': expected comma-separated layer counts, e.g. 5,6,6,5"),
     (1, dict(freeze=","), "--freeze ',' names no group; give some of embeddings, norms, head, attention, mlp"),
