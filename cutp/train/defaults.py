@@ -158,11 +158,10 @@ NEEDS = {
              "give `out` DIR, or omit `keep`"),
     "overwrite": (lambda c: c.out is not None, "whether `out` may hold another run, and no `out` is given",
                   "give `out` DIR, or omit `overwrite`"),
-    # (1f1b at pp 1 is what runs anyway, and what a printed config of a pp 1 run says)
+    # (1f1b at pp 1 is what runs anyway, and what a printed config of a pp 1 run says; eval_batches
+    # with eval_every 0 is not here: a library caller's evaluate(run) takes that many batches)
     "pp_schedule": (lambda c: c.pp > 1 or c.pp_schedule == "1f1b", "the order of the pipeline stages' "
                     "micro-batches, and `pp` is 1", "give `pp` 2 or more, or omit `pp_schedule`"),
-    "eval_batches": (lambda c: c.eval_every > 0, "how many validation batches an evaluation takes, and `eval_every` "
-                     "is 0 (no evaluation)", "give `eval_every` N, or omit `eval_batches`"),
     "sample_prompt": (lambda c: c.sample_every > 0, "the prompt of `sample_every`'s generations, and `sample_every` "
                       "is 0 (none)", "give `sample_every` N, or omit `sample_prompt`"),
     "sample_tokens": (lambda c: c.sample_every > 0, "the length of `sample_every`'s generations, and `sample_every` "

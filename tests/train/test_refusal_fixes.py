@@ -102,9 +102,6 @@ def test_the_issues_refusals_propose_what_works(world, given, expect):
     # (a fix is tried with the ignored-settings check too: "use --tp 1" left it ignored)
     ({"pp_schedule": "gpipe", "tp": 2}, "--pp-schedule would be ignored: it sets the order of the pipeline stages' "
                                         "micro-batches, and --pp is 1; omit --pp-schedule"),
-    ({"eval_batches": 8, "eval_every": 0}, "--eval-batches would be ignored: it sets how many validation batches an "
-                                           "evaluation takes, and --eval-every is 0 (no evaluation); give "
-                                           "--eval-every N, or omit --eval-batches"),
     ({"sample_prompt": "def"}, "--sample-prompt would be ignored: it sets the prompt of --sample-every's "
                                "generations, and --sample-every is 0 (none); give --sample-every N, or omit "
                                "--sample-prompt"),
@@ -117,8 +114,9 @@ def test_a_setting_that_would_be_ignored_is_refused_by_name(given, expect):
     assert e.value.render(flag_of) == expect
     derive_run_config({"preset": "tiny", "device": "cpu", "link_bandwidth": 10.0, "link_latency": 2.0}, 1, 1)
     # what runs anyway (a printed config of a pp 1 run says 1f1b) and what takes effect are accepted
-    derive_run_config({"preset": "tiny", "device": "cpu", "pp_schedule": "1f1b", "eval_batches": 8,
-                       "sample_prompt": "def", "sample_tokens": 9, "sample_every": 5}, 1, 1)
+    derive_run_config({"preset": "tiny", "device": "cpu", "pp_schedule": "1f1b", "eval_batches": 8, "eval_every": 0,
+                       "sample_prompt": "def", "sample_tokens": 9, "sample_every": 5}, 1, 1)  # (evaluate(run) reads
+    # eval_batches whatever eval_every says)
 
 
 def test_fixes_written_again_read_back_as_the_same_fixes():
