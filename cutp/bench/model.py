@@ -16,12 +16,13 @@ all-reduces) counts under the blocking one's key, in the phase where its request
 on the CPU the host time of its start, test() and wait() calls; on the GPU the time the current
 stream stalls at its wait() (`_TimedRequest`).
 
-FLOPs per token = 6*N + 12*L*h*T (Kaplan et al. 2020 / PaLM appendix B): N the parameters that
-take part in matrix products (all but the position embeddings; the tied token embedding counts
-once, as the LM head), L layers, h the width, T the sequence length (attention scores and
-their product with V, forward and backward; the causal half is not discounted). Model FLOP/s =
-FLOPs per token * tokens/s; on a GPU MFU = model FLOP/s per GPU / the GPU's dense peak for the
-model's dtype (common.GPU_PEAKS); on the CPU the achieved GFLOP/s is reported instead.
+FLOPs per token: training's (`cutp.models.flops.training_flops_per_token`, the MFU
+examples/train_gpt.py reports), so the two commands give one model the same figure: the matrix
+products of the active parameters (an MoE layer's top_k experts, not all of them; the embedding
+tables looked up, the LM head multiplied), attention's scores over min(T, window) keys, 3 x the
+forward. Model FLOP/s = FLOPs per token * tokens/s; on a GPU MFU = model FLOP/s per GPU / the
+GPU's dense peak for the model's dtype (common.GPU_PEAKS); on the CPU the achieved GFLOP/s is
+reported instead.
 
 Memory per rank: parameters, gradients and optimizer state are the live arrays' bytes
 (`cutp.train.memory.state_bytes`); the peak a step allocates above them is measured over the
@@ -43,6 +44,7 @@ from mpi4py import MPI
 
 from ..data import Dataset
 from ..models import GPTConfig
+from ..models.flops import training_flops_per_token
 from .. import ops
 from ..ops import tf32_allowed
 from ..ops.profile import OpTimer, breakdown
@@ -57,19 +59,6 @@ from ..train.pipeline import pipeline_bubble
 from ..train.reporting import Report
 from .comm_timing import CommClock, install_comm_timing
 from .common import device_of, gpu_info, gpu_peak, machine_info, peak_tflops, reduce_scalar
-
-
-# ---------------------------------------------------------------------------------------------
-# FLOPs
-# ---------------------------------------------------------------------------------------------
-def matmul_parameters(config) -> int:
-    """N of the FLOPs formula: every parameter except the position embeddings."""
-    return config.num_parameters() - config.block_size * config.n_embd
-
-
-def flops_per_token(config, seq_len: int) -> int:
-    """6*N + 12*L*h*T (forward + backward)."""
-    return 6 * matmul_parameters(config) + 12 * config.n_layer * config.n_embd * seq_len
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +277,7 @@ def run(args) -> Report:
     step_s = sum(med.values())
     tokens = B * T * ctx.dp_size
     tok_s = tokens / step_s
-    fpt = flops_per_token(config, T)
+    fpt = training_flops_per_token(config, T)  # (training's MFU counts the same FLOPs)
     flops = fpt * tok_s
     n_dev = ctx.world_size
 
@@ -313,8 +302,8 @@ def run(args) -> Report:
     t.add(preset=args.preset, mesh=f"{ctx.tp_size}" + (f" x cp {ctx.cp_size}" if ctx.cp_size > 1 else "")
           + f" x {ctx.dp_size}" + (f" x pp {ctx.pp_size}" if ctx.pp_size > 1 else ""), shape=f"{B} x {T}", tokens=tokens, ms=step_s * 1e3,
           tok_s=tok_s, gflops=flops / 1e9, gflops_dev=flops / n_dev / 1e9, mfu=mfu, loss=losses[-1])
-    t.notes.append(f"FLOPs/token = 6*N + 12*L*h*T = 6*{matmul_parameters(config):,} + 12*{config.n_layer}*{config.n_embd}*{T} "
-                   f"= {fpt:,} (N: parameters without position embeddings)")
+    t.notes.append(f"FLOPs/token = {fpt:,.0f}: training's count (cutp.models.flops: the active parameters' matrix "
+                   f"products and attention over {T} keys, forward and backward)")
 
     ph = report.table("phases", [("phase", "phase", "", "<"), ("ms", "ms", ",.1f"), ("comm_ms", "of which comm ms", ",.1f"),
                                  ("compute_ms", "compute ms", ",.1f"), ("pct", "% of step", ".1f")],

@@ -22,6 +22,7 @@ from cutp.bench import model as bmodel
 from cutp.bench.__main__ import build_parser, main
 from cutp.runtime.threads import get_blas_threads, set_blas_threads
 from cutp.models import GPT, GPTConfig
+from cutp.models.flops import training_flops_per_token
 from tests.mpirun import run_mpi
 
 
@@ -55,18 +56,19 @@ def test_message_sizes_and_counts():
     assert reporting.parse_count("70B") == 70e9 and reporting.parse_count("124M") == 124e6
 
 
-def test_flops_per_token_against_a_hand_count():
-    # no biases: the only non-matmul parameters are the LayerNorm weights (2 per layer + final)
-    c = GPTConfig.preset("tiny", bias=False)
-    L, h, V, T = c.n_layer, c.n_embd, c.vocab_size, 64
-    per_layer_fwd = 2 * (h * 3 * h + h * h + h * 4 * h + 4 * h * h) + 2 * T * h + 2 * T * h  # GEMMs + QK^T + PV
-    hand = 3 * (L * per_layer_fwd + 2 * h * V)  # backward = 2 x forward
-    formula = bmodel.flops_per_token(c, T)
-    assert formula == 6 * bmodel.matmul_parameters(c) + 12 * L * h * T
-    assert formula - hand == 6 * (2 * L * h + h)  # the LayerNorm weights' 6 FLOPs per token, nothing else
-    # GPT-2 small at T=1024: the commonly quoted ~0.88 GFLOP per token (6*124M + 12*12*768*1024)
-    g = GPTConfig.preset("gpt2")
-    assert bmodel.flops_per_token(g, 1024) == 6 * (124_439_808 - 1024 * 768) + 12 * 12 * 768 * 1024
+@pytest.mark.parametrize("preset", ["tiny-moe", "llama-tiny"])
+def test_model_suite_counts_training_s_flops_for_moe_and_rope_presets(preset, tmp_path):
+    # bench model's GFLOP/s and MFU use the FLOPs training's MFU uses (cutp.models.flops): an MoE
+    # layer's top_k experts, not all of them; no position table subtracted from a RoPE model
+    j = tmp_path / "model.json"
+    threads = get_blas_threads() or 1
+    assert main(["model", "--preset", preset, "--device", "cpu", "--set", "n_layer=1", "--batch-size", "1",
+                 "--seq-len", "16", "--timed-steps", "1", "--untimed-steps", "0", "--json", str(j), "--quiet",
+                 "--threads", str(threads)]) == 0
+    d = json.loads(j.read_text())
+    c = GPTConfig.preset(preset, n_layer=1)
+    assert d["result"]["flops_per_token"] == training_flops_per_token(c, 16)
+    assert f"FLOPs/token = {training_flops_per_token(c, 16):,.0f}" in d["tables"]["step"]["notes"][0]
 
 
 def test_plan_70b_against_the_literature():
@@ -360,7 +362,7 @@ def test_model_suite_tp1_in_process(tmp_path):
     assert "simulated link under every group: 10 GB/s, 2 us (cutp.comm.simulated)" in d["notes"]
     res = d["result"]
     c = GPTConfig.preset("tiny", n_layer=1)
-    assert res["flops_per_token"] == bmodel.flops_per_token(c, 16)
+    assert res["flops_per_token"] == training_flops_per_token(c, 16)
     assert res["tokens_per_s"] > 0 and res["activation_bytes"] > 0 and res["mfu_pct"] is None
     assert [r["phase"] for r in d["tables"]["phases"]["rows"]] == ["forward", "backward", "optimizer", "step"]
     mem = {r["what"]: r["mib"] for r in d["tables"]["memory"]["rows"]}
