@@ -17,24 +17,27 @@ from types import SimpleNamespace
 
 from ..runtime.errors import ConfigError, settings_named
 from ..train.config import add_setting_flags
+from ..train.defaults import default_micro_batch
 from ..train.overlap import check_overlap
 from ..train.zero import check_one_stage, check_zero
 from . import finetune, layout, overlap, pipeline, search
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", help="model size, e.g. 7B, 13B, 70B, 175B (a standard architecture of that size)")
+    p.add_argument("--params", help="model size: one of " + ", ".join(layout.ARCHITECTURES) + " (Llama 2 and 3's, "
+                   "GPT-3's architecture of that size; any other model: --preset)")
     # the training settings a plan takes: declared once in cutp.train.config (train_gpt.py's flags, same names
     # and meanings: --batch-size the global sequences per step, --dtype the parameters', --device where the
     # planned run computes), with the planner's defaults (bfloat16, cuda, --search: 4M tokens a step)
     add_setting_flags(p, {"preset": None, "set": [], "tp": 8, "dp": 1, "ep": 1, "cp": 1, "cp_comm": "ring",
-                          "micro_batch_size": 1, "seq_len": None, "distributed_optimizer": False, "zero": 0,
+                          "micro_batch_size": None, "seq_len": None, "distributed_optimizer": False, "zero": 0,
                           "reshard_after_forward": True, "dp_replicate": 1, "recompute": "none",
                           "recompute_layers": None, "sequence_parallel": False, "pp": 1, "pp_layers": None,
                           "pp_schedule": None, "pp_virtual": 1, "link_bandwidth": None, "link_latency": 5.0,
                           "bucket_size": None, "overlap_param_gather": False, "dtype": None, "device": "cuda", "batch_size": None,
                           **finetune.DEFAULTS},  # (what trains: --freeze, --lora-*)
                       aliases={"micro_batch_size": ("--micro-batch",)})  # (the planner's older spelling)
+    _state_defaults(p, PLANNER_DEFAULTS)
     p.add_argument("--accum", type=int, default=None,
                    help="micro-batches per optimizer step (and DP rank; default 1, with --pp: pp)")
     p.add_argument("--precision", default=None, choices=sorted(layout.PRECISION_DTYPE),
@@ -51,6 +54,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --link-bandwidth: the throughput a layer's FLOPs run at")
 
 
+# the defaults the planner derives itself where training's --help text would say training's (a user
+# who copied a float32 training command got a bfloat16 plan, with --help saying float32)
+PLANNER_DEFAULTS = {
+    "preset": "--params 70B's Llama-2-70B when neither is given",
+    "dtype": "bfloat16, training's with fp32 master weights; training's own default is float32",
+    "batch_size": "--micro-batch-size x --accum x --dp; --search: 4M tokens a step (Llama 2's)",
+    "micro_batch_size": "with --batch-size, training's: the per-DP batch at once (with --pp, the largest that "
+                        "gives the schedule its micro-batches; with --accum, batch / (dp x accum)); else, and "
+                        "with --search, 1",
+    "seq_len": "the model's block size",
+}
+
+
+def _state_defaults(parser, defaults: dict) -> None:
+    """Replaces the "(default: ...)" of each named setting's --help line (declared once, with
+    training's) by this command's."""
+    for action in parser._actions:
+        if action.dest in defaults and action.help and " (default: " in action.help:
+            action.help = action.help.rsplit(" (default: ", 1)[0] + f" (default: {defaults[action.dest]})"
+
+
 # the planner's flags for the run settings a plan's errors name (the rest: --the-field-name)
 FLAGS = {"batch_size": "--micro-batch-size x --accum x --dp"}
 
@@ -59,9 +83,30 @@ def flag_of(field: str) -> str:
     return FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
+def micro_batch_size(args) -> int:
+    """--micro-batch-size, or what training runs when it is not given: with --batch-size, the
+    per-DP batch at once (with a pipeline, the largest micro-batch that gives the schedule its
+    micro-batches: cutp.train.defaults.default_micro_batch), with --accum too, the batch /
+    (dp x accum) that makes them agree; else (and for --search, which picks per layout) 1. A
+    batch these do not divide keeps 1, so that micro_batches' refusal names the fix."""
+    if args.micro_batch_size is not None:
+        return args.micro_batch_size
+    batch = args.batch_size
+    if batch is None or args.search or not isinstance(batch, int) or batch < 1 or args.dp < 1 or batch % args.dp:
+        return 1
+    per_rank = batch // args.dp
+    if args.accum is not None:
+        return per_rank // args.accum if args.accum >= 1 and per_rank % args.accum == 0 else 1
+    virtual = args.pp_virtual or 1
+    schedule = args.pp_schedule or ("interleaved" if virtual > 1 else "1f1b")
+    return default_micro_batch(per_rank, args.pp, schedule)
+
+
 def run(args):
     """Plans what args describe; returns its Report (its errors name this command's flags)."""
-    args.micro_batch = args.micro_batch_size  # (the planner's modules' name for it)
+    # training's micro-batch when none is given (a plan of micro-batch 1 for a run of the whole batch
+    # at once under-predicted its activations by the batch's factor)
+    args.micro_batch_size = args.micro_batch = micro_batch_size(args)  # (micro_batch: the planner modules' name)
     # the planner's own defaults of the shared settings: a GPU run (auto plans the GPU path), bfloat16
     # (layout.resolve_dtype), the search's global batch 4M tokens (Llama 2's) when not given
     if args.device == "auto":
@@ -72,6 +117,12 @@ def run(args):
 
 def _run(args):
     overlap.check_args(args)
+    # numbers no plan can take, refused by name (--seq-len 0 planned the block size)
+    for name in ("seq_len", "batch_size", "accum"):
+        if getattr(args, name, None) is not None:
+            layout.check_positive(name, getattr(args, name))
+    if args.markdown and not args.search:
+        raise ConfigError("--markdown prints --search's table of layouts; add --search, or omit --markdown")
     # training's refusals of these ZeRO settings, in its words (cutp.train.zero, cutp.train.overlap);
     # HSDP's and resharding's have the planner's own checks (cutp.plan.layout.plan)
     check_one_stage(args.zero, args.distributed_optimizer)

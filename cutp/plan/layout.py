@@ -98,14 +98,21 @@ ARCHITECTURES = {size: GPTConfig.preset(preset) for size, (_, preset) in ARCHITE
 
 
 def pick_arch(params: str) -> GPTConfig:
-    """'70B' (or 70e9, 7e10): the listed architecture nearest in size."""
+    """'70B' (or 70e9, 7e10): the listed architecture of that size (within 15%: 7B is Llama-2-7B's
+    6.74B); any other size is refused (planning the nearest one, 54 times larger for 124M,
+    printed a plan of a model that was not asked for)."""
+    known = ", ".join(ARCHITECTURES)
     try:
         want = parse_count(params)
     except ValueError:
         want = math.nan  # refused below, in the terms of the flag
     if not want > 0 or math.isinf(want):
-        raise ConfigError(f"`params` {params!r} is not a parameter count; give one like 124M, 7B, 70B, 1.5T or 7e9")
-    return min(ARCHITECTURES.values(), key=lambda a: abs(a.num_parameters() - want))
+        raise ConfigError(f"`params` {params!r} is not a parameter count; give one of {known} (or e.g. 7e9)")
+    nearest = min(ARCHITECTURES.values(), key=lambda a: abs(a.num_parameters() - want))
+    if abs(nearest.num_parameters() - want) > 0.15 * want:
+        raise ConfigError(f"`params` {params}: the planner knows the architectures of {known}; for another model "
+                          "give `preset` NAME (with --set n_layer=... n_embd=... for another shape)")
+    return nearest
 
 
 def model_name(args) -> str:

@@ -65,10 +65,24 @@ def expected_exposed(units, *, dp: int, bucket_size: int, bandwidth_gbs: float, 
 
 
 def check_args(args) -> None:
-    """Before any planning: ConfigError for a link without a device throughput."""
-    if getattr(args, "link_bandwidth", None) is not None and not args.device_tflops:
+    """Before any planning: ConfigError for a link without a device throughput, a throughput
+    without a link, or a bandwidth, latency or throughput that no link has (0 GB/s divided by
+    zero, a negative one printed negative times)."""
+    bandwidth, tflops = getattr(args, "link_bandwidth", None), getattr(args, "device_tflops", None)
+    if bandwidth is not None and not bandwidth > 0:
+        raise ConfigError(f"--link-bandwidth {bandwidth:g}: a link moves more than 0 GB/s; give e.g. "
+                          "--link-bandwidth 50 (InfiniBand NDR per GPU), or omit it")
+    if bandwidth is not None and getattr(args, "link_latency", 0) < 0:
+        raise ConfigError(f"--link-latency {args.link_latency:g}: a latency is >= 0 us; give e.g. --link-latency 5")
+    if tflops is not None and not tflops > 0:
+        raise ConfigError(f"--device-tflops {tflops:g}: give the throughput a layer's FLOPs run at, > 0, e.g. "
+                          "--device-tflops 400")
+    if bandwidth is not None and not tflops:
         raise ConfigError("--link-bandwidth needs --device-tflops (the throughput each layer's FLOPs run at): give "
                           "it, e.g. --device-tflops 400 for a bf16 H100 at about half its peak")
+    if tflops is not None and bandwidth is None:
+        raise ConfigError("--device-tflops times the backward against a simulated link, and no --link-bandwidth "
+                          "is given; give --link-bandwidth GB/s too, or omit --device-tflops")
 
 
 def add_table(report, a, args, param_count) -> dict | None:

@@ -53,13 +53,62 @@ def _plan(capsys, *argv):
     (("--preset", "tiny-moe", "--tp", "1", "--freeze", "layers.0.*,mlp"),
      "freeze 'layers.0.*': the plan of an MoE model counts its experts by formula and matches groups only"),
     # a traceback of float() before (found by a review helper, F6)
-    (("--params", "abc"), "--params 'abc' is not a parameter count; give one like 124M, 7B, 70B, 1.5T or 7e9"),
+    (("--params", "abc"), "--params 'abc' is not a parameter count; give one of 7B, 8B, 13B, 70B, 175B (or e.g. 7e9)"),
+    # a size the planner has no architecture of planned the nearest one (124M: Llama-2-7B; review F4)
+    (("--params", "124M"), "--params 124M: the planner knows the architectures of 7B, 8B, 13B, 70B, 175B; for another "
+                           "model give --preset NAME"),
+    (("--params", "1T"), "--params 1T: the planner knows the architectures of 7B, 8B, 13B, 70B, 175B"),
+    (("--params", "30B"), "--params 30B: the planner knows"),
+    # numbers no plan takes (review F5, F8): a division by zero, negative times, --seq-len 0 planned 4096
+    (("--params", "7B", "--dp", "2", "--link-bandwidth", "0", "--device-tflops", "100"),
+     "--link-bandwidth 0: a link moves more than 0 GB/s"),
+    (("--params", "7B", "--dp", "2", "--link-bandwidth", "-1", "--device-tflops", "100"),
+     "--link-bandwidth -1: a link moves more than 0 GB/s"),
+    (("--params", "7B", "--dp", "2", "--link-bandwidth", "50", "--device-tflops", "0"), "--device-tflops 0: give the"),
+    (("--params", "7B", "--dp", "2", "--link-bandwidth", "50", "--link-latency", "-1", "--device-tflops", "10"),
+     "--link-latency -1: a latency is >= 0 us"),
+    (("--params", "7B", "--dp", "2", "--device-tflops", "100"), "no --link-bandwidth is given; give --link-bandwidth"),
+    (("--params", "7B", "--seq-len", "0"), "--seq-len must be an integer >= 1, got 0"),
+    (("--params", "7B", "--batch-size", "0"), "--batch-size must be an integer >= 1, got 0"),
+    (("--params", "7B", "--markdown"), "--markdown prints --search's table of layouts; add --search"),
     (("--params", "0"), "--params '0' is not a parameter count"),
     (("--preset", "tiny", "--set", "n_layer=abc"), "--set 'n_layer=abc': 'abc' is not a value of n_layer (int)"),
 ])
 def test_a_setting_the_plan_cannot_take_is_refused_in_one_line(capsys, argv, message):
     rc, err = _plan(capsys, *argv)
     assert rc == 2 and "\n" not in err and message in err, err
+
+
+@pytest.mark.parametrize("extra, micro, accum", [
+    ((), 8, 1),  # training runs the per-DP batch at once (it planned micro-batch 1, 8 of them)
+    (("--dp", "2"), 4, 1),
+    (("--accum", "4"), 2, 4),
+    (("--micro-batch-size", "2"), 2, 4),
+])
+def test_batch_size_without_micro_batch_size_plans_training_s_micro_batch(tmp_path, extra, micro, accum):
+    out = tmp_path / "plan.json"
+    assert main(["--preset", "llama-tiny", "--set", "n_layer=2", "--tp", "1", "--batch-size", "8", "--seq-len", "16",
+                 *extra, "--json", str(out), "--quiet"]) == 0
+    r = json.loads(out.read_text())["plan"]
+    assert (r["micro_batch"], r["accum"]) == (micro, accum)
+
+
+def test_batch_size_at_pp_plans_training_s_micro_batch(tmp_path):
+    from cutp.train.defaults import default_micro_batch
+    out = tmp_path / "plan.json"
+    assert main(["--preset", "llama-tiny", "--tp", "1", "--pp", "2", "--batch-size", "8", "--seq-len", "16",
+                 "--json", str(out), "--quiet"]) == 0
+    r = json.loads(out.read_text())["plan"]
+    assert r["micro_batches"] * default_micro_batch(8, 2, "1f1b") == 8 and r["micro_batches"] > 1
+
+
+def test_help_states_the_planner_s_own_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: bfloat16, training's with fp32 master weights" in out
+    assert "(default: float32" not in out and "gpt2 on GPUs" not in out and "(default: 8, rounded" not in out
+    assert "(default: the model's block size)" in out
 
 
 def test_the_api_refuses_what_the_command_line_s_choices_exclude():
