@@ -27,15 +27,15 @@ from ..train.reporting import parse_size
 from ..plan import cli as plan_cli
 from . import comm, compare_torch, kernels, model
 from . import moe as moe_bench
+from .output import check_writable
 from .plot import plot_report
 
 SUITES = ("kernels", "comm", "model", "compare-torch", "plan", "moe")
 
 
-def _common(p, plot: bool = True):
+def _common(p):
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    if plot:  # (suites without a figure refuse --plot before they run, not after)
-        p.add_argument("--plot", metavar="PATH", help="write a PNG figure (matplotlib)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG figure (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no tables on stdout")
 
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mo = sub.add_parser("moe", help="the grouped expert path against the dense SwiGLU MLP, one rank")
     moe_bench.add_arguments(mo)
-    _common(mo, plot=False)
+    _common(mo)
     return p
 
 
@@ -144,8 +144,42 @@ class _RenamedFlag(argparse.Action):
         parser.error(f"{option_string} is a training run's setting; bench model measures {self.instead} N steps")
 
 
+# each suite's numbers and the least each may be (None: not given, the suite's default), refused
+# before any work: --timed-steps 0 raised IndexError after the warm-up, --iters -3 printed negative
+# bandwidths, --tokens 0 divided by zero, --repeat 0 had no median
+AT_LEAST = {
+    "kernels": (("repeat", "--repeat", 1), ("warmup", "--warmup", 0), ("min_time", "--min-time", 0),
+                ("copy_mib", "--copy-mib", 1), ("budget", "--budget", 0)),
+    "comm": (("min_size", "--min-size", 1), ("max_size", "--max-size", 1), ("iters", "--iters", 1),
+             ("warmup", "--warmup", 0)),
+    "model": (("steps", "--timed-steps", 1), ("warmup", "--untimed-steps", 0), ("batch_size", "--batch-size", 1),
+              ("micro_batch_size", "--micro-batch-size", 1), ("seq_len", "--seq-len", 1), ("threads", "--threads", 1)),
+    "compare-torch": (("repeat", "--repeat", 1), ("warmup", "--warmup", 0), ("batch_size", "--batch-size", 1),
+                      ("seq_len", "--seq-len", 1), ("threads", "--threads", 1), ("gap", "--gap", 0),
+                      ("profile_repeats", "--profile-repeats", 0)),
+    "moe": (("tokens", "--tokens", 1), ("hidden", "--hidden", 1), ("experts", "--experts", 1),
+            ("expert_width", "--expert-width", 1), ("top_k", "--top-k", 1), ("repeat", "--repeat", 1)),
+}
+
+
+def check_numbers(args) -> None:
+    """ConfigError naming the first number of args.suite below what it can take, and the fix."""
+    for dest, flag, low in AT_LEAST.get(args.suite, ()):
+        value = getattr(args, dest, None)
+        if value is not None and value < low:
+            raise ConfigError(f"{flag} {value:g} is below {low}: give {flag} {low} or more, or omit it for the "
+                              "default")
+    if args.suite == "comm" and args.max_size is not None and args.max_size < args.min_size:
+        raise ConfigError(f"--max-size {args.max_size:,} B is below --min-size {args.min_size:,} B: no message "
+                          "size between them; give --max-size >= --min-size")
+    if args.suite == "moe" and args.top_k > args.experts:
+        raise ConfigError(f"--top-k {args.top_k} is more than --experts {args.experts}: each token picks top_k "
+                          f"different experts; give --top-k <= {args.experts}")
+
+
 def run(args):
     """Runs one suite; returns its Report (on every rank)."""
+    check_numbers(args)
     if args.suite == "kernels":
         gpu = args.device == "cuda" or (args.device == "auto" and _gpu_default())
         args.repeat = args.repeat or (30 if gpu else 10)
@@ -176,17 +210,30 @@ def _is_rank0(report) -> bool:
 def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        # where the results go, before the work (every rank checks: each refuses alike, none waits alone)
+        check_writable(args.json, "--json", report=True)
+        check_writable(getattr(args, "plot", None), "--plot")
         report = run(args)
     except ConfigError as e:  # a setting that cannot run: one line naming it and the fix
-        print(f"python -m cutp bench {args.suite}: error: {e}", file=sys.stderr)
+        # (one write of the whole line: under mpiexec two ranks' prints came out glued on one line)
+        sys.stderr.write(f"python -m cutp bench {args.suite}: error: {e}\n")
+        sys.stderr.flush()
         return 2
     if not _is_rank0(report):
         return 0
-    report.publish(args.json, args.quiet)
-    if getattr(args, "plot", None):
-        plot_report(report, args.plot)
-        if not args.quiet:
-            print(f"wrote {args.plot}")
+    try:
+        report.publish(args.json, args.quiet)
+        if getattr(args, "plot", None):
+            plot_report(report, args.plot)
+            if not args.quiet:
+                print(f"wrote {args.plot}")
+    except OSError as e:  # (checked above; the disk may still fill or the directory go)
+        print(f"python -m cutp bench {args.suite}: error: cannot write the results: {e}", file=sys.stderr)
+        return 2
+    if report.extra.get("disagree"):  # compare-torch: a failed check fails the command (make compare-torch)
+        print(f"python -m cutp bench compare-torch: error: cutp and torch disagree on "
+              f"{', '.join(report.extra['disagree'])} (see the notes)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -48,6 +48,7 @@ from ..models.hf import config_to_hf, hf_state_dict
 from .. import ops
 from ..models.names import from_gpt2, to_gpt2
 from ..ops.profile import OP_KINDS, OpTimer
+from ..runtime.errors import ConfigError
 from ..runtime.threads import get_blas_threads, keep_freed_host_memory, set_blas_threads
 from ..train.reporting import Report
 from .common import Timing, machine_info
@@ -63,6 +64,48 @@ def torch_missing_reason() -> str | None:
         return (f"torch is not importable ({type(e).__name__}: {e}); it is an optional extra: "
                 "pip install torch (a CPU build is enough)")
     return None
+
+
+def lacks(config) -> str | None:
+    """None when one of the two torch modules computes `config`'s math; else what the module its
+    family would use leaves out, named by cutp's fields. (Without this, a Qwen3 was compared to a
+    Llama module without its q/k norms, and the disagreement read as a bug in cutp.)"""
+    c = config
+    missing = [what for cond, what in (
+        (c.n_experts, "experts (n_experts)"), (c.kv_lora_rank or c.q_lora_rank, "latent attention (kv_lora_rank)"),
+        (c.qk_norm, "q/k norms (qk_norm)"),
+        (c.sliding_window is not None or c.layer_types is not None, "sliding-window layers (sliding_window)"),
+        (c.attn_softcap or c.final_softcap, "softcaps (attn_softcap, final_softcap)"),
+        (c.norm_offset, "1 + weight norms (norm_offset)"), (c.embed_scale, "a scaled embedding (embed_scale)"),
+        (c.post_norms, "post-norms (post_norms)"), (c.query_pre_attn_scalar is not None, "query_pre_attn_scalar"),
+        (c.dropout, "dropout"), (c.label_smoothing, "label smoothing")) if cond]
+    if is_llama(c):
+        module = "the Llama module (RMSNorm, RoPE, SwiGLU, GQA, untied, no biases)"
+        biases = [b if b is not None else c.bias for b in (c.qkv_bias, c.attn_out_bias, c.mlp_bias)]
+        missing += [what for cond, what in ((c.rope_scaling != "none", f"RoPE scaling (rope_scaling={c.rope_scaling})"),
+                                            (c.tie_embeddings, "tied embeddings (tie_embeddings)"),
+                                            (any(biases), "biases (bias, qkv_bias, ...)")) if cond]
+    else:
+        module = "the GPT-2 module (LayerNorm, learned positions, tanh GeLU, MHA, tied embeddings)"
+        missing += [what for cond, what in (
+            (c.norm != "layernorm", f"{c.norm} (norm)"), (c.positions != "learned", f"{c.positions} positions"),
+            (c.mlp != "gelu", f"{c.mlp} MLP (mlp)"), (c.gelu != "tanh", f"{c.gelu} GeLU (gelu)"),
+            (c.kv_heads != c.n_head, "grouped-query attention (n_kv_head)"),
+            (not c.tie_embeddings, "untied embeddings (tie_embeddings)"),
+            (c.head_dim not in (None, c.n_embd // c.n_head), "head_dim"),
+            (any(b is not None and b != c.bias for b in (c.qkv_bias, c.attn_out_bias, c.mlp_bias)),
+             "per-layer biases (qkv_bias, ...)")) if cond]
+    return f"{module} has no {', '.join(missing)}" if missing else None
+
+
+def check_presets(presets, overrides=()) -> None:
+    """Before any work: ConfigError naming the first preset (with `overrides`) that neither torch
+    module computes, and what its module lacks."""
+    for preset in presets:
+        why = lacks(GPTConfig.preset(preset, dtype="float32").with_overrides(overrides))
+        if why:
+            raise ConfigError(f"compare-torch cannot compare {preset}: {why}; compare a preset it implements "
+                              "(tiny, gpt2, llama-tiny, llama-gpt2, llama3-8b, mistral-7b, ...)")
 
 
 def build_torch_gpt(config, state: dict, attention: str = "sdpa"):
@@ -523,6 +566,7 @@ def compare(preset: str, *, batch: int | None = None, seq_len: int | None = None
 
 
 def run(args) -> Report:
+    check_presets(args.presets, getattr(args, "set", ()))  # (before torch is looked for: it needs none)
     report = Report("compare-torch", machine_info())
     why = torch_missing_reason()
     if why:
@@ -564,6 +608,8 @@ def run(args) -> Report:
                       torch_rest=r["torch_ms"] - tp["gemm"] if "gemm" in tp else None, floor=r["gemm_floor"])
         if not chk["ok"]:
             report.notes.append(f"{preset}: cutp and torch DISAGREE ({chk}); not timed")
+            # a failed check is the command's failure (python -m cutp bench exits 1: make compare-torch fails)
+            report.extra.setdefault("disagree", []).append(preset)
         if "transformers" in chk:
             tr = chk["transformers"]
             report.notes.append(f"{preset}: the torch module against transformers' LlamaForCausalLM: |dloss|/loss "

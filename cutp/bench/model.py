@@ -43,6 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..data import Dataset
+from ..runtime.errors import ConfigError
 from ..models import GPTConfig
 from ..models.flops import training_flops_per_token
 from .. import ops
@@ -180,8 +181,21 @@ def run(args) -> Report:
     world = MPI.COMM_WORLD
     cp = getattr(args, "cp", 1)
     dp = args.dp or max(1, world.Get_size() // (args.tp * cp * args.pp))
+    if args.batch_size and args.batch_size % dp:  # (batch 1 over dp 2 was refused as micro_batch_size 0)
+        raise ConfigError(f"--batch-size {args.batch_size} is the global batch, and dp {dp} does not divide it; give "
+                          f"a multiple of {dp}, e.g. --batch-size {dp * max(1, args.batch_size // dp)}")
     B = args.batch_size // dp if args.batch_size else 8  # sequences per DP rank (--batch-size: the global batch)
     model = GPTConfig.preset(args.preset, dtype=args.dtype).with_overrides(args.set)
+    if args.seq_len and args.seq_len > model.block_size:  # (it ran the block size instead)
+        raise ConfigError(f"--seq-len {args.seq_len} is past {args.preset}'s block size {model.block_size} (the "
+                          f"positions it has); give --seq-len {model.block_size} or less, or --set "
+                          f"block_size={args.seq_len}")
+    # a link that moves nothing: 0 GB/s was dropped as "not given" (no link simulated), -2 a traceback
+    if args.link_bandwidth is not None and not args.link_bandwidth > 0:
+        raise ConfigError(f"--link-bandwidth {args.link_bandwidth:g}: a link moves more than 0 GB/s; give e.g. "
+                          "--link-bandwidth 50, or omit it")
+    if args.link_latency < 0:
+        raise ConfigError(f"--link-latency {args.link_latency:g}: a latency is >= 0 us; give e.g. --link-latency 5")
     T = min(args.seq_len or (min(model.block_size, 256) if device == "cpu" else model.block_size), model.block_size)
     # the training step of cutp.train, at a constant learning rate, on random tokens
     cfg = resolve_run_config(world, source="bench model settings", preset=args.preset, set=args.set,

@@ -17,7 +17,7 @@ def _plt():
 def plot_report(report, path: str) -> str:
     """Writes the figure that fits report.suite to `path`; returns the path."""
     fn = {"kernels": plot_kernels, "comm": plot_comm, "model": plot_model, "compare-torch": plot_compare,
-          "plan": plot_plan}.get(report.suite)
+          "plan": plot_plan, "moe": plot_moe}.get(report.suite)
     if fn is None:
         raise ValueError(f"no plot for suite {report.suite!r}")
     d = os.path.dirname(os.path.abspath(path))
@@ -33,7 +33,7 @@ def plot_kernels(report, path):
     labels = [f"{r['op']} {r['shape']} {r['dtype']} {r['impl']}" for r in rows]
     vals = [r["gbs"] for r in rows]
     fig, ax = plt.subplots(figsize=(9, max(3, 0.22 * len(rows) + 1)))
-    colors = ["C0" if r["impl"] in ("reference", "cupy") else "C1" for r in rows]
+    colors = ["C0" if r["impl"] in ("reference", "cutp.ops", "cupy") else "C1" for r in rows]
     ax.barh(range(len(rows)), vals, color=colors)
     ax.set_yticks(range(len(rows)), labels, fontsize=6)
     ax.invert_yaxis()
@@ -123,6 +123,21 @@ def plot_plan(report, path):
     ax.set_yticks(range(len(rows)), [r["what"] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("GB per GPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_moe(report, path):
+    """The grouped experts' and the dense MLP's fwd+bwd time, each labelled with its peak memory."""
+    plt = _plt()
+    rows = report.get("moe").rows
+    fig, ax = plt.subplots(figsize=(6, 2.5))
+    ax.barh(range(len(rows)), [r["ms"] for r in rows])
+    ax.set_yticks(range(len(rows)), [f"{r['path']}\n{r['ratio']:.2f}x dense, peak {r['peak']}" for r in rows],
+                  fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per forward+backward")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -16,6 +16,7 @@ import sys
 from types import SimpleNamespace
 
 from ..runtime.errors import ConfigError, settings_named
+from ..bench.output import check_writable
 from ..train.config import add_setting_flags
 from ..train.defaults import default_micro_batch
 from ..train.overlap import check_overlap
@@ -151,9 +152,14 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true", help="no tables on stdout")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_writable(args.json, "--json", report=True)  # before the plan, not a traceback after it
         report = run(args)
     except ConfigError as e:  # a setting that cannot run: one line naming it and the fix
         print(f"python -m cutp plan: error: {e}", file=sys.stderr)
         return 2
-    report.publish(args.json, args.quiet)
+    try:
+        report.publish(args.json, args.quiet)
+    except OSError as e:  # (checked above; the disk may still fill or the directory go)
+        print(f"python -m cutp plan: error: cannot write the results: {e}", file=sys.stderr)
+        return 2
     return 0

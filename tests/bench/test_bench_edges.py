@@ -8,6 +8,7 @@ compare-torch's thread default; the CUDA kernel variants refused off CuPy."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import runpy
 import sys
@@ -43,6 +44,32 @@ def test_a_message_size_or_factor_that_cannot_be_used_is_refused_in_one_line(arg
         f"python -m cutp bench comm: error: {message}")
     with pytest.raises(ValueError, match="^the size factor must be >= 2$"):  # (the function's own check, for API callers)
         bcomm.message_sizes(4096, 1 << 20, 1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # numbers no suite can take, before any work (review F5, F8): each was a traceback or a silent default
+    (["model", "--timed-steps", "0"], "--timed-steps 0 is below 1: give --timed-steps 1 or more"),
+    (["model", "--untimed-steps", "-1"], "--untimed-steps -1 is below 0"),
+    (["model", "--batch-size", "0"], "--batch-size 0 is below 1"),
+    (["model", "--seq-len", "0"], "--seq-len 0 is below 1"),
+    (["model", "--threads", "0"], "--threads 0 is below 1"),
+    (["model", "--seq-len", "100000", "--set", "n_layer=1"],
+     "--seq-len 100000 is past tiny's block size 128 (the positions it has); give --seq-len 128 or less"),
+    (["model", "--link-bandwidth", "0", "--set", "n_layer=1"], "--link-bandwidth 0: a link moves more than 0 GB/s"),
+    (["model", "--link-bandwidth", "-2", "--set", "n_layer=1"], "--link-bandwidth -2: a link moves more than 0 GB/s"),
+    (["comm", "--iters", "0"], "--iters 0 is below 1"),
+    (["comm", "--iters", "-3"], "--iters -3 is below 1"),
+    (["comm", "--min-size", "0"], "--min-size 0 is below 1"),
+    (["comm", "--warmup", "-5"], "--warmup -5 is below 0"),
+    (["comm", "--max-size", "1K", "--min-size", "64K"],
+     "--max-size 1,024 B is below --min-size 65,536 B: no message size between them; give --max-size >= --min-size"),
+    (["compare-torch", "--repeat", "0"], "--repeat 0 is below 1: give --repeat 1 or more"),
+    (["kernels", "--repeat", "-2"], "--repeat -2 is below 1"),
+])
+def test_a_number_a_suite_cannot_take_is_refused_in_one_line(argv, message, capsys):
+    assert bench_main.main([*argv, "--device", "cpu"] if argv[0] != "compare-torch" else argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m cutp bench {argv[0]}: error: {message}") and err.count("\n") == 1, err
 
 
 def test_the_comm_suite_on_one_rank_with_its_default_repeats(blas_threads):
@@ -216,3 +243,65 @@ def test_compare_torch_runs_on_every_core_unless_told_and_the_kernel_variants_ne
     assert seen == [available_cores(), 1]
     with pytest.raises(BackendError, match="^the CUDA kernels run on CuPy arrays, not numpy$"):
         kernel_variants._bench_launchers(np)
+
+
+@pytest.mark.parametrize("command", [("bench", "plan"), ("plan",)])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_work(command, tmp_path, capsys, monkeypatch):
+    """(review F5, F12) A directory or an unwritable path was a traceback after the work, leaving
+    PATH.tmp; a file that is not a report was replaced without a word."""
+    from cutp.plan import cli as plan_cli
+    main = bench_main.main if command[0] == "bench" else plan_cli.main
+    argv = [*command[1:], "--params", "7B", "--quiet", "--json"]
+    ran = []
+    real_run = plan_cli.run
+    monkeypatch.setattr(plan_cli, "run", lambda args: ran.append(1) or real_run(args))
+    (tmp_path / "adir").mkdir()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep\n")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    for path, message in ((tmp_path / "adir", f"--json {tmp_path / 'adir'} is a directory; give a file in it"),
+                          (blocked / "x.json", f"--json {blocked / 'x.json'}: cannot write in {blocked}"),
+                          (notes, f"--json {notes} exists and is not a cutp bench or plan JSON report, so it was "
+                                  "not replaced; give a new path")):
+        assert main([*argv, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not ran and notes.read_text() == "keep\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "adir", "file", "notes.txt"]  # (no PATH.tmp, no check file left)
+    report = tmp_path / "adir" / "plan.json"
+    assert main([*argv, str(report)]) == 0 and main([*argv, str(report)]) == 0  # a previous report is replaced
+    assert len(ran) == 2 and json.loads(report.read_text())["suite"] == "plan"
+
+
+@pytest.mark.parametrize("preset, lacks", [
+    ("qwen3-tiny", "the Llama module (RMSNorm, RoPE, SwiGLU, GQA, untied, no biases) has no q/k norms (qk_norm)"),
+    ("gemma-tiny", "has no q/k norms (qk_norm), sliding-window layers (sliding_window), softcaps"),
+    ("tiny-moe", "the GPT-2 module (LayerNorm, learned positions, tanh GeLU, MHA, tied embeddings) has no experts"),
+    ("deepseek-tiny", "has no experts (n_experts), latent attention (kv_lora_rank)"),
+])
+def test_compare_torch_refuses_a_preset_its_torch_modules_do_not_compute(preset, lacks, capsys, monkeypatch):
+    """(review F6) qwen3-tiny was compared with a Llama module without its q/k norms and reported
+    as a disagreement; gemma, MoE and DeepSeek presets ended in tracebacks. Refused before any
+    work (and without torch: the check needs none)."""
+    monkeypatch.setattr(compare_torch, "torch_missing_reason", lambda: pytest.fail("looked for torch first"))
+    assert bench_main.main(["compare-torch", "--presets", "tiny", preset, "--check-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m cutp bench compare-torch: error: compare-torch cannot compare {preset}: ")
+    assert lacks in err and err.count("\n") == 1, err
+    assert compare_torch.lacks(compare_torch.GPTConfig.preset(preset).with_overrides(["n_experts=0"])
+                               if preset == "tiny-moe" else compare_torch.GPTConfig.preset("llama-tiny")) is None
+
+
+def test_compare_torch_exits_1_when_cutp_and_torch_disagree(capsys, monkeypatch, blas_threads):
+    """(review F6) A failed check printed DISAGREE and exited 0: make compare-torch passed."""
+    if compare_torch.torch_missing_reason():
+        pytest.skip(f"compare-torch needs torch: {compare_torch.torch_missing_reason()}")
+    argv = ["compare-torch", "--presets", "tiny", "--set", "n_layer=1", "--batch-size", "1", "--seq-len", "8",
+            "--threads", "1", "--check-only", "--quiet"]
+    assert bench_main.main(argv) == 0
+    real = compare_torch.check_same_work
+    monkeypatch.setattr(compare_torch, "check_same_work", lambda *a, **k: dict(real(*a, **k), ok=False))
+    assert bench_main.main(argv) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m cutp bench compare-torch: error: cutp and torch disagree on tiny (see the notes)")

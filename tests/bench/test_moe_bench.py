@@ -25,9 +25,24 @@ def test_moe_bench_tiny_on_the_cpu(tmp_path, capsys):
     assert d["notes"] == ["tokens x top-k x hidden = 1 KiB (one copy of the routed rows); dense width 8"]
 
 
-def test_moe_bench_has_no_figure_and_refuses_plot_before_running(capsys):
-    """The moe suite draws no figure: --plot is refused by the parser, before any work (it used to
-    run the benchmark, then end in a ValueError traceback)."""
-    with pytest.raises(SystemExit) as e:
-        main(["moe", "--tokens", "16", "--plot", "x.png"])
-    assert e.value.code == 2 and "unrecognized arguments: --plot" in capsys.readouterr().err
+def test_moe_bench_draws_its_figure(tmp_path, capsys):
+    """Every suite has --plot, as `python -m cutp bench --help` says (moe's was refused)."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "moe.png"
+    assert main(["moe", "--tokens", "16", "--hidden", "8", "--experts", "4", "--expert-width", "4", "--top-k", "2",
+                 "--repeat", "1", "--quiet", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--experts", "0"], "--experts 0 is below 1: give --experts 1 or more"),
+    (["--tokens", "0"], "--tokens 0 is below 1: give --tokens 1 or more"),
+    (["--top-k", "0"], "--top-k 0 is below 1"),
+    (["--repeat", "0"], "--repeat 0 is below 1"),
+    (["--top-k", "5"], "--top-k 5 is more than --experts 4: each token picks top_k different experts; give --top-k <= 4"),
+])
+def test_moe_bench_refuses_numbers_it_cannot_run_in_one_line(argv, message, capsys):
+    assert main(["moe", "--tokens", "16", "--hidden", "8", "--experts", "4", "--expert-width", "4", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err == f"python -m cutp bench moe: error: {message}" + err[err.index(message) + len(message):]
+    assert err.count("\n") == 1 and "Traceback" not in err

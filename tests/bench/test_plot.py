@@ -78,6 +78,13 @@ def test_each_suite_has_its_figure(tmp_path, figures):
     plot.plot_report(compare, str(tmp_path / "compare.png"))
     assert _png_size(tmp_path / "compare.png") == (720, 420) and len(figures[-1].axes[0].patches) == 2
 
-    with pytest.raises(ValueError, match="no plot for suite 'moe'"):
-        plot.plot_report(Report("moe"), str(tmp_path / "moe.png"))
-    assert not (tmp_path / "moe.png").exists()
+    moe = Report("moe")
+    m = moe.table("moe", [("path", "path")])
+    m.add(path="dense SwiGLU", ms=2.0, ratio=1.0, peak="1 KiB")
+    m.add(path="grouped experts", ms=3.0, ratio=1.5, peak="2 KiB")
+    plot.plot_report(moe, str(tmp_path / "moe.png"))
+    assert _png_size(tmp_path / "moe.png") == (720, 300) and len(figures[-1].axes[0].patches) == 2
+
+    with pytest.raises(ValueError, match="no plot for suite 'nope'"):
+        plot.plot_report(Report("nope"), str(tmp_path / "nope.png"))
+    assert not (tmp_path / "nope.png").exists()
