@@ -7,7 +7,9 @@ import platform
 import sys
 
 import cutp
+from cutp.ops import cblas, compiled
 from cutp.runtime import backend
+from cutp.runtime.threads import blas_library
 
 
 def _version(module: str) -> str:
@@ -57,8 +59,32 @@ def collect() -> dict:
     info["NCCL"] = nccl_why
     info["backend cpu"] = "usable (NumPy + MPI)"
     info["backend cuda"] = "usable (CuPy + NCCL)" if (ok and nccl_ok) else f"not usable: {nccl_why if ok else why}"
-    info["CUTP_DEVICE"] = os.environ.get("CUTP_DEVICE", "(unset)")
+    # the CPU's speed: the compiled kernels (kernels/cpu) and the BLAS the GEMMs run on
+    info["cpu kernels"] = _fact(lambda: compiled.describe(build=True))
+    info["BLAS"] = _fact(_blas)
+    # what compare-torch needs (optional extras)
+    info["torch"] = _version("torch")
+    info["transformers"] = _version("transformers")
+    for var in ("CUTP_DEVICE", "CUTP_CPU_KERNELS", "CUTP_KERNELS"):
+        info[var] = os.environ.get(var, "(unset)")
     return info
+
+
+def _fact(fn) -> str:
+    try:
+        return fn()
+    except Exception as e:  # (info never raises: the failure is the fact)
+        return f"unknown ({type(e).__name__}: {e})"
+
+
+def _blas() -> str:
+    """NumPy's BLAS library, its threads, and whether the GEMM that accumulates into its output
+    (cblas with beta = 1, cutp.ops.cblas) is found."""
+    lib = blas_library()
+    if lib is None:
+        return "not found in the process (thread count not settable)"
+    accumulate = "found" if cblas.found("float32") else "not found: the ops add the GEMM's result in NumPy"
+    return f"{os.path.basename(lib.path)}, {lib.get()} thread(s); its cblas sgemm with beta = 1 {accumulate}"
 
 
 def _cuda_version(v: int) -> str:

@@ -54,6 +54,11 @@ def _routine(dtype):
     return _found[dtype]
 
 
+def found(dtype) -> bool:
+    """Whether the loaded BLAS exports the cblas GEMM of `dtype` (`python -m cutp info` says)."""
+    return np.dtype(dtype) in _NAMES and _routine(dtype) is not None
+
+
 def _row_major(x) -> bool:
     """Whether a 2-D operand is row-major with unit column stride (its row stride the BLAS's
     leading dimension: any value >= its columns, in whole elements)."""

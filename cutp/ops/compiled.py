@@ -70,6 +70,21 @@ def compiler() -> str | None:
     return shutil.which(cc)
 
 
+def describe(build: bool = False) -> str:
+    """What the CPU ops run, in one line (`python -m cutp info`, `bench kernels`' note): the
+    compiled kernels, by which compiler into which cache, or why not. build=True builds (or
+    loads) one library to say whether the build works here (seconds the first time)."""
+    if not enabled():
+        return "off (CUTP_CPU_KERNELS=0): the CPU ops run their NumPy code"
+    cc = compiler()
+    if cc is None:
+        return (f"off: no C compiler ({os.environ.get('CC') or 'cc'}) found: the CPU ops run their NumPy code "
+                "(install one, or set CC)")
+    if build and library("activations") is None:
+        return f"off: the build by {cc} failed (said above): the CPU ops run their NumPy code"
+    return f"on: kernels/cpu compiled by {cc} into {cache_dir()}"
+
+
 def _say_once(line: str):
     if line not in _said:
         _said.add(line)

@@ -40,3 +40,26 @@ def test_the_package_lists_its_lazy_names():
     names = dir(cutp)
     assert {"init", "Context", "Mesh", "ConfigError", "__version__"} <= set(names) and names == sorted(names)
     assert all(name in names for name in cutp.__all__)
+
+
+def test_info_says_what_the_cpu_ops_run_on_and_whether_compare_torch_can_run(monkeypatch):
+    """(review F11) The compiled CPU kernels (a large part of the CPU's speed), the BLAS and its
+    threads, and torch and transformers for compare-torch, each with why not."""
+    from cutp import info
+    from cutp.ops import compiled
+    from cutp.runtime.threads import blas_library
+
+    facts = info.collect()
+    assert facts["cpu kernels"] == compiled.describe() or facts["cpu kernels"].startswith("off: the build by ")
+    lib = blas_library()
+    assert facts["BLAS"].startswith("not found" if lib is None else f"{lib.path.rsplit('/', 1)[-1]}, {lib.get()} thread(s)")
+    assert "torch" in facts and "transformers" in facts and facts["CUTP_KERNELS"]
+    monkeypatch.setenv("CUTP_CPU_KERNELS", "0")
+    facts = info.collect()
+    assert facts["cpu kernels"] == "off (CUTP_CPU_KERNELS=0): the CPU ops run their NumPy code"
+    assert facts["CUTP_CPU_KERNELS"] == "0"
+    monkeypatch.delenv("CUTP_CPU_KERNELS")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert info.collect()["cpu kernels"].startswith("off: no C compiler (no-such-compiler-here) found")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert info.collect()["torch"].startswith("not importable (ModuleNotFoundError")
