@@ -53,7 +53,7 @@ class OpSpec:
     # compute-bound ops (attention): (shape) -> FLOPs, reported as TFLOP/s in their own table
     flops: object = None
     memory: object = None  # (shape) -> {"unfused": bytes, "fused": bytes}: working memory per path
-    baseline: str | None = None  # the baseline's name (default "cupy" on the GPU, "reference" on the CPU)
+    baseline: str | None = None  # the baseline's name (default "cupy" on the GPU, "cutp.ops" on the CPU)
     # the cutp.kernels switch of the GPU baseline: False (the CuPy composition), None (leave it on)
     baseline_switch: object = False
 

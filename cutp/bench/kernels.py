@@ -1,7 +1,8 @@
 """`python -m cutp bench kernels`: the memory-bound ops of a GPT step and its attention, per shape and dtype.
 
-For each op the reference implementation is cutp.ops itself: on the CPU the NumPy code, on
-the GPU the same code on CuPy arrays (a composition of CuPy element-wise kernels and
+For each op the reference implementation is cutp.ops itself: on the CPU as a training step runs
+it (its compiled C kernel of kernels/cpu where it has one, else its NumPy code; the table's note
+says which), on the GPU the same code on CuPy arrays (a composition of CuPy element-wise kernels and
 reductions: the baseline a fused CUDA kernel has to beat). Faster implementations (the CUDA
 kernels of kernels/*.cu) plug in as *variants* through a small registry:
 
@@ -50,6 +51,7 @@ import ml_dtypes
 import numpy as np
 
 from ..kernels import use_kernels
+from ..ops import compiled
 from ..runtime.backend import get_array_module
 from ..runtime.errors import ConfigError
 from ..train.reporting import Report, human_bytes
@@ -326,8 +328,10 @@ def run(args) -> Report:
         report.notes.append(f"time budget of {budget:g} s reached: {skipped} case(s) not run (--budget 0 runs all)")
     if t is not None:
         if not gpu:
-            t.notes.append("CPU: the NumPy reference is the only implementation (no speed-up column); its ops split "
-                           "row blocks over the BLAS thread count (cutp.ops.common.parallel_map)")
+            t.notes.append(f"CPU: cutp.ops as a training step runs them (no speed-up column): compiled kernels "
+                           f"{compiled.describe()}, where an op has one, else its NumPy code; CUTP_CPU_KERNELS=0 "
+                           "times the NumPy code alone. Rows split over the BLAS thread count "
+                           "(cutp.ops.common.parallel_map)")
         t.notes.append("GB/s = bytes moved / time (1e9 B/s); % copy = GB/s / copy bandwidth. Working sets that fit in "
                        "the CPU's caches can exceed 100%.")
     return report
@@ -370,7 +374,9 @@ def _run_case(spec, name, dt_name, shape, xp, device, args, copy_gbs, flusher, p
     base_skip = unfused_skip_reason(memory["unfused"], free_memory(xp)) if memory else None
     inputs = spec.setup(xp, shape, dt, np.random.default_rng(0))
     # (name, factory(inputs) -> callable, cutp.kernels switch: None (leave), False, True)
-    impls = [(spec.baseline or ("cupy" if gpu else "reference"), spec.reference, base_switch)]
+    # (on the CPU the ops as training runs them, the compiled C kernels where they apply: "reference"
+    # read as NumPy code, 2 to 7 times slower)
+    impls = [(spec.baseline or ("cupy" if gpu else "cutp.ops"), spec.reference, base_switch)]
     for vname, (factory, devices, vdtypes) in VARIANTS.get(name, {}).items():
         if device in devices and dt_name in vdtypes:
             impls.append((vname, lambda d, f=factory: f(d, xp), None))

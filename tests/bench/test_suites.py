@@ -228,17 +228,25 @@ def test_ops_results_do_not_depend_on_the_thread_count(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # suites, tiny configurations
 # ---------------------------------------------------------------------------------------------
-def test_kernels_suite_tiny(tmp_path):
+def test_kernels_suite_tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUTP_CPU_KERNELS", "0")  # (its note says so; the default's: below)
     args = _args("kernels", "--device", "cpu", "--size", "tiny", "--repeat", "2", "--warmup", "1", "--copy-mib", "8",
                  "--min-time", "0.02")
     report = kernels.run(args)
     t = report.get("kernels")
     assert {r["op"] for r in t.rows} == set(kernels.OP_GROUPS["memory-bound"])
     for r in t.rows:
-        assert r["impl"] == "reference" and r["check"] == "ref" and r["us"] > 0
+        assert r["impl"] == "cutp.ops" and r["check"] == "ref" and r["us"] > 0
         assert r["gbs"] == pytest.approx(r["bytes"] / (r["us"] / 1e6) / 1e9)
         assert r["pct_copy"] == pytest.approx(100 * r["gbs"] / report.extra["copy"]["gbs"])
     assert "speedup" not in [c.key for c in t.columns]  # the CPU has no baseline to compare with
+    # what was timed: the compiled C kernels or (here) the NumPy code; it said "NumPy reference" for both
+    assert any("compiled kernels off (CUTP_CPU_KERNELS=0): the CPU ops run their NumPy code" in n for n in t.notes)
+    monkeypatch.delenv("CUTP_CPU_KERNELS")
+    from cutp.ops import compiled
+    on = kernels.run(_args("kernels", "--device", "cpu", "--size", "tiny", "--repeat", "1", "--warmup", "0",
+                           "--copy-mib", "8", "--min-time", "0", "--ops", "layernorm_fwd", "--dtypes", "float32"))
+    assert any(f"compiled kernels {compiled.describe()}, where an op has one" in n for n in on.get("kernels").notes)
     assert any("bfloat16 skipped" in n for n in report.notes)
     text = report.render()
     assert "GB/s" in text and "layernorm_fwd" in text
