@@ -6,6 +6,8 @@ import runpy
 import subprocess
 import sys
 
+import pytest
+
 from tests.device_path import harness
 from tests.mpirun import ROOT
 
@@ -68,3 +70,18 @@ def test_the_summary_names_what_differs_between_two_runs(tmp_path, monkeypatch, 
     assert "2 test(s) that passed on stand-in do not pass on GPU" in out, out
     assert main(["diff", a, str(tmp_path / "none")]) == 2
     assert "no results in" in capsys.readouterr().out
+
+
+def test_the_gpu_s_run_without_a_usable_gpu_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """(review F13) It ran the tests, 70 s of them failing on `import cupy`."""
+    from cutp.runtime import backend
+
+    main = runpy.run_path(os.path.join(ROOT, "tools", "device_path_check.py"))["main"]
+    monkeypatch.setattr(backend, "cupy_status", lambda: (False, "cupy does not import (test)"))
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("ran the tests"))
+    for argv in (["run", "gpu", str(tmp_path / "gpu")], ["gpu", str(tmp_path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == ("device_path_check: no usable GPU here: cupy does not import (test); the stand-in runs the "
+                       "same tests without one: python tools/device_path_check.py run standin OUT\n"), err
+    assert not os.listdir(tmp_path)
