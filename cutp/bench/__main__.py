@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mpi4py import MPI
+
 from ..runtime import backend
 from ..runtime.errors import ConfigError
 from ..runtime.threads import available_cores
@@ -215,9 +217,10 @@ def main(argv=None) -> int:
         check_writable(getattr(args, "plot", None), "--plot")
         report = run(args)
     except ConfigError as e:  # a setting that cannot run: one line naming it and the fix
-        # (one write of the whole line: under mpiexec two ranks' prints came out glued on one line)
-        sys.stderr.write(f"python -m cutp bench {args.suite}: error: {e}\n")
-        sys.stderr.flush()
+        # every rank refuses alike (the checks above read only the command line; the suites raise on
+        # every rank): rank 0 says it, once (two ranks' prints came out glued on one line)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"python -m cutp bench {args.suite}: error: {e}", file=sys.stderr, flush=True)
         return 2
     if not _is_rank0(report):
         return 0

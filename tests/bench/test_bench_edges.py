@@ -305,3 +305,18 @@ def test_compare_torch_exits_1_when_cutp_and_torch_disagree(capsys, monkeypatch,
     assert bench_main.main(argv) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "python -m cutp bench compare-torch: error: cutp and torch disagree on tiny (see the notes)")
+
+
+def _mpi_refused_comm():
+    import sys as _sys
+    _sys.exit(bench_main.main(["comm", "--device", "cpu", "--max-size", "1K", "--min-size", "64K"]))
+
+
+def test_a_refusal_under_two_ranks_is_one_line(capsys):
+    """Every rank refuses alike; rank 0 says it (two ranks' lines came out glued on one line)."""
+    from tests.mpirun import run_mpi
+
+    out = run_mpi(2, "tests.bench.test_bench_edges:_mpi_refused_comm", expect_failure=True, timeout=120)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "python -m cutp bench comm: error:" in line]
+    assert lines == ["python -m cutp bench comm: error: --max-size 1,024 B is below --min-size 65,536 B: no message "
+                     "size between them; give --max-size >= --min-size"], out.stdout + out.stderr
