@@ -22,7 +22,8 @@ output: replicated [B, T, h], or the [B, T/tp, h] sequence shard under sequence 
                (no `begin_step`): N is that forward's tokens over the DP group
     capacity   with moe_capacity_factor cf, expert i takes at most ceil(cf * n * k / E) of the
                assignments of the n tokens of one DP rank's micro-batch (its source rank): the
-               ones with the highest probability (ties: the earlier token, then the lower slot);
+               ones with the highest probability (ties, and values equal but for rounding, as
+               `moe_capacity` ranks them: the earlier token, then the lower slot);
                a dropped assignment adds nothing (the token passes through the residual). The
                micro-batch's TP shards (SP) and CP chunks gather their top-k to decide it in
                token order, so neither SP nor CP changes what is dropped
@@ -86,7 +87,7 @@ import numpy as np
 from .. import ops
 from ..ops.common import as_dtype, compute_dtype
 from ..runtime.errors import ConfigError
-from . import moe_stats
+from . import moe_capacity, moe_stats
 from .context_parallel import zigzag_positions
 from .declare import below, build_parameters
 from .moe_dispatch import assignments, combine, dispatch, dispatch_rows
@@ -345,16 +346,9 @@ class MoEMLP(Module):
         p_all, i_all = self._whole_micro_batch(top_p, B, T_mine, shard), self._whole_micro_batch(idx, B, T_mine, shard)
         n = i_all.shape[0]
         capacity = math.ceil(self.capacity_factor * n * k / E)
-        e, p = i_all.reshape(-1), p_all.reshape(-1)
-        # by expert, then probability down, then token and slot: two stable sorts (CuPy's lexsort
-        # takes one stacked array of a single dtype)
-        by_p = xp.argsort(-p, kind="stable")
-        order = by_p[xp.argsort(e[by_p], kind="stable")]
-        sorted_e = e[order]
-        first = xp.searchsorted(sorted_e, xp.arange(E))
-        accepted = xp.empty(n * k, bool)
-        accepted[order] = (xp.arange(n * k) - first[sorted_e]) < capacity
-        accepted = accepted.reshape(B, -1, k)
+        # (ranked on the probabilities in a narrower float, so that values equal but for the
+        # layout's rounding tie and go in token order: moe_capacity)
+        accepted = moe_capacity.accepted(xp, i_all.reshape(-1), p_all.reshape(-1), E, capacity).reshape(B, -1, k)
         if self.context_shard is not None:  # this CP rank's tokens
             cp_rank, cp = self.context_shard
             accepted = accepted[:, xp.asarray(zigzag_positions(accepted.shape[1], cp, cp_rank))]

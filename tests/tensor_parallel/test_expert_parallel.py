@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import cutp
-from cutp.bench.model import random_tokens
+from cutp.bench.model import Dataset, random_tokens
 from cutp.comm.nccl import all_to_all_plan
 from cutp.runtime.mesh import validate_mesh
 from cutp.train import RunConfig, build_run, save, train_step
@@ -165,6 +165,64 @@ def test_ep2_dp4_tp2_on_8_ranks_equals_ep1():
     """Experts summed over TP, then over their expert-DP pairs, divided by dp 4."""
     run_mpi(8, "tests.tensor_parallel.test_expert_parallel:_worker_equals_ep1", [dict(ep=2, dp=4, tp=2, micro=1, moe_capacity_factor=1.0)],
             timeout=240)
+
+
+# ---- capacity ties under RoPE ----------------------------------------------------------------------
+def _runs_of_tokens():
+    """Runs of 12 equal tokens: under RoPE (no position added to the residual) a sequence that
+    starts inside a run has its first tokens' hidden states, and router probabilities, equal but
+    for the rounding of the layout's reductions."""
+    t = np.repeat(np.random.default_rng(0).integers(0, 97, 400), 12)
+    return Dataset(t, t, 97, "runs of tokens")
+
+
+def _worker_capacity_ties(cases):
+    from mpi4py import MPI
+
+    from cutp.tensor_parallel import gather_full
+
+    def train(cfg, comm):
+        run = build_run(cfg, comm, dataset=_runs_of_tokens())
+        stats = [train_step(run) for _ in range(2)]
+        full = lambda p, a: np.asarray(gather_full(run.ctx.tp, a, p.sharding))[:p.real_rows]  # noqa: E731
+        everyone = comm.allgather({p.name: (full(p, p.grad), full(p, p.data)) for p in run.model.parameters()})
+        run.close()
+        return [(s.loss, s.grad_norm, s.moe["aux_loss"], s.moe["dropped"]) for s in stats], everyone
+
+    # Qwen3-MoE's shape: RoPE, QK-norm, RMSNorm, SwiGLU, 16 experts top-4, no dropout (so the run's
+    # first tokens are equal)
+    model = dict(positions="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", bias=False, dropout=0.0, n_embd=128,
+                 n_head=8, n_kv_head=2, head_dim=32, n_experts=16, moe_top_k=4, moe_ffn=64, moe_capacity_factor=1.25)
+    for kw in cases:
+        kw = dict(kw)
+        ep = kw.pop("ep", 1)
+        cfg = _with(_config(**kw, **model), ep=ep)
+        got, everyone = train(cfg, MPI.COMM_WORLD)
+        # one rank with each DP rank's micro-batch (the capacity's group)
+        ref, ref_everyone = train(_config(micro=cfg.micro_batch_size, **model), MPI.COMM_SELF)
+        assert all(row[3] > 0 for row in ref), ref  # some are dropped
+        _compare(kw, got, everyone, ref, ref_everyone)
+
+
+def test_capacity_drops_the_same_tied_tokens_at_tp2_sp_and_dp2_ep2_as_one_rank():
+    """F1 (layouts review): equal router probabilities of a RoPE model's repeated tokens differed in
+    their last bit between layouts, and the capacity's ranking dropped different tokens (loss 1e-4
+    apart); ranked in a narrower float they tie and go in token order at every layout."""
+    run_mpi(2, "tests.tensor_parallel.test_expert_parallel:_worker_capacity_ties",
+            [dict(tp=2, sp=True, micro=4), dict(dp=2, ep=2, micro=2)], timeout=120)
+
+
+def test_capacity_ranks_probabilities_equal_but_for_rounding_in_token_order():
+    from cutp.tensor_parallel.moe_capacity import accepted
+
+    p = np.array([0.3, np.nextafter(0.3, 1.0), 0.3, 0.6])  # tokens 0-2 tie but for the last bit
+    e = np.array([1, 1, 1, 1])
+    np.testing.assert_array_equal(accepted(np, e, p, 2, 2), [True, False, False, True])
+    p32 = p.astype(np.float32)
+    p32[1] = np.nextafter(p32[0], np.float32(1))
+    np.testing.assert_array_equal(accepted(np, e, p32, 2, 2), [True, False, False, True])  # float32: the same
+    np.testing.assert_array_equal(accepted(np, e, np.array([0.3, 0.31, 0.3, 0.6]), 2, 2),
+                                  [False, True, False, True])  # a real difference still ranks
 
 
 # ---- the all-to-all ------------------------------------------------------------------------------
