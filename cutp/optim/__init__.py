@@ -19,7 +19,7 @@ from .adamw import GRAD_REDUCE_DTYPES, AdamW, DistributedAdamW
 from .buckets import GradBucketGroups, GradBuckets, ParamGather, ParamGathers, default_bucket_size
 from .expert_parallel import ExpertParallelAdamW, FlatParts
 from .flat import FlatParameters, grad_dtype_for, is_low_precision, state_dtype_for
-from .loss_scaler import DynamicLossScaler, LossScaler
+from .loss_scaler import DynamicLossScaler, LossScaler, describe_scaler
 from .sharded import ShardedAdamW
 from .schedule import clip_scale, lr_schedule
 
@@ -27,4 +27,4 @@ __all__ = ["GRAD_REDUCE_DTYPES", "AdamW", "DistributedAdamW", "ExpertParallelAda
            "GradBuckets", "ParamGather", "ParamGathers", "default_bucket_size", "FlatParameters", "FlatParts",
            "grad_dtype_for",
            "is_low_precision", "state_dtype_for", "DynamicLossScaler", "LossScaler", "ShardedAdamW", "clip_scale",
-           "lr_schedule"]
+           "describe_scaler", "lr_schedule"]

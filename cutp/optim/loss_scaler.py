@@ -82,3 +82,11 @@ class DynamicLossScaler(LossScaler):
         self.scale = float(state["scale"])
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
+
+
+def describe_scaler(state: dict) -> str:
+    """A scaler's state_dict in words: "dynamic loss scale (at 65536)", "static loss scale of 128"."""
+    if state.get("kind") == "dynamic":
+        return f"dynamic loss scale (at {state['scale']:g})"
+    return "static loss scale of 1 (no scaling)" if state.get("scale") == 1.0 else \
+        f"static loss scale of {state['scale']:g}"

@@ -101,6 +101,10 @@ RESUME_MESH = ("tp", "dp", "pp", "cp", "ep")
 RESUME_LAYOUT = RESUME_MESH + ("cp_comm", "pp_layers", "pp_schedule", "pp_virtual", "micro_batch_size",
                                "sequence_parallel", "overlap_grad_reduce", "bucket_size", "overlap_param_gather",
                                "tp_comm_overlap", "dp_replicate")
+# The loss scaler's settings: kept on resume by `resumed_choices` as a whole (not in RESUME_KEPT:
+# train_args records the dynamic ones' defaults for every dtype, and they are refused for a model
+# other than float16 or beside a static scale).
+LOSS_SCALE = ("loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
 RESUME_KEPT = ("distributed_optimizer", "zero", "reshard_after_forward", "grad_reduce_dtype", "recompute",
                "recompute_layers", "save_every", "keep", "eval_every", "eval_batches", "log_every", "metrics", "tensorboard", "peak_tflops", "max_skips")
 
@@ -136,6 +140,18 @@ def resumed_choices(choices: dict, saved: dict, world: int) -> dict:
     for k in keep:
         if out.get(k) is None and saved.get(k) is not None:
             out[k] = saved[k]
+    # The loss scaling goes on as it ran (the checkpoint's scaler state is of that kind): a static
+    # scale stays static; a float16 run's dynamic settings stay, each unless given again. A static
+    # `loss_scale` given switches a dynamic run to it, a dynamic setting given a static run to a
+    # dynamic scale (`cutp.train.step.resume` says so in one line).
+    same_dtype = choices.get("dtype") in (None, saved.get("dtype"))
+    if saved.get("loss_scale") is not None:
+        if same_dtype and not any(choices.get(k) is not None for k in LOSS_SCALE):
+            out["loss_scale"] = saved["loss_scale"]
+    elif same_dtype and saved.get("dtype") == "float16" and choices.get("loss_scale") is None:
+        for k in LOSS_SCALE[1:]:
+            if out.get(k) is None and saved.get(k) is not None:
+                out[k] = saved[k]
     return out
 
 

@@ -41,7 +41,7 @@ from ..data import BatchSampler, Dataset, load_dataset, model_kwargs
 from ..models import GPT
 from ..ops.gemm import allow_tf32
 from ..optim import (AdamW, DistributedAdamW, DynamicLossScaler, ExpertParallelAdamW, FlatParameters, FlatParts,
-                     GradBuckets, LossScaler, ParamGather, ShardedAdamW, clip_scale, lr_schedule)
+                     GradBuckets, LossScaler, ParamGather, ShardedAdamW, clip_scale, describe_scaler, lr_schedule)
 
 from ..tensor_parallel.grads import replica_group
 from ..checkpoint.run_dir import RunDirLock, prepare_run_dir, prune_checkpoints
@@ -342,9 +342,12 @@ def resume(run: TrainingRun, checkpoint: str) -> dict:
         same = stages and len(stages) == run.ctx.pp_size
         run.model.rng.load_state_dict(dict(rng, offsets=stages[run.ctx.pp_rank]) if same else rng)
     saved_scaler = meta.get("loss_scaler")
-    if saved_scaler and saved_scaler.get("kind") == ("dynamic" if run.loss_scaler.dynamic else "static") \
-            and (run.loss_scaler.dynamic or run.config.loss_scale is None):
-        run.loss_scaler.load_state_dict(saved_scaler)  # a new --loss-scale S overrides a saved static one
+    if saved_scaler and saved_scaler.get("kind") == ("dynamic" if run.loss_scaler.dynamic else "static"):
+        if run.loss_scaler.dynamic or run.config.loss_scale is None:
+            run.loss_scaler.load_state_dict(saved_scaler)  # a new --loss-scale S overrides a saved static one
+    elif saved_scaler and run.ctx.rank == 0:  # (the settings resolved keep the kind unless told otherwise)
+        print(f"loss scale: the checkpoint's {describe_scaler(saved_scaler)} is not continued; this run uses "
+              f"{describe_scaler(run.loss_scaler.state_dict())}, as its settings say", file=sys.stderr, flush=True)
     return meta
 
 

@@ -227,6 +227,92 @@ def test_resume_is_bit_identical_with_master_weights_and_the_distributed_optimiz
         assert [r[key] for r in a[3:]] == [r[key] for r in b], key  # bit for bit
 
 
+SCALERS = {"static": ["--loss-scale", "128"],  # (settings other than the defaults, each of them)
+           "dynamic": ["--initial-loss-scale", "1024", "--loss-scale-window", "2", "--hysteresis", "3",
+                       "--min-loss-scale", "2"]}
+
+
+def _worker_resume_loss_scale(d):
+    """Each SCALERS case: 5 steps, and 3 then `--resume` with nothing else; then resumes of the
+    dynamic run's checkpoint at step 3 with a static scale, and the static run's with a dynamic
+    setting (each kind switch said in one line)."""
+    import contextlib
+    import io
+
+    from examples.train_gpt import main
+
+    args = BASE + ["--dtype", "float16", "--batch-size", "4", "--steps", "5", "--no-save-on-signal"]
+    for name, flags in SCALERS.items():
+        main(args + flags + ["--out", f"{d}/{name}-full", "--metrics", f"{d}/{name}-full.jsonl"])
+        main(args + flags + ["--out", f"{d}/{name}", "--run-steps", "3", "--metrics", f"{d}/{name}.jsonl"])
+        shutil.copytree(f"{d}/{name}/step-00000003", f"{d}/{name}-step3")
+        main(["--resume", f"{d}/{name}", "--device", "cpu", "--no-save-on-signal"])
+    for name, flags in (("dynamic", ["--loss-scale", "64"]), ("static", ["--hysteresis", "1"])):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            main(["--resume", f"{d}/{name}-step3", "--out", f"{d}/{name}-switched", "--device", "cpu", "--quiet",
+                  "--no-save-on-signal", "--metrics", f"{d}/{name}-switched.jsonl"] + flags)
+        with open(f"{d}/{name}-switched.txt", "w") as f:
+            f.write(err.getvalue())
+
+
+def test_a_float16_resume_keeps_its_loss_scale_settings_bit_for_bit(tmp_path):
+    """F2 (layouts review): `--resume` alone took the defaults (a static 128 became a dynamic 65536,
+    window 2 became 1000); it keeps the checkpoint's, and a kind given anew is said in one line."""
+    run_mpi(1, "tests.train.test_mixed_precision:_worker_resume_loss_scale", str(tmp_path), timeout=240)
+    for name in SCALERS:
+        full, head = _metrics(tmp_path / f"{name}-full.jsonl"), _metrics(tmp_path / f"{name}.jsonl")
+        assert [r["step"] for r in head] == [1, 2, 3, 4, 5]  # (the resume appends to the run's metrics)
+        for key in ("loss", "grad_norm", "loss_scale"):
+            assert [r[key] for r in full] == [r[key] for r in head], (name, key)  # bit for bit
+        a, b = (tmp_path / name / "step-00000005", tmp_path / f"{name}-full" / "step-00000005")
+        wa, wb = (load_file(str(c / "model-tp00-of-01.safetensors")) for c in (a, b))
+        assert wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa), name
+        ma, mb = read_meta(str(a)), read_meta(str(b))
+        assert ma["loss_scaler"] == mb["loss_scaler"], name
+        keys = ("loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
+        assert {k: ma["train_args"][k] for k in keys} == {k: mb["train_args"][k] for k in keys}, name
+    assert [r["loss_scale"] for r in _metrics(tmp_path / "static-full.jsonl")] == [128.0] * 5
+    assert [r["loss_scale"] for r in _metrics(tmp_path / "dynamic-full.jsonl")] == [1024.0] * 2 + [2048.0] * 2 + [4096.0]
+    # a kind given anew: taken, and said in one line; the other kind's settings not kept
+    switched = (tmp_path / "dynamic-switched.txt").read_text().strip().splitlines()
+    assert switched == ["loss scale: the checkpoint's dynamic loss scale (at 2048) is not continued; this run uses "
+                        "static loss scale of 64, as its settings say"], switched
+    assert [r["loss_scale"] for r in _metrics(tmp_path / "dynamic-switched.jsonl")] == [64.0, 64.0]
+    switched = (tmp_path / "static-switched.txt").read_text().strip().splitlines()
+    assert switched == ["loss scale: the checkpoint's static loss scale of 128 is not continued; this run uses "
+                        "dynamic loss scale (at 65536), as its settings say"], switched
+    meta = read_meta(str(tmp_path / "static-switched" / "step-00000005"))
+    assert meta["loss_scaler"]["kind"] == "dynamic" and meta["train_args"]["hysteresis"] == 1
+    assert meta["train_args"]["loss_scale"] is None
+
+
+def test_a_resume_keeps_each_loss_scale_setting_not_given_again(tmp_path):
+    from cutp.checkpoint import save_checkpoint
+    from cutp.train.config import derive_run_config
+    from tests.tp_utils import self_ctx
+
+    def saved(name, **choices):
+        out = str(tmp_path / name)
+        cfg = derive_run_config({**LIB, "steps": 4, "out": out, **choices}, 1, 1)
+        ctx = self_ctx()
+        save_checkpoint(out, 2, GPT(ctx, cfg.model, seed=0), train_args=cfg.checkpoint_settings())
+        ctx.close()
+        return out
+
+    dynamic = saved("dynamic", dtype="float16", loss_scale_window=2, hysteresis=3, min_loss_scale=2.0)
+    cfg = derive_run_config({"resume": dynamic, "device": "cpu", "loss_scale_window": 4}, 1, 1)
+    assert (cfg.loss_scale, cfg.loss_scale_window, cfg.hysteresis, cfg.min_loss_scale) == (None, 4, 3, 2.0)
+    cfg = derive_run_config({"resume": dynamic, "device": "cpu", "loss_scale": 8.0}, 1, 1)
+    assert (cfg.loss_scale, cfg.loss_scale_window, cfg.hysteresis) == (8.0, 1000, 2)  # static: the dynamic unset
+    static = saved("static", dtype="float16", loss_scale=128.0)
+    assert derive_run_config({"resume": static, "device": "cpu"}, 1, 1).loss_scale == 128.0
+    assert derive_run_config({"resume": static, "device": "cpu", "loss_scale": 64.0}, 1, 1).loss_scale == 64.0
+    bf16 = saved("bf16", dtype="bfloat16")  # (train_args records the dynamic defaults: not taken as given)
+    cfg = derive_run_config({"resume": bf16, "device": "cpu"}, 1, 1)
+    assert cfg.model.dtype == "bfloat16" and cfg.loss_scale is None
+
+
 def test_resume_at_another_dp_size_with_the_distributed_optimizer_continues_the_run(tmp_path):
     """Saved at dp=2, resumed at dp=3 (shards of other lengths, another padding: Megatron #552),
     at tp=2 (resharded over TP too) and at dp=1 with the plain optimizer: the next steps' losses
