@@ -61,7 +61,11 @@ def check_routing(E, k, aux_coeff, z_coeff, scoring, n_group, topk_group, score_
         raise ConfigError("group-limited routing (moe_n_group > 1) is DeepSeek's, with moe_scoring=sigmoid")
     if score_bias and scoring != "sigmoid":
         raise ConfigError("the correction bias (moe_score_bias) chooses among sigmoid scores: set moe_scoring=sigmoid")
-    if not rate >= 0 or (rate and not score_bias):
-        raise ConfigError(f"moe_bias_update_rate={rate!r} must be >= 0 and needs moe_score_bias=true")
+    if not rate >= 0:
+        raise ConfigError(f"moe_bias_update_rate must be >= 0 (0: the bias stays), got {rate!r}")
+    if rate and not score_bias:
+        raise ConfigError(f"moe_bias_update_rate={rate!r} needs moe_score_bias=true, and this model has no correction "
+                          "bias; use a model with one (moe_score_bias=true with moe_scoring=sigmoid, e.g. the preset "
+                          "deepseek-tiny), or omit moe_bias_update_rate")
     if not (isinstance(shared, int) and shared >= 0):
         raise ConfigError(f"moe_shared_experts must be an integer >= 0, got {shared!r}")

@@ -3,6 +3,8 @@ tensor-parallel size for the machine, the batch and micro-batch a pipeline sched
 preset; and the refusal of a layout setting that would do nothing. Pure."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..models import GPTConfig
 from ..runtime.errors import ConfigError
 
@@ -182,12 +184,45 @@ NEEDS = {
                       "is 0 (none)", "give `sample_every` N, or omit `sample_prompt`"),
     "sample_tokens": (lambda c: c.sample_every > 0, "the length of `sample_every`'s generations, and `sample_every` "
                       "is 0 (none)", "give `sample_every` N, or omit `sample_tokens`"),
+    # (a dense model builds no MoE layer: their fields are never read; 0 is what happens anyway)
+    "moe_bias_update_rate": (lambda c: c.model.n_experts > 0 or not c.model.moe_bias_update_rate,
+                             "the step of a mixture-of-experts model's correction bias, and the model is dense "
+                             "(n_experts 0)", "use a model with a correction bias (moe_score_bias=true, e.g. `preset` "
+                             "deepseek-tiny), or omit `moe_bias_update_rate`"),
+    "moe_seq_aux_loss": (lambda c: c.model.n_experts > 0 or not c.model.moe_seq_aux_loss,
+                         "the sequence-wise balance loss of a mixture-of-experts model, and the model is dense "
+                         "(n_experts 0)", "use a mixture-of-experts model (e.g. `preset` tiny-moe), or omit "
+                         "`moe_seq_aux_loss`"),
+    "set": (lambda c: not _dense_moe_fields(c), "a field of the mixture-of-experts layers, and the model is dense "
+            "(n_experts 0)", lambda c: "use a mixture-of-experts model (n_experts=E in `set`, or e.g. `preset` "
+            "tiny-moe), or take " + " and ".join(_dense_moe_fields(c)) + " out of `set`",
+            lambda c: f"`set` {_dense_moe_fields(c)[0]}"),
+    # (a DP x CP group of one reduces nothing, so nothing is rounded: AdamW.reduce_gradients)
+    "grad_reduce_dtype": (lambda c: c.dp * c.cp > 1 or c.grad_reduce_dtype == "float32",
+                          "the dtype of the DP gradient reduction, and there is none (dp 1, cp 1)",
+                          "give `dp` 2 or more, or omit `grad_reduce_dtype`"),
+    # (column-parallel backwards overlap their TP collective, pipelines their receives: neither at tp 1, pp 1)
+    "tp_comm_overlap": (lambda c: c.tp > 1 or c.pp > 1, "the overlap of the TP collectives and pipeline receives, "
+                        "and tp and pp are 1", "give `tp` 2 or more, or omit `tp_comm_overlap`"),
 }
+_MOE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name.startswith("moe_")}
+
+
+def _dense_moe_fields(cfg) -> list[str]:
+    """The `set` entries of a dense model's MoE fields other than their defaults ("moe_capacity_factor=1.0")."""
+    if cfg.model.n_experts > 0:
+        return []
+    keys = [o.partition("=")[0].strip() for o in cfg.overrides]
+    return [f"{k}={getattr(cfg.model, k)!r}" for k in dict.fromkeys(keys)
+            if k in _MOE_DEFAULTS and getattr(cfg.model, k) != _MOE_DEFAULTS[k]]
 
 
 def refuse_ignored(given: set, cfg) -> None:
     """Raises ConfigError naming a setting given (`given`: the names the user gave) that the
-    resolved config `cfg` would ignore (`NEEDS`)."""
-    for name, (ok, what, fix) in NEEDS.items():
+    resolved config `cfg` would ignore (`NEEDS`: what it sets and the fix, or functions of `cfg`
+    giving them; and what is named, when not the setting)."""
+    for name, (ok, what, fix, *named) in NEEDS.items():
         if name in given and not ok(cfg):
-            raise ConfigError(f"`{name}` would be ignored: it sets {what}; {fix}")
+            words = [w(cfg) if callable(w) else w for w in [what, fix] + named]
+            subject = words[2] if named else f"`{name}`"
+            raise ConfigError(f"{subject} would be ignored: it sets {words[0]}; {words[1]}")

@@ -197,5 +197,10 @@ def test_the_moe_balance_flags_set_the_model_fields():
     same = derive_run_config({**TINY, "preset": "deepseek-tiny", "set": ["moe_bias_update_rate=0.002",
                                                                         "moe_seq_aux_loss=1e-4"]}, 1, 1)
     assert same.model == cfg.model
-    with pytest.raises(ConfigError, match="needs moe_score_bias=true"):
+    with pytest.raises(ConfigError) as e:  # (it read ">= 0" of 0.01 as the problem: layouts review, F4)
         derive_run_config({**MOE, "moe_bias_update_rate": 0.01}, 1, 1)
+    assert str(e.value) == ("moe_bias_update_rate=0.01 needs moe_score_bias=true, and this model has no correction "
+                            "bias; use a model with one (moe_score_bias=true with moe_scoring=sigmoid, e.g. the preset "
+                            "deepseek-tiny), or omit moe_bias_update_rate")
+    with pytest.raises(ConfigError, match=r"^moe_bias_update_rate must be >= 0 \(0: the bias stays\), got -0.5$"):
+        derive_run_config({**MOE, "preset": "deepseek-tiny", "moe_bias_update_rate": -0.5}, 1, 1)

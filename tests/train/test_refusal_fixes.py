@@ -107,6 +107,24 @@ def test_the_issues_refusals_propose_what_works(world, given, expect):
                                "--sample-prompt"),
     ({"sample_tokens": 9}, "--sample-tokens would be ignored: it sets the length of --sample-every's generations, "
                            "and --sample-every is 0 (none); give --sample-every N, or omit --sample-tokens"),
+    # (layouts review, F3: each ran without a word; a dense model's MoE fields as tiny-moe's bias rate is refused)
+    ({"moe_bias_update_rate": 0.01}, "--moe-bias-update-rate would be ignored: it sets the step of a "
+                                     "mixture-of-experts model's correction bias, and the model is dense (n_experts "
+                                     "0); use a model with a correction bias (moe_score_bias=true, e.g. --preset "
+                                     "deepseek-tiny), or omit --moe-bias-update-rate"),
+    ({"moe_seq_aux_loss": 0.1}, "--moe-seq-aux-loss would be ignored: it sets the sequence-wise balance loss of a "
+                                "mixture-of-experts model, and the model is dense (n_experts 0); use a "
+                                "mixture-of-experts model (e.g. --preset tiny-moe), or omit --moe-seq-aux-loss"),
+    ({"set": ["n_layer=2", "moe_capacity_factor=1.0", "moe_z_loss_coeff=0.1"]},
+     "--set moe_capacity_factor=1.0 would be ignored: it sets a field of the mixture-of-experts layers, and the model "
+     "is dense (n_experts 0); use a mixture-of-experts model (n_experts=E in --set, or e.g. --preset tiny-moe), or "
+     "take moe_capacity_factor=1.0 and moe_z_loss_coeff=0.1 out of --set"),
+    ({"grad_reduce_dtype": "bfloat16"}, "--grad-reduce-dtype would be ignored: it sets the dtype of the DP gradient "
+                                        "reduction, and there is none (dp 1, cp 1); give --dp 2 or more, or omit "
+                                        "--grad-reduce-dtype"),
+    ({"tp_comm_overlap": True, "tp": 1}, "--tp-comm-overlap would be ignored: it sets the overlap of the TP "
+                                         "collectives and pipeline receives, and tp and pp are 1; give --tp 2 or "
+                                         "more, or omit --tp-comm-overlap"),
 ])
 def test_a_setting_that_would_be_ignored_is_refused_by_name(given, expect):
     with pytest.raises(ConfigError) as e:
@@ -117,6 +135,13 @@ def test_a_setting_that_would_be_ignored_is_refused_by_name(given, expect):
     derive_run_config({"preset": "tiny", "device": "cpu", "pp_schedule": "1f1b", "eval_batches": 8, "eval_every": 0,
                        "sample_prompt": "def", "sample_tokens": 9, "sample_every": 5}, 1, 1)  # (evaluate(run) reads
     # eval_batches whatever eval_every says)
+    derive_run_config({"preset": "tiny", "device": "cpu", "moe_bias_update_rate": 0.0, "moe_seq_aux_loss": 0.0,
+                       "set": ["moe_z_loss_coeff=0"]}, 1, 1)  # (a dense model's: what runs anyway)
+    derive_run_config({"preset": "tiny-moe", "device": "cpu", "moe_seq_aux_loss": 0.1,
+                       "set": ["moe_capacity_factor=1.0", "moe_z_loss_coeff=0.1"]}, 1, 1)
+    derive_run_config({"preset": "tiny", "device": "cpu", "grad_reduce_dtype": "bfloat16", "tp": 1}, 2, 2)  # dp 2
+    derive_run_config({"preset": "tiny", "device": "cpu", "grad_reduce_dtype": "bfloat16", "cp": 2, "tp": 1}, 2, 2)
+    derive_run_config({"preset": "tiny", "device": "cpu", "tp_comm_overlap": True, "tp": 1, "pp": 2}, 2, 2)
 
 
 def test_fixes_written_again_read_back_as_the_same_fixes():
