@@ -95,8 +95,7 @@ def main(argv=None, hooks: train.StepHooks | None = None, keep_history: bool = T
     if note:
         log(note)
     log(f"model: {origin}: {train.model_summary(cfg.model)}")
-    log(f"parameters: {cfg.model.num_parameters():,} total, {run.model.num_parameters_local():,} on this rank "
-        f"(vocab padded to {run.model.padded_vocab}) | data: {run.dataset.description}")
+    log(f"parameters: {train.parameter_counts(cfg.model, run.model)} | data: {run.dataset.description}")
     trains = train.finetune.trainable_line(cfg, run.model)
     if trains:
         log(trains)

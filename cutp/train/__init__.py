@@ -28,7 +28,8 @@ from .config import (CHOICES, RUN_SETTINGS, SETTINGS, RunConfig, command_line_pa
 from . import finetune
 from .defaults import choose_tp, default_preset
 from .memory import ActivationPeak, max_over_ranks, measured_step, memory_record, stash_per_layer, state_bytes
-from .reporting import MetricsLog, Progress, TensorBoardLog, bucket_line, gpu_name, known_peak_tflops, model_summary, progress_line
+from .reporting import MetricsLog, Progress, TensorBoardLog, bucket_line, gpu_name, known_peak_tflops, model_summary, \
+    parameter_counts, progress_line
 from .sampling import PromptSampler
 from .signals import StopOnSignal
 from .evaluation import evaluate
@@ -37,7 +38,8 @@ from .step import StepHooks, StepStats, TrainingRun, build_run, resume, save, tr
 __all__ = [
     "CHOICES", "RUN_SETTINGS", "SETTINGS", "RunConfig", "choose_tp", "command_line_parser", "default_preset",
     "flag_name", "resolve_run_config", "resume_note", "resume_out",
-    "MetricsLog", "Progress", "TensorBoardLog", "bucket_line", "gpu_name", "known_peak_tflops", "model_summary", "progress_line", "StopOnSignal",
+    "MetricsLog", "Progress", "TensorBoardLog", "bucket_line", "gpu_name", "known_peak_tflops", "model_summary", "parameter_counts", "progress_line",
+    "StopOnSignal",
     "PromptSampler",
     "ActivationPeak", "max_over_ranks", "measured_step", "memory_record", "stash_per_layer", "state_bytes",
     "StepHooks", "StepStats", "TrainingRun", "build_run", "evaluate", "resume", "save", "train_step",

@@ -224,6 +224,17 @@ def model_summary(config) -> str:
     return ", ".join(parts)
 
 
+def parameter_counts(config, model) -> str:
+    """`500,544 total, 500,544 on this rank (vocab padded to 256; ...)`: both counts of parameters
+    (transformers' count: the rank's counted the buffer too, so a rank seemed to hold more than the
+    model); the rank's buffers (DeepSeek's correction biases, which no gradient trains) said apart."""
+    params = model.parameters()
+    mine = sum(int(p.data.size) for p in params if not p.buffer)
+    buffers = sum(int(p.data.size) for p in params if p.buffer)
+    return (f"{config.num_parameters():,} total, {mine:,} on this rank (vocab padded to {model.padded_vocab}"
+            + (f"; the correction biases' {buffers:,} values, buffers, not counted" if buffers else "") + ")")
+
+
 def bucket_line(run) -> str | None:
     """How many DP gradient buckets --overlap-grad-reduce cut (None without it)."""
     buckets = getattr(getattr(run, "grad_buckets", None), "buckets", None)

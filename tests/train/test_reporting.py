@@ -121,3 +121,35 @@ def test_a_report_finds_its_tables_by_name_and_writes_other_values_as_text(tmp_p
     report.extra["where"] = tmp_path  # (a Path: written as its text)
     report.write_json(str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text())["where"] == str(tmp_path)
+
+
+def test_the_banners_counts_are_both_of_parameters_and_the_buffers_are_said_apart():
+    """(layouts review, F4: "500,544 total, 500,560 on this rank": the rank's count held the
+    correction biases, which the total leaves out as transformers does.)"""
+    from cutp.models import GPT
+    from cutp.train.reporting import parameter_counts
+    from tests.tp_utils import self_ctx
+
+    config = GPTConfig.preset("deepseek-tiny").with_overrides(["n_layer=2"])  # (layer 0 dense, one MoE layer)
+    model = GPT(self_ctx(), config, seed=0)
+    total = config.num_parameters()
+    assert model.num_parameters_local() == total + 16  # (what the banner printed as the rank's)
+    assert parameter_counts(config, model) == (f"{total:,} total, {total:,} on this rank (vocab padded to 256; the "
+                                               "correction biases' 16 values, buffers, not counted)")
+    tiny = GPTConfig.preset("tiny").with_overrides(["n_layer=1"])
+    n = tiny.num_parameters()
+    assert parameter_counts(tiny, GPT(self_ctx(), tiny, seed=0)) == f"{n:,} total, {n:,} on this rank (vocab padded to 256)"
+
+
+def test_docs_moe_md_names_the_sequence_loss_metric_as_the_metrics_rows_do():
+    """(layouts review, F4: docs/moe.md said `seq_aux_loss`; the metrics rows have moe_seq_aux_loss.)"""
+    import os
+    import re
+
+    from cutp.train.step import StepStats
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "moe.md")).read()
+    named = re.search(r"The step's metrics report it as\s+`(\w+)`", text).group(1)
+    row = StepStats(step=1, loss=1.0, grad_norm=1.0, lr=1e-3, skipped=False, ms=1.0, tokens_per_s=1.0, comm_bytes=0,
+                    moe={"aux_loss": 0.0, "z_loss": 0.0, "seq_aux_loss": 0.5, "dropped": 0.0}).record()
+    assert row.get(named) == 0.5, (named, sorted(row))
