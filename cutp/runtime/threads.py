@@ -241,8 +241,11 @@ def _mark_worker():
     _local.worker = True
 
 
-def _run_items(fn, items):
-    return [fn(it) for it in items]
+def _run_items(fn, items, errors=None):
+    if errors is None:
+        return [fn(it) for it in items]
+    with np.errstate(**errors):  # (NumPy's error state is the thread's own: the caller's, as if serial)
+        return [fn(it) for it in items]
 
 
 def parallel_map(xp, fn, items):
@@ -268,7 +271,7 @@ def parallel_map(xp, fn, items):
     _blas_serial_enter()
     _local.worker = True
     try:
-        futures = [pool.submit(_run_items, fn, c) for c in chunks[1:]]
+        futures = [pool.submit(_run_items, fn, c, np.geterr()) for c in chunks[1:]]
         try:
             first = _run_items(fn, chunks[0])  # the calling thread takes a share too
         finally:

@@ -224,6 +224,13 @@ def model_summary(config) -> str:
     return ", ".join(parts)
 
 
+def stderr_line(text: str) -> None:
+    """text and its newline to stderr in one write (print writes them apart, and mpiexec's
+    forwarding put the stdout progress line between them: "...scale now 2.7e+11step  3/6 | ...")."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def parameter_counts(config, model) -> str:
     """`500,544 total, 500,544 on this rank (vocab padded to 256; ...)`: both counts of parameters
     (transformers' count: the rank's counted the buffer too, so a rank seemed to hold more than the

@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import load_checkpoint, load_weights, read_meta, resolve_checkpoint, save_checkpoint
@@ -57,6 +58,7 @@ from .reductions import dp_mean, from_last_stage, losses_on_device, loss_weights
 from .config import RunConfig, checkpoint_conflicts
 from .data_check import check_data_fits_model
 from .finetune import frozen_base_record, resumed_base, set_up_trainable
+from .reporting import stderr_line
 from .moe import apply_moe_bias_updates, moe_step, moe_step_stats
 from .zero import sharded_optimizer
 from .overlap import (comm_snapshot, comm_times, finish_param_gather, overlap_for_step, overlap_record,
@@ -346,8 +348,8 @@ def resume(run: TrainingRun, checkpoint: str) -> dict:
         if run.loss_scaler.dynamic or run.config.loss_scale is None:
             run.loss_scaler.load_state_dict(saved_scaler)  # a new --loss-scale S overrides a saved static one
     elif saved_scaler and run.ctx.rank == 0:  # (the settings resolved keep the kind unless told otherwise)
-        print(f"loss scale: the checkpoint's {describe_scaler(saved_scaler)} is not continued; this run uses "
-              f"{describe_scaler(run.loss_scaler.state_dict())}, as its settings say", file=sys.stderr, flush=True)
+        stderr_line(f"loss scale: the checkpoint's {describe_scaler(saved_scaler)} is not continued; this run uses "
+                    f"{describe_scaler(run.loss_scaler.state_dict())}, as its settings say")
     return meta
 
 
@@ -388,7 +390,11 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
     cfg, ctx, model, scaler = run.config, run.ctx, run.model, run.loss_scaler
     clock = _PhaseClock(ctx, sync=profile, hooks=hooks)
     n = run.step
-    with ctx.watchdog.watch_progress(f"training step {n + 1}"):
+    # (float16: an overflow of the scaled gradients is expected and handled, the step skipped and
+    # said in one line; NumPy's RuntimeWarnings about it, every rank's, would only repeat that)
+    quiet_overflow = np.errstate(over="ignore", invalid="ignore") if cfg.model.dtype == "float16" else \
+        contextlib.nullcontext()
+    with ctx.watchdog.watch_progress(f"training step {n + 1}"), quiet_overflow:
         t0 = time.perf_counter()
         bytes0 = ctx.counter.bytes()
         times0 = comm_snapshot(ctx)
@@ -448,7 +454,9 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
         if ctx.pp_size > 1:
             loss = from_last_stage(ctx, loss)
         moe = moe_step_stats(ctx, model)  # (its one read of the routing statistics: the device is idle by now)
-        lr = lr_schedule(n, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
+        # the schedule moves with the updates made (Megatron steps its scheduler only on a successful
+        # update): a skipped step leaves it where it was; the optimizer's count is in checkpoints
+        lr = lr_schedule(run.optimizer.step_count, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
         skipped = not (math.isfinite(loss) and math.isfinite(norm))
         # the decision above comes from all-reduced values: every rank updates its scaler alike
         overflow = skipped and math.isfinite(loss) and scaler.dynamic
@@ -459,15 +467,14 @@ def train_step(run: TrainingRun, hooks: StepHooks | None = None, *, profile: boo
             apply_moe_bias_updates(model)  # (DeepSeek's correction bias, from the step's counts)
             run.consecutive_skips = 0
         elif absorbed:
-            if ctx.rank == 0 and not cfg.quiet:
-                print(f"step {n + 1}: float16 gradients overflowed at loss scale {scale:g}: step skipped, "
-                      f"scale now {scaler.scale:g}", file=sys.stderr, flush=True)
+            if ctx.rank == 0 and not cfg.quiet:  # (one write: a line of its own beside the progress lines)
+                stderr_line(f"step {n + 1}: float16 gradients overflowed at loss scale {scale:g}: step skipped, "
+                            f"scale now {scaler.scale:g}")
         else:
             run.consecutive_skips += 1
             if ctx.rank == 0:  # said even when progress lines are off: the run is in trouble
-                print(f"warning: step {n + 1}: non-finite loss {loss} or grad norm {norm}: step skipped "
-                      f"({run.consecutive_skips} in a row; the run stops at {cfg.max_skips})", file=sys.stderr,
-                      flush=True)
+                stderr_line(f"warning: step {n + 1}: non-finite loss {loss} or grad norm {norm}: step skipped "
+                            f"({run.consecutive_skips} in a row; the run stops at {cfg.max_skips})")
             if run.consecutive_skips >= cfg.max_skips:
                 run.gather_params()  # (zero 3: the whole parameters, to name a non-finite one)
                 bad = next((p.name for p in model.parameters() if not bool(ctx.xp.isfinite(p.data).all())), None)

@@ -88,6 +88,17 @@ def test_parallel_map_without_a_blas_leaves_it_alone(monkeypatch):
     assert threads._serial_depth == 0
 
 
+def test_parallel_map_runs_every_item_under_the_callers_numpy_error_state(monkeypatch):
+    """(NumPy's error state is per thread: a float16 step's np.errstate(over="ignore") reached
+    only the calling thread's items; the pool's warned of the overflow the step handles.)"""
+    monkeypatch.setattr(threads, "_find_blas_threads", lambda: (None, None))
+    monkeypatch.setenv("CUTP_OP_THREADS", "2")
+    with np.errstate(over="ignore", invalid="raise"):
+        states = threads.parallel_map(np, lambda i: (np.geterr()["over"], np.geterr()["invalid"]), range(4))
+    assert states == [("ignore", "raise")] * 4
+    assert threads.parallel_map(np, lambda i: np.geterr()["over"], range(4)) == [np.geterr()["over"]] * 4
+
+
 def test_the_pool_grows_and_is_reused(monkeypatch):
     monkeypatch.setattr(threads, "_pool", None)
     monkeypatch.setattr(threads, "_pool_size", 0)

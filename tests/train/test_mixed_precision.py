@@ -387,6 +387,11 @@ def test_fp16_overflow_is_skipped_on_every_rank_and_the_scale_halves(tmp_path):
     # overflow skips are the scaler's business while it can still shrink
     assert [r["loss_scale"] for r in rows] == [2.0 ** 16] * 4 + [2.0 ** 15] * 2
     assert "warning" not in res.stdout  # (--quiet: an overflow skip is routine, not a warning)
+    # the learning-rate schedule moves with the updates made, as Megatron's: steps 3 and 4 leave
+    # it where it was (layouts review, F5: it went on, 1e-3 down to 1.9e-4 over skipped steps)
+    from cutp.optim import lr_schedule
+
+    assert [r["lr"] for r in rows] == [lr_schedule(k, 1e-3, 1, 6) for k in (0, 1, 2, 2, 2, 3)]
     # skipped steps touch neither weights nor moments: the checkpoints of steps 2, 3 and 4 agree
     run = tmp_path / "run"
     m2, m4 = (load_file(str(run / f"step-0000000{k}" / "model-tp00-of-01.safetensors")) for k in (2, 4))
@@ -394,6 +399,37 @@ def test_fp16_overflow_is_skipped_on_every_rank_and_the_scale_halves(tmp_path):
     assert all(np.array_equal(m2[k], m4[k]) for k in m2) and all(np.array_equal(o2[k], o4[k]) for k in o2)
     assert read_meta(str(run / "step-00000004"))["optimizer"]["step"] == 2
     assert read_meta(str(run / "step-00000004"))["loss_scaler"]["scale"] == 2.0 ** 15
+
+
+def test_a_float16_overflow_is_said_in_a_line_of_its_own_without_numpys_warnings(monkeypatch):
+    """(layouts review, F5: the message and its newline were two writes, the progress line came
+    between them; NumPy's "overflow encountered in cast" and "invalid value encountered in matmul"
+    on every rank at every overflow.) A real overflow: the loss scale 2^40."""
+    import io
+    import warnings
+
+    from cutp.optim import lr_schedule
+
+    cfg = train.resolve_run_config(MPI.COMM_SELF, **{**LIB, "quiet": False}, dtype="float16", batch_size=4, steps=4,
+                                   initial_loss_scale=2.0 ** 40, hysteresis=1)
+    run = train.build_run(cfg, MPI.COMM_SELF)
+    writes = []
+
+    class Stderr(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr("sys.stderr", Stderr())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = [train.train_step(run) for _ in range(2)]
+    run.close()
+    assert all(s.overflow and s.skipped for s in stats)
+    assert [w for w in caught if issubclass(w.category, RuntimeWarning)] == []
+    assert writes == [f"step {i + 1}: float16 gradients overflowed at loss scale {2.0 ** (40 - i):g}: step skipped, "
+                      f"scale now {2.0 ** (39 - i):g}\n" for i in range(2)]
+    assert [s.lr for s in stats] == [lr_schedule(0, cfg.lr, cfg.warmup, cfg.steps)] * 2  # (no update made)
 
 
 def test_dynamic_loss_scaler_follows_megatron():
