@@ -24,13 +24,14 @@ def is_report(path: str) -> bool:
 def check_writable(path: str | None, flag: str, report: bool = False) -> None:
     """ConfigError when `path` cannot be written: a directory, a directory that cannot be made or
     written in (tried: a temporary file made and removed), or (report=True: --json) an existing
-    file that is not one of these commands' JSON reports."""
+    file, not empty, that is not one of these commands' JSON reports."""
     if not path:
         return
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a directory; give a file in it, e.g. {flag} "
                           f"{os.path.join(path, 'report.json' if report else 'report.png')}")
-    if report and os.path.exists(path) and not is_report(path):
+    # (an empty file holds nothing to lose: a caller's tempfile.NamedTemporaryFile, say)
+    if report and os.path.exists(path) and os.path.getsize(path) > 0 and not is_report(path):
         raise ConfigError(f"{flag} {path} exists and is not a cutp bench or plan JSON report, so it was not "
                           "replaced; give a new path, or remove that file first")
     d = os.path.dirname(os.path.abspath(path))

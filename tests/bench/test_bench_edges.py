@@ -272,6 +272,9 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_work(command, 
     report = tmp_path / "adir" / "plan.json"
     assert main([*argv, str(report)]) == 0 and main([*argv, str(report)]) == 0  # a previous report is replaced
     assert len(ran) == 2 and json.loads(report.read_text())["suite"] == "plan"
+    empty = tmp_path / "adir" / "empty.json"  # (an empty file holds nothing to lose: a caller's temporary file)
+    empty.write_text("")
+    assert main([*argv, str(empty)]) == 0 and json.loads(empty.read_text())["suite"] == "plan"
 
 
 @pytest.mark.parametrize("preset, lacks", [
