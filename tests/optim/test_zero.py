@@ -29,7 +29,7 @@ from cutp.models import GPTConfig
 from cutp.optim import ShardedAdamW
 from cutp.optim.units import unit_key
 from cutp.tensor_parallel import gather_full
-from cutp.train import RunConfig, build_run, train_step
+from cutp.train import RunConfig, build_run, memory_record, train_step
 from tests.mpirun import run_mpi
 from tests.tp_utils import on_rank_0
 
@@ -228,24 +228,29 @@ PLANNED = [  # (model, dtype, layout): measured = planned (cutp.plan.zero) at fo
 ]  # (the last with LoRA: the frozen base sharded and gathered, without gradients or state)
 
 
+def measured_for_the_plan(run) -> tuple[dict, dict]:
+    """(memory_record, counted collectives) of one training step of `run`, as the plan describes
+    it: with --overlap-param-gather the second step's (the first step's update started its first
+    gather)."""
+    if run.config.overlap_param_gather:
+        train_step(run)
+    run.ctx.counter.reset()
+    train_step(run)
+    return memory_record(run, 0), run.ctx.counter.summary()
+
+
 def _plan_worker():
     """Each rank's state bytes, the step's peak of gathered units (zero 3) and its counted
     collectives over the sharding groups equal the plan's, to the byte."""
     from mpi4py import MPI
 
     from cutp.plan.zero import zero_plan
-    from cutp.train import memory_record
     from cutp.train.finetune import settings_of
 
     for model, dtype, layout in PLANNED:
         cfg = _config(dict(model, dtype=dtype), 2, **layout)
         run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
-        if cfg.overlap_param_gather:  # (the second step's: the first step's update started its first gather)
-            train_step(run)
-        run.ctx.counter.reset()
-        train_step(run)
-        mem = memory_record(run, 0)
-        comm = run.ctx.counter.summary()
+        mem, comm = measured_for_the_plan(run)
         got = zero_plan(cfg.model, tp=cfg.tp, dp=cfg.dp, pp=cfg.pp, cp=cfg.cp, rank=run.ctx.rank, zero=cfg.zero,
                         accum=cfg.accum_steps, reshard_after_forward=cfg.reshard_after_forward,
                         prefetch=cfg.overlap_param_gather, dp_replicate=cfg.dp_replicate,

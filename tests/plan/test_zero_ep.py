@@ -10,8 +10,9 @@ import numpy as np
 
 from cutp.bench.model import random_tokens
 from cutp.models import GPTConfig
-from cutp.train import RunConfig, build_run, train_step
+from cutp.train import RunConfig, build_run
 from tests.mpirun import run_mpi
+from tests.optim.test_zero import measured_for_the_plan
 
 MOE = dict(n_head=4, n_embd=16, n_experts=4, moe_top_k=2, moe_ffn=32, n_layer=2, vocab_size=61, block_size=16)
 LAYOUTS = [  # (dtype, layout) on 4 ranks
@@ -28,19 +29,13 @@ def _worker():
 
     from cutp.plan.layout import plan
     from cutp.plan.zero import zero_plan
-    from cutp.train import memory_record
 
     for dtype, layout in LAYOUTS:
         layout = {"micro_batch_size": 2, **layout}
         cfg = RunConfig(model=GPTConfig(**MOE, dtype=dtype), batch_size=8, seq_len=16, steps=4, warmup=1, seed=3,
                         eval_every=0, quiet=True, save_on_signal=False, **layout)
         run = build_run(cfg, MPI.COMM_WORLD, dataset=random_tokens(61, 4096, 0))
-        if cfg.overlap_param_gather:  # (the second step's: the first step's update started its first gather)
-            train_step(run)
-        run.ctx.counter.reset()
-        train_step(run)
-        mem = memory_record(run, 0)
-        comm = run.ctx.counter.summary()
+        mem, comm = measured_for_the_plan(run)
         rank = run.ctx.rank
         run.close()
         got = zero_plan(cfg.model, tp=cfg.tp, dp=cfg.dp, ep=cfg.ep, rank=rank, zero=cfg.zero, accum=cfg.accum_steps,
